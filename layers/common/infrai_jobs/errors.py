@@ -1,0 +1,89 @@
+"""The package's one exception tree.
+
+Adapters translate driver and HTTP errors into these with ``raise ... from exc``; callers catch
+the narrowest type that fits. No message here ever contains the Infrai API key.
+"""
+
+from __future__ import annotations
+
+
+class InfraiJobsError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigurationError(InfraiJobsError):
+    """A setting is missing or malformed; the message names the setting and the fix."""
+
+
+# --- The Infrai queue -------------------------------------------------------------------------
+
+
+class InfraiError(InfraiJobsError):
+    """Infrai answered with an error envelope, or could not be reached.
+
+    ``code`` is Infrai's error code (``QUEUE_NOT_FOUND``, ``RATE_LIMITED``, ...) or one of ours for
+    transport failures (``CONNECTION_ERROR``, ``INVALID_RESPONSE``); ``status`` is the HTTP status,
+    0 when no answer arrived.
+    """
+
+    def __init__(self, code: str, message: str, status: int = 0, *, call: str = "") -> None:
+        self.code = code
+        self.message = message
+        self.status = status
+        self.call = call
+        where = f"{call}: " if call else ""
+        super().__init__(f"{where}{code} (HTTP {status}): {message}")
+
+
+class InfraiUnavailable(InfraiError):
+    """A transport failure or a retryable answer (429, 5xx) that outlived the retries."""
+
+
+class InfraiInvalidResponse(InfraiError):
+    """Infrai answered, but not in a shape the contract allows."""
+
+
+class QueueMessageNotFound(InfraiError):
+    """An ack named a handle the queue no longer holds: already acked, or dead-lettered.
+
+    The drain counts this as ``ack_lost``; it is harmless because the claim already settled
+    the work.
+    """
+
+
+# --- Keys and jobs ----------------------------------------------------------------------------
+
+
+class KeyDerivationError(InfraiJobsError):
+    """No idempotency key can be derived from a payload (not an object, unknown job, missing or
+    unrepresentable fields). The message is left unacked so it reaches the dead-letter queue."""
+
+
+class JobError(InfraiJobsError):
+    """Base for what a job handler may raise to steer its outcome."""
+
+
+class PermanentJobError(JobError):
+    """Retrying cannot help: the claim is marked ``failed`` and the message goes to the DLQ."""
+
+
+class EffectUncertain(JobError):
+    """An irreversible effect may or may not have happened; a human must reconcile it.
+
+    The claim stays ``running`` and is flagged stuck; the message is not acked.
+    """
+
+
+# --- The claim ledger -------------------------------------------------------------------------
+
+
+class LedgerError(InfraiJobsError):
+    """The claim ledger (Postgres) failed or is unreachable."""
+
+
+class LedgerUnavailable(LedgerError):
+    """The database could not be reached or dropped the connection."""
+
+
+class SchemaNotMigrated(LedgerError):
+    """The ledger's tables are missing or older than this code: run ``infrai-jobs migrate``."""

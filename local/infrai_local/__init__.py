@@ -1,0 +1,1 @@
+"""Local-only tools (emulator, local invoke, demo, embedded Postgres helper); never deployed."""

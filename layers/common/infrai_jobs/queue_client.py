@@ -1,0 +1,309 @@
+"""The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries.
+
+Retry rules (see INFRAI_API.md):
+
+* create, consume, ack and stats are retried with jittered exponential backoff on connection
+  errors, dropped responses, 5xx and 429 (honouring ``Retry-After``). They are safe to repeat:
+  a repeated ack of an applied ack answers ``QUEUE_MESSAGE_NOT_FOUND``, which callers treat as
+  harmless; a repeated consume at worst hides messages until their visibility lapses.
+* publish is **not** retried by default. Infrai has no producer-side deduplication, so a retried
+  publish whose first attempt reached the server is a duplicate job. ``retry_publish=True`` opts
+  in; that is safe only because consumers (this package's drain) dedupe by idempotency key.
+
+The API key is held privately and never appears in a repr, log line or exception message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import urllib3
+from urllib3.exceptions import HTTPError as Urllib3HTTPError
+
+from infrai_jobs.errors import (
+    ConfigurationError,
+    InfraiError,
+    InfraiInvalidResponse,
+    InfraiUnavailable,
+    QueueMessageNotFound,
+)
+from infrai_jobs.queue_models import (
+    PublishPrice,
+    QueueMessage,
+    QueueStats,
+    parse_publish_price,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGES_PER_CONSUME = 10
+USER_AGENT = "infrai-jobs/0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How retryable calls back off: full jitter, capped, bounded in attempts."""
+
+    max_attempts: int = 4
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+    # A Retry-After beyond this is not honoured by sleeping; the call fails instead, so a
+    # time-budgeted caller (the drain) never sleeps past its deadline.
+    max_retry_after: float = 30.0
+
+    def backoff(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * (2**attempt)))
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float = 3.05
+    read: float = 10.0
+
+
+class InfraiClient:
+    """Talks to Infrai's queue API (``/v1/queue/*`` and ``/v1/discovery``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        retry_publish: bool = False,
+        pool_maxsize: int = 10,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigurationError(
+                f"INFRAI_BASE_URL {base_url!r} is not an http(s) URL; "
+                "set it to e.g. https://api.infrai.cc"
+            )
+        if not api_key:
+            raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
+        self._base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._timeouts = timeouts or Timeouts()
+        self._retry = retry or RetryPolicy()
+        self._retry_publish = retry_publish
+        self._sleep = sleep
+        # Retries are ours (they depend on the call and on Infrai's error codes), so urllib3's
+        # own are off; block=False lets concurrent ackers open extra short-lived connections.
+        self._pool = urllib3.PoolManager(
+            num_pools=4,
+            maxsize=pool_maxsize,
+            retries=False,
+            timeout=urllib3.Timeout(connect=self._timeouts.connect, read=self._timeouts.read),
+        )
+
+    def __repr__(self) -> str:
+        return f"InfraiClient(base_url={self._base_url!r}, api_key=<redacted>)"
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
+        """Create ``name`` (and its DLQ); return False when it already existed."""
+        body: dict[str, Any] = {"name": name, "type": type_}
+        if dlq:
+            body["dlq"] = dlq
+        try:
+            self._call("POST", "/v1/queue/create", body, call="create", retryable=True)
+        except InfraiError as exc:
+            if exc.code == "QUEUE_ALREADY_EXISTS":
+                return False
+            raise
+        return True
+
+    def publish(
+        self,
+        queue: str,
+        body: Mapping[str, Any],
+        *,
+        delay_seconds: int | None = None,
+        retry: bool | None = None,
+    ) -> str:
+        """Publish one message and return its ``message_id``.
+
+        Not retried unless ``retry`` (or the client's ``retry_publish``) says so: see the module
+        docstring for why.
+        """
+        request: dict[str, Any] = {"queue": queue, "body": body}
+        if delay_seconds is not None:
+            request["delay_seconds"] = delay_seconds
+        retryable = self._retry_publish if retry is None else retry
+        data = self._call("POST", "/v1/queue/publish", request, call="publish", retryable=retryable)
+        message_id = data.get("message_id") if isinstance(data, Mapping) else None
+        if not isinstance(message_id, str) or not message_id:
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE", "publish answered without a message_id", 0, call="publish"
+            )
+        return message_id
+
+    def consume(
+        self, queue: str, max_messages: int = MAX_MESSAGES_PER_CONSUME
+    ) -> list[QueueMessage]:
+        """Receive up to ``max_messages`` (capped at 10). Each receive uses one of three deliveries.
+
+        An item too malformed to process (no id, bad delivery count) is logged and left alone:
+        unacked, it returns after the visibility timeout and is dead-lettered after three.
+        """
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
+        request = {"queue": queue, "max_messages": min(max_messages, MAX_MESSAGES_PER_CONSUME)}
+        data = self._call("POST", "/v1/queue/consume", request, call="consume", retryable=True)
+        items = data.get("items") if isinstance(data, Mapping) else None
+        if not isinstance(items, list):
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE", "consume answered without an items list", 0, call="consume"
+            )
+        messages: list[QueueMessage] = []
+        for item in items:
+            try:
+                messages.append(QueueMessage.from_api(item, queue=queue))
+            except InfraiInvalidResponse as exc:
+                logger.warning(
+                    "skipping a malformed consumed item",
+                    extra={"action": "malformed_item", "queue": queue, "reason": exc.message},
+                )
+        return messages
+
+    def ack(self, queue: str, receipt_handle: str) -> None:
+        """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
+        request = {"queue": queue, "receipt_handle": receipt_handle}
+        self._call("POST", "/v1/queue/ack", request, call="ack", retryable=True)
+
+    def stats(self, queue: str) -> QueueStats:
+        path = "/v1/queue/stats/" + quote(queue, safe="")
+        data = self._call("GET", path, None, call="stats", retryable=True)
+        return QueueStats.from_api(data, queue=queue)
+
+    def publish_price(self) -> PublishPrice:
+        """Today's publish price from discovery (only publishing is metered)."""
+        data = self._call("GET", "/v1/discovery", None, call="discovery", retryable=True)
+        return parse_publish_price(data)
+
+    # --- transport ---------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        call: str,
+        retryable: bool,
+    ) -> Any:
+        attempts = self._retry.max_attempts if retryable else 1
+        for attempt in range(attempts):
+            try:
+                return self._request_once(method, path, body, call=call)
+            except InfraiUnavailable as exc:
+                if attempt + 1 >= attempts:
+                    raise
+                delay = self._retry.backoff(attempt)
+                retry_after = getattr(exc, "retry_after", None)
+                if retry_after is not None:
+                    if retry_after > self._retry.max_retry_after:
+                        raise
+                    delay = retry_after + random.uniform(0, self._retry.base_delay)
+                logger.info(
+                    "retrying an Infrai call",
+                    extra={
+                        "action": "retry",
+                        "call": call,
+                        "code": exc.code,
+                        "attempt": attempt + 1,
+                        "delay_seconds": round(delay, 3),
+                    },
+                )
+                self._sleep(delay)
+        raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+    def _request_once(
+        self, method: str, path: str, body: Mapping[str, Any] | None, *, call: str
+    ) -> Any:
+        headers = {
+            "Authorization": f"Bearer {self._api_key}",
+            "Accept": "application/json",
+            "User-Agent": USER_AGENT,
+        }
+        encoded: bytes | None = None
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+            encoded = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        try:
+            response = self._pool.request(
+                method, self._base_url + path, body=encoded, headers=headers
+            )
+        except Urllib3HTTPError as exc:
+            # urllib3's message names the host and the failure, never our headers.
+            raise InfraiUnavailable(
+                "CONNECTION_ERROR", f"{type(exc).__name__}: {exc}", 0, call=call
+            ) from exc
+        return _unwrap(response.status, response.data, response.headers.get("Retry-After"), call)
+
+
+class _RetryableAnswer(InfraiUnavailable):
+    def __init__(
+        self, code: str, message: str, status: int, *, call: str, retry_after: float | None
+    ):
+        super().__init__(code, message, status, call=call)
+        self.retry_after = retry_after
+
+
+def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) -> Any:
+    """Turn a response into its data, accepting bodies with and without the envelope."""
+    try:
+        document = json.loads(raw) if raw else None
+    except ValueError:
+        document = None
+        if 200 <= status < 300:
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE",
+                f"answered HTTP {status} with a body that is not JSON",
+                status,
+                call=call,
+            ) from None
+    code, message = f"HTTP_{status}", "no error envelope in the answer"
+    if isinstance(document, Mapping) and "ok" in document:
+        if document["ok"] is True and 200 <= status < 300:
+            return document.get("data")
+        error = document.get("error")
+        if isinstance(error, Mapping):
+            code = str(error.get("code") or code)
+            message = str(error.get("message") or "")
+    elif 200 <= status < 300:
+        return document
+    if status == 429 or status >= 500:
+        raise _RetryableAnswer(
+            code, message, status, call=call, retry_after=_parse_retry_after(retry_after_header)
+        )
+    if code == "QUEUE_MESSAGE_NOT_FOUND":
+        raise QueueMessageNotFound(code, message, status, call=call)
+    raise InfraiError(code, message, status, call=call)
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # the HTTP-date form is not used by Infrai; fall back to backoff
+    return seconds if seconds >= 0 else None

@@ -1,0 +1,174 @@
+"""Typed, frozen views of what Infrai answers, parsed strictly at the edge.
+
+Infrai's answers are data from the network: every field is checked here once, so the rest of the
+package can trust a ``QueueMessage`` without re-validating it. A shape the contract does not allow
+raises ``InfraiInvalidResponse`` naming the call and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from infrai_jobs.errors import InfraiInvalidResponse
+
+JsonValue = Any
+"""A decoded JSON value; payloads are the producer's data and may be any JSON type."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueMessage:
+    """One consumed delivery of a message."""
+
+    message_id: str
+    queue: str
+    payload: JsonValue
+    delivery_count: int
+    published_at: datetime | None
+    status: str
+    receipt_handle: str
+
+    @classmethod
+    def from_api(cls, item: object, *, queue: str) -> QueueMessage:
+        call = "consume"
+        if not isinstance(item, Mapping):
+            raise _invalid(call, f"an item is a {type(item).__name__}, not an object")
+        message_id = _require_str(item, "message_id", call)
+        delivery_count = item.get("delivery_count", 1)
+        if isinstance(delivery_count, bool) or not isinstance(delivery_count, int):
+            raise _invalid(call, f"item {message_id}: delivery_count is not an integer")
+        if delivery_count < 1:
+            raise _invalid(call, f"item {message_id}: delivery_count {delivery_count} is below 1")
+        # The notes' worker acks with the message id; a separate handle wins when Infrai sends one.
+        handle = item.get("receipt_handle")
+        if handle is not None and (not isinstance(handle, str) or not handle):
+            raise _invalid(call, f"item {message_id}: receipt_handle is not a non-empty string")
+        item_queue = item.get("queue", queue)
+        if not isinstance(item_queue, str):
+            raise _invalid(call, f"item {message_id}: queue is not a string")
+        status = item.get("status", "in_flight")
+        return cls(
+            message_id=message_id,
+            queue=item_queue,
+            payload=item.get("payload"),
+            delivery_count=delivery_count,
+            published_at=_parse_timestamp(item.get("published_at")),
+            status=status if isinstance(status, str) else "in_flight",
+            receipt_handle=handle or message_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """The counters of ``GET /v1/queue/stats/{queue}``."""
+
+    queue: str
+    message_count: int
+    available_count: int
+    in_flight_count: int
+    delayed_count: int
+    dlq_count: int
+    oldest_message_age_seconds: float
+
+    @classmethod
+    def from_api(cls, data: object, *, queue: str) -> QueueStats:
+        call = "stats"
+        if not isinstance(data, Mapping):
+            raise _invalid(call, f"the answer is a {type(data).__name__}, not an object")
+        counts = {
+            name: _require_count(data, name, call)
+            for name in (
+                "message_count",
+                "available_count",
+                "in_flight_count",
+                "delayed_count",
+                "dlq_count",
+            )
+        }
+        age = data.get("oldest_message_age_seconds", 0)
+        if isinstance(age, bool) or not isinstance(age, int | float) or age < 0:
+            raise _invalid(call, "oldest_message_age_seconds is not a number >= 0")
+        name = data.get("queue", queue)
+        return cls(
+            queue=name if isinstance(name, str) else queue,
+            oldest_message_age_seconds=float(age),
+            **counts,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PublishPrice:
+    """Today's price of one publish, read from discovery's ``queue.publish`` capability."""
+
+    usd_per_message: Decimal
+    billing: Mapping[str, JsonValue]
+
+    def monthly_cost(self, messages_per_day: int, days: int = 30) -> Decimal:
+        return self.usd_per_message * messages_per_day * days
+
+
+# Discovery's billing object is not specified field by field; these are the names we accept for
+# the per-message price, most specific first.
+_PRICE_FIELDS = ("price_usd", "usd_per_message", "unit_price_usd", "price", "amount_usd", "usd")
+
+
+def parse_publish_price(data: object) -> PublishPrice:
+    call = "discovery"
+    if not isinstance(data, Mapping):
+        raise _invalid(call, "the answer is not an object")
+    capabilities = data.get("capabilities")
+    if not isinstance(capabilities, list):
+        raise _invalid(call, "capabilities is not a list")
+    for capability in capabilities:
+        if isinstance(capability, Mapping) and capability.get("id") == "queue.publish":
+            billing = capability.get("billing")
+            if not isinstance(billing, Mapping):
+                raise _invalid(call, "queue.publish has no billing object")
+            for field in _PRICE_FIELDS:
+                if field in billing:
+                    return PublishPrice(_parse_price(billing[field], call), dict(billing))
+            raise _invalid(call, f"queue.publish billing has none of {', '.join(_PRICE_FIELDS)}")
+    raise _invalid(call, "no queue.publish capability")
+
+
+def _parse_price(value: object, call: str) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise _invalid(call, "the publish price is not a number")
+    try:
+        price = Decimal(str(value))
+    except InvalidOperation as exc:
+        raise _invalid(call, f"the publish price {value!r} is not a number") from exc
+    if not price.is_finite() or price < 0:
+        raise _invalid(call, f"the publish price {value!r} is not a finite amount >= 0")
+    return price
+
+
+def _parse_timestamp(value: object) -> datetime | None:
+    # A missing or odd timestamp is informational only; it never blocks processing.
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _require_str(data: Mapping[str, object], field: str, call: str) -> str:
+    value = data.get(field)
+    if not isinstance(value, str) or not value:
+        raise _invalid(call, f"{field} is missing or not a non-empty string")
+    return value
+
+
+def _require_count(data: Mapping[str, object], field: str, call: str) -> int:
+    value = data.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _invalid(call, f"{field} is missing or not an integer >= 0")
+    return value
+
+
+def _invalid(call: str, detail: str) -> InfraiInvalidResponse:
+    return InfraiInvalidResponse("INVALID_RESPONSE", detail, 0, call=call)

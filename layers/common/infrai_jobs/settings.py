@@ -1,0 +1,104 @@
+"""Settings, read once at the edge into a frozen, validated object.
+
+Nothing else in the package reads the environment. Handlers and the CLI call
+``Settings.from_env()`` once; everything below them receives values, not ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from infrai_jobs.errors import ConfigurationError
+
+DEFAULT_BASE_URL = "https://api.infrai.cc"
+DEFAULT_QUEUE = "billing-jobs"
+# Infrai's visibility timeout on a new queue; a drain invocation must finish inside it.
+QUEUE_VISIBILITY_TIMEOUT_SECONDS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # Empty means "not configured": local commands then start an emulator; handlers refuse.
+    infrai_base_url: str = ""
+    infrai_api_key: str = field(default="", repr=False)
+    queue: str = DEFAULT_QUEUE
+    dlq: str = f"{DEFAULT_QUEUE}-dlq"
+    database_url: str = field(default="", repr=False)
+    # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
+    # when the time left covers it (a receive burns one of three deliveries).
+    batch_budget_ms: int = 20_000
+    # How long an external claim's lease outlives the invocation that took it, in seconds.
+    lease_grace_seconds: int = 60
+    retention_days: int = 30
+    publish_retries: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
+        settings = cls(
+            infrai_base_url=env.get("INFRAI_BASE_URL", "").strip(),
+            infrai_api_key=env.get("INFRAI_API_KEY", ""),
+            queue=queue,
+            dlq=env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
+            database_url=env.get("DATABASE_URL", ""),
+            batch_budget_ms=_int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
+            lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
+            retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
+            publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
+        )
+        if not settings.queue:
+            raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
+        if settings.dlq == settings.queue:
+            raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
+        return settings
+
+    def require_base_url(self) -> str:
+        if not self.infrai_base_url:
+            raise ConfigurationError(
+                f"INFRAI_BASE_URL is not set; use {DEFAULT_BASE_URL} for the hosted service"
+            )
+        return self.infrai_base_url
+
+    def require_api_key(self) -> str:
+        if not self.infrai_api_key:
+            raise ConfigurationError(
+                "INFRAI_API_KEY is not set; export your Infrai API key "
+                "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)"
+            )
+        return self.infrai_api_key
+
+    def require_database_url(self) -> str:
+        if not self.database_url:
+            raise ConfigurationError(
+                "DATABASE_URL is not set; export a PostgreSQL URL such as "
+                "postgresql://user@127.0.0.1:5432/jobs"
+            )
+        return self.database_url
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigurationError(f"{name}={value} is below the minimum of {minimum}")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, *, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"{name}={raw!r} is not a boolean (use true or false)")

@@ -1,0 +1,324 @@
+"""The Infrai client against the emulator over loopback: every call, every error row, retries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import urllib3
+
+from infrai_jobs.errors import (
+    ConfigurationError,
+    InfraiError,
+    InfraiInvalidResponse,
+    InfraiUnavailable,
+    QueueMessageNotFound,
+)
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_local.emulator import start_in_thread
+
+API_KEY = "sk_live_do_not_print_4f9a2c"
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
+
+
+class SleepRecorder:
+    """Records the client's backoff sleeps instead of sleeping, so retry tests stay fast."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[Any]:
+    server = start_in_thread(api_key=API_KEY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def control(emulator: Any) -> Iterator[urllib3.PoolManager]:
+    pool = urllib3.PoolManager()
+    pool.request("POST", f"{emulator.url}/_emulator/reset")
+    yield pool
+    pool.request("POST", f"{emulator.url}/_emulator/reset")
+    pool.clear()
+
+
+def set_faults(control: urllib3.PoolManager, url: str, **faults: Any) -> None:
+    response = control.request("POST", f"{url}/_emulator/faults", json=faults)
+    assert response.status == 200, response.data
+
+
+@pytest.fixture
+def sleeps() -> SleepRecorder:
+    return SleepRecorder()
+
+
+@pytest.fixture
+def client(emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder) -> Iterator[Any]:
+    infrai = InfraiClient(emulator.url, API_KEY, sleep=sleeps)
+    infrai.ensure_queue(QUEUE, dlq=DLQ)
+    yield infrai
+    infrai.close()
+
+
+def test_ensure_queue_treats_an_existing_queue_as_success(client: InfraiClient) -> None:
+    # Given the fixture created the queue already
+    # When it is ensured again
+    created = client.ensure_queue(QUEUE, dlq=DLQ)
+    # Then that is not an error, and the answer says it existed
+    assert created is False
+    assert client.ensure_queue("fresh-queue") is True
+
+
+def test_publish_consume_ack_round_trip(client: InfraiClient) -> None:
+    # Given the notes' payload published twice (a producer retry)
+    first = client.publish(QUEUE, NOTES_PAYLOAD)
+    second = client.publish(QUEUE, NOTES_PAYLOAD)
+    # When the queue is consumed
+    messages = client.consume(QUEUE, 10)
+    # Then both arrive as independent, typed work
+    assert first != second
+    assert [m.message_id for m in messages] == [first, second]
+    assert all(m.payload == NOTES_PAYLOAD and m.delivery_count == 1 for m in messages)
+    assert messages[0].receipt_handle == first
+    assert messages[0].published_at is not None
+    assert messages[0].published_at.tzinfo is not None
+    # And acking both leaves the queue empty
+    for message in messages:
+        client.ack(QUEUE, message.receipt_handle)
+    stats = client.stats(QUEUE)
+    assert (stats.message_count, stats.in_flight_count, stats.dlq_count) == (0, 0, 0)
+
+
+def test_ack_of_a_handle_the_queue_no_longer_holds_is_its_own_error(client: InfraiClient) -> None:
+    # Given a message consumed and acked once
+    client.publish(QUEUE, NOTES_PAYLOAD)
+    (message,) = client.consume(QUEUE)
+    client.ack(QUEUE, message.receipt_handle)
+    # When it is acked again
+    with pytest.raises(QueueMessageNotFound) as caught:
+        client.ack(QUEUE, message.receipt_handle)
+    # Then the drain can tell it apart from real failures
+    assert caught.value.code == "QUEUE_MESSAGE_NOT_FOUND"
+    assert caught.value.status == 404
+
+
+def test_consume_caps_max_messages_at_ten(client: InfraiClient) -> None:
+    for n in range(15):
+        client.publish(QUEUE, {"job": "noop", "n": n})
+    assert len(client.consume(QUEUE, 50)) == 10
+    assert len(client.consume(QUEUE, 50)) == 5
+    with pytest.raises(ValueError, match="max_messages"):
+        client.consume(QUEUE, 0)
+
+
+def test_stats_are_typed_and_count_delayed_messages(client: InfraiClient) -> None:
+    client.publish(QUEUE, {"job": "later"}, delay_seconds=60)
+    client.publish(QUEUE, {"job": "now"})
+    stats = client.stats(QUEUE)
+    assert stats.queue == QUEUE
+    assert (stats.available_count, stats.delayed_count, stats.message_count) == (1, 1, 2)
+    assert isinstance(stats.oldest_message_age_seconds, float)
+
+
+def test_publish_price_comes_from_discovery(client: InfraiClient) -> None:
+    price = client.publish_price()
+    assert price.usd_per_message == Decimal("0.00002")
+    assert price.monthly_cost(100_000) == Decimal("60.00000")
+
+
+def test_unknown_queue_and_bad_key_map_to_clear_errors(emulator: Any, control: Any) -> None:
+    good = InfraiClient(emulator.url, API_KEY)
+    with pytest.raises(InfraiError) as missing:
+        good.stats("no-such-queue")
+    assert (missing.value.code, missing.value.status) == ("QUEUE_NOT_FOUND", 404)
+
+    wrong = InfraiClient(emulator.url, "sk_wrong_key_123")
+    with pytest.raises(InfraiError) as denied:
+        wrong.stats(QUEUE)
+    assert (denied.value.code, denied.value.status) == ("UNAUTHORIZED", 401)
+    assert "sk_wrong_key_123" not in str(denied.value)
+
+
+def test_the_api_key_never_appears_in_repr_logs_or_errors(
+    emulator: Any, control: urllib3.PoolManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given every logger at DEBUG (urllib3 included) and a service that keeps failing
+    caplog.set_level(logging.DEBUG)
+    client = InfraiClient(emulator.url, API_KEY, retry=RetryPolicy(base_delay=0.001))
+    client.ensure_queue(QUEUE, dlq=DLQ)
+    set_faults(control, emulator.url, error_rate=1.0)
+    # When calls fail, are retried and give up
+    with pytest.raises(InfraiUnavailable) as caught:
+        client.stats(QUEUE)
+    unreachable = InfraiClient("http://127.0.0.1:9", API_KEY, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(InfraiUnavailable) as refused:
+        unreachable.consume(QUEUE)
+    # Then the key is nowhere a human or a log shipper could see it
+    assert caplog.records, "expected retry logging to have been captured"
+    visible = [
+        repr(client),
+        str(caught.value),
+        repr(caught.value),
+        str(refused.value),
+        caplog.text,
+        json.dumps([r.__dict__ for r in caplog.records], default=str),
+    ]
+    assert all(API_KEY not in text for text in visible)
+    assert "redacted" in repr(client)
+
+
+def test_retryable_calls_back_off_on_5xx_then_give_up(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
+) -> None:
+    # Given every Infrai call answers 500
+    set_faults(control, emulator.url, error_rate=1.0)
+    # When stats is asked for
+    with pytest.raises(InfraiUnavailable) as caught:
+        client.stats(QUEUE)
+    # Then it was tried max_attempts times with bounded, jittered sleeps in between
+    assert caught.value.code == "INTERNAL"
+    assert caught.value.status == 500
+    assert len(sleeps.delays) == RetryPolicy().max_attempts - 1
+    assert all(0 <= d <= RetryPolicy().max_delay for d in sleeps.delays)
+
+
+def test_rate_limits_honour_retry_after(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
+) -> None:
+    # Given the service answers 429 with Retry-After: 2 about half the time
+    set_faults(control, emulator.url, rate_limit_rate=0.5, retry_after_seconds=2, seed=7)
+    client.publish(QUEUE, NOTES_PAYLOAD, retry=True)
+    # When the client consumes until it gets the message
+    messages = []
+    for _ in range(5):
+        messages = client.consume(QUEUE)
+        if messages:
+            break
+    # Then it succeeded, and every sleep after a 429 waited at least the advertised 2 s
+    assert [m.payload for m in messages] == [NOTES_PAYLOAD]
+    assert sleeps.delays, "the seeded faults should have rate-limited at least once"
+    assert all(d >= 2 for d in sleeps.delays)
+
+
+def test_dropped_ack_response_is_retried_and_reported_as_not_found(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager
+) -> None:
+    # Given a consumed message, and a service that applies acks but drops the answer
+    client.publish(QUEUE, NOTES_PAYLOAD)
+    (message,) = client.consume(QUEUE)
+    set_faults(control, emulator.url, drop_response_rate=1.0, routes=["ack"])
+    # When it is acked: the first answer is lost, the retry finds the message gone
+    with pytest.raises(QueueMessageNotFound):
+        client.ack(QUEUE, message.receipt_handle)
+    # Then the ack did land
+    set_faults(control, emulator.url)
+    assert client.stats(QUEUE).message_count == 0
+
+
+def test_publish_is_not_retried_by_default(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
+) -> None:
+    # Given the service applies publishes but drops the answers
+    set_faults(control, emulator.url, drop_response_rate=1.0, routes=["publish"])
+    # When a job is published
+    with pytest.raises(InfraiUnavailable):
+        client.publish(QUEUE, NOTES_PAYLOAD)
+    # Then exactly one message exists: no retry duplicated it
+    set_faults(control, emulator.url)
+    assert sleeps.delays == []
+    assert client.stats(QUEUE).message_count == 1
+
+
+def test_opt_in_publish_retries_can_duplicate_which_the_claims_absorb(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager
+) -> None:
+    # Given publish answers dropped, with retries opted in
+    set_faults(control, emulator.url, drop_response_rate=1.0, routes=["publish"])
+    with pytest.raises(InfraiUnavailable):
+        client.publish(QUEUE, NOTES_PAYLOAD, retry=True)
+    # Then every attempt reached the queue: this is why it is off by default
+    set_faults(control, emulator.url)
+    assert client.stats(QUEUE).message_count == RetryPolicy().max_attempts
+
+
+def test_configuration_errors_name_the_setting() -> None:
+    with pytest.raises(ConfigurationError, match="INFRAI_BASE_URL"):
+        InfraiClient("api.infrai.cc", API_KEY)
+    with pytest.raises(ConfigurationError, match="INFRAI_API_KEY"):
+        InfraiClient("http://127.0.0.1:1", "")
+
+
+# --- bodies without the envelope (the notes show stats and discovery that way) ----------------
+
+BARE_ANSWERS: dict[str, tuple[int, bytes]] = {
+    "/v1/queue/stats/billing-jobs": (
+        200,
+        b'{"queue":"billing-jobs","message_count":0,"available_count":0,"in_flight_count":0,'
+        b'"delayed_count":0,"dlq_count":0,"oldest_message_age_seconds":0}',
+    ),
+    "/v1/discovery": (
+        200,
+        b'{"capabilities":[{"id":"queue.consume","billing":{"price_usd":"0"}},'
+        b'{"id":"queue.publish","billing":{"price_usd":0.00002,"unit":"message"}}]}',
+    ),
+    "/v1/queue/stats/garbage": (200, b"<html>gateway</html>"),
+    "/v1/queue/stats/wrong-types": (
+        200,
+        b'{"ok":true,"data":{"message_count":"3","available_count":0,"in_flight_count":0,'
+        b'"delayed_count":0,"dlq_count":0}}',
+    ),
+    "/v1/queue/stats/teapot": (418, b"short and stout"),
+}
+
+
+class BareHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        status, body = BARE_ANSWERS.get(self.path, (404, b'{"ok":false}'))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+@pytest.fixture(scope="module")
+def bare_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BareHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_bodies_without_the_envelope_are_accepted(bare_server: str) -> None:
+    client = InfraiClient(bare_server, API_KEY)
+    assert client.stats(QUEUE).dlq_count == 0
+    assert client.publish_price().usd_per_message == Decimal("0.00002")
+
+
+def test_answers_outside_the_contract_raise_invalid_response(bare_server: str) -> None:
+    client = InfraiClient(bare_server, API_KEY, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(InfraiInvalidResponse, match="not JSON"):
+        client.stats("garbage")
+    with pytest.raises(InfraiInvalidResponse, match="message_count"):
+        client.stats("wrong-types")
+    with pytest.raises(InfraiError) as teapot:
+        client.stats("teapot")
+    assert (teapot.value.code, teapot.value.status) == ("HTTP_418", 418)

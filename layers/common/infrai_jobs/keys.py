@@ -1,0 +1,202 @@
+"""Idempotency keys and payload fingerprints: pure functions of the work, no I/O.
+
+Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSON object:
+
+1. ``_idempotency_key``, when the producer set one, is the key as given.
+2. A job with declared identity fields (a key rule) gets ``{job}:{field}[:{field}...]``.
+   ``invoice.finalize`` gives ``invoice.finalize:{invoice_id}``, byte for byte the string the
+   notes' Node worker builds, so both can share one ledger during a migration; tenant + period
+   jobs such as ``digest.build`` give ``{job}:{tenant_id}:{period}``.
+3. Any other job: ``sha256:`` + the payload fingerprint.
+
+The payload fingerprint is the hex SHA-256 of the RFC 8785 canonical JSON of the work fields:
+every top-level field except those starting with ``_``, which are envelope (tracing, the
+producer's key, ...), not work. It is stored with each claim so that the same key arriving with
+different work is a conflict rather than a silent duplicate.
+
+Any change that gives an existing payload a different key is a new scheme version: rows the
+ledger holds under the old keys would stop matching, and their redeliveries would run twice.
+The unit tests pin exact keys so such a change cannot slip in unnoticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Final, TypeAlias
+
+import rfc8785
+
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError
+
+KEY_SCHEME_VERSION: Final = 1
+
+PRODUCER_KEY_FIELD: Final = "_idempotency_key"
+ENVELOPE_PREFIX: Final = "_"
+CONTENT_KEY_PREFIX: Final = "sha256:"
+# A key is a text primary key and appears in every log line about its message; 512 characters
+# is far above any natural key and far below the btree entry limit.
+MAX_KEY_LENGTH: Final = 512
+
+KeyRules: TypeAlias = Mapping[str, Sequence[str]]
+"""Job name -> the payload fields that identify one unit of that job's work, in key order."""
+
+DEFAULT_KEY_RULES: Final[KeyRules] = MappingProxyType(
+    {
+        "invoice.finalize": ("invoice_id",),
+        "digest.build": ("tenant_id", "period"),
+    }
+)
+
+# JSON numbers are IEEE 754 doubles: beyond this an integer id no longer names one value, and
+# the Node worker would already have rounded it.
+_SAFE_INTEGER_MAX: Final = 2**53 - 1
+
+
+def derive_key(payload: object, key_rules: KeyRules | None = None) -> str:
+    """The idempotency key of one message body.
+
+    ``key_rules`` replaces ``DEFAULT_KEY_RULES`` entirely (the job registry passes its own table,
+    built from the defaults); a job without a rule is keyed by its content. Raises
+    ``KeyDerivationError`` when the body is not an object, a ruled job lacks an identity field,
+    or the work cannot be canonicalised.
+    """
+    body = _require_object(payload)
+    if PRODUCER_KEY_FIELD in body:
+        return _producer_key(body[PRODUCER_KEY_FIELD])
+    rules = DEFAULT_KEY_RULES if key_rules is None else key_rules
+    job = body.get("job")
+    if isinstance(job, str) and job in rules:
+        return natural_key(job, rules[job], body)
+    return CONTENT_KEY_PREFIX + payload_fingerprint(body)
+
+
+def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, object]) -> str:
+    """``{job}:{value}[:{value}...]`` from the payload's identity fields, in rule order.
+
+    Only the last field may contain ``:``: with one field that keeps the Node worker's plain
+    concatenation, and with several it keeps ``a:b`` + ``c`` apart from ``a`` + ``b:c``.
+    """
+    _check_rule(job, identity_fields)
+    parts = [job]
+    for position, field in enumerate(identity_fields, start=1):
+        if field not in payload:
+            raise KeyDerivationError(f"job {job!r} needs field {field!r} to derive its key")
+        part = _identity_part(job, field, payload[field])
+        if ":" in part and position < len(identity_fields):
+            raise KeyDerivationError(
+                f"job {job!r}: field {field!r} must not contain ':' (it is not the last part "
+                "of the key, so the key would be ambiguous)"
+            )
+        parts.append(part)
+    return _checked_key(":".join(parts), f"the key of job {job!r}")
+
+
+def payload_fingerprint(payload: object) -> str:
+    """Hex SHA-256 of the canonical JSON of the payload's work fields (envelope excluded)."""
+    return hashlib.sha256(canonical_json(work_fields(payload))).hexdigest()
+
+
+def work_fields(payload: object) -> dict[str, object]:
+    """The payload's top-level fields without the envelope (names starting with ``_``)."""
+    body = _require_object(payload)
+    return {
+        name: value
+        for name, value in body.items()
+        if not (isinstance(name, str) and name.startswith(ENVELOPE_PREFIX))
+    }
+
+
+def canonical_json(value: object) -> bytes:
+    """RFC 8785 (JCS) canonical JSON of ``value``.
+
+    Raises ``KeyDerivationError`` for anything JSON cannot carry exactly, so that two different
+    payloads never meet in one lossy serialisation.
+    """
+    try:
+        # Any Python value may arrive here; refusing what JSON cannot carry is rfc8785's job.
+        return rfc8785.dumps(value)  # type: ignore[arg-type]
+    except rfc8785.IntegerDomainError as exc:
+        raise KeyDerivationError(
+            "payload holds an integer outside +/-(2**53 - 1), which a JSON number cannot "
+            "represent exactly; send it as a string"
+        ) from exc
+    except rfc8785.FloatDomainError as exc:
+        raise KeyDerivationError(
+            "payload holds NaN or Infinity, which JSON cannot represent"
+        ) from exc
+    except UnicodeError as exc:
+        # rfc8785 lets a lone surrogate in an object key escape as a bare UnicodeEncodeError.
+        raise KeyDerivationError(
+            "payload holds text that is not valid Unicode (a lone surrogate)"
+        ) from exc
+    except ValueError as exc:
+        # CanonicalizationError (non-string object keys, unsupported types such as bytes or
+        # sets) is a ValueError; so is int-to-text refusing a number of thousands of digits.
+        raise KeyDerivationError(f"payload is not representable as canonical JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise KeyDerivationError("payload is nested too deeply to canonicalise") from exc
+
+
+def _require_object(payload: object) -> dict[str, object]:
+    if not isinstance(payload, Mapping):
+        raise KeyDerivationError(f"payload is not a JSON object (got {type(payload).__name__})")
+    # A copy as a plain dict: rfc8785 serialises dicts only, and callers may hold other Mappings.
+    return dict(payload)
+
+
+def _producer_key(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise KeyDerivationError(
+            f"{PRODUCER_KEY_FIELD} must be a non-empty string (got {_describe(value)})"
+        )
+    return _checked_key(value, PRODUCER_KEY_FIELD)
+
+
+def _identity_part(job: str, field: str, value: object) -> str:
+    # bool is an int to Python, but JavaScript would render it "true": refuse rather than differ.
+    if isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > _SAFE_INTEGER_MAX:
+            raise KeyDerivationError(
+                f"job {job!r}: field {field!r} is an integer outside +/-(2**53 - 1); "
+                "send it as a string"
+            )
+        return str(value)
+    if isinstance(value, str) and value:
+        return value
+    raise KeyDerivationError(
+        f"job {job!r}: field {field!r} must be a non-empty string or an integer "
+        f"(got {_describe(value)})"
+    )
+
+
+def _check_rule(job: str, identity_fields: Sequence[str]) -> None:
+    # A bare string is a Sequence[str] too, and would key by its characters.
+    if isinstance(identity_fields, str) or not identity_fields:
+        raise ConfigurationError(
+            f"the key rule for job {job!r} must list one or more field names, "
+            f"e.g. ('invoice_id',) (got {identity_fields!r})"
+        )
+    if not job or ":" in job:
+        raise ConfigurationError(
+            f"job name {job!r} cannot carry a key rule: it must be non-empty and free of ':'"
+        )
+
+
+def _checked_key(key: str, source: str) -> str:
+    if len(key) > MAX_KEY_LENGTH:
+        raise KeyDerivationError(f"{source} is longer than {MAX_KEY_LENGTH} characters")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in key):
+        raise KeyDerivationError(f"{source} contains control characters")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise KeyDerivationError(f"{source} is not valid Unicode (a lone surrogate)") from exc
+    return key
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, str):
+        return "an empty string" if not value else "a blank string"
+    return "null" if value is None else type(value).__name__

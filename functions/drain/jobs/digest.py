@@ -1,0 +1,44 @@
+"""``digest.build``: an ``external_idempotent`` job, keyed by tenant and period.
+
+The provider accepts our idempotency key as an ``Idempotency-Key`` header, so a repeated call is
+harmless downstream: a crashed attempt's claim may be taken over once its lease expires, and
+every failure can simply be retried.
+"""
+
+from __future__ import annotations
+
+import json
+
+import urllib3
+
+from infrai_jobs.errors import PermanentJobError
+from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+
+_http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=2.0, read=10.0))
+
+
+def build_digest(provider_url: str, payload: Payload, ctx: JobContext) -> JsonValue:
+    body = json.dumps({"tenant_id": payload["tenant_id"], "period": payload["period"]})
+    response = _http.request(
+        "POST",
+        f"{provider_url}/v1/digests",
+        body=body,
+        headers={"Content-Type": "application/json", "Idempotency-Key": ctx.idem_key},
+    )
+    if 400 <= response.status < 500 and response.status not in (409, 429):
+        raise PermanentJobError(f"digest provider refused: HTTP {response.status}")
+    if response.status >= 300:
+        raise RuntimeError(f"digest provider answered HTTP {response.status}; will retry")
+    answer = json.loads(response.data)
+    return {"digest_id": answer.get("id"), "replayed": bool(answer.get("replayed"))}
+
+
+def register(registry: JobRegistry, provider_url: str) -> None:
+    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
+        return build_digest(provider_url, payload, ctx)
+
+    registry.job(
+        "digest.build",
+        effect=Effect.EXTERNAL_IDEMPOTENT,
+        identity=("tenant_id", "period"),
+    )(handler)

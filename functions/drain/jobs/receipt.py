@@ -1,0 +1,57 @@
+"""``receipt.send``: an ``external`` job. A sent e-mail cannot be unsent.
+
+Its claim is committed before the call. If the call may have reached the provider but we cannot
+tell (a timeout, a 5xx), the handler raises ``EffectUncertain``: the claim stays ``running`` and is
+flagged for a human, instead of a retry that might send a second receipt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import urllib3
+
+from infrai_jobs.errors import EffectUncertain, PermanentJobError
+from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+
+_http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=2.0, read=5.0))
+
+
+def send_receipt(provider_url: str, payload: Payload, ctx: JobContext) -> JsonValue:
+    body = json.dumps(
+        {"to": payload["email"], "template": "receipt", "invoice_id": payload["invoice_id"]}
+    )
+    try:
+        response = _http.request(
+            "POST",
+            f"{provider_url}/v1/mail/send",
+            body=body,
+            headers={"Content-Type": "application/json"},
+        )
+    except urllib3.exceptions.NewConnectionError:
+        raise  # nothing was sent: the transient failure releases the claim for a retry
+    except urllib3.exceptions.HTTPError as exc:
+        raise EffectUncertain(f"mail provider call ended without an answer: {exc}") from exc
+    if response.status >= 500:
+        raise EffectUncertain(f"mail provider answered {response.status}; it may have sent")
+    if response.status >= 400:
+        raise PermanentJobError(f"mail provider refused the receipt: HTTP {response.status}")
+    # The mail is sent: whatever the body looks like, this must not become a retry.
+    try:
+        answer = json.loads(response.data)
+    except ValueError:
+        answer = {}
+    provider_id = answer.get("id") if isinstance(answer, dict) else None
+    return {"provider_message_id": provider_id, "to": payload["email"]}
+
+
+def register(registry: JobRegistry, provider_url: str) -> None:
+    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
+        return send_receipt(provider_url, payload, ctx)
+
+    registry.job(
+        "receipt.send",
+        effect=Effect.EXTERNAL,
+        identity=("invoice_id",),
+        required=("email",),
+    )(handler)

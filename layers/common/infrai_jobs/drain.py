@@ -1,0 +1,445 @@
+"""The drain loop: consume in batches of ten, claim, run, settle, ack what is settled.
+
+One call drains one queue lane for as long as the time budget allows another whole batch: every
+receive burns one of a message's three deliveries, so the loop never consumes what it cannot
+finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is DESIGN.md's ack
+column.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import psycopg
+
+from infrai_jobs.errors import (
+    EffectUncertain,
+    InfraiError,
+    KeyDerivationError,
+    LedgerError,
+    PermanentJobError,
+    QueueMessageNotFound,
+)
+from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue
+from infrai_jobs.ledger import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimStatus,
+    JobRun,
+    PostgresLedger,
+    RunKind,
+    Settlement,
+    SettleStatus,
+    utc_from_epoch,
+)
+from infrai_jobs.ports import QueuePort
+from infrai_jobs.queue_models import QueueMessage
+
+logger = logging.getLogger(__name__)
+
+BATCH_SIZE = 10
+
+
+class Outcome(StrEnum):
+    DONE = "done"  # ran now and succeeded
+    DUPLICATE = "duplicate"  # the work is already done
+    IN_FLIGHT = "in_flight"  # another delivery holds a live claim and drives retries
+    BATCH_DUPLICATE = "batch_duplicate"  # a second copy in the same batch
+    RETRY = "retry"  # handler raised; claim released; the redelivery retries
+    FAILED = "failed"  # PermanentJobError; claim failed; goes to the DLQ
+    DUPLICATE_FAILED = "duplicate_failed"  # the work failed permanently before
+    STUCK = "stuck"  # an irreversible effect's outcome is unknown: a human decides
+    CONFLICT = "conflict"  # same key, different work
+    REJECTED = "rejected"  # no key derivable: not an object, unknown job, missing fields
+    CLAIM_LOST = "claim_lost"  # a fenced settle matched nothing
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  # the database failed before the outcome settled
+
+
+ACKED_OUTCOMES = frozenset({Outcome.DONE, Outcome.DUPLICATE, Outcome.IN_FLIGHT})
+
+
+@dataclass(frozen=True, slots=True)
+class DrainConfig:
+    queue: str
+    batch_size: int = BATCH_SIZE
+    # The time one batch may need at most; a batch is consumed only when this much is left.
+    batch_budget_ms: int = 20_000
+    # An external claim's lease outlives the invocation's deadline by this much.
+    lease_grace_seconds: int = 60
+    max_batches: int | None = None
+    ack_concurrency: int = 10
+
+
+@dataclass
+class DrainSummary:
+    consumed: int = 0
+    done: int = 0
+    duplicates: int = 0
+    failed: int = 0
+    parked: int = 0
+    acked: int = 0
+    ack_lost: int = 0
+    ack_failed: int = 0
+    batches: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    stopped: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "consumed": self.consumed,
+            "done": self.done,
+            "duplicates": self.duplicates,
+            "failed": self.failed,
+            "parked": self.parked,
+            "acked": self.acked,
+            "ack_lost": self.ack_lost,
+            "ack_failed": self.ack_failed,
+            "batches": self.batches,
+            "outcomes": dict(sorted(self.outcomes.items())),
+            "stopped": self.stopped,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MessageResult:
+    message: QueueMessage
+    outcome: Outcome
+    idem_key: str | None = None
+    job: str | None = None
+    detail: str = ""
+
+    @property
+    def ack(self) -> bool:
+        return self.outcome in ACKED_OUTCOMES
+
+
+def drain(
+    queue: QueuePort,
+    ledger: PostgresLedger,
+    registry: JobRegistry,
+    config: DrainConfig,
+    time_left_ms: Callable[[], int],
+    *,
+    clock: Callable[[], float] = time.time,
+) -> DrainSummary:
+    """Drain ``config.queue`` until it is empty, the budget is spent, or the ledger fails."""
+    summary = DrainSummary()
+    with ThreadPoolExecutor(max_workers=config.ack_concurrency, thread_name_prefix="ack") as pool:
+        while True:
+            if config.max_batches is not None and summary.batches >= config.max_batches:
+                summary.stopped = "max_batches"
+                break
+            remaining = time_left_ms()
+            if remaining < config.batch_budget_ms:
+                summary.stopped = "time_budget"
+                break
+            messages = queue.consume(config.queue, config.batch_size)
+            if not messages:
+                summary.stopped = "empty"
+                break
+            summary.batches += 1
+            deadline = clock() + remaining / 1000
+            results = process_batch(messages, ledger, registry, deadline, config)
+            _ack_settled(queue, config.queue, results, pool, summary)
+            _count(results, summary)
+            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+                summary.stopped = "ledger_unavailable"
+                break
+    logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
+    return summary
+
+
+def process_batch(
+    messages: Sequence[QueueMessage],
+    ledger: PostgresLedger,
+    registry: JobRegistry,
+    deadline: float,
+    config: DrainConfig,
+) -> list[MessageResult]:
+    """Decide every message of one batch; one bad message never stops the others."""
+    return _Batch(messages, ledger, registry, deadline, config).process()
+
+
+class _Batch:
+    """The state of one batch while its messages are claimed, run and settled."""
+
+    def __init__(
+        self,
+        messages: Sequence[QueueMessage],
+        ledger: PostgresLedger,
+        registry: JobRegistry,
+        deadline: float,
+        config: DrainConfig,
+    ) -> None:
+        self.messages = messages
+        self.ledger = ledger
+        self.registry = registry
+        self.deadline = deadline
+        self.lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
+        self.results: dict[str, MessageResult] = {}
+        # The first message of each key in this batch, and later copies of a key.
+        self.primaries: dict[str, tuple[QueueMessage, DerivedJob]] = {}
+        self.copies: list[tuple[QueueMessage, DerivedJob]] = []
+
+    def process(self) -> list[MessageResult]:
+        self._derive_keys()
+        requests = [self._request(key) for key in self.primaries]
+        self._run_database([r for r in requests if r.effect is Effect.DATABASE])
+        self._run_external([r for r in requests if r.effect is not Effect.DATABASE])
+        self._mirror_copies()
+        return [self.results[m.message_id] for m in self.messages]
+
+    def _derive_keys(self) -> None:
+        for message in self.messages:
+            try:
+                derived = self.registry.derive(message.payload)
+            except KeyDerivationError as exc:
+                self._set(MessageResult(message, Outcome.REJECTED, detail=str(exc)))
+                continue
+            if derived.idem_key in self.primaries:
+                self.copies.append((message, derived))
+            else:
+                self.primaries[derived.idem_key] = (message, derived)
+
+    def _request(self, key: str) -> ClaimRequest:
+        message, derived = self.primaries[key]
+        effect = derived.definition.effect
+        return ClaimRequest(
+            idem_key=key,
+            message_id=message.message_id,
+            job=derived.definition.name,
+            effect=effect,
+            fingerprint=derived.fingerprint,
+            lease_until=None if effect is Effect.DATABASE else self.lease_until,
+        )
+
+    def _context(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobContext:
+        message, derived = self.primaries[request.idem_key]
+        return JobContext(
+            idem_key=request.idem_key,
+            job=derived.definition.name,
+            message_id=message.message_id,
+            delivery_count=message.delivery_count,
+            deadline=self.deadline,
+            db=db,
+        )
+
+    def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
+        return run_handler(self.primaries[request.idem_key][1], self._context(request, db))
+
+    def _run_database(self, requests: list[ClaimRequest]) -> None:
+        """Claim, run and settle in one transaction for the whole batch."""
+        if not requests:
+            return
+        try:
+            decisions, settlements = self.ledger.run_database_batch(requests, self._run)
+        except LedgerError as exc:
+            for request in requests:
+                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
+            return
+        self._record(decisions, settlements)
+
+    def _run_external(self, requests: list[ClaimRequest]) -> None:
+        """Commit the claims, then run and settle each job right after its effect."""
+        if not requests:
+            return
+        try:
+            decisions = self.ledger.claim(requests)
+        except LedgerError as exc:
+            for request in requests:
+                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
+            return
+        settlements: list[Settlement] = []
+        for decision in decisions:
+            if decision.status is not ClaimStatus.WON:
+                continue
+            run = self._run(decision.request, None)
+            try:
+                settlements.append(self.ledger.settle(decision.request, run))
+            except LedgerError as exc:
+                # The effect may have happened and its claim stays running: a human decides.
+                outcome = Outcome.STUCK if run.kind is not RunKind.TRANSIENT else Outcome.RETRY
+                detail = f"handler {run.kind}, then settling failed: {exc}"
+                self._set_for(decision.request, outcome, detail)
+        self._record(decisions, settlements)
+
+    def _record(
+        self, decisions: Sequence[ClaimDecision], settlements: Sequence[Settlement]
+    ) -> None:
+        stuck_reasons: dict[str, str] = {}
+        for decision in decisions:
+            outcome = _CLAIM_OUTCOMES.get(decision.status)
+            if outcome is None:  # WON: its settlement decides
+                continue
+            if outcome is Outcome.STUCK:
+                stuck_reasons[decision.request.idem_key] = decision.detail
+            self._set_for(decision.request, outcome, decision.detail)
+        for settlement in settlements:
+            outcome = _SETTLE_OUTCOMES[settlement.status]
+            self._set_for(settlement.request, outcome, settlement.run.error)
+        if stuck_reasons:
+            try:
+                self.ledger.flag_stuck(stuck_reasons)
+            except LedgerError as exc:
+                logger.warning(
+                    "could not flag stuck claims",
+                    extra={"action": "flag_failed", "detail": str(exc)},
+                )
+
+    def _mirror_copies(self) -> None:
+        """A second copy of a key in the same batch never runs; it follows the first."""
+        for message, derived in self.copies:
+            first_message, first_derived = self.primaries[derived.idem_key]
+            first = self.results[first_message.message_id]
+            if derived.fingerprint != first_derived.fingerprint:
+                outcome = Outcome.CONFLICT
+                detail = f"same key as {first_message.message_id} in this batch, different work"
+            elif first.ack or first.outcome is Outcome.RETRY:
+                # The first copy's message carries the work (or its retries) from here on.
+                outcome = Outcome.IN_FLIGHT
+                detail = f"copy of {first_message.message_id} in the same batch"
+            else:
+                outcome = Outcome.BATCH_DUPLICATE
+                detail = f"copy of {first_message.message_id}, which ended {first.outcome}"
+            self._set(
+                MessageResult(message, outcome, derived.idem_key, derived.definition.name, detail)
+            )
+
+    def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
+        message, derived = self.primaries[request.idem_key]
+        self._set(
+            MessageResult(message, outcome, request.idem_key, derived.definition.name, detail)
+        )
+
+    def _set(self, result: MessageResult) -> None:
+        # The first decision about a message stands (a settle failure is recorded first).
+        if result.message.message_id not in self.results:
+            self.results[result.message.message_id] = _log(result)
+
+
+_CLAIM_OUTCOMES = {
+    ClaimStatus.DONE: Outcome.DUPLICATE,
+    ClaimStatus.LIVE: Outcome.IN_FLIGHT,
+    ClaimStatus.FAILED: Outcome.DUPLICATE_FAILED,
+    ClaimStatus.STUCK: Outcome.STUCK,
+    ClaimStatus.CONFLICT: Outcome.CONFLICT,
+}
+_SETTLE_OUTCOMES = {
+    SettleStatus.DONE: Outcome.DONE,
+    SettleStatus.FAILED: Outcome.FAILED,
+    SettleStatus.RELEASED: Outcome.RETRY,
+    SettleStatus.STUCK: Outcome.STUCK,
+    SettleStatus.LOST: Outcome.CLAIM_LOST,
+}
+
+
+def run_handler(derived: DerivedJob, ctx: JobContext) -> JobRun:
+    """Run one handler and turn whatever it does into a ``JobRun``.
+
+    This is the one place that catches every exception: a job's failure is an outcome to
+    settle, not a crash of the batch.
+    """
+    try:
+        result = derived.definition.handler(derived.payload, ctx)
+    except PermanentJobError as exc:
+        return JobRun(RunKind.PERMANENT, error=_describe(exc))
+    except EffectUncertain as exc:
+        return JobRun(RunKind.UNCERTAIN, error=_describe(exc))
+    except Exception as exc:  # noqa: BLE001 - the one place a handler's failure becomes an outcome
+        return JobRun(RunKind.TRANSIENT, error=_describe(exc))
+    return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
+
+
+def _ack_settled(
+    queue: QueuePort,
+    queue_name: str,
+    results: Sequence[MessageResult],
+    pool: ThreadPoolExecutor,
+    summary: DrainSummary,
+) -> None:
+    to_ack = [r for r in results if r.ack]
+    futures = [(r, pool.submit(queue.ack, queue_name, r.message.receipt_handle)) for r in to_ack]
+    for result, future in futures:
+        try:
+            future.result()
+        except QueueMessageNotFound:
+            summary.ack_lost += 1
+            _log_ack(result, "ack_lost")
+        except InfraiError as exc:
+            # Harmless for correctness: the redelivery finds the claim settled and is acked then.
+            summary.ack_failed += 1
+            _log_ack(result, "ack_failed", str(exc))
+        else:
+            summary.acked += 1
+
+
+def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
+    for r in results:
+        summary.consumed += 1
+        summary.outcomes[r.outcome.value] += 1
+        if r.outcome is Outcome.DONE:
+            summary.done += 1
+        elif r.outcome in (Outcome.DUPLICATE, Outcome.IN_FLIGHT):
+            summary.duplicates += 1
+        elif r.outcome in (Outcome.RETRY, Outcome.FAILED):
+            summary.failed += 1
+        else:
+            summary.parked += 1
+
+
+def _log(result: MessageResult) -> MessageResult:
+    level = logging.INFO if result.ack or result.outcome is Outcome.RETRY else logging.WARNING
+    if result.outcome in (Outcome.REJECTED, Outcome.CONFLICT, Outcome.STUCK, Outcome.CLAIM_LOST):
+        level = logging.ERROR
+    logger.log(
+        level,
+        "message %s",
+        result.outcome.value,
+        extra={
+            "action": result.outcome.value,
+            "idem_key": result.idem_key,
+            "message_id": result.message.message_id,
+            "delivery_count": result.message.delivery_count,
+            "job": result.job,
+            "acked": result.ack,
+            "detail": result.detail,
+        },
+    )
+    return result
+
+
+def _log_ack(result: MessageResult, action: str, detail: str = "") -> None:
+    logger.warning(
+        "ack %s",
+        action,
+        extra={
+            "action": action,
+            "idem_key": result.idem_key,
+            "message_id": result.message.message_id,
+            "delivery_count": result.message.delivery_count,
+            "job": result.job,
+            "detail": detail,
+        },
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 2000 else text[:1997] + "..."
+
+
+def _jsonable(result: JsonValue) -> JsonValue:
+    # The effect has happened; an unstorable result must not turn into a retry of it.
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError):
+        return {"unserializable_result": repr(result)[:1000]}
+    return result

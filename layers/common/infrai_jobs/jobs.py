@@ -1,0 +1,158 @@
+"""Declaring jobs: a name, how its key is derived, its effect class, and its handler.
+
+Users write handlers in ``functions/drain/jobs/`` and register them on a ``JobRegistry``::
+
+    registry = JobRegistry()
+
+    @registry.job("invoice.finalize", effect=Effect.DATABASE, identity=("invoice_id",))
+    def finalize_invoice(payload: Payload, ctx: JobContext) -> JsonValue:
+        ...
+
+The effect class decides how the claim protects the work (see DESIGN.md's outcome table):
+
+* ``DATABASE``: effects only in the ledger's own Postgres. The handler gets ``ctx.db``, a
+  connection inside the batch transaction; claim, effect and ``done`` commit together.
+* ``EXTERNAL``: irreversible calls. The claim is committed ``running`` first; a crash after the
+  call leaves it for a human, never for a retry.
+* ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
+  may be taken over and the call repeated with the same key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError
+from infrai_jobs.keys import derive_key, payload_fingerprint
+
+if TYPE_CHECKING:
+    import psycopg
+
+Payload = Mapping[str, Any]
+JsonValue = Any
+
+
+class Effect(StrEnum):
+    DATABASE = "database"
+    EXTERNAL = "external"
+    EXTERNAL_IDEMPOTENT = "external_idempotent"
+
+
+@dataclass(frozen=True, slots=True)
+class JobContext:
+    """What a handler knows about the delivery it is running for."""
+
+    idem_key: str
+    job: str
+    message_id: str
+    delivery_count: int
+    # Epoch seconds by which the invocation must have finished (the lease's basis).
+    deadline: float
+    # Only for DATABASE jobs: the connection whose transaction also holds the claim.
+    db: psycopg.Connection[Any] | None = None
+
+
+Handler = Callable[[Payload, JobContext], JsonValue]
+
+
+@dataclass(frozen=True, slots=True)
+class JobDefinition:
+    name: str
+    effect: Effect
+    handler: Handler
+    # Payload fields that identify the work; the key is "{name}:{field1}:{field2}...".
+    # Empty means "no natural identity": the key is a hash of the canonical payload.
+    identity: tuple[str, ...] = ()
+    # Fields the handler cannot work without; a payload missing one is rejected before claiming.
+    required: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedJob:
+    """A payload matched to its job, with the key and fingerprint the claim will carry."""
+
+    definition: JobDefinition
+    payload: Payload
+    idem_key: str
+    fingerprint: str
+
+
+@dataclass
+class JobRegistry:
+    _jobs: dict[str, JobDefinition] = field(default_factory=dict)
+
+    def register(self, definition: JobDefinition) -> JobDefinition:
+        if definition.name in self._jobs:
+            raise ConfigurationError(f"job {definition.name!r} is registered twice")
+        self._jobs[definition.name] = definition
+        return definition
+
+    def job(
+        self,
+        name: str,
+        *,
+        effect: Effect,
+        identity: Sequence[str] = (),
+        required: Sequence[str] = (),
+    ) -> Callable[[Handler], Handler]:
+        """Decorator form of ``register``."""
+
+        def decorate(handler: Handler) -> Handler:
+            self.register(
+                JobDefinition(
+                    name=name,
+                    effect=effect,
+                    handler=handler,
+                    identity=tuple(identity),
+                    required=tuple(dict.fromkeys((*identity, *required))),
+                )
+            )
+            return handler
+
+        return decorate
+
+    def __iter__(self) -> Iterator[JobDefinition]:
+        return iter(self._jobs.values())
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, name: str) -> JobDefinition | None:
+        return self._jobs.get(name)
+
+    def identity_table(self) -> dict[str, tuple[str, ...]]:
+        return {job.name: job.identity for job in self._jobs.values() if job.identity}
+
+    def derive(self, payload: object) -> DerivedJob:
+        """Match a payload to its job and derive its key; ``KeyDerivationError`` says why not."""
+        if not isinstance(payload, Mapping):
+            raise KeyDerivationError(
+                f"payload is not a JSON object (got {_json_type_name(payload)})"
+            )
+        name = payload.get("job")
+        if not isinstance(name, str) or not name:
+            raise KeyDerivationError("payload has no 'job' string naming the job type")
+        definition = self._jobs.get(name)
+        if definition is None:
+            known = ", ".join(sorted(self._jobs)) or "none"
+            raise KeyDerivationError(f"unknown job {name!r} (registered: {known})")
+        missing = [f for f in definition.required if payload.get(f) in (None, "")]
+        if missing:
+            raise KeyDerivationError(f"job {name!r} is missing field(s): {', '.join(missing)}")
+        idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
+        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload))
+
+
+def _json_type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+    }.get(type(value), type(value).__name__)

@@ -1,0 +1,503 @@
+"""The claim ledger: ``job_claims`` in Postgres, claimed before any work runs.
+
+Every claim for a batch is one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``), and
+every state change after it is fenced by the claim token: ``WHERE idem_key = k AND claim_token =
+t``. An update that matches nothing means the claim was lost (taken over, resolved by a human), and
+the caller must not ack.
+
+``database`` jobs run inside one batch transaction, a savepoint each, so no ``running`` row of
+theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed ``running``
+with a lease before the effect, and settled one by one right after it, to keep the window in which
+a crash leaves a stuck row as small as the call itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+
+from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.jobs import Effect, JsonValue
+from infrai_jobs.migrations import LATEST_VERSION, current_version
+from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
+
+logger = logging.getLogger(__name__)
+
+
+class ClaimStatus(StrEnum):
+    WON = "won"  # this delivery holds the claim and should run the job
+    DONE = "done"  # the work already succeeded
+    FAILED = "failed"  # the work failed permanently earlier
+    LIVE = "live"  # another delivery holds an unexpired claim
+    STUCK = "stuck"  # an irreversible effect's outcome is unknown: a human decides
+    CONFLICT = "conflict"  # same key, different work
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    idem_key: str
+    message_id: str
+    job: str
+    effect: Effect
+    fingerprint: str
+    # When the claim may be considered abandoned; None for database jobs (never committed).
+    lease_until: datetime | None = None
+    claim_token: uuid.UUID = field(default_factory=uuid.uuid4)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimDecision:
+    request: ClaimRequest
+    status: ClaimStatus
+    detail: str = ""
+    result: JsonValue = None
+
+
+class RunKind(StrEnum):
+    SUCCEEDED = "succeeded"
+    PERMANENT = "permanent"  # PermanentJobError: mark failed
+    UNCERTAIN = "uncertain"  # EffectUncertain: leave running, flag stuck
+    TRANSIENT = "transient"  # anything else: release the claim for a retry
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    """What happened when a handler ran; built by the drain, settled by the ledger."""
+
+    kind: RunKind
+    result: JsonValue = None
+    error: str = ""
+
+
+class SettleStatus(StrEnum):
+    DONE = "done"
+    FAILED = "failed"
+    RELEASED = "released"
+    STUCK = "stuck"
+    LOST = "lost"  # the fenced update matched nothing: someone else owns the row now
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    request: ClaimRequest
+    status: SettleStatus
+    run: JobRun
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRow:
+    idem_key: str
+    state: str
+    message_id: str
+    job: str | None
+    effect: str | None
+    attempts: int | None
+    payload_sha256: str | None
+    error: str | None
+    result: JsonValue
+    claimed_at: datetime
+    lease_until: datetime | None
+    updated_at: datetime | None
+    claim_token: uuid.UUID | None
+
+
+# --- SQL: static, parameterised ----------------------------------------------------------------
+
+_CLAIM: LiteralString = """
+WITH input AS (
+    SELECT * FROM unnest(
+        %(keys)s::text[], %(message_ids)s::text[], %(jobs)s::text[], %(effects)s::text[],
+        %(tokens)s::uuid[], %(leases)s::timestamptz[], %(fingerprints)s::text[]
+    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, payload_sha256)
+),
+claimed AS (
+    INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
+                                 lease_until, payload_sha256, attempts, updated_at)
+    SELECT idem_key, 'running', message_id, job, effect, claim_token,
+           lease_until, payload_sha256, 1, now()
+    FROM input
+    ORDER BY idem_key
+    ON CONFLICT (idem_key) DO UPDATE
+        SET message_id = EXCLUDED.message_id,
+            claim_token = EXCLUDED.claim_token,
+            lease_until = EXCLUDED.lease_until,
+            attempts = coalesce(c.attempts, 1) + 1,
+            error = NULL,
+            updated_at = now()
+        -- Takeover: only a key-passing effect, only the same work, only once the lease is over
+        -- or when the holder is this very message (its earlier delivery is certainly dead).
+        WHERE c.state = 'running'
+          AND c.effect = 'external_idempotent'
+          AND EXCLUDED.effect = 'external_idempotent'
+          AND c.payload_sha256 = EXCLUDED.payload_sha256
+          AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id)
+    RETURNING c.idem_key, c.claim_token
+)
+SELECT i.idem_key, c.claim_token AS won_token, j.state, j.message_id, j.effect,
+       j.payload_sha256, j.error, j.result,
+       coalesce(j.lease_until, j.claimed_at + make_interval(secs => %(visibility)s)) < now()
+           AS lease_expired
+FROM input i
+LEFT JOIN claimed c ON c.idem_key = i.idem_key
+LEFT JOIN job_claims j ON j.idem_key = i.idem_key
+"""
+
+# A claim that lost a race with a transaction committing the same key cannot see that row in
+# the claim statement's snapshot; this re-reads those few keys.
+_REREAD: LiteralString = """
+SELECT idem_key, NULL::uuid AS won_token, state, message_id, effect, payload_sha256, error,
+       result,
+       coalesce(lease_until, claimed_at + make_interval(secs => %(visibility)s)) < now()
+           AS lease_expired
+FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
+"""
+
+_SETTLE_DONE: LiteralString = """
+UPDATE job_claims AS c
+SET state = 'done', result = u.result::jsonb, error = NULL, updated_at = now()
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::text[])
+    AS u(idem_key, claim_token, result)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+_SETTLE_FAILED: LiteralString = """
+UPDATE job_claims AS c
+SET state = 'failed', error = u.error, updated_at = now()
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
+    AS u(idem_key, claim_token, error)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+_MARK_UNCERTAIN: LiteralString = """
+UPDATE job_claims AS c
+SET error = u.error, updated_at = now()
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
+    AS u(idem_key, claim_token, error)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+_RELEASE: LiteralString = """
+DELETE FROM job_claims AS c
+USING unnest(%(keys)s::text[], %(tokens)s::uuid[]) AS u(idem_key, claim_token)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+# Annotates a claim this delivery does not hold; it changes no state, so it is not fenced.
+_FLAG_STUCK: LiteralString = """
+UPDATE job_claims AS c
+SET error = u.reason, updated_at = now()
+FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
+WHERE c.idem_key = u.idem_key AND c.state = 'running'
+  AND c.error IS DISTINCT FROM u.reason
+"""
+
+_SELECT_ROW: LiteralString = """
+SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
+       claimed_at, lease_until, updated_at, claim_token
+FROM job_claims WHERE idem_key = %(key)s
+"""
+
+
+# --- The ledger --------------------------------------------------------------------------------
+
+DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any]"], JobRun]
+
+
+class PostgresLedger:
+    """The claim ledger on one reusable connection, re-established when the server drops it."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        connect_timeout: int = 5,
+        visibility_timeout: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+    ) -> None:
+        self._url = database_url
+        self._connect_timeout = connect_timeout
+        self._visibility = visibility_timeout
+        self._conn: psycopg.Connection[Any] | None = None
+        self._schema_checked = False
+
+    def __repr__(self) -> str:
+        return "PostgresLedger(<database url redacted>)"
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # --- connection handling --------------------------------------------------------------
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        if conn is not None:
+            logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
+            conn.close()
+        try:
+            conn = psycopg.connect(
+                self._url,
+                autocommit=True,
+                connect_timeout=self._connect_timeout,
+                application_name="infrai-jobs",
+            )
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+        if not self._schema_checked:
+            version = current_version(conn)
+            if version < LATEST_VERSION:
+                conn.close()
+                raise SchemaNotMigrated(
+                    f"the ledger schema is at version {version}, this code needs "
+                    f"{LATEST_VERSION}: run `infrai-jobs migrate`"
+                )
+            self._schema_checked = True
+        self._conn = conn
+        return conn
+
+    @contextmanager
+    def _translated(self) -> Iterator[psycopg.Connection[Any]]:
+        """Yield the connection; turn driver errors into the package's own."""
+        conn = self._connection()
+        try:
+            yield conn
+        except psycopg.OperationalError as exc:
+            # The server closed the connection, or it broke mid-statement: reconnect next time.
+            self._drop(conn)
+            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+        except psycopg.Error as exc:
+            raise LedgerError(f"the ledger rejected a statement: {exc}") from exc
+
+    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            conn.close()
+        finally:
+            if self._conn is conn:
+                self._conn = None
+
+    # --- claims ---------------------------------------------------------------------------
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+        """Claim external-effect jobs (committed at once). Keys must be distinct."""
+        if not requests:
+            return []
+        with self._translated() as conn:
+            try:
+                return self._claim_on(conn, requests)
+            except psycopg.OperationalError:
+                self._release_after_lost_answer(requests)
+                raise
+
+    def _release_after_lost_answer(self, requests: Sequence[ClaimRequest]) -> None:
+        # The claim may have committed before the answer was lost. No effect has run yet, so
+        # this invocation can still safely give its claims back; otherwise the redelivery would
+        # find them running and (rightly, for an irreversible effect) flag them stuck.
+        try:
+            fresh = psycopg.connect(
+                self._url, autocommit=True, connect_timeout=self._connect_timeout
+            )
+        except psycopg.Error:
+            logger.warning(
+                "could not release claims after a lost answer",
+                extra={"action": "release_failed", "keys": [r.idem_key for r in requests]},
+            )
+            return
+        with fresh:
+            fresh.execute(
+                _RELEASE,
+                {
+                    "keys": [r.idem_key for r in requests],
+                    "tokens": [r.claim_token for r in requests],
+                },
+            )
+
+    def _claim_on(
+        self, conn: psycopg.Connection[Any], requests: Sequence[ClaimRequest]
+    ) -> list[ClaimDecision]:
+        ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
+        params = {
+            "keys": [r.idem_key for r in ordered],
+            "message_ids": [r.message_id for r in ordered],
+            "jobs": [r.job for r in ordered],
+            "effects": [r.effect.value for r in ordered],
+            "tokens": [r.claim_token for r in ordered],
+            "leases": [r.lease_until for r in ordered],
+            "fingerprints": [r.fingerprint for r in ordered],
+            "visibility": self._visibility,
+        }
+        with conn.cursor(row_factory=dict_row) as cur:
+            rows = {row["idem_key"]: row for row in cur.execute(_CLAIM, params).fetchall()}
+            unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
+            if unseen:
+                reread = cur.execute(_REREAD, {"keys": unseen, "visibility": self._visibility})
+                rows.update({row["idem_key"]: row for row in reread.fetchall()})
+        by_key = {r.idem_key: r for r in requests}
+        return [_decide(by_key[key], row) for key, row in rows.items()]
+
+    # --- database-class batch -------------------------------------------------------------
+
+    def run_database_batch(
+        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        """Claim, run and settle database jobs in one transaction (a savepoint per job).
+
+        Returns every claim decision and the settlements of the jobs that ran. Nothing is
+        committed unless everything is, so a crash or a lost connection leaves no trace and the
+        redeliveries simply run again.
+        """
+        if not requests:
+            return [], []
+        with self._translated() as conn, conn.transaction():
+            decisions = self._claim_on(conn, requests)
+            runs: list[tuple[ClaimRequest, JobRun]] = []
+            for decision in decisions:
+                if decision.status is ClaimStatus.WON:
+                    runs.append((decision.request, self._run_in_savepoint(conn, decision, runner)))
+            settlements = self._settle_on(conn, runs, uncertain_is_stuck=False)
+        return decisions, settlements
+
+    @staticmethod
+    def _run_in_savepoint(
+        conn: psycopg.Connection[Any], decision: ClaimDecision, runner: DatabaseRunner
+    ) -> JobRun:
+        with conn.transaction() as savepoint:
+            run = runner(decision.request, conn)
+            aborted = conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+            if run.kind is RunKind.SUCCEEDED and aborted:
+                # The handler swallowed a database error: its work cannot be committed.
+                run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
+            if run.kind is not RunKind.SUCCEEDED:
+                raise psycopg.Rollback(savepoint)
+        return run
+
+    # --- settling -------------------------------------------------------------------------
+
+    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+        """Settle one external job right after its effect, fenced by its claim token."""
+        with self._translated() as conn:
+            (settlement,) = self._settle_on(conn, [(request, run)], uncertain_is_stuck=True)
+        return settlement
+
+    def _settle_on(
+        self,
+        conn: psycopg.Connection[Any],
+        runs: Sequence[tuple[ClaimRequest, JobRun]],
+        *,
+        uncertain_is_stuck: bool,
+    ) -> list[Settlement]:
+        groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
+        for request, run in runs:
+            kind = run.kind
+            if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
+                # A database job's effect was rolled back with its savepoint: nothing is
+                # uncertain, so a retry is safe.
+                kind = RunKind.TRANSIENT
+            groups.setdefault(kind, []).append((request, run))
+
+        matched: set[str] = set()
+        for kind, items in groups.items():
+            keys = [r.idem_key for r, _ in items]
+            tokens = [r.claim_token for r, _ in items]
+            if kind is RunKind.SUCCEEDED:
+                results = [json.dumps(run.result, allow_nan=False) for _, run in items]
+                cursor = conn.execute(
+                    _SETTLE_DONE, {"keys": keys, "tokens": tokens, "results": results}
+                )
+            elif kind is RunKind.PERMANENT:
+                errors = [run.error for _, run in items]
+                cursor = conn.execute(
+                    _SETTLE_FAILED, {"keys": keys, "tokens": tokens, "errors": errors}
+                )
+            elif kind is RunKind.UNCERTAIN:
+                errors = [f"effect uncertain: {run.error}" for _, run in items]
+                cursor = conn.execute(
+                    _MARK_UNCERTAIN, {"keys": keys, "tokens": tokens, "errors": errors}
+                )
+            else:
+                cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
+            matched.update(row[0] for row in cursor.fetchall())
+
+        status_of = {
+            RunKind.SUCCEEDED: SettleStatus.DONE,
+            RunKind.PERMANENT: SettleStatus.FAILED,
+            RunKind.UNCERTAIN: SettleStatus.STUCK if uncertain_is_stuck else SettleStatus.RELEASED,
+            RunKind.TRANSIENT: SettleStatus.RELEASED,
+        }
+        return [
+            Settlement(
+                request,
+                status_of[run.kind] if request.idem_key in matched else SettleStatus.LOST,
+                run,
+            )
+            for request, run in runs
+        ]
+
+    def flag_stuck(self, reasons: dict[str, str]) -> None:
+        """Record on each running claim why a human must look at it."""
+        if not reasons:
+            return
+        with self._translated() as conn:
+            conn.execute(_FLAG_STUCK, {"keys": list(reasons), "reasons": list(reasons.values())})
+
+    def get(self, idem_key: str) -> ClaimRow | None:
+        with self._translated() as conn, conn.cursor(row_factory=dict_row) as cur:
+            row = cur.execute(_SELECT_ROW, {"key": idem_key}).fetchone()
+        return ClaimRow(**row) if row else None
+
+
+def _decide(request: ClaimRequest, row: dict[str, Any]) -> ClaimDecision:
+    """Classify one claim attempt from the claim statement's answer."""
+    if row["won_token"] is not None:
+        return ClaimDecision(request, ClaimStatus.WON)
+    state = row["state"]
+    if state is None:
+        # The row vanished between the claim and the re-read (a release by its holder). The
+        # message is left unacked and comes back; by then the key is free.
+        return ClaimDecision(request, ClaimStatus.LIVE, "claim released concurrently")
+    stored = row["payload_sha256"]
+    if stored is not None and stored != request.fingerprint:
+        return ClaimDecision(
+            request,
+            ClaimStatus.CONFLICT,
+            f"key {request.idem_key} already claimed for different work "
+            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)",
+        )
+    if state == "done":
+        return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
+    if state == "failed":
+        return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
+    # Running: held by someone, or abandoned.
+    if row["message_id"] == request.message_id:
+        return ClaimDecision(
+            request,
+            ClaimStatus.STUCK,
+            "redelivered while its own claim is still running: the earlier attempt died "
+            "after claiming, and the effect may have happened",
+        )
+    if row["lease_expired"]:
+        return ClaimDecision(
+            request,
+            ClaimStatus.STUCK,
+            "claim lease expired while running: the effect may have happened",
+        )
+    return ClaimDecision(request, ClaimStatus.LIVE, "another delivery holds a live claim")
+
+
+def utc_from_epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)

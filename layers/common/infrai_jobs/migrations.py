@@ -1,0 +1,100 @@
+"""Versioned, idempotent schema migrations for the claim ledger.
+
+``apply_migrations`` takes a transaction-scoped advisory lock, so two ``infrai-jobs migrate`` runs
+started at once apply each migration exactly once: the second waits, then finds nothing to do.
+Every statement is also written to be harmless when repeated (``IF NOT EXISTS``), and the first
+migration adopts a ``job_claims`` table created by the field notes' own DDL: every column it adds
+is nullable or defaulted, so the notes' ``INSERT (idem_key, state, message_id)`` keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, LiteralString
+
+import psycopg
+
+# An arbitrary constant that names "infrai-jobs schema changes" among advisory locks.
+MIGRATION_LOCK_ID = 0x1F0A_7C3B
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    sql: LiteralString
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "claim ledger",
+        """
+        CREATE TABLE IF NOT EXISTS job_claims (
+            idem_key   text PRIMARY KEY,
+            state      text NOT NULL CHECK (state IN ('running', 'done', 'failed')),
+            message_id text NOT NULL,
+            result     jsonb,
+            claimed_at timestamptz NOT NULL DEFAULT now()
+        );
+        ALTER TABLE job_claims
+            ADD COLUMN IF NOT EXISTS job            text,
+            ADD COLUMN IF NOT EXISTS effect         text,
+            ADD COLUMN IF NOT EXISTS claim_token    uuid,
+            ADD COLUMN IF NOT EXISTS lease_until    timestamptz,
+            ADD COLUMN IF NOT EXISTS attempts       int DEFAULT 1,
+            ADD COLUMN IF NOT EXISTS payload_sha256 text,
+            ADD COLUMN IF NOT EXISTS error          text,
+            ADD COLUMN IF NOT EXISTS updated_at     timestamptz;
+        DO $$ BEGIN
+            ALTER TABLE job_claims ADD CONSTRAINT job_claims_effect_check
+                CHECK (effect IN ('database', 'external', 'external_idempotent'));
+        EXCEPTION WHEN duplicate_object THEN NULL;
+        END $$;
+        CREATE INDEX IF NOT EXISTS job_claims_running_idx
+            ON job_claims (claimed_at) WHERE state = 'running';
+        CREATE INDEX IF NOT EXISTS job_claims_settled_idx
+            ON job_claims ((coalesce(updated_at, claimed_at))) WHERE state IN ('done', 'failed');
+        """,
+    ),
+)
+
+_CREATE_VERSIONS: LiteralString = """
+    CREATE TABLE IF NOT EXISTS infrai_jobs_schema (
+        version    int PRIMARY KEY,
+        name       text NOT NULL,
+        applied_at timestamptz NOT NULL DEFAULT now()
+    )
+"""
+_LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(lock_id)s)"
+_APPLIED: LiteralString = "SELECT version FROM infrai_jobs_schema"
+_RECORD: LiteralString = (
+    "INSERT INTO infrai_jobs_schema (version, name) VALUES (%(version)s, %(name)s)"
+)
+LATEST_VERSION = MIGRATIONS[-1].version
+
+
+def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
+    """Apply what is missing, in order, in one transaction; return what was applied."""
+    applied_now: list[Migration] = []
+    with conn.transaction():
+        conn.execute(_LOCK, {"lock_id": MIGRATION_LOCK_ID})
+        # Under the lock, so a concurrent first run cannot race on CREATE TABLE IF NOT EXISTS.
+        conn.execute(_CREATE_VERSIONS)
+        done = {row[0] for row in conn.execute(_APPLIED).fetchall()}
+        for migration in MIGRATIONS:
+            if migration.version in done:
+                continue
+            conn.execute(migration.sql)
+            conn.execute(_RECORD, {"version": migration.version, "name": migration.name})
+            applied_now.append(migration)
+    return applied_now
+
+
+def current_version(conn: psycopg.Connection[Any]) -> int:
+    """The schema version in the database; 0 when never migrated."""
+    row = conn.execute("SELECT to_regclass('infrai_jobs_schema') IS NOT NULL").fetchone()
+    if not row or not row[0]:
+        return 0
+    version = conn.execute("SELECT coalesce(max(version), 0) FROM infrai_jobs_schema").fetchone()
+    return int(version[0]) if version else 0

@@ -1,0 +1,177 @@
+"""A stand-in for the downstream providers of the example jobs, on loopback.
+
+It counts effects so tests and the demo can prove "at most once":
+
+* ``POST /v1/mail/send``: a mail-like, non-idempotent provider; every call is one more e-mail.
+* ``POST /v1/digests``: honours ``Idempotency-Key``: a repeated key replays the first answer and
+  performs no new effect.
+* ``GET /_sink/state``: calls and effects per route and per key.
+* ``POST /_sink/faults`` ``{"fail_rate": p, "hang_rate": p, "hang_seconds": s, "seed": n}``: answer
+  503 without an effect, or perform the effect and then hang past the client's read timeout.
+* ``POST /_sink/reset``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class SinkState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    calls: Counter[str] = field(default_factory=Counter)
+    mails: Counter[str] = field(default_factory=Counter)  # invoice id -> e-mails sent
+    digests: Counter[str] = field(default_factory=Counter)  # idempotency key -> digests built
+    replies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    fail_rate: float = 0.0
+    hang_rate: float = 0.0
+    hang_seconds: float = 6.0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "calls": dict(self.calls),
+                "mails": dict(self.mails),
+                "digests": dict(self.digests),
+                "mail_effects": sum(self.mails.values()),
+                "digest_effects": sum(self.digests.values()),
+            }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _SinkServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            parsed = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+
+    def do_GET(self) -> None:
+        if self.path == "/_sink/state":
+            self._reply(200, self.server.state.snapshot())
+        else:
+            self._reply(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        state = self.server.state
+        body = self._body()
+        if self.path == "/_sink/reset":
+            with state.lock:
+                self.server.state = SinkState()
+            self._reply(200, {"ok": True})
+            return
+        if self.path == "/_sink/faults":
+            with state.lock:
+                state.fail_rate = float(body.get("fail_rate", 0.0))
+                state.hang_rate = float(body.get("hang_rate", 0.0))
+                state.hang_seconds = float(body.get("hang_seconds", 6.0))
+                state.rng = random.Random(body.get("seed"))
+            self._reply(200, {"ok": True})
+            return
+        if self.path not in ("/v1/mail/send", "/v1/digests"):
+            self._reply(404, {"error": "not found"})
+            return
+        with state.lock:
+            state.calls[self.path] += 1
+            fail = state.rng.random() < state.fail_rate
+            hang = not fail and state.rng.random() < state.hang_rate
+        if fail:
+            self._reply(503, {"error": "provider unavailable, nothing done"})
+            return
+        reply = self._effect(state, body)
+        if hang:
+            # The effect happened; the caller will time out and cannot know it.
+            time.sleep(state.hang_seconds)
+        self._reply(200, reply)
+
+    def _effect(self, state: SinkState, body: dict[str, Any]) -> dict[str, Any]:
+        with state.lock:
+            if self.path == "/v1/mail/send":
+                state.mails[str(body.get("invoice_id"))] += 1
+                return {"id": "mail_" + secrets.token_hex(6)}
+            key = self.headers.get("Idempotency-Key") or ""
+            if key and key in state.replies:
+                return {**state.replies[key], "replayed": True}
+            state.digests[key] += 1
+            reply = {"id": "dg_" + secrets.token_hex(6)}
+            if key:
+                state.replies[key] = reply
+            return reply
+
+
+class _SinkServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        super().__init__(address, _Handler)
+        self.state = SinkState()
+
+
+@dataclass
+class RunningSink:
+    server: _SinkServer
+    thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    @property
+    def state(self) -> SinkState:
+        return self.server.state
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningSink:
+    server = _SinkServer((host, port))
+    thread = threading.Thread(target=server.serve_forever, name="provider-sink", daemon=True)
+    thread.start()
+    return RunningSink(server, thread)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Local provider stand-in for the example jobs.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    sink = start_in_thread(args.host, args.port)
+    print(sink.url, flush=True)
+    try:
+        sink.thread.join()
+    except KeyboardInterrupt:
+        sink.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""A harness for drain tests: the emulator over HTTP, a migrated ledger in a real PostgreSQL, the
+example jobs from ``functions/drain/jobs`` and a few test jobs whose effects can be counted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import urllib3
+
+from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.errors import EffectUncertain, PermanentJobError
+from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.ledger import ClaimRow, PostgresLedger
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_local import emulator as emulator_module
+from infrai_local import provider_sink
+from jobs import build_registry
+from jobs.invoice import INVOICES_DDL
+
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+API_KEY = "test-key"
+VISIBILITY = 300
+
+EFFECTS_DDL = """
+CREATE TABLE IF NOT EXISTS test_effects (idem_key text NOT NULL, message_id text NOT NULL);
+CREATE TABLE IF NOT EXISTS test_external_effects (idem_key text NOT NULL);
+"""
+
+
+def add_test_jobs(registry: JobRegistry, database_url: str) -> None:
+    """``test.db`` and ``test.ext`` count their effects in tables; ``mode`` steers failures."""
+
+    def fail_as(payload: Payload) -> None:
+        mode = payload.get("mode", "ok")
+        if mode == "transient":
+            raise RuntimeError("simulated transient failure")
+        if mode == "permanent":
+            raise PermanentJobError("simulated permanent failure")
+        if mode == "uncertain":
+            raise EffectUncertain("simulated timeout after the call")
+
+    @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
+    def db_job(payload: Payload, ctx: JobContext) -> JsonValue:
+        assert ctx.db is not None
+        ctx.db.execute(
+            "INSERT INTO test_effects (idem_key, message_id) VALUES (%s, %s)",
+            (ctx.idem_key, ctx.message_id),
+        )
+        fail_as(payload)  # after the effect: a failure must roll it back
+        return {"id": payload["id"]}
+
+    @registry.job("test.ext", effect=Effect.EXTERNAL, identity=("id",))
+    def ext_job(payload: Payload, ctx: JobContext) -> JsonValue:
+        if payload.get("mode") in (None, "ok", "uncertain"):
+            # An effect outside the ledger's transaction: it cannot be rolled back.
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                conn.execute("INSERT INTO test_external_effects VALUES (%s)", (ctx.idem_key,))
+        fail_as(payload)
+        return {"sent": payload["id"]}
+
+
+@dataclass
+class Harness:
+    server: Any
+    sink: provider_sink.RunningSink
+    client: InfraiClient
+    ledger: PostgresLedger
+    registry: JobRegistry
+    database_url: str
+    control: urllib3.PoolManager = field(default_factory=urllib3.PoolManager)
+
+    def publish(self, payload: Any, times: int = 1) -> list[str]:
+        return [self.client.publish(QUEUE, payload) for _ in range(times)]
+
+    def drain(self, time_left_ms: Callable[[], int] | None = None, **config: Any) -> DrainSummary:
+        return drain(
+            self.client,
+            self.ledger,
+            self.registry,
+            DrainConfig(queue=QUEUE, **config),
+            time_left_ms or (lambda: 120_000),
+        )
+
+    def advance(self, seconds: float = VISIBILITY + 1) -> None:
+        self.control.request(
+            "POST", f"{self.server.url}/_emulator/clock", json={"advance_seconds": seconds}
+        )
+
+    def faults(self, **faults: Any) -> None:
+        response = self.control.request("POST", f"{self.server.url}/_emulator/faults", json=faults)
+        assert response.status == 200, response.data
+
+    def row(self, key: str) -> ClaimRow | None:
+        return self.ledger.get(key)
+
+    def sql(self, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            cursor = conn.execute(query, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def effects(self, key: str) -> int:
+        return int(self.sql("SELECT count(*) FROM test_effects WHERE idem_key = %s", (key,))[0][0])
+
+    def external_effects(self, key: str) -> int:
+        rows = self.sql("SELECT count(*) FROM test_external_effects WHERE idem_key = %s", (key,))
+        return int(rows[0][0])
+
+
+def prepare_database(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn)
+        conn.execute(INVOICES_DDL)
+        conn.execute(EFFECTS_DDL)
+
+
+@contextmanager
+def harness(database_url: str) -> Iterator[Harness]:
+    prepare_database(database_url)
+    server = emulator_module.start_in_thread(visibility_timeout=VISIBILITY)
+    sink = provider_sink.start_in_thread()
+    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
+    client.ensure_queue(QUEUE, dlq=DLQ)
+    ledger = PostgresLedger(database_url)
+    registry = build_registry(sink.url)
+    add_test_jobs(registry, database_url)
+    kit = Harness(server, sink, client, ledger, registry, database_url)
+    try:
+        yield kit
+    finally:
+        ledger.close()
+        client.close()
+        kit.control.clear()
+        sink.stop()
+        server.stop()
+
+
+def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:
+    """Run callables in threads at once; re-raise the first failure."""
+    results: list[Any] = [None] * len(targets)
+    errors: list[BaseException] = []
+
+    def runner(index: int, target: Callable[[], Any]) -> None:
+        try:
+            results[index] = target()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=runner, args=(i, t)) for i, t in enumerate(targets)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,77 @@
+"""Three drains at once over one queue: every effect once, every job accounted for."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from drainkit import QUEUE, Harness, harness, run_concurrently
+
+from infrai_jobs.drain import DrainConfig, drain
+from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+
+JOBS = 500
+DUPLICATE_SHARE = 0.3
+
+
+def _payload(n: int) -> dict[str, object]:
+    kind = n % 3
+    if kind == 0:
+        return {"job": "test.db", "id": f"j{n}"}
+    if kind == 1:
+        return {"job": "receipt.send", "invoice_id": f"inv_{n}", "email": f"u{n}@example.com"}
+    return {"job": "digest.build", "tenant_id": f"tenant_{n}", "period": "2026-07"}
+
+
+@pytest.mark.slow
+def test_three_concurrent_drains_apply_every_effect_once(database_url: str) -> None:
+    with harness(database_url) as kit:
+        # Given 500 jobs, 30% of them published twice, in shuffled order
+        rng = random.Random(42)
+        publishes = list(range(JOBS)) + rng.sample(range(JOBS), int(JOBS * DUPLICATE_SHARE))
+        rng.shuffle(publishes)
+        for n in publishes:
+            kit.publish(_payload(n))
+        keys = {kit.registry.derive(_payload(n)).idem_key for n in range(JOBS)}
+
+        # When three drains with their own connections run at the same time
+        def lane() -> dict[str, object]:
+            client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.01))
+            ledger = PostgresLedger(database_url)
+            try:
+                summary = drain(
+                    client, ledger, kit.registry, DrainConfig(queue=QUEUE), lambda: 120_000
+                )
+                return summary.as_dict()
+            finally:
+                ledger.close()
+                client.close()
+
+        summaries = run_concurrently(lane, lane, lane)
+
+        # Then every message was consumed once and acked, and the queue is empty
+        assert sum(int(s["consumed"]) for s in summaries) == len(publishes)
+        assert sum(int(s["acked"]) for s in summaries) == len(publishes)
+        assert kit.client.stats(QUEUE).message_count == 0
+        # And every database effect happened exactly once
+        _assert_database_effects_once(kit, [n for n in range(JOBS) if n % 3 == 0])
+        # And every external call at most once per key (exactly once: no faults here)
+        sink = kit.sink.state.snapshot()
+        assert set(sink["mails"].values()) == {1}
+        assert len(sink["mails"]) == len([n for n in range(JOBS) if n % 3 == 1])
+        assert set(sink["digests"].values()) == {1}
+        # And every job is accounted for in the ledger: done
+        states = Counter(
+            state
+            for (state,) in kit.sql(
+                "SELECT state FROM job_claims WHERE idem_key = ANY(%s)", (list(keys),)
+            )
+        )
+        assert states == {"done": JOBS}
+
+
+def _assert_database_effects_once(kit: Harness, numbers: list[int]) -> None:
+    rows = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
+    assert rows == {f"test.db:j{n}": 1 for n in numbers}

@@ -1,0 +1,136 @@
+"""Crash windows: a drain killed between commit and ack, a connection killed mid-batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from drainkit import QUEUE, Harness, harness
+
+from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+# A drain process that SIGKILLs itself at its first ack: after the ledger committed, before
+# Infrai heard about it. The kill is real; only the moment is chosen.
+KILL_AT_ACK = textwrap.dedent(
+    """
+    import os, signal, sys
+    from drainkit import QUEUE, add_test_jobs
+    from infrai_jobs.drain import DrainConfig, drain
+    from infrai_jobs.ledger import PostgresLedger
+    from infrai_jobs.queue_client import InfraiClient
+    from jobs import build_registry
+
+    base_url, database_url, provider_url = sys.argv[1:4]
+    client = InfraiClient(base_url, "test-key")
+    client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
+    registry = build_registry(provider_url)
+    add_test_jobs(registry, database_url)
+    drain(client, PostgresLedger(database_url), registry, DrainConfig(queue=QUEUE),
+          lambda: 120_000)
+    """
+)
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        yield h
+
+
+def _run_child(kit: Harness) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "functions" / "drain")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", KILL_AT_ACK, kit.server.url, kit.database_url, kit.sink.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_killed_after_commit_before_ack_the_redelivery_is_skipped(kit: Harness) -> None:
+    # Given a database job and an external job in one batch
+    kit.publish({"job": "test.db", "id": "crash"})
+    kit.publish({"job": "receipt.send", "invoice_id": "inv_9", "email": "x@example.com"})
+    # When a drain process commits both and is killed at its first ack
+    finished = _run_child(kit)
+    assert finished.returncode == -9, finished.stderr
+    assert kit.row("test.db:crash") is not None
+    # Then after the visibility timeout both come back as delivery 2 ...
+    kit.advance()
+    redelivered = kit.client.stats(QUEUE)
+    assert redelivered.available_count == 2
+    summary = kit.drain()
+    # ... are recognised as done, skipped, and acked; no effect ran twice
+    assert summary.outcomes == {"duplicate": 2}
+    assert summary.acked == 2
+    assert kit.effects("test.db:crash") == 1
+    assert kit.sink.state.snapshot()["mails"] == {"inv_9": 1}
+    assert kit.client.stats(QUEUE).message_count == 0
+
+
+def test_connection_terminated_mid_batch_commits_nothing_and_retries_cleanly(
+    kit: Harness,
+) -> None:
+    # Given a database job during which the server terminates the ledger's connection
+    terminated: list[int] = []
+
+    def killer(payload: Payload, ctx: JobContext) -> JsonValue:
+        assert ctx.db is not None
+        ctx.db.execute("INSERT INTO test_effects VALUES (%s, %s)", (ctx.idem_key, ctx.message_id))
+        if not terminated:
+            pid = ctx.db.info.backend_pid
+            with psycopg.connect(kit.database_url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            terminated.append(pid)
+        return {"ok": True}
+
+    kit.registry.job("test.killer", effect=Effect.DATABASE, identity=("id",))(killer)
+    kit.publish({"job": "test.killer", "id": "1"})
+    kit.publish({"job": "test.db", "id": "neighbour"})
+    # When the batch runs, nothing of it commits and nothing is acked
+    first = kit.drain()
+    assert first.outcomes == {"ledger_unavailable": 2}
+    assert first.acked == 0
+    assert kit.sql("SELECT count(*) FROM job_claims") == [(0,)]
+    assert kit.sql("SELECT count(*) FROM test_effects") == [(0,)]
+    # Then the redelivery, on a fresh connection, runs each job exactly once
+    kit.advance()
+    second = kit.drain()
+    assert second.outcomes == {"done": 2}
+    assert kit.effects("test.killer:1") == 1
+    assert kit.effects("test.db:neighbour") == 1
+
+
+def test_external_claims_are_given_back_when_the_claim_answer_is_lost(kit: Harness) -> None:
+    # Given the ledger's connection is killed just before the claim statement
+    kit.publish({"job": "receipt.send", "invoice_id": "inv_5", "email": "y@example.com"})
+    kit.drain()  # the first job runs normally and opens the ledger connection
+    kit.publish({"job": "receipt.send", "invoice_id": "inv_6", "email": "z@example.com"})
+    conn: Any = kit.ledger._conn  # the test reaches in to break the live connection
+    assert conn is not None
+    with psycopg.connect(kit.database_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+    # When the drain meets the dead connection
+    first = kit.drain()
+    # Then nothing ran, no running row was left behind, and the retry sends exactly once
+    assert first.outcomes == {"ledger_unavailable": 1}
+    assert kit.row("receipt.send:inv_6") is None
+    kit.advance()
+    second = kit.drain()
+    assert second.outcomes == {"done": 1}
+    assert kit.sink.state.snapshot()["mails"] == {"inv_5": 1, "inv_6": 1}

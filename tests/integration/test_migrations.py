@@ -1,0 +1,77 @@
+"""Schema migrations: versioned, idempotent, safe when two run at once, and they adopt the
+field notes' own table."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from drainkit import run_concurrently
+
+from infrai_jobs.errors import SchemaNotMigrated
+from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.migrations import LATEST_VERSION, MIGRATIONS, apply_migrations, current_version
+
+NOTES_DDL = """
+CREATE TABLE job_claims (
+  idem_key   text PRIMARY KEY,
+  state      text NOT NULL CHECK (state IN ('running', 'done', 'failed')),
+  message_id text NOT NULL,
+  result     jsonb,
+  claimed_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+def _migrate(url: str) -> list[int]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return [m.version for m in apply_migrations(conn)]
+
+
+def test_migrating_twice_applies_each_version_once(database_url: str) -> None:
+    # Given a fresh database, When migrate runs twice
+    first = _migrate(database_url)
+    second = _migrate(database_url)
+    # Then the first applied everything, the second nothing, and the version is recorded
+    assert first == [m.version for m in MIGRATIONS]
+    assert second == []
+    with psycopg.connect(database_url) as conn:
+        assert current_version(conn) == LATEST_VERSION
+
+
+def test_two_migrations_started_at_once_both_succeed_and_apply_once(database_url: str) -> None:
+    results = run_concurrently(*[lambda: _migrate(database_url)] * 4)
+    applied = [v for result in results for v in result]
+    assert sorted(applied) == [m.version for m in MIGRATIONS]
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute("SELECT version FROM infrai_jobs_schema").fetchall()
+    assert rows == [(m.version,) for m in MIGRATIONS]
+
+
+def test_migration_adopts_the_notes_table_and_keeps_its_rows(database_url: str) -> None:
+    # Given the notes' table with a row written by the Node worker
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(NOTES_DDL)
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES (%s, 'done', %s)",
+            ("invoice.finalize:inv_8812", "qmsg_3M3oXV26427PU29QW1sHEAXn"),
+        )
+    # When migrated
+    _migrate(database_url)
+    # Then the row is kept, the new columns exist, and the notes' INSERT still works
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT state, attempts, claim_token, payload_sha256 FROM job_claims"
+        ).fetchone()
+        assert row == ("done", 1, None, None)
+        inserted = conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES (%s, 'running', %s)"
+            " ON CONFLICT (idem_key) DO NOTHING RETURNING idem_key",
+            ("digest:tenant_42:2026-07-25", "qmsg_x"),
+        ).fetchall()
+        assert inserted == [("digest:tenant_42:2026-07-25",)]
+
+
+def test_the_ledger_refuses_an_unmigrated_database_with_the_fix(database_url: str) -> None:
+    ledger = PostgresLedger(database_url)
+    with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):
+        ledger.get("anything")

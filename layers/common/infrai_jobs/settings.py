@@ -26,6 +26,10 @@ class Settings:
     queue: str = DEFAULT_QUEUE
     dlq: str = f"{DEFAULT_QUEUE}-dlq"
     database_url: str = field(default="", repr=False)
+    # In AWS the secrets are named here and fetched by infrai_jobs.secrets.
+    api_key_parameter: str = ""
+    database_secret_arn: str = ""
+    provider_url: str = ""
     # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
     # when the time left covers it (a receive burns one of three deliveries).
     batch_budget_ms: int = 20_000
@@ -44,6 +48,9 @@ class Settings:
             queue=queue,
             dlq=env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
             database_url=env.get("DATABASE_URL", ""),
+            api_key_parameter=env.get("INFRAI_API_KEY_PARAMETER", "").strip(),
+            database_secret_arn=env.get("DATABASE_SECRET_ARN", "").strip(),
+            provider_url=env.get("PROVIDER_URL", "").strip(),
             batch_budget_ms=_int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
             lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),

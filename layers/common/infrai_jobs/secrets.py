@@ -1,0 +1,83 @@
+"""Secrets in AWS: the API key from SSM, the database URL from Secrets Manager, both cached.
+
+Locally the plain env vars (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
+AWS the template sets only the *names* (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``);
+the values are fetched through Powertools Parameters, cached for ``max_age`` seconds, so a
+rotated secret is picked up without a deploy. boto3 is imported only when a secret is fetched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+from urllib.parse import quote
+
+from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.settings import Settings
+
+SECRET_CACHE_SECONDS = 300
+
+
+def resolve_secrets(settings: Settings, *, force_fetch: bool = False) -> Settings:
+    """Fill in the API key and database URL from AWS when only their names are configured."""
+    api_key = settings.infrai_api_key
+    if not api_key and settings.api_key_parameter:
+        api_key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
+    database_url = settings.database_url
+    if not database_url and settings.database_secret_arn:
+        database_url = database_url_from_secret(
+            _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch)
+        )
+    return replace(settings, infrai_api_key=api_key, database_url=database_url)
+
+
+def database_url_from_secret(secret: str) -> str:
+    """A plain ``postgresql://`` URL, or the JSON an RDS-managed secret holds."""
+    text = secret.strip()
+    if text.startswith(("postgresql://", "postgres://")):
+        return text
+    try:
+        document: Any = json.loads(text)
+    except ValueError:
+        raise ConfigurationError(
+            "the database secret is neither a postgresql:// URL nor RDS secret JSON"
+        ) from None
+    if not isinstance(document, dict):
+        raise ConfigurationError("the database secret JSON is not an object")
+    if isinstance(document.get("url"), str):
+        return str(document["url"])
+    missing = [k for k in ("host", "username", "password") if not document.get(k)]
+    if missing:
+        raise ConfigurationError(f"the database secret JSON lacks {', '.join(missing)}")
+    user = quote(str(document["username"]), safe="")
+    password = quote(str(document["password"]), safe="")
+    host = str(document["host"])
+    port = int(document.get("port") or 5432)
+    dbname = quote(str(document.get("dbname") or document.get("database") or "postgres"), safe="")
+    return f"postgresql://{user}:{password}@{host}:{port}/{dbname}?sslmode=require"
+
+
+def _fetch_parameter(name: str, *, force_fetch: bool) -> str:
+    from aws_lambda_powertools.utilities import parameters  # noqa: PLC0415 - boto3 on demand
+
+    value = parameters.get_parameter(
+        name, decrypt=True, max_age=SECRET_CACHE_SECONDS, force_fetch=force_fetch
+    )
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"SSM parameter {name} is empty")
+    return value
+
+
+def _fetch_secret(arn: str, *, force_fetch: bool) -> str:
+    from aws_lambda_powertools.utilities import parameters  # noqa: PLC0415 - boto3 on demand
+
+    # A binary secret (SecretBinary) arrives as bytes whatever the stubs say.
+    value: object = parameters.get_secret(
+        arn, max_age=SECRET_CACHE_SECONDS, force_fetch=force_fetch
+    )
+    if isinstance(value, bytes):
+        value = value.decode()
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"secret {arn} is empty")
+    return value

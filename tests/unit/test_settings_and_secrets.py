@@ -1,0 +1,71 @@
+"""Settings are read once and validated; secrets parse the shapes AWS stores them in."""
+
+from __future__ import annotations
+
+import pytest
+
+from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.secrets import database_url_from_secret
+from infrai_jobs.settings import Settings
+
+
+def test_defaults_name_the_notes_queue_and_hide_secrets_from_repr() -> None:
+    settings = Settings.from_env(
+        {"INFRAI_API_KEY": "sk_secret", "DATABASE_URL": "postgresql://u:pw@h/db"}
+    )
+    assert (settings.queue, settings.dlq) == ("billing-jobs", "billing-jobs-dlq")
+    assert "sk_secret" not in repr(settings)
+    assert "pw@" not in repr(settings)
+
+
+def test_the_dlq_follows_the_queue_unless_set() -> None:
+    assert Settings.from_env({"INFRAI_QUEUE": "mail"}).dlq == "mail-dlq"
+    assert Settings.from_env({"INFRAI_QUEUE": "mail", "INFRAI_DLQ": "dead"}).dlq == "dead"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DRAIN_BATCH_BUDGET_MS": "soon"}, "DRAIN_BATCH_BUDGET_MS='soon' is not an integer"),
+        ({"DRAIN_BATCH_BUDGET_MS": "5"}, "below the minimum"),
+        ({"INFRAI_PUBLISH_RETRIES": "maybe"}, "not a boolean"),
+        ({"INFRAI_QUEUE": "q", "INFRAI_DLQ": "q"}, "must differ"),
+    ],
+)
+def test_bad_settings_fail_with_the_setting_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Settings.from_env(env)
+
+
+def test_missing_required_values_say_how_to_fix_them() -> None:
+    settings = Settings.from_env({})
+    with pytest.raises(ConfigurationError, match="INFRAI_API_KEY is not set"):
+        settings.require_api_key()
+    with pytest.raises(ConfigurationError, match="DATABASE_URL is not set"):
+        settings.require_database_url()
+    with pytest.raises(ConfigurationError, match="INFRAI_BASE_URL is not set"):
+        settings.require_base_url()
+
+
+def test_an_rds_secret_becomes_a_url_with_escaped_credentials() -> None:
+    secret = (
+        '{"engine": "postgres", "host": "db.internal", "port": 5433, "username": "jobs",'
+        ' "password": "p@ss/word", "dbname": "ledger"}'
+    )
+    assert (
+        database_url_from_secret(secret)
+        == "postgresql://jobs:p%40ss%2Fword@db.internal:5433/ledger?sslmode=require"
+    )
+
+
+def test_a_plain_url_secret_is_used_as_is() -> None:
+    assert database_url_from_secret(" postgresql://a@b/c\n") == "postgresql://a@b/c"
+
+
+@pytest.mark.parametrize(
+    ("secret", "message"),
+    [("not json", "neither"), ("[1]", "not an object"), ('{"host": "h"}', "lacks username")],
+)
+def test_unusable_database_secrets_fail_clearly(secret: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        database_url_from_secret(secret)

@@ -284,7 +284,27 @@ BARE_ANSWERS: dict[str, tuple[int, bytes]] = {
 }
 
 
+ODD_ITEMS = (
+    b'{"ok":true,"data":{"items":['
+    b'{"message_id":"qmsg_good","payload":{"job":"x"},"delivery_count":1},'
+    b'{"payload":{"job":"no id"}},'
+    b'{"message_id":"qmsg_badcount","payload":{},"delivery_count":"two"},'
+    b'"not an object",'
+    b'{"message_id":"qmsg_list","payload":[1,2],"delivery_count":2,"receipt_handle":"rh_1"}'
+    b'],"next_cursor":null}}'
+)
+
+
 class BareHandler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = ODD_ITEMS if self.path == "/v1/queue/consume" else b'{"ok":false}'
+        self.send_response(200 if self.path == "/v1/queue/consume" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self) -> None:
         status, body = BARE_ANSWERS.get(self.path, (404, b'{"ok":false}'))
         self.send_response(status)
@@ -322,3 +342,23 @@ def test_answers_outside_the_contract_raise_invalid_response(bare_server: str) -
     with pytest.raises(InfraiError) as teapot:
         client.stats("teapot")
     assert (teapot.value.code, teapot.value.status) == ("HTTP_418", 418)
+
+
+def test_malformed_consumed_items_are_logged_and_left_for_redelivery(
+    bare_server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a consume answer mixing good items with ones the contract does not allow
+    client = InfraiClient(bare_server, API_KEY)
+    # When consumed
+    with caplog.at_level(logging.WARNING):
+        messages = client.consume(QUEUE)
+    # Then the usable items come back typed (a non-object payload is the drain's to reject)
+    assert [(m.message_id, m.receipt_handle) for m in messages] == [
+        ("qmsg_good", "qmsg_good"),
+        ("qmsg_list", "rh_1"),
+    ]
+    # And each malformed one is named in the log, unacked, so it reaches the DLQ
+    reasons = [r.reason for r in caplog.records if getattr(r, "action", "") == "malformed_item"]
+    assert len(reasons) == 3
+    assert any("message_id is missing" in r for r in reasons)
+    assert any("delivery_count is not an integer" in r for r in reasons)

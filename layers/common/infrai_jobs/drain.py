@@ -34,13 +34,12 @@ from infrai_jobs.ledger import (
     ClaimRequest,
     ClaimStatus,
     JobRun,
-    PostgresLedger,
     RunKind,
     Settlement,
     SettleStatus,
     utc_from_epoch,
 )
-from infrai_jobs.ports import QueuePort
+from infrai_jobs.ports import LedgerPort, QueuePort
 from infrai_jobs.queue_models import QueueMessage
 
 logger = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ class MessageResult:
 
 def drain(
     queue: QueuePort,
-    ledger: PostgresLedger,
+    ledger: LedgerPort,
     registry: JobRegistry,
     config: DrainConfig,
     time_left_ms: Callable[[], int],
@@ -159,7 +158,7 @@ def drain(
 
 def process_batch(
     messages: Sequence[QueueMessage],
-    ledger: PostgresLedger,
+    ledger: LedgerPort,
     registry: JobRegistry,
     deadline: float,
     config: DrainConfig,
@@ -174,7 +173,7 @@ class _Batch:
     def __init__(
         self,
         messages: Sequence[QueueMessage],
-        ledger: PostgresLedger,
+        ledger: LedgerPort,
         registry: JobRegistry,
         deadline: float,
         config: DrainConfig,

@@ -214,7 +214,7 @@ FROM job_claims WHERE idem_key = %(key)s
 
 # --- The ledger --------------------------------------------------------------------------------
 
-DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any]"], JobRun]
+DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
 
 
 class PostgresLedger:

@@ -6,10 +6,19 @@ nothing more, so an in-memory fake (``infrai_jobs.testing``) can stand in for it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from infrai_jobs.queue_models import PublishPrice, QueueMessage, QueueStats
+
+if TYPE_CHECKING:
+    from infrai_jobs.ledger import (
+        ClaimDecision,
+        ClaimRequest,
+        DatabaseRunner,
+        JobRun,
+        Settlement,
+    )
 
 
 class QueuePort(Protocol):
@@ -31,6 +40,28 @@ class QueuePort(Protocol):
     def stats(self, queue: str) -> QueueStats: ...
 
     def publish_price(self) -> PublishPrice: ...
+
+
+class LedgerPort(Protocol):
+    """What the drain needs from the claim ledger (``PostgresLedger`` in production)."""
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+        """Claim external-effect jobs; the claims are committed before this returns."""
+        ...
+
+    def run_database_batch(
+        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        """Claim, run and settle database jobs atomically."""
+        ...
+
+    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+        """Record one external job's outcome, fenced by its claim token."""
+        ...
+
+    def flag_stuck(self, reasons: dict[str, str]) -> None:
+        """Annotate running claims a human must look at."""
+        ...
 
 
 class Clock(Protocol):

@@ -1,0 +1,30 @@
+"""DrainFunction: on each EventBridge tick, drain Infrai's queue through the claim ledger."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from infrai_jobs.drain_service import DrainService
+from infrai_jobs.observability import function_observability, record_drain
+from infrai_jobs.settings import Settings
+from jobs import build_registry
+
+logger, metrics = function_observability()
+
+
+@cache
+def service() -> DrainService:
+    """Built on the first invocation and reused while the environment stays warm."""
+    return DrainService.from_settings(Settings.from_env(), build_registry)
+
+
+@logger.inject_lambda_context(clear_state=True)
+@metrics.log_metrics(capture_cold_start_metric=True)
+def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    drain = service()
+    summary = drain.run(context.get_remaining_time_in_millis)
+    record_drain(metrics, drain.settings.queue, summary)
+    return summary.as_dict()

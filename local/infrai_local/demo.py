@@ -1,0 +1,268 @@
+"""``make demo``: the field notes' story, told through the real DrainFunction, on loopback.
+
+1. A producer retry publishes ``inv_8812`` twice: one claim, the invoice finalized once, both
+   messages acked.
+2. A drain commits and dies before acking: the redelivery (``delivery_count`` 2, after the
+   emulator's clock passes the visibility timeout) is recognised and skipped.
+3. A poison message (an invoice that does not exist) fails three deliveries and lands in the DLQ.
+4. An irreversible receipt whose outcome is unknown (the mail provider answers 503) stays
+   ``running`` and is flagged for a human instead of being sent twice.
+
+Every step drains through ``infrai-jobs invoke DrainFunction`` (the handler in a child process,
+as Lambda would run it). The story's facts are returned as a ``DemoReport`` so a test can assert
+on exactly what the demo prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import urllib3
+
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient
+from infrai_local import emulator, provider_sink
+from infrai_local.embedded_db import ensure_database_url
+from infrai_local.invoke import invoke, resolve
+
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+API_KEY = "demo-key"
+NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
+
+INVOICES_DDL = """
+CREATE TABLE IF NOT EXISTS invoices (
+    id text PRIMARY KEY, status text NOT NULL DEFAULT 'draft', total_cents bigint
+);
+CREATE TABLE IF NOT EXISTS demo_invoice_updates (invoice_id text, at timestamptz DEFAULT now());
+CREATE OR REPLACE FUNCTION demo_count_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO demo_invoice_updates (invoice_id) VALUES (NEW.id); RETURN NEW; END $$;
+DROP TRIGGER IF EXISTS demo_count_update ON invoices;
+CREATE TRIGGER demo_count_update AFTER UPDATE ON invoices
+    FOR EACH ROW EXECUTE FUNCTION demo_count_update();
+"""
+
+# A drain that commits and is killed at its first ack: the second source of duplicates.
+_CRASH_BEFORE_ACK = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[4])
+    from infrai_jobs.drain import DrainConfig, drain
+    from infrai_jobs.ledger import PostgresLedger
+    from infrai_jobs.queue_client import InfraiClient
+    from jobs import build_registry
+
+    base_url, database_url, provider_url = sys.argv[1:4]
+    client = InfraiClient(base_url, "demo-key")
+    client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
+    drain(client, PostgresLedger(database_url), build_registry(provider_url),
+          DrainConfig(queue="billing-jobs"), lambda: 60_000)
+    """
+)
+
+
+@dataclass
+class DemoReport:
+    facts: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    def say(self, text: str) -> None:
+        self.lines.append(text)
+        print(text, flush=True)
+
+
+@dataclass
+class _Stage:
+    root: Path
+    database_url: str
+    client: InfraiClient
+    emulator_url: str
+    sink_url: str
+    log: io.StringIO
+
+    def sql(self, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            cursor = conn.execute(query, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def drain_function(self) -> dict[str, Any]:
+        spec = resolve("DrainFunction", root=self.root)
+        extra = {
+            "INFRAI_BASE_URL": self.emulator_url,
+            "INFRAI_API_KEY": API_KEY,
+            "INFRAI_API_KEY_PARAMETER": "",
+            "DATABASE_URL": self.database_url,
+            "DATABASE_SECRET_ARN": "",
+            "PROVIDER_URL": self.sink_url,
+            "INFRAI_QUEUE": QUEUE,
+            "INFRAI_DLQ": DLQ,
+            "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobsDemo",
+        }
+        result = invoke(
+            spec, self.root / "events" / "drain-schedule.json", log_stream=self.log, extra_env=extra
+        )
+        if not result.ok:
+            raise RuntimeError(f"DrainFunction failed: {result.payload}\n{self.log.getvalue()}")
+        payload: dict[str, Any] = result.payload
+        return payload
+
+    def advance_clock(self, seconds: float) -> None:
+        urllib3.request(
+            "POST", f"{self.emulator_url}/_emulator/clock", json={"advance_seconds": seconds}
+        )
+
+    def claim(self, key: str) -> tuple[Any, ...] | None:
+        rows = self.sql(
+            "SELECT state, attempts, coalesce(error, '') FROM job_claims WHERE idem_key = %s",
+            (key,),
+        )
+        return rows[0] if rows else None
+
+
+def run_story(root: Path, report: DemoReport) -> DemoReport:
+    started = time.monotonic()
+    with _stage(root) as stage:
+        client = stage.client
+        report.say("== 1. A producer retry: the same invoice published twice ==")
+        ids = [client.publish(QUEUE, NOTES_PAYLOAD) for _ in range(2)]
+        report.say(f"published inv_8812 twice: {ids[0]}, {ids[1]} (no producer-side dedupe)")
+        summary = stage.drain_function()
+        claims = stage.sql("SELECT idem_key, state FROM job_claims")
+        updates = stage.sql("SELECT count(*) FROM demo_invoice_updates")[0][0]
+        status = stage.sql("SELECT status, total_cents FROM invoices WHERE id = 'inv_8812'")[0]
+        report.facts["retry"] = {
+            "summary": summary,
+            "claims": claims,
+            "invoice_updates": updates,
+            "invoice": status,
+            "queue_after": client.stats(QUEUE).message_count,
+        }
+        report.say(
+            f"DrainFunction: consumed {summary['consumed']}, done {summary['done']}, "
+            f"duplicates {summary['duplicates'] + summary['outcomes'].get('batch_duplicate', 0)}"
+            f", acked {summary['acked']}"
+        )
+        report.say(
+            f"ledger: {claims}; invoice {status[0]} at {status[1]} cents, "
+            f"updated {updates} time(s); messages left: {client.stats(QUEUE).message_count}"
+        )
+
+        report.say("\n== 2. A worker commits, then dies before acking ==")
+        payload = {"job": "invoice.finalize", "invoice_id": "inv_8813", "amount_cents": 1200}
+        client.publish(QUEUE, payload)
+        crashed = subprocess.run(  # noqa: S603 - our interpreter, our script
+            [
+                sys.executable,
+                "-c",
+                _CRASH_BEFORE_ACK,
+                stage.emulator_url,
+                stage.database_url,
+                stage.sink_url,
+                str(root / "functions" / "drain"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        report.say(
+            f"drain process killed at its first ack (exit {crashed.returncode}); "
+            f"claim: {stage.claim('invoice.finalize:inv_8813')}"
+        )
+        stage.advance_clock(301)
+        redelivered = client.stats(QUEUE).available_count
+        summary = stage.drain_function()
+        updates = stage.sql(
+            "SELECT count(*) FROM demo_invoice_updates WHERE invoice_id = 'inv_8813'"
+        )[0][0]
+        report.facts["crash"] = {
+            "exit_code": crashed.returncode,
+            "redelivered": redelivered,
+            "summary": summary,
+            "invoice_updates": updates,
+        }
+        report.say(
+            f"after the visibility timeout: {redelivered} message back (delivery 2); "
+            f"DrainFunction outcomes {summary['outcomes']}, acked {summary['acked']}; "
+            f"inv_8813 updated {updates} time(s)"
+        )
+
+        report.say("\n== 3. A poison message walks to the dead-letter queue ==")
+        client.publish(
+            QUEUE, {"job": "invoice.finalize", "invoice_id": "inv_404", "amount_cents": 100}
+        )
+        for delivery in (1, 2, 3):
+            summary = stage.drain_function()
+            report.say(f"delivery {delivery}: outcomes {summary['outcomes']} (not acked)")
+            stage.advance_clock(301)
+        stats = client.stats(QUEUE)
+        report.facts["poison"] = {
+            "dlq_count": stats.dlq_count,
+            "claim": stage.claim("invoice.finalize:inv_404"),
+        }
+        report.say(
+            f"dlq_count is now {stats.dlq_count}; the ledger holds no claim for it "
+            f"({stage.claim('invoice.finalize:inv_404')}), so a redrive after the fix "
+            "will run it"
+        )
+
+        report.say("\n== 4. An irreversible effect with an unknown outcome ==")
+        urllib3.request("POST", f"{stage.sink_url}/_sink/faults", json={"fail_rate": 1.0})
+        client.publish(
+            QUEUE, {"job": "receipt.send", "invoice_id": "inv_8812", "email": "billing@example.com"}
+        )
+        summary = stage.drain_function()
+        claim = stage.claim("receipt.send:inv_8812")
+        report.facts["uncertain"] = {"summary": summary, "claim": claim}
+        report.say(f"mail provider answered 503: outcomes {summary['outcomes']}; claim {claim}")
+        report.say("it stays running and flagged: a human checks the mailbox, then resolves it")
+    report.facts["seconds"] = round(time.monotonic() - started, 1)
+    report.say(f"\ndone in {report.facts['seconds']} s; everything started was stopped")
+    return report
+
+
+@contextlib.contextmanager
+def _stage(root: Path) -> Iterator[_Stage]:
+    with contextlib.ExitStack() as stack:
+        database_url = ensure_database_url()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            apply_migrations(conn)
+            conn.execute(INVOICES_DDL)
+            conn.execute(
+                "INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_8813')"
+                " ON CONFLICT (id) DO NOTHING"
+            )
+        server = emulator.start_in_thread()
+        stack.callback(server.stop)
+        sink = provider_sink.start_in_thread()
+        stack.callback(sink.stop)
+        client = InfraiClient(server.url, API_KEY)
+        stack.callback(client.close)
+        client.ensure_queue(QUEUE, dlq=DLQ)
+        yield _Stage(root, database_url, client, server.url, sink.url, io.StringIO())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="infrai-jobs demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project folder")
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
+    args = parser.parse_args(argv)
+    if "DATABASE_URL" in os.environ:
+        print("note: using DATABASE_URL; the demo creates its tables there", file=sys.stderr)
+    report = run_story(args.root.resolve(), DemoReport())
+    if args.json:
+        print(json.dumps(report.facts, default=str))
+    return 0

@@ -1,0 +1,301 @@
+"""``infrai-jobs invoke FUNCTION --event FILE [--env-vars FILE]``: a local Lambda invocation.
+
+It reads ``template.yaml`` as ``sam local invoke`` does (see ``sam_template``), then runs the
+handler in a child Python with only the function's code, its layers and their dependencies on the
+path: ``python -S`` skips site-packages' ``.pth`` files, so neither ``infrai_local`` nor anything
+else installed in the developer's virtualenv leaks in. The child gets a Lambda context whose
+remaining time counts down from the function's Timeout, and is killed when it runs out.
+
+Local conveniences, as everywhere in this project: an empty ``DATABASE_URL`` starts an embedded,
+migrated PostgreSQL; an empty ``INFRAI_BASE_URL`` a fresh emulator; an empty ``PROVIDER_URL``
+the provider sink the example jobs call. They live for the duration of the invocation.
+
+Logs go to stderr, the handler's JSON result to stdout. Exit code 0 when the handler returned,
+1 when it raised or timed out, 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from infrai_jobs.errors import ConfigurationError
+from infrai_local.sam_template import (
+    FunctionSpec,
+    load_template,
+    resolve_function,
+    samconfig_overrides,
+)
+
+# Runs inside the child. It is passed with -c so that no folder of this package is on the path.
+_BOOTSTRAP = r"""
+import importlib, json, os, sys, time, traceback, uuid
+
+handler_name, event_file, result_file, deadline, function_name, memory = sys.argv[1:7]
+deadline = float(deadline)
+
+
+class LambdaContext:
+    function_name = function_name
+    function_version = "$LATEST"
+    invoked_function_arn = (
+        "arn:aws:lambda:" + os.environ.get("AWS_REGION", "us-east-1")
+        + ":123456789012:function:" + function_name
+    )
+    memory_limit_in_mb = int(memory)
+    aws_request_id = str(uuid.uuid4())
+    log_group_name = "/aws/lambda/" + function_name
+    log_stream_name = "local"
+
+    def get_remaining_time_in_millis(self):
+        return max(0, int((deadline - time.time()) * 1000))
+
+
+module_name, _, attr = handler_name.rpartition(".")
+with open(event_file) as stream:
+    event = json.load(stream)
+try:
+    handler = getattr(importlib.import_module(module_name), attr)
+    result = {"ok": True, "payload": handler(event, LambdaContext())}
+except Exception as exc:
+    result = {
+        "ok": False,
+        "payload": {
+            "errorMessage": str(exc),
+            "errorType": type(exc).__name__,
+            "stackTrace": traceback.format_exception(exc),
+        },
+    }
+with open(result_file, "w") as stream:
+    json.dump(result, stream, default=str)
+sys.stdout.flush()
+sys.exit(0 if result["ok"] else 1)
+"""
+
+# What a Lambda environment has besides the function's own variables.
+_PASS_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "XDG_RUNTIME_DIR")
+
+
+@dataclass(frozen=True, slots=True)
+class InvocationResult:
+    function: str
+    ok: bool
+    timed_out: bool
+    payload: Any
+    duration_ms: int
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+def dependency_path() -> list[str]:
+    """Where the layer's pinned requirements are installed locally (the virtualenv)."""
+    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    return sorted(paths)
+
+
+def invoke(
+    spec: FunctionSpec,
+    event: Path,
+    *,
+    log_stream: TextIO | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> InvocationResult:
+    """Run one invocation of ``spec`` with the event in ``event``."""
+    python_path = [str(spec.code_uri), *map(str, spec.layer_dirs), *dependency_path()]
+    env = {name: os.environ[name] for name in _PASS_THROUGH if name in os.environ}
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(python_path),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "AWS_LAMBDA_FUNCTION_NAME": spec.logical_id,
+            "AWS_LAMBDA_FUNCTION_MEMORY_SIZE": str(spec.memory_mb),
+            "AWS_LAMBDA_FUNCTION_TIMEOUT": str(spec.timeout),
+            "AWS_LAMBDA_FUNCTION_VERSION": "$LATEST",
+            "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"),
+            "AWS_DEFAULT_REGION": os.environ.get("AWS_REGION", "us-east-1"),
+            "_HANDLER": spec.handler,
+        }
+    )
+    env.update(spec.environment)
+    env.update(extra_env or {})
+    with tempfile.TemporaryDirectory(prefix="infrai-invoke-") as scratch:
+        result_file = Path(scratch) / "result.json"
+        started = time.time()
+        deadline = started + spec.timeout
+        command = [
+            sys.executable,
+            "-S",
+            "-c",
+            _BOOTSTRAP,
+            spec.handler,
+            str(event.resolve()),
+            str(result_file),
+            repr(deadline),
+            spec.logical_id,
+            str(spec.memory_mb),
+        ]
+        out = log_stream if log_stream is not None else sys.stderr
+        with subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
+            command,
+            cwd=spec.code_uri,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ) as process:
+            timed_out = False
+            try:
+                for line in _lines_until(process, deadline + 1.0):
+                    out.write(line)
+            except TimeoutError:
+                timed_out = True
+                process.kill()
+            process.wait()
+        duration_ms = int((time.time() - started) * 1000)
+        if timed_out:
+            message = f"Task timed out after {spec.timeout:.2f} seconds"
+            return InvocationResult(
+                spec.logical_id, False, True, {"errorMessage": message}, duration_ms
+            )
+        if not result_file.exists():
+            return InvocationResult(
+                spec.logical_id,
+                False,
+                False,
+                {"errorMessage": f"the handler process exited with {process.returncode}"},
+                duration_ms,
+            )
+        document = json.loads(result_file.read_text())
+        return InvocationResult(
+            spec.logical_id, bool(document["ok"]), False, document["payload"], duration_ms
+        )
+
+
+def _lines_until(process: subprocess.Popen[str], deadline: float) -> Iterator[str]:
+    """The child's output, line by line; TimeoutError once the deadline passes."""
+    import selectors  # noqa: PLC0415 - only the invoke command needs it
+
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                raise TimeoutError
+            if not selector.select(timeout=min(remaining, 0.5)):
+                if process.poll() is not None:
+                    return
+                continue
+            line = process.stdout.readline()
+            if not line:
+                return
+            yield line
+
+
+@contextlib.contextmanager
+def local_services(spec: FunctionSpec) -> Iterator[dict[str, str]]:
+    """Start what the function's environment leaves empty; yield the values to set."""
+    env = spec.environment
+    values: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        if "DATABASE_URL" in env and not env["DATABASE_URL"]:
+            import psycopg  # noqa: PLC0415
+
+            from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+            from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
+
+            url = ensure_database_url()
+            with psycopg.connect(url, autocommit=True) as conn:
+                apply_migrations(conn)
+            values["DATABASE_URL"] = url
+            values["DATABASE_SECRET_ARN"] = ""
+        if "INFRAI_BASE_URL" in env and not env["INFRAI_BASE_URL"]:
+            from infrai_local.emulator import start_in_thread  # noqa: PLC0415
+
+            server = start_in_thread()
+            stack.callback(server.stop)
+            values["INFRAI_BASE_URL"] = server.url
+            values["INFRAI_API_KEY"] = env.get("INFRAI_API_KEY") or "local-emulator"
+            values["INFRAI_API_KEY_PARAMETER"] = ""
+        if "PROVIDER_URL" in env and not env["PROVIDER_URL"]:
+            from infrai_local import provider_sink  # noqa: PLC0415
+
+            sink = provider_sink.start_in_thread()
+            stack.callback(sink.stop)
+            values["PROVIDER_URL"] = sink.url
+        yield values
+
+
+def resolve(
+    function: str,
+    *,
+    root: Path,
+    template: Path | None = None,
+    env_vars: Path | None = None,
+    config_env: str = "default",
+) -> FunctionSpec:
+    document = load_template(template or root / "template.yaml")
+    env_document: dict[str, Any] = {}
+    if env_vars is not None:
+        try:
+            env_document = json.loads(env_vars.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(f"cannot read --env-vars {env_vars}: {exc}") from exc
+        if not isinstance(env_document, dict):
+            raise ConfigurationError(f"--env-vars {env_vars} must hold a JSON object")
+    return resolve_function(
+        document,
+        function,
+        root,
+        parameter_overrides=samconfig_overrides(root / "samconfig.toml", config_env),
+        env_vars=env_document,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="infrai-jobs invoke",
+        description="Invoke a function of template.yaml locally, as `sam local invoke` would.",
+    )
+    parser.add_argument("function", help="the function's logical id, e.g. DrainFunction")
+    parser.add_argument("--event", "-e", required=True, type=Path, help="event JSON file")
+    parser.add_argument("--env-vars", "-n", type=Path, help="SAM env-vars JSON file")
+    parser.add_argument("--template", "-t", type=Path, help="default: ./template.yaml")
+    parser.add_argument("--config-env", default="default", help="samconfig.toml environment")
+    args = parser.parse_args(argv)
+    root = (args.template.parent if args.template else Path.cwd()).resolve()
+    try:
+        spec = resolve(
+            args.function,
+            root=root,
+            template=args.template,
+            env_vars=args.env_vars,
+            config_env=args.config_env,
+        )
+        if not args.event.is_file():
+            raise ConfigurationError(f"no event file {args.event}")
+        with local_services(spec) as extra:
+            result = invoke(spec, args.event, extra_env=extra)
+    except ConfigurationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    status = "timed out" if result.timed_out else ("ok" if result.ok else "error")
+    print(
+        f"END {spec.logical_id}: {status} in {result.duration_ms} ms (timeout {spec.timeout} s)",
+        file=sys.stderr,
+    )
+    print(json.dumps(result.payload, indent=2, default=str))
+    return result.exit_code

@@ -1,0 +1,230 @@
+"""``infrai-jobs invoke`` runs template functions as Lambda would, with the repo's event files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient
+from infrai_local import emulator, provider_sink
+from infrai_local.invoke import dependency_path, invoke, resolve
+from infrai_local.sam_template import function_names, load_template
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS = ROOT / "events"
+
+
+@pytest.fixture
+def services(database_url: str) -> Iterator[dict[str, str]]:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn)
+        conn.execute(
+            "CREATE TABLE invoices (id text PRIMARY KEY, status text, total_cents bigint);"
+            "INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)"
+        )
+    server = emulator.start_in_thread()
+    sink = provider_sink.start_in_thread()
+    try:
+        yield {
+            "INFRAI_BASE_URL": server.url,
+            "INFRAI_API_KEY": "local-dev-key",
+            "DATABASE_URL": database_url,
+            "PROVIDER_URL": sink.url,
+        }
+    finally:
+        sink.stop()
+        server.stop()
+
+
+def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, str]) -> None:
+    # Given the notes' job published twice to the emulator
+    client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
+    client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+    payload = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
+    client.publish("billing-jobs", payload)
+    client.publish("billing-jobs", payload)
+    # When DrainFunction is invoked with the repo's schedule event and env-vars file
+    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    logs = _Lines()
+    result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
+    # Then it returned the summary, the ledger holds one done claim, and the queue is empty
+    assert result.ok, result.payload
+    assert result.payload["consumed"] == 2
+    assert result.payload["done"] == 1
+    assert result.payload["acked"] == 2
+    with psycopg.connect(services["DATABASE_URL"]) as conn:
+        assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [
+            ("invoice.finalize:inv_8812", "done")
+        ]
+    assert client.stats("billing-jobs").message_count == 0
+    # And its logs are Powertools JSON lines carrying the message fields
+    records = [json.loads(line) for line in logs.lines if line.startswith("{")]
+    done = [r for r in records if r.get("action") == "done"]
+    assert done
+    assert done[0]["idem_key"] == "invoice.finalize:inv_8812"
+    assert {"message_id", "delivery_count", "job"} <= done[0].keys()
+    assert "local-dev-key" not in "".join(logs.lines)
+
+
+def test_the_template_and_env_file_resolve_like_sam() -> None:
+    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    # Globals, the function's own variables, parameter defaults and the env-vars file combine
+    assert spec.handler == "app.lambda_handler"
+    assert spec.code_uri == ROOT / "functions" / "drain"
+    assert spec.layer_dirs == (ROOT / "layers" / "common",)
+    assert spec.timeout == 240
+    assert spec.environment["INFRAI_QUEUE"] == "billing-jobs"
+    assert spec.environment["POWERTOOLS_SERVICE_NAME"] == "infrai-jobs"
+    assert spec.environment["INFRAI_BASE_URL"] == "http://127.0.0.1:8765"  # from env.json
+    assert spec.environment["DRAIN_BATCH_BUDGET_MS"] == "20000"  # parameter default
+
+
+@pytest.mark.parametrize("function", function_names(load_template(ROOT / "template.yaml")))
+def test_every_handler_imports_with_only_its_code_and_the_layer(function: str) -> None:
+    # Given the function's code, its layers and their installed dependencies, nothing else
+    spec = resolve(function, root=ROOT)
+    module, _, attr = spec.handler.rpartition(".")
+    path = [str(spec.code_uri), *map(str, spec.layer_dirs), *dependency_path()]
+    check = f"import {module}; assert callable({module}.{attr}); import sys; " + (
+        "assert 'infrai_local' not in sys.modules"
+    )
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": os.pathsep.join(path),
+        "POWERTOOLS_SERVICE_NAME": "check",
+        "POWERTOOLS_METRICS_NAMESPACE": "check",
+    }
+    # When its handler module is imported in a bare interpreter
+    finished = subprocess.run(
+        [sys.executable, "-S", "-c", check],
+        cwd=spec.code_uri,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # Then it imports, and the local-only package is not reachable
+    assert finished.returncode == 0, finished.stderr
+    leak = subprocess.run(
+        [sys.executable, "-S", "-c", "import infrai_local"],
+        cwd=spec.code_uri,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert leak.returncode != 0
+
+
+def test_the_context_counts_down_from_the_timeout_and_a_slow_handler_is_killed(
+    tmp_path: Path,
+) -> None:
+    # Given a template whose function has a 2 s timeout
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "app.py").write_text(
+        textwrap.dedent(
+            """
+        import time
+        def handler(event, context):
+            if event.get("sleep"):
+                time.sleep(event["sleep"])
+            remaining = context.get_remaining_time_in_millis()
+            return {"remaining": remaining, "name": context.function_name}
+        """
+        )
+    )
+    (tmp_path / "template.yaml").write_text(
+        textwrap.dedent(
+            """
+        Transform: AWS::Serverless-2016-10-31
+        Resources:
+          Quick:
+            Type: AWS::Serverless::Function
+            Properties: {CodeUri: fn, Handler: app.handler, Runtime: python3.13, Timeout: 2}
+        """
+        )
+    )
+    (tmp_path / "fast.json").write_text("{}")
+    (tmp_path / "slow.json").write_text('{"sleep": 10}')
+    spec = resolve("Quick", root=tmp_path)
+    # When invoked quickly, Then the remaining time is within the timeout
+    fast = invoke(spec, tmp_path / "fast.json", log_stream=_Lines())
+    assert fast.ok
+    assert 0 < fast.payload["remaining"] <= 2000
+    assert fast.payload["name"] == "Quick"
+    # When the handler outlives its timeout, Then it is killed and reported as Lambda does
+    slow = invoke(spec, tmp_path / "slow.json", log_stream=_Lines())
+    assert slow.timed_out
+    assert slow.payload == {"errorMessage": "Task timed out after 2.00 seconds"}
+    assert slow.duration_ms < 8000
+
+
+def test_the_cli_reports_a_handler_error_with_exit_code_1(tmp_path: Path) -> None:
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "app.py").write_text(
+        "def handler(event, context):\n    raise KeyError('x')\n"
+    )
+    (tmp_path / "template.yaml").write_text(
+        "Resources:\n  Broken:\n    Type: AWS::Serverless::Function\n"
+        "    Properties: {CodeUri: fn, Handler: app.handler}\n"
+    )
+    (tmp_path / "e.json").write_text("{}")
+    finished = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "infrai-jobs"),
+            "invoke",
+            "Broken",
+            "--event",
+            str(tmp_path / "e.json"),
+            "--template",
+            str(tmp_path / "template.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert finished.returncode == 1
+    assert json.loads(finished.stdout)["errorType"] == "KeyError"
+    unknown = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "infrai-jobs"),
+            "invoke",
+            "Nope",
+            "--event",
+            str(tmp_path / "e.json"),
+            "--template",
+            str(tmp_path / "template.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert unknown.returncode == 2
+    assert "no function 'Nope'" in unknown.stderr
+
+
+class _Lines:
+    """A text sink for the child's log lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return

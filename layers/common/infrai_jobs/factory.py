@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
+from infrai_jobs.alerting import (
+    AlertCheck,
+    Alerter,
+    AlertThresholds,
+    PrintingAlerter,
+    SnsAlerter,
+)
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.settings import Settings
@@ -17,3 +26,26 @@ def make_queue_client(settings: Settings) -> InfraiClient:
 
 def make_ledger(settings: Settings) -> PostgresLedger:
     return PostgresLedger(settings.require_database_url())
+
+
+def make_alerter(settings: Settings) -> Alerter:
+    if settings.alert_topic_arn:
+        return SnsAlerter(settings.alert_topic_arn)
+    logging.getLogger(__name__).warning(
+        "ALERT_TOPIC_ARN is not set: alerts are printed, not sent",
+        extra={"action": "alerts_printed"},
+    )
+    return PrintingAlerter()
+
+
+def make_alert_check(settings: Settings, alerter: Alerter | None = None) -> AlertCheck:
+    return AlertCheck(
+        make_queue_client(settings),
+        settings.require_database_url(),
+        alerter or make_alerter(settings),
+        AlertThresholds(
+            stuck_claim_seconds=settings.stuck_claim_seconds,
+            backlog_age_seconds=settings.backlog_age_seconds,
+            reminder_seconds=settings.alert_reminder_seconds,
+        ),
+    )

@@ -57,6 +57,20 @@ MIGRATIONS: tuple[Migration, ...] = (
             ON job_claims ((coalesce(updated_at, claimed_at))) WHERE state IN ('done', 'failed');
         """,
     ),
+    Migration(
+        2,
+        "alert state",
+        """
+        CREATE TABLE IF NOT EXISTS alert_state (
+            scope      text NOT NULL,
+            signal     text NOT NULL,
+            value      bigint NOT NULL DEFAULT 0,
+            alerted_at timestamptz,
+            updated_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (scope, signal)
+        );
+        """,
+    ),
 )
 
 _CREATE_VERSIONS: LiteralString = """

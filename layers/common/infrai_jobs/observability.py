@@ -12,8 +12,9 @@ import logging
 
 from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
-from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
+from infrai_jobs.alerting import AlertReport
 from infrai_jobs.drain import DrainSummary
 
 PACKAGE_LOGGER = "infrai_jobs"
@@ -49,3 +50,30 @@ def record_drain(metrics: Metrics, queue: str, summary: DrainSummary) -> None:
     counts = summary.as_dict()
     for field, name in DRAIN_METRICS.items():
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=counts[field])
+
+
+# Per watched queue, with the queue as the one dimension.
+QUEUE_METRICS = {
+    "dlq_count": ("DlqCount", MetricUnit.Count),
+    "available_count": ("AvailableCount", MetricUnit.Count),
+    "in_flight_count": ("InFlightCount", MetricUnit.Count),
+    "delayed_count": ("DelayedCount", MetricUnit.Count),
+    "oldest_message_age_seconds": ("OldestMessageAgeSeconds", MetricUnit.Seconds),
+}
+
+
+def record_alert_check(metrics: Metrics, report: AlertReport) -> None:
+    """One EMF document per queue (dimension ``queue``), the ledger's figures on ``metrics``."""
+    for queue in report.as_dict()["queues"]:
+        per_queue = EphemeralMetrics(namespace=metrics.namespace, service=metrics.service)
+        per_queue.add_dimension(name="queue", value=queue["queue"])
+        for field, (name, unit) in QUEUE_METRICS.items():
+            per_queue.add_metric(name=name, unit=unit, value=queue[field])
+        per_queue.flush_metrics()
+    metrics.add_metric(name="StuckClaims", unit=MetricUnit.Count, value=report.stuck.count)
+    metrics.add_metric(
+        name="OldestRunningClaimAgeSeconds",
+        unit=MetricUnit.Seconds,
+        value=report.stuck.oldest_running_age_seconds,
+    )
+    metrics.add_metric(name="AlertsSent", unit=MetricUnit.Count, value=len(report.sent))

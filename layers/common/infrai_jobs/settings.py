@@ -37,6 +37,12 @@ class Settings:
     lease_grace_seconds: int = 60
     retention_days: int = 30
     publish_retries: bool = False
+    # Alerting (DlqAlertFunction).
+    watched_queues: tuple[str, ...] = ()
+    alert_topic_arn: str = ""
+    stuck_claim_seconds: int = 900
+    backlog_age_seconds: int = 900
+    alert_reminder_seconds: int = 3600
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -55,6 +61,11 @@ class Settings:
             lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
             publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
+            watched_queues=_names(env.get("WATCHED_QUEUES", "")) or (queue,),
+            alert_topic_arn=env.get("ALERT_TOPIC_ARN", "").strip(),
+            stuck_claim_seconds=_int(env, "STUCK_CLAIM_SECONDS", 900, minimum=1),
+            backlog_age_seconds=_int(env, "BACKLOG_AGE_SECONDS", 900, minimum=1),
+            alert_reminder_seconds=_int(env, "ALERT_REMINDER_SECONDS", 3600, minimum=60),
         )
         if not settings.queue:
             raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
@@ -84,6 +95,10 @@ class Settings:
                 "postgresql://user@127.0.0.1:5432/jobs"
             )
         return self.database_url
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name.strip() for name in raw.split(",") if name.strip()))
 
 
 def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:

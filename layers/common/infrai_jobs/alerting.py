@@ -1,0 +1,324 @@
+"""Turning dead letters, stuck claims and a lagging drain into pages a human can act on.
+
+Each check reads the watched queues' stats and the ledger's running claims, then decides per
+signal whether to alert, remind, resolve or stay quiet. The last alerted value of every signal
+lives in Postgres (``alert_state``), read and written under a row lock in the same transaction as
+the decision, so a cold start does not re-alert and two concurrent checks send one alert.
+
+The decision is a pure function (``decide``) of the previous state and the new value; the
+``Alerter`` port carries the message out (SNS in AWS, a printer locally).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any, LiteralString, Protocol
+
+import psycopg
+
+from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.ports import QueuePort
+from infrai_jobs.queue_models import QueueStats
+
+logger = logging.getLogger(__name__)
+
+LEDGER_SCOPE = "ledger"
+SNS_SUBJECT_LIMIT = 100
+
+
+class Signal(StrEnum):
+    DLQ = "dlq"  # messages in a queue's dead-letter queue
+    STUCK = "stuck"  # running claims older than the threshold, or flagged
+    BACKLOG = "backlog"  # the oldest message is older than the threshold: the drain lags
+
+
+class Verdict(StrEnum):
+    QUIET = "quiet"
+    ALERT = "alert"  # appeared or grew
+    REMIND = "remind"  # unchanged and still bad after the reminder interval
+    RESOLVED = "resolved"  # back to zero
+
+
+@dataclass(frozen=True, slots=True)
+class AlertState:
+    value: int = 0
+    alerted_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AlertThresholds:
+    stuck_claim_seconds: int = 900
+    backlog_age_seconds: int = 900
+    reminder_seconds: int = 3600
+
+
+def decide(previous: AlertState, value: int, now: datetime, reminder_seconds: int) -> Verdict:
+    """Rising edge alerts, an unchanged bad value reminds after an interval, zero resolves once.
+
+    A value that falls but stays above zero is quiet: it is getting better, and the last alert
+    already told a human to look.
+    """
+    if value > previous.value:
+        return Verdict.ALERT
+    if value == 0:
+        return Verdict.RESOLVED if previous.value > 0 else Verdict.QUIET
+    due = previous.alerted_at is None or (
+        now - previous.alerted_at >= timedelta(seconds=reminder_seconds)
+    )
+    return Verdict.REMIND if due else Verdict.QUIET
+
+
+class Alerter(Protocol):
+    """Where alerts go; SNS in AWS."""
+
+    def publish(self, subject: str, message: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StuckClaims:
+    count: int
+    oldest_running_age_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One signal's new value, in one scope (a queue name, or the ledger)."""
+
+    scope: str
+    signal: Signal
+    value: int
+    stats: QueueStats | None = None
+
+
+@dataclass
+class AlertReport:
+    """What one check saw and did; the handler turns it into metrics and a return value."""
+
+    stats: list[QueueStats] = field(default_factory=list)
+    stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "queues": [
+                {
+                    "queue": s.queue,
+                    "dlq_count": s.dlq_count,
+                    "available_count": s.available_count,
+                    "in_flight_count": s.in_flight_count,
+                    "delayed_count": s.delayed_count,
+                    "oldest_message_age_seconds": s.oldest_message_age_seconds,
+                }
+                for s in self.stats
+            ],
+            "stuck_claims": self.stuck.count,
+            "oldest_running_claim_age_seconds": self.stuck.oldest_running_age_seconds,
+            "alerts": self.sent,
+        }
+
+
+# --- SQL -------------------------------------------------------------------------------------
+
+_STUCK: LiteralString = """
+SELECT count(*) FILTER (
+           WHERE error IS NOT NULL OR claimed_at < now() - make_interval(secs => %(threshold)s)
+       ),
+       coalesce(extract(epoch FROM now() - min(claimed_at)), 0)
+FROM job_claims WHERE state = 'running'
+"""
+_ENSURE_STATE: LiteralString = """
+INSERT INTO alert_state (scope, signal) VALUES (%(scope)s, %(signal)s)
+ON CONFLICT (scope, signal) DO NOTHING
+"""
+_LOCK_STATE: LiteralString = """
+SELECT value, alerted_at, now() FROM alert_state
+WHERE scope = %(scope)s AND signal = %(signal)s FOR UPDATE
+"""
+_SAVE_STATE: LiteralString = """
+UPDATE alert_state
+SET value = %(value)s, alerted_at = %(alerted_at)s, updated_at = now()
+WHERE scope = %(scope)s AND signal = %(signal)s
+"""
+
+
+class AlertCheck:
+    """One run of the watcher over the watched queues and the ledger."""
+
+    def __init__(
+        self,
+        queue: QueuePort,
+        database_url: str,
+        alerter: Alerter,
+        thresholds: AlertThresholds,
+        *,
+        connect_timeout: int = 5,
+    ) -> None:
+        self._queue = queue
+        self._database_url = database_url
+        self._alerter = alerter
+        self._thresholds = thresholds
+        self._connect_timeout = connect_timeout
+
+    def run(self, watched: Sequence[str]) -> AlertReport:
+        """Check every watched queue; raise rather than report zeros when a source fails."""
+        report = AlertReport()
+        # Stats first: if Infrai cannot answer, this raises and nothing is "resolved".
+        report.stats = [self._queue.stats(name) for name in watched]
+        try:
+            with psycopg.connect(
+                self._database_url, autocommit=True, connect_timeout=self._connect_timeout
+            ) as conn:
+                report.stuck = self._stuck_claims(conn)
+                limit = self._thresholds.backlog_age_seconds
+                for stats in report.stats:
+                    lagging = int(stats.oldest_message_age_seconds > limit)
+                    dlq = Observation(stats.queue, Signal.DLQ, stats.dlq_count, stats)
+                    self._evaluate(conn, report, dlq)
+                    self._evaluate(
+                        conn, report, Observation(stats.queue, Signal.BACKLOG, lagging, stats)
+                    )
+                stuck = Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count)
+                self._evaluate(conn, report, stuck)
+        except psycopg.OperationalError as exc:
+            raise LedgerUnavailable(f"alert check cannot reach the ledger: {exc}") from exc
+        except psycopg.Error as exc:
+            raise LedgerError(f"alert check failed in the ledger: {exc}") from exc
+        return report
+
+    def _stuck_claims(self, conn: psycopg.Connection[Any]) -> StuckClaims:
+        row = conn.execute(_STUCK, {"threshold": self._thresholds.stuck_claim_seconds}).fetchone()
+        count, oldest = row if row else (0, 0)
+        return StuckClaims(int(count), float(oldest))
+
+    def _evaluate(
+        self, conn: psycopg.Connection[Any], report: AlertReport, seen: Observation
+    ) -> None:
+        key = {"scope": seen.scope, "signal": seen.signal.value}
+        with conn.transaction():
+            conn.execute(_ENSURE_STATE, key)
+            row = conn.execute(_LOCK_STATE, key).fetchone()
+            assert row is not None  # ensured just above, in this transaction
+            previous = AlertState(int(row[0]), row[1])
+            now: datetime = row[2]
+            verdict = decide(previous, seen.value, now, self._thresholds.reminder_seconds)
+            alerted_at = previous.alerted_at
+            if verdict is not Verdict.QUIET:
+                subject, message = compose(
+                    verdict,
+                    seen,
+                    before=previous.value,
+                    stuck=report.stuck,
+                    thresholds=self._thresholds,
+                )
+                # Inside the lock: a concurrent check waits here, then finds nothing new.
+                # If publishing fails the state is not saved, so the next run alerts again.
+                self._alerter.publish(subject, message)
+                alerted_at = now
+                change = {
+                    "signal": seen.signal.value,
+                    "scope": seen.scope,
+                    "verdict": verdict.value,
+                    "from": previous.value,
+                    "to": seen.value,
+                }
+                report.sent.append({**change, "subject": subject})
+                logger.warning(subject, extra={"action": f"alert_{verdict.value}", **change})
+            conn.execute(_SAVE_STATE, {**key, "value": seen.value, "alerted_at": alerted_at})
+
+
+def compose(
+    verdict: Verdict,
+    seen: Observation,
+    *,
+    before: int,
+    stuck: StuckClaims,
+    thresholds: AlertThresholds,
+) -> tuple[str, str]:
+    """The subject and body of one alert: what, how much, since when, and what to run next."""
+    signal, scope, after, stats = seen.signal, seen.scope, seen.value, seen.stats
+    if signal is Signal.DLQ:
+        dlq_name = f"{scope}'s dead-letter queue"
+        subject = {
+            Verdict.ALERT: f"[infrai-jobs] {after - before} new dead letter(s) on {scope}",
+            Verdict.REMIND: f"[infrai-jobs] still {after} dead letter(s) on {scope}",
+            Verdict.RESOLVED: f"[infrai-jobs] RESOLVED: {scope}'s dead-letter queue is empty",
+        }[verdict]
+        body = [
+            f"dlq_count for {dlq_name} went from {before} to {after}.",
+            "Each message there failed three deliveries, or was left unacked on purpose "
+            "(a conflict, a stuck irreversible job, an unknown job).",
+        ]
+        next_steps = [
+            f"infrai-jobs dlq --queue {scope}      # what is there, and the ledger's reason",
+            "infrai-jobs redrive --dry-run          # after the fix: what a redrive would do",
+        ]
+    elif signal is Signal.BACKLOG:
+        age = stats.oldest_message_age_seconds if stats else 0.0
+        subject = {
+            Verdict.ALERT: f"[infrai-jobs] {scope} is falling behind (oldest {age:.0f} s)",
+            Verdict.REMIND: f"[infrai-jobs] {scope} is still behind (oldest {age:.0f} s)",
+            Verdict.RESOLVED: f"[infrai-jobs] RESOLVED: {scope} is keeping up again",
+        }[verdict]
+        body = [
+            f"The oldest message on {scope} is {age:.0f} s old "
+            f"(threshold {thresholds.backlog_age_seconds} s).",
+            f"available {stats.available_count if stats else 0}, "
+            f"in flight {stats.in_flight_count if stats else 0}.",
+        ]
+        next_steps = [
+            f"infrai-jobs stats --queue {scope}",
+            "check DrainFunction's Errors alarm and its logs; consider more DrainLanes",
+        ]
+    else:
+        subject = {
+            Verdict.ALERT: f"[infrai-jobs] {after - before} new stuck claim(s) in the ledger",
+            Verdict.REMIND: f"[infrai-jobs] still {after} stuck claim(s) in the ledger",
+            Verdict.RESOLVED: "[infrai-jobs] RESOLVED: no stuck claims",
+        }[verdict]
+        body = [
+            f"Stuck claims went from {before} to {after}: running longer than "
+            f"{thresholds.stuck_claim_seconds} s or flagged (an irreversible effect whose "
+            "outcome is unknown). They are never retried automatically.",
+            f"Oldest running claim: {stuck.oldest_running_age_seconds:.0f} s.",
+        ]
+        next_steps = [
+            "infrai-jobs claims stuck               # which keys, and why",
+            "infrai-jobs claims resolve KEY --done  # after checking the downstream system",
+        ]
+    if verdict is Verdict.RESOLVED:
+        next_steps = []
+    text = "\n".join(
+        [*body, *(["", "Next:", *[f"  {s}" for s in next_steps]] if next_steps else [])]
+    )
+    return subject[:SNS_SUBJECT_LIMIT], text
+
+
+class SnsAlerter:
+    """Publishes to an SNS topic through boto3 (imported only when an alert is sent)."""
+
+    def __init__(self, topic_arn: str, *, region: str | None = None) -> None:
+        self._topic_arn = topic_arn
+        self._region = region
+        self._client: Any = None
+
+    def publish(self, subject: str, message: str) -> None:
+        if self._client is None:
+            import boto3  # noqa: PLC0415 - boto3 only when a feature needs it
+
+            self._client = boto3.client("sns", region_name=self._region)
+        self._client.publish(TopicArn=self._topic_arn, Subject=subject, Message=message)
+
+
+class PrintingAlerter:
+    """Locally: prints each alert, and keeps them for whoever asks."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+
+    def publish(self, subject: str, message: str) -> None:
+        self.sent.append((subject, message))
+        print(f"ALERT {subject}\n{message}\n", flush=True)

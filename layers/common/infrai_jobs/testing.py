@@ -1,0 +1,756 @@
+"""In-memory fakes of the package's ports, for unit tests (ours and users').
+
+``InMemoryQueue`` stands in for Infrai's queue (``QueuePort``) and ``InMemoryLedger`` for the
+Postgres claim ledger (``LedgerPort``); both run on a ``FakeClock`` that tests move by hand, so
+a visibility timeout or an expired lease costs no waiting. No sockets, no threads of their own;
+every method takes a lock, so the drain may ack from its thread pool.
+
+    clock = FakeClock()
+    queue = InMemoryQueue(clock)
+    queue.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+    ledger = InMemoryLedger(clock)
+    drain(queue, ledger, registry, DrainConfig(queue="billing-jobs"), lambda: 60_000, clock=clock)
+
+Pass the same clock to ``drain(..., clock=clock)``: the drain computes claim leases from it.
+
+The queue follows INFRAI_API.md and the emulator's choices where the contract is silent. The
+ledger decides claims with the very ``_decide`` rules of ``PostgresLedger`` and mirrors its SQL
+(takeover, fencing, release, batch atomicity), including what Postgres refuses to store.
+Differences that remain are listed on each class.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from infrai_jobs.errors import (
+    InfraiError,
+    InfraiUnavailable,
+    LedgerError,
+    LedgerUnavailable,
+    QueueMessageNotFound,
+)
+from infrai_jobs.jobs import Effect, JsonValue
+from infrai_jobs.ledger import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimRow,
+    ClaimStatus,
+    DatabaseRunner,
+    JobRun,
+    RunKind,
+    Settlement,
+    SettleStatus,
+    _decide,
+    utc_from_epoch,
+)
+from infrai_jobs.ports import Clock
+from infrai_jobs.queue_models import PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
+
+if TYPE_CHECKING:
+    from infrai_jobs.ports import LedgerPort, QueuePort
+
+__all__ = ["FakeClock", "InMemoryLedger", "InMemoryQueue", "LedgerCall"]
+
+MAX_RECEIVE_COUNT: Final = 3
+CONSUME_CAP: Final = 10
+MAX_DELAY_SECONDS: Final = 86_400
+PUBLISH_PRICE_USD: Final = Decimal("0.00002")
+# 2026-07-26T00:00:00Z, the day of the field notes: a fixed start keeps test output stable.
+FAKE_EPOCH: Final = 1_785_024_000.0
+
+_QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
+_BASE62: Final = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_CLAIM_STATES: Final = frozenset({"running", "done", "failed"})
+
+
+class FakeClock:
+    """Epoch seconds that move only when a test says so.
+
+    Satisfies ``ports.Clock`` (``now()``) and is itself callable, so it can be passed wherever a
+    ``Callable[[], float]`` clock is expected, such as ``drain(..., clock=...)``.
+    """
+
+    def __init__(self, start: float = FAKE_EPOCH) -> None:
+        self._now = float(start)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FakeClock({self.now()!r})"
+
+    def now(self) -> float:
+        with self._lock:
+            return self._now
+
+    def __call__(self) -> float:
+        return self.now()
+
+    def utcnow(self) -> datetime:
+        return utc_from_epoch(self.now())
+
+    def advance(self, seconds: float) -> float:
+        """Move forward (never back, like the emulator's clock); answers the new time."""
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError("a fake clock only moves forward by a finite number of seconds")
+        with self._lock:
+            self._now += seconds
+            return self._now
+
+
+# --- The queue --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Message:
+    message_id: str
+    # Kept as JSON text so a consumer mutating its payload cannot change the stored message.
+    payload_json: str
+    published_at: float
+    state: Literal["available", "in_flight", "delayed"] = "available"
+    visible_at: float = 0.0
+    delivery_count: int = 0
+
+
+@dataclass
+class _Queue:
+    name: str
+    dlq: str | None
+    # Insertion order is arrival order: "oldest first" without a sort.
+    messages: dict[str, _Message]
+
+
+class InMemoryQueue:
+    """Infrai's queue in memory: the contract of INFRAI_API.md, no HTTP.
+
+    As the contract says: every publish gets a new ``qmsg_`` id; consume serves up to 10
+    available messages oldest first and hides them for the visibility timeout (300 s), each
+    receive adding one to ``delivery_count``; a message whose third delivery lapses unacked moves
+    to the queue's DLQ, where its count starts again; an ack of a handle the queue no longer
+    holds raises ``QueueMessageNotFound``; unknown queues raise ``InfraiError`` with code
+    ``QUEUE_NOT_FOUND``.
+
+    As the emulator chooses: expiry is lazy (each call first moves lapsed messages on); a lapsed
+    message in a DLQ (or a queue without one) becomes available again and keeps counting; an
+    ack succeeds for any message still held, even one whose visibility lapsed.
+
+    Differences: ids count up (``qmsg_0000...1``) instead of being random, so test output is
+    stable; ``retry`` on publish is accepted and ignored (there is no transport to retry); and
+    ``publish_raw`` can hand out payloads that are not objects, which the real service's publish
+    refuses but a consumer must survive anyway.
+    """
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        *,
+        visibility_timeout: float = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+        publish_price_usd: Decimal = PUBLISH_PRICE_USD,
+    ) -> None:
+        if not math.isfinite(visibility_timeout) or visibility_timeout <= 0:
+            raise ValueError("visibility_timeout must be a finite number of seconds above 0")
+        self.clock: Clock = clock if clock is not None else FakeClock()
+        self.visibility_timeout = float(visibility_timeout)
+        self._price = publish_price_usd
+        self._queues: dict[str, _Queue] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._acked: list[str] = []
+        self._lost_ack_answers = 0
+        self._failing_acks = 0
+
+    def __repr__(self) -> str:
+        return f"InMemoryQueue(queues={sorted(self._queues)!r})"
+
+    # --- QueuePort ----------------------------------------------------------------------------
+
+    def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
+        """Create ``name`` (and its DLQ, unless it exists); False when ``name`` already existed."""
+        _check_queue_name(name, "name")
+        if type_ != "standard":
+            raise _validation("create", "type must be one of ['standard']")
+        if dlq is not None:
+            _check_queue_name(dlq, "dlq")
+            if dlq == name:
+                raise _validation("create", "dlq must name a different queue")
+        with self._lock:
+            if name in self._queues:
+                return False
+            if dlq is not None and dlq not in self._queues:
+                self._queues[dlq] = _Queue(dlq, None, {})
+            self._queues[name] = _Queue(name, dlq, {})
+            return True
+
+    def publish(
+        self,
+        queue: str,
+        body: Mapping[str, Any],
+        *,
+        delay_seconds: int | None = None,
+        retry: bool | None = None,
+    ) -> str:
+        if not isinstance(body, Mapping):
+            raise _validation("publish", "body must be a JSON object")
+        return self.publish_raw(queue, body, delay_seconds=delay_seconds)
+
+    def publish_raw(
+        self, queue: str, payload: JsonValue, *, delay_seconds: int | None = None
+    ) -> str:
+        """Publish any JSON value as a payload, to test how consumers treat odd bodies."""
+        delay = 0 if delay_seconds is None else delay_seconds
+        if isinstance(delay, bool) or not isinstance(delay, int):
+            raise _validation("publish", "delay_seconds must be an integer")
+        if not 0 <= delay <= MAX_DELAY_SECONDS:
+            raise _validation("publish", f"delay_seconds must be from 0 to {MAX_DELAY_SECONDS}")
+        # Like the HTTP client, a body JSON cannot carry fails before anything is sent.
+        payload_json = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        with self._lock:
+            self._sweep()
+            target = self._queue(queue, "publish")
+            now = self.clock.now()
+            self._next_id += 1
+            message = _Message(_message_id(self._next_id), payload_json, now)
+            if delay > 0:
+                message.state = "delayed"
+                message.visible_at = now + delay
+            target.messages[message.message_id] = message
+            return message.message_id
+
+    def consume(self, queue: str, max_messages: int = CONSUME_CAP) -> list[QueueMessage]:
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
+        with self._lock:
+            self._sweep()
+            source = self._queue(queue, "consume")
+            now = self.clock.now()
+            chosen = [m for m in source.messages.values() if m.state == "available"]
+            chosen = chosen[: min(max_messages, CONSUME_CAP)]
+            for message in chosen:
+                message.delivery_count += 1
+                message.state = "in_flight"
+                message.visible_at = now + self.visibility_timeout
+            return [_delivery(source.name, message) for message in chosen]
+
+    def ack(self, queue: str, receipt_handle: str) -> None:
+        with self._lock:
+            self._sweep()
+            target = self._queue(queue, "ack")
+            if self._failing_acks > 0:
+                self._failing_acks -= 1
+                raise InfraiUnavailable(
+                    "INTERNAL", "injected fault: ack not applied", 500, call="ack"
+                )
+            message = target.messages.pop(receipt_handle, None)
+            if message is None:
+                raise QueueMessageNotFound(
+                    "QUEUE_MESSAGE_NOT_FOUND",
+                    f"queue {queue!r} holds no message for this receipt handle "
+                    "(already acked, dead-lettered, or never published there)",
+                    404,
+                    call="ack",
+                )
+            self._acked.append(message.message_id)
+            if self._lost_ack_answers > 0:
+                self._lost_ack_answers -= 1
+                # What the client reports when the answer was dropped and its retry found the
+                # message gone.
+                raise QueueMessageNotFound(
+                    "QUEUE_MESSAGE_NOT_FOUND",
+                    "injected fault: the ack was applied, its answer lost, and the retry found "
+                    "the message gone",
+                    404,
+                    call="ack",
+                )
+
+    def stats(self, queue: str) -> QueueStats:
+        with self._lock:
+            self._sweep()
+            target = self._queue(queue, "stats")
+            counts = Counter(m.state for m in target.messages.values())
+            dlq = self._queues.get(target.dlq) if target.dlq else None
+            oldest = min((m.published_at for m in target.messages.values()), default=None)
+            age = 0 if oldest is None else max(0, math.floor(self.clock.now() - oldest))
+            return QueueStats(
+                queue=target.name,
+                message_count=sum(counts.values()),
+                available_count=counts["available"],
+                in_flight_count=counts["in_flight"],
+                delayed_count=counts["delayed"],
+                dlq_count=len(dlq.messages) if dlq is not None else 0,
+                oldest_message_age_seconds=float(age),
+            )
+
+    def publish_price(self) -> PublishPrice:
+        price = format(self._price, "f")
+        billing = {
+            "unit": "message",
+            "price_usd": price,
+            "currency": "USD",
+            "free": False,
+            "rate_limited": False,
+        }
+        return PublishPrice(Decimal(price), billing)
+
+    # --- test knobs and inspection ----------------------------------------------------------
+
+    def lose_ack_answers(self, times: int = 1) -> None:
+        """The next ``times`` acks are applied, then raise ``QueueMessageNotFound``.
+
+        That is what the HTTP client reports when an ack's answer is dropped on the way back
+        and its retry finds the message already gone: the drain's ``ack_lost``.
+        """
+        with self._lock:
+            self._lost_ack_answers = times
+
+    def fail_acks(self, times: int = 1) -> None:
+        """The next ``times`` acks are not applied and raise ``InfraiUnavailable`` (5xx)."""
+        with self._lock:
+            self._failing_acks = times
+
+    @property
+    def acked(self) -> list[str]:
+        """Ids of the messages acks removed, in order (including those whose answer was lost)."""
+        with self._lock:
+            return list(self._acked)
+
+    # --- internals (lock held) --------------------------------------------------------------
+
+    def _queue(self, name: str, call: str) -> _Queue:
+        queue = self._queues.get(name)
+        if queue is None:
+            raise InfraiError("QUEUE_NOT_FOUND", f"queue {name!r} does not exist", 404, call=call)
+        return queue
+
+    def _sweep(self) -> None:
+        now = self.clock.now()
+        for queue in list(self._queues.values()):
+            due = [m for m in queue.messages.values() if m.state != "available"]
+            # Deadline order decides the order in which dead letters enter their DLQ.
+            for message in sorted(due, key=lambda m: m.visible_at):
+                if message.visible_at <= now:
+                    self._lapse(queue, message)
+
+    def _lapse(self, queue: _Queue, message: _Message) -> None:
+        dlq = self._queues.get(queue.dlq) if queue.dlq else None
+        exhausted = message.state == "in_flight" and message.delivery_count >= MAX_RECEIVE_COUNT
+        if exhausted and dlq is not None:
+            del queue.messages[message.message_id]
+            dlq.messages[message.message_id] = _Message(
+                message.message_id, message.payload_json, message.published_at
+            )
+            return
+        message.state = "available"
+
+
+def _message_id(number: int) -> str:
+    digits = ""
+    while number:
+        number, rest = divmod(number, 62)
+        digits = _BASE62[rest] + digits
+    return "qmsg_" + digits.rjust(24, "0")
+
+
+def _delivery(queue: str, message: _Message) -> QueueMessage:
+    return QueueMessage(
+        message_id=message.message_id,
+        queue=queue,
+        payload=json.loads(message.payload_json),
+        delivery_count=message.delivery_count,
+        published_at=utc_from_epoch(message.published_at),
+        status="in_flight",
+        receipt_handle=message.message_id,
+    )
+
+
+def _check_queue_name(name: str, field_name: str) -> None:
+    if not _QUEUE_NAME.fullmatch(name):
+        raise _validation("create", f"{field_name} must be 1-80 letters, digits, '.', '_' or '-'")
+
+
+def _validation(call: str, message: str) -> InfraiError:
+    return InfraiError("VALIDATION_ERROR", message, 400, call=call)
+
+
+# --- The ledger -------------------------------------------------------------------------------
+
+LedgerCall = Literal["claim", "run_database_batch", "settle", "flag_stuck"]
+
+
+@dataclass(frozen=True, slots=True)
+class _InjectedFailure:
+    call: LedgerCall
+    times: int
+
+
+class InMemoryLedger:
+    """``job_claims`` in a dict, with ``PostgresLedger``'s semantics.
+
+    * ``claim`` commits at once: a new key is won ``running``; an ``external_idempotent`` claim
+      still running for the same work is taken over (``attempts`` + 1) once its lease expired
+      or when the claimant is the holder's own message; anything else is decided by the same
+      ``_decide`` rules (done, failed, live, stuck, conflict).
+    * ``run_database_batch`` claims, runs each won job with ``runner(request, None)`` and settles
+      as one transaction: nothing of it survives an exception. An uncertain database job is
+      released, as its effect rolled back with its savepoint.
+    * Every settle is fenced by the claim token and the ``running`` state; a mismatch is
+      ``SettleStatus.LOST``.
+    * What Postgres refuses, this refuses the same way: a result holding ``\\u0000`` or an
+      unpaired surrogate (jsonb) or an error text holding NUL raises ``LedgerError``; an error
+      text that is not valid Unicode raises ``UnicodeEncodeError``, as psycopg does.
+
+    Differences: handlers of database jobs get ``ctx.db = None`` and their own side effects are
+    not rolled back; ``now()`` is the clock at each call rather than a transaction's start; and
+    concurrent callers are serialised by one lock instead of row locks.
+    """
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        *,
+        visibility_timeout: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+    ) -> None:
+        self.clock: Clock = clock if clock is not None else FakeClock()
+        self.visibility_timeout = visibility_timeout
+        self._rows: dict[str, ClaimRow] = {}
+        # Re-entrant: a handler run inside run_database_batch may inspect or change rows.
+        self._lock = threading.RLock()
+        self._failures: list[_InjectedFailure] = []
+        self._calls: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"InMemoryLedger(rows={len(self._rows)})"
+
+    # --- LedgerPort ---------------------------------------------------------------------------
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+        if not requests:
+            return []
+        with self._lock:
+            self._enter("claim")
+            return self._claim(requests, self._now())
+
+    def run_database_batch(
+        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        if not requests:
+            return [], []
+        with self._lock:
+            self._enter("run_database_batch")
+            before = dict(self._rows)
+            try:
+                now = self._now()
+                decisions = self._claim(requests, now)
+                runs = [
+                    (decision.request, runner(decision.request, None))
+                    for decision in decisions
+                    if decision.status is ClaimStatus.WON
+                ]
+                settlements = self._settle(runs, now, uncertain_is_stuck=False)
+            except BaseException:
+                self._rows = before
+                raise
+            return decisions, settlements
+
+    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+        with self._lock:
+            self._enter("settle")
+            (settlement,) = self._settle([(request, run)], self._now(), uncertain_is_stuck=True)
+            return settlement
+
+    def flag_stuck(self, reasons: dict[str, str]) -> None:
+        if not reasons:
+            return
+        with self._lock:
+            self._enter("flag_stuck")
+            for reason in reasons.values():
+                _check_text(reason)
+            now = self._now()
+            for key, reason in reasons.items():
+                row = self._rows.get(key)
+                if row is not None and row.state == "running" and row.error != reason:
+                    self._rows[key] = replace(row, error=reason, updated_at=now)
+
+    # --- inspection and set-up ----------------------------------------------------------------
+
+    def get(self, idem_key: str) -> ClaimRow | None:
+        with self._lock:
+            return self._rows.get(idem_key)
+
+    @property
+    def rows(self) -> dict[str, ClaimRow]:
+        """A copy of every row by key (rows are frozen, so the copy is a snapshot)."""
+        with self._lock:
+            return dict(self._rows)
+
+    @property
+    def calls(self) -> Counter[str]:
+        """How often each port method reached the ledger (a round trip each in Postgres)."""
+        with self._lock:
+            return Counter(self._calls)
+
+    def seed(
+        self,
+        idem_key: str,
+        *,
+        state: str = "running",
+        message_id: str = "qmsg_seeded",
+        job: str | None = None,
+        effect: Effect | str | None = None,
+        fingerprint: str | None = None,
+        lease_until: datetime | None = None,
+        claim_token: uuid.UUID | None = None,
+        attempts: int | None = 1,
+        error: str | None = None,
+        result: JsonValue = None,
+        claimed_at: datetime | None = None,
+        updated_at: datetime | None = None,
+    ) -> ClaimRow:
+        """Write a row as another worker, an operator or the notes' SQL would have left it.
+
+        Replaces any row under the key. Unset columns are what the table defaults to, so
+        ``seed(key, state="running", message_id=...)`` is exactly the notes' own INSERT.
+        """
+        if state not in _CLAIM_STATES:
+            raise ValueError(f"state must be one of {sorted(_CLAIM_STATES)}, not {state!r}")
+        with self._lock:
+            row = ClaimRow(
+                idem_key=idem_key,
+                state=state,
+                message_id=message_id,
+                job=job,
+                effect=None if effect is None else str(effect),
+                attempts=attempts,
+                payload_sha256=fingerprint,
+                error=error,
+                result=result,
+                claimed_at=claimed_at or self._now(),
+                lease_until=lease_until,
+                updated_at=updated_at,
+                claim_token=claim_token,
+            )
+            self._rows[idem_key] = row
+            return row
+
+    def reassign(self, idem_key: str) -> uuid.UUID:
+        """Give a claim a new token, as a takeover or an operator would: its holder loses it."""
+        with self._lock:
+            token = uuid.uuid4()
+            row = self._rows[idem_key]
+            self._rows[idem_key] = replace(row, claim_token=token, updated_at=self._now())
+            return token
+
+    def fail_next(self, call: LedgerCall, times: int = 1) -> None:
+        """The next ``times`` calls of ``call`` raise ``LedgerUnavailable`` and change nothing."""
+        with self._lock:
+            self._failures.append(_InjectedFailure(call, times))
+
+    # --- internals (lock held) ----------------------------------------------------------------
+
+    def _now(self) -> datetime:
+        return utc_from_epoch(self.clock.now())
+
+    def _enter(self, call: LedgerCall) -> None:
+        self._calls[call] += 1
+        for index, failure in enumerate(self._failures):
+            if failure.call == call:
+                if failure.times > 1:
+                    self._failures[index] = replace(failure, times=failure.times - 1)
+                else:
+                    del self._failures[index]
+                raise LedgerUnavailable(f"injected fault: the ledger failed during {call}")
+
+    def _claim(self, requests: Sequence[ClaimRequest], now: datetime) -> list[ClaimDecision]:
+        keys = [r.idem_key for r in requests]
+        if len(set(keys)) != len(keys):
+            # Postgres refuses an ON CONFLICT DO UPDATE that touches one row twice.
+            raise LedgerError(
+                "the ledger rejected a statement: ON CONFLICT DO UPDATE command cannot affect "
+                "row a second time"
+            )
+        decisions: list[ClaimDecision] = []
+        for request in sorted(requests, key=lambda r: r.idem_key):
+            before = self._rows.get(request.idem_key)
+            won = before is None or _may_take_over(before, request, now)
+            if won:
+                self._rows[request.idem_key] = _claimed_row(before, request, now)
+            decisions.append(_decide(request, self._answer(before, request, won, now)))
+        return decisions
+
+    def _answer(
+        self, row: ClaimRow | None, request: ClaimRequest, won: bool, now: datetime
+    ) -> dict[str, Any]:
+        # The claim statement's answer: the row as it was before, as its final SELECT sees it.
+        won_token = request.claim_token if won else None
+        if row is None:
+            return {
+                "won_token": won_token,
+                "state": None,
+                "message_id": None,
+                "effect": None,
+                "payload_sha256": None,
+                "error": None,
+                "result": None,
+                "lease_expired": None,
+            }
+        lease_end = row.lease_until
+        if lease_end is None:
+            lease_end = utc_from_epoch(row.claimed_at.timestamp() + self.visibility_timeout)
+        return {
+            "won_token": won_token,
+            "state": row.state,
+            "message_id": row.message_id,
+            "effect": row.effect,
+            "payload_sha256": row.payload_sha256,
+            "error": row.error,
+            "result": row.result,
+            "lease_expired": lease_end < now,
+        }
+
+    def _settle(
+        self,
+        runs: Sequence[tuple[ClaimRequest, JobRun]],
+        now: datetime,
+        *,
+        uncertain_is_stuck: bool,
+    ) -> list[Settlement]:
+        kinds = [_settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
+        # Every value is checked before any row changes: one refused statement changes nothing.
+        stored = [_storable(run, kind) for (_, run), kind in zip(runs, kinds, strict=True)]
+        settlements: list[Settlement] = []
+        for (request, run), kind, value in zip(runs, kinds, stored, strict=True):
+            row = self._rows.get(request.idem_key)
+            if row is None or row.claim_token != request.claim_token or row.state != "running":
+                settlements.append(Settlement(request, SettleStatus.LOST, run))
+                continue
+            if kind is RunKind.SUCCEEDED:
+                self._rows[request.idem_key] = replace(
+                    row, state="done", result=value, error=None, updated_at=now
+                )
+            elif kind is RunKind.PERMANENT:
+                self._rows[request.idem_key] = replace(
+                    row, state="failed", error=run.error, updated_at=now
+                )
+            elif kind is RunKind.UNCERTAIN:
+                self._rows[request.idem_key] = replace(
+                    row, error=f"effect uncertain: {run.error}", updated_at=now
+                )
+            else:
+                del self._rows[request.idem_key]
+            settlements.append(Settlement(request, _SETTLE_STATUS[kind], run))
+        return settlements
+
+
+_SETTLE_STATUS: Final = {
+    RunKind.SUCCEEDED: SettleStatus.DONE,
+    RunKind.PERMANENT: SettleStatus.FAILED,
+    RunKind.UNCERTAIN: SettleStatus.STUCK,
+    RunKind.TRANSIENT: SettleStatus.RELEASED,
+}
+
+
+def _settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
+    # A database job's effect rolled back with its savepoint: nothing is uncertain.
+    if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
+        return RunKind.TRANSIENT
+    return kind
+
+
+def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
+    """The ``DO UPDATE ... WHERE`` of the claim statement, NULLs compared as SQL does."""
+    idempotent = Effect.EXTERNAL_IDEMPOTENT.value
+    lease_over = row.lease_until is not None and row.lease_until < now
+    return (
+        row.state == "running"
+        and row.effect == idempotent
+        and request.effect.value == idempotent
+        and row.payload_sha256 is not None
+        and row.payload_sha256 == request.fingerprint
+        and (lease_over or row.message_id == request.message_id)
+    )
+
+
+def _claimed_row(before: ClaimRow | None, request: ClaimRequest, now: datetime) -> ClaimRow:
+    if before is not None:  # a takeover keeps the row's history, as the UPDATE does
+        return replace(
+            before,
+            message_id=request.message_id,
+            claim_token=request.claim_token,
+            lease_until=request.lease_until,
+            attempts=(before.attempts or 1) + 1,
+            error=None,
+            updated_at=now,
+        )
+    return ClaimRow(
+        idem_key=request.idem_key,
+        state="running",
+        message_id=request.message_id,
+        job=request.job,
+        effect=request.effect.value,
+        attempts=1,
+        payload_sha256=request.fingerprint,
+        error=None,
+        result=None,
+        claimed_at=now,
+        lease_until=request.lease_until,
+        updated_at=now,
+        claim_token=request.claim_token,
+    )
+
+
+def _storable(run: JobRun, kind: RunKind) -> JsonValue:
+    """The value a settle stores, or the error Postgres would raise for it."""
+    if kind is RunKind.SUCCEEDED:
+        # The same serialisation PostgresLedger sends; jsonb then holds the decoded form.
+        value = json.loads(json.dumps(run.result, allow_nan=False))
+        _check_jsonb(value)
+        return value
+    if kind in (RunKind.PERMANENT, RunKind.UNCERTAIN):
+        _check_text(run.error)
+    return None
+
+
+def _check_text(text: str) -> None:
+    if "\x00" in text:
+        raise LedgerError(
+            "the ledger rejected a statement: PostgreSQL text fields cannot contain NUL "
+            "(0x00) bytes"
+        )
+    text.encode("utf-8")  # psycopg's own UnicodeEncodeError for a lone surrogate
+
+
+def _check_jsonb(value: JsonValue) -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise LedgerError(
+                "the ledger rejected a statement: unsupported Unicode escape sequence "
+                "(\\u0000 cannot be converted to text)"
+            )
+        if any("\ud800" <= char <= "\udfff" for char in value):
+            raise LedgerError(
+                "the ledger rejected a statement: invalid input syntax for type json "
+                "(an unpaired Unicode surrogate)"
+            )
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            _check_jsonb(name)
+            _check_jsonb(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_jsonb(item)
+
+
+if TYPE_CHECKING:
+    # mypy holds the fakes to the ports: a Protocol change they miss fails type-checking.
+    _QUEUE_CONFORMS: QueuePort = InMemoryQueue()
+    _LEDGER_CONFORMS: LedgerPort = InMemoryLedger()
+    _CLOCK_CONFORMS: Clock = FakeClock()

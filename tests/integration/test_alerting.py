@@ -1,0 +1,237 @@
+"""DlqAlertFunction's core: alert on rising edges, remind, resolve once, never on missing data.
+
+Real PostgreSQL for the alert state, the emulator over HTTP for stats, and SNS through boto3
+against moto.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import psycopg
+import pytest
+import urllib3
+from aws_lambda_powertools import Metrics
+from moto import mock_aws
+from moto.sns.models import sns_backends
+
+from infrai_jobs.alerting import AlertCheck, AlertThresholds, SnsAlerter
+from infrai_jobs.errors import InfraiError
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.observability import record_alert_check
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_local import emulator as emulator_module
+
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+REGION = "us-east-1"
+ACCOUNT = "123456789012"
+
+
+class RecordingAlerter:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.sent: list[tuple[str, str]] = []
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def publish(self, subject: str, message: str) -> None:
+        time.sleep(self.delay)
+        with self.lock:
+            self.sent.append((subject, message))
+
+
+class Stage:
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.server = emulator_module.start_in_thread()
+        self.client = InfraiClient(
+            self.server.url, "k", retry=RetryPolicy(max_attempts=2, base_delay=0.01)
+        )
+        self.client.ensure_queue(QUEUE, dlq=DLQ)
+        self.http = urllib3.PoolManager()
+
+    def check(self, alerter: Any, **thresholds: int) -> AlertCheck:
+        return AlertCheck(self.client, self.database_url, alerter, AlertThresholds(**thresholds))
+
+    def advance(self, seconds: float) -> None:
+        self.http.request(
+            "POST", f"{self.server.url}/_emulator/clock", json={"advance_seconds": seconds}
+        )
+
+    def dead_letter(self, n: int = 1) -> None:
+        for i in range(n):
+            self.client.publish(QUEUE, {"job": "poison", "n": i})
+        for _ in range(3):
+            assert self.client.consume(QUEUE, 10)
+            self.advance(301)
+
+    def sql(self, query: str, params: Any = None) -> None:
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            conn.execute(query, params)
+
+    def close(self) -> None:
+        self.client.close()
+        self.http.clear()
+        self.server.stop()
+
+
+@pytest.fixture
+def stage(database_url: str) -> Iterator[Stage]:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn)
+    s = Stage(database_url)
+    yield s
+    s.close()
+
+
+def test_a_rising_dlq_count_alerts_once_with_the_numbers_and_next_steps(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    # Given a poison message dead-lettered
+    stage.dead_letter()
+    # When the watcher runs twice with the count unchanged
+    first = stage.check(alerter).run([QUEUE])
+    stage.check(alerter).run([QUEUE])  # a cold start: a new object, same state in Postgres
+    # Then exactly one alert was sent, saying how much, from what, and what to run
+    assert len(alerter.sent) == 1
+    subject, message = alerter.sent[0]
+    assert subject == "[infrai-jobs] 1 new dead letter(s) on billing-jobs"
+    assert "went from 0 to 1" in message
+    assert "infrai-jobs dlq --queue billing-jobs" in message
+    assert first.sent[0]["verdict"] == "alert"
+    # And a further rise alerts with the delta
+    stage.dead_letter(2)
+    stage.check(alerter).run([QUEUE])
+    assert alerter.sent[-1][0] == "[infrai-jobs] 2 new dead letter(s) on billing-jobs"
+    assert "went from 1 to 3" in alerter.sent[-1][1]
+
+
+def test_an_unchanged_count_reminds_after_the_interval(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    stage.dead_letter()
+    stage.check(alerter, reminder_seconds=3600).run([QUEUE])
+    # Given the last alert was two hours ago
+    stage.sql("UPDATE alert_state SET alerted_at = now() - interval '2 hours'")
+    # When the watcher runs
+    stage.check(alerter, reminder_seconds=3600).run([QUEUE])
+    stage.check(alerter, reminder_seconds=3600).run([QUEUE])
+    # Then one reminder went out, not one per run
+    assert [s for s, _ in alerter.sent] == [
+        "[infrai-jobs] 1 new dead letter(s) on billing-jobs",
+        "[infrai-jobs] still 1 dead letter(s) on billing-jobs",
+    ]
+
+
+def test_an_emptied_dlq_sends_one_resolved_message(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    stage.dead_letter()
+    stage.check(alerter).run([QUEUE])
+    # Given the dead letter was handled
+    (dead,) = stage.client.consume(DLQ)
+    stage.client.ack(DLQ, dead.receipt_handle)
+    # When the watcher runs twice
+    stage.check(alerter).run([QUEUE])
+    stage.check(alerter).run([QUEUE])
+    # Then one resolved message, and quiet after it
+    assert [s for s, _ in alerter.sent][1:] == [
+        "[infrai-jobs] RESOLVED: billing-jobs's dead-letter queue is empty"
+    ]
+
+
+def test_stuck_claims_alert_and_name_the_command(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    stage.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, error) VALUES"
+        " ('receipt.send:inv_1', 'running', 'qmsg_a', 'external', 'effect uncertain: timeout'),"
+        " ('receipt.send:inv_2', 'running', 'qmsg_b', 'external', NULL)"
+    )
+    report = stage.check(alerter, stuck_claim_seconds=900).run([QUEUE])
+    # Only the flagged claim is stuck; the fresh unflagged one is merely running
+    assert report.stuck.count == 1
+    assert report.stuck.oldest_running_age_seconds >= 0
+    ((subject, message),) = alerter.sent
+    assert subject == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+    assert "infrai-jobs claims stuck" in message
+
+
+def test_an_old_backlog_alerts_that_the_drain_is_behind(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    stage.client.publish(QUEUE, {"job": "waiting"})
+    stage.advance(1000)
+    stage.check(alerter, backlog_age_seconds=900).run([QUEUE])
+    ((subject, message),) = alerter.sent
+    assert subject == "[infrai-jobs] billing-jobs is falling behind (oldest 1000 s)"
+    assert "threshold 900 s" in message
+
+
+def test_two_concurrent_runs_send_one_alert(stage: Stage) -> None:
+    # Given a slow alerter, so both runs are inside the check at once
+    alerter = RecordingAlerter(delay=0.3)
+    stage.dead_letter()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stage.check(alerter).run([QUEUE])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert len(alerter.sent) == 1
+
+
+def test_a_failing_stats_call_raises_and_never_sends_all_clear(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    stage.dead_letter()
+    stage.check(alerter).run([QUEUE])
+    # Given Infrai answers 500 to everything
+    stage.http.request("POST", f"{stage.server.url}/_emulator/faults", json={"error_rate": 1.0})
+    # When the watcher runs, Then it raises, and no "resolved" went out
+    with pytest.raises(InfraiError) as caught:
+        stage.check(alerter).run([QUEUE])
+    assert caught.value.code == "INTERNAL"
+    assert len(alerter.sent) == 1
+
+
+def test_alerts_go_to_sns_through_boto3(stage: Stage, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+    }.items():
+        monkeypatch.setenv(name, value)
+    with mock_aws():
+        topic_arn = boto3.client("sns", region_name=REGION).create_topic(Name="alerts")["TopicArn"]
+        stage.dead_letter()
+        stage.check(SnsAlerter(topic_arn, region=REGION)).run([QUEUE])
+        sent = sns_backends[ACCOUNT][REGION].topics[topic_arn].sent_notifications
+        ((_id, message, subject, _attrs, _group),) = sent
+        assert subject == "[infrai-jobs] 1 new dead letter(s) on billing-jobs"
+        assert "infrai-jobs dlq --queue billing-jobs" in message
+
+
+def test_metrics_are_emitted_as_emf_per_queue(
+    stage: Stage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stage.dead_letter()
+    report = stage.check(RecordingAlerter()).run([QUEUE])
+    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
+    record_alert_check(metrics, report)
+    metrics.flush_metrics()
+    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    per_queue = next(d for d in documents if d.get("queue") == QUEUE)
+    assert per_queue["DlqCount"] == [1.0]
+    assert per_queue["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["queue", "service"]]
+    ledger = next(d for d in documents if "StuckClaims" in d)
+    assert ledger["StuckClaims"] == [0.0]
+    assert ledger["AlertsSent"] == [1.0]
+    assert all("idem_key" not in json.dumps(d["_aws"]) for d in documents)

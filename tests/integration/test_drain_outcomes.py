@@ -183,6 +183,29 @@ def test_effect_uncertain_stays_running_flagged_and_unacked(kit: Harness) -> Non
     assert kit.external_effects("test.ext:x") == 1
     row = kit.row("test.ext:x")
     assert row is not None
+    assert (row.error or "").startswith("effect uncertain")  # the first reason is kept
+
+
+def test_own_redelivery_of_a_running_external_claim_is_flagged_not_rerun(kit: Harness) -> None:
+    # Given a delivery that claimed a receipt and died mid-call (its lease not yet over)
+    payload = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
+    kit.publish(payload)
+    (message,) = kit.client.consume(QUEUE)
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until,"
+        " payload_sha256) VALUES ('receipt.send:inv_1', 'running', %s, 'external',"
+        " gen_random_uuid(), now() + interval '1 hour', %s)",
+        (message.message_id, kit.registry.derive(payload).fingerprint),
+    )
+    # When the same message is redelivered
+    kit.advance()
+    summary = kit.drain()
+    # Then it is not sent, not acked, and flagged with the reason
+    assert summary.outcomes == {"stuck": 1}
+    assert summary.acked == 0
+    assert kit.sink.state.snapshot()["mail_effects"] == 0
+    row = kit.row("receipt.send:inv_1")
+    assert row is not None
     assert "redelivered while its own claim is still running" in (row.error or "")
 
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -30,6 +32,7 @@ from infrai_jobs.errors import (
     LedgerUnavailable,
 )
 from infrai_jobs.factory import make_queue_client
+from infrai_jobs.keys import derive_key
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
@@ -57,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     namespace = parser.parse_args(args)
     command: Command | None = getattr(namespace, "command", None)
+    if command is None and getattr(namespace, "ops_command", None):
+        command = _cmd_ops
     if command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -129,6 +134,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="folder holding the `jobs` package (default: functions/drain)",
     )
     drain.set_defaults(command=_cmd_drain)
+
+    add_ops_commands(sub)
 
     stats = sub.add_parser("stats", help="show a queue's counters")
     stats.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
@@ -232,6 +239,44 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         )
     print(json.dumps(summary.as_dict()))
     return EXIT_OK
+
+
+def _cmd_ops(args: argparse.Namespace) -> int:
+    settings = resolve_secrets(Settings.from_env())
+    if args.ops_command in ("dlq", "redrive", "cost") and not settings.infrai_base_url:
+        raise ConfigurationError(
+            "INFRAI_BASE_URL is not set; point it at Infrai (or a running `infrai-jobs emulator`)"
+        )
+    with contextlib.ExitStack() as stack:
+
+        def queue() -> InfraiClient:
+            client = make_queue_client(settings)
+            stack.callback(client.close)
+            return client
+
+        def admin() -> ClaimsAdmin:
+            return ClaimsAdmin(settings.require_database_url())
+
+        return run_ops(
+            args,
+            OpsContext(
+                queue=queue,
+                admin=admin,
+                database_url=settings.require_database_url,
+                queue_name=settings.queue,
+                dlq_name=settings.dlq,
+                key_of=_key_function(),
+            ),
+        )
+
+
+def _key_function() -> Callable[[object], str]:
+    """Keys as the drain derives them: from the jobs package when it is here, else defaults."""
+    folder = Path("functions/drain")
+    if not (folder / "jobs" / "__init__.py").is_file():
+        return derive_key
+    registry = _load_registry(str(folder), "")
+    return lambda payload: registry.derive(payload).idem_key
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:

@@ -134,12 +134,14 @@ claimed AS (
             attempts = coalesce(c.attempts, 1) + 1,
             error = NULL,
             updated_at = now()
-        -- Takeover: only a key-passing effect, only the same work, only once the lease is over
-        -- or when the holder is this very message (its earlier delivery is certainly dead).
+        -- Takeover: only a key-passing effect, only the same work, never a claim flagged for a
+        -- human, and only once the lease is over or when the holder is this very message (its
+        -- earlier delivery is certainly dead).
         WHERE c.state = 'running'
           AND c.effect = 'external_idempotent'
           AND EXCLUDED.effect = 'external_idempotent'
           AND c.payload_sha256 = EXCLUDED.payload_sha256
+          AND c.error IS NULL
           AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id)
     RETURNING c.idem_key, c.claim_token
 )
@@ -182,7 +184,7 @@ RETURNING c.idem_key
 
 _MARK_UNCERTAIN: LiteralString = """
 UPDATE job_claims AS c
-SET error = u.error, updated_at = now()
+SET error = u.error, updated_at = now(), lease_until = least(c.lease_until, now())
 FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
     AS u(idem_key, claim_token, error)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
@@ -201,8 +203,7 @@ _FLAG_STUCK: LiteralString = """
 UPDATE job_claims AS c
 SET error = u.reason, updated_at = now()
 FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
-WHERE c.idem_key = u.idem_key AND c.state = 'running'
-  AND c.error IS DISTINCT FROM u.reason
+WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
 """
 
 _SELECT_ROW: LiteralString = """
@@ -482,7 +483,11 @@ def _decide(request: ClaimRequest, row: dict[str, Any]) -> ClaimDecision:
         return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
     if state == "failed":
         return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
-    # Running: held by someone, or abandoned.
+    # Running: flagged for a human, held by someone, or abandoned.
+    if row["error"]:
+        return ClaimDecision(
+            request, ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
+        )
     if row["message_id"] == request.message_id:
         return ClaimDecision(
             request,

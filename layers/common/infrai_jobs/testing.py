@@ -146,8 +146,9 @@ class InMemoryQueue:
 
     Differences: ids count up (``qmsg_0000...1``) instead of being random, so test output is
     stable; ``retry`` on publish is accepted and ignored (there is no transport to retry); and
-    ``publish_raw`` can hand out payloads that are not objects, which the real service's publish
-    refuses but a consumer must survive anyway.
+    ``publish_raw`` can hand out payloads that are not objects, which the emulator's publish
+    refuses but a consumer must survive anyway. Errors are what ``InfraiClient`` raises (codes,
+    not HTTP), including its ``ValueError`` for a ``max_messages`` below 1.
     """
 
     def __init__(
@@ -396,9 +397,12 @@ class InMemoryLedger:
     """``job_claims`` in a dict, with ``PostgresLedger``'s semantics.
 
     * ``claim`` commits at once: a new key is won ``running``; an ``external_idempotent`` claim
-      still running for the same work is taken over (``attempts`` + 1) once its lease expired
-      or when the claimant is the holder's own message; anything else is decided by the same
-      ``_decide`` rules (done, failed, live, stuck, conflict).
+      still running for the same work and not flagged for a human (``error`` unset) is taken
+      over (``attempts`` + 1) once its lease expired or when the claimant is the holder's own
+      message; anything else is decided by the same ``_decide`` rules (done, failed, live,
+      stuck, conflict).
+    * ``flag_stuck`` writes a reason only on a running claim without one; an uncertain external
+      settle records its error and ends the claim's lease now.
     * ``run_database_batch`` claims, runs each won job with ``runner(request, None)`` and settles
       as one transaction: nothing of it survives an exception. An uncertain database job is
       released, as its effect rolled back with its savepoint.
@@ -477,7 +481,8 @@ class InMemoryLedger:
             now = self._now()
             for key, reason in reasons.items():
                 row = self._rows.get(key)
-                if row is not None and row.state == "running" and row.error != reason:
+                # The first reason stands: it says what went wrong, later copies only repeat it.
+                if row is not None and row.state == "running" and row.error is None:
                     self._rows[key] = replace(row, error=reason, updated_at=now)
 
     # --- inspection and set-up ----------------------------------------------------------------
@@ -641,8 +646,10 @@ class InMemoryLedger:
                     row, state="failed", error=run.error, updated_at=now
                 )
             elif kind is RunKind.UNCERTAIN:
+                # _MARK_UNCERTAIN's least(lease_until, now()); least() ignores a NULL.
+                lease = now if row.lease_until is None else min(row.lease_until, now)
                 self._rows[request.idem_key] = replace(
-                    row, error=f"effect uncertain: {run.error}", updated_at=now
+                    row, error=f"effect uncertain: {run.error}", lease_until=lease, updated_at=now
                 )
             else:
                 del self._rows[request.idem_key]
@@ -675,6 +682,7 @@ def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
         and request.effect.value == idempotent
         and row.payload_sha256 is not None
         and row.payload_sha256 == request.fingerprint
+        and row.error is None
         and (lease_over or row.message_id == request.message_id)
     )
 

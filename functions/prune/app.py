@@ -1,0 +1,36 @@
+"""PruneFunction (daily): delete settled claims older than the retention, in small batches."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.observability import function_observability
+from infrai_jobs.secrets import resolve_secrets
+from infrai_jobs.settings import Settings
+
+logger, metrics = function_observability()
+
+
+@cache
+def dependencies() -> tuple[Settings, ClaimsAdmin]:
+    settings = resolve_secrets(Settings.from_env())
+    return settings, ClaimsAdmin(settings.require_database_url())
+
+
+@logger.inject_lambda_context(clear_state=True)
+@metrics.log_metrics
+def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    settings, admin = dependencies()
+    result = admin.prune(older_than_days=settings.retention_days)
+    logger.info("pruned settled claims", extra={"action": "prune", "deleted": result.deleted})
+    metrics.add_metric(name="ClaimsPruned", unit=MetricUnit.Count, value=result.deleted)
+    return {
+        "deleted": result.deleted,
+        "batches": result.batches,
+        "older_than_days": settings.retention_days,
+    }

@@ -1,0 +1,46 @@
+"""RedriveFunction (manual invoke): move dead letters back to the main queue after a fix.
+
+Event (events/redrive.json): {"max_messages": 100, "reopen_failed": false, "dry_run": true}.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from infrai_jobs.factory import make_queue_client
+from infrai_jobs.observability import function_observability
+from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.redrive import RedriveRequest, redrive
+from infrai_jobs.secrets import resolve_secrets
+from infrai_jobs.settings import Settings
+
+logger, metrics = function_observability()
+
+
+@cache
+def dependencies() -> tuple[Settings, InfraiClient]:
+    settings = resolve_secrets(Settings.from_env())
+    return settings, make_queue_client(settings)
+
+
+@logger.inject_lambda_context(log_event=True, clear_state=True)
+@metrics.log_metrics
+def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    request = RedriveRequest.from_event(event)
+    settings, queue = dependencies()
+    summary = redrive(
+        queue,
+        source=settings.dlq,
+        target=settings.queue,
+        max_messages=request.max_messages,
+        dry_run=request.dry_run,
+        reopen_failed=request.reopen_failed,
+        database_url=settings.require_database_url() if request.reopen_failed else None,
+    )
+    metrics.add_dimension(name="queue", value=settings.queue)
+    metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)
+    return summary.as_dict()

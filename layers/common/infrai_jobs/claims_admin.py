@@ -1,0 +1,300 @@
+"""The operator's view of the ledger: list, show, find stuck, resolve, release, prune.
+
+Resolve and release are fenced: they change a claim only if its state and claim token are still
+what the operator looked at, so a human never overwrites a row that moved on in the meantime.
+Every operator action is recorded in ``claim_history`` (append-only: the database refuses
+updates and deletes there) in the same transaction as the change.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from infrai_jobs.errors import InfraiJobsError, LedgerError, LedgerUnavailable
+from infrai_jobs.ledger import ClaimRow
+
+
+class ClaimNotFound(InfraiJobsError):
+    """No claim has this key."""
+
+
+class ClaimChanged(InfraiJobsError):
+    """The claim is no longer in the state (or held by the token) the operator saw."""
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    deleted: int
+    batches: int
+
+
+_LIST: LiteralString = """
+SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
+       claimed_at, lease_until, updated_at, claim_token
+FROM job_claims
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR claimed_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY claimed_at DESC
+LIMIT %(limit)s
+"""
+
+_SHOW: LiteralString = """
+SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
+       claimed_at, lease_until, updated_at, claim_token
+FROM job_claims WHERE idem_key = %(key)s
+"""
+
+_STUCK: LiteralString = """
+SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
+       claimed_at, lease_until, updated_at, claim_token
+FROM job_claims
+WHERE state = 'running'
+  AND (error IS NOT NULL OR claimed_at < now() - make_interval(secs => %(threshold)s))
+ORDER BY claimed_at
+LIMIT %(limit)s
+"""
+
+_FOR_UPDATE: LiteralString = """
+SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
+       claimed_at, lease_until, updated_at, claim_token
+FROM job_claims WHERE idem_key = %(key)s FOR UPDATE
+"""
+
+_RESOLVE: LiteralString = """
+UPDATE job_claims
+SET state = %(state)s, result = %(result)s, error = %(error)s, updated_at = now()
+WHERE idem_key = %(key)s AND state = %(expected_state)s
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_RELEASE: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND state = %(expected_state)s
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_HISTORY: LiteralString = """
+INSERT INTO claim_history (idem_key, action, actor, before, after, note)
+VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
+"""
+
+_HISTORY_OF: LiteralString = """
+SELECT id, idem_key, action, actor, at, before, after, note
+FROM claim_history WHERE idem_key = %(key)s ORDER BY id
+"""
+
+_PRUNE_BATCH: LiteralString = """
+DELETE FROM job_claims WHERE idem_key IN (
+    SELECT idem_key FROM job_claims
+    WHERE state IN ('done', 'failed')
+      AND coalesce(updated_at, claimed_at) < now() - make_interval(days => %(days)s)
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+
+def default_actor() -> str:
+    """Who is acting: OPERATOR if set, else the login name (recorded, never trusted)."""
+    return os.environ.get("OPERATOR") or getpass.getuser()
+
+
+class ClaimsAdmin:
+    """Operator actions on the ledger; one short connection per call."""
+
+    def __init__(self, database_url: str, *, connect_timeout: int = 5) -> None:
+        self._url = database_url
+        self._connect_timeout = connect_timeout
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        try:
+            return psycopg.connect(
+                self._url,
+                autocommit=True,
+                connect_timeout=self._connect_timeout,
+                application_name="infrai-jobs-admin",
+            )
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+
+    def list_claims(
+        self,
+        *,
+        state: str | None = None,
+        job: str | None = None,
+        older_than_seconds: float | None = None,
+        limit: int = 100,
+    ) -> list[ClaimRow]:
+        params = {"state": state, "job": job, "older_than": older_than_seconds, "limit": limit}
+        return self._rows(_LIST, params)
+
+    def show(self, key: str) -> ClaimRow:
+        rows = self._rows(_SHOW, {"key": key})
+        if not rows:
+            raise ClaimNotFound(f"no claim with key {key!r}")
+        return rows[0]
+
+    def stuck(self, *, threshold_seconds: int = 900, limit: int = 100) -> list[ClaimRow]:
+        return self._rows(_STUCK, {"threshold": threshold_seconds, "limit": limit})
+
+    def history(self, key: str) -> list[dict[str, Any]]:
+        with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
+            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
+
+    def resolve(
+        self,
+        key: str,
+        *,
+        done: bool,
+        result: Any = None,
+        error: str | None = None,
+        expected_token: uuid.UUID | None = None,
+        actor: str | None = None,
+        note: str = "",
+    ) -> ClaimRow:
+        """A human's verdict on a running claim: ``done`` (with the provider's reference) or
+        ``failed`` (with the reason). Only a ``running`` claim can be resolved."""
+        state = "done" if done else "failed"
+        return self._fenced_change(
+            key,
+            action=f"resolve_{state}",
+            statement=_RESOLVE,
+            changes={
+                "state": state,
+                "result": Jsonb(result) if done else None,
+                "error": None if done else (error or "resolved as failed by an operator"),
+            },
+            allowed_states=("running",),
+            expected_token=expected_token,
+            actor=actor,
+            note=note,
+        )
+
+    def release(
+        self,
+        key: str,
+        *,
+        expected_token: uuid.UUID | None = None,
+        actor: str | None = None,
+        note: str = "",
+    ) -> ClaimRow:
+        """Delete a running or failed claim so the next delivery runs the job again."""
+        return self._fenced_change(
+            key,
+            action="release",
+            statement=_RELEASE,
+            changes={},
+            allowed_states=("running", "failed"),
+            expected_token=expected_token,
+            actor=actor,
+            note=note,
+        )
+
+    def _fenced_change(
+        self,
+        key: str,
+        *,
+        action: str,
+        statement: LiteralString,
+        changes: dict[str, Any],
+        allowed_states: tuple[str, ...],
+        expected_token: uuid.UUID | None,
+        actor: str | None,
+        note: str,
+    ) -> ClaimRow:
+        try:
+            with self._connect() as conn, conn.transaction():
+                with conn.cursor(row_factory=dict_row) as cur:
+                    row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
+                if row is None:
+                    raise ClaimNotFound(f"no claim with key {key!r}")
+                before = ClaimRow(**row)
+                if before.state not in allowed_states:
+                    raise ClaimChanged(
+                        f"claim {key!r} is {before.state}; {action} needs "
+                        f"{' or '.join(allowed_states)}"
+                    )
+                if expected_token is not None and before.claim_token != expected_token:
+                    raise ClaimChanged(
+                        f"claim {key!r} is now held by token {before.claim_token}, not "
+                        f"{expected_token}: it changed since you looked; run "
+                        f"`infrai-jobs claims show {key}` again"
+                    )
+                cursor = conn.execute(
+                    statement,
+                    {
+                        "key": key,
+                        "expected_state": before.state,
+                        "expected_token": before.claim_token,
+                        **changes,
+                    },
+                )
+                if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
+                    raise ClaimChanged(f"claim {key!r} changed while it was being updated")
+                with conn.cursor(row_factory=dict_row) as cur:
+                    after_row = cur.execute(_SHOW, {"key": key}).fetchone()
+                after = ClaimRow(**after_row) if after_row else None
+                conn.execute(
+                    _HISTORY,
+                    {
+                        "key": key,
+                        "action": action,
+                        "actor": actor or default_actor(),
+                        "before": Jsonb(claim_as_dict(before)),
+                        "after": Jsonb(claim_as_dict(after)) if after else None,
+                        "note": note or None,
+                    },
+                )
+        except psycopg.OperationalError as exc:
+            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+        except psycopg.Error as exc:
+            raise LedgerError(f"the ledger rejected the change: {exc}") from exc
+        return after or before
+
+    def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
+        """Delete ``done``/``failed`` rows older than the retention, a short transaction per
+        batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
+        deleted = batches = 0
+        with self._connect() as conn:
+            while True:
+                cursor = conn.execute(_PRUNE_BATCH, {"days": older_than_days, "batch": batch_size})
+                batches += 1
+                deleted += cursor.rowcount
+                if cursor.rowcount < batch_size:
+                    break
+        return PruneResult(deleted, batches)
+
+    def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
+        try:
+            with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
+                return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
+        except psycopg.OperationalError as exc:
+            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+        except psycopg.Error as exc:
+            raise LedgerError(f"the ledger rejected a query: {exc}") from exc
+
+
+def claim_as_dict(row: ClaimRow) -> dict[str, Any]:
+    """A claim as JSON-ready values, for ``--json`` output and the history table."""
+    out: dict[str, Any] = {}
+    for name in row.__dataclass_fields__:
+        value = getattr(row, name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, uuid.UUID):
+            value = str(value)
+        out[name] = value
+    json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
+    return out

@@ -1,0 +1,408 @@
+"""The on-call commands of ``infrai-jobs``: dlq, redrive, claims, cost.
+
+Human output by default (aligned tables; colour only on a terminal), ``--json`` for scripts on
+every read command. Exit codes: 0 success, 1 the operation failed, 2 bad usage or
+configuration, 3 the claim is missing or changed since it was read (fenced actions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, TextIO
+
+from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin, claim_as_dict
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError
+from infrai_jobs.keys import derive_key
+from infrai_jobs.ledger import ClaimRow
+from infrai_jobs.ports import QueuePort
+from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.redrive import publish_price, redrive
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CONFLICT = 3
+
+KeyOf = Callable[[Any], str]
+
+_DURATION = re.compile(r"^(\d+)\s*([smhd]?)$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """``30d``, ``12h``, ``15m``, ``90s`` or plain seconds."""
+    match = _DURATION.match(text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30d, 12h, 15m or 90s")
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def add_ops_commands(sub: Any) -> None:
+    """Register dlq, redrive, claims and cost on the top-level sub-parsers."""
+    dlq = sub.add_parser(
+        "dlq",
+        help="show dead-lettered messages with their keys and ledger rows "
+        "(consuming holds them for the visibility timeout)",
+    )
+    dlq.add_argument("--queue", help="the main queue (default: INFRAI_QUEUE); its DLQ is read")
+    dlq.add_argument("--max", type=int, default=10, help="messages to look at (default 10)")
+    dlq.add_argument("--json", action="store_true")
+    dlq.set_defaults(ops_command="dlq")
+
+    red = sub.add_parser("redrive", help="move dead letters back to the main queue")
+    red.add_argument("--max", type=int, default=100, help="messages to move (default 100)")
+    red.add_argument(
+        "--reopen-failed",
+        action="store_true",
+        help="re-open failed claims of the redriven work so it runs again",
+    )
+    red.add_argument("--dry-run", action="store_true", help="look only: publish and ack nothing")
+    red.add_argument("--json", action="store_true")
+    red.set_defaults(ops_command="redrive")
+
+    _add_claims_commands(sub.add_parser("claims", help="inspect and repair the claim ledger"))
+
+    cost = sub.add_parser("cost", help="monthly publish cost at today's price")
+    cost.add_argument("--messages-per-day", type=int, required=True)
+    cost.add_argument("--days", type=int, default=30)
+    cost.add_argument("--json", action="store_true")
+    cost.set_defaults(ops_command="cost")
+
+
+def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
+    csub = claims.add_subparsers(metavar="ACTION", required=True)
+    ls = csub.add_parser("list", help="claims, newest first")
+    ls.add_argument("--state", choices=["running", "done", "failed"])
+    ls.add_argument("--job")
+    ls.add_argument("--older-than", type=parse_duration, help="e.g. 1h, 30d")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(ops_command="claims_list")
+    show = csub.add_parser("show", help="one claim and its operator history")
+    show.add_argument("key")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(ops_command="claims_show")
+    stuck = csub.add_parser("stuck", help="running claims a human must look at")
+    stuck.add_argument("--older-than", type=parse_duration, default=900)
+    stuck.add_argument("--json", action="store_true")
+    stuck.set_defaults(ops_command="claims_stuck")
+    resolve = csub.add_parser("resolve", help="record a human's verdict on a running claim")
+    resolve.add_argument("key")
+    verdict = resolve.add_mutually_exclusive_group(required=True)
+    verdict.add_argument("--done", action="store_true", help="the effect happened")
+    verdict.add_argument("--failed", action="store_true", help="the effect did not happen")
+    resolve.add_argument("--result", help="JSON to store with --done (e.g. the provider's id)")
+    resolve.add_argument("--error", help="the reason, with --failed")
+    resolve.add_argument("--token", type=uuid.UUID, help="the claim token you looked at")
+    resolve.add_argument("--note", default="")
+    resolve.add_argument("--json", action="store_true")
+    resolve.set_defaults(ops_command="claims_resolve")
+    release = csub.add_parser("release", help="delete a running or failed claim to allow a retry")
+    release.add_argument("key")
+    release.add_argument("--token", type=uuid.UUID, help="the claim token you looked at")
+    release.add_argument("--note", default="")
+    release.add_argument("--json", action="store_true")
+    release.set_defaults(ops_command="claims_release")
+    prune = csub.add_parser("prune", help="delete old done/failed claims in batches")
+    prune.add_argument("--older-than", type=parse_duration, default=30 * 86400)
+    prune.add_argument("--batch-size", type=int, default=1000)
+    prune.add_argument("--json", action="store_true")
+    prune.set_defaults(ops_command="claims_prune")
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _colour(text: str, code: str, stream: TextIO) -> str:
+    return f"\033[{code}m{text}\033[0m" if stream.isatty() else text
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], out: TextIO) -> None:
+    if not rows:
+        print("(none)", file=out)
+        return
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print(
+        _colour(
+            "  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)), "1", out
+        ),
+        file=out,
+    )
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip(), file=out)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _emit(document: Any, as_json: bool, human: Callable[[], None], out: TextIO) -> None:
+    if as_json:
+        print(json.dumps(document, default=str), file=out)
+    else:
+        human()
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpsContext:
+    """Lazily built adapters and the configured names, handed in by the CLI."""
+
+    queue: Callable[[], QueuePort]
+    admin: Callable[[], ClaimsAdmin]
+    database_url: Callable[[], str]
+    queue_name: str
+    dlq_name: str
+    key_of: KeyOf = derive_key
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+
+
+def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
+    """Run one ops command."""
+    command = args.ops_command
+    try:
+        if command == "dlq":
+            return _dlq(args, ctx)
+        if command == "redrive":
+            return _redrive(args, ctx)
+        if command == "cost":
+            return _cost(args, ctx.queue(), ctx.out)
+        return _claims(args, ctx.admin(), ctx.out)
+    except ClaimNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFLICT
+    except ClaimChanged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFLICT
+
+
+def _describe(admin: ClaimsAdmin, key_of: KeyOf) -> Callable[[QueueMessage], dict[str, Any]]:
+    def describe(message: QueueMessage) -> dict[str, Any]:
+        info: dict[str, Any] = {"delivery_count": message.delivery_count}
+        try:
+            key = key_of(message.payload)
+        except KeyDerivationError as exc:
+            return {**info, "idem_key": None, "reason": f"no key: {exc}"}
+        info["idem_key"] = key
+        try:
+            row = admin.show(key)
+        except ClaimNotFound:
+            return {
+                **info,
+                "state": None,
+                "reason": "no claim: it failed and was released, "
+                "or never got that far; a redrive runs it again",
+            }
+        return {**info, "state": row.state, "attempts": row.attempts, "reason": row.error or ""}
+
+    return describe
+
+
+def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
+    source = f"{args.queue}-dlq" if args.queue else ctx.dlq_name
+    queue, out = ctx.queue(), ctx.out
+    describe = _describe(ctx.admin(), ctx.key_of)
+    seen: list[dict[str, Any]] = []
+    while len(seen) < args.max:
+        batch = queue.consume(source, min(10, args.max - len(seen)))
+        if not batch:
+            break
+        seen.extend(
+            {"message_id": m.message_id, **describe(m), "payload": m.payload} for m in batch
+        )
+    notice = (
+        f"read {len(seen)} message(s) from {source} by consuming them: they stay in the DLQ, "
+        "hidden for its visibility timeout (300 s by default)"
+    )
+
+    def human() -> None:
+        print_table(seen, ["message_id", "delivery_count", "idem_key", "state", "reason"], out)
+        print(f"\nnote: {notice}", file=out)
+
+    _emit({"queue": source, "messages": seen, "notice": notice}, args.json, human, out)
+    return EXIT_OK
+
+
+def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
+    out, queue_name, dlq_name = ctx.out, ctx.queue_name, ctx.dlq_name
+    progress = _progress_bar(args.max) if sys.stderr.isatty() and not args.json else None
+    summary = redrive(
+        ctx.queue(),
+        source=dlq_name,
+        target=queue_name,
+        max_messages=args.max,
+        dry_run=args.dry_run,
+        reopen_failed=args.reopen_failed,
+        database_url=ctx.database_url() if args.reopen_failed else None,
+        describe=_describe(ctx.admin(), ctx.key_of) if args.dry_run else None,
+        progress=progress,
+    )
+    if progress is not None:
+        print(file=sys.stderr)
+    document = summary.as_dict()
+
+    def human() -> None:
+        verb = "would move" if args.dry_run else "moved"
+        print(f"{verb} {summary.consumed} message(s) {dlq_name} -> {queue_name}", file=out)
+        if args.dry_run:
+            print_table(summary.seen, ["message_id", "idem_key", "state", "reason"], out)
+            print(
+                "note: nothing was published or acked; the messages read stay hidden in the "
+                "DLQ for its visibility timeout",
+                file=out,
+            )
+        print(
+            f"published {summary.published}, acked {summary.acked}, "
+            f"ack_lost {summary.ack_lost}, reopened {len(summary.reopened)}, "
+            f"skipped {len(summary.skipped)}",
+            file=out,
+        )
+        print(
+            f"publish cost: {summary.published} x ${summary.price_usd_per_message} = "
+            f"${summary.cost_usd} (price from {summary.price_source})",
+            file=out,
+        )
+
+    _emit(document, args.json, human, out)
+    return EXIT_OK if not summary.skipped else EXIT_FAILED
+
+
+def _progress_bar(total: int) -> Callable[[int], None]:
+    def show(done: int) -> None:
+        width = 30
+        filled = int(width * min(done, total) / max(total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _cost(args: argparse.Namespace, queue: QueuePort, out: TextIO) -> int:
+    if args.messages_per_day < 0 or args.days < 1:
+        raise ConfigurationError("--messages-per-day must be >= 0 and --days >= 1")
+    price, source = publish_price(queue)
+    total = price * args.messages_per_day * args.days
+    document = {
+        "messages_per_day": args.messages_per_day,
+        "days": args.days,
+        "usd_per_message": str(price),
+        "price_source": source,
+        "usd_total": str(total),
+    }
+
+    def human() -> None:
+        print(
+            f"{args.messages_per_day} publishes/day x {args.days} days x ${price} = "
+            f"${total.quantize(Decimal('0.01'))}",
+            file=out,
+        )
+        if source == "fallback":
+            print(
+                "note: discovery could not be reached; this uses the field notes' price "
+                "($0.00002, verified 2026-07-26)",
+                file=out,
+            )
+        print("consume, ack, stats and redeliveries are free", file=out)
+
+    _emit(document, args.json, human, out)
+    return EXIT_OK
+
+
+CLAIM_COLUMNS = ["idem_key", "state", "job", "effect", "attempts", "claimed_at", "error"]
+
+
+def _claims(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+    command = args.ops_command
+    if command == "claims_list":
+        rows = admin.list_claims(
+            state=args.state, job=args.job, older_than_seconds=args.older_than, limit=args.limit
+        )
+        return _rows_out(rows, args.json, out)
+    if command == "claims_stuck":
+        return _rows_out(admin.stuck(threshold_seconds=args.older_than), args.json, out)
+    if command == "claims_show":
+        row = claim_as_dict(admin.show(args.key))
+        history = admin.history(args.key)
+        _emit(
+            {"claim": row, "history": history},
+            args.json,
+            lambda: _show_human(row, history, out),
+            out,
+        )
+        return EXIT_OK
+    if command == "claims_resolve":
+        if args.done and args.error:
+            raise ConfigurationError("--error goes with --failed; use --result with --done")
+        result = _parse_result(args.result) if args.result else None
+        changed = admin.resolve(
+            args.key,
+            done=args.done,
+            result=result,
+            error=args.error,
+            expected_token=args.token,
+            note=args.note,
+        )
+        return _changed_out(changed, "resolved", args.json, out)
+    if command == "claims_release":
+        released = admin.release(args.key, expected_token=args.token, note=args.note)
+        return _changed_out(released, "released", args.json, out)
+    if command == "claims_prune":
+        days = max(1, args.older_than // 86400)
+        result = admin.prune(older_than_days=days, batch_size=args.batch_size)
+        _emit(
+            {"deleted": result.deleted, "batches": result.batches, "older_than_days": days},
+            args.json,
+            lambda: print(
+                f"pruned {result.deleted} done/failed claim(s) older than {days} "
+                f"day(s) in {result.batches} batch(es)",
+                file=out,
+            ),
+            out,
+        )
+        return EXIT_OK
+    raise ConfigurationError(f"unknown claims action {command}")  # pragma: no cover
+
+
+def _parse_result(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ConfigurationError(f"--result is not valid JSON: {text!r}") from None
+
+
+def _rows_out(rows: Iterable[ClaimRow], as_json: bool, out: TextIO) -> int:
+    documents = [claim_as_dict(r) for r in rows]
+    _emit(documents, as_json, lambda: print_table(documents, CLAIM_COLUMNS, out), out)
+    return EXIT_OK
+
+
+def _show_human(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], out: TextIO) -> None:
+    width = max(len(k) for k in row)
+    for name, value in row.items():
+        print(f"{name.ljust(width)}  {_cell(value) if name != 'error' else value}", file=out)
+    print("\nhistory:", file=out)
+    print_table(history, ["at", "action", "actor", "note"], out)
+
+
+def _changed_out(row: ClaimRow, verb: str, as_json: bool, out: TextIO) -> int:
+    document = claim_as_dict(row)
+    _emit(
+        {"action": verb, "claim": document},
+        as_json,
+        lambda: print(f"{verb} {row.idem_key} (recorded in claim_history)", file=out),
+        out,
+    )
+    return EXIT_OK

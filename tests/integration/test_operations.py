@@ -1,0 +1,326 @@
+"""On-call operations: redrive, dlq inspection, claims resolve/release/prune, cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from drainkit import DLQ, QUEUE, Harness, harness
+
+from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin
+from infrai_jobs.cli import main as cli
+from infrai_jobs.errors import PermanentJobError
+from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.redrive import redrive
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+@pytest.fixture
+def kit(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        monkeypatch.setenv("INFRAI_BASE_URL", h.server.url)
+        monkeypatch.setenv("INFRAI_API_KEY", "test-key")
+        monkeypatch.setenv("DATABASE_URL", database_url)
+        monkeypatch.setenv("OPERATOR", "on-call@example.com")
+        monkeypatch.chdir(ROOT)
+        yield h
+
+
+def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    code = cli(list(argv))
+    out = capsys.readouterr().out
+    return code, json.loads(out) if "--json" in argv else out
+
+
+# --- redrive ---------------------------------------------------------------------------------
+
+REDRIVE_KILLED_AT_FIFTH_ACK = textwrap.dedent(
+    """
+    import os, signal, sys
+    from infrai_jobs.queue_client import InfraiClient
+    from infrai_jobs.redrive import redrive
+
+    client = InfraiClient(sys.argv[1], "test-key")
+    acks = []
+    real_ack = client.ack
+    def ack(queue, handle):
+        acks.append(handle)
+        if len(acks) == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_ack(queue, handle)
+    client.ack = ack
+    redrive(client, source="billing-jobs-dlq", target="billing-jobs", max_messages=1000)
+    """
+)
+
+
+@pytest.mark.slow
+def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit: Harness) -> None:
+    payloads = [{"job": "test.db", "id": f"r{n}"} for n in range(250)]
+    # Given 50 of the jobs already done before they were dead-lettered
+    for payload in payloads[:50]:
+        kit.publish(payload)
+    assert kit.drain().done == 50
+    # And all 250 sitting in the DLQ
+    for payload in payloads:
+        kit.client.publish(DLQ, payload)
+    # When a redrive is killed at its fifth ack (after the publish of that message) ...
+    finished = subprocess.run(
+        [sys.executable, "-c", REDRIVE_KILLED_AT_FIFTH_ACK, kit.server.url],
+        env={**os.environ},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert finished.returncode == -9, finished.stderr
+    # ... and, once the unacked dead letters are visible again, redriven to the end
+    kit.advance()
+    summary = redrive(kit.client, source=DLQ, target=QUEUE, max_messages=1000)
+    assert summary.ack_lost == 0
+    drained = kit.drain()
+    # Then nothing is left in the DLQ, every key is done, and no effect ran twice
+    stats = kit.client.stats(QUEUE)
+    assert (stats.message_count, stats.dlq_count) == (0, 0)
+    done = kit.sql("SELECT count(*) FROM job_claims WHERE state = 'done' AND job = 'test.db'")
+    assert done == [(250,)]
+    counts = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
+    assert counts == {f"test.db:r{n}": 1 for n in range(250)}
+    assert drained.done == 200
+    assert drained.outcomes.get("duplicate", 0) >= 50
+
+
+def test_redrive_reopens_failed_claims_but_never_stuck_ones(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = {"on": True}
+
+    def switch(payload: Payload, ctx: JobContext) -> JsonValue:
+        if broken["on"]:
+            raise PermanentJobError("the downstream rejected it (bug #42)")
+        return {"fixed": True}
+
+    kit.registry.job("test.switch", effect=Effect.EXTERNAL, identity=("id",))(switch)
+    # Given a job that failed permanently and was dead-lettered
+    kit.publish({"job": "test.switch", "id": "a"})
+    assert kit.drain().outcomes == {"failed": 1}
+    for _ in range(2):
+        kit.advance()
+        kit.drain()
+    kit.advance()
+    assert kit.client.stats(QUEUE).dlq_count == 1
+    # And a stuck irreversible job dead-lettered too
+    kit.publish({"job": "test.ext", "id": "s", "mode": "uncertain"})
+    kit.drain()
+    for _ in range(2):
+        kit.advance()
+        kit.drain()
+    kit.advance()
+    assert kit.client.stats(QUEUE).dlq_count == 2
+    # When the bug is fixed and the DLQ redriven with --reopen-failed
+    broken["on"] = False
+    code, document = _run_cli(capsys, "redrive", "--reopen-failed", "--json")
+    assert code == 0
+    assert document["published"] == 2
+    assert document["reopened"] == ["test.switch:a"]
+    assert document["price_source"] == "discovery"
+    assert document["cost_usd"] == "0.00004"
+    # Then the failed job runs again and is done; the stuck one stays stuck, untouched
+    summary = kit.drain()
+    assert summary.outcomes == {"done": 1, "stuck": 1}
+    assert kit.external_effects("test.ext:s") == 1
+    history = ClaimsAdmin(kit.database_url).history("test.switch:a")
+    assert [h["action"] for h in history] == ["reopen"]
+    assert history[0]["actor"] == "on-call@example.com"
+
+
+def test_dlq_shows_keys_ledger_rows_and_the_visibility_warning(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a failed invoice job and an unknown job in the DLQ
+    bad = {"job": "invoice.finalize", "invoice_id": "inv_bad", "amount_cents": 1}
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, error) VALUES"
+        " ('invoice.finalize:inv_bad', 'failed', 'qmsg_x', 'PermanentJobError: no such customer')"
+    )
+    kit.client.publish(DLQ, bad)
+    kit.client.publish(DLQ, {"job": "nope"})
+    # When inspected, Then each message shows its key, the ledger's state and the reason
+    code, document = _run_cli(capsys, "dlq", "--json")
+    assert code == 0
+    first, second = document["messages"]
+    assert (first["idem_key"], first["state"]) == ("invoice.finalize:inv_bad", "failed")
+    assert "no such customer" in first["reason"]
+    assert second["idem_key"] is None
+    assert "unknown job 'nope'" in second["reason"]
+    assert "hidden for its visibility timeout" in document["notice"]
+    # The human form is a table with the same facts
+    kit.advance()
+    code, text = _run_cli(capsys, "dlq")
+    assert "IDEM_KEY" in text
+    assert "invoice.finalize:inv_bad" in text
+
+
+def test_redrive_dry_run_moves_nothing(kit: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    kit.client.publish(DLQ, {"job": "test.db", "id": "x"})
+    code, text = _run_cli(capsys, "redrive", "--dry-run")
+    assert code == 0
+    assert "would move 1 message(s)" in text
+    assert "publish cost: 0 x" in text
+    assert kit.client.stats(QUEUE).dlq_count == 1
+    assert kit.client.stats(QUEUE).message_count == 0
+
+
+# --- claims -----------------------------------------------------------------------------------
+
+
+def _stuck_claim(kit: Harness, key: str = "receipt.send:inv_1") -> str:
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, error)"
+        " VALUES (%s, 'running', 'qmsg_1', 'external', gen_random_uuid(), 'effect uncertain')",
+        (key,),
+    )
+    return str(kit.sql("SELECT claim_token FROM job_claims WHERE idem_key = %s", (key,))[0][0])
+
+
+def test_resolve_done_records_the_verdict_and_its_history(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = _stuck_claim(kit)
+    code, stuck = _run_cli(capsys, "claims", "stuck", "--json")
+    assert code == 0
+    assert [c["idem_key"] for c in stuck] == ["receipt.send:inv_1"]
+    code, document = _run_cli(
+        capsys,
+        "claims",
+        "resolve",
+        "receipt.send:inv_1",
+        "--done",
+        "--result",
+        '{"provider_message_id": "mail_77"}',
+        "--token",
+        token,
+        "--note",
+        "found it in the provider's log",
+        "--json",
+    )
+    assert code == 0
+    assert document["action"] == "resolved"
+    assert document["claim"]["state"] == "done"
+    assert document["claim"]["result"] == {"provider_message_id": "mail_77"}
+    code, shown = _run_cli(capsys, "claims", "show", "receipt.send:inv_1", "--json")
+    ((entry,),) = [shown["history"]]
+    assert entry["action"] == "resolve_done"
+    assert entry["actor"] == "on-call@example.com"
+    assert entry["before"]["state"] == "running"
+    assert entry["after"]["state"] == "done"
+    assert entry["note"] == "found it in the provider's log"
+
+
+def test_fenced_actions_fail_clearly_when_the_claim_moved_on(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _stuck_claim(kit)
+    admin = ClaimsAdmin(kit.database_url)
+    # A token the operator looked at, then the claim was taken over
+    import uuid  # noqa: PLC0415
+
+    with pytest.raises(ClaimChanged, match="changed since you looked"):
+        admin.resolve("receipt.send:inv_1", done=True, expected_token=uuid.uuid4())
+    admin.resolve("receipt.send:inv_1", done=False, error="never sent")
+    # Once failed, it cannot be resolved again, only released
+    with pytest.raises(ClaimChanged, match="is failed; resolve_done needs running"):
+        admin.resolve("receipt.send:inv_1", done=True)
+    code = cli(["claims", "resolve", "receipt.send:inv_1", "--done"])
+    assert code == 3
+    assert "needs running" in capsys.readouterr().err
+    released = admin.release("receipt.send:inv_1", note="retry after fix")
+    assert released.state == "failed"  # the row as it was before the delete
+    with pytest.raises(ClaimNotFound):
+        admin.show("receipt.send:inv_1")
+    actions = [h["action"] for h in admin.history("receipt.send:inv_1")]
+    assert actions == ["resolve_failed", "release"]
+
+
+def test_history_is_append_only(kit: Harness) -> None:
+    _stuck_claim(kit)
+    ClaimsAdmin(kit.database_url).release("receipt.send:inv_1")
+    with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+        kit.sql("UPDATE claim_history SET actor = 'someone else'")
+    with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+        kit.sql("DELETE FROM claim_history")
+
+
+def test_prune_removes_only_old_settled_rows_in_batches(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 2,500 old done/failed rows, an old running row and a recent done row
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, claimed_at, updated_at)"
+        " SELECT 'old:' || g, CASE WHEN g % 2 = 0 THEN 'done' ELSE 'failed' END, 'm',"
+        " now() - interval '40 days', now() - interval '40 days' FROM generate_series(1, 2500) g"
+    )
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, claimed_at) VALUES"
+        " ('old:running', 'running', 'm', now() - interval '90 days'),"
+        " ('recent:done', 'done', 'm', now() - interval '1 day')"
+    )
+    # When pruned with 30 days' retention in batches of 1,000
+    code, document = _run_cli(
+        capsys, "claims", "prune", "--older-than", "30d", "--batch-size", "1000", "--json"
+    )
+    # Then exactly the old settled rows are gone, in three batches
+    assert code == 0
+    assert document == {"deleted": 2500, "batches": 3, "older_than_days": 30}
+    left = sorted(k for (k,) in kit.sql("SELECT idem_key FROM job_claims"))
+    assert left == ["old:running", "recent:done"]
+
+
+def test_list_filters_and_prints_a_table(kit: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    kit.publish({"job": "test.db", "id": "1"})
+    kit.publish({"job": "test.db", "id": "2", "mode": "permanent"})
+    kit.drain()
+    code, failed = _run_cli(capsys, "claims", "list", "--state", "failed", "--json")
+    assert code == 0
+    assert [c["idem_key"] for c in failed] == ["test.db:2"]
+    _code, text = _run_cli(capsys, "claims", "list", "--job", "test.db")
+    assert text.splitlines()[0].split()[:2] == ["IDEM_KEY", "STATE"]
+    assert "test.db:1" in text
+    assert "test.db:2" in text
+
+
+def test_unknown_claim_exits_3_and_missing_database_exits_2(
+    kit: Harness, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cli(["claims", "show", "nope"]) == 3
+    assert "no claim with key 'nope'" in capsys.readouterr().err
+    monkeypatch.delenv("DATABASE_URL")
+    assert cli(["claims", "list"]) == 2
+    assert "DATABASE_URL is not set" in capsys.readouterr().err
+
+
+# --- cost -------------------------------------------------------------------------------------
+
+
+def test_cost_reads_the_live_price_and_falls_back_with_a_note(
+    kit: Harness, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, document = _run_cli(capsys, "cost", "--messages-per-day", "100000", "--json")
+    assert code == 0
+    assert document["price_source"] == "discovery"
+    assert document["usd_total"] == "60.00000"
+    monkeypatch.setenv("INFRAI_BASE_URL", "http://127.0.0.1:9")
+    code, text = _run_cli(capsys, "cost", "--messages-per-day", "100000")
+    assert code == 0
+    assert "$60.00" in text
+    assert "discovery could not be reached" in text

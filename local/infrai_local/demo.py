@@ -4,8 +4,11 @@
    messages acked.
 2. A drain commits and dies before acking: the redelivery (``delivery_count`` 2, after the
    emulator's clock passes the visibility timeout) is recognised and skipped.
-3. A poison message (an invoice that does not exist) fails three deliveries and lands in the DLQ.
-4. An irreversible receipt whose outcome is unknown (the mail provider answers 503) stays
+3. A poison message (an invoice that does not exist) fails three deliveries and lands in the DLQ;
+   DlqAlertFunction pages with the delta and the commands to run.
+4. The fix ships (the invoice exists now): RedriveFunction moves the dead letter back, the drain
+   completes it, the DLQ returns to zero and the alert resolves.
+5. An irreversible receipt whose outcome is unknown (the mail provider answers 503) stays
    ``running`` and is flagged for a human instead of being sent twice.
 
 Every step drains through ``infrai-jobs invoke DrainFunction`` (the handler in a child process,
@@ -99,7 +102,10 @@ class _Stage:
             return cursor.fetchall() if cursor.description else []
 
     def drain_function(self) -> dict[str, Any]:
-        spec = resolve("DrainFunction", root=self.root)
+        return self.function("DrainFunction", "drain-schedule.json")
+
+    def function(self, name: str, event: str) -> dict[str, Any]:
+        spec = resolve(name, root=self.root)
         extra = {
             "INFRAI_BASE_URL": self.emulator_url,
             "INFRAI_API_KEY": API_KEY,
@@ -111,11 +117,12 @@ class _Stage:
             "INFRAI_DLQ": DLQ,
             "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobsDemo",
         }
-        result = invoke(
-            spec, self.root / "events" / "drain-schedule.json", log_stream=self.log, extra_env=extra
-        )
+        # Locally there is no SNS topic: the alerter prints, and the report carries the text.
+        extra["ALERT_TOPIC_ARN"] = ""
+        extra["WATCHED_QUEUES"] = QUEUE
+        result = invoke(spec, self.root / "events" / event, log_stream=self.log, extra_env=extra)
         if not result.ok:
-            raise RuntimeError(f"DrainFunction failed: {result.payload}\n{self.log.getvalue()}")
+            raise RuntimeError(f"{name} failed: {result.payload}\n{self.log.getvalue()}")
         payload: dict[str, Any] = result.payload
         return payload
 
@@ -135,103 +142,156 @@ class _Stage:
 def run_story(root: Path, report: DemoReport) -> DemoReport:
     started = time.monotonic()
     with _stage(root) as stage:
-        client = stage.client
-        report.say("== 1. A producer retry: the same invoice published twice ==")
-        ids = [client.publish(QUEUE, NOTES_PAYLOAD) for _ in range(2)]
-        report.say(f"published inv_8812 twice: {ids[0]}, {ids[1]} (no producer-side dedupe)")
-        summary = stage.drain_function()
-        claims = stage.sql("SELECT idem_key, state FROM job_claims")
-        updates = stage.sql("SELECT count(*) FROM demo_invoice_updates")[0][0]
-        status = stage.sql("SELECT status, total_cents FROM invoices WHERE id = 'inv_8812'")[0]
-        report.facts["retry"] = {
-            "summary": summary,
-            "claims": claims,
-            "invoice_updates": updates,
-            "invoice": status,
-            "queue_after": client.stats(QUEUE).message_count,
-        }
-        report.say(
-            f"DrainFunction: consumed {summary['consumed']}, done {summary['done']}, "
-            f"duplicates {summary['duplicates'] + summary['outcomes'].get('batch_duplicate', 0)}"
-            f", acked {summary['acked']}"
-        )
-        report.say(
-            f"ledger: {claims}; invoice {status[0]} at {status[1]} cents, "
-            f"updated {updates} time(s); messages left: {client.stats(QUEUE).message_count}"
-        )
-
-        report.say("\n== 2. A worker commits, then dies before acking ==")
-        payload = {"job": "invoice.finalize", "invoice_id": "inv_8813", "amount_cents": 1200}
-        client.publish(QUEUE, payload)
-        crashed = subprocess.run(  # noqa: S603 - our interpreter, our script
-            [
-                sys.executable,
-                "-c",
-                _CRASH_BEFORE_ACK,
-                stage.emulator_url,
-                stage.database_url,
-                stage.sink_url,
-                str(root / "functions" / "drain"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        report.say(
-            f"drain process killed at its first ack (exit {crashed.returncode}); "
-            f"claim: {stage.claim('invoice.finalize:inv_8813')}"
-        )
-        stage.advance_clock(301)
-        redelivered = client.stats(QUEUE).available_count
-        summary = stage.drain_function()
-        updates = stage.sql(
-            "SELECT count(*) FROM demo_invoice_updates WHERE invoice_id = 'inv_8813'"
-        )[0][0]
-        report.facts["crash"] = {
-            "exit_code": crashed.returncode,
-            "redelivered": redelivered,
-            "summary": summary,
-            "invoice_updates": updates,
-        }
-        report.say(
-            f"after the visibility timeout: {redelivered} message back (delivery 2); "
-            f"DrainFunction outcomes {summary['outcomes']}, acked {summary['acked']}; "
-            f"inv_8813 updated {updates} time(s)"
-        )
-
-        report.say("\n== 3. A poison message walks to the dead-letter queue ==")
-        client.publish(
-            QUEUE, {"job": "invoice.finalize", "invoice_id": "inv_404", "amount_cents": 100}
-        )
-        for delivery in (1, 2, 3):
-            summary = stage.drain_function()
-            report.say(f"delivery {delivery}: outcomes {summary['outcomes']} (not acked)")
-            stage.advance_clock(301)
-        stats = client.stats(QUEUE)
-        report.facts["poison"] = {
-            "dlq_count": stats.dlq_count,
-            "claim": stage.claim("invoice.finalize:inv_404"),
-        }
-        report.say(
-            f"dlq_count is now {stats.dlq_count}; the ledger holds no claim for it "
-            f"({stage.claim('invoice.finalize:inv_404')}), so a redrive after the fix "
-            "will run it"
-        )
-
-        report.say("\n== 4. An irreversible effect with an unknown outcome ==")
-        urllib3.request("POST", f"{stage.sink_url}/_sink/faults", json={"fail_rate": 1.0})
-        client.publish(
-            QUEUE, {"job": "receipt.send", "invoice_id": "inv_8812", "email": "billing@example.com"}
-        )
-        summary = stage.drain_function()
-        claim = stage.claim("receipt.send:inv_8812")
-        report.facts["uncertain"] = {"summary": summary, "claim": claim}
-        report.say(f"mail provider answered 503: outcomes {summary['outcomes']}; claim {claim}")
-        report.say("it stays running and flagged: a human checks the mailbox, then resolves it")
+        _chapter_producer_retry(stage, report)
+        _chapter_crash_before_ack(stage, report)
+        _chapter_poison_to_dlq(stage, report)
+        _chapter_redrive_after_fix(stage, report)
+        _chapter_unknown_outcome(stage, report)
     report.facts["seconds"] = round(time.monotonic() - started, 1)
     report.say(f"\ndone in {report.facts['seconds']} s; everything started was stopped")
     return report
+
+
+def _chapter_producer_retry(stage: _Stage, report: DemoReport) -> None:
+    client = stage.client
+    report.say("== 1. A producer retry: the same invoice published twice ==")
+    ids = [client.publish(QUEUE, NOTES_PAYLOAD) for _ in range(2)]
+    report.say(f"published inv_8812 twice: {ids[0]}, {ids[1]} (no producer-side dedupe)")
+    summary = stage.drain_function()
+    claims = stage.sql("SELECT idem_key, state FROM job_claims")
+    updates = stage.sql("SELECT count(*) FROM demo_invoice_updates")[0][0]
+    status = stage.sql("SELECT status, total_cents FROM invoices WHERE id = 'inv_8812'")[0]
+    report.facts["retry"] = {
+        "summary": summary,
+        "claims": claims,
+        "invoice_updates": updates,
+        "invoice": status,
+        "queue_after": client.stats(QUEUE).message_count,
+    }
+    report.say(
+        f"DrainFunction: consumed {summary['consumed']}, done {summary['done']}, "
+        f"duplicates {summary['duplicates'] + summary['outcomes'].get('batch_duplicate', 0)}"
+        f", acked {summary['acked']}"
+    )
+    report.say(
+        f"ledger: {claims}; invoice {status[0]} at {status[1]} cents, "
+        f"updated {updates} time(s); messages left: {client.stats(QUEUE).message_count}"
+    )
+
+
+def _chapter_crash_before_ack(stage: _Stage, report: DemoReport) -> None:
+    client = stage.client
+    report.say("\n== 2. A worker commits, then dies before acking ==")
+    payload = {"job": "invoice.finalize", "invoice_id": "inv_8813", "amount_cents": 1200}
+    client.publish(QUEUE, payload)
+    crashed = subprocess.run(  # noqa: S603 - our interpreter, our script
+        [
+            sys.executable,
+            "-c",
+            _CRASH_BEFORE_ACK,
+            stage.emulator_url,
+            stage.database_url,
+            stage.sink_url,
+            str(stage.root / "functions" / "drain"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    report.say(
+        f"drain process killed at its first ack (exit {crashed.returncode}); "
+        f"claim: {stage.claim('invoice.finalize:inv_8813')}"
+    )
+    stage.advance_clock(301)
+    redelivered = client.stats(QUEUE).available_count
+    summary = stage.drain_function()
+    updates = stage.sql("SELECT count(*) FROM demo_invoice_updates WHERE invoice_id = 'inv_8813'")[
+        0
+    ][0]
+    report.facts["crash"] = {
+        "exit_code": crashed.returncode,
+        "redelivered": redelivered,
+        "summary": summary,
+        "invoice_updates": updates,
+    }
+    report.say(
+        f"after the visibility timeout: {redelivered} message back (delivery 2); "
+        f"DrainFunction outcomes {summary['outcomes']}, acked {summary['acked']}; "
+        f"inv_8813 updated {updates} time(s)"
+    )
+
+
+def _chapter_poison_to_dlq(stage: _Stage, report: DemoReport) -> None:
+    client = stage.client
+    report.say("\n== 3. A poison message walks to the dead-letter queue ==")
+    client.publish(QUEUE, {"job": "invoice.finalize", "invoice_id": "inv_404", "amount_cents": 100})
+    for delivery in (1, 2, 3):
+        summary = stage.drain_function()
+        report.say(f"delivery {delivery}: outcomes {summary['outcomes']} (not acked)")
+        stage.advance_clock(301)
+    stats = client.stats(QUEUE)
+    report.facts["poison"] = {
+        "dlq_count": stats.dlq_count,
+        "claim": stage.claim("invoice.finalize:inv_404"),
+    }
+    report.say(
+        f"dlq_count is now {stats.dlq_count}; the ledger holds no claim for it "
+        f"({stage.claim('invoice.finalize:inv_404')}), so a redrive after the fix "
+        "will run it"
+    )
+    alerts = stage.function("DlqAlertFunction", "dlq-alert-schedule.json")
+    report.facts["alert"] = alerts["alerts"]
+    for alert in alerts["alerts"]:
+        report.say(f"DlqAlertFunction -> SNS: {alert['subject']}")
+        report.say(textwrap.indent(alert["message"], "    | "))
+
+
+def _chapter_redrive_after_fix(stage: _Stage, report: DemoReport) -> None:
+    client = stage.client
+    report.say("\n== 4. The fix ships; a redrive completes the poison job ==")
+    stage.sql("INSERT INTO invoices (id) VALUES ('inv_404')")
+    moved = stage.function("RedriveFunction", "redrive.json")
+    summary = stage.drain_function()
+    after = client.stats(QUEUE)
+    resolved = stage.function("DlqAlertFunction", "dlq-alert-schedule.json")["alerts"]
+    report.facts["redrive"] = {
+        "moved": moved,
+        "drain": summary,
+        "claim": stage.claim("invoice.finalize:inv_404"),
+        "dlq_count": after.dlq_count,
+        "alerts": resolved,
+    }
+    report.say(
+        f"RedriveFunction: published {moved['published']}, acked {moved['acked']}, cost "
+        f"${moved['cost_usd']} (price from {moved['price_source']}); the drain: "
+        f"{summary['outcomes']}; claim now {stage.claim('invoice.finalize:inv_404')}"
+    )
+    report.say(
+        f"dlq_count back to {after.dlq_count}; DlqAlertFunction: "
+        + ", ".join(a["subject"] for a in resolved)
+    )
+
+
+def _chapter_unknown_outcome(stage: _Stage, report: DemoReport) -> None:
+    client = stage.client
+    report.say("\n== 5. An irreversible effect with an unknown outcome ==")
+    urllib3.request("POST", f"{stage.sink_url}/_sink/faults", json={"fail_rate": 1.0})
+    client.publish(
+        QUEUE, {"job": "receipt.send", "invoice_id": "inv_8812", "email": "billing@example.com"}
+    )
+    summary = stage.drain_function()
+    claim = stage.claim("receipt.send:inv_8812")
+    report.facts["uncertain"] = {"summary": summary, "claim": claim}
+    report.say(f"mail provider answered 503: outcomes {summary['outcomes']}; claim {claim}")
+    alerts = stage.function("DlqAlertFunction", "dlq-alert-schedule.json")["alerts"]
+    report.facts["uncertain"]["alerts"] = alerts
+    for alert in alerts:
+        report.say(f"DlqAlertFunction -> SNS: {alert['subject']}")
+    report.say(
+        "it stays running and flagged; after checking the mailbox a human runs "
+        "`infrai-jobs claims resolve receipt.send:inv_8812 --done` (or --failed)"
+    )
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
 
 from infrai_jobs.drain import DrainConfig, Outcome, process_batch
+from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.queue_models import QueueMessage
 
@@ -380,3 +381,32 @@ def test_notes_sql_still_runs_and_its_rows_are_honoured(kit: Harness) -> None:
     assert summary.outcomes == {"duplicate": 1, "in_flight": 1}
     assert kit.sql("SELECT status FROM invoices WHERE id = 'inv_8812'") == [("draft",)]
     assert kit.sink.state.snapshot()["mail_effects"] == 0
+
+
+def test_results_and_errors_postgres_cannot_store_are_described_not_fatal(kit: Harness) -> None:
+    # Given handlers whose result or error carries a NUL character (echoed from a payload)
+    def echo(payload: Payload, ctx: JobContext) -> JsonValue:
+        assert ctx.db is not None
+        ctx.db.execute("INSERT INTO test_effects VALUES (%s, %s)", (ctx.idem_key, ctx.message_id))
+        return {"echo": payload["text"]}
+
+    def refuse(payload: Payload, ctx: JobContext) -> JsonValue:
+        raise PermanentJobError(f"refused {payload['text']}")
+
+    kit.registry.job("test.echo", effect=Effect.DATABASE, identity=("id",))(echo)
+    kit.registry.job("test.refuse", effect=Effect.EXTERNAL, identity=("id",))(refuse)
+    kit.publish({"job": "test.echo", "id": "nul", "text": "a\x00b"})
+    kit.publish({"job": "test.db", "id": "innocent"})
+    kit.publish({"job": "test.refuse", "id": "nul", "text": "a\x00b"})
+    # When drained against real PostgreSQL
+    summary = kit.drain()
+    # Then the batch settles normally: the result is described, the error cleaned
+    assert summary.outcomes == {"done": 2, "failed": 1}
+    echoed = kit.row("test.echo:nul")
+    assert echoed is not None
+    assert isinstance(echoed.result, dict)
+    assert "unserializable_result" in echoed.result
+    refused = kit.row("test.refuse:nul")
+    assert refused is not None
+    assert refused.state == "failed"
+    assert refused.error == "PermanentJobError: refused a\ufffdb"

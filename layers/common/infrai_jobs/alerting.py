@@ -225,7 +225,7 @@ class AlertCheck:
                     "from": previous.value,
                     "to": seen.value,
                 }
-                report.sent.append({**change, "subject": subject})
+                report.sent.append({**change, "subject": subject, "message": message})
                 logger.warning(subject, extra={"action": f"alert_{verdict.value}", **change})
             conn.execute(_SAVE_STATE, {**key, "value": seen.value, "alerted_at": alerted_at})
 

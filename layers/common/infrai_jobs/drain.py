@@ -431,14 +431,34 @@ def _log_ack(result: MessageResult, action: str, detail: str = "") -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
+    text = storable_text(f"{type(exc).__name__}: {exc}")
     return text if len(text) <= 2000 else text[:1997] + "..."
 
 
+def storable_text(text: str) -> str:
+    """Text PostgreSQL accepts: no NUL characters, no lone surrogates."""
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
 def _jsonable(result: JsonValue) -> JsonValue:
-    # The effect has happened; an unstorable result must not turn into a retry of it.
+    """The handler's result as the ledger can store it (jsonb).
+
+    The effect has happened, so a result that cannot be stored must never turn into a retry:
+    it is replaced by a printable description instead.
+    """
     try:
-        json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError):
-        return {"unserializable_result": repr(result)[:1000]}
+        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")  # lone surrogates
+    except (TypeError, ValueError, RecursionError):
+        return {"unserializable_result": _safe_repr(result)}
+    if "\\u0000" in text:  # jsonb refuses the NUL escape
+        return {"unserializable_result": _safe_repr(result)}
     return result
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply to print>"
+    return storable_text(text[:1000])

@@ -468,8 +468,9 @@ def _decide(request: ClaimRequest, row: dict[str, Any]) -> ClaimDecision:
         return ClaimDecision(request, ClaimStatus.WON)
     state = row["state"]
     if state is None:
-        # The row vanished between the claim and the re-read (a release by its holder). The
-        # message is left unacked and comes back; by then the key is free.
+        # The row vanished between the claim and the re-read: its holder released it after a
+        # failed attempt. The holder's message is unacked and carries the retry, exactly as for
+        # a live claim, so this copy is treated (and acked) like one.
         return ClaimDecision(request, ClaimStatus.LIVE, "claim released concurrently")
     stored = row["payload_sha256"]
     if stored is not None and stored != request.fingerprint:

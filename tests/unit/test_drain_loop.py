@@ -1,0 +1,640 @@
+"""The drain loop on the in-memory fakes: its time budget, its batches and every outcome row of
+DESIGN.md that the fakes can express, in milliseconds and without a socket.
+
+The same rows run against real Postgres and the emulator in
+``tests/integration/test_drain_outcomes.py``; these are the fast tier.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.errors import EffectUncertain, PermanentJobError
+from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.ledger import ClaimRow, utc_from_epoch
+from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.testing import FakeClock, InMemoryLedger, InMemoryQueue
+
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+VISIBILITY = 300
+TIME_LEFT_MS = 120_000
+
+
+class RecordingQueue(InMemoryQueue):
+    """The fake queue, remembering how many messages each consume served."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.batch_sizes: list[int] = []
+
+    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
+        served = super().consume(queue, max_messages)
+        if served:
+            self.batch_sizes.append(len(served))
+        return served
+
+
+@dataclass
+class Kit:
+    clock: FakeClock
+    queue: RecordingQueue
+    ledger: InMemoryLedger
+    registry: JobRegistry
+    # Handler calls per idempotency key: the number of times an effect was attempted.
+    calls: Counter[str] = field(default_factory=Counter)
+
+    def publish(self, payload: Any, times: int = 1) -> list[str]:
+        return [self.queue.publish_raw(QUEUE, payload) for _ in range(times)]
+
+    def drain(
+        self, time_left_ms: Callable[[], int] = lambda: TIME_LEFT_MS, **config: Any
+    ) -> DrainSummary:
+        return drain(
+            self.queue,
+            self.ledger,
+            self.registry,
+            DrainConfig(queue=QUEUE, **config),
+            time_left_ms,
+            clock=self.clock,
+        )
+
+    def redeliver(self) -> None:
+        """Let every unacked delivery's visibility lapse."""
+        self.clock.advance(VISIBILITY + 1)
+
+    def row(self, key: str) -> ClaimRow:
+        row = self.ledger.get(key)
+        assert row is not None, f"no claim row for {key}"
+        return row
+
+    def fingerprint(self, payload: Payload) -> str:
+        return self.registry.derive(payload).fingerprint
+
+
+def _act(payload: Payload) -> JsonValue:
+    """What a test job does, steered by the payload's ``mode``."""
+    mode = payload.get("mode", "ok")
+    if mode == "transient":
+        raise RuntimeError("simulated transient failure")
+    if mode == "permanent":
+        raise PermanentJobError("simulated permanent failure")
+    if mode == "uncertain":
+        raise EffectUncertain("simulated timeout after the call")
+    if mode == "long_error":
+        raise PermanentJobError("x" * 5000)
+    if mode == "unserializable":
+        return {"ids": {1, 2}}
+    if mode == "nan":
+        return float("nan")
+    if mode == "echo":
+        return {"echo": payload["text"]}
+    if mode == "error_echo":
+        raise PermanentJobError(f"cannot use {payload['text']}")
+    if mode == "deep":
+        nested: list[Any] = []
+        for _ in range(100_000):
+            nested = [nested]
+        return nested
+    return {"id": payload["id"]}
+
+
+@pytest.fixture
+def kit() -> Kit:
+    clock = FakeClock()
+    queue = RecordingQueue(clock)
+    queue.ensure_queue(QUEUE, dlq=DLQ)
+    kit = Kit(clock, queue, InMemoryLedger(clock), JobRegistry())
+
+    def counted(payload: Payload, ctx: JobContext) -> JsonValue:
+        kit.calls[ctx.idem_key] += 1
+        return _act(payload)
+
+    def hijacked(payload: Payload, ctx: JobContext) -> JsonValue:
+        # An operator re-assigns the claim while the effect runs.
+        kit.calls[ctx.idem_key] += 1
+        kit.ledger.reassign(ctx.idem_key)
+        return {"sent": True}
+
+    kit.registry.job("test.db", effect=Effect.DATABASE, identity=("id",))(counted)
+    kit.registry.job("test.ext", effect=Effect.EXTERNAL, identity=("id",))(counted)
+    kit.registry.job("test.idem", effect=Effect.EXTERNAL_IDEMPOTENT, identity=("id",))(counted)
+    kit.registry.job("test.hijacked", effect=Effect.EXTERNAL, identity=("id",))(hijacked)
+    return kit
+
+
+def _db(ident: str, **fields: Any) -> dict[str, Any]:
+    return {"job": "test.db", "id": ident, **fields}
+
+
+def _ext(ident: str, **fields: Any) -> dict[str, Any]:
+    return {"job": "test.ext", "id": ident, **fields}
+
+
+# --- the time budget and the batches ----------------------------------------------------------
+
+
+def test_no_batch_is_consumed_when_the_time_left_cannot_cover_one(kit: Kit) -> None:
+    # Given a waiting job and less time left than one batch may need
+    kit.publish(_db("a"))
+    # When the drain runs
+    summary = kit.drain(time_left_ms=lambda: 5_000, batch_budget_ms=20_000)
+    # Then it consumed nothing, so no delivery was burned
+    assert (summary.consumed, summary.batches, summary.stopped) == (0, 0, "time_budget")
+    assert kit.queue.stats(QUEUE).available_count == 1
+    (message,) = kit.queue.consume(QUEUE)
+    assert message.delivery_count == 1
+
+
+def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> None:
+    # Given 25 jobs and a budget that covers two batches only
+    for n in range(25):
+        kit.publish(_db(str(n)))
+    time_left = iter([60_000, 30_000, 19_999])
+    # When the drain runs
+    summary = kit.drain(time_left_ms=lambda: next(time_left), batch_budget_ms=20_000)
+    # Then two full batches ran and the rest waits, undelivered
+    assert (summary.batches, summary.consumed, summary.done) == (2, 20, 20)
+    assert summary.stopped == "time_budget"
+    stats = kit.queue.stats(QUEUE)
+    assert (stats.available_count, stats.in_flight_count) == (5, 0)
+
+
+def test_the_loop_drains_in_batches_of_ten_until_empty(kit: Kit) -> None:
+    # Given 25 database jobs
+    for n in range(25):
+        kit.publish(_db(str(n)))
+    # When drained
+    summary = kit.drain()
+    # Then three batches of 10, 10 and 5 ran, one ledger transaction each, and all were acked
+    assert kit.queue.batch_sizes == [10, 10, 5]
+    assert (summary.batches, summary.done, summary.acked) == (3, 25, 25)
+    assert summary.stopped == "empty"
+    assert kit.ledger.calls["run_database_batch"] == 3
+    assert kit.queue.stats(QUEUE).message_count == 0
+
+
+def test_max_batches_ends_the_loop_early(kit: Kit) -> None:
+    # Given 25 jobs
+    for n in range(25):
+        kit.publish(_db(str(n)))
+    # When drained with at most two batches
+    summary = kit.drain(max_batches=2)
+    # Then two ran and the rest waits, undelivered
+    assert (summary.batches, summary.consumed, summary.stopped) == (2, 20, "max_batches")
+    assert kit.queue.stats(QUEUE).available_count == 5
+
+
+def test_an_empty_queue_ends_the_loop_at_once(kit: Kit) -> None:
+    # Given nothing waiting; When drained
+    summary = kit.drain()
+    # Then the loop stopped at its first consume, without touching the ledger
+    assert (summary.batches, summary.consumed, summary.stopped) == (0, 0, "empty")
+    assert kit.ledger.calls == Counter()
+
+
+def test_an_external_claim_lease_is_the_deadline_plus_the_grace(kit: Kit) -> None:
+    # Given an external job whose settle fails (so its claim stays as it was claimed)
+    kit.publish(_ext("x"))
+    kit.ledger.fail_next("settle")
+    start = kit.clock.now()
+    # When drained with 120 s left and a 60 s grace
+    kit.drain(time_left_ms=lambda: 120_000, lease_grace_seconds=60)
+    # Then the claim's lease ends 60 s after the invocation's deadline
+    assert kit.row("test.ext:x").lease_until == utc_from_epoch(start + 120 + 60)
+
+
+# --- two copies in one batch ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", [_db("twin"), _ext("twin")])
+def test_two_copies_in_one_batch_run_once_and_both_are_acked(
+    kit: Kit, payload: dict[str, Any]
+) -> None:
+    # Given a producer retry: one job published twice
+    kit.publish(payload, times=2)
+    # When one batch holds both
+    summary = kit.drain()
+    # Then the work ran once, and both copies are acked
+    assert kit.calls == {f"{payload['job']}:twin": 1}
+    assert summary.outcomes == {"done": 1, "in_flight": 1}
+    assert (summary.batches, summary.consumed, summary.done, summary.acked) == (1, 2, 1, 2)
+    assert kit.queue.stats(QUEUE).message_count == 0
+
+
+def test_a_copy_of_a_failing_job_in_its_batch_leaves_the_retries_to_the_first(kit: Kit) -> None:
+    # Given two copies of a job that fails transiently
+    first, _ = kit.publish(_db("flaky", mode="transient"), times=2)
+    # When drained
+    summary = kit.drain()
+    # Then it ran once; the copy is acked and the first copy's message carries the retries
+    assert kit.calls == {"test.db:flaky": 1}
+    assert summary.outcomes == {"retry": 1, "in_flight": 1}
+    assert summary.acked == 1
+    kit.redeliver()
+    (again,) = kit.queue.consume(QUEUE)
+    assert (again.message_id, again.delivery_count) == (first, 2)
+
+
+# --- the outcome table ------------------------------------------------------------------------
+
+
+def test_ran_now_and_succeeded_is_done_with_its_result_and_acked(kit: Kit) -> None:
+    # Given one database job
+    kit.publish(_db("a"))
+    # When drained
+    summary = kit.drain()
+    # Then its claim is done with the result, and its message acked
+    row = kit.row("test.db:a")
+    assert (row.state, row.result, row.effect, row.job) == (
+        "done",
+        {"id": "a"},
+        "database",
+        "test.db",
+    )
+    assert row.payload_sha256 == kit.fingerprint(_db("a"))
+    assert (summary.consumed, summary.done, summary.acked) == (1, 1, 1)
+    assert kit.queue.stats(QUEUE).message_count == 0
+
+
+def test_a_duplicate_of_done_is_acked_and_changes_nothing(kit: Kit) -> None:
+    # Given the job done once
+    kit.publish(_ext("a"))
+    kit.drain()
+    before = kit.row("test.ext:a")
+    # When a producer retry delivers it again
+    kit.publish(_ext("a"))
+    summary = kit.drain()
+    # Then the effect did not repeat, the row is unchanged and the copy is acked
+    assert kit.calls == {"test.ext:a": 1}
+    assert kit.row("test.ext:a") == before
+    assert (summary.outcomes, summary.acked, summary.duplicates) == ({"duplicate": 1}, 1, 1)
+
+
+def test_a_duplicate_while_another_holds_a_live_claim_is_acked(kit: Kit) -> None:
+    # Given another delivery holding a live claim on the job
+    payload = _ext("busy")
+    before = kit.ledger.seed(
+        "test.ext:busy",
+        message_id="qmsg_other",
+        effect=Effect.EXTERNAL,
+        fingerprint=kit.fingerprint(payload),
+        lease_until=kit.clock.utcnow() + timedelta(hours=1),
+    )
+    # When a copy arrives
+    kit.publish(payload)
+    summary = kit.drain()
+    # Then it is acked (the owner's message drives retries) and nothing ran or changed
+    assert (summary.outcomes, summary.acked) == ({"in_flight": 1}, 1)
+    assert kit.calls == {}
+    assert kit.row("test.ext:busy") == before
+
+
+def test_an_external_claim_with_an_expired_lease_is_flagged_stuck_and_not_acked(
+    kit: Kit,
+) -> None:
+    # Given an external claim whose holder died an hour ago
+    payload = _ext("dead")
+    kit.ledger.seed(
+        "test.ext:dead",
+        message_id="qmsg_dead",
+        effect=Effect.EXTERNAL,
+        fingerprint=kit.fingerprint(payload),
+        lease_until=kit.clock.utcnow() - timedelta(hours=1),
+    )
+    # When a copy arrives
+    kit.publish(payload)
+    summary = kit.drain()
+    # Then the claim stays running with the reason, the copy is not acked, nothing ran
+    assert (summary.outcomes, summary.acked, summary.parked) == ({"stuck": 1}, 0, 1)
+    row = kit.row("test.ext:dead")
+    assert row.state == "running"
+    assert "lease expired" in (row.error or "")
+    assert kit.calls == {}
+    assert kit.queue.stats(QUEUE).in_flight_count == 1
+
+
+def test_a_transient_failure_releases_the_claim_and_walks_to_the_dlq(kit: Kit) -> None:
+    # Given a job that fails every time
+    kit.publish(_db("poison", mode="transient"))
+    for delivery in (1, 2, 3):
+        # When it is delivered
+        summary = kit.drain()
+        # Then no claim remains and the message is not acked
+        assert summary.outcomes == {"retry": 1}, f"delivery {delivery}"
+        assert (summary.acked, summary.failed) == (0, 1)
+        assert kit.ledger.get("test.db:poison") is None
+        kit.redeliver()
+    # And the third unacked delivery dead-lettered it, after three attempts
+    assert kit.calls == {"test.db:poison": 3}
+    stats = kit.queue.stats(QUEUE)
+    assert (stats.message_count, stats.dlq_count) == (0, 1)
+    (dead,) = kit.queue.consume(DLQ)
+    assert dead.payload == _db("poison", mode="transient")
+
+
+def test_a_permanent_failure_is_recorded_failed_and_not_acked(kit: Kit) -> None:
+    # Given a job whose handler raises PermanentJobError
+    kit.publish(_db("bad", mode="permanent"))
+    # When drained
+    summary = kit.drain()
+    # Then its claim is failed with the error, and its message is left for the DLQ
+    assert (summary.outcomes, summary.acked, summary.failed) == ({"failed": 1}, 0, 1)
+    row = kit.row("test.db:bad")
+    assert (row.state, row.error) == ("failed", "PermanentJobError: simulated permanent failure")
+    assert kit.queue.stats(QUEUE).in_flight_count == 1
+
+
+def test_a_duplicate_of_failed_is_left_for_the_dlq(kit: Kit) -> None:
+    # Given a job that failed permanently
+    kit.publish(_db("bad", mode="permanent"))
+    kit.drain()
+    before = kit.row("test.db:bad")
+    # When its redelivery and a fresh copy arrive in one batch
+    kit.publish(_db("bad", mode="permanent"))
+    kit.redeliver()
+    summary = kit.drain()
+    # Then neither runs nor is acked, and the row is unchanged
+    assert summary.outcomes == {"duplicate_failed": 1, "batch_duplicate": 1}
+    assert (summary.acked, summary.parked) == (0, 2)
+    assert kit.calls == {"test.db:bad": 1}
+    assert kit.row("test.db:bad") == before
+
+
+def test_an_uncertain_external_effect_stays_running_flagged_and_not_acked(kit: Kit) -> None:
+    # Given an external job whose call times out after it may have happened
+    kit.publish(_ext("x", mode="uncertain"))
+    summary = kit.drain()
+    # Then its claim stays running, flagged, and the message is not acked
+    assert (summary.outcomes, summary.acked) == ({"stuck": 1}, 0)
+    row = kit.row("test.ext:x")
+    assert row.state == "running"
+    assert (row.error or "").startswith("effect uncertain")
+    # And its own redelivery does not run it again, nor replace the first reason
+    kit.redeliver()
+    summary = kit.drain()
+    assert (summary.outcomes, summary.acked) == ({"stuck": 1}, 0)
+    assert kit.calls == {"test.ext:x": 1}
+    assert kit.row("test.ext:x").error == row.error
+
+
+def test_our_own_redelivery_of_a_running_external_claim_is_flagged_not_rerun(kit: Kit) -> None:
+    # Given a delivery that claimed an irreversible job and died mid-call, its lease not over
+    payload = _ext("mid-call")
+    kit.publish(payload)
+    (message,) = kit.queue.consume(QUEUE)
+    kit.ledger.seed(
+        "test.ext:mid-call",
+        message_id=message.message_id,
+        effect=Effect.EXTERNAL,
+        fingerprint=kit.fingerprint(payload),
+        lease_until=kit.clock.utcnow() + timedelta(hours=1),
+    )
+    # When the same message is redelivered
+    kit.redeliver()
+    summary = kit.drain()
+    # Then it is not run, not acked, and flagged with the reason
+    assert (summary.outcomes, summary.acked) == ({"stuck": 1}, 0)
+    assert kit.calls == {}
+    assert "redelivered while its own claim" in (kit.row("test.ext:mid-call").error or "")
+
+
+def test_an_uncertain_database_job_is_released_for_a_retry(kit: Kit) -> None:
+    # Given a database job raising EffectUncertain
+    kit.publish(_db("x", mode="uncertain"))
+    # When drained
+    summary = kit.drain()
+    # Then its effect rolled back with its savepoint, so the claim is released for a retry
+    assert (summary.outcomes, summary.acked) == ({"retry": 1}, 0)
+    assert kit.ledger.get("test.db:x") is None
+
+
+def test_the_same_key_for_different_work_is_a_conflict_left_unacked(kit: Kit) -> None:
+    # Given a job done once
+    kit.publish(_db("a", amount=1))
+    kit.drain()
+    before = kit.row("test.db:a")
+    # When different work arrives under its key
+    kit.publish(_db("a", amount=2))
+    summary = kit.drain()
+    # Then it is a conflict: not run, not acked, the row untouched
+    assert (summary.outcomes, summary.acked) == ({"conflict": 1}, 0)
+    assert kit.calls == {"test.db:a": 1}
+    assert kit.row("test.db:a") == before
+
+
+def test_different_work_under_one_key_in_one_batch_is_a_conflict(kit: Kit) -> None:
+    # Given two different jobs under one key in one batch
+    kit.publish(_db("a", amount=1))
+    kit.publish(_db("a", amount=2))
+    # When drained
+    summary = kit.drain()
+    # Then the first ran and the second is a conflict, left unacked
+    assert summary.outcomes == {"done": 1, "conflict": 1}
+    assert summary.acked == 1
+    assert kit.calls == {"test.db:a": 1}
+
+
+def test_messages_without_a_derivable_key_are_left_while_the_batch_goes_on(kit: Kit) -> None:
+    # Given a batch mixing what no key can be derived from with one good job
+    for odd in (None, [1, 2], "text", {"job": "no.such.job"}, {"job": "test.db"}):
+        kit.publish(odd)
+    kit.publish(_db("fine"))
+    # When drained
+    summary = kit.drain()
+    # Then the rejects are unacked with no claims, and the good job ran
+    assert summary.outcomes == {"rejected": 5, "done": 1}
+    assert (summary.acked, summary.parked) == (1, 5)
+    assert list(kit.ledger.rows) == ["test.db:fine"]
+    assert kit.queue.stats(QUEUE).in_flight_count == 5
+
+
+def test_a_lost_claim_is_not_acked(kit: Kit) -> None:
+    # Given an external job whose claim is re-assigned while it runs
+    kit.publish({"job": "test.hijacked", "id": "1"})
+    # When the drain settles it, the fenced update matches nothing
+    summary = kit.drain()
+    # Then it is not acked, and the row is left as the other party made it
+    assert (summary.outcomes, summary.acked) == ({"claim_lost": 1}, 0)
+    assert kit.row("test.hijacked:1").state == "running"
+
+
+def test_an_ack_answered_not_found_counts_as_ack_lost(kit: Kit) -> None:
+    # Given an ack that is applied but whose answer is lost
+    kit.publish(_db("a"))
+    kit.queue.lose_ack_answers(1)
+    # When drained
+    summary = kit.drain()
+    # Then it counts as harmless, and the message is gone all the same
+    assert (summary.done, summary.acked, summary.ack_lost) == (1, 0, 1)
+    assert kit.queue.stats(QUEUE).message_count == 0
+
+
+def test_a_failed_ack_is_made_good_by_the_redelivery(kit: Kit) -> None:
+    # Given a done job whose ack failed
+    kit.publish(_db("a"))
+    kit.queue.fail_acks(1)
+    first = kit.drain()
+    assert (first.done, first.acked, first.ack_failed) == (1, 0, 1)
+    # When it is redelivered
+    kit.redeliver()
+    second = kit.drain()
+    # Then it is a duplicate of done, acked without running again
+    assert (second.outcomes, second.acked) == ({"duplicate": 1}, 1)
+    assert kit.calls == {"test.db:a": 1}
+    assert kit.queue.stats(QUEUE).message_count == 0
+
+
+def test_an_idempotent_claim_is_taken_over_after_its_lease(kit: Kit) -> None:
+    # Given a digest whose first attempt died after claiming
+    payload = {"job": "test.idem", "id": "d"}
+    kit.publish(payload)
+    (message,) = kit.queue.consume(QUEUE)
+    kit.ledger.seed(
+        "test.idem:d",
+        message_id=message.message_id,
+        effect=Effect.EXTERNAL_IDEMPOTENT,
+        fingerprint=kit.fingerprint(payload),
+        lease_until=kit.clock.utcnow() + timedelta(seconds=60),
+    )
+    # When its redelivery arrives after the lease
+    kit.redeliver()
+    summary = kit.drain()
+    # Then it takes the claim over and finishes the work
+    assert (summary.outcomes, summary.acked) == ({"done": 1}, 1)
+    row = kit.row("test.idem:d")
+    assert (row.state, row.attempts, row.result) == ("done", 2, {"id": "d"})
+
+
+def test_an_unavailable_ledger_stops_the_drain_without_acking(kit: Kit) -> None:
+    # Given an external job and a ledger that fails its next claim
+    kit.publish(_ext("a"))
+    kit.ledger.fail_next("claim")
+    # When drained
+    summary = kit.drain()
+    # Then nothing ran or was acked, and the loop stopped
+    assert (summary.outcomes, summary.acked) == ({"ledger_unavailable": 1}, 0)
+    assert summary.stopped == "ledger_unavailable"
+    assert kit.calls == {}
+    # And the redelivery completes it
+    kit.redeliver()
+    assert kit.drain().outcomes == {"done": 1}
+
+
+def test_a_settle_that_fails_after_an_external_effect_is_stuck(kit: Kit) -> None:
+    # Given an external job whose settle will fail after its effect
+    kit.publish(_ext("a"))
+    kit.ledger.fail_next("settle")
+    # When drained
+    summary = kit.drain()
+    # Then it is not acked and its claim stays running for a human
+    assert (summary.outcomes, summary.acked) == ({"stuck": 1}, 0)
+    assert kit.calls == {"test.ext:a": 1}
+    assert kit.row("test.ext:a").state == "running"
+
+
+# --- the summary ------------------------------------------------------------------------------
+
+
+def test_the_summary_counts_add_up(kit: Kit) -> None:
+    # Given one batch holding most outcomes
+    done_payload = _db("done-before")
+    kit.publish(done_payload)
+    kit.drain()
+    kit.publish(done_payload)  # duplicate
+    kit.publish(_db("new"), times=2)  # done + in_flight
+    kit.publish(_db("flaky", mode="transient"))  # retry
+    kit.publish(_ext("bad", mode="permanent"))  # failed
+    kit.publish(_ext("unsure", mode="uncertain"))  # stuck
+    kit.publish(_db("done-before", extra=1))  # conflict in the ledger
+    kit.publish({"job": "nope"})  # rejected
+    kit.queue.lose_ack_answers(1)
+    # When drained
+    summary = kit.drain()
+    # Then every message is counted once, in one of the four buckets
+    assert summary.outcomes == {
+        "duplicate": 1,
+        "done": 1,
+        "in_flight": 1,
+        "retry": 1,
+        "failed": 1,
+        "stuck": 1,
+        "conflict": 1,
+        "rejected": 1,
+    }
+    assert (summary.consumed, summary.done, summary.duplicates) == (8, 1, 2)
+    assert (summary.failed, summary.parked, summary.batches) == (2, 3, 1)
+    assert summary.consumed == sum(summary.outcomes.values())
+    assert summary.consumed == summary.done + summary.duplicates + summary.failed + summary.parked
+    # And every settled message was acked once, one of them with a lost answer
+    assert (summary.acked, summary.ack_lost, summary.ack_failed) == (2, 1, 0)
+    assert summary.acked + summary.ack_lost == summary.done + summary.duplicates
+    assert kit.queue.stats(QUEUE).in_flight_count == 5
+
+
+# --- what handlers return and raise -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "stored"),
+    [("unserializable", "{'ids': {1, 2}}"), ("nan", "nan")],
+)
+def test_a_result_json_cannot_carry_still_ends_done(kit: Kit, mode: str, stored: str) -> None:
+    # Given a handler that returns what JSON cannot carry, after its effect
+    kit.publish(_ext("r", mode=mode))
+    # When drained
+    summary = kit.drain()
+    # Then the effect is not retried: the job is done with a description of its result
+    assert (summary.outcomes, summary.acked) == ({"done": 1}, 1)
+    assert kit.row("test.ext:r").result == {"unserializable_result": stored}
+
+
+def test_a_long_handler_error_is_truncated_to_2000_characters(kit: Kit) -> None:
+    # Given a handler raising a 5000-character message
+    kit.publish(_db("long", mode="long_error"))
+    # When drained
+    kit.drain()
+    # Then the stored error is cut to 2000 characters, marked as cut
+    error = kit.row("test.db:long").error or ""
+    assert len(error) == 2000
+    assert error.startswith("PermanentJobError: xxx")
+    assert error.endswith("x...")
+
+
+# --- results and errors PostgreSQL could not store -------------------------------------------
+
+
+def test_a_result_postgres_cannot_store_is_described_not_fatal_to_the_batch(kit: Kit) -> None:
+    # Given a database job echoing a NUL character from its payload, beside an innocent one
+    kit.publish(_db("nul", mode="echo", text="a\x00b"))
+    kit.publish(_db("innocent"))
+    # When drained
+    summary = kit.drain()
+    # Then both should end done (the unstorable result described, like any other)
+    assert summary.outcomes == {"done": 2}
+
+
+def test_an_error_message_with_nul_still_settles_as_failed(kit: Kit) -> None:
+    # Given an external job failing permanently with a NUL character in its message
+    kit.publish(_ext("nul", mode="error_echo", text="a\x00b"))
+    # When drained
+    summary = kit.drain()
+    # Then it should be failed, like any permanent failure
+    assert summary.outcomes == {"failed": 1}
+    assert kit.row("test.ext:nul").state == "failed"
+
+
+def test_a_deeply_nested_result_is_described_not_a_crash(kit: Kit) -> None:
+    # Given an external job returning a list nested 100 000 deep, after its effect
+    kit.publish(_ext("deep", mode="deep"))
+    # When drained
+    summary = kit.drain()
+    # Then it should end done with its result described, like any unserializable result
+    assert summary.outcomes == {"done": 1}

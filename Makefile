@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint typecheck test test-unit test-integration demo clean
+.PHONY: venv lint typecheck test test-unit test-integration test-e2e demo clean
 
 $(STAMP): pyproject.toml layers/common/requirements.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "infrai-jobs needs Python 3.11 or newer (found %s)" % sys.version.split()[0])'
@@ -19,6 +19,7 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/cfn-lint template.yaml
 
 typecheck: $(STAMP)
 	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local $(wildcard functions/*/app.py)
@@ -32,5 +33,56 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/pytest tests/integration
 
+test-e2e: $(STAMP)
+	$(BIN)/pytest tests/e2e
+
+# The field notes' story, end to end, on an embedded PostgreSQL and the local emulator.
+demo: $(STAMP)
+	$(BIN)/infrai-jobs demo
+
+# --- SAM: build and validate the function bundle -------------------------------------------
+# aws-sam-cli pins its own boto3 and click, so it lives in its own virtualenv, never in .venv.
+SAM_CLI_VERSION := 1.170.0
+SAM_VENV := .tools/sam
+SAM := SAM_CLI_TELEMETRY=0 $(SAM_VENV)/bin/sam
+SAM_STAMP := $(SAM_VENV)/.installed-$(SAM_CLI_VERSION)
+SAM_BUILD_FLAGS ?=
+# sam build runs the layer's pip with `python3.13` from PATH (BuildMethod python3.13). A pyenv
+# shim of that name only works when PYENV_VERSION names 3.13, so look for the interpreter itself.
+PYTHON313 ?= $(shell for p in "$$(command -v python3.13)" $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.13*/bin/python3.13; do \
+	[ -x "$$p" ] && "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 13))' 2>/dev/null && { echo "$$p"; break; }; done)
+
+.PHONY: tools build validate
+
+$(SAM_STAMP):
+	rm -rf $(SAM_VENV)
+	$(PYTHON) -m venv $(SAM_VENV)
+	$(SAM_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24"
+	$(SAM_VENV)/bin/python -m pip install --quiet "aws-sam-cli==$(SAM_CLI_VERSION)"
+	@touch $@
+
+tools: $(SAM_STAMP)
+
+build: $(SAM_STAMP)
+	@if [[ " $(SAM_BUILD_FLAGS) " == *" --use-container "* ]]; then \
+		echo "sam build $(SAM_BUILD_FLAGS) (in Lambda's build image)"; \
+		$(SAM) build $(SAM_BUILD_FLAGS); \
+	elif [[ -n "$(PYTHON313)" ]]; then \
+		echo "sam build with $(PYTHON313)"; \
+		PATH="$(dir $(PYTHON313)):$$PATH" $(SAM) build $(SAM_BUILD_FLAGS); \
+	else \
+		echo "make build: no Python 3.13 found, and sam build needs python3.13 on PATH" >&2; \
+		echo "  (the layer is built for the python3.13 runtime on arm64). Either:" >&2; \
+		echo "  - install one (pyenv install 3.13, or your OS's python3.13) and rerun make build," >&2; \
+		echo "  - point at one: make build PYTHON313=/path/to/python3.13, or" >&2; \
+		echo "  - build in Lambda's image: make build SAM_BUILD_FLAGS=--use-container (needs Docker)." >&2; \
+		exit 1; \
+	fi
+
+# Both offline: cfn-lint needs nothing, and sam validate --lint needs no credentials or region.
+validate: $(STAMP) $(SAM_STAMP)
+	$(BIN)/cfn-lint template.yaml
+	$(SAM) validate --lint
+
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .aws-sam
+	rm -rf $(VENV) .tools .mypy_cache .pytest_cache .ruff_cache .aws-sam

@@ -18,7 +18,7 @@ logger, metrics = function_observability()
 
 @cache
 def dependencies() -> tuple[Settings, ClaimsAdmin]:
-    settings = resolve_secrets(Settings.from_env())
+    settings = resolve_secrets(Settings.from_env(), api_key=False)
     return settings, ClaimsAdmin(settings.require_database_url())
 
 

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -38,7 +37,12 @@ import urllib3
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
-from infrai_local.embedded_db import ensure_database_url
+from infrai_local.embedded_db import (
+    configured_database_url,
+    describe_database_url,
+    ensure_database_url,
+    scratch_database,
+)
 from infrai_local.invoke import invoke, resolve
 
 QUEUE = "billing-jobs"
@@ -295,9 +299,26 @@ def _chapter_unknown_outcome(stage: _Stage, report: DemoReport) -> None:
 
 
 @contextlib.contextmanager
+def _demo_database() -> Iterator[str]:
+    """A database of the demo's own: a scratch one on DATABASE_URL's server (dropped after),
+    else the embedded server. The demo never writes into a database someone else uses."""
+    server_url = configured_database_url()
+    if server_url is None:
+        yield ensure_database_url()
+        return
+    with scratch_database(server_url, prefix="infrai_demo_") as url:
+        print(
+            f"database: a scratch database on {describe_database_url(server_url)}, "
+            "dropped at the end",
+            file=sys.stderr,
+        )
+        yield url
+
+
+@contextlib.contextmanager
 def _stage(root: Path) -> Iterator[_Stage]:
     with contextlib.ExitStack() as stack:
-        database_url = ensure_database_url()
+        database_url = stack.enter_context(_demo_database())
         with psycopg.connect(database_url, autocommit=True) as conn:
             apply_migrations(conn)
             conn.execute(INVOICES_DDL)
@@ -320,8 +341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project folder")
     parser.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
     args = parser.parse_args(argv)
-    if "DATABASE_URL" in os.environ:
-        print("note: using DATABASE_URL; the demo creates its tables there", file=sys.stderr)
     report = run_story(args.root.resolve(), DemoReport())
     if args.json:
         print(json.dumps(report.facts, default=str))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import urllib3
 
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
@@ -228,3 +229,79 @@ class _Lines:
 
     def flush(self) -> None:
         return
+
+
+def _dead_letter(services: dict[str, str], payload: dict[str, object]) -> InfraiClient:
+    client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
+    client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+    client.publish("billing-jobs", payload)
+    for _ in range(3):
+        assert client.consume("billing-jobs")
+        urllib3.request(
+            "POST",
+            f"{services['INFRAI_BASE_URL']}/_emulator/clock",
+            json={"advance_seconds": 301},
+        )
+    assert client.stats("billing-jobs").dlq_count == 1
+    return client
+
+
+def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, str]) -> None:
+    # Given a message dead-lettered in the emulator
+    _dead_letter(services, {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1})
+    # When DlqAlertFunction is invoked with its schedule event (no topic locally: it prints)
+    spec = resolve("DlqAlertFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    logs = _Lines()
+    result = invoke(
+        spec,
+        EVENTS / "dlq-alert-schedule.json",
+        log_stream=logs,
+        extra_env={**services, "ALERT_TOPIC_ARN": ""},
+    )
+    # Then the report names the queue and the alert, and the EMF carries the DLQ count
+    assert result.ok, result.payload
+    (queue,) = result.payload["queues"]
+    assert (queue["queue"], queue["dlq_count"]) == ("billing-jobs", 1)
+    (alert,) = result.payload["alerts"]
+    assert alert["subject"] == "[infrai-jobs] 1 new dead letter(s) on billing-jobs"
+    emf = [json.loads(line) for line in logs.lines if line.startswith('{"_aws"')]
+    assert any(doc.get("DlqCount") == [1.0] and doc.get("queue") == "billing-jobs" for doc in emf)
+
+
+def test_redrive_function_moves_dead_letters_back(services: dict[str, str]) -> None:
+    # Given a dead-lettered job whose invoice now exists
+    client = _dead_letter(
+        services, {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
+    )
+    # When RedriveFunction is invoked with events/redrive.json
+    spec = resolve("RedriveFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    result = invoke(spec, EVENTS / "redrive.json", log_stream=_Lines(), extra_env=services)
+    # Then it moved the message back and says what the publishes cost
+    assert result.ok, result.payload
+    assert (result.payload["published"], result.payload["acked"]) == (1, 1)
+    assert result.payload["cost_usd"] == "0.00002"
+    stats = client.stats("billing-jobs")
+    assert (stats.dlq_count, stats.available_count) == (0, 1)
+
+
+def test_redrive_function_rejects_a_bad_event_clearly(
+    services: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "bad.json").write_text('{"max_messages": "all"}')
+    spec = resolve("RedriveFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    result = invoke(spec, tmp_path / "bad.json", log_stream=_Lines(), extra_env=services)
+    assert not result.ok
+    assert result.payload["errorType"] == "ConfigurationError"
+    assert result.payload["errorMessage"] == "max_messages must be an integer"
+
+
+def test_prune_function_deletes_old_settled_claims(services: dict[str, str]) -> None:
+    with psycopg.connect(services["DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id, claimed_at) VALUES"
+            " ('old', 'done', 'm', now() - interval '60 days'), ('new', 'done', 'm', now())"
+        )
+    spec = resolve("PruneFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    result = invoke(spec, EVENTS / "prune-schedule.json", log_stream=_Lines(), extra_env=services)
+    assert result.ok, result.payload
+    assert result.payload == {"deleted": 1, "batches": 1, "older_than_days": 30}

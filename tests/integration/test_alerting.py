@@ -138,7 +138,7 @@ def test_an_emptied_dlq_sends_one_resolved_message(stage: Stage) -> None:
     stage.check(alerter).run([QUEUE])
     # Then one resolved message, and quiet after it
     assert [s for s, _ in alerter.sent][1:] == [
-        "[infrai-jobs] RESOLVED: billing-jobs's dead-letter queue is empty"
+        "[infrai-jobs] RESOLVED: the dead-letter queue of billing-jobs is empty"
     ]
 
 

@@ -132,16 +132,32 @@ def test_ensure_database_url_announces_the_configured_server(pg_server_url: str)
 
 
 def test_ensure_database_url_starts_one_embedded_server_per_process() -> None:
-    # Given no DATABASE_URL
-    lines: list[str] = []
-    # When a local run asks for its database twice
-    first = ensure_database_url({}, announce=lines.append)
-    second = ensure_database_url({}, announce=lines.append)
-    # Then both get the same embedded server, announced once
-    assert first == second
-    assert select_one(first) == 1
-    assert len(lines) == 1
-    assert "embedded PostgreSQL" in lines[0]
+    # Given a fresh process with no DATABASE_URL (this test process may already have one)
+    script = (
+        "from infrai_local.embedded_db import ensure_database_url\n"
+        "from psycopg import connect\n"
+        "lines = []\n"
+        "first = ensure_database_url({}, announce=lines.append)\n"
+        "second = ensure_database_url({}, announce=lines.append)\n"
+        "assert first == second, (first, second)\n"
+        "assert connect(first).execute('SELECT 1').fetchone() == (1,)\n"
+        "print(len(lines)); print(lines[0])\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != DATABASE_URL_ENV}
+    # When it asks for its database twice
+    finished = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    # Then both calls got the same embedded server, announced once
+    assert finished.returncode == 0, finished.stderr
+    count, line = finished.stdout.splitlines()[:2]
+    assert count == "1"
+    assert "embedded PostgreSQL" in line
 
 
 @pytest.mark.parametrize("malformed", ["not a url", "postgresql://app:s3cret@[::1"])

@@ -241,11 +241,11 @@ def compose(
     """The subject and body of one alert: what, how much, since when, and what to run next."""
     signal, scope, after, stats = seen.signal, seen.scope, seen.value, seen.stats
     if signal is Signal.DLQ:
-        dlq_name = f"{scope}'s dead-letter queue"
+        dlq_name = f"the dead-letter queue of {scope}"
         subject = {
             Verdict.ALERT: f"[infrai-jobs] {after - before} new dead letter(s) on {scope}",
             Verdict.REMIND: f"[infrai-jobs] still {after} dead letter(s) on {scope}",
-            Verdict.RESOLVED: f"[infrai-jobs] RESOLVED: {scope}'s dead-letter queue is empty",
+            Verdict.RESOLVED: f"[infrai-jobs] RESOLVED: the dead-letter queue of {scope} is empty",
         }[verdict]
         body = [
             f"dlq_count for {dlq_name} went from {before} to {after}.",
@@ -253,8 +253,8 @@ def compose(
             "(a conflict, a stuck irreversible job, an unknown job).",
         ]
         next_steps = [
-            f"infrai-jobs dlq --queue {scope}      # what is there, and the ledger's reason",
-            "infrai-jobs redrive --dry-run          # after the fix: what a redrive would do",
+            f"infrai-jobs dlq --queue {scope}   # what is there, and the ledger's reason",
+            "infrai-jobs redrive --dry-run   # after the fix: what a redrive would do",
         ]
     elif signal is Signal.BACKLOG:
         age = stats.oldest_message_age_seconds if stats else 0.0
@@ -286,8 +286,8 @@ def compose(
             f"Oldest running claim: {stuck.oldest_running_age_seconds:.0f} s.",
         ]
         next_steps = [
-            "infrai-jobs claims stuck               # which keys, and why",
-            "infrai-jobs claims resolve KEY --done  # after checking the downstream system",
+            "infrai-jobs claims stuck   # which keys, and why",
+            "infrai-jobs claims resolve KEY --done   # after checking the downstream system",
         ]
     if verdict is Verdict.RESOLVED:
         next_steps = []

@@ -19,17 +19,26 @@ from infrai_jobs.settings import Settings
 SECRET_CACHE_SECONDS = 300
 
 
-def resolve_secrets(settings: Settings, *, force_fetch: bool = False) -> Settings:
-    """Fill in the API key and database URL from AWS when only their names are configured."""
-    api_key = settings.infrai_api_key
-    if not api_key and settings.api_key_parameter:
-        api_key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
+def resolve_secrets(
+    settings: Settings,
+    *,
+    api_key: bool = True,
+    database: bool = True,
+    force_fetch: bool = False,
+) -> Settings:
+    """Fill in the API key and database URL from AWS when only their names are configured.
+
+    A function fetches only what it uses (``api_key``/``database``), so its role needs no more.
+    """
+    key = settings.infrai_api_key
+    if api_key and not key and settings.api_key_parameter:
+        key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
     database_url = settings.database_url
-    if not database_url and settings.database_secret_arn:
+    if database and not database_url and settings.database_secret_arn:
         database_url = database_url_from_secret(
             _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch)
         )
-    return replace(settings, infrai_api_key=api_key, database_url=database_url)
+    return replace(settings, infrai_api_key=key, database_url=database_url)
 
 
 def database_url_from_secret(secret: str) -> str:

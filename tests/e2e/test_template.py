@@ -1,0 +1,321 @@
+"""template.yaml, samconfig.toml and events/: what deploys, checked offline.
+
+The template is read with cfn-lint's decoder (it understands ``!Ref``/``!If``/``!Sub``), linted
+with cfn-lint's API, and, for IAM, translated with the same SAM translator ``sam validate`` uses,
+so the policy templates are checked as the statements they become.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import re
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from cfnlint.api import lint_file  # type: ignore[import-untyped]
+from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
+from samtranslator.parser.parser import Parser  # type: ignore[import-untyped]
+from samtranslator.translator.translator import Translator  # type: ignore[import-untyped]
+
+from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "template.yaml"
+SAMCONFIG = ROOT / "samconfig.toml"
+EVENTS = ROOT / "events"
+LAMBDA_DEFAULT_TIMEOUT = 3
+# The execution-role policies SAM itself attaches (logs, X-Ray, VPC network interfaces).
+SAM_MANAGED_POLICIES = {
+    "service-role/AWSLambdaBasicExecutionRole",
+    "AWSXrayWriteOnlyAccess",
+    "service-role/AWSLambdaVPCAccessExecutionRole",
+}
+SECRET_VALUE_VARIABLES = {"INFRAI_API_KEY", "DATABASE_URL"}
+
+
+def load_template() -> dict[str, Any]:
+    # A plain-dict copy: the decoder's nodes carry line marks the translator doesn't expect.
+    template: dict[str, Any] = json.loads(json.dumps(cfn_yaml.load(str(TEMPLATE))))
+    return template
+
+
+def functions(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each AWS::Serverless::Function's properties with Globals.Function merged under them."""
+    globals_ = template.get("Globals", {}).get("Function", {})
+    merged = {}
+    for name, resource in template["Resources"].items():
+        if resource["Type"] == "AWS::Serverless::Function":
+            props = {**globals_, **resource.get("Properties", {})}
+            props["Environment"] = {
+                "Variables": {
+                    **globals_.get("Environment", {}).get("Variables", {}),
+                    **resource.get("Properties", {}).get("Environment", {}).get("Variables", {}),
+                }
+            }
+            merged[name] = props
+    return merged
+
+
+def parameter_default(template: dict[str, Any], value: Any) -> Any:
+    assert isinstance(value, dict), f"{value!r} is not a Ref to a parameter"
+    assert set(value) == {"Ref"}, f"{value!r} is not a Ref to a parameter"
+    return template["Parameters"][value["Ref"]].get("Default")
+
+
+def translate(template: dict[str, Any]) -> dict[str, Any]:
+    """The CloudFormation SAM would deploy, as `sam validate` produces it offline."""
+    document = copy.deepcopy(template)
+    for resource in document["Resources"].values():
+        for uri in ("CodeUri", "ContentUri"):
+            if uri in resource.get("Properties", {}):
+                resource["Properties"][uri] = "s3://bucket/key"
+    translator = Translator(None, Parser(), boto_session=boto3.Session(region_name="us-east-1"))
+    result: dict[str, Any] = translator.translate(
+        document, parameter_values={}, get_managed_policy_map=dict
+    )
+    return result
+
+
+def policy_statements(policy: Any) -> Iterator[dict[str, Any]]:
+    """Every statement of a role's inline policy, including both branches of an Fn::If."""
+    if isinstance(policy, dict) and "Fn::If" in policy:
+        for branch in policy["Fn::If"][1:]:
+            yield from policy_statements(branch)
+    elif isinstance(policy, dict) and "PolicyDocument" in policy:
+        statements = policy["PolicyDocument"]["Statement"]
+        yield from statements if isinstance(statements, list) else [statements]
+
+
+def as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def test_cfn_lint_reports_no_findings() -> None:
+    # Given the template as committed
+    # When cfn-lint checks it with its default rules
+    findings = lint_file(TEMPLATE)
+    # Then it finds nothing at all, not even a warning
+    assert [str(f) for f in findings] == []
+
+
+def test_every_function_times_out_before_the_queue_redelivers() -> None:
+    # Given every function of the template, Globals applied
+    template = load_template()
+    # When their effective timeouts are read
+    timeouts = {
+        name: int(props.get("Timeout", LAMBDA_DEFAULT_TIMEOUT))
+        for name, props in functions(template).items()
+    }
+    # Then each ends before the queue's visibility timeout hands its messages to another drain
+    assert "DrainFunction" in timeouts
+    too_long = {n: t for n, t in timeouts.items() if t >= QUEUE_VISIBILITY_TIMEOUT_SECONDS}
+    assert too_long == {}, f"timeouts must stay below {QUEUE_VISIBILITY_TIMEOUT_SECONDS} s"
+
+
+def test_every_handler_names_a_function_defined_in_its_code_uri() -> None:
+    # Given every function's Handler and CodeUri
+    for name, props in functions(load_template()).items():
+        module_name, _, attribute = props["Handler"].rpartition(".")
+        module_file = ROOT / props["CodeUri"] / (module_name.replace(".", "/") + ".py")
+        # When the module file is parsed (not imported)
+        assert module_file.is_file(), f"{name}: {module_file} does not exist"
+        tree = ast.parse(module_file.read_text(), filename=str(module_file))
+        defined = {
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        # Then it defines the handler function at module level
+        assert attribute in defined, f"{name}: {module_file} defines no {attribute}()"
+
+
+def test_the_layer_holds_the_package_and_its_pinned_requirements() -> None:
+    # Given the layer resource
+    layer = load_template()["Resources"]["CommonLayer"]
+    content = ROOT / layer["Properties"]["ContentUri"]
+    # When its ContentUri folder is looked at
+    # Then SAM finds requirements.txt to pip-install and infrai_jobs to copy into python/
+    assert (content / "requirements.txt").is_file()
+    assert (content / "infrai_jobs" / "__init__.py").is_file()
+    # And it is built for the runtime every function uses
+    assert layer["Metadata"] == {"BuildMethod": "python3.13", "BuildArchitecture": "arm64"}
+    assert layer["Properties"]["CompatibleRuntimes"] == ["python3.13"]
+    assert layer["Properties"]["CompatibleArchitectures"] == ["arm64"]
+
+
+def test_every_function_runs_python313_on_arm64_with_the_layer() -> None:
+    # Given every function, Globals applied
+    for name, props in functions(load_template()).items():
+        # When its runtime settings are read
+        # Then it matches what the layer is built for, and uses the layer
+        assert props["Runtime"] == "python3.13", name
+        assert props["Architectures"] == ["arm64"], name
+        assert {"Ref": "CommonLayer"} in props["Layers"], name
+
+
+def test_no_iam_statement_allows_a_wildcard_action() -> None:
+    # Given the template translated the way SAM deploys it (policy templates expanded)
+    translated = translate(load_template())
+    roles = {
+        name: resource["Properties"]
+        for name, resource in translated["Resources"].items()
+        if resource["Type"] == "AWS::IAM::Role"
+    }
+    assert roles, "the translation produced no execution role"
+    for name, role in roles.items():
+        # When every inline statement of every role is read
+        statements = [s for policy in role.get("Policies", []) for s in policy_statements(policy)]
+        actions = [a for s in statements for a in as_list(s.get("Action", []))]
+        # Then no action is a wildcard and none is granted by exclusion
+        assert actions, f"{name} has no inline statements"
+        assert [a for a in actions if "*" in a] == [], name
+        assert [s for s in statements if "NotAction" in s] == [], name
+        # And reading a secret is scoped to that secret, never to every resource
+        for statement in statements:
+            reads_secret = any(
+                a.startswith(("ssm:GetParameter", "secretsmanager:GetSecretValue", "kms:"))
+                for a in as_list(statement["Action"])
+            )
+            assert not (reads_secret and statement["Resource"] == "*"), statement
+        # And the only managed policies are the ones SAM attaches for logs, X-Ray and VPC
+        managed = {arn.split(":policy/", 1)[1] for arn in role.get("ManagedPolicyArns", [])}
+        assert managed <= SAM_MANAGED_POLICIES, f"{name}: {managed - SAM_MANAGED_POLICIES}"
+
+
+def test_no_environment_variable_holds_a_secret_value() -> None:
+    # Given every function's environment, Globals applied
+    template = load_template()
+    for name, props in functions(template).items():
+        variables = props["Environment"]["Variables"]
+        # When the secret-bearing variables are looked up
+        # Then they are at most declared empty (so --env-vars can set them locally)
+        for secret in SECRET_VALUE_VARIABLES & set(variables):
+            assert variables[secret] == "", f"{name}: {secret} must not carry a value"
+        # And the secrets are referenced by name and ARN only
+        assert parameter_default(template, variables["INFRAI_API_KEY_PARAMETER"]).startswith("/")
+        secret_arn = template["Parameters"][variables["DATABASE_SECRET_ARN"]["Ref"]]
+        assert secret_arn["AllowedPattern"].startswith("^arn:aws"), name
+        # And no literal value looks like a URL with a password in it
+        literals = [v for v in variables.values() if isinstance(v, str)]
+        assert [v for v in literals if re.search(r"://[^/@\s]+:[^/@\s]+@", v)] == [], name
+
+
+def test_the_drain_runs_every_minute_by_default() -> None:
+    # Given DrainFunction's events
+    template = load_template()
+    events = template["Resources"]["DrainFunction"]["Properties"]["Events"]
+    schedules = [
+        e["Properties"] for e in events.values() if e["Type"] in ("Schedule", "ScheduleV2")
+    ]
+    # When the schedule's expression is resolved to its parameter's default
+    assert len(schedules) == 1, events
+    rate = parameter_default(
+        template, schedules[0].get("Schedule") or schedules[0].get("ScheduleExpression")
+    )
+    # Then it fires once a minute
+    assert rate == "rate(1 minute)"
+
+
+def test_every_function_logs_to_its_own_log_group_with_retention() -> None:
+    # Given every function's logging configuration
+    template = load_template()
+    log_groups = []
+    for name, props in functions(template).items():
+        # When its log group is followed to the resource
+        group = props["LoggingConfig"]["LogGroup"]
+        resource = template["Resources"][group["Ref"]]
+        # Then it is an explicit log group whose retention is the operator's parameter
+        assert resource["Type"] == "AWS::Logs::LogGroup", name
+        assert resource["Properties"]["RetentionInDays"] == {"Ref": "LogRetentionDays"}, name
+        log_groups.append(group["Ref"])
+    assert len(log_groups) == len(set(log_groups)), "each function needs its own log group"
+
+
+def test_every_parameter_and_output_tells_the_operator_what_it_is() -> None:
+    # Given the template's parameters and outputs
+    template = load_template()
+    # When their descriptions are read
+    undescribed = [
+        name
+        for section in ("Parameters", "Outputs")
+        for name, spec in template[section].items()
+        if not spec.get("Description")
+    ]
+    # Then none is left without one, and each function's name, ARN and log group are output
+    assert undescribed == []
+    for name in functions(template):
+        for suffix in ("Name", "Arn", "LogGroupName"):
+            assert f"{name}{suffix}" in template["Outputs"], f"{name}{suffix}"
+
+
+def test_samconfig_is_version_01_as_a_number_with_a_prod_environment() -> None:
+    # Given samconfig.toml
+    # When TOML parses it
+    config = tomllib.loads(SAMCONFIG.read_text())
+    # Then the version is the number 0.1 that SAM requires, not a string
+    assert isinstance(config["version"], float)
+    assert config["version"] == pytest.approx(0.1)
+    # And default and prod deploy to different stacks, each asking before it changes anything
+    assert config["default"]["global"]["parameters"]["stack_name"] == "infrai-jobs"
+    assert config["prod"]["global"]["parameters"]["stack_name"] != "infrai-jobs"
+    for environment in ("default", "prod"):
+        deploy = config[environment]["deploy"]["parameters"]
+        assert deploy["confirm_changeset"] is True, environment
+        assert deploy["capabilities"] == "CAPABILITY_IAM", environment
+        assert isinstance(deploy["parameter_overrides"], str), environment
+        assert config[environment]["validate"]["parameters"]["lint"] is True, environment
+    build = config["default"]["build"]["parameters"]
+    assert build["cached"] is True
+    assert build["parallel"] is True
+
+
+def test_samconfig_overrides_name_only_template_parameters() -> None:
+    # Given the template's parameters and every environment's overrides
+    parameters = set(load_template()["Parameters"])
+    config = tomllib.loads(SAMCONFIG.read_text())
+    for environment in ("default", "prod"):
+        overrides = config[environment]["deploy"]["parameters"]["parameter_overrides"]
+        # When the overrides are split into names
+        names = set(re.findall(r"(?:^|\s)([A-Za-z0-9]+)=", overrides))
+        # Then each names a parameter the template declares (a typo would be ignored silently)
+        assert names, environment
+        assert names <= parameters, f"{environment}: {names - parameters}"
+
+
+def test_the_sample_schedule_event_is_an_eventbridge_scheduled_event() -> None:
+    # Given events/drain-schedule.json
+    # When it is parsed
+    event = json.loads((EVENTS / "drain-schedule.json").read_text())
+    # Then it has the shape EventBridge sends a scheduled target
+    assert event["version"] == "0"
+    assert event["detail-type"] == "Scheduled Event"
+    assert event["source"] == "aws.events"
+    assert event["detail"] == {}
+    assert re.fullmatch(r"\d{12}", event["account"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", event["time"])
+    assert [r.split(":")[:3] for r in event["resources"]] == [["arn", "aws", "events"]]
+    assert ":rule/" in event["resources"][0]
+
+
+def test_the_env_vars_file_sets_only_variables_the_template_declares() -> None:
+    # Given events/env.json in SAM's --env-vars format
+    env_file = json.loads((EVENTS / "env.json").read_text())
+    declared = {
+        name: set(props["Environment"]["Variables"])
+        for name, props in functions(load_template()).items()
+    }
+    for scope, variables in env_file.items():
+        # When each scope's variables are compared with what the template declares
+        # ("Parameters" applies to every function; SAM ignores undeclared variables silently)
+        targets = declared.values() if scope == "Parameters" else [declared.get(scope, set())]
+        assert scope == "Parameters" or scope in declared, f"no function {scope}"
+        # Then every one is declared, and every value is a string
+        for names in targets:
+            assert set(variables) <= names, f"{scope}: {set(variables) - names}"
+        assert all(isinstance(v, str) for v in variables.values()), scope

@@ -1,0 +1,92 @@
+"""What the layer installs is what the project declares and tests against.
+
+``layers/common/requirements.txt`` is what ``sam build`` pip-installs into the layer;
+``[project].dependencies`` is what the virtualenv (and so every test) runs with. They must name
+the same distributions at the same versions, each pinned exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIREMENTS = ROOT / "layers" / "common" / "requirements.txt"
+PYPROJECT = ROOT / "pyproject.toml"
+PIN = re.compile(
+    r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?:\[(?P<extras>[^\]]*)\])?==(?P<version>\S+)$"
+)
+
+Pin = tuple[str, frozenset[str], str]
+
+
+def normalise(name: str) -> str:
+    """PEP 503: runs of -, _ and . are one separator, case does not matter."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def parse_pin(requirement: str) -> Pin | None:
+    match = PIN.match(requirement.strip())
+    if match is None:
+        return None
+    extras = frozenset(normalise(e) for e in (match["extras"] or "").split(",") if e.strip())
+    return normalise(match["name"]), extras, match["version"]
+
+
+def requirement_lines() -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in REQUIREMENTS.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def project_table() -> dict[str, object]:
+    table: dict[str, object] = tomllib.loads(PYPROJECT.read_text())["project"]
+    return table
+
+
+def test_the_layer_requirements_equal_the_project_dependencies() -> None:
+    # Given the layer's requirements and the project's runtime dependencies
+    dependencies = project_table()["dependencies"]
+    assert isinstance(dependencies, list)
+    # When both are parsed into (normalised name, extras, version)
+    layer = {parse_pin(line) for line in requirement_lines()}
+    project = {parse_pin(dependency) for dependency in dependencies}
+    # Then they are the same set, nothing more or less on either side
+    assert None not in layer
+    assert None not in project
+    assert layer == project, (
+        f"only in the layer: {layer - project}; only in pyproject: {project - layer}"
+    )
+
+
+def test_every_layer_requirement_is_pinned_exactly() -> None:
+    # Given every requirement line of the layer
+    lines = requirement_lines()
+    # When each is matched against name[extras]==version
+    unpinned = [line for line in lines if parse_pin(line) is None]
+    # Then none is a range, a URL, an option or an editable install
+    assert lines
+    assert unpinned == []
+
+
+def test_every_dev_dependency_is_pinned_exactly() -> None:
+    # Given the project's dev extra
+    optional = project_table()["optional-dependencies"]
+    assert isinstance(optional, dict)
+    dev = optional["dev"]
+    # When each entry is matched against name[extras]==version
+    unpinned = [entry for entry in dev if parse_pin(entry) is None]
+    # Then the tools are pinned too, so CI and every developer run the same ones
+    assert dev
+    assert unpinned == []
+
+
+def test_the_pin_parser_tells_names_extras_and_ranges_apart() -> None:
+    # Given requirements spelled the ways a person might
+    # When they are parsed
+    # Then spelling variants compare equal, and anything but == is rejected
+    assert parse_pin("psycopg[binary]==3.3.9") == ("psycopg", frozenset({"binary"}), "3.3.9")
+    assert parse_pin("AWS_Lambda.Powertools==3.37.0") == parse_pin("aws-lambda-powertools==3.37.0")
+    assert parse_pin("boto3>=1.44") is None
+    assert parse_pin("boto3~=1.44.5") is None
+    assert parse_pin("-e .") is None

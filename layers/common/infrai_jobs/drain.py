@@ -39,7 +39,7 @@ from infrai_jobs.ledger import (
     SettleStatus,
     utc_from_epoch,
 )
-from infrai_jobs.ports import LedgerPort, QueuePort
+from infrai_jobs.ports import EffectGuard, LedgerPort, QueuePort
 from infrai_jobs.queue_models import QueueMessage
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class DrainConfig:
     lease_grace_seconds: int = 60
     max_batches: int | None = None
     ack_concurrency: int = 10
+    # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
+    effect_guard: EffectGuard | None = None
 
 
 @dataclass
@@ -182,6 +184,7 @@ class _Batch:
         self.ledger = ledger
         self.registry = registry
         self.deadline = deadline
+        self.config = config
         self.lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
         self.results: dict[str, MessageResult] = {}
         # The first message of each key in this batch, and later copies of a key.
@@ -232,7 +235,9 @@ class _Batch:
         )
 
     def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
-        return run_handler(self.primaries[request.idem_key][1], self._context(request, db))
+        derived = self.primaries[request.idem_key][1]
+        guard = self.config.effect_guard if request.effect is not Effect.DATABASE else None
+        return run_handler(derived, self._context(request, db), guard)
 
     def _run_database(self, requests: list[ClaimRequest]) -> None:
         """Claim, run and settle in one transaction for the whole batch."""
@@ -340,14 +345,19 @@ _SETTLE_OUTCOMES = {
 }
 
 
-def run_handler(derived: DerivedJob, ctx: JobContext) -> JobRun:
+def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None = None) -> JobRun:
     """Run one handler and turn whatever it does into a ``JobRun``.
 
     This is the one place that catches every exception: a job's failure is an outcome to
-    settle, not a crash of the batch.
+    settle, not a crash of the batch. With a ``guard`` (the second layer), the effect runs
+    through it, keyed by the same idempotency key.
     """
+
+    def call() -> JsonValue:
+        return derived.definition.handler(derived.payload, ctx)
+
     try:
-        result = derived.definition.handler(derived.payload, ctx)
+        result = guard.run(ctx.idem_key, derived.fingerprint, call) if guard else call()
     except PermanentJobError as exc:
         return JobRun(RunKind.PERMANENT, error=_describe(exc))
     except EffectUncertain as exc:

@@ -6,7 +6,7 @@ nothing more, so an in-memory fake (``infrai_jobs.testing``) can stand in for it
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from infrai_jobs.queue_models import PublishPrice, QueueMessage, QueueStats
@@ -62,6 +62,17 @@ class LedgerPort(Protocol):
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         """Annotate running claims a human must look at."""
         ...
+
+
+class EffectGuard(Protocol):
+    """An optional second layer around an external effect (Powertools idempotency).
+
+    ``call`` performs the effect. The guard may return a result recorded earlier for the same
+    key instead of calling it, and must let ``EffectUncertain`` and other job errors through to
+    the drain unchanged (see ``infrai_jobs.second_layer``).
+    """
+
+    def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any: ...
 
 
 class Clock(Protocol):

@@ -90,6 +90,7 @@ class DrainSummary:
     ack_lost: int = 0
     ack_failed: int = 0
     batches: int = 0
+    takeovers: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     stopped: str = ""
 
@@ -104,6 +105,7 @@ class DrainSummary:
             "ack_lost": self.ack_lost,
             "ack_failed": self.ack_failed,
             "batches": self.batches,
+            "takeovers": self.takeovers,
             "outcomes": dict(sorted(self.outcomes.items())),
             "stopped": self.stopped,
         }
@@ -116,6 +118,8 @@ class MessageResult:
     idem_key: str | None = None
     job: str | None = None
     detail: str = ""
+    # The claim was won by taking over an expired external_idempotent claim.
+    takeover: bool = False
 
     @property
     def ack(self) -> bool:
@@ -190,6 +194,7 @@ class _Batch:
         # The first message of each key in this batch, and later copies of a key.
         self.primaries: dict[str, tuple[QueueMessage, DerivedJob]] = {}
         self.copies: list[tuple[QueueMessage, DerivedJob]] = []
+        self.takeovers: set[str] = set()
 
     def process(self) -> list[MessageResult]:
         self._derive_keys()
@@ -261,6 +266,7 @@ class _Batch:
             for request in requests:
                 self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
             return
+        self.takeovers |= {d.request.idem_key for d in decisions if d.takeover}
         settlements: list[Settlement] = []
         for decision in decisions:
             if decision.status is not ClaimStatus.WON:
@@ -282,6 +288,8 @@ class _Batch:
         for decision in decisions:
             outcome = _CLAIM_OUTCOMES.get(decision.status)
             if outcome is None:  # WON: its settlement decides
+                if decision.takeover:
+                    self.takeovers.add(decision.request.idem_key)
                 continue
             if outcome is Outcome.STUCK:
                 stuck_reasons[decision.request.idem_key] = decision.detail
@@ -319,8 +327,13 @@ class _Batch:
 
     def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
         message, derived = self.primaries[request.idem_key]
+        takeover = request.idem_key in self.takeovers
+        if takeover:
+            detail = f"lease takeover; {detail}" if detail else "lease takeover"
         self._set(
-            MessageResult(message, outcome, request.idem_key, derived.definition.name, detail)
+            MessageResult(
+                message, outcome, request.idem_key, derived.definition.name, detail, takeover
+            )
         )
 
     def _set(self, result: MessageResult) -> None:
@@ -394,6 +407,7 @@ def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
     for r in results:
         summary.consumed += 1
         summary.outcomes[r.outcome.value] += 1
+        summary.takeovers += int(r.takeover)
         if r.outcome is Outcome.DONE:
             summary.done += 1
         elif r.outcome in (Outcome.DUPLICATE, Outcome.IN_FLIGHT):

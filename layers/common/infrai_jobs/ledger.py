@@ -61,6 +61,8 @@ class ClaimDecision:
     status: ClaimStatus
     detail: str = ""
     result: JsonValue = None
+    # WON by taking over an expired external_idempotent claim (not a first claim).
+    takeover: bool = False
 
 
 class RunKind(StrEnum):
@@ -143,10 +145,10 @@ claimed AS (
           AND c.payload_sha256 = EXCLUDED.payload_sha256
           AND c.error IS NULL
           AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id)
-    RETURNING c.idem_key, c.claim_token
+    RETURNING c.idem_key, c.claim_token, c.attempts
 )
-SELECT i.idem_key, c.claim_token AS won_token, j.state, j.message_id, j.effect,
-       j.payload_sha256, j.error, j.result,
+SELECT i.idem_key, c.claim_token AS won_token, c.attempts AS won_attempts,
+       j.state, j.message_id, j.effect, j.payload_sha256, j.error, j.result,
        coalesce(j.lease_until, j.claimed_at + make_interval(secs => %(visibility)s)) < now()
            AS lease_expired
 FROM input i
@@ -157,8 +159,8 @@ LEFT JOIN job_claims j ON j.idem_key = i.idem_key
 # A claim that lost a race with a transaction committing the same key cannot see that row in
 # the claim statement's snapshot; this re-reads those few keys.
 _REREAD: LiteralString = """
-SELECT idem_key, NULL::uuid AS won_token, state, message_id, effect, payload_sha256, error,
-       result,
+SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
+       state, message_id, effect, payload_sha256, error, result,
        coalesce(lease_until, claimed_at + make_interval(secs => %(visibility)s)) < now()
            AS lease_expired
 FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
@@ -465,6 +467,14 @@ class PostgresLedger:
 def _decide(request: ClaimRequest, row: dict[str, Any]) -> ClaimDecision:
     """Classify one claim attempt from the claim statement's answer."""
     if row["won_token"] is not None:
+        attempts = row.get("won_attempts") or 1
+        if attempts > 1:
+            return ClaimDecision(
+                request,
+                ClaimStatus.WON,
+                f"took over an expired claim (attempt {attempts})",
+                takeover=True,
+            )
         return ClaimDecision(request, ClaimStatus.WON)
     state = row["state"]
     if state is None:

@@ -19,7 +19,8 @@ from infrai_jobs.drain import DrainSummary
 
 PACKAGE_LOGGER = "infrai_jobs"
 
-# Metric name for each drain summary field: one vocabulary for dashboards and alarms.
+# The drain's metric catalogue. Summary totals first, then one metric per outcome of DESIGN.md's
+# table, so a dashboard can show every row. Dimensions: service and queue, never a key.
 DRAIN_METRICS = {
     "consumed": "MessagesConsumed",
     "done": "JobsDone",
@@ -30,6 +31,21 @@ DRAIN_METRICS = {
     "ack_lost": "AcksLost",
     "ack_failed": "AcksFailed",
     "batches": "Batches",
+    "takeovers": "LeaseTakeovers",
+}
+OUTCOME_METRICS = {
+    "done": "OutcomeDone",
+    "duplicate": "OutcomeDuplicateDone",
+    "in_flight": "OutcomeDuplicateInFlight",
+    "batch_duplicate": "OutcomeBatchDuplicate",
+    "retry": "OutcomeRetry",
+    "failed": "OutcomeFailed",
+    "duplicate_failed": "OutcomeDuplicateFailed",
+    "stuck": "OutcomeStuck",
+    "conflict": "OutcomePayloadMismatch",
+    "rejected": "OutcomeRejected",
+    "claim_lost": "OutcomeClaimLost",
+    "ledger_unavailable": "OutcomeLedgerUnavailable",
 }
 
 
@@ -45,11 +61,17 @@ def function_observability() -> tuple[Logger, Metrics]:
     return logger, Metrics()
 
 
-def record_drain(metrics: Metrics, queue: str, summary: DrainSummary) -> None:
+def record_drain(
+    metrics: Metrics, queue: str, summary: DrainSummary, *, second_layer_hits: int = 0
+) -> None:
+    """Every summary total and every outcome (zero included, so alarms see a steady series)."""
     metrics.add_dimension(name="queue", value=queue)
     counts = summary.as_dict()
     for field, name in DRAIN_METRICS.items():
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=counts[field])
+    for outcome, name in OUTCOME_METRICS.items():
+        metrics.add_metric(name=name, unit=MetricUnit.Count, value=summary.outcomes[outcome])
+    metrics.add_metric(name="SecondLayerHits", unit=MetricUnit.Count, value=second_layer_hits)
 
 
 # Per watched queue, with the queue as the one dimension.

@@ -596,9 +596,13 @@ class InMemoryLedger:
     ) -> dict[str, Any]:
         # The claim statement's answer: the row as it was before, as its final SELECT sees it.
         won_token = request.claim_token if won else None
+        won_attempts = None
+        if won:
+            won_attempts = 1 if row is None else (row.attempts or 1) + 1
         if row is None:
             return {
                 "won_token": won_token,
+                "won_attempts": won_attempts,
                 "state": None,
                 "message_id": None,
                 "effect": None,
@@ -612,6 +616,7 @@ class InMemoryLedger:
             lease_end = utc_from_epoch(row.claimed_at.timestamp() + self.visibility_timeout)
         return {
             "won_token": won_token,
+            "won_attempts": won_attempts,
             "state": row.state,
             "message_id": row.message_id,
             "effect": row.effect,

@@ -26,7 +26,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg.rows import dict_row
 
-from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.errors import InfraiJobsError, LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.jobs import Effect, JsonValue
 from infrai_jobs.migrations import LATEST_VERSION, current_version
 from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
@@ -229,8 +229,12 @@ class PostgresLedger:
         *,
         connect_timeout: int = 5,
         visibility_timeout: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+        refresh_url: Callable[[], str] | None = None,
     ) -> None:
         self._url = database_url
+        # Fetches the database URL again, bypassing the secret cache: called once when a
+        # connection fails, because a rotated password is the likely reason in AWS.
+        self._refresh_url = refresh_url
         self._connect_timeout = connect_timeout
         self._visibility = visibility_timeout
         self._conn: psycopg.Connection[Any] | None = None
@@ -253,15 +257,7 @@ class PostgresLedger:
         if conn is not None:
             logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
             conn.close()
-        try:
-            conn = psycopg.connect(
-                self._url,
-                autocommit=True,
-                connect_timeout=self._connect_timeout,
-                application_name="infrai-jobs",
-            )
-        except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+        conn = self._open()
         if not self._schema_checked:
             version = current_version(conn)
             if version < LATEST_VERSION:
@@ -273,6 +269,45 @@ class PostgresLedger:
             self._schema_checked = True
         self._conn = conn
         return conn
+
+    def _open(self) -> psycopg.Connection[Any]:
+        try:
+            return self._connect(self._url)
+        except psycopg.Error as exc:
+            fresh = self._refreshed_url()
+            if fresh is None:
+                raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+        logger.warning(
+            "database connection failed; retrying once with the secret fetched again",
+            extra={"action": "secret_refresh"},
+        )
+        self._url = fresh
+        try:
+            return self._connect(fresh)
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+
+    def _connect(self, url: str) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=self._connect_timeout,
+            application_name="infrai-jobs",
+        )
+
+    def _refreshed_url(self) -> str | None:
+        """A different URL from the secret store, or None when there is nothing new to try."""
+        if self._refresh_url is None:
+            return None
+        try:
+            fresh = self._refresh_url()
+        except InfraiJobsError as exc:
+            logger.warning(
+                "could not fetch the database secret again",
+                extra={"action": "secret_refresh_failed", "detail": str(exc)},
+            )
+            return None
+        return fresh if fresh and fresh != self._url else None
 
     @contextmanager
     def _translated(self) -> Iterator[psycopg.Connection[Any]]:
@@ -312,9 +347,7 @@ class PostgresLedger:
         # this invocation can still safely give its claims back; otherwise the redelivery would
         # find them running and (rightly, for an irreversible effect) flag them stuck.
         try:
-            fresh = psycopg.connect(
-                self._url, autocommit=True, connect_timeout=self._connect_timeout
-            )
+            fresh = self._connect(self._url)
         except psycopg.Error:
             logger.warning(
                 "could not release claims after a lost answer",

@@ -31,6 +31,7 @@ from infrai_jobs.errors import (
     ConfigurationError,
     InfraiError,
     InfraiInvalidResponse,
+    InfraiJobsError,
     InfraiUnavailable,
     QueueMessageNotFound,
 )
@@ -81,6 +82,7 @@ class InfraiClient:
         retry_publish: bool = False,
         pool_maxsize: int = 10,
         sleep: Callable[[float], None] = time.sleep,
+        refresh_api_key: Callable[[], str] | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -92,6 +94,8 @@ class InfraiClient:
             raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
+        # Fetches the key again (bypassing the secret cache) after a 401: a rotated key.
+        self._refresh_api_key = refresh_api_key
         self._timeouts = timeouts or Timeouts()
         self._retry = retry or RetryPolicy()
         self._retry_publish = retry_publish
@@ -201,6 +205,43 @@ class InfraiClient:
     # --- transport ---------------------------------------------------------------------------
 
     def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        call: str,
+        retryable: bool,
+    ) -> Any:
+        try:
+            return self._call_with_retries(method, path, body, call=call, retryable=retryable)
+        except InfraiError as exc:
+            if exc.status != 401 or not self._take_refreshed_key():
+                raise
+        # A 401 is answered before anything is applied, so one more try is safe for every call.
+        return self._call_with_retries(method, path, body, call=call, retryable=retryable)
+
+    def _take_refreshed_key(self) -> bool:
+        if self._refresh_api_key is None:
+            return False
+        try:
+            fresh = self._refresh_api_key()
+        except InfraiJobsError as exc:
+            logger.warning(
+                "could not fetch the API key again",
+                extra={"action": "secret_refresh_failed", "detail": str(exc)},
+            )
+            return False
+        if not fresh or fresh == self._api_key:
+            return False
+        logger.warning(
+            "Infrai answered 401; retrying once with the API key fetched again",
+            extra={"action": "secret_refresh"},
+        )
+        self._api_key = fresh
+        return True
+
+    def _call_with_retries(
         self,
         method: str,
         path: str,

@@ -13,6 +13,9 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.settings import Settings
 
@@ -42,9 +45,18 @@ def resolve_secrets(
 
 
 def database_url_from_secret(secret: str) -> str:
-    """A plain ``postgresql://`` URL, or the JSON an RDS-managed secret holds."""
+    """A ``postgresql://`` URL, a libpq keyword string, or the JSON an RDS-managed secret holds."""
     text = secret.strip()
     if text.startswith(("postgresql://", "postgres://")):
+        return text
+    if not text.startswith("{") and "=" in text:
+        # libpq's keyword form: "host=... dbname=... user=...".
+        try:
+            conninfo_to_dict(text)
+        except psycopg.ProgrammingError:
+            raise ConfigurationError(
+                "the database secret is not a valid connection string"
+            ) from None
         return text
     try:
         document: Any = json.loads(text)

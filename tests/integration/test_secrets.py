@@ -1,0 +1,180 @@
+"""Secrets in AWS: SSM and Secrets Manager through Powertools Parameters (against moto), cached,
+refreshed once after a rotation; and never printed."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import psycopg
+import pytest
+from aws_lambda_powertools.utilities import parameters
+from drainkit import QUEUE, Harness, harness
+from moto import mock_aws
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from infrai_jobs.errors import InfraiError
+from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.secrets import resolve_secrets
+from infrai_jobs.settings import Settings
+from infrai_local import emulator as emulator_module
+
+REGION = "us-east-1"
+PARAMETER = "/infrai-jobs/api-key"
+SECRET = "infrai-jobs/db"
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": REGION,
+    }.items():
+        monkeypatch.setenv(name, value)
+    parameters.clear_caches()
+    with mock_aws():
+        ssm = boto3.client("ssm", region_name=REGION)
+        secrets = boto3.client("secretsmanager", region_name=REGION)
+        yield {"ssm": ssm, "secrets": secrets}
+    parameters.clear_caches()
+
+
+def _rds_secret(url: str, **override: Any) -> str:
+    parts = conninfo_to_dict(url)
+    document = {
+        "engine": "postgres",
+        "host": parts.get("host", "127.0.0.1"),
+        "port": int(parts.get("port") or 5432),
+        "username": parts.get("user") or "postgres",
+        "password": "s3cret-Passw0rd",
+        "dbname": parts.get("dbname"),
+    }
+    document.update(override)
+    return json.dumps(document)
+
+
+def _settings(secret_arn: str) -> Settings:
+    return Settings(api_key_parameter=PARAMETER, database_secret_arn=secret_arn)
+
+
+def test_secrets_come_from_ssm_and_secrets_manager_and_are_cached(aws: dict[str, Any]) -> None:
+    # Given the API key in SSM (SecureString) and an RDS-style secret
+    aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_first", Type="SecureString")
+    arn = aws["secrets"].create_secret(
+        Name=SECRET,
+        SecretString=json.dumps(
+            {"host": "db.internal", "username": "jobs", "password": "p@ss", "dbname": "ledger"}
+        ),
+    )["ARN"]
+    # When resolved
+    first = resolve_secrets(_settings(arn))
+    # Then both values are there, the secret JSON turned into a TLS URL
+    assert first.infrai_api_key == "sk_first"
+    assert first.database_url == "postgresql://jobs:p%40ss@db.internal:5432/ledger?sslmode=require"
+    # And after a rotation the cached values stand until a refresh is forced
+    aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_second", Type="SecureString", Overwrite=True)
+    assert resolve_secrets(_settings(arn)).infrai_api_key == "sk_first"
+    assert resolve_secrets(_settings(arn), force_fetch=True).infrai_api_key == "sk_second"
+    # And a function that does not need the key never asks for it
+    parameters.clear_caches()
+    aws["ssm"].delete_parameter(Name=PARAMETER)
+    assert resolve_secrets(_settings(arn), api_key=False).infrai_api_key == ""
+
+
+def test_the_ledger_refreshes_a_rotated_database_secret_once(
+    aws: dict[str, Any], database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a ledger whose cached secret points at credentials that no longer work
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+
+        apply_migrations(conn)
+    stale = make_conninfo(database_url, dbname="database_rotated_away")
+    arn = aws["secrets"].create_secret(Name=SECRET, SecretString=stale)["ARN"]
+    settings = _settings(arn)
+    resolved = resolve_secrets(settings, api_key=False)
+    assert resolved.database_url == stale
+    # When the secret is rotated, and the ledger's first connection fails with the old value
+    aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
+    ledger = PostgresLedger(
+        resolved.database_url,
+        refresh_url=lambda: resolve_secrets(settings, api_key=False, force_fetch=True).database_url,
+    )
+    with caplog.at_level(logging.WARNING):
+        row = ledger.get("anything")
+    # Then it fetched the secret again, once, and works
+    assert row is None
+    assert [r.action for r in caplog.records if hasattr(r, "action")] == ["secret_refresh"]
+    ledger.close()
+
+
+def test_the_client_refreshes_a_rotated_api_key_once(aws: dict[str, Any]) -> None:
+    # Given Infrai accepting only the new key, and SSM already rotated
+    server = emulator_module.start_in_thread(api_key="sk_new")
+    try:
+        aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_new", Type="SecureString")
+        client = InfraiClient(
+            server.url,
+            "sk_old",
+            refresh_api_key=lambda: (
+                resolve_secrets(
+                    Settings(api_key_parameter=PARAMETER), database=False, force_fetch=True
+                ).infrai_api_key
+            ),
+        )
+        # When a call meets a 401, Then it succeeds with the key fetched again
+        assert client.ensure_queue(QUEUE) is True
+        # And a key that is still wrong after the refresh fails clearly, without looping
+        aws["ssm"].put_parameter(
+            Name=PARAMETER, Value="sk_wrong", Type="SecureString", Overwrite=True
+        )
+        wrong = InfraiClient(
+            server.url,
+            "sk_old",
+            refresh_api_key=lambda: "sk_wrong",
+        )
+        with pytest.raises(InfraiError) as caught:
+            wrong.stats(QUEUE)
+        assert caught.value.status == 401
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        yield h
+
+
+def test_no_secret_appears_in_the_output_of_a_whole_drain(
+    kit: Harness, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a drain whose database URL carries a password and whose client holds the key
+    password = "pw-Zz9-never-print"
+    api_key = "sk_live_never_print_7Q"
+    with_password = make_conninfo(kit.database_url, password=password)
+    kit.ledger = PostgresLedger(with_password)
+    kit.client = InfraiClient(kit.server.url, api_key)
+    for n in range(12):
+        kit.publish({"job": "test.db", "id": str(n), "mode": "transient" if n % 4 else "ok"})
+    kit.publish({"job": "nope"})
+    kit.faults(error_rate=0.2, seed=3, routes=["ack", "consume"])
+    # When it runs with logging at DEBUG everywhere
+    with caplog.at_level(logging.DEBUG):
+        summary = kit.drain()
+        kit.ledger.close()
+    # Then neither secret is in any log record, any printed line, or any repr
+    captured = capsys.readouterr()
+    everything = "\n".join(
+        [captured.out, captured.err, caplog.text, repr(kit.ledger), repr(kit.client)]
+        + [json.dumps(r.__dict__, default=str) for r in caplog.records]
+    )
+    assert summary.consumed >= 1
+    assert password not in everything
+    assert api_key not in everything

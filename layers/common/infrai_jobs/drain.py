@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -138,28 +138,57 @@ def drain(
     """Drain ``config.queue`` until it is empty, the budget is spent, or the ledger fails."""
     summary = DrainSummary()
     with ThreadPoolExecutor(max_workers=config.ack_concurrency, thread_name_prefix="ack") as pool:
-        while True:
-            if config.max_batches is not None and summary.batches >= config.max_batches:
-                summary.stopped = "max_batches"
-                break
-            remaining = time_left_ms()
-            if remaining < config.batch_budget_ms:
-                summary.stopped = "time_budget"
-                break
-            messages = queue.consume(config.queue, config.batch_size)
-            if not messages:
-                summary.stopped = "empty"
-                break
-            summary.batches += 1
-            deadline = clock() + remaining / 1000
-            results = process_batch(messages, ledger, registry, deadline, config)
-            _ack_settled(queue, config.queue, results, pool, summary)
-            _count(results, summary)
-            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
-                summary.stopped = "ledger_unavailable"
-                break
+        acks = _AckPipeline(queue, config.queue, pool, summary)
+        try:
+            _drain_batches(
+                queue,
+                ledger=ledger,
+                registry=registry,
+                config=config,
+                time_left_ms=time_left_ms,
+                clock=clock,
+                summary=summary,
+                acks=acks,
+            )
+        finally:
+            # Every ack sent is waited for before the invocation reports.
+            acks.wait_all()
     logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
     return summary
+
+
+def _drain_batches(
+    queue: QueuePort,
+    *,
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    config: DrainConfig,
+    time_left_ms: Callable[[], int],
+    clock: Callable[[], float],
+    summary: DrainSummary,
+    acks: _AckPipeline,
+) -> None:
+    while True:
+        if config.max_batches is not None and summary.batches >= config.max_batches:
+            summary.stopped = "max_batches"
+            return
+        remaining = time_left_ms()
+        if remaining < config.batch_budget_ms:
+            summary.stopped = "time_budget"
+            return
+        messages = queue.consume(config.queue, config.batch_size)
+        if not messages:
+            summary.stopped = "empty"
+            return
+        summary.batches += 1
+        deadline = clock() + remaining / 1000
+        results = process_batch(messages, ledger, registry, deadline, config)
+        _count(results, summary)
+        # The acks of this batch travel while the next batch is consumed and processed.
+        acks.send(results)
+        if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+            summary.stopped = "ledger_unavailable"
+            return
 
 
 def process_batch(
@@ -380,27 +409,56 @@ def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None 
     return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
 
 
-def _ack_settled(
-    queue: QueuePort,
-    queue_name: str,
-    results: Sequence[MessageResult],
-    pool: ThreadPoolExecutor,
-    summary: DrainSummary,
-) -> None:
-    to_ack = [r for r in results if r.ack]
-    futures = [(r, pool.submit(queue.ack, queue_name, r.message.receipt_handle)) for r in to_ack]
-    for result, future in futures:
-        try:
-            future.result()
-        except QueueMessageNotFound:
-            summary.ack_lost += 1
-            _log_ack(result, "ack_lost")
-        except InfraiError as exc:
-            # Harmless for correctness: the redelivery finds the claim settled and is acked then.
-            summary.ack_failed += 1
-            _log_ack(result, "ack_failed", str(exc))
-        else:
-            summary.acked += 1
+class _AckPipeline:
+    """Acks sent concurrently and collected later, so they overlap the next batch's work.
+
+    At most ``max_pending`` batches of acks are in flight; older ones are collected first.
+    """
+
+    def __init__(
+        self,
+        queue: QueuePort,
+        queue_name: str,
+        pool: ThreadPoolExecutor,
+        summary: DrainSummary,
+        max_pending: int = 2,
+    ) -> None:
+        self._queue = queue
+        self._queue_name = queue_name
+        self._pool = pool
+        self._summary = summary
+        self._max_pending = max_pending
+        self._pending: list[list[tuple[MessageResult, Future[None]]]] = []
+
+    def send(self, results: Sequence[MessageResult]) -> None:
+        batch = [
+            (r, self._pool.submit(self._queue.ack, self._queue_name, r.message.receipt_handle))
+            for r in results
+            if r.ack
+        ]
+        self._pending.append(batch)
+        while len(self._pending) > self._max_pending:
+            self._collect(self._pending.pop(0))
+
+    def wait_all(self) -> None:
+        while self._pending:
+            self._collect(self._pending.pop(0))
+
+    def _collect(self, batch: list[tuple[MessageResult, Future[None]]]) -> None:
+        summary = self._summary
+        for result, future in batch:
+            try:
+                future.result()
+            except QueueMessageNotFound:
+                summary.ack_lost += 1
+                _log_ack(result, "ack_lost")
+            except InfraiError as exc:
+                # Harmless for correctness: the redelivery finds the claim settled, and is
+                # acked then.
+                summary.ack_failed += 1
+                _log_ack(result, "ack_failed", str(exc))
+            else:
+                summary.acked += 1
 
 
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:

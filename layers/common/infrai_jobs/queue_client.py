@@ -80,7 +80,7 @@ class InfraiClient:
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
         retry_publish: bool = False,
-        pool_maxsize: int = 10,
+        pool_maxsize: int = 16,
         sleep: Callable[[float], None] = time.sleep,
         refresh_api_key: Callable[[], str] | None = None,
     ) -> None:

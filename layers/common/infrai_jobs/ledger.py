@@ -156,6 +156,8 @@ LEFT JOIN claimed c ON c.idem_key = i.idem_key
 LEFT JOIN job_claims j ON j.idem_key = i.idem_key
 """
 
+_BEGIN_AND_CLAIM: LiteralString = "BEGIN;\n" + _CLAIM
+
 # A claim that lost a race with a transaction committing the same key cannot see that row in
 # the claim statement's snapshot; this re-reads those few keys.
 _REREAD: LiteralString = """
@@ -174,6 +176,8 @@ FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::text[])
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
 RETURNING c.idem_key
 """
+
+_SETTLE_DONE_AND_COMMIT: LiteralString = _SETTLE_DONE + ";\nCOMMIT"
 
 _SETTLE_FAILED: LiteralString = """
 UPDATE job_claims AS c
@@ -213,6 +217,17 @@ SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error
        claimed_at, lease_until, updated_at, claim_token
 FROM job_claims WHERE idem_key = %(key)s
 """
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+
+
+class _IsolateJobs(Exception):
+    """A handler failed in the all-in-one attempt: run the batch again with savepoints."""
+
+
+def _aborted(conn: psycopg.Connection[Any]) -> bool:
+    return conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
 
 
 # --- The ledger --------------------------------------------------------------------------------
@@ -364,7 +379,11 @@ class PostgresLedger:
             )
 
     def _claim_on(
-        self, conn: psycopg.Connection[Any], requests: Sequence[ClaimRequest]
+        self,
+        conn: psycopg.Connection[Any],
+        requests: Sequence[ClaimRequest],
+        *,
+        begin: bool = False,
     ) -> list[ClaimDecision]:
         ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
         params = {
@@ -377,8 +396,17 @@ class PostgresLedger:
             "fingerprints": [r.fingerprint for r in ordered],
             "visibility": self._visibility,
         }
+        if begin:
+            # BEGIN and the claim in one message: the second result set is the claim's.
+            with psycopg.ClientCursor(conn, row_factory=dict_row) as client_cur:
+                client_cur.execute(_BEGIN_AND_CLAIM, params)
+                client_cur.nextset()
+                claimed = client_cur.fetchall()
+        else:
+            with conn.cursor(row_factory=dict_row) as cur:
+                claimed = cur.execute(_CLAIM, params).fetchall()
+        rows = {row["idem_key"]: row for row in claimed}
         with conn.cursor(row_factory=dict_row) as cur:
-            rows = {row["idem_key"]: row for row in cur.execute(_CLAIM, params).fetchall()}
             unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
             if unseen:
                 reread = cur.execute(_REREAD, {"keys": unseen, "visibility": self._visibility})
@@ -391,22 +419,79 @@ class PostgresLedger:
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction (a savepoint per job).
+        """Claim, run and settle database jobs in one transaction.
 
         Returns every claim decision and the settlements of the jobs that ran. Nothing is
         committed unless everything is, so a crash or a lost connection leaves no trace and the
         redeliveries simply run again.
+
+        The common case costs the ledger two round trips per batch: ``BEGIN`` travels with the
+        claim and ``COMMIT`` with the settle (one simple-protocol message each, parameters
+        bound client-side). If any handler fails, that attempt is rolled back whole and the
+        batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
         """
         if not requests:
             return [], []
-        with self._translated() as conn, conn.transaction():
-            decisions = self._claim_on(conn, requests)
+        with self._translated() as conn:
+            try:
+                return self._database_batch_in_one_go(conn, requests, runner)
+            except _IsolateJobs:
+                pass
+            with conn.transaction():
+                decisions = self._claim_on(conn, requests)
+                runs: list[tuple[ClaimRequest, JobRun]] = []
+                for decision in decisions:
+                    if decision.status is ClaimStatus.WON:
+                        run = self._run_in_savepoint(conn, decision, runner)
+                        runs.append((decision.request, run))
+                settlements = self._settle_on(conn, runs, uncertain_is_stuck=False)
+            return decisions, settlements
+
+    def _database_batch_in_one_go(
+        self,
+        conn: psycopg.Connection[Any],
+        requests: Sequence[ClaimRequest],
+        runner: DatabaseRunner,
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        try:
+            decisions = self._claim_on(conn, requests, begin=True)
             runs: list[tuple[ClaimRequest, JobRun]] = []
             for decision in decisions:
-                if decision.status is ClaimStatus.WON:
-                    runs.append((decision.request, self._run_in_savepoint(conn, decision, runner)))
-            settlements = self._settle_on(conn, runs, uncertain_is_stuck=False)
+                if decision.status is not ClaimStatus.WON:
+                    continue
+                run = runner(decision.request, conn)
+                if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
+                    raise _IsolateJobs
+                runs.append((decision.request, run))
+            settlements = self._settle_and_commit(conn, runs)
+        except BaseException:
+            if not conn.broken and conn.info.transaction_status != _IDLE:
+                conn.execute("ROLLBACK")
+            raise
         return decisions, settlements
+
+    def _settle_and_commit(
+        self, conn: psycopg.Connection[Any], runs: Sequence[tuple[ClaimRequest, JobRun]]
+    ) -> list[Settlement]:
+        if not runs:
+            conn.execute("COMMIT")
+            return []
+        params = {
+            "keys": [r.idem_key for r, _ in runs],
+            "tokens": [r.claim_token for r, _ in runs],
+            "results": [json.dumps(run.result, allow_nan=False) for _, run in runs],
+        }
+        with psycopg.ClientCursor(conn) as cur:
+            cur.execute(_SETTLE_DONE_AND_COMMIT, params)
+            settled = {row[0] for row in cur.fetchall()}
+        return [
+            Settlement(
+                request,
+                SettleStatus.DONE if request.idem_key in settled else SettleStatus.LOST,
+                run,
+            )
+            for request, run in runs
+        ]
 
     @staticmethod
     def _run_in_savepoint(
@@ -414,8 +499,7 @@ class PostgresLedger:
     ) -> JobRun:
         with conn.transaction() as savepoint:
             run = runner(decision.request, conn)
-            aborted = conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
-            if run.kind is RunKind.SUCCEEDED and aborted:
+            if run.kind is RunKind.SUCCEEDED and _aborted(conn):
                 # The handler swallowed a database error: its work cannot be committed.
                 run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
             if run.kind is not RunKind.SUCCEEDED:

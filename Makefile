@@ -40,6 +40,22 @@ test-e2e: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
 
+# The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory and
+# cold start; results in bench/results/ and docs/performance.md. BENCH_ARGS="--jobs 500 --rounds 1
+# --lanes 1,2 --rss-jobs 0" is a one-minute smoke run.
+.PHONY: bench
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+
+# The chaos soak at full size (make test runs it at 2,000 jobs): faults, SIGKILLs, connection
+# terminations and a PostgreSQL restart; rewrites the figures in docs/reliability.md.
+.PHONY: soak
+SOAK_JOBS ?= 20000
+soak: $(STAMP)
+	SOAK_JOBS=$(SOAK_JOBS) SOAK_DOCS=docs/reliability.md $(BIN)/pytest tests/chaos -m chaos -s -p no:cacheprovider
+
 # --- SAM: build and validate the function bundle -------------------------------------------
 # aws-sam-cli pins its own boto3 and click, so it lives in its own virtualenv, never in .venv.
 SAM_CLI_VERSION := 1.170.0

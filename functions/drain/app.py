@@ -26,5 +26,7 @@ def service() -> DrainService:
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     drain = service()
     summary = drain.run(context.get_remaining_time_in_millis)
-    record_drain(metrics, drain.settings.queue, summary)
+    record_drain(
+        metrics, drain.settings.queue, summary, second_layer_hits=drain.take_second_layer_hits()
+    )
     return summary.as_dict()

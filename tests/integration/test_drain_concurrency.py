@@ -75,3 +75,37 @@ def test_three_concurrent_drains_apply_every_effect_once(database_url: str) -> N
 def _assert_database_effects_once(kit: Harness, numbers: list[int]) -> None:
     rows = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
     assert rows == {f"test.db:j{n}": 1 for n in numbers}
+
+
+def test_drain_lanes_share_one_invocation_and_still_run_every_job_once(
+    database_url: str,
+) -> None:
+    from infrai_jobs.drain_service import DrainService  # noqa: PLC0415
+    from infrai_jobs.settings import Settings  # noqa: PLC0415
+
+    with harness(database_url) as kit:
+        # Given 300 database jobs, a third of them published twice
+        for n in range(300):
+            kit.publish({"job": "test.db", "id": f"l{n}"}, times=2 if n % 3 == 0 else 1)
+        service = DrainService(
+            settings=Settings(queue=QUEUE, drain_lanes=3),
+            queue=kit.client,
+            ledger=PostgresLedger(database_url),
+            registry=kit.registry,
+            make_lane_ledger=lambda: PostgresLedger(database_url),
+        )
+        # When one invocation drains with three lanes
+        summary = service.run(lambda: 120_000)
+        service.close()
+        # Then the lanes' summaries add up, and every effect happened once
+        assert summary.consumed == 400
+        assert summary.acked == 400
+        assert summary.done == 300
+        assert summary.stopped == "empty"
+        assert len(service.extra_ledgers) == 2
+        _assert_database_effects_once_prefixed(kit, "l", 300)
+
+
+def _assert_database_effects_once_prefixed(kit: Harness, prefix: str, count: int) -> None:
+    rows = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
+    assert rows == {f"test.db:{prefix}{n}": 1 for n in range(count)}

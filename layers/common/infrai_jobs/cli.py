@@ -31,7 +31,7 @@ from infrai_jobs.errors import (
     InfraiJobsError,
     LedgerUnavailable,
 )
-from infrai_jobs.factory import make_queue_client
+from infrai_jobs.factory import make_effect_guard, make_queue_client
 from infrai_jobs.keys import derive_key
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.queue_client import InfraiClient
@@ -232,7 +232,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         service = DrainService.from_settings(
             settings, lambda provider_url: _load_registry(args.jobs_path, provider_url)
         )
-        stack.callback(service.ledger.close)
+        stack.callback(service.close)
         deadline = time.monotonic() + args.time_budget_seconds
         summary = service.run(
             lambda: int((deadline - time.monotonic()) * 1000), max_batches=args.max_batches
@@ -266,8 +266,14 @@ def _cmd_ops(args: argparse.Namespace) -> int:
                 queue_name=settings.queue,
                 dlq_name=settings.dlq,
                 key_of=_key_function(),
+                forget=_second_layer_forget(settings),
             ),
         )
+
+
+def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:
+    guard = make_effect_guard(settings)
+    return guard.forget if guard is not None else None
 
 
 def _key_function() -> Callable[[object], str]:

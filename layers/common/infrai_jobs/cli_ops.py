@@ -168,6 +168,8 @@ class OpsContext:
     dlq_name: str
     key_of: KeyOf = derive_key
     out: TextIO = field(default_factory=lambda: sys.stdout)
+    # Drops a key's second-layer record (IDEMPOTENCY_BACKEND on), so a release really retries.
+    forget: Callable[[str], None] | None = None
 
 
 def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
@@ -180,7 +182,7 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
             return _redrive(args, ctx)
         if command == "cost":
             return _cost(args, ctx.queue(), ctx.out)
-        return _claims(args, ctx.admin(), ctx.out)
+        return _claims(args, ctx.admin(), ctx.out, ctx.forget)
     except ClaimNotFound as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFLICT
@@ -324,7 +326,12 @@ def _cost(args: argparse.Namespace, queue: QueuePort, out: TextIO) -> int:
 CLAIM_COLUMNS = ["idem_key", "state", "job", "effect", "attempts", "claimed_at", "error"]
 
 
-def _claims(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+def _claims(
+    args: argparse.Namespace,
+    admin: ClaimsAdmin,
+    out: TextIO,
+    forget: Callable[[str], None] | None = None,
+) -> int:
     command = args.ops_command
     if command == "claims_list":
         rows = admin.list_claims(
@@ -358,6 +365,9 @@ def _claims(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
         return _changed_out(changed, "resolved", args.json, out)
     if command == "claims_release":
         released = admin.release(args.key, expected_token=args.token, note=args.note)
+        if forget is not None:
+            # Without this, a stored "uncertain" in the second layer would park the retry again.
+            forget(args.key)
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
         days = max(1, args.older_than // 86400)

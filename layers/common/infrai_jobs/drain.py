@@ -111,6 +111,33 @@ class DrainSummary:
         }
 
 
+def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
+    """One summary for several lanes of the same invocation."""
+    merged = DrainSummary()
+    for summary in summaries:
+        for name in (
+            "consumed",
+            "done",
+            "duplicates",
+            "failed",
+            "parked",
+            "acked",
+            "ack_lost",
+            "ack_failed",
+            "batches",
+            "takeovers",
+        ):
+            setattr(merged, name, getattr(merged, name) + getattr(summary, name))
+        merged.outcomes.update(summary.outcomes)
+    reasons = {s.stopped for s in summaries}
+    # The most alarming reason wins: an outage must not hide behind a lane that found no work.
+    for reason in ("ledger_unavailable", "time_budget", "max_batches", "empty"):
+        if reason in reasons:
+            merged.stopped = reason
+            break
+    return merged
+
+
 @dataclass(frozen=True, slots=True)
 class MessageResult:
     message: QueueMessage

@@ -7,16 +7,21 @@ invocations, and the connection is re-established when the server has closed it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.drain import DrainConfig, DrainSummary, drain, merge_summaries
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.factory import make_ledger, make_queue_client
+from infrai_jobs.factory import make_effect_guard, make_ledger, make_queue_client
 from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
+
+if TYPE_CHECKING:
+    from infrai_jobs.second_layer import SecondLayer
 
 RegistryFactory = Callable[[str], JobRegistry]
 
@@ -27,16 +32,42 @@ class DrainService:
     queue: QueuePort
     ledger: PostgresLedger
     registry: JobRegistry
+    # The optional second layer (IDEMPOTENCY_BACKEND); None when off.
+    effect_guard: SecondLayer | None = None
+
+    # Lanes beyond the first get their own connections, opened on first use.
+    extra_ledgers: list[PostgresLedger] = field(default_factory=list)
+    make_lane_ledger: Callable[[], PostgresLedger] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, build_registry: RegistryFactory) -> DrainService:
         resolved = resolve_secrets(settings)
+
+        def refresh_url() -> str:
+            return resolve_secrets(settings, api_key=False, force_fetch=True).database_url
+
+        def refresh_key() -> str:
+            return resolve_secrets(settings, database=False, force_fetch=True).infrai_api_key
+
+        # Only secrets fetched by name can rotate under us; plain env values are what they are.
+        url_hook = (
+            refresh_url if not settings.database_url and settings.database_secret_arn else None
+        )
+        key_hook = (
+            refresh_key if not settings.infrai_api_key and settings.api_key_parameter else None
+        )
         return cls(
             settings=resolved,
-            queue=make_queue_client(resolved),
-            ledger=make_ledger(resolved),
+            queue=make_queue_client(resolved, refresh_api_key=key_hook),
+            ledger=make_ledger(resolved, refresh_url=url_hook),
             registry=build_registry(resolved.provider_url),
+            effect_guard=make_effect_guard(resolved),
+            make_lane_ledger=lambda: make_ledger(resolved, refresh_url=url_hook),
         )
+
+    def close(self) -> None:
+        for ledger in (self.ledger, *self.extra_ledgers):
+            ledger.close()
 
     def config(self, max_batches: int | None = None) -> DrainConfig:
         return DrainConfig(
@@ -44,16 +75,57 @@ class DrainService:
             batch_budget_ms=self.settings.batch_budget_ms,
             lease_grace_seconds=self.settings.lease_grace_seconds,
             max_batches=max_batches,
+            effect_guard=self.effect_guard,
         )
 
     def run(self, time_left_ms: Callable[[], int], max_batches: int | None = None) -> DrainSummary:
         """Drain once. A ledger outage is raised after what settled was acked, so the
         function's Errors alarm fires instead of the invocation looking healthy."""
-        summary = drain(
-            self.queue, self.ledger, self.registry, self.config(max_batches), time_left_ms
-        )
+        if self.effect_guard is not None:
+            # Every run: an in-progress record of a crashed call then expires with this
+            # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
+            self.effect_guard.register_lambda_context(_TimeLeft(time_left_ms))
+        lanes = max(1, self.settings.drain_lanes)
+        config = self.config(max_batches)
+        if lanes == 1:
+            summary = drain(self.queue, self.ledger, self.registry, config, time_left_ms)
+        else:
+            summary = self._run_lanes(lanes, config, time_left_ms)
         if summary.stopped == "ledger_unavailable":
             raise LedgerUnavailable(
                 f"the ledger database failed mid-drain; summary so far: {summary.as_dict()}"
             )
         return summary
+
+    def _run_lanes(
+        self, lanes: int, config: DrainConfig, time_left_ms: Callable[[], int]
+    ) -> DrainSummary:
+        """Several drain loops at once on one queue: the claims keep them from overlapping.
+
+        Each lane has its own database connection; the HTTP pool is shared (thread-safe).
+        """
+        while len(self.extra_ledgers) < lanes - 1:
+            if self.make_lane_ledger is None:
+                raise LedgerUnavailable("DRAIN_LANES > 1 needs a ledger factory")
+            self.extra_ledgers.append(self.make_lane_ledger())
+        ledgers = [self.ledger, *self.extra_ledgers[: lanes - 1]]
+        with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
+            futures = [
+                pool.submit(drain, self.queue, ledger, self.registry, config, time_left_ms)
+                for ledger in ledgers
+            ]
+            return merge_summaries([future.result() for future in futures])
+
+    def take_second_layer_hits(self) -> int:
+        """Effects the second layer replayed instead of repeating, since the last call."""
+        return self.effect_guard.take_hits() if self.effect_guard is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class _TimeLeft:
+    """The drain's time budget in the shape Powertools reads from a Lambda context."""
+
+    time_left_ms: Callable[[], int]
+
+    def get_remaining_time_in_millis(self) -> int:
+        return self.time_left_ms()

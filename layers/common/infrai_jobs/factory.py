@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from infrai_jobs.alerting import (
     AlertCheck,
@@ -15,17 +17,25 @@ from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.settings import Settings
 
+if TYPE_CHECKING:
+    from infrai_jobs.second_layer import SecondLayer
 
-def make_queue_client(settings: Settings) -> InfraiClient:
+
+def make_queue_client(
+    settings: Settings, *, refresh_api_key: Callable[[], str] | None = None
+) -> InfraiClient:
     return InfraiClient(
         settings.require_base_url(),
         settings.require_api_key(),
         retry_publish=settings.publish_retries,
+        refresh_api_key=refresh_api_key,
     )
 
 
-def make_ledger(settings: Settings) -> PostgresLedger:
-    return PostgresLedger(settings.require_database_url())
+def make_ledger(
+    settings: Settings, *, refresh_url: Callable[[], str] | None = None
+) -> PostgresLedger:
+    return PostgresLedger(settings.require_database_url(), refresh_url=refresh_url)
 
 
 def make_alerter(settings: Settings) -> Alerter:
@@ -48,4 +58,20 @@ def make_alert_check(settings: Settings, alerter: Alerter | None = None) -> Aler
             backlog_age_seconds=settings.backlog_age_seconds,
             reminder_seconds=settings.alert_reminder_seconds,
         ),
+    )
+
+
+def make_effect_guard(settings: Settings) -> SecondLayer | None:
+    """The second layer around external effects, or None when IDEMPOTENCY_BACKEND=off."""
+    if settings.idempotency_backend == "off":
+        return None
+    # Imported here: the second layer pulls in boto3 (and redis), which off never needs.
+    from infrai_jobs import second_layer  # noqa: PLC0415
+
+    if settings.idempotency_backend == "dynamodb":
+        store = second_layer.dynamodb_store(settings.idempotency_table)
+    else:
+        store = second_layer.redis_store(settings.redis_url)
+    return second_layer.SecondLayer(
+        store, expires_after_seconds=second_layer.record_expiry_seconds(settings.retention_days)
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from infrai_jobs.errors import ConfigurationError
 
@@ -16,6 +17,14 @@ DEFAULT_BASE_URL = "https://api.infrai.cc"
 DEFAULT_QUEUE = "billing-jobs"
 # Infrai's visibility timeout on a new queue; a drain invocation must finish inside it.
 QUEUE_VISIBILITY_TIMEOUT_SECONDS = 300
+MAX_DRAIN_LANES = 16
+
+IdempotencyBackend = Literal["off", "dynamodb", "redis"]
+_IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
+    "off": "off",
+    "dynamodb": "dynamodb",
+    "redis": "redis",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +44,8 @@ class Settings:
     batch_budget_ms: int = 20_000
     # How long an external claim's lease outlives the invocation that took it, in seconds.
     lease_grace_seconds: int = 60
+    # Concurrent drain loops in one invocation, each with its own database connection.
+    drain_lanes: int = 1
     retention_days: int = 30
     publish_retries: bool = False
     # Alerting (DlqAlertFunction).
@@ -43,6 +54,11 @@ class Settings:
     stuck_claim_seconds: int = 900
     backlog_age_seconds: int = 900
     alert_reminder_seconds: int = 3600
+    # The optional second layer (infrai_jobs.second_layer): off, dynamodb or redis.
+    idempotency_backend: IdempotencyBackend = "off"
+    idempotency_table: str = ""
+    # May carry a password locally; the template only passes URLs without credentials.
+    redis_url: str = field(default="", repr=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -59,6 +75,7 @@ class Settings:
             provider_url=env.get("PROVIDER_URL", "").strip(),
             batch_budget_ms=_int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
             lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
+            drain_lanes=_int(env, "DRAIN_LANES", 1, minimum=1),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
             publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
             watched_queues=_names(env.get("WATCHED_QUEUES", "")) or (queue,),
@@ -66,9 +83,18 @@ class Settings:
             stuck_claim_seconds=_int(env, "STUCK_CLAIM_SECONDS", 900, minimum=1),
             backlog_age_seconds=_int(env, "BACKLOG_AGE_SECONDS", 900, minimum=1),
             alert_reminder_seconds=_int(env, "ALERT_REMINDER_SECONDS", 3600, minimum=60),
+            idempotency_backend=_backend(env),
+            idempotency_table=env.get("IDEMPOTENCY_TABLE", "").strip(),
+            redis_url=env.get("REDIS_URL", "").strip(),
         )
+        _check_second_layer(settings)
         if not settings.queue:
             raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
+        if settings.drain_lanes > MAX_DRAIN_LANES:
+            raise ConfigurationError(
+                f"DRAIN_LANES={settings.drain_lanes} is above {MAX_DRAIN_LANES}; add concurrent "
+                "invocations instead (overlapping schedules are safe)"
+            )
         if settings.dlq == settings.queue:
             raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
         return settings
@@ -95,6 +121,34 @@ class Settings:
                 "postgresql://user@127.0.0.1:5432/jobs"
             )
         return self.database_url
+
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _backend(env: Mapping[str, str]) -> IdempotencyBackend:
+    raw = env.get("IDEMPOTENCY_BACKEND", "").strip().lower() or "off"
+    if raw not in _IDEMPOTENCY_BACKENDS:
+        raise ConfigurationError(
+            f"IDEMPOTENCY_BACKEND={raw!r} is not one of {', '.join(_IDEMPOTENCY_BACKENDS)}"
+        )
+    return _IDEMPOTENCY_BACKENDS[raw]
+
+
+def _check_second_layer(settings: Settings) -> None:
+    backend = settings.idempotency_backend
+    if backend == "dynamodb" and not settings.idempotency_table:
+        raise ConfigurationError(
+            "IDEMPOTENCY_BACKEND=dynamodb needs IDEMPOTENCY_TABLE, the name of the table the "
+            "template creates (stack output IdempotencyTableName)"
+        )
+    if backend == "redis" and not settings.redis_url:
+        raise ConfigurationError(
+            "IDEMPOTENCY_BACKEND=redis needs REDIS_URL, e.g. rediss://my-cache.example:6379/0"
+        )
+    if backend == "redis" and not settings.redis_url.startswith(_REDIS_SCHEMES):
+        # The URL may hold a password: name the setting, never echo the value.
+        raise ConfigurationError("REDIS_URL must start with redis://, rediss:// or unix://")
 
 
 def _names(raw: str) -> tuple[str, ...]:

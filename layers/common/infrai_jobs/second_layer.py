@@ -1,0 +1,344 @@
+"""The optional second layer: Powertools idempotency around the effect of external jobs.
+
+The Postgres ledger decides every outcome; this layer only runs after the ledger claim was won,
+and only answers one question: "did this key's effect already happen?". It exists for the case
+the ledger cannot see: its row is gone (a restore from an older backup, a prune that came too
+early, a hand-deleted row) while the message, or a producer's retry, is delivered again. Without
+it, that delivery would find no claim and repeat an irreversible effect.
+
+What it does, per guarded call (``SecondLayer.run``), keyed by ``key_prefix#sha256(idem_key)``
+and validated against the work's fingerprint:
+
+===========================================  =================================================
+the effect call                              what the store keeps / what the drain sees
+===========================================  =================================================
+returned a result                            COMPLETED with the result / the result
+raised ``EffectUncertain``                   COMPLETED with "uncertain" / ``EffectUncertain``
+raised anything else (transient, permanent)  nothing (Powertools deletes it) / that exception
+-- a later call for the same key --
+record COMPLETED with a result               effect not called; the stored result (a *hit*)
+record COMPLETED with "uncertain"            effect not called; ``EffectUncertain`` (a *hit*)
+record COMPLETED, different fingerprint      effect not called; ``PermanentJobError``
+record INPROGRESS (another call is inside)   effect not called; ``EffectInProgress`` (transient)
+store unreachable before the call            effect not called; ``SecondLayerUnavailable``
+store failed after the call returned         the call's own outcome (logged, not recorded)
+===========================================  =================================================
+
+Why "uncertain" is stored as COMPLETED: Powertools deletes its record whenever the wrapped call
+raises, so a raised ``EffectUncertain`` would leave the key free and a later delivery (after the
+ledger row was lost) would repeat the effect. The wrapped call therefore returns an envelope that
+says "uncertain", and the guard raises ``EffectUncertain`` again outside, fresh or replayed: a
+stuck irreversible job stays stuck. When an operator has checked and wants the job retried, the
+record must be dropped with ``SecondLayer.forget`` besides releasing the ledger claim.
+
+Why a different fingerprint is permanent: the ledger lost the row that would have reported the
+conflict, and retrying cannot make two different pieces of work share one key. ``failed`` keeps
+the reason in the ledger and the message goes to the DLQ for a human, like a ledger conflict.
+
+The in-progress record expires with the invocation (``register_lambda_context``), so a crashed
+call blocks its key only until the deadline; the ledger's running claim is what keeps a crashed
+irreversible job from being retried. Records expire one day after the ledger's retention, so the
+second layer outlives every ledger row it backs up (the prune runs daily).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+# Importing this module imports boto3 (Powertools' idempotency package does); only
+# ``factory.make_effect_guard`` imports it, and only when a backend is on.
+from aws_lambda_powertools.utilities.idempotency import (
+    DynamoDBPersistenceLayer,
+    IdempotencyConfig,
+    idempotent_function,
+)
+from aws_lambda_powertools.utilities.idempotency.exceptions import (
+    BaseError as IdempotencyError,
+)
+from aws_lambda_powertools.utilities.idempotency.exceptions import (
+    IdempotencyAlreadyInProgressError,
+    IdempotencyValidationError,
+)
+
+from infrai_jobs.errors import EffectUncertain, InfraiJobsError, PermanentJobError
+
+if TYPE_CHECKING:
+    from aws_lambda_powertools.utilities.idempotency.persistence.base import (
+        BasePersistenceLayer,
+    )
+    from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
+        CacheClientProtocol,
+    )
+    from aws_lambda_powertools.utilities.idempotency.persistence.datarecord import DataRecord
+    from aws_lambda_powertools.utilities.typing import LambdaContext
+
+logger = logging.getLogger(__name__)
+
+# Fixed, so records keep matching after the function is renamed, moved or redeployed under
+# another stack name (Powertools' default prefix is the function's name and module).
+KEY_PREFIX = "infrai-jobs"
+SECONDS_PER_DAY = 86_400
+# Seconds Redis may take to connect or answer before the call fails as transient.
+REDIS_TIMEOUT_SECONDS = 2.0
+
+_DONE = "done"
+_UNCERTAIN = "uncertain"
+
+
+class EffectInProgress(InfraiJobsError):
+    """Another call for the same key is inside its effect right now. Transient: the drain
+    releases the claim and the redelivery asks again once that call has finished."""
+
+
+class SecondLayerUnavailable(InfraiJobsError):
+    """The idempotency store failed before the effect ran. Transient: nothing happened."""
+
+
+class RemainingTime(Protocol):
+    """The one thing Powertools reads from a Lambda context."""
+
+    def get_remaining_time_in_millis(self) -> int: ...
+
+
+def record_expiry_seconds(retention_days: int) -> int:
+    """How long a record lives: the ledger's retention plus the day the daily prune may lag."""
+    return (retention_days + 1) * SECONDS_PER_DAY
+
+
+@dataclass
+class _Attempt:
+    """What happened inside one guarded call, seen from outside Powertools."""
+
+    call: Callable[[], Any]
+    entered: bool = False
+    envelope: dict[str, Any] | None = None
+    uncertain: EffectUncertain | None = None
+    raised: Exception | None = None
+
+
+def _run_effect(*, work: dict[str, str], attempt: _Attempt) -> dict[str, Any]:
+    """The function Powertools wraps; ``work`` is what it hashes (key) and validates."""
+    attempt.entered = True
+    try:
+        result = attempt.call()
+    except EffectUncertain as exc:
+        # Returned, not raised: a raise would make Powertools delete the record (see above).
+        attempt.uncertain = exc
+        attempt.envelope = {"effect": _UNCERTAIN, "error": str(exc)}
+    except Exception as exc:
+        # Recorded and re-raised unchanged, so the handler's own failure still decides the
+        # outcome when Powertools then fails to delete its record.
+        attempt.raised = exc
+        raise
+    else:
+        # An envelope rather than the bare result: Powertools replays an empty result as None,
+        # and no handler result can be mistaken for the "uncertain" marker.
+        attempt.envelope = {"effect": _DONE, "result": result}
+    return attempt.envelope
+
+
+class SecondLayer:
+    """An ``EffectGuard`` backed by a Powertools persistence layer (DynamoDB or Redis)."""
+
+    def __init__(
+        self,
+        store: BasePersistenceLayer,
+        *,
+        expires_after_seconds: int,
+        key_prefix: str = KEY_PREFIX,
+    ) -> None:
+        self._store = store
+        self._key_prefix = key_prefix
+        self._config = IdempotencyConfig(
+            event_key_jmespath="idem_key",
+            payload_validation_jmespath="fingerprint",
+            raise_on_no_idempotency_key=True,
+            expires_after_seconds=expires_after_seconds,
+            # Keys of jobs without a natural identity come from producer-controlled payloads;
+            # MD5 (the default) collisions can be manufactured, SHA-256 ones cannot.
+            hash_function="sha256",
+        )
+        # Any: a replayed answer is whatever JSON the store holds.
+        self._guarded: Callable[..., Any] = idempotent_function(
+            _run_effect,
+            data_keyword_argument="work",
+            persistence_store=store,
+            config=self._config,
+            key_prefix=key_prefix,
+        )
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._hits_taken = 0
+
+    def register_lambda_context(self, context: RemainingTime) -> None:
+        """Let in-progress records expire with this invocation; call at every invocation."""
+        # Powertools reads only get_remaining_time_in_millis from it.
+        self._config.register_lambda_context(cast("LambdaContext", context))
+
+    @property
+    def hits(self) -> int:
+        """Calls answered from the store without running the effect, since start."""
+        with self._lock:
+            return self._hits
+
+    def take_hits(self) -> int:
+        """Hits since the last call: what one invocation adds to ``SecondLayerHits``."""
+        with self._lock:
+            fresh = self._hits - self._hits_taken
+            self._hits_taken = self._hits
+            return fresh
+
+    def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any:
+        attempt = _Attempt(call)
+        work = {"idem_key": idem_key, "fingerprint": fingerprint}
+        try:
+            envelope = self._guarded(work=work, attempt=attempt)
+        except IdempotencyError as exc:
+            envelope = self._settle_store_error(exc, attempt, idem_key)
+        if not attempt.entered:
+            self._count_hit(idem_key, envelope)
+        return _unwrap(envelope, attempt, idem_key)
+
+    def forget(self, idem_key: str) -> None:
+        """Drop the record of a key, so its next claim runs the effect again.
+
+        For an operator who checked a stuck job and releases its ledger claim for a retry:
+        without this, the stored "uncertain" would park the retry again.
+        """
+        self._store.configure(self._config, key_prefix=self._key_prefix)
+        forgotten = InfraiJobsError(f"released by an operator: {idem_key}")
+        try:
+            self._store.delete_record({"idem_key": idem_key, "fingerprint": ""}, forgotten)
+        except Exception as exc:
+            # Called directly, Powertools passes the driver's own errors (botocore, redis) up.
+            message = f"second layer: could not forget {idem_key}: {exc}"
+            raise SecondLayerUnavailable(message) from exc
+        logger.info(
+            "second layer record forgotten",
+            extra={"action": "second_layer_forgotten", "idem_key": idem_key},
+        )
+
+    def _settle_store_error(
+        self, exc: IdempotencyError, attempt: _Attempt, idem_key: str
+    ) -> dict[str, Any]:
+        """Turn a Powertools error into the envelope or exception the drain must see."""
+        if attempt.raised is not None:
+            # The handler failed and the store then failed to delete its record: the handler's
+            # failure is the truth; the in-progress record expires with the invocation.
+            logger.warning(
+                "second layer could not clear its record",
+                extra={"action": "second_layer_store_failed", "idem_key": idem_key},
+            )
+            raise attempt.raised from exc
+        if attempt.envelope is not None:
+            # The effect happened; only recording it failed. Never turn that into a retry.
+            logger.warning(
+                "second layer could not record a finished effect: %s",
+                exc,
+                extra={"action": "second_layer_store_failed", "idem_key": idem_key},
+            )
+            return attempt.envelope
+        if isinstance(exc, IdempotencyValidationError):
+            raise PermanentJobError(
+                f"second layer: same key, different work: {idem_key} was recorded with "
+                "another payload fingerprint (its ledger row is gone)"
+            ) from exc
+        if isinstance(exc, IdempotencyAlreadyInProgressError):
+            raise EffectInProgress(
+                f"second layer: another call for {idem_key} is running its effect now"
+            ) from exc
+        raise SecondLayerUnavailable(f"second layer: idempotency store failed: {exc}") from exc
+
+    def _count_hit(self, idem_key: str, envelope: Any) -> None:
+        with self._lock:
+            self._hits += 1
+        logger.info(
+            "second layer replayed a recorded effect; the effect was not repeated",
+            extra={
+                "action": "second_layer_hit",
+                "idem_key": idem_key,
+                "replayed": envelope.get("effect") if isinstance(envelope, dict) else None,
+            },
+        )
+
+
+def _unwrap(envelope: Any, attempt: _Attempt, idem_key: str) -> Any:
+    if isinstance(envelope, dict) and envelope.get("effect") == _DONE:
+        return envelope.get("result")
+    if isinstance(envelope, dict) and envelope.get("effect") == _UNCERTAIN:
+        if attempt.uncertain is not None:
+            raise attempt.uncertain
+        raise EffectUncertain(
+            f"{envelope.get('error')} (replayed by the second layer: the first call's outcome "
+            "was uncertain, so the effect is not repeated)"
+        )
+    # A completed record this code cannot read: something ran, so it must not run again.
+    raise EffectUncertain(f"second layer: unreadable record for {idem_key}: {envelope!r}")
+
+
+# --- Stores -----------------------------------------------------------------------------------
+
+
+def dynamodb_store(table_name: str, *, client: Any = None) -> BasePersistenceLayer:
+    """The table the template creates: partition key ``id``, TTL on ``expiration``."""
+    return DynamoDBPersistenceLayer(table_name=table_name, boto3_client=client)
+
+
+def redis_store(
+    url: str = "", *, client: CacheClientProtocol | None = None
+) -> BasePersistenceLayer:
+    """A Redis/Valkey store from a ``redis://`` or ``rediss://`` URL, or a ready client."""
+    # Both import redis, which only this backend needs.
+    from aws_lambda_powertools.utilities.idempotency.persistence.cache import (  # noqa: PLC0415
+        CachePersistenceLayer,
+    )
+
+    if client is None:
+        import redis  # noqa: PLC0415
+
+        # Our own client rather than Powertools' URL option, to bound how long a dead server
+        # can hold the drain.
+        client = cast(
+            "CacheClientProtocol",
+            redis.Redis.from_url(
+                url,
+                socket_timeout=REDIS_TIMEOUT_SECONDS,
+                socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+            ),
+        )
+
+    with warnings.catch_warnings():
+        # Powertools marks the class behind its own recommended ``CachePersistenceLayer`` alias
+        # as deprecated, so using (and subclassing) the recommended name warns.
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        class ValidatingCachePersistenceLayer(CachePersistenceLayer):
+            """Keeps the payload hash when a record completes.
+
+            Powertools 3.37's cache layer rewrites a completed record without its ``validation``
+            field, so with payload validation on, every replay fails validation (the TypeScript
+            port fixed the same bug upstream). This overrides ``_update_record``, one of the four
+            methods of the persistence seam, to write the field the DynamoDB layer keeps.
+            """
+
+            def _update_record(self, data_record: DataRecord) -> None:
+                mapping: dict[str, Any] = {
+                    self.data_attr: data_record.response_data,
+                    self.status_attr: data_record.status,
+                    self.expiry_attr: data_record.expiry_timestamp,
+                }
+                if self.payload_validation_enabled:
+                    mapping[self.validation_key_attr] = data_record.payload_hash
+                self.client.set(
+                    name=data_record.idempotency_key,
+                    value=json.dumps(mapping),
+                    ex=self._get_expiry_second(data_record.expiry_timestamp),
+                )
+
+        return cast("BasePersistenceLayer", ValidatingCachePersistenceLayer(client=client))

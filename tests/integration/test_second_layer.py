@@ -1,0 +1,537 @@
+"""The second layer (Powertools idempotency) behind the ledger, through whole drains.
+
+Real PostgreSQL and the emulator over HTTP (drainkit), with the store either DynamoDB (moto's
+``mock_aws``, the table created as the template declares it) or a real Redis: ``REDIS_URL`` when
+set, else a ``redis-server`` started here on a free loopback port; with neither, the tests fail
+and say so. Every Redis key these tests write carries a prefix of their own, and only those keys
+are deleted afterwards: a shared Redis is never flushed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import redis
+from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
+from drainkit import QUEUE, Harness, harness
+from moto import mock_aws
+
+from infrai_jobs.drain import DrainConfig, drain
+from infrai_jobs.drain_service import DrainService
+from infrai_jobs.errors import ConfigurationError, EffectUncertain
+from infrai_jobs.factory import make_effect_guard
+from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.second_layer import (
+    KEY_PREFIX,
+    SecondLayer,
+    dynamodb_store,
+    record_expiry_seconds,
+    redis_store,
+)
+from infrai_jobs.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
+RECEIPT_KEY = "receipt.send:inv_1"
+TABLE = "infrai-jobs-idempotency-test"
+# What Lambda would report as the time left; in-progress records expire after it.
+INVOCATION_MS = 120_000
+EXPIRY = record_expiry_seconds(30)
+
+
+class FakeLambdaContext:
+    def get_remaining_time_in_millis(self) -> int:
+        return INVOCATION_MS
+
+
+# --- Stores -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """One second-layer store; every round trip to it is appended to ``calls``."""
+
+    name: str
+    guard: SecondLayer
+    calls: list[str] = field(default_factory=list)
+
+
+def fake_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
+def create_table_as_the_template_does(client: Any, name: str) -> None:
+    template = cfn_yaml.load(str(ROOT / "template.yaml"))
+    props = json.loads(json.dumps(template["Resources"]["IdempotencyTable"]["Properties"]))
+    client.create_table(
+        TableName=name,
+        BillingMode=props["BillingMode"],
+        AttributeDefinitions=props["AttributeDefinitions"],
+        KeySchema=props["KeySchema"],
+    )
+    client.update_time_to_live(
+        TableName=name, TimeToLiveSpecification=props["TimeToLiveSpecification"]
+    )
+
+
+class CountingRedis:
+    """A Redis client that records each command Powertools sends (it uses only these three)."""
+
+    def __init__(self, client: redis.Redis, calls: list[str]) -> None:
+        self.client = client
+        self.calls = calls
+
+    def get(self, name: str) -> Any:
+        self.calls.append("GET")
+        return self.client.get(name)
+
+    def set(self, name: str, value: str, ex: int | None = None, nx: bool = False) -> Any:
+        self.calls.append("SET NX" if nx else "SET")
+        return self.client.set(name, value, ex=ex, nx=nx)
+
+    def delete(self, *names: str) -> Any:
+        self.calls.append("DEL")
+        return self.client.delete(*names)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_for_redis(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 10
+    client = redis.Redis.from_url(url)
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """``REDIS_URL`` when set (CI's server), else a throwaway redis-server; never skipped."""
+
+    def say(line: str) -> None:
+        # Past pytest's capture, so the run's output says which Redis the tests used.
+        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+            reporter.write("\n")
+            reporter.write_line(line)
+
+    url = os.environ.get("REDIS_URL", "").strip()
+    if url:
+        say("second layer tests: Redis from REDIS_URL")
+        yield url
+        return
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail(
+            "no Redis for the second-layer tests: REDIS_URL is not set and redis-server is not "
+            "installed. Set REDIS_URL=redis://127.0.0.1:6379/0 or apt-get install redis-server."
+        )
+    port = _free_port()
+    process = subprocess.Popen(
+        [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        cwd=tmp_path_factory.mktemp("redis"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait_for_redis(url, process)
+        say(f"second layer tests: redis-server started on 127.0.0.1:{port}")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(params=["dynamodb", "redis"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    calls: list[str] = []
+    if request.param == "dynamodb":
+        fake_aws_credentials(monkeypatch)
+        with mock_aws():
+            client = boto3.client("dynamodb")
+            create_table_as_the_template_does(client, TABLE)
+            client.meta.events.register(
+                "before-call.dynamodb", lambda model, **_: calls.append(model.name)
+            )
+            guard = SecondLayer(dynamodb_store(TABLE, client=client), expires_after_seconds=EXPIRY)
+            guard.register_lambda_context(FakeLambdaContext())
+            yield Backend("dynamodb", guard, calls)
+        return
+    # A prefix of this test's own: its keys never meet another run's on a shared server.
+    prefix = f"{KEY_PREFIX}-test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    store = redis_store(client=CountingRedis(client, calls))
+    guard = SecondLayer(store, expires_after_seconds=EXPIRY, key_prefix=prefix)
+    guard.register_lambda_context(FakeLambdaContext())
+    try:
+        yield Backend("redis", guard, calls)
+    finally:
+        for key in client.scan_iter(match=f"{prefix}#*"):
+            client.delete(key)
+        client.close()
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        yield h
+
+
+def forget_ledger_row(kit: Harness, key: str) -> None:
+    """What a restore from an older backup, or a prune that came too early, does to a claim."""
+    kit.sql("DELETE FROM job_claims WHERE idem_key = %s", (key,))
+
+
+def record_id(idem_key: str, prefix: str = KEY_PREFIX) -> str:
+    """The store's key for a job: the fixed prefix and the SHA-256 of the key as JSON."""
+    return f"{prefix}#{hashlib.sha256(json.dumps(idem_key).encode()).hexdigest()}"
+
+
+def mails(kit: Harness) -> int:
+    count: int = kit.sink.state.snapshot()["mail_effects"]
+    return count
+
+
+# --- What the second layer protects against ----------------------------------------------------
+
+
+def test_a_lost_ledger_row_does_not_repeat_the_effect(
+    kit: Harness, backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a receipt sent once through the second layer
+    kit.publish(RECEIPT)
+    first = kit.drain(effect_guard=backend.guard)
+    assert first.outcomes == {"done": 1}
+    sent = kit.row(RECEIPT_KEY)
+    assert sent is not None
+    assert mails(kit) == 1
+    # When its ledger row is lost and the producer's retry arrives
+    forget_ledger_row(kit, RECEIPT_KEY)
+    kit.publish(RECEIPT)
+    caplog.set_level(logging.INFO, logger="infrai_jobs")
+    again = kit.drain(effect_guard=backend.guard)
+    # Then no second mail is sent: the claim is done with the first call's result, and acked
+    assert mails(kit) == 1
+    assert again.outcomes == {"done": 1}
+    assert again.acked == 1
+    row = kit.row(RECEIPT_KEY)
+    assert row is not None
+    assert row.state == "done"
+    assert row.result == sent.result
+    # And the replay is visible: counted, and logged with the key
+    assert backend.guard.hits == 1
+    assert backend.guard.take_hits() == 1
+    assert backend.guard.take_hits() == 0
+    hits = [r for r in caplog.records if getattr(r, "action", "") == "second_layer_hit"]
+    assert [getattr(r, "idem_key", None) for r in hits] == [RECEIPT_KEY]
+
+
+def test_an_uncertain_effect_is_not_retried_through_the_second_layer(
+    kit: Harness, backend: Backend
+) -> None:
+    # Given an external job whose call may or may not have happened: stuck, effect once
+    kit.publish({"job": "test.ext", "id": "x", "mode": "uncertain"})
+    assert kit.drain(effect_guard=backend.guard).outcomes == {"stuck": 1}
+    assert kit.external_effects("test.ext:x") == 1
+    # When its ledger row is lost and the message is delivered again
+    forget_ledger_row(kit, "test.ext:x")
+    kit.advance()
+    summary = kit.drain(effect_guard=backend.guard)
+    # Then it stays stuck for a human, unacked, and the effect did not run again
+    assert summary.outcomes == {"stuck": 1}
+    assert summary.acked == 0
+    assert kit.external_effects("test.ext:x") == 1
+    row = kit.row("test.ext:x")
+    assert row is not None
+    assert row.state == "running"
+    assert "replayed by the second layer" in (row.error or "")
+    assert backend.guard.hits == 1
+
+
+def test_concurrent_duplicates_run_the_effect_once(
+    kit: Harness, backend: Backend, database_url: str
+) -> None:
+    # Given an external job whose call is still running when its ledger row is lost
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_mail(payload: Payload, ctx: JobContext) -> JsonValue:
+        kit.sql("INSERT INTO test_external_effects VALUES (%s)", (ctx.idem_key,))
+        entered.set()
+        assert release.wait(30), "the test never released the first call"
+        return {"sent": payload["id"]}
+
+    kit.registry.job("test.slow", effect=Effect.EXTERNAL, identity=("id",))(slow_mail)
+    kit.publish({"job": "test.slow", "id": "1"})
+    first: dict[str, Any] = {}
+    runner = threading.Thread(
+        target=lambda: first.update(kit.drain(effect_guard=backend.guard).as_dict())
+    )
+    runner.start()
+    try:
+        assert entered.wait(30), "the first drain never reached the effect"
+        forget_ledger_row(kit, "test.slow:1")
+        kit.publish({"job": "test.slow", "id": "1"})
+        # When a second drain, with its own connections, claims the copy meanwhile
+        client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.01))
+        ledger = PostgresLedger(database_url)
+        try:
+            config = DrainConfig(queue=QUEUE, effect_guard=backend.guard)
+            second = drain(client, ledger, kit.registry, config, lambda: INVOCATION_MS)
+        finally:
+            ledger.close()
+            client.close()
+    finally:
+        release.set()
+        runner.join(60)
+    # Then the second copy did not run the effect: its claim was released for a retry
+    assert second.outcomes == {"retry": 1}
+    # And the first call finished, but its claim was gone, so it was not acked either
+    assert first["outcomes"] == {"claim_lost": 1}
+    # And once both are redelivered, the job is done from the recorded result, effect once
+    kit.advance()
+    final = kit.drain(effect_guard=backend.guard)
+    assert final.outcomes == {"done": 1, "in_flight": 1}
+    assert kit.client.stats(QUEUE).message_count == 0
+    assert kit.external_effects("test.slow:1") == 1
+    row = kit.row("test.slow:1")
+    assert row is not None
+    assert (row.state, row.result) == ("done", {"sent": "1"})
+
+
+def test_same_key_different_work_fails_permanently_without_the_effect(
+    kit: Harness, backend: Backend
+) -> None:
+    # Given a receipt sent to one address, whose ledger row was then lost
+    kit.publish(RECEIPT)
+    kit.drain(effect_guard=backend.guard)
+    forget_ledger_row(kit, RECEIPT_KEY)
+    # When the same invoice's receipt arrives for another address (same key, other work)
+    kit.publish({**RECEIPT, "email": "b@example.com"})
+    summary = kit.drain(effect_guard=backend.guard)
+    # Then nothing is sent; the claim fails with the reason and the message goes to the DLQ
+    assert mails(kit) == 1
+    assert summary.outcomes == {"failed": 1}
+    assert summary.acked == 0
+    row = kit.row(RECEIPT_KEY)
+    assert row is not None
+    assert row.state == "failed"
+    assert "second layer: same key, different work" in (row.error or "")
+
+
+def test_a_transient_failure_leaves_no_record_so_the_retry_runs(
+    kit: Harness, backend: Backend
+) -> None:
+    # Given a job that failed before its effect (the handler's transient error)
+    kit.publish({"job": "test.ext", "id": "t", "mode": "transient"})
+    assert kit.drain(effect_guard=backend.guard).outcomes == {"retry": 1}
+    # When it is retried and succeeds
+    kit.publish({"job": "test.ext", "id": "t"})
+    summary = kit.drain(effect_guard=backend.guard)
+    # Then it ran: Powertools dropped its record when the first call raised
+    assert summary.outcomes.get("done") == 1
+    assert kit.external_effects("test.ext:t") == 1
+    assert backend.guard.hits == 0
+
+
+def test_an_operator_can_forget_an_uncertain_record_to_retry_the_job(
+    kit: Harness, backend: Backend
+) -> None:
+    # Given a receipt whose first call timed out (uncertain), then succeeds when called again
+    calls: list[str] = []
+
+    def flaky_mail(payload: Payload, ctx: JobContext) -> JsonValue:
+        calls.append(ctx.idem_key)
+        if len(calls) == 1:
+            raise EffectUncertain("mail provider timed out")
+        return {"sent": payload["id"]}
+
+    kit.registry.job("test.flaky", effect=Effect.EXTERNAL, identity=("id",))(flaky_mail)
+    kit.publish({"job": "test.flaky", "id": "1"})
+    assert kit.drain(effect_guard=backend.guard).outcomes == {"stuck": 1}
+    # When an operator checked the provider, releases the claim and forgets the record
+    forget_ledger_row(kit, "test.flaky:1")
+    backend.guard.forget("test.flaky:1")
+    kit.advance()
+    summary = kit.drain(effect_guard=backend.guard)
+    # Then the redelivery runs the job again and it is done
+    assert summary.outcomes == {"done": 1}
+    assert len(calls) == 2
+
+
+# --- What it costs ----------------------------------------------------------------------------
+
+# Round trips to the store per guarded job, as the README states them.
+EXPECTED_CALLS = {
+    "dynamodb": {
+        "first": ["PutItem", "UpdateItem"],
+        "replay": ["PutItem"],  # the conditional put returns the stored item on failure
+        "raised": ["PutItem", "DeleteItem"],
+    },
+    "redis": {
+        "first": ["SET NX", "SET"],
+        "replay": ["SET NX", "GET", "GET"],
+        "raised": ["SET NX", "DEL"],
+    },
+}
+
+
+def test_round_trips_to_the_store_per_guarded_job(kit: Harness, backend: Backend) -> None:
+    # Given a receipt job, and a job whose handler fails
+    kit.publish(RECEIPT)
+    # When the receipt runs once through the second layer, once more after its ledger row is
+    # lost, and then the failing job runs
+    measured: dict[str, list[str]] = {}
+    kit.drain(effect_guard=backend.guard)
+    measured["first"] = list(backend.calls)
+    backend.calls.clear()
+    forget_ledger_row(kit, RECEIPT_KEY)
+    kit.publish(RECEIPT)
+    kit.drain(effect_guard=backend.guard)
+    measured["replay"] = list(backend.calls)
+    backend.calls.clear()
+    kit.publish({"job": "test.ext", "id": "t", "mode": "transient"})
+    kit.drain(effect_guard=backend.guard)
+    measured["raised"] = list(backend.calls)
+    # Then each costs the round trips the README states
+    assert measured == EXPECTED_CALLS[backend.name]
+
+
+def test_database_jobs_never_touch_the_store(kit: Harness, backend: Backend) -> None:
+    # Given a database job (exactly once inside the ledger's own transaction)
+    kit.publish({"job": "test.db", "id": "a"})
+    # When it is drained with the second layer on
+    summary = kit.drain(effect_guard=backend.guard)
+    # Then it is done without a single round trip to the store
+    assert summary.outcomes == {"done": 1}
+    assert backend.calls == []
+
+
+# --- Wiring: settings, factory, the drain service ---------------------------------------------
+
+
+def test_the_second_layer_is_off_by_default() -> None:
+    # Given settings from an environment that does not mention it
+    settings = Settings.from_env({})
+    # When the factory is asked for a guard
+    # Then there is none
+    assert settings.idempotency_backend == "off"
+    assert make_effect_guard(settings) is None
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        ({"IDEMPOTENCY_BACKEND": "memcached"}, "is not one of off, dynamodb, redis"),
+        ({"IDEMPOTENCY_BACKEND": "dynamodb"}, "needs IDEMPOTENCY_TABLE"),
+        ({"IDEMPOTENCY_BACKEND": "redis"}, "needs REDIS_URL"),
+        (
+            {"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": "http://user:hunter2@cache:6379"},
+            "REDIS_URL must start with redis://",
+        ),
+    ],
+)
+def test_a_misconfigured_second_layer_is_refused_with_the_fix(
+    environment: dict[str, str], message: str
+) -> None:
+    # Given an environment that turns the second layer on wrongly
+    # When settings are read
+    with pytest.raises(ConfigurationError) as refused:
+        Settings.from_env(environment)
+    # Then the error names the setting and the fix, never a password
+    assert message in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_a_redis_url_is_kept_out_of_the_settings_repr(redis_url: str) -> None:
+    settings = Settings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": redis_url})
+    assert settings.redis_url == redis_url
+    assert redis_url not in repr(settings)
+
+
+@pytest.mark.parametrize("backend_name", ["dynamodb", "redis"])
+def test_the_drain_service_wires_the_factory_guard_and_the_time_budget(
+    kit: Harness, backend_name: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given settings that turn the second layer on, and the guard the factory builds from them
+    fake_aws_credentials(monkeypatch)
+    with mock_aws():
+        boto3_client = boto3.client("dynamodb")
+        create_table_as_the_template_does(boto3_client, TABLE)
+        settings = Settings.from_env(
+            {
+                "IDEMPOTENCY_BACKEND": backend_name,
+                "IDEMPOTENCY_TABLE": TABLE,
+                "REDIS_URL": redis_url,
+            }
+        )
+        guard = make_effect_guard(settings)
+        assert isinstance(guard, SecondLayer)
+        service = DrainService(settings, kit.client, kit.ledger, kit.registry, guard)
+        key = f"receipt.send:{uuid.uuid4().hex}"
+        payload = {**RECEIPT, "invoice_id": key.split(":", 1)[1]}
+        # When a job is drained through the service twice, its ledger row lost in between
+        # (no context registered by hand: the service registers its time budget, and without
+        # it Powertools' warning would fail the call under pytest's warnings-as-errors)
+        kit.publish(payload)
+        assert service.run(lambda: INVOCATION_MS).outcomes == {"done": 1}
+        forget_ledger_row(kit, key)
+        kit.publish(payload)
+        assert service.run(lambda: INVOCATION_MS).outcomes == {"done": 1}
+        # Then the second run was a hit, counted for the invocation's metric
+        assert service.take_second_layer_hits() == 1
+        assert mails(kit) == 1
+        # And the record sits under the fixed prefix, whatever the function is called
+        if backend_name == "dynamodb":
+            item = boto3_client.get_item(TableName=TABLE, Key={"id": {"S": record_id(key)}})
+            stored = item["Item"]
+            # And its in-progress state would have expired with the invocation's deadline
+            expires_ms = int(stored["in_progress_expiration"]["N"])
+            assert 0 < expires_ms - time.time() * 1000 <= INVOCATION_MS
+            assert int(stored["expiration"]["N"]) > time.time() + 30 * 86_400
+        else:
+            raw = redis.Redis.from_url(redis_url)
+            try:
+                assert raw.ttl(record_id(key)) > 30 * 86_400
+                raw.delete(record_id(key))
+            finally:
+                raw.close()

@@ -9,7 +9,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.alerting import AlertCheck
 from infrai_jobs.factory import make_alert_check
-from infrai_jobs.observability import function_observability, record_alert_check
+from infrai_jobs.observability import function_observability, record_alert_check, tracing
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
 
@@ -25,6 +25,7 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
 
 @logger.inject_lambda_context(clear_state=True)
 @metrics.log_metrics
+@tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     # A failing stats call or ledger raises: the function's Errors alarm fires, and no
     # "all clear" is ever sent on missing data.

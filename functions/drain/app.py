@@ -8,7 +8,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.drain_service import DrainService
-from infrai_jobs.observability import function_observability, record_drain
+from infrai_jobs.observability import function_observability, record_drain, tracing
 from infrai_jobs.settings import Settings
 from jobs import build_registry
 
@@ -23,6 +23,7 @@ def service() -> DrainService:
 
 @logger.inject_lambda_context(clear_state=True)
 @metrics.log_metrics(capture_cold_start_metric=True)
+@tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     drain = service()
     summary = drain.run(context.get_remaining_time_in_millis)

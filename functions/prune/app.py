@@ -9,7 +9,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.observability import function_observability
+from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
 
@@ -24,6 +24,7 @@ def dependencies() -> tuple[Settings, ClaimsAdmin]:
 
 @logger.inject_lambda_context(clear_state=True)
 @metrics.log_metrics
+@tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     settings, admin = dependencies()
     result = admin.prune(older_than_days=settings.retention_days)

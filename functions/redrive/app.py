@@ -12,7 +12,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.factory import make_queue_client
-from infrai_jobs.observability import function_observability
+from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.redrive import RedriveRequest, redrive
 from infrai_jobs.secrets import resolve_secrets
@@ -29,6 +29,7 @@ def dependencies() -> tuple[Settings, InfraiClient]:
 
 @logger.inject_lambda_context(log_event=True, clear_state=True)
 @metrics.log_metrics
+@tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     request = RedriveRequest.from_event(event)
     settings, queue = dependencies()

@@ -157,9 +157,13 @@ def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> No
     # Given 25 jobs and a budget that covers two batches only
     for n in range(25):
         kit.publish(_db(str(n)))
-    time_left = iter([60_000, 30_000, 19_999])
+
+    # (each batch received takes 20 s of the 60 s left)
+    def time_left() -> int:
+        return 60_000 - 20_001 * len(kit.queue.batch_sizes)
+
     # When the drain runs
-    summary = kit.drain(time_left_ms=lambda: next(time_left), batch_budget_ms=20_000)
+    summary = kit.drain(time_left_ms=time_left, batch_budget_ms=20_000)
     # Then two full batches ran and the rest waits, undelivered
     assert (summary.batches, summary.consumed, summary.done) == (2, 20, 20)
     assert summary.stopped == "time_budget"
@@ -638,3 +642,34 @@ def test_a_deeply_nested_result_is_described_not_a_crash(kit: Kit) -> None:
     summary = kit.drain()
     # Then it should end done with its result described, like any unserializable result
     assert summary.outcomes == {"done": 1}
+
+
+def test_the_next_batch_is_received_ahead_only_when_the_time_covers_both(kit: Kit) -> None:
+    # Given 30 jobs and time for exactly two batches at once
+    for n in range(30):
+        kit.publish(_db(str(n)))
+    # When the drain runs with plenty of time
+    summary = kit.drain(time_left_ms=lambda: 40_000, batch_budget_ms=20_000)
+    # Then it drained everything, receiving ahead, and stopped on an empty queue
+    assert (summary.batches, summary.done, summary.stopped) == (3, 30, "empty")
+    # And with time for one batch but not two, it still drains, one batch at a time
+    for n in range(30, 40):
+        kit.publish(_db(str(n)))
+    summary = kit.drain(time_left_ms=lambda: 39_999, batch_budget_ms=20_000)
+    assert (summary.batches, summary.done, summary.stopped) == (1, 10, "empty")
+
+
+def test_a_batch_received_ahead_when_the_ledger_fails_is_left_for_redelivery(kit: Kit) -> None:
+    # Given 20 jobs, and a ledger that fails on the first batch
+    for n in range(20):
+        kit.publish(_db(str(n)))
+    kit.ledger.fail_next("run_database_batch")
+    # When the drain runs
+    summary = kit.drain()
+    # Then it stopped; nothing was acked; both batches come back after the visibility timeout
+    assert summary.stopped == "ledger_unavailable"
+    assert summary.acked == 0
+    assert kit.queue.stats(QUEUE).in_flight_count == 20
+    kit.redeliver()
+    again = kit.drain()
+    assert (again.done, again.acked) == (20, 20)

@@ -195,27 +195,73 @@ def _drain_batches(
     summary: DrainSummary,
     acks: _AckPipeline,
 ) -> None:
-    while True:
-        if config.max_batches is not None and summary.batches >= config.max_batches:
-            summary.stopped = "max_batches"
-            return
-        remaining = time_left_ms()
-        if remaining < config.batch_budget_ms:
-            summary.stopped = "time_budget"
-            return
-        messages = queue.consume(config.queue, config.batch_size)
-        if not messages:
-            summary.stopped = "empty"
-            return
-        summary.batches += 1
-        deadline = clock() + remaining / 1000
-        results = process_batch(messages, ledger, registry, deadline, config)
-        _count(results, summary)
-        # The acks of this batch travel while the next batch is consumed and processed.
-        acks.send(results)
-        if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
-            summary.stopped = "ledger_unavailable"
-            return
+    """Process batches one after the other, receiving the next while this one runs.
+
+    A batch is received only while the time left covers finishing it, and the one received
+    ahead only while the time covers both: every receive burns one of three deliveries.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="consume") as receiver:
+        ahead: Future[list[QueueMessage]] | None = None
+        try:
+            while True:
+                if ahead is not None:
+                    messages, ahead = ahead.result(), None
+                else:
+                    stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
+                    if stop:
+                        summary.stopped = stop
+                        return
+                    messages = queue.consume(config.queue, config.batch_size)
+                if not messages:
+                    summary.stopped = "empty"
+                    return
+                summary.batches += 1
+                remaining = time_left_ms()
+                if not _stop_reason(config, summary, remaining, time_for=2):
+                    ahead = receiver.submit(queue.consume, config.queue, config.batch_size)
+                deadline = clock() + remaining / 1000
+                results = process_batch(messages, ledger, registry, deadline, config)
+                _count(results, summary)
+                # This batch's acks travel while the next one is processed.
+                acks.send(results)
+                if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+                    summary.stopped = "ledger_unavailable"
+                    return
+        finally:
+            if ahead is not None:
+                _abandon(ahead)
+
+
+def _stop_reason(
+    config: DrainConfig, summary: DrainSummary, remaining_ms: int, *, time_for: int
+) -> str:
+    """Why one more batch may not be received now, or "" when it may.
+
+    ``time_for`` is how many batches the time left must cover: the one to receive, plus the
+    one still being processed when receiving ahead.
+    """
+    if config.max_batches is not None and summary.batches >= config.max_batches:
+        return "max_batches"
+    if remaining_ms < config.batch_budget_ms * time_for:
+        return "time_budget"
+    return ""
+
+
+def _abandon(ahead: Future[list[QueueMessage]]) -> None:
+    """A batch received ahead but never processed (the ledger failed): it is not acked, so
+    Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery."""
+    try:
+        messages = ahead.result()
+    except InfraiError:
+        return
+    if messages:
+        logger.warning(
+            "a batch received ahead was left for redelivery",
+            extra={
+                "action": "batch_abandoned",
+                "message_ids": [m.message_id for m in messages],
+            },
+        )
 
 
 def process_batch(

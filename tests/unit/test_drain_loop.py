@@ -199,9 +199,20 @@ def test_max_batches_ends_the_loop_early(kit: Kit) -> None:
 def test_an_empty_queue_ends_the_loop_at_once(kit: Kit) -> None:
     # Given nothing waiting; When drained
     summary = kit.drain()
-    # Then the loop stopped at its first consume, without touching the ledger
+    # Then the loop stopped at its first consume; the ledger was only asked whether it answers
     assert (summary.batches, summary.consumed, summary.stopped) == (0, 0, "empty")
-    assert kit.ledger.calls == Counter()
+    assert kit.ledger.calls == Counter({"ping": 1})
+
+
+def test_an_unreachable_ledger_stops_the_drain_before_anything_is_received(kit: Kit) -> None:
+    # Given a job waiting, and a ledger that does not answer
+    kit.publish(_db("waiting"))
+    kit.ledger.fail_next("ping")
+    # When drained
+    summary = kit.drain()
+    # Then nothing was received (no delivery spent), and the reason is the ledger
+    assert (summary.consumed, summary.stopped) == (0, "ledger_unavailable")
+    assert kit.queue.stats(QUEUE).available_count == 1
 
 
 def test_an_external_claim_lease_is_the_deadline_plus_the_grace(kit: Kit) -> None:

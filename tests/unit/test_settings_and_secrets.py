@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.secrets import database_url_from_secret
@@ -58,8 +59,15 @@ def test_an_rds_secret_becomes_a_url_with_escaped_credentials() -> None:
     )
 
 
-def test_a_plain_url_secret_is_used_as_is() -> None:
-    assert database_url_from_secret(" postgresql://a@b/c\n") == "postgresql://a@b/c"
+def test_a_plain_url_secret_gets_tls_required() -> None:
+    assert conninfo_to_dict(database_url_from_secret(" postgresql://a@b/c\n")) == {
+        "user": "a",
+        "host": "b",
+        "dbname": "c",
+        "sslmode": "require",
+    }
+    verified = "postgresql://a@b/c?sslmode=verify-full"
+    assert database_url_from_secret(verified) == verified
 
 
 @pytest.mark.parametrize(

@@ -164,6 +164,17 @@ def drain(
 ) -> DrainSummary:
     """Drain ``config.queue`` until it is empty, the budget is spent, or the ledger fails."""
     summary = DrainSummary()
+    try:
+        # Before anything is received: a receive spends a delivery, and a batch that cannot be
+        # claimed would spend it for nothing.
+        ledger.ping()
+    except LedgerError as exc:
+        summary.stopped = "ledger_unavailable"
+        logger.error(
+            "the ledger is unreachable; nothing was received",
+            extra={"action": "ledger_unavailable", "detail": str(exc)},
+        )
+        return summary
     with ThreadPoolExecutor(max_workers=config.ack_concurrency, thread_name_prefix="ack") as pool:
         acks = _AckPipeline(queue, config.queue, pool, summary)
         try:

@@ -226,6 +226,17 @@ class _IsolateJobs(Exception):
     """A handler failed in the all-in-one attempt: run the batch again with savepoints."""
 
 
+def _connect_failure(exc: psycopg.Error) -> LedgerUnavailable:
+    """A connection error worth logging: libpq quotes a malformed URL whole, password
+    included, so that case says only what is wrong and where to fix it."""
+    if isinstance(exc, psycopg.ProgrammingError):
+        return LedgerUnavailable(
+            "cannot connect to the ledger database: the database URL is malformed "
+            "(check DATABASE_URL or the database secret)"
+        )
+    return LedgerUnavailable(f"cannot connect to the ledger database: {exc}")
+
+
 def _aborted(conn: psycopg.Connection[Any]) -> bool:
     return conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
 
@@ -291,7 +302,7 @@ class PostgresLedger:
         except psycopg.Error as exc:
             fresh = self._refreshed_url()
             if fresh is None:
-                raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+                raise _connect_failure(exc) from None
         logger.warning(
             "database connection failed; retrying once with the secret fetched again",
             extra={"action": "secret_refresh"},
@@ -300,7 +311,29 @@ class PostgresLedger:
         try:
             return self._connect(fresh)
         except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+            raise _connect_failure(exc) from None
+
+    def ping(self) -> None:
+        """Make sure the ledger answers before a drain receives anything.
+
+        A connection the server closed while the execution environment was frozen is only
+        found out by using it: this uses it (``SELECT 1``), reconnects once if it was dead,
+        and raises ``LedgerUnavailable`` if the database cannot be reached, so no delivery is
+        spent on messages that could not be claimed.
+        """
+        for attempt in range(2):
+            conn = self._connection()
+            try:
+                conn.execute("SELECT 1")
+            except psycopg.OperationalError as exc:
+                self._drop(conn)
+                if attempt:
+                    raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+                logger.warning(
+                    "the ledger connection was dead; reconnecting", extra={"action": "reconnect"}
+                )
+            else:
+                return
 
     def _connect(self, url: str) -> psycopg.Connection[Any]:
         return psycopg.connect(

@@ -63,6 +63,10 @@ class LedgerPort(Protocol):
         """Annotate running claims a human must look at."""
         ...
 
+    def ping(self) -> None:
+        """Raise ``LedgerUnavailable`` unless the ledger answers (reconnecting once)."""
+        ...
+
 
 class EffectGuard(Protocol):
     """An optional second layer around an external effect (Powertools idempotency).

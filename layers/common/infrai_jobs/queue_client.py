@@ -312,6 +312,13 @@ def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) 
     """Turn a response into its data, accepting bodies with and without the envelope."""
     try:
         document = json.loads(raw) if raw else None
+    except RecursionError:
+        raise InfraiInvalidResponse(
+            "INVALID_RESPONSE",
+            f"answered HTTP {status} with JSON nested too deeply",
+            status,
+            call=call,
+        ) from None
     except ValueError:
         document = None
         if 200 <= status < 300:

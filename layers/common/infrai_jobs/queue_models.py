@@ -7,6 +7,7 @@ raises ``InfraiInvalidResponse`` naming the call and the field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,7 +37,7 @@ class QueueMessage:
         call = "consume"
         if not isinstance(item, Mapping):
             raise _invalid(call, f"an item is a {type(item).__name__}, not an object")
-        message_id = _require_str(item, "message_id", call)
+        message_id = _require_storable(_require_str(item, "message_id", call), "message_id", call)
         delivery_count = item.get("delivery_count", 1)
         if isinstance(delivery_count, bool) or not isinstance(delivery_count, int):
             raise _invalid(call, f"item {message_id}: delivery_count is not an integer")
@@ -46,6 +47,8 @@ class QueueMessage:
         handle = item.get("receipt_handle")
         if handle is not None and (not isinstance(handle, str) or not handle):
             raise _invalid(call, f"item {message_id}: receipt_handle is not a non-empty string")
+        if handle is not None:
+            _require_storable(handle, "receipt_handle", call)
         item_queue = item.get("queue", queue)
         if not isinstance(item_queue, str):
             raise _invalid(call, f"item {message_id}: queue is not a string")
@@ -89,8 +92,13 @@ class QueueStats:
             )
         }
         age = data.get("oldest_message_age_seconds", 0)
-        if isinstance(age, bool) or not isinstance(age, int | float) or age < 0:
-            raise _invalid(call, "oldest_message_age_seconds is not a number >= 0")
+        if (
+            isinstance(age, bool)
+            or not isinstance(age, int | float)
+            or not math.isfinite(age)
+            or age < 0
+        ):
+            raise _invalid(call, "oldest_message_age_seconds is not a finite number >= 0")
         name = data.get("queue", queue)
         return cls(
             queue=name if isinstance(name, str) else queue,
@@ -160,6 +168,17 @@ def _require_str(data: Mapping[str, object], field: str, call: str) -> str:
     value = data.get(field)
     if not isinstance(value, str) or not value:
         raise _invalid(call, f"{field} is missing or not a non-empty string")
+    return value
+
+
+def _require_storable(value: str, field: str, call: str) -> str:
+    """An id the ledger and the logs can hold: no NUL, no lone surrogates."""
+    if "\x00" in value:
+        raise _invalid(call, f"{field} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid(call, f"{field} is not valid Unicode") from None
     return value
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import quote
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.settings import Settings
@@ -44,25 +44,32 @@ def resolve_secrets(
     return replace(settings, infrai_api_key=key, database_url=database_url)
 
 
+# sslmode values that let libpq fall back to (or start with) plain text.
+WEAK_SSLMODES = frozenset({"disable", "allow", "prefer"})
+
+
 def database_url_from_secret(secret: str) -> str:
-    """A ``postgresql://`` URL, a libpq keyword string, or the JSON an RDS-managed secret holds."""
-    text = secret.strip()
+    """The connection string a database secret holds, with TLS required.
+
+    Accepted shapes: a ``postgresql://`` URL, a libpq keyword string, or JSON (an RDS-managed
+    secret's ``host``/``username``/``password``/``port``/``dbname``, or ``{"url": ...}``). In
+    AWS the ledger is reached over the network, so a secret without an ``sslmode`` gets
+    ``sslmode=require``, and one asking for a mode that allows plain text is refused.
+    """
+    return _require_tls(_connection_string(secret.strip()))
+
+
+def _connection_string(text: str) -> str:
     if text.startswith(("postgresql://", "postgres://")):
         return text
     if not text.startswith("{") and "=" in text:
-        # libpq's keyword form: "host=... dbname=... user=...".
-        try:
-            conninfo_to_dict(text)
-        except psycopg.ProgrammingError:
-            raise ConfigurationError(
-                "the database secret is not a valid connection string"
-            ) from None
-        return text
+        return text  # libpq's keyword form: "host=... dbname=... user=..."
     try:
         document: Any = json.loads(text)
     except ValueError:
         raise ConfigurationError(
-            "the database secret is neither a postgresql:// URL nor RDS secret JSON"
+            "the database secret is neither a postgresql:// URL, a libpq connection string nor "
+            "RDS secret JSON"
         ) from None
     if not isinstance(document, dict):
         raise ConfigurationError("the database secret JSON is not an object")
@@ -71,12 +78,35 @@ def database_url_from_secret(secret: str) -> str:
     missing = [k for k in ("host", "username", "password") if not document.get(k)]
     if missing:
         raise ConfigurationError(f"the database secret JSON lacks {', '.join(missing)}")
+    raw_port = document.get("port") or 5432
+    try:
+        port = int(raw_port)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            "the database secret JSON has a port that is not a number"
+        ) from None
     user = quote(str(document["username"]), safe="")
     password = quote(str(document["password"]), safe="")
     host = str(document["host"])
-    port = int(document.get("port") or 5432)
     dbname = quote(str(document.get("dbname") or document.get("database") or "postgres"), safe="")
     return f"postgresql://{user}:{password}@{host}:{port}/{dbname}?sslmode=require"
+
+
+def _require_tls(url: str) -> str:
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        # libpq's message quotes the whole string, password included: say only what is wrong.
+        raise ConfigurationError("the database secret is not a valid connection string") from None
+    mode = params.get("sslmode")
+    if mode is None:
+        return make_conninfo(url, sslmode="require")
+    if mode in WEAK_SSLMODES:
+        raise ConfigurationError(
+            f"the database secret asks for sslmode={mode}, which allows plain text; use "
+            "require, verify-ca or verify-full"
+        )
+    return url
 
 
 def _fetch_parameter(name: str, *, force_fetch: bool) -> str:

@@ -384,7 +384,7 @@ def _validation(call: str, message: str) -> InfraiError:
 
 # --- The ledger -------------------------------------------------------------------------------
 
-LedgerCall = Literal["claim", "run_database_batch", "settle", "flag_stuck"]
+LedgerCall = Literal["claim", "run_database_batch", "settle", "flag_stuck", "ping"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +470,10 @@ class InMemoryLedger:
             self._enter("settle")
             (settlement,) = self._settle([(request, run)], self._now(), uncertain_is_stuck=True)
             return settlement
+
+    def ping(self) -> None:
+        with self._lock:
+            self._enter("ping")
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         if not reasons:

@@ -1,0 +1,120 @@
+"""One warm DrainFunction execution environment, as a process the soak can SIGKILL.
+
+It runs the deployed handler (``functions/drain/app.py``: Powertools Logger and Metrics, the
+cached ``DrainService``) invocation after invocation, each with a Lambda-like context whose
+remaining time counts down, the way EventBridge ticks reach a warm function. The only addition is
+the soak's ``soak.db`` job in the function's registry.
+
+Settings come from the function's own environment variables (``INFRAI_BASE_URL``,
+``INFRAI_API_KEY``, ``DATABASE_URL``, ``PROVIDER_URL``, ``DRAIN_BATCH_BUDGET_MS``,
+``LEASE_GRACE_SECONDS``, ``POWERTOOLS_*``) plus:
+
+* ``SOAK_INVOCATION_SECONDS``: the context's time budget per invocation;
+* ``SOAK_KILL_AT_ACK``: SIGKILL this process just before its N-th ack, that is after the ledger
+  committed and before Infrai heard about it (0: never);
+* ``SOAK_IDLE_SECONDS``: the pause after an invocation that found the queue empty.
+
+Each invocation ends with one JSON line on stdout, ``{"soak_event": "invocation", ...}``, which
+the soak adds up; an invocation that raised prints what Lambda's runtime would log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from soak_jobs import register_soak_jobs
+
+import jobs  # the function's own jobs package (functions/drain is on the path)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULE_EVENT = ROOT / "events" / "drain-schedule.json"
+
+
+class CountdownContext:
+    """The part of Lambda's context the handler and Powertools read."""
+
+    function_name = "infrai-jobs-drain"
+    function_version = "$LATEST"
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:infrai-jobs-drain"
+    memory_limit_in_mb = 512
+    log_group_name = "/aws/lambda/infrai-jobs-drain"
+    log_stream_name = "soak"
+
+    def __init__(self, seconds: float) -> None:
+        self.aws_request_id = str(uuid.uuid4())
+        self._deadline = time.time() + seconds
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self._deadline - time.time()) * 1000))
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"soak_event": event, "pid": os.getpid(), **fields}), flush=True)
+
+
+def arm_kill_at_ack(service: Any, ack_number: int) -> None:
+    """Replace the client's ack so the process dies just before its ``ack_number``-th call."""
+    original: Callable[[str, str], None] = service.queue.ack
+    lock = threading.Lock()
+    count = [0]
+
+    def ack(queue: str, receipt_handle: str) -> None:
+        with lock:
+            count[0] += 1
+            reached = count[0] == ack_number
+        if reached:
+            emit("self_kill", ack_number=ack_number)
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(queue, receipt_handle)
+
+    service.queue.ack = ack
+
+
+def main() -> int:
+    deployed_registry = jobs.build_registry
+
+    def build_registry(provider_url: str) -> Any:
+        return register_soak_jobs(deployed_registry(provider_url))
+
+    # Before app is imported: the handler module binds jobs.build_registry at import.
+    jobs.build_registry = build_registry
+    import app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
+
+    invocation_seconds = float(os.environ["SOAK_INVOCATION_SECONDS"])
+    idle_seconds = float(os.environ.get("SOAK_IDLE_SECONDS", "0.2"))
+    kill_at_ack = int(os.environ.get("SOAK_KILL_AT_ACK", "0"))
+    event = json.loads(SCHEDULE_EVENT.read_text())
+    if kill_at_ack:
+        arm_kill_at_ack(app.service(), kill_at_ack)
+    emit("ready", kill_at_ack=kill_at_ack)
+    parent = os.getppid()
+    # An orphan (the soak itself was killed) stops instead of polling a dead emulator forever.
+    while os.getppid() == parent:
+        context = CountdownContext(invocation_seconds)
+        try:
+            summary = app.lambda_handler(event, context)
+        except Exception as exc:
+            # What Lambda's runtime logs for a failed invocation: type, message, stack.
+            print(f"[ERROR] {type(exc).__name__}: {exc}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            emit("invocation_error", error_type=type(exc).__name__, error=str(exc))
+            time.sleep(idle_seconds)
+            continue
+        emit("invocation", summary=summary)
+        if summary.get("stopped") == "empty" and summary.get("consumed", 0) == 0:
+            time.sleep(idle_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

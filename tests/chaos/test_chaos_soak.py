@@ -1,0 +1,84 @@
+"""The chaos soak at CI size (2,000 jobs); ``make soak`` runs it at 20,000 (``SOAK_JOBS``).
+
+``SOAK_JOBS`` sets the number of jobs, ``SOAK_SEED`` the seed, and ``SOAK_DOCS`` a Markdown file
+whose figures section the run rewrites (``make soak`` points it at docs/reliability.md). The run
+happens once per module; its table is printed to the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from soak import SoakConfig, SoakReport, run_soak, scan_for_secrets, write_docs_figures
+
+JOBS = int(os.environ.get("SOAK_JOBS", "2000"))
+SEED = int(os.environ.get("SOAK_SEED", "20260726"))
+# Both phases must converge within this: about 50 ms per job plus start-up, never below 3 min.
+# The CI size takes about 40 s on 2 cores, 20,000 jobs about 5 min.
+CONVERGE_SECONDS = max(180.0, JOBS * 0.05 + 60)
+SOAK_TIMEOUT = int(CONVERGE_SECONDS + 120)
+
+
+@pytest.fixture(scope="module")
+def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SoakReport:
+    config = SoakConfig(jobs=JOBS, seed=SEED, timeout_seconds=CONVERGE_SECONDS)
+    result = run_soak(config, log_dir=tmp_path_factory.mktemp("soak"))
+    # Shown even under output capture: the table is the point of the run.
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    assert capture is not None
+    with capture.global_and_fixture_disabled():
+        print(f"\n\nchaos soak, {JOBS:,} jobs, seed {SEED}\n{result.table()}")
+    if os.environ.get("SOAK_DOCS"):
+        write_docs_figures(result, Path(os.environ["SOAK_DOCS"]))
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(SOAK_TIMEOUT)
+def test_every_job_is_done_dead_lettered_with_a_reason_or_flagged(report: SoakReport) -> None:
+    # Given N jobs of three effect classes, 30% published twice, a few poison messages,
+    # three drain processes, Infrai faults, kills, connection terminations and a restart,
+    # run until the queue was empty and the DLQ had been redriven once (the fixture)
+    # Then no job is lost, doubled, or left in an unknown state without a flag
+    assert report.violations == []
+    assert report.outcomes["unexplained (lost, doubled or unflagged)"] == 0
+    assert report.outcomes["max e-mails for one key"] <= 1
+    assert report.outcomes["max database effects for one key"] == 1
+    # And the faults really happened (a soak that injected nothing proves nothing)
+    faults = report.faults
+    assert faults["Infrai 5xx on consume/ack"] > 0
+    assert faults["Infrai 429 on consume/ack (Retry-After: 0)"] > 0
+    assert faults["Infrai responses dropped after the call applied"] > 0
+    assert faults["drain processes SIGKILLed by the soak"] > 0
+    assert faults["drain processes SIGKILLed just before an ack"] > 0
+    assert faults["drain connections terminated (pg_terminate_backend)"] > 0
+    assert faults["PostgreSQL crash-restarts"] == 1
+    assert faults["emulator clock advances (+301 s)"] >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(SOAK_TIMEOUT)
+def test_no_secret_reaches_any_output_of_the_run(report: SoakReport) -> None:
+    # Given everything the run wrote: every drain process's stdout (Powertools JSON logs, EMF
+    # metrics) and stderr (failed invocations' tracebacks), the emulator's and the sink's
+    # stderr, and the soak's own infrai_jobs log lines with every extra field
+    # Then it was a lot, and neither the API key nor the database password is anywhere in it
+    assert report.scanned_files >= 10
+    assert report.scanned_bytes > 100_000
+    assert report.secret_leaks == []
+
+
+def test_the_secret_scan_finds_a_planted_secret(tmp_path: Path) -> None:
+    # Given a run directory where one log line carries a secret
+    (tmp_path / "drain-0001.out").write_text('{"action": "done"}\n')
+    (tmp_path / "drain-0002.err").write_text("[ERROR] connect to postgresql://u:hunter2-xyz@db\n")
+    # When it is scanned
+    leaks, files, size = scan_for_secrets(tmp_path, ["hunter2-xyz", "sk_not_there"])
+    # Then the leak is found, named by file, and only that one
+    assert leaks == ["secret #0 appears in drain-0002.err"]
+    assert files == 2
+    assert size > 0

@@ -1,0 +1,143 @@
+"""IAM least privilege in template.yaml, beyond tests/e2e/test_template.py's wildcard-action check.
+
+The template is translated the way ``sam validate`` does it, so SAM's policy templates are checked
+as the statements they become.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+from test_template import as_list, load_template, policy_statements, translate  # noqa: E402
+
+# Actions IAM cannot scope to a resource, granted on "*" by SAM's own policy templates.
+# ssm:DescribeParameters comes with SSMParameterWithSlashPrefixReadPolicy (SAM offers no
+# template without it); it lists parameter names and metadata, never values.
+UNSCOPABLE_ACTIONS = {"ssm:DescribeParameters"}
+
+# What each function may do, by service: a new grant must be added here on purpose.
+ALLOWED_SERVICES = {
+    "DrainFunctionRole": {"ssm", "secretsmanager", "kms", "dynamodb"},
+    "DlqAlertFunctionRole": {"ssm", "secretsmanager", "kms", "sns"},
+    "RedriveFunctionRole": {"ssm", "secretsmanager", "kms"},
+    "PruneFunctionRole": {"secretsmanager", "kms"},
+}
+
+
+def _roles() -> dict[str, list[dict[str, Any]]]:
+    translated = translate(load_template())
+    return {
+        name: [
+            statement
+            for policy in resource["Properties"].get("Policies", [])
+            for statement in policy_statements(policy)
+        ]
+        for name, resource in translated["Resources"].items()
+        if resource["Type"] == "AWS::IAM::Role"
+    }
+
+
+def _resource_texts(resource: Any) -> list[str]:
+    """The literal text of a Resource: plain strings and the templates of Fn::Sub."""
+    texts: list[str] = []
+    for value in as_list(resource):
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, dict) and "Fn::Sub" in value:
+            sub = value["Fn::Sub"]
+            texts.append(sub[0] if isinstance(sub, list) else sub)
+        elif isinstance(value, dict):
+            texts.append("")  # a Ref or GetAtt: one resource, named by the stack
+    return texts
+
+
+def _open_ended(arn: str) -> bool:
+    """``*``, a wildcard before the resource, or ``type/*``; ``table/${name}/index/*`` (the
+    indexes of one named table) is scoped."""
+    if arn == "*":
+        return True
+    parts = arn.split(":", 5)
+    if any("*" in part for part in parts[:5]):
+        return True
+    resource = parts[5] if len(parts) == 6 else ""
+    return resource == "*" or re.fullmatch(r"[A-Za-z0-9_-]*[/:]?\*", resource) is not None
+
+
+def test_no_statement_grants_every_resource_where_iam_can_scope_it() -> None:
+    # Given every inline statement of every execution role, as SAM deploys them
+    roles = _roles()
+    assert set(roles) == set(ALLOWED_SERVICES)
+    for name, statements in roles.items():
+        for statement in statements:
+            # When its resources are read
+            actions = set(as_list(statement["Action"]))
+            texts = _resource_texts(statement["Resource"])
+            # Then "*" (or an ARN open in its service, region, account or resource type) appears
+            # only for actions IAM cannot scope
+            wildcard = any(_open_ended(text) for text in texts)
+            assert not wildcard or actions <= UNSCOPABLE_ACTIONS, (name, statement)
+            # And no statement denies by exclusion or allows by NotResource
+            assert "NotResource" not in statement, (name, statement)
+            assert statement.get("Effect") == "Allow", (name, statement)
+
+
+def test_each_function_is_granted_only_the_services_it_uses() -> None:
+    # Given every execution role
+    for name, statements in _roles().items():
+        # When the services of its actions are collected
+        services = {a.split(":", 1)[0] for s in statements for a in as_list(s["Action"])}
+        # Then they are the ones that function needs, and nothing else
+        assert services <= ALLOWED_SERVICES[name], (name, services - ALLOWED_SERVICES[name])
+
+
+def test_only_the_alert_function_may_publish_alerts() -> None:
+    # Given every execution role
+    publishers = {
+        name
+        for name, statements in _roles().items()
+        for s in statements
+        if any(a.startswith("sns:") for a in as_list(s["Action"]))
+    }
+    # Then only the DLQ watcher may publish to the topic
+    assert publishers == {"DlqAlertFunctionRole"}
+
+
+def test_every_schedule_permission_names_its_source_rule() -> None:
+    # Given the Lambda permissions SAM creates for the schedules
+    translated = translate(load_template())
+    permissions = [
+        resource["Properties"]
+        for resource in translated["Resources"].values()
+        if resource["Type"] == "AWS::Lambda::Permission"
+    ]
+    assert permissions
+    for permission in permissions:
+        # Then each lets only EventBridge invoke, and only from its own rule (no confused deputy)
+        assert permission["Principal"] == "events.amazonaws.com", permission
+        assert "SourceArn" in permission, permission
+        assert permission["Action"] == "lambda:InvokeFunction", permission
+
+
+def test_no_resource_policy_opens_anything_to_every_principal() -> None:
+    # Given every resource of the translated template
+    translated = translate(load_template())
+    for name, resource in translated["Resources"].items():
+        document = resource["Properties"].get("PolicyDocument", {})
+        # When a resource policy (a topic policy, say) is present
+        for statement in as_list(document.get("Statement", [])):
+            principal = statement.get("Principal")
+            # Then it never names "*" as principal
+            assert principal not in ("*", {"AWS": "*"}), (name, statement)
+
+
+def test_the_alert_topic_is_encrypted_at_rest() -> None:
+    # Given the alert topic
+    topic = load_template()["Resources"]["AlertTopic"]["Properties"]
+    # Then it is encrypted with a KMS key (alerts name queues and keys)
+    assert topic.get("KmsMasterKeyId")

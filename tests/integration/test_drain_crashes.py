@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from drainkit import QUEUE, Harness, harness
 
+from infrai_jobs.drain import DrainConfig, process_batch
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 
 HERE = Path(__file__).parent
@@ -117,19 +118,22 @@ def test_connection_terminated_mid_batch_commits_nothing_and_retries_cleanly(
 
 
 def test_external_claims_are_given_back_when_the_claim_answer_is_lost(kit: Harness) -> None:
-    # Given the ledger's connection is killed just before the claim statement
+    # Given a received batch, and the ledger's connection killed after the drain's ping, just
+    # before the claim statement
     kit.publish({"job": "receipt.send", "invoice_id": "inv_5", "email": "y@example.com"})
     kit.drain()  # the first job runs normally and opens the ledger connection
     kit.publish({"job": "receipt.send", "invoice_id": "inv_6", "email": "z@example.com"})
+    batch = kit.client.consume(QUEUE)
     conn: Any = kit.ledger._conn  # the test reaches in to break the live connection
     assert conn is not None
     with psycopg.connect(kit.database_url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
-    # When the drain meets the dead connection
-    first = kit.drain()
-    # Then nothing ran, no running row was left behind, and the retry sends exactly once
-    assert first.outcomes == {"ledger_unavailable": 1}
+    # When the batch meets the dead connection
+    (result,) = process_batch(batch, kit.ledger, kit.registry, 2e9, DrainConfig(queue=QUEUE))
+    # Then nothing ran and no running row was left behind
+    assert result.outcome.value == "ledger_unavailable"
     assert kit.row("receipt.send:inv_6") is None
+    # And the redelivery, on a fresh connection, sends exactly once
     kit.advance()
     second = kit.drain()
     assert second.outcomes == {"done": 1}

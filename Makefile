@@ -41,8 +41,8 @@ demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
 
 # The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory and
-# cold start; results in bench/results/ and docs/performance.md. BENCH_ARGS="--jobs 500 --rounds 1
-# --lanes 1,2 --rss-jobs 0" is a one-minute smoke run.
+# cold start, about 10 minutes; results in bench/results/ and docs/performance.md.
+# BENCH_ARGS="--jobs 500 --rounds 1 --lanes 1,2" is a smoke run of a minute or two.
 .PHONY: bench
 BENCH_ARGS ?=
 bench: $(STAMP)

@@ -6,18 +6,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from infrai_jobs.alerting import (
-    AlertCheck,
-    Alerter,
-    AlertThresholds,
-    PrintingAlerter,
-    SnsAlerter,
-)
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.settings import Settings
 
 if TYPE_CHECKING:
+    from infrai_jobs.alerting import AlertCheck, Alerter
     from infrai_jobs.second_layer import SecondLayer
 
 
@@ -39,6 +33,9 @@ def make_ledger(
 
 
 def make_alerter(settings: Settings) -> Alerter:
+    # Imported here: the drain's cold start never needs the alerting module.
+    from infrai_jobs.alerting import PrintingAlerter, SnsAlerter  # noqa: PLC0415
+
     if settings.alert_topic_arn:
         return SnsAlerter(settings.alert_topic_arn)
     logging.getLogger(__name__).warning(
@@ -49,6 +46,8 @@ def make_alerter(settings: Settings) -> Alerter:
 
 
 def make_alert_check(settings: Settings, alerter: Alerter | None = None) -> AlertCheck:
+    from infrai_jobs.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
+
     return AlertCheck(
         make_queue_client(settings),
         settings.require_database_url(),

@@ -11,14 +11,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
 from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
-from infrai_jobs.alerting import AlertReport
 from infrai_jobs.drain import DrainSummary
+
+if TYPE_CHECKING:
+    from infrai_jobs.alerting import AlertReport
 
 PACKAGE_LOGGER = "infrai_jobs"
 

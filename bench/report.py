@@ -1,0 +1,685 @@
+"""The benchmark's outputs: JSON, a PNG chart and ``docs/performance.md``.
+
+``run_bench.py`` calls ``write_all`` at the end of a run; ``python bench/report.py [JSON]``
+regenerates the chart and the page from a results file (default ``bench/results/latest.json``)
+without measuring again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+
+VARIANT_LABELS = {
+    "notes_loop": "(a) field notes' loop",
+    "drain": "(b) infrai_jobs drain",
+}
+
+COUNTING = {
+    "http_call": (
+        "one request the emulator received on a /v1 route, read from its own per-route "
+        "counters (GET /_emulator/state) before and after the drain: every consume (the final "
+        "empty one included) and every ack, retries included. Divided by messages consumed."
+    ),
+    "db_round_trip": (
+        "one exchange in libpq's protocol trace (PQtrace, switched on for every connection the "
+        "worker opens, after the handshake): a run of messages the client sent, answered by the "
+        "server. Every execute, BEGIN, COMMIT, SAVEPOINT, RELEASE and ROLLBACK TO, psycopg's "
+        "extra Parse when it prepares a statement and its DEALLOCATE ALL, and the ledger's "
+        "schema check each count one; a pipeline flush with many statements counts one. "
+        "Connection handshakes are not counted (one per connection). Divided by messages "
+        "consumed."
+    ),
+    "ledger_round_trip": (
+        "a round trip none of whose statements is the job's own (a statement beginning "
+        "UPDATE invoices): claims, settles, transaction control, prepares. A ledger statement "
+        "pipelined into the same exchange as the job's UPDATE costs nothing extra and is not "
+        "counted."
+    ),
+    "statement": "one Execute or simple Query message in the trace",
+    "batch_latency": (
+        "from the start of the consume call that returned a batch to the end of the last ack "
+        "of its messages, timed in the worker around the queue port both variants use"
+    ),
+    "between_consumes": (
+        "per lane, from one consume's answer to the start of the next consume: the work the "
+        "loop does on its critical path per batch (for (a) that includes its ten acks)"
+    ),
+    "messages_per_s": (
+        "messages consumed / wall time from just before the first consume (connections "
+        "included) until a consume came back empty (every lane finished)"
+    ),
+    "peak_rss": (
+        "VmHWM of the worker process (one process per drain, so per variant); the worker "
+        "imports only what that variant needs"
+    ),
+    "cpu": (
+        "the worker's user+system CPU seconds over the drain (as % of one core), and how busy "
+        "the whole machine was (/proc/stat): emulator, PostgreSQL and the worker share it"
+    ),
+}
+
+_LEDGER_TARGET = 0.3
+_RATIO_TARGET = 8.0
+_CEILING_TARGET = 0.70
+_LANES_TARGET = 0.8
+_RSS_TARGET_MB = 150.0
+_RSS_TARGET_JOBS = 20_000
+_COLD_START_TARGET_MS = 250.0
+
+
+# --- targets -------------------------------------------------------------------------------------
+
+
+def _target(name: str, required: str, measured: str, passed: bool | None) -> dict[str, Any]:
+    return {"target": name, "required": required, "measured": measured, "pass": passed}
+
+
+def evaluate_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 9's targets against this run's figures; pass is None when not measured."""
+    latency = document["config"]["latency_ms"]
+    comparison = document["comparison"]
+    drain = document["variants"]["drain"]["median"]
+    targets: list[dict[str, Any]] = []
+
+    ratio = comparison["ratio_b_over_a"]
+    targets.append(
+        _target(
+            f"(b) / (a) messages per second at {latency:g} ms",
+            f">= {_RATIO_TARGET:g}x",
+            f"{ratio}x" if ratio is not None else "n/a",
+            None if ratio is None else ratio >= _RATIO_TARGET,
+        )
+    )
+    fraction = comparison["b_fraction_of_ceiling"]
+    ceiling = comparison["single_lane_ceiling_msgs_per_s"]
+    targets.append(
+        _target(
+            f"(b) against the single-lane ceiling ({ceiling} msg/s)",
+            f">= {_CEILING_TARGET:.0%}",
+            f"{fraction:.1%}" if fraction is not None else "n/a",
+            None if fraction is None else fraction >= _CEILING_TARGET,
+        )
+    )
+    ledger = drain["ledger_round_trips_per_message"] if document["config"]["db_trace"] else None
+    targets.append(
+        _target(
+            "ledger round trips per message, (b)",
+            f"<= {_LEDGER_TARGET:g}",
+            f"{ledger:g}" if ledger is not None else "not counted",
+            None if ledger is None else ledger <= _LEDGER_TARGET,
+        )
+    )
+    scaling = [s for s in document["lanes"]["scaling"] if 1 < s["lanes"] <= 8]
+    targets.append(
+        _target(
+            "throughput with N lanes (N <= 8)",
+            f">= {_LANES_TARGET:g} x N",
+            ", ".join(f"{s['lanes']}: {s['speedup']}x" for s in scaling) or "not run",
+            all(s["speedup"] >= _LANES_TARGET * s["lanes"] for s in scaling) if scaling else None,
+        )
+    )
+    memory = document.get("memory")
+    if memory is None:
+        targets.append(
+            _target(f"peak RSS draining {_RSS_TARGET_JOBS:,} jobs", "< 150 MB", "not run", None)
+        )
+    else:
+        note = "" if memory["jobs"] == _RSS_TARGET_JOBS else f" ({memory['jobs']:,} jobs)"
+        targets.append(
+            _target(
+                f"peak RSS draining {_RSS_TARGET_JOBS:,} jobs",
+                f"< {_RSS_TARGET_MB:g} MB",
+                f"{memory['peak_rss_mb']} MB{note}",
+                memory["peak_rss_mb"] < _RSS_TARGET_MB
+                if memory["jobs"] >= _RSS_TARGET_JOBS
+                else None,
+            )
+        )
+    cold = document.get("cold_start")
+    if cold is None:
+        targets.append(_target("cold start, tracing off", "< 250 ms", "not run", None))
+    else:
+        off = cold["tracing_off"]
+        targets.append(
+            _target(
+                "DrainFunction cold start (import + first setup), tracing off",
+                f"< {_COLD_START_TARGET_MS:g} ms",
+                f"{off['median_ms']} ms",
+                off["median_ms"] < _COLD_START_TARGET_MS,
+            )
+        )
+        targets.append(
+            _target(
+                "cold start imports nothing unused (boto3 only when a feature needs it)",
+                "boto3 not imported",
+                "boto3 imported" if off["boto3_imported"] else "boto3 not imported",
+                not off["boto3_imported"],
+            )
+        )
+    return targets
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def write_all(document: dict[str, Any], out: Path, docs: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.fromisoformat(document["started_at"]).strftime("%Y%m%dT%H%M%SZ")
+    text = json.dumps(document, indent=2) + "\n"
+    written = [out / f"bench-{stamp}.json", out / "latest.json"]
+    for path in written:
+        path.write_text(text)
+    chart = out / "latest.png"
+    write_chart(document, chart)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(render_markdown(document, chart))
+    return [*written, chart, docs]
+
+
+def write_chart(document: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415 - only the report needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    config = document["config"]
+    variants = document["variants"]
+    ceiling = document["comparison"]["single_lane_ceiling_msgs_per_s"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+
+    names = ["(a) notes' loop", "(b) drain"]
+    rates = [
+        variants["notes_loop"]["median"]["messages_per_s"],
+        variants["drain"]["median"]["messages_per_s"],
+    ]
+    bars = left.bar(names, rates, color=["#9e9e9e", "#1f77b4"])
+    left.bar_label(bars, labels=[f"{r:.0f}" for r in rates])
+    if ceiling:
+        left.axhline(ceiling, color="#2ca02c", linestyle="--", label=f"ceiling {ceiling:.0f}")
+        left.axhline(
+            _CEILING_TARGET * ceiling,
+            color="#ff7f0e",
+            linestyle=":",
+            label=f"target {_CEILING_TARGET:.0%} of ceiling",
+        )
+        left.axhline(
+            _RATIO_TARGET * rates[0], color="#d62728", linestyle="-.", label="target 8x (a)"
+        )
+        left.legend(loc="upper left", fontsize=8)
+    left.set_ylabel("messages per second (median)")
+    left.set_title(
+        f"{config['jobs']:,} jobs, {config['duplicate_share']:.0%} duplicates, "
+        f"{config['latency_ms']:g} ms per call",
+        fontsize=10,
+    )
+
+    scaling = document["lanes"]["scaling"]
+    if scaling:
+        lanes = [s["lanes"] for s in scaling]
+        lane_rates = [s["messages_per_s"] for s in scaling]
+        base = document["lanes"]["baseline_msgs_per_s"]
+        positions = range(len(lanes))
+        bars = right.bar(positions, lane_rates, color="#1f77b4")
+        right.bar_label(bars, labels=[f"{r:.0f}" for r in lane_rates])
+        right.plot(positions, [base * n for n in lanes], "g--", marker="o", label="linear")
+        right.plot(
+            positions,
+            [_LANES_TARGET * base * n for n in lanes],
+            color="#ff7f0e",
+            linestyle=":",
+            marker="o",
+            label=f"target {_LANES_TARGET:g} x N",
+        )
+        right.set_xticks(list(positions), [str(n) for n in lanes])
+        right.set_xlabel("concurrent lanes of (b)")
+        right.set_ylabel("messages per second")
+        right.set_title(f"lanes on {document['machine']['nproc']} CPUs", fontsize=10)
+        right.legend(loc="upper left", fontsize=8)
+    else:
+        right.set_axis_off()
+    figure.suptitle("infrai-jobs drain benchmark", fontsize=12)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# --- the page ----------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _share(value: float) -> str:
+    """A per-message figure; a few exchanges per run (connection set-up) show as such."""
+    if value == 0:
+        return "0"
+    return "<0.001" if value < 0.001 else f"{value:.3f}"
+
+
+def _pass(value: bool | None) -> str:
+    return "not measured" if value is None else ("**pass**" if value else "**FAIL**")
+
+
+def _labels_per_message(runs: list[dict[str, Any]]) -> dict[str, float]:
+    counts: Counter[str] = Counter()
+    consumed = 0
+    for run in runs:
+        counts.update(run["db"]["round_trips_by_label"])
+        consumed += run["consumed"]
+    return {label: n / consumed for label, n in counts.most_common()} if consumed else {}
+
+
+def render_markdown(document: dict[str, Any], chart: Path) -> str:
+    lines: list[str] = []
+    add = lines.append
+    add("# Performance")
+    add("")
+    add(
+        f"Generated by `make bench` (`bench/run_bench.py`) from `bench/results/latest.json`, run "
+        f"started {document['started_at']} and took {document['duration_s']:.0f} s. Do not edit "
+        "by hand: `bench/report.py` writes this page (`.venv/bin/python bench/report.py` "
+        "regenerates it from a results file)."
+    )
+    add("")
+    try:
+        chart_link = "../" + chart.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        chart_link = chart.resolve().as_uri()
+    add(f"![benchmark chart]({chart_link})")
+    add("")
+    for section in (
+        _targets_section,
+        _setup_section,
+        _comparison_section,
+        _round_trips_section,
+        _lanes_section,
+        _memory_section,
+        _profile_section,
+        _cold_start_section,
+        _method_section,
+    ):
+        lines.extend(section(document))
+    return "\n".join(lines)
+
+
+def _targets_section(document: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Targets (issue 9)",
+        "",
+        "| target | required | measured | result |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {t['target']} | {t['required']} | {t['measured']} | {_pass(t['pass'])} |"
+        for t in document["targets"]
+    ]
+    skewed = _skewed_runs(document)
+    if skewed:
+        lines += [
+            "",
+            f"Other work was running on this machine: {len(skewed)} drain(s) started with it "
+            f"more than {BACKGROUND_WARNING_PCT:g}% busy ({', '.join(skewed)}). Their figures "
+            "are skewed by it (throughput low, latency high); rerun on a quiet machine to "
+            "judge the targets.",
+        ]
+    return [*lines, ""]
+
+
+BACKGROUND_WARNING_PCT = 20.0
+
+
+def _all_runs(document: dict[str, Any]) -> list[dict[str, Any]]:
+    runs = [run for variant in document["variants"].values() for run in variant["runs"]]
+    runs += document["lanes"]["runs"]
+    if document.get("memory"):
+        runs.append(document["memory"]["run"])
+    return runs
+
+
+def _skewed_runs(document: dict[str, Any]) -> list[str]:
+    return [
+        f"{run['name']} {run['background_busy_pct']:g}%"
+        for run in _all_runs(document)
+        if (run.get("background_busy_pct") or 0) > BACKGROUND_WARNING_PCT
+    ]
+
+
+def _setup_section(document: dict[str, Any]) -> list[str]:
+    config = document["config"]
+    machine = document["machine"]
+    return [
+        "## What ran",
+        "",
+        f"- Machine: {machine['nproc']} CPUs ({machine['cpu_model']}), Python "
+        f"{machine['python']}, PostgreSQL {machine['postgres']} ({machine['database']}), "
+        f"psycopg {machine['psycopg']}, {machine['platform']}.",
+        f"- Workload per drain: {config['jobs']:,} messages = {config['unique_jobs']:,} distinct "
+        f"`{config['job']}` ({config.get('job_effect', 'database')}-class) jobs + "
+        f"{config['duplicate_publishes']:,} duplicate publishes "
+        f"({config['duplicate_share']:.0%}) in one seeded, shuffled order (seed "
+        f"{config['seed']}); an `invoices` table (`INVOICES_DDL`) with {config['jobs']:,} rows.",
+        f"- Infrai: the local emulator in its own process on 127.0.0.1, with "
+        f"{config['latency_ms']:g} ms injected into every /v1 call while a drain is measured "
+        "(`POST /_emulator/faults`); publishing and checking run without it.",
+        "- Every drain gets a fresh queue and a fresh scratch database migrated with the "
+        "project's migrations (both variants use the same `job_claims` table), runs in a worker "
+        "process of its own, and is checked afterwards: every invoice finalised with its "
+        "amount, one `done` claim per distinct job, queue and DLQ empty.",
+        f"- (a) and (b) alternate, (a) (b) (a) (b)..., {config['rounds']} "
+        f"round{'s' if config['rounds'] != 1 else ''} each; the tables show medians over the "
+        "rounds.",
+        "- (a) is `bench/notes_loop.py`, the field notes' Node worker loop ported line for "
+        "line: consume 10; per message one claim `INSERT ... ON CONFLICT DO NOTHING "
+        "RETURNING`, the `UPDATE invoices`, one `UPDATE job_claims SET state = 'done'`, one "
+        "ack; autocommit; repeated until the queue is empty. It uses the project's "
+        "`InfraiClient`, the same keep-alive HTTP stack as (b).",
+        "- (b) is `infrai_jobs.drain.drain` with `PostgresLedger`, `functions/drain`'s job "
+        "registry and `DrainConfig(queue=...)`, as DrainFunction runs it.",
+        "",
+    ]
+
+
+_COMPARISON_ROWS = (
+    ("messages per second", "messages_per_s", 1),
+    ("wall time, s", "elapsed_s", 1),
+    ("HTTP calls per message", "http_per_message", 3),
+    ("DB round trips per message", "db_round_trips_per_message", 3),
+    ("- ledger's own", "ledger_round_trips_per_message", 3),
+    ("- the job's own", "job_round_trips_per_message", 3),
+    ("statements per message", "statements_per_message", 3),
+    ("batch latency p50, ms", "batch_p50_ms", 1),
+    ("batch latency p99, ms", "batch_p99_ms", 1),
+    ("consume call p50, ms", "consume_call_p50_ms", 1),
+    ("ack call p50, ms", "ack_call_p50_ms", 1),
+    ("loop's own work between consumes p50, ms", "between_consumes_p50_ms", 1),
+    ("peak RSS, MB", "peak_rss_mb", 1),
+    ("worker CPU, % of one core", "process_cpu_pct", 1),
+    ("machine busy, % of all CPUs", "machine_busy_pct", 1),
+    ("machine busy just before (other work), %", "background_busy_pct", 1),
+)
+
+
+def _comparison_section(document: dict[str, Any]) -> list[str]:
+    a = document["variants"]["notes_loop"]["median"]
+    b = document["variants"]["drain"]["median"]
+    comparison = document["comparison"]
+    latency = document["config"]["latency_ms"]
+    lines = [
+        "## (a) against (b)",
+        "",
+        "| per drain (median) | (a) notes' loop | (b) drain | (b) / (a) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, key, digits in _COMPARISON_ROWS:
+        ratio = ""
+        if a[key] and b[key] is not None and key in ("messages_per_s", "batch_p50_ms"):
+            ratio = f"{b[key] / a[key]:.2f}x"
+        lines.append(f"| {label} | {_fmt(a[key], digits)} | {_fmt(b[key], digits)} | {ratio} |")
+    lines.append(f"| every drain verified | {_fmt(a['verified'])} | {_fmt(b['verified'])} | |")
+    b_share = 100 * (comparison["b_fraction_of_ceiling"] or 0)
+    a_share = 100 * (comparison["a_fraction_of_ceiling"] or 0)
+    rounds = ", ".join(f"{r}x" for r in comparison["ratio_per_round"])
+    lines += [
+        "",
+        f"Single-lane ceiling: 10 messages per consume round trip at {latency:g} ms = "
+        f"**{_fmt(comparison['single_lane_ceiling_msgs_per_s'])} msg/s**. (b) reaches "
+        f"**{_fmt(b_share)}%** of it, (a) {_fmt(a_share)}%. (b)/(a) per round: {rounds}.",
+        "",
+        f"A consume actually took {_fmt(comparison['measured_consume_p50_ms'])} ms here "
+        "(median, client side: injected latency + loopback HTTP + the VM waking threads up), so "
+        "on this machine one lane that waits for each consume can do at most "
+        f"{_fmt(comparison['measured_ceiling_msgs_per_s'])} msg/s.",
+        "",
+    ]
+    return lines
+
+
+def _round_trips_section(document: dict[str, Any]) -> list[str]:
+    if not document["config"]["db_trace"]:
+        return []
+    a_labels = _labels_per_message(document["variants"]["notes_loop"]["runs"])
+    b_labels = _labels_per_message(document["variants"]["drain"]["runs"])
+    lines = [
+        "### Where the database round trips go",
+        "",
+        "Round trips per consumed message, by what each exchange carried (all rounds together; "
+        "`;` separates statements in one simple-protocol message, `+` statements pipelined in "
+        "one exchange; `prepare` is psycopg's extra Parse when it first prepares a statement).",
+        "",
+        "| exchange | (a) per message | (b) per message |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [
+        f"| `{label}` | {_share(a_labels.get(label, 0.0))} | {_share(b_labels.get(label, 0.0))} |"
+        for label in dict.fromkeys([*a_labels, *b_labels])
+    ]
+    return [*lines, ""]
+
+
+def _lanes_section(document: dict[str, Any]) -> list[str]:
+    scaling = document["lanes"]["scaling"]
+    if not scaling:
+        return []
+    lines = [
+        "## Lanes",
+        "",
+        "(b) with N concurrent lanes: N threads in one worker process, each running `drain()` "
+        "with its own `InfraiClient` and `PostgresLedger` on the same queue and ledger "
+        f"({document['config']['jobs']:,} messages per run, one run per N). The emulator, "
+        f"PostgreSQL and the worker share this machine's {document['machine']['nproc']} CPUs.",
+        "",
+        "| lanes | msg/s | speedup | target | batch p50 ms | batch p99 ms | worker CPU % "
+        "| machine busy % | result |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for s in scaling:
+        result = "" if s["lanes"] == 1 else _pass(s["speedup"] >= s["target_speedup"])
+        lines.append(
+            f"| {s['lanes']} | {_fmt(s['messages_per_s'])} | {s['speedup']}x | "
+            f"{s['target_speedup']}x | {_fmt(s['batch_p50_ms'])} | {_fmt(s['batch_p99_ms'])} "
+            f"| {_fmt(s['process_cpu_pct'])} | {_fmt(s['machine_busy_pct'])} | {result} |"
+        )
+    return [*lines, ""]
+
+
+def _memory_section(document: dict[str, Any]) -> list[str]:
+    memory = document.get("memory")
+    if not memory:
+        return []
+    return [
+        "## Memory",
+        "",
+        f"(b) draining {memory['jobs']:,} messages in one worker process: peak RSS "
+        f"**{memory['peak_rss_mb']} MB** (RSS before the first consume "
+        f"{memory['rss_before_mb']} MB), {_fmt(memory['messages_per_s'])} msg/s, verified "
+        f"{_fmt(memory['verified'])}.",
+        "",
+    ]
+
+
+def _profile_section(document: dict[str, Any]) -> list[str]:
+    profile = document.get("profile")
+    if not profile:
+        return []
+    lines = [
+        "## Where (b)'s worker spends its CPU",
+        "",
+        f"One more (b) drain of {profile['jobs']:,} messages under cProfile in every thread "
+        f"(the ack pool's too): {_fmt(profile['messages_per_s_under_profiler'])} msg/s under "
+        f"the profiler, worker CPU {_fmt(profile['process_cpu_pct'])}% of one core. The "
+        "profiler's clock is each thread's CPU time, so waiting (network, database, the GIL) "
+        "is not counted, and its own overhead inflates call-heavy functions. The full listing "
+        f"is `bench/results/{profile['file']}`.",
+        "",
+        "| function | calls | self s | cumulative s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| `{row['function']}` | {row['calls']:,} | {row['self_s']:.3f} | "
+        f"{row['cumulative_s']:.3f} |"
+        for row in profile["top_by_self_time"]
+    ]
+    return [*lines, ""]
+
+
+_COLD_SCENARIOS = (
+    ("tracing off (`POWERTOOLS_TRACE_DISABLED=true`)", "tracing_off"),
+    ("tracing on (`POWERTOOLS_TRACE_DISABLED=false`)", "tracing_on"),
+    ("secrets by name: Parameters + 2 boto3 clients (extra)", "secrets_by_name_extra"),
+)
+
+
+def _cold_start_section(document: dict[str, Any]) -> list[str]:
+    cold = document.get("cold_start")
+    if not cold:
+        return []
+    lines = [
+        "## Cold start (DrainFunction)",
+        "",
+        cold["method"][0].upper()
+        + cold["method"][1:]
+        + (f"; measured {cold['measured_at']}" if cold.get("measured_at") else "")
+        + ".",
+        "",
+        "| scenario | median ms | import ms | setup ms | min-max ms | process wall ms | "
+        "modules | boto3 imported | connections |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: |",
+    ]
+    for label, key in _COLD_SCENARIOS:
+        row = cold[key]
+        if row.get("status") == "n/a":
+            lines.append(f"| {label} | n/a: {row['reason']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {label} | {_fmt(row['median_ms'])} | {_fmt(row['import_ms'])} | "
+            f"{_fmt(row['setup_ms'])} | {_fmt(row['min_ms'])}-{_fmt(row['max_ms'])} | "
+            f"{_fmt(row['process_wall_ms'])} | {_fmt(row['modules_loaded'])} | "
+            f"{_fmt(row['boto3_imported'])} | {_fmt(row['network_connections'])} |"
+        )
+    off, on = cold["tracing_off"], cold["tracing_on"]
+    if on.get("status") == "n/a":
+        tracing = "Tracing on could not be measured: " + on["reason"] + "."
+    elif on["modules_loaded"] == off["modules_loaded"]:
+        tracing = "Tracing on imports nothing more: both settings run the same code."
+    else:
+        tracing = (
+            f"Tracing on imports {on['modules_loaded'] - off['modules_loaded']} more modules "
+            f"(the X-Ray SDK behind Powertools' Tracer) and adds "
+            f"{on['median_ms'] - off['median_ms']:.0f} ms."
+        )
+    lines += [
+        "",
+        tracing + " In AWS the template names the secrets (`INFRAI_API_KEY_PARAMETER`, "
+        "`DATABASE_SECRET_ARN`), so the first invocation also pays the secrets-by-name row "
+        "plus two network calls; here the plain values are set and neither runs.",
+        "",
+    ]
+    for key, title in (("importtime_tracing_off", "off"), ("importtime_tracing_on", "on")):
+        breakdown = cold.get(key)
+        if not breakdown:
+            continue
+        lines += [
+            f"`python -X importtime`, tracing {title}: top modules by cumulative time (median of "
+            f"{breakdown['runs']} runs; {breakdown['modules_imported']} modules imported; "
+            "indentation is nesting)",
+            "",
+            "| module | cumulative ms | self ms |",
+            "| --- | ---: | ---: |",
+        ]
+        lines += [
+            f"| {'&nbsp;&nbsp;' * row['depth']}`{row['module']}` | "
+            f"{_fmt(row['cumulative_ms'], 2)} | {_fmt(row['self_ms'], 2)} |"
+            for row in breakdown["top_by_cumulative"]
+        ]
+        packages = ", ".join(
+            f"`{p['package']}` {p['self_ms']:.1f}" for p in breakdown["top_packages_by_self"]
+        )
+        lines += ["", f"Self time by top-level package, ms: {packages}.", ""]
+    return lines
+
+
+def _method_section(document: dict[str, Any]) -> list[str]:
+    nproc = document["machine"]["nproc"]
+    lines = ["## How it counts", ""]
+    lines += [
+        f"- **{name.replace('_', ' ')}**: {text}" for name, text in document["counting"].items()
+    ]
+    return [
+        *lines,
+        "",
+        "## Running it",
+        "",
+        "```",
+        "make bench                                   # the default run, about 10 minutes",
+        "make bench BENCH_ARGS='--jobs 500 --rounds 1 --lanes 1,2'   # smoke, about 90 s",
+        ".venv/bin/python bench/run_bench.py --help   # every option",
+        ".venv/bin/python bench/cold_start.py         # the cold start alone",
+        ".venv/bin/python bench/cold_start.py --update bench/results/latest.json  # re-measure it",
+        ".venv/bin/python bench/report.py             # this page and the chart from latest.json",
+        "```",
+        "",
+        "With `DATABASE_URL` set, that server is used (its role needs CREATEDB for the scratch "
+        "databases); otherwise an embedded PostgreSQL. Servers listen on 127.0.0.1 or a unix "
+        "socket only.",
+        "",
+        "## Caveats",
+        "",
+        "- Latency is a sleep in the emulator before it answers: no bandwidth limit, jitter or "
+        "TLS; every call also costs a loopback HTTP/1.1 exchange with a Python server.",
+        f"- The emulator, PostgreSQL and the worker share {nproc} CPUs: the `machine busy` "
+        "column shows when the machine, not the drain, was the limit.",
+        "- The protocol trace is on during measured drains (libpq writes each message to a "
+        "buffered file; no difference in throughput was measurable); `--no-db-trace` turns it "
+        "off.",
+        "- (a) acks duplicates too (its `runOnce` returns true on a skip), so both variants make "
+        "one consume per 10 messages and one ack per message.",
+        "",
+    ]
+
+
+def summary_text(document: dict[str, Any]) -> str:
+    a = document["variants"]["notes_loop"]["median"]
+    b = document["variants"]["drain"]["median"]
+    comparison = document["comparison"]
+    parts = [
+        f"(a) {a['messages_per_s']} msg/s, (b) {b['messages_per_s']} msg/s, "
+        f"(b)/(a) {comparison['ratio_b_over_a']}x, "
+        f"(b) {_fmt(100 * (comparison['b_fraction_of_ceiling'] or 0))}% of the "
+        f"{comparison['single_lane_ceiling_msgs_per_s']} msg/s ceiling",
+    ]
+    for target in document["targets"]:
+        parts.append(f"  {target['target']}: {target['measured']} ({_pass(target['pass'])})")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate the chart and docs/performance.md.")
+    parser.add_argument("results", nargs="?", type=Path, default=BENCH / "results" / "latest.json")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "performance.md")
+    args = parser.parse_args(argv)
+    document = json.loads(args.results.read_text())
+    chart = args.results.parent / "latest.png"
+    write_chart(document, chart)
+    args.docs.write_text(render_markdown(document, chart))
+    print(summary_text(document))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1022,8 +1022,7 @@ def _read_drain_events(fleet: DrainFleet, report: SoakReport) -> tuple[int, int]
             elif kind == "self_kill":
                 self_kills += 1
             action = event.get("action")
-            if action == "retry" and "call" in event:
-                # The client logs its own retries with the same action word as the outcome.
+            if action == "http_retry":
                 report.drain_outcomes[f"Infrai {event['call']} calls retried"] += 1
             elif isinstance(action, str) and action in _REPORTED_ACTIONS:
                 report.drain_outcomes[_REPORTED_ACTIONS[action]] += 1

@@ -255,18 +255,18 @@ class InfraiClient:
             try:
                 return self._request_once(method, path, body, call=call)
             except InfraiUnavailable as exc:
-                if attempt + 1 >= attempts:
-                    raise
-                delay = self._retry.backoff(attempt)
                 retry_after = getattr(exc, "retry_after", None)
+                out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
+                if attempt + 1 >= attempts or out_of_time:
+                    # The public type, whatever answer class carried the last failure.
+                    raise InfraiUnavailable(exc.code, exc.message, exc.status, call=call) from exc
+                delay = self._retry.backoff(attempt)
                 if retry_after is not None:
-                    if retry_after > self._retry.max_retry_after:
-                        raise
                     delay = retry_after + random.uniform(0, self._retry.base_delay)
                 logger.info(
                     "retrying an Infrai call",
                     extra={
-                        "action": "retry",
+                        "action": "http_retry",
                         "call": call,
                         "code": exc.code,
                         "attempt": attempt + 1,

@@ -138,3 +138,67 @@ def test_external_claims_are_given_back_when_the_claim_answer_is_lost(kit: Harne
     second = kit.drain()
     assert second.outcomes == {"done": 1}
     assert kit.sink.state.snapshot()["mails"] == {"inv_5": 1, "inv_6": 1}
+
+
+# A drain whose irreversible call for id "2" kills the process mid-call.
+KILL_MID_CALL = textwrap.dedent(
+    """
+    import os, signal, sys
+    import psycopg
+    from drainkit import QUEUE
+    from infrai_jobs.drain import DrainConfig, drain
+    from infrai_jobs.jobs import Effect, JobRegistry
+    from infrai_jobs.ledger import PostgresLedger
+    from infrai_jobs.queue_client import InfraiClient
+
+    base_url, database_url = sys.argv[1:3]
+    registry = JobRegistry()
+
+    def send(payload, ctx):
+        if payload["id"] == "2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("INSERT INTO test_external_effects VALUES (%s)", (ctx.idem_key,))
+        return {"sent": payload["id"]}
+
+    registry.job("test.mail", effect=Effect.EXTERNAL, identity=("id",))(send)
+    drain(InfraiClient(base_url, "test-key"), PostgresLedger(database_url), registry,
+          DrainConfig(queue=QUEUE), lambda: 120_000)
+    """
+)
+
+
+def test_a_crash_mid_call_leaves_only_that_irreversible_claim_for_a_human(kit: Harness) -> None:
+    # Given three irreversible jobs in one batch, and a drain killed during the second call
+    for n in ("1", "2", "3"):
+        kit.publish({"job": "test.mail", "id": n})
+
+    def send(payload: Payload, ctx: JobContext) -> JsonValue:
+        with psycopg.connect(kit.database_url, autocommit=True) as conn:
+            conn.execute("INSERT INTO test_external_effects VALUES (%s)", (ctx.idem_key,))
+        return {"sent": payload["id"]}
+
+    kit.registry.job("test.mail", effect=Effect.EXTERNAL, identity=("id",))(send)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "functions" / "drain")]),
+    }
+    finished = subprocess.run(
+        [sys.executable, "-c", KILL_MID_CALL, kit.server.url, kit.database_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert finished.returncode == -9, finished.stderr
+    # When the batch is redelivered
+    kit.advance()
+    summary = kit.drain()
+    # Then the first is a duplicate of done, the second (its call had begun) is stuck, and the
+    # third, never claimed before the crash, runs now: each effect at most once
+    assert summary.outcomes == {"duplicate": 1, "stuck": 1, "done": 1}
+    assert [kit.external_effects(f"test.mail:{n}") for n in ("1", "2", "3")] == [1, 0, 1]
+    stuck = kit.row("test.mail:2")
+    assert stuck is not None
+    assert stuck.state == "running"

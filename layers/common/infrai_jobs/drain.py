@@ -308,6 +308,8 @@ class _Batch:
         self.primaries: dict[str, tuple[QueueMessage, DerivedJob]] = {}
         self.copies: list[tuple[QueueMessage, DerivedJob]] = []
         self.takeovers: set[str] = set()
+        # Set once a claim failed for the ledger: the rest of the batch is not tried.
+        self.ledger_failed = ""
 
     def process(self) -> list[MessageResult]:
         self._derive_keys()
@@ -370,12 +372,28 @@ class _Batch:
         self._record(decisions, settlements)
 
     def _run_external(self, requests: list[ClaimRequest]) -> None:
-        """Commit the claims, then run and settle each job right after its effect."""
-        if not requests:
-            return
+        """Commit claims, then run and settle each job right after its effect.
+
+        Key-passing (``external_idempotent``) jobs are claimed for the batch in one statement:
+        if this process dies before calling, a later delivery takes the claim over once its
+        lease ends. Irreversible (``external``) jobs are claimed one by one, right before their
+        own call, so a crash leaves for a human only the claim whose call had begun, not every
+        claim of the batch.
+        """
+        idempotent = [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]
+        if idempotent:
+            self._claim_and_run(idempotent)
+        for request in (r for r in requests if r.effect is Effect.EXTERNAL):
+            if self.ledger_failed:
+                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, self.ledger_failed)
+            else:
+                self._claim_and_run([request])
+
+    def _claim_and_run(self, requests: list[ClaimRequest]) -> None:
         try:
             decisions = self.ledger.claim(requests)
         except LedgerError as exc:
+            self.ledger_failed = str(exc)
             for request in requests:
                 self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
             return

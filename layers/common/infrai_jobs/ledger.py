@@ -26,9 +26,10 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg.rows import dict_row
 
-from infrai_jobs.errors import InfraiJobsError, LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.jobs import Effect, JsonValue
 from infrai_jobs.migrations import LATEST_VERSION, current_version
+from infrai_jobs.rotation import fetch_again
 from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -344,18 +345,7 @@ class PostgresLedger:
         )
 
     def _refreshed_url(self) -> str | None:
-        """A different URL from the secret store, or None when there is nothing new to try."""
-        if self._refresh_url is None:
-            return None
-        try:
-            fresh = self._refresh_url()
-        except InfraiJobsError as exc:
-            logger.warning(
-                "could not fetch the database secret again",
-                extra={"action": "secret_refresh_failed", "detail": str(exc)},
-            )
-            return None
-        return fresh if fresh and fresh != self._url else None
+        return fetch_again(self._refresh_url, self._url, "database secret")
 
     @contextmanager
     def _translated(self) -> Iterator[psycopg.Connection[Any]]:

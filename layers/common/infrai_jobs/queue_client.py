@@ -31,7 +31,6 @@ from infrai_jobs.errors import (
     ConfigurationError,
     InfraiError,
     InfraiInvalidResponse,
-    InfraiJobsError,
     InfraiUnavailable,
     QueueMessageNotFound,
 )
@@ -41,6 +40,7 @@ from infrai_jobs.queue_models import (
     QueueStats,
     parse_publish_price,
 )
+from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)
 
@@ -222,17 +222,8 @@ class InfraiClient:
         return self._call_with_retries(method, path, body, call=call, retryable=retryable)
 
     def _take_refreshed_key(self) -> bool:
-        if self._refresh_api_key is None:
-            return False
-        try:
-            fresh = self._refresh_api_key()
-        except InfraiJobsError as exc:
-            logger.warning(
-                "could not fetch the API key again",
-                extra={"action": "secret_refresh_failed", "detail": str(exc)},
-            )
-            return False
-        if not fresh or fresh == self._api_key:
+        fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
+        if fresh is None:
             return False
         logger.warning(
             "Infrai answered 401; retrying once with the API key fetched again",

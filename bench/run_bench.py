@@ -1,7 +1,7 @@
 """``make bench``: the field notes' worker loop against this project's drain, side by side.
 
     .venv/bin/python bench/run_bench.py [--jobs 5000] [--latency-ms 25] [--rounds 2]
-        [--lanes 1,2,4,8] [--rss-jobs 20000] [--out bench/results]
+        [--lanes 1,2,4,8] [--rss-jobs 20000] [--second-layer-jobs 500] [--out bench/results]
 
 One run: DrainFunction's cold start (``cold_start.py``); then, against the emulator (its own
 process, ``--latency-ms`` injected on every /v1 call while a drain is measured) and PostgreSQL
@@ -11,7 +11,11 @@ process, ``--latency-ms`` injected on every /v1 call while a drain is measured) 
    (a), (b), (a), (b)..., each on a fresh queue holding ``--jobs`` messages (``--duplicates`` of
    them repeat publishes of another message's job), each in its own process (``worker.py``);
 2. (b) in N concurrent lanes for each N of ``--lanes``;
-3. (b) draining ``--rss-jobs`` messages, for peak memory.
+3. (b) draining ``--rss-jobs`` messages, for peak memory;
+4. the second layer's cost (``second_layer_bench.py``): ``--second-layer-jobs`` ``receipt.send``
+   (external) messages drained with ``IDEMPOTENCY_BACKEND`` off, on (first run) and on again
+   with a fresh ledger (replay), DynamoDB being moto's server on 127.0.0.1 with the same
+   injected latency; plus the cold start of turning it on. ``--second-layer-jobs 0`` skips it.
 
 Results: ``<out>/bench-<timestamp>.json``, ``<out>/latest.json``, ``<out>/latest.png`` and
 ``docs/performance.md`` (``report.py`` regenerates the last two from a JSON file).
@@ -226,6 +230,13 @@ def _lanes(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run_bench.py", description=__doc__.split("\n\n")[0].strip("`: ")
@@ -254,6 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="messages of an extra (b) drain under cProfile, for hotspots (default: --jobs, "
         "at most 2,000); 0 skips it",
+    )
+    parser.add_argument(
+        "--second-layer-jobs",
+        type=int,
+        default=500,
+        help="messages per drain of the second layer's cost (second_layer_bench.py), about "
+        "a minute at the default %(default)s; 0 skips it",
+    )
+    parser.add_argument(
+        "--second-layer-rounds",
+        type=_positive,
+        default=1,
+        help="(off, on, replay) rounds of the second layer's cost (%(default)s)",
     )
     parser.add_argument("--seed", type=int, default=9, help="publish order (%(default)s)")
     parser.add_argument(
@@ -289,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lane_runs: list[dict[str, Any]] = []
     memory_run: dict[str, Any] | None = None
     profile_run: dict[str, Any] | None = None
+    second_layer: dict[str, Any] | None = None
     args.out.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="infrai-bench-") as scratch,
@@ -322,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"profile: (b) under cProfile, {args.profile_jobs} messages", file=sys.stderr)
                 small = Workload(args.profile_jobs, args.duplicates, args.seed)
                 profile_run = measure(bench, "drain", "drain", small, profile=True)
+            if args.second_layer_jobs > 0:
+                second_layer = _second_layer(args, bench)
         finally:
             emulator.stop()
 
@@ -336,12 +363,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_run=memory_run,
         profile_run=profile_run,
         cold=cold,
+        second_layer=second_layer,
     )
     paths = report.write_all(document, args.out, args.docs)
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)
     print(report.summary_text(document))
     return 0
+
+
+def _second_layer(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
+    """The second layer's cost, on this run's PostgreSQL and emulator."""
+    # Imported here: it imports functions/drain's jobs and, when it runs, moto's server.
+    import second_layer_bench  # noqa: PLC0415
+
+    print(
+        f"second layer: off / on / replay, {args.second_layer_jobs} receipt.send messages",
+        file=sys.stderr,
+    )
+    scratch = bench.scratch / "second-layer"
+    scratch.mkdir()
+    setup = second_layer_bench.Setup(
+        bench.server_url, bench.emulator, scratch, bench.latency_ms, bench.timeout_s
+    )
+    workload = Workload(args.second_layer_jobs, args.duplicates, args.seed)
+    result: dict[str, Any] = second_layer_bench.measure(
+        setup, workload, rounds=args.second_layer_rounds, cold_start_runs=args.cold_start_runs
+    )
+    print(second_layer_bench.summary_text(result), file=sys.stderr)
+    return result
 
 
 def assemble(
@@ -356,6 +406,7 @@ def assemble(
     memory_run: dict[str, Any] | None,
     profile_run: dict[str, Any] | None,
     cold: dict[str, Any] | None,
+    second_layer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     medians = {name: median_of(runs) for name, runs in variants.items()}
     a_rate = medians["notes_loop"]["messages_per_s"]
@@ -446,6 +497,7 @@ def assemble(
             }
         ),
         "cold_start": cold,
+        "second_layer": second_layer,
     }
     document["targets"] = report.evaluate_targets(document)
     return document

@@ -191,3 +191,15 @@ def verify(run: PreparedRun, emulator: EmulatorProcess) -> dict[str, Any]:
         and stats.dlq_count == 0
     )
     return checks
+
+
+def worker_result(name: str, returncode: int, log_path: Path, result_path: Path) -> dict[str, Any]:
+    """A finished worker's JSON result; its log's tail is shown, and a failure raised with it."""
+    worker_log = log_path.read_text()
+    if returncode != 0:
+        raise RuntimeError(f"{name}: worker exited {returncode}:\n{worker_log[-4000:]}")
+    if worker_log.strip():
+        tail = "\n".join(worker_log.strip().splitlines()[-10:])
+        print(f"  ({name}: the worker logged:)\n{tail}", file=sys.stderr)
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    return result

@@ -45,7 +45,14 @@ from infrai_local.embedded_db import configured_database_url, postgres_server_ur
 
 import cold_start
 import report
-from bench_env import API_KEY, EmulatorProcess, Workload, prepared_run, verify
+from bench_env import (
+    API_KEY,
+    EmulatorProcess,
+    Workload,
+    prepared_run,
+    verify,
+    worker_result,
+)
 from instruments import sample_busy_percent
 
 BENCH = Path(__file__).resolve().parent
@@ -123,13 +130,7 @@ def measure(
             )
         after = bench.emulator.requests()
         bench.emulator.set_latency(0)
-        worker_log = log_path.read_text()
-        if done.returncode != 0:
-            raise RuntimeError(f"{name}: worker exited {done.returncode}:\n{worker_log[-4000:]}")
-        if worker_log.strip():
-            tail = "\n".join(worker_log.strip().splitlines()[-10:])
-            print(f"  ({name}: the worker logged:)\n{tail}", file=sys.stderr)
-        result: dict[str, Any] = json.loads(result_path.read_text())
+        result = worker_result(name, done.returncode, log_path, result_path)
         result["verified"] = verify(run, bench.emulator)
     shutil.rmtree(trace_dir, ignore_errors=True)
     calls = {route: after[route] - before[route] for route in after if after[route] > before[route]}

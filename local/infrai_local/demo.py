@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import subprocess
@@ -50,10 +51,8 @@ DLQ = "billing-jobs-dlq"
 API_KEY = "demo-key"
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 
-INVOICES_DDL = """
-CREATE TABLE IF NOT EXISTS invoices (
-    id text PRIMARY KEY, status text NOT NULL DEFAULT 'draft', total_cents bigint
-);
+# Counts every UPDATE of an invoice, so the demo can show "finalized once".
+COUNT_INVOICE_UPDATES = """
 CREATE TABLE IF NOT EXISTS demo_invoice_updates (invoice_id text, at timestamptz DEFAULT now());
 CREATE OR REPLACE FUNCTION demo_count_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN INSERT INTO demo_invoice_updates (invoice_id) VALUES (NEW.id); RETURN NEW; END $$;
@@ -298,6 +297,15 @@ def _chapter_unknown_outcome(stage: _Stage, report: DemoReport) -> None:
     )
 
 
+def _invoices_ddl(root: Path) -> str:
+    """The table the example job updates, as the job itself declares it."""
+    folder = str(root / "functions" / "drain")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    ddl: str = importlib.import_module("jobs.invoice").INVOICES_DDL
+    return ddl
+
+
 @contextlib.contextmanager
 def _demo_database() -> Iterator[str]:
     """A database of the demo's own: a scratch one on DATABASE_URL's server (dropped after),
@@ -321,7 +329,8 @@ def _stage(root: Path) -> Iterator[_Stage]:
         database_url = stack.enter_context(_demo_database())
         with psycopg.connect(database_url, autocommit=True) as conn:
             apply_migrations(conn)
-            conn.execute(INVOICES_DDL)
+            conn.execute(_invoices_ddl(root))
+            conn.execute(COUNT_INVOICE_UPDATES)
             conn.execute(
                 "INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_8813')"
                 " ON CONFLICT (id) DO NOTHING"

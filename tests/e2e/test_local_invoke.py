@@ -181,40 +181,31 @@ def test_the_cli_reports_a_handler_error_with_exit_code_1(tmp_path: Path) -> Non
         "    Properties: {CodeUri: fn, Handler: app.handler}\n"
     )
     (tmp_path / "e.json").write_text("{}")
-    finished = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "infrai-jobs"),
-            "invoke",
-            "Broken",
-            "--event",
-            str(tmp_path / "e.json"),
-            "--template",
-            str(tmp_path / "template.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    finished = _cli_invoke("Broken", tmp_path)
     assert finished.returncode == 1
     assert json.loads(finished.stdout)["errorType"] == "KeyError"
-    unknown = subprocess.run(
+    unknown = _cli_invoke("Nope", tmp_path)
+    assert unknown.returncode == 2
+    assert "no function 'Nope'" in unknown.stderr
+
+
+def _cli_invoke(function: str, folder: Path) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs invoke FUNCTION`` on the template and ``e.json`` event in ``folder``."""
+    return subprocess.run(
         [
             str(Path(sys.executable).parent / "infrai-jobs"),
             "invoke",
-            "Nope",
+            function,
             "--event",
-            str(tmp_path / "e.json"),
+            str(folder / "e.json"),
             "--template",
-            str(tmp_path / "template.yaml"),
+            str(folder / "template.yaml"),
         ],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert unknown.returncode == 2
-    assert "no function 'Nope'" in unknown.stderr
 
 
 class _Lines:

@@ -18,14 +18,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
-
-import urllib3
-from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -41,6 +39,7 @@ from infrai_jobs.queue_models import (
     parse_publish_price,
 )
 from infrai_jobs.rotation import fetch_again
+from infrai_jobs.transport import HttpPool, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +82,7 @@ class InfraiClient:
         pool_maxsize: int = 16,
         sleep: Callable[[float], None] = time.sleep,
         refresh_api_key: Callable[[], str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -92,6 +92,7 @@ class InfraiClient:
             )
         if not api_key:
             raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
+        _check_api_key(api_key)
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
         # Fetches the key again (bypassing the secret cache) after a 401: a rotated key.
@@ -100,14 +101,18 @@ class InfraiClient:
         self._retry = retry or RetryPolicy()
         self._retry_publish = retry_publish
         self._sleep = sleep
-        # Retries are ours (they depend on the call and on Infrai's error codes), so urllib3's
-        # own are off; block=False lets concurrent ackers open extra short-lived connections.
-        self._pool = urllib3.PoolManager(
-            num_pools=4,
-            maxsize=pool_maxsize,
-            retries=False,
-            timeout=urllib3.Timeout(connect=self._timeouts.connect, read=self._timeouts.read),
-        )
+        # Retries are ours (they depend on the call and on Infrai's error codes); the pool
+        # never retries. Concurrent ackers beyond pool_maxsize get short-lived connections.
+        try:
+            self._pool = HttpPool(
+                base_url,
+                connect_timeout=self._timeouts.connect,
+                read_timeout=self._timeouts.read,
+                maxsize=pool_maxsize,
+                ssl_context=ssl_context,
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"INFRAI_BASE_URL: {exc}") from None
 
     def __repr__(self) -> str:
         return f"InfraiClient(base_url={self._base_url!r}, api_key=<redacted>)"
@@ -117,7 +122,7 @@ class InfraiClient:
         return self._base_url
 
     def close(self) -> None:
-        self._pool.clear()
+        self._pool.close()
 
     # --- calls ------------------------------------------------------------------------------
 
@@ -225,6 +230,7 @@ class InfraiClient:
         fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
         if fresh is None:
             return False
+        _check_api_key(fresh)
         logger.warning(
             "Infrai answered 401; retrying once with the API key fetched again",
             extra={"action": "secret_refresh"},
@@ -280,15 +286,20 @@ class InfraiClient:
             headers["Content-Type"] = "application/json"
             encoded = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
         try:
-            response = self._pool.request(
-                method, self._base_url + path, body=encoded, headers=headers
-            )
-        except Urllib3HTTPError as exc:
-            # urllib3's message names the host and the failure, never our headers.
-            raise InfraiUnavailable(
-                "CONNECTION_ERROR", f"{type(exc).__name__}: {exc}", 0, call=call
-            ) from exc
-        return _unwrap(response.status, response.data, response.headers.get("Retry-After"), call)
+            response = self._pool.request(method, path, headers, encoded)
+        except TransportError as exc:
+            # The transport's message names the host and the failure, never our headers.
+            raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
+        return _unwrap(response.status, response.body, response.headers.get("retry-after"), call)
+
+
+def _check_api_key(key: str) -> None:
+    # It travels in a header: a line break would split the request. Never print the key.
+    if any(c in key for c in "\r\n\x00") or not key.isascii():
+        raise ConfigurationError(
+            "INFRAI_API_KEY contains a line break, NUL or non-ASCII character; "
+            "check how the secret was stored"
+        )
 
 
 class _RetryableAnswer(InfraiUnavailable):

@@ -1,0 +1,490 @@
+"""The HTTP/1.1 transport against scripted servers on loopback: framing, reuse, limits, TLS.
+
+The emulator covers the happy path and Infrai's error rows (test_queue_client.py); these servers
+answer in the ways a real origin, load balancer or broken proxy might, byte for byte.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from infrai_jobs.errors import ConfigurationError, InfraiUnavailable
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.transport import HttpPool, TransportError
+
+API_KEY = "sk_live_transport_secret_77"
+OK_JSON = (
+    b'{"ok":true,"data":{"queue":"q","message_count":1,"available_count":1,'
+    b'"in_flight_count":0,"delayed_count":0,"dlq_count":0,"oldest_message_age_seconds":0}}'
+)
+
+# (request head and body, connection number, request number on it) -> (bytes to send, close?)
+Script = Callable[[bytes, int, int], tuple[bytes, bool]]
+
+
+def answer(body: bytes = b"{}", *, status: str = "200 OK", extra: str = "") -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+class ScriptedServer:
+    """A one-thread-per-connection TCP server whose answers are scripted bytes."""
+
+    def __init__(self, script: Script, *, tls: ssl.SSLContext | None = None) -> None:
+        self.script = script
+        self.tls = tls
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            number = self.connections
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn, number), daemon=True).start()
+
+    def _serve(self, raw: socket.socket, number: int) -> None:
+        try:
+            conn = self.tls.wrap_socket(raw, server_side=True) if self.tls else raw
+        except (OSError, ssl.SSLError):
+            raw.close()
+            return
+        with conn, conn.makefile("rb") as rfile:
+            for index in range(1000):
+                request = _read_request(rfile)
+                if request is None:
+                    return
+                self.requests.append(request)
+                data, close = self.script(request, number, index)
+                try:
+                    if data:
+                        conn.sendall(data)
+                except OSError:
+                    return
+                if close:
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+
+def _read_request(rfile: object) -> bytes | None:
+    reader = rfile.readline  # type: ignore[attr-defined]
+    head = b""
+    while True:
+        line = reader(65537)
+        if not line:
+            return None
+        head += line
+        if line in (b"\r\n", b"\n"):
+            break
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + (rfile.read(length) if length else b"")  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ScriptedServer]]:
+    servers: list[ScriptedServer] = []
+
+    def start(script: Script, **kwargs: object) -> ScriptedServer:
+        server = ScriptedServer(script, **kwargs)  # type: ignore[arg-type]
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def pool_for(server: ScriptedServer, **kwargs: object) -> HttpPool:
+    options: dict[str, object] = {"connect_timeout": 2.0, "read_timeout": 2.0, **kwargs}
+    return HttpPool(server.url, **options)  # type: ignore[arg-type]
+
+
+# --- framing -----------------------------------------------------------------------------------
+
+
+def test_requests_carry_host_path_prefix_and_length_on_one_kept_alive_connection(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given a server that answers everything with a small JSON body
+    server = serve(lambda request, conn, index: (answer(b'{"n":1}'), False))
+    pool = HttpPool(f"{server.url}/prefix/", connect_timeout=2.0, read_timeout=2.0)
+    # When three requests are made in a row
+    bodies = [pool.request("POST", "/v1/queue/ack", {"X-Test": "1"}, b'{"a":1}') for _ in range(3)]
+    pool.close()
+    # Then they reuse one connection, and each carries the base path, Host and Content-Length
+    assert [b.body for b in bodies] == [b'{"n":1}'] * 3
+    assert server.connections == 1
+    first = server.requests[0].decode()
+    assert first.startswith("POST /prefix/v1/queue/ack HTTP/1.1\r\n")
+    assert f"Host: 127.0.0.1:{server.port}\r\n" in first
+    assert "Content-Length: 7\r\n" in first
+    assert first.endswith('\r\n\r\n{"a":1}')
+
+
+def test_chunked_answers_are_joined_and_the_connection_is_reused(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given an answer in two chunks (one with an extension) and a trailer
+    first, second = b'{"ok', b'":true,"data":{"x":[1,2,3]}}'
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{len(first):x};ext=1\r\n".encode()
+        + first
+        + f"\r\n{len(second):x}\r\n".encode()
+        + second
+        + b"\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+    server = serve(lambda request, conn, index: (chunked, False))
+    pool = pool_for(server)
+    answers = [pool.request("GET", path, {}) for path in ("/a", "/b")]
+    pool.close()
+    assert [a.body for a in answers] == [first + second] * 2
+    assert server.connections == 1
+
+
+def test_close_delimited_and_connection_close_answers_are_not_reused(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given an HTTP/1.0 answer without a length, then one that says Connection: close
+    def script(request: bytes, conn: int, index: int) -> tuple[bytes, bool]:
+        if conn == 0:
+            return b'HTTP/1.0 200 OK\r\n\r\n{"old":true}', True
+        return answer(b"{}", extra="Connection: close\r\n"), True
+
+    server = serve(script)
+    pool = pool_for(server)
+    old = pool.request("GET", "/a", {})
+    pool.request("GET", "/b", {})
+    pool.request("GET", "/c", {})
+    pool.close()
+    # Then the body runs to the end of the connection, and every request opened a new one
+    assert old.body == b'{"old":true}'
+    assert server.connections == 3
+
+
+def test_headers_are_case_insensitive_and_repeated_ones_join(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    server = serve(
+        lambda request, conn, index: (
+            answer(
+                b"{}",
+                status="429 Too Many Requests",
+                extra="RETRY-AFTER: 2\r\nX-A: 1\r\nx-a: 2\r\n",
+            ),
+            False,
+        )
+    )
+    pool = pool_for(server)
+    response = pool.request("GET", "/", {})
+    pool.close()
+    assert response.status == 429
+    assert response.headers["retry-after"] == "2"
+    assert response.headers["x-a"] == "1, 2"
+
+
+# --- connections that went away ----------------------------------------------------------------
+
+
+def test_a_pooled_connection_the_server_closed_is_replaced_before_reuse(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given a server that answers with keep-alive, then closes the connection anyway (an idle
+    # timeout at a load balancer)
+    server = serve(lambda request, conn, index: (answer(b"{}"), True))
+    pool = pool_for(server)
+    pool.request("GET", "/a", {})
+    # Wait until the close has reached this side
+    for _ in range(200):
+        if pool._idle and pool._idle[0].looks_dropped():
+            break
+        threading.Event().wait(0.01)
+    # When the next request is made, even a non-retryable one
+    response = pool.request("POST", "/publish", {}, b"{}")
+    pool.close()
+    # Then it went over a fresh connection instead of failing on the dead one
+    assert response.status == 200
+    assert server.connections == 2
+
+
+def test_connections_idle_longer_than_max_idle_are_not_reused(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    server = serve(lambda request, conn, index: (answer(b"{}"), False))
+    pool = pool_for(server, max_idle=0.0)
+    for _ in range(3):
+        pool.request("GET", "/", {})
+    pool.close()
+    assert server.connections == 3
+
+
+def test_an_answer_dropped_mid_exchange_is_a_transport_error_and_not_reused(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given a server that reads the request and hangs up without answering, once
+    server = serve(lambda request, conn, index: (b"", True) if conn == 0 else (answer(), False))
+    pool = pool_for(server)
+    with pytest.raises(TransportError, match="closed the connection before answering") as caught:
+        pool.request("POST", "/v1/queue/publish", {"Authorization": f"Bearer {API_KEY}"}, b"{}")
+    # Then the error names the host, never a header, and the next request uses a new connection
+    assert f"127.0.0.1:{server.port}" in str(caught.value)
+    assert API_KEY not in str(caught.value)
+    assert pool.request("GET", "/", {}).status == 200
+    pool.close()
+    assert server.connections == 2
+
+
+def test_a_server_that_never_answers_times_out(serve: Callable[..., ScriptedServer]) -> None:
+    server = serve(lambda request, conn, index: (b"", False))
+    pool = pool_for(server, read_timeout=0.2)
+    with pytest.raises(TransportError, match="timed out"):
+        pool.request("GET", "/", {})
+    pool.close()
+
+
+def test_a_refused_connection_is_a_transport_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as placeholder:
+        port = placeholder.getsockname()[1]
+    pool = HttpPool(f"http://127.0.0.1:{port}", connect_timeout=1.0, read_timeout=1.0)
+    with pytest.raises(TransportError, match="ConnectionRefusedError"):
+        pool.request("GET", "/", {})
+
+
+# --- answers outside HTTP ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("wire", "message"),
+    [
+        (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 2000 OK\r\n\r\n", "not an HTTP status code"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", "invalid Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxy", "conflicting"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{}", "cut short"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
+            "chunk size",
+        ),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: y\r\n" * 101 + b"\r\n", "more than 100 headers"),
+        (b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n", "longer than 64 KiB"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000, "larger than 1024"),
+        (b"HTTP/1.1 200 OK\r\nContent-Le", "closed inside the answer's headers"),
+    ],
+)
+def test_malformed_answers_are_transport_errors(
+    serve: Callable[..., ScriptedServer], wire: bytes, message: str
+) -> None:
+    server = serve(lambda request, conn, index: (wire, True))
+    pool = pool_for(server, max_body=1024)
+    with pytest.raises(TransportError, match=message):
+        pool.request("GET", "/", {})
+    pool.close()
+
+
+def test_a_header_value_with_a_line_break_is_refused_without_printing_it() -> None:
+    pool = HttpPool("http://127.0.0.1:9", connect_timeout=1.0, read_timeout=1.0)
+    with pytest.raises(ValueError, match="'Authorization'") as caught:
+        pool.request("GET", "/", {"Authorization": "Bearer abc\r\nX-Evil: 1"})
+    assert "abc" not in str(caught.value)
+
+
+def test_the_client_refuses_an_api_key_that_would_split_a_request() -> None:
+    with pytest.raises(ConfigurationError, match="line break") as caught:
+        InfraiClient("http://127.0.0.1:9", "sk_live_abc\n")
+    assert "sk_live_abc" not in str(caught.value)
+
+
+def test_the_client_refuses_credentials_and_bad_ports_in_the_base_url() -> None:
+    with pytest.raises(ConfigurationError, match="credentials"):
+        InfraiClient("https://user:pw@api.example.test", API_KEY)
+    with pytest.raises(ConfigurationError, match="invalid port"):
+        InfraiClient("https://api.example.test:99999", API_KEY)
+
+
+# --- concurrency -------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_share_the_pool_safely(serve: Callable[..., ScriptedServer]) -> None:
+    # Given 16 threads making 40 requests each through one pool of at most 4 idle connections
+    server = serve(lambda request, conn, index: (answer(request.split(b"\r\n", 1)[0][4:]), False))
+    pool = pool_for(server, maxsize=4)
+    failures: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(40):
+                target = f"/t{n}-{i}"
+                response = pool.request("GET", target, {})
+                # Then every answer belongs to its own request
+                assert response.body.startswith(target.encode()), (target, response.body)
+        except BaseException as exc:  # collected and asserted below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert len(pool._idle) <= 4
+    assert len(server.requests) == 640
+    pool.close()
+    assert pool._idle == []
+
+
+# --- TLS -----------------------------------------------------------------------------------------
+
+
+LOOPBACK_NAMES: list[x509.GeneralName] = [
+    x509.DNSName("localhost"),
+    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+]
+
+
+def _certificates(tmp: Path, names: list[x509.GeneralName]) -> tuple[Path, Path, Path]:
+    """A CA, and a server certificate for ``names`` signed by it."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "infrai-jobs test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName(names),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path, cert_path, key_path = tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_path.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return ca_path, cert_path, key_path
+
+
+def _tls_server(
+    tmp: Path, serve: Callable[..., ScriptedServer], names: list[x509.GeneralName]
+) -> tuple[ScriptedServer, Path]:
+    ca_path, cert_path, key_path = _certificates(tmp, names)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_path, key_path)
+    server = serve(lambda request, conn, index: (answer(OK_JSON), False), tls=context)
+    return server, ca_path
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, serve: Callable[..., ScriptedServer]) -> tuple[ScriptedServer, Path]:
+    return _tls_server(tmp_path, serve, LOOPBACK_NAMES)
+
+
+def test_tls_with_a_trusted_certificate_works_and_keeps_the_connection(
+    tls_server: tuple[ScriptedServer, Path],
+) -> None:
+    server, ca_path = tls_server
+    trusted = ssl.create_default_context(cafile=str(ca_path))
+    client = InfraiClient(server.url, API_KEY, ssl_context=trusted)
+    stats = [client.stats("q") for _ in range(3)]
+    client.close()
+    assert [s.available_count for s in stats] == [1, 1, 1]
+    assert server.connections == 1
+    assert f"Authorization: Bearer {API_KEY}" in server.requests[0].decode()
+
+
+def test_tls_refuses_an_untrusted_certificate(tls_server: tuple[ScriptedServer, Path]) -> None:
+    # Given the system's trust store, which does not know the test CA
+    server, _ = tls_server
+    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(max_attempts=1))
+    # Then nothing is sent: the handshake fails verification, and the key never left
+    with pytest.raises(InfraiUnavailable, match="CERTIFICATE_VERIFY_FAILED") as caught:
+        client.stats("q")
+    assert caught.value.code == "CONNECTION_ERROR"
+    assert server.requests == []
+
+
+def test_tls_refuses_a_certificate_for_another_host(
+    tmp_path: Path, serve: Callable[..., ScriptedServer]
+) -> None:
+    # Given a CA the client trusts, and a certificate it signed for another name
+    server, ca_path = _tls_server(tmp_path, serve, [x509.DNSName("api.other.test")])
+    trusted = ssl.create_default_context(cafile=str(ca_path))
+    pool = HttpPool(server.url, connect_timeout=1.0, read_timeout=1.0, ssl_context=trusted)
+    # Then the handshake fails on the name, and nothing is sent
+    with pytest.raises(TransportError, match=r"IP address mismatch|doesn't match"):
+        pool.request("GET", "/", {})
+    assert server.requests == []

@@ -7,24 +7,36 @@ contract itself, independently of the project's own client.
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
 import http.client
+import io
 import json
 import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from infrai_local.emulator import MAX_BODY_BYTES, RunningEmulator, start_in_thread
+from infrai_local.emulator import (
+    MAX_BODY_BYTES,
+    RunningEmulator,
+    parse_header_lines,
+    start_in_thread,
+)
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -962,6 +974,443 @@ def run_threads(target: Any, count: int) -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads)
+
+
+# --- Raw HTTP: the request parser and the answer framing -------------------------------------
+# The handler reads request lines and headers itself (the stdlib's email-based parser was most
+# of its CPU) and must answer exactly as the stdlib did: these pin that on the wire.
+
+AUTH_LINE = f"Authorization: Bearer {_DEFAULT_TOKEN}\r\n".encode()
+
+
+@dataclass(frozen=True)
+class RawAnswer:
+    """One answer read off a raw socket: status line, headers (lower-cased names), body."""
+
+    status_line: bytes
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def status(self) -> int:
+        return int(self.status_line.split()[1])
+
+    @property
+    def document(self) -> Any:
+        return json.loads(self.body)
+
+
+class RawConnection:
+    """A plain socket to the emulator: send bytes as they are, read answers one by one."""
+
+    def __init__(self, server: RunningEmulator) -> None:
+        self.sock = socket.create_connection((server.host, server.port), timeout=10)
+        self.rfile: IO[bytes] = self.sock.makefile("rb")
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def answer(self) -> RawAnswer:
+        status_line = self.rfile.readline()
+        assert status_line.startswith(b"HTTP/1.1 "), status_line
+        headers: dict[str, str] = {}
+        while (line := self.rfile.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.lower()] = value.strip()
+        body = self.rfile.read(int(headers.get("content-length", "0")))
+        return RawAnswer(status_line, headers, body)
+
+    def rest(self) -> bytes:
+        """Everything until the server closes (a reset counts as closed)."""
+        with contextlib.suppress(ConnectionResetError):
+            return self.rfile.read()
+        return b""
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def raw(api: Api, server: RunningEmulator) -> Iterator[RawConnection]:
+    connection = RawConnection(server)
+    yield connection
+    connection.close()
+
+
+def request_bytes(request_line: str, headers: bytes = AUTH_LINE, body: bytes = b"") -> bytes:
+    return request_line.encode("latin-1") + b"\r\n" + headers + b"\r\n" + body
+
+
+def post_bytes(path: str, document: Any, extra_headers: bytes = b"") -> bytes:
+    body = json.dumps(document).encode()
+    headers = AUTH_LINE + b"Content-Length: %d\r\n" % len(body) + extra_headers
+    return request_bytes(f"POST {path} HTTP/1.1", headers, body)
+
+
+def stats_bytes(queue: str, extra_headers: bytes = b"") -> bytes:
+    return request_bytes(f"GET /v1/queue/stats/{queue} HTTP/1.1", AUTH_LINE + extra_headers)
+
+
+def test_an_answer_is_framed_as_before(raw: RawConnection, queue: str) -> None:
+    # Given / When one ordinary request
+    raw.send(stats_bytes(queue))
+    answer = raw.answer()
+
+    # Then the status line, the headers and their order are the stdlib's, the body is exact
+    assert answer.status_line == b"HTTP/1.1 200 OK\r\n"
+    assert list(answer.headers) == ["server", "date", "content-type", "content-length"]
+    assert answer.headers["server"] == "infrai-emulator/0.1"
+    assert answer.headers["content-type"] == "application/json"
+    assert int(answer.headers["content-length"]) == len(answer.body)
+    sent = email.utils.parsedate_to_datetime(answer.headers["date"])
+    assert abs((datetime.now(UTC) - sent).total_seconds()) < 5
+    assert answer.document == {"ok": True, "data": zero_stats(queue)}
+
+
+def test_pipelined_requests_on_one_socket_are_answered_in_order(
+    raw: RawConnection, queue: str
+) -> None:
+    # Given four requests written at once on one keep-alive connection
+    publish = post_bytes(PUBLISH, {"queue": queue, "body": {"n": 1}})
+    consume = post_bytes(CONSUME, {"queue": queue, "max_messages": 10})
+    raw.send(publish + publish + stats_bytes(queue) + consume)
+
+    # When reading the answers
+    answers = [raw.answer() for _ in range(4)]
+
+    # Then each was answered in order, and the connection is still open for a fifth
+    assert [answer.status for answer in answers] == [200, 200, 200, 200]
+    assert answers[2].document["data"]["message_count"] == 2
+    assert len(answers[3].document["data"]["items"]) == 2
+    assert all("connection" not in answer.headers for answer in answers)
+    raw.send(stats_bytes(queue))
+    assert raw.answer().document["data"]["in_flight_count"] == 2
+
+
+@pytest.mark.parametrize(
+    "header", [b"Connection: close", b"CONNECTION: Close", b"connection:close"]
+)
+def test_connection_close_ends_the_connection_after_its_answer(
+    raw: RawConnection, queue: str, header: bytes
+) -> None:
+    # Given a request asking to close, pipelined with one more
+    raw.send(stats_bytes(queue, header + b"\r\n") + stats_bytes(queue))
+
+    # When reading
+    answer = raw.answer()
+
+    # Then it is answered with Connection: close, and the second is never answered
+    assert answer.status == 200
+    assert answer.headers["connection"] == "close"
+    assert raw.rest() == b""
+
+
+@pytest.mark.parametrize(("extra", "closes"), [(b"", True), (b"Connection: keep-alive\r\n", False)])
+def test_http_1_0_closes_unless_asked_to_keep_alive(
+    raw: RawConnection, queue: str, extra: bytes, closes: bool
+) -> None:
+    # Given an HTTP/1.0 request, with or without Connection: keep-alive
+    request = request_bytes(f"GET /v1/queue/stats/{queue} HTTP/1.0", AUTH_LINE + extra)
+    raw.send(request + stats_bytes(queue))
+
+    # When reading / Then the connection closes after the answer unless kept alive
+    first = raw.answer()
+    assert first.status == 200
+    assert (first.headers.get("connection") == "close") is closes
+    if closes:
+        assert raw.rest() == b""
+    else:
+        assert raw.answer().status == 200
+
+
+@pytest.mark.parametrize(
+    ("authorization", "content_length"),
+    [
+        (b"authorization: bearer", b"content-length"),
+        (b"AUTHORIZATION: BEARER", b"CONTENT-LENGTH"),
+        (b"aUtHoRiZaTiOn: BeArEr", b"cOnTeNt-LeNgTh"),
+        (b"Authorization:\tBearer", b"Content-Length:"),
+    ],
+)
+def test_header_names_are_case_insensitive(
+    raw: RawConnection, queue: str, authorization: bytes, content_length: bytes
+) -> None:
+    # Given a publish whose header names (and bearer scheme) are in another case
+    body = json.dumps({"queue": queue, "body": {"n": 1}}).encode()
+    name = content_length.rstrip(b":")
+    headers = authorization + b" t\r\n" + name + b": %d\r\n" % len(body)
+    raw.send(request_bytes(f"POST {PUBLISH} HTTP/1.1", headers, body))
+
+    # When reading the answer / Then both headers were found: published
+    assert raw.answer().status == 200
+    assert Api(raw_url(raw)).stats(queue)["message_count"] == 1
+
+
+def raw_url(raw: RawConnection) -> str:
+    host, port = raw.sock.getpeername()[:2]
+    return f"http://{host}:{port}"
+
+
+def test_of_repeated_headers_the_first_counts(raw: RawConnection, queue: str) -> None:
+    # Given a publish with two Content-Length headers (the first right) and an empty first
+    # Authorization
+    body = json.dumps({"queue": queue, "body": {"n": 1}}).encode()
+    headers = AUTH_LINE + b"Content-Length: %d\r\ncontent-length: 3\r\n" % len(body)
+    raw.send(request_bytes(f"POST {PUBLISH} HTTP/1.1", headers, body) + stats_bytes(queue))
+    published = raw.answer()
+    stats = raw.answer()
+    raw.send(stats_bytes(queue, b"").replace(AUTH_LINE, b"Authorization:\r\n" + AUTH_LINE))
+    refused = raw.answer()
+
+    # Then the first of each counted
+    assert published.status == 200
+    assert stats.document["data"]["message_count"] == 1
+    assert refused.status == 401
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        "GET /v1/discovery HTTP/1.x",
+        "GET /v1/discovery HTTP/1.1.1",
+        "GET /v1/discovery HTTP/1.\u00b2",
+        "GET /v1/discovery HTTP/1.12345678901",
+        "GET /v1/discovery FOO/1.1",
+        "GET /v1/discovery HTTP/1.1 extra",
+        "GET",
+        "POST /v1/queue/publish",
+    ],
+)
+def test_a_malformed_request_line_answers_400_and_closes(
+    raw: RawConnection, request_line: str
+) -> None:
+    # Given a request line the stdlib refuses (its version unknown, so HTTP/0.9 style: no
+    # status line), followed by a good request
+    raw.send(request_bytes(request_line) + request_bytes("GET /v1/discovery HTTP/1.1"))
+
+    # When reading everything
+    rest = raw.rest()
+
+    # Then it is the stdlib's 400 page, and nothing else is answered
+    assert not rest.startswith(b"HTTP/")
+    assert b"Error code: 400" in rest
+    assert rest.count(b"<!DOCTYPE HTML>") == 1
+    assert b'"ok"' not in rest
+
+
+def test_http_2_is_refused_with_505(raw: RawConnection) -> None:
+    # Given / When a request claiming HTTP/2.0
+    raw.send(request_bytes("GET /v1/discovery HTTP/2.0"))
+
+    # Then the stdlib's 505 page, and the connection closes
+    rest = raw.rest()
+    assert b"Error code: 505" in rest
+
+
+def test_an_unknown_method_is_501_with_a_status_line(raw: RawConnection) -> None:
+    # Given / When a HEAD (no do_HEAD)
+    raw.send(request_bytes("HEAD /v1/discovery HTTP/1.1"))
+
+    # Then 501 from the stdlib, and the connection closes
+    rest = raw.rest()
+    assert rest.startswith(b"HTTP/1.1 501 Unsupported method ('HEAD')\r\n")
+
+
+def test_a_blank_request_line_closes_without_an_answer(raw: RawConnection) -> None:
+    # Given / When a blank line where a request line belongs, then a good request
+    raw.send(b"\r\n" + request_bytes("GET /v1/discovery HTTP/1.1"))
+
+    # Then the connection closes unanswered
+    assert raw.rest() == b""
+
+
+def test_an_http_0_9_get_is_answered_with_the_body_alone(raw: RawConnection) -> None:
+    # Given / When a request line without a version (HTTP/0.9)
+    raw.send(b"GET /v1/discovery\r\n" + AUTH_LINE + b"\r\n")
+
+    # Then the answer is the JSON body with no status line or headers, then the end
+    rest = raw.rest()
+    assert json.loads(rest)["ok"] is True
+
+
+def test_a_request_line_over_64_kib_is_414(raw: RawConnection) -> None:
+    # Given a request line of 65,537 bytes (exactly what the server reads before refusing)
+    line = b"GET /" + b"a" * (65_537 - 5)
+
+    # When it is sent
+    raw.send(line)
+
+    # Then 414, and the connection closes
+    assert raw.rest().startswith(b"HTTP/1.1 414 Request-URI Too Long\r\n")
+
+
+def test_a_header_line_over_64_kib_is_431(raw: RawConnection) -> None:
+    # Given a header line of 65,537 bytes
+    header = b"X-Big: " + b"a" * (65_537 - 7)
+
+    # When it is sent
+    raw.send(b"GET /v1/discovery HTTP/1.1\r\n" + header)
+
+    # Then 431 "Line too long", and the connection closes
+    assert raw.rest().startswith(b"HTTP/1.1 431 Line too long\r\n")
+
+
+def test_a_header_line_of_exactly_64_kib_is_read(raw: RawConnection) -> None:
+    # Given a header line of 65,536 bytes, CRLF included
+    header = b"X-Big: " + b"a" * (65_536 - 9) + b"\r\n"
+
+    # When it is sent / Then the request is served
+    raw.send(request_bytes("GET /v1/discovery HTTP/1.1", AUTH_LINE + header))
+    assert raw.answer().status == 200
+
+
+@pytest.mark.parametrize(("extra_headers", "status"), [(98, 200), (99, 431)])
+def test_more_than_100_header_lines_is_431(
+    raw: RawConnection, extra_headers: int, status: int
+) -> None:
+    # Given Authorization plus N more headers (the blank line counts towards the 100)
+    headers = AUTH_LINE + b"".join(b"X-%d: v\r\n" % n for n in range(extra_headers))
+
+    # When it is sent
+    raw.send(request_bytes("GET /v1/discovery HTTP/1.1", headers))
+
+    # Then 99 header lines are served, 100 are "Too many headers"
+    answer = raw.answer()
+    assert answer.status == status
+    if status == 431:
+        assert answer.status_line == b"HTTP/1.1 431 Too many headers\r\n"
+        assert raw.rest() == b""
+
+
+def test_a_missing_content_length_means_an_empty_body(raw: RawConnection, queue: str) -> None:
+    # Given a publish without Content-Length, and a stats request after it
+    raw.send(request_bytes(f"POST {PUBLISH} HTTP/1.1") + stats_bytes(queue))
+
+    # When reading both answers
+    refused = raw.answer()
+    stats = raw.answer()
+
+    # Then the body was read as empty (400), and the connection stayed usable
+    assert "empty" in refused.document["error"]["message"]
+    assert refused.status == 400
+    assert stats.document["data"]["message_count"] == 0
+
+
+@pytest.mark.parametrize("value", [b"abc", b"-1", b"+1", b"1.5", b"0x10", "\u0661".encode()])
+def test_an_invalid_content_length_is_400_and_closes(
+    raw: RawConnection, queue: str, value: bytes
+) -> None:
+    # Given a publish whose Content-Length is not a plain decimal count
+    headers = AUTH_LINE + b"Content-Length: " + value + b"\r\n"
+    raw.send(request_bytes(f"POST {PUBLISH} HTTP/1.1", headers, b"{}"))
+
+    # When reading / Then 400 about Content-Length, and the connection closes
+    answer = raw.answer()
+    assert answer.status == 400
+    assert "Content-Length" in answer.document["error"]["message"]
+    assert answer.headers["connection"] == "close"
+    assert raw.rest() == b""
+
+
+def test_a_padded_content_length_is_read(raw: RawConnection, queue: str) -> None:
+    # Given a Content-Length with spaces around the number
+    body = json.dumps({"queue": queue, "body": {}}).encode()
+    headers = AUTH_LINE + b"Content-Length:   %d  \r\n" % len(body)
+
+    # When it is sent / Then the publish is served
+    raw.send(request_bytes(f"POST {PUBLISH} HTTP/1.1", headers, body))
+    assert raw.answer().status == 200
+
+
+def test_expect_100_continue_is_answered_before_the_body(raw: RawConnection, queue: str) -> None:
+    # Given the headers of a publish that waits for 100 Continue
+    body = json.dumps({"queue": queue, "body": {}}).encode()
+    headers = AUTH_LINE + b"Content-Length: %d\r\nExpect: 100-continue\r\n" % len(body)
+    raw.send(request_bytes(f"POST {PUBLISH} HTTP/1.1", headers))
+
+    # When the interim answer arrives and the body follows
+    assert raw.rfile.readline() == b"HTTP/1.1 100 Continue\r\n"
+    assert raw.rfile.readline() == b"\r\n"
+    raw.send(body)
+
+    # Then the publish is served
+    assert raw.answer().status == 200
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        # A line that is no header ends the headers for the email parser: the rest is ignored.
+        (b"Host: x\r\nbogus\r\n" + AUTH_LINE, 401),
+        (b"Authorization : Bearer t\r\n", 401),
+        # A folded header keeps its line break, which is no bearer token.
+        (b"Authorization: Bearer\r\n t\r\n", 401),
+        # A lone CR splits a line in two for the email parser.
+        (b"X-A: 1\rAuthorization: Bearer t\r\n", 200),
+        (b"From x\r\n" + AUTH_LINE, 200),
+        (b": nameless\r\n" + AUTH_LINE, 200),
+        (b"X-Caf\xe9: 1\r\n" + AUTH_LINE, 401),
+        (b"Authorization: Bearer caf\xe9\r\n", 200),
+    ],
+)
+def test_odd_header_lines_are_read_as_the_stdlib_reads_them(
+    raw: RawConnection, headers: bytes, status: int
+) -> None:
+    # Given / When a request with an unusual header block
+    raw.send(request_bytes("GET /v1/discovery HTTP/1.1", headers))
+
+    # Then the answer is the one the stdlib's email parser leads to
+    assert raw.answer().status == status
+
+
+def test_bare_lf_line_endings_are_accepted(raw: RawConnection) -> None:
+    # Given / When a request with LF-only line ends
+    raw.send(b"GET /v1/discovery HTTP/1.1\n" + AUTH_LINE.replace(b"\r\n", b"\n") + b"\n")
+
+    # Then it is served
+    assert raw.answer().status == 200
+
+
+def test_request_headers_never_show_their_values() -> None:
+    # Given headers holding a token
+    headers = parse_header_lines([b"Authorization: Bearer sk_secret_value\r\n", b"\r\n"])
+
+    # Then lookups work in any case, and the repr names only the header names
+    assert headers.get("AUTHORIZATION") == "Bearer sk_secret_value"
+    assert "authorization" in headers
+    assert "sk_secret_value" not in repr(headers)
+
+
+# Header lines a hostile or sloppy client could send: plain ones, and every shape the lean
+# reader hands to the email parser.
+_NAMES = st.sampled_from([b"Authorization", b"authorization", b"Content-Length", b"X-A", b"From"])
+_VALUE_PARTS = [b"a", b"7", b" ", b"\t", b"\r", b"\x00", b"\x0b", b"\xe9", b"\x85", b":", b"Bearer"]
+_VALUES = st.lists(st.sampled_from(_VALUE_PARTS), max_size=6).map(b"".join)
+_HEADER_LINES = st.one_of(
+    st.builds(lambda n, v: n + b": " + v.replace(b"\r", b"") + b"\r\n", _NAMES, _VALUES),
+    st.builds(lambda n, v: n + b":" + v + b"\r\n", _NAMES, _VALUES),
+    st.builds(lambda n, v: n + b" :" + v + b"\n", _NAMES, _VALUES),
+    st.builds(lambda v: b" " + v + b"\r\n", _VALUES),
+    st.builds(lambda v: b"\t" + v + b"\n", _VALUES),
+    st.builds(lambda v: v + b"\r\n", _VALUES),
+    st.sampled_from([b"From me\r\n", b": x\r\n", b"\r\r\n", b"X-\xe9: 1\r\n", b"\x00: y\r\n"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_HEADER_LINES, max_size=8), st.sampled_from([b"\r\n", b"\n", b""]))
+def test_the_lean_header_reader_agrees_with_the_stdlib(lines: list[bytes], end: bytes) -> None:
+    # Given a header block as the request reader collects it (the blank line, or EOF, last)
+    block = [*lines, end]
+
+    # When both parsers read it
+    ours = parse_header_lines(block)
+    theirs = http.client.parse_headers(io.BytesIO(b"".join(block)))
+
+    # Then every header answers the same value
+    for name in ("Authorization", "AUTHORIZATION", "content-length", "X-A", "From", "x-\xe9"):
+        assert ours.get(name) == theirs.get(name), (name, block)
 
 
 # --- Command line -----------------------------------------------------------------------------

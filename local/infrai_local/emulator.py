@@ -43,8 +43,8 @@ The control surface (no auth, never faulted, answers in the same envelope):
 - ``POST /_emulator/reset``: forget queues, faults, counters, price changes and clock jumps
 - ``GET /_emulator/state`` -> ``{"clock", "queues": {name: {type, dlq,
   visibility_timeout_default, message_count, available, in_flight, delayed}}, "requests":
-  {route: n}, "faults", "faults_injected": {"latency"|"error"|"rate_limited"|"drop_response": n},
-  "publish_price_usd", "auth"}``
+  {route: n}, "connections_accepted", "faults", "faults_injected":
+  {"latency"|"error"|"rate_limited"|"drop_response": n}, "publish_price_usd", "auth"}``
 """
 
 from __future__ import annotations
@@ -398,6 +398,7 @@ class Emulator:
         self._faults = FaultConfig()
         self._rng = random.Random()
         self._requests: Counter[str] = Counter()
+        self._connections_accepted = 0
         self._faults_injected: Counter[str] = Counter()
 
     def __repr__(self) -> str:
@@ -545,6 +546,11 @@ class Emulator:
             self._faults = faults
             self._rng = random.Random(faults.seed)
 
+    def count_connection(self) -> None:
+        """Record one accepted TCP connection (clients that churn connections show here)."""
+        with self._lock:
+            self._connections_accepted += 1
+
     def count_request(self, route: str) -> None:
         """Record one /v1 request (for the state dump and chaos reports)."""
         with self._lock:
@@ -581,6 +587,7 @@ class Emulator:
             self._faults = FaultConfig()
             self._rng = random.Random()
             self._requests.clear()
+            self._connections_accepted = 0
             self._faults_injected.clear()
             self._price = self._default_price
             self._clock.reset()
@@ -596,6 +603,7 @@ class Emulator:
                 },
                 "queues": {name: _queue_summary(q) for name, q in self._queues.items()},
                 "requests": dict(self._requests),
+                "connections_accepted": self._connections_accepted,
                 "faults": self._faults.as_json(),
                 "faults_injected": dict(self._faults_injected),
                 "publish_price_usd": self._price,
@@ -1328,6 +1336,7 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
         if isinstance(request, socket.socket):
             with self._connections_lock:
                 self._connections.add(request)
+        self.emulator.count_connection()
         super().process_request(request, client_address)
 
     def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:

@@ -109,3 +109,44 @@ def test_drain_lanes_share_one_invocation_and_still_run_every_job_once(
 def _assert_database_effects_once_prefixed(kit: Harness, prefix: str, count: int) -> None:
     rows = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
     assert rows == {f"test.db:{prefix}{n}": 1 for n in range(count)}
+
+
+def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
+    database_url: str,
+) -> None:
+    from infrai_jobs.drain_service import DrainService  # noqa: PLC0415
+    from infrai_jobs.factory import client_pool_size, make_queue_client  # noqa: PLC0415
+    from infrai_jobs.settings import Settings  # noqa: PLC0415
+
+    with harness(database_url) as kit:
+        # Given 1,200 jobs, and a latency that keeps each batch's ten acks in flight together
+        for n in range(1200):
+            kit.publish({"job": "test.db", "id": f"c{n}"})
+        settings = Settings(
+            infrai_base_url=kit.server.url,
+            infrai_api_key="test-key",
+            queue=QUEUE,
+            drain_lanes=8,
+        )
+        client = make_queue_client(settings)
+        service = DrainService(
+            settings=settings,
+            queue=client,
+            ledger=PostgresLedger(database_url),
+            registry=kit.registry,
+            make_lane_ledger=lambda: PostgresLedger(database_url),
+        )
+        before = kit.server.emulator.snapshot()["connections_accepted"]
+        kit.faults(latency_ms=20)
+        # When eight lanes drain them through the client DrainFunction builds
+        summary = service.run(lambda: 120_000)
+        kit.faults()
+        service.close()
+        client.close()
+        opened = kit.server.emulator.snapshot()["connections_accepted"] - before
+        # Then every job ran once, and the lanes opened no more connections than they can use
+        # at once (a pool smaller than that reconnects for most acks: hundreds of connections)
+        assert summary.done == 1200
+        assert summary.acked == 1200
+        _assert_database_effects_once_prefixed(kit, "c", 1200)
+        assert opened <= client_pool_size(8), opened

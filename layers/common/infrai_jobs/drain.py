@@ -45,6 +45,12 @@ from infrai_jobs.queue_models import QueueMessage
 logger = logging.getLogger(__name__)
 
 BATCH_SIZE = 10
+# A batch's acks go out together, each on its own connection.
+ACK_CONCURRENCY = 10
+# Connections one lane may hold open to Infrai at once: its acks, its consume and the consume
+# it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect (a new
+# TCP and TLS handshake) for every ack beyond what the pool keeps.
+HTTP_CONNECTIONS_PER_LANE = ACK_CONCURRENCY + 2
 
 
 class Outcome(StrEnum):
@@ -74,7 +80,7 @@ class DrainConfig:
     # An external claim's lease outlives the invocation's deadline by this much.
     lease_grace_seconds: int = 60
     max_batches: int | None = None
-    ack_concurrency: int = 10
+    ack_concurrency: int = ACK_CONCURRENCY
     # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
     effect_guard: EffectGuard | None = None
 

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from infrai_jobs.drain import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.settings import Settings
@@ -23,7 +24,13 @@ def make_queue_client(
         settings.require_api_key(),
         retry_publish=settings.publish_retries,
         refresh_api_key=refresh_api_key,
+        pool_maxsize=client_pool_size(settings.drain_lanes),
     )
+
+
+def client_pool_size(lanes: int) -> int:
+    """Idle connections the Infrai client keeps: enough for every lane's concurrent calls."""
+    return max(1, lanes) * HTTP_CONNECTIONS_PER_LANE
 
 
 def make_ledger(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import Counter
 from datetime import datetime
@@ -477,26 +478,63 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
     scaling = document["lanes"]["scaling"]
     if not scaling:
         return []
+    nproc = document["machine"]["nproc"]
     lines = [
         "## Lanes",
         "",
-        "(b) with N concurrent lanes: N threads in one worker process, each running `drain()` "
-        "with its own `InfraiClient` and `PostgresLedger` on the same queue and ledger "
+        "(b) with N concurrent lanes, as DrainFunction runs `DRAIN_LANES`: N threads in one "
+        "worker process, each running `drain()` with its own `PostgresLedger`, all sharing one "
+        "`InfraiClient` whose pool keeps 12 connections per lane, on the same queue and ledger "
         f"({document['config']['jobs']:,} messages per run, one run per N). The emulator, "
-        f"PostgreSQL and the worker share this machine's {document['machine']['nproc']} CPUs.",
+        f"PostgreSQL and the worker share this machine's {nproc} CPUs.",
         "",
         "| lanes | msg/s | speedup | target | batch p50 ms | batch p99 ms | worker CPU % "
-        "| machine busy % | result |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| machine busy % | worker CPU ms/msg | machine CPU ms/msg | result |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for s in scaling:
         result = "" if s["lanes"] == 1 else _pass(s["speedup"] >= s["target_speedup"])
+        worker_ms, machine_ms = _cpu_per_message(s, nproc)
         lines.append(
             f"| {s['lanes']} | {_fmt(s['messages_per_s'])} | {s['speedup']}x | "
             f"{s['target_speedup']}x | {_fmt(s['batch_p50_ms'])} | {_fmt(s['batch_p99_ms'])} "
-            f"| {_fmt(s['process_cpu_pct'])} | {_fmt(s['machine_busy_pct'])} | {result} |"
+            f"| {_fmt(s['process_cpu_pct'])} | {_fmt(s['machine_busy_pct'])} "
+            f"| {worker_ms:.2f} | {machine_ms:.2f} | {result} |"
         )
+    lines += ["", *_cpu_budget(scaling, nproc)]
     return [*lines, ""]
+
+
+def _cpu_per_message(row: dict[str, Any], nproc: int) -> tuple[float, float]:
+    """The worker's, and the whole machine's, CPU milliseconds per message drained."""
+    rate = row["messages_per_s"] or float("nan")
+    worker = row["process_cpu_pct"] / 100 * 1000 / rate
+    machine = row["machine_busy_pct"] / 100 * nproc * 1000 / rate
+    return round(worker, 3), round(machine, 3)
+
+
+def _cpu_budget(scaling: list[dict[str, Any]], nproc: int) -> list[str]:
+    """What the machine could do at best if CPU were the only limit, against what N lanes need."""
+    base = next((s for s in scaling if s["lanes"] == 1), None)
+    widest = max(scaling, key=lambda s: s["lanes"])
+    if base is None or widest["lanes"] == 1:
+        return []
+    _, machine_ms = _cpu_per_message(base, nproc)
+    if not machine_ms or math.isnan(machine_ms):  # no CPU reading
+        return []
+    ceiling = nproc * 1000 / machine_ms
+    needed = widest["target_speedup"] * base["messages_per_s"]
+    worker_ms, _ = _cpu_per_message(widest, nproc)
+    gil = 1000 / worker_ms if worker_ms else float("inf")
+    return [
+        f"CPU budget: at one lane the whole machine (worker, emulator, PostgreSQL, the "
+        f"benchmark's own sampling) spends {machine_ms:.2f} ms of CPU per message, so its "
+        f"{nproc} CPUs can drain at most about **{_fmt(ceiling)} msg/s** however the lanes are "
+        f"arranged. {widest['lanes']} lanes at the target need {_fmt(needed)} msg/s "
+        f"({widest['target_speedup']}x of {_fmt(base['messages_per_s'])}). Lanes are threads "
+        f"under one GIL: at {widest['lanes']} lanes the worker spent {worker_ms:.2f} ms of "
+        f"CPU per message, which caps one process at about {_fmt(gil)} msg/s.",
+    ]
 
 
 def _memory_section(document: dict[str, Any]) -> list[str]:

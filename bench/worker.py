@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "functions" / "drain"))  # the drain function's jo
 import psycopg  # noqa: E402
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain  # noqa: E402
+from infrai_jobs.factory import client_pool_size  # noqa: E402
 from infrai_jobs.ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.queue_client import InfraiClient  # noqa: E402
 from jobs import build_registry  # noqa: E402
@@ -83,13 +84,17 @@ def _notes_loop(
 def _drain_lanes(
     spec: dict[str, Any], recorder: BatchRecorder, trace: ProtocolTrace | None, lanes: int
 ) -> _Drained:
-    clients = [InfraiClient(spec["emulator_url"], spec["api_key"]) for _ in range(lanes)]
+    # As DrainFunction runs lanes: one client (its pool sized for every lane) and a database
+    # connection per lane.
+    client = InfraiClient(
+        spec["emulator_url"], spec["api_key"], pool_maxsize=client_pool_size(lanes)
+    )
     ledgers = [PostgresLedger(spec["database_url"]) for _ in range(lanes)]
     registries = [build_registry(spec["provider_url"]) for _ in range(lanes)]
     config = DrainConfig(queue=spec["queue"])
 
     def lane(index: int) -> DrainSummary:
-        queue = TimedQueue(clients[index], recorder)
+        queue = TimedQueue(client, recorder)
         return drain(queue, ledgers[index], registries[index], config, lambda: _TIME_LEFT_MS)
 
     with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
@@ -100,9 +105,9 @@ def _drain_lanes(
         cpu1, ticks1 = process_cpu_seconds(), machine_cpu_ticks()
     if trace is not None:
         trace.finish()
-    for client, ledger in zip(clients, ledgers, strict=True):
+    for ledger in ledgers:
         ledger.close()
-        client.close()
+    client.close()
     summaries = [future.result() for future in futures]  # a lane's failure is raised here
     outcomes: Counter[str] = Counter()
     for summary in summaries:

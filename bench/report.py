@@ -501,8 +501,33 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
             f"| {_fmt(s['process_cpu_pct'])} | {_fmt(s['machine_busy_pct'])} "
             f"| {worker_ms:.2f} | {machine_ms:.2f} | {result} |"
         )
-    lines += ["", *_cpu_budget(scaling, nproc)]
+    lines += ["", *_cpu_budget(scaling, nproc), "", *_lambda_sizing(scaling, nproc)]
     return [*lines, ""]
+
+
+# Lambda allocates CPU in proportion to memory: 1,769 MB is one full vCPU (AWS documentation).
+_LAMBDA_MB_PER_VCPU = 1769
+_TEMPLATE_DRAIN_MEMORY_MB = 512
+
+
+def _lambda_sizing(scaling: list[dict[str, Any]], nproc: int) -> list[str]:
+    base = next((s for s in scaling if s["lanes"] == 1), None)
+    if base is None:
+        return []
+    worker_ms, _ = _cpu_per_message(base, nproc)
+    if not worker_ms or math.isnan(worker_ms):
+        return []
+    share = _TEMPLATE_DRAIN_MEMORY_MB / _LAMBDA_MB_PER_VCPU
+    return [
+        "Sizing lanes in AWS: the drain's own CPU is what lanes run into there (the queue and "
+        f"the database are elsewhere). At {worker_ms:.2f} ms of CPU per message, one vCPU "
+        f"sustains about {_fmt(1000 / worker_ms)} msg/s. Lambda gives a function CPU in "
+        f"proportion to its memory ({_LAMBDA_MB_PER_VCPU:,} MB is one vCPU), so DrainFunction "
+        f"at the template's {_TEMPLATE_DRAIN_MEMORY_MB} MB (about {share:.2f} vCPU) tops out "
+        f"near {_fmt(1000 / worker_ms * share)} msg/s whatever `DrainLanes` says; raise "
+        "`MemorySize` with the lanes. This machine's x86 cores are not Lambda's arm64 ones, so "
+        "take the figure as an order of magnitude.",
+    ]
 
 
 def _cpu_per_message(row: dict[str, Any], nproc: int) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from cryptography.x509.oid import NameOID
 
 from infrai_jobs.errors import ConfigurationError, InfraiUnavailable
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.transport import HttpPool, TransportError
+from infrai_jobs.transport import HttpPool, TransportError, _Connection
 
 API_KEY = "sk_live_transport_secret_77"
 OK_JSON = (
@@ -222,7 +222,7 @@ def test_a_pooled_connection_the_server_closed_is_replaced_before_reuse(
     # Given a server that answers with keep-alive, then closes the connection anyway (an idle
     # timeout at a load balancer)
     server = serve(lambda request, conn, index: (answer(b"{}"), True))
-    pool = pool_for(server)
+    pool = pool_for(server, check_after_idle=0.0)
     pool.request("GET", "/a", {})
     # Wait until the close has reached this side
     for _ in range(200):
@@ -235,6 +235,31 @@ def test_a_pooled_connection_the_server_closed_is_replaced_before_reuse(
     # Then it went over a fresh connection instead of failing on the dead one
     assert response.status == 200
     assert server.connections == 2
+
+
+def test_a_connection_back_in_the_pool_briefly_is_reused_without_the_liveness_check(
+    serve: Callable[..., ScriptedServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the default check threshold (a second), with the liveness checks counted
+    checks: list[bool] = []
+    original = _Connection.looks_dropped
+
+    def counted(self: _Connection) -> bool:
+        checks.append(True)
+        return original(self)
+
+    monkeypatch.setattr(_Connection, "looks_dropped", counted)
+    server = serve(lambda request, conn, index: (answer(b"{}"), False))
+    pool = pool_for(server)
+    pool.request("GET", "/a", {})
+    # When the connection is reused at once, then again after it sat idle past the threshold
+    pool.request("GET", "/b", {})
+    pool._idle[0].idle_since -= 2.0
+    pool.request("GET", "/c", {})
+    pool.close()
+    # Then only the second reuse asked the kernel, and one connection served all three
+    assert checks == [True]
+    assert server.connections == 1
 
 
 def test_connections_idle_longer_than_max_idle_are_not_reused(

@@ -11,9 +11,9 @@ What it does: one request per connection at a time, connections kept alive and r
 bounded idle list (LIFO, thread-safe), TLS with certificate and hostname verification through
 ``ssl.create_default_context()``, connect and read timeouts, ``Content-Length``, chunked and
 close-delimited answers, and limits on line length, header count and body size. A pooled
-connection is dropped before reuse when the server has closed it (or sent something unasked)
-or it has sat idle too long. It never retries: whether a call may be repeated is the caller's
-decision (see ``queue_client``).
+connection idle for a second or more is dropped before reuse when the server has closed it (or
+sent something unasked), and one idle too long is dropped unasked. It never retries: whether a
+call may be repeated is the caller's decision (see ``queue_client``).
 
 It does not do proxies, redirects, compression, cookies or HTTP/2: Infrai's API needs none.
 Error messages name the host and the failure, never a header.
@@ -39,6 +39,11 @@ MAX_BODY = 32 * 1024 * 1024
 # Well under the idle timeouts of common load balancers (60 s) and API gateways; a connection
 # idle longer, e.g. across a frozen Lambda, is more likely dead than alive.
 DEFAULT_MAX_IDLE = 30.0
+# A connection back in the pool for less than this is reused without asking the kernel whether
+# the server closed it. Servers close idle connections after seconds (5 s and up), not within
+# one; and the check is a syscall that drops and retakes the GIL, which with many lanes costs
+# more than the request's own parsing (8 lanes drained about 10% faster without it).
+DEFAULT_CHECK_AFTER_IDLE = 1.0
 
 _UNSAFE_HEADER = re.compile(r"[\r\n\x00]")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
@@ -97,6 +102,7 @@ class HttpPool:
         maxsize: int = 16,
         ssl_context: ssl.SSLContext | None = None,
         max_idle: float = DEFAULT_MAX_IDLE,
+        check_after_idle: float = DEFAULT_CHECK_AFTER_IDLE,
         max_body: int = MAX_BODY,
     ) -> None:
         parts = urlsplit(base_url)
@@ -121,6 +127,7 @@ class HttpPool:
         self._maxsize = maxsize
         self._ssl_context = ssl_context
         self._max_idle = max_idle
+        self._check_after_idle = check_after_idle
         self._max_body = max_body
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
@@ -172,7 +179,8 @@ class HttpPool:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return self._connect()
-            if now - conn.idle_since > self._max_idle or conn.looks_dropped():
+            idle = now - conn.idle_since
+            if idle > self._max_idle or (idle >= self._check_after_idle and conn.looks_dropped()):
                 conn.close()
                 continue
             return conn

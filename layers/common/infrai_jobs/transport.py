@@ -84,10 +84,12 @@ class _Connection:
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return True
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
+            # poll, not select: select refuses descriptors above 1023.
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
 
 class HttpPool:

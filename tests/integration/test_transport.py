@@ -11,6 +11,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from cryptography.x509.oid import NameOID
 
 from infrai_jobs.errors import ConfigurationError, InfraiUnavailable
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.transport import HttpPool, TransportError, _Connection
+from infrai_jobs.transport import HttpPool, TransportError
 
 API_KEY = "sk_live_transport_secret_77"
 OK_JSON = (
@@ -222,7 +223,7 @@ def test_a_pooled_connection_the_server_closed_is_replaced_before_reuse(
     # Given a server that answers with keep-alive, then closes the connection anyway (an idle
     # timeout at a load balancer)
     server = serve(lambda request, conn, index: (answer(b"{}"), True))
-    pool = pool_for(server, check_after_idle=0.0)
+    pool = pool_for(server)
     pool.request("GET", "/a", {})
     # Wait until the close has reached this side
     for _ in range(200):
@@ -237,29 +238,127 @@ def test_a_pooled_connection_the_server_closed_is_replaced_before_reuse(
     assert server.connections == 2
 
 
-def test_a_connection_back_in_the_pool_briefly_is_reused_without_the_liveness_check(
-    serve: Callable[..., ScriptedServer], monkeypatch: pytest.MonkeyPatch
+def test_bytes_left_over_after_an_answer_are_never_read_as_the_next_answer(
+    serve: Callable[..., ScriptedServer],
 ) -> None:
-    # Given the default check threshold (a second), with the liveness checks counted
-    checks: list[bool] = []
-    original = _Connection.looks_dropped
+    # Given a server that sends a stray answer right behind each real one, in the same write
+    # (a 204 with a body, a wrong Content-Length, a buggy proxy)
+    def script(request: bytes, conn: int, index: int) -> tuple[bytes, bool]:
+        target = request.split(b" ", 2)[1]
+        return answer(b'{"for":"' + target + b'"}') + answer(b'{"for":"stray"}'), False
 
-    def counted(self: _Connection) -> bool:
-        checks.append(True)
-        return original(self)
-
-    monkeypatch.setattr(_Connection, "looks_dropped", counted)
-    server = serve(lambda request, conn, index: (answer(b"{}"), False))
+    server = serve(script)
     pool = pool_for(server)
-    pool.request("GET", "/a", {})
-    # When the connection is reused at once, then again after it sat idle past the threshold
-    pool.request("GET", "/b", {})
-    pool._idle[0].idle_since -= 2.0
-    pool.request("GET", "/c", {})
+    # When several requests are made in a row
+    bodies = [pool.request("POST", f"/r{n}", {}, b"{}").body for n in range(4)]
     pool.close()
-    # Then only the second reuse asked the kernel, and one connection served all three
-    assert checks == [True]
-    assert server.connections == 1
+    # Then each got its own answer: a connection with bytes left over is closed, not pooled
+    assert bodies == [f'{{"for":"/r{n}"}}'.encode() for n in range(4)]
+    assert server.connections == 4
+
+
+def test_a_server_dripping_bytes_cannot_hold_a_call_past_its_deadline() -> None:
+    # Given a server that sends its answer one byte every 0.1 s, each wait under the timeout
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve_drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in answer(b"x" * 200):
+                if stop.wait(0.1):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return  # the client gave up, as it should
+
+    dripper = threading.Thread(target=serve_drip, daemon=True)
+    dripper.start()
+    pool = HttpPool(f"http://127.0.0.1:{port}", connect_timeout=1.0, read_timeout=0.3)
+    started = time.monotonic()
+    # Then the call fails once three read timeouts have passed, not when the drip ends (~30 s)
+    with pytest.raises(TransportError, match="did not complete in time"):
+        pool.request("GET", "/", {})
+    assert time.monotonic() - started < 3.0
+    stop.set()
+    dripper.join()
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    ("wire", "message"),
+    [
+        (b"HTTP/1.1 100 Continue\r\n\r\n" * 11, "more than 10 interim"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n", "switched protocols"),
+        (answer(b"x", extra="Content-Encoding: gzip\r\n"), "content coding not asked for"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}",
+            "unsupported Transfer-Encoding",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n",
+            "unsupported Transfer-Encoding",
+        ),
+        ("HTTP/1.1 ²³¹ OK\r\n\r\n".encode("latin-1"), "not an HTTP status code"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 40 + b"\r\n\r\n",
+            "invalid Content-Length",
+        ),
+    ],
+)
+def test_answers_the_client_did_not_ask_for_are_transport_errors(
+    serve: Callable[..., ScriptedServer], wire: bytes, message: str
+) -> None:
+    server = serve(lambda request, conn, index: (wire, True))
+    pool = pool_for(server)
+    with pytest.raises(TransportError, match=message):
+        pool.request("GET", "/", {})
+    pool.close()
+    # And the request said it takes no content coding
+    assert b"Accept-Encoding: identity\r\n" in server.requests[0]
+
+
+def test_chunked_with_a_content_length_is_read_as_chunked_and_not_reused(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    wire = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n"
+        b"2\r\n{}\r\n0\r\n\r\n"
+    )
+    server = serve(lambda request, conn, index: (wire, False))
+    pool = pool_for(server)
+    bodies = [pool.request("GET", "/", {}).body for _ in range(2)]
+    pool.close()
+    assert bodies == [b"{}", b"{}"]
+    assert server.connections == 2
+
+
+def test_many_one_byte_chunks_make_one_body(serve: Callable[..., ScriptedServer]) -> None:
+    payload = b'{"x":"' + b"y" * 3000 + b'"}'
+    wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    wire += b"".join(b"1\r\n" + bytes([b]) + b"\r\n" for b in payload) + b"0\r\n\r\n"
+    server = serve(lambda request, conn, index: (wire, False))
+    pool = pool_for(server)
+    assert pool.request("GET", "/", {}).body == payload
+    pool.close()
+
+
+@pytest.mark.parametrize("path", ["/a b", "/a\r\nX-Evil: 1", "/a\x00", "/caf\u00e9\u2603"])
+def test_a_path_that_would_bend_the_request_line_is_refused(path: str) -> None:
+    pool = HttpPool("http://127.0.0.1:9", connect_timeout=1.0, read_timeout=1.0)
+    with pytest.raises(ValueError, match="path") as caught:
+        pool.request("GET", path, {"Authorization": f"Bearer {API_KEY}"})
+    # Nothing in the error or its chain carries the request head, and so the key
+    chain: list[BaseException] = []
+    error: BaseException | None = caught.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert all(API_KEY not in repr(vars(e)) + repr(e.args) for e in chain)
+    assert len(chain) == 1
 
 
 def test_connections_idle_longer_than_max_idle_are_not_reused(

@@ -10,12 +10,14 @@ vCPU, so that CPU is throughput.
 What it does: one request per connection at a time, connections kept alive and reused from a
 bounded idle list (LIFO, thread-safe), TLS with certificate and hostname verification through
 ``ssl.create_default_context()``, connect and read timeouts, ``Content-Length``, chunked and
-close-delimited answers, and limits on line length, header count and body size. A pooled
-connection idle for a second or more is dropped before reuse when the server has closed it (or
-sent something unasked), and one idle too long is dropped unasked. It never retries: whether a
-call may be repeated is the caller's decision (see ``queue_client``).
+close-delimited answers, limits on line length, header count and body size, and a deadline for
+the whole answer (a server dripping bytes cannot hold a call past it). A connection goes back
+to the pool only when its answer was framed exactly, with no byte left over; before reuse it is
+dropped if the server has closed it (or sent something unasked) or it sat idle too long. It
+never retries: whether a call may be repeated is the caller's decision (see ``queue_client``).
 
-It does not do proxies, redirects, compression, cookies or HTTP/2: Infrai's API needs none.
+It does not do proxies, redirects, compression, cookies or HTTP/2: Infrai's API needs none, and
+it asks for no content coding (``Accept-Encoding: identity``) and refuses one it did not ask for.
 Error messages name the host and the failure, never a header.
 """
 
@@ -30,23 +32,29 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import BinaryIO
 from urllib.parse import urlsplit
 
 MAX_LINE = 65536
 MAX_HEADERS = 100
-MAX_BODY = 32 * 1024 * 1024
+# Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
+# hostile server from filling a 512 MB Lambda.
+MAX_BODY = 16 * 1024 * 1024
+# 1xx answers skipped before the real one; a server sending more is not answering.
+MAX_INTERIM = 10
 # Well under the idle timeouts of common load balancers (60 s) and API gateways; a connection
 # idle longer, e.g. across a frozen Lambda, is more likely dead than alive.
 DEFAULT_MAX_IDLE = 30.0
-# A connection back in the pool for less than this is reused without asking the kernel whether
-# the server closed it. Servers close idle connections after seconds (5 s and up), not within
-# one; and the check is a syscall that drops and retakes the GIL, which with many lanes costs
-# more than the request's own parsing (8 lanes drained about 10% faster without it).
-DEFAULT_CHECK_AFTER_IDLE = 1.0
+# The whole answer must arrive within this many read timeouts (the read timeout alone bounds
+# each wait for bytes, not a server sending one byte at a time).
+ANSWER_DEADLINE_READS = 3
 
 _UNSAFE_HEADER = re.compile(r"[\r\n\x00]")
+# No spaces or control characters in the request line: they would split or bend it.
+_UNSAFE_TARGET = re.compile(r"[\x00-\x20\x7f]")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_STATUS_CODE = re.compile(r"[0-9]{3}")
+_LENGTH = re.compile(r"[0-9]{1,18}")
+_RECV_SIZE = 65536
 
 
 class TransportError(Exception):
@@ -66,21 +74,29 @@ class _ProtocolError(Exception):
 
 
 class _Connection:
-    __slots__ = ("idle_since", "rfile", "sock")
+    """A socket and the bytes read from it but not yet parsed.
 
-    def __init__(self, sock: socket.socket) -> None:
+    The buffer is ours (not ``socket.makefile``) so that bytes left over after an answer are
+    visible: a connection holding any is closed, never pooled, or they would be read as the
+    next request's answer.
+    """
+
+    __slots__ = ("buffer", "deadline", "idle_since", "read_timeout", "sock")
+
+    def __init__(self, sock: socket.socket, read_timeout: float) -> None:
         self.sock = sock
-        self.rfile: BinaryIO = sock.makefile("rb")
+        self.buffer = bytearray()
         self.idle_since = 0.0
+        self.read_timeout = read_timeout
+        self.deadline = 0.0
 
     def close(self) -> None:
-        try:
-            self.rfile.close()
-        finally:
-            self.sock.close()
+        self.sock.close()
 
     def looks_dropped(self) -> bool:
         """True when the server closed the connection or sent bytes nobody asked for."""
+        if self.buffer:
+            return True
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return True
         try:
@@ -90,6 +106,60 @@ class _Connection:
             return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
+
+    # --- reading, bounded by the answer's deadline ---------------------------------------------
+
+    def fill(self) -> bool:
+        """Read what the socket has into the buffer; False at the end of the stream."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the answer did not complete in time")
+        if remaining < self.read_timeout:
+            self.sock.settimeout(remaining)
+        try:
+            data = self.sock.recv(_RECV_SIZE)
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise TimeoutError("the answer did not complete in time") from None
+            raise
+        if not data:
+            return False
+        self.buffer += data
+        return True
+
+    def readline(self) -> bytes:
+        """One line, its line break included; shorter (no break) only at the end of the stream."""
+        start = 0
+        while True:
+            end = self.buffer.find(b"\n", start, MAX_LINE + 1)
+            if end >= 0:
+                line = bytes(self.buffer[: end + 1])
+                del self.buffer[: end + 1]
+                return line
+            if len(self.buffer) > MAX_LINE:
+                raise _ProtocolError("an answer line is longer than 64 KiB")
+            start = len(self.buffer)
+            if not self.fill():
+                line = bytes(self.buffer)
+                self.buffer.clear()
+                return line
+
+    def read(self, size: int) -> bytes:
+        """Exactly ``size`` bytes, or fewer at the end of the stream."""
+        while len(self.buffer) < size and self.fill():
+            pass
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    def read_to_end(self, limit: int) -> bytes:
+        while len(self.buffer) <= limit and self.fill():
+            pass
+        if len(self.buffer) > limit:
+            raise _ProtocolError(f"the answer is larger than {limit} bytes")
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        return data
 
 
 class HttpPool:
@@ -104,7 +174,6 @@ class HttpPool:
         maxsize: int = 16,
         ssl_context: ssl.SSLContext | None = None,
         max_idle: float = DEFAULT_MAX_IDLE,
-        check_after_idle: float = DEFAULT_CHECK_AFTER_IDLE,
         max_body: int = MAX_BODY,
     ) -> None:
         parts = urlsplit(base_url)
@@ -129,7 +198,6 @@ class HttpPool:
         self._maxsize = maxsize
         self._ssl_context = ssl_context
         self._max_idle = max_idle
-        self._check_after_idle = check_after_idle
         self._max_body = max_body
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
@@ -159,14 +227,15 @@ class HttpPool:
         conn = self._take()
         try:
             conn.sock.sendall(head + body if body else head)
-            response, keep_alive = _read_response(conn.rfile, method, self._max_body)
+            conn.deadline = time.monotonic() + self._read_timeout * ANSWER_DEADLINE_READS
+            response, keep_alive = _read_response(conn, method, self._max_body)
         except (OSError, _ProtocolError) as exc:
             conn.close()
             raise TransportError(self._describe(exc)) from exc
         except BaseException:
             conn.close()
             raise
-        if keep_alive:
+        if keep_alive and not conn.buffer:
             self._give_back(conn)
         else:
             conn.close()
@@ -181,14 +250,14 @@ class HttpPool:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return self._connect()
-            idle = now - conn.idle_since
-            if idle > self._max_idle or (idle >= self._check_after_idle and conn.looks_dropped()):
+            if now - conn.idle_since > self._max_idle or conn.looks_dropped():
                 conn.close()
                 continue
             return conn
 
     def _give_back(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
+        conn.sock.settimeout(self._read_timeout)  # the deadline may have shortened it
         with self._lock:
             if len(self._idle) < self._maxsize:
                 self._idle.append(conn)
@@ -202,43 +271,44 @@ class HttpPool:
             raise TransportError(self._describe(exc)) from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._read_timeout)
             if self._tls:
                 if self._ssl_context is None:
                     # Built on first use: loading the CA bundle is not free at cold start.
                     self._ssl_context = ssl.create_default_context()
+                # The handshake is part of connecting: it runs under the connect timeout.
                 sock = self._ssl_context.wrap_socket(sock, server_hostname=self._host)
+            sock.settimeout(self._read_timeout)
         except OSError as exc:
             sock.close()
             raise TransportError(self._describe(exc)) from exc
-        return _Connection(sock)
+        return _Connection(sock, self._read_timeout)
 
     # --- wire format --------------------------------------------------------------------------
 
     def _encode_head(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes | None
     ) -> bytes:
-        lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"Host: {self._host_header}"]
+        target = f"{self._prefix}{path}"
+        if _UNSAFE_TARGET.search(method) or _UNSAFE_TARGET.search(target):
+            raise ValueError("the method or path contains a space or control character")
+        parts = [
+            _latin1(f"{method} {target} HTTP/1.1\r\nHost: {self._host_header}\r\n", "the path"),
+            b"Accept-Encoding: identity\r\n",
+        ]
         for name, value in headers.items():
             if _UNSAFE_HEADER.search(name) or _UNSAFE_HEADER.search(value) or ":" in name:
                 # The value may be a secret: name the header, never print the value.
                 raise ValueError(f"header {name!r} contains a line break, NUL or colon")
-            lines.append(f"{name}: {value}")
+            parts.append(_latin1(f"{name}: {value}\r\n", f"header {name!r}"))
         if body is not None:
-            lines.append(f"Content-Length: {len(body)}")
+            parts.append(b"Content-Length: %d\r\n" % len(body))
         elif method not in ("GET", "HEAD"):
-            lines.append("Content-Length: 0")
-        lines.append("\r\n")
-        try:
-            return "\r\n".join(lines).encode("latin-1")
-        except UnicodeEncodeError:
-            raise ValueError("a header or the path is not latin-1 text") from None
+            parts.append(b"Content-Length: 0\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
     def _describe(self, exc: BaseException) -> str:
-        if isinstance(exc, TimeoutError | socket.timeout):
-            what = "timed out"
-        else:
-            what = str(exc) or "no detail"
+        what = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else "no detail")
         return f"{type(exc).__name__}: {what} ({self._where})"
 
 
@@ -247,43 +317,60 @@ def _close_all(connections: list[_Connection]) -> None:
         connections.pop().close()
 
 
-def _read_line(rfile: BinaryIO) -> bytes:
-    line = rfile.readline(MAX_LINE + 1)
-    if len(line) > MAX_LINE:
-        raise _ProtocolError("an answer line is longer than 64 KiB")
-    return line
+def _latin1(text: str, what: str) -> bytes:
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        pass
+    # Raised outside the handler: the encode error holds the whole text, a secret perhaps, and
+    # would ride along as this exception's context.
+    raise ValueError(f"{what} is not latin-1 text")
 
 
-def _read_response(rfile: BinaryIO, method: str, max_body: int) -> tuple[Response, bool]:
-    while True:
-        line = _read_line(rfile)
+def _read_head(conn: _Connection) -> tuple[str, int, dict[str, str]]:
+    """The final answer's version, status and headers; 1xx answers before it are skipped."""
+    for _ in range(MAX_INTERIM + 1):
+        line = conn.readline()
         if not line:
             raise _ProtocolError("the server closed the connection before answering")
         if not line.endswith(b"\n"):
             raise _ProtocolError("the connection closed inside the answer's status line")
         version, status = _parse_status_line(line)
-        headers = _read_headers(rfile)
-        if 100 <= status < 200:
-            continue  # 100 Continue and friends precede the real answer
-        break
+        headers = _read_headers(conn)
+        if status == 101:
+            raise _ProtocolError("the server switched protocols, which was not asked for")
+        if not 100 <= status < 200:
+            return version, status, headers
+    raise _ProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
+
+
+def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Response, bool]:
+    version, status, headers = _read_head(conn)
+    coding = headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):
+        raise _ProtocolError(f"an answer in a content coding not asked for: {coding[:20]!r}")
     connection = headers.get("connection", "").lower()
     # HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 only when told to.
     keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
     if method == "HEAD" or status in (204, 304):
         return Response(status, headers, b""), keep_alive
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        return Response(status, headers, _read_chunked(rfile, max_body)), keep_alive
+    transfer = headers.get("transfer-encoding")
+    if transfer is not None:
+        codings = [item.strip().lower() for item in transfer.split(",")]
+        if codings != ["chunked"]:
+            raise _ProtocolError(f"an unsupported Transfer-Encoding: {transfer[:40]!r}")
+        # With a Content-Length too the framing is ambiguous (RFC 9112 6.3): chunked wins,
+        # and the connection is not trusted with another request.
+        keep_alive = keep_alive and "content-length" not in headers
+        return Response(status, headers, _read_chunked(conn, max_body)), keep_alive
     length = headers.get("content-length")
     if length is None:
         # Close-delimited: the body runs to the end of the connection.
-        body = rfile.read(max_body + 1)
-        if len(body) > max_body:
-            raise _ProtocolError(f"the answer is larger than {max_body} bytes")
-        return Response(status, headers, body), False
+        return Response(status, headers, conn.read_to_end(max_body)), False
     size = _parse_length(length)
     if size > max_body:
         raise _ProtocolError(f"the answer is larger than {max_body} bytes")
-    body = rfile.read(size)
+    body = conn.read(size)
     if len(body) != size:
         raise _ProtocolError(f"the answer was cut short ({len(body)} of {size} bytes)")
     return Response(status, headers, body), keep_alive
@@ -294,16 +381,16 @@ def _parse_status_line(line: bytes) -> tuple[str, int]:
     if len(parts) < 2 or parts[0] not in ("HTTP/1.1", "HTTP/1.0"):
         raise _ProtocolError(f"not an HTTP/1.x status line: {line[:40]!r}")
     code = parts[1]
-    if len(code) != 3 or not code.isdigit():
+    if not _STATUS_CODE.fullmatch(code):
         raise _ProtocolError(f"not an HTTP status code: {code[:10]!r}")
     return parts[0], int(code)
 
 
-def _read_headers(rfile: BinaryIO) -> dict[str, str]:
+def _read_headers(conn: _Connection) -> dict[str, str]:
     headers: dict[str, str] = {}
     last = ""
     for _ in range(MAX_HEADERS + 1):
-        line = _read_line(rfile)
+        line = conn.readline()
         if line in (b"\r\n", b"\n"):
             return headers
         if not line.endswith(b"\n"):
@@ -327,16 +414,19 @@ def _parse_length(value: str) -> int:
     if len(lengths) != 1:
         raise _ProtocolError("the answer has conflicting Content-Length headers")
     text = lengths.pop()
-    if not text.isdigit() or not text.isascii():
+    if not _LENGTH.fullmatch(text):
         raise _ProtocolError(f"an invalid Content-Length: {text[:20]!r}")
     return int(text)
 
 
-def _read_chunked(rfile: BinaryIO, max_body: int) -> bytes:
-    parts: list[bytes] = []
-    total = 0
+def _read_chunked(conn: _Connection, max_body: int) -> bytes:
+    body = bytearray()
+    framing = 0  # size lines count against the limit too: extensions can be long
     while True:
-        line = _read_line(rfile)
+        line = conn.readline()
+        framing += len(line)
+        if framing > max_body:
+            raise _ProtocolError(f"the answer's chunk framing is larger than {max_body} bytes")
         size_text = line.split(b";", 1)[0].strip()
         if not _CHUNK_SIZE.fullmatch(size_text):
             # int(x, 16) alone would also take "0x1f", "+1f" and "1_f".
@@ -344,12 +434,11 @@ def _read_chunked(rfile: BinaryIO, max_body: int) -> bytes:
         size = int(size_text, 16)
         if size == 0:
             break
-        total += size
-        if total > max_body:
+        if len(body) + size > max_body:
             raise _ProtocolError(f"the answer is larger than {max_body} bytes")
-        chunk = rfile.read(size)
-        if len(chunk) != size or _read_line(rfile) not in (b"\r\n", b"\n"):
+        chunk = conn.read(size)
+        if len(chunk) != size or conn.readline() not in (b"\r\n", b"\n"):
             raise _ProtocolError("the answer was cut short inside a chunk")
-        parts.append(chunk)
-    _read_headers(rfile)  # trailers, ignored
-    return b"".join(parts)
+        body += chunk
+    _read_headers(conn)  # trailers, ignored
+    return bytes(body)

@@ -6,6 +6,7 @@ answer in the ways a real origin, load balancer or broken proxy might, byte for 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import socket
@@ -612,3 +613,107 @@ def test_tls_refuses_a_certificate_for_another_host(
     with pytest.raises(TransportError, match=r"IP address mismatch|doesn't match"):
         pool.request("GET", "/", {})
     assert server.requests == []
+
+
+# --- The drain over TLS: lanes, keep-alive and concurrent acks through a TLS front -------------
+
+
+class TlsFront:
+    """TLS on 127.0.0.1 in front of a plain server, as a load balancer terminates it."""
+
+    def __init__(self, context: ssl.SSLContext, backend_port: int) -> None:
+        self.context = context
+        self.backend_port = backend_port
+        self.connections = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                raw, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            front = self.context.wrap_socket(raw, server_side=True)
+        except OSError:
+            raw.close()
+            return
+        back = socket.create_connection(("127.0.0.1", self.backend_port))
+        pump = threading.Thread(target=_pump, args=(back, front), daemon=True)
+        pump.start()
+        _pump(front, back)
+        pump.join(timeout=5)
+        front.close()
+        back.close()
+
+    def stop(self) -> None:
+        self._sock.close()
+
+
+def _pump(source: socket.socket, target: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            target.sendall(data)
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        target.shutdown(socket.SHUT_WR)
+
+
+def test_lanes_drain_over_tls_with_kept_alive_connections(
+    tmp_path: Path, database_url: str
+) -> None:
+    from drainkit import QUEUE, harness  # noqa: PLC0415
+
+    from infrai_jobs.drain_service import DrainService  # noqa: PLC0415
+    from infrai_jobs.factory import client_pool_size  # noqa: PLC0415
+    from infrai_jobs.ledger import PostgresLedger  # noqa: PLC0415
+    from infrai_jobs.settings import Settings  # noqa: PLC0415
+
+    ca_path, cert_path, key_path = _certificates(tmp_path, LOOPBACK_NAMES)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_path, key_path)
+    with harness(database_url) as kit:
+        # Given 600 jobs (a third published twice) behind a TLS front, 5 ms per call
+        for n in range(600):
+            kit.publish({"job": "test.db", "id": f"t{n}"}, times=2 if n % 3 == 0 else 1)
+        front = TlsFront(context, kit.server.port)
+        client = InfraiClient(
+            front.url,
+            "test-key",
+            ssl_context=ssl.create_default_context(cafile=str(ca_path)),
+            pool_maxsize=client_pool_size(4),
+        )
+        service = DrainService(
+            settings=Settings(queue=QUEUE, drain_lanes=4),
+            queue=client,
+            ledger=PostgresLedger(database_url),
+            registry=kit.registry,
+            make_lane_ledger=lambda: PostgresLedger(database_url),
+        )
+        kit.faults(latency_ms=5)
+        # When four lanes drain them over TLS, acks ten at a time per lane
+        summary = service.run(lambda: 120_000)
+        kit.faults()
+        service.close()
+        client.close()
+        front.stop()
+        # Then every job ran once and every message was acked
+        assert summary.done == 600
+        assert summary.acked == 800
+        assert summary.stopped == "empty"
+        rows = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
+        assert rows == {f"test.db:t{n}": 1 for n in range(600)}
+        # And the TLS connections were kept and reused: no more handshakes than the lanes can
+        # have calls in flight at once
+        assert 1 <= front.connections <= client_pool_size(4)

@@ -501,7 +501,17 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
             f"| {_fmt(s['process_cpu_pct'])} | {_fmt(s['machine_busy_pct'])} "
             f"| {worker_ms:.2f} | {machine_ms:.2f} | {result} |"
         )
-    lines += ["", *_cpu_budget(scaling, nproc), "", *_lambda_sizing(scaling, nproc)]
+    lines += [
+        "",
+        *_cpu_budget(scaling, nproc),
+        "",
+        "To tell the drain's one GIL from what all lanes share here (the emulator, PostgreSQL, "
+        "the CPUs), `bench/lane_processes.py` drains the same workload with N lanes as threads "
+        "and as N separate processes: if the processes do no better while the machine has CPU "
+        "to spare, the lanes are waiting on what they share.",
+        "",
+        *_lambda_sizing(scaling, nproc),
+    ]
     return [*lines, ""]
 
 
@@ -869,6 +879,8 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         ".venv/bin/python bench/cold_start.py --update bench/results/latest.json  # re-measure it",
         ".venv/bin/python bench/second_layer_bench.py --update bench/results/latest.json"
         "  # the second layer's cost alone, about 4 minutes",
+        ".venv/bin/python bench/lane_processes.py     # N lanes as threads vs as processes, "
+        "about 2 minutes",
         ".venv/bin/python bench/report.py             # this page and the chart from latest.json",
         "```",
         "",

@@ -281,6 +281,8 @@ BARE_ANSWERS: dict[str, tuple[int, bytes]] = {
         b'"delayed_count":0,"dlq_count":0}}',
     ),
     "/v1/queue/stats/teapot": (418, b"short and stout"),
+    "/v1/queue/stats/ok-yes": (200, b'{"ok":"yes","data":{}}'),
+    "/v1/queue/stats/ok-false-bare": (200, b'{"ok":false}'),
 }
 
 
@@ -342,6 +344,12 @@ def test_answers_outside_the_contract_raise_invalid_response(bare_server: str) -
     with pytest.raises(InfraiError) as teapot:
         client.stats("teapot")
     assert (teapot.value.code, teapot.value.status) == ("HTTP_418", 418)
+    # A 200 whose envelope neither says ok nor names an error is not an "HTTP_200" failure
+    with pytest.raises(InfraiInvalidResponse, match="ok is 'yes'") as yes:
+        client.stats("ok-yes")
+    assert (yes.value.code, yes.value.status) == ("INVALID_RESPONSE", 200)
+    with pytest.raises(InfraiInvalidResponse, match="ok is False"):
+        client.stats("ok-false-bare")
 
 
 def test_malformed_consumed_items_are_logged_and_left_for_redelivery(

@@ -338,6 +338,15 @@ def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) 
         if isinstance(error, Mapping):
             code = str(error.get("code") or code)
             message = str(error.get("message") or "")
+        elif 200 <= status < 300:
+            # A success status whose envelope neither says ok nor names an error ("ok": "yes",
+            # "ok": false alone) is outside the contract, not an HTTP error.
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE",
+                f"answered HTTP {status} with an envelope whose ok is {document['ok']!r:.20}",
+                status,
+                call=call,
+            )
     elif 200 <= status < 300:
         return document
     if status == 429 or status >= 500:

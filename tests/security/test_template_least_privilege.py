@@ -16,10 +16,23 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 from test_template import as_list, load_template, policy_statements, translate  # noqa: E402
 
-# Actions IAM cannot scope to a resource, granted on "*" by SAM's own policy templates.
-# ssm:DescribeParameters comes with SSMParameterWithSlashPrefixReadPolicy (SAM offers no
-# template without it); it lists parameter names and metadata, never values.
-UNSCOPABLE_ACTIONS = {"ssm:DescribeParameters"}
+# Actions IAM cannot scope to a resource, which a statement may grant on "*". None: the SSM
+# and DynamoDB grants are inline statements on one parameter and one table, not SAM's
+# SSMParameterWithSlashPrefixReadPolicy (which adds ssm:DescribeParameters on "*") and
+# DynamoDBCrudPolicy (which adds Scan, Query and the Batch* calls).
+UNSCOPABLE_ACTIONS: set[str] = set()
+
+# The only actions of these services that the code calls (Powertools' get_parameter; its
+# idempotency layer's item calls).
+EXACT_ACTIONS = {
+    "ssm": {"ssm:GetParameter"},
+    "dynamodb": {
+        "dynamodb:GetItem",
+        "dynamodb:PutItem",
+        "dynamodb:UpdateItem",
+        "dynamodb:DeleteItem",
+    },
+}
 
 # What each function may do, by service: a new grant must be added here on purpose.
 ALLOWED_SERVICES = {
@@ -94,6 +107,19 @@ def test_each_function_is_granted_only_the_services_it_uses() -> None:
         services = {a.split(":", 1)[0] for s in statements for a in as_list(s["Action"])}
         # Then they are the ones that function needs, and nothing else
         assert services <= ALLOWED_SERVICES[name], (name, services - ALLOWED_SERVICES[name])
+
+
+def test_ssm_and_dynamodb_grants_are_exactly_the_calls_the_code_makes() -> None:
+    # Given every execution role
+    for name, statements in _roles().items():
+        actions = {a for s in statements for a in as_list(s["Action"])}
+        # When its SSM and DynamoDB actions are collected
+        for service, exact in EXACT_ACTIONS.items():
+            granted = {a for a in actions if a.startswith(f"{service}:")}
+            # Then they are the calls the code makes, where the role has the service at all
+            assert granted <= exact, (name, granted - exact)
+            if service in ALLOWED_SERVICES[name]:
+                assert granted == exact, (name, service, granted)
 
 
 def test_only_the_alert_function_may_publish_alerts() -> None:

@@ -85,7 +85,8 @@ def _processes(spec: dict[str, Any], lanes: int, scratch: Path) -> dict[str, Any
     if any(child.returncode for child in children):
         raise RuntimeError("a lane process failed")
     consumed = sum(o["consumed"] for o in outputs)
-    return _figures(consumed, elapsed, sum(o["cpu_s"] for o in outputs), ticks0, ticks1)
+    cpu_s = sum(o["cpu_s"] for o in outputs)
+    return _figures(consumed, elapsed, cpu_s, busy_percent(ticks0, ticks1))
 
 
 def _threads(spec: dict[str, Any], lanes: int) -> dict[str, Any]:
@@ -93,21 +94,14 @@ def _threads(spec: dict[str, Any], lanes: int) -> dict[str, Any]:
     from instruments import BatchRecorder  # noqa: PLC0415
 
     drained = worker._drain_lanes(spec, BatchRecorder(), None, lanes)
-    return {
-        "messages_per_s": round(drained.consumed / drained.elapsed, 1),
-        "cpu_ms_per_message": round(drained.cpu_s * 1000 / max(drained.consumed, 1), 3),
-        "machine_busy_pct": drained.busy_pct,
-        "consumed": drained.consumed,
-    }
+    return _figures(drained.consumed, drained.elapsed, drained.cpu_s, drained.busy_pct)
 
 
-def _figures(
-    consumed: int, elapsed: float, cpu_s: float, ticks0: Any, ticks1: Any
-) -> dict[str, Any]:
+def _figures(consumed: int, elapsed: float, cpu_s: float, busy_pct: float | None) -> dict[str, Any]:
     return {
         "messages_per_s": round(consumed / elapsed, 1),
         "cpu_ms_per_message": round(cpu_s * 1000 / max(consumed, 1), 3),
-        "machine_busy_pct": busy_percent(ticks0, ticks1),
+        "machine_busy_pct": busy_pct,
         "consumed": consumed,
     }
 

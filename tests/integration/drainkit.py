@@ -13,11 +13,13 @@ import psycopg
 import urllib3
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import ClaimRow, PostgresLedger
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.settings import Settings
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from jobs import build_registry
@@ -78,6 +80,16 @@ class Harness:
 
     def publish(self, payload: Any, times: int = 1) -> list[str]:
         return [self.client.publish(QUEUE, payload) for _ in range(times)]
+
+    def lane_service(self, settings: Settings, client: InfraiClient | None = None) -> DrainService:
+        """DrainFunction's service on this harness: a ledger per lane, opened as lanes need."""
+        return DrainService(
+            settings=settings,
+            queue=client or self.client,
+            ledger=PostgresLedger(self.database_url),
+            registry=self.registry,
+            make_lane_ledger=lambda: PostgresLedger(self.database_url),
+        )
 
     def drain(self, time_left_ms: Callable[[], int] | None = None, **config: Any) -> DrainSummary:
         return drain(

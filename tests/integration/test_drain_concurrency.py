@@ -80,20 +80,13 @@ def _assert_database_effects_once(kit: Harness, numbers: list[int]) -> None:
 def test_drain_lanes_share_one_invocation_and_still_run_every_job_once(
     database_url: str,
 ) -> None:
-    from infrai_jobs.drain_service import DrainService  # noqa: PLC0415
     from infrai_jobs.settings import Settings  # noqa: PLC0415
 
     with harness(database_url) as kit:
         # Given 300 database jobs, a third of them published twice
         for n in range(300):
             kit.publish({"job": "test.db", "id": f"l{n}"}, times=2 if n % 3 == 0 else 1)
-        service = DrainService(
-            settings=Settings(queue=QUEUE, drain_lanes=3),
-            queue=kit.client,
-            ledger=PostgresLedger(database_url),
-            registry=kit.registry,
-            make_lane_ledger=lambda: PostgresLedger(database_url),
-        )
+        service = kit.lane_service(Settings(queue=QUEUE, drain_lanes=3))
         # When one invocation drains with three lanes
         summary = service.run(lambda: 120_000)
         service.close()
@@ -114,7 +107,6 @@ def _assert_database_effects_once_prefixed(kit: Harness, prefix: str, count: int
 def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
     database_url: str,
 ) -> None:
-    from infrai_jobs.drain_service import DrainService  # noqa: PLC0415
     from infrai_jobs.factory import client_pool_size, make_queue_client  # noqa: PLC0415
     from infrai_jobs.settings import Settings  # noqa: PLC0415
 
@@ -129,13 +121,7 @@ def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
             drain_lanes=8,
         )
         client = make_queue_client(settings)
-        service = DrainService(
-            settings=settings,
-            queue=client,
-            ledger=PostgresLedger(database_url),
-            registry=kit.registry,
-            make_lane_ledger=lambda: PostgresLedger(database_url),
-        )
+        service = kit.lane_service(settings, client)
         before = kit.server.emulator.snapshot()["connections_accepted"]
         kit.faults(latency_ms=20)
         # When eight lanes drain them through the client DrainFunction builds

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from cryptography import x509
@@ -95,11 +96,10 @@ class ScriptedServer:
         self._sock.close()
 
 
-def _read_request(rfile: object) -> bytes | None:
-    reader = rfile.readline  # type: ignore[attr-defined]
+def _read_request(rfile: BinaryIO) -> bytes | None:
     head = b""
     while True:
-        line = reader(65537)
+        line = rfile.readline(65537)
         if not line:
             return None
         head += line
@@ -109,7 +109,7 @@ def _read_request(rfile: object) -> bytes | None:
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
-    return head + (rfile.read(length) if length else b"")  # type: ignore[attr-defined]
+    return head + (rfile.read(length) if length else b"")
 
 
 @pytest.fixture
@@ -675,9 +675,7 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
 ) -> None:
     from drainkit import QUEUE, harness  # noqa: PLC0415
 
-    from infrai_jobs.drain_service import DrainService  # noqa: PLC0415
     from infrai_jobs.factory import client_pool_size  # noqa: PLC0415
-    from infrai_jobs.ledger import PostgresLedger  # noqa: PLC0415
     from infrai_jobs.settings import Settings  # noqa: PLC0415
 
     ca_path, cert_path, key_path = _certificates(tmp_path, LOOPBACK_NAMES)
@@ -694,13 +692,7 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
             ssl_context=ssl.create_default_context(cafile=str(ca_path)),
             pool_maxsize=client_pool_size(4),
         )
-        service = DrainService(
-            settings=Settings(queue=QUEUE, drain_lanes=4),
-            queue=client,
-            ledger=PostgresLedger(database_url),
-            registry=kit.registry,
-            make_lane_ledger=lambda: PostgresLedger(database_url),
-        )
+        service = kit.lane_service(Settings(queue=QUEUE, drain_lanes=4), client)
         kit.faults(latency_ms=5)
         # When four lanes drain them over TLS, acks ten at a time per lane
         summary = service.run(lambda: 120_000)

@@ -205,16 +205,11 @@ class HttpPool:
         # leak); the finalizer holds the list, not the pool.
         weakref.finalize(self, _close_all, self._idle)
 
-    @property
-    def where(self) -> str:
-        return self._where
-
     def close(self) -> None:
         with self._lock:
             idle = self._idle[:]
             self._idle.clear()
-        for conn in idle:
-            conn.close()
+        _close_all(idle)
 
     def request(
         self,

@@ -1304,6 +1304,9 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
     idle keep-alive ones instead of leaving their threads blocked in a read."""
 
     daemon_threads = True
+    # socketserver's default backlog is 5: a drain opening its lanes' connections at once
+    # overflowed it, and each dropped SYN cost a second (the first TCP retransmission).
+    request_queue_size = 128
 
     def __init__(
         self, address: tuple[str, int], emulator: Emulator, *, verbose: bool = False

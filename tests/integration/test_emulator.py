@@ -33,6 +33,8 @@ from hypothesis import strategies as st
 
 from infrai_local.emulator import (
     MAX_BODY_BYTES,
+    Emulator,
+    EmulatorHTTPServer,
     RunningEmulator,
     parse_header_lines,
     start_in_thread,
@@ -1086,6 +1088,29 @@ def test_pipelined_requests_on_one_socket_are_answered_in_order(
     assert all("connection" not in answer.headers for answer in answers)
     raw.send(stats_bytes(queue))
     assert raw.answer().document["data"]["in_flight_count"] == 2
+
+
+def test_a_burst_of_connections_is_queued_not_dropped_while_the_server_is_busy() -> None:
+    # Given an emulator whose serving thread is not accepting (as when it is busy)
+    server = EmulatorHTTPServer(("127.0.0.1", 0), Emulator())
+    sockets: list[socket.socket] = []
+    try:
+        # When a drain's lanes open 60 connections at once
+        for _ in range(60):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", server.server_port))
+            sockets.append(sock)
+        _, writable, _ = select.select([], sockets, [], 0.5)
+
+        # Then the kernel completes every handshake and queues it for accept(); with
+        # socketserver's backlog of 5 most SYNs were dropped, each retried only after 1 s
+        connected = [s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0]
+        assert len(connected) == 60
+    finally:
+        for sock in sockets:
+            sock.close()
+        server.server_close()
 
 
 @pytest.mark.parametrize(

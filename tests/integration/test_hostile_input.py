@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 from drainkit import QUEUE, Harness, harness
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 
@@ -393,6 +393,8 @@ LENIENT_FIELDS = ["status", "published_at"]
     name=st.sampled_from(ITEM_FIELDS + LENIENT_FIELDS + ["payload"]),
     value=st.one_of(WRONG, st.just(MISSING)),
 )
+# Found by this test: an empty queue name was taken as a queue.
+@example(name="queue", value="")
 def test_a_wrong_type_in_any_item_field_spares_the_rest_of_the_batch(
     kit: Harness, crafted: CraftedInfrai, name: str, value: Any
 ) -> None:

@@ -50,8 +50,8 @@ class QueueMessage:
         if handle is not None:
             _require_storable(handle, "receipt_handle", call)
         item_queue = item.get("queue", queue)
-        if not isinstance(item_queue, str):
-            raise _invalid(call, f"item {message_id}: queue is not a string")
+        if not isinstance(item_queue, str) or not item_queue:
+            raise _invalid(call, f"item {message_id}: queue is not a non-empty string")
         status = item.get("status", "in_flight")
         return cls(
             message_id=message_id,

@@ -1,7 +1,8 @@
 """What the benchmark counts, and how.
 
 HTTP: ``TimedQueue`` wraps the queue port both variants use and records each call and each batch
-(from the start of the consume that returned it to the end of the last ack of its messages). The
+(from the start of the consume that returned it to the end of the last ack of its messages, read
+when the drain reads the answer). The
 orchestrator also reads the emulator's own per-route request counters; those are the figures
 reported, the wrapper's are the cross-check.
 
@@ -37,7 +38,7 @@ from typing import Any
 import psycopg
 
 from infrai_jobs.ports import QueuePort
-from infrai_jobs.queue_models import PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
 
 # --- HTTP: the queue port, timed -----------------------------------------------------------------
 
@@ -114,12 +115,37 @@ class TimedQueue:
         self._recorder.consumed(started, [m.receipt_handle for m in messages], lane=id(self))
         return messages
 
+    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
+        started = self._recorder.now()
+        pending = self._inner.send_consume(queue, max_messages)
+
+        def finish() -> list[QueueMessage]:
+            messages = pending.wait()
+            self._recorder.consumed(started, [m.receipt_handle for m in messages], lane=id(self))
+            return messages
+
+        return Pending(finish)
+
     def ack(self, queue: str, receipt_handle: str) -> None:
         started = self._recorder.now()
         try:
             self._inner.ack(queue, receipt_handle)
         finally:
             self._recorder.acked(receipt_handle, started)
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        # Timed from the send to when the drain reads the answer: a batch's acks are read
+        # after the next batch is processed, so this may exceed the round trip by that much.
+        started = self._recorder.now()
+        pending = self._inner.send_ack(queue, receipt_handle)
+
+        def finish() -> None:
+            try:
+                pending.wait()
+            finally:
+                self._recorder.acked(receipt_handle, started)
+
+        return Pending(finish)
 
     def publish(
         self,
@@ -390,6 +416,16 @@ def process_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def pid_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system) another process has used so far, or None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def machine_cpu_ticks() -> tuple[int, int] | None:
     """(busy, total) jiffies of all CPUs from /proc/stat, or None off Linux."""
     try:
@@ -416,7 +452,7 @@ def sample_busy_percent(seconds: float = 1.0) -> float | None:
 
 
 class ThreadProfiles:
-    """cProfile in every thread, including the ack pool's: one profile per thread, merged.
+    """cProfile in every thread (every lane's): one profile per thread, merged.
 
     Python 3.11 has no profiler for all threads; ``threading.setprofile`` runs a hook once in
     each new thread, which swaps itself for that thread's own ``cProfile.Profile``. The timer is

@@ -12,7 +12,8 @@ per Infrai call:
 * ``processes``: N processes, each one lane with its own client and ledger, started and
   connected before the clock starts, then released together.
 
-It prints messages per second, the drains' CPU per message and how busy the machine was. If the
+It prints messages per second, the drains' and the emulator's CPU per message and how busy the
+machine was. If the
 processes do no better than the threads while the machine has CPU to spare, the lanes wait on
 what they share, not on each other. Nothing here is written to ``bench/results``.
 """
@@ -37,7 +38,7 @@ from infrai_local.embedded_db import postgres_server_url  # noqa: E402
 from run_bench import PROVIDER_URL  # noqa: E402
 
 import bench_env  # noqa: E402
-from instruments import busy_percent, machine_cpu_ticks  # noqa: E402
+from instruments import busy_percent, machine_cpu_ticks, pid_cpu_seconds  # noqa: E402
 
 _TIME_LEFT_MS = 600_000
 
@@ -136,11 +137,21 @@ def main(argv: list[str] | None = None) -> int:
                             "provider_url": PROVIDER_URL,
                         }
                         emulator.set_latency(args.latency_ms)
+                        emulator_cpu0 = pid_cpu_seconds(emulator.pid)
                         if mode == "threads":
                             figures = _threads(spec, args.lanes)
                         else:
                             figures = _processes(spec, args.lanes, Path(scratch))
+                        emulator_cpu1 = pid_cpu_seconds(emulator.pid)
                         emulator.set_latency(0)
+                        if emulator_cpu0 is not None and emulator_cpu1 is not None:
+                            # Includes the processes' start-up wait, when the emulator idles.
+                            figures["emulator_cpu_ms_per_message"] = round(
+                                (emulator_cpu1 - emulator_cpu0)
+                                * 1000
+                                / max(figures["consumed"], 1),
+                                3,
+                            )
                         figures["verified"] = bench_env.verify(run, emulator)["ok"]
                     print(f"round {round_no}, {args.lanes} lanes as {mode}: {json.dumps(figures)}")
         finally:

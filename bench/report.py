@@ -48,7 +48,9 @@ COUNTING = {
     "statement": "one Execute or simple Query message in the trace",
     "batch_latency": (
         "from the start of the consume call that returned a batch to the end of the last ack "
-        "of its messages, timed in the worker around the queue port both variants use"
+        "of its messages, timed in the worker around the queue port both variants use; (b) "
+        "sends a batch's acks together and reads their answers after processing the next "
+        "batch, so its figure can include that processing"
     ),
     "between_consumes": (
         "per lane, from one consume's answer to the start of the next consume: the work the "
@@ -595,7 +597,7 @@ def _profile_section(document: dict[str, Any]) -> list[str]:
         "## Where (b)'s worker spends its CPU",
         "",
         f"One more (b) drain of {profile['jobs']:,} messages under cProfile in every thread "
-        f"(the ack pool's too): {_fmt(profile['messages_per_s_under_profiler'])} msg/s under "
+        f"(every lane's): {_fmt(profile['messages_per_s_under_profiler'])} msg/s under "
         f"the profiler, worker CPU {_fmt(profile['process_cpu_pct'])}% of one core. The "
         "profiler's clock is each thread's CPU time, so waiting (network, database, the GIL) "
         "is not counted, and its own overhead inflates call-heavy functions. The full listing "

@@ -73,7 +73,7 @@ _CRASH_BEFORE_ACK = textwrap.dedent(
 
     base_url, database_url, provider_url = sys.argv[1:4]
     client = InfraiClient(base_url, "demo-key")
-    client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
+    client.send_ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
     drain(client, PostgresLedger(database_url), build_registry(provider_url),
           DrainConfig(queue="billing-jobs"), lambda: 60_000)
     """

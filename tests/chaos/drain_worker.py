@@ -35,6 +35,7 @@ from typing import Any
 from soak_jobs import register_soak_jobs
 
 import jobs  # the function's own jobs package (functions/drain is on the path)
+from infrai_jobs.queue_models import Pending
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULE_EVENT = ROOT / "events" / "drain-schedule.json"
@@ -63,21 +64,21 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def arm_kill_at_ack(service: Any, ack_number: int) -> None:
-    """Replace the client's ack so the process dies just before its ``ack_number``-th call."""
-    original: Callable[[str, str], None] = service.queue.ack
+    """Replace the client's ack so the process dies just before sending its ``ack_number``-th."""
+    original: Callable[[str, str], Pending[None]] = service.queue.send_ack
     lock = threading.Lock()
     count = [0]
 
-    def ack(queue: str, receipt_handle: str) -> None:
+    def send_ack(queue: str, receipt_handle: str) -> Pending[None]:
         with lock:
             count[0] += 1
             reached = count[0] == ack_number
         if reached:
             emit("self_kill", ack_number=ack_number)
             os.kill(os.getpid(), signal.SIGKILL)
-        original(queue, receipt_handle)
+        return original(queue, receipt_handle)
 
-    service.queue.ack = ack
+    service.queue.send_ack = send_ack
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ KILL_AT_ACK = textwrap.dedent(
 
     base_url, database_url, provider_url = sys.argv[1:4]
     client = InfraiClient(base_url, "test-key")
-    client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
+    client.send_ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
     registry = build_registry(provider_url)
     add_test_jobs(registry, database_url)
     drain(client, PostgresLedger(database_url), registry, DrainConfig(queue=QUEUE),

@@ -195,6 +195,37 @@ def test_retryable_calls_back_off_on_5xx_then_give_up(
     assert all(0 <= d <= RetryPolicy().max_delay for d in sleeps.delays)
 
 
+def test_sent_acks_and_consumes_keep_the_retry_rules_of_the_plain_calls(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
+) -> None:
+    # Given two consumed messages, and a service whose acks and consumes answer 500
+    client.publish(QUEUE, NOTES_PAYLOAD)
+    client.publish(QUEUE, NOTES_PAYLOAD)
+    first, second = client.consume(QUEUE, 2)
+    set_faults(control, emulator.url, error_rate=1.0, routes=["ack", "consume"])
+    # When an ack and a consume are sent together, then their answers read
+    ack = client.send_ack(QUEUE, first.receipt_handle)
+    consume = client.send_consume(QUEUE)
+    with pytest.raises(InfraiUnavailable) as ack_error:
+        ack.wait()
+    with pytest.raises(InfraiUnavailable) as consume_error:
+        consume.wait()
+    # Then each was tried max_attempts times in all, the sent request being the first
+    attempts = RetryPolicy().max_attempts
+    assert (ack_error.value.call, consume_error.value.call) == ("ack", "consume")
+    assert len(sleeps.delays) == 2 * (attempts - 1)
+    requests = emulator.emulator.snapshot()["requests"]
+    assert (requests["ack"], requests["consume"]) == (attempts, attempts + 1)
+    # And once the service recovers, a sent ack lands and a sent consume gets nothing more
+    set_faults(control, emulator.url)
+    ack = client.send_ack(QUEUE, second.receipt_handle)
+    assert ack.wait() is None
+    with pytest.raises(RuntimeError, match="already read"):
+        ack.wait()
+    assert client.send_consume(QUEUE).wait() == []
+    assert client.stats(QUEUE).message_count == 1
+
+
 def test_rate_limits_honour_retry_after(
     client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
 ) -> None:

@@ -78,7 +78,10 @@ class ScriptedServer:
             return
         with conn, conn.makefile("rb") as rfile:
             for index in range(1000):
-                request = _read_request(rfile)
+                try:
+                    request = _read_request(rfile)
+                except OSError:  # the client reset the connection (a discarded exchange)
+                    return
                 if request is None:
                     return
                 self.requests.append(request)
@@ -487,6 +490,48 @@ def test_concurrent_requests_share_the_pool_safely(serve: Callable[..., Scripted
     assert len(server.requests) == 640
     pool.close()
     assert pool._idle == []
+
+
+def test_several_sent_requests_travel_at_once_and_are_read_in_any_order(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given a server that echoes each request's path, and a pool
+    server = serve(lambda request, conn, index: (answer(request.split(b"\r\n", 1)[0][4:]), False))
+    pool = pool_for(server)
+    # When one thread sends five requests before reading any answer, then reads them backwards
+    exchanges = [pool.send("GET", f"/t{n}", {}) for n in range(5)]
+    assert len(server.requests) <= 5
+    bodies = [pool.receive(exchange).body for exchange in reversed(exchanges)]
+    # Then each answer belongs to its own request, each on its own connection, all kept
+    assert bodies == [f"/t{n} HTTP/1.1".encode() for n in reversed(range(5))]
+    assert server.connections == 5
+    assert len(pool._idle) == 5
+    # And the kept connections serve the next sends without reconnecting
+    again = [pool.send("GET", f"/u{n}", {}) for n in range(5)]
+    assert [pool.receive(e).status for e in again] == [200] * 5
+    assert server.connections == 5
+    # And an exchange is read once: a second read, or a read after discarding, is refused
+    with pytest.raises(RuntimeError, match="already read"):
+        pool.receive(again[0])
+    dropped = pool.send("GET", "/v", {})
+    pool.discard(dropped)
+    with pytest.raises(RuntimeError, match="already read"):
+        pool.receive(dropped)
+    pool.close()
+
+
+def test_an_answer_that_arrived_while_the_caller_was_busy_is_not_a_timeout(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given a pool whose answers must complete within 3 x 0.1 s of being read
+    server = serve(lambda request, conn, index: (answer(b'{"n":1}'), False))
+    pool = pool_for(server, read_timeout=0.1)
+    # When the caller sends, then works for longer than that before reading
+    exchange = pool.send("GET", "/slow-caller", {})
+    time.sleep(0.5)
+    # Then the answer waiting on the socket is read: the deadline runs from the read
+    assert pool.receive(exchange).body == b'{"n":1}'
+    pool.close()
 
 
 # --- TLS -----------------------------------------------------------------------------------------

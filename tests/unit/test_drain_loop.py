@@ -7,6 +7,7 @@ The same rows run against real Postgres and the emulator in
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from infrai_jobs.drain import DrainConfig, DrainSummary, drain
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import ClaimRow, utc_from_epoch
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.queue_models import Pending, QueueMessage
 from infrai_jobs.testing import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
@@ -684,3 +685,67 @@ def test_a_batch_received_ahead_when_the_ledger_fails_is_left_for_redelivery(kit
     kit.redeliver()
     again = kit.drain()
     assert (again.done, again.acked) == (20, 20)
+
+
+class EventQueue(RecordingQueue):
+    """The fake queue, logging on which thread each call is sent and when its answer is read."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.events: list[str] = []
+        self.threads: set[int] = set()
+        self.ids: dict[str, str] = {}
+
+    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
+        self.threads.add(threading.get_ident())
+        return super().send_consume(queue, max_messages)
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        self.threads.add(threading.get_ident())
+        sent = super().send_ack(queue, receipt_handle)
+
+        def read() -> None:
+            self.events.append(f"ack read {self.ids[receipt_handle]}")
+            sent.wait()
+
+        return Pending(read)
+
+    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
+        served = super().consume(queue, max_messages)
+        for message in served:
+            self.ids[message.receipt_handle] = message.payload["id"]
+        return served
+
+
+def test_a_lane_sends_its_acks_and_next_consume_on_its_own_thread_and_reads_them_later() -> None:
+    # Given 30 jobs on a queue that logs its calls, and a job that logs when it runs
+    clock = FakeClock()
+    queue = EventQueue(clock)
+    queue.ensure_queue(QUEUE, dlq=DLQ)
+    registry = JobRegistry()
+    threads_seen: list[int] = []
+
+    @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
+    def logged(payload: Payload, ctx: JobContext) -> JsonValue:
+        queue.events.append(f"ran {payload['id']}")
+        threads_seen.append(threading.active_count())
+        return None
+
+    for n in range(30):
+        queue.publish_raw(QUEUE, _db(f"{n:02d}"))
+    threads_before = threading.active_count()
+
+    # When one lane drains them
+    summary = drain(
+        queue, InMemoryLedger(clock), registry, DrainConfig(queue=QUEUE), lambda: TIME_LEFT_MS
+    )
+
+    # Then everything was done and acked, without a thread beyond the lane's own
+    assert (summary.done, summary.acked, summary.stopped) == (30, 30, "empty")
+    assert queue.threads == {threading.get_ident()}
+    assert set(threads_seen) == {threads_before}
+    # And a batch's acks were read only after the next batch had run: they travelled meanwhile
+    events = queue.events
+    assert events.index("ack read 00") > events.index("ran 19")
+    assert events.index("ack read 10") > events.index("ran 29")
+    assert events[-10:] == [f"ack read {n}" for n in range(20, 30)]

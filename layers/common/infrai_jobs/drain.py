@@ -13,7 +13,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -40,17 +39,17 @@ from infrai_jobs.ledger import (
     utc_from_epoch,
 )
 from infrai_jobs.ports import EffectGuard, LedgerPort, QueuePort
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.queue_models import Pending, QueueMessage
 
 logger = logging.getLogger(__name__)
 
 BATCH_SIZE = 10
-# A batch's acks go out together, each on its own connection.
-ACK_CONCURRENCY = 10
-# Connections one lane may hold open to Infrai at once: its acks, its consume and the consume
-# it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect (a new
-# TCP and TLS handshake) for every ack beyond what the pool keeps.
-HTTP_CONNECTIONS_PER_LANE = ACK_CONCURRENCY + 2
+# Batches whose acks may still be travelling when the next batch's are sent.
+ACKS_IN_FLIGHT_BATCHES = 2
+# Connections one lane may hold open to Infrai at once: one per ack still travelling and the
+# consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
+# (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
+HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * BATCH_SIZE + 1
 
 
 class Outcome(StrEnum):
@@ -80,7 +79,6 @@ class DrainConfig:
     # An external claim's lease outlives the invocation's deadline by this much.
     lease_grace_seconds: int = 60
     max_batches: int | None = None
-    ack_concurrency: int = ACK_CONCURRENCY
     # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
     effect_guard: EffectGuard | None = None
 
@@ -181,22 +179,21 @@ def drain(
             extra={"action": "ledger_unavailable", "detail": str(exc)},
         )
         return summary
-    with ThreadPoolExecutor(max_workers=config.ack_concurrency, thread_name_prefix="ack") as pool:
-        acks = _AckPipeline(queue, config.queue, pool, summary)
-        try:
-            _drain_batches(
-                queue,
-                ledger=ledger,
-                registry=registry,
-                config=config,
-                time_left_ms=time_left_ms,
-                clock=clock,
-                summary=summary,
-                acks=acks,
-            )
-        finally:
-            # Every ack sent is waited for before the invocation reports.
-            acks.wait_all()
+    acks = _AckPipeline(queue, config.queue, summary)
+    try:
+        _drain_batches(
+            queue,
+            ledger=ledger,
+            registry=registry,
+            config=config,
+            time_left_ms=time_left_ms,
+            clock=clock,
+            summary=summary,
+            acks=acks,
+        )
+    finally:
+        # Every ack sent is waited for before the invocation reports.
+        acks.wait_all()
     logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
     return summary
 
@@ -216,37 +213,40 @@ def _drain_batches(
 
     A batch is received only while the time left covers finishing it, and the one received
     ahead only while the time covers both: every receive burns one of three deliveries.
+
+    One thread does it all: the consume sent ahead and the acks travel while the batch is
+    processed, and their answers are read after (``Pending``), so a lane costs no threads and
+    no hand-offs between them.
     """
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="consume") as receiver:
-        ahead: Future[list[QueueMessage]] | None = None
-        try:
-            while True:
-                if ahead is not None:
-                    messages, ahead = ahead.result(), None
-                else:
-                    stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
-                    if stop:
-                        summary.stopped = stop
-                        return
-                    messages = queue.consume(config.queue, config.batch_size)
-                if not messages:
-                    summary.stopped = "empty"
-                    return
-                summary.batches += 1
-                remaining = time_left_ms()
-                if not _stop_reason(config, summary, remaining, time_for=2):
-                    ahead = receiver.submit(queue.consume, config.queue, config.batch_size)
-                deadline = clock() + remaining / 1000
-                results = process_batch(messages, ledger, registry, deadline, config)
-                _count(results, summary)
-                # This batch's acks travel while the next one is processed.
-                acks.send(results)
-                if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
-                    summary.stopped = "ledger_unavailable"
-                    return
-        finally:
+    ahead: Pending[list[QueueMessage]] | None = None
+    try:
+        while True:
             if ahead is not None:
-                _abandon(ahead)
+                messages, ahead = ahead.wait(), None
+            else:
+                stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
+                if stop:
+                    summary.stopped = stop
+                    return
+                messages = queue.consume(config.queue, config.batch_size)
+            if not messages:
+                summary.stopped = "empty"
+                return
+            summary.batches += 1
+            remaining = time_left_ms()
+            if not _stop_reason(config, summary, remaining, time_for=2):
+                ahead = queue.send_consume(config.queue, config.batch_size)
+            deadline = clock() + remaining / 1000
+            results = process_batch(messages, ledger, registry, deadline, config)
+            _count(results, summary)
+            # This batch's acks travel while the next one is processed.
+            acks.send(results)
+            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+                summary.stopped = "ledger_unavailable"
+                return
+    finally:
+        if ahead is not None:
+            _abandon(ahead)
 
 
 def _stop_reason(
@@ -264,11 +264,11 @@ def _stop_reason(
     return ""
 
 
-def _abandon(ahead: Future[list[QueueMessage]]) -> None:
+def _abandon(ahead: Pending[list[QueueMessage]]) -> None:
     """A batch received ahead but never processed (the ledger failed): it is not acked, so
     Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery."""
     try:
-        messages = ahead.result()
+        messages = ahead.wait()
     except InfraiError:
         return
     if messages:
@@ -518,45 +518,37 @@ def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None 
 
 
 class _AckPipeline:
-    """Acks sent concurrently and collected later, so they overlap the next batch's work.
+    """Acks sent together and their answers read later, so they overlap the next batch's work.
 
-    At most ``max_pending`` batches of acks are in flight; older ones are collected first.
+    At most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once; sending one more first
+    reads the oldest batch's answers (by then they have usually arrived).
     """
 
-    def __init__(
-        self,
-        queue: QueuePort,
-        queue_name: str,
-        pool: ThreadPoolExecutor,
-        summary: DrainSummary,
-        max_pending: int = 2,
-    ) -> None:
+    def __init__(self, queue: QueuePort, queue_name: str, summary: DrainSummary) -> None:
         self._queue = queue
         self._queue_name = queue_name
-        self._pool = pool
         self._summary = summary
-        self._max_pending = max_pending
-        self._pending: list[list[tuple[MessageResult, Future[None]]]] = []
+        self._pending: list[list[tuple[MessageResult, Pending[None]]]] = []
 
     def send(self, results: Sequence[MessageResult]) -> None:
-        batch = [
-            (r, self._pool.submit(self._queue.ack, self._queue_name, r.message.receipt_handle))
-            for r in results
-            if r.ack
-        ]
+        batch: list[tuple[MessageResult, Pending[None]]] = []
+        # Appended before sending: if a send raises, what was sent is still waited for.
         self._pending.append(batch)
-        while len(self._pending) > self._max_pending:
+        for r in results:
+            if r.ack:
+                batch.append((r, self._queue.send_ack(self._queue_name, r.message.receipt_handle)))
+        while len(self._pending) > ACKS_IN_FLIGHT_BATCHES - 1:
             self._collect(self._pending.pop(0))
 
     def wait_all(self) -> None:
         while self._pending:
             self._collect(self._pending.pop(0))
 
-    def _collect(self, batch: list[tuple[MessageResult, Future[None]]]) -> None:
+    def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
         summary = self._summary
-        for result, future in batch:
+        for result, pending in batch:
             try:
-                future.result()
+                pending.wait()
             except QueueMessageNotFound:
                 summary.ack_lost += 1
                 _log_ack(result, "ack_lost")

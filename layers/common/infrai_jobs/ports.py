@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from infrai_jobs.queue_models import PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
 
 if TYPE_CHECKING:
     from infrai_jobs.ledger import (
@@ -35,7 +35,15 @@ class QueuePort(Protocol):
 
     def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]: ...
 
+    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
+        """``consume`` whose answer is read later (``Pending.settled`` when nothing travels)."""
+        ...
+
     def ack(self, queue: str, receipt_handle: str) -> None: ...
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        """``ack`` whose answer is read later (``Pending.settled`` when nothing travels)."""
+        ...
 
     def stats(self, queue: str) -> QueueStats: ...
 

@@ -33,6 +33,7 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.queue_models import (
+    Pending,
     PublishPrice,
     QueueMessage,
     QueueStats,
@@ -172,30 +173,42 @@ class InfraiClient:
         An item too malformed to process (no id, bad delivery count) is logged and left alone:
         unacked, it returns after the visibility timeout and is dead-lettered after three.
         """
+        return self.send_consume(queue, max_messages).wait()
+
+    def send_consume(
+        self, queue: str, max_messages: int = MAX_MESSAGES_PER_CONSUME
+    ) -> Pending[list[QueueMessage]]:
+        """``consume``, sent now and answered by ``wait()``: the drain receives its next batch
+        while it works on this one."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
         request = {"queue": queue, "max_messages": min(max_messages, MAX_MESSAGES_PER_CONSUME)}
-        data = self._call("POST", "/v1/queue/consume", request, call="consume", retryable=True)
-        items = data.get("items") if isinstance(data, Mapping) else None
-        if not isinstance(items, list):
-            raise InfraiInvalidResponse(
-                "INVALID_RESPONSE", "consume answered without an items list", 0, call="consume"
+        path = "/v1/queue/consume"
+        first = self._send("POST", path, request, call="consume")
+
+        def finish() -> list[QueueMessage]:
+            data = self._call(
+                "POST", path, request, call="consume", retryable=True, first_answer=first
             )
-        messages: list[QueueMessage] = []
-        for item in items:
-            try:
-                messages.append(QueueMessage.from_api(item, queue=queue))
-            except InfraiInvalidResponse as exc:
-                logger.warning(
-                    "skipping a malformed consumed item",
-                    extra={"action": "malformed_item", "queue": queue, "reason": exc.message},
-                )
-        return messages
+            return _messages(data, queue)
+
+        return Pending(finish)
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
+        self.send_ack(queue, receipt_handle).wait()
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        """``ack``, sent now and answered by ``wait()``: a batch's acks travel together, each
+        on its own connection, while the drain works on the next batch."""
         request = {"queue": queue, "receipt_handle": receipt_handle}
-        self._call("POST", "/v1/queue/ack", request, call="ack", retryable=True)
+        path = "/v1/queue/ack"
+        first = self._send("POST", path, request, call="ack")
+
+        def finish() -> None:
+            self._call("POST", path, request, call="ack", retryable=True, first_answer=first)
+
+        return Pending(finish)
 
     def stats(self, queue: str) -> QueueStats:
         path = "/v1/queue/stats/" + quote(queue, safe="")
@@ -217,9 +230,14 @@ class InfraiClient:
         *,
         call: str,
         retryable: bool,
+        first_answer: Callable[[], Any] | None = None,
     ) -> Any:
+        """Make a call with its retries. ``first_answer``, when given, is the first attempt's
+        answer to a request already sent (see ``_send``); the retries send afresh."""
         try:
-            return self._call_with_retries(method, path, body, call=call, retryable=retryable)
+            return self._call_with_retries(
+                method, path, body, call=call, retryable=retryable, first_answer=first_answer
+            )
         except InfraiError as exc:
             if exc.status != 401 or not self._take_refreshed_key():
                 raise
@@ -246,11 +264,14 @@ class InfraiClient:
         *,
         call: str,
         retryable: bool,
+        first_answer: Callable[[], Any] | None = None,
     ) -> Any:
         attempts = self._retry.max_attempts if retryable else 1
         for attempt in range(attempts):
             try:
-                return self._request_once(method, path, body, call=call)
+                if attempt == 0 and first_answer is not None:
+                    return first_answer()
+                return self._send(method, path, body, call=call)()
             except InfraiUnavailable as exc:
                 retry_after = getattr(exc, "retry_after", None)
                 out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
@@ -273,9 +294,12 @@ class InfraiClient:
                 self._sleep(delay)
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
-    def _request_once(
+    def _send(
         self, method: str, path: str, body: Mapping[str, Any] | None, *, call: str
-    ) -> Any:
+    ) -> Callable[[], Any]:
+        """Send one attempt; the returned function reads its answer (the call's data) or
+        raises. A request that could not be sent fails when its answer is asked for, as a
+        retryable connection error."""
         headers = {
             "Authorization": f"Bearer {self._api_key}",
             "Accept": "application/json",
@@ -286,11 +310,26 @@ class InfraiClient:
             headers["Content-Type"] = "application/json"
             encoded = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
         try:
-            response = self._pool.request(method, path, headers, encoded)
+            exchange = self._pool.send(method, path, headers, encoded)
         except TransportError as exc:
             # The transport's message names the host and the failure, never our headers.
-            raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
-        return _unwrap(response.status, response.body, response.headers.get("retry-after"), call)
+            failure = InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call)
+
+            def failed() -> Any:
+                raise failure
+
+            return failed
+
+        def answer() -> Any:
+            try:
+                response = self._pool.receive(exchange)
+            except TransportError as exc:
+                raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
+            return _unwrap(
+                response.status, response.body, response.headers.get("retry-after"), call
+            )
+
+        return answer
 
 
 def _check_api_key(key: str) -> None:
@@ -308,6 +347,24 @@ class _RetryableAnswer(InfraiUnavailable):
     ):
         super().__init__(code, message, status, call=call)
         self.retry_after = retry_after
+
+
+def _messages(data: Any, queue: str) -> list[QueueMessage]:
+    items = data.get("items") if isinstance(data, Mapping) else None
+    if not isinstance(items, list):
+        raise InfraiInvalidResponse(
+            "INVALID_RESPONSE", "consume answered without an items list", 0, call="consume"
+        )
+    messages: list[QueueMessage] = []
+    for item in items:
+        try:
+            messages.append(QueueMessage.from_api(item, queue=queue))
+        except InfraiInvalidResponse as exc:
+            logger.warning(
+                "skipping a malformed consumed item",
+                extra={"action": "malformed_item", "queue": queue, "reason": exc.message},
+            )
+    return messages
 
 
 def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) -> Any:

@@ -8,16 +8,54 @@ raises ``InfraiInvalidResponse`` naming the call and the field.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from infrai_jobs.errors import InfraiInvalidResponse
 
 JsonValue = Any
 """A decoded JSON value; payloads are the producer's data and may be any JSON type."""
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """A queue call that was sent and whose answer is read by ``wait()``, once.
+
+    The drain sends its next consume and a batch's acks this way: they travel while it works,
+    with no thread per call. ``wait()`` returns what the plain call would have returned, or
+    raises what it would have raised, retries included.
+    """
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish: Callable[[], T] | None = finish
+
+    def wait(self) -> T:
+        finish, self._finish = self._finish, None
+        if finish is None:
+            raise RuntimeError("this call's answer was already read")
+        return finish()
+
+    @classmethod
+    def settled(cls, call: Callable[[], T]) -> Pending[T]:
+        """Make the call now (an in-memory queue has nothing to wait for); ``wait()`` gives
+        back its result or raises its error."""
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - handed to whoever waits, unchanged
+            error = exc
+        else:
+            return cls(lambda: result)
+
+        def fail() -> T:
+            raise error
+
+        return cls(fail)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 ``InMemoryQueue`` stands in for Infrai's queue (``QueuePort``) and ``InMemoryLedger`` for the
 Postgres claim ledger (``LedgerPort``); both run on a ``FakeClock`` that tests move by hand, so
 a visibility timeout or an expired lease costs no waiting. No sockets, no threads of their own;
-every method takes a lock, so the drain may ack from its thread pool.
+every method takes a lock, so several lanes (threads) may share one.
 
     clock = FakeClock()
     queue = InMemoryQueue(clock)
@@ -55,7 +55,7 @@ from infrai_jobs.ledger import (
     utc_from_epoch,
 )
 from infrai_jobs.ports import Clock
-from infrai_jobs.queue_models import PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
 from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:
@@ -241,6 +241,14 @@ class InMemoryQueue:
                 message.state = "in_flight"
                 message.visible_at = now + self.visibility_timeout
             return [_delivery(source.name, message) for message in chosen]
+
+    def send_consume(
+        self, queue: str, max_messages: int = CONSUME_CAP
+    ) -> Pending[list[QueueMessage]]:
+        return Pending.settled(lambda: self.consume(queue, max_messages))
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        return Pending.settled(lambda: self.ack(queue, receipt_handle))
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         with self._lock:

@@ -7,8 +7,9 @@ and ``http.client`` spend most of theirs on general machinery this API never nee
 request cost about four times the CPU it costs here. A Lambda at 512 MB has about a third of a
 vCPU, so that CPU is throughput.
 
-What it does: one request per connection at a time, connections kept alive and reused from a
-bounded idle list (LIFO, thread-safe), TLS with certificate and hostname verification through
+What it does: one request per connection at a time (``send`` and ``receive`` let one thread
+have several travel at once, each on its own connection), connections kept alive and reused
+from a bounded idle list (LIFO, thread-safe), TLS with certificate and hostname verification through
 ``ssl.create_default_context()``, connect and read timeouts, ``Content-Length``, chunked and
 close-delimited answers, limits on line length, header count and body size, and a deadline for
 the whole answer (a server dripping bytes cannot hold a call past it). A connection goes back
@@ -23,6 +24,7 @@ Error messages name the host and the failure, never a header.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import select
 import socket
@@ -162,6 +164,22 @@ class _Connection:
         return data
 
 
+class Exchange:
+    """A request sent on its own connection whose answer has not been read yet."""
+
+    __slots__ = ("_conn", "method")
+
+    def __init__(self, conn: _Connection, method: str) -> None:
+        self._conn: _Connection | None = conn
+        self.method = method
+
+    def take(self) -> _Connection:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("this exchange's answer was already read or discarded")
+        return conn
+
+
 class HttpPool:
     """Keep-alive connections to one origin (scheme, host, port)."""
 
@@ -218,11 +236,41 @@ class HttpPool:
         headers: Mapping[str, str],
         body: bytes | None = None,
     ) -> Response:
+        return self.receive(self.send(method, path, headers, body))
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+    ) -> Exchange:
+        """Send a request on a connection of its own and return without waiting for the answer.
+
+        The caller must ``receive`` every exchange (or ``discard`` it): until then its
+        connection is held. Several exchanges may be open at once, one per connection, so one
+        thread can have a batch of requests travel together and read their answers after.
+        """
         head = self._encode_head(method, path, headers, body)
         conn = self._take()
         try:
             conn.sock.sendall(head + body if body else head)
-            conn.deadline = time.monotonic() + self._read_timeout * ANSWER_DEADLINE_READS
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, OSError):
+                raise TransportError(self._describe(exc)) from exc
+            raise
+        return Exchange(conn, method)
+
+    def receive(self, exchange: Exchange) -> Response:
+        """Read the answer of an exchange ``send`` opened; its connection goes back to the pool
+        when the answer was framed exactly, and is closed otherwise."""
+        conn = exchange.take()
+        method = exchange.method
+        # From now, not from the send: an answer that arrived while the caller was busy (a
+        # long batch) is read, not mistaken for a timeout.
+        conn.deadline = time.monotonic() + self._read_timeout * ANSWER_DEADLINE_READS
+        try:
             response, keep_alive = _read_response(conn, method, self._max_body)
         except (OSError, _ProtocolError) as exc:
             conn.close()
@@ -235,6 +283,12 @@ class HttpPool:
         else:
             conn.close()
         return response
+
+    @staticmethod
+    def discard(exchange: Exchange) -> None:
+        """Close an exchange's connection without reading its answer (it is not reusable)."""
+        with contextlib.suppress(OSError):
+            exchange.take().close()
 
     # --- connections --------------------------------------------------------------------------
 

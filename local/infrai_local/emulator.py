@@ -56,14 +56,15 @@ import email.utils
 import functools
 import heapq
 import http.client
+import io
 import json
 import math
 import random
 import re
 import secrets
+import selectors
 import signal
 import socket
-import socketserver
 import string
 import sys
 import threading
@@ -75,7 +76,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import FrameType
 from typing import Any, Final, Literal, TextIO
 from urllib.parse import unquote, urlsplit
@@ -100,8 +101,7 @@ _BASE62: Final = string.digits + string.ascii_uppercase + string.ascii_lowercase
 _MESSAGE_ID_SPACE: Final = len(_BASE62) ** MESSAGE_ID_LENGTH
 _QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 _CONTENT_LENGTH: Final = re.compile(r"[0-9]{1,20}")
-# Idle keep-alive connections are closed after this long so a forgotten client cannot pin a
-# handler thread forever.
+# Idle keep-alive connections are closed after this long so forgotten clients cannot pile up.
 _IDLE_CONNECTION_SECONDS: Final = 60.0
 
 JsonObject = dict[str, Any]
@@ -1032,15 +1032,19 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "infrai-emulator/0.1"
-    timeout = _IDLE_CONNECTION_SECONDS
-    # An answer goes out in one write, but the stdlib's own error answers (and a 100 Continue
-    # before the answer) are several; with Nagle on, the client's delayed ACK would stall them
-    # by ~40 ms.
-    disable_nagle_algorithm = True
     # Set by handle_one_request (typeshed does not declare it) and parse_request; the handler
     # reads headers only through ``request_headers``, never the stdlib's ``headers``.
     raw_requestline: bytes
     request_headers: RequestHeaders
+    # Set when the answer waits for injected latency: (seconds, the rest of the request).
+    deferred: tuple[float, Callable[[], None]] | None = None
+    # Set by the server when it already sent this request's "100 Continue".
+    continue_sent: bool = False
+
+    def handle_expect_100(self) -> bool:
+        if self.continue_sent:
+            return True
+        return super().handle_expect_100()
 
     def version_string(self) -> str:
         # Not the Python version: nothing about the host belongs in a header.
@@ -1166,8 +1170,12 @@ class _RequestHandler(BaseHTTPRequestHandler):
         return self._http_server.emulator
 
     def _dispatch(self, method: str) -> None:
+        self.run_guarded(functools.partial(self._serve, method))
+
+    def run_guarded(self, step: Callable[[], None]) -> None:
+        """Run a step of serving a request; a bug becomes a 500 instead of a hang."""
         try:
-            self._serve(method)
+            step()
         except OSError:
             # The client went away or timed out mid-request; nothing left to answer.
             self.close_connection = True
@@ -1234,7 +1242,18 @@ class _RequestHandler(BaseHTTPRequestHandler):
             return
         decision = self._emulator.decide_faults(endpoint.name)
         if decision.latency_seconds > 0:
-            time.sleep(decision.latency_seconds)
+            # The server sends nothing, and reads nothing more on this connection, until the
+            # latency has passed; meanwhile it serves other connections.
+            self.deferred = (
+                decision.latency_seconds,
+                functools.partial(self._finish_api, endpoint, method, raw, param, decision),
+            )
+            return
+        self._finish_api(endpoint, method, raw, param, decision)
+
+    def _finish_api(
+        self, endpoint: Endpoint, method: str, raw: bytes, param: str, decision: FaultDecision
+    ) -> None:
         if self._answer_injected_fault(decision):
             return
         answer = self._apply(endpoint, method, raw, param)
@@ -1299,13 +1318,76 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self.wfile.write("\r\n".join(lines).encode("latin-1") + body)
 
 
-class EmulatorHTTPServer(ThreadingHTTPServer):
-    """A thread per connection (HTTP/1.1 keep-alive), tracking connections so stop() can end
-    idle keep-alive ones instead of leaving their threads blocked in a read."""
+class _NeedMore(BaseException):
+    """The request is not all here yet. Not an ``Exception``: the handler's bug guard must not
+    turn it into a 500."""
 
-    daemon_threads = True
-    # socketserver's default backlog is 5: a drain opening its lanes' connections at once
-    # overflowed it, and each dropped SYN cost a second (the first TCP retransmission).
+
+class _Arrived(io.BytesIO):
+    """What a connection has received so far, read as the handler reads a socket: a read that
+    wants more than has arrived raises ``_NeedMore`` unless the client has closed its side."""
+
+    def __init__(self, data: bytes, *, eof: bool) -> None:
+        super().__init__(data)
+        self._eof = eof
+
+    def readline(self, size: int | None = -1, /) -> bytes:
+        line = super().readline(size)
+        limit_reached = size is not None and size >= 0 and len(line) >= size
+        if not line.endswith(b"\n") and not limit_reached and not self._eof:
+            raise _NeedMore
+        return line
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        data = super().read(size)
+        if not self._eof and (size is None or size < 0 or len(data) < size):
+            raise _NeedMore
+        return data
+
+
+class _Connection:
+    """One client connection: bytes received and not yet served, bytes still to send."""
+
+    __slots__ = (
+        "address",
+        "busy",
+        "close_after",
+        "continue_sent",
+        "eof",
+        "events",
+        "inbox",
+        "last_active",
+        "outbox",
+        "sock",
+    )
+
+    def __init__(self, sock: socket.socket, address: Any) -> None:
+        self.sock = sock
+        self.address = address
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.eof = False
+        # A request of this connection is being served (waiting out injected latency): the
+        # next one is not read until its answer is out, as HTTP/1.1 orders them.
+        self.busy = False
+        self.close_after = False
+        # The request waiting for its body was already told "100 Continue".
+        self.continue_sent = False
+        # What the selector watches this socket for (0: not registered).
+        self.events = 0
+        self.last_active = time.monotonic()
+
+
+class EmulatorHTTPServer:
+    """HTTP/1.1 with keep-alive on one thread: a selector loop over every connection.
+
+    Requests are parsed and answered by ``_RequestHandler`` (the stdlib's request handler, fed
+    from memory), and injected latency is a timer, not a sleeping thread. So a benchmark's
+    hundreds of connections cost the machine one thread's worth of switching, not hundreds.
+    """
+
+    # A drain opening its lanes' connections at once must not overflow the accept queue: each
+    # dropped SYN costs the client a second (the first TCP retransmission).
     request_queue_size = 128
 
     def __init__(
@@ -1313,19 +1395,31 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
     ) -> None:
         self.emulator = emulator
         self.verbose = verbose
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _RequestHandler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind resolves the host's FQDN, which can stall on DNS; loopback
-        # needs no name.
-        socketserver.TCPServer.server_bind(self)
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(self.request_queue_size)
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.setblocking(False)
+        # Loopback needs no name lookup: the address is the name.
         host, port = self.socket.getsockname()[:2]
         self.server_name = str(host)
         self.server_port = int(port)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.socket, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._connections: dict[int, _Connection] = {}
+        self._timers: list[tuple[float, int, _Connection, _RequestHandler]] = []
+        self._timer_seq = 0
+        self._stop_requested = False
+        self._stopped = threading.Event()
+        self._stopped.set()
 
     @property
     def url(self) -> str:
@@ -1333,28 +1427,227 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
         host = f"[{self.server_name}]" if ":" in self.server_name else self.server_name
         return f"http://{host}:{self.server_port}"
 
-    def process_request(
-        self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any
-    ) -> None:
-        if isinstance(request, socket.socket):
-            with self._connections_lock:
-                self._connections.add(request)
-        self.emulator.count_connection()
-        super().process_request(request, client_address)
+    # --- the loop -------------------------------------------------------------------------
 
-    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
-        if isinstance(request, socket.socket):
-            with self._connections_lock:
-                self._connections.discard(request)
-        super().shutdown_request(request)
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until ``shutdown()``; ``poll_interval`` bounds each wait, as in socketserver."""
+        self._stopped.clear()
+        try:
+            next_sweep = time.monotonic() + 1.0
+            while not self._stop_requested:
+                now = time.monotonic()
+                timeout = poll_interval
+                if self._timers:
+                    timeout = max(0.0, min(timeout, self._timers[0][0] - now))
+                for key, events in self._selector.select(timeout):
+                    if key.fileobj is self.socket:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        conn = key.data
+                        if events & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                            self._receive(conn)
+                self._run_due_timers()
+                if time.monotonic() >= next_sweep:
+                    self._close_idle()
+                    next_sweep = time.monotonic() + 1.0
+        finally:
+            self._stop_requested = False
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` and wait until it has returned (call from another thread)."""
+        self._stop_requested = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._stopped.wait()
 
     def close_connections(self) -> None:
-        """Wake every handler thread blocked on an idle keep-alive connection."""
-        with self._connections_lock:
-            connections = list(self._connections)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
+        """Close every client connection (after ``shutdown``)."""
+        for conn in list(self._connections.values()):
+            self._close(conn)
+
+    def server_close(self) -> None:
+        self.close_connections()
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self.socket)
+        self.socket.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._selector.close()
+
+    # --- connections ------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # e.g. out of descriptors; the client's connect will time out
+            sock.setblocking(False)
+            # Answers go out in one write, the stdlib's own error answers in several: with
+            # Nagle on, the client's delayed ACK would stall them by ~40 ms.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock, address)
+            self._connections[sock.fileno()] = conn
+            self._watch(conn)
+            self.emulator.count_connection()
+
+    def _receive(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        conn.last_active = time.monotonic()
+        if data:
+            conn.inbox += data
+        else:
+            conn.eof = True
+            # Nothing more will arrive: stop watching for it (a closed socket stays readable).
+            self._watch(conn)
+        self._serve_next(conn)
+
+    def _serve_next(self, conn: _Connection) -> None:
+        """Serve the requests that have arrived complete, in order, until one waits."""
+        while not conn.busy and not conn.close_after and conn.sock.fileno() >= 0:
+            if not conn.inbox:
+                if conn.eof and not conn.outbox:
+                    self._close(conn)
+                return
+            handler = self._new_handler(conn)
+            try:
+                handler.handle_one_request()
+            except _NeedMore:
+                self._send_interim(conn, handler)
+                return
+            except Exception:  # noqa: BLE001 - a bug costs this connection, not the server
+                traceback.print_exc(file=sys.stderr)
+                self._close(conn)
+                return
+            consumed = handler.rfile.tell()
+            if consumed == 0:  # cannot happen (a request line was read); never spin on it
+                self._close(conn)
+                return
+            del conn.inbox[:consumed]
+            conn.continue_sent = False
+            if handler.deferred is not None:
+                conn.busy = True
+                seconds, _rest = handler.deferred
+                self._timer_seq += 1
+                entry = (time.monotonic() + seconds, self._timer_seq, conn, handler)
+                heapq.heappush(self._timers, entry)
+                return
+            self._answered(conn, handler)
+
+    def _new_handler(self, conn: _Connection) -> _RequestHandler:
+        handler = _RequestHandler.__new__(_RequestHandler)
+        handler.server = self  # type: ignore[assignment]
+        handler.client_address = conn.address
+        handler.request = conn.sock
+        handler.rfile = _Arrived(bytes(conn.inbox), eof=conn.eof)
+        handler.wfile = io.BytesIO()
+        handler.close_connection = True
+        handler.continue_sent = conn.continue_sent
+        return handler
+
+    def _send_interim(self, conn: _Connection, handler: _RequestHandler) -> None:
+        """A request waiting for its body may have been told "100 Continue": send that now."""
+        written = _written(handler)
+        if written:
+            conn.continue_sent = True
+            conn.outbox += written
+            self._flush(conn)
+
+    def _run_due_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _due, _seq, conn, handler = heapq.heappop(self._timers)
+            assert handler.deferred is not None
+            _seconds, rest = handler.deferred
+            handler.deferred = None
+            if conn.sock.fileno() < 0:
+                continue  # closed meanwhile (stop); the answer has nobody to go to
+            handler.run_guarded(rest)
+            conn.busy = False
+            self._answered(conn, handler)
+            self._serve_next(conn)
+
+    def _answered(self, conn: _Connection, handler: _RequestHandler) -> None:
+        written = _written(handler)
+        if written:
+            conn.outbox += written
+        if handler.close_connection:
+            conn.close_after = True
+        self._flush(conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        while conn.outbox:
+            try:
+                sent = conn.sock.send(conn.outbox)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            del conn.outbox[:sent]
+        if not conn.outbox and (
+            conn.close_after or (conn.eof and not conn.busy and not conn.inbox)
+        ):
+            # Asked to close, or the client is gone and everything it sent was answered
+            # (an incomplete request at the end of the stream was answered as such).
+            self._close(conn)
+            return
+        self._watch(conn)
+
+    def _watch(self, conn: _Connection) -> None:
+        """Watch the socket for what the connection waits for: more bytes, room to send."""
+        if conn.sock.fileno() < 0:
+            return
+        events = (0 if conn.eof else selectors.EVENT_READ) | (
+            selectors.EVENT_WRITE if conn.outbox else 0
+        )
+        if events == conn.events:
+            return
+        if not conn.events:
+            self._selector.register(conn.sock, events, conn)
+        elif not events:
+            self._selector.unregister(conn.sock)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _close_idle(self) -> None:
+        cutoff = time.monotonic() - _IDLE_CONNECTION_SECONDS
+        for conn in list(self._connections.values()):
+            if not conn.busy and not conn.outbox and conn.last_active < cutoff:
+                self._close(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        fileno = conn.sock.fileno()
+        if fileno < 0:
+            return
+        self._connections.pop(fileno, None)
+        if conn.events:
+            self._selector.unregister(conn.sock)
+            conn.events = 0
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+
+def _written(handler: _RequestHandler) -> bytes:
+    """What the handler wrote so far (its wfile is a BytesIO)."""
+    wfile = handler.wfile
+    assert isinstance(wfile, io.BytesIO)
+    return wfile.getvalue()
 
 
 class RunningEmulator:

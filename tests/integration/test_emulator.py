@@ -1090,6 +1090,47 @@ def test_pipelined_requests_on_one_socket_are_answered_in_order(
     assert raw.answer().document["data"]["in_flight_count"] == 2
 
 
+def test_a_request_arriving_a_byte_at_a_time_is_served_once_whole(
+    raw: RawConnection, api: Api, queue: str
+) -> None:
+    # Given a publish written one byte per packet
+    raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    request = post_bytes(PUBLISH, {"queue": queue, "body": {"n": 1}})
+    for n in range(len(request)):
+        raw.send(request[n : n + 1])
+    # When its answer is read
+    answer = raw.answer()
+    # Then it was applied exactly once, when the last byte arrived
+    assert answer.status == 200
+    assert api.stats(queue)["message_count"] == 1
+    assert api.state()["requests"]["publish"] == 1
+
+
+def test_injected_latency_holds_each_connection_in_order_and_no_other(
+    server: RunningEmulator, api: Api, queue: str
+) -> None:
+    # Given 0.3 s of latency on every call, and ten connections
+    api.set_faults(latency_ms=300)
+    connections = [RawConnection(server) for _ in range(10)]
+    try:
+        # When each sends two pipelined requests at the same moment
+        started = time.monotonic()
+        for connection in connections:
+            connection.send(stats_bytes(queue) + stats_bytes(queue))
+        first = [connection.answer().status for connection in connections]
+        after_first = time.monotonic() - started
+        second = [connection.answer().status for connection in connections]
+        after_second = time.monotonic() - started
+    finally:
+        for connection in connections:
+            connection.close()
+    # Then a connection's second request waited for its first (HTTP/1.1 order), while the ten
+    # connections waited together: ten in a row would take 3 s for the first answers alone
+    assert first == second == [200] * 10
+    assert 0.3 <= after_first < 1.5
+    assert after_second >= 0.6
+
+
 def test_a_burst_of_connections_is_queued_not_dropped_while_the_server_is_busy() -> None:
     # Given an emulator whose serving thread is not accepting (as when it is busy)
     server = EmulatorHTTPServer(("127.0.0.1", 0), Emulator())

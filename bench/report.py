@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from infrai_jobs.drain import HTTP_CONNECTIONS_PER_LANE
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
@@ -486,7 +488,8 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
         "",
         "(b) with N concurrent lanes, as DrainFunction runs `DRAIN_LANES`: N threads in one "
         "worker process, each running `drain()` with its own `PostgresLedger`, all sharing one "
-        "`InfraiClient` whose pool keeps 12 connections per lane, on the same queue and ledger "
+        f"`InfraiClient` whose pool keeps {HTTP_CONNECTIONS_PER_LANE} connections per lane, on "
+        "the same queue and ledger "
         f"({document['config']['jobs']:,} messages per run, one run per N). The emulator, "
         f"PostgreSQL and the worker share this machine's {nproc} CPUs.",
         "",

@@ -218,6 +218,44 @@ def test_headers_are_case_insensitive_and_repeated_ones_join(
     assert response.headers["x-a"] == "1, 2"
 
 
+HEAD_LINES = [
+    b"HTTP/1.1 200 OK",
+    b"Content-Type: application/json",
+    b"X-A: 1",
+    b"X-Folded: first",
+    b"  second",
+    b"x-a: 2",
+    b"Content-Length: 2",
+]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"\r\n".join(HEAD_LINES) + b"\r\n\r\n",  # whole, CRLF: parsed in one go
+        b"\n".join(HEAD_LINES) + b"\n\n",  # bare LF: read line by line
+        b"\r\n".join([*HEAD_LINES, b"X-Pad: " + b"p" * 9000]) + b"\r\n\r\n",  # past 8 KiB
+    ],
+    ids=["crlf", "bare-lf", "long-head"],
+)
+def test_a_head_read_whole_or_line_by_line_gives_the_same_headers(
+    serve: Callable[..., ScriptedServer], head: bytes
+) -> None:
+    # Given the same answer head with CRLF line breaks, bare LFs, or too long to take whole
+    server = serve(lambda request, conn, index: (head + b"{}", False))
+    pool = pool_for(server)
+    # When it is read, twice on one connection
+    responses = [pool.request("GET", "/", {}) for _ in range(2)]
+    pool.close()
+    # Then both readers give the same status, headers and body, and keep the connection
+    for response in responses:
+        assert (response.status, response.body) == (200, b"{}")
+        assert response.headers["x-a"] == "1, 2"
+        assert response.headers["x-folded"] == "first second"
+        assert response.headers["content-type"] == "application/json"
+    assert server.connections == 1
+
+
 # --- connections that went away ----------------------------------------------------------------
 
 

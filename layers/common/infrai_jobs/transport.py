@@ -57,6 +57,10 @@ _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _STATUS_CODE = re.compile(r"[0-9]{3}")
 _LENGTH = re.compile(r"[0-9]{1,18}")
 _RECV_SIZE = 65536
+# A head found whole within this many buffered bytes is parsed in one go (Infrai's are ~150).
+_WHOLE_HEAD_LIMIT = 8192
+# Encoded header sets a pool keeps (a client uses two or three; a rotated API key adds some).
+_HEADER_BLOCKS_KEPT = 16
 
 
 class TransportError(Exception):
@@ -83,7 +87,7 @@ class _Connection:
     next request's answer.
     """
 
-    __slots__ = ("buffer", "deadline", "idle_since", "read_timeout", "sock")
+    __slots__ = ("buffer", "deadline", "idle_since", "read_timeout", "shortened", "sock")
 
     def __init__(self, sock: socket.socket, read_timeout: float) -> None:
         self.sock = sock
@@ -91,6 +95,9 @@ class _Connection:
         self.idle_since = 0.0
         self.read_timeout = read_timeout
         self.deadline = 0.0
+        # The socket's timeout was cut to fit the deadline (setting it is a system call, so it
+        # is restored only then).
+        self.shortened = False
 
     def close(self) -> None:
         self.sock.close()
@@ -118,6 +125,7 @@ class _Connection:
             raise TimeoutError("the answer did not complete in time")
         if remaining < self.read_timeout:
             self.sock.settimeout(remaining)
+            self.shortened = True
         try:
             data = self.sock.recv(_RECV_SIZE)
         except TimeoutError:
@@ -219,6 +227,7 @@ class HttpPool:
         self._max_body = max_body
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
+        self._header_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
         # A pool dropped without close() still closes its sockets (no ResourceWarning, no fd
         # leak); the finalizer holds the list, not the pool.
         weakref.finalize(self, _close_all, self._idle)
@@ -306,7 +315,9 @@ class HttpPool:
 
     def _give_back(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
-        conn.sock.settimeout(self._read_timeout)  # the deadline may have shortened it
+        if conn.shortened:
+            conn.sock.settimeout(self._read_timeout)
+            conn.shortened = False
         with self._lock:
             if len(self._idle) < self._maxsize:
                 self._idle.append(conn)
@@ -344,11 +355,16 @@ class HttpPool:
             _latin1(f"{method} {target} HTTP/1.1\r\nHost: {self._host_header}\r\n", "the path"),
             b"Accept-Encoding: identity\r\n",
         ]
-        for name, value in headers.items():
-            if _UNSAFE_HEADER.search(name) or _UNSAFE_HEADER.search(value) or ":" in name:
-                # The value may be a secret: name the header, never print the value.
-                raise ValueError(f"header {name!r} contains a line break, NUL or colon")
-            parts.append(_latin1(f"{name}: {value}\r\n", f"header {name!r}"))
+        # A client sends the same few header sets again and again: each is checked and encoded
+        # once, then reused.
+        key = tuple(headers.items())
+        block = self._header_blocks.get(key)
+        if block is None:
+            block = _encode_headers(key)
+            if len(self._header_blocks) >= _HEADER_BLOCKS_KEPT:
+                self._header_blocks.clear()
+            self._header_blocks[key] = block
+        parts.append(block)
         if body is not None:
             parts.append(b"Content-Length: %d\r\n" % len(body))
         elif method not in ("GET", "HEAD"):
@@ -359,6 +375,16 @@ class HttpPool:
     def _describe(self, exc: BaseException) -> str:
         what = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else "no detail")
         return f"{type(exc).__name__}: {what} ({self._where})"
+
+
+def _encode_headers(items: tuple[tuple[str, str], ...]) -> bytes:
+    parts = []
+    for name, value in items:
+        if _UNSAFE_HEADER.search(name) or _UNSAFE_HEADER.search(value) or ":" in name:
+            # The value may be a secret: name the header, never print the value.
+            raise ValueError(f"header {name!r} contains a line break, NUL or colon")
+        parts.append(_latin1(f"{name}: {value}\r\n", f"header {name!r}"))
+    return b"".join(parts)
 
 
 def _close_all(connections: list[_Connection]) -> None:
@@ -379,18 +405,45 @@ def _latin1(text: str, what: str) -> bytes:
 def _read_head(conn: _Connection) -> tuple[str, int, dict[str, str]]:
     """The final answer's version, status and headers; 1xx answers before it are skipped."""
     for _ in range(MAX_INTERIM + 1):
-        line = conn.readline()
-        if not line:
-            raise _ProtocolError("the server closed the connection before answering")
-        if not line.endswith(b"\n"):
-            raise _ProtocolError("the connection closed inside the answer's status line")
-        version, status = _parse_status_line(line)
-        headers = _read_headers(conn)
+        lines = _whole_head(conn)
+        if lines is None:
+            line = conn.readline()
+            if not line:
+                raise _ProtocolError("the server closed the connection before answering")
+            if not line.endswith(b"\n"):
+                raise _ProtocolError("the connection closed inside the answer's status line")
+            version, status = _parse_status_line(line.decode("latin-1").rstrip("\r\n"))
+            headers = _read_headers(conn)
+        else:
+            version, status = _parse_status_line(lines[0])
+            headers = _parse_headers(lines[1:])
         if status == 101:
             raise _ProtocolError("the server switched protocols, which was not asked for")
         if not 100 <= status < 200:
             return version, status, headers
     raise _ProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
+
+
+def _whole_head(conn: _Connection) -> list[str] | None:
+    """The head's lines when the buffer holds all of it, in plain CRLF lines within limits, or
+    None for the line-by-line reader (which also judges what is odd or too long)."""
+    buffer = conn.buffer
+    end = buffer.find(b"\r\n\r\n", 0, _WHOLE_HEAD_LIMIT)
+    while end < 0 and len(buffer) < _WHOLE_HEAD_LIMIT:
+        if b"\n\n" in buffer or b"\n\r\n" in buffer or not conn.fill():
+            return None  # a head ending in a bare LF, or the stream ended: line by line
+        end = buffer.find(b"\r\n\r\n", 0, _WHOLE_HEAD_LIMIT)
+    if end < 0:
+        return None
+    head = buffer[:end].decode("latin-1")
+    # Every line break a CRLF, as the line reader would split it; a bare LF is left to it.
+    if head.count("\n") != head.count("\r\n"):
+        return None
+    lines = [line.rstrip("\r") for line in head.split("\r\n")]
+    if len(lines) > MAX_HEADERS + 1:
+        return None
+    del buffer[: end + 4]
+    return lines
 
 
 def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Response, bool]:
@@ -425,10 +478,10 @@ def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Respo
     return Response(status, headers, body), keep_alive
 
 
-def _parse_status_line(line: bytes) -> tuple[str, int]:
-    parts = line.decode("latin-1").rstrip("\r\n").split(" ", 2)
+def _parse_status_line(text: str) -> tuple[str, int]:
+    parts = text.split(" ", 2)
     if len(parts) < 2 or parts[0] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise _ProtocolError(f"not an HTTP/1.x status line: {line[:40]!r}")
+        raise _ProtocolError(f"not an HTTP/1.x status line: {text[:40]!r}")
     code = parts[1]
     if not _STATUS_CODE.fullmatch(code):
         raise _ProtocolError(f"not an HTTP status code: {code[:10]!r}")
@@ -436,15 +489,24 @@ def _parse_status_line(line: bytes) -> tuple[str, int]:
 
 
 def _read_headers(conn: _Connection) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    last = ""
+    lines: list[str] = []
     for _ in range(MAX_HEADERS + 1):
         line = conn.readline()
         if line in (b"\r\n", b"\n"):
-            return headers
+            return _parse_headers(lines)
         if not line.endswith(b"\n"):
             raise _ProtocolError("the connection closed inside the answer's headers")
-        text = line.decode("latin-1").rstrip("\r\n")
+        lines.append(line.decode("latin-1").rstrip("\r\n"))
+    raise _ProtocolError(f"the answer has more than {MAX_HEADERS} headers")
+
+
+def _parse_headers(lines: list[str]) -> dict[str, str]:
+    """Header lines (without line breaks) as lower-case names; repeated ones joined."""
+    if len(lines) > MAX_HEADERS:
+        raise _ProtocolError(f"the answer has more than {MAX_HEADERS} headers")
+    headers: dict[str, str] = {}
+    last = ""
+    for text in lines:
         if text[:1] in (" ", "\t") and last:
             headers[last] += " " + text.strip()  # an obsolete folded continuation
             continue
@@ -454,7 +516,7 @@ def _read_headers(conn: _Connection) -> dict[str, str]:
         last = name.lower()
         value = value.strip()
         headers[last] = f"{headers[last]}, {value}" if last in headers else value
-    raise _ProtocolError(f"the answer has more than {MAX_HEADERS} headers")
+    return headers
 
 
 def _parse_length(value: str) -> int:

@@ -448,7 +448,7 @@ def _comparison_section(document: dict[str, Any]) -> list[str]:
         f"**{_fmt(b_share)}%** of it, (a) {_fmt(a_share)}%. (b)/(a) per round: {rounds}.",
         "",
         f"A consume actually took {_fmt(comparison['measured_consume_p50_ms'])} ms here "
-        "(median, client side: injected latency + loopback HTTP + the VM waking threads up), so "
+        "(median, client side: injected latency + loopback HTTP + the VM waking processes up), so "
         "on this machine one lane that waits for each consume can do at most "
         f"{_fmt(comparison['measured_ceiling_msgs_per_s'])} msg/s.",
         "",
@@ -559,21 +559,21 @@ def _cpu_budget(scaling: list[dict[str, Any]], nproc: int) -> list[str]:
     widest = max(scaling, key=lambda s: s["lanes"])
     if base is None or widest["lanes"] == 1:
         return []
-    _, machine_ms = _cpu_per_message(base, nproc)
+    worker_ms, machine_ms = _cpu_per_message(widest, nproc)
     if not machine_ms or math.isnan(machine_ms):  # no CPU reading
         return []
     ceiling = nproc * 1000 / machine_ms
     needed = widest["target_speedup"] * base["messages_per_s"]
-    worker_ms, _ = _cpu_per_message(widest, nproc)
     gil = 1000 / worker_ms if worker_ms else float("inf")
     return [
-        f"CPU budget: at one lane the whole machine (worker, emulator, PostgreSQL, the "
-        f"benchmark's own sampling) spends {machine_ms:.2f} ms of CPU per message, so its "
-        f"{nproc} CPUs can drain at most about **{_fmt(ceiling)} msg/s** however the lanes are "
-        f"arranged. {widest['lanes']} lanes at the target need {_fmt(needed)} msg/s "
-        f"({widest['target_speedup']}x of {_fmt(base['messages_per_s'])}). Lanes are threads "
-        f"under one GIL: at {widest['lanes']} lanes the worker spent {worker_ms:.2f} ms of "
-        f"CPU per message, which caps one process at about {_fmt(gil)} msg/s.",
+        f"CPU budget: at {widest['lanes']} lanes the whole machine (worker, emulator, "
+        f"PostgreSQL, the benchmark's own sampling, this machine's other services) spent "
+        f"{machine_ms:.2f} ms of CPU per message, so its {nproc} CPUs could drain at most about "
+        f"**{_fmt(ceiling)} msg/s** however the lanes were arranged; {widest['lanes']} lanes at "
+        f"the target need {_fmt(needed)} msg/s ({widest['target_speedup']}x of "
+        f"{_fmt(base['messages_per_s'])}). Lanes are threads under one GIL: the worker spent "
+        f"{worker_ms:.2f} ms of CPU per message, which caps one process at about {_fmt(gil)} "
+        "msg/s.",
     ]
 
 
@@ -895,8 +895,9 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "",
         "## Caveats",
         "",
-        "- Latency is a sleep in the emulator before it answers: no bandwidth limit, jitter or "
-        "TLS; every call also costs a loopback HTTP/1.1 exchange with a Python server.",
+        "- Latency is a timer in the emulator before it answers: no bandwidth limit, jitter or "
+        "TLS; every call also costs a loopback HTTP/1.1 exchange with a Python server (one "
+        "thread, a selector loop over every connection).",
         f"- The emulator, PostgreSQL and the worker share {nproc} CPUs: the `machine busy` "
         "column shows when the machine, not the drain, was the limit.",
         "- The protocol trace is on during measured drains (libpq writes each message to a "

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
-from infrai_jobs.errors import EffectUncertain, PermanentJobError
+from infrai_jobs.errors import EffectUncertain, InfraiUnavailable, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import ClaimRow, utc_from_epoch
 from infrai_jobs.queue_models import Pending, QueueMessage
@@ -749,3 +749,36 @@ def test_a_lane_sends_its_acks_and_next_consume_on_its_own_thread_and_reads_them
     assert events.index("ack read 00") > events.index("ran 19")
     assert events.index("ack read 10") > events.index("ran 29")
     assert events[-10:] == [f"ack read {n}" for n in range(20, 30)]
+
+
+class FailingSecondConsume(RecordingQueue):
+    """The fake queue, whose second consume fails as Infrai would after its retries."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.consumes = 0
+
+    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
+        self.consumes += 1
+        if self.consumes == 2:
+            raise InfraiUnavailable("INTERNAL", "injected: consume failed", 500, call="consume")
+        return super().consume(queue, max_messages)
+
+
+def test_a_failed_consume_sent_ahead_surfaces_its_own_error_after_the_acks() -> None:
+    # Given 20 jobs, and a queue whose second consume (the one sent ahead) fails
+    clock = FakeClock()
+    queue = FailingSecondConsume(clock)
+    queue.ensure_queue(QUEUE, dlq=DLQ)
+    registry = JobRegistry()
+    registry.job("test.db", effect=Effect.DATABASE, identity=("id",))(lambda p, ctx: None)
+    for n in range(20):
+        queue.publish_raw(QUEUE, _db(str(n)))
+    # When one lane drains them, the Infrai error is what the caller sees
+    with pytest.raises(InfraiUnavailable, match="consume failed"):
+        drain(
+            queue, InMemoryLedger(clock), registry, DrainConfig(queue=QUEUE), lambda: TIME_LEFT_MS
+        )
+    # And the first batch, processed before the error surfaced, was acked
+    assert queue.stats(QUEUE).message_count == 10
+    assert queue.batch_sizes == [10]

@@ -222,7 +222,9 @@ def _drain_batches(
     try:
         while True:
             if ahead is not None:
-                messages, ahead = ahead.wait(), None
+                # Taken before waiting: a consume that failed is not waited for twice.
+                received, ahead = ahead, None
+                messages = received.wait()
             else:
                 stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
                 if stop:

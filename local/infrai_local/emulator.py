@@ -1242,8 +1242,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
             return
         decision = self._emulator.decide_faults(endpoint.name)
         if decision.latency_seconds > 0:
-            # The server sends nothing, and reads nothing more on this connection, until the
-            # latency has passed; meanwhile it serves other connections.
+            # The answer, and any next request on this connection, wait until the latency has
+            # passed; meanwhile the server serves other connections.
             self.deferred = (
                 decision.latency_seconds,
                 functools.partial(self._finish_api, endpoint, method, raw, param, decision),

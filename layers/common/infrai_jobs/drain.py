@@ -522,8 +522,8 @@ def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None 
 class _AckPipeline:
     """Acks sent together and their answers read later, so they overlap the next batch's work.
 
-    At most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once; sending one more first
-    reads the oldest batch's answers (by then they have usually arrived).
+    Once a batch's acks are sent, the answers of the batch before it are read (by then they have
+    usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once.
     """
 
     def __init__(self, queue: QueuePort, queue_name: str, summary: DrainSummary) -> None:

@@ -314,6 +314,7 @@ class InfraiClient:
         except TransportError as exc:
             # The transport's message names the host and the failure, never our headers.
             failure = InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call)
+            failure.__cause__ = exc  # as "raise ... from exc" would have chained it
 
             def failed() -> Any:
                 raise failure

@@ -226,6 +226,33 @@ def test_sent_acks_and_consumes_keep_the_retry_rules_of_the_plain_calls(
     assert client.stats(QUEUE).message_count == 1
 
 
+def test_acks_sent_together_before_a_key_rotation_all_land_with_one_refresh() -> None:
+    # Given Infrai accepting only the new key, three deliveries, and a client holding the old
+    server = start_in_thread(api_key="sk_new_key")
+    try:
+        fresh = InfraiClient(server.url, "sk_new_key")
+        fresh.ensure_queue(QUEUE)
+        for n in range(3):
+            fresh.publish(QUEUE, {"n": n})
+        handles = [m.receipt_handle for m in fresh.consume(QUEUE, 3)]
+        fetches: list[str] = []
+
+        def refresh() -> str:
+            fetches.append("sk_new_key")
+            return "sk_new_key"
+
+        client = InfraiClient(server.url, "sk_old_key", refresh_api_key=refresh)
+        # When three acks travel together with the old key, then their answers are read
+        sent = [client.send_ack(QUEUE, handle) for handle in handles]
+        outcomes = [pending.wait() for pending in sent]
+        # Then every ack landed: the first 401 fetched the key, the others used it
+        assert outcomes == [None, None, None]
+        assert fetches == ["sk_new_key"]
+        assert fresh.stats(QUEUE).message_count == 0
+    finally:
+        server.stop()
+
+
 def test_rate_limits_honour_retry_after(
     client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
 ) -> None:

@@ -479,6 +479,27 @@ def test_malformed_answers_are_transport_errors(
     pool.close()
 
 
+@pytest.mark.parametrize(
+    ("wire", "message"),
+    [
+        (b"SSH-2.0-OpenSSH_9.2\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\r\n", "malformed header"),
+    ],
+)
+def test_a_malformed_head_on_a_connection_left_open_fails_at_once(
+    serve: Callable[..., ScriptedServer], wire: bytes, message: str
+) -> None:
+    # Given a server that sends a broken head and then keeps the connection open
+    server = serve(lambda request, conn, index: (wire, False))
+    pool = pool_for(server, read_timeout=5.0)
+    started = time.monotonic()
+    # When a request is made, Then the head is refused as soon as it shows it is broken
+    with pytest.raises(TransportError, match=message):
+        pool.request("GET", "/", {})
+    assert time.monotonic() - started < 2.5  # not after the 5 s read timeout
+    pool.close()
+
+
 def test_a_header_value_with_a_line_break_is_refused_without_printing_it() -> None:
     pool = HttpPool("http://127.0.0.1:9", connect_timeout=1.0, read_timeout=1.0)
     with pytest.raises(ValueError, match="'Authorization'") as caught:
@@ -561,14 +582,31 @@ def test_several_sent_requests_travel_at_once_and_are_read_in_any_order(
 def test_an_answer_that_arrived_while_the_caller_was_busy_is_not_a_timeout(
     serve: Callable[..., ScriptedServer],
 ) -> None:
-    # Given a pool whose answers must complete within 3 x 0.1 s of being read
+    # Given a pool whose answers must complete within 3 x 0.1 s of being sent
     server = serve(lambda request, conn, index: (answer(b'{"n":1}'), False))
     pool = pool_for(server, read_timeout=0.1)
-    # When the caller sends, then works for longer than that before reading
+    # When the caller sends, then works for well past that before reading
     exchange = pool.send("GET", "/slow-caller", {})
-    time.sleep(0.5)
-    # Then the answer waiting on the socket is read: the deadline runs from the read
+    time.sleep(1.5)
+    # Then the answer waiting on the socket is read: past the deadline, what arrived counts
     assert pool.receive(exchange).body == b'{"n":1}'
+    pool.close()
+
+
+def test_exchanges_to_a_silent_server_read_one_after_another_expire_together(
+    serve: Callable[..., ScriptedServer],
+) -> None:
+    # Given a server that never answers, and a read timeout of 0.5 s
+    server = serve(lambda request, conn, index: (b"", False))
+    pool = pool_for(server, read_timeout=0.5)
+    # When five requests are sent together and their answers read one after another
+    exchanges = [pool.send("GET", f"/t{n}", {}) for n in range(5)]
+    started = time.monotonic()
+    for exchange in exchanges:
+        with pytest.raises(TransportError, match=r"timed out|did not complete in time"):
+            pool.receive(exchange)
+    # Then all of them timed out about 0.5 s after their send, not five timeouts in a row
+    assert time.monotonic() - started < 1.5
     pool.close()
 
 

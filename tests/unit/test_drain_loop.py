@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
-from infrai_jobs.errors import EffectUncertain, InfraiUnavailable, PermanentJobError
+from infrai_jobs.errors import (
+    ConfigurationError,
+    EffectUncertain,
+    InfraiUnavailable,
+    PermanentJobError,
+)
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import ClaimRow, utc_from_epoch
 from infrai_jobs.queue_models import Pending, QueueMessage
@@ -782,3 +787,73 @@ def test_a_failed_consume_sent_ahead_surfaces_its_own_error_after_the_acks() -> 
     # And the first batch, processed before the error surfaced, was acked
     assert queue.stats(QUEUE).message_count == 10
     assert queue.batch_sizes == [10]
+
+
+class AckOutcomes(RecordingQueue):
+    """The fake queue, whose acks answer as scripted and record how each answer was read."""
+
+    def __init__(self, clock: FakeClock, fail: Callable[[int], Exception | None]) -> None:
+        super().__init__(clock)
+        self.fail = fail
+        self.reads: list[tuple[int, bool]] = []
+        self.sent = 0
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        number = self.sent
+        self.sent += 1
+        error = self.fail(number)
+
+        def read(retry: bool) -> None:
+            self.reads.append((number, retry))
+            if error is not None:
+                raise error
+            self.ack(queue, receipt_handle)
+
+        return Pending(lambda: read(True), lambda: read(False))
+
+
+def _queue_with_acks(fail: Callable[[int], Exception | None], jobs: int) -> AckOutcomes:
+    queue = AckOutcomes(FakeClock(), fail)
+    queue.ensure_queue(QUEUE, dlq=DLQ)
+    for n in range(jobs):
+        queue.publish_raw(QUEUE, _db(str(n)))
+    return queue
+
+
+def _drain(queue: AckOutcomes) -> DrainSummary:
+    registry = JobRegistry()
+    registry.job("test.db", effect=Effect.DATABASE, identity=("id",))(lambda p, ctx: None)
+    ledger = InMemoryLedger(queue.clock)
+    return drain(queue, ledger, registry, DrainConfig(queue=QUEUE), lambda: TIME_LEFT_MS)
+
+
+def test_once_an_ack_fails_through_its_retries_the_rest_of_its_batch_get_one_try() -> None:
+    # Given Infrai failing every ack of the first batch (acks 0-9), and none after
+    def fail(number: int) -> Exception | None:
+        if number < 10:
+            return InfraiUnavailable("INTERNAL", "injected: ack failed", 500, call="ack")
+        return None
+
+    queue = _queue_with_acks(fail, jobs=20)
+    # When the 20 jobs are drained
+    summary = _drain(queue)
+    # Then the first failing ack was read with its retries, the other nine without
+    first_batch = sorted(r for r in queue.reads if r[0] < 10)
+    assert first_batch == [(0, True)] + [(n, False) for n in range(1, 10)]
+    # And the next batch's acks were read with their retries again, and landed
+    assert sorted(r for r in queue.reads if r[0] >= 10) == [(n, True) for n in range(10, 20)]
+    assert (summary.ack_failed, summary.acked, summary.done) == (10, 10, 20)
+
+
+def test_an_unexpected_error_reading_an_ack_is_raised_after_the_others_are_read() -> None:
+    # Given the third ack's answer raising something that is not an Infrai answer
+    def fail(number: int) -> Exception | None:
+        return ConfigurationError("INFRAI_API_KEY contains a line break") if number == 2 else None
+
+    queue = _queue_with_acks(fail, jobs=10)
+    # When the 10 jobs are drained, Then that error reaches the caller
+    with pytest.raises(ConfigurationError, match="line break"):
+        _drain(queue)
+    # And every other ack was still read, and landed
+    assert len(queue.reads) == 10
+    assert queue.stats(QUEUE).message_count == 1

@@ -22,6 +22,7 @@ import psycopg
 from infrai_jobs.errors import (
     EffectUncertain,
     InfraiError,
+    InfraiUnavailable,
     KeyDerivationError,
     LedgerError,
     PermanentJobError,
@@ -543,24 +544,46 @@ class _AckPipeline:
             self._collect(self._pending.pop(0))
 
     def wait_all(self) -> None:
+        """Read every answer still due; an unexpected error is raised after all are read."""
+        first_error: Exception | None = None
         while self._pending:
-            self._collect(self._pending.pop(0))
+            try:
+                self._collect(self._pending.pop(0))
+            except Exception as exc:  # noqa: BLE001 - raised below, once the rest are read
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
         summary = self._summary
+        # Answers are read one after another on this thread: once Infrai has failed one ack
+        # through all its retries, the rest of the batch get their sent request's answer only,
+        # so an outage costs one ack's retries per batch, not ten in a row.
+        retry = True
+        unexpected: Exception | None = None
         for result, pending in batch:
             try:
-                pending.wait()
+                pending.wait(retry=retry)
             except QueueMessageNotFound:
                 summary.ack_lost += 1
                 _log_ack(result, "ack_lost")
             except InfraiError as exc:
                 # Harmless for correctness: the redelivery finds the claim settled, and is
                 # acked then.
+                if isinstance(exc, InfraiUnavailable):
+                    retry = False
                 summary.ack_failed += 1
                 _log_ack(result, "ack_failed", str(exc))
+            except Exception as exc:  # noqa: BLE001 - the other answers are read first
+                # Not an answer from Infrai (a refreshed API key that cannot be used, a bug):
+                # the rest of the batch is still read, so no connection is left half-used.
+                summary.ack_failed += 1
+                _log_ack(result, "ack_failed", _describe(exc))
+                unexpected = unexpected or exc
             else:
                 summary.acked += 1
+        if unexpected is not None:
+            raise unexpected
 
 
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:

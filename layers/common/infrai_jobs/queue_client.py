@@ -187,12 +187,10 @@ class InfraiClient:
         first = self._send("POST", path, request, call="consume")
 
         def finish() -> list[QueueMessage]:
-            data = self._call(
-                "POST", path, request, call="consume", retryable=True, first_answer=first
-            )
+            data = self._call("POST", path, request, call="consume", retryable=True, first=first)
             return _messages(data, queue)
 
-        return Pending(finish)
+        return Pending(finish, lambda: _messages(first.answer_alone(), queue))
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
@@ -206,9 +204,9 @@ class InfraiClient:
         first = self._send("POST", path, request, call="ack")
 
         def finish() -> None:
-            self._call("POST", path, request, call="ack", retryable=True, first_answer=first)
+            self._call("POST", path, request, call="ack", retryable=True, first=first)
 
-        return Pending(finish)
+        return Pending(finish, first.answer_alone)
 
     def stats(self, queue: str) -> QueueStats:
         path = "/v1/queue/stats/" + quote(queue, safe="")
@@ -230,19 +228,24 @@ class InfraiClient:
         *,
         call: str,
         retryable: bool,
-        first_answer: Callable[[], Any] | None = None,
+        first: _Attempt | None = None,
     ) -> Any:
-        """Make a call with its retries. ``first_answer``, when given, is the first attempt's
-        answer to a request already sent (see ``_send``); the retries send afresh."""
+        """Make a call with its retries. ``first``, when given, is a request already sent (see
+        ``_send``): its answer is the first attempt's; the retries send afresh."""
+        sent: list[_Attempt] = []
         try:
             return self._call_with_retries(
-                method, path, body, call=call, retryable=retryable, first_answer=first_answer
+                method, path, body, call=call, retryable=retryable, first=first, sent=sent
             )
         except InfraiError as exc:
-            if exc.status != 401 or not self._take_refreshed_key():
+            if exc.status != 401:
+                raise
+            # Requests sent together before a rotation all carry the old key: the first 401
+            # read fetches the new one, the others just use it.
+            if sent[-1].key == self._api_key and not self._take_refreshed_key():
                 raise
         # A 401 is answered before anything is applied, so one more try is safe for every call.
-        return self._call_with_retries(method, path, body, call=call, retryable=retryable)
+        return self._call_with_retries(method, path, body, call=call, retryable=retryable, sent=[])
 
     def _take_refreshed_key(self) -> bool:
         fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
@@ -264,14 +267,16 @@ class InfraiClient:
         *,
         call: str,
         retryable: bool,
-        first_answer: Callable[[], Any] | None = None,
+        sent: list[_Attempt],
+        first: _Attempt | None = None,
     ) -> Any:
         attempts = self._retry.max_attempts if retryable else 1
         for attempt in range(attempts):
             try:
-                if attempt == 0 and first_answer is not None:
-                    return first_answer()
-                return self._send(method, path, body, call=call)()
+                current = first if attempt == 0 and first is not None else None
+                current = current or self._send(method, path, body, call=call)
+                sent.append(current)
+                return current.answer()
             except InfraiUnavailable as exc:
                 retry_after = getattr(exc, "retry_after", None)
                 out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
@@ -296,12 +301,13 @@ class InfraiClient:
 
     def _send(
         self, method: str, path: str, body: Mapping[str, Any] | None, *, call: str
-    ) -> Callable[[], Any]:
-        """Send one attempt; the returned function reads its answer (the call's data) or
-        raises. A request that could not be sent fails when its answer is asked for, as a
-        retryable connection error."""
+    ) -> _Attempt:
+        """Send one attempt; its ``answer()`` reads the answer (the call's data) or raises. A
+        request that could not be sent fails when its answer is asked for, as a retryable
+        connection error."""
+        key = self._api_key
         headers = {
-            "Authorization": f"Bearer {self._api_key}",
+            "Authorization": f"Bearer {key}",
             "Accept": "application/json",
             "User-Agent": USER_AGENT,
         }
@@ -319,7 +325,7 @@ class InfraiClient:
             def failed() -> Any:
                 raise failure
 
-            return failed
+            return _Attempt(key, call, failed)
 
         def answer() -> Any:
             try:
@@ -330,7 +336,7 @@ class InfraiClient:
                 response.status, response.body, response.headers.get("retry-after"), call
             )
 
-        return answer
+        return _Attempt(key, call, answer)
 
 
 def _check_api_key(key: str) -> None:
@@ -340,6 +346,27 @@ def _check_api_key(key: str) -> None:
             "INFRAI_API_KEY contains a line break, NUL or non-ASCII character; "
             "check how the secret was stored"
         )
+
+
+class _Attempt:
+    """One request sent: the API key it carried and how to read its answer."""
+
+    __slots__ = ("answer", "call", "key")
+
+    def __init__(self, key: str, call: str, answer: Callable[[], Any]) -> None:
+        self.key = key
+        self.call = call
+        self.answer = answer
+
+    def __repr__(self) -> str:
+        return f"_Attempt(call={self.call!r}, key=<redacted>)"
+
+    def answer_alone(self) -> Any:
+        """The answer with no retry; a retryable failure is raised as the public type."""
+        try:
+            return self.answer()
+        except InfraiUnavailable as exc:
+            raise InfraiUnavailable(exc.code, exc.message, exc.status, call=self.call) from exc
 
 
 class _RetryableAnswer(InfraiUnavailable):

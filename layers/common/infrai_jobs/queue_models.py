@@ -27,19 +27,21 @@ class Pending(Generic[T]):
 
     The drain sends its next consume and a batch's acks this way: they travel while it works,
     with no thread per call. ``wait()`` returns what the plain call would have returned, or
-    raises what it would have raised, retries included.
+    raises what it would have raised, retries included; ``wait(retry=False)`` reads the sent
+    request's answer alone, raising its error instead of retrying.
     """
 
-    __slots__ = ("_finish",)
+    __slots__ = ("_finish", "_first")
 
-    def __init__(self, finish: Callable[[], T]) -> None:
+    def __init__(self, finish: Callable[[], T], first: Callable[[], T] | None = None) -> None:
         self._finish: Callable[[], T] | None = finish
+        self._first = first or finish
 
-    def wait(self) -> T:
+    def wait(self, *, retry: bool = True) -> T:
         finish, self._finish = self._finish, None
         if finish is None:
             raise RuntimeError("this call's answer was already read")
-        return finish()
+        return finish() if retry else self._first()
 
     @classmethod
     def settled(cls, call: Callable[[], T]) -> Pending[T]:

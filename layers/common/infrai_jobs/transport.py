@@ -57,6 +57,11 @@ _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _STATUS_CODE = re.compile(r"[0-9]{3}")
 _LENGTH = re.compile(r"[0-9]{1,18}")
 _RECV_SIZE = 65536
+# Past an answer's deadline a read still takes what has already arrived, waiting this long.
+_ARRIVED_WAIT = 0.001
+# ... for this long at most from the first such read, so a server sending a byte at a time
+# cannot stretch it.
+_LATE_READS_FOR = 0.5
 # A head found whole within this many buffered bytes is parsed in one go (Infrai's are ~150).
 _WHOLE_HEAD_LIMIT = 8192
 # Encoded header sets a pool keeps (a client uses two or three; a rotated API key adds some).
@@ -87,7 +92,16 @@ class _Connection:
     next request's answer.
     """
 
-    __slots__ = ("buffer", "deadline", "idle_since", "read_timeout", "shortened", "sock")
+    __slots__ = (
+        "buffer",
+        "deadline",
+        "first_byte_by",
+        "idle_since",
+        "late_until",
+        "read_timeout",
+        "shortened",
+        "sock",
+    )
 
     def __init__(self, sock: socket.socket, read_timeout: float) -> None:
         self.sock = sock
@@ -95,6 +109,11 @@ class _Connection:
         self.idle_since = 0.0
         self.read_timeout = read_timeout
         self.deadline = 0.0
+        # Set at the first read after the deadline: reads of what has arrived end then.
+        self.late_until = 0.0
+        # While no byte of the answer has come: when the read timeout, counted from the send,
+        # ends (0 once one has).
+        self.first_byte_by = 0.0
         # The socket's timeout was cut to fit the deadline (setting it is a system call, so it
         # is restored only then).
         self.shortened = False
@@ -119,10 +138,20 @@ class _Connection:
     # --- reading, bounded by the answer's deadline ---------------------------------------------
 
     def fill(self) -> bool:
-        """Read what the socket has into the buffer; False at the end of the stream."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the answer did not complete in time")
+        """Read what the socket has into the buffer; False at the end of the stream.
+
+        Past the deadline, only bytes that have already arrived are read: an answer that came
+        while the caller was busy (a long batch) is not a timeout, a late one is.
+        """
+        now = time.monotonic()
+        # Until the answer's first byte, the read timeout also runs from the send.
+        limit = min(self.deadline, self.first_byte_by) if self.first_byte_by else self.deadline
+        if now >= limit:
+            if not self.late_until:
+                self.late_until = now + _LATE_READS_FOR
+            elif now > self.late_until:
+                raise TimeoutError("the answer did not complete in time")
+        remaining = max(limit - now, _ARRIVED_WAIT)
         if remaining < self.read_timeout:
             self.sock.settimeout(remaining)
             self.shortened = True
@@ -134,6 +163,7 @@ class _Connection:
             raise
         if not data:
             return False
+        self.first_byte_by = 0.0
         self.buffer += data
         return True
 
@@ -269,6 +299,11 @@ class HttpPool:
             if isinstance(exc, OSError):
                 raise TransportError(self._describe(exc)) from exc
             raise
+        # From the send: exchanges read one after another all expire by the same time.
+        now = time.monotonic()
+        conn.deadline = now + self._read_timeout * ANSWER_DEADLINE_READS
+        conn.first_byte_by = now + self._read_timeout
+        conn.late_until = 0.0
         return Exchange(conn, method)
 
     def receive(self, exchange: Exchange) -> Response:
@@ -276,9 +311,6 @@ class HttpPool:
         when the answer was framed exactly, and is closed otherwise."""
         conn = exchange.take()
         method = exchange.method
-        # From now, not from the send: an answer that arrived while the caller was busy (a
-        # long batch) is read, not mistaken for a timeout.
-        conn.deadline = time.monotonic() + self._read_timeout * ANSWER_DEADLINE_READS
         try:
             response, keep_alive = _read_response(conn, method, self._max_body)
         except (OSError, _ProtocolError) as exc:
@@ -430,8 +462,8 @@ def _whole_head(conn: _Connection) -> list[str] | None:
     buffer = conn.buffer
     end = buffer.find(b"\r\n\r\n", 0, _WHOLE_HEAD_LIMIT)
     while end < 0 and len(buffer) < _WHOLE_HEAD_LIMIT:
-        if b"\n\n" in buffer or b"\n\r\n" in buffer or not conn.fill():
-            return None  # a head ending in a bare LF, or the stream ended: line by line
+        if _odd_head(buffer) or not conn.fill():
+            return None  # the line reader judges it, or the stream ended
         end = buffer.find(b"\r\n\r\n", 0, _WHOLE_HEAD_LIMIT)
     if end < 0:
         return None
@@ -478,6 +510,17 @@ def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Respo
     return Response(status, headers, body), keep_alive
 
 
+def _odd_head(buffer: bytearray) -> bool:
+    """Whether the bytes so far already show a head the line reader must judge: a first line
+    that is no status line, a blank line that is not a plain CRLF, a bare LF."""
+    first_break = buffer.find(b"\n")
+    if first_break < 0:
+        return False
+    if not buffer.startswith(b"HTTP/1."):
+        return True
+    return b"\n\n" in buffer or b"\n\r\n" in buffer or b"\r\r\n" in buffer
+
+
 def _parse_status_line(text: str) -> tuple[str, int]:
     parts = text.split(" ", 2)
     if len(parts) < 2 or parts[0] not in ("HTTP/1.1", "HTTP/1.0"):
@@ -496,7 +539,9 @@ def _read_headers(conn: _Connection) -> dict[str, str]:
             return _parse_headers(lines)
         if not line.endswith(b"\n"):
             raise _ProtocolError("the connection closed inside the answer's headers")
-        lines.append(line.decode("latin-1").rstrip("\r\n"))
+        text = line.decode("latin-1").rstrip("\r\n")
+        _split_header(text, continues=bool(lines))  # a broken line fails now, not at the end
+        lines.append(text)
     raise _ProtocolError(f"the answer has more than {MAX_HEADERS} headers")
 
 
@@ -507,16 +552,23 @@ def _parse_headers(lines: list[str]) -> dict[str, str]:
     headers: dict[str, str] = {}
     last = ""
     for text in lines:
-        if text[:1] in (" ", "\t") and last:
+        split = _split_header(text, continues=bool(last))
+        if split is None:
             headers[last] += " " + text.strip()  # an obsolete folded continuation
             continue
-        name, colon, value = text.partition(":")
-        if not colon or not name or name != name.strip():
-            raise _ProtocolError(f"a malformed header line: {text[:40]!r}")
-        last = name.lower()
-        value = value.strip()
+        last, value = split
         headers[last] = f"{headers[last]}, {value}" if last in headers else value
     return headers
+
+
+def _split_header(text: str, *, continues: bool) -> tuple[str, str] | None:
+    """A header line as (lower-case name, value), or None for a folded continuation."""
+    if text[:1] in (" ", "\t") and continues:
+        return None
+    name, colon, value = text.partition(":")
+    if not colon or not name or name != name.strip():
+        raise _ProtocolError(f"a malformed header line: {text[:40]!r}")
+    return name.lower(), value.strip()
 
 
 def _parse_length(value: str) -> int:

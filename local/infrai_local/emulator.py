@@ -103,6 +103,8 @@ _QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 _CONTENT_LENGTH: Final = re.compile(r"[0-9]{1,20}")
 # Idle keep-alive connections are closed after this long so forgotten clients cannot pile up.
 _IDLE_CONNECTION_SECONDS: Final = 60.0
+# Bytes a connection may pile up while one of its requests waits out injected latency.
+_INBOX_WHILE_BUSY: Final = 1024 * 1024
 
 JsonObject = dict[str, Any]
 MessageState = Literal["available", "in_flight", "delayed"]
@@ -1440,17 +1442,12 @@ class EmulatorHTTPServer:
                 if self._timers:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - now))
                 for key, events in self._selector.select(timeout):
-                    if key.fileobj is self.socket:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(4096)
-                    else:
-                        conn = key.data
-                        if events & selectors.EVENT_WRITE:
-                            self._flush(conn)
-                        if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
-                            self._receive(conn)
+                    try:
+                        self._handle_event(key, events)
+                    except Exception:  # noqa: BLE001 - a bug costs a connection, not the server
+                        traceback.print_exc(file=sys.stderr)
+                        if isinstance(key.data, _Connection):
+                            self._close(key.data)
                 self._run_due_timers()
                 if time.monotonic() >= next_sweep:
                     self._close_idle()
@@ -1458,6 +1455,19 @@ class EmulatorHTTPServer:
         finally:
             self._stop_requested = False
             self._stopped.set()
+
+    def _handle_event(self, key: selectors.SelectorKey, events: int) -> None:
+        if key.fileobj is self.socket:
+            self._accept()
+        elif key.fileobj is self._wake_r:
+            with contextlib.suppress(OSError):
+                self._wake_r.recv(4096)
+        else:
+            conn = key.data
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                self._receive(conn)
 
     def shutdown(self) -> None:
         """Stop ``serve_forever`` and wait until it has returned (call from another thread)."""
@@ -1492,8 +1502,10 @@ class EmulatorHTTPServer:
                 return  # e.g. out of descriptors; the client's connect will time out
             sock.setblocking(False)
             # Answers go out in one write, the stdlib's own error answers in several: with
-            # Nagle on, the client's delayed ACK would stall them by ~40 ms.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Nagle on, the client's delayed ACK would stall them by ~40 ms. (Some systems
+            # refuse it on a connection the peer already closed; that one just ends soon.)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock, address)
             self._connections[sock.fileno()] = conn
             self._watch(conn)
@@ -1510,6 +1522,8 @@ class EmulatorHTTPServer:
         conn.last_active = time.monotonic()
         if data:
             conn.inbox += data
+            if conn.busy:
+                self._watch(conn)
         else:
             conn.eof = True
             # Nothing more will arrive: stop watching for it (a closed socket stays readable).
@@ -1518,42 +1532,50 @@ class EmulatorHTTPServer:
 
     def _serve_next(self, conn: _Connection) -> None:
         """Serve the requests that have arrived complete, in order, until one waits."""
-        while not conn.busy and not conn.close_after and conn.sock.fileno() >= 0:
-            if not conn.inbox:
-                if conn.eof and not conn.outbox:
+        # One copy of what arrived per round: requests pipelined behind each other are read
+        # from it at a moving offset, and the served bytes are dropped once, at the end.
+        arrived = bytes(conn.inbox)
+        offset = 0
+        try:
+            while not conn.busy and not conn.close_after and conn.sock.fileno() >= 0:
+                if offset >= len(arrived):
+                    if conn.eof and not conn.outbox:
+                        self._close(conn)
+                    return
+                handler = self._new_handler(conn, arrived, offset)
+                try:
+                    handler.handle_one_request()
+                except _NeedMore:
+                    self._send_interim(conn, handler)
+                    return
+                except Exception:  # noqa: BLE001 - a bug costs this connection, not the server
+                    traceback.print_exc(file=sys.stderr)
                     self._close(conn)
-                return
-            handler = self._new_handler(conn)
-            try:
-                handler.handle_one_request()
-            except _NeedMore:
-                self._send_interim(conn, handler)
-                return
-            except Exception:  # noqa: BLE001 - a bug costs this connection, not the server
-                traceback.print_exc(file=sys.stderr)
-                self._close(conn)
-                return
-            consumed = handler.rfile.tell()
-            if consumed == 0:  # cannot happen (a request line was read); never spin on it
-                self._close(conn)
-                return
-            del conn.inbox[:consumed]
-            conn.continue_sent = False
-            if handler.deferred is not None:
-                conn.busy = True
-                seconds, _rest = handler.deferred
-                self._timer_seq += 1
-                entry = (time.monotonic() + seconds, self._timer_seq, conn, handler)
-                heapq.heappush(self._timers, entry)
-                return
-            self._answered(conn, handler)
+                    return
+                consumed = handler.rfile.tell() - offset
+                if consumed <= 0:  # cannot happen (a request line was read); never spin on it
+                    self._close(conn)
+                    return
+                offset += consumed
+                conn.continue_sent = False
+                if handler.deferred is not None:
+                    conn.busy = True
+                    seconds, _rest = handler.deferred
+                    self._timer_seq += 1
+                    entry = (time.monotonic() + seconds, self._timer_seq, conn, handler)
+                    heapq.heappush(self._timers, entry)
+                    return
+                self._answered(conn, handler)
+        finally:
+            del conn.inbox[:offset]
 
-    def _new_handler(self, conn: _Connection) -> _RequestHandler:
+    def _new_handler(self, conn: _Connection, arrived: bytes, offset: int) -> _RequestHandler:
         handler = _RequestHandler.__new__(_RequestHandler)
         handler.server = self  # type: ignore[assignment]
         handler.client_address = conn.address
         handler.request = conn.sock
-        handler.rfile = _Arrived(bytes(conn.inbox), eof=conn.eof)
+        handler.rfile = _Arrived(arrived, eof=conn.eof)
+        handler.rfile.seek(offset)
         handler.wfile = io.BytesIO()
         handler.close_connection = True
         handler.continue_sent = conn.continue_sent
@@ -1575,13 +1597,18 @@ class EmulatorHTTPServer:
             _seconds, rest = handler.deferred
             handler.deferred = None
             if conn.sock.fileno() < 0:
-                continue  # closed meanwhile (stop); the answer has nobody to go to
+                # The client went away while the request waited: Infrai would still apply a
+                # request it had received; the answer has nobody to go to. (Not when stopping.)
+                if not self._stop_requested:
+                    handler.run_guarded(rest)
+                continue
             handler.run_guarded(rest)
             conn.busy = False
             self._answered(conn, handler)
             self._serve_next(conn)
 
     def _answered(self, conn: _Connection, handler: _RequestHandler) -> None:
+        conn.last_active = time.monotonic()  # idle time runs from the answer, not the request
         written = _written(handler)
         if written:
             conn.outbox += written
@@ -1612,7 +1639,10 @@ class EmulatorHTTPServer:
         """Watch the socket for what the connection waits for: more bytes, room to send."""
         if conn.sock.fileno() < 0:
             return
-        events = (0 if conn.eof else selectors.EVENT_READ) | (
+        # A connection waiting out its latency is read on (a reset is noticed) until a client
+        # pipelining without end has sent a lot: then the kernel holds the rest back.
+        held_back = conn.busy and len(conn.inbox) >= _INBOX_WHILE_BUSY
+        events = (0 if conn.eof or held_back else selectors.EVENT_READ) | (
             selectors.EVENT_WRITE if conn.outbox else 0
         )
         if events == conn.events:

@@ -17,6 +17,7 @@ import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infrai_local import emulator as emulator_module
 from infrai_local.emulator import (
     MAX_BODY_BYTES,
     Emulator,
@@ -1129,6 +1131,68 @@ def test_injected_latency_holds_each_connection_in_order_and_no_other(
     assert first == second == [200] * 10
     assert 0.3 <= after_first < 1.5
     assert after_second >= 0.6
+
+
+def test_a_request_whose_client_resets_during_the_latency_is_still_applied(
+    server: RunningEmulator, api: Api, queue: str
+) -> None:
+    # Given 0.3 s of latency, and a publish whose client aborts (RST) before the answer
+    api.set_faults(latency_ms=300)
+    sock = socket.create_connection((server.host, server.port), timeout=5)
+    sock.sendall(post_bytes(PUBLISH, {"queue": queue, "body": {"n": 1}}))
+    time.sleep(0.05)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    time.sleep(0.5)
+    api.set_faults()
+    # Then the publish was applied, as a server that had received it would
+    assert api.stats(queue)["message_count"] == 1
+
+
+def test_idle_time_runs_from_the_answer_not_from_the_request(
+    server: RunningEmulator, api: Api, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given idle connections closed after 2 s, and 1.6 s of latency
+    monkeypatch.setattr(emulator_module, "_IDLE_CONNECTION_SECONDS", 2.0)
+    api.set_faults(latency_ms=1600)
+    connection = RawConnection(server)
+    try:
+        # When a request is answered, and the next one follows 0.9 s later
+        connection.send(stats_bytes(queue))
+        first = connection.answer().status
+        api.set_faults()
+        time.sleep(0.9)
+        connection.send(stats_bytes(queue))
+        # Then the connection was still open: 0.9 s idle, not 2.5 s since the request
+        assert (first, connection.answer().status) == (200, 200)
+    finally:
+        connection.close()
+
+
+def test_the_server_survives_a_failure_handling_one_event(
+    server: RunningEmulator, api: Api, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a bug that makes reading one connection raise once
+    http_server = server._server
+    real_receive = http_server._receive
+    failures: list[str] = []
+
+    def receive_once_broken(conn: Any) -> None:
+        if not failures:
+            failures.append("raised")
+            raise RuntimeError("injected bug")
+        real_receive(conn)
+
+    monkeypatch.setattr(http_server, "_receive", receive_once_broken)
+    victim = RawConnection(server)
+    try:
+        victim.send(stats_bytes(queue))
+        # Then that connection is closed, and the next client is served
+        assert victim.rest() == b""
+    finally:
+        victim.close()
+    assert failures == ["raised"]
+    assert api.stats(queue)["message_count"] == 0
 
 
 def test_a_burst_of_connections_is_queued_not_dropped_while_the_server_is_busy() -> None:

@@ -152,7 +152,9 @@ class _Connection:
             elif now > self.late_until:
                 raise TimeoutError("the answer did not complete in time")
         remaining = max(limit - now, _ARRIVED_WAIT)
-        if remaining < self.read_timeout:
+        # Setting the timeout is a system call: the socket keeps the read timeout unless the
+        # time left is a tenth or more shorter (so a prompt answer costs none).
+        if remaining < self.read_timeout * 0.9:
             self.sock.settimeout(remaining)
             self.shortened = True
         try:

@@ -1136,16 +1136,21 @@ def test_injected_latency_holds_each_connection_in_order_and_no_other(
 def test_a_request_whose_client_resets_during_the_latency_is_still_applied(
     server: RunningEmulator, api: Api, queue: str
 ) -> None:
-    # Given 0.3 s of latency, and a publish whose client aborts (RST) before the answer
-    api.set_faults(latency_ms=300)
+    # Given 1 s of latency, and a publish the emulator has received
+    api.set_faults(latency_ms=1000)
     sock = socket.create_connection((server.host, server.port), timeout=5)
     sock.sendall(post_bytes(PUBLISH, {"queue": queue, "body": {"n": 1}}))
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while api.state()["requests"].get("publish", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # When its client aborts (RST) before the answer
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
-    time.sleep(0.5)
+    # Then the publish is applied once its latency has passed, as a server that had received
+    # it would
+    while api.state()["queues"][queue]["message_count"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     api.set_faults()
-    # Then the publish was applied, as a server that had received it would
     assert api.stats(queue)["message_count"] == 1
 
 
@@ -1172,22 +1177,23 @@ def test_idle_time_runs_from_the_answer_not_from_the_request(
 def test_the_server_survives_a_failure_handling_one_event(
     server: RunningEmulator, api: Api, queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a bug that makes reading one connection raise once
+    # Given a bug that makes reading one particular connection raise
     http_server = server._server
     real_receive = http_server._receive
+    victim = RawConnection(server)
+    victim_address = victim.sock.getsockname()
     failures: list[str] = []
 
-    def receive_once_broken(conn: Any) -> None:
-        if not failures:
+    def receive_broken_for_the_victim(conn: Any) -> None:
+        if conn.address == victim_address:
             failures.append("raised")
             raise RuntimeError("injected bug")
         real_receive(conn)
 
-    monkeypatch.setattr(http_server, "_receive", receive_once_broken)
-    victim = RawConnection(server)
+    monkeypatch.setattr(http_server, "_receive", receive_broken_for_the_victim)
     try:
         victim.send(stats_bytes(queue))
-        # Then that connection is closed, and the next client is served
+        # Then that connection is closed, and other clients are still served
         assert victim.rest() == b""
     finally:
         victim.close()

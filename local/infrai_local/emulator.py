@@ -1712,8 +1712,7 @@ class RunningEmulator:
             return
         self._stopped = True
         self._server.shutdown()
-        self._server.close_connections()
-        self._server.server_close()
+        self._server.server_close()  # closes the connections too
         self._thread.join(timeout=5)
 
     def __enter__(self) -> RunningEmulator:

@@ -273,8 +273,10 @@ class InfraiClient:
         attempts = self._retry.max_attempts if retryable else 1
         for attempt in range(attempts):
             try:
-                current = first if attempt == 0 and first is not None else None
-                current = current or self._send(method, path, body, call=call)
+                if attempt == 0 and first is not None:
+                    current = first
+                else:
+                    current = self._send(method, path, body, call=call)
                 sent.append(current)
                 return current.answer()
             except InfraiUnavailable as exc:

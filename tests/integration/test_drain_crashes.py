@@ -117,6 +117,42 @@ def test_connection_terminated_mid_batch_commits_nothing_and_retries_cleanly(
     assert kit.effects("test.db:neighbour") == 1
 
 
+def test_connection_terminated_while_a_savepoint_rolls_back_is_ledger_unavailable(
+    kit: Harness,
+) -> None:
+    # Given a database job that fails twice: in the batch's one-go attempt, then in its own
+    # savepoint, where the server terminates the connection just before the savepoint's rollback
+    calls: list[int] = []
+
+    def failing_killer(payload: Payload, ctx: JobContext) -> JsonValue:
+        assert ctx.db is not None
+        calls.append(ctx.db.info.backend_pid)
+        if len(calls) == 2:
+            with psycopg.connect(kit.database_url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (calls[-1],))
+        raise RuntimeError("the job failed")
+
+    kit.registry.job("test.failing_killer", effect=Effect.DATABASE, identity=("id",))(
+        failing_killer
+    )
+    kit.publish({"job": "test.failing_killer", "id": "1"})
+    kit.publish({"job": "test.db", "id": "neighbour"})
+    # When the batch runs, the drain reports the ledger unavailable (psycopg's own Rollback
+    # exception used to escape here), commits nothing and acks nothing
+    first = kit.drain()
+    assert len(calls) == 2
+    assert first.stopped == "ledger_unavailable"
+    assert first.outcomes == {"ledger_unavailable": 2}
+    assert first.acked == 0
+    assert kit.sql("SELECT count(*) FROM job_claims") == [(0,)]
+    assert kit.sql("SELECT count(*) FROM test_effects") == [(0,)]
+    # Then the redelivery, on a fresh connection, runs the neighbour once and retries the job
+    kit.advance()
+    second = kit.drain()
+    assert second.outcomes == {"done": 1, "retry": 1}
+    assert kit.effects("test.db:neighbour") == 1
+
+
 def test_external_claims_are_given_back_when_the_claim_answer_is_lost(kit: Harness) -> None:
     # Given a received batch, and the ledger's connection killed after the drain's ping, just
     # before the claim statement

@@ -520,13 +520,22 @@ class PostgresLedger:
     def _run_in_savepoint(
         conn: psycopg.Connection[Any], decision: ClaimDecision, runner: DatabaseRunner
     ) -> JobRun:
-        with conn.transaction() as savepoint:
-            run = runner(decision.request, conn)
-            if run.kind is RunKind.SUCCEEDED and _aborted(conn):
-                # The handler swallowed a database error: its work cannot be committed.
-                run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
-            if run.kind is not RunKind.SUCCEEDED:
-                raise psycopg.Rollback(savepoint)
+        try:
+            with conn.transaction() as savepoint:
+                run = runner(decision.request, conn)
+                if run.kind is RunKind.SUCCEEDED and _aborted(conn):
+                    # The handler swallowed a database error: its work cannot be committed.
+                    run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
+                if run.kind is not RunKind.SUCCEEDED:
+                    raise psycopg.Rollback(savepoint)
+        except psycopg.Rollback as exc:
+            # psycopg swallows its own Rollback once the savepoint is rolled back. It lets it
+            # out (after logging "error ignored in rollback") when that rollback failed, which
+            # means the connection broke under it: say so, so the caller drops the connection.
+            raise psycopg.OperationalError(
+                f"the connection failed while rolling back the savepoint of {run.kind.value} job "
+                f"{decision.request.idem_key!r}"
+            ) from exc
         return run
 
     # --- settling -------------------------------------------------------------------------

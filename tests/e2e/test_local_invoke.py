@@ -296,3 +296,42 @@ def test_prune_function_deletes_old_settled_claims(services: dict[str, str]) -> 
     result = invoke(spec, EVENTS / "prune-schedule.json", log_stream=_Lines(), extra_env=services)
     assert result.ok, result.payload
     assert result.payload == {"deleted": 1, "batches": 1, "older_than_days": 30}
+
+
+def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None:
+    # Given DrainFunction's code, layer and environment, with plain secrets (no fetch by name)
+    spec = resolve("DrainFunction", root=ROOT)
+    path = [str(spec.code_uri), *map(str, spec.layer_dirs), *dependency_path()]
+    env = {
+        **spec.environment,
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": os.pathsep.join(path),
+        "INFRAI_BASE_URL": "http://127.0.0.1:9",
+        "INFRAI_API_KEY": "cold-key",
+        "DATABASE_URL": "postgresql://cold@127.0.0.1:9/cold",
+        "PROVIDER_URL": "http://127.0.0.1:9",
+        "POWERTOOLS_TRACE_DISABLED": "true",
+    }
+    check = textwrap.dedent(
+        """
+        import sys
+        import app
+        app.service()
+        # (Powertools imports botocore's bare package, under a millisecond, for its user agent)
+        print(sorted(m for m in ("urllib3", "boto3", "botocore.client") if m in sys.modules))
+        """
+    )
+    # When its handler module is imported and the service built, as on a first invocation
+    finished = subprocess.run(
+        [sys.executable, "-S", "-c", check],
+        cwd=spec.code_uri,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # Then neither the example jobs' HTTP client nor boto3 has been imported: a batch of
+    # database jobs never needs them
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.strip() == "[]"

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 
-import urllib3
-
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from jobs._http import LazyPool
 
-_http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=2.0, read=10.0))
+_http = LazyPool(connect_s=2.0, read_s=10.0)
 
 
 def build_digest(provider_url: str, payload: Payload, ctx: JobContext) -> JsonValue:

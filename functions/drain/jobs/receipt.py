@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 
-import urllib3
-
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from jobs._http import LazyPool
 
-_http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=2.0, read=5.0))
+_http = LazyPool(connect_s=2.0, read_s=5.0)
 
 
 def send_receipt(provider_url: str, payload: Payload, ctx: JobContext) -> JsonValue:
+    import urllib3  # noqa: PLC0415 (on first use, like the pool: see jobs._http)
+
     body = json.dumps(
         {"to": payload["email"], "template": "receipt", "invoice_id": payload["invoice_id"]}
     )

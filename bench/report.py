@@ -490,8 +490,10 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
         "worker process, each running `drain()` with its own `PostgresLedger`, all sharing one "
         f"`InfraiClient` whose pool keeps {HTTP_CONNECTIONS_PER_LANE} connections per lane, on "
         "the same queue and ledger "
-        f"({document['config']['jobs']:,} messages per run, one run per N). The emulator, "
-        f"PostgreSQL and the worker share this machine's {nproc} CPUs.",
+        f"(N x {document['config']['jobs']:,} messages, one run per N, so that every run "
+        "lasts about as long and the lanes' start and their last, empty consumes weigh the "
+        f"same in each). The emulator, PostgreSQL and the worker share this machine's {nproc} "
+        "CPUs.",
         "",
         "| lanes | msg/s | speedup | target | batch p50 ms | batch p99 ms | worker CPU % "
         "| machine busy % | worker CPU ms/msg | machine CPU ms/msg | result |",

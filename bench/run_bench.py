@@ -10,7 +10,7 @@ process, ``--latency-ms`` injected on every /v1 call while a drain is measured) 
 1. ``--rounds`` rounds of (a) the notes' loop and (b) ``infrai_jobs.drain.drain``, alternating
    (a), (b), (a), (b)..., each on a fresh queue holding ``--jobs`` messages (``--duplicates`` of
    them repeat publishes of another message's job), each in its own process (``worker.py``);
-2. (b) in N concurrent lanes for each N of ``--lanes``;
+2. (b) in N concurrent lanes for each N of ``--lanes``, draining N x ``--jobs`` messages;
 3. (b) draining ``--rss-jobs`` messages, for peak memory;
 4. the second layer's cost (``second_layer_bench.py``): ``--second-layer-jobs`` ``receipt.send``
    (external) messages drained with ``IDEMPOTENCY_BACKEND`` off, on (first run) and on again
@@ -338,8 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     name = f"r{round_no}-{variant}"
                     variants[variant].append(measure(bench, name, variant, workload))
             for lanes in args.lanes:
-                print(f"lanes: {lanes}", file=sys.stderr)
-                lane_runs.append(measure(bench, f"lanes{lanes}", "drain", workload, lanes))
+                # --jobs per lane: every run lasts about as long, so the start-up and the last
+                # empty consumes weigh the same in each (a fixed count made the 8-lane run 2 s).
+                print(f"lanes: {lanes} ({args.jobs * lanes} messages)", file=sys.stderr)
+                lane_work = Workload(args.jobs * lanes, args.duplicates, args.seed)
+                lane_runs.append(measure(bench, f"lanes{lanes}", "drain", lane_work, lanes))
             if args.rss_jobs > 0:
                 print(f"memory: (b) draining {args.rss_jobs} messages", file=sys.stderr)
                 big = Workload(args.rss_jobs, args.duplicates, args.seed)

@@ -35,7 +35,7 @@ from psycopg import sql
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
 from infrai_jobs.errors import InfraiError, InfraiInvalidResponse
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.ledger import PostgresLedger, _array
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_local.embedded_db import scratch_database
 
@@ -57,6 +57,11 @@ SQL_LIKE = [
     "E'\\\\x00'",
     "job_claims",
     "NULL",
+    # What means something inside a PostgreSQL array literal (the ledger sends its lists so)
+    '{"a","b"}',
+    'x", "y',
+    '\\"',
+    "a,b,NULL",
 ]
 ODD_TEXT = ["\x00", "a\x00b", "\ud800", "\udfff\ud800", "\u202e", "\ufeff", "\n\r\t", "\\u0000"]
 
@@ -474,6 +479,31 @@ def test_sql_looking_strings_in_every_item_field_are_stored_as_data(
         "job_claims": len(SQL_LIKE),
         "test_effects": len(SQL_LIKE),
     }
+
+
+@HOSTILE_SETTINGS
+@given(
+    values=st.lists(
+        st.one_of(
+            st.none(),
+            st.text(alphabet=st.characters(exclude_categories=("Cs",), exclude_characters="\x00")),
+        ),
+        max_size=12,
+    )
+)
+@example(values=[None, "NULL", "", '"', "\\", '{"a",NULL}', "a,b", " padded ", '\\"\\'])
+def test_the_ledgers_list_parameters_reach_postgresql_element_for_element(
+    kit: Harness, values: list[str | None]
+) -> None:
+    # Given any list of texts and nulls, written as the ledger writes its list parameters
+    literal = _array(values)
+    # When PostgreSQL reads it as a text array, bound server-side and client-side
+    (server_side,) = kit.sql("SELECT %s::text[]", (literal,))[0]
+    with psycopg.connect(kit.database_url) as conn, psycopg.ClientCursor(conn) as cur:
+        (client_side,) = cur.execute("SELECT %s::text[]", (literal,)).fetchone() or (None,)
+    # Then both are the same list, element for element
+    assert server_side == values
+    assert client_side == values
 
 
 def test_nan_infinity_and_big_integers_in_a_payload_are_rejected_by_name(

@@ -10,7 +10,8 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
-from hypothesis import assume, given
+import rfc8785
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
@@ -18,6 +19,7 @@ from infrai_jobs.keys import (
     DEFAULT_KEY_RULES,
     KEY_SCHEME_VERSION,
     MAX_KEY_LENGTH,
+    _plain_canonical_json,
     canonical_json,
     derive_key,
     natural_key,
@@ -82,6 +84,26 @@ def notes_replacer_array_hash(payload: dict[str, Any]) -> str:
 
     text = json.dumps(keep_allowed(payload), separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+# What the stdlib encoder writes for canonical JSON must be rfc8785's bytes: every character
+# (control characters, the BMP's top, astral ones), ASCII and non-ASCII names, deep nesting.
+any_text = st.text(max_size=12)
+plain_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-SAFE_INT - 2, max_value=SAFE_INT + 2)
+    | any_text
+    | st.sampled_from(
+        ["\x00\x08\x0b\x1f\x7f", "\u2028\u2029", "\ud7ff\ue000\uffff\U0001f600", '"\\/']
+    )
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(any_text | st.text('ab\x01"\\', max_size=3), children, max_size=4)
+    ),
+    max_leaves=16,
+)
 
 
 # --- Exact vectors: a change here is a new key scheme, not a refactor ---------------------------
@@ -360,3 +382,38 @@ def test_an_unusable_producer_key_is_refused(producer_key: Any, message: str) ->
     # When / Then it is refused rather than silently replaced by the natural key
     with pytest.raises(KeyDerivationError, match=message):
         derive_key(payload)
+
+
+# --- The fast path of canonical JSON ------------------------------------------------------------
+
+
+@given(value=plain_values)
+@example(value={"b\x01": "\x1f", "a\\": ['"', "\u2028", None, True, -(2**53) + 1]})
+@example(value={"k": "lone \ud800 surrogate"})
+@example(value={"\ue000": 1, "\U0001f600": 2})
+def test_the_stdlib_encoder_writes_exactly_what_rfc8785_writes(value: Any) -> None:
+    # Given any JSON value, plain or not
+    # When the fast path takes it
+    fast = _plain_canonical_json(value)
+    # Then its bytes are rfc8785's, byte for byte; what it declines goes to rfc8785 anyway
+    if fast is not None:
+        assert fast == rfc8785.dumps(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "plain"),
+    [
+        (NOTES_PAYLOAD, True),
+        (
+            {"job": UNRULED_JOB, "lines": [{"sku": "a-1", "qty": 2}], "note": "caf\u00e9 \u2603"},
+            True,
+        ),
+        ({"amount": 1.5}, False),  # ECMAScript and Python write floats differently
+        ({"caf\u00e9": 1}, False),  # a non-ASCII name: UTF-16 order may differ
+        ({"id": 2**53}, False),  # outside what a JSON number holds exactly
+        ({"s": "lone \ud800 surrogate"}, False),
+        ({"deep": json.loads("[" * 40 + "]" * 40)}, False),
+    ],
+)
+def test_plain_work_takes_the_fast_path_and_the_rest_does_not(value: Any, plain: bool) -> None:
+    assert (_plain_canonical_json(value) is not None) is plain

@@ -22,10 +22,11 @@ The unit tests pin exact keys so such a change cannot slip in unnoticed.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, cast
 
 import rfc8785
 
@@ -115,6 +116,9 @@ def canonical_json(value: object) -> bytes:
     Raises ``KeyDerivationError`` for anything JSON cannot carry exactly, so that two different
     payloads never meet in one lossy serialisation.
     """
+    plain = _plain_canonical_json(value)
+    if plain is not None:
+        return plain
     try:
         # Any Python value may arrive here; refusing what JSON cannot carry is rfc8785's job.
         return rfc8785.dumps(value)  # type: ignore[arg-type]
@@ -138,6 +142,48 @@ def canonical_json(value: object) -> bytes:
         raise KeyDerivationError(f"payload is not representable as canonical JSON: {exc}") from exc
     except RecursionError as exc:
         raise KeyDerivationError("payload is nested too deeply to canonicalise") from exc
+
+
+_PLAIN_ENCODER: Final = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _plain_canonical_json(value: object) -> bytes | None:
+    """The canonical JSON of plain work, written by the stdlib's C encoder; else None.
+
+    Plain: objects with ASCII names, arrays, strings, integers within +/-(2**53 - 1), booleans
+    and nulls, at most 32 levels deep. For these, ``json`` with sorted keys and no spaces writes
+    the very bytes RFC 8785 prescribes (ASCII names sort alike by code point and by UTF-16 unit;
+    strings escape the same characters the same way), in about half the time ``rfc8785`` takes,
+    and a drain lane does this for every message. Floats, non-ASCII names and everything JSON
+    cannot carry go to ``rfc8785``; a test compares the two on generated work.
+    """
+    if not _is_plain(value, 32):
+        return None
+    text = _PLAIN_ENCODER.encode(value)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None  # a lone surrogate: rfc8785 refuses it by name
+
+
+def _is_plain(value: object, depth: int) -> bool:
+    # Exact types: an int subclass (an IntEnum, say) is not what json.loads gives, so it takes
+    # the slow path rather than a bet on two encoders agreeing about it.
+    kind = type(value)
+    if kind is str or kind is bool or value is None:
+        return True
+    if kind is int:
+        return -_SAFE_INTEGER_MAX <= cast(int, value) <= _SAFE_INTEGER_MAX
+    if depth == 0:
+        return False
+    if kind is dict:
+        return all(
+            type(name) is str and name.isascii() and _is_plain(item, depth - 1)
+            for name, item in cast(dict[object, object], value).items()
+        )
+    if kind is list:
+        return all(_is_plain(item, depth - 1) for item in cast(list[object], value))
+    return False
 
 
 def _require_object(payload: object) -> dict[str, object]:

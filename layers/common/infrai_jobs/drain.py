@@ -647,6 +647,10 @@ def storable_text(text: str) -> str:
     return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
 
 
+# Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
+_RESULT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
+
+
 def _jsonable(result: JsonValue) -> JsonValue:
     """The handler's result as the ledger can store it (jsonb).
 
@@ -654,7 +658,7 @@ def _jsonable(result: JsonValue) -> JsonValue:
     it is replaced by a printable description instead.
     """
     try:
-        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+        text = _RESULT_JSON.encode(result)
         text.encode("utf-8")  # lone surrogates
     except (TypeError, ValueError, RecursionError):
         return {"unserializable_result": _safe_repr(result)}

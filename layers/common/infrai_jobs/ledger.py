@@ -34,6 +34,9 @@ from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
 
+# Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
+_RESULT_JSON = json.JSONEncoder(allow_nan=False)
+
 
 def _array(values: Iterable[str | uuid.UUID | datetime | None]) -> str:
     """A list parameter as the text of a one-dimensional PostgreSQL array.
@@ -526,7 +529,7 @@ class PostgresLedger:
         params = {
             "keys": _array(r.idem_key for r, _ in runs),
             "tokens": _array(r.claim_token for r, _ in runs),
-            "results": _array(json.dumps(run.result, allow_nan=False) for _, run in runs),
+            "results": _array(_RESULT_JSON.encode(run.result) for _, run in runs),
         }
         with psycopg.ClientCursor(conn) as cur:
             cur.execute(_SETTLE_DONE_AND_COMMIT, params)
@@ -591,7 +594,7 @@ class PostgresLedger:
             keys = _array(r.idem_key for r, _ in items)
             tokens = _array(r.claim_token for r, _ in items)
             if kind is RunKind.SUCCEEDED:
-                results = _array(json.dumps(run.result, allow_nan=False) for _, run in items)
+                results = _array(_RESULT_JSON.encode(run.result) for _, run in items)
                 cursor = conn.execute(
                     _SETTLE_DONE, {"keys": keys, "tokens": tokens, "results": results}
                 )

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_CONSUME = 10
 USER_AGENT = "infrai-jobs/0.1"
+# Request bodies need no spaces and no NaN. Built once: json.dumps with any option builds a new
+# encoder per call (about 1.5 µs, for every ack).
+_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +319,7 @@ class InfraiClient:
         encoded: bytes | None = None
         if body is not None:
             headers["Content-Type"] = "application/json"
-            encoded = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+            encoded = _BODY_JSON.encode(body).encode()
         try:
             exchange = self._pool.send(method, path, headers, encoded)
         except TransportError as exc:

@@ -902,6 +902,10 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "thread, a selector loop over every connection).",
         f"- The emulator, PostgreSQL and the worker share {nproc} CPUs: the `machine busy` "
         "column shows when the machine, not the drain, was the limit.",
+        "- One run, one figure per lane count. On the 2-core machine of 2026-11-29 the same "
+        "code drained 8 lanes at anywhere from about 2,100 to 2,800 msg/s from one run to the "
+        "next, minutes apart (the worker's CPU per message moved with it, 0.25-0.37 ms): the "
+        "machine's speed drifts, so a lane figure near its target can land on either side.",
         "- The protocol trace is on during measured drains (libpq writes each message to a "
         "buffered file; no difference in throughput was measurable); `--no-db-trace` turns it "
         "off.",

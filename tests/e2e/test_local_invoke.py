@@ -105,26 +105,10 @@ def test_every_handler_imports_with_only_its_code_and_the_layer(function: str) -
         "POWERTOOLS_METRICS_NAMESPACE": "check",
     }
     # When its handler module is imported in a bare interpreter
-    finished = subprocess.run(
-        [sys.executable, "-S", "-c", check],
-        cwd=spec.code_uri,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    finished = _bare_python(check, spec.code_uri, env)
     # Then it imports, and the local-only package is not reachable
     assert finished.returncode == 0, finished.stderr
-    leak = subprocess.run(
-        [sys.executable, "-S", "-c", "import infrai_local"],
-        cwd=spec.code_uri,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    leak = _bare_python("import infrai_local", spec.code_uri, env)
     assert leak.returncode != 0
 
 
@@ -322,16 +306,21 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None
         """
     )
     # When its handler module is imported and the service built, as on a first invocation
-    finished = subprocess.run(
-        [sys.executable, "-S", "-c", check],
-        cwd=spec.code_uri,
+    finished = _bare_python(check, spec.code_uri, env)
+    # Then neither the example jobs' HTTP client nor boto3 has been imported: a batch of
+    # database jobs never needs them
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.strip() == "[]"
+
+
+def _bare_python(code: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` without site-packages (``-S``): only what ``PYTHONPATH`` names is found."""
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    # Then neither the example jobs' HTTP client nor boto3 has been imported: a batch of
-    # database jobs never needs them
-    assert finished.returncode == 0, finished.stderr
-    assert finished.stdout.strip() == "[]"

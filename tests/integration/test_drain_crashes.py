@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from drainkit import QUEUE, Harness, harness
 
-from infrai_jobs.drain import DrainConfig, process_batch
+from infrai_jobs.drain import DrainConfig, DrainSummary, process_batch
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 
 HERE = Path(__file__).parent
@@ -63,6 +63,21 @@ def _run_child(kit: Harness) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _terminate(kit: Harness, conn: psycopg.Connection[Any]) -> int:
+    """Have the server terminate ``conn``'s backend, as an operator or a failover would."""
+    pid = conn.info.backend_pid
+    with psycopg.connect(kit.database_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    return pid
+
+
+def _assert_nothing_committed_or_acked(kit: Harness, summary: DrainSummary) -> None:
+    assert summary.outcomes == {"ledger_unavailable": 2}
+    assert summary.acked == 0
+    assert kit.sql("SELECT count(*) FROM job_claims") == [(0,)]
+    assert kit.sql("SELECT count(*) FROM test_effects") == [(0,)]
+
+
 def test_killed_after_commit_before_ack_the_redelivery_is_skipped(kit: Harness) -> None:
     # Given a database job and an external job in one batch
     kit.publish({"job": "test.db", "id": "crash"})
@@ -94,21 +109,14 @@ def test_connection_terminated_mid_batch_commits_nothing_and_retries_cleanly(
         assert ctx.db is not None
         ctx.db.execute("INSERT INTO test_effects VALUES (%s, %s)", (ctx.idem_key, ctx.message_id))
         if not terminated:
-            pid = ctx.db.info.backend_pid
-            with psycopg.connect(kit.database_url, autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            terminated.append(pid)
+            terminated.append(_terminate(kit, ctx.db))
         return {"ok": True}
 
     kit.registry.job("test.killer", effect=Effect.DATABASE, identity=("id",))(killer)
     kit.publish({"job": "test.killer", "id": "1"})
     kit.publish({"job": "test.db", "id": "neighbour"})
     # When the batch runs, nothing of it commits and nothing is acked
-    first = kit.drain()
-    assert first.outcomes == {"ledger_unavailable": 2}
-    assert first.acked == 0
-    assert kit.sql("SELECT count(*) FROM job_claims") == [(0,)]
-    assert kit.sql("SELECT count(*) FROM test_effects") == [(0,)]
+    _assert_nothing_committed_or_acked(kit, kit.drain())
     # Then the redelivery, on a fresh connection, runs each job exactly once
     kit.advance()
     second = kit.drain()
@@ -128,8 +136,7 @@ def test_connection_terminated_while_a_savepoint_rolls_back_is_ledger_unavailabl
         assert ctx.db is not None
         calls.append(ctx.db.info.backend_pid)
         if len(calls) == 2:
-            with psycopg.connect(kit.database_url, autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(%s)", (calls[-1],))
+            _terminate(kit, ctx.db)
         raise RuntimeError("the job failed")
 
     kit.registry.job("test.failing_killer", effect=Effect.DATABASE, identity=("id",))(
@@ -142,10 +149,7 @@ def test_connection_terminated_while_a_savepoint_rolls_back_is_ledger_unavailabl
     first = kit.drain()
     assert len(calls) == 2
     assert first.stopped == "ledger_unavailable"
-    assert first.outcomes == {"ledger_unavailable": 2}
-    assert first.acked == 0
-    assert kit.sql("SELECT count(*) FROM job_claims") == [(0,)]
-    assert kit.sql("SELECT count(*) FROM test_effects") == [(0,)]
+    _assert_nothing_committed_or_acked(kit, first)
     # Then the redelivery, on a fresh connection, runs the neighbour once and retries the job
     kit.advance()
     second = kit.drain()

@@ -560,7 +560,7 @@ class PostgresLedger:
             # out (after logging "error ignored in rollback") when that rollback failed, which
             # means the connection broke under it: say so, so the caller drops the connection.
             raise psycopg.OperationalError(
-                f"the connection failed while rolling back the savepoint of {run.kind.value} job "
+                "the connection failed while rolling back the savepoint of job "
                 f"{decision.request.idem_key!r}"
             ) from exc
         return run

@@ -55,15 +55,29 @@ class BatchRecorder:
         # Per lane: when its last consume returned, and the gaps until its next one.
         self._last_return: dict[int, float] = {}
         self._gaps: list[float] = []
+        # A consume sent ahead: the lane's work until it asked for the answer, and its wait.
+        self._ahead_work: list[float] = []
+        self._ahead_wait: list[float] = []
         self.calls: Counter[str] = Counter()
 
     def now(self) -> float:
         return self._clock()
 
-    def consumed(self, started: float, handles: Sequence[str], lane: int = 0) -> None:
+    def consumed(
+        self,
+        started: float,
+        handles: Sequence[str],
+        lane: int = 0,
+        read_from: float | None = None,
+    ) -> None:
+        """A consume returned; ``read_from`` is when a consume sent ahead was asked for its
+        answer (the lane's work in between overlapped the round trip)."""
         returned = self._clock()
         with self._lock:
             self.calls["consume"] += 1
+            if read_from is not None:
+                self._ahead_work.append((read_from - started) * 1000)
+                self._ahead_wait.append((returned - read_from) * 1000)
             self._durations["consume"].append((returned - started) * 1000)
             if lane in self._last_return:
                 self._gaps.append((started - self._last_return[lane]) * 1000)
@@ -95,6 +109,13 @@ class BatchRecorder:
         with self._lock:
             return list(self._gaps)
 
+    def consume_ahead_ms(self) -> tuple[list[float], list[float]]:
+        """For consumes sent ahead: the lane's work from the send until it read the answer, and
+        how long it then waited. Work beyond the round trip means the lane, not the latency,
+        set its pace."""
+        with self._lock:
+            return list(self._ahead_work), list(self._ahead_wait)
+
     def call_durations_ms(self) -> dict[str, list[float]]:
         """How long each consume and ack call took, as the client saw it."""
         with self._lock:
@@ -120,8 +141,10 @@ class TimedQueue:
         pending = self._inner.send_consume(queue, max_messages)
 
         def finish() -> list[QueueMessage]:
+            read_from = self._recorder.now()
             messages = pending.wait()
-            self._recorder.consumed(started, [m.receipt_handle for m in messages], lane=id(self))
+            handles = [m.receipt_handle for m in messages]
+            self._recorder.consumed(started, handles, lane=id(self), read_from=read_from)
             return messages
 
         return Pending(finish)

@@ -429,6 +429,9 @@ def assemble(
             "target_speedup": round(0.8 * run["lanes"], 2),
             "batch_p50_ms": run["batch_latency_ms"]["p50"],
             "batch_p99_ms": run["batch_latency_ms"]["p99"],
+            # Absent from results written before it was measured.
+            "ahead_work_p50_ms": run.get("consume_ahead_work_ms", {}).get("p50"),
+            "ahead_wait_p50_ms": run.get("consume_ahead_wait_ms", {}).get("p50"),
             "process_cpu_pct": run["cpu"]["process_pct_of_one_core"],
             "machine_busy_pct": run["cpu"]["machine_busy_pct"],
             "verified": run["verified"]["ok"],

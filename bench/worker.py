@@ -150,6 +150,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         job_statement = re.compile(spec["job_statement"], re.IGNORECASE)
         db_counts = count_round_trips(trace.finish(), job_statement)
     elapsed = drained.elapsed
+    ahead_work, ahead_wait = recorder.consume_ahead_ms()
     return {
         "variant": variant,
         "lanes": lanes,
@@ -161,6 +162,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             call: latency_summary(values) for call, values in recorder.call_durations_ms().items()
         },
         "between_consumes_ms": latency_summary(recorder.between_consumes_ms()),
+        "consume_ahead_work_ms": latency_summary(ahead_work),
+        "consume_ahead_wait_ms": latency_summary(ahead_wait),
         "client_calls": dict(recorder.calls),
         "outcomes": drained.outcomes,
         "db": {

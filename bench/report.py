@@ -526,13 +526,13 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
         "and as N separate processes: if the processes do no better while the machine has CPU "
         "to spare, the lanes are waiting on what they share.",
         "",
-        "What lanes wait on most is the job's own database round trips: psycopg lets go of the "
-        "GIL several times in each (around the send, `PQisBusy` and the wait for the answer), "
-        "and under contention another lane's thread takes it every time. On the machine of "
-        "2026-11-29, 8 lanes with the example job's UPDATE swapped for a no-op drained "
-        "2,670-2,870 msg/s with 1.1-2.0 voluntary context switches per message, against "
-        "2,270-2,600 msg/s and about 4 with the UPDATE. The more round trips a job makes, the "
-        "less lanes in one process gain.",
+        "When the CPUs are the limit, what lanes wait on most is the job's own database round "
+        "trips: psycopg lets go of the GIL several times in each (around the send, `PQisBusy` "
+        "and the wait for the answer), and under contention another lane's thread takes it "
+        "every time. In a slow phase of the machine of 2026-11-29, 8 lanes with the example "
+        "job's UPDATE swapped for a no-op drained 2,670-2,870 msg/s with 1.1-2.0 voluntary "
+        "context switches per message, against 2,270-2,600 msg/s and about 4 with the UPDATE. "
+        "The more round trips a job makes, the less lanes in one process gain.",
         "",
         *_lambda_sizing(scaling, nproc),
     ]
@@ -919,10 +919,14 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "thread, a selector loop over every connection).",
         f"- The emulator, PostgreSQL and the worker share {nproc} CPUs: the `machine busy` "
         "column shows when the machine, not the drain, was the limit.",
-        "- One run, one figure per lane count. On the 2-core machine of 2026-11-29 the same "
-        "code drained 8 lanes at anywhere from about 2,100 to 2,800 msg/s from one run to the "
-        "next, minutes apart (the worker's CPU per message moved with it, 0.25-0.37 ms): the "
-        "machine's speed drifts, so a lane figure near its target can land on either side.",
+        "- One run, one figure per lane count, and the machine's speed drifts. On the 2-core "
+        "machines of 2026-11-29 the same code drained 8 lanes at anywhere from about 2,100 to "
+        "3,000 msg/s, and its cold start took 115 to 230 ms. The CPU each message cost moved "
+        "with it: the worker's 0.15-0.37 ms, the whole machine's 0.37-0.82 ms. In the slow "
+        "phases the machine was about 85% busy at 8 lanes and its 2 CPUs, shared with the "
+        "emulator and PostgreSQL, set the pace (8 lanes 5.8-6.0x, below the 6.4x target); in "
+        "the fast ones 8 lanes kept pace with the latency (7.96x at 60% busy). The `machine "
+        "busy` and `machine CPU ms/msg` columns tell which phase a run met.",
         "- The protocol trace is on during measured drains (libpq writes each message to a "
         "buffered file; no difference in throughput was measurable); `--no-db-trace` turns it "
         "off.",

@@ -222,6 +222,45 @@ def test_the_drain_runs_every_minute_by_default() -> None:
     assert rate == "rate(1 minute)"
 
 
+def test_every_scheduled_function_pages_when_it_fails_and_the_watcher_when_silent() -> None:
+    # Given the functions that run on a schedule, and the alarms
+    template = load_template()
+    resources = template["Resources"]
+    scheduled = {
+        name
+        for name, props in functions(template).items()
+        if any(e["Type"] in ("Schedule", "ScheduleV2") for e in props.get("Events", {}).values())
+    }
+    assert scheduled == {"DrainFunction", "DlqAlertFunction", "PruneFunction"}
+    alarms = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
+
+    def watched(metric: str) -> set[str]:
+        return {
+            d["Value"]["Ref"]
+            for a in alarms
+            if a["MetricName"] == metric and a["AlarmActions"] == [{"Ref": "AlertTopic"}]
+            for d in a["Dimensions"]
+            if d["Name"] == "FunctionName"
+        }
+
+    # Then each one's errors page through the alert topic (nobody invokes them by hand)
+    assert scheduled <= watched("Errors")
+    # And the DLQ watcher pages when it stops running, within its alarm's period
+    assert "DlqAlertFunction" in watched("Invocations")
+    (silent,) = [a for a in alarms if a["MetricName"] == "Invocations"]
+    pattern = re.compile(template["Parameters"]["DlqAlertScheduleRate"]["AllowedPattern"])
+    for rate, allowed in [
+        ("rate(5 minutes)", True),
+        ("rate(1 minute)", True),
+        ("rate(29 minutes)", True),
+        ("rate(30 minutes)", False),
+        ("rate(1 hour)", False),
+        ("cron(0 * * * ? *)", False),
+    ]:
+        assert bool(pattern.fullmatch(rate)) is allowed, rate
+    assert silent["Period"] * silent["EvaluationPeriods"] >= 30 * 60
+
+
 def test_every_function_logs_to_its_own_log_group_with_retention() -> None:
     # Given every function's logging configuration
     template = load_template()

@@ -162,8 +162,40 @@ def test_no_resource_policy_opens_anything_to_every_principal() -> None:
             assert principal not in ("*", {"AWS": "*"}), (name, statement)
 
 
-def test_the_alert_topic_is_encrypted_at_rest() -> None:
-    # Given the alert topic
-    topic = load_template()["Resources"]["AlertTopic"]["Properties"]
-    # Then it is encrypted with a KMS key (alerts name queues and keys)
-    assert topic.get("KmsMasterKeyId")
+def test_the_alert_topic_is_encrypted_with_a_key_its_alarms_and_publisher_may_use() -> None:
+    # Given the alert topic (alerts name queues and keys: encrypted at rest)
+    template = load_template()
+    key_ref = template["Resources"]["AlertTopic"]["Properties"]["KmsMasterKeyId"]
+    # Then its key is one of the stack's own, not the AWS-managed alias/aws/sns, whose policy
+    # does not let CloudWatch alarms publish (they would change state and page nobody)
+    assert isinstance(key_ref, dict), key_ref
+    assert set(key_ref) == {"Ref"}, key_ref
+    key = template["Resources"][key_ref["Ref"]]
+    assert key["Type"] == "AWS::KMS::Key"
+    assert key["Properties"]["EnableKeyRotation"] is True
+    # And the key's policy lets CloudWatch, and only on behalf of this account's alarms, encrypt
+    statements = as_list(key["Properties"]["KeyPolicy"]["Statement"])
+    for_alarms = [
+        s for s in statements if s["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
+    ]
+    assert len(for_alarms) == 1
+    assert set(as_list(for_alarms[0]["Action"])) == {"kms:Decrypt", "kms:GenerateDataKey"}
+    assert for_alarms[0]["Condition"]["StringEquals"] == {
+        "aws:SourceAccount": {"Ref": "AWS::AccountId"}
+    }
+    assert ":alarm:" in for_alarms[0]["Condition"]["ArnLike"]["aws:SourceArn"]["Fn::Sub"]
+    # And every alarm pages through that topic
+    alarms = [r for r in template["Resources"].values() if r["Type"] == "AWS::CloudWatch::Alarm"]
+    assert alarms
+    for alarm in alarms:
+        assert alarm["Properties"]["AlarmActions"] == [{"Ref": "AlertTopic"}], alarm
+    # And the one role that publishes may encrypt with exactly that key
+    roles = _roles()
+    kms = [
+        s
+        for s in roles["DlqAlertFunctionRole"]
+        if any(a in ("kms:GenerateDataKey", "kms:Decrypt") for a in as_list(s["Action"]))
+        and s["Resource"] == {"Fn::GetAtt": [key_ref["Ref"], "Arn"]}
+    ]
+    assert kms, roles["DlqAlertFunctionRole"]
+    assert {a for s in kms for a in as_list(s["Action"])} == {"kms:GenerateDataKey", "kms:Decrypt"}

@@ -1,6 +1,8 @@
 """RedriveFunction (manual invoke): move dead letters back to the main queue after a fix.
 
-Event (events/redrive.json): {"max_messages": 100, "reopen_failed": false, "dry_run": true}.
+Events: events/redrive-dry-run.json looks ({"max_messages": 100, "reopen_failed": false,
+"dry_run": true}); events/redrive.json moves (the same with "dry_run": false). A redrive that runs
+short of time stops early and says so ("stopped": "time_budget"): invoke it again.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
         dry_run=request.dry_run,
         reopen_failed=request.reopen_failed,
         database_url=settings.require_database_url() if request.reopen_failed else None,
+        time_left_ms=context.get_remaining_time_in_millis,
     )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -169,6 +170,37 @@ def test_dlq_shows_keys_ledger_rows_and_the_visibility_warning(
     code, text = _run_cli(capsys, "dlq")
     assert "IDEM_KEY" in text
     assert "invoice.finalize:inv_bad" in text
+
+
+def test_a_redrive_short_of_time_stops_early_and_the_rest_waits_in_the_dlq(kit: Harness) -> None:
+    # Given 60 dead letters
+    payloads = [{"job": "test.db", "id": f"t{n}"} for n in range(60)]
+    for payload in payloads:
+        kit.client.publish(DLQ, payload)
+    # And an invocation whose time runs out while the fifth batch is being moved (each look
+    # at the clock finds a second less left)
+    looks = itertools.count()
+    time_left = lambda: 60_000 - 1_000 * next(looks)  # noqa: E731
+    # When it redrives
+    summary = redrive(
+        kit.client, source=DLQ, target=QUEUE, max_messages=100, time_left_ms=time_left
+    )
+    # Then it stopped before the budget ran out, and says so
+    assert summary.stopped == "time_budget"
+    assert summary.as_dict()["stopped"] == "time_budget"
+    assert 0 < summary.published < 60
+    assert summary.acked == summary.published
+    # And what it received but did not move is counted, and still in the DLQ with the rest
+    assert summary.left_hidden > 0
+    assert kit.client.stats(QUEUE).dlq_count == 60 - summary.published
+    # When the hidden ones are visible again and a second redrive runs with time to spare
+    kit.advance()
+    rest = redrive(kit.client, source=DLQ, target=QUEUE, max_messages=100)
+    # Then it moves the rest, and the drain runs every job once
+    assert (rest.stopped, rest.published) == ("", 60 - summary.published)
+    assert kit.drain().done == 60
+    counts = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
+    assert counts == {f"test.db:t{n}": 1 for n in range(60)}
 
 
 def test_redrive_dry_run_moves_nothing(kit: Harness, capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,6 +53,9 @@ RETURNING idem_key
 Progress = Callable[[int], None]
 
 MAX_REDRIVE_PER_CALL = 10_000
+# A message is moved only while this much of the invocation is left. A move is a publish and an
+# ack, normally well under a second; this covers a few retries. Like the drain's batch budget.
+MESSAGE_BUDGET_MS = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,11 @@ class RedriveSummary:
     reopened: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     seen: list[dict[str, Any]] = field(default_factory=list)
+    # "time_budget" when the invocation ran short and the redrive stopped early; "" otherwise.
+    stopped: str = ""
+    # Received but neither looked at nor moved when it stopped: hidden in the DLQ until its
+    # visibility timeout ends, then there for the next redrive.
+    left_hidden: int = 0
     price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
     price_source: str = "fallback"
 
@@ -117,6 +125,8 @@ class RedriveSummary:
             "reopened": self.reopened,
             "skipped": self.skipped,
             "seen": self.seen,
+            "stopped": self.stopped,
+            "left_hidden": self.left_hidden,
             "price_usd_per_message": str(self.price_usd_per_message),
             "price_source": self.price_source,
             "cost_usd": str(self.cost_usd),
@@ -146,21 +156,38 @@ def redrive(
     database_url: str | None = None,
     describe: Callable[[QueueMessage], Mapping[str, Any]] | None = None,
     progress: Progress | None = None,
+    time_left_ms: Callable[[], int] | None = None,
 ) -> RedriveSummary:
     """Move up to ``max_messages`` dead letters from ``source`` back to ``target``.
 
     ``dry_run`` consumes to look (the DLQ can only be read by consuming) and acks nothing, so
     the messages it saw stay hidden in the DLQ for the visibility timeout, then return.
+
+    ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
+    it can still report: no batch is received, and no message moved, with less than
+    ``MESSAGE_BUDGET_MS`` left. What was received but not moved stays hidden in the DLQ for
+    its visibility timeout, like a dry run's; ``summary.stopped`` says so.
     """
     if reopen_failed and not database_url:
         raise ValueError("reopen_failed needs the ledger's database_url")
     summary = RedriveSummary(source=source, target=target, dry_run=dry_run)
     summary.price_usd_per_message, summary.price_source = publish_price(queue)
-    while summary.consumed < max_messages:
+
+    def short_of_time() -> bool:
+        return time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS
+
+    while summary.consumed < max_messages and not summary.stopped:
+        if short_of_time():
+            summary.stopped = "time_budget"
+            break
         batch = queue.consume(source, min(10, max_messages - summary.consumed))
         if not batch:
             break
-        for message in batch:
+        for index, message in enumerate(batch):
+            if index and short_of_time():
+                summary.stopped = "time_budget"
+                summary.left_hidden = len(batch) - index
+                break
             summary.consumed += 1
             if describe is not None:
                 summary.seen.append({"message_id": message.message_id, **describe(message)})
@@ -168,6 +195,12 @@ def redrive(
                 _move(queue, message, summary, reopen_failed, database_url)
             if progress is not None:
                 progress(summary.consumed)
+    if summary.stopped:
+        logger.warning(
+            "redrive stopped before the invocation's time ran out; invoke it again for the rest "
+            "(messages received but not moved return to the DLQ after its visibility timeout)",
+            extra={"action": "redrive_stopped", "left_hidden": summary.left_hidden},
+        )
     logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
     return summary
 

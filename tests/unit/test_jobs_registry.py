@@ -78,3 +78,24 @@ def test_payloads_without_a_key_are_refused_with_the_reason(
 def test_a_job_cannot_be_registered_twice(registry: JobRegistry) -> None:
     with pytest.raises(ConfigurationError, match="registered twice"):
         registry.job("report.render", effect=Effect.EXTERNAL)(_noop)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "message"),
+    [
+        ("billing:finalize", {"identity": ("invoice_id",)}, "free of ':'"),
+        ("", {}, "non-empty name"),
+        ("invoice.void", {"identity": "invoice_id"}, r"identity must list field names"),
+        ("invoice.void", {"required": "amount_cents"}, r"required must list field names"),
+    ],
+)
+def test_a_job_that_could_never_key_a_message_is_refused_when_registered(
+    name: str, fields: dict[str, object], message: str
+) -> None:
+    # Given an empty registry
+    registry = JobRegistry()
+    # When a job is registered that no message of it could ever be keyed for
+    # Then the registration fails at start-up, naming the fix, and nothing is registered
+    with pytest.raises(ConfigurationError, match=message):
+        registry.job(name, effect=Effect.DATABASE, **fields)(_noop)  # type: ignore[arg-type]
+    assert len(registry) == 0

@@ -26,7 +26,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
-from infrai_jobs.keys import derive_key, payload_fingerprint
+from infrai_jobs.keys import check_key_rule, derive_key, payload_fingerprint
 
 if TYPE_CHECKING:
     import psycopg
@@ -85,8 +85,14 @@ class JobRegistry:
     _jobs: dict[str, JobDefinition] = field(default_factory=dict)
 
     def register(self, definition: JobDefinition) -> JobDefinition:
+        """Add a job; a definition that could never key a message fails here, at start-up,
+        not once per message in the drain."""
+        if not definition.name:
+            raise ConfigurationError("a job needs a non-empty name")
         if definition.name in self._jobs:
             raise ConfigurationError(f"job {definition.name!r} is registered twice")
+        if definition.identity:
+            check_key_rule(definition.name, definition.identity)
         self._jobs[definition.name] = definition
         return definition
 
@@ -99,6 +105,13 @@ class JobRegistry:
         required: Sequence[str] = (),
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``."""
+
+        for label, fields in (("identity", identity), ("required", required)):
+            if isinstance(fields, str):
+                # A bare string is a Sequence[str] too: it would name one field per character.
+                raise ConfigurationError(
+                    f"job {name!r}: {label} must list field names, e.g. ({fields!r},)"
+                )
 
         def decorate(handler: Handler) -> Handler:
             self.register(

@@ -80,7 +80,7 @@ def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, 
     Only the last field may contain ``:``: with one field that keeps the Node worker's plain
     concatenation, and with several it keeps ``a:b`` + ``c`` apart from ``a`` + ``b:c``.
     """
-    _check_rule(job, identity_fields)
+    check_key_rule(job, identity_fields)
     parts = [job]
     for position, field in enumerate(identity_fields, start=1):
         if field not in payload:
@@ -218,7 +218,8 @@ def _identity_part(job: str, field: str, value: object) -> str:
     )
 
 
-def _check_rule(job: str, identity_fields: Sequence[str]) -> None:
+def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
+    """Raise ``ConfigurationError`` unless ``identity_fields`` can key job ``job``."""
     # A bare string is a Sequence[str] too, and would key by its characters.
     if isinstance(identity_fields, str) or not identity_fields:
         raise ConfigurationError(

@@ -3,11 +3,13 @@ field notes' own table."""
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
 from drainkit import run_concurrently
 
-from infrai_jobs.errors import SchemaNotMigrated
+from infrai_jobs.errors import LedgerError, SchemaNotMigrated
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.migrations import LATEST_VERSION, MIGRATIONS, apply_migrations, current_version
 
@@ -75,3 +77,28 @@ def test_the_ledger_refuses_an_unmigrated_database_with_the_fix(database_url: st
     ledger = PostgresLedger(database_url)
     with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):
         ledger.get("anything")
+
+
+def test_a_schema_check_the_server_refuses_is_a_ledger_error_and_leaves_no_connection(
+    database_url: str,
+) -> None:
+    # Given a database whose schema-version table cannot be read (a view that fails, standing
+    # in for a revoked privilege or a broken upgrade)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("CREATE VIEW infrai_jobs_schema AS SELECT 1 / 0 AS version")
+    ledger = PostgresLedger(database_url)
+    # When the ledger first connects
+    # Then the failure comes out in the ledger's terms, which the drain handles
+    with pytest.raises(LedgerError, match="schema version"):
+        ledger.ping()
+    # And the connection it opened for the check was closed, not kept or leaked
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for _ in range(50):
+            (left,) = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'infrai-jobs'"
+            ).fetchone() or (None,)
+            if left == 0:
+                break
+            time.sleep(0.1)
+    assert left == 0

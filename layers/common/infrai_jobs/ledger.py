@@ -311,7 +311,15 @@ class PostgresLedger:
             conn.close()
         conn = self._open()
         if not self._schema_checked:
-            version = current_version(conn)
+            try:
+                version = current_version(conn)
+            except psycopg.Error as exc:
+                # Before the caller's error translation: say it in the ledger's terms, and do
+                # not leave the new connection open.
+                conn.close()
+                if isinstance(exc, psycopg.OperationalError):
+                    raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+                raise LedgerError(f"cannot read the ledger's schema version: {exc}") from exc
             if version < LATEST_VERSION:
                 conn.close()
                 raise SchemaNotMigrated(

@@ -23,7 +23,7 @@ from infrai_jobs.errors import (
     InfraiUnavailable,
     PermanentJobError,
 )
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import ClaimRow, utc_from_epoch
 from infrai_jobs.queue_models import Pending, QueueMessage
 from infrai_jobs.testing import FakeClock, InMemoryLedger, InMemoryQueue
@@ -164,9 +164,9 @@ def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> No
     for n in range(25):
         kit.publish(_db(str(n)))
 
-    # (each batch received takes 20 s of the 60 s left)
+    # (each batch processed takes 20 s of the 60 s left)
     def time_left() -> int:
-        return 60_000 - 20_001 * len(kit.queue.batch_sizes)
+        return 60_000 - 20_001 * kit.ledger.calls["run_database_batch"]
 
     # When the drain runs
     summary = kit.drain(time_left_ms=time_left, batch_budget_ms=20_000)
@@ -175,6 +175,45 @@ def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> No
     assert summary.stopped == "time_budget"
     stats = kit.queue.stats(QUEUE)
     assert (stats.available_count, stats.in_flight_count) == (5, 0)
+
+
+def test_a_batch_whose_receive_ran_long_is_left_for_redelivery_not_cut_off(kit: Kit) -> None:
+    # Given 20 jobs, and a second receive that takes 30 s of the 45 s left (retries, say)
+    for n in range(20):
+        kit.publish(_db(str(n)))
+
+    def time_left() -> int:
+        return 45_000 - (30_000 if len(kit.queue.batch_sizes) >= 2 else 0)
+
+    # When the drain runs with a 20 s batch budget
+    summary = kit.drain(time_left_ms=time_left, batch_budget_ms=20_000)
+    # Then the first batch ran, the second was received but not started
+    assert (summary.batches, summary.done) == (1, 10)
+    assert summary.stopped == "time_budget"
+    assert kit.ledger.calls["run_database_batch"] == 1
+    # And its ten messages were not acked: they come back after the visibility timeout
+    assert kit.queue.stats(QUEUE).in_flight_count == 10
+    kit.redeliver()
+    again = kit.drain()
+    assert (again.done, again.stopped) == (10, "empty")
+    assert sum(kit.calls.values()) == 20
+
+
+def test_a_job_whose_key_rule_is_broken_rejects_its_messages_only(kit: Kit) -> None:
+    # Given a job definition that got past registration with a rule no key can be made from
+    # (registration refuses it; this one is put in place behind its back)
+    bad = JobDefinition("billing:bad", Effect.DATABASE, lambda p, c: None, identity=("id",))
+    kit.registry._jobs[bad.name] = bad
+    # And a batch of nine good jobs and one of that job
+    for n in range(9):
+        kit.publish(_db(str(n)))
+    kit.publish({"job": "billing:bad", "id": "x"})
+    # When the drain runs
+    summary = kit.drain()
+    # Then the nine ran and were acked, and that one alone is rejected with the reason
+    assert (summary.done, summary.acked) == (9, 9)
+    assert summary.outcomes.get("rejected") == 1
+    assert kit.queue.stats(QUEUE).in_flight_count == 1
 
 
 def test_the_loop_drains_in_batches_of_ten_until_empty(kit: Kit) -> None:
@@ -690,6 +729,36 @@ def test_a_batch_received_ahead_when_the_ledger_fails_is_left_for_redelivery(kit
     kit.redeliver()
     again = kit.drain()
     assert (again.done, again.acked) == (20, 20)
+
+
+def test_abandoning_a_failed_consume_sent_ahead_does_not_retry_it(kit: Kit) -> None:
+    # Given 20 jobs, a ledger that fails on the first batch, and a consume sent ahead whose
+    # first answer is a 500 (a retry would receive the next ten messages)
+    for n in range(20):
+        kit.publish(_db(str(n)))
+    kit.ledger.fail_next("run_database_batch")
+    retried: list[int] = []
+
+    def send_consume(queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
+        def first() -> list[QueueMessage]:
+            raise InfraiUnavailable(
+                "INTERNAL", "injected: the consume sent ahead", 500, call="consume"
+            )
+
+        def with_retries() -> list[QueueMessage]:
+            retried.append(1)
+            return kit.queue.consume(queue, max_messages)
+
+        return Pending(with_retries, first)
+
+    kit.queue.send_consume = send_consume  # type: ignore[method-assign]
+    # When the drain stops on the ledger's failure
+    summary = kit.drain()
+    assert summary.stopped == "ledger_unavailable"
+    # Then the failed consume was not tried again: the other ten were never received
+    assert retried == []
+    stats = kit.queue.stats(QUEUE)
+    assert (stats.in_flight_count, stats.available_count) == (10, 10)
 
 
 class EventQueue(RecordingQueue):

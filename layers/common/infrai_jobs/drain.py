@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 
 from infrai_jobs.errors import (
+    ConfigurationError,
     EffectUncertain,
     InfraiError,
     InfraiUnavailable,
@@ -213,7 +214,9 @@ def _drain_batches(
     """Process batches one after the other, receiving the next while this one runs.
 
     A batch is received only while the time left covers finishing it, and the one received
-    ahead only while the time covers both: every receive burns one of three deliveries.
+    ahead only while the time covers both: every receive burns one of three deliveries. If the
+    receive itself ran so long (retries, a ``Retry-After``) that the time left no longer covers
+    the batch, it is left unprocessed for redelivery rather than cut off half-way.
 
     One thread does it all: the consume sent ahead and the acks travel while the batch is
     processed, and their answers are read after (``Pending``), so a lane costs no threads and
@@ -235,8 +238,19 @@ def _drain_batches(
             if not messages:
                 summary.stopped = "empty"
                 return
-            summary.batches += 1
             remaining = time_left_ms()
+            if remaining < config.batch_budget_ms:
+                # The receive itself ran long (retries, a Retry-After): what is left no longer
+                # covers the batch. Cutting it off half-way could leave an external effect
+                # uncertain; unacked, it costs one delivery instead.
+                _left_for_redelivery(
+                    messages,
+                    "a batch received when the time left no longer covered it was left "
+                    "for redelivery",
+                )
+                summary.stopped = "time_budget"
+                return
+            summary.batches += 1
             if not _stop_reason(config, summary, remaining, time_for=2):
                 ahead = queue.send_consume(config.queue, config.batch_size)
             deadline = clock() + remaining / 1000
@@ -269,14 +283,21 @@ def _stop_reason(
 
 def _abandon(ahead: Pending[list[QueueMessage]]) -> None:
     """A batch received ahead but never processed (the ledger failed): it is not acked, so
-    Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery."""
+    Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery.
+
+    Only the answer already on its way is read: retrying a failed consume here would receive
+    another batch just to leave it too."""
     try:
-        messages = ahead.wait()
+        messages = ahead.wait(retry=False)
     except InfraiError:
         return
+    _left_for_redelivery(messages, "a batch received ahead was left for redelivery")
+
+
+def _left_for_redelivery(messages: Sequence[QueueMessage], why: str) -> None:
     if messages:
         logger.warning(
-            "a batch received ahead was left for redelivery",
+            why,
             extra={
                 "action": "batch_abandoned",
                 "message_ids": [m.message_id for m in messages],
@@ -332,7 +353,9 @@ class _Batch:
         for message in self.messages:
             try:
                 derived = self.registry.derive(message.payload)
-            except KeyDerivationError as exc:
+            except (KeyDerivationError, ConfigurationError) as exc:
+                # A configuration error here is the job's, not the batch's: this message walks
+                # to the DLQ with the reason, the others go on.
                 self._set(MessageResult(message, Outcome.REJECTED, detail=str(exc)))
                 continue
             if derived.idem_key in self.primaries:

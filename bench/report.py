@@ -921,12 +921,12 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "column shows when the machine, not the drain, was the limit.",
         "- One run, one figure per lane count, and the machine's speed drifts. On the 2-core "
         "machines of 2026-11-29 the same code drained 8 lanes at anywhere from about 2,100 to "
-        "3,000 msg/s, and its cold start took 115 to 230 ms. The CPU each message cost moved "
+        "3,000 msg/s, and its cold start took 105 to 230 ms. The CPU each message cost moved "
         "with it: the worker's 0.15-0.37 ms, the whole machine's 0.37-0.82 ms. In the slow "
         "phases the machine was about 85% busy at 8 lanes and its 2 CPUs, shared with the "
         "emulator and PostgreSQL, set the pace (8 lanes 5.8-6.0x, below the 6.4x target); in "
-        "the fast ones 8 lanes kept pace with the latency (7.96x at 60% busy). The `machine "
-        "busy` and `machine CPU ms/msg` columns tell which phase a run met.",
+        "the fast ones 8 lanes kept pace with the latency (7.96x and 8.03x at 51-61% busy). "
+        "The `machine busy` and `machine CPU ms/msg` columns tell which phase a run met.",
         "- The protocol trace is on during measured drains (libpq writes each message to a "
         "buffered file; no difference in throughput was measurable); `--no-db-trace` turns it "
         "off.",

@@ -35,16 +35,17 @@ def dependencies() -> tuple[Settings, InfraiClient]:
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     request = RedriveRequest.from_event(event)
     settings, queue = dependencies()
-    summary = redrive(
-        queue,
-        source=settings.dlq,
-        target=settings.queue,
-        max_messages=request.max_messages,
-        dry_run=request.dry_run,
-        reopen_failed=request.reopen_failed,
-        database_url=settings.require_database_url() if request.reopen_failed else None,
-        time_left_ms=context.get_remaining_time_in_millis,
-    )
+    with queue.retries_within(context.get_remaining_time_in_millis):
+        summary = redrive(
+            queue,
+            source=settings.dlq,
+            target=settings.queue,
+            max_messages=request.max_messages,
+            dry_run=request.dry_run,
+            reopen_failed=request.reopen_failed,
+            database_url=settings.require_database_url() if request.reopen_failed else None,
+            time_left_ms=context.get_remaining_time_in_millis,
+        )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)
     return summary.as_dict()

@@ -271,6 +271,54 @@ def test_rate_limits_honour_retry_after(
     assert all(d >= 2 for d in sleeps.delays)
 
 
+def test_within_an_invocation_a_retry_that_would_outlast_it_is_not_made(
+    client: InfraiClient, emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder
+) -> None:
+    # Given a service that answers every consume 429 with Retry-After: 2
+    set_faults(
+        control, emulator.url, rate_limit_rate=1.0, retry_after_seconds=2, routes=["consume"]
+    )
+    # When the client consumes inside an invocation with 17 s left, each back-off spending
+    # its seconds of it (a retry needs its back-off plus one attempt's timeouts, 13.05 s)
+    with (
+        client.retries_within(lambda: 17_000 - round(1000 * sum(sleeps.delays))),
+        pytest.raises(InfraiUnavailable) as failure,
+    ):
+        client.consume(QUEUE)
+    # Then it retried once, while a retry still fitted, and then gave up with Infrai's answer
+    assert failure.value.code == "RATE_LIMITED"
+    assert len(sleeps.delays) == 1
+    # And outside the invocation the bound is gone: all four attempts are made
+    with pytest.raises(InfraiUnavailable):
+        client.consume(QUEUE)
+    assert len(sleeps.delays) == 1 + 3
+
+
+def test_the_drain_service_bounds_the_client_retries_by_the_time_left(
+    emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder, database_url: str
+) -> None:
+    from drainkit import harness  # noqa: PLC0415
+
+    from infrai_jobs.settings import Settings  # noqa: PLC0415
+
+    with harness(database_url) as kit:
+        kit.publish({"job": "test.db", "id": "a"})
+        client = InfraiClient(kit.server.url, "test-key", sleep=sleeps)
+        service = kit.lane_service(Settings(queue="billing-jobs"), client)
+        # Given every consume answered 429 with Retry-After: 4, and 20 s left in the invocation
+        # (just enough for the drain to receive a batch)
+        kit.faults(rate_limit_rate=1.0, retry_after_seconds=4, routes=["consume"])
+        # When DrainFunction's service runs
+        with pytest.raises(InfraiUnavailable):
+            service.run(lambda: 20_000 - round(1000 * sum(sleeps.delays)))
+        kit.faults()
+        service.close()
+        client.close()
+        # Then the consume was retried once, while a retry (4 s + 13.05 s) fitted in what was
+        # left, not three times as without an invocation to fit in
+        assert len(sleeps.delays) == 1
+
+
 def test_dropped_ack_response_is_retried_and_reported_as_not_found(
     client: InfraiClient, emulator: Any, control: urllib3.PoolManager
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from infrai_jobs.factory import make_effect_guard, make_ledger, make_queue_clien
 from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.ports import QueuePort
+from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
 
@@ -87,10 +89,11 @@ class DrainService:
             self.effect_guard.register_lambda_context(_TimeLeft(time_left_ms))
         lanes = max(1, self.settings.drain_lanes)
         config = self.config(max_batches)
-        if lanes == 1:
-            summary = drain(self.queue, self.ledger, self.registry, config, time_left_ms)
-        else:
-            summary = self._run_lanes(lanes, config, time_left_ms)
+        with _retries_within(self.queue, time_left_ms):
+            if lanes == 1:
+                summary = drain(self.queue, self.ledger, self.registry, config, time_left_ms)
+            else:
+                summary = self._run_lanes(lanes, config, time_left_ms)
         if summary.stopped == "ledger_unavailable":
             raise LedgerUnavailable(
                 f"the ledger database failed mid-drain; summary so far: {summary.as_dict()}"
@@ -119,6 +122,16 @@ class DrainService:
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""
         return self.effect_guard.take_hits() if self.effect_guard is not None else 0
+
+
+def _retries_within(
+    queue: QueuePort, time_left_ms: Callable[[], int]
+) -> AbstractContextManager[None]:
+    """The Infrai client retries only while the invocation has time for it; other queues (the
+    in-memory one of the tests) have no retries to bound."""
+    if isinstance(queue, InfraiClient):
+        return queue.retries_within(time_left_ms)
+    return nullcontext()
 
 
 @dataclass(frozen=True, slots=True)

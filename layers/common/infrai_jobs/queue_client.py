@@ -20,7 +20,8 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -58,8 +59,8 @@ class RetryPolicy:
     max_attempts: int = 4
     base_delay: float = 0.1
     max_delay: float = 5.0
-    # A Retry-After beyond this is not honoured by sleeping; the call fails instead, so a
-    # time-budgeted caller (the drain) never sleeps past its deadline.
+    # A Retry-After beyond this is not honoured by sleeping; the call fails instead. Within a
+    # time-budgeted run (``InfraiClient.retries_within``) a retry must also fit the time left.
     max_retry_after: float = 30.0
 
     def backoff(self, attempt: int) -> float:
@@ -105,6 +106,8 @@ class InfraiClient:
         self._retry = retry or RetryPolicy()
         self._retry_publish = retry_publish
         self._sleep = sleep
+        # Set by retries_within() for the length of one invocation; None: no deadline.
+        self._time_left_ms: Callable[[], int] | None = None
         # Retries are ours (they depend on the call and on Infrai's error codes); the pool
         # never retries. Concurrent ackers beyond pool_maxsize get short-lived connections.
         try:
@@ -127,6 +130,19 @@ class InfraiClient:
 
     def close(self) -> None:
         self._pool.close()
+
+    @contextmanager
+    def retries_within(self, time_left_ms: Callable[[], int]) -> Iterator[None]:
+        """Within the block, a call is retried only if the back-off and one more attempt (its
+        connect and read timeouts) fit in ``time_left_ms()``; otherwise its last failure is
+        raised at once. A Lambda invocation then fails with Infrai's error, in its own time,
+        instead of being killed by its timeout while asleep. One invocation at a time: every
+        thread using the client shares the bound."""
+        self._time_left_ms = time_left_ms
+        try:
+            yield
+        finally:
+            self._time_left_ms = None
 
     # --- calls ------------------------------------------------------------------------------
 
@@ -285,12 +301,12 @@ class InfraiClient:
             except InfraiUnavailable as exc:
                 retry_after = getattr(exc, "retry_after", None)
                 out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
-                if attempt + 1 >= attempts or out_of_time:
-                    # The public type, whatever answer class carried the last failure.
-                    raise InfraiUnavailable(exc.code, exc.message, exc.status, call=call) from exc
                 delay = self._retry.backoff(attempt)
                 if retry_after is not None:
                     delay = retry_after + random.uniform(0, self._retry.base_delay)
+                if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
+                    # The public type, whatever answer class carried the last failure.
+                    raise InfraiUnavailable(exc.code, exc.message, exc.status, call=call) from exc
                 logger.info(
                     "retrying an Infrai call",
                     extra={
@@ -303,6 +319,13 @@ class InfraiClient:
                 )
                 self._sleep(delay)
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+    def _retry_fits(self, delay: float) -> bool:
+        time_left_ms = self._time_left_ms
+        if time_left_ms is None:
+            return True
+        attempt_at_most = self._timeouts.connect + self._timeouts.read
+        return (delay + attempt_at_most) * 1000 <= time_left_ms()
 
     def _send(
         self, method: str, path: str, body: Mapping[str, Any] | None, *, call: str

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from infrai_jobs import cli as cli_module
+from infrai_jobs import redrive as redrive_module
+from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
+from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.settings import Settings
 from infrai_local.emulator import RunningEmulator, start_in_thread
 
@@ -54,6 +60,38 @@ def test_a_malformed_database_url_error_never_holds_the_password() -> None:
         ledger.get("any")
     # Then the password appears nowhere in what Lambda would log
     assert PASSWORD not in everything_logged(raised.value)
+
+
+def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_error() -> None:
+    # Given a database URL with a typo (an unclosed IPv6 bracket) and a password, which the
+    # driver quotes whole in its own error
+    url = f"postgresql://infrai:{PASSWORD}@[::1/jobs"
+    message = QueueMessage(
+        "qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "in_flight", "r"
+    )
+    entry_points = {
+        "the watcher": lambda: AlertCheck(
+            _NoQueue(), url, PrintingAlerter(), AlertThresholds()
+        ).run([]),
+        "claims admin": lambda: ClaimsAdmin(url).show("any"),
+        "migrate": lambda: cli_module._migrate(url),
+        "redrive's reopen": lambda: redrive_module._reopen(url, message),
+    }
+    for name, call in entry_points.items():
+        # When each is used
+        with pytest.raises(LedgerError) as raised:
+            call()
+        # Then it fails as the ledger being unavailable, and the password is nowhere in what
+        # would be logged
+        assert "malformed" in str(raised.value), (name, str(raised.value))
+        assert PASSWORD not in everything_logged(raised.value), name
+
+
+class _NoQueue:
+    """The watcher's queue, for a run that watches no queue (it fails on the ledger first)."""
+
+    def stats(self, name: str) -> Any:  # pragma: no cover - no queue is watched
+        raise AssertionError(name)
 
 
 def test_a_rejected_api_key_never_appears_in_the_error(emulator: RunningEmulator) -> None:

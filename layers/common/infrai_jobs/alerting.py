@@ -21,6 +21,7 @@ from typing import Any, LiteralString, Protocol
 import psycopg
 
 from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.ledger import connect_to_ledger
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueStats
 
@@ -169,8 +170,10 @@ class AlertCheck:
         # Stats first: if Infrai cannot answer, this raises and nothing is "resolved".
         report.stats = [self._queue.stats(name) for name in watched]
         try:
-            with psycopg.connect(
-                self._database_url, autocommit=True, connect_timeout=self._connect_timeout
+            with connect_to_ledger(
+                self._database_url,
+                connect_timeout=self._connect_timeout,
+                application_name="infrai-jobs-watcher",
             ) as conn:
                 report.stuck = self._stuck_claims(conn)
                 limit = self._thresholds.backlog_age_seconds

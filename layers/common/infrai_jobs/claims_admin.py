@@ -21,7 +21,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import InfraiJobsError, LedgerError, LedgerUnavailable
-from infrai_jobs.ledger import ClaimRow
+from infrai_jobs.ledger import ClaimRow, connect_to_ledger
 
 
 class ClaimNotFound(InfraiJobsError):
@@ -119,15 +119,9 @@ class ClaimsAdmin:
         self._connect_timeout = connect_timeout
 
     def _connect(self) -> psycopg.Connection[Any]:
-        try:
-            return psycopg.connect(
-                self._url,
-                autocommit=True,
-                connect_timeout=self._connect_timeout,
-                application_name="infrai-jobs-admin",
-            )
-        except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+        return connect_to_ledger(
+            self._url, connect_timeout=self._connect_timeout, application_name="infrai-jobs-admin"
+        )
 
     def list_claims(
         self,

@@ -33,6 +33,7 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.factory import make_effect_guard, make_queue_client
 from infrai_jobs.keys import derive_key
+from infrai_jobs.ledger import connect_to_ledger
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
@@ -189,7 +190,9 @@ def _queue_client(settings: Settings) -> Iterator[InfraiClient]:
 
 def _migrate(url: str) -> list[Migration]:
     try:
-        with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        with connect_to_ledger(
+            url, connect_timeout=10, application_name="infrai-jobs-migrate"
+        ) as conn:
             return apply_migrations(conn)
     except psycopg.Error as exc:
         raise LedgerUnavailable(f"cannot migrate: {exc}") from exc

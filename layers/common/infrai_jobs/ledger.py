@@ -263,6 +263,23 @@ def _connect_failure(exc: psycopg.Error) -> LedgerUnavailable:
     return LedgerUnavailable(f"cannot connect to the ledger database: {exc}")
 
 
+def connect_to_ledger(
+    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
+) -> psycopg.Connection[Any]:
+    """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
+    with the URL kept out of the message (and the driver's error, which may quote it, not
+    chained): every place that connects goes through here."""
+    try:
+        return psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=connect_timeout,
+            application_name=application_name,
+        )
+    except psycopg.Error as exc:
+        raise _connect_failure(exc) from None
+
+
 def _aborted(conn: psycopg.Connection[Any]) -> bool:
     return conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
 

@@ -30,6 +30,7 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.keys import payload_fingerprint
+from infrai_jobs.ledger import connect_to_ledger
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
 
@@ -242,7 +243,7 @@ def _reopen(database_url: str, message: QueueMessage) -> list[str]:
         "actor": default_actor(),
     }
     try:
-        with psycopg.connect(database_url, autocommit=True, connect_timeout=5) as conn:
+        with connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn:
             return [row[0] for row in conn.execute(_REOPEN, params).fetchall()]
     except psycopg.OperationalError as exc:
         raise LedgerUnavailable(f"cannot reopen failed claims: {exc}") from exc

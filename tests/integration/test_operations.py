@@ -318,6 +318,24 @@ def test_prune_removes_only_old_settled_rows_in_batches(
     assert left == ["old:running", "recent:done"]
 
 
+@pytest.mark.parametrize("older_than", ["47h", "30", "0d"])
+def test_prune_refuses_a_retention_it_would_have_to_round(
+    kit: Harness, capsys: pytest.CaptureFixture[str], older_than: str
+) -> None:
+    # Given a done claim 30 hours old
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, claimed_at) VALUES"
+        " ('young:done', 'done', 'm', now() - interval '30 hours')"
+    )
+    # When pruning is asked for a retention that is not whole days (47 hours; 30 seconds)
+    code = cli(["claims", "prune", "--older-than", older_than])
+    # Then it refuses as bad usage, naming the form it takes, and deletes nothing (rounding
+    # 47h down to a day would have deleted this row)
+    assert code == 2
+    assert "whole days" in capsys.readouterr().err
+    assert kit.sql("SELECT idem_key FROM job_claims") == [("young:done",)]
+
+
 def test_list_filters_and_prints_a_table(kit: Harness, capsys: pytest.CaptureFixture[str]) -> None:
     kit.publish({"job": "test.db", "id": "1"})
     kit.publish({"job": "test.db", "id": "2", "mode": "permanent"})

@@ -111,7 +111,9 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     release.add_argument("--json", action="store_true")
     release.set_defaults(ops_command="claims_release")
     prune = csub.add_parser("prune", help="delete old done/failed claims in batches")
-    prune.add_argument("--older-than", type=parse_duration, default=30 * 86400)
+    prune.add_argument(
+        "--older-than", type=parse_duration, default=30 * 86400, help="whole days, e.g. 30d"
+    )
     prune.add_argument("--batch-size", type=int, default=1000)
     prune.add_argument("--json", action="store_true")
     prune.set_defaults(ops_command="claims_prune")
@@ -370,7 +372,14 @@ def _claims(
             forget(args.key)
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
-        days = max(1, args.older_than // 86400)
+        days, rest = divmod(args.older_than, 86400)
+        if rest or days < 1:
+            # Rounding would delete rows younger than asked: the done rows are what lets a
+            # later redrive skip finished work.
+            raise ConfigurationError(
+                "claims prune --older-than takes whole days, at least 1d (e.g. 30d); "
+                f"got {args.older_than} s"
+            )
         result = admin.prune(older_than_days=days, batch_size=args.batch_size)
         _emit(
             {"deleted": result.deleted, "batches": result.batches, "older_than_days": days},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import io
 import itertools
 import json
 import os
@@ -16,9 +18,10 @@ import psycopg
 import pytest
 from drainkit import DLQ, QUEUE, Harness, harness
 
+from infrai_jobs import cli_ops
 from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin
 from infrai_jobs.cli import main as cli
-from infrai_jobs.errors import PermanentJobError
+from infrai_jobs.errors import LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.redrive import redrive
 
@@ -282,6 +285,50 @@ def test_fenced_actions_fail_clearly_when_the_claim_moved_on(
         admin.show("receipt.send:inv_1")
     actions = [h["action"] for h in admin.history("receipt.send:inv_1")]
     assert actions == ["resolve_failed", "release"]
+
+
+def test_release_and_resolve_failed_forget_the_second_layer_record_first(kit: Harness) -> None:
+    # Given a stuck claim, and a second-layer store that cannot be reached at first
+    key = "receipt.send:inv_1"
+    _stuck_claim(kit, key)
+    admin = ClaimsAdmin(kit.database_url)
+    forgotten: list[str] = []
+    reachable = False
+
+    def forget(k: str) -> None:
+        if not reachable:
+            raise LedgerUnavailable("the second layer's store is unreachable")
+        forgotten.append(k)
+
+    def claims(command: str) -> int:
+        args = argparse.Namespace(ops_command=command, key=key, token=None, note="", json=False)
+        if command == "claims_resolve":
+            args.done, args.failed, args.result, args.error = False, True, None, "not sent"
+        return cli_ops._claims(args, admin, io.StringIO(), forget)
+
+    for command in ("claims_release", "claims_resolve"):
+        reachable = False
+        # When the operator releases it (or resolves it failed) while the store is down
+        with pytest.raises(LedgerUnavailable):
+            claims(command)
+        # Then nothing changed in the ledger, so running the command again is all it takes
+        assert kit.row(key) is not None
+        assert kit.row(key).state == "running"  # type: ignore[union-attr]
+        # When it is run again with the store back
+        reachable = True
+        assert claims(command) == 0
+        # Then the record was forgotten, and the ledger changed
+        assert forgotten[-1] == key
+        if command == "claims_release":
+            assert kit.row(key) is None
+            _stuck_claim(kit, key)  # again, for resolve
+        else:
+            assert kit.row(key).state == "failed"  # type: ignore[union-attr]
+    # And resolving a claim that is no longer running (refused) keeps its record
+    forgotten.clear()
+    with pytest.raises(ClaimChanged):
+        claims("claims_resolve")
+    assert forgotten == []
 
 
 def test_history_is_append_only(kit: Harness) -> None:

@@ -356,6 +356,10 @@ def _claims(
         if args.done and args.error:
             raise ConfigurationError("--error goes with --failed; use --result with --done")
         result = _parse_result(args.result) if args.result else None
+        if args.failed and forget is not None:
+            # "The effect did not happen": a stored "uncertain" in the second layer is wrong
+            # now, and would park a reopened retry as stuck again.
+            _forget_while_open(admin, args.key, forget, ("running",))
         changed = admin.resolve(
             args.key,
             done=args.done,
@@ -366,10 +370,10 @@ def _claims(
         )
         return _changed_out(changed, "resolved", args.json, out)
     if command == "claims_release":
-        released = admin.release(args.key, expected_token=args.token, note=args.note)
         if forget is not None:
             # Without this, a stored "uncertain" in the second layer would park the retry again.
-            forget(args.key)
+            _forget_while_open(admin, args.key, forget, ("running", "failed"))
+        released = admin.release(args.key, expected_token=args.token, note=args.note)
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
         days, rest = divmod(args.older_than, 86400)
@@ -393,6 +397,17 @@ def _claims(
         )
         return EXIT_OK
     raise ConfigurationError(f"unknown claims action {command}")  # pragma: no cover
+
+
+def _forget_while_open(
+    admin: ClaimsAdmin, key: str, forget: Callable[[str], None], states: tuple[str, ...]
+) -> None:
+    """Forget the second layer's record before the ledger changes, not after: if the store
+    cannot be reached, the command fails with nothing changed and can simply be run again.
+    (After, a failed forget left the row deleted and a rerun found no claim to act on.) A
+    claim in any other state is left alone, record and all: the change will be refused."""
+    if admin.show(key).state in states:
+        forget(key)
 
 
 def _parse_result(text: str) -> Any:

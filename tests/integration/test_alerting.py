@@ -158,6 +158,26 @@ def test_stuck_claims_alert_and_name_the_command(stage: Stage) -> None:
     assert "infrai-jobs claims stuck" in message
 
 
+def test_a_claim_taken_over_by_a_live_delivery_is_not_reported_stuck(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    # Given two old running claims, one of them taken over a minute ago by a redelivery
+    # (a takeover keeps claimed_at and sets updated_at and a fresh lease)
+    stage.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claimed_at, updated_at,"
+        " lease_until) VALUES"
+        " ('digest.build:t1', 'running', 'qmsg_a', 'external_idempotent',"
+        "  now() - interval '2 hours', now() - interval '1 minute', now() + interval '5 minutes'),"
+        " ('digest.build:t2', 'running', 'qmsg_b', 'external_idempotent',"
+        "  now() - interval '2 hours', now() - interval '2 hours', now() - interval '1 hour')"
+    )
+    # When the watcher runs with a 15-minute threshold
+    report = stage.check(alerter, stuck_claim_seconds=900).run([QUEUE])
+    # Then only the claim nobody has touched for two hours is stuck, and it is the oldest
+    assert report.stuck.count == 1
+    assert report.stuck.oldest_running_age_seconds >= 7000
+    assert alerter.sent[0][0] == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+
+
 def test_an_old_backlog_alerts_that_the_drain_is_behind(stage: Stage) -> None:
     alerter = RecordingAlerter()
     stage.client.publish(QUEUE, {"job": "waiting"})

@@ -331,6 +331,29 @@ def test_release_and_resolve_failed_forget_the_second_layer_record_first(kit: Ha
     assert forgotten == []
 
 
+def test_a_claim_under_a_live_lease_is_acted_on_only_with_its_token(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given an external claim whose delivery holds a live lease (it may be inside the effect)
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until)"
+        " VALUES ('receipt.send:live', 'running', 'qmsg_1', 'external', gen_random_uuid(),"
+        " now() + interval '5 minutes')"
+    )
+    (token,) = kit.sql("SELECT claim_token FROM job_claims WHERE idem_key = 'receipt.send:live'")[0]
+    # When an operator releases it without the token
+    code = cli(["claims", "release", "receipt.send:live"])
+    # Then it is refused (the claim is not what an unseen release assumes), and kept
+    assert code == 3
+    assert "live lease" in capsys.readouterr().err
+    assert kit.row("receipt.send:live") is not None
+    # When the operator passes the token they looked at
+    code = cli(["claims", "release", "receipt.send:live", "--token", str(token)])
+    # Then it is released
+    assert code == 0
+    assert kit.row("receipt.send:live") is None
+
+
 def test_history_is_append_only(kit: Harness) -> None:
     _stuck_claim(kit)
     ClaimsAdmin(kit.database_url).release("receipt.send:inv_1")

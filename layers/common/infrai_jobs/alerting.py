@@ -124,11 +124,14 @@ class AlertReport:
 
 # --- SQL -------------------------------------------------------------------------------------
 
+# A running claim's age runs from its latest claim: a takeover (updated_at) starts it again, so
+# a live holder that took over an old claim is not reported stuck.
 _STUCK: LiteralString = """
 SELECT count(*) FILTER (
-           WHERE error IS NOT NULL OR claimed_at < now() - make_interval(secs => %(threshold)s)
+           WHERE error IS NOT NULL
+              OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s)
        ),
-       coalesce(extract(epoch FROM now() - min(claimed_at)), 0)
+       coalesce(extract(epoch FROM now() - min(coalesce(updated_at, claimed_at))), 0)
 FROM job_claims WHERE state = 'running'
 """
 _ENSURE_STATE: LiteralString = """

@@ -13,7 +13,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, LiteralString
 
 import psycopg
@@ -61,8 +61,9 @@ SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error
        claimed_at, lease_until, updated_at, claim_token
 FROM job_claims
 WHERE state = 'running'
-  AND (error IS NOT NULL OR claimed_at < now() - make_interval(secs => %(threshold)s))
-ORDER BY claimed_at
+  AND (error IS NOT NULL
+       OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))
+ORDER BY coalesce(updated_at, claimed_at)
 LIMIT %(limit)s
 """
 
@@ -219,6 +220,19 @@ class ClaimsAdmin:
                     raise ClaimChanged(
                         f"claim {key!r} is {before.state}; {action} needs "
                         f"{' or '.join(allowed_states)}"
+                    )
+                if (
+                    expected_token is None
+                    and before.state == "running"
+                    and before.lease_until is not None
+                    and before.lease_until > datetime.now(UTC)
+                ):
+                    # Its delivery may be inside the effect right now: acting on it unseen
+                    # could let a duplicate repeat an irreversible effect.
+                    raise ClaimChanged(
+                        f"claim {key!r} is running under a live lease until "
+                        f"{before.lease_until.isoformat()}; wait for it to end, or pass "
+                        f"--token {before.claim_token} to {action} it anyway"
                     )
                 if expected_token is not None and before.claim_token != expected_token:
                     raise ClaimChanged(

@@ -178,6 +178,58 @@ def test_a_claim_taken_over_by_a_live_delivery_is_not_reported_stuck(stage: Stag
     assert alerter.sent[0][0] == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
 
 
+class _HeldStats:
+    """The watcher's queue, for a run that reads the stats and then stalls until released."""
+
+    def __init__(self, client: InfraiClient) -> None:
+        self.client = client
+        self.read = threading.Event()
+        self.go = threading.Event()
+
+    def stats(self, name: str) -> Any:
+        stats = self.client.stats(name)
+        self.read.set()
+        assert self.go.wait(10)
+        return stats
+
+
+def test_an_overlapping_run_with_older_numbers_does_not_undo_a_later_one(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    # Given three dead letters, already alerted
+    stage.dead_letter(3)
+    stage.check(alerter).run([QUEUE])
+    # And a run that read dlq_count = 3 and then stalled (a repeated schedule event, say)
+    held = _HeldStats(stage.client)
+    slow = AlertCheck(held, stage.database_url, alerter, AlertThresholds())
+    errors: list[BaseException] = []
+
+    def run_slow() -> None:
+        try:
+            slow.run([QUEUE])
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run_slow)
+    thread.start()
+    assert held.read.wait(10)
+    # When the dead letters are handled and a later run sees the DLQ empty
+    for dead in stage.client.consume(DLQ, 10):
+        stage.client.ack(DLQ, dead.receipt_handle)
+    stage.check(alerter).run([QUEUE])
+    # And then the stalled run goes on with its older numbers
+    held.go.set()
+    thread.join(10)
+    assert not errors
+    # Then the last word is the later run's: resolved, and no false "3 new" after it
+    assert [s for s, _ in alerter.sent] == [
+        "[infrai-jobs] 3 new dead letter(s) on billing-jobs",
+        "[infrai-jobs] RESOLVED: the dead-letter queue of billing-jobs is empty",
+    ]
+    with psycopg.connect(stage.database_url) as conn:
+        row = conn.execute("SELECT value FROM alert_state WHERE signal = 'dlq'").fetchone()
+    assert row == (0,)
+
+
 def test_an_old_backlog_alerts_that_the_drain_is_behind(stage: Stage) -> None:
     alerter = RecordingAlerter()
     stage.client.publish(QUEUE, {"job": "waiting"})

@@ -102,6 +102,8 @@ class AlertReport:
     stats: list[QueueStats] = field(default_factory=list)
     stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
     sent: list[dict[str, Any]] = field(default_factory=list)
+    # When the run started looking, by the database's clock.
+    started: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -139,7 +141,7 @@ INSERT INTO alert_state (scope, signal) VALUES (%(scope)s, %(signal)s)
 ON CONFLICT (scope, signal) DO NOTHING
 """
 _LOCK_STATE: LiteralString = """
-SELECT value, alerted_at, now() FROM alert_state
+SELECT value, alerted_at, now(), updated_at FROM alert_state
 WHERE scope = %(scope)s AND signal = %(signal)s FOR UPDATE
 """
 _SAVE_STATE: LiteralString = """
@@ -170,14 +172,19 @@ class AlertCheck:
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
-        # Stats first: if Infrai cannot answer, this raises and nothing is "resolved".
-        report.stats = [self._queue.stats(name) for name in watched]
         try:
             with connect_to_ledger(
                 self._database_url,
                 connect_timeout=self._connect_timeout,
                 application_name="infrai-jobs-watcher",
             ) as conn:
+                # When this run started looking, by the database's clock: a signal saved by
+                # another run after this moment holds a newer observation than ours.
+                started = conn.execute("SELECT now()").fetchone()
+                report.started = started[0] if started else None
+                # Stats before any verdict: if Infrai cannot answer, this raises and nothing
+                # is "resolved".
+                report.stats = [self._queue.stats(name) for name in watched]
                 report.stuck = self._stuck_claims(conn)
                 limit = self._thresholds.backlog_age_seconds
                 for stats in report.stats:
@@ -205,11 +212,20 @@ class AlertCheck:
     ) -> None:
         key = {"scope": seen.scope, "signal": seen.signal.value}
         with conn.transaction():
-            conn.execute(_ENSURE_STATE, key)
+            created = conn.execute(_ENSURE_STATE, key).rowcount == 1
             row = conn.execute(_LOCK_STATE, key).fetchone()
             assert row is not None  # ensured just above, in this transaction
             previous = AlertState(int(row[0]), row[1])
             now: datetime = row[2]
+            if not created and report.started is not None and row[3] > report.started:
+                # Overlapping runs (a repeated schedule event): the other one looked later and
+                # has spoken for this signal. Judging our older numbers against its state
+                # would alert on what it just saw resolved.
+                logger.info(
+                    "a later watcher run already recorded this signal",
+                    extra={"action": "alert_skipped", "signal": seen.signal.value},
+                )
+                return
             verdict = decide(previous, seen.value, now, self._thresholds.reminder_seconds)
             alerted_at = previous.alerted_at
             if verdict is not Verdict.QUIET:

@@ -9,6 +9,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.errors import LedgerError
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
@@ -18,7 +19,9 @@ logger, metrics = function_observability()
 
 @cache
 def dependencies() -> tuple[Settings, ClaimsAdmin]:
-    settings = resolve_secrets(Settings.from_env(), api_key=False)
+    """Built on the first invocation; built again, with the secret fetched past its cache,
+    after a run could not use the ledger (a rotated password)."""
+    settings = resolve_secrets(Settings.from_env(), api_key=False, force_fetch=True)
     return settings, ClaimsAdmin(settings.require_database_url())
 
 
@@ -27,7 +30,11 @@ def dependencies() -> tuple[Settings, ClaimsAdmin]:
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     settings, admin = dependencies()
-    result = admin.prune(older_than_days=settings.retention_days)
+    try:
+        result = admin.prune(older_than_days=settings.retention_days)
+    except LedgerError:
+        dependencies.cache_clear()
+        raise
     logger.info("pruned settled claims", extra={"action": "prune", "deleted": result.deleted})
     metrics.add_metric(name="ClaimsPruned", unit=MetricUnit.Count, value=result.deleted)
     return {

@@ -243,6 +243,73 @@ def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, 
     assert any(doc.get("DlqCount") == [1.0] and doc.get("queue") == "billing-jobs" for doc in emf)
 
 
+WARM_WATCHER_AFTER_A_ROTATION = """
+import json, os, sys, uuid
+sys.path[:0] = [os.path.join(sys.argv[1], "functions", "dlq_alert")]
+
+
+class Context:
+    function_name = "infrai-jobs-dlq-alert"
+    function_version = "$LATEST"
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:infrai-jobs-dlq-alert"
+    memory_limit_in_mb = 512
+    aws_request_id = str(uuid.uuid4())
+
+
+import app
+
+outcomes = []
+for url in (sys.argv[2], sys.argv[3]):
+    os.environ["DATABASE_URL"] = url  # the secret's value before and after a rotation
+    try:
+        app.lambda_handler({}, Context())
+        outcomes.append("ok")
+    except Exception as exc:
+        outcomes.append(type(exc).__name__)
+print(json.dumps(outcomes))
+"""
+
+
+def test_a_warm_watcher_picks_up_a_rotated_database_secret_after_a_failed_run(
+    services: dict[str, str],
+) -> None:
+    # Given a warm DlqAlertFunction whose database credentials stop working (a database that
+    # is not there stands in for a rotated password)
+    stale = services["DATABASE_URL"].replace("/infrai_scratch_", "/gone_", 1)
+    if stale == services["DATABASE_URL"]:
+        stale = services["DATABASE_URL"] + "_gone"
+    env = {
+        **os.environ,
+        **services,
+        "ALERT_TOPIC_ARN": "",
+        "WATCHED_QUEUES": "billing-jobs",
+        "POWERTOOLS_TRACE_DISABLED": "true",
+        "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobs",
+    }
+    InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key").ensure_queue(
+        "billing-jobs", dlq="billing-jobs-dlq"
+    )
+    # When it runs with the old value, then with the new one in the same process
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WARM_WATCHER_AFTER_A_ROTATION,
+            str(ROOT),
+            stale,
+            services["DATABASE_URL"],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # Then the failed run made the next one rebuild its connections with the new value
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["LedgerUnavailable", "ok"]
+
+
 def test_redrive_function_moves_dead_letters_back(services: dict[str, str]) -> None:
     # Given a dead-lettered job whose invoice now exists
     client = _dead_letter(

@@ -169,6 +169,12 @@ class AlertCheck:
         self._thresholds = thresholds
         self._connect_timeout = connect_timeout
 
+    def close(self) -> None:
+        """Close the queue client's connections (the ledger's are per run)."""
+        close = getattr(self._queue, "close", None)
+        if close is not None:
+            close()
+
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()

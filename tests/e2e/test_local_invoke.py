@@ -245,7 +245,7 @@ def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, 
 
 WARM_WATCHER_AFTER_A_ROTATION = """
 import json, os, sys, uuid
-sys.path[:0] = [os.path.join(sys.argv[1], "functions", "dlq_alert")]
+sys.path[:0] = [os.path.join(sys.argv[1], "functions", sys.argv[2])]
 
 
 class Context:
@@ -259,7 +259,7 @@ class Context:
 import app
 
 outcomes = []
-for url in (sys.argv[2], sys.argv[3]):
+for url in (sys.argv[3], sys.argv[4]):
     os.environ["DATABASE_URL"] = url  # the secret's value before and after a rotation
     try:
         app.lambda_handler({}, Context())
@@ -270,11 +270,12 @@ print(json.dumps(outcomes))
 """
 
 
-def test_a_warm_watcher_picks_up_a_rotated_database_secret_after_a_failed_run(
-    services: dict[str, str],
+@pytest.mark.parametrize("function", ["dlq_alert", "prune"])
+def test_a_warm_watcher_or_pruner_picks_up_a_rotated_database_secret_after_a_failed_run(
+    services: dict[str, str], function: str
 ) -> None:
-    # Given a warm DlqAlertFunction whose database credentials stop working (a database that
-    # is not there stands in for a rotated password)
+    # Given a warm DlqAlertFunction (or PruneFunction) whose database credentials stop working
+    # (a database that is not there stands in for a rotated password)
     stale = services["DATABASE_URL"].replace("/infrai_scratch_", "/gone_", 1)
     if stale == services["DATABASE_URL"]:
         stale = services["DATABASE_URL"] + "_gone"
@@ -296,6 +297,7 @@ def test_a_warm_watcher_picks_up_a_rotated_database_secret_after_a_failed_run(
             "-c",
             WARM_WATCHER_AFTER_A_ROTATION,
             str(ROOT),
+            function,
             stale,
             services["DATABASE_URL"],
         ],

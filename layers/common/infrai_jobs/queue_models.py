@@ -131,14 +131,17 @@ class QueueStats:
                 "dlq_count",
             )
         }
-        age = data.get("oldest_message_age_seconds", 0)
+        # Required like the counts: read as 0 when missing, it would tell the watcher that a
+        # lagging drain is "keeping up again".
+        age = data.get("oldest_message_age_seconds")
         if (
-            isinstance(age, bool)
+            age is None
+            or isinstance(age, bool)
             or not isinstance(age, int | float)
             or not math.isfinite(age)
             or age < 0
         ):
-            raise _invalid(call, "oldest_message_age_seconds is not a finite number >= 0")
+            raise _invalid(call, "oldest_message_age_seconds is missing or not a number >= 0")
         name = data.get("queue", queue)
         return cls(
             queue=name if isinstance(name, str) else queue,

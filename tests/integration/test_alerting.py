@@ -274,6 +274,18 @@ def test_a_failing_stats_call_raises_and_never_sends_all_clear(stage: Stage) -> 
     assert len(alerter.sent) == 1
 
 
+def test_one_unreadable_queue_does_not_silence_the_others(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    # Given a dead letter on billing-jobs, and a watched queue name Infrai does not know
+    stage.dead_letter()
+    # When the watcher runs over both
+    with pytest.raises(InfraiError) as caught:
+        stage.check(alerter).run(["no-such-queue", QUEUE])
+    # Then billing-jobs was still judged and paged, and the run still failed (Errors alarm)
+    assert caught.value.code == "QUEUE_NOT_FOUND"
+    assert [s for s, _ in alerter.sent] == ["[infrai-jobs] 1 new dead letter(s) on billing-jobs"]
+
+
 def test_alerts_go_to_sns_through_boto3(stage: Stage, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {
         "AWS_ACCESS_KEY_ID": "testing",

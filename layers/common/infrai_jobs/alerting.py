@@ -20,7 +20,7 @@ from typing import Any, LiteralString, Protocol
 
 import psycopg
 
-from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.errors import InfraiError, LedgerError, LedgerUnavailable
 from infrai_jobs.ledger import connect_to_ledger
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueStats
@@ -178,6 +178,7 @@ class AlertCheck:
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
+        unread: list[InfraiError] = []
         try:
             with connect_to_ledger(
                 self._database_url,
@@ -188,9 +189,18 @@ class AlertCheck:
                 # another run after this moment holds a newer observation than ours.
                 started = conn.execute("SELECT now()").fetchone()
                 report.started = started[0] if started else None
-                # Stats before any verdict: if Infrai cannot answer, this raises and nothing
-                # is "resolved".
-                report.stats = [self._queue.stats(name) for name in watched]
+                # Stats before any verdict. A queue whose stats cannot be read gets no verdict
+                # at all (never a "resolved" on missing data); the others are still judged, and
+                # the run raises at the end so the function's Errors alarm fires.
+                for name in watched:
+                    try:
+                        report.stats.append(self._queue.stats(name))
+                    except InfraiError as exc:
+                        logger.error(
+                            "cannot read a watched queue's stats; it is not judged this run",
+                            extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
+                        )
+                        unread.append(exc)
                 report.stuck = self._stuck_claims(conn)
                 limit = self._thresholds.backlog_age_seconds
                 for stats in report.stats:
@@ -206,6 +216,8 @@ class AlertCheck:
             raise LedgerUnavailable(f"alert check cannot reach the ledger: {exc}") from exc
         except psycopg.Error as exc:
             raise LedgerError(f"alert check failed in the ledger: {exc}") from exc
+        if unread:
+            raise unread[0]
         return report
 
     def _stuck_claims(self, conn: psycopg.Connection[Any]) -> StuckClaims:

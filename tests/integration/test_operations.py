@@ -329,6 +329,15 @@ def test_release_and_resolve_failed_forget_the_second_layer_record_first(kit: Ha
     with pytest.raises(ClaimChanged):
         claims("claims_resolve")
     assert forgotten == []
+    # And so does releasing, without its token, a claim under a live lease (refused too)
+    kit.sql(
+        "UPDATE job_claims SET state = 'running', error = NULL,"
+        " lease_until = now() + interval '5 minutes' WHERE idem_key = %s",
+        (key,),
+    )
+    with pytest.raises(ClaimChanged, match="live lease"):
+        claims("claims_release")
+    assert forgotten == []
 
 
 def test_a_claim_under_a_live_lease_is_acted_on_only_with_its_token(

@@ -14,6 +14,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TextIO
 
@@ -359,7 +360,7 @@ def _claims(
         if args.failed and forget is not None:
             # "The effect did not happen": a stored "uncertain" in the second layer is wrong
             # now, and would park a reopened retry as stuck again.
-            _forget_while_open(admin, args.key, forget, ("running",))
+            _forget_while_open(admin, args.key, forget, ("running",), args.token)
         changed = admin.resolve(
             args.key,
             done=args.done,
@@ -372,7 +373,7 @@ def _claims(
     if command == "claims_release":
         if forget is not None:
             # Without this, a stored "uncertain" in the second layer would park the retry again.
-            _forget_while_open(admin, args.key, forget, ("running", "failed"))
+            _forget_while_open(admin, args.key, forget, ("running", "failed"), args.token)
         released = admin.release(args.key, expected_token=args.token, note=args.note)
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
@@ -400,14 +401,23 @@ def _claims(
 
 
 def _forget_while_open(
-    admin: ClaimsAdmin, key: str, forget: Callable[[str], None], states: tuple[str, ...]
+    admin: ClaimsAdmin,
+    key: str,
+    forget: Callable[[str], None],
+    states: tuple[str, ...],
+    token: uuid.UUID | None,
 ) -> None:
     """Forget the second layer's record before the ledger changes, not after: if the store
     cannot be reached, the command fails with nothing changed and can simply be run again.
     (After, a failed forget left the row deleted and a rerun found no claim to act on.) A
-    claim in any other state is left alone, record and all: the change will be refused."""
-    if admin.show(key).state in states:
-        forget(key)
+    claim the change will be refused for (another state, another token, a live lease without
+    a token) keeps its record."""
+    row = admin.show(key)
+    if row.state not in states or (token is not None and row.claim_token != token):
+        return
+    if token is None and row.lease_until is not None and row.lease_until > datetime.now(UTC):
+        return
+    forget(key)
 
 
 def _parse_result(text: str) -> Any:

@@ -268,7 +268,9 @@ def connect_to_ledger(
 ) -> psycopg.Connection[Any]:
     """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
     with the URL kept out of the message (and the driver's error, which may quote it, not
-    chained): every place that connects goes through here."""
+    chained). The watcher, the operator tools and migrate connect through here;
+    ``PostgresLedger`` words its failures the same way, after its one retry with the secret
+    fetched again."""
     try:
         return psycopg.connect(
             url,

@@ -112,6 +112,39 @@ def default_actor() -> str:
     return os.environ.get("OPERATOR") or getpass.getuser()
 
 
+# The states each operator change applies to.
+RESOLVABLE: tuple[str, ...] = ("running",)
+RELEASABLE: tuple[str, ...] = ("running", "failed")
+
+
+def change_refused(
+    row: ClaimRow, *, action: str, allowed_states: tuple[str, ...], token: uuid.UUID | None
+) -> str:
+    """Why an operator's change to ``row`` is refused, or "" when it may go ahead."""
+    key = row.idem_key
+    if row.state not in allowed_states:
+        return f"claim {key!r} is {row.state}; {action} needs {' or '.join(allowed_states)}"
+    if (
+        token is None
+        and row.state == "running"
+        and row.lease_until is not None
+        and row.lease_until > datetime.now(UTC)
+    ):
+        # Its delivery may be inside the effect right now: acting on it unseen could let a
+        # duplicate repeat an irreversible effect.
+        return (
+            f"claim {key!r} is running under a live lease until "
+            f"{row.lease_until.isoformat()}; wait for it to end, or pass "
+            f"--token {row.claim_token} to {action} it anyway"
+        )
+    if token is not None and row.claim_token != token:
+        return (
+            f"claim {key!r} is now held by token {row.claim_token}, not {token}: it changed "
+            f"since you looked; run `infrai-jobs claims show {key}` again"
+        )
+    return ""
+
+
 class ClaimsAdmin:
     """Operator actions on the ledger; one short connection per call."""
 
@@ -171,7 +204,7 @@ class ClaimsAdmin:
                 "result": Jsonb(result) if done else None,
                 "error": None if done else (error or "resolved as failed by an operator"),
             },
-            allowed_states=("running",),
+            allowed_states=RESOLVABLE,
             expected_token=expected_token,
             actor=actor,
             note=note,
@@ -191,7 +224,7 @@ class ClaimsAdmin:
             action="release",
             statement=_RELEASE,
             changes={},
-            allowed_states=("running", "failed"),
+            allowed_states=RELEASABLE,
             expected_token=expected_token,
             actor=actor,
             note=note,
@@ -216,30 +249,11 @@ class ClaimsAdmin:
                 if row is None:
                     raise ClaimNotFound(f"no claim with key {key!r}")
                 before = ClaimRow(**row)
-                if before.state not in allowed_states:
-                    raise ClaimChanged(
-                        f"claim {key!r} is {before.state}; {action} needs "
-                        f"{' or '.join(allowed_states)}"
-                    )
-                if (
-                    expected_token is None
-                    and before.state == "running"
-                    and before.lease_until is not None
-                    and before.lease_until > datetime.now(UTC)
-                ):
-                    # Its delivery may be inside the effect right now: acting on it unseen
-                    # could let a duplicate repeat an irreversible effect.
-                    raise ClaimChanged(
-                        f"claim {key!r} is running under a live lease until "
-                        f"{before.lease_until.isoformat()}; wait for it to end, or pass "
-                        f"--token {before.claim_token} to {action} it anyway"
-                    )
-                if expected_token is not None and before.claim_token != expected_token:
-                    raise ClaimChanged(
-                        f"claim {key!r} is now held by token {before.claim_token}, not "
-                        f"{expected_token}: it changed since you looked; run "
-                        f"`infrai-jobs claims show {key}` again"
-                    )
+                refused = change_refused(
+                    before, action=action, allowed_states=allowed_states, token=expected_token
+                )
+                if refused:
+                    raise ClaimChanged(refused)
                 cursor = conn.execute(
                     statement,
                     {

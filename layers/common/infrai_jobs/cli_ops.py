@@ -14,11 +14,18 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TextIO
 
-from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin, claim_as_dict
+from infrai_jobs.claims_admin import (
+    RELEASABLE,
+    RESOLVABLE,
+    ClaimChanged,
+    ClaimNotFound,
+    ClaimsAdmin,
+    change_refused,
+    claim_as_dict,
+)
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.keys import derive_key
 from infrai_jobs.ledger import ClaimRow
@@ -360,7 +367,7 @@ def _claims(
         if args.failed and forget is not None:
             # "The effect did not happen": a stored "uncertain" in the second layer is wrong
             # now, and would park a reopened retry as stuck again.
-            _forget_while_open(admin, args.key, forget, ("running",), args.token)
+            _forget_while_open(admin, args.key, forget, RESOLVABLE, args.token)
         changed = admin.resolve(
             args.key,
             done=args.done,
@@ -373,7 +380,7 @@ def _claims(
     if command == "claims_release":
         if forget is not None:
             # Without this, a stored "uncertain" in the second layer would park the retry again.
-            _forget_while_open(admin, args.key, forget, ("running", "failed"), args.token)
+            _forget_while_open(admin, args.key, forget, RELEASABLE, args.token)
         released = admin.release(args.key, expected_token=args.token, note=args.note)
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
@@ -410,14 +417,9 @@ def _forget_while_open(
     """Forget the second layer's record before the ledger changes, not after: if the store
     cannot be reached, the command fails with nothing changed and can simply be run again.
     (After, a failed forget left the row deleted and a rerun found no claim to act on.) A
-    claim the change will be refused for (another state, another token, a live lease without
-    a token) keeps its record."""
-    row = admin.show(key)
-    if row.state not in states or (token is not None and row.claim_token != token):
-        return
-    if token is None and row.lease_until is not None and row.lease_until > datetime.now(UTC):
-        return
-    forget(key)
+    claim the change will be refused for keeps its record."""
+    if not change_refused(admin.show(key), action="forget", allowed_states=states, token=token):
+        forget(key)
 
 
 def _parse_result(text: str) -> Any:

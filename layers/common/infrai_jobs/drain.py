@@ -239,7 +239,8 @@ def _drain_batches(
                 summary.stopped = "empty"
                 return
             remaining = time_left_ms()
-            if remaining < config.batch_budget_ms:
+            stop = _stop_reason(config, summary, remaining, time_for=1)
+            if stop:
                 # The receive itself ran long (retries, a Retry-After): what is left no longer
                 # covers the batch. Cutting it off half-way could leave an external effect
                 # uncertain; unacked, it costs one delivery instead.
@@ -248,7 +249,7 @@ def _drain_batches(
                     "a batch received when the time left no longer covered it was left "
                     "for redelivery",
                 )
-                summary.stopped = "time_budget"
+                summary.stopped = stop
                 return
             summary.batches += 1
             if not _stop_reason(config, summary, remaining, time_for=2):

@@ -43,6 +43,35 @@ class InfraiInvalidResponse(InfraiError):
     """Infrai answered, but not in a shape the contract allows."""
 
 
+class ConsumeAnswerLost(InfraiUnavailable):
+    """A consume may have been served, but its answer was lost or could not be read.
+
+    Too large, not JSON, nested too deeply, cut off, or a 5xx after the call may have applied:
+    every message it served (up to ``max_messages``) is now in flight and has spent one of its
+    three deliveries, unseen. Callers isolate the cause by consuming one message at a time.
+    ``size`` is the answer's length in bytes when known; ``message_ids`` are the ids that could
+    still be read from it (often none).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int = 0,
+        *,
+        call: str = "consume",
+        queue: str = "",
+        max_messages: int = 0,
+        size: int | None = None,
+        message_ids: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(code, message, status, call=call)
+        self.queue = queue
+        self.max_messages = max_messages
+        self.size = size
+        self.message_ids = message_ids
+
+
 class QueueMessageNotFound(InfraiError):
     """An ack named a handle the queue no longer holds: already acked, or dead-lettered.
 

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv lint typecheck test test-unit test-integration test-e2e demo clean
 
-$(STAMP): pyproject.toml layers/common/requirements.txt
+$(STAMP): pyproject.toml layers/common/requirements.in
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "infrai-jobs needs Python 3.11 or newer (found %s)" % sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
@@ -69,7 +69,7 @@ SAM_BUILD_FLAGS ?=
 PYTHON313 ?= $(shell for p in "$$(command -v python3.13)" $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.13*/bin/python3.13; do \
 	[ -x "$$p" ] && "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 13))' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: tools build validate
+.PHONY: tools build validate lock
 
 $(SAM_STAMP):
 	rm -rf $(SAM_VENV)
@@ -95,6 +95,34 @@ build: $(SAM_STAMP)
 		echo "  - build in Lambda's image: make build SAM_BUILD_FLAGS=--use-container (needs Docker)." >&2; \
 		exit 1; \
 	fi
+
+# The layer's lock, layers/common/requirements.txt (the file sam build pip-installs): every
+# package the layer gets, transitive ones included, pinned with the hashes of all its files,
+# resolved by pip-tools under Python 3.13 (the runtime) from the direct requirements in
+# layers/common/requirements.in. Run after changing those; .ci/check_build.py then checks that
+# the built layer holds exactly the locked versions. Pins already in the lock are kept while they
+# still fit; `make lock LOCK_FLAGS=--upgrade` moves every package to its newest fitting version.
+LOCK_FLAGS ?=
+PIP_TOOLS_VERSION := 7.6.2
+LOCK_VENV := .tools/lock
+LOCK_STAMP := $(LOCK_VENV)/.installed-$(PIP_TOOLS_VERSION)
+
+$(LOCK_STAMP):
+	@if [[ -z "$(PYTHON313)" ]]; then \
+		echo "make lock: no Python 3.13 found (the lock is resolved for the python3.13 runtime);" >&2; \
+		echo "  install one (pyenv install 3.13) or point at one: make lock PYTHON313=/path/to/python3.13" >&2; \
+		exit 1; \
+	fi
+	rm -rf $(LOCK_VENV)
+	$(PYTHON313) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet "pip-tools==$(PIP_TOOLS_VERSION)"
+	@touch $@
+
+lock: $(LOCK_STAMP)
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet $(LOCK_FLAGS) \
+		--generate-hashes --allow-unsafe --strip-extras \
+		--no-emit-index-url --no-emit-find-links --no-emit-trusted-host \
+		--output-file layers/common/requirements.txt layers/common/requirements.in
 
 # Both offline: cfn-lint needs nothing, and sam validate --lint needs no credentials or region.
 validate: $(STAMP) $(SAM_STAMP)

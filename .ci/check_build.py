@@ -1,7 +1,8 @@
 """Checks what `make build` left in .aws-sam/build: the artifacts Lambda would run.
 
-1. The layer holds ``infrai_jobs`` (the same modules as ``layers/common``) and every pin of
-   ``layers/common/requirements.txt`` at its pinned version.
+1. The layer holds ``infrai_jobs`` (the same modules as ``layers/common``) and exactly the
+   packages of the lock ``layers/common/requirements.txt`` (``make lock``): each locked package at
+   its locked version, transitive ones included, and no package the lock does not name.
 2. Its native code is for the Lambda runtime: psycopg_binary's wheel tags say CPython 3.13 on
    manylinux aarch64, its extension modules are named for cpython-313-aarch64, and every ELF
    file in the layer is a 64-bit AArch64 object (read from the ELF header, not the file name).
@@ -33,7 +34,7 @@ from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / ".aws-sam" / "build"
-REQUIREMENTS = ROOT / "layers" / "common" / "requirements.txt"
+LOCK = ROOT / "layers" / "common" / "requirements.txt"
 SOURCE_PACKAGE = ROOT / "layers" / "common" / "infrai_jobs"
 
 ELF_MAGIC = b"\x7fELF"
@@ -41,7 +42,8 @@ ELFCLASS64 = 2
 EM_AARCH64 = 183
 WHEEL_TAG = re.compile(r"^cp313-cp313-manylinux(2014|_\d+_\d+)_aarch64$")
 EXTENSION_SUFFIX = ".cpython-313-aarch64-linux-gnu.so"
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;#]+)")
+# A lock entry, "name==version \\", its --hash lines below it.
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#\\]+)")
 
 # Imports the handler the way Lambda's bootstrap does; prints the modules it loaded from where.
 _IMPORT_PROBE = r"""
@@ -102,12 +104,12 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
-def pinned_requirements() -> dict[str, str]:
+def locked_packages() -> dict[str, str]:
     pins: dict[str, str] = {}
-    for line in REQUIREMENTS.read_text().splitlines():
-        match = PIN.match(line.strip())
+    for line in LOCK.read_text().splitlines():
+        match = PIN.match(line)
         if match:
-            pins[normalise(match.group(1))] = match.group(3)
+            pins[normalise(match.group(1))] = match.group(2)
     return pins
 
 
@@ -145,9 +147,17 @@ def check_layer(checks: Checks, site: Path) -> None:
     )
 
     dists = installed_dists(site)
-    for name, version in pinned_requirements().items():
+    locked = locked_packages()
+    checks.check(bool(locked), "the lock names packages", str(LOCK.relative_to(ROOT)))
+    for name, version in sorted(locked.items()):
         found = dists.get(name)
         checks.check(found == version, f"layer has {name}=={version}", f"found {found}")
+    unlocked = {name: version for name, version in dists.items() if name not in locked}
+    checks.check(
+        not unlocked,
+        "layer holds no package the lock does not name",
+        ", ".join(f"{n}=={v}" for n, v in sorted(unlocked.items())) or f"{len(dists)} packages",
+    )
     checks.check("psycopg_binary" in dists, "layer has psycopg_binary (psycopg[binary])")
 
     wheel_files = list(site.glob("psycopg_binary-*.dist-info/WHEEL"))

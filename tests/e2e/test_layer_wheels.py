@@ -4,6 +4,10 @@ The code runs on Python 3.11 here, so nothing local proves that a pin also ships
 aarch64; a pin without such a wheel would only fail at `sam build` or, worse, at deploy time.
 This asks the package index the way `sam build` does (aws-lambda-builders' pip download for
 python3.13 on arm64), dependencies included. It needs the package registry, which CI reaches.
+
+The requirements file is the layer's lock (``make lock``): every package pinned with its hashes,
+so pip runs in hash-checking mode. A package the lock misses, or a wheel whose hash it does not
+list, fails the download; the download must then bring exactly the locked set.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ LAMBDA_PLATFORMS = (
     "manylinux_2_28_aarch64",
     "manylinux_2_34_aarch64",
 )
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+)$")
+# A lock entry: "name==version \\" (its --hash lines follow, indented).
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 WHEEL = re.compile(
     r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<tags>[^-]+-[^-]+-[^-]+)\.whl$"
 )
@@ -89,10 +94,9 @@ def test_every_pinned_wheel_exists_for_cpython313_on_manylinux_aarch64(tmp_path:
         match = WHEEL.match(wheel.name)
         assert match, wheel.name
         wheels[normalise(match["name"])] = (match["version"], match["tags"])
-    # And each pin arrived at its pinned version
-    for name, version in pins().items():
-        assert name in wheels, f"{name} was not downloaded"
-        assert wheels[name][0] == version, f"{name}: got {wheels[name][0]}, pinned {version}"
+    # And what arrived is exactly the lock: every locked package at its version, nothing else
+    downloaded = {name: version for name, (version, _) in wheels.items()}
+    assert downloaded == pins()
     # And every wheel, dependencies included, runs on CPython 3.13 on arm64 Linux
     assert "psycopg_binary" in wheels, "psycopg[binary] must bring its binary wheel"
     for name, (_, tags) in wheels.items():

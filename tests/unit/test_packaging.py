@@ -1,8 +1,10 @@
 """What the layer installs is what the project declares and tests against.
 
-``layers/common/requirements.txt`` is what ``sam build`` pip-installs into the layer;
-``[project].dependencies`` is what the virtualenv (and so every test) runs with. They must name
-the same distributions at the same versions, each pinned exactly.
+``layers/common/requirements.in`` holds the layer's direct requirements; ``[project].dependencies``
+is what the virtualenv (and so every test) runs with. They must name the same distributions at
+the same versions, each pinned exactly. ``layers/common/requirements.txt``, the file ``sam build``
+pip-installs into the layer, is the lock ``make lock`` generates from the direct requirements:
+every package, transitive ones included, pinned with its hashes.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-REQUIREMENTS = ROOT / "layers" / "common" / "requirements.txt"
+REQUIREMENTS = ROOT / "layers" / "common" / "requirements.in"
+LOCK = ROOT / "layers" / "common" / "requirements.txt"
 PYPROJECT = ROOT / "pyproject.toml"
 PIN = re.compile(
     r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?:\[(?P<extras>[^\]]*)\])?==(?P<version>\S+)$"
 )
 
 Pin = tuple[str, frozenset[str], str]
+# One entry of the lock: "name==version \\" then its "--hash=sha256:..." lines.
+LOCK_ENTRY = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s\\]+) \\$")
+HASH_LINE = re.compile(r"^--hash=sha256:[0-9a-f]{64}( \\)?$")
 
 
 def normalise(name: str) -> str:
@@ -90,3 +96,53 @@ def test_the_pin_parser_tells_names_extras_and_ranges_apart() -> None:
     assert parse_pin("boto3>=1.44") is None
     assert parse_pin("boto3~=1.44.5") is None
     assert parse_pin("-e .") is None
+
+
+def lock_entries() -> dict[str, tuple[str, list[str]]]:
+    """The lock as {normalised name: (version, hash lines)}; anything unexpected fails."""
+    entries: dict[str, tuple[str, list[str]]] = {}
+    current: list[str] | None = None
+    for raw in LOCK.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            current = None
+            continue
+        entry = LOCK_ENTRY.match(line)
+        if entry and not raw.startswith(" "):
+            current = []
+            entries[normalise(entry["name"])] = (entry["version"], current)
+            continue
+        assert current is not None, f"a line before the first entry: {raw!r}"
+        assert HASH_LINE.match(line), f"unexpected lock line: {raw!r}"
+        current.append(line)
+    return entries
+
+
+def test_the_lock_pins_every_package_with_its_hashes_and_nothing_else() -> None:
+    # Given the lock sam build installs
+    text = LOCK.read_text()
+    # When it is parsed entry by entry
+    entries = lock_entries()
+    # Then every entry is name==version with at least one sha256 hash, and pip's hash-checking
+    # mode is therefore on for every package (no option line, no index, no local path)
+    assert entries
+    assert {name for name, (_, hashes) in entries.items() if not hashes} == set()
+    assert not [line for line in text.splitlines() if line.startswith("-")]
+    # And it says which command made it
+    assert "#    make lock" in text.splitlines()
+
+
+def test_the_lock_holds_every_direct_requirement_at_its_pin_and_their_dependencies() -> None:
+    # Given the direct requirements and the lock
+    direct = {parse_pin(line) for line in requirement_lines()}
+    entries = lock_entries()
+    # When each direct pin is looked up in the lock (extras are resolved into their packages)
+    mismatched = {
+        (name, version, entries.get(name, ("missing", []))[0])
+        for name, _, version in filter(None, direct)
+        if entries.get(name, ("", []))[0] != version
+    }
+    # Then each is there at its pin, and the lock holds more: the transitive packages too
+    assert mismatched == set()
+    assert {"botocore", "s3transfer", "jmespath", "wrapt", "psycopg-binary"} <= set(entries)
+    assert len(entries) > len(direct)

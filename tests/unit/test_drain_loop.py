@@ -389,7 +389,7 @@ def test_a_transient_failure_releases_the_claim_and_walks_to_the_dlq(kit: Kit) -
         summary = kit.drain()
         # Then no claim remains and the message is not acked
         assert summary.outcomes == {"retry": 1}, f"delivery {delivery}"
-        assert (summary.acked, summary.failed) == (0, 1)
+        assert (summary.acked, summary.retried, summary.failed) == (0, 1, 0)
         assert kit.ledger.get("test.db:poison") is None
         kit.redeliver()
     # And the third unacked delivery dead-lettered it, after three attempts
@@ -406,7 +406,12 @@ def test_a_permanent_failure_is_recorded_failed_and_not_acked(kit: Kit) -> None:
     # When drained
     summary = kit.drain()
     # Then its claim is failed with the error, and its message is left for the DLQ
-    assert (summary.outcomes, summary.acked, summary.failed) == ({"failed": 1}, 0, 1)
+    assert (summary.outcomes, summary.acked, summary.retried, summary.failed) == (
+        {"failed": 1},
+        0,
+        0,
+        1,
+    )
     row = kit.row("test.db:bad")
     assert (row.state, row.error) == ("failed", "PermanentJobError: simulated permanent failure")
     assert kit.queue.stats(QUEUE).in_flight_count == 1
@@ -618,7 +623,7 @@ def test_the_summary_counts_add_up(kit: Kit) -> None:
     kit.queue.lose_ack_answers(1)
     # When drained
     summary = kit.drain()
-    # Then every message is counted once, in one of the four buckets
+    # Then every message is counted once, in one of the five buckets
     assert summary.outcomes == {
         "duplicate": 1,
         "done": 1,
@@ -630,9 +635,10 @@ def test_the_summary_counts_add_up(kit: Kit) -> None:
         "rejected": 1,
     }
     assert (summary.consumed, summary.done, summary.duplicates) == (8, 1, 2)
-    assert (summary.failed, summary.parked, summary.batches) == (2, 3, 1)
+    assert (summary.retried, summary.failed, summary.parked, summary.batches) == (1, 1, 3, 1)
     assert summary.consumed == sum(summary.outcomes.values())
-    assert summary.consumed == summary.done + summary.duplicates + summary.failed + summary.parked
+    buckets = summary.done + summary.duplicates + summary.retried + summary.failed + summary.parked
+    assert summary.consumed == buckets
     # And every settled message was acked once, one of them with a lost answer
     assert (summary.acked, summary.ack_lost, summary.ack_failed) == (2, 1, 0)
     assert summary.acked + summary.ack_lost == summary.done + summary.duplicates

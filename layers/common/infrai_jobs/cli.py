@@ -24,6 +24,7 @@ import psycopg
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.cli_ops import OpsContext, add_ops_commands, run_ops
+from infrai_jobs.drain_report import DrainReport, summary_lines
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -237,9 +238,13 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         )
         stack.callback(service.close)
         deadline = time.monotonic() + args.time_budget_seconds
-        summary = service.run(
-            lambda: int((deadline - time.monotonic()) * 1000), max_batches=args.max_batches
-        )
+        # Problem messages and retried calls, one line each on stderr as they happen.
+        with DrainReport(sys.stderr).attached():
+            summary = service.run(
+                lambda: int((deadline - time.monotonic()) * 1000), max_batches=args.max_batches
+            )
+    for line in summary_lines(summary):
+        print(line, file=sys.stderr)
     print(json.dumps(summary.as_dict()))
     return EXIT_OK
 

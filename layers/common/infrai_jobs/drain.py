@@ -87,9 +87,15 @@ class DrainConfig:
 
 @dataclass
 class DrainSummary:
+    """What one drain did. Every consumed message is in exactly one of ``done``,
+    ``duplicates``, ``retried``, ``failed`` and ``parked`` (see ``OUTCOME_RULES``)."""
+
     consumed: int = 0
     done: int = 0
     duplicates: int = 0
+    # A handler raised and its claim was released: the redelivery runs it again.
+    retried: int = 0
+    # A handler raised PermanentJobError: the claim is failed, the message goes to the DLQ.
     failed: int = 0
     parked: int = 0
     acked: int = 0
@@ -105,6 +111,7 @@ class DrainSummary:
             "consumed": self.consumed,
             "done": self.done,
             "duplicates": self.duplicates,
+            "retried": self.retried,
             "failed": self.failed,
             "parked": self.parked,
             "acked": self.acked,
@@ -117,22 +124,26 @@ class DrainSummary:
         }
 
 
+_SUMMARY_TOTALS = (
+    "consumed",
+    "done",
+    "duplicates",
+    "retried",
+    "failed",
+    "parked",
+    "acked",
+    "ack_lost",
+    "ack_failed",
+    "batches",
+    "takeovers",
+)
+
+
 def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
     """One summary for several lanes of the same invocation."""
     merged = DrainSummary()
     for summary in summaries:
-        for name in (
-            "consumed",
-            "done",
-            "duplicates",
-            "failed",
-            "parked",
-            "acked",
-            "ack_lost",
-            "ack_failed",
-            "batches",
-            "takeovers",
-        ):
+        for name in _SUMMARY_TOTALS:
             setattr(merged, name, getattr(merged, name) + getattr(summary, name))
         merged.outcomes.update(summary.outcomes)
     reasons = {s.stopped for s in summaries}
@@ -610,27 +621,45 @@ class _AckPipeline:
             raise unexpected
 
 
+@dataclass(frozen=True, slots=True)
+class OutcomeRule:
+    """What an outcome counts as in the summary, and how loudly it is logged."""
+
+    bucket: str  # the DrainSummary total it adds to
+    level: int  # its log line's level: WARNING or ERROR when a human may have to act
+
+
+# DESIGN.md's outcome table as data (the ack column is ACKED_OUTCOMES): the summary, the log
+# levels and the CLI's report derive from it. Transient retries are WARNING (they fix
+# themselves, unless they keep coming); what needs a human's fix is ERROR.
+OUTCOME_RULES: dict[Outcome, OutcomeRule] = {
+    Outcome.DONE: OutcomeRule("done", logging.INFO),
+    Outcome.DUPLICATE: OutcomeRule("duplicates", logging.INFO),
+    Outcome.IN_FLIGHT: OutcomeRule("duplicates", logging.INFO),
+    Outcome.BATCH_DUPLICATE: OutcomeRule("parked", logging.WARNING),
+    Outcome.RETRY: OutcomeRule("retried", logging.WARNING),
+    Outcome.FAILED: OutcomeRule("failed", logging.ERROR),
+    Outcome.DUPLICATE_FAILED: OutcomeRule("parked", logging.WARNING),
+    Outcome.STUCK: OutcomeRule("parked", logging.ERROR),
+    Outcome.CONFLICT: OutcomeRule("parked", logging.ERROR),
+    Outcome.REJECTED: OutcomeRule("parked", logging.ERROR),
+    Outcome.CLAIM_LOST: OutcomeRule("parked", logging.ERROR),
+    Outcome.LEDGER_UNAVAILABLE: OutcomeRule("parked", logging.ERROR),
+}
+
+
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
     for r in results:
         summary.consumed += 1
         summary.outcomes[r.outcome.value] += 1
         summary.takeovers += int(r.takeover)
-        if r.outcome is Outcome.DONE:
-            summary.done += 1
-        elif r.outcome in (Outcome.DUPLICATE, Outcome.IN_FLIGHT):
-            summary.duplicates += 1
-        elif r.outcome in (Outcome.RETRY, Outcome.FAILED):
-            summary.failed += 1
-        else:
-            summary.parked += 1
+        bucket = OUTCOME_RULES[r.outcome].bucket
+        setattr(summary, bucket, getattr(summary, bucket) + 1)
 
 
 def _log(result: MessageResult) -> MessageResult:
-    level = logging.INFO if result.ack or result.outcome is Outcome.RETRY else logging.WARNING
-    if result.outcome in (Outcome.REJECTED, Outcome.CONFLICT, Outcome.STUCK, Outcome.CLAIM_LOST):
-        level = logging.ERROR
     logger.log(
-        level,
+        OUTCOME_RULES[result.outcome].level,
         "message %s",
         result.outcome.value,
         extra={

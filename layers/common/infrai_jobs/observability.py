@@ -30,6 +30,7 @@ DRAIN_METRICS = {
     "consumed": "MessagesConsumed",
     "done": "JobsDone",
     "duplicates": "DuplicatesSkipped",
+    "retried": "JobsRetried",
     "failed": "JobsFailed",
     "parked": "MessagesParked",
     "acked": "MessagesAcked",

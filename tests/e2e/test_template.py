@@ -23,6 +23,10 @@ from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from samtranslator.parser.parser import Parser  # type: ignore[import-untyped]
 from samtranslator.translator.translator import Translator  # type: ignore[import-untyped]
 
+from infrai_jobs.alerting import AlertReport, StuckClaims
+from infrai_jobs.drain import DrainSummary
+from infrai_jobs.observability import record_alert_check, record_drain
+from infrai_jobs.queue_models import QueueStats
 from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,7 +242,7 @@ def test_every_scheduled_function_pages_when_it_fails_and_the_watcher_when_silen
         return {
             d["Value"]["Ref"]
             for a in alarms
-            if a["MetricName"] == metric and a["AlarmActions"] == [{"Ref": "AlertTopic"}]
+            if a.get("MetricName") == metric and a["AlarmActions"] == [{"Ref": "AlertTopic"}]
             for d in a["Dimensions"]
             if d["Name"] == "FunctionName"
         }
@@ -247,7 +251,7 @@ def test_every_scheduled_function_pages_when_it_fails_and_the_watcher_when_silen
     assert scheduled <= watched("Errors")
     # And the DLQ watcher pages when it stops running, within its alarm's period
     assert "DlqAlertFunction" in watched("Invocations")
-    (silent,) = [a for a in alarms if a["MetricName"] == "Invocations"]
+    (silent,) = [a for a in alarms if a.get("MetricName") == "Invocations"]
     pattern = re.compile(template["Parameters"]["DlqAlertScheduleRate"]["AllowedPattern"])
     for rate, allowed in [
         ("rate(5 minutes)", True),
@@ -358,3 +362,298 @@ def test_the_env_vars_file_sets_only_variables_the_template_declares() -> None:
         for names in targets:
             assert set(variables) <= names, f"{scope}: {set(variables) - names}"
         assert all(isinstance(v, str) for v in variables.values()), scope
+
+
+# --- Schedules, alarms and the dashboard -------------------------------------------------------
+
+SCHEDULE_PLACEHOLDERS = re.compile(r"<aws\.scheduler\.[a-z-]+>")
+
+
+def alarms(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: resource
+        for name, resource in template["Resources"].items()
+        if resource["Type"] == "AWS::CloudWatch::Alarm"
+    }
+
+
+def alarm_metrics(alarm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics an alarm reads: its one metric, or every MetricStat of its metric math."""
+    props = alarm["Properties"]
+    if "MetricName" in props:
+        return [
+            {
+                "Namespace": props["Namespace"],
+                "MetricName": props["MetricName"],
+                "Dimensions": props.get("Dimensions", []),
+            }
+        ]
+    return [q["MetricStat"]["Metric"] for q in props["Metrics"] if "MetricStat" in q]
+
+
+def globals_variable(template: dict[str, Any], name: str) -> str:
+    value = template["Globals"]["Function"]["Environment"]["Variables"][name]
+    assert isinstance(value, str), f"{name} must be a literal for the alarms to name it"
+    return value
+
+
+def emitted_metrics(
+    template: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> dict[str, tuple[str, dict[str, str]]]:
+    """What the functions' code emits as EMF, run with the template's namespace and service:
+    {metric: (namespace, {dimension: value})}, the queue named as QueueName's default."""
+    from aws_lambda_powertools import Metrics  # noqa: PLC0415 - only these tests need it
+
+    queue = template["Parameters"]["QueueName"]["Default"]
+    namespace = globals_variable(template, "POWERTOOLS_METRICS_NAMESPACE")
+    service = globals_variable(template, "POWERTOOLS_SERVICE_NAME")
+    capsys.readouterr()
+    metrics = Metrics(namespace=namespace, service=service)
+    stats = QueueStats(queue, 3, 1, 1, 0, 1, 12.5)
+    record_alert_check(metrics, AlertReport(stats=[stats], stuck=StuckClaims(1, 960.0)))
+    metrics.flush_metrics()
+    record_drain(metrics, queue, DrainSummary())
+    metrics.flush_metrics()
+    found: dict[str, tuple[str, dict[str, str]]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        document = json.loads(line)
+        for directive in document["_aws"]["CloudWatchMetrics"]:
+            (dimension_names,) = directive["Dimensions"]
+            dimensions = {d: document[d] for d in dimension_names}
+            for metric in directive["Metrics"]:
+                found[metric["Name"]] = (directive["Namespace"], dimensions)
+    return found
+
+
+def resolved_dimensions(template: dict[str, Any], dimensions: list[dict[str, Any]]) -> dict:
+    """An alarm's dimensions with each Ref to a parameter replaced by its default."""
+    return {
+        d["Name"]: parameter_default(template, d["Value"])
+        if isinstance(d["Value"], dict)
+        else d["Value"]
+        for d in dimensions
+    }
+
+
+def drain_schedule_rate_seconds(template: dict[str, Any]) -> int:
+    rate = template["Parameters"]["DrainScheduleRate"]["Default"]
+    match = re.fullmatch(r"rate\((\d+) minutes?\)", rate)
+    assert match, rate
+    return int(match.group(1)) * 60
+
+
+def test_every_schedule_is_an_eventbridge_scheduler_schedule_set_deliberately() -> None:
+    # Given every scheduled event of every function
+    template = load_template()
+    events = {
+        f"{name}.{event_name}": event
+        for name, props in functions(template).items()
+        for event_name, event in props.get("Events", {}).items()
+        if event["Type"] in ("Schedule", "ScheduleV2")
+    }
+    assert len(events) == 3, events
+    for name, event in events.items():
+        props = event["Properties"]
+        # When its type and properties are read
+        # Then it is EventBridge Scheduler (ScheduleV2) in the stack's own schedule group
+        assert event["Type"] == "ScheduleV2", name
+        assert props["GroupName"] == {"Ref": "ScheduleGroup"}, name
+        # And its retry policy and flexible window are set, not left to Scheduler's defaults
+        # (185 retries over 24 hours, which would replay day-old ticks)
+        policy = props["RetryPolicy"]
+        assert set(policy) == {"MaximumRetryAttempts", "MaximumEventAgeInSeconds"}, name
+        assert 60 <= policy["MaximumEventAgeInSeconds"] <= 3600, name
+        assert props["FlexibleTimeWindow"]["Mode"] in ("OFF", "FLEXIBLE"), name
+        # And its input is an EventBridge-shaped event whose id is Scheduler's execution id
+        document = json.loads(SCHEDULE_PLACEHOLDERS.sub("x", props["Input"]))
+        assert '"id": "<aws.scheduler.execution-id>"' in props["Input"], name
+        assert document["detail-type"] == "Scheduled Event", name
+    # And the drain's ticks are on time and never retried past its own rate
+    drain = events["DrainFunction.DrainSchedule"]["Properties"]
+    assert drain["FlexibleTimeWindow"] == {"Mode": "OFF"}
+    assert drain["RetryPolicy"]["MaximumEventAgeInSeconds"] <= drain_schedule_rate_seconds(template)
+    assert drain["State"] == {"Fn::If": ["DrainScheduled", "ENABLED", "DISABLED"]}
+    group = template["Resources"]["ScheduleGroup"]
+    assert group["Type"] == "AWS::Scheduler::ScheduleGroup"
+    assert group["Properties"]["Name"] == {"Fn::Sub": "${AWS::StackName}"}
+
+
+def test_drain_memory_is_a_parameter() -> None:
+    # Given DrainFunction and the template's parameters
+    template = load_template()
+    drain = template["Resources"]["DrainFunction"]["Properties"]
+    # When its memory is read
+    parameter = template["Parameters"]["DrainMemorySize"]
+    # Then it is the DrainMemorySize parameter, within what Lambda allows, 512 MB by default
+    assert drain["MemorySize"] == {"Ref": "DrainMemorySize"}
+    assert (parameter["Type"], parameter["Default"]) == ("Number", 512)
+    assert (parameter["MinValue"], parameter["MaxValue"]) == (128, 10240)
+
+
+def test_every_alarm_pages_the_alert_topic_and_says_what_to_run() -> None:
+    # Given every alarm of the template
+    found = alarms(load_template())
+    assert len(found) >= 10
+    for name, alarm in found.items():
+        props = alarm["Properties"]
+        # When its actions and description are read
+        # Then it pages (and clears) through the alert topic
+        assert props["AlarmActions"] == [{"Ref": "AlertTopic"}], name
+        assert props["OKActions"] == [{"Ref": "AlertTopic"}], name
+        # And its description names at least one command to run, within CloudWatch's limit
+        description = props["AlarmDescription"]
+        assert re.search(r"`(infrai-jobs|aws) [^`]+`", description), name
+        assert len(description) <= 1024, name
+
+
+def test_drain_throttles_and_a_p99_duration_near_its_timeout_page() -> None:
+    # Given the drain's throttle and duration alarms
+    template = load_template()
+    found = alarms(template)
+    timeout_ms = template["Resources"]["DrainFunction"]["Properties"]["Timeout"] * 1000
+    drain = [{"Name": "FunctionName", "Value": {"Ref": "DrainFunction"}}]
+    throttles = found["DrainThrottlesAlarm"]["Properties"]
+    duration = found["DrainDurationNearTimeoutAlarm"]["Properties"]
+    # When their metric and threshold are read
+    # Then any throttle pages
+    assert (throttles["Namespace"], throttles["MetricName"]) == ("AWS/Lambda", "Throttles")
+    assert throttles["Dimensions"] == drain
+    assert (throttles["Statistic"], throttles["Threshold"]) == ("Sum", 1)
+    assert throttles["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    # And a p99 above 80% of DrainFunction's own Timeout pages
+    assert (duration["Namespace"], duration["MetricName"]) == ("AWS/Lambda", "Duration")
+    assert duration["Dimensions"] == drain
+    assert duration["ExtendedStatistic"] == "p99"
+    assert duration["Threshold"] == 0.8 * timeout_ms
+    assert duration["ComparisonOperator"] == "GreaterThanThreshold"
+
+
+def test_a_silent_drain_pages_only_while_its_schedule_is_enabled() -> None:
+    # Given the drain's silence alarm
+    template = load_template()
+    alarm = alarms(template)["DrainSilentAlarm"]
+    props = alarm["Properties"]
+    queries = {q["Id"]: q for q in props["Metrics"]}
+    # When its condition and metric math are read
+    (stat,) = [q["MetricStat"] for q in queries.values() if "MetricStat" in q]
+    (returned,) = [q for q in queries.values() if q.get("ReturnData", True)]
+    # Then it exists only while the stack enables the schedule
+    assert alarm["Condition"] == "DrainScheduled"
+    assert template["Conditions"]["DrainScheduled"] == {
+        "Fn::Equals": [{"Ref": "DrainScheduleEnabled"}, "true"]
+    }
+    # And it counts DrainFunction's invocations per minute, a minute without any as zero
+    assert stat["Metric"]["MetricName"] == "Invocations"
+    assert stat["Metric"]["Dimensions"] == [
+        {"Name": "FunctionName", "Value": {"Ref": "DrainFunction"}}
+    ]
+    assert (stat["Period"], stat["Stat"]) == (60, "Sum")
+    (source,) = [i for i, q in queries.items() if "MetricStat" in q]
+    assert returned["Expression"] == f"FILL({source}, 0)"
+    # And it pages after DrainSilentMinutes minutes in a row without one, or without any data
+    assert props["EvaluationPeriods"] == {"Ref": "DrainSilentMinutes"}
+    assert props["DatapointsToAlarm"] == {"Ref": "DrainSilentMinutes"}
+    assert (props["Threshold"], props["ComparisonOperator"]) == (1, "LessThanThreshold")
+    assert props["TreatMissingData"] == "breaching"
+    minutes = template["Parameters"]["DrainSilentMinutes"]
+    assert minutes["Default"] * 60 > drain_schedule_rate_seconds(template)
+
+
+def test_failed_schedule_invocations_page() -> None:
+    # Given the schedules' failure alarm
+    alarm = alarms(load_template())["ScheduleFailuresAlarm"]["Properties"]
+    # When the metrics it adds up are read
+    read = {
+        (m["Namespace"], m["MetricName"]): m["Dimensions"]
+        for m in alarm_metrics({"Properties": alarm})
+    }
+    # Then they are Scheduler's target errors and dropped invocations of the stack's group
+    group = [{"Name": "ScheduleGroup", "Value": {"Ref": "ScheduleGroup"}}]
+    assert read == {
+        ("AWS/Scheduler", "TargetErrorCount"): group,
+        ("AWS/Scheduler", "InvocationDroppedCount"): group,
+    }
+    (total,) = [q for q in alarm["Metrics"] if "Expression" in q]
+    assert total["Expression"] == "FILL(target_errors, 0) + FILL(dropped, 0)"
+    assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (
+        1,
+        "GreaterThanOrEqualToThreshold",
+    )
+
+
+@pytest.mark.parametrize(
+    ("alarm_name", "metric"), [("DlqCountAlarm", "DlqCount"), ("StuckClaimsAlarm", "StuckClaims")]
+)
+def test_dlq_count_and_stuck_claims_page_on_the_metrics_the_watcher_emits(
+    alarm_name: str, metric: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given the backstop alarm and the EMF the watcher's code emits with the template's settings
+    template = load_template()
+    props = alarms(template)[alarm_name]["Properties"]
+    emitted = emitted_metrics(template, capsys)
+    # When the alarm's namespace, metric and dimensions are compared with what is emitted
+    namespace, dimensions = emitted[metric]
+    # Then they are the same series, and any value above zero pages
+    assert (props["Namespace"], props["MetricName"]) == (namespace, metric)
+    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    assert (props["Threshold"], props["ComparisonOperator"]) == (0, "GreaterThanThreshold")
+    assert props["Statistic"] == "Maximum"
+    # And between two checks the last verdict stands
+    assert props["TreatMissingData"] == "ignore"
+
+
+def dashboard(template: dict[str, Any]) -> dict[str, Any]:
+    body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
+    defaults = {name: str(spec.get("Default", "")) for name, spec in template["Parameters"].items()}
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        assert (
+            name in defaults
+            or name.split(".")[0] in template["Resources"]
+            or name.startswith("AWS::")
+        ), f"${{{name}}} names nothing"
+        return defaults.get(name, f"<{name}>")
+
+    document: dict[str, Any] = json.loads(re.sub(r"\$\{([^}]+)\}", value, body))
+    return document
+
+
+def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the dashboard's body, resolved with the parameters' defaults
+    template = load_template()
+    widgets = dashboard(template)["widgets"]
+    emitted = emitted_metrics(template, capsys)
+    shown: dict[tuple[str, str], dict[str, str]] = {}
+    for widget in widgets:
+        for row in widget["properties"].get("metrics", []):
+            names = [part for part in row if isinstance(part, str)]
+            namespace, metric, *pairs = names
+            shown[(namespace, metric)] = dict(zip(pairs[::2], pairs[1::2], strict=True))
+    # When the metrics it charts are collected
+    charted = {metric for _, metric in shown}
+    # Then it charts consumed, done, duplicates and acked, every outcome, the queue's DLQ,
+    # available, in-flight and age figures, the ledger's stuck claims and oldest running claim
+    required = {"MessagesConsumed", "JobsDone", "DuplicatesSkipped", "MessagesAcked"}
+    required |= {name for name in emitted if name.startswith("Outcome")}
+    required |= {"DlqCount", "AvailableCount", "InFlightCount", "OldestMessageAgeSeconds"}
+    required |= {"StuckClaims", "OldestRunningClaimAgeSeconds"}
+    assert len([n for n in required if n.startswith("Outcome")]) == 12
+    assert required <= charted, required - charted
+    # And each of those is charted with the namespace and dimensions the code emits
+    for (namespace, metric), dimensions in shown.items():
+        if namespace.startswith("AWS/"):
+            continue
+        assert (namespace, dimensions) == emitted[metric], metric
+    # And DrainFunction's duration, errors and throttles, and the schedules' failures
+    drain = {"FunctionName": "<DrainFunction>"}
+    for metric in ("Duration", "Errors", "Throttles", "Invocations"):
+        assert shown[("AWS/Lambda", metric)] == drain, metric
+    assert ("AWS/Scheduler", "TargetErrorCount") in shown
+    # And the widgets fit the dashboard's 24-column grid, and its URL is an output
+    assert all(w["x"] + w["width"] <= 24 for w in widgets)
+    url = template["Outputs"]["DashboardUrl"]["Value"]["Fn::Sub"]
+    assert url.endswith("#dashboards/dashboard/${Dashboard}")
+    assert "region=${AWS::Region}" in url

@@ -40,7 +40,10 @@ ALLOWED_SERVICES = {
     "DlqAlertFunctionRole": {"ssm", "secretsmanager", "kms", "sns"},
     "RedriveFunctionRole": {"ssm", "secretsmanager", "kms"},
     "PruneFunctionRole": {"secretsmanager", "kms"},
+    # The role EventBridge Scheduler invokes the scheduled functions with.
+    "SchedulerRole": {"lambda"},
 }
+SCHEDULED_FUNCTIONS = {"DrainFunction", "DlqAlertFunction", "PruneFunction"}
 
 
 def _roles() -> dict[str, list[dict[str, Any]]]:
@@ -134,20 +137,35 @@ def test_only_the_alert_function_may_publish_alerts() -> None:
     assert publishers == {"DlqAlertFunctionRole"}
 
 
-def test_every_schedule_permission_names_its_source_rule() -> None:
-    # Given the Lambda permissions SAM creates for the schedules
+def test_every_schedule_invokes_through_a_role_only_this_accounts_scheduler_may_assume() -> None:
+    # Given the schedules SAM creates and the resources around them
     translated = translate(load_template())
-    permissions = [
-        resource["Properties"]
-        for resource in translated["Resources"].values()
-        if resource["Type"] == "AWS::Lambda::Permission"
-    ]
-    assert permissions
-    for permission in permissions:
-        # Then each lets only EventBridge invoke, and only from its own rule (no confused deputy)
-        assert permission["Principal"] == "events.amazonaws.com", permission
-        assert "SourceArn" in permission, permission
-        assert permission["Action"] == "lambda:InvokeFunction", permission
+    resources = translated["Resources"]
+    schedules = {
+        name: r["Properties"]
+        for name, r in resources.items()
+        if r["Type"] == "AWS::Scheduler::Schedule"
+    }
+    # When their targets and the role they name are read
+    targets = {name: props["Target"] for name, props in schedules.items()}
+    role = resources["SchedulerRole"]["Properties"]
+    (trust,) = role["AssumeRolePolicyDocument"]["Statement"]
+    # Then every schedule invokes one of the scheduled functions with the stack's own role
+    assert {t["Arn"]["Fn::GetAtt"][0] for t in targets.values()} == SCHEDULED_FUNCTIONS
+    assert all(t["RoleArn"] == {"Fn::GetAtt": ["SchedulerRole", "Arn"]} for t in targets.values())
+    # And no Lambda permission or other role of SAM's opens a function to a service
+    assert [r for r in resources.values() if r["Type"] == "AWS::Lambda::Permission"] == []
+    # And only EventBridge Scheduler may assume that role, for this account's schedule group
+    # only (no confused deputy)
+    assert trust["Principal"] == {"Service": "scheduler.amazonaws.com"}
+    assert trust["Condition"]["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}
+    sources = [s["Fn::Sub"] for s in trust["Condition"]["ArnLike"]["aws:SourceArn"]]
+    assert sources
+    assert all("${AWS::AccountId}" in s and "${ScheduleGroup}" in s for s in sources), sources
+    # And it may invoke exactly the scheduled functions, nothing else
+    (statement,) = [s for p in role["Policies"] for s in p["PolicyDocument"]["Statement"]]
+    assert statement["Action"] == "lambda:InvokeFunction"
+    assert {r["Fn::GetAtt"][0] for r in statement["Resource"]} == SCHEDULED_FUNCTIONS
 
 
 def test_no_resource_policy_opens_anything_to_every_principal() -> None:

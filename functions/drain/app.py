@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.drain_service import DrainService
@@ -21,7 +22,8 @@ def service() -> DrainService:
     return DrainService.from_settings(Settings.from_env(), build_registry)
 
 
-@logger.inject_lambda_context(clear_state=True)
+# The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
+@logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)
 @metrics.log_metrics(capture_cold_start_metric=True)
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
@@ -25,7 +26,8 @@ def dependencies() -> tuple[Settings, ClaimsAdmin]:
     return settings, ClaimsAdmin(settings.require_database_url())
 
 
-@logger.inject_lambda_context(clear_state=True)
+# The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
+@logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)
 @metrics.log_metrics
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:

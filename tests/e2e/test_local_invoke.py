@@ -74,6 +74,8 @@ def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, 
     assert done[0]["idem_key"] == "invoice.finalize:inv_8812"
     assert {"message_id", "delivery_count", "job"} <= done[0].keys()
     assert "local-dev-key" not in "".join(logs.lines)
+    # And every log line, the library's included, carries the schedule event's id
+    assert_every_line_correlates(logs, EVENTS / "drain-schedule.json")
 
 
 def test_the_template_and_env_file_resolve_like_sam() -> None:
@@ -206,6 +208,15 @@ class _Lines:
         return
 
 
+def assert_every_line_correlates(logs: _Lines, event_file: Path) -> None:
+    """Every Powertools log line of the invocation has the event's id as its correlation id."""
+    event_id = json.loads(event_file.read_text())["id"]
+    records = [json.loads(line) for line in logs.lines if line.startswith("{")]
+    log_lines = [r for r in records if "level" in r and "message" in r]
+    assert log_lines, "the invocation logged nothing"
+    assert [r for r in log_lines if r.get("correlation_id") != event_id] == []
+
+
 def _dead_letter(services: dict[str, str], payload: dict[str, object]) -> InfraiClient:
     client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
     client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
@@ -241,6 +252,8 @@ def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, 
     assert alert["subject"] == "[infrai-jobs] 1 new dead letter(s) on billing-jobs"
     emf = [json.loads(line) for line in logs.lines if line.startswith('{"_aws"')]
     assert any(doc.get("DlqCount") == [1.0] and doc.get("queue") == "billing-jobs" for doc in emf)
+    # And every log line carries the schedule event's id
+    assert_every_line_correlates(logs, EVENTS / "dlq-alert-schedule.json")
 
 
 WARM_WATCHER_AFTER_A_ROTATION = """
@@ -357,9 +370,11 @@ def test_prune_function_deletes_old_settled_claims(services: dict[str, str]) -> 
             " ('old', 'done', 'm', now() - interval '60 days'), ('new', 'done', 'm', now())"
         )
     spec = resolve("PruneFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    result = invoke(spec, EVENTS / "prune-schedule.json", log_stream=_Lines(), extra_env=services)
+    logs = _Lines()
+    result = invoke(spec, EVENTS / "prune-schedule.json", log_stream=logs, extra_env=services)
     assert result.ok, result.payload
     assert result.payload == {"deleted": 1, "batches": 1, "older_than_days": 30}
+    assert_every_line_correlates(logs, EVENTS / "prune-schedule.json")
 
 
 def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None:

@@ -274,11 +274,13 @@ def test_fenced_actions_fail_clearly_when_the_claim_moved_on(
         admin.resolve("receipt.send:inv_1", done=True, expected_token=uuid.uuid4())
     admin.resolve("receipt.send:inv_1", done=False, error="never sent")
     # Once failed, it cannot be resolved again, only released
-    with pytest.raises(ClaimChanged, match="is failed; resolve_done needs running"):
+    with pytest.raises(
+        ClaimChanged, match=r"is failed; `infrai-jobs claims resolve --done` needs a running claim"
+    ):
         admin.resolve("receipt.send:inv_1", done=True)
     code = cli(["claims", "resolve", "receipt.send:inv_1", "--done"])
     assert code == 3
-    assert "needs running" in capsys.readouterr().err
+    assert "needs a running claim" in capsys.readouterr().err
     released = admin.release("receipt.send:inv_1", note="retry after fix")
     assert released.state == "failed"  # the row as it was before the delete
     with pytest.raises(ClaimNotFound):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import Harness, harness
+from drainkit import DLQ, Harness, harness
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
@@ -72,12 +72,14 @@ def run_cli(kit: Harness, *args: str, **env: str) -> subprocess.CompletedProcess
         if not name.startswith(("INFRAI_", "DATABASE_", "PROVIDER_", "IDEMPOTENCY_"))
     }
     environment.update(
-        INFRAI_BASE_URL=kit.server.url,
-        INFRAI_API_KEY="test-key",
-        DATABASE_URL=kit.database_url,
-        PROVIDER_URL=kit.sink.url,
-        OPERATOR=OPERATOR,
-        **env,
+        {
+            "INFRAI_BASE_URL": kit.server.url,
+            "INFRAI_API_KEY": "test-key",
+            "DATABASE_URL": kit.database_url,
+            "PROVIDER_URL": kit.sink.url,
+            "OPERATOR": OPERATOR,
+            **env,
+        }
     )
     return subprocess.run(
         [INFRAI_JOBS, *args],
@@ -178,3 +180,123 @@ def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> 
     (ack_failed,) = lines_with(finished.stderr, "ack_failed")
     assert fields_of(ack_failed)["message_id"] == message_id
     assert json.loads(finished.stdout)["ack_failed"] == 1
+
+
+# --- claims -----------------------------------------------------------------------------------
+
+
+def _seed_claim(kit: Harness, key: str, state: str, error: str | None = None) -> str:
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, error)"
+        " VALUES (%s, %s, 'qmsg_seeded', 'external', gen_random_uuid(), %s)",
+        (key, state, error),
+    )
+    return str(kit.sql("SELECT claim_token FROM job_claims WHERE idem_key = %s", (key,))[0][0])
+
+
+def test_claims_show_keeps_showing_a_released_claim_and_its_history(kit: Harness) -> None:
+    # Given a failed claim that an operator released for a retry
+    key = "receipt.send:inv_9"
+    _seed_claim(kit, key, "failed", "PermanentJobError: mailbox full")
+    released = run_cli(kit, "claims", "release", key, "--note", "mailbox emptied")
+    assert released.returncode == 0, released.stderr
+    # When the operator looks at the key
+    shown = run_cli(kit, "claims", "show", key)
+    # Then it is not "no claim": the release, who did it, and the claim as it was are shown
+    assert shown.returncode == 0, shown.stderr
+    assert f"no claim with key '{key}' now: release by {OPERATOR}" in shown.stdout
+    assert "PermanentJobError: mailbox full" in shown.stdout
+    assert "mailbox emptied" in shown.stdout
+    # And the JSON form has no claim and the whole history
+    document = json.loads(run_cli(kit, "claims", "show", key, "--json").stdout)
+    assert document["claim"] is None
+    ((entry,),) = [document["history"]]
+    assert (entry["action"], entry["before"]["state"], entry["after"]) == (
+        "release",
+        "failed",
+        None,
+    )
+    # And a key nobody ever claimed or touched is still missing (exit 3)
+    missing = run_cli(kit, "claims", "show", "receipt.send:never")
+    assert missing.returncode == 3
+    assert "no claim with key 'receipt.send:never'" in missing.stderr
+
+
+def test_claims_show_after_a_redrive_reopened_the_failed_claim(kit: Harness) -> None:
+    # Given a failed invoice job in the DLQ, with its failed claim
+    payload = {"job": "invoice.finalize", "invoice_id": "inv_404", "amount_cents": 5}
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, error, payload_sha256)"
+        " VALUES ('invoice.finalize:inv_404', 'failed', 'qmsg_gone', 'no such invoice', %s)",
+        (kit.registry.derive(payload).fingerprint,),
+    )
+    kit.client.publish(DLQ, payload)
+    # When it is redriven with --reopen-failed
+    redriven = run_cli(kit, "redrive", "--reopen-failed", "--json")
+    assert redriven.returncode == 0, redriven.stderr
+    assert json.loads(redriven.stdout)["reopened"] == ["invoice.finalize:inv_404"]
+    # Then claims show tells the reopen and the failure before it
+    shown = run_cli(kit, "claims", "show", "invoice.finalize:inv_404")
+    assert shown.returncode == 0, shown.stderr
+    assert "now: reopen by" in shown.stdout
+    assert "no such invoice" in shown.stdout
+
+
+def test_claims_resolve_failed_needs_a_reason(kit: Harness) -> None:
+    # Given a stuck claim
+    key = "receipt.send:inv_3"
+    _seed_claim(kit, key, "running", "effect uncertain")
+    # When an operator resolves it failed without saying why
+    finished = run_cli(kit, "claims", "resolve", key, "--failed")
+    # Then it is refused as bad usage, naming the flag, and the claim is untouched
+    assert finished.returncode == 2
+    assert "--failed needs --error" in finished.stderr
+    assert "Traceback" not in finished.stderr
+    assert kit.row(key).state == "running"  # type: ignore[union-attr]
+    # And with a reason it goes through, recorded under the verdict
+    finished = run_cli(kit, "claims", "resolve", key, "--failed", "--error", "never sent")
+    assert finished.returncode == 0, finished.stderr
+    assert kit.row(key).error == "never sent"  # type: ignore[union-attr]
+
+
+def test_refusals_name_the_commands_operators_type(kit: Harness) -> None:
+    # Given a failed claim, and a running one under a live lease
+    _seed_claim(kit, "receipt.send:failed", "failed", "bounced")
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until)"
+        " VALUES ('receipt.send:live', 'running', 'qmsg_1', 'external', gen_random_uuid(),"
+        " now() + interval '5 minutes')"
+    )
+    (token,) = kit.sql("SELECT claim_token FROM job_claims WHERE idem_key = 'receipt.send:live'")[0]
+    # When an operator asks for what each cannot take
+    resolve = run_cli(kit, "claims", "resolve", "receipt.send:failed", "--done")
+    release = run_cli(kit, "claims", "release", "receipt.send:live")
+    # Then each refusal (exit 3) says which command needs what, in the words typed
+    assert resolve.returncode == release.returncode == 3
+    assert "`infrai-jobs claims resolve --done` needs a running claim" in resolve.stderr
+    assert f"`infrai-jobs claims release receipt.send:live --token {token}`" in release.stderr
+    for finished in (resolve, release):
+        assert "resolve_done" not in finished.stderr
+        assert "Traceback" not in finished.stderr
+
+
+# --- cost ---------------------------------------------------------------------------------------
+
+
+def test_cost_with_a_wrong_api_key_says_so_and_fails(kit: Harness) -> None:
+    from infrai_local.emulator import start_in_thread  # noqa: PLC0415
+
+    # Given an Infrai that takes only its own API key
+    guarded = start_in_thread(api_key="the-right-key")
+    try:
+        # When cost is asked with another key
+        finished = run_cli(kit, "cost", "--messages-per-day", "1000", INFRAI_BASE_URL=guarded.url)
+    finally:
+        guarded.stop()
+    # Then it fails, naming the 401 and the key to check, and prints no made-up total
+    assert finished.returncode == 1
+    assert "UNAUTHORIZED" in finished.stderr
+    assert "401" in finished.stderr
+    assert "INFRAI_API_KEY" in finished.stderr
+    assert "could not be reached" not in finished.stdout + finished.stderr
+    assert "$" not in finished.stdout

@@ -116,14 +116,24 @@ def default_actor() -> str:
 RESOLVABLE: tuple[str, ...] = ("running",)
 RELEASABLE: tuple[str, ...] = ("running", "failed")
 
+# The command an operator types for each change recorded in claim_history: what error texts name.
+COMMANDS = {
+    "resolve_done": "claims resolve --done",
+    "resolve_failed": "claims resolve --failed",
+    "release": "claims release",
+}
+
 
 def change_refused(
-    row: ClaimRow, *, action: str, allowed_states: tuple[str, ...], token: uuid.UUID | None
+    row: ClaimRow, *, command: str, allowed_states: tuple[str, ...], token: uuid.UUID | None
 ) -> str:
-    """Why an operator's change to ``row`` is refused, or "" when it may go ahead."""
+    """Why ``infrai-jobs COMMAND`` is refused for ``row``, or "" when it may go ahead."""
     key = row.idem_key
     if row.state not in allowed_states:
-        return f"claim {key!r} is {row.state}; {action} needs {' or '.join(allowed_states)}"
+        return (
+            f"claim {key!r} is {row.state}; `infrai-jobs {command}` needs a "
+            f"{' or '.join(allowed_states)} claim"
+        )
     if (
         token is None
         and row.state == "running"
@@ -134,8 +144,8 @@ def change_refused(
         # duplicate repeat an irreversible effect.
         return (
             f"claim {key!r} is running under a live lease until "
-            f"{row.lease_until.isoformat()}; wait for it to end, or pass "
-            f"--token {row.claim_token} to {action} it anyway"
+            f"{row.lease_until.isoformat()}; wait for it to end, or run "
+            f"`infrai-jobs {command} {key} --token {row.claim_token}` to act on it anyway"
         )
     if token is not None and row.claim_token != token:
         return (
@@ -174,12 +184,23 @@ class ClaimsAdmin:
             raise ClaimNotFound(f"no claim with key {key!r}")
         return rows[0]
 
+    def find(self, key: str) -> ClaimRow | None:
+        """The claim with this key, or None (released, reopened, pruned, or never claimed)."""
+        rows = self._rows(_SHOW, {"key": key})
+        return rows[0] if rows else None
+
     def stuck(self, *, threshold_seconds: int = 900, limit: int = 100) -> list[ClaimRow]:
         return self._rows(_STUCK, {"threshold": threshold_seconds, "limit": limit})
 
     def history(self, key: str) -> list[dict[str, Any]]:
-        with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
-            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
+        """Every operator action recorded for this key, oldest first (kept after a release)."""
+        try:
+            with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
+                return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
+        except psycopg.OperationalError as exc:
+            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+        except psycopg.Error as exc:
+            raise LedgerError(f"the ledger rejected a query: {exc}") from exc
 
     def resolve(
         self,
@@ -250,7 +271,10 @@ class ClaimsAdmin:
                     raise ClaimNotFound(f"no claim with key {key!r}")
                 before = ClaimRow(**row)
                 refused = change_refused(
-                    before, action=action, allowed_states=allowed_states, token=expected_token
+                    before,
+                    command=COMMANDS[action],
+                    allowed_states=allowed_states,
+                    token=expected_token,
                 )
                 if refused:
                     raise ClaimChanged(refused)

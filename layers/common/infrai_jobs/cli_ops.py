@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any, TextIO
 
 from infrai_jobs.claims_admin import (
+    COMMANDS,
     RELEASABLE,
     RESOLVABLE,
     ClaimChanged,
@@ -323,7 +324,8 @@ def _cost(args: argparse.Namespace, queue: QueuePort, out: TextIO) -> int:
         )
         if source == "fallback":
             print(
-                "note: discovery could not be reached; this uses the field notes' price "
+                "note: discovery could not be reached (or its answer read); this uses the "
+                "field notes' price "
                 "($0.00002, verified 2026-07-26)",
                 file=out,
             )
@@ -351,23 +353,26 @@ def _claims(
     if command == "claims_stuck":
         return _rows_out(admin.stuck(threshold_seconds=args.older_than), args.json, out)
     if command == "claims_show":
-        row = claim_as_dict(admin.show(args.key))
-        history = admin.history(args.key)
-        _emit(
-            {"claim": row, "history": history},
-            args.json,
-            lambda: _show_human(row, history, out),
-            out,
-        )
-        return EXIT_OK
+        return _show(args, admin, out)
     if command == "claims_resolve":
         if args.done and args.error:
-            raise ConfigurationError("--error goes with --failed; use --result with --done")
+            raise ConfigurationError(
+                "claims resolve: --error goes with --failed; use --result with --done"
+            )
+        if args.failed and not (args.error or "").strip():
+            raise ConfigurationError(
+                "claims resolve --failed needs --error TEXT: why the effect did not happen "
+                "(it is kept with the claim and shown by `infrai-jobs dlq`)"
+            )
+        if args.failed and args.result:
+            raise ConfigurationError(
+                "claims resolve: --result goes with --done; use --error with --failed"
+            )
         result = _parse_result(args.result) if args.result else None
         if args.failed and forget is not None:
             # "The effect did not happen": a stored "uncertain" in the second layer is wrong
             # now, and would park a reopened retry as stuck again.
-            _forget_while_open(admin, args.key, forget, RESOLVABLE, args.token)
+            _forget_while_open(admin, args.key, forget, RESOLVABLE, token=args.token)
         changed = admin.resolve(
             args.key,
             done=args.done,
@@ -380,7 +385,7 @@ def _claims(
     if command == "claims_release":
         if forget is not None:
             # Without this, a stored "uncertain" in the second layer would park the retry again.
-            _forget_while_open(admin, args.key, forget, RELEASABLE, args.token)
+            _forget_while_open(admin, args.key, forget, RELEASABLE, token=args.token)
         released = admin.release(args.key, expected_token=args.token, note=args.note)
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
@@ -412,13 +417,15 @@ def _forget_while_open(
     key: str,
     forget: Callable[[str], None],
     states: tuple[str, ...],
+    *,
     token: uuid.UUID | None,
 ) -> None:
     """Forget the second layer's record before the ledger changes, not after: if the store
     cannot be reached, the command fails with nothing changed and can simply be run again.
     (After, a failed forget left the row deleted and a rerun found no claim to act on.) A
     claim the change will be refused for keeps its record."""
-    if not change_refused(admin.show(key), action="forget", allowed_states=states, token=token):
+    command = COMMANDS["release"] if states == RELEASABLE else COMMANDS["resolve_failed"]
+    if not change_refused(admin.show(key), command=command, allowed_states=states, token=token):
         forget(key)
 
 
@@ -435,12 +442,50 @@ def _rows_out(rows: Iterable[ClaimRow], as_json: bool, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _show_human(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], out: TextIO) -> None:
-    width = max(len(k) for k in row)
-    for name, value in row.items():
-        print(f"{name.ljust(width)}  {_cell(value) if name != 'error' else value}", file=out)
+def _show(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+    """One claim and its history; a key whose claim is gone (released, reopened) shows its
+    history and the claim as it was before the last change."""
+    found = admin.find(args.key)
+    history = admin.history(args.key)
+    if found is None and not history:
+        raise ClaimNotFound(f"no claim with key {args.key!r}, and no operator history for it")
+    row = claim_as_dict(found) if found is not None else None
+    _emit(
+        {"claim": row, "history": history},
+        args.json,
+        lambda: _show_human(args.key, row, history, out),
+        out,
+    )
+    return EXIT_OK
+
+
+def _show_human(
+    key: str,
+    row: Mapping[str, Any] | None,
+    history: Sequence[Mapping[str, Any]],
+    out: TextIO,
+) -> None:
+    if row is None:
+        last = history[-1]
+        print(
+            f"no claim with key {key!r} now: {last['action']} by {last['actor']} at "
+            f"{_cell(last['at'])}; a new delivery claims it afresh",
+            file=out,
+        )
+        before = next((h["before"] for h in reversed(history) if _is_claim(h["before"])), None)
+        if before is not None:
+            print("\nthe claim as it was before that:", file=out)
+            row = before
+    if row is not None:
+        width = max(len(k) for k in row)
+        for name, value in row.items():
+            print(f"{name.ljust(width)}  {_cell(value) if name != 'error' else value}", file=out)
     print("\nhistory:", file=out)
     print_table(history, ["at", "action", "actor", "note"], out)
+
+
+def _is_claim(document: Any) -> bool:
+    return isinstance(document, Mapping) and "state" in document and "idem_key" in document
 
 
 def _changed_out(row: ClaimRow, verb: str, as_json: bool, out: TextIO) -> int:

@@ -23,7 +23,8 @@ import psycopg
 from infrai_jobs.claims_admin import default_actor
 from infrai_jobs.errors import (
     ConfigurationError,
-    InfraiError,
+    InfraiInvalidResponse,
+    InfraiUnavailable,
     KeyDerivationError,
     LedgerError,
     LedgerUnavailable,
@@ -135,10 +136,12 @@ class RedriveSummary:
 
 
 def publish_price(queue: QueuePort) -> tuple[Decimal, str]:
-    """Discovery's live price, or the documented fallback when discovery cannot answer."""
+    """Discovery's live price, or the documented fallback when discovery cannot be reached or
+    its answer read. Any other error (a 401: the key is wrong) is raised: every other call
+    would fail the same way, and a price is no reason to hide it."""
     try:
         return queue.publish_price().usd_per_message, "discovery"
-    except InfraiError as exc:
+    except (InfraiUnavailable, InfraiInvalidResponse) as exc:
         logger.warning(
             "discovery unavailable; using the fallback publish price",
             extra={"action": "price_fallback", "detail": str(exc)},

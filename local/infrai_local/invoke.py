@@ -1,10 +1,14 @@
 """``infrai-jobs invoke FUNCTION --event FILE [--env-vars FILE]``: a local Lambda invocation.
 
-It reads ``template.yaml`` as ``sam local invoke`` does (see ``sam_template``), then runs the
-handler in a child Python with only the function's code, its layers and their dependencies on the
-path: ``python -S`` skips site-packages' ``.pth`` files, so neither ``infrai_local`` nor anything
-else installed in the developer's virtualenv leaks in. The child gets a Lambda context whose
-remaining time counts down from the function's Timeout, and is killed when it runs out.
+It reads ``template.yaml`` and ``samconfig.toml`` as ``sam local invoke`` does (see
+``sam_template``: the ``--config-env`` environment's ``local_invoke`` and ``global`` sections,
+never ``deploy``'s), then runs the handler in a child Python with only the function's code, its
+layers and their dependencies on the path: ``python -S`` skips site-packages' ``.pth`` files, so
+neither ``infrai_local`` nor anything else installed in the developer's virtualenv leaks in. The
+child is this machine's Python with the virtualenv's packages, not the template's Runtime and
+Architectures (python3.13 on arm64): ``make build`` and ``.ci/check_build.py`` cover those. The
+child gets a Lambda context whose remaining time counts down from the function's Timeout, and is
+killed when it runs out.
 
 Local conveniences, as everywhere in this project: an empty ``DATABASE_URL`` starts an embedded,
 migrated PostgreSQL; an empty ``INFRAI_BASE_URL`` a fresh emulator; an empty ``PROVIDER_URL``
@@ -34,8 +38,11 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_local.sam_template import (
     FunctionSpec,
     load_template,
+    parse_parameter_overrides,
     resolve_function,
+    samconfig_environments,
     samconfig_overrides,
+    samconfig_parameters,
 )
 
 # Runs inside the child. It is passed with -c so that no folder of this package is on the path.
@@ -246,8 +253,14 @@ def resolve(
     template: Path | None = None,
     env_vars: Path | None = None,
     config_env: str = "default",
+    parameter_overrides: Mapping[str, str] | None = None,
 ) -> FunctionSpec:
+    """The function as ``sam local invoke`` would run it: the template, samconfig.toml's
+    ``local_invoke`` and ``global`` parameter overrides for ``config_env``, then
+    ``parameter_overrides`` (the command line's), then the env-vars file."""
     document = load_template(template or root / "template.yaml")
+    overrides = samconfig_overrides(root / "samconfig.toml", config_env)
+    overrides.update(parameter_overrides or {})
     env_document: dict[str, Any] = {}
     if env_vars is not None:
         try:
@@ -260,7 +273,7 @@ def resolve(
         document,
         function,
         root,
-        parameter_overrides=samconfig_overrides(root / "samconfig.toml", config_env),
+        parameter_overrides=overrides,
         env_vars=env_document,
     )
 
@@ -272,18 +285,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("function", help="the function's logical id, e.g. DrainFunction")
     parser.add_argument("--event", "-e", required=True, type=Path, help="event JSON file")
-    parser.add_argument("--env-vars", "-n", type=Path, help="SAM env-vars JSON file")
+    parser.add_argument(
+        "--env-vars",
+        "-n",
+        type=Path,
+        help="SAM env-vars JSON file (default: env_vars of samconfig.toml's local_invoke section)",
+    )
     parser.add_argument("--template", "-t", type=Path, help="default: ./template.yaml")
-    parser.add_argument("--config-env", default="default", help="samconfig.toml environment")
+    parser.add_argument(
+        "--config-env",
+        default="default",
+        help="samconfig.toml environment: its local_invoke and global sections apply, as in SAM",
+    )
+    parser.add_argument(
+        "--parameter-overrides",
+        help="template parameters, 'Name=Value Name2=Value2' (over samconfig.toml's)",
+    )
     args = parser.parse_args(argv)
     root = (args.template.parent if args.template else Path.cwd()).resolve()
     try:
+        samconfig = root / "samconfig.toml"
+        if samconfig.is_file() and args.config_env not in samconfig_environments(samconfig):
+            # SAM CLI goes on without a word; say it, since a typo would go unnoticed.
+            print(
+                f"note: {samconfig.name} has no [{args.config_env}] environment: "
+                "only the template's defaults apply",
+                file=sys.stderr,
+            )
+        env_vars = args.env_vars
+        if env_vars is None:
+            configured = samconfig_parameters(samconfig, args.config_env).get("env_vars")
+            env_vars = root / str(configured) if configured else None
         spec = resolve(
             args.function,
             root=root,
             template=args.template,
-            env_vars=args.env_vars,
+            env_vars=env_vars,
             config_env=args.config_env,
+            parameter_overrides=parse_parameter_overrides(args.parameter_overrides or ""),
         )
         if not args.event.is_file():
             raise ConfigurationError(f"no event file {args.event}")

@@ -2,9 +2,11 @@
 
 Only what a local invocation needs is resolved: Handler, CodeUri, the layers' ContentUri,
 Timeout, MemorySize and the environment, with ``Globals.Function`` merged in. Parameter values
-come from the template's defaults, then ``samconfig.toml``'s ``parameter_overrides``, then an
-``--env-vars`` file's ``Parameters``; ``Ref``, ``Fn::Sub`` and ``Fn::If`` over those are
-evaluated, anything else that would only be known in AWS becomes an empty string.
+come from the template's defaults, then the ``parameter_overrides`` of ``samconfig.toml``, read
+as SAM CLI reads it for ``sam local invoke``: the environment's ``local_invoke`` section over its
+``global`` one (never ``deploy``'s), then an ``--env-vars`` file's ``Parameters``. ``Ref``,
+``Fn::Sub`` (``${!Literal}`` included), ``Fn::If``, ``Fn::Join``, ``Fn::Select`` and ``Fn::Split``
+over those are evaluated; anything that would only be known in AWS becomes an empty string.
 """
 
 from __future__ import annotations
@@ -81,26 +83,89 @@ def load_template(path: Path) -> dict[str, Any]:
     return document
 
 
-def samconfig_overrides(path: Path, environment: str = "default") -> dict[str, str]:
-    """``parameter_overrides`` from samconfig.toml (deploy section first, then global)."""
+# The samconfig.toml table of `sam local invoke` (SAM joins the command's words with "_").
+LOCAL_INVOKE = "local_invoke"
+GLOBAL_SECTION = "global"
+
+
+def read_samconfig(path: Path) -> dict[str, Any]:
+    """The whole samconfig.toml; empty when there is none, as SAM CLI treats a missing file."""
     if not path.is_file():
         return {}
-    config = tomllib.loads(path.read_text())
-    env = config.get(environment, {})
-    for section in ("deploy", "local_invoke", "global"):
-        raw = env.get(section, {}).get("parameters", {}).get("parameter_overrides")
-        if raw:
-            return _parse_overrides(raw)
-    return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigurationError(f"cannot read {path}: {exc}") from exc
 
 
-def _parse_overrides(raw: str | list[str]) -> dict[str, str]:
-    items = raw if isinstance(raw, list) else shlex.split(raw)
+def samconfig_parameters(
+    path: Path, environment: str = "default", command: str = LOCAL_INVOKE
+) -> dict[str, Any]:
+    """What SAM CLI applies to ``command`` under ``--config-env environment``: the
+    ``[environment.command.parameters]`` table over ``[environment.global.parameters]``.
+
+    No other command's table counts: ``deploy``'s ``parameter_overrides`` (a production API-key
+    parameter, say) never reach a local invocation. A missing environment or table gives nothing,
+    as in SAM CLI.
+    """
+    env = read_samconfig(path).get(environment, {})
+    if not isinstance(env, dict):
+        raise ConfigurationError(f"{path}: [{environment}] is not a table")
+    merged: dict[str, Any] = {}
+    for section in (GLOBAL_SECTION, command):
+        table = env.get(section, {})
+        parameters = table.get("parameters", {}) if isinstance(table, dict) else None
+        if not isinstance(parameters, dict):
+            raise ConfigurationError(f"{path}: [{environment}.{section}.parameters] is not a table")
+        merged.update(parameters)
+    return merged
+
+
+def samconfig_environments(path: Path) -> list[str]:
+    """The environments samconfig.toml defines (its tables other than ``version``)."""
+    return [name for name, value in read_samconfig(path).items() if isinstance(value, dict)]
+
+
+def samconfig_overrides(
+    path: Path, environment: str = "default", command: str = LOCAL_INVOKE
+) -> dict[str, str]:
+    """The ``parameter_overrides`` SAM CLI applies to ``command`` (see ``samconfig_parameters``)."""
+    raw = samconfig_parameters(path, environment, command).get("parameter_overrides")
+    return parse_parameter_overrides(raw) if raw else {}
+
+
+# SAM CLI's two spellings: "Name=Value" and "ParameterKey=Name,ParameterValue=Value".
+_LONG_FORM = re.compile(r"^ParameterKey=(?P<name>[^,]+),ParameterValue=(?P<value>.*)$", re.DOTALL)
+
+
+def parse_parameter_overrides(raw: Any) -> dict[str, str]:
+    """Parameter overrides as SAM CLI accepts them: a string of shell-quoted ``Name=Value``
+    (or ``ParameterKey=Name,ParameterValue=Value``) items, a list of such strings, or a table."""
+    if isinstance(raw, dict):
+        return {str(name): _as_env_value(value) for name, value in raw.items()}
+    if isinstance(raw, list):
+        merged: dict[str, str] = {}
+        for item in raw:
+            merged.update(parse_parameter_overrides(item))
+        return merged
+    if not isinstance(raw, str):
+        raise ConfigurationError(f"parameter_overrides must be a string, list or table: {raw!r}")
+    if raw.startswith("file://"):
+        raise ConfigurationError("parameter_overrides from a file:// are not read locally")
+    try:
+        items = shlex.split(raw)
+    except ValueError as exc:
+        raise ConfigurationError(f"cannot parse parameter_overrides {raw!r}: {exc}") from exc
     overrides: dict[str, str] = {}
     for item in items:
+        long_form = _LONG_FORM.match(item)
+        if long_form:
+            overrides[long_form["name"]] = long_form["value"]
+            continue
         name, sep, value = item.partition("=")
-        if sep:
-            overrides[name.strip()] = value
+        if not sep or not name:
+            raise ConfigurationError(f"parameter override {item!r} is not Name=Value")
+        overrides[name] = value
     return overrides
 
 
@@ -229,7 +294,15 @@ class _Resolver:
             value = self.parameters.get(name, "")
             return "" if value is None else str(value)
 
-        return re.sub(r"\$\{([^}!]+)\}", replace, text)
+        def render(match: re.Match[str]) -> str:
+            # "${!Literal}" is CloudFormation's escape: it renders as "${Literal}", unresolved.
+            return (
+                "${" + match.group(1)[1:] + "}"
+                if match.group(1).startswith("!")
+                else replace(match)
+            )
+
+        return re.sub(r"\$\{([^}]+)\}", render, text)
 
     def _condition(self, name_or_expr: Any) -> bool:
         expr = self.conditions.get(name_or_expr) if isinstance(name_or_expr, str) else name_or_expr

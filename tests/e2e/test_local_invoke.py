@@ -13,12 +13,18 @@ from pathlib import Path
 import psycopg
 import pytest
 import urllib3
+from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import dependency_path, invoke, resolve
-from infrai_local.sam_template import function_names, load_template
+from infrai_local.sam_template import (
+    function_names,
+    load_template,
+    parse_parameter_overrides,
+    samconfig_overrides,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -175,7 +181,7 @@ def test_the_cli_reports_a_handler_error_with_exit_code_1(tmp_path: Path) -> Non
     assert "no function 'Nope'" in unknown.stderr
 
 
-def _cli_invoke(function: str, folder: Path) -> subprocess.CompletedProcess[str]:
+def _cli_invoke(function: str, folder: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """``infrai-jobs invoke FUNCTION`` on the template and ``e.json`` event in ``folder``."""
     return subprocess.run(
         [
@@ -186,6 +192,7 @@ def _cli_invoke(function: str, folder: Path) -> subprocess.CompletedProcess[str]
             str(folder / "e.json"),
             "--template",
             str(folder / "template.yaml"),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -419,3 +426,208 @@ def _bare_python(code: str, cwd: Path, env: dict[str, str]) -> subprocess.Comple
         timeout=60,
         check=False,
     )
+
+
+# --- SAM parity: the template loader, samconfig.toml, Fn::Sub -------------------------------
+
+EVERY_SHORT_FORM = """
+AWSTemplateFormatVersion: "2010-09-09"
+Transform: AWS::Serverless-2016-10-31
+Parameters:
+  Name: {Type: String, Default: "a b"}
+  Flag: {Type: String, Default: "true"}
+Conditions:
+  IsOn: !Equals [!Ref Flag, "true"]
+  Both: !And [!Condition IsOn, !Not [!Equals [!Ref Name, ""]]]
+Resources:
+  Fn:
+    Type: AWS::Serverless::Function
+    Properties:
+      CodeUri: fn
+      Handler: app.handler
+      Environment:
+        Variables:
+          LITERAL: !Sub "${!Literal}-${Name}"
+          LISTED: !Sub ["${X}-${AWS::Region}", {X: !Ref Name}]
+          DOTTED: !GetAtt Fn.Arn
+          LISTED_ATT: !GetAtt [Fn, Arn]
+          CHOSEN: !If [Both, "on", "off"]
+          JOINED: !Join [",", [!Select [0, !Split [" ", !Ref Name]], !Base64 x]]
+          MAPPED: !FindInMap [M, k, v]
+          IMPORTED: !ImportValue other
+          ZONES: !GetAZs ""
+          CIDR: !Cidr [10.0.0.0/16, 2, 8]
+          OCTAL: 0755
+          BARE_ON: on
+          DATE: 2026-12-01
+          BLOCK: |
+            multi
+            line
+"""
+
+
+def _as_json(document: object) -> object:
+    return json.loads(json.dumps(document, default=str))
+
+
+@pytest.mark.parametrize("which", ["template.yaml", "every short form"])
+def test_the_template_loader_reads_yaml_as_cfn_lint_decodes_it(which: str, tmp_path: Path) -> None:
+    # Given the repository's template, and one using every intrinsic's short form
+    path = ROOT / "template.yaml"
+    if which != "template.yaml":
+        path = tmp_path / "template.yaml"
+        path.write_text(EVERY_SHORT_FORM)
+    # When it is read by invoke's loader and by cfn-lint's decoder (what sam validate lints)
+    ours = _as_json(load_template(path))
+    theirs = _as_json(cfn_yaml.load(str(path)))
+    # Then both give the same document: tags become the same long forms, scalars the same types
+    assert ours == theirs
+
+
+def test_fn_sub_renders_an_escaped_literal_as_cloudformation_does(tmp_path: Path) -> None:
+    # Given a function whose environment uses Fn::Sub's escape and both of its forms
+    (tmp_path / "template.yaml").write_text(EVERY_SHORT_FORM)
+    # When it is resolved
+    env = resolve("Fn", root=tmp_path).environment
+    # Then "${!Literal}" renders as "${Literal}", unresolved, and the rest is substituted
+    assert env["LITERAL"] == "${Literal}-a b"
+    assert env["LISTED"] == "a b-us-east-1"
+    # And conditions, joins, selects and splits are evaluated; only AWS knows an attribute
+    assert env["CHOSEN"] == "on"
+    assert env["JOINED"].startswith("a,")
+    assert env["DOTTED"] == ""
+
+
+SAMCONFIG_WITH_EVERY_SECTION = """
+version = 0.1
+[default.global.parameters]
+stack_name = "app"
+parameter_overrides = "Region=from-global Queue=from-global"
+[default.deploy.parameters]
+parameter_overrides = "Queue=from-deploy ApiKeyParameterName=/app/deploy-key"
+[default.local_invoke.parameters]
+parameter_overrides = ["Queue=from-local-invoke"]
+[prod.global.parameters]
+parameter_overrides = "Region=from-prod-global"
+[prod.deploy.parameters]
+parameter_overrides = "ApiKeyParameterName=/app/prod/api-key Queue=prod-queue"
+"""
+
+ECHO_TEMPLATE = """
+Transform: AWS::Serverless-2016-10-31
+Parameters:
+  Queue: {Type: String, Default: template-queue}
+  Region: {Type: String, Default: template-region}
+  ApiKeyParameterName: {Type: String, Default: /app/api-key}
+Resources:
+  Echo:
+    Type: AWS::Serverless::Function
+    Properties:
+      CodeUri: fn
+      Handler: app.handler
+      Environment:
+        Variables:
+          QUEUE: !Ref Queue
+          REGION: !Ref Region
+          API_KEY_PARAMETER: !Ref ApiKeyParameterName
+"""
+
+
+def _echo_project(folder: Path, samconfig: str) -> None:
+    """A template whose function returns the three variables, and a samconfig.toml."""
+    (folder / "fn").mkdir()
+    (folder / "fn" / "app.py").write_text(
+        "import os\n"
+        "def handler(event, context):\n"
+        "    return {k: os.environ[k] for k in ('QUEUE', 'REGION', 'API_KEY_PARAMETER')}\n"
+    )
+    (folder / "template.yaml").write_text(ECHO_TEMPLATE)
+    (folder / "samconfig.toml").write_text(samconfig)
+    (folder / "e.json").write_text("{}")
+
+
+def test_samconfig_applies_local_invokes_section_over_global_and_never_deploys(
+    tmp_path: Path,
+) -> None:
+    # Given a samconfig.toml whose deploy sections override what local invoke must not see
+    _echo_project(tmp_path, SAMCONFIG_WITH_EVERY_SECTION)
+    # When the function is resolved for the default environment
+    env = resolve("Echo", root=tmp_path).environment
+    # Then local_invoke's parameter_overrides replace global's whole (SAM CLI merges the two
+    # sections option by option), and deploy's apply to nothing
+    assert env["QUEUE"] == "from-local-invoke"
+    assert env["REGION"] == "template-region"
+    assert env["API_KEY_PARAMETER"] == "/app/api-key"
+    # And under --config-env prod, without a local_invoke section, only prod's global ones apply
+    prod = resolve("Echo", root=tmp_path, config_env="prod").environment
+    assert (prod["QUEUE"], prod["REGION"], prod["API_KEY_PARAMETER"]) == (
+        "template-queue",
+        "from-prod-global",
+        "/app/api-key",
+    )
+    # And the command line's overrides win over samconfig.toml's
+    cli = resolve("Echo", root=tmp_path, parameter_overrides={"Queue": "from-cli"})
+    assert cli.environment["QUEUE"] == "from-cli"
+
+
+def test_invoke_with_config_env_prod_does_not_apply_the_repositorys_deploy_only_overrides(
+    tmp_path: Path,
+) -> None:
+    # Given the repository's samconfig.toml, whose prod deploy names prod's API-key parameter
+    samconfig = (ROOT / "samconfig.toml").read_text()
+    assert "ApiKeyParameterName=/infrai-jobs/prod/api-key" in samconfig
+    assert samconfig_overrides(ROOT / "samconfig.toml", "prod") == {}
+    # When DrainFunction is resolved under --config-env prod
+    drain = resolve("DrainFunction", root=ROOT, config_env="prod")
+    # Then it reads the template's default parameter, and prod's deploy-only rate is not applied
+    assert drain.environment["INFRAI_API_KEY_PARAMETER"] == "/infrai-jobs/api-key"
+    # And the command does the same, end to end, for a function that echoes its environment
+    _echo_project(tmp_path, samconfig.replace("/infrai-jobs/prod/api-key", "/app/prod/api-key"))
+    (tmp_path / "template.yaml").write_text(
+        ECHO_TEMPLATE.replace("/app/api-key", "/infrai-jobs/api-key")
+    )
+    finished = _cli_invoke("Echo", tmp_path, "--config-env", "prod")
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout) == {
+        "QUEUE": "template-queue",
+        "REGION": "template-region",
+        "API_KEY_PARAMETER": "/infrai-jobs/api-key",
+    }
+
+
+def test_the_command_reads_local_invoke_env_vars_and_says_when_an_environment_is_missing(
+    tmp_path: Path,
+) -> None:
+    # Given a samconfig.toml whose local_invoke section names an env-vars file
+    _echo_project(
+        tmp_path,
+        '[default.local_invoke.parameters]\nenv_vars = "env.json"\n'
+        'parameter_overrides = "Region=from-local-invoke"\n',
+    )
+    (tmp_path / "env.json").write_text(json.dumps({"Echo": {"QUEUE": "from-env-vars"}}))
+    # When the command runs without --env-vars, then with an environment the file lacks
+    configured = _cli_invoke("Echo", tmp_path)
+    missing = _cli_invoke("Echo", tmp_path, "--config-env", "staging")
+    # Then the configured file and overrides apply, as with sam local invoke
+    assert configured.returncode == 0, configured.stderr
+    assert json.loads(configured.stdout)["QUEUE"] == "from-env-vars"
+    assert json.loads(configured.stdout)["REGION"] == "from-local-invoke"
+    # And a missing environment runs on the template's defaults, with a one-line note
+    assert missing.returncode == 0, missing.stderr
+    assert json.loads(missing.stdout)["QUEUE"] == "template-queue"
+    assert "note: samconfig.toml has no [staging] environment" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_parameter_overrides_are_parsed_in_every_spelling_sam_accepts() -> None:
+    # Given overrides spelled as SAM CLI accepts them
+    # When they are parsed
+    # Then each spelling gives the same names and values, quotes removed
+    assert parse_parameter_overrides('A=1 B="two words" C=') == {
+        "A": "1",
+        "B": "two words",
+        "C": "",
+    }
+    assert parse_parameter_overrides("ParameterKey=A,ParameterValue=x=y") == {"A": "x=y"}
+    assert parse_parameter_overrides(["A=1", "B=2"]) == {"A": "1", "B": "2"}
+    assert parse_parameter_overrides({"A": 1, "B": True}) == {"A": "1", "B": "true"}

@@ -6,6 +6,10 @@ Retry rules (see INFRAI_API.md):
   errors, dropped responses, 5xx and 429 (honouring ``Retry-After``). They are safe to repeat:
   a repeated ack of an applied ack answers ``QUEUE_MESSAGE_NOT_FOUND``, which callers treat as
   harmless; a repeated consume at worst hides messages until their visibility lapses.
+* a consume whose answer is lost after it was sent (cut off, too large, not JSON, too deep, a
+  5xx) is **not** retried: it may have been served, and each message it served has spent one of
+  its three deliveries unseen. It raises ``ConsumeAnswerLost`` and the caller decides (the drain
+  goes on one message at a time, so an unreadable message cannot take its neighbours along).
 * publish is **not** retried by default. Infrai has no producer-side deduplication, so a retried
   publish whose first attempt reached the server is a duplicate job. ``retry_publish=True`` opts
   in; that is safe only because consumers (this package's drain) dedupe by idempotency key.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +33,7 @@ from urllib.parse import quote, urlsplit
 
 from infrai_jobs.errors import (
     ConfigurationError,
+    ConsumeAnswerLost,
     InfraiError,
     InfraiInvalidResponse,
     InfraiUnavailable,
@@ -41,7 +47,7 @@ from infrai_jobs.queue_models import (
     parse_publish_price,
 )
 from infrai_jobs.rotation import fetch_again
-from infrai_jobs.transport import HttpPool, TransportError
+from infrai_jobs.transport import MAX_BODY, AnswerTooLarge, HttpPool, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,8 @@ USER_AGENT = "infrai-jobs/0.1"
 # Request bodies need no spaces and no NaN. Built once: json.dumps with any option builds a new
 # encoder per call (about 1.5 µs, for every ack).
 _BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# Ids of the messages an unreadable consume answer still shows (at most a batch of them).
+_MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,7 @@ class InfraiClient:
         sleep: Callable[[float], None] = time.sleep,
         refresh_api_key: Callable[[], str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        max_answer_bytes: int = MAX_BODY,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -117,6 +126,7 @@ class InfraiClient:
                 read_timeout=self._timeouts.read,
                 maxsize=pool_maxsize,
                 ssl_context=ssl_context,
+                max_body=max_answer_bytes,
             )
         except ValueError as exc:
             raise ConfigurationError(f"INFRAI_BASE_URL: {exc}") from None
@@ -190,7 +200,8 @@ class InfraiClient:
         """Receive up to ``max_messages`` (capped at 10). Each receive uses one of three deliveries.
 
         An item too malformed to process (no id, bad delivery count) is logged and left alone:
-        unacked, it returns after the visibility timeout and is dead-lettered after three.
+        unacked, it returns after the visibility timeout and is dead-lettered after three. An
+        answer lost or unreadable after the request went out raises ``ConsumeAnswerLost``.
         """
         return self.send_consume(queue, max_messages).wait()
 
@@ -201,15 +212,19 @@ class InfraiClient:
         while it works on this one."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
-        request = {"queue": queue, "max_messages": min(max_messages, MAX_MESSAGES_PER_CONSUME)}
+        served = min(max_messages, MAX_MESSAGES_PER_CONSUME)
+        request = {"queue": queue, "max_messages": served}
         path = "/v1/queue/consume"
-        first = self._send("POST", path, request, call="consume")
+        spends = (queue, served)
+        first = self._send("POST", path, request, call="consume", spends=spends)
 
         def finish() -> list[QueueMessage]:
-            data = self._call("POST", path, request, call="consume", retryable=True, first=first)
-            return _messages(data, queue)
+            data = self._call(
+                "POST", path, request, call="consume", retryable=True, first=first, spends=spends
+            )
+            return _messages(data, queue, served)
 
-        return Pending(finish, lambda: _messages(first.answer_alone(), queue))
+        return Pending(finish, lambda: _messages(first.answer_alone(), queue, served))
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
@@ -248,13 +263,22 @@ class InfraiClient:
         call: str,
         retryable: bool,
         first: _Attempt | None = None,
+        spends: tuple[str, int] | None = None,
     ) -> Any:
         """Make a call with its retries. ``first``, when given, is a request already sent (see
-        ``_send``): its answer is the first attempt's; the retries send afresh."""
+        ``_send``): its answer is the first attempt's; the retries send afresh. ``spends``
+        marks a consume (queue, messages asked for): see ``_send``."""
         sent: list[_Attempt] = []
         try:
             return self._call_with_retries(
-                method, path, body, call=call, retryable=retryable, first=first, sent=sent
+                method,
+                path,
+                body,
+                call=call,
+                retryable=retryable,
+                first=first,
+                sent=sent,
+                spends=spends,
             )
         except InfraiError as exc:
             if exc.status != 401:
@@ -264,7 +288,9 @@ class InfraiClient:
             if sent[-1].key == self._api_key and not self._take_refreshed_key():
                 raise
         # A 401 is answered before anything is applied, so one more try is safe for every call.
-        return self._call_with_retries(method, path, body, call=call, retryable=retryable, sent=[])
+        return self._call_with_retries(
+            method, path, body, call=call, retryable=retryable, sent=[], spends=spends
+        )
 
     def _take_refreshed_key(self) -> bool:
         fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
@@ -288,6 +314,7 @@ class InfraiClient:
         retryable: bool,
         sent: list[_Attempt],
         first: _Attempt | None = None,
+        spends: tuple[str, int] | None = None,
     ) -> Any:
         attempts = self._retry.max_attempts if retryable else 1
         for attempt in range(attempts):
@@ -295,9 +322,13 @@ class InfraiClient:
                 if attempt == 0 and first is not None:
                     current = first
                 else:
-                    current = self._send(method, path, body, call=call)
+                    current = self._send(method, path, body, call=call, spends=spends)
                 sent.append(current)
                 return current.answer()
+            except ConsumeAnswerLost:
+                # Never repeated: the lost answer may have served messages, and a repeat would
+                # spend a delivery of the next ones too.
+                raise
             except InfraiUnavailable as exc:
                 retry_after = getattr(exc, "retry_after", None)
                 out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
@@ -328,11 +359,22 @@ class InfraiClient:
         return (delay + attempt_at_most) * 1000 <= time_left_ms()
 
     def _send(
-        self, method: str, path: str, body: Mapping[str, Any] | None, *, call: str
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        call: str,
+        spends: tuple[str, int] | None = None,
     ) -> _Attempt:
         """Send one attempt; its ``answer()`` reads the answer (the call's data) or raises. A
         request that could not be sent fails when its answer is asked for, as a retryable
-        connection error."""
+        connection error.
+
+        ``spends`` (queue, messages asked for) marks a consume: once it has been sent, an
+        answer that is cut off, too large, unreadable or a 5xx raises ``ConsumeAnswerLost``,
+        since the queue may have served it. A 429 was refused before serving and stays
+        retryable."""
         key = self._api_key
         headers = {
             "Authorization": f"Bearer {key}",
@@ -359,10 +401,27 @@ class InfraiClient:
             try:
                 response = self._pool.receive(exchange)
             except TransportError as exc:
+                if spends is not None:
+                    size = exc.size if isinstance(exc, AnswerTooLarge) else None
+                    code = "ANSWER_TOO_LARGE" if isinstance(exc, AnswerTooLarge) else None
+                    raise _lost(spends, code or "CONNECTION_ERROR", str(exc), 0, size=size) from exc
                 raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
-            return _unwrap(
-                response.status, response.body, response.headers.get("retry-after"), call
-            )
+            try:
+                return _unwrap(
+                    response.status, response.body, response.headers.get("retry-after"), call
+                )
+            except (_RetryableAnswer, InfraiInvalidResponse) as exc:
+                if spends is None or exc.status == 429:
+                    raise
+                body = response.body
+                raise _lost(
+                    spends,
+                    exc.code,
+                    exc.message,
+                    exc.status,
+                    size=len(body),
+                    message_ids=_ids_in(body),
+                ) from exc
 
         return _Attempt(key, call, answer)
 
@@ -393,6 +452,8 @@ class _Attempt:
         """The answer with no retry; a retryable failure is raised as the public type."""
         try:
             return self.answer()
+        except ConsumeAnswerLost:
+            raise
         except InfraiUnavailable as exc:
             raise InfraiUnavailable(exc.code, exc.message, exc.status, call=self.call) from exc
 
@@ -405,11 +466,39 @@ class _RetryableAnswer(InfraiUnavailable):
         self.retry_after = retry_after
 
 
-def _messages(data: Any, queue: str) -> list[QueueMessage]:
+def _lost(
+    spends: tuple[str, int],
+    code: str,
+    message: str,
+    status: int,
+    *,
+    size: int | None = None,
+    message_ids: tuple[str, ...] = (),
+) -> ConsumeAnswerLost:
+    queue, served = spends
+    return ConsumeAnswerLost(
+        code,
+        message,
+        status,
+        queue=queue,
+        max_messages=served,
+        size=size,
+        message_ids=message_ids,
+    )
+
+
+def _ids_in(raw: bytes) -> tuple[str, ...]:
+    """The message ids an unreadable answer still shows, at most one batch of them."""
+    found = (m.group(1).decode("ascii") for m in _MESSAGE_ID.finditer(raw))
+    return tuple(dict.fromkeys(found))[:MAX_MESSAGES_PER_CONSUME]
+
+
+def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:
     items = data.get("items") if isinstance(data, Mapping) else None
     if not isinstance(items, list):
-        raise InfraiInvalidResponse(
-            "INVALID_RESPONSE", "consume answered without an items list", 0, call="consume"
+        # Something was answered, and the queue may have served messages to it.
+        raise _lost(
+            (queue, served), "INVALID_RESPONSE", "consume answered without an items list", 200
         )
     messages: list[QueueMessage] = []
     for item in items:

@@ -80,8 +80,22 @@ class Response:
     body: bytes
 
 
+class AnswerTooLarge(TransportError):
+    """The answer is longer than the pool accepts; ``size`` is its declared length, if any."""
+
+    def __init__(self, message: str, size: int | None) -> None:
+        super().__init__(message)
+        self.size = size
+
+
 class _ProtocolError(Exception):
     pass
+
+
+class _TooLarge(_ProtocolError):
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        super().__init__(f"the answer is larger than {limit} bytes")
+        self.size = size
 
 
 class _Connection:
@@ -198,7 +212,7 @@ class _Connection:
         while len(self.buffer) <= limit and self.fill():
             pass
         if len(self.buffer) > limit:
-            raise _ProtocolError(f"the answer is larger than {limit} bytes")
+            raise _TooLarge(limit)
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
@@ -315,6 +329,9 @@ class HttpPool:
         method = exchange.method
         try:
             response, keep_alive = _read_response(conn, method, self._max_body)
+        except _TooLarge as exc:
+            conn.close()
+            raise AnswerTooLarge(self._describe(exc), exc.size) from exc
         except (OSError, _ProtocolError) as exc:
             conn.close()
             raise TransportError(self._describe(exc)) from exc
@@ -505,7 +522,7 @@ def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Respo
         return Response(status, headers, conn.read_to_end(max_body)), False
     size = _parse_length(length)
     if size > max_body:
-        raise _ProtocolError(f"the answer is larger than {max_body} bytes")
+        raise _TooLarge(max_body, size)
     body = conn.read(size)
     if len(body) != size:
         raise _ProtocolError(f"the answer was cut short ({len(body)} of {size} bytes)")
@@ -600,7 +617,7 @@ def _read_chunked(conn: _Connection, max_body: int) -> bytes:
         if size == 0:
             break
         if len(body) + size > max_body:
-            raise _ProtocolError(f"the answer is larger than {max_body} bytes")
+            raise _TooLarge(max_body)
         chunk = conn.read(size)
         if len(chunk) != size or conn.readline() not in (b"\r\n", b"\n"):
             raise _ProtocolError("the answer was cut short inside a chunk")

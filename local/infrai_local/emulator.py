@@ -88,6 +88,12 @@ DEFAULT_PUBLISH_PRICE_USD: Final = "0.00002"
 MAX_RECEIVE_COUNT: Final = 3
 CONSUME_CAP: Final = 10
 MAX_BODY_BYTES: Final = 11 * 1024 * 1024
+# What publish accepts, consume can serve: a body nested deeper than this, or longer than this
+# as a consume answer spells it, is refused at publish (VALIDATION_ERROR) instead of breaking
+# every consume answer it would be part of. Both leave room under the client's limits (its
+# JSON parser's nesting and a 16 MiB answer).
+MAX_BODY_DEPTH: Final = 800
+MAX_SERVED_BODY_BYTES: Final = 12 * 1024 * 1024
 MAX_DELAY_SECONDS: Final = 86_400
 MAX_LATENCY_MS: Final = 60_000.0
 MESSAGE_ID_PREFIX: Final = "qmsg_"
@@ -446,10 +452,7 @@ class Emulator:
             raise _invalid("body must be a JSON object")
         if not 0 <= delay_seconds <= MAX_DELAY_SECONDS:
             raise _invalid(f"delay_seconds must be an integer from 0 to {MAX_DELAY_SECONDS}")
-        try:
-            payload_json = json.dumps(body, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError):
-            raise _invalid("body must be representable as JSON") from None
+        payload_json = _servable_json(body)
         with self._lock:
             self._sweep()
             target = self._queue(queue)
@@ -469,10 +472,13 @@ class Emulator:
             source = self._queue(queue)
             chosen = _first_available(source, min(max_messages, CONSUME_CAP))
             hidden_until = self._clock.monotonic() + source.visibility_timeout
+            # Every item is built before any delivery is counted: a message that could not be
+            # served must not spend one.
+            items = [_item(source, message, message.delivery_count + 1) for message in chosen]
             for message in chosen:
                 message.delivery_count += 1
                 source.schedule(message, "in_flight", hidden_until)
-            return [_item(source, message) for message in chosen]
+            return items
 
     def ack(self, queue: str, receipt_handle: str) -> JsonObject:
         """Delete a held message; 404 ``QUEUE_MESSAGE_NOT_FOUND`` once it is gone."""
@@ -665,17 +671,68 @@ def _first_available(queue: Queue, limit: int) -> list[Message]:
     return chosen
 
 
-def _item(queue: Queue, message: Message) -> JsonObject:
+def _item(queue: Queue, message: Message, delivery_count: int) -> JsonObject:
     """A consumed item exactly as the notes show it, plus ``receipt_handle``."""
     return {
         "message_id": message.message_id,
         "queue": queue.name,
         "payload": json.loads(message.payload_json),
         "status": "in_flight",
-        "delivery_count": message.delivery_count,
+        "delivery_count": delivery_count,
         "published_at": message.published_at,
         "receipt_handle": message.message_id,
     }
+
+
+def _servable_json(body: JsonObject) -> str:
+    """The body as stored, once it is known that a consume answer can carry it."""
+    depth = _depth(body)
+    if depth > MAX_BODY_DEPTH:
+        raise _invalid(f"body is nested {depth} levels deep; at most {MAX_BODY_DEPTH} are served")
+    try:
+        payload_json = json.dumps(body, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        raise _invalid("body must be representable as JSON") from None
+    try:
+        served = len(payload_json.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate: served with escapes (see encode_answer)
+        served = len(json.dumps(body, separators=(",", ":")))
+    if served > MAX_SERVED_BODY_BYTES:
+        raise _invalid(
+            f"body is {served} bytes as a consume answer spells it (JSON escapes included); "
+            f"at most {MAX_SERVED_BODY_BYTES} are served"
+        )
+    return payload_json
+
+
+def _depth(value: object) -> int:
+    """How deeply objects and arrays nest in a parsed JSON value (a scalar is 0), without
+    recursion: the values measured are the ones too deep for a recursive walk."""
+    deepest = 0
+    pending: list[tuple[object, int]] = [(value, 1)]
+    while pending:
+        current, level = pending.pop()
+        children: Iterable[object]
+        if isinstance(current, dict):
+            children = current.values()
+        elif isinstance(current, list):
+            children = current
+        else:
+            continue
+        deepest = max(deepest, level)
+        pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def encode_answer(document: object) -> bytes:
+    """An answer's body: UTF-8, as JSON APIs send it, so non-ASCII text is not tripled by
+    ``\\u`` escapes. Text that UTF-8 cannot carry (a lone surrogate, which JSON can spell
+    as an escape) is sent with escapes instead."""
+    text = _ANSWER_ENCODER.encode(document)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _ASCII_ANSWER_ENCODER.encode(document).encode("ascii")
 
 
 def _queue_summary(queue: Queue) -> JsonObject:
@@ -951,7 +1008,8 @@ _END_OF_HEADERS: Final = frozenset({b"\r\n", b"\n", b""})
 # 0x7e) sends the whole block through the email parser, so it is read exactly as before.
 _SIMPLE_HEADER_LINE: Final = re.compile(rb"([!-9;-~]+):[ \t]*([^\r\n]*)\r?\n?")
 # The envelope needs no spaces; the same settings as json.dumps(separators=...), built once.
-_ANSWER_ENCODER: Final = json.JSONEncoder(separators=(",", ":"))
+_ANSWER_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_ASCII_ANSWER_ENCODER: Final = json.JSONEncoder(separators=(",", ":"))
 
 
 class RequestHeaders:
@@ -1299,7 +1357,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _send_answer(self, status: int, document: JsonObject, headers: Mapping[str, str]) -> None:
         """Status line, headers and body in one write (one syscall), with the bytes the
         stdlib's send_response/send_header/end_headers produced."""
-        body = _ANSWER_ENCODER.encode(document).encode("utf-8")
+        body = encode_answer(document)
         if self._http_server.verbose:
             self.log_request(status)
         if self.request_version == "HTTP/0.9":

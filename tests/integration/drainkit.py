@@ -133,11 +133,14 @@ def prepare_database(database_url: str) -> None:
 
 
 @contextmanager
-def harness(database_url: str) -> Iterator[Harness]:
+def harness(
+    database_url: str, *, visibility: float = VISIBILITY, max_answer_bytes: int | None = None
+) -> Iterator[Harness]:
     prepare_database(database_url)
-    server = emulator_module.start_in_thread(visibility_timeout=VISIBILITY)
+    server = emulator_module.start_in_thread(visibility_timeout=visibility)
     sink = provider_sink.start_in_thread()
-    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
+    limits = {} if max_answer_bytes is None else {"max_answer_bytes": max_answer_bytes}
+    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
     client.ensure_queue(QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
     registry = build_registry(sink.url)

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
-from infrai_jobs.errors import InfraiError, InfraiInvalidResponse
+from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, InfraiInvalidResponse
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger import PostgresLedger, _array
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
@@ -134,6 +134,7 @@ class CraftedInfrai:
 
     answers: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     acked: list[str] = field(default_factory=list)
+    consumes: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     url: str = ""
 
@@ -149,6 +150,12 @@ class CraftedInfrai:
         with self.lock:
             acked, self.acked = self.acked, []
         return acked
+
+    def consume_requests(self) -> list[dict[str, Any]]:
+        """The consume requests received since the last call."""
+        with self.lock:
+            consumes, self.consumes = self.consumes, []
+        return consumes
 
 
 class _CraftedHandler(BaseHTTPRequestHandler):
@@ -170,6 +177,9 @@ class _CraftedHandler(BaseHTTPRequestHandler):
                 crafted.acked.append(json.loads(raw)["receipt_handle"])
             self._send(200, b'{"ok":true,"data":{"acked":true}}')
             return
+        if self.path == "/v1/queue/consume":
+            with crafted.lock:
+                crafted.consumes.append(json.loads(raw))
         self.do_GET()
 
     def do_GET(self) -> None:
@@ -588,15 +598,20 @@ RAW_GARBAGE = {
 def test_an_unparseable_consume_answer_is_an_invalid_response_and_writes_nothing(
     kit: Harness, crafted: CraftedInfrai, body: bytes
 ) -> None:
-    # Given Infrai answering a consume with bytes that are not the contract's JSON
+    # Given Infrai answering every consume with bytes that are not the contract's JSON
     crafted.answer("/v1/queue/consume", body)
+    crafted.consume_requests()
     before = table_counts(kit.database_url)
-    # When a drain tries to consume, Then it fails with the package's error, saying why
-    with pytest.raises(InfraiInvalidResponse, match="not JSON") as raised:
+    # When a drain tries to consume, Then, after a few lost answers in a row, it fails with
+    # the package's error, saying why: the answers may have spent deliveries
+    with pytest.raises(ConsumeAnswerLost, match="not JSON") as raised:
         drain_once(crafted_client(crafted), kit.ledger, kit)
-    assert raised.value.call == "consume"
-    # And nothing was written
-    assert written(before, table_counts(kit.database_url)) == {}
+    assert (raised.value.call, raised.value.code) == ("consume", "INVALID_RESPONSE")
+    # And each consume after the first asked for one message only
+    assert [r["max_messages"] for r in crafted.consume_requests()] == [10, 1, 1]
+    # And nothing was written but the queue's one-at-a-time window
+    assert written(before, table_counts(kit.database_url)) == {"consume_isolation": 1}
+    kit.sql("DELETE FROM consume_isolation")  # the module's other tests drain in batches
 
 
 def _stats(**overrides: Any) -> dict[str, Any]:
@@ -739,9 +754,10 @@ def test_a_consume_answer_without_an_items_list_is_an_invalid_response(
 ) -> None:
     # Given a consume answer whose data holds no list of items
     crafted.answer("/v1/queue/consume", json.dumps(document).encode())
-    # When consumed, Then the client says so
-    with pytest.raises(InfraiInvalidResponse, match=expected):
+    # When consumed, Then the client says so: whatever it served is lost
+    with pytest.raises(ConsumeAnswerLost, match=expected) as raised:
         crafted_client(crafted).consume(QUEUE)
+    assert (raised.value.code, raised.value.max_messages) == ("INVALID_RESPONSE", 10)
 
 
 def test_an_envelope_with_a_non_boolean_ok_is_refused_as_an_error(crafted: CraftedInfrai) -> None:
@@ -765,9 +781,11 @@ def test_an_answer_nested_deeper_than_the_parser_allows_is_an_invalid_response(
         "/v1/queue/consume",
         b'{"ok":true,"data":{"items":[{"message_id":"qmsg_deep","payload":' + deep + b"}]}}",
     )
-    # When consumed, Then the client answers with its own error, naming the call
-    with pytest.raises(InfraiInvalidResponse):
+    # When consumed, Then the client answers with its own error, naming the call and the ids
+    # the answer still shows
+    with pytest.raises(ConsumeAnswerLost, match="nested too deeply") as raised:
         crafted_client(crafted).consume(QUEUE)
+    assert (raised.value.call, raised.value.message_ids) == ("consume", ("qmsg_deep",))
 
 
 STORABLE_IDS = {"NUL byte": "qmsg_a\x00b", "lone surrogate": "qmsg_\ud800"}

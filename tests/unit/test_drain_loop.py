@@ -245,8 +245,9 @@ def test_an_empty_queue_ends_the_loop_at_once(kit: Kit) -> None:
     # Given nothing waiting; When drained
     summary = kit.drain()
     # Then the loop stopped at its first consume; the ledger was only asked whether it answers
+    # and whether the queue is to be consumed one message at a time
     assert (summary.batches, summary.consumed, summary.stopped) == (0, 0, "empty")
-    assert kit.ledger.calls == Counter({"ping": 1})
+    assert kit.ledger.calls == Counter({"ping": 1, "consume_isolation": 1})
 
 
 def test_an_unreachable_ledger_stops_the_drain_before_anything_is_received(kit: Kit) -> None:

@@ -4,6 +4,12 @@ One call drains one queue lane for as long as the time budget allows another who
 receive burns one of a message's three deliveries, so the loop never consumes what it cannot
 finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is DESIGN.md's ack
 column.
+
+A consume whose answer is lost or unreadable (``ConsumeAnswerLost``) has spent a delivery of
+every message it served, unseen. The lane then takes one message at a time: after a lost answer
+for its next consume, and, when the answer was unreadable (too large, not JSON, too deep), for a
+window kept in the ledger for every drain of the queue, long enough for the messages it served
+to come back. So an unreadable message walks to the DLQ alone, not with nine neighbours.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import psycopg
 
 from infrai_jobs.errors import (
     ConfigurationError,
+    ConsumeAnswerLost,
     EffectUncertain,
     InfraiError,
     InfraiUnavailable,
@@ -42,6 +49,7 @@ from infrai_jobs.ledger import (
 )
 from infrai_jobs.ports import EffectGuard, LedgerPort, QueuePort
 from infrai_jobs.queue_models import Pending, QueueMessage
+from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,18 @@ ACKS_IN_FLIGHT_BATCHES = 2
 # consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
 # (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
 HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * BATCH_SIZE + 1
+# A lease and a handler's deadline end this long before the queue may deliver the message again.
+VISIBILITY_MARGIN_SECONDS = 2.0
+# Lost consume answers in a row after which a lane gives up (raising the last one), so a queue
+# that loses every answer costs a few deliveries, not one per message for the whole budget.
+LOST_ANSWERS_IN_A_ROW = 3
+# An unreadable answer opens the queue's one-at-a-time window for this many visibility
+# timeouts: the messages it served come back after one, to be consumed one by one.
+ISOLATION_VISIBILITY_TIMEOUTS = 2
+# How often a lane re-reads the window another drain may have opened meanwhile.
+ISOLATION_REREAD_SECONDS = 60.0
+# Codes of a lost answer whose cause may be a message (deterministic), not the network.
+UNREADABLE_CODES = frozenset({"ANSWER_TOO_LARGE", "INVALID_RESPONSE"})
 
 
 class Outcome(StrEnum):
@@ -78,8 +98,11 @@ class DrainConfig:
     batch_size: int = BATCH_SIZE
     # The time one batch may need at most; a batch is consumed only when this much is left.
     batch_budget_ms: int = 20_000
-    # An external claim's lease outlives the invocation's deadline by this much.
+    # An external claim's lease outlives the invocation's deadline by this much, but never
+    # its message's visibility window.
     lease_grace_seconds: int = 60
+    # The queue's visibility timeout: a consumed message is hidden this long.
+    visibility_timeout_seconds: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS
     max_batches: int | None = None
     # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
     effect_guard: EffectGuard | None = None
@@ -103,6 +126,10 @@ class DrainSummary:
     ack_failed: int = 0
     batches: int = 0
     takeovers: int = 0
+    # Consumes whose answer was lost or unreadable, and those of them that served one message
+    # only: an unreadable message isolated (it alone spent the delivery).
+    answers_lost: int = 0
+    unreadable: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     stopped: str = ""
 
@@ -119,6 +146,8 @@ class DrainSummary:
             "ack_failed": self.ack_failed,
             "batches": self.batches,
             "takeovers": self.takeovers,
+            "answers_lost": self.answers_lost,
+            "unreadable": self.unreadable,
             "outcomes": dict(sorted(self.outcomes.items())),
             "stopped": self.stopped,
         }
@@ -136,6 +165,8 @@ _SUMMARY_TOTALS = (
     "ack_failed",
     "batches",
     "takeovers",
+    "answers_lost",
+    "unreadable",
 )
 
 
@@ -185,6 +216,7 @@ def drain(
         # Before anything is received: a receive spends a delivery, and a batch that cannot be
         # claimed would spend it for nothing.
         ledger.ping()
+        mode = _ConsumeMode(ledger, config, summary, clock)
     except LedgerError as exc:
         summary.stopped = "ledger_unavailable"
         logger.error(
@@ -203,6 +235,7 @@ def drain(
             clock=clock,
             summary=summary,
             acks=acks,
+            mode=mode,
         )
     finally:
         # Every ack sent is waited for before the invocation reports.
@@ -221,31 +254,42 @@ def _drain_batches(
     clock: Callable[[], float],
     summary: DrainSummary,
     acks: _AckPipeline,
+    mode: _ConsumeMode,
 ) -> None:
     """Process batches one after the other, receiving the next while this one runs.
 
     A batch is received only while the time left covers finishing it, and the one received
     ahead only while the time covers both: every receive burns one of three deliveries. If the
     receive itself ran so long (retries, a ``Retry-After``) that the time left no longer covers
-    the batch, it is left unprocessed for redelivery rather than cut off half-way.
+    the batch, it is left unprocessed for redelivery rather than cut off half-way. How many
+    messages a receive asks for is ``mode``'s decision (one at a time after a lost answer).
 
     One thread does it all: the consume sent ahead and the acks travel while the batch is
     processed, and their answers are read after (``Pending``), so a lane costs no threads and
     no hand-offs between them.
     """
     ahead: Pending[list[QueueMessage]] | None = None
+    ahead_sent_at = 0.0
+    visibility = config.visibility_timeout_seconds
     try:
         while True:
-            if ahead is not None:
-                # Taken before waiting: a consume that failed is not waited for twice.
-                received, ahead = ahead, None
-                messages = received.wait()
-            else:
-                stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
-                if stop:
-                    summary.stopped = stop
-                    return
-                messages = queue.consume(config.queue, config.batch_size)
+            try:
+                if ahead is not None:
+                    # Taken before waiting: a consume that failed is not waited for twice.
+                    received, ahead = ahead, None
+                    sent_at = ahead_sent_at
+                    messages = received.wait()
+                else:
+                    stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
+                    if stop:
+                        summary.stopped = stop
+                        return
+                    sent_at = clock()
+                    messages = queue.consume(config.queue, mode.size())
+            except ConsumeAnswerLost as exc:
+                mode.lost(exc)
+                continue
+            mode.served()
             if not messages:
                 summary.stopped = "empty"
                 return
@@ -264,9 +308,21 @@ def _drain_batches(
                 return
             summary.batches += 1
             if not _stop_reason(config, summary, remaining, time_for=2):
-                ahead = queue.send_consume(config.queue, config.batch_size)
-            deadline = clock() + remaining / 1000
-            results = process_batch(messages, ledger, registry, deadline, config)
+                ahead_sent_at = clock()
+                ahead = queue.send_consume(config.queue, mode.size())
+            # The queue may deliver these messages again from here on: no handler deadline
+            # and no lease may run past it.
+            visible_until = sent_at + visibility - VISIBILITY_MARGIN_SECONDS
+            deadline = min(clock() + remaining / 1000, visible_until)
+            results = process_batch(
+                messages,
+                ledger,
+                registry,
+                deadline,
+                config,
+                visible_until=visible_until,
+                clock=clock,
+            )
             _count(results, summary)
             # This batch's acks travel while the next one is processed.
             acks.send(results)
@@ -275,7 +331,7 @@ def _drain_batches(
                 return
     finally:
         if ahead is not None:
-            _abandon(ahead)
+            _abandon(ahead, mode)
 
 
 def _stop_reason(
@@ -293,7 +349,120 @@ def _stop_reason(
     return ""
 
 
-def _abandon(ahead: Pending[list[QueueMessage]]) -> None:
+class _ConsumeMode:
+    """How many messages a lane's next consume asks for: a batch, or one at a time.
+
+    One at a time for the consume after a lost answer (which spent a delivery of up to ten
+    messages, unseen), and for as long as the queue's isolation window lasts. An unreadable
+    answer (too large, not JSON, too deep: a message's doing, likely to repeat) opens that
+    window in the ledger for every drain of the queue, for two visibility timeouts: the
+    messages it served come back after one and are then received one by one, so only the
+    unreadable one fails again. A lost answer that served one message only has isolated it.
+    """
+
+    def __init__(
+        self,
+        ledger: LedgerPort,
+        config: DrainConfig,
+        summary: DrainSummary,
+        clock: Callable[[], float],
+    ) -> None:
+        self._ledger = ledger
+        self._config = config
+        self._summary = summary
+        self._clock = clock
+        self._checked_at = clock()
+        self._single_until = self._checked_at + ledger.consume_isolation(config.queue)
+        self._single_next = False
+        self._lost_in_a_row = 0
+
+    def size(self) -> int:
+        now = self._clock()
+        if now - self._checked_at >= ISOLATION_REREAD_SECONDS:
+            self._checked_at = now
+            try:
+                self._single_until = now + self._ledger.consume_isolation(self._config.queue)
+            except LedgerError as exc:
+                # The claims will find the ledger's trouble; the window is only a precaution.
+                logger.warning(
+                    "could not read the queue's isolation window",
+                    extra={"action": "isolation_unknown", "detail": str(exc)},
+                )
+        if self._single_next or now < self._single_until:
+            return 1
+        return self._config.batch_size
+
+    def served(self) -> None:
+        self._single_next = False
+        self._lost_in_a_row = 0
+
+    def lost(self, exc: ConsumeAnswerLost, *, final: bool = False) -> None:
+        """Count and log a lost answer, and take one message at a time from here; raise it
+        once ``LOST_ANSWERS_IN_A_ROW`` came in a row, so the invocation fails visibly."""
+        summary = self._summary
+        summary.answers_lost += 1
+        unreadable = exc.code in UNREADABLE_CODES
+        isolated = exc.max_messages == 1 and unreadable
+        summary.unreadable += int(isolated)
+        _log_lost(exc, isolated=isolated)
+        self._single_next = True
+        if unreadable:
+            self._open_window(exc)
+        self._lost_in_a_row += 1
+        if self._lost_in_a_row >= LOST_ANSWERS_IN_A_ROW and not final:
+            raise exc
+
+    def _open_window(self, exc: ConsumeAnswerLost) -> None:
+        seconds = float(ISOLATION_VISIBILITY_TIMEOUTS * self._config.visibility_timeout_seconds)
+        now = self._clock()
+        self._single_until = max(self._single_until, now + seconds)
+        try:
+            left = self._ledger.isolate_consumes(
+                self._config.queue, seconds, storable_text(f"{exc.code}: {exc.message}")
+            )
+        except LedgerError as exc_ledger:
+            logger.warning(
+                "could not record the queue's isolation window; this lane keeps it alone",
+                extra={"action": "isolation_unrecorded", "detail": str(exc_ledger)},
+            )
+            return
+        self._checked_at = now
+        self._single_until = max(self._single_until, now + left)
+
+
+def _log_lost(exc: ConsumeAnswerLost, *, isolated: bool) -> None:
+    if isolated:
+        level = logging.ERROR
+        message = (
+            "an unreadable message was received alone: only it spent a delivery, and it "
+            "reaches the DLQ after three"
+        )
+        action = "unreadable_message"
+    else:
+        level = logging.WARNING
+        message = (
+            "a consume answer was lost or unreadable: the messages it served spent a delivery "
+            "unseen and come back after the visibility timeout; consuming one at a time"
+        )
+        action = "consume_answer_lost"
+    logger.log(
+        level,
+        message,
+        extra={
+            "action": action,
+            "queue": exc.queue,
+            "route": "POST /v1/queue/consume",
+            "code": exc.code,
+            "status": exc.status,
+            "size_bytes": exc.size,
+            "message_ids": list(exc.message_ids),
+            "max_messages": exc.max_messages,
+            "detail": storable_text(exc.message[:500]),
+        },
+    )
+
+
+def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:
     """A batch received ahead but never processed (the ledger failed): it is not acked, so
     Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery.
 
@@ -301,6 +470,9 @@ def _abandon(ahead: Pending[list[QueueMessage]]) -> None:
     another batch just to leave it too."""
     try:
         messages = ahead.wait(retry=False)
+    except ConsumeAnswerLost as exc:
+        mode.lost(exc, final=True)
+        return
     except InfraiError:
         return
     _left_for_redelivery(messages, "a batch received ahead was left for redelivery")
@@ -323,9 +495,17 @@ def process_batch(
     registry: JobRegistry,
     deadline: float,
     config: DrainConfig,
+    *,
+    visible_until: float | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> list[MessageResult]:
-    """Decide every message of one batch; one bad message never stops the others."""
-    return _Batch(messages, ledger, registry, deadline, config).process()
+    """Decide every message of one batch; one bad message never stops the others.
+
+    ``visible_until`` (``clock`` seconds) is when the queue may deliver these messages again:
+    no claim's lease ends later (None: one whole visibility timeout from the claim)."""
+    return _Batch(
+        messages, ledger, registry, deadline, config, visible_until=visible_until, clock=clock
+    ).process()
 
 
 class _Batch:
@@ -338,12 +518,18 @@ class _Batch:
         registry: JobRegistry,
         deadline: float,
         config: DrainConfig,
+        *,
+        visible_until: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.messages = messages
         self.ledger = ledger
         self.registry = registry
         self.deadline = deadline
         self.config = config
+        # When the queue may deliver the batch again (None: unknown), on ``clock``.
+        self.visible_until = visible_until
+        self.clock = clock
         self.lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
         self.results: dict[str, MessageResult] = {}
         # The first message of each key in this batch, and later copies of a key.
@@ -385,6 +571,9 @@ class _Batch:
             effect=effect,
             fingerprint=derived.fingerprint,
             lease_until=None if effect is Effect.DATABASE else self.lease_until,
+            visibility_left=(
+                None if self.visible_until is None else self.visible_until - self.clock()
+            ),
         )
 
     def _context(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobContext:

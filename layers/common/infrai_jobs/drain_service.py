@@ -76,6 +76,7 @@ class DrainService:
             queue=self.settings.queue,
             batch_budget_ms=self.settings.batch_budget_ms,
             lease_grace_seconds=self.settings.lease_grace_seconds,
+            visibility_timeout_seconds=self.settings.visibility_timeout_seconds,
             max_batches=max_batches,
             effect_guard=self.effect_guard,
         )

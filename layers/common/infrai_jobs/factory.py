@@ -36,7 +36,11 @@ def client_pool_size(lanes: int) -> int:
 def make_ledger(
     settings: Settings, *, refresh_url: Callable[[], str] | None = None
 ) -> PostgresLedger:
-    return PostgresLedger(settings.require_database_url(), refresh_url=refresh_url)
+    return PostgresLedger(
+        settings.require_database_url(),
+        visibility_timeout=settings.visibility_timeout_seconds,
+        refresh_url=refresh_url,
+    )
 
 
 def make_alerter(settings: Settings) -> Alerter:

@@ -9,6 +9,14 @@ the caller must not ack.
 theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed ``running``
 with a lease before the effect, and settled one by one right after it, to keep the window in which
 a crash leaves a stuck row as small as the call itself.
+
+**A lease never outlives its message's visibility window.** The claim statement stores
+``least(requested lease, now() + the visibility the message has left)``, the latter never more
+than the queue's whole visibility timeout, whatever the caller's budget or grace asked for. Once
+the queue may deliver the message again, or dead-letter it, the claim is therefore expired: a
+redelivered or redriven copy is judged by the expired-lease rows of the outcome table (an
+``external`` claim is stuck and flagged, an ``external_idempotent`` one is taken over), never
+acked as ``in_flight`` behind an owner that is gone.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ logger = logging.getLogger(__name__)
 _RESULT_JSON = json.JSONEncoder(allow_nan=False)
 
 
-def _array(values: Iterable[str | uuid.UUID | datetime | None]) -> str:
+def _array(values: Iterable[str | uuid.UUID | datetime | float | None]) -> str:
     """A list parameter as the text of a one-dimensional PostgreSQL array.
 
     Every statement here takes its lists as ``%(name)s::text[]`` (or ``uuid[]``,
@@ -78,6 +86,10 @@ class ClaimRequest:
     fingerprint: str
     # When the claim may be considered abandoned; None for database jobs (never committed).
     lease_until: datetime | None = None
+    # Seconds, counted from when the request is built, until the queue may deliver this
+    # message again; the stored lease ends no later (the module's lease invariant). None: the
+    # whole visibility timeout.
+    visibility_left: float | None = None
     claim_token: uuid.UUID = field(default_factory=uuid.uuid4)
 
 
@@ -143,10 +155,19 @@ class ClaimRow:
 
 _CLAIM: LiteralString = """
 WITH input AS (
-    SELECT * FROM unnest(
+    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.payload_sha256,
+           -- The lease invariant: never past the message's visibility window.
+           CASE WHEN t.lease_until IS NOT NULL THEN least(
+               t.lease_until,
+               now() + make_interval(secs => least(
+                   greatest(coalesce(t.visibility_left, %(visibility)s), 0), %(visibility)s))
+           ) END AS lease_until
+    FROM unnest(
         %(keys)s::text[], %(message_ids)s::text[], %(jobs)s::text[], %(effects)s::text[],
-        %(tokens)s::uuid[], %(leases)s::timestamptz[], %(fingerprints)s::text[]
-    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, payload_sha256)
+        %(tokens)s::uuid[], %(leases)s::timestamptz[], %(fingerprints)s::text[],
+        %(visibility_left)s::float8[]
+    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, payload_sha256,
+           visibility_left)
 ),
 claimed AS (
     INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
@@ -236,6 +257,21 @@ UPDATE job_claims AS c
 SET error = u.reason, updated_at = now()
 FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
 WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
+"""
+
+_ISOLATION_LEFT: LiteralString = """
+SELECT greatest(extract(epoch FROM single_until - now()), 0)::float8
+FROM consume_isolation WHERE queue = %(queue)s
+"""
+
+_ISOLATE: LiteralString = """
+INSERT INTO consume_isolation AS i (queue, single_until, reason, updated_at)
+VALUES (%(queue)s, now() + make_interval(secs => %(seconds)s), %(reason)s, now())
+ON CONFLICT (queue) DO UPDATE
+    SET single_until = greatest(i.single_until, EXCLUDED.single_until),
+        reason = EXCLUDED.reason,
+        updated_at = now()
+RETURNING greatest(extract(epoch FROM single_until - now()), 0)::float8
 """
 
 _SELECT_ROW: LiteralString = """
@@ -469,6 +505,7 @@ class PostgresLedger:
             "tokens": _array(r.claim_token for r in ordered),
             "leases": _array(r.lease_until for r in ordered),
             "fingerprints": _array(r.fingerprint for r in ordered),
+            "visibility_left": _array(r.visibility_left for r in ordered),
             "visibility": self._visibility,
         }
         if begin:
@@ -662,6 +699,24 @@ class PostgresLedger:
             conn.execute(
                 _FLAG_STUCK, {"keys": _array(reasons), "reasons": _array(reasons.values())}
             )
+
+    # --- consume isolation ------------------------------------------------------------------
+
+    def consume_isolation(self, queue: str) -> float:
+        """Seconds left in ``queue``'s one-message-at-a-time window; 0 when there is none."""
+        with self._translated() as conn:
+            row = conn.execute(_ISOLATION_LEFT, {"queue": queue}).fetchone()
+        return float(row[0]) if row else 0.0
+
+    def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
+        """Open or extend ``queue``'s window to at least ``seconds`` from now; the seconds left.
+
+        Kept here, not in one process: the messages an unreadable answer served come back
+        after the visibility timeout, to whichever drain consumes next."""
+        params = {"queue": queue, "seconds": seconds, "reason": reason[:500]}
+        with self._translated() as conn:
+            row = conn.execute(_ISOLATE, params).fetchone()
+        return float(row[0]) if row else seconds
 
     def get(self, idem_key: str) -> ClaimRow | None:
         with self._translated() as conn, conn.cursor(row_factory=dict_row) as cur:

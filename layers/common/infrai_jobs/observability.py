@@ -38,6 +38,8 @@ DRAIN_METRICS = {
     "ack_failed": "AcksFailed",
     "batches": "Batches",
     "takeovers": "LeaseTakeovers",
+    "answers_lost": "ConsumeAnswersLost",
+    "unreadable": "UnreadableMessages",
 }
 OUTCOME_METRICS = {
     "done": "OutcomeDone",

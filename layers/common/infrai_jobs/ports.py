@@ -75,6 +75,14 @@ class LedgerPort(Protocol):
         """Raise ``LedgerUnavailable`` unless the ledger answers (reconnecting once)."""
         ...
 
+    def consume_isolation(self, queue: str) -> float:
+        """Seconds left in ``queue``'s one-message-at-a-time window (0: consume in batches)."""
+        ...
+
+    def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
+        """Open or extend ``queue``'s window to at least ``seconds``; the seconds left."""
+        ...
+
 
 class EffectGuard(Protocol):
     """An optional second layer around an external effect (Powertools idempotency).

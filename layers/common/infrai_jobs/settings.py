@@ -42,8 +42,11 @@ class Settings:
     # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
     # when the time left covers it (a receive burns one of three deliveries).
     batch_budget_ms: int = 20_000
-    # How long an external claim's lease outlives the invocation that took it, in seconds.
+    # How long an external claim's lease outlives the invocation that took it, in seconds;
+    # never past its message's visibility window, whatever this says.
     lease_grace_seconds: int = 60
+    # The drained queue's visibility timeout: how long a consumed message stays hidden.
+    visibility_timeout_seconds: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS
     # Concurrent drain loops in one invocation, each with its own database connection.
     drain_lanes: int = 1
     retention_days: int = 30
@@ -75,6 +78,12 @@ class Settings:
             provider_url=env.get("PROVIDER_URL", "").strip(),
             batch_budget_ms=_int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
             lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
+            visibility_timeout_seconds=_int(
+                env,
+                "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
+                QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+                minimum=1,
+            ),
             drain_lanes=_int(env, "DRAIN_LANES", 1, minimum=1),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
             publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),

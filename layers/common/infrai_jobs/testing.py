@@ -29,7 +29,7 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -392,7 +392,9 @@ def _validation(call: str, message: str) -> InfraiError:
 
 # --- The ledger -------------------------------------------------------------------------------
 
-LedgerCall = Literal["claim", "run_database_batch", "settle", "flag_stuck", "ping"]
+LedgerCall = Literal[
+    "claim", "run_database_batch", "settle", "flag_stuck", "ping", "consume_isolation"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,6 +440,8 @@ class InMemoryLedger:
         self._lock = threading.RLock()
         self._failures: list[_InjectedFailure] = []
         self._calls: Counter[str] = Counter()
+        # Per queue: when its one-message-at-a-time window ends (clock seconds).
+        self._single_until: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"InMemoryLedger(rows={len(self._rows)})"
@@ -482,6 +486,19 @@ class InMemoryLedger:
     def ping(self) -> None:
         with self._lock:
             self._enter("ping")
+
+    def consume_isolation(self, queue: str) -> float:
+        with self._lock:
+            self._enter("consume_isolation")
+            return max(self._single_until.get(queue, 0.0) - self.clock.now(), 0.0)
+
+    def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
+        with self._lock:
+            self._enter("consume_isolation")
+            now = self.clock.now()
+            until = max(self._single_until.get(queue, 0.0), now + seconds)
+            self._single_until[queue] = until
+            return until - now
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         if not reasons:
@@ -599,7 +616,9 @@ class InMemoryLedger:
             before = self._rows.get(request.idem_key)
             won = before is None or _may_take_over(before, request, now)
             if won:
-                self._rows[request.idem_key] = _claimed_row(before, request, now)
+                self._rows[request.idem_key] = _claimed_row(
+                    before, request, now, self.visibility_timeout
+                )
             decisions.append(_decide(request, self._answer(before, request, won, now)))
         return decisions
 
@@ -704,13 +723,24 @@ def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
     )
 
 
-def _claimed_row(before: ClaimRow | None, request: ClaimRequest, now: datetime) -> ClaimRow:
+def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
+    """The claim statement's lease invariant: never past the message's visibility window."""
+    if request.lease_until is None:
+        return None
+    left = visibility if request.visibility_left is None else request.visibility_left
+    bound = now + timedelta(seconds=min(max(left, 0.0), visibility))
+    return min(request.lease_until, bound)
+
+
+def _claimed_row(
+    before: ClaimRow | None, request: ClaimRequest, now: datetime, visibility: float
+) -> ClaimRow:
     if before is not None:  # a takeover keeps the row's history, as the UPDATE does
         return replace(
             before,
             message_id=request.message_id,
             claim_token=request.claim_token,
-            lease_until=request.lease_until,
+            lease_until=_bounded_lease(request, now, visibility),
             attempts=(before.attempts or 1) + 1,
             error=None,
             updated_at=now,
@@ -726,7 +756,7 @@ def _claimed_row(before: ClaimRow | None, request: ClaimRequest, now: datetime) 
         error=None,
         result=None,
         claimed_at=now,
-        lease_until=request.lease_until,
+        lease_until=_bounded_lease(request, now, visibility),
         updated_at=now,
         claim_token=request.claim_token,
     )

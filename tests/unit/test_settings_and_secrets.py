@@ -19,6 +19,15 @@ def test_defaults_name_the_notes_queue_and_hide_secrets_from_repr() -> None:
     assert "pw@" not in repr(settings)
 
 
+def test_the_visibility_window_and_the_answer_limit_are_configuration() -> None:
+    default = Settings.from_env({})
+    assert (default.visibility_timeout_seconds, default.max_answer_bytes) == (300, 16 * 1024**2)
+    chosen = Settings.from_env(
+        {"INFRAI_VISIBILITY_TIMEOUT_SECONDS": "900", "INFRAI_MAX_ANSWER_BYTES": "1048576"}
+    )
+    assert (chosen.visibility_timeout_seconds, chosen.max_answer_bytes) == (900, 1_048_576)
+
+
 def test_the_dlq_follows_the_queue_unless_set() -> None:
     assert Settings.from_env({"INFRAI_QUEUE": "mail"}).dlq == "mail-dlq"
     assert Settings.from_env({"INFRAI_QUEUE": "mail", "INFRAI_DLQ": "dead"}).dlq == "dead"
@@ -31,6 +40,8 @@ def test_the_dlq_follows_the_queue_unless_set() -> None:
         ({"DRAIN_BATCH_BUDGET_MS": "5"}, "below the minimum"),
         ({"INFRAI_PUBLISH_RETRIES": "maybe"}, "not a boolean"),
         ({"INFRAI_QUEUE": "q", "INFRAI_DLQ": "q"}, "must differ"),
+        ({"INFRAI_VISIBILITY_TIMEOUT_SECONDS": "0"}, "INFRAI_VISIBILITY_TIMEOUT_SECONDS"),
+        ({"INFRAI_MAX_ANSWER_BYTES": "1024"}, "INFRAI_MAX_ANSWER_BYTES"),
     ],
 )
 def test_bad_settings_fail_with_the_setting_named(env: dict[str, str], message: str) -> None:

@@ -25,6 +25,7 @@ def make_queue_client(
         retry_publish=settings.publish_retries,
         refresh_api_key=refresh_api_key,
         pool_maxsize=client_pool_size(settings.drain_lanes),
+        max_answer_bytes=settings.max_answer_bytes,
     )
 
 

@@ -18,6 +18,7 @@ DEFAULT_QUEUE = "billing-jobs"
 # Infrai's visibility timeout on a new queue; a drain invocation must finish inside it.
 QUEUE_VISIBILITY_TIMEOUT_SECONDS = 300
 MAX_DRAIN_LANES = 16
+DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
 _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
@@ -47,6 +48,9 @@ class Settings:
     lease_grace_seconds: int = 60
     # The drained queue's visibility timeout: how long a consumed message stays hidden.
     visibility_timeout_seconds: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS
+    # The largest Infrai answer read (a consume of ten messages is one answer); a consume
+    # whose answer is larger is lost, and its messages are then received one at a time.
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
     # Concurrent drain loops in one invocation, each with its own database connection.
     drain_lanes: int = 1
     retention_days: int = 30
@@ -83,6 +87,9 @@ class Settings:
                 "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
                 QUEUE_VISIBILITY_TIMEOUT_SECONDS,
                 minimum=1,
+            ),
+            max_answer_bytes=_int(
+                env, "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, minimum=65_536
             ),
             drain_lanes=_int(env, "DRAIN_LANES", 1, minimum=1),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),

@@ -170,3 +170,15 @@ def test_an_unreadable_message_walks_to_the_dlq_alone(
     finally:
         reader.close()
     assert kit.row("test.db:big") is None
+
+
+def test_the_client_publishes_non_ascii_text_at_its_utf8_size(kit: Harness) -> None:
+    # Given a 6 MB body of non-ASCII text: 18 MB if sent with \u escapes, over publish's limit
+    body = {"job": "test.db", "id": "wide-client", "blob": "é" * (3 * 1024 * 1024)}
+    # When the client publishes it, Then the queue takes it, and a drain runs it
+    kit.client.publish(QUEUE, body)
+    assert kit.drain().done == 1
+    assert kit.effects("test.db:wide-client") == 1
+    # And text UTF-8 cannot carry (a lone surrogate) still travels, escaped
+    kit.client.publish(QUEUE, {"job": "test.db", "id": "lone", "s": "\ud800"})
+    assert kit.drain().consumed == 1

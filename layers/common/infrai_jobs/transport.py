@@ -92,7 +92,7 @@ class _ProtocolError(Exception):
     pass
 
 
-class _TooLarge(_ProtocolError):
+class OversizedAnswer(_ProtocolError):
     def __init__(self, limit: int, size: int | None = None) -> None:
         super().__init__(f"the answer is larger than {limit} bytes")
         self.size = size
@@ -212,7 +212,7 @@ class _Connection:
         while len(self.buffer) <= limit and self.fill():
             pass
         if len(self.buffer) > limit:
-            raise _TooLarge(limit)
+            raise OversizedAnswer(limit)
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
@@ -329,7 +329,7 @@ class HttpPool:
         method = exchange.method
         try:
             response, keep_alive = _read_response(conn, method, self._max_body)
-        except _TooLarge as exc:
+        except OversizedAnswer as exc:
             conn.close()
             raise AnswerTooLarge(self._describe(exc), exc.size) from exc
         except (OSError, _ProtocolError) as exc:
@@ -522,7 +522,7 @@ def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Respo
         return Response(status, headers, conn.read_to_end(max_body)), False
     size = _parse_length(length)
     if size > max_body:
-        raise _TooLarge(max_body, size)
+        raise OversizedAnswer(max_body, size)
     body = conn.read(size)
     if len(body) != size:
         raise _ProtocolError(f"the answer was cut short ({len(body)} of {size} bytes)")
@@ -617,7 +617,7 @@ def _read_chunked(conn: _Connection, max_body: int) -> bytes:
         if size == 0:
             break
         if len(body) + size > max_body:
-            raise _TooLarge(max_body)
+            raise OversizedAnswer(max_body)
         chunk = conn.read(size)
         if len(chunk) != size or conn.readline() not in (b"\r\n", b"\n"):
             raise _ProtocolError("the answer was cut short inside a chunk")

@@ -1,0 +1,78 @@
+"""Fixtures the integration tests share: a real Redis for the second layer's tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_for_redis(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 10
+    client = redis.Redis.from_url(url)
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """``REDIS_URL`` when set (CI's server), else a throwaway redis-server; never skipped."""
+
+    def say(line: str) -> None:
+        # Past pytest's capture, so the run's output says which Redis the tests used.
+        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+            reporter.write("\n")
+            reporter.write_line(line)
+
+    url = os.environ.get("REDIS_URL", "").strip()
+    if url:
+        say("second layer tests: Redis from REDIS_URL")
+        yield url
+        return
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail(
+            "no Redis for the second-layer tests: REDIS_URL is not set and redis-server is not "
+            "installed. Set REDIS_URL=redis://127.0.0.1:6379/0 or apt-get install redis-server."
+        )
+    port = _free_port()
+    process = subprocess.Popen(
+        [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        cwd=tmp_path_factory.mktemp("redis"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait_for_redis(url, process)
+        say(f"second layer tests: redis-server started on 127.0.0.1:{port}")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

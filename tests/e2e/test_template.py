@@ -331,19 +331,40 @@ def test_samconfig_overrides_name_only_template_parameters() -> None:
         assert names <= parameters, f"{environment}: {names - parameters}"
 
 
-def test_the_sample_schedule_event_is_an_eventbridge_scheduled_event() -> None:
-    # Given events/drain-schedule.json
-    # When it is parsed
-    event = json.loads((EVENTS / "drain-schedule.json").read_text())
-    # Then it has the shape EventBridge sends a scheduled target
-    assert event["version"] == "0"
-    assert event["detail-type"] == "Scheduled Event"
-    assert event["source"] == "aws.events"
-    assert event["detail"] == {}
-    assert re.fullmatch(r"\d{12}", event["account"])
+SAMPLE_EVENTS = {
+    "DrainFunction": "drain-schedule.json",
+    "DlqAlertFunction": "dlq-alert-schedule.json",
+    "PruneFunction": "prune-schedule.json",
+}
+
+
+@pytest.mark.parametrize(("function", "sample"), SAMPLE_EVENTS.items())
+def test_the_sample_schedule_events_are_what_each_schedule_sends(
+    function: str, sample: str
+) -> None:
+    # Given the function's schedule and its sample event in events/
+    template = load_template()
+    ((event_name, schedule),) = template["Resources"][function]["Properties"]["Events"].items()
+    event = json.loads((EVENTS / sample).read_text())
+    # When the schedule's input is parsed with Scheduler's context attributes filled in
+    sent = json.loads(
+        schedule["Properties"]["Input"]
+        .replace("<aws.scheduler.execution-id>", event["id"])
+        .replace("<aws.scheduler.scheduled-time>", event["time"])
+        .replace("<aws.scheduler.schedule-arn>", event["resources"][0])
+    )
+    # Then the sample is exactly that event: an EventBridge-shaped scheduled event
+    assert event == sent
+    assert (event["version"], event["detail-type"], event["source"]) == (
+        "0",
+        "Scheduled Event",
+        "aws.scheduler",
+    )
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", event["time"])
-    assert [r.split(":")[:3] for r in event["resources"]] == [["arn", "aws", "events"]]
-    assert ":rule/" in event["resources"][0]
+    # And its resource is the schedule's ARN: the stack's group, the name SAM gives it
+    arn = event["resources"][0].split(":")
+    assert arn[:3] == ["arn", "aws", "scheduler"]
+    assert arn[5] == f"schedule/infrai-jobs/{function}{event_name}"
 
 
 def test_the_env_vars_file_sets_only_variables_the_template_declares() -> None:

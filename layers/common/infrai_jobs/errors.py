@@ -116,3 +116,20 @@ class LedgerUnavailable(LedgerError):
 
 class SchemaNotMigrated(LedgerError):
     """The ledger's tables are missing or older than this code: run ``infrai-jobs migrate``."""
+
+
+# --- Backlog fan-out --------------------------------------------------------------------------
+
+
+class FanOutError(InfraiJobsError):
+    """Another drain could not be started (Lambda refused the invoke, or a local start failed).
+
+    The drain that asked goes on: it is healthy, and the next check or tick tries again.
+    """
+
+
+class FanOutThrottled(FanOutError):
+    """Lambda throttled the invoke (the reserved concurrency or the account is full).
+
+    Expected under load: logged and counted (``fan_out_throttled``), never an error that pages.
+    """

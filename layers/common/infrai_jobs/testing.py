@@ -27,13 +27,15 @@ import re
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from infrai_jobs.errors import (
+    FanOutError,
+    FanOutThrottled,
     InfraiError,
     InfraiUnavailable,
     LedgerError,
@@ -59,9 +61,16 @@ from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueS
 from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:
-    from infrai_jobs.ports import LedgerPort, QueuePort
+    from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, LedgerPort, QueuePort
 
-__all__ = ["FakeClock", "InMemoryLedger", "InMemoryQueue", "LedgerCall"]
+__all__ = [
+    "FakeClock",
+    "InMemoryDrainFleet",
+    "InMemoryLedger",
+    "InMemoryQueue",
+    "LedgerCall",
+    "RecordingDrainStarter",
+]
 
 MAX_RECEIVE_COUNT: Final = 3
 CONSUME_CAP: Final = 10
@@ -809,3 +818,124 @@ if TYPE_CHECKING:
     _QUEUE_CONFORMS: QueuePort = InMemoryQueue()
     _LEDGER_CONFORMS: LedgerPort = InMemoryLedger()
     _CLOCK_CONFORMS: Clock = FakeClock()
+
+
+# --- The drain fleet --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DrainLease:
+    drain_id: str
+    origin: str
+    lease_until: float
+
+
+class InMemoryDrainFleet:
+    """``drain_leases`` in a dict, with ``PostgresDrainFleet``'s semantics on a ``FakeClock``.
+
+    ``join`` adopts a reserved slot or takes a free one below the cap; ``reserve`` adds slots up
+    to ``min(wanted, cap)``; ``renew`` is never refused; expired leases are forgotten before
+    anything is counted. One lock stands in for the advisory lock.
+    """
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock if clock is not None else FakeClock()
+        self._leases: dict[str, dict[str, DrainLease]] = {}
+        self._lock = threading.Lock()
+        # The most drains ever alive at once, per queue: what the cap must bound.
+        self.peak: Counter[str] = Counter()
+
+    def join(
+        self, queue: str, drain_id: str, *, origin: str, lease_seconds: float, cap: int
+    ) -> bool:
+        with self._lock:
+            leases = self._live(queue)
+            if drain_id not in leases and len(leases) >= cap:
+                return False
+            previous = leases.get(drain_id)
+            leases[drain_id] = DrainLease(
+                drain_id, previous.origin if previous else origin, self.clock.now() + lease_seconds
+            )
+            self._note_peak(queue)
+            return True
+
+    def renew(self, queue: str, drain_id: str, *, lease_seconds: float) -> int:
+        with self._lock:
+            leases = self._live(queue)
+            previous = leases.get(drain_id)
+            origin = previous.origin if previous else "schedule"
+            leases[drain_id] = DrainLease(drain_id, origin, self.clock.now() + lease_seconds)
+            self._note_peak(queue)
+            return len(leases)
+
+    def reserve(self, queue: str, *, wanted: int, cap: int, lease_seconds: float) -> list[str]:
+        with self._lock:
+            leases = self._live(queue)
+            ids = [str(uuid.uuid4()) for _ in range(min(wanted, cap) - len(leases))]
+            for drain_id in ids:
+                leases[drain_id] = DrainLease(drain_id, "fan_out", self.clock.now() + lease_seconds)
+            self._note_peak(queue)
+            return ids
+
+    def leave(self, queue: str, drain_ids: Sequence[str]) -> None:
+        with self._lock:
+            leases = self._leases.get(queue, {})
+            for drain_id in drain_ids:
+                leases.pop(drain_id, None)
+
+    def live(self, queue: str) -> int:
+        with self._lock:
+            return len(self._live(queue))
+
+    def leases(self, queue: str) -> dict[str, DrainLease]:
+        with self._lock:
+            return dict(self._live(queue))
+
+    def _live(self, queue: str) -> dict[str, DrainLease]:
+        leases = self._leases.setdefault(queue, {})
+        now = self.clock.now()
+        for drain_id in [d for d, lease in leases.items() if lease.lease_until < now]:
+            del leases[drain_id]
+        return leases
+
+    def _note_peak(self, queue: str) -> None:
+        self.peak[queue] = max(self.peak[queue], len(self._leases.get(queue, {})))
+
+
+class RecordingDrainStarter:
+    """A ``DrainStarterPort`` that records the events it was asked to start.
+
+    ``throttle_next(n)`` makes the next ``n`` starts raise ``FanOutThrottled``, as Lambda does
+    when the reserved concurrency is full; ``fail_next(n)`` raises ``FanOutError``. ``on_start``
+    runs for each accepted event (a test may start a drain there).
+    """
+
+    def __init__(self, on_start: Callable[[Mapping[str, Any]], None] | None = None) -> None:
+        self.events: list[Mapping[str, Any]] = []
+        self.on_start = on_start
+        self._throttles = 0
+        self._failures = 0
+        self._lock = threading.Lock()
+
+    def throttle_next(self, times: int = 1) -> None:
+        self._throttles += times
+
+    def fail_next(self, times: int = 1) -> None:
+        self._failures += times
+
+    def start(self, event: Mapping[str, Any]) -> None:
+        with self._lock:
+            if self._throttles:
+                self._throttles -= 1
+                raise FanOutThrottled("Lambda throttled the invoke (TooManyRequestsException)")
+            if self._failures:
+                self._failures -= 1
+                raise FanOutError("Lambda refused the invoke (AccessDeniedException)")
+            self.events.append(event)
+        if self.on_start is not None:
+            self.on_start(event)
+
+
+if TYPE_CHECKING:
+    _FLEET_CONFORMS: DrainFleetPort = InMemoryDrainFleet()
+    _STARTER_CONFORMS: DrainStarterPort = RecordingDrainStarter()

@@ -1,4 +1,6 @@
-"""DrainFunction: on each EventBridge tick, drain Infrai's queue through the claim ledger."""
+"""DrainFunction: on each EventBridge tick, drain Infrai's queue through the claim ledger.
+
+A fan-out event (another drain started this one for a backlog) carries the slot it reserved."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.drain_service import DrainService
+from infrai_jobs.fan_out import fan_out_slot
 from infrai_jobs.observability import function_observability, record_drain, tracing
 from infrai_jobs.settings import Settings
 from jobs import build_registry
@@ -28,7 +31,7 @@ def service() -> DrainService:
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     drain = service()
-    summary = drain.run(context.get_remaining_time_in_millis)
+    summary = drain.run(context.get_remaining_time_in_millis, fan_out_slot=fan_out_slot(event))
     record_drain(
         metrics, drain.settings.queue, summary, second_layer_hits=drain.take_second_layer_hits()
     )

@@ -130,6 +130,12 @@ class DrainSummary:
     # only: an unreadable message isolated (it alone spent the delivery).
     answers_lost: int = 0
     unreadable: int = 0
+    # Empty consumes that idle polling waited after and repeated.
+    idle_polls: int = 0
+    # Drains this one started for the backlog; starts Lambda throttled or refused.
+    fanned_out: int = 0
+    fan_out_throttled: int = 0
+    fan_out_failed: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     stopped: str = ""
 
@@ -148,6 +154,10 @@ class DrainSummary:
             "takeovers": self.takeovers,
             "answers_lost": self.answers_lost,
             "unreadable": self.unreadable,
+            "idle_polls": self.idle_polls,
+            "fanned_out": self.fanned_out,
+            "fan_out_throttled": self.fan_out_throttled,
+            "fan_out_failed": self.fan_out_failed,
             "outcomes": dict(sorted(self.outcomes.items())),
             "stopped": self.stopped,
         }
@@ -167,6 +177,10 @@ _SUMMARY_TOTALS = (
     "takeovers",
     "answers_lost",
     "unreadable",
+    "idle_polls",
+    "fanned_out",
+    "fan_out_throttled",
+    "fan_out_failed",
 )
 
 

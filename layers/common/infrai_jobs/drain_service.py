@@ -2,10 +2,16 @@
 
 A warm Lambda keeps one ``DrainService``: its HTTP pool and its database connection live across
 invocations, and the connection is re-established when the server has closed it.
+
+With ``DRAIN_MAX_CONCURRENCY`` set, every run is counted in the ledger's ``drain_leases``
+(``infrai_jobs.fan_out``): a run that would be one drain too many stops at once
+(``at_capacity``), and a run that meets a backlog starts more drains, up to that cap.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -13,11 +19,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain, merge_summaries
-from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.factory import make_effect_guard, make_ledger, make_queue_client
+from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.factory import (
+    make_drain_fleet,
+    make_drain_starter,
+    make_effect_guard,
+    make_ledger,
+    make_queue_client,
+)
+from infrai_jobs.fan_out import CountingQueue, FanOutPolicy, FleetMonitor
 from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.ports import QueuePort
+from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, QueuePort
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
@@ -26,6 +39,8 @@ if TYPE_CHECKING:
     from infrai_jobs.second_layer import SecondLayer
 
 RegistryFactory = Callable[[str], JobRegistry]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,9 +55,20 @@ class DrainService:
     # Lanes beyond the first get their own connections, opened on first use.
     extra_ledgers: list[PostgresLedger] = field(default_factory=list)
     make_lane_ledger: Callable[[], PostgresLedger] | None = None
+    # The drains alive, counted in the ledger (DRAIN_MAX_CONCURRENCY > 0), and what starts
+    # more of them (DRAIN_MAX_CONCURRENCY > 1); None when off.
+    fleet: DrainFleetPort | None = None
+    starter: DrainStarterPort | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings, build_registry: RegistryFactory) -> DrainService:
+    def from_settings(
+        cls,
+        settings: Settings,
+        build_registry: RegistryFactory,
+        *,
+        starter: DrainStarterPort | None = None,
+    ) -> DrainService:
+        """``starter`` replaces Lambda's for local runs (the CLI starts drain processes)."""
         resolved = resolve_secrets(settings)
 
         def refresh_url() -> str:
@@ -65,11 +91,16 @@ class DrainService:
             registry=build_registry(resolved.provider_url),
             effect_guard=make_effect_guard(resolved),
             make_lane_ledger=lambda: make_ledger(resolved, refresh_url=url_hook),
+            fleet=make_drain_fleet(resolved, refresh_url=url_hook),
+            starter=starter or make_drain_starter(resolved),
         )
 
     def close(self) -> None:
         for ledger in (self.ledger, *self.extra_ledgers):
             ledger.close()
+        close_fleet = getattr(self.fleet, "close", None)
+        if close_fleet is not None:
+            close_fleet()
 
     def config(self, max_batches: int | None = None) -> DrainConfig:
         return DrainConfig(
@@ -81,9 +112,17 @@ class DrainService:
             effect_guard=self.effect_guard,
         )
 
-    def run(self, time_left_ms: Callable[[], int], max_batches: int | None = None) -> DrainSummary:
+    def run(
+        self,
+        time_left_ms: Callable[[], int],
+        max_batches: int | None = None,
+        *,
+        fan_out_slot: str | None = None,
+    ) -> DrainSummary:
         """Drain once. A ledger outage is raised after what settled was acked, so the
-        function's Errors alarm fires instead of the invocation looking healthy."""
+        function's Errors alarm fires instead of the invocation looking healthy.
+
+        ``fan_out_slot`` is the slot a fan-out reserved for this run (its event says so)."""
         if self.effect_guard is not None:
             # Every run: an in-progress record of a crashed call then expires with this
             # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
@@ -91,18 +130,96 @@ class DrainService:
         lanes = max(1, self.settings.drain_lanes)
         config = self.config(max_batches)
         with _retries_within(self.queue, time_left_ms):
-            if lanes == 1:
-                summary = drain(self.queue, self.ledger, self.registry, config, time_left_ms)
+            if self.fleet is None:
+                summary = self._drain(self.queue, lanes, config, time_left_ms)
             else:
-                summary = self._run_lanes(lanes, config, time_left_ms)
+                summary = self._drain_counted(self.fleet, lanes, config, time_left_ms, fan_out_slot)
         if summary.stopped == "ledger_unavailable":
             raise LedgerUnavailable(
                 f"the ledger database failed mid-drain; summary so far: {summary.as_dict()}"
             )
         return summary
 
+    def _drain(
+        self,
+        queue: QueuePort,
+        lanes: int,
+        config: DrainConfig,
+        time_left_ms: Callable[[], int],
+    ) -> DrainSummary:
+        if lanes == 1:
+            return drain(queue, self.ledger, self.registry, config, time_left_ms)
+        return self._run_lanes(queue, lanes, config, time_left_ms)
+
+    def _drain_counted(
+        self,
+        fleet: DrainFleetPort,
+        lanes: int,
+        config: DrainConfig,
+        time_left_ms: Callable[[], int],
+        fan_out_slot: str | None,
+    ) -> DrainSummary:
+        """Drain as one of the fleet: join it (or stop at the cap), fan out while draining."""
+        settings = self.settings
+        policy = FanOutPolicy(
+            queue=config.queue,
+            max_concurrency=settings.drain_max_concurrency,
+            after_seconds=settings.drain_fan_out_after_seconds,
+        )
+        drain_id = fan_out_slot or str(uuid.uuid4())
+        try:
+            joined = fleet.join(
+                config.queue,
+                drain_id,
+                origin="fan_out" if fan_out_slot else "schedule",
+                lease_seconds=policy.lease_seconds,
+                cap=policy.max_concurrency,
+            )
+        except LedgerError as exc:
+            logger.error(
+                "the ledger is unreachable; nothing was received",
+                extra={"action": "ledger_unavailable", "detail": str(exc)},
+            )
+            return DrainSummary(stopped="ledger_unavailable")
+        if not joined:
+            logger.info(
+                "%d drains of this queue are alive already; this one stops",
+                policy.max_concurrency,
+                extra={"action": "at_capacity", "queue": config.queue},
+            )
+            return DrainSummary(stopped="at_capacity")
+        counting = CountingQueue(self.queue)
+        monitor = FleetMonitor(
+            policy,
+            drain_id,
+            fleet,
+            queue=self.queue,
+            consumed=counting.consumed,
+            starter=self.starter,
+        )
+        try:
+            with monitor.running():
+                summary = self._drain(counting, lanes, config, time_left_ms)
+        finally:
+            try:
+                fleet.leave(config.queue, [drain_id])
+            except LedgerError as exc:
+                # Its lease ends on its own within LEASE_SECONDS.
+                logger.warning(
+                    "could not give back this drain's lease",
+                    extra={"action": "fleet_leave_failed", "detail": str(exc)},
+                )
+        summary.fanned_out = monitor.fanned_out
+        summary.fan_out_throttled = monitor.throttled
+        summary.fan_out_failed = monitor.failed
+        return summary
+
     def _run_lanes(
-        self, lanes: int, config: DrainConfig, time_left_ms: Callable[[], int]
+        self,
+        queue: QueuePort,
+        lanes: int,
+        config: DrainConfig,
+        time_left_ms: Callable[[], int],
     ) -> DrainSummary:
         """Several drain loops at once on one queue: the claims keep them from overlapping.
 
@@ -115,7 +232,7 @@ class DrainService:
         ledgers = [self.ledger, *self.extra_ledgers[: lanes - 1]]
         with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
             futures = [
-                pool.submit(drain, self.queue, ledger, self.registry, config, time_left_ms)
+                pool.submit(drain, queue, ledger, self.registry, config, time_left_ms)
                 for ledger in ledgers
             ]
             return merge_summaries([future.result() for future in futures])

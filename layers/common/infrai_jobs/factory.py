@@ -13,6 +13,8 @@ from infrai_jobs.settings import Settings
 
 if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertCheck, Alerter
+    from infrai_jobs.drain_fleet import PostgresDrainFleet
+    from infrai_jobs.lambda_starter import LambdaDrainStarter
     from infrai_jobs.second_layer import SecondLayer
 
 
@@ -42,6 +44,26 @@ def make_ledger(
         visibility_timeout=settings.visibility_timeout_seconds,
         refresh_url=refresh_url,
     )
+
+
+def make_drain_fleet(
+    settings: Settings, *, refresh_url: Callable[[], str] | None = None
+) -> PostgresDrainFleet | None:
+    """The drains alive, counted in the ledger; None unless DRAIN_MAX_CONCURRENCY is set."""
+    if settings.drain_max_concurrency <= 0:
+        return None
+    from infrai_jobs.drain_fleet import PostgresDrainFleet  # noqa: PLC0415
+
+    return PostgresDrainFleet(settings.require_database_url(), refresh_url=refresh_url)
+
+
+def make_drain_starter(settings: Settings) -> LambdaDrainStarter | None:
+    """Lambda's Invoke of this very function, when it runs in Lambda and may fan out."""
+    if settings.drain_max_concurrency <= 1 or not settings.drain_function_name:
+        return None
+    from infrai_jobs.lambda_starter import LambdaDrainStarter  # noqa: PLC0415
+
+    return LambdaDrainStarter(settings.drain_function_name)
 
 
 def make_alerter(settings: Settings) -> Alerter:

@@ -40,6 +40,10 @@ DRAIN_METRICS = {
     "takeovers": "LeaseTakeovers",
     "answers_lost": "ConsumeAnswersLost",
     "unreadable": "UnreadableMessages",
+    "idle_polls": "IdlePolls",
+    "fanned_out": "DrainsFannedOut",
+    "fan_out_throttled": "FanOutThrottled",
+    "fan_out_failed": "FanOutFailed",
 }
 OUTCOME_METRICS = {
     "done": "OutcomeDone",

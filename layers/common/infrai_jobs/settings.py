@@ -19,6 +19,10 @@ DEFAULT_QUEUE = "billing-jobs"
 QUEUE_VISIBILITY_TIMEOUT_SECONDS = 300
 MAX_DRAIN_LANES = 16
 DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
+# Lambda's own ceiling on one function's concurrency in a default account.
+MAX_DRAIN_CONCURRENCY = 1000
+# Idle polling faster than this would spend Infrai's consume rate limit on an empty queue.
+MIN_IDLE_POLL_MS = 50
 
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
 _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
@@ -53,6 +57,19 @@ class Settings:
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
     # Concurrent drain loops in one invocation, each with its own database connection.
     drain_lanes: int = 1
+    # Idle polling (opt-in): after an empty consume, wait this long and consume again while
+    # the idle window and the time budget allow. 0 stops at the first empty consume.
+    drain_idle_poll_ms: int = 0
+    # Seconds after a drain starts during which it keeps polling an empty queue; below the
+    # schedule's period, so about one poller is alive at a time. 0: the whole time budget.
+    drain_idle_window_seconds: int = 0
+    # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
+    # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
+    drain_max_concurrency: int = 0
+    # More drains are started when the backlog would take longer than this to clear.
+    drain_fan_out_after_seconds: int = 30
+    # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
+    drain_function_name: str = ""
     retention_days: int = 30
     publish_retries: bool = False
     # Alerting (DlqAlertFunction).
@@ -92,6 +109,11 @@ class Settings:
                 env, "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, minimum=65_536
             ),
             drain_lanes=_int(env, "DRAIN_LANES", 1, minimum=1),
+            drain_idle_poll_ms=_int(env, "DRAIN_IDLE_POLL_MS", 0, minimum=0),
+            drain_idle_window_seconds=_int(env, "DRAIN_IDLE_WINDOW_SECONDS", 0, minimum=0),
+            drain_max_concurrency=_int(env, "DRAIN_MAX_CONCURRENCY", 0, minimum=0),
+            drain_fan_out_after_seconds=_int(env, "DRAIN_FANOUT_AFTER_SECONDS", 30, minimum=1),
+            drain_function_name=env.get("AWS_LAMBDA_FUNCTION_NAME", "").strip(),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
             publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
             watched_queues=_names(env.get("WATCHED_QUEUES", "")) or (queue,),
@@ -110,6 +132,16 @@ class Settings:
             raise ConfigurationError(
                 f"DRAIN_LANES={settings.drain_lanes} is above {MAX_DRAIN_LANES}; add concurrent "
                 "invocations instead (overlapping schedules are safe)"
+            )
+        if settings.drain_max_concurrency > MAX_DRAIN_CONCURRENCY:
+            raise ConfigurationError(
+                f"DRAIN_MAX_CONCURRENCY={settings.drain_max_concurrency} is above "
+                f"{MAX_DRAIN_CONCURRENCY}, Lambda's default concurrency limit"
+            )
+        if 0 < settings.drain_idle_poll_ms < MIN_IDLE_POLL_MS:
+            raise ConfigurationError(
+                f"DRAIN_IDLE_POLL_MS={settings.drain_idle_poll_ms} is below {MIN_IDLE_POLL_MS}: "
+                "every poll is a consume call, and Infrai rate-limits them (0 turns polling off)"
             )
         if settings.dlq == settings.queue:
             raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")

@@ -1,0 +1,282 @@
+"""Backlog fan-out's decisions on the in-memory fakes: how many drains a backlog calls for, who
+starts them, the cap, throttles, leases, and a drain that would be one too many.
+
+The same rules against real PostgreSQL and real drain processes are in
+``tests/integration/test_fan_out.py``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from infrai_jobs.drain_service import DrainService
+from infrai_jobs.fan_out import (
+    FAN_OUT_EVENT_KEY,
+    FanOutPolicy,
+    FleetMonitor,
+    drains_wanted,
+    fan_out_event,
+    fan_out_slot,
+)
+from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.settings import Settings
+from infrai_jobs.testing import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
+
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+
+
+@pytest.mark.parametrize(
+    ("available", "rate", "after", "cap", "wanted"),
+    [
+        (0, 100.0, 30, 8, 0),  # no backlog
+        (5_000, 0.0, 30, 8, 0),  # no rate measured yet
+        (3_000, 100.0, 30, 8, 1),  # one drain clears it in exactly 30 s
+        (3_001, 100.0, 30, 8, 2),  # one message more needs a second drain
+        (12_000, 100.0, 30, 8, 4),
+        (1_000_000, 100.0, 30, 8, 8),  # never more than the cap
+    ],
+)
+def test_drains_wanted_clear_the_backlog_within_the_fan_out_time(
+    available: int, rate: float, after: int, cap: int, wanted: int
+) -> None:
+    assert drains_wanted(available, rate, after, cap) == wanted
+
+
+class Kit:
+    """One drain's monitor on a fake queue, fleet and starter, its rate set by hand."""
+
+    def __init__(self, *, cap: int = 4, after: float = 30, backlog: int = 0) -> None:
+        self.clock = FakeClock()
+        self.queue = InMemoryQueue(self.clock)
+        self.queue.ensure_queue(QUEUE, dlq=DLQ)
+        for number in range(backlog):
+            self.queue.publish_raw(QUEUE, {"job": "test.db", "id": number})
+        self.fleet = InMemoryDrainFleet(self.clock)
+        self.starter = RecordingDrainStarter()
+        self.policy = FanOutPolicy(queue=QUEUE, max_concurrency=cap, after_seconds=after)
+        self.received = 0
+
+    def member(self, drain_id: str | None = None) -> FleetMonitor:
+        drain_id = drain_id or str(uuid.uuid4())
+        joined = self.fleet.join(
+            QUEUE, drain_id, origin="schedule", lease_seconds=self.policy.lease_seconds, cap=99
+        )
+        assert joined
+        return FleetMonitor(
+            self.policy,
+            drain_id,
+            self.fleet,
+            queue=self.queue,
+            consumed=lambda: self.received,
+            starter=self.starter,
+            clock=self.clock,
+        )
+
+    def consume_for(self, seconds: float, rate: float) -> None:
+        self.clock.advance(seconds)
+        self.received += int(seconds * rate)
+
+
+def test_a_backlog_too_big_for_one_drain_starts_the_drains_that_clear_it_in_time() -> None:
+    # Given 100 messages waiting and a drain that measured 1 message a second
+    kit = Kit(cap=8, after=30, backlog=100)
+    monitor = kit.member()
+    kit.consume_for(2, rate=1)
+    # When it checks
+    check = monitor.check()
+    # Then it starts the 3 more drains that clear it within 30 s (ceil(100 / 30) = 4)
+    assert (check.wanted, check.started) == (4, 3)
+    assert monitor.fanned_out == 3
+    # And each started drain's event names a slot reserved for it in the ledger
+    slots = [fan_out_slot(event) for event in kit.starter.events]
+    leases = kit.fleet.leases(QUEUE)
+    assert all(slot in leases and leases[slot].origin == "fan_out" for slot in slots)
+    assert kit.fleet.live(QUEUE) == 4
+
+
+def test_a_backlog_the_drain_clears_in_time_starts_nothing_and_asks_the_fleet_nothing() -> None:
+    # Given 20 messages, which 1 a second clears in 20 s, under a 30 s fan-out time
+    kit = Kit(after=30, backlog=20)
+    monitor = kit.member()
+    kit.consume_for(2, rate=1)
+    # When it checks
+    check = monitor.check()
+    # Then no drain is started, and no slot reserved
+    assert check.started == 0
+    assert kit.starter.events == []
+    assert kit.fleet.live(QUEUE) == 1
+
+
+def test_two_drains_deciding_one_after_the_other_never_both_start_the_missing_ones() -> None:
+    # Given two drains alive on a backlog that wants every drain of the cap
+    kit = Kit(cap=4, after=30, backlog=1_000)
+    first, second = kit.member(), kit.member()
+    kit.consume_for(2, rate=1)
+    # When both check
+    started = first.check().started + second.check().started
+    # Then only the missing two were started, by the first; the second saw them reserved
+    assert started == 2
+    assert second.fanned_out == 0
+    assert kit.fleet.live(QUEUE) == 4
+    assert kit.fleet.peak[QUEUE] == 4
+
+
+def test_a_drain_at_the_cap_does_not_even_read_the_backlog() -> None:
+    # Given the cap's worth of drains alive
+    kit = Kit(cap=2, backlog=1_000)
+    monitor, _other = kit.member(), kit.member()
+    kit.consume_for(2, rate=1)
+    # When one checks
+    check = monitor.check()
+    # Then it only renewed its lease: no stats read, nothing started
+    assert (check.live, check.available, check.started) == (2, 0, 0)
+    assert kit.starter.events == []
+
+
+def test_nothing_received_since_the_last_check_is_no_reason_to_fan_out() -> None:
+    # Given a drain that has received nothing (an idle poller, or one held up)
+    kit = Kit(backlog=1_000)
+    monitor = kit.member()
+    kit.consume_for(2, rate=0)
+    # When it checks
+    check = monitor.check()
+    # Then it starts nothing
+    assert check.started == 0
+    assert kit.starter.events == []
+
+
+def test_the_rate_is_measured_since_the_last_check_not_since_the_start() -> None:
+    # Given a drain that polled an idle queue for a minute, then met a burst at 10 a second
+    kit = Kit(cap=8, after=3, backlog=90)
+    monitor = kit.member()
+    kit.consume_for(60, rate=0)
+    monitor.check()
+    kit.consume_for(2, rate=10)
+    # When it checks
+    check = monitor.check()
+    # Then it judged by 10 a second, not by 20 messages over 62 s (which would want the cap)
+    assert check.rate == pytest.approx(10)
+    assert check.wanted == 3
+
+
+def test_a_throttled_invoke_is_counted_and_its_slots_given_back_never_raised() -> None:
+    # Given a backlog that wants 3 more drains, and Lambda throttling the first invoke
+    kit = Kit(cap=4, backlog=1_000)
+    monitor = kit.member()
+    kit.starter.throttle_next()
+    kit.consume_for(2, rate=1)
+    # When it checks
+    check = monitor.check()
+    # Then nothing was started, the throttle is counted, and the reserved slots are free again
+    assert (check.started, monitor.throttled, monitor.failed) == (0, 1, 0)
+    assert kit.fleet.live(QUEUE) == 1
+    # And the next check tries again
+    kit.consume_for(2, rate=1)
+    assert monitor.check().started == 3
+
+
+def test_a_refused_invoke_is_counted_as_failed_and_gives_back_the_rest() -> None:
+    kit = Kit(cap=4, backlog=1_000)
+    monitor = kit.member()
+    kit.starter.fail_next()
+    kit.consume_for(2, rate=1)
+    check = monitor.check()
+    assert (check.started, monitor.failed, monitor.throttled) == (0, 1, 0)
+    assert kit.fleet.live(QUEUE) == 1
+
+
+def test_with_a_cap_of_one_the_monitor_only_keeps_the_lease() -> None:
+    kit = Kit(cap=1, backlog=1_000)
+    monitor = kit.member()
+    kit.consume_for(2, rate=1)
+    assert monitor.check().started == 0
+    assert kit.starter.events == []
+
+
+def test_a_dead_drains_lease_ends_and_frees_its_slot() -> None:
+    # Given a drain that joined and was then killed (it never renews)
+    kit = Kit(cap=2)
+    kit.member()
+    assert kit.fleet.live(QUEUE) == 1
+    # When its lease runs out
+    kit.clock.advance(kit.policy.lease_seconds + 1)
+    # Then it is no longer counted
+    assert kit.fleet.live(QUEUE) == 0
+
+
+def test_a_fan_out_event_carries_its_slot_and_anything_else_is_a_tick() -> None:
+    slot = str(uuid.uuid4())
+    assert fan_out_slot(fan_out_event(QUEUE, slot, "parent")) == slot
+    assert fan_out_slot({"detail-type": "Scheduled Event", "detail": {}}) is None
+    assert fan_out_slot({FAN_OUT_EVENT_KEY: {"drain_id": "not-a-uuid"}}) is None
+    assert fan_out_slot({FAN_OUT_EVENT_KEY: "junk"}) is None
+    assert fan_out_slot(["not", "a", "mapping"]) is None
+
+
+# --- DrainService as one of a fleet ------------------------------------------------------------
+
+
+def _registry(effects: list[str]) -> JobRegistry:
+    registry = JobRegistry()
+
+    @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
+    def db_job(payload: Payload, ctx: JobContext) -> JsonValue:
+        effects.append(ctx.idem_key)
+        return None
+
+    return registry
+
+
+def _service(fleet: InMemoryDrainFleet, queue: InMemoryQueue, effects: list[str]) -> Any:
+    from infrai_jobs.testing import InMemoryLedger  # noqa: PLC0415
+
+    return DrainService(
+        settings=Settings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2),
+        queue=queue,
+        ledger=InMemoryLedger(fleet.clock),  # type: ignore[arg-type]
+        registry=_registry(effects),
+        fleet=fleet,
+        starter=RecordingDrainStarter(),
+    )
+
+
+def test_a_drain_that_would_be_one_too_many_stops_before_receiving_anything() -> None:
+    # Given a queue with work and the cap's worth of drains alive already
+    clock = FakeClock()
+    queue = InMemoryQueue(clock)
+    queue.ensure_queue(QUEUE, dlq=DLQ)
+    queue.publish_raw(QUEUE, {"job": "test.db", "id": 1})
+    fleet = InMemoryDrainFleet(clock)
+    for _ in range(2):
+        fleet.join(QUEUE, str(uuid.uuid4()), origin="schedule", lease_seconds=30, cap=2)
+    effects: list[str] = []
+    # When one more drain runs
+    summary = _service(fleet, queue, effects).run(lambda: 60_000)
+    # Then it stops at once: nothing received, nothing run, no delivery spent
+    assert summary.stopped == "at_capacity"
+    assert summary.consumed == 0
+    assert effects == []
+    assert queue.stats(QUEUE).available_count == 1
+
+
+def test_a_started_drain_adopts_its_reserved_slot_even_at_the_cap() -> None:
+    # Given one drain alive and the slot it reserved for a second (the cap is two)
+    clock = FakeClock()
+    queue = InMemoryQueue(clock)
+    queue.ensure_queue(QUEUE, dlq=DLQ)
+    queue.publish_raw(QUEUE, {"job": "test.db", "id": 1})
+    fleet = InMemoryDrainFleet(clock)
+    fleet.join(QUEUE, str(uuid.uuid4()), origin="schedule", lease_seconds=30, cap=2)
+    (slot,) = fleet.reserve(QUEUE, wanted=2, cap=2, lease_seconds=30)
+    effects: list[str] = []
+    # When the started drain runs with its slot
+    summary = _service(fleet, queue, effects).run(lambda: 60_000, fan_out_slot=slot)
+    # Then it drains, and gives the slot back when done
+    assert summary.stopped == "empty"
+    assert len(effects) == 1
+    assert slot not in fleet.leases(QUEUE)
+    assert fleet.live(QUEUE) == 1

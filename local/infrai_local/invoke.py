@@ -14,6 +14,11 @@ Local conveniences, as everywhere in this project: an empty ``DATABASE_URL`` sta
 migrated PostgreSQL; an empty ``INFRAI_BASE_URL`` a fresh emulator; an empty ``PROVIDER_URL``
 the provider sink the example jobs call. They live for the duration of the invocation.
 
+A function that may invoke itself (DrainFunction's backlog fan-out, ``DRAIN_MAX_CONCURRENCY``
+above 1) gets Lambda's Invoke API on loopback (``infrai_local.fan_out.LocalLambda``): each
+``Event`` invoke runs ``infrai-jobs invoke`` again with that event, on the same local services,
+at most ``ReservedConcurrentExecutions`` at once, and this invocation ends once they all have.
+
 Logs go to stderr, the handler's JSON result to stdout. Exit code 0 when the handler returned,
 1 when it raised or timed out, 2 for bad usage.
 """
@@ -246,6 +251,64 @@ def local_services(spec: FunctionSpec) -> Iterator[dict[str, str]]:
         yield values
 
 
+@contextlib.contextmanager
+def _self_invocations(
+    spec: FunctionSpec, args: argparse.Namespace, services: Mapping[str, str]
+) -> Iterator[dict[str, str]]:
+    """Lambda's Invoke API for this function on loopback, when it may fan out to itself."""
+    concurrency = _int_or_zero(spec.environment.get("DRAIN_MAX_CONCURRENCY", ""))
+    if concurrency <= 1:
+        yield {}
+        return
+    from infrai_local.fan_out import CLI, LocalLambda  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="infrai-fan-out-") as scratch:
+        folder = Path(scratch)
+        # The children run on this invocation's local services, never on new ones.
+        env_vars = folder / "env.json"
+        env_vars.write_text(json.dumps({spec.logical_id: {**spec.environment, **services}}))
+        template = (args.template or Path.cwd() / "template.yaml").resolve()
+        count = [0]
+
+        def launch(payload: bytes) -> list[str]:
+            count[0] += 1
+            event = folder / f"event-{count[0]}.json"
+            event.write_bytes(payload or b"{}")
+            return [
+                *CLI,
+                "invoke",
+                spec.logical_id,
+                "--event",
+                str(event),
+                "--env-vars",
+                str(env_vars),
+                "--template",
+                str(template),
+                "--config-env",
+                args.config_env,
+            ]
+
+        endpoint = LocalLambda(
+            spec.logical_id,
+            launch,
+            env=os.environ,
+            reserved_concurrency=spec.reserved_concurrency or concurrency,
+            cwd=template.parent,
+            log=sys.stderr,
+        ).start()
+        try:
+            yield endpoint.client_env()
+        finally:
+            endpoint.stop(timeout=spec.timeout + 30)
+
+
+def _int_or_zero(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
 def resolve(
     function: str,
     *,
@@ -326,8 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if not args.event.is_file():
             raise ConfigurationError(f"no event file {args.event}")
-        with local_services(spec) as extra:
-            result = invoke(spec, args.event, extra_env=extra)
+        with local_services(spec) as extra, _self_invocations(spec, args, extra) as lambda_env:
+            result = invoke(spec, args.event, extra_env={**extra, **lambda_env})
     except ConfigurationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -71,6 +71,8 @@ class FunctionSpec:
     environment: dict[str, str]
     runtime: str = ""
     architectures: tuple[str, ...] = field(default_factory=tuple)
+    # ReservedConcurrentExecutions: at most this many invocations at once; None is no limit.
+    reserved_concurrency: int | None = None
 
 
 def load_template(path: Path) -> dict[str, Any]:
@@ -231,7 +233,14 @@ def resolve_function(
         environment=env,
         runtime=str(resolver.resolve(props.get("Runtime", ""))),
         architectures=tuple(resolver.resolve(props.get("Architectures", []))),
+        reserved_concurrency=_optional_int(
+            resolver.resolve(props.get("ReservedConcurrentExecutions"))
+        ),
     )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None or value == "" else int(value)
 
 
 def _parameter_values(

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +43,7 @@ from infrai_jobs.settings import Settings
 
 if TYPE_CHECKING:
     from infrai_jobs.jobs import JobRegistry
+    from infrai_local.fan_out import ProcessDrainStarter
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -134,6 +136,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--jobs-path",
         default="functions/drain",
         help="folder holding the `jobs` package (default: functions/drain)",
+    )
+    drain.add_argument(
+        "--fan-out-slot",
+        default=None,
+        metavar="DRAIN_ID",
+        help="the drain slot a backlog fan-out reserved for this run (set by the fan-out)",
     )
     drain.set_defaults(command=_cmd_drain)
 
@@ -231,22 +239,57 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     if args.queue:
         settings = replace(settings, queue=args.queue)
+    fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
         settings = _with_local_fallbacks(settings, stack, database=True)
+        starter = _drain_processes(settings, args)
         service = DrainService.from_settings(
-            settings, lambda provider_url: _load_registry(args.jobs_path, provider_url)
+            settings,
+            lambda provider_url: _load_registry(args.jobs_path, provider_url),
+            starter=starter,
         )
         stack.callback(service.close)
         deadline = time.monotonic() + args.time_budget_seconds
         # Problem messages and retried calls, one line each on stderr as they happen.
         with DrainReport(sys.stderr).attached():
             summary = service.run(
-                lambda: int((deadline - time.monotonic()) * 1000), max_batches=args.max_batches
+                lambda: int((deadline - time.monotonic()) * 1000),
+                max_batches=args.max_batches,
+                fan_out_slot=args.fan_out_slot,
             )
+        if starter is not None:
+            # Before the local emulator and database stop: the children use them.
+            fanned_out = starter.wait()
     for line in summary_lines(summary):
         print(line, file=sys.stderr)
-    print(json.dumps(summary.as_dict()))
+    result: dict[str, object] = summary.as_dict()
+    if fanned_out:
+        result["fanned_out_drains"] = fanned_out
+    print(json.dumps(result))
     return EXIT_OK
+
+
+def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDrainStarter | None:
+    """Locally, a fan-out starts `infrai-jobs drain` processes on this queue and ledger."""
+    if settings.drain_max_concurrency <= 1:
+        return None
+    from infrai_local.fan_out import ProcessDrainStarter  # noqa: PLC0415 - local only
+
+    env = dict(os.environ)
+    # The children use this run's endpoints, local stand-ins included, never their own.
+    env.update(
+        {
+            "INFRAI_BASE_URL": settings.infrai_base_url,
+            "INFRAI_API_KEY": settings.infrai_api_key,
+            "INFRAI_QUEUE": settings.queue,
+            "INFRAI_DLQ": settings.dlq,
+            "DATABASE_URL": settings.database_url,
+            "PROVIDER_URL": settings.provider_url,
+        }
+    )
+    return ProcessDrainStarter(
+        env, time_budget_seconds=args.time_budget_seconds, jobs_path=args.jobs_path
+    )
 
 
 def _cmd_ops(args: argparse.Namespace) -> int:

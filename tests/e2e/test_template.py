@@ -678,3 +678,20 @@ def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
     url = template["Outputs"]["DashboardUrl"]["Value"]["Fn::Sub"]
     assert url.endswith("#dashboards/dashboard/${Dashboard}")
     assert "region=${AWS::Region}" in url
+
+
+def test_the_drain_fans_out_within_its_reserved_concurrency_without_async_retries() -> None:
+    # Given the drain function as deployed
+    template = load_template()
+    drain = functions(template)["DrainFunction"]
+    variables = drain["Environment"]["Variables"]
+    # Then its reserved concurrency is the fan-out's cap, one parameter for both
+    assert drain["ReservedConcurrentExecutions"] == {"Ref": "DrainMaxConcurrency"}
+    assert variables["DRAIN_MAX_CONCURRENCY"] == {"Ref": "DrainMaxConcurrency"}
+    assert variables["DRAIN_FANOUT_AFTER_SECONDS"] == {"Ref": "DrainFanOutAfterSeconds"}
+    assert parameter_default(template, variables["DRAIN_FANOUT_AFTER_SECONDS"]) == 30
+    # And a fan-out event that fails is not retried by Lambda's async queue
+    assert drain["EventInvokeConfig"]["MaximumRetryAttempts"] == 0
+    # And idle polling is opt-in, its window below the one-minute schedule
+    assert parameter_default(template, variables["DRAIN_IDLE_POLL_MS"]) == 0
+    assert parameter_default(template, variables["DRAIN_IDLE_WINDOW_SECONDS"]) < 60

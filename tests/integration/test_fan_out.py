@@ -38,7 +38,7 @@ CREATE TRIGGER record_fleet_size AFTER INSERT OR UPDATE ON drain_leases
 
 # A jobs package for the drain processes: one database job whose every run leaves a row, so a
 # double effect would show as two rows for one key.
-COUNTING_JOBS = '''
+COUNTING_JOBS = """
 from infrai_jobs.jobs import Effect, JobRegistry
 
 
@@ -54,7 +54,7 @@ def build_registry(provider_url):
         return None
 
     return registry
-'''
+"""
 
 
 @pytest.fixture
@@ -178,9 +178,7 @@ def test_two_drains_fanning_out_on_a_backlog_never_exceed_the_cap(
     kit.faults(latency_ms=100)
     # When two `infrai-jobs drain` processes start at once
     processes = [
-        _drain_process(
-            kit, tmp_path, DRAIN_MAX_CONCURRENCY="3", DRAIN_FANOUT_AFTER_SECONDS="1"
-        )
+        _drain_process(kit, tmp_path, DRAIN_MAX_CONCURRENCY="3", DRAIN_FANOUT_AFTER_SECONDS="1")
         for _ in range(2)
     ]
     outputs = [process.communicate(timeout=180) for process in processes]

@@ -36,7 +36,8 @@ EXACT_ACTIONS = {
 
 # What each function may do, by service: a new grant must be added here on purpose.
 ALLOWED_SERVICES = {
-    "DrainFunctionRole": {"ssm", "secretsmanager", "kms", "dynamodb"},
+    # lambda: the backlog fan-out invokes DrainFunction itself, and nothing else.
+    "DrainFunctionRole": {"ssm", "secretsmanager", "kms", "dynamodb", "lambda"},
     "DlqAlertFunctionRole": {"ssm", "secretsmanager", "kms", "sns"},
     "RedriveFunctionRole": {"ssm", "secretsmanager", "kms"},
     "PruneFunctionRole": {"secretsmanager", "kms"},
@@ -217,3 +218,20 @@ def test_the_alert_topic_is_encrypted_with_a_key_its_alarms_and_publisher_may_us
     ]
     assert kms, roles["DlqAlertFunctionRole"]
     assert {a for s in kms for a in as_list(s["Action"])} == {"kms:GenerateDataKey", "kms:Decrypt"}
+
+
+def test_the_drain_may_invoke_itself_and_nothing_else() -> None:
+    # Given every function's execution role's statements that grant a Lambda action (the
+    # scheduler's role is checked on its own)
+    roles = {name: s for name, s in _roles().items() if name != "SchedulerRole"}
+    lambda_grants = {
+        name: [s for s in statements if any(a.startswith("lambda:") for a in as_list(s["Action"]))]
+        for name, statements in roles.items()
+    }
+    # Then only DrainFunction's role has one: InvokeFunction, on its own name only
+    assert {name for name, grants in lambda_grants.items() if grants} == {"DrainFunctionRole"}
+    (grant,) = lambda_grants["DrainFunctionRole"]
+    assert as_list(grant["Action"]) == ["lambda:InvokeFunction"]
+    (resource,) = _resource_texts(grant["Resource"])
+    drain = load_template()["Resources"]["DrainFunction"]["Properties"]
+    assert resource.endswith(":function:" + drain["FunctionName"]["Fn::Sub"])

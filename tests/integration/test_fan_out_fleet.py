@@ -1,7 +1,7 @@
 """Backlog fan-out on real PostgreSQL and the emulator: the fleet's leases under concurrency, and
 real ``infrai-jobs drain`` processes fanning out on a backlog without passing the cap.
 
-The decisions themselves are unit-tested on the fakes (``tests/unit/test_fan_out.py``).
+The decisions themselves are unit-tested on the fakes (``tests/unit/test_fan_out_decisions.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 starts them, the cap, throttles, leases, and a drain that would be one too many.
 
 The same rules against real PostgreSQL and real drain processes are in
-``tests/integration/test_fan_out.py``.
+``tests/integration/test_fan_out_fleet.py``.
 """
 
 from __future__ import annotations

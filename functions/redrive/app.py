@@ -1,8 +1,11 @@
 """RedriveFunction (manual invoke): move dead letters back to the main queue after a fix.
 
 Events: events/redrive-dry-run.json looks ({"max_messages": 100, "reopen_failed": false,
-"dry_run": true}); events/redrive.json moves (the same with "dry_run": false). A redrive that runs
-short of time stops early and says so ("stopped": "time_budget"): invoke it again.
+"dry_run": true}); events/redrive.json moves (the same with "dry_run": false);
+events/redrive-selected.json moves only the dead letters of one job ("job"; "key" and
+"message_id" select too). A redrive that runs short of time stops early and says so ("stopped":
+"time_budget"): invoke it again. Dead letters it could not read are listed in "unreadable" and
+stay in the DLQ ("complete": false).
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
             reopen_failed=request.reopen_failed,
             database_url=settings.require_database_url() if request.reopen_failed else None,
             time_left_ms=context.get_remaining_time_in_millis,
+            selection=request.selection,
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)
+    metrics.add_metric(
+        name="DeadLettersUnreadable", unit=MetricUnit.Count, value=len(summary.unreadable)
+    )
     return summary.as_dict()

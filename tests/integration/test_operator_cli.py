@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, Harness, harness
+from drainkit import DLQ, QUEUE, Harness, harness
+
+from infrai_jobs.claims_admin import ClaimsAdmin
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
@@ -180,6 +182,160 @@ def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> 
     (ack_failed,) = lines_with(finished.stderr, "ack_failed")
     assert fields_of(ack_failed)["message_id"] == message_id
     assert json.loads(finished.stdout)["ack_failed"] == 1
+
+
+# --- dlq: what each dead letter really is -------------------------------------------------------
+
+
+def test_dlq_shows_a_same_key_different_work_dead_letter_as_a_conflict(kit: Harness) -> None:
+    # Given an invoice finalized for 4,900 cents, and a dead letter for the same invoice with
+    # another amount (the drain refused it: same key, different work)
+    done = {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 4900}
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, payload_sha256)"
+        " VALUES ('invoice.finalize:inv_1', 'done', 'qmsg_first', %s)",
+        (kit.registry.derive(done).fingerprint,),
+    )
+    message_id = kit.client.publish(DLQ, {**done, "amount_cents": 5900})
+    # When the operator lists the DLQ
+    listed = run_cli(kit, "dlq", "--json")
+    # Then the dead letter is a conflict with the done key, not "done" with no reason
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)["messages"]
+    assert row["message_id"] == message_id
+    assert (row["state"], row["claim_state"]) == ("conflict", "done")
+    assert row["reason"] == "conflict with invoice.finalize:inv_1 (done, different work)"
+    # And the table says the same, in full
+    kit.advance()
+    table = run_cli(kit, "dlq")
+    assert "conflict with invoice.finalize:inv_1 (done, different work)" in table.stdout
+
+
+# --- dlq discard --------------------------------------------------------------------------------
+
+
+def test_dlq_discard_by_message_id_records_the_payload_then_acks(kit: Harness) -> None:
+    # Given a job that cannot ever run, dead-lettered beside another
+    doomed = {"job": "invoice.finalize", "invoice_id": "inv_gone", "amount_cents": 1}
+    doomed_id = kit.client.publish(DLQ, doomed)
+    kept_id = kit.client.publish(DLQ, {"job": "test.db", "id": "kept"})
+    # When the operator discards it by its message id
+    finished = run_cli(
+        kit, "dlq", "discard", "--message-id", doomed_id, "--note", "customer deleted"
+    )
+    # Then it is gone from the DLQ, the other is still there
+    assert finished.returncode == 0, finished.stderr
+    assert f"discarded {doomed_id} (key invoice.finalize:inv_gone)" in finished.stdout
+    assert kit.client.stats(QUEUE).dlq_count == 1
+    kit.advance()
+    (left,) = kit.client.consume(DLQ)
+    assert left.message_id == kept_id
+    # And the discard, who did it, why, and the payload are in claim_history under its key
+    shown = json.loads(run_cli(kit, "claims", "show", "invoice.finalize:inv_gone", "--json").stdout)
+    ((entry,),) = [shown["history"]]
+    assert (entry["action"], entry["actor"], entry["note"]) == (
+        "discard",
+        OPERATOR,
+        "customer deleted",
+    )
+    assert entry["before"]["dead_letter"]["payload"] == doomed
+    assert entry["before"]["dead_letter"]["message_id"] == doomed_id
+    assert entry["before"]["claim"] is None
+    human = run_cli(kit, "claims", "show", "invoice.finalize:inv_gone")
+    assert "now: discard by on-call@example.com" in human.stdout
+
+
+def test_dlq_discard_by_key_takes_every_copy_and_keeps_unkeyed_records_by_message_id(
+    kit: Harness,
+) -> None:
+    # Given two copies of one job and a message with no key, dead-lettered
+    copy = {"job": "invoice.finalize", "invoice_id": "inv_2", "amount_cents": 3}
+    first, second = kit.client.publish(DLQ, copy), kit.client.publish(DLQ, copy)
+    unkeyed = kit.client.publish(DLQ, {"job": "no.such.job", "text": "nul \u0000 inside"})
+    # When the operator discards the key
+    by_key = run_cli(kit, "dlq", "discard", "--key", "invoice.finalize:inv_2", "--json")
+    # Then both copies are discarded, and the unkeyed one was only looked at
+    assert by_key.returncode == 0, by_key.stderr
+    document = json.loads(by_key.stdout)
+    assert [d["message_id"] for d in document["discarded"]] == [first, second]
+    assert document["hidden"] == 1
+    history = ClaimsAdmin(kit.database_url).history("invoice.finalize:inv_2")
+    assert [h["before"]["dead_letter"]["message_id"] for h in history] == [first, second]
+    # When the unkeyed one is discarded by its id, once visible again
+    kit.advance()
+    by_id = run_cli(kit, "dlq", "discard", "--message-id", unkeyed)
+    # Then it is recorded under its message id, its payload kept even where jsonb cannot
+    assert by_id.returncode == 0, by_id.stderr
+    (entry,) = ClaimsAdmin(kit.database_url).history(unkeyed)
+    assert "nul" in json.dumps(entry["before"]["dead_letter"]["payload"])
+    assert kit.client.stats(QUEUE).dlq_count == 0
+
+
+def test_dlq_discard_of_nothing_matching_fails_and_changes_nothing(kit: Harness) -> None:
+    kit.client.publish(DLQ, {"job": "test.db", "id": "x"})
+    finished = run_cli(kit, "dlq", "discard", "--message-id", "qmsg_nope")
+    assert finished.returncode == 3
+    assert "no dead letter matched --message-id qmsg_nope" in finished.stderr
+    assert "Traceback" not in finished.stderr
+    assert kit.client.stats(QUEUE).dlq_count == 1
+    assert kit.sql("SELECT count(*) FROM claim_history") == [(0,)]
+
+
+# --- selective redrive --------------------------------------------------------------------------
+
+
+def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
+    # Given dead letters of three jobs
+    receipt = {"job": "receipt.send", "invoice_id": "inv_5", "email": "a@example.com"}
+    ids = {
+        "receipt": kit.client.publish(DLQ, receipt),
+        "invoice": kit.client.publish(
+            DLQ, {"job": "invoice.finalize", "invoice_id": "inv_5", "amount_cents": 1}
+        ),
+        "db": kit.client.publish(DLQ, {"job": "test.db", "id": "a"}),
+        "db2": kit.client.publish(DLQ, {"job": "test.db", "id": "b"}),
+    }
+    # When the operator redrives one key (a job with its own identity rule)
+    by_key = run_cli(kit, "redrive", "--key", "receipt.send:inv_5", "--json")
+    # Then only that one moved; the others read stay in the DLQ
+    assert by_key.returncode == 0, by_key.stderr
+    summary = json.loads(by_key.stdout)
+    assert (summary["published"], summary["not_selected"]) == (1, 3)
+    assert summary["selection"] == {"key": "receipt.send:inv_5"}
+    assert [m.payload for m in kit.client.consume(QUEUE)] == [receipt]
+    # When, once visible again, the operator redrives one message id, then one job
+    kit.advance()
+    by_id = run_cli(kit, "redrive", "--message-id", ids["invoice"])
+    assert by_id.returncode == 0, by_id.stderr
+    assert f"moved 1 message(s) {DLQ} -> {QUEUE} (--message-id {ids['invoice']})" in by_id.stdout
+    kit.advance()
+    by_job = run_cli(kit, "redrive", "--job", "test.db", "--json")
+    # Then each moved exactly what it named, and the DLQ is empty
+    assert json.loads(by_job.stdout)["published"] == 2
+    assert kit.client.stats(QUEUE).dlq_count == 0
+
+
+def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness) -> None:
+    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+
+    # Given dead letters of two jobs
+    kit.client.publish(DLQ, {"job": "invoice.finalize", "invoice_id": "inv_7", "amount_cents": 1})
+    kit.client.publish(DLQ, {"job": "test.db", "id": "stays"})
+    # When RedriveFunction is invoked with events/redrive-selected.json (job invoice.finalize)
+    spec = resolve("RedriveFunction", root=ROOT, env_vars=ROOT / "events" / "env.json")
+    services = {
+        "INFRAI_BASE_URL": kit.server.url,
+        "INFRAI_API_KEY": "test-key",
+        "DATABASE_URL": kit.database_url,
+    }
+    result = invoke(spec, ROOT / "events" / "redrive-selected.json", extra_env=services)
+    # Then it moved the invoice job only, and says what it left
+    assert result.ok, result.payload
+    assert result.payload["selection"] == {"job": "invoice.finalize"}
+    assert (result.payload["published"], result.payload["not_selected"]) == (1, 1)
+    assert result.payload["complete"] is True
+    (moved,) = kit.client.consume(QUEUE)
+    assert moved.payload["job"] == "invoice.finalize"
 
 
 # --- claims -----------------------------------------------------------------------------------

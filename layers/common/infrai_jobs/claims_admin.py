@@ -91,6 +91,11 @@ INSERT INTO claim_history (idem_key, action, actor, before, after, note)
 VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
 """
 
+_DISCARD: LiteralString = """
+INSERT INTO claim_history (idem_key, action, actor, before, after, note)
+VALUES (%(key)s, 'discard', %(actor)s, %(before)s, NULL, %(note)s)
+"""
+
 _HISTORY_OF: LiteralString = """
 SELECT id, idem_key, action, actor, at, before, after, note
 FROM claim_history WHERE idem_key = %(key)s ORDER BY id
@@ -309,6 +314,38 @@ class ClaimsAdmin:
             raise LedgerError(f"the ledger rejected the change: {exc}") from exc
         return after or before
 
+    def record_discard(
+        self,
+        key: str,
+        dead_letter: dict[str, Any],
+        *,
+        actor: str | None = None,
+        note: str = "",
+    ) -> None:
+        """Record that an operator discards a dead letter, before it is acked away.
+
+        ``before`` holds the dead letter (its payload included, so the work can still be
+        recovered) and the key's claim as it is now; the claim itself is left as it is.
+        """
+        try:
+            with self._connect() as conn, conn.transaction():
+                with conn.cursor(row_factory=dict_row) as cur:
+                    row = cur.execute(_SHOW, {"key": key}).fetchone()
+                claim = claim_as_dict(ClaimRow(**row)) if row else None
+                conn.execute(
+                    _DISCARD,
+                    {
+                        "key": key,
+                        "actor": actor or default_actor(),
+                        "before": Jsonb({"dead_letter": dead_letter, "claim": claim}),
+                        "note": note or None,
+                    },
+                )
+        except psycopg.OperationalError as exc:
+            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+        except psycopg.Error as exc:
+            raise LedgerError(f"the ledger rejected the discard's record: {exc}") from exc
+
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per
         batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
@@ -330,6 +367,26 @@ class ClaimsAdmin:
             raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
         except psycopg.Error as exc:
             raise LedgerError(f"the ledger rejected a query: {exc}") from exc
+
+
+def storable_json(value: Any) -> Any:
+    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can.
+
+    jsonb refuses NUL characters and lone surrogates, both of which a JSON body may carry.
+    """
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError):
+        text = ""
+    if text and "\\u0000" not in text:
+        return value
+    try:
+        described = json.dumps(value, ensure_ascii=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        described = f"<{type(value).__name__} that JSON cannot describe>"
+    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
+    return {"not_storable_as_jsonb": described}
 
 
 def claim_as_dict(row: ClaimRow) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The on-call commands of ``infrai-jobs``: dlq, redrive, claims, cost.
+"""The on-call commands of ``infrai-jobs``: dlq (and dlq discard), redrive, claims, cost.
 
 Human output by default (aligned tables; colour only on a terminal), ``--json`` for scripts on
 every read command. Exit codes: 0 success, 1 the operation failed, 2 bad usage or
@@ -26,13 +26,21 @@ from infrai_jobs.claims_admin import (
     ClaimsAdmin,
     change_refused,
     claim_as_dict,
+    storable_json,
 )
-from infrai_jobs.errors import ConfigurationError, KeyDerivationError
-from infrai_jobs.keys import derive_key
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError, QueueMessageNotFound
+from infrai_jobs.keys import derive_key, payload_fingerprint
 from infrai_jobs.ledger import ClaimRow
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.redrive import publish_price, redrive
+from infrai_jobs.redrive import (
+    DeadLetter,
+    Selection,
+    Unreadable,
+    publish_price,
+    read_dead_letters,
+    redrive,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -63,16 +71,36 @@ def add_ops_commands(sub: Any) -> None:
     dlq.add_argument("--queue", help="the main queue (default: INFRAI_QUEUE); its DLQ is read")
     dlq.add_argument("--max", type=int, default=10, help="messages to look at (default 10)")
     dlq.add_argument("--json", action="store_true")
-    dlq.set_defaults(ops_command="dlq")
+    dlq.set_defaults(ops_command="dlq", dlq_action="list")
+    dlq_sub = dlq.add_subparsers(metavar="ACTION")
+    discard = dlq_sub.add_parser(
+        "discard",
+        help="delete dead letters for good (by message id or key), recording each with its "
+        "payload in claim_history first",
+    )
+    which = discard.add_mutually_exclusive_group(required=True)
+    which.add_argument("--message-id", help="the dead letter's message id (as `dlq` shows it)")
+    which.add_argument("--key", help="every dead letter of this idempotency key")
+    discard.add_argument(
+        "--max", type=int, default=100, help="dead letters to look through (default 100)"
+    )
+    discard.add_argument("--note", default="", help="why, for claim_history")
+    discard.add_argument("--json", action="store_true")
+    discard.set_defaults(ops_command="dlq", dlq_action="discard")
 
     red = sub.add_parser("redrive", help="move dead letters back to the main queue")
-    red.add_argument("--max", type=int, default=100, help="messages to move (default 100)")
+    red.add_argument(
+        "--max", type=int, default=100, help="dead letters to read, moved or not (default 100)"
+    )
     red.add_argument(
         "--reopen-failed",
         action="store_true",
         help="re-open failed claims of the redriven work so it runs again",
     )
     red.add_argument("--dry-run", action="store_true", help="look only: publish and ack nothing")
+    red.add_argument("--key", help="move only the dead letters of this idempotency key")
+    red.add_argument("--job", help="move only the dead letters of this job type")
+    red.add_argument("--message-id", help="move only the dead letter with this message id")
     red.add_argument("--json", action="store_true")
     red.set_defaults(ops_command="redrive")
 
@@ -135,11 +163,18 @@ def _colour(text: str, code: str, stream: TextIO) -> str:
     return f"\033[{code}m{text}\033[0m" if stream.isatty() else text
 
 
-def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], out: TextIO) -> None:
+def print_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str],
+    out: TextIO,
+    *,
+    whole: Sequence[str] = (),
+) -> None:
+    """An aligned table; values are cut to 60 characters except in the ``whole`` columns."""
     if not rows:
         print("(none)", file=out)
         return
-    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    cells = [[_cell(row.get(c), whole=c in whole) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print(
         _colour(
@@ -151,11 +186,12 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], out: 
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip(), file=out)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, *, whole: bool = False) -> str:
     if value is None:
         return "-"
     text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
+    text = " ".join(text.split())
+    return text if whole or len(text) <= 60 else text[:57] + "..."
 
 
 def _emit(document: Any, as_json: bool, human: Callable[[], None], out: TextIO) -> None:
@@ -187,6 +223,8 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
     """Run one ops command."""
     command = args.ops_command
     try:
+        if command == "dlq" and args.dlq_action == "discard":
+            return _discard(args, ctx)
         if command == "dlq":
             return _dlq(args, ctx)
         if command == "redrive":
@@ -203,6 +241,8 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
 
 
 def _describe(admin: ClaimsAdmin, key_of: KeyOf) -> Callable[[QueueMessage], dict[str, Any]]:
+    """What the ledger says about a dead letter: its key, its claim's state and the reason."""
+
     def describe(message: QueueMessage) -> dict[str, Any]:
         info: dict[str, Any] = {"delivery_count": message.delivery_count}
         try:
@@ -210,47 +250,188 @@ def _describe(admin: ClaimsAdmin, key_of: KeyOf) -> Callable[[QueueMessage], dic
         except KeyDerivationError as exc:
             return {**info, "idem_key": None, "reason": f"no key: {exc}"}
         info["idem_key"] = key
-        try:
-            row = admin.show(key)
-        except ClaimNotFound:
+        row = admin.find(key)
+        if row is None:
             return {
                 **info,
                 "state": None,
                 "reason": "no claim: it failed and was released, "
                 "or never got that far; a redrive runs it again",
             }
+        if row.payload_sha256 and row.payload_sha256 != _fingerprint(message.payload):
+            # The drain refused it: the key's claim is for other work. Say that, not the
+            # claim's own state (a "done" beside no reason reads as nothing wrong).
+            return {
+                **info,
+                "state": "conflict",
+                "claim_state": row.state,
+                "attempts": row.attempts,
+                "reason": f"conflict with {key} ({row.state}, different work)",
+            }
         return {**info, "state": row.state, "attempts": row.attempts, "reason": row.error or ""}
 
     return describe
 
 
+def _fingerprint(payload: Any) -> str | None:
+    try:
+        return payload_fingerprint(payload)
+    except KeyDerivationError:
+        return None
+
+
+def _dlq_source(args: argparse.Namespace, ctx: OpsContext) -> str:
+    return f"{args.queue}-dlq" if getattr(args, "queue", None) else ctx.dlq_name
+
+
+_DLQ_COLUMNS = ["message_id", "delivery_count", "idem_key", "state", "reason"]
+
+
 def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
-    source = f"{args.queue}-dlq" if args.queue else ctx.dlq_name
+    source = _dlq_source(args, ctx)
     queue, out = ctx.queue(), ctx.out
     describe = _describe(ctx.admin(), ctx.key_of)
     seen: list[dict[str, Any]] = []
-    while len(seen) < args.max:
-        batch = queue.consume(source, min(10, args.max - len(seen)))
-        if not batch:
-            break
-        seen.extend(
-            {"message_id": m.message_id, **describe(m), "payload": m.payload} for m in batch
-        )
+    for dead in read_dead_letters(queue, source, args.max):
+        if isinstance(dead, Unreadable):
+            seen.append({**dead.as_dict(), "state": "unreadable"})
+        else:
+            seen.append({"message_id": dead.message_id, **describe(dead), "payload": dead.payload})
+    unreadable = sum(1 for row in seen if row.get("unreadable"))
     notice = (
         f"read {len(seen)} message(s) from {source} by consuming them: they stay in the DLQ, "
         "hidden for its visibility timeout (300 s by default)"
     )
+    if unreadable:
+        notice += (
+            f"; {unreadable} could not be read (a message id is shown when the answer still "
+            "named it; `infrai-jobs dlq discard --message-id ID` removes one for good)"
+        )
 
     def human() -> None:
-        print_table(seen, ["message_id", "delivery_count", "idem_key", "state", "reason"], out)
+        rows = [
+            {**row, "message_id": row["message_id"] or "(unknown)"}
+            if row.get("unreadable")
+            else row
+            for row in seen
+        ]
+        print_table(rows, _DLQ_COLUMNS, out, whole=("reason",))
         print(f"\nnote: {notice}", file=out)
 
-    _emit({"queue": source, "messages": seen, "notice": notice}, args.json, human, out)
+    _emit(
+        {"queue": source, "messages": seen, "unreadable": unreadable, "notice": notice},
+        args.json,
+        human,
+        out,
+    )
     return EXIT_OK
+
+
+def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
+    """Record each matching dead letter (payload included) in claim_history, then ack it."""
+    source = _dlq_source(args, ctx)
+    queue, admin, out = ctx.queue(), ctx.admin(), ctx.out
+    if args.max < 1:
+        raise ConfigurationError("dlq discard --max must be at least 1")
+    discarded: list[dict[str, Any]] = []
+    looked_at = 0
+    for dead in read_dead_letters(queue, source, args.max):
+        looked_at += 1
+        key = _key_or_none(ctx.key_of, dead)
+        message_id = dead.message_id
+        if message_id is None:
+            continue  # unreadable, its id unknown: nothing names it, and nothing can ack it
+        if args.message_id is not None and message_id != args.message_id:
+            continue
+        if args.key is not None and key != args.key:
+            continue
+        # The message id names the dead letter when it has no key (not an object, unknown job).
+        admin.record_discard(key or message_id, _dead_letter_record(dead, source), note=args.note)
+        acked = _ack_dead_letter(queue, source, dead)
+        discarded.append({"message_id": message_id, "idem_key": key, "acked": acked})
+        if args.message_id is not None:
+            break
+    what = f"--message-id {args.message_id}" if args.message_id else f"--key {args.key}"
+    others = looked_at - len(discarded)
+    document = {
+        "queue": source,
+        "discarded": discarded,
+        "looked_at": looked_at,
+        "hidden": others,
+        "selection": {"message_id": args.message_id} if args.message_id else {"key": args.key},
+    }
+
+    def human() -> None:
+        for entry in discarded:
+            gone = "acked" if entry["acked"] else "already gone from the DLQ (ack_lost)"
+            print(
+                f"discarded {entry['message_id']} (key {entry['idem_key'] or '-'}) from "
+                f"{source}: recorded in claim_history with its payload, {gone}",
+                file=out,
+            )
+        if others:
+            print(
+                f"note: {others} other dead letter(s) read while looking stay in the DLQ, "
+                "hidden for its visibility timeout (300 s by default)",
+                file=out,
+            )
+
+    if not discarded:
+        print(
+            f"error: no dead letter matched {what} among the {looked_at} read from {source} "
+            "(one read in the last few minutes by `dlq` or `redrive --dry-run` stays hidden "
+            "until the DLQ's visibility timeout ends; try again then)",
+            file=sys.stderr,
+        )
+        if args.json:
+            print(json.dumps(document), file=out)
+        return EXIT_CONFLICT
+    _emit(document, args.json, human, out)
+    return EXIT_OK
+
+
+def _key_or_none(key_of: KeyOf, dead: DeadLetter) -> str | None:
+    if isinstance(dead, Unreadable):
+        return None
+    try:
+        return key_of(dead.payload)
+    except KeyDerivationError:
+        return None
+
+
+def _dead_letter_record(dead: DeadLetter, source: str) -> dict[str, Any]:
+    if isinstance(dead, Unreadable):
+        return {
+            "message_id": dead.message_id,
+            "queue": source,
+            "unreadable": True,
+            "size_bytes": dead.size,
+            "reason": dead.reason,
+        }
+    return {
+        "message_id": dead.message_id,
+        "queue": source,
+        "delivery_count": dead.delivery_count,
+        "published_at": dead.published_at.isoformat() if dead.published_at else None,
+        "payload": storable_json(dead.payload),
+    }
+
+
+def _ack_dead_letter(queue: QueuePort, source: str, dead: DeadLetter) -> bool:
+    """Ack a discarded dead letter; False when the DLQ no longer held it."""
+    # An unreadable one is acked by its message id: the contract's handle when none is sent.
+    handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
+    assert handle is not None
+    try:
+        queue.ack(source, handle)
+    except QueueMessageNotFound:
+        return False
+    return True
 
 
 def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     out, queue_name, dlq_name = ctx.out, ctx.queue_name, ctx.dlq_name
+    selection = Selection(key=args.key, job=args.job, message_id=args.message_id)
     progress = _progress_bar(args.max) if sys.stderr.isatty() and not args.json else None
     summary = redrive(
         ctx.queue(),
@@ -262,6 +443,8 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         database_url=ctx.database_url() if args.reopen_failed else None,
         describe=_describe(ctx.admin(), ctx.key_of) if args.dry_run else None,
         progress=progress,
+        selection=selection,
+        key_of=ctx.key_of,
     )
     if progress is not None:
         print(file=sys.stderr)
@@ -269,7 +452,9 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
 
     def human() -> None:
         verb = "would move" if args.dry_run else "moved"
-        print(f"{verb} {summary.consumed} message(s) {dlq_name} -> {queue_name}", file=out)
+        count = summary.consumed if args.dry_run else summary.published
+        chosen = f" ({selection.describe()})" if not selection.everything else ""
+        print(f"{verb} {count} message(s) {dlq_name} -> {queue_name}{chosen}", file=out)
         if args.dry_run:
             print_table(summary.seen, ["message_id", "idem_key", "state", "reason"], out)
             print(
@@ -280,9 +465,22 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         print(
             f"published {summary.published}, acked {summary.acked}, "
             f"ack_lost {summary.ack_lost}, reopened {len(summary.reopened)}, "
-            f"skipped {len(summary.skipped)}",
+            f"skipped {len(summary.skipped)}, unreadable {len(summary.unreadable)}",
             file=out,
         )
+        for entry in summary.unreadable:
+            print(
+                f"NOT MOVED: {entry['message_id'] or '(message id unknown)'}: {entry['reason']}",
+                file=out,
+            )
+        for entry in summary.skipped:
+            print(f"NOT MOVED: {entry['message_id']}: {entry['reason']}", file=out)
+        if summary.not_selected:
+            print(
+                f"note: {summary.not_selected} other dead letter(s) read were not selected; "
+                "they stay in the DLQ, hidden for its visibility timeout",
+                file=out,
+            )
         print(
             f"publish cost: {summary.published} x ${summary.price_usd_per_message} = "
             f"${summary.cost_usd} (price from {summary.price_source})",
@@ -290,7 +488,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         )
 
     _emit(document, args.json, human, out)
-    return EXIT_OK if not summary.skipped else EXIT_FAILED
+    return EXIT_OK if summary.complete else EXIT_FAILED
 
 
 def _progress_bar(total: int) -> Callable[[int], None]:

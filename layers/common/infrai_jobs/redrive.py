@@ -8,12 +8,18 @@ publishes it again; the claim ledger absorbs that duplicate. Nothing is lost, no
 payload fingerprint), recording each in ``claim_history``, so the fixed job runs again. A stuck
 ``running`` claim of an irreversible job is never reopened: that needs a human's verdict first
 (``infrai-jobs claims resolve``).
+
+The DLQ is read one message per consume (``read_dead_letters``): a consume whose answer cannot
+be read has spent it on every message it served, unseen, so with one message per consume an
+unreadable dead letter hides only itself, and is reported as such (``Unreadable``) while every
+other is still read. A redrive may move only some dead letters (``Selection``: by key, job or
+message id); the others it read stay hidden in the DLQ for its visibility timeout.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, LiteralString
@@ -23,6 +29,7 @@ import psycopg
 from infrai_jobs.claims_admin import default_actor
 from infrai_jobs.errors import (
     ConfigurationError,
+    ConsumeAnswerLost,
     InfraiInvalidResponse,
     InfraiUnavailable,
     KeyDerivationError,
@@ -30,7 +37,7 @@ from infrai_jobs.errors import (
     LedgerUnavailable,
     QueueMessageNotFound,
 )
-from infrai_jobs.keys import payload_fingerprint
+from infrai_jobs.keys import derive_key, payload_fingerprint
 from infrai_jobs.ledger import connect_to_ledger
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
@@ -53,11 +60,129 @@ RETURNING idem_key
 """
 
 Progress = Callable[[int], None]
+KeyOf = Callable[[Any], str]
 
 MAX_REDRIVE_PER_CALL = 10_000
 # A message is moved only while this much of the invocation is left. A move is a publish and an
 # ack, normally well under a second; this covers a few retries. Like the drain's batch budget.
 MESSAGE_BUDGET_MS = 20_000
+# Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
+# for the visibility timeout, and a run of them says the answers, not the messages, are broken.
+MAX_UNREADABLE_IN_A_ROW = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A dead letter whose consume answer was lost or could not be read.
+
+    It stays in the DLQ, hidden until its visibility timeout ends; ``message_id`` is known only
+    when the client could still read it from the answer, ``size`` only when an answer came.
+    """
+
+    message_id: str | None
+    size: int | None
+    reason: str
+
+    @classmethod
+    def from_error(cls, exc: ConsumeAnswerLost) -> Unreadable:
+        ids = exc.message_ids
+        return cls(message_id=ids[0] if len(ids) == 1 else None, size=exc.size, reason=str(exc))
+
+    def describe(self) -> str:
+        size = f"{self.size} bytes" if self.size is not None else "size unknown"
+        return (
+            f"unreadable dead letter ({size}): {self.reason}; it stays in the DLQ, hidden for "
+            "its visibility timeout"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "unreadable": True,
+            "size_bytes": self.size,
+            "reason": self.describe(),
+        }
+
+
+DeadLetter = QueueMessage | Unreadable
+
+
+def read_dead_letters(
+    queue: QueuePort,
+    source: str,
+    limit: int,
+    *,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[DeadLetter]:
+    """Up to ``limit`` dead letters of ``source``, read one per consume (see the module's doc).
+
+    ``stop`` is asked before each read. Reading stops early when the DLQ is empty, or after
+    ``MAX_UNREADABLE_IN_A_ROW`` unreadable answers in a row.
+    """
+    read = unreadable_in_a_row = 0
+    while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
+        if stop is not None and stop():
+            return
+        try:
+            batch = queue.consume(source, 1)
+        except ConsumeAnswerLost as exc:
+            read += 1
+            unreadable_in_a_row += 1
+            unreadable = Unreadable.from_error(exc)
+            logger.error(
+                "a dead letter could not be read",
+                extra={
+                    "action": "dead_letter_unreadable",
+                    "queue": source,
+                    "message_id": unreadable.message_id,
+                    "size_bytes": unreadable.size,
+                    "detail": unreadable.reason,
+                },
+            )
+            yield unreadable
+            continue
+        if not batch:
+            return
+        unreadable_in_a_row = 0
+        for message in batch[: limit - read]:
+            read += 1
+            yield message
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which dead letters a redrive moves: those matching every filter given (all when none)."""
+
+    key: str | None = None
+    job: str | None = None
+    message_id: str | None = None
+
+    @property
+    def everything(self) -> bool:
+        return self.key is None and self.job is None and self.message_id is None
+
+    def matches(self, dead: DeadLetter, key_of: KeyOf) -> bool:
+        if self.message_id is not None and dead.message_id != self.message_id:
+            return False
+        if self.key is None and self.job is None:
+            return True
+        if isinstance(dead, Unreadable) or not isinstance(dead.payload, Mapping):
+            return False
+        if self.job is not None and dead.payload.get("job") != self.job:
+            return False
+        if self.key is not None:
+            try:
+                return key_of(dead.payload) == self.key
+            except KeyDerivationError:
+                return False
+        return True
+
+    def as_dict(self) -> dict[str, str]:
+        chosen = {"key": self.key, "job": self.job, "message_id": self.message_id}
+        return {name: value for name, value in chosen.items() if value is not None}
+
+    def describe(self) -> str:
+        return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in self.as_dict().items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +192,20 @@ class RedriveRequest:
     max_messages: int = 100
     reopen_failed: bool = False
     dry_run: bool = False
+    selection: Selection = field(default_factory=Selection)
 
     @classmethod
     def from_event(cls, event: object) -> RedriveRequest:
         if not isinstance(event, Mapping):
             raise ConfigurationError("the redrive event must be a JSON object")
-        unknown = set(event) - {"max_messages", "reopen_failed", "dry_run"}
+        unknown = set(event) - {
+            "max_messages",
+            "reopen_failed",
+            "dry_run",
+            "key",
+            "job",
+            "message_id",
+        }
         if unknown:
             raise ConfigurationError(
                 f"unknown redrive event field(s): {', '.join(sorted(unknown))}"
@@ -88,7 +221,15 @@ class RedriveRequest:
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{name} must be true or false")
             flags[name] = value
-        return cls(max_messages=max_messages, **flags)
+        filters: dict[str, str] = {}
+        for name in ("key", "job", "message_id"):
+            value = event.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigurationError(f"{name} must be a non-empty string")
+            filters[name] = value
+        return cls(max_messages=max_messages, selection=Selection(**filters), **flags)
 
 
 @dataclass
@@ -102,18 +243,26 @@ class RedriveSummary:
     ack_lost: int = 0
     reopened: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    # Dead letters whose answer could not be read: neither moved nor acked (Unreadable.as_dict).
+    unreadable: list[dict[str, Any]] = field(default_factory=list)
+    # Read but not selected (a selective redrive): hidden in the DLQ for its visibility timeout.
+    not_selected: int = 0
+    selection: dict[str, str] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
     # "time_budget" when the invocation ran short and the redrive stopped early; "" otherwise.
+    # Nothing was read that was not moved: the rest is in the DLQ for the next redrive.
     stopped: str = ""
-    # Received but neither looked at nor moved when it stopped: hidden in the DLQ until its
-    # visibility timeout ends, then there for the next redrive.
-    left_hidden: int = 0
     price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
     price_source: str = "fallback"
 
     @property
     def cost_usd(self) -> Decimal:
         return self.price_usd_per_message * self.published
+
+    @property
+    def complete(self) -> bool:
+        """Every dead letter it meant to move was read and moved (or, dry, looked at)."""
+        return not self.skipped and not self.unreadable
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,9 +275,12 @@ class RedriveSummary:
             "ack_lost": self.ack_lost,
             "reopened": self.reopened,
             "skipped": self.skipped,
+            "unreadable": self.unreadable,
+            "not_selected": self.not_selected,
+            "selection": self.selection,
+            "complete": self.complete,
             "seen": self.seen,
             "stopped": self.stopped,
-            "left_hidden": self.left_hidden,
             "price_usd_per_message": str(self.price_usd_per_message),
             "price_source": self.price_source,
             "cost_usd": str(self.cost_usd),
@@ -161,49 +313,66 @@ def redrive(
     describe: Callable[[QueueMessage], Mapping[str, Any]] | None = None,
     progress: Progress | None = None,
     time_left_ms: Callable[[], int] | None = None,
+    selection: Selection | None = None,
+    key_of: KeyOf = derive_key,
 ) -> RedriveSummary:
     """Move up to ``max_messages`` dead letters from ``source`` back to ``target``.
 
     ``dry_run`` consumes to look (the DLQ can only be read by consuming) and acks nothing, so
     the messages it saw stay hidden in the DLQ for the visibility timeout, then return.
 
+    ``selection`` moves only the dead letters it matches (``key_of`` derives their keys); the
+    others read stay hidden in the DLQ for its visibility timeout. ``max_messages`` bounds the
+    dead letters read, moved or not.
+
     ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
-    it can still report: no batch is received, and no message moved, with less than
-    ``MESSAGE_BUDGET_MS`` left. What was received but not moved stays hidden in the DLQ for
-    its visibility timeout, like a dry run's; ``summary.stopped`` says so.
+    it can still report: no message is read, and none moved, with less than
+    ``MESSAGE_BUDGET_MS`` left; ``summary.stopped`` says so.
+
+    A dead letter that cannot be read is never reported as moved: it is listed in
+    ``summary.unreadable`` and stays in the DLQ (``summary.complete`` is then false).
     """
     if reopen_failed and not database_url:
         raise ValueError("reopen_failed needs the ledger's database_url")
-    summary = RedriveSummary(source=source, target=target, dry_run=dry_run)
+    selection = selection or Selection()
+    summary = RedriveSummary(
+        source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
+    )
     summary.price_usd_per_message, summary.price_source = publish_price(queue)
 
     def short_of_time() -> bool:
-        return time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS
-
-    while summary.consumed < max_messages and not summary.stopped:
-        if short_of_time():
+        if time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS:
             summary.stopped = "time_budget"
-            break
-        batch = queue.consume(source, min(10, max_messages - summary.consumed))
-        if not batch:
-            break
-        for index, message in enumerate(batch):
-            if index and short_of_time():
-                summary.stopped = "time_budget"
-                summary.left_hidden = len(batch) - index
-                break
+            return True
+        return False
+
+    read = 0
+    for dead in read_dead_letters(queue, source, max_messages, stop=short_of_time):
+        read += 1
+        if progress is not None:
+            progress(read)
+        if not selection.matches(dead, key_of):
+            summary.not_selected += 1
+            continue
+        if isinstance(dead, Unreadable):
+            summary.unreadable.append(dead.as_dict())
+        else:
             summary.consumed += 1
             if describe is not None:
-                summary.seen.append({"message_id": message.message_id, **describe(message)})
+                summary.seen.append({"message_id": dead.message_id, **describe(dead)})
             if not dry_run:
-                _move(queue, message, summary, reopen_failed, database_url)
-            if progress is not None:
-                progress(summary.consumed)
+                _move(queue, dead, summary, reopen_failed, database_url)
+        if selection.message_id is not None:
+            break  # message ids are unique: nothing else can match
     if summary.stopped:
         logger.warning(
-            "redrive stopped before the invocation's time ran out; invoke it again for the rest "
-            "(messages received but not moved return to the DLQ after its visibility timeout)",
-            extra={"action": "redrive_stopped", "left_hidden": summary.left_hidden},
+            "redrive stopped before the invocation's time ran out; invoke it again for the rest",
+            extra={"action": "redrive_stopped", "moved": summary.published},
+        )
+    if summary.unreadable:
+        logger.error(
+            "redrive could not read every dead letter; the unreadable ones stay in the DLQ",
+            extra={"action": "redrive_incomplete", "unreadable": len(summary.unreadable)},
         )
     logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
     return summary

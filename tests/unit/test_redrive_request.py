@@ -1,0 +1,50 @@
+"""RedriveFunction's event: what it may ask for, and the clear error for what it may not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.redrive import RedriveRequest, Selection
+
+EVENTS = Path(__file__).resolve().parents[2] / "events"
+
+
+def test_the_sample_events_parse_into_what_they_say() -> None:
+    looking = RedriveRequest.from_event(json.loads((EVENTS / "redrive-dry-run.json").read_text()))
+    assert (looking.dry_run, looking.selection.everything) == (True, True)
+    selected = RedriveRequest.from_event(json.loads((EVENTS / "redrive-selected.json").read_text()))
+    assert selected.selection == Selection(job="invoice.finalize")
+    assert selected.dry_run is False
+
+
+def test_an_event_selects_by_key_job_and_message_id_together() -> None:
+    request = RedriveRequest.from_event(
+        {"key": "invoice.finalize:inv_1", "job": "invoice.finalize", "message_id": "qmsg_1"}
+    )
+    assert request.selection.as_dict() == {
+        "key": "invoice.finalize:inv_1",
+        "job": "invoice.finalize",
+        "message_id": "qmsg_1",
+    }
+    assert request.selection.describe() == (
+        "--key invoice.finalize:inv_1 --job invoice.finalize --message-id qmsg_1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        ({"key": 7}, "key must be a non-empty string"),
+        ({"job": " "}, "job must be a non-empty string"),
+        ({"message_id": ["qmsg_1"]}, "message_id must be a non-empty string"),
+        ({"queue": "other"}, "unknown redrive event field(s): queue"),
+    ],
+)
+def test_a_bad_selection_is_refused_by_name(event: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        RedriveRequest.from_event(event)
+    assert str(raised.value) == message

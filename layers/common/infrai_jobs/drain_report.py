@@ -123,6 +123,13 @@ def summary_lines(summary: DrainSummary) -> list[str]:
         f"({summary.ack_lost} ack_lost, {summary.ack_failed} ack_failed); "
         f"stopped: {summary.stopped or '-'}"
     ]
+    if summary.answers_lost:
+        lines.append(
+            f"  {summary.answers_lost} consume answer(s) lost or unreadable, "
+            f"{summary.unreadable} of them a message received alone: it walks to the DLQ by "
+            "itself, the messages received with the others come back after the visibility "
+            "timeout"
+        )
     if summary.retried:
         lines.append(
             f"  {summary.retried} retried: the handler raised; the message comes back after the "

@@ -1,0 +1,180 @@
+"""Dead letters whose consume answer cannot be read: ``dlq`` and ``redrive`` (in a child
+process, against a real PostgreSQL and the emulator behind a proxy that spoils those answers)
+show each as unreadable, still read every other, and never report one as moved."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import urllib3
+from drainkit import DLQ, QUEUE, Harness, harness
+from test_operator_cli import run_cli
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        yield h
+
+
+@dataclass
+class CorruptingProxy:
+    """Infrai behind a proxy that spoils the answer of any consume serving a marked payload:
+    the consume is applied (the delivery spent), its answer cannot be read."""
+
+    target: str
+    marker: bytes = b"POISON-MARKER"
+    # True: the answer is cut off after the marker (its message id still readable); False: it
+    # is replaced by an HTML error page (nothing readable).
+    cut_off: bool = False
+    spoiled: list[int] = field(default_factory=list)
+    url: str = ""
+    pool: urllib3.PoolManager = field(default_factory=urllib3.PoolManager)
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _ProxyServer
+
+    def _forward(self) -> None:
+        proxy = self.server.proxy
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {
+            name: value
+            for name, value in self.headers.items()
+            if name.lower() in ("authorization", "content-type", "accept")
+        }
+        answer = proxy.pool.request(
+            self.command, proxy.target + self.path, body=body or None, headers=headers
+        )
+        status, data = answer.status, answer.data
+        if self.path == "/v1/queue/consume" and proxy.marker in data:
+            if proxy.cut_off:
+                data = data[: data.index(proxy.marker) + len(proxy.marker)]
+            else:
+                data = b"<html>502 Bad Gateway</html>" + b" " * 4000
+            proxy.spoiled.append(len(data))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _forward
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    proxy: CorruptingProxy
+
+
+@pytest.fixture
+def proxy(kit: Harness) -> Iterator[CorruptingProxy]:
+    server = _ProxyServer(("127.0.0.1", 0), _ProxyHandler)
+    server.proxy = CorruptingProxy(
+        target=kit.server.url, url=f"http://127.0.0.1:{server.server_address[1]}"
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.proxy
+    server.shutdown()
+    server.server_close()
+    server.proxy.pool.clear()
+
+
+def _poisoned_dlq(kit: Harness) -> dict[str, str]:
+    """Three dead letters, the middle one unreadable through the proxy."""
+    return {
+        "first": kit.client.publish(DLQ, {"job": "test.db", "id": "first"}),
+        "poison": kit.client.publish(DLQ, {"job": "test.db", "id": "POISON-MARKER"}),
+        "last": kit.client.publish(DLQ, {"job": "test.db", "id": "last"}),
+    }
+
+
+def test_dlq_shows_an_unreadable_dead_letter_as_such_and_still_reads_the_others(
+    kit: Harness, proxy: CorruptingProxy
+) -> None:
+    # Given three dead letters, the middle one's consume answer unreadable
+    ids = _poisoned_dlq(kit)
+    # When the operator lists the DLQ
+    listed = run_cli(kit, "dlq", "--json", INFRAI_BASE_URL=proxy.url)
+    # Then both readable ones are listed with their keys, and the poison as unreadable, with
+    # its size: never as "(none)", never hiding its neighbours
+    assert listed.returncode == 0, listed.stderr
+    document = json.loads(listed.stdout)
+    rows = document["messages"]
+    assert [r["message_id"] for r in rows if not r.get("unreadable")] == [ids["first"], ids["last"]]
+    (poison,) = [r for r in rows if r.get("unreadable")]
+    assert poison["state"] == "unreadable"
+    assert poison["size_bytes"] == proxy.spoiled[0]
+    assert f"unreadable dead letter ({proxy.spoiled[0]} bytes)" in poison["reason"]
+    assert document["unreadable"] == 1
+    # And the table shows it too
+    kit.advance()
+    table = run_cli(kit, "dlq", INFRAI_BASE_URL=proxy.url)
+    assert "(none)" not in table.stdout
+    assert "unreadable" in table.stdout
+    assert "could not be read" in table.stdout
+
+
+def test_redrive_moves_the_readable_dead_letters_and_never_reports_the_unreadable_as_moved(
+    kit: Harness, proxy: CorruptingProxy
+) -> None:
+    # Given three dead letters, the middle one's consume answer unreadable
+    ids = _poisoned_dlq(kit)
+    # When the operator redrives
+    finished = run_cli(kit, "redrive", "--json", INFRAI_BASE_URL=proxy.url)
+    # Then it fails (exit 1): the two readable ones moved, the unreadable one counted, not moved
+    assert finished.returncode == 1, finished.stderr
+    summary = json.loads(finished.stdout)
+    assert (summary["published"], summary["acked"]) == (2, 2)
+    assert summary["complete"] is False
+    (unreadable,) = summary["unreadable"]
+    assert unreadable["size_bytes"] == proxy.spoiled[0]
+    # And the poison is still in the DLQ; the others are back in the main queue
+    stats = kit.client.stats(QUEUE)
+    assert (stats.dlq_count, stats.available_count) == (1, 2)
+    assert ids["poison"] not in finished.stdout or unreadable["message_id"] == ids["poison"]
+    # And the human form says NOT MOVED for it
+    kit.advance()
+    again = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url)
+    assert again.returncode == 1
+    assert "moved 0 message(s)" in again.stdout
+    assert "unreadable 1" in again.stdout
+    assert "NOT MOVED" in again.stdout
+
+
+def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
+    kit: Harness, proxy: CorruptingProxy
+) -> None:
+    # Given three dead letters, the middle one's answer cut off after its message id
+    proxy.cut_off = True
+    ids = _poisoned_dlq(kit)
+    # When the operator lists the DLQ
+    listed = run_cli(kit, "dlq", "--json", INFRAI_BASE_URL=proxy.url)
+    # Then the unreadable one is named by its message id
+    assert listed.returncode == 0, listed.stderr
+    (poison,) = [r for r in json.loads(listed.stdout)["messages"] if r.get("unreadable")]
+    assert poison["message_id"] == ids["poison"]
+    # When, once visible again, the operator discards it by that id
+    kit.advance()
+    discarded = run_cli(
+        kit, "dlq", "discard", "--message-id", ids["poison"], INFRAI_BASE_URL=proxy.url
+    )
+    # Then it is gone, recorded (as unreadable, with its size) under its message id
+    assert discarded.returncode == 0, discarded.stderr
+    assert f"discarded {ids['poison']}" in discarded.stdout
+    assert kit.client.stats(QUEUE).dlq_count == 2
+    shown = json.loads(run_cli(kit, "claims", "show", ids["poison"], "--json").stdout)
+    ((entry,),) = [shown["history"]]
+    record = entry["before"]["dead_letter"]
+    assert (record["unreadable"], record["size_bytes"]) == (True, proxy.spoiled[-1])

@@ -6,8 +6,8 @@ redis.py``: ``RedisCachePersistenceLayer._update_record`` (the class behind the 
 ``expiration`` only. The ``validation`` field (``validation_key_attr``) that
 ``_put_in_progress_record`` wrote is lost, so with ``payload_validation_jmespath`` set and the
 local cache off (the default) the next identical call raises ``IdempotencyValidationError``. The
-TypeScript port had the same bug (powertools-lambda-typescript issue 5705, fixed by pull request
-5706); the DynamoDB layer keeps the field.
+TypeScript port had the same bug (aws-powertools/powertools-lambda-typescript#5705, fixed by
+#5706); the DynamoDB layer keeps the field.
 
 The first test fails once an upgraded Powertools keeps the field: then
 ``ValidatingCachePersistenceLayer`` in ``layers/common/infrai_jobs/second_layer.py`` can go.

@@ -106,6 +106,10 @@ class DrainConfig:
     max_batches: int | None = None
     # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
     effect_guard: EffectGuard | None = None
+    # Idle polling: after an empty consume, wait this long and consume again (0: stop), for
+    # as long as the idle window after the drain's start lasts (0: the whole time budget).
+    idle_poll_ms: int = 0
+    idle_window_seconds: float = 0.0
 
 
 @dataclass
@@ -223,9 +227,14 @@ def drain(
     time_left_ms: Callable[[], int],
     *,
     clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> DrainSummary:
-    """Drain ``config.queue`` until it is empty, the budget is spent, or the ledger fails."""
+    """Drain ``config.queue`` until it is empty, the budget is spent, or the ledger fails.
+
+    With idle polling, "empty" means empty for the whole idle window. ``sleep`` waits between
+    idle polls (a test passes its fake clock's ``advance``)."""
     summary = DrainSummary()
+    idle = _IdlePolling(config, summary, time_left_ms, clock, sleep)
     try:
         # Before anything is received: a receive spends a delivery, and a batch that cannot be
         # claimed would spend it for nothing.
@@ -250,6 +259,7 @@ def drain(
             summary=summary,
             acks=acks,
             mode=mode,
+            idle=idle,
         )
     finally:
         # Every ack sent is waited for before the invocation reports.
@@ -269,6 +279,7 @@ def _drain_batches(
     summary: DrainSummary,
     acks: _AckPipeline,
     mode: _ConsumeMode,
+    idle: _IdlePolling,
 ) -> None:
     """Process batches one after the other, receiving the next while this one runs.
 
@@ -305,6 +316,8 @@ def _drain_batches(
                 continue
             mode.served()
             if not messages:
+                if idle.waited():
+                    continue
                 summary.stopped = "empty"
                 return
             remaining = time_left_ms()
@@ -361,6 +374,46 @@ def _stop_reason(
     if remaining_ms < config.batch_budget_ms * time_for:
         return "time_budget"
     return ""
+
+
+class _IdlePolling:
+    """After an empty consume: wait ``idle_poll_ms`` and consume again, or stop.
+
+    Polling goes on while the idle window after the drain's start lasts and the time left
+    still covers a batch after the wait (a consume that receives one must finish it). The
+    window ends before the next scheduled drain starts, so on an idle queue about one poller
+    is alive at a time.
+    """
+
+    def __init__(
+        self,
+        config: DrainConfig,
+        summary: DrainSummary,
+        time_left_ms: Callable[[], int],
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ) -> None:
+        self._poll_ms = config.idle_poll_ms
+        self._batch_budget_ms = config.batch_budget_ms
+        self._summary = summary
+        self._time_left_ms = time_left_ms
+        self._clock = clock
+        self._sleep = sleep
+        window = config.idle_window_seconds
+        self._until = clock() + window if window > 0 else float("inf")
+
+    def waited(self) -> bool:
+        """Wait one poll interval if another poll is due; False when the drain should stop."""
+        if self._poll_ms <= 0:
+            return False
+        wait = self._poll_ms / 1000
+        if self._clock() + wait > self._until:
+            return False
+        if self._time_left_ms() - self._poll_ms < self._batch_budget_ms:
+            return False
+        self._sleep(wait)
+        self._summary.idle_polls += 1
+        return True
 
 
 class _ConsumeMode:

@@ -102,7 +102,9 @@ class DrainService:
         if close_fleet is not None:
             close_fleet()
 
-    def config(self, max_batches: int | None = None) -> DrainConfig:
+    def config(self, max_batches: int | None = None, *, idle_polling: bool = True) -> DrainConfig:
+        """``idle_polling`` off for a drain a fan-out started: it drains a backlog and stops,
+        and the scheduled drains do the polling."""
         return DrainConfig(
             queue=self.settings.queue,
             batch_budget_ms=self.settings.batch_budget_ms,
@@ -110,6 +112,8 @@ class DrainService:
             visibility_timeout_seconds=self.settings.visibility_timeout_seconds,
             max_batches=max_batches,
             effect_guard=self.effect_guard,
+            idle_poll_ms=self.settings.drain_idle_poll_ms if idle_polling else 0,
+            idle_window_seconds=self.settings.drain_idle_window_seconds,
         )
 
     def run(
@@ -128,7 +132,7 @@ class DrainService:
             # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
             self.effect_guard.register_lambda_context(_TimeLeft(time_left_ms))
         lanes = max(1, self.settings.drain_lanes)
-        config = self.config(max_batches)
+        config = self.config(max_batches, idle_polling=fan_out_slot is None)
         with _retries_within(self.queue, time_left_ms):
             if self.fleet is None:
                 summary = self._drain(self.queue, lanes, config, time_left_ms)

@@ -456,3 +456,31 @@ def test_cost_with_a_wrong_api_key_says_so_and_fails(kit: Harness) -> None:
     assert "INFRAI_API_KEY" in finished.stderr
     assert "could not be reached" not in finished.stdout + finished.stderr
     assert "$" not in finished.stdout
+
+
+def test_a_retried_infrai_call_is_a_warning_naming_the_call_and_queue(
+    kit: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging  # noqa: PLC0415
+
+    from infrai_jobs.errors import InfraiUnavailable  # noqa: PLC0415
+    from infrai_jobs.queue_client import InfraiClient, RetryPolicy  # noqa: PLC0415
+
+    # Given an Infrai failing every ack
+    kit.faults(error_rate=1.0, routes=["ack"])
+    client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.001))
+    try:
+        # When an ack is retried until it gives up
+        with (
+            caplog.at_level(logging.WARNING, logger="infrai_jobs"),
+            pytest.raises(InfraiUnavailable, match="INTERNAL"),
+        ):
+            client.ack(QUEUE, "qmsg_any")
+    finally:
+        client.close()
+        kit.faults()
+    # Then each retry was a WARNING (what the person on call filters on) with call and queue
+    retries = [r for r in caplog.records if getattr(r, "action", "") == "http_retry"]
+    assert len(retries) == 3
+    assert {r.levelno for r in retries} == {logging.WARNING}
+    assert {(r.call, r.queue) for r in retries} == {("ack", QUEUE)}  # type: ignore[attr-defined]

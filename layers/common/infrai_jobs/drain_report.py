@@ -19,8 +19,6 @@ from infrai_jobs.drain import DrainSummary
 # The package's logger (observability.PACKAGE_LOGGER, not imported: it loads Powertools).
 PACKAGE_LOGGER = __name__.partition(".")[0]
 
-# Below WARNING, only these actions are worth a line: a retried call is how an outage starts.
-_INFO_ACTIONS = frozenset({"http_retry"})
 # Printed first, in this order and under these names; any other field of a record follows.
 _LEADING_FIELDS = (
     ("idem_key", "key"),
@@ -45,13 +43,11 @@ class DrainReport(logging.Handler):
     """A logging handler that writes the report's lines to ``stream``."""
 
     def __init__(self, stream: TextIO) -> None:
-        super().__init__(logging.INFO)
+        # WARNING and up: what needs a look (drain.OUTCOME_RULES), retried calls included.
+        super().__init__(logging.WARNING)
         self._stream = stream
 
     def emit(self, record: logging.LogRecord) -> None:
-        action = getattr(record, "action", None)
-        if record.levelno < logging.WARNING and action not in _INFO_ACTIONS:
-            return
         self._stream.write(report_line(record) + "\n")
         self._stream.flush()
 
@@ -61,11 +57,11 @@ class DrainReport(logging.Handler):
 
     @contextmanager
     def attached(self) -> Iterator[None]:
-        """Receive the package's records (INFO and up) while the block runs."""
+        """Receive the package's records (WARNING and up) while the block runs."""
         package = logging.getLogger(PACKAGE_LOGGER)
         level = package.level
-        if package.getEffectiveLevel() > logging.INFO:
-            package.setLevel(logging.INFO)
+        if package.getEffectiveLevel() > logging.WARNING:
+            package.setLevel(logging.WARNING)
         package.addHandler(self)
         try:
             yield

@@ -339,11 +339,14 @@ class InfraiClient:
                 if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
                     # The public type, whatever answer class carried the last failure.
                     raise InfraiUnavailable(exc.code, exc.message, exc.status, call=call) from exc
-                logger.info(
+                # WARNING: a retried call is Infrai failing (5xx, 429, a connection), and a run
+                # of them is how an outage looks before anything else fails.
+                logger.warning(
                     "retrying an Infrai call",
                     extra={
                         "action": "http_retry",
                         "call": call,
+                        "queue": body.get("queue") if body else None,
                         "code": exc.code,
                         "attempt": attempt + 1,
                         "delay_seconds": round(delay, 3),

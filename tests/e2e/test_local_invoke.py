@@ -149,7 +149,7 @@ def test_the_context_counts_down_from_the_timeout_and_a_slow_handler_is_killed(
         )
     )
     (tmp_path / "fast.json").write_text("{}")
-    (tmp_path / "slow.json").write_text('{"sleep": 10}')
+    (tmp_path / "slow.json").write_text('{"sleep": 120}')
     spec = resolve("Quick", root=tmp_path)
     # When invoked quickly, Then the remaining time is within the timeout
     fast = invoke(spec, tmp_path / "fast.json", log_stream=_Lines())
@@ -160,7 +160,8 @@ def test_the_context_counts_down_from_the_timeout_and_a_slow_handler_is_killed(
     slow = invoke(spec, tmp_path / "slow.json", log_stream=_Lines())
     assert slow.timed_out
     assert slow.payload == {"errorMessage": "Task timed out after 2.00 seconds"}
-    assert slow.duration_ms < 8000
+    # Killed, not waited for: long before its 120 s sleep could have ended
+    assert slow.duration_ms < 60_000
 
 
 def test_the_cli_reports_a_handler_error_with_exit_code_1(tmp_path: Path) -> None:

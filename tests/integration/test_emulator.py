@@ -1058,8 +1058,10 @@ def stats_bytes(queue: str, extra_headers: bytes = b"") -> bytes:
 
 def test_an_answer_is_framed_as_before(raw: RawConnection, queue: str) -> None:
     # Given / When one ordinary request
+    before = datetime.now(UTC).replace(microsecond=0)
     raw.send(stats_bytes(queue))
     answer = raw.answer()
+    after = datetime.now(UTC)
 
     # Then the status line, the headers and their order are the stdlib's, the body is exact
     assert answer.status_line == b"HTTP/1.1 200 OK\r\n"
@@ -1067,8 +1069,9 @@ def test_an_answer_is_framed_as_before(raw: RawConnection, queue: str) -> None:
     assert answer.headers["server"] == "infrai-emulator/0.1"
     assert answer.headers["content-type"] == "application/json"
     assert int(answer.headers["content-length"]) == len(answer.body)
+    # The Date header has whole seconds: it falls between the request's second and the answer
     sent = email.utils.parsedate_to_datetime(answer.headers["date"])
-    assert abs((datetime.now(UTC) - sent).total_seconds()) < 5
+    assert before <= sent <= after
     assert answer.document == {"ok": True, "data": zero_stats(queue)}
 
 
@@ -1111,9 +1114,9 @@ def test_a_request_arriving_a_byte_at_a_time_is_served_once_whole(
 def test_injected_latency_holds_each_connection_in_order_and_no_other(
     server: RunningEmulator, api: Api, queue: str
 ) -> None:
-    # Given 0.3 s of latency on every call, and ten connections
-    api.set_faults(latency_ms=300)
-    connections = [RawConnection(server) for _ in range(10)]
+    # Given 0.5 s of latency on every call, and twenty connections
+    api.set_faults(latency_ms=500)
+    connections = [RawConnection(server) for _ in range(20)]
     try:
         # When each sends two pipelined requests at the same moment
         started = time.monotonic()
@@ -1126,11 +1129,12 @@ def test_injected_latency_holds_each_connection_in_order_and_no_other(
     finally:
         for connection in connections:
             connection.close()
-    # Then a connection's second request waited for its first (HTTP/1.1 order), while the ten
-    # connections waited together: ten in a row would take 3 s for the first answers alone
-    assert first == second == [200] * 10
-    assert 0.3 <= after_first < 1.5
-    assert after_second >= 0.6
+    # Then a connection's second request waited for its first (HTTP/1.1 order), while the
+    # twenty connections waited together: twenty in a row would take 10 s for the first answers
+    # alone, so half of that leaves a busy machine room without blurring the two
+    assert first == second == [200] * 20
+    assert 0.5 <= after_first < 5.0
+    assert after_second >= 1.0
 
 
 def test_a_request_whose_client_resets_during_the_latency_is_still_applied(
@@ -1157,18 +1161,19 @@ def test_a_request_whose_client_resets_during_the_latency_is_still_applied(
 def test_idle_time_runs_from_the_answer_not_from_the_request(
     server: RunningEmulator, api: Api, queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given idle connections closed after 2 s, and 1.6 s of latency
-    monkeypatch.setattr(emulator_module, "_IDLE_CONNECTION_SECONDS", 2.0)
-    api.set_faults(latency_ms=1600)
+    # Given idle connections closed after 4 s, and 3.5 s of latency
+    monkeypatch.setattr(emulator_module, "_IDLE_CONNECTION_SECONDS", 4.0)
+    api.set_faults(latency_ms=3500)
     connection = RawConnection(server)
     try:
-        # When a request is answered, and the next one follows 0.9 s later
+        # When a request is answered, and the next one follows 0.6 s later
         connection.send(stats_bytes(queue))
         first = connection.answer().status
         api.set_faults()
-        time.sleep(0.9)
+        time.sleep(0.6)
         connection.send(stats_bytes(queue))
-        # Then the connection was still open: 0.9 s idle, not 2.5 s since the request
+        # Then the connection was still open: 0.6 s idle (3.4 s short of the limit, room for a
+        # busy machine), not 4.1 s since the request
         assert (first, connection.answer().status) == (200, 200)
     finally:
         connection.close()

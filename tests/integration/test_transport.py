@@ -320,11 +320,10 @@ def test_a_server_dripping_bytes_cannot_hold_a_call_past_its_deadline() -> None:
     dripper = threading.Thread(target=serve_drip, daemon=True)
     dripper.start()
     pool = HttpPool(f"http://127.0.0.1:{port}", connect_timeout=1.0, read_timeout=0.3)
-    started = time.monotonic()
-    # Then the call fails once three read timeouts have passed, not when the drip ends (~30 s)
+    # Then the call fails on its answer's deadline (three read timeouts), not when the drip ends
+    # (~30 s): a drip that ended would have been a complete answer, not this error
     with pytest.raises(TransportError, match="did not complete in time"):
         pool.request("GET", "/", {})
-    assert time.monotonic() - started < 3.0
     stop.set()
     dripper.join()
     listener.close()
@@ -491,12 +490,11 @@ def test_a_malformed_head_on_a_connection_left_open_fails_at_once(
 ) -> None:
     # Given a server that sends a broken head and then keeps the connection open
     server = serve(lambda request, conn, index: (wire, False))
-    pool = pool_for(server, read_timeout=5.0)
-    started = time.monotonic()
-    # When a request is made, Then the head is refused as soon as it shows it is broken
+    pool = pool_for(server, read_timeout=30.0)
+    # When a request is made, Then the head is refused as soon as it shows it is broken: a pool
+    # waiting for more would end on its 30 s read timeout, with a timeout's message
     with pytest.raises(TransportError, match=message):
         pool.request("GET", "/", {})
-    assert time.monotonic() - started < 2.5  # not after the 5 s read timeout
     pool.close()
 
 
@@ -599,14 +597,15 @@ def test_exchanges_to_a_silent_server_read_one_after_another_expire_together(
     # Given a server that never answers, and a read timeout of 0.5 s
     server = serve(lambda request, conn, index: (b"", False))
     pool = pool_for(server, read_timeout=0.5)
-    # When five requests are sent together and their answers read one after another
-    exchanges = [pool.send("GET", f"/t{n}", {}) for n in range(5)]
+    # When twenty requests are sent together and their answers read one after another
+    exchanges = [pool.send("GET", f"/t{n}", {}) for n in range(20)]
     started = time.monotonic()
     for exchange in exchanges:
         with pytest.raises(TransportError, match=r"timed out|did not complete in time"):
             pool.receive(exchange)
-    # Then all of them timed out about 0.5 s after their send, not five timeouts in a row
-    assert time.monotonic() - started < 1.5
+    # Then all of them timed out about 0.5 s after their send, not twenty timeouts in a row
+    # (10 s): half of that leaves a busy machine room without blurring the two
+    assert time.monotonic() - started < 5.0
     pool.close()
 
 

@@ -11,7 +11,7 @@ from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.drain_service import DrainService
-from infrai_jobs.fan_out import fan_out_slot
+from infrai_jobs.fan_out import FAN_OUT_EVENT_KEY, fan_out_slot
 from infrai_jobs.observability import function_observability, record_drain, tracing
 from infrai_jobs.settings import Settings
 from jobs import build_registry
@@ -25,8 +25,12 @@ def service() -> DrainService:
     return DrainService.from_settings(Settings.from_env(), build_registry)
 
 
-# The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
-@logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)
+# The correlation id of every log line: a tick's event id (Scheduler's execution id), or for a
+# drain another one started, the slot its fan-out event carries.
+CORRELATION_ID_PATH = f"{correlation_paths.EVENT_BRIDGE} || {FAN_OUT_EVENT_KEY}.drain_id"
+
+
+@logger.inject_lambda_context(correlation_id_path=CORRELATION_ID_PATH, clear_state=True)
 @metrics.log_metrics(capture_cold_start_metric=True)
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:

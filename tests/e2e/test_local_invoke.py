@@ -216,6 +216,28 @@ class _Lines:
         return
 
 
+def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
+    services: dict[str, str], tmp_path: Path
+) -> None:
+    # Given a fan-out event, as one drain sends another it starts (no event id of its own)
+    InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key").ensure_queue(
+        "billing-jobs", dlq="billing-jobs-dlq"
+    )
+    slot = "6b1f2a3c-4d5e-4f60-8a7b-9c0d1e2f3a4b"
+    event = {"infrai_jobs_fan_out": {"queue": "billing-jobs", "drain_id": slot, "started_by": "x"}}
+    (tmp_path / "fan-out.json").write_text(json.dumps(event))
+    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    logs = _Lines()
+    # When DrainFunction is invoked with it
+    result = invoke(spec, tmp_path / "fan-out.json", log_stream=logs, extra_env=services)
+    # Then every log line carries the slot's id as its correlation id
+    assert result.ok, result.payload
+    records = [json.loads(line) for line in logs.lines if line.startswith("{")]
+    log_lines = [r for r in records if "level" in r and "message" in r]
+    assert log_lines
+    assert {r.get("correlation_id") for r in log_lines} == {slot}
+
+
 def assert_every_line_correlates(logs: _Lines, event_file: Path) -> None:
     """Every Powertools log line of the invocation has the event's id as its correlation id."""
     event_id = json.loads(event_file.read_text())["id"]

@@ -44,12 +44,18 @@ class _Child:
 
 
 class DrainProcesses:
-    """Child processes started for a fan-out, waited for together."""
+    """Child processes started for a fan-out, waited for together.
 
-    def __init__(self, *, log: IO[str] | None = None) -> None:
+    Each child's stdout is kept (a temporary file, or ``fan-out-NNNN.out`` in ``keep_in``, with
+    its stderr beside it as ``.err``); with ``log``, its output is copied there once it ended.
+    """
+
+    def __init__(self, *, log: IO[str] | None = None, keep_in: Path | None = None) -> None:
         self._children: list[_Child] = []
         self._lock = threading.Lock()
         self._log = log
+        self._keep_in = keep_in
+        self.started = 0
 
     def running(self) -> int:
         with self._lock:
@@ -63,7 +69,15 @@ class DrainProcesses:
         cwd: Path | None = None,
         label: str = "",
     ) -> None:
-        output = tempfile.TemporaryFile()  # noqa: SIM115 - closed once the child is read
+        with self._lock:
+            self.started += 1
+            number = self.started
+        errors: IO[bytes] | None = None
+        if self._keep_in is not None:
+            output: IO[bytes] = (self._keep_in / f"fan-out-{number:04d}.out").open("w+b")
+            errors = (self._keep_in / f"fan-out-{number:04d}.err").open("wb")
+        else:
+            output = tempfile.TemporaryFile()  # noqa: SIM115 - closed once the child is read
         try:
             process = subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
                 list(command),
@@ -71,11 +85,14 @@ class DrainProcesses:
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
-                stderr=None if self._log is None else subprocess.STDOUT,
+                stderr=errors or (None if self._log is None else subprocess.STDOUT),
             )
         except OSError as exc:
             output.close()
             raise FanOutError(f"could not start a drain process: {exc}") from exc
+        finally:
+            if errors is not None:
+                errors.close()
         with self._lock:
             self._children.append(_Child(process, output, label))
 
@@ -186,6 +203,7 @@ class LocalLambda:
         reserved_concurrency: int,
         cwd: Path | None = None,
         log: IO[str] | None = None,
+        keep_in: Path | None = None,
     ) -> None:
         self.function_name = function_name
         self.reserved_concurrency = reserved_concurrency
@@ -194,11 +212,12 @@ class LocalLambda:
         self._launch = launch
         self._env = dict(env)
         self._cwd = cwd
-        self._processes = DrainProcesses(log=log)
+        self._processes = DrainProcesses(log=log, keep_in=keep_in)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def url(self) -> str:
@@ -221,10 +240,15 @@ class LocalLambda:
         }
 
     def stop(self, timeout: float | None = None) -> list[str]:
-        """Wait for every invocation started (and those they start), then stop serving."""
+        """Wait for every invocation started (and those they start), then stop serving.
+
+        Once stopped, calling it again does nothing."""
+        if self._stopped:
+            return []
         try:
             return self._processes.wait(timeout)
         finally:
+            self._stopped = True
             self._server.shutdown()
             self._server.server_close()
 

@@ -12,7 +12,12 @@ Settings come from the function's own environment variables (``INFRAI_BASE_URL``
 * ``SOAK_INVOCATION_SECONDS``: the context's time budget per invocation;
 * ``SOAK_KILL_AT_ACK``: SIGKILL this process just before its N-th ack, that is after the ledger
   committed and before Infrai heard about it (0: never);
-* ``SOAK_IDLE_SECONDS``: the pause after an invocation that found the queue empty.
+* ``SOAK_IDLE_SECONDS``: the pause after an invocation that received nothing (the queue was
+  empty, or the drains alive were at the cap).
+
+``drain_worker.py --once EVENT_FILE`` is an invocation a backlog fan-out started (the soak's
+loopback Lambda runs it): one invocation with that event, then the process ends, as a cold
+environment Lambda starts for an async invoke.
 
 Each invocation ends with one JSON line on stdout, ``{"soak_event": "invocation", ...}``, which
 the soak adds up; an invocation that raised prints what Lambda's runtime would log.
@@ -81,6 +86,19 @@ def arm_kill_at_ack(service: Any, ack_number: int) -> None:
     service.queue.send_ack = send_ack
 
 
+def invoke_once(app: Any, event: Any, seconds: float) -> int:
+    emit("ready", kill_at_ack=0, fan_out=True)
+    try:
+        summary = app.lambda_handler(event, CountdownContext(seconds))
+    except Exception as exc:
+        print(f"[ERROR] {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        emit("invocation_error", error_type=type(exc).__name__, error=str(exc))
+        return 0
+    emit("invocation", summary=summary, fan_out=True)
+    return 0
+
+
 def main() -> int:
     deployed_registry = jobs.build_registry
 
@@ -94,6 +112,8 @@ def main() -> int:
     invocation_seconds = float(os.environ["SOAK_INVOCATION_SECONDS"])
     idle_seconds = float(os.environ.get("SOAK_IDLE_SECONDS", "0.2"))
     kill_at_ack = int(os.environ.get("SOAK_KILL_AT_ACK", "0"))
+    if sys.argv[1:2] == ["--once"]:
+        return invoke_once(app, json.loads(Path(sys.argv[2]).read_text()), invocation_seconds)
     event = json.loads(SCHEDULE_EVENT.read_text())
     if kill_at_ack:
         arm_kill_at_ack(app.service(), kill_at_ack)
@@ -112,7 +132,8 @@ def main() -> int:
             time.sleep(idle_seconds)
             continue
         emit("invocation", summary=summary)
-        if summary.get("stopped") == "empty" and summary.get("consumed", 0) == 0:
+        # An empty queue, or a fleet at its cap: the next tick comes a little later.
+        if summary.get("consumed", 0) == 0:
             time.sleep(idle_seconds)
     return 0
 

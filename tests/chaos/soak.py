@@ -1,9 +1,10 @@
 """The chaos soak: DESIGN.md's promise measured under faults, real processes and a real database.
 
 ``run_soak(SoakConfig(jobs=N))`` publishes N jobs (30% of them twice, plus a few poison
-messages) of three effect classes, lets three drain *processes* (``drain_worker.py``, the
-deployed handler) work the queue while it injects faults, and then checks every job, not a
-sample:
+messages) of three effect classes, 60% of the messages before any drain starts (a backlog, so
+the drains fan out) and the rest while they work, lets three drain *processes*
+(``drain_worker.py``, the deployed handler) and the drains they fan out to work the queue while
+it injects faults, and then checks every job, not a sample:
 
 * Infrai faults from the emulator: 5xx, 429 (``Retry-After: 0``) and dropped responses on
   consume and ack;
@@ -12,7 +13,10 @@ sample:
 * the drains' database connections terminated mid-batch (``pg_terminate_backend``) for about
   1% of the batches, and one crash-restart of PostgreSQL mid-run;
 * the emulator's clock advanced past the visibility timeout whenever only unacked messages
-  remain, so they are redelivered and, after three deliveries, dead-lettered.
+  remain, so they are redelivered and, after three deliveries, dead-lettered;
+* backlog fan-out on: the drains count themselves in the ledger and start more drains through
+  Lambda's Invoke API, answered on loopback (``infrai_local.fan_out.LocalLambda``), each a
+  one-invocation process (``drain_worker.py --once``), up to ``max_concurrency`` alive.
 
 When the queue is empty the soak does what DESIGN.md asks of an operator after a DLQ alert:
 it redrives the dead-letter queue (``infrai_jobs.redrive``, publish then ack) and lets the drains
@@ -59,6 +63,7 @@ from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redrive import MAX_REDRIVE_PER_CALL, redrive
 from infrai_local.embedded_db import EmbeddedPostgres
+from infrai_local.fan_out import LocalLambda
 from jobs import build_registry
 
 HERE = Path(__file__).resolve().parent
@@ -115,6 +120,12 @@ class SoakConfig:
     quiet_seconds: float = 1.5
     # Both phases together must converge within this.
     timeout_seconds: float = 180.0
+    # Backlog fan-out: drains alive at most (the warm ones included; a SIGKILLed drain's lease
+    # holds its slot for up to 30 s), and the backlog's time to clear that starts more.
+    max_concurrency: int = 10
+    fan_out_after_seconds: int = 1
+    # This share of the messages is published before the drains start; the rest meanwhile.
+    backlog_share: float = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,6 +611,13 @@ class Publisher:
     error: BaseException | None = None
     message_ids: dict[str, int] = field(default_factory=dict)
 
+    def publish_head(self, share: float) -> int:
+        """Publish this share of the plan now, before any drain runs: a backlog waiting."""
+        head = int(len(self.plan.publishes) * share)
+        self._publish(self.plan.publishes[:head])
+        self._next = head
+        return head
+
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name="soak-publisher", daemon=True)
         thread.start()
@@ -607,15 +625,16 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            for index in self.plan.publishes:
-                payload = (
-                    self.plan.jobs[index].payload if index >= 0 else self.plan.poison[-1 - index]
-                )
-                self.message_ids[self.client.publish(QUEUE, payload)] = index
+            self._publish(self.plan.publishes[getattr(self, "_next", 0) :])
         except BaseException as exc:
             self.error = exc
         finally:
             self.done.set()
+
+    def _publish(self, indexes: list[int]) -> None:
+        for index in indexes:
+            payload = self.plan.jobs[index].payload if index >= 0 else self.plan.poison[-1 - index]
+            self.message_ids[self.client.publish(QUEUE, payload)] = index
 
 
 def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
@@ -646,12 +665,12 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         report.workload.update(_workload(plan))
 
         rng = random.Random(config.seed + 1)
-        fleet = DrainFleet(
-            config.drains,
-            _drain_env(config, database, emulator_process.url, sink_process.url, api_key),
-            work_dir,
-            rng,
-        )
+        drain_env = _drain_env(config, database, emulator_process.url, sink_process.url, api_key)
+        fan_out = _fan_out_lambda(config, drain_env, work_dir)
+        # Stopped after the fleet (callbacks run last first): it waits for its drains to end.
+        stack.callback(fan_out.stop, timeout=config.invocation_seconds + 60)
+        drain_env.update(fan_out.client_env())
+        fleet = DrainFleet(config.drains, drain_env, work_dir, rng)
         fleet.self_kill_share = config.self_kill_share
         fleet.self_kill_ack = config.self_kill_ack
         stack.callback(fleet.stop)
@@ -666,6 +685,8 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
             routes=["consume", "ack"],
         )
         publisher = Publisher(client, plan)
+        # A backlog waits when the drains start (an outage just ended), so they fan out.
+        publisher.publish_head(config.backlog_share)
         publisher.start()
         chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published)
         convergence = Convergence(client, emulator, config)
@@ -708,7 +729,8 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
             client=client,
             provider_url=sink_process.url,
         )
-        invocations, self_kills = _read_drain_events(fleet, report)
+        fan_out.stop(timeout=config.invocation_seconds + 60)
+        invocations, self_kills = _read_drain_events(fleet, report, work_dir)
         report.faults.update(
             {
                 "Infrai 5xx on consume/ack": injected["error"],
@@ -721,6 +743,8 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
                 "emulator clock advances (+301 s)": convergence.advances,
                 "drain processes started": fleet.spawned,
                 "drain invocations": invocations,
+                "drains started by backlog fan-out": fan_out.invocations,
+                "fan-out invokes throttled (reserved concurrency)": fan_out.throttled,
             }
         )
         report.outcomes["messages redriven from the DLQ"] = redriven
@@ -774,6 +798,34 @@ def _drain_env(
         # Log lines must reach the file before a SIGKILL can lose them.
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def _fan_out_lambda(config: SoakConfig, env: dict[str, str], work_dir: Path) -> LocalLambda:
+    """Lambda's Invoke API on loopback: each fan-out event becomes a one-invocation drain."""
+    env.update(
+        {
+            "AWS_LAMBDA_FUNCTION_NAME": "DrainFunction",
+            "DRAIN_MAX_CONCURRENCY": str(config.max_concurrency),
+            "DRAIN_FANOUT_AFTER_SECONDS": str(config.fan_out_after_seconds),
+        }
+    )
+    events = work_dir / "fan-out-events"
+    events.mkdir(exist_ok=True)
+    count = [0]
+
+    def launch(payload: bytes) -> list[str]:
+        count[0] += 1
+        event = events / f"event-{count[0]:04d}.json"
+        event.write_bytes(payload)
+        return [sys.executable, str(WORKER), "--once", str(event)]
+
+    return LocalLambda(
+        "DrainFunction",
+        launch,
+        env=env,
+        reserved_concurrency=config.max_concurrency,
+        keep_in=work_dir,
+    ).start()
 
 
 def _wait_for_leases(database: SoakDatabase, deadline: float) -> None:
@@ -1002,12 +1054,14 @@ def _read_whole_queue(client: InfraiClient, queue: str) -> list[QueueMessage]:
     return messages
 
 
-def _read_drain_events(fleet: DrainFleet, report: SoakReport) -> tuple[int, int]:
+def _read_drain_events(fleet: DrainFleet, report: SoakReport, work_dir: Path) -> tuple[int, int]:
     """Adds up the drains' own log lines (one per message outcome, written unbuffered, so a
-    SIGKILL loses at most the line being written); returns (invocations, self-kills)."""
+    SIGKILL loses at most the line being written), the warm ones' and those a fan-out
+    started; returns (invocations, self-kills)."""
     invocations = self_kills = 0
-    for drain in fleet.all:
-        for line in drain.out_path.read_text(errors="replace").splitlines():
+    outputs = [drain.out_path for drain in fleet.all] + sorted(work_dir.glob("fan-out-*.out"))
+    for out_path in outputs:
+        for line in out_path.read_text(errors="replace").splitlines():
             if not line.startswith("{"):
                 continue
             try:

@@ -40,7 +40,8 @@ def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.mark.timeout(SOAK_TIMEOUT)
 def test_every_job_is_done_dead_lettered_with_a_reason_or_flagged(report: SoakReport) -> None:
     # Given N jobs of three effect classes, 30% published twice, a few poison messages,
-    # three drain processes, Infrai faults, kills, connection terminations and a restart,
+    # three drain processes fanning out on the backlog, Infrai faults, kills, connection
+    # terminations and a restart,
     # run until the queue was empty and the DLQ had been redriven once (the fixture)
     # Then no job is lost, doubled, or left in an unknown state without a flag
     assert report.violations == []
@@ -57,6 +58,7 @@ def test_every_job_is_done_dead_lettered_with_a_reason_or_flagged(report: SoakRe
     assert faults["drain connections terminated (pg_terminate_backend)"] > 0
     assert faults["PostgreSQL crash-restarts"] == 1
     assert faults["emulator clock advances (+301 s)"] >= 3
+    assert faults["drains started by backlog fan-out"] > 0
 
 
 @pytest.mark.slow

@@ -536,11 +536,15 @@ def test_drain_throttles_and_a_p99_duration_near_its_timeout_page() -> None:
     throttles = found["DrainThrottlesAlarm"]["Properties"]
     duration = found["DrainDurationNearTimeoutAlarm"]["Properties"]
     # When their metric and threshold are read
-    # Then any throttle pages
+    # Then sustained throttling pages
     assert (throttles["Namespace"], throttles["MetricName"]) == ("AWS/Lambda", "Throttles")
     assert throttles["Dimensions"] == drain
     assert (throttles["Statistic"], throttles["Threshold"]) == ("Sum", 1)
     assert throttles["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    # (for fifteen minutes in a row: drains at their reserved concurrency turn a tick away now
+    # and then, which is no reason to page)
+    assert (throttles["Period"], throttles["EvaluationPeriods"]) == (300, 3)
+    assert throttles["DatapointsToAlarm"] == 3
     # And a p99 above 80% of DrainFunction's own Timeout pages
     assert (duration["Namespace"], duration["MetricName"]) == ("AWS/Lambda", "Duration")
     assert duration["Dimensions"] == drain

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
-from test_operator_cli import run_cli
+from test_operator_cli import ROOT, run_cli
 
 
 @pytest.fixture
@@ -178,3 +178,26 @@ def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
     ((entry,),) = [shown["history"]]
     record = entry["before"]["dead_letter"]
     assert (record["unreadable"], record["size_bytes"]) == (True, proxy.spoiled[-1])
+
+
+def test_redrive_function_reports_an_unreadable_dead_letter_and_moves_the_rest(
+    kit: Harness, proxy: CorruptingProxy
+) -> None:
+    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+
+    # Given three dead letters, the middle one's consume answer unreadable
+    _poisoned_dlq(kit)
+    # When RedriveFunction is invoked with events/redrive.json through that Infrai
+    spec = resolve("RedriveFunction", root=ROOT, env_vars=ROOT / "events" / "env.json")
+    services = {
+        "INFRAI_BASE_URL": proxy.url,
+        "INFRAI_API_KEY": "test-key",
+        "DATABASE_URL": kit.database_url,
+    }
+    result = invoke(spec, ROOT / "events" / "redrive.json", extra_env=services)
+    # Then its answer moves the two, lists the unreadable one, and is not complete
+    assert result.ok, result.payload
+    assert (result.payload["published"], result.payload["complete"]) == (2, False)
+    (unreadable,) = result.payload["unreadable"]
+    assert unreadable["size_bytes"] == proxy.spoiled[0]
+    assert kit.client.stats(QUEUE).dlq_count == 1

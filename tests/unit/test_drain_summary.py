@@ -1,0 +1,89 @@
+"""The drain's summary, its metrics and its log levels come from one table and stay in step."""
+
+from __future__ import annotations
+
+import logging
+
+from infrai_jobs.drain import (
+    ACKED_OUTCOMES,
+    OUTCOME_RULES,
+    DrainSummary,
+    Outcome,
+    merge_summaries,
+)
+from infrai_jobs.drain_report import report_line, summary_lines
+from infrai_jobs.observability import DRAIN_METRICS, OUTCOME_METRICS
+
+ATTENTION = {
+    Outcome.RETRY,
+    Outcome.FAILED,
+    Outcome.STUCK,
+    Outcome.CONFLICT,
+    Outcome.REJECTED,
+    Outcome.CLAIM_LOST,
+    Outcome.LEDGER_UNAVAILABLE,
+}
+
+
+def _counts(summary: DrainSummary) -> dict[str, int]:
+    return {k: v for k, v in summary.as_dict().items() if isinstance(v, int)}
+
+
+def test_every_count_of_the_summary_is_a_metric_and_merges_across_lanes() -> None:
+    # Given a lane's summary with every count that has a metric at 1
+    one = DrainSummary(**dict.fromkeys(DRAIN_METRICS, 1))
+    # Then each count in its JSON is a metric, and every outcome has its own
+    assert set(_counts(one)) == set(DRAIN_METRICS)
+    assert set(OUTCOME_METRICS) == {o.value for o in Outcome}
+    # And two lanes merged add up, count for count
+    merged = merge_summaries([one, one])
+    assert _counts(merged) == dict.fromkeys(_counts(one), 2)
+
+
+def test_every_outcome_has_a_bucket_and_what_needs_a_look_is_warning_or_error() -> None:
+    assert set(OUTCOME_RULES) == set(Outcome)
+    for outcome, rule in OUTCOME_RULES.items():
+        assert rule.bucket in _counts(DrainSummary()), outcome
+        if outcome in ATTENTION:
+            assert rule.level >= logging.WARNING, outcome
+        if outcome in ACKED_OUTCOMES:
+            assert rule.level == logging.INFO, outcome
+    assert OUTCOME_RULES[Outcome.RETRY].bucket == "retried"
+    assert OUTCOME_RULES[Outcome.FAILED].bucket == "failed"
+
+
+def test_a_problem_line_names_outcome_key_message_delivery_and_reason() -> None:
+    record = logging.LogRecord(
+        "infrai_jobs.drain", logging.WARNING, "", 0, "message %s", ("retry",), None
+    )
+    record.__dict__.update(
+        action="retry",
+        idem_key="test.db:a",
+        message_id="qmsg_1",
+        delivery_count=2,
+        job="test.db",
+        acked=False,
+        detail="RuntimeError: down\n  for now",
+    )
+    assert report_line(record) == (
+        "retry              key=test.db:a message_id=qmsg_1 delivery=2 "
+        "reason=RuntimeError: down for now"
+    )
+
+
+def test_a_warning_about_no_one_message_keeps_its_sentence_and_fields() -> None:
+    record = logging.LogRecord(
+        "infrai_jobs.queue_client", logging.WARNING, "", 0, "retrying an Infrai call", (), None
+    )
+    record.__dict__.update(action="http_retry", call="ack", code="INTERNAL", attempt=1)
+    assert report_line(record) == (
+        "http_retry         call=ack code=INTERNAL attempt=1 (retrying an Infrai call)"
+    )
+
+
+def test_the_summary_in_words_tells_retries_from_failures() -> None:
+    summary = DrainSummary(consumed=4, done=1, retried=2, failed=1, batches=1, stopped="empty")
+    first, *notes = summary_lines(summary)
+    assert "1 done, 0 duplicate(s), 2 retried, 1 failed, 0 parked" in first
+    assert any("2 retried: the handler raised" in n for n in notes)
+    assert any("1 failed or parked" in n for n in notes)

@@ -17,9 +17,10 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.factory import make_queue_client
+from infrai_jobs.keys import derive_key
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.redrive import RedriveRequest, redrive
+from infrai_jobs.redrive import RedriveRequest, key_of_with_ledger, redrive
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
 
@@ -38,6 +39,9 @@ def dependencies() -> tuple[Settings, InfraiClient]:
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     request = RedriveRequest.from_event(event)
     settings, queue = dependencies()
+    key = request.selection.key
+    # No jobs package here: a job's own key rule is matched through the ledger's record.
+    key_of = key_of_with_ledger(settings.require_database_url(), key) if key else derive_key
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
@@ -49,6 +53,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
             database_url=settings.require_database_url() if request.reopen_failed else None,
             time_left_ms=context.get_remaining_time_in_millis,
             selection=request.selection,
+            key_of=key_of,
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)

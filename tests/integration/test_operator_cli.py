@@ -338,6 +338,40 @@ def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness) -> 
     assert moved.payload["job"] == "invoice.finalize"
 
 
+def test_redrive_function_finds_a_key_of_a_job_with_its_own_rule_through_the_ledger(
+    kit: Harness, tmp_path: Path
+) -> None:
+    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+
+    # Given two receipts dead-lettered (receipt.send keys by invoice_id, a rule of the jobs
+    # package that RedriveFunction does not have), one of them failed in the ledger
+    wanted = {"job": "receipt.send", "invoice_id": "inv_8", "email": "a@example.com"}
+    other = {"job": "receipt.send", "invoice_id": "inv_9", "email": "b@example.com"}
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, error, payload_sha256)"
+        " VALUES ('receipt.send:inv_8', 'failed', 'qmsg_old', 'external', 'bounced', %s)",
+        (kit.registry.derive(wanted).fingerprint,),
+    )
+    kit.client.publish(DLQ, other)
+    kit.client.publish(DLQ, wanted)
+    event = tmp_path / "redrive-key.json"
+    event.write_text(json.dumps({"key": "receipt.send:inv_8", "reopen_failed": True}))
+    # When RedriveFunction is asked for that key
+    spec = resolve("RedriveFunction", root=ROOT, env_vars=ROOT / "events" / "env.json")
+    services = {
+        "INFRAI_BASE_URL": kit.server.url,
+        "INFRAI_API_KEY": "test-key",
+        "DATABASE_URL": kit.database_url,
+    }
+    result = invoke(spec, event, extra_env=services)
+    # Then it moved that receipt only, and reopened its failed claim
+    assert result.ok, result.payload
+    assert (result.payload["published"], result.payload["not_selected"]) == (1, 1)
+    assert result.payload["reopened"] == ["receipt.send:inv_8"]
+    (moved,) = kit.client.consume(QUEUE)
+    assert moved.payload == wanted
+
+
 # --- claims -----------------------------------------------------------------------------------
 
 

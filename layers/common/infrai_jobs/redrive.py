@@ -62,6 +62,18 @@ RETURNING idem_key
 Progress = Callable[[int], None]
 KeyOf = Callable[[Any], str]
 
+# The work fingerprints the ledger recorded under one key: its claim's, and those in its history
+# (a release's or reopen's claim as it was before, a discard's claim beside its dead letter).
+_RECORDED_FINGERPRINTS: LiteralString = """
+SELECT payload_sha256 FROM job_claims
+WHERE idem_key = %(key)s AND payload_sha256 IS NOT NULL
+UNION
+SELECT coalesce(before->>'payload_sha256', before->'claim'->>'payload_sha256')
+FROM claim_history
+WHERE idem_key = %(key)s
+  AND coalesce(before->>'payload_sha256', before->'claim'->>'payload_sha256') IS NOT NULL
+"""
+
 MAX_REDRIVE_PER_CALL = 10_000
 # A message is moved only while this much of the invocation is left. A move is a publish and an
 # ack, normally well under a second; this covers a few retries. Like the drain's batch budget.
@@ -285,6 +297,34 @@ class RedriveSummary:
             "price_source": self.price_source,
             "cost_usd": str(self.cost_usd),
         }
+
+
+def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
+    """Keys as the layer derives them by default, and ``key`` for any payload whose work the
+    ledger recorded under it.
+
+    RedriveFunction has no jobs package, so it cannot know a job's own identity rule
+    (``receipt.send:{invoice_id}``): a dead letter of such a job is matched to ``key`` through
+    the fingerprint of the work the ledger claimed under that key, when it holds one.
+    """
+    try:
+        with connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn:
+            rows = conn.execute(_RECORDED_FINGERPRINTS, {"key": key}).fetchall()
+    except psycopg.OperationalError as exc:
+        raise LedgerUnavailable(f"cannot look up key {key!r}: {exc}") from exc
+    except psycopg.Error as exc:
+        raise LedgerError(f"cannot look up key {key!r}: {exc}") from exc
+    recorded = {row[0] for row in rows}
+
+    def key_of(payload: Any) -> str:
+        try:
+            if payload_fingerprint(payload) in recorded:
+                return key
+        except KeyDerivationError:
+            pass
+        return derive_key(payload)
+
+    return key_of
 
 
 def publish_price(queue: QueuePort) -> tuple[Decimal, str]:

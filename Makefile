@@ -41,8 +41,8 @@ demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
 
 # The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory,
-# cold start and the second layer's cost, about 12 minutes; results in bench/results/ and
-# docs/performance.md.
+# cold start, the second layer's cost, idle-poll latency and backlog fan-out, about 20 minutes;
+# results in bench/results/ and docs/performance.md.
 # BENCH_ARGS="--jobs 500 --rounds 1 --lanes 1,2" is a smoke run of a minute or two.
 .PHONY: bench
 BENCH_ARGS ?=

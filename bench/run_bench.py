@@ -12,7 +12,11 @@ process, ``--latency-ms`` injected on every /v1 call while a drain is measured) 
    them repeat publishes of another message's job), each in its own process (``worker.py``);
 2. (b) in N concurrent lanes for each N of ``--lanes``, draining N x ``--jobs`` messages;
 3. (b) draining ``--rss-jobs`` messages, for peak memory;
-4. the second layer's cost (``second_layer_bench.py``): ``--second-layer-jobs`` ``receipt.send``
+4. latency and scale (``scale_bench.py``): publish -> effect latency of a trickle of
+   ``--trickle-jobs`` (one every 250 ms) with ``DRAIN_IDLE_POLL_MS`` ``--idle-poll-ms`` against
+   scheduled draining (computed from the tick), and the time to clear ``--backlog-jobs`` with
+   ``DRAIN_MAX_CONCURRENCY`` each of ``--concurrency``; ``0`` skips either;
+5. the second layer's cost (``second_layer_bench.py``): ``--second-layer-jobs`` ``receipt.send``
    (external) messages drained with ``IDEMPOTENCY_BACKEND`` off, on (first run) and on again
    with a fresh ledger (replay), DynamoDB being moto's server on 127.0.0.1 with the same
    injected latency; plus the cold start of turning it on. ``--second-layer-jobs 0`` skips it.
@@ -212,6 +216,8 @@ def machine_info(server_url: str) -> dict[str, Any]:
     with psycopg.connect(server_url, autocommit=True) as conn:
         row = conn.execute("SHOW server_version").fetchone()
     return {
+        # The load average (1, 5, 15 minutes) when the run began: this machine is shared.
+        "load_average_at_start": [round(v, 2) for v in os.getloadavg()],
         "nproc": len(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
@@ -280,6 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="(off, on, replay) rounds of the second layer's cost (%(default)s)",
     )
+    parser.add_argument(
+        "--trickle-jobs",
+        type=int,
+        default=40,
+        help="jobs of the idle-polling latency run, one every 250 ms (%(default)s); 0 skips it",
+    )
+    parser.add_argument(
+        "--idle-poll-ms", type=int, default=200, help="DRAIN_IDLE_POLL_MS there (%(default)s)"
+    )
+    parser.add_argument(
+        "--backlog-jobs",
+        type=int,
+        default=20_000,
+        help="messages of each backlog fan-out run (%(default)s); 0 skips them",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_lanes,
+        default=[1, 2, 4],
+        help="DRAIN_MAX_CONCURRENCY of the backlog runs (%(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=9, help="publish order (%(default)s)")
     parser.add_argument(
         "--no-db-trace", action="store_true", help="do not count database round trips"
@@ -292,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - one run, in order
     args = build_parser().parse_args(argv)
     if args.rounds < 1 or args.jobs < 1:
         raise SystemExit("--rounds and --jobs must be at least 1")
@@ -315,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory_run: dict[str, Any] | None = None
     profile_run: dict[str, Any] | None = None
     second_layer: dict[str, Any] | None = None
+    scale: dict[str, Any] | None = None
     args.out.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="infrai-bench-") as scratch,
@@ -343,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"lanes: {lanes} ({args.jobs * lanes} messages)", file=sys.stderr)
                 lane_work = Workload(args.jobs * lanes, args.duplicates, args.seed)
                 lane_runs.append(measure(bench, f"lanes{lanes}", "drain", lane_work, lanes))
+            if args.trickle_jobs > 0 or args.backlog_jobs > 0:
+                scale = _scale(args, bench)
             if args.rss_jobs > 0:
                 print(f"memory: (b) draining {args.rss_jobs} messages", file=sys.stderr)
                 big = Workload(args.rss_jobs, args.duplicates, args.seed)
@@ -368,12 +398,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_run=profile_run,
         cold=cold,
         second_layer=second_layer,
+        scale=scale,
     )
     paths = report.write_all(document, args.out, args.docs)
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)
     print(report.summary_text(document))
     return 0
+
+
+def _scale(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
+    """Idle polling's latency and the backlog's fan-out, on this run's PostgreSQL and emulator."""
+    import scale_bench  # noqa: PLC0415
+
+    scratch = bench.scratch / "scale"
+    scratch.mkdir()
+    result: dict[str, Any] = scale_bench.measure(
+        bench.server_url,
+        bench.emulator,
+        scratch,
+        trickle_jobs=args.trickle_jobs,
+        idle_poll_ms=args.idle_poll_ms,
+        backlog_jobs=args.backlog_jobs,
+        concurrency=args.concurrency,
+        latency_ms=args.latency_ms,
+        seed=args.seed,
+    )
+    return result
 
 
 def _second_layer(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
@@ -411,6 +462,7 @@ def assemble(
     profile_run: dict[str, Any] | None,
     cold: dict[str, Any] | None,
     second_layer: dict[str, Any] | None = None,
+    scale: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     medians = {name: median_of(runs) for name, runs in variants.items()}
     a_rate = medians["notes_loop"]["messages_per_s"]
@@ -505,7 +557,9 @@ def assemble(
         ),
         "cold_start": cold,
         "second_layer": second_layer,
+        "scale": scale,
     }
+    document["machine"]["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
     document["targets"] = report.evaluate_targets(document)
     return document
 

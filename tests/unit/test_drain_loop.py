@@ -26,7 +26,7 @@ from infrai_jobs.errors import (
 from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import ClaimRow, utc_from_epoch
 from infrai_jobs.queue_models import Pending, QueueMessage
-from infrai_jobs.testing import FakeClock, InMemoryLedger, InMemoryQueue
+from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

@@ -22,7 +22,7 @@ from infrai_jobs.ledger import (
     utc_from_epoch,
 )
 from infrai_jobs.ports import Clock, LedgerPort, QueuePort
-from infrai_jobs.testing import FakeClock, InMemoryLedger, InMemoryQueue
+from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

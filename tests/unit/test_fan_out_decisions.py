@@ -23,7 +23,7 @@ from infrai_jobs.fan_out import (
 )
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.settings import Settings
-from infrai_jobs.testing import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
+from infrai_local.fakes import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -232,7 +232,7 @@ def _registry(effects: list[str]) -> JobRegistry:
 
 
 def _service(fleet: InMemoryDrainFleet, queue: InMemoryQueue, effects: list[str]) -> Any:
-    from infrai_jobs.testing import InMemoryLedger  # noqa: PLC0415
+    from infrai_local.fakes import InMemoryLedger  # noqa: PLC0415
 
     return DrainService(
         settings=Settings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2),

@@ -19,7 +19,7 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.settings import Settings
-from infrai_jobs.testing import FakeClock, InMemoryLedger, InMemoryQueue
+from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

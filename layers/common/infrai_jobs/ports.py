@@ -1,7 +1,7 @@
 """The small ports the core depends on. Adapters are passed in; only handlers build real ones.
 
 Each Protocol is what the drain, alerting and operations code may ask of the outside world, and
-nothing more, so an in-memory fake (``infrai_jobs.testing``) can stand in for it in unit tests.
+nothing more, so an in-memory fake (``infrai_local.fakes``) can stand in for it in unit tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""In-memory fakes of the package's ports, for unit tests (ours and users').
+"""In-memory fakes of the layer's ports, for unit tests. Never deployed: the layer ships only what
+the functions import.
 
 ``InMemoryQueue`` stands in for Infrai's queue (``QueuePort``) and ``InMemoryLedger`` for the
 Postgres claim ledger (``LedgerPort``); both run on a ``FakeClock`` that tests move by hand, so

@@ -45,6 +45,7 @@ from typing import Any
 
 import psycopg
 
+from infrai_jobs.queue_contract import CONSUME_CAP
 from infrai_local.embedded_db import configured_database_url, postgres_server_url
 
 import cold_start
@@ -61,7 +62,6 @@ from instruments import sample_busy_percent
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-BATCH_SIZE = 10
 # The job's own statements, told apart from the ledger's in the protocol trace.
 JOB_STATEMENT = r"^\s*UPDATE\s+invoices\b"
 # The example jobs' downstream; invoice.finalize never calls it.
@@ -467,7 +467,7 @@ def assemble(
     medians = {name: median_of(runs) for name, runs in variants.items()}
     a_rate = medians["notes_loop"]["messages_per_s"]
     b_rate = medians["drain"]["messages_per_s"]
-    ceiling = BATCH_SIZE / (args.latency_ms / 1000) if args.latency_ms > 0 else None
+    ceiling = CONSUME_CAP / (args.latency_ms / 1000) if args.latency_ms > 0 else None
     paired = [
         round(b["messages_per_s"] / a["messages_per_s"], 2)
         for a, b in zip(variants["notes_loop"], variants["drain"], strict=True)
@@ -501,7 +501,7 @@ def assemble(
         # ceiling that implies: the bound (b) meets on this machine.
         "measured_consume_p50_ms": consume_ms,
         "measured_ceiling_msgs_per_s": (
-            round(BATCH_SIZE * 1000 / consume_ms, 1) if consume_ms else None
+            round(CONSUME_CAP * 1000 / consume_ms, 1) if consume_ms else None
         ),
     }
     document: dict[str, Any] = {
@@ -517,7 +517,7 @@ def assemble(
             "job": "invoice.finalize",
             "job_effect": "database",
             "latency_ms": args.latency_ms,
-            "batch_size": BATCH_SIZE,
+            "batch_size": CONSUME_CAP,
             "rounds": args.rounds,
             "lanes": args.lanes,
             "rss_jobs": args.rss_jobs,

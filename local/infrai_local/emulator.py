@@ -81,12 +81,18 @@ from types import FrameType
 from typing import Any, Final, Literal, TextIO
 from urllib.parse import unquote, urlsplit
 
+from infrai_jobs.queue_contract import (
+    CONSUME_CAP,
+    DEFAULT_PUBLISH_PRICE_USD,
+    DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+    MAX_DELAY_SECONDS,
+    MAX_RECEIVE_COUNT,
+    MESSAGE_ID_PREFIX,
+)
+
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8765
-DEFAULT_VISIBILITY_TIMEOUT: Final = 300.0
-DEFAULT_PUBLISH_PRICE_USD: Final = "0.00002"
-MAX_RECEIVE_COUNT: Final = 3
-CONSUME_CAP: Final = 10
+DEFAULT_VISIBILITY_TIMEOUT: Final = float(DEFAULT_VISIBILITY_TIMEOUT_SECONDS)
 MAX_BODY_BYTES: Final = 11 * 1024 * 1024
 # What publish accepts, consume can serve: a body nested deeper than this, or longer than this
 # as a consume answer spells it, is refused at publish (VALIDATION_ERROR) instead of breaking
@@ -94,9 +100,7 @@ MAX_BODY_BYTES: Final = 11 * 1024 * 1024
 # JSON parser's nesting and a 16 MiB answer).
 MAX_BODY_DEPTH: Final = 800
 MAX_SERVED_BODY_BYTES: Final = 12 * 1024 * 1024
-MAX_DELAY_SECONDS: Final = 86_400
 MAX_LATENCY_MS: Final = 60_000.0
-MESSAGE_ID_PREFIX: Final = "qmsg_"
 MESSAGE_ID_LENGTH: Final = 24
 QUEUE_TYPES: Final = frozenset({"standard"})
 # The /v1 route names, as used in fault "routes" lists and the request counters.

@@ -58,8 +58,15 @@ from infrai_jobs.ledger import (
     utc_from_epoch,
 )
 from infrai_jobs.ports import Clock
+from infrai_jobs.queue_contract import (
+    CONSUME_CAP,
+    DEFAULT_PUBLISH_PRICE_USD,
+    DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+    MAX_DELAY_SECONDS,
+    MAX_RECEIVE_COUNT,
+    MESSAGE_ID_PREFIX,
+)
 from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
-from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:
     from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, LedgerPort, QueuePort
@@ -73,10 +80,7 @@ __all__ = [
     "RecordingDrainStarter",
 ]
 
-MAX_RECEIVE_COUNT: Final = 3
-CONSUME_CAP: Final = 10
-MAX_DELAY_SECONDS: Final = 86_400
-PUBLISH_PRICE_USD: Final = Decimal("0.00002")
+PUBLISH_PRICE_USD: Final = Decimal(DEFAULT_PUBLISH_PRICE_USD)
 # 2026-07-26T00:00:00Z, the day of the field notes: a fixed start keeps test output stable.
 FAKE_EPOCH: Final = 1_785_024_000.0
 
@@ -165,7 +169,7 @@ class InMemoryQueue:
         self,
         clock: Clock | None = None,
         *,
-        visibility_timeout: float = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+        visibility_timeout: float = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         publish_price_usd: Decimal = PUBLISH_PRICE_USD,
     ) -> None:
         if not math.isfinite(visibility_timeout) or visibility_timeout <= 0:
@@ -376,7 +380,7 @@ def _message_id(number: int) -> str:
     while number:
         number, rest = divmod(number, 62)
         digits = _BASE62[rest] + digits
-    return "qmsg_" + digits.rjust(24, "0")
+    return MESSAGE_ID_PREFIX + digits.rjust(24, "0")
 
 
 def _delivery(queue: str, message: _Message) -> QueueMessage:
@@ -441,7 +445,7 @@ class InMemoryLedger:
         self,
         clock: Clock | None = None,
         *,
-        visibility_timeout: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+        visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
     ) -> None:
         self.clock: Clock = clock if clock is not None else FakeClock()
         self.visibility_timeout = visibility_timeout

@@ -26,8 +26,8 @@ from samtranslator.translator.translator import Translator  # type: ignore[impor
 from infrai_jobs.alerting import AlertReport, StuckClaims
 from infrai_jobs.drain import DrainSummary
 from infrai_jobs.observability import record_alert_check, record_drain
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.queue_models import QueueStats
-from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "template.yaml"
@@ -118,8 +118,8 @@ def test_every_function_times_out_before_the_queue_redelivers() -> None:
     }
     # Then each ends before the queue's visibility timeout hands its messages to another drain
     assert "DrainFunction" in timeouts
-    too_long = {n: t for n, t in timeouts.items() if t >= QUEUE_VISIBILITY_TIMEOUT_SECONDS}
-    assert too_long == {}, f"timeouts must stay below {QUEUE_VISIBILITY_TIMEOUT_SECONDS} s"
+    too_long = {n: t for n, t in timeouts.items() if t >= DEFAULT_VISIBILITY_TIMEOUT_SECONDS}
+    assert too_long == {}, f"timeouts must stay below {DEFAULT_VISIBILITY_TIMEOUT_SECONDS} s"
 
 
 def test_every_handler_names_a_function_defined_in_its_code_uri() -> None:

@@ -48,18 +48,17 @@ from infrai_jobs.ledger import (
     utc_from_epoch,
 )
 from infrai_jobs.ports import EffectGuard, LedgerPort, QueuePort
+from infrai_jobs.queue_contract import CONSUME_CAP, DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.queue_models import Pending, QueueMessage
-from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
 
-BATCH_SIZE = 10
 # Batches whose acks may still be travelling when the next batch's are sent.
 ACKS_IN_FLIGHT_BATCHES = 2
 # Connections one lane may hold open to Infrai at once: one per ack still travelling and the
 # consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
 # (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
-HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * BATCH_SIZE + 1
+HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * CONSUME_CAP + 1
 # A lease and a handler's deadline end this long before the queue may deliver the message again.
 VISIBILITY_MARGIN_SECONDS = 2.0
 # Lost consume answers in a row after which a lane gives up (raising the last one), so a queue
@@ -95,14 +94,14 @@ ACKED_OUTCOMES = frozenset({Outcome.DONE, Outcome.DUPLICATE, Outcome.IN_FLIGHT})
 @dataclass(frozen=True, slots=True)
 class DrainConfig:
     queue: str
-    batch_size: int = BATCH_SIZE
+    batch_size: int = CONSUME_CAP
     # The time one batch may need at most; a batch is consumed only when this much is left.
     batch_budget_ms: int = 20_000
     # An external claim's lease outlives the invocation's deadline by this much, but never
     # its message's visibility window.
     lease_grace_seconds: int = 60
     # The queue's visibility timeout: a consumed message is hidden this long.
-    visibility_timeout_seconds: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS
+    visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
     max_batches: int | None = None
     # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
     effect_guard: EffectGuard | None = None

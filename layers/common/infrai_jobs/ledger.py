@@ -37,8 +37,8 @@ from psycopg.rows import dict_row
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.jobs import Effect, JsonValue
 from infrai_jobs.migrations import LATEST_VERSION, current_version
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.rotation import fetch_again
-from infrai_jobs.settings import QUEUE_VISIBILITY_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ class PostgresLedger:
         database_url: str,
         *,
         connect_timeout: int = 5,
-        visibility_timeout: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+        visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         refresh_url: Callable[[], str] | None = None,
     ) -> None:
         self._url = database_url

@@ -39,6 +39,7 @@ from infrai_jobs.errors import (
     InfraiUnavailable,
     QueueMessageNotFound,
 )
+from infrai_jobs.queue_contract import CONSUME_CAP
 from infrai_jobs.queue_models import (
     Pending,
     PublishPrice,
@@ -51,7 +52,6 @@ from infrai_jobs.transport import MAX_BODY, AnswerTooLarge, HttpPool, TransportE
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGES_PER_CONSUME = 10
 USER_AGENT = "infrai-jobs/0.1"
 # Request bodies need no spaces and no NaN. Built once: json.dumps with any option builds a new
 # encoder per call (about 1.5 µs, for every ack).
@@ -195,9 +195,7 @@ class InfraiClient:
             )
         return message_id
 
-    def consume(
-        self, queue: str, max_messages: int = MAX_MESSAGES_PER_CONSUME
-    ) -> list[QueueMessage]:
+    def consume(self, queue: str, max_messages: int = CONSUME_CAP) -> list[QueueMessage]:
         """Receive up to ``max_messages`` (capped at 10). Each receive uses one of three deliveries.
 
         An item too malformed to process (no id, bad delivery count) is logged and left alone:
@@ -207,13 +205,13 @@ class InfraiClient:
         return self.send_consume(queue, max_messages).wait()
 
     def send_consume(
-        self, queue: str, max_messages: int = MAX_MESSAGES_PER_CONSUME
+        self, queue: str, max_messages: int = CONSUME_CAP
     ) -> Pending[list[QueueMessage]]:
         """``consume``, sent now and answered by ``wait()``: the drain receives its next batch
         while it works on this one."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
-        served = min(max_messages, MAX_MESSAGES_PER_CONSUME)
+        served = min(max_messages, CONSUME_CAP)
         request = {"queue": queue, "max_messages": served}
         path = "/v1/queue/consume"
         spends = (queue, served)
@@ -503,7 +501,7 @@ def _lost(
 def _ids_in(raw: bytes) -> tuple[str, ...]:
     """The message ids an unreadable answer still shows, at most one batch of them."""
     found = (m.group(1).decode("ascii") for m in _MESSAGE_ID.finditer(raw))
-    return tuple(dict.fromkeys(found))[:MAX_MESSAGES_PER_CONSUME]
+    return tuple(dict.fromkeys(found))[:CONSUME_CAP]
 
 
 def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:

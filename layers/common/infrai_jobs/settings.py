@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 DEFAULT_BASE_URL = "https://api.infrai.cc"
 DEFAULT_QUEUE = "billing-jobs"
-# Infrai's visibility timeout on a new queue; a drain invocation must finish inside it.
-QUEUE_VISIBILITY_TIMEOUT_SECONDS = 300
 MAX_DRAIN_LANES = 16
 DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 # Lambda's own ceiling on one function's concurrency in a default account.
@@ -51,7 +50,7 @@ class Settings:
     # never past its message's visibility window, whatever this says.
     lease_grace_seconds: int = 60
     # The drained queue's visibility timeout: how long a consumed message stays hidden.
-    visibility_timeout_seconds: int = QUEUE_VISIBILITY_TIMEOUT_SECONDS
+    visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
     # The largest Infrai answer read (a consume of ten messages is one answer); a consume
     # whose answer is larger is lost, and its messages are then received one at a time.
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
@@ -102,7 +101,7 @@ class Settings:
             visibility_timeout_seconds=_int(
                 env,
                 "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
-                QUEUE_VISIBILITY_TIMEOUT_SECONDS,
+                DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
                 minimum=1,
             ),
             max_answer_bytes=_int(

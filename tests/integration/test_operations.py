@@ -19,9 +19,9 @@ import pytest
 from drainkit import DLQ, QUEUE, Harness, harness
 
 from infrai_jobs import cli_ops
-from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin
+from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.cli import main as cli
-from infrai_jobs.errors import LedgerUnavailable, PermanentJobError
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.redrive import redrive
 

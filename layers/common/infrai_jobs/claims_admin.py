@@ -20,16 +20,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from infrai_jobs.errors import InfraiJobsError, LedgerError, LedgerUnavailable
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerError, LedgerUnavailable
 from infrai_jobs.ledger import ClaimRow, connect_to_ledger
-
-
-class ClaimNotFound(InfraiJobsError):
-    """No claim has this key."""
-
-
-class ClaimChanged(InfraiJobsError):
-    """The claim is no longer in the state (or held by the token) the operator saw."""
 
 
 @dataclass(frozen=True, slots=True)

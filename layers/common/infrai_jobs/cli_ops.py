@@ -21,14 +21,19 @@ from infrai_jobs.claims_admin import (
     COMMANDS,
     RELEASABLE,
     RESOLVABLE,
-    ClaimChanged,
-    ClaimNotFound,
     ClaimsAdmin,
     change_refused,
     claim_as_dict,
     storable_json,
 )
-from infrai_jobs.errors import ConfigurationError, KeyDerivationError, QueueMessageNotFound
+from infrai_jobs.errors import (
+    ClaimChanged,
+    ClaimNotFound,
+    ConfigurationError,
+    DeadLetterNotFound,
+    KeyDerivationError,
+    QueueMessageNotFound,
+)
 from infrai_jobs.keys import derive_key, payload_fingerprint
 from infrai_jobs.ledger import ClaimRow
 from infrai_jobs.ports import QueuePort
@@ -232,10 +237,7 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
         if command == "cost":
             return _cost(args, ctx.queue(), ctx.out)
         return _claims(args, ctx.admin(), ctx.out, ctx.forget)
-    except ClaimNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFLICT
-    except ClaimChanged as exc:
+    except (ClaimNotFound, ClaimChanged, DeadLetterNotFound) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFLICT
 
@@ -377,15 +379,11 @@ def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
             )
 
     if not discarded:
-        print(
-            f"error: no dead letter matched {what} among the {looked_at} read from {source} "
+        raise DeadLetterNotFound(
+            f"no dead letter matched {what} among the {looked_at} read from {source} "
             "(one read in the last few minutes by `dlq` or `redrive --dry-run` stays hidden "
-            "until the DLQ's visibility timeout ends; try again then)",
-            file=sys.stderr,
+            "until the DLQ's visibility timeout ends; try again then)"
         )
-        if args.json:
-            print(json.dumps(document), file=out)
-        return EXIT_CONFLICT
     _emit(document, args.json, human, out)
     return EXIT_OK
 

@@ -133,3 +133,18 @@ class FanOutThrottled(FanOutError):
 
     Expected under load: logged and counted (``fan_out_throttled``), never an error that pages.
     """
+
+
+# --- Operator commands ------------------------------------------------------------------------
+
+
+class ClaimNotFound(InfraiJobsError):
+    """No claim has this key (and, for ``claims show``, no operator history either)."""
+
+
+class ClaimChanged(InfraiJobsError):
+    """The claim is no longer in the state (or held by the token) the operator saw."""
+
+
+class DeadLetterNotFound(InfraiJobsError):
+    """No dead letter read matched what the operator named (``dlq discard``)."""

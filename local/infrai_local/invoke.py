@@ -10,9 +10,11 @@ Architectures (python3.13 on arm64): ``make build`` and ``.ci/check_build.py`` c
 child gets a Lambda context whose remaining time counts down from the function's Timeout, and is
 killed when it runs out.
 
-Local conveniences, as everywhere in this project: an empty ``DATABASE_URL`` starts an embedded,
-migrated PostgreSQL; an empty ``INFRAI_BASE_URL`` a fresh emulator; an empty ``PROVIDER_URL``
-the provider sink the example jobs call. They live for the duration of the invocation.
+Local stand-ins, all or nothing as everywhere in this project (``local_services``): a variable the
+function's environment leaves empty is taken from the shell when set there; when none of the
+function's endpoints is configured, an embedded PostgreSQL (migrated: this command started it),
+a fresh emulator and the provider sink stand in for the invocation; when any is configured, a
+missing one is a configuration error. A database invoke did not start is never migrated.
 
 A function that may invoke itself (DrainFunction's backlog fan-out, ``DRAIN_MAX_CONCURRENCY``
 above 1) gets Lambda's Invoke API on loopback (``infrai_local.fan_out.LocalLambda``): each
@@ -34,12 +36,20 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.redaction import describe
+from infrai_jobs.settings import (
+    LEDGER_ENDPOINT,
+    PROVIDER_ENDPOINT,
+    QUEUE_ENDPOINT,
+    sandbox_notice,
+    stand_ins,
+)
 from infrai_local.sam_template import (
     FunctionSpec,
     load_template,
@@ -75,9 +85,9 @@ class LambdaContext:
 
 
 module_name, _, attr = handler_name.rpartition(".")
-with open(event_file) as stream:
-    event = json.load(stream)
 try:
+    with open(event_file) as stream:
+        event = json.load(stream)
     handler = getattr(importlib.import_module(module_name), attr)
     result = {"ok": True, "payload": handler(event, LambdaContext())}
 except Exception as exc:
@@ -217,32 +227,84 @@ def _lines_until(process: subprocess.Popen[str], deadline: float) -> Iterator[st
             yield line
 
 
-@contextlib.contextmanager
-def local_services(spec: FunctionSpec) -> Iterator[dict[str, str]]:
-    """Start what the function's environment leaves empty; yield the values to set."""
-    env = spec.environment
-    values: dict[str, str] = {}
-    with contextlib.ExitStack() as stack:
-        if "DATABASE_URL" in env and not env["DATABASE_URL"]:
-            import psycopg  # noqa: PLC0415
+# What a function's environment may leave empty and the shell may fill in.
+_FROM_SHELL = (QUEUE_ENDPOINT, "INFRAI_API_KEY", LEDGER_ENDPOINT, PROVIDER_ENDPOINT)
 
+
+@contextlib.contextmanager
+def local_services(
+    spec: FunctionSpec,
+    *,
+    shell: Mapping[str, str] | None = None,
+    announce: Callable[[str], object] | None = None,
+) -> Iterator[dict[str, str]]:
+    """The values to add to the function's environment for one local invocation.
+
+    A variable the template and ``--env-vars`` leave empty is taken from the shell when it is
+    set there (the same variables the other commands read). Then all or nothing: when none of
+    the function's endpoints (INFRAI_BASE_URL, DATABASE_URL or DATABASE_SECRET_ARN,
+    PROVIDER_URL) is configured, each one it declares is stood in for the invocation (an
+    emulator with the function's queue, an embedded PostgreSQL that this command starts and
+    therefore migrates, a provider sink), after one line saying so; when any is configured, a
+    missing one is a ``ConfigurationError`` and nothing starts. A database this command did
+    not start is never migrated: the handler reports ``SchemaNotMigrated`` with the command.
+    """
+    say = announce if announce is not None else _to_stderr
+    env = spec.environment
+    from_shell = os.environ if shell is None else shell
+    values: dict[str, str] = {}
+    for name in _FROM_SHELL:
+        if name in env and not env[name] and from_shell.get(name):
+            values[name] = from_shell[name]
+            shown = describe(values[name]) if name == LEDGER_ENDPOINT else values[name]
+            if name != "INFRAI_API_KEY":
+                say(f"{name}: from your shell ({shown})")
+    merged = {**env, **values}
+    declared = [
+        name for name in (QUEUE_ENDPOINT, LEDGER_ENDPOINT, PROVIDER_ENDPOINT) if name in env
+    ]
+    configured = {
+        name: bool(
+            merged.get(name) or (name == LEDGER_ENDPOINT and merged.get("DATABASE_SECRET_ARN"))
+        )
+        for name in declared
+    }
+    who = f"`infrai-jobs invoke {spec.logical_id}`"
+    plan = stand_ins(configured, declared, who=who)
+    with contextlib.ExitStack() as stack:
+        if plan:
+            say(sandbox_notice(plan, who=who))
+        if LEDGER_ENDPOINT in plan:
+            from infrai_jobs.ledger import connect_to_ledger  # noqa: PLC0415
             from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
             from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
 
-            url = ensure_database_url()
-            with psycopg.connect(url, autocommit=True) as conn:
+            # This process's own embedded server, whatever the shell says: the one database
+            # invoke may migrate is one it started.
+            url = ensure_database_url({}, announce=lambda _line: None)
+            with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
                 apply_migrations(conn)
             values["DATABASE_URL"] = url
             values["DATABASE_SECRET_ARN"] = ""
-        if "INFRAI_BASE_URL" in env and not env["INFRAI_BASE_URL"]:
+        if QUEUE_ENDPOINT in plan:
+            from infrai_jobs.queue_client import InfraiClient  # noqa: PLC0415
             from infrai_local.emulator import start_in_thread  # noqa: PLC0415
 
             server = start_in_thread()
             stack.callback(server.stop)
             values["INFRAI_BASE_URL"] = server.url
-            values["INFRAI_API_KEY"] = env.get("INFRAI_API_KEY") or "local-emulator"
+            values["INFRAI_API_KEY"] = merged.get("INFRAI_API_KEY") or "local-emulator"
             values["INFRAI_API_KEY_PARAMETER"] = ""
-        if "PROVIDER_URL" in env and not env["PROVIDER_URL"]:
+            if merged.get("INFRAI_QUEUE"):
+                # The function's queue exists, empty, as on a freshly deployed stack.
+                client = InfraiClient(server.url, values["INFRAI_API_KEY"])
+                try:
+                    client.ensure_queue(
+                        merged["INFRAI_QUEUE"], dlq=merged.get("INFRAI_DLQ") or None
+                    )
+                finally:
+                    client.close()
+        if PROVIDER_ENDPOINT in plan:
             from infrai_local import provider_sink  # noqa: PLC0415
 
             sink = provider_sink.start_in_thread()
@@ -309,6 +371,10 @@ def _int_or_zero(value: str) -> int:
         return 0
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def resolve(
     function: str,
     *,
@@ -339,6 +405,20 @@ def resolve(
         parameter_overrides=overrides,
         env_vars=env_document,
     )
+
+
+def _check_event(event: Path) -> None:
+    """The event must be a readable JSON file: found out here, not as a traceback in the child."""
+    if not event.is_file():
+        raise ConfigurationError(f"no event file {event}")
+    try:
+        json.loads(event.read_text(), parse_constant=_reject_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigurationError(f"the event file {event} is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -387,8 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config_env=args.config_env,
             parameter_overrides=parse_parameter_overrides(args.parameter_overrides or ""),
         )
-        if not args.event.is_file():
-            raise ConfigurationError(f"no event file {args.event}")
+        _check_event(args.event)
         with local_services(spec) as extra, _self_invocations(spec, args, extra) as lambda_env:
             result = invoke(spec, args.event, extra_env={**extra, **lambda_env})
     except ConfigurationError as exc:

@@ -162,9 +162,13 @@ def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningSink:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Local provider stand-in for the example jobs.")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        prog="infrai-jobs provider-sink",
+        description="Serve a local stand-in for the example jobs' downstream (PROVIDER_URL) "
+        "until Ctrl-C. Prints its URL first; GET /_sink/state shows the effects it counted.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (default)")
     args = parser.parse_args(argv)
     sink = start_in_thread(args.host, args.port)
     print(sink.url, flush=True)

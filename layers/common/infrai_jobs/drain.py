@@ -35,6 +35,7 @@ from infrai_jobs.errors import (
     LedgerError,
     PermanentJobError,
     QueueMessageNotFound,
+    SchemaNotMigrated,
 )
 from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue
 from infrai_jobs.ledger import (
@@ -239,6 +240,14 @@ def drain(
         # claimed would spend it for nothing.
         ledger.ping()
         mode = _ConsumeMode(ledger, config, summary, clock)
+    except SchemaNotMigrated as exc:
+        # Not an outage to wait out: the code is ahead of its database. The invocation fails
+        # with the command to run, and nothing was received.
+        logger.error(
+            "the ledger database is not migrated; nothing was received",
+            extra={"action": "schema_not_migrated", "detail": str(exc)},
+        )
+        raise
     except LedgerError as exc:
         summary.stopped = "ledger_unavailable"
         logger.error(

@@ -38,6 +38,7 @@ from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.jobs import Effect, JsonValue
 from infrai_jobs.migrations import LATEST_VERSION, current_version
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.redaction import describe, malformed_reason, redact
 from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)
@@ -288,25 +289,34 @@ class _IsolateJobs(Exception):
     """A handler failed in the all-in-one attempt: run the batch again with savepoints."""
 
 
-def _connect_failure(exc: psycopg.Error) -> LedgerUnavailable:
-    """A connection error worth logging: libpq quotes a malformed URL whole, password
-    included, so that case says only what is wrong and where to fix it."""
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _malformed_url(reason: str) -> LedgerUnavailable:
+    return LedgerUnavailable(
+        f"cannot connect to the ledger database: the database URL is malformed: {reason} "
+        "(check DATABASE_URL or the database secret; the value is not shown)"
+    )
+
+
+def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
+    """A connection error worth logging. libpq quotes a string it cannot parse whole, password
+    included, so that case says only what is wrong; any other text goes through ``redact``."""
     if isinstance(exc, psycopg.ProgrammingError):
-        return LedgerUnavailable(
-            "cannot connect to the ledger database: the database URL is malformed "
-            "(check DATABASE_URL or the database secret)"
-        )
-    return LedgerUnavailable(f"cannot connect to the ledger database: {exc}")
+        return _malformed_url(malformed_reason(url) or "libpq cannot parse it")
+    detail = redact(_one_line(str(exc)), url)
+    return LedgerUnavailable(f"cannot connect to the ledger database at {describe(url)}: {detail}")
 
 
-def connect_to_ledger(
-    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
+def _open_connection(
+    url: str, *, connect_timeout: int, application_name: str
 ) -> psycopg.Connection[Any]:
-    """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
-    with the URL kept out of the message (and the driver's error, which may quote it, not
-    chained). The watcher, the operator tools and migrate connect through here;
-    ``PostgresLedger`` words its failures the same way, after its one retry with the secret
-    fetched again."""
+    # A URL libpq would read differently from how it was written is refused before it is used:
+    # its "host" may be the tail of a password, and connecting would send that to a resolver.
+    reason = malformed_reason(url)
+    if reason:
+        raise _malformed_url(reason)
     try:
         return psycopg.connect(
             url,
@@ -315,7 +325,49 @@ def connect_to_ledger(
             application_name=application_name,
         )
     except psycopg.Error as exc:
-        raise _connect_failure(exc) from None
+        raise _connect_failure(exc, url) from None
+
+
+def connect_to_ledger(
+    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
+) -> psycopg.Connection[Any]:
+    """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
+    with the URL kept out of the message (and the driver's error, which may quote it, not
+    chained). The watcher, the operator tools and migrate connect through here;
+    ``PostgresLedger`` connects the same way, and retries once with the secret fetched again."""
+    return _open_connection(url, connect_timeout=connect_timeout, application_name=application_name)
+
+
+def schema_behind(version: int) -> str:
+    """What ``SchemaNotMigrated`` says about a database at ``version``."""
+    if version == 0:
+        return (
+            "the ledger database is not migrated (it has no infrai-jobs tables): run "
+            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+        )
+    return (
+        f"the ledger schema is at version {version}, this code needs {LATEST_VERSION}: run "
+        "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+    )
+
+
+def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerError:
+    """A driver error met while ``doing`` something, in the package's terms.
+
+    A missing table or column means the database was never migrated (or is older than this
+    code): that is ``SchemaNotMigrated``, naming the command to run, never "unreachable". A
+    broken connection is ``LedgerUnavailable``. The driver's text goes through ``redact``.
+    """
+    detail = redact(_one_line(str(exc)), url) if url else _one_line(str(exc))
+    where = f"{doing}: " if doing else ""
+    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
+        return SchemaNotMigrated(
+            f"{where}the ledger database is not migrated ({detail}): run "
+            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return LedgerUnavailable(f"{where}the ledger database failed: {detail}")
+    return LedgerError(f"{where}the ledger rejected a statement: {detail}")
 
 
 def _aborted(conn: psycopg.Connection[Any]) -> bool:
@@ -372,15 +424,12 @@ class PostgresLedger:
                 # Before the caller's error translation: say it in the ledger's terms, and do
                 # not leave the new connection open.
                 conn.close()
-                if isinstance(exc, psycopg.OperationalError):
-                    raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
-                raise LedgerError(f"cannot read the ledger's schema version: {exc}") from exc
+                raise ledger_error(
+                    exc, "cannot read the ledger's schema version", self._url
+                ) from exc
             if version < LATEST_VERSION:
                 conn.close()
-                raise SchemaNotMigrated(
-                    f"the ledger schema is at version {version}, this code needs "
-                    f"{LATEST_VERSION}: run `infrai-jobs migrate`"
-                )
+                raise SchemaNotMigrated(schema_behind(version))
             self._schema_checked = True
         self._conn = conn
         return conn
@@ -388,19 +437,16 @@ class PostgresLedger:
     def _open(self) -> psycopg.Connection[Any]:
         try:
             return self._connect(self._url)
-        except psycopg.Error as exc:
+        except LedgerUnavailable:
             fresh = self._refreshed_url()
             if fresh is None:
-                raise _connect_failure(exc) from None
+                raise
         logger.warning(
             "database connection failed; retrying once with the secret fetched again",
             extra={"action": "secret_refresh"},
         )
         self._url = fresh
-        try:
-            return self._connect(fresh)
-        except psycopg.Error as exc:
-            raise _connect_failure(exc) from None
+        return self._connect(fresh)
 
     def ping(self) -> None:
         """Make sure the ledger answers before a drain receives anything.
@@ -417,7 +463,7 @@ class PostgresLedger:
             except psycopg.OperationalError as exc:
                 self._drop(conn)
                 if attempt:
-                    raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+                    raise ledger_error(exc, url=self._url) from exc
                 logger.warning(
                     "the ledger connection was dead; reconnecting", extra={"action": "reconnect"}
                 )
@@ -425,11 +471,8 @@ class PostgresLedger:
                 return
 
     def _connect(self, url: str) -> psycopg.Connection[Any]:
-        return psycopg.connect(
-            url,
-            autocommit=True,
-            connect_timeout=self._connect_timeout,
-            application_name="infrai-jobs",
+        return _open_connection(
+            url, connect_timeout=self._connect_timeout, application_name="infrai-jobs"
         )
 
     def _refreshed_url(self) -> str | None:
@@ -444,9 +487,11 @@ class PostgresLedger:
         except psycopg.OperationalError as exc:
             # The server closed the connection, or it broke mid-statement: reconnect next time.
             self._drop(conn)
-            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+            raise LedgerUnavailable(
+                f"the ledger database failed: {redact(_one_line(str(exc)), self._url)}"
+            ) from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"the ledger rejected a statement: {exc}") from exc
+            raise ledger_error(exc, url=self._url) from exc
 
     def _drop(self, conn: psycopg.Connection[Any]) -> None:
         try:

@@ -33,12 +33,10 @@ from infrai_jobs.errors import (
     InfraiInvalidResponse,
     InfraiUnavailable,
     KeyDerivationError,
-    LedgerError,
-    LedgerUnavailable,
     QueueMessageNotFound,
 )
 from infrai_jobs.keys import derive_key, payload_fingerprint
-from infrai_jobs.ledger import connect_to_ledger
+from infrai_jobs.ledger import connect_to_ledger, ledger_error
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
 
@@ -310,10 +308,8 @@ def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
     try:
         with connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn:
             rows = conn.execute(_RECORDED_FINGERPRINTS, {"key": key}).fetchall()
-    except psycopg.OperationalError as exc:
-        raise LedgerUnavailable(f"cannot look up key {key!r}: {exc}") from exc
     except psycopg.Error as exc:
-        raise LedgerError(f"cannot look up key {key!r}: {exc}") from exc
+        raise ledger_error(exc, f"cannot look up key {key!r}", database_url) from exc
     recorded = {row[0] for row in rows}
 
     def key_of(payload: Any) -> str:
@@ -457,7 +453,5 @@ def _reopen(database_url: str, message: QueueMessage) -> list[str]:
     try:
         with connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn:
             return [row[0] for row in conn.execute(_REOPEN, params).fetchall()]
-    except psycopg.OperationalError as exc:
-        raise LedgerUnavailable(f"cannot reopen failed claims: {exc}") from exc
     except psycopg.Error as exc:
-        raise LedgerError(f"cannot reopen failed claims: {exc}") from exc
+        raise ledger_error(exc, "cannot reopen failed claims", database_url) from exc

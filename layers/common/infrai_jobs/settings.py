@@ -7,12 +7,13 @@ Nothing else in the package reads the environment. Handlers and the CLI call
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.redaction import malformed_reason
 
 DEFAULT_BASE_URL = "https://api.infrai.cc"
 DEFAULT_QUEUE = "billing-jobs"
@@ -83,6 +84,14 @@ class Settings:
     # May carry a password locally; the template only passes URLs without credentials.
     redis_url: str = field(default="", repr=False)
 
+    def configured_endpoints(self) -> dict[str, bool]:
+        """Which real endpoints are configured, by the variable that names each."""
+        return {
+            QUEUE_ENDPOINT: bool(self.infrai_base_url),
+            LEDGER_ENDPOINT: bool(self.database_url or self.database_secret_arn),
+            PROVIDER_ENDPOINT: bool(self.provider_url),
+        }
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
@@ -125,6 +134,10 @@ class Settings:
             redis_url=env.get("REDIS_URL", "").strip(),
         )
         _check_second_layer(settings)
+        reason = malformed_reason(settings.database_url) if settings.database_url else ""
+        if reason:
+            # The value may hold a password: name the setting and the fix, never the value.
+            raise ConfigurationError(f"DATABASE_URL is malformed: {reason}")
         if not settings.queue:
             raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
         if settings.drain_lanes > MAX_DRAIN_LANES:
@@ -168,6 +181,73 @@ class Settings:
                 "postgresql://user@127.0.0.1:5432/jobs"
             )
         return self.database_url
+
+
+# --- Local stand-ins: all or nothing ------------------------------------------------------------
+
+# The real endpoints a command may need, by the variable that configures each (the database
+# also by DATABASE_SECRET_ARN), and what stands in for each in a local sandbox.
+QUEUE_ENDPOINT = "INFRAI_BASE_URL"
+LEDGER_ENDPOINT = "DATABASE_URL"
+PROVIDER_ENDPOINT = "PROVIDER_URL"
+STAND_INS: dict[str, str] = {
+    QUEUE_ENDPOINT: "a fresh local emulator",
+    LEDGER_ENDPOINT: "an embedded PostgreSQL",
+    PROVIDER_ENDPOINT: "a local provider sink",
+}
+_HOW_TO_SET = {
+    QUEUE_ENDPOINT: "INFRAI_BASE_URL (Infrai, or a running `infrai-jobs emulator`)",
+    LEDGER_ENDPOINT: "DATABASE_URL (a PostgreSQL migrated with `infrai-jobs migrate`) or "
+    "DATABASE_SECRET_ARN",
+    PROVIDER_ENDPOINT: "PROVIDER_URL (the jobs' downstream, or a running "
+    "`infrai-jobs provider-sink`)",
+}
+
+
+def stand_ins(
+    configured: Mapping[str, bool], needed: Sequence[str], *, who: str
+) -> tuple[str, ...]:
+    """Which of the ``needed`` endpoints to stand in locally, all or nothing.
+
+    When no endpoint at all is configured (a sandbox), every needed one is stood in. When any
+    is, nothing is, and each needed one that is missing is a ``ConfigurationError`` naming its
+    variable: a real queue is never drained into a throwaway ledger or downstream, and a
+    throwaway queue never feeds a real ledger. ``who`` names the command in the message.
+    """
+    real = [name for name, on in configured.items() if on]
+    if not real:
+        return tuple(needed)
+    missing = [name for name in needed if not configured.get(name)]
+    if missing:
+        names = " and ".join(missing)
+        verb = "is" if len(missing) == 1 else "are"
+        raise ConfigurationError(
+            f"{names} {verb} not set, but {' and '.join(real)} {'is' if len(real) == 1 else 'are'}"
+            f": local stand-ins are used only when nothing real is configured, so {who} did "
+            f"nothing. Set {'; set '.join(_HOW_TO_SET[name] for name in missing)}; or unset "
+            f"{' and '.join(real)} for a local sandbox"
+        )
+    return ()
+
+
+def sandbox_notice(stood_in: Sequence[str], *, who: str) -> str:
+    """The one line a command prints first when it runs on stand-ins only."""
+    unset = ", ".join(stood_in)
+    uses = _and([STAND_INS[name] for name in stood_in])
+    return (
+        f"sandbox: nothing real is configured ({unset} unset), so {who} uses {uses}, all "
+        "thrown away when it ends"
+    )
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def raw_database_url(environ: Mapping[str, str] | None = None) -> str:
+    """DATABASE_URL as the environment holds it, unchecked: for redacting it out of an error
+    raised before (or while) the settings were read."""
+    return (os.environ if environ is None else environ).get("DATABASE_URL", "")
 
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

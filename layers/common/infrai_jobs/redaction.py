@@ -1,0 +1,158 @@
+"""Database connection strings kept out of messages and logs: the one redaction every place uses.
+
+A connection string reaches an error in two ways: libpq quotes it (whole, when it cannot parse
+it), or it quotes a part it parsed (a host, a database name). For a well-formed URL those parts
+are what the operator wrote and are safe to show; only the password is secret. A *malformed* URL
+is different: ``postgresql://u:Hu@nter2/x@host/db`` (an unescaped ``@`` in the password) parses
+as the password ``Hu`` on host ``nter2``, so the "host" in the driver's error is the tail of the
+password. So:
+
+- ``malformed_reason`` tells a connection string that libpq would read differently from the way
+  it was meant (or cannot read at all); callers refuse such a string before connecting, so no
+  part of its password ever reaches a resolver, a server or an error.
+- ``redact`` removes every secret of a connection string from a text: the password as libpq
+  reads it, the password as it was meant (everything between the user's ``:`` and the last
+  ``@``), raw and percent-decoded, and for a malformed string each piece of it.
+- ``describe`` is the safe way to name a database in a message: ``user@host:port/dbname``, or
+  only "a malformed database URL".
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+MASK = "***"
+
+_URL_SCHEMES = ("postgresql://", "postgres://")
+# Where libpq (or a person reading a URL) may cut a malformed password into pieces.
+_PIECE_SEPARATORS = re.compile(r"[@/:?#&=,;\s'\"\[\]]+")
+# Pieces shorter than this are left alone: masking every "a" or "db" would garble the text
+# around them, and a piece that short tells nothing about the password.
+_MIN_PIECE = 3
+# ``password=value`` or ``password='quoted \' value'`` in libpq's keyword form.
+# An unquoted value runs to the next ``keyword=`` (so ``password=se cret`` is caught whole).
+_KEYWORD_PASSWORD = re.compile(
+    r"""password\s*=\s*('(?:[^'\\]|\\.)*'?|.*?(?=\s+\w+\s*=|\s*$))""", re.IGNORECASE
+)
+
+
+def _is_url(conninfo: str) -> bool:
+    return conninfo.strip().lower().startswith(_URL_SCHEMES)
+
+
+def _parsed(conninfo: str) -> dict[str, str] | None:
+    try:
+        return {key: str(value) for key, value in conninfo_to_dict(conninfo).items()}
+    except psycopg.Error:
+        return None
+
+
+def _meant_password(conninfo: str) -> str | None:
+    """The password of a URL as a person wrote it: between the user's ``:`` and the *last*
+    ``@``, percent-encoded as it stands. None when the URL carries no password."""
+    rest = conninfo.strip().split("://", 1)[1]
+    if "@" not in rest:
+        return None
+    userinfo = rest[: rest.rindex("@")]
+    if ":" not in userinfo:
+        return None
+    return userinfo.split(":", 1)[1]
+
+
+def _keyword_passwords(conninfo: str) -> list[str]:
+    values = []
+    for match in _KEYWORD_PASSWORD.finditer(conninfo):
+        value = match.group(1)
+        values.append(value)
+        if value.startswith("'"):
+            values.append(value.strip("'").replace("\\'", "'").replace("\\\\", "\\"))
+    return values
+
+
+def _as_libpq_splits_it(url: str) -> tuple[str, str]:
+    """The host part and the database name of a URL, cut where libpq cuts them: the user
+    information ends at the first ``@`` met before any ``/``, the host part at ``/`` or
+    ``?``, the database name at ``?``."""
+    rest = url.strip().split("://", 1)[1]
+    end = next((i for i, char in enumerate(rest) if char in "@/"), len(rest))
+    if end < len(rest) and rest[end] == "@":
+        rest = rest[end + 1 :]
+    host_part, _, after = rest.partition("/") if "/" in rest.split("?", 1)[0] else (rest, "", "")
+    host_part = host_part.split("?", 1)[0]
+    return host_part, after.split("?", 1)[0]
+
+
+_PORT = re.compile(r"(?:\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?")
+
+
+def malformed_reason(conninfo: str) -> str:
+    """Why libpq would not read ``conninfo`` as it was meant, or "" when it would.
+
+    Meant and read differ when libpq puts an ``@`` into a host or a database name, or a
+    non-number into a port: that is where the tail of a password with an unescaped ``@`` or
+    ``/`` lands. The reason never quotes the string: it names what to fix.
+    """
+    if _parsed(conninfo) is None:
+        return (
+            "it cannot be parsed (a stray '%', quote or space, or an unclosed '[' are the usual "
+            "causes: percent-encode such characters in a password)"
+        )
+    if not _is_url(conninfo):
+        return ""
+    host_part, dbname = _as_libpq_splits_it(conninfo)
+    bad_port = any(_PORT.fullmatch(host) is None for host in host_part.split(","))
+    if "@" in host_part or "@" in dbname:
+        return (
+            "its password would be read only in part (an unescaped '@' or '/' in it): "
+            "percent-encode them ('@' is %40, '/' is %2F)"
+        )
+    if bad_port:
+        return (
+            "its port is not a number (an unescaped '/' in a password also reads that way: "
+            "percent-encode it as %2F)"
+        )
+    return ""
+
+
+def secrets_of(conninfo: str) -> list[str]:
+    """Every string ``redact`` removes for ``conninfo``, longest first."""
+    found: set[str] = set()
+    pieces: set[str] = set()
+    parsed = _parsed(conninfo)
+    if parsed is not None and parsed.get("password"):
+        found.add(parsed["password"])
+    if _is_url(conninfo):
+        meant = _meant_password(conninfo)
+        if meant:
+            found.update({meant, unquote(meant)})
+    else:
+        found.update(_keyword_passwords(conninfo))
+    if malformed_reason(conninfo):
+        # The pieces libpq may have taken for a host, a port or a database name.
+        for secret in found:
+            pieces.update(p for p in _PIECE_SEPARATORS.split(secret) if len(p) >= _MIN_PIECE)
+    return sorted((s for s in found | pieces if s), key=len, reverse=True)
+
+
+def redact(text: str, conninfo: str) -> str:
+    """``text`` with every secret of ``conninfo`` replaced by ``***``."""
+    for secret in secrets_of(conninfo):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def describe(conninfo: str) -> str:
+    """``user@host:port/dbname`` for messages and log lines: never the password, and nothing
+    at all from a malformed string (its "host" may be a piece of the password)."""
+    parsed = _parsed(conninfo)
+    if parsed is None or malformed_reason(conninfo):
+        return "a malformed database URL"
+    where = parsed.get("host") or parsed.get("hostaddr") or "localhost"
+    if parsed.get("port"):
+        where += f":{parsed['port']}"
+    user = f"{parsed['user']}@" if parsed.get("user") else ""
+    return f"{user}{where}/{parsed.get('dbname', '')}"

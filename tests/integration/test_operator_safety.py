@@ -433,8 +433,7 @@ def test_a_missing_claim_is_a_json_error_with_exit_3(database_url: str) -> None:
     finished = run("claims", "show", "nope", "--json", env=base_env(DATABASE_URL=database_url))
     # Then exit 3 and a JSON error object on stdout
     assert_one_line_error(finished, 3)
-    assert json.loads(finished.stdout)["error"] == {
-        "type": "ClaimNotFound",
-        "message": "no claim with key 'nope'",
-        "exit_code": 3,
-    }
+    error = json.loads(finished.stdout)["error"]
+    assert error["type"] == "ClaimNotFound"
+    assert error["message"].startswith("no claim with key 'nope'")
+    assert error["exit_code"] == 3

@@ -331,10 +331,8 @@ class ClaimsAdmin:
                         "note": note or None,
                     },
                 )
-        except psycopg.OperationalError as exc:
-            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"the ledger rejected the discard's record: {exc}") from exc
+            raise ledger_error(exc, "cannot record the discard", self._url) from exc
 
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per

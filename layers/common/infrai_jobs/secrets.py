@@ -17,6 +17,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.redaction import malformed_reason
 from infrai_jobs.settings import Settings
 
 SECRET_CACHE_SECONDS = 300
@@ -93,6 +94,11 @@ def _connection_string(text: str) -> str:
 
 
 def _require_tls(url: str) -> str:
+    # Before make_conninfo rewrites it into keywords: once rewritten, the tail of a password
+    # with an unescaped '@' would look like a host of its own, and no longer like a password.
+    reason = malformed_reason(url)
+    if reason and _parses(url):
+        raise ConfigurationError(f"the database secret's URL is malformed: {reason}")
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError:
@@ -107,6 +113,14 @@ def _require_tls(url: str) -> str:
             "require, verify-ca or verify-full"
         )
     return url
+
+
+def _parses(url: str) -> bool:
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return False
+    return True
 
 
 def _fetch_parameter(name: str, *, force_fetch: bool) -> str:

@@ -22,6 +22,7 @@ Differences that remain are listed on each class.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -62,11 +63,9 @@ from infrai_jobs.queue_contract import (
     CONSUME_CAP,
     DEFAULT_PUBLISH_PRICE_USD,
     DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-    MAX_DELAY_SECONDS,
-    MAX_RECEIVE_COUNT,
-    MESSAGE_ID_PREFIX,
 )
 from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
+from infrai_local.queue_model import ApiError, QueueModel, counted_message_id, invalid
 
 if TYPE_CHECKING:
     from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, LedgerPort, QueuePort
@@ -125,44 +124,17 @@ class FakeClock:
 # --- The queue --------------------------------------------------------------------------------
 
 
-@dataclass
-class _Message:
-    message_id: str
-    # Kept as JSON text so a consumer mutating its payload cannot change the stored message.
-    payload_json: str
-    published_at: float
-    state: Literal["available", "in_flight", "delayed"] = "available"
-    visible_at: float = 0.0
-    delivery_count: int = 0
-
-
-@dataclass
-class _Queue:
-    name: str
-    dlq: str | None
-    # Insertion order is arrival order: "oldest first" without a sort.
-    messages: dict[str, _Message]
-
-
 class InMemoryQueue:
-    """Infrai's queue in memory: the contract of INFRAI_API.md, no HTTP.
+    """Infrai's queue in memory, no HTTP: the emulator's own model (``infrai_local.queue_model``)
+    behind the ``QueuePort`` the drain uses, so the two cannot drift apart (the contract suite,
+    tests/contract, runs the same scenarios against both).
 
-    As the contract says: every publish gets a new ``qmsg_`` id; consume serves up to 10
-    available messages oldest first and hides them for the visibility timeout (300 s), each
-    receive adding one to ``delivery_count``; a message whose third delivery lapses unacked moves
-    to the queue's DLQ, where its count starts again; an ack of a handle the queue no longer
-    holds raises ``QueueMessageNotFound``; unknown queues raise ``InfraiError`` with code
-    ``QUEUE_NOT_FOUND``.
-
-    As the emulator chooses: expiry is lazy (each call first moves lapsed messages on); a lapsed
-    message in a DLQ (or a queue without one) becomes available again and keeps counting; an
-    ack succeeds for any message still held, even one whose visibility lapsed.
-
-    Differences: ids count up (``qmsg_0000...1``) instead of being random, so test output is
-    stable; ``retry`` on publish is accepted and ignored (there is no transport to retry); and
-    ``publish_raw`` can hand out payloads that are not objects, which the emulator's publish
-    refuses but a consumer must survive anyway. Errors are what ``InfraiClient`` raises (codes,
-    not HTTP), including its ``ValueError`` for a ``max_messages`` below 1.
+    Differences from the emulator: ids count up (``qmsg_0000...1``) instead of being random, so
+    test output is stable; the clock is a ``FakeClock``; ``retry`` on publish is accepted and
+    ignored (there is no transport to retry); ``publish_raw`` can hand out payloads that are not
+    objects, which the emulator's publish refuses but a consumer must survive anyway; and two
+    knobs lose or fail acks. Errors are what ``InfraiClient`` raises (codes, not HTTP),
+    including its ``ValueError`` for a ``max_messages`` below 1 and for a body JSON cannot carry.
     """
 
     def __init__(
@@ -172,39 +144,35 @@ class InMemoryQueue:
         visibility_timeout: float = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         publish_price_usd: Decimal = PUBLISH_PRICE_USD,
     ) -> None:
-        if not math.isfinite(visibility_timeout) or visibility_timeout <= 0:
-            raise ValueError("visibility_timeout must be a finite number of seconds above 0")
         self.clock: Clock = clock if clock is not None else FakeClock()
-        self.visibility_timeout = float(visibility_timeout)
+        ids = itertools.count(1)
+        self._model = QueueModel(
+            visibility_timeout=visibility_timeout,
+            monotonic=self.clock.now,
+            wall=self.clock.now,
+            new_id=lambda: counted_message_id(next(ids)),
+        )
+        self.visibility_timeout = self._model.visibility_timeout
         self._price = publish_price_usd
-        self._queues: dict[str, _Queue] = {}
         self._lock = threading.Lock()
-        self._next_id = 0
         self._acked: list[str] = []
         self._lost_ack_answers = 0
         self._failing_acks = 0
 
     def __repr__(self) -> str:
-        return f"InMemoryQueue(queues={sorted(self._queues)!r})"
+        return f"InMemoryQueue(queues={self._model.names()!r})"
 
     # --- QueuePort ----------------------------------------------------------------------------
 
     def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
         """Create ``name`` (and its DLQ, unless it exists); False when ``name`` already existed."""
-        _check_queue_name(name, "name")
-        if type_ != "standard":
-            raise _validation("create", "type must be one of ['standard']")
-        if dlq is not None:
-            _check_queue_name(dlq, "dlq")
-            if dlq == name:
-                raise _validation("create", "dlq must name a different queue")
-        with self._lock:
-            if name in self._queues:
+        try:
+            self._model.create(name, type_, dlq)
+        except ApiError as error:
+            if error.code == "QUEUE_ALREADY_EXISTS":
                 return False
-            if dlq is not None and dlq not in self._queues:
-                self._queues[dlq] = _Queue(dlq, None, {})
-            self._queues[name] = _Queue(name, dlq, {})
-            return True
+            raise _client_error(error, "create") from None
+        return True
 
     def publish(
         self,
@@ -215,46 +183,30 @@ class InMemoryQueue:
         retry: bool | None = None,
     ) -> str:
         if not isinstance(body, Mapping):
-            raise _validation("publish", "body must be a JSON object")
-        return self.publish_raw(queue, body, delay_seconds=delay_seconds)
+            raise _client_error(invalid("body must be a JSON object"), "publish")
+        return self.publish_raw(queue, dict(body), delay_seconds=delay_seconds)
 
     def publish_raw(
         self, queue: str, payload: JsonValue, *, delay_seconds: int | None = None
     ) -> str:
         """Publish any JSON value as a payload, to test how consumers treat odd bodies."""
-        delay = 0 if delay_seconds is None else delay_seconds
-        if isinstance(delay, bool) or not isinstance(delay, int):
-            raise _validation("publish", "delay_seconds must be an integer")
-        if not 0 <= delay <= MAX_DELAY_SECONDS:
-            raise _validation("publish", f"delay_seconds must be from 0 to {MAX_DELAY_SECONDS}")
         # Like the HTTP client, a body JSON cannot carry fails before anything is sent.
-        payload_json = json.dumps(payload, allow_nan=False, separators=(",", ":"))
-        with self._lock:
-            self._sweep()
-            target = self._queue(queue, "publish")
-            now = self.clock.now()
-            self._next_id += 1
-            message = _Message(_message_id(self._next_id), payload_json, now)
-            if delay > 0:
-                message.state = "delayed"
-                message.visible_at = now + delay
-            target.messages[message.message_id] = message
-            return message.message_id
+        json.dumps(payload, allow_nan=False)
+        try:
+            return self._model.publish(
+                queue, payload, 0 if delay_seconds is None else delay_seconds
+            )
+        except ApiError as error:
+            raise _client_error(error, "publish") from None
 
     def consume(self, queue: str, max_messages: int = CONSUME_CAP) -> list[QueueMessage]:
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
-        with self._lock:
-            self._sweep()
-            source = self._queue(queue, "consume")
-            now = self.clock.now()
-            chosen = [m for m in source.messages.values() if m.state == "available"]
-            chosen = chosen[: min(max_messages, CONSUME_CAP)]
-            for message in chosen:
-                message.delivery_count += 1
-                message.state = "in_flight"
-                message.visible_at = now + self.visibility_timeout
-            return [_delivery(source.name, message) for message in chosen]
+        try:
+            items = self._model.consume(queue, max_messages)
+        except ApiError as error:
+            raise _client_error(error, "consume") from None
+        return [QueueMessage.from_api(item, queue=queue) for item in items]
 
     def send_consume(
         self, queue: str, max_messages: int = CONSUME_CAP
@@ -266,23 +218,17 @@ class InMemoryQueue:
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         with self._lock:
-            self._sweep()
-            target = self._queue(queue, "ack")
             if self._failing_acks > 0:
+                self._model.stats(queue)  # an unknown queue is still QUEUE_NOT_FOUND
                 self._failing_acks -= 1
                 raise InfraiUnavailable(
                     "INTERNAL", "injected fault: ack not applied", 500, call="ack"
                 )
-            message = target.messages.pop(receipt_handle, None)
-            if message is None:
-                raise QueueMessageNotFound(
-                    "QUEUE_MESSAGE_NOT_FOUND",
-                    f"queue {queue!r} holds no message for this receipt handle "
-                    "(already acked, dead-lettered, or never published there)",
-                    404,
-                    call="ack",
-                )
-            self._acked.append(message.message_id)
+            try:
+                acked = self._model.ack(queue, receipt_handle)
+            except ApiError as error:
+                raise _client_error(error, "ack") from None
+            self._acked.append(acked["message_id"])
             if self._lost_ack_answers > 0:
                 self._lost_ack_answers -= 1
                 # What the client reports when the answer was dropped and its retry found the
@@ -296,22 +242,10 @@ class InMemoryQueue:
                 )
 
     def stats(self, queue: str) -> QueueStats:
-        with self._lock:
-            self._sweep()
-            target = self._queue(queue, "stats")
-            counts = Counter(m.state for m in target.messages.values())
-            dlq = self._queues.get(target.dlq) if target.dlq else None
-            oldest = min((m.published_at for m in target.messages.values()), default=None)
-            age = 0 if oldest is None else max(0, math.floor(self.clock.now() - oldest))
-            return QueueStats(
-                queue=target.name,
-                message_count=sum(counts.values()),
-                available_count=counts["available"],
-                in_flight_count=counts["in_flight"],
-                delayed_count=counts["delayed"],
-                dlq_count=len(dlq.messages) if dlq is not None else 0,
-                oldest_message_age_seconds=float(age),
-            )
+        try:
+            return QueueStats.from_api(self._model.stats(queue), queue=queue)
+        except ApiError as error:
+            raise _client_error(error, "stats") from None
 
     def publish_price(self) -> PublishPrice:
         price = format(self._price, "f")
@@ -346,62 +280,12 @@ class InMemoryQueue:
         with self._lock:
             return list(self._acked)
 
-    # --- internals (lock held) --------------------------------------------------------------
 
-    def _queue(self, name: str, call: str) -> _Queue:
-        queue = self._queues.get(name)
-        if queue is None:
-            raise InfraiError("QUEUE_NOT_FOUND", f"queue {name!r} does not exist", 404, call=call)
-        return queue
-
-    def _sweep(self) -> None:
-        now = self.clock.now()
-        for queue in list(self._queues.values()):
-            due = [m for m in queue.messages.values() if m.state != "available"]
-            # Deadline order decides the order in which dead letters enter their DLQ.
-            for message in sorted(due, key=lambda m: m.visible_at):
-                if message.visible_at <= now:
-                    self._lapse(queue, message)
-
-    def _lapse(self, queue: _Queue, message: _Message) -> None:
-        dlq = self._queues.get(queue.dlq) if queue.dlq else None
-        exhausted = message.state == "in_flight" and message.delivery_count >= MAX_RECEIVE_COUNT
-        if exhausted and dlq is not None:
-            del queue.messages[message.message_id]
-            dlq.messages[message.message_id] = _Message(
-                message.message_id, message.payload_json, message.published_at
-            )
-            return
-        message.state = "available"
-
-
-def _message_id(number: int) -> str:
-    digits = ""
-    while number:
-        number, rest = divmod(number, 62)
-        digits = _BASE62[rest] + digits
-    return MESSAGE_ID_PREFIX + digits.rjust(24, "0")
-
-
-def _delivery(queue: str, message: _Message) -> QueueMessage:
-    return QueueMessage(
-        message_id=message.message_id,
-        queue=queue,
-        payload=json.loads(message.payload_json),
-        delivery_count=message.delivery_count,
-        published_at=utc_from_epoch(message.published_at),
-        status="in_flight",
-        receipt_handle=message.message_id,
-    )
-
-
-def _check_queue_name(name: str, field_name: str) -> None:
-    if not _QUEUE_NAME.fullmatch(name):
-        raise _validation("create", f"{field_name} must be 1-80 letters, digits, '.', '_' or '-'")
-
-
-def _validation(call: str, message: str) -> InfraiError:
-    return InfraiError("VALIDATION_ERROR", message, 400, call=call)
+def _client_error(error: ApiError, call: str) -> InfraiError:
+    """The model's error as ``InfraiClient`` raises it."""
+    if error.code == "QUEUE_MESSAGE_NOT_FOUND":
+        return QueueMessageNotFound(error.code, error.message, error.status, call=call)
+    return InfraiError(error.code, error.message, error.status, call=call)
 
 
 # --- The ledger -------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infrai_local import emulator as emulator_module
 from infrai_local.emulator import (
     MAX_BODY_BYTES,
     Emulator,
@@ -41,6 +40,7 @@ from infrai_local.emulator import (
     parse_header_lines,
     start_in_thread,
 )
+from infrai_local.emulator import http as emulator_http
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -1162,7 +1162,7 @@ def test_idle_time_runs_from_the_answer_not_from_the_request(
     server: RunningEmulator, api: Api, queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given idle connections closed after 4 s, and 3.5 s of latency
-    monkeypatch.setattr(emulator_module, "_IDLE_CONNECTION_SECONDS", 4.0)
+    monkeypatch.setattr(emulator_http, "_IDLE_CONNECTION_SECONDS", 4.0)
     api.set_faults(latency_ms=3500)
     connection = RawConnection(server)
     try:

@@ -269,6 +269,9 @@ def local_services(
         )
         for name in declared
     }
+    if merged.get(LEDGER_ENDPOINT):
+        # A database this command did not start: looked at, never migrated.
+        _require_migrated(merged[LEDGER_ENDPOINT])
     who = f"`infrai-jobs invoke {spec.logical_id}`"
     plan = stand_ins(configured, declared, who=who)
     with contextlib.ExitStack() as stack:
@@ -369,6 +372,18 @@ def _int_or_zero(value: str) -> int:
         return int(value)
     except ValueError:
         return 0
+
+
+def _require_migrated(url: str) -> None:
+    """``SchemaNotMigrated``, naming the command to run, for a database behind this code."""
+    from infrai_jobs.errors import SchemaNotMigrated  # noqa: PLC0415
+    from infrai_jobs.ledger import connect_to_ledger, schema_behind  # noqa: PLC0415
+    from infrai_jobs.migrations import LATEST_VERSION, current_version  # noqa: PLC0415
+
+    with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
+        version = current_version(conn)
+    if version < LATEST_VERSION:
+        raise SchemaNotMigrated(schema_behind(version))
 
 
 def _to_stderr(line: str) -> None:

@@ -240,14 +240,34 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
         str(env_vars),
         env=env,
     )
-    # Then the handler fails with SchemaNotMigrated and the command to run, the database has
-    # still no table, and the job was not consumed
-    assert finished.returncode == 1, finished.stderr
-    result = json.loads(finished.stdout)
-    assert result["errorType"] == "SchemaNotMigrated"
-    assert "infrai-jobs migrate" in result["errorMessage"]
+    # Then it fails with the database named as not migrated and the command to run, before
+    # any handler runs; the database has still no table, and the job was not consumed
+    line = assert_one_line_error(finished, 1)
+    assert "not migrated" in line
+    assert "infrai-jobs migrate" in line
+    assert "END DrainFunction" not in finished.stderr
     assert table_count(database_url) == 0
     assert still_waiting(queue)
+
+
+def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
+    queue: InfraiClient, database_url: str
+) -> None:
+    # Given the repo's env-vars file and a shell with only an un-migrated DATABASE_URL
+    # When DrainFunction is invoked
+    finished = run(
+        "invoke",
+        "DrainFunction",
+        "--event",
+        "events/drain-schedule.json",
+        "--env-vars",
+        "events/env.json",
+        env=base_env(DATABASE_URL=database_url),
+    )
+    # Then the database is named as not migrated first, and stays so
+    line = assert_one_line_error(finished, 1)
+    assert "not migrated" in line
+    assert table_count(database_url) == 0
 
 
 def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anything(

@@ -14,9 +14,9 @@ every method takes a lock, so several lanes (threads) may share one.
 
 Pass the same clock to ``drain(..., clock=clock)``: the drain computes claim leases from it.
 
-The queue follows INFRAI_API.md and the emulator's choices where the contract is silent. The
-ledger decides claims with the very ``_decide`` rules of ``PostgresLedger`` and mirrors its SQL
-(takeover, fencing, release, batch atomicity), including what Postgres refuses to store.
+The queue is the emulator's own model (``infrai_local.queue_model``). The ledger decides claims
+with the very rules ``PostgresLedger`` uses (``infrai_jobs.claims``) and mirrors its SQL (fencing,
+release, batch atomicity), including what Postgres refuses to store.
 Differences that remain are listed on each class.
 """
 
@@ -31,10 +31,26 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from infrai_jobs.claims import (
+    SETTLE_STATUS,
+    ClaimDecision,
+    ClaimRequest,
+    ClaimRow,
+    ClaimStatus,
+    JobRun,
+    RunKind,
+    Settlement,
+    SettleStatus,
+    bounded_lease,
+    decide,
+    may_take_over,
+    settled_kind,
+    utc_from_epoch,
+)
 from infrai_jobs.errors import (
     FanOutError,
     FanOutThrottled,
@@ -45,19 +61,7 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.jobs import Effect, JsonValue
-from infrai_jobs.ledger import (
-    ClaimDecision,
-    ClaimRequest,
-    ClaimRow,
-    ClaimStatus,
-    DatabaseRunner,
-    JobRun,
-    RunKind,
-    Settlement,
-    SettleStatus,
-    _decide,
-    utc_from_epoch,
-)
+from infrai_jobs.ledger import DatabaseRunner
 from infrai_jobs.ports import Clock
 from infrai_jobs.queue_contract import (
     CONSUME_CAP,
@@ -307,7 +311,7 @@ class InMemoryLedger:
     * ``claim`` commits at once: a new key is won ``running``; an ``external_idempotent`` claim
       still running for the same work and not flagged for a human (``error`` unset) is taken
       over (``attempts`` + 1) once its lease expired or when the claimant is the holder's own
-      message; anything else is decided by the same ``_decide`` rules (done, failed, live,
+      message; anything else is decided by the same ``claims.decide`` rules (done, failed, live,
       stuck, conflict).
     * ``flag_stuck`` writes a reason only on a running claim without one; an uncertain external
       settle records its error and ends the claim's lease now.
@@ -512,12 +516,12 @@ class InMemoryLedger:
         decisions: list[ClaimDecision] = []
         for request in sorted(requests, key=lambda r: r.idem_key):
             before = self._rows.get(request.idem_key)
-            won = before is None or _may_take_over(before, request, now)
+            won = before is None or may_take_over(before, request, now)
             if won:
                 self._rows[request.idem_key] = _claimed_row(
                     before, request, now, self.visibility_timeout
                 )
-            decisions.append(_decide(request, self._answer(before, request, won, now)))
+            decisions.append(decide(request, self._answer(before, request, won, now)))
         return decisions
 
     def _answer(
@@ -562,7 +566,7 @@ class InMemoryLedger:
         *,
         uncertain_is_stuck: bool,
     ) -> list[Settlement]:
-        kinds = [_settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
+        kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         # Every value is checked before any row changes: one refused statement changes nothing.
         stored = [_storable(run, kind) for (_, run), kind in zip(runs, kinds, strict=True)]
         settlements: list[Settlement] = []
@@ -587,47 +591,8 @@ class InMemoryLedger:
                 )
             else:
                 del self._rows[request.idem_key]
-            settlements.append(Settlement(request, _SETTLE_STATUS[kind], run))
+            settlements.append(Settlement(request, SETTLE_STATUS[kind], run))
         return settlements
-
-
-_SETTLE_STATUS: Final = {
-    RunKind.SUCCEEDED: SettleStatus.DONE,
-    RunKind.PERMANENT: SettleStatus.FAILED,
-    RunKind.UNCERTAIN: SettleStatus.STUCK,
-    RunKind.TRANSIENT: SettleStatus.RELEASED,
-}
-
-
-def _settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
-    # A database job's effect rolled back with its savepoint: nothing is uncertain.
-    if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
-        return RunKind.TRANSIENT
-    return kind
-
-
-def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
-    """The ``DO UPDATE ... WHERE`` of the claim statement, NULLs compared as SQL does."""
-    idempotent = Effect.EXTERNAL_IDEMPOTENT.value
-    lease_over = row.lease_until is not None and row.lease_until < now
-    return (
-        row.state == "running"
-        and row.effect == idempotent
-        and request.effect.value == idempotent
-        and row.payload_sha256 is not None
-        and row.payload_sha256 == request.fingerprint
-        and row.error is None
-        and (lease_over or row.message_id == request.message_id)
-    )
-
-
-def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
-    """The claim statement's lease invariant: never past the message's visibility window."""
-    if request.lease_until is None:
-        return None
-    left = visibility if request.visibility_left is None else request.visibility_left
-    bound = now + timedelta(seconds=min(max(left, 0.0), visibility))
-    return min(request.lease_until, bound)
 
 
 def _claimed_row(
@@ -638,7 +603,7 @@ def _claimed_row(
             before,
             message_id=request.message_id,
             claim_token=request.claim_token,
-            lease_until=_bounded_lease(request, now, visibility),
+            lease_until=bounded_lease(request, now, visibility),
             attempts=(before.attempts or 1) + 1,
             error=None,
             updated_at=now,
@@ -654,7 +619,7 @@ def _claimed_row(
         error=None,
         result=None,
         claimed_at=now,
-        lease_until=_bounded_lease(request, now, visibility),
+        lease_until=bounded_lease(request, now, visibility),
         updated_at=now,
         claim_token=request.claim_token,
     )

@@ -12,11 +12,12 @@ from typing import Any
 import psycopg
 import urllib3
 
+from infrai_jobs.claims import ClaimRow
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger import ClaimRow, PostgresLedger
+from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.settings import Settings

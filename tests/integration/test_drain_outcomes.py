@@ -11,9 +11,10 @@ import pytest
 import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
 
-from infrai_jobs.drain import DrainConfig, Outcome, process_batch
+from infrai_jobs.drain import DrainConfig, process_batch
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.outcomes import Outcome
 from infrai_jobs.queue_models import QueueMessage
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from infrai_jobs.claims import ClaimRow, utc_from_epoch
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -24,7 +25,6 @@ from infrai_jobs.errors import (
     PermanentJobError,
 )
 from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger import ClaimRow, utc_from_epoch
 from infrai_jobs.queue_models import Pending, QueueMessage
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 

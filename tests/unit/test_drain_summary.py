@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from infrai_jobs.drain import (
-    ACKED_OUTCOMES,
-    OUTCOME_RULES,
-    DrainSummary,
-    Outcome,
-    merge_summaries,
-)
+from infrai_jobs.drain import DrainSummary, merge_summaries
 from infrai_jobs.drain_report import report_line, summary_lines
 from infrai_jobs.observability import DRAIN_METRICS, OUTCOME_METRICS
+from infrai_jobs.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
 
 ATTENTION = {
     Outcome.RETRY,

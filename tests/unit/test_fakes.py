@@ -11,9 +11,7 @@ from decimal import Decimal
 
 import pytest
 
-from infrai_jobs.errors import InfraiError, LedgerError, LedgerUnavailable, QueueMessageNotFound
-from infrai_jobs.jobs import Effect
-from infrai_jobs.ledger import (
+from infrai_jobs.claims import (
     ClaimRequest,
     ClaimStatus,
     JobRun,
@@ -21,6 +19,8 @@ from infrai_jobs.ledger import (
     SettleStatus,
     utc_from_epoch,
 )
+from infrai_jobs.errors import InfraiError, LedgerError, LedgerUnavailable, QueueMessageNotFound
+from infrai_jobs.jobs import Effect
 from infrai_jobs.ports import Clock, LedgerPort, QueuePort
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 

@@ -21,6 +21,7 @@ from typing import Any, LiteralString, Protocol
 import psycopg
 
 from infrai_jobs.errors import InfraiError
+from infrai_jobs.ledger import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.ledger import connect_to_ledger, ledger_error
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueStats
@@ -126,16 +127,6 @@ class AlertReport:
 
 # --- SQL -------------------------------------------------------------------------------------
 
-# A running claim's age runs from its latest claim: a takeover (updated_at) starts it again, so
-# a live holder that took over an old claim is not reported stuck.
-_STUCK: LiteralString = """
-SELECT count(*) FILTER (
-           WHERE error IS NOT NULL
-              OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s)
-       ),
-       coalesce(extract(epoch FROM now() - min(coalesce(updated_at, claimed_at))), 0)
-FROM job_claims WHERE state = 'running'
-"""
 _ENSURE_STATE: LiteralString = """
 INSERT INTO alert_state (scope, signal) VALUES (%(scope)s, %(signal)s)
 ON CONFLICT (scope, signal) DO NOTHING

@@ -20,8 +20,10 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from infrai_jobs.claims import ClaimRow
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
-from infrai_jobs.ledger import ClaimRow, connect_to_ledger, ledger_error
+from infrai_jobs.ledger import STUCK_CLAIMS as _STUCK
+from infrai_jobs.ledger import connect_to_ledger, ledger_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +48,6 @@ _SHOW: LiteralString = """
 SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
        claimed_at, lease_until, updated_at, claim_token
 FROM job_claims WHERE idem_key = %(key)s
-"""
-
-_STUCK: LiteralString = """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
-FROM job_claims
-WHERE state = 'running'
-  AND (error IS NOT NULL
-       OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))
-ORDER BY coalesce(updated_at, claimed_at)
-LIMIT %(limit)s
 """
 
 _FOR_UPDATE: LiteralString = """

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TextIO
 
+from infrai_jobs.claims import ClaimRow
 from infrai_jobs.claims_admin import (
     COMMANDS,
     RELEASABLE,
@@ -34,7 +35,6 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.keys import derive_key, payload_fingerprint
-from infrai_jobs.ledger import ClaimRow
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redrive import (

@@ -20,11 +20,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import psycopg
 
+from infrai_jobs.claims import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimStatus,
+    JobRun,
+    RunKind,
+    Settlement,
+    utc_from_epoch,
+)
 from infrai_jobs.errors import (
     ConfigurationError,
     ConsumeAnswerLost,
@@ -38,15 +46,12 @@ from infrai_jobs.errors import (
     SchemaNotMigrated,
 )
 from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue
-from infrai_jobs.ledger import (
-    ClaimDecision,
-    ClaimRequest,
-    ClaimStatus,
-    JobRun,
-    RunKind,
-    Settlement,
-    SettleStatus,
-    utc_from_epoch,
+from infrai_jobs.outcomes import (
+    ACKED_OUTCOMES,
+    CLAIM_OUTCOMES,
+    OUTCOME_RULES,
+    SETTLE_OUTCOMES,
+    Outcome,
 )
 from infrai_jobs.ports import EffectGuard, LedgerPort, QueuePort
 from infrai_jobs.queue_contract import CONSUME_CAP, DEFAULT_VISIBILITY_TIMEOUT_SECONDS
@@ -72,24 +77,6 @@ ISOLATION_VISIBILITY_TIMEOUTS = 2
 ISOLATION_REREAD_SECONDS = 60.0
 # Codes of a lost answer whose cause may be a message (deterministic), not the network.
 UNREADABLE_CODES = frozenset({"ANSWER_TOO_LARGE", "INVALID_RESPONSE"})
-
-
-class Outcome(StrEnum):
-    DONE = "done"  # ran now and succeeded
-    DUPLICATE = "duplicate"  # the work is already done
-    IN_FLIGHT = "in_flight"  # another delivery holds a live claim and drives retries
-    BATCH_DUPLICATE = "batch_duplicate"  # a second copy in the same batch
-    RETRY = "retry"  # handler raised; claim released; the redelivery retries
-    FAILED = "failed"  # PermanentJobError; claim failed; goes to the DLQ
-    DUPLICATE_FAILED = "duplicate_failed"  # the work failed permanently before
-    STUCK = "stuck"  # an irreversible effect's outcome is unknown: a human decides
-    CONFLICT = "conflict"  # same key, different work
-    REJECTED = "rejected"  # no key derivable: not an object, unknown job, missing fields
-    CLAIM_LOST = "claim_lost"  # a fenced settle matched nothing
-    LEDGER_UNAVAILABLE = "ledger_unavailable"  # the database failed before the outcome settled
-
-
-ACKED_OUTCOMES = frozenset({Outcome.DONE, Outcome.DUPLICATE, Outcome.IN_FLIGHT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -725,7 +712,7 @@ class _Batch:
     ) -> None:
         stuck_reasons: dict[str, str] = {}
         for decision in decisions:
-            outcome = _CLAIM_OUTCOMES.get(decision.status)
+            outcome = CLAIM_OUTCOMES.get(decision.status)
             if outcome is None:  # WON: its settlement decides
                 if decision.takeover:
                     self.takeovers.add(decision.request.idem_key)
@@ -734,7 +721,7 @@ class _Batch:
                 stuck_reasons[decision.request.idem_key] = decision.detail
             self._set_for(decision.request, outcome, decision.detail)
         for settlement in settlements:
-            outcome = _SETTLE_OUTCOMES[settlement.status]
+            outcome = SETTLE_OUTCOMES[settlement.status]
             self._set_for(settlement.request, outcome, settlement.run.error)
         if stuck_reasons:
             try:
@@ -779,22 +766,6 @@ class _Batch:
         # The first decision about a message stands (a settle failure is recorded first).
         if result.message.message_id not in self.results:
             self.results[result.message.message_id] = _log(result)
-
-
-_CLAIM_OUTCOMES = {
-    ClaimStatus.DONE: Outcome.DUPLICATE,
-    ClaimStatus.LIVE: Outcome.IN_FLIGHT,
-    ClaimStatus.FAILED: Outcome.DUPLICATE_FAILED,
-    ClaimStatus.STUCK: Outcome.STUCK,
-    ClaimStatus.CONFLICT: Outcome.CONFLICT,
-}
-_SETTLE_OUTCOMES = {
-    SettleStatus.DONE: Outcome.DONE,
-    SettleStatus.FAILED: Outcome.FAILED,
-    SettleStatus.RELEASED: Outcome.RETRY,
-    SettleStatus.STUCK: Outcome.STUCK,
-    SettleStatus.LOST: Outcome.CLAIM_LOST,
-}
 
 
 def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None = None) -> JobRun:
@@ -883,33 +854,6 @@ class _AckPipeline:
                 summary.acked += 1
         if unexpected is not None:
             raise unexpected
-
-
-@dataclass(frozen=True, slots=True)
-class OutcomeRule:
-    """What an outcome counts as in the summary, and how loudly it is logged."""
-
-    bucket: str  # the DrainSummary total it adds to
-    level: int  # its log line's level: WARNING or ERROR when a human may have to act
-
-
-# DESIGN.md's outcome table as data (the ack column is ACKED_OUTCOMES): the summary, the log
-# levels and the CLI's report derive from it. Transient retries are WARNING (they fix
-# themselves, unless they keep coming); what needs a human's fix is ERROR.
-OUTCOME_RULES: dict[Outcome, OutcomeRule] = {
-    Outcome.DONE: OutcomeRule("done", logging.INFO),
-    Outcome.DUPLICATE: OutcomeRule("duplicates", logging.INFO),
-    Outcome.IN_FLIGHT: OutcomeRule("duplicates", logging.INFO),
-    Outcome.BATCH_DUPLICATE: OutcomeRule("parked", logging.WARNING),
-    Outcome.RETRY: OutcomeRule("retried", logging.WARNING),
-    Outcome.FAILED: OutcomeRule("failed", logging.ERROR),
-    Outcome.DUPLICATE_FAILED: OutcomeRule("parked", logging.WARNING),
-    Outcome.STUCK: OutcomeRule("parked", logging.ERROR),
-    Outcome.CONFLICT: OutcomeRule("parked", logging.ERROR),
-    Outcome.REJECTED: OutcomeRule("parked", logging.ERROR),
-    Outcome.CLAIM_LOST: OutcomeRule("parked", logging.ERROR),
-    Outcome.LEDGER_UNAVAILABLE: OutcomeRule("parked", logging.ERROR),
-}
 
 
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:

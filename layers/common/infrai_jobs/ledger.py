@@ -26,16 +26,24 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from enum import StrEnum
+from datetime import datetime
 from typing import Any, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
 
+from infrai_jobs.claims import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimRow,
+    ClaimStatus,
+    JobRun,
+    RunKind,
+    Settlement,
+    SettleStatus,
+    decide,
+)
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
-from infrai_jobs.jobs import Effect, JsonValue
 from infrai_jobs.migrations import LATEST_VERSION, current_version
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.redaction import describe, malformed_reason, redact
@@ -67,89 +75,6 @@ def _array(values: Iterable[str | uuid.UUID | datetime | float | None]) -> str:
             text = text.replace("\\", "\\\\").replace('"', '\\"')
         parts.append(f'"{text}"')
     return "{" + ",".join(parts) + "}"
-
-
-class ClaimStatus(StrEnum):
-    WON = "won"  # this delivery holds the claim and should run the job
-    DONE = "done"  # the work already succeeded
-    FAILED = "failed"  # the work failed permanently earlier
-    LIVE = "live"  # another delivery holds an unexpired claim
-    STUCK = "stuck"  # an irreversible effect's outcome is unknown: a human decides
-    CONFLICT = "conflict"  # same key, different work
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimRequest:
-    idem_key: str
-    message_id: str
-    job: str
-    effect: Effect
-    fingerprint: str
-    # When the claim may be considered abandoned; None for database jobs (never committed).
-    lease_until: datetime | None = None
-    # Seconds, counted from when the request is built, until the queue may deliver this
-    # message again; the stored lease ends no later (the module's lease invariant). None: the
-    # whole visibility timeout.
-    visibility_left: float | None = None
-    claim_token: uuid.UUID = field(default_factory=uuid.uuid4)
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimDecision:
-    request: ClaimRequest
-    status: ClaimStatus
-    detail: str = ""
-    result: JsonValue = None
-    # WON by taking over an expired external_idempotent claim (not a first claim).
-    takeover: bool = False
-
-
-class RunKind(StrEnum):
-    SUCCEEDED = "succeeded"
-    PERMANENT = "permanent"  # PermanentJobError: mark failed
-    UNCERTAIN = "uncertain"  # EffectUncertain: leave running, flag stuck
-    TRANSIENT = "transient"  # anything else: release the claim for a retry
-
-
-@dataclass(frozen=True, slots=True)
-class JobRun:
-    """What happened when a handler ran; built by the drain, settled by the ledger."""
-
-    kind: RunKind
-    result: JsonValue = None
-    error: str = ""
-
-
-class SettleStatus(StrEnum):
-    DONE = "done"
-    FAILED = "failed"
-    RELEASED = "released"
-    STUCK = "stuck"
-    LOST = "lost"  # the fenced update matched nothing: someone else owns the row now
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    request: ClaimRequest
-    status: SettleStatus
-    run: JobRun
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimRow:
-    idem_key: str
-    state: str
-    message_id: str
-    job: str | None
-    effect: str | None
-    attempts: int | None
-    payload_sha256: str | None
-    error: str | None
-    result: JsonValue
-    claimed_at: datetime
-    lease_until: datetime | None
-    updated_at: datetime | None
-    claim_token: uuid.UUID | None
 
 
 # --- SQL: static, parameterised ----------------------------------------------------------------
@@ -259,6 +184,39 @@ SET error = u.reason, updated_at = now()
 FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
 WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
 """
+
+# When a claim is stuck, the one rule (``claims stuck`` lists them, the watcher pages on them):
+# running, and flagged for a human or older than the threshold since its latest claim. A
+# takeover starts the age again, so a live holder that took over an old claim is not stuck.
+STUCK_CLAIM: LiteralString = """state = 'running'
+  AND (error IS NOT NULL
+       OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))"""
+
+# The claims ``infrai-jobs claims stuck`` lists, oldest first.
+STUCK_CLAIMS: LiteralString = (
+    """
+SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
+       claimed_at, lease_until, updated_at, claim_token
+FROM job_claims
+WHERE """
+    + STUCK_CLAIM
+    + """
+ORDER BY coalesce(updated_at, claimed_at)
+LIMIT %(limit)s
+"""
+)
+
+# What the watcher pages on: how many are stuck, and the oldest running claim's age (from its
+# latest claim, like the rule).
+STUCK_CLAIM_COUNT: LiteralString = (
+    """
+SELECT count(*) FILTER (WHERE """
+    + STUCK_CLAIM
+    + """),
+       coalesce(extract(epoch FROM now() - min(coalesce(updated_at, claimed_at))), 0)
+FROM job_claims WHERE state = 'running'
+"""
+)
 
 _ISOLATION_LEFT: LiteralString = """
 SELECT greatest(extract(epoch FROM single_until - now()), 0)::float8
@@ -571,7 +529,7 @@ class PostgresLedger:
                 )
                 rows.update({row["idem_key"]: row for row in reread.fetchall()})
         by_key = {r.idem_key: r for r in requests}
-        return [_decide(by_key[key], row) for key, row in rows.items()]
+        return [decide(by_key[key], row) for key, row in rows.items()]
 
     # --- database-class batch -------------------------------------------------------------
 
@@ -767,58 +725,3 @@ class PostgresLedger:
         with self._translated() as conn, conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute(_SELECT_ROW, {"key": idem_key}).fetchone()
         return ClaimRow(**row) if row else None
-
-
-def _decide(request: ClaimRequest, row: dict[str, Any]) -> ClaimDecision:
-    """Classify one claim attempt from the claim statement's answer."""
-    if row["won_token"] is not None:
-        attempts = row.get("won_attempts") or 1
-        if attempts > 1:
-            return ClaimDecision(
-                request,
-                ClaimStatus.WON,
-                f"took over an expired claim (attempt {attempts})",
-                takeover=True,
-            )
-        return ClaimDecision(request, ClaimStatus.WON)
-    state = row["state"]
-    if state is None:
-        # The row vanished between the claim and the re-read: its holder released it after a
-        # failed attempt. The holder's message is unacked and carries the retry, exactly as for
-        # a live claim, so this copy is treated (and acked) like one.
-        return ClaimDecision(request, ClaimStatus.LIVE, "claim released concurrently")
-    stored = row["payload_sha256"]
-    if stored is not None and stored != request.fingerprint:
-        return ClaimDecision(
-            request,
-            ClaimStatus.CONFLICT,
-            f"key {request.idem_key} already claimed for different work "
-            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)",
-        )
-    if state == "done":
-        return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
-    if state == "failed":
-        return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
-    # Running: flagged for a human, held by someone, or abandoned.
-    if row["error"]:
-        return ClaimDecision(
-            request, ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
-        )
-    if row["message_id"] == request.message_id:
-        return ClaimDecision(
-            request,
-            ClaimStatus.STUCK,
-            "redelivered while its own claim is still running: the earlier attempt died "
-            "after claiming, and the effect may have happened",
-        )
-    if row["lease_expired"]:
-        return ClaimDecision(
-            request,
-            ClaimStatus.STUCK,
-            "claim lease expired while running: the effect may have happened",
-        )
-    return ClaimDecision(request, ClaimStatus.LIVE, "another delivery holds a live claim")
-
-
-def utc_from_epoch(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=UTC)

@@ -18,6 +18,7 @@ from aws_lambda_powertools.logging.utils import copy_config_to_registered_logger
 from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
 from infrai_jobs.drain import DrainSummary
+from infrai_jobs.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertReport
@@ -44,20 +45,6 @@ DRAIN_METRICS = {
     "fanned_out": "DrainsFannedOut",
     "fan_out_throttled": "FanOutThrottled",
     "fan_out_failed": "FanOutFailed",
-}
-OUTCOME_METRICS = {
-    "done": "OutcomeDone",
-    "duplicate": "OutcomeDuplicateDone",
-    "in_flight": "OutcomeDuplicateInFlight",
-    "batch_duplicate": "OutcomeBatchDuplicate",
-    "retry": "OutcomeRetry",
-    "failed": "OutcomeFailed",
-    "duplicate_failed": "OutcomeDuplicateFailed",
-    "stuck": "OutcomeStuck",
-    "conflict": "OutcomePayloadMismatch",
-    "rejected": "OutcomeRejected",
-    "claim_lost": "OutcomeClaimLost",
-    "ledger_unavailable": "OutcomeLedgerUnavailable",
 }
 
 

@@ -12,13 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
 
 if TYPE_CHECKING:
-    from infrai_jobs.ledger import (
-        ClaimDecision,
-        ClaimRequest,
-        DatabaseRunner,
-        JobRun,
-        Settlement,
-    )
+    from infrai_jobs.claims import ClaimDecision, ClaimRequest, JobRun, Settlement
+    from infrai_jobs.ledger import DatabaseRunner
 
 
 class QueuePort(Protocol):

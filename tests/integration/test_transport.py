@@ -23,9 +23,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from infrai_jobs.errors import ConfigurationError, InfraiUnavailable
+from infrai_jobs.errors import ConfigurationError, InfraiUnavailable, TransportError
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.transport import HttpPool, TransportError
+from infrai_jobs.transport import HttpPool
 
 API_KEY = "sk_live_transport_secret_77"
 OK_JSON = (

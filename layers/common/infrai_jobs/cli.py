@@ -38,6 +38,7 @@ from infrai_jobs.errors import (
     DeadLetterNotFound,
     InfraiError,
     InfraiJobsError,
+    UsageError,
 )
 from infrai_jobs.factory import make_effect_guard, make_queue_client
 from infrai_jobs.keys import derive_key
@@ -215,14 +216,6 @@ def _hint(exc: InfraiError) -> str:
     if exc.code == "CONNECTION_ERROR":
         return "check INFRAI_BASE_URL and that the service is reachable"
     return ""
-
-
-class UsageError(ConfigurationError):
-    """The command line itself is wrong (argparse's complaint), with the usage to show."""
-
-    def __init__(self, message: str, usage: str = "") -> None:
-        super().__init__(message)
-        self.usage = usage
 
 
 class _Parser(argparse.ArgumentParser):

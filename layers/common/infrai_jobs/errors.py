@@ -15,6 +15,29 @@ class ConfigurationError(InfraiJobsError):
     """A setting is missing or malformed; the message names the setting and the fix."""
 
 
+class UsageError(ConfigurationError):
+    """The command line itself is wrong (argparse's complaint), with the usage to show."""
+
+    def __init__(self, message: str, usage: str = "") -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+# --- HTTP transport (never leaves the queue client, which turns it into InfraiUnavailable) ------
+
+
+class TransportError(InfraiJobsError):
+    """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer."""
+
+
+class AnswerTooLarge(TransportError):
+    """The answer is longer than the pool accepts; ``size`` is its declared length, if any."""
+
+    def __init__(self, message: str, size: int | None) -> None:
+        super().__init__(message)
+        self.size = size
+
+
 # --- The Infrai queue -------------------------------------------------------------------------
 
 
@@ -148,3 +171,15 @@ class ClaimChanged(InfraiJobsError):
 
 class DeadLetterNotFound(InfraiJobsError):
     """No dead letter read matched what the operator named (``dlq discard``)."""
+
+
+# --- The second layer (Powertools idempotency) ------------------------------------------------
+
+
+class EffectInProgress(InfraiJobsError):
+    """Another call for the same key is inside its effect right now. Transient: the drain
+    releases the claim and the redelivery asks again once that call has finished."""
+
+
+class SecondLayerUnavailable(InfraiJobsError):
+    """The idempotency store failed before the effect ran. Transient: nothing happened."""

@@ -32,12 +32,14 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from infrai_jobs.errors import (
+    AnswerTooLarge,
     ConfigurationError,
     ConsumeAnswerLost,
     InfraiError,
     InfraiInvalidResponse,
     InfraiUnavailable,
     QueueMessageNotFound,
+    TransportError,
 )
 from infrai_jobs.queue_contract import CONSUME_CAP
 from infrai_jobs.queue_models import (
@@ -48,7 +50,7 @@ from infrai_jobs.queue_models import (
     parse_publish_price,
 )
 from infrai_jobs.rotation import fetch_again
-from infrai_jobs.transport import MAX_BODY, AnswerTooLarge, HttpPool, TransportError
+from infrai_jobs.transport import MAX_BODY, HttpPool
 
 logger = logging.getLogger(__name__)
 

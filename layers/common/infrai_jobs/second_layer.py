@@ -66,7 +66,13 @@ from aws_lambda_powertools.utilities.idempotency.exceptions import (
     IdempotencyValidationError,
 )
 
-from infrai_jobs.errors import EffectUncertain, InfraiJobsError, PermanentJobError
+from infrai_jobs.errors import (
+    EffectInProgress,
+    EffectUncertain,
+    InfraiJobsError,
+    PermanentJobError,
+    SecondLayerUnavailable,
+)
 
 if TYPE_CHECKING:
     from aws_lambda_powertools.utilities.idempotency.persistence.base import (
@@ -89,15 +95,6 @@ REDIS_TIMEOUT_SECONDS = 2.0
 
 _DONE = "done"
 _UNCERTAIN = "uncertain"
-
-
-class EffectInProgress(InfraiJobsError):
-    """Another call for the same key is inside its effect right now. Transient: the drain
-    releases the claim and the redelivery asks again once that call has finished."""
-
-
-class SecondLayerUnavailable(InfraiJobsError):
-    """The idempotency store failed before the effect ran. Transient: nothing happened."""
 
 
 class RemainingTime(Protocol):

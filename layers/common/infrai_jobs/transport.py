@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from infrai_jobs.errors import AnswerTooLarge, TransportError
+
 MAX_LINE = 65536
 MAX_HEADERS = 100
 # Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
@@ -68,10 +70,6 @@ _WHOLE_HEAD_LIMIT = 8192
 _HEADER_BLOCKS_KEPT = 16
 
 
-class TransportError(Exception):
-    """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer."""
-
-
 @dataclass(frozen=True, slots=True)
 class Response:
     status: int
@@ -80,19 +78,11 @@ class Response:
     body: bytes
 
 
-class AnswerTooLarge(TransportError):
-    """The answer is longer than the pool accepts; ``size`` is its declared length, if any."""
-
-    def __init__(self, message: str, size: int | None) -> None:
-        super().__init__(message)
-        self.size = size
-
-
 class _ProtocolError(Exception):
     pass
 
 
-class OversizedAnswer(_ProtocolError):
+class _OversizedAnswer(_ProtocolError):
     def __init__(self, limit: int, size: int | None = None) -> None:
         super().__init__(f"the answer is larger than {limit} bytes")
         self.size = size
@@ -212,7 +202,7 @@ class _Connection:
         while len(self.buffer) <= limit and self.fill():
             pass
         if len(self.buffer) > limit:
-            raise OversizedAnswer(limit)
+            raise _OversizedAnswer(limit)
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
@@ -329,7 +319,7 @@ class HttpPool:
         method = exchange.method
         try:
             response, keep_alive = _read_response(conn, method, self._max_body)
-        except OversizedAnswer as exc:
+        except _OversizedAnswer as exc:
             conn.close()
             raise AnswerTooLarge(self._describe(exc), exc.size) from exc
         except (OSError, _ProtocolError) as exc:
@@ -522,7 +512,7 @@ def _read_response(conn: _Connection, method: str, max_body: int) -> tuple[Respo
         return Response(status, headers, conn.read_to_end(max_body)), False
     size = _parse_length(length)
     if size > max_body:
-        raise OversizedAnswer(max_body, size)
+        raise _OversizedAnswer(max_body, size)
     body = conn.read(size)
     if len(body) != size:
         raise _ProtocolError(f"the answer was cut short ({len(body)} of {size} bytes)")
@@ -617,7 +607,7 @@ def _read_chunked(conn: _Connection, max_body: int) -> bytes:
         if size == 0:
             break
         if len(body) + size > max_body:
-            raise OversizedAnswer(max_body)
+            raise _OversizedAnswer(max_body)
         chunk = conn.read(size)
         if len(chunk) != size or conn.readline() not in (b"\r\n", b"\n"):
             raise _ProtocolError("the answer was cut short inside a chunk")

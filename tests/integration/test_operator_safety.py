@@ -17,8 +17,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
+from infrai_jobs.errors import SchemaNotMigrated
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.redrive import _reopen
 from infrai_local import emulator, provider_sink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,3 +461,17 @@ def test_a_missing_claim_is_a_json_error_with_exit_3(database_url: str) -> None:
     assert error["type"] == "ClaimNotFound"
     assert error["message"].startswith("no claim with key 'nope'")
     assert error["exit_code"] == 3
+
+
+def test_the_watcher_and_redrive_name_an_unmigrated_database(
+    queue: InfraiClient, database_url: str
+) -> None:
+    # Given a database never migrated
+    check = AlertCheck(queue, database_url, PrintingAlerter(), AlertThresholds())
+    dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "in_flight", "r")
+    # When DlqAlertFunction's check and a redrive's reopen use it
+    for call in (lambda: check.run([QUEUE]), lambda: _reopen(database_url, dead_letter)):
+        # Then each says it is not migrated, with the command, and the database stays empty
+        with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):
+            call()
+    assert table_count(database_url) == 0

@@ -6,7 +6,8 @@ Local stand-ins (the emulator, embedded PostgreSQL, the provider sink) come from
 Lambda layer, and only ever all together, when nothing real is configured.
 
 Exit codes: 0 success, 1 the operation failed (also when stdout was closed early), 2 bad usage
-or configuration, 3 the claim is missing or changed since it was read, 130 interrupted. With
+or configuration, 3 the claim (or dead letter) is missing or changed since it was read, 130
+interrupted. With
 ``--json``, an error is also printed to stdout as ``{"error": {"type", "message", "exit_code",
 ...}}``.
 """

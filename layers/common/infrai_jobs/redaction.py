@@ -78,12 +78,12 @@ def _as_libpq_splits_it(url: str) -> tuple[str, str]:
     information ends at the first ``@`` met before any ``/``, the host part at ``/`` or
     ``?``, the database name at ``?``."""
     rest = url.strip().split("://", 1)[1]
-    end = next((i for i, char in enumerate(rest) if char in "@/"), len(rest))
-    if end < len(rest) and rest[end] == "@":
-        rest = rest[end + 1 :]
-    host_part, _, after = rest.partition("/") if "/" in rest.split("?", 1)[0] else (rest, "", "")
-    host_part = host_part.split("?", 1)[0]
-    return host_part, after.split("?", 1)[0]
+    credentials_end = re.search(r"[@/]", rest)
+    if credentials_end and credentials_end.group() == "@":
+        rest = rest[credentials_end.end() :]
+    before_query = rest.split("?", 1)[0]
+    host_part, _, dbname = before_query.partition("/")
+    return host_part, dbname
 
 
 _PORT = re.compile(r"(?:\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?")

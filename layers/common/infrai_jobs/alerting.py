@@ -22,7 +22,7 @@ import psycopg
 
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.ledger import STUCK_CLAIM_COUNT as _STUCK
-from infrai_jobs.ledger import connect_to_ledger, ledger_error
+from infrai_jobs.ledger import connect_to_ledger, ledger_errors
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueStats
 
@@ -170,41 +170,41 @@ class AlertCheck:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
         unread: list[InfraiError] = []
-        try:
-            with connect_to_ledger(
+        with (
+            ledger_errors("alert check", self._database_url),
+            connect_to_ledger(
                 self._database_url,
                 connect_timeout=self._connect_timeout,
                 application_name="infrai-jobs-watcher",
-            ) as conn:
-                # When this run started looking, by the database's clock: a signal saved by
-                # another run after this moment holds a newer observation than ours.
-                started = conn.execute("SELECT now()").fetchone()
-                report.started = started[0] if started else None
-                # Stats before any verdict. A queue whose stats cannot be read gets no verdict
-                # at all (never a "resolved" on missing data); the others are still judged, and
-                # the run raises at the end so the function's Errors alarm fires.
-                for name in watched:
-                    try:
-                        report.stats.append(self._queue.stats(name))
-                    except InfraiError as exc:
-                        logger.error(
-                            "cannot read a watched queue's stats; it is not judged this run",
-                            extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
-                        )
-                        unread.append(exc)
-                report.stuck = self._stuck_claims(conn)
-                limit = self._thresholds.backlog_age_seconds
-                for stats in report.stats:
-                    lagging = int(stats.oldest_message_age_seconds > limit)
-                    dlq = Observation(stats.queue, Signal.DLQ, stats.dlq_count, stats)
-                    self._evaluate(conn, report, dlq)
-                    self._evaluate(
-                        conn, report, Observation(stats.queue, Signal.BACKLOG, lagging, stats)
+            ) as conn,
+        ):
+            # When this run started looking, by the database's clock: a signal saved by
+            # another run after this moment holds a newer observation than ours.
+            started = conn.execute("SELECT now()").fetchone()
+            report.started = started[0] if started else None
+            # Stats before any verdict. A queue whose stats cannot be read gets no verdict
+            # at all (never a "resolved" on missing data); the others are still judged, and
+            # the run raises at the end so the function's Errors alarm fires.
+            for name in watched:
+                try:
+                    report.stats.append(self._queue.stats(name))
+                except InfraiError as exc:
+                    logger.error(
+                        "cannot read a watched queue's stats; it is not judged this run",
+                        extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
                     )
-                stuck = Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count)
-                self._evaluate(conn, report, stuck)
-        except psycopg.Error as exc:
-            raise ledger_error(exc, "alert check", self._database_url) from exc
+                    unread.append(exc)
+            report.stuck = self._stuck_claims(conn)
+            limit = self._thresholds.backlog_age_seconds
+            for stats in report.stats:
+                lagging = int(stats.oldest_message_age_seconds > limit)
+                dlq = Observation(stats.queue, Signal.DLQ, stats.dlq_count, stats)
+                self._evaluate(conn, report, dlq)
+                self._evaluate(
+                    conn, report, Observation(stats.queue, Signal.BACKLOG, lagging, stats)
+                )
+            stuck = Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count)
+            self._evaluate(conn, report, stuck)
         if unread:
             raise unread[0]
         return report

@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb
 from infrai_jobs.claims import ClaimRow
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.ledger import STUCK_CLAIMS as _STUCK
-from infrai_jobs.ledger import connect_to_ledger, ledger_error
+from infrai_jobs.ledger import connect_to_ledger, ledger_errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +182,12 @@ class ClaimsAdmin:
 
     def history(self, key: str) -> list[dict[str, Any]]:
         """Every operator action recorded for this key, oldest first (kept after a release)."""
-        try:
-            with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
-                return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
-        except psycopg.Error as exc:
-            raise ledger_error(exc, "cannot read the claim history", self._url) from exc
+        with (
+            ledger_errors("cannot read the claim history", self._url),
+            self._connect() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
 
     def resolve(
         self,
@@ -249,50 +250,49 @@ class ClaimsAdmin:
         actor: str | None,
         note: str,
     ) -> ClaimRow:
-        try:
-            with self._connect() as conn, conn.transaction():
-                with conn.cursor(row_factory=dict_row) as cur:
-                    row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
-                if row is None:
-                    raise ClaimNotFound(f"no claim with key {key!r}")
-                before = ClaimRow(**row)
-                refused = change_refused(
-                    before,
-                    command=COMMANDS[action],
-                    allowed_states=allowed_states,
-                    token=expected_token,
-                )
-                if refused:
-                    raise ClaimChanged(refused)
-                cursor = conn.execute(
-                    statement,
-                    {
-                        "key": key,
-                        "expected_state": before.state,
-                        "expected_token": before.claim_token,
-                        **changes,
-                    },
-                )
-                if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
-                    raise ClaimChanged(f"claim {key!r} changed while it was being updated")
-                with conn.cursor(row_factory=dict_row) as cur:
-                    after_row = cur.execute(_SHOW, {"key": key}).fetchone()
-                after = ClaimRow(**after_row) if after_row else None
-                conn.execute(
-                    _HISTORY,
-                    {
-                        "key": key,
-                        "action": action,
-                        "actor": actor or default_actor(),
-                        "before": Jsonb(claim_as_dict(before)),
-                        "after": Jsonb(claim_as_dict(after)) if after else None,
-                        "note": note or None,
-                    },
-                )
-        except psycopg.Error as exc:
-            raise ledger_error(
-                exc, f"cannot {action.replace('_', ' ')} {key!r}", self._url
-            ) from exc
+        with (
+            ledger_errors(f"cannot {action.replace('_', ' ')} {key!r}", self._url),
+            self._connect() as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
+            if row is None:
+                raise ClaimNotFound(f"no claim with key {key!r}")
+            before = ClaimRow(**row)
+            refused = change_refused(
+                before,
+                command=COMMANDS[action],
+                allowed_states=allowed_states,
+                token=expected_token,
+            )
+            if refused:
+                raise ClaimChanged(refused)
+            cursor = conn.execute(
+                statement,
+                {
+                    "key": key,
+                    "expected_state": before.state,
+                    "expected_token": before.claim_token,
+                    **changes,
+                },
+            )
+            if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
+                raise ClaimChanged(f"claim {key!r} changed while it was being updated")
+            with conn.cursor(row_factory=dict_row) as cur:
+                after_row = cur.execute(_SHOW, {"key": key}).fetchone()
+            after = ClaimRow(**after_row) if after_row else None
+            conn.execute(
+                _HISTORY,
+                {
+                    "key": key,
+                    "action": action,
+                    "actor": actor or default_actor(),
+                    "before": Jsonb(claim_as_dict(before)),
+                    "after": Jsonb(claim_as_dict(after)) if after else None,
+                    "note": note or None,
+                },
+            )
         return after or before
 
     def record_discard(
@@ -308,47 +308,44 @@ class ClaimsAdmin:
         ``before`` holds the dead letter (its payload included, so the work can still be
         recovered) and the key's claim as it is now; the claim itself is left as it is.
         """
-        try:
-            with self._connect() as conn, conn.transaction():
-                with conn.cursor(row_factory=dict_row) as cur:
-                    row = cur.execute(_SHOW, {"key": key}).fetchone()
-                claim = claim_as_dict(ClaimRow(**row)) if row else None
-                conn.execute(
-                    _DISCARD,
-                    {
-                        "key": key,
-                        "actor": actor or default_actor(),
-                        "before": Jsonb({"dead_letter": dead_letter, "claim": claim}),
-                        "note": note or None,
-                    },
-                )
-        except psycopg.Error as exc:
-            raise ledger_error(exc, "cannot record the discard", self._url) from exc
+        with (
+            ledger_errors("cannot record the discard", self._url),
+            self._connect() as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(_SHOW, {"key": key}).fetchone()
+            claim = claim_as_dict(ClaimRow(**row)) if row else None
+            conn.execute(
+                _DISCARD,
+                {
+                    "key": key,
+                    "actor": actor or default_actor(),
+                    "before": Jsonb({"dead_letter": dead_letter, "claim": claim}),
+                    "note": note or None,
+                },
+            )
 
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per
         batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
         deleted = batches = 0
-        try:
-            with self._connect() as conn:
-                while True:
-                    cursor = conn.execute(
-                        _PRUNE_BATCH, {"days": older_than_days, "batch": batch_size}
-                    )
-                    batches += 1
-                    deleted += cursor.rowcount
-                    if cursor.rowcount < batch_size:
-                        break
-        except psycopg.Error as exc:
-            raise ledger_error(exc, "cannot prune claims", self._url) from exc
+        with ledger_errors("cannot prune claims", self._url), self._connect() as conn:
+            while True:
+                cursor = conn.execute(_PRUNE_BATCH, {"days": older_than_days, "batch": batch_size})
+                batches += 1
+                deleted += cursor.rowcount
+                if cursor.rowcount < batch_size:
+                    break
         return PruneResult(deleted, batches)
 
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
-        try:
-            with self._connect() as conn, conn.cursor(row_factory=dict_row) as cur:
-                return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
-        except psycopg.Error as exc:
-            raise ledger_error(exc, "cannot read claims", self._url) from exc
+        with (
+            ledger_errors("cannot read claims", self._url),
+            self._connect() as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
 
 
 def storable_json(value: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any, LiteralString
 import psycopg
 
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.ledger import connect_to_ledger, ledger_error
+from infrai_jobs.ledger import connect_to_ledger, ledger_errors
 from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)
@@ -150,14 +150,14 @@ class PostgresDrainFleet:
     def _translated(self) -> Iterator[psycopg.Connection[Any]]:
         conn = self._connection()
         try:
-            yield conn
-        except psycopg.OperationalError as exc:
+            # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
+            with ledger_errors("a drain-lease statement", self._url):
+                yield conn
+        except LedgerUnavailable:
+            # The server closed the connection, or it broke mid-statement: reconnect next time.
             self._conn = None
             conn.close()
-            raise ledger_error(exc, url=self._url) from exc
-        except psycopg.Error as exc:
-            # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
-            raise ledger_error(exc, "a drain-lease statement", self._url) from exc
+            raise
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn

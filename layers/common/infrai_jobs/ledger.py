@@ -328,6 +328,16 @@ def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerEr
     return LedgerError(f"{where}the ledger rejected a statement: {detail}")
 
 
+@contextmanager
+def ledger_errors(doing: str = "", url: str = "") -> Iterator[None]:
+    """Driver errors raised inside, in the package's terms (``ledger_error``): how every module
+    but this one meets a psycopg error, so the translation is written once."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise ledger_error(exc, doing, url) from exc
+
+
 def _aborted(conn: psycopg.Connection[Any]) -> bool:
     return conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
 

@@ -44,7 +44,9 @@ def _is_url(conninfo: str) -> bool:
     return conninfo.strip().lower().startswith(_URL_SCHEMES)
 
 
-def _parsed(conninfo: str) -> dict[str, str] | None:
+def parse_conninfo(conninfo: str) -> dict[str, str] | None:
+    """A connection string's keywords as libpq reads them; None when libpq cannot read it
+    (its own message would quote the whole string, password included)."""
     try:
         return {key: str(value) for key, value in conninfo_to_dict(conninfo).items()}
     except psycopg.Error:
@@ -96,7 +98,7 @@ def malformed_reason(conninfo: str) -> str:
     non-number into a port: that is where the tail of a password with an unescaped ``@`` or
     ``/`` lands. The reason never quotes the string: it names what to fix.
     """
-    if _parsed(conninfo) is None:
+    if parse_conninfo(conninfo) is None:
         return (
             "it cannot be parsed (a stray '%', quote or space, or an unclosed '[' are the usual "
             "causes: percent-encode such characters in a password)"
@@ -122,7 +124,7 @@ def secrets_of(conninfo: str) -> list[str]:
     """Every string ``redact`` removes for ``conninfo``, longest first."""
     found: set[str] = set()
     pieces: set[str] = set()
-    parsed = _parsed(conninfo)
+    parsed = parse_conninfo(conninfo)
     if parsed is not None and parsed.get("password"):
         found.add(parsed["password"])
     if _is_url(conninfo):
@@ -148,7 +150,7 @@ def redact(text: str, conninfo: str) -> str:
 def describe(conninfo: str) -> str:
     """``user@host:port/dbname`` for messages and log lines: never the password, and nothing
     at all from a malformed string (its "host" may be a piece of the password)."""
-    parsed = _parsed(conninfo)
+    parsed = parse_conninfo(conninfo)
     if parsed is None or malformed_reason(conninfo):
         return "a malformed database URL"
     where = parsed.get("host") or parsed.get("hostaddr") or "localhost"

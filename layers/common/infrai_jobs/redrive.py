@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, LiteralString
 
-import psycopg
-
 from infrai_jobs.claims_admin import default_actor
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -36,7 +34,7 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.keys import derive_key, payload_fingerprint
-from infrai_jobs.ledger import connect_to_ledger, ledger_error
+from infrai_jobs.ledger import connect_to_ledger, ledger_errors
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
 
@@ -305,11 +303,11 @@ def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
     (``receipt.send:{invoice_id}``): a dead letter of such a job is matched to ``key`` through
     the fingerprint of the work the ledger claimed under that key, when it holds one.
     """
-    try:
-        with connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn:
-            rows = conn.execute(_RECORDED_FINGERPRINTS, {"key": key}).fetchall()
-    except psycopg.Error as exc:
-        raise ledger_error(exc, f"cannot look up key {key!r}", database_url) from exc
+    with (
+        ledger_errors(f"cannot look up key {key!r}", database_url),
+        connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn,
+    ):
+        rows = conn.execute(_RECORDED_FINGERPRINTS, {"key": key}).fetchall()
     recorded = {row[0] for row in rows}
 
     def key_of(payload: Any) -> str:
@@ -450,8 +448,8 @@ def _reopen(database_url: str, message: QueueMessage) -> list[str]:
         "fingerprint": fingerprint,
         "actor": default_actor(),
     }
-    try:
-        with connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn:
-            return [row[0] for row in conn.execute(_REOPEN, params).fetchall()]
-    except psycopg.Error as exc:
-        raise ledger_error(exc, "cannot reopen failed claims", database_url) from exc
+    with (
+        ledger_errors("cannot reopen failed claims", database_url),
+        connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn,
+    ):
+        return [row[0] for row in conn.execute(_REOPEN, params).fetchall()]

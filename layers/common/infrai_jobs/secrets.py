@@ -13,11 +13,10 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
-import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.redaction import malformed_reason
+from infrai_jobs.redaction import malformed_reason, parse_conninfo
 from infrai_jobs.settings import Settings
 
 SECRET_CACHE_SECONDS = 300
@@ -97,13 +96,12 @@ def _require_tls(url: str) -> str:
     # Before make_conninfo rewrites it into keywords: once rewritten, the tail of a password
     # with an unescaped '@' would look like a host of its own, and no longer like a password.
     reason = malformed_reason(url)
-    if reason and _parses(url):
+    if reason and parse_conninfo(url) is not None:
         raise ConfigurationError(f"the database secret's URL is malformed: {reason}")
-    try:
-        params = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
+    params = parse_conninfo(url)
+    if params is None:
         # libpq's message quotes the whole string, password included: say only what is wrong.
-        raise ConfigurationError("the database secret is not a valid connection string") from None
+        raise ConfigurationError("the database secret is not a valid connection string")
     mode = params.get("sslmode")
     if mode is None:
         return make_conninfo(url, sslmode="require")
@@ -113,14 +111,6 @@ def _require_tls(url: str) -> str:
             "require, verify-ca or verify-full"
         )
     return url
-
-
-def _parses(url: str) -> bool:
-    try:
-        conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return False
-    return True
 
 
 def _fetch_parameter(name: str, *, force_fetch: bool) -> str:

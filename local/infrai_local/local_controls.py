@@ -45,6 +45,13 @@ def _call(url: str, method: str, path: str, body: dict[str, Any] | None = None) 
     return json.loads(text) if text.strip() else {}
 
 
+def _url_option() -> argparse.ArgumentParser:
+    """``--url`` after the action too (``clock --advance 5 --url ...``), not only before it."""
+    option = argparse.ArgumentParser(add_help=False)
+    option.add_argument("--url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return option
+
+
 def _emulator_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infrai-jobs emulator",
@@ -52,9 +59,14 @@ def _emulator_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--url", help=f"default: INFRAI_BASE_URL, else {DEFAULT_EMULATOR_URL}")
     sub = parser.add_subparsers(dest="action", required=True)
-    clock = sub.add_parser("clock", help="move the emulator's clock forward (visibility, delays)")
+    url = _url_option()
+    clock = sub.add_parser(
+        "clock", parents=[url], help="move the emulator's clock forward (visibility, delays)"
+    )
     clock.add_argument("--advance", type=float, required=True, metavar="SECONDS")
-    faults = sub.add_parser("faults", help="replace the injected faults (no option clears them)")
+    faults = sub.add_parser(
+        "faults", parents=[url], help="replace the injected faults (no option clears them)"
+    )
     faults.add_argument("--error-rate", type=float, help="answer 500 to this share of calls")
     faults.add_argument("--rate-limit-rate", type=float, help="answer 429 to this share")
     faults.add_argument(
@@ -63,8 +75,8 @@ def _emulator_parser() -> argparse.ArgumentParser:
     faults.add_argument("--latency-ms", type=int, help="delay every call")
     faults.add_argument("--seed", type=int, help="make the faults repeatable")
     faults.add_argument("--routes", help="comma-separated API routes (default: all)")
-    sub.add_parser("state", help="queues, request counts, faults injected, the clock")
-    sub.add_parser("reset", help="forget queues, faults, counters and clock jumps")
+    sub.add_parser("state", parents=[url], help="queues, request counts, faults, the clock")
+    sub.add_parser("reset", parents=[url], help="forget queues, faults, counters, clock jumps")
     return parser
 
 
@@ -94,13 +106,16 @@ def _sink_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--url", help="default: PROVIDER_URL")
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("state", help="calls and effects per route and per key")
-    faults = sub.add_parser("faults", help="replace the injected faults (no option clears them)")
+    url = _url_option()
+    sub.add_parser("state", parents=[url], help="calls and effects per route and per key")
+    faults = sub.add_parser(
+        "faults", parents=[url], help="replace the injected faults (no option clears them)"
+    )
     faults.add_argument("--fail-rate", type=float, help="answer 503 without the effect")
     faults.add_argument("--hang-rate", type=float, help="perform the effect, then hang")
     faults.add_argument("--hang-seconds", type=float, help="how long a hang lasts")
     faults.add_argument("--seed", type=int, help="make the faults repeatable")
-    sub.add_parser("reset", help="forget calls, effects and faults")
+    sub.add_parser("reset", parents=[url], help="forget calls, effects and faults")
     return parser
 
 

@@ -475,3 +475,23 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
         with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):
             call()
     assert table_count(database_url) == 0
+
+
+# --- the stand-ins' controls as commands -------------------------------------------------------
+
+
+def test_the_emulator_controls_answer_in_json_and_refuse_in_one_line(queue: InfraiClient) -> None:
+    # Given a running emulator
+    env = base_env(INFRAI_BASE_URL=queue.base_url)
+    # When its clock is moved past the visibility timeout, Then the answer says by how much
+    moved = run("emulator", "clock", "--advance", "301", env=env)
+    assert moved.returncode == 0, moved.stderr
+    assert json.loads(moved.stdout)["data"]["offset_seconds"] == 301
+    # When a fault is out of range, Then the emulator's refusal is one line, exit 1
+    line = assert_one_line_error(
+        run("emulator", "faults", "--error-rate", "2", "--url", queue.base_url, env=base_env()), 1
+    )
+    assert "VALIDATION_ERROR" in line
+    # When the sink is asked about with nothing naming it, Then it is a usage error
+    line = assert_one_line_error(run("provider-sink", "state", env=base_env()), 2)
+    assert "PROVIDER_URL" in line

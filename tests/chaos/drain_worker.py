@@ -13,18 +13,24 @@ Settings come from the function's own environment variables (``INFRAI_BASE_URL``
 * ``SOAK_KILL_AT_ACK``: SIGKILL this process just before its N-th ack, that is after the ledger
   committed and before Infrai heard about it (0: never);
 * ``SOAK_IDLE_SECONDS``: the pause after an invocation that received nothing (the queue was
-  empty, or the drains alive were at the cap).
+  empty, or the drains alive were at the cap);
+* ``SOAK_DIE_IN_CALL``: when ``1``, an external job whose payload carries ``soak_die``
+  (``after_call``: once the provider has the request; ``before_call``: before it is sent) kills
+  this process inside its downstream call, the way a crash or a timeout cuts a call off.
 
 ``drain_worker.py --once EVENT_FILE`` is an invocation a backlog fan-out started (the soak's
 loopback Lambda runs it): one invocation with that event, then the process ends, as a cold
 environment Lambda starts for an async invoke.
 
 Each invocation ends with one JSON line on stdout, ``{"soak_event": "invocation", ...}``, which
-the soak adds up; an invocation that raised prints what Lambda's runtime would log.
+the soak adds up; an invocation that raised prints what Lambda's runtime would log. Each consume
+that received messages prints ``{"soak_event": "received", "asked": n, "got": k}`` (a batch, or
+one message at a time after a lost answer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -40,6 +46,7 @@ from typing import Any
 from soak_jobs import register_soak_jobs
 
 import jobs  # the function's own jobs package (functions/drain is on the path)
+from infrai_jobs.jobs import Effect, Handler, JobContext, JobDefinition, JobRegistry, Payload
 from infrai_jobs.queue_models import Pending
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,11 +106,73 @@ def invoke_once(app: Any, event: Any, seconds: float) -> int:
     return 0
 
 
+def trace_receives(service: Any) -> None:
+    """Wrap the client's consumes so each one that received messages says how many it asked for
+    and got: the soak counts how much of the run was received in batches."""
+    queue = service.queue
+    consume = queue.consume
+    send_consume = queue.send_consume
+
+    def received(asked: int, messages: list[Any]) -> list[Any]:
+        if messages:
+            emit("received", asked=asked, got=len(messages))
+        return messages
+
+    def traced_consume(name: str, max_messages: int = 10) -> list[Any]:
+        return received(max_messages, consume(name, max_messages))
+
+    def traced_send_consume(name: str, max_messages: int = 10) -> Pending[list[Any]]:
+        pending = send_consume(name, max_messages)
+        return Pending(
+            lambda: received(max_messages, pending.wait()),
+            lambda: received(max_messages, pending.wait(retry=False)),
+        )
+
+    queue.consume = traced_consume
+    queue.send_consume = traced_send_consume
+
+
+def dying_in_calls(registry: JobRegistry) -> JobRegistry:
+    """The same jobs, except that an external job whose payload says ``soak_die`` SIGKILLs this
+    process inside its call: its claim stays ``running`` behind an owner that is gone."""
+    dying = JobRegistry()
+    for definition in registry:
+        if definition.effect is Effect.DATABASE:
+            dying.register(definition)
+        else:
+            dying.register(dataclasses.replace(definition, handler=_dies(definition)))
+    return dying
+
+
+def _dies(definition: JobDefinition) -> Handler:
+    call = definition.handler
+
+    def handler(payload: Payload, ctx: JobContext) -> Any:
+        where = payload.get("soak_die")
+        if where not in ("before_call", "after_call"):
+            return call(payload, ctx)
+        if where == "after_call":
+            call(payload, ctx)  # the provider has it; the answer is never read
+        emit(
+            "die_in_call",
+            job=definition.name,
+            idem_key=ctx.idem_key,
+            where=where,
+            delivery=ctx.delivery_count,
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL cannot be caught")
+
+    return handler
+
+
 def main() -> int:
     deployed_registry = jobs.build_registry
+    die_in_calls = os.environ.get("SOAK_DIE_IN_CALL", "") == "1"
 
     def build_registry(provider_url: str) -> Any:
-        return register_soak_jobs(deployed_registry(provider_url))
+        registry = register_soak_jobs(deployed_registry(provider_url))
+        return dying_in_calls(registry) if die_in_calls else registry
 
     # Before app is imported: the handler module binds jobs.build_registry at import.
     jobs.build_registry = build_registry
@@ -112,6 +181,7 @@ def main() -> int:
     invocation_seconds = float(os.environ["SOAK_INVOCATION_SECONDS"])
     idle_seconds = float(os.environ.get("SOAK_IDLE_SECONDS", "0.2"))
     kill_at_ack = int(os.environ.get("SOAK_KILL_AT_ACK", "0"))
+    trace_receives(app.service())
     if sys.argv[1:2] == ["--once"]:
         return invoke_once(app, json.loads(Path(sys.argv[2]).read_text()), invocation_seconds)
     event = json.loads(SCHEDULE_EVENT.read_text())

@@ -4,7 +4,9 @@
 messages) of three effect classes, 60% of the messages before any drain starts (a backlog, so
 the drains fan out) and the rest while they work, lets three drain *processes*
 (``drain_worker.py``, the deployed handler) and the drains they fan out to work the queue while
-it injects faults, and then checks every job, not a sample:
+it injects faults, and then checks every job, not a sample. The queue's visibility timeout is
+10 s, the emulator's and the drains' alike, so that what runs on the real clock (leases, the
+drains' one-at-a-time windows) keeps pace with it.
 
 * Infrai faults from the emulator: 5xx, 429 (``Retry-After: 0``) and dropped responses on
   consume and ack;
@@ -16,13 +18,20 @@ it injects faults, and then checks every job, not a sample:
   remain, so they are redelivered and, after three deliveries, dead-lettered;
 * backlog fan-out on: the drains count themselves in the ledger and start more drains through
   Lambda's Invoke API, answered on loopback (``infrai_local.fan_out.LocalLambda``), each a
-  one-invocation process (``drain_worker.py --once``), up to ``max_concurrency`` alive.
+  one-invocation process (``drain_worker.py --once``), up to ``max_concurrency`` alive;
+* poison the drains cannot read: a few bodies larger than their answer limit
+  (``INFRAI_MAX_ANSWER_BYTES``), which must walk to the DLQ alone and unread (``plan_oversized``);
+* a redrive behind a dead owner: key-passing and irreversible jobs whose long-grace drain dies
+  inside their calls until they are dead-lettered (``LeasedScenario``).
 
 When the queue is empty the soak does what DESIGN.md asks of an operator after a DLQ alert:
-it redrives the dead-letter queue (``infrai_jobs.redrive``, publish then ack) and lets the drains
-settle it without faults. Then every key must be ``done``, or ``failed`` with its message in the
-DLQ, or flagged stuck (an irreversible effect whose outcome nobody knows), and the effects must
-agree with the ledger: database effects exactly once, external effects at most once.
+once the queue's own clock would have dead-lettered the messages, it checks that no claim still
+holds a live lease, redrives the dead-letter queues (``infrai_jobs.redrive``, publish then ack)
+and lets the drains settle them without faults. Then every key must be ``done``, or ``failed``
+with its message in the DLQ, or flagged stuck (an irreversible effect whose outcome nobody
+knows), and the effects must agree with the ledger: database effects exactly once, external
+effects at most once; every dead letter must be explained by the ledger (or, for the oversized
+poison, by its size).
 
 The soak runs its own embedded PostgreSQL even when ``DATABASE_URL`` is set: it restarts the
 server, and restarting a shared server (CI's, a developer's) would break everyone else using it.
@@ -56,6 +65,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from soak_jobs import SOAK_EFFECTS_DDL, SOAK_JOB, register_soak_jobs
 
+from infrai_jobs.drain import UNREADABLE_CODES
 from infrai_jobs.errors import KeyDerivationError
 from infrai_jobs.jobs import Effect, JobRegistry
 from infrai_jobs.migrations import apply_migrations
@@ -72,7 +82,9 @@ WORKER = HERE / "drain_worker.py"
 
 QUEUE = "soak-jobs"
 DLQ = "soak-jobs-dlq"
-VISIBILITY_SECONDS = 300
+# The redrive-behind-a-dead-owner scenario's own queue: only its long-grace drains consume it.
+LEASED_QUEUE = "soak-leased"
+LEASED_DLQ = "soak-leased-dlq"
 APP_ROLE = "soak_app"
 APP_DATABASE = "soak"
 POISON_JOB = "soak.unknown"
@@ -118,6 +130,25 @@ class SoakConfig:
     lease_grace_seconds: int = 2
     # The clock is advanced once only unacked messages remain and nothing moved for this long.
     quiet_seconds: float = 1.5
+    # The queue's visibility timeout, the emulator's and the drains' alike (seconds). Short, so
+    # that what runs on the real clock keeps pace with the queue: the drains' one-at-a-time
+    # window after an unreadable answer (two visibility timeouts of real time) and the leases,
+    # which end within one visibility timeout of their consume. It stays well above an
+    # invocation (6 s), as DESIGN.md requires of a function's timeout.
+    visibility_seconds: int = 10
+    # Poison: bodies of this many bytes, larger than the largest answer the drains read
+    # (INFRAI_MAX_ANSWER_BYTES), so no consume of theirs can read one, even alone. They are
+    # published among the last publishes (from this share of them on; see plan_jobs).
+    oversized_messages: int = 4
+    oversized_bytes: int = 100_000
+    drain_max_answer_bytes: int = 65_536
+    oversized_from_share: float = 0.96
+    # Redrive behind a dead owner: this many digest.build and as many receipt.send jobs, drained
+    # by their own drain process with this lease grace and this time budget (as a CLI drain
+    # with --time-budget-seconds 3600 would be), which dies inside each of their calls.
+    leased_jobs: int = 4
+    leased_lease_grace_seconds: int = 600
+    leased_invocation_seconds: float = 3_600.0
     # Both phases together must converge within this.
     timeout_seconds: float = 180.0
     # Backlog fan-out: drains alive at most (the warm ones included; a SIGKILLed drain's lease
@@ -141,8 +172,23 @@ class PlannedJob:
 class Plan:
     jobs: list[PlannedJob]
     poison: list[dict[str, Any]]
-    # Every publish in order: an index into jobs, or -1 - index into poison.
+    # Every publish in order: an index into jobs, or -1 - index into poison, or
+    # -1 - len(poison) - index into oversized.
     publishes: list[int]
+    # Bodies larger than the drains' answer limit: no drain can read them (see SoakConfig).
+    oversized: list[dict[str, Any]] = field(default_factory=list)
+    # The redrive-behind-a-dead-owner jobs, published to LEASED_QUEUE one by one (not in
+    # publishes; see LeasedScenario).
+    leased: list[PlannedJob] = field(default_factory=list)
+
+    def payload(self, index: int) -> dict[str, Any]:
+        """The body of one entry of ``publishes``."""
+        if index >= 0:
+            return self.jobs[index].payload
+        slot = -1 - index
+        if slot < len(self.poison):
+            return self.poison[slot]
+        return self.oversized[slot - len(self.poison)]
 
     @property
     def published(self) -> int:
@@ -150,7 +196,7 @@ class Plan:
 
     @property
     def duplicates(self) -> int:
-        return len(self.publishes) - len(self.jobs) - len(self.poison)
+        return len(self.publishes) - len(self.jobs) - len(self.poison) - len(self.oversized)
 
 
 @dataclass
@@ -163,6 +209,9 @@ class SoakReport:
     # The dead-letter queue when the chaos phase ended, by what the ledger says about each.
     dlq_after_chaos: Counter[str] = field(default_factory=Counter)
     dlq_final: Counter[str] = field(default_factory=Counter)
+    # The poison the drains cannot read, and the redrive behind a dead owner.
+    poison: Counter[str] = field(default_factory=Counter)
+    leased: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
     secret_leaks: list[str] = field(default_factory=list)
     scanned_bytes: int = 0
@@ -182,6 +231,19 @@ class SoakReport:
             *[(name, f"{value:,}") for name, value in sorted(self.dlq_after_chaos.items())],
             ("**DLQ at the end (after the redrive)**", ""),
             *[(name, f"{value:,}") for name, value in sorted(self.dlq_final.items())],
+            (
+                "**Consume answers lost or unreadable (the drains read answers up to "
+                f"{self.config.drain_max_answer_bytes:,} bytes)**",
+                "",
+            ),
+            *[(name, f"{value:,}") for name, value in _ordered(self.poison, _POISON_ORDER)],
+            (
+                "**Redrive behind a dead owner (lease grace "
+                f"{self.config.leased_lease_grace_seconds:,} s, budget "
+                f"{self.config.leased_invocation_seconds:,.0f} s)**",
+                "",
+            ),
+            *[(name, f"{value:,}") for name, value in _ordered(self.leased, _LEASED_ORDER)],
             ("**What the drains logged**", ""),
             *[(name, f"{value:,}") for name, value in sorted(self.drain_outcomes.items())],
             ("**Time**", ""),
@@ -191,6 +253,35 @@ class SoakReport:
         lines = [f"| {'figure':<{width}} | value |", f"|{'-' * (width + 2)}|------:|"]
         lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
         return "\n".join(lines)
+
+
+def _ordered(figures: Mapping[str, int], order: tuple[str, ...]) -> list[tuple[str, int]]:
+    """The rows sorted by the first prefix of ``order`` each starts with (then as they came)."""
+
+    def rank(name: str) -> int:
+        return next((i for i, prefix in enumerate(order) if name.startswith(prefix)), len(order))
+
+    return sorted(figures.items(), key=lambda item: rank(item[0]))
+
+
+_POISON_ORDER = (
+    "oversized",
+    "unreadable answer of a batch",
+    "unreadable answer of a consume of one",
+    "consume answers lost in transit",
+    "messages received",
+    "share",
+)
+_LEASED_ORDER = (
+    "drains killed",
+    "running claims with a live lease",
+    "dead letters redriven",
+    "dead letter at the redrive",
+    "message outcome",
+    "digest.build",
+    "receipt.send",
+    "copies acked",
+)
 
 
 # --- Planning ---------------------------------------------------------------------------------
@@ -237,7 +328,71 @@ def plan_jobs(config: SoakConfig, registry: JobRegistry) -> Plan:
     publishes += rng.sample(range(len(jobs)), int(len(jobs) * config.duplicate_share))
     publishes += [-1 - index for index in range(len(poison))]
     rng.shuffle(publishes)
-    return Plan(jobs, poison, publishes)
+    oversized = plan_oversized(config)
+    _spread_late(
+        publishes,
+        [-1 - len(poison) - index for index in range(len(oversized))],
+        config.oversized_from_share,
+    )
+    return Plan(jobs, poison, publishes, oversized, plan_leased(config, registry))
+
+
+def plan_oversized(config: SoakConfig) -> list[dict[str, Any]]:
+    """``soak.db`` jobs like any other but for a padding field that makes each body larger than
+    the drains' answer limit. Were a drain ever to read one, it would run it, leaving a ledger
+    row and an effect row, which the audit forbids: they must walk to the DLQ unread.
+
+    Where they go (``_spread_late``): an unreadable answer puts every drain of the queue in
+    one-message mode for two visibility timeouts of real time (the messages it served come back
+    after one). Spread over the last publishes, the oversized messages reach the drains near the
+    end of the chaos phase (the queue is oldest first), their windows overlap into one stretch
+    of single consumes, and the run's batches stay batches; the short visibility timeout (see
+    SoakConfig) makes each window twenty seconds instead of ten minutes."""
+    pad = "x" * config.oversized_bytes
+    return [
+        {"job": SOAK_JOB, "id": f"big{index}", "mode": "ok", "pad": pad}
+        for index in range(config.oversized_messages)
+    ]
+
+
+def _spread_late(publishes: list[int], markers: list[int], from_share: float) -> None:
+    """Insert ``markers`` evenly over the publishes from ``from_share`` of them on."""
+    start = len(publishes) * from_share
+    step = (len(publishes) - start) / max(len(markers), 1)
+    for index in reversed(range(len(markers))):
+        publishes.insert(int(start + step * index), markers[index])
+
+
+def plan_leased(config: SoakConfig, registry: JobRegistry) -> list[PlannedJob]:
+    """Key-passing and irreversible jobs whose drain dies inside their call, half of them once
+    the provider has the request, half before it is sent (``soak_die``, read by the drain
+    process when SOAK_DIE_IN_CALL is on)."""
+    jobs: list[PlannedJob] = []
+    for number in range(config.leased_jobs):
+        where = "after_call" if number % 2 == 0 else "before_call"
+        for effect, payload in (
+            (
+                Effect.EXTERNAL_IDEMPOTENT,
+                {
+                    "job": "digest.build",
+                    "tenant_id": f"leased_{number}",
+                    "period": "2026-07",
+                    "soak_die": where,
+                },
+            ),
+            (
+                Effect.EXTERNAL,
+                {
+                    "job": "receipt.send",
+                    "invoice_id": f"leased_{number}",
+                    "email": f"leased{number}@example.com",
+                    "soak_die": where,
+                },
+            ),
+        ):
+            key = registry.derive(payload).idem_key
+            jobs.append(PlannedJob(-1 - len(jobs), effect, payload, key, where))
+    return jobs
 
 
 # --- PostgreSQL: our own server, so that restarting it harms nobody ---------------------------
@@ -437,10 +592,19 @@ class DrainProcess:
 class DrainFleet:
     """Keeps ``size`` drain processes alive, replacing each that dies; kills on request."""
 
-    def __init__(self, size: int, env: Mapping[str, str], log_dir: Path, rng: random.Random):
+    def __init__(
+        self,
+        size: int,
+        env: Mapping[str, str],
+        log_dir: Path,
+        rng: random.Random,
+        *,
+        name: str = "drain",
+    ):
         self.size = size
         self.env = dict(env)
         self.log_dir = log_dir
+        self.name = name
         self.rng = rng
         self.live: list[DrainProcess] = []
         self.finished: list[DrainProcess] = []
@@ -468,8 +632,8 @@ class DrainFleet:
         self.spawned += 1
         armed = self.rng.random() < self.self_kill_share
         kill_at_ack = self.rng.randint(*self.self_kill_ack) if armed else 0
-        out_path = self.log_dir / f"drain-{self.spawned:04d}.out"
-        err_path = self.log_dir / f"drain-{self.spawned:04d}.err"
+        out_path = self.log_dir / f"{self.name}-{self.spawned:04d}.out"
+        err_path = self.log_dir / f"{self.name}-{self.spawned:04d}.err"
         with out_path.open("wb") as out, err_path.open("wb") as err:
             process = subprocess.Popen(
                 [sys.executable, str(WORKER)],
@@ -548,10 +712,13 @@ class Chaos:
 class Convergence:
     """Waits for the queue to empty, advancing the clock when only unacked messages remain."""
 
-    def __init__(self, client: InfraiClient, emulator: Emulator, config: SoakConfig) -> None:
+    def __init__(
+        self, client: InfraiClient, emulator: Emulator, config: SoakConfig, *, queue: str = QUEUE
+    ) -> None:
         self.client = client
         self.emulator = emulator
         self.config = config
+        self.queue = queue
         self.advances = 0
 
     def run(
@@ -572,7 +739,7 @@ class Convergence:
                 raise SoakFailure("\n".join(crashes))
             now = time.monotonic()
             if now > deadline:
-                stats = self.client.stats(QUEUE)
+                stats = self.client.stats(self.queue)
                 raise SoakFailure(
                     f"the queue did not converge in time: {stats}; "
                     f"clock advances so far: {self.advances}"
@@ -582,7 +749,7 @@ class Convergence:
                     acks_seen = int(self.emulator.state()["requests"].get("ack", 0))
                     last_state_read = now
                 chaos.tick(acks_seen)
-            stats = self.client.stats(QUEUE)
+            stats = self.client.stats(self.queue)
             if publishing_done() and stats.message_count == 0:
                 return
             if stats.in_flight_count != last_in_flight:
@@ -597,7 +764,7 @@ class Convergence:
             ):
                 # Only unacked messages of dead or failed deliveries remain, and nobody works on
                 # anything: let their visibility lapse so they are redelivered (or dead-lettered).
-                self.emulator.advance(VISIBILITY_SECONDS + 1)
+                self.emulator.advance(self.config.visibility_seconds + 1)
                 self.advances += 1
                 last_change = now
             time.sleep(0.1)
@@ -633,8 +800,145 @@ class Publisher:
 
     def _publish(self, indexes: list[int]) -> None:
         for index in indexes:
-            payload = self.plan.jobs[index].payload if index >= 0 else self.plan.poison[-1 - index]
-            self.message_ids[self.client.publish(QUEUE, payload)] = index
+            self.message_ids[self.client.publish(QUEUE, self.plan.payload(index))] = index
+
+
+class LeasedScenario:
+    """Redrive behind a dead owner (the third finding of the lease audit, end to end).
+
+    Its jobs (``plan.leased``) go to their own queue, drained by one drain process with a lease
+    grace and a time budget far beyond the visibility timeout (``LEASE_GRACE_SECONDS=600``, a
+    3,600 s invocation, as a CLI drain with a long ``--time-budget-seconds`` runs), which dies
+    inside every call of theirs (``SOAK_DIE_IN_CALL``). Each is published once the previous one
+    was received, so each first delivery is a batch of its own and dies in its own call. Three
+    deliveries later the message is in the DLQ with its claim ``running`` and nobody alive
+    holding it. The redrive then meets those claims: the ledger bounds every lease by the
+    message's visibility window, so by the time the operator's redrive runs (see
+    ``_honour_the_queue_clock``) no lease is live, and each copy must be taken over
+    (``digest.build``) or flagged stuck (``receipt.send``), never acked as ``in_flight``.
+
+    It runs beside the chaos phase (faults included) on a thread of its own, and is settled after
+    it with the dying switched off.
+    """
+
+    def __init__(
+        self,
+        config: SoakConfig,
+        plan: Plan,
+        *,
+        client: InfraiClient,
+        env: Mapping[str, str],
+        log_dir: Path,
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.jobs = plan.leased
+        self.client = client
+        env = dict(env)
+        env.pop("INFRAI_MAX_ANSWER_BYTES", None)
+        env.update(
+            {
+                "INFRAI_QUEUE": LEASED_QUEUE,
+                "INFRAI_DLQ": LEASED_DLQ,
+                "LEASE_GRACE_SECONDS": str(config.leased_lease_grace_seconds),
+                "SOAK_INVOCATION_SECONDS": str(config.leased_invocation_seconds),
+                "SOAK_DIE_IN_CALL": "1",
+            }
+        )
+        self.fleet = DrainFleet(1, env, log_dir, rng, name="leased")
+        self.message_ids: dict[str, int] = {}
+        self.crashes: list[str] = []
+        self.error: BaseException | None = None
+        self.published = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # What the ledger said about each key's dead letter when the operator redrove it.
+        self.verdicts: dict[str, str] = {}
+
+    @property
+    def keys(self) -> set[str]:
+        return {job.key for job in self.jobs}
+
+    def start(self) -> None:
+        self.client.ensure_queue(LEASED_QUEUE, dlq=LEASED_DLQ)
+        self._thread = threading.Thread(target=self._run, name="soak-leased", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        """Publish one job at a time, each once the last was received; keep the drain alive."""
+        try:
+            pending = list(self.jobs)
+            waiting_since = 0.0
+            while not self._stop.is_set():
+                self.crashes += self.fleet.replenish()
+                now = time.monotonic()
+                if pending and (
+                    not waiting_since
+                    or self.client.stats(LEASED_QUEUE).available_count == 0
+                    or now - waiting_since > 30
+                ):
+                    job = pending.pop(0)
+                    self.message_ids[self.client.publish(LEASED_QUEUE, job.payload)] = job.number
+                    waiting_since = now
+                if not pending:
+                    self.published.set()
+                time.sleep(0.1)
+        except BaseException as exc:
+            self.error = exc
+            self.published.set()
+
+    def finish_chaos(self, emulator: Emulator, deadline: float) -> int:
+        """After the chaos phase (faults off): let every leased message reach the DLQ; return the
+        clock advances it took."""
+        if not self.published.wait(timeout=max(0.0, deadline - time.monotonic())):
+            raise SoakFailure("the leased jobs were not all published in time")
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.error is not None:
+            raise SoakFailure(f"the leased scenario failed: {self.error!r}")
+        if self.crashes:
+            raise SoakFailure("\n".join(self.crashes))
+        convergence = Convergence(self.client, emulator, self.config, queue=LEASED_QUEUE)
+        convergence.run(self.fleet, deadline, publishing_done=lambda: True)
+        self.fleet.stop()
+        # The operator's redrive and the drains after it: the same long grace and budget, and
+        # nothing dies any more.
+        self.fleet.env["SOAK_DIE_IN_CALL"] = "0"
+        return convergence.advances
+
+    def redrive(self, classify: _Classifier) -> int:
+        moved = 0
+        while True:
+            summary = redrive(
+                self.client,
+                source=LEASED_DLQ,
+                target=LEASED_QUEUE,
+                max_messages=MAX_REDRIVE_PER_CALL,
+                describe=classify.describe,
+            )
+            moved += summary.published
+            if summary.consumed == 0:
+                break
+        self.verdicts = dict(classify.by_key)
+        return moved
+
+    def settle(self, emulator: Emulator, deadline: float) -> int:
+        convergence = Convergence(self.client, emulator, self.config, queue=LEASED_QUEUE)
+        convergence.run(self.fleet, deadline, publishing_done=lambda: True)
+        self.fleet.stop()
+        return convergence.advances
+
+    def longest_lease(self, database: SoakDatabase) -> float:
+        """The longest lease any of its claims holds, counted from the claim (seconds)."""
+        (seconds,) = database.query(_LONGEST_LEASE, (sorted(self.keys),))[0]
+        return float(seconds or 0.0)
+
+
+_LONGEST_LEASE: LiteralString = """
+SELECT max(extract(epoch FROM lease_until - coalesce(updated_at, claimed_at)))::float8
+FROM job_claims WHERE idem_key = ANY(%s)
+"""
 
 
 def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
@@ -646,7 +950,14 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         database = stack.enter_context(SoakDatabase.started())
         api_key = "sk_soak_" + secrets.token_hex(16)
         emulator_process = start_service(
-            ["infrai_local.emulator", "--api-key", api_key], work_dir / "emulator.err"
+            [
+                "infrai_local.emulator",
+                "--api-key",
+                api_key,
+                "--visibility-timeout",
+                str(config.visibility_seconds),
+            ],
+            work_dir / "emulator.err",
         )
         stack.callback(emulator_process.stop)
         sink_process = start_service(["infrai_local.provider_sink"], work_dir / "sink.err")
@@ -666,6 +977,8 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
 
         rng = random.Random(config.seed + 1)
         drain_env = _drain_env(config, database, emulator_process.url, sink_process.url, api_key)
+        # Without fan-out: the leased scenario's one drain stays alone on its queue.
+        leased_env = dict(drain_env)
         fan_out = _fan_out_lambda(config, drain_env, work_dir)
         # Stopped after the fleet (callbacks run last first): it waits for its drains to end.
         stack.callback(fan_out.stop, timeout=config.invocation_seconds + 60)
@@ -674,6 +987,15 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         fleet.self_kill_share = config.self_kill_share
         fleet.self_kill_ack = config.self_kill_ack
         stack.callback(fleet.stop)
+        leased = LeasedScenario(
+            config,
+            plan,
+            client=client,
+            env=leased_env,
+            log_dir=work_dir,
+            rng=random.Random(config.seed + 2),
+        )
+        stack.callback(leased.fleet.stop)
 
         # Chaos phase: faults on, publishing while three drains work.
         emulator.set_faults(
@@ -688,6 +1010,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         # A backlog waits when the drains start (an outage just ended), so they fan out.
         publisher.publish_head(config.backlog_share)
         publisher.start()
+        leased.start()
         chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published)
         convergence = Convergence(client, emulator, config)
         deadline = started + config.timeout_seconds
@@ -701,9 +1024,20 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         emulator.set_faults()
         fleet.stop()
         fleet.self_kill_share = 0.0
-        _wait_for_leases(database, deadline)
+        leased_advances = leased.finish_chaos(emulator, deadline)
+        report.seconds["waiting for the queue's clock (see _honour_the_queue_clock)"] = (
+            _honour_the_queue_clock(database, config.visibility_seconds, deadline)
+        )
+        live_leases = _live_leases(database)
+        report.violations += live_leases
+        report.leased["running claims with a live lease when the DLQ was redriven"] = len(
+            live_leases
+        )
+        longest = f"longest lease of a long-grace claim (visibility {config.visibility_seconds} s)"
+        report.seconds[longest] = leased.longest_lease(database)
         redrive_started = time.monotonic()
-        classify = _Classifier(plan, registry, database, publisher.message_ids)
+        limit = config.drain_max_answer_bytes
+        classify = _Classifier(plan, registry, database, publisher.message_ids, limit)
         redriven = 0
         while True:
             summary = redrive(
@@ -716,9 +1050,12 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
             redriven += summary.published
             if summary.consumed == 0:
                 break
-        report.dlq_after_chaos = classify.counts
+        leased_classify = _Classifier(plan, registry, database, leased.message_ids, limit)
+        report.leased["dead letters redriven"] = leased.redrive(leased_classify)
+        report.dlq_after_chaos = classify.counts + leased_classify.counts
         convergence.run(fleet, deadline, publishing_done=lambda: True)
         fleet.stop()
+        leased_advances += leased.settle(emulator, deadline)
         report.seconds["redrive phase"] = time.monotonic() - redrive_started
 
         _audit(
@@ -728,9 +1065,14 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
             database=database,
             client=client,
             provider_url=sink_process.url,
+            leased=_read_leased_events(leased, report),
         )
         fan_out.stop(timeout=config.invocation_seconds + 60)
         invocations, self_kills = _read_drain_events(fleet, report, work_dir)
+        alone, in_batches = report.poison[RECEIVED_ALONE], report.poison[RECEIVED_IN_BATCHES]
+        report.poison[RECEIVED_IN_BATCHES_SHARE] = round(
+            100 * in_batches / max(alone + in_batches, 1)
+        )
         report.faults.update(
             {
                 "Infrai 5xx on consume/ack": injected["error"],
@@ -740,7 +1082,8 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
                 "drain processes SIGKILLed just before an ack": self_kills,
                 "drain connections terminated (pg_terminate_backend)": chaos.terminations,
                 "PostgreSQL crash-restarts": int(chaos.restarted),
-                "emulator clock advances (+301 s)": convergence.advances,
+                "emulator clock advances (past the visibility timeout)": convergence.advances
+                + leased_advances,
                 "drain processes started": fleet.spawned,
                 "drain invocations": invocations,
                 "drains started by backlog fan-out": fan_out.invocations,
@@ -769,7 +1112,9 @@ def _workload(plan: Plan) -> Counter[str]:
             "  external_idempotent (digest.build)": by_effect["external_idempotent"],
             "duplicate publishes": plan.duplicates,
             "poison messages (unknown job)": len(plan.poison),
+            "poison messages larger than the drains' answer limit": len(plan.oversized),
             "messages published": plan.published,
+            "redrive behind a dead owner (half digest.build, half receipt.send)": len(plan.leased),
         }
     )
 
@@ -789,6 +1134,10 @@ def _drain_env(
         "PROVIDER_URL": provider_url,
         "DRAIN_BATCH_BUDGET_MS": str(config.batch_budget_ms),
         "LEASE_GRACE_SECONDS": str(config.lease_grace_seconds),
+        "INFRAI_VISIBILITY_TIMEOUT_SECONDS": str(config.visibility_seconds),
+        # The drains read smaller answers than the soak's own client (16 MiB): the oversized
+        # poison is unreadable to them, and readable to the operator's redrive.
+        "INFRAI_MAX_ANSWER_BYTES": str(config.drain_max_answer_bytes),
         "POWERTOOLS_SERVICE_NAME": "infrai-jobs",
         "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobs",
         "POWERTOOLS_LOG_LEVEL": "INFO",
@@ -828,25 +1177,64 @@ def _fan_out_lambda(config: SoakConfig, env: dict[str, str], work_dir: Path) -> 
     ).start()
 
 
-def _wait_for_leases(database: SoakDatabase, deadline: float) -> None:
-    """Until no unflagged running claim holds a live lease: a redriven copy must not find one
-    (it would be acked as in flight while its owner's message sits in the DLQ)."""
-    while True:
-        (remaining,) = database.query(_LIVE_LEASE_SECONDS)[0]
-        if remaining is None or remaining <= 0:
-            return
-        if time.monotonic() + remaining > deadline:
-            raise SoakFailure(f"a running claim's lease outlives the soak by {remaining:.0f} s")
-        time.sleep(min(remaining + 0.2, 5.0))
+def _honour_the_queue_clock(database: SoakDatabase, visibility: int, deadline: float) -> float:
+    """Wait until every unflagged running claim was taken a visibility timeout ago; return the
+    seconds waited.
+
+    The soak's clock jumps let the emulator dead-letter a message up to one visibility timeout
+    of real time before the queue could have; the database's clock does not jump. An operator's
+    redrive comes after the queue's own clock dead-lettered the message, that is at least one
+    visibility timeout after its last consume, which came before its last claim. Waiting for
+    that, and not for the leases themselves, is what lets the redrive find a lease that outlives
+    its message (the ledger's invariant says none does; ``_live_leases`` checks it)."""
+    started = time.monotonic()
+    (age,) = database.query(_LATEST_RUNNING_CLAIM_AGE)[0]
+    if age is None:
+        return 0.0
+    wait = visibility + 0.5 - float(age)
+    if wait > 0:
+        if time.monotonic() + wait > deadline:
+            raise SoakFailure(f"waiting {wait:.0f} s for the queue's clock would miss the deadline")
+        time.sleep(wait)
+    return time.monotonic() - started
 
 
-_LIVE_LEASE_SECONDS: LiteralString = """
-SELECT extract(epoch FROM max(lease_until) - now())::float FROM job_claims
-WHERE state = 'running' AND error IS NULL AND lease_until > now()
+_LATEST_RUNNING_CLAIM_AGE: LiteralString = """
+SELECT extract(epoch FROM now() - max(coalesce(updated_at, claimed_at)))::float8
+FROM job_claims WHERE state = 'running' AND error IS NULL
 """
 
-_ALL_CLAIMS: LiteralString = "SELECT idem_key, state, effect, error, job FROM job_claims"
+
+def _live_leases(database: SoakDatabase) -> list[str]:
+    """The ledger's invariant when the operator redrives: no running claim holds a live lease,
+    since every message in the DLQ left its visibility window (each one a violation)."""
+    return [
+        f"{key}: its {effect} claim's lease has {left:.0f} s left when the DLQ is redriven, "
+        "beyond its message's visibility window (a copy would be acked in flight behind it)"
+        for key, effect, left in database.query(_LIVE_LEASES)
+    ]
+
+
+_LIVE_LEASES: LiteralString = """
+SELECT idem_key, effect, extract(epoch FROM lease_until - now())::float8 FROM job_claims
+WHERE state = 'running' AND error IS NULL AND lease_until > now() ORDER BY idem_key
+"""
+
+_ALL_CLAIMS: LiteralString = """
+SELECT idem_key, state, effect, error, job, coalesce(lease_until > now(), false)
+FROM job_claims
+"""
 _EFFECT_COUNTS: LiteralString = "SELECT idem_key, count(*) FROM soak_effects GROUP BY idem_key"
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimFacts:
+    """What the classifier needs of a key's claim."""
+
+    state: str
+    error: str | None
+    effect: str | None
+    lease_live: bool
 
 
 @dataclass
@@ -857,46 +1245,70 @@ class _Classifier:
     registry: JobRegistry
     database: SoakDatabase
     message_ids: dict[str, int]
+    answer_limit: int
     counts: Counter[str] = field(default_factory=Counter)
+    by_key: dict[str, str] = field(default_factory=dict)
 
     def describe(self, message: QueueMessage) -> dict[str, str]:
-        verdict = classify_dead_letter(message, self.registry, self._row)
+        verdict = classify_dead_letter(message, self.registry, self._row, self.answer_limit)
         self.counts[verdict] += 1
+        with suppress(KeyDerivationError):
+            self.by_key[self.registry.derive(message.payload).idem_key] = verdict
         return {"verdict": verdict}
 
-    def _row(self, key: str) -> tuple[str, str | None] | None:
+    def _row(self, key: str) -> ClaimFacts | None:
         rows = self.database.query(
-            "SELECT state, error FROM job_claims WHERE idem_key = %s", (key,)
+            "SELECT state, error, effect, coalesce(lease_until > now(), false) "
+            "FROM job_claims WHERE idem_key = %s",
+            (key,),
         )
-        return (rows[0][0], rows[0][1]) if rows else None
+        return ClaimFacts(*rows[0]) if rows else None
 
 
-RowLookup = Callable[[str], "tuple[str, str | None] | None"]
+RowLookup = Callable[[str], "ClaimFacts | None"]
 
 REJECTED = "rejected: no key derivable"
 FAILED = "failed: error stored in the ledger"
 FLAGGED = "stuck: running claim flagged for a human"
 DONE_COPY = "copy of work the ledger has done"
+UNREADABLE = "unreadable: larger than the drains' answer limit, never read (no ledger row)"
+TAKEOVER_DUE = "dead owner: key-passing claim, lease over (a copy takes it over)"
+STUCK_DUE = "dead owner: irreversible claim, lease over (a copy flags it stuck)"
 NO_ROW = "NO REASON: nothing in the ledger (three deliveries lost)"
-UNFLAGGED = "NO REASON YET: running claim not flagged (the stuck alert counts it by age)"
-EXPLAINED_DEAD_LETTERS = frozenset({REJECTED, FAILED, FLAGGED, DONE_COPY})
+UNFLAGGED = "NO REASON: running claim with a live lease (a copy would be acked in flight)"
+EXPLAINED_DEAD_LETTERS = frozenset(
+    {REJECTED, FAILED, FLAGGED, DONE_COPY, UNREADABLE, TAKEOVER_DUE, STUCK_DUE}
+)
 
 
-def classify_dead_letter(message: QueueMessage, registry: JobRegistry, row: RowLookup) -> str:
-    """What the ledger says about one dead letter; only the NO REASON verdicts are unexplained."""
+def served_bytes(payload: object) -> int:
+    """A body's length as a consume answer spells it (compact UTF-8 JSON)."""
+    return len(json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def classify_dead_letter(
+    message: QueueMessage, registry: JobRegistry, row: RowLookup, answer_limit: int
+) -> str:
+    """What the ledger says about one dead letter; only the NO REASON verdicts are unexplained.
+
+    ``answer_limit`` is the largest answer the drains read: a body larger than that cannot
+    reach them even alone, so its having no ledger row is its reason."""
     try:
         key = registry.derive(message.payload).idem_key
     except KeyDerivationError:
         return REJECTED
     found = row(key)
     if found is None:
-        return NO_ROW
-    state, error = found
-    if state == "failed":
+        return UNREADABLE if served_bytes(message.payload) > answer_limit else NO_ROW
+    if found.state == "failed":
         return FAILED
-    if state == "done":
+    if found.state == "done":
         return DONE_COPY
-    return FLAGGED if error else UNFLAGGED
+    if found.error:
+        return FLAGGED
+    if found.lease_live:
+        return UNFLAGGED
+    return TAKEOVER_DUE if found.effect == Effect.EXTERNAL_IDEMPOTENT.value else STUCK_DUE
 
 
 def _audit(
@@ -907,14 +1319,17 @@ def _audit(
     database: SoakDatabase,
     client: InfraiClient,
     provider_url: str,
+    leased: LeasedEvidence,
 ) -> None:
     """Every key, every effect, every dead letter: nothing sampled."""
     violations = report.violations
-    stats = client.stats(QUEUE)
-    if stats.message_count != 0:
-        violations.append(f"the main queue still holds messages: {stats}")
+    for queue in (QUEUE, LEASED_QUEUE):
+        stats = client.stats(queue)
+        if stats.message_count != 0:
+            violations.append(f"queue {queue} still holds messages: {stats}")
     rows = {
-        key: (state, effect, error) for key, state, effect, error, _ in database.query(_ALL_CLAIMS)
+        key: ClaimFacts(state, error, effect, lease_live)
+        for key, state, effect, error, _, lease_live in database.query(_ALL_CLAIMS)
     }
     effects = dict(database.query(_EFFECT_COUNTS))
     http = urllib3.PoolManager()
@@ -924,10 +1339,11 @@ def _audit(
     digests: dict[str, int] = sink["digests"]
 
     dead_letters = _read_whole_queue(client, DLQ)
+    leased_dead_letters = _read_whole_queue(client, LEASED_DLQ)
     dead_keys: Counter[str] = Counter()
-    for message in dead_letters:
+    for message in dead_letters + leased_dead_letters:
         verdict = classify_dead_letter(
-            message, registry, lambda k: (rows[k][0], rows[k][2]) if k in rows else None
+            message, registry, rows.get, report.config.drain_max_answer_bytes
         )
         report.dlq_final[verdict] += 1
         if verdict not in EXPLAINED_DEAD_LETTERS:
@@ -936,7 +1352,7 @@ def _audit(
             dead_keys[registry.derive(message.payload).idem_key] += 1
 
     outcomes = report.outcomes
-    planned_keys = {job.key for job in plan.jobs}
+    planned_keys = {job.key for job in (*plan.jobs, *plan.leased)}
     for key in set(rows) - planned_keys:
         violations.append(f"ledger row {key} belongs to no published job")
     for key in set(effects) - planned_keys:
@@ -946,7 +1362,7 @@ def _audit(
         if row is None:
             violations.append(f"{job.key}: published, but nothing in the ledger (lost)")
             continue
-        state, _, error = row
+        state, error = row.state, row.error
         if job.effect is Effect.DATABASE:
             _audit_database(
                 job,
@@ -980,6 +1396,8 @@ def _audit(
     if poison_dead != len(plan.poison):
         violations.append(f"{len(plan.poison)} poison messages published, {poison_dead} in the DLQ")
     outcomes["poison messages in the DLQ (rejected, no ledger row)"] = poison_dead
+    _audit_oversized(report, plan, registry, dead_letters, rows=rows, effects=effects)
+    _audit_leased(report, plan, leased, rows=rows, mails=mails, digests=digests)
     digest_calls = int(sink["calls"].get("/v1/digests", 0))
     outcomes["digest calls repeated with the same key (absorbed by the provider)"] = (
         digest_calls - int(sink["digest_effects"])
@@ -987,6 +1405,92 @@ def _audit(
     outcomes["max e-mails for one key"] = max(mails.values(), default=0)
     outcomes["max database effects for one key"] = max(effects.values(), default=0)
     outcomes["unexplained (lost, doubled or unflagged)"] = len(violations)
+
+
+def _audit_oversized(
+    report: SoakReport,
+    plan: Plan,
+    registry: JobRegistry,
+    dead_letters: list[QueueMessage],
+    *,
+    rows: Mapping[str, ClaimFacts],
+    effects: Mapping[str, int],
+) -> None:
+    """Each oversized message is in the DLQ, and no drain ever ran it (it could not read it)."""
+    keys = {registry.derive(payload).idem_key for payload in plan.oversized}
+    dead = Counter(
+        registry.derive(m.payload).idem_key
+        for m in dead_letters
+        if isinstance(m.payload, dict) and m.payload.get("pad") is not None
+    )
+    for key in sorted(keys):
+        if key in rows or key in effects:
+            report.violations.append(f"{key}: an oversized message was read and run by a drain")
+        if dead[key] != 1:
+            report.violations.append(f"{key}: oversized, {dead[key]} copies in the DLQ (not 1)")
+    report.poison["oversized messages in the DLQ, never read by a drain (no ledger row)"] = sum(
+        1 for key in keys if dead[key] == 1 and key not in rows
+    )
+
+
+def _audit_leased(
+    report: SoakReport,
+    plan: Plan,
+    evidence: LeasedEvidence,
+    *,
+    rows: Mapping[str, ClaimFacts],
+    mails: Mapping[str, int],
+    digests: Mapping[str, int],
+) -> None:
+    """Each job whose drain died inside its call: the redrive found its claim behind a dead
+    owner and took it over (``digest.build``: done, one digest) or flagged it stuck
+    (``receipt.send``), never acked a copy as in flight."""
+    for job in plan.leased:
+        verdict = evidence.verdicts.get(job.key, "not in the DLQ when it was redriven")
+        report.leased[f"dead letter at the redrive: {verdict}"] += 1
+        row = rows.get(job.key)
+        if job.effect is Effect.EXTERNAL_IDEMPOTENT:
+            _audit_leased_digest(report, job, verdict, row, digests.get(job.key, 0))
+        else:
+            performed = mails.get(str(job.payload["invoice_id"]), 0)
+            _audit_leased_receipt(report, job, verdict, row, performed)
+    for key in evidence.acked_in_flight:
+        report.violations.append(f"{key}: a copy was acked in flight behind a dead owner")
+    report.leased["copies acked in flight behind a dead owner"] = len(evidence.acked_in_flight)
+
+
+def _audit_leased_digest(
+    report: SoakReport, job: PlannedJob, verdict: str, row: ClaimFacts | None, performed: int
+) -> None:
+    if row is None or row.state != "done" or performed != 1:
+        state = row.state if row else "nothing in the ledger"
+        report.violations.append(
+            f"{job.key}: behind a dead owner, ended {state} with {performed} digests"
+        )
+    elif verdict == TAKEOVER_DUE:
+        report.leased["digest.build done by the redriven copy's takeover, one digest"] += 1
+    else:
+        report.leased["digest.build done, never claimed before the redrive"] += 1
+
+
+def _audit_leased_receipt(
+    report: SoakReport, job: PlannedJob, verdict: str, row: ClaimFacts | None, performed: int
+) -> None:
+    state = row.state if row else "nothing in the ledger"
+    if performed > 1:
+        report.violations.append(f"{job.key}: {performed} mails for one key")
+    if verdict in (FLAGGED, STUCK_DUE):
+        if row is None or row.state != "running" or not row.error:
+            report.violations.append(
+                f"{job.key}: behind a dead owner, ended {state}, not flagged stuck"
+            )
+        else:
+            happened = "happened" if performed else "did not happen"
+            report.leased[f"receipt.send flagged stuck, e-mail {happened}"] += 1
+    elif row is not None and row.state == "done" and performed == 1:
+        report.leased["receipt.send done, never claimed before the redrive"] += 1
+    else:
+        report.violations.append(f"{job.key}: ended {state} with {performed} mails")
 
 
 def _audit_database(
@@ -1075,7 +1579,12 @@ def _read_drain_events(fleet: DrainFleet, report: SoakReport, work_dir: Path) ->
                 report.drain_outcomes[f"invocations raising {event['error_type']}"] += 1
             elif kind == "self_kill":
                 self_kills += 1
+            if kind == "received":
+                batch = int(event["asked"]) > 1
+                report.poison[RECEIVED_IN_BATCHES if batch else RECEIVED_ALONE] += int(event["got"])
             action = event.get("action")
+            if action in ("consume_answer_lost", "unreadable_message"):
+                report.poison[_lost_answer_row(action, str(event.get("code", "")))] += 1
             if action == "http_retry":
                 report.drain_outcomes[f"Infrai {event['call']} calls retried"] += 1
             elif isinstance(action, str) and action in _REPORTED_ACTIONS:
@@ -1083,6 +1592,60 @@ def _read_drain_events(fleet: DrainFleet, report: SoakReport, work_dir: Path) ->
                 if str(event.get("detail", "")).startswith("lease takeover"):
                     report.drain_outcomes["message outcome: done after a lease takeover"] += 1
     return invocations, self_kills
+
+
+RECEIVED_IN_BATCHES = "messages received by consumes asking for a batch"
+RECEIVED_ALONE = "messages received one at a time (after a lost answer, in a window)"
+RECEIVED_IN_BATCHES_SHARE = "share received in batches (%)"
+
+
+def _lost_answer_row(action: str, code: str) -> str:
+    if action == "unreadable_message":
+        return "unreadable answer of a consume of one: the message isolated (ERROR logged)"
+    if code in UNREADABLE_CODES:
+        return "unreadable answer of a batch consume: its queue's one-at-a-time window opened"
+    return f"consume answers lost in transit ({code}): the next consume takes one message"
+
+
+@dataclass
+class LeasedEvidence:
+    """What the leased scenario's drains and the operator's redrive saw of its jobs."""
+
+    verdicts: dict[str, str] = field(default_factory=dict)
+    acked_in_flight: list[str] = field(default_factory=list)
+
+
+def _read_leased_events(scenario: LeasedScenario, report: SoakReport) -> LeasedEvidence:
+    """The leased drains' deaths in calls and the outcomes of its keys, from their logs."""
+    evidence = LeasedEvidence(verdicts=scenario.verdicts)
+    keys = scenario.keys
+    figures = report.leased
+    for drain in scenario.fleet.all:
+        for line in drain.out_path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("soak_event") == "die_in_call":
+                where = (
+                    "after the provider had it"
+                    if event["where"] == "after_call"
+                    else "before it was sent"
+                )
+                figures[f"drains killed inside a {event['job']} call ({where})"] += 1
+            action = event.get("action")
+            key = event.get("idem_key")
+            if key not in keys:
+                continue
+            if action == "in_flight":
+                evidence.acked_in_flight.append(str(key))
+            elif action == "done" and str(event.get("detail", "")).startswith("lease takeover"):
+                figures["message outcome: done after a lease takeover"] += 1
+            elif action == "stuck":
+                figures["message outcome: stuck (flagged for a human)"] += 1
+    return evidence
 
 
 # The drain's log actions worth a row: every message outcome, and what happened around acks

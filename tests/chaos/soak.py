@@ -146,7 +146,7 @@ class SoakConfig:
     # Redrive behind a dead owner: this many digest.build and as many receipt.send jobs, drained
     # by their own drain process with this lease grace and this time budget (as a CLI drain
     # with --time-budget-seconds 3600 would be), which dies inside each of their calls.
-    leased_jobs: int = 4
+    leased_jobs: int = 3
     leased_lease_grace_seconds: int = 600
     leased_invocation_seconds: float = 3_600.0
     # Both phases together must converge within this.

@@ -1144,6 +1144,10 @@ def _drain_env(
         "POWERTOOLS_TRACE_DISABLED": "true",
         "SOAK_INVOCATION_SECONDS": str(config.invocation_seconds),
         "SOAK_IDLE_SECONDS": "0.2",
+        # A drain meeting the backlog must live to its first fan-out check (two seconds in): one
+        # armed to die at its 3rd to 250th ack would die before it, and a dead drain's lease
+        # holds a fan-out slot for 30 s, so early deaths could keep the fleet from fanning out.
+        "SOAK_KILL_NOT_BEFORE_SECONDS": "3",
         # Log lines must reach the file before a SIGKILL can lose them.
         "PYTHONUNBUFFERED": "1",
     }

@@ -111,7 +111,8 @@ class SoakConfig:
     permanent_share: float = 0.02
     flaky_share: float = 0.03
     drains: int = 3
-    # Infrai faults on consume and ack.
+    # Infrai faults on consume and ack, from this many seconds after the drains start.
+    faults_after_seconds: float = 3.0
     error_rate: float = 0.05
     rate_limit_rate: float = 0.02
     drop_response_rate: float = 0.05
@@ -998,14 +999,23 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         stack.callback(leased.fleet.stop)
 
         # Chaos phase: faults on, publishing while three drains work.
-        emulator.set_faults(
-            error_rate=config.error_rate,
-            rate_limit_rate=config.rate_limit_rate,
-            drop_response_rate=config.drop_response_rate,
-            retry_after_seconds=0,
-            seed=config.seed,
-            routes=["consume", "ack"],
+        # Infrai's faults begin a few seconds in: within a 6 s invocation the client has no
+        # time to retry (a retry must fit its back-off and a whole attempt's timeouts), so a
+        # single 429 or 5xx on a consume ends the invocation, and the first drains would die
+        # before their first fan-out check (two seconds in) as often as not.
+        faults = threading.Timer(
+            config.faults_after_seconds,
+            emulator.set_faults,
+            kwargs={
+                "error_rate": config.error_rate,
+                "rate_limit_rate": config.rate_limit_rate,
+                "drop_response_rate": config.drop_response_rate,
+                "retry_after_seconds": 0,
+                "seed": config.seed,
+                "routes": ["consume", "ack"],
+            },
         )
+        stack.callback(faults.cancel)
         publisher = Publisher(client, plan)
         # A backlog waits when the drains start (an outage just ended), so they fan out.
         publisher.publish_head(config.backlog_share)
@@ -1014,6 +1024,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published)
         convergence = Convergence(client, emulator, config)
         deadline = started + config.timeout_seconds
+        faults.start()
         convergence.run(fleet, deadline, publishing_done=publisher.done.is_set, chaos=chaos)
         if publisher.error is not None:
             raise SoakFailure(f"publishing failed: {publisher.error!r}")
@@ -1021,6 +1032,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         injected = Counter(emulator.state()["faults_injected"])
 
         # Redrive phase: faults off, no kills: what an operator does after the DLQ alert.
+        faults.join()
         emulator.set_faults()
         fleet.stop()
         fleet.self_kill_share = 0.0

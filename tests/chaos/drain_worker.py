@@ -11,8 +11,9 @@ Settings come from the function's own environment variables (``INFRAI_BASE_URL``
 
 * ``SOAK_INVOCATION_SECONDS``: the context's time budget per invocation;
 * ``SOAK_KILL_AT_ACK``: SIGKILL this process just before its N-th ack, that is after the ledger
-  committed and before Infrai heard about it (0: never); not in its first
-  ``SOAK_KILL_NOT_BEFORE_SECONDS`` (then just before the first ack after them);
+  committed and before Infrai heard about it (0: never); not before the file named by
+  ``SOAK_KILL_GATE`` exists (then just before the first ack after it appeared): the soak
+  creates it when its chaos begins;
 * ``SOAK_IDLE_SECONDS``: the pause after an invocation that received nothing (the queue was
   empty, or the drains alive were at the cap);
 * ``SOAK_DIE_IN_CALL``: when ``1``, an external job whose payload carries ``soak_die``
@@ -76,18 +77,17 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"soak_event": event, "pid": os.getpid(), **fields}), flush=True)
 
 
-def arm_kill_at_ack(service: Any, ack_number: int, not_before: float = 0.0) -> None:
+def arm_kill_at_ack(service: Any, ack_number: int, gate: Path | None = None) -> None:
     """Replace the client's ack so the process dies just before sending its ``ack_number``-th,
-    or the first one after ``not_before`` seconds from now if that comes later."""
+    or the first one once ``gate`` exists if that comes later."""
     original: Callable[[str, str], Pending[None]] = service.queue.send_ack
     lock = threading.Lock()
     count = [0]
-    earliest = time.monotonic() + not_before
 
     def send_ack(queue: str, receipt_handle: str) -> Pending[None]:
         with lock:
             count[0] += 1
-            reached = count[0] >= ack_number and time.monotonic() >= earliest
+            reached = count[0] >= ack_number and (gate is None or gate.exists())
         if reached:
             emit("self_kill", ack_number=ack_number)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -189,8 +189,8 @@ def main() -> int:
         return invoke_once(app, json.loads(Path(sys.argv[2]).read_text()), invocation_seconds)
     event = json.loads(SCHEDULE_EVENT.read_text())
     if kill_at_ack:
-        not_before = float(os.environ.get("SOAK_KILL_NOT_BEFORE_SECONDS", "0"))
-        arm_kill_at_ack(app.service(), kill_at_ack, not_before)
+        gate = os.environ.get("SOAK_KILL_GATE")
+        arm_kill_at_ack(app.service(), kill_at_ack, Path(gate) if gate else None)
     emit("ready", kill_at_ack=kill_at_ack)
     parent = os.getppid()
     # An orphan (the soak itself was killed) stops instead of polling a dead emulator forever.

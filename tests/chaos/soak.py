@@ -111,8 +111,10 @@ class SoakConfig:
     permanent_share: float = 0.02
     flaky_share: float = 0.03
     drains: int = 3
-    # Infrai faults on consume and ack, from this many seconds after the drains start.
-    faults_after_seconds: float = 3.0
+    # The chaos (Infrai's faults, kills, terminations) begins once the drains fanned out on the
+    # backlog, or this many seconds after they started at the latest (see ChaosGate).
+    chaos_after_seconds: float = 15.0
+    # Infrai faults on consume and ack.
     error_rate: float = 0.05
     rate_limit_rate: float = 0.02
     drop_response_rate: float = 0.05
@@ -688,12 +690,19 @@ class Chaos:
     restarted: bool = False
     restart_seconds: float = 0.0
     last_event: float = 0.0
+    gate: ChaosGate | None = None
+    _began: bool = False
 
     def __post_init__(self) -> None:
         self.next_kill_at = time.monotonic() + self.rng.uniform(*self.config.parent_kill_every)
 
     def tick(self, acks_seen: int) -> None:
+        if self.gate is not None and not self.gate.check():
+            return
         now = time.monotonic()
+        if not self._began:
+            self._began = True
+            self.next_kill_at = now + self.rng.uniform(*self.config.parent_kill_every)
         if now >= self.next_kill_at:
             if self.fleet.kill_one():
                 self.soak_kills += 1
@@ -708,6 +717,41 @@ class Chaos:
             self.restarted = True
             self.restart_seconds = self.database.crash_restart()
             self.last_event = time.monotonic()
+
+
+@dataclass
+class ChaosGate:
+    """When the chaos phase's chaos begins: once the drains fanned out on the backlog, or
+    ``max_wait`` seconds after the first look at the latest.
+
+    A drain process needs a second or two to start and its first fan-out check comes two
+    seconds into its invocation. Within the soak's 6 s invocation no client retry fits (one
+    needs its back-off and a whole attempt's timeouts, 13 s), so a single injected 429 or 5xx on
+    a consume ends the invocation; a terminated connection, a kill or a self-kill before an ack
+    ends it too, and a drain that dies that way holds its fan-out slot for 30 s. Chaos from the
+    first second therefore kept the fleet from ever fanning out in about one run of three. Once
+    open, the gate sets Infrai's faults (``on_open``) and creates ``flag``, which the drain
+    processes' self-kills wait for (``SOAK_KILL_GATE``)."""
+
+    flag: Path
+    fanned_out: Callable[[], bool]
+    max_wait: float
+    on_open: Callable[[], None]
+    opened_after: float | None = None
+    _first_look: float | None = None
+
+    def check(self) -> bool:
+        if self.opened_after is not None:
+            return True
+        now = time.monotonic()
+        if self._first_look is None:
+            self._first_look = now
+        waited = now - self._first_look
+        if self.fanned_out() or waited >= self.max_wait:
+            self.on_open()
+            self.flag.touch()
+            self.opened_after = waited
+        return self.opened_after is not None
 
 
 class Convergence:
@@ -999,32 +1043,29 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         stack.callback(leased.fleet.stop)
 
         # Chaos phase: faults on, publishing while three drains work.
-        # Infrai's faults begin a few seconds in: within a 6 s invocation the client has no
-        # time to retry (a retry must fit its back-off and a whole attempt's timeouts), so a
-        # single 429 or 5xx on a consume ends the invocation, and the first drains would die
-        # before their first fan-out check (two seconds in) as often as not.
-        faults = threading.Timer(
-            config.faults_after_seconds,
-            emulator.set_faults,
-            kwargs={
-                "error_rate": config.error_rate,
-                "rate_limit_rate": config.rate_limit_rate,
-                "drop_response_rate": config.drop_response_rate,
-                "retry_after_seconds": 0,
-                "seed": config.seed,
-                "routes": ["consume", "ack"],
-            },
+        gate = ChaosGate(
+            work_dir / "chaos-started",
+            fanned_out=lambda: fan_out.invocations > 0,
+            max_wait=config.chaos_after_seconds,
+            on_open=lambda: emulator.set_faults(
+                error_rate=config.error_rate,
+                rate_limit_rate=config.rate_limit_rate,
+                drop_response_rate=config.drop_response_rate,
+                retry_after_seconds=0,
+                seed=config.seed,
+                routes=["consume", "ack"],
+            ),
         )
-        stack.callback(faults.cancel)
+        drain_env["SOAK_KILL_GATE"] = str(gate.flag)
+        fleet.env["SOAK_KILL_GATE"] = str(gate.flag)
         publisher = Publisher(client, plan)
         # A backlog waits when the drains start (an outage just ended), so they fan out.
         publisher.publish_head(config.backlog_share)
         publisher.start()
         leased.start()
-        chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published)
+        chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published, gate=gate)
         convergence = Convergence(client, emulator, config)
         deadline = started + config.timeout_seconds
-        faults.start()
         convergence.run(fleet, deadline, publishing_done=publisher.done.is_set, chaos=chaos)
         if publisher.error is not None:
             raise SoakFailure(f"publishing failed: {publisher.error!r}")
@@ -1032,7 +1073,8 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         injected = Counter(emulator.state()["faults_injected"])
 
         # Redrive phase: faults off, no kills: what an operator does after the DLQ alert.
-        faults.join()
+        if not gate.check():
+            raise SoakFailure("the chaos phase converged before the chaos began")
         emulator.set_faults()
         fleet.stop()
         fleet.self_kill_share = 0.0
@@ -1104,6 +1146,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         )
         report.outcomes["messages redriven from the DLQ"] = redriven
         report.seconds["PostgreSQL restart downtime"] = chaos.restart_seconds
+        report.seconds["chaos began after (the drains fanned out)"] = gate.opened_after or 0.0
         report.seconds["total"] = time.monotonic() - started
         report.secret_leaks, report.scanned_files, report.scanned_bytes = scan_for_secrets(
             work_dir, [api_key, database.password]
@@ -1156,10 +1199,6 @@ def _drain_env(
         "POWERTOOLS_TRACE_DISABLED": "true",
         "SOAK_INVOCATION_SECONDS": str(config.invocation_seconds),
         "SOAK_IDLE_SECONDS": "0.2",
-        # A drain meeting the backlog must live to its first fan-out check (two seconds in): one
-        # armed to die at its 3rd to 250th ack would die before it, and a dead drain's lease
-        # holds a fan-out slot for 30 s, so early deaths could keep the fleet from fanning out.
-        "SOAK_KILL_NOT_BEFORE_SECONDS": "3",
         # Log lines must reach the file before a SIGKILL can lose them.
         "PYTHONUNBUFFERED": "1",
     }

@@ -33,7 +33,7 @@ from typing import IO, Any
 from infrai_jobs.errors import FanOutError
 
 # How a child runs the CLI: this interpreter, this package, no console script needed.
-CLI = [sys.executable, "-c", "import sys; from infrai_jobs.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from infrai_local.cli import main; sys.exit(main())"]
 
 
 @dataclass

@@ -18,12 +18,12 @@ import psycopg
 import pytest
 from drainkit import DLQ, QUEUE, Harness, harness
 
-from infrai_jobs import cli_ops
 from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.cli import main as cli
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.redrive import redrive
+from infrai_local import cli_ops
+from infrai_local.cli import main as cli
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -377,7 +377,7 @@ def test_local_tools_missing_from_a_plain_install_name_the_extra(
     # Given an install without the local tools (the module cannot be imported)
     script = (
         f"import sys; sys.modules[{module!r}] = None\n"
-        "from infrai_jobs.cli import main\n"
+        "from infrai_local.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     command = (

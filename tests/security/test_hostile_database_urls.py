@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs import cli as cli_module
 from infrai_jobs import redrive as redrive_module
 from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.claims_admin import ClaimsAdmin
@@ -29,6 +28,7 @@ from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redaction import MASK, describe, malformed_reason, redact, secrets_of
 from infrai_jobs.secrets import database_url_from_secret
 from infrai_jobs.settings import Settings
+from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
 

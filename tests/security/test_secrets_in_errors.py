@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs import cli as cli_module
 from infrai_jobs import redrive as redrive_module
 from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.claims_admin import ClaimsAdmin
@@ -24,6 +23,7 @@ from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.settings import Settings
+from infrai_local import cli as cli_module
 from infrai_local.emulator import RunningEmulator, start_in_thread
 
 PASSWORD = "pw_do_not_print_8c1e77"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from infrai_jobs.drain import DrainSummary, merge_summaries
-from infrai_jobs.drain_report import report_line, summary_lines
 from infrai_jobs.observability import DRAIN_METRICS, OUTCOME_METRICS
 from infrai_jobs.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
+from infrai_local.drain_report import report_line, summary_lines
 
 ATTENTION = {
     Outcome.RETRY,

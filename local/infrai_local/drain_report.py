@@ -16,8 +16,8 @@ from typing import Any, TextIO
 
 from infrai_jobs.drain import DrainSummary
 
-# The package's logger (observability.PACKAGE_LOGGER, not imported: it loads Powertools).
-PACKAGE_LOGGER = __name__.partition(".")[0]
+# The layer package's logger (observability.PACKAGE_LOGGER, not imported: it loads Powertools).
+PACKAGE_LOGGER = "infrai_jobs"
 
 # Printed first, in this order and under these names; any other field of a record follows.
 _LEADING_FIELDS = (

@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import psycopg
 
 from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.cli_ops import OpsContext, add_ops_commands, run_ops
-from infrai_jobs.drain_report import DrainReport, summary_lines
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import (
     ClaimChanged,
@@ -58,6 +56,8 @@ from infrai_jobs.settings import (
     sandbox_notice,
     stand_ins,
 )
+from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
+from infrai_local.drain_report import DrainReport, summary_lines
 
 if TYPE_CHECKING:
     from infrai_jobs.jobs import JobRegistry

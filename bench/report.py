@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from infrai_jobs.drain import HTTP_CONNECTIONS_PER_LANE
+from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent

@@ -107,7 +107,7 @@ def _assert_database_effects_once_prefixed(kit: Harness, prefix: str, count: int
 def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
     database_url: str,
 ) -> None:
-    from infrai_jobs.drain import HTTP_CONNECTIONS_PER_LANE  # noqa: PLC0415
+    from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE  # noqa: PLC0415
     from infrai_jobs.factory import client_pool_size, make_queue_client  # noqa: PLC0415
     from infrai_jobs.settings import Settings  # noqa: PLC0415
 

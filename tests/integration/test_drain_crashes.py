@@ -14,7 +14,8 @@ import psycopg
 import pytest
 from drainkit import QUEUE, Harness, harness
 
-from infrai_jobs.drain import DrainConfig, DrainSummary, process_batch
+from infrai_jobs.batch import process_batch
+from infrai_jobs.drain import DrainConfig, DrainSummary
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 
 HERE = Path(__file__).parent

@@ -11,7 +11,8 @@ import pytest
 import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
 
-from infrai_jobs.drain import DrainConfig, process_batch
+from infrai_jobs.batch import process_batch
+from infrai_jobs.drain import DrainConfig
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.outcomes import Outcome

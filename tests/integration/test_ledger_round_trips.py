@@ -16,7 +16,8 @@ import psycopg
 import pytest
 from drainkit import Harness, harness
 
-from infrai_jobs.drain import DrainConfig, process_batch
+from infrai_jobs.batch import process_batch
+from infrai_jobs.drain import DrainConfig
 from infrai_jobs.queue_models import QueueMessage
 
 

@@ -14,7 +14,6 @@ to come back. So an unreadable message walks to the DLQ alone, not with nine nei
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -22,35 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
-
-from infrai_jobs.claims import (
-    ClaimDecision,
-    ClaimRequest,
-    ClaimStatus,
-    JobRun,
-    RunKind,
-    Settlement,
-    utc_from_epoch,
-)
+from infrai_jobs.ack_pipeline import AckPipeline
+from infrai_jobs.batch import MessageResult, process_batch, storable_text
 from infrai_jobs.errors import (
-    ConfigurationError,
     ConsumeAnswerLost,
-    EffectUncertain,
     InfraiError,
-    InfraiUnavailable,
-    KeyDerivationError,
     LedgerError,
-    PermanentJobError,
-    QueueMessageNotFound,
     SchemaNotMigrated,
 )
-from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue
+from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.outcomes import (
-    ACKED_OUTCOMES,
-    CLAIM_OUTCOMES,
     OUTCOME_RULES,
-    SETTLE_OUTCOMES,
     Outcome,
 )
 from infrai_jobs.ports import EffectGuard, LedgerPort, QueuePort
@@ -59,12 +40,6 @@ from infrai_jobs.queue_models import Pending, QueueMessage
 
 logger = logging.getLogger(__name__)
 
-# Batches whose acks may still be travelling when the next batch's are sent.
-ACKS_IN_FLIGHT_BATCHES = 2
-# Connections one lane may hold open to Infrai at once: one per ack still travelling and the
-# consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
-# (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
-HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * CONSUME_CAP + 1
 # A lease and a handler's deadline end this long before the queue may deliver the message again.
 VISIBILITY_MARGIN_SECONDS = 2.0
 # Lost consume answers in a row after which a lane gives up (raising the last one), so a queue
@@ -191,21 +166,6 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
     return merged
 
 
-@dataclass(frozen=True, slots=True)
-class MessageResult:
-    message: QueueMessage
-    outcome: Outcome
-    idem_key: str | None = None
-    job: str | None = None
-    detail: str = ""
-    # The claim was won by taking over an expired external_idempotent claim.
-    takeover: bool = False
-
-    @property
-    def ack(self) -> bool:
-        return self.outcome in ACKED_OUTCOMES
-
-
 def drain(
     queue: QueuePort,
     ledger: LedgerPort,
@@ -242,7 +202,7 @@ def drain(
             extra={"action": "ledger_unavailable", "detail": str(exc)},
         )
         return summary
-    acks = _AckPipeline(queue, config.queue, summary)
+    acks = AckPipeline(queue, config.queue, summary)
     try:
         _drain_batches(
             queue,
@@ -272,7 +232,7 @@ def _drain_batches(
     time_left_ms: Callable[[], int],
     clock: Callable[[], float],
     summary: DrainSummary,
-    acks: _AckPipeline,
+    acks: AckPipeline,
     mode: _ConsumeMode,
     idle: _IdlePolling,
 ) -> None:
@@ -551,311 +511,6 @@ def _left_for_redelivery(messages: Sequence[QueueMessage], why: str) -> None:
         )
 
 
-def process_batch(
-    messages: Sequence[QueueMessage],
-    ledger: LedgerPort,
-    registry: JobRegistry,
-    deadline: float,
-    config: DrainConfig,
-    *,
-    visible_until: float | None = None,
-    clock: Callable[[], float] = time.time,
-) -> list[MessageResult]:
-    """Decide every message of one batch; one bad message never stops the others.
-
-    ``visible_until`` (``clock`` seconds) is when the queue may deliver these messages again:
-    no claim's lease ends later (None: one whole visibility timeout from the claim)."""
-    return _Batch(
-        messages, ledger, registry, deadline, config, visible_until=visible_until, clock=clock
-    ).process()
-
-
-class _Batch:
-    """The state of one batch while its messages are claimed, run and settled."""
-
-    def __init__(
-        self,
-        messages: Sequence[QueueMessage],
-        ledger: LedgerPort,
-        registry: JobRegistry,
-        deadline: float,
-        config: DrainConfig,
-        *,
-        visible_until: float | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.messages = messages
-        self.ledger = ledger
-        self.registry = registry
-        self.deadline = deadline
-        self.config = config
-        # When the queue may deliver the batch again (None: unknown), on ``clock``.
-        self.visible_until = visible_until
-        self.clock = clock
-        self.lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
-        self.results: dict[str, MessageResult] = {}
-        # The first message of each key in this batch, and later copies of a key.
-        self.primaries: dict[str, tuple[QueueMessage, DerivedJob]] = {}
-        self.copies: list[tuple[QueueMessage, DerivedJob]] = []
-        self.takeovers: set[str] = set()
-        # Set once a claim failed for the ledger: the rest of the batch is not tried.
-        self.ledger_failed = ""
-
-    def process(self) -> list[MessageResult]:
-        self._derive_keys()
-        requests = [self._request(key) for key in self.primaries]
-        self._run_database([r for r in requests if r.effect is Effect.DATABASE])
-        self._run_external([r for r in requests if r.effect is not Effect.DATABASE])
-        self._mirror_copies()
-        return [self.results[m.message_id] for m in self.messages]
-
-    def _derive_keys(self) -> None:
-        for message in self.messages:
-            try:
-                derived = self.registry.derive(message.payload)
-            except (KeyDerivationError, ConfigurationError) as exc:
-                # A configuration error here is the job's, not the batch's: this message walks
-                # to the DLQ with the reason, the others go on.
-                self._set(MessageResult(message, Outcome.REJECTED, detail=str(exc)))
-                continue
-            if derived.idem_key in self.primaries:
-                self.copies.append((message, derived))
-            else:
-                self.primaries[derived.idem_key] = (message, derived)
-
-    def _request(self, key: str) -> ClaimRequest:
-        message, derived = self.primaries[key]
-        effect = derived.definition.effect
-        return ClaimRequest(
-            idem_key=key,
-            message_id=message.message_id,
-            job=derived.definition.name,
-            effect=effect,
-            fingerprint=derived.fingerprint,
-            lease_until=None if effect is Effect.DATABASE else self.lease_until,
-            visibility_left=(
-                None if self.visible_until is None else self.visible_until - self.clock()
-            ),
-        )
-
-    def _context(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobContext:
-        message, derived = self.primaries[request.idem_key]
-        return JobContext(
-            idem_key=request.idem_key,
-            job=derived.definition.name,
-            message_id=message.message_id,
-            delivery_count=message.delivery_count,
-            deadline=self.deadline,
-            db=db,
-        )
-
-    def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
-        derived = self.primaries[request.idem_key][1]
-        guard = self.config.effect_guard if request.effect is not Effect.DATABASE else None
-        return run_handler(derived, self._context(request, db), guard)
-
-    def _run_database(self, requests: list[ClaimRequest]) -> None:
-        """Claim, run and settle in one transaction for the whole batch."""
-        if not requests:
-            return
-        try:
-            decisions, settlements = self.ledger.run_database_batch(requests, self._run)
-        except LedgerError as exc:
-            for request in requests:
-                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
-            return
-        self._record(decisions, settlements)
-
-    def _run_external(self, requests: list[ClaimRequest]) -> None:
-        """Commit claims, then run and settle each job right after its effect.
-
-        Key-passing (``external_idempotent``) jobs are claimed for the batch in one statement:
-        if this process dies before calling, a later delivery takes the claim over once its
-        lease ends. Irreversible (``external``) jobs are claimed one by one, right before their
-        own call, so a crash leaves for a human only the claim whose call had begun, not every
-        claim of the batch.
-        """
-        idempotent = [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]
-        if idempotent:
-            self._claim_and_run(idempotent)
-        for request in (r for r in requests if r.effect is Effect.EXTERNAL):
-            if self.ledger_failed:
-                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, self.ledger_failed)
-            else:
-                self._claim_and_run([request])
-
-    def _claim_and_run(self, requests: list[ClaimRequest]) -> None:
-        try:
-            decisions = self.ledger.claim(requests)
-        except LedgerError as exc:
-            self.ledger_failed = str(exc)
-            for request in requests:
-                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
-            return
-        self.takeovers |= {d.request.idem_key for d in decisions if d.takeover}
-        settlements: list[Settlement] = []
-        for decision in decisions:
-            if decision.status is not ClaimStatus.WON:
-                continue
-            run = self._run(decision.request, None)
-            try:
-                settlements.append(self.ledger.settle(decision.request, run))
-            except LedgerError as exc:
-                # The effect may have happened and its claim stays running: a human decides.
-                outcome = Outcome.STUCK if run.kind is not RunKind.TRANSIENT else Outcome.RETRY
-                detail = f"handler {run.kind}, then settling failed: {exc}"
-                self._set_for(decision.request, outcome, detail)
-        self._record(decisions, settlements)
-
-    def _record(
-        self, decisions: Sequence[ClaimDecision], settlements: Sequence[Settlement]
-    ) -> None:
-        stuck_reasons: dict[str, str] = {}
-        for decision in decisions:
-            outcome = CLAIM_OUTCOMES.get(decision.status)
-            if outcome is None:  # WON: its settlement decides
-                if decision.takeover:
-                    self.takeovers.add(decision.request.idem_key)
-                continue
-            if outcome is Outcome.STUCK:
-                stuck_reasons[decision.request.idem_key] = decision.detail
-            self._set_for(decision.request, outcome, decision.detail)
-        for settlement in settlements:
-            outcome = SETTLE_OUTCOMES[settlement.status]
-            self._set_for(settlement.request, outcome, settlement.run.error)
-        if stuck_reasons:
-            try:
-                self.ledger.flag_stuck(stuck_reasons)
-            except LedgerError as exc:
-                logger.warning(
-                    "could not flag stuck claims",
-                    extra={"action": "flag_failed", "detail": str(exc)},
-                )
-
-    def _mirror_copies(self) -> None:
-        """A second copy of a key in the same batch never runs; it follows the first."""
-        for message, derived in self.copies:
-            first_message, first_derived = self.primaries[derived.idem_key]
-            first = self.results[first_message.message_id]
-            if derived.fingerprint != first_derived.fingerprint:
-                outcome = Outcome.CONFLICT
-                detail = f"same key as {first_message.message_id} in this batch, different work"
-            elif first.ack or first.outcome is Outcome.RETRY:
-                # The first copy's message carries the work (or its retries) from here on.
-                outcome = Outcome.IN_FLIGHT
-                detail = f"copy of {first_message.message_id} in the same batch"
-            else:
-                outcome = Outcome.BATCH_DUPLICATE
-                detail = f"copy of {first_message.message_id}, which ended {first.outcome}"
-            self._set(
-                MessageResult(message, outcome, derived.idem_key, derived.definition.name, detail)
-            )
-
-    def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
-        message, derived = self.primaries[request.idem_key]
-        takeover = request.idem_key in self.takeovers
-        if takeover:
-            detail = f"lease takeover; {detail}" if detail else "lease takeover"
-        self._set(
-            MessageResult(
-                message, outcome, request.idem_key, derived.definition.name, detail, takeover
-            )
-        )
-
-    def _set(self, result: MessageResult) -> None:
-        # The first decision about a message stands (a settle failure is recorded first).
-        if result.message.message_id not in self.results:
-            self.results[result.message.message_id] = _log(result)
-
-
-def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None = None) -> JobRun:
-    """Run one handler and turn whatever it does into a ``JobRun``.
-
-    This is the one place that catches every exception: a job's failure is an outcome to
-    settle, not a crash of the batch. With a ``guard`` (the second layer), the effect runs
-    through it, keyed by the same idempotency key.
-    """
-
-    def call() -> JsonValue:
-        return derived.definition.handler(derived.payload, ctx)
-
-    try:
-        result = guard.run(ctx.idem_key, derived.fingerprint, call) if guard else call()
-    except PermanentJobError as exc:
-        return JobRun(RunKind.PERMANENT, error=_describe(exc))
-    except EffectUncertain as exc:
-        return JobRun(RunKind.UNCERTAIN, error=_describe(exc))
-    except Exception as exc:  # noqa: BLE001 - the one place a handler's failure becomes an outcome
-        return JobRun(RunKind.TRANSIENT, error=_describe(exc))
-    return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
-
-
-class _AckPipeline:
-    """Acks sent together and their answers read later, so they overlap the next batch's work.
-
-    Once a batch's acks are sent, the answers of the batch before it are read (by then they have
-    usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once.
-    """
-
-    def __init__(self, queue: QueuePort, queue_name: str, summary: DrainSummary) -> None:
-        self._queue = queue
-        self._queue_name = queue_name
-        self._summary = summary
-        self._pending: list[list[tuple[MessageResult, Pending[None]]]] = []
-
-    def send(self, results: Sequence[MessageResult]) -> None:
-        batch: list[tuple[MessageResult, Pending[None]]] = []
-        # Appended before sending: if a send raises, what was sent is still waited for.
-        self._pending.append(batch)
-        for r in results:
-            if r.ack:
-                batch.append((r, self._queue.send_ack(self._queue_name, r.message.receipt_handle)))
-        while len(self._pending) > ACKS_IN_FLIGHT_BATCHES - 1:
-            self._collect(self._pending.pop(0))
-
-    def wait_all(self) -> None:
-        """Read every answer still due; an unexpected error is raised after all are read."""
-        first_error: Exception | None = None
-        while self._pending:
-            try:
-                self._collect(self._pending.pop(0))
-            except Exception as exc:  # noqa: BLE001 - raised below, once the rest are read
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-
-    def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
-        summary = self._summary
-        # Answers are read one after another on this thread: once Infrai has failed one ack
-        # through all its retries, the rest of the batch get their sent request's answer only,
-        # so an outage costs one ack's retries per batch, not ten in a row.
-        retry = True
-        unexpected: Exception | None = None
-        for result, pending in batch:
-            try:
-                pending.wait(retry=retry)
-            except QueueMessageNotFound:
-                summary.ack_lost += 1
-                _log_ack(result, "ack_lost")
-            except InfraiError as exc:
-                # Harmless for correctness: the redelivery finds the claim settled, and is
-                # acked then.
-                if isinstance(exc, InfraiUnavailable):
-                    retry = False
-                summary.ack_failed += 1
-                _log_ack(result, "ack_failed", str(exc))
-            except Exception as exc:  # noqa: BLE001 - the other answers are read first
-                # Not an answer from Infrai (a refreshed API key that cannot be used, a bug):
-                # the rest of the batch is still read, so no connection is left half-used.
-                summary.ack_failed += 1
-                _log_ack(result, "ack_failed", _describe(exc))
-                unexpected = unexpected or exc
-            else:
-                summary.acked += 1
-        if unexpected is not None:
-            raise unexpected
-
-
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
     for r in results:
         summary.consumed += 1
@@ -863,74 +518,3 @@ def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
         summary.takeovers += int(r.takeover)
         bucket = OUTCOME_RULES[r.outcome].bucket
         setattr(summary, bucket, getattr(summary, bucket) + 1)
-
-
-def _log(result: MessageResult) -> MessageResult:
-    logger.log(
-        OUTCOME_RULES[result.outcome].level,
-        "message %s",
-        result.outcome.value,
-        extra={
-            "action": result.outcome.value,
-            "idem_key": result.idem_key,
-            "message_id": result.message.message_id,
-            "delivery_count": result.message.delivery_count,
-            "job": result.job,
-            "acked": result.ack,
-            "detail": result.detail,
-        },
-    )
-    return result
-
-
-def _log_ack(result: MessageResult, action: str, detail: str = "") -> None:
-    logger.warning(
-        "ack %s",
-        action,
-        extra={
-            "action": action,
-            "idem_key": result.idem_key,
-            "message_id": result.message.message_id,
-            "delivery_count": result.message.delivery_count,
-            "job": result.job,
-            "detail": detail,
-        },
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    text = storable_text(f"{type(exc).__name__}: {exc}")
-    return text if len(text) <= 2000 else text[:1997] + "..."
-
-
-def storable_text(text: str) -> str:
-    """Text PostgreSQL accepts: no NUL characters, no lone surrogates."""
-    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
-
-
-# Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
-_RESULT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
-
-
-def _jsonable(result: JsonValue) -> JsonValue:
-    """The handler's result as the ledger can store it (jsonb).
-
-    The effect has happened, so a result that cannot be stored must never turn into a retry:
-    it is replaced by a printable description instead.
-    """
-    try:
-        text = _RESULT_JSON.encode(result)
-        text.encode("utf-8")  # lone surrogates
-    except (TypeError, ValueError, RecursionError):
-        return {"unserializable_result": _safe_repr(result)}
-    if "\\u0000" in text:  # jsonb refuses the NUL escape
-        return {"unserializable_result": _safe_repr(result)}
-    return result
-
-
-def _safe_repr(value: object) -> str:
-    try:
-        text = repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__} nested too deeply to print>"
-    return storable_text(text[:1000])

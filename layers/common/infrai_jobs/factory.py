@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from infrai_jobs.drain import HTTP_CONNECTIONS_PER_LANE
+from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.settings import Settings

@@ -1,0 +1,355 @@
+"""One batch: derive every message's key, claim, run and settle by effect class, and decide each
+message's ``Outcome`` (``infrai_jobs.outcomes``). One bad message never stops the others."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from infrai_jobs.claims import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimStatus,
+    JobRun,
+    RunKind,
+    Settlement,
+    utc_from_epoch,
+)
+from infrai_jobs.errors import (
+    ConfigurationError,
+    EffectUncertain,
+    KeyDerivationError,
+    LedgerError,
+    PermanentJobError,
+)
+from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue
+from infrai_jobs.outcomes import (
+    ACKED_OUTCOMES,
+    CLAIM_OUTCOMES,
+    OUTCOME_RULES,
+    SETTLE_OUTCOMES,
+    Outcome,
+)
+from infrai_jobs.ports import EffectGuard, LedgerPort
+from infrai_jobs.queue_models import QueueMessage
+
+if TYPE_CHECKING:
+    from infrai_jobs.drain import DrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MessageResult:
+    message: QueueMessage
+    outcome: Outcome
+    idem_key: str | None = None
+    job: str | None = None
+    detail: str = ""
+    # The claim was won by taking over an expired external_idempotent claim.
+    takeover: bool = False
+
+    @property
+    def ack(self) -> bool:
+        return self.outcome in ACKED_OUTCOMES
+
+
+def process_batch(
+    messages: Sequence[QueueMessage],
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    deadline: float,
+    config: DrainConfig,
+    *,
+    visible_until: float | None = None,
+    clock: Callable[[], float] = time.time,
+) -> list[MessageResult]:
+    """Decide every message of one batch; one bad message never stops the others.
+
+    ``visible_until`` (``clock`` seconds) is when the queue may deliver these messages again:
+    no claim's lease ends later (None: one whole visibility timeout from the claim)."""
+    return _Batch(
+        messages, ledger, registry, deadline, config, visible_until=visible_until, clock=clock
+    ).process()
+
+
+class _Batch:
+    """The state of one batch while its messages are claimed, run and settled."""
+
+    def __init__(
+        self,
+        messages: Sequence[QueueMessage],
+        ledger: LedgerPort,
+        registry: JobRegistry,
+        deadline: float,
+        config: DrainConfig,
+        *,
+        visible_until: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.messages = messages
+        self.ledger = ledger
+        self.registry = registry
+        self.deadline = deadline
+        self.config = config
+        # When the queue may deliver the batch again (None: unknown), on ``clock``.
+        self.visible_until = visible_until
+        self.clock = clock
+        self.lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
+        self.results: dict[str, MessageResult] = {}
+        # The first message of each key in this batch, and later copies of a key.
+        self.primaries: dict[str, tuple[QueueMessage, DerivedJob]] = {}
+        self.copies: list[tuple[QueueMessage, DerivedJob]] = []
+        self.takeovers: set[str] = set()
+        # Set once a claim failed for the ledger: the rest of the batch is not tried.
+        self.ledger_failed = ""
+
+    def process(self) -> list[MessageResult]:
+        self._derive_keys()
+        requests = [self._request(key) for key in self.primaries]
+        self._run_database([r for r in requests if r.effect is Effect.DATABASE])
+        self._run_external([r for r in requests if r.effect is not Effect.DATABASE])
+        self._mirror_copies()
+        return [self.results[m.message_id] for m in self.messages]
+
+    def _derive_keys(self) -> None:
+        for message in self.messages:
+            try:
+                derived = self.registry.derive(message.payload)
+            except (KeyDerivationError, ConfigurationError) as exc:
+                # A configuration error here is the job's, not the batch's: this message walks
+                # to the DLQ with the reason, the others go on.
+                self._set(MessageResult(message, Outcome.REJECTED, detail=str(exc)))
+                continue
+            if derived.idem_key in self.primaries:
+                self.copies.append((message, derived))
+            else:
+                self.primaries[derived.idem_key] = (message, derived)
+
+    def _request(self, key: str) -> ClaimRequest:
+        message, derived = self.primaries[key]
+        effect = derived.definition.effect
+        return ClaimRequest(
+            idem_key=key,
+            message_id=message.message_id,
+            job=derived.definition.name,
+            effect=effect,
+            fingerprint=derived.fingerprint,
+            lease_until=None if effect is Effect.DATABASE else self.lease_until,
+            visibility_left=(
+                None if self.visible_until is None else self.visible_until - self.clock()
+            ),
+        )
+
+    def _context(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobContext:
+        message, derived = self.primaries[request.idem_key]
+        return JobContext(
+            idem_key=request.idem_key,
+            job=derived.definition.name,
+            message_id=message.message_id,
+            delivery_count=message.delivery_count,
+            deadline=self.deadline,
+            db=db,
+        )
+
+    def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
+        derived = self.primaries[request.idem_key][1]
+        guard = self.config.effect_guard if request.effect is not Effect.DATABASE else None
+        return run_handler(derived, self._context(request, db), guard)
+
+    def _run_database(self, requests: list[ClaimRequest]) -> None:
+        """Claim, run and settle in one transaction for the whole batch."""
+        if not requests:
+            return
+        try:
+            decisions, settlements = self.ledger.run_database_batch(requests, self._run)
+        except LedgerError as exc:
+            for request in requests:
+                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
+            return
+        self._record(decisions, settlements)
+
+    def _run_external(self, requests: list[ClaimRequest]) -> None:
+        """Commit claims, then run and settle each job right after its effect.
+
+        Key-passing (``external_idempotent``) jobs are claimed for the batch in one statement:
+        if this process dies before calling, a later delivery takes the claim over once its
+        lease ends. Irreversible (``external``) jobs are claimed one by one, right before their
+        own call, so a crash leaves for a human only the claim whose call had begun, not every
+        claim of the batch.
+        """
+        idempotent = [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]
+        if idempotent:
+            self._claim_and_run(idempotent)
+        for request in (r for r in requests if r.effect is Effect.EXTERNAL):
+            if self.ledger_failed:
+                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, self.ledger_failed)
+            else:
+                self._claim_and_run([request])
+
+    def _claim_and_run(self, requests: list[ClaimRequest]) -> None:
+        try:
+            decisions = self.ledger.claim(requests)
+        except LedgerError as exc:
+            self.ledger_failed = str(exc)
+            for request in requests:
+                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
+            return
+        self.takeovers |= {d.request.idem_key for d in decisions if d.takeover}
+        settlements: list[Settlement] = []
+        for decision in decisions:
+            if decision.status is not ClaimStatus.WON:
+                continue
+            run = self._run(decision.request, None)
+            try:
+                settlements.append(self.ledger.settle(decision.request, run))
+            except LedgerError as exc:
+                # The effect may have happened and its claim stays running: a human decides.
+                outcome = Outcome.STUCK if run.kind is not RunKind.TRANSIENT else Outcome.RETRY
+                detail = f"handler {run.kind}, then settling failed: {exc}"
+                self._set_for(decision.request, outcome, detail)
+        self._record(decisions, settlements)
+
+    def _record(
+        self, decisions: Sequence[ClaimDecision], settlements: Sequence[Settlement]
+    ) -> None:
+        stuck_reasons: dict[str, str] = {}
+        for decision in decisions:
+            outcome = CLAIM_OUTCOMES.get(decision.status)
+            if outcome is None:  # WON: its settlement decides
+                if decision.takeover:
+                    self.takeovers.add(decision.request.idem_key)
+                continue
+            if outcome is Outcome.STUCK:
+                stuck_reasons[decision.request.idem_key] = decision.detail
+            self._set_for(decision.request, outcome, decision.detail)
+        for settlement in settlements:
+            outcome = SETTLE_OUTCOMES[settlement.status]
+            self._set_for(settlement.request, outcome, settlement.run.error)
+        if stuck_reasons:
+            try:
+                self.ledger.flag_stuck(stuck_reasons)
+            except LedgerError as exc:
+                logger.warning(
+                    "could not flag stuck claims",
+                    extra={"action": "flag_failed", "detail": str(exc)},
+                )
+
+    def _mirror_copies(self) -> None:
+        """A second copy of a key in the same batch never runs; it follows the first."""
+        for message, derived in self.copies:
+            first_message, first_derived = self.primaries[derived.idem_key]
+            first = self.results[first_message.message_id]
+            if derived.fingerprint != first_derived.fingerprint:
+                outcome = Outcome.CONFLICT
+                detail = f"same key as {first_message.message_id} in this batch, different work"
+            elif first.ack or first.outcome is Outcome.RETRY:
+                # The first copy's message carries the work (or its retries) from here on.
+                outcome = Outcome.IN_FLIGHT
+                detail = f"copy of {first_message.message_id} in the same batch"
+            else:
+                outcome = Outcome.BATCH_DUPLICATE
+                detail = f"copy of {first_message.message_id}, which ended {first.outcome}"
+            self._set(
+                MessageResult(message, outcome, derived.idem_key, derived.definition.name, detail)
+            )
+
+    def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
+        message, derived = self.primaries[request.idem_key]
+        takeover = request.idem_key in self.takeovers
+        if takeover:
+            detail = f"lease takeover; {detail}" if detail else "lease takeover"
+        self._set(
+            MessageResult(
+                message, outcome, request.idem_key, derived.definition.name, detail, takeover
+            )
+        )
+
+    def _set(self, result: MessageResult) -> None:
+        # The first decision about a message stands (a settle failure is recorded first).
+        if result.message.message_id not in self.results:
+            self.results[result.message.message_id] = _log(result)
+
+
+def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None = None) -> JobRun:
+    """Run one handler and turn whatever it does into a ``JobRun``.
+
+    This is the one place that catches every exception: a job's failure is an outcome to
+    settle, not a crash of the batch. With a ``guard`` (the second layer), the effect runs
+    through it, keyed by the same idempotency key.
+    """
+
+    def call() -> JsonValue:
+        return derived.definition.handler(derived.payload, ctx)
+
+    try:
+        result = guard.run(ctx.idem_key, derived.fingerprint, call) if guard else call()
+    except PermanentJobError as exc:
+        return JobRun(RunKind.PERMANENT, error=describe_error(exc))
+    except EffectUncertain as exc:
+        return JobRun(RunKind.UNCERTAIN, error=describe_error(exc))
+    except Exception as exc:  # noqa: BLE001 - the one place a handler's failure becomes an outcome
+        return JobRun(RunKind.TRANSIENT, error=describe_error(exc))
+    return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
+
+
+def _log(result: MessageResult) -> MessageResult:
+    logger.log(
+        OUTCOME_RULES[result.outcome].level,
+        "message %s",
+        result.outcome.value,
+        extra={
+            "action": result.outcome.value,
+            "idem_key": result.idem_key,
+            "message_id": result.message.message_id,
+            "delivery_count": result.message.delivery_count,
+            "job": result.job,
+            "acked": result.ack,
+            "detail": result.detail,
+        },
+    )
+    return result
+
+
+def describe_error(exc: BaseException) -> str:
+    text = storable_text(f"{type(exc).__name__}: {exc}")
+    return text if len(text) <= 2000 else text[:1997] + "..."
+
+
+def storable_text(text: str) -> str:
+    """Text PostgreSQL accepts: no NUL characters, no lone surrogates."""
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+# Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
+_RESULT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
+
+
+def _jsonable(result: JsonValue) -> JsonValue:
+    """The handler's result as the ledger can store it (jsonb).
+
+    The effect has happened, so a result that cannot be stored must never turn into a retry:
+    it is replaced by a printable description instead.
+    """
+    try:
+        text = _RESULT_JSON.encode(result)
+        text.encode("utf-8")  # lone surrogates
+    except (TypeError, ValueError, RecursionError):
+        return {"unserializable_result": _safe_repr(result)}
+    if "\\u0000" in text:  # jsonb refuses the NUL escape
+        return {"unserializable_result": _safe_repr(result)}
+    return result
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply to print>"
+    return storable_text(text[:1000])

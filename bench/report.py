@@ -85,7 +85,7 @@ _LANES_TARGET = 0.8
 _RSS_TARGET_MB = 150.0
 _RSS_TARGET_JOBS = 20_000
 _COLD_START_TARGET_MS = 250.0
-# Issue 19: idle polling's latency, and the backlog's speedup with more drains alive.
+# Idle polling's latency, and the backlog's speedup with more drains alive.
 _IDLE_P50_TARGET_MS = 500.0
 _IDLE_P99_TARGET_MS = 1500.0
 _FAN_OUT_TARGETS = {2: 1.6, 4: 2.5}

@@ -218,6 +218,8 @@ class LocalLambda:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._lock = threading.Lock()
         self._stopped = False
+        # What an invocation starts in turn comes back here too, never to a real Lambda.
+        self._env.update(self.client_env())
 
     @property
     def url(self) -> str:

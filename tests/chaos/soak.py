@@ -155,8 +155,8 @@ class SoakConfig:
     # Both phases together must converge within this.
     timeout_seconds: float = 180.0
     # Backlog fan-out: drains alive at most (the warm ones included; a SIGKILLed drain's lease
-    # holds its slot for up to 30 s), and the backlog's time to clear that starts more.
-    max_concurrency: int = 10
+    # holds its slot for up to 15 s), and the backlog's time to clear that starts more.
+    max_concurrency: int = 12
     fan_out_after_seconds: int = 1
     # This share of the messages is published before the drains start; the rest meanwhile.
     backlog_share: float = 0.6

@@ -37,8 +37,9 @@ FAN_OUT_EVENT_KEY = "infrai_jobs_fan_out"
 # How often the monitor renews the lease and looks at the backlog.
 CHECK_EVERY_SECONDS = 2.0
 # A running drain's lease: several checks long, so one slow check (a stats call retrying) does
-# not make a live drain look dead; a drain killed mid-run frees its slot within this.
-LEASE_SECONDS = 30.0
+# not make a live drain look dead; a drain killed mid-run frees its slot within this. Lambda's
+# reserved concurrency still holds the real line if a drain ever looks dead too early.
+LEASE_SECONDS = 15.0
 # A reserved slot waits this long for its drain to start (an async invoke, a cold start).
 START_GRACE_SECONDS = 30.0
 
@@ -133,12 +134,13 @@ class FleetMonitor:
         self.throttled = 0
         self.failed = 0
         self._since = clock()
+        self._renewed_at = self._since
         self._consumed_since = consumed()
 
     def check(self) -> FanOutCheck:
         """Renew the lease; start the drains the backlog calls for, if any."""
         policy = self.policy
-        live = self.fleet.renew(policy.queue, self.drain_id, lease_seconds=policy.lease_seconds)
+        live = self._renew()
         now, consumed = self.clock(), self.consumed()
         elapsed, received = now - self._since, consumed - self._consumed_since
         self._since, self._consumed_since = now, consumed
@@ -178,9 +180,19 @@ class FleetMonitor:
         )
         return check
 
+    def _renew(self) -> int:
+        self._renewed_at = self.clock()
+        return self.fleet.renew(
+            self.policy.queue, self.drain_id, lease_seconds=self.policy.lease_seconds
+        )
+
     def _start(self, slots: Sequence[str]) -> int:
         assert self.starter is not None
         for index, slot in enumerate(slots):
+            if self.clock() - self._renewed_at >= self.policy.check_every_seconds:
+                # Starting many drains through a slow Invoke API must not let this one's own
+                # lease run out meanwhile.
+                self._renew()
             try:
                 self.starter.start(fan_out_event(self.policy.queue, slot, self.drain_id))
             except FanOutError as exc:

@@ -41,10 +41,9 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.factory import make_effect_guard, make_queue_client
 from infrai_jobs.keys import derive_key
-from infrai_jobs.ledger import connect_to_ledger, ledger_error
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
+from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.redaction import redact
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import (
     DEFAULT_BASE_URL,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import LiteralString
 
-from infrai_jobs.ledger import connect_to_ledger
+from infrai_jobs.postgres import connect_to_ledger
 from infrai_jobs.settings import Settings
 
 _DRAFT: LiteralString = "INSERT INTO invoices (id) VALUES (%(id)s) ON CONFLICT (id) DO NOTHING"

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.redaction import describe
+from infrai_jobs.postgres import describe
 from infrai_jobs.settings import (
     LEDGER_ENDPOINT,
     PROVIDER_ENDPOINT,
@@ -278,8 +278,8 @@ def local_services(
         if plan:
             say(sandbox_notice(plan, who=who))
         if LEDGER_ENDPOINT in plan:
-            from infrai_jobs.ledger import connect_to_ledger  # noqa: PLC0415
             from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+            from infrai_jobs.postgres import connect_to_ledger  # noqa: PLC0415
             from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
 
             # This process's own embedded server, whatever the shell says: the one database
@@ -377,8 +377,8 @@ def _int_or_zero(value: str) -> int:
 def _require_migrated(url: str) -> None:
     """``SchemaNotMigrated``, naming the command to run, for a database behind this code."""
     from infrai_jobs.errors import SchemaNotMigrated  # noqa: PLC0415
-    from infrai_jobs.ledger import connect_to_ledger, schema_behind  # noqa: PLC0415
     from infrai_jobs.migrations import LATEST_VERSION, current_version  # noqa: PLC0415
+    from infrai_jobs.postgres import connect_to_ledger, schema_behind  # noqa: PLC0415
 
     with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
         version = current_version(conn)

@@ -35,7 +35,8 @@ from psycopg import sql
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
 from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, InfraiInvalidResponse
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger import PostgresLedger, _array
+from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.postgres import array_literal
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_local.embedded_db import scratch_database
 
@@ -506,7 +507,7 @@ def test_the_ledgers_list_parameters_reach_postgresql_element_for_element(
     kit: Harness, values: list[str | None]
 ) -> None:
     # Given any list of texts and nulls, written as the ledger writes its list parameters
-    literal = _array(values)
+    literal = array_literal(values)
     # When PostgreSQL reads it as a text array, bound server-side and client-side
     (server_side,) = kit.sql("SELECT %s::text[]", (literal,))[0]
     with psycopg.connect(kit.database_url) as conn, psycopg.ClientCursor(conn) as cur:

@@ -24,8 +24,8 @@ from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.postgres import MASK, describe, malformed_reason, redact, secrets_of
 from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.redaction import MASK, describe, malformed_reason, redact, secrets_of
 from infrai_jobs.secrets import database_url_from_secret
 from infrai_jobs.settings import Settings
 from infrai_local import cli as cli_module

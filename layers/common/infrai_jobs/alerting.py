@@ -21,9 +21,9 @@ from typing import Any, LiteralString, Protocol
 import psycopg
 
 from infrai_jobs.errors import InfraiError
-from infrai_jobs.ledger import STUCK_CLAIM_COUNT as _STUCK
-from infrai_jobs.ledger import connect_to_ledger, ledger_errors
 from infrai_jobs.ports import QueuePort
+from infrai_jobs.postgres import STUCK_CLAIM_COUNT as _STUCK
+from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 from infrai_jobs.queue_models import QueueStats
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from psycopg.types.json import Jsonb
 
 from infrai_jobs.claims import ClaimRow
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
-from infrai_jobs.ledger import STUCK_CLAIMS as _STUCK
-from infrai_jobs.ledger import connect_to_ledger, ledger_errors
+from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
+from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any, LiteralString
 import psycopg
 
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.ledger import connect_to_ledger, ledger_errors
+from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)

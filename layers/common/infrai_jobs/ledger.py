@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
 from typing import Any, LiteralString
 
 import psycopg
@@ -43,38 +41,23 @@ from infrai_jobs.claims import (
     SettleStatus,
     decide,
 )
-from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.migrations import LATEST_VERSION, current_version
+from infrai_jobs.postgres import (
+    array_literal,
+    ledger_error,
+    one_line,
+    open_connection,
+    redact,
+    schema_behind,
+)
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
-from infrai_jobs.redaction import describe, malformed_reason, redact
 from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)
 
 # Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
 _RESULT_JSON = json.JSONEncoder(allow_nan=False)
-
-
-def _array(values: Iterable[str | uuid.UUID | datetime | float | None]) -> str:
-    """A list parameter as the text of a one-dimensional PostgreSQL array.
-
-    Every statement here takes its lists as ``%(name)s::text[]`` (or ``uuid[]``,
-    ``timestamptz[]``). Handing psycopg one string per list instead of the list itself is the
-    same array to the server, and it spares the client psycopg's element-by-element array
-    dumping: binding a batch of ten claims took about 160 µs of CPU that way and takes about
-    30 µs this way. Inside a double-quoted element only ``\\`` and ``"`` are special;
-    ``NULL`` unquoted is a null.
-    """
-    parts = []
-    for value in values:
-        if value is None:
-            parts.append("NULL")
-            continue
-        text = value if isinstance(value, str) else str(value)
-        if "\\" in text or '"' in text:
-            text = text.replace("\\", "\\\\").replace('"', '\\"')
-        parts.append(f'"{text}"')
-    return "{" + ",".join(parts) + "}"
 
 
 # --- SQL: static, parameterised ----------------------------------------------------------------
@@ -185,39 +168,6 @@ FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
 WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
 """
 
-# When a claim is stuck, the one rule (``claims stuck`` lists them, the watcher pages on them):
-# running, and flagged for a human or older than the threshold since its latest claim. A
-# takeover starts the age again, so a live holder that took over an old claim is not stuck.
-STUCK_CLAIM: LiteralString = """state = 'running'
-  AND (error IS NOT NULL
-       OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))"""
-
-# The claims ``infrai-jobs claims stuck`` lists, oldest first.
-STUCK_CLAIMS: LiteralString = (
-    """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
-FROM job_claims
-WHERE """
-    + STUCK_CLAIM
-    + """
-ORDER BY coalesce(updated_at, claimed_at)
-LIMIT %(limit)s
-"""
-)
-
-# What the watcher pages on: how many are stuck, and the oldest running claim's age (from its
-# latest claim, like the rule).
-STUCK_CLAIM_COUNT: LiteralString = (
-    """
-SELECT count(*) FILTER (WHERE """
-    + STUCK_CLAIM
-    + """),
-       coalesce(extract(epoch FROM now() - min(coalesce(updated_at, claimed_at))), 0)
-FROM job_claims WHERE state = 'running'
-"""
-)
-
 _ISOLATION_LEFT: LiteralString = """
 SELECT greatest(extract(epoch FROM single_until - now()), 0)::float8
 FROM consume_isolation WHERE queue = %(queue)s
@@ -245,97 +195,6 @@ _IDLE = psycopg.pq.TransactionStatus.IDLE
 
 class _IsolateJobs(Exception):
     """A handler failed in the all-in-one attempt: run the batch again with savepoints."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _malformed_url(reason: str) -> LedgerUnavailable:
-    return LedgerUnavailable(
-        f"cannot connect to the ledger database: the database URL is malformed: {reason} "
-        "(check DATABASE_URL or the database secret; the value is not shown)"
-    )
-
-
-def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
-    """A connection error worth logging. libpq quotes a string it cannot parse whole, password
-    included, so that case says only what is wrong; any other text goes through ``redact``."""
-    if isinstance(exc, psycopg.ProgrammingError):
-        return _malformed_url(malformed_reason(url) or "libpq cannot parse it")
-    detail = redact(_one_line(str(exc)), url)
-    return LedgerUnavailable(f"cannot connect to the ledger database at {describe(url)}: {detail}")
-
-
-def _open_connection(
-    url: str, *, connect_timeout: int, application_name: str
-) -> psycopg.Connection[Any]:
-    # A URL libpq would read differently from how it was written is refused before it is used:
-    # its "host" may be the tail of a password, and connecting would send that to a resolver.
-    reason = malformed_reason(url)
-    if reason:
-        raise _malformed_url(reason)
-    try:
-        return psycopg.connect(
-            url,
-            autocommit=True,
-            connect_timeout=connect_timeout,
-            application_name=application_name,
-        )
-    except psycopg.Error as exc:
-        raise _connect_failure(exc, url) from None
-
-
-def connect_to_ledger(
-    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
-) -> psycopg.Connection[Any]:
-    """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
-    with the URL kept out of the message (and the driver's error, which may quote it, not
-    chained). The watcher, the operator tools and migrate connect through here;
-    ``PostgresLedger`` connects the same way, and retries once with the secret fetched again."""
-    return _open_connection(url, connect_timeout=connect_timeout, application_name=application_name)
-
-
-def schema_behind(version: int) -> str:
-    """What ``SchemaNotMigrated`` says about a database at ``version``."""
-    if version == 0:
-        return (
-            "the ledger database is not migrated (it has no infrai-jobs tables): run "
-            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
-        )
-    return (
-        f"the ledger schema is at version {version}, this code needs {LATEST_VERSION}: run "
-        "`infrai-jobs migrate` with DATABASE_URL pointing at it"
-    )
-
-
-def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerError:
-    """A driver error met while ``doing`` something, in the package's terms.
-
-    A missing table or column means the database was never migrated (or is older than this
-    code): that is ``SchemaNotMigrated``, naming the command to run, never "unreachable". A
-    broken connection is ``LedgerUnavailable``. The driver's text goes through ``redact``.
-    """
-    detail = redact(_one_line(str(exc)), url) if url else _one_line(str(exc))
-    where = f"{doing}: " if doing else ""
-    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
-        return SchemaNotMigrated(
-            f"{where}the ledger database is not migrated ({detail}): run "
-            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
-        )
-    if isinstance(exc, psycopg.OperationalError):
-        return LedgerUnavailable(f"{where}the ledger database failed: {detail}")
-    return LedgerError(f"{where}the ledger rejected a statement: {detail}")
-
-
-@contextmanager
-def ledger_errors(doing: str = "", url: str = "") -> Iterator[None]:
-    """Driver errors raised inside, in the package's terms (``ledger_error``): how every module
-    but this one meets a psycopg error, so the translation is written once."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise ledger_error(exc, doing, url) from exc
 
 
 def _aborted(conn: psycopg.Connection[Any]) -> bool:
@@ -439,7 +298,7 @@ class PostgresLedger:
                 return
 
     def _connect(self, url: str) -> psycopg.Connection[Any]:
-        return _open_connection(
+        return open_connection(
             url, connect_timeout=self._connect_timeout, application_name="infrai-jobs"
         )
 
@@ -456,7 +315,7 @@ class PostgresLedger:
             # The server closed the connection, or it broke mid-statement: reconnect next time.
             self._drop(conn)
             raise LedgerUnavailable(
-                f"the ledger database failed: {redact(_one_line(str(exc)), self._url)}"
+                f"the ledger database failed: {redact(one_line(str(exc)), self._url)}"
             ) from exc
         except psycopg.Error as exc:
             raise ledger_error(exc, url=self._url) from exc
@@ -497,8 +356,8 @@ class PostgresLedger:
             fresh.execute(
                 _RELEASE,
                 {
-                    "keys": _array(r.idem_key for r in requests),
-                    "tokens": _array(r.claim_token for r in requests),
+                    "keys": array_literal(r.idem_key for r in requests),
+                    "tokens": array_literal(r.claim_token for r in requests),
                 },
             )
 
@@ -511,14 +370,14 @@ class PostgresLedger:
     ) -> list[ClaimDecision]:
         ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
         params = {
-            "keys": _array(r.idem_key for r in ordered),
-            "message_ids": _array(r.message_id for r in ordered),
-            "jobs": _array(r.job for r in ordered),
-            "effects": _array(r.effect.value for r in ordered),
-            "tokens": _array(r.claim_token for r in ordered),
-            "leases": _array(r.lease_until for r in ordered),
-            "fingerprints": _array(r.fingerprint for r in ordered),
-            "visibility_left": _array(r.visibility_left for r in ordered),
+            "keys": array_literal(r.idem_key for r in ordered),
+            "message_ids": array_literal(r.message_id for r in ordered),
+            "jobs": array_literal(r.job for r in ordered),
+            "effects": array_literal(r.effect.value for r in ordered),
+            "tokens": array_literal(r.claim_token for r in ordered),
+            "leases": array_literal(r.lease_until for r in ordered),
+            "fingerprints": array_literal(r.fingerprint for r in ordered),
+            "visibility_left": array_literal(r.visibility_left for r in ordered),
             "visibility": self._visibility,
         }
         if begin:
@@ -535,7 +394,7 @@ class PostgresLedger:
             unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
             if unseen:
                 reread = cur.execute(
-                    _REREAD, {"keys": _array(unseen), "visibility": self._visibility}
+                    _REREAD, {"keys": array_literal(unseen), "visibility": self._visibility}
                 )
                 rows.update({row["idem_key"]: row for row in reread.fetchall()})
         by_key = {r.idem_key: r for r in requests}
@@ -604,9 +463,9 @@ class PostgresLedger:
             conn.execute("COMMIT")
             return []
         params = {
-            "keys": _array(r.idem_key for r, _ in runs),
-            "tokens": _array(r.claim_token for r, _ in runs),
-            "results": _array(_RESULT_JSON.encode(run.result) for _, run in runs),
+            "keys": array_literal(r.idem_key for r, _ in runs),
+            "tokens": array_literal(r.claim_token for r, _ in runs),
+            "results": array_literal(_RESULT_JSON.encode(run.result) for _, run in runs),
         }
         with psycopg.ClientCursor(conn) as cur:
             cur.execute(_SETTLE_DONE_AND_COMMIT, params)
@@ -668,20 +527,20 @@ class PostgresLedger:
 
         matched: set[str] = set()
         for kind, items in groups.items():
-            keys = _array(r.idem_key for r, _ in items)
-            tokens = _array(r.claim_token for r, _ in items)
+            keys = array_literal(r.idem_key for r, _ in items)
+            tokens = array_literal(r.claim_token for r, _ in items)
             if kind is RunKind.SUCCEEDED:
-                results = _array(_RESULT_JSON.encode(run.result) for _, run in items)
+                results = array_literal(_RESULT_JSON.encode(run.result) for _, run in items)
                 cursor = conn.execute(
                     _SETTLE_DONE, {"keys": keys, "tokens": tokens, "results": results}
                 )
             elif kind is RunKind.PERMANENT:
-                errors = _array(run.error for _, run in items)
+                errors = array_literal(run.error for _, run in items)
                 cursor = conn.execute(
                     _SETTLE_FAILED, {"keys": keys, "tokens": tokens, "errors": errors}
                 )
             elif kind is RunKind.UNCERTAIN:
-                errors = _array(f"effect uncertain: {run.error}" for _, run in items)
+                errors = array_literal(f"effect uncertain: {run.error}" for _, run in items)
                 cursor = conn.execute(
                     _MARK_UNCERTAIN, {"keys": keys, "tokens": tokens, "errors": errors}
                 )
@@ -710,7 +569,8 @@ class PostgresLedger:
             return
         with self._translated() as conn:
             conn.execute(
-                _FLAG_STUCK, {"keys": _array(reasons), "reasons": _array(reasons.values())}
+                _FLAG_STUCK,
+                {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())},
             )
 
     # --- consume isolation ------------------------------------------------------------------

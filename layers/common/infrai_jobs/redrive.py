@@ -34,8 +34,8 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.keys import derive_key, payload_fingerprint
-from infrai_jobs.ledger import connect_to_ledger, ledger_errors
 from infrai_jobs.ports import QueuePort
+from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 from infrai_jobs.queue_models import QueueMessage
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from urllib.parse import quote
 from psycopg.conninfo import make_conninfo
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.redaction import malformed_reason, parse_conninfo
+from infrai_jobs.postgres import malformed_reason, parse_conninfo
 from infrai_jobs.settings import Settings
 
 SECRET_CACHE_SECONDS = 300

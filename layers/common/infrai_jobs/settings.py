@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.postgres import malformed_reason
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
-from infrai_jobs.redaction import malformed_reason
 
 DEFAULT_BASE_URL = "https://api.infrai.cc"
 DEFAULT_QUEUE = "billing-jobs"

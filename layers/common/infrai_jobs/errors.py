@@ -38,6 +38,19 @@ class AnswerTooLarge(TransportError):
         self.size = size
 
 
+class ProtocolError(InfraiJobsError):
+    """An answer that breaks HTTP/1.1 framing or a limit; the pool reports it as a
+    ``TransportError`` naming the host."""
+
+
+class OversizedAnswer(ProtocolError):
+    """An answer longer than the limit; ``size`` is its declared length, when it declared one."""
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        super().__init__(f"the answer is larger than {limit} bytes")
+        self.size = size
+
+
 # --- The Infrai queue -------------------------------------------------------------------------
 
 

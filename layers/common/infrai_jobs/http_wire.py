@@ -11,6 +11,8 @@ import ssl
 import time
 from dataclasses import dataclass
 
+from infrai_jobs.errors import OversizedAnswer, ProtocolError
+
 MAX_LINE = 65536
 MAX_HEADERS = 100
 # Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
@@ -72,16 +74,6 @@ class Response:
     # Lower-case names; repeated headers joined with ", ".
     headers: dict[str, str]
     body: bytes
-
-
-class ProtocolError(Exception):
-    pass
-
-
-class OversizedAnswer(ProtocolError):
-    def __init__(self, limit: int, size: int | None = None) -> None:
-        super().__init__(f"the answer is larger than {limit} bytes")
-        self.size = size
 
 
 class Connection:

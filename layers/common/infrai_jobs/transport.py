@@ -34,11 +34,9 @@ import weakref
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from infrai_jobs.errors import AnswerTooLarge, TransportError
+from infrai_jobs.errors import AnswerTooLarge, OversizedAnswer, ProtocolError, TransportError
 from infrai_jobs.http_wire import (
     Connection,
-    OversizedAnswer,
-    ProtocolError,
     Response,
     read_response,
 )

@@ -16,7 +16,7 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.factory import make_queue_client
+from infrai_jobs.factory import make_queue_client, secret_refresh
 from infrai_jobs.keys import derive_key
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.queue_client import InfraiClient
@@ -29,8 +29,10 @@ logger, metrics = function_observability()
 
 @cache
 def dependencies() -> tuple[Settings, InfraiClient]:
-    settings = resolve_secrets(Settings.from_env())
-    return settings, make_queue_client(settings)
+    """Built once per warm environment; a rotated API key is fetched again on its first 401."""
+    settings = Settings.from_env()
+    resolved = resolve_secrets(settings)
+    return resolved, make_queue_client(resolved, refresh_api_key=secret_refresh(settings).api_key)
 
 
 @logger.inject_lambda_context(log_event=True, clear_state=True)

@@ -3,9 +3,11 @@ refreshed once after a rotation; and never printed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -178,3 +180,36 @@ def test_no_secret_appears_in_the_output_of_a_whole_drain(
     assert summary.consumed >= 1
     assert password not in everything
     assert api_key not in everything
+
+
+def test_redrive_function_picks_up_a_rotated_api_key_in_a_warm_environment(
+    aws: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given RedriveFunction warm with the key SSM held at its first invocation
+    server = emulator_module.start_in_thread(api_key="sk_new")
+    try:
+        InfraiClient(server.url, "sk_new").ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_old", Type="SecureString")
+        for name, value in {
+            "INFRAI_BASE_URL": server.url,
+            "INFRAI_API_KEY_PARAMETER": PARAMETER,
+            "INFRAI_QUEUE": QUEUE,
+        }.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("INFRAI_API_KEY", raising=False)
+        path = Path(__file__).resolve().parents[2] / "functions" / "redrive" / "app.py"
+        spec = importlib.util.spec_from_file_location("redrive_app_under_test", path)
+        assert spec is not None
+        assert spec.loader is not None
+        app = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(app)
+        _, queue = app.dependencies()
+        # When the key is rotated in SSM (Infrai now takes only the new one)
+        aws["ssm"].put_parameter(
+            Name=PARAMETER, Value="sk_new", Type="SecureString", Overwrite=True
+        )
+        # Then the warm client's next call meets a 401, fetches the key again, and succeeds
+        assert queue.stats(QUEUE).message_count == 0
+        queue.close()
+    finally:
+        server.stop()

@@ -26,6 +26,7 @@ from infrai_jobs.factory import (
     make_effect_guard,
     make_ledger,
     make_queue_client,
+    secret_refresh,
 )
 from infrai_jobs.fan_out import CountingQueue, FanOutPolicy, FleetMonitor
 from infrai_jobs.jobs import JobRegistry
@@ -70,20 +71,8 @@ class DrainService:
     ) -> DrainService:
         """``starter`` replaces Lambda's for local runs (the CLI starts drain processes)."""
         resolved = resolve_secrets(settings)
-
-        def refresh_url() -> str:
-            return resolve_secrets(settings, api_key=False, force_fetch=True).database_url
-
-        def refresh_key() -> str:
-            return resolve_secrets(settings, database=False, force_fetch=True).infrai_api_key
-
-        # Only secrets fetched by name can rotate under us; plain env values are what they are.
-        url_hook = (
-            refresh_url if not settings.database_url and settings.database_secret_arn else None
-        )
-        key_hook = (
-            refresh_key if not settings.infrai_api_key and settings.api_key_parameter else None
-        )
+        refresh = secret_refresh(settings)
+        url_hook, key_hook = refresh.database_url, refresh.api_key
         return cls(
             settings=resolved,
             queue=make_queue_client(resolved, refresh_api_key=key_hook),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
 
 if TYPE_CHECKING:
@@ -16,6 +18,36 @@ if TYPE_CHECKING:
     from infrai_jobs.drain_fleet import PostgresDrainFleet
     from infrai_jobs.lambda_starter import LambdaDrainStarter
     from infrai_jobs.second_layer import SecondLayer
+
+
+@dataclass(frozen=True, slots=True)
+class SecretRefresh:
+    """How a warm environment picks up a rotated secret: the queue client retries a 401 once,
+    and the ledger a failed connect once, with the secret fetched again past its cache.
+
+    Only secrets fetched by name (the SSM parameter, the Secrets Manager ARN) can rotate under
+    a running function; a plain environment value is what it is, so its hook is None.
+    """
+
+    api_key: Callable[[], str] | None
+    database_url: Callable[[], str] | None
+
+
+def secret_refresh(settings: Settings) -> SecretRefresh:
+    """The hooks for ``settings`` as read from the environment (before resolving secrets)."""
+
+    def api_key() -> str:
+        return resolve_secrets(settings, database=False, force_fetch=True).infrai_api_key
+
+    def database_url() -> str:
+        return resolve_secrets(settings, api_key=False, force_fetch=True).database_url
+
+    return SecretRefresh(
+        api_key=api_key if not settings.infrai_api_key and settings.api_key_parameter else None,
+        database_url=(
+            database_url if not settings.database_url and settings.database_secret_arn else None
+        ),
+    )
 
 
 def make_queue_client(

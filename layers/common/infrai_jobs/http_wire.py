@@ -13,39 +13,9 @@ from dataclasses import dataclass
 
 from infrai_jobs.errors import OversizedAnswer, ProtocolError
 
+# A line of the answer's head, and how many header lines it may have.
 MAX_LINE = 65536
 MAX_HEADERS = 100
-# Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
-# hostile server from filling a 512 MB Lambda.
-MAX_BODY = 16 * 1024 * 1024
-# 1xx answers skipped before the real one; a server sending more is not answering.
-MAX_INTERIM = 10
-# Well under the idle timeouts of common load balancers (60 s) and API gateways; a connection
-# idle longer, e.g. across a frozen Lambda, is more likely dead than alive.
-DEFAULT_MAX_IDLE = 30.0
-# The whole answer must arrive within this many read timeouts (the read timeout alone bounds
-# each wait for bytes, not a server sending one byte at a time).
-ANSWER_DEADLINE_READS = 3
-
-_UNSAFE_HEADER = re.compile(r"[\r\n\x00]")
-# No spaces or control characters in the request line: they would split or bend it.
-_UNSAFE_TARGET = re.compile(r"[\x00-\x20\x7f]")
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_STATUS_CODE = re.compile(r"[0-9]{3}")
-_LENGTH = re.compile(r"[0-9]{1,18}")
-_RECV_SIZE = 65536
-# Past an answer's deadline a read still takes what has already arrived, waiting this long.
-_ARRIVED_WAIT = 0.001
-# ... for this long at most from the first such read, so a server sending a byte at a time
-# cannot stretch it.
-_LATE_READS_FOR = 0.5
-# A head found whole within this many buffered bytes is parsed in one go (Infrai's are ~150).
-_WHOLE_HEAD_LIMIT = 8192
-# Encoded header sets a pool keeps (a client uses two or three; a rotated API key adds some).
-MAX_LINE = 65536
-
-MAX_HEADERS = 100
-
 # 1xx answers skipped before the real one; a server sending more is not answering.
 MAX_INTERIM = 10
 

@@ -5,33 +5,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import re
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from decimal import Decimal
 from types import FrameType
-from typing import Final, TextIO
+from typing import TextIO
 
 from infrai_jobs.queue_contract import (
     DEFAULT_PUBLISH_PRICE_USD,
 )
-from infrai_local.emulator.http import start_in_thread
+from infrai_local.emulator.http import DEFAULT_HOST, DEFAULT_PORT, start_in_thread
 from infrai_local.emulator.state import (
     DEFAULT_VISIBILITY_TIMEOUT,
     price_text,
 )
 from infrai_local.queue_model import ApiError
-
-DEFAULT_HOST: Final = "127.0.0.1"
-DEFAULT_PORT: Final = 8765
-MAX_BODY_BYTES: Final = 11 * 1024 * 1024
-_CONTENT_LENGTH: Final = re.compile(r"[0-9]{1,20}")
-# Idle keep-alive connections are closed after this long so forgotten clients cannot pile up.
-_IDLE_CONNECTION_SECONDS: Final = 60.0
-# Bytes a connection may pile up while one of its requests waits out injected latency.
-_INBOX_WHILE_BUSY: Final = 1024 * 1024
 
 
 def serve(

@@ -1778,10 +1778,13 @@ def write_docs_figures(report: SoakReport, docs: Path) -> None:
     if not rest or DOCS_END not in rest:
         raise SoakFailure(f"{docs} lacks the {DOCS_BEGIN} ... {DOCS_END} markers")
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    # The machine's load says how much the run shared it (the figures' times depend on it).
+    load = " / ".join(f"{value:.2f}" for value in os.getloadavg())
     body = (
         f"{DOCS_BEGIN}\n"
         f"`make soak`, {report.config.jobs:,} jobs, seed {report.config.seed}, "
-        f"{report.config.drains} drain processes, run {stamp} on {os.cpu_count()} cores:\n\n"
+        f"{report.config.drains} drain processes, run {stamp} on {os.cpu_count()} cores, "
+        f"load average {load} (1 / 5 / 15 min) at the end:\n\n"
         f"{report.table()}\n{DOCS_END}"
     )
     docs.write_text(head + body + tail)

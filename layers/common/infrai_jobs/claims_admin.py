@@ -22,6 +22,10 @@ from psycopg.types.json import Jsonb
 
 from infrai_jobs.claims import ClaimRow
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.postgres import CLAIM_BY_KEY as _SHOW
+from infrai_jobs.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
+from infrai_jobs.postgres import CLAIMS_LIST as _LIST
+from infrai_jobs.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 
@@ -31,30 +35,6 @@ class PruneResult:
     deleted: int
     batches: int
 
-
-_LIST: LiteralString = """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
-FROM job_claims
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-  AND (%(job)s::text IS NULL OR job = %(job)s)
-  AND (%(older_than)s::float8 IS NULL
-       OR claimed_at < now() - make_interval(secs => %(older_than)s))
-ORDER BY claimed_at DESC
-LIMIT %(limit)s
-"""
-
-_SHOW: LiteralString = """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
-FROM job_claims WHERE idem_key = %(key)s
-"""
-
-_FOR_UPDATE: LiteralString = """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
-FROM job_claims WHERE idem_key = %(key)s FOR UPDATE
-"""
 
 _RESOLVE: LiteralString = """
 UPDATE job_claims
@@ -67,6 +47,10 @@ _RELEASE: LiteralString = """
 DELETE FROM job_claims
 WHERE idem_key = %(key)s AND state = %(expected_state)s
   AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_DELETE_FAILED: LiteralString = """
+DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
 """
 
 _HISTORY: LiteralString = """
@@ -282,18 +266,26 @@ class ClaimsAdmin:
             with conn.cursor(row_factory=dict_row) as cur:
                 after_row = cur.execute(_SHOW, {"key": key}).fetchone()
             after = ClaimRow(**after_row) if after_row else None
-            conn.execute(
-                _HISTORY,
-                {
-                    "key": key,
-                    "action": action,
-                    "actor": actor or default_actor(),
-                    "before": Jsonb(claim_as_dict(before)),
-                    "after": Jsonb(claim_as_dict(after)) if after else None,
-                    "note": note or None,
-                },
-            )
+            _record(conn, action, before, after, actor=actor, note=note)
         return after or before
+
+    def reopen_failed(
+        self, *, message_id: str, fingerprint: str | None, actor: str | None = None
+    ) -> list[str]:
+        """Delete the ``failed`` claims of one piece of work (its message id, or its payload
+        fingerprint) so its redriven copy runs again; each is recorded as ``reopen``."""
+        params = {"message_id": message_id, "fingerprint": fingerprint}
+        with (
+            ledger_errors("cannot reopen failed claims", self._url),
+            self._connect() as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                failed = [ClaimRow(**row) for row in cur.execute(_FAILED_OF_WORK, params)]
+            for claim in failed:
+                conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
+                _record(conn, "reopen", claim, None, actor=actor, note="redrive --reopen-failed")
+        return [claim.idem_key for claim in failed]
 
     def record_discard(
         self,
@@ -366,6 +358,30 @@ def storable_json(value: Any) -> Any:
         described = f"<{type(value).__name__} that JSON cannot describe>"
     # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
     return {"not_storable_as_jsonb": described}
+
+
+def _record(
+    conn: psycopg.Connection[Any],
+    action: str,
+    before: ClaimRow,
+    after: ClaimRow | None,
+    *,
+    actor: str | None,
+    note: str,
+) -> None:
+    """The one writer of a claim change in ``claim_history``: the claim before and after it,
+    each as ``claim_as_dict`` spells it."""
+    conn.execute(
+        _HISTORY,
+        {
+            "key": before.idem_key,
+            "action": action,
+            "actor": actor or default_actor(),
+            "before": Jsonb(claim_as_dict(before)),
+            "after": Jsonb(claim_as_dict(after)) if after else None,
+            "note": note or None,
+        },
+    )
 
 
 def claim_as_dict(row: ClaimRow) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from infrai_jobs.claims import (
 from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.migrations import LATEST_VERSION, current_version
 from infrai_jobs.postgres import (
+    CLAIM_BY_KEY,
     array_literal,
     ledger_error,
     one_line,
@@ -181,12 +182,6 @@ ON CONFLICT (queue) DO UPDATE
         reason = EXCLUDED.reason,
         updated_at = now()
 RETURNING greatest(extract(epoch FROM single_until - now()), 0)::float8
-"""
-
-_SELECT_ROW: LiteralString = """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
-FROM job_claims WHERE idem_key = %(key)s
 """
 
 
@@ -593,5 +588,5 @@ class PostgresLedger:
 
     def get(self, idem_key: str) -> ClaimRow | None:
         with self._translated() as conn, conn.cursor(row_factory=dict_row) as cur:
-            row = cur.execute(_SELECT_ROW, {"key": idem_key}).fetchone()
+            row = cur.execute(CLAIM_BY_KEY, {"key": idem_key}).fetchone()
         return ClaimRow(**row) if row else None

@@ -299,11 +299,50 @@ STUCK_CLAIM: LiteralString = """state = 'running'
   AND (error IS NOT NULL
        OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))"""
 
+# The columns of a ClaimRow (infrai_jobs.claims), for every statement that reads whole claims.
+CLAIM_COLUMNS: LiteralString = """idem_key, state, message_id, job, effect, attempts,
+       payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token"""
+
+CLAIM_BY_KEY: LiteralString = (
+    """SELECT """
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims WHERE idem_key = %(key)s"""
+)
+CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
+
+# A redrive's ``--reopen-failed``: the failed claims of one piece of work, by its message id or
+# its payload fingerprint, locked for the change.
+FAILED_CLAIMS_OF_WORK: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
+FOR UPDATE
+"""
+)
+
+# ``infrai-jobs claims list``: newest first, filtered by state, job and age when given.
+CLAIMS_LIST: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR claimed_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY claimed_at DESC
+LIMIT %(limit)s
+"""
+)
+
 # The claims ``infrai-jobs claims stuck`` lists, oldest first.
 STUCK_CLAIMS: LiteralString = (
-    """
-SELECT idem_key, state, message_id, job, effect, attempts, payload_sha256, error, result,
-       claimed_at, lease_until, updated_at, claim_token
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
 FROM job_claims
 WHERE """
     + STUCK_CLAIM

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, LiteralString
 
-from infrai_jobs.claims_admin import default_actor
+from infrai_jobs.claims_admin import ClaimsAdmin, default_actor
 from infrai_jobs.errors import (
     ConfigurationError,
     ConsumeAnswerLost,
@@ -43,17 +43,6 @@ logger = logging.getLogger(__name__)
 # The field notes' price, verified 2026-07-26; used only when discovery cannot be reached.
 FALLBACK_PUBLISH_PRICE_USD = Decimal("0.00002")
 
-_REOPEN: LiteralString = """
-WITH reopened AS (
-    DELETE FROM job_claims
-    WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
-    RETURNING *
-)
-INSERT INTO claim_history (idem_key, action, actor, before, note)
-SELECT idem_key, 'reopen', %(actor)s, to_jsonb(reopened), 'redrive --reopen-failed'
-FROM reopened
-RETURNING idem_key
-"""
 
 Progress = Callable[[int], None]
 KeyOf = Callable[[Any], str]
@@ -443,13 +432,6 @@ def _reopen(database_url: str, message: QueueMessage) -> list[str]:
         fingerprint: str | None = payload_fingerprint(message.payload)
     except KeyDerivationError:
         fingerprint = None  # unrepresentable work: match the claim by message id alone
-    params = {
-        "message_id": message.message_id,
-        "fingerprint": fingerprint,
-        "actor": default_actor(),
-    }
-    with (
-        ledger_errors("cannot reopen failed claims", database_url),
-        connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn,
-    ):
-        return [row[0] for row in conn.execute(_REOPEN, params).fetchall()]
+    return ClaimsAdmin(database_url).reopen_failed(
+        message_id=message.message_id, fingerprint=fingerprint, actor=default_actor()
+    )

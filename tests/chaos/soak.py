@@ -88,6 +88,8 @@ LEASED_DLQ = "soak-leased-dlq"
 APP_ROLE = "soak_app"
 APP_DATABASE = "soak"
 POISON_JOB = "soak.unknown"
+# See the chaos phase: keeps a quiet machine from clearing the backlog before it fans out.
+PRE_CHAOS_CONSUME_LATENCY_MS = 250
 DOCS_BEGIN = "<!-- soak-figures:begin -->"
 DOCS_END = "<!-- soak-figures:end -->"
 
@@ -1059,6 +1061,11 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         drain_env["SOAK_KILL_GATE"] = str(gate.flag)
         fleet.env["SOAK_KILL_GATE"] = str(gate.flag)
         publisher = Publisher(client, plan)
+        # Until the chaos begins, every consume waits a quarter of a second, so the drains
+        # cannot clear the backlog before their first fan-out check (two seconds in) however
+        # fast the machine is: on a quiet one they used to, the fleet never fanned out, and the
+        # run converged before the gate opened. The gate's faults replace this latency.
+        emulator.set_faults(latency_ms=PRE_CHAOS_CONSUME_LATENCY_MS, routes=["consume"])
         # A backlog waits when the drains start (an outage just ended), so they fan out.
         publisher.publish_head(config.backlog_share)
         publisher.start()

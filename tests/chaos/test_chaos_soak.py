@@ -104,11 +104,17 @@ def test_a_redrive_behind_a_dead_owner_takes_over_or_flags_never_acks(report: So
     # in flight behind the dead owner (the audit checks each key: violations are empty above)
     assert leased["copies acked in flight behind a dead owner"] == 0
     assert leased["digest.build done by the redriven copy's takeover, one digest"] > 0
-    assert (
+    # A kill also spends a delivery of the batch's other messages, so in some runs no receipt's
+    # claim is taken before its message is dead-lettered (the redriven copy then sends it once,
+    # which the audit checks); whenever one was killed inside its call, it is flagged.
+    receipts_killed = sum(
+        v for k, v in leased.items() if k.startswith("drains killed inside a receipt.send call")
+    )
+    flagged = (
         leased["receipt.send flagged stuck, e-mail happened"]
         + leased["receipt.send flagged stuck, e-mail did not happen"]
-        > 0
     )
+    assert flagged > 0 or receipts_killed == 0
     assert report.violations == []
 
 

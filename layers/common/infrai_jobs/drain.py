@@ -187,21 +187,8 @@ def drain(
         # claimed would spend it for nothing.
         ledger.ping()
         mode = _ConsumeMode(ledger, config, summary, clock)
-    except SchemaNotMigrated as exc:
-        # Not an outage to wait out: the code is ahead of its database. The invocation fails
-        # with the command to run, and nothing was received.
-        logger.error(
-            "the ledger database is not migrated; nothing was received",
-            extra={"action": "schema_not_migrated", "detail": str(exc)},
-        )
-        raise
     except LedgerError as exc:
-        summary.stopped = "ledger_unavailable"
-        logger.error(
-            "the ledger is unreachable; nothing was received",
-            extra={"action": "ledger_unavailable", "detail": str(exc)},
-        )
-        return summary
+        return stopped_before_receiving(exc)
     acks = AckPipeline(queue, config.queue, summary)
     try:
         _drain_batches(
@@ -221,6 +208,25 @@ def drain(
         acks.wait_all()
     logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
     return summary
+
+
+def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
+    """The ledger failed before anything was received: say so, and stop.
+
+    A database behind the code is not an outage to wait out: it is raised, so the invocation
+    fails with the command to run. Any other failure ends the drain as ``ledger_unavailable``.
+    """
+    if isinstance(exc, SchemaNotMigrated):
+        logger.error(
+            "the ledger database is not migrated; nothing was received",
+            extra={"action": "schema_not_migrated", "detail": str(exc)},
+        )
+        raise exc
+    logger.error(
+        "the ledger is unreachable; nothing was received",
+        extra={"action": "ledger_unavailable", "detail": str(exc)},
+    )
+    return DrainSummary(stopped="ledger_unavailable")
 
 
 def _drain_batches(

@@ -18,8 +18,14 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain, merge_summaries
-from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.drain import (
+    DrainConfig,
+    DrainSummary,
+    drain,
+    merge_summaries,
+    stopped_before_receiving,
+)
+from infrai_jobs.errors import LedgerError, LedgerUnavailable
 from infrai_jobs.factory import (
     make_drain_fleet,
     make_drain_starter,
@@ -168,19 +174,8 @@ class DrainService:
                 lease_seconds=policy.lease_seconds,
                 cap=policy.max_concurrency,
             )
-        except SchemaNotMigrated as exc:
-            # Not an outage: the code is ahead of its database; fail with the command to run.
-            logger.error(
-                "the ledger database is not migrated; nothing was received",
-                extra={"action": "schema_not_migrated", "detail": str(exc)},
-            )
-            raise
         except LedgerError as exc:
-            logger.error(
-                "the ledger is unreachable; nothing was received",
-                extra={"action": "ledger_unavailable", "detail": str(exc)},
-            )
-            return DrainSummary(stopped="ledger_unavailable")
+            return stopped_before_receiving(exc)
         if not joined:
             logger.info(
                 "%d drains of this queue are alive already; this one stops",

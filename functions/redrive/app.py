@@ -17,7 +17,6 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.factory import make_queue_client, secret_refresh
-from infrai_jobs.keys import derive_key
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.redrive import RedriveRequest, key_of_with_ledger, redrive
@@ -43,7 +42,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     settings, queue = dependencies()
     key = request.selection.key
     # No jobs package here: a job's own key rule is matched through the ledger's record.
-    key_of = key_of_with_ledger(settings.require_database_url(), key) if key else derive_key
+    key_of = key_of_with_ledger(settings.require_database_url(), key) if key else None
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,

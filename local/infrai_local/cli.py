@@ -40,7 +40,6 @@ from infrai_jobs.errors import (
     UsageError,
 )
 from infrai_jobs.factory import make_effect_guard, make_queue_client
-from infrai_jobs.keys import derive_key
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.queue_client import InfraiClient
@@ -57,9 +56,9 @@ from infrai_jobs.settings import (
 )
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_report import DrainReport, summary_lines
+from infrai_local.jobs_package import find_jobs_folder, load_registry
 
 if TYPE_CHECKING:
-    from infrai_jobs.jobs import JobRegistry
     from infrai_local.fan_out import ProcessDrainStarter
 
 EXIT_OK = 0
@@ -284,8 +283,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     drain.add_argument(
         "--jobs-path",
-        default="functions/drain",
-        help="folder holding the `jobs` package (default: functions/drain)",
+        default=None,
+        help="folder holding the `jobs` package (default: $INFRAI_JOBS_PATH, else "
+        "functions/drain of the project)",
     )
     drain.add_argument(
         "--fan-out-slot",
@@ -389,19 +389,6 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_registry(jobs_path: str, provider_url: str) -> JobRegistry:
-    folder = Path(jobs_path).resolve()
-    if not (folder / "jobs" / "__init__.py").is_file():
-        raise ConfigurationError(
-            f"no jobs package in {folder}; run from the project root or pass --jobs-path"
-        )
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    jobs = importlib.import_module("jobs")
-    registry: JobRegistry = jobs.build_registry(provider_url)
-    return registry
-
-
 def _cmd_drain(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     if args.queue:
@@ -410,13 +397,15 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.time_budget_seconds <= 0:
         raise ConfigurationError("--time-budget-seconds must be above 0")
+    # Before any stand-in starts: a drain without its jobs could only fail every message.
+    jobs_folder = find_jobs_folder(args.jobs_path)
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
         settings = _with_stand_ins(settings, stack, who="`infrai-jobs drain`")
-        starter = _drain_processes(settings, args)
+        starter = _drain_processes(settings, args, jobs_folder)
         service = DrainService.from_settings(
             settings,
-            lambda provider_url: _load_registry(args.jobs_path, provider_url),
+            lambda provider_url: load_registry(jobs_folder, provider_url),
             starter=starter,
         )
         stack.callback(service.close)
@@ -440,7 +429,9 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDrainStarter | None:
+def _drain_processes(
+    settings: Settings, args: argparse.Namespace, jobs_folder: Path
+) -> ProcessDrainStarter | None:
     """Locally, a fan-out starts `infrai-jobs drain` processes on this queue and ledger."""
     if settings.drain_max_concurrency <= 1:
         return None
@@ -459,7 +450,7 @@ def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDra
         }
     )
     return ProcessDrainStarter(
-        env, time_budget_seconds=args.time_budget_seconds, jobs_path=args.jobs_path
+        env, time_budget_seconds=args.time_budget_seconds, jobs_path=str(jobs_folder)
     )
 
 
@@ -487,7 +478,7 @@ def _cmd_ops(args: argparse.Namespace) -> int:
                 database_url=settings.require_database_url,
                 queue_name=settings.queue,
                 dlq_name=settings.dlq,
-                key_of=_key_function(),
+                key_of=lambda: _key_function(getattr(args, "jobs_path", None)),
                 forget=_second_layer_forget(settings),
             ),
         )
@@ -498,12 +489,9 @@ def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:
     return guard.forget if guard is not None else None
 
 
-def _key_function() -> Callable[[object], str]:
-    """Keys as the drain derives them: from the jobs package when it is here, else defaults."""
-    folder = Path("functions/drain")
-    if not (folder / "jobs" / "__init__.py").is_file():
-        return derive_key
-    registry = _load_registry(str(folder), "")
+def _key_function(jobs_path: str | None) -> Callable[[object], str]:
+    """Keys as DrainFunction derives them: with the registry of the drain's own jobs package."""
+    registry = load_registry(find_jobs_folder(jobs_path), "")
     return lambda payload: registry.derive(payload).idem_key
 
 

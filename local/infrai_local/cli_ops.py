@@ -34,7 +34,7 @@ from infrai_jobs.errors import (
     KeyDerivationError,
     QueueMessageNotFound,
 )
-from infrai_jobs.keys import derive_key, payload_fingerprint
+from infrai_jobs.keys import payload_fingerprint
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redrive import (
@@ -65,6 +65,17 @@ def parse_duration(text: str) -> int:
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
+def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a sub-command's own default must not overwrite `dlq --jobs-path X discard`.
+    parser.add_argument(
+        "--jobs-path",
+        default=argparse.SUPPRESS,
+        metavar="FOLDER",
+        help="folder holding the drain's `jobs` package, whose key rules name the claims "
+        "(default: $INFRAI_JOBS_PATH, else functions/drain of the project)",
+    )
+
+
 def add_ops_commands(sub: Any) -> None:
     """Register dlq, redrive, claims and cost on the top-level sub-parsers."""
     dlq = sub.add_parser(
@@ -75,6 +86,7 @@ def add_ops_commands(sub: Any) -> None:
     dlq.add_argument("--queue", help="the main queue (default: INFRAI_QUEUE); its DLQ is read")
     dlq.add_argument("--max", type=int, default=10, help="messages to look at (default 10)")
     dlq.add_argument("--json", action="store_true")
+    _add_jobs_path(dlq)
     dlq.set_defaults(ops_command="dlq", dlq_action="list")
     dlq_sub = dlq.add_subparsers(metavar="ACTION")
     discard = dlq_sub.add_parser(
@@ -90,6 +102,7 @@ def add_ops_commands(sub: Any) -> None:
     )
     discard.add_argument("--note", default="", help="why, for claim_history")
     discard.add_argument("--json", action="store_true")
+    _add_jobs_path(discard)
     discard.set_defaults(ops_command="dlq", dlq_action="discard")
 
     red = sub.add_parser("redrive", help="move dead letters back to the main queue")
@@ -106,6 +119,7 @@ def add_ops_commands(sub: Any) -> None:
     red.add_argument("--job", help="move only the dead letters of this job type")
     red.add_argument("--message-id", help="move only the dead letter with this message id")
     red.add_argument("--json", action="store_true")
+    _add_jobs_path(red)
     red.set_defaults(ops_command="redrive")
 
     _add_claims_commands(sub.add_parser("claims", help="inspect and repair the claim ledger"))
@@ -217,7 +231,9 @@ class OpsContext:
     database_url: Callable[[], str]
     queue_name: str
     dlq_name: str
-    key_of: KeyOf = derive_key
+    # The drain's own key derivation (its jobs package's registry), found when first needed:
+    # only the commands that derive keys need the jobs package.
+    key_of: Callable[[], KeyOf]
     out: TextIO = field(default_factory=lambda: sys.stdout)
     # Drops a key's second-layer record (IDEMPOTENCY_BACKEND on), so a release really retries.
     forget: Callable[[str], None] | None = None
@@ -287,8 +303,8 @@ _DLQ_COLUMNS = ["message_id", "delivery_count", "idem_key", "state", "reason"]
 
 def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
     source = _dlq_source(args, ctx)
+    describe = _describe(ctx.admin(), ctx.key_of())
     queue, out = ctx.queue(), ctx.out
-    describe = _describe(ctx.admin(), ctx.key_of)
     seen: list[dict[str, Any]] = []
     for dead in read_dead_letters(queue, source, args.max):
         if isinstance(dead, Unreadable):
@@ -328,14 +344,15 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
 def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
     """Record each matching dead letter (payload included) in claim_history, then ack it."""
     source = _dlq_source(args, ctx)
-    queue, admin, out = ctx.queue(), ctx.admin(), ctx.out
     if args.max < 1:
         raise ConfigurationError("dlq discard --max must be at least 1")
+    key_of = ctx.key_of()
+    queue, admin, out = ctx.queue(), ctx.admin(), ctx.out
     discarded: list[dict[str, Any]] = []
     looked_at = 0
     for dead in read_dead_letters(queue, source, args.max):
         looked_at += 1
-        key = _key_or_none(ctx.key_of, dead)
+        key = _key_or_none(key_of, dead)
         message_id = dead.message_id
         if message_id is None:
             continue  # unreadable, its id unknown: nothing names it, and nothing can ack it
@@ -426,6 +443,8 @@ def _ack_dead_letter(queue: QueuePort, source: str, dead: DeadLetter) -> bool:
 def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     out, queue_name, dlq_name = ctx.out, ctx.queue_name, ctx.dlq_name
     selection = Selection(key=args.key, job=args.job, message_id=args.message_id)
+    # Keys are derived only to select by key, or to show them in a dry run.
+    key_of = ctx.key_of() if args.key is not None or args.dry_run else None
     progress = _progress_bar(args.max) if sys.stderr.isatty() and not args.json else None
     summary = redrive(
         ctx.queue(),
@@ -435,10 +454,10 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         dry_run=args.dry_run,
         reopen_failed=args.reopen_failed,
         database_url=ctx.database_url() if args.reopen_failed else None,
-        describe=_describe(ctx.admin(), ctx.key_of) if args.dry_run else None,
+        describe=_describe(ctx.admin(), key_of) if key_of is not None and args.dry_run else None,
         progress=progress,
         selection=selection,
-        key_of=ctx.key_of,
+        key_of=key_of,
     )
     if progress is not None:
         print(file=sys.stderr)

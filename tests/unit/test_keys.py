@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.keys import (
-    DEFAULT_KEY_RULES,
     KEY_SCHEME_VERSION,
     MAX_KEY_LENGTH,
+    NO_KEY_RULES,
     _plain_canonical_json,
     canonical_json,
     derive_key,
@@ -26,8 +26,11 @@ from infrai_jobs.keys import (
     payload_fingerprint,
     work_fields,
 )
+from jobs import build_registry
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
+# The key rules the example jobs declare (functions/drain/jobs): the layer knows none itself.
+EXAMPLE_RULES = MappingProxyType(build_registry("http://127.0.0.1:1").identity_table())
 # A job with no key rule: keyed by its content.
 UNRULED_JOB = "report.export"
 
@@ -118,7 +121,7 @@ def test_the_scheme_version_is_pinned() -> None:
 def test_invoice_finalize_key_is_the_node_workers_string() -> None:
     # Given the notes' payload
     # When its key is derived
-    key = derive_key(NOTES_PAYLOAD)
+    key = derive_key(NOTES_PAYLOAD, EXAMPLE_RULES)
     # Then it is exactly what `${payload.job}:${payload.invoice_id}` produces
     assert key == "invoice.finalize:inv_8812"
 
@@ -127,14 +130,14 @@ def test_integer_invoice_id_renders_as_javascript_would() -> None:
     # Given an invoice id sent as a JSON number
     payload = {"job": "invoice.finalize", "invoice_id": 8812}
     # When / Then it renders as the template literal would
-    assert derive_key(payload) == "invoice.finalize:8812"
+    assert derive_key(payload, EXAMPLE_RULES) == "invoice.finalize:8812"
 
 
 def test_tenant_period_job_key() -> None:
     # Given a digest for one tenant and period
     payload = {"job": "digest.build", "tenant_id": "tenant_42", "period": "2026-07-25", "n": 3}
     # When its key is derived
-    key = derive_key(payload)
+    key = derive_key(payload, EXAMPLE_RULES)
     # Then it names the job, the tenant and the period, and nothing else
     assert key == "digest.build:tenant_42:2026-07-25"
 
@@ -152,7 +155,7 @@ def test_content_key_matches_an_independent_sha256_of_hand_written_canonical_jso
     canonical = '{"filter":{"a":null,"n":[1,2.5,"é"],"z":true},"job":"report.export","😀":1,"ﬁ":2}'
     expected = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
     # When the key and the fingerprint are derived
-    key = derive_key(payload)
+    key = derive_key(payload, EXAMPLE_RULES)
     fingerprint = payload_fingerprint(payload)
     # Then both rest on exactly that canonical text
     assert canonical_json(work_fields(payload)) == canonical.encode("utf-8")
@@ -165,7 +168,7 @@ def test_producer_key_wins_over_the_natural_key() -> None:
     # Given a producer that set its own key on an invoice job
     payload = {**NOTES_PAYLOAD, "_idempotency_key": "order-77/finalize"}
     # When the key is derived
-    key = derive_key(payload)
+    key = derive_key(payload, EXAMPLE_RULES)
     # Then the producer's key is used as given, and the fingerprint ignores it
     assert key == "order-77/finalize"
     assert payload_fingerprint(payload) == payload_fingerprint(NOTES_PAYLOAD)
@@ -175,7 +178,7 @@ def test_any_mapping_is_keyed_like_the_dict_it_holds() -> None:
     # Given the notes' payload behind a read-only mapping
     frozen = MappingProxyType(NOTES_PAYLOAD)
     # When / Then it is keyed and fingerprinted exactly like the dict
-    assert derive_key(frozen) == derive_key(NOTES_PAYLOAD)
+    assert derive_key(frozen, EXAMPLE_RULES) == derive_key(NOTES_PAYLOAD, EXAMPLE_RULES)
     assert payload_fingerprint(frozen) == payload_fingerprint(NOTES_PAYLOAD)
 
 
@@ -191,7 +194,7 @@ def test_key_is_stable_under_key_order_and_formatting(
     # When that text is parsed, as the queue client would, and keyed
     reparsed = json.loads(text)
     # Then key and fingerprint are unchanged
-    assert derive_key(reparsed) == derive_key(payload)
+    assert derive_key(reparsed, EXAMPLE_RULES) == derive_key(payload, EXAMPLE_RULES)
     assert payload_fingerprint(reparsed) == payload_fingerprint(payload)
 
 
@@ -200,14 +203,14 @@ def test_different_work_gets_a_different_key(pair: list[dict[str, Any]]) -> None
     # Given two payloads whose work differs as JSON
     first, second = pair
     # When / Then their keys differ
-    assert derive_key(first) != derive_key(second)
+    assert derive_key(first, EXAMPLE_RULES) != derive_key(second, EXAMPLE_RULES)
 
 
 def test_values_that_loose_encodings_conflate_get_distinct_keys() -> None:
     # Given values that compare equal in Python or print alike in loose serialisations
     values: list[Any] = [1, "1", True, 1.5, None, "null", [], {}, [1], {"1": 1}, "", 0, False]
     # When each is keyed as the same job's work
-    keys = {derive_key({"job": UNRULED_JOB, "value": value}) for value in values}
+    keys = {derive_key({"job": UNRULED_JOB, "value": value}, EXAMPLE_RULES) for value in values}
     # Then none collide
     assert len(keys) == len(values)
 
@@ -227,7 +230,7 @@ def test_a_change_at_any_depth_changes_the_key(path: list[str], before: Any, aft
         return {"job": UNRULED_JOB, "work": leaf}
 
     # When both are keyed
-    keys = {derive_key(nest(before)), derive_key(nest(after))}
+    keys = {derive_key(nest(before), EXAMPLE_RULES), derive_key(nest(after), EXAMPLE_RULES)}
     # Then the keys differ
     assert len(keys) == 2
 
@@ -240,7 +243,7 @@ def test_envelope_fields_change_neither_key_nor_fingerprint(
     assume("_idempotency_key" not in envelope)
     wrapped = {**payload, **envelope}
     # When / Then key and fingerprint are unchanged
-    assert derive_key(wrapped) == derive_key(payload)
+    assert derive_key(wrapped, EXAMPLE_RULES) == derive_key(payload, EXAMPLE_RULES)
     assert payload_fingerprint(wrapped) == payload_fingerprint(payload)
     assert work_fields(wrapped) == payload
 
@@ -250,7 +253,7 @@ def test_natural_key_ignores_other_fields_but_the_fingerprint_does_not(amount: i
     # Given the notes' invoice sent again with a possibly different amount
     resent = {**NOTES_PAYLOAD, "amount_cents": amount}
     # When both are keyed and fingerprinted
-    same_key = derive_key(resent) == derive_key(NOTES_PAYLOAD)
+    same_key = derive_key(resent, EXAMPLE_RULES) == derive_key(NOTES_PAYLOAD, EXAMPLE_RULES)
     same_fingerprint = payload_fingerprint(resent) == payload_fingerprint(NOTES_PAYLOAD)
     # Then the key is the invoice's, and only the fingerprint can tell a conflict from a duplicate
     assert same_key
@@ -263,7 +266,7 @@ def test_the_notes_replacer_array_collides_where_our_hash_does_not() -> None:
     second = {"job": UNRULED_JOB, "filter": {"tenant_id": "t_2"}}
     # When both are keyed by the notes' scheme and by ours
     notes_keys = {notes_replacer_array_hash(first), notes_replacer_array_hash(second)}
-    our_keys = {derive_key(first), derive_key(second)}
+    our_keys = {derive_key(first, EXAMPLE_RULES), derive_key(second, EXAMPLE_RULES)}
     # Then the notes' replacer array dropped the nested names and collided; ours did not
     assert len(notes_keys) == 1
     assert len(our_keys) == 2
@@ -272,16 +275,25 @@ def test_the_notes_replacer_array_collides_where_our_hash_does_not() -> None:
 # --- Key rules ----------------------------------------------------------------------------------
 
 
-def test_a_registry_table_replaces_the_default_rules() -> None:
+def test_only_the_table_given_names_keys() -> None:
     # Given a registry that declares its own identity fields
     rules = {"mail.welcome": ("user_id",)}
     payload = {"job": "mail.welcome", "user_id": "u_9", "template": "v2"}
     # When keys are derived with that table
     key = derive_key(payload, rules)
-    # Then its rule applies and the defaults no longer do
+    # Then its rule applies, and a job it does not name is keyed by its content
     assert key == "mail.welcome:u_9"
     assert derive_key(NOTES_PAYLOAD, rules).startswith("sha256:")
-    assert derive_key(NOTES_PAYLOAD, {**DEFAULT_KEY_RULES, **rules}) == "invoice.finalize:inv_8812"
+    assert derive_key(NOTES_PAYLOAD, {**EXAMPLE_RULES, **rules}) == "invoice.finalize:inv_8812"
+
+
+def test_without_rules_a_key_is_the_producers_or_the_contents() -> None:
+    # Given no job's rule (RedriveFunction has no jobs package)
+    keyed = {**NOTES_PAYLOAD, "_idempotency_key": "producer-7"}
+    # When / Then a producer key still names itself, and everything else is a content key
+    assert derive_key(keyed, NO_KEY_RULES) == "producer-7"
+    assert derive_key(NOTES_PAYLOAD, NO_KEY_RULES) == "sha256:" + payload_fingerprint(NOTES_PAYLOAD)
+    assert dict(NO_KEY_RULES) == {}
 
 
 def test_only_the_last_identity_field_may_contain_a_colon() -> None:
@@ -290,8 +302,8 @@ def test_only_the_last_identity_field_may_contain_a_colon() -> None:
     fine = {"job": "digest.build", "tenant_id": "a", "period": "b:c"}
     # When / Then the ambiguous one is refused and the other keyed
     with pytest.raises(KeyDerivationError, match="'tenant_id' must not contain ':'"):
-        derive_key(ambiguous)
-    assert derive_key(fine) == "digest.build:a:b:c"
+        derive_key(ambiguous, EXAMPLE_RULES)
+    assert derive_key(fine, EXAMPLE_RULES) == "digest.build:a:b:c"
 
 
 @pytest.mark.parametrize("fields", ["invoice_id", ()])
@@ -325,7 +337,7 @@ def test_unrepresentable_work_is_refused(value: Any, message: str) -> None:
     payload = {"job": UNRULED_JOB, "value": value}
     # When / Then neither a key nor a fingerprint is derived
     with pytest.raises(KeyDerivationError, match=message):
-        derive_key(payload)
+        derive_key(payload, EXAMPLE_RULES)
     with pytest.raises(KeyDerivationError, match=message):
         payload_fingerprint(payload)
 
@@ -337,7 +349,7 @@ def test_a_payload_that_is_not_an_object_is_refused(payload: Any, type_name: str
     # Given a body that is not a JSON object
     # When / Then no key is derived, and the message says what arrived
     with pytest.raises(KeyDerivationError, match=rf"not a JSON object \(got {type_name}\)"):
-        derive_key(payload)
+        derive_key(payload, EXAMPLE_RULES)
 
 
 @pytest.mark.parametrize(
@@ -361,7 +373,7 @@ def test_a_ruled_job_without_a_usable_identity_is_refused(
     # Given a job with a key rule whose identity field is missing or unusable
     # When / Then the error names the job and the field
     with pytest.raises(KeyDerivationError, match=message):
-        derive_key(payload)
+        derive_key(payload, EXAMPLE_RULES)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +393,7 @@ def test_an_unusable_producer_key_is_refused(producer_key: Any, message: str) ->
     payload = {**NOTES_PAYLOAD, "_idempotency_key": producer_key}
     # When / Then it is refused rather than silently replaced by the natural key
     with pytest.raises(KeyDerivationError, match=message):
-        derive_key(payload)
+        derive_key(payload, EXAMPLE_RULES)
 
 
 # --- The fast path of canonical JSON ------------------------------------------------------------

@@ -78,3 +78,35 @@ def test_driver_errors_are_caught_in_at_most_two_modules() -> None:
             ):
                 catching.add(path.name)
     assert len(catching) <= 2, sorted(catching)
+
+
+def _code_strings(tree: ast.AST) -> set[str]:
+    """The string constants a module's code uses: docstrings are documentation, not rules."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+    }
+
+
+def test_the_layer_names_no_job_of_the_jobs_package() -> None:
+    # The jobs' names and key rules live in functions/drain/jobs; the registry hands them over.
+    from jobs import build_registry  # noqa: PLC0415 - the example jobs, on the test path
+
+    job_names = {job.name for job in build_registry("http://127.0.0.1:1")}
+    assert job_names, "the example registry declares no job"
+    named = {
+        path.name: sorted(job_names & _code_strings(ast.parse(path.read_text(encoding="utf-8"))))
+        for path in MODULES
+    }
+    assert {name: jobs for name, jobs in named.items() if jobs} == {}

@@ -3,11 +3,16 @@
 Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSON object:
 
 1. ``_idempotency_key``, when the producer set one, is the key as given.
-2. A job with declared identity fields (a key rule) gets ``{job}:{field}[:{field}...]``.
-   ``invoice.finalize`` gives ``invoice.finalize:{invoice_id}``, byte for byte the string the
-   notes' Node worker builds, so both can share one ledger during a migration; tenant + period
-   jobs such as ``digest.build`` give ``{job}:{tenant_id}:{period}``.
+2. A job with declared identity fields (a key rule, from the job registry) gets
+   ``{job}:{field}[:{field}...]``. A rule ``invoice.finalize`` -> ``("invoice_id",)`` gives
+   ``invoice.finalize:{invoice_id}``, byte for byte the string the notes' Node worker builds, so
+   both can share one ledger during a migration; a tenant + period rule gives
+   ``{job}:{tenant_id}:{period}``.
 3. Any other job: ``sha256:`` + the payload fingerprint.
+
+The rules belong to the jobs (``functions/drain/jobs``, through ``JobRegistry``); this module
+knows no job by name. Code without the registry (RedriveFunction) passes ``NO_KEY_RULES`` and so
+knows producer keys and content keys only.
 
 The payload fingerprint is the hex SHA-256 of the RFC 8785 canonical JSON of the work fields:
 every top-level field except those starting with ``_``, which are envelope (tracing, the
@@ -44,33 +49,27 @@ MAX_KEY_LENGTH: Final = 512
 KeyRules: TypeAlias = Mapping[str, Sequence[str]]
 """Job name -> the payload fields that identify one unit of that job's work, in key order."""
 
-DEFAULT_KEY_RULES: Final[KeyRules] = MappingProxyType(
-    {
-        "invoice.finalize": ("invoice_id",),
-        "digest.build": ("tenant_id", "period"),
-    }
-)
+NO_KEY_RULES: Final[KeyRules] = MappingProxyType({})
+"""No job's rule: a producer key or a content key, all that can be known without the registry."""
 
 # JSON numbers are IEEE 754 doubles: beyond this an integer id no longer names one value, and
 # the Node worker would already have rounded it.
 _SAFE_INTEGER_MAX: Final = 2**53 - 1
 
 
-def derive_key(payload: object, key_rules: KeyRules | None = None) -> str:
-    """The idempotency key of one message body.
+def derive_key(payload: object, key_rules: KeyRules) -> str:
+    """The idempotency key of one message body under ``key_rules`` (the job registry's table).
 
-    ``key_rules`` replaces ``DEFAULT_KEY_RULES`` entirely (the job registry passes its own table,
-    built from the defaults); a job without a rule is keyed by its content. Raises
-    ``KeyDerivationError`` when the body is not an object, a ruled job lacks an identity field,
-    or the work cannot be canonicalised.
+    A job without a rule there is keyed by its content. Raises ``KeyDerivationError`` when the
+    body is not an object, a ruled job lacks an identity field, or the work cannot be
+    canonicalised.
     """
     body = _require_object(payload)
     if PRODUCER_KEY_FIELD in body:
         return _producer_key(body[PRODUCER_KEY_FIELD])
-    rules = DEFAULT_KEY_RULES if key_rules is None else key_rules
     job = body.get("job")
-    if isinstance(job, str) and job in rules:
-        return natural_key(job, rules[job], body)
+    if isinstance(job, str) and job in key_rules:
+        return natural_key(job, key_rules[job], body)
     return CONTENT_KEY_PREFIX + payload_fingerprint(body)
 
 

@@ -33,7 +33,7 @@ from infrai_jobs.errors import (
     KeyDerivationError,
     QueueMessageNotFound,
 )
-from infrai_jobs.keys import derive_key, payload_fingerprint
+from infrai_jobs.keys import NO_KEY_RULES, derive_key, payload_fingerprint
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 from infrai_jobs.queue_models import QueueMessage
@@ -158,7 +158,8 @@ class Selection:
     def everything(self) -> bool:
         return self.key is None and self.job is None and self.message_id is None
 
-    def matches(self, dead: DeadLetter, key_of: KeyOf) -> bool:
+    def matches(self, dead: DeadLetter, key_of: KeyOf | None) -> bool:
+        """Whether ``dead`` is selected; ``key_of`` derives keys, and is needed for a key."""
         if self.message_id is not None and dead.message_id != self.message_id:
             return False
         if self.key is None and self.job is None:
@@ -168,6 +169,8 @@ class Selection:
         if self.job is not None and dead.payload.get("job") != self.job:
             return False
         if self.key is not None:
+            if key_of is None:
+                raise ValueError("selecting dead letters by key needs key_of")
             try:
                 return key_of(dead.payload) == self.key
             except KeyDerivationError:
@@ -285,12 +288,13 @@ class RedriveSummary:
 
 
 def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
-    """Keys as the layer derives them by default, and ``key`` for any payload whose work the
-    ledger recorded under it.
+    """``key`` for any payload whose work the ledger recorded under it; else the key the payload
+    names itself (a producer key) or its content key.
 
-    RedriveFunction has no jobs package, so it cannot know a job's own identity rule
+    RedriveFunction has no jobs package, so it knows no job's identity rule
     (``receipt.send:{invoice_id}``): a dead letter of such a job is matched to ``key`` through
-    the fingerprint of the work the ledger claimed under that key, when it holds one.
+    the fingerprint of the work the ledger claimed under that key (or the claim's history). One
+    the ledger holds nothing for can be selected by job or message id, or with the CLI.
     """
     with (
         ledger_errors(f"cannot look up key {key!r}", database_url),
@@ -305,7 +309,7 @@ def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
                 return key
         except KeyDerivationError:
             pass
-        return derive_key(payload)
+        return derive_key(payload, NO_KEY_RULES)
 
     return key_of
 
@@ -337,16 +341,16 @@ def redrive(
     progress: Progress | None = None,
     time_left_ms: Callable[[], int] | None = None,
     selection: Selection | None = None,
-    key_of: KeyOf = derive_key,
+    key_of: KeyOf | None = None,
 ) -> RedriveSummary:
     """Move up to ``max_messages`` dead letters from ``source`` back to ``target``.
 
     ``dry_run`` consumes to look (the DLQ can only be read by consuming) and acks nothing, so
     the messages it saw stay hidden in the DLQ for the visibility timeout, then return.
 
-    ``selection`` moves only the dead letters it matches (``key_of`` derives their keys); the
-    others read stay hidden in the DLQ for its visibility timeout. ``max_messages`` bounds the
-    dead letters read, moved or not.
+    ``selection`` moves only the dead letters it matches (``key_of``, needed to select by key,
+    derives their keys); the others read stay hidden in the DLQ for its visibility timeout.
+    ``max_messages`` bounds the dead letters read, moved or not.
 
     ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
     it can still report: no message is read, and none moved, with less than
@@ -358,6 +362,8 @@ def redrive(
     if reopen_failed and not database_url:
         raise ValueError("reopen_failed needs the ledger's database_url")
     selection = selection or Selection()
+    if selection.key is not None and key_of is None:
+        raise ValueError("selecting dead letters by key needs key_of")
     summary = RedriveSummary(
         source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
     )

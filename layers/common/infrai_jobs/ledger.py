@@ -196,6 +196,26 @@ def _aborted(conn: psycopg.Connection[Any]) -> bool:
     return conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
 
 
+@contextmanager
+def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """The ledger's one transaction style, for a database-class batch.
+
+    The connection is in autocommit; the transaction is opened by its first statement, sent as
+    ``BEGIN; <claim>`` (``_claim_on(begin=True)``), and committed by its last, sent as
+    ``<settle>; COMMIT`` (``_settle_and_commit``), one round trip each. What the body leaves
+    open is committed here; any failure rolls back the whole. Savepoints inside it are psycopg's
+    (``conn.transaction()`` within an open transaction is a savepoint).
+    """
+    try:
+        yield
+    except BaseException:
+        if not conn.broken and conn.info.transaction_status != _IDLE:
+            conn.execute("ROLLBACK")
+        raise
+    if conn.info.transaction_status != _IDLE:
+        conn.execute("COMMIT")
+
+
 # --- The ledger --------------------------------------------------------------------------------
 
 DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
@@ -418,8 +438,8 @@ class PostgresLedger:
                 return self._database_batch_in_one_go(conn, requests, runner)
             except _IsolateJobs:
                 pass
-            with conn.transaction():
-                decisions = self._claim_on(conn, requests)
+            with _batch_transaction(conn):
+                decisions = self._claim_on(conn, requests, begin=True)
                 runs: list[tuple[ClaimRequest, JobRun]] = []
                 for decision in decisions:
                     if decision.status is ClaimStatus.WON:
@@ -434,7 +454,7 @@ class PostgresLedger:
         requests: Sequence[ClaimRequest],
         runner: DatabaseRunner,
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        try:
+        with _batch_transaction(conn):
             decisions = self._claim_on(conn, requests, begin=True)
             runs: list[tuple[ClaimRequest, JobRun]] = []
             for decision in decisions:
@@ -445,18 +465,13 @@ class PostgresLedger:
                     raise _IsolateJobs
                 runs.append((decision.request, run))
             settlements = self._settle_and_commit(conn, runs)
-        except BaseException:
-            if not conn.broken and conn.info.transaction_status != _IDLE:
-                conn.execute("ROLLBACK")
-            raise
         return decisions, settlements
 
     def _settle_and_commit(
         self, conn: psycopg.Connection[Any], runs: Sequence[tuple[ClaimRequest, JobRun]]
     ) -> list[Settlement]:
         if not runs:
-            conn.execute("COMMIT")
-            return []
+            return []  # nothing to settle: _batch_transaction commits
         params = {
             "keys": array_literal(r.idem_key for r, _ in runs),
             "tokens": array_literal(r.claim_token for r, _ in runs),

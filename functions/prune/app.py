@@ -10,7 +10,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.errors import LedgerError
+from infrai_jobs.factory import secret_refresh
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
@@ -20,10 +20,14 @@ logger, metrics = function_observability()
 
 @cache
 def dependencies() -> tuple[Settings, ClaimsAdmin]:
-    """Built on the first invocation; built again, with the secret fetched past its cache,
-    after a run could not use the ledger (a rotated password)."""
-    settings = resolve_secrets(Settings.from_env(), api_key=False, force_fetch=True)
-    return settings, ClaimsAdmin(settings.require_database_url())
+    """Built once per warm environment; a rotated database secret is fetched again when a
+    connection fails with the cached one (factory.secret_refresh, as every function does)."""
+    settings = Settings.from_env()
+    resolved = resolve_secrets(settings, api_key=False)
+    admin = ClaimsAdmin(
+        resolved.require_database_url(), refresh_url=secret_refresh(settings).database_url
+    )
+    return resolved, admin
 
 
 # The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
@@ -32,11 +36,7 @@ def dependencies() -> tuple[Settings, ClaimsAdmin]:
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     settings, admin = dependencies()
-    try:
-        result = admin.prune(older_than_days=settings.retention_days)
-    except LedgerError:
-        dependencies.cache_clear()
-        raise
+    result = admin.prune(older_than_days=settings.retention_days)
     logger.info("pruned settled claims", extra={"action": "prune", "deleted": result.deleted})
     metrics.add_metric(name="ClaimsPruned", unit=MetricUnit.Count, value=result.deleted)
     return {

@@ -213,3 +213,82 @@ def test_redrive_function_picks_up_a_rotated_api_key_in_a_warm_environment(
         queue.close()
     finally:
         server.stop()
+
+
+class _Actions(logging.Handler):
+    """The ``action`` of every record logged to the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actions: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.actions.append(getattr(record, "action", ""))
+
+
+class _Context:
+    function_name = "infrai-jobs-under-test"
+    function_version = "$LATEST"
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:infrai-jobs-under-test"
+    memory_limit_in_mb = 512
+    aws_request_id = "7c3e0b7e-1d7e-4f55-9c43-8f1d2f0c9a11"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return 60_000
+
+
+def _load_app(function: str) -> Any:
+    path = Path(__file__).resolve().parents[2] / "functions" / function / "app.py"
+    spec = importlib.util.spec_from_file_location(f"{function}_app_under_test", path)
+    assert spec is not None
+    assert spec.loader is not None
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    return app
+
+
+@pytest.mark.parametrize("function", ["dlq_alert", "prune"])
+def test_a_warm_watcher_or_pruner_picks_up_a_rotated_database_secret_in_the_same_run(
+    aws: dict[str, Any],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    function: str,
+) -> None:
+    # Given DlqAlertFunction (or PruneFunction) warm with a database secret that has since
+    # been rotated: the value it holds no longer connects
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+
+        apply_migrations(conn)
+    stale = make_conninfo(database_url, dbname="database_rotated_away")
+    arn = aws["secrets"].create_secret(Name=SECRET, SecretString=stale)["ARN"]
+    server = emulator_module.start_in_thread(api_key="test-key")
+    try:
+        InfraiClient(server.url, "test-key").ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        for name, value in {
+            "INFRAI_BASE_URL": server.url,
+            "INFRAI_API_KEY": "test-key",
+            "DATABASE_SECRET_ARN": arn,
+            "INFRAI_QUEUE": QUEUE,
+            "WATCHED_QUEUES": QUEUE,
+            "ALERT_TOPIC_ARN": "",
+            "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobs",
+            "POWERTOOLS_TRACE_DISABLED": "true",
+        }.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("DATABASE_URL", raising=False)
+        app = _load_app(function)
+        app.dependencies() if function == "prune" else app.check()
+        aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
+        refreshes = _Actions()
+        logging.getLogger("infrai_jobs.postgres").addHandler(refreshes)
+        # When it next runs
+        try:
+            answer = app.lambda_handler({}, _Context())
+        finally:
+            logging.getLogger("infrai_jobs.postgres").removeHandler(refreshes)
+        # Then that very run fetched the secret again, once, and did its work
+        assert isinstance(answer, dict)
+        assert refreshes.actions == ["secret_refresh"]
+    finally:
+        server.stop()

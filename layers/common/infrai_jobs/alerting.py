@@ -12,7 +12,7 @@ The decision is a pure function (``decide``) of the previous state and the new v
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -23,7 +23,7 @@ import psycopg
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.postgres import STUCK_CLAIM_COUNT as _STUCK
-from infrai_jobs.postgres import connect_to_ledger, ledger_errors
+from infrai_jobs.postgres import LedgerConnector
 from infrai_jobs.queue_models import QueueStats
 
 logger = logging.getLogger(__name__)
@@ -153,12 +153,19 @@ class AlertCheck:
         thresholds: AlertThresholds,
         *,
         connect_timeout: int = 5,
+        refresh_url: Callable[[], str] | None = None,
     ) -> None:
         self._queue = queue
-        self._database_url = database_url
+        # One connection per run; a rotated secret is fetched again when it fails
+        # (factory.secret_refresh).
+        self._ledger = LedgerConnector(
+            database_url,
+            application_name="infrai-jobs-watcher",
+            connect_timeout=connect_timeout,
+            refresh=refresh_url,
+        )
         self._alerter = alerter
         self._thresholds = thresholds
-        self._connect_timeout = connect_timeout
 
     def close(self) -> None:
         """Close the queue client's connections (the ledger's are per run)."""
@@ -170,14 +177,7 @@ class AlertCheck:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
         unread: list[InfraiError] = []
-        with (
-            ledger_errors("alert check", self._database_url),
-            connect_to_ledger(
-                self._database_url,
-                connect_timeout=self._connect_timeout,
-                application_name="infrai-jobs-watcher",
-            ) as conn,
-        ):
+        with self._ledger.session("alert check") as conn:
             # When this run started looking, by the database's clock: a signal saved by
             # another run after this moment holds a newer observation than ours.
             started = conn.execute("SELECT now()").fetchone()

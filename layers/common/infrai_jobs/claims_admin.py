@@ -12,6 +12,7 @@ import getpass
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, LiteralString
@@ -27,7 +28,7 @@ from infrai_jobs.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.postgres import CLAIMS_LIST as _LIST
 from infrai_jobs.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
-from infrai_jobs.postgres import connect_to_ledger, ledger_errors
+from infrai_jobs.postgres import LedgerConnector
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +131,19 @@ def change_refused(
 class ClaimsAdmin:
     """Operator actions on the ledger; one short connection per call."""
 
-    def __init__(self, database_url: str, *, connect_timeout: int = 5) -> None:
-        self._url = database_url
-        self._connect_timeout = connect_timeout
-
-    def _connect(self) -> psycopg.Connection[Any]:
-        return connect_to_ledger(
-            self._url, connect_timeout=self._connect_timeout, application_name="infrai-jobs-admin"
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        connect_timeout: int = 5,
+        refresh_url: Callable[[], str] | None = None,
+    ) -> None:
+        # refresh_url: PruneFunction's way to pick up a rotated secret (factory.secret_refresh).
+        self._connector = LedgerConnector(
+            database_url,
+            application_name="infrai-jobs-admin",
+            connect_timeout=connect_timeout,
+            refresh=refresh_url,
         )
 
     def list_claims(
@@ -167,8 +174,7 @@ class ClaimsAdmin:
     def history(self, key: str) -> list[dict[str, Any]]:
         """Every operator action recorded for this key, oldest first (kept after a release)."""
         with (
-            ledger_errors("cannot read the claim history", self._url),
-            self._connect() as conn,
+            self._connector.session("cannot read the claim history") as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
             return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
@@ -235,8 +241,7 @@ class ClaimsAdmin:
         note: str,
     ) -> ClaimRow:
         with (
-            ledger_errors(f"cannot {action.replace('_', ' ')} {key!r}", self._url),
-            self._connect() as conn,
+            self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
             conn.transaction(),
         ):
             with conn.cursor(row_factory=dict_row) as cur:
@@ -276,8 +281,7 @@ class ClaimsAdmin:
         fingerprint) so its redriven copy runs again; each is recorded as ``reopen``."""
         params = {"message_id": message_id, "fingerprint": fingerprint}
         with (
-            ledger_errors("cannot reopen failed claims", self._url),
-            self._connect() as conn,
+            self._connector.session("cannot reopen failed claims") as conn,
             conn.transaction(),
         ):
             with conn.cursor(row_factory=dict_row) as cur:
@@ -301,8 +305,7 @@ class ClaimsAdmin:
         recovered) and the key's claim as it is now; the claim itself is left as it is.
         """
         with (
-            ledger_errors("cannot record the discard", self._url),
-            self._connect() as conn,
+            self._connector.session("cannot record the discard") as conn,
             conn.transaction(),
         ):
             with conn.cursor(row_factory=dict_row) as cur:
@@ -322,7 +325,7 @@ class ClaimsAdmin:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per
         batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
         deleted = batches = 0
-        with ledger_errors("cannot prune claims", self._url), self._connect() as conn:
+        with self._connector.session("cannot prune claims") as conn:
             while True:
                 cursor = conn.execute(_PRUNE_BATCH, {"days": older_than_days, "batch": batch_size})
                 batches += 1
@@ -333,8 +336,7 @@ class ClaimsAdmin:
 
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
         with (
-            ledger_errors("cannot read claims", self._url),
-            self._connect() as conn,
+            self._connector.session("cannot read claims") as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
             return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]

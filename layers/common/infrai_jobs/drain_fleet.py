@@ -18,8 +18,7 @@ from typing import Any, LiteralString
 import psycopg
 
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.postgres import connect_to_ledger, ledger_errors
-from infrai_jobs.rotation import fetch_again
+from infrai_jobs.postgres import LedgerConnector, ledger_errors
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +71,12 @@ class PostgresDrainFleet:
         connect_timeout: int = 5,
         refresh_url: Callable[[], str] | None = None,
     ) -> None:
-        self._url = database_url
-        self._refresh_url = refresh_url
-        self._connect_timeout = connect_timeout
+        self._connector = LedgerConnector(
+            database_url,
+            application_name="infrai-jobs-fleet",
+            connect_timeout=connect_timeout,
+            refresh=refresh_url,
+        )
         self._conn: psycopg.Connection[Any] | None = None
 
     def __repr__(self) -> str:
@@ -151,7 +153,7 @@ class PostgresDrainFleet:
         conn = self._connection()
         try:
             # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
-            with ledger_errors("a drain-lease statement", self._url):
+            with ledger_errors("a drain-lease statement", self._connector.url):
                 yield conn
         except LedgerUnavailable:
             # The server closed the connection, or it broke mid-statement: reconnect next time.
@@ -163,20 +165,7 @@ class PostgresDrainFleet:
         conn = self._conn
         if conn is not None and not conn.closed and not conn.broken:
             return conn
-        try:
-            conn = connect_to_ledger(
-                self._url,
-                connect_timeout=self._connect_timeout,
-                application_name="infrai-jobs-fleet",
-            )
-        except LedgerUnavailable:
-            fresh = fetch_again(self._refresh_url, self._url, "database secret")
-            if fresh is None:
-                raise
-            self._url = fresh
-            conn = connect_to_ledger(
-                fresh, connect_timeout=self._connect_timeout, application_name="infrai-jobs-fleet"
-            )
+        conn = self._connector.connect()
         self._conn = conn
         return conn
 

@@ -111,11 +111,15 @@ def make_alerter(settings: Settings) -> Alerter:
     return PrintingAlerter()
 
 
-def make_alert_check(settings: Settings, alerter: Alerter | None = None) -> AlertCheck:
+def make_alert_check(
+    settings: Settings, alerter: Alerter | None = None, *, refresh: SecretRefresh | None = None
+) -> AlertCheck:
+    """DlqAlertFunction's check; ``refresh`` (``secret_refresh`` of the unresolved settings)
+    lets a warm environment pick up rotated secrets."""
     from infrai_jobs.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
 
     return AlertCheck(
-        make_queue_client(settings),
+        make_queue_client(settings, refresh_api_key=refresh.api_key if refresh else None),
         settings.require_database_url(),
         alerter or make_alerter(settings),
         AlertThresholds(
@@ -123,6 +127,7 @@ def make_alert_check(settings: Settings, alerter: Alerter | None = None) -> Aler
             backlog_age_seconds=settings.backlog_age_seconds,
             reminder_seconds=settings.alert_reminder_seconds,
         ),
+        refresh_url=refresh.database_url if refresh else None,
     )
 
 

@@ -45,15 +45,14 @@ from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.migrations import LATEST_VERSION, current_version
 from infrai_jobs.postgres import (
     CLAIM_BY_KEY,
+    LedgerConnector,
     array_literal,
     ledger_error,
     one_line,
-    open_connection,
     redact,
     schema_behind,
 )
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
-from infrai_jobs.rotation import fetch_again
 
 logger = logging.getLogger(__name__)
 
@@ -232,11 +231,14 @@ class PostgresLedger:
         visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         refresh_url: Callable[[], str] | None = None,
     ) -> None:
-        self._url = database_url
-        # Fetches the database URL again, bypassing the secret cache: called once when a
-        # connection fails, because a rotated password is the likely reason in AWS.
-        self._refresh_url = refresh_url
-        self._connect_timeout = connect_timeout
+        # refresh_url fetches the database URL again, bypassing the secret cache: called once
+        # when a connection fails, because a rotated password is the likely reason in AWS.
+        self._connector = LedgerConnector(
+            database_url,
+            application_name="infrai-jobs",
+            connect_timeout=connect_timeout,
+            refresh=refresh_url,
+        )
         self._visibility = visibility_timeout
         self._conn: psycopg.Connection[Any] | None = None
         self._schema_checked = False
@@ -258,7 +260,7 @@ class PostgresLedger:
         if conn is not None:
             logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
             conn.close()
-        conn = self._open()
+        conn = self._connector.connect()
         if not self._schema_checked:
             try:
                 version = current_version(conn)
@@ -267,7 +269,7 @@ class PostgresLedger:
                 # not leave the new connection open.
                 conn.close()
                 raise ledger_error(
-                    exc, "cannot read the ledger's schema version", self._url
+                    exc, "cannot read the ledger's schema version", self._connector.url
                 ) from exc
             if version < LATEST_VERSION:
                 conn.close()
@@ -275,20 +277,6 @@ class PostgresLedger:
             self._schema_checked = True
         self._conn = conn
         return conn
-
-    def _open(self) -> psycopg.Connection[Any]:
-        try:
-            return self._connect(self._url)
-        except LedgerUnavailable:
-            fresh = self._refreshed_url()
-            if fresh is None:
-                raise
-        logger.warning(
-            "database connection failed; retrying once with the secret fetched again",
-            extra={"action": "secret_refresh"},
-        )
-        self._url = fresh
-        return self._connect(fresh)
 
     def ping(self) -> None:
         """Make sure the ledger answers before a drain receives anything.
@@ -305,20 +293,12 @@ class PostgresLedger:
             except psycopg.OperationalError as exc:
                 self._drop(conn)
                 if attempt:
-                    raise ledger_error(exc, url=self._url) from exc
+                    raise ledger_error(exc, url=self._connector.url) from exc
                 logger.warning(
                     "the ledger connection was dead; reconnecting", extra={"action": "reconnect"}
                 )
             else:
                 return
-
-    def _connect(self, url: str) -> psycopg.Connection[Any]:
-        return open_connection(
-            url, connect_timeout=self._connect_timeout, application_name="infrai-jobs"
-        )
-
-    def _refreshed_url(self) -> str | None:
-        return fetch_again(self._refresh_url, self._url, "database secret")
 
     @contextmanager
     def _translated(self) -> Iterator[psycopg.Connection[Any]]:
@@ -330,10 +310,10 @@ class PostgresLedger:
             # The server closed the connection, or it broke mid-statement: reconnect next time.
             self._drop(conn)
             raise LedgerUnavailable(
-                f"the ledger database failed: {redact(one_line(str(exc)), self._url)}"
+                f"the ledger database failed: {redact(one_line(str(exc)), self._connector.url)}"
             ) from exc
         except psycopg.Error as exc:
-            raise ledger_error(exc, url=self._url) from exc
+            raise ledger_error(exc, url=self._connector.url) from exc
 
     def _drop(self, conn: psycopg.Connection[Any]) -> None:
         try:
@@ -360,20 +340,19 @@ class PostgresLedger:
         # this invocation can still safely give its claims back; otherwise the redelivery would
         # find them running and (rightly, for an irreversible effect) flag them stuck.
         try:
-            fresh = self._connect(self._url)
-        except psycopg.Error:
+            with self._connector.connect_once() as fresh:
+                fresh.execute(
+                    _RELEASE,
+                    {
+                        "keys": array_literal(r.idem_key for r in requests),
+                        "tokens": array_literal(r.claim_token for r in requests),
+                    },
+                )
+        except (LedgerUnavailable, psycopg.Error):
+            # The batch's own error follows; the claims expire with their leases.
             logger.warning(
                 "could not release claims after a lost answer",
                 extra={"action": "release_failed", "keys": [r.idem_key for r in requests]},
-            )
-            return
-        with fresh:
-            fresh.execute(
-                _RELEASE,
-                {
-                    "keys": array_literal(r.idem_key for r in requests),
-                    "tokens": array_literal(r.claim_token for r in requests),
-                },
             )
 
     def _claim_on(

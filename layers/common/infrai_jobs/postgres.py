@@ -1,7 +1,8 @@
 """Postgres in one place: connection strings kept out of messages and logs (the one redaction
 every place uses), the one way to connect, the one translation of driver errors, array
 parameters, and the statements several modules share. Every other module meets the driver's
-errors through ``ledger_errors`` and connects through ``connect_to_ledger``.
+errors through ``ledger_errors`` and connects through a ``LedgerConnector`` (which also picks up
+a rotated database secret) or, for a one-off, ``connect_to_ledger``.
 
 Connection strings:
 
@@ -24,9 +25,10 @@ password. So:
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, LiteralString
@@ -37,6 +39,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.migrations import LATEST_VERSION
+from infrai_jobs.rotation import fetch_again
+
+logger = logging.getLogger(__name__)
 
 MASK = "***"
 
@@ -220,9 +225,71 @@ def connect_to_ledger(
 ) -> psycopg.Connection[Any]:
     """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
     with the URL kept out of the message (and the driver's error, which may quote it, not
-    chained). The watcher, the operator tools and migrate connect through here;
-    ``PostgresLedger`` connects the same way, and retries once with the secret fetched again."""
+    chained). For a one-off connection (migrate, the CLI); a long-lived adapter connects
+    through a ``LedgerConnector``."""
     return open_connection(url, connect_timeout=connect_timeout, application_name=application_name)
+
+
+class LedgerConnector:
+    """How every adapter connects to the ledger, and the one way a warm environment picks up a
+    rotated database secret: a connection that fails is tried once more with the secret fetched
+    again (``factory.SecretRefresh.database_url``), and the new URL is kept when it differs.
+
+    ``url`` is the current URL, for the redaction of the errors met on its connections.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        application_name: str,
+        connect_timeout: int = 5,
+        refresh: Callable[[], str] | None = None,
+    ) -> None:
+        self._url = url
+        self._application_name = application_name
+        self._connect_timeout = connect_timeout
+        self._refresh = refresh
+
+    def __repr__(self) -> str:
+        return f"LedgerConnector(<database url redacted>, {self._application_name!r})"
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def connect(self) -> psycopg.Connection[Any]:
+        try:
+            return self.connect_once()
+        except LedgerUnavailable:
+            fresh = fetch_again(self._refresh, self._url, "database secret")
+            if fresh is None:
+                raise
+        logger.warning(
+            "database connection failed; retrying once with the secret fetched again",
+            extra={"action": "secret_refresh"},
+        )
+        self._url = fresh
+        return self.connect_once()
+
+    @contextmanager
+    def session(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
+        """A connection for one piece of work, closed after it, its driver errors translated
+        (``ledger_error``) and redacted with the URL it was opened with."""
+        conn = self.connect()
+        try:
+            with conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise ledger_error(exc, doing, self._url) from exc
+
+    def connect_once(self) -> psycopg.Connection[Any]:
+        """A connection with the current URL, never refreshed (a last-chance clean-up)."""
+        return open_connection(
+            self._url,
+            connect_timeout=self._connect_timeout,
+            application_name=self._application_name,
+        )
 
 
 def schema_behind(version: int) -> str:

@@ -955,18 +955,7 @@ class LeasedScenario:
         return convergence.advances
 
     def redrive(self, classify: _Classifier) -> int:
-        moved = 0
-        while True:
-            summary = redrive(
-                self.client,
-                source=LEASED_DLQ,
-                target=LEASED_QUEUE,
-                max_messages=MAX_REDRIVE_PER_CALL,
-                describe=classify.describe,
-            )
-            moved += summary.published
-            if summary.consumed == 0:
-                break
+        moved = _redrive_all(self.client, LEASED_DLQ, LEASED_QUEUE, classify)
         self.verdicts = dict(classify.by_key)
         return moved
 
@@ -1099,18 +1088,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         redrive_started = time.monotonic()
         limit = config.drain_max_answer_bytes
         classify = _Classifier(plan, registry, database, publisher.message_ids, limit)
-        redriven = 0
-        while True:
-            summary = redrive(
-                client,
-                source=DLQ,
-                target=QUEUE,
-                max_messages=MAX_REDRIVE_PER_CALL,
-                describe=classify.describe,
-            )
-            redriven += summary.published
-            if summary.consumed == 0:
-                break
+        redriven = _redrive_all(client, DLQ, QUEUE, classify)
         leased_classify = _Classifier(plan, registry, database, leased.message_ids, limit)
         report.leased["dead letters redriven"] = leased.redrive(leased_classify)
         report.dlq_after_chaos = classify.counts + leased_classify.counts
@@ -1325,6 +1303,24 @@ class _Classifier:
             (key,),
         )
         return ClaimFacts(*rows[0]) if rows else None
+
+
+def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Classifier) -> int:
+    """The operator's redrive of ``source`` into ``target``, call after call until a call
+    consumes nothing; each dead letter is described by ``classify``. Returns how many were
+    published back."""
+    published = 0
+    while True:
+        summary = redrive(
+            client,
+            source=source,
+            target=target,
+            max_messages=MAX_REDRIVE_PER_CALL,
+            describe=classify.describe,
+        )
+        published += summary.published
+        if summary.consumed == 0:
+            return published
 
 
 RowLookup = Callable[[str], "ClaimFacts | None"]

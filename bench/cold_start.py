@@ -33,6 +33,7 @@ from typing import Any
 from infrai_local.invoke import dependency_path, resolve
 
 from instruments import sample_busy_percent
+from results_file import add_output_options, update_results
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCTION = "DrainFunction"
@@ -287,14 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--importtime-runs", type=int, default=5)
-    parser.add_argument("--json", action="store_true", help="print the full result as JSON")
-    parser.add_argument(
-        "--update",
-        type=Path,
-        nargs="+",
-        metavar="RESULTS_JSON",
-        help="replace the cold start in these results files (e.g. bench/results/latest.json), "
-        "re-evaluate the targets and regenerate the chart and docs/performance.md from the first",
+    add_output_options(
+        parser,
+        update_help="replace the cold start in these results files (e.g. "
+        "bench/results/latest.json), re-evaluate the targets and regenerate the chart and "
+        "docs/performance.md from the first",
     )
     args = parser.parse_args(argv)
     result = measure(args.runs, args.importtime_runs)
@@ -315,15 +313,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _update_results(paths: list[Path], result: dict[str, Any]) -> None:
-    import report  # noqa: PLC0415 - only --update needs matplotlib
+    import report  # noqa: PLC0415 - only --update needs it
 
     measured_at = datetime.now(UTC).isoformat(timespec="seconds")
-    for path in paths:
-        document = json.loads(path.read_text())
+
+    def with_cold_start(path: Path, document: dict[str, Any]) -> None:
         document["cold_start"] = {**result, "measured_at": measured_at}
         document["targets"] = report.evaluate_targets(document)
-        path.write_text(json.dumps(document, indent=2) + "\n")
-    report.main([str(paths[0])])
+
+    update_results(paths, with_cold_start)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ from instruments import (  # noqa: E402
     process_cpu_seconds,
     sample_busy_percent,
 )
+from results_file import add_output_options, update_results  # noqa: E402
 
 JOB = "receipt.send"
 TABLE_PREFIX = "infrai-bench-idempotency"
@@ -636,18 +637,15 @@ def measure(
 
 
 def _update_results(paths: list[Path], result: dict[str, Any], *, cold_only: bool) -> None:
-    import report  # noqa: PLC0415 - only --update needs matplotlib
-
-    for path in paths:
-        document = json.loads(path.read_text())
+    def with_second_layer(path: Path, document: dict[str, Any]) -> None:
         if cold_only:
             if not document.get("second_layer"):
                 raise SystemExit(f"{path}: no second_layer result to add the cold start to")
             document["second_layer"]["cold_start"] = result["cold_start"]
         else:
             document["second_layer"] = result
-        path.write_text(json.dumps(document, indent=2) + "\n")
-    report.main([str(paths[0])])
+
+    update_results(paths, with_second_layer)
 
 
 def summary_text(result: dict[str, Any]) -> str:
@@ -691,14 +689,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument("--timeout-s", type=float, default=900, help="per drain")
-    parser.add_argument("--json", action="store_true", help="print the full result as JSON")
-    parser.add_argument(
-        "--update",
-        type=Path,
-        nargs="+",
-        metavar="RESULTS_JSON",
-        help="store the result under second_layer in these results files and regenerate the "
-        "chart and docs/performance.md from the first",
+    add_output_options(
+        parser,
+        update_help="store the result under second_layer in these results files and "
+        "regenerate the chart and docs/performance.md from the first",
     )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     return parser

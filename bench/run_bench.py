@@ -244,6 +244,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_skippable(
+    parser: argparse.ArgumentParser, flag: str, default: int | None, help_text: str
+) -> None:
+    """A count of messages or runs for one part of the run; 0 skips that part."""
+    parser.add_argument(flag, type=int, default=default, help=f"{help_text}; 0 skips it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run_bench.py", description=__doc__.split("\n\n")[0].strip("`: ")
@@ -257,28 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=2, help="rounds of (a) then (b) (%(default)s)"
     )
     parser.add_argument("--lanes", type=_lanes, default=[1, 2, 4, 8], help="(%(default)s)")
-    parser.add_argument(
-        "--rss-jobs",
-        type=int,
-        default=None,
-        help="messages of the memory run (default 4 x --jobs, so 20,000); 0 skips it",
+    _add_skippable(
+        parser, "--rss-jobs", None, "messages of the memory run (default 4 x --jobs, so 20,000)"
     )
-    parser.add_argument(
-        "--cold-start-runs", type=int, default=10, help="fresh processes per figure; 0 skips"
-    )
-    parser.add_argument(
+    _add_skippable(parser, "--cold-start-runs", 10, "fresh processes per figure")
+    _add_skippable(
+        parser,
         "--profile-jobs",
-        type=int,
-        default=None,
-        help="messages of an extra (b) drain under cProfile, for hotspots (default: --jobs, "
-        "at most 2,000); 0 skips it",
+        None,
+        "messages of an extra (b) drain under cProfile, for hotspots (default: --jobs, at most "
+        "2,000)",
     )
-    parser.add_argument(
+    _add_skippable(
+        parser,
         "--second-layer-jobs",
-        type=int,
-        default=500,
-        help="messages per drain of the second layer's cost (second_layer_bench.py), about "
-        "a minute at the default %(default)s; 0 skips it",
+        500,
+        "messages per drain of the second layer's cost (second_layer_bench.py), about a minute "
+        "at the default %(default)s",
     )
     parser.add_argument(
         "--second-layer-rounds",
@@ -286,20 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="(off, on, replay) rounds of the second layer's cost (%(default)s)",
     )
-    parser.add_argument(
+    _add_skippable(
+        parser,
         "--trickle-jobs",
-        type=int,
-        default=40,
-        help="jobs of the idle-polling latency run, one every 250 ms (%(default)s); 0 skips it",
+        40,
+        "jobs of the idle-polling latency run, one every 250 ms (%(default)s)",
     )
     parser.add_argument(
         "--idle-poll-ms", type=int, default=200, help="DRAIN_IDLE_POLL_MS there (%(default)s)"
     )
-    parser.add_argument(
-        "--backlog-jobs",
-        type=int,
-        default=20_000,
-        help="messages of each backlog fan-out run (%(default)s); 0 skips them",
+    _add_skippable(
+        parser, "--backlog-jobs", 20_000, "messages of each backlog fan-out run (%(default)s)"
     )
     parser.add_argument(
         "--concurrency",

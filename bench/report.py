@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,21 @@ def _target(name: str, required: str, measured: str, passed: bool | None) -> dic
     return {"target": name, "required": required, "measured": measured, "pass": passed}
 
 
+def _figure_target(
+    name: str,
+    required: str,
+    figure: float | None,
+    *,
+    shown: Callable[[float], str],
+    passed: Callable[[float], bool],
+    missing: str = "n/a",
+) -> dict[str, Any]:
+    """A target met by one figure of the run: ``missing`` and not judged when it is None."""
+    if figure is None:
+        return _target(name, required, missing, None)
+    return _target(name, required, shown(figure), passed(figure))
+
+
 def evaluate_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 9's targets against this run's figures; pass is None when not measured."""
     latency = document["config"]["latency_ms"]
@@ -107,30 +123,32 @@ def evaluate_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
 
     ratio = comparison["ratio_b_over_a"]
     targets.append(
-        _target(
+        _figure_target(
             f"(b) / (a) messages per second at {latency:g} ms",
             f">= {_RATIO_TARGET:g}x",
-            f"{ratio}x" if ratio is not None else "n/a",
-            None if ratio is None else ratio >= _RATIO_TARGET,
+            ratio,
+            shown=lambda r: f"{r}x",
+            passed=lambda r: r >= _RATIO_TARGET,
         )
     )
-    fraction = comparison["b_fraction_of_ceiling"]
     ceiling = comparison["single_lane_ceiling_msgs_per_s"]
     targets.append(
-        _target(
+        _figure_target(
             f"(b) against the single-lane ceiling ({ceiling} msg/s)",
             f">= {_CEILING_TARGET:.0%}",
-            f"{fraction:.1%}" if fraction is not None else "n/a",
-            None if fraction is None else fraction >= _CEILING_TARGET,
+            comparison["b_fraction_of_ceiling"],
+            shown=lambda f: f"{f:.1%}",
+            passed=lambda f: f >= _CEILING_TARGET,
         )
     )
-    ledger = drain["ledger_round_trips_per_message"] if document["config"]["db_trace"] else None
     targets.append(
-        _target(
+        _figure_target(
             "ledger round trips per message, (b)",
             f"<= {_LEDGER_TARGET:g}",
-            f"{ledger:g}" if ledger is not None else "not counted",
-            None if ledger is None else ledger <= _LEDGER_TARGET,
+            drain["ledger_round_trips_per_message"] if document["config"]["db_trace"] else None,
+            shown=lambda n: f"{n:g}",
+            passed=lambda n: n <= _LEDGER_TARGET,
+            missing="not counted",
         )
     )
     scaling = [s for s in document["lanes"]["scaling"] if 1 < s["lanes"] <= 8]

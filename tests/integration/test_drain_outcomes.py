@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -12,7 +12,8 @@ import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
 
 from infrai_jobs.batch import process_batch
-from infrai_jobs.drain import DrainConfig
+from infrai_jobs.claims import ClaimRow
+from infrai_jobs.drain import DrainConfig, DrainSummary
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.outcomes import Outcome
@@ -20,6 +21,33 @@ from infrai_jobs.queue_models import QueueMessage
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 NOTES_KEY = "invoice.finalize:inv_8812"
+
+
+def seed_running_claim(
+    kit: Harness, payload: Payload, *, message_id: str, effect: str, lease_from_now: timedelta
+) -> None:
+    """Write the ``running`` claim another delivery of ``payload`` would hold: a fresh claim
+    token, the payload's own fingerprint, and a lease ending ``lease_from_now`` after the
+    database's clock (negative for a lease already over)."""
+    derived = kit.registry.derive(payload)
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until,"
+        " payload_sha256) VALUES (%s, 'running', %s, %s, gen_random_uuid(), now() + %s, %s)",
+        (derived.idem_key, message_id, effect, lease_from_now, derived.fingerprint),
+    )
+
+
+def assert_left_unacked(
+    kit: Harness, summary: DrainSummary, key: str, *, outcome: str, state: str
+) -> ClaimRow:
+    """The drain's one message ended as ``outcome`` and was not acked, and the claim under
+    ``key`` is in ``state``. Returns the claim for the caller's checks of its error."""
+    assert summary.outcomes == {outcome: 1}
+    assert summary.acked == 0
+    row = kit.row(key)
+    assert row is not None
+    assert row.state == state
+    return row
 
 
 @pytest.fixture
@@ -77,13 +105,8 @@ def test_two_copies_in_one_batch_run_once_and_both_are_acked(kit: Harness) -> No
 def test_duplicate_while_another_holds_a_live_claim_is_acked(kit: Harness) -> None:
     # Given another delivery holds a live claim on the receipt (its lease ends in an hour)
     payload = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
-    fingerprint = kit.registry.derive(payload).fingerprint
-    lease = datetime.now(UTC) + timedelta(hours=1)
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until,"
-        " payload_sha256) VALUES ('receipt.send:inv_1', 'running', 'qmsg_other', 'external',"
-        " gen_random_uuid(), %s, %s)",
-        (lease, fingerprint),
+    seed_running_claim(
+        kit, payload, message_id="qmsg_other", effect="external", lease_from_now=timedelta(hours=1)
     )
     # When a copy arrives
     kit.publish(payload)
@@ -102,24 +125,15 @@ def test_external_claim_with_expired_lease_stays_running_flagged_and_unacked(
 ) -> None:
     # Given an external claim whose holder died long ago
     payload = {"job": "receipt.send", "invoice_id": "inv_2", "email": "b@example.com"}
-    fingerprint = kit.registry.derive(payload).fingerprint
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until,"
-        " payload_sha256) VALUES ('receipt.send:inv_2', 'running', 'qmsg_dead', 'external',"
-        " gen_random_uuid(), now() - interval '1 hour', %s)",
-        (fingerprint,),
+    seed_running_claim(
+        kit, payload, message_id="qmsg_dead", effect="external", lease_from_now=-timedelta(hours=1)
     )
     # When a copy arrives
     kit.publish(payload)
     summary = kit.drain()
     # Then the claim stays running, is flagged with the reason, and the copy is not acked
-    assert summary.outcomes == {"stuck": 1}
-    assert summary.acked == 0
-    row = kit.row("receipt.send:inv_2")
-    assert row is not None
-    assert row.state == "running"
-    assert row.error is not None
-    assert "lease expired" in row.error
+    row = assert_left_unacked(kit, summary, "receipt.send:inv_2", outcome="stuck", state="running")
+    assert "lease expired" in (row.error or "")
     assert kit.sink.state.snapshot()["mail_effects"] == 0
     assert kit.client.stats(QUEUE).in_flight_count == 1
 
@@ -145,11 +159,7 @@ def test_transient_failure_releases_the_claim_and_walks_to_the_dlq(kit: Harness)
 def test_permanent_failure_is_recorded_failed_and_not_acked(kit: Harness) -> None:
     kit.publish({"job": "test.db", "id": "bad", "mode": "permanent"})
     summary = kit.drain()
-    assert summary.outcomes == {"failed": 1}
-    assert summary.acked == 0
-    row = kit.row("test.db:bad")
-    assert row is not None
-    assert row.state == "failed"
+    row = assert_left_unacked(kit, summary, "test.db:bad", outcome="failed", state="failed")
     assert row.error == "PermanentJobError: simulated permanent failure"
     # The database effect was rolled back with the job's savepoint
     assert kit.effects("test.db:bad") == 0
@@ -172,20 +182,13 @@ def test_effect_uncertain_stays_running_flagged_and_unacked(kit: Harness) -> Non
     kit.publish({"job": "test.ext", "id": "x", "mode": "uncertain"})
     summary = kit.drain()
     # Then the claim stays running, flagged, unacked
-    assert summary.outcomes == {"stuck": 1}
-    assert summary.acked == 0
-    row = kit.row("test.ext:x")
-    assert row is not None
-    assert row.state == "running"
-    assert row.error is not None
-    assert row.error.startswith("effect uncertain")
+    row = assert_left_unacked(kit, summary, "test.ext:x", outcome="stuck", state="running")
+    assert (row.error or "").startswith("effect uncertain")
     # And its own redelivery does not run it again
     kit.advance()
     summary = kit.drain()
-    assert summary.outcomes == {"stuck": 1}
+    row = assert_left_unacked(kit, summary, "test.ext:x", outcome="stuck", state="running")
     assert kit.external_effects("test.ext:x") == 1
-    row = kit.row("test.ext:x")
-    assert row is not None
     assert (row.error or "").startswith("effect uncertain")  # the first reason is kept
 
 
@@ -194,21 +197,19 @@ def test_own_redelivery_of_a_running_external_claim_is_flagged_not_rerun(kit: Ha
     payload = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
     kit.publish(payload)
     (message,) = kit.client.consume(QUEUE)
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until,"
-        " payload_sha256) VALUES ('receipt.send:inv_1', 'running', %s, 'external',"
-        " gen_random_uuid(), now() + interval '1 hour', %s)",
-        (message.message_id, kit.registry.derive(payload).fingerprint),
+    seed_running_claim(
+        kit,
+        payload,
+        message_id=message.message_id,
+        effect="external",
+        lease_from_now=timedelta(hours=1),
     )
     # When the same message is redelivered
     kit.advance()
     summary = kit.drain()
     # Then it is not sent, not acked, and flagged with the reason
-    assert summary.outcomes == {"stuck": 1}
-    assert summary.acked == 0
+    row = assert_left_unacked(kit, summary, "receipt.send:inv_1", outcome="stuck", state="running")
     assert kit.sink.state.snapshot()["mail_effects"] == 0
-    row = kit.row("receipt.send:inv_1")
-    assert row is not None
     assert "redelivered while its own claim is still running" in (row.error or "")
 
 
@@ -270,11 +271,7 @@ def test_a_lost_claim_is_not_acked(kit: Harness) -> None:
     # When the drain settles it, the fenced update matches nothing
     summary = kit.drain()
     # Then it is not acked, and the row is left as the other party made it
-    assert summary.outcomes == {"claim_lost": 1}
-    assert summary.acked == 0
-    row = kit.row("test.hijacked:1")
-    assert row is not None
-    assert row.state == "running"
+    assert_left_unacked(kit, summary, "test.hijacked:1", outcome="claim_lost", state="running")
 
 
 def test_ack_answered_not_found_counts_as_ack_lost(kit: Harness) -> None:
@@ -297,15 +294,15 @@ def test_external_idempotent_claim_is_taken_over_after_its_lease(kit: Harness) -
     key = "digest.build:tenant_42:2026-07-25"
     kit.publish(payload)
     (message,) = kit.client.consume(QUEUE)
-    first = kit.registry.derive(payload)
     urllib3.request(
         "POST", f"{kit.sink.url}/v1/digests", json=payload, headers={"Idempotency-Key": key}
     )
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, lease_until,"
-        " payload_sha256) VALUES (%s, 'running', %s, 'external_idempotent', gen_random_uuid(),"
-        " now() - interval '1 minute', %s)",
-        (key, message.message_id, first.fingerprint),
+    seed_running_claim(
+        kit,
+        payload,
+        message_id=message.message_id,
+        effect="external_idempotent",
+        lease_from_now=-timedelta(minutes=1),
     )
     # When its redelivery arrives
     kit.advance()

@@ -48,6 +48,26 @@ def run(*args: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Complet
     )
 
 
+def invoke_drain_function(env_vars: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs invoke DrainFunction`` with the repo's schedule event and ``env_vars``."""
+    return run(
+        "invoke",
+        "DrainFunction",
+        "--event",
+        "events/drain-schedule.json",
+        "--env-vars",
+        env_vars,
+        env=env,
+    )
+
+
+def write_env_vars(tmp_path: Path, parameters: dict[str, str]) -> str:
+    """An env-vars file in SAM's shape holding ``parameters``; returns its path."""
+    env_vars = tmp_path / "env.json"
+    env_vars.write_text(json.dumps({"Parameters": parameters}))
+    return str(env_vars)
+
+
 def assert_one_line_error(finished: subprocess.CompletedProcess[str], code: int) -> str:
     """The command failed with ``code``, said so in one ``error:`` line, and showed no traceback."""
     assert finished.returncode == code, (finished.returncode, finished.stdout, finished.stderr)
@@ -219,31 +239,18 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
 ) -> None:
     # Given an env-vars file that leaves DATABASE_URL empty (as events/env.json does) and a
     # shell whose DATABASE_URL names a database never migrated
-    env_vars = tmp_path / "env.json"
-    env_vars.write_text(
-        json.dumps(
-            {
-                "Parameters": {
-                    "INFRAI_BASE_URL": queue.base_url,
-                    "INFRAI_API_KEY": API_KEY,
-                    "INFRAI_API_KEY_PARAMETER": "",
-                    "DATABASE_URL": "",
-                    "PROVIDER_URL": sink_url,
-                }
-            }
-        )
+    env_vars = write_env_vars(
+        tmp_path,
+        {
+            "INFRAI_BASE_URL": queue.base_url,
+            "INFRAI_API_KEY": API_KEY,
+            "INFRAI_API_KEY_PARAMETER": "",
+            "DATABASE_URL": "",
+            "PROVIDER_URL": sink_url,
+        },
     )
-    env = base_env(DATABASE_URL=database_url)
     # When DrainFunction is invoked
-    finished = run(
-        "invoke",
-        "DrainFunction",
-        "--event",
-        "events/drain-schedule.json",
-        "--env-vars",
-        str(env_vars),
-        env=env,
-    )
+    finished = invoke_drain_function(env_vars, base_env(DATABASE_URL=database_url))
     # Then it fails with the database named as not migrated and the command to run, before
     # any handler runs; the database has still no table, and the job was not consumed
     line = assert_one_line_error(finished, 1)
@@ -259,15 +266,7 @@ def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
 ) -> None:
     # Given the repo's env-vars file and a shell with only an un-migrated DATABASE_URL
     # When DrainFunction is invoked
-    finished = run(
-        "invoke",
-        "DrainFunction",
-        "--event",
-        "events/drain-schedule.json",
-        "--env-vars",
-        "events/env.json",
-        env=base_env(DATABASE_URL=database_url),
-    )
+    finished = invoke_drain_function("events/env.json", base_env(DATABASE_URL=database_url))
     # Then the database is named as not migrated first, and stays so
     line = assert_one_line_error(finished, 1)
     assert "not migrated" in line
@@ -280,15 +279,7 @@ def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anythi
     # Given the repo's env-vars file (a queue on 127.0.0.1:8765, DATABASE_URL empty) and no
     # DATABASE_URL in the shell
     # When DrainFunction is invoked
-    finished = run(
-        "invoke",
-        "DrainFunction",
-        "--event",
-        "events/drain-schedule.json",
-        "--env-vars",
-        "events/env.json",
-        env=base_env(),
-    )
+    finished = invoke_drain_function("events/env.json", base_env())
     # Then it names DATABASE_URL; no handler ran
     line = assert_one_line_error(finished, 2)
     assert "DATABASE_URL and PROVIDER_URL are not set, but INFRAI_BASE_URL is" in line
@@ -297,22 +288,11 @@ def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anythi
 
 def test_invoke_with_nothing_configured_runs_in_a_sandbox_and_says_so(tmp_path: Path) -> None:
     # Given an env-vars file leaving every endpoint empty
-    env_vars = tmp_path / "env.json"
-    env_vars.write_text(
-        json.dumps(
-            {"Parameters": {"INFRAI_BASE_URL": "", "DATABASE_URL": "", "INFRAI_API_KEY": ""}}
-        )
+    env_vars = write_env_vars(
+        tmp_path, {"INFRAI_BASE_URL": "", "DATABASE_URL": "", "INFRAI_API_KEY": ""}
     )
     # When DrainFunction is invoked
-    finished = run(
-        "invoke",
-        "DrainFunction",
-        "--event",
-        "events/drain-schedule.json",
-        "--env-vars",
-        str(env_vars),
-        env=base_env(),
-    )
+    finished = invoke_drain_function(env_vars, base_env())
     # Then the first line says sandbox, and the drain ran against the stand-ins
     assert finished.returncode == 0, finished.stderr
     assert finished.stderr.splitlines()[0].startswith("sandbox: nothing real is configured")

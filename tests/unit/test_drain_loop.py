@@ -84,6 +84,19 @@ class Kit:
     def fingerprint(self, payload: Payload) -> str:
         return self.registry.derive(payload).fingerprint
 
+    def seed_running_claim(
+        self, payload: Payload, *, message_id: str, effect: Effect, lease_for: timedelta
+    ) -> ClaimRow:
+        """The ``running`` claim a delivery of ``payload`` would hold: under its derived key, with
+        its fingerprint, the lease ending ``lease_for`` after now (negative: already over)."""
+        return self.ledger.seed(
+            self.registry.derive(payload).idem_key,
+            message_id=message_id,
+            effect=effect,
+            fingerprint=self.fingerprint(payload),
+            lease_until=self.clock.utcnow() + lease_for,
+        )
+
 
 def _act(payload: Payload) -> JsonValue:
     """What a test job does, steered by the payload's ``mode``."""
@@ -342,12 +355,8 @@ def test_a_duplicate_of_done_is_acked_and_changes_nothing(kit: Kit) -> None:
 def test_a_duplicate_while_another_holds_a_live_claim_is_acked(kit: Kit) -> None:
     # Given another delivery holding a live claim on the job
     payload = _ext("busy")
-    before = kit.ledger.seed(
-        "test.ext:busy",
-        message_id="qmsg_other",
-        effect=Effect.EXTERNAL,
-        fingerprint=kit.fingerprint(payload),
-        lease_until=kit.clock.utcnow() + timedelta(hours=1),
+    before = kit.seed_running_claim(
+        payload, message_id="qmsg_other", effect=Effect.EXTERNAL, lease_for=timedelta(hours=1)
     )
     # When a copy arrives
     kit.publish(payload)
@@ -363,12 +372,8 @@ def test_an_external_claim_with_an_expired_lease_is_flagged_stuck_and_not_acked(
 ) -> None:
     # Given an external claim whose holder died an hour ago
     payload = _ext("dead")
-    kit.ledger.seed(
-        "test.ext:dead",
-        message_id="qmsg_dead",
-        effect=Effect.EXTERNAL,
-        fingerprint=kit.fingerprint(payload),
-        lease_until=kit.clock.utcnow() - timedelta(hours=1),
+    kit.seed_running_claim(
+        payload, message_id="qmsg_dead", effect=Effect.EXTERNAL, lease_for=-timedelta(hours=1)
     )
     # When a copy arrives
     kit.publish(payload)
@@ -456,12 +461,8 @@ def test_our_own_redelivery_of_a_running_external_claim_is_flagged_not_rerun(kit
     payload = _ext("mid-call")
     kit.publish(payload)
     (message,) = kit.queue.consume(QUEUE)
-    kit.ledger.seed(
-        "test.ext:mid-call",
-        message_id=message.message_id,
-        effect=Effect.EXTERNAL,
-        fingerprint=kit.fingerprint(payload),
-        lease_until=kit.clock.utcnow() + timedelta(hours=1),
+    kit.seed_running_claim(
+        payload, message_id=message.message_id, effect=Effect.EXTERNAL, lease_for=timedelta(hours=1)
     )
     # When the same message is redelivered
     kit.redeliver()
@@ -563,12 +564,11 @@ def test_an_idempotent_claim_is_taken_over_after_its_lease(kit: Kit) -> None:
     payload = {"job": "test.idem", "id": "d"}
     kit.publish(payload)
     (message,) = kit.queue.consume(QUEUE)
-    kit.ledger.seed(
-        "test.idem:d",
+    kit.seed_running_claim(
+        payload,
         message_id=message.message_id,
         effect=Effect.EXTERNAL_IDEMPOTENT,
-        fingerprint=kit.fingerprint(payload),
-        lease_until=kit.clock.utcnow() + timedelta(seconds=60),
+        lease_for=timedelta(seconds=60),
     )
     # When its redelivery arrives after the lease
     kit.redeliver()

@@ -415,22 +415,33 @@ def test_a_live_claim_elsewhere_is_live(ledger: InMemoryLedger, clock: FakeClock
     assert ledger.get("job:1") == before
 
 
-def test_an_expired_external_lease_is_stuck_and_never_retaken(
-    ledger: InMemoryLedger, clock: FakeClock
+@pytest.mark.parametrize(
+    ("effect", "error", "reason"),
+    [
+        # An irreversible job's claim whose lease ran out
+        (Effect.EXTERNAL, None, "lease expired"),
+        # A key-passing job's expired claim that a human was asked to look at
+        (Effect.EXTERNAL_IDEMPOTENT, "effect uncertain: E: timeout", "flagged for a human"),
+    ],
+    ids=["expired-external-lease", "flagged-idempotent-claim"],
+)
+def test_an_expired_claim_for_a_human_is_stuck_and_never_taken_over(
+    ledger: InMemoryLedger, clock: FakeClock, effect: Effect, error: str | None, reason: str
 ) -> None:
-    # Given an irreversible job's claim whose lease ran out
+    # Given an expired claim that no other delivery may take over
     before = ledger.seed(
         "job:1",
         message_id="qmsg_dead",
-        effect=Effect.EXTERNAL,
+        effect=effect,
         fingerprint=FP,
         lease_until=clock.utcnow() - timedelta(seconds=1),
+        error=error,
     )
     # When another delivery claims it
-    (decision,) = ledger.claim([_request(ledger)])
-    # Then it is stuck for a human, never retaken
+    (decision,) = ledger.claim([_request(ledger, effect=effect)])
+    # Then it is stuck for a human, with the reason, and the row is left as it was
     assert decision.status is ClaimStatus.STUCK
-    assert "lease expired" in decision.detail
+    assert reason in decision.detail
     assert ledger.get("job:1") == before
 
 
@@ -698,26 +709,6 @@ def test_flag_stuck_annotates_only_running_rows_and_keeps_the_first_reason(
     done = ledger.get("job:done")
     assert done is not None
     assert done.error is None
-
-
-def test_a_flagged_claim_is_stuck_and_never_taken_over(
-    ledger: InMemoryLedger, clock: FakeClock
-) -> None:
-    # Given a key-passing job's expired claim that a human was asked to look at
-    before = ledger.seed(
-        "job:1",
-        message_id="qmsg_dead",
-        effect=Effect.EXTERNAL_IDEMPOTENT,
-        fingerprint=FP,
-        lease_until=clock.utcnow() - timedelta(seconds=1),
-        error="effect uncertain: E: timeout",
-    )
-    # When another delivery claims it
-    (decision,) = ledger.claim([_request(ledger, effect=Effect.EXTERNAL_IDEMPOTENT)])
-    # Then it is stuck, and the row is the human's to resolve
-    assert decision.status is ClaimStatus.STUCK
-    assert "flagged for a human" in decision.detail
-    assert ledger.get("job:1") == before
 
 
 def test_an_uncertain_settle_ends_the_claims_lease(

@@ -8,6 +8,7 @@ The same rules against real PostgreSQL and real drain processes are in
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -163,30 +164,30 @@ def test_the_rate_is_measured_since_the_last_check_not_since_the_start() -> None
     assert check.wanted == 3
 
 
-def test_a_throttled_invoke_is_counted_and_its_slots_given_back_never_raised() -> None:
-    # Given a backlog that wants 3 more drains, and Lambda throttling the first invoke
+@pytest.mark.parametrize(
+    ("turn_down", "throttled", "failed"),
+    [
+        (RecordingDrainStarter.throttle_next, 1, 0),  # counted as throttled
+        (RecordingDrainStarter.fail_next, 0, 1),  # refused: counted as failed
+    ],
+    ids=["throttled", "refused"],
+)
+def test_an_invoke_turned_down_is_counted_and_its_slots_given_back_never_raised(
+    turn_down: Callable[[RecordingDrainStarter], None], throttled: int, failed: int
+) -> None:
+    # Given a backlog that wants 3 more drains, and Lambda turning down the first invoke
     kit = Kit(cap=4, backlog=1_000)
     monitor = kit.member()
-    kit.starter.throttle_next()
+    turn_down(kit.starter)
     kit.consume_for(2, rate=1)
     # When it checks
     check = monitor.check()
-    # Then nothing was started, the throttle is counted, and the reserved slots are free again
-    assert (check.started, monitor.throttled, monitor.failed) == (0, 1, 0)
+    # Then nothing was started, the refusal is counted, and the reserved slots are free again
+    assert (check.started, monitor.throttled, monitor.failed) == (0, throttled, failed)
     assert kit.fleet.live(QUEUE) == 1
     # And the next check tries again
     kit.consume_for(2, rate=1)
     assert monitor.check().started == 3
-
-
-def test_a_refused_invoke_is_counted_as_failed_and_gives_back_the_rest() -> None:
-    kit = Kit(cap=4, backlog=1_000)
-    monitor = kit.member()
-    kit.starter.fail_next()
-    kit.consume_for(2, rate=1)
-    check = monitor.check()
-    assert (check.started, monitor.failed, monitor.throttled) == (0, 1, 0)
-    assert kit.fleet.live(QUEUE) == 1
 
 
 def test_with_a_cap_of_one_the_monitor_only_keeps_the_lease() -> None:
@@ -244,13 +245,18 @@ def _service(fleet: InMemoryDrainFleet, queue: InMemoryQueue, effects: list[str]
     )
 
 
-def test_a_drain_that_would_be_one_too_many_stops_before_receiving_anything() -> None:
-    # Given a queue with work and the cap's worth of drains alive already
+def _one_job_and_a_fleet() -> tuple[InMemoryQueue, InMemoryDrainFleet]:
+    """A queue holding one ``test.db`` job and a fleet with no drain in it, on one fake clock."""
     clock = FakeClock()
     queue = InMemoryQueue(clock)
     queue.ensure_queue(QUEUE, dlq=DLQ)
     queue.publish_raw(QUEUE, {"job": "test.db", "id": 1})
-    fleet = InMemoryDrainFleet(clock)
+    return queue, InMemoryDrainFleet(clock)
+
+
+def test_a_drain_that_would_be_one_too_many_stops_before_receiving_anything() -> None:
+    # Given a queue with work and the cap's worth of drains alive already
+    queue, fleet = _one_job_and_a_fleet()
     for _ in range(2):
         fleet.join(QUEUE, str(uuid.uuid4()), origin="schedule", lease_seconds=30, cap=2)
     effects: list[str] = []
@@ -265,11 +271,7 @@ def test_a_drain_that_would_be_one_too_many_stops_before_receiving_anything() ->
 
 def test_a_started_drain_adopts_its_reserved_slot_even_at_the_cap() -> None:
     # Given one drain alive and the slot it reserved for a second (the cap is two)
-    clock = FakeClock()
-    queue = InMemoryQueue(clock)
-    queue.ensure_queue(QUEUE, dlq=DLQ)
-    queue.publish_raw(QUEUE, {"job": "test.db", "id": 1})
-    fleet = InMemoryDrainFleet(clock)
+    queue, fleet = _one_job_and_a_fleet()
     fleet.join(QUEUE, str(uuid.uuid4()), origin="schedule", lease_seconds=30, cap=2)
     (slot,) = fleet.reserve(QUEUE, wanted=2, cap=2, lease_seconds=30)
     effects: list[str] = []

@@ -100,17 +100,26 @@ def _poisoned_dlq(kit: Harness) -> dict[str, str]:
     }
 
 
+def _json_through(
+    proxy: CorruptingProxy, kit: Harness, command: str, *, exit_code: int
+) -> dict[str, Any]:
+    """``infrai-jobs COMMAND --json`` against Infrai behind ``proxy``: checks its exit code and
+    returns the JSON document it printed."""
+    finished = run_cli(kit, command, "--json", INFRAI_BASE_URL=proxy.url)
+    assert finished.returncode == exit_code, finished.stderr
+    document: dict[str, Any] = json.loads(finished.stdout)
+    return document
+
+
 def test_dlq_shows_an_unreadable_dead_letter_as_such_and_still_reads_the_others(
     kit: Harness, proxy: CorruptingProxy
 ) -> None:
     # Given three dead letters, the middle one's consume answer unreadable
     ids = _poisoned_dlq(kit)
     # When the operator lists the DLQ
-    listed = run_cli(kit, "dlq", "--json", INFRAI_BASE_URL=proxy.url)
+    document = _json_through(proxy, kit, "dlq", exit_code=0)
     # Then both readable ones are listed with their keys, and the poison as unreadable, with
     # its size: never as "(none)", never hiding its neighbours
-    assert listed.returncode == 0, listed.stderr
-    document = json.loads(listed.stdout)
     rows = document["messages"]
     assert [r["message_id"] for r in rows if not r.get("unreadable")] == [ids["first"], ids["last"]]
     (poison,) = [r for r in rows if r.get("unreadable")]
@@ -132,10 +141,8 @@ def test_redrive_moves_the_readable_dead_letters_and_never_reports_the_unreadabl
     # Given three dead letters, the middle one's consume answer unreadable
     ids = _poisoned_dlq(kit)
     # When the operator redrives
-    finished = run_cli(kit, "redrive", "--json", INFRAI_BASE_URL=proxy.url)
+    summary = _json_through(proxy, kit, "redrive", exit_code=1)
     # Then it fails (exit 1): the two readable ones moved, the unreadable one counted, not moved
-    assert finished.returncode == 1, finished.stderr
-    summary = json.loads(finished.stdout)
     assert (summary["published"], summary["acked"]) == (2, 2)
     assert summary["complete"] is False
     (unreadable,) = summary["unreadable"]
@@ -143,7 +150,7 @@ def test_redrive_moves_the_readable_dead_letters_and_never_reports_the_unreadabl
     # And the poison is still in the DLQ; the others are back in the main queue
     stats = kit.client.stats(QUEUE)
     assert (stats.dlq_count, stats.available_count) == (1, 2)
-    assert ids["poison"] not in finished.stdout or unreadable["message_id"] == ids["poison"]
+    assert ids["poison"] not in json.dumps(summary) or unreadable["message_id"] == ids["poison"]
     # And the human form says NOT MOVED for it
     kit.advance()
     again = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url)
@@ -160,10 +167,9 @@ def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
     proxy.cut_off = True
     ids = _poisoned_dlq(kit)
     # When the operator lists the DLQ
-    listed = run_cli(kit, "dlq", "--json", INFRAI_BASE_URL=proxy.url)
+    listed = _json_through(proxy, kit, "dlq", exit_code=0)
     # Then the unreadable one is named by its message id
-    assert listed.returncode == 0, listed.stderr
-    (poison,) = [r for r in json.loads(listed.stdout)["messages"] if r.get("unreadable")]
+    (poison,) = [r for r in listed["messages"] if r.get("unreadable")]
     assert poison["message_id"] == ids["poison"]
     # When, once visible again, the operator discards it by that id
     kit.advance()

@@ -988,20 +988,11 @@ AUTH_LINE = f"Authorization: Bearer {_DEFAULT_TOKEN}\r\n".encode()
 
 
 @dataclass(frozen=True)
-class RawAnswer:
-    """One answer read off a raw socket: status line, headers (lower-cased names), body."""
+class RawAnswer(Answer):
+    """An ``Answer`` read off a raw socket (its header names lower-cased), with the status line
+    exactly as it was sent."""
 
     status_line: bytes
-    headers: dict[str, str]
-    body: bytes
-
-    @property
-    def status(self) -> int:
-        return int(self.status_line.split()[1])
-
-    @property
-    def document(self) -> Any:
-        return json.loads(self.body)
 
 
 class RawConnection:
@@ -1022,7 +1013,7 @@ class RawConnection:
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.lower()] = value.strip()
         body = self.rfile.read(int(headers.get("content-length", "0")))
-        return RawAnswer(status_line, headers, body)
+        return RawAnswer(int(status_line.split()[1]), headers, body, status_line)
 
     def rest(self) -> bytes:
         """Everything until the server closes (a reset counts as closed)."""
@@ -1068,7 +1059,7 @@ def test_an_answer_is_framed_as_before(raw: RawConnection, queue: str) -> None:
     assert list(answer.headers) == ["server", "date", "content-type", "content-length"]
     assert answer.headers["server"] == "infrai-emulator/0.1"
     assert answer.headers["content-type"] == "application/json"
-    assert int(answer.headers["content-length"]) == len(answer.body)
+    assert int(answer.headers["content-length"]) == len(answer.raw)
     # The Date header has whole seconds: it falls between the request's second and the answer
     sent = email.utils.parsedate_to_datetime(answer.headers["date"])
     assert before <= sent <= after

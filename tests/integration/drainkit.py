@@ -113,6 +113,18 @@ class Harness:
     def row(self, key: str) -> ClaimRow | None:
         return self.ledger.get(key)
 
+    def assert_settled(
+        self, summary: DrainSummary, key: str, *, outcome: str, acked: int, state: str
+    ) -> ClaimRow:
+        """The drain's one message ended as ``outcome`` with ``acked`` acks, and the claim under
+        ``key`` is in ``state``. Returns the claim for the caller's own checks."""
+        assert summary.outcomes == {outcome: 1}
+        assert summary.acked == acked
+        row = self.row(key)
+        assert row is not None
+        assert row.state == state
+        return row
+
     def sql(self, query: str, params: Any = None) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.database_url, autocommit=True) as conn:
             cursor = conn.execute(query, params)

@@ -12,8 +12,7 @@ import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
 
 from infrai_jobs.batch import process_batch
-from infrai_jobs.claims import ClaimRow
-from infrai_jobs.drain import DrainConfig, DrainSummary
+from infrai_jobs.drain import DrainConfig
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.outcomes import Outcome
@@ -35,19 +34,6 @@ def seed_running_claim(
         " payload_sha256) VALUES (%s, 'running', %s, %s, gen_random_uuid(), now() + %s, %s)",
         (derived.idem_key, message_id, effect, lease_from_now, derived.fingerprint),
     )
-
-
-def assert_left_unacked(
-    kit: Harness, summary: DrainSummary, key: str, *, outcome: str, state: str
-) -> ClaimRow:
-    """The drain's one message ended as ``outcome`` and was not acked, and the claim under
-    ``key`` is in ``state``. Returns the claim for the caller's checks of its error."""
-    assert summary.outcomes == {outcome: 1}
-    assert summary.acked == 0
-    row = kit.row(key)
-    assert row is not None
-    assert row.state == state
-    return row
 
 
 @pytest.fixture
@@ -132,7 +118,9 @@ def test_external_claim_with_expired_lease_stays_running_flagged_and_unacked(
     kit.publish(payload)
     summary = kit.drain()
     # Then the claim stays running, is flagged with the reason, and the copy is not acked
-    row = assert_left_unacked(kit, summary, "receipt.send:inv_2", outcome="stuck", state="running")
+    row = kit.assert_settled(
+        summary, "receipt.send:inv_2", outcome="stuck", acked=0, state="running"
+    )
     assert "lease expired" in (row.error or "")
     assert kit.sink.state.snapshot()["mail_effects"] == 0
     assert kit.client.stats(QUEUE).in_flight_count == 1
@@ -159,7 +147,7 @@ def test_transient_failure_releases_the_claim_and_walks_to_the_dlq(kit: Harness)
 def test_permanent_failure_is_recorded_failed_and_not_acked(kit: Harness) -> None:
     kit.publish({"job": "test.db", "id": "bad", "mode": "permanent"})
     summary = kit.drain()
-    row = assert_left_unacked(kit, summary, "test.db:bad", outcome="failed", state="failed")
+    row = kit.assert_settled(summary, "test.db:bad", outcome="failed", acked=0, state="failed")
     assert row.error == "PermanentJobError: simulated permanent failure"
     # The database effect was rolled back with the job's savepoint
     assert kit.effects("test.db:bad") == 0
@@ -182,12 +170,12 @@ def test_effect_uncertain_stays_running_flagged_and_unacked(kit: Harness) -> Non
     kit.publish({"job": "test.ext", "id": "x", "mode": "uncertain"})
     summary = kit.drain()
     # Then the claim stays running, flagged, unacked
-    row = assert_left_unacked(kit, summary, "test.ext:x", outcome="stuck", state="running")
+    row = kit.assert_settled(summary, "test.ext:x", outcome="stuck", acked=0, state="running")
     assert (row.error or "").startswith("effect uncertain")
     # And its own redelivery does not run it again
     kit.advance()
     summary = kit.drain()
-    row = assert_left_unacked(kit, summary, "test.ext:x", outcome="stuck", state="running")
+    row = kit.assert_settled(summary, "test.ext:x", outcome="stuck", acked=0, state="running")
     assert kit.external_effects("test.ext:x") == 1
     assert (row.error or "").startswith("effect uncertain")  # the first reason is kept
 
@@ -208,7 +196,9 @@ def test_own_redelivery_of_a_running_external_claim_is_flagged_not_rerun(kit: Ha
     kit.advance()
     summary = kit.drain()
     # Then it is not sent, not acked, and flagged with the reason
-    row = assert_left_unacked(kit, summary, "receipt.send:inv_1", outcome="stuck", state="running")
+    row = kit.assert_settled(
+        summary, "receipt.send:inv_1", outcome="stuck", acked=0, state="running"
+    )
     assert kit.sink.state.snapshot()["mail_effects"] == 0
     assert "redelivered while its own claim is still running" in (row.error or "")
 
@@ -271,7 +261,7 @@ def test_a_lost_claim_is_not_acked(kit: Harness) -> None:
     # When the drain settles it, the fenced update matches nothing
     summary = kit.drain()
     # Then it is not acked, and the row is left as the other party made it
-    assert_left_unacked(kit, summary, "test.hijacked:1", outcome="claim_lost", state="running")
+    kit.assert_settled(summary, "test.hijacked:1", outcome="claim_lost", acked=0, state="running")
 
 
 def test_ack_answered_not_found_counts_as_ack_lost(kit: Harness) -> None:
@@ -309,10 +299,7 @@ def test_external_idempotent_claim_is_taken_over_after_its_lease(kit: Harness) -
     summary = kit.drain()
     # Then it takes the claim over, calls again with the same key, and the provider does not
     # repeat the effect
-    assert summary.outcomes == {"done": 1}
-    row = kit.row(key)
-    assert row is not None
-    assert row.state == "done"
+    row = kit.assert_settled(summary, key, outcome="done", acked=1, state="done")
     assert row.attempts == 2
     assert isinstance(row.result, dict)
     assert row.result["replayed"] is True

@@ -184,11 +184,7 @@ def test_a_lost_ledger_row_does_not_repeat_the_effect(
     again = kit.drain(effect_guard=backend.guard)
     # Then no second mail is sent: the claim is done with the first call's result, and acked
     assert mails(kit) == 1
-    assert again.outcomes == {"done": 1}
-    assert again.acked == 1
-    row = kit.row(RECEIPT_KEY)
-    assert row is not None
-    assert row.state == "done"
+    row = kit.assert_settled(again, RECEIPT_KEY, outcome="done", acked=1, state="done")
     assert row.result == sent.result
     # And the replay is visible: counted, and logged with the key
     assert backend.guard.hits == 1
@@ -210,12 +206,8 @@ def test_an_uncertain_effect_is_not_retried_through_the_second_layer(
     kit.advance()
     summary = kit.drain(effect_guard=backend.guard)
     # Then it stays stuck for a human, unacked, and the effect did not run again
-    assert summary.outcomes == {"stuck": 1}
-    assert summary.acked == 0
+    row = kit.assert_settled(summary, "test.ext:x", outcome="stuck", acked=0, state="running")
     assert kit.external_effects("test.ext:x") == 1
-    row = kit.row("test.ext:x")
-    assert row is not None
-    assert row.state == "running"
     assert "replayed by the second layer" in (row.error or "")
     assert backend.guard.hits == 1
 
@@ -282,11 +274,7 @@ def test_same_key_different_work_fails_permanently_without_the_effect(
     summary = kit.drain(effect_guard=backend.guard)
     # Then nothing is sent; the claim fails with the reason and the message goes to the DLQ
     assert mails(kit) == 1
-    assert summary.outcomes == {"failed": 1}
-    assert summary.acked == 0
-    row = kit.row(RECEIPT_KEY)
-    assert row is not None
-    assert row.state == "failed"
+    row = kit.assert_settled(summary, RECEIPT_KEY, outcome="failed", acked=0, state="failed")
     assert "second layer: same key, different work" in (row.error or "")
 
 

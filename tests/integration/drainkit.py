@@ -3,10 +3,15 @@ example jobs from ``functions/drain/jobs`` and a few test jobs whose effects can
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -25,6 +30,9 @@ from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from jobs import build_registry
 from jobs.invoice import INVOICES_DDL
+
+HERE = Path(__file__).resolve().parent
+DRAIN_FUNCTION_CODE = HERE.parent.parent / "functions" / "drain"
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -188,3 +196,19 @@ def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:
     if errors:
         raise errors[0]
     return results
+
+
+def run_until_killed(script: str, *args: str) -> None:
+    """Run ``script`` (with ``args``) in a child Python that SIGKILLs itself at the moment the
+    test chose, and assert that is how it ended. The child finds this module and the drain
+    function's code (its ``jobs`` package) on its path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(DRAIN_FUNCTION_CODE)])}
+    finished = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert finished.returncode == -signal.SIGKILL, finished.stderr

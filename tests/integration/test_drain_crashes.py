@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from drainkit import QUEUE, Harness, harness
+from drainkit import QUEUE, Harness, harness, run_until_killed
 
 from infrai_jobs.batch import process_batch
 from infrai_jobs.drain import DrainConfig, DrainSummary
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
 
 # A drain process that SIGKILLs itself at its first ack: after the ledger committed, before
 # Infrai heard about it. The kill is real; only the moment is chosen.
@@ -49,27 +42,22 @@ def kit(database_url: str) -> Iterator[Harness]:
         yield h
 
 
-def _run_child(kit: Harness) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "functions" / "drain")]),
-    }
-    return subprocess.run(
-        [sys.executable, "-c", KILL_AT_ACK, kit.server.url, kit.database_url, kit.sink.url],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def _terminate(kit: Harness, conn: psycopg.Connection[Any]) -> int:
     """Have the server terminate ``conn``'s backend, as an operator or a failover would."""
     pid = conn.info.backend_pid
     with psycopg.connect(kit.database_url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
     return pid
+
+
+def _publish_with_a_neighbour(
+    kit: Harness, job: str, handler: Callable[[Payload, JobContext], JsonValue]
+) -> None:
+    """Register ``handler`` as the database job ``job``, then publish one of it (id "1") and an
+    ordinary ``test.db`` neighbour, for one batch."""
+    kit.registry.job(job, effect=Effect.DATABASE, identity=("id",))(handler)
+    kit.publish({"job": job, "id": "1"})
+    kit.publish({"job": "test.db", "id": "neighbour"})
 
 
 def _assert_nothing_committed_or_acked(kit: Harness, summary: DrainSummary) -> None:
@@ -84,8 +72,7 @@ def test_killed_after_commit_before_ack_the_redelivery_is_skipped(kit: Harness) 
     kit.publish({"job": "test.db", "id": "crash"})
     kit.publish({"job": "receipt.send", "invoice_id": "inv_9", "email": "x@example.com"})
     # When a drain process commits both and is killed at its first ack
-    finished = _run_child(kit)
-    assert finished.returncode == -9, finished.stderr
+    run_until_killed(KILL_AT_ACK, kit.server.url, kit.database_url, kit.sink.url)
     assert kit.row("test.db:crash") is not None
     # Then after the visibility timeout both come back as delivery 2 ...
     kit.advance()
@@ -113,9 +100,7 @@ def test_connection_terminated_mid_batch_commits_nothing_and_retries_cleanly(
             terminated.append(_terminate(kit, ctx.db))
         return {"ok": True}
 
-    kit.registry.job("test.killer", effect=Effect.DATABASE, identity=("id",))(killer)
-    kit.publish({"job": "test.killer", "id": "1"})
-    kit.publish({"job": "test.db", "id": "neighbour"})
+    _publish_with_a_neighbour(kit, "test.killer", killer)
     # When the batch runs, nothing of it commits and nothing is acked
     _assert_nothing_committed_or_acked(kit, kit.drain())
     # Then the redelivery, on a fresh connection, runs each job exactly once
@@ -140,11 +125,7 @@ def test_connection_terminated_while_a_savepoint_rolls_back_is_ledger_unavailabl
             _terminate(kit, ctx.db)
         raise RuntimeError("the job failed")
 
-    kit.registry.job("test.failing_killer", effect=Effect.DATABASE, identity=("id",))(
-        failing_killer
-    )
-    kit.publish({"job": "test.failing_killer", "id": "1"})
-    kit.publish({"job": "test.db", "id": "neighbour"})
+    _publish_with_a_neighbour(kit, "test.failing_killer", failing_killer)
     # When the batch runs, the drain reports the ledger unavailable (psycopg's own Rollback
     # exception used to escape here), commits nothing and acks nothing
     first = kit.drain()
@@ -220,19 +201,7 @@ def test_a_crash_mid_call_leaves_only_that_irreversible_claim_for_a_human(kit: H
         return {"sent": payload["id"]}
 
     kit.registry.job("test.mail", effect=Effect.EXTERNAL, identity=("id",))(send)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "functions" / "drain")]),
-    }
-    finished = subprocess.run(
-        [sys.executable, "-c", KILL_MID_CALL, kit.server.url, kit.database_url],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert finished.returncode == -9, finished.stderr
+    run_until_killed(KILL_MID_CALL, kit.server.url, kit.database_url)
     # When the batch is redelivered
     kit.advance()
     summary = kit.drain()

@@ -6,9 +6,6 @@ import argparse
 import io
 import itertools
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from drainkit import DLQ, QUEUE, Harness, harness
+from drainkit import DLQ, QUEUE, Harness, harness, run_until_killed
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
@@ -79,15 +76,7 @@ def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit:
     for payload in payloads:
         kit.client.publish(DLQ, payload)
     # When a redrive is killed at its fifth ack (after the publish of that message) ...
-    finished = subprocess.run(
-        [sys.executable, "-c", REDRIVE_KILLED_AT_FIFTH_ACK, kit.server.url],
-        env={**os.environ},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert finished.returncode == -9, finished.stderr
+    run_until_killed(REDRIVE_KILLED_AT_FIFTH_ACK, kit.server.url)
     # ... and, once the unacked dead letters are visible again, redriven to the end
     kit.advance()
     summary = redrive(kit.client, source=DLQ, target=QUEUE, max_messages=1000)

@@ -142,6 +142,20 @@ def test_an_emptied_dlq_sends_one_resolved_message(stage: Stage) -> None:
     ]
 
 
+def _one_stuck_claim_alerted(
+    stage: Stage, alerter: RecordingAlerter, *, oldest_at_least: float
+) -> str:
+    """Run the watcher with a 15-minute stuck threshold; assert it found one stuck claim, its
+    oldest running claim at least ``oldest_at_least`` seconds old, and sent that one alert.
+    Returns the alert's message."""
+    report = stage.check(alerter, stuck_claim_seconds=900).run([QUEUE])
+    assert report.stuck.count == 1
+    assert report.stuck.oldest_running_age_seconds >= oldest_at_least
+    ((subject, message),) = alerter.sent
+    assert subject == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+    return message
+
+
 def test_stuck_claims_alert_and_name_the_command(stage: Stage) -> None:
     alerter = RecordingAlerter()
     stage.sql(
@@ -149,12 +163,8 @@ def test_stuck_claims_alert_and_name_the_command(stage: Stage) -> None:
         " ('receipt.send:inv_1', 'running', 'qmsg_a', 'external', 'effect uncertain: timeout'),"
         " ('receipt.send:inv_2', 'running', 'qmsg_b', 'external', NULL)"
     )
-    report = stage.check(alerter, stuck_claim_seconds=900).run([QUEUE])
     # Only the flagged claim is stuck; the fresh unflagged one is merely running
-    assert report.stuck.count == 1
-    assert report.stuck.oldest_running_age_seconds >= 0
-    ((subject, message),) = alerter.sent
-    assert subject == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+    message = _one_stuck_claim_alerted(stage, alerter, oldest_at_least=0)
     assert "infrai-jobs claims stuck" in message
 
 
@@ -171,11 +181,8 @@ def test_a_claim_taken_over_by_a_live_delivery_is_not_reported_stuck(stage: Stag
         "  now() - interval '2 hours', now() - interval '2 hours', now() - interval '1 hour')"
     )
     # When the watcher runs with a 15-minute threshold
-    report = stage.check(alerter, stuck_claim_seconds=900).run([QUEUE])
     # Then only the claim nobody has touched for two hours is stuck, and it is the oldest
-    assert report.stuck.count == 1
-    assert report.stuck.oldest_running_age_seconds >= 7000
-    assert alerter.sent[0][0] == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+    _one_stuck_claim_alerted(stage, alerter, oldest_at_least=7000)
 
 
 class _HeldStats:

@@ -134,6 +134,15 @@ def pool_for(server: ScriptedServer, **kwargs: object) -> HttpPool:
     return HttpPool(server.url, **options)  # type: ignore[arg-type]
 
 
+def assert_get_fails(server: ScriptedServer, message: str, **pool_options: object) -> None:
+    """A ``GET /`` through a new pool for ``server`` (with ``pool_options``) raises a
+    ``TransportError`` matching ``message``; the pool is closed afterwards."""
+    pool = pool_for(server, **pool_options)
+    with pytest.raises(TransportError, match=message):
+        pool.request("GET", "/", {})
+    pool.close()
+
+
 # --- framing -----------------------------------------------------------------------------------
 
 
@@ -354,10 +363,7 @@ def test_answers_the_client_did_not_ask_for_are_transport_errors(
     serve: Callable[..., ScriptedServer], wire: bytes, message: str
 ) -> None:
     server = serve(lambda request, conn, index: (wire, True))
-    pool = pool_for(server)
-    with pytest.raises(TransportError, match=message):
-        pool.request("GET", "/", {})
-    pool.close()
+    assert_get_fails(server, message)
     # And the request said it takes no content coding
     assert b"Accept-Encoding: identity\r\n" in server.requests[0]
 
@@ -431,10 +437,7 @@ def test_an_answer_dropped_mid_exchange_is_a_transport_error_and_not_reused(
 
 def test_a_server_that_never_answers_times_out(serve: Callable[..., ScriptedServer]) -> None:
     server = serve(lambda request, conn, index: (b"", False))
-    pool = pool_for(server, read_timeout=0.2)
-    with pytest.raises(TransportError, match="timed out"):
-        pool.request("GET", "/", {})
-    pool.close()
+    assert_get_fails(server, "timed out", read_timeout=0.2)
 
 
 def test_a_refused_connection_is_a_transport_error() -> None:
@@ -472,10 +475,7 @@ def test_malformed_answers_are_transport_errors(
     serve: Callable[..., ScriptedServer], wire: bytes, message: str
 ) -> None:
     server = serve(lambda request, conn, index: (wire, True))
-    pool = pool_for(server, max_body=1024)
-    with pytest.raises(TransportError, match=message):
-        pool.request("GET", "/", {})
-    pool.close()
+    assert_get_fails(server, message, max_body=1024)
 
 
 @pytest.mark.parametrize(
@@ -490,12 +490,9 @@ def test_a_malformed_head_on_a_connection_left_open_fails_at_once(
 ) -> None:
     # Given a server that sends a broken head and then keeps the connection open
     server = serve(lambda request, conn, index: (wire, False))
-    pool = pool_for(server, read_timeout=30.0)
     # When a request is made, Then the head is refused as soon as it shows it is broken: a pool
     # waiting for more would end on its 30 s read timeout, with a timeout's message
-    with pytest.raises(TransportError, match=message):
-        pool.request("GET", "/", {})
-    pool.close()
+    assert_get_fails(server, message, read_timeout=30.0)
 
 
 def test_a_header_value_with_a_line_break_is_refused_without_printing_it() -> None:

@@ -20,6 +20,7 @@ import pytest
 from drainkit import DLQ, QUEUE, Harness, harness
 
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.jobs import Payload
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
@@ -107,6 +108,12 @@ def fields_of(line: str) -> dict[str, str]:
     return fields
 
 
+def fields_of_the_line(text: str, word: str) -> dict[str, str]:
+    """The fields of the one line of ``text`` starting with ``word`` (asserting there is one)."""
+    (line,) = lines_with(text, word)
+    return fields_of(line)
+
+
 # --- drain --------------------------------------------------------------------------------------
 
 
@@ -136,27 +143,23 @@ def test_drain_prints_each_problem_message_with_its_reason_and_tells_retries_fro
     )
     err = finished.stderr
     # And each problem message has one line: outcome, key, message id, delivery, reason
-    (retry,) = lines_with(err, "retry")
-    assert fields_of(retry) == {
+    assert fields_of_the_line(err, "retry") == {
         "key": "cli.flaky:f",
         "message_id": ids["flaky"],
         "delivery": "1",
         "reason": "RuntimeError: the upstream timed out (second line of the reason)",
     }
-    (failed,) = lines_with(err, "failed")
-    assert fields_of(failed) == {
+    assert fields_of_the_line(err, "failed") == {
         "key": "cli.broken:b",
         "message_id": ids["broken"],
         "delivery": "1",
         "reason": "PermanentJobError: the customer does not exist",
     }
-    (conflict,) = lines_with(err, "conflict")
-    assert fields_of(conflict)["key"] == "cli.ok:done-before"
-    assert fields_of(conflict)["message_id"] == ids["conflict"]
-    (rejected,) = lines_with(err, "rejected")
-    assert fields_of(rejected)["key"] == "-"
-    assert fields_of(rejected)["message_id"] == ids["rejected"]
-    assert "unknown job 'no.such.job'" in fields_of(rejected)["reason"]
+    conflict = fields_of_the_line(err, "conflict")
+    assert (conflict["key"], conflict["message_id"]) == ("cli.ok:done-before", ids["conflict"])
+    rejected = fields_of_the_line(err, "rejected")
+    assert (rejected["key"], rejected["message_id"]) == ("-", ids["rejected"])
+    assert "unknown job 'no.such.job'" in rejected["reason"]
     # And nothing about the message that simply ran, and no bare "message rejected" line
     assert ids["ok"] not in err
     assert "message rejected" not in err
@@ -179,9 +182,27 @@ def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> 
     retries = lines_with(finished.stderr, "http_retry")
     assert len(retries) == 3, finished.stderr
     assert all("call=ack" in line and "code=INTERNAL" in line for line in retries)
-    (ack_failed,) = lines_with(finished.stderr, "ack_failed")
-    assert fields_of(ack_failed)["message_id"] == message_id
+    assert fields_of_the_line(finished.stderr, "ack_failed")["message_id"] == message_id
     assert json.loads(finished.stdout)["ack_failed"] == 1
+
+
+def _seed_settled_claim(
+    kit: Harness,
+    payload: Payload,
+    state: str,
+    *,
+    message_id: str,
+    effect: str | None = None,
+    error: str | None = None,
+) -> None:
+    """The claim an earlier delivery of ``payload`` left ``state``: under the payload's key,
+    with its fingerprint."""
+    derived = kit.registry.derive(payload)
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, error, payload_sha256)"
+        " VALUES (%s, %s, %s, %s, %s, %s)",
+        (derived.idem_key, state, message_id, effect, error, derived.fingerprint),
+    )
 
 
 # --- dlq: what each dead letter really is -------------------------------------------------------
@@ -191,11 +212,7 @@ def test_dlq_shows_a_same_key_different_work_dead_letter_as_a_conflict(kit: Harn
     # Given an invoice finalized for 4,900 cents, and a dead letter for the same invoice with
     # another amount (the drain refused it: same key, different work)
     done = {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 4900}
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, payload_sha256)"
-        " VALUES ('invoice.finalize:inv_1', 'done', 'qmsg_first', %s)",
-        (kit.registry.derive(done).fingerprint,),
-    )
+    _seed_settled_claim(kit, done, "done", message_id="qmsg_first")
     message_id = kit.client.publish(DLQ, {**done, "amount_cents": 5900})
     # When the operator lists the DLQ
     listed = run_cli(kit, "dlq", "--json")
@@ -347,10 +364,8 @@ def test_redrive_function_finds_a_key_of_a_job_with_its_own_rule_through_the_led
     # package that RedriveFunction does not have), one of them failed in the ledger
     wanted = {"job": "receipt.send", "invoice_id": "inv_8", "email": "a@example.com"}
     other = {"job": "receipt.send", "invoice_id": "inv_9", "email": "b@example.com"}
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, error, payload_sha256)"
-        " VALUES ('receipt.send:inv_8', 'failed', 'qmsg_old', 'external', 'bounced', %s)",
-        (kit.registry.derive(wanted).fingerprint,),
+    _seed_settled_claim(
+        kit, wanted, "failed", message_id="qmsg_old", effect="external", error="bounced"
     )
     kit.client.publish(DLQ, other)
     kit.client.publish(DLQ, wanted)
@@ -415,11 +430,7 @@ def test_claims_show_keeps_showing_a_released_claim_and_its_history(kit: Harness
 def test_claims_show_after_a_redrive_reopened_the_failed_claim(kit: Harness) -> None:
     # Given a failed invoice job in the DLQ, with its failed claim
     payload = {"job": "invoice.finalize", "invoice_id": "inv_404", "amount_cents": 5}
-    kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, error, payload_sha256)"
-        " VALUES ('invoice.finalize:inv_404', 'failed', 'qmsg_gone', 'no such invoice', %s)",
-        (kit.registry.derive(payload).fingerprint,),
-    )
+    _seed_settled_claim(kit, payload, "failed", message_id="qmsg_gone", error="no such invoice")
     kit.client.publish(DLQ, payload)
     # When it is redriven with --reopen-failed
     redriven = run_cli(kit, "redrive", "--reopen-failed", "--json")

@@ -30,15 +30,15 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from infrai_jobs.ports import QueuePort
-from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.ports import ForwardingQueue, QueuePort
+from infrai_jobs.queue_models import Pending, QueueMessage
 
 # --- HTTP: the queue port, timed -----------------------------------------------------------------
 
@@ -122,11 +122,11 @@ class BatchRecorder:
             return {call: list(values) for call, values in self._durations.items()}
 
 
-class TimedQueue:
+class TimedQueue(ForwardingQueue):
     """A ``QueuePort`` that reports its consumes and acks to a ``BatchRecorder``."""
 
     def __init__(self, inner: QueuePort, recorder: BatchRecorder) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._recorder = recorder
 
     def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
@@ -169,22 +169,6 @@ class TimedQueue:
                 self._recorder.acked(receipt_handle, started)
 
         return Pending(finish)
-
-    def publish(
-        self,
-        queue: str,
-        body: Mapping[str, Any],
-        *,
-        delay_seconds: int | None = None,
-        retry: bool | None = None,
-    ) -> str:
-        return self._inner.publish(queue, body, delay_seconds=delay_seconds, retry=retry)
-
-    def stats(self, queue: str) -> QueueStats:
-        return self._inner.stats(queue)
-
-    def publish_price(self) -> PublishPrice:
-        return self._inner.publish_price()
 
 
 def latency_summary(values_ms: Iterable[float]) -> dict[str, float | int]:

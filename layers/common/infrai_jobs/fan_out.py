@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from infrai_jobs.errors import FanOutError, FanOutThrottled, InfraiError, LedgerError
-from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, QueuePort
-from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, ForwardingQueue, QueuePort
+from infrai_jobs.queue_models import Pending, QueueMessage
 
 logger = logging.getLogger(__name__)
 
@@ -249,11 +249,11 @@ class FleetMonitor:
             thread.join()
 
 
-class CountingQueue:
+class CountingQueue(ForwardingQueue):
     """A ``QueuePort`` that counts the messages its consumes received: the drain's rate."""
 
     def __init__(self, inner: QueuePort) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._consumed = 0
 
@@ -266,16 +266,6 @@ class CountingQueue:
             self._consumed += len(messages)
         return messages
 
-    def publish(
-        self,
-        queue: str,
-        body: Mapping[str, Any],
-        *,
-        delay_seconds: int | None = None,
-        retry: bool | None = None,
-    ) -> str:
-        return self._inner.publish(queue, body, delay_seconds=delay_seconds, retry=retry)
-
     def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
         return self._count(self._inner.consume(queue, max_messages))
 
@@ -284,15 +274,3 @@ class CountingQueue:
         return Pending(
             lambda: self._count(sent.wait()), lambda: self._count(sent.wait(retry=False))
         )
-
-    def ack(self, queue: str, receipt_handle: str) -> None:
-        self._inner.ack(queue, receipt_handle)
-
-    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
-        return self._inner.send_ack(queue, receipt_handle)
-
-    def stats(self, queue: str) -> QueueStats:
-        return self._inner.stats(queue)
-
-    def publish_price(self) -> PublishPrice:
-        return self._inner.publish_price()

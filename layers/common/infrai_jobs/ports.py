@@ -2,6 +2,7 @@
 
 Each Protocol is what the drain, alerting and operations code may ask of the outside world, and
 nothing more, so an in-memory fake (``infrai_local.fakes``) can stand in for it in unit tests.
+``ForwardingQueue`` is the base of the wrappers that watch some of a queue's calls.
 """
 
 from __future__ import annotations
@@ -43,6 +44,42 @@ class QueuePort(Protocol):
     def stats(self, queue: str) -> QueueStats: ...
 
     def publish_price(self) -> PublishPrice: ...
+
+
+class ForwardingQueue:
+    """A ``QueuePort`` that hands every call to ``inner`` unchanged: a wrapper that watches
+    some calls subclasses it and overrides only those."""
+
+    def __init__(self, inner: QueuePort) -> None:
+        self._inner = inner
+
+    def publish(
+        self,
+        queue: str,
+        body: Mapping[str, Any],
+        *,
+        delay_seconds: int | None = None,
+        retry: bool | None = None,
+    ) -> str:
+        return self._inner.publish(queue, body, delay_seconds=delay_seconds, retry=retry)
+
+    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
+        return self._inner.consume(queue, max_messages)
+
+    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
+        return self._inner.send_consume(queue, max_messages)
+
+    def ack(self, queue: str, receipt_handle: str) -> None:
+        self._inner.ack(queue, receipt_handle)
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        return self._inner.send_ack(queue, receipt_handle)
+
+    def stats(self, queue: str) -> QueueStats:
+        return self._inner.stats(queue)
+
+    def publish_price(self) -> PublishPrice:
+        return self._inner.publish_price()
 
 
 class LedgerPort(Protocol):

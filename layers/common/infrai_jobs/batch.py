@@ -7,7 +7,8 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -74,41 +75,32 @@ def process_batch(
 
     ``visible_until`` (``clock`` seconds) is when the queue may deliver these messages again:
     no claim's lease ends later (None: one whole visibility timeout from the claim)."""
-    return _Batch(
-        messages, ledger, registry, deadline, config, visible_until=visible_until, clock=clock
-    ).process()
+    return _Batch(messages, ledger, registry, deadline, config, visible_until, clock).process()
 
 
+@dataclass(slots=True)
 class _Batch:
     """The state of one batch while its messages are claimed, run and settled."""
 
-    def __init__(
-        self,
-        messages: Sequence[QueueMessage],
-        ledger: LedgerPort,
-        registry: JobRegistry,
-        deadline: float,
-        config: DrainConfig,
-        *,
-        visible_until: float | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.messages = messages
-        self.ledger = ledger
-        self.registry = registry
-        self.deadline = deadline
-        self.config = config
-        # When the queue may deliver the batch again (None: unknown), on ``clock``.
-        self.visible_until = visible_until
-        self.clock = clock
-        self.lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
-        self.results: dict[str, MessageResult] = {}
-        # The first message of each key in this batch, and later copies of a key.
-        self.primaries: dict[str, tuple[QueueMessage, DerivedJob]] = {}
-        self.copies: list[tuple[QueueMessage, DerivedJob]] = []
-        self.takeovers: set[str] = set()
-        # Set once a claim failed for the ledger: the rest of the batch is not tried.
-        self.ledger_failed = ""
+    messages: Sequence[QueueMessage]
+    ledger: LedgerPort
+    registry: JobRegistry
+    deadline: float
+    config: DrainConfig
+    # When the queue may deliver the batch again (None: unknown), on ``clock``.
+    visible_until: float | None
+    clock: Callable[[], float]
+    lease_until: datetime = field(init=False)
+    results: dict[str, MessageResult] = field(init=False, default_factory=dict)
+    # The first message of each key in this batch, and later copies of a key.
+    primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
+    copies: list[tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=list)
+    takeovers: set[str] = field(init=False, default_factory=set)
+    # Set once a claim failed for the ledger: the rest of the batch is not tried.
+    ledger_failed: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.lease_until = utc_from_epoch(self.deadline + self.config.lease_grace_seconds)
 
     def process(self) -> list[MessageResult]:
         self._derive_keys()

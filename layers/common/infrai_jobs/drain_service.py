@@ -146,9 +146,24 @@ class DrainService:
         config: DrainConfig,
         time_left_ms: Callable[[], int],
     ) -> DrainSummary:
+        """One drain loop, or several at once on one queue: the claims keep them from
+        overlapping.
+
+        Each lane has its own database connection; the HTTP pool is shared (thread-safe).
+        """
         if lanes == 1:
             return drain(queue, self.ledger, self.registry, config, time_left_ms)
-        return self._run_lanes(queue, lanes, config, time_left_ms)
+        while len(self.extra_ledgers) < lanes - 1:
+            if self.make_lane_ledger is None:
+                raise LedgerUnavailable("DRAIN_LANES > 1 needs a ledger factory")
+            self.extra_ledgers.append(self.make_lane_ledger())
+        ledgers = [self.ledger, *self.extra_ledgers[: lanes - 1]]
+        with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
+            futures = [
+                pool.submit(drain, queue, ledger, self.registry, config, time_left_ms)
+                for ledger in ledgers
+            ]
+            return merge_summaries([future.result() for future in futures])
 
     def _drain_counted(
         self,
@@ -208,29 +223,6 @@ class DrainService:
         summary.fan_out_throttled = monitor.throttled
         summary.fan_out_failed = monitor.failed
         return summary
-
-    def _run_lanes(
-        self,
-        queue: QueuePort,
-        lanes: int,
-        config: DrainConfig,
-        time_left_ms: Callable[[], int],
-    ) -> DrainSummary:
-        """Several drain loops at once on one queue: the claims keep them from overlapping.
-
-        Each lane has its own database connection; the HTTP pool is shared (thread-safe).
-        """
-        while len(self.extra_ledgers) < lanes - 1:
-            if self.make_lane_ledger is None:
-                raise LedgerUnavailable("DRAIN_LANES > 1 needs a ledger factory")
-            self.extra_ledgers.append(self.make_lane_ledger())
-        ledgers = [self.ledger, *self.extra_ledgers[: lanes - 1]]
-        with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
-            futures = [
-                pool.submit(drain, queue, ledger, self.registry, config, time_left_ms)
-                for ledger in ledgers
-            ]
-            return merge_summaries([future.result() for future in futures])
 
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""

@@ -160,27 +160,32 @@ class Settings:
         return settings
 
     def require_base_url(self) -> str:
-        if not self.infrai_base_url:
-            raise ConfigurationError(
-                f"INFRAI_BASE_URL is not set; use {DEFAULT_BASE_URL} for the hosted service"
-            )
-        return self.infrai_base_url
+        return _required(
+            self.infrai_base_url,
+            "INFRAI_BASE_URL",
+            f"use {DEFAULT_BASE_URL} for the hosted service",
+        )
 
     def require_api_key(self) -> str:
-        if not self.infrai_api_key:
-            raise ConfigurationError(
-                "INFRAI_API_KEY is not set; export your Infrai API key "
-                "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)"
-            )
-        return self.infrai_api_key
+        return _required(
+            self.infrai_api_key,
+            "INFRAI_API_KEY",
+            "export your Infrai API key "
+            "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)",
+        )
 
     def require_database_url(self) -> str:
-        if not self.database_url:
-            raise ConfigurationError(
-                "DATABASE_URL is not set; export a PostgreSQL URL such as "
-                "postgresql://user@127.0.0.1:5432/jobs"
-            )
-        return self.database_url
+        return _required(
+            self.database_url,
+            "DATABASE_URL",
+            "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
+        )
+
+
+def _required(value: str, variable: str, how: str) -> str:
+    if not value:
+        raise ConfigurationError(f"{variable} is not set; {how}")
+    return value
 
 
 # --- Local stand-ins: all or nothing ------------------------------------------------------------

@@ -272,9 +272,9 @@ def compose(
     if signal is Signal.DLQ:
         dlq_name = f"the dead-letter queue of {scope}"
         subject = {
-            Verdict.ALERT: f"[infrai-jobs] {after - before} new dead letter(s) on {scope}",
-            Verdict.REMIND: f"[infrai-jobs] still {after} dead letter(s) on {scope}",
-            Verdict.RESOLVED: f"[infrai-jobs] RESOLVED: the dead-letter queue of {scope} is empty",
+            Verdict.ALERT: f"{after - before} new dead letter(s) on {scope}",
+            Verdict.REMIND: f"still {after} dead letter(s) on {scope}",
+            Verdict.RESOLVED: f"{dlq_name} is empty",
         }[verdict]
         body = [
             f"dlq_count for {dlq_name} went from {before} to {after}.",
@@ -288,9 +288,9 @@ def compose(
     elif signal is Signal.BACKLOG:
         age = stats.oldest_message_age_seconds if stats else 0.0
         subject = {
-            Verdict.ALERT: f"[infrai-jobs] {scope} is falling behind (oldest {age:.0f} s)",
-            Verdict.REMIND: f"[infrai-jobs] {scope} is still behind (oldest {age:.0f} s)",
-            Verdict.RESOLVED: f"[infrai-jobs] RESOLVED: {scope} is keeping up again",
+            Verdict.ALERT: f"{scope} is falling behind (oldest {age:.0f} s)",
+            Verdict.REMIND: f"{scope} is still behind (oldest {age:.0f} s)",
+            Verdict.RESOLVED: f"{scope} is keeping up again",
         }[verdict]
         body = [
             f"The oldest message on {scope} is {age:.0f} s old "
@@ -304,9 +304,9 @@ def compose(
         ]
     else:
         subject = {
-            Verdict.ALERT: f"[infrai-jobs] {after - before} new stuck claim(s) in the ledger",
-            Verdict.REMIND: f"[infrai-jobs] still {after} stuck claim(s) in the ledger",
-            Verdict.RESOLVED: "[infrai-jobs] RESOLVED: no stuck claims",
+            Verdict.ALERT: f"{after - before} new stuck claim(s) in the ledger",
+            Verdict.REMIND: f"still {after} stuck claim(s) in the ledger",
+            Verdict.RESOLVED: "no stuck claims",
         }[verdict]
         body = [
             f"Stuck claims went from {before} to {after}: running longer than "
@@ -319,11 +319,12 @@ def compose(
             "infrai-jobs claims resolve KEY --done   # after checking the downstream system",
         ]
     if verdict is Verdict.RESOLVED:
+        subject = f"RESOLVED: {subject}"
         next_steps = []
     text = "\n".join(
         [*body, *(["", "Next:", *[f"  {s}" for s in next_steps]] if next_steps else [])]
     )
-    return subject[:SNS_SUBJECT_LIMIT], text
+    return f"[infrai-jobs] {subject}"[:SNS_SUBJECT_LIMIT], text
 
 
 class SnsAlerter:

@@ -12,7 +12,6 @@ import getpass
 import json
 import os
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, LiteralString
@@ -28,7 +27,7 @@ from infrai_jobs.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.postgres import CLAIMS_LIST as _LIST
 from infrai_jobs.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
-from infrai_jobs.postgres import LedgerConnector
+from infrai_jobs.postgres import LedgerAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,23 +127,11 @@ def change_refused(
     return ""
 
 
-class ClaimsAdmin:
-    """Operator actions on the ledger; one short connection per call."""
+class ClaimsAdmin(LedgerAdapter):
+    """Operator actions on the ledger; one short connection per call. PruneFunction passes
+    ``refresh_url`` to pick up a rotated secret."""
 
-    def __init__(
-        self,
-        database_url: str,
-        *,
-        connect_timeout: int = 5,
-        refresh_url: Callable[[], str] | None = None,
-    ) -> None:
-        # refresh_url: PruneFunction's way to pick up a rotated secret (factory.secret_refresh).
-        self._connector = LedgerConnector(
-            database_url,
-            application_name="infrai-jobs-admin",
-            connect_timeout=connect_timeout,
-            refresh=refresh_url,
-        )
+    APPLICATION_NAME = "infrai-jobs-admin"
 
     def list_claims(
         self,

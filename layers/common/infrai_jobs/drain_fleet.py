@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, LiteralString
 
 import psycopg
 
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.postgres import LedgerConnector, ledger_errors
+from infrai_jobs.postgres import LedgerAdapter, ledger_errors
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +61,11 @@ _LEAVE: LiteralString = (
 )
 
 
-class PostgresDrainFleet:
+class PostgresDrainFleet(LedgerAdapter):
     """``DrainFleetPort`` on one reusable connection of its own (the lanes hold theirs)."""
 
-    def __init__(
-        self,
-        database_url: str,
-        *,
-        connect_timeout: int = 5,
-        refresh_url: Callable[[], str] | None = None,
-    ) -> None:
-        self._connector = LedgerConnector(
-            database_url,
-            application_name="infrai-jobs-fleet",
-            connect_timeout=connect_timeout,
-            refresh=refresh_url,
-        )
-        self._conn: psycopg.Connection[Any] | None = None
-
-    def __repr__(self) -> str:
-        return "PostgresDrainFleet(<database url redacted>)"
+    APPLICATION_NAME = "infrai-jobs-fleet"
+    _conn: psycopg.Connection[Any] | None = None
 
     def close(self) -> None:
         if self._conn is not None:

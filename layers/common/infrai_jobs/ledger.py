@@ -45,7 +45,7 @@ from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.migrations import LATEST_VERSION, current_version
 from infrai_jobs.postgres import (
     CLAIM_BY_KEY,
-    LedgerConnector,
+    LedgerAdapter,
     array_literal,
     ledger_error,
     one_line,
@@ -220,31 +220,25 @@ def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
 DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
 
 
-class PostgresLedger:
-    """The claim ledger on one reusable connection, re-established when the server drops it."""
+class PostgresLedger(LedgerAdapter):
+    """The claim ledger on one reusable connection, re-established when the server drops it.
+
+    ``refresh_url`` fetches the database URL again, bypassing the secret cache: called once when
+    a connection fails, because a rotated password is the likely reason in AWS."""
 
     def __init__(
         self,
         database_url: str,
         *,
-        connect_timeout: int = 5,
         visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-        refresh_url: Callable[[], str] | None = None,
+        **options: Any,
     ) -> None:
-        # refresh_url fetches the database URL again, bypassing the secret cache: called once
-        # when a connection fails, because a rotated password is the likely reason in AWS.
-        self._connector = LedgerConnector(
-            database_url,
-            application_name="infrai-jobs",
-            connect_timeout=connect_timeout,
-            refresh=refresh_url,
-        )
+        # The queue's visibility timeout bounds every lease (see the module's docstring);
+        # options are LedgerAdapter's (connect_timeout, refresh_url).
+        super().__init__(database_url, **options)
         self._visibility = visibility_timeout
         self._conn: psycopg.Connection[Any] | None = None
         self._schema_checked = False
-
-    def __repr__(self) -> str:
-        return "PostgresLedger(<database url redacted>)"
 
     def close(self) -> None:
         if self._conn is not None:

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, LiteralString
+from typing import Any, ClassVar, LiteralString
 from urllib.parse import unquote
 
 import psycopg
@@ -290,6 +290,31 @@ class LedgerConnector:
             connect_timeout=self._connect_timeout,
             application_name=self._application_name,
         )
+
+
+class LedgerAdapter:
+    """What the adapters on the ledger's database share: a ``LedgerConnector`` under their
+    ``APPLICATION_NAME`` (as ``pg_stat_activity`` shows them), refreshed through ``refresh_url``
+    (``factory.SecretRefresh.database_url``), and a repr that never shows the URL."""
+
+    APPLICATION_NAME: ClassVar[str] = "infrai-jobs"
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        connect_timeout: int = 5,
+        refresh_url: Callable[[], str] | None = None,
+    ) -> None:
+        self._connector = LedgerConnector(
+            database_url,
+            application_name=self.APPLICATION_NAME,
+            connect_timeout=connect_timeout,
+            refresh=refresh_url,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(<database url redacted>)"
 
 
 def schema_behind(version: int) -> str:

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
+from child_process import run_captured
 
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
@@ -371,15 +372,7 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None
 
 def _bare_python(code: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run ``code`` without site-packages (``-S``): only what ``PYTHONPATH`` names is found."""
-    return subprocess.run(
-        [sys.executable, "-S", "-c", code],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_captured([sys.executable, "-S", "-c", code], env=env, cwd=cwd, timeout=60)
 
 
 # --- SAM parity: the template loader, samconfig.toml, Fn::Sub -------------------------------

@@ -6,11 +6,11 @@ so events/env.json is copied with the port moved too) and the URL file's place.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import subprocess
 from pathlib import Path
+
+from child_process import clean_env, run_captured
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -54,22 +54,10 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
         .replace(".local/pg-url", str(tmp_path / "pg-url"))
         .replace("events/env.json", str(env_vars))
     )
-    env = {
-        name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ
-    }
     # When bash runs it, stopping the background stand-ins at the end
-    finished = subprocess.run(
-        [
-            "bash",
-            "-c",
-            "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n" + script,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
+    stop_stand_ins = "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n"
+    finished = run_captured(
+        ["bash", "-c", stop_stand_ins + script], env=clean_env(), cwd=ROOT, timeout=280
     )
     output = finished.stdout + finished.stderr
     # Then every command succeeded, with no traceback

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import urllib3
+from child_process import run_captured
 
 from infrai_jobs.claims import ClaimRow
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain
@@ -32,6 +33,9 @@ from jobs import build_registry
 from jobs.invoice import INVOICES_DDL
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
+OPERATOR = "on-call@example.com"
 DRAIN_FUNCTION_CODE = HERE.parent.parent / "functions" / "drain"
 
 QUEUE = "billing-jobs"
@@ -198,17 +202,40 @@ def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:
     return results
 
 
+def child_env() -> dict[str, str]:
+    """This environment, with the path a child Python needs to import this module (and the
+    tests' shared helpers beside it) and the drain function's code (its ``jobs`` package)."""
+    path = [str(HERE), str(HERE.parent), str(DRAIN_FUNCTION_CODE)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def run_until_killed(script: str, *args: str) -> None:
     """Run ``script`` (with ``args``) in a child Python that SIGKILLs itself at the moment the
     test chose, and assert that is how it ended. The child finds this module and the drain
     function's code (its ``jobs`` package) on its path."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(DRAIN_FUNCTION_CODE)])}
-    finished = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    finished = run_captured([sys.executable, "-c", script, *args], env=child_env())
     assert finished.returncode == -signal.SIGKILL, finished.stderr
+
+
+def run_cli(
+    kit: Harness, *args: str, cwd: Path = ROOT, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs ARGS`` in a child process (from the project root unless ``cwd`` says
+    otherwise), configured for the harness's emulator, ledger and provider sink, and for no
+    endpoint of the shell running the tests."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("INFRAI_", "DATABASE_", "PROVIDER_", "IDEMPOTENCY_"))
+    }
+    environment.update(
+        {
+            "INFRAI_BASE_URL": kit.server.url,
+            "INFRAI_API_KEY": "test-key",
+            "DATABASE_URL": kit.database_url,
+            "PROVIDER_URL": kit.sink.url,
+            "OPERATOR": OPERATOR,
+            **env,
+        }
+    )
+    return run_captured([INFRAI_JOBS, *args], env=environment, cwd=cwd)

@@ -7,16 +7,12 @@ keys with its registry, as DrainFunction does; without one they stop before read
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, QUEUE, Harness, harness
+from drainkit import DLQ, QUEUE, Harness, harness, run_cli
 
-INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 # receipt.send keys by its own rule (receipt.send:{invoice_id}); the layer knows no such rule.
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_far", "email": "ada@example.com"}
 
@@ -25,33 +21,6 @@ RECEIPT = {"job": "receipt.send", "invoice_id": "inv_far", "email": "ada@example
 def kit(database_url: str) -> Iterator[Harness]:
     with harness(database_url) as h:
         yield h
-
-
-def run_cli(kit: Harness, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith(("INFRAI_", "DATABASE_", "PROVIDER_", "IDEMPOTENCY_"))
-    }
-    environment.update(
-        {
-            "INFRAI_BASE_URL": kit.server.url,
-            "INFRAI_API_KEY": "test-key",
-            "DATABASE_URL": kit.database_url,
-            "PROVIDER_URL": kit.sink.url,
-            "OPERATOR": "on-call@example.com",
-            **env,
-        }
-    )
-    return subprocess.run(
-        [INFRAI_JOBS, *args],
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def failed_receipt_in_the_dlq(kit: Harness) -> str:

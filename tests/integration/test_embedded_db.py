@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from child_process import run_captured
 from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.errors import ConfigurationError
@@ -145,14 +146,7 @@ def test_ensure_database_url_starts_one_embedded_server_per_process() -> None:
     )
     env = {name: value for name, value in os.environ.items() if name != DATABASE_URL_ENV}
     # When it asks for its database twice
-    finished = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    finished = run_captured([sys.executable, "-c", script], env=env)
     # Then both calls got the same embedded server, announced once
     assert finished.returncode == 0, finished.stderr
     count, line = finished.stdout.splitlines()[:2]

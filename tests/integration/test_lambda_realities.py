@@ -4,7 +4,6 @@ scheduled invocations that overlap."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from drainkit import DLQ, QUEUE, Harness, add_test_jobs, harness, run_concurrently
+from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, harness, run_concurrently
 
 from infrai_jobs.drain import DrainConfig, drain
 from infrai_jobs.drain_service import DrainService
@@ -143,10 +142,7 @@ def test_an_invocation_killed_at_its_timeout_mid_batch_loses_nothing(kit: Harnes
     kit.publish({"job": "test.db", "id": "timeout"})
     kit.publish({"job": "digest.build", "tenant_id": "t_timeout", "period": "2026-07"})
     kit.publish({"job": "test.sleepy", "id": "1"})
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "functions" / "drain")]),
-    }
+    env = child_env()
     child = subprocess.Popen(
         [
             sys.executable,

@@ -9,22 +9,15 @@ recorded in ``claim_history``, and errors that name the commands users type.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, QUEUE, Harness, harness
+from drainkit import DLQ, OPERATOR, QUEUE, ROOT, Harness, harness, run_cli
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.jobs import Payload
-
-ROOT = Path(__file__).resolve().parents[2]
-INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
-OPERATOR = "on-call@example.com"
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
 JOBS_PACKAGE = textwrap.dedent(
@@ -64,35 +57,6 @@ def jobs_path(tmp_path: Path) -> str:
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / "__init__.py").write_text(JOBS_PACKAGE)
     return str(tmp_path)
-
-
-def run_cli(kit: Harness, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``infrai-jobs ARGS`` from the project root, configured for the harness's emulator,
-    ledger and provider sink."""
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith(("INFRAI_", "DATABASE_", "PROVIDER_", "IDEMPOTENCY_"))
-    }
-    environment.update(
-        {
-            "INFRAI_BASE_URL": kit.server.url,
-            "INFRAI_API_KEY": "test-key",
-            "DATABASE_URL": kit.database_url,
-            "PROVIDER_URL": kit.sink.url,
-            "OPERATOR": OPERATOR,
-            **env,
-        }
-    )
-    return subprocess.run(
-        [INFRAI_JOBS, *args],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def lines_with(text: str, word: str) -> list[str]:

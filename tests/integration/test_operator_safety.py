@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from child_process import clean_env, run_captured
 
 from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.errors import SchemaNotMigrated
@@ -33,19 +34,11 @@ API_KEY = "safety-key"
 JOB = {"job": "receipt.send", "invoice_id": "inv_real_1", "email": "a@example.com"}
 
 
-def base_env(**variables: str) -> dict[str, str]:
-    """A clean environment: no endpoint leaks in from the shell running the tests."""
-    env = {
-        name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ
-    }
-    env.update(variables)
-    return env
+base_env = clean_env
 
 
 def run(*args: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False
-    )
+    return run_captured([CLI, *args], env=env, cwd=cwd)
 
 
 def invoke_drain_function(env_vars: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -366,15 +359,7 @@ def test_local_tools_missing_from_a_plain_install_name_the_extra(
         else ["demo"]
     )
     # When the local command runs
-    finished = subprocess.run(
-        [sys.executable, "-c", script, *command],
-        env=base_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    finished = run_captured([sys.executable, "-c", script, *command], env=base_env(), cwd=ROOT)
     # Then it says which extra to install instead of a ModuleNotFoundError
     line = assert_one_line_error(finished, 2)
     assert "pip install -e '.[local]'" in line

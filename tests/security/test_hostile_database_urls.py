@@ -8,8 +8,6 @@ operator types, and DrainFunction's JSON logs: no piece of a password reaches an
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from child_process import clean_env, run_captured
 
 from infrai_jobs import redrive as redrive_module
 from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
@@ -200,26 +199,12 @@ def test_no_place_that_connects_lets_a_piece_of_the_password_out(case: Hostile) 
             assert secret not in logged, (name, secret, logged)
 
 
-def _clean_env(**variables: str) -> dict[str, str]:
-    env = {
-        name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ
-    }
-    env.update(variables)
-    return env
-
-
 @pytest.mark.parametrize("case", HOSTILE.values(), ids=HOSTILE.keys())
 def test_no_operator_command_prints_a_piece_of_the_password(case: Hostile) -> None:
     for command in (["migrate"], ["claims", "list"], ["claims", "stuck"]):
         # When an operator runs the command with the hostile DATABASE_URL
-        finished = subprocess.run(
-            [CLI, *command],
-            env=_clean_env(DATABASE_URL=case.conninfo),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
+        finished = run_captured(
+            [CLI, *command], env=clean_env(DATABASE_URL=case.conninfo), cwd=ROOT, timeout=60
         )
         # Then it fails in one line (2: malformed configuration, 1: cannot connect) and shows
         # no piece of the password

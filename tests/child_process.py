@@ -1,0 +1,34 @@
+"""Running a command as the tests watch one: in a child process, its output captured as text,
+under a timeout, its exit code left for the test to judge. Importable from every test folder
+(pytest puts ``tests/`` on the path for its ``conftest.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+# The variables a child needs to run at all; nothing that names an endpoint or a credential.
+_KEPT = ("PATH", "HOME", "LANG", "TMPDIR")
+
+
+def clean_env(**variables: str) -> dict[str, str]:
+    """An environment with only ``PATH``, ``HOME``, ``LANG`` and ``TMPDIR`` of this one, and
+    ``variables``: no endpoint or key leaks in from the shell running the tests."""
+    env = {name: os.environ[name] for name in _KEPT if name in os.environ}
+    env.update(variables)
+    return env
+
+
+def run_captured(
+    argv: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end (or the timeout), stdout and stderr captured as text."""
+    return subprocess.run(
+        list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )

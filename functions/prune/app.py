@@ -10,7 +10,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.factory import secret_refresh
+from infrai_jobs.factory import make_claims_admin, secret_refresh
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
@@ -24,10 +24,7 @@ def dependencies() -> tuple[Settings, ClaimsAdmin]:
     connection fails with the cached one (factory.secret_refresh, as every function does)."""
     settings = Settings.from_env()
     resolved = resolve_secrets(settings, api_key=False)
-    admin = ClaimsAdmin(
-        resolved.require_database_url(), refresh_url=secret_refresh(settings).database_url
-    )
-    return resolved, admin
+    return resolved, make_claims_admin(resolved, refresh=secret_refresh(settings))
 
 
 # The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.

@@ -16,7 +16,8 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.factory import make_queue_client, secret_refresh
+from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.factory import make_claims_admin, make_queue_client, secret_refresh
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.redrive import RedriveRequest, key_of_with_ledger, redrive
@@ -34,6 +35,14 @@ def dependencies() -> tuple[Settings, InfraiClient]:
     return resolved, make_queue_client(resolved, refresh_api_key=secret_refresh(settings).api_key)
 
 
+@cache
+def ledger() -> ClaimsAdmin:
+    """The ledger, for a selection by key and ``reopen_failed`` only; a rotated database secret
+    is fetched again when a connection fails with the cached one."""
+    settings, _ = dependencies()
+    return make_claims_admin(settings, refresh=secret_refresh(Settings.from_env()))
+
+
 @logger.inject_lambda_context(log_event=True, clear_state=True)
 @metrics.log_metrics
 @tracing
@@ -42,7 +51,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     settings, queue = dependencies()
     key = request.selection.key
     # No jobs package here: a job's own key rule is matched through the ledger's record.
-    key_of = key_of_with_ledger(settings.require_database_url(), key) if key else None
+    key_of = key_of_with_ledger(ledger(), key) if key else None
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
@@ -51,7 +60,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
             max_messages=request.max_messages,
             dry_run=request.dry_run,
             reopen_failed=request.reopen_failed,
-            database_url=settings.require_database_url() if request.reopen_failed else None,
+            admin=ledger() if request.reopen_failed else None,
             time_left_ms=context.get_remaining_time_in_millis,
             selection=request.selection,
             key_of=key_of,

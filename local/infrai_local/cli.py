@@ -39,7 +39,7 @@ from infrai_jobs.errors import (
     InfraiJobsError,
     UsageError,
 )
-from infrai_jobs.factory import make_effect_guard, make_queue_client
+from infrai_jobs.factory import make_claims_admin, make_effect_guard, make_queue_client
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.queue_client import InfraiClient
@@ -468,14 +468,13 @@ def _cmd_ops(args: argparse.Namespace) -> int:
             return client
 
         def admin() -> ClaimsAdmin:
-            return ClaimsAdmin(settings.require_database_url())
+            return make_claims_admin(settings)
 
         return run_ops(
             args,
             OpsContext(
                 queue=queue,
                 admin=admin,
-                database_url=settings.require_database_url,
                 queue_name=settings.queue,
                 dlq_name=settings.dlq,
                 key_of=lambda: _key_function(getattr(args, "jobs_path", None)),

@@ -228,7 +228,6 @@ class OpsContext:
 
     queue: Callable[[], QueuePort]
     admin: Callable[[], ClaimsAdmin]
-    database_url: Callable[[], str]
     queue_name: str
     dlq_name: str
     # The drain's own key derivation (its jobs package's registry), found when first needed:
@@ -453,7 +452,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         max_messages=args.max,
         dry_run=args.dry_run,
         reopen_failed=args.reopen_failed,
-        database_url=ctx.database_url() if args.reopen_failed else None,
+        admin=ctx.admin() if args.reopen_failed else None,
         describe=_describe(ctx.admin(), key_of) if key_of is not None and args.dry_run else None,
         progress=progress,
         selection=selection,

@@ -19,6 +19,7 @@ import pytest
 from child_process import clean_env, run_captured
 
 from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
+from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.errors import SchemaNotMigrated
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
@@ -435,7 +436,10 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
     check = AlertCheck(queue, database_url, PrintingAlerter(), AlertThresholds())
     dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "in_flight", "r")
     # When DlqAlertFunction's check and a redrive's reopen use it
-    for call in (lambda: check.run([QUEUE]), lambda: _reopen(database_url, dead_letter)):
+    for call in (
+        lambda: check.run([QUEUE]),
+        lambda: _reopen(ClaimsAdmin(database_url), dead_letter),
+    ):
         # Then each says it is not migrated, with the command, and the database stays empty
         with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):
             call()

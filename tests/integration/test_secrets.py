@@ -247,15 +247,23 @@ def _load_app(function: str) -> Any:
     return app
 
 
-@pytest.mark.parametrize("function", ["dlq_alert", "prune"])
-def test_a_warm_watcher_or_pruner_picks_up_a_rotated_database_secret_in_the_same_run(
+# Each function, warmed up (its adapters built), and an event that makes it use the ledger.
+WARM_FUNCTIONS = {
+    "dlq_alert": (lambda app: app.check(), {}),
+    "prune": (lambda app: app.dependencies(), {}),
+    "redrive": (lambda app: app.ledger(), {"key": "invoice.finalize:inv_1", "dry_run": True}),
+}
+
+
+@pytest.mark.parametrize("function", WARM_FUNCTIONS)
+def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
     aws: dict[str, Any],
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
     function: str,
 ) -> None:
-    # Given DlqAlertFunction (or PruneFunction) warm with a database secret that has since
-    # been rotated: the value it holds no longer connects
+    # Given DlqAlertFunction (PruneFunction, RedriveFunction) warm with a database secret that
+    # has since been rotated: the value it holds no longer connects
     with psycopg.connect(database_url, autocommit=True) as conn:
         from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
 
@@ -278,13 +286,14 @@ def test_a_warm_watcher_or_pruner_picks_up_a_rotated_database_secret_in_the_same
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("DATABASE_URL", raising=False)
         app = _load_app(function)
-        app.dependencies() if function == "prune" else app.check()
+        warm_up, event = WARM_FUNCTIONS[function]
+        warm_up(app)
         aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
         refreshes = _Actions()
         logging.getLogger("infrai_jobs.postgres").addHandler(refreshes)
         # When it next runs
         try:
-            answer = app.lambda_handler({}, _Context())
+            answer = app.lambda_handler(event, _Context())
         finally:
             logging.getLogger("infrai_jobs.postgres").removeHandler(refreshes)
         # Then that very run fetched the secret again, once, and did its work

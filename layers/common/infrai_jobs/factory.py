@@ -15,6 +15,7 @@ from infrai_jobs.settings import Settings
 
 if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertCheck, Alerter
+    from infrai_jobs.claims_admin import ClaimsAdmin
     from infrai_jobs.drain_fleet import PostgresDrainFleet
     from infrai_jobs.lambda_starter import LambdaDrainStarter
     from infrai_jobs.second_layer import SecondLayer
@@ -75,6 +76,16 @@ def make_ledger(
         settings.require_database_url(),
         visibility_timeout=settings.visibility_timeout_seconds,
         refresh_url=refresh_url,
+    )
+
+
+def make_claims_admin(settings: Settings, *, refresh: SecretRefresh | None = None) -> ClaimsAdmin:
+    """The operator's actions on the ledger (the CLI, PruneFunction); ``refresh`` as for
+    ``make_alert_check``."""
+    from infrai_jobs.claims_admin import ClaimsAdmin  # noqa: PLC0415 - not on the drain's path
+
+    return ClaimsAdmin(
+        settings.require_database_url(), refresh_url=refresh.database_url if refresh else None
     )
 
 

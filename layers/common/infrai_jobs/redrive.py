@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, LiteralString
+from typing import Any
 
 from infrai_jobs.claims_admin import ClaimsAdmin, default_actor
 from infrai_jobs.errors import (
@@ -35,7 +35,6 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.keys import NO_KEY_RULES, derive_key, payload_fingerprint
 from infrai_jobs.ports import QueuePort
-from infrai_jobs.postgres import connect_to_ledger, ledger_errors
 from infrai_jobs.queue_models import QueueMessage
 
 logger = logging.getLogger(__name__)
@@ -46,18 +45,6 @@ FALLBACK_PUBLISH_PRICE_USD = Decimal("0.00002")
 
 Progress = Callable[[int], None]
 KeyOf = Callable[[Any], str]
-
-# The work fingerprints the ledger recorded under one key: its claim's, and those in its history
-# (a release's or reopen's claim as it was before, a discard's claim beside its dead letter).
-_RECORDED_FINGERPRINTS: LiteralString = """
-SELECT payload_sha256 FROM job_claims
-WHERE idem_key = %(key)s AND payload_sha256 IS NOT NULL
-UNION
-SELECT coalesce(before->>'payload_sha256', before->'claim'->>'payload_sha256')
-FROM claim_history
-WHERE idem_key = %(key)s
-  AND coalesce(before->>'payload_sha256', before->'claim'->>'payload_sha256') IS NOT NULL
-"""
 
 MAX_REDRIVE_PER_CALL = 10_000
 # A message is moved only while this much of the invocation is left. A move is a publish and an
@@ -287,7 +274,7 @@ class RedriveSummary:
         }
 
 
-def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
+def key_of_with_ledger(admin: ClaimsAdmin, key: str) -> KeyOf:
     """``key`` for any payload whose work the ledger recorded under it; else the key the payload
     names itself (a producer key) or its content key.
 
@@ -296,12 +283,7 @@ def key_of_with_ledger(database_url: str, key: str) -> KeyOf:
     the fingerprint of the work the ledger claimed under that key (or the claim's history). One
     the ledger holds nothing for can be selected by job or message id, or with the CLI.
     """
-    with (
-        ledger_errors(f"cannot look up key {key!r}", database_url),
-        connect_to_ledger(database_url, application_name="infrai-jobs-redrive") as conn,
-    ):
-        rows = conn.execute(_RECORDED_FINGERPRINTS, {"key": key}).fetchall()
-    recorded = {row[0] for row in rows}
+    recorded = admin.recorded_fingerprints(key)
 
     def key_of(payload: Any) -> str:
         try:
@@ -336,7 +318,7 @@ def redrive(
     max_messages: int,
     dry_run: bool = False,
     reopen_failed: bool = False,
-    database_url: str | None = None,
+    admin: ClaimsAdmin | None = None,
     describe: Callable[[QueueMessage], Mapping[str, Any]] | None = None,
     progress: Progress | None = None,
     time_left_ms: Callable[[], int] | None = None,
@@ -359,8 +341,8 @@ def redrive(
     A dead letter that cannot be read is never reported as moved: it is listed in
     ``summary.unreadable`` and stays in the DLQ (``summary.complete`` is then false).
     """
-    if reopen_failed and not database_url:
-        raise ValueError("reopen_failed needs the ledger's database_url")
+    if reopen_failed and admin is None:
+        raise ValueError("reopen_failed needs the ledger (admin)")
     selection = selection or Selection()
     if selection.key is not None and key_of is None:
         raise ValueError("selecting dead letters by key needs key_of")
@@ -390,7 +372,7 @@ def redrive(
             if describe is not None:
                 summary.seen.append({"message_id": dead.message_id, **describe(dead)})
             if not dry_run:
-                _move(queue, dead, summary, reopen_failed, database_url)
+                _move(queue, dead, summary, admin if reopen_failed else None)
         if selection.message_id is not None:
             break  # message ids are unique: nothing else can match
     if summary.stopped:
@@ -411,8 +393,7 @@ def _move(
     queue: QueuePort,
     message: QueueMessage,
     summary: RedriveSummary,
-    reopen_failed: bool,
-    database_url: str | None,
+    reopen: ClaimsAdmin | None,
 ) -> None:
     payload = message.payload
     if not isinstance(payload, dict):
@@ -421,8 +402,8 @@ def _move(
             {"message_id": message.message_id, "reason": "payload is not a JSON object"}
         )
         return
-    if reopen_failed and database_url:
-        summary.reopened.extend(_reopen(database_url, message))
+    if reopen is not None:
+        summary.reopened.extend(_reopen(reopen, message))
     # Retrying the publish is safe here: the drain's claims absorb a duplicate.
     queue.publish(summary.target, payload, retry=True)
     summary.published += 1
@@ -433,11 +414,11 @@ def _move(
         summary.ack_lost += 1
 
 
-def _reopen(database_url: str, message: QueueMessage) -> list[str]:
+def _reopen(admin: ClaimsAdmin, message: QueueMessage) -> list[str]:
     try:
         fingerprint: str | None = payload_fingerprint(message.payload)
     except KeyDerivationError:
         fingerprint = None  # unrepresentable work: match the claim by message id alone
-    return ClaimsAdmin(database_url).reopen_failed(
+    return admin.reopen_failed(
         message_id=message.message_id, fingerprint=fingerprint, actor=default_actor()
     )

@@ -43,7 +43,9 @@ demo: $(STAMP)
 # The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory,
 # cold start, the second layer's cost, idle-poll latency and backlog fan-out, about 20 minutes;
 # results in bench/results/ and docs/performance.md.
-# BENCH_ARGS="--jobs 500 --rounds 1 --lanes 1,2" is a smoke run of a minute or two.
+# BENCH_ARGS="--jobs 500 --rounds 1 --lanes 1,2" is a smoke run of about 6 minutes (the backlog
+# and second-layer parts keep their sizes). The scripts in bench/ run alone need the bench extra,
+# which this target installs: .venv/bin/pip install -e '.[dev,bench]'.
 .PHONY: bench
 BENCH_ARGS ?=
 bench: $(STAMP)

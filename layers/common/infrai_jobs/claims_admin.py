@@ -141,8 +141,8 @@ WHERE idem_key = %(key)s
 
 
 class ClaimsAdmin(LedgerAdapter):
-    """Operator actions on the ledger; one short connection per call. PruneFunction passes
-    ``refresh_url`` to pick up a rotated secret."""
+    """Operator actions on the ledger; one short connection per call. The functions build it
+    with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
 
     APPLICATION_NAME = "infrai-jobs-admin"
 

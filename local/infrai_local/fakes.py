@@ -543,6 +543,7 @@ class InMemoryLedger:
                 "error": None,
                 "result": None,
                 "lease_expired": None,
+                "held_seconds": None,
             }
         lease_end = row.lease_until
         if lease_end is None:
@@ -557,6 +558,7 @@ class InMemoryLedger:
             "error": row.error,
             "result": row.result,
             "lease_expired": lease_end < now,
+            "held_seconds": (now - (row.updated_at or row.claimed_at)).total_seconds(),
         }
 
     def _settle(

@@ -55,6 +55,9 @@ class MessageResult:
     detail: str = ""
     # The claim was won by taking over an expired external_idempotent claim.
     takeover: bool = False
+    # The message came back while its own claim's lease was live: the queue hides messages for
+    # less time than the drain's visibility timeout says.
+    visibility_mismatch: bool = False
 
     @property
     def ack(self) -> bool:
@@ -92,9 +95,17 @@ class _Batch:
     clock: Callable[[], float]
     lease_until: datetime = field(init=False)
     results: dict[str, MessageResult] = field(init=False, default_factory=dict)
-    # The first message of each key in this batch, and later copies of a key.
+    # The message of each key that is judged (at first the key's first message), and the other
+    # copies of a key, which follow it.
     primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
     copies: list[tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=list)
+    # Per key, the messages already judged; and the copies found holding their key's claim,
+    # judged next in place of the message that found them.
+    judged: dict[str, set[str]] = field(init=False, default_factory=dict)
+    holders: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
+    # Messages redelivered while their own claim's lease was live, with the seconds since they
+    # claimed.
+    early: dict[str, float] = field(init=False, default_factory=dict)
     takeovers: set[str] = field(init=False, default_factory=set)
     # Set once a claim failed for the ledger: the rest of the batch is not tried.
     ledger_failed: str = field(init=False, default="")
@@ -104,9 +115,12 @@ class _Batch:
 
     def process(self) -> list[MessageResult]:
         self._derive_keys()
-        requests = [self._request(key) for key in self.primaries]
-        self._run_database([r for r in requests if r.effect is Effect.DATABASE])
-        self._run_external([r for r in requests if r.effect is not Effect.DATABASE])
+        keys = list(self.primaries)
+        while keys:
+            requests = [self._request(key) for key in keys]
+            self._run_database([r for r in requests if r.effect is Effect.DATABASE])
+            self._run_external([r for r in requests if r.effect is not Effect.DATABASE])
+            keys = self._judge_holders_next()
         self._mirror_copies()
         return [self.results[m.message_id] for m in self.messages]
 
@@ -126,6 +140,7 @@ class _Batch:
 
     def _request(self, key: str) -> ClaimRequest:
         message, derived = self.primaries[key]
+        self.judged.setdefault(key, set()).add(message.message_id)
         effect = derived.definition.effect
         return ClaimRequest(
             idem_key=key,
@@ -213,11 +228,14 @@ class _Batch:
     ) -> None:
         stuck_reasons: dict[str, str] = {}
         for decision in decisions:
+            self._note_early_redelivery(decision)
             outcome = CLAIM_OUTCOMES.get(decision.status)
             if outcome is None:  # WON: its settlement decides
                 if decision.takeover:
                     self.takeovers.add(decision.request.idem_key)
                 continue
+            if self._held_by_a_copy(decision):
+                continue  # the holder is judged next; this message follows it
             if outcome is Outcome.STUCK:
                 stuck_reasons[decision.request.idem_key] = decision.detail
             self._set_for(decision.request, outcome, decision.detail)
@@ -232,6 +250,57 @@ class _Batch:
                     "could not flag stuck claims",
                     extra={"action": "flag_failed", "detail": str(exc)},
                 )
+
+    def _held_by_a_copy(self, decision: ClaimDecision) -> bool:
+        """Whether another copy of this key in the batch holds its claim.
+
+        That copy is its key's own redelivery and must be judged as one (stuck for an
+        irreversible effect, taken over for a key-passing one), never mirrored as a copy of a
+        message that merely found its claim: acking both would strand the claim ``running``
+        with no message left to carry it.
+        """
+        key = decision.request.idem_key
+        holder = decision.holder
+        if holder is None or holder in self.judged.get(key, ()):
+            return False
+        for copy in self.copies:
+            if copy[0].message_id == holder and copy[1].idem_key == key:
+                self.holders[key] = copy
+                return True
+        return False
+
+    def _judge_holders_next(self) -> list[str]:
+        """Make each copy found holding its key's claim that key's judged message."""
+        for key, holder in self.holders.items():
+            self.copies.remove(holder)
+            self.copies.append(self.primaries[key])
+            self.primaries[key] = holder
+        keys = list(self.holders)
+        self.holders.clear()
+        return keys
+
+    def _note_early_redelivery(self, decision: ClaimDecision) -> None:
+        seconds = decision.redelivered_early_after
+        if seconds is None:
+            return
+        message = decision.request.message_id
+        self.early[message] = seconds
+        logger.error(
+            "message %s came back %.0f s after it claimed, while its claim's lease was live: "
+            "the queue hides messages for less time than the drain's visibility timeout "
+            "(%d s, INFRAI_VISIBILITY_TIMEOUT_SECONDS) says",
+            message,
+            seconds,
+            self.config.visibility_timeout_seconds,
+            extra={
+                "action": "visibility_mismatch",
+                "idem_key": decision.request.idem_key,
+                "message_id": message,
+                "job": decision.request.job,
+                "visibility_timeout_seconds": self.config.visibility_timeout_seconds,
+                "redelivered_after_seconds": round(seconds, 1),
+            },
+        )
 
     def _mirror_copies(self) -> None:
         """A second copy of a key in the same batch never runs; it follows the first."""
@@ -259,7 +328,13 @@ class _Batch:
             detail = f"lease takeover; {detail}" if detail else "lease takeover"
         self._set(
             MessageResult(
-                message, outcome, request.idem_key, derived.definition.name, detail, takeover
+                message,
+                outcome,
+                request.idem_key,
+                derived.definition.name,
+                detail,
+                takeover,
+                visibility_mismatch=message.message_id in self.early,
             )
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Final
@@ -51,6 +51,11 @@ class ClaimDecision:
     result: JsonValue = None
     # WON by taking over an expired external_idempotent claim (not a first claim).
     takeover: bool = False
+    # The message that held the claim when this attempt was decided (None: no claim stood).
+    holder: str | None = None
+    # Set when this message came back while its own claim's lease was still live: the queue hid
+    # it for less time than the drain was told. Seconds from its claim to this delivery.
+    redelivered_early_after: float | None = None
 
 
 class RunKind(StrEnum):
@@ -148,7 +153,19 @@ def bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> da
 
 def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
     """Classify one claim attempt from the claim statement's answer (or the fake's copy of it):
-    ``won_token``/``won_attempts`` when this request won, else the row as it stands."""
+    ``won_token``/``won_attempts`` when this request won, and the row as it stood before the
+    statement (``state`` is None when there was none)."""
+    decision = _classify(request, row)
+    if row["state"] is None:
+        return decision
+    early = None
+    own = row["message_id"] == request.message_id
+    if own and row["state"] == "running" and not row["lease_expired"]:
+        early = float(row.get("held_seconds") or 0.0)
+    return replace(decision, holder=row["message_id"], redelivered_early_after=early)
+
+
+def _classify(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
     if row["won_token"] is not None:
         attempts = row.get("won_attempts") or 1
         if attempts > 1:

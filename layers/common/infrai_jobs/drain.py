@@ -102,6 +102,9 @@ class DrainSummary:
     fanned_out: int = 0
     fan_out_throttled: int = 0
     fan_out_failed: int = 0
+    # Messages that came back while their own claim's lease was live: the queue's visibility
+    # timeout is shorter than the drain was told (INFRAI_VISIBILITY_TIMEOUT_SECONDS).
+    visibility_mismatches: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     stopped: str = ""
 
@@ -491,5 +494,6 @@ def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
         summary.consumed += 1
         summary.outcomes[r.outcome.value] += 1
         summary.takeovers += int(r.takeover)
+        summary.visibility_mismatches += int(r.visibility_mismatch)
         bucket = OUTCOME_RULES[r.outcome].bucket
         setattr(summary, bucket, getattr(summary, bucket) + 1)

@@ -103,10 +103,12 @@ claimed AS (
           AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id)
     RETURNING c.idem_key, c.claim_token, c.attempts
 )
+-- j is the row as it stood before this statement (one snapshot for the whole WITH).
 SELECT i.idem_key, c.claim_token AS won_token, c.attempts AS won_attempts,
        j.state, j.message_id, j.effect, j.payload_sha256, j.error, j.result,
        coalesce(j.lease_until, j.claimed_at + make_interval(secs => %(visibility)s)) < now()
-           AS lease_expired
+           AS lease_expired,
+       extract(epoch FROM now() - coalesce(j.updated_at, j.claimed_at))::float8 AS held_seconds
 FROM input i
 LEFT JOIN claimed c ON c.idem_key = i.idem_key
 LEFT JOIN job_claims j ON j.idem_key = i.idem_key
@@ -120,7 +122,8 @@ _REREAD: LiteralString = """
 SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
        state, message_id, effect, payload_sha256, error, result,
        coalesce(lease_until, claimed_at + make_interval(secs => %(visibility)s)) < now()
-           AS lease_expired
+           AS lease_expired,
+       extract(epoch FROM now() - coalesce(updated_at, claimed_at))::float8 AS held_seconds
 FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
 """
 

@@ -45,6 +45,7 @@ DRAIN_METRICS = {
     "fanned_out": "DrainsFannedOut",
     "fan_out_throttled": "FanOutThrottled",
     "fan_out_failed": "FanOutFailed",
+    "visibility_mismatches": "VisibilityMismatch",
 }
 
 

@@ -627,6 +627,33 @@ def test_dlq_count_and_stuck_claims_page_on_the_metrics_the_watcher_emits(
     assert props["TreatMissingData"] == "ignore"
 
 
+def test_a_visibility_mismatch_pages_and_is_on_the_dashboard(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the visibility mismatch alarm and what the drain's code emits
+    template = load_template()
+    props = alarms(template)["VisibilityMismatchAlarm"]["Properties"]
+    emitted = emitted_metrics(template, capsys)
+    # When the alarm's series is compared with the drain's
+    namespace, dimensions = emitted["VisibilityMismatch"]
+    # Then it reads the drain's own series, and one mismatch in five minutes pages
+    assert (props["Namespace"], props["MetricName"]) == (namespace, "VisibilityMismatch")
+    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    assert (props["Statistic"], props["Period"]) == ("Sum", 300)
+    assert (props["Threshold"], props["ComparisonOperator"]) == (
+        1,
+        "GreaterThanOrEqualToThreshold",
+    )
+    # And the description names the setting to fix
+    assert "INFRAI_VISIBILITY_TIMEOUT_SECONDS" in props["AlarmDescription"]
+    # And the dashboard charts the metric and shows the alarm
+    widgets = dashboard(template)["widgets"]
+    charted = {row[1] for w in widgets for row in w["properties"].get("metrics", [])}
+    shown_alarms = {a for w in widgets for a in w["properties"].get("alarms", [])}
+    assert "VisibilityMismatch" in charted
+    assert "<VisibilityMismatchAlarm.Arn>" in shown_alarms
+
+
 def dashboard(template: dict[str, Any]) -> dict[str, Any]:
     body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
     defaults = {name: str(spec.get("Default", "")) for name, spec in template["Parameters"].items()}

@@ -1,4 +1,4 @@
-# One interface: every task the README names is a target here.
+# One interface: every task the README and docs/development.md name is a target here.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv

@@ -1,4 +1,5 @@
-"""The README's "Try it locally" block, run as written, in bash, from the project root.
+"""The "Try it locally" block of docs/development.md, run as written, in bash, from the project
+root (the README points there).
 
 Only what a shared machine forces is changed: the ports (another run may hold 8765 and 8766,
 so events/env.json is copied with the port moved too) and the URL file's place.
@@ -13,11 +14,11 @@ from pathlib import Path
 from child_process import clean_env, run_captured
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+WALKTHROUGH_DOC = ROOT / "docs" / "development.md"
 
 
 def walkthrough() -> str:
-    section = README.read_text().split("\n## Try it locally\n", 1)[1]
+    section = WALKTHROUGH_DOC.read_text().split("\n## Try it locally\n", 1)[1]
     return section.split("```sh\n", 1)[1].split("```", 1)[0]
 
 

@@ -105,7 +105,7 @@ def test_powertools_cache_layer_still_drops_the_validation_hash_when_a_record_co
     assert "validation" not in record, (
         "Powertools' CachePersistenceLayer now keeps the payload hash of a completed record: "
         "remove ValidatingCachePersistenceLayer from infrai_jobs/second_layer.py and the note "
-        "in the README's second-layer section"
+        "in docs/design.md's second-layer section"
     )
     # And the very same work, asked again, fails validation instead of replaying
     with pytest.raises(IdempotencyValidationError):

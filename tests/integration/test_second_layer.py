@@ -320,7 +320,7 @@ def test_an_operator_can_forget_an_uncertain_record_to_retry_the_job(
 
 # --- What it costs ----------------------------------------------------------------------------
 
-# Round trips to the store per guarded job, as the README states them.
+# Round trips to the store per guarded job, as docs/design.md states them.
 EXPECTED_CALLS = {
     "dynamodb": {
         "first": ["PutItem", "UpdateItem"],
@@ -352,7 +352,7 @@ def test_round_trips_to_the_store_per_guarded_job(kit: Harness, backend: Backend
     kit.publish({"job": "test.ext", "id": "t", "mode": "transient"})
     kit.drain(effect_guard=backend.guard)
     measured["raised"] = list(backend.calls)
-    # Then each costs the round trips the README states
+    # Then each costs the round trips docs/design.md states
     assert measured == EXPECTED_CALLS[backend.name]
 
 

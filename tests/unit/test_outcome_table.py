@@ -1,4 +1,4 @@
-"""The README's outcome table is ``infrai_jobs.outcomes.OUTCOME_RULES``, row for row."""
+"""docs/design.md's outcome table is ``infrai_jobs.outcomes.OUTCOME_RULES``, row for row."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from infrai_jobs.outcomes import OUTCOME_RULES
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DESIGN_DOC = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 BEGIN = "<!-- outcome-table:begin (tests/unit/test_outcome_table.py keeps it equal to the code) -->"
 END = "<!-- outcome-table:end -->"
 
@@ -26,10 +26,10 @@ def rendered_table() -> str:
     return "\n".join(rows)
 
 
-def test_the_readme_outcome_table_is_the_codes() -> None:
-    text = README.read_text(encoding="utf-8")
-    assert BEGIN in text, f"README.md needs the outcome table after {BEGIN!r}"
-    assert END in text, f"README.md needs {END!r} after the outcome table"
+def test_the_documented_outcome_table_is_the_codes() -> None:
+    text = DESIGN_DOC.read_text(encoding="utf-8")
+    assert BEGIN in text, f"docs/design.md needs the outcome table after {BEGIN!r}"
+    assert END in text, f"docs/design.md needs {END!r} after the outcome table"
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     expected = rendered_table()
-    assert table == expected, f"replace README.md's outcome table with:\n{expected}"
+    assert table == expected, f"replace docs/design.md's outcome table with:\n{expected}"

@@ -1,9 +1,9 @@
-"""DESIGN.md's outcome table as data: every way one message can end, in one place.
+"""The outcome table of docs/design.md as data: every way one message can end, in one place.
 
 Each row says whether the message is acked, which summary total it adds to, how loudly it is
 logged, which metric counts it, what the ledger shows, and what it means. The drain, its
-summary, the logs, the metrics and the README's table all derive from ``OUTCOME_RULES``; a test
-keeps the README's table equal to it.
+summary, the logs, the metrics and the table in docs/design.md all derive from ``OUTCOME_RULES``;
+a test keeps that table equal to it.
 """
 
 from __future__ import annotations

@@ -318,8 +318,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _with_stand_ins(settings: Settings, stack: contextlib.ExitStack, *, who: str) -> Settings:
-    """All or nothing (DESIGN.md, "Local stand-ins are all or nothing"): with no real endpoint
-    configured, start the emulator (with the queue and its DLQ), an embedded migrated
+    """All or nothing (docs/configuration.md, "Local stand-ins are all or nothing"): with no real
+    endpoint configured, start the emulator (with the queue and its DLQ), an embedded migrated
     PostgreSQL and the provider sink, stopped on exit, after saying so in one line; with any
     real endpoint configured, a missing one is a ``ConfigurationError`` and nothing starts."""
     plan = stand_ins(

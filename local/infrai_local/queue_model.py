@@ -1,7 +1,7 @@
 """Infrai's queue semantics in memory: the one model the emulator serves over HTTP and the
 in-memory fake (``infrai_local.fakes.InMemoryQueue``) serves to unit tests.
 
-What INFRAI_API.md promises, and the emulator's choices where it is silent (the client must not
+What docs/infrai-api.md promises, and the emulator's choices where it is silent (the client must not
 depend on them):
 
 - every publish is a new message with a new ``qmsg_`` id (no producer-side deduplication);

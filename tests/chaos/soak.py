@@ -1,4 +1,5 @@
-"""The chaos soak: DESIGN.md's promise measured under faults, real processes and a real database.
+"""The chaos soak: the project's promise (docs/design.md) measured under faults, real processes
+and a real database.
 
 ``run_soak(SoakConfig(jobs=N))`` publishes N jobs (30% of them twice, plus a few poison
 messages) of three effect classes, 60% of the messages before any drain starts (a backlog, so
@@ -24,7 +25,7 @@ drains' one-at-a-time windows) keeps pace with it.
 * a redrive behind a dead owner: key-passing and irreversible jobs whose long-grace drain dies
   inside their calls until they are dead-lettered (``LeasedScenario``).
 
-When the queue is empty the soak does what DESIGN.md asks of an operator after a DLQ alert:
+When the queue is empty the soak does what docs/operations.md asks of an operator after a DLQ alert:
 once the queue's own clock would have dead-lettered the messages, it checks that no claim still
 holds a live lease, redrives the dead-letter queues (``infrai_jobs.redrive``, publish then ack)
 and lets the drains settle them without faults. Then every key must be ``done``, or ``failed``
@@ -139,7 +140,7 @@ class SoakConfig:
     # that what runs on the real clock keeps pace with the queue: the drains' one-at-a-time
     # window after an unreadable answer (two visibility timeouts of real time) and the leases,
     # which end within one visibility timeout of their consume. It stays well above an
-    # invocation (6 s), as DESIGN.md requires of a function's timeout.
+    # invocation (6 s), as docs/design.md requires of a function's timeout.
     visibility_seconds: int = 10
     # Poison: bodies of this many bytes, larger than the largest answer the drains read
     # (INFRAI_MAX_ANSWER_BYTES), so no consume of theirs can read one, even alone. They are

@@ -1,4 +1,4 @@
-"""Every outcome of DESIGN.md's table reaches CloudWatch as its own EMF metric."""
+"""Every outcome of docs/design.md's table reaches CloudWatch as its own EMF metric."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every row of DESIGN.md's outcome table, against real PostgreSQL and the emulator over HTTP."""
+"""Every row of docs/design.md's outcome table, against real PostgreSQL and the emulator over
+HTTP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The local Infrai emulator over real HTTP on loopback: every row of INFRAI_API.md, the
+"""The local Infrai emulator over real HTTP on loopback: every row of docs/infrai-api.md, the
 control surface (clock, faults, reset, state) and the command line.
 
 Only the standard library talks to it here (http.client), so these tests pin the wire

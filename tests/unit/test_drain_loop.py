@@ -1,5 +1,5 @@
 """The drain loop on the in-memory fakes: its time budget, its batches and every outcome row of
-DESIGN.md that the fakes can express, in milliseconds and without a socket.
+docs/design.md that the fakes can express, in milliseconds and without a socket.
 
 The same rows run against real Postgres and the emulator in
 ``tests/integration/test_drain_outcomes.py``; these are the fast tier.

@@ -1,4 +1,4 @@
-"""The in-memory fakes keep the contracts they stand in for: INFRAI_API.md for the queue, the
+"""The in-memory fakes keep the contracts they stand in for: docs/infrai-api.md for the queue, the
 claim rules of ``PostgresLedger`` for the ledger. Unit tests of the drain are only worth what
 these fakes are worth."""
 

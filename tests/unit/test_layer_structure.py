@@ -1,5 +1,5 @@
 """What the deployed layer may hold: what the functions import, and nothing that belongs to the
-never-deployed tools (DESIGN.md's layout and "One home for each rule")."""
+never-deployed tools (docs/design.md, "Layout": one home for each rule)."""
 
 from __future__ import annotations
 

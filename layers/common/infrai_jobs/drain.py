@@ -2,8 +2,8 @@
 
 One call drains one queue lane for as long as the time budget allows another whole batch: every
 receive burns one of a message's three deliveries, so the loop never consumes what it cannot
-finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is DESIGN.md's ack
-column.
+finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is the ack column
+of docs/design.md's outcome table.
 
 A consume whose answer is lost or unreadable (``ConsumeAnswerLost``) has spent a delivery of
 every message it served, unseen. The lane then takes one message at a time: after a lost answer

@@ -8,7 +8,7 @@ Users write handlers in ``functions/drain/jobs/`` and register them on a ``JobRe
     def finalize_invoice(payload: Payload, ctx: JobContext) -> JsonValue:
         ...
 
-The effect class decides how the claim protects the work (see DESIGN.md's outcome table):
+The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):
 
 * ``DATABASE``: effects only in the ledger's own Postgres. The handler gets ``ctx.db``, a
   connection inside the batch transaction; claim, effect and ``done`` commit together.

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 PACKAGE_LOGGER = "infrai_jobs"
 
-# The drain's metric catalogue. Summary totals first, then one metric per outcome of DESIGN.md's
-# table, so a dashboard can show every row. Dimensions: service and queue, never a key.
+# The drain's metric catalogue. Summary totals first, then one metric per row of the outcome
+# table (docs/design.md), so a dashboard can show every row. Dimensions: service and queue, never
+# a key.
 DRAIN_METRICS = {
     "consumed": "MessagesConsumed",
     "done": "JobsDone",

@@ -1,6 +1,6 @@
 """The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries.
 
-Retry rules (see INFRAI_API.md):
+Retry rules (docs/infrai-api.md, "What the client does with it"):
 
 * create, consume, ack and stats are retried with jittered exponential backoff on connection
   errors, dropped responses, 5xx and 429 (honouring ``Retry-After``). They are safe to repeat:

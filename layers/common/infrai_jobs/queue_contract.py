@@ -1,4 +1,4 @@
-"""What Infrai's queue promises (INFRAI_API.md), written down once.
+"""What Infrai's queue promises (docs/infrai-api.md), written down once.
 
 The client, the drain, the settings, the emulator and the in-memory fake all read these; none
 keeps a copy of its own.

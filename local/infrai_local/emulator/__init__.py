@@ -1,4 +1,4 @@
-"""A local Infrai queue: the contract in INFRAI_API.md, served over HTTP on loopback.
+"""A local Infrai queue: the contract in docs/infrai-api.md, served over HTTP on loopback.
 
 By concern: ``infrai_local.queue_model`` holds the queue semantics (shared with the in-memory
 fake), ``state`` adds the emulator's clock, faults and counters, ``parsing`` reads request

@@ -98,7 +98,7 @@ def build_parser(prog: str = "infrai-jobs emulator") -> argparse.ArgumentParser:
     """The command line of ``infrai-jobs emulator`` and ``python -m infrai_local.emulator``."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Serve a local Infrai queue (the INFRAI_API.md contract) until Ctrl-C. "
+        description="Serve a local Infrai queue (the contract in docs/infrai-api.md) until Ctrl-C. "
         "Prints the URL it serves on as its first line.",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help="default: %(default)s")

@@ -1727,6 +1727,7 @@ _REPORTED_ACTIONS = {
     "reconnect": "ledger reconnections",
     "flag_failed": "stuck flag could not be written (next delivery flags)",
     "release_failed": "claims not released after a lost answer",
+    "visibility_mismatch": "messages back while their own claim's lease was live",
 }
 
 

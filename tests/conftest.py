@@ -33,3 +33,13 @@ def database_url(pg_server_url: str) -> Iterator[str]:
     """
     with scratch_database(pg_server_url) as url:
         yield url
+
+
+# --- The test kit for jobs (infrai_local.testkit), on this session's server -----------------------
+
+pytest_plugins = ["infrai_local.testkit"]
+
+
+@pytest.fixture(scope="session")
+def job_kit_server_url(pg_server_url: str) -> str:
+    return pg_server_url

@@ -1,0 +1,401 @@
+"""A test kit for your own jobs: run a job through the real drain and assert its guarantees.
+
+Never deployed. Each test gets a fresh database on a real PostgreSQL (``DATABASE_URL`` when set,
+else an embedded server for the session), migrated like production (the ledger's migrations,
+then the jobs'), the Infrai emulator over HTTP, and the provider sink standing in for every
+external endpoint. Messages go through ``infrai_jobs.drain.drain``, the code DrainFunction runs.
+
+Load it from a ``conftest.py``::
+
+    pytest_plugins = ["infrai_local.testkit"]
+
+and assert one guarantee per line::
+
+    def test_refund_issue(job_kit):
+        payload = {"job": "refund.issue", "refund_id": "r_1", "amount_cents": 500}
+        job_kit.assert_runs_once(payload)                 # published twice -> effect once
+        job_kit.assert_conflict(payload, {**payload, "amount_cents": 7})
+        job_kit.assert_retried_then_dead_lettered({**payload, "refund_id": "r_2"})
+        job_kit.assert_stuck_when_uncertain(...)          # external jobs only
+
+The registry comes from the ``job_kit_registry`` fixture, which a ``conftest.py`` may override
+(for example to register a job under test that the jobs package does not hold yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import psycopg
+import pytest
+import urllib3
+
+from infrai_jobs.claims import ClaimRow
+from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.errors import EffectUncertain
+from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.ledger import PostgresLedger
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_local import emulator, provider_sink
+from infrai_local.embedded_db import postgres_server_url, scratch_database
+
+QUEUE = "testkit-jobs"
+DLQ = "testkit-jobs-dlq"
+API_KEY = "testkit-key"
+VISIBILITY_SECONDS = 300
+# A drain of the kit has time for every batch it receives.
+TIME_LEFT_MS = 120_000
+
+
+class JobKitError(AssertionError):
+    """A guarantee did not hold; the message says which, and what the kit saw."""
+
+
+@dataclasses.dataclass
+class _Faults:
+    """What the kit makes a job's handler do instead of its own work, by job name."""
+
+    raising: dict[str, BaseException] = dataclasses.field(default_factory=dict)
+
+
+class JobKit:
+    """One test's ledger, queue and drain. Every ``assert_*`` uses fresh messages of its own."""
+
+    def __init__(
+        self,
+        registry: JobRegistry,
+        database_url: str,
+        client: InfraiClient,
+        emulator_url: str,
+        provider_url: str,
+    ) -> None:
+        self.database_url = database_url
+        self.client = client
+        self.provider_url = provider_url
+        self.ledger = PostgresLedger(database_url)
+        self._emulator_url = emulator_url
+        self._control = urllib3.PoolManager()
+        self._faults = _Faults()
+        # Per key: handler calls that returned (the effect happened) and calls made at all.
+        self.completed: Counter[str] = Counter()
+        self.attempted: Counter[str] = Counter()
+        self.registry = self._instrumented(registry)
+
+    def close(self) -> None:
+        self.ledger.close()
+        self._control.clear()
+
+    # --- building blocks --------------------------------------------------------------------
+
+    def publish(self, payload: Payload, times: int = 1) -> list[str]:
+        """Publish ``payload`` ``times`` times, as a producer's retries would."""
+        return [self.client.publish(QUEUE, dict(payload)) for _ in range(times)]
+
+    def drain(self) -> DrainSummary:
+        """One DrainFunction invocation's worth of draining, with the real drain loop."""
+        return drain(
+            self.client,
+            self.ledger,
+            self.registry,
+            DrainConfig(queue=QUEUE, visibility_timeout_seconds=VISIBILITY_SECONDS),
+            lambda: TIME_LEFT_MS,
+        )
+
+    def redeliver(self) -> None:
+        """Let every unacked message's visibility lapse, so the next drain receives it again."""
+        response = self._control.request(
+            "POST",
+            f"{self._emulator_url}/_emulator/clock",
+            json={"advance_seconds": VISIBILITY_SECONDS + 1},
+        )
+        if response.status != 200:
+            raise JobKitError(f"the emulator refused to advance its clock: {response.status}")
+
+    def key(self, payload: Payload) -> str:
+        return self._derive(payload).idem_key
+
+    def claim(self, payload: Payload) -> ClaimRow | None:
+        return self.ledger.get(self.key(payload))
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(messages in the queue, dead letters)."""
+        stats = self.client.stats(QUEUE)
+        return stats.message_count, stats.dlq_count
+
+    def sql(self, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run SQL on the test's database, e.g. to read a job's own table."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            cursor = conn.execute(query, params)
+            return cursor.fetchall() if cursor.description else []
+
+    # --- one line per guarantee -------------------------------------------------------------
+
+    def assert_runs_once(self, payload: Payload, *, times: int = 2) -> ClaimRow:
+        """Published ``times`` times, the job's effect happens once and its claim is ``done``."""
+        key = self.key(payload)
+        dead_before = self.queue_counts()[1]
+        self.publish(payload, times=times)
+        summaries = self._drain_until_settled()
+        claim = self.ledger.get(key)
+        self._expect(
+            self.completed[key] == 1,
+            f"{key}: the handler completed {self.completed[key]} times, not once",
+            summaries,
+        )
+        self._expect(
+            claim is not None and claim.state == "done",
+            f"{key}: the claim is {_state(claim)}, not done",
+            summaries,
+        )
+        self._expect(
+            self.queue_counts() == (0, dead_before),
+            f"{key}: (queue, DLQ) = {self.queue_counts()}, not (0, {dead_before})",
+            summaries,
+        )
+        assert claim is not None
+        return claim
+
+    def assert_retried_then_dead_lettered(
+        self, payload: Payload, *, raising: BaseException | None = None
+    ) -> None:
+        """The handler raising (its own failure, or ``raising`` injected): each delivery retries
+        with the claim released, and the message ends in the DLQ, the job never done."""
+        key = self.key(payload)
+        name = self._derive(payload).definition.name
+        dead_before = self.queue_counts()[1]
+        with self._raising(name, raising):
+            self.publish(payload)
+            summaries = [self._deliver() for _ in range(MAX_RECEIVE_COUNT)]
+        outcomes = [dict(s.outcomes) for s in summaries]
+        self._expect(
+            outcomes == [{"retry": 1}] * MAX_RECEIVE_COUNT,
+            f"{key}: outcomes per delivery were {outcomes}, not one retry each",
+            summaries,
+        )
+        self._expect(
+            self.ledger.get(key) is None,
+            f"{key}: the claim is {_state(self.ledger.get(key))}, not released",
+            summaries,
+        )
+        self._expect_dead_lettered(key, dead_before, summaries)
+
+    def assert_stuck_when_uncertain(self, payload: Payload) -> ClaimRow:
+        """An irreversible job whose outcome is unknown (``EffectUncertain``) is left
+        ``running``, flagged for a human, never run again: each delivery is stuck, unacked,
+        until the message rests in the DLQ beside the flagged claim."""
+        derived = self._derive(payload)
+        key = derived.idem_key
+        if derived.definition.effect is Effect.DATABASE:
+            raise JobKitError(
+                f"{derived.definition.name} is a database job: its effect rolls back with its "
+                "transaction, so an uncertain outcome is retried, never stuck"
+            )
+        dead_before = self.queue_counts()[1]
+        with self._raising(derived.definition.name, EffectUncertain("the kit: outcome unknown")):
+            self.publish(payload)
+            summaries = [self._deliver()]
+        summaries += [self._deliver() for _ in range(MAX_RECEIVE_COUNT - 1)]
+        claim = self.ledger.get(key)
+        outcomes = [dict(s.outcomes) for s in summaries]
+        self._expect(
+            outcomes == [{"stuck": 1}] * MAX_RECEIVE_COUNT,
+            f"{key}: outcomes per delivery were {outcomes}, not stuck each time",
+            summaries,
+        )
+        self._expect(
+            claim is not None and claim.state == "running" and claim.error is not None,
+            f"{key}: the claim is {_state(claim)}, not running and flagged",
+            summaries,
+        )
+        self._expect(
+            self.attempted[key] == 1,
+            f"{key}: the handler was called {self.attempted[key]} times, not once",
+            summaries,
+        )
+        self._expect_dead_lettered(key, dead_before, summaries)
+        assert claim is not None
+        return claim
+
+    def assert_conflict(self, payload: Payload, different: Payload) -> None:
+        """The same key with different work is a conflict on every delivery: never run, never
+        acked (it ends in the DLQ), the first work's claim unchanged."""
+        key = self.key(payload)
+        if self.key(different) != key:
+            raise JobKitError(
+                f"the two payloads have different keys ({key}, {self.key(different)}): "
+                "a conflict needs the same key"
+            )
+        if self._derive(different).fingerprint == self._derive(payload).fingerprint:
+            raise JobKitError("the two payloads are the same work: change a non-identity field")
+        self.publish(payload)
+        settled = self._drain_until_settled()
+        before = self.ledger.get(key)
+        completed = self.completed[key]
+        dead_before = self.queue_counts()[1]
+        self.publish(different)
+        conflicts = [self._deliver() for _ in range(MAX_RECEIVE_COUNT)]
+        summaries = [*settled, *conflicts]
+        outcomes = [(dict(s.outcomes), s.acked) for s in conflicts]
+        self._expect(
+            outcomes == [({"conflict": 1}, 0)] * MAX_RECEIVE_COUNT,
+            f"{key}: the different work's (outcomes, acks) per delivery were {outcomes}, not "
+            "an unacked conflict each time",
+            summaries,
+        )
+        self._expect(
+            self.ledger.get(key) == before and self.completed[key] == completed,
+            f"{key}: the claim changed or the work ran again",
+            summaries,
+        )
+        self._expect_dead_lettered(key, dead_before, summaries)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _derive(self, payload: Payload) -> DerivedJob:
+        return self.registry.derive(payload)
+
+    def _deliver(self) -> DrainSummary:
+        summary = self.drain()
+        self.redeliver()
+        return summary
+
+    def _drain_until_settled(self) -> list[DrainSummary]:
+        summaries = [self.drain()]
+        for _ in range(MAX_RECEIVE_COUNT):
+            if self.queue_counts()[0] == 0:
+                break
+            self.redeliver()
+            summaries.append(self.drain())
+        return summaries
+
+    def _raising(self, job: str, exc: BaseException | None) -> _Injected:
+        return _Injected(self._faults, job, exc)
+
+    def _instrumented(self, registry: JobRegistry) -> JobRegistry:
+        """The same jobs, each handler counted, and failing on demand."""
+        counted = JobRegistry()
+        for definition in registry:
+            counted.register(
+                dataclasses.replace(definition, handler=self._counting(definition.handler))
+            )
+        return counted
+
+    def _counting(
+        self, handler: Callable[[Payload, JobContext], JsonValue]
+    ) -> Callable[[Payload, JobContext], JsonValue]:
+        def run(payload: Payload, ctx: JobContext) -> JsonValue:
+            self.attempted[ctx.idem_key] += 1
+            injected = self._faults.raising.get(ctx.job)
+            if injected is not None:
+                raise injected
+            result = handler(payload, ctx)
+            self.completed[ctx.idem_key] += 1
+            return result
+
+        return run
+
+    def _expect_dead_lettered(
+        self, key: str, dead_before: int, summaries: list[DrainSummary]
+    ) -> None:
+        counts = self.queue_counts()
+        self._expect(
+            counts == (0, dead_before + 1),
+            f"{key}: (queue, DLQ) = {counts}, not (0, {dead_before + 1}): the message should "
+            "rest in the DLQ",
+            summaries,
+        )
+
+    @staticmethod
+    def _expect(condition: bool, message: str, summaries: list[DrainSummary]) -> None:
+        if not condition:
+            seen = "; ".join(str(dict(s.outcomes)) for s in summaries)
+            raise JobKitError(f"{message} (drain outcomes: {seen})")
+
+
+class _Injected:
+    def __init__(self, faults: _Faults, job: str, exc: BaseException | None) -> None:
+        self._faults, self._job, self._exc = faults, job, exc
+
+    def __enter__(self) -> None:
+        if self._exc is not None:
+            self._faults.raising[self._job] = self._exc
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._faults.raising.pop(self._job, None)
+
+
+def _state(claim: ClaimRow | None) -> str:
+    if claim is None:
+        return "absent"
+    flag = f", flagged: {claim.error}" if claim.error else ""
+    return f"{claim.state}{flag}"
+
+
+# --- pytest fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def job_kit_server_url() -> Iterator[str]:
+    """A PostgreSQL server: ``DATABASE_URL`` when set, else an embedded one for the session."""
+    with postgres_server_url() as url:
+        yield url
+
+
+@pytest.fixture
+def job_kit_provider_url() -> Iterator[str]:
+    """The provider sink, standing in for every external endpoint the jobs call."""
+    sink = provider_sink.start_in_thread()
+    try:
+        yield sink.url
+    finally:
+        sink.stop()
+
+
+@pytest.fixture
+def job_kit_registry(job_kit_provider_url: str) -> JobRegistry:
+    """The jobs under test: the project's jobs package. Override to test other jobs."""
+    from jobs import build_registry  # noqa: PLC0415 - the user's package, found at test time
+
+    registry: JobRegistry = build_registry(job_kit_provider_url)
+    return registry
+
+
+@pytest.fixture
+def job_kit_migrate() -> Callable[[psycopg.Connection[Any]], None]:
+    """How a fresh test database is prepared: the ledger's migrations, then the jobs'."""
+
+    def migrate(conn: psycopg.Connection[Any]) -> None:
+        apply_migrations(conn)
+
+    return migrate
+
+
+@pytest.fixture
+def job_kit(
+    job_kit_server_url: str,
+    job_kit_registry: JobRegistry,
+    job_kit_migrate: Callable[[psycopg.Connection[Any]], None],
+    job_kit_provider_url: str,
+) -> Iterator[JobKit]:
+    """A ``JobKit`` on a fresh database, a fresh emulator and the provider sink."""
+    with ExitStack() as stack:
+        database_url = stack.enter_context(scratch_database(job_kit_server_url))
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            job_kit_migrate(conn)
+        server = emulator.start_in_thread(visibility_timeout=VISIBILITY_SECONDS)
+        stack.callback(server.stop)
+        client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
+        stack.callback(client.close)
+        client.ensure_queue(QUEUE, dlq=DLQ)
+        kit = JobKit(job_kit_registry, database_url, client, server.url, job_kit_provider_url)
+        stack.callback(kit.close)
+        yield kit
+
+
+__all__ = ["JobKit", "JobKitError"]

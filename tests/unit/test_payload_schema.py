@@ -1,5 +1,5 @@
-"""Payload schemas: JSON types as the drain checks them, and every declaration refused at
-registration."""
+"""Payload schemas: JSON types as the drain checks them, the example jobs' declarations, and
+every declaration refused at registration."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infrai_jobs.errors import ConfigurationError, InvalidPayload
+from infrai_jobs.errors import ConfigurationError, InvalidPayload, KeyDerivationError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.keys import PRODUCER_KEY_FIELD as PRODUCER_KEY
 from infrai_jobs.payload_schema import Field, PayloadSchema, json_type_of
+from jobs import build_registry
+
+NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 
 
 def _noop(payload: Payload, ctx: JobContext) -> JsonValue:
@@ -98,6 +101,15 @@ def _article(declared: type[object]) -> str:
         dict: "an object",
         list: "an array",
     }[declared]
+
+
+def test_the_issue_example_names_the_job_the_field_and_both_types() -> None:
+    registry = build_registry("http://127.0.0.1:1")
+    with pytest.raises(InvalidPayload) as refused:
+        registry.derive({**NOTES_PAYLOAD, "amount_cents": "4900"})
+    assert str(refused.value) == (
+        "job 'invoice.finalize': field 'amount_cents' must be an integer, got string"
+    )
 
 
 @pytest.mark.parametrize(
@@ -255,6 +267,43 @@ def test_a_schema_that_cannot_be_checked_is_refused_when_registered(
     with pytest.raises(ConfigurationError, match=message):
         registry.job("test.job", effect=Effect.DATABASE, **declaration)(_noop)
     assert len(registry) == 0
+
+
+# --- The example jobs -------------------------------------------------------------------------
+
+
+def test_every_example_job_types_each_of_its_identity_fields() -> None:
+    for definition in build_registry("http://127.0.0.1:1"):
+        typed = {f.name for f in definition.schema.fields if f.accepted is not None}
+        assert set(definition.identity) <= typed, definition.name
+        assert set(definition.required) <= typed, definition.name
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": True}, "got boolean"),
+        ({"job": "invoice.finalize", "invoice_id": {"id": 1}, "amount_cents": 1}, "got object"),
+        ({"job": "receipt.send", "invoice_id": "inv_1", "email": ["a@example.com"]}, "got array"),
+        ({"job": "digest.build", "tenant_id": 42, "period": "2026-07"}, "'tenant_id' must be a"),
+        ({"job": "digest.build", "tenant_id": "t", "period": None}, r"missing field\(s\): period"),
+    ],
+)
+def test_the_example_jobs_refuse_mistyped_payloads(payload: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidPayload, match=message):
+        build_registry("http://127.0.0.1:1").derive(payload)
+
+
+def test_an_integer_invoice_id_keeps_its_key() -> None:
+    registry = build_registry("http://127.0.0.1:1")
+    derived = registry.derive({"job": "invoice.finalize", "invoice_id": 8812, "amount_cents": 1})
+    assert derived.idem_key == "invoice.finalize:8812"
+
+
+def test_an_unknown_job_close_to_a_known_one_is_named() -> None:
+    registry = build_registry("http://127.0.0.1:1")
+    with pytest.raises(KeyDerivationError, match=r"did you mean 'invoice\.finalize'\?"):
+        registry.derive({**NOTES_PAYLOAD, "job": "invoice.finalise"})
 
 
 def test_the_schema_names_python_values_by_their_json_types() -> None:

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload, KeyDerivationError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
 from infrai_jobs.keys import PRODUCER_KEY_FIELD as PRODUCER_KEY
 from infrai_jobs.payload_schema import Field, PayloadSchema, json_type_of
 from jobs import build_registry
@@ -180,6 +180,18 @@ def test_the_old_keywords_keep_working_and_identity_fields_are_required() -> Non
     for missing in ({"email": "e"}, {"id": None, "email": "e"}, {"id": "", "email": "e"}):
         with pytest.raises(InvalidPayload, match=r"missing field\(s\): id$"):
             registry.derive({"job": "test.job", **missing})
+
+
+def test_a_definition_built_by_hand_is_checked_by_its_identity_and_required_names() -> None:
+    # Given a JobDefinition constructed directly, without a schema, as code before schemas did
+    registry = JobRegistry()
+    registry.register(
+        JobDefinition("test.job", Effect.EXTERNAL, _noop, identity=("id",), required=("to",))
+    )
+    # Then both names are required, in that order
+    with pytest.raises(InvalidPayload, match=r"missing field\(s\): id, to$"):
+        registry.derive({"job": "test.job"})
+    assert registry.derive({"job": "test.job", "id": "a", "to": "b"}).idem_key == "test.job:a"
 
 
 def test_an_identity_field_left_out_of_fields_is_still_required() -> None:

@@ -37,11 +37,13 @@ from infrai_jobs.errors import (
     DeadLetterNotFound,
     InfraiError,
     InfraiJobsError,
+    KeyDerivationError,
     UsageError,
 )
 from infrai_jobs.factory import make_claims_admin, make_effect_guard, make_queue_client
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
+from infrai_jobs.producer import check_publishable
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import (
@@ -272,12 +274,28 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("demo", help="tell the field notes' story end to end, locally", add_help=False)
 
-    publish = sub.add_parser("publish", help="publish one JSON job to the queue")
+    publish = sub.add_parser(
+        "publish",
+        help="publish one JSON job to the queue, once the drain's jobs package accepts it",
+    )
     publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "invoice.finalize", ...}\'')
     publish.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     publish.add_argument("--delay-seconds", type=int, default=None)
     publish.add_argument("--count", type=int, default=1, help="publish the same body N times")
     publish.add_argument("--create", action="store_true", help="create the queue and DLQ first")
+    publish.add_argument(
+        "--jobs-path",
+        default=None,
+        metavar="FOLDER",
+        help="folder holding the `jobs` package whose jobs and payload schemas the body must "
+        "match (default: $INFRAI_JOBS_PATH, else functions/drain of the project)",
+    )
+    publish.add_argument(
+        "--unchecked",
+        action="store_true",
+        help="publish without checking the body against the jobs package (the drain still "
+        "rejects a body it cannot key)",
+    )
     publish.set_defaults(command=_cmd_publish)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the claim ledger's tables")
@@ -527,6 +545,20 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         "a message published to a throwaway emulator would vanish with it",
     )
     queue = args.queue or settings.queue
+    if args.unchecked:
+        print(
+            "warning: --unchecked: the body was not checked against the jobs package; the "
+            "drain rejects it if its job, fields or key do not fit",
+            file=sys.stderr,
+        )
+    else:
+        # Before the queue is touched (--create included): what the drain would reject is
+        # never sent, so never paid for.
+        registry = load_registry(find_jobs_folder(args.jobs_path), "")
+        try:
+            check_publishable(registry, body)
+        except KeyDerivationError as exc:
+            raise ConfigurationError(f"not published: {exc}") from None
     with _queue_client(settings) as client:
         if args.create:
             client.ensure_queue(queue, dlq=settings.dlq if queue == settings.queue else None)

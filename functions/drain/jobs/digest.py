@@ -40,4 +40,5 @@ def register(registry: JobRegistry, provider_url: str) -> None:
         "digest.build",
         effect=Effect.EXTERNAL_IDEMPOTENT,
         identity=("tenant_id", "period"),
+        fields={"tenant_id": str, "period": str},
     )(handler)

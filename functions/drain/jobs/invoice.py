@@ -34,10 +34,8 @@ class InvoiceNotFound(LookupError):
 def finalize_invoice(payload: Payload, ctx: JobContext) -> JsonValue:
     if ctx.db is None:  # pragma: no cover - the drain always passes it for database jobs
         raise RuntimeError("invoice.finalize needs the batch transaction's connection")
-    amount = payload["amount_cents"]
-    if isinstance(amount, bool) or not isinstance(amount, int):
-        raise TypeError(f"amount_cents must be an integer, got {type(amount).__name__}")
-    params = {"invoice_id": str(payload["invoice_id"]), "amount_cents": amount}
+    # The schema below has checked the types: amount_cents is an integer, never a boolean.
+    params = {"invoice_id": str(payload["invoice_id"]), "amount_cents": payload["amount_cents"]}
     row = ctx.db.execute(_FINALIZE, params).fetchone()
     if row is None:
         raise InvoiceNotFound(f"invoice {payload['invoice_id']} does not exist")
@@ -49,5 +47,6 @@ def register(registry: JobRegistry) -> None:
         "invoice.finalize",
         effect=Effect.DATABASE,
         identity=("invoice_id",),
-        required=("amount_cents",),
+        # A producer may send the id as a number: it keys as its digits and is stored as text.
+        fields={"invoice_id": (str, int), "amount_cents": int},
     )(finalize_invoice)

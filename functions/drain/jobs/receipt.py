@@ -54,5 +54,5 @@ def register(registry: JobRegistry, provider_url: str) -> None:
         "receipt.send",
         effect=Effect.EXTERNAL,
         identity=("invoice_id",),
-        required=("email",),
+        fields={"invoice_id": (str, int), "email": str},
     )(handler)

@@ -124,6 +124,12 @@ class KeyDerivationError(InfraiJobsError):
     unrepresentable fields). The message is left unacked so it reaches the dead-letter queue."""
 
 
+class InvalidPayload(KeyDerivationError):
+    """The payload does not match its job's declared fields: a required one is missing, or one
+    has the wrong JSON type. The message names every such field; like any payload without a
+    key, it is rejected before a claim, and a checked publish refuses it before it is sent."""
+
+
 class JobError(InfraiJobsError):
     """Base for what a job handler may raise to steer its outcome."""
 

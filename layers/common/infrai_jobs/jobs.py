@@ -4,7 +4,12 @@ Users write handlers in ``functions/drain/jobs/`` and register them on a ``JobRe
 
     registry = JobRegistry()
 
-    @registry.job("invoice.finalize", effect=Effect.DATABASE, identity=("invoice_id",))
+    @registry.job(
+        "invoice.finalize",
+        effect=Effect.DATABASE,
+        identity=("invoice_id",),
+        fields={"invoice_id": str, "amount_cents": int},
+    )
     def finalize_invoice(payload: Payload, ctx: JobContext) -> JsonValue:
         ...
 
@@ -16,17 +21,22 @@ The effect class decides how the claim protects the work (docs/design.md, "Effec
   call leaves it for a human, never for a retry.
 * ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
   may be taken over and the call repeated with the same key.
+
+``fields`` is the payload's schema (``infrai_jobs.payload_schema``): ``derive`` checks every
+payload against it before the claim, so a handler sees only payloads that match it.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.keys import check_key_rule, derive_key, payload_fingerprint
+from infrai_jobs.payload_schema import FieldSpec, PayloadSchema
 
 if TYPE_CHECKING:
     import psycopg
@@ -68,6 +78,9 @@ class JobDefinition:
     identity: tuple[str, ...] = ()
     # Fields the handler cannot work without; a payload missing one is rejected before claiming.
     required: tuple[str, ...] = ()
+    # The payload's declared fields and their JSON types; ``register`` adds the identity and
+    # required fields it does not declare, as required fields of any type.
+    schema: PayloadSchema = field(default_factory=PayloadSchema)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +106,12 @@ class JobRegistry:
             raise ConfigurationError(f"job {definition.name!r} is registered twice")
         if definition.identity:
             check_key_rule(definition.name, definition.identity)
+        schema = definition.schema.requiring(
+            definition.name, (*definition.identity, *definition.required)
+        )
+        schema.check_identity(definition.name, definition.identity)
+        if schema is not definition.schema:
+            definition = replace(definition, schema=schema)
         self._jobs[definition.name] = definition
         return definition
 
@@ -103,15 +122,18 @@ class JobRegistry:
         effect: Effect,
         identity: Sequence[str] = (),
         required: Sequence[str] = (),
+        fields: Mapping[str, FieldSpec] | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Decorator form of ``register``."""
+        """Decorator form of ``register``. ``fields`` declares the payload's schema (see
+        ``infrai_jobs.payload_schema``); identity fields are always required."""
 
-        for label, fields in (("identity", identity), ("required", required)):
-            if isinstance(fields, str):
+        for label, names in (("identity", identity), ("required", required)):
+            if isinstance(names, str):
                 # A bare string is a Sequence[str] too: it would name one field per character.
                 raise ConfigurationError(
-                    f"job {name!r}: {label} must list field names, e.g. ({fields!r},)"
+                    f"job {name!r}: {label} must list field names, e.g. ({names!r},)"
                 )
+        schema = PayloadSchema.declare(name, fields or {})
 
         def decorate(handler: Handler) -> Handler:
             self.register(
@@ -120,7 +142,8 @@ class JobRegistry:
                     effect=effect,
                     handler=handler,
                     identity=tuple(identity),
-                    required=tuple(dict.fromkeys((*identity, *required))),
+                    required=tuple(dict.fromkeys((*identity, *required, *schema.required))),
+                    schema=schema,
                 )
             )
             return handler
@@ -140,7 +163,8 @@ class JobRegistry:
         return {job.name: job.identity for job in self._jobs.values() if job.identity}
 
     def derive(self, payload: object) -> DerivedJob:
-        """Match a payload to its job and derive its key; ``KeyDerivationError`` says why not."""
+        """Match a payload to its job, check it against the job's schema and derive its key;
+        ``KeyDerivationError`` (``InvalidPayload`` when the fields do not match) says why not."""
         if not isinstance(payload, Mapping):
             raise KeyDerivationError(
                 f"payload is not a JSON object (got {_json_type_name(payload)})"
@@ -151,10 +175,10 @@ class JobRegistry:
         definition = self._jobs.get(name)
         if definition is None:
             known = ", ".join(sorted(self._jobs)) or "none"
-            raise KeyDerivationError(f"unknown job {name!r} (registered: {known})")
-        missing = [f for f in definition.required if payload.get(f) in (None, "")]
-        if missing:
-            raise KeyDerivationError(f"job {name!r} is missing field(s): {', '.join(missing)}")
+            close = difflib.get_close_matches(name, self._jobs, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            raise KeyDerivationError(f"unknown job {name!r} ({guess}registered: {known})")
+        definition.schema.check(name, payload)
         idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
         return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload))
 

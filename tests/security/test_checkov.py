@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -111,6 +112,10 @@ def test_checkov_finds_no_failed_check_in_the_template(checkov_run: dict[str, An
     assert summary["parsing_errors"] == 0, checkov_run["stderr"]
     assert summary["resource_count"] >= len(load_template()["Resources"])
     assert summary["passed"] > 0
+    # And it is the version the Makefile pins
+    pinned = re.search(r"^CHECKOV_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert pinned, "the Makefile pins no CHECKOV_VERSION"
+    assert summary["checkov_version"] == pinned.group(1)
     # And no check failed
     failed = [
         (c["check_id"], c["resource"], c["check_name"]) for c in report["results"]["failed_checks"]

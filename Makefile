@@ -5,6 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# checkov pins boto3 and packaging below this project's pins, so it has its own virtualenv, as
+# aws-sam-cli has (below). Run offline: no platform key, no download of its check mappings, no
+# update check.
+# tests/security/test_checkov.py runs it the same way and fails on any finding or bare skip.
+CHECKOV_VERSION := 3.3.30
+CHECKOV_VENV := .tools/checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
+CHECKOV := env -u BC_API_KEY BC_SKIP_MAPPING=TRUE CKV_SKIP_PACKAGE_UPDATE_CHECK=TRUE \
+	$(CHECKOV_VENV)/bin/checkov --skip-download
+
 .PHONY: venv lint typecheck test test-unit test-integration test-e2e demo clean
 
 $(STAMP): pyproject.toml layers/common/requirements.in
@@ -24,7 +34,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local $(wildcard functions/*/app.py)
 
-test: lint typecheck
+test: lint typecheck $(CHECKOV_STAMP)
 	$(BIN)/pytest
 
 test-unit: $(STAMP)
@@ -71,7 +81,16 @@ SAM_BUILD_FLAGS ?=
 PYTHON313 ?= $(shell for p in "$$(command -v python3.13)" $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.13*/bin/python3.13; do \
 	[ -x "$$p" ] && "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 13))' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: tools build validate lock
+.PHONY: tools build validate lock checkov
+
+$(CHECKOV_STAMP):
+	rm -rf $(CHECKOV_VENV)
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24"
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
+	@touch $@
+
+checkov: $(CHECKOV_STAMP)
 
 $(SAM_STAMP):
 	rm -rf $(SAM_VENV)
@@ -80,7 +99,7 @@ $(SAM_STAMP):
 	$(SAM_VENV)/bin/python -m pip install --quiet "aws-sam-cli==$(SAM_CLI_VERSION)"
 	@touch $@
 
-tools: $(SAM_STAMP)
+tools: $(SAM_STAMP) $(CHECKOV_STAMP)
 
 build: $(SAM_STAMP)
 	@if [[ " $(SAM_BUILD_FLAGS) " == *" --use-container "* ]]; then \
@@ -126,10 +145,12 @@ lock: $(LOCK_STAMP)
 		--no-emit-index-url --no-emit-find-links --no-emit-trusted-host \
 		--output-file layers/common/requirements.txt layers/common/requirements.in
 
-# Both offline: cfn-lint needs nothing, and sam validate --lint needs no credentials or region.
-validate: $(STAMP) $(SAM_STAMP)
+# All offline: cfn-lint needs nothing, sam validate --lint needs no credentials or region, and
+# checkov (the cloudformation framework reads SAM templates) downloads nothing.
+validate: $(STAMP) $(SAM_STAMP) $(CHECKOV_STAMP)
 	$(BIN)/cfn-lint template.yaml
 	$(SAM) validate --lint
+	$(CHECKOV) --file template.yaml --framework cloudformation --compact --quiet
 
 clean:
 	rm -rf $(VENV) .tools .mypy_cache .pytest_cache .ruff_cache .aws-sam

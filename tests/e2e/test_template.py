@@ -34,8 +34,9 @@ TEMPLATE = ROOT / "template.yaml"
 SAMCONFIG = ROOT / "samconfig.toml"
 EVENTS = ROOT / "events"
 LAMBDA_DEFAULT_TIMEOUT = 3
-# The execution-role policies SAM itself attaches (logs, X-Ray, VPC network interfaces).
-SAM_MANAGED_POLICIES = {
+# The only managed policies a role may carry: logs, and X-Ray and VPC network interfaces when
+# their parameters turn them on (tests/security/test_template_least_privilege.py checks when).
+LAMBDA_MANAGED_POLICIES = {
     "service-role/AWSLambdaBasicExecutionRole",
     "AWSXrayWriteOnlyAccess",
     "service-role/AWSLambdaVPCAccessExecutionRole",
@@ -72,8 +73,11 @@ def parameter_default(template: dict[str, Any], value: Any) -> Any:
     return template["Parameters"][value["Ref"]].get("Default")
 
 
-def translate(template: dict[str, Any]) -> dict[str, Any]:
-    """The CloudFormation SAM would deploy, as `sam validate` produces it offline."""
+def translate(
+    template: dict[str, Any], parameter_values: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The CloudFormation SAM would deploy, as `sam validate` produces it offline; SAM reads
+    ``parameter_values`` (the defaults otherwise) where it resolves a Ref itself."""
     document = copy.deepcopy(template)
     for resource in document["Resources"].values():
         for uri in ("CodeUri", "ContentUri"):
@@ -81,7 +85,7 @@ def translate(template: dict[str, Any]) -> dict[str, Any]:
                 resource["Properties"][uri] = "s3://bucket/key"
     translator = Translator(None, Parser(), boto_session=boto3.Session(region_name="us-east-1"))
     result: dict[str, Any] = translator.translate(
-        document, parameter_values={}, get_managed_policy_map=dict
+        document, parameter_values=dict(parameter_values or {}), get_managed_policy_map=dict
     )
     return result
 
@@ -98,6 +102,20 @@ def policy_statements(policy: Any) -> Iterator[dict[str, Any]]:
 
 def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
+
+
+def managed_policy_names(arns: list[Any]) -> set[str]:
+    """The names in a role's ManagedPolicyArns: plain ARNs, Fn::Sub templates, and both branches
+    of an Fn::If (its AWS::NoValue branch names none)."""
+    names: set[str] = set()
+    for arn in arns:
+        if isinstance(arn, dict) and "Fn::If" in arn:
+            names |= managed_policy_names(arn["Fn::If"][1:])
+        elif isinstance(arn, dict) and "Fn::Sub" in arn:
+            names.add(arn["Fn::Sub"].split(":policy/", 1)[1])
+        elif isinstance(arn, str):
+            names.add(arn.split(":policy/", 1)[1])
+    return names
 
 
 def test_cfn_lint_reports_no_findings() -> None:
@@ -187,9 +205,9 @@ def test_no_iam_statement_allows_a_wildcard_action() -> None:
                 for a in as_list(statement["Action"])
             )
             assert not (reads_secret and statement["Resource"] == "*"), statement
-        # And the only managed policies are the ones SAM attaches for logs, X-Ray and VPC
-        managed = {arn.split(":policy/", 1)[1] for arn in role.get("ManagedPolicyArns", [])}
-        assert managed <= SAM_MANAGED_POLICIES, f"{name}: {managed - SAM_MANAGED_POLICIES}"
+        # And the only managed policies are the ones for logs, X-Ray and VPC
+        managed = managed_policy_names(role.get("ManagedPolicyArns", []))
+        assert managed <= LAMBDA_MANAGED_POLICIES, f"{name}: {managed - LAMBDA_MANAGED_POLICIES}"
 
 
 def test_no_environment_variable_holds_a_secret_value() -> None:

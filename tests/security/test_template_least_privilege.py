@@ -1,7 +1,10 @@
 """IAM least privilege in template.yaml, beyond tests/e2e/test_template.py's wildcard-action check.
 
 The template is translated the way ``sam validate`` does it, so SAM's policy templates are checked
-as the statements they become.
+as the statements they become. Where what a role carries depends on parameters (VPC, tracing,
+fan-out, a KMS key, a permissions boundary), the translation is then resolved for one set of
+parameter values as CloudFormation would: conditions evaluated, Fn::If branches chosen,
+AWS::NoValue dropped, managed policies included.
 """
 
 from __future__ import annotations
@@ -11,10 +14,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from test_template import as_list, load_template, policy_statements, translate  # noqa: E402
+from test_template import (  # noqa: E402
+    as_list,
+    load_template,
+    managed_policy_names,
+    policy_statements,
+    translate,
+)
 
 # Actions IAM cannot scope to a resource, which a statement may grant on "*". None: the SSM
 # and DynamoDB grants are inline statements on one parameter and one table, not SAM's
@@ -45,6 +56,117 @@ ALLOWED_SERVICES = {
     "SchedulerRole": {"lambda"},
 }
 SCHEDULED_FUNCTIONS = {"DrainFunction", "DlqAlertFunction", "PruneFunction"}
+FUNCTION_ROLES = {
+    "DrainFunctionRole",
+    "DlqAlertFunctionRole",
+    "RedriveFunctionRole",
+    "PruneFunctionRole",
+}
+
+BASIC_EXECUTION = "service-role/AWSLambdaBasicExecutionRole"
+VPC_ACCESS = "service-role/AWSLambdaVPCAccessExecutionRole"
+XRAY_WRITE = "AWSXrayWriteOnlyAccess"
+
+# The one parameter without a default, and the switches that change what a role carries.
+REQUIRED = {
+    "DatabaseSecretArn": "arn:aws:secretsmanager:eu-west-1:123456789012:secret:ledger-AbC123"
+}
+IN_VPC = {"SubnetIds": "subnet-0a1b2c3d,subnet-4e5f6a7b", "SecurityGroupIds": "sg-0a1b2c3d"}
+TRACING = {"EnableTracing": "true"}
+KMS_KEY = {"SecretsKmsKeyId": "1234abcd-12ab-34cd-56ef-1234567890ab"}
+BOUNDARY_ARN = "arn:aws:iam::123456789012:policy/workload-boundary"
+
+_NO_VALUE = object()
+
+
+class Deployment:
+    """template.yaml as CloudFormation would create it for one set of parameter values."""
+
+    def __init__(self, overrides: dict[str, str] | None = None) -> None:
+        template = load_template()
+        values = {name: p.get("Default") for name, p in template["Parameters"].items()}
+        values |= REQUIRED | (overrides or {})
+        # A Ref to a parameter reads as a string, or as a list of strings for a list type.
+        self.parameters: dict[str, Any] = {
+            name: str(value).split(",")
+            if template["Parameters"][name]["Type"] == "CommaDelimitedList"
+            else str(value)
+            for name, value in values.items()
+        }
+        translated = translate(template, {k: str(v) for k, v in values.items()})
+        self._conditions = translated.get("Conditions", {})
+        self._decided: dict[str, bool] = {}
+        self.resources: dict[str, dict[str, Any]] = {
+            name: self._resolve(resource)
+            for name, resource in translated["Resources"].items()
+            if "Condition" not in resource or self.condition(resource["Condition"])
+        }
+
+    def condition(self, name: str) -> bool:
+        if name not in self._decided:
+            self._decided[name] = self._holds(self._conditions[name])
+        return self._decided[name]
+
+    def _holds(self, expression: Any) -> bool:
+        ((function, argument),) = expression.items()
+        if function == "Fn::Equals":
+            left, right = (self._value(a) for a in argument)
+            return bool(left == right)
+        if function == "Fn::Not":
+            return not self._holds(argument[0])
+        if function == "Fn::And":
+            return all(self._holds(a) for a in argument)
+        if function == "Fn::Or":
+            return any(self._holds(a) for a in argument)
+        if function == "Condition":
+            return self.condition(argument)
+        raise AssertionError(f"a condition function this resolver does not know: {function}")
+
+    def _value(self, expression: Any) -> Any:
+        if isinstance(expression, str | int):
+            return str(expression)
+        if set(expression) == {"Ref"}:
+            return self.parameters[expression["Ref"]]
+        if set(expression) == {"Fn::Join"}:
+            separator, items = expression["Fn::Join"]
+            return separator.join(self._value(items))
+        raise AssertionError(f"a condition value this resolver does not know: {expression}")
+
+    def _resolve(self, node: Any) -> Any:
+        if isinstance(node, list):
+            items = [self._resolve(item) for item in node]
+            return [item for item in items if item is not _NO_VALUE]
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"Fn::If"}:
+            name, when_true, when_false = node["Fn::If"]
+            return self._resolve(when_true if self.condition(name) else when_false)
+        if node == {"Ref": "AWS::NoValue"}:
+            return _NO_VALUE
+        if set(node) == {"Ref"} and node["Ref"] in self.parameters:
+            return self.parameters[node["Ref"]]
+        resolved = {key: self._resolve(value) for key, value in node.items()}
+        return {key: value for key, value in resolved.items() if value is not _NO_VALUE}
+
+    def of_type(self, resource_type: str) -> dict[str, dict[str, Any]]:
+        return {
+            name: resource["Properties"]
+            for name, resource in self.resources.items()
+            if resource["Type"] == resource_type
+        }
+
+    def statements(self, role: str) -> list[dict[str, Any]]:
+        return [
+            statement
+            for policy in self.of_type("AWS::IAM::Role")[role].get("Policies", [])
+            for statement in as_list(policy["PolicyDocument"]["Statement"])
+        ]
+
+    def role_of(self, function: str) -> str:
+        role = self.of_type("AWS::Lambda::Function")[function]["Role"]
+        assert set(role) == {"Fn::GetAtt"}, role
+        name: str = role["Fn::GetAtt"][0]
+        return name
 
 
 def _roles() -> dict[str, list[dict[str, Any]]]:
@@ -235,3 +357,137 @@ def test_the_drain_may_invoke_itself_and_nothing_else() -> None:
     (resource,) = _resource_texts(grant["Resource"])
     drain = load_template()["Resources"]["DrainFunction"]["Properties"]
     assert resource.endswith(":function:" + drain["FunctionName"]["Fn::Sub"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "extra_policies"),
+    [
+        pytest.param({}, set(), id="default"),
+        pytest.param(IN_VPC, {VPC_ACCESS}, id="vpc"),
+        pytest.param(TRACING, {XRAY_WRITE}, id="tracing"),
+        pytest.param(IN_VPC | TRACING, {VPC_ACCESS, XRAY_WRITE}, id="vpc-and-tracing"),
+    ],
+)
+def test_vpc_and_xray_policies_are_attached_only_when_their_parameters_turn_them_on(
+    overrides: dict[str, str], extra_policies: set[str]
+) -> None:
+    # Given the stack as CloudFormation would create it for these parameter values
+    deployment = Deployment(overrides)
+    functions = deployment.of_type("AWS::Lambda::Function")
+    assert {deployment.role_of(name) for name in functions} == FUNCTION_ROLES
+    for name, function in functions.items():
+        # When the managed policies of the role the function runs with are read
+        role = deployment.of_type("AWS::IAM::Role")[deployment.role_of(name)]
+        managed = managed_policy_names(role.get("ManagedPolicyArns", []))
+        # Then it has the logs policy, and the VPC and X-Ray ones exactly when turned on
+        assert managed == {BASIC_EXECUTION} | extra_policies, (name, managed)
+        # And the function is in the VPC and traced exactly then too
+        assert ("VpcConfig" in function) == (VPC_ACCESS in extra_policies), name
+        mode = function.get("TracingConfig", {}).get("Mode", "PassThrough")
+        assert (mode == "Active") == (XRAY_WRITE in extra_policies), name
+    # And no other role (the scheduler's) carries a managed policy at all
+    others = {
+        n: r for n, r in deployment.of_type("AWS::IAM::Role").items() if n not in FUNCTION_ROLES
+    }
+    assert others
+    assert all(not r.get("ManagedPolicyArns") for r in others.values()), others
+
+
+def _invokers(deployment: Deployment) -> set[str]:
+    return {
+        role
+        for role in FUNCTION_ROLES
+        for statement in deployment.statements(role)
+        if any(a.startswith("lambda:") for a in as_list(statement["Action"]))
+    }
+
+
+def test_only_with_fan_out_on_may_the_drain_invoke_itself() -> None:
+    # Given the stack with the default cap of four drains, and with the cap at 1 (fan-out off)
+    fanning_out = Deployment()
+    single = Deployment({"DrainMaxConcurrency": "1"})
+    # When the execution roles that may call Lambda are collected
+    # Then with fan-out on only the drain may, and with it off no function's role may
+    assert _invokers(fanning_out) == {"DrainFunctionRole"}
+    assert _invokers(single) == set()
+    # And the drain is told the same cap, so it never tries what its role does not allow
+    drain = single.of_type("AWS::Lambda::Function")["DrainFunction"]
+    assert drain["Environment"]["Variables"]["DRAIN_MAX_CONCURRENCY"] == "1"
+    # And the only Lambda grant left is the scheduler's, on the scheduled functions
+    (scheduler,) = single.statements("SchedulerRole")
+    assert {r["Fn::GetAtt"][0] for r in scheduler["Resource"]} == SCHEDULED_FUNCTIONS
+
+
+def _via_services(statement: dict[str, Any]) -> set[str]:
+    via = statement.get("Condition", {}).get("StringEquals", {}).get("kms:ViaService", [])
+    return {v["Fn::Sub"] if isinstance(v, dict) else v for v in as_list(via)}
+
+
+def test_every_kms_grant_holds_only_through_the_service_that_uses_the_key() -> None:
+    # Given every statement of every role, both branches of every condition
+    kms_statements = [
+        (name, s)
+        for name, statements in _roles().items()
+        for s in statements
+        if any(a.startswith("kms:") for a in as_list(s["Action"]))
+    ]
+    assert kms_statements
+    # Then each carries a kms:ViaService condition
+    for name, statement in kms_statements:
+        assert _via_services(statement), (name, statement)
+    # And with a customer-managed key for the secrets, each function may decrypt only through
+    # the services that hold what it reads (the alert topic's key only through SNS)
+    deployment = Deployment(KMS_KEY)
+    secrets = {"ssm.${AWS::Region}.amazonaws.com", "secretsmanager.${AWS::Region}.amazonaws.com"}
+    expected = {
+        "DrainFunctionRole": [secrets],
+        "DlqAlertFunctionRole": [{"sns.${AWS::Region}.amazonaws.com"}, secrets],
+        "RedriveFunctionRole": [secrets],
+        "PruneFunctionRole": [{"secretsmanager.${AWS::Region}.amazonaws.com"}],
+    }
+    for role, services in expected.items():
+        granted = [
+            _via_services(s)
+            for s in deployment.statements(role)
+            if any(a.startswith("kms:") for a in as_list(s["Action"]))
+        ]
+        assert granted == services, (role, granted)
+
+
+def test_a_permissions_boundary_applies_to_every_role_only_when_given() -> None:
+    # Given the stack without and with a permissions boundary
+    plain = Deployment()
+    bounded = Deployment({"PermissionsBoundary": BOUNDARY_ARN})
+    # When every role's boundary is read
+    # Then none has one by default, and every role has the given one
+    assert plain.of_type("AWS::IAM::Role")
+    assert all("PermissionsBoundary" not in r for r in plain.of_type("AWS::IAM::Role").values())
+    boundaries = {
+        n: r.get("PermissionsBoundary") for n, r in bounded.of_type("AWS::IAM::Role").items()
+    }
+    assert boundaries == {n: BOUNDARY_ARN for n in FUNCTION_ROLES | {"SchedulerRole"}}
+
+
+def test_a_function_added_without_its_own_role_gets_the_boundary_from_globals() -> None:
+    # Given a new function whose role SAM generates (no Role property), as the template's layout
+    # invites, translated with a boundary set and with none
+    template = load_template()
+    template["Resources"]["ExtraFunction"] = {
+        "Type": "AWS::Serverless::Function",
+        "Properties": {"CodeUri": "functions/drain", "Handler": "app.lambda_handler"},
+    }
+    for boundary in ("", BOUNDARY_ARN):
+        translated = translate(template, REQUIRED | {"PermissionsBoundary": boundary})
+        role = translated["Resources"]["ExtraFunctionRole"]["Properties"]
+        # Then Globals give its role the boundary under the stack's condition
+        assert role["PermissionsBoundary"] == {
+            "Fn::If": [
+                "HasPermissionsBoundary",
+                {"Ref": "PermissionsBoundary"},
+                {"Ref": "AWS::NoValue"},
+            ]
+        }
+        # And SAM attaches the VPC and X-Ray policies to it whatever the parameters say, which
+        # is why every function of the template brings its own role
+        managed = managed_policy_names(role["ManagedPolicyArns"])
+        assert {VPC_ACCESS, XRAY_WRITE} <= managed, managed

@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/cfn-lint template.yaml
 
 typecheck: $(STAMP)
-	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local $(wildcard functions/*/app.py)
+	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local functions
 
 test: lint typecheck
 	$(BIN)/pytest

@@ -29,7 +29,7 @@ from infrai_jobs.queue_client import InfraiClient
 from infrai_local.embedded_db import scratch_database
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "functions" / "drain"))
+sys.path.insert(0, str(ROOT / "functions"))
 
 from jobs.invoice import INVOICES_DDL  # noqa: E402
 

@@ -32,7 +32,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(ROOT / "functions" / "drain"))
+sys.path.insert(0, str(ROOT / "functions"))
 
 from infrai_local.embedded_db import postgres_server_url  # noqa: E402
 from run_bench import PROVIDER_URL  # noqa: E402

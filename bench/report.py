@@ -460,7 +460,7 @@ def _setup_section(document: dict[str, Any]) -> list[str]:
         "RETURNING`, the `UPDATE invoices`, one `UPDATE job_claims SET state = 'done'`, one "
         "ack; autocommit; repeated until the queue is empty. It uses the project's "
         "`InfraiClient`, the same keep-alive HTTP stack as (b).",
-        "- (b) is `infrai_jobs.drain.drain` with `PostgresLedger`, `functions/drain`'s job "
+        "- (b) is `infrai_jobs.drain.drain` with `PostgresLedger`, `functions/jobs`' job "
         "registry and `DrainConfig(queue=...)`, as DrainFunction runs it.",
         "",
     ]

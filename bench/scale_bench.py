@@ -46,7 +46,7 @@ from instruments import latency_summary, sample_busy_percent
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-JOBS_PATH = ROOT / "functions" / "drain"
+JOBS_PATH = ROOT / "functions"
 PROVIDER_URL = "http://127.0.0.1:9"
 TRICKLE_EVERY_S = 0.25
 

@@ -8,7 +8,7 @@ so that peak memory and CPU time are that variant's alone and no GIL is shared w
 or the orchestrator.
 
 Variants: ``notes_loop`` (the field notes' loop, ``notes_loop.py``) and ``drain``
-(``infrai_jobs.drain.drain`` with ``PostgresLedger`` and ``functions/drain``'s job registry), the
+(``infrai_jobs.drain.drain`` with ``PostgresLedger`` and ``functions/jobs``' registry), the
 latter in ``lanes`` threads at once, each with its own HTTP client and database connection.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "functions" / "drain"))  # the drain function's jobs package
+sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
 
 import psycopg  # noqa: E402
 

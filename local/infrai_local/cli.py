@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
@@ -56,7 +55,7 @@ from infrai_jobs.settings import (
 )
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_report import DrainReport, summary_lines
-from infrai_local.jobs_package import find_jobs_folder, load_registry
+from infrai_local.jobs_package import import_jobs, load_registry
 
 if TYPE_CHECKING:
     from infrai_local.fan_out import ProcessDrainStarter
@@ -296,8 +295,8 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--jobs-path",
         default=None,
-        help="folder holding the `jobs` package (default: $INFRAI_JOBS_PATH, else "
-        "functions/drain of the project)",
+        help="a code root holding a `jobs` package, put first on the path (default: "
+        "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
     drain.add_argument(
         "--fan-out-slot",
@@ -410,16 +409,12 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     if args.time_budget_seconds <= 0:
         raise ConfigurationError("--time-budget-seconds must be above 0")
     # Before any stand-in starts: a drain without its jobs could only fail every message.
-    jobs_folder = find_jobs_folder(args.jobs_path)
+    jobs = import_jobs(args.jobs_path)
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
         settings = _with_stand_ins(settings, stack, who="`infrai-jobs drain`")
-        starter = _drain_processes(settings, args, jobs_folder)
-        service = DrainService.from_settings(
-            settings,
-            lambda provider_url: load_registry(jobs_folder, provider_url),
-            starter=starter,
-        )
+        starter = _drain_processes(settings, args)
+        service = DrainService.from_settings(settings, jobs.build_registry, starter=starter)
         stack.callback(service.close)
         deadline = time.monotonic() + args.time_budget_seconds
         # Problem messages and retried calls, one line each on stderr as they happen.
@@ -441,9 +436,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _drain_processes(
-    settings: Settings, args: argparse.Namespace, jobs_folder: Path
-) -> ProcessDrainStarter | None:
+def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDrainStarter | None:
     """Locally, a fan-out starts `infrai-jobs drain` processes on this queue and ledger."""
     if settings.drain_max_concurrency <= 1:
         return None
@@ -462,7 +455,7 @@ def _drain_processes(
         }
     )
     return ProcessDrainStarter(
-        env, time_budget_seconds=args.time_budget_seconds, jobs_path=str(jobs_folder)
+        env, time_budget_seconds=args.time_budget_seconds, jobs_path=args.jobs_path
     )
 
 
@@ -501,8 +494,8 @@ def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:
 
 
 def _key_function(jobs_path: str | None) -> Callable[[object], str]:
-    """Keys as DrainFunction derives them: with the registry of the drain's own jobs package."""
-    registry = load_registry(find_jobs_folder(jobs_path), "")
+    """Keys as DrainFunction derives them: with the registry of the same jobs package."""
+    registry = load_registry("", jobs_path)
     return lambda payload: registry.derive(payload).idem_key
 
 

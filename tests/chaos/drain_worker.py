@@ -1,6 +1,6 @@
 """One warm DrainFunction execution environment, as a process the soak can SIGKILL.
 
-It runs the deployed handler (``functions/drain/app.py``: Powertools Logger and Metrics, the
+It runs the deployed handler (``drain.app``: Powertools Logger and Metrics, the
 cached ``DrainService``) invocation after invocation, each with a Lambda-like context whose
 remaining time counts down, the way EventBridge ticks reach a warm function. The only addition is
 the soak's ``soak.db`` job in the function's registry.
@@ -47,7 +47,7 @@ from typing import Any
 
 from soak_jobs import register_soak_jobs
 
-import jobs  # the function's own jobs package (functions/drain is on the path)
+import jobs  # the functions' own jobs package (functions/ is on the path)
 from infrai_jobs.jobs import Effect, Handler, JobContext, JobDefinition, JobRegistry, Payload
 from infrai_jobs.queue_models import Pending
 
@@ -179,7 +179,7 @@ def main() -> int:
 
     # Before app is imported: the handler module binds jobs.build_registry at import.
     jobs.build_registry = build_registry
-    import app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
+    from drain import app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
 
     invocation_seconds = float(os.environ["SOAK_INVOCATION_SECONDS"])
     idle_seconds = float(os.environ.get("SOAK_IDLE_SECONDS", "0.2"))

@@ -1162,7 +1162,7 @@ def _workload(plan: Plan) -> Counter[str]:
 def _drain_env(
     config: SoakConfig, database: SoakDatabase, base_url: str, provider_url: str, api_key: str
 ) -> dict[str, str]:
-    pythonpath = [str(HERE), str(ROOT / "functions" / "drain")]
+    pythonpath = [str(HERE), str(ROOT / "functions")]
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(pythonpath),

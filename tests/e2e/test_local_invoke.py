@@ -88,8 +88,8 @@ def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, 
 def test_the_template_and_env_file_resolve_like_sam() -> None:
     spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
     # Globals, the function's own variables, parameter defaults and the env-vars file combine
-    assert spec.handler == "app.lambda_handler"
-    assert spec.code_uri == ROOT / "functions" / "drain"
+    assert spec.handler == "drain.app.lambda_handler"
+    assert spec.code_uri == ROOT / "functions"
     assert spec.layer_dirs == (ROOT / "layers" / "common",)
     assert spec.timeout == 240
     assert spec.environment["INFRAI_QUEUE"] == "billing-jobs"
@@ -356,7 +356,7 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None
     check = textwrap.dedent(
         """
         import sys
-        import app
+        from drain import app
         app.service()
         # (Powertools imports botocore's bare package, under a millisecond, for its user agent)
         print(sorted(m for m in ("urllib3", "boto3", "botocore.client") if m in sys.modules))

@@ -1,5 +1,5 @@
 """A harness for drain tests: the emulator over HTTP, a migrated ledger in a real PostgreSQL, the
-example jobs from ``functions/drain/jobs`` and a few test jobs whose effects can be counted."""
+example jobs from ``functions/jobs`` and a few test jobs whose effects can be counted."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 OPERATOR = "on-call@example.com"
-DRAIN_FUNCTION_CODE = HERE.parent.parent / "functions" / "drain"
+FUNCTIONS_CODE = HERE.parent.parent / "functions"
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -205,7 +205,7 @@ def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:
 def child_env() -> dict[str, str]:
     """This environment, with the path a child Python needs to import this module (and the
     tests' shared helpers beside it) and the drain function's code (its ``jobs`` package)."""
-    path = [str(HERE), str(HERE.parent), str(DRAIN_FUNCTION_CODE)]
+    path = [str(HERE), str(HERE.parent), str(FUNCTIONS_CODE)]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 

@@ -100,7 +100,7 @@ def _code_strings(tree: ast.AST) -> set[str]:
 
 
 def test_the_layer_names_no_job_of_the_jobs_package() -> None:
-    # The jobs' names and key rules live in functions/drain/jobs; the registry hands them over.
+    # The jobs' names and key rules live in functions/jobs; the registry hands them over.
     from jobs import build_registry  # noqa: PLC0415 - the example jobs, on the test path
 
     job_names = {job.name for job in build_registry("http://127.0.0.1:1")}

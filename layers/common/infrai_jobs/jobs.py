@@ -1,6 +1,6 @@
 """Declaring jobs: a name, how its key is derived, its effect class, and its handler.
 
-Users write handlers in ``functions/drain/jobs/`` and register them on a ``JobRegistry``::
+Users write handlers in ``functions/jobs/`` and register them on a ``JobRegistry``::
 
     registry = JobRegistry()
 

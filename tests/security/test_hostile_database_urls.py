@@ -182,7 +182,6 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(ClaimsAdmin(url), message),
-        "redrive's key lookup": lambda: redrive_module.key_of_with_ledger(ClaimsAdmin(url), "k"),
     }
 
 

@@ -76,7 +76,6 @@ def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_er
         "claims admin": lambda: ClaimsAdmin(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(ClaimsAdmin(url), message),
-        "redrive's key lookup": lambda: redrive_module.key_of_with_ledger(ClaimsAdmin(url), "k"),
     }
     for name, call in entry_points.items():
         # When each is used

@@ -45,6 +45,7 @@ from infrai_local.embedded_db import (
 )
 from infrai_local.example_data import example_tables_ddl
 from infrai_local.invoke import invoke, resolve
+from infrai_local.jobs_package import project_root
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -195,7 +196,7 @@ def _chapter_crash_before_ack(stage: _Stage, report: DemoReport) -> None:
             stage.emulator_url,
             stage.database_url,
             stage.sink_url,
-            str(stage.root / "functions" / "drain"),
+            str(stage.root / "functions"),
         ],
         capture_output=True,
         text=True,
@@ -338,10 +339,16 @@ def _stage(root: Path) -> Iterator[_Stage]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infrai-jobs demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project folder")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the project folder (default: the one whose jobs package is installed)",
+    )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
     args = parser.parse_args(argv)
-    report = run_story(args.root.resolve(), DemoReport())
+    root = args.root.resolve() if args.root is not None else project_root()
+    report = run_story(root, DemoReport())
     if args.json:
         print(json.dumps(report.facts, default=str))
     return 0

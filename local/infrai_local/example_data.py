@@ -16,13 +16,14 @@ from typing import LiteralString
 
 from infrai_jobs.postgres import connect_to_ledger
 from infrai_jobs.settings import Settings
+from infrai_local.jobs_package import project_root
 
 _DRAFT: LiteralString = "INSERT INTO invoices (id) VALUES (%(id)s) ON CONFLICT (id) DO NOTHING"
 
 
 def example_tables_ddl(root: Path) -> str:
     """The table the example job updates, as the job itself declares it."""
-    folder = str(root / "functions" / "drain")
+    folder = str(root / "functions")
     if folder not in sys.path:
         sys.path.insert(0, folder)
     ddl: str = importlib.import_module("jobs.invoice").INVOICES_DDL
@@ -41,11 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ID",
         help="a draft invoice to create (repeatable; default: inv_8812)",
     )
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project folder")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the project folder (default: the one whose jobs package is installed)",
+    )
     args = parser.parse_args(argv)
     url = Settings.from_env().require_database_url()
     invoices = args.invoice or ["inv_8812"]
-    ddl = example_tables_ddl(args.root.resolve())
+    ddl = example_tables_ddl(args.root.resolve() if args.root is not None else project_root())
     with connect_to_ledger(url, application_name="infrai-jobs-example-data") as conn:
         conn.execute(ddl.encode())
         for invoice in invoices:

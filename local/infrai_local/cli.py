@@ -55,6 +55,7 @@ from infrai_jobs.settings import (
 )
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_report import DrainReport, summary_lines
+from infrai_local.job_migrations import installed_job_migrations
 from infrai_local.jobs_package import import_jobs, load_registry
 
 if TYPE_CHECKING:
@@ -279,7 +280,17 @@ def _build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--create", action="store_true", help="create the queue and DLQ first")
     publish.set_defaults(command=_cmd_publish)
 
-    migrate = sub.add_parser("migrate", help="create or upgrade the claim ledger's tables")
+    migrate = sub.add_parser(
+        "migrate",
+        help="create or upgrade the claim ledger's tables, then the jobs' own "
+        "(functions/jobs/migrations)",
+    )
+    migrate.add_argument(
+        "--jobs-path",
+        default=None,
+        help="a code root holding the `jobs` package whose migrations to apply (default: "
+        "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
+    )
     migrate.set_defaults(command=_cmd_migrate)
 
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
@@ -316,7 +327,9 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _with_stand_ins(settings: Settings, stack: contextlib.ExitStack, *, who: str) -> Settings:
+def _with_stand_ins(
+    settings: Settings, stack: contextlib.ExitStack, *, who: str, jobs_path: str | None = None
+) -> Settings:
     """All or nothing (DESIGN.md, "Local stand-ins are all or nothing"): with no real endpoint
     configured, start the emulator (with the queue and its DLQ), an embedded migrated
     PostgreSQL and the provider sink, stopped on exit, after saying so in one line; with any
@@ -341,7 +354,7 @@ def _with_stand_ins(settings: Settings, stack: contextlib.ExitStack, *, who: str
     # The embedded server is this process's own, whatever the shell says: never migrate a
     # database this command did not start.
     url = embedded_db.ensure_database_url({}, announce=lambda _line: None)
-    _migrate(url)
+    _migrate(url, jobs_path)
     settings = replace(
         settings,
         infrai_base_url=server.url,
@@ -375,10 +388,12 @@ def _queue_client(settings: Settings) -> Iterator[InfraiClient]:
         client.close()
 
 
-def _migrate(url: str) -> list[Migration]:
+def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
+    """The ledger's migrations, then the jobs package's own (read before connecting)."""
+    jobs = installed_job_migrations(jobs_path)
     with connect_to_ledger(url, connect_timeout=10, application_name="infrai-jobs-migrate") as conn:
         try:
-            return apply_migrations(conn)
+            return apply_migrations(conn, jobs)
         except psycopg.Error as exc:
             raise ledger_error(exc, "cannot migrate", url) from exc
 
@@ -392,11 +407,14 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
             "PostgreSQL URL, e.g. postgresql://user@127.0.0.1:5432/jobs"
         )
     url = resolve_secrets(settings, api_key=False).require_database_url()
-    applied = _migrate(url)
+    applied = _migrate(url, args.jobs_path)
     for migration in applied:
-        print(f"applied {migration.version}: {migration.name}")
+        print(f"applied {migration.owner} {migration.version:04d}: {migration.name}")
     if not applied:
-        print(f"schema already at version {LATEST_VERSION}; nothing to do")
+        print(
+            f"ledger schema already at version {LATEST_VERSION} and every jobs migration "
+            "applied; nothing to do"
+        )
     return EXIT_OK
 
 
@@ -412,7 +430,9 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     jobs = import_jobs(args.jobs_path)
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
-        settings = _with_stand_ins(settings, stack, who="`infrai-jobs drain`")
+        settings = _with_stand_ins(
+            settings, stack, who="`infrai-jobs drain`", jobs_path=args.jobs_path
+        )
         starter = _drain_processes(settings, args)
         service = DrainService.from_settings(settings, jobs.build_registry, starter=starter)
         stack.callback(service.close)

@@ -43,8 +43,8 @@ from infrai_local.embedded_db import (
     ensure_database_url,
     scratch_database,
 )
-from infrai_local.example_data import example_tables_ddl
 from infrai_local.invoke import invoke, resolve
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.jobs_package import project_root
 
 QUEUE = "billing-jobs"
@@ -320,8 +320,8 @@ def _stage(root: Path) -> Iterator[_Stage]:
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(_demo_database())
         with psycopg.connect(database_url, autocommit=True) as conn:
-            apply_migrations(conn)
-            conn.execute(example_tables_ddl(root))
+            # The ledger's tables, then the jobs' own (invoices), as `infrai-jobs migrate` does.
+            apply_migrations(conn, read_job_migrations(jobs_migrations_folder(root / "functions")))
             conn.execute(COUNT_INVOICE_UPDATES)
             conn.execute(
                 "INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_8813')"

@@ -245,9 +245,10 @@ def local_services(
     the function's endpoints (INFRAI_BASE_URL, DATABASE_URL or DATABASE_SECRET_ARN,
     PROVIDER_URL) is configured, each one it declares is stood in for the invocation (an
     emulator with the function's queue, an embedded PostgreSQL that this command starts and
-    therefore migrates, a provider sink), after one line saying so; when any is configured, a
-    missing one is a ``ConfigurationError`` and nothing starts. A database this command did
-    not start is never migrated: the handler reports ``SchemaNotMigrated`` with the command.
+    therefore migrates, the jobs' migrations included, a provider sink), after one line saying
+    so; when any is configured, a missing one is a ``ConfigurationError`` and nothing starts. A
+    database this command did not start is never migrated: the handler reports
+    ``SchemaNotMigrated`` with the command.
     """
     say = announce if announce is not None else _to_stderr
     env = spec.environment
@@ -278,16 +279,7 @@ def local_services(
         if plan:
             say(sandbox_notice(plan, who=who))
         if LEDGER_ENDPOINT in plan:
-            from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
-            from infrai_jobs.postgres import connect_to_ledger  # noqa: PLC0415
-            from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
-
-            # This process's own embedded server, whatever the shell says: the one database
-            # invoke may migrate is one it started.
-            url = ensure_database_url({}, announce=lambda _line: None)
-            with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
-                apply_migrations(conn)
-            values["DATABASE_URL"] = url
+            values["DATABASE_URL"] = _embedded_migrated_ledger(spec.code_uri)
             values["DATABASE_SECRET_ARN"] = ""
         if QUEUE_ENDPOINT in plan:
             from infrai_jobs.queue_client import InfraiClient  # noqa: PLC0415
@@ -372,6 +364,25 @@ def _int_or_zero(value: str) -> int:
         return int(value)
     except ValueError:
         return 0
+
+
+def _embedded_migrated_ledger(code_uri: Path) -> str:
+    """This process's own embedded server, whatever the shell says: the one database invoke
+    may migrate is one it started. The jobs' tables are those of the jobs package in the
+    function's own code."""
+    from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+    from infrai_jobs.postgres import connect_to_ledger  # noqa: PLC0415
+    from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
+    from infrai_local.job_migrations import (  # noqa: PLC0415
+        jobs_migrations_folder,
+        read_job_migrations,
+    )
+
+    jobs = read_job_migrations(jobs_migrations_folder(code_uri))
+    url = ensure_database_url({}, announce=lambda _line: None)
+    with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
+        apply_migrations(conn, jobs)
+    return url
 
 
 def _require_migrated(url: str) -> None:

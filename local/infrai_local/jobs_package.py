@@ -62,5 +62,5 @@ def code_root(explicit: str | None = None) -> Path:
 
 def project_root() -> Path:
     """The project the imported jobs package belongs to (template.yaml, events/): the folder
-    holding its code root. ``demo`` and ``example-data`` use it, so they run from any folder."""
+    holding its code root. ``demo`` uses it, so it runs from any folder."""
     return code_root().parent

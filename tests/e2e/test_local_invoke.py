@@ -20,6 +20,7 @@ from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import dependency_path, invoke, resolve
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.sam_template import (
     function_names,
     load_template,
@@ -34,11 +35,8 @@ EVENTS = ROOT / "events"
 @pytest.fixture
 def services(database_url: str) -> Iterator[dict[str, str]]:
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn)
-        conn.execute(
-            "CREATE TABLE invoices (id text PRIMARY KEY, status text, total_cents bigint);"
-            "INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)"
-        )
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+        conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
     server = emulator.start_in_thread()
     sink = provider_sink.start_in_thread()
     try:

@@ -29,8 +29,8 @@ from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.settings import Settings
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from jobs import build_registry
-from jobs.invoice import INVOICES_DDL
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -152,8 +152,8 @@ class Harness:
 
 def prepare_database(database_url: str) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn)
-        conn.execute(INVOICES_DDL)
+        # The ledger's, then the example jobs' own migrations (invoices), as `migrate` does.
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(FUNCTIONS_CODE)))
         conn.execute(EFFECTS_DDL)
 
 

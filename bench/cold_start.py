@@ -130,7 +130,8 @@ def child_environment(port: int, *, tracing: bool) -> dict[str, str]:
             "INFRAI_BASE_URL": unreachable,
             "INFRAI_API_KEY": "cold-start-key",
             "DATABASE_URL": f"postgresql://bench@127.0.0.1:{port}/bench?connect_timeout=1",
-            "PROVIDER_URL": unreachable,
+            "MAIL_PROVIDER_URL": unreachable,
+            "DIGEST_PROVIDER_URL": unreachable,
             "POWERTOOLS_TRACE_DISABLED": "false" if tracing else "true",
         }
     )

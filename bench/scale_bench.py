@@ -97,7 +97,8 @@ def _drain_env(
         "INFRAI_QUEUE": queue,
         "INFRAI_DLQ": f"{queue}-dlq",
         "DATABASE_URL": database_url,
-        "PROVIDER_URL": PROVIDER_URL,
+        "MAIL_PROVIDER_URL": PROVIDER_URL,
+        "DIGEST_PROVIDER_URL": PROVIDER_URL,
         **extra,
     }
 

@@ -32,6 +32,7 @@ import psycopg  # noqa: E402
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain  # noqa: E402
 from infrai_jobs.factory import client_pool_size  # noqa: E402
+from infrai_jobs.jobs import JobRegistry  # noqa: E402
 from infrai_jobs.ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.queue_client import InfraiClient  # noqa: E402
 from jobs import build_registry  # noqa: E402
@@ -64,6 +65,13 @@ class _Drained:
     outcomes: dict[str, int]
 
 
+def bound_registry(provider_url: str) -> JobRegistry:
+    """The functions' registry, every job setting pointed at ``provider_url``."""
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
+    return registry
+
+
 def _notes_loop(
     spec: dict[str, Any], recorder: BatchRecorder, trace: ProtocolTrace | None
 ) -> _Drained:
@@ -90,7 +98,7 @@ def _drain_lanes(
         spec["emulator_url"], spec["api_key"], pool_maxsize=client_pool_size(lanes)
     )
     ledgers = [PostgresLedger(spec["database_url"]) for _ in range(lanes)]
-    registries = [build_registry(spec["provider_url"]) for _ in range(lanes)]
+    registries = [bound_registry(spec["provider_url"]) for _ in range(lanes)]
     config = DrainConfig(queue=spec["queue"])
 
     def lane(index: int) -> DrainSummary:

@@ -1,7 +1,8 @@
-"""The jobs this drain runs. Copy an example module, register it in ``build_registry``, done.
+"""The team's jobs. Copy an example module, register it in ``build_registry``, done.
 
 Each module declares one job: its name, the payload fields that identify the work (its
-idempotency key), its effect class, and a handler. See ``infrai_jobs.jobs`` for the contract.
+idempotency key), its effect class, the settings it needs (the URLs it calls) and a handler; its
+tables are migrations in ``migrations/``. See ``infrai_jobs.jobs`` for the contract.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from infrai_jobs.jobs import JobRegistry
 from jobs import digest, invoice, receipt
 
 
-def build_registry(provider_url: str) -> JobRegistry:
-    """Every job this function knows; ``provider_url`` is where the example effects go."""
+def build_registry() -> JobRegistry:
+    """Every job the functions know. Their settings are bound by the drain at start-up."""
     registry = JobRegistry()
     invoice.register(registry)
-    receipt.register(registry, provider_url)
-    digest.register(registry, provider_url)
+    receipt.register(registry)
+    digest.register(registry)
     return registry

@@ -40,8 +40,9 @@ def dependencies() -> tuple[Settings, InfraiClient]:
 @cache
 def registry() -> JobRegistry:
     """The drain's own jobs (the shared ``jobs`` package): a dead letter's key is derived here
-    exactly as DrainFunction derived it. Only keys are derived: no job runs, so no endpoint."""
-    return build_registry("")
+    exactly as DrainFunction derived it. Only keys are derived: no job runs, so the jobs'
+    settings are neither read nor needed."""
+    return build_registry()
 
 
 @cache

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
@@ -46,7 +47,6 @@ from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import (
     DEFAULT_BASE_URL,
     LEDGER_ENDPOINT,
-    PROVIDER_ENDPOINT,
     QUEUE_ENDPOINT,
     Settings,
     raw_database_url,
@@ -56,7 +56,7 @@ from infrai_jobs.settings import (
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_report import DrainReport, summary_lines
 from infrai_local.job_migrations import installed_job_migrations
-from infrai_local.jobs_package import import_jobs, load_registry
+from infrai_local.jobs_package import load_registry
 
 if TYPE_CHECKING:
     from infrai_local.fan_out import ProcessDrainStarter
@@ -332,12 +332,14 @@ def _with_stand_ins(
 ) -> Settings:
     """All or nothing (DESIGN.md, "Local stand-ins are all or nothing"): with no real endpoint
     configured, start the emulator (with the queue and its DLQ), an embedded migrated
-    PostgreSQL and the provider sink, stopped on exit, after saying so in one line; with any
-    real endpoint configured, a missing one is a ``ConfigurationError`` and nothing starts."""
+    PostgreSQL and the provider sink (for every setting the jobs declared), stopped on exit,
+    after saying so in one line; with any real endpoint configured, a missing one is a
+    ``ConfigurationError`` naming it (a job's setting with its jobs) and nothing starts."""
     plan = stand_ins(
         settings.configured_endpoints(),
-        (QUEUE_ENDPOINT, LEDGER_ENDPOINT, PROVIDER_ENDPOINT),
+        (QUEUE_ENDPOINT, LEDGER_ENDPOINT, *settings.job_settings),
         who=who,
+        job_setting_owners=settings.job_setting_owners,
     )
     if not plan:
         return settings
@@ -360,7 +362,7 @@ def _with_stand_ins(
         infrai_base_url=server.url,
         infrai_api_key=settings.infrai_api_key or "local-emulator",
         database_url=url,
-        provider_url=sink.url,
+        job_settings=MappingProxyType(dict.fromkeys(settings.job_settings, sink.url)),
     )
     client = make_queue_client(settings)
     try:
@@ -419,22 +421,23 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    # Before any stand-in starts: a drain without its jobs could only fail every message. Only
+    # the settings its jobs declared are read.
+    registry = load_registry(args.jobs_path)
+    settings = Settings.from_env(job_settings=registry.declared_settings())
     if args.queue:
         settings = replace(settings, queue=args.queue)
     if args.max_batches is not None and args.max_batches < 1:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.time_budget_seconds <= 0:
         raise ConfigurationError("--time-budget-seconds must be above 0")
-    # Before any stand-in starts: a drain without its jobs could only fail every message.
-    jobs = import_jobs(args.jobs_path)
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
         settings = _with_stand_ins(
             settings, stack, who="`infrai-jobs drain`", jobs_path=args.jobs_path
         )
         starter = _drain_processes(settings, args)
-        service = DrainService.from_settings(settings, jobs.build_registry, starter=starter)
+        service = DrainService.from_settings(settings, registry, starter=starter)
         stack.callback(service.close)
         deadline = time.monotonic() + args.time_budget_seconds
         # Problem messages and retried calls, one line each on stderr as they happen.
@@ -471,7 +474,7 @@ def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDra
             "INFRAI_QUEUE": settings.queue,
             "INFRAI_DLQ": settings.dlq,
             "DATABASE_URL": settings.database_url,
-            "PROVIDER_URL": settings.provider_url,
+            **settings.job_settings,
         }
     )
     return ProcessDrainStarter(
@@ -515,7 +518,7 @@ def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:
 
 def _key_function(jobs_path: str | None) -> Callable[[object], str]:
     """Keys as DrainFunction derives them: with the registry of the same jobs package."""
-    registry = load_registry("", jobs_path)
+    registry = load_registry(jobs_path)
     return lambda payload: registry.derive(payload).idem_key
 
 

@@ -46,6 +46,7 @@ from infrai_local.embedded_db import (
 from infrai_local.invoke import invoke, resolve
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.jobs_package import project_root
+from infrai_local.provider_sink import sink_settings
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -72,10 +73,12 @@ _CRASH_BEFORE_ACK = textwrap.dedent(
     from infrai_jobs.queue_client import InfraiClient
     from jobs import build_registry
 
-    base_url, database_url, provider_url = sys.argv[1:4]
+    base_url, database_url, sink_url = sys.argv[1:4]
     client = InfraiClient(base_url, "demo-key")
     client.send_ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
-    drain(client, PostgresLedger(database_url), build_registry(provider_url),
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), sink_url))
+    drain(client, PostgresLedger(database_url), registry,
           DrainConfig(queue="billing-jobs"), lambda: 60_000)
     """
 )
@@ -116,7 +119,7 @@ class _Stage:
             "INFRAI_API_KEY_PARAMETER": "",
             "DATABASE_URL": self.database_url,
             "DATABASE_SECRET_ARN": "",
-            "PROVIDER_URL": self.sink_url,
+            **sink_settings(self.sink_url, str(self.root / "functions")),
             "INFRAI_QUEUE": QUEUE,
             "INFRAI_DLQ": DLQ,
             "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobsDemo",

@@ -49,9 +49,9 @@ def import_jobs(explicit: str | None = None) -> ModuleType:
         ) from None
 
 
-def load_registry(provider_url: str, explicit: str | None = None) -> JobRegistry:
-    """``jobs.build_registry(provider_url)``, the registry every function builds."""
-    registry: JobRegistry = import_jobs(explicit).build_registry(provider_url)
+def load_registry(explicit: str | None = None) -> JobRegistry:
+    """``jobs.build_registry()``, the registry every function builds (settings not bound)."""
+    registry: JobRegistry = import_jobs(explicit).build_registry()
     return registry
 
 

@@ -6,8 +6,8 @@ remaining time counts down, the way EventBridge ticks reach a warm function. The
 the soak's ``soak.db`` job in the function's registry.
 
 Settings come from the function's own environment variables (``INFRAI_BASE_URL``,
-``INFRAI_API_KEY``, ``DATABASE_URL``, ``PROVIDER_URL``, ``DRAIN_BATCH_BUDGET_MS``,
-``LEASE_GRACE_SECONDS``, ``POWERTOOLS_*``) plus:
+``INFRAI_API_KEY``, ``DATABASE_URL``, the jobs' settings such as ``MAIL_PROVIDER_URL``,
+``DRAIN_BATCH_BUDGET_MS``, ``LEASE_GRACE_SECONDS``, ``POWERTOOLS_*``) plus:
 
 * ``SOAK_INVOCATION_SECONDS``: the context's time budget per invocation;
 * ``SOAK_KILL_AT_ACK``: SIGKILL this process just before its N-th ack, that is after the ledger
@@ -173,8 +173,8 @@ def main() -> int:
     deployed_registry = jobs.build_registry
     die_in_calls = os.environ.get("SOAK_DIE_IN_CALL", "") == "1"
 
-    def build_registry(provider_url: str) -> Any:
-        registry = register_soak_jobs(deployed_registry(provider_url))
+    def build_registry() -> Any:
+        registry = register_soak_jobs(deployed_registry())
         return dying_in_calls(registry) if die_in_calls else registry
 
     # Before app is imported: the handler module binds jobs.build_registry at import.

@@ -22,6 +22,7 @@ from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.fan_out import CLI, LocalLambda
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -111,7 +112,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
                         "DATABASE_SECRET_ARN": "",
                     },
                     "DrainFunction": {
-                        "PROVIDER_URL": sink.url,
+                        **sink_settings(sink.url),
                         "DRAIN_MAX_CONCURRENCY": "3",
                         "DRAIN_FANOUT_AFTER_SECONDS": "1",
                     },

@@ -21,6 +21,7 @@ from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import dependency_path, invoke, resolve
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
 from infrai_local.sam_template import (
     function_names,
     load_template,
@@ -44,7 +45,7 @@ def services(database_url: str) -> Iterator[dict[str, str]]:
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY": "local-dev-key",
             "DATABASE_URL": database_url,
-            "PROVIDER_URL": sink.url,
+            **sink_settings(sink.url),
         }
     finally:
         sink.stop()
@@ -348,7 +349,7 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None
         "INFRAI_BASE_URL": "http://127.0.0.1:9",
         "INFRAI_API_KEY": "cold-key",
         "DATABASE_URL": "postgresql://cold@127.0.0.1:9/cold",
-        "PROVIDER_URL": "http://127.0.0.1:9",
+        **sink_settings("http://127.0.0.1:9"),
         "POWERTOOLS_TRACE_DISABLED": "true",
     }
     check = textwrap.dedent(

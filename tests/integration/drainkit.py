@@ -30,6 +30,7 @@ from infrai_jobs.settings import Settings
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
 from jobs import build_registry
 
 HERE = Path(__file__).resolve().parent
@@ -168,8 +169,10 @@ def harness(
     client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
     client.ensure_queue(QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
-    registry = build_registry(sink.url)
+    registry = build_registry()
     add_test_jobs(registry, database_url)
+    # The example jobs' settings (MAIL_PROVIDER_URL, ...) all point at the sink.
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), sink.url))
     kit = Harness(server, sink, client, ledger, registry, database_url)
     try:
         yield kit
@@ -233,7 +236,7 @@ def run_cli(
             "INFRAI_BASE_URL": kit.server.url,
             "INFRAI_API_KEY": "test-key",
             "DATABASE_URL": kit.database_url,
-            "PROVIDER_URL": kit.sink.url,
+            **sink_settings(kit.sink.url),
             "OPERATOR": OPERATOR,
             **env,
         }

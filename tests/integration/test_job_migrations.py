@@ -37,7 +37,7 @@ def code_root(folder: Path, migrations: dict[str, str]) -> Path:
     (folder / "jobs" / "migrations").mkdir(parents=True)
     (folder / "jobs" / "__init__.py").write_text(
         "from infrai_jobs.jobs import JobRegistry\n"
-        "def build_registry(provider_url):\n"
+        "def build_registry():\n"
         "    return JobRegistry()\n"
     )
     for name, sql in migrations.items():

@@ -26,7 +26,7 @@ JOBS_PACKAGE = textwrap.dedent(
     from infrai_jobs.jobs import Effect, JobRegistry
 
 
-    def build_registry(provider_url):
+    def build_registry():
         registry = JobRegistry()
 
         @registry.job("cli.ok", effect=Effect.DATABASE, identity=("id",))

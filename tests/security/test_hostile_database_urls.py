@@ -30,6 +30,7 @@ from infrai_jobs.settings import Settings
 from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
+from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -221,7 +222,7 @@ def services() -> Iterator[dict[str, str]]:
     server = emulator.start_in_thread()
     sink = provider_sink.start_in_thread()
     try:
-        yield {"INFRAI_BASE_URL": server.url, "INFRAI_API_KEY": "k", "PROVIDER_URL": sink.url}
+        yield {"INFRAI_BASE_URL": server.url, "INFRAI_API_KEY": "k", **sink_settings(sink.url)}
     finally:
         sink.stop()
         server.stop()

@@ -125,7 +125,7 @@ def test_the_objects_a_handler_holds_never_print_a_secret(emulator: RunningEmula
         database_url=f"postgresql://infrai:{PASSWORD}@127.0.0.1:1/jobs",
         redis_url=f"rediss://:{PASSWORD}@cache.example:6379/0",
     )
-    service = DrainService.from_settings(settings, lambda _url: JobRegistry())
+    service = DrainService.from_settings(settings, JobRegistry())
     # When they are printed (a log line, an assertion message, a debugger)
     printed = " ".join([repr(settings), repr(service), str(service), repr(service.ledger)])
     # Then no secret shows

@@ -27,7 +27,7 @@ def code_root_with_jobs(root: Path, job: str) -> Path:
     (root / "jobs").mkdir(parents=True)
     (root / "jobs" / "__init__.py").write_text(
         "from infrai_jobs.jobs import Effect, JobRegistry\n"
-        "def build_registry(provider_url):\n"
+        "def build_registry():\n"
         "    registry = JobRegistry()\n"
         f"    registry.job({job!r}, effect=Effect.DATABASE, identity=('id',))(lambda p, c: None)\n"
         "    return registry\n"

@@ -16,6 +16,11 @@ The effect class decides how the claim protects the work (see DESIGN.md's outcom
   call leaves it for a human, never for a retry.
 * ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
   may be taken over and the call repeated with the same key.
+
+A job declares the settings it needs by name (``settings=("MAIL_PROVIDER_URL",)``): the URLs of
+the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
+declared ones at its edge (``infrai_jobs.settings``) and binds them with ``bind_settings`` before
+anything is consumed; a handler finds its own in ``ctx.settings``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
@@ -53,6 +59,8 @@ class JobContext:
     deadline: float
     # Only for DATABASE jobs: the connection whose transaction also holds the claim.
     db: psycopg.Connection[Any] | None = None
+    # The values of the settings this job declared, by name (e.g. MAIL_PROVIDER_URL).
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]
@@ -68,6 +76,8 @@ class JobDefinition:
     identity: tuple[str, ...] = ()
     # Fields the handler cannot work without; a payload missing one is rejected before claiming.
     required: tuple[str, ...] = ()
+    # The settings (environment variables) the handler reads from ``ctx.settings``.
+    settings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +88,14 @@ class DerivedJob:
     payload: Payload
     idem_key: str
     fingerprint: str
+    # The bound values of the job's declared settings (``JobRegistry.bind_settings``).
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass
 class JobRegistry:
     _jobs: dict[str, JobDefinition] = field(default_factory=dict)
+    _settings: dict[str, Mapping[str, str]] = field(default_factory=dict)
 
     def register(self, definition: JobDefinition) -> JobDefinition:
         """Add a job; a definition that could never key a message fails here, at start-up,
@@ -103,10 +116,15 @@ class JobRegistry:
         effect: Effect,
         identity: Sequence[str] = (),
         required: Sequence[str] = (),
+        settings: Sequence[str] = (),
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``."""
 
-        for label, fields in (("identity", identity), ("required", required)):
+        for label, fields in (
+            ("identity", identity),
+            ("required", required),
+            ("settings", settings),
+        ):
             if isinstance(fields, str):
                 # A bare string is a Sequence[str] too: it would name one field per character.
                 raise ConfigurationError(
@@ -121,6 +139,7 @@ class JobRegistry:
                     handler=handler,
                     identity=tuple(identity),
                     required=tuple(dict.fromkeys((*identity, *required))),
+                    settings=tuple(dict.fromkeys(settings)),
                 )
             )
             return handler
@@ -135,6 +154,32 @@ class JobRegistry:
 
     def get(self, name: str) -> JobDefinition | None:
         return self._jobs.get(name)
+
+    def declared_settings(self) -> dict[str, tuple[str, ...]]:
+        """Every setting a registered job declared, with the jobs that declared it."""
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            for name in job.settings:
+                owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
+
+    def bind_settings(self, values: Mapping[str, str]) -> None:
+        """Give every job the values of the settings it declared, at start-up: one that is
+        missing or empty is a ``ConfigurationError`` naming the setting and its jobs."""
+        missing = {
+            name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
+        }
+        if missing:
+            raise ConfigurationError(
+                "; ".join(
+                    f"{name} is not set, and job(s) {', '.join(jobs)} need it"
+                    for name, jobs in missing.items()
+                )
+            )
+        self._settings = {
+            job.name: MappingProxyType({name: values[name] for name in job.settings})
+            for job in self._jobs.values()
+        }
 
     def identity_table(self) -> dict[str, tuple[str, ...]]:
         return {job.name: job.identity for job in self._jobs.values() if job.identity}
@@ -156,7 +201,8 @@ class JobRegistry:
         if missing:
             raise KeyDerivationError(f"job {name!r} is missing field(s): {', '.join(missing)}")
         idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
-        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload))
+        settings = self._settings.get(name, MappingProxyType({}))
+        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload), settings)
 
 
 def _json_type_name(value: object) -> str:

@@ -273,7 +273,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="tell the field notes' story end to end, locally", add_help=False)
 
     publish = sub.add_parser("publish", help="publish one JSON job to the queue")
-    publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "invoice.finalize", ...}\'')
+    publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
     publish.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     publish.add_argument("--delay-seconds", type=int, default=None)
     publish.add_argument("--count", type=int, default=1, help="publish the same body N times")

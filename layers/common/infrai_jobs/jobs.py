@@ -17,7 +17,7 @@ The effect class decides how the claim protects the work (see DESIGN.md's outcom
 * ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
   may be taken over and the call repeated with the same key.
 
-A job declares the settings it needs by name (``settings=("MAIL_PROVIDER_URL",)``): the URLs of
+A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
 the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
 declared ones at its edge (``infrai_jobs.settings``) and binds them with ``bind_settings`` before
 anything is consumed; a handler finds its own in ``ctx.settings``.
@@ -59,7 +59,7 @@ class JobContext:
     deadline: float
     # Only for DATABASE jobs: the connection whose transaction also holds the claim.
     db: psycopg.Connection[Any] | None = None
-    # The values of the settings this job declared, by name (e.g. MAIL_PROVIDER_URL).
+    # The values of the settings this job declared, by name.
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 

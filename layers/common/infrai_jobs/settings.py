@@ -4,7 +4,7 @@ Nothing else in the package reads the environment. Handlers and the CLI call
 ``Settings.from_env()`` once; everything below them receives values, not ``os.environ``.
 
 The framework's own settings are named here. The jobs' settings are not: each job declares the
-ones it needs (``JobRegistry.declared_settings()``, e.g. ``MAIL_PROVIDER_URL``), and
+ones it needs (``JobRegistry.declared_settings()``), and
 ``Settings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless loopback).
 """
 

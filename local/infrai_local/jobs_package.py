@@ -35,7 +35,8 @@ def import_jobs(explicit: str | None = None) -> ModuleType:
                 raise ConfigurationError(
                     f"{source} {given!r} holds no jobs package (no {root / 'jobs'}/__init__.py)"
                 )
-            sys.path.insert(0, str(root))
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
             break
     try:
         return importlib.import_module("jobs")

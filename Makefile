@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/cfn-lint template.yaml
 
 typecheck: $(STAMP)
-	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local $(wildcard functions/*/app.py)
+	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local functions
 
 test: lint typecheck $(CHECKOV_STAMP)
 	$(BIN)/pytest

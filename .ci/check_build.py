@@ -6,7 +6,8 @@
 2. Its native code is for the Lambda runtime: psycopg_binary's wheel tags say CPython 3.13 on
    manylinux aarch64, its extension modules are named for cpython-313-aarch64, and every ELF
    file in the layer is a 64-bit AArch64 object (read from the ELF header, not the file name).
-3. Every function of the built template has its handler file, all its code compiles under
+3. Every function of the built template has its handler file and the shared ``jobs`` package
+   (every function's CodeUri is ``functions/``), all its code compiles under
    Python 3.13, and its handler imports in a Python 3.13 with only the function's code and the
    layer on ``sys.path`` (``-S -I``: no site-packages, as on Lambda).
 
@@ -213,6 +214,12 @@ def check_functions(
         handler_file = code_dir / (module_name.replace(".", "/") + ".py")
         if not checks.check(handler_file.is_file(), f"{name}: handler file {handler_file.name}"):
             continue
+        # One CodeUri for every function: each carries the same jobs package (functions/jobs).
+        checks.check(
+            (code_dir / "jobs" / "__init__.py").is_file(),
+            f"{name}: its code holds the shared jobs package",
+            str(code_dir / "jobs"),
+        )
         sources = sorted(code_dir.rglob("*.py"))
         compiled = subprocess.run(  # noqa: S603 - our interpreter and build tree
             [python313, "-I", "-S", "-c", _COMPILE_ALL, *map(str, sources)],

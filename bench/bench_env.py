@@ -27,11 +27,10 @@ import urllib3
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_local.embedded_db import scratch_database
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "functions" / "drain"))
-
-from jobs.invoice import INVOICES_DDL  # noqa: E402
+sys.path.insert(0, str(ROOT / "functions"))
 
 API_KEY = "bench-key"
 JOB = "invoice.finalize"
@@ -48,6 +47,10 @@ FROM invoices
 _CHECK_CLAIMS: LiteralString = """
 SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims
 """
+
+# The ledger's tables come with apply_migrations; the invoices table is the invoice job's own
+# migration, applied the way `infrai-jobs migrate` applies it.
+JOB_MIGRATIONS = read_job_migrations(jobs_migrations_folder(ROOT / "functions"))
 
 
 def invoice_id(index: int) -> str:
@@ -150,8 +153,7 @@ def prepared_run(
     """A scratch database with the ledger schema and the invoices, and a queue holding the jobs."""
     with scratch_database(server_url, prefix="infrai_bench") as database_url:
         with psycopg.connect(database_url, autocommit=True) as conn:
-            apply_migrations(conn)
-            conn.execute(INVOICES_DDL)
+            apply_migrations(conn, JOB_MIGRATIONS)
             conn.execute(_INSERT_INVOICES, {"count": workload.messages})
             conn.execute("VACUUM ANALYZE invoices")
         emulator.set_latency(0)

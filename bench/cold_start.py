@@ -1,6 +1,6 @@
 """DrainFunction's cold start, measured in fresh processes.
 
-Each run is a new ``python -S`` with only the function's code (``functions/drain``), its layer
+Each run is a new ``python -S`` with only the function's code (``functions/``), its layer
 (``layers/common``) and the virtualenv's site-packages on the path, in the function's environment
 from ``template.yaml``, as ``infrai-jobs invoke`` runs a handler. It times ``import app`` (the
 handler module) and the first ``app.service()`` (settings, secrets, HTTP client, ledger, job
@@ -44,7 +44,7 @@ _HANDLER_CHILD = r"""
 import sys, time
 sys.stderr.write("--- cold start ---\n")
 t0 = time.perf_counter()
-import app
+from drain import app
 t1 = time.perf_counter()
 app.service()
 t2 = time.perf_counter()
@@ -130,7 +130,8 @@ def child_environment(port: int, *, tracing: bool) -> dict[str, str]:
             "INFRAI_BASE_URL": unreachable,
             "INFRAI_API_KEY": "cold-start-key",
             "DATABASE_URL": f"postgresql://bench@127.0.0.1:{port}/bench?connect_timeout=1",
-            "PROVIDER_URL": unreachable,
+            "MAIL_PROVIDER_URL": unreachable,
+            "DIGEST_PROVIDER_URL": unreachable,
             "POWERTOOLS_TRACE_DISABLED": "false" if tracing else "true",
         }
     )
@@ -144,7 +145,7 @@ def _run_child(
     started = time.perf_counter()
     done = subprocess.run(
         command,
-        cwd=ROOT / "functions" / "drain",
+        cwd=ROOT / "functions",
         env=dict(env),
         capture_output=True,
         text=True,

@@ -32,7 +32,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(ROOT / "functions" / "drain"))
+sys.path.insert(0, str(ROOT / "functions"))
 
 from infrai_local.embedded_db import postgres_server_url  # noqa: E402
 from run_bench import PROVIDER_URL  # noqa: E402
@@ -54,7 +54,8 @@ def _lane_process(spec: dict[str, Any], go: Path) -> None:
     client = InfraiClient(spec["emulator_url"], spec["api_key"], pool_maxsize=client_pool_size(1))
     ledger = PostgresLedger(spec["database_url"])
     ledger.ping()
-    registry = build_registry(spec["provider_url"])
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), spec["provider_url"]))
     while not go.exists():
         time.sleep(0.001)
     cpu0 = time.process_time()

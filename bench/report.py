@@ -444,7 +444,8 @@ def _setup_section(document: dict[str, Any]) -> list[str]:
         f"`{config['job']}` ({config.get('job_effect', 'database')}-class) jobs + "
         f"{config['duplicate_publishes']:,} duplicate publishes "
         f"({config['duplicate_share']:.0%}) in one seeded, shuffled order (seed "
-        f"{config['seed']}); an `invoices` table (`INVOICES_DDL`) with {config['jobs']:,} rows.",
+        f"{config['seed']}); an `invoices` table (the invoice job's migration) with "
+        f"{config['jobs']:,} rows.",
         f"- Infrai: the local emulator in its own process on 127.0.0.1, with "
         f"{config['latency_ms']:g} ms injected into every /v1 call while a drain is measured "
         "(`POST /_emulator/faults`); publishing and checking run without it.",
@@ -460,7 +461,7 @@ def _setup_section(document: dict[str, Any]) -> list[str]:
         "RETURNING`, the `UPDATE invoices`, one `UPDATE job_claims SET state = 'done'`, one "
         "ack; autocommit; repeated until the queue is empty. It uses the project's "
         "`InfraiClient`, the same keep-alive HTTP stack as (b).",
-        "- (b) is `infrai_jobs.drain.drain` with `PostgresLedger`, `functions/drain`'s job "
+        "- (b) is `infrai_jobs.drain.drain` with `PostgresLedger`, `functions/jobs`' job "
         "registry and `DrainConfig(queue=...)`, as DrainFunction runs it.",
         "",
     ]

@@ -428,7 +428,7 @@ def _scale(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
 
 def _second_layer(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     """The second layer's cost, on this run's PostgreSQL and emulator."""
-    # Imported here: it imports functions/drain's jobs and, when it runs, moto's server.
+    # Imported here: it imports functions/jobs and, when it runs, moto's server.
     import second_layer_bench  # noqa: PLC0415
 
     print(

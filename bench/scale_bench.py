@@ -41,12 +41,12 @@ from infrai_jobs.queue_client import InfraiClient
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.fan_out import CLI
 
-from bench_env import API_KEY, INVOICES_DDL, EmulatorProcess, Workload, invoice_id, prepared_run
+from bench_env import API_KEY, JOB_MIGRATIONS, EmulatorProcess, Workload, invoice_id, prepared_run
 from instruments import latency_summary, sample_busy_percent
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-JOBS_PATH = ROOT / "functions" / "drain"
+JOBS_PATH = ROOT / "functions"
 PROVIDER_URL = "http://127.0.0.1:9"
 TRICKLE_EVERY_S = 0.25
 
@@ -97,7 +97,8 @@ def _drain_env(
         "INFRAI_QUEUE": queue,
         "INFRAI_DLQ": f"{queue}-dlq",
         "DATABASE_URL": database_url,
-        "PROVIDER_URL": PROVIDER_URL,
+        "MAIL_PROVIDER_URL": PROVIDER_URL,
+        "DIGEST_PROVIDER_URL": PROVIDER_URL,
         **extra,
     }
 
@@ -183,8 +184,7 @@ def measure_latency(
     queue = "bench-trickle"
     with scratch_database(server_url, prefix="infrai_bench") as database_url:
         with psycopg.connect(database_url, autocommit=True) as conn:
-            apply_migrations(conn)
-            conn.execute(INVOICES_DDL)
+            apply_migrations(conn, JOB_MIGRATIONS)
             conn.execute(_INVOICES, {"count": jobs})
             conn.execute(_EFFECTS_DDL)
         client = InfraiClient(emulator.url, API_KEY)

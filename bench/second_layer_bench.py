@@ -12,7 +12,7 @@ mode of this file) against a fresh queue and a fresh scratch ledger database:
 3. ``replay``: on again, a fresh ledger (as if its rows were lost) but the same table: every
    job is a second-layer hit and its effect is not repeated.
 
-The effect is ``functions/drain``'s ``receipt.send``: one HTTP POST to the local provider sink
+The effect is ``functions/jobs``' ``receipt.send``: one HTTP POST to the local provider sink
 (``infrai_local.provider_sink``, in this process, no injected latency), which counts e-mails per
 invoice, so each run is checked: exactly one e-mail per distinct job after ``off`` and ``on``,
 none more after ``replay``.
@@ -58,7 +58,7 @@ from typing import Any, LiteralString
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "functions" / "drain"))  # the drain function's jobs package
+sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
 
 import psycopg  # noqa: E402
 
@@ -210,7 +210,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         timed = TimedGuard(guard)
     client = InfraiClient(spec["emulator_url"], spec["api_key"])
     ledger = PostgresLedger(spec["database_url"])
-    registry = build_registry(spec["provider_url"])
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), spec["provider_url"]))
     config = DrainConfig(queue=spec["queue"], effect_guard=timed)
     cpu0, started = process_cpu_seconds(), time.perf_counter()
     summary = drain(TimedQueue(client, recorder), ledger, registry, config, lambda: _TIME_LEFT_MS)

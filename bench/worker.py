@@ -8,7 +8,7 @@ so that peak memory and CPU time are that variant's alone and no GIL is shared w
 or the orchestrator.
 
 Variants: ``notes_loop`` (the field notes' loop, ``notes_loop.py``) and ``drain``
-(``infrai_jobs.drain.drain`` with ``PostgresLedger`` and ``functions/drain``'s job registry), the
+(``infrai_jobs.drain.drain`` with ``PostgresLedger`` and ``functions/jobs``' registry), the
 latter in ``lanes`` threads at once, each with its own HTTP client and database connection.
 """
 
@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "functions" / "drain"))  # the drain function's jobs package
+sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
 
 import psycopg  # noqa: E402
 
 from infrai_jobs.drain import DrainConfig, DrainSummary, drain  # noqa: E402
 from infrai_jobs.factory import client_pool_size  # noqa: E402
+from infrai_jobs.jobs import JobRegistry  # noqa: E402
 from infrai_jobs.ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.queue_client import InfraiClient  # noqa: E402
 from jobs import build_registry  # noqa: E402
@@ -64,6 +65,13 @@ class _Drained:
     outcomes: dict[str, int]
 
 
+def bound_registry(provider_url: str) -> JobRegistry:
+    """The functions' registry, every job setting pointed at ``provider_url``."""
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
+    return registry
+
+
 def _notes_loop(
     spec: dict[str, Any], recorder: BatchRecorder, trace: ProtocolTrace | None
 ) -> _Drained:
@@ -90,7 +98,7 @@ def _drain_lanes(
         spec["emulator_url"], spec["api_key"], pool_maxsize=client_pool_size(lanes)
     )
     ledgers = [PostgresLedger(spec["database_url"]) for _ in range(lanes)]
-    registries = [build_registry(spec["provider_url"]) for _ in range(lanes)]
+    registries = [bound_registry(spec["provider_url"]) for _ in range(lanes)]
     config = DrainConfig(queue=spec["queue"])
 
     def lane(index: int) -> DrainSummary:

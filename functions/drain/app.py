@@ -21,8 +21,11 @@ logger, metrics = function_observability()
 
 @cache
 def service() -> DrainService:
-    """Built on the first invocation and reused while the environment stays warm."""
-    return DrainService.from_settings(Settings.from_env(), build_registry)
+    """Built on the first invocation and reused while the environment stays warm. Only the
+    settings the registered jobs declared are read, and each must be set."""
+    registry = build_registry()
+    settings = Settings.from_env(job_settings=registry.declared_settings())
+    return DrainService.from_settings(settings, registry)
 
 
 # The correlation id of every log line: a tick's event id (Scheduler's execution id), or for a

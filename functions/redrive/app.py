@@ -18,11 +18,13 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.factory import make_claims_admin, make_queue_client, secret_refresh
+from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.observability import function_observability, tracing
 from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.redrive import RedriveRequest, key_of_with_ledger, redrive
+from infrai_jobs.redrive import RedriveRequest, redrive
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
+from jobs import build_registry
 
 logger, metrics = function_observability()
 
@@ -36,9 +38,17 @@ def dependencies() -> tuple[Settings, InfraiClient]:
 
 
 @cache
+def registry() -> JobRegistry:
+    """The drain's own jobs (the shared ``jobs`` package): a dead letter's key is derived here
+    exactly as DrainFunction derived it. Only keys are derived: no job runs, so the jobs'
+    settings are neither read nor needed."""
+    return build_registry()
+
+
+@cache
 def ledger() -> ClaimsAdmin:
-    """The ledger, for a selection by key and ``reopen_failed`` only; a rotated database secret
-    is fetched again when a connection fails with the cached one."""
+    """The ledger, for ``reopen_failed`` only; a rotated database secret is fetched again when
+    a connection fails with the cached one."""
     settings, _ = dependencies()
     return make_claims_admin(settings, refresh=secret_refresh(Settings.from_env()))
 
@@ -49,9 +59,7 @@ def ledger() -> ClaimsAdmin:
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     request = RedriveRequest.from_event(event)
     settings, queue = dependencies()
-    key = request.selection.key
-    # No jobs package here: a job's own key rule is matched through the ledger's record.
-    key_of = key_of_with_ledger(ledger(), key) if key else None
+    jobs = registry()
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
@@ -63,7 +71,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
             admin=ledger() if request.reopen_failed else None,
             time_left_ms=context.get_remaining_time_in_millis,
             selection=request.selection,
-            key_of=key_of,
+            key_of=lambda payload: jobs.derive(payload).idem_key,
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
@@ -49,7 +49,6 @@ from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import (
     DEFAULT_BASE_URL,
     LEDGER_ENDPOINT,
-    PROVIDER_ENDPOINT,
     QUEUE_ENDPOINT,
     Settings,
     raw_database_url,
@@ -58,7 +57,8 @@ from infrai_jobs.settings import (
 )
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_report import DrainReport, summary_lines
-from infrai_local.jobs_package import find_jobs_folder, load_registry
+from infrai_local.job_migrations import installed_job_migrations
+from infrai_local.jobs_package import load_registry
 
 if TYPE_CHECKING:
     from infrai_local.fan_out import ProcessDrainStarter
@@ -278,7 +278,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "publish",
         help="publish one JSON job to the queue, once the drain's jobs package accepts it",
     )
-    publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "invoice.finalize", ...}\'')
+    publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
     publish.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     publish.add_argument("--delay-seconds", type=int, default=None)
     publish.add_argument("--count", type=int, default=1, help="publish the same body N times")
@@ -298,7 +298,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     publish.set_defaults(command=_cmd_publish)
 
-    migrate = sub.add_parser("migrate", help="create or upgrade the claim ledger's tables")
+    migrate = sub.add_parser(
+        "migrate",
+        help="create or upgrade the claim ledger's tables, then the jobs' own "
+        "(functions/jobs/migrations)",
+    )
+    migrate.add_argument(
+        "--jobs-path",
+        default=None,
+        help="a code root holding the `jobs` package whose migrations to apply (default: "
+        "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
+    )
     migrate.set_defaults(command=_cmd_migrate)
 
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
@@ -314,8 +324,8 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--jobs-path",
         default=None,
-        help="folder holding the `jobs` package (default: $INFRAI_JOBS_PATH, else "
-        "functions/drain of the project)",
+        help="a code root holding a `jobs` package, put first on the path (default: "
+        "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
     drain.add_argument(
         "--fan-out-slot",
@@ -335,15 +345,19 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _with_stand_ins(settings: Settings, stack: contextlib.ExitStack, *, who: str) -> Settings:
-    """All or nothing (docs/configuration.md, "Local stand-ins are all or nothing"): with no real
-    endpoint configured, start the emulator (with the queue and its DLQ), an embedded migrated
-    PostgreSQL and the provider sink, stopped on exit, after saying so in one line; with any
-    real endpoint configured, a missing one is a ``ConfigurationError`` and nothing starts."""
+def _with_stand_ins(
+    settings: Settings, stack: contextlib.ExitStack, *, who: str, jobs_path: str | None = None
+) -> Settings:
+    """All or nothing (docs/configuration.md, "Local stand-ins are all or nothing"): with no
+    real endpoint configured, start the emulator (with the queue and its DLQ), an embedded
+    migrated PostgreSQL and the provider sink (for every setting the jobs declared), stopped on
+    exit, after saying so in one line; with any real endpoint configured, a missing one is a
+    ``ConfigurationError`` naming it (a job's setting with its jobs) and nothing starts."""
     plan = stand_ins(
         settings.configured_endpoints(),
-        (QUEUE_ENDPOINT, LEDGER_ENDPOINT, PROVIDER_ENDPOINT),
+        (QUEUE_ENDPOINT, LEDGER_ENDPOINT, *settings.job_settings),
         who=who,
+        job_setting_owners=settings.job_setting_owners,
     )
     if not plan:
         return settings
@@ -360,13 +374,13 @@ def _with_stand_ins(settings: Settings, stack: contextlib.ExitStack, *, who: str
     # The embedded server is this process's own, whatever the shell says: never migrate a
     # database this command did not start.
     url = embedded_db.ensure_database_url({}, announce=lambda _line: None)
-    _migrate(url)
+    _migrate(url, jobs_path)
     settings = replace(
         settings,
         infrai_base_url=server.url,
         infrai_api_key=settings.infrai_api_key or "local-emulator",
         database_url=url,
-        provider_url=sink.url,
+        job_settings=MappingProxyType(dict.fromkeys(settings.job_settings, sink.url)),
     )
     client = make_queue_client(settings)
     try:
@@ -394,10 +408,12 @@ def _queue_client(settings: Settings) -> Iterator[InfraiClient]:
         client.close()
 
 
-def _migrate(url: str) -> list[Migration]:
+def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
+    """The ledger's migrations, then the jobs package's own (read before connecting)."""
+    jobs = installed_job_migrations(jobs_path)
     with connect_to_ledger(url, connect_timeout=10, application_name="infrai-jobs-migrate") as conn:
         try:
-            return apply_migrations(conn)
+            return apply_migrations(conn, jobs)
         except psycopg.Error as exc:
             raise ledger_error(exc, "cannot migrate", url) from exc
 
@@ -411,33 +427,35 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
             "PostgreSQL URL, e.g. postgresql://user@127.0.0.1:5432/jobs"
         )
     url = resolve_secrets(settings, api_key=False).require_database_url()
-    applied = _migrate(url)
+    applied = _migrate(url, args.jobs_path)
     for migration in applied:
-        print(f"applied {migration.version}: {migration.name}")
+        print(f"applied {migration.owner} {migration.version:04d}: {migration.name}")
     if not applied:
-        print(f"schema already at version {LATEST_VERSION}; nothing to do")
+        print(
+            f"ledger schema already at version {LATEST_VERSION} and every jobs migration "
+            "applied; nothing to do"
+        )
     return EXIT_OK
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    # Before any stand-in starts: a drain without its jobs could only fail every message. Only
+    # the settings its jobs declared are read.
+    registry = load_registry(args.jobs_path)
+    settings = Settings.from_env(job_settings=registry.declared_settings())
     if args.queue:
         settings = replace(settings, queue=args.queue)
     if args.max_batches is not None and args.max_batches < 1:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.time_budget_seconds <= 0:
         raise ConfigurationError("--time-budget-seconds must be above 0")
-    # Before any stand-in starts: a drain without its jobs could only fail every message.
-    jobs_folder = find_jobs_folder(args.jobs_path)
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
-        settings = _with_stand_ins(settings, stack, who="`infrai-jobs drain`")
-        starter = _drain_processes(settings, args, jobs_folder)
-        service = DrainService.from_settings(
-            settings,
-            lambda provider_url: load_registry(jobs_folder, provider_url),
-            starter=starter,
+        settings = _with_stand_ins(
+            settings, stack, who="`infrai-jobs drain`", jobs_path=args.jobs_path
         )
+        starter = _drain_processes(settings, args)
+        service = DrainService.from_settings(settings, registry, starter=starter)
         stack.callback(service.close)
         deadline = time.monotonic() + args.time_budget_seconds
         # Problem messages and retried calls, one line each on stderr as they happen.
@@ -459,9 +477,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _drain_processes(
-    settings: Settings, args: argparse.Namespace, jobs_folder: Path
-) -> ProcessDrainStarter | None:
+def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDrainStarter | None:
     """Locally, a fan-out starts `infrai-jobs drain` processes on this queue and ledger."""
     if settings.drain_max_concurrency <= 1:
         return None
@@ -476,11 +492,11 @@ def _drain_processes(
             "INFRAI_QUEUE": settings.queue,
             "INFRAI_DLQ": settings.dlq,
             "DATABASE_URL": settings.database_url,
-            "PROVIDER_URL": settings.provider_url,
+            **settings.job_settings,
         }
     )
     return ProcessDrainStarter(
-        env, time_budget_seconds=args.time_budget_seconds, jobs_path=str(jobs_folder)
+        env, time_budget_seconds=args.time_budget_seconds, jobs_path=args.jobs_path
     )
 
 
@@ -519,8 +535,8 @@ def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:
 
 
 def _key_function(jobs_path: str | None) -> Callable[[object], str]:
-    """Keys as DrainFunction derives them: with the registry of the drain's own jobs package."""
-    registry = load_registry(find_jobs_folder(jobs_path), "")
+    """Keys as DrainFunction derives them: with the registry of the same jobs package."""
+    registry = load_registry(jobs_path)
     return lambda payload: registry.derive(payload).idem_key
 
 
@@ -554,7 +570,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     else:
         # Before the queue is touched (--create included): what the drain would reject is
         # never sent, so never paid for.
-        registry = load_registry(find_jobs_folder(args.jobs_path), "")
+        registry = load_registry(args.jobs_path)
         try:
             check_publishable(registry, body)
         except KeyDerivationError as exc:

@@ -71,8 +71,8 @@ def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
         "--jobs-path",
         default=argparse.SUPPRESS,
         metavar="FOLDER",
-        help="folder holding the drain's `jobs` package, whose key rules name the claims "
-        "(default: $INFRAI_JOBS_PATH, else functions/drain of the project)",
+        help="a code root holding the `jobs` package whose key rules name the claims "
+        "(default: $INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
 
 

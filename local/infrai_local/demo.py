@@ -43,8 +43,10 @@ from infrai_local.embedded_db import (
     ensure_database_url,
     scratch_database,
 )
-from infrai_local.example_data import example_tables_ddl
 from infrai_local.invoke import invoke, resolve
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.jobs_package import project_root
+from infrai_local.provider_sink import sink_settings
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -71,10 +73,12 @@ _CRASH_BEFORE_ACK = textwrap.dedent(
     from infrai_jobs.queue_client import InfraiClient
     from jobs import build_registry
 
-    base_url, database_url, provider_url = sys.argv[1:4]
+    base_url, database_url, sink_url = sys.argv[1:4]
     client = InfraiClient(base_url, "demo-key")
     client.send_ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
-    drain(client, PostgresLedger(database_url), build_registry(provider_url),
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), sink_url))
+    drain(client, PostgresLedger(database_url), registry,
           DrainConfig(queue="billing-jobs"), lambda: 60_000)
     """
 )
@@ -115,7 +119,7 @@ class _Stage:
             "INFRAI_API_KEY_PARAMETER": "",
             "DATABASE_URL": self.database_url,
             "DATABASE_SECRET_ARN": "",
-            "PROVIDER_URL": self.sink_url,
+            **sink_settings(self.sink_url, str(self.root / "functions")),
             "INFRAI_QUEUE": QUEUE,
             "INFRAI_DLQ": DLQ,
             "POWERTOOLS_METRICS_NAMESPACE": "InfraiJobsDemo",
@@ -195,7 +199,7 @@ def _chapter_crash_before_ack(stage: _Stage, report: DemoReport) -> None:
             stage.emulator_url,
             stage.database_url,
             stage.sink_url,
-            str(stage.root / "functions" / "drain"),
+            str(stage.root / "functions"),
         ],
         capture_output=True,
         text=True,
@@ -319,8 +323,8 @@ def _stage(root: Path) -> Iterator[_Stage]:
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(_demo_database())
         with psycopg.connect(database_url, autocommit=True) as conn:
-            apply_migrations(conn)
-            conn.execute(example_tables_ddl(root))
+            # The ledger's tables, then the jobs' own (invoices), as `infrai-jobs migrate` does.
+            apply_migrations(conn, read_job_migrations(jobs_migrations_folder(root / "functions")))
             conn.execute(COUNT_INVOICE_UPDATES)
             conn.execute(
                 "INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_8813')"
@@ -338,10 +342,16 @@ def _stage(root: Path) -> Iterator[_Stage]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infrai-jobs demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project folder")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the project folder (default: the one whose jobs package is installed)",
+    )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
     args = parser.parse_args(argv)
-    report = run_story(args.root.resolve(), DemoReport())
+    root = args.root.resolve() if args.root is not None else project_root()
+    report = run_story(root, DemoReport())
     if args.json:
         print(json.dumps(report.facts, default=str))
     return 0

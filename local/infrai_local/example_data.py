@@ -1,39 +1,31 @@
-"""``infrai-jobs example-data``: the example jobs' table, with draft invoices to finalize.
+"""``infrai-jobs example-data``: draft invoices for the example ``invoice.finalize`` to finalize.
 
 ``invoice.finalize`` (a ``database`` job) updates a row of ``invoices`` in the ledger's own
-database; a real deployment has its own table, a local one needs this. ``receipt.send`` and
-``digest.build`` call PROVIDER_URL and need no table.
+database. The table is the job's own migration (``functions/jobs/migrations``), created by
+``infrai-jobs migrate``; this command only adds the draft rows a local run finalizes.
+``receipt.send`` and ``digest.build`` call their provider and need no rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import LiteralString
 
+import psycopg
+
+from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.postgres import connect_to_ledger
 from infrai_jobs.settings import Settings
 
 _DRAFT: LiteralString = "INSERT INTO invoices (id) VALUES (%(id)s) ON CONFLICT (id) DO NOTHING"
 
 
-def example_tables_ddl(root: Path) -> str:
-    """The table the example job updates, as the job itself declares it."""
-    folder = str(root / "functions" / "drain")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    ddl: str = importlib.import_module("jobs.invoice").INVOICES_DDL
-    return ddl
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="infrai-jobs example-data",
-        description="Create the example jobs' table (invoices) in DATABASE_URL's database, "
-        "with draft invoices for invoice.finalize to finalize.",
+        description="Add draft invoices for invoice.finalize to finalize to DATABASE_URL's "
+        "database (its invoices table comes from `infrai-jobs migrate`).",
     )
     parser.add_argument(
         "--invoice",
@@ -41,14 +33,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ID",
         help="a draft invoice to create (repeatable; default: inv_8812)",
     )
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project folder")
     args = parser.parse_args(argv)
     url = Settings.from_env().require_database_url()
     invoices = args.invoice or ["inv_8812"]
-    ddl = example_tables_ddl(args.root.resolve())
     with connect_to_ledger(url, application_name="infrai-jobs-example-data") as conn:
-        conn.execute(ddl.encode())
-        for invoice in invoices:
-            conn.execute(_DRAFT, {"id": invoice})
-    print(f"invoices: table ready, draft invoice(s) {', '.join(invoices)}")
+        try:
+            for invoice in invoices:
+                conn.execute(_DRAFT, {"id": invoice})
+        except psycopg.errors.UndefinedTable:
+            raise ConfigurationError(
+                "there is no invoices table: run `infrai-jobs migrate` first (the invoice "
+                "job's migration creates it)"
+            ) from None
+    print(f"invoices: draft invoice(s) {', '.join(invoices)}")
     return 0

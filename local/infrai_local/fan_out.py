@@ -130,7 +130,7 @@ class ProcessDrainStarter:
         env: Mapping[str, str],
         *,
         time_budget_seconds: float,
-        jobs_path: str,
+        jobs_path: str | None = None,
         cwd: Path | None = None,
     ) -> None:
         self._env = dict(env)
@@ -153,8 +153,8 @@ class ProcessDrainStarter:
                 slot,
                 "--time-budget-seconds",
                 repr(self._time_budget),
-                "--jobs-path",
-                self._jobs_path,
+                # The parent's own jobs package: a child imports what the parent imported.
+                *(["--jobs-path", self._jobs_path] if self._jobs_path else []),
             ],
             env=self._env,
             cwd=self._cwd,

@@ -45,7 +45,6 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.postgres import describe
 from infrai_jobs.settings import (
     LEDGER_ENDPOINT,
-    PROVIDER_ENDPOINT,
     QUEUE_ENDPOINT,
     sandbox_notice,
     stand_ins,
@@ -227,8 +226,20 @@ def _lines_until(process: subprocess.Popen[str], deadline: float) -> Iterator[st
             yield line
 
 
-# What a function's environment may leave empty and the shell may fill in.
-_FROM_SHELL = (QUEUE_ENDPOINT, "INFRAI_API_KEY", LEDGER_ENDPOINT, PROVIDER_ENDPOINT)
+# What a function's environment may leave empty and the shell may fill in (and the settings
+# its jobs declared).
+_FROM_SHELL = (QUEUE_ENDPOINT, "INFRAI_API_KEY", LEDGER_ENDPOINT)
+
+
+def job_setting_owners(spec: FunctionSpec) -> dict[str, tuple[str, ...]]:
+    """The settings the jobs in the function's code declared that its environment carries (the
+    template names them on the functions that run jobs), with the jobs that declared each."""
+    if not (spec.code_uri / "jobs" / "__init__.py").is_file():
+        return {}
+    from infrai_local.jobs_package import load_registry  # noqa: PLC0415
+
+    declared = load_registry(str(spec.code_uri)).declared_settings()
+    return {name: jobs for name, jobs in declared.items() if name in spec.environment}
 
 
 @contextlib.contextmanager
@@ -242,27 +253,28 @@ def local_services(
 
     A variable the template and ``--env-vars`` leave empty is taken from the shell when it is
     set there (the same variables the other commands read). Then all or nothing: when none of
-    the function's endpoints (INFRAI_BASE_URL, DATABASE_URL or DATABASE_SECRET_ARN,
-    PROVIDER_URL) is configured, each one it declares is stood in for the invocation (an
-    emulator with the function's queue, an embedded PostgreSQL that this command starts and
-    therefore migrates, a provider sink), after one line saying so; when any is configured, a
-    missing one is a ``ConfigurationError`` and nothing starts. A database this command did
-    not start is never migrated: the handler reports ``SchemaNotMigrated`` with the command.
+    the function's endpoints (INFRAI_BASE_URL, DATABASE_URL or DATABASE_SECRET_ARN, the
+    settings its jobs declared) is configured, each one it declares is stood in for the
+    invocation (an emulator with the function's queue, an embedded PostgreSQL that this command
+    starts and therefore migrates, the jobs' migrations included, one provider sink for every
+    job setting), after one line saying so; when any is configured, a missing one is a
+    ``ConfigurationError`` naming it (a job setting with its jobs) and nothing starts. A
+    database this command did not start is never migrated: the handler reports
+    ``SchemaNotMigrated`` with the command.
     """
     say = announce if announce is not None else _to_stderr
     env = spec.environment
     from_shell = os.environ if shell is None else shell
     values: dict[str, str] = {}
-    for name in _FROM_SHELL:
+    owners = job_setting_owners(spec)
+    for name in (*_FROM_SHELL, *owners):
         if name in env and not env[name] and from_shell.get(name):
             values[name] = from_shell[name]
             shown = describe(values[name]) if name == LEDGER_ENDPOINT else values[name]
             if name != "INFRAI_API_KEY":
                 say(f"{name}: from your shell ({shown})")
     merged = {**env, **values}
-    declared = [
-        name for name in (QUEUE_ENDPOINT, LEDGER_ENDPOINT, PROVIDER_ENDPOINT) if name in env
-    ]
+    declared = [name for name in (QUEUE_ENDPOINT, LEDGER_ENDPOINT, *owners) if name in env]
     configured = {
         name: bool(
             merged.get(name) or (name == LEDGER_ENDPOINT and merged.get("DATABASE_SECRET_ARN"))
@@ -273,21 +285,12 @@ def local_services(
         # A database this command did not start: looked at, never migrated.
         _require_migrated(merged[LEDGER_ENDPOINT])
     who = f"`infrai-jobs invoke {spec.logical_id}`"
-    plan = stand_ins(configured, declared, who=who)
+    plan = stand_ins(configured, declared, who=who, job_setting_owners=owners)
     with contextlib.ExitStack() as stack:
         if plan:
             say(sandbox_notice(plan, who=who))
         if LEDGER_ENDPOINT in plan:
-            from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
-            from infrai_jobs.postgres import connect_to_ledger  # noqa: PLC0415
-            from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
-
-            # This process's own embedded server, whatever the shell says: the one database
-            # invoke may migrate is one it started.
-            url = ensure_database_url({}, announce=lambda _line: None)
-            with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
-                apply_migrations(conn)
-            values["DATABASE_URL"] = url
+            values["DATABASE_URL"] = _embedded_migrated_ledger(spec.code_uri)
             values["DATABASE_SECRET_ARN"] = ""
         if QUEUE_ENDPOINT in plan:
             from infrai_jobs.queue_client import InfraiClient  # noqa: PLC0415
@@ -307,12 +310,12 @@ def local_services(
                     )
                 finally:
                     client.close()
-        if PROVIDER_ENDPOINT in plan:
+        if any(name in owners for name in plan):
             from infrai_local import provider_sink  # noqa: PLC0415
 
             sink = provider_sink.start_in_thread()
             stack.callback(sink.stop)
-            values["PROVIDER_URL"] = sink.url
+            values.update(dict.fromkeys((name for name in plan if name in owners), sink.url))
         yield values
 
 
@@ -372,6 +375,25 @@ def _int_or_zero(value: str) -> int:
         return int(value)
     except ValueError:
         return 0
+
+
+def _embedded_migrated_ledger(code_uri: Path) -> str:
+    """This process's own embedded server, whatever the shell says: the one database invoke
+    may migrate is one it started. The jobs' tables are those of the jobs package in the
+    function's own code."""
+    from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+    from infrai_jobs.postgres import connect_to_ledger  # noqa: PLC0415
+    from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
+    from infrai_local.job_migrations import (  # noqa: PLC0415
+        jobs_migrations_folder,
+        read_job_migrations,
+    )
+
+    jobs = read_job_migrations(jobs_migrations_folder(code_uri))
+    url = ensure_database_url({}, announce=lambda _line: None)
+    with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
+        apply_migrations(conn, jobs)
+    return url
 
 
 def _require_migrated(url: str) -> None:

@@ -1,20 +1,12 @@
-"""The drain's jobs package, loaded for the CLI the way DrainFunction loads it.
+"""The team's jobs package, imported by the CLI exactly as every function imports it.
 
-DrainFunction's code root is ``functions/drain``: Lambda puts it on ``sys.path`` and ``app.py``
-runs ``from jobs import build_registry``. The CLI does the same with the folder found here, so
-``drain``, ``dlq`` and ``redrive`` derive every key with the registry the function runs; the
-layer itself knows no job by name.
+Every function's code root is ``functions/`` (one CodeUri): Lambda puts it on ``sys.path`` and a
+handler runs ``from jobs import build_registry``. The project installs the same folder as the
+top-level package ``jobs`` (``pip install -e .``, which ``make venv`` runs), so ``infrai-jobs``
+runs ``import jobs`` too, from whatever folder it is started in.
 
-Where the folder is looked for, the first that holds ``jobs/__init__.py`` winning:
-
-1. ``--jobs-path`` (an error if it holds no jobs package);
-2. ``INFRAI_JOBS_PATH`` (likewise);
-3. ``functions/drain`` in the working directory or any folder above it;
-4. ``functions/drain`` of the checkout this command is installed from (``pip install -e``).
-
-Without one, the commands that derive keys stop before they read a message: a key derived
-without the job's own rule would name no claim, and ``dlq`` would report "no claim" for work
-the ledger holds.
+``--jobs-path FOLDER`` or ``INFRAI_JOBS_PATH`` names another code root (a folder holding
+``jobs/``, laid out like ``functions/``); it is put first on ``sys.path``, as a CodeUri would be.
 """
 
 from __future__ import annotations
@@ -22,64 +14,54 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs import JobRegistry
 
 JOBS_PATH_ENV: Final = "INFRAI_JOBS_PATH"
-FUNCTION_FOLDER: Final = Path("functions", "drain")
-# local/infrai_local/jobs_package.py -> the checkout holding local/.
-_INSTALLED_FROM: Final = Path(__file__).resolve().parents[2]
 
 
-def holds_jobs(folder: Path) -> bool:
-    return (folder / "jobs" / "__init__.py").is_file()
-
-
-def find_jobs_folder(explicit: str | None = None) -> Path:
-    """The folder holding the drain's ``jobs`` package; ``ConfigurationError`` names where it
-    looked when there is none."""
-    given_by = (("--jobs-path", explicit), (JOBS_PATH_ENV, os.environ.get(JOBS_PATH_ENV)))
-    for source, given in given_by:
+def import_jobs(explicit: str | None = None) -> ModuleType:
+    """The ``jobs`` package: from ``explicit`` (``--jobs-path``) or ``INFRAI_JOBS_PATH`` when
+    given, else the installed one."""
+    overrides = (("--jobs-path", explicit), (JOBS_PATH_ENV, os.environ.get(JOBS_PATH_ENV)))
+    for source, given in overrides:
         if given:
-            folder = Path(given).expanduser().resolve()
-            if not holds_jobs(folder):
+            root = Path(given).expanduser().resolve()
+            if not (root / "jobs" / "__init__.py").is_file():
                 raise ConfigurationError(
-                    f"{source} {given!r} holds no jobs package (no {folder / 'jobs'}/__init__.py)"
+                    f"{source} {given!r} holds no jobs package (no {root / 'jobs'}/__init__.py)"
                 )
-            return folder
-    looked = list(_default_candidates())
-    for folder in looked:
-        if holds_jobs(folder):
-            return folder
-    raise ConfigurationError(
-        "no jobs package found (looked for functions/drain/jobs in the working directory, the "
-        "folders above it and the checkout this command is installed from); run from the "
-        f"project, pass --jobs-path FOLDER or set {JOBS_PATH_ENV}"
-    )
-
-
-def _default_candidates() -> Iterator[Path]:
-    here = Path.cwd().resolve()
-    for folder in (here, *here.parents):
-        yield folder / FUNCTION_FOLDER
-    yield _INSTALLED_FROM / FUNCTION_FOLDER
-
-
-def load_registry(folder: Path, provider_url: str) -> JobRegistry:
-    """``jobs.build_registry(provider_url)`` from ``folder``, imported as DrainFunction imports
-    it (the folder on ``sys.path``, then ``import jobs``)."""
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    jobs = importlib.import_module("jobs")
-    origin = Path(getattr(jobs, "__file__", "") or "").resolve()
-    if origin.parent.parent != folder:
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            break
+    try:
+        return importlib.import_module("jobs")
+    except ModuleNotFoundError as exc:
+        if exc.name != "jobs":
+            raise
         raise ConfigurationError(
-            f"`import jobs` found {origin}, not the package in {folder}: another module named "
-            "jobs comes first on the path"
-        )
-    registry: JobRegistry = jobs.build_registry(provider_url)
+            "no jobs package: install the project (`make venv`, or pip install -e . in it) so "
+            f"that functions/jobs is importable, or pass --jobs-path FOLDER or set {JOBS_PATH_ENV} "
+            "to a folder holding jobs/"
+        ) from None
+
+
+def load_registry(explicit: str | None = None) -> JobRegistry:
+    """``jobs.build_registry()``, the registry every function builds (settings not bound)."""
+    registry: JobRegistry = import_jobs(explicit).build_registry()
     return registry
+
+
+def code_root(explicit: str | None = None) -> Path:
+    """The folder holding the imported ``jobs`` package: the functions' CodeUri."""
+    return Path(str(import_jobs(explicit).__file__)).resolve().parents[1]
+
+
+def project_root() -> Path:
+    """The project the imported jobs package belongs to (template.yaml, events/): the folder
+    holding its code root. ``demo`` uses it, so it runs from any folder."""
+    return code_root().parent

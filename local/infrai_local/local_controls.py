@@ -3,7 +3,7 @@
 ``infrai-jobs emulator clock|faults|state|reset`` talk to a running emulator's ``/_emulator/``
 routes (``--url``, else INFRAI_BASE_URL, else http://127.0.0.1:8765); ``infrai-jobs
 provider-sink state|faults|reset`` to a running sink's ``/_sink/`` routes (``--url``, else
-PROVIDER_URL). Each prints the JSON answer.
+PROVIDER_SINK_URL). Each prints the JSON answer.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _sink_parser() -> argparse.ArgumentParser:
         prog="infrai-jobs provider-sink",
         description="Control a running provider sink (`infrai-jobs provider-sink --port N`).",
     )
-    parser.add_argument("--url", help="default: PROVIDER_URL")
+    parser.add_argument("--url", help="default: PROVIDER_SINK_URL")
     sub = parser.add_subparsers(dest="action", required=True)
     url = _url_option()
     sub.add_parser("state", parents=[url], help="calls and effects per route and per key")
@@ -121,9 +121,9 @@ def _sink_parser() -> argparse.ArgumentParser:
 
 def sink_main(argv: Sequence[str]) -> int:
     args = _sink_parser().parse_args(argv)
-    url = args.url or os.environ.get("PROVIDER_URL")
+    url = args.url or os.environ.get("PROVIDER_SINK_URL")
     if not url:
-        raise ConfigurationError("no provider sink named: pass --url or set PROVIDER_URL")
+        raise ConfigurationError("no provider sink named: pass --url or set PROVIDER_SINK_URL")
     if args.action == "state":
         answer = _call(url, "GET", "/_sink/state")
     elif args.action == "faults":

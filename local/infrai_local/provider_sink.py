@@ -1,4 +1,7 @@
-"""A stand-in for the downstream providers of the example jobs, on loopback.
+"""A stand-in for the downstream providers of the jobs, on loopback.
+
+Every setting a job declares (``MAIL_PROVIDER_URL`` ...) may point at it: ``sink_settings``
+gives them all its URL, which is what a local sandbox does.
 
 It counts effects so tests and the demo can prove "at most once":
 
@@ -154,6 +157,14 @@ class RunningSink:
         self.thread.join(timeout=5)
 
 
+def sink_settings(url: str, jobs_path: str | None = None) -> dict[str, str]:
+    """Every setting the jobs package declares (the installed one unless ``jobs_path``),
+    pointed at the sink at ``url``."""
+    from infrai_local.jobs_package import load_registry  # noqa: PLC0415
+
+    return dict.fromkeys(load_registry(jobs_path).declared_settings(), url)
+
+
 def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningSink:
     server = _SinkServer((host, port))
     thread = threading.Thread(target=server.serve_forever, name="provider-sink", daemon=True)
@@ -164,7 +175,8 @@ def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningSink:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="infrai-jobs provider-sink",
-        description="Serve a local stand-in for the example jobs' downstream (PROVIDER_URL) "
+        description="Serve a local stand-in for the jobs' downstreams (the settings they "
+        "declare, e.g. MAIL_PROVIDER_URL) "
         "until Ctrl-C. Prints its URL first; GET /_sink/state shows the effects it counted.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")

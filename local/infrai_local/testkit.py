@@ -18,8 +18,9 @@ and assert one guarantee per line::
         job_kit.assert_retried_then_dead_lettered({**payload, "refund_id": "r_2"})
         job_kit.assert_stuck_when_uncertain(...)          # external jobs only
 
-The registry comes from the ``job_kit_registry`` fixture, which a ``conftest.py`` may override
-(for example to register a job under test that the jobs package does not hold yet).
+The registry comes from the ``job_kit_registry`` fixture (the installed ``jobs`` package, as
+every function builds it), and the database is prepared by ``job_kit_migrate`` (the ledger's
+migrations, then the jobs'); a ``conftest.py`` may override either.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from infrai_jobs.drain import DrainConfig, DrainSummary, drain
 from infrai_jobs.errors import EffectUncertain
 from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database
+from infrai_local.job_migrations import migrate_all
+from infrai_local.jobs_package import load_registry
 
 QUEUE = "testkit-jobs"
 DLQ = "testkit-jobs-dlq"
@@ -86,6 +88,8 @@ class JobKit:
         self.completed: Counter[str] = Counter()
         self.attempted: Counter[str] = Counter()
         self.registry = self._instrumented(registry)
+        # Every setting a job declared points at the provider sink.
+        self.registry.bind_settings(dict.fromkeys(self.registry.declared_settings(), provider_url))
 
     def close(self) -> None:
         self.ledger.close()
@@ -358,20 +362,19 @@ def job_kit_provider_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def job_kit_registry(job_kit_provider_url: str) -> JobRegistry:
-    """The jobs under test: the project's jobs package. Override to test other jobs."""
-    from jobs import build_registry  # noqa: PLC0415 - the user's package, found at test time
-
-    registry: JobRegistry = build_registry(job_kit_provider_url)
-    return registry
+def job_kit_registry() -> JobRegistry:
+    """The jobs under test: the project's jobs package, as every function builds it. Override
+    to test other jobs."""
+    return load_registry()
 
 
 @pytest.fixture
 def job_kit_migrate() -> Callable[[psycopg.Connection[Any]], None]:
-    """How a fresh test database is prepared: the ledger's migrations, then the jobs'."""
+    """How a fresh test database is prepared: the ledger's migrations, then the jobs' own
+    (``jobs/migrations/``), as ``infrai-jobs migrate`` applies them."""
 
     def migrate(conn: psycopg.Connection[Any]) -> None:
-        apply_migrations(conn)
+        migrate_all(conn)
 
     return migrate
 

@@ -1,13 +1,13 @@
 """One warm DrainFunction execution environment, as a process the soak can SIGKILL.
 
-It runs the deployed handler (``functions/drain/app.py``: Powertools Logger and Metrics, the
+It runs the deployed handler (``drain.app``: Powertools Logger and Metrics, the
 cached ``DrainService``) invocation after invocation, each with a Lambda-like context whose
 remaining time counts down, the way EventBridge ticks reach a warm function. The only addition is
 the soak's ``soak.db`` job in the function's registry.
 
 Settings come from the function's own environment variables (``INFRAI_BASE_URL``,
-``INFRAI_API_KEY``, ``DATABASE_URL``, ``PROVIDER_URL``, ``DRAIN_BATCH_BUDGET_MS``,
-``LEASE_GRACE_SECONDS``, ``POWERTOOLS_*``) plus:
+``INFRAI_API_KEY``, ``DATABASE_URL``, the jobs' settings such as ``MAIL_PROVIDER_URL``,
+``DRAIN_BATCH_BUDGET_MS``, ``LEASE_GRACE_SECONDS``, ``POWERTOOLS_*``) plus:
 
 * ``SOAK_INVOCATION_SECONDS``: the context's time budget per invocation;
 * ``SOAK_KILL_AT_ACK``: SIGKILL this process just before its N-th ack, that is after the ledger
@@ -47,7 +47,7 @@ from typing import Any
 
 from soak_jobs import register_soak_jobs
 
-import jobs  # the function's own jobs package (functions/drain is on the path)
+import jobs  # the functions' own jobs package (functions/ is on the path)
 from infrai_jobs.jobs import Effect, Handler, JobContext, JobDefinition, JobRegistry, Payload
 from infrai_jobs.queue_models import Pending
 
@@ -173,13 +173,13 @@ def main() -> int:
     deployed_registry = jobs.build_registry
     die_in_calls = os.environ.get("SOAK_DIE_IN_CALL", "") == "1"
 
-    def build_registry(provider_url: str) -> Any:
-        registry = register_soak_jobs(deployed_registry(provider_url))
+    def build_registry() -> Any:
+        registry = register_soak_jobs(deployed_registry())
         return dying_in_calls(registry) if die_in_calls else registry
 
     # Before app is imported: the handler module binds jobs.build_registry at import.
     jobs.build_registry = build_registry
-    import app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
+    from drain import app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
 
     invocation_seconds = float(os.environ["SOAK_INVOCATION_SECONDS"])
     idle_seconds = float(os.environ.get("SOAK_IDLE_SECONDS", "0.2"))

@@ -75,6 +75,7 @@ from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redrive import MAX_REDRIVE_PER_CALL, redrive
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
+from infrai_local.provider_sink import sink_settings
 from jobs import build_registry
 
 HERE = Path(__file__).resolve().parent
@@ -294,8 +295,11 @@ _LEASED_ORDER = (
 
 
 def soak_registry(provider_url: str) -> JobRegistry:
-    """The drain function's registry plus the soak's database job (as the workers build it)."""
-    return register_soak_jobs(build_registry(provider_url))
+    """The drain function's registry plus the soak's database job (as the workers build it),
+    the jobs' settings pointed at the sink."""
+    registry = register_soak_jobs(build_registry())
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
+    return registry
 
 
 def plan_jobs(config: SoakConfig, registry: JobRegistry) -> Plan:
@@ -1163,7 +1167,7 @@ def _workload(plan: Plan) -> Counter[str]:
 def _drain_env(
     config: SoakConfig, database: SoakDatabase, base_url: str, provider_url: str, api_key: str
 ) -> dict[str, str]:
-    pythonpath = [str(HERE), str(ROOT / "functions" / "drain")]
+    pythonpath = [str(HERE), str(ROOT / "functions")]
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(pythonpath),
@@ -1172,7 +1176,7 @@ def _drain_env(
         "INFRAI_QUEUE": QUEUE,
         "INFRAI_DLQ": DLQ,
         "DATABASE_URL": database.app_url,
-        "PROVIDER_URL": provider_url,
+        **sink_settings(provider_url),
         "DRAIN_BATCH_BUDGET_MS": str(config.batch_budget_ms),
         "LEASE_GRACE_SECONDS": str(config.lease_grace_seconds),
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS": str(config.visibility_seconds),

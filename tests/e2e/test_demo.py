@@ -1,25 +1,40 @@
-"""The demo's story as a test: the same scenario, assertions instead of prints."""
+"""The demo's story as a test: the same scenario, assertions instead of prints, told by the
+installed ``infrai-jobs demo`` started in a folder that is not the project."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from infrai_local.demo import DemoReport, run_story
-
-ROOT = Path(__file__).resolve().parents[2]
+INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 
 
 @pytest.mark.slow
-def test_the_field_notes_story_holds(capsys: pytest.CaptureFixture[str]) -> None:
-    # Given a fresh stage, When the story runs through DrainFunction
-    facts = run_story(ROOT, DemoReport()).facts
+def test_the_field_notes_story_holds_when_told_from_any_folder(tmp_path: Path) -> None:
+    # Given a fresh stage, and an operator in a folder that holds no project
+    # When the story runs through DrainFunction, started from there
+    env = {k: v for k, v in os.environ.items() if k != "INFRAI_JOBS_PATH"}
+    told = subprocess.run(
+        [INFRAI_JOBS, "demo", "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=240,
+    )
+    assert told.returncode == 0, told.stdout[-3000:] + told.stderr[-3000:]
+    facts = json.loads(told.stdout.strip().splitlines()[-1])
 
     # Then the producer retry finalized the invoice once and acked both copies
     retry = facts["retry"]
-    assert retry["claims"] == [("invoice.finalize:inv_8812", "done")]
-    assert retry["invoice"] == ("final", 4900)
+    assert retry["claims"] == [["invoice.finalize:inv_8812", "done"]]
+    assert retry["invoice"] == ["final", 4900]
     assert retry["invoice_updates"] == 1
     assert retry["summary"]["acked"] == 2
     assert retry["queue_after"] == 0
@@ -41,4 +56,4 @@ def test_the_field_notes_story_holds(capsys: pytest.CaptureFixture[str]) -> None
     assert facts["uncertain"]["summary"]["acked"] == 0
 
     # And the story was told on stdout
-    assert "A producer retry" in capsys.readouterr().out
+    assert "A producer retry" in told.stdout

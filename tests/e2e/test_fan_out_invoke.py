@@ -21,6 +21,8 @@ from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.fan_out import CLI, LocalLambda
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -84,8 +86,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
     # Given 600 invoices to finalize waiting, Infrai answering in 100 ms, and DrainFunction
     # allowed three drains alive with a fan-out time of one second
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn)
-        conn.execute("CREATE TABLE invoices (id text PRIMARY KEY, status text, total_cents bigint)")
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
         conn.execute(
             "INSERT INTO invoices SELECT 'inv_' || n, 'draft', NULL FROM generate_series(1, 600) n"
         )
@@ -111,7 +112,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
                         "DATABASE_SECRET_ARN": "",
                     },
                     "DrainFunction": {
-                        "PROVIDER_URL": sink.url,
+                        **sink_settings(sink.url),
                         "DRAIN_MAX_CONCURRENCY": "3",
                         "DRAIN_FANOUT_AFTER_SECONDS": "1",
                     },

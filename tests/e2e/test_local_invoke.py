@@ -20,6 +20,8 @@ from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import dependency_path, invoke, resolve
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
 from infrai_local.sam_template import (
     function_names,
     load_template,
@@ -34,11 +36,8 @@ EVENTS = ROOT / "events"
 @pytest.fixture
 def services(database_url: str) -> Iterator[dict[str, str]]:
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn)
-        conn.execute(
-            "CREATE TABLE invoices (id text PRIMARY KEY, status text, total_cents bigint);"
-            "INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)"
-        )
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+        conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
     server = emulator.start_in_thread()
     sink = provider_sink.start_in_thread()
     try:
@@ -46,7 +45,7 @@ def services(database_url: str) -> Iterator[dict[str, str]]:
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY": "local-dev-key",
             "DATABASE_URL": database_url,
-            "PROVIDER_URL": sink.url,
+            **sink_settings(sink.url),
         }
     finally:
         sink.stop()
@@ -88,8 +87,8 @@ def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, 
 def test_the_template_and_env_file_resolve_like_sam() -> None:
     spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
     # Globals, the function's own variables, parameter defaults and the env-vars file combine
-    assert spec.handler == "app.lambda_handler"
-    assert spec.code_uri == ROOT / "functions" / "drain"
+    assert spec.handler == "drain.app.lambda_handler"
+    assert spec.code_uri == ROOT / "functions"
     assert spec.layer_dirs == (ROOT / "layers" / "common",)
     assert spec.timeout == 240
     assert spec.environment["INFRAI_QUEUE"] == "billing-jobs"
@@ -350,13 +349,13 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None
         "INFRAI_BASE_URL": "http://127.0.0.1:9",
         "INFRAI_API_KEY": "cold-key",
         "DATABASE_URL": "postgresql://cold@127.0.0.1:9/cold",
-        "PROVIDER_URL": "http://127.0.0.1:9",
+        **sink_settings("http://127.0.0.1:9"),
         "POWERTOOLS_TRACE_DISABLED": "true",
     }
     check = textwrap.dedent(
         """
         import sys
-        import app
+        from drain import app
         app.service()
         # (Powertools imports botocore's bare package, under a millisecond, for its user agent)
         print(sorted(m for m in ("urllib3", "boto3", "botocore.client") if m in sys.modules))

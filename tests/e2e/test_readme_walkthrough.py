@@ -64,9 +64,11 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     # Then every command succeeded, with no traceback
     assert finished.returncode == 0, output
     assert "Traceback" not in output
-    # And the story happened: the retry finalized once, one e-mail went to the sink, the poison
-    # message walked to the DLQ and, after the fix and the redrive, is done
-    assert "invoices: table ready" in finished.stdout
+    # And the story happened: migrate made the invoice job's table, the retry finalized once, one
+    # e-mail went to the sink, the poison message walked to the DLQ and, after the fix and the
+    # redrive, is done
+    assert "applied jobs 0001: invoice_invoices" in finished.stdout
+    assert "invoices: draft invoice(s) inv_8812" in finished.stdout
     assert "1 done, 1 duplicate(s)" in finished.stderr
     assert '"mail_effects": 1' in finished.stdout
     assert re.search(r"dlq_count\s+1", finished.stdout)

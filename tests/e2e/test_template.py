@@ -157,6 +157,21 @@ def test_every_handler_names_a_function_defined_in_its_code_uri() -> None:
         assert attribute in defined, f"{name}: {module_file} defines no {attribute}()"
 
 
+def test_every_function_shares_one_code_uri_holding_the_jobs_package() -> None:
+    # Given every function of the template
+    props = functions(load_template())
+    # When their code locations are read
+    code_uris = {name: p["CodeUri"] for name, p in props.items()}
+    # Then there is one, functions/, and it holds the jobs package every handler imports
+    assert set(code_uris.values()) == {"functions"}, code_uris
+    assert (ROOT / "functions" / "jobs" / "__init__.py").is_file()
+    # And each Handler names its own folder's app module
+    for name, p in props.items():
+        folder = p["Handler"].split(".")[0]
+        assert p["Handler"] == f"{folder}.app.lambda_handler", name
+        assert (ROOT / "functions" / folder / "app.py").is_file(), name
+
+
 def test_the_layer_holds_the_package_and_its_pinned_requirements() -> None:
     # Given the layer resource
     layer = load_template()["Resources"]["CommonLayer"]

@@ -1,5 +1,5 @@
 """A harness for drain tests: the emulator over HTTP, a migrated ledger in a real PostgreSQL, the
-example jobs from ``functions/drain/jobs`` and a few test jobs whose effects can be counted."""
+example jobs from ``functions/jobs`` and a few test jobs whose effects can be counted."""
 
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.settings import Settings
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
 from jobs import build_registry
-from jobs.invoice import INVOICES_DDL
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 OPERATOR = "on-call@example.com"
-DRAIN_FUNCTION_CODE = HERE.parent.parent / "functions" / "drain"
+FUNCTIONS_CODE = HERE.parent.parent / "functions"
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -152,8 +153,8 @@ class Harness:
 
 def prepare_database(database_url: str) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn)
-        conn.execute(INVOICES_DDL)
+        # The ledger's, then the example jobs' own migrations (invoices), as `migrate` does.
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(FUNCTIONS_CODE)))
         conn.execute(EFFECTS_DDL)
 
 
@@ -168,8 +169,10 @@ def harness(
     client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
     client.ensure_queue(QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
-    registry = build_registry(sink.url)
+    registry = build_registry()
     add_test_jobs(registry, database_url)
+    # The example jobs' settings (MAIL_PROVIDER_URL, ...) all point at the sink.
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), sink.url))
     kit = Harness(server, sink, client, ledger, registry, database_url)
     try:
         yield kit
@@ -205,7 +208,7 @@ def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:
 def child_env() -> dict[str, str]:
     """This environment, with the path a child Python needs to import this module (and the
     tests' shared helpers beside it) and the drain function's code (its ``jobs`` package)."""
-    path = [str(HERE), str(HERE.parent), str(DRAIN_FUNCTION_CODE)]
+    path = [str(HERE), str(HERE.parent), str(FUNCTIONS_CODE)]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
@@ -233,7 +236,7 @@ def run_cli(
             "INFRAI_BASE_URL": kit.server.url,
             "INFRAI_API_KEY": "test-key",
             "DATABASE_URL": kit.database_url,
-            "PROVIDER_URL": kit.sink.url,
+            **sink_settings(kit.sink.url),
             "OPERATOR": OPERATOR,
             **env,
         }

@@ -28,8 +28,9 @@ KILL_AT_ACK = textwrap.dedent(
     base_url, database_url, provider_url = sys.argv[1:4]
     client = InfraiClient(base_url, "test-key")
     client.send_ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
-    registry = build_registry(provider_url)
+    registry = build_registry()
     add_test_jobs(registry, database_url)
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
     drain(client, PostgresLedger(database_url), registry, DrainConfig(queue=QUEUE),
           lambda: 120_000)
     """

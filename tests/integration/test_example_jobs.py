@@ -3,32 +3,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import psycopg
 import pytest
 
-from infrai_jobs.migrations import apply_migrations
 from infrai_local.testkit import JobKit, JobKitError
-from jobs.invoice import INVOICES_DDL
 
 INVOICE = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_8812", "email": "ada@example.com"}
 DIGEST = {"job": "digest.build", "tenant_id": "t_42", "period": "2026-11"}
 
 
-@pytest.fixture
-def job_kit_migrate() -> Callable[[psycopg.Connection[Any]], None]:
-    def migrate(conn: psycopg.Connection[Any]) -> None:
-        apply_migrations(conn)
-        conn.execute(INVOICES_DDL)
-        conn.execute("INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_0001')")
-
-    return migrate
-
-
 def test_invoice_finalize_keeps_its_guarantees(job_kit: JobKit) -> None:
+    # The invoices table is the invoice job's own migration; the producer's rows are not
+    job_kit.sql("INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_0001')")
     job_kit.assert_runs_once(INVOICE)
     assert job_kit.sql("SELECT status, total_cents FROM invoices WHERE id = 'inv_8812'") == [
         ("final", 4900)
@@ -55,6 +41,7 @@ def test_digest_build_keeps_its_guarantees(job_kit: JobKit) -> None:
 
 
 def test_the_kit_fails_when_a_guarantee_does_not_hold(job_kit: JobKit) -> None:
+    job_kit.sql("INSERT INTO invoices (id) VALUES ('inv_0001')")
     # Given an invoice that does not exist: the handler fails, so it never runs once
     missing = {**INVOICE, "invoice_id": "inv_nowhere"}
     # When the kit asserts it runs once, Then it fails, saying what it saw

@@ -42,7 +42,7 @@ COUNTING_JOBS = """
 from infrai_jobs.jobs import Effect, JobRegistry
 
 
-def build_registry(provider_url):
+def build_registry():
     registry = JobRegistry()
 
     @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
@@ -139,7 +139,6 @@ def _drain_process(kit: Harness, jobs: Path, **env: str) -> subprocess.Popen[str
         "INFRAI_API_KEY": API_KEY,
         "INFRAI_QUEUE": QUEUE,
         "DATABASE_URL": kit.database_url,
-        "PROVIDER_URL": kit.sink.url,
         **env,
     }
     return subprocess.Popen(

@@ -20,7 +20,7 @@ from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, harness, run
 from infrai_jobs.drain import DrainConfig, drain
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.settings import Settings
 from jobs import build_registry
@@ -42,8 +42,9 @@ TIMED_OUT_INVOCATION = textwrap.dedent(
 
     base_url, database_url, provider_url, seconds = sys.argv[1:5]
     deadline = time.time() + float(seconds)
-    registry = build_registry(provider_url)
+    registry = build_registry()
     add_test_jobs(registry, database_url)
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
 
     @registry.job("test.sleepy", effect=Effect.EXTERNAL_IDEMPOTENT, identity=("id",))
     def sleepy(payload, ctx):
@@ -81,21 +82,19 @@ def record_external_effect(database_url: str, key: str) -> None:
 
 def service_for(kit: Harness) -> DrainService:
     """A DrainService as DrainFunction builds it (settings, factory, registry), on loopback."""
+    registry = build_registry()
+    add_test_jobs(registry, kit.database_url)
+    declared = registry.declared_settings()
     settings = Settings(
         infrai_base_url=kit.server.url,
         infrai_api_key="test-key",
         queue=QUEUE,
         dlq=DLQ,
         database_url=kit.database_url,
-        provider_url=kit.sink.url,
+        job_settings=dict.fromkeys(declared, kit.sink.url),
+        job_setting_owners=declared,
         batch_budget_ms=1_000,
     )
-
-    def registry(provider_url: str) -> JobRegistry:
-        built = build_registry(provider_url)
-        add_test_jobs(built, kit.database_url)
-        return built
-
     return DrainService.from_settings(settings, registry)
 
 

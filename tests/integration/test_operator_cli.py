@@ -26,7 +26,7 @@ JOBS_PACKAGE = textwrap.dedent(
     from infrai_jobs.jobs import Effect, JobRegistry
 
 
-    def build_registry(provider_url):
+    def build_registry():
         registry = JobRegistry()
 
         @registry.job("cli.ok", effect=Effect.DATABASE, identity=("id",))
@@ -319,20 +319,23 @@ def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness) -> 
     assert moved.payload["job"] == "invoice.finalize"
 
 
-def test_redrive_function_finds_a_key_of_a_job_with_its_own_rule_through_the_ledger(
+def test_redrive_function_derives_a_jobs_own_key_with_the_shared_jobs_package(
     kit: Harness, tmp_path: Path
 ) -> None:
     from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
 
-    # Given two receipts dead-lettered (receipt.send keys by invoice_id, a rule of the jobs
-    # package that RedriveFunction does not have), one of them failed in the ledger
+    # Given three receipts dead-lettered (receipt.send keys by invoice_id, a rule of the jobs
+    # package): the wanted one failed in the ledger; a later one for the same invoice, to a
+    # corrected address (other work under the same key), never reached the ledger
     wanted = {"job": "receipt.send", "invoice_id": "inv_8", "email": "a@example.com"}
+    twin = {"job": "receipt.send", "invoice_id": "inv_8", "email": "a@example.org"}
     other = {"job": "receipt.send", "invoice_id": "inv_9", "email": "b@example.com"}
     _seed_settled_claim(
         kit, wanted, "failed", message_id="qmsg_old", effect="external", error="bounced"
     )
     kit.client.publish(DLQ, other)
     kit.client.publish(DLQ, wanted)
+    kit.client.publish(DLQ, twin)
     event = tmp_path / "redrive-key.json"
     event.write_text(json.dumps({"key": "receipt.send:inv_8", "reopen_failed": True}))
     # When RedriveFunction is asked for that key
@@ -343,12 +346,13 @@ def test_redrive_function_finds_a_key_of_a_job_with_its_own_rule_through_the_led
         "DATABASE_URL": kit.database_url,
     }
     result = invoke(spec, event, extra_env=services)
-    # Then it moved that receipt only, and reopened its failed claim
+    # Then it moved both receipts of that key, the one the ledger never saw included (the key
+    # comes from the job's own rule, as the drain derives it), and reopened the failed claim
     assert result.ok, result.payload
-    assert (result.payload["published"], result.payload["not_selected"]) == (1, 1)
+    assert (result.payload["published"], result.payload["not_selected"]) == (2, 1)
     assert result.payload["reopened"] == ["receipt.send:inv_8"]
-    (moved,) = kit.client.consume(QUEUE)
-    assert moved.payload == wanted
+    moved = kit.client.consume(QUEUE)
+    assert sorted(m.payload["email"] for m in moved) == ["a@example.com", "a@example.org"]
 
 
 # --- claims -----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.queue_models import QueueMessage
 from infrai_jobs.redrive import _reopen
 from infrai_local import emulator, provider_sink
+from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -121,7 +122,9 @@ def test_a_drain_of_a_real_queue_without_database_url_consumes_nothing(
     queue: InfraiClient, sink_url: str
 ) -> None:
     # Given a real queue holding a job, a provider, and no DATABASE_URL
-    env = base_env(INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, PROVIDER_URL=sink_url)
+    env = base_env(
+        INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, **sink_settings(sink_url)
+    )
     # When the drain runs
     finished = run("drain", env=env)
     # Then it is a configuration error naming the variable, and the job is still available
@@ -131,19 +134,47 @@ def test_a_drain_of_a_real_queue_without_database_url_consumes_nothing(
     assert still_waiting(queue)
 
 
-def test_a_drain_of_a_real_queue_without_provider_url_consumes_nothing(
+def test_a_drain_of_a_real_queue_without_its_jobs_settings_consumes_nothing(
     queue: InfraiClient, database_url: str
 ) -> None:
-    # Given a real queue and a real, migrated ledger, but no PROVIDER_URL
+    # Given a real queue and a real, migrated ledger, but none of the settings the jobs declared
     env = base_env(
         INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, DATABASE_URL=migrated(database_url)
     )
     # When the drain runs
     finished = run("drain", env=env)
-    # Then it names PROVIDER_URL (never a throwaway sink for a real job), and consumed nothing
+    # Then it names each setting and the job that needs it (never a throwaway sink for a real
+    # job), and consumed nothing
     line = assert_one_line_error(finished, 2)
-    assert "PROVIDER_URL is not set" in line
+    assert "MAIL_PROVIDER_URL and DIGEST_PROVIDER_URL are not set" in line
+    assert "MAIL_PROVIDER_URL (the downstream receipt.send calls" in line
+    assert "DIGEST_PROVIDER_URL (the downstream digest.build calls" in line
     assert still_waiting(queue)
+
+
+def test_a_drain_needs_only_the_settings_of_the_jobs_it_registered(
+    queue: InfraiClient, database_url: str, tmp_path: Path
+) -> None:
+    # Given a real queue and ledger, no job settings at all, and a jobs package whose only job
+    # declares none
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "__init__.py").write_text(
+        "from infrai_jobs.jobs import Effect, JobRegistry\n"
+        "def build_registry():\n"
+        "    registry = JobRegistry()\n"
+        "    registry.job('plain.db', effect=Effect.DATABASE, identity=('id',))("
+        "lambda payload, ctx: {'id': payload['id']})\n"
+        "    return registry\n"
+    )
+    env = base_env(
+        INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, DATABASE_URL=migrated(database_url)
+    )
+    queue.publish(QUEUE, {"job": "plain.db", "id": "p1"})
+    # When the drain runs with that jobs package
+    finished = run("drain", "--jobs-path", str(tmp_path), "--max-batches", "1", env=env)
+    # Then it ran: no other job's setting was asked for
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout.splitlines()[-1])["done"] >= 1
 
 
 def test_a_drain_with_only_a_real_database_never_migrates_or_stands_in_a_queue(
@@ -153,9 +184,12 @@ def test_a_drain_with_only_a_real_database_never_migrates_or_stands_in_a_queue(
     env = base_env(DATABASE_URL=database_url)
     # When the drain runs
     finished = run("drain", env=env)
-    # Then it names INFRAI_BASE_URL and PROVIDER_URL, and the database is untouched
+    # Then it names INFRAI_BASE_URL and the jobs' settings, and the database is untouched
     line = assert_one_line_error(finished, 2)
-    assert "INFRAI_BASE_URL and PROVIDER_URL are not set, but DATABASE_URL is" in line
+    assert (
+        "INFRAI_BASE_URL, MAIL_PROVIDER_URL and DIGEST_PROVIDER_URL are not set, "
+        "but DATABASE_URL is"
+    ) in line
     assert table_count(database_url) == 0
 
 
@@ -163,11 +197,14 @@ def test_a_database_secret_counts_as_a_real_database(queue: InfraiClient) -> Non
     # Given a database named only by its secret, and no queue configured
     env = base_env(
         DATABASE_SECRET_ARN="arn:aws:secretsmanager:eu-west-1:1:secret:db",
-        PROVIDER_URL="http://127.0.0.1:9",
+        **sink_settings("http://127.0.0.1:9"),
     )
     # When the drain runs, Then it refuses before fetching anything, naming INFRAI_BASE_URL
     line = assert_one_line_error(run("drain", env=env), 2)
-    assert "INFRAI_BASE_URL is not set, but DATABASE_URL and PROVIDER_URL are" in line
+    assert (
+        "INFRAI_BASE_URL is not set, but DATABASE_URL, MAIL_PROVIDER_URL and "
+        "DIGEST_PROVIDER_URL are"
+    ) in line
 
 
 def test_a_sandbox_drain_says_so_in_its_first_line() -> None:
@@ -240,7 +277,7 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
             "INFRAI_API_KEY": API_KEY,
             "INFRAI_API_KEY_PARAMETER": "",
             "DATABASE_URL": "",
-            "PROVIDER_URL": sink_url,
+            **sink_settings(sink_url),
         },
     )
     # When DrainFunction is invoked
@@ -276,7 +313,10 @@ def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anythi
     finished = invoke_drain_function("events/env.json", base_env())
     # Then it names DATABASE_URL; no handler ran
     line = assert_one_line_error(finished, 2)
-    assert "DATABASE_URL and PROVIDER_URL are not set, but INFRAI_BASE_URL is" in line
+    assert (
+        "DATABASE_URL, MAIL_PROVIDER_URL and DIGEST_PROVIDER_URL are not set, "
+        "but INFRAI_BASE_URL is"
+    ) in line
     assert "END DrainFunction" not in finished.stderr
 
 
@@ -358,7 +398,7 @@ def test_both_outputs_closed_is_exit_1_with_nothing_left_behind(database_url: st
                 DATABASE_URL=database_url,
                 INFRAI_BASE_URL="http://127.0.0.1:9",
                 INFRAI_API_KEY="k",
-                PROVIDER_URL="http://127.0.0.1:9",
+                **sink_settings("http://127.0.0.1:9"),
             ),
             cwd=ROOT,
             stdout=write_end,
@@ -406,7 +446,7 @@ def test_a_drain_on_an_unmigrated_database_says_migrate_and_consumes_nothing(
         INFRAI_BASE_URL=queue.base_url,
         INFRAI_API_KEY=API_KEY,
         DATABASE_URL=database_url,
-        PROVIDER_URL=sink_url,
+        **sink_settings(sink_url),
     )
     # When the drain runs
     finished = run("drain", env=env)
@@ -492,4 +532,4 @@ def test_the_emulator_controls_answer_in_json_and_refuse_in_one_line(queue: Infr
     assert "VALIDATION_ERROR" in line
     # When the sink is asked about with nothing naming it, Then it is a usage error
     line = assert_one_line_error(run("provider-sink", "state", env=base_env()), 2)
-    assert "PROVIDER_URL" in line
+    assert "PROVIDER_SINK_URL" in line

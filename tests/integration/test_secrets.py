@@ -247,11 +247,16 @@ def _load_app(function: str) -> Any:
     return app
 
 
-# Each function, warmed up (its adapters built), and an event that makes it use the ledger.
+# Each function, warmed up (its adapters built), an event that makes it use the ledger, and the
+# dead letters that event needs (a redrive touches the ledger only to reopen a moved one's claim).
 WARM_FUNCTIONS = {
-    "dlq_alert": (lambda app: app.check(), {}),
-    "prune": (lambda app: app.dependencies(), {}),
-    "redrive": (lambda app: app.ledger(), {"key": "invoice.finalize:inv_1", "dry_run": True}),
+    "dlq_alert": (lambda app: app.check(), {}, []),
+    "prune": (lambda app: app.dependencies(), {}, []),
+    "redrive": (
+        lambda app: app.ledger(),
+        {"reopen_failed": True, "dry_run": False},
+        [{"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1}],
+    ),
 }
 
 
@@ -272,7 +277,11 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
     arn = aws["secrets"].create_secret(Name=SECRET, SecretString=stale)["ARN"]
     server = emulator_module.start_in_thread(api_key="test-key")
     try:
-        InfraiClient(server.url, "test-key").ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        client = InfraiClient(server.url, "test-key")
+        client.ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        warm_up, event, dead_letters = WARM_FUNCTIONS[function]
+        for payload in dead_letters:
+            client.publish(f"{QUEUE}-dlq", payload)
         for name, value in {
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY": "test-key",
@@ -286,7 +295,6 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("DATABASE_URL", raising=False)
         app = _load_app(function)
-        warm_up, event = WARM_FUNCTIONS[function]
         warm_up(app)
         aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
         refreshes = _Actions()

@@ -30,6 +30,7 @@ from infrai_jobs.settings import Settings
 from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
+from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -182,7 +183,6 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(ClaimsAdmin(url), message),
-        "redrive's key lookup": lambda: redrive_module.key_of_with_ledger(ClaimsAdmin(url), "k"),
     }
 
 
@@ -222,7 +222,7 @@ def services() -> Iterator[dict[str, str]]:
     server = emulator.start_in_thread()
     sink = provider_sink.start_in_thread()
     try:
-        yield {"INFRAI_BASE_URL": server.url, "INFRAI_API_KEY": "k", "PROVIDER_URL": sink.url}
+        yield {"INFRAI_BASE_URL": server.url, "INFRAI_API_KEY": "k", **sink_settings(sink.url)}
     finally:
         sink.stop()
         server.stop()

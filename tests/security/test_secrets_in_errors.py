@@ -76,7 +76,6 @@ def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_er
         "claims admin": lambda: ClaimsAdmin(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(ClaimsAdmin(url), message),
-        "redrive's key lookup": lambda: redrive_module.key_of_with_ledger(ClaimsAdmin(url), "k"),
     }
     for name, call in entry_points.items():
         # When each is used
@@ -126,7 +125,7 @@ def test_the_objects_a_handler_holds_never_print_a_secret(emulator: RunningEmula
         database_url=f"postgresql://infrai:{PASSWORD}@127.0.0.1:1/jobs",
         redis_url=f"rediss://:{PASSWORD}@cache.example:6379/0",
     )
-    service = DrainService.from_settings(settings, lambda _url: JobRegistry())
+    service = DrainService.from_settings(settings, JobRegistry())
     # When they are printed (a log line, an assertion message, a debugger)
     printed = " ".join([repr(settings), repr(service), str(service), repr(service.ledger)])
     # Then no secret shows

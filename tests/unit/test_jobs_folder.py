@@ -1,22 +1,53 @@
-"""Where the CLI looks for the drain's jobs package, and how it refuses a wrong one."""
+"""How the CLI imports the team's jobs package: as every function does, ``import jobs`` from the
+functions' code root, with ``--jobs-path`` / ``INFRAI_JOBS_PATH`` as the one explicit override."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_local import jobs_package
-from infrai_local.jobs_package import find_jobs_folder, load_registry
+from infrai_local.jobs_package import code_root, import_jobs, project_root
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_WHICH_JOBS = (
+    "import sys; from infrai_local.jobs_package import import_jobs, load_registry; "
+    "print(import_jobs(sys.argv[1] if len(sys.argv) > 1 else None).__file__); "
+    "print(sorted(job.name for job in load_registry('')))"
+)
 
 
-def project(root: Path) -> Path:
-    """A project tree holding functions/drain/jobs; returns its functions/drain."""
-    folder = root / "functions" / "drain"
-    (folder / "jobs").mkdir(parents=True)
-    (folder / "jobs" / "__init__.py").write_text("")
-    return folder
+def code_root_with_jobs(root: Path, job: str) -> Path:
+    """A code root laid out like functions/, whose jobs package registers one job."""
+    (root / "jobs").mkdir(parents=True)
+    (root / "jobs" / "__init__.py").write_text(
+        "from infrai_jobs.jobs import Effect, JobRegistry\n"
+        "def build_registry():\n"
+        "    registry = JobRegistry()\n"
+        f"    registry.job({job!r}, effect=Effect.DATABASE, identity=('id',))(lambda p, c: None)\n"
+        "    return registry\n"
+    )
+    return root
+
+
+def which_jobs(cwd: Path, *argv: str, **env: str) -> list[str]:
+    """What a fresh process started in ``cwd`` imports as ``jobs``: its file, its job names."""
+    finished = subprocess.run(
+        [sys.executable, "-c", _WHICH_JOBS, *argv],
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert finished.returncode == 0, finished.stderr
+    return finished.stdout.splitlines()
 
 
 @pytest.fixture(autouse=True)
@@ -24,46 +55,38 @@ def no_jobs_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(jobs_package.JOBS_PATH_ENV, raising=False)
 
 
-def test_the_project_is_found_from_a_folder_below_it(
+def test_away_from_the_project_the_installed_package_is_the_functions_own(tmp_path: Path) -> None:
+    # Given a process started in a folder that is not the project
+    # When it imports the jobs package the way the CLI does
+    origin, names = which_jobs(tmp_path)
+    # Then it is functions/jobs, the package every function imports, with the example jobs
+    assert Path(origin) == ROOT / "functions" / "jobs" / "__init__.py"
+    assert "invoice.finalize" in names
+
+
+def test_the_code_root_and_project_are_where_lambda_and_the_template_expect_them() -> None:
+    assert code_root() == ROOT / "functions"
+    assert project_root() == ROOT
+    assert (project_root() / "template.yaml").is_file()
+
+
+def test_a_jobs_path_is_imported_ahead_of_the_installed_package(tmp_path: Path) -> None:
+    # Given another code root whose jobs package registers its own job
+    other = code_root_with_jobs(tmp_path / "other", "other.job")
+    # When a process imports jobs with --jobs-path naming it, or with INFRAI_JOBS_PATH
+    by_option = which_jobs(tmp_path, str(other))
+    by_variable = which_jobs(tmp_path, INFRAI_JOBS_PATH=str(other))
+    # Then that package is the one imported, in both cases
+    for origin, names in (by_option, by_variable):
+        assert Path(origin) == other / "jobs" / "__init__.py"
+        assert names == "['other.job']"
+
+
+def test_a_named_folder_without_jobs_is_refused_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    folder = project(tmp_path / "proj")
-    below = tmp_path / "proj" / "docs" / "runbooks"
-    below.mkdir(parents=True)
-    monkeypatch.chdir(below)
-    assert find_jobs_folder() == folder.resolve()
-
-
-def test_the_option_comes_before_the_variable_and_the_variable_before_the_project(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    option, variable = project(tmp_path / "a"), project(tmp_path / "b")
-    monkeypatch.chdir(project(tmp_path / "c").parents[1])
-    monkeypatch.setenv(jobs_package.JOBS_PATH_ENV, str(variable))
-    assert find_jobs_folder(str(option)) == option.resolve()
-    assert find_jobs_folder() == variable.resolve()
-
-
-def test_a_named_folder_without_jobs_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=r"--jobs-path .* holds no jobs package"):
-        find_jobs_folder(str(tmp_path))
-
-
-def test_with_nothing_anywhere_the_error_says_what_to_do(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(jobs_package, "_INSTALLED_FROM", tmp_path / "elsewhere")
-    with pytest.raises(ConfigurationError, match="pass --jobs-path FOLDER or set INFRAI_JOBS_PATH"):
-        find_jobs_folder()
-
-
-def test_a_jobs_module_already_imported_from_elsewhere_is_not_taken_for_this_one(
-    tmp_path: Path,
-) -> None:
-    # The test path already imported functions/drain's jobs; another folder's must not be
-    # answered with it.
-    import jobs  # noqa: PLC0415, F401 - the project's, on the test path
-
-    with pytest.raises(ConfigurationError, match="another module named jobs"):
-        load_registry(project(tmp_path).resolve(), "")
+        import_jobs(str(tmp_path))
+    monkeypatch.setenv(jobs_package.JOBS_PATH_ENV, str(tmp_path))
+    with pytest.raises(ConfigurationError, match=r"INFRAI_JOBS_PATH .* holds no jobs package"):
+        import_jobs()

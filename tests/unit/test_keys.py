@@ -29,8 +29,8 @@ from infrai_jobs.keys import (
 from jobs import build_registry
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
-# The key rules the example jobs declare (functions/drain/jobs): the layer knows none itself.
-EXAMPLE_RULES = MappingProxyType(build_registry("http://127.0.0.1:1").identity_table())
+# The key rules the example jobs declare (functions/jobs): the layer knows none itself.
+EXAMPLE_RULES = MappingProxyType(build_registry().identity_table())
 # A job with no key rule: keyed by its content.
 UNRULED_JOB = "report.export"
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-LAYER = Path(__file__).resolve().parents[2] / "layers" / "common" / "infrai_jobs"
+ROOT = Path(__file__).resolve().parents[2]
+LAYER = ROOT / "layers" / "common" / "infrai_jobs"
 MODULES = sorted(LAYER.glob("*.py"))
 MAX_LINES = 600
 
@@ -99,14 +100,93 @@ def _code_strings(tree: ast.AST) -> set[str]:
     }
 
 
-def test_the_layer_names_no_job_of_the_jobs_package() -> None:
-    # The jobs' names and key rules live in functions/drain/jobs; the registry hands them over.
+def _example_names() -> set[str]:
+    """The example jobs' names and the settings they declare (their endpoints)."""
     from jobs import build_registry  # noqa: PLC0415 - the example jobs, on the test path
 
-    job_names = {job.name for job in build_registry("http://127.0.0.1:1")}
-    assert job_names, "the example registry declares no job"
+    registry = build_registry()
+    names = {job.name for job in registry} | set(registry.declared_settings())
+    assert len(names) >= 5, "the example registry declares no jobs or no settings"
+    return names
+
+
+def test_the_layer_names_no_job_of_the_jobs_package_and_no_endpoint() -> None:
+    # The jobs' names, key rules and settings live in functions/jobs; the registry hands them
+    # over. The framework's old single downstream setting is gone too.
+    forbidden = _example_names() | {"PROVIDER_URL"}
     named = {
-        path.name: sorted(job_names & _code_strings(ast.parse(path.read_text(encoding="utf-8"))))
+        path.name: sorted(forbidden & _code_strings(ast.parse(path.read_text(encoding="utf-8"))))
         for path in MODULES
     }
     assert {name: jobs for name, jobs in named.items() if jobs} == {}
+    # Not even as an example in a comment or docstring: the settings' names are the jobs' own
+    for path in MODULES:
+        text = path.read_text(encoding="utf-8")
+        assert "PROVIDER_URL" not in text.replace("infrai-jobs provider-sink", ""), path.name
+
+
+# The CLI's own machinery: what runs for every team's jobs. The demo, example-data and the
+# provider sink exist to show the example jobs, so they may name them.
+CLI_MODULES = sorted(
+    path
+    for path in (ROOT / "local" / "infrai_local").rglob("*.py")
+    if path.name not in {"demo.py", "example_data.py", "provider_sink.py"}
+)
+
+
+@pytest.mark.parametrize("path", CLI_MODULES, ids=lambda p: p.name)
+def test_the_cli_names_no_example_job_and_searches_no_path_for_jobs(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    strings = _code_strings(tree)
+    # No example job's name or setting: the CLI learns them from the registry
+    assert (
+        sorted(_example_names() & {word.strip("'\"{}:,") for s in strings for word in s.split()})
+        == []
+    )
+    # And no path search for the jobs package: no function folder named, no walk up from the
+    # working directory (a template is read from the working directory, as sam does)
+    assert not [s for s in strings if "functions/drain" in s], path.name
+    walks_up = [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "parents"
+        and "cwd" in ast.unparse(node.value)
+    ]
+    assert walks_up == [], path.name
+
+
+def _imports_jobs(tree: ast.AST) -> bool:
+    """Whether a module imports the jobs package: ``import jobs``, ``from jobs import ...`` or
+    ``import_module("jobs")``."""
+    for node in ast.walk(tree):
+        if "jobs" in {name.split(".")[0] for name in imported_modules(node)} and isinstance(
+            node, ast.Import | ast.ImportFrom
+        ):
+            return True
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value == "jobs"
+        ):
+            return True
+    return False
+
+
+def test_the_cli_imports_the_jobs_package_one_way() -> None:
+    # The one import of `jobs` is jobs_package.import_jobs; everything else goes through it
+    importing = sorted(
+        path.name
+        for path in CLI_MODULES
+        if _imports_jobs(ast.parse(path.read_text(encoding="utf-8")))
+    )
+    assert importing == ["jobs_package.py"]
+    # And it imports, it does not search: nothing relative to the working directory, no
+    # folder of the project spelled out
+    tree = ast.parse((ROOT / "local" / "infrai_local" / "jobs_package.py").read_text())
+    code = ast.unparse(tree)
+    assert "cwd" not in code
+    assert "getcwd" not in code
+    assert not {"functions", "drain"} & _code_strings(tree)

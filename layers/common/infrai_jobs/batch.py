@@ -163,6 +163,7 @@ class _Batch:
             delivery_count=message.delivery_count,
             deadline=self.deadline,
             db=db,
+            settings=derived.settings,
         )
 
     def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:

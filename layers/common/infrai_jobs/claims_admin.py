@@ -127,19 +127,6 @@ def change_refused(
     return ""
 
 
-# The work fingerprints the ledger recorded under one key: its claim's, and those in its history
-# (a release's or reopen's claim as it was before, a discard's claim beside its dead letter).
-_RECORDED_FINGERPRINTS: LiteralString = """
-SELECT payload_sha256 FROM job_claims
-WHERE idem_key = %(key)s AND payload_sha256 IS NOT NULL
-UNION
-SELECT coalesce(before->>'payload_sha256', before->'claim'->>'payload_sha256')
-FROM claim_history
-WHERE idem_key = %(key)s
-  AND coalesce(before->>'payload_sha256', before->'claim'->>'payload_sha256') IS NOT NULL
-"""
-
-
 class ClaimsAdmin(LedgerAdapter):
     """Operator actions on the ledger; one short connection per call. The functions build it
     with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
@@ -273,12 +260,6 @@ class ClaimsAdmin(LedgerAdapter):
             after = ClaimRow(**after_row) if after_row else None
             _record(conn, action, before, after, actor=actor, note=note)
         return after or before
-
-    def recorded_fingerprints(self, key: str) -> set[str]:
-        """The fingerprints of the work the ledger holds under ``key``: its claim's, and those
-        its history recorded (a released, reopened or discarded claim as it was)."""
-        with self._connector.session(f"cannot look up key {key!r}") as conn:
-            return {row[0] for row in conn.execute(_RECORDED_FINGERPRINTS, {"key": key})}
 
     def reopen_failed(
         self, *, message_id: str, fingerprint: str | None, actor: str | None = None

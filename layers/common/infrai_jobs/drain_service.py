@@ -45,8 +45,6 @@ from infrai_jobs.settings import Settings
 if TYPE_CHECKING:
     from infrai_jobs.second_layer import SecondLayer
 
-RegistryFactory = Callable[[str], JobRegistry]
-
 logger = logging.getLogger(__name__)
 
 
@@ -71,11 +69,16 @@ class DrainService:
     def from_settings(
         cls,
         settings: Settings,
-        build_registry: RegistryFactory,
+        registry: JobRegistry,
         *,
         starter: DrainStarterPort | None = None,
     ) -> DrainService:
-        """``starter`` replaces Lambda's for local runs (the CLI starts drain processes)."""
+        """``registry``'s jobs get the values of the settings they declared, read into
+        ``settings`` (``Settings.from_env(job_settings=registry.declared_settings())``): a
+        missing one is a ``ConfigurationError`` naming it and its jobs, before anything is
+        built or consumed. ``starter`` replaces Lambda's for local runs (the CLI starts drain
+        processes)."""
+        registry.bind_settings(settings.require_job_settings())
         resolved = resolve_secrets(settings)
         refresh = secret_refresh(settings)
         url_hook, key_hook = refresh.database_url, refresh.api_key
@@ -83,7 +86,7 @@ class DrainService:
             settings=resolved,
             queue=make_queue_client(resolved, refresh_api_key=key_hook),
             ledger=make_ledger(resolved, refresh_url=url_hook),
-            registry=build_registry(resolved.provider_url),
+            registry=registry,
             effect_guard=make_effect_guard(resolved),
             make_lane_ledger=lambda: make_ledger(resolved, refresh_url=url_hook),
             fleet=make_drain_fleet(resolved, refresh_url=url_hook),

@@ -1,6 +1,6 @@
 """Declaring jobs: a name, how its key is derived, its effect class, and its handler.
 
-Users write handlers in ``functions/drain/jobs/`` and register them on a ``JobRegistry``::
+Users write handlers in ``functions/jobs/`` and register them on a ``JobRegistry``::
 
     registry = JobRegistry()
 
@@ -24,6 +24,11 @@ The effect class decides how the claim protects the work (docs/design.md, "Effec
 
 ``fields`` is the payload's schema (``infrai_jobs.payload_schema``): ``derive`` checks every
 payload against it before the claim, so a handler sees only payloads that match it.
+
+A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
+the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
+declared ones at its edge (``infrai_jobs.settings``) and binds them with ``bind_settings`` before
+anything is consumed; a handler finds its own in ``ctx.settings``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
@@ -63,6 +69,8 @@ class JobContext:
     deadline: float
     # Only for DATABASE jobs: the connection whose transaction also holds the claim.
     db: psycopg.Connection[Any] | None = None
+    # The values of the settings this job declared, by name.
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]
@@ -81,6 +89,8 @@ class JobDefinition:
     # The payload's declared fields and their JSON types; ``register`` adds the identity and
     # required fields it does not declare, as required fields of any type.
     schema: PayloadSchema = field(default_factory=PayloadSchema)
+    # The settings (environment variables) the handler reads from ``ctx.settings``.
+    settings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +101,14 @@ class DerivedJob:
     payload: Payload
     idem_key: str
     fingerprint: str
+    # The bound values of the job's declared settings (``JobRegistry.bind_settings``).
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass
 class JobRegistry:
     _jobs: dict[str, JobDefinition] = field(default_factory=dict)
+    _settings: dict[str, Mapping[str, str]] = field(default_factory=dict)
 
     def register(self, definition: JobDefinition) -> JobDefinition:
         """Add a job; a definition that could never key a message fails here, at start-up,
@@ -123,11 +136,16 @@ class JobRegistry:
         identity: Sequence[str] = (),
         required: Sequence[str] = (),
         fields: Mapping[str, FieldSpec] | None = None,
+        settings: Sequence[str] = (),
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``. ``fields`` declares the payload's schema (see
         ``infrai_jobs.payload_schema``); identity fields are always required."""
 
-        for label, names in (("identity", identity), ("required", required)):
+        for label, names in (
+            ("identity", identity),
+            ("required", required),
+            ("settings", settings),
+        ):
             if isinstance(names, str):
                 # A bare string is a Sequence[str] too: it would name one field per character.
                 raise ConfigurationError(
@@ -144,6 +162,7 @@ class JobRegistry:
                     identity=tuple(identity),
                     required=tuple(dict.fromkeys((*identity, *required, *schema.required))),
                     schema=schema,
+                    settings=tuple(dict.fromkeys(settings)),
                 )
             )
             return handler
@@ -158,6 +177,32 @@ class JobRegistry:
 
     def get(self, name: str) -> JobDefinition | None:
         return self._jobs.get(name)
+
+    def declared_settings(self) -> dict[str, tuple[str, ...]]:
+        """Every setting a registered job declared, with the jobs that declared it."""
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            for name in job.settings:
+                owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
+
+    def bind_settings(self, values: Mapping[str, str]) -> None:
+        """Give every job the values of the settings it declared, at start-up: one that is
+        missing or empty is a ``ConfigurationError`` naming the setting and its jobs."""
+        missing = {
+            name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
+        }
+        if missing:
+            raise ConfigurationError(
+                "; ".join(
+                    f"{name} is not set, and job(s) {', '.join(jobs)} need it"
+                    for name, jobs in missing.items()
+                )
+            )
+        self._settings = {
+            job.name: MappingProxyType({name: values[name] for name in job.settings})
+            for job in self._jobs.values()
+        }
 
     def identity_table(self) -> dict[str, tuple[str, ...]]:
         return {job.name: job.identity for job in self._jobs.values() if job.identity}
@@ -180,7 +225,8 @@ class JobRegistry:
             raise KeyDerivationError(f"unknown job {name!r} ({guess}registered: {known})")
         definition.schema.check(name, payload)
         idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
-        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload))
+        settings = self._settings.get(name, MappingProxyType({}))
+        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload), settings)
 
 
 def _json_type_name(value: object) -> str:

@@ -10,7 +10,7 @@ Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSO
    ``{job}:{tenant_id}:{period}``.
 3. Any other job: ``sha256:`` + the payload fingerprint.
 
-The rules belong to the jobs (``functions/drain/jobs``, through ``JobRegistry``); this module
+The rules belong to the jobs (``functions/jobs``, through ``JobRegistry``); this module
 knows no job by name. Code without the registry (RedriveFunction) passes ``NO_KEY_RULES`` and so
 knows producer keys and content keys only.
 

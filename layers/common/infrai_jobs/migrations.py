@@ -1,7 +1,10 @@
-"""Versioned, idempotent schema migrations for the claim ledger.
+"""Versioned, idempotent schema migrations for the claim ledger, then for the jobs' own tables.
 
 ``apply_migrations`` takes a transaction-scoped advisory lock, so two ``infrai-jobs migrate`` runs
 started at once apply each migration exactly once: the second waits, then finds nothing to do.
+The jobs' migrations (``functions/jobs/migrations/NNNN_name.sql``, read by the CLI and handed in
+as ``jobs``) run after the ledger's, in the same transaction under the same lock, and are
+recorded apart (``infrai_jobs_job_schema``): the two version sequences never collide.
 Every statement is also written to be harmless when repeated (``IF NOT EXISTS``), and the first
 migration adopts a ``job_claims`` table created by the field notes' own DDL: every column it adds
 is nullable or defaulted, so the notes' ``INSERT (idem_key, state, message_id)`` keeps working.
@@ -9,10 +12,13 @@ is nullable or defaulted, so the notes' ``INSERT (idem_key, state, message_id)``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, LiteralString
+from typing import Any, Literal, LiteralString
 
 import psycopg
+
+from infrai_jobs.errors import ConfigurationError
 
 # An arbitrary constant that names "infrai-jobs schema changes" among advisory locks.
 MIGRATION_LOCK_ID = 0x1F0A_7C3B
@@ -22,7 +28,9 @@ MIGRATION_LOCK_ID = 0x1F0A_7C3B
 class Migration:
     version: int
     name: str
-    sql: LiteralString
+    # The ledger's are constants here; a job's is its file's text, as the team wrote it.
+    sql: LiteralString | bytes
+    owner: Literal["ledger", "jobs"] = "ledger"
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -136,16 +144,34 @@ _CREATE_VERSIONS: LiteralString = """
         applied_at timestamptz NOT NULL DEFAULT now()
     )
 """
+_CREATE_JOB_VERSIONS: LiteralString = """
+    CREATE TABLE IF NOT EXISTS infrai_jobs_job_schema (
+        version    int PRIMARY KEY,
+        name       text NOT NULL,
+        applied_at timestamptz NOT NULL DEFAULT now()
+    )
+"""
 _LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(lock_id)s)"
-_APPLIED: LiteralString = "SELECT version FROM infrai_jobs_schema"
+_APPLIED: LiteralString = "SELECT version, name FROM infrai_jobs_schema"
 _RECORD: LiteralString = (
     "INSERT INTO infrai_jobs_schema (version, name) VALUES (%(version)s, %(name)s)"
+)
+_JOBS_APPLIED: LiteralString = "SELECT version, name FROM infrai_jobs_job_schema"
+_JOBS_RECORD: LiteralString = (
+    "INSERT INTO infrai_jobs_job_schema (version, name) VALUES (%(version)s, %(name)s)"
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 
 
-def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
-    """Apply what is missing, in order, in one transaction; return what was applied."""
+def apply_migrations(
+    conn: psycopg.Connection[Any], jobs: Sequence[Migration] = ()
+) -> list[Migration]:
+    """Apply what is missing, the ledger's then the jobs', in order, in one transaction;
+    return what was applied.
+
+    A jobs' version already recorded under another name is a ``ConfigurationError`` and
+    nothing is applied: an applied migration is never edited or renumbered, only followed."""
+    _check_sequence(jobs)
     applied_now: list[Migration] = []
     with conn.transaction():
         conn.execute(_LOCK, {"lock_id": MIGRATION_LOCK_ID})
@@ -158,7 +184,32 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
             conn.execute(migration.sql)
             conn.execute(_RECORD, {"version": migration.version, "name": migration.name})
             applied_now.append(migration)
+        if jobs:
+            conn.execute(_CREATE_JOB_VERSIONS)
+            recorded = dict(conn.execute(_JOBS_APPLIED).fetchall())
+            for migration in jobs:
+                if migration.version in recorded:
+                    if recorded[migration.version] != migration.name:
+                        raise ConfigurationError(
+                            f"jobs migration {migration.version:04d} is {migration.name!r} "
+                            f"here but was applied as {recorded[migration.version]!r}: an "
+                            "applied migration is never renamed or reused; add a new version"
+                        )
+                    continue
+                conn.execute(migration.sql)
+                conn.execute(_JOBS_RECORD, {"version": migration.version, "name": migration.name})
+                applied_now.append(migration)
     return applied_now
+
+
+def _check_sequence(jobs: Sequence[Migration]) -> None:
+    versions = [migration.version for migration in jobs]
+    if any(migration.owner != "jobs" for migration in jobs):
+        raise ConfigurationError("only the jobs' own migrations may be passed as jobs")
+    if versions != sorted(set(versions)) or any(version < 1 for version in versions):
+        raise ConfigurationError(
+            f"the jobs' migrations must have distinct versions from 1 up, in order: {versions}"
+        )
 
 
 def current_version(conn: psycopg.Connection[Any]) -> int:

@@ -33,7 +33,7 @@ from infrai_jobs.errors import (
     KeyDerivationError,
     QueueMessageNotFound,
 )
-from infrai_jobs.keys import NO_KEY_RULES, derive_key, payload_fingerprint
+from infrai_jobs.keys import payload_fingerprint
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.queue_models import QueueMessage
 
@@ -272,28 +272,6 @@ class RedriveSummary:
             "price_source": self.price_source,
             "cost_usd": str(self.cost_usd),
         }
-
-
-def key_of_with_ledger(admin: ClaimsAdmin, key: str) -> KeyOf:
-    """``key`` for any payload whose work the ledger recorded under it; else the key the payload
-    names itself (a producer key) or its content key.
-
-    RedriveFunction has no jobs package, so it knows no job's identity rule
-    (``receipt.send:{invoice_id}``): a dead letter of such a job is matched to ``key`` through
-    the fingerprint of the work the ledger claimed under that key (or the claim's history). One
-    the ledger holds nothing for can be selected by job or message id, or with the CLI.
-    """
-    recorded = admin.recorded_fingerprints(key)
-
-    def key_of(payload: Any) -> str:
-        try:
-            if payload_fingerprint(payload) in recorded:
-                return key
-        except KeyDerivationError:
-            pass
-        return derive_key(payload, NO_KEY_RULES)
-
-    return key_of
 
 
 def publish_price(queue: QueuePort) -> tuple[Decimal, str]:

@@ -2,14 +2,21 @@
 
 Nothing else in the package reads the environment. Handlers and the CLI call
 ``Settings.from_env()`` once; everything below them receives values, not ``os.environ``.
+
+The framework's own settings are named here. The jobs' settings are not: each job declares the
+ones it needs (``JobRegistry.declared_settings()``), and
+``Settings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless loopback).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
+from urllib.parse import urlsplit
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.postgres import malformed_reason
@@ -43,7 +50,12 @@ class Settings:
     # In AWS the secrets are named here and fetched by infrai_jobs.secrets.
     api_key_parameter: str = ""
     database_secret_arn: str = ""
-    provider_url: str = ""
+    # The jobs' declared settings (a drain needs those of the jobs it registered): each value
+    # ("" when unset), and the jobs that declared each.
+    job_settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    job_setting_owners: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
     # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
     # when the time left covers it (a receive burns one of three deliveries).
     batch_budget_ms: int = 20_000
@@ -85,16 +97,31 @@ class Settings:
     redis_url: str = field(default="", repr=False)
 
     def configured_endpoints(self) -> dict[str, bool]:
-        """Which real endpoints are configured, by the variable that names each."""
+        """Which real endpoints are configured, by the variable that names each: the queue, the
+        ledger, and every setting the jobs declared."""
         return {
             QUEUE_ENDPOINT: bool(self.infrai_base_url),
             LEDGER_ENDPOINT: bool(self.database_url or self.database_secret_arn),
-            PROVIDER_ENDPOINT: bool(self.provider_url),
+            **{name: bool(value) for name, value in self.job_settings.items()},
         }
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        job_settings: Mapping[str, Sequence[str]] | None = None,
+    ) -> Settings:
+        """``job_settings``: the settings the registered jobs declared, with their jobs
+        (``JobRegistry.declared_settings()``); only those are read, and a set one must be an
+        HTTPS URL (HTTP on loopback). An unset one is allowed here: whether that is an error,
+        or a sandbox's stand-in, is decided by the command or the function."""
         env = os.environ if environ is None else environ
+        owners = {name: tuple(jobs) for name, jobs in (job_settings or {}).items()}
+        values = {name: env.get(name, "").strip() for name in owners}
+        for name, value in values.items():
+            if value:
+                _check_job_url(name, value, owners[name])
         queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
         settings = cls(
             infrai_base_url=env.get("INFRAI_BASE_URL", "").strip(),
@@ -104,7 +131,8 @@ class Settings:
             database_url=env.get("DATABASE_URL", ""),
             api_key_parameter=env.get("INFRAI_API_KEY_PARAMETER", "").strip(),
             database_secret_arn=env.get("DATABASE_SECRET_ARN", "").strip(),
-            provider_url=env.get("PROVIDER_URL", "").strip(),
+            job_settings=MappingProxyType(values),
+            job_setting_owners=MappingProxyType(owners),
             batch_budget_ms=_int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
             lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
             visibility_timeout_seconds=_int(
@@ -181,6 +209,21 @@ class Settings:
             "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
         )
 
+    def require_job_settings(self) -> dict[str, str]:
+        """The jobs' declared settings, every one set; else a ``ConfigurationError`` naming each
+        missing setting and the jobs that need it."""
+        missing = [name for name, value in self.job_settings.items() if not value]
+        if missing:
+            raise ConfigurationError(
+                "; ".join(
+                    f"{name} is not set, and job(s) {', '.join(self.job_setting_owners[name])} "
+                    "need it"
+                    for name in missing
+                )
+                + ": set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
+            )
+        return dict(self.job_settings)
+
 
 def _required(value: str, variable: str, how: str) -> str:
     if not value:
@@ -188,49 +231,87 @@ def _required(value: str, variable: str, how: str) -> str:
     return value
 
 
+_LOOPBACK_NAMES = ("localhost",)
+
+
+def _check_job_url(name: str, value: str, jobs: Sequence[str]) -> None:
+    """A job's downstream: HTTPS, or HTTP on loopback only (a local sink, a test server)."""
+    parts = urlsplit(value)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigurationError(
+            f"{name} (for {', '.join(jobs)}) must be an http(s) URL with a host, "
+            "e.g. https://mail.example.com"
+        )
+    if parts.scheme == "http" and not _is_loopback(host):
+        raise ConfigurationError(
+            f"{name} (for {', '.join(jobs)}) uses plain HTTP to {host}: use HTTPS (plain HTTP "
+            "is allowed on loopback only)"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 # --- Local stand-ins: all or nothing ------------------------------------------------------------
 
 # The real endpoints a command may need, by the variable that configures each (the database
-# also by DATABASE_SECRET_ARN), and what stands in for each in a local sandbox.
+# also by DATABASE_SECRET_ARN), and what stands in for each in a local sandbox. Every setting a
+# job declares is an endpoint too, stood in by the provider sink.
 QUEUE_ENDPOINT = "INFRAI_BASE_URL"
 LEDGER_ENDPOINT = "DATABASE_URL"
-PROVIDER_ENDPOINT = "PROVIDER_URL"
 STAND_INS: dict[str, str] = {
     QUEUE_ENDPOINT: "a fresh local emulator",
     LEDGER_ENDPOINT: "an embedded PostgreSQL",
-    PROVIDER_ENDPOINT: "a local provider sink",
 }
+JOB_SETTING_STAND_IN = "a local provider sink"
 _HOW_TO_SET = {
     QUEUE_ENDPOINT: "INFRAI_BASE_URL (Infrai, or a running `infrai-jobs emulator`)",
     LEDGER_ENDPOINT: "DATABASE_URL (a PostgreSQL migrated with `infrai-jobs migrate`) or "
     "DATABASE_SECRET_ARN",
-    PROVIDER_ENDPOINT: "PROVIDER_URL (the jobs' downstream, or a running "
-    "`infrai-jobs provider-sink`)",
 }
 
 
+def _how_to_set(name: str, owners: Mapping[str, Sequence[str]]) -> str:
+    if name in _HOW_TO_SET:
+        return _HOW_TO_SET[name]
+    jobs = ", ".join(owners.get(name, ())) or "a job"
+    return f"{name} (the downstream {jobs} calls, or a running `infrai-jobs provider-sink`)"
+
+
 def stand_ins(
-    configured: Mapping[str, bool], needed: Sequence[str], *, who: str
+    configured: Mapping[str, bool],
+    needed: Sequence[str],
+    *,
+    who: str,
+    job_setting_owners: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[str, ...]:
     """Which of the ``needed`` endpoints to stand in locally, all or nothing.
 
     When no endpoint at all is configured (a sandbox), every needed one is stood in. When any
     is, nothing is, and each needed one that is missing is a ``ConfigurationError`` naming its
-    variable: a real queue is never drained into a throwaway ledger or downstream, and a
-    throwaway queue never feeds a real ledger. ``who`` names the command in the message.
+    variable (and, for a job's setting, the jobs that declared it): a real queue is never
+    drained into a throwaway ledger or downstream, and a throwaway queue never feeds a real
+    ledger. ``who`` names the command in the message.
     """
+    owners = job_setting_owners or {}
     real = [name for name, on in configured.items() if on]
     if not real:
         return tuple(needed)
     missing = [name for name in needed if not configured.get(name)]
     if missing:
-        names = " and ".join(missing)
         verb = "is" if len(missing) == 1 else "are"
         raise ConfigurationError(
-            f"{names} {verb} not set, but {' and '.join(real)} {'is' if len(real) == 1 else 'are'}"
+            f"{_and(missing)} {verb} not set, but {_and(real)} {'is' if len(real) == 1 else 'are'}"
             f": local stand-ins are used only when nothing real is configured, so {who} did "
-            f"nothing. Set {'; set '.join(_HOW_TO_SET[name] for name in missing)}; or unset "
-            f"{' and '.join(real)} for a local sandbox"
+            f"nothing. Set {'; set '.join(_how_to_set(name, owners) for name in missing)}; or "
+            f"unset {_and(real)} for a local sandbox"
         )
     return ()
 
@@ -238,7 +319,7 @@ def stand_ins(
 def sandbox_notice(stood_in: Sequence[str], *, who: str) -> str:
     """The one line a command prints first when it runs on stand-ins only."""
     unset = ", ".join(stood_in)
-    uses = _and([STAND_INS[name] for name in stood_in])
+    uses = _and(list(dict.fromkeys(STAND_INS.get(name, JOB_SETTING_STAND_IN) for name in stood_in)))
     return (
         f"sandbox: nothing real is configured ({unset} unset), so {who} uses {uses}, all "
         "thrown away when it ends"

@@ -15,8 +15,11 @@ from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=5.0)
 
+# Where receipts are mailed: the mail provider's base URL (HTTPS; HTTP on loopback only).
+MAIL_PROVIDER_URL = "MAIL_PROVIDER_URL"
 
-def send_receipt(provider_url: str, payload: Payload, ctx: JobContext) -> JsonValue:
+
+def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
     import urllib3  # noqa: PLC0415 (on first use, like the pool: see jobs._http)
 
     body = json.dumps(
@@ -25,7 +28,7 @@ def send_receipt(provider_url: str, payload: Payload, ctx: JobContext) -> JsonVa
     try:
         response = _http.request(
             "POST",
-            f"{provider_url}/v1/mail/send",
+            f"{ctx.settings[MAIL_PROVIDER_URL]}/v1/mail/send",
             body=body,
             headers={"Content-Type": "application/json"},
         )
@@ -46,13 +49,11 @@ def send_receipt(provider_url: str, payload: Payload, ctx: JobContext) -> JsonVa
     return {"provider_message_id": provider_id, "to": payload["email"]}
 
 
-def register(registry: JobRegistry, provider_url: str) -> None:
-    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
-        return send_receipt(provider_url, payload, ctx)
-
+def register(registry: JobRegistry) -> None:
     registry.job(
         "receipt.send",
         effect=Effect.EXTERNAL,
         identity=("invoice_id",),
         fields={"invoice_id": (str, int), "email": str},
-    )(handler)
+        settings=(MAIL_PROVIDER_URL,),
+    )(send_receipt)

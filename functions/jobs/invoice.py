@@ -2,6 +2,7 @@
 
 Its only effect is an UPDATE in the ledger's own Postgres, so it runs inside the batch
 transaction that also holds its claim: claim, effect and ``done`` commit together or not at all.
+Its table is its own migration, ``migrations/0001_invoice_invoices.sql`` (``infrai-jobs migrate``).
 """
 
 from __future__ import annotations
@@ -9,15 +10,6 @@ from __future__ import annotations
 from typing import LiteralString
 
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-
-# The table the demo and tests create; a real deployment already has its own.
-INVOICES_DDL: LiteralString = """
-CREATE TABLE IF NOT EXISTS invoices (
-    id          text PRIMARY KEY,
-    status      text NOT NULL DEFAULT 'draft',
-    total_cents bigint
-)
-"""
 
 _FINALIZE: LiteralString = """
 UPDATE invoices SET status = 'final', total_cents = %(amount_cents)s

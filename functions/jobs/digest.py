@@ -15,12 +15,15 @@ from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=10.0)
 
+# Where digests are built: the digest provider's base URL (HTTPS; HTTP on loopback only).
+DIGEST_PROVIDER_URL = "DIGEST_PROVIDER_URL"
 
-def build_digest(provider_url: str, payload: Payload, ctx: JobContext) -> JsonValue:
+
+def build_digest(payload: Payload, ctx: JobContext) -> JsonValue:
     body = json.dumps({"tenant_id": payload["tenant_id"], "period": payload["period"]})
     response = _http.request(
         "POST",
-        f"{provider_url}/v1/digests",
+        f"{ctx.settings[DIGEST_PROVIDER_URL]}/v1/digests",
         body=body,
         headers={"Content-Type": "application/json", "Idempotency-Key": ctx.idem_key},
     )
@@ -32,13 +35,11 @@ def build_digest(provider_url: str, payload: Payload, ctx: JobContext) -> JsonVa
     return {"digest_id": answer.get("id"), "replayed": bool(answer.get("replayed"))}
 
 
-def register(registry: JobRegistry, provider_url: str) -> None:
-    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
-        return build_digest(provider_url, payload, ctx)
-
+def register(registry: JobRegistry) -> None:
     registry.job(
         "digest.build",
         effect=Effect.EXTERNAL_IDEMPOTENT,
         identity=("tenant_id", "period"),
         fields={"tenant_id": str, "period": str},
-    )(handler)
+        settings=(DIGEST_PROVIDER_URL,),
+    )(build_digest)

@@ -1,0 +1,1 @@
+"""DrainFunction: Handler ``drain.app.lambda_handler`` in the shared CodeUri, functions/."""

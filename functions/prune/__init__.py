@@ -1,0 +1,1 @@
+"""PruneFunction: Handler ``prune.app.lambda_handler`` in the shared CodeUri, functions/."""

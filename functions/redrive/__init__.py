@@ -1,0 +1,1 @@
+"""RedriveFunction: Handler ``redrive.app.lambda_handler`` in the shared CodeUri, functions/."""

@@ -41,6 +41,7 @@ from infrai_jobs.errors import (
     UsageError,
 )
 from infrai_jobs.factory import make_claims_admin, make_effect_guard, make_queue_client
+from infrai_jobs.jobs import Effect
 from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.producer import check_publishable
@@ -55,10 +56,11 @@ from infrai_jobs.settings import (
     sandbox_notice,
     stand_ins,
 )
+from infrai_local import scaffold
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_report import DrainReport, summary_lines
 from infrai_local.job_migrations import installed_job_migrations
-from infrai_local.jobs_package import load_registry
+from infrai_local.jobs_package import code_root, load_registry
 
 if TYPE_CHECKING:
     from infrai_local.fan_out import ProcessDrainStarter
@@ -311,6 +313,33 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     migrate.set_defaults(command=_cmd_migrate)
 
+    new_job = sub.add_parser(
+        "new-job",
+        help="scaffold a job that runs out of the box: module, registration, migration, a "
+        "test written with the test kit, a sample payload",
+    )
+    new_job.add_argument("name", help="the job's name, e.g. refund.issue")
+    new_job.add_argument(
+        "--effect",
+        required=True,
+        choices=[e.value for e in Effect],
+        help="database (effects only in the ledger's Postgres), external (an irreversible "
+        "call) or external_idempotent (the downstream takes our key)",
+    )
+    new_job.add_argument(
+        "--identity",
+        required=True,
+        help="the payload field(s) naming one unit of work, comma-separated: the key is "
+        "NAME:field1:field2",
+    )
+    new_job.add_argument(
+        "--jobs-path",
+        default=None,
+        help="a code root holding the `jobs` package to add it to (default: $INFRAI_JOBS_PATH, "
+        "else the installed jobs package, functions/jobs)",
+    )
+    new_job.set_defaults(command=_cmd_new_job)
+
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
     drain.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     drain.add_argument("--max-batches", type=int, default=None, help="stop after N batches")
@@ -416,6 +445,15 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
             return apply_migrations(conn, jobs)
         except psycopg.Error as exc:
             raise ledger_error(exc, "cannot migrate", url) from exc
+
+
+def _cmd_new_job(args: argparse.Namespace) -> int:
+    job = scaffold.parse_request(args.name, args.effect, args.identity)
+    jobs_folder = code_root(args.jobs_path) / "jobs"
+    project = jobs_folder.parent.parent
+    plan = scaffold.plan(job, project, jobs_folder, load_registry(args.jobs_path))
+    print(scaffold.next_steps(job, plan.write(), project))
+    return EXIT_OK
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:

@@ -8,6 +8,9 @@ It counts effects so tests and the demo can prove "at most once":
 * ``POST /v1/mail/send``: a mail-like, non-idempotent provider; every call is one more e-mail.
 * ``POST /v1/digests``: honours ``Idempotency-Key``: a repeated key replays the first answer and
   performs no new effect.
+* ``POST /v1/effects/<job>``: any other job's downstream (what ``infrai-jobs new-job`` calls):
+  with an ``Idempotency-Key``, a repeated key replays the first answer; without one, every call
+  is one more effect.
 * ``GET /_sink/state``: calls and effects per route and per key.
 * ``POST /_sink/faults`` ``{"fail_rate": p, "hang_rate": p, "hang_seconds": s, "seed": n}``: answer
   503 without an effect, or perform the effect and then hang past the client's read timeout.
@@ -34,6 +37,7 @@ class SinkState:
     calls: Counter[str] = field(default_factory=Counter)
     mails: Counter[str] = field(default_factory=Counter)  # invoice id -> e-mails sent
     digests: Counter[str] = field(default_factory=Counter)  # idempotency key -> digests built
+    effects: Counter[str] = field(default_factory=Counter)  # "<path> <key>" -> effects
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
     fail_rate: float = 0.0
     hang_rate: float = 0.0
@@ -46,6 +50,7 @@ class SinkState:
                 "calls": dict(self.calls),
                 "mails": dict(self.mails),
                 "digests": dict(self.digests),
+                "effects": dict(self.effects),
                 "mail_effects": sum(self.mails.values()),
                 "digest_effects": sum(self.digests.values()),
             }
@@ -98,7 +103,8 @@ class _Handler(BaseHTTPRequestHandler):
                 state.rng = random.Random(body.get("seed"))
             self._reply(200, {"ok": True})
             return
-        if self.path not in ("/v1/mail/send", "/v1/digests"):
+        generic = self.path.startswith("/v1/effects/") and len(self.path) > len("/v1/effects/")
+        if self.path not in ("/v1/mail/send", "/v1/digests") and not generic:
             self._reply(404, {"error": "not found"})
             return
         with state.lock:
@@ -120,6 +126,14 @@ class _Handler(BaseHTTPRequestHandler):
                 state.mails[str(body.get("invoice_id"))] += 1
                 return {"id": "mail_" + secrets.token_hex(6)}
             key = self.headers.get("Idempotency-Key") or ""
+            if self.path.startswith("/v1/effects/"):
+                if key and key in state.replies:
+                    return {**state.replies[key], "replayed": True}
+                state.effects[f"{self.path} {key or self.headers.get('X-Request-Key', '')}"] += 1
+                reply = {"id": "fx_" + secrets.token_hex(6)}
+                if key:
+                    state.replies[key] = reply
+                return reply
             if key and key in state.replies:
                 return {**state.replies[key], "replayed": True}
             state.digests[key] += 1

@@ -1,0 +1,444 @@
+"""``infrai-jobs new-job``: write a job that runs out of the box.
+
+For ``new-job refund.issue --effect database --identity refund_id`` it writes, in the project
+the installed jobs package belongs to:
+
+* ``functions/jobs/refund_issue.py``: the job's declaration (name, effect class, identity,
+  payload schema, settings) and a working handler. A ``database`` job writes one row to its
+  own table; an ``external`` job calls the URL its declared setting names (``REFUND_ISSUE_URL``),
+  an ``external_idempotent`` one with its key as ``Idempotency-Key``;
+* its registration in ``functions/jobs/__init__.py`` (``build_registry``);
+* ``functions/jobs/migrations/NNNN_refund_issue.sql``, the next version: the table of a
+  ``database`` job, a placeholder for the others;
+* ``tests/integration/test_job_refund_issue.py``, written with the test kit;
+* ``events/jobs/refund.issue.json``, a sample payload for ``infrai-jobs publish``.
+
+Nothing is written unless everything can be: a name that exists, a bad field, or a
+``build_registry`` it cannot find is refused first.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.jobs import Effect, JobRegistry
+
+_JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
+_FIELD_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")
+_JOBS_IMPORT: Final = re.compile(r"^from jobs import (\([^)]*\)|[^\n(]+)$", re.M)
+_RETURN_REGISTRY: Final = "    return registry\n"
+_LINE_LENGTH: Final = 100
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """What ``new-job`` was asked for, checked."""
+
+    name: str
+    effect: Effect
+    identity: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        return self.name.replace(".", "_")
+
+    @property
+    def setting(self) -> str:
+        return f"{self.module.upper()}_URL"
+
+    @property
+    def table(self) -> str:
+        return self.module
+
+
+@dataclass(frozen=True, slots=True)
+class Scaffold:
+    """The files ``new-job`` writes (path -> text), and the one it edits."""
+
+    files: dict[Path, str]
+    registry_file: Path
+    registry_text: str
+
+    def write(self) -> list[Path]:
+        for path, text in self.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        self.registry_file.write_text(self.registry_text, encoding="utf-8")
+        written = [*self.files, self.registry_file]
+        _format([p for p in written if p.suffix == ".py"])
+        return written
+
+
+def parse_request(name: str, effect: str, identity: str) -> NewJob:
+    """Check the command's arguments; a ``ConfigurationError`` says what is wrong."""
+    if not _JOB_NAME.match(name):
+        raise ConfigurationError(
+            f"job name {name!r}: use lower-case words separated by dots, e.g. refund.issue"
+        )
+    module = name.replace(".", "_")
+    if keyword.iskeyword(module) or module.startswith("_"):
+        raise ConfigurationError(f"job name {name!r} cannot be a Python module name")
+    try:
+        effect_class = Effect(effect)
+    except ValueError:
+        choices = ", ".join(e.value for e in Effect)
+        raise ConfigurationError(f"--effect {effect!r}: choose one of {choices}") from None
+    fields = tuple(f.strip() for f in identity.split(",") if f.strip())
+    if not fields:
+        raise ConfigurationError("--identity names at least one payload field, e.g. refund_id")
+    for field in fields:
+        if not _FIELD_NAME.match(field) or keyword.iskeyword(field) or field == "job":
+            raise ConfigurationError(
+                f"--identity field {field!r}: use a lower-case name (letters, digits, "
+                "underscores), not 'job' and not starting with '_'"
+            )
+    if len(set(fields)) != len(fields):
+        raise ConfigurationError(f"--identity {identity!r} names a field twice")
+    return NewJob(name, effect_class, fields)
+
+
+def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -> Scaffold:
+    """Everything ``new-job`` would write, refused before anything is written."""
+    if registry.get(job.name) is not None:
+        raise ConfigurationError(f"job {job.name!r} already exists in {jobs_folder}")
+    module_file = jobs_folder / f"{job.module}.py"
+    migrations = jobs_folder / "migrations"
+    version = _next_version(migrations)
+    files = {
+        module_file: _module_text(job, version),
+        migrations / f"{version:04d}_{job.module}.sql": _migration_text(job),
+        project / "tests" / "integration" / f"test_job_{job.module}.py": _test_text(job),
+        project / "events" / "jobs" / f"{job.name}.json": _sample_text(job),
+    }
+    for path in files:
+        if path.exists():
+            raise ConfigurationError(f"{path} already exists: nothing was written")
+    registry_file = jobs_folder / "__init__.py"
+    return Scaffold(files, registry_file, _registered(registry_file, job.module))
+
+
+def next_steps(job: NewJob, written: list[Path], project: Path) -> str:
+    sample = project / "events" / "jobs" / f"{job.name}.json"
+    lines = [f"created job {job.name} ({job.effect.value}):"]
+    lines += [f"  {_relative(path, project)}" for path in written]
+    lines += ["next:"]
+    if job.effect is Effect.DATABASE:
+        lines.append(f"  infrai-jobs migrate     # creates its table, {job.table}")
+    else:
+        lines += [
+            f"  set {job.setting} to the URL it calls (locally the provider sink stands in);",
+            f"  in AWS give DrainFunction a {job.setting} environment variable (a template",
+            "  parameter, as MailProviderUrl is for MAIL_PROVIDER_URL), or the drain refuses",
+            "  to start without it",
+            "  infrai-jobs migrate     # records its migration (a placeholder for its tables)",
+        ]
+    lines += [
+        f'  infrai-jobs publish "$(cat {_relative(sample, project)})"',
+        "  infrai-jobs drain",
+        f"  make test               # includes tests/integration/test_job_{job.module}.py",
+    ]
+    return "\n".join(lines)
+
+
+# --- what is written ---------------------------------------------------------------------------
+
+
+def _module_text(job: NewJob, version: int) -> str:
+    fields = ", ".join(f'"{f}": str' for f in job.identity)
+    quoted = [f'"{f}"' for f in job.identity]
+    identity = f"({quoted[0]},)" if len(quoted) == 1 else f"({', '.join(quoted)})"
+    key = ":".join(f"<{f}>" for f in job.identity)
+    common = {
+        "name": job.name,
+        "effect": job.effect.name,
+        "identity": identity,
+        "fields": fields,
+        "key": f"{job.name}:{key}",
+        "version": f"{version:04d}",
+        "module": job.module,
+    }
+    article = "an" if job.effect.value[0] in "aeiou" else "a"
+    title = f"``{job.name}``: {article} ``{job.effect.value}`` job (written by ``infrai-jobs new-job``; "
+    title += "make it yours)."
+    if job.effect is Effect.DATABASE:
+        about = (
+            f"Its effect is a row in its own table, ``{job.table}`` (``migrations/"
+            f"{version:04d}_{job.module}.sql``), written on ``ctx.db``: the connection whose "
+            "transaction also holds the job's claim, so the row and the claim's ``done`` commit "
+            f"together or not at all. Its key is ``{common['key']}``."
+        )
+        return _DATABASE_MODULE.format(
+            **common,
+            docstring=_docstring(title, about),
+            table=job.table,
+            columns=", ".join(job.identity),
+            values=", ".join(f"%({f})s" for f in job.identity),
+            returned=", ".join(f'"{f}": row[{i}]' for i, f in enumerate(job.identity)),
+        )
+    idempotent = job.effect is Effect.EXTERNAL_IDEMPOTENT
+    kind = (
+        "the provider takes our key as Idempotency-Key, so a repeated call is harmless"
+        if idempotent
+        else "an irreversible call: a crash after it leaves the job for a human"
+    )
+    about = (
+        f"It calls the URL its setting ``{job.setting}`` names: {kind}. Its key is "
+        f"``{common['key']}``; its migration is ``migrations/{version:04d}_{job.module}.sql``."
+    )
+    return _EXTERNAL_MODULE.format(
+        **common,
+        docstring=_docstring(title, about),
+        setting=job.setting,
+        key_header=(
+            '"Idempotency-Key": ctx.idem_key, ' if idempotent else '"X-Request-Key": ctx.idem_key, '
+        ),
+    )
+
+
+def _docstring(title: str, about: str) -> str:
+    width = _LINE_LENGTH - 4
+    paragraphs = [textwrap.fill(title, width), textwrap.fill(about, width)]
+    return '"""' + "\n\n".join(paragraphs) + '\n"""'
+
+
+def _migration_text(job: NewJob) -> str:
+    if job.effect is not Effect.DATABASE:
+        return (
+            f"-- {job.name} keeps no table of its own yet. Add its DDL here, or in a later\n"
+            "-- migration (NNNN_name.sql, the next number): an applied migration is never\n"
+            "-- edited.\n"
+        )
+    columns = "".join(f"    {f} text NOT NULL,\n" for f in job.identity)
+    return (
+        f"-- {job.name}: one row per unit of work, written in the claim's own transaction.\n"
+        f"CREATE TABLE IF NOT EXISTS {job.table} (\n"
+        f"{columns}"
+        "    payload jsonb NOT NULL,\n"
+        "    done_at timestamptz NOT NULL DEFAULT now(),\n"
+        f"    PRIMARY KEY ({', '.join(job.identity)})\n"
+        ");\n"
+    )
+
+
+def _test_text(job: NewJob) -> str:
+    payload = json.dumps(_sample(job, 1))
+    other = ", ".join(f'"{f}": "{f}_2"' for f in job.identity)
+    third = ", ".join(f'"{f}": "{f}_3"' for f in job.identity)
+    body = _TEST_HEADER.format(name=job.name, payload=payload)
+    body += _TEST_RUNS_ONCE.format(module=job.module)
+    if job.effect is Effect.DATABASE:
+        body += _TEST_ONE_ROW.format(table=job.table)
+    body += _TEST_OTHERS.format(module=job.module, other=other)
+    if job.effect is not Effect.DATABASE:
+        body += _TEST_STUCK.format(module=job.module, third=third)
+    return body
+
+
+def _sample(job: NewJob, n: int) -> dict[str, str]:
+    return {"job": job.name, **{f: f"{f}_{n}" for f in job.identity}}
+
+
+def _sample_text(job: NewJob) -> str:
+    return json.dumps(_sample(job, 1)) + "\n"
+
+
+def _format(paths: list[Path]) -> None:
+    """Let the project's formatter have the last word on what was written, when it is installed
+    beside this interpreter (``make venv`` installs it), so ``make lint`` passes as written."""
+    ruff = Path(sys.executable).parent / "ruff"
+    if not ruff.is_file() or not paths:
+        return
+    names = [str(p) for p in paths]
+    for command in (["check", "--fix-only", "--quiet", "--select", "I"], ["format", "--quiet"]):
+        subprocess.run([str(ruff), *command, *names], check=False, capture_output=True)  # noqa: S603
+
+
+def _next_version(migrations: Path) -> int:
+    versions = [
+        int(path.name[:4])
+        for path in migrations.glob("*.sql")
+        if path.name[:4].isdigit() and path.name[4:5] == "_"
+    ]
+    return max(versions, default=0) + 1
+
+
+def _registered(registry_file: Path, module: str) -> str:
+    """``functions/jobs/__init__.py`` with the module imported and registered."""
+    if not registry_file.is_file():
+        raise ConfigurationError(f"{registry_file} does not exist: where is build_registry?")
+    text = registry_file.read_text(encoding="utf-8")
+    imports = _JOBS_IMPORT.search(text)
+    if imports is None or text.count(_RETURN_REGISTRY) != 1:
+        raise ConfigurationError(
+            f"{registry_file}: cannot find one `from jobs import ...` line and one "
+            f"`return registry` in build_registry; add `from jobs import {module}` and "
+            f"`{module}.register(registry)` yourself (nothing was written)"
+        )
+    names = {n.strip() for n in imports.group(1).strip("()").replace("\n", " ").split(",")}
+    names = {n for n in names if n} | {module}
+    text = text[: imports.start()] + _import_line(sorted(names)) + text[imports.end() :]
+    return text.replace(_RETURN_REGISTRY, f"    {module}.register(registry)\n{_RETURN_REGISTRY}")
+
+
+def _import_line(names: list[str]) -> str:
+    one_line = f"from jobs import {', '.join(names)}"
+    if len(one_line) <= _LINE_LENGTH:
+        return one_line
+    return "from jobs import (\n" + "".join(f"    {n},\n" for n in names) + ")"
+
+
+def _relative(path: Path, project: Path) -> str:
+    try:
+        return str(path.relative_to(project))
+    except ValueError:
+        return str(path)
+
+
+_DATABASE_MODULE = textwrap.dedent(
+    '''\
+    {docstring}
+
+    from __future__ import annotations
+
+    from typing import LiteralString
+
+    from psycopg.types.json import Jsonb
+
+    from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+
+    _INSERT: LiteralString = """
+    INSERT INTO {table} ({columns}, payload)
+    VALUES ({values}, %(payload)s)
+    RETURNING {columns}
+    """
+
+
+    def handle(payload: Payload, ctx: JobContext) -> JsonValue:
+        if ctx.db is None:  # pragma: no cover - the drain always passes it for database jobs
+            raise RuntimeError("{name} needs the batch transaction's connection")
+        params = {{**payload, "payload": Jsonb(dict(payload))}}
+        row = ctx.db.execute(_INSERT, params).fetchone()
+        assert row is not None  # INSERT ... RETURNING answers its row
+        return {{{returned}}}
+
+
+    def register(registry: JobRegistry) -> None:
+        registry.job(
+            "{name}",
+            effect=Effect.{effect},
+            identity={identity},
+            fields={{{fields}}},
+        )(handle)
+    '''
+)
+
+_EXTERNAL_MODULE = textwrap.dedent(
+    """\
+    {docstring}
+
+    from __future__ import annotations
+
+    import json
+
+    from infrai_jobs.errors import EffectUncertain, PermanentJobError
+    from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+    from jobs._http import LazyPool
+
+    _http = LazyPool(connect_s=2.0, read_s=10.0)
+
+    # The base URL this job calls (HTTPS; HTTP on loopback only).
+    {setting} = "{setting}"
+
+
+    def handle(payload: Payload, ctx: JobContext) -> JsonValue:
+        import urllib3  # noqa: PLC0415 (on first use, like the pool: see jobs._http)
+
+        try:
+            response = _http.request(
+                "POST",
+                f"{{ctx.settings[{setting}]}}/v1/effects/{name}",
+                body=json.dumps(dict(payload)),
+                headers={{{key_header}"Content-Type": "application/json"}},
+            )
+        except urllib3.exceptions.NewConnectionError:
+            raise  # nothing was sent: the claim is released for a retry
+        except urllib3.exceptions.HTTPError as exc:
+            raise EffectUncertain(f"the call ended without an answer: {{exc}}") from exc
+        if response.status >= 500:
+            raise EffectUncertain(f"the provider answered {{response.status}}; it may have acted")
+        if response.status >= 400:
+            raise PermanentJobError(f"the provider refused: HTTP {{response.status}}")
+        try:
+            answer = json.loads(response.data)
+        except ValueError:
+            answer = {{}}
+        return {{"provider_id": answer.get("id") if isinstance(answer, dict) else None}}
+
+
+    def register(registry: JobRegistry) -> None:
+        registry.job(
+            "{name}",
+            effect=Effect.{effect},
+            identity={identity},
+            fields={{{fields}}},
+            settings=({setting},),
+        )(handle)
+    """
+)
+
+_TEST_HEADER = textwrap.dedent(
+    '''\
+    """{name}'s guarantees, one line each, with the test kit (written by ``infrai-jobs
+    new-job``)."""
+
+    from __future__ import annotations
+
+    from infrai_local.testkit import JobKit
+
+    PAYLOAD = {payload}
+    '''
+)
+
+_TEST_RUNS_ONCE = textwrap.dedent(
+    """
+
+    def test_{module}_published_twice_runs_once(job_kit: JobKit) -> None:
+        job_kit.assert_runs_once(PAYLOAD)
+    """
+)
+
+_TEST_ONE_ROW = '    assert job_kit.sql("SELECT count(*) FROM {table}") == [(1,)]\n'
+
+_TEST_OTHERS = textwrap.dedent(
+    """
+
+    def test_{module}_failing_is_retried_then_dead_lettered(job_kit: JobKit) -> None:
+        job_kit.assert_retried_then_dead_lettered(
+            {{**PAYLOAD, {other}}},
+            raising=RuntimeError("downstream is down"),
+        )
+
+
+    def test_{module}_same_key_different_work_is_a_conflict(job_kit: JobKit) -> None:
+        job_kit.assert_conflict(PAYLOAD, {{**PAYLOAD, "note": "different work"}})
+    """
+)
+
+_TEST_STUCK = textwrap.dedent(
+    """
+
+    def test_{module}_unknown_outcome_is_left_for_a_human(job_kit: JobKit) -> None:
+        job_kit.assert_stuck_when_uncertain(
+            {{**PAYLOAD, {third}}},
+        )
+    """
+)

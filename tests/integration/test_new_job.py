@@ -1,0 +1,156 @@
+"""``infrai-jobs new-job``: a scaffolded job runs out of the box, through the real CLI.
+
+Each test works on a copy of the project's code root (``functions/``) in a folder of its own,
+named with ``--jobs-path`` / ``INFRAI_JOBS_PATH``, so the repository is never written to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from child_process import run_captured
+from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, harness, run_cli
+
+RUFF = str(Path(sys.executable).parent / "ruff")
+PYTEST = str(Path(sys.executable).parent / "pytest")
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        yield h
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of the project's code root and tests' shared files, as a team's checkout."""
+    shutil.copytree(
+        ROOT / "functions", tmp_path / "functions", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (tmp_path / "tests" / "integration").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def new_job(kit: Harness, project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(kit, "new-job", *args, "--jobs-path", str(project / "functions"), cwd=project)
+
+
+def test_a_scaffolded_database_job_runs_once_from_migrate_to_drain(
+    kit: Harness, project: Path
+) -> None:
+    # Given a new database job scaffolded into the project
+    made = new_job(kit, project, "refund.issue", "--effect", "database", "--identity", "refund_id")
+    assert made.returncode == 0, made.stderr
+    assert "infrai-jobs migrate" in made.stdout
+    sample = project / "events" / "jobs" / "refund.issue.json"
+    payload = json.loads(sample.read_text())
+    assert payload == {"job": "refund.issue", "refund_id": "refund_id_1"}
+    jobs_path = {"INFRAI_JOBS_PATH": str(project / "functions")}
+    # When the user migrates, publishes the same refund twice and drains
+    migrated = run_cli(kit, "migrate", **jobs_path)
+    assert migrated.returncode == 0, migrated.stderr
+    assert "applied jobs 0002: refund_issue" in migrated.stdout
+    published = run_cli(kit, "publish", "--count", "2", sample.read_text(), **jobs_path)
+    assert published.returncode == 0, published.stderr
+    drained = run_cli(kit, "drain", **jobs_path)
+    assert drained.returncode == 0, drained.stderr
+    # Then the job's own table holds one row and its claim is done, the queue empty
+    assert kit.sql("SELECT refund_id, payload->>'job' FROM refund_issue") == [
+        ("refund_id_1", "refund.issue")
+    ]
+    claim = kit.row("refund.issue:refund_id_1")
+    assert claim is not None
+    assert claim.state == "done"
+    assert kit.client.stats(QUEUE).message_count == 0
+    # And a payload that does not fit its schema is refused before it is published
+    refused = run_cli(kit, "publish", '{"job": "refund.issue", "refund_id": 7}', **jobs_path)
+    assert refused.returncode == 2
+    assert "refund_id" in refused.stderr
+
+
+@pytest.mark.parametrize("effect", ["database", "external", "external_idempotent"])
+def test_what_is_scaffolded_passes_lint_and_its_own_tests(
+    kit: Harness, project: Path, effect: str, pg_server_url: str
+) -> None:
+    # Given a job of each effect class scaffolded with two identity fields
+    made = new_job(kit, project, "report.build", "--effect", effect, "--identity", "tenant,month")
+    assert made.returncode == 0, made.stderr
+    written = [
+        project / "functions" / "jobs" / "report_build.py",
+        project / "functions" / "jobs" / "__init__.py",
+        project / "tests" / "integration" / "test_job_report_build.py",
+    ]
+    # When the project's linters read it, Then they find nothing to change
+    for command in (["check"], ["format", "--check"]):
+        linted = run_captured([RUFF, *command, *map(str, written)], cwd=project)
+        assert linted.returncode == 0, linted.stdout + linted.stderr
+    assert (project / "functions" / "jobs" / "migrations" / "0002_report_build.sql").is_file()
+    # And the scaffolded test, written with the test kit, passes on a real PostgreSQL
+    tested = run_captured(
+        [PYTEST, "-q", "-p", "no:cacheprovider", "tests/integration/test_job_report_build.py"],
+        cwd=project,
+        env={
+            **server_env(pg_server_url),
+            "INFRAI_JOBS_PATH": str(project / "functions"),
+            "PYTHONPATH": str(ROOT / "tests" / "integration"),
+        },
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    expected = 4 if effect != "database" else 3
+    assert f"{expected} passed" in tested.stdout
+
+
+def server_env(server_url: str) -> dict[str, str]:
+    """This environment without the shell's endpoints, the tests' database server given."""
+    keep = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("INFRAI_", "DATABASE_", "PROVIDER_", "PYTEST_"))
+    }
+    return {**keep, "DATABASE_URL": server_url}
+
+
+def test_new_job_refuses_what_it_cannot_write_and_writes_nothing(
+    kit: Harness, project: Path
+) -> None:
+    before = sorted(p.relative_to(project) for p in project.rglob("*"))
+    refusals = {
+        ("invoice.finalize", "database", "invoice_id"): "already exists",
+        ("Refund Issue", "database", "refund_id"): "lower-case words",
+        ("refund.issue", "database", ""): "at least one payload field",
+        ("refund.issue", "database", "job"): "'job'",
+        ("refund.issue", "database", "a,a"): "names a field twice",
+    }
+    for (name, effect, identity), says in refusals.items():
+        # When new-job is asked for something it must refuse
+        refused = new_job(kit, project, name, "--effect", effect, "--identity", identity)
+        # Then it exits 2 with one line saying why, and no traceback
+        assert refused.returncode == 2, (name, refused.stdout, refused.stderr)
+        assert says in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    # And an effect class it does not know is a usage error
+    unknown = new_job(kit, project, "refund.issue", "--effect", "email", "--identity", "r")
+    assert unknown.returncode == 2
+    # And nothing was written
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before
+
+
+def test_new_job_runs_from_any_folder_with_the_installed_jobs_package(tmp_path: Path) -> None:
+    # Given the installed console script, run outside the project with a bad request
+    finished = run_captured(
+        [INFRAI_JOBS, "new-job", "x.y", "--effect", "database", "--identity", "Bad"],
+        cwd=tmp_path,
+    )
+    # Then the request is checked before anything is looked up or written
+    assert finished.returncode == 2
+    assert "--identity field 'Bad'" in finished.stderr
+    assert list(tmp_path.iterdir()) == []

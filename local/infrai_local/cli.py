@@ -290,7 +290,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FOLDER",
         help="folder holding the `jobs` package whose jobs and payload schemas the body must "
-        "match (default: $INFRAI_JOBS_PATH, else functions/drain of the project)",
+        "match (default: $INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
     publish.add_argument(
         "--unchecked",

@@ -167,8 +167,8 @@ def _module_text(job: NewJob, version: int) -> str:
         "module": job.module,
     }
     article = "an" if job.effect.value[0] in "aeiou" else "a"
-    title = f"``{job.name}``: {article} ``{job.effect.value}`` job (written by ``infrai-jobs new-job``; "
-    title += "make it yours)."
+    title = f"``{job.name}``: {article} ``{job.effect.value}`` job "
+    title += "(written by ``infrai-jobs new-job``; make it yours)."
     if job.effect is Effect.DATABASE:
         about = (
             f"Its effect is a row in its own table, ``{job.table}`` (``migrations/"

@@ -119,10 +119,11 @@ def test_the_layer_names_no_job_of_the_jobs_package_and_no_endpoint() -> None:
         for path in MODULES
     }
     assert {name: jobs for name, jobs in named.items() if jobs} == {}
-    # Not even as an example in a comment or docstring: the settings' names are the jobs' own
+    # Not even as an example in a comment or docstring: the names are the jobs' own
     for path in MODULES:
         text = path.read_text(encoding="utf-8")
         assert "PROVIDER_URL" not in text.replace("infrai-jobs provider-sink", ""), path.name
+        assert sorted(name for name in _example_names() if name in text) == [], path.name
 
 
 # The CLI's own machinery: what runs for every team's jobs. The demo, example-data and the

@@ -5,12 +5,12 @@ Users write handlers in ``functions/jobs/`` and register them on a ``JobRegistry
     registry = JobRegistry()
 
     @registry.job(
-        "invoice.finalize",
+        "refund.issue",
         effect=Effect.DATABASE,
-        identity=("invoice_id",),
-        fields={"invoice_id": str, "amount_cents": int},
+        identity=("refund_id",),
+        fields={"refund_id": str, "amount_cents": int},
     )
-    def finalize_invoice(payload: Payload, ctx: JobContext) -> JsonValue:
+    def issue_refund(payload: Payload, ctx: JobContext) -> JsonValue:
         ...
 
 The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):

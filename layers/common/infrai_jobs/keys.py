@@ -4,8 +4,8 @@ Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSO
 
 1. ``_idempotency_key``, when the producer set one, is the key as given.
 2. A job with declared identity fields (a key rule, from the job registry) gets
-   ``{job}:{field}[:{field}...]``. A rule ``invoice.finalize`` -> ``("invoice_id",)`` gives
-   ``invoice.finalize:{invoice_id}``, byte for byte the string the notes' Node worker builds, so
+   ``{job}:{field}[:{field}...]``. A rule ``refund.issue`` -> ``("refund_id",)`` gives
+   ``refund.issue:{refund_id}``, byte for byte the string the notes' Node worker builds, so
    both can share one ledger during a migration; a tenant + period rule gives
    ``{job}:{tenant_id}:{period}``.
 3. Any other job: ``sha256:`` + the payload fingerprint.

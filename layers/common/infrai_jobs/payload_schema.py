@@ -3,7 +3,7 @@
 A job declares them where it registers (``JobRegistry.job(..., fields=...)``)::
 
     fields={
-        "invoice_id": (str, int),            # required: a string or an integer
+        "refund_id": (str, int),             # required: a string or an integer
         "amount_cents": int,                 # required: an integer (a boolean is not one)
         "note": Field(str, required=False),  # optional: absent, null, or a string
     }
@@ -95,7 +95,7 @@ class PayloadSchema:
         if not isinstance(fields, Mapping):
             raise ConfigurationError(
                 f"job {job!r}: fields must map field names to types, e.g. "
-                f"{{'invoice_id': str}} (got {type(fields).__name__})"
+                f"{{'refund_id': str}} (got {type(fields).__name__})"
             )
         return cls(tuple(_declared(job, name, spec) for name, spec in fields.items()))
 

@@ -7,8 +7,8 @@ paid for. ``publish_checked`` applies the drain's own rule first (``check_publis
 
     from infrai_jobs.producer import publish_checked
 
-    registry = build_registry(provider_url)  # the jobs package the drain loads
-    published = publish_checked(queue, registry, "billing-jobs", {"job": "invoice.finalize", ...})
+    registry = build_registry()  # the jobs package every function loads (functions/jobs)
+    published = publish_checked(queue, registry, "billing-jobs", {"job": "refund.issue", ...})
     logger.info("job published", extra={"idem_key": published.idem_key})
 
 A payload that fails raises ``KeyDerivationError`` (``InvalidPayload`` for a field that is

@@ -9,10 +9,12 @@ import random
 from types import MappingProxyType
 from typing import Any
 
+import json_strategies
 import pytest
 import rfc8785
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
+from json_strategies import SAFE_INT
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.keys import (
@@ -36,21 +38,7 @@ UNRULED_JOB = "report.export"
 
 # --- Strategies -------------------------------------------------------------------------------
 
-SAFE_INT = 2**53 - 1
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-SAFE_INT, max_value=SAFE_INT)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=12)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
-    ),
-    max_leaves=8,
-)
+json_values = json_strategies.json_values(text_size=12, key_size=6, leaves=8)
 work_names = st.text(max_size=8).filter(lambda name: not name.startswith("_") and name != "job")
 work_payloads = st.builds(
     lambda fields: {"job": UNRULED_JOB, **fields},

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import json_strategies
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from json_strategies import SAFE_INT
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload, KeyDerivationError
 from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
@@ -32,21 +34,7 @@ def registry_with(**declaration: Any) -> JobRegistry:
 
 # --- Strategies -------------------------------------------------------------------------------
 
-SAFE_INT = 2**53 - 1
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-SAFE_INT, max_value=SAFE_INT)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=8)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
-    ),
-    max_leaves=6,
-)
+json_values = json_strategies.json_values(text_size=8, key_size=5, leaves=6)
 declarable_types = st.sampled_from([str, int, float, bool, dict, list])
 # The JSON type names each declared type accepts ("number" takes integers too).
 ACCEPTS = {

@@ -17,7 +17,7 @@ from child_process import run_captured
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.migrations import MIGRATIONS, apply_migrations
-from infrai_local.job_migrations import read_job_migrations
+from infrai_local.job_migrations import installed_job_migrations, read_job_migrations
 
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,12 +78,16 @@ def test_migrate_creates_the_ledger_then_the_invoice_jobs_table_from_any_folder(
     assert lines[: len(MIGRATIONS)] == [
         f"applied ledger {m.version:04d}: {m.name}" for m in MIGRATIONS
     ]
-    assert lines[len(MIGRATIONS) :] == ["applied jobs 0001: invoice_invoices"]
+    # (every migration of the installed jobs package: the invoice job's first, then any a team
+    # added, e.g. with new-job)
+    jobs = installed_job_migrations()
+    assert jobs[0].name == "invoice_invoices"
+    assert lines[len(MIGRATIONS) :] == [f"applied jobs {m.version:04d}: {m.name}" for m in jobs]
     assert rows(database_url, "SELECT to_regclass('invoices') IS NOT NULL") == [(True,)]
     # And the two are recorded apart: the jobs' version 1 is not the ledger's version 1
-    assert rows(database_url, "SELECT version, name FROM infrai_jobs_job_schema") == [
-        (1, "invoice_invoices")
-    ]
+    assert rows(
+        database_url, "SELECT version, name FROM infrai_jobs_job_schema ORDER BY version"
+    ) == [(m.version, m.name) for m in jobs]
     assert len(rows(database_url, "SELECT version FROM infrai_jobs_schema")) == len(MIGRATIONS)
     # And the second run had nothing to do
     assert again.returncode == 0, again.stderr

@@ -19,6 +19,10 @@ from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, harness, run_cli
 
 RUFF = str(Path(sys.executable).parent / "ruff")
+# Names no team would give a job of its own, so the tests hold in any checkout (the issue's
+# walkthrough scaffolds refund.issue into the project itself).
+WALK_JOB, WALK_MODULE = "newjob_check.refund", "newjob_check_refund"
+LINT_JOB, LINT_MODULE = "newjob_check.report", "newjob_check_report"
 PYTEST = str(Path(sys.executable).parent / "pytest")
 
 
@@ -40,6 +44,12 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def next_version(project: Path) -> int:
+    """The version the next jobs migration of the project gets."""
+    migrations = (project / "functions" / "jobs" / "migrations").glob("*.sql")
+    return max((int(p.name[:4]) for p in migrations), default=0) + 1
+
+
 def new_job(kit: Harness, project: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(kit, "new-job", *args, "--jobs-path", str(project / "functions"), cwd=project)
 
@@ -48,31 +58,32 @@ def test_a_scaffolded_database_job_runs_once_from_migrate_to_drain(
     kit: Harness, project: Path
 ) -> None:
     # Given a new database job scaffolded into the project
-    made = new_job(kit, project, "refund.issue", "--effect", "database", "--identity", "refund_id")
+    made = new_job(kit, project, WALK_JOB, "--effect", "database", "--identity", "refund_id")
     assert made.returncode == 0, made.stderr
     assert "infrai-jobs migrate" in made.stdout
-    sample = project / "events" / "jobs" / "refund.issue.json"
+    sample = project / "events" / "jobs" / f"{WALK_JOB}.json"
     payload = json.loads(sample.read_text())
-    assert payload == {"job": "refund.issue", "refund_id": "refund_id_1"}
+    assert payload == {"job": WALK_JOB, "refund_id": "refund_id_1"}
+    version = next_version(project)
     jobs_path = {"INFRAI_JOBS_PATH": str(project / "functions")}
     # When the user migrates, publishes the same refund twice and drains
     migrated = run_cli(kit, "migrate", **jobs_path)
     assert migrated.returncode == 0, migrated.stderr
-    assert "applied jobs 0002: refund_issue" in migrated.stdout
+    assert f"applied jobs {version - 1:04d}: {WALK_MODULE}" in migrated.stdout
     published = run_cli(kit, "publish", "--count", "2", sample.read_text(), **jobs_path)
     assert published.returncode == 0, published.stderr
     drained = run_cli(kit, "drain", **jobs_path)
     assert drained.returncode == 0, drained.stderr
     # Then the job's own table holds one row and its claim is done, the queue empty
-    assert kit.sql("SELECT refund_id, payload->>'job' FROM refund_issue") == [
-        ("refund_id_1", "refund.issue")
+    assert kit.sql(f"SELECT refund_id, payload->>'job' FROM {WALK_MODULE}") == [
+        ("refund_id_1", WALK_JOB)
     ]
-    claim = kit.row("refund.issue:refund_id_1")
+    claim = kit.row(f"{WALK_JOB}:refund_id_1")
     assert claim is not None
     assert claim.state == "done"
     assert kit.client.stats(QUEUE).message_count == 0
     # And a payload that does not fit its schema is refused before it is published
-    refused = run_cli(kit, "publish", '{"job": "refund.issue", "refund_id": 7}', **jobs_path)
+    refused = run_cli(kit, "publish", json.dumps({"job": WALK_JOB, "refund_id": 7}), **jobs_path)
     assert refused.returncode == 2
     assert "refund_id" in refused.stderr
 
@@ -82,21 +93,23 @@ def test_what_is_scaffolded_passes_lint_and_its_own_tests(
     kit: Harness, project: Path, effect: str, pg_server_url: str
 ) -> None:
     # Given a job of each effect class scaffolded with two identity fields
-    made = new_job(kit, project, "report.build", "--effect", effect, "--identity", "tenant,month")
+    version = next_version(project)
+    made = new_job(kit, project, LINT_JOB, "--effect", effect, "--identity", "tenant,month")
     assert made.returncode == 0, made.stderr
     written = [
-        project / "functions" / "jobs" / "report_build.py",
+        project / "functions" / "jobs" / f"{LINT_MODULE}.py",
         project / "functions" / "jobs" / "__init__.py",
-        project / "tests" / "integration" / "test_job_report_build.py",
+        project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py",
     ]
     # When the project's linters read it, Then they find nothing to change
     for command in (["check"], ["format", "--check"]):
         linted = run_captured([RUFF, *command, *map(str, written)], cwd=project)
         assert linted.returncode == 0, linted.stdout + linted.stderr
-    assert (project / "functions" / "jobs" / "migrations" / "0002_report_build.sql").is_file()
+    migration = f"{version:04d}_{LINT_MODULE}.sql"
+    assert (project / "functions" / "jobs" / "migrations" / migration).is_file()
     # And the scaffolded test, written with the test kit, passes on a real PostgreSQL
     tested = run_captured(
-        [PYTEST, "-q", "-p", "no:cacheprovider", "tests/integration/test_job_report_build.py"],
+        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
         cwd=project,
         env={
             **server_env(pg_server_url),
@@ -126,9 +139,9 @@ def test_new_job_refuses_what_it_cannot_write_and_writes_nothing(
     refusals = {
         ("invoice.finalize", "database", "invoice_id"): "already exists",
         ("Refund Issue", "database", "refund_id"): "lower-case words",
-        ("refund.issue", "database", ""): "at least one payload field",
-        ("refund.issue", "database", "job"): "'job'",
-        ("refund.issue", "database", "a,a"): "names a field twice",
+        (WALK_JOB, "database", ""): "at least one payload field",
+        (WALK_JOB, "database", "job"): "'job'",
+        (WALK_JOB, "database", "a,a"): "names a field twice",
     }
     for (name, effect, identity), says in refusals.items():
         # When new-job is asked for something it must refuse
@@ -138,7 +151,7 @@ def test_new_job_refuses_what_it_cannot_write_and_writes_nothing(
         assert says in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     # And an effect class it does not know is a usage error
-    unknown = new_job(kit, project, "refund.issue", "--effect", "email", "--identity", "r")
+    unknown = new_job(kit, project, WALK_JOB, "--effect", "email", "--identity", "r")
     assert unknown.returncode == 2
     # And nothing was written
     assert sorted(p.relative_to(project) for p in project.rglob("*")) == before

@@ -6,11 +6,17 @@ Nothing else in the package reads the environment. Handlers and the CLI call
 The framework's own settings are named here. The jobs' settings are not: each job declares the
 ones it needs (``JobRegistry.declared_settings()``), and
 ``Settings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless loopback).
+
+One rule for every URL the package calls over HTTP (Infrai's and the jobs' downstreams,
+``check_web_url``): HTTPS, or plain HTTP to a loopback host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets
+plain HTTP reach other hosts too (a local network); it is logged as a warning every time the
+settings are read, that is at every cold start.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,6 +101,8 @@ class Settings:
     idempotency_table: str = ""
     # May carry a password locally; the template only passes URLs without credentials.
     redis_url: str = field(default="", repr=False)
+    # Opt-out: plain HTTP to hosts that are not loopback (INFRAI_ALLOW_PLAIN_HTTP).
+    allow_plain_http: bool = False
 
     def configured_endpoints(self) -> dict[str, bool]:
         """Which real endpoints are configured, by the variable that names each: the queue, the
@@ -117,14 +125,28 @@ class Settings:
         HTTPS URL (HTTP on loopback). An unset one is allowed here: whether that is an error,
         or a sandbox's stand-in, is decided by the command or the function."""
         env = os.environ if environ is None else environ
+        allow_plain_http = _bool(env, ALLOW_PLAIN_HTTP_ENV, default=False)
         owners = {name: tuple(jobs) for name, jobs in (job_settings or {}).items()}
         values = {name: env.get(name, "").strip() for name in owners}
         for name, value in values.items():
             if value:
-                _check_job_url(name, value, owners[name])
+                check_web_url(
+                    f"{name} (for {', '.join(owners[name])})",
+                    value,
+                    allow_plain_http=allow_plain_http,
+                    example="https://mail.example.com",
+                )
+        base_url = env.get("INFRAI_BASE_URL", "").strip()
+        if base_url:
+            check_web_url(
+                "INFRAI_BASE_URL",
+                base_url,
+                allow_plain_http=allow_plain_http,
+                example=DEFAULT_BASE_URL,
+            )
         queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
         settings = cls(
-            infrai_base_url=env.get("INFRAI_BASE_URL", "").strip(),
+            infrai_base_url=base_url,
             infrai_api_key=env.get("INFRAI_API_KEY", ""),
             queue=queue,
             dlq=env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
@@ -160,6 +182,7 @@ class Settings:
             idempotency_backend=_backend(env),
             idempotency_table=env.get("IDEMPOTENCY_TABLE", "").strip(),
             redis_url=env.get("REDIS_URL", "").strip(),
+            allow_plain_http=allow_plain_http,
         )
         _check_second_layer(settings)
         reason = malformed_reason(settings.database_url) if settings.database_url else ""
@@ -185,7 +208,29 @@ class Settings:
             )
         if settings.dlq == settings.queue:
             raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
+        for warning in settings.security_opt_outs():
+            _logger.warning(warning, extra={"action": "security_opt_out"})
         return settings
+
+    def security_opt_outs(self) -> list[str]:
+        """One sentence per secure default these settings turn off, for a warning each time
+        they are read (every cold start)."""
+        opt_outs = []
+        if self.allow_plain_http:
+            plain = [
+                name
+                for name, url in (
+                    ("INFRAI_BASE_URL", self.infrai_base_url),
+                    *self.job_settings.items(),
+                )
+                if url and is_plain_http_off_loopback(url)
+            ]
+            opt_outs.append(
+                f"{ALLOW_PLAIN_HTTP_ENV}=true: plain HTTP is allowed to hosts that are not "
+                "loopback, so an API key or a job's data may cross the network unencrypted"
+                + (f" ({', '.join(plain)} use it)" if plain else "")
+            )
+        return opt_outs
 
     def require_base_url(self) -> str:
         return _required(
@@ -232,25 +277,33 @@ def _required(value: str, variable: str, how: str) -> str:
 
 
 _LOOPBACK_NAMES = ("localhost",)
+ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
+_logger = logging.getLogger(__name__)
 
 
-def _check_job_url(name: str, value: str, jobs: Sequence[str]) -> None:
-    """A job's downstream: HTTPS, or HTTP on loopback only (a local sink, a test server)."""
+def check_web_url(name: str, value: str, *, allow_plain_http: bool, example: str) -> None:
+    """The one rule for a URL called over HTTP (Infrai, a job's downstream): HTTPS, or plain
+    HTTP to loopback (a local emulator, sink or test server); plain HTTP elsewhere only with
+    ``allow_plain_http``. Refused before any call, so a typo never sends a key in clear text.
+    ``name`` says which setting it is; the value is never echoed whole (it may hold a secret)."""
     parts = urlsplit(value)
     host = parts.hostname or ""
     if parts.scheme not in ("http", "https") or not host:
+        raise ConfigurationError(f"{name} must be an http(s) URL with a host, e.g. {example}")
+    if parts.scheme == "http" and not is_loopback_host(host) and not allow_plain_http:
         raise ConfigurationError(
-            f"{name} (for {', '.join(jobs)}) must be an http(s) URL with a host, "
-            "e.g. https://mail.example.com"
-        )
-    if parts.scheme == "http" and not _is_loopback(host):
-        raise ConfigurationError(
-            f"{name} (for {', '.join(jobs)}) uses plain HTTP to {host}: use HTTPS (plain HTTP "
-            "is allowed on loopback only)"
+            f"{name} uses plain HTTP to {host}: use HTTPS (plain HTTP is allowed on loopback "
+            f"only, or on a local network with {ALLOW_PLAIN_HTTP_ENV}=true)"
         )
 
 
-def _is_loopback(host: str) -> bool:
+def is_plain_http_off_loopback(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
     if host.lower() in _LOOPBACK_NAMES:
         return True
     try:

@@ -37,6 +37,11 @@ MAX_DRAIN_CONCURRENCY = 1000
 # Idle polling faster than this would spend Infrai's consume rate limit on an empty queue.
 MIN_IDLE_POLL_MS = 50
 
+# The ledger's TLS in AWS, strongest first: verify-full checks the certificate and the host name,
+# verify-ca the certificate only, require neither (an explicit, logged opt-out each).
+DATABASE_SSLMODES = ("verify-full", "verify-ca", "require")
+DEFAULT_DATABASE_SSLMODE = "verify-full"
+
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
 _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
     "off": "off",
@@ -103,6 +108,11 @@ class Settings:
     redis_url: str = field(default="", repr=False)
     # Opt-out: plain HTTP to hosts that are not loopback (INFRAI_ALLOW_PLAIN_HTTP).
     allow_plain_http: bool = False
+    # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
+    # used as written): verify-full unless DATABASE_SSLMODE opts out, with the CA bundle file
+    # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
+    database_sslmode: str = DEFAULT_DATABASE_SSLMODE
+    database_ca_bundle: str = ""
 
     def configured_endpoints(self) -> dict[str, bool]:
         """Which real endpoints are configured, by the variable that names each: the queue, the
@@ -183,6 +193,8 @@ class Settings:
             idempotency_table=env.get("IDEMPOTENCY_TABLE", "").strip(),
             redis_url=env.get("REDIS_URL", "").strip(),
             allow_plain_http=allow_plain_http,
+            database_sslmode=_database_sslmode(env),
+            database_ca_bundle=_in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
         )
         _check_second_layer(settings)
         reason = malformed_reason(settings.database_url) if settings.database_url else ""
@@ -229,6 +241,13 @@ class Settings:
                 f"{ALLOW_PLAIN_HTTP_ENV}=true: plain HTTP is allowed to hosts that are not "
                 "loopback, so an API key or a job's data may cross the network unencrypted"
                 + (f" ({', '.join(plain)} use it)" if plain else "")
+            )
+        if self.database_secret_arn and self.database_sslmode != DEFAULT_DATABASE_SSLMODE:
+            unchecked = "host name" if self.database_sslmode == "verify-ca" else "certificate"
+            opt_outs.append(
+                f"DATABASE_SSLMODE={self.database_sslmode}: the ledger connection does not "
+                f"verify the server's {unchecked}, so a man in the middle could read it "
+                "(verify-full is the default)"
             )
         return opt_outs
 
@@ -415,6 +434,24 @@ def _check_second_layer(settings: Settings) -> None:
     if backend == "redis" and not settings.redis_url.startswith(_REDIS_SCHEMES):
         # The URL may hold a password: name the setting, never echo the value.
         raise ConfigurationError("REDIS_URL must start with redis://, rediss:// or unix://")
+
+
+def _database_sslmode(env: Mapping[str, str]) -> str:
+    raw = env.get("DATABASE_SSLMODE", "").strip() or DEFAULT_DATABASE_SSLMODE
+    if raw not in DATABASE_SSLMODES:
+        raise ConfigurationError(
+            f"DATABASE_SSLMODE={raw!r} is not one of {', '.join(DATABASE_SSLMODES)}: modes that "
+            "allow plain text are never used for the ledger in AWS"
+        )
+    return raw
+
+
+def _in_task_root(env: Mapping[str, str], path: str) -> str:
+    """A relative path as Lambda sees it: under the function's code (LAMBDA_TASK_ROOT)."""
+    root = env.get("LAMBDA_TASK_ROOT", "")
+    if not path or os.path.isabs(path) or not root:
+        return path
+    return os.path.join(root, path)
 
 
 def _names(raw: str) -> tuple[str, ...]:

@@ -528,3 +528,40 @@ def test_a_data_kms_key_encrypts_the_log_groups_and_the_second_layers_table() ->
     for role in FUNCTION_ROLES:
         if role != "DrainFunctionRole":
             assert DATA_KEY_ARN not in str(keyed.statements(role)), role
+
+
+REDIS_SECRET_ARN = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:infrai-redis-AbCdEf"
+
+
+def test_only_the_drain_reads_the_redis_secret_and_only_when_one_is_named() -> None:
+    # Given the Redis second layer without and with RedisSecretArn
+    plain = Deployment({"IdempotencyBackend": "redis", "RedisUrl": "rediss://cache.example:6379"})
+    named = Deployment(
+        {
+            "IdempotencyBackend": "redis",
+            "RedisUrl": "rediss://cache.example:6379",
+            "RedisSecretArn": REDIS_SECRET_ARN,
+        }
+    )
+
+    def readers(deployment: Deployment) -> dict[str, list[Any]]:
+        return {
+            role: [
+                s["Resource"]
+                for s in deployment.statements(role)
+                if s["Resource"] == REDIS_SECRET_ARN
+            ]
+            for role in FUNCTION_ROLES
+        }
+
+    # Then nobody may read it until it is named, and then only the drain, GetSecretValue only
+    assert all(not found for found in readers(plain).values())
+    assert {role: bool(found) for role, found in readers(named).items()} == {
+        role: role == "DrainFunctionRole" for role in FUNCTION_ROLES
+    }
+    (statement,) = [
+        s for s in named.statements("DrainFunctionRole") if s["Resource"] == REDIS_SECRET_ARN
+    ]
+    assert statement["Action"] == "secretsmanager:GetSecretValue"
+    environment = named.of_type("AWS::Lambda::Function")["DrainFunction"]["Environment"]
+    assert environment["Variables"]["REDIS_SECRET_ARN"] == REDIS_SECRET_ARN

@@ -12,13 +12,20 @@ import json
 import os
 from dataclasses import replace
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.postgres import malformed_reason, parse_conninfo
-from infrai_jobs.settings import DATABASE_SSLMODES, DEFAULT_DATABASE_SSLMODE, Settings
+from infrai_jobs.settings import (
+    DATABASE_SSLMODES,
+    DEFAULT_DATABASE_SSLMODE,
+    Settings,
+    check_redis_url,
+)
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 SECRET_CACHE_SECONDS = 300
 
@@ -30,9 +37,11 @@ def resolve_secrets(
     database: bool = True,
     force_fetch: bool = False,
 ) -> Settings:
-    """Fill in the API key and database URL from AWS when only their names are configured.
+    """Fill in the API key and database URL from AWS when only their names are configured, and
+    the Redis second layer's credentials when its secret is named.
 
-    A function fetches only what it uses (``api_key``/``database``), so its role needs no more.
+    A function fetches only what it uses (``api_key``/``database``; the Redis secret only with
+    ``IDEMPOTENCY_BACKEND=redis``), so its role needs no more.
     """
     key = settings.infrai_api_key
     if api_key and not key and settings.api_key_parameter:
@@ -44,7 +53,45 @@ def resolve_secrets(
             sslmode=settings.database_sslmode,
             ca_bundle=settings.database_ca_bundle,
         )
-    return replace(settings, infrai_api_key=key, database_url=database_url)
+    redis_url = settings.redis_url
+    if settings.idempotency_backend == "redis" and settings.redis_secret_arn:
+        redis_url = redis_url_from_secret(
+            _fetch_secret(settings.redis_secret_arn, force_fetch=force_fetch), settings.redis_url
+        )
+    return replace(settings, infrai_api_key=key, database_url=database_url, redis_url=redis_url)
+
+
+def redis_url_from_secret(secret: str, url: str) -> str:
+    """The Redis/Valkey URL with the credentials a secret holds: the whole URL
+    (``rediss://...``), JSON with ``password`` (and ``username`` for an ACL user), or the bare
+    password, added to ``url`` (``REDIS_URL``, which then carries none). Either way the URL
+    must be ``rediss://`` unless its host is loopback. No error shows the secret."""
+    text = secret.strip()
+    if text.startswith(_REDIS_SCHEMES):
+        check_redis_url("the Redis secret's URL", text)
+        return text
+    username, password = "", text
+    if text.startswith("{"):
+        try:
+            document: Any = json.loads(text)
+        except ValueError:
+            raise ConfigurationError(
+                "the Redis secret is neither a URL, JSON nor a password"
+            ) from None
+        if not isinstance(document, dict) or not isinstance(document.get("password"), str):
+            raise ConfigurationError('the Redis secret JSON has no "password" string')
+        username, password = str(document.get("username") or ""), document["password"]
+    if not password:
+        raise ConfigurationError("the Redis secret holds an empty password")
+    if not url:
+        raise ConfigurationError(
+            "REDIS_SECRET_ARN holds a password but REDIS_URL is empty: set REDIS_URL (template "
+            "parameter RedisUrl) to the server, or put the whole URL in the secret"
+        )
+    check_redis_url("REDIS_URL", url)
+    parts = urlsplit(url)
+    credentials = f"{quote(username, safe='')}:{quote(password, safe='')}@"
+    return urlunsplit(parts._replace(netloc=credentials + parts.netloc))
 
 
 # sslmode values that let libpq fall back to (or start with) plain text.

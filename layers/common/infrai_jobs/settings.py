@@ -104,8 +104,10 @@ class Settings:
     # The optional second layer (infrai_jobs.second_layer): off, dynamodb or redis.
     idempotency_backend: IdempotencyBackend = "off"
     idempotency_table: str = ""
-    # May carry a password locally; the template only passes URLs without credentials.
+    # May carry a password locally; the template only passes URLs without credentials, and the
+    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
     redis_url: str = field(default="", repr=False)
+    redis_secret_arn: str = ""
     # Opt-out: plain HTTP to hosts that are not loopback (INFRAI_ALLOW_PLAIN_HTTP).
     allow_plain_http: bool = False
     # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
@@ -192,6 +194,7 @@ class Settings:
             idempotency_backend=_backend(env),
             idempotency_table=env.get("IDEMPOTENCY_TABLE", "").strip(),
             redis_url=env.get("REDIS_URL", "").strip(),
+            redis_secret_arn=env.get("REDIS_SECRET_ARN", "").strip(),
             allow_plain_http=allow_plain_http,
             database_sslmode=_database_sslmode(env),
             database_ca_bundle=_in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
@@ -427,13 +430,45 @@ def _check_second_layer(settings: Settings) -> None:
             "IDEMPOTENCY_BACKEND=dynamodb needs IDEMPOTENCY_TABLE, the name of the table the "
             "template creates (stack output IdempotencyTableName)"
         )
-    if backend == "redis" and not settings.redis_url:
+    if backend != "redis":
+        return
+    if not settings.redis_url and not settings.redis_secret_arn:
         raise ConfigurationError(
-            "IDEMPOTENCY_BACKEND=redis needs REDIS_URL, e.g. rediss://my-cache.example:6379/0"
+            "IDEMPOTENCY_BACKEND=redis needs REDIS_URL, e.g. rediss://my-cache.example:6379/0 "
+            "(or REDIS_SECRET_ARN, a secret holding the whole URL)"
         )
-    if backend == "redis" and not settings.redis_url.startswith(_REDIS_SCHEMES):
-        # The URL may hold a password: name the setting, never echo the value.
-        raise ConfigurationError("REDIS_URL must start with redis://, rediss:// or unix://")
+    if settings.redis_url:
+        check_redis_url("REDIS_URL", settings.redis_url)
+    if settings.redis_secret_arn and has_credentials(settings.redis_url):
+        raise ConfigurationError(
+            "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
+            "the secret only"
+        )
+
+
+def check_redis_url(name: str, url: str) -> None:
+    """A Redis/Valkey URL: ``rediss://`` (TLS, the server's certificate verified), or
+    ``redis://`` to a loopback host, or a ``unix://`` socket. The URL may hold a password, so
+    the error names ``name`` and the host, never the value."""
+    if not url.startswith(_REDIS_SCHEMES):
+        raise ConfigurationError(f"{name} must start with redis://, rediss:// or unix://")
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        raise ConfigurationError(f"{name} is not a valid URL") from None
+    if url.startswith("redis://") and not is_loopback_host(host):
+        raise ConfigurationError(
+            f"{name} uses redis:// (plain text) to {host or 'no host'}: use rediss:// for any "
+            "host that is not loopback, so the password and the records travel encrypted"
+        )
+
+
+def has_credentials(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        return bool(parts.username or parts.password)
+    except ValueError:
+        return False
 
 
 def _database_sslmode(env: Mapping[str, str]) -> str:

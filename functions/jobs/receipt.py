@@ -3,10 +3,15 @@
 Its claim is committed before the call. If the call may have reached the provider but we cannot
 tell (a timeout, a 5xx), the handler raises ``EffectUncertain``: the claim stays ``running`` and is
 flagged for a human, instead of a retry that might send a second receipt.
+
+Its result is kept in the ledger (and in the second layer's store), so it holds no e-mail
+address: only the SHA-256 of the address as sent (trimmed, lower-cased), enough to confirm
+which address a receipt went to when you already know it, not to read one back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
@@ -46,7 +51,13 @@ def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
     except ValueError:
         answer = {}
     provider_id = answer.get("id") if isinstance(answer, dict) else None
-    return {"provider_message_id": provider_id, "to": payload["email"]}
+    return {"provider_message_id": provider_id, "to_sha256": address_digest(payload["email"])}
+
+
+def address_digest(email: str) -> str:
+    """The hex SHA-256 of an e-mail address, trimmed and lower-cased: how a result names its
+    recipient without holding personal data in clear."""
+    return hashlib.sha256(email.strip().lower().encode("utf-8")).hexdigest()
 
 
 def register(registry: JobRegistry) -> None:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
 from infrai_local.testkit import JobKit, JobKitError
@@ -30,6 +33,19 @@ def test_receipt_send_keeps_its_guarantees(job_kit: JobKit) -> None:
         {**RECEIPT, "invoice_id": "inv_2"}, raising=ConnectionError("mail provider is down")
     )
     job_kit.assert_stuck_when_uncertain({**RECEIPT, "invoice_id": "inv_3"})
+
+
+def test_a_receipt_result_holds_no_email_address(job_kit: JobKit) -> None:
+    # Given a receipt sent to a mixed-case address
+    payload = {**RECEIPT, "invoice_id": "inv_pii", "email": " Ada.Lovelace@Example.com"}
+    # When it runs (its result goes to the ledger, and to the second layer when on)
+    row = job_kit.assert_runs_once(payload)
+    # Then the stored result names the recipient only by the SHA-256 of the normalised address
+    stored = json.dumps(row.result).lower()
+    assert "ada.lovelace" not in stored
+    assert "example.com" not in stored
+    assert isinstance(row.result, dict)
+    assert row.result["to_sha256"] == hashlib.sha256(b"ada.lovelace@example.com").hexdigest()
 
 
 def test_digest_build_keeps_its_guarantees(job_kit: JobKit) -> None:

@@ -62,7 +62,12 @@ def _rds_secret(url: str, **override: Any) -> str:
 
 
 def _settings(secret_arn: str) -> Settings:
-    return Settings(api_key_parameter=PARAMETER, database_secret_arn=secret_arn)
+    # These tests are about fetching and rotation, against a test server whose certificate (if
+    # it has one) no CA here signed: TLS is required, not verified (the explicit opt-out).
+    # tests/security/test_database_tls.py verifies a server for real.
+    return Settings(
+        api_key_parameter=PARAMETER, database_secret_arn=secret_arn, database_sslmode="require"
+    )
 
 
 def test_secrets_come_from_ssm_and_secrets_manager_and_are_cached(aws: dict[str, Any]) -> None:
@@ -78,7 +83,14 @@ def test_secrets_come_from_ssm_and_secrets_manager_and_are_cached(aws: dict[str,
     first = resolve_secrets(_settings(arn))
     # Then both values are there, the secret JSON turned into a TLS URL
     assert first.infrai_api_key == "sk_first"
-    assert first.database_url == "postgresql://jobs:p%40ss@db.internal:5432/ledger?sslmode=require"
+    assert conninfo_to_dict(first.database_url) == {
+        "user": "jobs",
+        "password": "p@ss",
+        "host": "db.internal",
+        "port": "5432",
+        "dbname": "ledger",
+        "sslmode": "require",
+    }
     # And after a rotation the cached values stand until a refresh is forced
     aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_second", Type="SecureString", Overwrite=True)
     assert resolve_secrets(_settings(arn)).infrai_api_key == "sk_first"
@@ -286,6 +298,7 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY": "test-key",
             "DATABASE_SECRET_ARN": arn,
+            "DATABASE_SSLMODE": "require",
             "INFRAI_QUEUE": QUEUE,
             "WATCHED_QUEUES": QUEUE,
             "ALERT_TOPIC_ARN": "",

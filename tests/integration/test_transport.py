@@ -23,7 +23,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from infrai_jobs.errors import ConfigurationError, InfraiUnavailable, TransportError
+from infrai_jobs.errors import (
+    ConfigurationError,
+    InfraiUnavailable,
+    TlsVerificationFailed,
+    TransportError,
+    UntrustedServer,
+)
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.transport import HttpPool
 
@@ -708,14 +714,50 @@ def test_tls_with_a_trusted_certificate_works_and_keeps_the_connection(
     assert f"Authorization: Bearer {API_KEY}" in server.requests[0].decode()
 
 
-def test_tls_refuses_an_untrusted_certificate(tls_server: tuple[ScriptedServer, Path]) -> None:
-    # Given the system's trust store, which does not know the test CA
+def test_tls_refuses_an_untrusted_certificate_at_once_without_retrying(
+    tls_server: tuple[ScriptedServer, Path],
+) -> None:
+    # Given the system's trust store, which does not know the test CA, and a client that
+    # would retry a transient failure five times
     server, _ = tls_server
-    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(max_attempts=1))
-    # Then nothing is sent: the handshake fails verification, and the key never left
-    with pytest.raises(InfraiUnavailable, match="CERTIFICATE_VERIFY_FAILED") as caught:
+    sleeps: list[float] = []
+    client = InfraiClient(
+        server.url, API_KEY, retry=RetryPolicy(max_attempts=5), sleep=sleeps.append
+    )
+    # When a retryable call is made
+    with pytest.raises(UntrustedServer, match="CERTIFICATE_VERIFY_FAILED") as caught:
         client.stats("q")
-    assert caught.value.code == "CONNECTION_ERROR"
+    client.close()
+    # Then it fails on the first handshake, final: not the retryable type, no back-off, one
+    # connection, nothing sent, and the key appears nowhere in the error
+    assert not isinstance(caught.value, InfraiUnavailable)
+    assert caught.value.code == "TLS_VERIFICATION_FAILED"
+    assert sleeps == []
+    assert server.connections == 1
+    assert server.requests == []
+    assert API_KEY not in str(caught.value)
+
+
+def test_a_certificate_for_another_host_is_final_for_the_client(
+    tmp_path: Path, serve: Callable[..., ScriptedServer]
+) -> None:
+    # Given a CA the client trusts, a certificate it signed for another name, and retries on
+    server, ca_path = _tls_server(tmp_path, serve, [x509.DNSName("api.other.test")])
+    trusted = ssl.create_default_context(cafile=str(ca_path))
+    sleeps: list[float] = []
+    client = InfraiClient(
+        server.url,
+        API_KEY,
+        ssl_context=trusted,
+        retry=RetryPolicy(max_attempts=5),
+        sleep=sleeps.append,
+    )
+    # When a call is made, Then the hostname mismatch is final: one handshake, no retry
+    with pytest.raises(UntrustedServer, match=r"IP address mismatch|doesn't match"):
+        client.stats("q")
+    client.close()
+    assert sleeps == []
+    assert server.connections == 1
     assert server.requests == []
 
 
@@ -726,8 +768,8 @@ def test_tls_refuses_a_certificate_for_another_host(
     server, ca_path = _tls_server(tmp_path, serve, [x509.DNSName("api.other.test")])
     trusted = ssl.create_default_context(cafile=str(ca_path))
     pool = HttpPool(server.url, connect_timeout=1.0, read_timeout=1.0, ssl_context=trusted)
-    # Then the handshake fails on the name, and nothing is sent
-    with pytest.raises(TransportError, match=r"IP address mismatch|doesn't match"):
+    # Then the handshake fails on the name, as a verification failure, and nothing is sent
+    with pytest.raises(TlsVerificationFailed, match=r"IP address mismatch|doesn't match"):
         pool.request("GET", "/", {})
     assert server.requests == []
 

@@ -491,3 +491,77 @@ def test_a_function_added_without_its_own_role_gets_the_boundary_from_globals() 
         # is why every function of the template brings its own role
         managed = managed_policy_names(role["ManagedPolicyArns"])
         assert {VPC_ACCESS, XRAY_WRITE} <= managed, managed
+
+
+DATA_KEY_ARN = "arn:aws:kms:eu-west-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+
+def test_a_data_kms_key_encrypts_the_log_groups_and_the_second_layers_table() -> None:
+    # Given the DynamoDB second layer, without and with DataKmsKeyArn
+    plain = Deployment({"IdempotencyBackend": "dynamodb"})
+    keyed = Deployment({"IdempotencyBackend": "dynamodb", "DataKmsKeyArn": DATA_KEY_ARN})
+    # Then without it nothing names a customer key and no role may use one
+    plain_groups = plain.of_type("AWS::Logs::LogGroup")
+    assert plain_groups
+    assert all("KmsKeyId" not in group for group in plain_groups.values())
+    assert plain.of_type("AWS::DynamoDB::Table")["IdempotencyTable"]["SSESpecification"] == {
+        "SSEEnabled": False
+    }
+    assert not [s for s in plain.statements("DrainFunctionRole") if "kms:" in str(s["Action"])]
+    # And with it every log group and the table are encrypted with that key
+    groups = keyed.of_type("AWS::Logs::LogGroup")
+    assert {name: group.get("KmsKeyId") for name, group in groups.items()} == dict.fromkeys(
+        groups, DATA_KEY_ARN
+    )
+    assert keyed.of_type("AWS::DynamoDB::Table")["IdempotencyTable"]["SSESpecification"] == {
+        "SSEEnabled": True,
+        "SSEType": "KMS",
+        "KMSMasterKeyId": DATA_KEY_ARN,
+    }
+    # And the drain may use the key only through DynamoDB, for the table's records
+    kms = [s for s in keyed.statements("DrainFunctionRole") if "kms:" in str(s["Action"])]
+    assert len(kms) == 1
+    assert kms[0]["Resource"] == DATA_KEY_ARN
+    assert sorted(as_list(kms[0]["Action"])) == ["kms:Decrypt", "kms:GenerateDataKey"]
+    assert _via_services(kms[0]) == {"dynamodb.${AWS::Region}.amazonaws.com"}
+    # And no other role gains a right to it
+    for role in FUNCTION_ROLES:
+        if role != "DrainFunctionRole":
+            assert DATA_KEY_ARN not in str(keyed.statements(role)), role
+
+
+REDIS_SECRET_ARN = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:infrai-redis-AbCdEf"
+
+
+def test_only_the_drain_reads_the_redis_secret_and_only_when_one_is_named() -> None:
+    # Given the Redis second layer without and with RedisSecretArn
+    plain = Deployment({"IdempotencyBackend": "redis", "RedisUrl": "rediss://cache.example:6379"})
+    named = Deployment(
+        {
+            "IdempotencyBackend": "redis",
+            "RedisUrl": "rediss://cache.example:6379",
+            "RedisSecretArn": REDIS_SECRET_ARN,
+        }
+    )
+
+    def readers(deployment: Deployment) -> dict[str, list[Any]]:
+        return {
+            role: [
+                s["Resource"]
+                for s in deployment.statements(role)
+                if s["Resource"] == REDIS_SECRET_ARN
+            ]
+            for role in FUNCTION_ROLES
+        }
+
+    # Then nobody may read it until it is named, and then only the drain, GetSecretValue only
+    assert all(not found for found in readers(plain).values())
+    assert {role: bool(found) for role, found in readers(named).items()} == {
+        role: role == "DrainFunctionRole" for role in FUNCTION_ROLES
+    }
+    (statement,) = [
+        s for s in named.statements("DrainFunctionRole") if s["Resource"] == REDIS_SECRET_ARN
+    ]
+    assert statement["Action"] == "secretsmanager:GetSecretValue"
+    environment = named.of_type("AWS::Lambda::Function")["DrainFunction"]["Environment"]
+    assert environment["Variables"]["REDIS_SECRET_ARN"] == REDIS_SECRET_ARN

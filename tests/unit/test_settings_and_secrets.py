@@ -64,20 +64,29 @@ def test_an_rds_secret_becomes_a_url_with_escaped_credentials() -> None:
         '{"engine": "postgres", "host": "db.internal", "port": 5433, "username": "jobs",'
         ' "password": "p@ss/word", "dbname": "ledger"}'
     )
-    assert (
-        database_url_from_secret(secret)
-        == "postgresql://jobs:p%40ss%2Fword@db.internal:5433/ledger?sslmode=require"
-    )
+    assert conninfo_to_dict(database_url_from_secret(secret, sslmode="require")) == {
+        "user": "jobs",
+        "password": "p@ss/word",
+        "host": "db.internal",
+        "port": "5433",
+        "dbname": "ledger",
+        "sslmode": "require",
+    }
 
 
-def test_a_plain_url_secret_gets_tls_required() -> None:
-    assert conninfo_to_dict(database_url_from_secret(" postgresql://a@b/c\n")) == {
+def test_a_plain_url_secret_gets_tls_required_when_verification_is_opted_out() -> None:
+    assert conninfo_to_dict(
+        database_url_from_secret(" postgresql://a@b/c\n", sslmode="require")
+    ) == {
         "user": "a",
         "host": "b",
         "dbname": "c",
         "sslmode": "require",
     }
-    verified = "postgresql://a@b/c?sslmode=verify-full"
+
+
+def test_a_secret_that_brings_its_own_root_certificate_keeps_it() -> None:
+    verified = "postgresql://a@b/c?sslmode=verify-full&sslrootcert=/opt/ca.pem"
     assert database_url_from_secret(verified) == verified
 
 

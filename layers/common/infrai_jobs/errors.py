@@ -30,6 +30,11 @@ class TransportError(InfraiJobsError):
     """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer."""
 
 
+class TlsVerificationFailed(TransportError):
+    """The server's certificate or hostname did not verify: the handshake failed before any
+    request was sent. Not transient, so never retried."""
+
+
 class AnswerTooLarge(TransportError):
     """The answer is longer than the pool accepts; ``size`` is its declared length, if any."""
 
@@ -73,6 +78,11 @@ class InfraiError(InfraiJobsError):
 
 class InfraiUnavailable(InfraiError):
     """A transport failure or a retryable answer (429, 5xx) that outlived the retries."""
+
+
+class UntrustedServer(InfraiError):
+    """Infrai's server could not be verified (certificate or hostname), so nothing was sent;
+    final, never retried (code ``TLS_VERIFICATION_FAILED``)."""
 
 
 class InfraiInvalidResponse(InfraiError):

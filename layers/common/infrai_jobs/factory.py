@@ -61,6 +61,7 @@ def make_queue_client(
         refresh_api_key=refresh_api_key,
         pool_maxsize=client_pool_size(settings.drain_lanes),
         max_answer_bytes=settings.max_answer_bytes,
+        allow_plain_http=settings.allow_plain_http,
     )
 
 

@@ -198,7 +198,20 @@ def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
     if isinstance(exc, psycopg.ProgrammingError):
         return _malformed_url(malformed_reason(url) or "libpq cannot parse it")
     detail = redact(one_line(str(exc)), url)
+    if any(sign in detail for sign in _TLS_VERIFICATION_FAILURES):
+        detail += (
+            " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE in "
+            "AWS, must hold the CA that signed it, and the host must be a name on it)"
+        )
     return LedgerUnavailable(f"cannot connect to the ledger database at {describe(url)}: {detail}")
+
+
+# How libpq words a certificate or host name that does not verify.
+_TLS_VERIFICATION_FAILURES = (
+    "certificate verify failed",
+    "does not match host name",
+    "root certificate file",
+)
 
 
 def open_connection(

@@ -10,6 +10,8 @@ Retry rules (docs/infrai-api.md, "What the client does with it"):
   5xx) is **not** retried: it may have been served, and each message it served has spent one of
   its three deliveries unseen. It raises ``ConsumeAnswerLost`` and the caller decides (the drain
   goes on one message at a time, so an unreadable message cannot take its neighbours along).
+* a TLS certificate or hostname that does not verify is final (``UntrustedServer``), never
+  retried: no request was sent, and a repeat would meet the same certificate.
 * publish is **not** retried by default. Infrai has no producer-side deduplication, so a retried
   publish whose first attempt reached the server is a duplicate job. ``retry_publish=True`` opts
   in; that is safe only because consumers (this package's drain) dedupe by idempotency key.
@@ -39,7 +41,9 @@ from infrai_jobs.errors import (
     InfraiInvalidResponse,
     InfraiUnavailable,
     QueueMessageNotFound,
+    TlsVerificationFailed,
     TransportError,
+    UntrustedServer,
 )
 from infrai_jobs.queue_contract import CONSUME_CAP
 from infrai_jobs.queue_models import (
@@ -50,6 +54,7 @@ from infrai_jobs.queue_models import (
     parse_publish_price,
 )
 from infrai_jobs.rotation import fetch_again
+from infrai_jobs.settings import check_web_url
 from infrai_jobs.transport import MAX_BODY, HttpPool
 
 logger = logging.getLogger(__name__)
@@ -100,6 +105,7 @@ class InfraiClient:
         refresh_api_key: Callable[[], str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
         max_answer_bytes: int = MAX_BODY,
+        allow_plain_http: bool = False,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -107,6 +113,11 @@ class InfraiClient:
                 f"INFRAI_BASE_URL {base_url!r} is not an http(s) URL; "
                 "set it to e.g. https://api.infrai.cc"
             )
+        # The settings' rule again, for a client built without them: the key is in every request.
+        example = "https://api.infrai.cc"
+        check_web_url(
+            "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=example
+        )
         if not api_key:
             raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
         _check_api_key(api_key)
@@ -392,8 +403,13 @@ class InfraiClient:
         try:
             exchange = self._pool.send(method, path, headers, encoded)
         except TransportError as exc:
-            # The transport's message names the host and the failure, never our headers.
-            failure = InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call)
+            # The transport's message names the host and the failure, never our headers. A
+            # certificate or hostname that does not verify is final: a retry meets the same one.
+            failure: InfraiError = (
+                UntrustedServer("TLS_VERIFICATION_FAILED", str(exc), 0, call=call)
+                if isinstance(exc, TlsVerificationFailed)
+                else InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call)
+            )
             failure.__cause__ = exc  # as "raise ... from exc" would have chained it
 
             def failed() -> Any:

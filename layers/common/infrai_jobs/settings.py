@@ -6,11 +6,17 @@ Nothing else in the package reads the environment. Handlers and the CLI call
 The framework's own settings are named here. The jobs' settings are not: each job declares the
 ones it needs (``JobRegistry.declared_settings()``), and
 ``Settings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless loopback).
+
+One rule for every URL the package calls over HTTP (Infrai's and the jobs' downstreams,
+``check_web_url``): HTTPS, or plain HTTP to a loopback host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets
+plain HTTP reach other hosts too (a local network); it is logged as a warning every time the
+settings are read, that is at every cold start.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +36,11 @@ DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 MAX_DRAIN_CONCURRENCY = 1000
 # Idle polling faster than this would spend Infrai's consume rate limit on an empty queue.
 MIN_IDLE_POLL_MS = 50
+
+# The ledger's TLS in AWS, strongest first: verify-full checks the certificate and the host name,
+# verify-ca the certificate only, require neither (an explicit, logged opt-out each).
+DATABASE_SSLMODES = ("verify-full", "verify-ca", "require")
+DEFAULT_DATABASE_SSLMODE = "verify-full"
 
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
 _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
@@ -93,8 +104,17 @@ class Settings:
     # The optional second layer (infrai_jobs.second_layer): off, dynamodb or redis.
     idempotency_backend: IdempotencyBackend = "off"
     idempotency_table: str = ""
-    # May carry a password locally; the template only passes URLs without credentials.
+    # May carry a password locally; the template only passes URLs without credentials, and the
+    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
     redis_url: str = field(default="", repr=False)
+    redis_secret_arn: str = ""
+    # Opt-out: plain HTTP to hosts that are not loopback (INFRAI_ALLOW_PLAIN_HTTP).
+    allow_plain_http: bool = False
+    # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
+    # used as written): verify-full unless DATABASE_SSLMODE opts out, with the CA bundle file
+    # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
+    database_sslmode: str = DEFAULT_DATABASE_SSLMODE
+    database_ca_bundle: str = ""
 
     def configured_endpoints(self) -> dict[str, bool]:
         """Which real endpoints are configured, by the variable that names each: the queue, the
@@ -117,14 +137,28 @@ class Settings:
         HTTPS URL (HTTP on loopback). An unset one is allowed here: whether that is an error,
         or a sandbox's stand-in, is decided by the command or the function."""
         env = os.environ if environ is None else environ
+        allow_plain_http = _bool(env, ALLOW_PLAIN_HTTP_ENV, default=False)
         owners = {name: tuple(jobs) for name, jobs in (job_settings or {}).items()}
         values = {name: env.get(name, "").strip() for name in owners}
         for name, value in values.items():
             if value:
-                _check_job_url(name, value, owners[name])
+                check_web_url(
+                    f"{name} (for {', '.join(owners[name])})",
+                    value,
+                    allow_plain_http=allow_plain_http,
+                    example="https://mail.example.com",
+                )
+        base_url = env.get("INFRAI_BASE_URL", "").strip()
+        if base_url:
+            check_web_url(
+                "INFRAI_BASE_URL",
+                base_url,
+                allow_plain_http=allow_plain_http,
+                example=DEFAULT_BASE_URL,
+            )
         queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
         settings = cls(
-            infrai_base_url=env.get("INFRAI_BASE_URL", "").strip(),
+            infrai_base_url=base_url,
             infrai_api_key=env.get("INFRAI_API_KEY", ""),
             queue=queue,
             dlq=env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
@@ -160,6 +194,10 @@ class Settings:
             idempotency_backend=_backend(env),
             idempotency_table=env.get("IDEMPOTENCY_TABLE", "").strip(),
             redis_url=env.get("REDIS_URL", "").strip(),
+            redis_secret_arn=env.get("REDIS_SECRET_ARN", "").strip(),
+            allow_plain_http=allow_plain_http,
+            database_sslmode=_database_sslmode(env),
+            database_ca_bundle=_in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
         )
         _check_second_layer(settings)
         reason = malformed_reason(settings.database_url) if settings.database_url else ""
@@ -185,7 +223,36 @@ class Settings:
             )
         if settings.dlq == settings.queue:
             raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
+        for warning in settings.security_opt_outs():
+            _logger.warning(warning, extra={"action": "security_opt_out"})
         return settings
+
+    def security_opt_outs(self) -> list[str]:
+        """One sentence per secure default these settings turn off, for a warning each time
+        they are read (every cold start)."""
+        opt_outs = []
+        if self.allow_plain_http:
+            plain = [
+                name
+                for name, url in (
+                    ("INFRAI_BASE_URL", self.infrai_base_url),
+                    *self.job_settings.items(),
+                )
+                if url and is_plain_http_off_loopback(url)
+            ]
+            opt_outs.append(
+                f"{ALLOW_PLAIN_HTTP_ENV}=true: plain HTTP is allowed to hosts that are not "
+                "loopback, so an API key or a job's data may cross the network unencrypted"
+                + (f" ({', '.join(plain)} use it)" if plain else "")
+            )
+        if self.database_secret_arn and self.database_sslmode != DEFAULT_DATABASE_SSLMODE:
+            unchecked = "host name" if self.database_sslmode == "verify-ca" else "certificate"
+            opt_outs.append(
+                f"DATABASE_SSLMODE={self.database_sslmode}: the ledger connection does not "
+                f"verify the server's {unchecked}, so a man in the middle could read it "
+                "(verify-full is the default)"
+            )
+        return opt_outs
 
     def require_base_url(self) -> str:
         return _required(
@@ -232,25 +299,33 @@ def _required(value: str, variable: str, how: str) -> str:
 
 
 _LOOPBACK_NAMES = ("localhost",)
+ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
+_logger = logging.getLogger(__name__)
 
 
-def _check_job_url(name: str, value: str, jobs: Sequence[str]) -> None:
-    """A job's downstream: HTTPS, or HTTP on loopback only (a local sink, a test server)."""
+def check_web_url(name: str, value: str, *, allow_plain_http: bool, example: str) -> None:
+    """The one rule for a URL called over HTTP (Infrai, a job's downstream): HTTPS, or plain
+    HTTP to loopback (a local emulator, sink or test server); plain HTTP elsewhere only with
+    ``allow_plain_http``. Refused before any call, so a typo never sends a key in clear text.
+    ``name`` says which setting it is; the value is never echoed whole (it may hold a secret)."""
     parts = urlsplit(value)
     host = parts.hostname or ""
     if parts.scheme not in ("http", "https") or not host:
+        raise ConfigurationError(f"{name} must be an http(s) URL with a host, e.g. {example}")
+    if parts.scheme == "http" and not is_loopback_host(host) and not allow_plain_http:
         raise ConfigurationError(
-            f"{name} (for {', '.join(jobs)}) must be an http(s) URL with a host, "
-            "e.g. https://mail.example.com"
-        )
-    if parts.scheme == "http" and not _is_loopback(host):
-        raise ConfigurationError(
-            f"{name} (for {', '.join(jobs)}) uses plain HTTP to {host}: use HTTPS (plain HTTP "
-            "is allowed on loopback only)"
+            f"{name} uses plain HTTP to {host}: use HTTPS (plain HTTP is allowed on loopback "
+            f"only, or on a local network with {ALLOW_PLAIN_HTTP_ENV}=true)"
         )
 
 
-def _is_loopback(host: str) -> bool:
+def is_plain_http_off_loopback(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
     if host.lower() in _LOOPBACK_NAMES:
         return True
     try:
@@ -355,13 +430,63 @@ def _check_second_layer(settings: Settings) -> None:
             "IDEMPOTENCY_BACKEND=dynamodb needs IDEMPOTENCY_TABLE, the name of the table the "
             "template creates (stack output IdempotencyTableName)"
         )
-    if backend == "redis" and not settings.redis_url:
+    if backend != "redis":
+        return
+    if not settings.redis_url and not settings.redis_secret_arn:
         raise ConfigurationError(
-            "IDEMPOTENCY_BACKEND=redis needs REDIS_URL, e.g. rediss://my-cache.example:6379/0"
+            "IDEMPOTENCY_BACKEND=redis needs REDIS_URL, e.g. rediss://my-cache.example:6379/0 "
+            "(or REDIS_SECRET_ARN, a secret holding the whole URL)"
         )
-    if backend == "redis" and not settings.redis_url.startswith(_REDIS_SCHEMES):
-        # The URL may hold a password: name the setting, never echo the value.
-        raise ConfigurationError("REDIS_URL must start with redis://, rediss:// or unix://")
+    if settings.redis_url:
+        check_redis_url("REDIS_URL", settings.redis_url)
+    if settings.redis_secret_arn and has_credentials(settings.redis_url):
+        raise ConfigurationError(
+            "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
+            "the secret only"
+        )
+
+
+def check_redis_url(name: str, url: str) -> None:
+    """A Redis/Valkey URL: ``rediss://`` (TLS, the server's certificate verified), or
+    ``redis://`` to a loopback host, or a ``unix://`` socket. The URL may hold a password, so
+    the error names ``name`` and the host, never the value."""
+    if not url.startswith(_REDIS_SCHEMES):
+        raise ConfigurationError(f"{name} must start with redis://, rediss:// or unix://")
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        raise ConfigurationError(f"{name} is not a valid URL") from None
+    if url.startswith("redis://") and not is_loopback_host(host):
+        raise ConfigurationError(
+            f"{name} uses redis:// (plain text) to {host or 'no host'}: use rediss:// for any "
+            "host that is not loopback, so the password and the records travel encrypted"
+        )
+
+
+def has_credentials(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        return bool(parts.username or parts.password)
+    except ValueError:
+        return False
+
+
+def _database_sslmode(env: Mapping[str, str]) -> str:
+    raw = env.get("DATABASE_SSLMODE", "").strip() or DEFAULT_DATABASE_SSLMODE
+    if raw not in DATABASE_SSLMODES:
+        raise ConfigurationError(
+            f"DATABASE_SSLMODE={raw!r} is not one of {', '.join(DATABASE_SSLMODES)}: modes that "
+            "allow plain text are never used for the ledger in AWS"
+        )
+    return raw
+
+
+def _in_task_root(env: Mapping[str, str], path: str) -> str:
+    """A relative path as Lambda sees it: under the function's code (LAMBDA_TASK_ROOT)."""
+    root = env.get("LAMBDA_TASK_ROOT", "")
+    if not path or os.path.isabs(path) or not root:
+        return path
+    return os.path.join(root, path)
 
 
 def _names(raw: str) -> tuple[str, ...]:

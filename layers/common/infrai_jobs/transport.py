@@ -15,7 +15,9 @@ close-delimited answers, limits on line length, header count and body size, and 
 the whole answer (a server dripping bytes cannot hold a call past it). A connection goes back
 to the pool only when its answer was framed exactly, with no byte left over; before reuse it is
 dropped if the server has closed it (or sent something unasked) or it sat idle too long. It
-never retries: whether a call may be repeated is the caller's decision (see ``queue_client``).
+never retries: whether a call may be repeated is the caller's decision (see ``queue_client``);
+a certificate or hostname that fails verification is a ``TlsVerificationFailed``, so the caller
+can tell it from a transient failure.
 
 It does not do proxies, redirects, compression, cookies or HTTP/2: Infrai's API needs none, and
 it asks for no content coding (``Accept-Encoding: identity``) and refuses one it did not ask for.
@@ -34,7 +36,13 @@ import weakref
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from infrai_jobs.errors import AnswerTooLarge, OversizedAnswer, ProtocolError, TransportError
+from infrai_jobs.errors import (
+    AnswerTooLarge,
+    OversizedAnswer,
+    ProtocolError,
+    TlsVerificationFailed,
+    TransportError,
+)
 from infrai_jobs.http_wire import (
     Connection,
     Response,
@@ -229,6 +237,9 @@ class HttpPool:
                 # The handshake is part of connecting: it runs under the connect timeout.
                 sock = self._ssl_context.wrap_socket(sock, server_hostname=self._host)
             sock.settimeout(self._read_timeout)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            raise TlsVerificationFailed(self._describe(exc)) from exc
         except OSError as exc:
             sock.close()
             raise TransportError(self._describe(exc)) from exc

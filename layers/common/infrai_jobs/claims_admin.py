@@ -14,7 +14,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, LiteralString
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
@@ -28,6 +28,9 @@ from infrai_jobs.postgres import CLAIMS_LIST as _LIST
 from infrai_jobs.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.postgres import LedgerAdapter
+
+if TYPE_CHECKING:
+    from infrai_jobs.dead_letters import DeadLetterStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +135,12 @@ class ClaimsAdmin(LedgerAdapter):
     with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
 
     APPLICATION_NAME = "infrai-jobs-admin"
+
+    def dead_letters(self) -> DeadLetterStore:
+        """The ledger's dead letters, on this admin's connection settings."""
+        from infrai_jobs.dead_letters import DeadLetterStore  # noqa: PLC0415 - it imports this
+
+        return DeadLetterStore(self._connector)
 
     def list_claims(
         self,

@@ -19,15 +19,15 @@ message id); the others it read stay hidden in the DLQ for its visibility timeou
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 from infrai_jobs.claims_admin import ClaimsAdmin, default_actor
+from infrai_jobs.dead_letters import DeadLetter, Unreadable, read_dead_letters
 from infrai_jobs.errors import (
     ConfigurationError,
-    ConsumeAnswerLost,
     InfraiInvalidResponse,
     InfraiUnavailable,
     KeyDerivationError,
@@ -50,87 +50,6 @@ MAX_REDRIVE_PER_CALL = 10_000
 # A message is moved only while this much of the invocation is left. A move is a publish and an
 # ack, normally well under a second; this covers a few retries. Like the drain's batch budget.
 MESSAGE_BUDGET_MS = 20_000
-# Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
-# for the visibility timeout, and a run of them says the answers, not the messages, are broken.
-MAX_UNREADABLE_IN_A_ROW = 10
-
-
-@dataclass(frozen=True, slots=True)
-class Unreadable:
-    """A dead letter whose consume answer was lost or could not be read.
-
-    It stays in the DLQ, hidden until its visibility timeout ends; ``message_id`` is known only
-    when the client could still read it from the answer, ``size`` only when an answer came.
-    """
-
-    message_id: str | None
-    size: int | None
-    reason: str
-
-    @classmethod
-    def from_error(cls, exc: ConsumeAnswerLost) -> Unreadable:
-        ids = exc.message_ids
-        return cls(message_id=ids[0] if len(ids) == 1 else None, size=exc.size, reason=str(exc))
-
-    def describe(self) -> str:
-        size = f"{self.size} bytes" if self.size is not None else "size unknown"
-        return (
-            f"unreadable dead letter ({size}): {self.reason}; it stays in the DLQ, hidden for "
-            "its visibility timeout"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "message_id": self.message_id,
-            "unreadable": True,
-            "size_bytes": self.size,
-            "reason": self.describe(),
-        }
-
-
-DeadLetter = QueueMessage | Unreadable
-
-
-def read_dead_letters(
-    queue: QueuePort,
-    source: str,
-    limit: int,
-    *,
-    stop: Callable[[], bool] | None = None,
-) -> Iterator[DeadLetter]:
-    """Up to ``limit`` dead letters of ``source``, read one per consume (see the module's doc).
-
-    ``stop`` is asked before each read. Reading stops early when the DLQ is empty, or after
-    ``MAX_UNREADABLE_IN_A_ROW`` unreadable answers in a row.
-    """
-    read = unreadable_in_a_row = 0
-    while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
-        if stop is not None and stop():
-            return
-        try:
-            batch = queue.consume(source, 1)
-        except ConsumeAnswerLost as exc:
-            read += 1
-            unreadable_in_a_row += 1
-            unreadable = Unreadable.from_error(exc)
-            logger.error(
-                "a dead letter could not be read",
-                extra={
-                    "action": "dead_letter_unreadable",
-                    "queue": source,
-                    "message_id": unreadable.message_id,
-                    "size_bytes": unreadable.size,
-                    "detail": unreadable.reason,
-                },
-            )
-            yield unreadable
-            continue
-        if not batch:
-            return
-        unreadable_in_a_row = 0
-        for message in batch[: limit - read]:
-            read += 1
-            yield message
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,11 +61,6 @@ INSERT INTO claim_history (idem_key, action, actor, before, after, note)
 VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
 """
 
-_DISCARD: LiteralString = """
-INSERT INTO claim_history (idem_key, action, actor, before, after, note)
-VALUES (%(key)s, 'discard', %(actor)s, %(before)s, NULL, %(note)s)
-"""
-
 _HISTORY_OF: LiteralString = """
 SELECT id, idem_key, action, actor, at, before, after, note
 FROM claim_history WHERE idem_key = %(key)s ORDER BY id
@@ -286,36 +281,6 @@ class ClaimsAdmin(LedgerAdapter):
                 conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
                 _record(conn, "reopen", claim, None, actor=actor, note="redrive --reopen-failed")
         return [claim.idem_key for claim in failed]
-
-    def record_discard(
-        self,
-        key: str,
-        dead_letter: dict[str, Any],
-        *,
-        actor: str | None = None,
-        note: str = "",
-    ) -> None:
-        """Record that an operator discards a dead letter, before it is acked away.
-
-        ``before`` holds the dead letter (its payload included, so the work can still be
-        recovered) and the key's claim as it is now; the claim itself is left as it is.
-        """
-        with (
-            self._connector.session("cannot record the discard") as conn,
-            conn.transaction(),
-        ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                row = cur.execute(_SHOW, {"key": key}).fetchone()
-            claim = claim_as_dict(ClaimRow(**row)) if row else None
-            conn.execute(
-                _DISCARD,
-                {
-                    "key": key,
-                    "actor": actor or default_actor(),
-                    "before": Jsonb({"dead_letter": dead_letter, "claim": claim}),
-                    "note": note or None,
-                },
-            )
 
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per

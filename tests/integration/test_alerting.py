@@ -369,6 +369,7 @@ def test_metrics_are_emitted_as_emf_per_queue(
     documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
     per_queue = next(d for d in documents if d.get("queue") == QUEUE)
     assert per_queue["DlqCount"] == [1.0]
+    assert (per_queue["LedgerDeadLetters"], per_queue["DeadLetters"]) == ([0.0], [1.0])
     assert per_queue["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["queue", "service"]]
     ledger = next(d for d in documents if "StuckClaims" in d)
     assert ledger["StuckClaims"] == [0.0]

@@ -120,6 +120,7 @@ class AlertReport:
                     "queue": s.queue,
                     "dlq_count": s.dlq_count,
                     "ledger_dead_letters": self.ledger_dead_letters.get(s.queue, 0),
+                    "dead_letters": s.dlq_count + self.ledger_dead_letters.get(s.queue, 0),
                     "available_count": s.available_count,
                     "in_flight_count": s.in_flight_count,
                     "delayed_count": s.delayed_count,

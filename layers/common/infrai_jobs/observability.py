@@ -95,6 +95,8 @@ def record_drain(
 QUEUE_METRICS = {
     "dlq_count": ("DlqCount", MetricUnit.Count),
     "ledger_dead_letters": ("LedgerDeadLetters", MetricUnit.Count),
+    # Both together: what the watcher alerts on, and what DlqCountAlarm pages on.
+    "dead_letters": ("DeadLetters", MetricUnit.Count),
     "available_count": ("AvailableCount", MetricUnit.Count),
     "in_flight_count": ("InFlightCount", MetricUnit.Count),
     "delayed_count": ("DelayedCount", MetricUnit.Count),

@@ -1,11 +1,13 @@
 """RedriveFunction (manual invoke): move dead letters back to the main queue after a fix.
 
-Events: events/redrive-dry-run.json looks ({"max_messages": 100, "reopen_failed": false,
-"dry_run": true}); events/redrive.json moves (the same with "dry_run": false);
-events/redrive-selected.json moves only the dead letters of one job ("job"; "key" and
-"message_id" select too). A redrive that runs short of time stops early and says so ("stopped":
-"time_budget"): invoke it again. Dead letters it could not read are listed in "unreadable" and
-stay in the DLQ ("complete": false).
+It first moves what is new in the DLQ into the ledger's dead letters, then publishes the
+unresolved ones it selects and marks them redriven (infrai_jobs.redrive). Events:
+events/redrive-dry-run.json looks ({"max_messages": 100, "reopen_failed": false, "dry_run":
+true}); events/redrive.json moves (the same with "dry_run": false); events/redrive-selected.json
+moves only the dead letters of one job ("job"; "key" and "message_id" select too). A redrive
+that runs short of time stops early and says so ("stopped": "time_budget"): invoke it again.
+Dead letters it cannot publish (unreadable) are listed in "skipped" or "unreadable"
+("complete": false).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def registry() -> JobRegistry:
 
 @cache
 def ledger() -> ClaimsAdmin:
-    """The ledger, for ``reopen_failed`` only; a rotated database secret is fetched again when
-    a connection fails with the cached one."""
+    """The ledger (its dead letters, and failed claims for ``reopen_failed``); a rotated
+    database secret is fetched again when a connection fails with the cached one."""
     settings, _ = dependencies()
     return make_claims_admin(settings, refresh=secret_refresh(Settings.from_env()))
 
@@ -63,12 +65,13 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
+            ledger().dead_letters(),
             source=settings.dlq,
             target=settings.queue,
             max_messages=request.max_messages,
             dry_run=request.dry_run,
             reopen_failed=request.reopen_failed,
-            admin=ledger() if request.reopen_failed else None,
+            admin=ledger(),
             time_left_ms=context.get_remaining_time_in_millis,
             selection=request.selection,
             key_of=lambda payload: jobs.derive(payload).idem_key,

@@ -25,26 +25,11 @@ from infrai_jobs.claims_admin import (
     ClaimsAdmin,
     change_refused,
     claim_as_dict,
-    storable_json,
 )
-from infrai_jobs.errors import (
-    ClaimNotFound,
-    ConfigurationError,
-    DeadLetterNotFound,
-    KeyDerivationError,
-    QueueMessageNotFound,
-)
-from infrai_jobs.keys import payload_fingerprint
+from infrai_jobs.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
+from infrai_jobs.errors import ClaimNotFound, ConfigurationError, DeadLetterNotFound
 from infrai_jobs.ports import QueuePort
-from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.redrive import (
-    DeadLetter,
-    Selection,
-    Unreadable,
-    publish_price,
-    read_dead_letters,
-    redrive,
-)
+from infrai_jobs.redrive import Selection, publish_price, redrive
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -80,41 +65,52 @@ def add_ops_commands(sub: Any) -> None:
     """Register dlq, redrive, claims and cost on the top-level sub-parsers."""
     dlq = sub.add_parser(
         "dlq",
-        help="show dead-lettered messages with their keys and ledger rows "
-        "(consuming holds them for the visibility timeout)",
+        help="show the ledger's dead letters with their keys and claims, after moving new ones "
+        "out of Infrai's DLQ",
     )
-    dlq.add_argument("--queue", help="the main queue (default: INFRAI_QUEUE); its DLQ is read")
-    dlq.add_argument("--max", type=int, default=10, help="messages to look at (default 10)")
+    dlq.add_argument(
+        "--queue", help="the main queue (default: INFRAI_QUEUE); its DLQ is moved into the ledger"
+    )
+    dlq.add_argument("--max", type=int, default=100, help="dead letters to show (default 100)")
+    dlq.add_argument(
+        "--all", action="store_true", help="show discarded and redriven ones too, newest last"
+    )
     dlq.add_argument("--json", action="store_true")
     _add_jobs_path(dlq)
     dlq.set_defaults(ops_command="dlq", dlq_action="list")
     dlq_sub = dlq.add_subparsers(metavar="ACTION")
     discard = dlq_sub.add_parser(
         "discard",
-        help="delete dead letters for good (by message id or key), recording each with its "
-        "payload in claim_history first",
+        help="resolve dead letters as discarded (by message id or key): the ledger keeps "
+        "them, and claim_history records each",
     )
     which = discard.add_mutually_exclusive_group(required=True)
     which.add_argument("--message-id", help="the dead letter's message id (as `dlq` shows it)")
     which.add_argument("--key", help="every dead letter of this idempotency key")
     discard.add_argument(
-        "--max", type=int, default=100, help="dead letters to look through (default 100)"
+        "--max", type=int, default=100, help="dead letters to discard at most (default 100)"
     )
     discard.add_argument("--note", default="", help="why, for claim_history")
     discard.add_argument("--json", action="store_true")
     _add_jobs_path(discard)
     discard.set_defaults(ops_command="dlq", dlq_action="discard")
 
-    red = sub.add_parser("redrive", help="move dead letters back to the main queue")
+    red = sub.add_parser(
+        "redrive", help="publish the ledger's dead letters to the main queue again"
+    )
     red.add_argument(
-        "--max", type=int, default=100, help="dead letters to read, moved or not (default 100)"
+        "--max", type=int, default=100, help="dead letters to publish at most (default 100)"
     )
     red.add_argument(
         "--reopen-failed",
         action="store_true",
         help="re-open failed claims of the redriven work so it runs again",
     )
-    red.add_argument("--dry-run", action="store_true", help="look only: publish and ack nothing")
+    red.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="look only: new dead letters are moved into the ledger, none is published",
+    )
     red.add_argument("--key", help="move only the dead letters of this idempotency key")
     red.add_argument("--job", help="move only the dead letters of this job type")
     red.add_argument("--message-id", help="move only the dead letter with this message id")
@@ -253,86 +249,71 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
     return _claims(args, ctx.admin(), ctx.out, ctx.forget)
 
 
-def _describe(admin: ClaimsAdmin, key_of: KeyOf) -> Callable[[QueueMessage], dict[str, Any]]:
-    """What the ledger says about a dead letter: its key, its claim's state and the reason."""
-
-    def describe(message: QueueMessage) -> dict[str, Any]:
-        info: dict[str, Any] = {"delivery_count": message.delivery_count}
-        try:
-            key = key_of(message.payload)
-        except KeyDerivationError as exc:
-            return {**info, "idem_key": None, "reason": f"no key: {exc}"}
-        info["idem_key"] = key
-        row = admin.find(key)
-        if row is None:
-            return {
-                **info,
-                "state": None,
-                "reason": "no claim: it failed and was released, "
-                "or never got that far; a redrive runs it again",
-            }
-        if row.payload_sha256 and row.payload_sha256 != _fingerprint(message.payload):
-            # The drain refused it: the key's claim is for other work. Say that, not the
-            # claim's own state (a "done" beside no reason reads as nothing wrong).
-            return {
-                **info,
-                "state": "conflict",
-                "claim_state": row.state,
-                "attempts": row.attempts,
-                "reason": f"conflict with {key} ({row.state}, different work)",
-            }
-        return {**info, "state": row.state, "attempts": row.attempts, "reason": row.error or ""}
-
-    return describe
+def _queues(args: argparse.Namespace, ctx: OpsContext) -> tuple[str, str]:
+    """The main queue and its DLQ: ``--queue`` names both, else the configured ones."""
+    queue = getattr(args, "queue", None)
+    return (queue, f"{queue}-dlq") if queue else (ctx.queue_name, ctx.dlq_name)
 
 
-def _fingerprint(payload: Any) -> str | None:
-    try:
-        return payload_fingerprint(payload)
-    except KeyDerivationError:
-        return None
+def _collect(
+    args: argparse.Namespace, ctx: OpsContext, store: DeadLetterStore
+) -> tuple[str, str, Collected]:
+    """Move what is new in Infrai's DLQ into the ledger (the ledger is checked first)."""
+    queue, dlq = _queues(args, ctx)
+    collected = collect(ctx.queue(), store, dlq=dlq, main_queue=queue, key_of=ctx.key_of())
+    return queue, dlq, collected
 
 
-def _dlq_source(args: argparse.Namespace, ctx: OpsContext) -> str:
-    return f"{args.queue}-dlq" if getattr(args, "queue", None) else ctx.dlq_name
+_DLQ_COLUMNS = ["message_id", "deliveries", "idem_key", "state", "first_seen", "reason"]
 
 
-_DLQ_COLUMNS = ["message_id", "delivery_count", "idem_key", "state", "reason"]
+def _listed(row: DeadLetterRow) -> dict[str, Any]:
+    document = row.as_dict()
+    document["deliveries"] = row.main_deliveries
+    document["recorded"] = True
+    return document
 
 
 def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
-    source = _dlq_source(args, ctx)
-    describe = _describe(ctx.admin(), ctx.key_of())
-    queue, out = ctx.queue(), ctx.out
-    seen: list[dict[str, Any]] = []
-    for dead in read_dead_letters(queue, source, args.max):
-        if isinstance(dead, Unreadable):
-            seen.append({**dead.as_dict(), "state": "unreadable"})
-        else:
-            seen.append({"message_id": dead.message_id, **describe(dead), "payload": dead.payload})
-    unreadable = sum(1 for row in seen if row.get("unreadable"))
-    notice = (
-        f"read {len(seen)} message(s) from {source} by consuming them: they stay in the DLQ, "
-        "hidden for its visibility timeout (300 s by default)"
-    )
-    if unreadable:
-        notice += (
-            f"; {unreadable} could not be read (a message id is shown when the answer still "
-            "named it; `infrai-jobs dlq discard --message-id ID` removes one for good)"
+    if args.max < 1:
+        raise ConfigurationError("dlq --max must be at least 1")
+    store = ctx.admin().dead_letters()
+    queue, dlq, collected = _collect(args, ctx, store)
+    rows = [_listed(r) for r in store.rows(queue, unresolved=not args.all, limit=args.max)]
+    # Unreadable answers that named no message could not be recorded: shown, never hidden.
+    rows += [
+        {**entry, "message_id": None, "state": "unreadable", "recorded": False}
+        for entry in collected.unrecorded
+    ]
+    unresolved = store.unresolved_count(queue)
+    out = ctx.out
+    notes = [
+        f"{unresolved} unresolved dead letter(s) of {queue} in the ledger; "
+        f"{collected.recorded} new one(s) moved there from {dlq} just now"
+    ]
+    if collected.unrecorded:
+        notes.append(
+            f"{len(collected.unrecorded)} dead letter(s) in {dlq} could not be read and named "
+            "no message id: they stay there, hidden for its visibility timeout, and the next "
+            "`infrai-jobs dlq` tries again"
         )
 
     def human() -> None:
-        rows = [
-            {**row, "message_id": row["message_id"] or "(unknown)"}
-            if row.get("unreadable")
-            else row
-            for row in seen
-        ]
-        print_table(rows, _DLQ_COLUMNS, out, whole=("reason",))
-        print(f"\nnote: {notice}", file=out)
+        shown = [{**row, "message_id": row["message_id"] or "(unknown)"} for row in rows]
+        print_table(shown, _DLQ_COLUMNS, out, whole=("reason",))
+        for note in notes:
+            print(f"\nnote: {note}", file=out)
 
     _emit(
-        {"queue": source, "messages": seen, "unreadable": unreadable, "notice": notice},
+        {
+            "queue": queue,
+            "dlq": dlq,
+            "messages": rows,
+            "unresolved": unresolved,
+            "unreadable": sum(1 for r in rows if r["unreadable"]),
+            "collected": collected.as_dict(),
+            "notice": "; ".join(notes),
+        },
         args.json,
         human,
         out,
@@ -341,158 +322,109 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
 
 
 def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
-    """Record each matching dead letter (payload included) in claim_history, then ack it."""
-    source = _dlq_source(args, ctx)
+    """Resolve each matching dead letter as discarded, recorded in claim_history."""
     if args.max < 1:
         raise ConfigurationError("dlq discard --max must be at least 1")
-    key_of = ctx.key_of()
-    queue, admin, out = ctx.queue(), ctx.admin(), ctx.out
-    discarded: list[dict[str, Any]] = []
-    looked_at = 0
-    for dead in read_dead_letters(queue, source, args.max):
-        looked_at += 1
-        key = _key_or_none(key_of, dead)
-        message_id = dead.message_id
-        if message_id is None:
-            continue  # unreadable, its id unknown: nothing names it, and nothing can ack it
-        if args.message_id is not None and message_id != args.message_id:
-            continue
-        if args.key is not None and key != args.key:
-            continue
-        # The message id names the dead letter when it has no key (not an object, unknown job).
-        admin.record_discard(key or message_id, _dead_letter_record(dead, source), note=args.note)
-        acked = _ack_dead_letter(queue, source, dead)
-        discarded.append({"message_id": message_id, "idem_key": key, "acked": acked})
-        if args.message_id is not None:
-            break
+    store = ctx.admin().dead_letters()
+    queue, dlq, _ = _collect(args, ctx, store)
+    rows = store.rows(queue, message_id=args.message_id, key=args.key, limit=args.max)
     what = f"--message-id {args.message_id}" if args.message_id else f"--key {args.key}"
-    others = looked_at - len(discarded)
+    if not rows:
+        raise DeadLetterNotFound(
+            f"no unresolved dead letter of {queue} matched {what} in the ledger "
+            f"({store.unresolved_count(queue)} unresolved; `infrai-jobs dlq --all` shows the "
+            "discarded and redriven ones too)"
+        )
+    discarded = [
+        {"message_id": row.message_id, "idem_key": row.idem_key, "unreadable": row.unreadable}
+        for row in rows
+        if store.discard(row.message_id, note=args.note)
+    ]
+    out = ctx.out
     document = {
-        "queue": source,
+        "queue": queue,
+        "dlq": dlq,
         "discarded": discarded,
-        "looked_at": looked_at,
-        "hidden": others,
         "selection": {"message_id": args.message_id} if args.message_id else {"key": args.key},
     }
 
     def human() -> None:
         for entry in discarded:
-            gone = "acked" if entry["acked"] else "already gone from the DLQ (ack_lost)"
             print(
-                f"discarded {entry['message_id']} (key {entry['idem_key'] or '-'}) from "
-                f"{source}: recorded in claim_history with its payload, {gone}",
+                f"discarded {entry['message_id']} (key {entry['idem_key'] or '-'}): resolved "
+                "in the ledger, recorded in claim_history with its payload",
                 file=out,
             )
-        if others:
+        if len(discarded) < len(rows):
             print(
-                f"note: {others} other dead letter(s) read while looking stay in the DLQ, "
-                "hidden for its visibility timeout (300 s by default)",
+                f"note: {len(rows) - len(discarded)} matching dead letter(s) were resolved by "
+                "someone else meanwhile",
                 file=out,
             )
 
-    if not discarded:
-        raise DeadLetterNotFound(
-            f"no dead letter matched {what} among the {looked_at} read from {source} "
-            "(one read in the last few minutes by `dlq` or `redrive --dry-run` stays hidden "
-            "until the DLQ's visibility timeout ends; try again then)"
-        )
     _emit(document, args.json, human, out)
     return EXIT_OK
 
 
-def _key_or_none(key_of: KeyOf, dead: DeadLetter) -> str | None:
-    if isinstance(dead, Unreadable):
-        return None
-    try:
-        return key_of(dead.payload)
-    except KeyDerivationError:
-        return None
-
-
-def _dead_letter_record(dead: DeadLetter, source: str) -> dict[str, Any]:
-    if isinstance(dead, Unreadable):
-        return {
-            "message_id": dead.message_id,
-            "queue": source,
-            "unreadable": True,
-            "size_bytes": dead.size,
-            "reason": dead.reason,
-        }
-    return {
-        "message_id": dead.message_id,
-        "queue": source,
-        "delivery_count": dead.delivery_count,
-        "published_at": dead.published_at.isoformat() if dead.published_at else None,
-        "payload": storable_json(dead.payload),
-    }
-
-
-def _ack_dead_letter(queue: QueuePort, source: str, dead: DeadLetter) -> bool:
-    """Ack a discarded dead letter; False when the DLQ no longer held it."""
-    # An unreadable one is acked by its message id: the contract's handle when none is sent.
-    handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
-    assert handle is not None
-    try:
-        queue.ack(source, handle)
-    except QueueMessageNotFound:
-        return False
-    return True
-
-
 def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
-    out, queue_name, dlq_name = ctx.out, ctx.queue_name, ctx.dlq_name
+    if args.max < 1:
+        raise ConfigurationError("redrive --max must be at least 1")
+    out = ctx.out
+    queue_name, dlq_name = _queues(args, ctx)
     selection = Selection(key=args.key, job=args.job, message_id=args.message_id)
-    # Keys are derived only to select by key, or to show them in a dry run.
-    key_of = ctx.key_of() if args.key is not None or args.dry_run else None
     progress = _progress_bar(args.max) if sys.stderr.isatty() and not args.json else None
+    admin = ctx.admin()
     summary = redrive(
         ctx.queue(),
+        admin.dead_letters(),
         source=dlq_name,
         target=queue_name,
         max_messages=args.max,
         dry_run=args.dry_run,
         reopen_failed=args.reopen_failed,
-        admin=ctx.admin() if args.reopen_failed else None,
-        describe=_describe(ctx.admin(), key_of) if key_of is not None and args.dry_run else None,
+        admin=admin,
         progress=progress,
         selection=selection,
-        key_of=key_of,
+        key_of=ctx.key_of(),
     )
     if progress is not None:
         print(file=sys.stderr)
     document = summary.as_dict()
 
     def human() -> None:
-        verb = "would move" if args.dry_run else "moved"
-        count = summary.consumed if args.dry_run else summary.published
+        verb = "would publish" if args.dry_run else "published"
+        count = len(summary.seen) if args.dry_run else summary.published
         chosen = f" ({selection.describe()})" if not selection.everything else ""
-        print(f"{verb} {count} message(s) {dlq_name} -> {queue_name}{chosen}", file=out)
+        print(
+            f"{verb} {count} dead letter(s) of the ledger -> {queue_name}{chosen} "
+            f"({summary.recorded} new one(s) moved from {dlq_name} into the ledger first)",
+            file=out,
+        )
         if args.dry_run:
             print_table(summary.seen, ["message_id", "idem_key", "state", "reason"], out)
-            print(
-                "note: nothing was published or acked; the messages read stay hidden in the "
-                "DLQ for its visibility timeout",
-                file=out,
-            )
+            print("note: nothing was published or marked redriven", file=out)
         print(
-            f"published {summary.published}, acked {summary.acked}, "
-            f"ack_lost {summary.ack_lost}, reopened {len(summary.reopened)}, "
-            f"skipped {len(summary.skipped)}, unreadable {len(summary.unreadable)}",
+            f"selected {summary.selected}, published {summary.published}, "
+            f"reopened {len(summary.reopened)}, skipped {len(summary.skipped)}, "
+            f"unreadable {len(summary.unreadable)}",
             file=out,
         )
         for entry in summary.unreadable:
             print(
-                f"NOT MOVED: {entry['message_id'] or '(message id unknown)'}: {entry['reason']}",
+                f"NOT MOVED: {entry['message_id'] or '(message id unknown)'}: {entry['reason']}; "
+                "it stays in the DLQ",
                 file=out,
             )
         for entry in summary.skipped:
             print(f"NOT MOVED: {entry['message_id']}: {entry['reason']}", file=out)
         if summary.not_selected:
             print(
-                f"note: {summary.not_selected} other dead letter(s) read were not selected; "
-                "they stay in the DLQ, hidden for its visibility timeout",
+                f"note: {summary.not_selected} other unresolved dead letter(s) were not "
+                "selected; they stay in the ledger (`infrai-jobs dlq`)",
                 file=out,
             )
+        if summary.stopped:
+            print("note: stopped early (time budget); run it again for the rest", file=out)
         print(
             f"publish cost: {summary.published} x ${summary.price_usd_per_message} = "
             f"${summary.cost_usd} (price from {summary.price_source})",

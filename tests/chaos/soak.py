@@ -66,6 +66,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from soak_jobs import SOAK_EFFECTS_DDL, SOAK_JOB, register_soak_jobs
 
+from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.dead_letters import collect
 from infrai_jobs.drain import UNREADABLE_CODES
 from infrai_jobs.errors import KeyDerivationError
 from infrai_jobs.jobs import Effect, JobRegistry
@@ -1311,20 +1313,35 @@ class _Classifier:
 
 
 def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Classifier) -> int:
-    """The operator's redrive of ``source`` into ``target``, call after call until a call
-    consumes nothing; each dead letter is described by ``classify``. Returns how many were
-    published back."""
+    """The operator's redrive of ``source`` into ``target``: the dead letters are moved into the
+    ledger, each new one described by ``classify`` (the unreadable ones are not: nothing of them
+    can be), then redriven, call after call until nothing new comes from the DLQ. Returns how
+    many were published back."""
+    store = ClaimsAdmin(classify.database.audit_url).dead_letters()
+    described: set[str] = set()
     published = 0
     while True:
+        collected = collect(client, store, dlq=source, main_queue=target, key_of=None)
+        for row in store.rows(target, limit=MAX_REDRIVE_PER_CALL):
+            if row.message_id in described or row.unreadable:
+                continue
+            described.add(row.message_id)
+            classify.describe(
+                QueueMessage(
+                    row.message_id,
+                    source,
+                    row.body,
+                    row.dlq_deliveries or 1,
+                    row.published_at,
+                    "in_flight",
+                    row.message_id,
+                )
+            )
         summary = redrive(
-            client,
-            source=source,
-            target=target,
-            max_messages=MAX_REDRIVE_PER_CALL,
-            describe=classify.describe,
+            client, store, source=source, target=target, max_messages=MAX_REDRIVE_PER_CALL
         )
         published += summary.published
-        if summary.consumed == 0:
+        if collected.read == 0 and summary.consumed == 0:
             return published
 
 

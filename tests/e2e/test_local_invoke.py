@@ -294,19 +294,17 @@ def test_redrive_function_moves_dead_letters_back(services: dict[str, str]) -> N
     spec = resolve("RedriveFunction", root=ROOT, env_vars=EVENTS / "env.json")
     # When RedriveFunction is first invoked with events/redrive-dry-run.json
     looked = invoke(spec, EVENTS / "redrive-dry-run.json", log_stream=_Lines(), extra_env=services)
-    # Then it saw the message and moved nothing
+    # Then it moved the dead letter into the ledger and published nothing
     assert looked.ok, looked.payload
-    assert (looked.payload["dry_run"], looked.payload["consumed"]) == (True, 1)
+    assert (looked.payload["dry_run"], looked.payload["recorded"]) == (True, 1)
     assert (looked.payload["published"], looked.payload["stopped"]) == (0, "")
-    assert client.stats("billing-jobs").dlq_count == 1
-    # When, once the visibility timeout has passed, it is invoked with events/redrive.json
-    urllib3.request(
-        "POST", f"{services['INFRAI_BASE_URL']}/_emulator/clock", json={"advance_seconds": 301}
-    )
+    assert [row["idem_key"] for row in looked.payload["seen"]] == ["invoice.finalize:inv_8812"]
+    assert client.stats("billing-jobs").dlq_count == 0
+    # When it is invoked with events/redrive.json right after (no visibility timeout to wait)
     result = invoke(spec, EVENTS / "redrive.json", log_stream=_Lines(), extra_env=services)
-    # Then it moved the message back and says what the publishes cost
+    # Then it published the ledger's dead letter and says what the publishes cost
     assert result.ok, result.payload
-    assert (result.payload["published"], result.payload["acked"]) == (1, 1)
+    assert (result.payload["selected"], result.payload["published"]) == (1, 1)
     assert result.payload["stopped"] == ""
     assert result.payload["cost_usd"] == "0.00002"
     stats = client.stats("billing-jobs")

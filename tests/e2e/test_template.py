@@ -640,7 +640,8 @@ def test_failed_schedule_invocations_page() -> None:
 
 
 @pytest.mark.parametrize(
-    ("alarm_name", "metric"), [("DlqCountAlarm", "DlqCount"), ("StuckClaimsAlarm", "StuckClaims")]
+    ("alarm_name", "metric"),
+    [("DlqCountAlarm", "DeadLetters"), ("StuckClaimsAlarm", "StuckClaims")],
 )
 def test_dlq_count_and_stuck_claims_page_on_the_metrics_the_watcher_emits(
     alarm_name: str, metric: str, capsys: pytest.CaptureFixture[str]

@@ -21,6 +21,8 @@ from moto import mock_aws
 from moto.sns.models import sns_backends
 
 from infrai_jobs.alerting import AlertCheck, AlertThresholds, SnsAlerter
+from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.dead_letters import collect
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.observability import record_alert_check
@@ -138,8 +140,54 @@ def test_an_emptied_dlq_sends_one_resolved_message(stage: Stage) -> None:
     stage.check(alerter).run([QUEUE])
     # Then one resolved message, and quiet after it
     assert [s for s, _ in alerter.sent][1:] == [
-        "[infrai-jobs] RESOLVED: the dead-letter queue of billing-jobs is empty"
+        "[infrai-jobs] RESOLVED: no dead letters left on billing-jobs"
     ]
+
+
+def test_dead_letters_moved_into_the_ledger_keep_the_alert_until_each_is_resolved(
+    stage: Stage,
+) -> None:
+    alerter = RecordingAlerter()
+    stage.dead_letter(2)
+    stage.check(alerter).run([QUEUE])
+    # Given both dead letters were moved from Infrai's DLQ into the ledger
+    store = ClaimsAdmin(stage.database_url).dead_letters()
+    moved = collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
+    assert (moved.recorded, moved.acked) == (2, 2)
+    assert stage.client.stats(QUEUE).dlq_count == 0
+    # When the watcher runs, Then it counts them in the ledger: no resolved message, no new one
+    report = stage.check(alerter).run([QUEUE])
+    assert report.as_dict()["queues"][0]["ledger_dead_letters"] == 2
+    assert len(alerter.sent) == 1
+    assert "0 in the dead-letter queue of billing-jobs" not in alerter.sent[0][1]
+    # When one is discarded, Then it is still not resolved
+    first, second = store.rows(QUEUE)
+    assert store.discard(first.message_id, actor="on-call")
+    stage.check(alerter).run([QUEUE])
+    assert len(alerter.sent) == 1
+    # When the other is discarded too, Then one resolved message
+    assert store.discard(second.message_id, actor="on-call")
+    stage.check(alerter).run([QUEUE])
+    assert [s for s, _ in alerter.sent][1:] == [
+        "[infrai-jobs] RESOLVED: no dead letters left on billing-jobs"
+    ]
+
+
+def test_an_alert_counts_the_dlq_and_the_ledger_together(stage: Stage) -> None:
+    alerter = RecordingAlerter()
+    # Given one dead letter moved into the ledger and a new one still in Infrai's DLQ
+    stage.dead_letter()
+    store = ClaimsAdmin(stage.database_url).dead_letters()
+    assert collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None).recorded == 1
+    stage.dead_letter()
+    # When the watcher runs
+    stage.check(alerter).run([QUEUE])
+    # Then it alerts on both, and says where each is
+    ((subject, message),) = alerter.sent
+    assert subject == "[infrai-jobs] 2 new dead letter(s) on billing-jobs"
+    assert "1 in the dead-letter queue of billing-jobs (dlq_count), 1 moved into the ledger" in (
+        message
+    )
 
 
 def _one_stuck_claim_alerted(
@@ -230,7 +278,7 @@ def test_an_overlapping_run_with_older_numbers_does_not_undo_a_later_one(stage: 
     # Then the last word is the later run's: resolved, and no false "3 new" after it
     assert [s for s, _ in alerter.sent] == [
         "[infrai-jobs] 3 new dead letter(s) on billing-jobs",
-        "[infrai-jobs] RESOLVED: the dead-letter queue of billing-jobs is empty",
+        "[infrai-jobs] RESOLVED: no dead letters left on billing-jobs",
     ]
     with psycopg.connect(stage.database_url) as conn:
         row = conn.execute("SELECT value FROM alert_state WHERE signal = 'dlq'").fetchone()
@@ -321,6 +369,7 @@ def test_metrics_are_emitted_as_emf_per_queue(
     documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
     per_queue = next(d for d in documents if d.get("queue") == QUEUE)
     assert per_queue["DlqCount"] == [1.0]
+    assert (per_queue["LedgerDeadLetters"], per_queue["DeadLetters"]) == ([0.0], [1.0])
     assert per_queue["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["queue", "service"]]
     ledger = next(d for d in documents if "StuckClaims" in d)
     assert ledger["StuckClaims"] == [0.0]

@@ -1,6 +1,8 @@
 """Dead letters whose consume answer cannot be read: ``dlq`` and ``redrive`` (in a child
 process, against a real PostgreSQL and the emulator behind a proxy that spoils those answers)
-show each as unreadable, still read every other, and never report one as moved."""
+show each as unreadable, still move every other into the ledger, and never report one as moved.
+One whose message id could still be read is recorded in the ledger as unreadable (and acked by
+that id); it can be discarded, never redriven."""
 
 from __future__ import annotations
 
@@ -118,21 +120,25 @@ def test_dlq_shows_an_unreadable_dead_letter_as_such_and_still_reads_the_others(
     ids = _poisoned_dlq(kit)
     # When the operator lists the DLQ
     document = _json_through(proxy, kit, "dlq", exit_code=0)
-    # Then both readable ones are listed with their keys, and the poison as unreadable, with
-    # its size: never as "(none)", never hiding its neighbours
+    # Then both readable ones are recorded and listed with their keys, and the poison as
+    # unreadable, with its size: never as "(none)", never hiding its neighbours
     rows = document["messages"]
     assert [r["message_id"] for r in rows if not r.get("unreadable")] == [ids["first"], ids["last"]]
     (poison,) = [r for r in rows if r.get("unreadable")]
-    assert poison["state"] == "unreadable"
+    assert (poison["state"], poison["recorded"]) == ("unreadable", False)
     assert poison["size_bytes"] == proxy.spoiled[0]
     assert f"unreadable dead letter ({proxy.spoiled[0]} bytes)" in poison["reason"]
     assert document["unreadable"] == 1
-    # And the table shows it too
+    # And only the poison is left in Infrai's DLQ
+    assert kit.client.stats(QUEUE).dlq_count == 1
+    # And the table shows it too, once it can be read again, beside the two in the ledger
     kit.advance()
     table = run_cli(kit, "dlq", INFRAI_BASE_URL=proxy.url)
     assert "(none)" not in table.stdout
-    assert "unreadable" in table.stdout
+    assert "(unknown)" in table.stdout
     assert "could not be read" in table.stdout
+    assert ids["first"] in table.stdout
+    assert ids["last"] in table.stdout
 
 
 def test_redrive_moves_the_readable_dead_letters_and_never_reports_the_unreadable_as_moved(
@@ -155,7 +161,7 @@ def test_redrive_moves_the_readable_dead_letters_and_never_reports_the_unreadabl
     kit.advance()
     again = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url)
     assert again.returncode == 1
-    assert "moved 0 message(s)" in again.stdout
+    assert "published 0 dead letter(s)" in again.stdout
     assert "unreadable 1" in again.stdout
     assert "NOT MOVED" in again.stdout
 
@@ -168,18 +174,25 @@ def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
     ids = _poisoned_dlq(kit)
     # When the operator lists the DLQ
     listed = _json_through(proxy, kit, "dlq", exit_code=0)
-    # Then the unreadable one is named by its message id
+    # Then the unreadable one is recorded in the ledger under its message id, and acked
     (poison,) = [r for r in listed["messages"] if r.get("unreadable")]
-    assert poison["message_id"] == ids["poison"]
-    # When, once visible again, the operator discards it by that id
-    kit.advance()
+    assert (poison["message_id"], poison["recorded"]) == (ids["poison"], True)
+    assert poison["payload"] is None
+    assert kit.client.stats(QUEUE).dlq_count == 0
+    # When the operator redrives, Then the two readable ones go, the unreadable one is not
+    # redriven blindly: NOT MOVED, exit 1
+    redriven = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url)
+    assert redriven.returncode == 1
+    assert "published 2 dead letter(s)" in redriven.stdout
+    assert f"NOT MOVED: {ids['poison']}: unreadable" in redriven.stdout
+    # When the operator discards it by that id
     discarded = run_cli(
         kit, "dlq", "discard", "--message-id", ids["poison"], INFRAI_BASE_URL=proxy.url
     )
-    # Then it is gone, recorded (as unreadable, with its size) under its message id
+    # Then it is resolved, recorded (as unreadable, with its size) under its message id
     assert discarded.returncode == 0, discarded.stderr
     assert f"discarded {ids['poison']}" in discarded.stdout
-    assert kit.client.stats(QUEUE).dlq_count == 2
+    assert json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"] == []
     shown = json.loads(run_cli(kit, "claims", "show", ids["poison"], "--json").stdout)
     ((entry,),) = [shown["history"]]
     record = entry["before"]["dead_letter"]

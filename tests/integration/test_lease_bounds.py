@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from drainkit import DLQ, QUEUE, Harness, harness
 
+from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.drain import DrainConfig, drain
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.redrive import redrive
@@ -101,7 +102,8 @@ def test_a_redrive_behind_a_dead_owners_lease_takes_the_claim_over(kit: Harness)
     # And once dead-lettered, the message has left no live claim behind
     wait_for_lease_end(kit, within=VISIBILITY + 2)
     # When an operator redrives it and the next drain runs
-    moved = redrive(kit.client, source=DLQ, target=QUEUE, max_messages=10)
+    store = ClaimsAdmin(kit.database_url).dead_letters()
+    moved = redrive(kit.client, store, source=DLQ, target=QUEUE, max_messages=10)
     assert moved.published == 1
     summary = drain_with(kit)
     # Then the copy took the claim over and did the work, once, under the same key

@@ -102,3 +102,38 @@ def test_a_schema_check_the_server_refuses_is_a_ledger_error_and_leaves_no_conne
                 break
             time.sleep(0.1)
     assert left == 0
+
+
+def test_the_dead_letter_migration_is_additive_on_a_ledger_in_use(database_url: str) -> None:
+    # Given a ledger migrated up to the version before dead letters, holding a claim
+    with psycopg.connect(database_url, autocommit=True) as conn, conn.transaction():
+        conn.execute(
+            "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for migration in MIGRATIONS[:5]:
+            conn.execute(migration.sql)
+            conn.execute(
+                "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
+                (migration.version, migration.name),
+            )
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k1', 'done', 'q1')"
+        )
+    # When migrated
+    applied = _migrate(database_url)
+    # Then only the dead-letter table was added, the claim is kept, and the notes' INSERT works
+    assert [MIGRATIONS[v - 1].name for v in applied] == ["dead letters"]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [("k1", "done")]
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k2', 'running', 'q2')"
+        )
+        assert conn.execute("SELECT count(*) FROM dead_letters").fetchone() == (0,)
+        # And a message id is recorded once, however often it is inserted
+        for _ in range(2):
+            conn.execute(
+                "INSERT INTO dead_letters (message_id, queue, dlq) VALUES ('q9', 'a', 'a-dlq')"
+                " ON CONFLICT (message_id) DO NOTHING"
+            )
+        assert conn.execute("SELECT count(*) FROM dead_letters").fetchone() == (1,)

@@ -16,6 +16,7 @@ import pytest
 from drainkit import DLQ, QUEUE, Harness, harness, run_until_killed
 
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.dead_letters import DeadLetterStore
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.redrive import redrive
@@ -45,22 +46,27 @@ def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
 
 # --- redrive ---------------------------------------------------------------------------------
 
-REDRIVE_KILLED_AT_FIFTH_ACK = textwrap.dedent(
+# A redrive killed at its fifth publish, after the message went out and before its dead letter
+# was marked redriven in the ledger.
+REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
     """
     import os, signal, sys
+    from infrai_jobs.claims_admin import ClaimsAdmin
     from infrai_jobs.queue_client import InfraiClient
     from infrai_jobs.redrive import redrive
 
     client = InfraiClient(sys.argv[1], "test-key")
-    acks = []
-    real_ack = client.ack
-    def ack(queue, handle):
-        acks.append(handle)
-        if len(acks) == 5:
+    published = []
+    real_publish = client.publish
+    def publish(queue, body, **options):
+        answer = real_publish(queue, body, **options)
+        published.append(body)
+        if len(published) == 5:
             os.kill(os.getpid(), signal.SIGKILL)
-        real_ack(queue, handle)
-    client.ack = ack
-    redrive(client, source="billing-jobs-dlq", target="billing-jobs", max_messages=1000)
+        return answer
+    client.publish = publish
+    store = ClaimsAdmin(sys.argv[2]).dead_letters()
+    redrive(client, store, source="billing-jobs-dlq", target="billing-jobs", max_messages=1000)
     """
 )
 
@@ -75,22 +81,29 @@ def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit:
     # And all 250 sitting in the DLQ
     for payload in payloads:
         kit.client.publish(DLQ, payload)
-    # When a redrive is killed at its fifth ack (after the publish of that message) ...
-    run_until_killed(REDRIVE_KILLED_AT_FIFTH_ACK, kit.server.url)
-    # ... and, once the unacked dead letters are visible again, redriven to the end
-    kit.advance()
-    summary = redrive(kit.client, source=DLQ, target=QUEUE, max_messages=1000)
-    assert summary.ack_lost == 0
+    # When a redrive is killed after its fifth publish, before that dead letter is marked ...
+    run_until_killed(REDRIVE_KILLED_AFTER_FIFTH_PUBLISH, kit.server.url, kit.database_url)
+    assert kit.sql("SELECT count(*) FROM dead_letters WHERE resolution IS NULL") == [(246,)]
+    # ... and redriven again to the end
+    summary = redrive(kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=1000)
+    assert (summary.consumed, summary.published, summary.complete) == (0, 246, True)
     drained = kit.drain()
-    # Then nothing is left in the DLQ, every key is done, and no effect ran twice
+    # Then nothing is left in the DLQ or unresolved in the ledger, every key is done, and no
+    # effect ran twice (the fifth was published twice; its claim absorbed the copy)
     stats = kit.client.stats(QUEUE)
     assert (stats.message_count, stats.dlq_count) == (0, 0)
+    resolved = kit.sql("SELECT resolution, count(*) FROM dead_letters GROUP BY resolution")
+    assert resolved == [("redriven", 250)]
     done = kit.sql("SELECT count(*) FROM job_claims WHERE state = 'done' AND job = 'test.db'")
     assert done == [(250,)]
     counts = dict(kit.sql("SELECT idem_key, count(*) FROM test_effects GROUP BY idem_key"))
     assert counts == {f"test.db:r{n}": 1 for n in range(250)}
     assert drained.done == 200
-    assert drained.outcomes.get("duplicate", 0) >= 50
+    assert (drained.consumed, drained.duplicates) == (251, 51)
+
+
+def _store(kit: Harness) -> DeadLetterStore:
+    return ClaimsAdmin(kit.database_url).dead_letters()
 
 
 def test_redrive_reopens_failed_claims_but_never_stuck_ones(
@@ -137,7 +150,7 @@ def test_redrive_reopens_failed_claims_but_never_stuck_ones(
     assert history[0]["actor"] == "on-call@example.com"
 
 
-def test_dlq_shows_keys_ledger_rows_and_the_visibility_warning(
+def test_dlq_shows_keys_ledger_rows_and_reads_the_same_twice(
     kit: Harness, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given a failed invoice job and an unknown job in the DLQ
@@ -156,37 +169,40 @@ def test_dlq_shows_keys_ledger_rows_and_the_visibility_warning(
     assert "no such customer" in first["reason"]
     assert second["idem_key"] is None
     assert "unknown job 'nope'" in second["reason"]
-    assert "hidden for its visibility timeout" in document["notice"]
-    # The human form is a table with the same facts
-    kit.advance()
+    assert "2 unresolved dead letter(s) of billing-jobs in the ledger" in document["notice"]
+    assert kit.client.stats(QUEUE).dlq_count == 0
+    # The human form, read right after, is a table with the same facts: nothing was hidden
     code, text = _run_cli(capsys, "dlq")
     assert "IDEM_KEY" in text
     assert "invoice.finalize:inv_bad" in text
+    assert "unknown job 'nope'" in text
 
 
-def test_a_redrive_short_of_time_stops_early_and_the_rest_waits_in_the_dlq(kit: Harness) -> None:
+def test_a_redrive_short_of_time_stops_early_and_the_rest_waits(kit: Harness) -> None:
     # Given 60 dead letters
     payloads = [{"job": "test.db", "id": f"t{n}"} for n in range(60)]
     for payload in payloads:
         kit.client.publish(DLQ, payload)
-    # And an invocation whose time runs out after about forty of them are moved (each look at
+    # And an invocation whose time runs out after about forty of them are read (each look at
     # the clock finds a second less left)
     looks = itertools.count()
     time_left = lambda: 60_000 - 1_000 * next(looks)  # noqa: E731
     # When it redrives
     summary = redrive(
-        kit.client, source=DLQ, target=QUEUE, max_messages=100, time_left_ms=time_left
+        kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=100, time_left_ms=time_left
     )
     # Then it stopped before the budget ran out, and says so
     assert summary.stopped == "time_budget"
     assert summary.as_dict()["stopped"] == "time_budget"
-    assert 0 < summary.published < 60
-    assert summary.acked == summary.published
-    # And it read nothing it did not move: the rest is in the DLQ, none of it hidden
-    assert kit.client.stats(QUEUE).dlq_count == 60 - summary.published
-    assert kit.client.stats(DLQ).available_count == 60 - summary.published
+    assert summary.complete is False
+    assert 0 < summary.recorded < 60
+    assert summary.acked == summary.recorded
+    assert summary.published < 60
+    # And it read nothing it did not record: the rest is in the DLQ, none of it hidden
+    assert kit.client.stats(QUEUE).dlq_count == 60 - summary.recorded
+    assert kit.client.stats(DLQ).available_count == 60 - summary.recorded
     # When a second redrive runs at once, with time to spare
-    rest = redrive(kit.client, source=DLQ, target=QUEUE, max_messages=100)
+    rest = redrive(kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=100)
     # Then it moves the rest, and the drain runs every job once
     assert (rest.stopped, rest.published) == ("", 60 - summary.published)
     assert kit.drain().done == 60
@@ -194,14 +210,24 @@ def test_a_redrive_short_of_time_stops_early_and_the_rest_waits_in_the_dlq(kit: 
     assert counts == {f"test.db:t{n}": 1 for n in range(60)}
 
 
-def test_redrive_dry_run_moves_nothing(kit: Harness, capsys: pytest.CaptureFixture[str]) -> None:
-    kit.client.publish(DLQ, {"job": "test.db", "id": "x"})
+def test_redrive_dry_run_publishes_nothing_and_leaves_the_letter_listed(
+    kit: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kit.client.publish(DLQ, {"job": "invoice.finalize", "invoice_id": "inv_x", "amount_cents": 1})
     code, text = _run_cli(capsys, "redrive", "--dry-run")
     assert code == 0
-    assert "would move 1 message(s)" in text
+    assert "would publish 1 dead letter(s)" in text
+    assert "invoice.finalize:inv_x" in text
     assert "publish cost: 0 x" in text
-    assert kit.client.stats(QUEUE).dlq_count == 1
     assert kit.client.stats(QUEUE).message_count == 0
+    # The dead letter moved into the ledger, unresolved: `dlq discard` right after finds it
+    code, document = _run_cli(capsys, "dlq", "--json")
+    assert [m["idem_key"] for m in document["messages"]] == ["invoice.finalize:inv_x"]
+    code, discarded = _run_cli(
+        capsys, "dlq", "discard", "--key", "invoice.finalize:inv_x", "--json"
+    )
+    assert code == 0
+    assert [d["idem_key"] for d in discarded["discarded"]] == ["invoice.finalize:inv_x"]
 
 
 # --- claims -----------------------------------------------------------------------------------

@@ -186,8 +186,7 @@ def test_dlq_shows_a_same_key_different_work_dead_letter_as_a_conflict(kit: Harn
     assert row["message_id"] == message_id
     assert (row["state"], row["claim_state"]) == ("conflict", "done")
     assert row["reason"] == "conflict with invoice.finalize:inv_1 (done, different work)"
-    # And the table says the same, in full
-    kit.advance()
+    # And the table, read right after, says the same, in full
     table = run_cli(kit, "dlq")
     assert "conflict with invoice.finalize:inv_1 (done, different work)" in table.stdout
 
@@ -195,7 +194,9 @@ def test_dlq_shows_a_same_key_different_work_dead_letter_as_a_conflict(kit: Harn
 # --- dlq discard --------------------------------------------------------------------------------
 
 
-def test_dlq_discard_by_message_id_records_the_payload_then_acks(kit: Harness) -> None:
+def test_dlq_discard_by_message_id_records_the_payload_and_resolves_the_row(
+    kit: Harness,
+) -> None:
     # Given a job that cannot ever run, dead-lettered beside another
     doomed = {"job": "invoice.finalize", "invoice_id": "inv_gone", "amount_cents": 1}
     doomed_id = kit.client.publish(DLQ, doomed)
@@ -204,13 +205,21 @@ def test_dlq_discard_by_message_id_records_the_payload_then_acks(kit: Harness) -
     finished = run_cli(
         kit, "dlq", "discard", "--message-id", doomed_id, "--note", "customer deleted"
     )
-    # Then it is gone from the DLQ, the other is still there
+    # Then both left Infrai's DLQ for the ledger, and only the other is still listed
     assert finished.returncode == 0, finished.stderr
     assert f"discarded {doomed_id} (key invoice.finalize:inv_gone)" in finished.stdout
-    assert kit.client.stats(QUEUE).dlq_count == 1
-    kit.advance()
-    (left,) = kit.client.consume(DLQ)
-    assert left.message_id == kept_id
+    assert kit.client.stats(QUEUE).dlq_count == 0
+    listed = json.loads(run_cli(kit, "dlq", "--json").stdout)
+    assert [m["message_id"] for m in listed["messages"]] == [kept_id]
+    # And the ledger keeps the discarded one, resolved: who, when, why
+    everything = json.loads(run_cli(kit, "dlq", "--all", "--json").stdout)["messages"]
+    (gone,) = [m for m in everything if m["message_id"] == doomed_id]
+    assert (gone["resolution"], gone["resolved_by"], gone["resolution_note"]) == (
+        "discarded",
+        OPERATOR,
+        "customer deleted",
+    )
+    assert gone["resolved_at"] is not None
     # And the discard, who did it, why, and the payload are in claim_history under its key
     shown = json.loads(run_cli(kit, "claims", "show", "invoice.finalize:inv_gone", "--json").stdout)
     ((entry,),) = [shown["history"]]
@@ -235,15 +244,15 @@ def test_dlq_discard_by_key_takes_every_copy_and_keeps_unkeyed_records_by_messag
     unkeyed = kit.client.publish(DLQ, {"job": "no.such.job", "text": "nul \u0000 inside"})
     # When the operator discards the key
     by_key = run_cli(kit, "dlq", "discard", "--key", "invoice.finalize:inv_2", "--json")
-    # Then both copies are discarded, and the unkeyed one was only looked at
+    # Then both copies are discarded, and the unkeyed one is still listed
     assert by_key.returncode == 0, by_key.stderr
     document = json.loads(by_key.stdout)
     assert [d["message_id"] for d in document["discarded"]] == [first, second]
-    assert document["hidden"] == 1
+    listed = json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"]
+    assert [m["message_id"] for m in listed] == [unkeyed]
     history = ClaimsAdmin(kit.database_url).history("invoice.finalize:inv_2")
     assert [h["before"]["dead_letter"]["message_id"] for h in history] == [first, second]
-    # When the unkeyed one is discarded by its id, once visible again
-    kit.advance()
+    # When the unkeyed one is discarded by its id
     by_id = run_cli(kit, "dlq", "discard", "--message-id", unkeyed)
     # Then it is recorded under its message id, its payload kept even where jsonb cannot
     assert by_id.returncode == 0, by_id.stderr
@@ -256,10 +265,13 @@ def test_dlq_discard_of_nothing_matching_fails_and_changes_nothing(kit: Harness)
     kit.client.publish(DLQ, {"job": "test.db", "id": "x"})
     finished = run_cli(kit, "dlq", "discard", "--message-id", "qmsg_nope")
     assert finished.returncode == 3
-    assert "no dead letter matched --message-id qmsg_nope" in finished.stderr
+    assert (
+        "no unresolved dead letter of billing-jobs matched --message-id qmsg_nope"
+        in finished.stderr
+    )
     assert "Traceback" not in finished.stderr
-    assert kit.client.stats(QUEUE).dlq_count == 1
     assert kit.sql("SELECT count(*) FROM claim_history") == [(0,)]
+    assert kit.sql("SELECT count(*) FROM dead_letters WHERE resolution IS NULL") == [(1,)]
 
 
 # --- selective redrive --------------------------------------------------------------------------
@@ -278,22 +290,24 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
     }
     # When the operator redrives one key (a job with its own identity rule)
     by_key = run_cli(kit, "redrive", "--key", "receipt.send:inv_5", "--json")
-    # Then only that one moved; the others read stay in the DLQ
+    # Then only that one moved; the others stay unresolved in the ledger
     assert by_key.returncode == 0, by_key.stderr
     summary = json.loads(by_key.stdout)
     assert (summary["published"], summary["not_selected"]) == (1, 3)
     assert summary["selection"] == {"key": "receipt.send:inv_5"}
     assert [m.payload for m in kit.client.consume(QUEUE)] == [receipt]
-    # When, once visible again, the operator redrives one message id, then one job
-    kit.advance()
+    # When, right after, the operator redrives one message id, then one job
     by_id = run_cli(kit, "redrive", "--message-id", ids["invoice"])
     assert by_id.returncode == 0, by_id.stderr
-    assert f"moved 1 message(s) {DLQ} -> {QUEUE} (--message-id {ids['invoice']})" in by_id.stdout
-    kit.advance()
+    assert (
+        f"published 1 dead letter(s) of the ledger -> {QUEUE} (--message-id {ids['invoice']})"
+        in by_id.stdout
+    )
     by_job = run_cli(kit, "redrive", "--job", "test.db", "--json")
-    # Then each moved exactly what it named, and the DLQ is empty
+    # Then each moved exactly what it named, and nothing is left unresolved
     assert json.loads(by_job.stdout)["published"] == 2
     assert kit.client.stats(QUEUE).dlq_count == 0
+    assert json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"] == []
 
 
 def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness) -> None:

@@ -24,7 +24,7 @@ from infrai_jobs.errors import SchemaNotMigrated
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.redrive import _reopen
+from infrai_jobs.redrive import _reopen, redrive
 from infrai_local import emulator, provider_sink
 from infrai_local.provider_sink import sink_settings
 
@@ -504,15 +504,21 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
     # Given a database never migrated
     check = AlertCheck(queue, database_url, PrintingAlerter(), AlertThresholds())
     dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "in_flight", "r")
-    # When DlqAlertFunction's check and a redrive's reopen use it
+    # And a dead letter in the DLQ
+    queue.publish(DLQ, JOB)
+    store = ClaimsAdmin(database_url).dead_letters()
+    # When DlqAlertFunction's check, a redrive and a redrive's reopen use it
     for call in (
         lambda: check.run([QUEUE]),
-        lambda: _reopen(ClaimsAdmin(database_url), dead_letter),
+        lambda: redrive(queue, store, source=DLQ, target=QUEUE, max_messages=1),
+        lambda: _reopen(ClaimsAdmin(database_url), dead_letter.message_id, dead_letter.payload),
     ):
         # Then each says it is not migrated, with the command, and the database stays empty
         with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):
             call()
     assert table_count(database_url) == 0
+    # And the redrive consumed nothing: the dead letter is still there, visible
+    assert queue.stats(DLQ).available_count == 1
 
 
 # --- the stand-ins' controls as commands -------------------------------------------------------

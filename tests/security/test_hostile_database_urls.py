@@ -182,7 +182,12 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         ).run([]),
         "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: redrive_module._reopen(ClaimsAdmin(url), message),
+        "redrive's reopen": lambda: redrive_module._reopen(
+            ClaimsAdmin(url), message.message_id, message.payload
+        ),
+        "the ledger's dead letters": lambda: (
+            ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()
+        ),
     }
 
 

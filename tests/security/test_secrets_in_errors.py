@@ -75,7 +75,12 @@ def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_er
         ).run([]),
         "claims admin": lambda: ClaimsAdmin(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: redrive_module._reopen(ClaimsAdmin(url), message),
+        "redrive's reopen": lambda: redrive_module._reopen(
+            ClaimsAdmin(url), message.message_id, message.payload
+        ),
+        "the ledger's dead letters": lambda: (
+            ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()
+        ),
     }
     for name, call in entry_points.items():
         # When each is used

@@ -1,6 +1,7 @@
 """Turning dead letters, stuck claims and a lagging drain into pages a human can act on.
 
-Each check reads the watched queues' stats and the ledger's running claims, then decides per
+Each check reads the watched queues' stats, the ledger's unresolved dead letters and its running
+claims, then decides per
 signal whether to alert, remind, resolve or stay quiet. The last alerted value of every signal
 lives in Postgres (``alert_state``), read and written under a row lock in the same transaction as
 the decision, so a cold start does not re-alert and two concurrent checks send one alert.
@@ -20,6 +21,7 @@ from typing import Any, LiteralString, Protocol
 
 import psycopg
 
+from infrai_jobs.dead_letters import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.postgres import STUCK_CLAIM_COUNT as _STUCK
@@ -33,7 +35,8 @@ SNS_SUBJECT_LIMIT = 100
 
 
 class Signal(StrEnum):
-    DLQ = "dlq"  # messages in a queue's dead-letter queue
+    # dead letters of a queue: in Infrai's DLQ plus unresolved in the ledger (dead_letters)
+    DLQ = "dlq"
     STUCK = "stuck"  # running claims older than the threshold, or flagged
     BACKLOG = "backlog"  # the oldest message is older than the threshold: the drain lags
 
@@ -94,6 +97,8 @@ class Observation:
     signal: Signal
     value: int
     stats: QueueStats | None = None
+    # For the DLQ signal: the unresolved dead letters the ledger holds (value = dlq_count + this).
+    in_ledger: int = 0
 
 
 @dataclass
@@ -102,6 +107,8 @@ class AlertReport:
 
     stats: list[QueueStats] = field(default_factory=list)
     stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
+    # Unresolved dead letters in the ledger, per watched queue.
+    ledger_dead_letters: dict[str, int] = field(default_factory=dict)
     sent: list[dict[str, Any]] = field(default_factory=list)
     # When the run started looking, by the database's clock.
     started: datetime | None = None
@@ -112,6 +119,8 @@ class AlertReport:
                 {
                     "queue": s.queue,
                     "dlq_count": s.dlq_count,
+                    "ledger_dead_letters": self.ledger_dead_letters.get(s.queue, 0),
+                    "dead_letters": s.dlq_count + self.ledger_dead_letters.get(s.queue, 0),
                     "available_count": s.available_count,
                     "in_flight_count": s.in_flight_count,
                     "delayed_count": s.delayed_count,
@@ -198,7 +207,15 @@ class AlertCheck:
             limit = self._thresholds.backlog_age_seconds
             for stats in report.stats:
                 lagging = int(stats.oldest_message_age_seconds > limit)
-                dlq = Observation(stats.queue, Signal.DLQ, stats.dlq_count, stats)
+                # The watcher never reads the DLQ itself (that would consume it): it adds the
+                # letters already moved into the ledger. One moved but not yet acked counts
+                # twice for a moment: more, never fewer, so nothing resolves early.
+                row = conn.execute(UNRESOLVED_DEAD_LETTERS, {"queue": stats.queue}).fetchone()
+                in_ledger = int(row[0]) if row else 0
+                report.ledger_dead_letters[stats.queue] = in_ledger
+                dlq = Observation(
+                    stats.queue, Signal.DLQ, stats.dlq_count + in_ledger, stats, in_ledger
+                )
                 self._evaluate(conn, report, dlq)
                 self._evaluate(
                     conn, report, Observation(stats.queue, Signal.BACKLOG, lagging, stats)
@@ -274,15 +291,19 @@ def compose(
         subject = {
             Verdict.ALERT: f"{after - before} new dead letter(s) on {scope}",
             Verdict.REMIND: f"still {after} dead letter(s) on {scope}",
-            Verdict.RESOLVED: f"{dlq_name} is empty",
+            Verdict.RESOLVED: f"no dead letters left on {scope}",
         }[verdict]
+        in_dlq = stats.dlq_count if stats else 0
         body = [
-            f"dlq_count for {dlq_name} went from {before} to {after}.",
+            f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in {dlq_name} "
+            f"(dlq_count), {seen.in_ledger} moved into the ledger and not yet redriven or "
+            "discarded.",
             "Each message there failed three deliveries, or was left unacked on purpose "
             "(a conflict, a stuck irreversible job, an unknown job).",
         ]
         next_steps = [
             f"infrai-jobs dlq --queue {scope}   # what is there, and the ledger's reason",
+            "infrai-jobs dlq discard --key KEY   # work that must not run again",
             "infrai-jobs redrive --dry-run   # after the fix: what a redrive would do",
         ]
     elif signal is Signal.BACKLOG:

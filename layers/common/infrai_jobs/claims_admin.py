@@ -14,7 +14,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, LiteralString
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
@@ -28,6 +28,9 @@ from infrai_jobs.postgres import CLAIMS_LIST as _LIST
 from infrai_jobs.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.postgres import LedgerAdapter
+
+if TYPE_CHECKING:
+    from infrai_jobs.dead_letters import DeadLetterStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +59,6 @@ DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
 _HISTORY: LiteralString = """
 INSERT INTO claim_history (idem_key, action, actor, before, after, note)
 VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
-"""
-
-_DISCARD: LiteralString = """
-INSERT INTO claim_history (idem_key, action, actor, before, after, note)
-VALUES (%(key)s, 'discard', %(actor)s, %(before)s, NULL, %(note)s)
 """
 
 _HISTORY_OF: LiteralString = """
@@ -132,6 +130,12 @@ class ClaimsAdmin(LedgerAdapter):
     with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
 
     APPLICATION_NAME = "infrai-jobs-admin"
+
+    def dead_letters(self) -> DeadLetterStore:
+        """The ledger's dead letters, on this admin's connection settings."""
+        from infrai_jobs.dead_letters import DeadLetterStore  # noqa: PLC0415 - it imports this
+
+        return DeadLetterStore(self._connector)
 
     def list_claims(
         self,
@@ -277,36 +281,6 @@ class ClaimsAdmin(LedgerAdapter):
                 conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
                 _record(conn, "reopen", claim, None, actor=actor, note="redrive --reopen-failed")
         return [claim.idem_key for claim in failed]
-
-    def record_discard(
-        self,
-        key: str,
-        dead_letter: dict[str, Any],
-        *,
-        actor: str | None = None,
-        note: str = "",
-    ) -> None:
-        """Record that an operator discards a dead letter, before it is acked away.
-
-        ``before`` holds the dead letter (its payload included, so the work can still be
-        recovered) and the key's claim as it is now; the claim itself is left as it is.
-        """
-        with (
-            self._connector.session("cannot record the discard") as conn,
-            conn.transaction(),
-        ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                row = cur.execute(_SHOW, {"key": key}).fetchone()
-            claim = claim_as_dict(ClaimRow(**row)) if row else None
-            conn.execute(
-                _DISCARD,
-                {
-                    "key": key,
-                    "actor": actor or default_actor(),
-                    "before": Jsonb({"dead_letter": dead_letter, "claim": claim}),
-                    "note": note or None,
-                },
-            )
 
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
         """Delete ``done``/``failed`` rows older than the retention, a short transaction per

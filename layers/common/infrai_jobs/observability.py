@@ -94,6 +94,9 @@ def record_drain(
 # Per watched queue, with the queue as the one dimension.
 QUEUE_METRICS = {
     "dlq_count": ("DlqCount", MetricUnit.Count),
+    "ledger_dead_letters": ("LedgerDeadLetters", MetricUnit.Count),
+    # Both together: what the watcher alerts on, and what DlqCountAlarm pages on.
+    "dead_letters": ("DeadLetters", MetricUnit.Count),
     "available_count": ("AvailableCount", MetricUnit.Count),
     "in_flight_count": ("InFlightCount", MetricUnit.Count),
     "delayed_count": ("DelayedCount", MetricUnit.Count),

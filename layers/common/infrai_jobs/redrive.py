@@ -1,41 +1,38 @@
-"""Dead-letter inspection and redrive: the third source of duplicates, made safe.
+"""Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
 
-A redrive moves messages from the DLQ back to the main queue: **publish first, then ack** the
-dead letter. A crash between the two leaves the dead letter in place, so a second redrive
-publishes it again; the claim ledger absorbs that duplicate. Nothing is lost, no effect doubles.
+Dead letters live in the ledger (``infrai_jobs.dead_letters``): a redrive first moves what is
+new in Infrai's DLQ into ``dead_letters`` (recorded, then acked there), then works on the
+unresolved rows it selects (all, by key, job or message id). For each it **publishes the row's
+payload, then marks the row redriven**, under the row's lock: a crash in between publishes it
+again at worst, and the claim ledger absorbs that duplicate. Nothing is lost, no effect doubles.
+A dry run moves new dead letters into the ledger too (that is how they are read), and then
+publishes and marks nothing.
 
 ``reopen_failed`` deletes the ``failed`` claims of the redriven work (matched by message id or
 payload fingerprint), recording each in ``claim_history``, so the fixed job runs again. A stuck
 ``running`` claim of an irreversible job is never reopened: that needs a human's verdict first
-(``infrai-jobs claims resolve``).
-
-The DLQ is read one message per consume (``read_dead_letters``): a consume whose answer cannot
-be read has spent it on every message it served, unseen, so with one message per consume an
-unreadable dead letter hides only itself, and is reported as such (``Unreadable``) while every
-other is still read. A redrive may move only some dead letters (``Selection``: by key, job or
-message id); the others it read stay hidden in the DLQ for its visibility timeout.
+(``infrai-jobs claims resolve``). An unreadable dead letter is never redriven blindly: it is
+reported, and can be discarded (``infrai-jobs dlq discard``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 from infrai_jobs.claims_admin import ClaimsAdmin, default_actor
+from infrai_jobs.dead_letters import DeadLetterStore, collect
 from infrai_jobs.errors import (
     ConfigurationError,
-    ConsumeAnswerLost,
     InfraiInvalidResponse,
     InfraiUnavailable,
     KeyDerivationError,
-    QueueMessageNotFound,
 )
 from infrai_jobs.keys import payload_fingerprint
 from infrai_jobs.ports import QueuePort
-from infrai_jobs.queue_models import QueueMessage
 
 logger = logging.getLogger(__name__)
 
@@ -47,90 +44,10 @@ Progress = Callable[[int], None]
 KeyOf = Callable[[Any], str]
 
 MAX_REDRIVE_PER_CALL = 10_000
-# A message is moved only while this much of the invocation is left. A move is a publish and an
-# ack, normally well under a second; this covers a few retries. Like the drain's batch budget.
+# A dead letter is read or published only while this much of the invocation is left. Each is a
+# call or two, normally well under a second; this covers a few retries. Like the drain's batch
+# budget.
 MESSAGE_BUDGET_MS = 20_000
-# Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
-# for the visibility timeout, and a run of them says the answers, not the messages, are broken.
-MAX_UNREADABLE_IN_A_ROW = 10
-
-
-@dataclass(frozen=True, slots=True)
-class Unreadable:
-    """A dead letter whose consume answer was lost or could not be read.
-
-    It stays in the DLQ, hidden until its visibility timeout ends; ``message_id`` is known only
-    when the client could still read it from the answer, ``size`` only when an answer came.
-    """
-
-    message_id: str | None
-    size: int | None
-    reason: str
-
-    @classmethod
-    def from_error(cls, exc: ConsumeAnswerLost) -> Unreadable:
-        ids = exc.message_ids
-        return cls(message_id=ids[0] if len(ids) == 1 else None, size=exc.size, reason=str(exc))
-
-    def describe(self) -> str:
-        size = f"{self.size} bytes" if self.size is not None else "size unknown"
-        return (
-            f"unreadable dead letter ({size}): {self.reason}; it stays in the DLQ, hidden for "
-            "its visibility timeout"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "message_id": self.message_id,
-            "unreadable": True,
-            "size_bytes": self.size,
-            "reason": self.describe(),
-        }
-
-
-DeadLetter = QueueMessage | Unreadable
-
-
-def read_dead_letters(
-    queue: QueuePort,
-    source: str,
-    limit: int,
-    *,
-    stop: Callable[[], bool] | None = None,
-) -> Iterator[DeadLetter]:
-    """Up to ``limit`` dead letters of ``source``, read one per consume (see the module's doc).
-
-    ``stop`` is asked before each read. Reading stops early when the DLQ is empty, or after
-    ``MAX_UNREADABLE_IN_A_ROW`` unreadable answers in a row.
-    """
-    read = unreadable_in_a_row = 0
-    while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
-        if stop is not None and stop():
-            return
-        try:
-            batch = queue.consume(source, 1)
-        except ConsumeAnswerLost as exc:
-            read += 1
-            unreadable_in_a_row += 1
-            unreadable = Unreadable.from_error(exc)
-            logger.error(
-                "a dead letter could not be read",
-                extra={
-                    "action": "dead_letter_unreadable",
-                    "queue": source,
-                    "message_id": unreadable.message_id,
-                    "size_bytes": unreadable.size,
-                    "detail": unreadable.reason,
-                },
-            )
-            yield unreadable
-            continue
-        if not batch:
-            return
-        unreadable_in_a_row = 0
-        for message in batch[: limit - read]:
-            read += 1
-            yield message
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,25 +61,6 @@ class Selection:
     @property
     def everything(self) -> bool:
         return self.key is None and self.job is None and self.message_id is None
-
-    def matches(self, dead: DeadLetter, key_of: KeyOf | None) -> bool:
-        """Whether ``dead`` is selected; ``key_of`` derives keys, and is needed for a key."""
-        if self.message_id is not None and dead.message_id != self.message_id:
-            return False
-        if self.key is None and self.job is None:
-            return True
-        if isinstance(dead, Unreadable) or not isinstance(dead.payload, Mapping):
-            return False
-        if self.job is not None and dead.payload.get("job") != self.job:
-            return False
-        if self.key is not None:
-            if key_of is None:
-                raise ValueError("selecting dead letters by key needs key_of")
-            try:
-                return key_of(dead.payload) == self.key
-            except KeyDerivationError:
-                return False
-        return True
 
     def as_dict(self) -> dict[str, str]:
         chosen = {"key": self.key, "job": self.job, "message_id": self.message_id}
@@ -224,20 +122,27 @@ class RedriveSummary:
     source: str
     target: str
     dry_run: bool
+    # Moved from Infrai's DLQ into the ledger first (dead_letters.Collected): read, newly
+    # recorded, and acked from the DLQ after their rows committed.
     consumed: int = 0
-    published: int = 0
+    recorded: int = 0
     acked: int = 0
     ack_lost: int = 0
+    # The ledger's unresolved rows this redrive selected, and what it did with them.
+    selected: int = 0
+    published: int = 0
     reopened: list[str] = field(default_factory=list)
+    # Selected rows it cannot publish (unreadable, or not a JSON object): left unresolved.
     skipped: list[dict[str, str]] = field(default_factory=list)
-    # Dead letters whose answer could not be read: neither moved nor acked (Unreadable.as_dict).
+    # Unreadable answers from the DLQ that named no message: neither recorded nor acked.
     unreadable: list[dict[str, Any]] = field(default_factory=list)
-    # Read but not selected (a selective redrive): hidden in the DLQ for its visibility timeout.
+    # Unresolved rows of the queue this redrive did not select (a selective redrive, or more
+    # than max_messages): they stay unresolved in the ledger for another redrive or a discard.
     not_selected: int = 0
     selection: dict[str, str] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
     # "time_budget" when the invocation ran short and the redrive stopped early; "" otherwise.
-    # Nothing was read that was not moved: the rest is in the DLQ for the next redrive.
+    # What it did not reach stays unresolved in the ledger (or in the DLQ) for the next one.
     stopped: str = ""
     price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
     price_source: str = "fallback"
@@ -249,7 +154,7 @@ class RedriveSummary:
     @property
     def complete(self) -> bool:
         """Every dead letter it meant to move was read and moved (or, dry, looked at)."""
-        return not self.skipped and not self.unreadable
+        return not self.skipped and not self.unreadable and not self.stopped
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -257,9 +162,11 @@ class RedriveSummary:
             "target": self.target,
             "dry_run": self.dry_run,
             "consumed": self.consumed,
-            "published": self.published,
+            "recorded": self.recorded,
             "acked": self.acked,
             "ack_lost": self.ack_lost,
+            "selected": self.selected,
+            "published": self.published,
             "reopened": self.reopened,
             "skipped": self.skipped,
             "unreadable": self.unreadable,
@@ -290,6 +197,7 @@ def publish_price(queue: QueuePort) -> tuple[Decimal, str]:
 
 def redrive(
     queue: QueuePort,
+    store: DeadLetterStore,
     *,
     source: str,
     target: str,
@@ -297,37 +205,28 @@ def redrive(
     dry_run: bool = False,
     reopen_failed: bool = False,
     admin: ClaimsAdmin | None = None,
-    describe: Callable[[QueueMessage], Mapping[str, Any]] | None = None,
     progress: Progress | None = None,
     time_left_ms: Callable[[], int] | None = None,
     selection: Selection | None = None,
     key_of: KeyOf | None = None,
 ) -> RedriveSummary:
-    """Move up to ``max_messages`` dead letters from ``source`` back to ``target``.
+    """Move new dead letters of ``source`` into the ledger, then publish up to
+    ``max_messages`` of its unresolved rows (those ``selection`` matches) to ``target``.
 
-    ``dry_run`` consumes to look (the DLQ can only be read by consuming) and acks nothing, so
-    the messages it saw stay hidden in the DLQ for the visibility timeout, then return.
-
-    ``selection`` moves only the dead letters it matches (``key_of``, needed to select by key,
-    derives their keys); the others read stay hidden in the DLQ for its visibility timeout.
-    ``max_messages`` bounds the dead letters read, moved or not.
+    ``key_of`` derives the keys of the dead letters recorded now (a row keeps its key, which a
+    selection by key matches). ``dry_run`` records, then publishes and marks nothing; its
+    ``seen`` lists the rows a redrive would publish.
 
     ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
-    it can still report: no message is read, and none moved, with less than
-    ``MESSAGE_BUDGET_MS`` left; ``summary.stopped`` says so.
-
-    A dead letter that cannot be read is never reported as moved: it is listed in
-    ``summary.unreadable`` and stays in the DLQ (``summary.complete`` is then false).
+    it can still report: nothing is read or published with less than ``MESSAGE_BUDGET_MS``
+    left; ``summary.stopped`` says so.
     """
     if reopen_failed and admin is None:
         raise ValueError("reopen_failed needs the ledger (admin)")
     selection = selection or Selection()
-    if selection.key is not None and key_of is None:
-        raise ValueError("selecting dead letters by key needs key_of")
     summary = RedriveSummary(
         source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
     )
-    summary.price_usd_per_message, summary.price_source = publish_price(queue)
 
     def short_of_time() -> bool:
         if time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS:
@@ -335,68 +234,77 @@ def redrive(
             return True
         return False
 
-    read = 0
-    for dead in read_dead_letters(queue, source, max_messages, stop=short_of_time):
-        read += 1
+    collected = collect(
+        queue, store, dlq=source, main_queue=target, key_of=key_of, stop=short_of_time
+    )
+    summary.consumed, summary.recorded = collected.read, collected.recorded
+    summary.acked, summary.ack_lost = collected.acked, collected.ack_lost
+    summary.unreadable = collected.unrecorded
+    summary.price_usd_per_message, summary.price_source = publish_price(queue)
+    rows = store.rows(
+        target,
+        message_id=selection.message_id,
+        key=selection.key,
+        job=selection.job,
+        limit=max_messages,
+    )
+    summary.selected = len(rows)
+    summary.not_selected = store.unresolved_count(target) - len(rows)
+    actor = default_actor()
+    for done, row in enumerate(rows, start=1):
         if progress is not None:
-            progress(read)
-        if not selection.matches(dead, key_of):
-            summary.not_selected += 1
+            progress(done)
+        if row.redrivable:
+            summary.skipped.append({"message_id": row.message_id, "reason": row.redrivable})
             continue
-        if isinstance(dead, Unreadable):
-            summary.unreadable.append(dead.as_dict())
-        else:
-            summary.consumed += 1
-            if describe is not None:
-                summary.seen.append({"message_id": dead.message_id, **describe(dead)})
-            if not dry_run:
-                _move(queue, dead, summary, admin if reopen_failed else None)
-        if selection.message_id is not None:
-            break  # message ids are unique: nothing else can match
+        if dry_run:
+            summary.seen.append(
+                {
+                    "message_id": row.message_id,
+                    "idem_key": row.idem_key,
+                    "state": row.state,
+                    "reason": row.reason,
+                }
+            )
+            continue
+        if short_of_time():
+            break
+        if reopen_failed:
+            assert admin is not None
+            summary.reopened.extend(_reopen(admin, row.message_id, row.body))
+        if store.redrive(row.message_id, _publisher(queue, target), actor=actor, note="redrive"):
+            summary.published += 1
     if summary.stopped:
         logger.warning(
             "redrive stopped before the invocation's time ran out; invoke it again for the rest",
             extra={"action": "redrive_stopped", "moved": summary.published},
         )
-    if summary.unreadable:
+    if summary.unreadable or summary.skipped:
         logger.error(
-            "redrive could not read every dead letter; the unreadable ones stay in the DLQ",
-            extra={"action": "redrive_incomplete", "unreadable": len(summary.unreadable)},
+            "redrive could not move every dead letter; the rest stay unresolved",
+            extra={
+                "action": "redrive_incomplete",
+                "unreadable": len(summary.unreadable),
+                "skipped": len(summary.skipped),
+            },
         )
     logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
     return summary
 
 
-def _move(
-    queue: QueuePort,
-    message: QueueMessage,
-    summary: RedriveSummary,
-    reopen: ClaimsAdmin | None,
-) -> None:
-    payload = message.payload
-    if not isinstance(payload, dict):
-        # Infrai only takes objects as bodies; this one stays in the DLQ for a human.
-        summary.skipped.append(
-            {"message_id": message.message_id, "reason": "payload is not a JSON object"}
-        )
-        return
-    if reopen is not None:
-        summary.reopened.extend(_reopen(reopen, message))
-    # Retrying the publish is safe here: the drain's claims absorb a duplicate.
-    queue.publish(summary.target, payload, retry=True)
-    summary.published += 1
-    try:
-        queue.ack(summary.source, message.receipt_handle)
-        summary.acked += 1
-    except QueueMessageNotFound:
-        summary.ack_lost += 1
+def _publisher(queue: QueuePort, target: str) -> Callable[[Any], None]:
+    def publish(payload: Any) -> None:
+        # Retrying the publish is safe here: the drain's claims absorb a duplicate.
+        queue.publish(target, payload, retry=True)
+
+    return publish
 
 
-def _reopen(admin: ClaimsAdmin, message: QueueMessage) -> list[str]:
+def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any) -> list[str]:
     try:
-        fingerprint: str | None = payload_fingerprint(message.payload)
+        fingerprint: str | None = payload_fingerprint(payload)
     except KeyDerivationError:
         fingerprint = None  # unrepresentable work: match the claim by message id alone
     return admin.reopen_failed(
-        message_id=message.message_id, fingerprint=fingerprint, actor=default_actor()
+        message_id=message_id, fingerprint=fingerprint, actor=default_actor()
     )

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 import psycopg
 
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.drain import budget_shortfall
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import (
     ClaimChanged,
@@ -487,6 +489,16 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.time_budget_seconds <= 0:
         raise ConfigurationError("--time-budget-seconds must be above 0")
+    budget_ms = int(args.time_budget_seconds * 1000)
+    shortfall = budget_shortfall(settings.batch_budget_ms, budget_ms)
+    if shortfall:
+        # Before any stand-in starts: such a drain would stop at once and look like an empty
+        # queue, with the messages waiting untouched.
+        raise ConfigurationError(
+            f"{shortfall}; nothing was received. Give --time-budget-seconds "
+            f"{math.ceil(settings.batch_budget_ms / 1000)} or more, or set DRAIN_BATCH_BUDGET_MS "
+            f"to at most {budget_ms} if one batch of your jobs fits in that"
+        )
     fanned_out: list[dict[str, object]] = []
     with contextlib.ExitStack() as stack:
         settings = _with_stand_ins(

@@ -134,6 +134,60 @@ def test_drain_prints_each_problem_message_with_its_reason_and_tells_retries_fro
     assert "walk to the DLQ" in err
 
 
+def test_a_drain_whose_budget_cannot_hold_one_batch_refuses_and_says_why(
+    kit: Harness, jobs_path: str
+) -> None:
+    # Given three messages waiting, and the default batch budget of 20 s
+    for n in range(3):
+        kit.publish({"job": "cli.ok", "id": f"w{n}"})
+    # When the operator drains with 5 s, then with 19 s
+    for budget in ("5", "19"):
+        finished = run_cli(kit, "drain", "--jobs-path", jobs_path, "--time-budget-seconds", budget)
+        # Then the drain fails with a usage error saying why and what to change, never a
+        # success that left the messages untouched
+        assert finished.returncode == 2, finished.stdout + finished.stderr
+        assert "Traceback" not in finished.stderr
+        assert f"a time budget of {budget} s cannot hold one batch" in finished.stderr
+        assert "DRAIN_BATCH_BUDGET_MS is 20000 ms" in finished.stderr
+        assert "--time-budget-seconds 20 or more" in finished.stderr
+        assert finished.stdout == ""
+    # And nothing was received: every message is still waiting, none spent a delivery
+    stats = kit.client.stats(QUEUE)
+    assert (stats.available_count, stats.in_flight_count) == (3, 0)
+    # And a batch budget that fits the 5 s drains them
+    fitted = run_cli(
+        kit,
+        "drain",
+        "--jobs-path",
+        jobs_path,
+        "--time-budget-seconds",
+        "5",
+        DRAIN_BATCH_BUDGET_MS="4000",
+    )
+    assert fitted.returncode == 0, fitted.stderr
+    assert json.loads(fitted.stdout)["done"] == 3
+
+
+def test_idle_polling_that_cannot_poll_says_so(kit: Harness, jobs_path: str) -> None:
+    # Given idle polling every 200 ms, and a budget that leaves no poll after a batch budget
+    # When the operator drains an empty queue
+    finished = run_cli(
+        kit,
+        "drain",
+        "--jobs-path",
+        jobs_path,
+        "--time-budget-seconds",
+        "20.1",
+        DRAIN_IDLE_POLL_MS="200",
+    )
+    # Then the drain runs, and a warning says that and why it did not poll
+    assert finished.returncode == 0, finished.stderr
+    (line,) = lines_with(finished.stderr, "idle_polling_off")
+    assert "DRAIN_IDLE_POLL_MS=200" in line
+    assert "cannot poll" in line
+    assert json.loads(finished.stdout)["idle_polls"] == 0
+
+
 def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> None:
     # Given one job, and an Infrai whose ack route fails every time
     message_id = kit.publish({"job": "cli.ok", "id": "a"})[0]

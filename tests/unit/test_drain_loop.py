@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from infrai_jobs.claims import ClaimRow, utc_from_epoch
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.drain import (
+    DrainConfig,
+    DrainSummary,
+    budget_shortfall,
+    drain,
+    idle_polling_shortfall,
+)
+from infrai_jobs.drain_service import check_time_budget
 from infrai_jobs.errors import (
     ConfigurationError,
     EffectUncertain,
@@ -170,6 +177,39 @@ def test_no_batch_is_consumed_when_the_time_left_cannot_cover_one(kit: Kit) -> N
     assert kit.queue.stats(QUEUE).available_count == 1
     (message,) = kit.queue.consume(QUEUE)
     assert message.delivery_count == 1
+
+
+@pytest.mark.parametrize(
+    ("budget_ms", "poll_ms", "window_s", "refused", "polls"),
+    [
+        (5_000, 0, 0, True, True),  # less than one batch budget: refused
+        (19_999, 0, 0, True, True),
+        (20_000, 0, 0, False, True),  # exactly one batch
+        (3_000, 200, 0, True, False),  # the idle poller: refused, cannot poll either
+        (20_100, 200, 0, False, False),  # one batch, but no poll after it
+        (20_200, 200, 0, False, True),
+        (60_000, 200, 0.1, False, False),  # a window shorter than one interval
+        (60_000, 200, 58, False, True),
+    ],
+)
+def test_a_drain_says_when_its_time_cannot_hold_a_batch_or_a_poll(
+    budget_ms: int, poll_ms: int, window_s: float, refused: bool, polls: bool
+) -> None:
+    # Given a drain's batch budget of 20 s, its idle polling and its time budget
+    config = DrainConfig(
+        queue=QUEUE, batch_budget_ms=20_000, idle_poll_ms=poll_ms, idle_window_seconds=window_s
+    )
+    # When its budget is checked
+    # Then one that cannot hold a batch is refused with the reason, before anything is received
+    if refused:
+        with pytest.raises(ConfigurationError, match="cannot hold one batch"):
+            check_time_budget(config, budget_ms)
+        assert budget_shortfall(config.batch_budget_ms, budget_ms)
+    else:
+        check_time_budget(config, budget_ms)
+        assert budget_shortfall(config.batch_budget_ms, budget_ms) == ""
+    # And idle polling that cannot poll has a reason of its own (a warning, the drain runs)
+    assert (idle_polling_shortfall(config, budget_ms) == "") is (polls or poll_ms == 0)
 
 
 def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> None:

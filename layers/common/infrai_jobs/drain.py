@@ -294,6 +294,40 @@ def _drain_batches(
             _abandon(ahead, mode)
 
 
+def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
+    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "".
+
+    Such a drain would stop at once with ``time_budget`` and look like an empty queue; its
+    caller refuses it instead, before anything is received."""
+    if time_budget_ms >= batch_budget_ms:
+        return ""
+    return (
+        f"a time budget of {time_budget_ms / 1000:g} s cannot hold one batch: "
+        f"DRAIN_BATCH_BUDGET_MS is {batch_budget_ms} ms, and a batch is received only when the "
+        "time left covers it (each receive spends one of a message's three deliveries)"
+    )
+
+
+def idle_polling_shortfall(config: DrainConfig, time_budget_ms: int) -> str:
+    """Why idle polling, when asked for, could not poll even once in ``time_budget_ms``, or ""."""
+    poll_ms = config.idle_poll_ms
+    if poll_ms <= 0:
+        return ""
+    if time_budget_ms - poll_ms < config.batch_budget_ms:
+        return (
+            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: after one interval the "
+            f"time left of a {time_budget_ms / 1000:g} s budget is below DRAIN_BATCH_BUDGET_MS "
+            f"({config.batch_budget_ms} ms)"
+        )
+    if 0 < config.idle_window_seconds * 1000 < poll_ms:
+        return (
+            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: its window, "
+            f"DRAIN_IDLE_WINDOW_SECONDS={config.idle_window_seconds:g}, is shorter than one "
+            "interval"
+        )
+    return ""
+
+
 def _stop_reason(
     config: DrainConfig, summary: DrainSummary, remaining_ms: int, *, time_for: int
 ) -> str:

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING
 from infrai_jobs.drain import (
     DrainConfig,
     DrainSummary,
+    budget_shortfall,
     drain,
+    idle_polling_shortfall,
     merge_summaries,
     stopped_before_receiving,
 )
-from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.errors import ConfigurationError, LedgerError, LedgerUnavailable
 from infrai_jobs.factory import (
     make_drain_fleet,
     make_drain_starter,
@@ -131,6 +133,7 @@ class DrainService:
             self.effect_guard.register_lambda_context(_TimeLeft(time_left_ms))
         lanes = max(1, self.settings.drain_lanes)
         config = self.config(max_batches, idle_polling=fan_out_slot is None)
+        check_time_budget(config, time_left_ms())
         with _retries_within(self.queue, time_left_ms):
             if self.fleet is None:
                 summary = self._drain(self.queue, lanes, config, time_left_ms)
@@ -230,6 +233,27 @@ class DrainService:
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""
         return self.effect_guard.take_hits() if self.effect_guard is not None else 0
+
+
+def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
+    """Refuse a drain whose time cannot hold one batch (it would stop at once, reporting
+    ``time_budget`` with messages waiting untouched); warn when idle polling cannot poll."""
+    shortfall = budget_shortfall(config.batch_budget_ms, time_budget_ms)
+    if shortfall:
+        logger.error(
+            "the drain's time cannot hold one batch; nothing was received",
+            extra={"action": "time_budget_too_short", "detail": shortfall},
+        )
+        raise ConfigurationError(
+            f"{shortfall}; nothing was received. Give the drain more time, or lower "
+            "DRAIN_BATCH_BUDGET_MS to what one batch of the slowest job needs"
+        )
+    idle = idle_polling_shortfall(config, time_budget_ms)
+    if idle:
+        logger.warning(
+            "this drain does not poll an idle queue",
+            extra={"action": "idle_polling_off", "detail": idle},
+        )
 
 
 def _retries_within(

@@ -9,12 +9,15 @@ recorded in ``claim_history``, and errors that name the commands users type.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, OPERATOR, QUEUE, ROOT, Harness, harness, run_cli
+from drainkit import DLQ, OPERATOR, QUEUE, ROOT, Harness, harness, run_cli, start_cli
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.jobs import Payload
@@ -22,6 +25,9 @@ from infrai_jobs.jobs import Payload
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
 JOBS_PACKAGE = textwrap.dedent(
     """
+    import pathlib
+    import time
+
     from infrai_jobs.errors import PermanentJobError
     from infrai_jobs.jobs import Effect, JobRegistry
 
@@ -40,6 +46,13 @@ JOBS_PACKAGE = textwrap.dedent(
         @registry.job("cli.broken", effect=Effect.EXTERNAL, identity=("id",))
         def broken(payload, ctx):
             raise PermanentJobError("the customer does not exist")
+
+        @registry.job("cli.slow", effect=Effect.EXTERNAL, identity=("id",))
+        def slow(payload, ctx):
+            # Says it started (the test signals the drain then), then takes its time.
+            pathlib.Path(payload["started"]).write_text("started")
+            time.sleep(payload["seconds"])
+            return {"id": payload["id"]}
 
         return registry
     """
@@ -186,6 +199,95 @@ def test_idle_polling_that_cannot_poll_says_so(kit: Harness, jobs_path: str) -> 
     assert "DRAIN_IDLE_POLL_MS=200" in line
     assert "cannot poll" in line
     assert json.loads(finished.stdout)["idle_polls"] == 0
+
+
+def _interrupt_during_a_slow_handler(
+    kit: Harness, jobs_path: str, tmp_path: Path, *, seconds: float, sig: signal.Signals, grace: str
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """A drain of a slow external job and 14 quick ones, sent ``sig`` once the slow handler
+    has started; what it printed, and the ids published."""
+    started = tmp_path / "started"
+    ids = kit.publish({"job": "cli.slow", "id": "s", "seconds": seconds, "started": str(started)})
+    for n in range(14):
+        ids += kit.publish({"job": "cli.ok", "id": f"q{n}"})
+    drain = start_cli(kit, "drain", "--jobs-path", jobs_path, "--interrupt-grace-seconds", grace)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert drain.poll() is None, drain.communicate()
+            assert time.monotonic() < deadline, "the slow handler never started"
+            time.sleep(0.05)
+        drain.send_signal(sig)
+        out, err = drain.communicate(timeout=60)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+            drain.communicate()
+    return subprocess.CompletedProcess(drain.args, drain.returncode, out, err), ids
+
+
+def test_an_interrupted_drain_settles_what_it_holds_and_reports_then_exits_130(
+    kit: Harness, jobs_path: str, tmp_path: Path
+) -> None:
+    # Given a slow external job (1.5 s) among 15 messages, two batches' worth
+    # When the drain gets SIGINT while the slow handler runs
+    finished, _ids = _interrupt_during_a_slow_handler(
+        kit, jobs_path, tmp_path, seconds=1.5, sig=signal.SIGINT, grace="30"
+    )
+    # Then it exits 130 without a traceback, having settled and acked what it held
+    assert finished.returncode == 130, finished.stdout + finished.stderr
+    assert "Traceback" not in finished.stderr
+    summary = json.loads(finished.stdout)
+    assert summary["stopped"] == "interrupted"
+    assert summary["consumed"] == summary["acked"] > 0
+    assert "stopped: interrupted" in finished.stderr
+    assert "interrupted by SIGINT: stopped receiving" in finished.stderr
+    assert "in flight: none" in finished.stderr
+    assert "left running: no claim" in finished.stderr
+    assert summary["interrupted"]["in_flight"] == []
+    assert summary["interrupted"]["left_running"] == []
+    # And the slow job is done, not left running
+    row = kit.row("cli.slow:s")
+    assert row is not None
+    assert row.state == "done"
+    # And nothing it did not ack is hidden: what it did not receive is still available
+    stats = kit.client.stats(QUEUE)
+    assert stats.in_flight_count == 0
+    assert stats.available_count == 15 - summary["consumed"]
+
+
+def test_a_drain_interrupted_past_its_grace_names_what_is_in_flight_and_left_running(
+    kit: Harness, jobs_path: str, tmp_path: Path
+) -> None:
+    # Given a slow external job (60 s) among 15 messages, and a grace of 1 s
+    # When the drain gets SIGTERM while the slow handler runs
+    finished, ids = _interrupt_during_a_slow_handler(
+        kit, jobs_path, tmp_path, seconds=60, sig=signal.SIGTERM, grace="1"
+    )
+    # Then it exits 143 within the grace, without a traceback
+    assert finished.returncode == 143, finished.stdout + finished.stderr
+    assert "Traceback" not in finished.stderr
+    err = finished.stderr
+    assert "interrupted by SIGTERM" in err
+    assert "did not settle within the 1 s grace" in err
+    assert "summary so far:" in err
+    # And it lists every message it received and did not ack, and when each comes back
+    report = json.loads(finished.stdout)["interrupted"]
+    held = [m["message_id"] for m in report["in_flight"]]
+    assert held
+    assert set(held) <= set(ids)
+    (line,) = [line for line in err.splitlines() if line.startswith("in flight:")]
+    assert f"in flight: {len(held)} message(s)" in line
+    assert "after its visibility timeout" in line
+    assert all(message_id in line for message_id in held)
+    assert kit.client.stats(QUEUE).in_flight_count == len(held)
+    # And the slow job's claim, left running, is named with the command to inspect it
+    assert report["left_running"] == ["cli.slow:s"]
+    assert "left running: 1 claim(s)" in err
+    assert "  infrai-jobs claims show cli.slow:s" in err.splitlines()
+    row = kit.row("cli.slow:s")
+    assert row is not None
+    assert row.state == "running"
 
 
 def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> None:

@@ -212,6 +212,34 @@ def test_a_drain_says_when_its_time_cannot_hold_a_batch_or_a_poll(
     assert (idle_polling_shortfall(config, budget_ms) == "") is (polls or poll_ms == 0)
 
 
+def test_a_stop_request_ends_the_drain_before_its_next_receive_and_settles_what_it_holds(
+    kit: Kit,
+) -> None:
+    # Given 35 jobs, and a stop requested once the first batch has been run
+    for n in range(35):
+        kit.publish(_db(str(n)))
+
+    def stop_requested() -> bool:
+        return kit.ledger.calls["run_database_batch"] >= 1
+
+    # When the drain runs
+    summary = drain(
+        kit.queue,
+        kit.ledger,
+        kit.registry,
+        DrainConfig(queue=QUEUE),
+        lambda: TIME_LEFT_MS,
+        clock=kit.clock,
+        stop_requested=stop_requested,
+    )
+    # Then it finished the batch it was running and the one received ahead, acked both, and
+    # received nothing more
+    assert (summary.batches, summary.consumed, summary.acked) == (2, 20, 20)
+    assert summary.stopped == "interrupted"
+    stats = kit.queue.stats(QUEUE)
+    assert (stats.available_count, stats.in_flight_count) == (15, 0)
+
+
 def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> None:
     # Given 25 jobs and a budget that covers two batches only
     for n in range(25):

@@ -39,7 +39,7 @@ from infrai_jobs.factory import (
 from infrai_jobs.fan_out import CountingQueue, FanOutPolicy, FleetMonitor
 from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, QueuePort
+from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, ForwardingQueue, QueuePort
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
@@ -122,11 +122,13 @@ class DrainService:
         max_batches: int | None = None,
         *,
         fan_out_slot: str | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ) -> DrainSummary:
         """Drain once. A ledger outage is raised after what settled was acked, so the
         function's Errors alarm fires instead of the invocation looking healthy.
 
-        ``fan_out_slot`` is the slot a fan-out reserved for this run (its event says so)."""
+        ``fan_out_slot`` is the slot a fan-out reserved for this run (its event says so);
+        ``stop_requested`` ends it before its next receive (the CLI, interrupted)."""
         if self.effect_guard is not None:
             # Every run: an in-progress record of a crashed call then expires with this
             # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
@@ -134,11 +136,14 @@ class DrainService:
         lanes = max(1, self.settings.drain_lanes)
         config = self.config(max_batches, idle_polling=fan_out_slot is None)
         check_time_budget(config, time_left_ms())
+        stop = stop_requested or _never
         with _retries_within(self.queue, time_left_ms):
             if self.fleet is None:
-                summary = self._drain(self.queue, lanes, config, time_left_ms)
+                summary = self._drain(self.queue, lanes, config, time_left_ms, stop)
             else:
-                summary = self._drain_counted(self.fleet, lanes, config, time_left_ms, fan_out_slot)
+                summary = self._drain_counted(
+                    self.fleet, lanes, config, time_left_ms, fan_out_slot, stop_requested=stop
+                )
         if summary.stopped == "ledger_unavailable":
             raise LedgerUnavailable(
                 f"the ledger database failed mid-drain; summary so far: {summary.as_dict()}"
@@ -151,6 +156,7 @@ class DrainService:
         lanes: int,
         config: DrainConfig,
         time_left_ms: Callable[[], int],
+        stop_requested: Callable[[], bool],
     ) -> DrainSummary:
         """One drain loop, or several at once on one queue: the claims keep them from
         overlapping.
@@ -158,7 +164,14 @@ class DrainService:
         Each lane has its own database connection; the HTTP pool is shared (thread-safe).
         """
         if lanes == 1:
-            return drain(queue, self.ledger, self.registry, config, time_left_ms)
+            return drain(
+                queue,
+                self.ledger,
+                self.registry,
+                config,
+                time_left_ms,
+                stop_requested=stop_requested,
+            )
         while len(self.extra_ledgers) < lanes - 1:
             if self.make_lane_ledger is None:
                 raise LedgerUnavailable("DRAIN_LANES > 1 needs a ledger factory")
@@ -166,7 +179,15 @@ class DrainService:
         ledgers = [self.ledger, *self.extra_ledgers[: lanes - 1]]
         with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
             futures = [
-                pool.submit(drain, queue, ledger, self.registry, config, time_left_ms)
+                pool.submit(
+                    drain,
+                    queue,
+                    ledger,
+                    self.registry,
+                    config,
+                    time_left_ms,
+                    stop_requested=stop_requested,
+                )
                 for ledger in ledgers
             ]
             return merge_summaries([future.result() for future in futures])
@@ -178,6 +199,8 @@ class DrainService:
         config: DrainConfig,
         time_left_ms: Callable[[], int],
         fan_out_slot: str | None,
+        *,
+        stop_requested: Callable[[], bool],
     ) -> DrainSummary:
         """Drain as one of the fleet: join it (or stop at the cap), fan out while draining."""
         settings = self.settings
@@ -215,7 +238,7 @@ class DrainService:
         )
         try:
             with monitor.running():
-                summary = self._drain(counting, lanes, config, time_left_ms)
+                summary = self._drain(counting, lanes, config, time_left_ms, stop_requested)
         finally:
             try:
                 fleet.leave(config.queue, [drain_id])
@@ -256,11 +279,18 @@ def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
         )
 
 
+def _never() -> bool:
+    return False
+
+
 def _retries_within(
     queue: QueuePort, time_left_ms: Callable[[], int]
 ) -> AbstractContextManager[None]:
-    """The Infrai client retries only while the invocation has time for it; other queues (the
-    in-memory one of the tests) have no retries to bound."""
+    """The Infrai client retries only while the invocation has time for it (looked for behind
+    any wrapper that watches its calls); other queues (the in-memory one of the tests) have no
+    retries to bound."""
+    while isinstance(queue, ForwardingQueue):
+        queue = queue.inner
     if isinstance(queue, InfraiClient):
         return queue.retries_within(time_left_ms)
     return nullcontext()

@@ -366,7 +366,7 @@ def test_two_copies_in_one_batch_run_once_and_both_are_acked(
     summary = kit.drain()
     # Then the work ran once, and both copies are acked
     assert kit.calls == {f"{payload['job']}:twin": 1}
-    assert summary.outcomes == {"done": 1, "in_flight": 1}
+    assert summary.outcomes == {"done": 1, "duplicate_in_flight": 1}
     assert (summary.batches, summary.consumed, summary.done, summary.acked) == (1, 2, 1, 2)
     assert kit.queue.stats(QUEUE).message_count == 0
 
@@ -378,7 +378,7 @@ def test_a_copy_of_a_failing_job_in_its_batch_leaves_the_retries_to_the_first(ki
     summary = kit.drain()
     # Then it ran once; the copy is acked and the first copy's message carries the retries
     assert kit.calls == {"test.db:flaky": 1}
-    assert summary.outcomes == {"retry": 1, "in_flight": 1}
+    assert summary.outcomes == {"retry": 1, "duplicate_in_flight": 1}
     assert summary.acked == 1
     kit.redeliver()
     (again,) = kit.queue.consume(QUEUE)
@@ -417,7 +417,7 @@ def test_a_duplicate_of_done_is_acked_and_changes_nothing(kit: Kit) -> None:
     # Then the effect did not repeat, the row is unchanged and the copy is acked
     assert kit.calls == {"test.ext:a": 1}
     assert kit.row("test.ext:a") == before
-    assert (summary.outcomes, summary.acked, summary.duplicates) == ({"duplicate": 1}, 1, 1)
+    assert (summary.outcomes, summary.acked, summary.duplicates) == ({"duplicate_done": 1}, 1, 1)
 
 
 def test_a_duplicate_while_another_holds_a_live_claim_is_acked(kit: Kit) -> None:
@@ -430,7 +430,7 @@ def test_a_duplicate_while_another_holds_a_live_claim_is_acked(kit: Kit) -> None
     kit.publish(payload)
     summary = kit.drain()
     # Then it is acked (the owner's message drives retries) and nothing ran or changed
-    assert (summary.outcomes, summary.acked) == ({"in_flight": 1}, 1)
+    assert (summary.outcomes, summary.acked) == ({"duplicate_in_flight": 1}, 1)
     assert kit.calls == {}
     assert kit.row("test.ext:busy") == before
 
@@ -622,7 +622,7 @@ def test_a_failed_ack_is_made_good_by_the_redelivery(kit: Kit) -> None:
     kit.redeliver()
     second = kit.drain()
     # Then it is a duplicate of done, acked without running again
-    assert (second.outcomes, second.acked) == ({"duplicate": 1}, 1)
+    assert (second.outcomes, second.acked) == ({"duplicate_done": 1}, 1)
     assert kit.calls == {"test.db:a": 1}
     assert kit.queue.stats(QUEUE).message_count == 0
 
@@ -694,9 +694,9 @@ def test_the_summary_counts_add_up(kit: Kit) -> None:
     summary = kit.drain()
     # Then every message is counted once, in one of the five buckets
     assert summary.outcomes == {
-        "duplicate": 1,
+        "duplicate_done": 1,
         "done": 1,
-        "in_flight": 1,
+        "duplicate_in_flight": 1,
         "retry": 1,
         "failed": 1,
         "stuck": 1,

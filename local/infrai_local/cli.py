@@ -752,12 +752,34 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             check_publishable(registry, body)
         except KeyDerivationError as exc:
             raise ConfigurationError(f"not published: {exc}") from None
+    published = 0
     with _queue_client(settings) as client:
         if args.create:
             client.ensure_queue(queue, dlq=settings.dlq if queue == settings.queue else None)
-        for _ in range(args.count):
-            print(client.publish(queue, body, delay_seconds=args.delay_seconds))
+        try:
+            for _ in range(args.count):
+                message_id = client.publish(queue, body, delay_seconds=args.delay_seconds)
+                published += 1
+                # Flushed line by line: a reader that goes away (`| head -1`) stops the
+                # publishing at once, and the count below is what went out.
+                print(message_id, flush=True)
+        except BrokenPipeError:
+            _discard_output(sys.stdout)
+            print(
+                f"error: the output was closed: {_published(published, args.count)}; the other "
+                f"{args.count - published} were not published",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        except InfraiJobsError:
+            if published:
+                print(f"{_published(published, args.count)} before this error:", file=sys.stderr)
+            raise
     return EXIT_OK
+
+
+def _published(published: int, asked: int) -> str:
+    return f"{published} of {asked} message(s) published"
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

@@ -17,7 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, OPERATOR, QUEUE, ROOT, Harness, harness, run_cli, start_cli
+from drainkit import (
+    DLQ,
+    INFRAI_JOBS,
+    OPERATOR,
+    QUEUE,
+    ROOT,
+    Harness,
+    cli_environment,
+    harness,
+    run_cli,
+    start_cli,
+)
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.jobs import Payload
@@ -288,6 +299,48 @@ def test_a_drain_interrupted_past_its_grace_names_what_is_in_flight_and_left_run
     row = kit.row("cli.slow:s")
     assert row is not None
     assert row.state == "running"
+
+
+def test_a_drain_with_the_ledger_down_from_the_start_says_nothing_was_received(
+    kit: Harness, jobs_path: str
+) -> None:
+    # Given a message waiting, and a DATABASE_URL with nothing listening
+    kit.publish({"job": "cli.ok", "id": "waiting"})
+    # When the operator drains
+    finished = run_cli(
+        kit, "drain", "--jobs-path", jobs_path, DATABASE_URL="postgresql://nobody@127.0.0.1:1/none"
+    )
+    # Then it fails saying plainly that nothing was received, not "mid-drain" with a dict
+    assert finished.returncode == 1, finished.stderr
+    assert "Traceback" not in finished.stderr
+    (line,) = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert "unreachable, so the drain received nothing" in line
+    assert "mid-drain" not in finished.stderr
+    assert "{" not in line
+    assert kit.client.stats(QUEUE).available_count == 1
+
+
+def test_publish_says_how_many_went_out_when_its_output_is_cut(kit: Harness) -> None:
+    # Given a publish of 2000 copies whose reader stops after the first id
+    body = json.dumps({"job": "cli.ok", "id": "cut"})
+    command = f"{INFRAI_JOBS} publish --unchecked --count 2000 '{body}' | head -1"
+    # When it runs
+    finished = subprocess.run(
+        ["bash", "-c", command],
+        env=cli_environment(kit),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # Then one id reached the reader, and stderr says how many were published, which is what
+    # the queue holds
+    assert len(finished.stdout.split()) == 1
+    (line,) = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    published = int(line.split("error: the output was closed: ", 1)[1].split(" of 2000 ")[0])
+    assert f"the other {2000 - published} were not published" in line
+    assert kit.client.stats(QUEUE).message_count == published
+    assert "Traceback" not in finished.stderr
 
 
 def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> None:

@@ -145,9 +145,7 @@ class DrainService:
                     self.fleet, lanes, config, time_left_ms, fan_out_slot, stop_requested=stop
                 )
         if summary.stopped == "ledger_unavailable":
-            raise LedgerUnavailable(
-                f"the ledger database failed mid-drain; summary so far: {summary.as_dict()}"
-            )
+            raise LedgerUnavailable(ledger_outage_message(summary))
         return summary
 
     def _drain(
@@ -256,6 +254,24 @@ class DrainService:
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""
         return self.effect_guard.take_hits() if self.effect_guard is not None else 0
+
+
+def ledger_outage_message(summary: DrainSummary) -> str:
+    """What a drain stopped by the ledger says: "mid-drain" only when it had received something
+    (the summary so far in words); before that, that nothing was received."""
+    if summary.consumed == 0:
+        return (
+            "the ledger database is unreachable, so the drain received nothing: every message "
+            "is still waiting in the queue; check DATABASE_URL (or DATABASE_SECRET_ARN) and the "
+            "database"
+        )
+    unsettled = summary.consumed - summary.acked
+    return (
+        f"the ledger database failed mid-drain, after {summary.consumed} message(s) received "
+        f"in {summary.batches} batch(es): {summary.done} done, {summary.duplicates} "
+        f"duplicate(s), {summary.acked} acked; the {unsettled} not acked come back after the "
+        "visibility timeout"
+    )
 
 
 def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:

@@ -7,7 +7,8 @@ Lambda layer, and only ever all together, when nothing real is configured.
 
 Exit codes: 0 success, 1 the operation failed (also when stdout was closed early), 2 bad usage
 or configuration, 3 the claim (or dead letter) is missing or changed since it was read, 130
-interrupted. With
+interrupted (Ctrl-C; a drain also exits 143 on SIGTERM, after reporting what it leaves behind:
+``infrai_local.drain_interrupt``). With
 ``--json``, an error is also printed to stdout as ``{"error": {"type", "message", "exit_code",
 ...}}``.
 """
@@ -18,6 +19,8 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
+import math
 import os
 import sys
 import time
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 import psycopg
 
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.drain import DrainSummary, budget_shortfall
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import (
     ClaimChanged,
@@ -58,7 +62,15 @@ from infrai_jobs.settings import (
 )
 from infrai_local import scaffold
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
-from infrai_local.drain_report import DrainReport, summary_lines
+from infrai_local.drain_interrupt import (
+    DEFAULT_GRACE_SECONDS,
+    Finished,
+    InFlightMessages,
+    Interruption,
+    OutcomeTally,
+    interrupted_lines,
+)
+from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
 from infrai_local.job_migrations import installed_job_migrations
 from infrai_local.jobs_package import code_root, load_registry
 
@@ -357,6 +369,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
     drain.add_argument(
+        "--interrupt-grace-seconds",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, how long the batch in progress may take to settle before "
+        f"the drain reports and exits (default {DEFAULT_GRACE_SECONDS:g})",
+    )
+    drain.add_argument(
         "--fan-out-slot",
         default=None,
         metavar="DRAIN_ID",
@@ -487,7 +507,20 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.time_budget_seconds <= 0:
         raise ConfigurationError("--time-budget-seconds must be above 0")
+    if args.interrupt_grace_seconds < 0:
+        raise ConfigurationError("--interrupt-grace-seconds must be 0 or more")
+    budget_ms = int(args.time_budget_seconds * 1000)
+    shortfall = budget_shortfall(settings.batch_budget_ms, budget_ms)
+    if shortfall:
+        # Before any stand-in starts: such a drain would stop at once and look like an empty
+        # queue, with the messages waiting untouched.
+        raise ConfigurationError(
+            f"{shortfall}; nothing was received. Give --time-budget-seconds "
+            f"{math.ceil(settings.batch_budget_ms / 1000)} or more, or set DRAIN_BATCH_BUDGET_MS "
+            f"to at most {budget_ms} if one batch of your jobs fits in that"
+        )
     fanned_out: list[dict[str, object]] = []
+    interruption = Interruption(args.interrupt_grace_seconds)
     with contextlib.ExitStack() as stack:
         settings = _with_stand_ins(
             settings, stack, who="`infrai-jobs drain`", jobs_path=args.jobs_path
@@ -495,17 +528,41 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         starter = _drain_processes(settings, args)
         service = DrainService.from_settings(settings, registry, starter=starter)
         stack.callback(service.close)
+        # What this drain received and has not acked: reported if it is interrupted.
+        held = InFlightMessages(
+            service.queue, visibility_timeout_seconds=settings.visibility_timeout_seconds
+        )
+        service.queue = held
         deadline = time.monotonic() + args.time_budget_seconds
         # Problem messages and retried calls, one line each on stderr as they happen.
-        with DrainReport(sys.stderr).attached():
-            summary = service.run(
-                lambda: int((deadline - time.monotonic()) * 1000),
-                max_batches=args.max_batches,
-                fan_out_slot=args.fan_out_slot,
+        with (
+            DrainReport(sys.stderr).attached(),
+            OutcomeTally().attached(PACKAGE_LOGGER) as tally,
+            interruption.handling(),
+        ):
+            finished = interruption.run(
+                lambda: service.run(
+                    lambda: int((deadline - time.monotonic()) * 1000),
+                    max_batches=args.max_batches,
+                    fan_out_slot=args.fan_out_slot,
+                    stop_requested=interruption.requested,
+                )
             )
-        if starter is not None:
-            # Before the local emulator and database stop: the children use them.
-            fanned_out = starter.wait()
+        if not interruption.requested():
+            assert finished.result is not None
+            if starter is not None:
+                # Before the local emulator and database stop: the children use them.
+                fanned_out = starter.wait()
+        else:
+            code = _report_interrupted(interruption, finished, held, tally, service)
+            if not finished.settled:
+                # A handler is still running on the drain's thread: nothing it says from here
+                # on is for the terminal, and the process ends without waiting for it.
+                _silence_package_logs()
+                stack.close()
+                _exit_now(code)
+            return code
+    summary = finished.result
     for line in summary_lines(summary):
         print(line, file=sys.stderr)
     result: dict[str, object] = summary.as_dict()
@@ -513,6 +570,88 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         result["fanned_out_drains"] = fanned_out
     print(json.dumps(result))
     return EXIT_OK
+
+
+def _report_interrupted(
+    interruption: Interruption,
+    finished: Finished[DrainSummary],
+    held: InFlightMessages,
+    tally: OutcomeTally,
+    service: DrainService,
+) -> int:
+    """The summary so far, what is in flight and what is left running; the exit code."""
+    unreadable = 0 if finished.settled else held.read_unread()
+    in_flight = held.held()
+    running = _claims_left_running(service, held.received_ids())
+    if finished.result is not None:
+        summary = finished.result
+        for line in summary_lines(summary):
+            print(line, file=sys.stderr)
+        result: dict[str, object] = summary.as_dict()
+    else:
+        received = len(held.received_ids())
+        outcomes = dict(sorted(tally.outcomes.items()))
+        print(
+            f"summary so far: {received} message(s) received, {received - len(in_flight)} "
+            f"acked; outcomes so far: {_counts(outcomes)}",
+            file=sys.stderr,
+        )
+        result = {"consumed": received, "outcomes": outcomes, "stopped": "interrupted"}
+    for line in interrupted_lines(
+        interruption,
+        settled=finished.settled,
+        held=in_flight,
+        running_keys=running if running is not None else [],
+    ):
+        print(line, file=sys.stderr)
+    if unreadable:
+        print(
+            f"in flight, unseen: {unreadable} receive(s) sent ahead whose answer could not be "
+            "read; their messages come back after the visibility timeout too",
+            file=sys.stderr,
+        )
+    if running is None:
+        print("left running: unknown, the ledger could not be read", file=sys.stderr)
+    result["interrupted"] = {
+        "signal": interruption.signal.name if interruption.signal else "",
+        "settled": finished.settled,
+        "in_flight": [
+            {"message_id": m.message_id, "back_at": m.back_at.isoformat()} for m in in_flight
+        ],
+        "left_running": running,
+    }
+    print(json.dumps(result), flush=True)
+    return interruption.exit_code
+
+
+def _claims_left_running(service: DrainService, message_ids: set[str]) -> list[str] | None:
+    """The keys of the claims still ``running`` for messages this drain received; None when
+    the ledger cannot say."""
+    if not message_ids:
+        return []
+    try:
+        rows = make_claims_admin(service.settings).list_claims(state="running", limit=10_000)
+    except InfraiJobsError:
+        return None
+    return sorted(row.idem_key for row in rows if row.message_id in message_ids)
+
+
+def _counts(outcomes: dict[str, int]) -> str:
+    return ", ".join(f"{count} {name}" for name, count in outcomes.items()) or "none"
+
+
+def _silence_package_logs() -> None:
+    package = logging.getLogger(PACKAGE_LOGGER)
+    package.addHandler(logging.NullHandler())
+    package.propagate = False
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process without waiting for a drain thread that is still in a handler."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDrainStarter | None:
@@ -613,12 +752,34 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             check_publishable(registry, body)
         except KeyDerivationError as exc:
             raise ConfigurationError(f"not published: {exc}") from None
+    published = 0
     with _queue_client(settings) as client:
         if args.create:
             client.ensure_queue(queue, dlq=settings.dlq if queue == settings.queue else None)
-        for _ in range(args.count):
-            print(client.publish(queue, body, delay_seconds=args.delay_seconds))
+        try:
+            for _ in range(args.count):
+                message_id = client.publish(queue, body, delay_seconds=args.delay_seconds)
+                published += 1
+                # Flushed line by line: a reader that goes away (`| head -1`) stops the
+                # publishing at once, and the count below is what went out.
+                print(message_id, flush=True)
+        except BrokenPipeError:
+            _discard_output(sys.stdout)
+            print(
+                f"error: the output was closed: {_published(published, args.count)}; the other "
+                f"{args.count - published} were not published",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        except InfraiJobsError:
+            if published:
+                print(f"{_published(published, args.count)} before this error:", file=sys.stderr)
+            raise
     return EXIT_OK
+
+
+def _published(published: int, asked: int) -> str:
+    return f"{published} of {asked} message(s) published"
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

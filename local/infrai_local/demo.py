@@ -26,7 +26,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,23 @@ class _Stage:
         )
         return rows[0] if rows else None
 
+    def claim_text(self, key: str) -> str:
+        """The claim as a person reads it: ``done (attempt 1)``, ``running (attempt 1): the
+        error``, or ``none``."""
+        return claim_words(self.claim(key))
+
+
+def claim_words(claim: Sequence[Any] | None) -> str:
+    if claim is None:
+        return "none"
+    state, attempts, error = claim
+    return f"{state} (attempt {attempts})" + (f": {error}" if error else "")
+
+
+def outcome_words(outcomes: Mapping[str, int]) -> str:
+    """``1 duplicate_done, 1 done``: a drain's outcomes, by the labels its summary uses."""
+    return ", ".join(f"{count} {name}" for name, count in sorted(outcomes.items())) or "none"
+
 
 def run_story(root: Path, report: DemoReport) -> DemoReport:
     started = time.monotonic()
@@ -176,12 +193,13 @@ def _chapter_producer_retry(stage: _Stage, report: DemoReport) -> None:
         "queue_after": client.stats(QUEUE).message_count,
     }
     report.say(
-        f"DrainFunction: consumed {summary['consumed']}, done {summary['done']}, "
-        f"duplicates {summary['duplicates'] + summary['outcomes'].get('batch_duplicate', 0)}"
-        f", acked {summary['acked']}"
+        f"DrainFunction: consumed {summary['consumed']}, outcomes "
+        f"{outcome_words(summary['outcomes'])}, acked {summary['acked']}"
     )
     report.say(
-        f"ledger: {claims}; invoice {status[0]} at {status[1]} cents, "
+        "ledger: "
+        + ", ".join(f"{key} {state}" for key, state in claims)
+        + f"; invoice {status[0]} at {status[1]} cents, "
         f"updated {updates} time(s); messages left: {client.stats(QUEUE).message_count}"
     )
 
@@ -208,7 +226,7 @@ def _chapter_crash_before_ack(stage: _Stage, report: DemoReport) -> None:
     )
     report.say(
         f"drain process killed at its first ack (exit {crashed.returncode}); "
-        f"claim: {stage.claim('invoice.finalize:inv_8813')}"
+        f"claim: {stage.claim_text('invoice.finalize:inv_8813')}"
     )
     stage.advance_clock(301)
     redelivered = client.stats(QUEUE).available_count
@@ -224,7 +242,7 @@ def _chapter_crash_before_ack(stage: _Stage, report: DemoReport) -> None:
     }
     report.say(
         f"after the visibility timeout: {redelivered} message back (delivery 2); "
-        f"DrainFunction outcomes {summary['outcomes']}, acked {summary['acked']}; "
+        f"DrainFunction outcomes {outcome_words(summary['outcomes'])}, acked {summary['acked']}; "
         f"inv_8813 updated {updates} time(s)"
     )
 
@@ -235,7 +253,9 @@ def _chapter_poison_to_dlq(stage: _Stage, report: DemoReport) -> None:
     client.publish(QUEUE, {"job": "invoice.finalize", "invoice_id": "inv_404", "amount_cents": 100})
     for delivery in (1, 2, 3):
         summary = stage.drain_function()
-        report.say(f"delivery {delivery}: outcomes {summary['outcomes']} (not acked)")
+        report.say(
+            f"delivery {delivery}: outcomes {outcome_words(summary['outcomes'])} (not acked)"
+        )
         stage.advance_clock(301)
     stats = client.stats(QUEUE)
     report.facts["poison"] = {
@@ -244,7 +264,7 @@ def _chapter_poison_to_dlq(stage: _Stage, report: DemoReport) -> None:
     }
     report.say(
         f"dlq_count is now {stats.dlq_count}; the ledger holds no claim for it "
-        f"({stage.claim('invoice.finalize:inv_404')}), so a redrive after the fix "
+        f"(claim: {stage.claim_text('invoice.finalize:inv_404')}), so a redrive after the fix "
         "will run it"
     )
     alerts = stage.function("DlqAlertFunction", "dlq-alert-schedule.json")
@@ -272,7 +292,8 @@ def _chapter_redrive_after_fix(stage: _Stage, report: DemoReport) -> None:
     report.say(
         f"RedriveFunction: published {moved['published']}, acked {moved['acked']}, cost "
         f"${moved['cost_usd']} (price from {moved['price_source']}); the drain: "
-        f"{summary['outcomes']}; claim now {stage.claim('invoice.finalize:inv_404')}"
+        f"{outcome_words(summary['outcomes'])}; claim now "
+        f"{stage.claim_text('invoice.finalize:inv_404')}"
     )
     report.say(
         f"dlq_count back to {after.dlq_count}; DlqAlertFunction: "
@@ -290,7 +311,10 @@ def _chapter_unknown_outcome(stage: _Stage, report: DemoReport) -> None:
     summary = stage.drain_function()
     claim = stage.claim("receipt.send:inv_8812")
     report.facts["uncertain"] = {"summary": summary, "claim": claim}
-    report.say(f"mail provider answered 503: outcomes {summary['outcomes']}; claim {claim}")
+    report.say(
+        f"mail provider answered 503: outcomes {outcome_words(summary['outcomes'])}; "
+        f"claim {claim_words(claim)}"
+    )
     alerts = stage.function("DlqAlertFunction", "dlq-alert-schedule.json")["alerts"]
     report.facts["uncertain"]["alerts"] = alerts
     for alert in alerts:

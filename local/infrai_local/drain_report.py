@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from infrai_jobs.drain import DrainSummary
+from infrai_jobs.outcomes import OUTCOME_RULES
 
 # The layer package's logger (observability.PACKAGE_LOGGER, not imported: it loads Powertools).
 PACKAGE_LOGGER = "infrai_jobs"
@@ -110,12 +111,25 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _by_outcome(summary: DrainSummary, bucket: str) -> str:
+    """`` (1 duplicate_in_flight)``: the outcomes a summary total is made of, under the labels
+    the JSON's ``outcomes`` and the log lines use; "" when the total is 0."""
+    parts = [
+        f"{summary.outcomes[outcome.value]} {outcome.value}"
+        for outcome, rule in OUTCOME_RULES.items()
+        if rule.bucket == bucket and summary.outcomes.get(outcome.value)
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def summary_lines(summary: DrainSummary) -> list[str]:
     """The summary in words: what ran, what comes back by itself, what waits for a human."""
+    duplicates, parked = _by_outcome(summary, "duplicates"), _by_outcome(summary, "parked")
     lines = [
         f"drained {summary.consumed} message(s) in {summary.batches} batch(es): "
-        f"{summary.done} done, {summary.duplicates} duplicate(s), {summary.retried} retried, "
-        f"{summary.failed} failed, {summary.parked} parked; {summary.acked} acked "
+        f"{summary.done} done, {summary.duplicates} duplicate(s){duplicates}, "
+        f"{summary.retried} retried, {summary.failed} failed, "
+        f"{summary.parked} parked{parked}; {summary.acked} acked "
         f"({summary.ack_lost} ack_lost, {summary.ack_failed} ack_failed); "
         f"stopped: {summary.stopped or '-'}"
     ]

@@ -18,7 +18,6 @@ embedded database a local parent started must not stop under its children.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -210,6 +209,7 @@ class LocalLambda:
         self.invocations = 0
         self.throttled = 0
         self._launch = launch
+        self._given = dict(env)
         self._env = dict(env)
         self._cwd = cwd
         self._processes = DrainProcesses(log=log, keep_in=keep_in)
@@ -231,15 +231,19 @@ class LocalLambda:
         return self
 
     def client_env(self) -> dict[str, str]:
-        """What a process sets so that boto3's Lambda client calls this endpoint."""
-        return {
-            "AWS_ENDPOINT_URL_LAMBDA": self.url,
-            # Local stand-ins: botocore signs every call and needs something to sign with.
-            "AWS_ACCESS_KEY_ID": "local",
-            "AWS_SECRET_ACCESS_KEY": "local",  # a loopback stand-in, not a secret
-            "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"),
-            "AWS_DEFAULT_REGION": os.environ.get("AWS_REGION", "us-east-1"),
-        }
+        """What a process sets so that boto3's Lambda client calls this endpoint.
+
+        Credentials and a region only where the environment it was given has none: botocore
+        signs every call and needs something to sign with, but a user's own credentials (for
+        the other AWS services a function calls) are never replaced."""
+        given = self._given
+        stand_ins: dict[str, str] = {}
+        if not (given.get("AWS_ACCESS_KEY_ID") or given.get("AWS_PROFILE")):
+            stand_ins["AWS_ACCESS_KEY_ID"] = "local"
+            stand_ins["AWS_SECRET_ACCESS_KEY"] = "local"  # noqa: S105 - a loopback stand-in
+        if not (given.get("AWS_REGION") or given.get("AWS_DEFAULT_REGION")):
+            stand_ins["AWS_REGION"] = stand_ins["AWS_DEFAULT_REGION"] = "us-east-1"
+        return {"AWS_ENDPOINT_URL_LAMBDA": self.url, **stand_ins}
 
     def stop(self, timeout: float | None = None) -> list[str]:
         """Wait for every invocation started (and those they start), then stop serving.

@@ -11,10 +11,16 @@ child gets a Lambda context whose remaining time counts down from the function's
 killed when it runs out.
 
 Local stand-ins, all or nothing as everywhere in this project (``local_services``): a variable the
-function's environment leaves empty is taken from the shell when set there; when none of the
+function's environment leaves empty is taken from the shell when set there, and an endpoint only
+the template's parameter defaults name counts as empty (a default is the template author's
+suggestion for AWS, not the user's choice: the hosted Infrai is reached only when the user set
+its URL); when none of the
 function's endpoints is configured, an embedded PostgreSQL (migrated: this command started it),
 a fresh emulator and the provider sink stand in for the invocation; when any is configured, a
 missing one is a configuration error. A database invoke did not start is never migrated.
+
+As ``sam local invoke`` does, the shell's AWS credentials, profile, region and endpoints are
+passed on (``aws_environment``), and ``AWS_SAM_LOCAL=true`` tells the function it runs locally.
 
 A function that may invoke itself (DrainFunction's backlog fan-out, ``DRAIN_MAX_CONCURRENCY``
 above 1) gets Lambda's Invoke API on loopback (``infrai_local.fan_out.LocalLambda``): each
@@ -106,6 +112,60 @@ sys.exit(0 if result["ok"] else 1)
 
 # What a Lambda environment has besides the function's own variables.
 _PASS_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "XDG_RUNTIME_DIR")
+# The shell's AWS credentials, profile, region and endpoints, forwarded as `sam local invoke`
+# forwards them (with the files a profile lives in, and every AWS_ENDPOINT_URL_<SERVICE>).
+AWS_FORWARDED = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CA_BUNDLE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+)
+AWS_SERVICE_ENDPOINT_PREFIX = "AWS_ENDPOINT_URL_"
+# Where a function runs when neither the shell nor its profile names a region, as in SAM.
+DEFAULT_REGION = "us-east-1"
+
+
+def aws_environment(shell: Mapping[str, str]) -> dict[str, str]:
+    """The AWS variables a local invocation takes from ``shell``, and the region both
+    ``AWS_REGION`` and ``AWS_DEFAULT_REGION`` name (Lambda sets the two alike): the shell's
+    ``AWS_REGION``, else its ``AWS_DEFAULT_REGION``, else its profile's, else us-east-1."""
+    forwarded = {
+        name: value
+        for name, value in shell.items()
+        if value and (name in AWS_FORWARDED or name.startswith(AWS_SERVICE_ENDPOINT_PREFIX))
+    }
+    region = (
+        shell.get("AWS_REGION")
+        or shell.get("AWS_DEFAULT_REGION")
+        or _profile_region(shell)
+        or DEFAULT_REGION
+    )
+    forwarded["AWS_REGION"] = forwarded["AWS_DEFAULT_REGION"] = region
+    return forwarded
+
+
+def _profile_region(shell: Mapping[str, str]) -> str:
+    """The region of the shell's AWS profile (its config file), or "" when it names none."""
+    profile = shell.get("AWS_PROFILE") or shell.get("AWS_DEFAULT_PROFILE")
+    if not profile:
+        return ""
+    import configparser  # noqa: PLC0415 - only a profile without a region in the shell needs it
+
+    config = configparser.ConfigParser()
+    path = shell.get("AWS_CONFIG_FILE") or str(Path(shell.get("HOME", "~")) / ".aws" / "config")
+    try:
+        config.read(Path(path).expanduser())
+    except (OSError, configparser.Error):
+        return ""
+    section = "default" if profile == "default" else f"profile {profile}"
+    return config.get(section, "region", fallback="").strip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +197,7 @@ def invoke(
     """Run one invocation of ``spec`` with the event in ``event``."""
     python_path = [str(spec.code_uri), *map(str, spec.layer_dirs), *dependency_path()]
     env = {name: os.environ[name] for name in _PASS_THROUGH if name in os.environ}
+    env.update(aws_environment(os.environ))
     env.update(
         {
             "PYTHONPATH": os.pathsep.join(python_path),
@@ -145,8 +206,9 @@ def invoke(
             "AWS_LAMBDA_FUNCTION_MEMORY_SIZE": str(spec.memory_mb),
             "AWS_LAMBDA_FUNCTION_TIMEOUT": str(spec.timeout),
             "AWS_LAMBDA_FUNCTION_VERSION": "$LATEST",
-            "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"),
-            "AWS_DEFAULT_REGION": os.environ.get("AWS_REGION", "us-east-1"),
+            # As `sam local invoke` says so: the function knows it is not in AWS (the drain
+            # then fans out only to a local Lambda endpoint, never to the real service).
+            "AWS_SAM_LOCAL": "true",
             "_HANDLER": spec.handler,
         }
     )
@@ -229,6 +291,8 @@ def _lines_until(process: subprocess.Popen[str], deadline: float) -> Iterator[st
 # What a function's environment may leave empty and the shell may fill in (and the settings
 # its jobs declared).
 _FROM_SHELL = (QUEUE_ENDPOINT, "INFRAI_API_KEY", LEDGER_ENDPOINT)
+# The variables that point a function at something real.
+_ENDPOINTS = (QUEUE_ENDPOINT, LEDGER_ENDPOINT, "DATABASE_SECRET_ARN")
 
 
 def job_setting_owners(spec: FunctionSpec) -> dict[str, tuple[str, ...]]:
@@ -263,10 +327,16 @@ def local_services(
     ``SchemaNotMigrated`` with the command.
     """
     say = announce if announce is not None else _to_stderr
-    env = spec.environment
     from_shell = os.environ if shell is None else shell
-    values: dict[str, str] = {}
     owners = job_setting_owners(spec)
+    # An endpoint only the template's defaults name (InfraiBaseUrl's hosted service) is not
+    # one the user chose: it counts as unset, and is never passed on to the function.
+    values: dict[str, str] = {
+        name: ""
+        for name in (*_ENDPOINTS, *owners)
+        if name in spec.environment and name in spec.template_only
+    }
+    env = {**spec.environment, **values}
     for name in (*_FROM_SHELL, *owners):
         if name in env and not env[name] and from_shell.get(name):
             values[name] = from_shell[name]
@@ -359,7 +429,7 @@ def _self_invocations(
         endpoint = LocalLambda(
             spec.logical_id,
             launch,
-            env=os.environ,
+            env={**os.environ, **aws_environment(os.environ)},
             reserved_concurrency=spec.reserved_concurrency or concurrency,
             cwd=template.parent,
             log=sys.stderr,

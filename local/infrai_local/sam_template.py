@@ -73,6 +73,10 @@ class FunctionSpec:
     architectures: tuple[str, ...] = field(default_factory=tuple)
     # ReservedConcurrentExecutions: at most this many invocations at once; None is no limit.
     reserved_concurrency: int | None = None
+    # The variables whose value the template alone decided (a literal, or parameters left at
+    # their Default): no parameter override and no env-vars file chose them. A template's
+    # default endpoint is the author's suggestion for AWS, not a choice the user made locally.
+    template_only: frozenset[str] = frozenset()
 
 
 def load_template(path: Path) -> dict[str, Any]:
@@ -201,12 +205,20 @@ def resolve_function(
         **globals_.get("Environment", {}).get("Variables", {}),
         **resource.get("Properties", {}).get("Environment", {}).get("Variables", {}),
     }
-    env = {name: _as_env_value(resolver.resolve(value)) for name, value in environment.items()}
+    chosen_parameters = {*(parameter_overrides or {}), *(env_vars or {}).get("Parameters", {})}
+    env: dict[str, str] = {}
+    template_only: set[str] = set()
+    for name, value in environment.items():
+        resolver.referenced.clear()
+        env[name] = _as_env_value(resolver.resolve(value))
+        if not resolver.referenced & chosen_parameters:
+            template_only.add(name)
     # As in SAM: the env-vars file overrides only variables the template declares.
     for scope in ("Parameters", logical_id):
         for name, value in (env_vars or {}).get(scope, {}).items():
             if name in env:
                 env[name] = _as_env_value(value)
+                template_only.discard(name)
 
     layer_dirs = []
     for layer in props.get("Layers", []):
@@ -236,6 +248,7 @@ def resolve_function(
         reserved_concurrency=_optional_int(
             resolver.resolve(props.get("ReservedConcurrentExecutions"))
         ),
+        template_only=frozenset(template_only),
     )
 
 
@@ -266,6 +279,8 @@ class _Resolver:
     def __init__(self, template: Mapping[str, Any], parameters: Mapping[str, Any]) -> None:
         self.parameters = parameters
         self.conditions = template.get("Conditions", {})
+        # The parameters read since this was last cleared (Ref and Fn::Sub).
+        self.referenced: set[str] = set()
 
     def resolve(self, value: Any) -> Any:
         if isinstance(value, list):
@@ -274,6 +289,7 @@ class _Resolver:
             return value
         ((key, arg),) = value.items()
         if key == "Ref":
+            self.referenced.add(arg)
             return self.parameters.get(arg, "")
         if key == "Fn::Sub":
             return self._sub(arg)
@@ -300,6 +316,7 @@ class _Resolver:
                 return str(self.resolve(variables[name]))
             if "." in name:
                 return ""
+            self.referenced.add(name)
             value = self.parameters.get(name, "")
             return "" if value is None else str(value)
 

@@ -869,7 +869,7 @@ class LeasedScenario:
     holding it. The redrive then meets those claims: the ledger bounds every lease by the
     message's visibility window, so by the time the operator's redrive runs (see
     ``_honour_the_queue_clock``) no lease is live, and each copy must be taken over
-    (``digest.build``) or flagged stuck (``receipt.send``), never acked as ``in_flight``.
+    (``digest.build``) or flagged stuck (``receipt.send``), never acked as ``duplicate_in_flight``.
 
     It runs beside the chaos phase (faults included) on a thread of its own, and is settled after
     it with the dying switched off.
@@ -1719,7 +1719,7 @@ def _read_leased_events(scenario: LeasedScenario, report: SoakReport) -> LeasedE
             key = event.get("idem_key")
             if key not in keys:
                 continue
-            if action == "in_flight":
+            if action == "duplicate_in_flight":
                 evidence.acked_in_flight.append(str(key))
             elif action == "done" and str(event.get("detail", "")).startswith("lease takeover"):
                 figures["message outcome: done after a lease takeover"] += 1
@@ -1732,8 +1732,8 @@ def _read_leased_events(scenario: LeasedScenario, report: SoakReport) -> LeasedE
 # and connections.
 _REPORTED_ACTIONS = {
     "done": "message outcome: done (ran now)",
-    "duplicate": "message outcome: duplicate of done work",
-    "in_flight": "message outcome: duplicate while another delivery holds the claim",
+    "duplicate_done": "message outcome: duplicate of done work",
+    "duplicate_in_flight": "message outcome: duplicate while another delivery holds the claim",
     "batch_duplicate": "message outcome: second copy in the same batch",
     "retry": "message outcome: retry (handler raised, claim released)",
     "failed": "message outcome: failed (PermanentJobError)",

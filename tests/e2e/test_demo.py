@@ -43,7 +43,7 @@ def test_the_field_notes_story_holds_when_told_from_any_folder(tmp_path: Path) -
     crash = facts["crash"]
     assert crash["exit_code"] == -9
     assert crash["redelivered"] == 1
-    assert crash["summary"]["outcomes"] == {"duplicate": 1}
+    assert crash["summary"]["outcomes"] == {"duplicate_done": 1}
     assert crash["invoice_updates"] == 1
 
     # And the poison message reached the DLQ with no claim left behind
@@ -55,5 +55,10 @@ def test_the_field_notes_story_holds_when_told_from_any_folder(tmp_path: Path) -
     assert error.startswith("effect uncertain")
     assert facts["uncertain"]["summary"]["acked"] == 0
 
-    # And the story was told on stdout
+    # And the story was told on stdout, claims and outcomes in words, never as Python values
     assert "A producer retry" in told.stdout
+    story = told.stdout.strip().rsplit("\n", 1)[0]
+    assert "claim: done (attempt 1)" in story
+    assert "claim running (attempt 1): effect uncertain" in story
+    assert "('" not in story
+    assert "{'" not in story

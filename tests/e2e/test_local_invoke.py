@@ -10,11 +10,12 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import psycopg
 import pytest
 import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
-from child_process import run_captured
+from child_process import clean_env, run_captured
 
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
@@ -93,7 +94,7 @@ def test_the_template_and_env_file_resolve_like_sam() -> None:
     assert spec.timeout == 240
     assert spec.environment["INFRAI_QUEUE"] == "billing-jobs"
     assert spec.environment["POWERTOOLS_SERVICE_NAME"] == "infrai-jobs"
-    assert spec.environment["INFRAI_BASE_URL"] == "http://127.0.0.1:8765"  # from env.json
+    assert spec.environment["INFRAI_BASE_URL"] == ""  # env.json leaves it to the shell
     assert spec.environment["DRAIN_BATCH_BUDGET_MS"] == "20000"  # parameter default
 
 
@@ -575,3 +576,134 @@ def test_parameter_overrides_are_parsed_in_every_spelling_sam_accepts() -> None:
     assert parse_parameter_overrides("ParameterKey=A,ParameterValue=x=y") == {"A": "x=y"}
     assert parse_parameter_overrides(["A=1", "B=2"]) == {"A": "1", "B": "2"}
     assert parse_parameter_overrides({"A": 1, "B": True}) == {"A": "1", "B": "true"}
+
+
+# --- What a SAM user expects: the README's command, template defaults, AWS settings ----------
+
+
+def readme_invoke_command() -> str:
+    """The local-invoke command line of the README's "Run it locally" block, as written."""
+    section = (ROOT / "README.md").read_text().split("\n## Run it locally\n", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    (command,) = [line for line in block.splitlines() if " invoke " in line]
+    return command
+
+
+def test_the_readmes_invoke_command_runs_as_written_in_a_fresh_shell() -> None:
+    # Given a shell with nothing of this project's exported, and the README's command line
+    command = readme_invoke_command()
+    assert command.startswith(".venv/bin/infrai-jobs invoke DrainFunction")
+    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    # When bash runs it from the project's root
+    finished = run_captured(["bash", "-c", command], env=env, cwd=ROOT, timeout=180)
+    output = finished.stdout + finished.stderr
+    # Then it ran in the sandbox, said so first, and the drain returned its summary
+    assert finished.returncode == 0, output
+    assert "Traceback" not in output
+    assert finished.stderr.startswith("sandbox: nothing real is configured"), finished.stderr
+    assert json.loads(finished.stdout)["stopped"] == "empty"
+    # And nothing named the hosted Infrai, which nobody asked for
+    assert "api.infrai.cc" not in output
+
+
+def test_a_template_default_endpoint_is_not_a_choice_the_user_made(database_url: str) -> None:
+    # Given an env-vars file that sets nothing, so InfraiBaseUrl keeps the template's Default
+    spec = resolve("DrainFunction", root=ROOT)
+    assert spec.environment["INFRAI_BASE_URL"] == "https://api.infrai.cc"
+    assert "INFRAI_BASE_URL" in spec.template_only
+    # And one where the user chose it, on the command line
+    chosen = resolve(
+        "DrainFunction", root=ROOT, parameter_overrides={"InfraiBaseUrl": "http://127.0.0.1:9"}
+    )
+    assert "INFRAI_BASE_URL" not in chosen.template_only
+    # When DrainFunction is invoked with a real ledger from the shell and no Infrai URL
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+    finished = run_captured(
+        [
+            str(Path(sys.executable).parent / "infrai-jobs"),
+            "invoke",
+            "DrainFunction",
+            "--event",
+            "events/drain-schedule.json",
+            "--env-vars",
+            str(EVENTS / "env.json"),
+        ],
+        env=clean_env(DATABASE_URL=database_url),
+        cwd=ROOT,
+        timeout=120,
+    )
+    # Then INFRAI_BASE_URL counts as unset: a configuration error naming it, no handler ran,
+    # and the hosted service's address appears nowhere
+    assert finished.returncode == 2, finished.stderr
+    assert "INFRAI_BASE_URL" in finished.stderr.split("are not set", 1)[0]
+    assert "END DrainFunction" not in finished.stderr
+    assert "api.infrai.cc" not in finished.stdout + finished.stderr
+
+
+def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
+    services: dict[str, str], tmp_path: Path
+) -> None:
+    # Given SNS served by moto over HTTP, a topic with a queue subscribed to read it back, and
+    # a shell naming moto's endpoint, credentials and a region (AWS_DEFAULT_REGION only)
+    from moto.server import ThreadedMotoServer  # noqa: PLC0415 - only this test serves AWS
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    try:
+        host, port = moto.get_host_and_port()
+        aws = {
+            "AWS_ACCESS_KEY_ID": "forwarded-key-id",
+            "AWS_SECRET_ACCESS_KEY": "forwarded-secret",
+            "AWS_DEFAULT_REGION": "eu-west-1",
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        }
+        session = boto3.session.Session(
+            aws_access_key_id=aws["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=aws["AWS_SECRET_ACCESS_KEY"],
+            region_name=aws["AWS_DEFAULT_REGION"],
+        )
+        sns = session.client("sns", endpoint_url=aws["AWS_ENDPOINT_URL"])
+        sqs = session.client("sqs", endpoint_url=aws["AWS_ENDPOINT_URL"])
+        topic = sns.create_topic(Name="infrai-jobs-alerts")["TopicArn"]
+        inbox = sqs.create_queue(QueueName="pager")["QueueUrl"]
+        inbox_arn = sqs.get_queue_attributes(QueueUrl=inbox, AttributeNames=["QueueArn"])
+        sns.subscribe(
+            TopicArn=topic,
+            Protocol="sqs",
+            Endpoint=inbox_arn["Attributes"]["QueueArn"],
+            Attributes={"RawMessageDelivery": "true"},
+        )
+        # And a dead letter in the emulator, and an env-vars file naming the topic
+        poison = {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1}
+        _dead_letter(services, poison)
+        env_vars = tmp_path / "env.json"
+        env_vars.write_text(
+            json.dumps({"Parameters": services, "DlqAlertFunction": {"ALERT_TOPIC_ARN": topic}})
+        )
+        # When DlqAlertFunction is invoked from that shell
+        finished = run_captured(
+            [
+                str(Path(sys.executable).parent / "infrai-jobs"),
+                "invoke",
+                "DlqAlertFunction",
+                "--event",
+                "events/dlq-alert-schedule.json",
+                "--env-vars",
+                str(env_vars),
+            ],
+            env=clean_env(**aws),
+            cwd=ROOT,
+            timeout=120,
+        )
+        # Then the alert went to SNS through moto, signed with the forwarded credentials
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        assert json.loads(finished.stdout)["alerts"][0]["subject"].endswith(
+            "new dead letter(s) on billing-jobs"
+        )
+        received = sqs.receive_message(QueueUrl=inbox, WaitTimeSeconds=1)["Messages"]
+        assert "infrai-jobs dlq" in received[0]["Body"]
+        assert "Unable to locate credentials" not in finished.stderr
+        assert "forwarded-secret" not in finished.stdout + finished.stderr
+    finally:
+        moto.stop()

@@ -28,6 +28,7 @@ from infrai_jobs.drain import DrainSummary
 from infrai_jobs.observability import record_alert_check, record_drain
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.queue_models import QueueStats
+from infrai_local.sam_template import parse_parameter_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "template.yaml"
@@ -362,6 +363,30 @@ def test_samconfig_overrides_name_only_template_parameters() -> None:
         # Then each names a parameter the template declares (a typo would be ignored silently)
         assert names, environment
         assert names <= parameters, f"{environment}: {names - parameters}"
+
+
+def test_samconfig_syncs_the_default_stack_with_every_required_parameter() -> None:
+    # Given the template's parameters, and samconfig.toml's default environment
+    template_parameters = load_template()["Parameters"]
+    required = {name for name, spec in template_parameters.items() if "Default" not in spec}
+    default = tomllib.loads(SAMCONFIG.read_text())["default"]
+    # When `sam sync` reads its section (sync has no --guided to ask for what is missing)
+    sync = default["sync"]["parameters"]
+    overrides = parse_parameter_overrides(sync["parameter_overrides"])
+    # Then every parameter without a default is given, as deploy's other overrides are
+    assert required
+    assert required <= set(overrides), required - set(overrides)
+    deploy = parse_parameter_overrides(default["deploy"]["parameters"]["parameter_overrides"])
+    assert {name: overrides[name] for name in deploy} == deploy
+    assert set(overrides) <= set(template_parameters)
+    assert "CAPABILITY_IAM" in sync["capabilities"].split()
+    # And the secret's ARN is a placeholder CloudFormation refuses by the parameter's own
+    # pattern, so a first sync before it is replaced stops there, naming the parameter
+    pattern = template_parameters["DatabaseSecretArn"]["AllowedPattern"]
+    assert not re.fullmatch(pattern, overrides["DatabaseSecretArn"])
+    assert "ConstraintDescription" in template_parameters["DatabaseSecretArn"]
+    # And only the default environment syncs: production is deployed, never synced
+    assert "sync" not in tomllib.loads(SAMCONFIG.read_text())["prod"]
 
 
 SAMPLE_EVENTS = {

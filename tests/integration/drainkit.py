@@ -226,6 +226,24 @@ def run_cli(
     """``infrai-jobs ARGS`` in a child process (from the project root unless ``cwd`` says
     otherwise), configured for the harness's emulator, ledger and provider sink, and for no
     endpoint of the shell running the tests."""
+    return run_captured([INFRAI_JOBS, *args], env=cli_environment(kit, **env), cwd=cwd)
+
+
+def start_cli(kit: Harness, *args: str, **env: str) -> subprocess.Popen[str]:
+    """``infrai-jobs ARGS`` started as ``run_cli`` runs it, for a test that signals it; its
+    stdout and stderr are pipes."""
+    return subprocess.Popen(
+        [INFRAI_JOBS, *args],
+        env=cli_environment(kit, **env),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def cli_environment(kit: Harness, **env: str) -> dict[str, str]:
+    """The environment of a CLI child on the harness (see ``run_cli``)."""
     environment = {
         name: value
         for name, value in os.environ.items()
@@ -241,4 +259,4 @@ def run_cli(
             **env,
         }
     )
-    return run_captured([INFRAI_JOBS, *args], env=environment, cwd=cwd)
+    return environment

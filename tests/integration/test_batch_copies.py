@@ -313,7 +313,7 @@ def test_a_key_passing_owner_back_beside_its_copy_takes_its_claim_over_once(
     with caplog.at_level(logging.INFO, logger="infrai_jobs"):
         summary = kit.drain()
     # Then B takes its own claim over and runs the call once (with the same key); A follows it
-    assert summary.outcomes == {"done": 1, "in_flight": 1}
+    assert summary.outcomes == {"done": 1, "duplicate_in_flight": 1}
     assert summary.acked == 2
     assert kit.idem_calls == [second]  # type: ignore[attr-defined]
     row = kit.row("test.idem:owner-early")
@@ -345,7 +345,7 @@ def test_an_in_flight_copy_is_acked_only_while_its_owner_message_still_carries_t
     # When the copy B is drained while A's claim is live
     summary = kit.drain()
     # Then B is acked as in flight: A's message, unacked, still carries the work
-    assert summary.outcomes == {"in_flight": 1}
+    assert summary.outcomes == {"duplicate_in_flight": 1}
     assert kit.client.stats(DRAIN_QUEUE).in_flight_count == 1
     # And when A's message comes back, its lease is over (a lease never outlives its message's
     # visibility window; the ledger's clock is moved by ending the lease by hand)

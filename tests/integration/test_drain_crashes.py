@@ -81,7 +81,7 @@ def test_killed_after_commit_before_ack_the_redelivery_is_skipped(kit: Harness) 
     assert redelivered.available_count == 2
     summary = kit.drain()
     # ... are recognised as done, skipped, and acked; no effect ran twice
-    assert summary.outcomes == {"duplicate": 2}
+    assert summary.outcomes == {"duplicate_done": 2}
     assert summary.acked == 2
     assert kit.effects("test.db:crash") == 1
     assert kit.sink.state.snapshot()["mails"] == {"inv_9": 1}
@@ -208,7 +208,7 @@ def test_a_crash_mid_call_leaves_only_that_irreversible_claim_for_a_human(kit: H
     summary = kit.drain()
     # Then the first is a duplicate of done, the second (its call had begun) is stuck, and the
     # third, never claimed before the crash, runs now: each effect at most once
-    assert summary.outcomes == {"duplicate": 1, "stuck": 1, "done": 1}
+    assert summary.outcomes == {"duplicate_done": 1, "stuck": 1, "done": 1}
     assert [kit.external_effects(f"test.mail:{n}") for n in ("1", "2", "3")] == [1, 0, 1]
     stuck = kit.row("test.mail:2")
     assert stuck is not None

@@ -74,7 +74,7 @@ def test_producer_retry_duplicate_of_done_is_acked_and_changes_nothing(kit: Harn
     # Then the effect did not repeat, the row is unchanged, and the copy is acked
     assert kit.effects("test.db:a") == 1
     assert kit.row("test.db:a") == before
-    assert summary.outcomes == {"duplicate": 1}
+    assert summary.outcomes == {"duplicate_done": 1}
     assert summary.acked == 1
     assert kit.client.stats(QUEUE).message_count == 0
 
@@ -99,7 +99,7 @@ def test_duplicate_while_another_holds_a_live_claim_is_acked(kit: Harness) -> No
     kit.publish(payload)
     summary = kit.drain()
     # Then it is acked (the owner's message drives retries), and nothing ran or changed
-    assert summary.outcomes == {"in_flight": 1}
+    assert summary.outcomes == {"duplicate_in_flight": 1}
     assert summary.acked == 1
     assert kit.sink.state.snapshot()["mail_effects"] == 0
     row = kit.row("receipt.send:inv_1")
@@ -365,7 +365,7 @@ def test_notes_sql_still_runs_and_its_rows_are_honoured(kit: Harness) -> None:
     kit.publish({"job": "receipt.send", "invoice_id": "inv_1", "email": "c@example.com"})
     summary = kit.drain()
     # Then the notes' done row is a duplicate and its live running row is respected
-    assert summary.outcomes == {"duplicate": 1, "in_flight": 1}
+    assert summary.outcomes == {"duplicate_done": 1, "duplicate_in_flight": 1}
     assert kit.sql("SELECT status FROM invoices WHERE id = 'inv_8812'") == [("draft",)]
     assert kit.sink.state.snapshot()["mail_effects"] == 0
 

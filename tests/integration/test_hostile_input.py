@@ -327,7 +327,7 @@ def test_hostile_payloads_end_clearly_and_the_batch_goes_on(kit: Harness, payloa
     assert log.of(second_id)[0] == "done"
     # And the hostile message ended in an outcome of the contract, with a reason when refused
     outcome, detail = log.of(hostile_id)
-    assert outcome in {"done", "duplicate", "rejected", "conflict"}, (outcome, detail)
+    assert outcome in {"done", "duplicate_done", "rejected", "conflict"}, (outcome, detail)
     if outcome in ("rejected", "conflict"):
         assert len(detail) > 10
     # And only the ledger and the job's own effect table were written

@@ -9,12 +9,26 @@ recorded in ``claim_history``, and errors that name the commands users type.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, OPERATOR, QUEUE, ROOT, Harness, harness, run_cli
+from drainkit import (
+    DLQ,
+    INFRAI_JOBS,
+    OPERATOR,
+    QUEUE,
+    ROOT,
+    Harness,
+    cli_environment,
+    harness,
+    run_cli,
+    start_cli,
+)
 
 from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.jobs import Payload
@@ -22,6 +36,9 @@ from infrai_jobs.jobs import Payload
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
 JOBS_PACKAGE = textwrap.dedent(
     """
+    import pathlib
+    import time
+
     from infrai_jobs.errors import PermanentJobError
     from infrai_jobs.jobs import Effect, JobRegistry
 
@@ -40,6 +57,13 @@ JOBS_PACKAGE = textwrap.dedent(
         @registry.job("cli.broken", effect=Effect.EXTERNAL, identity=("id",))
         def broken(payload, ctx):
             raise PermanentJobError("the customer does not exist")
+
+        @registry.job("cli.slow", effect=Effect.EXTERNAL, identity=("id",))
+        def slow(payload, ctx):
+            # Says it started (the test signals the drain then), then takes its time.
+            pathlib.Path(payload["started"]).write_text("started")
+            time.sleep(payload["seconds"])
+            return {"id": payload["id"]}
 
         return registry
     """
@@ -132,6 +156,191 @@ def test_drain_prints_each_problem_message_with_its_reason_and_tells_retries_fro
     assert "1 done" in drained
     assert "1 retried, 1 failed, 2 parked" in drained
     assert "walk to the DLQ" in err
+
+
+def test_a_drain_whose_budget_cannot_hold_one_batch_refuses_and_says_why(
+    kit: Harness, jobs_path: str
+) -> None:
+    # Given three messages waiting, and the default batch budget of 20 s
+    for n in range(3):
+        kit.publish({"job": "cli.ok", "id": f"w{n}"})
+    # When the operator drains with 5 s, then with 19 s
+    for budget in ("5", "19"):
+        finished = run_cli(kit, "drain", "--jobs-path", jobs_path, "--time-budget-seconds", budget)
+        # Then the drain fails with a usage error saying why and what to change, never a
+        # success that left the messages untouched
+        assert finished.returncode == 2, finished.stdout + finished.stderr
+        assert "Traceback" not in finished.stderr
+        assert f"a time budget of {budget} s cannot hold one batch" in finished.stderr
+        assert "DRAIN_BATCH_BUDGET_MS is 20000 ms" in finished.stderr
+        assert "--time-budget-seconds 20 or more" in finished.stderr
+        assert finished.stdout == ""
+    # And nothing was received: every message is still waiting, none spent a delivery
+    stats = kit.client.stats(QUEUE)
+    assert (stats.available_count, stats.in_flight_count) == (3, 0)
+    # And a batch budget that fits the 5 s drains them
+    fitted = run_cli(
+        kit,
+        "drain",
+        "--jobs-path",
+        jobs_path,
+        "--time-budget-seconds",
+        "5",
+        DRAIN_BATCH_BUDGET_MS="4000",
+    )
+    assert fitted.returncode == 0, fitted.stderr
+    assert json.loads(fitted.stdout)["done"] == 3
+
+
+def test_idle_polling_that_cannot_poll_says_so(kit: Harness, jobs_path: str) -> None:
+    # Given idle polling every 200 ms, and a budget that leaves no poll after a batch budget
+    # When the operator drains an empty queue
+    finished = run_cli(
+        kit,
+        "drain",
+        "--jobs-path",
+        jobs_path,
+        "--time-budget-seconds",
+        "20.1",
+        DRAIN_IDLE_POLL_MS="200",
+    )
+    # Then the drain runs, and a warning says that and why it did not poll
+    assert finished.returncode == 0, finished.stderr
+    (line,) = lines_with(finished.stderr, "idle_polling_off")
+    assert "DRAIN_IDLE_POLL_MS=200" in line
+    assert "cannot poll" in line
+    assert json.loads(finished.stdout)["idle_polls"] == 0
+
+
+def _interrupt_during_a_slow_handler(
+    kit: Harness, jobs_path: str, tmp_path: Path, *, seconds: float, sig: signal.Signals, grace: str
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """A drain of a slow external job and 14 quick ones, sent ``sig`` once the slow handler
+    has started; what it printed, and the ids published."""
+    started = tmp_path / "started"
+    ids = kit.publish({"job": "cli.slow", "id": "s", "seconds": seconds, "started": str(started)})
+    for n in range(14):
+        ids += kit.publish({"job": "cli.ok", "id": f"q{n}"})
+    drain = start_cli(kit, "drain", "--jobs-path", jobs_path, "--interrupt-grace-seconds", grace)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert drain.poll() is None, drain.communicate()
+            assert time.monotonic() < deadline, "the slow handler never started"
+            time.sleep(0.05)
+        drain.send_signal(sig)
+        out, err = drain.communicate(timeout=60)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+            drain.communicate()
+    return subprocess.CompletedProcess(drain.args, drain.returncode, out, err), ids
+
+
+def test_an_interrupted_drain_settles_what_it_holds_and_reports_then_exits_130(
+    kit: Harness, jobs_path: str, tmp_path: Path
+) -> None:
+    # Given a slow external job (1.5 s) among 15 messages, two batches' worth
+    # When the drain gets SIGINT while the slow handler runs
+    finished, _ids = _interrupt_during_a_slow_handler(
+        kit, jobs_path, tmp_path, seconds=1.5, sig=signal.SIGINT, grace="30"
+    )
+    # Then it exits 130 without a traceback, having settled and acked what it held
+    assert finished.returncode == 130, finished.stdout + finished.stderr
+    assert "Traceback" not in finished.stderr
+    summary = json.loads(finished.stdout)
+    assert summary["stopped"] == "interrupted"
+    assert summary["consumed"] == summary["acked"] > 0
+    assert "stopped: interrupted" in finished.stderr
+    assert "interrupted by SIGINT: stopped receiving" in finished.stderr
+    assert "in flight: none" in finished.stderr
+    assert "left running: no claim" in finished.stderr
+    assert summary["interrupted"]["in_flight"] == []
+    assert summary["interrupted"]["left_running"] == []
+    # And the slow job is done, not left running
+    row = kit.row("cli.slow:s")
+    assert row is not None
+    assert row.state == "done"
+    # And nothing it did not ack is hidden: what it did not receive is still available
+    stats = kit.client.stats(QUEUE)
+    assert stats.in_flight_count == 0
+    assert stats.available_count == 15 - summary["consumed"]
+
+
+def test_a_drain_interrupted_past_its_grace_names_what_is_in_flight_and_left_running(
+    kit: Harness, jobs_path: str, tmp_path: Path
+) -> None:
+    # Given a slow external job (60 s) among 15 messages, and a grace of 1 s
+    # When the drain gets SIGTERM while the slow handler runs
+    finished, ids = _interrupt_during_a_slow_handler(
+        kit, jobs_path, tmp_path, seconds=60, sig=signal.SIGTERM, grace="1"
+    )
+    # Then it exits 143 within the grace, without a traceback
+    assert finished.returncode == 143, finished.stdout + finished.stderr
+    assert "Traceback" not in finished.stderr
+    err = finished.stderr
+    assert "interrupted by SIGTERM" in err
+    assert "did not settle within the 1 s grace" in err
+    assert "summary so far:" in err
+    # And it lists every message it received and did not ack, and when each comes back
+    report = json.loads(finished.stdout)["interrupted"]
+    held = [m["message_id"] for m in report["in_flight"]]
+    assert held
+    assert set(held) <= set(ids)
+    (line,) = [line for line in err.splitlines() if line.startswith("in flight:")]
+    assert f"in flight: {len(held)} message(s)" in line
+    assert "after its visibility timeout" in line
+    assert all(message_id in line for message_id in held)
+    assert kit.client.stats(QUEUE).in_flight_count == len(held)
+    # And the slow job's claim, left running, is named with the command to inspect it
+    assert report["left_running"] == ["cli.slow:s"]
+    assert "left running: 1 claim(s)" in err
+    assert "  infrai-jobs claims show cli.slow:s" in err.splitlines()
+    row = kit.row("cli.slow:s")
+    assert row is not None
+    assert row.state == "running"
+
+
+def test_a_drain_with_the_ledger_down_from_the_start_says_nothing_was_received(
+    kit: Harness, jobs_path: str
+) -> None:
+    # Given a message waiting, and a DATABASE_URL with nothing listening
+    kit.publish({"job": "cli.ok", "id": "waiting"})
+    # When the operator drains
+    finished = run_cli(
+        kit, "drain", "--jobs-path", jobs_path, DATABASE_URL="postgresql://nobody@127.0.0.1:1/none"
+    )
+    # Then it fails saying plainly that nothing was received, not "mid-drain" with a dict
+    assert finished.returncode == 1, finished.stderr
+    assert "Traceback" not in finished.stderr
+    (line,) = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert "unreachable, so the drain received nothing" in line
+    assert "mid-drain" not in finished.stderr
+    assert "{" not in line
+    assert kit.client.stats(QUEUE).available_count == 1
+
+
+def test_publish_says_how_many_went_out_when_its_output_is_cut(kit: Harness) -> None:
+    # Given a publish of 2000 copies whose reader stops after the first id
+    body = json.dumps({"job": "cli.ok", "id": "cut"})
+    command = f"{INFRAI_JOBS} publish --unchecked --count 2000 '{body}' | head -1"
+    # When it runs
+    finished = subprocess.run(
+        ["bash", "-c", command],
+        env=cli_environment(kit),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # Then one id reached the reader, and stderr says how many were published, which is what
+    # the queue holds
+    assert len(finished.stdout.split()) == 1
+    (line,) = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    published = int(line.split("error: the output was closed: ", 1)[1].split(" of 2000 ")[0])
+    assert f"the other {2000 - published} were not published" in line
+    assert kit.client.stats(QUEUE).message_count == published
+    assert "Traceback" not in finished.stderr
 
 
 def test_drain_shows_every_retried_infrai_call(kit: Harness, jobs_path: str) -> None:

@@ -305,12 +305,15 @@ def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
 
 
 def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anything(
-    queue: InfraiClient,
+    queue: InfraiClient, tmp_path: Path
 ) -> None:
-    # Given the repo's env-vars file (a queue on 127.0.0.1:8765, DATABASE_URL empty) and no
-    # DATABASE_URL in the shell
+    # Given an env-vars file naming a queue (DATABASE_URL empty) and no DATABASE_URL in the
+    # shell
+    env_vars = write_env_vars(
+        tmp_path, {"INFRAI_BASE_URL": queue.base_url, "INFRAI_API_KEY": API_KEY}
+    )
     # When DrainFunction is invoked
-    finished = invoke_drain_function("events/env.json", base_env())
+    finished = invoke_drain_function(env_vars, base_env())
     # Then it names DATABASE_URL; no handler ran
     line = assert_one_line_error(finished, 2)
     assert (

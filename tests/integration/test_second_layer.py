@@ -254,7 +254,7 @@ def test_concurrent_duplicates_run_the_effect_once(
     # And once both are redelivered, the job is done from the recorded result, effect once
     kit.advance()
     final = kit.drain(effect_guard=backend.guard)
-    assert final.outcomes == {"done": 1, "in_flight": 1}
+    assert final.outcomes == {"done": 1, "duplicate_in_flight": 1}
     assert kit.client.stats(QUEUE).message_count == 0
     assert kit.external_effects("test.slow:1") == 1
     row = kit.row("test.slow:1")

@@ -90,3 +90,40 @@ def test_the_in_process_servers_default_to_loopback() -> None:
     finally:
         running.stop()
         sink.stop()
+
+
+def _announcement(command: list[str]) -> str:
+    """What an emulator started with ``command`` (port 0) says on stderr as it starts."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("http://")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=10)
+    return err
+
+
+@pytest.mark.parametrize(
+    ("extra", "warned"),
+    [
+        (["--host", "0.0.0.0"], True),  # every interface, any token
+        (["--host", "0.0.0.0", "--api-key", "one-token"], False),  # every interface, one token
+        (["--host", "127.0.0.1"], False),  # loopback only
+    ],
+)
+def test_the_emulator_warns_loudly_when_it_listens_beyond_loopback_taking_any_token(
+    extra: list[str], warned: bool
+) -> None:
+    # Given the emulator started on a host, with or without --api-key
+    # When it starts
+    err = _announcement([str(BIN / "infrai-jobs"), "emulator", "--port", "0", *extra])
+    # Then it warns on stderr exactly when it is reachable beyond loopback and takes any token
+    warnings = [line for line in err.splitlines() if line.startswith("WARNING:")]
+    if warned:
+        (line,) = warnings
+        assert "beyond loopback" in line
+        assert "ANY bearer token" in line
+        assert "--api-key" in line
+    else:
+        assert warnings == []

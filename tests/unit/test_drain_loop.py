@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from infrai_jobs.claims import ClaimRow, utc_from_epoch
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.drain import (
+    DrainConfig,
+    DrainSummary,
+    budget_shortfall,
+    drain,
+    idle_polling_shortfall,
+)
+from infrai_jobs.drain_service import check_time_budget
 from infrai_jobs.errors import (
     ConfigurationError,
     EffectUncertain,
@@ -172,6 +179,67 @@ def test_no_batch_is_consumed_when_the_time_left_cannot_cover_one(kit: Kit) -> N
     assert message.delivery_count == 1
 
 
+@pytest.mark.parametrize(
+    ("budget_ms", "poll_ms", "window_s", "refused", "polls"),
+    [
+        (5_000, 0, 0, True, True),  # less than one batch budget: refused
+        (19_999, 0, 0, True, True),
+        (20_000, 0, 0, False, True),  # exactly one batch
+        (3_000, 200, 0, True, False),  # the idle poller: refused, cannot poll either
+        (20_100, 200, 0, False, False),  # one batch, but no poll after it
+        (20_200, 200, 0, False, True),
+        (60_000, 200, 0.1, False, False),  # a window shorter than one interval
+        (60_000, 200, 58, False, True),
+    ],
+)
+def test_a_drain_says_when_its_time_cannot_hold_a_batch_or_a_poll(
+    budget_ms: int, poll_ms: int, window_s: float, refused: bool, polls: bool
+) -> None:
+    # Given a drain's batch budget of 20 s, its idle polling and its time budget
+    config = DrainConfig(
+        queue=QUEUE, batch_budget_ms=20_000, idle_poll_ms=poll_ms, idle_window_seconds=window_s
+    )
+    # When its budget is checked
+    # Then one that cannot hold a batch is refused with the reason, before anything is received
+    if refused:
+        with pytest.raises(ConfigurationError, match="cannot hold one batch"):
+            check_time_budget(config, budget_ms)
+        assert budget_shortfall(config.batch_budget_ms, budget_ms)
+    else:
+        check_time_budget(config, budget_ms)
+        assert budget_shortfall(config.batch_budget_ms, budget_ms) == ""
+    # And idle polling that cannot poll has a reason of its own (a warning, the drain runs)
+    assert (idle_polling_shortfall(config, budget_ms) == "") is (polls or poll_ms == 0)
+
+
+def test_a_stop_request_ends_the_drain_before_its_next_receive_and_settles_what_it_holds(
+    kit: Kit,
+) -> None:
+    # Given 35 jobs, and a stop requested once the first batch has been run
+    for n in range(35):
+        kit.publish(_db(str(n)))
+
+    def stop_requested() -> bool:
+        return kit.ledger.calls["run_database_batch"] >= 1
+
+    # When the drain runs
+    summary = drain(
+        kit.queue,
+        kit.ledger,
+        kit.registry,
+        DrainConfig(queue=QUEUE),
+        lambda: TIME_LEFT_MS,
+        clock=kit.clock,
+        stop_requested=stop_requested,
+    )
+    # Then it finished the batch it was running and the one received ahead, acked both, and
+    # received nothing more
+    assert (summary.batches, summary.consumed, summary.acked) == (2, 20, 20)
+    assert summary.stopped == "interrupted"
+    stats = kit.queue.stats(QUEUE)
+    assert (stats.available_count, stats.in_flight_count) == (15, 0)
+
+
 def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> None:
     # Given 25 jobs and a budget that covers two batches only
     for n in range(25):
@@ -298,7 +366,7 @@ def test_two_copies_in_one_batch_run_once_and_both_are_acked(
     summary = kit.drain()
     # Then the work ran once, and both copies are acked
     assert kit.calls == {f"{payload['job']}:twin": 1}
-    assert summary.outcomes == {"done": 1, "in_flight": 1}
+    assert summary.outcomes == {"done": 1, "duplicate_in_flight": 1}
     assert (summary.batches, summary.consumed, summary.done, summary.acked) == (1, 2, 1, 2)
     assert kit.queue.stats(QUEUE).message_count == 0
 
@@ -310,7 +378,7 @@ def test_a_copy_of_a_failing_job_in_its_batch_leaves_the_retries_to_the_first(ki
     summary = kit.drain()
     # Then it ran once; the copy is acked and the first copy's message carries the retries
     assert kit.calls == {"test.db:flaky": 1}
-    assert summary.outcomes == {"retry": 1, "in_flight": 1}
+    assert summary.outcomes == {"retry": 1, "duplicate_in_flight": 1}
     assert summary.acked == 1
     kit.redeliver()
     (again,) = kit.queue.consume(QUEUE)
@@ -349,7 +417,7 @@ def test_a_duplicate_of_done_is_acked_and_changes_nothing(kit: Kit) -> None:
     # Then the effect did not repeat, the row is unchanged and the copy is acked
     assert kit.calls == {"test.ext:a": 1}
     assert kit.row("test.ext:a") == before
-    assert (summary.outcomes, summary.acked, summary.duplicates) == ({"duplicate": 1}, 1, 1)
+    assert (summary.outcomes, summary.acked, summary.duplicates) == ({"duplicate_done": 1}, 1, 1)
 
 
 def test_a_duplicate_while_another_holds_a_live_claim_is_acked(kit: Kit) -> None:
@@ -362,7 +430,7 @@ def test_a_duplicate_while_another_holds_a_live_claim_is_acked(kit: Kit) -> None
     kit.publish(payload)
     summary = kit.drain()
     # Then it is acked (the owner's message drives retries) and nothing ran or changed
-    assert (summary.outcomes, summary.acked) == ({"in_flight": 1}, 1)
+    assert (summary.outcomes, summary.acked) == ({"duplicate_in_flight": 1}, 1)
     assert kit.calls == {}
     assert kit.row("test.ext:busy") == before
 
@@ -554,7 +622,7 @@ def test_a_failed_ack_is_made_good_by_the_redelivery(kit: Kit) -> None:
     kit.redeliver()
     second = kit.drain()
     # Then it is a duplicate of done, acked without running again
-    assert (second.outcomes, second.acked) == ({"duplicate": 1}, 1)
+    assert (second.outcomes, second.acked) == ({"duplicate_done": 1}, 1)
     assert kit.calls == {"test.db:a": 1}
     assert kit.queue.stats(QUEUE).message_count == 0
 
@@ -626,9 +694,9 @@ def test_the_summary_counts_add_up(kit: Kit) -> None:
     summary = kit.drain()
     # Then every message is counted once, in one of the five buckets
     assert summary.outcomes == {
-        "duplicate": 1,
+        "duplicate_done": 1,
         "done": 1,
-        "in_flight": 1,
+        "duplicate_in_flight": 1,
         "retry": 1,
         "failed": 1,
         "stuck": 1,

@@ -82,3 +82,31 @@ def test_the_summary_in_words_tells_retries_from_failures() -> None:
     assert "1 done, 0 duplicate(s), 2 retried, 1 failed, 0 parked" in first
     assert any("2 retried: the handler raised" in n for n in notes)
     assert any("1 failed or parked" in n for n in notes)
+
+
+def test_every_outcome_keeps_one_label_in_the_summary_and_the_outcomes() -> None:
+    # Given the outcome table
+    for outcome, rule in OUTCOME_RULES.items():
+        # When an outcome counts under the summary's duplicates
+        # Then its own label says it is a duplicate (of what), as its metric's name does
+        if rule.bucket == "duplicates":
+            assert outcome.value.startswith("duplicate_"), outcome
+            assert rule.metric == "Outcome" + outcome.value.title().replace("_", ""), outcome
+    # And when a drain's summary holds a copy acked behind a live claim and a parked copy
+    summary = DrainSummary(consumed=3, done=1, duplicates=1, parked=1, batches=1, acked=2)
+    summary.outcomes.update(
+        {
+            Outcome.DONE.value: 1,
+            Outcome.IN_FLIGHT.value: 1,
+            Outcome.BATCH_DUPLICATE.value: 1,
+        }
+    )
+    first, *_ = summary_lines(summary)
+    # Then the words name each total's outcomes by the labels of the JSON's "outcomes"
+    assert "1 duplicate(s) (1 duplicate_in_flight)" in first
+    assert "1 parked (1 batch_duplicate)" in first
+    assert summary.as_dict()["outcomes"] == {
+        "batch_duplicate": 1,
+        "done": 1,
+        "duplicate_in_flight": 1,
+    }

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from infrai_jobs.drain_service import DrainService
+from infrai_jobs.factory import make_drain_starter
 from infrai_jobs.fan_out import (
     FAN_OUT_EVENT_KEY,
     FanOutPolicy,
@@ -282,3 +283,29 @@ def test_a_started_drain_adopts_its_reserved_slot_even_at_the_cap() -> None:
     assert len(effects) == 1
     assert slot not in fleet.leases(QUEUE)
     assert fleet.live(QUEUE) == 1
+
+
+# --- Who may start drains: a local invocation never reaches the real Lambda service ----------
+
+_LAMBDA_ENV = {"AWS_LAMBDA_FUNCTION_NAME": "DrainFunction", "DRAIN_MAX_CONCURRENCY": "4"}
+
+
+@pytest.mark.parametrize(
+    ("environment", "starts_drains"),
+    [
+        ({}, True),  # in Lambda
+        ({"AWS_SAM_LOCAL": "true"}, False),  # sam local invoke: no local Lambda endpoint
+        ({"AWS_SAM_LOCAL": "true", "AWS_ENDPOINT_URL_LAMBDA": "https://lambda.example"}, False),
+        ({"AWS_SAM_LOCAL": "true", "AWS_ENDPOINT_URL_LAMBDA": "http://127.0.0.1:9001"}, True),
+        ({"AWS_SAM_LOCAL": "true", "AWS_ENDPOINT_URL_LAMBDA": "http://localhost:9001"}, True),
+    ],
+)
+def test_a_local_invocation_fans_out_only_through_a_lambda_endpoint_on_loopback(
+    environment: dict[str, str], starts_drains: bool
+) -> None:
+    # Given DrainFunction's settings with fan-out on, in Lambda or in a local invocation
+    settings = Settings.from_env({**_LAMBDA_ENV, **environment})
+    # When the drain's starter is built
+    starter = make_drain_starter(settings)
+    # Then a local run gets one only when its Lambda endpoint is the local one
+    assert (starter is not None) is starts_drains

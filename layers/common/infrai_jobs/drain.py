@@ -131,7 +131,7 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
         merged.outcomes.update(summary.outcomes)
     reasons = {s.stopped for s in summaries}
     # The most alarming reason wins: an outage must not hide behind a lane that found no work.
-    for reason in ("ledger_unavailable", "time_budget", "max_batches", "empty"):
+    for reason in ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty"):
         if reason in reasons:
             merged.stopped = reason
             break
@@ -147,11 +147,15 @@ def drain(
     *,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> DrainSummary:
-    """Drain ``config.queue`` until it is empty, the budget is spent, or the ledger fails.
+    """Drain ``config.queue`` until it is empty, the budget is spent, the ledger fails, or
+    ``stop_requested()`` says to stop (an interrupted CLI drain: ``interrupted``).
 
     With idle polling, "empty" means empty for the whole idle window. ``sleep`` waits between
-    idle polls (a test passes its fake clock's ``advance``)."""
+    idle polls (a test passes its fake clock's ``advance``). A stop request ends the drain
+    before its next receive: what it holds (a batch being processed, one received ahead) is
+    still settled and acked."""
     summary = DrainSummary()
     idle = _IdlePolling(config, summary, time_left_ms, clock, sleep)
     try:
@@ -174,12 +178,17 @@ def drain(
             acks=acks,
             mode=mode,
             idle=idle,
+            stop_requested=stop_requested or _never,
         )
     finally:
         # Every ack sent is waited for before the invocation reports.
         acks.wait_all()
     logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
     return summary
+
+
+def _never() -> bool:
+    return False
 
 
 def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
@@ -213,6 +222,7 @@ def _drain_batches(
     acks: AckPipeline,
     mode: _ConsumeMode,
     idle: _IdlePolling,
+    stop_requested: Callable[[], bool],
 ) -> None:
     """Process batches one after the other, receiving the next while this one runs.
 
@@ -238,7 +248,8 @@ def _drain_batches(
                     sent_at = ahead_sent_at
                     messages = received.wait()
                 else:
-                    stop = _stop_reason(config, summary, time_left_ms(), time_for=1)
+                    stop = "interrupted" if stop_requested() else ""
+                    stop = stop or _stop_reason(config, summary, time_left_ms(), time_for=1)
                     if stop:
                         summary.stopped = stop
                         return
@@ -267,7 +278,7 @@ def _drain_batches(
                 summary.stopped = stop
                 return
             summary.batches += 1
-            if not _stop_reason(config, summary, remaining, time_for=2):
+            if not stop_requested() and not _stop_reason(config, summary, remaining, time_for=2):
                 ahead_sent_at = clock()
                 ahead = queue.send_consume(config.queue, mode.size())
             # The queue may deliver these messages again from here on: no handler deadline
@@ -292,6 +303,40 @@ def _drain_batches(
     finally:
         if ahead is not None:
             _abandon(ahead, mode)
+
+
+def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
+    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "".
+
+    Such a drain would stop at once with ``time_budget`` and look like an empty queue; its
+    caller refuses it instead, before anything is received."""
+    if time_budget_ms >= batch_budget_ms:
+        return ""
+    return (
+        f"a time budget of {time_budget_ms / 1000:g} s cannot hold one batch: "
+        f"DRAIN_BATCH_BUDGET_MS is {batch_budget_ms} ms, and a batch is received only when the "
+        "time left covers it (each receive spends one of a message's three deliveries)"
+    )
+
+
+def idle_polling_shortfall(config: DrainConfig, time_budget_ms: int) -> str:
+    """Why idle polling, when asked for, could not poll even once in ``time_budget_ms``, or ""."""
+    poll_ms = config.idle_poll_ms
+    if poll_ms <= 0:
+        return ""
+    if time_budget_ms - poll_ms < config.batch_budget_ms:
+        return (
+            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: after one interval the "
+            f"time left of a {time_budget_ms / 1000:g} s budget is below DRAIN_BATCH_BUDGET_MS "
+            f"({config.batch_budget_ms} ms)"
+        )
+    if 0 < config.idle_window_seconds * 1000 < poll_ms:
+        return (
+            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: its window, "
+            f"DRAIN_IDLE_WINDOW_SECONDS={config.idle_window_seconds:g}, is shorter than one "
+            "interval"
+        )
+    return ""
 
 
 def _stop_reason(

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING
 from infrai_jobs.drain import (
     DrainConfig,
     DrainSummary,
+    budget_shortfall,
     drain,
+    idle_polling_shortfall,
     merge_summaries,
     stopped_before_receiving,
 )
-from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.errors import ConfigurationError, LedgerError, LedgerUnavailable
 from infrai_jobs.factory import (
     make_drain_fleet,
     make_drain_starter,
@@ -37,7 +39,7 @@ from infrai_jobs.factory import (
 from infrai_jobs.fan_out import CountingQueue, FanOutPolicy, FleetMonitor
 from infrai_jobs.jobs import JobRegistry
 from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, QueuePort
+from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, ForwardingQueue, QueuePort
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
@@ -120,26 +122,30 @@ class DrainService:
         max_batches: int | None = None,
         *,
         fan_out_slot: str | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ) -> DrainSummary:
         """Drain once. A ledger outage is raised after what settled was acked, so the
         function's Errors alarm fires instead of the invocation looking healthy.
 
-        ``fan_out_slot`` is the slot a fan-out reserved for this run (its event says so)."""
+        ``fan_out_slot`` is the slot a fan-out reserved for this run (its event says so);
+        ``stop_requested`` ends it before its next receive (the CLI, interrupted)."""
         if self.effect_guard is not None:
             # Every run: an in-progress record of a crashed call then expires with this
             # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
             self.effect_guard.register_lambda_context(_TimeLeft(time_left_ms))
         lanes = max(1, self.settings.drain_lanes)
         config = self.config(max_batches, idle_polling=fan_out_slot is None)
+        check_time_budget(config, time_left_ms())
+        stop = stop_requested or _never
         with _retries_within(self.queue, time_left_ms):
             if self.fleet is None:
-                summary = self._drain(self.queue, lanes, config, time_left_ms)
+                summary = self._drain(self.queue, lanes, config, time_left_ms, stop)
             else:
-                summary = self._drain_counted(self.fleet, lanes, config, time_left_ms, fan_out_slot)
+                summary = self._drain_counted(
+                    self.fleet, lanes, config, time_left_ms, fan_out_slot, stop_requested=stop
+                )
         if summary.stopped == "ledger_unavailable":
-            raise LedgerUnavailable(
-                f"the ledger database failed mid-drain; summary so far: {summary.as_dict()}"
-            )
+            raise LedgerUnavailable(ledger_outage_message(summary))
         return summary
 
     def _drain(
@@ -148,6 +154,7 @@ class DrainService:
         lanes: int,
         config: DrainConfig,
         time_left_ms: Callable[[], int],
+        stop_requested: Callable[[], bool],
     ) -> DrainSummary:
         """One drain loop, or several at once on one queue: the claims keep them from
         overlapping.
@@ -155,7 +162,14 @@ class DrainService:
         Each lane has its own database connection; the HTTP pool is shared (thread-safe).
         """
         if lanes == 1:
-            return drain(queue, self.ledger, self.registry, config, time_left_ms)
+            return drain(
+                queue,
+                self.ledger,
+                self.registry,
+                config,
+                time_left_ms,
+                stop_requested=stop_requested,
+            )
         while len(self.extra_ledgers) < lanes - 1:
             if self.make_lane_ledger is None:
                 raise LedgerUnavailable("DRAIN_LANES > 1 needs a ledger factory")
@@ -163,7 +177,15 @@ class DrainService:
         ledgers = [self.ledger, *self.extra_ledgers[: lanes - 1]]
         with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="lane") as pool:
             futures = [
-                pool.submit(drain, queue, ledger, self.registry, config, time_left_ms)
+                pool.submit(
+                    drain,
+                    queue,
+                    ledger,
+                    self.registry,
+                    config,
+                    time_left_ms,
+                    stop_requested=stop_requested,
+                )
                 for ledger in ledgers
             ]
             return merge_summaries([future.result() for future in futures])
@@ -175,6 +197,8 @@ class DrainService:
         config: DrainConfig,
         time_left_ms: Callable[[], int],
         fan_out_slot: str | None,
+        *,
+        stop_requested: Callable[[], bool],
     ) -> DrainSummary:
         """Drain as one of the fleet: join it (or stop at the cap), fan out while draining."""
         settings = self.settings
@@ -212,7 +236,7 @@ class DrainService:
         )
         try:
             with monitor.running():
-                summary = self._drain(counting, lanes, config, time_left_ms)
+                summary = self._drain(counting, lanes, config, time_left_ms, stop_requested)
         finally:
             try:
                 fleet.leave(config.queue, [drain_id])
@@ -232,11 +256,57 @@ class DrainService:
         return self.effect_guard.take_hits() if self.effect_guard is not None else 0
 
 
+def ledger_outage_message(summary: DrainSummary) -> str:
+    """What a drain stopped by the ledger says: "mid-drain" only when it had received something
+    (the summary so far in words); before that, that nothing was received."""
+    if summary.consumed == 0:
+        return (
+            "the ledger database is unreachable, so the drain received nothing: every message "
+            "is still waiting in the queue; check DATABASE_URL (or DATABASE_SECRET_ARN) and the "
+            "database"
+        )
+    unsettled = summary.consumed - summary.acked
+    return (
+        f"the ledger database failed mid-drain, after {summary.consumed} message(s) received "
+        f"in {summary.batches} batch(es): {summary.done} done, {summary.duplicates} "
+        f"duplicate(s), {summary.acked} acked; the {unsettled} not acked come back after the "
+        "visibility timeout"
+    )
+
+
+def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
+    """Refuse a drain whose time cannot hold one batch (it would stop at once, reporting
+    ``time_budget`` with messages waiting untouched); warn when idle polling cannot poll."""
+    shortfall = budget_shortfall(config.batch_budget_ms, time_budget_ms)
+    if shortfall:
+        logger.error(
+            "the drain's time cannot hold one batch; nothing was received",
+            extra={"action": "time_budget_too_short", "detail": shortfall},
+        )
+        raise ConfigurationError(
+            f"{shortfall}; nothing was received. Give the drain more time, or lower "
+            "DRAIN_BATCH_BUDGET_MS to what one batch of the slowest job needs"
+        )
+    idle = idle_polling_shortfall(config, time_budget_ms)
+    if idle:
+        logger.warning(
+            "this drain does not poll an idle queue",
+            extra={"action": "idle_polling_off", "detail": idle},
+        )
+
+
+def _never() -> bool:
+    return False
+
+
 def _retries_within(
     queue: QueuePort, time_left_ms: Callable[[], int]
 ) -> AbstractContextManager[None]:
-    """The Infrai client retries only while the invocation has time for it; other queues (the
-    in-memory one of the tests) have no retries to bound."""
+    """The Infrai client retries only while the invocation has time for it (looked for behind
+    any wrapper that watches its calls); other queues (the in-memory one of the tests) have no
+    retries to bound."""
+    while isinstance(queue, ForwardingQueue):
+        queue = queue.inner
     if isinstance(queue, InfraiClient):
         return queue.retries_within(time_left_ms)
     return nullcontext()

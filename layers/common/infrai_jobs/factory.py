@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.ledger import PostgresLedger
@@ -102,12 +104,34 @@ def make_drain_fleet(
 
 
 def make_drain_starter(settings: Settings) -> LambdaDrainStarter | None:
-    """Lambda's Invoke of this very function, when it runs in Lambda and may fan out."""
+    """Lambda's Invoke of this very function, when it runs in Lambda and may fan out.
+
+    A local invocation (``sam local invoke``, ``infrai-jobs invoke``) fans out only through a
+    Lambda endpoint on loopback (the one ``infrai-jobs invoke`` serves); otherwise its fan-out
+    is off, since the credentials it was given would reach the real Lambda service."""
     if settings.drain_max_concurrency <= 1 or not settings.drain_function_name:
+        return None
+    if settings.local_invocation and not _on_loopback(settings.lambda_endpoint_url):
+        logging.getLogger(__name__).warning(
+            "backlog fan-out is off in a local invocation without a local Lambda endpoint "
+            "(AWS_ENDPOINT_URL_LAMBDA on loopback): it would start drains in the real Lambda "
+            "service",
+            extra={"action": "fan_out_off_locally"},
+        )
         return None
     from infrai_jobs.lambda_starter import LambdaDrainStarter  # noqa: PLC0415
 
     return LambdaDrainStarter(settings.drain_function_name)
+
+
+def _on_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def make_alerter(settings: Settings) -> Alerter:

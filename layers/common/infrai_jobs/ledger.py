@@ -16,7 +16,7 @@ than the queue's whole visibility timeout, whatever the caller's budget or grace
 the queue may deliver the message again, or dead-letter it, the claim is therefore expired: a
 redelivered or redriven copy is judged by the expired-lease rows of the outcome table (an
 ``external`` claim is stuck and flagged, an ``external_idempotent`` one is taken over), never
-acked as ``in_flight`` behind an owner that is gone.
+acked as ``duplicate_in_flight`` behind an owner that is gone.
 """
 
 from __future__ import annotations

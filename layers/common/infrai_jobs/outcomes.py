@@ -18,8 +18,9 @@ from infrai_jobs.claims import ClaimStatus, SettleStatus
 
 class Outcome(StrEnum):
     DONE = "done"
-    DUPLICATE = "duplicate"
-    IN_FLIGHT = "in_flight"
+    # Both count under the summary's ``duplicates``, and say so (as their metrics do).
+    DUPLICATE = "duplicate_done"
+    IN_FLIGHT = "duplicate_in_flight"
     BATCH_DUPLICATE = "batch_duplicate"
     RETRY = "retry"
     FAILED = "failed"

@@ -53,6 +53,11 @@ class ForwardingQueue:
     def __init__(self, inner: QueuePort) -> None:
         self._inner = inner
 
+    @property
+    def inner(self) -> QueuePort:
+        """The queue this one forwards to."""
+        return self._inner
+
     def publish(
         self,
         queue: str,

@@ -93,6 +93,11 @@ class Settings:
     drain_fan_out_after_seconds: int = 30
     # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
     drain_function_name: str = ""
+    # A local invocation (`sam local invoke` and `infrai-jobs invoke` set AWS_SAM_LOCAL), and
+    # the Lambda endpoint it was given (AWS_ENDPOINT_URL_LAMBDA): a local run's fan-out goes
+    # there only, never to the real Lambda service.
+    local_invocation: bool = False
+    lambda_endpoint_url: str = ""
     retention_days: int = 30
     publish_retries: bool = False
     # Alerting (DlqAlertFunction).
@@ -184,6 +189,8 @@ class Settings:
             drain_max_concurrency=_int(env, "DRAIN_MAX_CONCURRENCY", 0, minimum=0),
             drain_fan_out_after_seconds=_int(env, "DRAIN_FANOUT_AFTER_SECONDS", 30, minimum=1),
             drain_function_name=env.get("AWS_LAMBDA_FUNCTION_NAME", "").strip(),
+            local_invocation=_bool(env, "AWS_SAM_LOCAL", default=False),
+            lambda_endpoint_url=env.get("AWS_ENDPOINT_URL_LAMBDA", "").strip(),
             retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
             publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
             watched_queues=_names(env.get("WATCHED_QUEUES", "")) or (queue,),

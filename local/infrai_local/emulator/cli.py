@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import math
 import signal
 import sys
@@ -52,8 +53,29 @@ def serve(
         print(running.url, file=out or sys.stdout, flush=True)
         auth = "only the --api-key token" if api_key else "any bearer token"
         print(f"infrai emulator: serving {running.url}, accepting {auth}", file=sys.stderr)
+        if not api_key and not _loopback_only(host):
+            print(exposed_warning(host), file=sys.stderr, flush=True)
         while not stop.wait(timeout=1.0):
             pass
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether ``host`` binds loopback only ("0.0.0.0", "::" and a LAN address do not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed_warning(host: str) -> str:
+    """The loud line for an emulator reachable beyond this machine that takes any token."""
+    return (
+        f"WARNING: the emulator listens on {host}, beyond loopback, and accepts ANY bearer "
+        "token: anyone who can reach this port can publish, consume and ack. Give --api-key "
+        "TOKEN to accept one token only, or serve on 127.0.0.1"
+    )
 
 
 @contextlib.contextmanager

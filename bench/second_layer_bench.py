@@ -537,10 +537,10 @@ def measure_drains(setup: Setup, workload: Workload, rounds: int) -> dict[str, A
 # --- cold start ---------------------------------------------------------------------------------
 
 
-# After an untimed ``import app``: what building the second layer adds, step by step.
+# After an untimed ``from drain import app``: what building the second layer adds, step by step.
 _BREAKDOWN_CHILD = r"""
 import sys, time
-import app
+from drain import app
 t0 = time.perf_counter()
 import boto3
 t1 = time.perf_counter()

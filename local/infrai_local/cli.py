@@ -767,7 +767,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             check_publishable(registry, body)
         except KeyDerivationError as exc:
             raise ConfigurationError(f"not published: {exc}") from None
-    body = _correlated(body, args)
+    body, correlation_id = _correlated(body, args)
     published = 0
     with _queue_client(settings) as client:
         if args.create:
@@ -776,6 +776,9 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             for _ in range(args.count):
                 message_id = client.publish(queue, body, delay_seconds=args.delay_seconds)
                 published += 1
+                if published == 1 and correlation_id is not None:
+                    # Once the first copy is out, on stderr: stdout stays one id per line.
+                    print(f"correlation_id {correlation_id}", file=sys.stderr, flush=True)
                 # Flushed line by line: a reader that goes away (`| head -1`) stops the
                 # publishing at once, and the count below is what went out.
                 print(message_id, flush=True)
@@ -794,10 +797,11 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _correlated(body: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The body with its ``_correlation_id``, which is printed to stderr before
-    anything is published (stdout stays one message id per line). With --unchecked a body whose
-    envelope the drain would ignore is sent as it is, with a warning."""
+def _correlated(
+    body: dict[str, Any], args: argparse.Namespace
+) -> tuple[dict[str, Any], str | None]:
+    """The body with its ``_correlation_id``, and that id; one the drain would ignore is
+    refused, unless --unchecked, which sends the body as it is (no id), with a warning."""
     try:
         correlated, correlation_id = with_correlation_id(body, args.correlation_id)
     except ValueError as exc:
@@ -807,9 +811,8 @@ def _correlated(body: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             f"warning: --unchecked: the drain ignores this body's envelope value: {exc}",
             file=sys.stderr,
         )
-        return body
-    print(f"correlation_id {correlation_id}", file=sys.stderr, flush=True)
-    return correlated
+        return body, None
+    return correlated, correlation_id
 
 
 def _published(published: int, asked: int) -> str:

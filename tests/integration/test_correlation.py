@@ -283,6 +283,18 @@ def test_publish_refuses_a_correlation_the_drain_would_ignore(
     assert kit.client.stats(QUEUE).message_count == before
 
 
+def test_publish_unchecked_sends_an_unusable_correlation_as_it_is_with_a_warning(
+    kit: Harness,
+) -> None:
+    body = {**NOTES_PAYLOAD, CORRELATION_FIELD: "x" * 129}
+    finished = run_cli(kit, "publish", "--unchecked", json.dumps(body))
+    assert finished.returncode == 0, finished.stderr
+    (message_id,) = finished.stdout.split()
+    assert not [x for x in finished.stderr.splitlines() if x.startswith("correlation_id ")]
+    assert any(CORRELATION_FIELD in x for x in finished.stderr.splitlines() if "warning" in x)
+    assert consumed_bodies(kit)[message_id] == body
+
+
 def test_publish_checked_returns_the_correlation_id_the_body_carries(kit: Harness) -> None:
     fresh = publish_checked(kit.client, kit.registry, QUEUE, NOTES_PAYLOAD)
     given = publish_checked(kit.client, kit.registry, QUEUE, NOTES_PAYLOAD, correlation_id="o-3")

@@ -12,7 +12,12 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.fan_out import FAN_OUT_EVENT_KEY, fan_out_slot
-from infrai_jobs.observability import function_observability, record_drain, tracing
+from infrai_jobs.observability import (
+    function_observability,
+    message_tracing,
+    record_drain,
+    tracing,
+)
 from infrai_jobs.settings import Settings
 from jobs import build_registry
 
@@ -25,11 +30,12 @@ def service() -> DrainService:
     settings the registered jobs declared are read, and each must be set."""
     registry = build_registry()
     settings = Settings.from_env(job_settings=registry.declared_settings())
-    return DrainService.from_settings(settings, registry)
+    return DrainService.from_settings(settings, registry, message_span=message_tracing())
 
 
 # The correlation id of every log line: a tick's event id (Scheduler's execution id), or for a
-# drain another one started, the slot its fan-out event carries.
+# drain another one started, the slot its fan-out event carries. A line about a message whose
+# producer sent one carries the producer's too, as ``message_correlation_id``.
 CORRELATION_ID_PATH = f"{correlation_paths.EVENT_BRIDGE} || {FAN_OUT_EVENT_KEY}.drain_id"
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 import psycopg
 
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.correlation import with_correlation_id
 from infrai_jobs.drain import DrainSummary, budget_shortfall
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import (
@@ -295,7 +296,21 @@ def _build_parser() -> argparse.ArgumentParser:
     publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
     publish.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     publish.add_argument("--delay-seconds", type=int, default=None)
-    publish.add_argument("--count", type=int, default=1, help="publish the same body N times")
+    publish.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="publish the same body N times (one work, one correlation id: as a producer's "
+        "retries would)",
+    )
+    publish.add_argument(
+        "--correlation-id",
+        default=None,
+        metavar="ID",
+        help="the body's _correlation_id, which every drain log line about the message carries "
+        "(default: the body's own, else its _traceparent's trace id, else a fresh one); "
+        "printed to stderr as `correlation_id ID`",
+    )
     publish.add_argument("--create", action="store_true", help="create the queue and DLQ first")
     publish.add_argument(
         "--jobs-path",
@@ -752,6 +767,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             check_publishable(registry, body)
         except KeyDerivationError as exc:
             raise ConfigurationError(f"not published: {exc}") from None
+    body, correlation_id = _correlated(body, args)
     published = 0
     with _queue_client(settings) as client:
         if args.create:
@@ -760,6 +776,9 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             for _ in range(args.count):
                 message_id = client.publish(queue, body, delay_seconds=args.delay_seconds)
                 published += 1
+                if published == 1 and correlation_id is not None:
+                    # Once the first copy is out, on stderr: stdout stays one id per line.
+                    print(f"correlation_id {correlation_id}", file=sys.stderr, flush=True)
                 # Flushed line by line: a reader that goes away (`| head -1`) stops the
                 # publishing at once, and the count below is what went out.
                 print(message_id, flush=True)
@@ -776,6 +795,24 @@ def _cmd_publish(args: argparse.Namespace) -> int:
                 print(f"{_published(published, args.count)} before this error:", file=sys.stderr)
             raise
     return EXIT_OK
+
+
+def _correlated(
+    body: dict[str, Any], args: argparse.Namespace
+) -> tuple[dict[str, Any], str | None]:
+    """The body with its ``_correlation_id``, and that id; one the drain would ignore is
+    refused, unless --unchecked, which sends the body as it is (no id), with a warning."""
+    try:
+        correlated, correlation_id = with_correlation_id(body, args.correlation_id)
+    except ValueError as exc:
+        if not args.unchecked or args.correlation_id is not None:
+            raise ConfigurationError(f"not published: {exc}") from None
+        print(
+            f"warning: --unchecked: the drain ignores this body's envelope value: {exc}",
+            file=sys.stderr,
+        )
+        return body, None
+    return correlated, correlation_id
 
 
 def _published(published: int, asked: int) -> str:

@@ -303,6 +303,22 @@ def test_an_irreversible_owner_back_beside_its_copy_is_stuck_not_stranded(
     assert first != second
 
 
+def test_the_mismatch_line_and_both_copies_lines_carry_the_producers_correlation_id(
+    kit: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given an irreversible job whose producer set a correlation id, its owner back early
+    payload = {"job": "test.ext", "id": "owner-correlated", "_correlation_id": "order-55"}
+    first, second = _owner_died_and_came_back_early(kit, payload)
+    # When a drain consumes both
+    with caplog.at_level(logging.INFO, logger="infrai_jobs"):
+        kit.drain()
+    # Then the visibility mismatch line carries it, and so does every line about either copy
+    assert _mismatch_logged(caplog, second).message_correlation_id == "order-55"  # type: ignore[attr-defined]
+    about = [r for r in caplog.records if getattr(r, "message_id", None) in (first, second)]
+    assert {r.action for r in about} >= {"visibility_mismatch", "stuck", "batch_duplicate"}  # type: ignore[attr-defined]
+    assert {getattr(r, "message_correlation_id", None) for r in about} == {"order-55"}
+
+
 def test_a_key_passing_owner_back_beside_its_copy_takes_its_claim_over_once(
     kit: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:

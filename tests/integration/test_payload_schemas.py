@@ -115,10 +115,12 @@ def test_publish_of_a_valid_body_still_publishes_it(kit: Harness) -> None:
     (counts, publishes) = queue_counts(kit)
     # When a body matching its job's schema is published twice
     finished = run_cli(kit, "publish", "--count", "2", json.dumps(NOTES_PAYLOAD))
-    # Then two message ids are printed and the queue holds two more messages
+    # Then two message ids are printed, stderr says only their one correlation id, and the queue
+    # holds two more messages
     assert finished.returncode == 0, finished.stderr
     assert len(finished.stdout.split()) == 2
-    assert finished.stderr == ""
+    (line,) = finished.stderr.splitlines()
+    assert line.startswith("correlation_id ")
     after, publishes_after = queue_counts(kit)
     assert after["message_count"] == counts["message_count"] + 2
     assert publishes_after == publishes + 2

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from infrai_jobs.batch import MessageResult, describe_error
+from infrai_jobs.correlation import log_fields
 from infrai_jobs.errors import (
     InfraiError,
     InfraiUnavailable,
@@ -108,5 +109,6 @@ def _log_ack(result: MessageResult, action: str, detail: str = "") -> None:
             "delivery_count": result.message.delivery_count,
             "job": result.job,
             "detail": detail,
+            **log_fields(result.correlation),
         },
     )

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from infrai_jobs.claims import (
     Settlement,
     utc_from_epoch,
 )
+from infrai_jobs.correlation import NO_CORRELATION, Correlation, log_fields, read_correlation
 from infrai_jobs.errors import (
     ConfigurationError,
     EffectUncertain,
@@ -58,6 +59,8 @@ class MessageResult:
     # The message came back while its own claim's lease was live: the queue hides messages for
     # less time than the drain's visibility timeout says.
     visibility_mismatch: bool = False
+    # The producer's correlation id and traceparent, from the message's envelope.
+    correlation: Correlation = NO_CORRELATION
 
     @property
     def ack(self) -> bool:
@@ -107,6 +110,8 @@ class _Batch:
     # claimed.
     early: dict[str, float] = field(init=False, default_factory=dict)
     takeovers: set[str] = field(init=False, default_factory=set)
+    # Each message's correlation (messages whose envelope carries one only).
+    correlations: dict[str, Correlation] = field(init=False, default_factory=dict)
     # Set once a claim failed for the ledger: the rest of the batch is not tried.
     ledger_failed: str = field(init=False, default="")
 
@@ -126,6 +131,13 @@ class _Batch:
 
     def _derive_keys(self) -> None:
         for message in self.messages:
+            correlation = read_correlation(
+                message.payload,
+                message_id=message.message_id,
+                delivery_count=message.delivery_count,
+            )
+            if correlation is not NO_CORRELATION:
+                self.correlations[message.message_id] = correlation
             try:
                 derived = self.registry.derive(message.payload)
             except (KeyDerivationError, ConfigurationError) as exc:
@@ -156,6 +168,7 @@ class _Batch:
 
     def _context(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobContext:
         message, derived = self.primaries[request.idem_key]
+        correlation = self.correlations.get(message.message_id, NO_CORRELATION)
         return JobContext(
             idem_key=request.idem_key,
             job=derived.definition.name,
@@ -164,12 +177,19 @@ class _Batch:
             deadline=self.deadline,
             db=db,
             settings=derived.settings,
+            correlation_id=correlation.correlation_id,
+            traceparent=correlation.traceparent,
         )
 
     def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
         derived = self.primaries[request.idem_key][1]
         guard = self.config.effect_guard if request.effect is not Effect.DATABASE else None
-        return run_handler(derived, self._context(request, db), guard)
+        ctx = self._context(request, db)
+        span = self.config.message_span
+        if span is None:
+            return run_handler(derived, ctx, guard)
+        with span(ctx):
+            return run_handler(derived, ctx, guard)
 
     def _run_database(self, requests: list[ClaimRequest]) -> None:
         """Claim, run and settle in one transaction for the whole batch."""
@@ -300,6 +320,7 @@ class _Batch:
                 "job": decision.request.job,
                 "visibility_timeout_seconds": self.config.visibility_timeout_seconds,
                 "redelivered_after_seconds": round(seconds, 1),
+                **log_fields(self.correlations.get(message, NO_CORRELATION)),
             },
         )
 
@@ -341,8 +362,12 @@ class _Batch:
 
     def _set(self, result: MessageResult) -> None:
         # The first decision about a message stands (a settle failure is recorded first).
-        if result.message.message_id not in self.results:
-            self.results[result.message.message_id] = _log(result)
+        message_id = result.message.message_id
+        if message_id not in self.results:
+            correlation = self.correlations.get(message_id)
+            if correlation is not None:
+                result = replace(result, correlation=correlation)
+            self.results[message_id] = _log(result)
 
 
 def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None = None) -> JobRun:
@@ -380,6 +405,7 @@ def _log(result: MessageResult) -> MessageResult:
             "job": result.job,
             "acked": result.ack,
             "detail": result.detail,
+            **log_fields(result.correlation),
         },
     )
     return result

@@ -18,18 +18,20 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from infrai_jobs.ack_pipeline import AckPipeline
 from infrai_jobs.batch import MessageResult, process_batch, storable_text
+from infrai_jobs.correlation import correlation_of
 from infrai_jobs.errors import (
     ConsumeAnswerLost,
     InfraiError,
     LedgerError,
     SchemaNotMigrated,
 )
-from infrai_jobs.jobs import JobRegistry
+from infrai_jobs.jobs import JobContext, JobRegistry
 from infrai_jobs.outcomes import (
     OUTCOME_RULES,
     Outcome,
@@ -72,6 +74,9 @@ class DrainConfig:
     # as long as the idle window after the drain's start lasts (0: the whole time budget).
     idle_poll_ms: int = 0
     idle_window_seconds: float = 0.0
+    # Around each handler run, with tracing on (``observability.message_tracing``): a span
+    # that continues the producer's trace. None: no tracing, nothing imported.
+    message_span: Callable[[JobContext], AbstractContextManager[object]] | None = None
 
 
 @dataclass
@@ -525,13 +530,15 @@ def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:
 
 def _left_for_redelivery(messages: Sequence[QueueMessage], why: str) -> None:
     if messages:
-        logger.warning(
-            why,
-            extra={
-                "action": "batch_abandoned",
-                "message_ids": [m.message_id for m in messages],
-            },
-        )
+        extra: dict[str, Any] = {
+            "action": "batch_abandoned",
+            "message_ids": [m.message_id for m in messages],
+        }
+        correlation_ids = [correlation_of(m.payload).correlation_id or "" for m in messages]
+        if any(correlation_ids):
+            # In the order of message_ids; "" for a message whose producer sent none.
+            extra["correlation_ids"] = correlation_ids
+        logger.warning(why, extra=extra)
 
 
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:

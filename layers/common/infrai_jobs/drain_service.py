@@ -37,7 +37,7 @@ from infrai_jobs.factory import (
     secret_refresh,
 )
 from infrai_jobs.fan_out import CountingQueue, FanOutPolicy, FleetMonitor
-from infrai_jobs.jobs import JobRegistry
+from infrai_jobs.jobs import JobContext, JobRegistry
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, ForwardingQueue, QueuePort
 from infrai_jobs.queue_client import InfraiClient
@@ -66,6 +66,8 @@ class DrainService:
     # more of them (DRAIN_MAX_CONCURRENCY > 1); None when off.
     fleet: DrainFleetPort | None = None
     starter: DrainStarterPort | None = None
+    # The span around each handler run, with tracing on (``observability.message_tracing``).
+    message_span: Callable[[JobContext], AbstractContextManager[object]] | None = None
 
     @classmethod
     def from_settings(
@@ -74,12 +76,13 @@ class DrainService:
         registry: JobRegistry,
         *,
         starter: DrainStarterPort | None = None,
+        message_span: Callable[[JobContext], AbstractContextManager[object]] | None = None,
     ) -> DrainService:
         """``registry``'s jobs get the values of the settings they declared, read into
         ``settings`` (``Settings.from_env(job_settings=registry.declared_settings())``): a
         missing one is a ``ConfigurationError`` naming it and its jobs, before anything is
         built or consumed. ``starter`` replaces Lambda's for local runs (the CLI starts drain
-        processes)."""
+        processes). ``message_span``: see ``DrainConfig``."""
         registry.bind_settings(settings.require_job_settings())
         resolved = resolve_secrets(settings)
         refresh = secret_refresh(settings)
@@ -93,6 +96,7 @@ class DrainService:
             make_lane_ledger=lambda: make_ledger(resolved, refresh_url=url_hook),
             fleet=make_drain_fleet(resolved, refresh_url=url_hook),
             starter=starter or make_drain_starter(resolved),
+            message_span=message_span,
         )
 
     def close(self) -> None:
@@ -114,6 +118,7 @@ class DrainService:
             effect_guard=self.effect_guard,
             idle_poll_ms=self.settings.drain_idle_poll_ms if idle_polling else 0,
             idle_window_seconds=self.settings.drain_idle_window_seconds,
+            message_span=self.message_span,
         )
 
     def run(

@@ -71,6 +71,10 @@ class JobContext:
     db: psycopg.Connection[Any] | None = None
     # The values of the settings this job declared, by name.
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The producer's correlation id (its ``_correlation_id``, else its ``_traceparent``'s trace
+    # id) and its W3C traceparent, to pass downstream; None when the message carried none.
+    correlation_id: str | None = None
+    traceparent: str | None = None
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]

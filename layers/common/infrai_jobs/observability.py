@@ -1,23 +1,27 @@
-"""Observability, declared once: the Powertools Logger and Metrics every function uses.
+"""Observability, declared once: the Powertools Logger, Metrics and Tracer every function uses.
 
-Log lines about a message carry ``idem_key``, ``message_id``, ``delivery_count``, ``job`` and a
-stable ``action`` word (the library logs them through stdlib ``logging``; the function's
-Powertools Logger formats them as JSON). Metrics are EMF with low-cardinality dimensions only:
-the queue name, never a key or a message id.
+Log lines about a message carry ``idem_key``, ``message_id``, ``delivery_count``, ``job``, a
+stable ``action`` word and, when its producer sent one, ``message_correlation_id`` (the library
+logs them through stdlib ``logging``; the function's Powertools Logger formats them as JSON).
+Metrics are EMF with low-cardinality dimensions only: the queue name, never a key or a message
+id. Tracing is off unless the template turns it on; off, the X-Ray SDK is never imported.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
 from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
+from infrai_jobs.correlation import traceparent_trace_id
 from infrai_jobs.drain import DrainSummary
+from infrai_jobs.jobs import JobContext
 from infrai_jobs.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
@@ -59,11 +63,57 @@ def tracing(handler: F) -> F:
     ``EnableTracing`` sets POWERTOOLS_TRACE_DISABLED=false; otherwise the X-Ray SDK is never
     imported, which saves about 300 ms of cold start (see docs/performance.md).
     """
-    if os.environ.get("POWERTOOLS_TRACE_DISABLED", "true").lower() in ("1", "true", "yes"):
+    if not tracing_on():
         return handler
     from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
 
     return cast(F, Tracer().capture_lambda_handler(handler))
+
+
+def tracing_on() -> bool:
+    """Whether the template turned tracing on (POWERTOOLS_TRACE_DISABLED=false)."""
+    disabled = os.environ.get("POWERTOOLS_TRACE_DISABLED", "true").lower()
+    return disabled not in ("1", "true", "yes")
+
+
+MessageSpan = Callable[[JobContext], AbstractContextManager[object]]
+
+
+def message_tracing() -> MessageSpan | None:
+    """With tracing on, the span each handler run gets (``DrainConfig.message_span``): an X-Ray
+    subsegment ``## job NAME``, annotated with the message's id and job and, when its producer
+    sent them, its ``correlation_id`` and its traceparent's trace id (``trace_id``, and as X-Ray
+    writes it, ``xray_trace_id``), so the drain's trace can be found from the producer's.
+
+    With tracing off: None, and the X-Ray SDK is never imported."""
+    if not tracing_on():
+        return None
+    from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
+
+    tracer = Tracer()
+
+    @contextmanager
+    def span(ctx: JobContext) -> Iterator[object]:
+        with tracer.provider.in_subsegment(f"## job {ctx.job}") as subsegment:
+            for key, value in message_annotations(ctx).items():
+                subsegment.put_annotation(key, value)
+            yield subsegment
+
+    return span
+
+
+def message_annotations(ctx: JobContext) -> dict[str, str]:
+    """The X-Ray annotations of one handler run (bounded strings: the envelope values were
+    checked when the message was read)."""
+    annotations = {"job": ctx.job, "message_id": ctx.message_id}
+    if ctx.correlation_id is not None:
+        annotations["correlation_id"] = ctx.correlation_id
+    trace_id = traceparent_trace_id(ctx.traceparent)
+    if trace_id is not None:
+        annotations["trace_id"] = trace_id
+        # X-Ray's form of the same 128 bits: 1-{first 8 hex digits}-{the other 24}.
+        annotations["xray_trace_id"] = f"1-{trace_id[:8]}-{trace_id[8:]}"
+    return annotations
 
 
 def function_observability() -> tuple[Logger, Metrics]:

@@ -1,0 +1,112 @@
+"""A job published with ``infrai-jobs publish`` and drained by DrainFunction (``infrai-jobs
+invoke``): every JSON log line about its message carries the correlation id ``publish`` printed,
+and every line still carries the invocation's own ``correlation_id``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from child_process import clean_env, run_captured
+
+from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.queue_client import InfraiClient
+from infrai_local import emulator, provider_sink
+from infrai_local.invoke import invoke, resolve
+from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.provider_sink import sink_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS = ROOT / "events"
+INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture
+def services(database_url: str) -> Iterator[dict[str, str]]:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+        conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
+        conn.execute("INSERT INTO invoices VALUES ('inv_9000', 'draft', NULL)")
+    server = emulator.start_in_thread()
+    sink = provider_sink.start_in_thread()
+    try:
+        yield {
+            "INFRAI_BASE_URL": server.url,
+            "INFRAI_API_KEY": "local-dev-key",
+            "DATABASE_URL": database_url,
+            **sink_settings(sink.url),
+        }
+    finally:
+        sink.stop()
+        server.stop()
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return
+
+
+def publish(services: dict[str, str], body: dict[str, object], *args: str) -> tuple[list[str], str]:
+    """``infrai-jobs publish`` in a child process: the message ids and the correlation id."""
+    finished = run_captured(
+        [INFRAI_JOBS, "publish", *args, json.dumps(body)],
+        env=clean_env(**services, INFRAI_QUEUE="billing-jobs"),
+        cwd=ROOT,
+    )
+    assert finished.returncode == 0, finished.stderr
+    (line,) = [x for x in finished.stderr.splitlines() if x.startswith("correlation_id ")]
+    return finished.stdout.split(), line.removeprefix("correlation_id ")
+
+
+def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
+    services: dict[str, str],
+) -> None:
+    # Given the notes' job published twice by `publish` (one correlation id for both), and
+    # another job whose producer sent a W3C traceparent
+    InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key").ensure_queue(
+        "billing-jobs", dlq="billing-jobs-dlq"
+    )
+    notes = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
+    retried, correlation_id = publish(services, notes, "--count", "2")
+    traced_body = {
+        "job": "invoice.finalize",
+        "invoice_id": "inv_9000",
+        "amount_cents": 100,
+        "_traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01",
+    }
+    (traced,), traced_id = publish(services, traced_body)
+    assert traced_id == TRACE_ID
+    # When DrainFunction is invoked with the schedule event
+    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    logs = _Lines()
+    result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
+    assert result.ok, result.payload
+    assert result.payload["done"] == 2
+    records = [json.loads(line) for line in logs.lines if line.startswith("{")]
+    log_lines = [r for r in records if "level" in r and "message" in r]
+    # Then every line about the notes' messages carries publish's correlation id
+    about = [r for r in log_lines if r.get("message_id") in retried]
+    assert {r["action"] for r in about} >= {"done"}
+    assert len(about) == 2
+    assert {r.get("message_correlation_id") for r in about} == {correlation_id}
+    # And the traced message's lines carry its trace id
+    about_traced = [r for r in log_lines if r.get("message_id") == traced]
+    assert about_traced
+    for record in about_traced:
+        assert record["message_correlation_id"] == TRACE_ID
+        assert record["message_trace_id"] == TRACE_ID
+    # And every line, these included, still carries the invocation's own correlation id
+    event_id = json.loads((EVENTS / "drain-schedule.json").read_text())["id"]
+    assert {r.get("correlation_id") for r in log_lines} == {event_id}

@@ -25,6 +25,10 @@ The effect class decides how the claim protects the work (docs/design.md, "Effec
 ``fields`` is the payload's schema (``infrai_jobs.payload_schema``): ``derive`` checks every
 payload against it before the claim, so a handler sees only payloads that match it.
 
+An ``EXTERNAL`` or ``EXTERNAL_IDEMPOTENT`` job may declare a reconcile probe (``probe=fn``, see
+``infrai_jobs.probes``): asked about a stuck claim, it answers ``Done``, ``NotDone`` or
+``Unknown``, and the reconcile pass settles, releases or leaves the claim accordingly.
+
 A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
 the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
 declared ones at its edge (``infrai_jobs.settings``) and binds them with ``bind_settings`` before
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.keys import check_key_rule, derive_key, payload_fingerprint
 from infrai_jobs.payload_schema import FieldSpec, PayloadSchema
+from infrai_jobs.probes import ProbeAnswer
 
 if TYPE_CHECKING:
     import psycopg
@@ -74,6 +79,8 @@ class JobContext:
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]
+# Asks the provider whether a stuck claim's effect happened (``infrai_jobs.probes``).
+Probe = Callable[[Payload, JobContext], ProbeAnswer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,8 @@ class JobDefinition:
     schema: PayloadSchema = field(default_factory=PayloadSchema)
     # The settings (environment variables) the handler reads from ``ctx.settings``.
     settings: tuple[str, ...] = ()
+    # Asks the provider about a stuck claim; only for the external effect classes.
+    probe: Probe | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +128,17 @@ class JobRegistry:
             raise ConfigurationError(f"job {definition.name!r} is registered twice")
         if definition.identity:
             check_key_rule(definition.name, definition.identity)
+        if definition.probe is not None and definition.effect is Effect.DATABASE:
+            # A database job never leaves a running claim behind: there is nothing to probe.
+            raise ConfigurationError(
+                f"job {definition.name!r}: a reconcile probe needs an external effect "
+                "(Effect.EXTERNAL or Effect.EXTERNAL_IDEMPOTENT); a database job's claim "
+                "commits with its effect, so it is never stuck"
+            )
+        if definition.probe is not None and not callable(definition.probe):
+            raise ConfigurationError(
+                f"job {definition.name!r}: probe must be a function of (payload, ctx)"
+            )
         schema = definition.schema.requiring(
             definition.name, (*definition.identity, *definition.required)
         )
@@ -137,9 +157,11 @@ class JobRegistry:
         required: Sequence[str] = (),
         fields: Mapping[str, FieldSpec] | None = None,
         settings: Sequence[str] = (),
+        probe: Probe | None = None,
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``. ``fields`` declares the payload's schema (see
-        ``infrai_jobs.payload_schema``); identity fields are always required."""
+        ``infrai_jobs.payload_schema``); identity fields are always required; ``probe`` asks
+        the provider about a stuck claim (external effects only, ``infrai_jobs.probes``)."""
 
         for label, names in (
             ("identity", identity),
@@ -163,6 +185,7 @@ class JobRegistry:
                     required=tuple(dict.fromkeys((*identity, *required, *schema.required))),
                     schema=schema,
                     settings=tuple(dict.fromkeys(settings)),
+                    probe=probe,
                 )
             )
             return handler
@@ -203,6 +226,10 @@ class JobRegistry:
             job.name: MappingProxyType({name: values[name] for name in job.settings})
             for job in self._jobs.values()
         }
+
+    def settings_of(self, name: str) -> Mapping[str, str]:
+        """The bound values of job ``name``'s declared settings (empty before binding)."""
+        return self._settings.get(name, MappingProxyType({}))
 
     def identity_table(self) -> dict[str, tuple[str, ...]]:
         return {job.name: job.identity for job in self._jobs.values() if job.identity}

@@ -18,11 +18,15 @@ from typing import Any
 
 import pytest
 import urllib3
-from drainkit import OPERATOR, Harness, harness, run_cli
+from aws_lambda_powertools import Metrics
+from drainkit import OPERATOR, QUEUE, Harness, harness, run_cli
 
+from infrai_jobs.alerting import AlertCheck, AlertThresholds
 from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.factory import WATCHER_ACTOR
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.keys import payload_fingerprint
+from infrai_jobs.observability import record_alert_check
 from infrai_jobs.probes import NotDone, ProbeAnswer
 from infrai_jobs.reconcile import Reconciler
 
@@ -339,3 +343,66 @@ def test_the_operator_sees_what_was_reconciled(kit: Harness) -> None:
     assert "declares no reconcile probe" in no_probe.stderr
     for finished in (again, no_probe):
         assert "Traceback" not in finished.stderr
+
+
+class RecordingAlerter:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+
+    def publish(self, subject: str, message: str) -> None:
+        self.sent.append((subject, message))
+
+
+def test_the_watcher_reconciles_before_it_counts_stuck_claims(
+    kit: Harness, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given three stuck claims: a receipt the provider mailed, a digest it never built, and a
+    # receipt keyed by its producer, which its probe cannot look up (unknown)
+    mailed = {**RECEIPT, "invoice_id": "inv_watched"}
+    sink_call(
+        kit, "POST", "/v1/mail/send", json={"to": "ada@example.com", "invoice_id": "inv_watched"}
+    )
+    mailed_key = seed_dead_worker_claim(kit, mailed)
+    unbuilt_key = seed_dead_worker_claim(kit, {**DIGEST, "tenant_id": "t_watched"})
+    unknowable = {**RECEIPT, "invoice_id": "inv_x", "_idempotency_key": "producer-key-7"}
+    unknowable_key = seed_dead_worker_claim(kit, unknowable)
+    alerter = RecordingAlerter()
+    check = AlertCheck(
+        kit.client,
+        database_url,
+        alerter,
+        AlertThresholds(),
+        reconciler=Reconciler(ClaimsAdmin(database_url), kit.registry, actor=WATCHER_ACTOR),
+    )
+
+    # When the watcher runs its check
+    report = check.run([QUEUE])
+
+    # Then it probed all three, and counts and pages on the one still stuck
+    assert report.reconciled is not None
+    assert report.reconciled.by_answer() == {"done": 1, "not_done": 1, "unknown": 1}
+    assert report.stuck.count == 1
+    (subject, message) = next((s, m) for s, m in alerter.sent if "stuck" in s)
+    assert subject == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+    assert "done for 1 (settled), not done for 1 (released" in message
+    assert "unknown for 1" in message
+    mailed_row = kit.row(mailed_key)
+    assert mailed_row is not None
+    assert mailed_row.state == "done"
+    assert kit.row(unbuilt_key) is None
+    unknown_row = kit.row(unknowable_key)
+    assert unknown_row is not None
+    assert unknown_row.state == "running"
+    # And the answers are recorded as the watcher's
+    actors = kit.sql("SELECT DISTINCT actor FROM claim_history WHERE action = 'reconcile'")
+    assert actors == [(WATCHER_ACTOR,)]
+    # And the metrics count the reconciled claims by answer, beside the stuck count
+    capsys.readouterr()
+    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
+    record_alert_check(metrics, report)
+    metrics.flush_metrics()
+    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    ledger = next(d for d in documents if "StuckClaims" in d)
+    assert ledger["StuckClaims"] == [1.0]
+    counts = (ledger["ReconciledDone"], ledger["ReconciledNotDone"], ledger["ReconciledUnknown"])
+    assert counts == ([1.0], [1.0], [1.0])

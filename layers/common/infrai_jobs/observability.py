@@ -19,6 +19,7 @@ from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
 from infrai_jobs.drain import DrainSummary
 from infrai_jobs.outcomes import OUTCOME_METRICS
+from infrai_jobs.probes import ANSWERS, DONE, NOT_DONE, UNKNOWN
 
 if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertReport
@@ -119,3 +120,15 @@ def record_alert_check(metrics: Metrics, report: AlertReport) -> None:
         value=report.stuck.oldest_running_age_seconds,
     )
     metrics.add_metric(name="AlertsSent", unit=MetricUnit.Count, value=len(report.sent))
+    # Every answer, zero included, so a dashboard sees a steady series.
+    reconciled = report.reconciled.by_answer() if report.reconciled else dict.fromkeys(ANSWERS, 0)
+    for answer, name in RECONCILE_METRICS.items():
+        metrics.add_metric(name=name, unit=MetricUnit.Count, value=reconciled[answer])
+
+
+# Stuck claims probed by the watcher before counting, by the probe's answer.
+RECONCILE_METRICS = {
+    DONE: "ReconciledDone",
+    NOT_DONE: "ReconciledNotDone",
+    UNKNOWN: "ReconciledUnknown",
+}

@@ -23,11 +23,16 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
     """Built on the first invocation and reused while the environment stays warm; a rotated
     API key or database secret is fetched again when the cached one fails
     (factory.secret_refresh, as every function does). The jobs' probes reconcile stuck claims
-    before they are counted, so their settings are read and bound as the drain does."""
+    before they are counted, so the settings they declared are read and bound; a probe whose
+    setting is missing is left out (said once here), never the page."""
     registry = build_registry()
-    settings = Settings.from_env(job_settings=registry.declared_settings())
+    settings = Settings.from_env(job_settings=registry.probe_settings())
     resolved = resolve_secrets(settings)
-    registry.bind_settings(resolved.require_job_settings())
+    for job, missing in registry.bind_probe_settings(resolved.job_settings).items():
+        logger.warning(
+            "a setting of this job is not set: its stuck claims are not probed",
+            extra={"action": "probe_off", "job": job, "missing": list(missing)},
+        )
     alert_check = make_alert_check(resolved, refresh=secret_refresh(settings), registry=registry)
     return alert_check, resolved.watched_queues
 

@@ -110,3 +110,22 @@ def test_each_answer_is_read_back_from_its_history_note(answer: str, detail: obj
 def test_a_note_that_is_not_an_answer_reads_as_none() -> None:
     assert answer_of("redrive --reopen-failed") is None
     assert answer_of(None) is None
+
+
+def test_the_watcher_binds_only_probe_settings_and_drops_a_probe_missing_one() -> None:
+    # Given the example jobs, and a watcher environment with the mail provider only
+    registry = build_registry()
+    assert registry.probe_settings() == {
+        "MAIL_PROVIDER_URL": ("receipt.send",),
+        "DIGEST_PROVIDER_URL": ("digest.build",),
+    }
+    # When their probe settings are bound
+    unprobed = registry.bind_probe_settings({"MAIL_PROVIDER_URL": "https://mail.example.com"})
+    # Then the digest job loses its probe, said so, and the receipt job keeps its own
+    assert unprobed == {"digest.build": ("DIGEST_PROVIDER_URL",)}
+    digest, receipt = registry.get("digest.build"), registry.get("receipt.send")
+    assert digest is not None
+    assert receipt is not None
+    assert digest.probe is None
+    assert receipt.probe is not None
+    assert registry.settings_of("receipt.send") == {"MAIL_PROVIDER_URL": "https://mail.example.com"}

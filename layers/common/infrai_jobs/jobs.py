@@ -227,6 +227,35 @@ class JobRegistry:
             for job in self._jobs.values()
         }
 
+    def probe_settings(self) -> dict[str, tuple[str, ...]]:
+        """The settings the jobs with a reconcile probe declared, with those jobs: all a
+        process that only probes (the watcher) reads."""
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            if job.probe is not None:
+                for name in job.settings:
+                    owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
+
+    def bind_probe_settings(self, values: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+        """For a process that only probes: bind the settings of the jobs with a probe. A job
+        missing one of its settings loses its probe here instead of failing the process (the
+        watcher must page whatever else is wrong); those jobs are returned with the settings
+        they miss, so the caller can say so."""
+        unprobed: dict[str, tuple[str, ...]] = {}
+        bound: dict[str, Mapping[str, str]] = {}
+        for job in list(self._jobs.values()):
+            if job.probe is None:
+                continue
+            missing = tuple(name for name in job.settings if not values.get(name))
+            if missing:
+                unprobed[job.name] = missing
+                self._jobs[job.name] = replace(job, probe=None)
+                continue
+            bound[job.name] = MappingProxyType({name: values[name] for name in job.settings})
+        self._settings = bound
+        return unprobed
+
     def settings_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared settings (empty before binding)."""
         return self._settings.get(name, MappingProxyType({}))

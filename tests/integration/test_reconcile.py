@@ -325,9 +325,6 @@ def test_the_operator_sees_what_was_reconciled(kit: Harness) -> None:
 
     # When the operator reconciles a claim that is not running, or of a job without a probe
     again = run_cli(kit, "claims", "reconcile", key)
-    kit.sql(
-        "INSERT INTO invoices (id) VALUES ('inv_np') ON CONFLICT DO NOTHING",
-    )
     invoice_key = "invoice.finalize:inv_np"
     kit.sql(
         "INSERT INTO job_claims (idem_key, state, message_id, job, effect, error) "

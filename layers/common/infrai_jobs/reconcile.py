@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from infrai_jobs.claims import ClaimRow
@@ -103,7 +104,7 @@ class ReconcileReport:
 def history_note(answer: str, detail: Any) -> str:
     """The ``claim_history`` note of one answer: the answer first, then what came with it."""
     if answer == UNKNOWN:
-        return f"{UNKNOWN}: {detail}"
+        return f"{UNKNOWN}: {str(detail)[:_NOTE_DETAIL_CHARS]}"
     if answer == DONE:
         return f"{DONE}: provider result {_short(detail)}"
     return f"{NOT_DONE}: the provider has no trace of it"
@@ -242,7 +243,10 @@ class Reconciler:
             logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
             action = _DRY_RUN_ACTION[answer.answer]
             return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, action)
-        if isinstance(answer, NotDone) and self._forget is not None:
+        lease_over = claim.lease_until is None or claim.lease_until < datetime.now(UTC)
+        if isinstance(answer, NotDone) and self._forget is not None and lease_over:
+            # Before the release, as `claims release` does: a store that cannot be reached
+            # fails the pass with the claim unchanged. Under a live lease nothing is released.
             self._forget(claim.idem_key)
         try:
             write = self._admin.apply_probe_answer(
@@ -263,6 +267,10 @@ class Reconciler:
         return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, write.value)
 
 
+# How much of a probe's reason or result a history note keeps.
+_NOTE_DETAIL_CHARS: Final = 500
+
+
 def _short(value: Any) -> str:
     text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= 200 else text[:197] + "..."
+    return text if len(text) <= _NOTE_DETAIL_CHARS else text[: _NOTE_DETAIL_CHARS - 3] + "..."

@@ -13,6 +13,7 @@ from infrai_jobs.factory import make_alert_check, secret_refresh
 from infrai_jobs.observability import function_observability, record_alert_check, tracing
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import Settings
+from jobs import build_registry
 
 logger, metrics = function_observability()
 
@@ -21,10 +22,19 @@ logger, metrics = function_observability()
 def check() -> tuple[AlertCheck, tuple[str, ...]]:
     """Built on the first invocation and reused while the environment stays warm; a rotated
     API key or database secret is fetched again when the cached one fails
-    (factory.secret_refresh, as every function does)."""
-    settings = Settings.from_env()
+    (factory.secret_refresh, as every function does). The jobs' probes reconcile stuck claims
+    before they are counted, so the settings they declared are read and bound; a probe whose
+    setting is missing is left out (said once here), never the page."""
+    registry = build_registry()
+    settings = Settings.from_env(job_settings=registry.probe_settings())
     resolved = resolve_secrets(settings)
-    return make_alert_check(resolved, refresh=secret_refresh(settings)), resolved.watched_queues
+    for job, missing in registry.bind_probe_settings(resolved.job_settings).items():
+        logger.warning(
+            "a setting of this job is not set: its stuck claims are not probed",
+            extra={"action": "probe_off", "job": job, "missing": list(missing)},
+        )
+    alert_check = make_alert_check(resolved, refresh=secret_refresh(settings), registry=registry)
+    return alert_check, resolved.watched_queues
 
 
 # The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.

@@ -3,14 +3,20 @@
 The provider accepts our idempotency key as an ``Idempotency-Key`` header, so a repeated call is
 harmless downstream: a crashed attempt's claim may be taken over once its lease expires, and
 every failure can simply be retried.
+
+A claim flagged stuck is reconciled by asking the provider for the digest built under our key
+(``GET /v1/digests/<key>``): found settles it ``done``, 404 releases it, anything else leaves it
+to a human.
 """
 
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=10.0)
@@ -35,6 +41,20 @@ def build_digest(payload: Payload, ctx: JobContext) -> JsonValue:
     return {"digest_id": answer.get("id"), "replayed": bool(answer.get("replayed"))}
 
 
+def find_digest(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+    """The reconcile probe: did the provider build a digest under this claim's key?"""
+    url = f"{ctx.settings[DIGEST_PROVIDER_URL]}/v1/digests/{quote(ctx.idem_key, safe='')}"
+    response = _http.request("GET", url)
+    if response.status == 404:
+        return NotDone()
+    if response.status != 200:
+        return Unknown(f"digest provider's lookup answered HTTP {response.status}")
+    answer = json.loads(response.data)
+    if not isinstance(answer, dict) or not answer.get("id"):
+        return Unknown("digest provider's lookup answered without a digest id")
+    return Done({"digest_id": answer["id"], "replayed": False, "reconciled": True})
+
+
 def register(registry: JobRegistry) -> None:
     registry.job(
         "digest.build",
@@ -42,4 +62,5 @@ def register(registry: JobRegistry) -> None:
         identity=("tenant_id", "period"),
         fields={"tenant_id": str, "period": str},
         settings=(DIGEST_PROVIDER_URL,),
+        probe=find_digest,
     )(build_digest)

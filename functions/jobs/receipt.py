@@ -4,6 +4,12 @@ Its claim is committed before the call. If the call may have reached the provide
 tell (a timeout, a 5xx), the handler raises ``EffectUncertain``: the claim stays ``running`` and is
 flagged for a human, instead of a retry that might send a second receipt.
 
+When a claim is stuck anyway, its reconcile probe asks the provider for the mails sent for the
+invoice (``GET /v1/mail?invoice_id=...``): one found settles the claim ``done``, none releases
+it for one more try, and any other answer leaves it to a human. That is safe only because the
+provider's search sees a mail as soon as its send was answered; with a provider whose search
+lags, answer ``Unknown`` for recent claims instead of ``NotDone``.
+
 Its result is kept in the ledger (and in the second layer's store), so it holds no e-mail
 address: only the SHA-256 of the address as sent (trimmed, lower-cased), enough to confirm
 which address a receipt went to when you already know it, not to read one back.
@@ -13,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from urllib.parse import urlencode
 
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=5.0)
@@ -54,6 +62,32 @@ def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
     return {"provider_message_id": provider_id, "to_sha256": address_digest(payload["email"])}
 
 
+def find_receipt(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+    """The reconcile probe: was a receipt mailed for this invoice? (A failed call raises, which
+    the reconcile pass counts as unknown.)"""
+    invoice = payload.get("invoice_id")
+    if invoice is None:
+        return Unknown("the claim's key names no invoice (a producer key): look it up by hand")
+    query = urlencode({"invoice_id": str(invoice)})
+    response = _http.request("GET", f"{ctx.settings[MAIL_PROVIDER_URL]}/v1/mail?{query}")
+    if response.status != 200:
+        return Unknown(f"mail provider's search answered HTTP {response.status}")
+    answer = json.loads(response.data)
+    messages = answer.get("messages") if isinstance(answer, dict) else None
+    if not isinstance(messages, list):
+        return Unknown("mail provider's search answered without a list of messages")
+    if not messages:
+        return NotDone()
+    first = messages[0] if isinstance(messages[0], dict) else {}
+    return Done(
+        {
+            "provider_message_id": first.get("id"),
+            "to_sha256": address_digest(str(first.get("to", ""))),
+            "reconciled": True,
+        }
+    )
+
+
 def address_digest(email: str) -> str:
     """The hex SHA-256 of an e-mail address, trimmed and lower-cased: how a result names its
     recipient without holding personal data in clear."""
@@ -67,4 +101,5 @@ def register(registry: JobRegistry) -> None:
         identity=("invoice_id",),
         fields={"invoice_id": (str, int), "email": str},
         settings=(MAIL_PROVIDER_URL,),
+        probe=find_receipt,
     )(send_receipt)

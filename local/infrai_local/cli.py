@@ -51,6 +51,7 @@ from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.producer import check_publishable
 from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.reconcile import Reconciler
 from infrai_jobs.secrets import resolve_secrets
 from infrai_jobs.settings import (
     DEFAULT_BASE_URL,
@@ -708,6 +709,9 @@ def _cmd_ops(args: argparse.Namespace) -> int:
         def admin() -> ClaimsAdmin:
             return make_claims_admin(settings)
 
+        def reconciler() -> Reconciler:
+            return _reconciler(settings, getattr(args, "jobs_path", None), admin())
+
         return run_ops(
             args,
             OpsContext(
@@ -717,8 +721,19 @@ def _cmd_ops(args: argparse.Namespace) -> int:
                 dlq_name=settings.dlq,
                 key_of=lambda: _key_function(getattr(args, "jobs_path", None)),
                 forget=_second_layer_forget(settings),
+                reconciler=reconciler,
             ),
         )
+
+
+def _reconciler(settings: Settings, jobs_path: str | None, admin: ClaimsAdmin) -> Reconciler:
+    """The reconcile pass as the watcher runs it: the jobs package's probes, with the settings
+    its jobs declared read from the environment (each must be set: a real ledger is never
+    reconciled against a stand-in provider)."""
+    registry = load_registry(jobs_path)
+    declared = Settings.from_env(job_settings=registry.declared_settings())
+    registry.bind_settings(declared.require_job_settings())
+    return Reconciler(admin, registry, forget=_second_layer_forget(settings))
 
 
 def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:

@@ -29,6 +29,7 @@ from infrai_jobs.claims_admin import (
 from infrai_jobs.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
 from infrai_jobs.errors import ClaimNotFound, ConfigurationError, DeadLetterNotFound
 from infrai_jobs.ports import QueuePort
+from infrai_jobs.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
 from infrai_jobs.redrive import Selection, publish_price, redrive
 
 EXIT_OK = 0
@@ -161,6 +162,27 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     release.add_argument("--note", default="")
     release.add_argument("--json", action="store_true")
     release.set_defaults(ops_command="claims_release")
+    reconcile = csub.add_parser(
+        "reconcile",
+        help="ask the provider about stuck claims (jobs with a probe): settle what it has done, "
+        "release what it has not, leave the rest stuck",
+    )
+    which = reconcile.add_mutually_exclusive_group(required=True)
+    which.add_argument("key", nargs="?", help="one claim, by its key")
+    which.add_argument("--all", action="store_true", help="every stuck claim of a job with a probe")
+    reconcile.add_argument(
+        "--older-than",
+        type=parse_duration,
+        default=900,
+        help="with --all: running claims older than this, or flagged (default 15m)",
+    )
+    reconcile.add_argument("--limit", type=int, default=100, help="with --all (default 100)")
+    reconcile.add_argument(
+        "--dry-run", action="store_true", help="ask the probes, change and record nothing"
+    )
+    _add_jobs_path(reconcile)
+    reconcile.add_argument("--json", action="store_true")
+    reconcile.set_defaults(ops_command="claims_reconcile")
     prune = csub.add_parser("prune", help="delete old done/failed claims in batches")
     prune.add_argument(
         "--older-than", type=parse_duration, default=30 * 86400, help="whole days, e.g. 30d"
@@ -232,6 +254,8 @@ class OpsContext:
     out: TextIO = field(default_factory=lambda: sys.stdout)
     # Drops a key's second-layer record (IDEMPOTENCY_BACKEND on), so a release really retries.
     forget: Callable[[str], None] | None = None
+    # The reconcile pass over the jobs package's probes, its settings bound (claims reconcile).
+    reconciler: Callable[[], Reconciler] | None = None
 
 
 def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
@@ -246,6 +270,10 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
         return _redrive(args, ctx)
     if command == "cost":
         return _cost(args, ctx.queue(), ctx.out)
+    if command == "claims_reconcile":
+        if ctx.reconciler is None:  # pragma: no cover - the CLI always passes one
+            raise ConfigurationError("claims reconcile needs the jobs package's probes")
+        return _reconcile(args, ctx.reconciler(), ctx.out)
     return _claims(args, ctx.admin(), ctx.out, ctx.forget)
 
 
@@ -554,6 +582,34 @@ def _claims(
     raise ConfigurationError(f"unknown claims action {command}")  # pragma: no cover
 
 
+def _reconcile(args: argparse.Namespace, reconciler: Reconciler, out: TextIO) -> int:
+    if args.all:
+        report = reconciler.run_all(
+            threshold_seconds=args.older_than, limit=args.limit, dry_run=args.dry_run
+        )
+    else:
+        report = reconciler.run_one(args.key, dry_run=args.dry_run)
+    _emit(report.as_dict(), args.json, lambda: _reconcile_human(report, out), out)
+    return EXIT_OK
+
+
+def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
+    rows = [outcome.as_dict() for outcome in report.outcomes]
+    print_table(rows, ["idem_key", "job", "answer", "action", "detail"], out)
+    by_answer = report.by_answer().items()
+    counts = ", ".join(f"{n} {answer.replace('_', ' ')}" for answer, n in by_answer)
+    lead = "dry run, nothing changed: " if report.dry_run else ""
+    print(f"\n{lead}probed {len(report.outcomes)} stuck claim(s): {counts}", file=out)
+    if report.skipped:
+        print(f"{report.skipped} more left unprobed (time ran out); run it again", file=out)
+    left = report.still_stuck()
+    if left and not report.dry_run:
+        print(
+            f"{len(left)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",
+            file=out,
+        )
+
+
 def _forget_while_open(
     admin: ClaimsAdmin,
     key: str,
@@ -592,10 +648,15 @@ def _show(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
     if found is None and not history:
         raise ClaimNotFound(f"no claim with key {args.key!r}, and no operator history for it")
     row = claim_as_dict(found) if found is not None else None
+    probes = [
+        {"at": h["at"], "answer": answer_of(h["note"]), "note": h["note"], "actor": h["actor"]}
+        for h in history
+        if h["action"] == HISTORY_ACTION
+    ]
     _emit(
-        {"claim": row, "history": history},
+        {"claim": row, "history": history, "probes": probes},
         args.json,
-        lambda: _show_human(args.key, row, history, out),
+        lambda: _show_human(args.key, row, history, out, probes),
         out,
     )
     return EXIT_OK
@@ -606,6 +667,7 @@ def _show_human(
     row: Mapping[str, Any] | None,
     history: Sequence[Mapping[str, Any]],
     out: TextIO,
+    probes: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     if row is None:
         last = history[-1]
@@ -622,6 +684,9 @@ def _show_human(
         width = max(len(k) for k in row)
         for name, value in row.items():
             print(f"{name.ljust(width)}  {_cell(value) if name != 'error' else value}", file=out)
+    if probes:
+        print("\nreconcile probes (what the provider answered):", file=out)
+        print_table(probes, ["at", "answer", "note"], out, whole=["note"])
     print("\nhistory:", file=out)
     print_table(history, ["at", "action", "actor", "note"], out)
 

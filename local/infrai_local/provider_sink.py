@@ -11,9 +11,14 @@ It counts effects so tests and the demo can prove "at most once":
 * ``POST /v1/effects/<job>``: any other job's downstream (what ``infrai-jobs new-job`` calls):
   with an ``Idempotency-Key``, a repeated key replays the first answer; without one, every call
   is one more effect.
+* ``GET /v1/mail?invoice_id=<id>``: the mails sent for an invoice (id and recipient), as a mail
+  provider's message search offers; an empty list when none was.
+* ``GET /v1/digests/<idempotency key>``: the digest built under that key, or 404: the lookup by
+  idempotency key an idempotent provider offers.
 * ``GET /_sink/state``: calls and effects per route and per key.
-* ``POST /_sink/faults`` ``{"fail_rate": p, "hang_rate": p, "hang_seconds": s, "seed": n}``: answer
-  503 without an effect, or perform the effect and then hang past the client's read timeout.
+* ``POST /_sink/faults`` ``{"fail_rate": p, "hang_rate": p, "hang_seconds": s, "seed": n,
+  "lookup_status": code}``: answer 503 without an effect, or perform the effect and then hang
+  past the client's read timeout; ``lookup_status`` makes every lookup answer that status.
 * ``POST /_sink/reset``.
 """
 
@@ -29,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 
 @dataclass
@@ -39,6 +45,8 @@ class SinkState:
     digests: Counter[str] = field(default_factory=Counter)  # idempotency key -> digests built
     effects: Counter[str] = field(default_factory=Counter)  # "<path> <key>" -> effects
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sent: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # invoice id -> mails
+    lookup_status: int = 0  # 0: lookups answer; else every lookup answers this status
     fail_rate: float = 0.0
     hang_rate: float = 0.0
     hang_seconds: float = 6.0
@@ -82,10 +90,33 @@ class _Handler(BaseHTTPRequestHandler):
         return parsed if isinstance(parsed, dict) else {}
 
     def do_GET(self) -> None:
+        state = self.server.state
         if self.path == "/_sink/state":
-            self._reply(200, self.server.state.snapshot())
-        else:
+            self._reply(200, state.snapshot())
+            return
+        url = urlsplit(self.path)
+        if url.path != "/v1/mail" and not url.path.startswith("/v1/digests/"):
             self._reply(404, {"error": "not found"})
+            return
+        with state.lock:
+            state.calls[f"GET {url.path.split('/')[2]}"] += 1
+            status = state.lookup_status
+            if url.path == "/v1/mail":
+                invoice = (parse_qs(url.query).get("invoice_id") or [""])[0]
+                found: dict[str, Any] | None = {
+                    "invoice_id": invoice,
+                    "messages": list(state.sent.get(invoice, [])),
+                }
+            else:
+                key = unquote(url.path[len("/v1/digests/") :])
+                reply = state.replies.get(key) if key in state.digests else None
+                found = {"id": reply["id"], "idempotency_key": key} if reply else None
+        if status:
+            self._reply(status, {"error": f"lookup answers {status} (a fault)"})
+        elif found is None:
+            self._reply(404, {"error": "no digest under that key"})
+        else:
+            self._reply(200, found)
 
     def do_POST(self) -> None:
         state = self.server.state
@@ -101,6 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
                 state.hang_rate = float(body.get("hang_rate", 0.0))
                 state.hang_seconds = float(body.get("hang_seconds", 6.0))
                 state.rng = random.Random(body.get("seed"))
+                state.lookup_status = int(body.get("lookup_status", 0))
             self._reply(200, {"ok": True})
             return
         generic = self.path.startswith("/v1/effects/") and len(self.path) > len("/v1/effects/")
@@ -123,8 +155,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _effect(self, state: SinkState, body: dict[str, Any]) -> dict[str, Any]:
         with state.lock:
             if self.path == "/v1/mail/send":
-                state.mails[str(body.get("invoice_id"))] += 1
-                return {"id": "mail_" + secrets.token_hex(6)}
+                invoice = str(body.get("invoice_id"))
+                state.mails[invoice] += 1
+                mail = {"id": "mail_" + secrets.token_hex(6), "to": str(body.get("to", ""))}
+                state.sent.setdefault(invoice, []).append(mail)
+                return {"id": mail["id"]}
             key = self.headers.get("Idempotency-Key") or ""
             if self.path.startswith("/v1/effects/"):
                 if key and key in state.replies:

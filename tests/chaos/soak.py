@@ -74,6 +74,7 @@ from infrai_jobs.jobs import Effect, JobRegistry
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.redrive import MAX_REDRIVE_PER_CALL, redrive
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
@@ -221,6 +222,9 @@ class SoakReport:
     # The poison the drains cannot read, and the redrive behind a dead owner.
     poison: Counter[str] = field(default_factory=Counter)
     leased: Counter[str] = field(default_factory=Counter)
+    # The reconcile pass at the end: what the probes answered, and each probed key's answer.
+    reconciled: Counter[str] = field(default_factory=Counter)
+    answers: dict[str, str] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     secret_leaks: list[str] = field(default_factory=list)
     scanned_bytes: int = 0
@@ -253,6 +257,8 @@ class SoakReport:
                 "",
             ),
             *[(name, f"{value:,}") for name, value in _ordered(self.leased, _LEASED_ORDER)],
+            ("**Reconcile pass at the end (stuck claims probed before the audit)**", ""),
+            *[(name, f"{value:,}") for name, value in self.reconciled.items()],
             ("**What the drains logged**", ""),
             *[(name, f"{value:,}") for name, value in sorted(self.drain_outcomes.items())],
             ("**Time**", ""),
@@ -1104,6 +1110,24 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         leased_advances += leased.settle(emulator, deadline)
         report.seconds["redrive phase"] = time.monotonic() - redrive_started
 
+        # Reconcile phase: what the watcher does before it pages on stuck claims.
+        reconcile_started = time.monotonic()
+        reconciled = Reconciler(ClaimsAdmin(database.audit_url), registry, actor="soak").run_all(
+            threshold_seconds=STUCK_SECONDS, limit=len(plan.jobs) + len(plan.leased)
+        )
+        released = _record_reconcile(report, reconciled)
+        if released:
+            convergence.advances += _run_released_again(
+                released,
+                plan=plan,
+                client=client,
+                fleet=fleet,
+                convergence=convergence,
+                deadline=deadline,
+            )
+            leased_advances += leased.settle(emulator, deadline)
+        report.seconds["reconcile phase"] = time.monotonic() - reconcile_started
+
         _audit(
             report,
             plan,
@@ -1144,6 +1168,68 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
             work_dir, [api_key, database.password]
         )
     return report
+
+
+# The watcher's default: a running claim older than this, or flagged, is stuck.
+STUCK_SECONDS = 900
+RECONCILED_DONE = "answered done: settled done with the provider's result"
+RECONCILED_NOT_DONE = "answered not done: released, published again, ran once"
+RECONCILED_UNKNOWN = "answered unknown: left stuck for a human"
+
+
+def _record_reconcile(report: SoakReport, reconciled: ReconcileReport) -> list[str]:
+    """The pass's answers into the report; returns the keys it released. Anything but a settle,
+    a release or an unknown answer (a claim fenced out, a live lease) is a violation: nothing
+    else works on the ledger by now."""
+    figures = report.reconciled
+    figures["stuck claims probed"] = len(reconciled.outcomes)
+    released: list[str] = []
+    for outcome in reconciled.outcomes:
+        report.answers[outcome.idem_key] = outcome.answer
+        if outcome.action == "settled_done":
+            figures[RECONCILED_DONE] += 1
+        elif outcome.action == "released":
+            figures[RECONCILED_NOT_DONE] += 1
+            released.append(outcome.idem_key)
+        elif outcome.answer == "unknown" and outcome.action == "unchanged":
+            figures[RECONCILED_UNKNOWN] += 1
+        else:
+            report.violations.append(
+                f"{outcome.idem_key}: probe answered {outcome.answer}, but the pass "
+                f"{outcome.action} (nothing else works on the ledger now)"
+            )
+    if reconciled.skipped:
+        report.violations.append(f"{reconciled.skipped} stuck claims left unprobed")
+    for answer in (RECONCILED_DONE, RECONCILED_NOT_DONE, RECONCILED_UNKNOWN):
+        figures[answer] += 0
+    return released
+
+
+def _run_released_again(
+    released: list[str],
+    *,
+    plan: Plan,
+    client: InfraiClient,
+    fleet: DrainFleet,
+    convergence: Convergence,
+    deadline: float,
+) -> int:
+    """Each released job's work published again (what its next delivery would carry; its old
+    copies stay in the DLQ and are copies of done work by the audit), then drained to the end.
+    Returns the clock advances it took."""
+    by_key = {job.key: job for job in plan.jobs}
+    leased_keys = {job.key: job for job in plan.leased}
+    before = convergence.advances
+    for key in released:
+        if key in by_key:
+            client.publish(QUEUE, by_key[key].payload)
+        elif key in leased_keys:
+            client.publish(LEASED_QUEUE, leased_keys[key].payload)
+        else:  # pragma: no cover - the audit reports a key no job has
+            raise SoakFailure(f"the reconcile pass released {key}, which no job has")
+    convergence.run(fleet, deadline, publishing_done=lambda: True)
+    fleet.stop()
+    return convergence.advances - before
 
 
 def _workload(plan: Plan) -> Counter[str]:
@@ -1467,6 +1553,7 @@ def _audit(
                 outcomes=outcomes,
                 violations=violations,
                 noun="mail" if external else "digest",
+                answers=report.answers,
             )
     poison_dead = sum(
         1
@@ -1560,7 +1647,12 @@ def _audit_leased_receipt(
     if performed > 1:
         report.violations.append(f"{job.key}: {performed} mails for one key")
     if verdict in (FLAGGED, STUCK_DUE):
-        if row is None or row.state != "running" or not row.error:
+        answer = report.answers.get(job.key)
+        reconciled = answer in ("done", "not_done") and row is not None and row.state == "done"
+        if reconciled and performed == 1:
+            # Flagged at the redrive, then the end's reconcile pass settled or re-ran it.
+            report.leased[f"receipt.send flagged stuck, then reconciled ({answer})"] += 1
+        elif row is None or row.state != "running" or not row.error:
             report.violations.append(
                 f"{job.key}: behind a dead owner, ended {state}, not flagged stuck"
             )
@@ -1610,6 +1702,7 @@ def _audit_external(
     outcomes: Counter[str],
     violations: list[str],
     noun: str,
+    answers: Mapping[str, str],
 ) -> None:
     label = job.effect.value
     if performed > 1:
@@ -1621,6 +1714,12 @@ def _audit_external(
     elif state == "running" and error:
         happened = "happened" if performed else "did not happen"
         outcomes[f"{label} keys flagged stuck, effect {happened}"] += 1
+        if answers.get(job.key) != "unknown":
+            # A stuck claim the provider could answer for must not be left to a human.
+            violations.append(
+                f"{job.key}: stuck after reconciling, its probe answered "
+                f"{answers.get(job.key, 'nothing (never probed)')}"
+            )
         if not dead_keys[job.key]:
             outcomes[f"{label} keys flagged stuck with no message in the DLQ"] += 1
     else:

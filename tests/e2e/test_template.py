@@ -751,6 +751,7 @@ def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
     required |= {name for name in emitted if name.startswith("Outcome")}
     required |= {"DlqCount", "AvailableCount", "InFlightCount", "OldestMessageAgeSeconds"}
     required |= {"StuckClaims", "OldestRunningClaimAgeSeconds"}
+    required |= {"ReconciledDone", "ReconciledNotDone", "ReconciledUnknown"}
     assert len([n for n in required if n.startswith("Outcome")]) == 12
     assert required <= charted, required - charted
     # And each of those is charted with the namespace and dimensions the code emits

@@ -24,10 +24,12 @@ from typing import Any
 import boto3
 import pytest
 import redis
+import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from drainkit import QUEUE, Harness, harness
 from moto import mock_aws
 
+from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.drain import DrainConfig, drain
 from infrai_jobs.drain_service import DrainService
 from infrai_jobs.errors import ConfigurationError, EffectUncertain
@@ -35,6 +37,7 @@ from infrai_jobs.factory import make_effect_guard
 from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.reconcile import Reconciler
 from infrai_jobs.second_layer import (
     KEY_PREFIX,
     SecondLayer,
@@ -316,6 +319,31 @@ def test_an_operator_can_forget_an_uncertain_record_to_retry_the_job(
     # Then the redelivery runs the job again and it is done
     assert summary.outcomes == {"done": 1}
     assert len(calls) == 2
+
+
+def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
+    kit: Harness, backend: Backend, database_url: str
+) -> None:
+    # Given a receipt whose provider answered 503 without sending: uncertain, stored as such
+    control = urllib3.PoolManager()
+    faults = f"{kit.sink.url}/_sink/faults"
+    control.request("POST", faults, json={"fail_rate": 1.0})
+    kit.publish({"job": "receipt.send", "invoice_id": "inv_503", "email": "ada@example.com"})
+    assert kit.drain(effect_guard=backend.guard).outcomes == {"stuck": 1}
+    control.request("POST", faults, json={})
+    # ... and time passes: the lease of the delivery that flagged it is over
+    kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
+
+    # When a reconcile pass, given the second layer's forget (as the CLI is), asks the provider
+    reconciler = Reconciler(ClaimsAdmin(database_url), kit.registry, forget=backend.guard.forget)
+    report = reconciler.run_all(threshold_seconds=900)
+
+    # Then the provider has no trace of it: the claim is released and the record dropped, so
+    # the redelivery sends the receipt once instead of being parked stuck again
+    assert [(o.answer, o.action) for o in report.outcomes] == [("not_done", "released")]
+    kit.advance()
+    assert kit.drain(effect_guard=backend.guard).outcomes == {"done": 1}
+    assert kit.sink.state.snapshot()["mails"] == {"inv_503": 1}
 
 
 # --- What it costs ----------------------------------------------------------------------------

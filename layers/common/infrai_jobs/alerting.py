@@ -6,6 +6,10 @@ signal whether to alert, remind, resolve or stay quiet. The last alerted value o
 lives in Postgres (``alert_state``), read and written under a row lock in the same transaction as
 the decision, so a cold start does not re-alert and two concurrent checks send one alert.
 
+Before it counts stuck claims, a check runs a reconcile pass when it was given one
+(``infrai_jobs.reconcile``): the stuck claims of jobs with a probe are asked about, settled or
+released when the provider knows, and only what is still stuck is counted and paged on.
+
 The decision is a pure function (``decide``) of the previous state and the new value; the
 ``Alerter`` port carries the message out (SNS in AWS, a printer locally).
 """
@@ -22,11 +26,12 @@ from typing import Any, LiteralString, Protocol
 import psycopg
 
 from infrai_jobs.dead_letters import UNRESOLVED_DEAD_LETTERS
-from infrai_jobs.errors import InfraiError
+from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.ports import QueuePort
 from infrai_jobs.postgres import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.postgres import LedgerConnector
 from infrai_jobs.queue_models import QueueStats
+from infrai_jobs.reconcile import Reconciler, ReconcileReport
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,9 @@ class AlertThresholds:
     stuck_claim_seconds: int = 900
     backlog_age_seconds: int = 900
     reminder_seconds: int = 3600
+    # How long a check may spend probing stuck claims before it counts them (of the
+    # function's 60 s); claims left unprobed stay stuck and are probed by the next check.
+    reconcile_budget_seconds: float = 30.0
 
 
 def decide(previous: AlertState, value: int, now: datetime, reminder_seconds: int) -> Verdict:
@@ -112,6 +120,8 @@ class AlertReport:
     sent: list[dict[str, Any]] = field(default_factory=list)
     # When the run started looking, by the database's clock.
     started: datetime | None = None
+    # The reconcile pass run before counting stuck claims (None: no job has a probe).
+    reconciled: ReconcileReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +140,7 @@ class AlertReport:
             ],
             "stuck_claims": self.stuck.count,
             "oldest_running_claim_age_seconds": self.stuck.oldest_running_age_seconds,
+            "reconciled": self.reconciled.as_dict() if self.reconciled else None,
             "alerts": self.sent,
         }
 
@@ -163,8 +174,10 @@ class AlertCheck:
         *,
         connect_timeout: int = 5,
         refresh_url: Callable[[], str] | None = None,
+        reconciler: Reconciler | None = None,
     ) -> None:
         self._queue = queue
+        self._reconciler = reconciler
         # One connection per run; a rotated secret is fetched again when it fails
         # (factory.secret_refresh).
         self._ledger = LedgerConnector(
@@ -186,6 +199,7 @@ class AlertCheck:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
         unread: list[InfraiError] = []
+        report.reconciled = self._reconcile()
         with self._ledger.session("alert check") as conn:
             # When this run started looking, by the database's clock: a signal saved by
             # another run after this moment holds a newer observation than ours.
@@ -226,6 +240,24 @@ class AlertCheck:
             raise unread[0]
         return report
 
+    def _reconcile(self) -> ReconcileReport | None:
+        """Probe stuck claims before counting them. A ledger that fails here is logged and the
+        check goes on: the count below then fails the run the same way, and a page is never
+        held back by a probe."""
+        if self._reconciler is None or not self._reconciler.probed_jobs():
+            return None
+        try:
+            return self._reconciler.run_all(
+                threshold_seconds=self._thresholds.stuck_claim_seconds,
+                budget_seconds=self._thresholds.reconcile_budget_seconds,
+            )
+        except LedgerError as exc:
+            logger.error(
+                "cannot reconcile stuck claims; they are counted unprobed",
+                extra={"action": "reconcile_failed", "detail": str(exc)},
+            )
+            return None
+
     def _stuck_claims(self, conn: psycopg.Connection[Any]) -> StuckClaims:
         row = conn.execute(_STUCK, {"threshold": self._thresholds.stuck_claim_seconds}).fetchone()
         count, oldest = row if row else (0, 0)
@@ -259,6 +291,7 @@ class AlertCheck:
                     before=previous.value,
                     stuck=report.stuck,
                     thresholds=self._thresholds,
+                    reconciled=report.reconciled,
                 )
                 # Inside the lock: a concurrent check waits here, then finds nothing new.
                 # If publishing fails the state is not saved, so the next run alerts again.
@@ -283,6 +316,7 @@ def compose(
     before: int,
     stuck: StuckClaims,
     thresholds: AlertThresholds,
+    reconciled: ReconcileReport | None = None,
 ) -> tuple[str, str]:
     """The subject and body of one alert: what, how much, since when, and what to run next."""
     signal, scope, after, stats = seen.signal, seen.scope, seen.value, seen.stats
@@ -335,8 +369,17 @@ def compose(
             "outcome is unknown). They are never retried automatically.",
             f"Oldest running claim: {stuck.oldest_running_age_seconds:.0f} s.",
         ]
+        if reconciled is not None and (reconciled.outcomes or reconciled.skipped):
+            counts = reconciled.by_answer()
+            body.append(
+                f"Probed first: the providers answered done for {counts['done']} (settled), "
+                f"not done for {counts['not_done']} (released for a retry) and unknown for "
+                f"{counts['unknown']}; {reconciled.skipped} left unprobed for lack of time. "
+                "Only what is still stuck is counted here."
+            )
         next_steps = [
             "infrai-jobs claims stuck   # which keys, and why",
+            "infrai-jobs claims show KEY   # its history and what its probe answered",
             "infrai-jobs claims resolve KEY --done   # after checking the downstream system",
         ]
     if verdict is Verdict.RESOLVED:

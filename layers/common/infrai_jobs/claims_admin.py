@@ -1,4 +1,4 @@
-"""The operator's view of the ledger: list, show, find stuck, resolve, release, prune.
+"""The operator's view of the ledger: list, show, find stuck, resolve, release, reconcile, prune.
 
 Resolve and release are fenced: they change a claim only if its state and claim token are still
 what the operator looked at, so a human never overwrites a row that moved on in the meantime.
@@ -12,8 +12,10 @@ import getpass
 import json
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
@@ -27,6 +29,7 @@ from infrai_jobs.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.postgres import CLAIMS_LIST as _LIST
 from infrai_jobs.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.postgres import STUCK_CLAIMS as _STUCK
+from infrai_jobs.postgres import STUCK_CLAIMS_OF_JOBS as _STUCK_OF_JOBS
 from infrai_jobs.postgres import LedgerAdapter
 
 if TYPE_CHECKING:
@@ -54,6 +57,27 @@ WHERE idem_key = %(key)s AND state = %(expected_state)s
 
 _DELETE_FAILED: LiteralString = """
 DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
+"""
+
+# A reconcile pass settles or releases only the attempt its probe was asked about: the same
+# claim token, still running. A release also waits for the lease to end, since a delivery
+# under a live lease may be making the call right now.
+_RECONCILE_DONE: LiteralString = """
+UPDATE job_claims
+SET state = 'done', result = %(result)s, error = NULL, updated_at = now()
+WHERE idem_key = %(key)s AND state = 'running'
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_RECONCILE_RELEASE: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND state = 'running'
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+  AND (lease_until IS NULL OR lease_until < now())
+"""
+
+_LAST_HISTORY: LiteralString = """
+SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
 """
 
 _HISTORY: LiteralString = """
@@ -125,6 +149,16 @@ def change_refused(
     return ""
 
 
+class ReconcileWrite(StrEnum):
+    """What a reconcile pass's write did to a claim."""
+
+    SETTLED = "settled_done"
+    RELEASED = "released"
+    UNCHANGED = "unchanged"  # an unknown answer: nothing to change
+    CHANGED = "changed"  # the claim moved on since it was probed: fenced out
+    LEASE_LIVE = "lease_live"  # not done, but a delivery may be making the call right now
+
+
 class ClaimsAdmin(LedgerAdapter):
     """Operator actions on the ledger; one short connection per call. The functions build it
     with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
@@ -161,6 +195,61 @@ class ClaimsAdmin(LedgerAdapter):
 
     def stuck(self, *, threshold_seconds: int = 900, limit: int = 100) -> list[ClaimRow]:
         return self._rows(_STUCK, {"threshold": threshold_seconds, "limit": limit})
+
+    def stuck_of_jobs(
+        self, jobs: Sequence[str], *, threshold_seconds: int = 900, limit: int = 100
+    ) -> list[ClaimRow]:
+        """Stuck claims of ``jobs`` only (those with a reconcile probe), oldest first."""
+        params = {"jobs": list(jobs), "threshold": threshold_seconds, "limit": limit}
+        return self._rows(_STUCK_OF_JOBS, params)
+
+    def apply_probe_answer(
+        self,
+        probed: ClaimRow,
+        answer: str,
+        *,
+        result: Any = None,
+        actor: str | None = None,
+        note: str,
+    ) -> ReconcileWrite:
+        """Act on a probe's answer about ``probed`` (the claim as it was when asked), fenced by
+        its state and claim token, and record it in ``claim_history`` as ``reconcile``:
+        ``done`` settles the claim with ``result``, ``not_done`` releases it, anything else
+        changes nothing (and is recorded unless the last record already says the same)."""
+        key = probed.idem_key
+        with (
+            self._connector.session(f"cannot reconcile {key!r}") as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
+            before = ClaimRow(**row) if row is not None else None
+            if (
+                before is None
+                or before.state != "running"
+                or before.claim_token != probed.claim_token
+            ):
+                return ReconcileWrite.CHANGED
+            fence = {"key": key, "expected_token": probed.claim_token}
+            if answer == "done":
+                params = {**fence, "result": Jsonb(storable_json(result))}
+                if conn.execute(_RECONCILE_DONE, params).rowcount != 1:  # pragma: no cover
+                    return ReconcileWrite.CHANGED  # the row lock makes this unreachable
+                with conn.cursor(row_factory=dict_row) as cur:
+                    after_row = cur.execute(_SHOW, {"key": key}).fetchone()
+                after = ClaimRow(**after_row) if after_row else None
+                _record(conn, "reconcile", before, after, actor=actor, note=note)
+                return ReconcileWrite.SETTLED
+            if answer == "not_done":
+                if conn.execute(_RECONCILE_RELEASE, fence).rowcount != 1:
+                    return ReconcileWrite.LEASE_LIVE
+                _record(conn, "reconcile", before, None, actor=actor, note=note)
+                return ReconcileWrite.RELEASED
+            last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
+            if last is None or tuple(last) != ("reconcile", note):
+                # An unchanged answer every few minutes would bury the history in repeats.
+                _record(conn, "reconcile", before, before, actor=actor, note=note)
+            return ReconcileWrite.UNCHANGED
 
     def history(self, key: str) -> list[dict[str, Any]]:
         """Every operator action recorded for this key, oldest first (kept after a release)."""

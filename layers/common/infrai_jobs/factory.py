@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertCheck, Alerter
     from infrai_jobs.claims_admin import ClaimsAdmin
     from infrai_jobs.drain_fleet import PostgresDrainFleet
+    from infrai_jobs.jobs import JobRegistry
     from infrai_jobs.lambda_starter import LambdaDrainStarter
     from infrai_jobs.second_layer import SecondLayer
 
@@ -148,11 +149,23 @@ def make_alerter(settings: Settings) -> Alerter:
 
 
 def make_alert_check(
-    settings: Settings, alerter: Alerter | None = None, *, refresh: SecretRefresh | None = None
+    settings: Settings,
+    alerter: Alerter | None = None,
+    *,
+    refresh: SecretRefresh | None = None,
+    registry: JobRegistry | None = None,
 ) -> AlertCheck:
     """DlqAlertFunction's check; ``refresh`` (``secret_refresh`` of the unresolved settings)
-    lets a warm environment pick up rotated secrets."""
+    lets a warm environment pick up rotated secrets. With ``registry`` (its settings bound),
+    each check first reconciles the stuck claims of the jobs that declare a probe."""
     from infrai_jobs.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
+    from infrai_jobs.reconcile import Reconciler  # noqa: PLC0415
+
+    reconciler = None
+    if registry is not None:
+        reconciler = Reconciler(
+            make_claims_admin(settings, refresh=refresh), registry, actor=WATCHER_ACTOR
+        )
 
     return AlertCheck(
         make_queue_client(settings, refresh_api_key=refresh.api_key if refresh else None),
@@ -164,7 +177,12 @@ def make_alert_check(
             reminder_seconds=settings.alert_reminder_seconds,
         ),
         refresh_url=refresh.database_url if refresh else None,
+        reconciler=reconciler,
     )
+
+
+# Who the watcher's reconcile answers are recorded as, in claim_history.
+WATCHER_ACTOR = "DlqAlertFunction"
 
 
 def make_effect_guard(settings: Settings) -> SecondLayer | None:

@@ -25,6 +25,10 @@ The effect class decides how the claim protects the work (docs/design.md, "Effec
 ``fields`` is the payload's schema (``infrai_jobs.payload_schema``): ``derive`` checks every
 payload against it before the claim, so a handler sees only payloads that match it.
 
+An ``EXTERNAL`` or ``EXTERNAL_IDEMPOTENT`` job may declare a reconcile probe (``probe=fn``, see
+``infrai_jobs.probes``): asked about a stuck claim, it answers ``Done``, ``NotDone`` or
+``Unknown``, and the reconcile pass settles, releases or leaves the claim accordingly.
+
 A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
 the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
 declared ones at its edge (``infrai_jobs.settings``) and binds them with ``bind_settings`` before
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.keys import check_key_rule, derive_key, payload_fingerprint
 from infrai_jobs.payload_schema import FieldSpec, PayloadSchema
+from infrai_jobs.probes import ProbeAnswer
 
 if TYPE_CHECKING:
     import psycopg
@@ -78,6 +83,8 @@ class JobContext:
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]
+# Asks the provider whether a stuck claim's effect happened (``infrai_jobs.probes``).
+Probe = Callable[[Payload, JobContext], ProbeAnswer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,8 @@ class JobDefinition:
     schema: PayloadSchema = field(default_factory=PayloadSchema)
     # The settings (environment variables) the handler reads from ``ctx.settings``.
     settings: tuple[str, ...] = ()
+    # Asks the provider about a stuck claim; only for the external effect classes.
+    probe: Probe | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +132,17 @@ class JobRegistry:
             raise ConfigurationError(f"job {definition.name!r} is registered twice")
         if definition.identity:
             check_key_rule(definition.name, definition.identity)
+        if definition.probe is not None and definition.effect is Effect.DATABASE:
+            # A database job never leaves a running claim behind: there is nothing to probe.
+            raise ConfigurationError(
+                f"job {definition.name!r}: a reconcile probe needs an external effect "
+                "(Effect.EXTERNAL or Effect.EXTERNAL_IDEMPOTENT); a database job's claim "
+                "commits with its effect, so it is never stuck"
+            )
+        if definition.probe is not None and not callable(definition.probe):
+            raise ConfigurationError(
+                f"job {definition.name!r}: probe must be a function of (payload, ctx)"
+            )
         schema = definition.schema.requiring(
             definition.name, (*definition.identity, *definition.required)
         )
@@ -141,9 +161,11 @@ class JobRegistry:
         required: Sequence[str] = (),
         fields: Mapping[str, FieldSpec] | None = None,
         settings: Sequence[str] = (),
+        probe: Probe | None = None,
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``. ``fields`` declares the payload's schema (see
-        ``infrai_jobs.payload_schema``); identity fields are always required."""
+        ``infrai_jobs.payload_schema``); identity fields are always required; ``probe`` asks
+        the provider about a stuck claim (external effects only, ``infrai_jobs.probes``)."""
 
         for label, names in (
             ("identity", identity),
@@ -167,6 +189,7 @@ class JobRegistry:
                     required=tuple(dict.fromkeys((*identity, *required, *schema.required))),
                     schema=schema,
                     settings=tuple(dict.fromkeys(settings)),
+                    probe=probe,
                 )
             )
             return handler
@@ -207,6 +230,39 @@ class JobRegistry:
             job.name: MappingProxyType({name: values[name] for name in job.settings})
             for job in self._jobs.values()
         }
+
+    def probe_settings(self) -> dict[str, tuple[str, ...]]:
+        """The settings the jobs with a reconcile probe declared, with those jobs: all a
+        process that only probes (the watcher) reads."""
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            if job.probe is not None:
+                for name in job.settings:
+                    owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
+
+    def bind_probe_settings(self, values: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+        """For a process that only probes: bind the settings of the jobs with a probe. A job
+        missing one of its settings loses its probe here instead of failing the process (the
+        watcher must page whatever else is wrong); those jobs are returned with the settings
+        they miss, so the caller can say so."""
+        unprobed: dict[str, tuple[str, ...]] = {}
+        bound: dict[str, Mapping[str, str]] = {}
+        for job in list(self._jobs.values()):
+            if job.probe is None:
+                continue
+            missing = tuple(name for name in job.settings if not values.get(name))
+            if missing:
+                unprobed[job.name] = missing
+                self._jobs[job.name] = replace(job, probe=None)
+                continue
+            bound[job.name] = MappingProxyType({name: values[name] for name in job.settings})
+        self._settings = bound
+        return unprobed
+
+    def settings_of(self, name: str) -> Mapping[str, str]:
+        """The bound values of job ``name``'s declared settings (empty before binding)."""
+        return self._settings.get(name, MappingProxyType({}))
 
     def identity_table(self) -> dict[str, tuple[str, ...]]:
         return {job.name: job.identity for job in self._jobs.values() if job.identity}

@@ -94,6 +94,19 @@ def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, 
     return _checked_key(":".join(parts), f"the key of job {job!r}")
 
 
+def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dict[str, str] | None:
+    """The identity fields a natural key of ``job`` spells, as strings; None when ``key`` is
+    not one (a producer key or a content key). The inverse of ``natural_key`` up to type: only
+    the last field may hold ``:``, so splitting from the left is unambiguous."""
+    prefix = job + ":"
+    if not identity_fields or not key.startswith(prefix):
+        return None
+    parts = key[len(prefix) :].split(":", len(identity_fields) - 1)
+    if len(parts) != len(identity_fields) or not all(parts):
+        return None
+    return dict(zip(identity_fields, parts, strict=True))
+
+
 def payload_fingerprint(payload: object) -> str:
     """Hex SHA-256 of the canonical JSON of the payload's work fields (envelope excluded)."""
     return hashlib.sha256(canonical_json(work_fields(payload))).hexdigest()

@@ -23,6 +23,7 @@ from infrai_jobs.correlation import traceparent_trace_id
 from infrai_jobs.drain import DrainSummary
 from infrai_jobs.jobs import JobContext
 from infrai_jobs.outcomes import OUTCOME_METRICS
+from infrai_jobs.probes import ANSWERS, DONE, NOT_DONE, UNKNOWN
 
 if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertReport
@@ -169,3 +170,15 @@ def record_alert_check(metrics: Metrics, report: AlertReport) -> None:
         value=report.stuck.oldest_running_age_seconds,
     )
     metrics.add_metric(name="AlertsSent", unit=MetricUnit.Count, value=len(report.sent))
+    # Every answer, zero included, so a dashboard sees a steady series.
+    reconciled = report.reconciled.by_answer() if report.reconciled else dict.fromkeys(ANSWERS, 0)
+    for answer, name in RECONCILE_METRICS.items():
+        metrics.add_metric(name=name, unit=MetricUnit.Count, value=reconciled[answer])
+
+
+# Stuck claims probed by the watcher before counting, by the probe's answer.
+RECONCILE_METRICS = {
+    DONE: "ReconciledDone",
+    NOT_DONE: "ReconciledNotDone",
+    UNKNOWN: "ReconciledUnknown",
+}

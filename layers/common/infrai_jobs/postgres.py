@@ -457,6 +457,20 @@ LIMIT %(limit)s
 """
 )
 
+# The reconcile pass's candidates: stuck claims of the jobs that declare a probe, oldest first.
+STUCK_CLAIMS_OF_JOBS: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE job = ANY(%(jobs)s::text[]) AND """
+    + STUCK_CLAIM
+    + """
+ORDER BY coalesce(updated_at, claimed_at)
+LIMIT %(limit)s
+"""
+)
+
 # What the watcher pages on: how many are stuck, and the oldest running claim's age (from its
 # latest claim, like the rule).
 STUCK_CLAIM_COUNT: LiteralString = (

@@ -1,0 +1,405 @@
+"""Reconcile before paging: stuck claims of the example jobs resolve themselves when their
+provider can answer, on a real PostgreSQL, the emulator and the provider sink.
+
+Two ways a claim gets stuck are made here: the effect applied but the answer lost (the sink
+performs the call and then hangs past the client's timeout, or a worker died after the call),
+and the call never applied (a worker died after claiming, before calling). One reconcile pass
+must settle the first kind ``done`` with the effect still once, release the second so the next
+delivery runs it once, and leave a claim whose probe fails exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import urllib3
+from aws_lambda_powertools import Metrics
+from drainkit import OPERATOR, QUEUE, Harness, harness, run_cli
+
+from infrai_jobs.alerting import AlertCheck, AlertThresholds
+from infrai_jobs.claims_admin import ClaimsAdmin
+from infrai_jobs.factory import WATCHER_ACTOR
+from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.keys import payload_fingerprint
+from infrai_jobs.observability import record_alert_check
+from infrai_jobs.probes import NotDone, ProbeAnswer
+from infrai_jobs.reconcile import Reconciler
+
+RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "ada@example.com"}
+DIGEST = {"job": "digest.build", "tenant_id": "t_1", "period": "2026-11"}
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    with harness(database_url) as h:
+        yield h
+
+
+def key_of(kit: Harness, payload: Payload) -> str:
+    return kit.registry.derive(payload).idem_key
+
+
+def seed_dead_worker_claim(kit: Harness, payload: Payload, *, lease_live: bool = False) -> str:
+    """The claim a worker leaves when it dies after claiming: running, its lease over (unless
+    ``lease_live``), flagged stuck by the delivery that found it."""
+    derived = kit.registry.derive(payload)
+    lease = "now() + interval '10 minutes'" if lease_live else "now() - interval '10 minutes'"
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, job, effect, claim_token, "
+        "lease_until, payload_sha256, error, claimed_at, updated_at) "
+        "VALUES (%s, 'running', 'msg-of-a-dead-worker', %s, %s, %s, " + lease + ", %s, "
+        "'claim lease expired while running: the effect may have happened', "
+        "now() - interval '20 minutes', now() - interval '20 minutes')",
+        (
+            derived.idem_key,
+            derived.definition.name,
+            derived.definition.effect.value,
+            uuid.uuid4(),
+            payload_fingerprint(payload),
+        ),
+    )
+    return derived.idem_key
+
+
+def sink_call(kit: Harness, method: str, path: str, **kwargs: Any) -> Any:
+    response = urllib3.request(method, f"{kit.sink.url}{path}", **kwargs)
+    assert response.status == 200, response.data
+    return json.loads(response.data)
+
+
+def sink_faults(kit: Harness, **faults: Any) -> None:
+    sink_call(kit, "POST", "/_sink/faults", json=faults)
+
+
+def history(kit: Harness, key: str) -> list[tuple[str, str]]:
+    rows = kit.sql("SELECT action, note FROM claim_history WHERE idem_key = %s ORDER BY id", (key,))
+    return [(str(action), str(note)) for action, note in rows]
+
+
+def reconcile_all(kit: Harness, *extra: str) -> dict[str, Any]:
+    finished = run_cli(kit, "claims", "reconcile", "--all", "--json", *extra)
+    assert finished.returncode == 0, finished.stderr
+    assert "Traceback" not in finished.stderr
+    report: dict[str, Any] = json.loads(finished.stdout)
+    return report
+
+
+def test_stuck_claims_resolve_themselves_in_one_pass(kit: Harness) -> None:
+    # Given a receipt mailed by the provider whose answer never came back: the sink sends,
+    # then hangs past the job's 5 s read timeout, so the drain flags the claim stuck
+    sent_receipt = {**RECEIPT, "invoice_id": "inv_answer_lost"}
+    sink_faults(kit, hang_rate=1.0, hang_seconds=6.5)
+    kit.publish(sent_receipt)
+    assert kit.drain().outcomes == {"stuck": 1}
+    sink_faults(kit)
+    # And a digest the provider built for a worker that died before recording it
+    built_digest = {**DIGEST, "tenant_id": "t_answer_lost"}
+    built_key = key_of(kit, built_digest)
+    sink_call(kit, "POST", "/v1/digests", json={}, headers={"Idempotency-Key": built_key})
+    seed_dead_worker_claim(kit, built_digest)
+    kit.publish(built_digest)
+    # And a receipt and a digest whose workers died after claiming, before calling
+    unsent_receipt = {**RECEIPT, "invoice_id": "inv_never_sent"}
+    unbuilt_digest = {**DIGEST, "tenant_id": "t_never_built"}
+    for payload in (unsent_receipt, unbuilt_digest):
+        seed_dead_worker_claim(kit, payload)
+        kit.publish(payload)
+    # ... whose deliveries all find their claims stuck and are left unacked
+    assert kit.drain().outcomes == {"stuck": 3}
+    assert kit.sink.state.snapshot()["mails"] == {"inv_answer_lost": 1}
+    assert kit.sink.state.snapshot()["digests"] == {built_key: 1}
+
+    # When one reconcile pass runs
+    report = reconcile_all(kit)
+
+    # Then the provider answered for every claim: two done, two not done
+    assert report["by_answer"] == {"done": 2, "not_done": 2, "unknown": 0}
+    actions = {c["idem_key"]: c["action"] for c in report["claims"]}
+    sent_key, unsent_key = key_of(kit, sent_receipt), key_of(kit, unsent_receipt)
+    unbuilt_key = key_of(kit, unbuilt_digest)
+    assert actions == {
+        sent_key: "settled_done",
+        built_key: "settled_done",
+        unsent_key: "released",
+        unbuilt_key: "released",
+    }
+    # And the claims whose effect happened are done with the provider's result
+    receipt_row = kit.row(sent_key)
+    assert receipt_row is not None
+    assert receipt_row.state == "done"
+    assert (
+        receipt_row.result["provider_message_id"] == kit.sink.state.sent["inv_answer_lost"][0]["id"]
+    )
+    digest_row = kit.row(built_key)
+    assert digest_row is not None
+    assert digest_row.state == "done"
+    assert digest_row.result["digest_id"] == kit.sink.state.replies[built_key]["id"]
+    # And the claims whose effect did not happen are released, each recorded
+    assert kit.row(unsent_key) is None
+    assert kit.row(unbuilt_key) is None
+    assert history(kit, unsent_key) == [("reconcile", "not_done: the provider has no trace of it")]
+    assert [action for action, _ in history(kit, sent_key)] == ["reconcile"]
+    assert history(kit, sent_key)[0][1].startswith("done: provider result")
+
+    # When the unacked messages come back
+    kit.advance()
+    summary = kit.drain()
+
+    # Then the released work runs once, and the settled work is a duplicate of done
+    assert summary.outcomes == {"done": 2, "duplicate_done": 2}
+    assert summary.acked == 4
+    after = kit.sink.state.snapshot()
+    assert after["mails"] == {"inv_answer_lost": 1, "inv_never_sent": 1}
+    assert after["digests"] == {built_key: 1, unbuilt_key: 1}
+    for key in (sent_key, built_key, unsent_key, unbuilt_key):
+        row = kit.row(key)
+        assert row is not None, key
+        assert row.state == "done", key
+
+
+def test_a_failing_probe_leaves_its_claim_stuck_and_unchanged(kit: Harness) -> None:
+    # Given two stuck claims whose effect never happened, and a provider whose lookups fail
+    keys = [
+        seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_probe_fails"}),
+        seed_dead_worker_claim(kit, {**DIGEST, "tenant_id": "t_probe_fails"}),
+    ]
+    before = [kit.row(key) for key in keys]
+    sink_faults(kit, lookup_status=503)
+
+    # When a reconcile pass runs, twice
+    first = reconcile_all(kit)
+    second = reconcile_all(kit)
+
+    # Then both answers are unknown, with the provider's status as the reason
+    assert first["by_answer"] == {"done": 0, "not_done": 0, "unknown": 2}
+    assert {c["action"] for c in first["claims"]} == {"unchanged"}
+    assert all("HTTP 503" in c["detail"] for c in first["claims"])
+    assert second["by_answer"]["unknown"] == 2
+    # And the claims are exactly as they were: stuck for a human
+    assert [kit.row(key) for key in keys] == before
+    # And the answer is recorded once, not once per pass
+    for key in keys:
+        assert [action for action, _ in history(kit, key)] == ["reconcile"]
+        assert history(kit, key)[0][1].startswith("unknown: ")
+
+
+def test_a_probe_that_raises_or_hangs_is_unknown_and_changes_nothing(
+    kit: Harness, database_url: str
+) -> None:
+    # Given a stuck receipt, and a registry whose mail provider cannot be reached
+    key = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_unreachable"})
+    row_before = kit.row(key)
+    registry = JobRegistry()
+    registry_of_kit = kit.registry.get("receipt.send")
+    assert registry_of_kit is not None
+    registry.register(registry_of_kit)
+    registry.bind_settings({"MAIL_PROVIDER_URL": "http://127.0.0.1:9"})
+    admin = ClaimsAdmin(database_url)
+
+    # When it is reconciled
+    report = Reconciler(admin, registry, actor=OPERATOR).run_all(threshold_seconds=900)
+
+    # Then the probe's failure is an unknown answer, and the claim is untouched
+    assert [(o.answer, o.action) for o in report.outcomes] == [("unknown", "unchanged")]
+    assert "the probe raised" in str(report.outcomes[0].detail)
+    assert kit.row(key) == row_before
+
+    # Given a job whose probe takes longer than the time it is given
+    slow = JobRegistry()
+
+    def too_slow(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+        time.sleep(3)
+        return NotDone()
+
+    @slow.job("test.slow", effect=Effect.EXTERNAL, identity=("id",), probe=too_slow)
+    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
+        return None
+
+    slow_key = seed_dead_worker_claim_for(kit, slow, {"job": "test.slow", "id": "s1"})
+    slow_before = kit.row(slow_key)
+
+    # When it is reconciled with a 0.3 s limit
+    started = time.monotonic()
+    timed = Reconciler(admin, slow, probe_timeout=0.3).run_one(slow_key)
+
+    # Then the pass did not wait for it, counted it unknown, and left the claim alone
+    assert time.monotonic() - started < 2
+    assert timed.outcomes[0].answer == "unknown"
+    assert "did not answer within 0.3 s" in str(timed.outcomes[0].detail)
+    assert kit.row(slow_key) == slow_before
+
+
+def seed_dead_worker_claim_for(kit: Harness, registry: JobRegistry, payload: Payload) -> str:
+    saved = kit.registry
+    kit.registry = registry
+    try:
+        return seed_dead_worker_claim(kit, payload)
+    finally:
+        kit.registry = saved
+
+
+def test_not_done_never_releases_a_claim_under_a_live_lease(kit: Harness) -> None:
+    # Given a flagged receipt claim whose lease is still live: its delivery may be calling now
+    key = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_live_lease"}, lease_live=True)
+    before = kit.row(key)
+
+    # When it is reconciled and the provider has no trace of it yet
+    report = reconcile_all(kit)
+
+    # Then the claim is kept, as it was, to be probed again once the lease is over
+    assert [(c["answer"], c["action"]) for c in report["claims"]] == [("not_done", "lease_live")]
+    assert kit.row(key) == before
+
+
+def test_a_claim_that_moved_on_while_probed_is_fenced_out(kit: Harness, database_url: str) -> None:
+    # Given a stuck claim whose probe sees another delivery take the claim over meanwhile
+    registry = JobRegistry()
+    holder = {"key": ""}
+
+    def taken_over_meanwhile(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+        kit.sql(
+            "UPDATE job_claims SET claim_token = %s, error = NULL WHERE idem_key = %s",
+            (uuid.uuid4(), holder["key"]),
+        )
+        return NotDone()
+
+    @registry.job(
+        "test.moving",
+        effect=Effect.EXTERNAL_IDEMPOTENT,
+        identity=("id",),
+        probe=taken_over_meanwhile,
+    )
+    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
+        return None
+
+    holder["key"] = seed_dead_worker_claim_for(kit, registry, {"job": "test.moving", "id": "m1"})
+
+    # When it is reconciled
+    report = Reconciler(ClaimsAdmin(database_url), registry).run_one(holder["key"])
+
+    # Then the release matched nothing: the new holder keeps its claim, nothing is recorded
+    assert report.outcomes[0].action == "changed"
+    row = kit.row(holder["key"])
+    assert row is not None
+    assert row.state == "running"
+    assert history(kit, holder["key"]) == []
+
+
+def test_the_operator_sees_what_was_reconciled(kit: Harness) -> None:
+    # Given a stuck digest the provider built
+    payload = {**DIGEST, "tenant_id": "t_shown"}
+    key = seed_dead_worker_claim(kit, payload)
+    sink_call(kit, "POST", "/v1/digests", json={}, headers={"Idempotency-Key": key})
+
+    # When the operator first asks what a reconcile would do
+    dry = run_cli(kit, "claims", "reconcile", key, "--dry-run")
+
+    # Then it says, and changes and records nothing
+    assert dry.returncode == 0, dry.stderr
+    assert "would settle done" in dry.stdout
+    assert "dry run, nothing changed" in dry.stdout
+    row = kit.row(key)
+    assert row is not None
+    assert row.state == "running"
+    assert history(kit, key) == []
+
+    # When the operator reconciles it, then looks at it
+    done = run_cli(kit, "claims", "reconcile", key)
+    shown = run_cli(kit, "claims", "show", key, "--json")
+    human = run_cli(kit, "claims", "show", key)
+
+    # Then the claim is done, and show lists the probe's answer beside the history
+    assert done.returncode == 0, done.stderr
+    assert "settled_done" in done.stdout
+    document = json.loads(shown.stdout)
+    assert document["claim"]["state"] == "done"
+    assert [p["answer"] for p in document["probes"]] == ["done"]
+    assert document["probes"][0]["actor"] == OPERATOR
+    assert "reconcile probes" in human.stdout
+    assert "done: provider result" in human.stdout
+
+    # When the operator reconciles a claim that is not running, or of a job without a probe
+    again = run_cli(kit, "claims", "reconcile", key)
+    invoice_key = "invoice.finalize:inv_np"
+    kit.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, job, effect, error) "
+        "VALUES (%s, 'running', 'm', 'invoice.finalize', 'database', 'flagged')",
+        (invoice_key,),
+    )
+    no_probe = run_cli(kit, "claims", "reconcile", invoice_key)
+
+    # Then each is refused in one line, with no traceback
+    assert again.returncode == 3
+    assert "only a running claim is reconciled" in again.stderr
+    assert no_probe.returncode == 2
+    assert "declares no reconcile probe" in no_probe.stderr
+    for finished in (again, no_probe):
+        assert "Traceback" not in finished.stderr
+
+
+class RecordingAlerter:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+
+    def publish(self, subject: str, message: str) -> None:
+        self.sent.append((subject, message))
+
+
+def test_the_watcher_reconciles_before_it_counts_stuck_claims(
+    kit: Harness, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given three stuck claims: a receipt the provider mailed, a digest it never built, and a
+    # receipt keyed by its producer, which its probe cannot look up (unknown)
+    mailed = {**RECEIPT, "invoice_id": "inv_watched"}
+    sink_call(
+        kit, "POST", "/v1/mail/send", json={"to": "ada@example.com", "invoice_id": "inv_watched"}
+    )
+    mailed_key = seed_dead_worker_claim(kit, mailed)
+    unbuilt_key = seed_dead_worker_claim(kit, {**DIGEST, "tenant_id": "t_watched"})
+    unknowable = {**RECEIPT, "invoice_id": "inv_x", "_idempotency_key": "producer-key-7"}
+    unknowable_key = seed_dead_worker_claim(kit, unknowable)
+    alerter = RecordingAlerter()
+    check = AlertCheck(
+        kit.client,
+        database_url,
+        alerter,
+        AlertThresholds(),
+        reconciler=Reconciler(ClaimsAdmin(database_url), kit.registry, actor=WATCHER_ACTOR),
+    )
+
+    # When the watcher runs its check
+    report = check.run([QUEUE])
+
+    # Then it probed all three, and counts and pages on the one still stuck
+    assert report.reconciled is not None
+    assert report.reconciled.by_answer() == {"done": 1, "not_done": 1, "unknown": 1}
+    assert report.stuck.count == 1
+    (subject, message) = next((s, m) for s, m in alerter.sent if "stuck" in s)
+    assert subject == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
+    assert "done for 1 (settled), not done for 1 (released" in message
+    assert "unknown for 1" in message
+    mailed_row = kit.row(mailed_key)
+    assert mailed_row is not None
+    assert mailed_row.state == "done"
+    assert kit.row(unbuilt_key) is None
+    unknown_row = kit.row(unknowable_key)
+    assert unknown_row is not None
+    assert unknown_row.state == "running"
+    # And the answers are recorded as the watcher's
+    actors = kit.sql("SELECT DISTINCT actor FROM claim_history WHERE action = 'reconcile'")
+    assert actors == [(WATCHER_ACTOR,)]
+    # And the metrics count the reconciled claims by answer, beside the stuck count
+    capsys.readouterr()
+    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
+    record_alert_check(metrics, report)
+    metrics.flush_metrics()
+    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    ledger = next(d for d in documents if "StuckClaims" in d)
+    assert ledger["StuckClaims"] == [1.0]
+    counts = (ledger["ReconciledDone"], ledger["ReconciledNotDone"], ledger["ReconciledUnknown"])
+    assert counts == ([1.0], [1.0], [1.0])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.ledger import PostgresLedger
 from infrai_jobs.queue_client import InfraiClient
 from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.settings import Settings, is_loopback_host
 
 if TYPE_CHECKING:
     from infrai_jobs.alerting import AlertCheck, Alerter
@@ -126,13 +125,7 @@ def make_drain_starter(settings: Settings) -> LambdaDrainStarter | None:
 
 
 def _on_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(urlsplit(url).hostname or "")
 
 
 def make_alerter(settings: Settings) -> Alerter:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import math
 import signal
 import sys
@@ -17,6 +16,7 @@ from typing import TextIO
 from infrai_jobs.queue_contract import (
     DEFAULT_PUBLISH_PRICE_USD,
 )
+from infrai_jobs.settings import is_loopback_host
 from infrai_local.emulator.http import DEFAULT_HOST, DEFAULT_PORT, start_in_thread
 from infrai_local.emulator.state import (
     DEFAULT_VISIBILITY_TIMEOUT,
@@ -61,12 +61,7 @@ def serve(
 
 def _loopback_only(host: str) -> bool:
     """Whether ``host`` binds loopback only ("0.0.0.0", "::" and a LAN address do not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 def exposed_warning(host: str) -> str:

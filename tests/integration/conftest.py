@@ -6,11 +6,10 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
-import redis
+from redis_server import wait_for_redis
 
 
 def _free_port() -> int:
@@ -18,22 +17,6 @@ def _free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
-
-
-def _wait_for_redis(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 10
-    client = redis.Redis.from_url(url)
-    try:
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +53,7 @@ def redis_url(
     )
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        _wait_for_redis(url, process)
+        wait_for_redis(url, process)
         say(f"second layer tests: redis-server started on 127.0.0.1:{port}")
         yield url
     finally:

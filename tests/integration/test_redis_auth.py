@@ -17,7 +17,6 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import pytest
 import redis
 from aws_lambda_powertools.utilities import parameters
 from moto import mock_aws
+from redis_server import wait_for_redis
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.factory import make_effect_guard
@@ -84,7 +84,7 @@ def authenticated_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Au
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_for(f"redis://:{PASSWORD}@127.0.0.1:{port}/0", process)
+        wait_for_redis(f"redis://:{PASSWORD}@127.0.0.1:{port}/0", process)
         yield AuthenticatedRedis(url=f"redis://127.0.0.1:{port}/0", username="")
     finally:
         process.terminate()
@@ -105,22 +105,6 @@ def _acl_user_on_the_shared_server() -> Iterator[AuthenticatedRedis]:
     finally:
         admin.acl_deluser(username)
         admin.close()
-
-
-def _wait_for(url: str, process: subprocess.Popen[bytes]) -> None:
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    try:
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    finally:
-        client.close()
 
 
 def _guard(url: str) -> SecondLayer:

@@ -6,44 +6,17 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
-import pytest
 from child_process import clean_env, run_captured
 
-from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
-from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
-from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-
-
-@pytest.fixture
-def services(database_url: str) -> Iterator[dict[str, str]]:
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
-        conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
-        conn.execute("INSERT INTO invoices VALUES ('inv_9000', 'draft', NULL)")
-    server = emulator.start_in_thread()
-    sink = provider_sink.start_in_thread()
-    try:
-        yield {
-            "INFRAI_BASE_URL": server.url,
-            "INFRAI_API_KEY": "local-dev-key",
-            "DATABASE_URL": database_url,
-            **sink_settings(sink.url),
-        }
-    finally:
-        sink.stop()
-        server.stop()
 
 
 class _Lines:

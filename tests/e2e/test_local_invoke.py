@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -19,7 +18,6 @@ from child_process import clean_env, run_captured
 
 from infrai_jobs.migrations import apply_migrations
 from infrai_jobs.queue_client import InfraiClient
-from infrai_local import emulator, provider_sink
 from infrai_local.invoke import dependency_path, invoke, resolve
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.provider_sink import sink_settings
@@ -32,25 +30,6 @@ from infrai_local.sam_template import (
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
-
-
-@pytest.fixture
-def services(database_url: str) -> Iterator[dict[str, str]]:
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
-        conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
-    server = emulator.start_in_thread()
-    sink = provider_sink.start_in_thread()
-    try:
-        yield {
-            "INFRAI_BASE_URL": server.url,
-            "INFRAI_API_KEY": "local-dev-key",
-            "DATABASE_URL": database_url,
-            **sink_settings(sink.url),
-        }
-    finally:
-        sink.stop()
-        server.stop()
 
 
 def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, str]) -> None:

@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+from aws_lambda_powertools.utilities import parameters
 from redis_server import wait_for_redis
 
 
@@ -59,3 +60,19 @@ def redis_url(
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def fake_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Credentials and a region for moto's mock_aws, and Powertools' parameter caches empty;
+    the region is returned."""
+    region = "us-east-1"
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": region,
+        "AWS_REGION": region,
+    }.items():
+        monkeypatch.setenv(name, value)
+    parameters.clear_caches()
+    return region

@@ -163,18 +163,10 @@ def test_without_the_password_the_server_refuses(
 
 
 def test_the_secret_arrives_through_secrets_manager_in_aws(
-    authenticated_redis: AuthenticatedRedis, monkeypatch: pytest.MonkeyPatch
+    authenticated_redis: AuthenticatedRedis, fake_aws_credentials: str
 ) -> None:
     # Given the template's environment: REDIS_URL without credentials, REDIS_SECRET_ARN naming
     # the secret (Secrets Manager answered by moto)
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": REGION,
-        "AWS_REGION": REGION,
-    }.items():
-        monkeypatch.setenv(name, value)
-    parameters.clear_caches()
     with mock_aws():
         secrets = boto3.client("secretsmanager", region_name=REGION)
         arn = secrets.create_secret(

@@ -31,15 +31,7 @@ SECRET = "infrai-jobs/db"
 
 
 @pytest.fixture
-def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": REGION,
-        "AWS_REGION": REGION,
-    }.items():
-        monkeypatch.setenv(name, value)
-    parameters.clear_caches()
+def aws(fake_aws_credentials: str) -> Iterator[dict[str, Any]]:
     with mock_aws():
         ssm = boto3.client("ssm", region_name=REGION)
         secrets = boto3.client("secretsmanager", region_name=REGION)

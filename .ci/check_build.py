@@ -137,8 +137,9 @@ def elf_machine(path: Path) -> tuple[int, int]:
 
 
 def check_layer(checks: Checks, site: Path) -> None:
-    built = {p.name for p in (site / "infrai_jobs").glob("*.py")}
-    source = {p.name for p in SOURCE_PACKAGE.glob("*.py")}
+    built_root = site / "infrai_jobs"
+    built = {p.relative_to(built_root).as_posix() for p in built_root.rglob("*.py")}
+    source = {p.relative_to(SOURCE_PACKAGE).as_posix() for p in SOURCE_PACKAGE.rglob("*.py")}
     checks.check(
         bool(built) and built == source,
         "layer holds infrai_jobs with the same modules as layers/common/infrai_jobs",

@@ -24,8 +24,8 @@ from typing import IO, Any, LiteralString
 import psycopg
 import urllib3
 
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import scratch_database
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 

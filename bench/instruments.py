@@ -37,8 +37,8 @@ from typing import Any
 
 import psycopg
 
-from infrai_jobs.ports import ForwardingQueue, QueuePort
-from infrai_jobs.queue_models import Pending, QueueMessage
+from infrai_jobs.queue.models import Pending, QueueMessage
+from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 
 # --- HTTP: the queue port, timed -----------------------------------------------------------------
 

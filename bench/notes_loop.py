@@ -21,8 +21,8 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg.types.json import Jsonb
 
-from infrai_jobs.ports import QueuePort
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.queue.ports import QueuePort
 
 logger = logging.getLogger("bench.notes_loop")
 

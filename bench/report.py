@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
+from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -461,7 +461,7 @@ def _setup_section(document: dict[str, Any]) -> list[str]:
         "RETURNING`, the `UPDATE invoices`, one `UPDATE job_claims SET state = 'done'`, one "
         "ack; autocommit; repeated until the queue is empty. It uses the project's "
         "`InfraiClient`, the same keep-alive HTTP stack as (b).",
-        "- (b) is `infrai_jobs.drain.drain` with `PostgresLedger`, `functions/jobs`' job "
+        "- (b) is `infrai_jobs.drain.loop.drain` with `PostgresLedger`, `functions/jobs`' job "
         "registry and `DrainConfig(queue=...)`, as DrainFunction runs it.",
         "",
     ]
@@ -1051,7 +1051,7 @@ def _second_layer_section(document: dict[str, Any]) -> list[str]:
             "after "
             f"an untimed `import app` (median of {cold['breakdown_runs']} fresh processes): "
             f"`import boto3` {_fmt(steps['import_boto3'])} ms, `import "
-            f"infrai_jobs.second_layer` (Powertools' idempotency utility) "
+            f"infrai_jobs.aws.second_layer` (Powertools' idempotency utility) "
             f"{_fmt(steps['import_second_layer'])} ms, then the first `app.service()` with the "
             f"DynamoDB client and persistence layer {_fmt(steps['first_service_with_guard'])} ms.",
             "",

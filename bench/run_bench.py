@@ -7,7 +7,7 @@ One run: DrainFunction's cold start (``cold_start.py``); then, against the emula
 process, ``--latency-ms`` injected on every /v1 call while a drain is measured) and PostgreSQL
 (``DATABASE_URL`` when set, else an embedded server; a fresh scratch database per drain):
 
-1. ``--rounds`` rounds of (a) the notes' loop and (b) ``infrai_jobs.drain.drain``, alternating
+1. ``--rounds`` rounds of (a) the notes' loop and (b) ``infrai_jobs.drain.loop.drain``, alternating
    (a), (b), (a), (b)..., each on a fresh queue holding ``--jobs`` messages (``--duplicates`` of
    them repeat publishes of another message's job), each in its own process (``worker.py``);
 2. (b) in N concurrent lanes for each N of ``--lanes``, draining N x ``--jobs`` messages;

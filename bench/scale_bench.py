@@ -36,8 +36,8 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.fan_out import CLI
 

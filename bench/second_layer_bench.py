@@ -62,11 +62,12 @@ sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
 
 import psycopg  # noqa: E402
 
-from infrai_jobs.drain import DrainConfig, drain  # noqa: E402
-from infrai_jobs.ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.migrations import apply_migrations  # noqa: E402
-from infrai_jobs.ports import EffectGuard  # noqa: E402
-from infrai_jobs.queue_client import InfraiClient  # noqa: E402
+from infrai_jobs.drain.loop import drain  # noqa: E402
+from infrai_jobs.drain.model import DrainConfig  # noqa: E402
+from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
+from infrai_jobs.ledger.migrations import apply_migrations  # noqa: E402
+from infrai_jobs.ledger.ports import EffectGuard  # noqa: E402
+from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from infrai_local.embedded_db import postgres_server_url, scratch_database  # noqa: E402
 from jobs import build_registry  # noqa: E402
@@ -186,7 +187,7 @@ def _make_guard(spec: dict[str, Any], meter: DynamoDBMeter) -> tuple[Any, float]
     started = time.perf_counter()
     import boto3  # noqa: PLC0415 - only the guarded runs import it, as in DrainFunction
 
-    from infrai_jobs import second_layer  # noqa: PLC0415
+    from infrai_jobs.aws import second_layer  # noqa: PLC0415
 
     client = boto3.session.Session().client("dynamodb")
     meter.install(client)
@@ -544,7 +545,7 @@ from drain import app
 t0 = time.perf_counter()
 import boto3
 t1 = time.perf_counter()
-from infrai_jobs import second_layer
+from infrai_jobs.aws import second_layer
 t2 = time.perf_counter()
 app.service()
 t3 = time.perf_counter()

@@ -8,7 +8,7 @@ so that peak memory and CPU time are that variant's alone and no GIL is shared w
 or the orchestrator.
 
 Variants: ``notes_loop`` (the field notes' loop, ``notes_loop.py``) and ``drain``
-(``infrai_jobs.drain.drain`` with ``PostgresLedger`` and ``functions/jobs``' registry), the
+(``infrai_jobs.drain.loop.drain`` with ``PostgresLedger`` and ``functions/jobs``' registry), the
 latter in ``lanes`` threads at once, each with its own HTTP client and database connection.
 """
 
@@ -30,11 +30,12 @@ sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
 
 import psycopg  # noqa: E402
 
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain  # noqa: E402
-from infrai_jobs.factory import client_pool_size  # noqa: E402
-from infrai_jobs.jobs import JobRegistry  # noqa: E402
-from infrai_jobs.ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.queue_client import InfraiClient  # noqa: E402
+from infrai_jobs.drain.loop import drain  # noqa: E402
+from infrai_jobs.drain.model import DrainConfig, DrainSummary  # noqa: E402
+from infrai_jobs.jobs.registry import JobRegistry  # noqa: E402
+from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
+from infrai_jobs.queue.client import InfraiClient  # noqa: E402
+from infrai_jobs.runtime.factory import client_pool_size  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
 import notes_loop  # noqa: E402

@@ -8,11 +8,11 @@ from typing import Any
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.alerting import AlertCheck
-from infrai_jobs.factory import make_alert_check, secret_refresh
-from infrai_jobs.observability import function_observability, record_alert_check, tracing
-from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.aws.secrets import resolve_secrets
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.operations.alerting import AlertCheck
+from infrai_jobs.runtime.factory import make_alert_check, secret_refresh
+from infrai_jobs.runtime.observability import function_observability, record_alert_check, tracing
 from jobs import build_registry
 
 logger, metrics = function_observability()

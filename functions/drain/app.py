@@ -10,15 +10,15 @@ from typing import Any
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.drain_service import DrainService
-from infrai_jobs.fan_out import FAN_OUT_EVENT_KEY, fan_out_slot
-from infrai_jobs.observability import (
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.drain.fan_out import FAN_OUT_EVENT_KEY, fan_out_slot
+from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.observability import (
     function_observability,
     message_tracing,
     record_drain,
     tracing,
 )
-from infrai_jobs.settings import Settings
 from jobs import build_registry
 
 logger, metrics = function_observability()

@@ -2,12 +2,12 @@
 
 Each module declares one job: its name, the payload fields that identify the work (its
 idempotency key), its effect class, the settings it needs (the URLs it calls) and a handler; its
-tables are migrations in ``migrations/``. See ``infrai_jobs.jobs`` for the contract.
+tables are migrations in ``migrations/``. See ``infrai_jobs.jobs.registry`` for the contract.
 """
 
 from __future__ import annotations
 
-from infrai_jobs.jobs import JobRegistry
+from infrai_jobs.jobs.registry import JobRegistry
 from jobs import digest, invoice, receipt
 
 

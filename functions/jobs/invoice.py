@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import LiteralString
 
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
 _FINALIZE: LiteralString = """
 UPDATE invoices SET status = 'final', total_cents = %(amount_cents)s

@@ -22,8 +22,8 @@ import json
 from urllib.parse import urlencode
 
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.probes import Done, NotDone, ProbeAnswer, Unknown
+from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=5.0)

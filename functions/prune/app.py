@@ -9,11 +9,11 @@ from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.factory import make_claims_admin, secret_refresh
-from infrai_jobs.observability import function_observability, tracing
-from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.aws.secrets import resolve_secrets
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.runtime.factory import make_claims_admin, secret_refresh
+from infrai_jobs.runtime.observability import function_observability, tracing
 
 logger, metrics = function_observability()
 

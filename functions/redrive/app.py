@@ -1,7 +1,7 @@
 """RedriveFunction (manual invoke): move dead letters back to the main queue after a fix.
 
 It first moves what is new in the DLQ into the ledger's dead letters, then publishes the
-unresolved ones it selects and marks them redriven (infrai_jobs.redrive). Events:
+unresolved ones it selects and marks them redriven (infrai_jobs.operations.redrive). Events:
 events/redrive-dry-run.json looks ({"max_messages": 100, "reopen_failed": false, "dry_run":
 true}); events/redrive.json moves (the same with "dry_run": false); events/redrive-selected.json
 moves only the dead letters of one job ("job"; "key" and "message_id" select too). A redrive
@@ -18,14 +18,14 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.factory import make_claims_admin, make_queue_client, secret_refresh
-from infrai_jobs.jobs import JobRegistry
-from infrai_jobs.observability import function_observability, tracing
-from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.redrive import RedriveRequest, redrive
-from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.aws.secrets import resolve_secrets
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.jobs.registry import JobRegistry
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.redrive import RedriveRequest, redrive
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.runtime.factory import make_claims_admin, make_queue_client, secret_refresh
+from infrai_jobs.runtime.observability import function_observability, tracing
 from jobs import build_registry
 
 logger, metrics = function_observability()

@@ -31,10 +31,18 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.correlation import with_correlation_id
-from infrai_jobs.drain import DrainSummary, budget_shortfall
-from infrai_jobs.drain_service import DrainService
+from infrai_jobs.aws.secrets import resolve_secrets
+from infrai_jobs.config.settings import (
+    DEFAULT_BASE_URL,
+    LEDGER_ENDPOINT,
+    QUEUE_ENDPOINT,
+    Settings,
+    raw_database_url,
+    sandbox_notice,
+    stand_ins,
+)
+from infrai_jobs.drain.loop import budget_shortfall
+from infrai_jobs.drain.model import DrainSummary
 from infrai_jobs.errors import (
     ClaimChanged,
     ClaimNotFound,
@@ -45,23 +53,16 @@ from infrai_jobs.errors import (
     KeyDerivationError,
     UsageError,
 )
-from infrai_jobs.factory import make_claims_admin, make_effect_guard, make_queue_client
-from infrai_jobs.jobs import Effect
-from infrai_jobs.migrations import LATEST_VERSION, Migration, apply_migrations
-from infrai_jobs.postgres import connect_to_ledger, ledger_error, redact
-from infrai_jobs.producer import check_publishable
-from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.reconcile import Reconciler
-from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import (
-    DEFAULT_BASE_URL,
-    LEDGER_ENDPOINT,
-    QUEUE_ENDPOINT,
-    Settings,
-    raw_database_url,
-    sandbox_notice,
-    stand_ins,
-)
+from infrai_jobs.jobs.correlation import with_correlation_id
+from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.ledger.migrations import LATEST_VERSION, Migration, apply_migrations
+from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.reconcile import Reconciler
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.producer import check_publishable
+from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.factory import make_claims_admin, make_effect_guard, make_queue_client
 from infrai_local import scaffold
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_interrupt import (

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TextIO
 
-from infrai_jobs.claims import ClaimRow
-from infrai_jobs.claims_admin import (
+from infrai_jobs.errors import ClaimNotFound, ConfigurationError, DeadLetterNotFound
+from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.operations.claims_admin import (
     COMMANDS,
     RELEASABLE,
     RESOLVABLE,
@@ -26,11 +27,10 @@ from infrai_jobs.claims_admin import (
     change_refused,
     claim_as_dict,
 )
-from infrai_jobs.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
-from infrai_jobs.errors import ClaimNotFound, ConfigurationError, DeadLetterNotFound
-from infrai_jobs.ports import QueuePort
-from infrai_jobs.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
-from infrai_jobs.redrive import Selection, publish_price, redrive
+from infrai_jobs.operations.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
+from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
+from infrai_jobs.operations.redrive import Selection, publish_price, redrive
+from infrai_jobs.queue.ports import QueuePort
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -34,8 +34,8 @@ from typing import Any
 import psycopg
 import urllib3
 
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import (
     configured_database_url,
@@ -68,9 +68,10 @@ _CRASH_BEFORE_ACK = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, sys.argv[4])
-    from infrai_jobs.drain import DrainConfig, drain
-    from infrai_jobs.ledger import PostgresLedger
-    from infrai_jobs.queue_client import InfraiClient
+    from infrai_jobs.drain.model import DrainConfig
+    from infrai_jobs.drain.loop import drain
+    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.queue.client import InfraiClient
     from jobs import build_registry
 
     base_url, database_url, sink_url = sys.argv[1:4]

@@ -24,8 +24,8 @@ from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
-from infrai_jobs.ports import ForwardingQueue, QueuePort
-from infrai_jobs.queue_models import Pending, QueueMessage
+from infrai_jobs.queue.models import Pending, QueueMessage
+from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 
 T = TypeVar("T")
 

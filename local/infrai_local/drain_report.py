@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from infrai_jobs.drain import DrainSummary
-from infrai_jobs.outcomes import OUTCOME_RULES
+from infrai_jobs.drain.model import DrainSummary
+from infrai_jobs.ledger.outcomes import OUTCOME_RULES
 
 # The layer package's logger (observability.PACKAGE_LOGGER, not imported: it loads Powertools).
 PACKAGE_LOGGER = "infrai_jobs"

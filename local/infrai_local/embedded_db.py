@@ -34,7 +34,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.postgres import describe, malformed_reason, redact
+from infrai_jobs.ledger.postgres import describe, malformed_reason, redact
 
 DATABASE_URL_ENV: Final = "DATABASE_URL"
 SCRATCH_PREFIX: Final = "infrai_scratch"

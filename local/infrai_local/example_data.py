@@ -14,9 +14,9 @@ from typing import LiteralString
 
 import psycopg
 
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.postgres import connect_to_ledger
-from infrai_jobs.settings import Settings
+from infrai_jobs.ledger.postgres import connect_to_ledger
 
 _DRAFT: LiteralString = "INSERT INTO invoices (id) VALUES (%(id)s) ON CONFLICT (id) DO NOTHING"
 

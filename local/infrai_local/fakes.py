@@ -15,7 +15,7 @@ every method takes a lock, so several lanes (threads) may share one.
 Pass the same clock to ``drain(..., clock=clock)``: the drain computes claim leases from it.
 
 The queue is the emulator's own model (``infrai_local.queue_model``). The ledger decides claims
-with the very rules ``PostgresLedger`` uses (``infrai_jobs.claims``) and mirrors its SQL (fencing,
+with the very rules ``PostgresLedger`` uses (``ledger.claims``) and mirrors its SQL (fencing,
 release, batch atomicity), including what Postgres refuses to store.
 Differences that remain are listed on each class.
 """
@@ -35,7 +35,19 @@ from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from infrai_jobs.claims import (
+from infrai_jobs.drain.ports import Clock
+from infrai_jobs.errors import (
+    FanOutError,
+    FanOutThrottled,
+    InfraiError,
+    InfraiUnavailable,
+    LedgerError,
+    LedgerUnavailable,
+    QueueMessageNotFound,
+)
+from infrai_jobs.jobs.registry import Effect, JsonValue
+from infrai_jobs.ledger.claim_ledger import DatabaseRunner
+from infrai_jobs.ledger.claims import (
     SETTLE_STATUS,
     ClaimDecision,
     ClaimRequest,
@@ -51,28 +63,18 @@ from infrai_jobs.claims import (
     settled_kind,
     utc_from_epoch,
 )
-from infrai_jobs.errors import (
-    FanOutError,
-    FanOutThrottled,
-    InfraiError,
-    InfraiUnavailable,
-    LedgerError,
-    LedgerUnavailable,
-    QueueMessageNotFound,
-)
-from infrai_jobs.jobs import Effect, JsonValue
-from infrai_jobs.ledger import DatabaseRunner
-from infrai_jobs.ports import Clock
+from infrai_jobs.queue.models import Pending, PublishPrice, QueueMessage, QueueStats
 from infrai_jobs.queue_contract import (
     CONSUME_CAP,
     DEFAULT_PUBLISH_PRICE_USD,
     DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
 )
-from infrai_jobs.queue_models import Pending, PublishPrice, QueueMessage, QueueStats
 from infrai_local.queue_model import ApiError, QueueModel, counted_message_id, invalid
 
 if TYPE_CHECKING:
-    from infrai_jobs.ports import DrainFleetPort, DrainStarterPort, LedgerPort, QueuePort
+    from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
+    from infrai_jobs.ledger.ports import LedgerPort
+    from infrai_jobs.queue.ports import QueuePort
 
 __all__ = [
     "FakeClock",

@@ -139,7 +139,7 @@ class ProcessDrainStarter:
         self._processes = DrainProcesses()
 
     def start(self, event: Mapping[str, Any]) -> None:
-        from infrai_jobs.fan_out import fan_out_slot  # noqa: PLC0415
+        from infrai_jobs.drain.fan_out import fan_out_slot  # noqa: PLC0415
 
         slot = fan_out_slot(event)
         if slot is None:

@@ -47,14 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.postgres import describe
-from infrai_jobs.settings import (
+from infrai_jobs.config.settings import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
     sandbox_notice,
     stand_ins,
 )
+from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.ledger.postgres import describe
 from infrai_local.sam_template import (
     FunctionSpec,
     load_template,
@@ -363,7 +363,7 @@ def local_services(
             values["DATABASE_URL"] = _embedded_migrated_ledger(spec.code_uri)
             values["DATABASE_SECRET_ARN"] = ""
         if QUEUE_ENDPOINT in plan:
-            from infrai_jobs.queue_client import InfraiClient  # noqa: PLC0415
+            from infrai_jobs.queue.client import InfraiClient  # noqa: PLC0415
             from infrai_local.emulator import start_in_thread  # noqa: PLC0415
 
             server = start_in_thread()
@@ -451,8 +451,8 @@ def _embedded_migrated_ledger(code_uri: Path) -> str:
     """This process's own embedded server, whatever the shell says: the one database invoke
     may migrate is one it started. The jobs' tables are those of the jobs package in the
     function's own code."""
-    from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
-    from infrai_jobs.postgres import connect_to_ledger  # noqa: PLC0415
+    from infrai_jobs.ledger.migrations import apply_migrations  # noqa: PLC0415
+    from infrai_jobs.ledger.postgres import connect_to_ledger  # noqa: PLC0415
     from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
     from infrai_local.job_migrations import (  # noqa: PLC0415
         jobs_migrations_folder,
@@ -469,8 +469,8 @@ def _embedded_migrated_ledger(code_uri: Path) -> str:
 def _require_migrated(url: str) -> None:
     """``SchemaNotMigrated``, naming the command to run, for a database behind this code."""
     from infrai_jobs.errors import SchemaNotMigrated  # noqa: PLC0415
-    from infrai_jobs.migrations import LATEST_VERSION, current_version  # noqa: PLC0415
-    from infrai_jobs.postgres import connect_to_ledger, schema_behind  # noqa: PLC0415
+    from infrai_jobs.ledger.migrations import LATEST_VERSION, current_version  # noqa: PLC0415
+    from infrai_jobs.ledger.postgres import connect_to_ledger, schema_behind  # noqa: PLC0415
 
     with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
         version = current_version(conn)

@@ -1,6 +1,6 @@
 """The jobs' own migrations: ``migrations/NNNN_name.sql`` inside the jobs package.
 
-``infrai-jobs migrate`` applies them after the ledger's (``infrai_jobs.migrations``): same
+``infrai-jobs migrate`` applies them after the ledger's (``infrai_jobs.ledger.migrations``): same
 transaction, same advisory lock, recorded apart in ``infrai_jobs_job_schema``. The number is the
 version (``0001``, ``0002``, ...), the rest of the file name is the name recorded with it. A file
 is SQL as PostgreSQL takes it, one or more statements; like the ledger's, it runs inside the
@@ -16,7 +16,7 @@ from typing import Any, Final
 import psycopg
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.migrations import Migration, apply_migrations
+from infrai_jobs.ledger.migrations import Migration, apply_migrations
 from infrai_local.jobs_package import import_jobs
 
 MIGRATIONS_FOLDER: Final = "migrations"

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.jobs import JobRegistry
+from infrai_jobs.jobs.registry import JobRegistry
 
 JOBS_PATH_ENV: Final = "INFRAI_JOBS_PATH"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.jobs import Effect, JobRegistry
+from infrai_jobs.jobs.registry import Effect, JobRegistry
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
 _FIELD_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -313,7 +313,7 @@ _DATABASE_MODULE = textwrap.dedent(
 
     from psycopg.types.json import Jsonb
 
-    from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+    from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
     _INSERT: LiteralString = """
     INSERT INTO {table} ({columns}, payload)
@@ -350,7 +350,7 @@ _EXTERNAL_MODULE = textwrap.dedent(
     import json
 
     from infrai_jobs.errors import EffectUncertain, PermanentJobError
-    from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+    from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
     from jobs._http import LazyPool
 
     _http = LazyPool(connect_s=2.0, read_s=10.0)

@@ -3,7 +3,7 @@
 Never deployed. Each test gets a fresh database on a real PostgreSQL (``DATABASE_URL`` when set,
 else an embedded server for the session), migrated like production (the ledger's migrations,
 then the jobs'), the Infrai emulator over HTTP, and the provider sink standing in for every
-external endpoint. Messages go through ``infrai_jobs.drain.drain``, the code DrainFunction runs.
+external endpoint. Messages go through ``drain.loop.drain``, the code DrainFunction runs.
 
 Load it from a ``conftest.py``::
 
@@ -35,12 +35,20 @@ import psycopg
 import pytest
 import urllib3
 
-from infrai_jobs.claims import ClaimRow
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import EffectUncertain
-from infrai_jobs.jobs import DerivedJob, Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.jobs.registry import (
+    DerivedJob,
+    Effect,
+    JobContext,
+    JobRegistry,
+    JsonValue,
+    Payload,
+)
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database

@@ -48,8 +48,15 @@ from typing import Any
 from soak_jobs import register_soak_jobs
 
 import jobs  # the functions' own jobs package (functions/ is on the path)
-from infrai_jobs.jobs import Effect, Handler, JobContext, JobDefinition, JobRegistry, Payload
-from infrai_jobs.queue_models import Pending
+from infrai_jobs.jobs.registry import (
+    Effect,
+    Handler,
+    JobContext,
+    JobDefinition,
+    JobRegistry,
+    Payload,
+)
+from infrai_jobs.queue.models import Pending
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULE_EVENT = ROOT / "events" / "drain-schedule.json"

@@ -27,7 +27,7 @@ drains' one-at-a-time windows) keeps pace with it.
 
 When the queue is empty the soak does what docs/operations.md asks of an operator after a DLQ alert:
 once the queue's own clock would have dead-lettered the messages, it checks that no claim still
-holds a live lease, redrives the dead-letter queues (``infrai_jobs.redrive``, publish then ack)
+holds a live lease, redrives the dead-letter queues (``operations.redrive``, publish then ack)
 and lets the drains settle them without faults. Then every key must be ``done``, or ``failed``
 with its message in the DLQ, or flagged stuck (an irreversible effect whose outcome nobody
 knows), and the effects must agree with the ledger: database effects exactly once, external
@@ -66,16 +66,16 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from soak_jobs import SOAK_EFFECTS_DDL, SOAK_JOB, register_soak_jobs
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.dead_letters import collect
-from infrai_jobs.drain import UNREADABLE_CODES
+from infrai_jobs.drain.loop import UNREADABLE_CODES
 from infrai_jobs.errors import KeyDerivationError
-from infrai_jobs.jobs import Effect, JobRegistry
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.reconcile import Reconciler, ReconcileReport
-from infrai_jobs.redrive import MAX_REDRIVE_PER_CALL, redrive
+from infrai_jobs.jobs.registry import Effect, JobRegistry
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import collect
+from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
+from infrai_jobs.operations.redrive import MAX_REDRIVE_PER_CALL, redrive
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.models import QueueMessage
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
 from infrai_local.provider_sink import sink_settings

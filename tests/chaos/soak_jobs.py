@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import LiteralString
 
 from infrai_jobs.errors import PermanentJobError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
 SOAK_JOB = "soak.db"
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import CONSUME_CAP, MAX_RECEIVE_COUNT
 from infrai_local.emulator import start_in_thread
 from infrai_local.fakes import FakeClock, InMemoryQueue

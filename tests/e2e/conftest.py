@@ -8,7 +8,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from infrai_jobs.migrations import apply_migrations
+from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_local import emulator, provider_sink
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.provider_sink import sink_settings

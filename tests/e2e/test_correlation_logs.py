@@ -10,7 +10,7 @@ from pathlib import Path
 
 from child_process import clean_env, run_captured
 
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import invoke, resolve
 
 ROOT = Path(__file__).resolve().parents[2]

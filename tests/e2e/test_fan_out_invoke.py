@@ -14,11 +14,11 @@ import psycopg
 import pytest
 import urllib3
 
+from infrai_jobs.aws.lambda_starter import LambdaDrainStarter
+from infrai_jobs.drain.fan_out import fan_out_event
 from infrai_jobs.errors import FanOutError, FanOutThrottled
-from infrai_jobs.fan_out import fan_out_event
-from infrai_jobs.lambda_starter import LambdaDrainStarter
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.fan_out import CLI, LocalLambda
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations

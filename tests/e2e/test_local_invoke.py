@@ -16,8 +16,8 @@ import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from child_process import clean_env, run_captured
 
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import dependency_path, invoke, resolve
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.provider_sink import sink_settings

@@ -23,11 +23,11 @@ from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from samtranslator.parser.parser import Parser  # type: ignore[import-untyped]
 from samtranslator.translator.translator import Translator  # type: ignore[import-untyped]
 
-from infrai_jobs.alerting import AlertReport, StuckClaims
-from infrai_jobs.drain import DrainSummary
-from infrai_jobs.observability import record_alert_check, record_drain
+from infrai_jobs.drain.model import DrainSummary
+from infrai_jobs.operations.alerting import AlertReport, StuckClaims
+from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
-from infrai_jobs.queue_models import QueueStats
+from infrai_jobs.runtime.observability import record_alert_check, record_drain
 from infrai_local.sam_template import parse_parameter_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,15 +18,16 @@ import psycopg
 import urllib3
 from child_process import run_captured
 
-from infrai_jobs.claims import ClaimRow
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
-from infrai_jobs.drain_service import DrainService
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.settings import Settings
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.runtime.drain_service import DrainService
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations

@@ -20,13 +20,13 @@ from aws_lambda_powertools import Metrics
 from moto import mock_aws
 from moto.sns.models import sns_backends
 
-from infrai_jobs.alerting import AlertCheck, AlertThresholds, SnsAlerter
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.dead_letters import collect
 from infrai_jobs.errors import InfraiError
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.observability import record_alert_check
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import collect
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.runtime.observability import record_alert_check
 from infrai_local import emulator as emulator_module
 
 QUEUE = "billing-jobs"

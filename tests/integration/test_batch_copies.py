@@ -24,17 +24,17 @@ from drainkit import Harness, harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infrai_jobs.batch import MessageResult, process_batch
-from infrai_jobs.claims import ClaimRow, utc_from_epoch
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.drain import DrainConfig
+from infrai_jobs.drain.batch import MessageResult, process_batch
+from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.keys import payload_fingerprint
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.ports import LedgerPort
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.claims import ClaimRow, utc_from_epoch
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.ledger.ports import LedgerPort
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.queue.models import QueueMessage
 from infrai_local.fakes import InMemoryLedger
 
 QUEUE = "copies"

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from drainkit import QUEUE, Harness, child_env, harness, run_cli
 
-from infrai_jobs.correlation import CORRELATION_FIELD, TRACEPARENT_FIELD
 from infrai_jobs.errors import InvalidPayload
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.producer import publish_checked
+from infrai_jobs.jobs.correlation import CORRELATION_FIELD, TRACEPARENT_FIELD
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.queue.producer import publish_checked
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -166,8 +166,8 @@ def test_the_span_around_each_handler_run_sees_the_producers_ids(
 
 SEGMENT_SCRIPT = """
 import os
-from infrai_jobs.jobs import JobContext
-from infrai_jobs.observability import message_tracing
+from infrai_jobs.jobs.registry import JobContext
+from infrai_jobs.runtime.observability import message_tracing
 span = message_tracing()
 ctx = JobContext(idem_key="k", job="receipt.send", message_id="m-1", delivery_count=1,
                  deadline=0.0, correlation_id="order-7431", traceparent=os.environ["TP"])

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from drainkit import DLQ, QUEUE, Harness, harness, run_cli, run_until_killed
 
-from infrai_jobs.alerting import AlertCheck, AlertThresholds
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.dead_letters import collect
+from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import collect
 
 RECEIPTS = [
     {"job": "receipt.send", "invoice_id": f"inv_{name}", "email": f"{name}@example.com"}
@@ -137,9 +137,9 @@ KILLED_BETWEEN_COMMIT_AND_ACK = textwrap.dedent(
     """
     import os, signal, sys
     from drainkit import DLQ, QUEUE
-    from infrai_jobs.claims_admin import ClaimsAdmin
-    from infrai_jobs.dead_letters import collect
-    from infrai_jobs.queue_client import InfraiClient
+    from infrai_jobs.operations.claims_admin import ClaimsAdmin
+    from infrai_jobs.operations.dead_letters import collect
+    from infrai_jobs.queue.client import InfraiClient
 
     client = InfraiClient(sys.argv[1], "test-key")
     client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)

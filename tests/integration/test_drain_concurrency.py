@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 from drainkit import QUEUE, Harness, harness, run_concurrently
 
-from infrai_jobs.drain import DrainConfig, drain
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 
 JOBS = 500
 DUPLICATE_SHARE = 0.3
@@ -80,7 +81,7 @@ def _assert_database_effects_once(kit: Harness, numbers: list[int]) -> None:
 def test_drain_lanes_share_one_invocation_and_still_run_every_job_once(
     database_url: str,
 ) -> None:
-    from infrai_jobs.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
 
     with harness(database_url) as kit:
         # Given 300 database jobs, a third of them published twice
@@ -107,9 +108,9 @@ def _assert_database_effects_once_prefixed(kit: Harness, prefix: str, count: int
 def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
     database_url: str,
 ) -> None:
-    from infrai_jobs.ack_pipeline import HTTP_CONNECTIONS_PER_LANE  # noqa: PLC0415
-    from infrai_jobs.factory import client_pool_size, make_queue_client  # noqa: PLC0415
-    from infrai_jobs.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE  # noqa: PLC0415
+    from infrai_jobs.runtime.factory import client_pool_size, make_queue_client  # noqa: PLC0415
 
     with harness(database_url) as kit:
         # Given 1,200 jobs, and a latency that keeps each batch's ten acks in flight together

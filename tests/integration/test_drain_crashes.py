@@ -10,9 +10,9 @@ import psycopg
 import pytest
 from drainkit import QUEUE, Harness, harness, run_until_killed
 
-from infrai_jobs.batch import process_batch
-from infrai_jobs.drain import DrainConfig, DrainSummary
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.drain.batch import process_batch
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 
 # A drain process that SIGKILLs itself at its first ack: after the ledger committed, before
 # Infrai heard about it. The kill is real; only the moment is chosen.
@@ -20,9 +20,10 @@ KILL_AT_ACK = textwrap.dedent(
     """
     import os, signal, sys
     from drainkit import QUEUE, add_test_jobs
-    from infrai_jobs.drain import DrainConfig, drain
-    from infrai_jobs.ledger import PostgresLedger
-    from infrai_jobs.queue_client import InfraiClient
+    from infrai_jobs.drain.model import DrainConfig
+    from infrai_jobs.drain.loop import drain
+    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.queue.client import InfraiClient
     from jobs import build_registry
 
     base_url, database_url, provider_url = sys.argv[1:4]
@@ -169,10 +170,11 @@ KILL_MID_CALL = textwrap.dedent(
     import os, signal, sys
     import psycopg
     from drainkit import QUEUE
-    from infrai_jobs.drain import DrainConfig, drain
-    from infrai_jobs.jobs import Effect, JobRegistry
-    from infrai_jobs.ledger import PostgresLedger
-    from infrai_jobs.queue_client import InfraiClient
+    from infrai_jobs.drain.model import DrainConfig
+    from infrai_jobs.drain.loop import drain
+    from infrai_jobs.jobs.registry import Effect, JobRegistry
+    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.queue.client import InfraiClient
 
     base_url, database_url = sys.argv[1:3]
     registry = JobRegistry()

@@ -11,8 +11,8 @@ import pytest
 from aws_lambda_powertools import Metrics
 from drainkit import QUEUE, Harness, harness
 
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.observability import DRAIN_METRICS, OUTCOME_METRICS, record_drain
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.runtime.observability import DRAIN_METRICS, OUTCOME_METRICS, record_drain
 
 
 @pytest.fixture

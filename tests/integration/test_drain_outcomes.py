@@ -12,12 +12,12 @@ import pytest
 import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
 
-from infrai_jobs.batch import process_batch
-from infrai_jobs.drain import DrainConfig
+from infrai_jobs.drain.batch import process_batch
+from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import PermanentJobError
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.outcomes import Outcome
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.ledger.outcomes import Outcome
+from infrai_jobs.queue.models import QueueMessage
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 NOTES_KEY = "invoice.finalize:inv_8812"

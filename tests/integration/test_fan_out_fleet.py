@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from drainkit import API_KEY, QUEUE, Harness, harness
 
-from infrai_jobs.drain_fleet import PostgresDrainFleet
+from infrai_jobs.drain.fleet import PostgresDrainFleet
 from infrai_local.fan_out import CLI
 
 # Every change to drain_leases records how many drains were alive right after it. Inserts and
@@ -39,7 +39,7 @@ CREATE TRIGGER record_fleet_size AFTER INSERT OR UPDATE ON drain_leases
 # A jobs package for the drain processes: one database job whose every run leaves a row, so a
 # double effect would show as two rows for one key.
 COUNTING_JOBS = """
-from infrai_jobs.jobs import Effect, JobRegistry
+from infrai_jobs.jobs.registry import Effect, JobRegistry
 
 
 def build_registry():

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 from drainkit import QUEUE, Harness, harness
 
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
+from infrai_jobs.queue.models import QueueMessage
 
 
 @pytest.fixture

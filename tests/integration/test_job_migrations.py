@@ -16,7 +16,7 @@ import pytest
 from child_process import run_captured
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.migrations import MIGRATIONS, apply_migrations
+from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
 from infrai_local.job_migrations import installed_job_migrations, read_job_migrations
 
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
@@ -36,7 +36,7 @@ def code_root(folder: Path, migrations: dict[str, str]) -> Path:
     """A code root laid out like functions/: a jobs package with these migration files."""
     (folder / "jobs" / "migrations").mkdir(parents=True)
     (folder / "jobs" / "__init__.py").write_text(
-        "from infrai_jobs.jobs import JobRegistry\n"
+        "from infrai_jobs.jobs.registry import JobRegistry\n"
         "def build_registry():\n"
         "    return JobRegistry()\n"
     )

@@ -17,12 +17,13 @@ import psycopg
 import pytest
 from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, harness, run_concurrently
 
-from infrai_jobs.drain import DrainConfig, drain
-from infrai_jobs.drain_service import DrainService
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import LedgerUnavailable
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.settings import Settings
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.runtime.drain_service import DrainService
 from jobs import build_registry
 
 HERE = Path(__file__).parent
@@ -34,10 +35,11 @@ TIMED_OUT_INVOCATION = textwrap.dedent(
     """
     import sys, time
     from drainkit import QUEUE, add_test_jobs
-    from infrai_jobs.drain import DrainConfig, drain
-    from infrai_jobs.jobs import Effect
-    from infrai_jobs.ledger import PostgresLedger
-    from infrai_jobs.queue_client import InfraiClient
+    from infrai_jobs.drain.model import DrainConfig
+    from infrai_jobs.drain.loop import drain
+    from infrai_jobs.jobs.registry import Effect
+    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.queue.client import InfraiClient
     from jobs import build_registry
 
     base_url, database_url, provider_url, seconds = sys.argv[1:5]

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from drainkit import DLQ, QUEUE, Harness, harness
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.drain import DrainConfig, drain
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.redrive import redrive
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.redrive import redrive
 
 VISIBILITY = 4
 KEY = "test.idem:d1"

@@ -16,9 +16,9 @@ import psycopg
 import pytest
 from drainkit import Harness, harness
 
-from infrai_jobs.batch import process_batch
-from infrai_jobs.drain import DrainConfig
-from infrai_jobs.queue_models import QueueMessage
+from infrai_jobs.drain.batch import process_batch
+from infrai_jobs.drain.model import DrainConfig
+from infrai_jobs.queue.models import QueueMessage
 
 
 @pytest.fixture

@@ -10,8 +10,13 @@ import pytest
 from drainkit import run_concurrently
 
 from infrai_jobs.errors import LedgerError, SchemaNotMigrated
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.migrations import LATEST_VERSION, MIGRATIONS, apply_migrations, current_version
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.migrations import (
+    LATEST_VERSION,
+    MIGRATIONS,
+    apply_migrations,
+    current_version,
+)
 
 NOTES_DDL = """
 CREATE TABLE job_claims (

@@ -15,11 +15,11 @@ import psycopg
 import pytest
 from drainkit import DLQ, QUEUE, Harness, harness, run_until_killed
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.dead_letters import DeadLetterStore
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.redrive import redrive
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import DeadLetterStore
+from infrai_jobs.operations.redrive import redrive
 from infrai_local import cli_ops
 from infrai_local.cli import main as cli
 
@@ -51,9 +51,9 @@ def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
 REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
     """
     import os, signal, sys
-    from infrai_jobs.claims_admin import ClaimsAdmin
-    from infrai_jobs.queue_client import InfraiClient
-    from infrai_jobs.redrive import redrive
+    from infrai_jobs.operations.claims_admin import ClaimsAdmin
+    from infrai_jobs.queue.client import InfraiClient
+    from infrai_jobs.operations.redrive import redrive
 
     client = InfraiClient(sys.argv[1], "test-key")
     published = []

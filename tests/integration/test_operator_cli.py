@@ -30,8 +30,8 @@ from drainkit import (
     start_cli,
 )
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.jobs import Payload
+from infrai_jobs.jobs.registry import Payload
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
 JOBS_PACKAGE = textwrap.dedent(
@@ -40,7 +40,7 @@ JOBS_PACKAGE = textwrap.dedent(
     import time
 
     from infrai_jobs.errors import PermanentJobError
-    from infrai_jobs.jobs import Effect, JobRegistry
+    from infrai_jobs.jobs.registry import Effect, JobRegistry
 
 
     def build_registry():
@@ -700,7 +700,7 @@ def test_a_retried_infrai_call_is_a_warning_naming_the_call_and_queue(
     import logging  # noqa: PLC0415
 
     from infrai_jobs.errors import InfraiUnavailable  # noqa: PLC0415
-    from infrai_jobs.queue_client import InfraiClient, RetryPolicy  # noqa: PLC0415
+    from infrai_jobs.queue.client import InfraiClient, RetryPolicy  # noqa: PLC0415
 
     # Given an Infrai failing every ack
     kit.faults(error_rate=1.0, routes=["ack"])

@@ -18,13 +18,13 @@ import psycopg
 import pytest
 from child_process import clean_env, run_captured
 
-from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.claims_admin import ClaimsAdmin
 from infrai_jobs.errors import SchemaNotMigrated
-from infrai_jobs.migrations import apply_migrations
-from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.redrive import _reopen, redrive
+from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.redrive import _reopen, redrive
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.models import QueueMessage
 from infrai_local import emulator, provider_sink
 from infrai_local.provider_sink import sink_settings
 
@@ -159,7 +159,7 @@ def test_a_drain_needs_only_the_settings_of_the_jobs_it_registered(
     # declares none
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / "__init__.py").write_text(
-        "from infrai_jobs.jobs import Effect, JobRegistry\n"
+        "from infrai_jobs.jobs.registry import Effect, JobRegistry\n"
         "def build_registry():\n"
         "    registry = JobRegistry()\n"
         "    registry.job('plain.db', effect=Effect.DATABASE, identity=('id',))("

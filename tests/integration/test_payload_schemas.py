@@ -16,7 +16,7 @@ import pytest
 from drainkit import QUEUE, Harness, harness, run_cli
 
 from infrai_jobs.errors import InfraiError, InvalidPayload, KeyDerivationError
-from infrai_jobs.producer import publish_checked
+from infrai_jobs.queue.producer import publish_checked
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 MISTYPED = {**NOTES_PAYLOAD, "amount_cents": "4900"}

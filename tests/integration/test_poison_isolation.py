@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from drainkit import API_KEY, DLQ, QUEUE, Harness, harness
 
-from infrai_jobs.queue_client import InfraiClient
+from infrai_jobs.queue.client import InfraiClient
 
 # Ordinary jobs of the three effect classes, the neighbours an unreadable message must spare.
 NEIGHBOURS: list[dict[str, Any]] = [

@@ -10,7 +10,7 @@ TypeScript port had the same bug (aws-powertools/powertools-lambda-typescript#57
 #5706); the DynamoDB layer keeps the field.
 
 The first test fails once an upgraded Powertools keeps the field: then
-``ValidatingCachePersistenceLayer`` in ``layers/common/infrai_jobs/second_layer.py`` can go.
+``ValidatingCachePersistenceLayer`` in ``layers/common/infrai_jobs/aws/second_layer.py`` can go.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idemp
 from aws_lambda_powertools.utilities.idempotency.exceptions import IdempotencyValidationError
 from aws_lambda_powertools.utilities.idempotency.persistence.cache import CachePersistenceLayer
 
-from infrai_jobs.second_layer import KEY_PREFIX, redis_store
+from infrai_jobs.aws.second_layer import KEY_PREFIX, redis_store
 
 WORK = {"idem_key": "receipt.send:inv_1", "fingerprint": "sha256:of-the-payload"}
 
@@ -104,7 +104,7 @@ def test_powertools_cache_layer_still_drops_the_validation_hash_when_a_record_co
     assert record["status"] == "COMPLETED"
     assert "validation" not in record, (
         "Powertools' CachePersistenceLayer now keeps the payload hash of a completed record: "
-        "remove ValidatingCachePersistenceLayer from infrai_jobs/second_layer.py and the note "
+        "remove ValidatingCachePersistenceLayer from infrai_jobs/aws/second_layer.py and the note "
         "in docs/design.md's second-layer section"
     )
     # And the very same work, asked again, fails validation instead of replaying

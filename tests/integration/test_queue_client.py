@@ -21,7 +21,7 @@ from infrai_jobs.errors import (
     InfraiUnavailable,
     QueueMessageNotFound,
 )
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_local.emulator import start_in_thread
 
 API_KEY = "sk_live_do_not_print_4f9a2c"
@@ -303,7 +303,7 @@ def test_the_drain_service_bounds_the_client_retries_by_the_time_left(
 ) -> None:
     from drainkit import harness  # noqa: PLC0415
 
-    from infrai_jobs.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
 
     with harness(database_url) as kit:
         kit.publish({"job": "test.db", "id": "a"})

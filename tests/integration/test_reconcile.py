@@ -21,14 +21,14 @@ import urllib3
 from aws_lambda_powertools import Metrics
 from drainkit import OPERATOR, QUEUE, Harness, harness, run_cli
 
-from infrai_jobs.alerting import AlertCheck, AlertThresholds
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.factory import WATCHER_ACTOR
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.keys import payload_fingerprint
-from infrai_jobs.observability import record_alert_check
-from infrai_jobs.probes import NotDone, ProbeAnswer
-from infrai_jobs.reconcile import Reconciler
+from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.reconcile import Reconciler
+from infrai_jobs.runtime.factory import WATCHER_ACTOR
+from infrai_jobs.runtime.observability import record_alert_check
 
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "ada@example.com"}
 DIGEST = {"job": "digest.build", "tenant_id": "t_1", "period": "2026-11"}

@@ -29,11 +29,11 @@ from aws_lambda_powertools.utilities import parameters
 from moto import mock_aws
 from redis_server import wait_for_redis
 
+from infrai_jobs.aws.second_layer import SecondLayer, redis_store
+from infrai_jobs.aws.secrets import redis_url_from_secret, resolve_secrets
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.factory import make_effect_guard
-from infrai_jobs.second_layer import SecondLayer, redis_store
-from infrai_jobs.secrets import redis_url_from_secret, resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.runtime.factory import make_effect_guard
 
 PASSWORD = f"redis-Secret-{uuid.uuid4().hex[:12]}"
 REGION = "us-east-1"

@@ -29,23 +29,24 @@ from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from drainkit import QUEUE, Harness, harness
 from moto import mock_aws
 
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.drain import DrainConfig, drain
-from infrai_jobs.drain_service import DrainService
-from infrai_jobs.errors import ConfigurationError, EffectUncertain
-from infrai_jobs.factory import make_effect_guard
-from infrai_jobs.jobs import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.reconcile import Reconciler
-from infrai_jobs.second_layer import (
+from infrai_jobs.aws.second_layer import (
     KEY_PREFIX,
     SecondLayer,
     dynamodb_store,
     record_expiry_seconds,
     redis_store,
 )
-from infrai_jobs.settings import Settings
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig
+from infrai_jobs.errors import ConfigurationError, EffectUncertain
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.reconcile import Reconciler
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.factory import make_effect_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}

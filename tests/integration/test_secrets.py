@@ -18,11 +18,11 @@ from drainkit import QUEUE, Harness, harness
 from moto import mock_aws
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from infrai_jobs.aws.secrets import resolve_secrets
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import InfraiError
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.secrets import resolve_secrets
-from infrai_jobs.settings import Settings
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator as emulator_module
 
 REGION = "us-east-1"
@@ -98,7 +98,7 @@ def test_the_ledger_refreshes_a_rotated_database_secret_once(
 ) -> None:
     # Given a ledger whose cached secret points at credentials that no longer work
     with psycopg.connect(database_url, autocommit=True) as conn:
-        from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+        from infrai_jobs.ledger.migrations import apply_migrations  # noqa: PLC0415
 
         apply_migrations(conn)
     stale = make_conninfo(database_url, dbname="database_rotated_away")
@@ -274,7 +274,7 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
     # Given DlqAlertFunction (PruneFunction, RedriveFunction) warm with a database secret that
     # has since been rotated: the value it holds no longer connects
     with psycopg.connect(database_url, autocommit=True) as conn:
-        from infrai_jobs.migrations import apply_migrations  # noqa: PLC0415
+        from infrai_jobs.ledger.migrations import apply_migrations  # noqa: PLC0415
 
         apply_migrations(conn)
     stale = make_conninfo(database_url, dbname="database_rotated_away")
@@ -303,12 +303,12 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
         warm_up(app)
         aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
         refreshes = _Actions()
-        logging.getLogger("infrai_jobs.postgres").addHandler(refreshes)
+        logging.getLogger("infrai_jobs.ledger.postgres").addHandler(refreshes)
         # When it next runs
         try:
             answer = app.lambda_handler(event, _Context())
         finally:
-            logging.getLogger("infrai_jobs.postgres").removeHandler(refreshes)
+            logging.getLogger("infrai_jobs.ledger.postgres").removeHandler(refreshes)
         # Then that very run fetched the secret again, once, and did its work
         assert isinstance(answer, dict)
         assert refreshes.actions == ["secret_refresh"]

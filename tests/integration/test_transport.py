@@ -30,8 +30,8 @@ from infrai_jobs.errors import (
     TransportError,
     UntrustedServer,
 )
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.transport import HttpPool
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.transport import HttpPool
 
 API_KEY = "sk_live_transport_secret_77"
 OK_JSON = (
@@ -834,8 +834,8 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
 ) -> None:
     from drainkit import QUEUE, harness  # noqa: PLC0415
 
-    from infrai_jobs.factory import client_pool_size  # noqa: PLC0415
-    from infrai_jobs.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.runtime.factory import client_pool_size  # noqa: PLC0415
 
     ca_path, cert_path, key_path = _certificates(tmp_path, LOOPBACK_NAMES)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -39,10 +39,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from psycopg.conninfo import conninfo_to_dict
 
+from infrai_jobs.aws.secrets import database_url_from_secret
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
-from infrai_jobs.postgres import connect_to_ledger
-from infrai_jobs.secrets import database_url_from_secret
-from infrai_jobs.settings import Settings
+from infrai_jobs.ledger.postgres import connect_to_ledger
 
 RDS_SECRET = {
     "engine": "postgres",
@@ -157,7 +157,7 @@ def test_an_opted_out_sslmode_is_logged_as_a_warning(
     # Given the explicit opt-out to a weaker mode
     env = {"DATABASE_SECRET_ARN": SECRET_ARN, "DATABASE_SSLMODE": mode}
     # When the settings are read (each cold start)
-    with caplog.at_level(logging.WARNING, logger="infrai_jobs.settings"):
+    with caplog.at_level(logging.WARNING, logger="infrai_jobs.config.settings"):
         settings = Settings.from_env(env)
     # Then it is used, and said as a warning
     assert settings.database_sslmode == mode

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from child_process import clean_env, run_captured
 
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.queue_client import InfraiClient
-from infrai_jobs.settings import Settings
+from infrai_jobs.queue.client import InfraiClient
 
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 API_KEY = "sk_live_https_only_secret_41"
@@ -83,7 +83,7 @@ def test_the_opt_out_allows_plain_http_on_a_local_network_and_warns(
         "INFRAI_ALLOW_PLAIN_HTTP": "true",
     }
     # When the settings are read (as at a cold start)
-    with caplog.at_level(logging.WARNING, logger="infrai_jobs.settings"):
+    with caplog.at_level(logging.WARNING, logger="infrai_jobs.config.settings"):
         settings = Settings.from_env(env, job_settings=MAIL)
     # Then they are accepted, and a warning names the opt-out and the settings that use it
     assert settings.allow_plain_http is True
@@ -96,9 +96,9 @@ def test_the_opt_out_allows_plain_http_on_a_local_network_and_warns(
 
 
 def test_without_the_opt_out_nothing_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="infrai_jobs.settings"):
+    with caplog.at_level(logging.WARNING, logger="infrai_jobs.config.settings"):
         Settings.from_env({"INFRAI_BASE_URL": "https://api.infrai.cc"})
-    assert not [r for r in caplog.records if r.name == "infrai_jobs.settings"]
+    assert not [r for r in caplog.records if r.name == "infrai_jobs.config.settings"]
 
 
 @pytest.mark.parametrize("command", [["stats"], ["drain", "--max-batches", "1"]])

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs import redrive as redrive_module
-from infrai_jobs.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.claims_admin import ClaimsAdmin
-from infrai_jobs.drain_service import DrainService
+from infrai_jobs.operations import redrive as redrive_module
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import InfraiError, LedgerError
-from infrai_jobs.jobs import JobRegistry
-from infrai_jobs.ledger import PostgresLedger
-from infrai_jobs.queue_client import InfraiClient, RetryPolicy
-from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.settings import Settings
+from infrai_jobs.jobs.registry import JobRegistry
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.runtime.drain_service import DrainService
 from infrai_local import cli as cli_module
 from infrai_local.emulator import RunningEmulator, start_in_thread
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from infrai_jobs.alerting import (
+from infrai_jobs.operations.alerting import (
     AlertState,
     AlertThresholds,
     Observation,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infrai_jobs.correlation import (
+from infrai_jobs.jobs.correlation import (
     CORRELATION_FIELD,
     MAX_CORRELATION_ID_LENGTH,
     TRACEPARENT_FIELD,
@@ -19,8 +19,8 @@ from infrai_jobs.correlation import (
     traceparent_trace_id,
     with_correlation_id,
 )
-from infrai_jobs.jobs import JobContext
-from infrai_jobs.keys import NO_KEY_RULES, derive_key, payload_fingerprint
+from infrai_jobs.jobs.keys import NO_KEY_RULES, derive_key, payload_fingerprint
+from infrai_jobs.jobs.registry import JobContext
 from jobs import build_registry
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -185,7 +185,7 @@ TRACING_CHECK = """
 import os, sys
 os.environ["POWERTOOLS_SERVICE_NAME"] = "t"
 os.environ["POWERTOOLS_TRACE_DISABLED"] = "true"
-from infrai_jobs.observability import message_annotations, message_tracing
+from infrai_jobs.runtime.observability import message_annotations, message_tracing
 print(message_tracing() is None, "aws_xray_sdk" in sys.modules)
 """
 
@@ -202,7 +202,7 @@ def test_with_tracing_off_there_is_no_span_and_no_sdk() -> None:
 
 
 def test_a_handler_runs_span_is_annotated_with_the_producers_ids() -> None:
-    from infrai_jobs.observability import message_annotations  # noqa: PLC0415
+    from infrai_jobs.runtime.observability import message_annotations  # noqa: PLC0415
 
     # Given a run whose message carried a correlation id and a traceparent
     ctx = JobContext(

@@ -16,23 +16,25 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.claims import ClaimRow, utc_from_epoch
-from infrai_jobs.drain import (
-    DrainConfig,
-    DrainSummary,
-    budget_shortfall,
-    drain,
-    idle_polling_shortfall,
-)
-from infrai_jobs.drain_service import check_time_budget
+from infrai_jobs.drain.loop import budget_shortfall, drain, idle_polling_shortfall
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import (
     ConfigurationError,
     EffectUncertain,
     InfraiUnavailable,
     PermanentJobError,
 )
-from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
-from infrai_jobs.queue_models import Pending, QueueMessage
+from infrai_jobs.jobs.registry import (
+    Effect,
+    JobContext,
+    JobDefinition,
+    JobRegistry,
+    JsonValue,
+    Payload,
+)
+from infrai_jobs.ledger.claims import ClaimRow, utc_from_epoch
+from infrai_jobs.queue.models import Pending, QueueMessage
+from infrai_jobs.runtime.drain_service import check_time_budget
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from infrai_jobs.drain import DrainSummary, merge_summaries
-from infrai_jobs.observability import DRAIN_METRICS, OUTCOME_METRICS
-from infrai_jobs.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
+from infrai_jobs.drain.model import DrainSummary, merge_summaries
+from infrai_jobs.ledger.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
+from infrai_jobs.runtime.observability import DRAIN_METRICS, OUTCOME_METRICS
 from infrai_local.drain_report import report_line, summary_lines
 
 ATTENTION = {
@@ -49,7 +49,7 @@ def test_every_outcome_has_a_bucket_and_what_needs_a_look_is_warning_or_error() 
 
 def test_a_problem_line_names_outcome_key_message_delivery_and_reason() -> None:
     record = logging.LogRecord(
-        "infrai_jobs.drain", logging.WARNING, "", 0, "message %s", ("retry",), None
+        "infrai_jobs.drain.loop", logging.WARNING, "", 0, "message %s", ("retry",), None
     )
     record.__dict__.update(
         action="retry",
@@ -68,7 +68,7 @@ def test_a_problem_line_names_outcome_key_message_delivery_and_reason() -> None:
 
 def test_a_warning_about_no_one_message_keeps_its_sentence_and_fields() -> None:
     record = logging.LogRecord(
-        "infrai_jobs.queue_client", logging.WARNING, "", 0, "retrying an Infrai call", (), None
+        "infrai_jobs.queue.client", logging.WARNING, "", 0, "retrying an Infrai call", (), None
     )
     record.__dict__.update(action="http_retry", call="ack", code="INTERNAL", attempt=1)
     assert report_line(record) == (

@@ -11,7 +11,10 @@ from decimal import Decimal
 
 import pytest
 
-from infrai_jobs.claims import (
+from infrai_jobs.drain.ports import Clock
+from infrai_jobs.errors import InfraiError, LedgerError, LedgerUnavailable, QueueMessageNotFound
+from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.ledger.claims import (
     ClaimRequest,
     ClaimStatus,
     JobRun,
@@ -19,9 +22,8 @@ from infrai_jobs.claims import (
     SettleStatus,
     utc_from_epoch,
 )
-from infrai_jobs.errors import InfraiError, LedgerError, LedgerUnavailable, QueueMessageNotFound
-from infrai_jobs.jobs import Effect
-from infrai_jobs.ports import Clock, LedgerPort, QueuePort
+from infrai_jobs.ledger.ports import LedgerPort
+from infrai_jobs.queue.ports import QueuePort
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.drain_service import DrainService
-from infrai_jobs.factory import make_drain_starter
-from infrai_jobs.fan_out import (
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.drain.fan_out import (
     FAN_OUT_EVENT_KEY,
     FanOutPolicy,
     FleetMonitor,
@@ -23,8 +22,9 @@ from infrai_jobs.fan_out import (
     fan_out_event,
     fan_out_slot,
 )
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.settings import Settings
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.factory import make_drain_starter
 from infrai_local.fakes import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
 
 QUEUE = "billing-jobs"

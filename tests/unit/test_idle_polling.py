@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.drain import DrainConfig, DrainSummary, drain
-from infrai_jobs.drain_service import DrainService
+from infrai_jobs.config.settings import Settings
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.queue_models import QueueMessage
-from infrai_jobs.settings import Settings
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.runtime.drain_service import DrainService
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from infrai_jobs.config.settings import LEDGER_ENDPOINT, QUEUE_ENDPOINT, Settings, stand_ins
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.settings import LEDGER_ENDPOINT, QUEUE_ENDPOINT, Settings, stand_ins
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from jobs import build_registry
 
 

@@ -26,7 +26,7 @@ def code_root_with_jobs(root: Path, job: str) -> Path:
     """A code root laid out like functions/, whose jobs package registers one job."""
     (root / "jobs").mkdir(parents=True)
     (root / "jobs" / "__init__.py").write_text(
-        "from infrai_jobs.jobs import Effect, JobRegistry\n"
+        "from infrai_jobs.jobs.registry import Effect, JobRegistry\n"
         "def build_registry():\n"
         "    registry = JobRegistry()\n"
         f"    registry.job({job!r}, effect=Effect.DATABASE, identity=('id',))(lambda p, c: None)\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
 
 def _noop(payload: Payload, ctx: JobContext) -> JsonValue:

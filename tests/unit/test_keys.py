@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from json_strategies import SAFE_INT
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
-from infrai_jobs.keys import (
+from infrai_jobs.jobs.keys import (
     KEY_SCHEME_VERSION,
     MAX_KEY_LENGTH,
     NO_KEY_RULES,

@@ -13,9 +13,16 @@ from hypothesis import strategies as st
 from json_strategies import SAFE_INT
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload, KeyDerivationError
-from infrai_jobs.jobs import Effect, JobContext, JobDefinition, JobRegistry, JsonValue, Payload
-from infrai_jobs.keys import PRODUCER_KEY_FIELD as PRODUCER_KEY
-from infrai_jobs.payload_schema import Field, PayloadSchema, json_type_of
+from infrai_jobs.jobs.keys import PRODUCER_KEY_FIELD as PRODUCER_KEY
+from infrai_jobs.jobs.payload_schema import Field, PayloadSchema, json_type_of
+from infrai_jobs.jobs.registry import (
+    Effect,
+    JobContext,
+    JobDefinition,
+    JobRegistry,
+    JsonValue,
+    Payload,
+)
 from jobs import build_registry
 
 NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}

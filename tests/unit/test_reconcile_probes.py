@@ -8,10 +8,10 @@ import time
 import pytest
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.jobs import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.keys import identity_from_key, natural_key
-from infrai_jobs.probes import Done, NotDone, ProbeAnswer, Unknown
-from infrai_jobs.reconcile import answer_of, ask, history_note
+from infrai_jobs.jobs.keys import identity_from_key, natural_key
+from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.operations.reconcile import answer_of, ask, history_note
 from jobs import build_registry
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.redrive import RedriveRequest, Selection
+from infrai_jobs.operations.redrive import RedriveRequest, Selection
 
 EVENTS = Path(__file__).resolve().parents[2] / "events"
 

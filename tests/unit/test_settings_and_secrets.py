@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
+from infrai_jobs.aws.secrets import database_url_from_secret
+from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.secrets import database_url_from_secret
-from infrai_jobs.settings import Settings
 
 
 def test_defaults_name_the_notes_queue_and_hide_secrets_from_repr() -> None:

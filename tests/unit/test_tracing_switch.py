@@ -9,7 +9,7 @@ CHECK = """
 import os, sys
 os.environ["POWERTOOLS_SERVICE_NAME"] = "t"
 os.environ["POWERTOOLS_TRACE_DISABLED"] = sys.argv[1]
-from infrai_jobs.observability import tracing
+from infrai_jobs.runtime.observability import tracing
 def handler(event, context):
     return "ok"
 wrapped = tracing(handler)

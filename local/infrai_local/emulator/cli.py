@@ -13,10 +13,10 @@ from decimal import Decimal
 from types import FrameType
 from typing import TextIO
 
+from infrai_jobs.config.settings import is_loopback_host
 from infrai_jobs.queue_contract import (
     DEFAULT_PUBLISH_PRICE_USD,
 )
-from infrai_jobs.settings import is_loopback_host
 from infrai_local.emulator.http import DEFAULT_HOST, DEFAULT_PORT, start_in_thread
 from infrai_local.emulator.state import (
     DEFAULT_VISIBILITY_TIMEOUT,

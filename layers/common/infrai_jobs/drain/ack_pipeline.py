@@ -1,0 +1,114 @@
+"""Acks sent together and their answers read later, so they overlap the next batch's work."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from infrai_jobs.drain.batch import MessageResult, describe_error
+from infrai_jobs.errors import (
+    InfraiError,
+    InfraiUnavailable,
+    QueueMessageNotFound,
+)
+from infrai_jobs.jobs.correlation import log_fields
+from infrai_jobs.queue.models import Pending
+from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.queue_contract import CONSUME_CAP
+
+if TYPE_CHECKING:
+    from infrai_jobs.drain.model import DrainSummary
+
+logger = logging.getLogger(__name__)
+
+# Batches whose acks may still be travelling when the next batch's are sent.
+ACKS_IN_FLIGHT_BATCHES = 2
+
+
+# Connections one lane may hold open to Infrai at once: one per ack still travelling and the
+# consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
+# (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
+HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * CONSUME_CAP + 1
+
+
+class AckPipeline:
+    """Acks sent together and their answers read later, so they overlap the next batch's work.
+
+    Once a batch's acks are sent, the answers of the batch before it are read (by then they have
+    usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once.
+    """
+
+    def __init__(self, queue: QueuePort, queue_name: str, summary: DrainSummary) -> None:
+        self._queue = queue
+        self._queue_name = queue_name
+        self._summary = summary
+        self._pending: list[list[tuple[MessageResult, Pending[None]]]] = []
+
+    def send(self, results: Sequence[MessageResult]) -> None:
+        batch: list[tuple[MessageResult, Pending[None]]] = []
+        # Appended before sending: if a send raises, what was sent is still waited for.
+        self._pending.append(batch)
+        for r in results:
+            if r.ack:
+                batch.append((r, self._queue.send_ack(self._queue_name, r.message.receipt_handle)))
+        while len(self._pending) > ACKS_IN_FLIGHT_BATCHES - 1:
+            self._collect(self._pending.pop(0))
+
+    def wait_all(self) -> None:
+        """Read every answer still due; an unexpected error is raised after all are read."""
+        first_error: Exception | None = None
+        while self._pending:
+            try:
+                self._collect(self._pending.pop(0))
+            except Exception as exc:  # noqa: BLE001 - raised below, once the rest are read
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
+        summary = self._summary
+        # Answers are read one after another on this thread: once Infrai has failed one ack
+        # through all its retries, the rest of the batch get their sent request's answer only,
+        # so an outage costs one ack's retries per batch, not ten in a row.
+        retry = True
+        unexpected: Exception | None = None
+        for result, pending in batch:
+            try:
+                pending.wait(retry=retry)
+            except QueueMessageNotFound:
+                summary.ack_lost += 1
+                _log_ack(result, "ack_lost")
+            except InfraiError as exc:
+                # Harmless for correctness: the redelivery finds the claim settled, and is
+                # acked then.
+                if isinstance(exc, InfraiUnavailable):
+                    retry = False
+                summary.ack_failed += 1
+                _log_ack(result, "ack_failed", str(exc))
+            except Exception as exc:  # noqa: BLE001 - the other answers are read first
+                # Not an answer from Infrai (a refreshed API key that cannot be used, a bug):
+                # the rest of the batch is still read, so no connection is left half-used.
+                summary.ack_failed += 1
+                _log_ack(result, "ack_failed", describe_error(exc))
+                unexpected = unexpected or exc
+            else:
+                summary.acked += 1
+        if unexpected is not None:
+            raise unexpected
+
+
+def _log_ack(result: MessageResult, action: str, detail: str = "") -> None:
+    logger.warning(
+        "ack %s",
+        action,
+        extra={
+            "action": action,
+            "idem_key": result.idem_key,
+            "message_id": result.message.message_id,
+            "delivery_count": result.message.delivery_count,
+            "job": result.job,
+            "detail": detail,
+            **log_fields(result.correlation),
+        },
+    )

@@ -1,0 +1,277 @@
+"""Backlog fan-out: a drain that sees more backlog than it can clear soon starts more drains.
+
+While a drain runs, a monitor beside its lanes renews the drain's lease in the ledger every few
+seconds (``DrainFleetPort``) and, when fan-out is on, measures the rate the drain is consuming at
+and reads the queue's backlog (``available_count``). If the backlog would take the drains alive
+longer than ``after_seconds`` to clear, it reserves the missing slots, as many as would clear it
+within ``after_seconds`` at that rate and never more than ``max_concurrency`` drains alive in
+all, and starts one drain per slot asynchronously (``DrainStarterPort``: Lambda ``Invoke`` with
+``InvocationType=Event`` in AWS, a process locally). The reservation and the count happen under
+one lock in the ledger, so two drains deciding at once never both start the missing ones.
+
+A started drain finds its slot's id in its event, adopts the slot, and fans out in turn if the
+backlog still calls for it. Nothing here schedules work: each drain is an ordinary drain, and
+the claims keep overlapping drains safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
+from infrai_jobs.errors import FanOutError, FanOutThrottled, InfraiError, LedgerError
+from infrai_jobs.queue.models import Pending, QueueMessage
+from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
+
+logger = logging.getLogger(__name__)
+
+# The key of a fan-out event: {"infrai_jobs_fan_out": {"queue": ..., "drain_id": ...}}.
+FAN_OUT_EVENT_KEY = "infrai_jobs_fan_out"
+# How often the monitor renews the lease and looks at the backlog.
+CHECK_EVERY_SECONDS = 2.0
+# A running drain's lease: several checks long, so one slow check (a stats call retrying) does
+# not make a live drain look dead; a drain killed mid-run frees its slot within this. Lambda's
+# reserved concurrency still holds the real line if a drain ever looks dead too early.
+LEASE_SECONDS = 15.0
+# A reserved slot waits this long for its drain to start (an async invoke, a cold start).
+START_GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class FanOutPolicy:
+    queue: str
+    # Drains alive at once at most (the function's reserved concurrency in AWS).
+    max_concurrency: int
+    # More drains are started when the backlog would take longer than this to clear.
+    after_seconds: float = 30.0
+    check_every_seconds: float = CHECK_EVERY_SECONDS
+    lease_seconds: float = LEASE_SECONDS
+    start_grace_seconds: float = START_GRACE_SECONDS
+
+    @property
+    def fans_out(self) -> bool:
+        return self.max_concurrency > 1
+
+
+def drains_wanted(available: int, rate_per_drain: float, after_seconds: float, cap: int) -> int:
+    """How many drains, each consuming ``rate_per_drain`` messages a second, clear ``available``
+    messages within ``after_seconds``; never more than ``cap``, 0 without backlog or rate."""
+    if available <= 0 or rate_per_drain <= 0:
+        return 0
+    return min(cap, math.ceil(available / (rate_per_drain * after_seconds)))
+
+
+def fan_out_event(queue: str, drain_id: str, started_by: str) -> dict[str, Any]:
+    """The event a fanned-out drain receives."""
+    return {FAN_OUT_EVENT_KEY: {"queue": queue, "drain_id": drain_id, "started_by": started_by}}
+
+
+def fan_out_slot(event: object) -> str | None:
+    """The reserved slot's id when ``event`` is a fan-out event, else None (a schedule tick).
+
+    A malformed fan-out event is logged and treated as a tick: the drain still runs, it only
+    takes a free slot instead of its reserved one.
+    """
+    if not isinstance(event, Mapping) or FAN_OUT_EVENT_KEY not in event:
+        return None
+    body = event[FAN_OUT_EVENT_KEY]
+    drain_id = body.get("drain_id") if isinstance(body, Mapping) else None
+    try:
+        return str(uuid.UUID(str(drain_id)))
+    except ValueError:
+        logger.warning(
+            "a fan-out event without a valid drain_id; running as a scheduled drain",
+            extra={"action": "fan_out_event_invalid"},
+        )
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class FanOutCheck:
+    """What one check saw and did; logged, and returned for tests."""
+
+    live: int
+    available: int = 0
+    rate: float = 0.0
+    wanted: int = 0
+    started: int = 0
+
+
+class FleetMonitor:
+    """One drain's membership of its queue's fleet: the lease, and the fan-out decisions.
+
+    ``check()`` is one step (tests call it directly); ``running()`` calls it every
+    ``check_every_seconds`` on a thread of its own while the drain's lanes work. ``consumed``
+    tells how many messages the drain has received so far (``CountingQueue.consumed``).
+    """
+
+    def __init__(
+        self,
+        policy: FanOutPolicy,
+        drain_id: str,
+        fleet: DrainFleetPort,
+        *,
+        queue: QueuePort,
+        consumed: Callable[[], int],
+        starter: DrainStarterPort | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.drain_id = drain_id
+        self.fleet = fleet
+        self.queue = queue
+        self.consumed = consumed
+        self.starter = starter if policy.fans_out else None
+        self.clock = clock
+        self.fanned_out = 0
+        self.throttled = 0
+        self.failed = 0
+        self._since = clock()
+        self._renewed_at = self._since
+        self._consumed_since = consumed()
+
+    def check(self) -> FanOutCheck:
+        """Renew the lease; start the drains the backlog calls for, if any."""
+        policy = self.policy
+        live = self._renew()
+        now, consumed = self.clock(), self.consumed()
+        elapsed, received = now - self._since, consumed - self._consumed_since
+        self._since, self._consumed_since = now, consumed
+        if self.starter is None or live >= policy.max_concurrency:
+            return FanOutCheck(live)
+        if received <= 0 or elapsed <= 0:
+            # Nothing received since the last check: an idle queue, or a drain held up. A rate
+            # of zero says nothing about how many drains the backlog needs.
+            return FanOutCheck(live)
+        # The rate since the last check, not since the start: a drain that polled an idle queue
+        # for a minute and now meets a burst must not take its idle time for slowness.
+        rate = received / elapsed
+        available = self.queue.stats(policy.queue).available_count
+        wanted = drains_wanted(available, rate, policy.after_seconds, policy.max_concurrency)
+        if wanted <= live:
+            return FanOutCheck(live, available, rate, wanted)
+        slots = self.fleet.reserve(
+            policy.queue,
+            wanted=wanted,
+            cap=policy.max_concurrency,
+            lease_seconds=policy.start_grace_seconds,
+        )
+        started = self._start(slots)
+        check = FanOutCheck(live, available, rate, wanted, started)
+        logger.info(
+            "backlog fan-out: started %d more drains",
+            started,
+            extra={
+                "action": "fan_out",
+                "queue": policy.queue,
+                "available": available,
+                "rate_per_second": round(rate, 1),
+                "drains_alive": live,
+                "drains_wanted": wanted,
+                "drains_started": started,
+            },
+        )
+        return check
+
+    def _renew(self) -> int:
+        self._renewed_at = self.clock()
+        return self.fleet.renew(
+            self.policy.queue, self.drain_id, lease_seconds=self.policy.lease_seconds
+        )
+
+    def _start(self, slots: Sequence[str]) -> int:
+        assert self.starter is not None
+        for index, slot in enumerate(slots):
+            if self.clock() - self._renewed_at >= self.policy.check_every_seconds:
+                # Starting many drains through a slow Invoke API must not let this one's own
+                # lease run out meanwhile.
+                self._renew()
+            try:
+                self.starter.start(fan_out_event(self.policy.queue, slot, self.drain_id))
+            except FanOutError as exc:
+                # The slots not started are given back, so the count stays true.
+                self._give_back(slots[index:])
+                if isinstance(exc, FanOutThrottled):
+                    self.throttled += 1
+                    logger.warning(
+                        "fan-out throttled; the drains alive carry on",
+                        extra={"action": "fan_out_throttled", "detail": str(exc)},
+                    )
+                else:
+                    self.failed += 1
+                    logger.error(
+                        "fan-out failed to start a drain",
+                        extra={"action": "fan_out_failed", "detail": str(exc)},
+                    )
+                return index
+            self.fanned_out += 1
+        return len(slots)
+
+    def _give_back(self, slots: Sequence[str]) -> None:
+        try:
+            self.fleet.leave(self.policy.queue, slots)
+        except LedgerError as exc:
+            # Their leases end on their own after start_grace_seconds.
+            logger.warning(
+                "could not give back reserved drain slots",
+                extra={"action": "fan_out_release_failed", "detail": str(exc)},
+            )
+
+    @contextmanager
+    def running(self) -> Iterator[FleetMonitor]:
+        """Check every ``check_every_seconds`` on a background thread until the block ends."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self.policy.check_every_seconds):
+                try:
+                    self.check()
+                except (LedgerError, InfraiError) as exc:
+                    # The lanes meet the same outage and report it; this only skips a check.
+                    logger.warning(
+                        "fan-out check skipped",
+                        extra={"action": "fan_out_check_failed", "detail": str(exc)},
+                    )
+
+        thread = threading.Thread(target=loop, name="fleet-monitor", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+
+
+class CountingQueue(ForwardingQueue):
+    """A ``QueuePort`` that counts the messages its consumes received: the drain's rate."""
+
+    def __init__(self, inner: QueuePort) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._consumed = 0
+
+    def consumed(self) -> int:
+        with self._lock:
+            return self._consumed
+
+    def _count(self, messages: list[QueueMessage]) -> list[QueueMessage]:
+        with self._lock:
+            self._consumed += len(messages)
+        return messages
+
+    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
+        return self._count(self._inner.consume(queue, max_messages))
+
+    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
+        sent = self._inner.send_consume(queue, max_messages)
+        return Pending(
+            lambda: self._count(sent.wait()), lambda: self._count(sent.wait(retry=False))
+        )

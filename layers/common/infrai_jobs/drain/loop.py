@@ -1,0 +1,462 @@
+"""The drain loop: consume in batches of ten, claim, run, settle, ack what is settled.
+
+One call drains one queue lane for as long as the time budget allows another whole batch: every
+receive burns one of a message's three deliveries, so the loop never consumes what it cannot
+finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is the ack column
+of docs/design.md's outcome table.
+
+A consume whose answer is lost or unreadable (``ConsumeAnswerLost``) has spent a delivery of
+every message it served, unseen. The lane then takes one message at a time: after a lost answer
+for its next consume, and, when the answer was unreadable (too large, not JSON, too deep), for a
+window kept in the ledger for every drain of the queue, long enough for the messages it served
+to come back. So an unreadable message walks to the DLQ alone, not with nine neighbours.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from infrai_jobs.drain.ack_pipeline import AckPipeline
+from infrai_jobs.drain.batch import MessageResult, process_batch, storable_text
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
+from infrai_jobs.errors import (
+    ConsumeAnswerLost,
+    InfraiError,
+    LedgerError,
+    SchemaNotMigrated,
+)
+from infrai_jobs.jobs.correlation import correlation_of
+from infrai_jobs.jobs.registry import JobRegistry
+from infrai_jobs.ledger.outcomes import (
+    OUTCOME_RULES,
+    Outcome,
+)
+from infrai_jobs.ledger.ports import LedgerPort
+from infrai_jobs.queue.models import Pending, QueueMessage
+from infrai_jobs.queue.ports import QueuePort
+
+logger = logging.getLogger(__name__)
+
+# A lease and a handler's deadline end this long before the queue may deliver the message again.
+VISIBILITY_MARGIN_SECONDS = 2.0
+# Lost consume answers in a row after which a lane gives up (raising the last one), so a queue
+# that loses every answer costs a few deliveries, not one per message for the whole budget.
+LOST_ANSWERS_IN_A_ROW = 3
+# An unreadable answer opens the queue's one-at-a-time window for this many visibility
+# timeouts: the messages it served come back after one, to be consumed one by one.
+ISOLATION_VISIBILITY_TIMEOUTS = 2
+# How often a lane re-reads the window another drain may have opened meanwhile.
+ISOLATION_REREAD_SECONDS = 60.0
+# Codes of a lost answer whose cause may be a message (deterministic), not the network.
+UNREADABLE_CODES = frozenset({"ANSWER_TOO_LARGE", "INVALID_RESPONSE"})
+
+
+def drain(
+    queue: QueuePort,
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    config: DrainConfig,
+    time_left_ms: Callable[[], int],
+    *,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+    stop_requested: Callable[[], bool] | None = None,
+) -> DrainSummary:
+    """Drain ``config.queue`` until it is empty, the budget is spent, the ledger fails, or
+    ``stop_requested()`` says to stop (an interrupted CLI drain: ``interrupted``).
+
+    With idle polling, "empty" means empty for the whole idle window. ``sleep`` waits between
+    idle polls (a test passes its fake clock's ``advance``). A stop request ends the drain
+    before its next receive: what it holds (a batch being processed, one received ahead) is
+    still settled and acked."""
+    summary = DrainSummary()
+    idle = _IdlePolling(config, summary, time_left_ms, clock, sleep)
+    try:
+        # Before anything is received: a receive spends a delivery, and a batch that cannot be
+        # claimed would spend it for nothing.
+        ledger.ping()
+        mode = _ConsumeMode(ledger, config, summary, clock)
+    except LedgerError as exc:
+        return stopped_before_receiving(exc)
+    acks = AckPipeline(queue, config.queue, summary)
+    try:
+        _drain_batches(
+            queue,
+            ledger=ledger,
+            registry=registry,
+            config=config,
+            time_left_ms=time_left_ms,
+            clock=clock,
+            summary=summary,
+            acks=acks,
+            mode=mode,
+            idle=idle,
+            stop_requested=stop_requested or _never,
+        )
+    finally:
+        # Every ack sent is waited for before the invocation reports.
+        acks.wait_all()
+    logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
+    return summary
+
+
+def _never() -> bool:
+    return False
+
+
+def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
+    """The ledger failed before anything was received: say so, and stop.
+
+    A database behind the code is not an outage to wait out: it is raised, so the invocation
+    fails with the command to run. Any other failure ends the drain as ``ledger_unavailable``.
+    """
+    if isinstance(exc, SchemaNotMigrated):
+        logger.error(
+            "the ledger database is not migrated; nothing was received",
+            extra={"action": "schema_not_migrated", "detail": str(exc)},
+        )
+        raise exc
+    logger.error(
+        "the ledger is unreachable; nothing was received",
+        extra={"action": "ledger_unavailable", "detail": str(exc)},
+    )
+    return DrainSummary(stopped="ledger_unavailable")
+
+
+def _drain_batches(
+    queue: QueuePort,
+    *,
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    config: DrainConfig,
+    time_left_ms: Callable[[], int],
+    clock: Callable[[], float],
+    summary: DrainSummary,
+    acks: AckPipeline,
+    mode: _ConsumeMode,
+    idle: _IdlePolling,
+    stop_requested: Callable[[], bool],
+) -> None:
+    """Process batches one after the other, receiving the next while this one runs.
+
+    A batch is received only while the time left covers finishing it, and the one received
+    ahead only while the time covers both: every receive burns one of three deliveries. If the
+    receive itself ran so long (retries, a ``Retry-After``) that the time left no longer covers
+    the batch, it is left unprocessed for redelivery rather than cut off half-way. How many
+    messages a receive asks for is ``mode``'s decision (one at a time after a lost answer).
+
+    One thread does it all: the consume sent ahead and the acks travel while the batch is
+    processed, and their answers are read after (``Pending``), so a lane costs no threads and
+    no hand-offs between them.
+    """
+    ahead: Pending[list[QueueMessage]] | None = None
+    ahead_sent_at = 0.0
+    visibility = config.visibility_timeout_seconds
+    try:
+        while True:
+            try:
+                if ahead is not None:
+                    # Taken before waiting: a consume that failed is not waited for twice.
+                    received, ahead = ahead, None
+                    sent_at = ahead_sent_at
+                    messages = received.wait()
+                else:
+                    stop = "interrupted" if stop_requested() else ""
+                    stop = stop or _stop_reason(config, summary, time_left_ms(), time_for=1)
+                    if stop:
+                        summary.stopped = stop
+                        return
+                    sent_at = clock()
+                    messages = queue.consume(config.queue, mode.size())
+            except ConsumeAnswerLost as exc:
+                mode.lost(exc)
+                continue
+            mode.served()
+            if not messages:
+                if idle.waited():
+                    continue
+                summary.stopped = "empty"
+                return
+            remaining = time_left_ms()
+            stop = _stop_reason(config, summary, remaining, time_for=1)
+            if stop:
+                # The receive itself ran long (retries, a Retry-After): what is left no longer
+                # covers the batch. Cutting it off half-way could leave an external effect
+                # uncertain; unacked, it costs one delivery instead.
+                _left_for_redelivery(
+                    messages,
+                    "a batch received when the time left no longer covered it was left "
+                    "for redelivery",
+                )
+                summary.stopped = stop
+                return
+            summary.batches += 1
+            if not stop_requested() and not _stop_reason(config, summary, remaining, time_for=2):
+                ahead_sent_at = clock()
+                ahead = queue.send_consume(config.queue, mode.size())
+            # The queue may deliver these messages again from here on: no handler deadline
+            # and no lease may run past it.
+            visible_until = sent_at + visibility - VISIBILITY_MARGIN_SECONDS
+            deadline = min(clock() + remaining / 1000, visible_until)
+            results = process_batch(
+                messages,
+                ledger,
+                registry,
+                deadline,
+                config,
+                visible_until=visible_until,
+                clock=clock,
+            )
+            _count(results, summary)
+            # This batch's acks travel while the next one is processed.
+            acks.send(results)
+            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+                summary.stopped = "ledger_unavailable"
+                return
+    finally:
+        if ahead is not None:
+            _abandon(ahead, mode)
+
+
+def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
+    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "".
+
+    Such a drain would stop at once with ``time_budget`` and look like an empty queue; its
+    caller refuses it instead, before anything is received."""
+    if time_budget_ms >= batch_budget_ms:
+        return ""
+    return (
+        f"a time budget of {time_budget_ms / 1000:g} s cannot hold one batch: "
+        f"DRAIN_BATCH_BUDGET_MS is {batch_budget_ms} ms, and a batch is received only when the "
+        "time left covers it (each receive spends one of a message's three deliveries)"
+    )
+
+
+def idle_polling_shortfall(config: DrainConfig, time_budget_ms: int) -> str:
+    """Why idle polling, when asked for, could not poll even once in ``time_budget_ms``, or ""."""
+    poll_ms = config.idle_poll_ms
+    if poll_ms <= 0:
+        return ""
+    if time_budget_ms - poll_ms < config.batch_budget_ms:
+        return (
+            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: after one interval the "
+            f"time left of a {time_budget_ms / 1000:g} s budget is below DRAIN_BATCH_BUDGET_MS "
+            f"({config.batch_budget_ms} ms)"
+        )
+    if 0 < config.idle_window_seconds * 1000 < poll_ms:
+        return (
+            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: its window, "
+            f"DRAIN_IDLE_WINDOW_SECONDS={config.idle_window_seconds:g}, is shorter than one "
+            "interval"
+        )
+    return ""
+
+
+def _stop_reason(
+    config: DrainConfig, summary: DrainSummary, remaining_ms: int, *, time_for: int
+) -> str:
+    """Why one more batch may not be received now, or "" when it may.
+
+    ``time_for`` is how many batches the time left must cover: the one to receive, plus the
+    one still being processed when receiving ahead.
+    """
+    if config.max_batches is not None and summary.batches >= config.max_batches:
+        return "max_batches"
+    if remaining_ms < config.batch_budget_ms * time_for:
+        return "time_budget"
+    return ""
+
+
+class _IdlePolling:
+    """After an empty consume: wait ``idle_poll_ms`` and consume again, or stop.
+
+    Polling goes on while the idle window after the drain's start lasts and the time left
+    still covers a batch after the wait (a consume that receives one must finish it). The
+    window ends before the next scheduled drain starts, so on an idle queue about one poller
+    is alive at a time.
+    """
+
+    def __init__(
+        self,
+        config: DrainConfig,
+        summary: DrainSummary,
+        time_left_ms: Callable[[], int],
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ) -> None:
+        self._poll_ms = config.idle_poll_ms
+        self._batch_budget_ms = config.batch_budget_ms
+        self._summary = summary
+        self._time_left_ms = time_left_ms
+        self._clock = clock
+        self._sleep = sleep
+        window = config.idle_window_seconds
+        self._until = clock() + window if window > 0 else float("inf")
+
+    def waited(self) -> bool:
+        """Wait one poll interval if another poll is due; False when the drain should stop."""
+        if self._poll_ms <= 0:
+            return False
+        wait = self._poll_ms / 1000
+        if self._clock() + wait > self._until:
+            return False
+        if self._time_left_ms() - self._poll_ms < self._batch_budget_ms:
+            return False
+        self._sleep(wait)
+        self._summary.idle_polls += 1
+        return True
+
+
+class _ConsumeMode:
+    """How many messages a lane's next consume asks for: a batch, or one at a time.
+
+    One at a time for the consume after a lost answer (which spent a delivery of up to ten
+    messages, unseen), and for as long as the queue's isolation window lasts. An unreadable
+    answer (too large, not JSON, too deep: a message's doing, likely to repeat) opens that
+    window in the ledger for every drain of the queue, for two visibility timeouts: the
+    messages it served come back after one and are then received one by one, so only the
+    unreadable one fails again. A lost answer that served one message only has isolated it.
+    """
+
+    def __init__(
+        self,
+        ledger: LedgerPort,
+        config: DrainConfig,
+        summary: DrainSummary,
+        clock: Callable[[], float],
+    ) -> None:
+        self._ledger = ledger
+        self._config = config
+        self._summary = summary
+        self._clock = clock
+        self._checked_at = clock()
+        self._single_until = self._checked_at + ledger.consume_isolation(config.queue)
+        self._single_next = False
+        self._lost_in_a_row = 0
+
+    def size(self) -> int:
+        now = self._clock()
+        if now - self._checked_at >= ISOLATION_REREAD_SECONDS:
+            self._checked_at = now
+            try:
+                self._single_until = now + self._ledger.consume_isolation(self._config.queue)
+            except LedgerError as exc:
+                # The claims will find the ledger's trouble; the window is only a precaution.
+                logger.warning(
+                    "could not read the queue's isolation window",
+                    extra={"action": "isolation_unknown", "detail": str(exc)},
+                )
+        if self._single_next or now < self._single_until:
+            return 1
+        return self._config.batch_size
+
+    def served(self) -> None:
+        self._single_next = False
+        self._lost_in_a_row = 0
+
+    def lost(self, exc: ConsumeAnswerLost, *, final: bool = False) -> None:
+        """Count and log a lost answer, and take one message at a time from here; raise it
+        once ``LOST_ANSWERS_IN_A_ROW`` came in a row, so the invocation fails visibly."""
+        summary = self._summary
+        summary.answers_lost += 1
+        unreadable = exc.code in UNREADABLE_CODES
+        isolated = exc.max_messages == 1 and unreadable
+        summary.unreadable += int(isolated)
+        _log_lost(exc, isolated=isolated)
+        self._single_next = True
+        if unreadable:
+            self._open_window(exc)
+        self._lost_in_a_row += 1
+        if self._lost_in_a_row >= LOST_ANSWERS_IN_A_ROW and not final:
+            raise exc
+
+    def _open_window(self, exc: ConsumeAnswerLost) -> None:
+        seconds = float(ISOLATION_VISIBILITY_TIMEOUTS * self._config.visibility_timeout_seconds)
+        now = self._clock()
+        self._single_until = max(self._single_until, now + seconds)
+        try:
+            left = self._ledger.isolate_consumes(
+                self._config.queue, seconds, storable_text(f"{exc.code}: {exc.message}")
+            )
+        except LedgerError as exc_ledger:
+            logger.warning(
+                "could not record the queue's isolation window; this lane keeps it alone",
+                extra={"action": "isolation_unrecorded", "detail": str(exc_ledger)},
+            )
+            return
+        self._checked_at = now
+        self._single_until = max(self._single_until, now + left)
+
+
+def _log_lost(exc: ConsumeAnswerLost, *, isolated: bool) -> None:
+    if isolated:
+        level = logging.ERROR
+        message = (
+            "an unreadable message was received alone: only it spent a delivery, and it "
+            "reaches the DLQ after three"
+        )
+        action = "unreadable_message"
+    else:
+        level = logging.WARNING
+        message = (
+            "a consume answer was lost or unreadable: the messages it served spent a delivery "
+            "unseen and come back after the visibility timeout; consuming one at a time"
+        )
+        action = "consume_answer_lost"
+    logger.log(
+        level,
+        message,
+        extra={
+            "action": action,
+            "queue": exc.queue,
+            "route": "POST /v1/queue/consume",
+            "code": exc.code,
+            "status": exc.status,
+            "size_bytes": exc.size,
+            "message_ids": list(exc.message_ids),
+            "max_messages": exc.max_messages,
+            "detail": storable_text(exc.message[:500]),
+        },
+    )
+
+
+def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:
+    """A batch received ahead but never processed (the ledger failed): it is not acked, so
+    Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery.
+
+    Only the answer already on its way is read: retrying a failed consume here would receive
+    another batch just to leave it too."""
+    try:
+        messages = ahead.wait(retry=False)
+    except ConsumeAnswerLost as exc:
+        mode.lost(exc, final=True)
+        return
+    except InfraiError:
+        return
+    _left_for_redelivery(messages, "a batch received ahead was left for redelivery")
+
+
+def _left_for_redelivery(messages: Sequence[QueueMessage], why: str) -> None:
+    if messages:
+        extra: dict[str, Any] = {
+            "action": "batch_abandoned",
+            "message_ids": [m.message_id for m in messages],
+        }
+        correlation_ids = [correlation_of(m.payload).correlation_id or "" for m in messages]
+        if any(correlation_ids):
+            # In the order of message_ids; "" for a message whose producer sent none.
+            extra["correlation_ids"] = correlation_ids
+        logger.warning(why, extra=extra)
+
+
+def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
+    for r in results:
+        summary.consumed += 1
+        summary.outcomes[r.outcome.value] += 1
+        summary.takeovers += int(r.takeover)
+        summary.visibility_mismatches += int(r.visibility_mismatch)
+        bucket = OUTCOME_RULES[r.outcome].bucket
+        setattr(summary, bucket, getattr(summary, bucket) + 1)

@@ -1,0 +1,196 @@
+"""Payload schemas: which fields a job's payload carries, their JSON types, which are required.
+
+A job declares them where it registers (``JobRegistry.job(..., fields=...)``)::
+
+    fields={
+        "refund_id": (str, int),             # required: a string or an integer
+        "amount_cents": int,                 # required: an integer (a boolean is not one)
+        "note": Field(str, required=False),  # optional: absent, null, or a string
+    }
+
+Types are JSON's, named by the Python types ``json.loads`` returns for them: ``str`` string,
+``int`` integer (written without a fraction or exponent; ``4900.0`` is a number, not an
+integer), ``float`` number (integers included), ``bool`` boolean, ``dict`` object, ``list``
+array. A tuple of them accepts any one. ``bool`` is an ``int`` to Python but never to a schema:
+``true`` is not an integer and not a number.
+
+The rules ``check`` applies:
+
+* A required field must be present and not null, and a string one not empty: the rule the
+  ``required=`` names have always had.
+* An optional field may be absent or null; otherwise it must have its type.
+* Fields the schema does not declare are allowed and not checked: producers add fields before
+  every consumer knows them, and a rolling deploy must not turn those payloads into dead letters.
+* Envelope fields (names starting with ``_``) are never checked and cannot be declared, nor can
+  ``job``, which the registry has already used to find the schema.
+* Only the top level is checked: what an object or an array holds is the handler's business.
+
+``JobRegistry.derive`` checks every payload before its claim, so a payload that does not match is
+rejected with ``InvalidPayload``, whose message names each field and what was wrong with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+from infrai_jobs.errors import ConfigurationError, InvalidPayload
+from infrai_jobs.jobs.keys import ENVELOPE_PREFIX
+
+FieldType: TypeAlias = type[object] | tuple[type[object], ...]
+"""A JSON type by its Python type (``str``, ``int``, ...), or a tuple of them for any one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """A declared field that is not simply "required, of this type": ``Field(str,
+    required=False)`` is an optional string."""
+
+    type: FieldType
+    required: bool = True
+
+
+FieldSpec: TypeAlias = FieldType | Field
+"""What ``fields=`` maps a field name to: a type (required), a tuple of types, or a ``Field``."""
+
+# Declared Python type -> (what the messages call it, the Python values that are one).
+_JSON_TYPES: Final[dict[type[object], tuple[str, tuple[type[object], ...]]]] = {
+    str: ("a string", (str,)),
+    int: ("an integer", (int,)),
+    float: ("a number", (int, float)),
+    bool: ("a boolean", (bool,)),
+    dict: ("an object", (Mapping,)),
+    list: ("an array", (list, tuple)),
+}
+# What a key can be built from (keys.natural_key): an identity field may be declared only so.
+_KEYABLE: Final = frozenset({str, int})
+_ROUTING_FIELD: Final = "job"
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredField:
+    """One field as ``check`` uses it."""
+
+    name: str
+    required: bool
+    # The Python types that are values of this field; None when any value is (a field that is
+    # only named required, by ``required=`` or as an identity field).
+    accepted: tuple[type[object], ...] | None
+    # "an integer", "a string or an integer": for messages.
+    expected: str
+    declared_types: frozenset[type[object]] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadSchema:
+    """A job's declared payload fields. The empty schema checks nothing."""
+
+    fields: tuple[DeclaredField, ...] = ()
+
+    @classmethod
+    def declare(cls, job: str, fields: Mapping[str, FieldSpec]) -> PayloadSchema:
+        """The schema ``fields`` describes; ``ConfigurationError`` (at registration, not once per
+        message) when a name or a type cannot be checked."""
+        if not isinstance(fields, Mapping):
+            raise ConfigurationError(
+                f"job {job!r}: fields must map field names to types, e.g. "
+                f"{{'refund_id': str}} (got {type(fields).__name__})"
+            )
+        return cls(tuple(_declared(job, name, spec) for name, spec in fields.items()))
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields if f.required)
+
+    def requiring(self, job: str, names: Sequence[str]) -> PayloadSchema:
+        """This schema with ``names`` required too (untyped where not declared). A name the
+        schema declares optional is a contradiction, refused as a ``ConfigurationError``."""
+        declared = {f.name: f for f in self.fields}
+        added: list[DeclaredField] = []
+        for name in dict.fromkeys(names):
+            found = declared.get(name)
+            if found is None:
+                added.append(DeclaredField(name, required=True, accepted=None, expected="any"))
+            elif not found.required:
+                raise ConfigurationError(
+                    f"job {job!r}: field {name!r} is declared optional but is an identity or "
+                    "required field"
+                )
+        return PayloadSchema((*self.fields, *added)) if added else self
+
+    def check_identity(self, job: str, identity: Sequence[str]) -> None:
+        """Refuse identity fields whose declared type no key can be built from."""
+        for f in self.fields:
+            if f.name in identity and f.declared_types and not f.declared_types <= _KEYABLE:
+                raise ConfigurationError(
+                    f"job {job!r}: identity field {f.name!r} is declared {f.expected}, but a "
+                    "key is built only from strings and integers: declare it str, int or "
+                    "(str, int)"
+                )
+
+    def check(self, job: str, payload: Mapping[str, object]) -> None:
+        """Raise ``InvalidPayload`` naming every required field that is missing, or else every
+        field of the wrong type."""
+        missing: list[str] = []
+        wrong: list[str] = []
+        for f in self.fields:
+            value = payload.get(f.name)
+            if value is None or (f.required and isinstance(value, str) and not value):
+                if f.required:
+                    missing.append(f.name)
+                continue
+            if f.accepted is not None and not _is_one_of(value, f.accepted):
+                wrong.append(f"field {f.name!r} must be {f.expected}, got {json_type_of(value)}")
+        if missing:
+            raise InvalidPayload(f"job {job!r} is missing field(s): {', '.join(missing)}")
+        if wrong:
+            raise InvalidPayload(f"job {job!r}: {'; '.join(wrong)}")
+
+
+def json_type_of(value: object) -> str:
+    """The JSON type a value would be sent as, for messages ("integer", "null", ...)."""
+    if value is None:
+        return "null"
+    for declared, name in ((bool, "boolean"), (int, "integer"), (float, "number")):
+        if isinstance(value, declared):
+            return name
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, list | tuple):
+        return "array"
+    return type(value).__name__
+
+
+def _is_one_of(value: object, accepted: tuple[type[object], ...]) -> bool:
+    # bool subclasses int: True is an integer only to Python, never to JSON.
+    if isinstance(value, bool):
+        return bool in accepted
+    return isinstance(value, accepted)
+
+
+def _declared(job: str, name: object, spec: object) -> DeclaredField:
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"job {job!r}: field names must be non-empty strings ({name!r})")
+    if name.startswith(ENVELOPE_PREFIX) or name == _ROUTING_FIELD:
+        raise ConfigurationError(
+            f"job {job!r}: field {name!r} cannot be declared: 'job' and names starting with "
+            f"{ENVELOPE_PREFIX!r} (the envelope) are never part of a job's payload schema"
+        )
+    required = True
+    if isinstance(spec, Field):
+        if not isinstance(spec.required, bool):
+            raise ConfigurationError(f"job {job!r}: field {name!r}: required must be True or False")
+        required, spec = spec.required, spec.type
+    types = spec if isinstance(spec, tuple) else (spec,)
+    if not types or not all(isinstance(t, type) and t in _JSON_TYPES for t in types):
+        raise ConfigurationError(
+            f"job {job!r}: field {name!r} has type {spec!r}; declare one of str, int, float, "
+            "bool, dict, list, a tuple of them, or Field(type, required=False)"
+        )
+    unique = tuple(dict.fromkeys(types))
+    accepted = tuple(dict.fromkeys(a for t in unique for a in _JSON_TYPES[t][1]))
+    expected = " or ".join(_JSON_TYPES[t][0] for t in unique)
+    return DeclaredField(name, required, accepted, expected, frozenset(unique))

@@ -1,0 +1,301 @@
+"""Declaring jobs: a name, how its key is derived, its effect class, and its handler.
+
+Users write handlers in ``functions/jobs/`` and register them on a ``JobRegistry``::
+
+    registry = JobRegistry()
+
+    @registry.job(
+        "refund.issue",
+        effect=Effect.DATABASE,
+        identity=("refund_id",),
+        fields={"refund_id": str, "amount_cents": int},
+    )
+    def issue_refund(payload: Payload, ctx: JobContext) -> JsonValue:
+        ...
+
+The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):
+
+* ``DATABASE``: effects only in the ledger's own Postgres. The handler gets ``ctx.db``, a
+  connection inside the batch transaction; claim, effect and ``done`` commit together.
+* ``EXTERNAL``: irreversible calls. The claim is committed ``running`` first; a crash after the
+  call leaves it for a human, never for a retry.
+* ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
+  may be taken over and the call repeated with the same key.
+
+``fields`` is the payload's schema (``infrai_jobs.jobs.payload_schema``): ``derive`` checks every
+payload against it before the claim, so a handler sees only payloads that match it.
+
+An ``EXTERNAL`` or ``EXTERNAL_IDEMPOTENT`` job may declare a reconcile probe (``probe=fn``, see
+``infrai_jobs.jobs.probes``): asked about a stuck claim, it answers ``Done``, ``NotDone`` or
+``Unknown``, and the reconcile pass settles, releases or leaves the claim accordingly.
+
+A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
+the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
+declared ones at its edge (``config.settings``) and binds them with ``bind_settings`` before
+anything is consumed; a handler finds its own in ``ctx.settings``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError
+from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
+from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema
+from infrai_jobs.jobs.probes import ProbeAnswer
+
+if TYPE_CHECKING:
+    import psycopg
+
+Payload = Mapping[str, Any]
+JsonValue = Any
+
+
+class Effect(StrEnum):
+    DATABASE = "database"
+    EXTERNAL = "external"
+    EXTERNAL_IDEMPOTENT = "external_idempotent"
+
+
+@dataclass(frozen=True, slots=True)
+class JobContext:
+    """What a handler knows about the delivery it is running for."""
+
+    idem_key: str
+    job: str
+    message_id: str
+    delivery_count: int
+    # Epoch seconds by which the invocation must have finished (the lease's basis).
+    deadline: float
+    # Only for DATABASE jobs: the connection whose transaction also holds the claim.
+    db: psycopg.Connection[Any] | None = None
+    # The values of the settings this job declared, by name.
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The producer's correlation id (its ``_correlation_id``, else its ``_traceparent``'s trace
+    # id) and its W3C traceparent, to pass downstream; None when the message carried none.
+    correlation_id: str | None = None
+    traceparent: str | None = None
+
+
+Handler = Callable[[Payload, JobContext], JsonValue]
+# Asks the provider whether a stuck claim's effect happened (``infrai_jobs.jobs.probes``).
+Probe = Callable[[Payload, JobContext], ProbeAnswer]
+
+
+@dataclass(frozen=True, slots=True)
+class JobDefinition:
+    name: str
+    effect: Effect
+    handler: Handler
+    # Payload fields that identify the work; the key is "{name}:{field1}:{field2}...".
+    # Empty means "no natural identity": the key is a hash of the canonical payload.
+    identity: tuple[str, ...] = ()
+    # Fields the handler cannot work without; a payload missing one is rejected before claiming.
+    required: tuple[str, ...] = ()
+    # The payload's declared fields and their JSON types; ``register`` adds the identity and
+    # required fields it does not declare, as required fields of any type.
+    schema: PayloadSchema = field(default_factory=PayloadSchema)
+    # The settings (environment variables) the handler reads from ``ctx.settings``.
+    settings: tuple[str, ...] = ()
+    # Asks the provider about a stuck claim; only for the external effect classes.
+    probe: Probe | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedJob:
+    """A payload matched to its job, with the key and fingerprint the claim will carry."""
+
+    definition: JobDefinition
+    payload: Payload
+    idem_key: str
+    fingerprint: str
+    # The bound values of the job's declared settings (``JobRegistry.bind_settings``).
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass
+class JobRegistry:
+    _jobs: dict[str, JobDefinition] = field(default_factory=dict)
+    _settings: dict[str, Mapping[str, str]] = field(default_factory=dict)
+
+    def register(self, definition: JobDefinition) -> JobDefinition:
+        """Add a job; a definition that could never key a message fails here, at start-up,
+        not once per message in the drain."""
+        if not definition.name:
+            raise ConfigurationError("a job needs a non-empty name")
+        if definition.name in self._jobs:
+            raise ConfigurationError(f"job {definition.name!r} is registered twice")
+        if definition.identity:
+            check_key_rule(definition.name, definition.identity)
+        if definition.probe is not None and definition.effect is Effect.DATABASE:
+            # A database job never leaves a running claim behind: there is nothing to probe.
+            raise ConfigurationError(
+                f"job {definition.name!r}: a reconcile probe needs an external effect "
+                "(Effect.EXTERNAL or Effect.EXTERNAL_IDEMPOTENT); a database job's claim "
+                "commits with its effect, so it is never stuck"
+            )
+        if definition.probe is not None and not callable(definition.probe):
+            raise ConfigurationError(
+                f"job {definition.name!r}: probe must be a function of (payload, ctx)"
+            )
+        schema = definition.schema.requiring(
+            definition.name, (*definition.identity, *definition.required)
+        )
+        schema.check_identity(definition.name, definition.identity)
+        if schema is not definition.schema:
+            definition = replace(definition, schema=schema)
+        self._jobs[definition.name] = definition
+        return definition
+
+    def job(
+        self,
+        name: str,
+        *,
+        effect: Effect,
+        identity: Sequence[str] = (),
+        required: Sequence[str] = (),
+        fields: Mapping[str, FieldSpec] | None = None,
+        settings: Sequence[str] = (),
+        probe: Probe | None = None,
+    ) -> Callable[[Handler], Handler]:
+        """Decorator form of ``register``. ``fields`` declares the payload's schema (see
+        ``infrai_jobs.jobs.payload_schema``); identity fields are always required; ``probe`` asks
+        the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``)."""
+
+        for label, names in (
+            ("identity", identity),
+            ("required", required),
+            ("settings", settings),
+        ):
+            if isinstance(names, str):
+                # A bare string is a Sequence[str] too: it would name one field per character.
+                raise ConfigurationError(
+                    f"job {name!r}: {label} must list field names, e.g. ({names!r},)"
+                )
+        schema = PayloadSchema.declare(name, fields or {})
+
+        def decorate(handler: Handler) -> Handler:
+            self.register(
+                JobDefinition(
+                    name=name,
+                    effect=effect,
+                    handler=handler,
+                    identity=tuple(identity),
+                    required=tuple(dict.fromkeys((*identity, *required, *schema.required))),
+                    schema=schema,
+                    settings=tuple(dict.fromkeys(settings)),
+                    probe=probe,
+                )
+            )
+            return handler
+
+        return decorate
+
+    def __iter__(self) -> Iterator[JobDefinition]:
+        return iter(self._jobs.values())
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, name: str) -> JobDefinition | None:
+        return self._jobs.get(name)
+
+    def declared_settings(self) -> dict[str, tuple[str, ...]]:
+        """Every setting a registered job declared, with the jobs that declared it."""
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            for name in job.settings:
+                owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
+
+    def bind_settings(self, values: Mapping[str, str]) -> None:
+        """Give every job the values of the settings it declared, at start-up: one that is
+        missing or empty is a ``ConfigurationError`` naming the setting and its jobs."""
+        missing = {
+            name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
+        }
+        if missing:
+            raise ConfigurationError(
+                "; ".join(
+                    f"{name} is not set, and job(s) {', '.join(jobs)} need it"
+                    for name, jobs in missing.items()
+                )
+            )
+        self._settings = {
+            job.name: MappingProxyType({name: values[name] for name in job.settings})
+            for job in self._jobs.values()
+        }
+
+    def probe_settings(self) -> dict[str, tuple[str, ...]]:
+        """The settings the jobs with a reconcile probe declared, with those jobs: all a
+        process that only probes (the watcher) reads."""
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            if job.probe is not None:
+                for name in job.settings:
+                    owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
+
+    def bind_probe_settings(self, values: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+        """For a process that only probes: bind the settings of the jobs with a probe. A job
+        missing one of its settings loses its probe here instead of failing the process (the
+        watcher must page whatever else is wrong); those jobs are returned with the settings
+        they miss, so the caller can say so."""
+        unprobed: dict[str, tuple[str, ...]] = {}
+        bound: dict[str, Mapping[str, str]] = {}
+        for job in list(self._jobs.values()):
+            if job.probe is None:
+                continue
+            missing = tuple(name for name in job.settings if not values.get(name))
+            if missing:
+                unprobed[job.name] = missing
+                self._jobs[job.name] = replace(job, probe=None)
+                continue
+            bound[job.name] = MappingProxyType({name: values[name] for name in job.settings})
+        self._settings = bound
+        return unprobed
+
+    def settings_of(self, name: str) -> Mapping[str, str]:
+        """The bound values of job ``name``'s declared settings (empty before binding)."""
+        return self._settings.get(name, MappingProxyType({}))
+
+    def identity_table(self) -> dict[str, tuple[str, ...]]:
+        return {job.name: job.identity for job in self._jobs.values() if job.identity}
+
+    def derive(self, payload: object) -> DerivedJob:
+        """Match a payload to its job, check it against the job's schema and derive its key;
+        ``KeyDerivationError`` (``InvalidPayload`` when the fields do not match) says why not."""
+        if not isinstance(payload, Mapping):
+            raise KeyDerivationError(
+                f"payload is not a JSON object (got {_json_type_name(payload)})"
+            )
+        name = payload.get("job")
+        if not isinstance(name, str) or not name:
+            raise KeyDerivationError("payload has no 'job' string naming the job type")
+        definition = self._jobs.get(name)
+        if definition is None:
+            known = ", ".join(sorted(self._jobs)) or "none"
+            close = difflib.get_close_matches(name, self._jobs, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            raise KeyDerivationError(f"unknown job {name!r} ({guess}registered: {known})")
+        definition.schema.check(name, payload)
+        idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
+        settings = self._settings.get(name, MappingProxyType({}))
+        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload), settings)
+
+
+def _json_type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+    }.get(type(value), type(value).__name__)

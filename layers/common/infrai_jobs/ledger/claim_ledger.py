@@ -1,0 +1,583 @@
+"""The claim ledger: ``job_claims`` in Postgres, claimed before any work runs.
+
+Every claim for a batch is one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``), and
+every state change after it is fenced by the claim token: ``WHERE idem_key = k AND claim_token =
+t``. An update that matches nothing means the claim was lost (taken over, resolved by a human), and
+the caller must not ack.
+
+``database`` jobs run inside one batch transaction, a savepoint each, so no ``running`` row of
+theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed ``running``
+with a lease before the effect, and settled one by one right after it, to keep the window in which
+a crash leaves a stuck row as small as the call itself.
+
+**A lease never outlives its message's visibility window.** The claim statement stores
+``least(requested lease, now() + the visibility the message has left)``, the latter never more
+than the queue's whole visibility timeout, whatever the caller's budget or grace asked for. Once
+the queue may deliver the message again, or dead-letter it, the claim is therefore expired: a
+redelivered or redriven copy is judged by the expired-lease rows of the outcome table (an
+``external`` claim is stuck and flagged, an ``external_idempotent`` one is taken over), never
+acked as ``duplicate_in_flight`` behind an owner that is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+
+from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.ledger.claims import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimRow,
+    ClaimStatus,
+    JobRun,
+    RunKind,
+    Settlement,
+    SettleStatus,
+    decide,
+)
+from infrai_jobs.ledger.migrations import LATEST_VERSION, current_version
+from infrai_jobs.ledger.postgres import (
+    CLAIM_BY_KEY,
+    LedgerAdapter,
+    array_literal,
+    ledger_error,
+    one_line,
+    redact,
+    schema_behind,
+)
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+
+logger = logging.getLogger(__name__)
+
+# Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
+_RESULT_JSON = json.JSONEncoder(allow_nan=False)
+
+
+# --- SQL: static, parameterised ----------------------------------------------------------------
+
+_CLAIM: LiteralString = """
+WITH input AS (
+    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.payload_sha256,
+           -- The lease invariant: never past the message's visibility window.
+           CASE WHEN t.lease_until IS NOT NULL THEN least(
+               t.lease_until,
+               now() + make_interval(secs => least(
+                   greatest(coalesce(t.visibility_left, %(visibility)s), 0), %(visibility)s))
+           ) END AS lease_until
+    FROM unnest(
+        %(keys)s::text[], %(message_ids)s::text[], %(jobs)s::text[], %(effects)s::text[],
+        %(tokens)s::uuid[], %(leases)s::timestamptz[], %(fingerprints)s::text[],
+        %(visibility_left)s::float8[]
+    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, payload_sha256,
+           visibility_left)
+),
+claimed AS (
+    INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
+                                 lease_until, payload_sha256, attempts, updated_at)
+    SELECT idem_key, 'running', message_id, job, effect, claim_token,
+           lease_until, payload_sha256, 1, now()
+    FROM input
+    ORDER BY idem_key
+    ON CONFLICT (idem_key) DO UPDATE
+        SET message_id = EXCLUDED.message_id,
+            claim_token = EXCLUDED.claim_token,
+            lease_until = EXCLUDED.lease_until,
+            attempts = coalesce(c.attempts, 1) + 1,
+            error = NULL,
+            updated_at = now()
+        -- Takeover: only a key-passing effect, only the same work, never a claim flagged for a
+        -- human, and only once the lease is over or when the holder is this very message (its
+        -- earlier delivery is certainly dead).
+        WHERE c.state = 'running'
+          AND c.effect = 'external_idempotent'
+          AND EXCLUDED.effect = 'external_idempotent'
+          AND c.payload_sha256 = EXCLUDED.payload_sha256
+          AND c.error IS NULL
+          AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id)
+    RETURNING c.idem_key, c.claim_token, c.attempts
+)
+-- j is the row as it stood before this statement (one snapshot for the whole WITH).
+SELECT i.idem_key, c.claim_token AS won_token, c.attempts AS won_attempts,
+       j.state, j.message_id, j.effect, j.payload_sha256, j.error, j.result,
+       coalesce(j.lease_until, j.claimed_at + make_interval(secs => %(visibility)s)) < now()
+           AS lease_expired,
+       extract(epoch FROM now() - coalesce(j.updated_at, j.claimed_at))::float8 AS held_seconds
+FROM input i
+LEFT JOIN claimed c ON c.idem_key = i.idem_key
+LEFT JOIN job_claims j ON j.idem_key = i.idem_key
+"""
+
+_BEGIN_AND_CLAIM: LiteralString = "BEGIN;\n" + _CLAIM
+
+# A claim that lost a race with a transaction committing the same key cannot see that row in
+# the claim statement's snapshot; this re-reads those few keys.
+_REREAD: LiteralString = """
+SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
+       state, message_id, effect, payload_sha256, error, result,
+       coalesce(lease_until, claimed_at + make_interval(secs => %(visibility)s)) < now()
+           AS lease_expired,
+       extract(epoch FROM now() - coalesce(updated_at, claimed_at))::float8 AS held_seconds
+FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
+"""
+
+_SETTLE_DONE: LiteralString = """
+UPDATE job_claims AS c
+SET state = 'done', result = u.result::jsonb, error = NULL, updated_at = now()
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::text[])
+    AS u(idem_key, claim_token, result)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+_SETTLE_DONE_AND_COMMIT: LiteralString = _SETTLE_DONE + ";\nCOMMIT"
+
+_SETTLE_FAILED: LiteralString = """
+UPDATE job_claims AS c
+SET state = 'failed', error = u.error, updated_at = now()
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
+    AS u(idem_key, claim_token, error)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+_MARK_UNCERTAIN: LiteralString = """
+UPDATE job_claims AS c
+SET error = u.error, updated_at = now(), lease_until = least(c.lease_until, now())
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
+    AS u(idem_key, claim_token, error)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+_RELEASE: LiteralString = """
+DELETE FROM job_claims AS c
+USING unnest(%(keys)s::text[], %(tokens)s::uuid[]) AS u(idem_key, claim_token)
+WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
+RETURNING c.idem_key
+"""
+
+# Annotates a claim this delivery does not hold; it changes no state, so it is not fenced.
+_FLAG_STUCK: LiteralString = """
+UPDATE job_claims AS c
+SET error = u.reason, updated_at = now()
+FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
+WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
+"""
+
+_ISOLATION_LEFT: LiteralString = """
+SELECT greatest(extract(epoch FROM single_until - now()), 0)::float8
+FROM consume_isolation WHERE queue = %(queue)s
+"""
+
+_ISOLATE: LiteralString = """
+INSERT INTO consume_isolation AS i (queue, single_until, reason, updated_at)
+VALUES (%(queue)s, now() + make_interval(secs => %(seconds)s), %(reason)s, now())
+ON CONFLICT (queue) DO UPDATE
+    SET single_until = greatest(i.single_until, EXCLUDED.single_until),
+        reason = EXCLUDED.reason,
+        updated_at = now()
+RETURNING greatest(extract(epoch FROM single_until - now()), 0)::float8
+"""
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+
+
+class _IsolateJobs(Exception):
+    """A handler failed in the all-in-one attempt: run the batch again with savepoints."""
+
+
+def _aborted(conn: psycopg.Connection[Any]) -> bool:
+    return conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+
+
+@contextmanager
+def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """The ledger's one transaction style, for a database-class batch.
+
+    The connection is in autocommit; the transaction is opened by its first statement, sent as
+    ``BEGIN; <claim>`` (``_claim_on(begin=True)``), and committed by its last, sent as
+    ``<settle>; COMMIT`` (``_settle_and_commit``), one round trip each. What the body leaves
+    open is committed here; any failure rolls back the whole. Savepoints inside it are psycopg's
+    (``conn.transaction()`` within an open transaction is a savepoint).
+    """
+    try:
+        yield
+    except BaseException:
+        if not conn.broken and conn.info.transaction_status != _IDLE:
+            conn.execute("ROLLBACK")
+        raise
+    if conn.info.transaction_status != _IDLE:
+        conn.execute("COMMIT")
+
+
+# --- The ledger --------------------------------------------------------------------------------
+
+DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
+
+
+class PostgresLedger(LedgerAdapter):
+    """The claim ledger on one reusable connection, re-established when the server drops it.
+
+    ``refresh_url`` fetches the database URL again, bypassing the secret cache: called once when
+    a connection fails, because a rotated password is the likely reason in AWS."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+        **options: Any,
+    ) -> None:
+        # The queue's visibility timeout bounds every lease (see the module's docstring);
+        # options are LedgerAdapter's (connect_timeout, refresh_url).
+        super().__init__(database_url, **options)
+        self._visibility = visibility_timeout
+        self._conn: psycopg.Connection[Any] | None = None
+        self._schema_checked = False
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # --- connection handling --------------------------------------------------------------
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        if conn is not None:
+            logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
+            conn.close()
+        conn = self._connector.connect()
+        if not self._schema_checked:
+            try:
+                version = current_version(conn)
+            except psycopg.Error as exc:
+                # Before the caller's error translation: say it in the ledger's terms, and do
+                # not leave the new connection open.
+                conn.close()
+                raise ledger_error(
+                    exc, "cannot read the ledger's schema version", self._connector.url
+                ) from exc
+            if version < LATEST_VERSION:
+                conn.close()
+                raise SchemaNotMigrated(schema_behind(version))
+            self._schema_checked = True
+        self._conn = conn
+        return conn
+
+    def ping(self) -> None:
+        """Make sure the ledger answers before a drain receives anything.
+
+        A connection the server closed while the execution environment was frozen is only
+        found out by using it: this uses it (``SELECT 1``), reconnects once if it was dead,
+        and raises ``LedgerUnavailable`` if the database cannot be reached, so no delivery is
+        spent on messages that could not be claimed.
+        """
+        for attempt in range(2):
+            conn = self._connection()
+            try:
+                conn.execute("SELECT 1")
+            except psycopg.OperationalError as exc:
+                self._drop(conn)
+                if attempt:
+                    raise ledger_error(exc, url=self._connector.url) from exc
+                logger.warning(
+                    "the ledger connection was dead; reconnecting", extra={"action": "reconnect"}
+                )
+            else:
+                return
+
+    @contextmanager
+    def _translated(self) -> Iterator[psycopg.Connection[Any]]:
+        """Yield the connection; turn driver errors into the package's own."""
+        conn = self._connection()
+        try:
+            yield conn
+        except psycopg.OperationalError as exc:
+            # The server closed the connection, or it broke mid-statement: reconnect next time.
+            self._drop(conn)
+            raise LedgerUnavailable(
+                f"the ledger database failed: {redact(one_line(str(exc)), self._connector.url)}"
+            ) from exc
+        except psycopg.Error as exc:
+            raise ledger_error(exc, url=self._connector.url) from exc
+
+    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            conn.close()
+        finally:
+            if self._conn is conn:
+                self._conn = None
+
+    # --- claims ---------------------------------------------------------------------------
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+        """Claim external-effect jobs (committed at once). Keys must be distinct."""
+        if not requests:
+            return []
+        with self._translated() as conn:
+            try:
+                return self._claim_on(conn, requests)
+            except psycopg.OperationalError:
+                self._release_after_lost_answer(requests)
+                raise
+
+    def _release_after_lost_answer(self, requests: Sequence[ClaimRequest]) -> None:
+        # The claim may have committed before the answer was lost. No effect has run yet, so
+        # this invocation can still safely give its claims back; otherwise the redelivery would
+        # find them running and (rightly, for an irreversible effect) flag them stuck.
+        try:
+            with self._connector.connect_once() as fresh:
+                fresh.execute(
+                    _RELEASE,
+                    {
+                        "keys": array_literal(r.idem_key for r in requests),
+                        "tokens": array_literal(r.claim_token for r in requests),
+                    },
+                )
+        except (LedgerUnavailable, psycopg.Error):
+            # The batch's own error follows; the claims expire with their leases.
+            logger.warning(
+                "could not release claims after a lost answer",
+                extra={"action": "release_failed", "keys": [r.idem_key for r in requests]},
+            )
+
+    def _claim_on(
+        self,
+        conn: psycopg.Connection[Any],
+        requests: Sequence[ClaimRequest],
+        *,
+        begin: bool = False,
+    ) -> list[ClaimDecision]:
+        ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
+        params = {
+            "keys": array_literal(r.idem_key for r in ordered),
+            "message_ids": array_literal(r.message_id for r in ordered),
+            "jobs": array_literal(r.job for r in ordered),
+            "effects": array_literal(r.effect.value for r in ordered),
+            "tokens": array_literal(r.claim_token for r in ordered),
+            "leases": array_literal(r.lease_until for r in ordered),
+            "fingerprints": array_literal(r.fingerprint for r in ordered),
+            "visibility_left": array_literal(r.visibility_left for r in ordered),
+            "visibility": self._visibility,
+        }
+        if begin:
+            # BEGIN and the claim in one message: the second result set is the claim's.
+            with psycopg.ClientCursor(conn, row_factory=dict_row) as client_cur:
+                client_cur.execute(_BEGIN_AND_CLAIM, params)
+                client_cur.nextset()
+                claimed = client_cur.fetchall()
+        else:
+            with conn.cursor(row_factory=dict_row) as cur:
+                claimed = cur.execute(_CLAIM, params).fetchall()
+        rows = {row["idem_key"]: row for row in claimed}
+        with conn.cursor(row_factory=dict_row) as cur:
+            unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
+            if unseen:
+                reread = cur.execute(
+                    _REREAD, {"keys": array_literal(unseen), "visibility": self._visibility}
+                )
+                rows.update({row["idem_key"]: row for row in reread.fetchall()})
+        by_key = {r.idem_key: r for r in requests}
+        return [decide(by_key[key], row) for key, row in rows.items()]
+
+    # --- database-class batch -------------------------------------------------------------
+
+    def run_database_batch(
+        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        """Claim, run and settle database jobs in one transaction.
+
+        Returns every claim decision and the settlements of the jobs that ran. Nothing is
+        committed unless everything is, so a crash or a lost connection leaves no trace and the
+        redeliveries simply run again.
+
+        The common case costs the ledger two round trips per batch: ``BEGIN`` travels with the
+        claim and ``COMMIT`` with the settle (one simple-protocol message each, parameters
+        bound client-side). If any handler fails, that attempt is rolled back whole and the
+        batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
+        """
+        if not requests:
+            return [], []
+        with self._translated() as conn:
+            try:
+                return self._database_batch_in_one_go(conn, requests, runner)
+            except _IsolateJobs:
+                pass
+            with _batch_transaction(conn):
+                decisions = self._claim_on(conn, requests, begin=True)
+                runs: list[tuple[ClaimRequest, JobRun]] = []
+                for decision in decisions:
+                    if decision.status is ClaimStatus.WON:
+                        run = self._run_in_savepoint(conn, decision, runner)
+                        runs.append((decision.request, run))
+                settlements = self._settle_on(conn, runs, uncertain_is_stuck=False)
+            return decisions, settlements
+
+    def _database_batch_in_one_go(
+        self,
+        conn: psycopg.Connection[Any],
+        requests: Sequence[ClaimRequest],
+        runner: DatabaseRunner,
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        with _batch_transaction(conn):
+            decisions = self._claim_on(conn, requests, begin=True)
+            runs: list[tuple[ClaimRequest, JobRun]] = []
+            for decision in decisions:
+                if decision.status is not ClaimStatus.WON:
+                    continue
+                run = runner(decision.request, conn)
+                if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
+                    raise _IsolateJobs
+                runs.append((decision.request, run))
+            settlements = self._settle_and_commit(conn, runs)
+        return decisions, settlements
+
+    def _settle_and_commit(
+        self, conn: psycopg.Connection[Any], runs: Sequence[tuple[ClaimRequest, JobRun]]
+    ) -> list[Settlement]:
+        if not runs:
+            return []  # nothing to settle: _batch_transaction commits
+        params = {
+            "keys": array_literal(r.idem_key for r, _ in runs),
+            "tokens": array_literal(r.claim_token for r, _ in runs),
+            "results": array_literal(_RESULT_JSON.encode(run.result) for _, run in runs),
+        }
+        with psycopg.ClientCursor(conn) as cur:
+            cur.execute(_SETTLE_DONE_AND_COMMIT, params)
+            settled = {row[0] for row in cur.fetchall()}
+        return [
+            Settlement(
+                request,
+                SettleStatus.DONE if request.idem_key in settled else SettleStatus.LOST,
+                run,
+            )
+            for request, run in runs
+        ]
+
+    @staticmethod
+    def _run_in_savepoint(
+        conn: psycopg.Connection[Any], decision: ClaimDecision, runner: DatabaseRunner
+    ) -> JobRun:
+        try:
+            with conn.transaction() as savepoint:
+                run = runner(decision.request, conn)
+                if run.kind is RunKind.SUCCEEDED and _aborted(conn):
+                    # The handler swallowed a database error: its work cannot be committed.
+                    run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
+                if run.kind is not RunKind.SUCCEEDED:
+                    raise psycopg.Rollback(savepoint)
+        except psycopg.Rollback as exc:
+            # psycopg swallows its own Rollback once the savepoint is rolled back. It lets it
+            # out (after logging "error ignored in rollback") when that rollback failed, which
+            # means the connection broke under it: say so, so the caller drops the connection.
+            raise psycopg.OperationalError(
+                "the connection failed while rolling back the savepoint of job "
+                f"{decision.request.idem_key!r}"
+            ) from exc
+        return run
+
+    # --- settling -------------------------------------------------------------------------
+
+    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+        """Settle one external job right after its effect, fenced by its claim token."""
+        with self._translated() as conn:
+            (settlement,) = self._settle_on(conn, [(request, run)], uncertain_is_stuck=True)
+        return settlement
+
+    def _settle_on(
+        self,
+        conn: psycopg.Connection[Any],
+        runs: Sequence[tuple[ClaimRequest, JobRun]],
+        *,
+        uncertain_is_stuck: bool,
+    ) -> list[Settlement]:
+        groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
+        for request, run in runs:
+            kind = run.kind
+            if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
+                # A database job's effect was rolled back with its savepoint: nothing is
+                # uncertain, so a retry is safe.
+                kind = RunKind.TRANSIENT
+            groups.setdefault(kind, []).append((request, run))
+
+        matched: set[str] = set()
+        for kind, items in groups.items():
+            keys = array_literal(r.idem_key for r, _ in items)
+            tokens = array_literal(r.claim_token for r, _ in items)
+            if kind is RunKind.SUCCEEDED:
+                results = array_literal(_RESULT_JSON.encode(run.result) for _, run in items)
+                cursor = conn.execute(
+                    _SETTLE_DONE, {"keys": keys, "tokens": tokens, "results": results}
+                )
+            elif kind is RunKind.PERMANENT:
+                errors = array_literal(run.error for _, run in items)
+                cursor = conn.execute(
+                    _SETTLE_FAILED, {"keys": keys, "tokens": tokens, "errors": errors}
+                )
+            elif kind is RunKind.UNCERTAIN:
+                errors = array_literal(f"effect uncertain: {run.error}" for _, run in items)
+                cursor = conn.execute(
+                    _MARK_UNCERTAIN, {"keys": keys, "tokens": tokens, "errors": errors}
+                )
+            else:
+                cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
+            matched.update(row[0] for row in cursor.fetchall())
+
+        status_of = {
+            RunKind.SUCCEEDED: SettleStatus.DONE,
+            RunKind.PERMANENT: SettleStatus.FAILED,
+            RunKind.UNCERTAIN: SettleStatus.STUCK if uncertain_is_stuck else SettleStatus.RELEASED,
+            RunKind.TRANSIENT: SettleStatus.RELEASED,
+        }
+        return [
+            Settlement(
+                request,
+                status_of[run.kind] if request.idem_key in matched else SettleStatus.LOST,
+                run,
+            )
+            for request, run in runs
+        ]
+
+    def flag_stuck(self, reasons: dict[str, str]) -> None:
+        """Record on each running claim why a human must look at it."""
+        if not reasons:
+            return
+        with self._translated() as conn:
+            conn.execute(
+                _FLAG_STUCK,
+                {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())},
+            )
+
+    # --- consume isolation ------------------------------------------------------------------
+
+    def consume_isolation(self, queue: str) -> float:
+        """Seconds left in ``queue``'s one-message-at-a-time window; 0 when there is none."""
+        with self._translated() as conn:
+            row = conn.execute(_ISOLATION_LEFT, {"queue": queue}).fetchone()
+        return float(row[0]) if row else 0.0
+
+    def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
+        """Open or extend ``queue``'s window to at least ``seconds`` from now; the seconds left.
+
+        Kept here, not in one process: the messages an unreadable answer served come back
+        after the visibility timeout, to whichever drain consumes next."""
+        params = {"queue": queue, "seconds": seconds, "reason": reason[:500]}
+        with self._translated() as conn:
+            row = conn.execute(_ISOLATE, params).fetchone()
+        return float(row[0]) if row else seconds
+
+    def get(self, idem_key: str) -> ClaimRow | None:
+        with self._translated() as conn, conn.cursor(row_factory=dict_row) as cur:
+            row = cur.execute(CLAIM_BY_KEY, {"key": idem_key}).fetchone()
+        return ClaimRow(**row) if row else None

@@ -1,0 +1,219 @@
+"""Claim decisions, pure: what a claim attempt means, when a claim may be taken over, how long a
+lease may last, and how a handler's run settles its claim.
+
+The Postgres ledger (``ledger.claim_ledger``) and the in-memory fake (``infrai_local.fakes``) both
+decide by these functions; the ledger's SQL says the same rules set-wise, and the fake runs them
+as written. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any, Final
+
+from infrai_jobs.jobs.registry import Effect, JsonValue
+
+
+class ClaimStatus(StrEnum):
+    WON = "won"  # this delivery holds the claim and should run the job
+    DONE = "done"  # the work already succeeded
+    FAILED = "failed"  # the work failed permanently earlier
+    LIVE = "live"  # another delivery holds an unexpired claim
+    STUCK = "stuck"  # an irreversible effect's outcome is unknown: a human decides
+    CONFLICT = "conflict"  # same key, different work
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    idem_key: str
+    message_id: str
+    job: str
+    effect: Effect
+    fingerprint: str
+    # When the claim may be considered abandoned; None for database jobs (never committed).
+    lease_until: datetime | None = None
+    # Seconds, counted from when the request is built, until the queue may deliver this
+    # message again; the stored lease ends no later (the module's lease invariant). None: the
+    # whole visibility timeout.
+    visibility_left: float | None = None
+    claim_token: uuid.UUID = field(default_factory=uuid.uuid4)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimDecision:
+    request: ClaimRequest
+    status: ClaimStatus
+    detail: str = ""
+    result: JsonValue = None
+    # WON by taking over an expired external_idempotent claim (not a first claim).
+    takeover: bool = False
+    # The message that held the claim when this attempt was decided (None: no claim stood).
+    holder: str | None = None
+    # Set when this message came back while its own claim's lease was still live: the queue hid
+    # it for less time than the drain was told. Seconds from its claim to this delivery.
+    redelivered_early_after: float | None = None
+
+
+class RunKind(StrEnum):
+    SUCCEEDED = "succeeded"
+    PERMANENT = "permanent"  # PermanentJobError: mark failed
+    UNCERTAIN = "uncertain"  # EffectUncertain: leave running, flag stuck
+    TRANSIENT = "transient"  # anything else: release the claim for a retry
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    """What happened when a handler ran; built by the drain, settled by the ledger."""
+
+    kind: RunKind
+    result: JsonValue = None
+    error: str = ""
+
+
+class SettleStatus(StrEnum):
+    DONE = "done"
+    FAILED = "failed"
+    RELEASED = "released"
+    STUCK = "stuck"
+    LOST = "lost"  # the fenced update matched nothing: someone else owns the row now
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    request: ClaimRequest
+    status: SettleStatus
+    run: JobRun
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRow:
+    idem_key: str
+    state: str
+    message_id: str
+    job: str | None
+    effect: str | None
+    attempts: int | None
+    payload_sha256: str | None
+    error: str | None
+    result: JsonValue
+    claimed_at: datetime
+    lease_until: datetime | None
+    updated_at: datetime | None
+    claim_token: uuid.UUID | None
+
+
+# How a handler's run settles its claim (a fenced update that matches nothing is LOST instead).
+SETTLE_STATUS: Final = {
+    RunKind.SUCCEEDED: SettleStatus.DONE,
+    RunKind.PERMANENT: SettleStatus.FAILED,
+    RunKind.UNCERTAIN: SettleStatus.STUCK,
+    RunKind.TRANSIENT: SettleStatus.RELEASED,
+}
+
+
+def settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
+    # A database job's effect rolled back with its savepoint: nothing is uncertain.
+    if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
+        return RunKind.TRANSIENT
+    return kind
+
+
+def may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
+    """The takeover rule: only a key-passing effect, only the same work, never a claim flagged
+    for a human, and only once the lease is over or when the holder is this very message (its
+    earlier delivery is certainly dead). The claim statement's ``DO UPDATE ... WHERE`` says the
+    same in SQL; NULLs compare here as SQL compares them."""
+    idempotent = Effect.EXTERNAL_IDEMPOTENT.value
+    lease_over = row.lease_until is not None and row.lease_until < now
+    return (
+        row.state == "running"
+        and row.effect == idempotent
+        and request.effect.value == idempotent
+        and row.payload_sha256 is not None
+        and row.payload_sha256 == request.fingerprint
+        and row.error is None
+        and (lease_over or row.message_id == request.message_id)
+    )
+
+
+def bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
+    """The lease invariant: a lease never ends after the message's visibility window (the
+    visibility it has left, and never more than the whole timeout). The claim statement
+    computes the same in SQL."""
+    if request.lease_until is None:
+        return None
+    left = visibility if request.visibility_left is None else request.visibility_left
+    bound = now + timedelta(seconds=min(max(left, 0.0), visibility))
+    return min(request.lease_until, bound)
+
+
+def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
+    """Classify one claim attempt from the claim statement's answer (or the fake's copy of it):
+    ``won_token``/``won_attempts`` when this request won, and the row as it stood before the
+    statement (``state`` is None when there was none)."""
+    decision = _classify(request, row)
+    if row["state"] is None:
+        return decision
+    early = None
+    own = row["message_id"] == request.message_id
+    if own and row["state"] == "running" and not row["lease_expired"]:
+        early = float(row.get("held_seconds") or 0.0)
+    return replace(decision, holder=row["message_id"], redelivered_early_after=early)
+
+
+def _classify(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
+    if row["won_token"] is not None:
+        attempts = row.get("won_attempts") or 1
+        if attempts > 1:
+            return ClaimDecision(
+                request,
+                ClaimStatus.WON,
+                f"took over an expired claim (attempt {attempts})",
+                takeover=True,
+            )
+        return ClaimDecision(request, ClaimStatus.WON)
+    state = row["state"]
+    if state is None:
+        # The row vanished between the claim and the re-read: its holder released it after a
+        # failed attempt. The holder's message is unacked and carries the retry, exactly as for
+        # a live claim, so this copy is treated (and acked) like one.
+        return ClaimDecision(request, ClaimStatus.LIVE, "claim released concurrently")
+    stored = row["payload_sha256"]
+    if stored is not None and stored != request.fingerprint:
+        return ClaimDecision(
+            request,
+            ClaimStatus.CONFLICT,
+            f"key {request.idem_key} already claimed for different work "
+            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)",
+        )
+    if state == "done":
+        return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
+    if state == "failed":
+        return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
+    # Running: flagged for a human, held by someone, or abandoned.
+    if row["error"]:
+        return ClaimDecision(
+            request, ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
+        )
+    if row["message_id"] == request.message_id:
+        return ClaimDecision(
+            request,
+            ClaimStatus.STUCK,
+            "redelivered while its own claim is still running: the earlier attempt died "
+            "after claiming, and the effect may have happened",
+        )
+    if row["lease_expired"]:
+        return ClaimDecision(
+            request,
+            ClaimStatus.STUCK,
+            "claim lease expired while running: the effect may have happened",
+        )
+    return ClaimDecision(request, ClaimStatus.LIVE, "another delivery holds a live claim")
+
+
+def utc_from_epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)

@@ -1,0 +1,157 @@
+"""The outcome table of docs/design.md as data: every way one message can end, in one place.
+
+Each row says whether the message is acked, which summary total it adds to, how loudly it is
+logged, which metric counts it, what the ledger shows, and what it means. The drain, its
+summary, the logs, the metrics and the table in docs/design.md all derive from ``OUTCOME_RULES``;
+a test keeps that table equal to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from infrai_jobs.ledger.claims import ClaimStatus, SettleStatus
+
+
+class Outcome(StrEnum):
+    DONE = "done"
+    # Both count under the summary's ``duplicates``, and say so (as their metrics do).
+    DUPLICATE = "duplicate_done"
+    IN_FLIGHT = "duplicate_in_flight"
+    BATCH_DUPLICATE = "batch_duplicate"
+    RETRY = "retry"
+    FAILED = "failed"
+    DUPLICATE_FAILED = "duplicate_failed"
+    STUCK = "stuck"
+    CONFLICT = "conflict"
+    REJECTED = "rejected"
+    CLAIM_LOST = "claim_lost"
+    LEDGER_UNAVAILABLE = "ledger_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeRule:
+    """One row of the outcome table."""
+
+    ack: bool  # whether the message is acked (else it comes back, and reaches the DLQ)
+    bucket: str  # the DrainSummary total it adds to
+    level: int  # its log line's level: WARNING or ERROR when a human may have to act
+    metric: str  # the EMF metric that counts it
+    meaning: str  # when it happens
+    ledger: str  # what the claim ledger shows afterwards
+
+
+# Transient retries are WARNING (they fix themselves, unless they keep coming); what needs a
+# human's fix is ERROR.
+OUTCOME_RULES: Final[dict[Outcome, OutcomeRule]] = {
+    Outcome.DONE: OutcomeRule(
+        True, "done", logging.INFO, "OutcomeDone", "ran now, succeeded", "`done`, result stored"
+    ),
+    Outcome.DUPLICATE: OutcomeRule(
+        True, "duplicates", logging.INFO, "OutcomeDuplicateDone", "duplicate of `done`", "unchanged"
+    ),
+    Outcome.IN_FLIGHT: OutcomeRule(
+        True,
+        "duplicates",
+        logging.INFO,
+        "OutcomeDuplicateInFlight",
+        "another delivery holds a live claim (its message drives the retries)",
+        "unchanged",
+    ),
+    Outcome.BATCH_DUPLICATE: OutcomeRule(
+        False,
+        "parked",
+        logging.WARNING,
+        "OutcomeBatchDuplicate",
+        "a second copy in the same batch, whose first copy was not acked",
+        "unchanged",
+    ),
+    Outcome.RETRY: OutcomeRule(
+        False,
+        "retried",
+        logging.WARNING,
+        "OutcomeRetry",
+        "handler raised: redelivered, dead-lettered after 3",
+        "claim released",
+    ),
+    Outcome.FAILED: OutcomeRule(
+        False,
+        "failed",
+        logging.ERROR,
+        "OutcomeFailed",
+        "handler raised `PermanentJobError`: goes to the DLQ",
+        "`failed`, error stored",
+    ),
+    Outcome.DUPLICATE_FAILED: OutcomeRule(
+        False,
+        "parked",
+        logging.WARNING,
+        "OutcomeDuplicateFailed",
+        "duplicate of `failed`",
+        "unchanged",
+    ),
+    Outcome.STUCK: OutcomeRule(
+        False,
+        "parked",
+        logging.ERROR,
+        "OutcomeStuck",
+        "an irreversible effect's outcome is unknown: `EffectUncertain`, our own redelivery "
+        "finds our `running` row, or an `external` claim's lease expired",
+        "stays `running`, flagged stuck",
+    ),
+    Outcome.CONFLICT: OutcomeRule(
+        False,
+        "parked",
+        logging.ERROR,
+        "OutcomePayloadMismatch",
+        "same key, different work (payload fingerprint)",
+        "unchanged",
+    ),
+    Outcome.REJECTED: OutcomeRule(
+        False,
+        "parked",
+        logging.ERROR,
+        "OutcomeRejected",
+        "no key derivable: not an object, unknown job, missing field",
+        "none",
+    ),
+    Outcome.CLAIM_LOST: OutcomeRule(
+        False,
+        "parked",
+        logging.ERROR,
+        "OutcomeClaimLost",
+        "a fenced settle matched no row (the claim was lost)",
+        "unchanged",
+    ),
+    Outcome.LEDGER_UNAVAILABLE: OutcomeRule(
+        False,
+        "parked",
+        logging.ERROR,
+        "OutcomeLedgerUnavailable",
+        "the database failed before the outcome settled",
+        "unchanged (rolled back)",
+    ),
+}
+
+ACKED_OUTCOMES: Final = frozenset(o for o, rule in OUTCOME_RULES.items() if rule.ack)
+OUTCOME_METRICS: Final = {o.value: rule.metric for o, rule in OUTCOME_RULES.items()}
+
+# A claim attempt that did not win ends its message here; one that won is decided by its
+# settlement.
+CLAIM_OUTCOMES: Final = {
+    ClaimStatus.DONE: Outcome.DUPLICATE,
+    ClaimStatus.LIVE: Outcome.IN_FLIGHT,
+    ClaimStatus.FAILED: Outcome.DUPLICATE_FAILED,
+    ClaimStatus.STUCK: Outcome.STUCK,
+    ClaimStatus.CONFLICT: Outcome.CONFLICT,
+}
+SETTLE_OUTCOMES: Final = {
+    SettleStatus.DONE: Outcome.DONE,
+    SettleStatus.FAILED: Outcome.FAILED,
+    SettleStatus.RELEASED: Outcome.RETRY,
+    SettleStatus.STUCK: Outcome.STUCK,
+    SettleStatus.LOST: Outcome.CLAIM_LOST,
+}

@@ -1,0 +1,55 @@
+"""Ports of this package: what its callers may ask of an adapter, and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from infrai_jobs.ledger.claim_ledger import DatabaseRunner
+    from infrai_jobs.ledger.claims import ClaimDecision, ClaimRequest, JobRun, Settlement
+
+
+class LedgerPort(Protocol):
+    """What the drain needs from the claim ledger (``PostgresLedger`` in production)."""
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+        """Claim external-effect jobs; the claims are committed before this returns."""
+        ...
+
+    def run_database_batch(
+        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        """Claim, run and settle database jobs atomically."""
+        ...
+
+    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+        """Record one external job's outcome, fenced by its claim token."""
+        ...
+
+    def flag_stuck(self, reasons: dict[str, str]) -> None:
+        """Annotate running claims a human must look at."""
+        ...
+
+    def ping(self) -> None:
+        """Raise ``LedgerUnavailable`` unless the ledger answers (reconnecting once)."""
+        ...
+
+    def consume_isolation(self, queue: str) -> float:
+        """Seconds left in ``queue``'s one-message-at-a-time window (0: consume in batches)."""
+        ...
+
+    def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
+        """Open or extend ``queue``'s window to at least ``seconds``; the seconds left."""
+        ...
+
+
+class EffectGuard(Protocol):
+    """An optional second layer around an external effect (Powertools idempotency).
+
+    ``call`` performs the effect. The guard may return a result recorded earlier for the same
+    key instead of calling it, and must let ``EffectUncertain`` and other job errors through to
+    the drain unchanged (see ``infrai_jobs.aws.second_layer``).
+    """
+
+    def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any: ...

@@ -1,0 +1,484 @@
+"""Postgres in one place: connection strings kept out of messages and logs (the one redaction
+every place uses), the one way to connect, the one translation of driver errors, array
+parameters, and the statements several modules share. Every other module meets the driver's
+errors through ``ledger_errors`` and connects through a ``LedgerConnector`` (which also picks up
+a rotated database secret) or, for a one-off, ``connect_to_ledger``.
+
+Connection strings:
+
+A connection string reaches an error in two ways: libpq quotes it (whole, when it cannot parse
+it), or it quotes a part it parsed (a host, a database name). For a well-formed URL those parts
+are what the operator wrote and are safe to show; only the password is secret. A *malformed* URL
+is different: ``postgresql://u:Hu@nter2/x@host/db`` (an unescaped ``@`` in the password) parses
+as the password ``Hu`` on host ``nter2``, so the "host" in the driver's error is the tail of the
+password. So:
+
+- ``malformed_reason`` tells a connection string that libpq would read differently from the way
+  it was meant (or cannot read at all); callers refuse such a string before connecting, so no
+  part of its password ever reaches a resolver, a server or an error.
+- ``redact`` removes every secret of a connection string from a text: the password as libpq
+  reads it, the password as it was meant (everything between the user's ``:`` and the last
+  ``@``), raw and percent-decoded, and for a malformed string each piece of it.
+- ``describe`` is the safe way to name a database in a message: ``user@host:port/dbname``, or
+  only "a malformed database URL".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, ClassVar, LiteralString
+from urllib.parse import unquote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from infrai_jobs.config.rotation import fetch_again
+from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.ledger.migrations import LATEST_VERSION
+
+logger = logging.getLogger(__name__)
+
+MASK = "***"
+
+_URL_SCHEMES = ("postgresql://", "postgres://")
+# Where libpq (or a person reading a URL) may cut a malformed password into pieces.
+_PIECE_SEPARATORS = re.compile(r"[@/:?#&=,;\s'\"\[\]]+")
+# Pieces shorter than this are left alone: masking every "a" or "db" would garble the text
+# around them, and a piece that short tells nothing about the password.
+_MIN_PIECE = 3
+# ``password=value`` or ``password='quoted \' value'`` in libpq's keyword form.
+# An unquoted value runs to the next ``keyword=`` (so ``password=se cret`` is caught whole).
+_KEYWORD_PASSWORD = re.compile(
+    r"""password\s*=\s*('(?:[^'\\]|\\.)*'?|.*?(?=\s+\w+\s*=|\s*$))""", re.IGNORECASE
+)
+
+
+def _is_url(conninfo: str) -> bool:
+    return conninfo.strip().lower().startswith(_URL_SCHEMES)
+
+
+def parse_conninfo(conninfo: str) -> dict[str, str] | None:
+    """A connection string's keywords as libpq reads them; None when libpq cannot read it
+    (its own message would quote the whole string, password included)."""
+    try:
+        return {key: str(value) for key, value in conninfo_to_dict(conninfo).items()}
+    except psycopg.Error:
+        return None
+
+
+def _meant_password(conninfo: str) -> str | None:
+    """The password of a URL as a person wrote it: between the user's ``:`` and the *last*
+    ``@``, percent-encoded as it stands. None when the URL carries no password."""
+    rest = conninfo.strip().split("://", 1)[1]
+    if "@" not in rest:
+        return None
+    userinfo = rest[: rest.rindex("@")]
+    if ":" not in userinfo:
+        return None
+    return userinfo.split(":", 1)[1]
+
+
+def _keyword_passwords(conninfo: str) -> list[str]:
+    values = []
+    for match in _KEYWORD_PASSWORD.finditer(conninfo):
+        value = match.group(1)
+        values.append(value)
+        if value.startswith("'"):
+            values.append(value.strip("'").replace("\\'", "'").replace("\\\\", "\\"))
+    return values
+
+
+def _as_libpq_splits_it(url: str) -> tuple[str, str]:
+    """The host part and the database name of a URL, cut where libpq cuts them: the user
+    information ends at the first ``@`` met before any ``/``, the host part at ``/`` or
+    ``?``, the database name at ``?``."""
+    rest = url.strip().split("://", 1)[1]
+    credentials_end = re.search(r"[@/]", rest)
+    if credentials_end and credentials_end.group() == "@":
+        rest = rest[credentials_end.end() :]
+    before_query = rest.split("?", 1)[0]
+    host_part, _, dbname = before_query.partition("/")
+    return host_part, dbname
+
+
+_PORT = re.compile(r"(?:\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?")
+
+
+def malformed_reason(conninfo: str) -> str:
+    """Why libpq would not read ``conninfo`` as it was meant, or "" when it would.
+
+    Meant and read differ when libpq puts an ``@`` into a host or a database name, or a
+    non-number into a port: that is where the tail of a password with an unescaped ``@`` or
+    ``/`` lands. The reason never quotes the string: it names what to fix.
+    """
+    if parse_conninfo(conninfo) is None:
+        return (
+            "it cannot be parsed (a stray '%', quote or space, or an unclosed '[' are the usual "
+            "causes: percent-encode such characters in a password)"
+        )
+    if not _is_url(conninfo):
+        return ""
+    host_part, dbname = _as_libpq_splits_it(conninfo)
+    bad_port = any(_PORT.fullmatch(host) is None for host in host_part.split(","))
+    if "@" in host_part or "@" in dbname:
+        return (
+            "its password would be read only in part (an unescaped '@' or '/' in it): "
+            "percent-encode them ('@' is %40, '/' is %2F)"
+        )
+    if bad_port:
+        return (
+            "its port is not a number (an unescaped '/' in a password also reads that way: "
+            "percent-encode it as %2F)"
+        )
+    return ""
+
+
+def secrets_of(conninfo: str) -> list[str]:
+    """Every string ``redact`` removes for ``conninfo``, longest first."""
+    found: set[str] = set()
+    pieces: set[str] = set()
+    parsed = parse_conninfo(conninfo)
+    if parsed is not None and parsed.get("password"):
+        found.add(parsed["password"])
+    if _is_url(conninfo):
+        meant = _meant_password(conninfo)
+        if meant:
+            found.update({meant, unquote(meant)})
+    else:
+        found.update(_keyword_passwords(conninfo))
+    if malformed_reason(conninfo):
+        # The pieces libpq may have taken for a host, a port or a database name.
+        for secret in found:
+            pieces.update(p for p in _PIECE_SEPARATORS.split(secret) if len(p) >= _MIN_PIECE)
+    return sorted((s for s in found | pieces if s), key=len, reverse=True)
+
+
+def redact(text: str, conninfo: str) -> str:
+    """``text`` with every secret of ``conninfo`` replaced by ``***``."""
+    for secret in secrets_of(conninfo):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def describe(conninfo: str) -> str:
+    """``user@host:port/dbname`` for messages and log lines: never the password, and nothing
+    at all from a malformed string (its "host" may be a piece of the password)."""
+    parsed = parse_conninfo(conninfo)
+    if parsed is None or malformed_reason(conninfo):
+        return "a malformed database URL"
+    where = parsed.get("host") or parsed.get("hostaddr") or "localhost"
+    if parsed.get("port"):
+        where += f":{parsed['port']}"
+    user = f"{parsed['user']}@" if parsed.get("user") else ""
+    return f"{user}{where}/{parsed.get('dbname', '')}"
+
+
+# --- Connecting and the one translation of driver errors --------------------------------------
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _malformed_url(reason: str) -> LedgerUnavailable:
+    return LedgerUnavailable(
+        f"cannot connect to the ledger database: the database URL is malformed: {reason} "
+        "(check DATABASE_URL or the database secret; the value is not shown)"
+    )
+
+
+def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
+    """A connection error worth logging. libpq quotes a string it cannot parse whole, password
+    included, so that case says only what is wrong; any other text goes through ``redact``."""
+    if isinstance(exc, psycopg.ProgrammingError):
+        return _malformed_url(malformed_reason(url) or "libpq cannot parse it")
+    detail = redact(one_line(str(exc)), url)
+    if any(sign in detail for sign in _TLS_VERIFICATION_FAILURES):
+        detail += (
+            " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE in "
+            "AWS, must hold the CA that signed it, and the host must be a name on it)"
+        )
+    return LedgerUnavailable(f"cannot connect to the ledger database at {describe(url)}: {detail}")
+
+
+# How libpq words a certificate or host name that does not verify.
+_TLS_VERIFICATION_FAILURES = (
+    "certificate verify failed",
+    "does not match host name",
+    "root certificate file",
+)
+
+
+def open_connection(
+    url: str, *, connect_timeout: int, application_name: str
+) -> psycopg.Connection[Any]:
+    # A URL libpq would read differently from how it was written is refused before it is used:
+    # its "host" may be the tail of a password, and connecting would send that to a resolver.
+    reason = malformed_reason(url)
+    if reason:
+        raise _malformed_url(reason)
+    try:
+        return psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=connect_timeout,
+            application_name=application_name,
+        )
+    except psycopg.Error as exc:
+        raise _connect_failure(exc, url) from None
+
+
+def connect_to_ledger(
+    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
+) -> psycopg.Connection[Any]:
+    """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
+    with the URL kept out of the message (and the driver's error, which may quote it, not
+    chained). For a one-off connection (migrate, the CLI); a long-lived adapter connects
+    through a ``LedgerConnector``."""
+    return open_connection(url, connect_timeout=connect_timeout, application_name=application_name)
+
+
+class LedgerConnector:
+    """How every adapter connects to the ledger, and the one way a warm environment picks up a
+    rotated database secret: a connection that fails is tried once more with the secret fetched
+    again (``factory.SecretRefresh.database_url``), and the new URL is kept when it differs.
+
+    ``url`` is the current URL, for the redaction of the errors met on its connections.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        application_name: str,
+        connect_timeout: int = 5,
+        refresh: Callable[[], str] | None = None,
+    ) -> None:
+        self._url = url
+        self._application_name = application_name
+        self._connect_timeout = connect_timeout
+        self._refresh = refresh
+
+    def __repr__(self) -> str:
+        return f"LedgerConnector(<database url redacted>, {self._application_name!r})"
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def connect(self) -> psycopg.Connection[Any]:
+        try:
+            return self.connect_once()
+        except LedgerUnavailable:
+            fresh = fetch_again(self._refresh, self._url, "database secret")
+            if fresh is None:
+                raise
+        logger.warning(
+            "database connection failed; retrying once with the secret fetched again",
+            extra={"action": "secret_refresh"},
+        )
+        self._url = fresh
+        return self.connect_once()
+
+    @contextmanager
+    def session(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
+        """A connection for one piece of work, closed after it, its driver errors translated
+        (``ledger_error``) and redacted with the URL it was opened with."""
+        conn = self.connect()
+        try:
+            with conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise ledger_error(exc, doing, self._url) from exc
+
+    def connect_once(self) -> psycopg.Connection[Any]:
+        """A connection with the current URL, never refreshed (a last-chance clean-up)."""
+        return open_connection(
+            self._url,
+            connect_timeout=self._connect_timeout,
+            application_name=self._application_name,
+        )
+
+
+class LedgerAdapter:
+    """What the adapters on the ledger's database share: a ``LedgerConnector`` under their
+    ``APPLICATION_NAME`` (as ``pg_stat_activity`` shows them), refreshed through ``refresh_url``
+    (``factory.SecretRefresh.database_url``), and a repr that never shows the URL."""
+
+    APPLICATION_NAME: ClassVar[str] = "infrai-jobs"
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        connect_timeout: int = 5,
+        refresh_url: Callable[[], str] | None = None,
+    ) -> None:
+        self._connector = LedgerConnector(
+            database_url,
+            application_name=self.APPLICATION_NAME,
+            connect_timeout=connect_timeout,
+            refresh=refresh_url,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(<database url redacted>)"
+
+
+def schema_behind(version: int) -> str:
+    """What ``SchemaNotMigrated`` says about a database at ``version``."""
+    if version == 0:
+        return (
+            "the ledger database is not migrated (it has no infrai-jobs tables): run "
+            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+        )
+    return (
+        f"the ledger schema is at version {version}, this code needs {LATEST_VERSION}: run "
+        "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+    )
+
+
+def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerError:
+    """A driver error met while ``doing`` something, in the package's terms.
+
+    A missing table or column means the database was never migrated (or is older than this
+    code): that is ``SchemaNotMigrated``, naming the command to run, never "unreachable". A
+    broken connection is ``LedgerUnavailable``. The driver's text goes through ``redact``.
+    """
+    detail = redact(one_line(str(exc)), url) if url else one_line(str(exc))
+    where = f"{doing}: " if doing else ""
+    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
+        return SchemaNotMigrated(
+            f"{where}the ledger database is not migrated ({detail}): run "
+            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return LedgerUnavailable(f"{where}the ledger database failed: {detail}")
+    return LedgerError(f"{where}the ledger rejected a statement: {detail}")
+
+
+@contextmanager
+def ledger_errors(doing: str = "", url: str = "") -> Iterator[None]:
+    """Driver errors raised inside, in the package's terms (``ledger_error``): how every module
+    but this one meets a psycopg error, so the translation is written once."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise ledger_error(exc, doing, url) from exc
+
+
+# --- Parameters and shared statements --------------------------------------------------------
+
+
+def array_literal(values: Iterable[str | uuid.UUID | datetime | float | None]) -> str:
+    """A list parameter as the text of a one-dimensional PostgreSQL array.
+
+    Every statement here takes its lists as ``%(name)s::text[]`` (or ``uuid[]``,
+    ``timestamptz[]``). Handing psycopg one string per list instead of the list itself is the
+    same array to the server, and it spares the client psycopg's element-by-element array
+    dumping: binding a batch of ten claims took about 160 µs of CPU that way and takes about
+    30 µs this way. Inside a double-quoted element only ``\\`` and ``"`` are special;
+    ``NULL`` unquoted is a null.
+    """
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append("NULL")
+            continue
+        text = value if isinstance(value, str) else str(value)
+        if "\\" in text or '"' in text:
+            text = text.replace("\\", "\\\\").replace('"', '\\"')
+        parts.append(f'"{text}"')
+    return "{" + ",".join(parts) + "}"
+
+
+# When a claim is stuck, the one rule (``claims stuck`` lists them, the watcher pages on them):
+# running, and flagged for a human or older than the threshold since its latest claim. A
+# takeover starts the age again, so a live holder that took over an old claim is not stuck.
+STUCK_CLAIM: LiteralString = """state = 'running'
+  AND (error IS NOT NULL
+       OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))"""
+
+# The columns of a ClaimRow (ledger.claims), for every statement that reads whole claims.
+CLAIM_COLUMNS: LiteralString = """idem_key, state, message_id, job, effect, attempts,
+       payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token"""
+
+CLAIM_BY_KEY: LiteralString = (
+    """SELECT """
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims WHERE idem_key = %(key)s"""
+)
+CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
+
+# A redrive's ``--reopen-failed``: the failed claims of one piece of work, by its message id or
+# its payload fingerprint, locked for the change.
+FAILED_CLAIMS_OF_WORK: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
+FOR UPDATE
+"""
+)
+
+# ``infrai-jobs claims list``: newest first, filtered by state, job and age when given.
+CLAIMS_LIST: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR claimed_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY claimed_at DESC
+LIMIT %(limit)s
+"""
+)
+
+# The claims ``infrai-jobs claims stuck`` lists, oldest first.
+STUCK_CLAIMS: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE """
+    + STUCK_CLAIM
+    + """
+ORDER BY coalesce(updated_at, claimed_at)
+LIMIT %(limit)s
+"""
+)
+
+# The reconcile pass's candidates: stuck claims of the jobs that declare a probe, oldest first.
+STUCK_CLAIMS_OF_JOBS: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE job = ANY(%(jobs)s::text[]) AND """
+    + STUCK_CLAIM
+    + """
+ORDER BY coalesce(updated_at, claimed_at)
+LIMIT %(limit)s
+"""
+)
+
+# What the watcher pages on: how many are stuck, and the oldest running claim's age (from its
+# latest claim, like the rule).
+STUCK_CLAIM_COUNT: LiteralString = (
+    """
+SELECT count(*) FILTER (WHERE """
+    + STUCK_CLAIM
+    + """),
+       coalesce(extract(epoch FROM now() - min(coalesce(updated_at, claimed_at))), 0)
+FROM job_claims WHERE state = 'running'
+"""
+)

@@ -1,0 +1,450 @@
+"""The operator's view of the ledger: list, show, find stuck, resolve, release, reconcile, prune.
+
+Resolve and release are fenced: they change a claim only if its state and claim token are still
+what the operator looked at, so a human never overwrites a row that moved on in the meantime.
+Every operator action is recorded in ``claim_history`` (append-only: the database refuses
+updates and deletes there) in the same transaction as the change.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
+from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
+from infrai_jobs.ledger.postgres import CLAIMS_LIST as _LIST
+from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
+from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
+from infrai_jobs.ledger.postgres import STUCK_CLAIMS_OF_JOBS as _STUCK_OF_JOBS
+from infrai_jobs.ledger.postgres import LedgerAdapter
+
+if TYPE_CHECKING:
+    from infrai_jobs.operations.dead_letters import DeadLetterStore
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    deleted: int
+    batches: int
+
+
+_RESOLVE: LiteralString = """
+UPDATE job_claims
+SET state = %(state)s, result = %(result)s, error = %(error)s, updated_at = now()
+WHERE idem_key = %(key)s AND state = %(expected_state)s
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_RELEASE: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND state = %(expected_state)s
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_DELETE_FAILED: LiteralString = """
+DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
+"""
+
+# A reconcile pass settles or releases only the attempt its probe was asked about: the same
+# claim token, still running. A release also waits for the lease to end, since a delivery
+# under a live lease may be making the call right now.
+_RECONCILE_DONE: LiteralString = """
+UPDATE job_claims
+SET state = 'done', result = %(result)s, error = NULL, updated_at = now()
+WHERE idem_key = %(key)s AND state = 'running'
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_RECONCILE_RELEASE: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND state = 'running'
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+  AND (lease_until IS NULL OR lease_until < now())
+"""
+
+_LAST_HISTORY: LiteralString = """
+SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
+"""
+
+_HISTORY: LiteralString = """
+INSERT INTO claim_history (idem_key, action, actor, before, after, note)
+VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
+"""
+
+_HISTORY_OF: LiteralString = """
+SELECT id, idem_key, action, actor, at, before, after, note
+FROM claim_history WHERE idem_key = %(key)s ORDER BY id
+"""
+
+_PRUNE_BATCH: LiteralString = """
+DELETE FROM job_claims WHERE idem_key IN (
+    SELECT idem_key FROM job_claims
+    WHERE state IN ('done', 'failed')
+      AND coalesce(updated_at, claimed_at) < now() - make_interval(days => %(days)s)
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+
+def default_actor() -> str:
+    """Who is acting: OPERATOR if set, else the login name (recorded, never trusted)."""
+    return os.environ.get("OPERATOR") or getpass.getuser()
+
+
+# The states each operator change applies to.
+RESOLVABLE: tuple[str, ...] = ("running",)
+RELEASABLE: tuple[str, ...] = ("running", "failed")
+
+# The command an operator types for each change recorded in claim_history: what error texts name.
+COMMANDS = {
+    "resolve_done": "claims resolve --done",
+    "resolve_failed": "claims resolve --failed",
+    "release": "claims release",
+}
+
+
+def change_refused(
+    row: ClaimRow, *, command: str, allowed_states: tuple[str, ...], token: uuid.UUID | None
+) -> str:
+    """Why ``infrai-jobs COMMAND`` is refused for ``row``, or "" when it may go ahead."""
+    key = row.idem_key
+    if row.state not in allowed_states:
+        return (
+            f"claim {key!r} is {row.state}; `infrai-jobs {command}` needs a "
+            f"{' or '.join(allowed_states)} claim"
+        )
+    if (
+        token is None
+        and row.state == "running"
+        and row.lease_until is not None
+        and row.lease_until > datetime.now(UTC)
+    ):
+        # Its delivery may be inside the effect right now: acting on it unseen could let a
+        # duplicate repeat an irreversible effect.
+        return (
+            f"claim {key!r} is running under a live lease until "
+            f"{row.lease_until.isoformat()}; wait for it to end, or run "
+            f"`infrai-jobs {command} {key} --token {row.claim_token}` to act on it anyway"
+        )
+    if token is not None and row.claim_token != token:
+        return (
+            f"claim {key!r} is now held by token {row.claim_token}, not {token}: it changed "
+            f"since you looked; run `infrai-jobs claims show {key}` again"
+        )
+    return ""
+
+
+class ReconcileWrite(StrEnum):
+    """What a reconcile pass's write did to a claim."""
+
+    SETTLED = "settled_done"
+    RELEASED = "released"
+    UNCHANGED = "unchanged"  # an unknown answer: nothing to change
+    CHANGED = "changed"  # the claim moved on since it was probed: fenced out
+    LEASE_LIVE = "lease_live"  # not done, but a delivery may be making the call right now
+
+
+class ClaimsAdmin(LedgerAdapter):
+    """Operator actions on the ledger; one short connection per call. The functions build it
+    with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
+
+    APPLICATION_NAME = "infrai-jobs-admin"
+
+    def dead_letters(self) -> DeadLetterStore:
+        """The ledger's dead letters, on this admin's connection settings."""
+        from infrai_jobs.operations.dead_letters import DeadLetterStore  # noqa: PLC0415 - it imports this
+
+        return DeadLetterStore(self._connector)
+
+    def list_claims(
+        self,
+        *,
+        state: str | None = None,
+        job: str | None = None,
+        older_than_seconds: float | None = None,
+        limit: int = 100,
+    ) -> list[ClaimRow]:
+        params = {"state": state, "job": job, "older_than": older_than_seconds, "limit": limit}
+        return self._rows(_LIST, params)
+
+    def show(self, key: str) -> ClaimRow:
+        rows = self._rows(_SHOW, {"key": key})
+        if not rows:
+            raise ClaimNotFound(f"no claim with key {key!r}")
+        return rows[0]
+
+    def find(self, key: str) -> ClaimRow | None:
+        """The claim with this key, or None (released, reopened, pruned, or never claimed)."""
+        rows = self._rows(_SHOW, {"key": key})
+        return rows[0] if rows else None
+
+    def stuck(self, *, threshold_seconds: int = 900, limit: int = 100) -> list[ClaimRow]:
+        return self._rows(_STUCK, {"threshold": threshold_seconds, "limit": limit})
+
+    def stuck_of_jobs(
+        self, jobs: Sequence[str], *, threshold_seconds: int = 900, limit: int = 100
+    ) -> list[ClaimRow]:
+        """Stuck claims of ``jobs`` only (those with a reconcile probe), oldest first."""
+        params = {"jobs": list(jobs), "threshold": threshold_seconds, "limit": limit}
+        return self._rows(_STUCK_OF_JOBS, params)
+
+    def apply_probe_answer(
+        self,
+        probed: ClaimRow,
+        answer: str,
+        *,
+        result: Any = None,
+        actor: str | None = None,
+        note: str,
+    ) -> ReconcileWrite:
+        """Act on a probe's answer about ``probed`` (the claim as it was when asked), fenced by
+        its state and claim token, and record it in ``claim_history`` as ``reconcile``:
+        ``done`` settles the claim with ``result``, ``not_done`` releases it, anything else
+        changes nothing (and is recorded unless the last record already says the same)."""
+        key = probed.idem_key
+        with (
+            self._connector.session(f"cannot reconcile {key!r}") as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
+            before = ClaimRow(**row) if row is not None else None
+            if (
+                before is None
+                or before.state != "running"
+                or before.claim_token != probed.claim_token
+            ):
+                return ReconcileWrite.CHANGED
+            fence = {"key": key, "expected_token": probed.claim_token}
+            if answer == "done":
+                params = {**fence, "result": Jsonb(storable_json(result))}
+                if conn.execute(_RECONCILE_DONE, params).rowcount != 1:  # pragma: no cover
+                    return ReconcileWrite.CHANGED  # the row lock makes this unreachable
+                with conn.cursor(row_factory=dict_row) as cur:
+                    after_row = cur.execute(_SHOW, {"key": key}).fetchone()
+                after = ClaimRow(**after_row) if after_row else None
+                _record(conn, "reconcile", before, after, actor=actor, note=note)
+                return ReconcileWrite.SETTLED
+            if answer == "not_done":
+                if conn.execute(_RECONCILE_RELEASE, fence).rowcount != 1:
+                    return ReconcileWrite.LEASE_LIVE
+                _record(conn, "reconcile", before, None, actor=actor, note=note)
+                return ReconcileWrite.RELEASED
+            last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
+            if last is None or tuple(last) != ("reconcile", note):
+                # An unchanged answer every few minutes would bury the history in repeats.
+                _record(conn, "reconcile", before, before, actor=actor, note=note)
+            return ReconcileWrite.UNCHANGED
+
+    def history(self, key: str) -> list[dict[str, Any]]:
+        """Every operator action recorded for this key, oldest first (kept after a release)."""
+        with (
+            self._connector.session("cannot read the claim history") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
+
+    def resolve(
+        self,
+        key: str,
+        *,
+        done: bool,
+        result: Any = None,
+        error: str | None = None,
+        expected_token: uuid.UUID | None = None,
+        actor: str | None = None,
+        note: str = "",
+    ) -> ClaimRow:
+        """A human's verdict on a running claim: ``done`` (with the provider's reference) or
+        ``failed`` (with the reason). Only a ``running`` claim can be resolved."""
+        state = "done" if done else "failed"
+        return self._fenced_change(
+            key,
+            action=f"resolve_{state}",
+            statement=_RESOLVE,
+            changes={
+                "state": state,
+                "result": Jsonb(result) if done else None,
+                "error": None if done else (error or "resolved as failed by an operator"),
+            },
+            allowed_states=RESOLVABLE,
+            expected_token=expected_token,
+            actor=actor,
+            note=note,
+        )
+
+    def release(
+        self,
+        key: str,
+        *,
+        expected_token: uuid.UUID | None = None,
+        actor: str | None = None,
+        note: str = "",
+    ) -> ClaimRow:
+        """Delete a running or failed claim so the next delivery runs the job again."""
+        return self._fenced_change(
+            key,
+            action="release",
+            statement=_RELEASE,
+            changes={},
+            allowed_states=RELEASABLE,
+            expected_token=expected_token,
+            actor=actor,
+            note=note,
+        )
+
+    def _fenced_change(
+        self,
+        key: str,
+        *,
+        action: str,
+        statement: LiteralString,
+        changes: dict[str, Any],
+        allowed_states: tuple[str, ...],
+        expected_token: uuid.UUID | None,
+        actor: str | None,
+        note: str,
+    ) -> ClaimRow:
+        with (
+            self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
+            if row is None:
+                raise ClaimNotFound(f"no claim with key {key!r}")
+            before = ClaimRow(**row)
+            refused = change_refused(
+                before,
+                command=COMMANDS[action],
+                allowed_states=allowed_states,
+                token=expected_token,
+            )
+            if refused:
+                raise ClaimChanged(refused)
+            cursor = conn.execute(
+                statement,
+                {
+                    "key": key,
+                    "expected_state": before.state,
+                    "expected_token": before.claim_token,
+                    **changes,
+                },
+            )
+            if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
+                raise ClaimChanged(f"claim {key!r} changed while it was being updated")
+            with conn.cursor(row_factory=dict_row) as cur:
+                after_row = cur.execute(_SHOW, {"key": key}).fetchone()
+            after = ClaimRow(**after_row) if after_row else None
+            _record(conn, action, before, after, actor=actor, note=note)
+        return after or before
+
+    def reopen_failed(
+        self, *, message_id: str, fingerprint: str | None, actor: str | None = None
+    ) -> list[str]:
+        """Delete the ``failed`` claims of one piece of work (its message id, or its payload
+        fingerprint) so its redriven copy runs again; each is recorded as ``reopen``."""
+        params = {"message_id": message_id, "fingerprint": fingerprint}
+        with (
+            self._connector.session("cannot reopen failed claims") as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                failed = [ClaimRow(**row) for row in cur.execute(_FAILED_OF_WORK, params)]
+            for claim in failed:
+                conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
+                _record(conn, "reopen", claim, None, actor=actor, note="redrive --reopen-failed")
+        return [claim.idem_key for claim in failed]
+
+    def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
+        """Delete ``done``/``failed`` rows older than the retention, a short transaction per
+        batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
+        deleted = batches = 0
+        with self._connector.session("cannot prune claims") as conn:
+            while True:
+                cursor = conn.execute(_PRUNE_BATCH, {"days": older_than_days, "batch": batch_size})
+                batches += 1
+                deleted += cursor.rowcount
+                if cursor.rowcount < batch_size:
+                    break
+        return PruneResult(deleted, batches)
+
+    def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
+        with (
+            self._connector.session("cannot read claims") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
+
+
+def storable_json(value: Any) -> Any:
+    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can.
+
+    jsonb refuses NUL characters and lone surrogates, both of which a JSON body may carry.
+    """
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError):
+        text = ""
+    if text and "\\u0000" not in text:
+        return value
+    try:
+        described = json.dumps(value, ensure_ascii=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        described = f"<{type(value).__name__} that JSON cannot describe>"
+    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
+    return {"not_storable_as_jsonb": described}
+
+
+def _record(
+    conn: psycopg.Connection[Any],
+    action: str,
+    before: ClaimRow,
+    after: ClaimRow | None,
+    *,
+    actor: str | None,
+    note: str,
+) -> None:
+    """The one writer of a claim change in ``claim_history``: the claim before and after it,
+    each as ``claim_as_dict`` spells it."""
+    conn.execute(
+        _HISTORY,
+        {
+            "key": before.idem_key,
+            "action": action,
+            "actor": actor or default_actor(),
+            "before": Jsonb(claim_as_dict(before)),
+            "after": Jsonb(claim_as_dict(after)) if after else None,
+            "note": note or None,
+        },
+    )
+
+
+def claim_as_dict(row: ClaimRow) -> dict[str, Any]:
+    """A claim as JSON-ready values, for ``--json`` output and the history table."""
+    out: dict[str, Any] = {}
+    for name in row.__dataclass_fields__:
+        value = getattr(row, name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, uuid.UUID):
+            value = str(value)
+        out[name] = value
+    json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
+    return out

@@ -1,0 +1,512 @@
+"""Dead letters live in the ledger: Infrai's DLQ is moved into ``dead_letters``, then worked on.
+
+Infrai cannot peek at a queue: reading its DLQ consumes it and hides what was read for the
+visibility timeout. So nothing looks at the DLQ directly. ``collect`` first checks that the
+ledger answers (nothing is consumed before that), then reads the DLQ one message per consume,
+records each dead letter in its own transaction (``INSERT ... ON CONFLICT (message_id) DO
+NOTHING``) and acks it from the DLQ only after that row committed. A crash in between leaves the
+letter in the DLQ; the next read finds its row already there and only acks it: one row per
+letter, however often it is read.
+
+Every view (``infrai-jobs dlq``), discard and redrive works on the rows, so two reads show the
+same letters and none depends on a visibility timeout. A row is resolved once (``discarded`` or
+``redriven``, when, by whom, a note), and the resolution is recorded in ``claim_history`` in the
+same transaction. A redrive publishes a row's payload and marks the row in one transaction that
+holds the row's lock across the publish: a crash before the commit leaves the row unresolved and
+a later redrive publishes it again, which the claims absorb; two redrives never both publish it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, LiteralString
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from infrai_jobs.errors import ConsumeAnswerLost, KeyDerivationError, QueueMessageNotFound
+from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector
+from infrai_jobs.operations.claims_admin import claim_as_dict, default_actor, storable_json
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+
+logger = logging.getLogger(__name__)
+
+KeyOf = Callable[[Any], str]
+
+# Dead letters one call moves from Infrai's DLQ into the ledger at most; the rest wait for the
+# next call, still in the DLQ.
+COLLECT_LIMIT = 1_000
+
+# Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
+# for the visibility timeout, and a run of them says the answers, not the messages, are broken.
+MAX_UNREADABLE_IN_A_ROW = 10
+
+_REACHABLE: LiteralString = "SELECT count(*) FROM dead_letters WHERE false"
+
+_RECORD: LiteralString = """
+INSERT INTO dead_letters (
+    message_id, queue, dlq, unreadable, payload, raw_text, size_bytes, job, idem_key, state,
+    claim_state, reason, main_deliveries, dlq_deliveries, published_at
+) VALUES (
+    %(message_id)s, %(queue)s, %(dlq)s, %(unreadable)s, %(payload)s, %(raw_text)s,
+    %(size_bytes)s, %(job)s, %(idem_key)s, %(state)s, %(claim_state)s, %(reason)s,
+    %(main_deliveries)s, %(dlq_deliveries)s, %(published_at)s
+)
+ON CONFLICT (message_id) DO NOTHING
+"""
+
+_COLUMNS: LiteralString = """message_id, queue, dlq, unreadable, payload, raw_text, size_bytes,
+       job, idem_key, state, claim_state, reason, main_deliveries, dlq_deliveries, published_at,
+       first_seen, resolution, resolved_at, resolved_by, resolution_note"""
+
+# Every filter is optional; ``unresolved`` false lists the resolved ones too.
+_SELECT: LiteralString = (
+    "SELECT "
+    + _COLUMNS
+    + """
+FROM dead_letters
+WHERE queue = %(queue)s
+  AND (NOT %(unresolved)s OR resolution IS NULL)
+  AND (%(message_id)s::text IS NULL OR message_id = %(message_id)s)
+  AND (%(key)s::text IS NULL OR idem_key = %(key)s)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+ORDER BY first_seen, message_id
+LIMIT %(limit)s
+"""
+)
+
+_LOCK_UNRESOLVED: LiteralString = (
+    "SELECT "
+    + _COLUMNS
+    + """
+FROM dead_letters WHERE message_id = %(message_id)s AND resolution IS NULL
+FOR UPDATE SKIP LOCKED
+"""
+)
+
+_RESOLVE: LiteralString = """
+UPDATE dead_letters
+SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
+    resolution_note = %(note)s
+WHERE message_id = %(message_id)s AND resolution IS NULL
+"""
+
+UNRESOLVED_DEAD_LETTERS: LiteralString = """
+SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
+"""
+
+# A discard in the operator history, beside the claim changes of its key (the dead letter with
+# its payload, and the key's claim as it was then).
+_HISTORY: LiteralString = """
+INSERT INTO claim_history (idem_key, action, actor, before, after, note)
+VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, NULL, %(note)s)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A dead letter whose consume answer was lost or could not be read.
+
+    ``message_id`` is known only when the client could still read it from the answer (then it
+    is recorded and acked by that id), ``size`` only when an answer came.
+    """
+
+    message_id: str | None
+    size: int | None
+    reason: str
+
+    @classmethod
+    def from_error(cls, exc: ConsumeAnswerLost) -> Unreadable:
+        ids = exc.message_ids
+        return cls(message_id=ids[0] if len(ids) == 1 else None, size=exc.size, reason=str(exc))
+
+    def describe(self) -> str:
+        size = f"{self.size} bytes" if self.size is not None else "size unknown"
+        return f"unreadable dead letter ({size}): {self.reason}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "unreadable": True,
+            "size_bytes": self.size,
+            "reason": self.describe(),
+        }
+
+
+DeadLetter = QueueMessage | Unreadable
+
+
+def read_dead_letters(
+    queue: QueuePort,
+    source: str,
+    limit: int,
+    *,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[DeadLetter]:
+    """Up to ``limit`` dead letters of ``source``, read one per consume: a consume whose answer
+    cannot be read has spent it on every message it served, unseen, so with one message per
+    consume an unreadable dead letter hides only itself, and every other is still read.
+
+    ``stop`` is asked before each read. Reading stops early when the DLQ is empty, or after
+    ``MAX_UNREADABLE_IN_A_ROW`` unreadable answers in a row.
+    """
+    read = unreadable_in_a_row = 0
+    while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
+        if stop is not None and stop():
+            return
+        try:
+            batch = queue.consume(source, 1)
+        except ConsumeAnswerLost as exc:
+            read += 1
+            unreadable_in_a_row += 1
+            unreadable = Unreadable.from_error(exc)
+            logger.error(
+                "a dead letter could not be read",
+                extra={
+                    "action": "dead_letter_unreadable",
+                    "queue": source,
+                    "message_id": unreadable.message_id,
+                    "size_bytes": unreadable.size,
+                    "detail": unreadable.reason,
+                },
+            )
+            yield unreadable
+            continue
+        if not batch:
+            return
+        unreadable_in_a_row = 0
+        for message in batch[: limit - read]:
+            read += 1
+            yield message
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterRow:
+    """One dead letter as the ledger holds it."""
+
+    message_id: str
+    queue: str
+    dlq: str
+    unreadable: bool
+    payload: Any
+    raw_text: str | None
+    size_bytes: int | None
+    job: str | None
+    idem_key: str | None
+    state: str | None
+    claim_state: str | None
+    reason: str
+    main_deliveries: int | None
+    dlq_deliveries: int | None
+    published_at: datetime | None
+    first_seen: datetime
+    resolution: str | None = None
+    resolved_at: datetime | None = None
+    resolved_by: str | None = None
+    resolution_note: str | None = None
+
+    @property
+    def body(self) -> Any:
+        """The dead letter's payload as it was read (None when unreadable): from ``raw_text``
+        when jsonb could not hold it."""
+        if self.unreadable:
+            return None
+        if self.payload is None and self.raw_text is not None:
+            return json.loads(self.raw_text)
+        return self.payload
+
+    @property
+    def redrivable(self) -> str:
+        """Why this row cannot be published again, or "" when it can."""
+        if self.unreadable:
+            return "unreadable: its payload is unknown (discard it, or publish the work anew)"
+        if not isinstance(self.body, dict):
+            return "payload is not a JSON object (Infrai only takes objects)"
+        return ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            out[name] = value.isoformat() if isinstance(value, datetime) else value
+        out["payload"] = storable_json(self.body)
+        return out
+
+
+@dataclass
+class Collected:
+    """What one ``collect`` moved from Infrai's DLQ into the ledger."""
+
+    read: int = 0
+    recorded: int = 0
+    # Read again after a crash between a commit and its ack: the row was there already.
+    already_recorded: int = 0
+    acked: int = 0
+    ack_lost: int = 0
+    # Unreadable answers that named no message: nothing can record or ack them; they stay
+    # hidden in the DLQ for its visibility timeout, then the next read tries again.
+    unrecorded: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "read": self.read,
+            "recorded": self.recorded,
+            "already_recorded": self.already_recorded,
+            "acked": self.acked,
+            "ack_lost": self.ack_lost,
+            "unrecorded": self.unrecorded,
+        }
+
+
+def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:
+    """The claim's state and the reason a dead letter with ``key`` shows: a claim for other
+    work is a conflict, never its own state (a "done" beside no reason reads as nothing
+    wrong)."""
+    if claim is None:
+        return None, (
+            "no claim: it failed and was released, or never got that far; a redrive runs it again"
+        )
+    if claim.payload_sha256 and claim.payload_sha256 != _fingerprint(payload):
+        return "conflict", f"conflict with {key} ({claim.state}, different work)"
+    return claim.state, claim.error or ""
+
+
+def _fingerprint(payload: Any) -> str | None:
+    try:
+        return payload_fingerprint(payload)
+    except KeyDerivationError:
+        return None
+
+
+class DeadLetterStore:
+    """The ``dead_letters`` table; one short connection per call."""
+
+    def __init__(self, connector: LedgerConnector) -> None:
+        self._connector = connector
+
+    def __repr__(self) -> str:
+        return "DeadLetterStore(<database url redacted>)"
+
+    def ensure_reachable(self) -> None:
+        """Raise ``LedgerUnavailable`` (or ``SchemaNotMigrated``) unless the table answers."""
+        with self._connector.session("cannot reach the ledger's dead letters") as conn:
+            conn.execute(_REACHABLE)
+
+    def record(self, dead: DeadLetter, *, queue: str, dlq: str, key_of: KeyOf | None) -> bool:
+        """Record ``dead`` (it must have a message id); True when this call added the row."""
+        assert dead.message_id is not None
+        values: dict[str, Any] = {
+            "message_id": dead.message_id,
+            "queue": queue,
+            "dlq": dlq,
+            "job": None,
+            "idem_key": None,
+            "main_deliveries": MAX_RECEIVE_COUNT,
+        }
+        key: str | None = None
+        if isinstance(dead, Unreadable):
+            values.update(
+                unreadable=True,
+                payload=None,
+                raw_text=dead.reason,
+                size_bytes=dead.size,
+                state="unreadable",
+                claim_state=None,
+                reason=dead.describe(),
+                dlq_deliveries=None,
+                published_at=None,
+            )
+        else:
+            payload = dead.payload
+            # jsonb refuses NUL characters and lone surrogates: such a body is kept as its
+            # exact JSON text (ASCII, every such character escaped), which text can hold.
+            storable = storable_json(payload) is payload
+            job = payload.get("job") if isinstance(payload, Mapping) else None
+            values.update(
+                unreadable=False,
+                payload=Jsonb(payload) if storable else None,
+                raw_text=None if storable else json.dumps(payload, ensure_ascii=True),
+                size_bytes=None,
+                job=job if isinstance(job, str) else None,
+                state=None,
+                claim_state=None,
+                reason="",
+                dlq_deliveries=dead.delivery_count,
+                published_at=dead.published_at,
+            )
+            if key_of is not None:
+                try:
+                    key = key_of(payload)
+                except KeyDerivationError as exc:
+                    values["reason"] = f"no key: {exc}"
+        with (
+            self._connector.session("cannot record a dead letter") as conn,
+            conn.transaction(),
+        ):
+            if key is not None:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+                claim = ClaimRow(**found) if found else None
+                assert isinstance(dead, QueueMessage)
+                state, reason = claim_verdict(key, claim, dead.payload)
+                values.update(
+                    idem_key=key,
+                    state=state,
+                    claim_state=claim.state if claim else None,
+                    reason=reason,
+                )
+            return conn.execute(_RECORD, values).rowcount == 1
+
+    def rows(
+        self,
+        queue: str,
+        *,
+        unresolved: bool = True,
+        message_id: str | None = None,
+        key: str | None = None,
+        job: str | None = None,
+        limit: int = 100,
+    ) -> list[DeadLetterRow]:
+        params = {
+            "queue": queue,
+            "unresolved": unresolved,
+            "message_id": message_id,
+            "key": key,
+            "job": job,
+            "limit": limit,
+        }
+        with (
+            self._connector.session("cannot read the dead letters") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return [DeadLetterRow(**row) for row in cur.execute(_SELECT, params).fetchall()]
+
+    def unresolved_count(self, queue: str) -> int:
+        with self._connector.session("cannot count the dead letters") as conn:
+            row = conn.execute(UNRESOLVED_DEAD_LETTERS, {"queue": queue}).fetchone()
+        return int(row[0]) if row else 0
+
+    def discard(self, message_id: str, *, actor: str | None = None, note: str = "") -> bool:
+        """Resolve an unresolved row as discarded; False when it is resolved (or being
+        resolved) already."""
+        return self._resolve(message_id, "discarded", actor=actor, note=note)
+
+    def redrive(
+        self,
+        message_id: str,
+        publish: Callable[[Any], None],
+        *,
+        actor: str | None = None,
+        note: str = "",
+    ) -> bool:
+        """Publish an unresolved row's payload (``publish``), then mark it redriven, under the
+        row's lock; False when it is resolved already or another redrive holds it. The row
+        records the redrive (claim_history records the reopened claims, as before)."""
+        return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
+
+    def _resolve(
+        self,
+        message_id: str,
+        resolution: str,
+        *,
+        actor: str | None,
+        note: str,
+        before: Callable[[Any], None] | None = None,
+    ) -> bool:
+        actor = actor or default_actor()
+        with (
+            self._connector.session(f"cannot mark a dead letter {resolution}") as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                found = cur.execute(_LOCK_UNRESOLVED, {"message_id": message_id}).fetchone()
+            if found is None:
+                return False
+            row = DeadLetterRow(**found)
+            if before is not None:
+                before(row.body)
+            conn.execute(
+                _RESOLVE,
+                {
+                    "message_id": message_id,
+                    "resolution": resolution,
+                    "actor": actor,
+                    "note": note or None,
+                },
+            )
+            if resolution != "discarded":
+                return True
+            claim = None
+            if row.idem_key is not None:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    claim_row = cur.execute(CLAIM_BY_KEY, {"key": row.idem_key}).fetchone()
+                claim = claim_as_dict(ClaimRow(**claim_row)) if claim_row else None
+            # The message id names the dead letter in the history when it has no key.
+            conn.execute(
+                _HISTORY,
+                {
+                    "key": row.idem_key or message_id,
+                    "action": "discard",
+                    "actor": actor,
+                    "before": Jsonb(
+                        {"dead_letter": _history_record(row), "claim": claim},
+                    ),
+                    "note": note or None,
+                },
+            )
+        return True
+
+
+def _history_record(row: DeadLetterRow) -> dict[str, Any]:
+    record = row.as_dict()
+    for name in ("resolution", "resolved_at", "resolved_by", "resolution_note"):
+        record.pop(name)
+    return record
+
+
+def collect(
+    queue: QueuePort,
+    store: DeadLetterStore,
+    *,
+    dlq: str,
+    main_queue: str,
+    key_of: KeyOf | None,
+    limit: int = COLLECT_LIMIT,
+    stop: Callable[[], bool] | None = None,
+) -> Collected:
+    """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
+    module's doc): the ledger is checked first, and each is acked only after its row
+    committed. ``key_of`` derives each letter's key (None: recorded without one)."""
+    store.ensure_reachable()
+    summary = Collected()
+    for dead in read_dead_letters(queue, dlq, limit, stop=stop):
+        summary.read += 1
+        if isinstance(dead, Unreadable) and dead.message_id is None:
+            summary.unrecorded.append(dead.as_dict())
+            continue
+        # An unreadable one is acked by its message id: the contract's handle when none is sent.
+        handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
+        assert handle is not None
+        if store.record(dead, queue=main_queue, dlq=dlq, key_of=key_of):
+            summary.recorded += 1
+        else:
+            summary.already_recorded += 1
+        try:
+            queue.ack(dlq, handle)
+            summary.acked += 1
+        except QueueMessageNotFound:
+            summary.ack_lost += 1
+    if summary.read:
+        logger.info(
+            "dead letters moved into the ledger",
+            extra={"action": "dead_letters_collected", "queue": dlq, **summary.as_dict()},
+        )
+    return summary

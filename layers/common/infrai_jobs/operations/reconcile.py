@@ -1,0 +1,285 @@
+"""Reconcile before paging: ask the provider about stuck claims, and settle what it knows.
+
+A stuck claim (``running``, flagged or older than the threshold) of a job that declares a probe
+(``infrai_jobs.jobs.probes``) is probed, and the answer acts on the ledger, fenced by the claim
+token the probe was asked about:
+
+============  ========================================================================
+answer        what happens to the claim
+============  ========================================================================
+done          settles ``done`` with the provider's result
+not done      is released (once its lease is over): the next delivery or a redrive runs
+              the job once
+unknown       nothing: it stays stuck for a human
+============  ========================================================================
+
+Every answer is recorded in ``claim_history`` as ``reconcile``, its note starting with the
+answer. A probe that raises, answers something else or takes longer than its time limit is
+``unknown``. The watcher runs a pass before it counts stuck claims (so it pages only on what is
+still stuck), and ``infrai-jobs claims reconcile`` runs one on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError
+from infrai_jobs.jobs.keys import identity_from_key
+from infrai_jobs.jobs.probes import (
+    ANSWERS,
+    DONE,
+    NOT_DONE,
+    UNKNOWN,
+    Done,
+    NotDone,
+    ProbeAnswer,
+    Unknown,
+)
+from infrai_jobs.jobs.registry import JobContext, JobDefinition, JobRegistry
+from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.operations.claims_admin import ClaimsAdmin, ReconcileWrite
+
+logger = logging.getLogger(__name__)
+
+# How long one probe may take before its answer counts as unknown.
+PROBE_TIMEOUT_SECONDS: Final = 10.0
+# The ``claim_history`` action of every recorded answer.
+HISTORY_ACTION: Final = "reconcile"
+
+# What each write means in a report, and in a dry run, what it would do.
+_DRY_RUN_ACTION: Final = {
+    DONE: "would settle done",
+    NOT_DONE: "would release",
+    UNKNOWN: "would leave stuck",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeOutcome:
+    """One stuck claim, its probe's answer, and what the pass did about it."""
+
+    idem_key: str
+    job: str
+    answer: str
+    # The provider's result (done) or the reason (unknown).
+    detail: Any
+    # A ``ReconcileWrite`` value, or in a dry run what the answer would do.
+    action: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "idem_key": self.idem_key,
+            "job": self.job,
+            "answer": self.answer,
+            "detail": self.detail,
+            "action": self.action,
+        }
+
+
+@dataclass
+class ReconcileReport:
+    outcomes: list[ProbeOutcome] = field(default_factory=list)
+    # Candidates left unprobed because the pass ran out of time (still stuck).
+    skipped: int = 0
+    dry_run: bool = False
+
+    def by_answer(self) -> dict[str, int]:
+        """How many claims got each answer (every answer present, zero included)."""
+        counts = Counter(outcome.answer for outcome in self.outcomes)
+        return {answer: counts[answer] for answer in ANSWERS}
+
+    def still_stuck(self) -> list[ProbeOutcome]:
+        """The probed claims the pass left stuck: unknown, fenced out, or under a live lease."""
+        resolved = (ReconcileWrite.SETTLED.value, ReconcileWrite.RELEASED.value)
+        return [outcome for outcome in self.outcomes if outcome.action not in resolved]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "by_answer": self.by_answer(),
+            "skipped": self.skipped,
+            "claims": [outcome.as_dict() for outcome in self.outcomes],
+        }
+
+
+def history_note(answer: str, detail: Any) -> str:
+    """The ``claim_history`` note of one answer: the answer first, then what came with it."""
+    if answer == UNKNOWN:
+        return f"{UNKNOWN}: {str(detail)[:_NOTE_DETAIL_CHARS]}"
+    if answer == DONE:
+        return f"{DONE}: provider result {_short(detail)}"
+    return f"{NOT_DONE}: the provider has no trace of it"
+
+
+def answer_of(note: str | None) -> str | None:
+    """The answer a ``reconcile`` history note records (``history_note``'s first word)."""
+    head = (note or "").split(":", 1)[0]
+    return head if head in ANSWERS else None
+
+
+def ask(
+    probe: Callable[..., Any], payload: Mapping[str, Any], ctx: JobContext, timeout: float
+) -> ProbeAnswer:
+    """Run one probe on a thread of its own and wait ``timeout`` seconds at most. Whatever
+    goes wrong is an ``Unknown`` with the reason: a probe never changes a claim by failing."""
+    box: list[ProbeAnswer] = []
+
+    def run() -> None:
+        try:
+            answer = probe(payload, ctx)
+        # The one place a probe's failure becomes an answer, as the drain does for a handler.
+        except Exception as exc:  # noqa: BLE001
+            box.append(Unknown(f"the probe raised {type(exc).__name__}: {exc}"))
+            return
+        if isinstance(answer, Done | NotDone | Unknown):
+            box.append(answer)
+        else:
+            box.append(
+                Unknown(f"the probe answered {type(answer).__name__}, not Done, NotDone or Unknown")
+            )
+
+    # A daemon thread: a probe stuck in a call cannot hold the function past its own timeout.
+    worker = threading.Thread(target=run, name=f"probe {ctx.idem_key}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not box:
+        return Unknown(f"the probe did not answer within {timeout:g} s")
+    return box[0]
+
+
+class Reconciler:
+    """Probes stuck claims of the registry's jobs and acts on the answers through ``admin``.
+
+    ``forget`` (the second layer's, when it is on) drops a key's stored "uncertain" before its
+    claim is released, or the retry would be parked as stuck again.
+    """
+
+    def __init__(
+        self,
+        admin: ClaimsAdmin,
+        registry: JobRegistry,
+        *,
+        actor: str | None = None,
+        probe_timeout: float = PROBE_TIMEOUT_SECONDS,
+        forget: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._admin = admin
+        self._registry = registry
+        self._actor = actor
+        self._probe_timeout = probe_timeout
+        self._forget = forget
+        self._clock = clock
+
+    def probed_jobs(self) -> list[str]:
+        return [job.name for job in self._registry if job.probe is not None]
+
+    def run_all(
+        self,
+        *,
+        threshold_seconds: int,
+        limit: int = 100,
+        budget_seconds: float | None = None,
+        dry_run: bool = False,
+    ) -> ReconcileReport:
+        """Probe every stuck claim of a job with a probe (up to ``limit``, oldest first), while
+        ``budget_seconds`` lasts; the rest stay stuck, counted as ``skipped``."""
+        report = ReconcileReport(dry_run=dry_run)
+        jobs = self.probed_jobs()
+        if not jobs:
+            return report
+        candidates = self._admin.stuck_of_jobs(
+            jobs, threshold_seconds=threshold_seconds, limit=limit
+        )
+        ends = None if budget_seconds is None else self._clock() + budget_seconds
+        for index, claim in enumerate(candidates):
+            if ends is not None and self._clock() + self._probe_timeout > ends:
+                report.skipped = len(candidates) - index
+                break
+            report.outcomes.append(self._reconcile(claim, dry_run=dry_run))
+        return report
+
+    def run_one(self, key: str, *, dry_run: bool = False) -> ReconcileReport:
+        """Probe one claim, named by its key: a running claim of a job with a probe."""
+        claim = self._admin.show(key)
+        if claim.state != "running":
+            raise ClaimChanged(
+                f"claim {key!r} is {claim.state}: only a running claim is reconciled"
+            )
+        self._definition(claim)
+        return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
+
+    def _definition(self, claim: ClaimRow) -> JobDefinition:
+        definition = self._registry.get(claim.job or "")
+        if definition is None or definition.probe is None:
+            raise ConfigurationError(
+                f"claim {claim.idem_key!r} is of job {claim.job!r}, which declares no reconcile "
+                "probe: check the provider, then `infrai-jobs claims resolve`"
+            )
+        return definition
+
+    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
+        definition = self._definition(claim)
+        assert definition.probe is not None  # _definition refuses a job without one
+        identity = identity_from_key(definition.name, definition.identity, claim.idem_key) or {}
+        ctx = JobContext(
+            idem_key=claim.idem_key,
+            job=definition.name,
+            message_id=claim.message_id,
+            delivery_count=0,
+            deadline=time.time() + self._probe_timeout,
+            settings=self._registry.settings_of(definition.name),
+        )
+        payload = {"job": definition.name, **identity}
+        answer = ask(definition.probe, payload, ctx, self._probe_timeout)
+        detail = (
+            answer.result
+            if isinstance(answer, Done)
+            else answer.reason
+            if isinstance(answer, Unknown)
+            else None
+        )
+        extra = {"idem_key": claim.idem_key, "job": definition.name, "answer": answer.answer}
+        if dry_run:
+            logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
+            action = _DRY_RUN_ACTION[answer.answer]
+            return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, action)
+        lease_over = claim.lease_until is None or claim.lease_until < datetime.now(UTC)
+        if isinstance(answer, NotDone) and self._forget is not None and lease_over:
+            # Before the release, as `claims release` does: a store that cannot be reached
+            # fails the pass with the claim unchanged. Under a live lease nothing is released.
+            self._forget(claim.idem_key)
+        try:
+            write = self._admin.apply_probe_answer(
+                claim,
+                answer.answer,
+                result=detail if isinstance(answer, Done) else None,
+                actor=self._actor,
+                note=history_note(answer.answer, detail),
+            )
+        except ClaimNotFound:
+            write = ReconcileWrite.CHANGED
+        resolved = write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED)
+        logger.log(
+            logging.INFO if resolved else logging.WARNING,
+            "stuck claim reconciled",
+            extra={"action": "reconciled", "write": write.value, **extra},
+        )
+        return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, write.value)
+
+
+# How much of a probe's reason or result a history note keeps.
+_NOTE_DETAIL_CHARS: Final = 500
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= _NOTE_DETAIL_CHARS else text[: _NOTE_DETAIL_CHARS - 3] + "..."

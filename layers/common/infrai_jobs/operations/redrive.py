@@ -1,0 +1,310 @@
+"""Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
+
+Dead letters live in the ledger (``operations.dead_letters``): a redrive first moves what is
+new in Infrai's DLQ into ``dead_letters`` (recorded, then acked there), then works on the
+unresolved rows it selects (all, by key, job or message id). For each it **publishes the row's
+payload, then marks the row redriven**, under the row's lock: a crash in between publishes it
+again at worst, and the claim ledger absorbs that duplicate. Nothing is lost, no effect doubles.
+A dry run moves new dead letters into the ledger too (that is how they are read), and then
+publishes and marks nothing.
+
+``reopen_failed`` deletes the ``failed`` claims of the redriven work (matched by message id or
+payload fingerprint), recording each in ``claim_history``, so the fixed job runs again. A stuck
+``running`` claim of an irreversible job is never reopened: that needs a human's verdict first
+(``infrai-jobs claims resolve``). An unreadable dead letter is never redriven blindly: it is
+reported, and can be discarded (``infrai-jobs dlq discard``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from infrai_jobs.errors import (
+    ConfigurationError,
+    InfraiInvalidResponse,
+    InfraiUnavailable,
+    KeyDerivationError,
+)
+from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.operations.claims_admin import ClaimsAdmin, default_actor
+from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
+from infrai_jobs.queue.ports import QueuePort
+
+logger = logging.getLogger(__name__)
+
+# The field notes' price, verified 2026-07-26; used only when discovery cannot be reached.
+FALLBACK_PUBLISH_PRICE_USD = Decimal("0.00002")
+
+
+Progress = Callable[[int], None]
+KeyOf = Callable[[Any], str]
+
+MAX_REDRIVE_PER_CALL = 10_000
+# A dead letter is read or published only while this much of the invocation is left. Each is a
+# call or two, normally well under a second; this covers a few retries. Like the drain's batch
+# budget.
+MESSAGE_BUDGET_MS = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which dead letters a redrive moves: those matching every filter given (all when none)."""
+
+    key: str | None = None
+    job: str | None = None
+    message_id: str | None = None
+
+    @property
+    def everything(self) -> bool:
+        return self.key is None and self.job is None and self.message_id is None
+
+    def as_dict(self) -> dict[str, str]:
+        chosen = {"key": self.key, "job": self.job, "message_id": self.message_id}
+        return {name: value for name, value in chosen.items() if value is not None}
+
+    def describe(self) -> str:
+        return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in self.as_dict().items())
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveRequest:
+    """What RedriveFunction's event asks for (see events/redrive.json)."""
+
+    max_messages: int = 100
+    reopen_failed: bool = False
+    dry_run: bool = False
+    selection: Selection = field(default_factory=Selection)
+
+    @classmethod
+    def from_event(cls, event: object) -> RedriveRequest:
+        if not isinstance(event, Mapping):
+            raise ConfigurationError("the redrive event must be a JSON object")
+        unknown = set(event) - {
+            "max_messages",
+            "reopen_failed",
+            "dry_run",
+            "key",
+            "job",
+            "message_id",
+        }
+        if unknown:
+            raise ConfigurationError(
+                f"unknown redrive event field(s): {', '.join(sorted(unknown))}"
+            )
+        max_messages = event.get("max_messages", 100)
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int):
+            raise ConfigurationError("max_messages must be an integer")
+        if not 1 <= max_messages <= MAX_REDRIVE_PER_CALL:
+            raise ConfigurationError(f"max_messages must be between 1 and {MAX_REDRIVE_PER_CALL}")
+        flags = {}
+        for name in ("reopen_failed", "dry_run"):
+            value = event.get(name, False)
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{name} must be true or false")
+            flags[name] = value
+        filters: dict[str, str] = {}
+        for name in ("key", "job", "message_id"):
+            value = event.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigurationError(f"{name} must be a non-empty string")
+            filters[name] = value
+        return cls(max_messages=max_messages, selection=Selection(**filters), **flags)
+
+
+@dataclass
+class RedriveSummary:
+    source: str
+    target: str
+    dry_run: bool
+    # Moved from Infrai's DLQ into the ledger first (dead_letters.Collected): read, newly
+    # recorded, and acked from the DLQ after their rows committed.
+    consumed: int = 0
+    recorded: int = 0
+    acked: int = 0
+    ack_lost: int = 0
+    # The ledger's unresolved rows this redrive selected, and what it did with them.
+    selected: int = 0
+    published: int = 0
+    reopened: list[str] = field(default_factory=list)
+    # Selected rows it cannot publish (unreadable, or not a JSON object): left unresolved.
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    # Unreadable answers from the DLQ that named no message: neither recorded nor acked.
+    unreadable: list[dict[str, Any]] = field(default_factory=list)
+    # Unresolved rows of the queue this redrive did not select (a selective redrive, or more
+    # than max_messages): they stay unresolved in the ledger for another redrive or a discard.
+    not_selected: int = 0
+    selection: dict[str, str] = field(default_factory=dict)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    # "time_budget" when the invocation ran short and the redrive stopped early; "" otherwise.
+    # What it did not reach stays unresolved in the ledger (or in the DLQ) for the next one.
+    stopped: str = ""
+    price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
+    price_source: str = "fallback"
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return self.price_usd_per_message * self.published
+
+    @property
+    def complete(self) -> bool:
+        """Every dead letter it meant to move was read and moved (or, dry, looked at)."""
+        return not self.skipped and not self.unreadable and not self.stopped
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "target": self.target,
+            "dry_run": self.dry_run,
+            "consumed": self.consumed,
+            "recorded": self.recorded,
+            "acked": self.acked,
+            "ack_lost": self.ack_lost,
+            "selected": self.selected,
+            "published": self.published,
+            "reopened": self.reopened,
+            "skipped": self.skipped,
+            "unreadable": self.unreadable,
+            "not_selected": self.not_selected,
+            "selection": self.selection,
+            "complete": self.complete,
+            "seen": self.seen,
+            "stopped": self.stopped,
+            "price_usd_per_message": str(self.price_usd_per_message),
+            "price_source": self.price_source,
+            "cost_usd": str(self.cost_usd),
+        }
+
+
+def publish_price(queue: QueuePort) -> tuple[Decimal, str]:
+    """Discovery's live price, or the documented fallback when discovery cannot be reached or
+    its answer read. Any other error (a 401: the key is wrong) is raised: every other call
+    would fail the same way, and a price is no reason to hide it."""
+    try:
+        return queue.publish_price().usd_per_message, "discovery"
+    except (InfraiUnavailable, InfraiInvalidResponse) as exc:
+        logger.warning(
+            "discovery unavailable; using the fallback publish price",
+            extra={"action": "price_fallback", "detail": str(exc)},
+        )
+        return FALLBACK_PUBLISH_PRICE_USD, "fallback"
+
+
+def redrive(
+    queue: QueuePort,
+    store: DeadLetterStore,
+    *,
+    source: str,
+    target: str,
+    max_messages: int,
+    dry_run: bool = False,
+    reopen_failed: bool = False,
+    admin: ClaimsAdmin | None = None,
+    progress: Progress | None = None,
+    time_left_ms: Callable[[], int] | None = None,
+    selection: Selection | None = None,
+    key_of: KeyOf | None = None,
+) -> RedriveSummary:
+    """Move new dead letters of ``source`` into the ledger, then publish up to
+    ``max_messages`` of its unresolved rows (those ``selection`` matches) to ``target``.
+
+    ``key_of`` derives the keys of the dead letters recorded now (a row keeps its key, which a
+    selection by key matches). ``dry_run`` records, then publishes and marks nothing; its
+    ``seen`` lists the rows a redrive would publish.
+
+    ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
+    it can still report: nothing is read or published with less than ``MESSAGE_BUDGET_MS``
+    left; ``summary.stopped`` says so.
+    """
+    if reopen_failed and admin is None:
+        raise ValueError("reopen_failed needs the ledger (admin)")
+    selection = selection or Selection()
+    summary = RedriveSummary(
+        source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
+    )
+
+    def short_of_time() -> bool:
+        if time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS:
+            summary.stopped = "time_budget"
+            return True
+        return False
+
+    collected = collect(
+        queue, store, dlq=source, main_queue=target, key_of=key_of, stop=short_of_time
+    )
+    summary.consumed, summary.recorded = collected.read, collected.recorded
+    summary.acked, summary.ack_lost = collected.acked, collected.ack_lost
+    summary.unreadable = collected.unrecorded
+    summary.price_usd_per_message, summary.price_source = publish_price(queue)
+    rows = store.rows(
+        target,
+        message_id=selection.message_id,
+        key=selection.key,
+        job=selection.job,
+        limit=max_messages,
+    )
+    summary.selected = len(rows)
+    summary.not_selected = store.unresolved_count(target) - len(rows)
+    actor = default_actor()
+    for done, row in enumerate(rows, start=1):
+        if progress is not None:
+            progress(done)
+        if row.redrivable:
+            summary.skipped.append({"message_id": row.message_id, "reason": row.redrivable})
+            continue
+        if dry_run:
+            summary.seen.append(
+                {
+                    "message_id": row.message_id,
+                    "idem_key": row.idem_key,
+                    "state": row.state,
+                    "reason": row.reason,
+                }
+            )
+            continue
+        if short_of_time():
+            break
+        if reopen_failed:
+            assert admin is not None
+            summary.reopened.extend(_reopen(admin, row.message_id, row.body))
+        if store.redrive(row.message_id, _publisher(queue, target), actor=actor, note="redrive"):
+            summary.published += 1
+    if summary.stopped:
+        logger.warning(
+            "redrive stopped before the invocation's time ran out; invoke it again for the rest",
+            extra={"action": "redrive_stopped", "moved": summary.published},
+        )
+    if summary.unreadable or summary.skipped:
+        logger.error(
+            "redrive could not move every dead letter; the rest stay unresolved",
+            extra={
+                "action": "redrive_incomplete",
+                "unreadable": len(summary.unreadable),
+                "skipped": len(summary.skipped),
+            },
+        )
+    logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
+    return summary
+
+
+def _publisher(queue: QueuePort, target: str) -> Callable[[Any], None]:
+    def publish(payload: Any) -> None:
+        # Retrying the publish is safe here: the drain's claims absorb a duplicate.
+        queue.publish(target, payload, retry=True)
+
+    return publish
+
+
+def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any) -> list[str]:
+    try:
+        fingerprint: str | None = payload_fingerprint(payload)
+    except KeyDerivationError:
+        fingerprint = None  # unrepresentable work: match the claim by message id alone
+    return admin.reopen_failed(
+        message_id=message_id, fingerprint=fingerprint, actor=default_actor()
+    )

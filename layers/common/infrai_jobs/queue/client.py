@@ -1,0 +1,599 @@
+"""The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries.
+
+Retry rules (docs/infrai-api.md, "What the client does with it"):
+
+* create, consume, ack and stats are retried with jittered exponential backoff on connection
+  errors, dropped responses, 5xx and 429 (honouring ``Retry-After``). They are safe to repeat:
+  a repeated ack of an applied ack answers ``QUEUE_MESSAGE_NOT_FOUND``, which callers treat as
+  harmless; a repeated consume at worst hides messages until their visibility lapses.
+* a consume whose answer is lost after it was sent (cut off, too large, not JSON, too deep, a
+  5xx) is **not** retried: it may have been served, and each message it served has spent one of
+  its three deliveries unseen. It raises ``ConsumeAnswerLost`` and the caller decides (the drain
+  goes on one message at a time, so an unreadable message cannot take its neighbours along).
+* a TLS certificate or hostname that does not verify is final (``UntrustedServer``), never
+  retried: no request was sent, and a repeat would meet the same certificate.
+* publish is **not** retried by default. Infrai has no producer-side deduplication, so a retried
+  publish whose first attempt reached the server is a duplicate job. ``retry_publish=True`` opts
+  in; that is safe only because consumers (this package's drain) dedupe by idempotency key.
+
+The API key is held privately and never appears in a repr, log line or exception message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import ssl
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from infrai_jobs.config.rotation import fetch_again
+from infrai_jobs.config.settings import check_web_url
+from infrai_jobs.errors import (
+    AnswerTooLarge,
+    ConfigurationError,
+    ConsumeAnswerLost,
+    InfraiError,
+    InfraiInvalidResponse,
+    InfraiUnavailable,
+    QueueMessageNotFound,
+    TlsVerificationFailed,
+    TransportError,
+    UntrustedServer,
+)
+from infrai_jobs.queue.models import (
+    Pending,
+    PublishPrice,
+    QueueMessage,
+    QueueStats,
+    parse_publish_price,
+)
+from infrai_jobs.queue.transport import MAX_BODY, HttpPool
+from infrai_jobs.queue_contract import CONSUME_CAP
+
+logger = logging.getLogger(__name__)
+
+USER_AGENT = "infrai-jobs/0.1"
+# Request bodies need no spaces and no NaN. Built once: json.dumps with any option builds a new
+# encoder per call (about 1.5 µs, for every ack).
+_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+_ASCII_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# Ids of the messages an unreadable consume answer still shows (at most a batch of them).
+_MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How retryable calls back off: full jitter, capped, bounded in attempts."""
+
+    max_attempts: int = 4
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+    # A Retry-After beyond this is not honoured by sleeping; the call fails instead. Within a
+    # time-budgeted run (``InfraiClient.retries_within``) a retry must also fit the time left.
+    max_retry_after: float = 30.0
+
+    def backoff(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * (2**attempt)))
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float = 3.05
+    read: float = 10.0
+
+
+class InfraiClient:
+    """Talks to Infrai's queue API (``/v1/queue/*`` and ``/v1/discovery``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        retry_publish: bool = False,
+        pool_maxsize: int = 16,
+        sleep: Callable[[float], None] = time.sleep,
+        refresh_api_key: Callable[[], str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_answer_bytes: int = MAX_BODY,
+        allow_plain_http: bool = False,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigurationError(
+                f"INFRAI_BASE_URL {base_url!r} is not an http(s) URL; "
+                "set it to e.g. https://api.infrai.cc"
+            )
+        # The settings' rule again, for a client built without them: the key is in every request.
+        example = "https://api.infrai.cc"
+        check_web_url(
+            "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=example
+        )
+        if not api_key:
+            raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
+        _check_api_key(api_key)
+        self._base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        # Fetches the key again (bypassing the secret cache) after a 401: a rotated key.
+        self._refresh_api_key = refresh_api_key
+        self._timeouts = timeouts or Timeouts()
+        self._retry = retry or RetryPolicy()
+        self._retry_publish = retry_publish
+        self._sleep = sleep
+        # Set by retries_within() for the length of one invocation; None: no deadline.
+        self._time_left_ms: Callable[[], int] | None = None
+        # Retries are ours (they depend on the call and on Infrai's error codes); the pool
+        # never retries. Concurrent ackers beyond pool_maxsize get short-lived connections.
+        try:
+            self._pool = HttpPool(
+                base_url,
+                connect_timeout=self._timeouts.connect,
+                read_timeout=self._timeouts.read,
+                maxsize=pool_maxsize,
+                ssl_context=ssl_context,
+                max_body=max_answer_bytes,
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"INFRAI_BASE_URL: {exc}") from None
+
+    def __repr__(self) -> str:
+        return f"InfraiClient(base_url={self._base_url!r}, api_key=<redacted>)"
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    def close(self) -> None:
+        self._pool.close()
+
+    @contextmanager
+    def retries_within(self, time_left_ms: Callable[[], int]) -> Iterator[None]:
+        """Within the block, a call is retried only if the back-off and one more attempt (its
+        connect and read timeouts) fit in ``time_left_ms()``; otherwise its last failure is
+        raised at once. A Lambda invocation then fails with Infrai's error, in its own time,
+        instead of being killed by its timeout while asleep. One invocation at a time: every
+        thread using the client shares the bound."""
+        self._time_left_ms = time_left_ms
+        try:
+            yield
+        finally:
+            self._time_left_ms = None
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
+        """Create ``name`` (and its DLQ); return False when it already existed."""
+        body: dict[str, Any] = {"name": name, "type": type_}
+        if dlq:
+            body["dlq"] = dlq
+        try:
+            self._call("POST", "/v1/queue/create", body, call="create", retryable=True)
+        except InfraiError as exc:
+            if exc.code == "QUEUE_ALREADY_EXISTS":
+                return False
+            raise
+        return True
+
+    def publish(
+        self,
+        queue: str,
+        body: Mapping[str, Any],
+        *,
+        delay_seconds: int | None = None,
+        retry: bool | None = None,
+    ) -> str:
+        """Publish one message and return its ``message_id``.
+
+        Not retried unless ``retry`` (or the client's ``retry_publish``) says so: see the module
+        docstring for why.
+        """
+        request: dict[str, Any] = {"queue": queue, "body": body}
+        if delay_seconds is not None:
+            request["delay_seconds"] = delay_seconds
+        retryable = self._retry_publish if retry is None else retry
+        data = self._call("POST", "/v1/queue/publish", request, call="publish", retryable=retryable)
+        message_id = data.get("message_id") if isinstance(data, Mapping) else None
+        if not isinstance(message_id, str) or not message_id:
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE", "publish answered without a message_id", 0, call="publish"
+            )
+        return message_id
+
+    def consume(self, queue: str, max_messages: int = CONSUME_CAP) -> list[QueueMessage]:
+        """Receive up to ``max_messages`` (capped at 10). Each receive uses one of three deliveries.
+
+        An item too malformed to process (no id, bad delivery count) is logged and left alone:
+        unacked, it returns after the visibility timeout and is dead-lettered after three. An
+        answer lost or unreadable after the request went out raises ``ConsumeAnswerLost``.
+        """
+        return self.send_consume(queue, max_messages).wait()
+
+    def send_consume(
+        self, queue: str, max_messages: int = CONSUME_CAP
+    ) -> Pending[list[QueueMessage]]:
+        """``consume``, sent now and answered by ``wait()``: the drain receives its next batch
+        while it works on this one."""
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
+        served = min(max_messages, CONSUME_CAP)
+        request = {"queue": queue, "max_messages": served}
+        path = "/v1/queue/consume"
+        spends = (queue, served)
+        first = self._send("POST", path, request, call="consume", spends=spends)
+
+        def finish() -> list[QueueMessage]:
+            data = self._call(
+                "POST", path, request, call="consume", retryable=True, first=first, spends=spends
+            )
+            return _messages(data, queue, served)
+
+        return Pending(finish, lambda: _messages(first.answer_alone(), queue, served))
+
+    def ack(self, queue: str, receipt_handle: str) -> None:
+        """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
+        self.send_ack(queue, receipt_handle).wait()
+
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
+        """``ack``, sent now and answered by ``wait()``: a batch's acks travel together, each
+        on its own connection, while the drain works on the next batch."""
+        request = {"queue": queue, "receipt_handle": receipt_handle}
+        path = "/v1/queue/ack"
+        first = self._send("POST", path, request, call="ack")
+
+        def finish() -> None:
+            self._call("POST", path, request, call="ack", retryable=True, first=first)
+
+        return Pending(finish, first.answer_alone)
+
+    def stats(self, queue: str) -> QueueStats:
+        path = "/v1/queue/stats/" + quote(queue, safe="")
+        data = self._call("GET", path, None, call="stats", retryable=True)
+        return QueueStats.from_api(data, queue=queue)
+
+    def publish_price(self) -> PublishPrice:
+        """Today's publish price from discovery (only publishing is metered)."""
+        data = self._call("GET", "/v1/discovery", None, call="discovery", retryable=True)
+        return parse_publish_price(data)
+
+    # --- transport ---------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        call: str,
+        retryable: bool,
+        first: _Attempt | None = None,
+        spends: tuple[str, int] | None = None,
+    ) -> Any:
+        """Make a call with its retries. ``first``, when given, is a request already sent (see
+        ``_send``): its answer is the first attempt's; the retries send afresh. ``spends``
+        marks a consume (queue, messages asked for): see ``_send``."""
+        sent: list[_Attempt] = []
+        try:
+            return self._call_with_retries(
+                method,
+                path,
+                body,
+                call=call,
+                retryable=retryable,
+                first=first,
+                sent=sent,
+                spends=spends,
+            )
+        except InfraiError as exc:
+            if exc.status != 401:
+                raise
+            # Requests sent together before a rotation all carry the old key: the first 401
+            # read fetches the new one, the others just use it.
+            if sent[-1].key == self._api_key and not self._take_refreshed_key():
+                raise
+        # A 401 is answered before anything is applied, so one more try is safe for every call.
+        return self._call_with_retries(
+            method, path, body, call=call, retryable=retryable, sent=[], spends=spends
+        )
+
+    def _take_refreshed_key(self) -> bool:
+        fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
+        if fresh is None:
+            return False
+        _check_api_key(fresh)
+        logger.warning(
+            "Infrai answered 401; retrying once with the API key fetched again",
+            extra={"action": "secret_refresh"},
+        )
+        self._api_key = fresh
+        return True
+
+    def _call_with_retries(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        call: str,
+        retryable: bool,
+        sent: list[_Attempt],
+        first: _Attempt | None = None,
+        spends: tuple[str, int] | None = None,
+    ) -> Any:
+        attempts = self._retry.max_attempts if retryable else 1
+        for attempt in range(attempts):
+            try:
+                if attempt == 0 and first is not None:
+                    current = first
+                else:
+                    current = self._send(method, path, body, call=call, spends=spends)
+                sent.append(current)
+                return current.answer()
+            except ConsumeAnswerLost:
+                # Never repeated: the lost answer may have served messages, and a repeat would
+                # spend a delivery of the next ones too.
+                raise
+            except InfraiUnavailable as exc:
+                retry_after = getattr(exc, "retry_after", None)
+                out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
+                delay = self._retry.backoff(attempt)
+                if retry_after is not None:
+                    delay = retry_after + random.uniform(0, self._retry.base_delay)
+                if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
+                    # The public type, whatever answer class carried the last failure.
+                    raise InfraiUnavailable(exc.code, exc.message, exc.status, call=call) from exc
+                # WARNING: a retried call is Infrai failing (5xx, 429, a connection), and a run
+                # of them is how an outage looks before anything else fails.
+                logger.warning(
+                    "retrying an Infrai call",
+                    extra={
+                        "action": "http_retry",
+                        "call": call,
+                        "queue": body.get("queue") if body else None,
+                        "code": exc.code,
+                        "attempt": attempt + 1,
+                        "delay_seconds": round(delay, 3),
+                    },
+                )
+                self._sleep(delay)
+        raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+    def _retry_fits(self, delay: float) -> bool:
+        time_left_ms = self._time_left_ms
+        if time_left_ms is None:
+            return True
+        attempt_at_most = self._timeouts.connect + self._timeouts.read
+        return (delay + attempt_at_most) * 1000 <= time_left_ms()
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        call: str,
+        spends: tuple[str, int] | None = None,
+    ) -> _Attempt:
+        """Send one attempt; its ``answer()`` reads the answer (the call's data) or raises. A
+        request that could not be sent fails when its answer is asked for, as a retryable
+        connection error.
+
+        ``spends`` (queue, messages asked for) marks a consume: once it has been sent, an
+        answer that is cut off, too large, unreadable or a 5xx raises ``ConsumeAnswerLost``,
+        since the queue may have served it. A 429 was refused before serving and stays
+        retryable."""
+        key = self._api_key
+        headers = {
+            "Authorization": f"Bearer {key}",
+            "Accept": "application/json",
+            "User-Agent": USER_AGENT,
+        }
+        encoded: bytes | None = None
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+            encoded = _encode_body(body)
+        try:
+            exchange = self._pool.send(method, path, headers, encoded)
+        except TransportError as exc:
+            # The transport's message names the host and the failure, never our headers. A
+            # certificate or hostname that does not verify is final: a retry meets the same one.
+            failure: InfraiError = (
+                UntrustedServer("TLS_VERIFICATION_FAILED", str(exc), 0, call=call)
+                if isinstance(exc, TlsVerificationFailed)
+                else InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call)
+            )
+            failure.__cause__ = exc  # as "raise ... from exc" would have chained it
+
+            def failed() -> Any:
+                raise failure
+
+            return _Attempt(key, call, failed)
+
+        def answer() -> Any:
+            try:
+                response = self._pool.receive(exchange)
+            except TransportError as exc:
+                if spends is not None:
+                    size = exc.size if isinstance(exc, AnswerTooLarge) else None
+                    code = "ANSWER_TOO_LARGE" if isinstance(exc, AnswerTooLarge) else None
+                    raise _lost(spends, code or "CONNECTION_ERROR", str(exc), 0, size=size) from exc
+                raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
+            try:
+                return _unwrap(
+                    response.status, response.body, response.headers.get("retry-after"), call
+                )
+            except (_RetryableAnswer, InfraiInvalidResponse) as exc:
+                if spends is None or exc.status == 429:
+                    raise
+                body = response.body
+                raise _lost(
+                    spends,
+                    exc.code,
+                    exc.message,
+                    exc.status,
+                    size=len(body),
+                    message_ids=_ids_in(body),
+                ) from exc
+
+        return _Attempt(key, call, answer)
+
+
+def _encode_body(body: Mapping[str, Any]) -> bytes:
+    """A request body in UTF-8, so non-ASCII text travels at its own size rather than tripled
+    by ``\\u`` escapes; text UTF-8 cannot carry (a lone surrogate) is sent escaped instead."""
+    try:
+        return _BODY_JSON.encode(body).encode("utf-8")
+    except UnicodeEncodeError:
+        return _ASCII_BODY_JSON.encode(body).encode("ascii")
+
+
+def _check_api_key(key: str) -> None:
+    # It travels in a header: a line break would split the request. Never print the key.
+    if any(c in key for c in "\r\n\x00") or not key.isascii():
+        raise ConfigurationError(
+            "INFRAI_API_KEY contains a line break, NUL or non-ASCII character; "
+            "check how the secret was stored"
+        )
+
+
+class _Attempt:
+    """One request sent: the API key it carried and how to read its answer."""
+
+    __slots__ = ("answer", "call", "key")
+
+    def __init__(self, key: str, call: str, answer: Callable[[], Any]) -> None:
+        self.key = key
+        self.call = call
+        self.answer = answer
+
+    def __repr__(self) -> str:
+        return f"_Attempt(call={self.call!r}, key=<redacted>)"
+
+    def answer_alone(self) -> Any:
+        """The answer with no retry; a retryable failure is raised as the public type."""
+        try:
+            return self.answer()
+        except ConsumeAnswerLost:
+            raise
+        except InfraiUnavailable as exc:
+            raise InfraiUnavailable(exc.code, exc.message, exc.status, call=self.call) from exc
+
+
+class _RetryableAnswer(InfraiUnavailable):
+    def __init__(
+        self, code: str, message: str, status: int, *, call: str, retry_after: float | None
+    ):
+        super().__init__(code, message, status, call=call)
+        self.retry_after = retry_after
+
+
+def _lost(
+    spends: tuple[str, int],
+    code: str,
+    message: str,
+    status: int,
+    *,
+    size: int | None = None,
+    message_ids: tuple[str, ...] = (),
+) -> ConsumeAnswerLost:
+    queue, served = spends
+    return ConsumeAnswerLost(
+        code,
+        message,
+        status,
+        queue=queue,
+        max_messages=served,
+        size=size,
+        message_ids=message_ids,
+    )
+
+
+def _ids_in(raw: bytes) -> tuple[str, ...]:
+    """The message ids an unreadable answer still shows, at most one batch of them."""
+    found = (m.group(1).decode("ascii") for m in _MESSAGE_ID.finditer(raw))
+    return tuple(dict.fromkeys(found))[:CONSUME_CAP]
+
+
+def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:
+    items = data.get("items") if isinstance(data, Mapping) else None
+    if not isinstance(items, list):
+        # Something was answered, and the queue may have served messages to it.
+        raise _lost(
+            (queue, served), "INVALID_RESPONSE", "consume answered without an items list", 200
+        )
+    messages: list[QueueMessage] = []
+    for item in items:
+        try:
+            messages.append(QueueMessage.from_api(item, queue=queue))
+        except InfraiInvalidResponse as exc:
+            logger.warning(
+                "skipping a malformed consumed item",
+                extra={"action": "malformed_item", "queue": queue, "reason": exc.message},
+            )
+    return messages
+
+
+def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) -> Any:
+    """Turn a response into its data, accepting bodies with and without the envelope."""
+    try:
+        document = json.loads(raw) if raw else None
+    except RecursionError:
+        raise InfraiInvalidResponse(
+            "INVALID_RESPONSE",
+            f"answered HTTP {status} with JSON nested too deeply",
+            status,
+            call=call,
+        ) from None
+    except ValueError:
+        document = None
+        if 200 <= status < 300:
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE",
+                f"answered HTTP {status} with a body that is not JSON",
+                status,
+                call=call,
+            ) from None
+    code, message = f"HTTP_{status}", "no error envelope in the answer"
+    if isinstance(document, Mapping) and "ok" in document:
+        if document["ok"] is True and 200 <= status < 300:
+            return document.get("data")
+        error = document.get("error")
+        if isinstance(error, Mapping):
+            code = str(error.get("code") or code)
+            message = str(error.get("message") or "")
+        elif 200 <= status < 300:
+            # A success status whose envelope neither says ok nor names an error ("ok": "yes",
+            # "ok": false alone) is outside the contract, not an HTTP error.
+            raise InfraiInvalidResponse(
+                "INVALID_RESPONSE",
+                f"answered HTTP {status} with an envelope whose ok is {document['ok']!r:.20}",
+                status,
+                call=call,
+            )
+    elif 200 <= status < 300:
+        return document
+    if status == 429 or status >= 500:
+        raise _RetryableAnswer(
+            code, message, status, call=call, retry_after=_parse_retry_after(retry_after_header)
+        )
+    if code == "QUEUE_MESSAGE_NOT_FOUND":
+        raise QueueMessageNotFound(code, message, status, call=call)
+    raise InfraiError(code, message, status, call=call)
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # the HTTP-date form is not used by Infrai; fall back to backoff
+    return seconds if seconds >= 0 else None

@@ -1,0 +1,304 @@
+"""A small HTTP/1.1 keep-alive client, just enough for Infrai's JSON API.
+
+Why not urllib3: every ack is one request, so the client's own CPU per request bounds how many
+messages a lane (and a thread-laned drain, which shares one GIL) can finish per second. urllib3
+and ``http.client`` spend most of theirs on general machinery this API never needs (the
+``email`` header parser, URL parsing on every call, pool keys); on this project's benchmark a
+request cost about four times the CPU it costs here. A Lambda at 512 MB has about a third of a
+vCPU, so that CPU is throughput.
+
+What it does: one request per connection at a time (``send`` and ``receive`` let one thread
+have several travel at once, each on its own connection), connections kept alive and reused
+from a bounded idle list (LIFO, thread-safe), TLS with certificate and hostname verification through
+``ssl.create_default_context()``, connect and read timeouts, ``Content-Length``, chunked and
+close-delimited answers, limits on line length, header count and body size, and a deadline for
+the whole answer (a server dripping bytes cannot hold a call past it). A connection goes back
+to the pool only when its answer was framed exactly, with no byte left over; before reuse it is
+dropped if the server has closed it (or sent something unasked) or it sat idle too long. It
+never retries: whether a call may be repeated is the caller's decision (see ``queue_client``);
+a certificate or hostname that fails verification is a ``TlsVerificationFailed``, so the caller
+can tell it from a transient failure.
+
+It does not do proxies, redirects, compression, cookies or HTTP/2: Infrai's API needs none, and
+it asks for no content coding (``Accept-Encoding: identity``) and refuses one it did not ask for.
+Error messages name the host and the failure, never a header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import ssl
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from infrai_jobs.errors import (
+    AnswerTooLarge,
+    OversizedAnswer,
+    ProtocolError,
+    TlsVerificationFailed,
+    TransportError,
+)
+from infrai_jobs.queue.http_wire import (
+    Connection,
+    Response,
+    read_response,
+)
+
+# Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
+# hostile server from filling a 512 MB Lambda.
+MAX_BODY = 16 * 1024 * 1024
+# Well under the idle timeouts of common load balancers (60 s) and API gateways; a connection
+# idle longer, e.g. across a frozen Lambda, is more likely dead than alive.
+DEFAULT_MAX_IDLE = 30.0
+# The whole answer must arrive within this many read timeouts (the read timeout alone bounds
+# each wait for bytes, not a server sending one byte at a time).
+ANSWER_DEADLINE_READS = 3
+
+_UNSAFE_HEADER = re.compile(r"[\r\n\x00]")
+# No spaces or control characters in the request line: they would split or bend it.
+_UNSAFE_TARGET = re.compile(r"[\x00-\x20\x7f]")
+# Encoded header sets a pool keeps (a client uses two or three; a rotated API key adds some).
+_HEADER_BLOCKS_KEPT = 16
+
+
+class Exchange:
+    """A request sent on its own connection whose answer has not been read yet."""
+
+    __slots__ = ("_conn", "method")
+
+    def __init__(self, conn: Connection, method: str) -> None:
+        self._conn: Connection | None = conn
+        self.method = method
+
+    def take(self) -> Connection:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("this exchange's answer was already read or discarded")
+        return conn
+
+
+class HttpPool:
+    """Keep-alive connections to one origin (scheme, host, port)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        maxsize: int = 16,
+        ssl_context: ssl.SSLContext | None = None,
+        max_idle: float = DEFAULT_MAX_IDLE,
+        max_body: int = MAX_BODY,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{base_url!r} is not an http(s) URL with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("the URL carries credentials; pass them as headers instead")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"{base_url!r} has an invalid port") from exc
+        self._tls = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = port or (443 if self._tls else 80)
+        default_port = (self._tls and self._port == 443) or (not self._tls and self._port == 80)
+        host_for_header = f"[{self._host}]" if ":" in self._host else self._host
+        self._host_header = host_for_header if default_port else f"{host_for_header}:{self._port}"
+        self._prefix = parts.path.rstrip("/")
+        self._where = f"{parts.scheme}://{self._host_header}"
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._maxsize = maxsize
+        self._ssl_context = ssl_context
+        self._max_idle = max_idle
+        self._max_body = max_body
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._header_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
+        # A pool dropped without close() still closes its sockets (no ResourceWarning, no fd
+        # leak); the finalizer holds the list, not the pool.
+        weakref.finalize(self, _close_all, self._idle)
+
+    def close(self) -> None:
+        with self._lock:
+            idle = self._idle[:]
+            self._idle.clear()
+        _close_all(idle)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+    ) -> Response:
+        return self.receive(self.send(method, path, headers, body))
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+    ) -> Exchange:
+        """Send a request on a connection of its own and return without waiting for the answer.
+
+        The caller must ``receive`` every exchange (or ``discard`` it): until then its
+        connection is held. Several exchanges may be open at once, one per connection, so one
+        thread can have a batch of requests travel together and read their answers after.
+        """
+        head = self._encode_head(method, path, headers, body)
+        conn = self._take()
+        try:
+            conn.sock.sendall(head + body if body else head)
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, OSError):
+                raise TransportError(self._describe(exc)) from exc
+            raise
+        # From the send: exchanges read one after another all expire by the same time.
+        now = time.monotonic()
+        conn.deadline = now + self._read_timeout * ANSWER_DEADLINE_READS
+        conn.first_byte_by = now + self._read_timeout
+        conn.late_until = 0.0
+        return Exchange(conn, method)
+
+    def receive(self, exchange: Exchange) -> Response:
+        """Read the answer of an exchange ``send`` opened; its connection goes back to the pool
+        when the answer was framed exactly, and is closed otherwise."""
+        conn = exchange.take()
+        method = exchange.method
+        try:
+            response, keep_alive = read_response(conn, method, self._max_body)
+        except OversizedAnswer as exc:
+            conn.close()
+            raise AnswerTooLarge(self._describe(exc), exc.size) from exc
+        except (OSError, ProtocolError) as exc:
+            conn.close()
+            raise TransportError(self._describe(exc)) from exc
+        except BaseException:
+            conn.close()
+            raise
+        if keep_alive and not conn.buffer:
+            self._give_back(conn)
+        else:
+            conn.close()
+        return response
+
+    @staticmethod
+    def discard(exchange: Exchange) -> None:
+        """Close an exchange's connection without reading its answer (it is not reusable)."""
+        with contextlib.suppress(OSError):
+            exchange.take().close()
+
+    # --- connections --------------------------------------------------------------------------
+
+    def _take(self) -> Connection:
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return self._connect()
+            if now - conn.idle_since > self._max_idle or conn.looks_dropped():
+                conn.close()
+                continue
+            return conn
+
+    def _give_back(self, conn: Connection) -> None:
+        conn.idle_since = time.monotonic()
+        if conn.shortened:
+            conn.sock.settimeout(self._read_timeout)
+            conn.shortened = False
+        with self._lock:
+            if len(self._idle) < self._maxsize:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _connect(self) -> Connection:
+        try:
+            sock = socket.create_connection((self._host, self._port), self._connect_timeout)
+        except OSError as exc:
+            raise TransportError(self._describe(exc)) from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls:
+                if self._ssl_context is None:
+                    # Built on first use: loading the CA bundle is not free at cold start.
+                    self._ssl_context = ssl.create_default_context()
+                # The handshake is part of connecting: it runs under the connect timeout.
+                sock = self._ssl_context.wrap_socket(sock, server_hostname=self._host)
+            sock.settimeout(self._read_timeout)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            raise TlsVerificationFailed(self._describe(exc)) from exc
+        except OSError as exc:
+            sock.close()
+            raise TransportError(self._describe(exc)) from exc
+        return Connection(sock, self._read_timeout)
+
+    # --- wire format --------------------------------------------------------------------------
+
+    def _encode_head(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes | None
+    ) -> bytes:
+        target = f"{self._prefix}{path}"
+        if _UNSAFE_TARGET.search(method) or _UNSAFE_TARGET.search(target):
+            raise ValueError("the method or path contains a space or control character")
+        parts = [
+            _latin1(f"{method} {target} HTTP/1.1\r\nHost: {self._host_header}\r\n", "the path"),
+            b"Accept-Encoding: identity\r\n",
+        ]
+        # A client sends the same few header sets again and again: each is checked and encoded
+        # once, then reused.
+        key = tuple(headers.items())
+        block = self._header_blocks.get(key)
+        if block is None:
+            block = _encode_headers(key)
+            if len(self._header_blocks) >= _HEADER_BLOCKS_KEPT:
+                self._header_blocks.clear()
+            self._header_blocks[key] = block
+        parts.append(block)
+        if body is not None:
+            parts.append(b"Content-Length: %d\r\n" % len(body))
+        elif method not in ("GET", "HEAD"):
+            parts.append(b"Content-Length: 0\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    def _describe(self, exc: BaseException) -> str:
+        what = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else "no detail")
+        return f"{type(exc).__name__}: {what} ({self._where})"
+
+
+def _encode_headers(items: tuple[tuple[str, str], ...]) -> bytes:
+    parts = []
+    for name, value in items:
+        if _UNSAFE_HEADER.search(name) or _UNSAFE_HEADER.search(value) or ":" in name:
+            # The value may be a secret: name the header, never print the value.
+            raise ValueError(f"header {name!r} contains a line break, NUL or colon")
+        parts.append(_latin1(f"{name}: {value}\r\n", f"header {name!r}"))
+    return b"".join(parts)
+
+
+def _close_all(connections: list[Connection]) -> None:
+    while connections:
+        connections.pop().close()
+
+
+def _latin1(text: str, what: str) -> bytes:
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        pass
+    # Raised outside the handler: the encode error holds the whole text, a secret perhaps, and
+    # would ride along as this exception's context.
+    raise ValueError(f"{what} is not latin-1 text")

@@ -1,0 +1,194 @@
+"""Builds the real adapters from settings. Only handlers and the CLI call this."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from infrai_jobs.aws.secrets import resolve_secrets
+from infrai_jobs.config.settings import Settings, is_loopback_host
+from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.queue.client import InfraiClient
+
+if TYPE_CHECKING:
+    from infrai_jobs.aws.lambda_starter import LambdaDrainStarter
+    from infrai_jobs.aws.second_layer import SecondLayer
+    from infrai_jobs.drain.fleet import PostgresDrainFleet
+    from infrai_jobs.jobs.registry import JobRegistry
+    from infrai_jobs.operations.alerting import AlertCheck, Alerter
+    from infrai_jobs.operations.claims_admin import ClaimsAdmin
+
+
+@dataclass(frozen=True, slots=True)
+class SecretRefresh:
+    """How a warm environment picks up a rotated secret: the queue client retries a 401 once,
+    and the ledger a failed connect once, with the secret fetched again past its cache.
+
+    Only secrets fetched by name (the SSM parameter, the Secrets Manager ARN) can rotate under
+    a running function; a plain environment value is what it is, so its hook is None.
+    """
+
+    api_key: Callable[[], str] | None
+    database_url: Callable[[], str] | None
+
+
+def secret_refresh(settings: Settings) -> SecretRefresh:
+    """The hooks for ``settings`` as read from the environment (before resolving secrets)."""
+
+    def api_key() -> str:
+        return resolve_secrets(settings, database=False, force_fetch=True).infrai_api_key
+
+    def database_url() -> str:
+        return resolve_secrets(settings, api_key=False, force_fetch=True).database_url
+
+    return SecretRefresh(
+        api_key=api_key if not settings.infrai_api_key and settings.api_key_parameter else None,
+        database_url=(
+            database_url if not settings.database_url and settings.database_secret_arn else None
+        ),
+    )
+
+
+def make_queue_client(
+    settings: Settings, *, refresh_api_key: Callable[[], str] | None = None
+) -> InfraiClient:
+    return InfraiClient(
+        settings.require_base_url(),
+        settings.require_api_key(),
+        retry_publish=settings.publish_retries,
+        refresh_api_key=refresh_api_key,
+        pool_maxsize=client_pool_size(settings.drain_lanes),
+        max_answer_bytes=settings.max_answer_bytes,
+        allow_plain_http=settings.allow_plain_http,
+    )
+
+
+def client_pool_size(lanes: int) -> int:
+    """Idle connections the Infrai client keeps: enough for every lane's concurrent calls."""
+    return max(1, lanes) * HTTP_CONNECTIONS_PER_LANE
+
+
+def make_ledger(
+    settings: Settings, *, refresh_url: Callable[[], str] | None = None
+) -> PostgresLedger:
+    return PostgresLedger(
+        settings.require_database_url(),
+        visibility_timeout=settings.visibility_timeout_seconds,
+        refresh_url=refresh_url,
+    )
+
+
+def make_claims_admin(settings: Settings, *, refresh: SecretRefresh | None = None) -> ClaimsAdmin:
+    """The operator's actions on the ledger (the CLI, PruneFunction); ``refresh`` as for
+    ``make_alert_check``."""
+    from infrai_jobs.operations.claims_admin import ClaimsAdmin  # noqa: PLC0415 - not on the drain's path
+
+    return ClaimsAdmin(
+        settings.require_database_url(), refresh_url=refresh.database_url if refresh else None
+    )
+
+
+def make_drain_fleet(
+    settings: Settings, *, refresh_url: Callable[[], str] | None = None
+) -> PostgresDrainFleet | None:
+    """The drains alive, counted in the ledger; None unless DRAIN_MAX_CONCURRENCY is set."""
+    if settings.drain_max_concurrency <= 0:
+        return None
+    from infrai_jobs.drain.fleet import PostgresDrainFleet  # noqa: PLC0415
+
+    return PostgresDrainFleet(settings.require_database_url(), refresh_url=refresh_url)
+
+
+def make_drain_starter(settings: Settings) -> LambdaDrainStarter | None:
+    """Lambda's Invoke of this very function, when it runs in Lambda and may fan out.
+
+    A local invocation (``sam local invoke``, ``infrai-jobs invoke``) fans out only through a
+    Lambda endpoint on loopback (the one ``infrai-jobs invoke`` serves); otherwise its fan-out
+    is off, since the credentials it was given would reach the real Lambda service."""
+    if settings.drain_max_concurrency <= 1 or not settings.drain_function_name:
+        return None
+    if settings.local_invocation and not _on_loopback(settings.lambda_endpoint_url):
+        logging.getLogger(__name__).warning(
+            "backlog fan-out is off in a local invocation without a local Lambda endpoint "
+            "(AWS_ENDPOINT_URL_LAMBDA on loopback): it would start drains in the real Lambda "
+            "service",
+            extra={"action": "fan_out_off_locally"},
+        )
+        return None
+    from infrai_jobs.aws.lambda_starter import LambdaDrainStarter  # noqa: PLC0415
+
+    return LambdaDrainStarter(settings.drain_function_name)
+
+
+def _on_loopback(url: str) -> bool:
+    return is_loopback_host(urlsplit(url).hostname or "")
+
+
+def make_alerter(settings: Settings) -> Alerter:
+    # Imported here: the drain's cold start never needs the alerting module.
+    from infrai_jobs.operations.alerting import PrintingAlerter, SnsAlerter  # noqa: PLC0415
+
+    if settings.alert_topic_arn:
+        return SnsAlerter(settings.alert_topic_arn)
+    logging.getLogger(__name__).warning(
+        "ALERT_TOPIC_ARN is not set: alerts are printed, not sent",
+        extra={"action": "alerts_printed"},
+    )
+    return PrintingAlerter()
+
+
+def make_alert_check(
+    settings: Settings,
+    alerter: Alerter | None = None,
+    *,
+    refresh: SecretRefresh | None = None,
+    registry: JobRegistry | None = None,
+) -> AlertCheck:
+    """DlqAlertFunction's check; ``refresh`` (``secret_refresh`` of the unresolved settings)
+    lets a warm environment pick up rotated secrets. With ``registry`` (its settings bound),
+    each check first reconciles the stuck claims of the jobs that declare a probe."""
+    from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
+    from infrai_jobs.operations.reconcile import Reconciler  # noqa: PLC0415
+
+    reconciler = None
+    if registry is not None:
+        reconciler = Reconciler(
+            make_claims_admin(settings, refresh=refresh), registry, actor=WATCHER_ACTOR
+        )
+
+    return AlertCheck(
+        make_queue_client(settings, refresh_api_key=refresh.api_key if refresh else None),
+        settings.require_database_url(),
+        alerter or make_alerter(settings),
+        AlertThresholds(
+            stuck_claim_seconds=settings.stuck_claim_seconds,
+            backlog_age_seconds=settings.backlog_age_seconds,
+            reminder_seconds=settings.alert_reminder_seconds,
+        ),
+        refresh_url=refresh.database_url if refresh else None,
+        reconciler=reconciler,
+    )
+
+
+# Who the watcher's reconcile answers are recorded as, in claim_history.
+WATCHER_ACTOR = "DlqAlertFunction"
+
+
+def make_effect_guard(settings: Settings) -> SecondLayer | None:
+    """The second layer around external effects, or None when IDEMPOTENCY_BACKEND=off."""
+    if settings.idempotency_backend == "off":
+        return None
+    # Imported here: the second layer pulls in boto3 (and redis), which off never needs.
+    from infrai_jobs.aws import second_layer  # noqa: PLC0415
+
+    if settings.idempotency_backend == "dynamodb":
+        store = second_layer.dynamodb_store(settings.idempotency_table)
+    else:
+        store = second_layer.redis_store(settings.redis_url)
+    return second_layer.SecondLayer(
+        store, expires_after_seconds=second_layer.record_expiry_seconds(settings.retention_days)
+    )

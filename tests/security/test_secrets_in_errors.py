@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from child_process import clean_env, run_captured
 
-from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.aws.secrets import database_url_from_secret
 from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
+from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.queue.models import QueueMessage
@@ -183,7 +183,7 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(
-            ClaimsAdmin(url), message.message_id, message.payload
+            ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"
         ),
         "the ledger's dead letters": lambda: (
             ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()

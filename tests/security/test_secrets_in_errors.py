@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.config.settings import Settings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
@@ -76,7 +76,7 @@ def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_er
         "claims admin": lambda: ClaimsAdmin(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(
-            ClaimsAdmin(url), message.message_id, message.payload
+            ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"
         ),
         "the ledger's dead letters": lambda: (
             ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()

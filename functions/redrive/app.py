@@ -30,6 +30,9 @@ from jobs import build_registry
 
 logger, metrics = function_observability()
 
+# Who this function's redrives are recorded as (dead letters redriven, claims reopened).
+ACTOR = "RedriveFunction"
+
 
 @cache
 def dependencies() -> tuple[Settings, InfraiClient]:
@@ -69,6 +72,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
             source=settings.dlq,
             target=settings.queue,
             max_messages=request.max_messages,
+            actor=ACTOR,
             dry_run=request.dry_run,
             reopen_failed=request.reopen_failed,
             admin=ledger(),

@@ -51,7 +51,6 @@ from infrai_jobs.errors import (
     InfraiError,
     InfraiJobsError,
     KeyDerivationError,
-    UsageError,
 )
 from infrai_jobs.jobs.correlation import with_correlation_id
 from infrai_jobs.jobs.registry import Effect
@@ -76,6 +75,7 @@ from infrai_local.drain_interrupt import (
 from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
 from infrai_local.job_migrations import installed_job_migrations
 from infrai_local.jobs_package import code_root, load_registry
+from infrai_local.operator import default_actor
 
 if TYPE_CHECKING:
     from infrai_local.fan_out import ProcessDrainStarter
@@ -246,6 +246,14 @@ def _hint(exc: InfraiError) -> str:
     if exc.code == "CONNECTION_ERROR":
         return "check INFRAI_BASE_URL and that the service is reachable"
     return ""
+
+
+class UsageError(ConfigurationError):
+    """The command line itself is wrong (argparse's complaint), with the usage to show."""
+
+    def __init__(self, message: str, usage: str = "") -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 class _Parser(argparse.ArgumentParser):
@@ -734,7 +742,7 @@ def _reconciler(settings: Settings, jobs_path: str | None, admin: ClaimsAdmin) -
     registry = load_registry(jobs_path)
     declared = Settings.from_env(job_settings=registry.declared_settings())
     registry.bind_settings(declared.require_job_settings())
-    return Reconciler(admin, registry, forget=_second_layer_forget(settings))
+    return Reconciler(admin, registry, actor=default_actor(), forget=_second_layer_forget(settings))
 
 
 def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:

@@ -17,20 +17,15 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TextIO
 
-from infrai_jobs.errors import ClaimNotFound, ConfigurationError, DeadLetterNotFound
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claims_admin import (
-    COMMANDS,
-    RELEASABLE,
-    RESOLVABLE,
-    ClaimsAdmin,
-    change_refused,
-    claim_as_dict,
-)
+from infrai_jobs.operations.claim_json import claim_as_dict
+from infrai_jobs.operations.claims_admin import RELEASABLE, RESOLVABLE, ClaimsAdmin
 from infrai_jobs.operations.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
 from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
 from infrai_jobs.operations.redrive import Selection, publish_price, redrive
 from infrai_jobs.queue.ports import QueuePort
+from infrai_local.operator import COMMANDS, change_refused, default_actor
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -363,10 +358,11 @@ def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
             f"({store.unresolved_count(queue)} unresolved; `infrai-jobs dlq --all` shows the "
             "discarded and redriven ones too)"
         )
+    actor = default_actor()
     discarded = [
         {"message_id": row.message_id, "idem_key": row.idem_key, "unreadable": row.unreadable}
         for row in rows
-        if store.discard(row.message_id, note=args.note)
+        if store.discard(row.message_id, actor=actor, note=args.note)
     ]
     out = ctx.out
     document = {
@@ -408,6 +404,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         source=dlq_name,
         target=queue_name,
         max_messages=args.max,
+        actor=default_actor(),
         dry_run=args.dry_run,
         reopen_failed=args.reopen_failed,
         admin=admin,
@@ -539,24 +536,30 @@ def _claims(
                 "claims resolve: --result goes with --done; use --error with --failed"
             )
         result = _parse_result(args.result) if args.result else None
+        action = "resolve_done" if args.done else "resolve_failed"
+        _check_fence(admin, args.key, action, RESOLVABLE, token=args.token)
         if args.failed and forget is not None:
             # "The effect did not happen": a stored "uncertain" in the second layer is wrong
             # now, and would park a reopened retry as stuck again.
-            _forget_while_open(admin, args.key, forget, RESOLVABLE, token=args.token)
+            forget(args.key)
         changed = admin.resolve(
             args.key,
             done=args.done,
             result=result,
             error=args.error,
             expected_token=args.token,
+            actor=default_actor(),
             note=args.note,
         )
         return _changed_out(changed, "resolved", args.json, out)
     if command == "claims_release":
+        _check_fence(admin, args.key, "release", RELEASABLE, token=args.token)
         if forget is not None:
             # Without this, a stored "uncertain" in the second layer would park the retry again.
-            _forget_while_open(admin, args.key, forget, RELEASABLE, token=args.token)
-        released = admin.release(args.key, expected_token=args.token, note=args.note)
+            forget(args.key)
+        released = admin.release(
+            args.key, expected_token=args.token, actor=default_actor(), note=args.note
+        )
         return _changed_out(released, "released", args.json, out)
     if command == "claims_prune":
         days, rest = divmod(args.older_than, 86400)
@@ -610,21 +613,26 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
         )
 
 
-def _forget_while_open(
+def _check_fence(
     admin: ClaimsAdmin,
     key: str,
-    forget: Callable[[str], None],
+    action: str,
     states: tuple[str, ...],
     *,
     token: uuid.UUID | None,
 ) -> None:
-    """Forget the second layer's record before the ledger changes, not after: if the store
-    cannot be reached, the command fails with nothing changed and can simply be run again.
-    (After, a failed forget left the row deleted and a rerun found no claim to act on.) A
-    claim the change will be refused for keeps its record."""
-    command = COMMANDS["release"] if states == RELEASABLE else COMMANDS["resolve_failed"]
-    if not change_refused(admin.show(key), command=command, allowed_states=states, token=token):
-        forget(key)
+    """Refuse a fenced change (``ClaimChanged``) the ledger would refuse, naming the command
+    to type instead; the change itself is fenced again in its own transaction.
+
+    Checked before the second layer's record is forgotten, which happens before the ledger
+    changes, not after: if the store cannot be reached, the command fails with nothing changed
+    and can simply be run again. (After, a failed forget left the row deleted and a rerun found
+    no claim to act on.) A claim the change is refused for keeps its record."""
+    refused = change_refused(
+        admin.show(key), command=COMMANDS[action], allowed_states=states, token=token
+    )
+    if refused:
+        raise ClaimChanged(refused)
 
 
 def _parse_result(text: str) -> Any:

@@ -1424,7 +1424,12 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
                 )
             )
         summary = redrive(
-            client, store, source=source, target=target, max_messages=MAX_REDRIVE_PER_CALL
+            client,
+            store,
+            source=source,
+            target=target,
+            max_messages=MAX_REDRIVE_PER_CALL,
+            actor="soak",
         )
         published += summary.published
         if collected.read == 0 and summary.consumed == 0:

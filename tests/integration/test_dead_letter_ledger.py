@@ -204,5 +204,5 @@ def test_a_redrive_racing_another_publishes_each_dead_letter_once(kit: Harness) 
     assert sorted(published) == ["inv_a", "inv_b", "inv_c"]
     assert kit.client.stats(QUEUE).available_count == 3
     # And a later redrive finds nothing left to publish
-    assert not any(store.redrive(row.message_id, publish) for row in rows)
+    assert not any(store.redrive(row.message_id, publish, actor="on-call") for row in rows)
     assert kit.sql("SELECT DISTINCT resolved_by FROM dead_letters") == [("on-call",)]

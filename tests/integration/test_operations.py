@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from drainkit import DLQ, QUEUE, Harness, harness, run_until_killed
+from drainkit import DLQ, OPERATOR, QUEUE, Harness, harness, run_until_killed
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
@@ -33,7 +33,7 @@ def kit(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]
         monkeypatch.setenv("INFRAI_BASE_URL", h.server.url)
         monkeypatch.setenv("INFRAI_API_KEY", "test-key")
         monkeypatch.setenv("DATABASE_URL", database_url)
-        monkeypatch.setenv("OPERATOR", "on-call@example.com")
+        monkeypatch.setenv("OPERATOR", OPERATOR)
         monkeypatch.chdir(ROOT)
         yield h
 
@@ -66,7 +66,10 @@ REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
         return answer
     client.publish = publish
     store = ClaimsAdmin(sys.argv[2]).dead_letters()
-    redrive(client, store, source="billing-jobs-dlq", target="billing-jobs", max_messages=1000)
+    redrive(
+        client, store, source="billing-jobs-dlq", target="billing-jobs", max_messages=1000,
+        actor="on-call@example.com",
+    )
     """
 )
 
@@ -85,7 +88,9 @@ def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit:
     run_until_killed(REDRIVE_KILLED_AFTER_FIFTH_PUBLISH, kit.server.url, kit.database_url)
     assert kit.sql("SELECT count(*) FROM dead_letters WHERE resolution IS NULL") == [(246,)]
     # ... and redriven again to the end
-    summary = redrive(kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=1000)
+    summary = redrive(
+        kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=1000, actor=OPERATOR
+    )
     assert (summary.consumed, summary.published, summary.complete) == (0, 246, True)
     drained = kit.drain()
     # Then nothing is left in the DLQ or unresolved in the ledger, every key is done, and no
@@ -189,7 +194,13 @@ def test_a_redrive_short_of_time_stops_early_and_the_rest_waits(kit: Harness) ->
     time_left = lambda: 60_000 - 1_000 * next(looks)  # noqa: E731
     # When it redrives
     summary = redrive(
-        kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=100, time_left_ms=time_left
+        kit.client,
+        _store(kit),
+        source=DLQ,
+        target=QUEUE,
+        max_messages=100,
+        actor=OPERATOR,
+        time_left_ms=time_left,
     )
     # Then it stopped before the budget ran out, and says so
     assert summary.stopped == "time_budget"
@@ -202,7 +213,9 @@ def test_a_redrive_short_of_time_stops_early_and_the_rest_waits(kit: Harness) ->
     assert kit.client.stats(QUEUE).dlq_count == 60 - summary.recorded
     assert kit.client.stats(DLQ).available_count == 60 - summary.recorded
     # When a second redrive runs at once, with time to spare
-    rest = redrive(kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=100)
+    rest = redrive(
+        kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=100, actor=OPERATOR
+    )
     # Then it moves the rest, and the drain runs every job once
     assert (rest.stopped, rest.published) == ("", 60 - summary.published)
     assert kit.drain().done == 60
@@ -284,18 +297,20 @@ def test_fenced_actions_fail_clearly_when_the_claim_moved_on(
     # A token the operator looked at, then the claim was taken over
     import uuid  # noqa: PLC0415
 
-    with pytest.raises(ClaimChanged, match="changed since you looked"):
-        admin.resolve("receipt.send:inv_1", done=True, expected_token=uuid.uuid4())
-    admin.resolve("receipt.send:inv_1", done=False, error="never sent")
+    with pytest.raises(ClaimChanged, match="changed since it was read") as moved:
+        admin.resolve("receipt.send:inv_1", done=True, expected_token=uuid.uuid4(), actor=OPERATOR)
+    admin.resolve("receipt.send:inv_1", done=False, error="never sent", actor=OPERATOR)
     # Once failed, it cannot be resolved again, only released
     with pytest.raises(
-        ClaimChanged, match=r"is failed; `infrai-jobs claims resolve --done` needs a running claim"
-    ):
-        admin.resolve("receipt.send:inv_1", done=True)
+        ClaimChanged, match="is failed; resolving it as done needs a running claim"
+    ) as refused:
+        admin.resolve("receipt.send:inv_1", done=True, actor=OPERATOR)
+    # The layer's refusals name no command: the command line words its own
+    assert "infrai-jobs" not in f"{moved.value} {refused.value}"
     code = cli(["claims", "resolve", "receipt.send:inv_1", "--done"])
     assert code == 3
-    assert "needs a running claim" in capsys.readouterr().err
-    released = admin.release("receipt.send:inv_1", note="retry after fix")
+    assert "`infrai-jobs claims resolve --done` needs a running claim" in capsys.readouterr().err
+    released = admin.release("receipt.send:inv_1", actor=OPERATOR, note="retry after fix")
     assert released.state == "failed"  # the row as it was before the delete
     with pytest.raises(ClaimNotFound):
         admin.show("receipt.send:inv_1")
@@ -381,7 +396,7 @@ def test_a_claim_under_a_live_lease_is_acted_on_only_with_its_token(
 
 def test_history_is_append_only(kit: Harness) -> None:
     _stuck_claim(kit)
-    ClaimsAdmin(kit.database_url).release("receipt.send:inv_1")
+    ClaimsAdmin(kit.database_url).release("receipt.send:inv_1", actor=OPERATOR)
     with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
         kit.sql("UPDATE claim_history SET actor = 'someone else'")
     with pytest.raises(psycopg.errors.RaiseException, match="append-only"):

@@ -576,6 +576,14 @@ def test_redrive_function_derives_a_jobs_own_key_with_the_shared_jobs_package(
     assert result.payload["reopened"] == ["receipt.send:inv_8"]
     moved = kit.client.consume(QUEUE)
     assert sorted(m.payload["email"] for m in moved) == ["a@example.com", "a@example.org"]
+    # And the ledger records the function by its name, for the rows it redrove and the claim
+    # it reopened (the operator's name is the command line's, never looked up in the layer)
+    assert kit.sql(
+        "SELECT DISTINCT resolved_by FROM dead_letters WHERE resolution IS NOT NULL"
+    ) == [("RedriveFunction",)]
+    assert kit.sql("SELECT actor FROM claim_history WHERE action = 'reopen'") == [
+        ("RedriveFunction",)
+    ]
 
 
 # --- claims -----------------------------------------------------------------------------------

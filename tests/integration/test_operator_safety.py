@@ -513,8 +513,13 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
     # When DlqAlertFunction's check, a redrive and a redrive's reopen use it
     for call in (
         lambda: check.run([QUEUE]),
-        lambda: redrive(queue, store, source=DLQ, target=QUEUE, max_messages=1),
-        lambda: _reopen(ClaimsAdmin(database_url), dead_letter.message_id, dead_letter.payload),
+        lambda: redrive(queue, store, source=DLQ, target=QUEUE, max_messages=1, actor="on-call"),
+        lambda: _reopen(
+            ClaimsAdmin(database_url),
+            dead_letter.message_id,
+            dead_letter.payload,
+            actor="on-call",
+        ),
     ):
         # Then each says it is not migrated, with the command, and the database stays empty
         with pytest.raises(SchemaNotMigrated, match="infrai-jobs migrate"):

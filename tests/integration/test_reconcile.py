@@ -225,7 +225,7 @@ def test_a_probe_that_raises_or_hangs_is_unknown_and_changes_nothing(
 
     # When it is reconciled with a 0.3 s limit
     started = time.monotonic()
-    timed = Reconciler(admin, slow, probe_timeout=0.3).run_one(slow_key)
+    timed = Reconciler(admin, slow, actor=OPERATOR, probe_timeout=0.3).run_one(slow_key)
 
     # Then the pass did not wait for it, counted it unknown, and left the claim alone
     assert time.monotonic() - started < 2
@@ -280,7 +280,7 @@ def test_a_claim_that_moved_on_while_probed_is_fenced_out(kit: Harness, database
     holder["key"] = seed_dead_worker_claim_for(kit, registry, {"job": "test.moving", "id": "m1"})
 
     # When it is reconciled
-    report = Reconciler(ClaimsAdmin(database_url), registry).run_one(holder["key"])
+    report = Reconciler(ClaimsAdmin(database_url), registry, actor=OPERATOR).run_one(holder["key"])
 
     # Then the release matched nothing: the new holder keeps its claim, nothing is recorded
     assert report.outcomes[0].action == "changed"

@@ -336,7 +336,9 @@ def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
     kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
 
     # When a reconcile pass, given the second layer's forget (as the CLI is), asks the provider
-    reconciler = Reconciler(ClaimsAdmin(database_url), kit.registry, forget=backend.guard.forget)
+    reconciler = Reconciler(
+        ClaimsAdmin(database_url), kit.registry, actor="on-call", forget=backend.guard.forget
+    )
     report = reconciler.run_all(threshold_seconds=900)
 
     # Then the provider has no trace of it: the claim is released and the record dropped, so

@@ -183,7 +183,7 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(
-            ClaimsAdmin(url), message.message_id, message.payload
+            ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"
         ),
         "the ledger's dead letters": lambda: (
             ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()

@@ -76,7 +76,7 @@ def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_er
         "claims admin": lambda: ClaimsAdmin(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(
-            ClaimsAdmin(url), message.message_id, message.payload
+            ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"
         ),
         "the ledger's dead letters": lambda: (
             ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()

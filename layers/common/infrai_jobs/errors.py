@@ -15,14 +15,6 @@ class ConfigurationError(InfraiJobsError):
     """A setting is missing or malformed; the message names the setting and the fix."""
 
 
-class UsageError(ConfigurationError):
-    """The command line itself is wrong (argparse's complaint), with the usage to show."""
-
-    def __init__(self, message: str, usage: str = "") -> None:
-        super().__init__(message)
-        self.usage = usage
-
-
 # --- HTTP transport (never leaves the queue client, which turns it into InfraiUnavailable) ------
 
 

@@ -1,1 +1,1 @@
-"""config"""
+"""Settings read once from the environment, and fetching a rotated secret again."""

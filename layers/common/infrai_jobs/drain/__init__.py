@@ -1,1 +1,1 @@
-"""drain"""
+"""The drain: batches consumed, claimed, run and settled, acks, and backlog fan-out."""

@@ -1,1 +1,1 @@
-"""jobs"""
+"""Declaring jobs: the registry, idempotency keys, payload schemas and reconcile probes."""

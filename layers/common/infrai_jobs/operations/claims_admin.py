@@ -3,20 +3,19 @@
 Resolve and release are fenced: they change a claim only if its state and claim token are still
 what the operator looked at, so a human never overwrites a row that moved on in the meantime.
 Every operator action is recorded in ``claim_history`` (append-only: the database refuses
-updates and deletes there) in the same transaction as the change.
+updates and deletes there) in the same transaction as the change, with the actor its caller
+names: who is acting is the caller's to say (the command line names the operator, a function
+its own name), never looked up here.
 """
 
 from __future__ import annotations
 
-import getpass
-import json
-import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, LiteralString
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
@@ -31,9 +30,8 @@ from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS_OF_JOBS as _STUCK_OF_JOBS
 from infrai_jobs.ledger.postgres import LedgerAdapter
-
-if TYPE_CHECKING:
-    from infrai_jobs.operations.dead_letters import DeadLetterStore
+from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,33 +99,26 @@ DELETE FROM job_claims WHERE idem_key IN (
 """
 
 
-def default_actor() -> str:
-    """Who is acting: OPERATOR if set, else the login name (recorded, never trusted)."""
-    return os.environ.get("OPERATOR") or getpass.getuser()
-
-
 # The states each operator change applies to.
 RESOLVABLE: tuple[str, ...] = ("running",)
 RELEASABLE: tuple[str, ...] = ("running", "failed")
 
-# The command an operator types for each change recorded in claim_history: what error texts name.
-COMMANDS = {
-    "resolve_done": "claims resolve --done",
-    "resolve_failed": "claims resolve --failed",
-    "release": "claims release",
-}
+
+class Refusal(StrEnum):
+    """Why a fenced change may not go ahead on a claim as it stands."""
+
+    STATE = "state"  # the claim is not in a state the change applies to
+    LEASE_LIVE = "lease_live"  # running under a live lease, and no claim token was given
+    MOVED = "moved"  # another claim token holds it: it changed since it was read
 
 
-def change_refused(
-    row: ClaimRow, *, command: str, allowed_states: tuple[str, ...], token: uuid.UUID | None
-) -> str:
-    """Why ``infrai-jobs COMMAND`` is refused for ``row``, or "" when it may go ahead."""
-    key = row.idem_key
+def refusal(
+    row: ClaimRow, *, allowed_states: tuple[str, ...], token: uuid.UUID | None
+) -> Refusal | None:
+    """Why a change fenced by ``allowed_states`` and ``token`` is refused for ``row``, or None
+    when it may go ahead. A caller words the refusal in its own terms."""
     if row.state not in allowed_states:
-        return (
-            f"claim {key!r} is {row.state}; `infrai-jobs {command}` needs a "
-            f"{' or '.join(allowed_states)} claim"
-        )
+        return Refusal.STATE
     if (
         token is None
         and row.state == "running"
@@ -136,17 +127,43 @@ def change_refused(
     ):
         # Its delivery may be inside the effect right now: acting on it unseen could let a
         # duplicate repeat an irreversible effect.
-        return (
-            f"claim {key!r} is running under a live lease until "
-            f"{row.lease_until.isoformat()}; wait for it to end, or run "
-            f"`infrai-jobs {command} {key} --token {row.claim_token}` to act on it anyway"
-        )
+        return Refusal.LEASE_LIVE
     if token is not None and row.claim_token != token:
+        return Refusal.MOVED
+    return None
+
+
+# What each change recorded in claim_history is, in a refusal's words.
+_CHANGES = {
+    "resolve_done": "resolving it as done",
+    "resolve_failed": "resolving it as failed",
+    "release": "releasing it",
+}
+
+
+def _refused(
+    row: ClaimRow,
+    why: Refusal,
+    *,
+    action: str,
+    allowed_states: tuple[str, ...],
+    token: uuid.UUID | None,
+) -> str:
+    """The layer's own words for a refusal: the change, never a command to type."""
+    key = row.idem_key
+    if why is Refusal.STATE:
+        needed = " or ".join(allowed_states)
+        return f"claim {key!r} is {row.state}; {_CHANGES[action]} needs a {needed} claim"
+    if why is Refusal.LEASE_LIVE:
+        until = row.lease_until.isoformat() if row.lease_until is not None else "?"
         return (
-            f"claim {key!r} is now held by token {row.claim_token}, not {token}: it changed "
-            f"since you looked; run `infrai-jobs claims show {key}` again"
+            f"claim {key!r} is running under a live lease until {until}; wait for it to end, "
+            f"or give its claim token {row.claim_token} to act on it anyway"
         )
-    return ""
+    return (
+        f"claim {key!r} is now held by token {row.claim_token}, not {token}: it changed "
+        "since it was read"
+    )
 
 
 class ReconcileWrite(StrEnum):
@@ -167,8 +184,6 @@ class ClaimsAdmin(LedgerAdapter):
 
     def dead_letters(self) -> DeadLetterStore:
         """The ledger's dead letters, on this admin's connection settings."""
-        from infrai_jobs.operations.dead_letters import DeadLetterStore  # noqa: PLC0415 - it imports this
-
         return DeadLetterStore(self._connector)
 
     def list_claims(
@@ -209,7 +224,7 @@ class ClaimsAdmin(LedgerAdapter):
         answer: str,
         *,
         result: Any = None,
-        actor: str | None = None,
+        actor: str,
         note: str,
     ) -> ReconcileWrite:
         """Act on a probe's answer about ``probed`` (the claim as it was when asked), fenced by
@@ -267,7 +282,7 @@ class ClaimsAdmin(LedgerAdapter):
         result: Any = None,
         error: str | None = None,
         expected_token: uuid.UUID | None = None,
-        actor: str | None = None,
+        actor: str,
         note: str = "",
     ) -> ClaimRow:
         """A human's verdict on a running claim: ``done`` (with the provider's reference) or
@@ -293,7 +308,7 @@ class ClaimsAdmin(LedgerAdapter):
         key: str,
         *,
         expected_token: uuid.UUID | None = None,
-        actor: str | None = None,
+        actor: str,
         note: str = "",
     ) -> ClaimRow:
         """Delete a running or failed claim so the next delivery runs the job again."""
@@ -317,7 +332,7 @@ class ClaimsAdmin(LedgerAdapter):
         changes: dict[str, Any],
         allowed_states: tuple[str, ...],
         expected_token: uuid.UUID | None,
-        actor: str | None,
+        actor: str,
         note: str,
     ) -> ClaimRow:
         with (
@@ -329,14 +344,17 @@ class ClaimsAdmin(LedgerAdapter):
             if row is None:
                 raise ClaimNotFound(f"no claim with key {key!r}")
             before = ClaimRow(**row)
-            refused = change_refused(
-                before,
-                command=COMMANDS[action],
-                allowed_states=allowed_states,
-                token=expected_token,
-            )
-            if refused:
-                raise ClaimChanged(refused)
+            why = refusal(before, allowed_states=allowed_states, token=expected_token)
+            if why is not None:
+                raise ClaimChanged(
+                    _refused(
+                        before,
+                        why,
+                        action=action,
+                        allowed_states=allowed_states,
+                        token=expected_token,
+                    )
+                )
             cursor = conn.execute(
                 statement,
                 {
@@ -354,9 +372,7 @@ class ClaimsAdmin(LedgerAdapter):
             _record(conn, action, before, after, actor=actor, note=note)
         return after or before
 
-    def reopen_failed(
-        self, *, message_id: str, fingerprint: str | None, actor: str | None = None
-    ) -> list[str]:
+    def reopen_failed(self, *, message_id: str, fingerprint: str | None, actor: str) -> list[str]:
         """Delete the ``failed`` claims of one piece of work (its message id, or its payload
         fingerprint) so its redriven copy runs again; each is recorded as ``reopen``."""
         params = {"message_id": message_id, "fingerprint": fingerprint}
@@ -392,33 +408,13 @@ class ClaimsAdmin(LedgerAdapter):
             return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
 
 
-def storable_json(value: Any) -> Any:
-    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can.
-
-    jsonb refuses NUL characters and lone surrogates, both of which a JSON body may carry.
-    """
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        text.encode("utf-8")
-    except (TypeError, ValueError, RecursionError):
-        text = ""
-    if text and "\\u0000" not in text:
-        return value
-    try:
-        described = json.dumps(value, ensure_ascii=True, default=repr)
-    except (TypeError, ValueError, RecursionError):
-        described = f"<{type(value).__name__} that JSON cannot describe>"
-    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
-    return {"not_storable_as_jsonb": described}
-
-
 def _record(
     conn: psycopg.Connection[Any],
     action: str,
     before: ClaimRow,
     after: ClaimRow | None,
     *,
-    actor: str | None,
+    actor: str,
     note: str,
 ) -> None:
     """The one writer of a claim change in ``claim_history``: the claim before and after it,
@@ -428,23 +424,9 @@ def _record(
         {
             "key": before.idem_key,
             "action": action,
-            "actor": actor or default_actor(),
+            "actor": actor,
             "before": Jsonb(claim_as_dict(before)),
             "after": Jsonb(claim_as_dict(after)) if after else None,
             "note": note or None,
         },
     )
-
-
-def claim_as_dict(row: ClaimRow) -> dict[str, Any]:
-    """A claim as JSON-ready values, for ``--json`` output and the history table."""
-    out: dict[str, Any] = {}
-    for name in row.__dataclass_fields__:
-        value = getattr(row, name)
-        if isinstance(value, datetime):
-            value = value.isoformat()
-        elif isinstance(value, uuid.UUID):
-            value = str(value)
-        out[name] = value
-    json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
-    return out

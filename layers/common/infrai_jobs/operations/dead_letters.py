@@ -32,7 +32,7 @@ from infrai_jobs.errors import ConsumeAnswerLost, KeyDerivationError, QueueMessa
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector
-from infrai_jobs.operations.claims_admin import claim_as_dict, default_actor, storable_json
+from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
@@ -394,7 +394,7 @@ class DeadLetterStore:
             row = conn.execute(UNRESOLVED_DEAD_LETTERS, {"queue": queue}).fetchone()
         return int(row[0]) if row else 0
 
-    def discard(self, message_id: str, *, actor: str | None = None, note: str = "") -> bool:
+    def discard(self, message_id: str, *, actor: str, note: str = "") -> bool:
         """Resolve an unresolved row as discarded; False when it is resolved (or being
         resolved) already."""
         return self._resolve(message_id, "discarded", actor=actor, note=note)
@@ -404,7 +404,7 @@ class DeadLetterStore:
         message_id: str,
         publish: Callable[[Any], None],
         *,
-        actor: str | None = None,
+        actor: str,
         note: str = "",
     ) -> bool:
         """Publish an unresolved row's payload (``publish``), then mark it redriven, under the
@@ -417,11 +417,10 @@ class DeadLetterStore:
         message_id: str,
         resolution: str,
         *,
-        actor: str | None,
+        actor: str,
         note: str,
         before: Callable[[Any], None] | None = None,
     ) -> bool:
-        actor = actor or default_actor()
         with (
             self._connector.session(f"cannot mark a dead letter {resolution}") as conn,
             conn.transaction(),

@@ -158,8 +158,9 @@ def ask(
 class Reconciler:
     """Probes stuck claims of the registry's jobs and acts on the answers through ``admin``.
 
-    ``forget`` (the second layer's, when it is on) drops a key's stored "uncertain" before its
-    claim is released, or the retry would be parked as stuck again.
+    ``actor`` is who its answers are recorded as in ``claim_history``. ``forget`` (the second
+    layer's, when it is on) drops a key's stored "uncertain" before its claim is released, or
+    the retry would be parked as stuck again.
     """
 
     def __init__(
@@ -167,7 +168,7 @@ class Reconciler:
         admin: ClaimsAdmin,
         registry: JobRegistry,
         *,
-        actor: str | None = None,
+        actor: str,
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
         forget: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,

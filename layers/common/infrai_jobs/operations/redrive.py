@@ -30,7 +30,7 @@ from infrai_jobs.errors import (
     KeyDerivationError,
 )
 from infrai_jobs.jobs.keys import payload_fingerprint
-from infrai_jobs.operations.claims_admin import ClaimsAdmin, default_actor
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.queue.ports import QueuePort
 
@@ -202,6 +202,7 @@ def redrive(
     source: str,
     target: str,
     max_messages: int,
+    actor: str,
     dry_run: bool = False,
     reopen_failed: bool = False,
     admin: ClaimsAdmin | None = None,
@@ -212,6 +213,9 @@ def redrive(
 ) -> RedriveSummary:
     """Move new dead letters of ``source`` into the ledger, then publish up to
     ``max_messages`` of its unresolved rows (those ``selection`` matches) to ``target``.
+
+    ``actor`` is who is redriving, recorded with each row redriven and each claim reopened
+    (the operator on the command line, ``RedriveFunction`` in Lambda).
 
     ``key_of`` derives the keys of the dead letters recorded now (a row keeps its key, which a
     selection by key matches). ``dry_run`` records, then publishes and marks nothing; its
@@ -250,7 +254,6 @@ def redrive(
     )
     summary.selected = len(rows)
     summary.not_selected = store.unresolved_count(target) - len(rows)
-    actor = default_actor()
     for done, row in enumerate(rows, start=1):
         if progress is not None:
             progress(done)
@@ -271,7 +274,7 @@ def redrive(
             break
         if reopen_failed:
             assert admin is not None
-            summary.reopened.extend(_reopen(admin, row.message_id, row.body))
+            summary.reopened.extend(_reopen(admin, row.message_id, row.body, actor=actor))
         if store.redrive(row.message_id, _publisher(queue, target), actor=actor, note="redrive"):
             summary.published += 1
     if summary.stopped:
@@ -300,11 +303,9 @@ def _publisher(queue: QueuePort, target: str) -> Callable[[Any], None]:
     return publish
 
 
-def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any) -> list[str]:
+def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any, *, actor: str) -> list[str]:
     try:
         fingerprint: str | None = payload_fingerprint(payload)
     except KeyDerivationError:
         fingerprint = None  # unrepresentable work: match the claim by message id alone
-    return admin.reopen_failed(
-        message_id=message_id, fingerprint=fingerprint, actor=default_actor()
-    )
+    return admin.reopen_failed(message_id=message_id, fingerprint=fingerprint, actor=actor)

@@ -1,1 +1,1 @@
-"""queue"""
+"""The Infrai queue: its HTTP transport, client, typed answers and checked publishing."""

@@ -33,6 +33,10 @@ A job declares the settings it needs by name (``settings=("CRM_URL",)``): the UR
 the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
 declared ones at its edge (``config.settings``) and binds them with ``bind_settings`` before
 anything is consumed; a handler finds its own in ``ctx.settings``.
+
+A job may declare its flow (``infrai_jobs.jobs.policy``): ``retry=RetryPolicy(...)``,
+``rate=RateLimit(...)``, ``concurrency=ConcurrencyLimit(...)``. ``JOB_POLICIES`` overrides them
+(``infrai_jobs.flow.policies``); a job that declares none takes exactly the path it took before.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
 from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy, check_declared
 from infrai_jobs.jobs.probes import ProbeAnswer
 
 if TYPE_CHECKING:
@@ -104,6 +109,10 @@ class JobDefinition:
     settings: tuple[str, ...] = ()
     # Asks the provider about a stuck claim; only for the external effect classes.
     probe: Probe | None = None
+    # Flow control, as declared in code (``JOB_POLICIES`` may override each).
+    retry: RetryPolicy | None = None
+    rate: RateLimit | None = None
+    concurrency: ConcurrencyLimit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +152,10 @@ class JobRegistry:
             raise ConfigurationError(
                 f"job {definition.name!r}: probe must be a function of (payload, ctx)"
             )
+        try:
+            check_declared(definition.retry, definition.rate, definition.concurrency)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"job {definition.name!r}: {exc}") from None
         schema = definition.schema.requiring(
             definition.name, (*definition.identity, *definition.required)
         )
@@ -162,10 +175,14 @@ class JobRegistry:
         fields: Mapping[str, FieldSpec] | None = None,
         settings: Sequence[str] = (),
         probe: Probe | None = None,
+        retry: RetryPolicy | None = None,
+        rate: RateLimit | None = None,
+        concurrency: ConcurrencyLimit | None = None,
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``. ``fields`` declares the payload's schema (see
         ``infrai_jobs.jobs.payload_schema``); identity fields are always required; ``probe`` asks
-        the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``)."""
+        the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``);
+        ``retry``, ``rate`` and ``concurrency`` declare its flow (``infrai_jobs.jobs.policy``)."""
 
         for label, names in (
             ("identity", identity),
@@ -190,6 +207,9 @@ class JobRegistry:
                     schema=schema,
                     settings=tuple(dict.fromkeys(settings)),
                     probe=probe,
+                    retry=retry,
+                    rate=rate,
+                    concurrency=concurrency,
                 )
             )
             return handler

@@ -1,0 +1,574 @@
+"""Flow control in the ledger's database: deferred work, rate-limit starts, concurrency slots.
+
+Every function takes the caller's psycopg connection and runs in ``conn.transaction()``: on an
+autocommit connection that is a transaction of its own, inside the caller's transaction a
+savepoint of it, so a deferral can commit with the attempt it settles. Times are the
+database's (``clock_timestamp()``), never a drain's, so every drain agrees on them.
+
+Fencing: a taken deferred job carries a ``lease_token``; every later change to it names that
+token and changes nothing (returns False) when the row moved on. Operator changes (``cancel``,
+``run_now``) and the end of a deferred job (``finish``, ``fail``) are recorded in
+``claim_history`` with the row before and after, in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Final, LiteralString, NamedTuple
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.jobs.policy import RateLimit
+from infrai_jobs.ledger.postgres import array_literal, ledger_errors
+
+# Classes of two-key advisory locks (the first key), apart from the migrations' one-key lock.
+RATE_LOCK_CLASS: Final = 0x1F0A_7C40
+CONCURRENCY_LOCK_CLASS: Final = 0x1F0A_7C41
+# Rate-limit starts are kept this long past their window: evidence for operators and tests.
+RATE_STARTS_KEPT_SECONDS: Final = 300.0
+# Who a drain's own changes are recorded as in claim_history.
+DRAIN_ACTOR: Final = "drain"
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredWork:
+    """What a deferral records of the attempt it settles."""
+
+    idem_key: str
+    job: str
+    effect: str
+    payload: Mapping[str, Any]
+    message_id: str
+    fingerprint: str | None = None
+    queue: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredJob:
+    """A row of ``deferred_jobs``."""
+
+    idem_key: str
+    job: str
+    effect: str
+    payload: Any
+    payload_sha256: str | None
+    message_id: str
+    queue: str | None
+    state: str
+    attempts: int
+    last_error: str | None
+    result: Any
+    run_after: datetime
+    created_at: datetime
+    updated_at: datetime
+    lease_token: uuid.UUID | None
+    lease_until: datetime | None
+
+
+class DeferOutcome(StrEnum):
+    DEFERRED = "deferred"  # the ledger owns the work now: ack the message
+    ALREADY_DEFERRED = "already_deferred"  # deferred work held the key already: a duplicate
+    CLAIM_LOST = "claim_lost"  # the fenced release of the claim matched nothing: do not ack
+
+
+class DeferredStats(NamedTuple):
+    backlog: int  # deferred or running
+    oldest_age_seconds: float  # since the oldest of those was first deferred; 0 when none
+
+
+_COLUMNS: LiteralString = """idem_key, job, effect, payload, payload_sha256, message_id, queue,
+       state, attempts, last_error, result, run_after, created_at, updated_at, lease_token,
+       lease_until"""
+
+_RELEASE_CLAIM: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
+"""
+
+# A key whose earlier deferred life ended (done, failed, cancelled) may be deferred afresh;
+# one still deferred or running holds it.
+_DEFER: LiteralString = """
+INSERT INTO deferred_jobs AS d (idem_key, job, effect, payload, payload_sha256, message_id,
+                                queue, attempts, last_error, run_after)
+VALUES (%(key)s, %(job)s, %(effect)s, %(payload)s, %(fingerprint)s, %(message_id)s,
+        %(queue)s, %(attempts)s, %(error)s,
+        clock_timestamp() + make_interval(secs => %(delay)s))
+ON CONFLICT (idem_key) DO UPDATE
+SET job = EXCLUDED.job, effect = EXCLUDED.effect, payload = EXCLUDED.payload,
+    payload_sha256 = EXCLUDED.payload_sha256, message_id = EXCLUDED.message_id,
+    queue = EXCLUDED.queue, state = 'deferred', attempts = EXCLUDED.attempts,
+    last_error = EXCLUDED.last_error, result = NULL, run_after = EXCLUDED.run_after,
+    created_at = now(), updated_at = now(), lease_token = NULL, lease_until = NULL
+WHERE d.state IN ('done', 'failed', 'cancelled')
+RETURNING idem_key
+"""
+
+_POSTPONE: LiteralString = """
+UPDATE deferred_jobs
+SET state = 'deferred', last_error = %(error)s, lease_token = NULL, lease_until = NULL,
+    run_after = clock_timestamp() + make_interval(secs => %(delay)s), updated_at = now()
+WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
+"""
+
+# Due first (then the oldest deferral), skipping rows another drain has locked; an expired
+# lease is taken over unless the job's effect is external (its outcome is unknown: a human's).
+_TAKE_DUE: LiteralString = """
+WITH due AS (
+    SELECT idem_key FROM deferred_jobs
+    WHERE ((state = 'deferred' AND run_after <= clock_timestamp())
+           OR (state = 'running' AND lease_until < clock_timestamp()
+               AND effect <> 'external'))
+      AND (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[]))
+    ORDER BY run_after, created_at, idem_key
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE deferred_jobs AS d
+SET state = 'running', attempts = d.attempts + 1, lease_token = gen_random_uuid(),
+    lease_until = clock_timestamp() + make_interval(secs => %(lease)s), updated_at = now()
+FROM due WHERE d.idem_key = due.idem_key
+RETURNING d.idem_key, d.job, d.effect, d.payload, d.payload_sha256, d.message_id, d.queue,
+          d.state, d.attempts, d.last_error, d.result, d.run_after, d.created_at, d.updated_at,
+          d.lease_token, d.lease_until
+"""
+
+_BY_KEY_FOR_UPDATE: LiteralString = (
+    """SELECT """
+    + _COLUMNS
+    + """
+FROM deferred_jobs WHERE idem_key = %(key)s FOR UPDATE"""
+)
+
+_SETTLE: LiteralString = (
+    """
+UPDATE deferred_jobs
+SET state = %(state)s, result = %(result)s,
+    last_error = coalesce(%(error)s, last_error),
+    lease_token = NULL, lease_until = NULL, updated_at = now()
+WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
+RETURNING """
+    + _COLUMNS
+)
+
+# The claim a finished deferred job leaves, so a later copy of its message meets a settled
+# claim like any other. A claim already standing for the key is left as it is.
+_SETTLED_CLAIM: LiteralString = """
+INSERT INTO job_claims (idem_key, state, message_id, job, effect, payload_sha256, result,
+                        error, attempts, claim_token, updated_at)
+VALUES (%(key)s, %(state)s, %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s, %(result)s,
+        %(error)s, %(attempts)s, %(token)s, now())
+ON CONFLICT (idem_key) DO NOTHING
+"""
+
+_OPERATOR_CHANGE: LiteralString = (
+    """
+UPDATE deferred_jobs
+SET state = %(state)s,
+    run_after = CASE WHEN %(state)s = 'deferred' THEN least(run_after, now()) ELSE run_after END,
+    updated_at = now()
+WHERE idem_key = %(key)s AND state = 'deferred'
+RETURNING """
+    + _COLUMNS
+)
+
+_HOLDING: LiteralString = """
+SELECT idem_key, state FROM deferred_jobs
+WHERE idem_key = ANY(%(keys)s::text[]) AND state IN ('deferred', 'running')
+"""
+
+_STATS: LiteralString = """
+SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)
+FROM deferred_jobs WHERE state IN ('deferred', 'running')
+"""
+
+_HISTORY: LiteralString = """
+INSERT INTO claim_history (idem_key, action, actor, before, after, note)
+VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
+"""
+
+_RATE_LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(class)s, hashtext(%(job)s))"
+
+# Under the job's lock: the most recent starts inside the window (at most ``limit`` of them);
+# fewer than ``limit`` lets this start through, recorded at the clock read after the lock, else
+# the wait is until the oldest of them leaves the window. Old starts are pruned on the way.
+_RATE_START: LiteralString = """
+WITH clock AS (SELECT clock_timestamp() AS now),
+recent AS (
+    SELECT started_at FROM flow_rate_starts, clock
+    WHERE job = %(job)s AND started_at > clock.now - make_interval(secs => %(window)s)
+    ORDER BY started_at DESC
+    LIMIT %(limit)s
+),
+verdict AS (SELECT count(*) AS n, min(started_at) AS oldest FROM recent),
+started AS (
+    INSERT INTO flow_rate_starts (job, started_at)
+    SELECT %(job)s, clock.now FROM clock, verdict WHERE verdict.n < %(limit)s
+    RETURNING id
+),
+pruned AS (
+    DELETE FROM flow_rate_starts USING clock
+    WHERE job = %(job)s AND started_at < clock.now - make_interval(secs => %(kept)s)
+)
+SELECT verdict.n < %(limit)s,
+       coalesce(extract(epoch FROM verdict.oldest + make_interval(secs => %(window)s)
+                               - clock.now)::float8, 0)
+FROM clock, verdict
+"""
+
+_CONCURRENCY_LOCK: LiteralString = (
+    "SELECT pg_advisory_xact_lock(%(class)s, hashtext(%(job)s || chr(31) || %(value)s))"
+)
+
+# Under the key's lock: expired slots go, and a slot is taken when fewer than ``max`` others
+# are live. Taking it again with the same token renews its lease.
+_ACQUIRE: LiteralString = """
+WITH clock AS (SELECT clock_timestamp() AS now),
+expired AS (
+    DELETE FROM flow_concurrency_slots USING clock
+    WHERE job = %(job)s AND key_value = %(value)s AND lease_until <= clock.now
+),
+live AS (
+    SELECT count(*) AS n FROM flow_concurrency_slots, clock
+    WHERE job = %(job)s AND key_value = %(value)s AND lease_until > clock.now
+      AND token <> %(token)s
+)
+INSERT INTO flow_concurrency_slots (token, job, key_value, holder, lease_until)
+SELECT %(token)s, %(job)s, %(value)s, %(holder)s, %(lease_until)s
+FROM live, clock WHERE live.n < %(max)s AND %(lease_until)s::timestamptz > clock.now
+ON CONFLICT (token) DO UPDATE SET lease_until = EXCLUDED.lease_until
+RETURNING token
+"""
+
+_RELEASE_SLOT: LiteralString = "DELETE FROM flow_concurrency_slots WHERE token = %(token)s"
+
+
+# --- Deferring and running deferred work ------------------------------------------------------
+
+
+def defer(
+    conn: psycopg.Connection[Any],
+    work: DeferredWork,
+    *,
+    attempts: int,
+    error: str,
+    delay_seconds: float,
+    claim_token: uuid.UUID | None = None,
+) -> DeferOutcome:
+    """Record ``work`` to run again in ``delay_seconds`` (on the database's clock), after
+    ``attempts`` attempts, the last failing with ``error``. With ``claim_token``, the claim
+    that attempt held is released in the same transaction (fenced by the token): from here
+    the ledger owns the work, and the message may be acked."""
+    with ledger_errors("cannot defer a job"), conn.transaction():
+        if claim_token is not None:
+            released = conn.execute(_RELEASE_CLAIM, {"key": work.idem_key, "token": claim_token})
+            if released.rowcount != 1:
+                return DeferOutcome.CLAIM_LOST
+        row = conn.execute(
+            _DEFER,
+            {
+                "key": work.idem_key,
+                "job": work.job,
+                "effect": work.effect,
+                "payload": Jsonb(dict(work.payload)),
+                "fingerprint": work.fingerprint,
+                "message_id": work.message_id,
+                "queue": work.queue,
+                "attempts": attempts,
+                "error": error,
+                "delay": max(float(delay_seconds), 0.0),
+            },
+        ).fetchone()
+    return DeferOutcome.DEFERRED if row else DeferOutcome.ALREADY_DEFERRED
+
+
+def take_due(
+    conn: psycopg.Connection[Any],
+    limit: int,
+    *,
+    lease_seconds: float,
+    jobs: Sequence[str] | None = None,
+) -> list[DeferredJob]:
+    """Take up to ``limit`` due deferred jobs (of ``jobs``, when given), due first then oldest,
+    each under a new lease of ``lease_seconds`` and token, its attempt count raised by one.
+    Two drains never take the same job: a row another holds is skipped, a taken one is
+    ``running`` under a live lease until finished, failed, postponed or expired."""
+    params = {
+        "limit": limit,
+        "lease": float(lease_seconds),
+        "jobs": None if jobs is None else array_literal(jobs),
+    }
+    with (
+        ledger_errors("cannot take deferred jobs"),
+        conn.transaction(),
+        conn.cursor(row_factory=dict_row) as cur,
+    ):
+        rows = [DeferredJob(**row) for row in cur.execute(_TAKE_DUE, params).fetchall()]
+    return sorted(rows, key=lambda job: (job.run_after, job.created_at, job.idem_key))
+
+
+def postpone(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    *,
+    error: str,
+    delay_seconds: float,
+) -> bool:
+    """A taken job's attempt failed (or a limit held it back) and it runs again in
+    ``delay_seconds``; False when the token no longer holds it."""
+    params = {
+        "key": key,
+        "token": token,
+        "error": error,
+        "delay": max(float(delay_seconds), 0.0),
+    }
+    with ledger_errors("cannot postpone a deferred job"), conn.transaction():
+        return conn.execute(_POSTPONE, params).rowcount == 1
+
+
+def finish(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    result: Any,
+    *,
+    actor: str = DRAIN_ACTOR,
+    note: str = "",
+) -> bool:
+    """A taken job succeeded: ``done`` with ``result``, its claim settled ``done`` so later
+    copies are duplicates, recorded as ``deferred_done``. False when the token no longer
+    holds it (nothing changed)."""
+    return _settle(conn, key, token, "done", result=result, error=None, actor=actor, note=note)
+
+
+def fail(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    error: str,
+    *,
+    actor: str = DRAIN_ACTOR,
+    note: str = "",
+) -> bool:
+    """A taken job failed for good (out of attempts, or a final error): ``failed`` with
+    ``error``, its claim settled ``failed``, recorded as ``deferred_failed``. False when the
+    token no longer holds it (nothing changed)."""
+    return _settle(conn, key, token, "failed", result=None, error=error, actor=actor, note=note)
+
+
+def _settle(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    state: str,
+    *,
+    result: Any,
+    error: str | None,
+    actor: str,
+    note: str,
+) -> bool:
+    with (
+        ledger_errors(f"cannot settle deferred job {key!r}"),
+        conn.transaction(),
+        conn.cursor(row_factory=dict_row) as cur,
+    ):
+        before_row = cur.execute(_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+        params = {
+            "key": key,
+            "token": token,
+            "state": state,
+            "result": Jsonb(result) if state == "done" else None,
+            "error": error,
+        }
+        after_row = cur.execute(_SETTLE, params).fetchone()
+        if before_row is None or after_row is None:
+            return False
+        after = DeferredJob(**after_row)
+        cur.execute(
+            _SETTLED_CLAIM,
+            {
+                "key": key,
+                "state": state,
+                "message_id": after.message_id,
+                "job": after.job,
+                "effect": after.effect,
+                "fingerprint": after.payload_sha256,
+                "result": Jsonb(result) if state == "done" else None,
+                "error": error,
+                "attempts": after.attempts,
+                "token": token,
+            },
+        )
+        _record(
+            conn,
+            f"deferred_{state}",
+            DeferredJob(**before_row),
+            after,
+            actor=actor,
+            note=note,
+        )
+    return True
+
+
+def cancel(conn: psycopg.Connection[Any], key: str, *, actor: str, note: str = "") -> DeferredJob:
+    """An operator's cancel of deferred work that is waiting: it never runs (a running one
+    may be inside its effect, so it is refused). Recorded as ``cancel``."""
+    return _operator_change(conn, key, "cancelled", "cancel", actor=actor, note=note)
+
+
+def run_now(conn: psycopg.Connection[Any], key: str, *, actor: str, note: str = "") -> DeferredJob:
+    """An operator's "run it now" for waiting deferred work: due at once, taken by the next
+    drain. Recorded as ``run_now``."""
+    return _operator_change(conn, key, "deferred", "run_now", actor=actor, note=note)
+
+
+def _operator_change(
+    conn: psycopg.Connection[Any], key: str, state: str, action: str, *, actor: str, note: str
+) -> DeferredJob:
+    with (
+        ledger_errors(f"cannot {action.replace('_', ' ')} {key!r}"),
+        conn.transaction(),
+        conn.cursor(row_factory=dict_row) as cur,
+    ):
+        before_row = cur.execute(_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+        if before_row is None:
+            raise ClaimNotFound(f"no deferred job with key {key!r}")
+        before = DeferredJob(**before_row)
+        if before.state != "deferred":
+            raise ClaimChanged(
+                f"deferred job {key!r} is {before.state}; only a waiting ('deferred') job can "
+                f"be {'cancelled' if action == 'cancel' else 'run now'}"
+            )
+        after_row = cur.execute(_OPERATOR_CHANGE, {"key": key, "state": state}).fetchone()
+        if after_row is None:  # pragma: no cover - the row lock makes this unreachable
+            raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
+        after = DeferredJob(**after_row)
+        _record(conn, action, before, after, actor=actor, note=note)
+    return after
+
+
+def holding(conn: psycopg.Connection[Any], keys: Sequence[str]) -> dict[str, str]:
+    """The keys among ``keys`` that deferred work holds (waiting or running), with its state:
+    a message carrying one of them is a duplicate of deferred work."""
+    if not keys:
+        return {}
+    with ledger_errors("cannot read deferred jobs"):
+        rows = conn.execute(_HOLDING, {"keys": array_literal(keys)}).fetchall()
+    return {str(key): str(state) for key, state in rows}
+
+
+def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
+    """The deferred backlog (waiting or running) and its oldest entry's age, in seconds."""
+    with ledger_errors("cannot read deferred jobs"):
+        row = conn.execute(_STATS).fetchone()
+    if row is None:  # pragma: no cover - an aggregate always answers one row
+        return DeferredStats(0, 0.0)
+    return DeferredStats(int(row[0]), float(row[1]))
+
+
+# --- Rate limits and concurrency keys ---------------------------------------------------------
+
+
+def try_start_rate(conn: psycopg.Connection[Any], job: str, limit: RateLimit) -> float:
+    """Record one start of ``job`` if ``limit`` allows it now and return 0; else record
+    nothing and return the seconds until it may (ask again then). The count and the start are
+    made under the job's lock, so across every drain no window of the limit's length holds
+    more than its number of starts. Call it in a short transaction of its own: the lock is
+    held until that transaction ends."""
+    params = {
+        "class": RATE_LOCK_CLASS,
+        "job": job,
+        "limit": limit.limit,
+        "window": limit.window_seconds,
+        "kept": limit.window_seconds + RATE_STARTS_KEPT_SECONDS,
+    }
+    with ledger_errors(f"cannot apply the rate limit of {job!r}"), conn.transaction():
+        conn.execute(_RATE_LOCK, params)
+        row = conn.execute(_RATE_START, params).fetchone()
+    if row is None:  # pragma: no cover - the statement always answers one row
+        return 0.0
+    started, wait = row
+    # Microseconds are the clock's grain: a refused start always has a wait, however short.
+    return 0.0 if started else max(float(wait), 1e-6)
+
+
+def acquire_concurrency(
+    conn: psycopg.Connection[Any],
+    job: str,
+    key_value: str,
+    max_running: int,
+    *,
+    holder: str,
+    token: uuid.UUID,
+    lease_until: datetime,
+) -> bool:
+    """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run holding
+    ``token`` (the claim's), until it is released or ``lease_until`` (the claim's lease)
+    passes; False when all are taken. A slot whose lease ended is free again, so a killed
+    drain's slot never leaks."""
+    params = {
+        "class": CONCURRENCY_LOCK_CLASS,
+        "job": job,
+        "value": key_value,
+        "max": max_running,
+        "holder": holder,
+        "token": token,
+        "lease_until": lease_until,
+    }
+    with ledger_errors(f"cannot take a concurrency slot of {job!r}"), conn.transaction():
+        conn.execute(_CONCURRENCY_LOCK, params)
+        return conn.execute(_ACQUIRE, params).fetchone() is not None
+
+
+def release_concurrency(conn: psycopg.Connection[Any], token: uuid.UUID) -> bool:
+    """Free the slot the run holding ``token`` took; False when it had none (or it expired
+    and was taken back)."""
+    with ledger_errors("cannot release a concurrency slot"), conn.transaction():
+        return conn.execute(_RELEASE_SLOT, {"token": token}).rowcount == 1
+
+
+# --- claim_history ----------------------------------------------------------------------------
+
+
+def _record(
+    conn: psycopg.Connection[Any],
+    action: str,
+    before: DeferredJob,
+    after: DeferredJob,
+    *,
+    actor: str,
+    note: str,
+) -> None:
+    conn.execute(
+        _HISTORY,
+        {
+            "key": before.idem_key,
+            "action": action,
+            "actor": actor,
+            "before": Jsonb(deferred_as_dict(before)),
+            "after": Jsonb(deferred_as_dict(after)),
+            "note": note or None,
+        },
+    )
+
+
+def deferred_as_dict(job: DeferredJob) -> dict[str, Any]:
+    """A deferred job as JSON-ready values, for the history table and ``--json`` output."""
+    out: dict[str, Any] = {}
+    for field in fields(job):
+        value = getattr(job, field.name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, uuid.UUID):
+            value = str(value)
+        out[field.name] = value
+    json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
+    return out

@@ -1,0 +1,220 @@
+"""Flow policies: the ``JOB_POLICIES`` document, which policy is in force, back-off delays, and
+the value of a concurrency key.
+
+``JOB_POLICIES`` is a JSON object keyed by job name; each job's object may hold ``retry``,
+``rate`` and ``concurrency`` (the fields of ``RetryPolicy``, ``RateLimit`` and
+``ConcurrencyLimit``), or ``null`` for one of them to turn off what the code declares. A section
+it gives replaces the code's section whole; a section it leaves out keeps the code's. Anything
+malformed is a ``ConfigurationError`` naming the job and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from infrai_jobs.errors import ConfigurationError, InvalidPayload
+from infrai_jobs.jobs.keys import canonical_json
+from infrai_jobs.jobs.policy import ConcurrencyLimit, JobPolicy, RateLimit, RetryPolicy
+from infrai_jobs.jobs.registry import JobDefinition, Payload
+
+__all__ = [
+    "ConcurrencyLimit",
+    "JobPolicy",
+    "RateLimit",
+    "RetryPolicy",
+    "concurrency_value",
+    "declared_policy",
+    "effective_policy",
+    "is_final_error",
+    "next_delay",
+    "parse_job_policies",
+]
+
+SETTING = "JOB_POLICIES"
+
+_SECTIONS: dict[str, tuple[type, frozenset[str]]] = {
+    "retry": (
+        RetryPolicy,
+        frozenset(
+            {"attempts", "first_delay_seconds", "factor", "max_delay_seconds", "final_errors"}
+        ),
+    ),
+    "rate": (RateLimit, frozenset({"per_second", "per_minute"})),
+    "concurrency": (ConcurrencyLimit, frozenset({"key", "max_running"})),
+}
+
+
+def parse_job_policies(text: str | None, known_jobs: Iterable[str]) -> dict[str, JobPolicy]:
+    """The ``JOB_POLICIES`` document as overrides by job name; empty text is no override."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigurationError(f"{SETTING} is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise ConfigurationError(
+            f"{SETTING} must be a JSON object keyed by job name (got {_json_kind(document)})"
+        )
+    known = sorted(set(known_jobs))
+    return {name: _parse_job(name, value, known) for name, value in document.items()}
+
+
+def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
+    where = f"{SETTING}: job {name!r}"
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigurationError(
+            f"{where} is not a registered job ({guess}registered: {', '.join(known) or 'none'})"
+        )
+    if not isinstance(value, dict):
+        raise ConfigurationError(
+            f"{where} must be an object with retry, rate or concurrency (got {_json_kind(value)})"
+        )
+    unknown = sorted(set(value) - set(_SECTIONS))
+    if unknown:
+        raise ConfigurationError(
+            f"{where}: unknown field {unknown[0]!r} (a job's policy has retry, rate, concurrency)"
+        )
+    sections: dict[str, Any] = {}
+    cleared = set()
+    for section, body in value.items():
+        if body is None:
+            cleared.add(section)
+            continue
+        sections[section] = _parse_section(where, section, body)
+    return JobPolicy(**sections, cleared=frozenset(cleared))
+
+
+def _parse_section(where: str, section: str, body: object) -> object:
+    kind, fields = _SECTIONS[section]
+    if not isinstance(body, dict):
+        raise ConfigurationError(
+            f"{where}: {section} must be an object or null (got {_json_kind(body)})"
+        )
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ConfigurationError(
+            f"{where}: unknown field {section}.{unknown[0]} (known: {', '.join(sorted(fields))})"
+        )
+    arguments = dict(body)
+    for listed in ("key", "final_errors"):
+        if listed in arguments:
+            if not isinstance(arguments[listed], list):
+                raise ConfigurationError(
+                    f"{where}: {section}.{listed} must be a list of strings "
+                    f"(got {_json_kind(arguments[listed])})"
+                )
+            if not all(isinstance(item, str) for item in arguments[listed]):
+                raise ConfigurationError(f"{where}: {section}.{listed} must hold only strings")
+            arguments[listed] = tuple(arguments[listed])
+    try:
+        return kind(**arguments)
+    except TypeError:
+        missing = sorted(name for name in fields if name not in arguments and _required(kind, name))
+        raise ConfigurationError(
+            f"{where}: {section}.{missing[0] if missing else '?'} is missing"
+        ) from None
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
+
+
+def _required(kind: type, name: str) -> bool:
+    return any(
+        field.name == name
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+        for field in dataclasses.fields(kind)
+    )
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def declared_policy(definition: JobDefinition) -> JobPolicy:
+    """What the job declares in code."""
+    return JobPolicy(definition.retry, definition.rate, definition.concurrency)
+
+
+def effective_policy(declared: JobPolicy, override: JobPolicy | None) -> JobPolicy:
+    """The policy in force: each section ``override`` gives (or clears) replaces the declared
+    one; the others stay as declared."""
+    if override is None:
+        return declared
+    sections = {}
+    for section in _SECTIONS:
+        mine = getattr(override, section)
+        if mine is not None:
+            sections[section] = mine
+        elif section not in override.cleared:
+            sections[section] = getattr(declared, section)
+    return JobPolicy(**sections)
+
+
+def next_delay(policy: RetryPolicy, attempt: int) -> float:
+    """Seconds to wait after attempt ``attempt`` (1 is the first run) failed:
+    ``first_delay_seconds * factor ** (attempt - 1)``, capped at ``max_delay_seconds``."""
+    if attempt < 1:
+        raise ValueError(f"attempts count from 1 (got {attempt})")
+    first, cap = float(policy.first_delay_seconds), float(policy.max_delay_seconds)
+    if policy.factor == 1:
+        return first
+    # The exponent past which the cap holds anyway, so a large attempt never overflows a float.
+    enough = math.ceil(math.log(cap / first, policy.factor)) + 1
+    return min(cap, first * float(policy.factor) ** min(attempt - 1, enough))
+
+
+def is_final_error(policy: RetryPolicy, error: BaseException) -> bool:
+    """Whether ``error`` is one the policy never retries: its class or a base of it is named
+    (by class, by name, or by ``module.Name``) in ``final_errors``."""
+    for entry in policy.final_errors:
+        if isinstance(entry, type):
+            if isinstance(error, entry):
+                return True
+            continue
+        for cls in type(error).__mro__:
+            if entry in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+                return True
+    return False
+
+
+def concurrency_value(limit: ConcurrencyLimit, payload: Payload) -> str:
+    """The concurrency key's value for ``payload``: its ``key`` fields' values, in order, as
+    canonical JSON (so ``"42"`` and ``42`` stay apart). A missing field is ``InvalidPayload``."""
+    missing = [name for name in limit.key if name not in payload]
+    if missing:
+        raise InvalidPayload(
+            f"payload has no {', '.join(repr(name) for name in missing)} for its concurrency key"
+        )
+    values = [payload[name] for name in limit.key]
+    return canonical_json(values).decode("utf-8")
+
+
+def policies_in_force(
+    definitions: Iterable[JobDefinition], overrides: Mapping[str, JobPolicy]
+) -> dict[str, JobPolicy]:
+    """Every job that has something to enforce, with its policy in force; a job absent here
+    takes the path of a job without a policy."""
+    in_force = {}
+    for definition in definitions:
+        policy = effective_policy(declared_policy(definition), overrides.get(definition.name))
+        if not policy.is_empty:
+            in_force[definition.name] = policy
+    return in_force

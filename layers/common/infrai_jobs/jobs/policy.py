@@ -1,0 +1,142 @@
+"""What a job may declare about its flow: a retry policy, a rate limit, a concurrency key.
+
+Plain, validated values. They live beside the registry (``@registry.job(..., retry=...)``)
+because a job declares them there; what they mean (back-off, the ``JOB_POLICIES`` document,
+the ledger's limits) is ``infrai_jobs.flow``'s. Each value checks itself when built and raises
+``ConfigurationError`` naming the field, so a policy written in code fails at start-up and one
+read from ``JOB_POLICIES`` fails naming the job and the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from infrai_jobs.errors import ConfigurationError
+
+
+def _positive(field: str, value: object, *, whole: bool) -> None:
+    # bool is an int to Python, but true is no count in a policy.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (whole and not isinstance(value, int))
+    ):
+        kind = "a whole number" if whole else "a number"
+        raise ConfigurationError(f"{field} must be {kind} (got {value!r})")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{field} must be positive (got {value!r})")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Up to ``attempts`` runs in all; the delay before attempt n+1 is
+    ``first_delay_seconds * factor ** (n - 1)``, never more than ``max_delay_seconds``. An error
+    whose class (or a base of it) is named in ``final_errors`` is not retried."""
+
+    attempts: int
+    first_delay_seconds: float = 1.0
+    factor: float = 2.0
+    max_delay_seconds: float = 300.0
+    # Exception classes, or their names as ``JOB_POLICIES`` spells them ("ValueError", or
+    # "module.ClassName").
+    final_errors: tuple[type[BaseException] | str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive("retry.attempts", self.attempts, whole=True)
+        _positive("retry.first_delay_seconds", self.first_delay_seconds, whole=False)
+        _positive("retry.factor", self.factor, whole=False)
+        if self.factor < 1:
+            raise ConfigurationError(
+                f"retry.factor must be at least 1, or delays would shrink (got {self.factor!r})"
+            )
+        _positive("retry.max_delay_seconds", self.max_delay_seconds, whole=False)
+        if self.max_delay_seconds < self.first_delay_seconds:
+            raise ConfigurationError(
+                f"retry.max_delay_seconds ({self.max_delay_seconds!r}) is below "
+                f"retry.first_delay_seconds ({self.first_delay_seconds!r})"
+            )
+        if not isinstance(self.final_errors, tuple):
+            raise ConfigurationError("retry.final_errors must list exception classes or names")
+        for entry in self.final_errors:
+            is_class = isinstance(entry, type) and issubclass(entry, BaseException)
+            if not is_class and not (isinstance(entry, str) and entry.strip()):
+                raise ConfigurationError(
+                    f"retry.final_errors must list exception classes or names (got {entry!r})"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """At most ``per_second`` starts in any one-second window, or ``per_minute`` in any
+    minute: exactly one of the two."""
+
+    per_second: int | None = None
+    per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("per_second", "per_minute") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ConfigurationError("rate needs exactly one of per_second or per_minute")
+        _positive(f"rate.{given[0]}", getattr(self, given[0]), whole=True)
+
+    @property
+    def limit(self) -> int:
+        return self.per_second if self.per_second is not None else int(self.per_minute or 0)
+
+    @property
+    def window_seconds(self) -> float:
+        return 1.0 if self.per_second is not None else 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyLimit:
+    """At most ``max_running`` runs at once for each value of the payload fields ``key``."""
+
+    key: tuple[str, ...]
+    max_running: int
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.key, tuple)
+            or not self.key
+            or not all(isinstance(name, str) and name for name in self.key)
+        ):
+            raise ConfigurationError(
+                f"concurrency.key must list one or more payload field names (got {self.key!r})"
+            )
+        _positive("concurrency.max_running", self.max_running, whole=True)
+
+
+@dataclass(frozen=True, slots=True)
+class JobPolicy:
+    """A job's flow declarations; None is "not declared". In an override, a section named in
+    ``cleared`` removes what the code declares (``"rate": null`` in ``JOB_POLICIES``)."""
+
+    retry: RetryPolicy | None = None
+    rate: RateLimit | None = None
+    concurrency: ConcurrencyLimit | None = None
+    cleared: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to enforce: the job takes the path it takes without a policy."""
+        return self.retry is None and self.rate is None and self.concurrency is None
+
+
+def check_declared(
+    retry: object, rate: object, concurrency: object
+) -> tuple[RetryPolicy | None, RateLimit | None, ConcurrencyLimit | None]:
+    """The registry's check of what ``@job(retry=, rate=, concurrency=)`` was given."""
+    for field, value, kind in (
+        ("retry", retry, RetryPolicy),
+        ("rate", rate, RateLimit),
+        ("concurrency", concurrency, ConcurrencyLimit),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise ConfigurationError(f"{field} must be a {kind.__name__} (got {value!r})")
+    return (
+        retry if isinstance(retry, RetryPolicy) else None,
+        rate if isinstance(rate, RateLimit) else None,
+        concurrency if isinstance(concurrency, ConcurrencyLimit) else None,
+    )

@@ -1,0 +1,530 @@
+"""Flow control in the ledger, on a real PostgreSQL: migration 7, deferred work taken once across
+drains, rate limits on the database's clock, concurrency slots that cannot leak."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.flow import ledger as flow
+from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
+from infrai_jobs.flow.policies import RateLimit
+from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
+
+OPERATOR = "on-call@example.com"
+
+
+@pytest.fixture
+def ledger_url(database_url: str) -> str:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        apply_migrations(conn)
+    return database_url
+
+
+@pytest.fixture
+def conn(ledger_url: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(ledger_url, autocommit=True) as connection:
+        yield connection
+
+
+def _work(
+    key: str, *, job: str = "report.render", effect: str = "external_idempotent"
+) -> DeferredWork:
+    return DeferredWork(
+        idem_key=key,
+        job=job,
+        effect=effect,
+        payload={"job": job, "tenant_id": "t1", "n": key},
+        message_id=f"qmsg_{key}",
+        fingerprint=f"fp-{key}",
+        queue="jobs",
+    )
+
+
+def _claim(conn: psycopg.Connection[Any], key: str) -> uuid.UUID:
+    token = uuid.uuid4()
+    conn.execute(
+        "INSERT INTO job_claims (idem_key, state, message_id, job, effect, claim_token,"
+        " lease_until) VALUES (%s, 'running', %s, 'report.render', 'external_idempotent', %s,"
+        " now() + interval '5 minutes')",
+        (key, f"qmsg_{key}", token),
+    )
+    return token
+
+
+def _expire_lease(conn: psycopg.Connection[Any], key: str) -> None:
+    # What a drain killed mid-run leaves once its lease has run out.
+    conn.execute(
+        "UPDATE deferred_jobs SET lease_until = now() - interval '1 second' WHERE idem_key = %s",
+        (key,),
+    )
+
+
+def _in_threads(count: int, target: Callable[[int], Any]) -> list[Any]:
+    """Run ``target(i)`` in ``count`` threads released together; re-raise the first failure."""
+    barrier = threading.Barrier(count)
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            results[index] = target(index)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread did not finish"
+    if errors:
+        raise errors[0]
+    return results
+
+
+# --- Migration 7 ------------------------------------------------------------------------------
+
+
+def test_flow_control_migration_only_adds_to_a_ledger_at_version_6(database_url: str) -> None:
+    # Given a ledger at version 6 holding a claim the notes' worker wrote
+    with psycopg.connect(database_url, autocommit=True) as conn, conn.transaction():
+        conn.execute(
+            "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for migration in MIGRATIONS[:6]:
+            conn.execute(migration.sql)
+            conn.execute(
+                "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
+                (migration.version, migration.name),
+            )
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k1', 'done', 'q1')"
+        )
+    # When migrated
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        applied = [m.version for m in apply_migrations(conn)]
+    # Then only flow control was applied, and the claim is kept
+    assert applied == [7]
+    assert MIGRATIONS[6].name == "flow control"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [("k1", "done")]
+        # And the notes' worker's own statements still work, word for word
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k2', 'running', 'q2')"
+            " ON CONFLICT (idem_key) DO NOTHING RETURNING idem_key"
+        )
+        conn.execute("UPDATE job_claims SET state = 'done', result = '{}' WHERE idem_key = 'k2'")
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k3', 'running', 'q3')"
+        )
+        conn.execute("DELETE FROM job_claims WHERE idem_key = 'k3' AND state = 'running'")
+        assert conn.execute("SELECT count(*) FROM job_claims").fetchone() == (2,)
+        # And the new tables are there, empty
+        for table in ("deferred_jobs", "flow_rate_starts", "flow_concurrency_slots"):
+            assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+        # And a second run applies nothing
+        assert apply_migrations(conn) == []
+
+
+# --- Deferring --------------------------------------------------------------------------------
+
+
+def test_deferring_releases_the_claim_and_the_ledger_holds_the_work(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # Given an attempt holding its claim
+    token = _claim(conn, "k1")
+    # When it defers the job in the transaction that settles it
+    with conn.transaction():
+        outcome = flow.defer(
+            conn, _work("k1"), attempts=2, error="provider 503", delay_seconds=30, claim_token=token
+        )
+    # Then the claim is gone and the deferred row holds everything a later run needs
+    assert outcome is DeferOutcome.DEFERRED
+    assert conn.execute("SELECT count(*) FROM job_claims").fetchone() == (0,)
+    row = conn.execute(
+        "SELECT job, effect, payload, payload_sha256, message_id, queue, state, attempts,"
+        " last_error, run_after - now() > interval '25 seconds' FROM deferred_jobs"
+    ).fetchone()
+    assert row == (
+        "report.render",
+        "external_idempotent",
+        {"job": "report.render", "tenant_id": "t1", "n": "k1"},
+        "fp-k1",
+        "qmsg_k1",
+        "jobs",
+        "deferred",
+        2,
+        "provider 503",
+        True,
+    )
+    # And a copy of its message is a duplicate of deferred work
+    assert flow.holding(conn, ["k1", "k2"]) == {"k1": "deferred"}
+    assert flow.defer(conn, _work("k1"), attempts=1, error="again", delay_seconds=0) is (
+        DeferOutcome.ALREADY_DEFERRED
+    )
+    assert conn.execute("SELECT attempts, last_error FROM deferred_jobs").fetchone() == (
+        2,
+        "provider 503",
+    )
+
+
+def test_a_deferral_whose_claim_was_lost_changes_nothing(conn: psycopg.Connection[Any]) -> None:
+    # Given a claim another delivery took over (a new token)
+    _claim(conn, "k1")
+    # When the old holder tries to defer with its token
+    outcome = flow.defer(
+        conn, _work("k1"), attempts=1, error="e", delay_seconds=1, claim_token=uuid.uuid4()
+    )
+    # Then it is told so, and neither the claim nor the deferred work changed
+    assert outcome is DeferOutcome.CLAIM_LOST
+    assert conn.execute("SELECT count(*) FROM job_claims").fetchone() == (1,)
+    assert conn.execute("SELECT count(*) FROM deferred_jobs").fetchone() == (0,)
+
+
+def test_due_jobs_are_taken_oldest_due_first_and_only_once(conn: psycopg.Connection[Any]) -> None:
+    # Given two due jobs and one due in an hour
+    flow.defer(conn, _work("later"), attempts=1, error="e", delay_seconds=3600)
+    flow.defer(conn, _work("second"), attempts=1, error="e", delay_seconds=0)
+    conn.execute(
+        "UPDATE deferred_jobs SET run_after = now() - interval '10 seconds'"
+        " WHERE idem_key = 'second'"
+    )
+    flow.defer(conn, _work("first"), attempts=3, error="e", delay_seconds=0)
+    conn.execute(
+        "UPDATE deferred_jobs SET run_after = now() - interval '1 minute' WHERE idem_key = 'first'"
+    )
+    # When a drain takes what is due
+    taken = flow.take_due(conn, 10, lease_seconds=120)
+    # Then it gets the due ones, the longest due first, each under a lease, attempts counted
+    assert [job.idem_key for job in taken] == ["first", "second"]
+    assert [job.attempts for job in taken] == [4, 2]
+    assert all(job.state == "running" and job.lease_token for job in taken)
+    assert taken[0].payload == {"job": "report.render", "tenant_id": "t1", "n": "first"}
+    # And a second drain finds nothing to take while their leases live
+    assert flow.take_due(conn, 10, lease_seconds=120) == []
+    # And only the jobs named are taken when a drain names its jobs
+    flow.run_now(conn, "later", actor=OPERATOR)
+    assert flow.take_due(conn, 10, lease_seconds=120, jobs=["other.job"]) == []
+    assert [job.idem_key for job in flow.take_due(conn, 10, lease_seconds=120)] == ["later"]
+
+
+def test_two_drains_racing_never_take_the_same_job(ledger_url: str) -> None:
+    # Given 120 due deferred jobs
+    with psycopg.connect(ledger_url, autocommit=True) as conn:
+        for n in range(120):
+            flow.defer(conn, _work(f"k{n:03d}"), attempts=1, error="e", delay_seconds=0)
+
+    # When four drains, each on its own connection, take small batches until none is left
+    def drain(_: int) -> list[str]:
+        keys: list[str] = []
+        with psycopg.connect(ledger_url, autocommit=True) as conn:
+            while batch := flow.take_due(conn, 3, lease_seconds=300):
+                keys.extend(job.idem_key for job in batch)
+        return keys
+
+    taken = _in_threads(4, drain)
+    # Then every job was taken exactly once
+    every = [key for keys in taken for key in keys]
+    assert sorted(every) == [f"k{n:03d}" for n in range(120)]
+    assert len(set(every)) == len(every)
+
+
+def test_an_expired_lease_is_taken_over_except_for_an_external_job(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # Given a key-passing job and an external one, both taken by a drain that then died
+    flow.defer(conn, _work("idem"), attempts=1, error="e", delay_seconds=0)
+    flow.defer(conn, _work("ext", effect="external"), attempts=1, error="e", delay_seconds=0)
+    first = {job.idem_key: job for job in flow.take_due(conn, 10, lease_seconds=300)}
+    _expire_lease(conn, "idem")
+    _expire_lease(conn, "ext")
+    # When another drain looks for due work
+    again = flow.take_due(conn, 10, lease_seconds=300)
+    # Then it takes over the key-passing job under a new token, never the external one
+    assert [job.idem_key for job in again] == ["idem"]
+    assert again[0].lease_token != first["idem"].lease_token
+    assert again[0].attempts == 3
+    # And the dead drain's token no longer settles anything
+    old = first["idem"].lease_token
+    assert old is not None
+    assert not flow.finish(conn, "idem", old, {"ref": "x"})
+    assert conn.execute("SELECT state FROM deferred_jobs WHERE idem_key = 'ext'").fetchone() == (
+        "running",
+    )
+
+
+def test_finishing_settles_the_claim_and_records_it(conn: psycopg.Connection[Any]) -> None:
+    # Given a taken deferred job
+    flow.defer(conn, _work("k1"), attempts=1, error="e", delay_seconds=0)
+    (job,) = flow.take_due(conn, 1, lease_seconds=60)
+    assert job.lease_token is not None
+    # When it succeeds, inside the caller's transaction
+    with conn.transaction():
+        assert flow.finish(conn, "k1", job.lease_token, {"ref": "r-1"})
+    # Then it is done, and its claim says so for any later copy
+    assert conn.execute(
+        "SELECT state, result, lease_token FROM deferred_jobs WHERE idem_key = 'k1'"
+    ).fetchone() == ("done", {"ref": "r-1"}, None)
+    assert conn.execute(
+        "SELECT state, result, message_id, job, payload_sha256, attempts FROM job_claims"
+    ).fetchone() == ("done", {"ref": "r-1"}, "qmsg_k1", "report.render", "fp-k1", 2)
+    assert flow.holding(conn, ["k1"]) == {}
+    # And the history records the change, before and after
+    action, actor, before, after = conn.execute(
+        "SELECT action, actor, before->>'state', after->>'state' FROM claim_history"
+    ).fetchone() or (None, None, None, None)
+    assert (action, actor, before, after) == ("deferred_done", "drain", "running", "done")
+    # And finishing it twice changes nothing
+    assert not flow.finish(conn, "k1", job.lease_token, {"ref": "r-2"})
+
+
+def test_failing_and_postponing_a_taken_job(conn: psycopg.Connection[Any]) -> None:
+    flow.defer(conn, _work("k1"), attempts=1, error="e1", delay_seconds=0)
+    flow.defer(conn, _work("k2"), attempts=1, error="e1", delay_seconds=0)
+    taken = {job.idem_key: job for job in flow.take_due(conn, 2, lease_seconds=60)}
+    token1, token2 = taken["k1"].lease_token, taken["k2"].lease_token
+    assert token1 is not None
+    assert token2 is not None
+    # When one attempt fails again with attempts left, and the other runs out of attempts
+    assert flow.postpone(conn, "k1", token1, error="e2", delay_seconds=3600)
+    assert flow.fail(conn, "k2", token2, "out of attempts: provider 503")
+    # Then the first waits again with its error, not due, its lease gone
+    assert conn.execute(
+        "SELECT state, last_error, lease_token, run_after > now() + interval '50 minutes'"
+        " FROM deferred_jobs WHERE idem_key = 'k1'"
+    ).fetchone() == ("deferred", "e2", None, True)
+    assert flow.take_due(conn, 10, lease_seconds=60) == []
+    # And the second is failed with its reason, in its claim too, and recorded
+    assert conn.execute(
+        "SELECT state, last_error FROM deferred_jobs WHERE idem_key = 'k2'"
+    ).fetchone() == ("failed", "out of attempts: provider 503")
+    assert conn.execute("SELECT state, error FROM job_claims WHERE idem_key = 'k2'").fetchone() == (
+        "failed",
+        "out of attempts: provider 503",
+    )
+    assert conn.execute("SELECT action FROM claim_history WHERE idem_key = 'k2'").fetchall() == [
+        ("deferred_failed",)
+    ]
+    # And a postpone with a stale token changes nothing
+    assert not flow.postpone(conn, "k1", token1, error="e3", delay_seconds=0)
+
+
+def test_operators_run_now_or_cancel_waiting_work_recorded_in_the_history(
+    conn: psycopg.Connection[Any],
+) -> None:
+    flow.defer(conn, _work("k1"), attempts=1, error="e", delay_seconds=3600)
+    flow.defer(conn, _work("k2"), attempts=1, error="e", delay_seconds=3600)
+    # When an operator runs one now and cancels the other
+    ran = flow.run_now(conn, "k1", actor=OPERATOR, note="provider is back")
+    cancelled = flow.cancel(conn, "k2", actor=OPERATOR, note="customer left")
+    # Then the first is due and taken by the next drain, the second never runs
+    assert ran.state == "deferred"
+    assert cancelled.state == "cancelled"
+    assert [job.idem_key for job in flow.take_due(conn, 10, lease_seconds=60)] == ["k1"]
+    assert flow.holding(conn, ["k1", "k2"]) == {"k1": "running"}
+    # And each action is in the history with who did it and why
+    assert conn.execute(
+        "SELECT idem_key, action, actor, note, before->>'state', after->>'state'"
+        " FROM claim_history ORDER BY id"
+    ).fetchall() == [
+        ("k1", "run_now", OPERATOR, "provider is back", "deferred", "deferred"),
+        ("k2", "cancel", OPERATOR, "customer left", "deferred", "cancelled"),
+    ]
+    # And a running or unknown job is refused with the reason, nothing recorded
+    with pytest.raises(ClaimChanged, match="running"):
+        flow.cancel(conn, "k1", actor=OPERATOR)
+    with pytest.raises(ClaimNotFound, match="nope"):
+        flow.run_now(conn, "nope", actor=OPERATOR)
+    assert conn.execute("SELECT count(*) FROM claim_history").fetchone() == (2,)
+
+
+def test_a_cancelled_key_may_be_deferred_afresh(conn: psycopg.Connection[Any]) -> None:
+    flow.defer(conn, _work("k1"), attempts=4, error="old", delay_seconds=3600)
+    flow.cancel(conn, "k1", actor=OPERATOR)
+    # When new work with the same key is deferred later
+    outcome = flow.defer(conn, _work("k1"), attempts=1, error="new", delay_seconds=0)
+    # Then it starts over
+    assert outcome is DeferOutcome.DEFERRED
+    assert conn.execute("SELECT state, attempts, last_error FROM deferred_jobs").fetchone() == (
+        "deferred",
+        1,
+        "new",
+    )
+
+
+def test_the_backlog_and_its_oldest_age(conn: psycopg.Connection[Any]) -> None:
+    assert flow.deferred_stats(conn) == (0, 0.0)
+    for key in ("k1", "k2", "k3"):
+        flow.defer(conn, _work(key), attempts=1, error="e", delay_seconds=3600)
+    conn.execute(
+        "UPDATE deferred_jobs SET created_at = now() - interval '10 minutes' WHERE idem_key = 'k2'"
+    )
+    flow.cancel(conn, "k3", actor=OPERATOR)
+    backlog, oldest = flow.deferred_stats(conn)
+    assert backlog == 2
+    assert 600 <= oldest < 3600
+
+
+# --- Rate limits ------------------------------------------------------------------------------
+
+
+def test_a_start_over_the_limit_is_told_how_long_to_wait(conn: psycopg.Connection[Any]) -> None:
+    limit = RateLimit(per_minute=3)
+    # Given three starts in the minute
+    assert [flow.try_start_rate(conn, "report.render", limit) for _ in range(3)] == [0.0] * 3
+    # When a fourth asks
+    wait = flow.try_start_rate(conn, "report.render", limit)
+    # Then it must wait until the first leaves the window, and nothing was recorded for it
+    assert 0 < wait <= 60
+    assert conn.execute("SELECT count(*) FROM flow_rate_starts").fetchone() == (3,)
+    # And another job's limit is its own
+    assert flow.try_start_rate(conn, "other.job", limit) == 0.0
+
+
+def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_url: str) -> None:
+    limit = RateLimit(per_second=8)
+    starts_each = 8
+
+    # When four drains, each on its own connection, start jobs as fast as the limit lets them
+    def drain(_: int) -> int:
+        started = refused = 0
+        with psycopg.connect(ledger_url, autocommit=True) as conn:
+            while started < starts_each:
+                wait = flow.try_start_rate(conn, "report.render", limit)
+                if wait:
+                    refused += 1
+                    time.sleep(wait)
+                else:
+                    started += 1
+        return refused
+
+    _in_threads(4, drain)
+    # Then every start is recorded once, on the database's clock
+    with psycopg.connect(ledger_url, autocommit=True) as conn:
+        starts = [
+            row[0]
+            for row in conn.execute(
+                "SELECT started_at FROM flow_rate_starts WHERE job = 'report.render'"
+                " ORDER BY started_at"
+            )
+        ]
+    assert len(starts) == 4 * starts_each
+    # And no one-second window, wherever it begins, holds more than the limit
+    busiest = max(
+        sum(1 for other in starts if start <= other < start + timedelta(seconds=1))
+        for start in starts
+    )
+    assert busiest <= limit.limit
+
+
+# --- Concurrency keys -------------------------------------------------------------------------
+
+
+def _lease(conn: psycopg.Connection[Any], seconds: float) -> datetime:
+    row = conn.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
+    assert row is not None
+    value: datetime = row[0]
+    return value
+
+
+def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
+    conn: psycopg.Connection[Any],
+) -> None:
+    lease = _lease(conn, 300)
+    first, second, third = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+
+    def take(token: uuid.UUID, value: str = '["t1"]') -> bool:
+        return flow.acquire_concurrency(
+            conn, "report.render", value, 2, holder=str(token), token=token, lease_until=lease
+        )
+
+    # Given a key value whose two slots are taken
+    assert take(first)
+    assert take(second)
+    # Then a third run of that value is refused, another value is not limited by it
+    assert not take(third)
+    assert take(third, '["t2"]')
+    flow.release_concurrency(conn, third)
+    # And the holder taking its slot again only renews it
+    assert take(first)
+    assert not take(third)
+    # When a holder's drain is killed and its lease runs out
+    conn.execute(
+        "UPDATE flow_concurrency_slots SET lease_until = now() - interval '1 second'"
+        " WHERE token = %s",
+        (first,),
+    )
+    # Then its slot is free again
+    assert take(third)
+    assert not flow.release_concurrency(conn, first)
+    # And a released slot is free at once
+    assert flow.release_concurrency(conn, second)
+    assert take(uuid.uuid4())
+    # And a lease already over takes nothing
+    late = uuid.uuid4()
+    assert not flow.acquire_concurrency(
+        conn,
+        "report.render",
+        '["t3"]',
+        2,
+        holder="late",
+        token=late,
+        lease_until=_lease(conn, -1),
+    )
+
+
+def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
+    max_running, rounds = 2, 15
+    guard = threading.Lock()
+    running = 0
+    most = 0
+    held_in_db: list[int] = []
+
+    # When six drains, each on its own connection, run jobs of one tenant as slots allow
+    def drain(index: int) -> int:
+        nonlocal running, most
+        ran = 0
+        with psycopg.connect(ledger_url, autocommit=True) as conn:
+            while ran < rounds:
+                token = uuid.uuid4()
+                if not flow.acquire_concurrency(
+                    conn,
+                    "report.render",
+                    '["t1"]',
+                    max_running,
+                    holder=f"drain-{index}",
+                    token=token,
+                    lease_until=_lease(conn, 300),
+                ):
+                    time.sleep(0.001)
+                    continue
+                with guard:
+                    running += 1
+                    most = max(most, running)
+                row = conn.execute("SELECT count(*) FROM flow_concurrency_slots").fetchone()
+                held_in_db.append(int(row[0]) if row else -1)
+                with guard:
+                    running -= 1
+                flow.release_concurrency(conn, token)
+                ran += 1
+        return ran
+
+    ran = _in_threads(6, drain)
+    # Then every drain ran its jobs, and never more than the limit at once
+    assert ran == [rounds] * 6
+    assert 1 <= most <= max_running
+    assert max(held_in_db) <= max_running
+    with psycopg.connect(ledger_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM flow_concurrency_slots").fetchone() == (0,)

@@ -39,6 +39,7 @@ FLOORS: dict[str, int] = {
     "queue": 2,
     "ledger": 2,
     "aws": 3,
+    "flow": 3,
     "drain": 4,
     "operations": 4,
     "runtime": 5,

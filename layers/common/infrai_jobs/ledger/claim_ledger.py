@@ -32,6 +32,7 @@ from psycopg.rows import dict_row
 
 from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.ledger.claims import (
+    SETTLE_STATUS,
     ClaimDecision,
     ClaimRequest,
     ClaimRow,
@@ -41,6 +42,7 @@ from infrai_jobs.ledger.claims import (
     Settlement,
     SettleStatus,
     decide,
+    settled_kind,
 )
 from infrai_jobs.ledger.migrations import LATEST_VERSION, current_version
 from infrai_jobs.ledger.postgres import (
@@ -502,13 +504,9 @@ class PostgresLedger(LedgerAdapter):
         *,
         uncertain_is_stuck: bool,
     ) -> list[Settlement]:
+        kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
-        for request, run in runs:
-            kind = run.kind
-            if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
-                # A database job's effect was rolled back with its savepoint: nothing is
-                # uncertain, so a retry is safe.
-                kind = RunKind.TRANSIENT
+        for (request, run), kind in zip(runs, kinds, strict=True):
             groups.setdefault(kind, []).append((request, run))
 
         matched: set[str] = set()
@@ -534,19 +532,13 @@ class PostgresLedger(LedgerAdapter):
                 cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
             matched.update(row[0] for row in cursor.fetchall())
 
-        status_of = {
-            RunKind.SUCCEEDED: SettleStatus.DONE,
-            RunKind.PERMANENT: SettleStatus.FAILED,
-            RunKind.UNCERTAIN: SettleStatus.STUCK if uncertain_is_stuck else SettleStatus.RELEASED,
-            RunKind.TRANSIENT: SettleStatus.RELEASED,
-        }
         return [
             Settlement(
                 request,
-                status_of[run.kind] if request.idem_key in matched else SettleStatus.LOST,
+                SETTLE_STATUS[kind] if request.idem_key in matched else SettleStatus.LOST,
                 run,
             )
-            for request, run in runs
+            for (request, run), kind in zip(runs, kinds, strict=True)
         ]
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:

@@ -67,7 +67,7 @@ class Backend:
     ledger: InMemoryLedger | PostgresLedger
     now: Callable[[], datetime]
     write_row: Callable[[dict[str, Any]], None]
-    give_away: Callable[[str], None]
+    give_away: Callable[[str], object]
 
     def seed(
         self,
@@ -168,7 +168,8 @@ def _postgres_backend(database_url: str) -> Iterator[Backend]:
         def now() -> datetime:
             row = conn.execute("SELECT now()").fetchone()
             assert row is not None
-            return row[0]
+            current: datetime = row[0]
+            return current
 
         def write_row(values: dict[str, Any]) -> None:
             result = values["result"]

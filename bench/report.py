@@ -1144,6 +1144,9 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "off.",
         "- (a) acks duplicates too (its `runOnce` returns true on a skip), so both variants make "
         "one consume per 10 messages and one ack per message.",
+        "- Why the queue client keeps its own HTTP transport, and what the emulator's server "
+        "costs: measured by hand in [bench/transport.md](../bench/transport.md) "
+        "(`make bench-transport`).",
         "",
     ]
 

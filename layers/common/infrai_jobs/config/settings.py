@@ -1,9 +1,9 @@
 """Settings, read once at the edge into frozen, validated objects, one type per function.
 
-This is the only module that reads the environment. ``CommonSettings`` holds what every
-function reads (Infrai's URL and key, the queue and its DLQ, the ledger's URL or secret and its
-TLS); ``DrainSettings``, ``AlertSettings``, ``RedriveSettings`` and ``PruneSettings`` add what
-only their function reads. A handler, or a CLI command, calls ``from_env()`` of its type once
+This is the only module that reads the package's settings from the environment (Powertools'
+own variables aside). ``CommonSettings`` holds what every function reads (Infrai's URL and key,
+the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
+``AlertSettings``, ``RedriveSettings`` and ``PruneSettings`` add what only their function reads. A handler, or a CLI command, calls ``from_env()`` of its type once
 (one loader, ``load_settings``); everything below receives values, not ``os.environ``.
 
 The framework's own settings are named here. The jobs' settings are not: each job declares the
@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
 from infrai_jobs.errors import ConfigurationError
@@ -271,7 +271,7 @@ def load_settings(
     holds are read, each checked, and every secure default it turns off is logged."""
     env = os.environ if environ is None else environ
     allow_plain_http = _bool(env, ALLOW_PLAIN_HTTP_ENV, default=False)
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     if issubclass(kind, JobSettings):
         values.update(_job_fields(env, job_settings or {}, allow_plain_http=allow_plain_http))
     values.update(_common_fields(env, allow_plain_http=allow_plain_http))
@@ -281,7 +281,7 @@ def load_settings(
         values.update(_alert_fields(env, queue=str(values["queue"])))
     if issubclass(kind, PruneSettings):
         values.update(retention_days=_retention_days(env))
-    settings = kind(**values)  # type: ignore[arg-type]
+    settings = kind(**values)
     if isinstance(settings, DrainSettings):
         _check_second_layer(settings)
     if not settings.queue:
@@ -297,7 +297,7 @@ def load_settings(
 
 def _job_fields(
     env: Mapping[str, str], declared: Mapping[str, Sequence[str]], *, allow_plain_http: bool
-) -> dict[str, object]:
+) -> dict[str, Any]:
     owners = {name: tuple(jobs) for name, jobs in declared.items()}
     values = {name: env.get(name, "").strip() for name in owners}
     for name, value in values.items():
@@ -314,7 +314,7 @@ def _job_fields(
     }
 
 
-def _common_fields(env: Mapping[str, str], *, allow_plain_http: bool) -> dict[str, object]:
+def _common_fields(env: Mapping[str, str], *, allow_plain_http: bool) -> dict[str, Any]:
     base_url = env.get("INFRAI_BASE_URL", "").strip()
     if base_url:
         check_web_url(
@@ -342,7 +342,7 @@ def _common_fields(env: Mapping[str, str], *, allow_plain_http: bool) -> dict[st
     }
 
 
-def _drain_fields(env: Mapping[str, str]) -> dict[str, object]:
+def _drain_fields(env: Mapping[str, str]) -> dict[str, Any]:
     return {
         "batch_budget_ms": _int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
         "lease_grace_seconds": _int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
@@ -368,7 +368,7 @@ def _drain_fields(env: Mapping[str, str]) -> dict[str, object]:
     }
 
 
-def _alert_fields(env: Mapping[str, str], *, queue: str) -> dict[str, object]:
+def _alert_fields(env: Mapping[str, str], *, queue: str) -> dict[str, Any]:
     return {
         "watched_queues": _names(env.get("WATCHED_QUEUES", "")) or (queue,),
         "alert_topic_arn": env.get("ALERT_TOPIC_ARN", "").strip(),

@@ -3,8 +3,9 @@
 This is the only module that reads the package's settings from the environment (Powertools'
 own variables aside). ``CommonSettings`` holds what every function reads (Infrai's URL and key,
 the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
-``AlertSettings``, ``RedriveSettings`` and ``PruneSettings`` add what only their function reads. A handler, or a CLI command, calls ``from_env()`` of its type once
-(one loader, ``load_settings``); everything below receives values, not ``os.environ``.
+``AlertSettings``, ``RedriveSettings`` and ``PruneSettings`` add what only their function reads.
+A handler, or a CLI command, calls ``from_env()`` of its type once (one loader,
+``load_settings``); everything below receives values, not ``os.environ``.
 
 The framework's own settings are named here. The jobs' settings are not: each job declares the
 ones it needs (``JobRegistry.declared_settings()``), and

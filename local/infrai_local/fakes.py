@@ -578,7 +578,9 @@ class InMemoryLedger:
         for (request, run), kind, value in zip(runs, kinds, stored, strict=True):
             row = self._rows.get(request.idem_key)
             if row is None or row.claim_token != request.claim_token or row.state != "running":
-                settlements.append(Settlement(request, SettleStatus.LOST, run))
+                # A deferred run's claim may have been released by its deferral already.
+                lost = SettleStatus.DEFERRED if kind is RunKind.DEFERRED else SettleStatus.LOST
+                settlements.append(Settlement(request, lost, run))
                 continue
             if kind is RunKind.SUCCEEDED:
                 self._rows[request.idem_key] = replace(

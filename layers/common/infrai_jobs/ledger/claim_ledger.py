@@ -520,10 +520,14 @@ class PostgresLedger(LedgerAdapter):
                 cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
             matched.update(row[0] for row in cursor.fetchall())
 
+        # A deferred run's claim may be gone already: the deferral released it, fenced, in the
+        # transaction that recorded the work. Either way deferred_jobs holds the work.
         return [
             Settlement(
                 request,
-                SETTLE_STATUS[kind] if request.idem_key in matched else SettleStatus.LOST,
+                SETTLE_STATUS[kind]
+                if kind is RunKind.DEFERRED or request.idem_key in matched
+                else SettleStatus.LOST,
                 run,
             )
             for (request, run), kind in zip(runs, kinds, strict=True)

@@ -63,6 +63,9 @@ class RunKind(StrEnum):
     PERMANENT = "permanent"  # PermanentJobError: mark failed
     UNCERTAIN = "uncertain"  # EffectUncertain: leave running, flag stuck
     TRANSIENT = "transient"  # anything else: release the claim for a retry
+    # Flow control holds the work in ``deferred_jobs`` (a retry policy, a rate limit or a
+    # concurrency key): release the claim if this run still holds it, and ack the message.
+    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,7 @@ class SettleStatus(StrEnum):
     RELEASED = "released"
     STUCK = "stuck"
     LOST = "lost"  # the fenced update matched nothing: someone else owns the row now
+    DEFERRED = "deferred"  # deferred_jobs holds the work; the claim is released
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +116,7 @@ SETTLE_STATUS: Final = {
     RunKind.PERMANENT: SettleStatus.FAILED,
     RunKind.UNCERTAIN: SettleStatus.STUCK,
     RunKind.TRANSIENT: SettleStatus.RELEASED,
+    RunKind.DEFERRED: SettleStatus.DEFERRED,
 }
 
 

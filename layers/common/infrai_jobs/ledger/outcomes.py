@@ -30,6 +30,7 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
     CLAIM_LOST = "claim_lost"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
+    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,15 @@ OUTCOME_RULES: Final[dict[Outcome, OutcomeRule]] = {
         "the database failed before the outcome settled",
         "unchanged (rolled back)",
     ),
+    Outcome.DEFERRED: OutcomeRule(
+        True,
+        "deferred",
+        logging.INFO,
+        "OutcomeDeferred",
+        "flow control holds the job back (a retry policy past the deliveries left, a rate "
+        "limit or a concurrency key), or it is a copy of work deferred already",
+        "a `deferred_jobs` row runs it later; claim released",
+    ),
 }
 
 ACKED_OUTCOMES: Final = frozenset(o for o, rule in OUTCOME_RULES.items() if rule.ack)
@@ -154,4 +164,5 @@ SETTLE_OUTCOMES: Final = {
     SettleStatus.RELEASED: Outcome.RETRY,
     SettleStatus.STUCK: Outcome.STUCK,
     SettleStatus.LOST: Outcome.CLAIM_LOST,
+    SettleStatus.DEFERRED: Outcome.DEFERRED,
 }

@@ -19,10 +19,11 @@ from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
 from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
-from infrai_jobs.drain.model import DrainSummary
+from infrai_jobs.drain.model import DrainFeature, DrainSummary
 from infrai_jobs.jobs.correlation import traceparent_trace_id
 from infrai_jobs.jobs.probes import ANSWERS, DONE, NOT_DONE, UNKNOWN
 from infrai_jobs.jobs.registry import JobContext
+from infrai_jobs.ledger.claims import JobRun
 from infrai_jobs.ledger.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ MessageSpan = Callable[[JobContext], AbstractContextManager[object]]
 
 
 def message_tracing() -> MessageSpan | None:
-    """With tracing on, the span each handler run gets (``DrainConfig.message_span``): an X-Ray
+    """With tracing on, the span each handler run gets (``MessageTracing``): an X-Ray
     subsegment ``## job NAME``, annotated with the message's id and job and, when its producer
     sent them, its ``correlation_id`` and its traceparent's trace id (``trace_id``, and as X-Ray
     writes it, ``xray_trace_id``), so the drain's trace can be found from the producer's.
@@ -101,6 +102,17 @@ def message_tracing() -> MessageSpan | None:
             yield subsegment
 
     return span
+
+
+class MessageTracing(DrainFeature):
+    """Tracing as a drain feature: each handler run inside ``span`` (``message_tracing``)."""
+
+    def __init__(self, span: MessageSpan) -> None:
+        self.span = span
+
+    def around_handler(self, ctx: JobContext, run: Callable[[], JobRun]) -> JobRun:
+        with self.span(ctx):
+            return run()
 
 
 def message_annotations(ctx: JobContext) -> dict[str, str]:

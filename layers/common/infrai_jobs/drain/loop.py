@@ -100,6 +100,30 @@ def drain(
     return summary
 
 
+def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
+    """One invocation's drain: each feature's ``around_drain`` in the order of
+    ``run.config.features`` (the first outermost), then one lane (``drain``)."""
+    features = run.config.features
+
+    def one_lane(lane_run: DrainRun) -> DrainSummary:
+        return drain(
+            lane_run.queue,
+            lane_run.ledger,
+            registry,
+            lane_run.config,
+            lane_run.time_left_ms,
+            stop_requested=lane_run.stop_requested,
+        )
+
+    def from_feature(index: int) -> NextDrain:
+        if index == len(features):
+            return one_lane
+        feature, after = features[index], from_feature(index + 1)
+        return lambda next_run: feature.around_drain(next_run, after)
+
+    return from_feature(0)(run)
+
+
 def _never() -> bool:
     return False
 
@@ -401,27 +425,3 @@ def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
         summary.outcomes[r.outcome.value] += 1
         summary.takeovers += int(r.takeover)
         summary.visibility_mismatches += int(r.visibility_mismatch)
-
-
-def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
-    """One invocation's drain: each feature's ``around_drain`` in the order of
-    ``run.config.features`` (the first outermost), then one lane (``drain``)."""
-    features = run.config.features
-
-    def one_lane(lane_run: DrainRun) -> DrainSummary:
-        return drain(
-            lane_run.queue,
-            lane_run.ledger,
-            registry,
-            lane_run.config,
-            lane_run.time_left_ms,
-            stop_requested=lane_run.stop_requested,
-        )
-
-    def from_feature(index: int) -> NextDrain:
-        if index == len(features):
-            return one_lane
-        feature, after = features[index], from_feature(index + 1)
-        return lambda next_run: feature.around_drain(next_run, after)
-
-    return from_feature(0)(run)

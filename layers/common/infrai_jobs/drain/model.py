@@ -101,21 +101,38 @@ class DrainSummary:
 
     def as_dict(self) -> dict[str, Any]:
         counts = {
-            "consumed": self.consumed,
+            **{name: getattr(self, name) for name in _CORE_COUNTERS},
             **{bucket: self.total(bucket) for bucket in OUTCOME_BUCKETS},
-            **{name: getattr(self, name) for name in _CORE_COUNTERS if name != "consumed"},
-        }
-        # Where they stood when the features' counters were fields of their own.
-        mismatches = counts.pop("visibility_mismatches")
-        return {
-            **counts,
             **{name: self.counters[name] for name in FEATURE_COUNTERS},
-            "visibility_mismatches": mismatches,
+        }
+        return {
+            **{name: counts[name] for name in SUMMARY_COUNTS},
             "outcomes": dict(sorted(self.outcomes.items())),
             "stopped": self.stopped,
         }
 
 
+# Every count the summary reports, in the order it reports them (the metrics follow it).
+SUMMARY_COUNTS = (
+    "consumed",
+    "done",
+    "duplicates",
+    "retried",
+    "failed",
+    "parked",
+    "acked",
+    "ack_lost",
+    "ack_failed",
+    "batches",
+    "takeovers",
+    "answers_lost",
+    "unreadable",
+    "idle_polls",
+    "fanned_out",
+    "fan_out_throttled",
+    "fan_out_failed",
+    "visibility_mismatches",
+)
 # Each outcome's summary total, by the outcome's value (the keys of ``outcomes``).
 _BUCKET_OF = {o.value: rule.bucket for o, rule in OUTCOME_RULES.items()}
 # The outcome table's summary totals, in the order the summary reports them.

@@ -7,7 +7,8 @@ The same drain of ``--jobs`` ``receipt.send`` messages (``external``-class, ``--
 them repeat publishes), run three ways per round, each in a fresh worker process (``--worker``
 mode of this file) against a fresh queue and a fresh scratch ledger database:
 
-1. ``off``: no second layer (``DrainConfig.effect_guard=None``), as ``IDEMPOTENCY_BACKEND=off``;
+1. ``off``: no second layer (no feature in ``DrainConfig.features``), as
+   ``IDEMPOTENCY_BACKEND=off``;
 2. ``on``: the second layer on DynamoDB, a fresh table: every job's first run;
 3. ``replay``: on again, a fresh ledger (as if its rows were lost) but the same table: every
    job is a second-layer hit and its effect is not repeated.
@@ -63,7 +64,8 @@ sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
 import psycopg  # noqa: E402
 
 from infrai_jobs.drain.loop import drain  # noqa: E402
-from infrai_jobs.drain.model import DrainConfig  # noqa: E402
+from infrai_jobs.drain.model import DrainConfig, DrainFeature  # noqa: E402
+from infrai_jobs.jobs.registry import JobContext  # noqa: E402
 from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.ledger.migrations import apply_migrations  # noqa: E402
 from infrai_jobs.ledger.ports import EffectGuard  # noqa: E402
@@ -142,15 +144,16 @@ class DynamoDBMeter:
 
 
 @dataclass
-class TimedGuard:
-    """Wraps the second layer: each guarded call's wall time, and the effect's part of it."""
+class TimedGuard(DrainFeature):
+    """The second layer as a drain feature, timed: each guarded call's wall time, and the
+    effect's part of it."""
 
     inner: EffectGuard
     overhead_ms: list[float] = field(default_factory=list)
     effect_ms: list[float] = field(default_factory=list)
     calls: int = 0
 
-    def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any:
+    def around_effect(self, ctx: JobContext, fingerprint: str, call: Callable[[], Any]) -> Any:
         effect_s = 0.0
 
         def timed() -> Any:
@@ -163,7 +166,7 @@ class TimedGuard:
 
         started = time.perf_counter()
         try:
-            return self.inner.run(idem_key, fingerprint, timed)
+            return self.inner.run(ctx.idem_key, fingerprint, timed)
         finally:
             total_s = time.perf_counter() - started
             self.calls += 1
@@ -213,7 +216,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     ledger = PostgresLedger(spec["database_url"])
     registry = build_registry()
     registry.bind_settings(dict.fromkeys(registry.declared_settings(), spec["provider_url"]))
-    config = DrainConfig(queue=spec["queue"], effect_guard=timed)
+    config = DrainConfig(queue=spec["queue"], features=[timed] if timed else [])
     cpu0, started = process_cpu_seconds(), time.perf_counter()
     summary = drain(TimedQueue(client, recorder), ledger, registry, config, lambda: _TIME_LEFT_MS)
     elapsed = time.perf_counter() - started

@@ -27,7 +27,7 @@ from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
-from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
@@ -105,7 +105,9 @@ class Harness:
             queue=client or self.client,
             ledger=PostgresLedger(self.database_url),
             registry=self.registry,
-            make_lane_ledger=lambda: PostgresLedger(self.database_url),
+            features=drain_features(
+                settings, make_lane_ledger=lambda: PostgresLedger(self.database_url)
+            ),
         )
 
     def drain(self, time_left_ms: Callable[[], int] | None = None, **config: Any) -> DrainSummary:

@@ -20,6 +20,7 @@ from infrai_jobs.errors import InvalidPayload
 from infrai_jobs.jobs.correlation import CORRELATION_FIELD, TRACEPARENT_FIELD
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.queue.producer import publish_checked
+from infrai_jobs.runtime.observability import MessageTracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -154,7 +155,7 @@ def test_the_span_around_each_handler_run_sees_the_producers_ids(
     (database,) = kit.publish({**NOTES_PAYLOAD, CORRELATION_FIELD: "invoice-run-1"})
     kit.sql("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL) ON CONFLICT DO NOTHING")
     # When the drain runs
-    summary = kit.drain(message_span=span)
+    summary = kit.drain(features=[MessageTracing(span)])
     # Then every handler run, database and external, was inside its span
     assert summary.outcomes == {"done": 2}
     assert sorted(spans) == sorted(

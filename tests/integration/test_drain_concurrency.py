@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 from drainkit import QUEUE, Harness, harness, run_concurrently
 
+from infrai_jobs.drain.features import Lanes
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
@@ -96,7 +97,9 @@ def test_drain_lanes_share_one_invocation_and_still_run_every_job_once(
         assert summary.acked == 400
         assert summary.done == 300
         assert summary.stopped == "empty"
-        assert len(service.extra_ledgers) == 2
+        (lanes,) = service.features
+        assert isinstance(lanes, Lanes)
+        assert len(lanes.extra_ledgers) == 2
         _assert_database_effects_once_prefixed(kit, "l", 300)
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from drainkit import QUEUE, Harness, harness
 
+from infrai_jobs.drain.features import IdlePolling
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.queue.models import QueueMessage
@@ -45,7 +46,8 @@ def test_an_idle_drain_picks_up_a_job_published_a_second_later(kit: Harness) -> 
     deadline = time.monotonic() + 120
 
     def run() -> None:
-        config = DrainConfig(queue=QUEUE, idle_poll_ms=100, idle_window_seconds=60, max_batches=1)
+        polling = IdlePolling(poll_ms=100, window_seconds=60)
+        config = DrainConfig(queue=QUEUE, max_batches=1, features=[polling])
         result.append(
             drain(
                 client,  # type: ignore[arg-type]
@@ -66,7 +68,7 @@ def test_an_idle_drain_picks_up_a_job_published_a_second_later(kit: Harness) -> 
     # Then that same drain ran it (and stopped after its one batch)
     (summary,) = result
     assert summary.done == 1
-    assert summary.idle_polls >= 1
+    assert summary.counters["idle_polls"] >= 1
     assert summary.stopped == "max_batches"
     assert kit.effects("test.db:late") == 1
     row = kit.row("test.db:late")

@@ -37,6 +37,7 @@ from infrai_jobs.aws.second_layer import (
     redis_store,
 )
 from infrai_jobs.config.settings import DrainSettings
+from infrai_jobs.drain.features import SecondLayerFeature
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import ConfigurationError, EffectUncertain
@@ -72,6 +73,11 @@ class Backend:
     name: str
     guard: SecondLayer
     calls: list[str] = field(default_factory=list)
+
+    @property
+    def features(self) -> tuple[SecondLayerFeature]:
+        """The drain's features with this store's second layer on."""
+        return (SecondLayerFeature(self.guard),)
 
 
 def fake_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,7 +182,7 @@ def test_a_lost_ledger_row_does_not_repeat_the_effect(
 ) -> None:
     # Given a receipt sent once through the second layer
     kit.publish(RECEIPT)
-    first = kit.drain(effect_guard=backend.guard)
+    first = kit.drain(features=backend.features)
     assert first.outcomes == {"done": 1}
     sent = kit.row(RECEIPT_KEY)
     assert sent is not None
@@ -185,7 +191,7 @@ def test_a_lost_ledger_row_does_not_repeat_the_effect(
     forget_ledger_row(kit, RECEIPT_KEY)
     kit.publish(RECEIPT)
     caplog.set_level(logging.INFO, logger="infrai_jobs")
-    again = kit.drain(effect_guard=backend.guard)
+    again = kit.drain(features=backend.features)
     # Then no second mail is sent: the claim is done with the first call's result, and acked
     assert mails(kit) == 1
     row = kit.assert_settled(again, RECEIPT_KEY, outcome="done", acked=1, state="done")
@@ -203,12 +209,12 @@ def test_an_uncertain_effect_is_not_retried_through_the_second_layer(
 ) -> None:
     # Given an external job whose call may or may not have happened: stuck, effect once
     kit.publish({"job": "test.ext", "id": "x", "mode": "uncertain"})
-    assert kit.drain(effect_guard=backend.guard).outcomes == {"stuck": 1}
+    assert kit.drain(features=backend.features).outcomes == {"stuck": 1}
     assert kit.external_effects("test.ext:x") == 1
     # When its ledger row is lost and the message is delivered again
     forget_ledger_row(kit, "test.ext:x")
     kit.advance()
-    summary = kit.drain(effect_guard=backend.guard)
+    summary = kit.drain(features=backend.features)
     # Then it stays stuck for a human, unacked, and the effect did not run again
     row = kit.assert_settled(summary, "test.ext:x", outcome="stuck", acked=0, state="running")
     assert kit.external_effects("test.ext:x") == 1
@@ -232,7 +238,7 @@ def test_concurrent_duplicates_run_the_effect_once(
     kit.publish({"job": "test.slow", "id": "1"})
     first: dict[str, Any] = {}
     runner = threading.Thread(
-        target=lambda: first.update(kit.drain(effect_guard=backend.guard).as_dict())
+        target=lambda: first.update(kit.drain(features=backend.features).as_dict())
     )
     runner.start()
     try:
@@ -243,7 +249,7 @@ def test_concurrent_duplicates_run_the_effect_once(
         client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.01))
         ledger = PostgresLedger(database_url)
         try:
-            config = DrainConfig(queue=QUEUE, effect_guard=backend.guard)
+            config = DrainConfig(queue=QUEUE, features=backend.features)
             second = drain(client, ledger, kit.registry, config, lambda: INVOCATION_MS)
         finally:
             ledger.close()
@@ -257,7 +263,7 @@ def test_concurrent_duplicates_run_the_effect_once(
     assert first["outcomes"] == {"claim_lost": 1}
     # And once both are redelivered, the job is done from the recorded result, effect once
     kit.advance()
-    final = kit.drain(effect_guard=backend.guard)
+    final = kit.drain(features=backend.features)
     assert final.outcomes == {"done": 1, "duplicate_in_flight": 1}
     assert kit.client.stats(QUEUE).message_count == 0
     assert kit.external_effects("test.slow:1") == 1
@@ -271,11 +277,11 @@ def test_same_key_different_work_fails_permanently_without_the_effect(
 ) -> None:
     # Given a receipt sent to one address, whose ledger row was then lost
     kit.publish(RECEIPT)
-    kit.drain(effect_guard=backend.guard)
+    kit.drain(features=backend.features)
     forget_ledger_row(kit, RECEIPT_KEY)
     # When the same invoice's receipt arrives for another address (same key, other work)
     kit.publish({**RECEIPT, "email": "b@example.com"})
-    summary = kit.drain(effect_guard=backend.guard)
+    summary = kit.drain(features=backend.features)
     # Then nothing is sent; the claim fails with the reason and the message goes to the DLQ
     assert mails(kit) == 1
     row = kit.assert_settled(summary, RECEIPT_KEY, outcome="failed", acked=0, state="failed")
@@ -287,10 +293,10 @@ def test_a_transient_failure_leaves_no_record_so_the_retry_runs(
 ) -> None:
     # Given a job that failed before its effect (the handler's transient error)
     kit.publish({"job": "test.ext", "id": "t", "mode": "transient"})
-    assert kit.drain(effect_guard=backend.guard).outcomes == {"retry": 1}
+    assert kit.drain(features=backend.features).outcomes == {"retry": 1}
     # When it is retried and succeeds
     kit.publish({"job": "test.ext", "id": "t"})
-    summary = kit.drain(effect_guard=backend.guard)
+    summary = kit.drain(features=backend.features)
     # Then it ran: Powertools dropped its record when the first call raised
     assert summary.outcomes.get("done") == 1
     assert kit.external_effects("test.ext:t") == 1
@@ -311,12 +317,12 @@ def test_an_operator_can_forget_an_uncertain_record_to_retry_the_job(
 
     kit.registry.job("test.flaky", effect=Effect.EXTERNAL, identity=("id",))(flaky_mail)
     kit.publish({"job": "test.flaky", "id": "1"})
-    assert kit.drain(effect_guard=backend.guard).outcomes == {"stuck": 1}
+    assert kit.drain(features=backend.features).outcomes == {"stuck": 1}
     # When an operator checked the provider, releases the claim and forgets the record
     forget_ledger_row(kit, "test.flaky:1")
     backend.guard.forget("test.flaky:1")
     kit.advance()
-    summary = kit.drain(effect_guard=backend.guard)
+    summary = kit.drain(features=backend.features)
     # Then the redelivery runs the job again and it is done
     assert summary.outcomes == {"done": 1}
     assert len(calls) == 2
@@ -330,7 +336,7 @@ def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
     faults = f"{kit.sink.url}/_sink/faults"
     control.request("POST", faults, json={"fail_rate": 1.0})
     kit.publish({"job": "receipt.send", "invoice_id": "inv_503", "email": "ada@example.com"})
-    assert kit.drain(effect_guard=backend.guard).outcomes == {"stuck": 1}
+    assert kit.drain(features=backend.features).outcomes == {"stuck": 1}
     control.request("POST", faults, json={})
     # ... and time passes: the lease of the delivery that flagged it is over
     kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
@@ -345,7 +351,7 @@ def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
     # the redelivery sends the receipt once instead of being parked stuck again
     assert [(o.answer, o.action) for o in report.outcomes] == [("not_done", "released")]
     kit.advance()
-    assert kit.drain(effect_guard=backend.guard).outcomes == {"done": 1}
+    assert kit.drain(features=backend.features).outcomes == {"done": 1}
     assert kit.sink.state.snapshot()["mails"] == {"inv_503": 1}
 
 
@@ -372,16 +378,16 @@ def test_round_trips_to_the_store_per_guarded_job(kit: Harness, backend: Backend
     # When the receipt runs once through the second layer, once more after its ledger row is
     # lost, and then the failing job runs
     measured: dict[str, list[str]] = {}
-    kit.drain(effect_guard=backend.guard)
+    kit.drain(features=backend.features)
     measured["first"] = list(backend.calls)
     backend.calls.clear()
     forget_ledger_row(kit, RECEIPT_KEY)
     kit.publish(RECEIPT)
-    kit.drain(effect_guard=backend.guard)
+    kit.drain(features=backend.features)
     measured["replay"] = list(backend.calls)
     backend.calls.clear()
     kit.publish({"job": "test.ext", "id": "t", "mode": "transient"})
-    kit.drain(effect_guard=backend.guard)
+    kit.drain(features=backend.features)
     measured["raised"] = list(backend.calls)
     # Then each costs the round trips docs/design.md states
     assert measured == EXPECTED_CALLS[backend.name]
@@ -391,7 +397,7 @@ def test_database_jobs_never_touch_the_store(kit: Harness, backend: Backend) -> 
     # Given a database job (exactly once inside the ledger's own transaction)
     kit.publish({"job": "test.db", "id": "a"})
     # When it is drained with the second layer on
-    summary = kit.drain(effect_guard=backend.guard)
+    summary = kit.drain(features=backend.features)
     # Then it is done without a single round trip to the store
     assert summary.outcomes == {"done": 1}
     assert backend.calls == []
@@ -457,7 +463,9 @@ def test_the_drain_service_wires_the_factory_guard_and_the_time_budget(
         )
         guard = make_effect_guard(settings)
         assert isinstance(guard, SecondLayer)
-        service = DrainService(settings, kit.client, kit.ledger, kit.registry, guard)
+        service = DrainService(
+            settings, kit.client, kit.ledger, kit.registry, [SecondLayerFeature(guard)]
+        )
         key = f"receipt.send:{uuid.uuid4().hex}"
         payload = {**RECEIPT, "invoice_id": key.split(":", 1)[1]}
         # When a job is drained through the service twice, its ledger row lost in between

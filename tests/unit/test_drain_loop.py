@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.drain.loop import budget_shortfall, drain, idle_polling_shortfall
+from infrai_jobs.drain.features import IdlePolling
+from infrai_jobs.drain.loop import budget_shortfall, drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -198,9 +199,8 @@ def test_a_drain_says_when_its_time_cannot_hold_a_batch_or_a_poll(
     budget_ms: int, poll_ms: int, window_s: float, refused: bool, polls: bool
 ) -> None:
     # Given a drain's batch budget of 20 s, its idle polling and its time budget
-    config = DrainConfig(
-        queue=QUEUE, batch_budget_ms=20_000, idle_poll_ms=poll_ms, idle_window_seconds=window_s
-    )
+    polling = IdlePolling(poll_ms, window_s)
+    config = DrainConfig(queue=QUEUE, batch_budget_ms=20_000, features=[polling])
     # When its budget is checked
     # Then one that cannot hold a batch is refused with the reason, before anything is received
     if refused:
@@ -211,7 +211,7 @@ def test_a_drain_says_when_its_time_cannot_hold_a_batch_or_a_poll(
         check_time_budget(config, budget_ms)
         assert budget_shortfall(config.batch_budget_ms, budget_ms) == ""
     # And idle polling that cannot poll has a reason of its own (a warning, the drain runs)
-    assert (idle_polling_shortfall(config, budget_ms) == "") is (polls or poll_ms == 0)
+    assert (polling.shortfall(config.batch_budget_ms, budget_ms) == "") is (polls or poll_ms == 0)
 
 
 def test_a_stop_request_ends_the_drain_before_its_next_receive_and_settles_what_it_holds(

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 
-from infrai_jobs.drain.model import DrainSummary, merge_summaries
+from infrai_jobs.drain.model import (
+    FEATURE_COUNTERS,
+    OUTCOME_BUCKETS,
+    DrainSummary,
+    merge_summaries,
+)
 from infrai_jobs.ledger.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
 from infrai_jobs.runtime.observability import DRAIN_METRICS, OUTCOME_METRICS
 from infrai_local.drain_report import report_line, summary_lines
@@ -24,15 +30,37 @@ def _counts(summary: DrainSummary) -> dict[str, int]:
     return {k: v for k, v in summary.as_dict().items() if isinstance(v, int)}
 
 
+def _one_of_everything() -> DrainSummary:
+    """A lane's summary with one message per summary total, and every other count at 1."""
+    core = {f.name for f in fields(DrainSummary)} - {"outcomes", "counters", "stopped"}
+    summary = DrainSummary(**dict.fromkeys(core, 1))
+    for bucket in OUTCOME_BUCKETS:
+        outcome = next(o for o, rule in OUTCOME_RULES.items() if rule.bucket == bucket)
+        summary.outcomes[outcome.value] += 1
+    summary.counters.update(dict.fromkeys(FEATURE_COUNTERS, 1))
+    return summary
+
+
 def test_every_count_of_the_summary_is_a_metric_and_merges_across_lanes() -> None:
     # Given a lane's summary with every count that has a metric at 1
-    one = DrainSummary(**dict.fromkeys(DRAIN_METRICS, 1))
-    # Then each count in its JSON is a metric, and every outcome has its own
-    assert set(_counts(one)) == set(DRAIN_METRICS)
+    one = _one_of_everything()
+    assert set(_counts(one).values()) == {1}
+    # Then each count in its JSON is a metric, in the metrics' order, and every outcome has
+    # its own
+    assert list(_counts(one)) == list(DRAIN_METRICS)
     assert set(OUTCOME_METRICS) == {o.value for o in Outcome}
     # And two lanes merged add up, count for count
     merged = merge_summaries([one, one])
     assert _counts(merged) == dict.fromkeys(_counts(one), 2)
+
+
+def test_the_summary_keeps_its_keys_whichever_features_are_off() -> None:
+    # Given an empty summary: no feature on, nothing drained
+    # When it is reported
+    reported = DrainSummary().as_dict()
+    # Then every count is there at 0, the features' included, then the outcomes and the reason
+    assert list(reported) == [*DRAIN_METRICS, "outcomes", "stopped"]
+    assert _counts(DrainSummary()) == dict.fromkeys(DRAIN_METRICS, 0)
 
 
 def test_every_outcome_has_a_bucket_and_what_needs_a_look_is_warning_or_error() -> None:
@@ -77,7 +105,8 @@ def test_a_warning_about_no_one_message_keeps_its_sentence_and_fields() -> None:
 
 
 def test_the_summary_in_words_tells_retries_from_failures() -> None:
-    summary = DrainSummary(consumed=4, done=1, retried=2, failed=1, batches=1, stopped="empty")
+    summary = DrainSummary(consumed=4, batches=1, stopped="empty")
+    summary.outcomes.update({"done": 1, "retry": 2, "failed": 1})
     first, *notes = summary_lines(summary)
     assert "1 done, 0 duplicate(s), 2 retried, 1 failed, 0 parked" in first
     assert any("2 retried: the handler raised" in n for n in notes)
@@ -93,7 +122,7 @@ def test_every_outcome_keeps_one_label_in_the_summary_and_the_outcomes() -> None
             assert outcome.value.startswith("duplicate_"), outcome
             assert rule.metric == "Outcome" + outcome.value.title().replace("_", ""), outcome
     # And when a drain's summary holds a copy acked behind a live claim and a parked copy
-    summary = DrainSummary(consumed=3, done=1, duplicates=1, parked=1, batches=1, acked=2)
+    summary = DrainSummary(consumed=3, batches=1, acked=2)
     summary.outcomes.update(
         {
             Outcome.DONE.value: 1,

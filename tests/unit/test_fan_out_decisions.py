@@ -23,7 +23,7 @@ from infrai_jobs.drain.fan_out import (
     fan_out_slot,
 )
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_jobs.runtime.factory import make_drain_starter
 from infrai_local.fakes import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
 
@@ -236,13 +236,19 @@ def _registry(effects: list[str]) -> JobRegistry:
 def _service(fleet: InMemoryDrainFleet, queue: InMemoryQueue, effects: list[str]) -> Any:
     from infrai_local.fakes import InMemoryLedger  # noqa: PLC0415
 
+    settings = DrainSettings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2)
+    ledger = InMemoryLedger(fleet.clock)
     return DrainService(
-        settings=DrainSettings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2),
+        settings=settings,
         queue=queue,
-        ledger=InMemoryLedger(fleet.clock),  # type: ignore[arg-type]
+        ledger=ledger,  # type: ignore[arg-type]
         registry=_registry(effects),
-        fleet=fleet,
-        starter=RecordingDrainStarter(),
+        features=drain_features(
+            settings,
+            make_lane_ledger=lambda: ledger,
+            fleet=fleet,
+            starter=RecordingDrainStarter(),
+        ),
     )
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
 from infrai_jobs.config.settings import DrainSettings
+from infrai_jobs.drain.features import IdlePolling
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.queue.models import QueueMessage
-from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
@@ -66,13 +66,16 @@ class Kit:
         if self.on_wait is not None:
             self.on_wait(self.clock() - self.started)
 
-    def drain(self, budget_seconds: float = 240, **config: Any) -> DrainSummary:
+    def drain(
+        self, budget_seconds: float = 240, idle_poll_ms: int = 0, idle_window_seconds: float = 0
+    ) -> DrainSummary:
         deadline = self.started + budget_seconds
+        polling = [IdlePolling(idle_poll_ms, idle_window_seconds)] if idle_poll_ms else []
         return drain(
             self.queue,
             self.ledger,
             self.registry,
-            DrainConfig(queue=QUEUE, batch_budget_ms=20_000, **config),
+            DrainConfig(queue=QUEUE, batch_budget_ms=20_000, features=polling),
             lambda: int((deadline - self.clock()) * 1000),
             clock=self.clock,
             sleep=self.sleep,
@@ -85,7 +88,7 @@ def test_by_default_a_drain_stops_at_the_first_empty_consume() -> None:
     # When a drain runs
     summary = kit.drain()
     # Then it consumed once, waited never, and stopped
-    assert (summary.stopped, summary.idle_polls) == ("empty", 0)
+    assert (summary.stopped, summary.counters["idle_polls"]) == ("empty", 0)
     assert len(kit.queue.consumes) == 1
 
 
@@ -110,7 +113,7 @@ def test_an_idle_drain_picks_up_a_job_published_a_second_later_within_one_poll()
     assert ran_at - published[0] <= 0.2
     # And the drain polled on until its window ended: 10 s of 200 ms waits, then stopped
     assert summary.stopped == "empty"
-    assert summary.idle_polls == 50 - 1
+    assert summary.counters["idle_polls"] == 50 - 1
     assert kit.clock() - kit.started <= 10
 
 
@@ -121,7 +124,7 @@ def test_polling_stops_where_the_time_left_no_longer_covers_a_batch() -> None:
     summary = kit.drain(budget_seconds=30, idle_poll_ms=1_000, idle_window_seconds=120)
     # Then it stops polling once a wait would leave less than a batch's budget: after 10 s
     assert summary.stopped == "empty"
-    assert summary.idle_polls == 10
+    assert summary.counters["idle_polls"] == 10
     last_consume_at = kit.queue.consumes[-1][0] - kit.started
     assert 30 - last_consume_at >= 20
 
@@ -143,7 +146,7 @@ def test_the_window_runs_from_the_start_so_a_drain_busy_past_it_stops_at_empty()
     summary = kit.drain(idle_poll_ms=200, idle_window_seconds=2)
     # Then it drained the backlog and, the window being over, did not poll after it
     assert summary.done == 3
-    assert (summary.stopped, summary.idle_polls) == ("empty", 0)
+    assert (summary.stopped, summary.counters["idle_polls"]) == ("empty", 0)
 
 
 def test_the_settings_reach_scheduled_drains_and_not_the_ones_a_fan_out_started() -> None:
@@ -152,17 +155,20 @@ def test_the_settings_reach_scheduled_drains_and_not_the_ones_a_fan_out_started(
         {"DRAIN_IDLE_POLL_MS": "200", "DRAIN_IDLE_WINDOW_SECONDS": "55"}
     )
     clock = FakeClock()
+    ledger = InMemoryLedger(clock)
     service = DrainService(
         settings=settings,
         queue=InMemoryQueue(clock),
-        ledger=InMemoryLedger(clock),  # type: ignore[arg-type]
+        ledger=ledger,  # type: ignore[arg-type]
         registry=JobRegistry(),
+        features=drain_features(settings, make_lane_ledger=lambda: ledger),
     )
     # Then a scheduled drain (and the CLI's) polls with them, within its time budget
-    config = service.config()
-    assert (config.idle_poll_ms, config.idle_window_seconds) == (200, 55)
+    (polling,) = service.config().features
+    assert isinstance(polling, IdlePolling)
+    assert (polling.poll_ms, polling.window_seconds) == (200, 55)
     # And a drain started by a fan-out drains the backlog and stops
-    assert service.config(idle_polling=False).idle_poll_ms == 0
+    assert service.config(fanned_out=True).features == ()
 
 
 @pytest.mark.parametrize(

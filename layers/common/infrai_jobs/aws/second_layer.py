@@ -103,6 +103,16 @@ class RemainingTime(Protocol):
     def get_remaining_time_in_millis(self) -> int: ...
 
 
+@dataclass(frozen=True, slots=True)
+class _TimeLeft:
+    """A drain's time budget in the shape Powertools reads from a Lambda context."""
+
+    time_left_ms: Callable[[], int]
+
+    def get_remaining_time_in_millis(self) -> int:
+        return self.time_left_ms()
+
+
 def record_expiry_seconds(retention_days: int) -> int:
     """How long a record lives: the ledger's retention plus the day the daily prune may lag."""
     return (retention_days + 1) * SECONDS_PER_DAY
@@ -177,6 +187,10 @@ class SecondLayer:
         """Let in-progress records expire with this invocation; call at every invocation."""
         # Powertools reads only get_remaining_time_in_millis from it.
         self._config.register_lambda_context(cast("LambdaContext", context))
+
+    def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
+        """``register_lambda_context`` for a drain given its time budget as a callable."""
+        self.register_lambda_context(_TimeLeft(time_left_ms))
 
     @property
     def hits(self) -> int:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -38,11 +39,13 @@ from infrai_jobs.ledger.outcomes import (
     SETTLE_OUTCOMES,
     Outcome,
 )
-from infrai_jobs.ledger.ports import EffectGuard, LedgerPort
+from infrai_jobs.ledger.ports import LedgerPort
 from infrai_jobs.queue.models import QueueMessage
 
+from infrai_jobs.drain.model import HandlerAttempt
+
 if TYPE_CHECKING:
-    from infrai_jobs.drain.model import DrainConfig
+    from infrai_jobs.drain.model import DrainConfig, DrainFeature
 
 logger = logging.getLogger(__name__)
 
@@ -183,13 +186,16 @@ class _Batch:
 
     def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
         derived = self.primaries[request.idem_key][1]
-        guard = self.config.effect_guard if request.effect is not Effect.DATABASE else None
         ctx = self._context(request, db)
-        span = self.config.message_span
-        if span is None:
-            return run_handler(derived, ctx, guard)
-        with span(ctx):
-            return run_handler(derived, ctx, guard)
+        features = self.config.features
+        # Only an external job's effect is wrapped (the second layer): a database job's is
+        # rolled back with its claim.
+        effect_features = features if request.effect is not Effect.DATABASE else ()
+        run = partial(run_handler, derived, ctx, effect_features)
+        attempt = HandlerAttempt(ctx, derived, request.claim_token)
+        for feature in reversed(features):
+            run = partial(feature.around_handler, attempt, run)
+        return run()
 
     def _run_database(self, requests: list[ClaimRequest]) -> None:
         """Claim, run and settle in one transaction for the whole batch."""
@@ -370,19 +376,24 @@ class _Batch:
             self.results[message_id] = _log(result)
 
 
-def run_handler(derived: DerivedJob, ctx: JobContext, guard: EffectGuard | None = None) -> JobRun:
+def run_handler(
+    derived: DerivedJob, ctx: JobContext, features: Sequence[DrainFeature] = ()
+) -> JobRun:
     """Run one handler and turn whatever it does into a ``JobRun``.
 
     This is the one place that catches every exception: a job's failure is an outcome to
-    settle, not a crash of the batch. With a ``guard`` (the second layer), the effect runs
-    through it, keyed by the same idempotency key.
+    settle, not a crash of the batch. The call runs through each feature's ``around_effect``
+    (the second layer, keyed by the same idempotency key), the first outermost.
     """
 
-    def call() -> JsonValue:
+    def handler() -> JsonValue:
         return derived.definition.handler(derived.payload, ctx)
 
+    call = handler
+    for feature in reversed(features):
+        call = partial(feature.around_effect, ctx, derived.fingerprint, call)
     try:
-        result = guard.run(ctx.idem_key, derived.fingerprint, call) if guard else call()
+        result = call()
     except PermanentJobError as exc:
         return JobRun(RunKind.PERMANENT, error=describe_error(exc))
     except EffectUncertain as exc:

@@ -23,9 +23,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from infrai_jobs.drain.loop import stopped_before_receiving
+from infrai_jobs.drain.model import DrainFeature, DrainRun, DrainSummary, NextDrain
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import FanOutError, FanOutThrottled, InfraiError, LedgerError
 from infrai_jobs.queue.models import Pending, QueueMessage
@@ -248,6 +250,77 @@ class FleetMonitor:
         finally:
             stop.set()
             thread.join()
+
+
+class FleetMembership(DrainFeature):
+    """DRAIN_MAX_CONCURRENCY: every drain counts itself in the fleet (or stops at once,
+    ``at_capacity``, when it would be one too many), and starts more drains for a backlog while
+    it drains (``FleetMonitor``). Its counters: ``fanned_out``, ``fan_out_throttled``,
+    ``fan_out_failed``."""
+
+    def __init__(
+        self,
+        policy: FanOutPolicy,
+        fleet: DrainFleetPort,
+        starter: DrainStarterPort | None = None,
+    ) -> None:
+        self.policy = policy
+        self.fleet = fleet
+        self.starter = starter
+
+    def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
+        """Drain as one of the fleet: join it (or stop at the cap), fan out while draining."""
+        policy, fleet, queue = self.policy, self.fleet, run.config.queue
+        drain_id = run.fan_out_slot or str(uuid.uuid4())
+        try:
+            joined = fleet.join(
+                queue,
+                drain_id,
+                origin="fan_out" if run.fan_out_slot else "schedule",
+                lease_seconds=policy.lease_seconds,
+                cap=policy.max_concurrency,
+            )
+        except LedgerError as exc:
+            return stopped_before_receiving(exc)
+        if not joined:
+            logger.info(
+                "%d drains of this queue are alive already; this one stops",
+                policy.max_concurrency,
+                extra={"action": "at_capacity", "queue": queue},
+            )
+            return DrainSummary(stopped="at_capacity")
+        counting = CountingQueue(run.queue)
+        monitor = FleetMonitor(
+            policy,
+            drain_id,
+            fleet,
+            queue=run.queue,
+            consumed=counting.consumed,
+            starter=self.starter,
+        )
+        try:
+            with monitor.running():
+                summary = next_drain(replace(run, queue=counting))
+        finally:
+            try:
+                fleet.leave(queue, [drain_id])
+            except LedgerError as exc:
+                # Its lease ends on its own within LEASE_SECONDS.
+                logger.warning(
+                    "could not give back this drain's lease",
+                    extra={"action": "fleet_leave_failed", "detail": str(exc)},
+                )
+        summary.counters.update(
+            fanned_out=monitor.fanned_out,
+            fan_out_throttled=monitor.throttled,
+            fan_out_failed=monitor.failed,
+        )
+        return summary
+
+    def close(self) -> None:
+        close_fleet = getattr(self.fleet, "close", None)
+        if close_fleet is not None:
+            close_fleet()
 
 
 class CountingQueue(ForwardingQueue):

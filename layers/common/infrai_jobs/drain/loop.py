@@ -21,7 +21,7 @@ from typing import Any
 
 from infrai_jobs.drain.ack_pipeline import AckPipeline
 from infrai_jobs.drain.batch import MessageResult, process_batch, storable_text
-from infrai_jobs.drain.model import DrainConfig, DrainSummary
+from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary, LaneClock, NextDrain
 from infrai_jobs.errors import (
     ConsumeAnswerLost,
     InfraiError,
@@ -30,10 +30,7 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.jobs.correlation import correlation_of
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.ledger.outcomes import (
-    OUTCOME_RULES,
-    Outcome,
-)
+from infrai_jobs.ledger.outcomes import Outcome
 from infrai_jobs.ledger.ports import LedgerPort
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import QueuePort
@@ -68,12 +65,12 @@ def drain(
     """Drain ``config.queue`` until it is empty, the budget is spent, the ledger fails, or
     ``stop_requested()`` says to stop (an interrupted CLI drain: ``interrupted``).
 
-    With idle polling, "empty" means empty for the whole idle window. ``sleep`` waits between
-    idle polls (a test passes its fake clock's ``advance``). A stop request ends the drain
-    before its next receive: what it holds (a batch being processed, one received ahead) is
-    still settled and acked."""
+    After an empty consume, a feature may wait and poll again (idle polling: "empty" then means
+    empty for the whole idle window); ``sleep`` is how it waits (a test passes its fake clock's
+    ``advance``). A stop request ends the drain before its next receive: what it holds (a batch
+    being processed, one received ahead) is still settled and acked."""
     summary = DrainSummary()
-    idle = _IdlePolling(config, summary, time_left_ms, clock, sleep)
+    lane_clock = LaneClock(clock(), time_left_ms, clock, sleep)
     try:
         # Before anything is received: a receive spends a delivery, and a batch that cannot be
         # claimed would spend it for nothing.
@@ -93,7 +90,7 @@ def drain(
             summary=summary,
             acks=acks,
             mode=mode,
-            idle=idle,
+            lane_clock=lane_clock,
             stop_requested=stop_requested or _never,
         )
     finally:
@@ -101,6 +98,30 @@ def drain(
         acks.wait_all()
     logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
     return summary
+
+
+def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
+    """One invocation's drain: each feature's ``around_drain`` in the order of
+    ``run.config.features`` (the first outermost), then one lane (``drain``)."""
+    features = run.config.features
+
+    def one_lane(lane_run: DrainRun) -> DrainSummary:
+        return drain(
+            lane_run.queue,
+            lane_run.ledger,
+            registry,
+            lane_run.config,
+            lane_run.time_left_ms,
+            stop_requested=lane_run.stop_requested,
+        )
+
+    def from_feature(index: int) -> NextDrain:
+        if index == len(features):
+            return one_lane
+        feature, after = features[index], from_feature(index + 1)
+        return lambda next_run: feature.around_drain(next_run, after)
+
+    return from_feature(0)(run)
 
 
 def _never() -> bool:
@@ -137,7 +158,7 @@ def _drain_batches(
     summary: DrainSummary,
     acks: AckPipeline,
     mode: _ConsumeMode,
-    idle: _IdlePolling,
+    lane_clock: LaneClock,
     stop_requested: Callable[[], bool],
 ) -> None:
     """Process batches one after the other, receiving the next while this one runs.
@@ -176,7 +197,7 @@ def _drain_batches(
                 continue
             mode.served()
             if not messages:
-                if idle.waited():
+                if _poll_again(config, lane_clock, summary):
                     continue
                 summary.stopped = "empty"
                 return
@@ -235,26 +256,6 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
     )
 
 
-def idle_polling_shortfall(config: DrainConfig, time_budget_ms: int) -> str:
-    """Why idle polling, when asked for, could not poll even once in ``time_budget_ms``, or ""."""
-    poll_ms = config.idle_poll_ms
-    if poll_ms <= 0:
-        return ""
-    if time_budget_ms - poll_ms < config.batch_budget_ms:
-        return (
-            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: after one interval the "
-            f"time left of a {time_budget_ms / 1000:g} s budget is below DRAIN_BATCH_BUDGET_MS "
-            f"({config.batch_budget_ms} ms)"
-        )
-    if 0 < config.idle_window_seconds * 1000 < poll_ms:
-        return (
-            f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: its window, "
-            f"DRAIN_IDLE_WINDOW_SECONDS={config.idle_window_seconds:g}, is shorter than one "
-            "interval"
-        )
-    return ""
-
-
 def _stop_reason(
     config: DrainConfig, summary: DrainSummary, remaining_ms: int, *, time_for: int
 ) -> str:
@@ -270,44 +271,9 @@ def _stop_reason(
     return ""
 
 
-class _IdlePolling:
-    """After an empty consume: wait ``idle_poll_ms`` and consume again, or stop.
-
-    Polling goes on while the idle window after the drain's start lasts and the time left
-    still covers a batch after the wait (a consume that receives one must finish it). The
-    window ends before the next scheduled drain starts, so on an idle queue about one poller
-    is alive at a time.
-    """
-
-    def __init__(
-        self,
-        config: DrainConfig,
-        summary: DrainSummary,
-        time_left_ms: Callable[[], int],
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
-    ) -> None:
-        self._poll_ms = config.idle_poll_ms
-        self._batch_budget_ms = config.batch_budget_ms
-        self._summary = summary
-        self._time_left_ms = time_left_ms
-        self._clock = clock
-        self._sleep = sleep
-        window = config.idle_window_seconds
-        self._until = clock() + window if window > 0 else float("inf")
-
-    def waited(self) -> bool:
-        """Wait one poll interval if another poll is due; False when the drain should stop."""
-        if self._poll_ms <= 0:
-            return False
-        wait = self._poll_ms / 1000
-        if self._clock() + wait > self._until:
-            return False
-        if self._time_left_ms() - self._poll_ms < self._batch_budget_ms:
-            return False
-        self._sleep(wait)
-        self._summary.idle_polls += 1
-        return True
+def _poll_again(config: DrainConfig, lane_clock: LaneClock, summary: DrainSummary) -> bool:
+    """After an empty consume: whether a feature (idle polling) waited to consume again."""
+    return any(f.poll_again(config, lane_clock, summary.counters) for f in config.features)
 
 
 class _ConsumeMode:
@@ -455,8 +421,7 @@ def _left_for_redelivery(messages: Sequence[QueueMessage], why: str) -> None:
 def _count(results: Sequence[MessageResult], summary: DrainSummary) -> None:
     for r in results:
         summary.consumed += 1
+        # The totals (done, duplicates, ...) follow from the outcomes by the outcome table.
         summary.outcomes[r.outcome.value] += 1
         summary.takeovers += int(r.takeover)
         summary.visibility_mismatches += int(r.visibility_mismatch)
-        bucket = OUTCOME_RULES[r.outcome].bucket
-        setattr(summary, bucket, getattr(summary, bucket) + 1)

@@ -1,4 +1,5 @@
-"""What one drain is told (``DrainConfig``) and what it reports (``DrainSummary``).
+"""What one drain is told (``DrainConfig``), what it reports (``DrainSummary``), and the seam the
+optional features plug into (``DrainFeature``).
 
 The loop, the batch and the ack pipeline all read these; they live apart from the loop so that
 none of the three imports another only for its types.
@@ -6,15 +7,20 @@ none of the three imports another only for its types.
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from infrai_jobs.jobs.registry import JobContext
-from infrai_jobs.ledger.ports import EffectGuard
+from infrai_jobs.jobs.registry import DerivedJob, JobContext, JsonValue
+from infrai_jobs.ledger.claims import JobRun
+from infrai_jobs.ledger.outcomes import OUTCOME_RULES
 from infrai_jobs.queue_contract import CONSUME_CAP, DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+
+if TYPE_CHECKING:
+    from infrai_jobs.ledger.ports import LedgerPort
+    from infrai_jobs.queue.ports import QueuePort
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,30 +35,32 @@ class DrainConfig:
     # The queue's visibility timeout: a consumed message is hidden this long.
     visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
     max_batches: int | None = None
-    # The optional second layer around external effects (IDEMPOTENCY_BACKEND); None is off.
-    effect_guard: EffectGuard | None = None
-    # Idle polling: after an empty consume, wait this long and consume again (0: stop), for
-    # as long as the idle window after the drain's start lasts (0: the whole time budget).
-    idle_poll_ms: int = 0
-    idle_window_seconds: float = 0.0
-    # Around each handler run, with tracing on (``observability.message_tracing``): a span
-    # that continues the producer's trace. None: no tracing, nothing imported.
-    message_span: Callable[[JobContext], AbstractContextManager[object]] | None = None
+    # The optional features switched on (lanes, fan-out, idle polling, the second layer,
+    # tracing), outermost first; none by default.
+    features: Sequence[DrainFeature] = ()
+
+
+# The counters the optional features keep, in the order the summary reports them. Each is
+# reported (as 0 when its feature is off) so the summary's keys never change.
+FEATURE_COUNTERS = (
+    "idle_polls",  # IdlePolling: empty consumes it waited after and repeated
+    "fanned_out",  # FleetMembership: drains this one started for the backlog
+    "fan_out_throttled",  # ... starts Lambda throttled
+    "fan_out_failed",  # ... starts Lambda refused
+    "deferred_ran",  # FlowControl: deferred jobs this drain took from the ledger and ran
+    "deferred_done",  # ... of them, done
+    "deferred_failed",  # ... of them, failed for good (out of attempts or a final error)
+    "rate_limit_waits",  # ... handler starts that waited for their job's rate limit
+)
 
 
 @dataclass
 class DrainSummary:
-    """What one drain did. Every consumed message is in exactly one of ``done``,
-    ``duplicates``, ``retried``, ``failed`` and ``parked`` (see ``OUTCOME_RULES``)."""
+    """What one drain did. Every consumed message has one outcome in ``outcomes``; the totals
+    ``done``, ``duplicates``, ``retried``, ``failed`` and ``parked`` are derived from them by
+    the outcome table (``OUTCOME_RULES``). ``counters`` holds the features' own counters."""
 
     consumed: int = 0
-    done: int = 0
-    duplicates: int = 0
-    # A handler raised and its claim was released: the redelivery runs it again.
-    retried: int = 0
-    # A handler raised PermanentJobError: the claim is failed, the message goes to the DLQ.
-    failed: int = 0
-    parked: int = 0
     acked: int = 0
     ack_lost: int = 0
     ack_failed: int = 0
@@ -62,29 +70,91 @@ class DrainSummary:
     # only: an unreadable message isolated (it alone spent the delivery).
     answers_lost: int = 0
     unreadable: int = 0
-    # Empty consumes that idle polling waited after and repeated.
-    idle_polls: int = 0
-    # Drains this one started for the backlog; starts Lambda throttled or refused.
-    fanned_out: int = 0
-    fan_out_throttled: int = 0
-    fan_out_failed: int = 0
     # Messages that came back while their own claim's lease was live: the queue's visibility
     # timeout is shorter than the drain was told (INFRAI_VISIBILITY_TIMEOUT_SECONDS).
     visibility_mismatches: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
+    counters: Counter[str] = field(default_factory=Counter)
     stopped: str = ""
 
+    def total(self, bucket: str) -> int:
+        """Messages whose outcome counts under ``bucket`` (an ``OutcomeRule.bucket``)."""
+        return sum(n for o, n in self.outcomes.items() if _BUCKET_OF.get(o) == bucket)
+
+    @property
+    def done(self) -> int:
+        return self.total("done")
+
+    @property
+    def duplicates(self) -> int:
+        return self.total("duplicates")
+
+    @property
+    def retried(self) -> int:
+        """A handler raised and its claim was released: the redelivery runs it again."""
+        return self.total("retried")
+
+    @property
+    def failed(self) -> int:
+        """A handler raised PermanentJobError: the claim is failed, the message goes to the
+        DLQ."""
+        return self.total("failed")
+
+    @property
+    def parked(self) -> int:
+        return self.total("parked")
+
+    @property
+    def deferred(self) -> int:
+        """Flow control held the job back: deferred_jobs holds the work, the message is acked."""
+        return self.total("deferred")
+
     def as_dict(self) -> dict[str, Any]:
+        counts = {
+            **{name: getattr(self, name) for name in _CORE_COUNTERS},
+            **{bucket: self.total(bucket) for bucket in OUTCOME_BUCKETS},
+            **{name: self.counters[name] for name in FEATURE_COUNTERS},
+        }
         return {
-            **{name: getattr(self, name) for name in _SUMMARY_TOTALS},
+            **{name: counts[name] for name in SUMMARY_COUNTS},
             "outcomes": dict(sorted(self.outcomes.items())),
             "stopped": self.stopped,
         }
 
 
-# The counters, in field order: what the lanes of one invocation add up.
-_SUMMARY_TOTALS = tuple(
-    f.name for f in fields(DrainSummary) if f.name not in {"outcomes", "stopped"}
+# Every count the summary reports, in the order it reports them (the metrics follow it).
+SUMMARY_COUNTS = (
+    "consumed",
+    "done",
+    "duplicates",
+    "retried",
+    "failed",
+    "parked",
+    "deferred",
+    "acked",
+    "ack_lost",
+    "ack_failed",
+    "batches",
+    "takeovers",
+    "answers_lost",
+    "unreadable",
+    "idle_polls",
+    "fanned_out",
+    "fan_out_throttled",
+    "fan_out_failed",
+    "visibility_mismatches",
+    "deferred_ran",
+    "deferred_done",
+    "deferred_failed",
+    "rate_limit_waits",
+)
+# Each outcome's summary total, by the outcome's value (the keys of ``outcomes``).
+_BUCKET_OF = {o.value: rule.bucket for o, rule in OUTCOME_RULES.items()}
+# The outcome table's summary totals, in the order the summary reports them.
+OUTCOME_BUCKETS = ("done", "duplicates", "retried", "failed", "parked", "deferred")
+# The consume and ack counters the core loop keeps, in field order: what lanes add up.
+_CORE_COUNTERS = tuple(
+    f.name for f in fields(DrainSummary) if f.name not in {"outcomes", "counters", "stopped"}
 )
 
 
@@ -92,9 +162,10 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
     """One summary for several lanes of the same invocation."""
     merged = DrainSummary()
     for summary in summaries:
-        for name in _SUMMARY_TOTALS:
+        for name in _CORE_COUNTERS:
             setattr(merged, name, getattr(merged, name) + getattr(summary, name))
         merged.outcomes.update(summary.outcomes)
+        merged.counters.update(summary.counters)
     reasons = {s.stopped for s in summaries}
     # The most alarming reason wins: an outage must not hide behind a lane that found no work.
     for reason in ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty"):
@@ -102,3 +173,75 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
             merged.stopped = reason
             break
     return merged
+
+
+@dataclass(frozen=True, slots=True)
+class LaneClock:
+    """One lane's time, as a feature's hooks may read it: when the lane started, the time left
+    in the invocation, the clock and how to wait (a test passes its fake clock's)."""
+
+    started_at: float
+    time_left_ms: Callable[[], int]
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRun:
+    """One invocation's drain as the features see it: the adapters a lane uses and what the
+    invocation was given. A feature may hand the next one a changed copy
+    (``dataclasses.replace``)."""
+
+    queue: QueuePort
+    ledger: LedgerPort
+    config: DrainConfig
+    time_left_ms: Callable[[], int]
+    stop_requested: Callable[[], bool]
+    # The slot a fan-out reserved for this drain (its event says so); None for a schedule tick.
+    fan_out_slot: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerAttempt:
+    """One handler run as ``around_handler`` sees it: the job's context, the payload matched to
+    its job, and the claim the run holds (its token fences a release)."""
+
+    ctx: JobContext
+    derived: DerivedJob
+    claim_token: uuid.UUID
+
+
+# What a feature's ``around_drain`` calls to go on: the features after it, then the lane.
+NextDrain = Callable[[DrainRun], DrainSummary]
+
+
+class DrainFeature:
+    """An optional feature of the drain. Every hook does nothing; a feature overrides the ones
+    it needs and keeps its own counters in ``DrainSummary.counters`` (``FEATURE_COUNTERS``).
+
+    Per invocation, ``around_drain`` wraps the rest of the drain (features listed later, then
+    the lane); per lane, ``poll_again`` decides after an empty consume; per handler run,
+    ``around_handler`` wraps the run (it never raises) and ``around_effect`` wraps the handler
+    call of an external job (what it raises becomes the run's outcome).
+    """
+
+    # False for a feature a drain started by a fan-out goes without.
+    in_fanned_out_drains: bool = True
+
+    def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
+        return next_drain(run)
+
+    def poll_again(self, config: DrainConfig, time: LaneClock, counters: Counter[str]) -> bool:
+        """After an empty consume: whether to consume again (having waited), or stop."""
+        return False
+
+    def around_handler(self, attempt: HandlerAttempt, run: Callable[[], JobRun]) -> JobRun:
+        return run()
+
+    def around_effect(
+        self, ctx: JobContext, fingerprint: str, call: Callable[[], JsonValue]
+    ) -> JsonValue:
+        return call()
+
+    def close(self) -> None:
+        """Release what the feature holds open (connections)."""

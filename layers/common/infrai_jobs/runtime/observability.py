@@ -19,10 +19,11 @@ from aws_lambda_powertools.logging.utils import copy_config_to_registered_logger
 from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
 from infrai_jobs.config.settings import tracing_on
-from infrai_jobs.drain.model import DrainSummary
+from infrai_jobs.drain.model import DrainFeature, DrainSummary, HandlerAttempt
 from infrai_jobs.jobs.correlation import traceparent_trace_id
 from infrai_jobs.jobs.probes import ANSWERS, DONE, NOT_DONE, UNKNOWN
 from infrai_jobs.jobs.registry import JobContext
+from infrai_jobs.ledger.claims import JobRun
 from infrai_jobs.ledger.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ DRAIN_METRICS = {
     "retried": "JobsRetried",
     "failed": "JobsFailed",
     "parked": "MessagesParked",
+    "deferred": "JobsDeferred",
     "acked": "MessagesAcked",
     "ack_lost": "AcksLost",
     "ack_failed": "AcksFailed",
@@ -52,6 +54,10 @@ DRAIN_METRICS = {
     "fan_out_throttled": "FanOutThrottled",
     "fan_out_failed": "FanOutFailed",
     "visibility_mismatches": "VisibilityMismatch",
+    "deferred_ran": "DeferredJobsRun",
+    "deferred_done": "DeferredJobsDone",
+    "deferred_failed": "DeferredJobsFailed",
+    "rate_limit_waits": "RateLimitWaits",
 }
 
 
@@ -75,7 +81,7 @@ MessageSpan = Callable[[JobContext], AbstractContextManager[object]]
 
 
 def message_tracing() -> MessageSpan | None:
-    """With tracing on, the span each handler run gets (``DrainConfig.message_span``): an X-Ray
+    """With tracing on, the span each handler run gets (``MessageTracing``): an X-Ray
     subsegment ``## job NAME``, annotated with the message's id and job and, when its producer
     sent them, its ``correlation_id`` and its traceparent's trace id (``trace_id``, and as X-Ray
     writes it, ``xray_trace_id``), so the drain's trace can be found from the producer's.
@@ -95,6 +101,17 @@ def message_tracing() -> MessageSpan | None:
             yield subsegment
 
     return span
+
+
+class MessageTracing(DrainFeature):
+    """Tracing as a drain feature: each handler run inside ``span`` (``message_tracing``)."""
+
+    def __init__(self, span: MessageSpan) -> None:
+        self.span = span
+
+    def around_handler(self, attempt: HandlerAttempt, run: Callable[[], JobRun]) -> JobRun:
+        with self.span(attempt.ctx):
+            return run()
 
 
 def message_annotations(ctx: JobContext) -> dict[str, str]:

@@ -1,0 +1,146 @@
+"""The optional features of the drain that need nothing beyond the drain's own adapters: idle
+polling, lanes and the second layer. Each is a ``DrainFeature`` (``drain.model``); fan-out is in
+``drain.fan_out`` and tracing in ``runtime.observability``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Protocol
+
+from infrai_jobs.drain.model import (
+    DrainConfig,
+    DrainFeature,
+    DrainRun,
+    DrainSummary,
+    LaneClock,
+    NextDrain,
+    merge_summaries,
+)
+from infrai_jobs.jobs.registry import JobContext, JsonValue
+from infrai_jobs.ledger.ports import EffectGuard, LedgerPort
+
+logger = logging.getLogger(__name__)
+
+
+class IdlePolling(DrainFeature):
+    """After an empty consume: wait ``poll_ms`` and consume again, or stop (DRAIN_IDLE_POLL_MS).
+
+    Polling goes on while the idle window after the lane's start lasts (``window_seconds``;
+    0: the whole time budget) and the time left still covers a batch after the wait (a consume
+    that receives one must finish it). The window ends before the next scheduled drain starts,
+    so on an idle queue about one poller is alive at a time. A drain a fan-out started drains a
+    backlog and stops: the scheduled drains do the polling.
+    """
+
+    in_fanned_out_drains = False
+
+    def __init__(self, poll_ms: int, window_seconds: float = 0.0) -> None:
+        self.poll_ms = poll_ms
+        self.window_seconds = window_seconds
+
+    def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
+        shortfall = self.shortfall(run.config.batch_budget_ms, run.time_left_ms())
+        if shortfall:
+            logger.warning(
+                "this drain does not poll an idle queue",
+                extra={"action": "idle_polling_off", "detail": shortfall},
+            )
+        return next_drain(run)
+
+    def poll_again(self, config: DrainConfig, time: LaneClock, counters: Counter[str]) -> bool:
+        if self.poll_ms <= 0:
+            return False
+        wait = self.poll_ms / 1000
+        if self.window_seconds > 0 and time.clock() + wait > time.started_at + self.window_seconds:
+            return False
+        if time.time_left_ms() - self.poll_ms < config.batch_budget_ms:
+            return False
+        time.sleep(wait)
+        counters["idle_polls"] += 1
+        return True
+
+    def shortfall(self, batch_budget_ms: int, time_budget_ms: int) -> str:
+        """Why this polling could not poll even once in ``time_budget_ms``, or ""."""
+        poll_ms = self.poll_ms
+        if poll_ms <= 0:
+            return ""
+        if time_budget_ms - poll_ms < batch_budget_ms:
+            return (
+                f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: after one interval the "
+                f"time left of a {time_budget_ms / 1000:g} s budget is below "
+                f"DRAIN_BATCH_BUDGET_MS ({batch_budget_ms} ms)"
+            )
+        if 0 < self.window_seconds * 1000 < poll_ms:
+            return (
+                f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: its window, "
+                f"DRAIN_IDLE_WINDOW_SECONDS={self.window_seconds:g}, is shorter than one "
+                "interval"
+            )
+        return ""
+
+
+class ClosableLedger(LedgerPort, Protocol):
+    def close(self) -> None: ...
+
+
+class Lanes(DrainFeature):
+    """DRAIN_LANES > 1: several lanes drain one queue at once; the claims keep them from
+    overlapping. Each lane has its own database connection (the first is the drain's own, the
+    others are opened on first use and kept); the HTTP pool is shared (thread-safe)."""
+
+    def __init__(self, count: int, make_ledger: Callable[[], ClosableLedger]) -> None:
+        self.count = count
+        self._make_ledger = make_ledger
+        self.extra_ledgers: list[ClosableLedger] = []
+
+    def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
+        while len(self.extra_ledgers) < self.count - 1:
+            self.extra_ledgers.append(self._make_ledger())
+        ledgers = [run.ledger, *self.extra_ledgers[: self.count - 1]]
+        with ThreadPoolExecutor(max_workers=len(ledgers), thread_name_prefix="lane") as pool:
+            futures = [pool.submit(next_drain, replace(run, ledger=ledger)) for ledger in ledgers]
+            return merge_summaries([future.result() for future in futures])
+
+    def close(self) -> None:
+        for ledger in self.extra_ledgers:
+            ledger.close()
+
+
+class SecondLayerGuard(EffectGuard, Protocol):
+    """The second layer as the drain uses it (``aws.second_layer.SecondLayer``)."""
+
+    def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
+        """Let in-progress records expire with this invocation's deadline."""
+        ...
+
+    def take_hits(self) -> int:
+        """Effects replayed instead of repeated since the last call."""
+        ...
+
+
+class SecondLayerFeature(DrainFeature):
+    """The optional second layer (IDEMPOTENCY_BACKEND): each external job's effect runs through
+    the guard, keyed by the same idempotency key, after the ledger claim was won."""
+
+    def __init__(self, guard: SecondLayerGuard) -> None:
+        self.guard = guard
+
+    def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
+        # Every invocation: an in-progress record of a crashed call then expires with this
+        # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
+        self.guard.start_invocation(run.time_left_ms)
+        return next_drain(run)
+
+    def around_effect(
+        self, ctx: JobContext, fingerprint: str, call: Callable[[], JsonValue]
+    ) -> JsonValue:
+        result: JsonValue = self.guard.run(ctx.idem_key, fingerprint, call)
+        return result
+
+    def take_hits(self) -> int:
+        return self.guard.take_hits()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from infrai_jobs.drain.model import HandlerAttempt
 from infrai_jobs.errors import (
     ConfigurationError,
     EffectUncertain,
@@ -41,8 +42,6 @@ from infrai_jobs.ledger.outcomes import (
 )
 from infrai_jobs.ledger.ports import LedgerPort
 from infrai_jobs.queue.models import QueueMessage
-
-from infrai_jobs.drain.model import HandlerAttempt
 
 if TYPE_CHECKING:
     from infrai_jobs.drain.model import DrainConfig, DrainFeature

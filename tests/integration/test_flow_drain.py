@@ -1,0 +1,363 @@
+"""Flow control through the real drain: the emulator over HTTP, the ledger in PostgreSQL, the
+example jobs against the provider sink, and ``JOB_POLICIES`` in the shape the issue gives.
+
+Delays are the database's and a few seconds long at most; where a test must not wait for one,
+it does what an operator's ``claims run-now`` does (``flow.ledger.run_now``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+import urllib3
+from drainkit import QUEUE, Harness, harness
+
+from infrai_jobs.drain.flow import FlowControl, flow_control
+from infrai_jobs.drain.loop import drain_invocation
+from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary
+from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
+from infrai_jobs.flow import ledger as flow_ledger
+from infrai_jobs.flow.policies import parse_job_policies
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.client import RetryPolicy as ClientRetry
+
+JOB_POLICIES = json.dumps(
+    {
+        "digest.build": {
+            "retry": {
+                "attempts": 12,
+                "first_delay_seconds": 1,
+                "factor": 2,
+                "max_delay_seconds": 3,
+            },
+            "concurrency": {"key": ["tenant_id"], "max_running": 1},
+        },
+        "receipt.send": {"rate": {"per_second": 20}},
+    }
+)
+DIGEST = {"job": "digest.build", "tenant_id": "tenant_7", "period": "2026-11"}
+
+
+def flow_for(kit: Harness, overrides: str = JOB_POLICIES) -> FlowControl:
+    parsed = parse_job_policies(overrides, [job.name for job in kit.registry])
+    flow = flow_control(
+        kit.registry,
+        parsed,
+        lambda: psycopg.connect(kit.database_url, autocommit=True),
+        visibility_timeout_seconds=300,
+        queue=QUEUE,
+    )
+    assert flow is not None
+    return flow
+
+
+def drain_with(
+    kit: Harness,
+    flow: FlowControl,
+    *,
+    client: InfraiClient | None = None,
+    ledger: PostgresLedger | None = None,
+    registry: JobRegistry | None = None,
+) -> DrainSummary:
+    """One drain invocation as DrainFunction runs it (every feature's around_drain, then the
+    lane), with flow control as its one feature."""
+    run = DrainRun(
+        queue=client or kit.client,
+        ledger=ledger or kit.ledger,
+        config=DrainConfig(queue=QUEUE, features=[flow]),
+        time_left_ms=lambda: 60_000,
+        stop_requested=lambda: False,
+    )
+    return drain_invocation(run, registry or kit.registry)
+
+
+def sink(kit: Harness, method: str, path: str, **kwargs: Any) -> Any:
+    response = urllib3.request(method, f"{kit.sink.url}{path}", **kwargs)
+    assert response.status == 200, response.data
+    return json.loads(response.data)
+
+
+def digests_built(kit: Harness) -> int:
+    return sum(sink(kit, "GET", "/_sink/state")["digests"].values())
+
+
+def deferred_row(kit: Harness, key: str) -> dict[str, Any] | None:
+    rows = kit.sql(
+        "SELECT state, attempts, last_error FROM deferred_jobs WHERE idem_key = %s", (key,)
+    )
+    return None if not rows else {"state": rows[0][0], "attempts": rows[0][1], "error": rows[0][2]}
+
+
+def run_now(kit: Harness, key: str) -> None:
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        flow_ledger.run_now(conn, key, actor="test")
+
+
+@pytest.fixture
+def kit(database_url: str) -> Any:
+    with harness(database_url) as kit:
+        yield kit
+
+
+def test_an_outage_past_three_deliveries_is_deferred_not_dead_lettered(kit: Harness) -> None:
+    # Given the digest provider refusing every call, and digest.build's retry policy
+    flow = flow_for(kit)
+    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+    kit.publish(DIGEST)
+    key = kit.registry.derive(DIGEST).idem_key
+    try:
+        # Deliveries 1 and 2 fail and are released: Infrai's redeliveries retry them
+        for _ in range(2):
+            summary = drain_with(kit, flow)
+            assert summary.outcomes == {"retry": 1}, summary.as_dict()
+            kit.advance()
+        # The third fails with no delivery left: the ledger takes the work, the message is acked
+        summary = drain_with(kit, flow)
+        assert summary.outcomes == {"deferred": 1}, summary.as_dict()
+        assert summary.acked == 1
+        assert summary.deferred == 1
+        assert deferred_row(kit, key) == {
+            "state": "deferred",
+            "attempts": 3,
+            "error": "RuntimeError: digest provider answered HTTP 503; will retry",
+        }
+        assert kit.client.stats(QUEUE).dlq_count == 0
+        assert kit.row(key) is None  # the claim is released: deferred_jobs holds the key
+
+        # A copy of the deferred job is acked and never runs
+        kit.publish(DIGEST)
+        summary = drain_with(kit, flow)
+        assert summary.outcomes == {"deferred": 1}, summary.as_dict()
+        assert summary.counters["deferred_ran"] == 0  # not due yet
+
+        # Still refused when it comes due: postponed, attempt 4 recorded
+        run_now(kit, key)
+        summary = drain_with(kit, flow)
+        assert summary.counters["deferred_ran"] == 1
+        assert deferred_row(kit, key)["state"] == "deferred"  # type: ignore[index]
+        assert deferred_row(kit, key)["attempts"] == 4  # type: ignore[index]
+
+        # When the provider recovers, it runs once and is done
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 0.0})
+        run_now(kit, key)
+        summary = drain_with(kit, flow)
+        assert summary.counters["deferred_ran"] == 1
+        assert summary.counters["deferred_done"] == 1
+        assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
+        row = kit.row(key)
+        assert row is not None
+        assert row.state == "done"
+        assert digests_built(kit) == 1
+        # A later copy is an ordinary duplicate of done
+        kit.publish(DIGEST)
+        assert drain_with(kit, flow).outcomes == {"duplicate_done": 1}
+        assert digests_built(kit) == 1
+        assert kit.client.stats(QUEUE).dlq_count == 0
+    finally:
+        flow.close()
+
+
+def test_a_job_without_a_policy_still_reaches_the_dlq(kit: Harness) -> None:
+    # JOB_POLICIES without digest.build: its three deliveries fail, the DLQ takes it
+    flow = flow_for(kit, json.dumps({"receipt.send": {"rate": {"per_second": 20}}}))
+    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+    kit.publish(DIGEST)
+    try:
+        for _ in range(3):
+            assert drain_with(kit, flow).outcomes == {"retry": 1}
+            kit.advance()
+        assert kit.client.stats(QUEUE).dlq_count == 1
+        assert kit.sql("SELECT count(*) FROM deferred_jobs") == [(0,)]
+    finally:
+        flow.close()
+
+
+def test_a_deferred_job_out_of_attempts_fails_with_its_reason(kit: Harness) -> None:
+    short = json.dumps(
+        {"digest.build": {"retry": {"attempts": 4, "first_delay_seconds": 1, "factor": 1}}}
+    )
+    flow = flow_for(kit, short)
+    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+    kit.publish(DIGEST)
+    key = kit.registry.derive(DIGEST).idem_key
+    try:
+        for _ in range(3):
+            drain_with(kit, flow)
+            kit.advance()
+        assert deferred_row(kit, key)["attempts"] == 3  # type: ignore[index]
+        run_now(kit, key)
+        summary = drain_with(kit, flow)
+        assert summary.counters["deferred_failed"] == 1
+        row = deferred_row(kit, key)
+        assert row is not None
+        assert row["state"] == "failed"
+        assert row["error"].startswith("out of attempts (4): RuntimeError")
+        claim = kit.row(key)
+        assert claim is not None
+        assert claim.state == "failed"
+        assert digests_built(kit) == 0
+    finally:
+        flow.close()
+
+
+def test_a_policy_on_a_database_job_is_refused_naming_it(kit: Harness) -> None:
+    with pytest.raises(ConfigurationError, match=r"invoice\.finalize.*database"):
+        flow_for(kit, json.dumps({"invoice.finalize": {"retry": {"attempts": 5}}}))
+
+
+def add_counted_job(
+    registry: JobRegistry, name: str, database_url: str, hold_s: float, **policy: Any
+) -> None:
+    """An external job that records its start and end on the database's clock, per tenant."""
+
+    def run(payload: Payload, ctx: JobContext) -> JsonValue:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO flow_runs (idem_key, tenant, started_at) "
+                "VALUES (%s, %s, clock_timestamp())",
+                (ctx.idem_key, payload["tenant_id"]),
+            )
+            time.sleep(hold_s)
+            conn.execute(
+                "UPDATE flow_runs SET ended_at = clock_timestamp() WHERE idem_key = %s",
+                (ctx.idem_key,),
+            )
+        return {"ok": True}
+
+    registry.job(name, effect=Effect.EXTERNAL, identity=("id",), **policy)(run)
+
+
+def drains_until_empty(
+    kit: Harness, registry: JobRegistry, flows: list[FlowControl], *, lanes: int = 1
+) -> None:
+    """Several drains at once, each with its own client, ledger and flow control, until the
+    queue and the deferred backlog are empty."""
+
+    def one(flow: FlowControl) -> None:
+        client = InfraiClient(kit.server.url, "test-key", retry=ClientRetry(base_delay=0.01))
+        ledger = PostgresLedger(kit.database_url)
+        try:
+            for _ in range(200):
+                summary = drain_with(kit, flow, client=client, ledger=ledger, registry=registry)
+                with psycopg.connect(kit.database_url) as conn:
+                    (waiting,) = conn.execute(
+                        "SELECT count(*) FROM deferred_jobs WHERE state IN ('deferred', 'running')"
+                    ).fetchone() or (0,)
+                if summary.consumed == 0 and waiting == 0:
+                    return
+                time.sleep(0.05)
+        finally:
+            ledger.close()
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(flow,)) for flow in flows]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+def flows(kit: Harness, registry: JobRegistry, count: int) -> list[FlowControl]:
+    made = []
+    for _ in range(count):
+        flow = flow_control(
+            registry,
+            {},
+            lambda: psycopg.connect(kit.database_url, autocommit=True),
+            visibility_timeout_seconds=300,
+            queue=QUEUE,
+        )
+        assert flow is not None
+        made.append(flow)
+    return made
+
+
+def test_a_concurrency_key_never_lets_one_tenant_run_twice_at_once(kit: Harness) -> None:
+    kit.sql(
+        "CREATE TABLE IF NOT EXISTS flow_runs (idem_key text PRIMARY KEY, tenant text NOT NULL, "
+        "started_at timestamptz NOT NULL, ended_at timestamptz)"
+    )
+    add_counted_job(
+        kit.registry,
+        "test.tenant",
+        kit.database_url,
+        0.05,
+        concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=1),
+    )
+    for n in range(24):
+        kit.publish({"job": "test.tenant", "id": n, "tenant_id": f"t{n % 3}"})
+    made = flows(kit, kit.registry, 4)
+    try:
+        drains_until_empty(kit, kit.registry, made)
+    finally:
+        for flow in made:
+            flow.close()
+    runs = kit.sql("SELECT tenant, started_at, ended_at FROM flow_runs ORDER BY started_at")
+    assert len(runs) == 24  # every job ran, once (the primary key refuses a second run)
+    overlapping = [
+        (a, b) for i, a in enumerate(runs) for b in runs[i + 1 :] if a[0] == b[0] and b[1] < a[2]
+    ]
+    assert overlapping == []
+    assert kit.client.stats(QUEUE).dlq_count == 0
+
+
+def test_a_rate_limit_holds_across_drains_and_loses_nothing(kit: Harness) -> None:
+    kit.sql(
+        "CREATE TABLE IF NOT EXISTS flow_runs (idem_key text PRIMARY KEY, tenant text NOT NULL, "
+        "started_at timestamptz NOT NULL, ended_at timestamptz)"
+    )
+    add_counted_job(
+        kit.registry, "test.rated", kit.database_url, 0.0, rate=RateLimit(per_second=10)
+    )
+    for n in range(40):
+        kit.publish({"job": "test.rated", "id": n, "tenant_id": "t"})
+    made = flows(kit, kit.registry, 4)
+    try:
+        drains_until_empty(kit, kit.registry, made)
+    finally:
+        for flow in made:
+            flow.close()
+    assert kit.sql("SELECT count(*) FROM flow_runs") == [(40,)]
+    # No one-second window of recorded starts holds more than the limit
+    starts = [
+        row[0].timestamp()
+        for row in kit.sql(
+            "SELECT started_at FROM flow_rate_starts WHERE job = 'test.rated' ORDER BY started_at"
+        )
+    ]
+    assert len(starts) >= 40
+    busiest = max(sum(1 for t in starts[i:] if t < start + 1.0) for i, start in enumerate(starts))
+    assert busiest <= 10
+    assert starts[-1] - starts[0] >= 3.0  # 40 starts at 10 per second need at least 3 s
+    assert kit.client.stats(QUEUE).dlq_count == 0
+
+
+def test_jobs_without_a_policy_take_no_flow_control_round_trip(kit: Harness) -> None:
+    # With only receipt.send limited, and flow control's every connection attempt counted
+    connects: list[int] = []
+
+    def refuse() -> psycopg.Connection[Any]:
+        connects.append(1)
+        raise LedgerUnavailable("flow control's database is down (test)")
+
+    parsed = parse_job_policies(
+        json.dumps({"receipt.send": {"rate": {"per_second": 20}}}),
+        [job.name for job in kit.registry],
+    )
+    flow = flow_control(kit.registry, parsed, refuse, visibility_timeout_seconds=300, queue=QUEUE)
+    assert flow is not None
+    kit.publish(DIGEST)
+    summary = drain_with(kit, flow)
+    # A digest runs as it would without flow control: only the two due-work passes (before and
+    # after the consumes) asked for a connection, the digest's run never did
+    assert summary.outcomes == {"done": 1}
+    assert len(connects) == 2

@@ -8,6 +8,7 @@ it does what an operator's ``claims run-now`` does (``flow.ledger.run_now``).
 from __future__ import annotations
 
 import json
+import textwrap
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 import urllib3
-from drainkit import QUEUE, Harness, harness
+from drainkit import QUEUE, Harness, harness, run_until_killed
 
 from infrai_jobs.drain.flow import FlowControl, flow_control
 from infrai_jobs.drain.loop import drain_invocation
@@ -361,3 +362,106 @@ def test_jobs_without_a_policy_take_no_flow_control_round_trip(kit: Harness) -> 
     # after the consumes) asked for a connection, the digest's run never did
     assert summary.outcomes == {"done": 1}
     assert len(connects) == 2
+
+
+# A drain process that runs the due deferred work with JOB_POLICIES and SIGKILLs itself right
+# after the digest provider answered: the effect happened, the ledger never heard.
+KILL_AFTER_THE_CALL = textwrap.dedent(
+    """
+    import os, signal, sys
+    import psycopg
+    import jobs.digest as digest
+    from drainkit import QUEUE, add_test_jobs
+    from infrai_jobs.drain.flow import flow_control
+    from infrai_jobs.drain.loop import drain_invocation
+    from infrai_jobs.drain.model import DrainConfig, DrainRun
+    from infrai_jobs.flow.policies import parse_job_policies
+    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.queue.client import InfraiClient
+    from jobs import build_registry
+
+    base_url, database_url, provider_url, policies = sys.argv[1:5]
+    call = digest._http.request
+
+    def call_then_die(*args, **kwargs):
+        answer = call(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return answer
+
+    digest._http.request = call_then_die
+    registry = build_registry()
+    add_test_jobs(registry, database_url)
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
+    flow = flow_control(
+        registry,
+        parse_job_policies(policies, [job.name for job in registry]),
+        lambda: psycopg.connect(database_url, autocommit=True),
+        visibility_timeout_seconds=300,
+        queue=QUEUE,
+    )
+    run = DrainRun(
+        queue=InfraiClient(base_url, "test-key"),
+        ledger=PostgresLedger(database_url),
+        config=DrainConfig(queue=QUEUE, features=[flow]),
+        time_left_ms=lambda: 60_000,
+        stop_requested=lambda: False,
+    )
+    drain_invocation(run, registry)
+    """
+)
+
+
+def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harness) -> None:
+    # Given a digest deferred by its retry policy and due now
+    flow = flow_for(kit)
+    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+    kit.publish(DIGEST)
+    key = kit.registry.derive(DIGEST).idem_key
+    try:
+        for _ in range(3):
+            drain_with(kit, flow)
+            kit.advance()
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 0.0})
+        run_now(kit, key)
+        # When a drain is SIGKILLed right after the provider built the digest
+        run_until_killed(
+            KILL_AFTER_THE_CALL, kit.server.url, kit.database_url, kit.sink.url, JOB_POLICIES
+        )
+        assert deferred_row(kit, key)["state"] == "running"  # type: ignore[index]
+        assert digests_built(kit) == 1
+        # Then, once its lease is over, a drain takes the key-passing job again; the provider
+        # answers with the digest it built, and nothing is built twice
+        kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+        kit.sql("UPDATE flow_concurrency_slots SET lease_until = now() - interval '1 second'")
+        summary = drain_with(kit, flow)
+        assert summary.counters["deferred_done"] == 1
+        assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
+        assert digests_built(kit) == 1
+        claim = kit.row(key)
+        assert claim is not None
+        assert claim.state == "done"
+    finally:
+        flow.close()
+
+
+def test_an_external_deferred_job_whose_lease_ran_out_is_left_for_a_human(kit: Harness) -> None:
+    # Given an irreversible job the ledger holds, whose run's lease ran out mid-run
+    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
+    payload = {"job": "test.ext", "id": "x1"}
+    key = kit.registry.derive(payload).idem_key
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        work = flow_ledger.DeferredWork(key, "test.ext", "external", payload, "m1")
+        flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
+        (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
+        assert taken.idem_key == key
+    kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+    try:
+        summary = drain_with(kit, flow)
+    finally:
+        flow.close()
+    # Then no drain runs it again: its effect may have happened
+    assert summary.counters["deferred_ran"] == 0
+    assert kit.external_effects(key) == 0
+    assert deferred_row(kit, key)["state"] == "running"  # type: ignore[index]
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        assert flow_ledger.deferred_stats(conn).backlog == 1

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -70,6 +71,9 @@ logger = logging.getLogger(__name__)
 CONCURRENCY_RETRY_SECONDS = 1.0
 # A rate-limit wait is taken in the invocation only when this much time is still left after it.
 HANDLER_RESERVE_SECONDS = 2.0
+# A slot taken around a claimed run ends with the claim's lease: the handler's deadline plus
+# the grace an external claim's lease has (DrainConfig.lease_grace_seconds' default).
+CLAIM_LEASE_GRACE_SECONDS = 60.0
 # Deferred jobs taken from the ledger at a time.
 DUE_BATCH = 10
 # A job deferred by a limit, with no retry policy of its own, gets Infrai's three attempts in
@@ -168,7 +172,12 @@ class FlowControl(DrainFeature):
                     error=f"a copy of work the ledger holds deferred ({held[ctx.idem_key]})",
                 )
             slot, wait, reason = self._gate(
-                conn, ctx, policy, attempt.derived.payload, attempt.claim_token
+                conn,
+                ctx,
+                policy,
+                attempt.derived.payload,
+                slot_token=attempt.claim_token,
+                slot_until=utc_from_epoch(ctx.deadline + CLAIM_LEASE_GRACE_SECONDS),
             )
         except LedgerError as exc:
             self._drop()
@@ -242,11 +251,14 @@ class FlowControl(DrainFeature):
         ctx: JobContext,
         policy: JobPolicy,
         payload: Mapping[str, Any],
+        *,
         slot_token: uuid.UUID,
+        slot_until: datetime,
     ) -> tuple[bool, float | None, str]:
-        """Take the concurrency slot (held by ``slot_token``: the claim's, or the deferred
-        job's lease) and the rate-limit start a run needs: (slot taken, None, "") to run now,
-        or (False, seconds, why) to run that much later."""
+        """Take the concurrency slot (held by ``slot_token`` until ``slot_until``: the claim's
+        token and lease, or the deferred job's) and the rate-limit start a run needs: (slot
+        taken, None, "") to run now, or (False, seconds, why) to run that much later. A killed
+        run's slot frees itself when the run's lease ends."""
         slot = False
         if policy.concurrency is not None:
             value = concurrency_value(policy.concurrency, payload)
@@ -257,7 +269,7 @@ class FlowControl(DrainFeature):
                 policy.concurrency.max_running,
                 holder=ctx.message_id,
                 token=slot_token,
-                lease_until=utc_from_epoch(ctx.deadline + self._visibility),
+                lease_until=slot_until,
             )
             if not slot:
                 return (
@@ -379,7 +391,10 @@ class FlowControl(DrainFeature):
             settings=derived.settings,
         )
         try:
-            slot, wait, reason = self._gate(conn, ctx, policy, derived.payload, token)
+            assert job.lease_until is not None
+            slot, wait, reason = self._gate(
+                conn, ctx, policy, derived.payload, slot_token=token, slot_until=job.lease_until
+            )
         except InvalidPayload as exc:
             self._fail(conn, job, describe_error(exc), counters)
             return

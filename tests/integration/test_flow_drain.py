@@ -18,9 +18,10 @@ import pytest
 import urllib3
 from drainkit import QUEUE, Harness, harness, run_until_killed
 
+from infrai_jobs.drain.features import Lanes
 from infrai_jobs.drain.flow import FlowControl, flow_control
 from infrai_jobs.drain.loop import drain_invocation
-from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary
+from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
 from infrai_jobs.flow import ledger as flow_ledger
 from infrai_jobs.flow.policies import parse_job_policies
@@ -67,13 +68,15 @@ def drain_with(
     client: InfraiClient | None = None,
     ledger: PostgresLedger | None = None,
     registry: JobRegistry | None = None,
+    lanes: Lanes | None = None,
 ) -> DrainSummary:
     """One drain invocation as DrainFunction runs it (every feature's around_drain, then the
-    lane), with flow control as its one feature."""
+    lane), with flow control and, when given, lanes as its features."""
+    features: list[DrainFeature] = [flow] if lanes is None else [flow, lanes]
     run = DrainRun(
         queue=client or kit.client,
         ledger=ledger or kit.ledger,
-        config=DrainConfig(queue=QUEUE, features=[flow]),
+        config=DrainConfig(queue=QUEUE, features=features),
         time_left_ms=lambda: 60_000,
         stop_requested=lambda: False,
     )
@@ -214,6 +217,12 @@ def test_a_policy_on_a_database_job_is_refused_naming_it(kit: Harness) -> None:
         flow_for(kit, json.dumps({"invoice.finalize": {"retry": {"attempts": 5}}}))
 
 
+FLOW_RUNS_DDL = (
+    "CREATE TABLE IF NOT EXISTS flow_runs (idem_key text PRIMARY KEY, tenant text NOT NULL, "
+    "delivery int NOT NULL, started_at timestamptz NOT NULL, ended_at timestamptz)"
+)
+
+
 def add_counted_job(
     registry: JobRegistry, name: str, database_url: str, hold_s: float, **policy: Any
 ) -> None:
@@ -222,9 +231,9 @@ def add_counted_job(
     def run(payload: Payload, ctx: JobContext) -> JsonValue:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(
-                "INSERT INTO flow_runs (idem_key, tenant, started_at) "
-                "VALUES (%s, %s, clock_timestamp())",
-                (ctx.idem_key, payload["tenant_id"]),
+                "INSERT INTO flow_runs (idem_key, tenant, delivery, started_at) "
+                "VALUES (%s, %s, %s, clock_timestamp())",
+                (ctx.idem_key, payload["tenant_id"], ctx.delivery_count),
             )
             time.sleep(hold_s)
             conn.execute(
@@ -245,9 +254,12 @@ def drains_until_empty(
     def one(flow: FlowControl) -> None:
         client = InfraiClient(kit.server.url, "test-key", retry=ClientRetry(base_delay=0.01))
         ledger = PostgresLedger(kit.database_url)
+        lane_feature = Lanes(lanes, lambda: PostgresLedger(kit.database_url)) if lanes > 1 else None
         try:
             for _ in range(200):
-                summary = drain_with(kit, flow, client=client, ledger=ledger, registry=registry)
+                summary = drain_with(
+                    kit, flow, client=client, ledger=ledger, registry=registry, lanes=lane_feature
+                )
                 with psycopg.connect(kit.database_url) as conn:
                     (waiting,) = conn.execute(
                         "SELECT count(*) FROM deferred_jobs WHERE state IN ('deferred', 'running')"
@@ -256,6 +268,8 @@ def drains_until_empty(
                     return
                 time.sleep(0.05)
         finally:
+            if lane_feature is not None:
+                lane_feature.close()
             ledger.close()
             client.close()
 
@@ -283,10 +297,7 @@ def flows(kit: Harness, registry: JobRegistry, count: int) -> list[FlowControl]:
 
 
 def test_a_concurrency_key_never_lets_one_tenant_run_twice_at_once(kit: Harness) -> None:
-    kit.sql(
-        "CREATE TABLE IF NOT EXISTS flow_runs (idem_key text PRIMARY KEY, tenant text NOT NULL, "
-        "started_at timestamptz NOT NULL, ended_at timestamptz)"
-    )
+    kit.sql(FLOW_RUNS_DDL)
     add_counted_job(
         kit.registry,
         "test.tenant",
@@ -298,7 +309,7 @@ def test_a_concurrency_key_never_lets_one_tenant_run_twice_at_once(kit: Harness)
         kit.publish({"job": "test.tenant", "id": n, "tenant_id": f"t{n % 3}"})
     made = flows(kit, kit.registry, 4)
     try:
-        drains_until_empty(kit, kit.registry, made)
+        drains_until_empty(kit, kit.registry, made, lanes=2)
     finally:
         for flow in made:
             flow.close()
@@ -312,14 +323,12 @@ def test_a_concurrency_key_never_lets_one_tenant_run_twice_at_once(kit: Harness)
 
 
 def test_a_rate_limit_holds_across_drains_and_loses_nothing(kit: Harness) -> None:
-    kit.sql(
-        "CREATE TABLE IF NOT EXISTS flow_runs (idem_key text PRIMARY KEY, tenant text NOT NULL, "
-        "started_at timestamptz NOT NULL, ended_at timestamptz)"
-    )
+    # 200 jobs limited to 20 starts a second, run by four drains at once
+    kit.sql(FLOW_RUNS_DDL)
     add_counted_job(
-        kit.registry, "test.rated", kit.database_url, 0.0, rate=RateLimit(per_second=10)
+        kit.registry, "test.rated", kit.database_url, 0.0, rate=RateLimit(per_second=20)
     )
-    for n in range(40):
+    for n in range(200):
         kit.publish({"job": "test.rated", "id": n, "tenant_id": "t"})
     made = flows(kit, kit.registry, 4)
     try:
@@ -327,18 +336,20 @@ def test_a_rate_limit_holds_across_drains_and_loses_nothing(kit: Harness) -> Non
     finally:
         for flow in made:
             flow.close()
-    assert kit.sql("SELECT count(*) FROM flow_runs") == [(40,)]
-    # No one-second window of recorded starts holds more than the limit
+    # Every job ran once, from its first delivery: the limit never cost a redelivery
+    assert kit.sql("SELECT count(*), max(delivery) FROM flow_runs") == [(200, 1)]
+    # No one-second window of the starts the database recorded holds more than 20: start n
+    # comes at least n // 20 seconds after the first, so the last at least 9 s after it
     starts = [
         row[0].timestamp()
         for row in kit.sql(
             "SELECT started_at FROM flow_rate_starts WHERE job = 'test.rated' ORDER BY started_at"
         )
     ]
-    assert len(starts) >= 40
+    assert len(starts) == 200
     busiest = max(sum(1 for t in starts[i:] if t < start + 1.0) for i, start in enumerate(starts))
-    assert busiest <= 10
-    assert starts[-1] - starts[0] >= 3.0  # 40 starts at 10 per second need at least 3 s
+    assert busiest <= 20
+    assert starts[-1] - starts[0] >= 9.0
     assert kit.client.stats(QUEUE).dlq_count == 0
 
 

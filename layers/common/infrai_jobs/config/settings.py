@@ -120,6 +120,9 @@ class Settings:
     # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
     database_sslmode: str = DEFAULT_DATABASE_SSLMODE
     database_ca_bundle: str = ""
+    # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
+    # against the registry where the drain is built (infrai_jobs.flow.policies).
+    job_policies: str = ""
 
     def configured_endpoints(self) -> dict[str, bool]:
         """Which real endpoints are configured, by the variable that names each: the queue, the
@@ -205,6 +208,7 @@ class Settings:
             allow_plain_http=allow_plain_http,
             database_sslmode=_database_sslmode(env),
             database_ca_bundle=_in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
+            job_policies=env.get("JOB_POLICIES", "").strip(),
         )
         _check_second_layer(settings)
         reason = malformed_reason(settings.database_url) if settings.database_url else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from infrai_jobs.drain.loop import (
 from infrai_jobs.drain.model import DrainConfig, DrainSummary, merge_summaries
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, LedgerError, LedgerUnavailable
+from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
 from infrai_jobs.jobs.registry import JobContext, JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
@@ -67,6 +68,9 @@ class DrainService:
     starter: DrainStarterPort | None = None
     # The span around each handler run, with tracing on (``observability.message_tracing``).
     message_span: Callable[[JobContext], AbstractContextManager[object]] | None = None
+    # The flow policy in force for each job that has one (declared in code, JOB_POLICIES
+    # applied); a job absent here has none.
+    policies: Mapping[str, JobPolicy] = field(default_factory=dict)
 
     @classmethod
     def from_settings(
@@ -83,6 +87,7 @@ class DrainService:
         built or consumed. ``starter`` replaces Lambda's for local runs (the CLI starts drain
         processes). ``message_span``: see ``DrainConfig``."""
         registry.bind_settings(settings.require_job_settings())
+        policies = job_policies(settings, registry)
         resolved = resolve_secrets(settings)
         refresh = secret_refresh(settings)
         url_hook, key_hook = refresh.database_url, refresh.api_key
@@ -96,6 +101,7 @@ class DrainService:
             fleet=make_drain_fleet(resolved, refresh_url=url_hook),
             starter=starter or make_drain_starter(resolved),
             message_span=message_span,
+            policies=policies,
         )
 
     def close(self) -> None:
@@ -258,6 +264,14 @@ class DrainService:
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""
         return self.effect_guard.take_hits() if self.effect_guard is not None else 0
+
+
+def job_policies(settings: Settings, registry: JobRegistry) -> dict[str, JobPolicy]:
+    """The flow policies in force: what the jobs declare, with ``JOB_POLICIES`` applied. A
+    malformed document is a ``ConfigurationError`` naming the job and the field, raised before
+    anything is built or consumed."""
+    overrides = parse_job_policies(settings.job_policies, [job.name for job in registry])
+    return policies_in_force(registry, overrides)
 
 
 def ledger_outage_message(summary: DrainSummary) -> str:

@@ -199,20 +199,20 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
 
 def _add_deferred_commands(csub: Any) -> None:
     """``claims run-now`` and ``claims cancel``: steering the deferred work the ledger holds."""
-    run_now = csub.add_parser(
-        "run-now",
-        help="make a waiting deferred job due at once: the next drain runs it (recorded in "
-        "claim_history)",
+    run_now_help = (
+        "make a waiting deferred job due at once: the next drain runs it (recorded in "
+        "claim_history, with you as the actor)"
     )
+    run_now = csub.add_parser("run-now", help=run_now_help, description=run_now_help)
     run_now.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
     run_now.add_argument("--note", default="", help="why, for claim_history")
     run_now.add_argument("--json", action="store_true")
     run_now.set_defaults(ops_command="claims_run_now")
-    cancel = csub.add_parser(
-        "cancel",
-        help="cancel a waiting deferred job: it never runs, and a new message for its key is "
-        "new work (recorded in claim_history); a running one is refused",
+    cancel_help = (
+        "cancel a waiting deferred job: it never runs, and a new message for its key is new "
+        "work (recorded in claim_history, with you as the actor); a running one is refused"
     )
+    cancel = csub.add_parser("cancel", help=cancel_help, description=cancel_help)
     cancel.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
     cancel.add_argument("--note", default="", help="why, for claim_history")
     cancel.add_argument("--json", action="store_true")
@@ -330,6 +330,8 @@ def _listed(row: DeadLetterRow) -> dict[str, Any]:
     document = row.as_dict()
     document["deliveries"] = row.main_deliveries
     document["recorded"] = True
+    # Deferred work that ran out of attempts: no DLQ had it, and a redrive reopens its claim.
+    document["held_by_ledger"] = row.held_by_ledger
     return document
 
 
@@ -341,7 +343,13 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
     rows = [_listed(r) for r in store.rows(queue, unresolved=not args.all, limit=args.max)]
     # Unreadable answers that named no message could not be recorded: shown, never hidden.
     rows += [
-        {**entry, "message_id": None, "state": "unreadable", "recorded": False}
+        {
+            **entry,
+            "message_id": None,
+            "state": "unreadable",
+            "recorded": False,
+            "held_by_ledger": False,
+        }
         for entry in collected.unrecorded
     ]
     unresolved = store.unresolved_count(queue)

@@ -62,6 +62,12 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
+# Why the queue client has its own HTTP transport: its CPU per request against urllib3's, over
+# the same requests to the emulator on 127.0.0.1 (about 20 s; figures in docs/performance.md).
+.PHONY: bench-transport
+bench-transport: $(STAMP)
+	$(BIN)/python bench/transport_bench.py
+
 # The chaos soak at full size (make test runs it at 2,000 jobs): faults, SIGKILLs, connection
 # terminations and a PostgreSQL restart; rewrites the figures in docs/reliability.md.
 .PHONY: soak

@@ -1124,9 +1124,9 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "",
         "## Caveats",
         "",
-        "- Latency is a timer in the emulator before it answers: no bandwidth limit, jitter or "
-        "TLS; every call also costs a loopback HTTP/1.1 exchange with a Python server (one "
-        "thread, a selector loop over every connection).",
+        "- Latency is a wait in the emulator before it answers: no bandwidth limit, jitter or "
+        "TLS; every call also costs a loopback HTTP/1.1 exchange with a Python server (the "
+        "standard library's threading HTTP server, one thread per connection).",
         f"- The emulator, PostgreSQL and the worker share {nproc} CPUs: the `machine busy` "
         "column shows when the machine, not the drain, was the limit.",
         "- One run, one figure per lane count, and the machine's speed drifts. On the 2-core "
@@ -1144,6 +1144,9 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "off.",
         "- (a) acks duplicates too (its `runOnce` returns true on a skip), so both variants make "
         "one consume per 10 messages and one ack per message.",
+        "- Why the queue client keeps its own HTTP transport, and what the emulator's server "
+        "costs: measured by hand in [bench/transport.md](../bench/transport.md) "
+        "(`make bench-transport`).",
         "",
     ]
 

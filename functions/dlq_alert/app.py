@@ -8,10 +8,9 @@ from typing import Any
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.aws.secrets import resolve_secrets
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import AlertSettings
 from infrai_jobs.operations.alerting import AlertCheck
-from infrai_jobs.runtime.factory import make_alert_check, secret_refresh
+from infrai_jobs.runtime.factory import make_alert_check, with_secrets
 from infrai_jobs.runtime.observability import function_observability, record_alert_check, tracing
 from jobs import build_registry
 
@@ -22,19 +21,20 @@ logger, metrics = function_observability()
 def check() -> tuple[AlertCheck, tuple[str, ...]]:
     """Built on the first invocation and reused while the environment stays warm; a rotated
     API key or database secret is fetched again when the cached one fails
-    (factory.secret_refresh, as every function does). The jobs' probes reconcile stuck claims
+    (factory.with_secrets, as every function does). The jobs' probes reconcile stuck claims
     before they are counted, so the settings they declared are read and bound; a probe whose
     setting is missing is left out (said once here), never the page."""
     registry = build_registry()
-    settings = Settings.from_env(job_settings=registry.probe_settings())
-    resolved = resolve_secrets(settings)
-    for job, missing in registry.bind_probe_settings(resolved.job_settings).items():
+    settings, refresh = with_secrets(
+        AlertSettings.from_env(job_settings=registry.probe_settings())
+    ).unpacked()
+    for job, missing in registry.bind_probe_settings(settings.job_settings).items():
         logger.warning(
             "a setting of this job is not set: its stuck claims are not probed",
             extra={"action": "probe_off", "job": job, "missing": list(missing)},
         )
-    alert_check = make_alert_check(resolved, refresh=secret_refresh(settings), registry=registry)
-    return alert_check, resolved.watched_queues
+    alert_check = make_alert_check(settings, refresh=refresh, registry=registry)
+    return alert_check, settings.watched_queues
 
 
 # The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.

@@ -10,7 +10,7 @@ from typing import Any
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import FAN_OUT_EVENT_KEY, fan_out_slot
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.observability import (
@@ -27,9 +27,10 @@ logger, metrics = function_observability()
 @cache
 def service() -> DrainService:
     """Built on the first invocation and reused while the environment stays warm. Only the
-    settings the registered jobs declared are read, and each must be set."""
+    settings the registered jobs declared are read, and each must be set; the secrets come
+    from the one source every function uses (``factory.with_secrets``, in ``from_settings``)."""
     registry = build_registry()
-    settings = Settings.from_env(job_settings=registry.declared_settings())
+    settings = DrainSettings.from_env(job_settings=registry.declared_settings())
     return DrainService.from_settings(settings, registry, message_span=message_tracing())
 
 

@@ -9,22 +9,21 @@ from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.aws.secrets import resolve_secrets
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import PruneSettings
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.runtime.factory import make_claims_admin, secret_refresh
+from infrai_jobs.runtime.factory import make_claims_admin, with_secrets
 from infrai_jobs.runtime.observability import function_observability, tracing
 
 logger, metrics = function_observability()
 
 
 @cache
-def dependencies() -> tuple[Settings, ClaimsAdmin]:
+def dependencies() -> tuple[PruneSettings, ClaimsAdmin]:
     """Built once per warm environment; a rotated database secret is fetched again when a
-    connection fails with the cached one (factory.secret_refresh, as every function does)."""
-    settings = Settings.from_env()
-    resolved = resolve_secrets(settings, api_key=False)
-    return resolved, make_claims_admin(resolved, refresh=secret_refresh(settings))
+    connection fails with the cached one (factory.with_secrets, as every function does). It
+    never calls Infrai, so it never fetches the API key."""
+    settings, refresh = with_secrets(PruneSettings.from_env(), api_key=False).unpacked()
+    return settings, make_claims_admin(settings, refresh=refresh)
 
 
 # The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.

@@ -18,13 +18,17 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from infrai_jobs.aws.secrets import resolve_secrets
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import RedriveSettings
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.redrive import RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
-from infrai_jobs.runtime.factory import make_claims_admin, make_queue_client, secret_refresh
+from infrai_jobs.runtime.factory import (
+    EdgeSettings,
+    make_claims_admin,
+    make_queue_client,
+    with_secrets,
+)
 from infrai_jobs.runtime.observability import function_observability, tracing
 from jobs import build_registry
 
@@ -35,11 +39,17 @@ ACTOR = "RedriveFunction"
 
 
 @cache
-def dependencies() -> tuple[Settings, InfraiClient]:
+def edge() -> EdgeSettings[RedriveSettings]:
+    """The settings, read once per warm environment, with their secrets (factory.with_secrets,
+    as every function does)."""
+    return with_secrets(RedriveSettings.from_env())
+
+
+@cache
+def dependencies() -> tuple[RedriveSettings, InfraiClient]:
     """Built once per warm environment; a rotated API key is fetched again on its first 401."""
-    settings = Settings.from_env()
-    resolved = resolve_secrets(settings)
-    return resolved, make_queue_client(resolved, refresh_api_key=secret_refresh(settings).api_key)
+    settings, refresh = edge().unpacked()
+    return settings, make_queue_client(settings, refresh_api_key=refresh.api_key)
 
 
 @cache
@@ -54,8 +64,8 @@ def registry() -> JobRegistry:
 def ledger() -> ClaimsAdmin:
     """The ledger (its dead letters, and failed claims for ``reopen_failed``); a rotated
     database secret is fetched again when a connection fails with the cached one."""
-    settings, _ = dependencies()
-    return make_claims_admin(settings, refresh=secret_refresh(Settings.from_env()))
+    settings, refresh = edge().unpacked()
+    return make_claims_admin(settings, refresh=refresh)
 
 
 @logger.inject_lambda_context(log_event=True, clear_state=True)

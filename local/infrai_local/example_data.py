@@ -14,7 +14,7 @@ from typing import LiteralString
 
 import psycopg
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import CommonSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import connect_to_ledger
 
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a draft invoice to create (repeatable; default: inv_8812)",
     )
     args = parser.parse_args(argv)
-    url = Settings.from_env().require_database_url()
+    url = CommonSettings.from_env().require_database_url()
     invoices = args.invoice or ["inv_8812"]
     with connect_to_ledger(url, application_name="infrai-jobs-example-data") as conn:
         try:

@@ -14,9 +14,12 @@ every method takes a lock, so several lanes (threads) may share one.
 
 Pass the same clock to ``drain(..., clock=clock)``: the drain computes claim leases from it.
 
-The queue is the emulator's own model (``infrai_local.queue_model``). The ledger decides claims
-with the very rules ``PostgresLedger`` uses (``ledger.claims``) and mirrors its SQL (fencing,
-release, batch atomicity), including what Postgres refuses to store.
+The queue is the emulator's own model (``infrai_local.queue_model``). The ledger classifies
+claims with the very function ``PostgresLedger`` uses (``ledger.claims.decide``) and copies in
+Python what the ledger says in SQL (the takeover rule, the lease bound, fencing, release, batch
+atomicity), including what Postgres refuses to store. The ledger contract suite
+(tests/contract/test_ledger_contract.py) runs the same claim scenarios against this fake and
+against ``PostgresLedger`` on a real server; where they disagree, the SQL is right.
 Differences that remain are listed on each class.
 """
 
@@ -31,7 +34,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -57,9 +60,7 @@ from infrai_jobs.ledger.claims import (
     RunKind,
     Settlement,
     SettleStatus,
-    bounded_lease,
     decide,
-    may_take_over,
     settled_kind,
     utc_from_epoch,
 )
@@ -518,7 +519,7 @@ class InMemoryLedger:
         decisions: list[ClaimDecision] = []
         for request in sorted(requests, key=lambda r: r.idem_key):
             before = self._rows.get(request.idem_key)
-            won = before is None or may_take_over(before, request, now)
+            won = before is None or _may_take_over(before, request, now)
             if won:
                 self._rows[request.idem_key] = _claimed_row(
                     before, request, now, self.visibility_timeout
@@ -599,6 +600,33 @@ class InMemoryLedger:
         return settlements
 
 
+def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
+    """The claim statement's ``ON CONFLICT ... DO UPDATE ... WHERE``, row by row: only a
+    key-passing effect, only the same work, never a claim flagged for a human, and only once
+    the lease is over or when the holder is this very message. NULLs compare as SQL compares
+    them (a NULL lease is never over)."""
+    idempotent = Effect.EXTERNAL_IDEMPOTENT.value
+    lease_over = row.lease_until is not None and row.lease_until < now
+    return (
+        row.state == "running"
+        and row.effect == idempotent
+        and request.effect.value == idempotent
+        and row.payload_sha256 is not None
+        and row.payload_sha256 == request.fingerprint
+        and row.error is None
+        and (lease_over or row.message_id == request.message_id)
+    )
+
+
+def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
+    """The lease the claim statement stores: the requested one, but never past the message's
+    visibility window (what it has left, never more than the whole timeout)."""
+    if request.lease_until is None:
+        return None
+    left = visibility if request.visibility_left is None else request.visibility_left
+    return min(request.lease_until, now + timedelta(seconds=min(max(left, 0.0), visibility)))
+
+
 def _claimed_row(
     before: ClaimRow | None, request: ClaimRequest, now: datetime, visibility: float
 ) -> ClaimRow:
@@ -607,7 +635,7 @@ def _claimed_row(
             before,
             message_id=request.message_id,
             claim_token=request.claim_token,
-            lease_until=bounded_lease(request, now, visibility),
+            lease_until=_bounded_lease(request, now, visibility),
             attempts=(before.attempts or 1) + 1,
             error=None,
             updated_at=now,
@@ -623,7 +651,7 @@ def _claimed_row(
         error=None,
         result=None,
         claimed_at=now,
-        lease_until=bounded_lease(request, now, visibility),
+        lease_until=_bounded_lease(request, now, visibility),
         updated_at=now,
         claim_token=request.claim_token,
     )

@@ -47,12 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from infrai_jobs.config.settings import (
-    LEDGER_ENDPOINT,
-    QUEUE_ENDPOINT,
-    sandbox_notice,
-    stand_ins,
-)
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import describe
 from infrai_local.sam_template import (
@@ -63,6 +57,12 @@ from infrai_local.sam_template import (
     samconfig_environments,
     samconfig_overrides,
     samconfig_parameters,
+)
+from infrai_local.sandbox import (
+    LEDGER_ENDPOINT,
+    QUEUE_ENDPOINT,
+    sandbox_notice,
+    stand_ins,
 )
 
 # Runs inside the child. It is passed with -c so that no folder of this package is on the path.

@@ -7,6 +7,10 @@ as SAM CLI reads it for ``sam local invoke``: the environment's ``local_invoke``
 ``global`` one (never ``deploy``'s), then an ``--env-vars`` file's ``Parameters``. ``Ref``,
 ``Fn::Sub`` (``${!Literal}`` included), ``Fn::If``, ``Fn::Join``, ``Fn::Select`` and ``Fn::Split``
 over those are evaluated; anything that would only be known in AWS becomes an empty string.
+
+The template itself is decoded by cfn-lint (``cfnlint.decode``), the decoder ``sam validate
+--lint`` reads it with: short forms become their long forms (``!GetAtt A.B`` a two-item list),
+scalars keep YAML's types, and a JSON template is read as well.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from cfnlint.decode import decode_str  # type: ignore[import-untyped]
 
 from infrai_jobs.errors import ConfigurationError
 
@@ -35,29 +39,6 @@ PSEUDO_PARAMETERS = {
     "AWS::URLSuffix": "amazonaws.com",
     "AWS::NoValue": None,
 }
-
-
-class _CfnLoader(yaml.SafeLoader):
-    """A YAML loader that turns CloudFormation short forms into their long forms."""
-
-
-def _construct_tag(loader: yaml.Loader, suffix: str, node: yaml.Node) -> dict[str, Any]:
-    if isinstance(node, yaml.ScalarNode):
-        value: Any = loader.construct_scalar(node)
-    elif isinstance(node, yaml.SequenceNode):
-        value = loader.construct_sequence(node, deep=True)
-    else:
-        value = loader.construct_mapping(node, deep=True)  # type: ignore[arg-type]
-    if suffix == "Ref":
-        return {"Ref": value}
-    if suffix == "GetAtt" and isinstance(value, str):
-        value = value.split(".", 1)
-    if suffix == "Condition":
-        return {"Condition": value}
-    return {f"Fn::{suffix}": value}
-
-
-_CfnLoader.add_multi_constructor("!", _construct_tag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +61,33 @@ class FunctionSpec:
 
 
 def load_template(path: Path) -> dict[str, Any]:
+    """The template at ``path`` as cfn-lint decodes it, in plain dicts, lists and scalars."""
     try:
-        document = yaml.load(path.read_text(), Loader=_CfnLoader)  # noqa: S506 - safe loader subclass
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigurationError(f"cannot read {path}: {exc}") from exc
+    document, problems = decode_str(text)
+    if problems:
+        message = problems[0].message
+        if "line" not in message:
+            message += f" (line {problems[0].linenumber})"
+        raise ConfigurationError(f"cannot read {path}: {message}")
     if not isinstance(document, dict) or "Resources" not in document:
         raise ConfigurationError(f"{path} is not a SAM template (no Resources)")
-    return document
+    plain: dict[str, Any] = _plain(document)
+    return plain
+
+
+def _plain(value: Any) -> Any:
+    """The decoder's nodes (dicts, lists and strings that carry their line marks) as plain
+    ones, so that a FunctionSpec holds nothing of the decoder's."""
+    if isinstance(value, dict):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, str):
+        return str(value)
+    return value
 
 
 # The samconfig.toml table of `sam local invoke` (SAM joins the command's words with "_").

@@ -16,6 +16,7 @@ import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from child_process import clean_env, run_captured
 
+from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import dependency_path, invoke, resolve
@@ -406,6 +407,42 @@ def test_the_template_loader_reads_yaml_as_cfn_lint_decodes_it(which: str, tmp_p
     theirs = _as_json(cfn_yaml.load(str(path)))
     # Then both give the same document: tags become the same long forms, scalars the same types
     assert ours == theirs
+
+
+def _node_types(value: object) -> set[type]:
+    if isinstance(value, dict):
+        return {type(value)}.union(*(_node_types(v) for v in [*value, *value.values()]))
+    if isinstance(value, list):
+        return {type(value)}.union(*(_node_types(v) for v in value))
+    return {type(value)}
+
+
+def test_the_loaded_template_holds_plain_values_only() -> None:
+    # Given / When the repository's template is loaded
+    template = load_template(ROOT / "template.yaml")
+    # Then it holds plain dicts, lists and scalars, none of the decoder's marked nodes
+    assert _node_types(template) <= {dict, list, str, int, float, bool, type(None)}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Resources:\n  A: {Type: X}\n  A: {Type: Y}\n", "Duplicate found 'A' (line 2)"),
+        ("Resources:\n  A: [unclosed\n", "line 3"),
+        ("Parameters: {}\n", "is not a SAM template"),
+    ],
+)
+def test_an_unreadable_template_is_a_configuration_error_naming_it(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    # Given a template with a duplicate key, broken YAML, or no Resources
+    path = tmp_path / "template.yaml"
+    path.write_text(text)
+    # When it is loaded / Then the error names the file and what is wrong
+    with pytest.raises(ConfigurationError) as raised:
+        load_template(path)
+    assert str(path) in str(raised.value)
+    assert expected in str(raised.value)
 
 
 def test_fn_sub_renders_an_escaped_literal_as_cloudformation_does(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import psycopg
 import urllib3
 from child_process import run_captured
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
@@ -96,7 +96,9 @@ class Harness:
     def publish(self, payload: Any, times: int = 1) -> list[str]:
         return [self.client.publish(QUEUE, payload) for _ in range(times)]
 
-    def lane_service(self, settings: Settings, client: InfraiClient | None = None) -> DrainService:
+    def lane_service(
+        self, settings: DrainSettings, client: InfraiClient | None = None
+    ) -> DrainService:
         """DrainFunction's service on this harness: a ledger per lane, opened as lanes need."""
         return DrainService(
             settings=settings,

@@ -81,13 +81,13 @@ def _assert_database_effects_once(kit: Harness, numbers: list[int]) -> None:
 def test_drain_lanes_share_one_invocation_and_still_run_every_job_once(
     database_url: str,
 ) -> None:
-    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import DrainSettings  # noqa: PLC0415
 
     with harness(database_url) as kit:
         # Given 300 database jobs, a third of them published twice
         for n in range(300):
             kit.publish({"job": "test.db", "id": f"l{n}"}, times=2 if n % 3 == 0 else 1)
-        service = kit.lane_service(Settings(queue=QUEUE, drain_lanes=3))
+        service = kit.lane_service(DrainSettings(queue=QUEUE, drain_lanes=3))
         # When one invocation drains with three lanes
         summary = service.run(lambda: 120_000)
         service.close()
@@ -108,7 +108,7 @@ def _assert_database_effects_once_prefixed(kit: Harness, prefix: str, count: int
 def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
     database_url: str,
 ) -> None:
-    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import DrainSettings  # noqa: PLC0415
     from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE  # noqa: PLC0415
     from infrai_jobs.runtime.factory import client_pool_size, make_queue_client  # noqa: PLC0415
 
@@ -116,7 +116,7 @@ def test_lanes_reuse_their_connections_instead_of_reconnecting_per_ack(
         # Given 1,200 jobs, and a latency that keeps each batch's ten acks in flight together
         for n in range(1200):
             kit.publish({"job": "test.db", "id": f"c{n}"})
-        settings = Settings(
+        settings = DrainSettings(
             infrai_base_url=kit.server.url,
             infrai_api_key="test-key",
             queue=QUEUE,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import http.client
-import io
 import json
 import os
 import re
@@ -29,15 +28,12 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from infrai_local.emulator import (
     MAX_BODY_BYTES,
     Emulator,
     EmulatorHTTPServer,
     RunningEmulator,
-    parse_header_lines,
     start_in_thread,
 )
 from infrai_local.emulator import http as emulator_http
@@ -981,8 +977,8 @@ def run_threads(target: Any, count: int) -> None:
 
 
 # --- Raw HTTP: the request parser and the answer framing -------------------------------------
-# The handler reads request lines and headers itself (the stdlib's email-based parser was most
-# of its CPU) and must answer exactly as the stdlib did: these pin that on the wire.
+# The stdlib reads request lines and headers; bodies, faults and answers are the emulator's.
+# These pin the bytes on the wire, as they were when the emulator had a server of its own.
 
 AUTH_LINE = f"Authorization: Bearer {_DEFAULT_TOKEN}\r\n".encode()
 
@@ -1170,30 +1166,29 @@ def test_idle_time_runs_from_the_answer_not_from_the_request(
         connection.close()
 
 
-def test_the_server_survives_a_failure_handling_one_event(
+def test_the_server_survives_a_failure_handling_one_connection(
     server: RunningEmulator, api: Api, queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a bug that makes reading one particular connection raise
+    # Given a bug that makes serving the next connection raise
     http_server = server._server
-    real_receive = http_server._receive
-    victim = RawConnection(server)
-    victim_address = victim.sock.getsockname()
-    failures: list[str] = []
+    real_finish = http_server.finish_request
+    failures: list[Any] = []
 
-    def receive_broken_for_the_victim(conn: Any) -> None:
-        if conn.address == victim_address:
-            failures.append("raised")
+    def finish_broken_once(request: Any, client_address: Any) -> None:
+        if not failures:
+            failures.append(client_address)
             raise RuntimeError("injected bug")
-        real_receive(conn)
+        real_finish(request, client_address)
 
-    monkeypatch.setattr(http_server, "_receive", receive_broken_for_the_victim)
+    monkeypatch.setattr(http_server, "finish_request", finish_broken_once)
+    victim = RawConnection(server)
     try:
         victim.send(stats_bytes(queue))
-        # Then that connection is closed, and other clients are still served
+        # Then that connection is closed unanswered, and other clients are still served
         assert victim.rest() == b""
+        assert failures == [victim.sock.getsockname()]
     finally:
         victim.close()
-    assert failures == ["raised"]
     assert api.stats(queue)["message_count"] == 0
 
 
@@ -1502,47 +1497,6 @@ def test_bare_lf_line_endings_are_accepted(raw: RawConnection) -> None:
 
     # Then it is served
     assert raw.answer().status == 200
-
-
-def test_request_headers_never_show_their_values() -> None:
-    # Given headers holding a token
-    headers = parse_header_lines([b"Authorization: Bearer sk_secret_value\r\n", b"\r\n"])
-
-    # Then lookups work in any case, and the repr names only the header names
-    assert headers.get("AUTHORIZATION") == "Bearer sk_secret_value"
-    assert "authorization" in headers
-    assert "sk_secret_value" not in repr(headers)
-
-
-# Header lines a hostile or sloppy client could send: plain ones, and every shape the lean
-# reader hands to the email parser.
-_NAMES = st.sampled_from([b"Authorization", b"authorization", b"Content-Length", b"X-A", b"From"])
-_VALUE_PARTS = [b"a", b"7", b" ", b"\t", b"\r", b"\x00", b"\x0b", b"\xe9", b"\x85", b":", b"Bearer"]
-_VALUES = st.lists(st.sampled_from(_VALUE_PARTS), max_size=6).map(b"".join)
-_HEADER_LINES = st.one_of(
-    st.builds(lambda n, v: n + b": " + v.replace(b"\r", b"") + b"\r\n", _NAMES, _VALUES),
-    st.builds(lambda n, v: n + b":" + v + b"\r\n", _NAMES, _VALUES),
-    st.builds(lambda n, v: n + b" :" + v + b"\n", _NAMES, _VALUES),
-    st.builds(lambda v: b" " + v + b"\r\n", _VALUES),
-    st.builds(lambda v: b"\t" + v + b"\n", _VALUES),
-    st.builds(lambda v: v + b"\r\n", _VALUES),
-    st.sampled_from([b"From me\r\n", b": x\r\n", b"\r\r\n", b"X-\xe9: 1\r\n", b"\x00: y\r\n"]),
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_HEADER_LINES, max_size=8), st.sampled_from([b"\r\n", b"\n", b""]))
-def test_the_lean_header_reader_agrees_with_the_stdlib(lines: list[bytes], end: bytes) -> None:
-    # Given a header block as the request reader collects it (the blank line, or EOF, last)
-    block = [*lines, end]
-
-    # When both parsers read it
-    ours = parse_header_lines(block)
-    theirs = http.client.parse_headers(io.BytesIO(b"".join(block)))
-
-    # Then every header answers the same value
-    for name in ("Authorization", "AUTHORIZATION", "content-length", "X-A", "From", "x-\xe9"):
-        assert ours.get(name) == theirs.get(name), (name, block)
 
 
 # --- Command line -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, harness, run_concurrently
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import LedgerUnavailable
@@ -87,7 +87,7 @@ def service_for(kit: Harness) -> DrainService:
     registry = build_registry()
     add_test_jobs(registry, kit.database_url)
     declared = registry.declared_settings()
-    settings = Settings(
+    settings = DrainSettings(
         infrai_base_url=kit.server.url,
         infrai_api_key="test-key",
         queue=QUEUE,

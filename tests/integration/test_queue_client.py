@@ -303,12 +303,12 @@ def test_the_drain_service_bounds_the_client_retries_by_the_time_left(
 ) -> None:
     from drainkit import harness  # noqa: PLC0415
 
-    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import DrainSettings  # noqa: PLC0415
 
     with harness(database_url) as kit:
         kit.publish({"job": "test.db", "id": "a"})
         client = InfraiClient(kit.server.url, "test-key", sleep=sleeps)
-        service = kit.lane_service(Settings(queue="billing-jobs"), client)
+        service = kit.lane_service(DrainSettings(queue="billing-jobs"), client)
         # Given every consume answered 429 with Retry-After: 4, and 20 s left in the invocation
         # (just enough for the drain to receive a batch)
         kit.faults(rate_limit_rate=1.0, retry_after_seconds=4, routes=["consume"])

@@ -30,8 +30,8 @@ from moto import mock_aws
 from redis_server import wait_for_redis
 
 from infrai_jobs.aws.second_layer import SecondLayer, redis_store
-from infrai_jobs.aws.secrets import redis_url_from_secret, resolve_secrets
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.aws.secrets import SecretSource, redis_url_from_secret
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.runtime.factory import make_effect_guard
 
@@ -108,7 +108,7 @@ def _acl_user_on_the_shared_server() -> Iterator[AuthenticatedRedis]:
 
 
 def _guard(url: str) -> SecondLayer:
-    settings = Settings(idempotency_backend="redis", redis_url=url)
+    settings = DrainSettings(idempotency_backend="redis", redis_url=url)
     guard = make_effect_guard(settings)
     assert isinstance(guard, SecondLayer)
     guard.register_lambda_context(_MinuteLeft())
@@ -172,7 +172,7 @@ def test_the_secret_arrives_through_secrets_manager_in_aws(
         arn = secrets.create_secret(
             Name="infrai-jobs/redis", SecretString=authenticated_redis.secret()
         )["ARN"]
-        settings = Settings.from_env(
+        settings = DrainSettings.from_env(
             {
                 "IDEMPOTENCY_BACKEND": "redis",
                 "REDIS_URL": authenticated_redis.url,
@@ -180,7 +180,7 @@ def test_the_secret_arrives_through_secrets_manager_in_aws(
             }
         )
         # When the drain resolves its secrets at cold start
-        resolved = resolve_secrets(settings, api_key=False, database=False)
+        resolved = SecretSource(settings, api_key=False).resolve()
     parameters.clear_caches()
     # Then the second layer authenticates with them, and the settings never show them
     assert _run_twice(_guard(resolved.redis_url)) == ["sent"]
@@ -193,7 +193,7 @@ def test_the_secret_arrives_through_secrets_manager_in_aws(
 )
 def test_plain_redis_to_a_host_that_is_not_loopback_is_refused(url: str) -> None:
     with pytest.raises(ConfigurationError, match="use rediss://") as raised:
-        Settings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": url})
+        DrainSettings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": url})
     assert ":pw@" not in str(raised.value)
 
 
@@ -201,7 +201,7 @@ def test_plain_redis_to_a_host_that_is_not_loopback_is_refused(url: str) -> None
     "url", ["rediss://cache.example.com:6379/0", "redis://127.0.0.1:6379/0", "unix:///tmp/r.sock"]
 )
 def test_tls_loopback_and_unix_socket_urls_are_accepted(url: str) -> None:
-    settings = Settings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": url})
+    settings = DrainSettings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": url})
     assert settings.redis_url == url
 
 
@@ -227,7 +227,7 @@ def test_a_password_is_quoted_into_the_url() -> None:
 
 def test_credentials_in_redis_url_and_a_secret_together_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="keep the password in the secret only"):
-        Settings.from_env(
+        DrainSettings.from_env(
             {
                 "IDEMPOTENCY_BACKEND": "redis",
                 "REDIS_URL": "rediss://:pw@cache.example.com",

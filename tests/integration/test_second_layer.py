@@ -36,7 +36,7 @@ from infrai_jobs.aws.second_layer import (
     record_expiry_seconds,
     redis_store,
 )
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import ConfigurationError, EffectUncertain
@@ -402,7 +402,7 @@ def test_database_jobs_never_touch_the_store(kit: Harness, backend: Backend) -> 
 
 def test_the_second_layer_is_off_by_default() -> None:
     # Given settings from an environment that does not mention it
-    settings = Settings.from_env({})
+    settings = DrainSettings.from_env({})
     # When the factory is asked for a guard
     # Then there is none
     assert settings.idempotency_backend == "off"
@@ -427,14 +427,14 @@ def test_a_misconfigured_second_layer_is_refused_with_the_fix(
     # Given an environment that turns the second layer on wrongly
     # When settings are read
     with pytest.raises(ConfigurationError) as refused:
-        Settings.from_env(environment)
+        DrainSettings.from_env(environment)
     # Then the error names the setting and the fix, never a password
     assert message in str(refused.value)
     assert "hunter2" not in str(refused.value)
 
 
 def test_a_redis_url_is_kept_out_of_the_settings_repr(redis_url: str) -> None:
-    settings = Settings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": redis_url})
+    settings = DrainSettings.from_env({"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": redis_url})
     assert settings.redis_url == redis_url
     assert redis_url not in repr(settings)
 
@@ -448,7 +448,7 @@ def test_the_drain_service_wires_the_factory_guard_and_the_time_budget(
     with mock_aws():
         boto3_client = boto3.client("dynamodb")
         create_table_as_the_template_does(boto3_client, TABLE)
-        settings = Settings.from_env(
+        settings = DrainSettings.from_env(
             {
                 "IDEMPOTENCY_BACKEND": backend_name,
                 "IDEMPOTENCY_TABLE": TABLE,

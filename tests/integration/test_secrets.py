@@ -18,8 +18,8 @@ from drainkit import QUEUE, Harness, harness
 from moto import mock_aws
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from infrai_jobs.aws.secrets import resolve_secrets
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.aws.secrets import SecretSource
+from infrai_jobs.config.settings import CommonSettings
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
@@ -53,11 +53,11 @@ def _rds_secret(url: str, **override: Any) -> str:
     return json.dumps(document)
 
 
-def _settings(secret_arn: str) -> Settings:
+def _settings(secret_arn: str) -> CommonSettings:
     # These tests are about fetching and rotation, against a test server whose certificate (if
     # it has one) no CA here signed: TLS is required, not verified (the explicit opt-out).
     # tests/security/test_database_tls.py verifies a server for real.
-    return Settings(
+    return CommonSettings(
         api_key_parameter=PARAMETER, database_secret_arn=secret_arn, database_sslmode="require"
     )
 
@@ -72,7 +72,7 @@ def test_secrets_come_from_ssm_and_secrets_manager_and_are_cached(aws: dict[str,
         ),
     )["ARN"]
     # When resolved
-    first = resolve_secrets(_settings(arn))
+    first = SecretSource(_settings(arn)).resolve()
     # Then both values are there, the secret JSON turned into a TLS URL
     assert first.infrai_api_key == "sk_first"
     assert conninfo_to_dict(first.database_url) == {
@@ -85,12 +85,16 @@ def test_secrets_come_from_ssm_and_secrets_manager_and_are_cached(aws: dict[str,
     }
     # And after a rotation the cached values stand until a refresh is forced
     aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_second", Type="SecureString", Overwrite=True)
-    assert resolve_secrets(_settings(arn)).infrai_api_key == "sk_first"
-    assert resolve_secrets(_settings(arn), force_fetch=True).infrai_api_key == "sk_second"
+    assert SecretSource(_settings(arn)).resolve().infrai_api_key == "sk_first"
+    refresh_key = SecretSource(_settings(arn)).refresh.api_key
+    assert refresh_key is not None
+    assert refresh_key() == "sk_second"
     # And a function that does not need the key never asks for it
     parameters.clear_caches()
     aws["ssm"].delete_parameter(Name=PARAMETER)
-    assert resolve_secrets(_settings(arn), api_key=False).infrai_api_key == ""
+    source = SecretSource(_settings(arn), api_key=False)
+    assert source.resolve().infrai_api_key == ""
+    assert source.refresh.api_key is None
 
 
 def test_the_ledger_refreshes_a_rotated_database_secret_once(
@@ -104,13 +108,14 @@ def test_the_ledger_refreshes_a_rotated_database_secret_once(
     stale = make_conninfo(database_url, dbname="database_rotated_away")
     arn = aws["secrets"].create_secret(Name=SECRET, SecretString=stale)["ARN"]
     settings = _settings(arn)
-    resolved = resolve_secrets(settings, api_key=False)
+    source = SecretSource(settings, api_key=False)
+    resolved = source.resolve()
     assert conninfo_to_dict(resolved.database_url)["dbname"] == "database_rotated_away"
     # When the secret is rotated, and the ledger's first connection fails with the old value
     aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
     ledger = PostgresLedger(
         resolved.database_url,
-        refresh_url=lambda: resolve_secrets(settings, api_key=False, force_fetch=True).database_url,
+        refresh_url=source.refresh.database_url,
     )
     with caplog.at_level(logging.WARNING):
         row = ledger.get("anything")
@@ -128,11 +133,9 @@ def test_the_client_refreshes_a_rotated_api_key_once(aws: dict[str, Any]) -> Non
         client = InfraiClient(
             server.url,
             "sk_old",
-            refresh_api_key=lambda: (
-                resolve_secrets(
-                    Settings(api_key_parameter=PARAMETER), database=False, force_fetch=True
-                ).infrai_api_key
-            ),
+            refresh_api_key=SecretSource(
+                CommonSettings(api_key_parameter=PARAMETER)
+            ).refresh.api_key,
         )
         # When a call meets a 401, Then it succeeds with the key fetched again
         assert client.ensure_queue(QUEUE) is True

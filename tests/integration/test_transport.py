@@ -834,7 +834,7 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
 ) -> None:
     from drainkit import QUEUE, harness  # noqa: PLC0415
 
-    from infrai_jobs.config.settings import Settings  # noqa: PLC0415
+    from infrai_jobs.config.settings import DrainSettings  # noqa: PLC0415
     from infrai_jobs.runtime.factory import client_pool_size  # noqa: PLC0415
 
     ca_path, cert_path, key_path = _certificates(tmp_path, LOOPBACK_NAMES)
@@ -851,7 +851,7 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
             ssl_context=ssl.create_default_context(cafile=str(ca_path)),
             pool_maxsize=client_pool_size(4),
         )
-        service = kit.lane_service(Settings(queue=QUEUE, drain_lanes=4), client)
+        service = kit.lane_service(DrainSettings(queue=QUEUE, drain_lanes=4), client)
         kit.faults(latency_ms=5)
         # When four lanes drain them over TLS, acks ten at a time per lane
         summary = service.run(lambda: 120_000)

@@ -40,7 +40,7 @@ from cryptography.x509.oid import NameOID
 from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.aws.secrets import database_url_from_secret
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import CommonSettings
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
 from infrai_jobs.ledger.postgres import connect_to_ledger
 
@@ -137,7 +137,7 @@ def test_an_rds_secret_with_a_malformed_port_is_a_configuration_error() -> None:
 
 def test_the_settings_default_to_verify_full_and_a_relative_bundle_is_in_the_code() -> None:
     # Given a Lambda environment naming the bundle relative to the function's code
-    settings = Settings.from_env(
+    settings = CommonSettings.from_env(
         {
             "DATABASE_SECRET_ARN": SECRET_ARN,
             "DATABASE_CA_BUNDLE": "certs/rds.pem",
@@ -158,7 +158,7 @@ def test_an_opted_out_sslmode_is_logged_as_a_warning(
     env = {"DATABASE_SECRET_ARN": SECRET_ARN, "DATABASE_SSLMODE": mode}
     # When the settings are read (each cold start)
     with caplog.at_level(logging.WARNING, logger="infrai_jobs.config.settings"):
-        settings = Settings.from_env(env)
+        settings = CommonSettings.from_env(env)
     # Then it is used, and said as a warning
     assert settings.database_sslmode == mode
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -169,7 +169,7 @@ def test_an_opted_out_sslmode_is_logged_as_a_warning(
 @pytest.mark.parametrize("mode", ["prefer", "disable", "verify"])
 def test_an_sslmode_that_allows_plain_text_cannot_be_configured(mode: str) -> None:
     with pytest.raises(ConfigurationError, match="DATABASE_SSLMODE"):
-        Settings.from_env({"DATABASE_SECRET_ARN": SECRET_ARN, "DATABASE_SSLMODE": mode})
+        CommonSettings.from_env({"DATABASE_SECRET_ARN": SECRET_ARN, "DATABASE_SSLMODE": mode})
 
 
 # --- A real PostgreSQL serving TLS ----------------------------------------------------------------

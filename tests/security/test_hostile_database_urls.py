@@ -19,7 +19,7 @@ import pytest
 from child_process import clean_env, run_captured
 
 from infrai_jobs.aws.secrets import database_url_from_secret
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings, PruneSettings
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
@@ -27,6 +27,7 @@ from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_secrets
 from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
@@ -145,16 +146,24 @@ def test_an_at_sign_only_in_a_query_value_is_not_taken_for_a_password() -> None:
 
 
 @pytest.mark.parametrize("case", [c for c in HOSTILE.values() if c.malformed])
-def test_settings_refuse_a_malformed_database_url_naming_the_variable_only(case: Hostile) -> None:
-    # Given a malformed DATABASE_URL in the environment
-    # When the settings are read
-    with pytest.raises(ConfigurationError) as raised:
-        Settings.from_env({"DATABASE_URL": case.conninfo})
-    # Then the error names the variable and shows no part of the value
-    message = str(raised.value)
-    assert message.startswith("DATABASE_URL is malformed")
-    for secret in case.secrets:
-        assert secret not in message
+def test_the_edge_refuses_a_malformed_database_url_naming_the_variable_only(case: Hostile) -> None:
+    # Given a malformed DATABASE_URL in the environment, read into a function's settings
+    drain = DrainSettings.from_env({"DATABASE_URL": case.conninfo})
+    prune = PruneSettings.from_env({"DATABASE_URL": case.conninfo})
+    for name, build in {
+        "a handler's edge": lambda: with_secrets(prune, api_key=False),
+        "the drain's ledger": lambda: make_ledger(drain),
+        "the operator's ledger": lambda: make_claims_admin(prune),
+    }.items():
+        # When the handler's edge, or a ledger connector, is built from them
+        with pytest.raises(ConfigurationError) as raised:
+            build()
+        # Then it is refused before any connection, the error naming the variable and showing
+        # no part of the value
+        message = str(raised.value)
+        assert message.startswith("DATABASE_URL is malformed"), (name, message)
+        for secret in case.secrets:
+            assert secret not in message, (name, secret)
 
 
 # --- every place that connects, every command, the drain's logs --------------------------------

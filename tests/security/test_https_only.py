@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from child_process import clean_env, run_captured
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue.client import InfraiClient
 
@@ -36,7 +36,7 @@ MAIL = {"MAIL_URL": ("a.mail",)}
     ],
 )
 def test_https_and_loopback_http_base_urls_are_accepted(url: str) -> None:
-    settings = Settings.from_env({"INFRAI_BASE_URL": url})
+    settings = DrainSettings.from_env({"INFRAI_BASE_URL": url})
     assert settings.require_base_url() == url
 
 
@@ -47,7 +47,7 @@ def test_a_plain_http_base_url_off_loopback_is_refused(url: str) -> None:
     # Given INFRAI_BASE_URL with plain HTTP to a host that is not loopback
     # When the settings are read, Then they are refused, naming the setting and the fix
     with pytest.raises(ConfigurationError, match="INFRAI_BASE_URL uses plain HTTP") as raised:
-        Settings.from_env({"INFRAI_BASE_URL": url, "INFRAI_API_KEY": API_KEY})
+        DrainSettings.from_env({"INFRAI_BASE_URL": url, "INFRAI_API_KEY": API_KEY})
     assert "INFRAI_ALLOW_PLAIN_HTTP=true" in str(raised.value)
     assert API_KEY not in str(raised.value)
 
@@ -63,9 +63,9 @@ def test_base_url_and_job_settings_share_one_rule() -> None:
     # Given the same plain-HTTP URL as Infrai's base URL and as a job's downstream
     url = "http://mail.example.com"
     with pytest.raises(ConfigurationError) as as_base:
-        Settings.from_env({"INFRAI_BASE_URL": url})
+        DrainSettings.from_env({"INFRAI_BASE_URL": url})
     with pytest.raises(ConfigurationError) as as_job:
-        Settings.from_env({"MAIL_URL": url}, job_settings=MAIL)
+        DrainSettings.from_env({"MAIL_URL": url}, job_settings=MAIL)
     # Then both are refused with the same reason, each naming its own setting
     reason = "uses plain HTTP to mail.example.com: use HTTPS"
     assert reason in str(as_base.value)
@@ -84,7 +84,7 @@ def test_the_opt_out_allows_plain_http_on_a_local_network_and_warns(
     }
     # When the settings are read (as at a cold start)
     with caplog.at_level(logging.WARNING, logger="infrai_jobs.config.settings"):
-        settings = Settings.from_env(env, job_settings=MAIL)
+        settings = DrainSettings.from_env(env, job_settings=MAIL)
     # Then they are accepted, and a warning names the opt-out and the settings that use it
     assert settings.allow_plain_http is True
     assert settings.require_base_url() == "http://192.168.1.20:8080"
@@ -97,7 +97,7 @@ def test_the_opt_out_allows_plain_http_on_a_local_network_and_warns(
 
 def test_without_the_opt_out_nothing_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="infrai_jobs.config.settings"):
-        Settings.from_env({"INFRAI_BASE_URL": "https://api.infrai.cc"})
+        DrainSettings.from_env({"INFRAI_BASE_URL": "https://api.infrai.cc"})
     assert not [r for r in caplog.records if r.name == "infrai_jobs.config.settings"]
 
 

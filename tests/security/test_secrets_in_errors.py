@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
@@ -124,7 +124,7 @@ def test_an_unreachable_service_error_never_holds_the_api_key() -> None:
 
 def test_the_objects_a_handler_holds_never_print_a_secret(emulator: RunningEmulator) -> None:
     # Given settings carrying every secret, and the service built from them
-    settings = Settings(
+    settings = DrainSettings(
         infrai_base_url=emulator.url,
         infrai_api_key=API_KEY,
         database_url=f"postgresql://infrai:{PASSWORD}@127.0.0.1:1/jobs",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import (
     FAN_OUT_EVENT_KEY,
     FanOutPolicy,
@@ -237,7 +237,7 @@ def _service(fleet: InMemoryDrainFleet, queue: InMemoryQueue, effects: list[str]
     from infrai_local.fakes import InMemoryLedger  # noqa: PLC0415
 
     return DrainService(
-        settings=Settings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2),
+        settings=DrainSettings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2),
         queue=queue,
         ledger=InMemoryLedger(fleet.clock),  # type: ignore[arg-type]
         registry=_registry(effects),
@@ -304,7 +304,7 @@ def test_a_local_invocation_fans_out_only_through_a_lambda_endpoint_on_loopback(
     environment: dict[str, str], starts_drains: bool
 ) -> None:
     # Given DrainFunction's settings with fan-out on, in Lambda or in a local invocation
-    settings = Settings.from_env({**_LAMBDA_ENV, **environment})
+    settings = DrainSettings.from_env({**_LAMBDA_ENV, **environment})
     # When the drain's starter is built
     starter = make_drain_starter(settings)
     # Then a local run gets one only when its Lambda endpoint is the local one

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import ConfigurationError
@@ -148,7 +148,9 @@ def test_the_window_runs_from_the_start_so_a_drain_busy_past_it_stops_at_empty()
 
 def test_the_settings_reach_scheduled_drains_and_not_the_ones_a_fan_out_started() -> None:
     # Given DRAIN_IDLE_POLL_MS and DRAIN_IDLE_WINDOW_SECONDS as the template sets them
-    settings = Settings.from_env({"DRAIN_IDLE_POLL_MS": "200", "DRAIN_IDLE_WINDOW_SECONDS": "55"})
+    settings = DrainSettings.from_env(
+        {"DRAIN_IDLE_POLL_MS": "200", "DRAIN_IDLE_WINDOW_SECONDS": "55"}
+    )
     clock = FakeClock()
     service = DrainService(
         settings=settings,
@@ -174,4 +176,4 @@ def test_the_settings_reach_scheduled_drains_and_not_the_ones_a_fan_out_started(
 )
 def test_bad_latency_and_scale_settings_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
-        Settings.from_env(env)
+        DrainSettings.from_env(env)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.flow.policies import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import JobRegistry
@@ -26,11 +26,11 @@ def _registry() -> JobRegistry:
     return build_registry()
 
 
-def _settings(document: str | None, registry: JobRegistry) -> Settings:
+def _settings(document: str | None, registry: JobRegistry) -> DrainSettings:
     env = {name: "https://provider.example.com" for name in registry.declared_settings()}
     if document is not None:
         env["JOB_POLICIES"] = document
-    return Settings.from_env(env, job_settings=registry.declared_settings())
+    return DrainSettings.from_env(env, job_settings=registry.declared_settings())
 
 
 def test_the_document_is_read_as_written_and_unset_is_empty() -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from infrai_jobs.config.settings import LEDGER_ENDPOINT, QUEUE_ENDPOINT, Settings, stand_ins
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_local.sandbox import LEDGER_ENDPOINT, QUEUE_ENDPOINT, configured_endpoints, stand_ins
 from jobs import build_registry
 
 
@@ -60,18 +61,18 @@ def test_the_edge_reads_only_the_declared_settings() -> None:
     # Given an environment with the declared setting and an undeclared one
     env = {"MAIL_URL": " https://mail.test ", "CRM_URL": "https://crm.test"}
     # When the settings are read for jobs that declared MAIL_URL only
-    settings = Settings.from_env(env, job_settings={"MAIL_URL": ("a.mail",)})
+    settings = DrainSettings.from_env(env, job_settings={"MAIL_URL": ("a.mail",)})
     # Then only it is read (trimmed), and it counts as a configured endpoint
     assert dict(settings.job_settings) == {"MAIL_URL": "https://mail.test"}
-    assert settings.configured_endpoints()["MAIL_URL"] is True
-    assert "CRM_URL" not in settings.configured_endpoints()
+    assert configured_endpoints(settings)["MAIL_URL"] is True
+    assert "CRM_URL" not in configured_endpoints(settings)
 
 
 @pytest.mark.parametrize(
     "url", ["http://127.0.0.1:8766", "http://localhost:1", "http://[::1]:2", "https://x.test"]
 )
 def test_https_or_loopback_http_is_accepted(url: str) -> None:
-    settings = Settings.from_env({"MAIL_URL": url}, job_settings={"MAIL_URL": ("a.mail",)})
+    settings = DrainSettings.from_env({"MAIL_URL": url}, job_settings={"MAIL_URL": ("a.mail",)})
     assert settings.require_job_settings() == {"MAIL_URL": url}
 
 
@@ -87,20 +88,20 @@ def test_a_setting_that_is_not_https_off_loopback_is_refused_by_name(
     url: str, problem: str
 ) -> None:
     with pytest.raises(ConfigurationError, match=problem) as raised:
-        Settings.from_env({"MAIL_URL": url}, job_settings={"MAIL_URL": ("a.mail",)})
+        DrainSettings.from_env({"MAIL_URL": url}, job_settings={"MAIL_URL": ("a.mail",)})
     assert "MAIL_URL (for a.mail)" in str(raised.value)
 
 
 def test_an_unset_setting_is_a_missing_endpoint_naming_its_job() -> None:
     # Given a real queue and ledger, and a job setting left unset
-    settings = Settings.from_env(
+    settings = DrainSettings.from_env(
         {"INFRAI_BASE_URL": "https://api.infrai.test", "DATABASE_URL": "postgresql://h/db"},
         job_settings={"MAIL_URL": ("a.mail", "b.both")},
     )
     # When a command asks which stand-ins to use
     with pytest.raises(ConfigurationError) as raised:
         stand_ins(
-            settings.configured_endpoints(),
+            configured_endpoints(settings),
             (QUEUE_ENDPOINT, LEDGER_ENDPOINT, *settings.job_settings),
             who="the test",
             job_setting_owners=settings.job_setting_owners,
@@ -115,9 +116,9 @@ def test_an_unset_setting_is_a_missing_endpoint_naming_its_job() -> None:
 
 
 def test_with_nothing_real_configured_every_job_setting_is_stood_in() -> None:
-    settings = Settings.from_env({}, job_settings={"MAIL_URL": ("a",), "CRM_URL": ("b",)})
+    settings = DrainSettings.from_env({}, job_settings={"MAIL_URL": ("a",), "CRM_URL": ("b",)})
     plan = stand_ins(
-        settings.configured_endpoints(),
+        configured_endpoints(settings),
         (QUEUE_ENDPOINT, LEDGER_ENDPOINT, *settings.job_settings),
         who="the test",
     )

@@ -56,30 +56,14 @@ ENVIRONMENT_READER = LAYER / "config" / "settings.py"
 _ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 _IDENTITY_NAMES = {"getuser", "getlogin", "getpwuid", "geteuid", "getuid"}
 
-# Known breaches whose fix lies outside this test's branch: strict, so each fails loudly once
-# fixed, and its mark must then go.
-SETTINGS_IMPORT_THE_LEDGER = pytest.mark.xfail(
-    strict=True,
-    reason="config.settings imports ledger.postgres.malformed_reason (floor 2, and psycopg "
-    "with it); moving that check out of settings is another branch's work",
-)
-OBSERVABILITY_READS_THE_ENVIRONMENT = pytest.mark.xfail(
-    strict=True,
-    reason="runtime.observability.tracing_on reads POWERTOOLS_TRACE_DISABLED with os.environ "
-    "instead of from Settings",
-)
-
 
 def _id(path: Path) -> str:
     return path.relative_to(LAYER).as_posix()
 
 
-def _marked(marks: dict[str, pytest.MarkDecorator]) -> list[object]:
-    """Every module, as a test parameter; the known breaches carry their mark."""
-    return [
-        pytest.param(path, id=_id(path), marks=[marks[_id(path)]] if _id(path) in marks else [])
-        for path in MODULES
-    ]
+def _every_module() -> list[object]:
+    """Every module, as a test parameter named by its path in the layer."""
+    return [pytest.param(path, id=_id(path)) for path in MODULES]
 
 
 def module_name(path: Path) -> str:
@@ -199,7 +183,7 @@ def test_every_import_of_the_layer_names_one_of_its_modules() -> None:
     assert unknown == []
 
 
-@pytest.mark.parametrize("path", _marked({"config/settings.py": SETTINGS_IMPORT_THE_LEDGER}))
+@pytest.mark.parametrize("path", _every_module())
 def test_a_module_imports_only_its_own_package_or_a_lower_floor(path: Path) -> None:
     own = package_of(module_name(path))
     wrong = sorted(
@@ -282,9 +266,7 @@ def test_the_layer_never_asks_who_the_operator_is(path: Path) -> None:
     assert "OPERATOR" not in _code_strings(tree), _id(path)
 
 
-@pytest.mark.parametrize(
-    "path", _marked({"runtime/observability.py": OBSERVABILITY_READS_THE_ENVIRONMENT})
-)
+@pytest.mark.parametrize("path", _every_module())
 def test_only_the_settings_module_reads_the_environment(path: Path) -> None:
     if path == ENVIRONMENT_READER:
         # The one reader: if it stopped reading, this rule would point at the wrong module
@@ -294,7 +276,6 @@ def test_only_the_settings_module_reads_the_environment(path: Path) -> None:
     assert used == [], f"{_id(path)} reads the environment: {used}"
 
 
-@SETTINGS_IMPORT_THE_LEDGER
 def test_importing_the_settings_loads_no_database_driver() -> None:
     # Given a fresh interpreter (nothing imported yet), When it imports the settings
     script = (
@@ -349,9 +330,11 @@ def test_every_public_exception_class_is_in_errors() -> None:
     assert not hasattr(errors, "UsageError")
 
 
-def test_driver_errors_are_caught_in_at_most_two_modules() -> None:
+def test_driver_errors_are_caught_in_exactly_one_module() -> None:
+    # Every package of the layer, not only its root: the one translation of driver errors
+    # (ledger.postgres.ledger_errors) is the only place that names a psycopg exception.
     catching = set()
-    for path in MODULES:
+    for path in sorted(LAYER.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if (
@@ -359,8 +342,8 @@ def test_driver_errors_are_caught_in_at_most_two_modules() -> None:
                 and node.type is not None
                 and "psycopg" in ast.unparse(node.type)
             ):
-                catching.add(path.name)
-    assert len(catching) <= 2, sorted(catching)
+                catching.add(path.relative_to(LAYER).as_posix())
+    assert catching == {"ledger/postgres.py"}
 
 
 def _code_strings(tree: ast.AST) -> set[str]:

@@ -6,12 +6,12 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.aws.secrets import database_url_from_secret
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 
 
 def test_defaults_name_the_notes_queue_and_hide_secrets_from_repr() -> None:
-    settings = Settings.from_env(
+    settings = DrainSettings.from_env(
         {"INFRAI_API_KEY": "sk_secret", "DATABASE_URL": "postgresql://u:pw@h/db"}
     )
     assert (settings.queue, settings.dlq) == ("billing-jobs", "billing-jobs-dlq")
@@ -20,17 +20,17 @@ def test_defaults_name_the_notes_queue_and_hide_secrets_from_repr() -> None:
 
 
 def test_the_visibility_window_and_the_answer_limit_are_configuration() -> None:
-    default = Settings.from_env({})
+    default = DrainSettings.from_env({})
     assert (default.visibility_timeout_seconds, default.max_answer_bytes) == (300, 16 * 1024**2)
-    chosen = Settings.from_env(
+    chosen = DrainSettings.from_env(
         {"INFRAI_VISIBILITY_TIMEOUT_SECONDS": "900", "INFRAI_MAX_ANSWER_BYTES": "1048576"}
     )
     assert (chosen.visibility_timeout_seconds, chosen.max_answer_bytes) == (900, 1_048_576)
 
 
 def test_the_dlq_follows_the_queue_unless_set() -> None:
-    assert Settings.from_env({"INFRAI_QUEUE": "mail"}).dlq == "mail-dlq"
-    assert Settings.from_env({"INFRAI_QUEUE": "mail", "INFRAI_DLQ": "dead"}).dlq == "dead"
+    assert DrainSettings.from_env({"INFRAI_QUEUE": "mail"}).dlq == "mail-dlq"
+    assert DrainSettings.from_env({"INFRAI_QUEUE": "mail", "INFRAI_DLQ": "dead"}).dlq == "dead"
 
 
 @pytest.mark.parametrize(
@@ -46,11 +46,11 @@ def test_the_dlq_follows_the_queue_unless_set() -> None:
 )
 def test_bad_settings_fail_with_the_setting_named(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
-        Settings.from_env(env)
+        DrainSettings.from_env(env)
 
 
 def test_missing_required_values_say_how_to_fix_them() -> None:
-    settings = Settings.from_env({})
+    settings = DrainSettings.from_env({})
     with pytest.raises(ConfigurationError, match="INFRAI_API_KEY is not set"):
         settings.require_api_key()
     with pytest.raises(ConfigurationError, match="DATABASE_URL is not set"):

@@ -57,9 +57,7 @@ from infrai_local.emulator.http import (
     DEFAULT_PORT,
     MAX_BODY_BYTES,
     EmulatorHTTPServer,
-    RequestHeaders,
     RunningEmulator,
-    parse_header_lines,
     start_in_thread,
 )
 from infrai_local.emulator.parsing import parse_json_object
@@ -95,7 +93,6 @@ __all__ = [
     "EmulatorHTTPServer",
     "FaultConfig",
     "FaultDecision",
-    "RequestHeaders",
     "RunningEmulator",
     "bearer_token",
     "build_parser",
@@ -104,7 +101,6 @@ __all__ = [
     "main",
     "match_api_route",
     "new_message_id",
-    "parse_header_lines",
     "parse_json_object",
     "serve",
     "start_in_thread",

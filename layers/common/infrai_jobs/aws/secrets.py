@@ -4,14 +4,18 @@ Locally the plain env vars (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothin
 AWS the template sets only the *names* (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``);
 the values are fetched through Powertools Parameters, cached for ``max_age`` seconds, so a
 rotated secret is picked up without a deploy. boto3 is imported only when a secret is fetched.
+
+Every function, and every CLI command, gets its secrets from one ``SecretSource`` built on its
+settings: ``resolve()`` once, ``refresh`` for rotation.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Generic
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
@@ -19,7 +23,8 @@ from psycopg.conninfo import make_conninfo
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
-    Settings,
+    AnySettings,
+    DrainSettings,
     check_redis_url,
 )
 from infrai_jobs.errors import ConfigurationError
@@ -30,35 +35,78 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 SECRET_CACHE_SECONDS = 300
 
 
-def resolve_secrets(
-    settings: Settings,
-    *,
-    api_key: bool = True,
-    database: bool = True,
-    force_fetch: bool = False,
-) -> Settings:
-    """Fill in the API key and database URL from AWS when only their names are configured, and
-    the Redis second layer's credentials when its secret is named.
+@dataclass(frozen=True, slots=True)
+class SecretRefresh:
+    """How a warm environment picks up a rotated secret: the queue client retries a 401 once,
+    and the ledger a failed connect once, with the secret fetched again past its cache.
 
-    A function fetches only what it uses (``api_key``/``database``; the Redis secret only with
-    ``IDEMPOTENCY_BACKEND=redis``), so its role needs no more.
+    Only secrets fetched by name (the SSM parameter, the Secrets Manager ARN) can rotate under
+    a running function; a plain environment value is what it is, so its hook is None.
     """
-    key = settings.infrai_api_key
-    if api_key and not key and settings.api_key_parameter:
-        key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
-    database_url = settings.database_url
-    if database and not database_url and settings.database_secret_arn:
-        database_url = database_url_from_secret(
-            _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
-            sslmode=settings.database_sslmode,
-            ca_bundle=settings.database_ca_bundle,
+
+    api_key: Callable[[], str] | None
+    database_url: Callable[[], str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SecretSource(Generic[AnySettings]):
+    """The one source of a function's secrets: ``settings`` as read from the environment,
+    where a secret may be named (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``,
+    ``REDIS_SECRET_ARN``) rather than set.
+
+    ``resolve()`` fills in the named ones (cached, ``SECRET_CACHE_SECONDS``); ``refresh`` gives
+    the hooks that fetch a rotated one again, past the cache. A function fetches only what it
+    uses: ``api_key=False`` for one that never calls Infrai; the Redis secret only for a drain
+    with ``IDEMPOTENCY_BACKEND=redis``. So its role needs no more.
+    """
+
+    settings: AnySettings
+    api_key: bool = True
+
+    def resolve(self) -> AnySettings:
+        """The settings with every secret they name fetched."""
+        return self._resolve(api_key=self.api_key, database=True, force_fetch=False)
+
+    @property
+    def refresh(self) -> SecretRefresh:
+        settings = self.settings
+
+        def api_key() -> str:
+            return self._resolve(api_key=True, database=False, force_fetch=True).infrai_api_key
+
+        def database_url() -> str:
+            return self._resolve(api_key=False, database=True, force_fetch=True).database_url
+
+        fetches_key = self.api_key and not settings.infrai_api_key and settings.api_key_parameter
+        return SecretRefresh(
+            api_key=api_key if fetches_key else None,
+            database_url=(
+                database_url if not settings.database_url and settings.database_secret_arn else None
+            ),
         )
-    redis_url = settings.redis_url
-    if settings.idempotency_backend == "redis" and settings.redis_secret_arn:
-        redis_url = redis_url_from_secret(
-            _fetch_secret(settings.redis_secret_arn, force_fetch=force_fetch), settings.redis_url
-        )
-    return replace(settings, infrai_api_key=key, database_url=database_url, redis_url=redis_url)
+
+    def _resolve(self, *, api_key: bool, database: bool, force_fetch: bool) -> AnySettings:
+        settings = self.settings
+        key = settings.infrai_api_key
+        if api_key and not key and settings.api_key_parameter:
+            key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
+        database_url = settings.database_url
+        if database and not database_url and settings.database_secret_arn:
+            database_url = database_url_from_secret(
+                _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
+                sslmode=settings.database_sslmode,
+                ca_bundle=settings.database_ca_bundle,
+            )
+        resolved = replace(settings, infrai_api_key=key, database_url=database_url)
+        if (
+            isinstance(resolved, DrainSettings)
+            and resolved.idempotency_backend == "redis"
+            and resolved.redis_secret_arn
+        ):
+            secret = _fetch_secret(resolved.redis_secret_arn, force_fetch=force_fetch)
+            redis_url = redis_url_from_secret(secret, resolved.redis_url)
+            resolved = replace(resolved, redis_url=redis_url)
+        return resolved
 
 
 def redis_url_from_secret(secret: str, url: str) -> str:

@@ -1,16 +1,24 @@
-"""Settings, read once at the edge into a frozen, validated object.
+"""Settings, read once at the edge into frozen, validated objects, one type per function.
 
-Nothing else in the package reads the environment. Handlers and the CLI call
-``Settings.from_env()`` once; everything below them receives values, not ``os.environ``.
+This is the only module that reads the package's settings from the environment (Powertools'
+own variables aside). ``CommonSettings`` holds what every function reads (Infrai's URL and key,
+the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
+``AlertSettings``, ``RedriveSettings`` and ``PruneSettings`` add what only their function reads.
+A handler, or a CLI command, calls ``from_env()`` of its type once (one loader,
+``load_settings``); everything below receives values, not ``os.environ``.
 
 The framework's own settings are named here. The jobs' settings are not: each job declares the
 ones it needs (``JobRegistry.declared_settings()``), and
-``Settings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless loopback).
+``DrainSettings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless
+loopback); so does ``AlertSettings`` for the jobs' probes.
 
 One rule for every URL the package calls over HTTP (Infrai's and the jobs' downstreams,
 ``check_web_url``): HTTPS, or plain HTTP to a loopback host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets
 plain HTTP reach other hosts too (a local network); it is logged as a warning every time the
 settings are read, that is at every cold start.
+
+Whether ``DATABASE_URL`` is well formed is checked where the ledger's connector is built
+(``runtime.factory``), so reading settings never loads the database driver.
 """
 
 from __future__ import annotations
@@ -21,11 +29,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.ledger.postgres import malformed_reason
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 DEFAULT_BASE_URL = "https://api.infrai.cc"
@@ -42,6 +49,8 @@ MIN_IDLE_POLL_MS = 50
 DATABASE_SSLMODES = ("verify-full", "verify-ca", "require")
 DEFAULT_DATABASE_SSLMODE = "verify-full"
 
+AnySettings = TypeVar("AnySettings", bound="CommonSettings")
+
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
 _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
     "off": "off",
@@ -51,7 +60,13 @@ _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
+class CommonSettings:
+    """What every function reads: how to reach Infrai and the ledger, and the queue's names.
+
+    Each function's own settings add what only it reads (``DrainSettings``, ``AlertSettings``,
+    ``RedriveSettings``, ``PruneSettings``); each is read by ``from_env`` at the function's (or
+    the command's) edge, once."""
+
     # Empty means "not configured": local commands then start an emulator; handlers refuse.
     infrai_base_url: str = ""
     infrai_api_key: str = field(default="", repr=False)
@@ -61,58 +76,10 @@ class Settings:
     # In AWS the secrets are named here and fetched by infrai_jobs.aws.secrets.
     api_key_parameter: str = ""
     database_secret_arn: str = ""
-    # The jobs' declared settings (a drain needs those of the jobs it registered): each value
-    # ("" when unset), and the jobs that declared each.
-    job_settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    job_setting_owners: Mapping[str, tuple[str, ...]] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
-    # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
-    # when the time left covers it (a receive burns one of three deliveries).
-    batch_budget_ms: int = 20_000
-    # How long an external claim's lease outlives the invocation that took it, in seconds;
-    # never past its message's visibility window, whatever this says.
-    lease_grace_seconds: int = 60
-    # The drained queue's visibility timeout: how long a consumed message stays hidden.
-    visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
     # The largest Infrai answer read (a consume of ten messages is one answer); a consume
     # whose answer is larger is lost, and its messages are then received one at a time.
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
-    # Concurrent drain loops in one invocation, each with its own database connection.
-    drain_lanes: int = 1
-    # Idle polling (opt-in): after an empty consume, wait this long and consume again while
-    # the idle window and the time budget allow. 0 stops at the first empty consume.
-    drain_idle_poll_ms: int = 0
-    # Seconds after a drain starts during which it keeps polling an empty queue; below the
-    # schedule's period, so about one poller is alive at a time. 0: the whole time budget.
-    drain_idle_window_seconds: int = 0
-    # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
-    # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
-    drain_max_concurrency: int = 0
-    # More drains are started when the backlog would take longer than this to clear.
-    drain_fan_out_after_seconds: int = 30
-    # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
-    drain_function_name: str = ""
-    # A local invocation (`sam local invoke` and `infrai-jobs invoke` set AWS_SAM_LOCAL), and
-    # the Lambda endpoint it was given (AWS_ENDPOINT_URL_LAMBDA): a local run's fan-out goes
-    # there only, never to the real Lambda service.
-    local_invocation: bool = False
-    lambda_endpoint_url: str = ""
-    retention_days: int = 30
     publish_retries: bool = False
-    # Alerting (DlqAlertFunction).
-    watched_queues: tuple[str, ...] = ()
-    alert_topic_arn: str = ""
-    stuck_claim_seconds: int = 900
-    backlog_age_seconds: int = 900
-    alert_reminder_seconds: int = 3600
-    # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis.
-    idempotency_backend: IdempotencyBackend = "off"
-    idempotency_table: str = ""
-    # May carry a password locally; the template only passes URLs without credentials, and the
-    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
-    redis_url: str = field(default="", repr=False)
-    redis_secret_arn: str = ""
     # Opt-out: plain HTTP to hosts that are not loopback (INFRAI_ALLOW_PLAIN_HTTP).
     allow_plain_http: bool = False
     # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
@@ -120,123 +87,16 @@ class Settings:
     # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
     database_sslmode: str = DEFAULT_DATABASE_SSLMODE
     database_ca_bundle: str = ""
-    # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
-    # against the registry where the drain is built (infrai_jobs.flow.policies).
-    job_policies: str = ""
-
-    def configured_endpoints(self) -> dict[str, bool]:
-        """Which real endpoints are configured, by the variable that names each: the queue, the
-        ledger, and every setting the jobs declared."""
-        return {
-            QUEUE_ENDPOINT: bool(self.infrai_base_url),
-            LEDGER_ENDPOINT: bool(self.database_url or self.database_secret_arn),
-            **{name: bool(value) for name, value in self.job_settings.items()},
-        }
 
     @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        *,
-        job_settings: Mapping[str, Sequence[str]] | None = None,
-    ) -> Settings:
-        """``job_settings``: the settings the registered jobs declared, with their jobs
-        (``JobRegistry.declared_settings()``); only those are read, and a set one must be an
-        HTTPS URL (HTTP on loopback). An unset one is allowed here: whether that is an error,
-        or a sandbox's stand-in, is decided by the command or the function."""
-        env = os.environ if environ is None else environ
-        allow_plain_http = _bool(env, ALLOW_PLAIN_HTTP_ENV, default=False)
-        owners = {name: tuple(jobs) for name, jobs in (job_settings or {}).items()}
-        values = {name: env.get(name, "").strip() for name in owners}
-        for name, value in values.items():
-            if value:
-                check_web_url(
-                    f"{name} (for {', '.join(owners[name])})",
-                    value,
-                    allow_plain_http=allow_plain_http,
-                    example="https://mail.example.com",
-                )
-        base_url = env.get("INFRAI_BASE_URL", "").strip()
-        if base_url:
-            check_web_url(
-                "INFRAI_BASE_URL",
-                base_url,
-                allow_plain_http=allow_plain_http,
-                example=DEFAULT_BASE_URL,
-            )
-        queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
-        settings = cls(
-            infrai_base_url=base_url,
-            infrai_api_key=env.get("INFRAI_API_KEY", ""),
-            queue=queue,
-            dlq=env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
-            database_url=env.get("DATABASE_URL", ""),
-            api_key_parameter=env.get("INFRAI_API_KEY_PARAMETER", "").strip(),
-            database_secret_arn=env.get("DATABASE_SECRET_ARN", "").strip(),
-            job_settings=MappingProxyType(values),
-            job_setting_owners=MappingProxyType(owners),
-            batch_budget_ms=_int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
-            lease_grace_seconds=_int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
-            visibility_timeout_seconds=_int(
-                env,
-                "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
-                DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-                minimum=1,
-            ),
-            max_answer_bytes=_int(
-                env, "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, minimum=65_536
-            ),
-            drain_lanes=_int(env, "DRAIN_LANES", 1, minimum=1),
-            drain_idle_poll_ms=_int(env, "DRAIN_IDLE_POLL_MS", 0, minimum=0),
-            drain_idle_window_seconds=_int(env, "DRAIN_IDLE_WINDOW_SECONDS", 0, minimum=0),
-            drain_max_concurrency=_int(env, "DRAIN_MAX_CONCURRENCY", 0, minimum=0),
-            drain_fan_out_after_seconds=_int(env, "DRAIN_FANOUT_AFTER_SECONDS", 30, minimum=1),
-            drain_function_name=env.get("AWS_LAMBDA_FUNCTION_NAME", "").strip(),
-            local_invocation=_bool(env, "AWS_SAM_LOCAL", default=False),
-            lambda_endpoint_url=env.get("AWS_ENDPOINT_URL_LAMBDA", "").strip(),
-            retention_days=_int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1),
-            publish_retries=_bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
-            watched_queues=_names(env.get("WATCHED_QUEUES", "")) or (queue,),
-            alert_topic_arn=env.get("ALERT_TOPIC_ARN", "").strip(),
-            stuck_claim_seconds=_int(env, "STUCK_CLAIM_SECONDS", 900, minimum=1),
-            backlog_age_seconds=_int(env, "BACKLOG_AGE_SECONDS", 900, minimum=1),
-            alert_reminder_seconds=_int(env, "ALERT_REMINDER_SECONDS", 3600, minimum=60),
-            idempotency_backend=_backend(env),
-            idempotency_table=env.get("IDEMPOTENCY_TABLE", "").strip(),
-            redis_url=env.get("REDIS_URL", "").strip(),
-            redis_secret_arn=env.get("REDIS_SECRET_ARN", "").strip(),
-            allow_plain_http=allow_plain_http,
-            database_sslmode=_database_sslmode(env),
-            database_ca_bundle=_in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
-            job_policies=env.get("JOB_POLICIES", "").strip(),
-        )
-        _check_second_layer(settings)
-        reason = malformed_reason(settings.database_url) if settings.database_url else ""
-        if reason:
-            # The value may hold a password: name the setting and the fix, never the value.
-            raise ConfigurationError(f"DATABASE_URL is malformed: {reason}")
-        if not settings.queue:
-            raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
-        if settings.drain_lanes > MAX_DRAIN_LANES:
-            raise ConfigurationError(
-                f"DRAIN_LANES={settings.drain_lanes} is above {MAX_DRAIN_LANES}; add concurrent "
-                "invocations instead (overlapping schedules are safe)"
-            )
-        if settings.drain_max_concurrency > MAX_DRAIN_CONCURRENCY:
-            raise ConfigurationError(
-                f"DRAIN_MAX_CONCURRENCY={settings.drain_max_concurrency} is above "
-                f"{MAX_DRAIN_CONCURRENCY}, Lambda's default concurrency limit"
-            )
-        if 0 < settings.drain_idle_poll_ms < MIN_IDLE_POLL_MS:
-            raise ConfigurationError(
-                f"DRAIN_IDLE_POLL_MS={settings.drain_idle_poll_ms} is below {MIN_IDLE_POLL_MS}: "
-                "every poll is a consume call, and Infrai rate-limits them (0 turns polling off)"
-            )
-        if settings.dlq == settings.queue:
-            raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
-        for warning in settings.security_opt_outs():
-            _logger.warning(warning, extra={"action": "security_opt_out"})
-        return settings
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """These settings, read from ``environ`` (the process's environment by default) and
+        checked; a bad value is a ``ConfigurationError`` naming its variable."""
+        return load_settings(cls, environ)
+
+    def declared_urls(self) -> Mapping[str, str]:
+        """The jobs' declared settings these settings hold (none here)."""
+        return MappingProxyType({})
 
     def security_opt_outs(self) -> list[str]:
         """One sentence per secure default these settings turn off, for a warning each time
@@ -247,7 +107,7 @@ class Settings:
                 name
                 for name, url in (
                     ("INFRAI_BASE_URL", self.infrai_base_url),
-                    *self.job_settings.items(),
+                    *self.declared_urls().items(),
                 )
                 if url and is_plain_http_off_loopback(url)
             ]
@@ -287,6 +147,35 @@ class Settings:
             "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
         )
 
+
+@dataclass(frozen=True, slots=True)
+class JobSettings(CommonSettings):
+    """Common settings plus the settings the registered jobs declared (the drain's jobs run
+    with them; the watcher's probes ask their providers)."""
+
+    # Each declared setting's value ("" when unset), and the jobs that declared each.
+    job_settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    job_setting_owners: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        job_settings: Mapping[str, Sequence[str]] | None = None,
+    ) -> Self:
+        """As ``CommonSettings.from_env``, with ``job_settings``: the settings the registered
+        jobs declared, with their jobs (``JobRegistry.declared_settings()``); only those are
+        read, and a set one must be an HTTPS URL (HTTP on loopback). An unset one is allowed
+        here: whether that is an error, or a sandbox's stand-in, is decided by the command or
+        the function."""
+        return load_settings(cls, environ, job_settings=job_settings)
+
+    def declared_urls(self) -> Mapping[str, str]:
+        return self.job_settings
+
     def require_job_settings(self) -> dict[str, str]:
         """The jobs' declared settings, every one set; else a ``ConfigurationError`` naming each
         missing setting and the jobs that need it."""
@@ -301,6 +190,219 @@ class Settings:
                 + ": set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
             )
         return dict(self.job_settings)
+
+
+@dataclass(frozen=True, slots=True)
+class DrainSettings(JobSettings):
+    """DrainFunction's (and ``infrai-jobs drain``'s, and the operator tools' second layer)."""
+
+    # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
+    # when the time left covers it (a receive burns one of three deliveries).
+    batch_budget_ms: int = 20_000
+    # How long an external claim's lease outlives the invocation that took it, in seconds;
+    # never past its message's visibility window, whatever this says.
+    lease_grace_seconds: int = 60
+    # The drained queue's visibility timeout: how long a consumed message stays hidden.
+    visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+    # Concurrent drain loops in one invocation, each with its own database connection.
+    drain_lanes: int = 1
+    # Idle polling (opt-in): after an empty consume, wait this long and consume again while
+    # the idle window and the time budget allow. 0 stops at the first empty consume.
+    drain_idle_poll_ms: int = 0
+    # Seconds after a drain starts during which it keeps polling an empty queue; below the
+    # schedule's period, so about one poller is alive at a time. 0: the whole time budget.
+    drain_idle_window_seconds: int = 0
+    # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
+    # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
+    drain_max_concurrency: int = 0
+    # More drains are started when the backlog would take longer than this to clear.
+    drain_fan_out_after_seconds: int = 30
+    # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
+    drain_function_name: str = ""
+    # A local invocation (`sam local invoke` and `infrai-jobs invoke` set AWS_SAM_LOCAL), and
+    # the Lambda endpoint it was given (AWS_ENDPOINT_URL_LAMBDA): a local run's fan-out goes
+    # there only, never to the real Lambda service.
+    local_invocation: bool = False
+    lambda_endpoint_url: str = ""
+    # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
+    # against the registry where the drain is built (infrai_jobs.flow.policies).
+    job_policies: str = ""
+    # The second layer's records outlive the ledger's settled claims by a day.
+    retention_days: int = 30
+    # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis.
+    idempotency_backend: IdempotencyBackend = "off"
+    idempotency_table: str = ""
+    # May carry a password locally; the template only passes URLs without credentials, and the
+    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
+    redis_url: str = field(default="", repr=False)
+    redis_secret_arn: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AlertSettings(JobSettings):
+    """DlqAlertFunction's: what it watches, where it pages, and when."""
+
+    watched_queues: tuple[str, ...] = ()
+    alert_topic_arn: str = ""
+    stuck_claim_seconds: int = 900
+    backlog_age_seconds: int = 900
+    alert_reminder_seconds: int = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveSettings(CommonSettings):
+    """RedriveFunction's: the queue, its DLQ and the ledger, nothing more (its event says what
+    to move)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PruneSettings(CommonSettings):
+    """PruneFunction's: the ledger and how long settled claims are kept."""
+
+    retention_days: int = 30
+
+
+# --- The one loader ------------------------------------------------------------------------------
+
+
+def load_settings(
+    kind: type[AnySettings],
+    environ: Mapping[str, str] | None = None,
+    *,
+    job_settings: Mapping[str, Sequence[str]] | None = None,
+) -> AnySettings:
+    """``kind`` read from ``environ`` (``os.environ`` by default): only the variables ``kind``
+    holds are read, each checked, and every secure default it turns off is logged."""
+    env = os.environ if environ is None else environ
+    allow_plain_http = _bool(env, ALLOW_PLAIN_HTTP_ENV, default=False)
+    values: dict[str, Any] = {}
+    if issubclass(kind, JobSettings):
+        values.update(_job_fields(env, job_settings or {}, allow_plain_http=allow_plain_http))
+    values.update(_common_fields(env, allow_plain_http=allow_plain_http))
+    if issubclass(kind, DrainSettings):
+        values.update(_drain_fields(env))
+    if issubclass(kind, AlertSettings):
+        values.update(_alert_fields(env, queue=str(values["queue"])))
+    if issubclass(kind, PruneSettings):
+        values.update(retention_days=_retention_days(env))
+    settings = kind(**values)
+    if isinstance(settings, DrainSettings):
+        _check_second_layer(settings)
+    if not settings.queue:
+        raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
+    if isinstance(settings, DrainSettings):
+        _check_drain(settings)
+    if settings.dlq == settings.queue:
+        raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
+    for warning in settings.security_opt_outs():
+        _logger.warning(warning, extra={"action": "security_opt_out"})
+    return settings
+
+
+def _job_fields(
+    env: Mapping[str, str], declared: Mapping[str, Sequence[str]], *, allow_plain_http: bool
+) -> dict[str, Any]:
+    owners = {name: tuple(jobs) for name, jobs in declared.items()}
+    values = {name: env.get(name, "").strip() for name in owners}
+    for name, value in values.items():
+        if value:
+            check_web_url(
+                f"{name} (for {', '.join(owners[name])})",
+                value,
+                allow_plain_http=allow_plain_http,
+                example="https://mail.example.com",
+            )
+    return {
+        "job_settings": MappingProxyType(values),
+        "job_setting_owners": MappingProxyType(owners),
+    }
+
+
+def _common_fields(env: Mapping[str, str], *, allow_plain_http: bool) -> dict[str, Any]:
+    base_url = env.get("INFRAI_BASE_URL", "").strip()
+    if base_url:
+        check_web_url(
+            "INFRAI_BASE_URL",
+            base_url,
+            allow_plain_http=allow_plain_http,
+            example=DEFAULT_BASE_URL,
+        )
+    queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
+    return {
+        "infrai_base_url": base_url,
+        "infrai_api_key": env.get("INFRAI_API_KEY", ""),
+        "queue": queue,
+        "dlq": env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
+        "database_url": env.get("DATABASE_URL", ""),
+        "api_key_parameter": env.get("INFRAI_API_KEY_PARAMETER", "").strip(),
+        "database_secret_arn": env.get("DATABASE_SECRET_ARN", "").strip(),
+        "max_answer_bytes": _int(
+            env, "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, minimum=65_536
+        ),
+        "publish_retries": _bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
+        "allow_plain_http": allow_plain_http,
+        "database_sslmode": _database_sslmode(env),
+        "database_ca_bundle": _in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
+    }
+
+
+def _drain_fields(env: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "batch_budget_ms": _int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
+        "lease_grace_seconds": _int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
+        "visibility_timeout_seconds": _int(
+            env,
+            "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
+            DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+            minimum=1,
+        ),
+        "drain_lanes": _int(env, "DRAIN_LANES", 1, minimum=1),
+        "drain_idle_poll_ms": _int(env, "DRAIN_IDLE_POLL_MS", 0, minimum=0),
+        "drain_idle_window_seconds": _int(env, "DRAIN_IDLE_WINDOW_SECONDS", 0, minimum=0),
+        "drain_max_concurrency": _int(env, "DRAIN_MAX_CONCURRENCY", 0, minimum=0),
+        "drain_fan_out_after_seconds": _int(env, "DRAIN_FANOUT_AFTER_SECONDS", 30, minimum=1),
+        "drain_function_name": env.get("AWS_LAMBDA_FUNCTION_NAME", "").strip(),
+        "local_invocation": _bool(env, "AWS_SAM_LOCAL", default=False),
+        "lambda_endpoint_url": env.get("AWS_ENDPOINT_URL_LAMBDA", "").strip(),
+        "job_policies": env.get("JOB_POLICIES", "").strip(),
+        "retention_days": _retention_days(env),
+        "idempotency_backend": _backend(env),
+        "idempotency_table": env.get("IDEMPOTENCY_TABLE", "").strip(),
+        "redis_url": env.get("REDIS_URL", "").strip(),
+        "redis_secret_arn": env.get("REDIS_SECRET_ARN", "").strip(),
+    }
+
+
+def _alert_fields(env: Mapping[str, str], *, queue: str) -> dict[str, Any]:
+    return {
+        "watched_queues": _names(env.get("WATCHED_QUEUES", "")) or (queue,),
+        "alert_topic_arn": env.get("ALERT_TOPIC_ARN", "").strip(),
+        "stuck_claim_seconds": _int(env, "STUCK_CLAIM_SECONDS", 900, minimum=1),
+        "backlog_age_seconds": _int(env, "BACKLOG_AGE_SECONDS", 900, minimum=1),
+        "alert_reminder_seconds": _int(env, "ALERT_REMINDER_SECONDS", 3600, minimum=60),
+    }
+
+
+def _retention_days(env: Mapping[str, str]) -> int:
+    return _int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1)
+
+
+def _check_drain(settings: DrainSettings) -> None:
+    if settings.drain_lanes > MAX_DRAIN_LANES:
+        raise ConfigurationError(
+            f"DRAIN_LANES={settings.drain_lanes} is above {MAX_DRAIN_LANES}; add concurrent "
+            "invocations instead (overlapping schedules are safe)"
+        )
+    if settings.drain_max_concurrency > MAX_DRAIN_CONCURRENCY:
+        raise ConfigurationError(
+            f"DRAIN_MAX_CONCURRENCY={settings.drain_max_concurrency} is above "
+            f"{MAX_DRAIN_CONCURRENCY}, Lambda's default concurrency limit"
+        )
+    if 0 < settings.drain_idle_poll_ms < MIN_IDLE_POLL_MS:
+        raise ConfigurationError(
+            f"DRAIN_IDLE_POLL_MS={settings.drain_idle_poll_ms} is below {MIN_IDLE_POLL_MS}: "
+            "every poll is a consume call, and Infrai rate-limits them (0 turns polling off)"
+        )
 
 
 def _required(value: str, variable: str, how: str) -> str:
@@ -345,77 +447,6 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-# --- Local stand-ins: all or nothing ------------------------------------------------------------
-
-# The real endpoints a command may need, by the variable that configures each (the database
-# also by DATABASE_SECRET_ARN), and what stands in for each in a local sandbox. Every setting a
-# job declares is an endpoint too, stood in by the provider sink.
-QUEUE_ENDPOINT = "INFRAI_BASE_URL"
-LEDGER_ENDPOINT = "DATABASE_URL"
-STAND_INS: dict[str, str] = {
-    QUEUE_ENDPOINT: "a fresh local emulator",
-    LEDGER_ENDPOINT: "an embedded PostgreSQL",
-}
-JOB_SETTING_STAND_IN = "a local provider sink"
-_HOW_TO_SET = {
-    QUEUE_ENDPOINT: "INFRAI_BASE_URL (Infrai, or a running `infrai-jobs emulator`)",
-    LEDGER_ENDPOINT: "DATABASE_URL (a PostgreSQL migrated with `infrai-jobs migrate`) or "
-    "DATABASE_SECRET_ARN",
-}
-
-
-def _how_to_set(name: str, owners: Mapping[str, Sequence[str]]) -> str:
-    if name in _HOW_TO_SET:
-        return _HOW_TO_SET[name]
-    jobs = ", ".join(owners.get(name, ())) or "a job"
-    return f"{name} (the downstream {jobs} calls, or a running `infrai-jobs provider-sink`)"
-
-
-def stand_ins(
-    configured: Mapping[str, bool],
-    needed: Sequence[str],
-    *,
-    who: str,
-    job_setting_owners: Mapping[str, Sequence[str]] | None = None,
-) -> tuple[str, ...]:
-    """Which of the ``needed`` endpoints to stand in locally, all or nothing.
-
-    When no endpoint at all is configured (a sandbox), every needed one is stood in. When any
-    is, nothing is, and each needed one that is missing is a ``ConfigurationError`` naming its
-    variable (and, for a job's setting, the jobs that declared it): a real queue is never
-    drained into a throwaway ledger or downstream, and a throwaway queue never feeds a real
-    ledger. ``who`` names the command in the message.
-    """
-    owners = job_setting_owners or {}
-    real = [name for name, on in configured.items() if on]
-    if not real:
-        return tuple(needed)
-    missing = [name for name in needed if not configured.get(name)]
-    if missing:
-        verb = "is" if len(missing) == 1 else "are"
-        raise ConfigurationError(
-            f"{_and(missing)} {verb} not set, but {_and(real)} {'is' if len(real) == 1 else 'are'}"
-            f": local stand-ins are used only when nothing real is configured, so {who} did "
-            f"nothing. Set {'; set '.join(_how_to_set(name, owners) for name in missing)}; or "
-            f"unset {_and(real)} for a local sandbox"
-        )
-    return ()
-
-
-def sandbox_notice(stood_in: Sequence[str], *, who: str) -> str:
-    """The one line a command prints first when it runs on stand-ins only."""
-    unset = ", ".join(stood_in)
-    uses = _and(list(dict.fromkeys(STAND_INS.get(name, JOB_SETTING_STAND_IN) for name in stood_in)))
-    return (
-        f"sandbox: nothing real is configured ({unset} unset), so {who} uses {uses}, all "
-        "thrown away when it ends"
-    )
-
-
-def _and(items: Sequence[str]) -> str:
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
 def raw_database_url(environ: Mapping[str, str] | None = None) -> str:
     """DATABASE_URL as the environment holds it, unchecked: for redacting it out of an error
     raised before (or while) the settings were read."""
@@ -434,7 +465,7 @@ def _backend(env: Mapping[str, str]) -> IdempotencyBackend:
     return _IDEMPOTENCY_BACKENDS[raw]
 
 
-def _check_second_layer(settings: Settings) -> None:
+def _check_second_layer(settings: DrainSettings) -> None:
     backend = settings.idempotency_backend
     if backend == "dynamodb" and not settings.idempotency_table:
         raise ConfigurationError(
@@ -527,3 +558,10 @@ def _bool(env: Mapping[str, str], name: str, *, default: bool) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ConfigurationError(f"{name}={raw!r} is not a boolean (use true or false)")
+
+
+def tracing_on() -> bool:
+    """Whether the template turned tracing on (POWERTOOLS_TRACE_DISABLED=false). Read before
+    any function's settings, when the handler is decorated at import time."""
+    disabled = os.environ.get("POWERTOOLS_TRACE_DISABLED", "true").lower()
+    return disabled not in ("1", "true", "yes")

@@ -17,7 +17,6 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.errors import LedgerUnavailable
 from infrai_jobs.ledger.postgres import LedgerAdapter, ledger_errors
 
 logger = logging.getLogger(__name__)
@@ -136,15 +135,15 @@ class PostgresDrainFleet(LedgerAdapter):
     @contextmanager
     def _translated(self) -> Iterator[psycopg.Connection[Any]]:
         conn = self._connection()
-        try:
-            # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
-            with ledger_errors("a drain-lease statement", self._connector.url):
-                yield conn
-        except LedgerUnavailable:
+
+        def broken() -> None:
             # The server closed the connection, or it broke mid-statement: reconnect next time.
             self._conn = None
             conn.close()
-            raise
+
+        # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
+        with ledger_errors("a drain-lease statement", self._connector.url, on_broken=broken):
+            yield conn
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn

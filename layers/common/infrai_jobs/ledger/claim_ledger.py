@@ -25,13 +25,15 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
 
-from infrai_jobs.errors import LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.ledger.claims import (
+    SETTLE_STATUS,
     ClaimDecision,
     ClaimRequest,
     ClaimRow,
@@ -41,15 +43,15 @@ from infrai_jobs.ledger.claims import (
     Settlement,
     SettleStatus,
     decide,
+    settled_kind,
 )
 from infrai_jobs.ledger.migrations import LATEST_VERSION, current_version
 from infrai_jobs.ledger.postgres import (
     CLAIM_BY_KEY,
     LedgerAdapter,
     array_literal,
-    ledger_error,
-    one_line,
-    redact,
+    ledger_errors,
+    savepoint_rollback_checked,
     schema_behind,
 )
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
@@ -259,15 +261,14 @@ class PostgresLedger(LedgerAdapter):
             conn.close()
         conn = self._connector.connect()
         if not self._schema_checked:
+            # Before the caller's error translation: say it as reading the schema version, and
+            # do not leave the new connection open.
             try:
-                version = current_version(conn)
-            except psycopg.Error as exc:
-                # Before the caller's error translation: say it in the ledger's terms, and do
-                # not leave the new connection open.
+                with ledger_errors("cannot read the ledger's schema version", self._connector.url):
+                    version = current_version(conn)
+            except LedgerError:
                 conn.close()
-                raise ledger_error(
-                    exc, "cannot read the ledger's schema version", self._connector.url
-                ) from exc
+                raise
             if version < LATEST_VERSION:
                 conn.close()
                 raise SchemaNotMigrated(schema_behind(version))
@@ -286,11 +287,11 @@ class PostgresLedger(LedgerAdapter):
         for attempt in range(2):
             conn = self._connection()
             try:
-                conn.execute("SELECT 1")
-            except psycopg.OperationalError as exc:
-                self._drop(conn)
+                with ledger_errors(url=self._connector.url, on_broken=partial(self._drop, conn)):
+                    conn.execute("SELECT 1")
+            except LedgerUnavailable:
                 if attempt:
-                    raise ledger_error(exc, url=self._connector.url) from exc
+                    raise
                 logger.warning(
                     "the ledger connection was dead; reconnecting", extra={"action": "reconnect"}
                 )
@@ -298,19 +299,20 @@ class PostgresLedger(LedgerAdapter):
                 return
 
     @contextmanager
-    def _translated(self) -> Iterator[psycopg.Connection[Any]]:
-        """Yield the connection; turn driver errors into the package's own."""
+    def _translated(
+        self, on_broken: Callable[[], None] | None = None
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """Yield the connection, its driver errors in the package's terms (``ledger_errors``).
+        A broken connection runs ``on_broken``, then is dropped: reconnect next time."""
         conn = self._connection()
-        try:
-            yield conn
-        except psycopg.OperationalError as exc:
-            # The server closed the connection, or it broke mid-statement: reconnect next time.
+
+        def broken() -> None:
+            if on_broken is not None:
+                on_broken()
             self._drop(conn)
-            raise LedgerUnavailable(
-                f"the ledger database failed: {redact(one_line(str(exc)), self._connector.url)}"
-            ) from exc
-        except psycopg.Error as exc:
-            raise ledger_error(exc, url=self._connector.url) from exc
+
+        with ledger_errors(url=self._connector.url, on_broken=broken):
+            yield conn
 
     def _drop(self, conn: psycopg.Connection[Any]) -> None:
         try:
@@ -325,19 +327,15 @@ class PostgresLedger(LedgerAdapter):
         """Claim external-effect jobs (committed at once). Keys must be distinct."""
         if not requests:
             return []
-        with self._translated() as conn:
-            try:
-                return self._claim_on(conn, requests)
-            except psycopg.OperationalError:
-                self._release_after_lost_answer(requests)
-                raise
+        with self._translated(on_broken=lambda: self._release_after_lost_answer(requests)) as conn:
+            return self._claim_on(conn, requests)
 
     def _release_after_lost_answer(self, requests: Sequence[ClaimRequest]) -> None:
         # The claim may have committed before the answer was lost. No effect has run yet, so
         # this invocation can still safely give its claims back; otherwise the redelivery would
         # find them running and (rightly, for an irreversible effect) flag them stuck.
         try:
-            with self._connector.connect_once() as fresh:
+            with ledger_errors(url=self._connector.url), self._connector.connect_once() as fresh:
                 fresh.execute(
                     _RELEASE,
                     {
@@ -345,7 +343,7 @@ class PostgresLedger(LedgerAdapter):
                         "tokens": array_literal(r.claim_token for r in requests),
                     },
                 )
-        except (LedgerUnavailable, psycopg.Error):
+        except LedgerError:
             # The batch's own error follows; the claims expire with their leases.
             logger.warning(
                 "could not release claims after a lost answer",
@@ -469,22 +467,14 @@ class PostgresLedger(LedgerAdapter):
     def _run_in_savepoint(
         conn: psycopg.Connection[Any], decision: ClaimDecision, runner: DatabaseRunner
     ) -> JobRun:
-        try:
-            with conn.transaction() as savepoint:
-                run = runner(decision.request, conn)
-                if run.kind is RunKind.SUCCEEDED and _aborted(conn):
-                    # The handler swallowed a database error: its work cannot be committed.
-                    run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
-                if run.kind is not RunKind.SUCCEEDED:
-                    raise psycopg.Rollback(savepoint)
-        except psycopg.Rollback as exc:
-            # psycopg swallows its own Rollback once the savepoint is rolled back. It lets it
-            # out (after logging "error ignored in rollback") when that rollback failed, which
-            # means the connection broke under it: say so, so the caller drops the connection.
-            raise psycopg.OperationalError(
-                "the connection failed while rolling back the savepoint of job "
-                f"{decision.request.idem_key!r}"
-            ) from exc
+        job = f"the savepoint of job {decision.request.idem_key!r}"
+        with savepoint_rollback_checked(job), conn.transaction() as savepoint:
+            run = runner(decision.request, conn)
+            if run.kind is RunKind.SUCCEEDED and _aborted(conn):
+                # The handler swallowed a database error: its work cannot be committed.
+                run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
+            if run.kind is not RunKind.SUCCEEDED:
+                raise psycopg.Rollback(savepoint)
         return run
 
     # --- settling -------------------------------------------------------------------------
@@ -502,13 +492,9 @@ class PostgresLedger(LedgerAdapter):
         *,
         uncertain_is_stuck: bool,
     ) -> list[Settlement]:
+        kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
-        for request, run in runs:
-            kind = run.kind
-            if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
-                # A database job's effect was rolled back with its savepoint: nothing is
-                # uncertain, so a retry is safe.
-                kind = RunKind.TRANSIENT
+        for (request, run), kind in zip(runs, kinds, strict=True):
             groups.setdefault(kind, []).append((request, run))
 
         matched: set[str] = set()
@@ -534,19 +520,13 @@ class PostgresLedger(LedgerAdapter):
                 cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
             matched.update(row[0] for row in cursor.fetchall())
 
-        status_of = {
-            RunKind.SUCCEEDED: SettleStatus.DONE,
-            RunKind.PERMANENT: SettleStatus.FAILED,
-            RunKind.UNCERTAIN: SettleStatus.STUCK if uncertain_is_stuck else SettleStatus.RELEASED,
-            RunKind.TRANSIENT: SettleStatus.RELEASED,
-        }
         return [
             Settlement(
                 request,
-                status_of[run.kind] if request.idem_key in matched else SettleStatus.LOST,
+                SETTLE_STATUS[kind] if request.idem_key in matched else SettleStatus.LOST,
                 run,
             )
-            for request, run in runs
+            for (request, run), kind in zip(runs, kinds, strict=True)
         ]
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:

@@ -1,9 +1,9 @@
-"""Claim decisions, pure: what a claim attempt means, when a claim may be taken over, how long a
-lease may last, and how a handler's run settles its claim.
+"""Claim decisions, pure: what a claim attempt means, and how a handler's run settles its claim.
 
 The Postgres ledger (``ledger.claim_ledger``) and the in-memory fake (``infrai_local.fakes``) both
-decide by these functions; the ledger's SQL says the same rules set-wise, and the fake runs them
-as written. Nothing here does I/O.
+decide by these functions. The rules the claim statement applies itself (when a claim may be
+taken over, how long a lease may last) are stated once, in its SQL; the fake keeps its own copy
+of them, held to the SQL by the ledger contract suite (tests/contract). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final
 
@@ -116,39 +116,11 @@ SETTLE_STATUS: Final = {
 
 
 def settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
-    # A database job's effect rolled back with its savepoint: nothing is uncertain.
+    """The kind a run is settled as. A database job's effect rolled back with its savepoint:
+    nothing is uncertain, so a retry is safe and its claim is released."""
     if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
         return RunKind.TRANSIENT
     return kind
-
-
-def may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
-    """The takeover rule: only a key-passing effect, only the same work, never a claim flagged
-    for a human, and only once the lease is over or when the holder is this very message (its
-    earlier delivery is certainly dead). The claim statement's ``DO UPDATE ... WHERE`` says the
-    same in SQL; NULLs compare here as SQL compares them."""
-    idempotent = Effect.EXTERNAL_IDEMPOTENT.value
-    lease_over = row.lease_until is not None and row.lease_until < now
-    return (
-        row.state == "running"
-        and row.effect == idempotent
-        and request.effect.value == idempotent
-        and row.payload_sha256 is not None
-        and row.payload_sha256 == request.fingerprint
-        and row.error is None
-        and (lease_over or row.message_id == request.message_id)
-    )
-
-
-def bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
-    """The lease invariant: a lease never ends after the message's visibility window (the
-    visibility it has left, and never more than the whole timeout). The claim statement
-    computes the same in SQL."""
-    if request.lease_until is None:
-        return None
-    left = visibility if request.visibility_left is None else request.visibility_left
-    bound = now + timedelta(seconds=min(max(left, 0.0), visibility))
-    return min(request.lease_until, bound)
 
 
 def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:

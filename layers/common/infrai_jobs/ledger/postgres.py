@@ -290,11 +290,8 @@ class LedgerConnector:
         """A connection for one piece of work, closed after it, its driver errors translated
         (``ledger_error``) and redacted with the URL it was opened with."""
         conn = self.connect()
-        try:
-            with conn:
-                yield conn
-        except psycopg.Error as exc:
-            raise ledger_error(exc, doing, self._url) from exc
+        with ledger_errors(doing, self._url), conn:
+            yield conn
 
     def connect_once(self) -> psycopg.Connection[Any]:
         """A connection with the current URL, never refreshed (a last-chance clean-up)."""
@@ -363,13 +360,36 @@ def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerEr
 
 
 @contextmanager
-def ledger_errors(doing: str = "", url: str = "") -> Iterator[None]:
-    """Driver errors raised inside, in the package's terms (``ledger_error``): how every module
-    but this one meets a psycopg error, so the translation is written once."""
+def ledger_errors(
+    doing: str = "", url: str = "", *, on_broken: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """Driver errors raised inside, in the package's terms (``ledger_error``, redacted with
+    ``url``): the one translation, which every adapter on the ledger's database goes through,
+    so no other module catches a psycopg error.
+
+    ``on_broken`` runs first when the error is a broken connection (``OperationalError``: the
+    server closed it, or it broke mid-statement), for the adapter to drop the connection, and
+    whatever else a lost answer asks for, before ``LedgerUnavailable`` is raised."""
     try:
         yield
     except psycopg.Error as exc:
+        if on_broken is not None and isinstance(exc, psycopg.OperationalError):
+            on_broken()
         raise ledger_error(exc, doing, url) from exc
+
+
+@contextmanager
+def savepoint_rollback_checked(what: str) -> Iterator[None]:
+    """Around ``conn.transaction()`` whose body raises ``psycopg.Rollback`` to undo ``what``.
+
+    psycopg swallows its own ``Rollback`` once the savepoint is rolled back. It lets it out
+    (after logging "error ignored in rollback") when that rollback failed, which means the
+    connection broke under it: that is said as the broken connection it is
+    (``OperationalError``), so ``ledger_errors`` drops the connection."""
+    try:
+        yield
+    except psycopg.Rollback as exc:
+        raise psycopg.OperationalError(f"the connection failed while rolling back {what}") from exc
 
 
 # --- Parameters and shared statements --------------------------------------------------------

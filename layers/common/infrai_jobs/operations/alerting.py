@@ -184,7 +184,7 @@ class AlertCheck:
         self._queue = queue
         self._reconciler = reconciler
         # One connection per run; a rotated secret is fetched again when it fails
-        # (factory.secret_refresh).
+        # (factory.with_secrets).
         self._ledger = LedgerConnector(
             database_url,
             application_name="infrai-jobs-watcher",

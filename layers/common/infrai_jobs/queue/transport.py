@@ -24,6 +24,9 @@ it asks for no content coding (``Accept-Encoding: identity``) and refuses one it
 Error messages name the host and the failure, never a header.
 """
 
+# The CPU figures above: bench/transport_bench.py (`make bench-transport`) measures both clients;
+# bench/transport.md holds the latest run.
+
 from __future__ import annotations
 
 import contextlib

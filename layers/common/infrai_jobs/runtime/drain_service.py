@@ -18,8 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from infrai_jobs.aws.secrets import resolve_secrets
-from infrai_jobs.config.settings import Settings
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import CountingQueue, FanOutPolicy, FleetMonitor
 from infrai_jobs.drain.loop import (
     budget_shortfall,
@@ -41,7 +40,7 @@ from infrai_jobs.runtime.factory import (
     make_effect_guard,
     make_ledger,
     make_queue_client,
-    secret_refresh,
+    with_secrets,
 )
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DrainService:
-    settings: Settings
+    settings: DrainSettings
     queue: QueuePort
     ledger: PostgresLedger
     registry: JobRegistry
@@ -75,21 +74,20 @@ class DrainService:
     @classmethod
     def from_settings(
         cls,
-        settings: Settings,
+        settings: DrainSettings,
         registry: JobRegistry,
         *,
         starter: DrainStarterPort | None = None,
         message_span: Callable[[JobContext], AbstractContextManager[object]] | None = None,
     ) -> DrainService:
         """``registry``'s jobs get the values of the settings they declared, read into
-        ``settings`` (``Settings.from_env(job_settings=registry.declared_settings())``): a
+        ``settings`` (``DrainSettings.from_env(job_settings=registry.declared_settings())``): a
         missing one is a ``ConfigurationError`` naming it and its jobs, before anything is
         built or consumed. ``starter`` replaces Lambda's for local runs (the CLI starts drain
         processes). ``message_span``: see ``DrainConfig``."""
         registry.bind_settings(settings.require_job_settings())
         policies = job_policies(settings, registry)
-        resolved = resolve_secrets(settings)
-        refresh = secret_refresh(settings)
+        resolved, refresh = with_secrets(settings).unpacked()
         url_hook, key_hook = refresh.database_url, refresh.api_key
         return cls(
             settings=resolved,
@@ -266,7 +264,7 @@ class DrainService:
         return self.effect_guard.take_hits() if self.effect_guard is not None else 0
 
 
-def job_policies(settings: Settings, registry: JobRegistry) -> dict[str, JobPolicy]:
+def job_policies(settings: DrainSettings, registry: JobRegistry) -> dict[str, JobPolicy]:
     """The flow policies in force: what the jobs declare, with ``JOB_POLICIES`` applied. A
     malformed document is a ``ConfigurationError`` naming the job and the field, raised before
     anything is built or consumed."""

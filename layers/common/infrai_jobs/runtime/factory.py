@@ -1,17 +1,29 @@
-"""Builds the real adapters from settings. Only handlers and the CLI call this."""
+"""Builds the real adapters from settings. Only handlers and the CLI call this.
+
+A handler's edge is the same in every function: its settings type's ``from_env()``, then
+``with_secrets`` (the one ``SecretSource``), then the ``make_*`` builders here. Every builder
+of a ledger connector takes its URL from ``ledger_url``, which refuses a malformed one."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic
 from urllib.parse import urlsplit
 
-from infrai_jobs.aws.secrets import resolve_secrets
-from infrai_jobs.config.settings import Settings, is_loopback_host
+from infrai_jobs.aws.secrets import SecretRefresh, SecretSource
+from infrai_jobs.config.settings import (
+    AlertSettings,
+    AnySettings,
+    CommonSettings,
+    DrainSettings,
+    is_loopback_host,
+)
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
+from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.postgres import malformed_reason
 from infrai_jobs.queue.client import InfraiClient
 
 if TYPE_CHECKING:
@@ -24,44 +36,50 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class SecretRefresh:
-    """How a warm environment picks up a rotated secret: the queue client retries a 401 once,
-    and the ledger a failed connect once, with the secret fetched again past its cache.
+class EdgeSettings(Generic[AnySettings]):
+    """A function's settings, its secrets resolved, and how to pick up a rotated one."""
 
-    Only secrets fetched by name (the SSM parameter, the Secrets Manager ARN) can rotate under
-    a running function; a plain environment value is what it is, so its hook is None.
-    """
+    settings: AnySettings
+    refresh: SecretRefresh
 
-    api_key: Callable[[], str] | None
-    database_url: Callable[[], str] | None
+    def unpacked(self) -> tuple[AnySettings, SecretRefresh]:
+        return self.settings, self.refresh
 
 
-def secret_refresh(settings: Settings) -> SecretRefresh:
-    """The hooks for ``settings`` as read from the environment (before resolving secrets)."""
+def with_secrets(settings: AnySettings, *, api_key: bool = True) -> EdgeSettings[AnySettings]:
+    """What every handler does at its edge, once: ``settings`` (read by ``from_env``) with the
+    secrets they name fetched, and the hooks that fetch a rotated one again
+    (``aws.secrets.SecretSource``). ``api_key=False`` for a function that never calls Infrai.
+    A malformed ``DATABASE_URL`` is refused here already (``ledger_url``), before anything is
+    built."""
+    source = SecretSource(settings, api_key=api_key)
+    resolved = source.resolve()
+    if resolved.database_url:
+        ledger_url(resolved)
+    return EdgeSettings(resolved, source.refresh)
 
-    def api_key() -> str:
-        return resolve_secrets(settings, database=False, force_fetch=True).infrai_api_key
 
-    def database_url() -> str:
-        return resolve_secrets(settings, api_key=False, force_fetch=True).database_url
-
-    return SecretRefresh(
-        api_key=api_key if not settings.infrai_api_key and settings.api_key_parameter else None,
-        database_url=(
-            database_url if not settings.database_url and settings.database_secret_arn else None
-        ),
-    )
+def ledger_url(settings: CommonSettings) -> str:
+    """The ledger's URL for a connector: set, and well formed. A malformed ``DATABASE_URL``
+    is refused here, before any connection, naming the variable and never the value (it may
+    hold a password); a URL from the database secret was checked when it was read."""
+    url = settings.require_database_url()
+    reason = malformed_reason(url)
+    if reason:
+        raise ConfigurationError(f"DATABASE_URL is malformed: {reason}")
+    return url
 
 
 def make_queue_client(
-    settings: Settings, *, refresh_api_key: Callable[[], str] | None = None
+    settings: CommonSettings, *, refresh_api_key: Callable[[], str] | None = None
 ) -> InfraiClient:
+    lanes = settings.drain_lanes if isinstance(settings, DrainSettings) else 1
     return InfraiClient(
         settings.require_base_url(),
         settings.require_api_key(),
         retry_publish=settings.publish_retries,
         refresh_api_key=refresh_api_key,
-        pool_maxsize=client_pool_size(settings.drain_lanes),
+        pool_maxsize=client_pool_size(lanes),
         max_answer_bytes=settings.max_answer_bytes,
         allow_plain_http=settings.allow_plain_http,
     )
@@ -73,37 +91,37 @@ def client_pool_size(lanes: int) -> int:
 
 
 def make_ledger(
-    settings: Settings, *, refresh_url: Callable[[], str] | None = None
+    settings: DrainSettings, *, refresh_url: Callable[[], str] | None = None
 ) -> PostgresLedger:
     return PostgresLedger(
-        settings.require_database_url(),
+        ledger_url(settings),
         visibility_timeout=settings.visibility_timeout_seconds,
         refresh_url=refresh_url,
     )
 
 
-def make_claims_admin(settings: Settings, *, refresh: SecretRefresh | None = None) -> ClaimsAdmin:
+def make_claims_admin(
+    settings: CommonSettings, *, refresh: SecretRefresh | None = None
+) -> ClaimsAdmin:
     """The operator's actions on the ledger (the CLI, PruneFunction); ``refresh`` as for
     ``make_alert_check``."""
     from infrai_jobs.operations.claims_admin import ClaimsAdmin  # noqa: PLC0415 - not on the drain's path
 
-    return ClaimsAdmin(
-        settings.require_database_url(), refresh_url=refresh.database_url if refresh else None
-    )
+    return ClaimsAdmin(ledger_url(settings), refresh_url=refresh.database_url if refresh else None)
 
 
 def make_drain_fleet(
-    settings: Settings, *, refresh_url: Callable[[], str] | None = None
+    settings: DrainSettings, *, refresh_url: Callable[[], str] | None = None
 ) -> PostgresDrainFleet | None:
     """The drains alive, counted in the ledger; None unless DRAIN_MAX_CONCURRENCY is set."""
     if settings.drain_max_concurrency <= 0:
         return None
     from infrai_jobs.drain.fleet import PostgresDrainFleet  # noqa: PLC0415
 
-    return PostgresDrainFleet(settings.require_database_url(), refresh_url=refresh_url)
+    return PostgresDrainFleet(ledger_url(settings), refresh_url=refresh_url)
 
 
-def make_drain_starter(settings: Settings) -> LambdaDrainStarter | None:
+def make_drain_starter(settings: DrainSettings) -> LambdaDrainStarter | None:
     """Lambda's Invoke of this very function, when it runs in Lambda and may fan out.
 
     A local invocation (``sam local invoke``, ``infrai-jobs invoke``) fans out only through a
@@ -128,7 +146,7 @@ def _on_loopback(url: str) -> bool:
     return is_loopback_host(urlsplit(url).hostname or "")
 
 
-def make_alerter(settings: Settings) -> Alerter:
+def make_alerter(settings: AlertSettings) -> Alerter:
     # Imported here: the drain's cold start never needs the alerting module.
     from infrai_jobs.operations.alerting import PrintingAlerter, SnsAlerter  # noqa: PLC0415
 
@@ -142,14 +160,14 @@ def make_alerter(settings: Settings) -> Alerter:
 
 
 def make_alert_check(
-    settings: Settings,
+    settings: AlertSettings,
     alerter: Alerter | None = None,
     *,
     refresh: SecretRefresh | None = None,
     registry: JobRegistry | None = None,
 ) -> AlertCheck:
-    """DlqAlertFunction's check; ``refresh`` (``secret_refresh`` of the unresolved settings)
-    lets a warm environment pick up rotated secrets. With ``registry`` (its settings bound),
+    """DlqAlertFunction's check; ``refresh`` (``with_secrets(settings).refresh``) lets a warm
+    environment pick up rotated secrets. With ``registry`` (its settings bound),
     each check first reconciles the stuck claims of the jobs that declare a probe."""
     from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
     from infrai_jobs.operations.reconcile import Reconciler  # noqa: PLC0415
@@ -162,7 +180,7 @@ def make_alert_check(
 
     return AlertCheck(
         make_queue_client(settings, refresh_api_key=refresh.api_key if refresh else None),
-        settings.require_database_url(),
+        ledger_url(settings),
         alerter or make_alerter(settings),
         AlertThresholds(
             stuck_claim_seconds=settings.stuck_claim_seconds,
@@ -178,7 +196,7 @@ def make_alert_check(
 WATCHER_ACTOR = "DlqAlertFunction"
 
 
-def make_effect_guard(settings: Settings) -> SecondLayer | None:
+def make_effect_guard(settings: DrainSettings) -> SecondLayer | None:
     """The second layer around external effects, or None when IDEMPOTENCY_BACKEND=off."""
     if settings.idempotency_backend == "off":
         return None

@@ -10,7 +10,6 @@ id. Tracing is off unless the template turns it on; off, the X-Ray SDK is never 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -19,6 +18,7 @@ from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
 from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 
+from infrai_jobs.config.settings import tracing_on
 from infrai_jobs.drain.model import DrainSummary
 from infrai_jobs.jobs.correlation import traceparent_trace_id
 from infrai_jobs.jobs.probes import ANSWERS, DONE, NOT_DONE, UNKNOWN
@@ -69,12 +69,6 @@ def tracing(handler: F) -> F:
     from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
 
     return cast(F, Tracer().capture_lambda_handler(handler))
-
-
-def tracing_on() -> bool:
-    """Whether the template turned tracing on (POWERTOOLS_TRACE_DISABLED=false)."""
-    disabled = os.environ.get("POWERTOOLS_TRACE_DISABLED", "true").lower()
-    return disabled not in ("1", "true", "yes")
 
 
 MessageSpan = Callable[[JobContext], AbstractContextManager[object]]

@@ -56,7 +56,7 @@ from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.producer import check_publishable
-from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.runtime.drain_service import DrainService, job_policies
 from infrai_jobs.runtime.factory import (
     ledger_url,
     make_claims_admin,
@@ -545,6 +545,8 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     # the settings its jobs declared are read.
     registry = load_registry(args.jobs_path)
     settings = DrainSettings.from_env(job_settings=registry.declared_settings())
+    # A malformed JOB_POLICIES is refused here, before any stand-in starts.
+    job_policies(settings, registry)
     if args.queue:
         settings = replace(settings, queue=args.queue)
     if args.max_batches is not None and args.max_batches < 1:

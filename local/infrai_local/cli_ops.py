@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
+from infrai_jobs.flow.ledger import deferred_as_dict
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claim_json import claim_as_dict
 from infrai_jobs.operations.claims_admin import RELEASABLE, RESOLVABLE, ClaimsAdmin
@@ -125,8 +126,16 @@ def add_ops_commands(sub: Any) -> None:
 
 def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     csub = claims.add_subparsers(metavar="ACTION", required=True)
-    ls = csub.add_parser("list", help="claims, newest first")
-    ls.add_argument("--state", choices=["running", "done", "failed"])
+    ls = csub.add_parser(
+        "list",
+        help="claims, newest first; with --state deferred, the deferred work the ledger holds",
+    )
+    ls.add_argument(
+        "--state",
+        choices=["running", "done", "failed", "deferred"],
+        help="deferred: jobs waiting for their next attempt (or running one now), the next "
+        "due first, with their attempts, run-after time and last error",
+    )
     ls.add_argument("--job")
     ls.add_argument("--older-than", type=parse_duration, help="e.g. 1h, 30d")
     ls.add_argument("--limit", type=int, default=50)
@@ -157,6 +166,7 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     release.add_argument("--note", default="")
     release.add_argument("--json", action="store_true")
     release.set_defaults(ops_command="claims_release")
+    _add_deferred_commands(csub)
     reconcile = csub.add_parser(
         "reconcile",
         help="ask the provider about stuck claims (jobs with a probe): settle what it has done, "
@@ -185,6 +195,28 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     prune.add_argument("--batch-size", type=int, default=1000)
     prune.add_argument("--json", action="store_true")
     prune.set_defaults(ops_command="claims_prune")
+
+
+def _add_deferred_commands(csub: Any) -> None:
+    """``claims run-now`` and ``claims cancel``: steering the deferred work the ledger holds."""
+    run_now_help = (
+        "make a waiting deferred job due at once: the next drain runs it (recorded in "
+        "claim_history, with you as the actor)"
+    )
+    run_now = csub.add_parser("run-now", help=run_now_help, description=run_now_help)
+    run_now.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
+    run_now.add_argument("--note", default="", help="why, for claim_history")
+    run_now.add_argument("--json", action="store_true")
+    run_now.set_defaults(ops_command="claims_run_now")
+    cancel_help = (
+        "cancel a waiting deferred job: it never runs, and a new message for its key is new "
+        "work (recorded in claim_history, with you as the actor); a running one is refused"
+    )
+    cancel = csub.add_parser("cancel", help=cancel_help, description=cancel_help)
+    cancel.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
+    cancel.add_argument("--note", default="", help="why, for claim_history")
+    cancel.add_argument("--json", action="store_true")
+    cancel.set_defaults(ops_command="claims_cancel")
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -269,6 +301,10 @@ def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
         if ctx.reconciler is None:  # pragma: no cover - the CLI always passes one
             raise ConfigurationError("claims reconcile needs the jobs package's probes")
         return _reconcile(args, ctx.reconciler(), ctx.out)
+    if command == "claims_list" and args.state == "deferred":
+        return _deferred_list(args, ctx.admin(), ctx.out)
+    if command in ("claims_run_now", "claims_cancel"):
+        return _steer_deferred(args, ctx.admin(), ctx.out)
     return _claims(args, ctx.admin(), ctx.out, ctx.forget)
 
 
@@ -294,6 +330,8 @@ def _listed(row: DeadLetterRow) -> dict[str, Any]:
     document = row.as_dict()
     document["deliveries"] = row.main_deliveries
     document["recorded"] = True
+    # Deferred work that ran out of attempts: no DLQ had it, and a redrive reopens its claim.
+    document["held_by_ledger"] = row.held_by_ledger
     return document
 
 
@@ -305,7 +343,13 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
     rows = [_listed(r) for r in store.rows(queue, unresolved=not args.all, limit=args.max)]
     # Unreadable answers that named no message could not be recorded: shown, never hidden.
     rows += [
-        {**entry, "message_id": None, "state": "unreadable", "recorded": False}
+        {
+            **entry,
+            "message_id": None,
+            "state": "unreadable",
+            "recorded": False,
+            "held_by_ledger": False,
+        }
         for entry in collected.unrecorded
     ]
     unresolved = store.unresolved_count(queue)
@@ -583,6 +627,42 @@ def _claims(
         )
         return EXIT_OK
     raise ConfigurationError(f"unknown claims action {command}")  # pragma: no cover
+
+
+DEFERRED_COLUMNS = ["idem_key", "job", "state", "attempts", "run_after", "last_error"]
+
+
+def _deferred_list(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+    deferred = admin.list_deferred(
+        job=args.job, older_than_seconds=args.older_than, limit=args.limit
+    )
+    documents = [deferred_as_dict(job) for job in deferred]
+    _emit(documents, args.json, lambda: print_table(documents, DEFERRED_COLUMNS, out), out)
+    return EXIT_OK
+
+
+def _steer_deferred(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+    """``claims run-now`` and ``claims cancel``: the ledger's change, recorded with the
+    operator as actor. A missing key or work that is not waiting exits 3, in one line."""
+    run_now = args.ops_command == "claims_run_now"
+    change = admin.run_deferred_now if run_now else admin.cancel_deferred
+    try:
+        job = change(args.key, actor=default_actor(), note=args.note)
+    except ClaimNotFound as exc:
+        raise ClaimNotFound(
+            f"{exc}; `infrai-jobs claims list --state deferred` lists the deferred jobs"
+        ) from None
+    verb = "due now" if run_now else "cancelled"
+    detail = (
+        "the next drain runs it" if run_now else "it will not run; a new message for it is new work"
+    )
+    _emit(
+        {"action": "run_now" if run_now else "cancel", "deferred": deferred_as_dict(job)},
+        args.json,
+        lambda: print(f"{verb}: {job.idem_key}: {detail} (recorded in claim_history)", file=out),
+        out,
+    )
+    return EXIT_OK
 
 
 def _reconcile(args: argparse.Namespace, reconciler: Reconciler, out: TextIO) -> int:

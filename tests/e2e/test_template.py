@@ -752,13 +752,13 @@ def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
     required |= {"DlqCount", "AvailableCount", "InFlightCount", "OldestMessageAgeSeconds"}
     required |= {"StuckClaims", "OldestRunningClaimAgeSeconds"}
     required |= {"ReconciledDone", "ReconciledNotDone", "ReconciledUnknown"}
-    assert len([n for n in required if n.startswith("Outcome")]) == 12
+    assert len([n for n in required if n.startswith("Outcome")]) == 13
     assert required <= charted, required - charted
     # And each of those is charted with the namespace and dimensions the code emits
     for (namespace, metric), dimensions in shown.items():
         if namespace.startswith("AWS/"):
             continue
-        assert (namespace, dimensions) == emitted[metric], metric
+        assert (namespace, dimensions) == emitted.get(metric), metric
     # And DrainFunction's duration, errors and throttles, and the schedules' failures
     drain = {"FunctionName": "<DrainFunction>"}
     for metric in ("Duration", "Errors", "Throttles", "Invocations"):
@@ -769,6 +769,41 @@ def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
     url = template["Outputs"]["DashboardUrl"]["Value"]["Fn::Sub"]
     assert url.endswith("#dashboards/dashboard/${Dashboard}")
     assert "region=${AWS::Region}" in url
+
+
+def test_the_oldest_deferred_job_pages_past_its_parameter_and_is_on_the_dashboard(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the deferred-age alarm, the dashboard, and what the watcher's code emits
+    template = load_template()
+    props = alarms(template)["OldestDeferredAlarm"]["Properties"]
+    emitted = emitted_metrics(template, capsys)
+    # When the alarm's series is compared with the watcher's
+    namespace, dimensions = emitted["OldestDeferredAgeSeconds"]
+    # Then it reads that series, and pages above the parameter's threshold (an hour by default)
+    assert (props["Namespace"], props["MetricName"]) == (namespace, "OldestDeferredAgeSeconds")
+    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    assert props["Threshold"] == {"Ref": "DeferredAgeAlarmSeconds"}
+    assert template["Parameters"]["DeferredAgeAlarmSeconds"]["Default"] == 3600
+    assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
+    assert "claims list --state deferred" in " ".join(props["AlarmDescription"].split())
+    # And the watcher emits the backlog too, and the dashboard charts all three with the alarm
+    assert "DeferredBacklog" in emitted
+    widgets = dashboard(template)["widgets"]
+    charted = {row[1] for w in widgets for row in w["properties"].get("metrics", [])}
+    shown_alarms = {a for w in widgets for a in w["properties"].get("alarms", [])}
+    assert {"JobsDeferred", "DeferredBacklog", "OldestDeferredAgeSeconds"} <= charted
+    assert "<OldestDeferredAlarm.Arn>" in shown_alarms
+
+
+def test_job_policies_reach_the_drain_from_a_parameter_empty_by_default() -> None:
+    # Given the template's JobPolicies parameter and DrainFunction's environment
+    template = load_template()
+    parameter = template["Parameters"]["JobPolicies"]
+    drain = functions(template)["DrainFunction"]["Environment"]["Variables"]
+    # Then the parameter is a string overriding nothing by default, passed as JOB_POLICIES
+    assert (parameter["Type"], parameter["Default"]) == ("String", "")
+    assert drain["JOB_POLICIES"] == {"Ref": "JobPolicies"}
 
 
 def test_the_drain_fans_out_within_its_reserved_concurrency_without_async_retries() -> None:

@@ -24,7 +24,7 @@ from infrai_jobs.drain.loop import drain_invocation
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
 from infrai_jobs.flow import ledger as flow_ledger
-from infrai_jobs.flow.policies import parse_job_policies
+from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
@@ -49,7 +49,9 @@ DIGEST = {"job": "digest.build", "tenant_id": "tenant_7", "period": "2026-11"}
 
 
 def flow_for(kit: Harness, overrides: str = JOB_POLICIES) -> FlowControl:
-    parsed = parse_job_policies(overrides, [job.name for job in kit.registry])
+    parsed = policies_in_force(
+        kit.registry, parse_job_policies(overrides, [job.name for job in kit.registry])
+    )
     flow = flow_control(
         kit.registry,
         parsed,
@@ -286,7 +288,7 @@ def flows(kit: Harness, registry: JobRegistry, count: int) -> list[FlowControl]:
     for _ in range(count):
         flow = flow_control(
             registry,
-            {},
+            policies_in_force(registry, {}),  # what the jobs declare in code
             lambda: psycopg.connect(kit.database_url, autocommit=True),
             visibility_timeout_seconds=300,
             queue=QUEUE,
@@ -361,9 +363,12 @@ def test_jobs_without_a_policy_take_no_flow_control_round_trip(kit: Harness) -> 
         connects.append(1)
         raise LedgerUnavailable("flow control's database is down (test)")
 
-    parsed = parse_job_policies(
-        json.dumps({"receipt.send": {"rate": {"per_second": 20}}}),
-        [job.name for job in kit.registry],
+    parsed = policies_in_force(
+        kit.registry,
+        parse_job_policies(
+            json.dumps({"receipt.send": {"rate": {"per_second": 20}}}),
+            [job.name for job in kit.registry],
+        ),
     )
     flow = flow_control(kit.registry, parsed, refuse, visibility_timeout_seconds=300, queue=QUEUE)
     assert flow is not None
@@ -386,7 +391,7 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
     from infrai_jobs.drain.flow import flow_control
     from infrai_jobs.drain.loop import drain_invocation
     from infrai_jobs.drain.model import DrainConfig, DrainRun
-    from infrai_jobs.flow.policies import parse_job_policies
+    from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
     from infrai_jobs.ledger.claim_ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
     from jobs import build_registry
@@ -405,7 +410,7 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
     registry.bind_settings(dict.fromkeys(registry.declared_settings(), provider_url))
     flow = flow_control(
         registry,
-        parse_job_policies(policies, [job.name for job in registry]),
+        policies_in_force(registry, parse_job_policies(policies, [job.name for job in registry])),
         lambda: psycopg.connect(database_url, autocommit=True),
         visibility_timeout_seconds=300,
         queue=QUEUE,

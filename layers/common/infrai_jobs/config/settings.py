@@ -224,6 +224,9 @@ class DrainSettings(JobSettings):
     # there only, never to the real Lambda service.
     local_invocation: bool = False
     lambda_endpoint_url: str = ""
+    # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
+    # against the registry where the drain is built (infrai_jobs.flow.policies).
+    job_policies: str = ""
     # The second layer's records outlive the ledger's settled claims by a day.
     retention_days: int = 30
     # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis.
@@ -361,6 +364,7 @@ def _drain_fields(env: Mapping[str, str]) -> dict[str, Any]:
         "drain_function_name": env.get("AWS_LAMBDA_FUNCTION_NAME", "").strip(),
         "local_invocation": _bool(env, "AWS_SAM_LOCAL", default=False),
         "lambda_endpoint_url": env.get("AWS_ENDPOINT_URL_LAMBDA", "").strip(),
+        "job_policies": env.get("JOB_POLICIES", "").strip(),
         "retention_days": _retention_days(env),
         "idempotency_backend": _backend(env),
         "idempotency_table": env.get("IDEMPOTENCY_TABLE", "").strip(),

@@ -54,12 +54,7 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.flow import ledger as flow_ledger
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredJob, DeferredWork
-from infrai_jobs.flow.policies import (
-    concurrency_value,
-    is_final_error,
-    next_delay,
-    policies_in_force,
-)
+from infrai_jobs.flow.policies import concurrency_value, is_final_error, next_delay
 from infrai_jobs.jobs.policy import JobPolicy, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue
 from infrai_jobs.ledger.claims import JobRun, RunKind, utc_from_epoch
@@ -85,15 +80,14 @@ LIMITED_JOB_RETRY = RetryPolicy(
 
 def flow_control(
     registry: JobRegistry,
-    overrides: Mapping[str, JobPolicy],
+    policies: Mapping[str, JobPolicy],
     connect: Callable[[], psycopg.Connection[Any]],
     *,
     visibility_timeout_seconds: int,
     queue: str,
 ) -> FlowControl | None:
-    """The feature for ``registry``'s jobs with a policy in force (what the code declares,
-    overridden by ``JOB_POLICIES``), or None when no job has one."""
-    policies = policies_in_force(registry, overrides)
+    """The feature for ``registry``'s jobs with a policy in force (``policies``: what the code
+    declares, with ``JOB_POLICIES`` applied), or None when no job has one."""
     if not policies:
         return None
     database = sorted(

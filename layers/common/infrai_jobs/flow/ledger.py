@@ -27,6 +27,7 @@ from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.jobs.policy import RateLimit
+from infrai_jobs.ledger.dead_letter_rows import hold_dead_letter
 from infrai_jobs.ledger.postgres import array_literal, ledger_errors
 
 # Classes of two-key advisory locks (the first key), apart from the migrations' one-key lock.
@@ -357,11 +358,16 @@ def fail(
     *,
     actor: str = DRAIN_ACTOR,
     note: str = "",
+    queue: str | None = None,
 ) -> bool:
     """A taken job failed for good (out of attempts, or a final error): ``failed`` with
-    ``error``, its claim settled ``failed``, recorded as ``deferred_failed``. False when the
-    token no longer holds it (nothing changed)."""
-    return _settle(conn, key, token, "failed", result=None, error=error, actor=actor, note=note)
+    ``error``, its claim settled ``failed``, recorded as ``deferred_failed``, and an unresolved
+    dead letter recorded in ``dead_letters`` (its message was acked long ago, so the ledger
+    holds it) under its queue (``queue`` when the work recorded none). All in one
+    transaction; False when the token no longer holds it (nothing changed)."""
+    return _settle(
+        conn, key, token, "failed", result=None, error=error, actor=actor, note=note, queue=queue
+    )
 
 
 def _settle(
@@ -374,6 +380,7 @@ def _settle(
     error: str | None,
     actor: str,
     note: str,
+    queue: str | None = None,
 ) -> bool:
     with (
         ledger_errors(f"cannot settle deferred job {key!r}"),
@@ -407,6 +414,16 @@ def _settle(
                 "token": token,
             },
         )
+        if state == "failed":
+            hold_dead_letter(
+                conn,
+                message_id=after.message_id,
+                queue=after.queue or queue or "",
+                payload=after.payload,
+                job=after.job,
+                idem_key=key,
+                reason=f"deferred job failed after {after.attempts} attempt(s): {error}",
+            )
         _record(
             conn,
             f"deferred_{state}",

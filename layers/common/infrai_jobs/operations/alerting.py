@@ -26,9 +26,10 @@ from typing import Any, LiteralString, Protocol
 import psycopg
 
 from infrai_jobs.errors import InfraiError, LedgerError
+from infrai_jobs.flow.ledger import DeferredStats, deferred_stats
+from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.ledger.postgres import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.ledger.postgres import LedgerConnector
-from infrai_jobs.operations.dead_letters import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
@@ -122,6 +123,8 @@ class AlertReport:
     started: datetime | None = None
     # The reconcile pass run before counting stuck claims (None: no job has a probe).
     reconciled: ReconcileReport | None = None
+    # The deferred work the ledger holds (waiting or running) and its oldest entry's age.
+    deferred: DeferredStats = field(default_factory=lambda: DeferredStats(0, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -140,6 +143,8 @@ class AlertReport:
             ],
             "stuck_claims": self.stuck.count,
             "oldest_running_claim_age_seconds": self.stuck.oldest_running_age_seconds,
+            "deferred_backlog": self.deferred.backlog,
+            "oldest_deferred_age_seconds": self.deferred.oldest_age_seconds,
             "reconciled": self.reconciled.as_dict() if self.reconciled else None,
             "alerts": self.sent,
         }
@@ -218,6 +223,7 @@ class AlertCheck:
                     )
                     unread.append(exc)
             report.stuck = self._stuck_claims(conn)
+            report.deferred = deferred_stats(conn)
             limit = self._thresholds.backlog_age_seconds
             for stats in report.stats:
                 lagging = int(stats.oldest_message_age_seconds > limit)

@@ -22,6 +22,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.flow import ledger as flow
+from infrai_jobs.flow.ledger import DeferredJob
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
@@ -98,6 +100,19 @@ DELETE FROM job_claims WHERE idem_key IN (
 )
 """
 
+# ``claims list --state deferred``: the work deferred jobs hold (waiting or running), the
+# next due first.
+_DEFERRED_LIST: LiteralString = """
+SELECT idem_key, job, effect, payload, payload_sha256, message_id, queue, state, attempts,
+       last_error, result, run_after, created_at, updated_at, lease_token, lease_until
+FROM deferred_jobs
+WHERE state IN ('deferred', 'running')
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR created_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY run_after, created_at, idem_key
+LIMIT %(limit)s
+"""
 
 # The states each operator change applies to.
 RESOLVABLE: tuple[str, ...] = ("running",)
@@ -265,6 +280,27 @@ class ClaimsAdmin(LedgerAdapter):
                 # An unchanged answer every few minutes would bury the history in repeats.
                 _record(conn, "reconcile", before, before, actor=actor, note=note)
             return ReconcileWrite.UNCHANGED
+
+    def list_deferred(
+        self, *, job: str | None = None, older_than_seconds: float | None = None, limit: int = 100
+    ) -> list[DeferredJob]:
+        """Deferred work the ledger holds (waiting or running), the next due first."""
+        params = {"job": job, "older_than": older_than_seconds, "limit": limit}
+        with (
+            self._connector.session("cannot read deferred jobs") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return [DeferredJob(**row) for row in cur.execute(_DEFERRED_LIST, params).fetchall()]
+
+    def run_deferred_now(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
+        """Make waiting deferred work due at once (``flow.ledger.run_now``, recorded)."""
+        with self._connector.session(f"cannot run {key!r} now") as conn:
+            return flow.run_now(conn, key, actor=actor, note=note)
+
+    def cancel_deferred(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
+        """Cancel waiting deferred work (``flow.ledger.cancel``, recorded)."""
+        with self._connector.session(f"cannot cancel {key!r}") as conn:
+            return flow.cancel(conn, key, actor=actor, note=note)
 
     def history(self, key: str) -> list[dict[str, Any]]:
         """Every operator action recorded for this key, oldest first (kept after a release)."""

@@ -31,6 +31,11 @@ from psycopg.types.json import Jsonb
 from infrai_jobs.errors import ConsumeAnswerLost, KeyDerivationError, QueueMessageNotFound
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.ledger.dead_letter_rows import (
+    LEDGER_HELD_DLQ,
+    RECORD_DEAD_LETTER,
+    UNRESOLVED_DEAD_LETTERS,
+)
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector
 from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
 from infrai_jobs.queue.models import QueueMessage
@@ -50,18 +55,6 @@ COLLECT_LIMIT = 1_000
 MAX_UNREADABLE_IN_A_ROW = 10
 
 _REACHABLE: LiteralString = "SELECT count(*) FROM dead_letters WHERE false"
-
-_RECORD: LiteralString = """
-INSERT INTO dead_letters (
-    message_id, queue, dlq, unreadable, payload, raw_text, size_bytes, job, idem_key, state,
-    claim_state, reason, main_deliveries, dlq_deliveries, published_at
-) VALUES (
-    %(message_id)s, %(queue)s, %(dlq)s, %(unreadable)s, %(payload)s, %(raw_text)s,
-    %(size_bytes)s, %(job)s, %(idem_key)s, %(state)s, %(claim_state)s, %(reason)s,
-    %(main_deliveries)s, %(dlq_deliveries)s, %(published_at)s
-)
-ON CONFLICT (message_id) DO NOTHING
-"""
 
 _COLUMNS: LiteralString = """message_id, queue, dlq, unreadable, payload, raw_text, size_bytes,
        job, idem_key, state, claim_state, reason, main_deliveries, dlq_deliveries, published_at,
@@ -97,10 +90,6 @@ UPDATE dead_letters
 SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
     resolution_note = %(note)s
 WHERE message_id = %(message_id)s AND resolution IS NULL
-"""
-
-UNRESOLVED_DEAD_LETTERS: LiteralString = """
-SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
 """
 
 # A discard in the operator history, beside the claim changes of its key (the dead letter with
@@ -222,6 +211,12 @@ class DeadLetterRow:
         if self.payload is None and self.raw_text is not None:
             return json.loads(self.raw_text)
         return self.payload
+
+    @property
+    def held_by_ledger(self) -> bool:
+        """Recorded by the ledger itself (deferred work that ran out of attempts), never in
+        Infrai's DLQ: a redrive reopens its failed claim, or the new copy could not run."""
+        return self.dlq == LEDGER_HELD_DLQ
 
     @property
     def redrivable(self) -> str:
@@ -363,7 +358,7 @@ class DeadLetterStore:
                     claim_state=claim.state if claim else None,
                     reason=reason,
                 )
-            return conn.execute(_RECORD, values).rowcount == 1
+            return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
 
     def rows(
         self,

@@ -9,7 +9,9 @@ A dry run moves new dead letters into the ledger too (that is how they are read)
 publishes and marks nothing.
 
 ``reopen_failed`` deletes the ``failed`` claims of the redriven work (matched by message id or
-payload fingerprint), recording each in ``claim_history``, so the fixed job runs again. A stuck
+payload fingerprint), recording each in ``claim_history``, so the fixed job runs again. A dead
+letter the ledger held itself (deferred work that ran out of attempts) always has its failed
+claim reopened: that claim is why it is a dead letter. A stuck
 ``running`` claim of an irreversible job is never reopened: that needs a human's verdict first
 (``infrai-jobs claims resolve``). An unreadable dead letter is never redriven blindly: it is
 reported, and can be discarded (``infrai-jobs dlq discard``).
@@ -48,6 +50,8 @@ MAX_REDRIVE_PER_CALL = 10_000
 # call or two, normally well under a second; this covers a few retries. Like the drain's batch
 # budget.
 MESSAGE_BUDGET_MS = 20_000
+
+_NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +276,12 @@ def redrive(
             continue
         if short_of_time():
             break
-        if reopen_failed:
+        if row.held_by_ledger and admin is None:
+            summary.skipped.append({"message_id": row.message_id, "reason": _NEEDS_LEDGER})
+            continue
+        if reopen_failed or row.held_by_ledger:
+            # A letter the ledger held is its own failed claim's: without the reopen, the new
+            # copy would meet that claim and walk to Infrai's DLQ instead of running.
             assert admin is not None
             summary.reopened.extend(_reopen(admin, row.message_id, row.body, actor=actor))
         if store.redrive(row.message_id, _publisher(queue, target), actor=actor, note="redrive"):

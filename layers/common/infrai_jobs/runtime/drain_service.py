@@ -26,15 +26,18 @@ from infrai_jobs.drain.features import (
     SecondLayerFeature,
     SecondLayerGuard,
 )
+from infrai_jobs.drain.flow import FlowControl, flow_control
 from infrai_jobs.drain.loop import budget_shortfall, drain_invocation
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
+from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_jobs.runtime.factory import (
+    make_connector,
     make_drain_fleet,
     make_drain_starter,
     make_effect_guard,
@@ -72,8 +75,16 @@ class DrainService:
         processes). ``message_span``: the span around each handler run, with tracing on
         (``observability.message_tracing``)."""
         registry.bind_settings(settings.require_job_settings())
+        policies = job_policies(settings, registry)
         resolved, refresh = with_secrets(settings).unpacked()
         url_hook, key_hook = refresh.database_url, refresh.api_key
+        flow = flow_control(
+            registry,
+            policies,
+            make_connector(resolved, refresh_url=url_hook).connect,
+            visibility_timeout_seconds=resolved.visibility_timeout_seconds,
+            queue=resolved.queue,
+        )
         return cls(
             settings=resolved,
             queue=make_queue_client(resolved, refresh_api_key=key_hook),
@@ -86,6 +97,7 @@ class DrainService:
                 fleet=make_drain_fleet(resolved, refresh_url=url_hook),
                 starter=starter or make_drain_starter(resolved),
                 message_span=message_span,
+                flow=flow,
             ),
         )
 
@@ -148,12 +160,15 @@ def drain_features(
     fleet: DrainFleetPort | None = None,
     starter: DrainStarterPort | None = None,
     message_span: MessageSpan | None = None,
+    flow: FlowControl | None = None,
 ) -> list[DrainFeature]:
     """The features ``settings`` switch on, outermost first. The adapters are passed in (None:
     that feature is off): ``second_layer`` (IDEMPOTENCY_BACKEND), ``fleet`` and ``starter``
     (DRAIN_MAX_CONCURRENCY), ``message_span`` (tracing); ``make_lane_ledger`` opens each lane's
     connection beyond the first (DRAIN_LANES)."""
-    features: list[DrainFeature] = []
+    # Flow control outermost: each invocation runs the due deferred work around everything
+    # else, and its gates come before a handler's span.
+    features: list[DrainFeature] = [flow] if flow is not None else []
     if second_layer is not None:
         features.append(SecondLayerFeature(second_layer))
     if settings.drain_idle_poll_ms > 0:
@@ -172,6 +187,14 @@ def drain_features(
     if message_span is not None:
         features.append(MessageTracing(message_span))
     return features
+
+
+def job_policies(settings: DrainSettings, registry: JobRegistry) -> dict[str, JobPolicy]:
+    """The flow policies in force: what the jobs declare, with ``JOB_POLICIES`` applied. A
+    malformed document is a ``ConfigurationError`` naming the job and the field, raised before
+    anything is built or consumed."""
+    overrides = parse_job_policies(settings.job_policies, [job.name for job in registry])
+    return policies_in_force(registry, overrides)
 
 
 def ledger_outage_message(summary: DrainSummary) -> str:

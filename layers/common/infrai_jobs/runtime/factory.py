@@ -23,7 +23,7 @@ from infrai_jobs.config.settings import (
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.postgres import malformed_reason
+from infrai_jobs.ledger.postgres import LedgerConnector, malformed_reason
 from infrai_jobs.queue.client import InfraiClient
 
 if TYPE_CHECKING:
@@ -97,6 +97,15 @@ def make_ledger(
         ledger_url(settings),
         visibility_timeout=settings.visibility_timeout_seconds,
         refresh_url=refresh_url,
+    )
+
+
+def make_connector(
+    settings: DrainSettings, *, refresh_url: Callable[[], str] | None = None
+) -> LedgerConnector:
+    """Flow control's connections to the ledger's database (one per lane, kept)."""
+    return LedgerConnector(
+        ledger_url(settings), application_name="infrai-jobs-flow", refresh=refresh_url
     )
 
 

@@ -180,6 +180,13 @@ def record_alert_check(metrics: Metrics, report: AlertReport) -> None:
         unit=MetricUnit.Seconds,
         value=report.stuck.oldest_running_age_seconds,
     )
+    # The deferred work the ledger holds: OldestDeferredAlarm pages on its age.
+    metrics.add_metric(name="DeferredBacklog", unit=MetricUnit.Count, value=report.deferred.backlog)
+    metrics.add_metric(
+        name="OldestDeferredAgeSeconds",
+        unit=MetricUnit.Seconds,
+        value=report.deferred.oldest_age_seconds,
+    )
     metrics.add_metric(name="AlertsSent", unit=MetricUnit.Count, value=len(report.sent))
     # Every answer, zero included, so a dashboard sees a steady series.
     reconciled = report.reconciled.by_answer() if report.reconciled else dict.fromkeys(ANSWERS, 0)

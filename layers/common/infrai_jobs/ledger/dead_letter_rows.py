@@ -1,0 +1,68 @@
+"""The ``dead_letters`` table's shared statements, and the dead letters the ledger itself holds.
+
+Most dead letters are moved out of Infrai's DLQ (``operations.dead_letters``). Work the ledger
+owns after its message was acked (a deferred job that ran out of attempts) has no message left
+in any DLQ, so the ledger records its dead letter itself, in the transaction that fails it
+(``flow.ledger.fail``): the same row the operator lists, discards and redrives, and the same
+count the watcher pages on. Both writers use the statement here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, LiteralString
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+# The ``dlq`` of a dead letter the ledger holds: no DLQ ever had it.
+LEDGER_HELD_DLQ: Final = "(ledger)"
+
+RECORD_DEAD_LETTER: LiteralString = """
+INSERT INTO dead_letters (
+    message_id, queue, dlq, unreadable, payload, raw_text, size_bytes, job, idem_key, state,
+    claim_state, reason, main_deliveries, dlq_deliveries, published_at
+) VALUES (
+    %(message_id)s, %(queue)s, %(dlq)s, %(unreadable)s, %(payload)s, %(raw_text)s,
+    %(size_bytes)s, %(job)s, %(idem_key)s, %(state)s, %(claim_state)s, %(reason)s,
+    %(main_deliveries)s, %(dlq_deliveries)s, %(published_at)s
+)
+ON CONFLICT (message_id) DO NOTHING
+"""
+
+UNRESOLVED_DEAD_LETTERS: LiteralString = """
+SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
+"""
+
+
+def hold_dead_letter(
+    conn: psycopg.Connection[Any],
+    *,
+    message_id: str,
+    queue: str,
+    payload: Any,
+    job: str,
+    idem_key: str,
+    reason: str,
+) -> bool:
+    """Record an unresolved dead letter for failed work whose message was acked long ago, on
+    the caller's connection (inside its transaction). Its claim is ``failed``; a redrive
+    publishes ``payload`` again and reopens that claim. False when a dead letter with this
+    message id is recorded already."""
+    values = {
+        "message_id": message_id,
+        "queue": queue,
+        "dlq": LEDGER_HELD_DLQ,
+        "unreadable": False,
+        "payload": Jsonb(payload),
+        "raw_text": None,
+        "size_bytes": None,
+        "job": job,
+        "idem_key": idem_key,
+        "state": "failed",
+        "claim_state": "failed",
+        "reason": reason,
+        "main_deliveries": None,
+        "dlq_deliveries": None,
+        "published_at": None,
+    }
+    return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1

@@ -524,7 +524,9 @@ def test_a_released_claim_is_won_afresh(backend: Backend) -> None:
     assert (row.attempts, row.claim_token) == (1, retry.claim_token)
 
 
-@pytest.mark.parametrize("kind", list(RunKind), ids=lambda k: k.value)
+@pytest.mark.parametrize(
+    "kind", [k for k in RunKind if k is not RunKind.DEFERRED], ids=lambda k: k.value
+)
 def test_a_settle_by_a_holder_who_lost_the_claim_changes_nothing(
     backend: Backend, kind: RunKind
 ) -> None:
@@ -537,6 +539,33 @@ def test_a_settle_by_a_holder_who_lost_the_claim_changes_nothing(
     settlement = backend.ledger.settle(request, JobRun(kind, result=1, error="E: x"))
     # Then nothing changes, and the holder learns it lost the claim
     assert settlement.status is SettleStatus.LOST
+    assert backend.row() == before
+
+
+def test_a_deferred_run_releases_the_claim_it_still_holds(backend: Backend) -> None:
+    # Given a won claim whose run flow control deferred (a copy of work deferred_jobs holds)
+    request = backend.request()
+    backend.claim_one(request)
+    # When it settles
+    settlement = backend.ledger.settle(request, JobRun(RunKind.DEFERRED, error="copy"))
+    # Then the claim is gone and the message may be acked: deferred_jobs holds the work
+    assert settlement.status is SettleStatus.DEFERRED
+    assert backend.row() is None
+
+
+def test_a_deferred_run_whose_claim_moved_on_changes_nothing_and_is_still_deferred(
+    backend: Backend,
+) -> None:
+    # Given a won claim released already (the deferral released it, fenced, as it recorded the
+    # work) and since handed to someone else
+    request = backend.request()
+    backend.claim_one(request)
+    backend.give_away(request.idem_key)
+    before = backend.row()
+    # When the deferred run settles
+    settlement = backend.ledger.settle(request, JobRun(RunKind.DEFERRED, error="deferred"))
+    # Then nothing changes, and the outcome is still deferred: the work is in deferred_jobs
+    assert settlement.status is SettleStatus.DEFERRED
     assert backend.row() == before
 
 

@@ -20,6 +20,10 @@ Settings come from the function's own environment variables (``INFRAI_BASE_URL``
   (``after_call``: once the provider has the request; ``before_call``: before it is sent) kills
   this process inside its downstream call, the way a crash or a timeout cuts a call off.
 
+A ``digest.build`` payload carrying ``soak_refuse`` meets a provider that refuses it (see
+``soak_jobs.provider_refuses``): the call answers as the digest provider does when it is down,
+a transient failure with nothing built, so its retry policy (``JOB_POLICIES``) defers it.
+
 ``drain_worker.py --once EVENT_FILE`` is an invocation a backlog fan-out started (the soak's
 loopback Lambda runs it): one invocation with that event, then the process ends, as a cold
 environment Lambda starts for an async invoke.
@@ -45,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from soak_jobs import register_soak_jobs
+from soak_jobs import provider_refuses, register_soak_jobs
 
 import jobs  # the functions' own jobs package (functions/ is on the path)
 from infrai_jobs.jobs.registry import (
@@ -142,6 +146,30 @@ def trace_receives(service: Any) -> None:
     queue.send_consume = traced_send_consume
 
 
+def refusing_digests(registry: JobRegistry) -> JobRegistry:
+    """The same jobs, except that the digest provider refuses the calls a ``soak_refuse``
+    payload asks it to (an outage for those jobs; every other call reaches the sink)."""
+    refusing = JobRegistry()
+    for definition in registry:
+        if definition.name == "digest.build":
+            refusing.register(dataclasses.replace(definition, handler=_refuses(definition)))
+        else:
+            refusing.register(definition)
+    return refusing
+
+
+def _refuses(definition: JobDefinition) -> Handler:
+    call = definition.handler
+
+    def handler(payload: Payload, ctx: JobContext) -> Any:
+        if provider_refuses(payload, ctx.delivery_count):
+            emit("provider_refused", job=definition.name, idem_key=ctx.idem_key)
+            raise RuntimeError("digest provider answered HTTP 503; will retry")
+        return call(payload, ctx)
+
+    return handler
+
+
 def dying_in_calls(registry: JobRegistry) -> JobRegistry:
     """The same jobs, except that an external job whose payload says ``soak_die`` SIGKILLs this
     process inside its call: its claim stays ``running`` behind an owner that is gone."""
@@ -181,7 +209,7 @@ def main() -> int:
     die_in_calls = os.environ.get("SOAK_DIE_IN_CALL", "") == "1"
 
     def build_registry() -> Any:
-        registry = register_soak_jobs(deployed_registry())
+        registry = refusing_digests(register_soak_jobs(deployed_registry()))
         return dying_in_calls(registry) if die_in_calls else registry
 
     # Before app is imported: the handler module binds jobs.build_registry at import.

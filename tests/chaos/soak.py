@@ -23,16 +23,23 @@ drains' one-at-a-time windows) keeps pace with it.
 * poison the drains cannot read: a few bodies larger than their answer limit
   (``INFRAI_MAX_ANSWER_BYTES``), which must walk to the DLQ alone and unread (``plan_oversized``);
 * a redrive behind a dead owner: key-passing and irreversible jobs whose long-grace drain dies
-  inside their calls until they are dead-lettered (``LeasedScenario``).
+  inside their calls until they are dead-lettered (``LeasedScenario``);
+* deferred work: the drains run with flow control (``JOB_POLICIES``: a retry policy and a
+  concurrency key per tenant for ``digest.build``, a rate limit for ``receipt.send``), and the
+  digest provider refuses some digests during an outage of their first three attempts (deferred
+  after their third delivery, then run from the ledger) and a few always (failed for good, their
+  dead letter held by the ledger).
 
 When the queue is empty the soak does what docs/operations.md asks of an operator after a DLQ alert:
 once the queue's own clock would have dead-lettered the messages, it checks that no claim still
 holds a live lease, redrives the dead-letter queues (``operations.redrive``, publish then ack)
 and lets the drains settle them without faults. Then every key must be ``done``, or ``failed``
 with its message in the DLQ, or flagged stuck (an irreversible effect whose outcome nobody
-knows), and the effects must agree with the ledger: database effects exactly once, external
-effects at most once; every dead letter must be explained by the ledger (or, for the oversized
-poison, by its size).
+knows); a key the ledger deferred must be done once by a deferred run, failed with its reason
+in the ledger's dead letters, or left ``running`` in ``deferred_jobs`` for a human (an external
+job whose lease ran out); and the effects must agree with the ledger: database effects exactly
+once, external effects at most once; every dead letter must be explained by the ledger (or, for
+the oversized poison, by its size).
 
 The soak runs its own embedded PostgreSQL even when ``DATABASE_URL`` is set: it restarts the
 server, and restarting a shared server (CI's, a developer's) would break everyone else using it.
@@ -64,11 +71,21 @@ import psycopg
 import urllib3
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from soak_jobs import SOAK_EFFECTS_DDL, SOAK_JOB, register_soak_jobs
+from soak_jobs import (
+    DIGEST_ATTEMPTS,
+    JOB_POLICIES,
+    OUTAGE,
+    REFUSE_FIELD,
+    REFUSED,
+    SOAK_EFFECTS_DDL,
+    SOAK_JOB,
+    register_soak_jobs,
+)
 
 from infrai_jobs.drain.loop import UNREADABLE_CODES
 from infrai_jobs.errors import KeyDerivationError
 from infrai_jobs.jobs.registry import Effect, JobRegistry
+from infrai_jobs.ledger.dead_letter_rows import LEDGER_HELD_DLQ
 from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import collect
@@ -117,6 +134,12 @@ class SoakConfig:
     # Of the database jobs: failing permanently, failing on a message's first delivery.
     permanent_share: float = 0.02
     flaky_share: float = 0.03
+    # Of the digest.build jobs: refused by the provider for their first three attempts (then
+    # deferred and done from the ledger), refused always (failed once out of attempts). The
+    # digests share this many tenants, so that the concurrency key has something to hold back.
+    outage_share: float = 0.06
+    refused_share: float = 0.01
+    digest_tenants: int = 40
     drains: int = 3
     # The chaos (Infrai's faults, kills, terminations) begins once the drains fanned out on the
     # backlog, or this many seconds after they started at the latest (see ChaosGate).
@@ -225,6 +248,8 @@ class SoakReport:
     # The reconcile pass at the end: what the probes answered, and each probed key's answer.
     reconciled: Counter[str] = field(default_factory=Counter)
     answers: dict[str, str] = field(default_factory=dict)
+    # Flow control: what the ledger's deferred work ended as, and what the drains counted.
+    deferred: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
     secret_leaks: list[str] = field(default_factory=list)
     scanned_bytes: int = 0
@@ -257,6 +282,8 @@ class SoakReport:
                 "",
             ),
             *[(name, f"{value:,}") for name, value in _ordered(self.leased, _LEASED_ORDER)],
+            ("**Deferred work (flow control, JOB_POLICIES)**", ""),
+            *[(name, f"{value:,}") for name, value in _ordered(self.deferred, _DEFERRED_ORDER)],
             ("**Reconcile pass at the end (stuck claims probed before the audit)**", ""),
             *[(name, f"{value:,}") for name, value in self.reconciled.items()],
             ("**What the drains logged**", ""),
@@ -286,6 +313,17 @@ _POISON_ORDER = (
     "consume answers lost in transit",
     "messages received",
     "share",
+)
+_DEFERRED_ORDER = (
+    "deferred_jobs rows",
+    "  done",
+    "  failed",
+    "  running",
+    "  deferred",
+    "  cancelled",
+    "dead letters held by the ledger",
+    "drain summaries",
+    "digest calls refused",
 )
 _LEASED_ORDER = (
     "drains killed",
@@ -333,8 +371,19 @@ def plan_jobs(config: SoakConfig, registry: JobRegistry) -> Plan:
             }
             effect = Effect.EXTERNAL
         else:
+            refuse_draw = rng.random()
             mode = "ok"
-            payload = {"job": "digest.build", "tenant_id": f"tenant_{number}", "period": "2026-07"}
+            if refuse_draw < config.refused_share:
+                mode = REFUSED
+            elif refuse_draw < config.refused_share + config.outage_share:
+                mode = OUTAGE
+            payload = {
+                "job": "digest.build",
+                "tenant_id": f"tenant_{number % config.digest_tenants}",
+                "period": f"2026-07/{number}",
+            }
+            if mode != "ok":
+                payload[REFUSE_FIELD] = mode
             effect = Effect.EXTERNAL_IDEMPOTENT
         key = registry.derive(payload).idem_key
         jobs.append(PlannedJob(number, effect, payload, key, mode))
@@ -770,16 +819,36 @@ class ChaosGate:
 
 
 class Convergence:
-    """Waits for the queue to empty, advancing the clock when only unacked messages remain."""
+    """Waits for the queue to empty, advancing the clock when only unacked messages remain,
+    and (given the database) for the deferred work the drains can still run to end."""
 
     def __init__(
-        self, client: InfraiClient, emulator: Emulator, config: SoakConfig, *, queue: str = QUEUE
+        self,
+        client: InfraiClient,
+        emulator: Emulator,
+        config: SoakConfig,
+        *,
+        queue: str = QUEUE,
+        database: SoakDatabase | None = None,
     ) -> None:
         self.client = client
         self.emulator = emulator
         self.config = config
         self.queue = queue
+        self.database = database
         self.advances = 0
+
+    def deferred_pending(self) -> int:
+        """Deferred jobs a drain will still run: waiting, or running under a live lease, or
+        running under an expired one that a drain takes over (not an external job's, which
+        stays for a human). Unknown (the server is restarting) counts as pending."""
+        if self.database is None:
+            return 0
+        try:
+            (count,) = self.database.query(_DEFERRED_PENDING)[0]
+        except psycopg.Error:
+            return 1
+        return int(count)
 
     def run(
         self,
@@ -810,7 +879,7 @@ class Convergence:
                     last_state_read = now
                 chaos.tick(acks_seen)
             stats = self.client.stats(self.queue)
-            if publishing_done() and stats.message_count == 0:
+            if publishing_done() and stats.message_count == 0 and not self.deferred_pending():
                 return
             if stats.in_flight_count != last_in_flight:
                 last_in_flight, last_change = stats.in_flight_count, now
@@ -828,6 +897,13 @@ class Convergence:
                 self.advances += 1
                 last_change = now
             time.sleep(0.1)
+
+
+_DEFERRED_PENDING: LiteralString = """
+SELECT count(*) FROM deferred_jobs
+WHERE state = 'deferred'
+   OR (state = 'running' AND (lease_until > now() OR effect <> 'external'))
+"""
 
 
 @dataclass
@@ -1026,8 +1102,10 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
 
         rng = random.Random(config.seed + 1)
         drain_env = _drain_env(config, database, emulator_process.url, sink_process.url, api_key)
-        # Without fan-out: the leased scenario's one drain stays alone on its queue.
+        # Without fan-out: the leased scenario's one drain stays alone on its queue. Without
+        # flow control too: its checks are about claims behind a dead owner.
         leased_env = dict(drain_env)
+        drain_env["JOB_POLICIES"] = json.dumps(JOB_POLICIES)
         fan_out = _fan_out_lambda(config, drain_env, work_dir)
         # Stopped after the fleet (callbacks run last first): it waits for its drains to end.
         stack.callback(fan_out.stop, timeout=config.invocation_seconds + 60)
@@ -1073,7 +1151,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         publisher.start()
         leased.start()
         chaos = Chaos(config, database, fleet, rng, expected_acks=plan.published, gate=gate)
-        convergence = Convergence(client, emulator, config)
+        convergence = Convergence(client, emulator, config, database=database)
         deadline = started + config.timeout_seconds
         convergence.run(fleet, deadline, publishing_done=publisher.done.is_set, chaos=chaos)
         if publisher.error is not None:
@@ -1235,6 +1313,7 @@ def _run_released_again(
 def _workload(plan: Plan) -> Counter[str]:
     by_effect = Counter(job.effect.value for job in plan.jobs)
     modes = Counter(job.mode for job in plan.jobs if job.effect is Effect.DATABASE)
+    refusals = Counter(job.mode for job in plan.jobs if job.effect is Effect.EXTERNAL_IDEMPOTENT)
     return Counter(
         {
             "jobs (distinct keys)": len(plan.jobs),
@@ -1243,6 +1322,8 @@ def _workload(plan: Plan) -> Counter[str]:
             "    of which fail on a first delivery": modes["flaky"],
             "  external (receipt.send)": by_effect["external"],
             "  external_idempotent (digest.build)": by_effect["external_idempotent"],
+            WORKLOAD_OUTAGE: refusals[OUTAGE],
+            WORKLOAD_REFUSED: refusals[REFUSED],
             "duplicate publishes": plan.duplicates,
             "poison messages (unknown job)": len(plan.poison),
             "poison messages larger than the drains' answer limit": len(plan.oversized),
@@ -1250,6 +1331,10 @@ def _workload(plan: Plan) -> Counter[str]:
             "redrive behind a dead owner (half digest.build, half receipt.send)": len(plan.leased),
         }
     )
+
+
+WORKLOAD_OUTAGE = "    of which the provider refuses three times (deferred)"
+WORKLOAD_REFUSED = f"    of which it always refuses (failed after {DIGEST_ATTEMPTS} attempts)"
 
 
 def _drain_env(
@@ -1395,7 +1480,19 @@ class _Classifier:
             "FROM job_claims WHERE idem_key = %s",
             (key,),
         )
-        return ClaimFacts(*rows[0]) if rows else None
+        if rows:
+            return ClaimFacts(*rows[0])
+        held = self.database.query("SELECT state FROM deferred_jobs WHERE idem_key = %s", (key,))
+        return _deferred_facts(str(held[0][0])) if held else None
+
+
+def _deferred_facts(state: str) -> ClaimFacts:
+    """A key with no claim whose work ``deferred_jobs`` holds (its claim was released when it
+    was deferred): the classifier's view of it."""
+    return ClaimFacts(DEFERRED_STATE_PREFIX + state, None, None, False)
+
+
+DEFERRED_STATE_PREFIX = "deferred:"
 
 
 def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Classifier) -> int:
@@ -1409,7 +1506,9 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
     while True:
         collected = collect(client, store, dlq=source, main_queue=target, key_of=None)
         for row in store.rows(target, limit=MAX_REDRIVE_PER_CALL):
-            if row.message_id in described or row.unreadable:
+            # (A dead letter the ledger holds itself, deferred work out of attempts, was never
+            # in Infrai's DLQ: the audit checks those, and the redrive leaves them alone.)
+            if row.message_id in described or row.unreadable or row.held_by_ledger:
                 continue
             described.add(row.message_id)
             classify.describe(
@@ -1445,10 +1544,11 @@ DONE_COPY = "copy of work the ledger has done"
 UNREADABLE = "unreadable: larger than the drains' answer limit, never read (no ledger row)"
 TAKEOVER_DUE = "dead owner: key-passing claim, lease over (a copy takes it over)"
 STUCK_DUE = "dead owner: irreversible claim, lease over (a copy flags it stuck)"
+DEFERRED_COPY = "copy of work the ledger holds deferred (no claim; deferred_jobs has it)"
 NO_ROW = "NO REASON: nothing in the ledger (three deliveries lost)"
 UNFLAGGED = "NO REASON: running claim with a live lease (a copy would be acked in flight)"
 EXPLAINED_DEAD_LETTERS = frozenset(
-    {REJECTED, FAILED, FLAGGED, DONE_COPY, UNREADABLE, TAKEOVER_DUE, STUCK_DUE}
+    {REJECTED, FAILED, FLAGGED, DONE_COPY, UNREADABLE, TAKEOVER_DUE, STUCK_DUE, DEFERRED_COPY}
 )
 
 
@@ -1471,6 +1571,8 @@ def classify_dead_letter(
     found = row(key)
     if found is None:
         return UNREADABLE if served_bytes(message.payload) > answer_limit else NO_ROW
+    if found.state.startswith(DEFERRED_STATE_PREFIX):
+        return DEFERRED_COPY
     if found.state == "failed":
         return FAILED
     if found.state == "done":
@@ -1503,6 +1605,20 @@ def _audit(
         for key, state, effect, error, _, lease_live in database.query(_ALL_CLAIMS)
     }
     effects = dict(database.query(_EFFECT_COUNTS))
+    deferred = {
+        key: DeferredFacts(state, effect, lease_live)
+        for key, state, effect, lease_live in database.query(_ALL_DEFERRED)
+    }
+    ledger_dead: dict[str, str] = {
+        str(key): str(reason) for key, reason in database.query(_LEDGER_DEAD_LETTERS)
+    }
+
+    def row_of(key: str) -> ClaimFacts | None:
+        row = rows.get(key)
+        if row is None and key in deferred:
+            return _deferred_facts(deferred[key].state)
+        return row
+
     http = urllib3.PoolManager()
     sink = json.loads(http.request("GET", f"{provider_url}/_sink/state").data)
     http.clear()
@@ -1514,7 +1630,7 @@ def _audit(
     dead_keys: Counter[str] = Counter()
     for message in dead_letters + leased_dead_letters:
         verdict = classify_dead_letter(
-            message, registry, rows.get, report.config.drain_max_answer_bytes
+            message, registry, row_of, report.config.drain_max_answer_bytes
         )
         report.dlq_final[verdict] += 1
         if verdict not in EXPLAINED_DEAD_LETTERS:
@@ -1530,6 +1646,16 @@ def _audit(
         violations.append(f"database effect for {key}, which no job has")
     for job in plan.jobs:
         row = rows.get(job.key)
+        if _audited_as_deferred(
+            job,
+            row,
+            deferred.get(job.key),
+            performed=_performed(job, mails, digests),
+            ledger_reason=ledger_dead.get(job.key),
+            outcomes=outcomes,
+            violations=violations,
+        ):
+            continue
         if row is None:
             violations.append(f"{job.key}: published, but nothing in the ledger (lost)")
             continue
@@ -1549,11 +1675,7 @@ def _audit(
                 job,
                 state,
                 error=error,
-                performed=(
-                    mails.get(str(job.payload["invoice_id"]), 0)
-                    if external
-                    else digests.get(job.key, 0)
-                ),
+                performed=_performed(job, mails, digests),
                 dead_keys=dead_keys,
                 outcomes=outcomes,
                 violations=violations,
@@ -1569,6 +1691,7 @@ def _audit(
         violations.append(f"{len(plan.poison)} poison messages published, {poison_dead} in the DLQ")
     outcomes["poison messages in the DLQ (rejected, no ledger row)"] = poison_dead
     _audit_oversized(report, plan, registry, dead_letters, rows=rows, effects=effects)
+    _record_deferred(report, deferred, ledger_dead)
     _audit_leased(report, plan, leased, rows=rows, mails=mails, digests=digests)
     digest_calls = int(sink["calls"].get("/v1/digests", 0))
     outcomes["digest calls repeated with the same key (absorbed by the provider)"] = (
@@ -1577,6 +1700,145 @@ def _audit(
     outcomes["max e-mails for one key"] = max(mails.values(), default=0)
     outcomes["max database effects for one key"] = max(effects.values(), default=0)
     outcomes["unexplained (lost, doubled or unflagged)"] = len(violations)
+
+
+def _performed(job: PlannedJob, mails: Mapping[str, int], digests: Mapping[str, int]) -> int:
+    """The provider's count of an external job's effects: e-mails sent for its invoice, or
+    digests built under its key."""
+    if job.effect is Effect.EXTERNAL:
+        return mails.get(str(job.payload["invoice_id"]), 0)
+    return digests.get(job.key, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredFacts:
+    """What the audit needs of a key's row in ``deferred_jobs``."""
+
+    state: str
+    effect: str
+    lease_live: bool
+
+
+_ALL_DEFERRED: LiteralString = """
+SELECT idem_key, state, effect, coalesce(lease_until > now(), false) FROM deferred_jobs
+"""
+# The ledger's own dead letters (deferred work out of attempts) the operator has not resolved.
+_LEDGER_DEAD_LETTERS: LiteralString = (
+    "SELECT idem_key, reason FROM dead_letters WHERE dlq = '"
+    + LEDGER_HELD_DLQ
+    + "' AND resolution IS NULL"
+)
+
+DEFERRED_DONE = "keys done by a deferred run, effect exactly once"
+DEFERRED_FAILED = "keys failed after their retry policy, reason in the ledger's dead letters"
+DEFERRED_FOR_A_HUMAN = "keys left running in deferred_jobs for a human (lease ran out)"
+
+
+def _audited_as_deferred(
+    job: PlannedJob,
+    row: ClaimFacts | None,
+    held: DeferredFacts | None,
+    *,
+    performed: int,
+    ledger_reason: str | None,
+    outcomes: Counter[str],
+    violations: list[str],
+) -> bool:
+    """Audits a key the ledger deferred (True), or one the provider refused that never was
+    (True, a violation: only a deferred run can get past the refusals); False for any other."""
+    if held is not None:
+        _audit_deferred(
+            job,
+            held,
+            row,
+            performed=performed,
+            ledger_reason=ledger_reason,
+            outcomes=outcomes,
+            violations=violations,
+        )
+        return True
+    if job.mode in (OUTAGE, REFUSED):
+        ended = row.state if row else "with nothing in the ledger"
+        violations.append(
+            f"{job.key}: the provider refused it ({job.mode}), never deferred, ended {ended}"
+        )
+        return True
+    return False
+
+
+def _audit_deferred(
+    job: PlannedJob,
+    held: DeferredFacts,
+    row: ClaimFacts | None,
+    *,
+    performed: int,
+    ledger_reason: str | None,
+    outcomes: Counter[str],
+    violations: list[str],
+) -> None:
+    """A key the ledger deferred: done once by a deferred run (its claim settled done), failed
+    for good with its reason in the ledger's dead letters (only a job the provider always
+    refuses may), or, an external job whose run's lease ran out, left running for a human.
+    Waiting or running work the drains could still take is a violation: the soak waited for
+    it to end."""
+    label = job.effect.value
+    claim = row.state if row else "no claim"
+    if performed > 1:
+        violations.append(f"{job.key}: deferred, and the provider counted {performed} effects")
+    if held.state == "done":
+        if claim != "done" or performed != 1 or job.mode == REFUSED:
+            violations.append(
+                f"{job.key}: deferred work done, but its claim is {claim}, the provider counted "
+                f"{performed} effects, mode {job.mode}"
+            )
+        else:
+            outcomes[f"{label} {DEFERRED_DONE}"] += 1
+    elif held.state == "failed":
+        if claim != "failed" or not ledger_reason or performed != 0 or job.mode != REFUSED:
+            violations.append(
+                f"{job.key}: deferred work failed (mode {job.mode}), claim {claim}, "
+                f"{performed} effects, dead letter held by the ledger: {ledger_reason!r}"
+            )
+        else:
+            outcomes[f"{label} {DEFERRED_FAILED}"] += 1
+    elif held.state == "running" and not held.lease_live and held.effect == Effect.EXTERNAL.value:
+        happened = "happened" if performed else "did not happen"
+        outcomes[f"{label} {DEFERRED_FOR_A_HUMAN}, effect {happened}"] += 1
+    else:
+        live = "live" if held.lease_live else "expired"
+        violations.append(
+            f"{job.key}: deferred work left {held.state} ({held.effect}, lease {live}), "
+            f"claim {claim}: lost"
+        )
+
+
+def _record_deferred(
+    report: SoakReport, deferred: Mapping[str, DeferredFacts], ledger_dead: Mapping[str, str]
+) -> None:
+    """The deferred work's end states into the report; a dead letter the ledger holds must be
+    a deferred job's that failed for good."""
+    failed = {key for key, facts in deferred.items() if facts.state == "failed"}
+    for key in sorted(set(ledger_dead) - failed):
+        report.violations.append(f"{key}: a dead letter held by the ledger, no deferred job failed")
+    figures = report.deferred
+    figures["deferred_jobs rows (keys the ledger deferred)"] = len(deferred)
+    states = Counter(facts.state for facts in deferred.values())
+    for state, label in _DEFERRED_STATES.items():
+        figures[label] = states.pop(state, 0)
+    for state, count in states.items():
+        figures[f"  {state}"] = count
+    figures["dead letters held by the ledger (dlq (ledger), unresolved)"] = len(ledger_dead)
+    for effect in (Effect.EXTERNAL, Effect.EXTERNAL_IDEMPOTENT):
+        for name in (DEFERRED_DONE, DEFERRED_FAILED):
+            report.outcomes[f"{effect.value} {name}"] += 0
+
+
+_DEFERRED_STATES = {
+    "done": "  done (the claim settled done)",
+    "failed": "  failed (the claim settled failed, dead letter held by the ledger)",
+    "running": "  running, lease ran out (an external job's: left for a human)",
+    "deferred": "  deferred, never run (the audit's violations say why)",
+}
 
 
 def _audit_oversized(
@@ -1759,6 +2021,7 @@ def _read_drain_events(fleet: DrainFleet, report: SoakReport, work_dir: Path) ->
             kind = event.get("soak_event")
             if kind in ("invocation", "invocation_error"):
                 invocations += 1
+            _count_deferred(event, report.deferred)
             if kind == "invocation_error":
                 report.drain_outcomes[f"invocations raising {event['error_type']}"] += 1
             elif kind == "self_kill":
@@ -1777,6 +2040,26 @@ def _read_drain_events(fleet: DrainFleet, report: SoakReport, work_dir: Path) ->
                     report.drain_outcomes["message outcome: done after a lease takeover"] += 1
     return invocations, self_kills
 
+
+def _count_deferred(event: Mapping[str, Any], figures: Counter[str]) -> None:
+    """The flow-control counters of an invocation's summary, and the provider's refusals."""
+    kind = event.get("soak_event")
+    if kind == "invocation":
+        summary = event.get("summary") or {}
+        for counter, row in _SUMMARY_DEFERRED_ROWS.items():
+            figures[row] += int(summary.get(counter, 0))
+    elif kind == "provider_refused":
+        figures[PROVIDER_REFUSED] += 1
+
+
+PROVIDER_REFUSED = "digest calls refused by the provider (its outage for the refused jobs)"
+_SUMMARY_DEFERRED_ROWS = {
+    "deferred": "drain summaries: messages deferred or acked as copies of deferred work",
+    "deferred_ran": "drain summaries: deferred runs taken from the ledger",
+    "deferred_done": "drain summaries: deferred runs done",
+    "deferred_failed": "drain summaries: deferred jobs failed for good",
+    "rate_limit_waits": "drain summaries: starts that waited for receipt.send's rate limit",
+}
 
 RECEIVED_IN_BATCHES = "messages received by consumes asking for a batch"
 RECEIVED_ALONE = "messages received one at a time (after a lost answer, in a window)"
@@ -1853,6 +2136,10 @@ _REPORTED_ACTIONS = {
     "flag_failed": "stuck flag could not be written (next delivery flags)",
     "release_failed": "claims not released after a lost answer",
     "visibility_mismatch": "messages back while their own claim's lease was live",
+    "deferred": "message outcome: deferred (the ledger holds the work, acked)",
+    "deferred_failed": "deferred job failed for good (out of attempts)",
+    "deferred_stuck": "deferred external job's outcome unknown (left running)",
+    "defer_failed": "deferrals that could not be written (the message carries the work)",
 }
 
 

@@ -8,24 +8,45 @@ happens once per module; its table is printed to the terminal.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from soak import (
+    DEFERRED_COPY,
+    DEFERRED_DONE,
+    DEFERRED_FAILED,
+    DEFERRED_FOR_A_HUMAN,
+    EXPLAINED_DEAD_LETTERS,
+    NO_ROW,
     RECONCILED_DONE,
     RECONCILED_NOT_DONE,
     RECONCILED_UNKNOWN,
+    WORKLOAD_OUTAGE,
+    WORKLOAD_REFUSED,
+    ClaimFacts,
+    DeferredFacts,
+    PlannedJob,
     SoakConfig,
     SoakReport,
+    _audited_as_deferred,
+    _deferred_facts,
+    classify_dead_letter,
     run_soak,
     scan_for_secrets,
+    soak_registry,
     write_docs_figures,
 )
+from soak_jobs import OUTAGE, REFUSED, provider_refuses
+
+from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.queue.models import QueueMessage
 
 JOBS = int(os.environ.get("SOAK_JOBS", "2000"))
 SEED = int(os.environ.get("SOAK_SEED", "20260726"))
 # Both phases must converge within this: about 50 ms per job plus start-up, never below 3 min.
-# The CI size takes about 40 s on 2 cores, 20,000 jobs about 5 min.
+# The CI size takes 1 to 1.5 min on 2 shared cores (the deferred work adds 10-50 s: see
+# docs/reliability.md), 20,000 jobs about 5 min.
 CONVERGE_SECONDS = max(180.0, JOBS * 0.05 + 60)
 SOAK_TIMEOUT = int(CONVERGE_SECONDS + 120)
 
@@ -128,6 +149,58 @@ def test_a_redrive_behind_a_dead_owner_takes_over_or_flags_never_acks(report: So
 @pytest.mark.slow
 @pytest.mark.chaos
 @pytest.mark.timeout(SOAK_TIMEOUT)
+def test_deferred_jobs_end_done_once_failed_in_the_ledger_or_left_for_a_human(
+    report: SoakReport,
+) -> None:
+    # Given drains with flow control (JOB_POLICIES: digest.build retries six times and runs one
+    # job per tenant at a time, receipt.send has a rate limit), and digests the provider
+    # refuses for their first three attempts or always, under the run's faults and kills
+    outage = report.workload[WORKLOAD_OUTAGE]
+    refused = report.workload[WORKLOAD_REFUSED]
+    assert outage > 0
+    assert refused > 0
+    # Then the ledger deferred work, and ran it from the ledger
+    deferred = report.deferred
+    assert deferred["deferred_jobs rows (keys the ledger deferred)"] >= outage + refused
+    assert deferred["drain summaries: deferred runs taken from the ledger"] > 0
+    # And every digest the provider refused three times was done once by a deferred run (the
+    # audit checks each key: done with exactly one digest, its claim settled done)
+    outcomes = report.outcomes
+    assert outcomes[f"external_idempotent {DEFERRED_DONE}"] >= outage
+    # And every digest it always refused failed for good with its reason in the ledger's
+    # dead letters, and no other key did
+    assert outcomes[f"external_idempotent {DEFERRED_FAILED}"] == refused
+    assert outcomes[f"external {DEFERRED_FAILED}"] == 0
+    assert deferred["dead letters held by the ledger (dlq (ledger), unresolved)"] == refused
+    # And nothing deferred was left waiting, or running where a drain could take it: the rest
+    # are receipts whose deferred run's drain was killed, left running for a human
+    assert deferred["  deferred, never run (the audit's violations say why)"] == 0
+    left = sum(v for k, v in outcomes.items() if DEFERRED_FOR_A_HUMAN in k)
+    assert left == deferred["  running, lease ran out (an external job's: left for a human)"]
+    # And no effect ran twice, nothing was lost (the audit's violations cover every key)
+    assert outcomes["max e-mails for one key"] <= 1
+    assert report.violations == []
+
+
+def test_the_provider_refuses_an_outage_s_first_three_attempts_and_a_refused_job_always() -> None:
+    # Given the payloads the soak plans for digests the provider refuses
+    outage = {"job": "digest.build", "soak_refuse": OUTAGE}
+    refused = {"job": "digest.build", "soak_refuse": REFUSED}
+    # Then the outage refuses the three deliveries (so the third defers it) and nothing after
+    assert [provider_refuses(outage, attempt) for attempt in (1, 2, 3, 4)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+    # And the refused job is refused at every attempt, an ordinary one at none
+    assert all(provider_refuses(refused, attempt) for attempt in range(1, 10))
+    assert not provider_refuses({"job": "digest.build"}, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(SOAK_TIMEOUT)
 def test_stuck_claims_are_reconciled_before_the_audit(report: SoakReport) -> None:
     # Given the reconcile pass the soak runs once everything converged
     reconciled = report.reconciled
@@ -170,3 +243,95 @@ def test_the_secret_scan_finds_a_planted_secret(tmp_path: Path) -> None:
     assert leaks == ["secret #0 appears in drain-0002.err"]
     assert files == 2
     assert size > 0
+
+
+def _refused_digest(mode: str) -> PlannedJob:
+    payload = {"job": "digest.build", "tenant_id": "t1", "period": "p1", "soak_refuse": mode}
+    return PlannedJob(1, Effect.EXTERNAL_IDEMPOTENT, payload, "digest.build:t1:p1", mode)
+
+
+def _receipt() -> PlannedJob:
+    payload = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
+    return PlannedJob(2, Effect.EXTERNAL, payload, "receipt.send:inv_1", "ok")
+
+
+def _audit_one(
+    job: PlannedJob,
+    held: DeferredFacts | None,
+    claim: str | None,
+    *,
+    performed: int,
+    reason: str | None = None,
+) -> tuple[Counter[str], list[str]]:
+    outcomes: Counter[str] = Counter()
+    violations: list[str] = []
+    row = ClaimFacts(claim, None, job.effect.value, False) if claim else None
+    handled = _audited_as_deferred(
+        job,
+        row,
+        held,
+        performed=performed,
+        ledger_reason=reason,
+        outcomes=outcomes,
+        violations=violations,
+    )
+    assert handled
+    return outcomes, violations
+
+
+def test_the_audit_counts_each_deferred_end_and_reports_anything_else() -> None:
+    outage, refused, receipt = _refused_digest(OUTAGE), _refused_digest(REFUSED), _receipt()
+    idempotent, external = Effect.EXTERNAL_IDEMPOTENT.value, Effect.EXTERNAL.value
+    # A deferred run done once, its claim settled done: counted as done
+    outcomes, violations = _audit_one(
+        outage, DeferredFacts("done", idempotent, False), "done", performed=1
+    )
+    assert outcomes == Counter({f"external_idempotent {DEFERRED_DONE}": 1})
+    assert violations == []
+    # Failed for good with its reason held by the ledger, nothing built: counted as failed
+    outcomes, violations = _audit_one(
+        refused,
+        DeferredFacts("failed", idempotent, False),
+        "failed",
+        performed=0,
+        reason="deferred job failed after 6 attempt(s): out of attempts",
+    )
+    assert outcomes == Counter({f"external_idempotent {DEFERRED_FAILED}": 1})
+    assert violations == []
+    # An external run whose lease ran out: left for a human, and said whether it happened
+    outcomes, violations = _audit_one(
+        receipt, DeferredFacts("running", external, False), None, performed=1
+    )
+    assert outcomes == Counter({f"external {DEFERRED_FOR_A_HUMAN}, effect happened": 1})
+    assert violations == []
+    # Every other end is a violation: done twice, failed without a ledger dead letter (or
+    # when the provider would have answered), waiting, a live lease, a refused job never
+    # deferred
+    bad = [
+        _audit_one(outage, DeferredFacts("done", idempotent, False), "done", performed=2),
+        _audit_one(refused, DeferredFacts("failed", idempotent, False), "failed", performed=0),
+        _audit_one(outage, DeferredFacts("failed", idempotent, False), "failed", performed=0),
+        _audit_one(outage, DeferredFacts("deferred", idempotent, False), None, performed=0),
+        _audit_one(receipt, DeferredFacts("running", external, True), None, performed=0),
+        _audit_one(outage, DeferredFacts("running", idempotent, False), None, performed=0),
+        _audit_one(outage, None, "done", performed=1),
+    ]
+    for outcomes, violations in bad:
+        assert outcomes == Counter()
+        assert len(violations) >= 1
+
+
+def test_a_dead_letter_of_deferred_work_is_explained_by_the_ledger() -> None:
+    # Given a dead letter whose key has no claim, only deferred work in the ledger
+    registry = soak_registry("http://127.0.0.1:9")
+    payload = {"job": "digest.build", "tenant_id": "t1", "period": "p1"}
+    message = QueueMessage("m1", "soak-jobs-dlq", payload, 3, None, "in_flight", "r1")
+
+    def lookup(key: str) -> ClaimFacts | None:
+        return _deferred_facts("running")
+
+    # Then the classifier explains it by the deferred work, and nothing is one NO REASON
+    verdict = classify_dead_letter(message, registry, lookup, 65_536)
+    assert verdict == DEFERRED_COPY
+    assert verdict in EXPLAINED_DEAD_LETTERS
+    assert classify_dead_letter(message, registry, lambda key: None, 65_536) == NO_ROW

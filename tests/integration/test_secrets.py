@@ -14,7 +14,7 @@ import boto3
 import psycopg
 import pytest
 from aws_lambda_powertools.utilities import parameters
-from drainkit import QUEUE, Harness, harness
+from drainkit import QUEUE, Harness
 from moto import mock_aws
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -153,12 +153,6 @@ def test_the_client_refreshes_a_rotated_api_key_once(aws: dict[str, Any]) -> Non
         assert caught.value.status == 401
     finally:
         server.stop()
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def test_no_secret_appears_in_the_output_of_a_whole_drain(

@@ -197,26 +197,31 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     prune.set_defaults(ops_command="claims_prune")
 
 
-def _add_deferred_commands(csub: Any) -> None:
-    """``claims run-now`` and ``claims cancel``: steering the deferred work the ledger holds."""
-    run_now_help = (
+_DEFERRED_COMMANDS = (
+    (
+        "run-now",
+        "claims_run_now",
         "make a waiting deferred job due at once: the next drain runs it (recorded in "
-        "claim_history, with you as the actor)"
-    )
-    run_now = csub.add_parser("run-now", help=run_now_help, description=run_now_help)
-    run_now.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
-    run_now.add_argument("--note", default="", help="why, for claim_history")
-    run_now.add_argument("--json", action="store_true")
-    run_now.set_defaults(ops_command="claims_run_now")
-    cancel_help = (
+        "claim_history, with you as the actor)",
+    ),
+    (
+        "cancel",
+        "claims_cancel",
         "cancel a waiting deferred job: it never runs, and a new message for its key is new "
-        "work (recorded in claim_history, with you as the actor); a running one is refused"
-    )
-    cancel = csub.add_parser("cancel", help=cancel_help, description=cancel_help)
-    cancel.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
-    cancel.add_argument("--note", default="", help="why, for claim_history")
-    cancel.add_argument("--json", action="store_true")
-    cancel.set_defaults(ops_command="claims_cancel")
+        "work (recorded in claim_history, with you as the actor); a running one is refused",
+    ),
+)
+
+
+def _add_deferred_commands(csub: Any) -> None:
+    """``claims run-now`` and ``claims cancel``: steering the deferred work the ledger holds.
+    Both take the same arguments; they differ in what they do to the job."""
+    for name, ops_command, help_text in _DEFERRED_COMMANDS:
+        command = csub.add_parser(name, help=help_text, description=help_text)
+        command.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
+        command.add_argument("--note", default="", help="why, for claim_history")
+        command.add_argument("--json", action="store_true")
+        command.set_defaults(ops_command=ops_command)
 
 
 # --- output ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_local import emulator as emulator_module
@@ -155,6 +155,21 @@ class RecordingAlerter:
 
     def publish(self, subject: str, message: str) -> None:
         self.sent.append(subject)
+
+
+def migrate_by_hand(conn: psycopg.Connection[Any], *, up_to: int) -> None:
+    """Apply the ledger's first ``up_to`` migrations and record each as applied, the state a
+    ledger of that version's code is in, so a test can watch migrate add the rest to it."""
+    conn.execute(
+        "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    for migration in MIGRATIONS[:up_to]:
+        conn.execute(migration.sql)
+        conn.execute(
+            "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
+            (migration.version, migration.name),
+        )
 
 
 def prepare_database(database_url: str) -> None:

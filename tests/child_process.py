@@ -32,3 +32,18 @@ def run_captured(
     return subprocess.run(
         list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+class LineSink:
+    """A text stream that keeps what a child writes to it (``invoke``'s log lines), one
+    ``write`` a line, for the test to read back."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return

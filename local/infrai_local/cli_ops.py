@@ -320,12 +320,16 @@ def _queues(args: argparse.Namespace, ctx: OpsContext) -> tuple[str, str]:
 
 
 def _collect(
-    args: argparse.Namespace, ctx: OpsContext, store: DeadLetterStore
-) -> tuple[str, str, Collected]:
-    """Move what is new in Infrai's DLQ into the ledger (the ledger is checked first)."""
+    args: argparse.Namespace, ctx: OpsContext, command: str
+) -> tuple[DeadLetterStore, str, str, Collected]:
+    """Check ``COMMAND --max``, then move what is new in Infrai's DLQ into the ledger (the
+    ledger is checked first): the ledger's dead letters, the queue, its DLQ and what moved."""
+    if args.max < 1:
+        raise ConfigurationError(f"{command} --max must be at least 1")
+    store = ctx.admin().dead_letters()
     queue, dlq = _queues(args, ctx)
     collected = collect(ctx.queue(), store, dlq=dlq, main_queue=queue, key_of=ctx.key_of())
-    return queue, dlq, collected
+    return store, queue, dlq, collected
 
 
 _DLQ_COLUMNS = ["message_id", "deliveries", "idem_key", "state", "first_seen", "reason"]
@@ -341,10 +345,7 @@ def _listed(row: DeadLetterRow) -> dict[str, Any]:
 
 
 def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
-    if args.max < 1:
-        raise ConfigurationError("dlq --max must be at least 1")
-    store = ctx.admin().dead_letters()
-    queue, dlq, collected = _collect(args, ctx, store)
+    store, queue, dlq, collected = _collect(args, ctx, "dlq")
     rows = [_listed(r) for r in store.rows(queue, unresolved=not args.all, limit=args.max)]
     # Unreadable answers that named no message could not be recorded: shown, never hidden.
     rows += [
@@ -395,10 +396,7 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
 
 def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
     """Resolve each matching dead letter as discarded, recorded in claim_history."""
-    if args.max < 1:
-        raise ConfigurationError("dlq discard --max must be at least 1")
-    store = ctx.admin().dead_letters()
-    queue, dlq, _ = _collect(args, ctx, store)
+    store, queue, dlq, _ = _collect(args, ctx, "dlq discard")
     rows = store.rows(queue, message_id=args.message_id, key=args.key, limit=args.max)
     what = f"--message-id {args.message_id}" if args.message_id else f"--key {args.key}"
     if not rows:

@@ -47,14 +47,27 @@ def parse_duration(text: str) -> int:
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
-    # SUPPRESS: a sub-command's own default must not overwrite `dlq --jobs-path X discard`.
+def add_jobs_path(
+    parser: argparse.ArgumentParser, what: str, *, default: Any = None, metavar: str | None = None
+) -> None:
+    """``--jobs-path``: the code root a command loads the `jobs` package from, ``what`` saying
+    what for; when it is not given, every command looks in the same places."""
     parser.add_argument(
         "--jobs-path",
+        default=default,
+        metavar=metavar,
+        help=f"{what} (default: $INFRAI_JOBS_PATH, else the installed jobs package, "
+        "functions/jobs)",
+    )
+
+
+def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a sub-command's own default must not overwrite `dlq --jobs-path X discard`.
+    add_jobs_path(
+        parser,
+        "a code root holding the `jobs` package whose key rules name the claims",
         default=argparse.SUPPRESS,
         metavar="FOLDER",
-        help="a code root holding the `jobs` package whose key rules name the claims "
-        "(default: $INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
 
 

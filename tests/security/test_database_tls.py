@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from child_process import stop_process
 from cryptography import x509
 from psycopg.conninfo import conninfo_to_dict
 from tls_certificates import Certificates, issue_certificates
@@ -298,12 +299,7 @@ def tls_postgres() -> Iterator[TlsPostgres]:
         _wait_until_it_answers(port, server, log)
         yield TlsPostgres(port=port, ca=certs.ca, other_ca=other.ca)
     finally:
-        server.send_signal(signal.SIGINT)  # fast shutdown
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, sig=signal.SIGINT, timeout=20)  # SIGINT: a fast shutdown
         shutil.rmtree(home, ignore_errors=True)
 
 

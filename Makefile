@@ -89,21 +89,23 @@ PYTHON313 ?= $(shell for p in "$$(command -v python3.13)" $${PYENV_ROOT:-$$HOME/
 
 .PHONY: tools build validate lock checkov
 
+# A tool whose pins clash with the project's, in a virtualenv of its own, rebuilt from nothing
+# when its version changes: $(call tool_venv,FOLDER,REQUIREMENT) in the stamp file's recipe.
+define tool_venv
+rm -rf $(1)
+$(PYTHON) -m venv $(1)
+$(1)/bin/python -m pip install --quiet --upgrade "pip>=24"
+$(1)/bin/python -m pip install --quiet "$(2)"
+@touch $@
+endef
+
 $(CHECKOV_STAMP):
-	rm -rf $(CHECKOV_VENV)
-	$(PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24"
-	$(CHECKOV_VENV)/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
-	@touch $@
+	$(call tool_venv,$(CHECKOV_VENV),checkov==$(CHECKOV_VERSION))
 
 checkov: $(CHECKOV_STAMP)
 
 $(SAM_STAMP):
-	rm -rf $(SAM_VENV)
-	$(PYTHON) -m venv $(SAM_VENV)
-	$(SAM_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24"
-	$(SAM_VENV)/bin/python -m pip install --quiet "aws-sam-cli==$(SAM_CLI_VERSION)"
-	@touch $@
+	$(call tool_venv,$(SAM_VENV),aws-sam-cli==$(SAM_CLI_VERSION))
 
 tools: $(SAM_STAMP) $(CHECKOV_STAMP)
 

@@ -5,9 +5,11 @@ under a timeout, its exit code left for the test to judge. Importable from every
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # The variables a child needs to run at all; nothing that names an endpoint or a credential.
 _KEPT = ("PATH", "HOME", "LANG", "TMPDIR")
@@ -32,3 +34,32 @@ def run_captured(
     return subprocess.run(
         list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def stop_process(
+    process: subprocess.Popen[Any], *, sig: signal.Signals = signal.SIGTERM, timeout: float = 10
+) -> None:
+    """Send ``sig`` to ``process`` if it is still running, give it ``timeout`` seconds to end,
+    then kill it: no child a test started outlives it."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class LineSink:
+    """A text stream that keeps what a child writes to it (``invoke``'s log lines), one
+    ``write`` a line, for the test to read back."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return

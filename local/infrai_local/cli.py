@@ -65,7 +65,7 @@ from infrai_jobs.runtime.factory import (
     with_secrets,
 )
 from infrai_local import scaffold
-from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
+from infrai_local.cli_ops import OpsContext, add_jobs_path, add_ops_commands, run_ops
 from infrai_local.drain_interrupt import (
     DEFAULT_GRACE_SECONDS,
     Finished,
@@ -337,12 +337,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "printed to stderr as `correlation_id ID`",
     )
     publish.add_argument("--create", action="store_true", help="create the queue and DLQ first")
-    publish.add_argument(
-        "--jobs-path",
-        default=None,
+    add_jobs_path(
+        publish,
+        "folder holding the `jobs` package whose jobs and payload schemas the body must match",
         metavar="FOLDER",
-        help="folder holding the `jobs` package whose jobs and payload schemas the body must "
-        "match (default: $INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
     publish.add_argument(
         "--unchecked",
@@ -357,12 +355,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="create or upgrade the claim ledger's tables, then the jobs' own "
         "(functions/jobs/migrations)",
     )
-    migrate.add_argument(
-        "--jobs-path",
-        default=None,
-        help="a code root holding the `jobs` package whose migrations to apply (default: "
-        "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
-    )
+    add_jobs_path(migrate, "a code root holding the `jobs` package whose migrations to apply")
     migrate.set_defaults(command=_cmd_migrate)
 
     new_job = sub.add_parser(
@@ -384,12 +377,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the payload field(s) naming one unit of work, comma-separated: the key is "
         "NAME:field1:field2",
     )
-    new_job.add_argument(
-        "--jobs-path",
-        default=None,
-        help="a code root holding the `jobs` package to add it to (default: $INFRAI_JOBS_PATH, "
-        "else the installed jobs package, functions/jobs)",
-    )
+    add_jobs_path(new_job, "a code root holding the `jobs` package to add it to")
     new_job.set_defaults(command=_cmd_new_job)
 
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
@@ -402,12 +390,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="act like an invocation with this much time (default 240, below the 300 s "
         "visibility timeout)",
     )
-    drain.add_argument(
-        "--jobs-path",
-        default=None,
-        help="a code root holding a `jobs` package, put first on the path (default: "
-        "$INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
-    )
+    add_jobs_path(drain, "a code root holding a `jobs` package, put first on the path")
     drain.add_argument(
         "--interrupt-grace-seconds",
         type=float,

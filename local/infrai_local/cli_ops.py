@@ -47,14 +47,27 @@ def parse_duration(text: str) -> int:
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
-    # SUPPRESS: a sub-command's own default must not overwrite `dlq --jobs-path X discard`.
+def add_jobs_path(
+    parser: argparse.ArgumentParser, what: str, *, default: Any = None, metavar: str | None = None
+) -> None:
+    """``--jobs-path``: the code root a command loads the `jobs` package from, ``what`` saying
+    what for; when it is not given, every command looks in the same places."""
     parser.add_argument(
         "--jobs-path",
+        default=default,
+        metavar=metavar,
+        help=f"{what} (default: $INFRAI_JOBS_PATH, else the installed jobs package, "
+        "functions/jobs)",
+    )
+
+
+def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a sub-command's own default must not overwrite `dlq --jobs-path X discard`.
+    add_jobs_path(
+        parser,
+        "a code root holding the `jobs` package whose key rules name the claims",
         default=argparse.SUPPRESS,
         metavar="FOLDER",
-        help="a code root holding the `jobs` package whose key rules name the claims "
-        "(default: $INFRAI_JOBS_PATH, else the installed jobs package, functions/jobs)",
     )
 
 
@@ -197,26 +210,31 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     prune.set_defaults(ops_command="claims_prune")
 
 
-def _add_deferred_commands(csub: Any) -> None:
-    """``claims run-now`` and ``claims cancel``: steering the deferred work the ledger holds."""
-    run_now_help = (
+_DEFERRED_COMMANDS = (
+    (
+        "run-now",
+        "claims_run_now",
         "make a waiting deferred job due at once: the next drain runs it (recorded in "
-        "claim_history, with you as the actor)"
-    )
-    run_now = csub.add_parser("run-now", help=run_now_help, description=run_now_help)
-    run_now.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
-    run_now.add_argument("--note", default="", help="why, for claim_history")
-    run_now.add_argument("--json", action="store_true")
-    run_now.set_defaults(ops_command="claims_run_now")
-    cancel_help = (
+        "claim_history, with you as the actor)",
+    ),
+    (
+        "cancel",
+        "claims_cancel",
         "cancel a waiting deferred job: it never runs, and a new message for its key is new "
-        "work (recorded in claim_history, with you as the actor); a running one is refused"
-    )
-    cancel = csub.add_parser("cancel", help=cancel_help, description=cancel_help)
-    cancel.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
-    cancel.add_argument("--note", default="", help="why, for claim_history")
-    cancel.add_argument("--json", action="store_true")
-    cancel.set_defaults(ops_command="claims_cancel")
+        "work (recorded in claim_history, with you as the actor); a running one is refused",
+    ),
+)
+
+
+def _add_deferred_commands(csub: Any) -> None:
+    """``claims run-now`` and ``claims cancel``: steering the deferred work the ledger holds.
+    Both take the same arguments; they differ in what they do to the job."""
+    for name, ops_command, help_text in _DEFERRED_COMMANDS:
+        command = csub.add_parser(name, help=help_text, description=help_text)
+        command.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
+        command.add_argument("--note", default="", help="why, for claim_history")
+        command.add_argument("--json", action="store_true")
+        command.set_defaults(ops_command=ops_command)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -315,12 +333,16 @@ def _queues(args: argparse.Namespace, ctx: OpsContext) -> tuple[str, str]:
 
 
 def _collect(
-    args: argparse.Namespace, ctx: OpsContext, store: DeadLetterStore
-) -> tuple[str, str, Collected]:
-    """Move what is new in Infrai's DLQ into the ledger (the ledger is checked first)."""
+    args: argparse.Namespace, ctx: OpsContext, command: str
+) -> tuple[DeadLetterStore, str, str, Collected]:
+    """Check ``COMMAND --max``, then move what is new in Infrai's DLQ into the ledger (the
+    ledger is checked first): the ledger's dead letters, the queue, its DLQ and what moved."""
+    if args.max < 1:
+        raise ConfigurationError(f"{command} --max must be at least 1")
+    store = ctx.admin().dead_letters()
     queue, dlq = _queues(args, ctx)
     collected = collect(ctx.queue(), store, dlq=dlq, main_queue=queue, key_of=ctx.key_of())
-    return queue, dlq, collected
+    return store, queue, dlq, collected
 
 
 _DLQ_COLUMNS = ["message_id", "deliveries", "idem_key", "state", "first_seen", "reason"]
@@ -336,10 +358,7 @@ def _listed(row: DeadLetterRow) -> dict[str, Any]:
 
 
 def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
-    if args.max < 1:
-        raise ConfigurationError("dlq --max must be at least 1")
-    store = ctx.admin().dead_letters()
-    queue, dlq, collected = _collect(args, ctx, store)
+    store, queue, dlq, collected = _collect(args, ctx, "dlq")
     rows = [_listed(r) for r in store.rows(queue, unresolved=not args.all, limit=args.max)]
     # Unreadable answers that named no message could not be recorded: shown, never hidden.
     rows += [
@@ -390,10 +409,7 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
 
 def _discard(args: argparse.Namespace, ctx: OpsContext) -> int:
     """Resolve each matching dead letter as discarded, recorded in claim_history."""
-    if args.max < 1:
-        raise ConfigurationError("dlq discard --max must be at least 1")
-    store = ctx.admin().dead_letters()
-    queue, dlq, _ = _collect(args, ctx, store)
+    store, queue, dlq, _ = _collect(args, ctx, "dlq discard")
     rows = store.rows(queue, message_id=args.message_id, key=args.key, limit=args.max)
     what = f"--message-id {args.message_id}" if args.message_id else f"--key {args.key}"
     if not rows:

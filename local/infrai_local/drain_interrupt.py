@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
+from infrai_local.drain_report import handler_attached
 
 T = TypeVar("T")
 
@@ -170,16 +171,8 @@ class OutcomeTally(logging.Handler):
 
     @contextlib.contextmanager
     def attached(self, logger_name: str) -> Iterator[OutcomeTally]:
-        logger = logging.getLogger(logger_name)
-        level = logger.level
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
-        logger.addHandler(self)
-        try:
+        with handler_attached(logging.getLogger(logger_name), self):
             yield self
-        finally:
-            logger.removeHandler(self)
-            logger.setLevel(level)
 
 
 @dataclass

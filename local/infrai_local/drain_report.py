@@ -59,16 +59,23 @@ class DrainReport(logging.Handler):
     @contextmanager
     def attached(self) -> Iterator[None]:
         """Receive the package's records (WARNING and up) while the block runs."""
-        package = logging.getLogger(PACKAGE_LOGGER)
-        level = package.level
-        if package.getEffectiveLevel() > logging.WARNING:
-            package.setLevel(logging.WARNING)
-        package.addHandler(self)
-        try:
+        with handler_attached(logging.getLogger(PACKAGE_LOGGER), self):
             yield
-        finally:
-            package.removeHandler(self)
-            package.setLevel(level)
+
+
+@contextmanager
+def handler_attached(logger: logging.Logger, handler: logging.Handler) -> Iterator[None]:
+    """``handler`` receives ``logger``'s records at the handler's own level while the block
+    runs: a logger set to pass less is lowered to that level, and put back afterwards."""
+    level = logger.level
+    if logger.getEffectiveLevel() > handler.level:
+        logger.setLevel(handler.level)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def report_line(record: logging.LogRecord) -> str:

@@ -303,8 +303,27 @@ def _relative(path: Path, project: Path) -> str:
         return str(path)
 
 
-_DATABASE_MODULE = textwrap.dedent(
-    '''\
+def _registration(*more_arguments: str) -> str:
+    """The end of a scaffolded module's template: its ``register``, the job's name, effect,
+    identity and fields declared, then ``more_arguments`` (each a template line of its own)."""
+    lines = [
+        "",
+        "",
+        "def register(registry: JobRegistry) -> None:",
+        "    registry.job(",
+        '        "{name}",',
+        "        effect=Effect.{effect},",
+        "        identity={identity},",
+        "        fields={{{fields}}},",
+        *(f"        {argument}" for argument in more_arguments),
+        "    )(handle)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+_DATABASE_MODULE = (
+    textwrap.dedent(
+        '''\
     {docstring}
 
     from __future__ import annotations
@@ -329,16 +348,9 @@ _DATABASE_MODULE = textwrap.dedent(
         row = ctx.db.execute(_INSERT, params).fetchone()
         assert row is not None  # INSERT ... RETURNING answers its row
         return {{{returned}}}
-
-
-    def register(registry: JobRegistry) -> None:
-        registry.job(
-            "{name}",
-            effect=Effect.{effect},
-            identity={identity},
-            fields={{{fields}}},
-        )(handle)
     '''
+    )
+    + _registration()
 )
 
 _EXTERNAL_MODULE = textwrap.dedent(
@@ -382,18 +394,8 @@ _EXTERNAL_MODULE = textwrap.dedent(
         except ValueError:
             answer = {{}}
         return {{"provider_id": answer.get("id") if isinstance(answer, dict) else None}}
-
-
-    def register(registry: JobRegistry) -> None:
-        registry.job(
-            "{name}",
-            effect=Effect.{effect},
-            identity={identity},
-            fields={{{fields}}},
-            settings=({setting},),
-        )(handle)
     """
-)
+) + _registration("settings=({setting},),")
 
 _TEST_HEADER = textwrap.dedent(
     '''\

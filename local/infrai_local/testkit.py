@@ -184,12 +184,7 @@ class JobKit:
         with self._raising(name, raising):
             self.publish(payload)
             summaries = [self._deliver() for _ in range(MAX_RECEIVE_COUNT)]
-        outcomes = [dict(s.outcomes) for s in summaries]
-        self._expect(
-            outcomes == [{"retry": 1}] * MAX_RECEIVE_COUNT,
-            f"{key}: outcomes per delivery were {outcomes}, not one retry each",
-            summaries,
-        )
+        self._expect_every_delivery(key, "retry", summaries, "one retry each")
         self._expect(
             self.ledger.get(key) is None,
             f"{key}: the claim is {_state(self.ledger.get(key))}, not released",
@@ -214,12 +209,7 @@ class JobKit:
             summaries = [self._deliver()]
         summaries += [self._deliver() for _ in range(MAX_RECEIVE_COUNT - 1)]
         claim = self.ledger.get(key)
-        outcomes = [dict(s.outcomes) for s in summaries]
-        self._expect(
-            outcomes == [{"stuck": 1}] * MAX_RECEIVE_COUNT,
-            f"{key}: outcomes per delivery were {outcomes}, not stuck each time",
-            summaries,
-        )
+        self._expect_every_delivery(key, "stuck", summaries, "stuck each time")
         self._expect(
             claim is not None and claim.state == "running" and claim.error is not None,
             f"{key}: the claim is {_state(claim)}, not running and flagged",
@@ -311,6 +301,18 @@ class JobKit:
             return result
 
         return run
+
+    def _expect_every_delivery(
+        self, key: str, outcome: str, summaries: list[DrainSummary], expected: str
+    ) -> None:
+        """Each of the message's ``MAX_RECEIVE_COUNT`` deliveries (a drain each) ended as
+        ``outcome``; ``expected`` words that for the failure message."""
+        outcomes = [dict(s.outcomes) for s in summaries]
+        self._expect(
+            outcomes == [{outcome: 1}] * MAX_RECEIVE_COUNT,
+            f"{key}: outcomes per delivery were {outcomes}, not {expected}",
+            summaries,
+        )
 
     def _expect_dead_lettered(
         self, key: str, dead_before: int, summaries: list[DrainSummary]

@@ -69,6 +69,7 @@ from typing import Any, LiteralString
 
 import psycopg
 import urllib3
+from child_process import stop_process
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from soak_jobs import (
@@ -586,13 +587,7 @@ class ServiceProcess:
     log_path: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         if self.process.stdout is not None:
             self.process.stdout.close()
 

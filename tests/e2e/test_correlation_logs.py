@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from child_process import clean_env, run_captured
+from child_process import LineSink, clean_env, run_captured
 
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import invoke, resolve
@@ -17,18 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-
-
-class _Lines:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.lines.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        return
 
 
 def publish(services: dict[str, str], body: dict[str, object], *args: str) -> tuple[list[str], str]:
@@ -63,7 +51,7 @@ def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
     assert traced_id == TRACE_ID
     # When DrainFunction is invoked with the schedule event
     spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    logs = _Lines()
+    logs = LineSink()
     result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
     assert result.ok, result.payload
     assert result.payload["done"] == 2

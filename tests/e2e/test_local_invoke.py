@@ -14,7 +14,7 @@ import psycopg
 import pytest
 import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
-from child_process import clean_env, run_captured
+from child_process import LineSink, clean_env, run_captured
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.migrations import apply_migrations
@@ -42,7 +42,7 @@ def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, 
     client.publish("billing-jobs", payload)
     # When DrainFunction is invoked with the repo's schedule event and env-vars file
     spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    logs = _Lines()
+    logs = LineSink()
     result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
     # Then it returned the summary, the ledger holds one done claim, and the queue is empty
     assert result.ok, result.payload
@@ -133,12 +133,12 @@ def test_the_context_counts_down_from_the_timeout_and_a_slow_handler_is_killed(
     (tmp_path / "slow.json").write_text('{"sleep": 120}')
     spec = resolve("Quick", root=tmp_path)
     # When invoked quickly, Then the remaining time is within the timeout
-    fast = invoke(spec, tmp_path / "fast.json", log_stream=_Lines())
+    fast = invoke(spec, tmp_path / "fast.json", log_stream=LineSink())
     assert fast.ok
     assert 0 < fast.payload["remaining"] <= 2000
     assert fast.payload["name"] == "Quick"
     # When the handler outlives its timeout, Then it is killed and reported as Lambda does
-    slow = invoke(spec, tmp_path / "slow.json", log_stream=_Lines())
+    slow = invoke(spec, tmp_path / "slow.json", log_stream=LineSink())
     assert slow.timed_out
     assert slow.payload == {"errorMessage": "Task timed out after 2.00 seconds"}
     # Killed, not waited for: long before its 120 s sleep could have ended
@@ -183,20 +183,6 @@ def _cli_invoke(function: str, folder: Path, *extra: str) -> subprocess.Complete
     )
 
 
-class _Lines:
-    """A text sink for the child's log lines."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.lines.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        return
-
-
 def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
     services: dict[str, str], tmp_path: Path
 ) -> None:
@@ -208,7 +194,7 @@ def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
     event = {"infrai_jobs_fan_out": {"queue": "billing-jobs", "drain_id": slot, "started_by": "x"}}
     (tmp_path / "fan-out.json").write_text(json.dumps(event))
     spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    logs = _Lines()
+    logs = LineSink()
     # When DrainFunction is invoked with it
     result = invoke(spec, tmp_path / "fan-out.json", log_stream=logs, extra_env=services)
     # Then every log line carries the slot's id as its correlation id
@@ -219,7 +205,7 @@ def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
     assert {r.get("correlation_id") for r in log_lines} == {slot}
 
 
-def assert_every_line_correlates(logs: _Lines, event_file: Path) -> None:
+def assert_every_line_correlates(logs: LineSink, event_file: Path) -> None:
     """Every Powertools log line of the invocation has the event's id as its correlation id."""
     event_id = json.loads(event_file.read_text())["id"]
     records = [json.loads(line) for line in logs.lines if line.startswith("{")]
@@ -248,7 +234,7 @@ def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, 
     _dead_letter(services, {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1})
     # When DlqAlertFunction is invoked with its schedule event (no topic locally: it prints)
     spec = resolve("DlqAlertFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    logs = _Lines()
+    logs = LineSink()
     result = invoke(
         spec,
         EVENTS / "dlq-alert-schedule.json",
@@ -274,7 +260,9 @@ def test_redrive_function_moves_dead_letters_back(services: dict[str, str]) -> N
     )
     spec = resolve("RedriveFunction", root=ROOT, env_vars=EVENTS / "env.json")
     # When RedriveFunction is first invoked with events/redrive-dry-run.json
-    looked = invoke(spec, EVENTS / "redrive-dry-run.json", log_stream=_Lines(), extra_env=services)
+    looked = invoke(
+        spec, EVENTS / "redrive-dry-run.json", log_stream=LineSink(), extra_env=services
+    )
     # Then it moved the dead letter into the ledger and published nothing
     assert looked.ok, looked.payload
     assert (looked.payload["dry_run"], looked.payload["recorded"]) == (True, 1)
@@ -282,7 +270,7 @@ def test_redrive_function_moves_dead_letters_back(services: dict[str, str]) -> N
     assert [row["idem_key"] for row in looked.payload["seen"]] == ["invoice.finalize:inv_8812"]
     assert client.stats("billing-jobs").dlq_count == 0
     # When it is invoked with events/redrive.json right after (no visibility timeout to wait)
-    result = invoke(spec, EVENTS / "redrive.json", log_stream=_Lines(), extra_env=services)
+    result = invoke(spec, EVENTS / "redrive.json", log_stream=LineSink(), extra_env=services)
     # Then it published the ledger's dead letter and says what the publishes cost
     assert result.ok, result.payload
     assert (result.payload["selected"], result.payload["published"]) == (1, 1)
@@ -297,7 +285,7 @@ def test_redrive_function_rejects_a_bad_event_clearly(
 ) -> None:
     (tmp_path / "bad.json").write_text('{"max_messages": "all"}')
     spec = resolve("RedriveFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    result = invoke(spec, tmp_path / "bad.json", log_stream=_Lines(), extra_env=services)
+    result = invoke(spec, tmp_path / "bad.json", log_stream=LineSink(), extra_env=services)
     assert not result.ok
     assert result.payload["errorType"] == "ConfigurationError"
     assert result.payload["errorMessage"] == "max_messages must be an integer"
@@ -310,7 +298,7 @@ def test_prune_function_deletes_old_settled_claims(services: dict[str, str]) -> 
             " ('old', 'done', 'm', now() - interval '60 days'), ('new', 'done', 'm', now())"
         )
     spec = resolve("PruneFunction", root=ROOT, env_vars=EVENTS / "env.json")
-    logs = _Lines()
+    logs = LineSink()
     result = invoke(spec, EVENTS / "prune-schedule.json", log_stream=logs, extra_env=services)
     assert result.ok, result.payload
     assert result.payload == {"deleted": 1, "batches": 1, "older_than_days": 30}
@@ -622,6 +610,27 @@ def test_the_readmes_invoke_command_runs_as_written_in_a_fresh_shell() -> None:
     assert "api.infrai.cc" not in output
 
 
+def _invoke_from_shell(
+    function: str, event: str, env_vars: Path, *, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs invoke FUNCTION --event EVENT --env-vars ENV_VARS`` in a child process,
+    run from the checkout's root with only ``env`` as its environment."""
+    return run_captured(
+        [
+            str(Path(sys.executable).parent / "infrai-jobs"),
+            "invoke",
+            function,
+            "--event",
+            event,
+            "--env-vars",
+            str(env_vars),
+        ],
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
 def test_a_template_default_endpoint_is_not_a_choice_the_user_made(database_url: str) -> None:
     # Given an env-vars file that sets nothing, so InfraiBaseUrl keeps the template's Default
     spec = resolve("DrainFunction", root=ROOT)
@@ -635,19 +644,11 @@ def test_a_template_default_endpoint_is_not_a_choice_the_user_made(database_url:
     # When DrainFunction is invoked with a real ledger from the shell and no Infrai URL
     with psycopg.connect(database_url, autocommit=True) as conn:
         apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
-    finished = run_captured(
-        [
-            str(Path(sys.executable).parent / "infrai-jobs"),
-            "invoke",
-            "DrainFunction",
-            "--event",
-            "events/drain-schedule.json",
-            "--env-vars",
-            str(EVENTS / "env.json"),
-        ],
+    finished = _invoke_from_shell(
+        "DrainFunction",
+        "events/drain-schedule.json",
+        EVENTS / "env.json",
         env=clean_env(DATABASE_URL=database_url),
-        cwd=ROOT,
-        timeout=120,
     )
     # Then INFRAI_BASE_URL counts as unset: a configuration error naming it, no handler ran,
     # and the hosted service's address appears nowhere
@@ -698,19 +699,8 @@ def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
             json.dumps({"Parameters": services, "DlqAlertFunction": {"ALERT_TOPIC_ARN": topic}})
         )
         # When DlqAlertFunction is invoked from that shell
-        finished = run_captured(
-            [
-                str(Path(sys.executable).parent / "infrai-jobs"),
-                "invoke",
-                "DlqAlertFunction",
-                "--event",
-                "events/dlq-alert-schedule.json",
-                "--env-vars",
-                str(env_vars),
-            ],
-            env=clean_env(**aws),
-            cwd=ROOT,
-            timeout=120,
+        finished = _invoke_from_shell(
+            "DlqAlertFunction", "events/dlq-alert-schedule.json", env_vars, env=clean_env(**aws)
         )
         # Then the alert went to SNS through moto, signed with the forwarded credentials
         assert finished.returncode == 0, finished.stdout + finished.stderr

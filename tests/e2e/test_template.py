@@ -514,6 +514,19 @@ def resolved_dimensions(template: dict[str, Any], dimensions: list[dict[str, Any
     }
 
 
+def alarm_reading_emitted(
+    template: dict[str, Any], emitted: dict[str, Any], alarm_name: str, metric: str
+) -> dict[str, Any]:
+    """The properties of the alarm ``alarm_name``, once it is seen to read ``metric`` in the
+    series the code emits: the same namespace, metric name and dimensions (a parameter's default
+    standing for its Ref)."""
+    props: dict[str, Any] = alarms(template)[alarm_name]["Properties"]
+    namespace, dimensions = emitted[metric]
+    assert (props["Namespace"], props["MetricName"]) == (namespace, metric)
+    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    return props
+
+
 def drain_schedule_rate_seconds(template: dict[str, Any]) -> int:
     rate = template["Parameters"]["DrainScheduleRate"]["Default"]
     match = re.fullmatch(r"rate\((\d+) minutes?\)", rate)
@@ -673,13 +686,10 @@ def test_dlq_count_and_stuck_claims_page_on_the_metrics_the_watcher_emits(
 ) -> None:
     # Given the backstop alarm and the EMF the watcher's code emits with the template's settings
     template = load_template()
-    props = alarms(template)[alarm_name]["Properties"]
     emitted = emitted_metrics(template, capsys)
     # When the alarm's namespace, metric and dimensions are compared with what is emitted
-    namespace, dimensions = emitted[metric]
     # Then they are the same series, and any value above zero pages
-    assert (props["Namespace"], props["MetricName"]) == (namespace, metric)
-    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    props = alarm_reading_emitted(template, emitted, alarm_name, metric)
     assert (props["Threshold"], props["ComparisonOperator"]) == (0, "GreaterThanThreshold")
     assert props["Statistic"] == "Maximum"
     # And between two checks the last verdict stands
@@ -691,13 +701,12 @@ def test_a_visibility_mismatch_pages_and_is_on_the_dashboard(
 ) -> None:
     # Given the visibility mismatch alarm and what the drain's code emits
     template = load_template()
-    props = alarms(template)["VisibilityMismatchAlarm"]["Properties"]
     emitted = emitted_metrics(template, capsys)
     # When the alarm's series is compared with the drain's
-    namespace, dimensions = emitted["VisibilityMismatch"]
     # Then it reads the drain's own series, and one mismatch in five minutes pages
-    assert (props["Namespace"], props["MetricName"]) == (namespace, "VisibilityMismatch")
-    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    props = alarm_reading_emitted(
+        template, emitted, "VisibilityMismatchAlarm", "VisibilityMismatch"
+    )
     assert (props["Statistic"], props["Period"]) == ("Sum", 300)
     assert (props["Threshold"], props["ComparisonOperator"]) == (
         1,
@@ -706,9 +715,7 @@ def test_a_visibility_mismatch_pages_and_is_on_the_dashboard(
     # And the description names the setting to fix
     assert "INFRAI_VISIBILITY_TIMEOUT_SECONDS" in props["AlarmDescription"]
     # And the dashboard charts the metric and shows the alarm
-    widgets = dashboard(template)["widgets"]
-    charted = {row[1] for w in widgets for row in w["properties"].get("metrics", [])}
-    shown_alarms = {a for w in widgets for a in w["properties"].get("alarms", [])}
+    charted, shown_alarms = dashboard_charts_and_alarms(template)
     assert "VisibilityMismatch" in charted
     assert "<VisibilityMismatchAlarm.Arn>" in shown_alarms
 
@@ -728,6 +735,14 @@ def dashboard(template: dict[str, Any]) -> dict[str, Any]:
 
     document: dict[str, Any] = json.loads(re.sub(r"\$\{([^}]+)\}", value, body))
     return document
+
+
+def dashboard_charts_and_alarms(template: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """The metric names the dashboard charts, and the alarms (as ``<Name.Arn>``) it shows."""
+    widgets = dashboard(template)["widgets"]
+    charted = {row[1] for w in widgets for row in w["properties"].get("metrics", [])}
+    shown_alarms = {a for w in widgets for a in w["properties"].get("alarms", [])}
+    return charted, shown_alarms
 
 
 def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
@@ -776,22 +791,19 @@ def test_the_oldest_deferred_job_pages_past_its_parameter_and_is_on_the_dashboar
 ) -> None:
     # Given the deferred-age alarm, the dashboard, and what the watcher's code emits
     template = load_template()
-    props = alarms(template)["OldestDeferredAlarm"]["Properties"]
     emitted = emitted_metrics(template, capsys)
     # When the alarm's series is compared with the watcher's
-    namespace, dimensions = emitted["OldestDeferredAgeSeconds"]
     # Then it reads that series, and pages above the parameter's threshold (an hour by default)
-    assert (props["Namespace"], props["MetricName"]) == (namespace, "OldestDeferredAgeSeconds")
-    assert resolved_dimensions(template, props["Dimensions"]) == dimensions
+    props = alarm_reading_emitted(
+        template, emitted, "OldestDeferredAlarm", "OldestDeferredAgeSeconds"
+    )
     assert props["Threshold"] == {"Ref": "DeferredAgeAlarmSeconds"}
     assert template["Parameters"]["DeferredAgeAlarmSeconds"]["Default"] == 3600
     assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
     assert "claims list --state deferred" in " ".join(props["AlarmDescription"].split())
     # And the watcher emits the backlog too, and the dashboard charts all three with the alarm
     assert "DeferredBacklog" in emitted
-    widgets = dashboard(template)["widgets"]
-    charted = {row[1] for w in widgets for row in w["properties"].get("metrics", [])}
-    shown_alarms = {a for w in widgets for a in w["properties"].get("alarms", [])}
+    charted, shown_alarms = dashboard_charts_and_alarms(template)
     assert {"JobsDeferred", "DeferredBacklog", "OldestDeferredAgeSeconds"} <= charted
     assert "<OldestDeferredAlarm.Arn>" in shown_alarms
 

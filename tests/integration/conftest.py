@@ -1,4 +1,5 @@
-"""Fixtures the integration tests share: a real Redis for the second layer's tests."""
+"""Fixtures the integration tests share: the drain harness (``kit``) and a real Redis for the
+second layer's tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 from aws_lambda_powertools.utilities import parameters
+from drainkit import Harness, harness
 from redis_server import wait_for_redis
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    """The drain harness on this test's own database; a test module that needs the harness set
+    up its own way defines its own ``kit``."""
+    with harness(database_url) as h:
+        yield h
 
 
 def _free_port() -> int:

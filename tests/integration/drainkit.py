@@ -17,15 +17,15 @@ from typing import Any
 import psycopg
 import urllib3
 from child_process import run_captured
+from job_modes import fail_as_asked
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
-from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.ledger.migrations import apply_migrations
+from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_local import emulator as emulator_module
@@ -54,15 +54,6 @@ CREATE TABLE IF NOT EXISTS test_external_effects (idem_key text NOT NULL);
 def add_test_jobs(registry: JobRegistry, database_url: str) -> None:
     """``test.db`` and ``test.ext`` count their effects in tables; ``mode`` steers failures."""
 
-    def fail_as(payload: Payload) -> None:
-        mode = payload.get("mode", "ok")
-        if mode == "transient":
-            raise RuntimeError("simulated transient failure")
-        if mode == "permanent":
-            raise PermanentJobError("simulated permanent failure")
-        if mode == "uncertain":
-            raise EffectUncertain("simulated timeout after the call")
-
     @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
     def db_job(payload: Payload, ctx: JobContext) -> JsonValue:
         assert ctx.db is not None
@@ -70,7 +61,7 @@ def add_test_jobs(registry: JobRegistry, database_url: str) -> None:
             "INSERT INTO test_effects (idem_key, message_id) VALUES (%s, %s)",
             (ctx.idem_key, ctx.message_id),
         )
-        fail_as(payload)  # after the effect: a failure must roll it back
+        fail_as_asked(payload)  # after the effect: a failure must roll it back
         return {"id": payload["id"]}
 
     @registry.job("test.ext", effect=Effect.EXTERNAL, identity=("id",))
@@ -79,7 +70,7 @@ def add_test_jobs(registry: JobRegistry, database_url: str) -> None:
             # An effect outside the ledger's transaction: it cannot be rolled back.
             with psycopg.connect(database_url, autocommit=True) as conn:
                 conn.execute("INSERT INTO test_external_effects VALUES (%s)", (ctx.idem_key,))
-        fail_as(payload)
+        fail_as_asked(payload)
         return {"sent": payload["id"]}
 
 
@@ -154,6 +145,31 @@ class Harness:
     def external_effects(self, key: str) -> int:
         rows = self.sql("SELECT count(*) FROM test_external_effects WHERE idem_key = %s", (key,))
         return int(rows[0][0])
+
+
+class RecordingAlerter:
+    """An alerter that keeps the subject of every alert it is handed, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def publish(self, subject: str, message: str) -> None:
+        self.sent.append(subject)
+
+
+def migrate_by_hand(conn: psycopg.Connection[Any], *, up_to: int) -> None:
+    """Apply the ledger's first ``up_to`` migrations and record each as applied, the state a
+    ledger of that version's code is in, so a test can watch migrate add the rest to it."""
+    conn.execute(
+        "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    for migration in MIGRATIONS[:up_to]:
+        conn.execute(migration.sql)
+        conn.execute(
+            "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
+            (migration.version, migration.name),
+        )
 
 
 def prepare_database(database_url: str) -> None:

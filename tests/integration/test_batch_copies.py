@@ -23,10 +23,10 @@ from drainkit import QUEUE as DRAIN_QUEUE
 from drainkit import Harness, harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from job_modes import fail_as_asked
 
 from infrai_jobs.drain.batch import MessageResult, process_batch
 from infrai_jobs.drain.model import DrainConfig
-from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
@@ -105,13 +105,7 @@ class Ledgers:
 
         def handler(payload: Payload, ctx: JobContext) -> JsonValue:
             self.runs.append(ctx.message_id)
-            behaviour = payload["behaviour"]
-            if behaviour == "transient":
-                raise RuntimeError("downstream refused")
-            if behaviour == "permanent":
-                raise PermanentJobError("bad work")
-            if behaviour == "uncertain":
-                raise EffectUncertain("the call timed out after sending")
+            fail_as_asked(payload, "behaviour")
             return {"ran": ctx.message_id}
 
         for effect, name in JOB_OF.items():

@@ -7,20 +7,13 @@ keys with its registry, as DrainFunction does; without one they stop before read
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from drainkit import DLQ, QUEUE, Harness, harness, run_cli
+from drainkit import DLQ, QUEUE, Harness, run_cli
 
 # receipt.send keys by its own rule (receipt.send:{invoice_id}); the layer knows no such rule.
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_far", "email": "ada@example.com"}
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def failed_receipt_in_the_dlq(kit: Harness) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from drainkit import QUEUE, Harness, child_env, harness, run_cli
+from notes_example import NOTES_PAYLOAD
 
 from infrai_jobs.errors import InvalidPayload
 from infrai_jobs.jobs.correlation import CORRELATION_FIELD, TRACEPARENT_FIELD
@@ -24,7 +25,6 @@ from infrai_jobs.runtime.observability import MessageTracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 
 
 @pytest.fixture

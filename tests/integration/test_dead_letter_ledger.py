@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import textwrap
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from drainkit import DLQ, QUEUE, Harness, harness, run_cli, run_until_killed
+from drainkit import DLQ, QUEUE, Harness, RecordingAlerter, run_cli, run_until_killed
 
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
@@ -23,20 +21,6 @@ RECEIPTS = [
 ]
 # Nothing listens on port 1: the ledger cannot be reached. The password must never be shown.
 UNREACHABLE = "postgresql://ops:hunter2-secret@127.0.0.1:1/ledger"
-
-
-class RecordingAlerter:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def publish(self, subject: str, message: str) -> None:
-        self.sent.append(subject)
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def _dead_letter(kit: Harness, payloads: list[dict[str, Any]]) -> None:

@@ -8,32 +8,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, Harness, harness, run_cli
+from drainkit import OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
 
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.flow.ledger import DeferredWork
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
 from infrai_jobs.runtime.observability import record_alert_check
-
-
-class RecordingAlerter:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def publish(self, subject: str, message: str) -> None:
-        self.sent.append(subject)
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def _payload(name: str) -> dict[str, Any]:

@@ -15,14 +15,8 @@ from typing import Any
 
 import pytest
 import urllib3
-from drainkit import DLQ, QUEUE, Harness, harness
+from drainkit import DLQ, QUEUE, Harness
 from test_operator_cli import ROOT, run_cli
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 @dataclass

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import pytest
-from drainkit import QUEUE, Harness, harness, run_until_killed
+from drainkit import QUEUE, Harness, run_until_killed
 
 from infrai_jobs.drain.batch import process_batch
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
@@ -36,12 +35,6 @@ KILL_AT_ACK = textwrap.dedent(
           lambda: 120_000)
     """
 )
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def _terminate(kit: Harness, conn: psycopg.Connection[Any]) -> int:

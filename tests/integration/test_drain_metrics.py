@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from aws_lambda_powertools import Metrics
-from drainkit import QUEUE, Harness, harness
+from drainkit import QUEUE, Harness
 
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.runtime.observability import DRAIN_METRICS, OUTCOME_METRICS, record_drain
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def _seed(

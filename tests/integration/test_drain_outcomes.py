@@ -11,6 +11,7 @@ import psycopg
 import pytest
 import urllib3
 from drainkit import DLQ, QUEUE, Harness, harness
+from notes_example import NOTES_PAYLOAD
 
 from infrai_jobs.drain.batch import process_batch
 from infrai_jobs.drain.model import DrainConfig
@@ -19,7 +20,6 @@ from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.outcomes import Outcome
 from infrai_jobs.queue.models import QueueMessage
 
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 NOTES_KEY = "invoice.finalize:inv_8812"
 
 

@@ -28,6 +28,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 import pytest
+from notes_example import NOTES_PAYLOAD
 
 from infrai_local.emulator import (
     MAX_BODY_BYTES,
@@ -40,7 +41,6 @@ from infrai_local.emulator import http as emulator_http
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 VISIBILITY = 300
 MESSAGE_ID = re.compile(r"^qmsg_[0-9A-Za-z]{24}$")
 PUBLISHED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")

@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from drainkit import migrate_by_hand
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import ledger as flow
@@ -98,16 +99,7 @@ def _in_threads(count: int, target: Callable[[int], Any]) -> list[Any]:
 def test_flow_control_migration_only_adds_to_a_ledger_at_version_6(database_url: str) -> None:
     # Given a ledger at version 6 holding a claim the notes' worker wrote
     with psycopg.connect(database_url, autocommit=True) as conn, conn.transaction():
-        conn.execute(
-            "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for migration in MIGRATIONS[:6]:
-            conn.execute(migration.sql)
-            conn.execute(
-                "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
-                (migration.version, migration.name),
-            )
+        migrate_by_hand(conn, up_to=6)
         conn.execute(
             "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k1', 'done', 'q1')"
         )

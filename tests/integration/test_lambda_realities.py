@@ -10,12 +10,11 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
-import pytest
-from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, harness, run_concurrently
+from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, run_concurrently
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
@@ -63,12 +62,6 @@ TIMED_OUT_INVOCATION = textwrap.dedent(
     """
 )
 INVOCATION_SECONDS = 3.0
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def countdown(seconds: float) -> Callable[[], int]:

@@ -7,7 +7,7 @@ import time
 
 import psycopg
 import pytest
-from drainkit import run_concurrently
+from drainkit import migrate_by_hand, run_concurrently
 
 from infrai_jobs.errors import LedgerError, SchemaNotMigrated
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
@@ -112,16 +112,7 @@ def test_a_schema_check_the_server_refuses_is_a_ledger_error_and_leaves_no_conne
 def test_the_dead_letter_migration_is_additive_on_a_ledger_in_use(database_url: str) -> None:
     # Given a ledger migrated up to the version before dead letters, holding a claim
     with psycopg.connect(database_url, autocommit=True) as conn, conn.transaction():
-        conn.execute(
-            "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for migration in MIGRATIONS[:5]:
-            conn.execute(migration.sql)
-            conn.execute(
-                "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
-                (migration.version, migration.name),
-            )
+        migrate_by_hand(conn, up_to=5)
         conn.execute(
             "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('k1', 'done', 'q1')"
         )

@@ -11,12 +11,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from child_process import run_captured
-from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, harness, run_cli
+from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, run_cli
 
 RUFF = str(Path(sys.executable).parent / "ruff")
 # Names no team would give a job of its own, so the tests hold in any checkout (the issue's
@@ -24,12 +23,6 @@ RUFF = str(Path(sys.executable).parent / "ruff")
 WALK_JOB, WALK_MODULE = "newjob_check.refund", "newjob_check_refund"
 LINT_JOB, LINT_MODULE = "newjob_check.report", "newjob_check_report"
 PYTEST = str(Path(sys.executable).parent / "pytest")
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 @pytest.fixture

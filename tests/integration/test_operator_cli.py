@@ -13,7 +13,6 @@ import signal
 import subprocess
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from drainkit import (
     ROOT,
     Harness,
     cli_environment,
-    harness,
     run_cli,
     start_cli,
 )
@@ -68,12 +66,6 @@ JOBS_PACKAGE = textwrap.dedent(
         return registry
     """
 )
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 @pytest.fixture

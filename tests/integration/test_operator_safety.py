@@ -25,7 +25,7 @@ from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.redrive import _reopen, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
-from infrai_local import emulator, provider_sink
+from infrai_local import emulator
 from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,15 +94,6 @@ def queue() -> Iterator[InfraiClient]:
         server.stop()
 
 
-@pytest.fixture
-def sink_url() -> Iterator[str]:
-    sink = provider_sink.start_in_thread()
-    try:
-        yield sink.url
-    finally:
-        sink.stop()
-
-
 def migrated(database_url: str) -> str:
     with psycopg.connect(database_url, autocommit=True) as conn:
         apply_migrations(conn)
@@ -119,11 +110,13 @@ def still_waiting(client: InfraiClient) -> bool:
 
 
 def test_a_drain_of_a_real_queue_without_database_url_consumes_nothing(
-    queue: InfraiClient, sink_url: str
+    queue: InfraiClient, job_kit_provider_url: str
 ) -> None:
     # Given a real queue holding a job, a provider, and no DATABASE_URL
     env = base_env(
-        INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, **sink_settings(sink_url)
+        INFRAI_BASE_URL=queue.base_url,
+        INFRAI_API_KEY=API_KEY,
+        **sink_settings(job_kit_provider_url),
     )
     # When the drain runs
     finished = run("drain", env=env)
@@ -266,7 +259,7 @@ def test_a_missing_queue_points_at_the_server_as_well_as_the_name(queue: InfraiC
 
 
 def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
-    queue: InfraiClient, sink_url: str, database_url: str, tmp_path: Path
+    queue: InfraiClient, job_kit_provider_url: str, database_url: str, tmp_path: Path
 ) -> None:
     # Given an env-vars file that leaves DATABASE_URL empty (as events/env.json does) and a
     # shell whose DATABASE_URL names a database never migrated
@@ -277,7 +270,7 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
             "INFRAI_API_KEY": API_KEY,
             "INFRAI_API_KEY_PARAMETER": "",
             "DATABASE_URL": "",
-            **sink_settings(sink_url),
+            **sink_settings(job_kit_provider_url),
         },
     )
     # When DrainFunction is invoked
@@ -442,14 +435,14 @@ def test_local_tools_missing_from_a_plain_install_name_the_extra(
 
 
 def test_a_drain_on_an_unmigrated_database_says_migrate_and_consumes_nothing(
-    queue: InfraiClient, sink_url: str, database_url: str
+    queue: InfraiClient, job_kit_provider_url: str, database_url: str
 ) -> None:
     # Given a real queue and provider, and a database never migrated
     env = base_env(
         INFRAI_BASE_URL=queue.base_url,
         INFRAI_API_KEY=API_KEY,
         DATABASE_URL=database_url,
-        **sink_settings(sink_url),
+        **sink_settings(job_kit_provider_url),
     )
     # When the drain runs
     finished = run("drain", env=env)

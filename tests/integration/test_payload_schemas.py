@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 from drainkit import QUEUE, Harness, harness, run_cli
+from notes_example import NOTES_PAYLOAD
 
 from infrai_jobs.errors import InfraiError, InvalidPayload, KeyDerivationError
 from infrai_jobs.queue.producer import publish_checked
 
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 MISTYPED = {**NOTES_PAYLOAD, "amount_cents": "4900"}
 MISTYPED_REASON = "job 'invoice.finalize': field 'amount_cents' must be an integer, got string"
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import urllib3
+from notes_example import DLQ, NOTES_PAYLOAD, QUEUE
 
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -25,9 +26,6 @@ from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_local.emulator import start_in_thread
 
 API_KEY = "sk_live_do_not_print_4f9a2c"
-QUEUE = "billing-jobs"
-DLQ = "billing-jobs-dlq"
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 
 
 class SleepRecorder:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import urllib3
 from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, Harness, harness, run_cli
+from drainkit import OPERATOR, QUEUE, Harness, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
@@ -32,12 +31,6 @@ from infrai_jobs.runtime.observability import record_alert_check
 
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "ada@example.com"}
 DIGEST = {"job": "digest.build", "tenant_id": "t_1", "period": "2026-11"}
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def key_of(kit: Harness, payload: Payload) -> str:

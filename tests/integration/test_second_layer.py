@@ -26,7 +26,7 @@ import pytest
 import redis
 import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
-from drainkit import QUEUE, Harness, harness
+from drainkit import QUEUE, Harness
 from moto import mock_aws
 
 from infrai_jobs.aws.second_layer import (
@@ -151,12 +151,6 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         for key in client.scan_iter(match=f"{prefix}#*"):
             client.delete(key)
         client.close()
-
-
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
 
 
 def forget_ledger_row(kit: Harness, key: str) -> None:

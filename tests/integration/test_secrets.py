@@ -3,18 +3,17 @@ refreshed once after a rotation; and never printed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import boto3
 import psycopg
 import pytest
 from aws_lambda_powertools.utilities import parameters
-from drainkit import QUEUE, Harness, harness
+from drainkit import QUEUE, Harness
+from function_apps import load_function_app
 from moto import mock_aws
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -155,12 +154,6 @@ def test_the_client_refreshes_a_rotated_api_key_once(aws: dict[str, Any]) -> Non
         server.stop()
 
 
-@pytest.fixture
-def kit(database_url: str) -> Iterator[Harness]:
-    with harness(database_url) as h:
-        yield h
-
-
 def test_no_secret_appears_in_the_output_of_a_whole_drain(
     kit: Harness, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -204,12 +197,7 @@ def test_redrive_function_picks_up_a_rotated_api_key_in_a_warm_environment(
         }.items():
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("INFRAI_API_KEY", raising=False)
-        path = Path(__file__).resolve().parents[2] / "functions" / "redrive" / "app.py"
-        spec = importlib.util.spec_from_file_location("redrive_app_under_test", path)
-        assert spec is not None
-        assert spec.loader is not None
-        app = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(app)
+        app = load_function_app("redrive")
         _, queue = app.dependencies()
         # When the key is rotated in SSM (Infrai now takes only the new one)
         aws["ssm"].put_parameter(
@@ -242,16 +230,6 @@ class _Context:
 
     def get_remaining_time_in_millis(self) -> int:
         return 60_000
-
-
-def _load_app(function: str) -> Any:
-    path = Path(__file__).resolve().parents[2] / "functions" / function / "app.py"
-    spec = importlib.util.spec_from_file_location(f"{function}_app_under_test", path)
-    assert spec is not None
-    assert spec.loader is not None
-    app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app)
-    return app
 
 
 # Each function, warmed up (its adapters built), an event that makes it use the ledger, and the
@@ -302,7 +280,7 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
         }.items():
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("DATABASE_URL", raising=False)
-        app = _load_app(function)
+        app = load_function_app(function)
         warm_up(app)
         aws["secrets"].put_secret_value(SecretId=arn, SecretString=database_url)
         refreshes = _Actions()

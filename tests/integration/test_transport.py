@@ -7,7 +7,6 @@ answer in the ways a real origin, load balancer or broken proxy might, byte for 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import ipaddress
 import socket
 import ssl
@@ -19,9 +18,7 @@ from typing import BinaryIO
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from tls_certificates import issue_certificates
 
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -615,81 +612,19 @@ def test_exchanges_to_a_silent_server_read_one_after_another_expire_together(
 # --- TLS -----------------------------------------------------------------------------------------
 
 
+TEST_CA = "infrai-jobs test CA"
 LOOPBACK_NAMES: list[x509.GeneralName] = [
     x509.DNSName("localhost"),
     x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
 ]
 
 
-def _certificates(tmp: Path, names: list[x509.GeneralName]) -> tuple[Path, Path, Path]:
-    """A CA, and a server certificate for ``names`` signed by it."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "infrai-jobs test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(
-            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName(names),
-            critical=False,
-        )
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca_path, cert_path, key_path = tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
-    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_path.write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return ca_path, cert_path, key_path
-
-
 def _tls_server(
     tmp: Path, serve: Callable[..., ScriptedServer], names: list[x509.GeneralName]
 ) -> tuple[ScriptedServer, Path]:
-    ca_path, cert_path, key_path = _certificates(tmp, names)
+    ca_path, cert_path, key_path = issue_certificates(
+        tmp, names, ca_name=TEST_CA, server_name="localhost"
+    )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_path, key_path)
     server = serve(lambda request, conn, index: (answer(OK_JSON), False), tls=context)
@@ -837,7 +772,9 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
     from infrai_jobs.config.settings import DrainSettings  # noqa: PLC0415
     from infrai_jobs.runtime.factory import client_pool_size  # noqa: PLC0415
 
-    ca_path, cert_path, key_path = _certificates(tmp_path, LOOPBACK_NAMES)
+    ca_path, cert_path, key_path = issue_certificates(
+        tmp_path, LOOPBACK_NAMES, ca_name=TEST_CA, server_name="localhost"
+    )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_path, key_path)
     with harness(database_url) as kit:

@@ -14,7 +14,6 @@ says why and shows no secret.
 
 from __future__ import annotations
 
-import datetime
 import glob
 import json
 import logging
@@ -33,11 +32,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from child_process import stop_process
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from psycopg.conninfo import conninfo_to_dict
+from tls_certificates import Certificates, issue_certificates
 
 from infrai_jobs.aws.secrets import database_url_from_secret
 from infrai_jobs.config.settings import CommonSettings
@@ -179,13 +177,6 @@ SERVER_NAME = "localhost"
 
 
 @dataclass(frozen=True)
-class Certificates:
-    ca: Path
-    cert: Path
-    key: Path
-
-
-@dataclass(frozen=True)
 class TlsPostgres:
     port: int
     ca: Path
@@ -206,45 +197,12 @@ class TlsPostgres:
 
 def _certificates(folder: Path, names: list[str]) -> Certificates:
     """A CA of its own, and a server certificate it signed for the DNS ``names`` only."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"test CA {folder.name}")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
+    return issue_certificates(
+        folder,
+        [x509.DNSName(name) for name in names],
+        ca_name=f"test CA {folder.name}",
+        server_name=names[0],
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(name) for name in names]), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    found = Certificates(folder / "ca.pem", folder / "server.crt", folder / "server.key")
-    found.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    found.cert.write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    found.key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        )
-    )
-    return found
 
 
 def _postgres_bin() -> Path:
@@ -341,12 +299,7 @@ def tls_postgres() -> Iterator[TlsPostgres]:
         _wait_until_it_answers(port, server, log)
         yield TlsPostgres(port=port, ca=certs.ca, other_ca=other.ca)
     finally:
-        server.send_signal(signal.SIGINT)  # fast shutdown
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, sig=signal.SIGINT, timeout=20)  # SIGINT: a fast shutdown
         shutil.rmtree(home, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from child_process import stop_process
 
 from infrai_local import emulator, provider_sink
 
@@ -40,12 +41,7 @@ def serving(command: list[str]) -> Iterator[tuple[str, int]]:
         assert process.stdout is not None
         yield process.stdout.readline().strip(), process.pid
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         if process.stdout is not None:
             process.stdout.close()
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from notes_example import NOTES_PAYLOAD
 
 from infrai_jobs.jobs.correlation import (
     CORRELATION_FIELD,
@@ -25,7 +26,6 @@ from jobs import build_registry
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 # A job without a key rule: keyed by the fingerprint of its work.
 CONTENT_KEYED = {"job": "report.export", "month": "2026-11"}
 

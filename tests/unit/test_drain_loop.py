@@ -15,13 +15,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from job_modes import fail_as_asked
 
 from infrai_jobs.drain.features import IdlePolling
 from infrai_jobs.drain.loop import budget_shortfall, drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import (
     ConfigurationError,
-    EffectUncertain,
     InfraiUnavailable,
     PermanentJobError,
 )
@@ -110,13 +110,8 @@ class Kit:
 
 def _act(payload: Payload) -> JsonValue:
     """What a test job does, steered by the payload's ``mode``."""
+    fail_as_asked(payload)
     mode = payload.get("mode", "ok")
-    if mode == "transient":
-        raise RuntimeError("simulated transient failure")
-    if mode == "permanent":
-        raise PermanentJobError("simulated permanent failure")
-    if mode == "uncertain":
-        raise EffectUncertain("simulated timeout after the call")
     if mode == "long_error":
         raise PermanentJobError("x" * 5000)
     if mode == "unserializable":

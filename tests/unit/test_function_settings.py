@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from function_apps import load_function_app
 
 from infrai_jobs.aws.secrets import SecretSource
 from infrai_jobs.config.settings import (
@@ -139,16 +139,6 @@ def test_the_secret_source_refreshes_only_secrets_fetched_by_name() -> None:
     assert SecretSource(named, api_key=False).refresh.api_key is None
 
 
-def _load_app(function: str) -> Any:
-    path = ROOT / "functions" / function / "app.py"
-    spec = importlib.util.spec_from_file_location(f"{function}_settings_under_test", path)
-    assert spec is not None
-    assert spec.loader is not None
-    app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app)
-    return app
-
-
 def test_redrive_reads_its_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given RedriveFunction's environment, and a count of the settings it reads
     for name, value in {
@@ -165,7 +155,7 @@ def test_redrive_reads_its_environment_once(monkeypatch: pytest.MonkeyPatch) -> 
         return reads[-1]
 
     monkeypatch.setattr(RedriveSettings, "from_env", classmethod(counted))
-    app = _load_app("redrive")
+    app = load_function_app("redrive")
     # When it builds its queue client and its ledger (nothing connects yet)
     settings, queue = app.dependencies()
     app.ledger()

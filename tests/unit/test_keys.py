@@ -15,6 +15,7 @@ import rfc8785
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from json_strategies import SAFE_INT
+from notes_example import NOTES_PAYLOAD
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
 from infrai_jobs.jobs.keys import (
@@ -30,7 +31,6 @@ from infrai_jobs.jobs.keys import (
 )
 from jobs import build_registry
 
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 # The key rules the example jobs declare (functions/jobs): the layer knows none itself.
 EXAMPLE_RULES = MappingProxyType(build_registry().identity_table())
 # A job with no key rule: keyed by its content.

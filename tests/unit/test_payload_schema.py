@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from json_strategies import SAFE_INT
+from notes_example import NOTES_PAYLOAD
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload, KeyDerivationError
 from infrai_jobs.jobs.keys import PRODUCER_KEY_FIELD as PRODUCER_KEY
@@ -24,8 +25,6 @@ from infrai_jobs.jobs.registry import (
     Payload,
 )
 from jobs import build_registry
-
-NOTES_PAYLOAD = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
 
 
 def _noop(payload: Payload, ctx: JobContext) -> JsonValue:

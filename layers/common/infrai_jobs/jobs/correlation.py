@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -65,30 +65,46 @@ def correlation_of(payload: object) -> Correlation:
     if not isinstance(payload, Mapping):
         return NO_CORRELATION
     reasons: list[str] = []
-    correlation_id = None
-    if CORRELATION_FIELD in payload:
-        correlation_id = valid_correlation_id(payload[CORRELATION_FIELD])
-        if correlation_id is None:
-            reasons.append(
-                f"{CORRELATION_FIELD} is not a string of 1 to {MAX_CORRELATION_ID_LENGTH} "
-                "printable characters"
-            )
-    traceparent = trace_id = None
-    if TRACEPARENT_FIELD in payload:
-        trace_id = traceparent_trace_id(payload[TRACEPARENT_FIELD])
-        if trace_id is None:
-            reasons.append(
-                f"{TRACEPARENT_FIELD} is not a W3C traceparent "
-                "(version-traceid-parentid-flags, lowercase hex)"
-            )
-        else:
-            traceparent = payload[TRACEPARENT_FIELD]
+    correlation_id = _envelope_value(
+        payload,
+        CORRELATION_FIELD,
+        valid_correlation_id,
+        f"{CORRELATION_FIELD} is not a string of 1 to {MAX_CORRELATION_ID_LENGTH} "
+        "printable characters",
+        reasons,
+    )
+    trace_id = _envelope_value(
+        payload,
+        TRACEPARENT_FIELD,
+        traceparent_trace_id,
+        f"{TRACEPARENT_FIELD} is not a W3C traceparent "
+        "(version-traceid-parentid-flags, lowercase hex)",
+        reasons,
+    )
+    traceparent = payload[TRACEPARENT_FIELD] if trace_id is not None else None
     return Correlation(
         correlation_id=correlation_id or trace_id,
         traceparent=traceparent,
         trace_id=trace_id,
         ignored="; ".join(reasons),
     )
+
+
+def _envelope_value(
+    payload: Mapping[str, Any],
+    field: str,
+    read: Callable[[object], str | None],
+    unusable: str,
+    reasons: list[str],
+) -> str | None:
+    """What ``read`` makes of the envelope ``field``: None when the body has no such field, or
+    when its value does not fit, and then ``unusable`` is added to ``reasons``."""
+    if field not in payload:
+        return None
+    value = read(payload[field])
+    if value is None:
+        reasons.append(unusable)
+    return value
 
 
 def valid_correlation_id(value: object) -> str | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, LiteralString
 
@@ -251,14 +251,7 @@ class Collected:
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "read": self.read,
-            "recorded": self.recorded,
-            "already_recorded": self.already_recorded,
-            "acked": self.acked,
-            "ack_lost": self.ack_lost,
-            "unrecorded": self.unrecorded,
-        }
+        return asdict(self)
 
 
 def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -75,13 +75,7 @@ class ProbeOutcome:
     action: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "idem_key": self.idem_key,
-            "job": self.job,
-            "answer": self.answer,
-            "detail": self.detail,
-            "action": self.action,
-        }
+        return asdict(self)
 
 
 @dataclass

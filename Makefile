@@ -51,7 +51,8 @@ demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
 
 # The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory,
-# cold start, the second layer's cost, idle-poll latency and backlog fan-out, about 20 minutes;
+# cold start, the second layer's cost, what a limited job costs (flow control), idle-poll latency
+# and backlog fan-out, about 20 minutes;
 # results in bench/results/ and docs/performance.md.
 # BENCH_ARGS="--jobs 500 --rounds 1 --lanes 1,2" is a smoke run of about 6 minutes (the backlog
 # and second-layer parts keep their sizes). The scripts in bench/ run alone need the bench extra,

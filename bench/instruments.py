@@ -259,6 +259,13 @@ class ProtocolTrace:
                 self._original = None
             return [t.path for t in self._traced]
 
+    def paths_of(self, conns: Iterable[psycopg.Connection[Any]]) -> list[Path]:
+        """The trace files of these connections (opened after ``install()``), e.g. one feature's
+        own, to count its round trips apart."""
+        wanted = {id(conn) for conn in conns}
+        with self._lock:
+            return [t.path for t in self._traced if id(t.conn) in wanted]
+
 
 _MESSAGE = re.compile(r"^([FB])\t(\d+)\t(\w+)(?:\t ?(.*))?$")
 _PARSE = re.compile(r'^"(?P<name>[^"]*)" "(?P<sql>.*)" \d+(?: \S+)*$', re.DOTALL)

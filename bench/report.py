@@ -90,6 +90,8 @@ _COLD_START_TARGET_MS = 250.0
 _IDLE_P50_TARGET_MS = 500.0
 _IDLE_P99_TARGET_MS = 1500.0
 _FAN_OUT_TARGETS = {2: 1.6, 4: 2.5}
+# Issue 29: a job without a policy pays nothing for flow control being on (per message).
+_FLOW_UNCHANGED_TOLERANCE = 0.005
 
 
 # --- targets -------------------------------------------------------------------------------------
@@ -178,6 +180,7 @@ def evaluate_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
     targets += _scale_targets(document)
+    targets.append(_flow_target(document))
     cold = document.get("cold_start")
     if cold is None:
         targets.append(_target("cold start, tracing off", "< 250 ms", "not run", None))
@@ -234,6 +237,26 @@ def _scale_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
     return targets
+
+
+def _flow_target(document: dict[str, Any]) -> dict[str, Any]:
+    name = "ledger round trips per message of a job without a policy, flow control on vs off"
+    required = f"unchanged (within {_FLOW_UNCHANGED_TOLERANCE:g})"
+    flow = document.get("flow_control")
+    if not flow:
+        return _target(name, required, "not run", None)
+    comparison = flow["comparison"]
+    extra = comparison["unlimited_path_extra_round_trips_per_message"]
+    per_round = comparison["unlimited_path_extra_per_round"]
+    return _target(
+        name,
+        required,
+        f"{extra:+.3f} (per round {', '.join(f'{v:+.3f}' for v in per_round)}; plus "
+        f"{_fmt(comparison['due_work_round_trips_per_drain'], 0)} per drain looking for due "
+        "deferred work)",
+        max(abs(v) for v in per_round) <= _FLOW_UNCHANGED_TOLERANCE
+        and flow["median"]["available"]["verified"],
+    )
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -382,6 +405,7 @@ def render_markdown(document: dict[str, Any], chart: Path) -> str:
         _profile_section,
         _cold_start_section,
         _second_layer_section,
+        _flow_section,
         _method_section,
     ):
         lines.extend(section(document))
@@ -1090,6 +1114,127 @@ def _second_layer_section(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+_FLOW_ROWS = (
+    ("messages per second", "messages_per_s", 1),
+    ("drain wall time, s", "elapsed_s", 2),
+    ("batch latency p50, ms", "batch_p50_ms", 1),
+    ("ledger round trips per message", "ledger_round_trips_per_message", 3),
+    ("of which on flow control's connection", "flow_round_trips_per_message", 3),
+    ("flow control's round trips per drain", "flow_round_trips_per_drain", 0),
+    ("statements per message", "statements_per_message", 3),
+    ("worker CPU, % of one core", "process_cpu_pct", 1),
+    ("peak RSS, MB", "peak_rss_mb", 1),
+)
+
+
+def _flow_section(document: dict[str, Any]) -> list[str]:
+    result = document.get("flow_control")
+    if not result:
+        return []
+    config = result["config"]
+    medians = result["median"]
+    unlimited, available, limited = medians["unlimited"], medians["available"], medians["limited"]
+    comparison = result["comparison"]
+    rounds = config["rounds"]
+    limited_policy = json.dumps(config["job_policies"]["limited"])
+    available_policy = json.dumps(config["job_policies"]["available"])
+    lines = [
+        "## What a limited job costs (flow control, issue 29)",
+        "",
+        f"Measured by `bench/flow_bench.py` ({result['measured_at']}, "
+        f"{result['duration_s']:.0f} s). The same drain of {config['jobs']:,} `{config['job']}` "
+        f"messages ({config['unique_jobs']:,} distinct `external`-class jobs + "
+        f"{config['duplicate_publishes']:,} duplicate publishes, seed {config['seed']}), one "
+        f"lane, {config['latency_ms']:g} ms injected into every Infrai call, each drain in a "
+        "fresh worker process with a fresh queue and ledger database, "
+        f"{rounds} round{'s' if rounds != 1 else ''} of: **unlimited**, no flow control (no "
+        "job has a policy); **available**, flow control on because `JOB_POLICIES` limits "
+        f"another job (`{available_policy}`), so every job drained takes the no-policy path; "
+        f"**limited**, `JOB_POLICIES` = `{limited_policy}`: a rate limit far above what a lane "
+        "starts and a concurrency key no run ever waits for, so the policy is in force but "
+        "never throttles and the difference is the limits' bookkeeping alone. Flow control is "
+        "built as DrainFunction builds it and the drain runs through `drain_invocation`. Each "
+        "drain is checked: one e-mail per distinct job and none twice, every claim `done`, "
+        "queue and DLQ empty, nothing deferred, no rate-limit wait, every concurrency slot "
+        "released, one recorded rate start per limited job run, and none of the limits' "
+        "statements without a limited job.",
+        "",
+        f"| per drain (median{' of ' + str(rounds) + ' rounds' if rounds > 1 else ''}) "
+        "| unlimited | available | limited |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, key, digits in _FLOW_ROWS:
+        cells = [_fmt(m[key], digits) for m in (unlimited, available, limited)]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    lines.append(
+        f"| messages per second against unlimited | 1.00x | "
+        f"{_fmt(comparison['available_over_unlimited_messages_per_s'], 2)}x | "
+        f"{_fmt(comparison['limited_over_unlimited_messages_per_s'], 2)}x |"
+    )
+    lines.append(
+        f"| ledger round trips per message against unlimited | 1.00x | - | "
+        f"{_fmt(comparison['limited_over_unlimited_ledger_round_trips'], 2)}x |"
+    )
+    lines.append(
+        f"| every drain verified | {_fmt(unlimited['verified'])} | "
+        f"{_fmt(available['verified'])} | {_fmt(limited['verified'])} |"
+    )
+    added = comparison["added_ledger_round_trips_per_limited_job"]
+    ratio = comparison["limited_over_unlimited_messages_per_s"]
+    by_label = limited["round_trips_per_message_by_label"]
+    base = unlimited["round_trips_per_message_by_label"]
+    runs_per_message = config["unique_jobs"] / config["jobs"]
+    extra_labels = ", ".join(
+        f"{label} {(n - base.get(label, 0)) / runs_per_message:.2g}"
+        for label, n in by_label.items()
+        if (n - base.get(label, 0)) / runs_per_message >= 0.05
+    )
+    lines += [
+        "",
+        f"**A job without a policy pays nothing.** With flow control on, the drain's own "
+        f"round trips per message moved by "
+        f"{comparison['unlimited_path_extra_round_trips_per_message']:+.3f} (target: "
+        "unchanged); flow control's connection made "
+        f"{_fmt(comparison['due_work_round_trips_per_drain'], 0)} round trips per drain, its "
+        "two looks for due deferred work (before and after the consumes, a transaction each), "
+        "whatever the drain's size, and none of the limits' statements.",
+        "",
+        f"**A limited job** costs **{_fmt(added, 1)} more ledger round trips** per run "
+        f"(duplicates never reach flow control), by statement: {extra_labels}. They are the "
+        "holding check (one statement), the concurrency slot (a transaction: advisory lock, "
+        "then the slot), the rate start (a transaction: advisory lock, then the start) and the "
+        "slot's release (a transaction of one statement), each on flow control's own "
+        "connection, in turn, on the lane's critical path. Here PostgreSQL is on the same "
+        f"machine, so they added {_fmt(comparison['added_ms_per_limited_job'], 2)} ms of wall "
+        f"time per run, and throughput was {_fmt(ratio, 2)}x unlimited's"
+        + (
+            f": the lane's pace is set by the {config['latency_ms']:g} ms Infrai round trip, "
+            "which the consume sent ahead overlaps with the batch's work."
+            if ratio is not None and ratio >= 0.95
+            else "."
+        )
+        + " To carry it over, multiply your database's round trip by that count: at 1 ms a "
+        f"limited job adds about {_fmt(added, 0)} ms, which stays hidden only while a batch's "
+        "limited runs fit in one Infrai round trip. A job with a retry policy and no limit "
+        "pays the holding check alone (one round trip per run).",
+        "",
+    ]
+    skewed = [
+        f"{run['name']} {run['background_busy_pct']:g}%"
+        for mode_runs in result["runs"].values()
+        for run in mode_runs
+        if (run.get("background_busy_pct") or 0) > BACKGROUND_WARNING_PCT
+    ]
+    if skewed:
+        lines += [
+            f"Other work was running when {len(skewed)} of these drains started (more than "
+            f"{BACKGROUND_WARNING_PCT:g}% busy: {', '.join(skewed)}); their figures may be "
+            "skewed.",
+            "",
+        ]
+    return lines
+
+
 def _method_section(document: dict[str, Any]) -> list[str]:
     nproc = document["machine"]["nproc"]
     lines = ["## How it counts", ""]
@@ -1112,6 +1257,8 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         ".venv/bin/python bench/cold_start.py --update bench/results/latest.json  # re-measure it",
         ".venv/bin/python bench/second_layer_bench.py --update bench/results/latest.json"
         "  # the second layer's cost alone, about 4 minutes",
+        ".venv/bin/python bench/flow_bench.py --update bench/results/latest.json"
+        "  # what a limited job costs alone, about a minute",
         ".venv/bin/python bench/lane_processes.py     # N lanes as threads vs as processes, "
         "about 2 minutes",
         ".venv/bin/python bench/report.py             # this page and the chart from latest.json",

@@ -19,7 +19,12 @@ process, ``--latency-ms`` injected on every /v1 call while a drain is measured) 
 5. the second layer's cost (``second_layer_bench.py``): ``--second-layer-jobs`` ``receipt.send``
    (external) messages drained with ``IDEMPOTENCY_BACKEND`` off, on (first run) and on again
    with a fresh ledger (replay), DynamoDB being moto's server on 127.0.0.1 with the same
-   injected latency; plus the cold start of turning it on. ``--second-layer-jobs 0`` skips it.
+   injected latency; plus the cold start of turning it on. ``--second-layer-jobs 0`` skips it;
+6. what a limited job costs (``flow_bench.py``): ``--flow-jobs`` ``receipt.send`` messages
+   drained without flow control, with it on for another job only, and with a never-throttling
+   rate limit and concurrency key on the job itself, ``--flow-rounds`` times; the ledger round
+   trips per message of each, against the target that a job without a policy pays nothing.
+   ``--flow-jobs 0`` skips it.
 
 Results: ``<out>/bench-<timestamp>.json``, ``<out>/latest.json``, ``<out>/latest.png`` and
 ``docs/performance.md`` (``report.py`` regenerates the last two from a JSON file).
@@ -290,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_skippable(
         parser,
+        "--flow-jobs",
+        1000,
+        "messages per drain of what a limited job costs (flow_bench.py), about a minute at the "
+        "default %(default)s",
+    )
+    parser.add_argument(
+        "--flow-rounds",
+        type=_positive,
+        default=3,
+        help="(unlimited, available, limited) rounds of flow control's cost (%(default)s)",
+    )
+    _add_skippable(
+        parser,
         "--trickle-jobs",
         40,
         "jobs of the idle-polling latency run, one every 250 ms (%(default)s)",
@@ -342,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
     profile_run: dict[str, Any] | None = None
     second_layer: dict[str, Any] | None = None
     scale: dict[str, Any] | None = None
+    flow: dict[str, Any] | None = None
     args.out.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="infrai-bench-") as scratch,
@@ -382,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
                 profile_run = measure(bench, "drain", "drain", small, profile=True)
             if args.second_layer_jobs > 0:
                 second_layer = _second_layer(args, bench)
+            if args.flow_jobs > 0:
+                flow = _flow(args, bench)
         finally:
             emulator.stop()
 
@@ -398,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
         cold=cold,
         second_layer=second_layer,
         scale=scale,
+        flow=flow,
     )
     paths = report.write_all(document, args.out, args.docs)
     for path in paths:
@@ -448,6 +470,25 @@ def _second_layer(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     return result
 
 
+def _flow(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
+    """What a limited job costs, on this run's PostgreSQL and emulator."""
+    import flow_bench  # noqa: PLC0415 - it imports functions/jobs and the provider sink
+
+    print(
+        f"flow control: unlimited / available / limited, {args.flow_jobs} receipt.send messages",
+        file=sys.stderr,
+    )
+    scratch = bench.scratch / "flow"
+    scratch.mkdir()
+    setup = flow_bench.Setup(
+        bench.server_url, bench.emulator, scratch, bench.latency_ms, bench.timeout_s
+    )
+    workload = Workload(args.flow_jobs, args.duplicates, args.seed)
+    result: dict[str, Any] = flow_bench.measure(setup, workload, rounds=args.flow_rounds)
+    print(flow_bench.summary_text(result), file=sys.stderr)
+    return result
+
+
 def assemble(
     *,
     args: argparse.Namespace,
@@ -462,6 +503,7 @@ def assemble(
     cold: dict[str, Any] | None,
     second_layer: dict[str, Any] | None = None,
     scale: dict[str, Any] | None = None,
+    flow: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     medians = {name: median_of(runs) for name, runs in variants.items()}
     a_rate = medians["notes_loop"]["messages_per_s"]
@@ -557,6 +599,7 @@ def assemble(
         "cold_start": cold,
         "second_layer": second_layer,
         "scale": scale,
+        "flow_control": flow,
     }
     document["machine"]["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
     document["targets"] = report.evaluate_targets(document)

@@ -1,0 +1,553 @@
+"""What a limited job costs: flow control's bookkeeping, measured on the same drain.
+
+    .venv/bin/python bench/flow_bench.py [--jobs 1000] [--rounds 2] [--latency-ms 25]
+        [--update bench/results/latest.json ...]
+
+The same drain of ``--jobs`` ``receipt.send`` messages (``external``-class; ``--duplicates`` of
+them repeat publishes), one lane, run three ways per round, each in a fresh worker process
+(``--worker`` mode of this file) against a fresh queue and a fresh scratch ledger database:
+
+1. ``unlimited``: no flow control at all (no job has a policy, so ``flow_control`` builds no
+   feature): the path every job took before flow control existed;
+2. ``available``: flow control switched on by a ``JOB_POLICIES`` document that limits another
+   job (``digest.build``), none of whose messages is in the queue: every job drained has no
+   policy, so it must pay nothing per message (issue 29: "no extra round trip on their path");
+   only the invocation's two looks for due deferred work remain;
+3. ``limited``: ``JOB_POLICIES`` gives ``receipt.send`` itself a rate limit far above what one
+   lane can start and a concurrency key with a large ``max_running``: a policy in force that
+   never throttles, so the difference from ``unlimited`` is the limits' bookkeeping alone (the
+   holding check, the concurrency slot, the rate start, the slot's release).
+
+Flow control is built as ``DrainFunction`` builds it (``parse_job_policies``,
+``policies_in_force``, ``flow_control`` with its own connection through a ``LedgerConnector``)
+and the drain runs through ``drain_invocation``, so its ``around_drain`` runs too. Every
+connection the worker opens is traced (``instruments.ProtocolTrace``); the job's effect is an
+HTTP POST to the local provider sink, so every round trip counted is the ledger's. Each drain is
+checked: one e-mail per distinct job and none twice, one ``done`` claim per job, queue and DLQ
+empty, nothing deferred, no rate-limit wait, and for ``limited`` one recorded rate start per job
+run with every concurrency slot released (the policy was in force and never throttled).
+
+Without ``--update`` it prints the figures (``--json`` for all of them); with it, it stores them
+under ``flow_control`` in each results file and regenerates the chart and
+``docs/performance.md`` from the first. ``run_bench.py`` runs the same measurement
+(``--flow-jobs``) inside the full benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, LiteralString
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
+
+import psycopg  # noqa: E402
+
+from infrai_jobs.drain.flow import flow_control  # noqa: E402
+from infrai_jobs.drain.loop import drain_invocation  # noqa: E402
+from infrai_jobs.drain.model import DrainConfig, DrainRun  # noqa: E402
+from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # noqa: E402
+from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
+from infrai_jobs.ledger.migrations import apply_migrations  # noqa: E402
+from infrai_jobs.ledger.postgres import LedgerConnector  # noqa: E402
+from infrai_jobs.queue.client import InfraiClient  # noqa: E402
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS  # noqa: E402
+from infrai_local import provider_sink  # noqa: E402
+from infrai_local.embedded_db import postgres_server_url, scratch_database  # noqa: E402
+from jobs import build_registry  # noqa: E402
+
+from bench_env import API_KEY, EmulatorProcess, Workload, worker_result  # noqa: E402
+from instruments import (  # noqa: E402
+    BatchRecorder,
+    ProtocolTrace,
+    RoundTrips,
+    TimedQueue,
+    count_round_trips,
+    latency_summary,
+    memory_mb,
+    process_cpu_seconds,
+    sample_busy_percent,
+)
+from results_file import add_output_options, update_results  # noqa: E402
+
+JOB = "receipt.send"
+# Limits far above what one lane starts (a few hundred a second here), on a key whose every
+# value runs once at a time: in force, never reached.
+RATE_PER_SECOND = 100_000
+MAX_RUNNING = 1_000
+POLICIES: dict[str, dict[str, Any] | None] = {
+    "unlimited": None,
+    # Another job's limits: flow control is on, the drained job has no policy.
+    "available": {
+        "digest.build": {
+            "rate": {"per_second": RATE_PER_SECOND},
+            "concurrency": {"key": ["tenant_id"], "max_running": MAX_RUNNING},
+        }
+    },
+    "limited": {
+        JOB: {
+            "rate": {"per_second": RATE_PER_SECOND},
+            "concurrency": {"key": ["invoice_id"], "max_running": MAX_RUNNING},
+        }
+    },
+}
+MODES = tuple(POLICIES)
+# The job's effect is HTTP: no statement is the job's own, every round trip is the ledger's.
+_NO_JOB_STATEMENT = r"(?!)"
+# No invocation runs out of time here: the benchmark measures draining, not budgeting.
+_TIME_LEFT_MS = 3_600_000
+# An extra round trip on every job's path would add 1 per job run (0.7 per message here); a few
+# stray round trips over the whole drain stay under this.
+UNCHANGED_TOLERANCE = 0.005
+# Labels (``instruments.statement_label``) of the statements only a limited job's run makes:
+# the holding check, the advisory locks, the rate start, the concurrency slot.
+_LIMIT_STATEMENTS = re.compile(
+    r"^(prepare )?"
+    r"(SELECT|SELECT deferred_jobs|INSERT flow_rate_starts|\w+ flow_concurrency_slots)$"
+)
+_CHECK: LiteralString = """
+SELECT (SELECT count(*) FROM job_claims),
+       (SELECT count(*) FROM job_claims WHERE state = 'done'),
+       (SELECT count(*) FROM deferred_jobs),
+       (SELECT count(*) FROM flow_rate_starts),
+       (SELECT count(*) FROM flow_concurrency_slots)
+"""
+
+
+# --- the worker (a process of its own per drain) ------------------------------------------------
+
+
+def _round_trips(paths: list[Path]) -> RoundTrips:
+    return count_round_trips(paths, re.compile(_NO_JOB_STATEMENT))
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    recorder = BatchRecorder()
+    trace = ProtocolTrace(Path(spec["trace_dir"]))
+    trace.install()
+    rss_before = memory_mb()["rss_mb"]
+    registry = build_registry()
+    registry.bind_settings(dict.fromkeys(registry.declared_settings(), spec["provider_url"]))
+    # As DrainService.from_settings builds it from JOB_POLICIES.
+    overrides = parse_job_policies(spec["job_policies"], [job.name for job in registry])
+    flow_conns: list[psycopg.Connection[Any]] = []
+    connector = LedgerConnector(spec["database_url"], application_name="infrai-jobs-flow")
+
+    def flow_connect() -> psycopg.Connection[Any]:
+        conn = connector.connect()
+        flow_conns.append(conn)
+        return conn
+
+    flow = flow_control(
+        registry,
+        policies_in_force(registry, overrides),
+        flow_connect,
+        visibility_timeout_seconds=DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+        queue=spec["queue"],
+    )
+    client = InfraiClient(spec["emulator_url"], spec["api_key"])
+    ledger = PostgresLedger(spec["database_url"])
+    config = DrainConfig(queue=spec["queue"], features=(flow,) if flow is not None else ())
+    run = DrainRun(
+        TimedQueue(client, recorder), ledger, config, lambda: _TIME_LEFT_MS, lambda: False
+    )
+    cpu0, started = process_cpu_seconds(), time.perf_counter()
+    summary = drain_invocation(run, registry)
+    elapsed = time.perf_counter() - started
+    cpu1 = process_cpu_seconds()
+    paths = trace.finish()
+    flow_paths = trace.paths_of(flow_conns)
+    ledger.close()
+    if flow is not None:
+        flow.close()
+    client.close()
+    every = _round_trips(paths)
+    flow_only = _round_trips(flow_paths)
+    return {
+        "mode": spec["mode"],
+        "flow_control_on": flow is not None,
+        "consumed": summary.consumed,
+        "outcomes": dict(sorted(summary.outcomes.items())),
+        "counters": dict(sorted(summary.counters.items())),
+        "elapsed_s": round(elapsed, 3),
+        "messages_per_s": round(summary.consumed / elapsed, 1) if elapsed > 0 else 0.0,
+        "batch_latency_ms": latency_summary(recorder.batch_latencies_ms()),
+        "db": {
+            "connections": trace.connections,
+            "flow_connections": len(flow_paths),
+            "ledger_round_trips": every.total,
+            "flow_round_trips": flow_only.total,
+            "statements": every.statements,
+            "round_trips_by_label": dict(every.by_label.most_common()),
+            "flow_round_trips_by_label": dict(flow_only.by_label.most_common()),
+        },
+        "memory": {"rss_before_mb": rss_before, **memory_mb()},
+        "cpu": {
+            "process_s": round(cpu1 - cpu0, 2),
+            "process_pct_of_one_core": round(100 * (cpu1 - cpu0) / elapsed, 1) if elapsed else 0,
+        },
+    }
+
+
+# --- the orchestrator ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the measurement borrows: PostgreSQL, the emulator, a scratch folder."""
+
+    server_url: str
+    emulator: EmulatorProcess
+    scratch: Path
+    latency_ms: float
+    timeout_s: float
+
+
+def receipt_payloads(workload: Workload) -> list[dict[str, Any]]:
+    """The benchmark's seeded publish order, as ``receipt.send`` jobs (one per invoice)."""
+    return [
+        {"job": JOB, "invoice_id": p["invoice_id"], "email": f"{p['invoice_id']}@example.com"}
+        for p in workload.payloads()
+    ]
+
+
+@contextmanager
+def _prepared(setup: Setup, queue: str, workload: Workload) -> Iterator[str]:
+    """A scratch ledger database and a queue holding the receipt jobs; yields the database."""
+    with scratch_database(setup.server_url, prefix="infrai_bench") as database_url:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            apply_migrations(conn)
+        setup.emulator.set_latency(0)
+        client = InfraiClient(setup.emulator.url, API_KEY)
+        try:
+            client.ensure_queue(queue, dlq=f"{queue}-dlq")
+            for payload in receipt_payloads(workload):
+                client.publish(queue, payload)
+        finally:
+            client.close()
+        yield database_url
+
+
+def _one_drain(
+    setup: Setup, sink: provider_sink.RunningSink, name: str, mode: str, workload: Workload
+) -> dict[str, Any]:
+    queue = f"bench-flow-{name}"
+    spec_path = setup.scratch / f"{name}.spec.json"
+    result_path = setup.scratch / f"{name}.result.json"
+    log_path = setup.scratch / f"{name}.log"
+    trace_dir = setup.scratch / name
+    trace_dir.mkdir()
+    policies = POLICIES[mode]
+    with _prepared(setup, queue, workload) as database_url:
+        spec = {
+            "mode": mode,
+            "job_policies": json.dumps(policies) if policies is not None else "",
+            "database_url": database_url,
+            "emulator_url": setup.emulator.url,
+            "api_key": API_KEY,
+            "queue": queue,
+            "provider_url": sink.url,
+            "trace_dir": str(trace_dir),
+        }
+        spec_path.write_text(json.dumps(spec))
+        mails_before = Counter(sink.state.snapshot()["mails"])
+        background = sample_busy_percent(0.5)
+        setup.emulator.set_latency(setup.latency_ms)
+        with log_path.open("w") as log:
+            done = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=setup.timeout_s,
+                check=False,
+            )
+        setup.emulator.set_latency(0)
+        result = worker_result(name, done.returncode, log_path, result_path)
+        mails = Counter(sink.state.snapshot()["mails"])
+        mails.subtract(mails_before)
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            row = conn.execute(_CHECK).fetchone() or (0, 0, 0, 0, 0)
+        claims, claims_done, deferred, rate_starts, slots = row
+        client = InfraiClient(setup.emulator.url, API_KEY)
+        try:
+            stats = client.stats(queue)
+        finally:
+            client.close()
+    unique = workload.unique
+    sent = {key: n for key, n in mails.items() if n}
+    counters = result["counters"]
+    checks: dict[str, Any] = {
+        "claims": claims,
+        "claims_done": claims_done,
+        "queue_left": stats.message_count,
+        "dead_lettered": stats.dlq_count,
+        "mails_sent": sum(sent.values()),
+        "invoices_mailed_twice": sum(1 for n in sent.values() if n > 1),
+        "deferred_jobs": deferred,
+        "deferred_outcomes": result["outcomes"].get("deferred", 0),
+        "rate_limit_waits": counters.get("rate_limit_waits", 0),
+        "rate_starts": rate_starts,
+        "concurrency_slots_left": slots,
+        # On flow control's connection: the limits' statements (none without a limited job).
+        "limit_round_trips": sum(
+            n
+            for label, n in result["db"]["flow_round_trips_by_label"].items()
+            if _LIMIT_STATEMENTS.match(label)
+        ),
+    }
+    checks["ok"] = (
+        claims == claims_done == unique
+        and stats.message_count == 0
+        and stats.dlq_count == 0
+        and checks["mails_sent"] == unique
+        and checks["invoices_mailed_twice"] == 0
+        and deferred == 0
+        and checks["deferred_outcomes"] == 0
+        and checks["rate_limit_waits"] == 0
+        and slots == 0
+        and rate_starts == (unique if mode == "limited" else 0)
+        and (mode == "limited" or checks["limit_round_trips"] == 0)
+        and result["flow_control_on"] == (mode != "unlimited")
+    )
+    consumed = max(int(result["consumed"]), 1)
+    db = result["db"]
+    db["per_message"] = {
+        "ledger_round_trips": round(db["ledger_round_trips"] / consumed, 3),
+        "flow_round_trips": round(db["flow_round_trips"] / consumed, 3),
+        "statements": round(db["statements"] / consumed, 3),
+    }
+    db["per_message_by_label"] = {
+        label: round(n / consumed, 3) for label, n in db["round_trips_by_label"].items()
+    }
+    result["name"] = name
+    result["messages"] = workload.messages
+    result["job_runs"] = unique
+    result["background_busy_pct"] = background
+    result["verified"] = checks
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    print(
+        f"  {name}: {result['messages_per_s']} msg/s in {result['elapsed_s']} s, "
+        f"{db['per_message']['ledger_round_trips']} ledger round trips/msg "
+        f"({db['flow_round_trips']} on flow control's connection), verified {checks['ok']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not checks["ok"]:
+        raise RuntimeError(f"{name}: the drain's result is wrong: {checks}")
+    return result
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    labels: Counter[str] = Counter()
+    consumed = 0
+    for run in runs:
+        labels.update(run["db"]["round_trips_by_label"])
+        consumed += run["consumed"]
+    return {
+        "messages_per_s": _median([r["messages_per_s"] for r in runs]),
+        "elapsed_s": _median([r["elapsed_s"] for r in runs]),
+        "batch_p50_ms": _median([r["batch_latency_ms"]["p50"] for r in runs]),
+        "ledger_round_trips_per_message": _median(
+            [r["db"]["per_message"]["ledger_round_trips"] for r in runs]
+        ),
+        "flow_round_trips_per_message": _median(
+            [r["db"]["per_message"]["flow_round_trips"] for r in runs]
+        ),
+        # Per drain (one invocation): on flow control's own connection.
+        "flow_round_trips_per_drain": _median([r["db"]["flow_round_trips"] for r in runs]),
+        "statements_per_message": _median([r["db"]["per_message"]["statements"] for r in runs]),
+        "round_trips_per_message_by_label": {
+            label: round(n / consumed, 3) for label, n in labels.most_common()
+        }
+        if consumed
+        else {},
+        "process_cpu_pct": _median([r["cpu"]["process_pct_of_one_core"] for r in runs]),
+        "peak_rss_mb": _median([r["memory"]["peak_rss_mb"] for r in runs]),
+        "verified": all(r["verified"]["ok"] for r in runs),
+    }
+
+
+def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
+    """``rounds`` x (unlimited, available, limited), each drain checked."""
+    started_at = datetime.now(UTC)
+    started = time.monotonic()
+    sink = provider_sink.start_in_thread()
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    try:
+        for round_no in range(1, rounds + 1):
+            print(f"flow control round {round_no}/{rounds}", file=sys.stderr)
+            for mode in MODES:
+                runs[mode].append(_one_drain(setup, sink, f"r{round_no}-{mode}", mode, workload))
+    finally:
+        sink.stop()
+    medians = {mode: _mode_summary(mode_runs) for mode, mode_runs in runs.items()}
+    unlimited, available, limited = (medians[mode] for mode in MODES)
+
+    # Per job run (duplicates never reach flow control): what a limited job adds.
+    added_ms = [
+        (r["elapsed_s"] - u["elapsed_s"]) * 1000 / r["job_runs"]
+        for u, r in zip(runs["unlimited"], runs["limited"], strict=True)
+    ]
+    added_rt = [
+        (r["db"]["ledger_round_trips"] - u["db"]["ledger_round_trips"]) / r["job_runs"]
+        for u, r in zip(runs["unlimited"], runs["limited"], strict=True)
+    ]
+    # The unlimited path with flow control on: the drain's own round trips (flow control's
+    # connection only looks for due deferred work, once before and once after the consumes,
+    # and is checked to make no limit's statement) against flow control off, per message.
+    available_extra = [
+        round(
+            (r["db"]["ledger_round_trips"] - r["db"]["flow_round_trips"]) / max(r["consumed"], 1)
+            - u["db"]["per_message"]["ledger_round_trips"],
+            3,
+        )
+        for u, r in zip(runs["unlimited"], runs["available"], strict=True)
+    ]
+
+    def ratio(mode: dict[str, Any]) -> float | None:
+        if not mode["messages_per_s"] or not unlimited["messages_per_s"]:
+            return None
+        return round(mode["messages_per_s"] / unlimited["messages_per_s"], 3)
+
+    comparison = {
+        "limited_over_unlimited_messages_per_s": ratio(limited),
+        "available_over_unlimited_messages_per_s": ratio(available),
+        "limited_over_unlimited_ledger_round_trips": round(
+            limited["ledger_round_trips_per_message"] / unlimited["ledger_round_trips_per_message"],
+            3,
+        )
+        if unlimited["ledger_round_trips_per_message"]
+        else None,
+        "added_ledger_round_trips_per_limited_job": _median(added_rt),
+        "added_ms_per_limited_job": _median(added_ms),
+        # The unlimited path with flow control on (another job limited) against off: per
+        # message, per round; the target is that it stays where it was. Flow control's fixed
+        # cost per invocation (its looks for due deferred work) is apart.
+        "unlimited_path_extra_round_trips_per_message": _median(available_extra),
+        "due_work_round_trips_per_drain": available["flow_round_trips_per_drain"],
+        "unlimited_path_extra_per_round": available_extra,
+        "unchanged_tolerance": UNCHANGED_TOLERANCE,
+    }
+    return {
+        "measured_at": started_at.isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - started, 1),
+        "config": {
+            "jobs": workload.messages,
+            "unique_jobs": workload.unique,
+            "duplicate_publishes": workload.duplicates,
+            "duplicate_share": workload.duplicate_share,
+            "seed": workload.seed,
+            "rounds": rounds,
+            "job": JOB,
+            "job_effect": "external",
+            "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
+            "injected latency)",
+            "latency_ms": setup.latency_ms,
+            "database_latency": "none injected (PostgreSQL on this machine)",
+            "job_policies": {mode: POLICIES[mode] for mode in MODES},
+            "lanes": 1,
+        },
+        "median": medians,
+        "comparison": comparison,
+        "runs": runs,
+    }
+
+
+def summary_text(result: dict[str, Any]) -> str:
+    unlimited, available, limited = (result["median"][mode] for mode in MODES)
+    comparison = result["comparison"]
+    return (
+        f"flow control ({result['config']['jobs']} {JOB} messages, "
+        f"{result['config']['latency_ms']:g} ms): unlimited {unlimited['messages_per_s']} msg/s "
+        f"({unlimited['ledger_round_trips_per_message']} ledger round trips/msg), available "
+        f"{available['messages_per_s']} msg/s ({available['ledger_round_trips_per_message']}), "
+        f"limited {limited['messages_per_s']} msg/s "
+        f"({limited['ledger_round_trips_per_message']}); limited/unlimited "
+        f"{comparison['limited_over_unlimited_messages_per_s']}x, "
+        f"+{comparison['added_ledger_round_trips_per_limited_job']} round trips and "
+        f"+{comparison['added_ms_per_limited_job']} ms per limited job; unlimited path with "
+        f"flow control on: {comparison['unlimited_path_extra_round_trips_per_message']:+} round "
+        "trips/msg"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flow_bench.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=1000, help="messages per drain (%(default)s)")
+    parser.add_argument(
+        "--duplicates", type=float, default=0.3, help="share of duplicate publishes (%(default)s)"
+    )
+    parser.add_argument("--latency-ms", type=float, default=25.0, help="per Infrai call")
+    parser.add_argument("--rounds", type=int, default=2, help="(unlimited, available, limited)")
+    parser.add_argument("--seed", type=int, default=9)
+    parser.add_argument("--timeout-s", type=float, default=900, help="per drain")
+    add_output_options(
+        parser,
+        update_help="store the result under flow_control in these results files and "
+        "regenerate the chart and docs/performance.md from the first",
+    )
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker is not None:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        spec = json.loads(args.worker.read_text())
+        Path(str(args.worker).replace(".spec.json", ".result.json")).write_text(
+            json.dumps(run_worker(spec))
+        )
+        return 0
+    if args.rounds < 1 or args.jobs < 1:
+        raise SystemExit("--rounds and --jobs must be at least 1")
+    workload = Workload(args.jobs, args.duplicates, args.seed)
+    with (
+        tempfile.TemporaryDirectory(prefix="infrai-bench-flow-") as scratch,
+        postgres_server_url() as server_url,
+    ):
+        emulator = EmulatorProcess()
+        try:
+            setup = Setup(server_url, emulator, Path(scratch), args.latency_ms, args.timeout_s)
+            result = measure(setup, workload, rounds=args.rounds)
+        finally:
+            emulator.stop()
+    if args.update:
+
+        def with_flow(_path: Path, document: dict[str, Any]) -> None:
+            import report  # noqa: PLC0415 - only an update needs it
+
+            document["flow_control"] = result
+            document["targets"] = report.evaluate_targets(document)
+
+        update_results(args.update, with_flow)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

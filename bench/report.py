@@ -414,7 +414,7 @@ def render_markdown(document: dict[str, Any], chart: Path) -> str:
 
 def _targets_section(document: dict[str, Any]) -> list[str]:
     lines = [
-        "## Targets (issue 9)",
+        "## Targets",
         "",
         "| target | required | measured | result |",
         "| --- | --- | --- | --- |",

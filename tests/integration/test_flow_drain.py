@@ -481,3 +481,43 @@ def test_an_external_deferred_job_whose_lease_ran_out_is_left_for_a_human(kit: H
     assert deferred_row(kit, key)["state"] == "running"  # type: ignore[index]
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         assert flow_ledger.deferred_stats(conn).backlog == 1
+
+
+def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error(
+    kit: Harness,
+) -> None:
+    # Given a digest deferred after three refused deliveries, due now
+    flow = flow_for(kit)
+    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+    kit.publish(DIGEST)
+    key = kit.registry.derive(DIGEST).idem_key
+    try:
+        for _ in range(3):
+            drain_with(kit, flow)
+            kit.advance()
+        before = deferred_row(kit, key)
+        assert before is not None
+        assert before["attempts"] == 3
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 0.0})
+        # and its tenant's one concurrency slot held by another live run
+        kit.sql(
+            "INSERT INTO flow_concurrency_slots (token, job, key_value, holder, lease_until) "
+            "VALUES (gen_random_uuid(), 'digest.build', '[\"tenant_7\"]', 'other', "
+            "now() + interval '1 hour')"
+        )
+        run_now(kit, key)
+        # When a drain takes it, it is held back without running, as many times as it takes
+        for _ in range(3):
+            summary = drain_with(kit, flow)
+            assert summary.counters["deferred_ran"] == 0
+            run_now(kit, key)
+        # Then no attempt was spent and the last failure is still the one shown
+        assert deferred_row(kit, key) == before
+        assert digests_built(kit) == 0
+        # And once the slot is free it runs, and is done
+        kit.sql("DELETE FROM flow_concurrency_slots WHERE holder = 'other'")
+        summary = drain_with(kit, flow)
+        assert summary.counters["deferred_done"] == 1
+        assert digests_built(kit) == 1
+    finally:
+        flow.close()

@@ -393,7 +393,14 @@ class FlowControl(DrainFeature):
             self._fail(conn, job, describe_error(exc), counters)
             return
         if wait is not None:
-            flow_ledger.postpone(conn, job.idem_key, token, error=reason, delay_seconds=wait)
+            # It did not run: the attempt take_due counted is given back.
+            flow_ledger.postpone(
+                conn, job.idem_key, token, error=None, delay_seconds=wait, ran=False
+            )
+            logger.info(
+                "a deferred job waits for its limit",
+                extra={"action": "deferred_held", "idem_key": job.idem_key, "detail": reason},
+            )
             return
         counters["deferred_ran"] += 1
         try:

@@ -112,10 +112,13 @@ WHERE d.state IN ('done', 'failed', 'cancelled')
 RETURNING idem_key
 """
 
+# A job a limit held back did not run: its attempt is given back and its last error kept.
 _POSTPONE: LiteralString = """
 UPDATE deferred_jobs
-SET state = 'deferred', last_error = %(error)s, lease_token = NULL, lease_until = NULL,
-    run_after = clock_timestamp() + make_interval(secs => %(delay)s), updated_at = now()
+SET state = 'deferred', last_error = coalesce(%(error)s, last_error),
+    attempts = attempts - CASE WHEN %(ran)s THEN 0 ELSE 1 END, lease_token = NULL,
+    lease_until = NULL, run_after = clock_timestamp() + make_interval(secs => %(delay)s),
+    updated_at = now()
 WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
 """
 
@@ -320,16 +323,19 @@ def postpone(
     key: str,
     token: uuid.UUID,
     *,
-    error: str,
+    error: str | None,
     delay_seconds: float,
+    ran: bool = True,
 ) -> bool:
-    """A taken job's attempt failed (or a limit held it back) and it runs again in
-    ``delay_seconds``; False when the token no longer holds it."""
+    """A taken job's attempt failed (``error``), or a limit held it back before it ran
+    (``ran=False``: the attempt is not counted), and it runs again in ``delay_seconds``;
+    False when the token no longer holds it."""
     params = {
         "key": key,
         "token": token,
         "error": error,
         "delay": max(float(delay_seconds), 0.0),
+        "ran": ran,
     }
     with ledger_errors("cannot postpone a deferred job"), conn.transaction():
         return conn.execute(_POSTPONE, params).rowcount == 1

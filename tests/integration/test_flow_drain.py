@@ -470,6 +470,8 @@ def test_an_external_deferred_job_whose_lease_ran_out_is_left_for_a_human(kit: H
         flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
         (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
         assert taken.idem_key == key
+        assert taken.lease_token is not None
+        assert flow_ledger.begin(conn, key, taken.lease_token)  # its handler was called
     kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
     try:
         summary = drain_with(kit, flow)
@@ -521,3 +523,24 @@ def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error
         assert digests_built(kit) == 1
     finally:
         flow.close()
+
+
+def test_an_external_deferred_run_killed_before_it_began_is_taken_again(kit: Harness) -> None:
+    # Given an irreversible job the ledger holds, taken by a drain that died before its call
+    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
+    payload = {"job": "test.ext", "id": "x2"}
+    key = kit.registry.derive(payload).idem_key
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        work = flow_ledger.DeferredWork(key, "test.ext", "external", payload, "m2")
+        flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
+        (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
+        assert taken.idem_key == key
+    kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+    try:
+        summary = drain_with(kit, flow)
+    finally:
+        flow.close()
+    # Then, nothing having begun, the next drain runs it: once, and it is done
+    assert summary.counters["deferred_done"] == 1
+    assert kit.external_effects(key) == 1
+    assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]

@@ -16,6 +16,7 @@ from drainkit import migrate_by_hand
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import ledger as flow
+from infrai_jobs.flow import limits
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import RateLimit
 from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
@@ -106,8 +107,8 @@ def test_flow_control_migration_only_adds_to_a_ledger_at_version_6(database_url:
     # When migrated
     with psycopg.connect(database_url, autocommit=True) as conn:
         applied = [m.version for m in apply_migrations(conn)]
-    # Then only flow control was applied, and the claim is kept
-    assert applied == [7]
+    # Then only flow control (and what came after it) was applied, and the claim is kept
+    assert applied == [m.version for m in MIGRATIONS[6:]]
     assert MIGRATIONS[6].name == "flow control"
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [("k1", "done")]
@@ -236,10 +237,14 @@ def test_two_drains_racing_never_take_the_same_job(ledger_url: str) -> None:
 def test_an_expired_lease_is_taken_over_except_for_an_external_job(
     conn: psycopg.Connection[Any],
 ) -> None:
-    # Given a key-passing job and an external one, both taken by a drain that then died
+    # Given a key-passing job and an external one, both taken by a drain that then died, the
+    # external one after its run began
     flow.defer(conn, _work("idem"), attempts=1, error="e", delay_seconds=0)
     flow.defer(conn, _work("ext", effect="external"), attempts=1, error="e", delay_seconds=0)
     first = {job.idem_key: job for job in flow.take_due(conn, 10, lease_seconds=300)}
+    ext_token = first["ext"].lease_token
+    assert ext_token is not None
+    assert flow.begin(conn, "ext", ext_token)
     _expire_lease(conn, "idem")
     _expire_lease(conn, "ext")
     # When another drain looks for due work
@@ -375,14 +380,14 @@ def test_the_backlog_and_its_oldest_age(conn: psycopg.Connection[Any]) -> None:
 def test_a_start_over_the_limit_is_told_how_long_to_wait(conn: psycopg.Connection[Any]) -> None:
     limit = RateLimit(per_minute=3)
     # Given three starts in the minute
-    assert [flow.try_start_rate(conn, "report.render", limit) for _ in range(3)] == [0.0] * 3
+    assert [limits.try_start_rate(conn, "report.render", limit) for _ in range(3)] == [0.0] * 3
     # When a fourth asks
-    wait = flow.try_start_rate(conn, "report.render", limit)
+    wait = limits.try_start_rate(conn, "report.render", limit)
     # Then it must wait until the first leaves the window, and nothing was recorded for it
     assert 0 < wait <= 60
     assert conn.execute("SELECT count(*) FROM flow_rate_starts").fetchone() == (3,)
     # And another job's limit is its own
-    assert flow.try_start_rate(conn, "other.job", limit) == 0.0
+    assert limits.try_start_rate(conn, "other.job", limit) == 0.0
 
 
 def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_url: str) -> None:
@@ -394,7 +399,7 @@ def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_ur
         started = refused = 0
         with psycopg.connect(ledger_url, autocommit=True) as conn:
             while started < starts_each:
-                wait = flow.try_start_rate(conn, "report.render", limit)
+                wait = limits.try_start_rate(conn, "report.render", limit)
                 if wait:
                     refused += 1
                     time.sleep(wait)
@@ -438,7 +443,7 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     first, second, third = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
 
     def take(token: uuid.UUID, value: str = '["t1"]') -> bool:
-        return flow.acquire_concurrency(
+        return limits.acquire_concurrency(
             conn, "report.render", value, 2, holder=str(token), token=token, lease_until=lease
         )
 
@@ -448,7 +453,7 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     # Then a third run of that value is refused, another value is not limited by it
     assert not take(third)
     assert take(third, '["t2"]')
-    flow.release_concurrency(conn, third)
+    limits.release_concurrency(conn, third)
     # And the holder taking its slot again only renews it
     assert take(first)
     assert not take(third)
@@ -460,13 +465,13 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     )
     # Then its slot is free again
     assert take(third)
-    assert not flow.release_concurrency(conn, first)
+    assert not limits.release_concurrency(conn, first)
     # And a released slot is free at once
-    assert flow.release_concurrency(conn, second)
+    assert limits.release_concurrency(conn, second)
     assert take(uuid.uuid4())
     # And a lease already over takes nothing
     late = uuid.uuid4()
-    assert not flow.acquire_concurrency(
+    assert not limits.acquire_concurrency(
         conn,
         "report.render",
         '["t3"]',
@@ -491,7 +496,7 @@ def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
         with psycopg.connect(ledger_url, autocommit=True) as conn:
             while ran < rounds:
                 token = uuid.uuid4()
-                if not flow.acquire_concurrency(
+                if not limits.acquire_concurrency(
                     conn,
                     "report.render",
                     '["t1"]',
@@ -509,7 +514,7 @@ def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
                 held_in_db.append(int(row[0]) if row else -1)
                 with guard:
                     running -= 1
-                flow.release_concurrency(conn, token)
+                limits.release_concurrency(conn, token)
                 ran += 1
         return ran
 

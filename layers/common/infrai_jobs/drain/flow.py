@@ -53,6 +53,7 @@ from infrai_jobs.errors import (
     PermanentJobError,
 )
 from infrai_jobs.flow import ledger as flow_ledger
+from infrai_jobs.flow import limits as flow_limits
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredJob, DeferredWork
 from infrai_jobs.flow.policies import concurrency_value, is_final_error, next_delay
 from infrai_jobs.jobs.policy import JobPolicy, RetryPolicy
@@ -256,7 +257,7 @@ class FlowControl(DrainFeature):
         slot = False
         if policy.concurrency is not None:
             value = concurrency_value(policy.concurrency, payload)
-            slot = flow_ledger.acquire_concurrency(
+            slot = flow_limits.acquire_concurrency(
                 conn,
                 ctx.job,
                 value,
@@ -272,10 +273,10 @@ class FlowControl(DrainFeature):
                     f"concurrency key {value} has {policy.concurrency.max_running} running",
                 )
         if policy.rate is not None:
-            while (wait := flow_ledger.try_start_rate(conn, ctx.job, policy.rate)) > 0:
+            while (wait := flow_limits.try_start_rate(conn, ctx.job, policy.rate)) > 0:
                 if self._clock() + wait + HANDLER_RESERVE_SECONDS > ctx.deadline:
                     if slot:
-                        flow_ledger.release_concurrency(conn, slot_token)
+                        flow_limits.release_concurrency(conn, slot_token)
                     return False, wait, f"rate limit of {policy.rate.limit} starts reached"
                 with self._lock:
                     self._counters["rate_limit_waits"] += 1
@@ -402,6 +403,12 @@ class FlowControl(DrainFeature):
                 extra={"action": "deferred_held", "idem_key": job.idem_key, "detail": reason},
             )
             return
+        # An external run is marked begun before its call: were its drain to die after this,
+        # its effect may have happened and it is never taken again; before this, it is.
+        if job.effect == Effect.EXTERNAL.value and not flow_ledger.begin(conn, job.idem_key, token):
+            if slot:
+                self._release_slot(conn, token)
+            return
         counters["deferred_ran"] += 1
         try:
             result = run_handler(derived, ctx, run.config.features)
@@ -459,7 +466,7 @@ class FlowControl(DrainFeature):
 
     def _release_slot(self, conn: psycopg.Connection[Any], token: uuid.UUID) -> None:
         try:
-            flow_ledger.release_concurrency(conn, token)
+            flow_limits.release_concurrency(conn, token)
         except LedgerError as exc:
             # The slot is freed when its lease ends.
             self._drop()

@@ -26,15 +26,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
-from infrai_jobs.jobs.policy import RateLimit
 from infrai_jobs.ledger.dead_letter_rows import hold_dead_letter
 from infrai_jobs.ledger.postgres import array_literal, ledger_errors
 
-# Classes of two-key advisory locks (the first key), apart from the migrations' one-key lock.
-RATE_LOCK_CLASS: Final = 0x1F0A_7C40
-CONCURRENCY_LOCK_CLASS: Final = 0x1F0A_7C41
-# Rate-limit starts are kept this long past their window: evidence for operators and tests.
-RATE_STARTS_KEPT_SECONDS: Final = 300.0
 # Who a drain's own changes are recorded as in claim_history.
 DRAIN_ACTOR: Final = "drain"
 
@@ -129,7 +123,7 @@ WITH due AS (
     SELECT idem_key FROM deferred_jobs
     WHERE ((state = 'deferred' AND run_after <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()
-               AND effect <> 'external'))
+               AND (effect <> 'external' OR began_at IS NULL)))
       AND (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[]))
     ORDER BY run_after, created_at, idem_key
     LIMIT %(limit)s
@@ -137,11 +131,17 @@ WITH due AS (
 )
 UPDATE deferred_jobs AS d
 SET state = 'running', attempts = d.attempts + 1, lease_token = gen_random_uuid(),
-    lease_until = clock_timestamp() + make_interval(secs => %(lease)s), updated_at = now()
+    lease_until = clock_timestamp() + make_interval(secs => %(lease)s), updated_at = now(),
+    began_at = NULL
 FROM due WHERE d.idem_key = due.idem_key
 RETURNING d.idem_key, d.job, d.effect, d.payload, d.payload_sha256, d.message_id, d.queue,
           d.state, d.attempts, d.last_error, d.result, d.run_after, d.created_at, d.updated_at,
           d.lease_token, d.lease_until
+"""
+
+_BEGIN: LiteralString = """
+UPDATE deferred_jobs SET began_at = clock_timestamp()
+WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
 """
 
 _BY_KEY_FOR_UPDATE: LiteralString = (
@@ -197,61 +197,6 @@ _HISTORY: LiteralString = """
 INSERT INTO claim_history (idem_key, action, actor, before, after, note)
 VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
 """
-
-_RATE_LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(class)s, hashtext(%(job)s))"
-
-# Under the job's lock: the most recent starts inside the window (at most ``limit`` of them);
-# fewer than ``limit`` lets this start through, recorded at the clock read after the lock, else
-# the wait is until the oldest of them leaves the window. Old starts are pruned on the way.
-_RATE_START: LiteralString = """
-WITH clock AS (SELECT clock_timestamp() AS now),
-recent AS (
-    SELECT started_at FROM flow_rate_starts, clock
-    WHERE job = %(job)s AND started_at > clock.now - make_interval(secs => %(window)s)
-    ORDER BY started_at DESC
-    LIMIT %(limit)s
-),
-verdict AS (SELECT count(*) AS n, min(started_at) AS oldest FROM recent),
-started AS (
-    INSERT INTO flow_rate_starts (job, started_at)
-    SELECT %(job)s, clock.now FROM clock, verdict WHERE verdict.n < %(limit)s
-    RETURNING id
-),
-pruned AS (
-    DELETE FROM flow_rate_starts USING clock
-    WHERE job = %(job)s AND started_at < clock.now - make_interval(secs => %(kept)s)
-)
-SELECT verdict.n < %(limit)s,
-       coalesce(extract(epoch FROM verdict.oldest + make_interval(secs => %(window)s)
-                               - clock.now)::float8, 0)
-FROM clock, verdict
-"""
-
-_CONCURRENCY_LOCK: LiteralString = (
-    "SELECT pg_advisory_xact_lock(%(class)s, hashtext(%(job)s || chr(31) || %(value)s))"
-)
-
-# Under the key's lock: expired slots go, and a slot is taken when fewer than ``max`` others
-# are live. Taking it again with the same token renews its lease.
-_ACQUIRE: LiteralString = """
-WITH clock AS (SELECT clock_timestamp() AS now),
-expired AS (
-    DELETE FROM flow_concurrency_slots USING clock
-    WHERE job = %(job)s AND key_value = %(value)s AND lease_until <= clock.now
-),
-live AS (
-    SELECT count(*) AS n FROM flow_concurrency_slots, clock
-    WHERE job = %(job)s AND key_value = %(value)s AND lease_until > clock.now
-      AND token <> %(token)s
-)
-INSERT INTO flow_concurrency_slots (token, job, key_value, holder, lease_until)
-SELECT %(token)s, %(job)s, %(value)s, %(holder)s, %(lease_until)s
-FROM live, clock WHERE live.n < %(max)s AND %(lease_until)s::timestamptz > clock.now
-ON CONFLICT (token) DO UPDATE SET lease_until = EXCLUDED.lease_until
-RETURNING token
-"""
-
-_RELEASE_SLOT: LiteralString = "DELETE FROM flow_concurrency_slots WHERE token = %(token)s"
 
 
 # --- Deferring and running deferred work ------------------------------------------------------
@@ -316,6 +261,14 @@ def take_due(
     ):
         rows = [DeferredJob(**row) for row in cur.execute(_TAKE_DUE, params).fetchall()]
     return sorted(rows, key=lambda job: (job.run_after, job.created_at, job.idem_key))
+
+
+def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
+    """Record that the taken run holding ``token`` is about to call its handler: from here an
+    ``external`` run whose lease runs out is never taken again. False when the token no longer
+    holds it (do not run)."""
+    with ledger_errors("cannot begin a deferred run"), conn.transaction():
+        return conn.execute(_BEGIN, {"key": key, "token": token}).rowcount == 1
 
 
 def postpone(
@@ -495,67 +448,6 @@ def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
     if row is None:  # pragma: no cover - an aggregate always answers one row
         return DeferredStats(0, 0.0)
     return DeferredStats(int(row[0]), float(row[1]))
-
-
-# --- Rate limits and concurrency keys ---------------------------------------------------------
-
-
-def try_start_rate(conn: psycopg.Connection[Any], job: str, limit: RateLimit) -> float:
-    """Record one start of ``job`` if ``limit`` allows it now and return 0; else record
-    nothing and return the seconds until it may (ask again then). The count and the start are
-    made under the job's lock, so across every drain no window of the limit's length holds
-    more than its number of starts. Call it in a short transaction of its own: the lock is
-    held until that transaction ends."""
-    params = {
-        "class": RATE_LOCK_CLASS,
-        "job": job,
-        "limit": limit.limit,
-        "window": limit.window_seconds,
-        "kept": limit.window_seconds + RATE_STARTS_KEPT_SECONDS,
-    }
-    with ledger_errors(f"cannot apply the rate limit of {job!r}"), conn.transaction():
-        conn.execute(_RATE_LOCK, params)
-        row = conn.execute(_RATE_START, params).fetchone()
-    if row is None:  # pragma: no cover - the statement always answers one row
-        return 0.0
-    started, wait = row
-    # Microseconds are the clock's grain: a refused start always has a wait, however short.
-    return 0.0 if started else max(float(wait), 1e-6)
-
-
-def acquire_concurrency(
-    conn: psycopg.Connection[Any],
-    job: str,
-    key_value: str,
-    max_running: int,
-    *,
-    holder: str,
-    token: uuid.UUID,
-    lease_until: datetime,
-) -> bool:
-    """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run holding
-    ``token`` (the claim's), until it is released or ``lease_until`` (the claim's lease)
-    passes; False when all are taken. A slot whose lease ended is free again, so a killed
-    drain's slot never leaks."""
-    params = {
-        "class": CONCURRENCY_LOCK_CLASS,
-        "job": job,
-        "value": key_value,
-        "max": max_running,
-        "holder": holder,
-        "token": token,
-        "lease_until": lease_until,
-    }
-    with ledger_errors(f"cannot take a concurrency slot of {job!r}"), conn.transaction():
-        conn.execute(_CONCURRENCY_LOCK, params)
-        return conn.execute(_ACQUIRE, params).fetchone() is not None
-
-
-def release_concurrency(conn: psycopg.Connection[Any], token: uuid.UUID) -> bool:
-    """Free the slot the run holding ``token`` took; False when it had none (or it expired
-    and was taken back)."""
-    with ledger_errors("cannot release a concurrency slot"), conn.transaction():
-        return conn.execute(_RELEASE_SLOT, {"token": token}).rowcount == 1
 
 
 # --- claim_history ----------------------------------------------------------------------------

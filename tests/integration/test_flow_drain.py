@@ -107,6 +107,34 @@ def run_now(kit: Harness, key: str) -> None:
         flow_ledger.run_now(conn, key, actor="test")
 
 
+def deferred_after_three_refusals(kit: Harness, flow: FlowControl) -> str:
+    """Publish DIGEST with the digest provider refusing every call and drain it through its
+    three deliveries (the queue's clock moved a visibility timeout between them); its key."""
+    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+    kit.publish(DIGEST)
+    for _ in range(3):
+        drain_with(kit, flow)
+        kit.advance()
+    return kit.registry.derive(DIGEST).idem_key
+
+
+def taken_external_run(kit: Harness, number: str, *, began: bool) -> str:
+    """A deferred ``test.ext`` job taken by a drain that then died (its lease over), after its
+    handler was called or before; its key."""
+    payload = {"job": "test.ext", "id": number}
+    key = kit.registry.derive(payload).idem_key
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        work = flow_ledger.DeferredWork(key, "test.ext", "external", payload, f"m-{number}")
+        flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
+        (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
+        assert taken.idem_key == key
+        assert taken.lease_token is not None
+        if began:
+            assert flow_ledger.begin(conn, key, taken.lease_token)
+    kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+    return key
+
+
 @pytest.fixture
 def kit(database_url: str) -> Any:
     with harness(database_url) as kit:
@@ -191,13 +219,8 @@ def test_a_deferred_job_out_of_attempts_fails_with_its_reason(kit: Harness) -> N
         {"digest.build": {"retry": {"attempts": 4, "first_delay_seconds": 1, "factor": 1}}}
     )
     flow = flow_for(kit, short)
-    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-    kit.publish(DIGEST)
-    key = kit.registry.derive(DIGEST).idem_key
     try:
-        for _ in range(3):
-            drain_with(kit, flow)
-            kit.advance()
+        key = deferred_after_three_refusals(kit, flow)
         assert deferred_row(kit, key)["attempts"] == 3  # type: ignore[index]
         run_now(kit, key)
         summary = drain_with(kit, flow)
@@ -430,13 +453,8 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
 def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harness) -> None:
     # Given a digest deferred by its retry policy and due now
     flow = flow_for(kit)
-    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-    kit.publish(DIGEST)
-    key = kit.registry.derive(DIGEST).idem_key
     try:
-        for _ in range(3):
-            drain_with(kit, flow)
-            kit.advance()
+        key = deferred_after_three_refusals(kit, flow)
         sink(kit, "POST", "/_sink/faults", json={"fail_rate": 0.0})
         run_now(kit, key)
         # When a drain is SIGKILLed right after the provider built the digest
@@ -463,16 +481,7 @@ def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harn
 def test_an_external_deferred_job_whose_lease_ran_out_is_left_for_a_human(kit: Harness) -> None:
     # Given an irreversible job the ledger holds, whose run's lease ran out mid-run
     flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    payload = {"job": "test.ext", "id": "x1"}
-    key = kit.registry.derive(payload).idem_key
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        work = flow_ledger.DeferredWork(key, "test.ext", "external", payload, "m1")
-        flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
-        (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
-        assert taken.idem_key == key
-        assert taken.lease_token is not None
-        assert flow_ledger.begin(conn, key, taken.lease_token)  # its handler was called
-    kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+    key = taken_external_run(kit, "x1", began=True)
     try:
         summary = drain_with(kit, flow)
     finally:
@@ -490,13 +499,8 @@ def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error
 ) -> None:
     # Given a digest deferred after three refused deliveries, due now
     flow = flow_for(kit)
-    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-    kit.publish(DIGEST)
-    key = kit.registry.derive(DIGEST).idem_key
     try:
-        for _ in range(3):
-            drain_with(kit, flow)
-            kit.advance()
+        key = deferred_after_three_refusals(kit, flow)
         before = deferred_row(kit, key)
         assert before is not None
         assert before["attempts"] == 3
@@ -528,14 +532,7 @@ def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error
 def test_an_external_deferred_run_killed_before_it_began_is_taken_again(kit: Harness) -> None:
     # Given an irreversible job the ledger holds, taken by a drain that died before its call
     flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    payload = {"job": "test.ext", "id": "x2"}
-    key = kit.registry.derive(payload).idem_key
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        work = flow_ledger.DeferredWork(key, "test.ext", "external", payload, "m2")
-        flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
-        (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
-        assert taken.idem_key == key
-    kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+    key = taken_external_run(kit, "x2", began=False)
     try:
         summary = drain_with(kit, flow)
     finally:

@@ -52,14 +52,12 @@ from infrai_jobs.jobs.correlation import with_correlation_id
 from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.ledger.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.producer import check_publishable
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
 from infrai_jobs.runtime.factory import (
     ledger_url,
-    make_claims_admin,
     make_effect_guard,
     make_queue_client,
     with_secrets,
@@ -77,7 +75,7 @@ from infrai_local.drain_interrupt import (
 from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
 from infrai_local.job_migrations import installed_job_migrations
 from infrai_local.jobs_package import code_root, load_registry
-from infrai_local.operator import default_actor
+from infrai_local.operator import OperatorLedger, default_actor
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
@@ -659,7 +657,9 @@ def _claims_left_running(service: DrainService, message_ids: set[str]) -> list[s
     if not message_ids:
         return []
     try:
-        rows = make_claims_admin(service.settings).list_claims(state="running", limit=10_000)
+        rows = OperatorLedger(ledger_url(service.settings)).list_claims(
+            state="running", limit=10_000
+        )
     except InfraiJobsError:
         return None
     return sorted(row.idem_key for row in rows if row.message_id in message_ids)
@@ -722,8 +722,8 @@ def _cmd_ops(args: argparse.Namespace) -> int:
             stack.callback(client.close)
             return client
 
-        def admin() -> ClaimsAdmin:
-            return make_claims_admin(settings)
+        def admin() -> OperatorLedger:
+            return OperatorLedger(ledger_url(settings))
 
         def reconciler() -> Reconciler:
             return _reconciler(settings, getattr(args, "jobs_path", None), admin())
@@ -742,7 +742,9 @@ def _cmd_ops(args: argparse.Namespace) -> int:
         )
 
 
-def _reconciler(settings: DrainSettings, jobs_path: str | None, admin: ClaimsAdmin) -> Reconciler:
+def _reconciler(
+    settings: DrainSettings, jobs_path: str | None, admin: OperatorLedger
+) -> Reconciler:
     """The reconcile pass as the watcher runs it: the jobs package's probes, with the settings
     its jobs declared read from the environment (each must be set: a real ledger is never
     reconciled against a stand-in provider)."""

@@ -21,12 +21,18 @@ from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, 
 from infrai_jobs.flow.ledger import deferred_as_dict
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claim_json import claim_as_dict
-from infrai_jobs.operations.claims_admin import RELEASABLE, RESOLVABLE, ClaimsAdmin
 from infrai_jobs.operations.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
 from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
 from infrai_jobs.operations.redrive import Selection, publish_price, redrive
 from infrai_jobs.queue.ports import QueuePort
-from infrai_local.operator import COMMANDS, change_refused, default_actor
+from infrai_local.operator import (
+    COMMANDS,
+    RELEASABLE,
+    RESOLVABLE,
+    OperatorLedger,
+    change_refused,
+    default_actor,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -290,7 +296,7 @@ class OpsContext:
     """Lazily built adapters and the configured names, handed in by the CLI."""
 
     queue: Callable[[], QueuePort]
-    admin: Callable[[], ClaimsAdmin]
+    admin: Callable[[], OperatorLedger]
     queue_name: str
     dlq_name: str
     # The drain's own key derivation (its jobs package's registry), found when first needed:
@@ -567,7 +573,7 @@ CLAIM_COLUMNS = ["idem_key", "state", "job", "effect", "attempts", "claimed_at",
 
 def _claims(
     args: argparse.Namespace,
-    admin: ClaimsAdmin,
+    admin: OperatorLedger,
     out: TextIO,
     forget: Callable[[str], None] | None = None,
 ) -> int:
@@ -648,7 +654,7 @@ def _claims(
 DEFERRED_COLUMNS = ["idem_key", "job", "state", "attempts", "run_after", "last_error"]
 
 
-def _deferred_list(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+def _deferred_list(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     deferred = admin.list_deferred(
         job=args.job, older_than_seconds=args.older_than, limit=args.limit
     )
@@ -657,7 +663,7 @@ def _deferred_list(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) ->
     return EXIT_OK
 
 
-def _steer_deferred(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+def _steer_deferred(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     """``claims run-now`` and ``claims cancel``: the ledger's change, recorded with the
     operator as actor. A missing key or work that is not waiting exits 3, in one line."""
     run_now = args.ops_command == "claims_run_now"
@@ -710,7 +716,7 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
 
 
 def _check_fence(
-    admin: ClaimsAdmin,
+    admin: OperatorLedger,
     key: str,
     action: str,
     states: tuple[str, ...],
@@ -744,7 +750,7 @@ def _rows_out(rows: Iterable[ClaimRow], as_json: bool, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _show(args: argparse.Namespace, admin: ClaimsAdmin, out: TextIO) -> int:
+def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     """One claim and its history; a key whose claim is gone (released, reopened) shows its
     history and the claim as it was before the last change."""
     found = admin.find(args.key)

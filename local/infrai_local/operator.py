@@ -1,8 +1,12 @@
-"""Who is at the command line, and how the command line words a fenced change it refuses.
+"""The operator's side of the ledger: who is at the command line, the reads and changes only an
+operator makes (list, show, history, resolve, release, and steering deferred work), and how a
+refused change is worded.
 
-The layer records whatever actor its caller names and refuses a fenced change for a reason
-(``claims_admin.Refusal``); the operator's identity and the commands to type instead are the
-command line's own, so they live here, never in the deployed layer.
+The functions never make these changes, so they live here, outside the deployed layer, on the
+layer's own adapter (``ClaimsAdmin``: its connection, error translation and redaction) and its
+one writer of ``claim_history``. Resolve and release are fenced: they change a claim only if its
+state and claim token are still what the operator looked at, so a human never overwrites a row
+that moved on in the meantime, and each change is recorded in the same transaction.
 """
 
 from __future__ import annotations
@@ -10,9 +14,23 @@ from __future__ import annotations
 import getpass
 import os
 import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Final, LiteralString
 
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.flow.ledger import (
+    DEFERRED_COLUMNS,
+    DEFERRED_FOR_UPDATE,
+    DeferredJob,
+    record_deferred_change,
+)
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claims_admin import Refusal, refusal
+from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, CLAIM_BY_KEY_FOR_UPDATE, CLAIM_COLUMNS
+from infrai_jobs.operations.claims_admin import ClaimsAdmin, record_claim_change
 
 
 def default_actor() -> str:
@@ -21,11 +39,44 @@ def default_actor() -> str:
 
 
 # The command an operator types for each change recorded in claim_history: what error texts name.
-COMMANDS = {
+COMMANDS: Final = {
     "resolve_done": "claims resolve --done",
     "resolve_failed": "claims resolve --failed",
     "release": "claims release",
 }
+
+# The states each operator change applies to.
+RESOLVABLE: Final = ("running",)
+RELEASABLE: Final = ("running", "failed")
+
+
+class Refusal(StrEnum):
+    """Why a fenced change may not go ahead on a claim as it stands."""
+
+    STATE = "state"  # the claim is not in a state the change applies to
+    LEASE_LIVE = "lease_live"  # running under a live lease, and no claim token was given
+    MOVED = "moved"  # another claim token holds it: it changed since it was read
+
+
+def refusal(
+    row: ClaimRow, *, allowed_states: tuple[str, ...], token: uuid.UUID | None
+) -> Refusal | None:
+    """Why a change fenced by ``allowed_states`` and ``token`` is refused for ``row``, or None
+    when it may go ahead."""
+    if row.state not in allowed_states:
+        return Refusal.STATE
+    if (
+        token is None
+        and row.state == "running"
+        and row.lease_until is not None
+        and row.lease_until > datetime.now(UTC)
+    ):
+        # Its delivery may be inside the effect right now: acting on it unseen could let a
+        # duplicate repeat an irreversible effect.
+        return Refusal.LEASE_LIVE
+    if token is not None and row.claim_token != token:
+        return Refusal.MOVED
+    return None
 
 
 def change_refused(
@@ -51,3 +102,234 @@ def change_refused(
         f"claim {key!r} is now held by token {row.claim_token}, not {token}: it changed "
         f"since you looked; run `infrai-jobs claims show {key}` again"
     )
+
+
+# ``claims list``: newest first, filtered by state, job and age when given.
+_LIST: LiteralString = (
+    "SELECT "
+    + CLAIM_COLUMNS
+    + """
+FROM job_claims
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR claimed_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY claimed_at DESC
+LIMIT %(limit)s
+"""
+)
+
+_RESOLVE: LiteralString = """
+UPDATE job_claims
+SET state = %(state)s, result = %(result)s, error = %(error)s, updated_at = now()
+WHERE idem_key = %(key)s AND state = %(expected_state)s
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_RELEASE: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND state = %(expected_state)s
+  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+"""
+
+_HISTORY_OF: LiteralString = """
+SELECT id, idem_key, action, actor, at, before, after, note
+FROM claim_history WHERE idem_key = %(key)s ORDER BY id
+"""
+
+# ``claims list --state deferred``: the work deferred jobs hold (waiting or running), the next
+# due first.
+_DEFERRED_LIST: LiteralString = (
+    "SELECT "
+    + DEFERRED_COLUMNS
+    + """
+FROM deferred_jobs
+WHERE state IN ('deferred', 'running')
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR created_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY run_after, created_at, idem_key
+LIMIT %(limit)s
+"""
+)
+
+# ``claims cancel`` ends waiting work; ``claims run-now`` makes it due at once.
+_STEER_DEFERRED: LiteralString = (
+    """
+UPDATE deferred_jobs
+SET state = %(state)s,
+    run_after = CASE WHEN %(state)s = 'deferred' THEN least(run_after, now()) ELSE run_after END,
+    updated_at = now()
+WHERE idem_key = %(key)s AND state = 'deferred'
+RETURNING """
+    + DEFERRED_COLUMNS
+)
+
+
+class OperatorLedger(ClaimsAdmin):
+    """The command line's reads and changes on the ledger; one short connection per call."""
+
+    def list_claims(
+        self,
+        *,
+        state: str | None = None,
+        job: str | None = None,
+        older_than_seconds: float | None = None,
+        limit: int = 100,
+    ) -> list[ClaimRow]:
+        params = {"state": state, "job": job, "older_than": older_than_seconds, "limit": limit}
+        return self._rows(_LIST, params)
+
+    def show(self, key: str) -> ClaimRow:
+        found = self.find(key)
+        if found is None:
+            raise ClaimNotFound(f"no claim with key {key!r}")
+        return found
+
+    def history(self, key: str) -> list[dict[str, Any]]:
+        """Every change recorded for this key, oldest first (kept after a release)."""
+        with (
+            self._connector.session("cannot read the claim history") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
+
+    def resolve(
+        self,
+        key: str,
+        *,
+        done: bool,
+        result: Any = None,
+        error: str | None = None,
+        expected_token: uuid.UUID | None = None,
+        actor: str,
+        note: str = "",
+    ) -> ClaimRow:
+        """A human's verdict on a running claim: ``done`` (with the provider's reference) or
+        ``failed`` (with the reason). Only a ``running`` claim can be resolved."""
+        state = "done" if done else "failed"
+        return self._fenced_change(
+            key,
+            action=f"resolve_{state}",
+            statement=_RESOLVE,
+            changes={
+                "state": state,
+                "result": Jsonb(result) if done else None,
+                "error": None if done else (error or "resolved as failed by an operator"),
+            },
+            allowed_states=RESOLVABLE,
+            expected_token=expected_token,
+            actor=actor,
+            note=note,
+        )
+
+    def release(
+        self,
+        key: str,
+        *,
+        expected_token: uuid.UUID | None = None,
+        actor: str,
+        note: str = "",
+    ) -> ClaimRow:
+        """Delete a running or failed claim so the next delivery runs the job again."""
+        return self._fenced_change(
+            key,
+            action="release",
+            statement=_RELEASE,
+            changes={},
+            allowed_states=RELEASABLE,
+            expected_token=expected_token,
+            actor=actor,
+            note=note,
+        )
+
+    def _fenced_change(
+        self,
+        key: str,
+        *,
+        action: str,
+        statement: LiteralString,
+        changes: dict[str, Any],
+        allowed_states: tuple[str, ...],
+        expected_token: uuid.UUID | None,
+        actor: str,
+        note: str,
+    ) -> ClaimRow:
+        with (
+            self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
+            conn.transaction(),
+        ):
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+            if row is None:
+                raise ClaimNotFound(f"no claim with key {key!r}")
+            before = ClaimRow(**row)
+            refused = change_refused(
+                before,
+                command=COMMANDS[action],
+                allowed_states=allowed_states,
+                token=expected_token,
+            )
+            if refused:
+                raise ClaimChanged(refused)
+            cursor = conn.execute(
+                statement,
+                {
+                    "key": key,
+                    "expected_state": before.state,
+                    "expected_token": before.claim_token,
+                    **changes,
+                },
+            )
+            if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
+                raise ClaimChanged(f"claim {key!r} changed while it was being updated")
+            with conn.cursor(row_factory=dict_row) as cur:
+                after_row = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+            after = ClaimRow(**after_row) if after_row else None
+            record_claim_change(conn, action, before, after, actor=actor, note=note)
+        return after or before
+
+    def list_deferred(
+        self, *, job: str | None = None, older_than_seconds: float | None = None, limit: int = 100
+    ) -> list[DeferredJob]:
+        """Deferred work the ledger holds (waiting or running), the next due first."""
+        params = {"job": job, "older_than": older_than_seconds, "limit": limit}
+        with (
+            self._connector.session("cannot read deferred jobs") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return [DeferredJob(**row) for row in cur.execute(_DEFERRED_LIST, params).fetchall()]
+
+    def run_deferred_now(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
+        """Waiting deferred work made due at once, for the next drain; recorded as
+        ``run_now``."""
+        return self._steer_deferred(key, "deferred", "run_now", actor=actor, note=note)
+
+    def cancel_deferred(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
+        """Waiting deferred work cancelled: it never runs (a running one may be inside its
+        effect, so it is refused). Recorded as ``cancel``."""
+        return self._steer_deferred(key, "cancelled", "cancel", actor=actor, note=note)
+
+    def _steer_deferred(
+        self, key: str, state: str, action: str, *, actor: str, note: str
+    ) -> DeferredJob:
+        with (
+            self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
+            conn.transaction(),
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            before_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
+            if before_row is None:
+                raise ClaimNotFound(f"no deferred job with key {key!r}")
+            before = DeferredJob(**before_row)
+            if before.state != "deferred":
+                raise ClaimChanged(
+                    f"deferred job {key!r} is {before.state}; only a waiting ('deferred') job "
+                    f"can be {'cancelled' if action == 'cancel' else 'run now'}"
+                )
+            after_row = cur.execute(_STEER_DEFERRED, {"key": key, "state": state}).fetchone()
+            if after_row is None:  # pragma: no cover - the row lock makes this unreachable
+                raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
+            after = DeferredJob(**after_row)
+            record_deferred_change(conn, action, before, after, actor=actor, note=note)
+        return after

@@ -20,6 +20,7 @@ from infrai_jobs.flow import limits
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import RateLimit
 from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
+from infrai_local.operator import OperatorLedger
 
 OPERATOR = "on-call@example.com"
 
@@ -29,6 +30,12 @@ def ledger_url(database_url: str) -> str:
     with psycopg.connect(database_url, autocommit=True) as conn:
         apply_migrations(conn)
     return database_url
+
+
+@pytest.fixture
+def operator(ledger_url: str) -> OperatorLedger:
+    """The command line's changes to deferred work (run-now, cancel)."""
+    return OperatorLedger(ledger_url)
 
 
 @pytest.fixture
@@ -186,7 +193,9 @@ def test_a_deferral_whose_claim_was_lost_changes_nothing(conn: psycopg.Connectio
     assert conn.execute("SELECT count(*) FROM deferred_jobs").fetchone() == (0,)
 
 
-def test_due_jobs_are_taken_oldest_due_first_and_only_once(conn: psycopg.Connection[Any]) -> None:
+def test_due_jobs_are_taken_oldest_due_first_and_only_once(
+    conn: psycopg.Connection[Any], operator: OperatorLedger
+) -> None:
     # Given two due jobs and one due in an hour
     flow.defer(conn, _work("later"), attempts=1, error="e", delay_seconds=3600)
     flow.defer(conn, _work("second"), attempts=1, error="e", delay_seconds=0)
@@ -208,7 +217,7 @@ def test_due_jobs_are_taken_oldest_due_first_and_only_once(conn: psycopg.Connect
     # And a second drain finds nothing to take while their leases live
     assert flow.take_due(conn, 10, lease_seconds=120) == []
     # And only the jobs named are taken when a drain names its jobs
-    flow.run_now(conn, "later", actor=OPERATOR)
+    operator.run_deferred_now("later", actor=OPERATOR)
     assert flow.take_due(conn, 10, lease_seconds=120, jobs=["other.job"]) == []
     assert [job.idem_key for job in flow.take_due(conn, 10, lease_seconds=120)] == ["later"]
 
@@ -319,13 +328,13 @@ def test_failing_and_postponing_a_taken_job(conn: psycopg.Connection[Any]) -> No
 
 
 def test_operators_run_now_or_cancel_waiting_work_recorded_in_the_history(
-    conn: psycopg.Connection[Any],
+    conn: psycopg.Connection[Any], operator: OperatorLedger
 ) -> None:
     flow.defer(conn, _work("k1"), attempts=1, error="e", delay_seconds=3600)
     flow.defer(conn, _work("k2"), attempts=1, error="e", delay_seconds=3600)
     # When an operator runs one now and cancels the other
-    ran = flow.run_now(conn, "k1", actor=OPERATOR, note="provider is back")
-    cancelled = flow.cancel(conn, "k2", actor=OPERATOR, note="customer left")
+    ran = operator.run_deferred_now("k1", actor=OPERATOR, note="provider is back")
+    cancelled = operator.cancel_deferred("k2", actor=OPERATOR, note="customer left")
     # Then the first is due and taken by the next drain, the second never runs
     assert ran.state == "deferred"
     assert cancelled.state == "cancelled"
@@ -341,15 +350,17 @@ def test_operators_run_now_or_cancel_waiting_work_recorded_in_the_history(
     ]
     # And a running or unknown job is refused with the reason, nothing recorded
     with pytest.raises(ClaimChanged, match="running"):
-        flow.cancel(conn, "k1", actor=OPERATOR)
+        operator.cancel_deferred("k1", actor=OPERATOR)
     with pytest.raises(ClaimNotFound, match="nope"):
-        flow.run_now(conn, "nope", actor=OPERATOR)
+        operator.run_deferred_now("nope", actor=OPERATOR)
     assert conn.execute("SELECT count(*) FROM claim_history").fetchone() == (2,)
 
 
-def test_a_cancelled_key_may_be_deferred_afresh(conn: psycopg.Connection[Any]) -> None:
+def test_a_cancelled_key_may_be_deferred_afresh(
+    conn: psycopg.Connection[Any], operator: OperatorLedger
+) -> None:
     flow.defer(conn, _work("k1"), attempts=4, error="old", delay_seconds=3600)
-    flow.cancel(conn, "k1", actor=OPERATOR)
+    operator.cancel_deferred("k1", actor=OPERATOR)
     # When new work with the same key is deferred later
     outcome = flow.defer(conn, _work("k1"), attempts=1, error="new", delay_seconds=0)
     # Then it starts over
@@ -361,14 +372,16 @@ def test_a_cancelled_key_may_be_deferred_afresh(conn: psycopg.Connection[Any]) -
     )
 
 
-def test_the_backlog_and_its_oldest_age(conn: psycopg.Connection[Any]) -> None:
+def test_the_backlog_and_its_oldest_age(
+    conn: psycopg.Connection[Any], operator: OperatorLedger
+) -> None:
     assert flow.deferred_stats(conn) == (0, 0.0)
     for key in ("k1", "k2", "k3"):
         flow.defer(conn, _work(key), attempts=1, error="e", delay_seconds=3600)
     conn.execute(
         "UPDATE deferred_jobs SET created_at = now() - interval '10 minutes' WHERE idem_key = 'k2'"
     )
-    flow.cancel(conn, "k3", actor=OPERATOR)
+    operator.cancel_deferred("k3", actor=OPERATOR)
     backlog, oldest = flow.deferred_stats(conn)
     assert backlog == 2
     assert 600 <= oldest < 3600

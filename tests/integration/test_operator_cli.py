@@ -29,7 +29,7 @@ from drainkit import (
 )
 
 from infrai_jobs.jobs.registry import Payload
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_local.operator import OperatorLedger
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
 JOBS_PACKAGE = textwrap.dedent(
@@ -451,13 +451,13 @@ def test_dlq_discard_by_key_takes_every_copy_and_keeps_unkeyed_records_by_messag
     assert [d["message_id"] for d in document["discarded"]] == [first, second]
     listed = json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"]
     assert [m["message_id"] for m in listed] == [unkeyed]
-    history = ClaimsAdmin(kit.database_url).history("invoice.finalize:inv_2")
+    history = OperatorLedger(kit.database_url).history("invoice.finalize:inv_2")
     assert [h["before"]["dead_letter"]["message_id"] for h in history] == [first, second]
     # When the unkeyed one is discarded by its id
     by_id = run_cli(kit, "dlq", "discard", "--message-id", unkeyed)
     # Then it is recorded under its message id, its payload kept even where jsonb cannot
     assert by_id.returncode == 0, by_id.stderr
-    (entry,) = ClaimsAdmin(kit.database_url).history(unkeyed)
+    (entry,) = OperatorLedger(kit.database_url).history(unkeyed)
     assert "nul" in json.dumps(entry["before"]["dead_letter"]["payload"])
     assert kit.client.stats(QUEUE).dlq_count == 0
 

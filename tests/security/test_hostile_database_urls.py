@@ -31,6 +31,7 @@ from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_sec
 from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
+from infrai_local.operator import OperatorLedger
 from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +190,8 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "the watcher": lambda: AlertCheck(
             _NoQueue(), url, PrintingAlerter(), AlertThresholds(), connect_timeout=1
         ).run([]),
-        "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).list_claims(),
+        "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).stuck(),
+        "operator ledger": lambda: OperatorLedger(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(
             ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"

@@ -25,6 +25,7 @@ from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_local import cli as cli_module
 from infrai_local.emulator import RunningEmulator, start_in_thread
+from infrai_local.operator import OperatorLedger
 
 PASSWORD = "pw_do_not_print_8c1e77"
 API_KEY = "sk_live_do_not_print_51d0aa"
@@ -73,7 +74,8 @@ def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_er
         "the watcher": lambda: AlertCheck(
             _NoQueue(), url, PrintingAlerter(), AlertThresholds()
         ).run([]),
-        "claims admin": lambda: ClaimsAdmin(url).show("any"),
+        "claims admin": lambda: ClaimsAdmin(url).find("any"),
+        "operator ledger": lambda: OperatorLedger(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
         "redrive's reopen": lambda: redrive_module._reopen(
             ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"

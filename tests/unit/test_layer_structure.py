@@ -346,6 +346,20 @@ def test_driver_errors_are_caught_in_exactly_one_module() -> None:
     assert catching == {"ledger/postgres.py"}
 
 
+def test_claim_history_has_one_writer_in_the_layer() -> None:
+    # Every change an operator, the watcher, the drain or a redrive records goes through
+    # ledger.postgres.record_history; the command line's changes call it too.
+    writers = {
+        path.relative_to(LAYER).as_posix()
+        for path in MODULES
+        if any(
+            "insert into claim_history" in " ".join(text.lower().split())
+            for text in _code_strings(_tree(path))
+        )
+    }
+    assert writers == {"ledger/postgres.py"}
+
+
 def _code_strings(tree: ast.AST) -> set[str]:
     """The string constants a module's code uses: docstrings are documentation, not rules."""
     docstrings = {

@@ -6,9 +6,10 @@ savepoint of it, so a deferral can commit with the attempt it settles. Times are
 database's (``clock_timestamp()``), never a drain's, so every drain agrees on them.
 
 Fencing: a taken deferred job carries a ``lease_token``; every later change to it names that
-token and changes nothing (returns False) when the row moved on. Operator changes (``cancel``,
-``run_now``) and the end of a deferred job (``finish``, ``fail``) are recorded in
-``claim_history`` with the row before and after, in the same transaction.
+token and changes nothing (returns False) when the row moved on. The end of a deferred job
+(``finish``, ``fail``) is recorded in ``claim_history`` with the row before and after, in the
+same transaction, as the command line's ``cancel`` and ``run_now`` are
+(``record_deferred_change``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.ledger.dead_letter_rows import hold_dead_letter
-from infrai_jobs.ledger.postgres import array_literal, ledger_errors
+from infrai_jobs.ledger.postgres import array_literal, ledger_errors, record_history
 
 # Who a drain's own changes are recorded as in claim_history.
 DRAIN_ACTOR: Final = "drain"
@@ -79,9 +79,10 @@ class DeferredStats(NamedTuple):
     oldest_age_seconds: float  # since the oldest of those was first deferred; 0 when none
 
 
-_COLUMNS: LiteralString = """idem_key, job, effect, payload, payload_sha256, message_id, queue,
-       state, attempts, last_error, result, run_after, created_at, updated_at, lease_token,
-       lease_until"""
+# The columns of a DeferredJob, for every statement that reads whole rows.
+DEFERRED_COLUMNS: LiteralString = """idem_key, job, effect, payload, payload_sha256, message_id,
+       queue, state, attempts, last_error, result, run_after, created_at, updated_at,
+       lease_token, lease_until"""
 
 _RELEASE_CLAIM: LiteralString = """
 DELETE FROM job_claims
@@ -144,9 +145,9 @@ UPDATE deferred_jobs SET began_at = clock_timestamp()
 WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
 """
 
-_BY_KEY_FOR_UPDATE: LiteralString = (
+DEFERRED_FOR_UPDATE: LiteralString = (
     """SELECT """
-    + _COLUMNS
+    + DEFERRED_COLUMNS
     + """
 FROM deferred_jobs WHERE idem_key = %(key)s FOR UPDATE"""
 )
@@ -159,7 +160,7 @@ SET state = %(state)s, result = %(result)s,
     lease_token = NULL, lease_until = NULL, updated_at = now()
 WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
 RETURNING """
-    + _COLUMNS
+    + DEFERRED_COLUMNS
 )
 
 # The claim a finished deferred job leaves, so a later copy of its message meets a settled
@@ -172,17 +173,6 @@ VALUES (%(key)s, %(state)s, %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s
 ON CONFLICT (idem_key) DO NOTHING
 """
 
-_OPERATOR_CHANGE: LiteralString = (
-    """
-UPDATE deferred_jobs
-SET state = %(state)s,
-    run_after = CASE WHEN %(state)s = 'deferred' THEN least(run_after, now()) ELSE run_after END,
-    updated_at = now()
-WHERE idem_key = %(key)s AND state = 'deferred'
-RETURNING """
-    + _COLUMNS
-)
-
 _HOLDING: LiteralString = """
 SELECT idem_key, state FROM deferred_jobs
 WHERE idem_key = ANY(%(keys)s::text[]) AND state IN ('deferred', 'running')
@@ -191,11 +181,6 @@ WHERE idem_key = ANY(%(keys)s::text[]) AND state IN ('deferred', 'running')
 _STATS: LiteralString = """
 SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)
 FROM deferred_jobs WHERE state IN ('deferred', 'running')
-"""
-
-_HISTORY: LiteralString = """
-INSERT INTO claim_history (idem_key, action, actor, before, after, note)
-VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
 """
 
 
@@ -346,7 +331,7 @@ def _settle(
         conn.transaction(),
         conn.cursor(row_factory=dict_row) as cur,
     ):
-        before_row = cur.execute(_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+        before_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
         params = {
             "key": key,
             "token": token,
@@ -383,7 +368,7 @@ def _settle(
                 idem_key=key,
                 reason=f"deferred job failed after {after.attempts} attempt(s): {error}",
             )
-        _record(
+        record_deferred_change(
             conn,
             f"deferred_{state}",
             DeferredJob(**before_row),
@@ -392,43 +377,6 @@ def _settle(
             note=note,
         )
     return True
-
-
-def cancel(conn: psycopg.Connection[Any], key: str, *, actor: str, note: str = "") -> DeferredJob:
-    """An operator's cancel of deferred work that is waiting: it never runs (a running one
-    may be inside its effect, so it is refused). Recorded as ``cancel``."""
-    return _operator_change(conn, key, "cancelled", "cancel", actor=actor, note=note)
-
-
-def run_now(conn: psycopg.Connection[Any], key: str, *, actor: str, note: str = "") -> DeferredJob:
-    """An operator's "run it now" for waiting deferred work: due at once, taken by the next
-    drain. Recorded as ``run_now``."""
-    return _operator_change(conn, key, "deferred", "run_now", actor=actor, note=note)
-
-
-def _operator_change(
-    conn: psycopg.Connection[Any], key: str, state: str, action: str, *, actor: str, note: str
-) -> DeferredJob:
-    with (
-        ledger_errors(f"cannot {action.replace('_', ' ')} {key!r}"),
-        conn.transaction(),
-        conn.cursor(row_factory=dict_row) as cur,
-    ):
-        before_row = cur.execute(_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
-        if before_row is None:
-            raise ClaimNotFound(f"no deferred job with key {key!r}")
-        before = DeferredJob(**before_row)
-        if before.state != "deferred":
-            raise ClaimChanged(
-                f"deferred job {key!r} is {before.state}; only a waiting ('deferred') job can "
-                f"be {'cancelled' if action == 'cancel' else 'run now'}"
-            )
-        after_row = cur.execute(_OPERATOR_CHANGE, {"key": key, "state": state}).fetchone()
-        if after_row is None:  # pragma: no cover - the row lock makes this unreachable
-            raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
-        after = DeferredJob(**after_row)
-        _record(conn, action, before, after, actor=actor, note=note)
-    return after
 
 
 def holding(conn: psycopg.Connection[Any], keys: Sequence[str]) -> dict[str, str]:
@@ -453,7 +401,7 @@ def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
 # --- claim_history ----------------------------------------------------------------------------
 
 
-def _record(
+def record_deferred_change(
     conn: psycopg.Connection[Any],
     action: str,
     before: DeferredJob,
@@ -462,16 +410,15 @@ def _record(
     actor: str,
     note: str,
 ) -> None:
-    conn.execute(
-        _HISTORY,
-        {
-            "key": before.idem_key,
-            "action": action,
-            "actor": actor,
-            "before": Jsonb(deferred_as_dict(before)),
-            "after": Jsonb(deferred_as_dict(after)),
-            "note": note or None,
-        },
+    """A change to deferred work in ``claim_history``: the row before and after it."""
+    record_history(
+        conn,
+        before.idem_key,
+        action,
+        actor=actor,
+        before=deferred_as_dict(before),
+        after=deferred_as_dict(after),
+        note=note,
     )
 
 

@@ -36,6 +36,7 @@ from urllib.parse import unquote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.types.json import Jsonb
 
 from infrai_jobs.config.rotation import fetch_again
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
@@ -448,42 +449,14 @@ FOR UPDATE
 """
 )
 
-# ``infrai-jobs claims list``: newest first, filtered by state, job and age when given.
-CLAIMS_LIST: LiteralString = (
-    "SELECT "
-    + CLAIM_COLUMNS
-    + """
-FROM job_claims
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-  AND (%(job)s::text IS NULL OR job = %(job)s)
-  AND (%(older_than)s::float8 IS NULL
-       OR claimed_at < now() - make_interval(secs => %(older_than)s))
-ORDER BY claimed_at DESC
-LIMIT %(limit)s
-"""
-)
-
-# The claims ``infrai-jobs claims stuck`` lists, oldest first.
+# Stuck claims, oldest first: every job's (``claims stuck``), or only those of ``jobs`` (the
+# reconcile pass's candidates: the jobs that declare a probe) when it is not NULL.
 STUCK_CLAIMS: LiteralString = (
     "SELECT "
     + CLAIM_COLUMNS
     + """
 FROM job_claims
-WHERE """
-    + STUCK_CLAIM
-    + """
-ORDER BY coalesce(updated_at, claimed_at)
-LIMIT %(limit)s
-"""
-)
-
-# The reconcile pass's candidates: stuck claims of the jobs that declare a probe, oldest first.
-STUCK_CLAIMS_OF_JOBS: LiteralString = (
-    "SELECT "
-    + CLAIM_COLUMNS
-    + """
-FROM job_claims
-WHERE job = ANY(%(jobs)s::text[]) AND """
+WHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND """
     + STUCK_CLAIM
     + """
 ORDER BY coalesce(updated_at, claimed_at)
@@ -502,3 +475,34 @@ SELECT count(*) FILTER (WHERE """
 FROM job_claims WHERE state = 'running'
 """
 )
+
+_HISTORY: LiteralString = """
+INSERT INTO claim_history (idem_key, action, actor, before, after, note)
+VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, %(after)s, %(note)s)
+"""
+
+
+def record_history(
+    conn: psycopg.Connection[Any],
+    key: str,
+    action: str,
+    *,
+    actor: str,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+    note: str,
+) -> None:
+    """The one writer of ``claim_history`` (append-only: the database refuses updates and
+    deletes there): one change to ``key``, the records before and after it, in the caller's
+    transaction, so the change and its record commit together."""
+    conn.execute(
+        _HISTORY,
+        {
+            "key": key,
+            "action": action,
+            "actor": actor,
+            "before": None if before is None else Jsonb(before),
+            "after": None if after is None else Jsonb(after),
+            "note": note or None,
+        },
+    )

@@ -36,7 +36,7 @@ from infrai_jobs.ledger.dead_letter_rows import (
     RECORD_DEAD_LETTER,
     UNRESOLVED_DEAD_LETTERS,
 )
-from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector
+from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector, record_history
 from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
@@ -90,13 +90,6 @@ UPDATE dead_letters
 SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
     resolution_note = %(note)s
 WHERE message_id = %(message_id)s AND resolution IS NULL
-"""
-
-# A discard in the operator history, beside the claim changes of its key (the dead letter with
-# its payload, and the key's claim as it was then).
-_HISTORY: LiteralString = """
-INSERT INTO claim_history (idem_key, action, actor, before, after, note)
-VALUES (%(key)s, %(action)s, %(actor)s, %(before)s, NULL, %(note)s)
 """
 
 
@@ -436,18 +429,17 @@ class DeadLetterStore:
                 with conn.cursor(row_factory=dict_row) as cur:
                     claim_row = cur.execute(CLAIM_BY_KEY, {"key": row.idem_key}).fetchone()
                 claim = claim_as_dict(ClaimRow(**claim_row)) if claim_row else None
-            # The message id names the dead letter in the history when it has no key.
-            conn.execute(
-                _HISTORY,
-                {
-                    "key": row.idem_key or message_id,
-                    "action": "discard",
-                    "actor": actor,
-                    "before": Jsonb(
-                        {"dead_letter": _history_record(row), "claim": claim},
-                    ),
-                    "note": note or None,
-                },
+            # A discard in the operator history, beside the claim changes of its key: the dead
+            # letter with its payload, and the key's claim as it was then. The message id names
+            # the dead letter when it has no key.
+            record_history(
+                conn,
+                row.idem_key or message_id,
+                "discard",
+                actor=actor,
+                before={"dead_letter": _history_record(row), "claim": claim},
+                after=None,
+                note=note,
             )
         return True
 

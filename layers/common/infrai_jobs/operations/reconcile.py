@@ -191,9 +191,7 @@ class Reconciler:
         jobs = self.probed_jobs()
         if not jobs:
             return report
-        candidates = self._admin.stuck_of_jobs(
-            jobs, threshold_seconds=threshold_seconds, limit=limit
-        )
+        candidates = self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
         ends = None if budget_seconds is None else self._clock() + budget_seconds
         for index, claim in enumerate(candidates):
             if ends is not None and self._clock() + self._probe_timeout > ends:
@@ -204,7 +202,9 @@ class Reconciler:
 
     def run_one(self, key: str, *, dry_run: bool = False) -> ReconcileReport:
         """Probe one claim, named by its key: a running claim of a job with a probe."""
-        claim = self._admin.show(key)
+        claim = self._admin.find(key)
+        if claim is None:
+            raise ClaimNotFound(f"no claim with key {key!r}")
         if claim.state != "running":
             raise ClaimChanged(
                 f"claim {key!r} is {claim.state}: only a running claim is reconciled"

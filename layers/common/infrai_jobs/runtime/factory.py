@@ -112,8 +112,8 @@ def make_connector(
 def make_claims_admin(
     settings: CommonSettings, *, refresh: SecretRefresh | None = None
 ) -> ClaimsAdmin:
-    """The operator's actions on the ledger (the CLI, PruneFunction); ``refresh`` as for
-    ``make_alert_check``."""
+    """Claim changes outside the drain (PruneFunction, RedriveFunction, the watcher's reconcile
+    pass); ``refresh`` as for ``make_alert_check``."""
     from infrai_jobs.operations.claims_admin import ClaimsAdmin  # noqa: PLC0415 - not on the drain's path
 
     return ClaimsAdmin(ledger_url(settings), refresh_url=refresh.database_url if refresh else None)

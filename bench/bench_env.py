@@ -24,10 +24,9 @@ from typing import IO, Any, LiteralString
 import psycopg
 import urllib3
 
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import scratch_database
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "functions"))
@@ -50,7 +49,7 @@ SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims
 
 # The ledger's tables come with apply_migrations; the invoices table is the invoice job's own
 # migration, applied the way `infrai-jobs migrate` applies it.
-JOB_MIGRATIONS = read_job_migrations(jobs_migrations_folder(ROOT / "functions"))
+JOB_MIGRATIONS = read_migrations(jobs_migrations_folder(ROOT / "functions"))
 
 
 def invoice_id(index: int) -> str:

@@ -64,12 +64,12 @@ from infrai_jobs.drain.loop import drain_invocation  # noqa: E402
 from infrai_jobs.drain.model import DrainConfig, DrainRun  # noqa: E402
 from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # noqa: E402
 from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.ledger.migrations import apply_migrations  # noqa: E402
 from infrai_jobs.ledger.postgres import LedgerConnector  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from infrai_local.embedded_db import postgres_server_url, scratch_database  # noqa: E402
+from infrai_local.migrations import apply_migrations  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
 from bench_env import API_KEY, EmulatorProcess, Workload, worker_result  # noqa: E402

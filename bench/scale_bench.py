@@ -36,10 +36,10 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.fan_out import CLI
+from infrai_local.migrations import apply_migrations
 
 from bench_env import API_KEY, JOB_MIGRATIONS, EmulatorProcess, Workload, invoice_id, prepared_run
 from instruments import latency_summary, sample_busy_percent

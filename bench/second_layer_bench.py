@@ -67,11 +67,11 @@ from infrai_jobs.drain.loop import drain  # noqa: E402
 from infrai_jobs.drain.model import DrainConfig, DrainFeature  # noqa: E402
 from infrai_jobs.jobs.registry import JobContext  # noqa: E402
 from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.ledger.migrations import apply_migrations  # noqa: E402
 from infrai_jobs.ledger.ports import EffectGuard  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from infrai_local.embedded_db import postgres_server_url, scratch_database  # noqa: E402
+from infrai_local.migrations import apply_migrations  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
 from bench_env import API_KEY, EmulatorProcess, Workload, worker_result  # noqa: E402

@@ -50,7 +50,6 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.jobs.correlation import with_correlation_id
 from infrai_jobs.jobs.registry import Effect
-from infrai_jobs.ledger.migrations import LATEST_VERSION, Migration, apply_migrations
 from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
@@ -73,8 +72,13 @@ from infrai_local.drain_interrupt import (
     interrupted_lines,
 )
 from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
-from infrai_local.job_migrations import installed_job_migrations
 from infrai_local.jobs_package import code_root, load_registry
+from infrai_local.migrations import (
+    LATEST_VERSION,
+    Migration,
+    apply_migrations,
+    installed_job_migrations,
+)
 from infrai_local.operator import OperatorLedger, default_actor
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,

@@ -34,7 +34,6 @@ from typing import Any
 import psycopg
 import urllib3
 
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import (
@@ -44,8 +43,8 @@ from infrai_local.embedded_db import (
     scratch_database,
 )
 from infrai_local.invoke import invoke, resolve
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
 from infrai_local.jobs_package import project_root
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
 
 QUEUE = "billing-jobs"
@@ -349,7 +348,7 @@ def _stage(root: Path) -> Iterator[_Stage]:
         database_url = stack.enter_context(_demo_database())
         with psycopg.connect(database_url, autocommit=True) as conn:
             # The ledger's tables, then the jobs' own (invoices), as `infrai-jobs migrate` does.
-            apply_migrations(conn, read_job_migrations(jobs_migrations_folder(root / "functions")))
+            apply_migrations(conn, read_migrations(jobs_migrations_folder(root / "functions")))
             conn.execute(COUNT_INVOICE_UPDATES)
             conn.execute(
                 "INSERT INTO invoices (id) VALUES ('inv_8812'), ('inv_8813')"

@@ -451,15 +451,15 @@ def _embedded_migrated_ledger(code_uri: Path) -> str:
     """This process's own embedded server, whatever the shell says: the one database invoke
     may migrate is one it started. The jobs' tables are those of the jobs package in the
     function's own code."""
-    from infrai_jobs.ledger.migrations import apply_migrations  # noqa: PLC0415
     from infrai_jobs.ledger.postgres import connect_to_ledger  # noqa: PLC0415
     from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
-    from infrai_local.job_migrations import (  # noqa: PLC0415
+    from infrai_local.migrations import (  # noqa: PLC0415
+        apply_migrations,
         jobs_migrations_folder,
-        read_job_migrations,
+        read_migrations,
     )
 
-    jobs = read_job_migrations(jobs_migrations_folder(code_uri))
+    jobs = read_migrations(jobs_migrations_folder(code_uri))
     url = ensure_database_url({}, announce=lambda _line: None)
     with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
         apply_migrations(conn, jobs)
@@ -469,12 +469,16 @@ def _embedded_migrated_ledger(code_uri: Path) -> str:
 def _require_migrated(url: str) -> None:
     """``SchemaNotMigrated``, naming the command to run, for a database behind this code."""
     from infrai_jobs.errors import SchemaNotMigrated  # noqa: PLC0415
-    from infrai_jobs.ledger.migrations import LATEST_VERSION, current_version  # noqa: PLC0415
-    from infrai_jobs.ledger.postgres import connect_to_ledger, schema_behind  # noqa: PLC0415
+    from infrai_jobs.ledger.postgres import (  # noqa: PLC0415
+        SCHEMA_VERSION,
+        connect_to_ledger,
+        current_version,
+        schema_behind,
+    )
 
     with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
         version = current_version(conn)
-    if version < LATEST_VERSION:
+    if version < SCHEMA_VERSION:
         raise SchemaNotMigrated(schema_behind(version))
 
 

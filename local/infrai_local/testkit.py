@@ -52,8 +52,8 @@ from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database
-from infrai_local.job_migrations import migrate_all
 from infrai_local.jobs_package import load_registry
+from infrai_local.migrations import migrate_all
 
 QUEUE = "testkit-jobs"
 DLQ = "testkit-jobs-dlq"

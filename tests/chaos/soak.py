@@ -87,7 +87,6 @@ from infrai_jobs.drain.loop import UNREADABLE_CODES
 from infrai_jobs.errors import KeyDerivationError
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.ledger.dead_letter_rows import LEDGER_HELD_DLQ
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import collect
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
@@ -96,6 +95,7 @@ from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
+from infrai_local.migrations import apply_migrations
 from infrai_local.provider_sink import sink_settings
 from jobs import build_registry
 

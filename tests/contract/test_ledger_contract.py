@@ -35,8 +35,8 @@ from infrai_jobs.ledger.claims import (
     Settlement,
     SettleStatus,
 )
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_local.fakes import FakeClock, InMemoryLedger
+from infrai_local.migrations import apply_migrations
 
 VISIBILITY = 30
 KEY = "job:1"

@@ -8,9 +8,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_local import emulator, provider_sink
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +20,7 @@ def services(database_url: str) -> Iterator[dict[str, str]]:
     """A migrated ledger with draft invoices inv_8812 and inv_9000, the emulator and the
     provider sink, as the environment a function is invoked with."""
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
         conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
         conn.execute("INSERT INTO invoices VALUES ('inv_9000', 'draft', NULL)")
     server = emulator.start_in_thread()

@@ -17,11 +17,10 @@ import urllib3
 from infrai_jobs.aws.lambda_starter import LambdaDrainStarter
 from infrai_jobs.drain.fan_out import fan_out_event
 from infrai_jobs.errors import FanOutError, FanOutThrottled
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.fan_out import CLI, LocalLambda
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +85,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
     # Given 600 invoices to finalize waiting, Infrai answering in 100 ms, and DrainFunction
     # allowed three drains alive with a fan-out time of one second
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
         conn.execute(
             "INSERT INTO invoices SELECT 'inv_' || n, 'draft', NULL FROM generate_series(1, 600) n"
         )

@@ -17,10 +17,9 @@ from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
 from child_process import LineSink, clean_env, run_captured
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import dependency_path, invoke, resolve
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
 from infrai_local.sam_template import (
     function_names,
@@ -643,7 +642,7 @@ def test_a_template_default_endpoint_is_not_a_choice_the_user_made(database_url:
     assert "INFRAI_BASE_URL" not in chosen.template_only
     # When DrainFunction is invoked with a real ledger from the shell and no Infrai URL
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(ROOT / "functions")))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
     finished = _invoke_from_shell(
         "DrainFunction",
         "events/drain-schedule.json",

@@ -25,12 +25,16 @@ from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
-from infrai_local.job_migrations import jobs_migrations_folder, read_job_migrations
+from infrai_local.migrations import (
+    LEDGER_MIGRATIONS,
+    apply_migrations,
+    jobs_migrations_folder,
+    read_migrations,
+)
 from infrai_local.provider_sink import sink_settings
 from jobs import build_registry
 
@@ -164,7 +168,7 @@ def migrate_by_hand(conn: psycopg.Connection[Any], *, up_to: int) -> None:
         "CREATE TABLE infrai_jobs_schema (version int PRIMARY KEY, name text NOT NULL,"
         " applied_at timestamptz NOT NULL DEFAULT now())"
     )
-    for migration in MIGRATIONS[:up_to]:
+    for migration in LEDGER_MIGRATIONS[:up_to]:
         conn.execute(migration.sql)
         conn.execute(
             "INSERT INTO infrai_jobs_schema (version, name) VALUES (%s, %s)",
@@ -175,7 +179,7 @@ def migrate_by_hand(conn: psycopg.Connection[Any], *, up_to: int) -> None:
 def prepare_database(database_url: str) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
         # The ledger's, then the example jobs' own migrations (invoices), as `migrate` does.
-        apply_migrations(conn, read_job_migrations(jobs_migrations_folder(FUNCTIONS_CODE)))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(FUNCTIONS_CODE)))
         conn.execute(EFFECTS_DDL)
 
 

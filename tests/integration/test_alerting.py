@@ -21,13 +21,13 @@ from moto import mock_aws
 from moto.sns.models import sns_backends
 
 from infrai_jobs.errors import InfraiError
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import collect
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_local import emulator as emulator_module
+from infrai_local.migrations import apply_migrations
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

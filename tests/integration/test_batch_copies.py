@@ -31,11 +31,11 @@ from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow, utc_from_epoch
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.ledger.ports import LedgerPort
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local.fakes import InMemoryLedger
+from infrai_local.migrations import apply_migrations
 
 QUEUE = "copies"
 LIVE_SECONDS = 120  # a seeded live lease: far beyond the batch's run

@@ -19,7 +19,7 @@ from infrai_jobs.flow import ledger as flow
 from infrai_jobs.flow import limits
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import RateLimit
-from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
+from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
 from infrai_local.operator import OperatorLedger
 
 OPERATOR = "on-call@example.com"
@@ -115,8 +115,8 @@ def test_flow_control_migration_only_adds_to_a_ledger_at_version_6(database_url:
     with psycopg.connect(database_url, autocommit=True) as conn:
         applied = [m.version for m in apply_migrations(conn)]
     # Then only flow control (and what came after it) was applied, and the claim is kept
-    assert applied == [m.version for m in MIGRATIONS[6:]]
-    assert MIGRATIONS[6].name == "flow control"
+    assert applied == [m.version for m in LEDGER_MIGRATIONS[6:]]
+    assert LEDGER_MIGRATIONS[6].name == "flow control"
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [("k1", "done")]
         # And the notes' worker's own statements still work, word for word

@@ -16,8 +16,12 @@ import pytest
 from child_process import run_captured
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.ledger.migrations import MIGRATIONS, apply_migrations
-from infrai_local.job_migrations import installed_job_migrations, read_job_migrations
+from infrai_local.migrations import (
+    LEDGER_MIGRATIONS,
+    apply_migrations,
+    installed_job_migrations,
+    read_migrations,
+)
 
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,25 +79,29 @@ def test_migrate_creates_the_ledger_then_the_invoice_jobs_table_from_any_folder(
     # Then the first applied the ledger's migrations, then the jobs' own, which made invoices
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
-    assert lines[: len(MIGRATIONS)] == [
-        f"applied ledger {m.version:04d}: {m.name}" for m in MIGRATIONS
+    assert lines[: len(LEDGER_MIGRATIONS)] == [
+        f"applied ledger {m.version:04d}: {m.name}" for m in LEDGER_MIGRATIONS
     ]
     # (every migration of the installed jobs package: the invoice job's first, then any a team
     # added, e.g. with new-job)
     jobs = installed_job_migrations()
     assert jobs[0].name == "invoice_invoices"
-    assert lines[len(MIGRATIONS) :] == [f"applied jobs {m.version:04d}: {m.name}" for m in jobs]
+    assert lines[len(LEDGER_MIGRATIONS) :] == [
+        f"applied jobs {m.version:04d}: {m.name}" for m in jobs
+    ]
     assert rows(database_url, "SELECT to_regclass('invoices') IS NOT NULL") == [(True,)]
     # And the two are recorded apart: the jobs' version 1 is not the ledger's version 1
     assert rows(
         database_url, "SELECT version, name FROM infrai_jobs_job_schema ORDER BY version"
     ) == [(m.version, m.name) for m in jobs]
-    assert len(rows(database_url, "SELECT version FROM infrai_jobs_schema")) == len(MIGRATIONS)
+    assert len(rows(database_url, "SELECT version FROM infrai_jobs_schema")) == len(
+        LEDGER_MIGRATIONS
+    )
     # And the second run had nothing to do
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines() == [
-        f"ledger schema already at version {MIGRATIONS[-1].version} and every jobs migration "
-        "applied; nothing to do"
+        f"ledger schema already at version {LEDGER_MIGRATIONS[-1].version} and every jobs "
+        "migration applied; nothing to do"
     ]
 
 
@@ -128,7 +136,7 @@ def test_two_migrates_at_once_apply_each_jobs_migration_exactly_once(
         "applied jobs 0001: shipments",
         "applied jobs 0002: shipment_notes",
     ]
-    assert len([line for line in printed if " ledger " in line]) == len(MIGRATIONS)
+    assert len([line for line in printed if " ledger " in line]) == len(LEDGER_MIGRATIONS)
     assert rows(database_url, "SELECT id, note FROM shipments") == [("seed", None)]
     assert rows(database_url, "SELECT version FROM infrai_jobs_job_schema ORDER BY 1") == [
         (1,),
@@ -140,7 +148,7 @@ def test_a_new_jobs_migration_is_applied_after_the_ones_already_recorded(
     database_url: str, tmp_path: Path
 ) -> None:
     # Given a database migrated with the jobs' first migration
-    first = read_job_migrations(
+    first = read_migrations(
         code_root(tmp_path / "a", {"0001_shipments.sql": LEDGERS_OF_SHIPMENTS})
         / "jobs"
         / "migrations"
@@ -148,7 +156,7 @@ def test_a_new_jobs_migration_is_applied_after_the_ones_already_recorded(
     with psycopg.connect(database_url, autocommit=True) as conn:
         apply_migrations(conn, first)
     # When a later release adds a second one and migrate runs
-    both = read_job_migrations(
+    both = read_migrations(
         code_root(
             tmp_path / "b",
             {"0001_shipments.sql": LEDGERS_OF_SHIPMENTS, "0002_shipment_notes.sql": SHIPMENT_NOTES},
@@ -206,7 +214,7 @@ def test_a_misnamed_or_duplicate_migration_file_is_refused(
 ) -> None:
     folder = code_root(tmp_path, files) / "jobs" / "migrations"
     with pytest.raises(ConfigurationError, match=problem):
-        read_job_migrations(folder)
+        read_migrations(folder)
 
 
 def test_example_data_without_the_jobs_tables_says_to_migrate(database_url: str) -> None:

@@ -11,12 +11,8 @@ from drainkit import migrate_by_hand, run_concurrently
 
 from infrai_jobs.errors import LedgerError, SchemaNotMigrated
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.migrations import (
-    LATEST_VERSION,
-    MIGRATIONS,
-    apply_migrations,
-    current_version,
-)
+from infrai_jobs.ledger.postgres import current_version
+from infrai_local.migrations import LATEST_VERSION, LEDGER_MIGRATIONS, apply_migrations
 
 NOTES_DDL = """
 CREATE TABLE job_claims (
@@ -39,7 +35,7 @@ def test_migrating_twice_applies_each_version_once(database_url: str) -> None:
     first = _migrate(database_url)
     second = _migrate(database_url)
     # Then the first applied everything, the second nothing, and the version is recorded
-    assert first == [m.version for m in MIGRATIONS]
+    assert first == [m.version for m in LEDGER_MIGRATIONS]
     assert second == []
     with psycopg.connect(database_url) as conn:
         assert current_version(conn) == LATEST_VERSION
@@ -48,10 +44,10 @@ def test_migrating_twice_applies_each_version_once(database_url: str) -> None:
 def test_two_migrations_started_at_once_both_succeed_and_apply_once(database_url: str) -> None:
     results = run_concurrently(*[lambda: _migrate(database_url)] * 4)
     applied = [v for result in results for v in result]
-    assert sorted(applied) == [m.version for m in MIGRATIONS]
+    assert sorted(applied) == [m.version for m in LEDGER_MIGRATIONS]
     with psycopg.connect(database_url) as conn:
         rows = conn.execute("SELECT version FROM infrai_jobs_schema").fetchall()
-    assert rows == [(m.version,) for m in MIGRATIONS]
+    assert rows == [(m.version,) for m in LEDGER_MIGRATIONS]
 
 
 def test_migration_adopts_the_notes_table_and_keeps_its_rows(database_url: str) -> None:
@@ -120,7 +116,9 @@ def test_the_dead_letter_migration_is_additive_on_a_ledger_in_use(database_url: 
     applied = _migrate(database_url)
     # Then only dead letters and the migrations after it were applied, the claim is kept, and
     # the notes' INSERT works
-    assert [MIGRATIONS[v - 1].name for v in applied] == [m.name for m in MIGRATIONS[5:]]
+    assert [LEDGER_MIGRATIONS[v - 1].name for v in applied] == [
+        m.name for m in LEDGER_MIGRATIONS[5:]
+    ]
     assert applied[0] == 6
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [("k1", "done")]

@@ -19,13 +19,13 @@ import pytest
 from child_process import clean_env, run_captured
 
 from infrai_jobs.errors import SchemaNotMigrated
-from infrai_jobs.ledger.migrations import apply_migrations
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.redrive import _reopen, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local import emulator
+from infrai_local.migrations import apply_migrations
 from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -101,7 +101,7 @@ def test_the_ledger_refreshes_a_rotated_database_secret_once(
 ) -> None:
     # Given a ledger whose cached secret points at credentials that no longer work
     with psycopg.connect(database_url, autocommit=True) as conn:
-        from infrai_jobs.ledger.migrations import apply_migrations  # noqa: PLC0415
+        from infrai_local.migrations import apply_migrations  # noqa: PLC0415
 
         apply_migrations(conn)
     stale = make_conninfo(database_url, dbname="database_rotated_away")
@@ -255,7 +255,7 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
     # Given DlqAlertFunction (PruneFunction, RedriveFunction) warm with a database secret that
     # has since been rotated: the value it holds no longer connects
     with psycopg.connect(database_url, autocommit=True) as conn:
-        from infrai_jobs.ledger.migrations import apply_migrations  # noqa: PLC0415
+        from infrai_local.migrations import apply_migrations  # noqa: PLC0415
 
         apply_migrations(conn)
     stale = make_conninfo(database_url, dbname="database_rotated_away")

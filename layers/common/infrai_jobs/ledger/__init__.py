@@ -1,1 +1,1 @@
-"""The claim ledger in Postgres: claims, outcomes, migrations and the one connection adapter."""
+"""The claim ledger in Postgres: claims, outcomes, its schema version and the one adapter."""

@@ -45,11 +45,12 @@ from infrai_jobs.ledger.claims import (
     decide,
     settled_kind,
 )
-from infrai_jobs.ledger.migrations import LATEST_VERSION, current_version
 from infrai_jobs.ledger.postgres import (
     CLAIM_BY_KEY,
+    SCHEMA_VERSION,
     LedgerAdapter,
     array_literal,
+    current_version,
     ledger_errors,
     savepoint_rollback_checked,
     schema_behind,
@@ -269,7 +270,7 @@ class PostgresLedger(LedgerAdapter):
             except LedgerError:
                 conn.close()
                 raise
-            if version < LATEST_VERSION:
+            if version < SCHEMA_VERSION:
                 conn.close()
                 raise SchemaNotMigrated(schema_behind(version))
             self._schema_checked = True

@@ -1,8 +1,10 @@
 """Postgres in one place: connection strings kept out of messages and logs (the one redaction
 every place uses), the one way to connect, the one translation of driver errors, array
-parameters, and the statements several modules share. Every other module meets the driver's
-errors through ``ledger_errors`` and connects through a ``LedgerConnector`` (which also picks up
-a rotated database secret) or, for a one-off, ``connect_to_ledger``.
+parameters, the statements several modules share, and the schema version this code needs (the
+migrations that reach it are applied by the tools in local/, never by a function). Every other
+module meets the driver's errors through ``ledger_errors`` and connects through a
+``LedgerConnector`` (which also picks up a rotated database secret) or, for a one-off,
+``connect_to_ledger``.
 
 Connection strings:
 
@@ -40,7 +42,6 @@ from psycopg.types.json import Jsonb
 
 from infrai_jobs.config.rotation import fetch_again
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
-from infrai_jobs.ledger.migrations import LATEST_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -328,6 +329,19 @@ class LedgerAdapter:
         return f"{type(self).__name__}(<database url redacted>)"
 
 
+# The schema this code needs: a unit test holds it equal to the newest migration file in local/.
+SCHEMA_VERSION = 8
+
+
+def current_version(conn: psycopg.Connection[Any]) -> int:
+    """The schema version in the database; 0 when never migrated."""
+    row = conn.execute("SELECT to_regclass('infrai_jobs_schema') IS NOT NULL").fetchone()
+    if not row or not row[0]:
+        return 0
+    version = conn.execute("SELECT coalesce(max(version), 0) FROM infrai_jobs_schema").fetchone()
+    return int(version[0]) if version else 0
+
+
 def schema_behind(version: int) -> str:
     """What ``SchemaNotMigrated`` says about a database at ``version``."""
     if version == 0:
@@ -336,7 +350,7 @@ def schema_behind(version: int) -> str:
             "`infrai-jobs migrate` with DATABASE_URL pointing at it"
         )
     return (
-        f"the ledger schema is at version {version}, this code needs {LATEST_VERSION}: run "
+        f"the ledger schema is at version {version}, this code needs {SCHEMA_VERSION}: run "
         "`infrai-jobs migrate` with DATABASE_URL pointing at it"
     )
 

@@ -1,0 +1,54 @@
+"""The ledger's migrations (SQL files in local/, applied only by the tools) and the schema version
+the layer needs agree, and every file still records the name databases already hold for it."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from infrai_jobs.ledger.postgres import SCHEMA_VERSION
+from infrai_local.migrations import LATEST_VERSION, LEDGER_FOLDER, LEDGER_MIGRATIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The names infrai_jobs_schema holds for versions 1 to 8 in every database migrated so far: the
+# contract with them. A file is never renamed; a new version only adds a name.
+RECORDED_NAMES = [
+    "claim ledger",
+    "alert state",
+    "operator history",
+    "consume isolation",
+    "drain leases",
+    "dead letters",
+    "flow control",
+    "deferred run begun",
+]
+
+
+def test_the_layer_needs_the_newest_ledger_migration() -> None:
+    assert LEDGER_MIGRATIONS[-1].version == LATEST_VERSION == SCHEMA_VERSION
+
+
+def test_the_ledger_versions_run_from_1_with_no_gap() -> None:
+    versions = [migration.version for migration in LEDGER_MIGRATIONS]
+    assert versions == list(range(1, len(versions) + 1))
+    # Every .sql file in the folder is one of them (the reader refuses any other name)
+    assert len(list(LEDGER_FOLDER.glob("*.sql"))) == len(versions)
+    assert {migration.owner for migration in LEDGER_MIGRATIONS} == {"ledger"}
+
+
+def test_each_ledger_file_records_the_name_databases_already_hold() -> None:
+    names = [migration.name for migration in LEDGER_MIGRATIONS]
+    assert names[: len(RECORDED_NAMES)] == RECORDED_NAMES
+    # Read from the file's name: NNNN_claim_ledger.sql is "claim ledger"
+    first = sorted(LEDGER_FOLDER.glob("*.sql"))[0]
+    assert first.name == "0001_claim_ledger.sql"
+
+
+def test_the_ledger_migrations_are_installed_with_the_tools() -> None:
+    # A non-editable install has the files only if they are declared as package data
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
+    folder = LEDGER_FOLDER.relative_to(ROOT / "local" / "infrai_local").as_posix()
+    assert f"{folder}/*.sql" in package_data["infrai_local"]

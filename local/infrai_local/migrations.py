@@ -78,6 +78,8 @@ def read_migrations(folder: Path, owner: Owner = "jobs") -> tuple[Migration, ...
 
 
 LEDGER_MIGRATIONS: Final = read_migrations(LEDGER_FOLDER, "ledger")
+if not LEDGER_MIGRATIONS:  # pragma: no cover - only an install that lost its data files
+    raise ImportError(f"no ledger migrations in {LEDGER_FOLDER}: reinstall infrai-jobs")
 LATEST_VERSION: Final = LEDGER_MIGRATIONS[-1].version
 
 _CREATE_VERSIONS: LiteralString = """

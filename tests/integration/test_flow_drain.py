@@ -2,7 +2,7 @@
 example jobs against the provider sink, and ``JOB_POLICIES`` in the shape the issue gives.
 
 Delays are the database's and a few seconds long at most; where a test must not wait for one,
-it does what an operator's ``claims run-now`` does (``flow.ledger.run_now``).
+it does what an operator's ``claims run-now`` does (``OperatorLedger.run_deferred_now``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.client import RetryPolicy as ClientRetry
+from infrai_local.operator import OperatorLedger
 
 JOB_POLICIES = json.dumps(
     {
@@ -103,8 +104,7 @@ def deferred_row(kit: Harness, key: str) -> dict[str, Any] | None:
 
 
 def run_now(kit: Harness, key: str) -> None:
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        flow_ledger.run_now(conn, key, actor="test")
+    OperatorLedger(kit.database_url).run_deferred_now(key, actor="test")
 
 
 def deferred_after_three_refusals(kit: Harness, flow: FlowControl) -> str:

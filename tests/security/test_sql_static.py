@@ -57,6 +57,14 @@ class _Checker(ast.NodeVisitor):
         self.calls = 0
         self.module_scope = _Scope(tree.body, [])
         self.stack: list[_Scope] = []
+        # Names imported from the project's own modules: static when their home module
+        # annotates them LiteralString (mypy --strict holds that everywhere).
+        self.imported = {
+            alias.asname or alias.name: (node.module, alias.name)
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            for alias in node.names
+        }
 
     @property
     def scope(self) -> _Scope:
@@ -154,6 +162,8 @@ class _Checker(ast.NodeVisitor):
                 if node.id in scope.bindings:
                     values = scope.bindings[node.id]
                     return all(self.static(v, seen | {node.id}) for v in values)
+            if node.id in self.imported:
+                return _imported_literal(*self.imported[node.id])
         return False
 
 
@@ -178,6 +188,26 @@ class _Scope:
                     self.bindings.setdefault(node.target.id, []).append(
                         ast.BinOp(ast.Name(node.target.id), node.op, node.value)
                     )
+
+
+# Where the project's own packages live, for names one module imports from another.
+PACKAGE_ROOTS = {
+    "infrai_jobs": ROOT / "layers" / "common" / "infrai_jobs",
+    "infrai_local": ROOT / "local" / "infrai_local",
+}
+
+
+def _imported_literal(module: str, name: str) -> bool:
+    """Whether ``module`` (one of the project's) annotates its module-level ``name`` as
+    LiteralString; False for anything else, or a module this check cannot find."""
+    package, _, rest = module.partition(".")
+    if package not in PACKAGE_ROOTS:
+        return False
+    path = PACKAGE_ROOTS[package].joinpath(*rest.split(".")).with_suffix(".py") if rest else None
+    if path is None or not path.is_file():
+        return False
+    scope = _Scope(ast.parse(path.read_text()).body, [])
+    return scope.annotations.get(name, "").rsplit(".", 1)[-1] in SAFE_ANNOTATIONS
 
 
 def _walk_without_functions(node: ast.AST) -> list[ast.AST]:
@@ -230,6 +260,9 @@ STRING_BUILT = {
     "via a str parameter": "def run(conn, query: str):\n    conn.execute(query)",
     "a constant joined to a value": '_B = "SELECT * FROM t WHERE k = " + key\nconn.execute(_B)',
     "built away from execute": 'QUERY = "SELECT a FROM t WHERE b = " + str(b)',
+    "joined to an import that is not LiteralString": (
+        'from infrai_jobs.ledger.postgres import MASK\n_Q = "SELECT " + MASK\nconn.execute(_Q)'
+    ),
 }
 STATIC = {
     "constant": 'conn.execute("SELECT 1")',
@@ -243,6 +276,10 @@ STATIC = {
         '_C = sql.SQL("CREATE DATABASE {}")\nconn.execute(_C.format(sql.Identifier(n)))'
     ),
     "messages that are not SQL": 'raise ValueError(f"job {name!r} is missing field {field}")',
+    "joined to an imported LiteralString": (
+        "from infrai_jobs.ledger.postgres import CLAIM_COLUMNS\n"
+        '_Q = "SELECT " + CLAIM_COLUMNS + " FROM job_claims"\nconn.execute(_Q)'
+    ),
 }
 
 

@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
-from infrai_jobs.flow.ledger import deferred_as_dict
+from infrai_jobs.flow.ledger import DeferredJob, deferred_as_dict
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claim_json import claim_as_dict
 from infrai_jobs.operations.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
@@ -26,11 +26,7 @@ from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, Reconci
 from infrai_jobs.operations.redrive import Selection, publish_price, redrive
 from infrai_jobs.queue.ports import QueuePort
 from infrai_local.operator import (
-    COMMANDS,
-    RELEASABLE,
-    RESOLVABLE,
     OperatorLedger,
-    change_refused,
     default_actor,
 )
 
@@ -603,7 +599,7 @@ def _claims(
             )
         result = _parse_result(args.result) if args.result else None
         action = "resolve_done" if args.done else "resolve_failed"
-        _check_fence(admin, args.key, action, RESOLVABLE, token=args.token)
+        _check_fence(admin, args.key, action, token=args.token)
         if args.failed and forget is not None:
             # "The effect did not happen": a stored "uncertain" in the second layer is wrong
             # now, and would park a reopened retry as stuck again.
@@ -619,7 +615,7 @@ def _claims(
         )
         return _changed_out(changed, "resolved", args.json, out)
     if command == "claims_release":
-        _check_fence(admin, args.key, "release", RELEASABLE, token=args.token)
+        _check_fence(admin, args.key, "release", token=args.token)
         if forget is not None:
             # Without this, a stored "uncertain" in the second layer would park the retry again.
             forget(args.key)
@@ -715,14 +711,7 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
         )
 
 
-def _check_fence(
-    admin: OperatorLedger,
-    key: str,
-    action: str,
-    states: tuple[str, ...],
-    *,
-    token: uuid.UUID | None,
-) -> None:
+def _check_fence(admin: OperatorLedger, key: str, action: str, *, token: uuid.UUID | None) -> None:
     """Refuse a fenced change (``ClaimChanged``) the ledger would refuse, naming the command
     to type instead; the change itself is fenced again in its own transaction.
 
@@ -730,9 +719,7 @@ def _check_fence(
     changes, not after: if the store cannot be reached, the command fails with nothing changed
     and can simply be run again. (After, a failed forget left the row deleted and a rerun found
     no claim to act on.) A claim the change is refused for keeps its record."""
-    refused = change_refused(
-        admin.show(key), command=COMMANDS[action], allowed_states=states, token=token
-    )
+    refused = admin.change_refused(key, action, token=token)
     if refused:
         raise ClaimChanged(refused)
 
@@ -755,7 +742,9 @@ def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     history and the claim as it was before the last change."""
     found = admin.find(args.key)
     history = admin.history(args.key)
-    if found is None and not history:
+    held = admin.find_deferred(args.key)
+    deferred = deferred_as_dict(held) if held is not None else None
+    if found is None and not history and deferred is None:
         raise ClaimNotFound(f"no claim with key {args.key!r}, and no operator history for it")
     row = claim_as_dict(found) if found is not None else None
     probes = [
@@ -764,9 +753,9 @@ def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
         if h["action"] == HISTORY_ACTION
     ]
     _emit(
-        {"claim": row, "history": history, "probes": probes},
+        {"claim": row, "deferred": deferred, "history": history, "probes": probes},
         args.json,
-        lambda: _show_human(args.key, row, history, out, probes),
+        lambda: _show_human(args.key, row, history, out, probes, deferred=deferred),
         out,
     )
     return EXIT_OK
@@ -778,7 +767,16 @@ def _show_human(
     history: Sequence[Mapping[str, Any]],
     out: TextIO,
     probes: Sequence[Mapping[str, Any]] = (),
+    *,
+    deferred: Mapping[str, Any] | None = None,
 ) -> None:
+    if deferred is not None:
+        # The ledger holds this work deferred: that row is what an operator acts on.
+        print("deferred work (claims list --state deferred):", file=out)
+        _print_fields(deferred, out)
+        if not history:
+            return
+        print(file=out)
     if row is None:
         last = history[-1]
         print(
@@ -791,9 +789,7 @@ def _show_human(
             print("\nthe claim as it was before that:", file=out)
             row = before
     if row is not None:
-        width = max(len(k) for k in row)
-        for name, value in row.items():
-            print(f"{name.ljust(width)}  {_cell(value) if name != 'error' else value}", file=out)
+        _print_fields(row, out)
     if probes:
         print("\nreconcile probes (what the provider answered):", file=out)
         print_table(probes, ["at", "answer", "note"], out, whole=["note"])
@@ -801,14 +797,25 @@ def _show_human(
     print_table(history, ["at", "action", "actor", "note"], out)
 
 
+def _print_fields(row: Mapping[str, Any], out: TextIO) -> None:
+    width = max(len(k) for k in row)
+    for name, value in row.items():
+        whole = name in {"error", "last_error"}
+        print(f"{name.ljust(width)}  {value if whole else _cell(value)}", file=out)
+
+
 def _is_claim(document: Any) -> bool:
     return isinstance(document, Mapping) and "state" in document and "idem_key" in document
 
 
-def _changed_out(row: ClaimRow, verb: str, as_json: bool, out: TextIO) -> int:
-    document = claim_as_dict(row)
+def _changed_out(row: ClaimRow | DeferredJob, verb: str, as_json: bool, out: TextIO) -> int:
+    """A resolve or a release: of a claim, or of a deferred run left for a human."""
+    if isinstance(row, DeferredJob):
+        document = {"action": verb, "deferred": deferred_as_dict(row)}
+    else:
+        document = {"action": verb, "claim": claim_as_dict(row)}
     _emit(
-        {"action": verb, "claim": document},
+        document,
         as_json,
         lambda: print(f"{verb} {row.idem_key} (recorded in claim_history)", file=out),
         out,

@@ -18,11 +18,14 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final, LiteralString
 
+import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.flow import ledger as flow
 from infrai_jobs.flow.ledger import (
+    DEFERRED_BY_KEY,
     DEFERRED_COLUMNS,
     DEFERRED_FOR_UPDATE,
     DeferredJob,
@@ -59,47 +62,63 @@ class Refusal(StrEnum):
 
 
 def refusal(
-    row: ClaimRow, *, allowed_states: tuple[str, ...], token: uuid.UUID | None
+    state: str,
+    lease_until: datetime | None,
+    holder: uuid.UUID | None,
+    *,
+    allowed_states: tuple[str, ...],
+    token: uuid.UUID | None,
 ) -> Refusal | None:
-    """Why a change fenced by ``allowed_states`` and ``token`` is refused for ``row``, or None
-    when it may go ahead."""
-    if row.state not in allowed_states:
+    """Why a change fenced by ``allowed_states`` and ``token`` is refused for a row in
+    ``state`` whose lease (``lease_until``) ``holder`` holds, or None when it may go ahead."""
+    if state not in allowed_states:
         return Refusal.STATE
-    if (
-        token is None
-        and row.state == "running"
-        and row.lease_until is not None
-        and row.lease_until > datetime.now(UTC)
-    ):
+    live = lease_until is not None and lease_until > datetime.now(UTC)
+    if token is None and state == "running" and live:
         # Its delivery may be inside the effect right now: acting on it unseen could let a
         # duplicate repeat an irreversible effect.
         return Refusal.LEASE_LIVE
-    if token is not None and row.claim_token != token:
+    if token is not None and holder != token:
         return Refusal.MOVED
     return None
 
 
 def change_refused(
-    row: ClaimRow, *, command: str, allowed_states: tuple[str, ...], token: uuid.UUID | None
+    row: ClaimRow | DeferredJob,
+    *,
+    command: str,
+    allowed_states: tuple[str, ...],
+    token: uuid.UUID | None,
 ) -> str:
-    """Why ``infrai-jobs COMMAND`` is refused for ``row``, or "" when it may go ahead."""
-    why = refusal(row, allowed_states=allowed_states, token=token)
+    """Why ``infrai-jobs COMMAND`` is refused for a claim or a deferred run, or "" when it may
+    go ahead."""
+    if isinstance(row, DeferredJob):
+        holder, what = row.lease_token, "deferred job"
+        if row.state == "deferred":
+            return (
+                f"deferred job {row.idem_key!r} is waiting to run (due "
+                f"{row.run_after.isoformat()}): `infrai-jobs claims run-now {row.idem_key}` or "
+                f"`infrai-jobs claims cancel {row.idem_key}` act on it"
+            )
+    else:
+        holder, what = row.claim_token, "claim"
     key = row.idem_key
+    why = refusal(row.state, row.lease_until, holder, allowed_states=allowed_states, token=token)
     if why is None:
         return ""
     if why is Refusal.STATE:
         return (
-            f"claim {key!r} is {row.state}; `infrai-jobs {command}` needs a "
-            f"{' or '.join(allowed_states)} claim"
+            f"{what} {key!r} is {row.state}; `infrai-jobs {command}` needs a "
+            f"{' or '.join(allowed_states)} {what}"
         )
     if why is Refusal.LEASE_LIVE:
         until = row.lease_until.isoformat() if row.lease_until is not None else "?"
         return (
-            f"claim {key!r} is running under a live lease until {until}; wait for it to end, "
-            f"or run `infrai-jobs {command} {key} --token {row.claim_token}` to act on it anyway"
+            f"{what} {key!r} is running under a live lease until {until}; wait for it to end, "
+            f"or run `infrai-jobs {command} {key} --token {holder}` to act on it anyway"
         )
     return (
-        f"claim {key!r} is now held by token {row.claim_token}, not {token}: it changed "
+        f"{what} {key!r} is now held by token {holder}, not {token}: it changed "
         f"since you looked; run `infrai-jobs claims show {key}` again"
     )
 
@@ -121,15 +140,13 @@ LIMIT %(limit)s
 
 _RESOLVE: LiteralString = """
 UPDATE job_claims
-SET state = %(state)s, result = %(result)s, error = %(error)s, updated_at = now()
-WHERE idem_key = %(key)s AND state = %(expected_state)s
-  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+SET state = %(new_state)s, result = %(result)s, error = %(error)s, updated_at = now()
+WHERE idem_key = %(key)s AND state = %(state)s AND claim_token IS NOT DISTINCT FROM %(token)s
 """
 
 _RELEASE: LiteralString = """
 DELETE FROM job_claims
-WHERE idem_key = %(key)s AND state = %(expected_state)s
-  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+WHERE idem_key = %(key)s AND state = %(state)s AND claim_token IS NOT DISTINCT FROM %(token)s
 """
 
 _HISTORY_OF: LiteralString = """
@@ -164,6 +181,23 @@ WHERE idem_key = %(key)s AND state = 'deferred'
 RETURNING """
     + DEFERRED_COLUMNS
 )
+
+
+# ``claims release`` of a deferred run left for a human: waiting again, due now, so the next
+# drain runs it (its attempt stays counted).
+_RELEASE_DEFERRED: LiteralString = """
+UPDATE deferred_jobs
+SET state = 'deferred', lease_token = NULL, lease_until = NULL, began_at = NULL,
+    run_after = now(), updated_at = now()
+WHERE idem_key = %(key)s AND state = 'running' AND lease_token = %(token)s
+"""
+
+# The states a resolve or a release applies to, on a claim and on a deferred run.
+_ALLOWED: Final = {
+    "resolve_done": (RESOLVABLE, ("running",)),
+    "resolve_failed": (RESOLVABLE, ("running",)),
+    "release": (RELEASABLE, ("running",)),
+}
 
 
 class OperatorLedger(ClaimsAdmin):
@@ -204,20 +238,15 @@ class OperatorLedger(ClaimsAdmin):
         expected_token: uuid.UUID | None = None,
         actor: str,
         note: str = "",
-    ) -> ClaimRow:
-        """A human's verdict on a running claim: ``done`` (with the provider's reference) or
-        ``failed`` (with the reason). Only a ``running`` claim can be resolved."""
-        state = "done" if done else "failed"
+    ) -> ClaimRow | DeferredJob:
+        """A human's verdict on a running claim, or on a deferred run left ``running`` for a
+        human: ``done`` (with the provider's reference) or ``failed`` (with the reason)."""
+        failure = None if done else (error or "resolved as failed by an operator")
         return self._fenced_change(
             key,
-            action=f"resolve_{state}",
-            statement=_RESOLVE,
-            changes={
-                "state": state,
-                "result": Jsonb(result) if done else None,
-                "error": None if done else (error or "resolved as failed by an operator"),
-            },
-            allowed_states=RESOLVABLE,
+            action="resolve_done" if done else "resolve_failed",
+            result=result,
+            error=failure,
             expected_token=expected_token,
             actor=actor,
             note=note,
@@ -230,64 +259,100 @@ class OperatorLedger(ClaimsAdmin):
         expected_token: uuid.UUID | None = None,
         actor: str,
         note: str = "",
-    ) -> ClaimRow:
-        """Delete a running or failed claim so the next delivery runs the job again."""
+    ) -> ClaimRow | DeferredJob:
+        """Delete a running or failed claim so the next delivery runs the job again; a
+        deferred run left ``running`` waits again instead, due now, for the next drain."""
         return self._fenced_change(
-            key,
-            action="release",
-            statement=_RELEASE,
-            changes={},
-            allowed_states=RELEASABLE,
-            expected_token=expected_token,
-            actor=actor,
-            note=note,
+            key, action="release", expected_token=expected_token, actor=actor, note=note
         )
+
+    def find_deferred(self, key: str) -> DeferredJob | None:
+        """The deferred work with this key, in whatever state, or None."""
+        with (
+            self._connector.session(f"cannot read deferred job {key!r}") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            row = cur.execute(DEFERRED_BY_KEY, {"key": key}).fetchone()
+        return DeferredJob(**row) if row else None
+
+    def change_refused(self, key: str, action: str, *, token: uuid.UUID | None) -> str:
+        """Why ``action`` would be refused for ``key`` as it stands now, or "" (the change is
+        fenced again when it is made); ``ClaimNotFound`` when neither a claim nor deferred
+        work has the key."""
+        claim_states, deferred_states = _ALLOWED[action]
+        found: ClaimRow | DeferredJob | None = self.find(key) or self.find_deferred(key)
+        if found is None:
+            raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
+        states = deferred_states if isinstance(found, DeferredJob) else claim_states
+        return change_refused(found, command=COMMANDS[action], allowed_states=states, token=token)
 
     def _fenced_change(
         self,
         key: str,
         *,
         action: str,
-        statement: LiteralString,
-        changes: dict[str, Any],
-        allowed_states: tuple[str, ...],
+        result: Any = None,
+        error: str | None = None,
         expected_token: uuid.UUID | None,
         actor: str,
         note: str,
-    ) -> ClaimRow:
+    ) -> ClaimRow | DeferredJob:
+        claim_states, deferred_states = _ALLOWED[action]
         with (
             self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
             conn.transaction(),
         ):
             with conn.cursor(row_factory=dict_row) as cur:
                 row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+                deferred_row = None
+                if row is None:
+                    deferred_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
+            if deferred_row is not None:
+                job = DeferredJob(**deferred_row)
+                refused = change_refused(
+                    job,
+                    command=COMMANDS[action],
+                    allowed_states=deferred_states,
+                    token=expected_token,
+                )
+                if refused:
+                    raise ClaimChanged(refused)
+                return _change_deferred(
+                    conn, job, action, result=result, error=error, actor=actor, note=note
+                )
             if row is None:
-                raise ClaimNotFound(f"no claim with key {key!r}")
+                raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
             before = ClaimRow(**row)
             refused = change_refused(
                 before,
                 command=COMMANDS[action],
-                allowed_states=allowed_states,
+                allowed_states=claim_states,
                 token=expected_token,
             )
             if refused:
                 raise ClaimChanged(refused)
-            cursor = conn.execute(
-                statement,
-                {
-                    "key": key,
-                    "expected_state": before.state,
-                    "expected_token": before.claim_token,
-                    **changes,
-                },
-            )
+            fence = {"key": key, "state": before.state, "token": before.claim_token}
+            if action == "release":
+                cursor = conn.execute(_RELEASE, fence)
+            else:
+                done = action == "resolve_done"
+                changes = {
+                    "new_state": "done" if done else "failed",
+                    "result": Jsonb(result) if done else None,
+                    "error": error,
+                }
+                cursor = conn.execute(_RESOLVE, {**fence, **changes})
             if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
                 raise ClaimChanged(f"claim {key!r} changed while it was being updated")
-            with conn.cursor(row_factory=dict_row) as cur:
-                after_row = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
-            after = ClaimRow(**after_row) if after_row else None
+            after = self._claim(conn, key)
             record_claim_change(conn, action, before, after, actor=actor, note=note)
         return after or before
+
+    @staticmethod
+    def _claim(conn: psycopg.Connection[Any], key: str) -> ClaimRow | None:
+        with conn.cursor(row_factory=dict_row) as cur:
+            row = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+        return ClaimRow(**row) if row else None
 
     def list_deferred(
         self, *, job: str | None = None, older_than_seconds: float | None = None, limit: int = 100
@@ -333,3 +398,35 @@ class OperatorLedger(ClaimsAdmin):
             after = DeferredJob(**after_row)
             record_deferred_change(conn, action, before, after, actor=actor, note=note)
         return after
+
+
+def _change_deferred(
+    conn: psycopg.Connection[Any],
+    job: DeferredJob,
+    action: str,
+    *,
+    result: Any,
+    error: str | None,
+    actor: str,
+    note: str,
+) -> DeferredJob:
+    """A resolve or a release of a deferred run left ``running`` (fenced by its lease token,
+    inside the caller's transaction, which holds its row): done settles it and its claim as a
+    drain's success would, failed as its last attempt would (a dead letter the ledger holds),
+    and a release makes it wait again, due now."""
+    key, token = job.idem_key, job.lease_token
+    assert token is not None  # a running deferred job always holds a lease token
+    if action == "resolve_done":
+        changed = flow.finish(conn, key, token, result, actor=actor, note=note)
+    elif action == "resolve_failed":
+        changed = flow.fail(conn, key, token, error or "", actor=actor, note=note)
+    else:
+        changed = conn.execute(_RELEASE_DEFERRED, {"key": key, "token": token}).rowcount == 1
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(DEFERRED_BY_KEY, {"key": key}).fetchone()
+    if not changed or row is None:  # pragma: no cover - the row lock makes this unreachable
+        raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
+    after = DeferredJob(**row)
+    if action == "release":
+        record_deferred_change(conn, action, job, after, actor=actor, note=note)
+    return after

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 import urllib3
-from drainkit import QUEUE, Harness, harness, run_until_killed
+from drainkit import OPERATOR, QUEUE, Harness, harness, run_cli, run_until_killed
 
 from infrai_jobs.drain.features import Lanes
 from infrai_jobs.drain.flow import FlowControl, flow_control
@@ -541,3 +541,111 @@ def test_an_external_deferred_run_killed_before_it_began_is_taken_again(kit: Har
     assert summary.counters["deferred_done"] == 1
     assert kit.external_effects(key) == 1
     assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
+
+
+# --- A deferred run left for a human, and the human's commands ----------------------------------
+
+
+def _history(kit: Harness, key: str) -> list[tuple[Any, ...]]:
+    return kit.sql(
+        "SELECT action, actor, note FROM claim_history WHERE idem_key = %s ORDER BY id", (key,)
+    )
+
+
+def test_claims_resolve_done_settles_a_stuck_deferred_run_and_no_drain_runs_it(
+    kit: Harness,
+) -> None:
+    # Given an irreversible deferred run left for a human (it began, then its drain died)
+    key = taken_external_run(kit, "h1", began=True)
+    # When the on-call looks it up, it is shown as the running deferred work it is
+    shown = run_cli(kit, "claims", "show", key)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("deferred work (claims list --state deferred):")
+    assert (
+        json.loads(run_cli(kit, "claims", "show", key, "--json").stdout)["deferred"]["state"]
+        == "running"
+    )
+    # And when they check the provider and resolve it as done, with the provider's reference
+    finished = run_cli(
+        kit, "claims", "resolve", key, "--done", "--result", '{"ref": "p-1"}', "--note", "seen"
+    )
+    # Then it is done, its claim settled done with the result, and recorded with who did it
+    assert finished.returncode == 0, finished.stderr
+    assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
+    assert kit.sql("SELECT state, result FROM job_claims WHERE idem_key = %s", (key,)) == [
+        ("done", {"ref": "p-1"})
+    ]
+    assert _history(kit, key)[-1] == ("deferred_done", OPERATOR, "seen")
+    # And no drain runs it, and nothing is left in the backlog
+    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
+    try:
+        assert drain_with(kit, flow).counters["deferred_ran"] == 0
+    finally:
+        flow.close()
+    assert kit.external_effects(key) == 0
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        assert flow_ledger.deferred_stats(conn).backlog == 0
+
+
+def test_claims_resolve_failed_ends_a_stuck_deferred_run_as_a_dead_letter(kit: Harness) -> None:
+    # Given an irreversible deferred run left for a human
+    key = taken_external_run(kit, "h2", began=True)
+    # When the provider has no trace of it and the on-call gives it up
+    finished = run_cli(kit, "claims", "resolve", key, "--failed", "--error", "no trace of it")
+    # Then it is failed, and held by the ledger as a dead letter that dlq lists and redrive can
+    # publish again
+    assert finished.returncode == 0, finished.stderr
+    assert deferred_row(kit, key)["state"] == "failed"  # type: ignore[index]
+    assert kit.sql(
+        "SELECT resolution, reason LIKE '%%no trace of it%%' FROM dead_letters WHERE idem_key = %s",
+        (key,),
+    ) == [(None, True)]
+    assert _history(kit, key)[-1] == ("deferred_failed", OPERATOR, None)
+
+
+def test_claims_release_makes_a_stuck_deferred_run_run_again_once(kit: Harness) -> None:
+    # Given an irreversible deferred run left for a human
+    key = taken_external_run(kit, "h3", began=True)
+    # When the provider has no trace of it and the on-call releases it
+    finished = run_cli(kit, "claims", "release", key, "--note", "provider has no trace")
+    # Then it waits again, due now, and the next drain runs it once
+    assert finished.returncode == 0, finished.stderr
+    assert deferred_row(kit, key)["state"] == "deferred"  # type: ignore[index]
+    assert _history(kit, key)[-1] == ("release", OPERATOR, "provider has no trace")
+    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
+    try:
+        assert drain_with(kit, flow).counters["deferred_done"] == 1
+        assert drain_with(kit, flow).counters["deferred_ran"] == 0
+    finally:
+        flow.close()
+    assert kit.external_effects(key) == 1
+
+
+def test_a_deferred_run_under_a_live_lease_or_still_waiting_is_refused_in_one_line(
+    kit: Harness,
+) -> None:
+    # Given a deferred run a drain holds right now, and one still waiting
+    payload = {"job": "test.ext", "id": "h4"}
+    key = kit.registry.derive(payload).idem_key
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        work = flow_ledger.DeferredWork(key, "test.ext", "external", payload, "m-h4")
+        flow_ledger.defer(conn, work, attempts=1, error="test", delay_seconds=0)
+        (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=600)
+    waiting = flow_ledger.DeferredWork("test.ext:h5", "test.ext", "external", payload, "m-h5")
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        flow_ledger.defer(conn, waiting, attempts=1, error="test", delay_seconds=3600)
+    # When the on-call releases the held one without its token
+    held = run_cli(kit, "claims", "release", key)
+    # Then it is refused (exit 3) in one line naming the token to act on it anyway
+    assert held.returncode == 3
+    assert held.stderr.count("\n") == 1
+    assert f"--token {taken.lease_token}" in held.stderr
+    # And with the token, it goes ahead
+    forced = run_cli(kit, "claims", "release", key, "--token", str(taken.lease_token))
+    assert forced.returncode == 0, forced.stderr
+    # And resolving waiting work is refused, pointing at the commands for it
+    early = run_cli(kit, "claims", "resolve", "test.ext:h5", "--done")
+    assert early.returncode == 3
+    assert "claims run-now" in early.stderr
+    assert "claims cancel" in early.stderr
+    assert deferred_row(kit, "test.ext:h5")["state"] == "deferred"  # type: ignore[index]

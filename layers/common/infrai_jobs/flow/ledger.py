@@ -145,12 +145,13 @@ UPDATE deferred_jobs SET began_at = clock_timestamp()
 WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
 """
 
-DEFERRED_FOR_UPDATE: LiteralString = (
+DEFERRED_BY_KEY: LiteralString = (
     """SELECT """
     + DEFERRED_COLUMNS
     + """
-FROM deferred_jobs WHERE idem_key = %(key)s FOR UPDATE"""
+FROM deferred_jobs WHERE idem_key = %(key)s"""
 )
+DEFERRED_FOR_UPDATE: LiteralString = DEFERRED_BY_KEY + " FOR UPDATE"
 
 _SETTLE: LiteralString = (
     """

@@ -183,15 +183,6 @@ RETURNING """
 )
 
 
-# ``claims release`` of a deferred run left for a human: waiting again, due now, so the next
-# drain runs it (its attempt stays counted).
-_RELEASE_DEFERRED: LiteralString = """
-UPDATE deferred_jobs
-SET state = 'deferred', lease_token = NULL, lease_until = NULL, began_at = NULL,
-    run_after = now(), updated_at = now()
-WHERE idem_key = %(key)s AND state = 'running' AND lease_token = %(token)s
-"""
-
 # The states a resolve or a release applies to, on a claim and on a deferred run.
 _ALLOWED: Final = {
     "resolve_done": (RESOLVABLE, ("running",)),
@@ -265,15 +256,6 @@ class OperatorLedger(ClaimsAdmin):
         return self._fenced_change(
             key, action="release", expected_token=expected_token, actor=actor, note=note
         )
-
-    def find_deferred(self, key: str) -> DeferredJob | None:
-        """The deferred work with this key, in whatever state, or None."""
-        with (
-            self._connector.session(f"cannot read deferred job {key!r}") as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            row = cur.execute(DEFERRED_BY_KEY, {"key": key}).fetchone()
-        return DeferredJob(**row) if row else None
 
     def change_refused(self, key: str, action: str, *, token: uuid.UUID | None) -> str:
         """Why ``action`` would be refused for ``key`` as it stands now, or "" (the change is
@@ -421,12 +403,9 @@ def _change_deferred(
     elif action == "resolve_failed":
         changed = flow.fail(conn, key, token, error or "", actor=actor, note=note)
     else:
-        changed = conn.execute(_RELEASE_DEFERRED, {"key": key, "token": token}).rowcount == 1
+        changed = flow.release(conn, key, token, actor=actor, note=note)
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(DEFERRED_BY_KEY, {"key": key}).fetchone()
     if not changed or row is None:  # pragma: no cover - the row lock makes this unreachable
         raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
-    after = DeferredJob(**row)
-    if action == "release":
-        record_deferred_change(conn, action, job, after, actor=actor, note=note)
-    return after
+    return DeferredJob(**row)

@@ -15,11 +15,14 @@ import time
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 import urllib3
 from aws_lambda_powertools import Metrics
 from drainkit import OPERATOR, QUEUE, Harness, run_cli
 
+from infrai_jobs.flow import ledger as flow
+from infrai_jobs.flow.ledger import DeferredWork
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
@@ -396,3 +399,82 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     assert ledger["StuckClaims"] == [1.0]
     counts = (ledger["ReconciledDone"], ledger["ReconciledNotDone"], ledger["ReconciledUnknown"])
     assert counts == ([1.0], [1.0], [1.0])
+
+
+def seed_stuck_deferred_run(kit: Harness, payload: Payload) -> str:
+    """A deferred ``external`` run left for a human: taken, begun, and its drain gone (lease
+    over); its key."""
+    derived = kit.registry.derive(payload)
+    key = derived.idem_key
+    work = DeferredWork(key, derived.definition.name, "external", dict(payload), f"m-{key}")
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        flow.defer(conn, work, attempts=1, error="mail provider 503", delay_seconds=0)
+        (taken,) = flow.take_due(conn, 1, lease_seconds=60)
+        assert taken.lease_token is not None
+        assert flow.begin(conn, key, taken.lease_token)
+    kit.sql(
+        "UPDATE deferred_jobs SET lease_until = now() - interval '1 second' WHERE idem_key = %s",
+        (key,),
+    )
+    return key
+
+
+def deferred_state(kit: Harness, key: str) -> str:
+    ((state,),) = kit.sql("SELECT state FROM deferred_jobs WHERE idem_key = %s", (key,))
+    return str(state)
+
+
+def test_deferred_runs_left_for_a_human_resolve_themselves_too(kit: Harness) -> None:
+    # Given two deferred receipts whose drains died inside the call: one the provider mailed,
+    # one it never saw
+    mailed = {**RECEIPT, "invoice_id": "inv_deferred_mailed"}
+    unsent = {**RECEIPT, "invoice_id": "inv_deferred_unsent"}
+    mailed_key, unsent_key = (
+        seed_stuck_deferred_run(kit, mailed),
+        seed_stuck_deferred_run(kit, unsent),
+    )
+    sink_call(
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_deferred_mailed"},
+    )
+    # When the watcher's reconcile pass runs
+    report = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=WATCHER_ACTOR).run_all(
+        threshold_seconds=900
+    )
+    # Then the mailed one is done, its claim settled done with the provider's answer
+    actions = {outcome.idem_key: outcome.action for outcome in report.outcomes}
+    assert actions == {mailed_key: "settled_done", unsent_key: "released"}
+    assert deferred_state(kit, mailed_key) == "done"
+    mailed_claim = kit.row(mailed_key)
+    assert mailed_claim is not None
+    assert mailed_claim.state == "done"
+    assert mailed_claim.result["reconciled"] is True
+    # And the unsent one waits again, due now, and the next drain mails it once
+    assert deferred_state(kit, unsent_key) == "deferred"
+    assert [action for action, _ in history(kit, unsent_key)] == ["release"]
+    assert history(kit, unsent_key)[0][1].startswith("not_done")
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        (taken,) = flow.take_due(conn, 10, lease_seconds=60)
+    assert taken.idem_key == unsent_key
+
+
+def test_a_deferred_run_whose_probe_cannot_answer_stays_for_a_human_recorded_once(
+    kit: Harness,
+) -> None:
+    # Given a deferred receipt left for a human, and a provider whose lookups fail
+    key = seed_stuck_deferred_run(kit, {**RECEIPT, "invoice_id": "inv_deferred_unknown"})
+    sink_faults(kit, lookup_status=503)
+    # When a reconcile pass runs twice, from the command line
+    first = reconcile_all(kit)
+    second = reconcile_all(kit)
+    # Then it is unknown both times and unchanged, and the answer is recorded once
+    assert first["claims"] == second["claims"]
+    assert [(c["idem_key"], c["action"]) for c in first["claims"]] == [(key, "unchanged")]
+    assert deferred_state(kit, key) == "running"
+    assert [action for action, _ in history(kit, key)] == ["reconcile"]
+    # And reconciling that one key by name says the same
+    one = run_cli(kit, "claims", "reconcile", key, "--json")
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["by_answer"] == {"done": 0, "not_done": 0, "unknown": 1}

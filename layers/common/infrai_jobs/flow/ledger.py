@@ -153,6 +153,33 @@ FROM deferred_jobs WHERE idem_key = %(key)s"""
 )
 DEFERRED_FOR_UPDATE: LiteralString = DEFERRED_BY_KEY + " FOR UPDATE"
 
+# A run left for a human: an ``external`` run that began its handler and whose lease is over
+# (its drain died, or its outcome was unknown). ``take_due`` never takes it again; an operator,
+# or a reconcile probe, settles it or lets it run again. Of ``jobs`` only, when not NULL.
+STUCK_DEFERRED: LiteralString = (
+    "SELECT "
+    + DEFERRED_COLUMNS
+    + """
+FROM deferred_jobs
+WHERE state = 'running' AND effect = 'external' AND began_at IS NOT NULL
+  AND lease_until < clock_timestamp()
+  AND (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[]))
+ORDER BY updated_at, idem_key
+LIMIT %(limit)s
+"""
+)
+
+# A run whose effect did not happen waits again, due now (its attempt stays counted).
+_RELEASE: LiteralString = (
+    """
+UPDATE deferred_jobs
+SET state = 'deferred', lease_token = NULL, lease_until = NULL, began_at = NULL,
+    run_after = now(), updated_at = now()
+WHERE idem_key = %(key)s AND state = 'running' AND lease_token = %(token)s
+RETURNING """
+    + DEFERRED_COLUMNS
+)
+
 _SETTLE: LiteralString = (
     """
 UPDATE deferred_jobs
@@ -376,6 +403,27 @@ def _settle(
             after,
             actor=actor,
             note=note,
+        )
+    return True
+
+
+def release(
+    conn: psycopg.Connection[Any], key: str, token: uuid.UUID, *, actor: str, note: str = ""
+) -> bool:
+    """A run left for a human whose effect did not happen (an operator's ``claims release``,
+    or a reconcile probe's ``not_done``): waiting again, due now, recorded as ``release``.
+    False when the token no longer holds it (nothing changed)."""
+    with (
+        ledger_errors(f"cannot release deferred job {key!r}"),
+        conn.transaction(),
+        conn.cursor(row_factory=dict_row) as cur,
+    ):
+        before = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
+        after = cur.execute(_RELEASE, {"key": key, "token": token}).fetchone()
+        if before is None or after is None:
+            return False
+        record_deferred_change(
+            conn, "release", DeferredJob(**before), DeferredJob(**after), actor=actor, note=note
         )
     return True
 

@@ -19,6 +19,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from infrai_jobs.flow import ledger as flow
+from infrai_jobs.flow.ledger import DEFERRED_BY_KEY, STUCK_DEFERRED, DeferredJob
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
@@ -111,6 +113,54 @@ class ClaimsAdmin(LedgerAdapter):
         }
         return self._rows(_STUCK, params)
 
+    def find_deferred(self, key: str) -> DeferredJob | None:
+        """The deferred work with this key, in whatever state, or None."""
+        found = self._deferred(DEFERRED_BY_KEY, {"key": key})
+        return found[0] if found else None
+
+    def stuck_deferred(
+        self, jobs: Sequence[str] | None = None, *, limit: int = 100
+    ) -> list[DeferredJob]:
+        """Deferred runs left for a human (``STUCK_DEFERRED``); only those of ``jobs`` when
+        given."""
+        return self._deferred(
+            STUCK_DEFERRED, {"jobs": None if jobs is None else list(jobs), "limit": limit}
+        )
+
+    def apply_probe_answer_to_deferred(
+        self,
+        probed: DeferredJob,
+        answer: str,
+        *,
+        result: Any = None,
+        actor: str,
+        note: str,
+    ) -> ReconcileWrite:
+        """``apply_probe_answer`` for a deferred run left for a human, fenced by its lease
+        token: ``done`` settles it and its claim (``flow.ledger.finish``), ``not_done`` makes it
+        wait again, due now (``flow.ledger.release``), anything else changes nothing."""
+        key, token = probed.idem_key, probed.lease_token
+        if token is None:
+            return ReconcileWrite.CHANGED
+        with self._connector.session(f"cannot reconcile {key!r}") as conn:
+            if answer == "done":
+                changed = flow.finish(conn, key, token, result, actor=actor, note=note)
+                return ReconcileWrite.SETTLED if changed else ReconcileWrite.CHANGED
+            if answer == "not_done":
+                changed = flow.release(conn, key, token, actor=actor, note=note)
+                return ReconcileWrite.RELEASED if changed else ReconcileWrite.CHANGED
+            with conn.transaction():
+                with conn.cursor(row_factory=dict_row) as cur:
+                    row = cur.execute(flow.DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
+                if row is None or row["lease_token"] != token or row["state"] != "running":
+                    return ReconcileWrite.CHANGED
+                last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
+                if last is None or tuple(last) != ("reconcile", note):
+                    flow.record_deferred_change(
+                        conn, "reconcile", probed, probed, actor=actor, note=note
+                    )
+            return ReconcileWrite.UNCHANGED
+
     def apply_probe_answer(
         self,
         probed: ClaimRow,
@@ -188,6 +238,13 @@ class ClaimsAdmin(LedgerAdapter):
                 if cursor.rowcount < batch_size:
                     break
         return PruneResult(deleted, batches)
+
+    def _deferred(self, statement: LiteralString, params: dict[str, Any]) -> list[DeferredJob]:
+        with (
+            self._connector.session("cannot read deferred jobs") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return [DeferredJob(**row) for row in cur.execute(statement, params).fetchall()]
 
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
         with (

@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError
+from infrai_jobs.flow.ledger import DeferredJob
 from infrai_jobs.jobs.keys import identity_from_key
 from infrai_jobs.jobs.probes import (
     ANSWERS,
@@ -191,7 +192,11 @@ class Reconciler:
         jobs = self.probed_jobs()
         if not jobs:
             return report
-        candidates = self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
+        candidates: list[ClaimRow | DeferredJob] = [
+            *self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
+        ]
+        if len(candidates) < limit:
+            candidates += self._admin.stuck_deferred(jobs, limit=limit - len(candidates))
         ends = None if budget_seconds is None else self._clock() + budget_seconds
         for index, claim in enumerate(candidates):
             if ends is not None and self._clock() + self._probe_timeout > ends:
@@ -202,9 +207,11 @@ class Reconciler:
 
     def run_one(self, key: str, *, dry_run: bool = False) -> ReconcileReport:
         """Probe one claim, named by its key: a running claim of a job with a probe."""
-        claim = self._admin.find(key)
+        claim: ClaimRow | DeferredJob | None = self._admin.find(key)
         if claim is None:
-            raise ClaimNotFound(f"no claim with key {key!r}")
+            claim = self._admin.find_deferred(key)
+        if claim is None:
+            raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
         if claim.state != "running":
             raise ClaimChanged(
                 f"claim {key!r} is {claim.state}: only a running claim is reconciled"
@@ -212,7 +219,7 @@ class Reconciler:
         self._definition(claim)
         return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
 
-    def _definition(self, claim: ClaimRow) -> JobDefinition:
+    def _definition(self, claim: ClaimRow | DeferredJob) -> JobDefinition:
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(
@@ -221,7 +228,9 @@ class Reconciler:
             )
         return definition
 
-    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
+    def _reconcile(self, claim: ClaimRow | DeferredJob, *, dry_run: bool) -> ProbeOutcome:
+        """Probe one stuck claim, or one deferred run left for a human, and act on the answer
+        (unless ``dry_run``)."""
         definition = self._definition(claim)
         assert definition.probe is not None  # _definition refuses a job without one
         identity = identity_from_key(definition.name, definition.identity, claim.idem_key) or {}
@@ -253,13 +262,16 @@ class Reconciler:
             # fails the pass with the claim unchanged. Under a live lease nothing is released.
             self._forget(claim.idem_key)
         try:
-            write = self._admin.apply_probe_answer(
-                claim,
-                answer.answer,
-                result=detail if isinstance(answer, Done) else None,
-                actor=self._actor,
-                note=history_note(answer.answer, detail),
-            )
+            settled = detail if isinstance(answer, Done) else None
+            note = history_note(answer.answer, detail)
+            if isinstance(claim, DeferredJob):
+                write = self._admin.apply_probe_answer_to_deferred(
+                    claim, answer.answer, result=settled, actor=self._actor, note=note
+                )
+            else:
+                write = self._admin.apply_probe_answer(
+                    claim, answer.answer, result=settled, actor=self._actor, note=note
+                )
         except ClaimNotFound:
             write = ReconcileWrite.CHANGED
         resolved = write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED)

@@ -261,12 +261,10 @@ class OperatorLedger(ClaimsAdmin):
         """Why ``action`` would be refused for ``key`` as it stands now, or "" (the change is
         fenced again when it is made); ``ClaimNotFound`` when neither a claim nor deferred
         work has the key."""
-        claim_states, deferred_states = _ALLOWED[action]
         found: ClaimRow | DeferredJob | None = self.find(key) or self.find_deferred(key)
         if found is None:
             raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
-        states = deferred_states if isinstance(found, DeferredJob) else claim_states
-        return change_refused(found, command=COMMANDS[action], allowed_states=states, token=token)
+        return _refusal(found, action, token)
 
     def _fenced_change(
         self,
@@ -279,7 +277,6 @@ class OperatorLedger(ClaimsAdmin):
         actor: str,
         note: str,
     ) -> ClaimRow | DeferredJob:
-        claim_states, deferred_states = _ALLOWED[action]
         with (
             self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
             conn.transaction(),
@@ -289,30 +286,17 @@ class OperatorLedger(ClaimsAdmin):
                 deferred_row = None
                 if row is None:
                     deferred_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
-            if deferred_row is not None:
-                job = DeferredJob(**deferred_row)
-                refused = change_refused(
-                    job,
-                    command=COMMANDS[action],
-                    allowed_states=deferred_states,
-                    token=expected_token,
-                )
-                if refused:
-                    raise ClaimChanged(refused)
-                return _change_deferred(
-                    conn, job, action, result=result, error=error, actor=actor, note=note
-                )
-            if row is None:
+            target = _target(row, deferred_row)
+            if target is None:
                 raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
-            before = ClaimRow(**row)
-            refused = change_refused(
-                before,
-                command=COMMANDS[action],
-                allowed_states=claim_states,
-                token=expected_token,
-            )
+            refused = _refusal(target, action, expected_token)
             if refused:
                 raise ClaimChanged(refused)
+            if isinstance(target, DeferredJob):
+                return _change_deferred(
+                    conn, target, action, result=result, error=error, actor=actor, note=note
+                )
+            before = target
             fence = {"key": key, "state": before.state, "token": before.claim_token}
             if action == "release":
                 cursor = conn.execute(_RELEASE, fence)
@@ -380,6 +364,22 @@ class OperatorLedger(ClaimsAdmin):
             after = DeferredJob(**after_row)
             record_deferred_change(conn, action, before, after, actor=actor, note=note)
         return after
+
+
+def _target(
+    claim: dict[str, Any] | None, deferred: dict[str, Any] | None
+) -> ClaimRow | DeferredJob | None:
+    """What a resolve or a release acts on: the claim, else the deferred work with the key."""
+    if claim is not None:
+        return ClaimRow(**claim)
+    return DeferredJob(**deferred) if deferred is not None else None
+
+
+def _refusal(target: ClaimRow | DeferredJob, action: str, token: uuid.UUID | None) -> str:
+    """Why ``action`` is refused for ``target``, in the words of its command, or ""."""
+    claim_states, deferred_states = _ALLOWED[action]
+    states = deferred_states if isinstance(target, DeferredJob) else claim_states
+    return change_refused(target, command=COMMANDS[action], allowed_states=states, token=token)
 
 
 def _change_deferred(

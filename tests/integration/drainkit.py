@@ -146,6 +146,12 @@ class Harness:
     def effects(self, key: str) -> int:
         return int(self.sql("SELECT count(*) FROM test_effects WHERE idem_key = %s", (key,))[0][0])
 
+    def history(self, key: str) -> list[tuple[Any, ...]]:
+        """The key's ``claim_history``, oldest first: (action, actor, note)."""
+        return self.sql(
+            "SELECT action, actor, note FROM claim_history WHERE idem_key = %s ORDER BY id", (key,)
+        )
+
     def external_effects(self, key: str) -> int:
         rows = self.sql("SELECT count(*) FROM test_external_effects WHERE idem_key = %s", (key,))
         return int(rows[0][0])

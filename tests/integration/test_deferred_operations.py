@@ -57,12 +57,6 @@ def _json(kit: Harness, *args: str) -> Any:
     return json.loads(finished.stdout)
 
 
-def _history(kit: Harness, key: str) -> list[tuple[Any, ...]]:
-    return kit.sql(
-        "SELECT action, actor, note FROM claim_history WHERE idem_key = %s ORDER BY id", (key,)
-    )
-
-
 # --- claims list --state deferred, run-now, cancel ----------------------------------------------
 
 
@@ -112,8 +106,8 @@ def test_run_now_makes_waiting_work_due_and_cancel_stops_it_both_recorded(kit: H
         ("cancelled",)
     ]
     # And claim_history records each, with the operator as actor
-    assert _history(kit, soon) == [("run_now", OPERATOR, "provider is back")]
-    assert _history(kit, never) == [("cancel", OPERATOR, None)]
+    assert kit.history(soon) == [("run_now", OPERATOR, "provider is back")]
+    assert kit.history(never) == [("cancel", OPERATOR, None)]
 
 
 @pytest.mark.parametrize("command", ["run-now", "cancel"])
@@ -141,7 +135,7 @@ def test_a_missing_key_or_a_running_job_is_refused_in_one_line_exit_3(
     assert kit.sql("SELECT state FROM deferred_jobs WHERE idem_key = %s", (running,)) == [
         ("running",)
     ]
-    assert _history(kit, running) == []
+    assert kit.history(running) == []
 
 
 def test_the_new_claims_commands_explain_themselves(kit: Harness) -> None:
@@ -236,7 +230,7 @@ def test_a_deferred_job_out_of_attempts_pages_until_discarded_or_redriven_and_th
     # Then its payload is published again and its failed claim reopened, recorded
     assert (summary["published"], summary["reopened"]) == (1, [redriven])
     assert kit.row(redriven) is None
-    assert ("reopen", OPERATOR) in [row[:2] for row in _history(kit, redriven)]
+    assert ("reopen", OPERATOR) in [row[:2] for row in kit.history(redriven)]
     # And a drain runs the new copy once
     drained = kit.drain()
     assert drained.outcomes == {"done": 1}

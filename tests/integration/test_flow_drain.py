@@ -546,12 +546,6 @@ def test_an_external_deferred_run_killed_before_it_began_is_taken_again(kit: Har
 # --- A deferred run left for a human, and the human's commands ----------------------------------
 
 
-def _history(kit: Harness, key: str) -> list[tuple[Any, ...]]:
-    return kit.sql(
-        "SELECT action, actor, note FROM claim_history WHERE idem_key = %s ORDER BY id", (key,)
-    )
-
-
 def test_claims_resolve_done_settles_a_stuck_deferred_run_and_no_drain_runs_it(
     kit: Harness,
 ) -> None:
@@ -575,7 +569,7 @@ def test_claims_resolve_done_settles_a_stuck_deferred_run_and_no_drain_runs_it(
     assert kit.sql("SELECT state, result FROM job_claims WHERE idem_key = %s", (key,)) == [
         ("done", {"ref": "p-1"})
     ]
-    assert _history(kit, key)[-1] == ("deferred_done", OPERATOR, "seen")
+    assert kit.history(key)[-1] == ("deferred_done", OPERATOR, "seen")
     # And no drain runs it, and nothing is left in the backlog
     flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
     try:
@@ -600,7 +594,7 @@ def test_claims_resolve_failed_ends_a_stuck_deferred_run_as_a_dead_letter(kit: H
         "SELECT resolution, reason LIKE '%%no trace of it%%' FROM dead_letters WHERE idem_key = %s",
         (key,),
     ) == [(None, True)]
-    assert _history(kit, key)[-1] == ("deferred_failed", OPERATOR, None)
+    assert kit.history(key)[-1] == ("deferred_failed", OPERATOR, None)
 
 
 def test_claims_release_makes_a_stuck_deferred_run_run_again_once(kit: Harness) -> None:
@@ -611,7 +605,7 @@ def test_claims_release_makes_a_stuck_deferred_run_run_again_once(kit: Harness) 
     # Then it waits again, due now, and the next drain runs it once
     assert finished.returncode == 0, finished.stderr
     assert deferred_row(kit, key)["state"] == "deferred"  # type: ignore[index]
-    assert _history(kit, key)[-1] == ("release", OPERATOR, "provider has no trace")
+    assert kit.history(key)[-1] == ("release", OPERATOR, "provider has no trace")
     flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
     try:
         assert drain_with(kit, flow).counters["deferred_done"] == 1

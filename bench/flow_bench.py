@@ -37,18 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, LiteralString
@@ -68,11 +62,9 @@ from infrai_jobs.ledger.postgres import LedgerConnector  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
-from infrai_local.embedded_db import postgres_server_url, scratch_database  # noqa: E402
-from infrai_local.migrations import apply_migrations  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
-from bench_env import API_KEY, EmulatorProcess, Workload, worker_result  # noqa: E402
+from bench_env import API_KEY, Workload  # noqa: E402
 from instruments import (  # noqa: E402
     BatchRecorder,
     ProtocolTrace,
@@ -82,11 +74,21 @@ from instruments import (  # noqa: E402
     latency_summary,
     memory_mb,
     process_cpu_seconds,
-    sample_busy_percent,
+)
+from receipt_drain import (  # noqa: E402
+    JOB,
+    Setup,
+    bench_setup,
+    drain_checks,
+    median,
+    prepared,
+    queue_stats,
+    run_worker_process,
+    worker_mode,
+    workload_config,
 )
 from results_file import add_output_options, update_results  # noqa: E402
 
-JOB = "receipt.send"
 # Limits far above what one lane starts (a few hundred a second here), on a key whose every
 # value runs once at a time: in force, never reached.
 RATE_PER_SECOND = 100_000
@@ -208,53 +210,14 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # --- the orchestrator ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What the measurement borrows: PostgreSQL, the emulator, a scratch folder."""
-
-    server_url: str
-    emulator: EmulatorProcess
-    scratch: Path
-    latency_ms: float
-    timeout_s: float
-
-
-def receipt_payloads(workload: Workload) -> list[dict[str, Any]]:
-    """The benchmark's seeded publish order, as ``receipt.send`` jobs (one per invoice)."""
-    return [
-        {"job": JOB, "invoice_id": p["invoice_id"], "email": f"{p['invoice_id']}@example.com"}
-        for p in workload.payloads()
-    ]
-
-
-@contextmanager
-def _prepared(setup: Setup, queue: str, workload: Workload) -> Iterator[str]:
-    """A scratch ledger database and a queue holding the receipt jobs; yields the database."""
-    with scratch_database(setup.server_url, prefix="infrai_bench") as database_url:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            apply_migrations(conn)
-        setup.emulator.set_latency(0)
-        client = InfraiClient(setup.emulator.url, API_KEY)
-        try:
-            client.ensure_queue(queue, dlq=f"{queue}-dlq")
-            for payload in receipt_payloads(workload):
-                client.publish(queue, payload)
-        finally:
-            client.close()
-        yield database_url
-
-
 def _one_drain(
     setup: Setup, sink: provider_sink.RunningSink, name: str, mode: str, workload: Workload
 ) -> dict[str, Any]:
     queue = f"bench-flow-{name}"
-    spec_path = setup.scratch / f"{name}.spec.json"
-    result_path = setup.scratch / f"{name}.result.json"
-    log_path = setup.scratch / f"{name}.log"
     trace_dir = setup.scratch / name
     trace_dir.mkdir()
     policies = POLICIES[mode]
-    with _prepared(setup, queue, workload) as database_url:
+    with prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
             "job_policies": json.dumps(policies) if policies is not None else "",
@@ -265,40 +228,23 @@ def _one_drain(
             "provider_url": sink.url,
             "trace_dir": str(trace_dir),
         }
-        spec_path.write_text(json.dumps(spec))
-        mails_before = Counter(sink.state.snapshot()["mails"])
-        background = sample_busy_percent(0.5)
-        setup.emulator.set_latency(setup.latency_ms)
-        with log_path.open("w") as log:
-            done = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=setup.timeout_s,
-                check=False,
-            )
-        setup.emulator.set_latency(0)
-        result = worker_result(name, done.returncode, log_path, result_path)
-        mails = Counter(sink.state.snapshot()["mails"])
-        mails.subtract(mails_before)
+        worker = run_worker_process(setup, Path(__file__).resolve(), name, spec, sink)
+        result = worker.result
         with psycopg.connect(database_url, autocommit=True) as conn:
             row = conn.execute(_CHECK).fetchone() or (0, 0, 0, 0, 0)
         claims, claims_done, deferred, rate_starts, slots = row
-        client = InfraiClient(setup.emulator.url, API_KEY)
-        try:
-            stats = client.stats(queue)
-        finally:
-            client.close()
+        stats = queue_stats(setup.emulator, queue)
     unique = workload.unique
-    sent = {key: n for key, n in mails.items() if n}
     counters = result["counters"]
-    checks: dict[str, Any] = {
-        "claims": claims,
-        "claims_done": claims_done,
-        "queue_left": stats.message_count,
-        "dead_lettered": stats.dlq_count,
-        "mails_sent": sum(sent.values()),
-        "invoices_mailed_twice": sum(1 for n in sent.values() if n > 1),
+    checks, common_ok = drain_checks(
+        claims=claims,
+        claims_done=claims_done,
+        stats=stats,
+        mails=worker.mails,
+        unique=unique,
+        expected_mails=unique,
+    )
+    checks |= {
         "deferred_jobs": deferred,
         "deferred_outcomes": result["outcomes"].get("deferred", 0),
         "rate_limit_waits": counters.get("rate_limit_waits", 0),
@@ -312,11 +258,7 @@ def _one_drain(
         ),
     }
     checks["ok"] = (
-        claims == claims_done == unique
-        and stats.message_count == 0
-        and stats.dlq_count == 0
-        and checks["mails_sent"] == unique
-        and checks["invoices_mailed_twice"] == 0
+        common_ok
         and deferred == 0
         and checks["deferred_outcomes"] == 0
         and checks["rate_limit_waits"] == 0
@@ -338,7 +280,7 @@ def _one_drain(
     result["name"] = name
     result["messages"] = workload.messages
     result["job_runs"] = unique
-    result["background_busy_pct"] = background
+    result["background_busy_pct"] = worker.background_busy_pct
     result["verified"] = checks
     shutil.rmtree(trace_dir, ignore_errors=True)
     print(
@@ -353,11 +295,6 @@ def _one_drain(
     return result
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return round(statistics.median(present), 3) if present else None
-
-
 def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     labels: Counter[str] = Counter()
     consumed = 0
@@ -365,25 +302,25 @@ def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         labels.update(run["db"]["round_trips_by_label"])
         consumed += run["consumed"]
     return {
-        "messages_per_s": _median([r["messages_per_s"] for r in runs]),
-        "elapsed_s": _median([r["elapsed_s"] for r in runs]),
-        "batch_p50_ms": _median([r["batch_latency_ms"]["p50"] for r in runs]),
-        "ledger_round_trips_per_message": _median(
+        "messages_per_s": median([r["messages_per_s"] for r in runs]),
+        "elapsed_s": median([r["elapsed_s"] for r in runs]),
+        "batch_p50_ms": median([r["batch_latency_ms"]["p50"] for r in runs]),
+        "ledger_round_trips_per_message": median(
             [r["db"]["per_message"]["ledger_round_trips"] for r in runs]
         ),
-        "flow_round_trips_per_message": _median(
+        "flow_round_trips_per_message": median(
             [r["db"]["per_message"]["flow_round_trips"] for r in runs]
         ),
         # Per drain (one invocation): on flow control's own connection.
-        "flow_round_trips_per_drain": _median([r["db"]["flow_round_trips"] for r in runs]),
-        "statements_per_message": _median([r["db"]["per_message"]["statements"] for r in runs]),
+        "flow_round_trips_per_drain": median([r["db"]["flow_round_trips"] for r in runs]),
+        "statements_per_message": median([r["db"]["per_message"]["statements"] for r in runs]),
         "round_trips_per_message_by_label": {
             label: round(n / consumed, 3) for label, n in labels.most_common()
         }
         if consumed
         else {},
-        "process_cpu_pct": _median([r["cpu"]["process_pct_of_one_core"] for r in runs]),
-        "peak_rss_mb": _median([r["memory"]["peak_rss_mb"] for r in runs]),
+        "process_cpu_pct": median([r["cpu"]["process_pct_of_one_core"] for r in runs]),
+        "peak_rss_mb": median([r["memory"]["peak_rss_mb"] for r in runs]),
         "verified": all(r["verified"]["ok"] for r in runs),
     }
 
@@ -439,12 +376,12 @@ def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
         )
         if unlimited["ledger_round_trips_per_message"]
         else None,
-        "added_ledger_round_trips_per_limited_job": _median(added_rt),
-        "added_ms_per_limited_job": _median(added_ms),
+        "added_ledger_round_trips_per_limited_job": median(added_rt),
+        "added_ms_per_limited_job": median(added_ms),
         # The unlimited path with flow control on (another job limited) against off: per
         # message, per round; the target is that it stays where it was. Flow control's fixed
         # cost per invocation (its looks for due deferred work) is apart.
-        "unlimited_path_extra_round_trips_per_message": _median(available_extra),
+        "unlimited_path_extra_round_trips_per_message": median(available_extra),
         "due_work_round_trips_per_drain": available["flow_round_trips_per_drain"],
         "unlimited_path_extra_per_round": available_extra,
         "unchanged_tolerance": UNCHANGED_TOLERANCE,
@@ -453,14 +390,7 @@ def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
         "measured_at": started_at.isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - started, 1),
         "config": {
-            "jobs": workload.messages,
-            "unique_jobs": workload.unique,
-            "duplicate_publishes": workload.duplicates,
-            "duplicate_share": workload.duplicate_share,
-            "seed": workload.seed,
-            "rounds": rounds,
-            "job": JOB,
-            "job_effect": "external",
+            **workload_config(workload, rounds),
             "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
             "injected latency)",
             "latency_ms": setup.latency_ms,
@@ -514,25 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker is not None:
-        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-        spec = json.loads(args.worker.read_text())
-        Path(str(args.worker).replace(".spec.json", ".result.json")).write_text(
-            json.dumps(run_worker(spec))
-        )
-        return 0
+        return worker_mode(args.worker, run_worker)
     if args.rounds < 1 or args.jobs < 1:
         raise SystemExit("--rounds and --jobs must be at least 1")
     workload = Workload(args.jobs, args.duplicates, args.seed)
-    with (
-        tempfile.TemporaryDirectory(prefix="infrai-bench-flow-") as scratch,
-        postgres_server_url() as server_url,
-    ):
-        emulator = EmulatorProcess()
-        try:
-            setup = Setup(server_url, emulator, Path(scratch), args.latency_ms, args.timeout_s)
-            result = measure(setup, workload, rounds=args.rounds)
-        finally:
-            emulator.stop()
+    with bench_setup("infrai-bench-flow-", args.latency_ms, args.timeout_s) as setup:
+        result = measure(setup, workload, rounds=args.rounds)
     if args.update:
 
         def with_flow(_path: Path, document: dict[str, Any]) -> None:

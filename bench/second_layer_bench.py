@@ -44,14 +44,11 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,11 +67,9 @@ from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.ledger.ports import EffectGuard  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
-from infrai_local.embedded_db import postgres_server_url, scratch_database  # noqa: E402
-from infrai_local.migrations import apply_migrations  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
-from bench_env import API_KEY, EmulatorProcess, Workload, worker_result  # noqa: E402
+from bench_env import API_KEY, Workload  # noqa: E402
 from instruments import (  # noqa: E402
     BatchRecorder,
     TimedQueue,
@@ -83,9 +78,19 @@ from instruments import (  # noqa: E402
     process_cpu_seconds,
     sample_busy_percent,
 )
+from receipt_drain import (  # noqa: E402
+    Setup,
+    bench_setup,
+    drain_checks,
+    median,
+    prepared,
+    queue_stats,
+    run_worker_process,
+    worker_mode,
+    workload_config,
+)
 from results_file import add_output_options, update_results  # noqa: E402
 
-JOB = "receipt.send"
 TABLE_PREFIX = "infrai-bench-idempotency"
 # Fake credentials for moto; never real ones.
 AWS_ENV = {
@@ -258,14 +263,6 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # --- the orchestrator ---------------------------------------------------------------------------
 
 
-def receipt_payloads(workload: Workload) -> list[dict[str, Any]]:
-    """The benchmark's seeded publish order, as ``receipt.send`` jobs (one per invoice)."""
-    return [
-        {"job": JOB, "invoice_id": p["invoice_id"], "email": f"{p['invoice_id']}@example.com"}
-        for p in workload.payloads()
-    ]
-
-
 class MotoDynamoDB:
     """moto's ThreadedMotoServer on 127.0.0.1, a free port; ``stop()`` ends it."""
 
@@ -319,38 +316,10 @@ class MotoDynamoDB:
 
 
 @dataclass(frozen=True)
-class Setup:
-    """What the measurement borrows: PostgreSQL, the emulator, a scratch folder."""
-
-    server_url: str
-    emulator: EmulatorProcess
-    scratch: Path
-    latency_ms: float
-    timeout_s: float
-
-
-@dataclass(frozen=True)
 class _World:
     setup: Setup
     moto: MotoDynamoDB
     sink: provider_sink.RunningSink
-
-
-@contextmanager
-def _prepared(setup: Setup, queue: str, workload: Workload) -> Iterator[str]:
-    """A scratch ledger database and a queue holding the receipt jobs; yields the database."""
-    with scratch_database(setup.server_url, prefix="infrai_bench") as database_url:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            apply_migrations(conn)
-        setup.emulator.set_latency(0)
-        client = InfraiClient(setup.emulator.url, API_KEY)
-        try:
-            client.ensure_queue(queue, dlq=f"{queue}-dlq")
-            for payload in receipt_payloads(workload):
-                client.publish(queue, payload)
-        finally:
-            client.close()
-        yield database_url
 
 
 def _one_drain(
@@ -358,10 +327,7 @@ def _one_drain(
 ) -> dict[str, Any]:
     setup = world.setup
     queue = f"bench-sl-{name}"
-    spec_path = setup.scratch / f"{name}.spec.json"
-    result_path = setup.scratch / f"{name}.result.json"
-    log_path = setup.scratch / f"{name}.log"
-    with _prepared(setup, queue, workload) as database_url:
+    with prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
             "table": table,
@@ -372,56 +338,33 @@ def _one_drain(
             "queue": queue,
             "provider_url": world.sink.url,
         }
-        spec_path.write_text(json.dumps(spec))
         env = {**os.environ, **AWS_ENV, "AWS_ENDPOINT_URL_DYNAMODB": world.moto.url}
-        mails_before = Counter(world.sink.state.snapshot()["mails"])
-        background = sample_busy_percent(0.5)
-        setup.emulator.set_latency(setup.latency_ms)
-        with log_path.open("w") as log:
-            done = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=setup.timeout_s,
-                check=False,
-            )
-        setup.emulator.set_latency(0)
-        result = worker_result(name, done.returncode, log_path, result_path)
-        mails = Counter(world.sink.state.snapshot()["mails"])
-        mails.subtract(mails_before)
+        worker = run_worker_process(
+            setup, Path(__file__).resolve(), name, spec, world.sink, env=env
+        )
+        result = worker.result
         with psycopg.connect(database_url, autocommit=True) as conn:
             claims, claims_done = conn.execute(_CHECK_CLAIMS).fetchone() or (0, 0)
-        client = InfraiClient(setup.emulator.url, API_KEY)
-        try:
-            stats = client.stats(queue)
-        finally:
-            client.close()
+        stats = queue_stats(setup.emulator, queue)
     unique = workload.unique
-    sent = {key: n for key, n in mails.items() if n}
-    expected_mails = 0 if mode == "replay" else unique
     guard = result["guard"]
-    checks: dict[str, Any] = {
-        "claims": claims,
-        "claims_done": claims_done,
-        "queue_left": stats.message_count,
-        "dead_lettered": stats.dlq_count,
-        "mails_sent": sum(sent.values()),
-        "invoices_mailed_twice": sum(1 for n in sent.values() if n > 1),
-        "records_in_table": world.moto.item_count(table) if mode != "off" else None,
-    }
+    checks, common_ok = drain_checks(
+        claims=claims,
+        claims_done=claims_done,
+        stats=stats,
+        mails=worker.mails,
+        unique=unique,
+        expected_mails=0 if mode == "replay" else unique,
+    )
+    checks["records_in_table"] = world.moto.item_count(table) if mode != "off" else None
     checks["ok"] = (
-        claims == claims_done == unique
-        and stats.message_count == 0
-        and stats.dlq_count == 0
-        and checks["mails_sent"] == expected_mails
-        and checks["invoices_mailed_twice"] == 0
+        common_ok
         and (mode == "off" or checks["records_in_table"] == unique)
         and (mode != "replay" or (guard is not None and guard["hits"] == unique))
     )
     result["name"] = name
     result["messages"] = workload.messages
-    result["background_busy_pct"] = background
+    result["background_busy_pct"] = worker.background_busy_pct
     result["verified"] = checks
     guarded = guard["calls"] if guard else 0
     result["dynamodb"]["per_guarded_job"] = (
@@ -443,11 +386,6 @@ def _one_drain(
     return result
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return round(statistics.median(present), 3) if present else None
-
-
 def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     guards = [r["guard"] for r in runs if r["guard"]]
     calls: Counter[str] = Counter()
@@ -456,32 +394,30 @@ def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         calls.update(run["dynamodb"]["calls"])
         guarded += run["guard"]["calls"] if run["guard"] else 0
     return {
-        "messages_per_s": _median([r["messages_per_s"] for r in runs]),
-        "elapsed_s": _median([r["elapsed_s"] for r in runs]),
-        "batch_p50_ms": _median([r["batch_latency_ms"]["p50"] for r in runs]),
-        "batch_p99_ms": _median([r["batch_latency_ms"]["p99"] for r in runs]),
-        "peak_rss_mb": _median([r["memory"]["peak_rss_mb"] for r in runs]),
-        "rss_before_mb": _median([r["memory"]["rss_before_mb"] for r in runs]),
-        "process_cpu_pct": _median([r["cpu"]["process_pct_of_one_core"] for r in runs]),
+        "messages_per_s": median([r["messages_per_s"] for r in runs]),
+        "elapsed_s": median([r["elapsed_s"] for r in runs]),
+        "batch_p50_ms": median([r["batch_latency_ms"]["p50"] for r in runs]),
+        "batch_p99_ms": median([r["batch_latency_ms"]["p99"] for r in runs]),
+        "peak_rss_mb": median([r["memory"]["peak_rss_mb"] for r in runs]),
+        "rss_before_mb": median([r["memory"]["rss_before_mb"] for r in runs]),
+        "process_cpu_pct": median([r["cpu"]["process_pct_of_one_core"] for r in runs]),
         "guarded_jobs": guarded // len(runs),
-        "hits": _median([g["hits"] for g in guards]) if guards else None,
-        "guard_setup_ms": _median([g["setup_ms"] for g in guards]) if guards else None,
-        "guard_overhead_p50_ms": _median([g["overhead_ms"]["p50"] for g in guards]),
-        "guard_overhead_p99_ms": _median([g["overhead_ms"]["p99"] for g in guards]),
-        "guard_overhead_mean_ms": _median([g["overhead_ms"]["mean"] for g in guards]),
-        "effect_p50_ms": _median(
-            [g["effect_ms"]["p50"] for g in guards if g["effect_ms"]["count"]]
-        ),
+        "hits": median([g["hits"] for g in guards]) if guards else None,
+        "guard_setup_ms": median([g["setup_ms"] for g in guards]) if guards else None,
+        "guard_overhead_p50_ms": median([g["overhead_ms"]["p50"] for g in guards]),
+        "guard_overhead_p99_ms": median([g["overhead_ms"]["p99"] for g in guards]),
+        "guard_overhead_mean_ms": median([g["overhead_ms"]["mean"] for g in guards]),
+        "effect_p50_ms": median([g["effect_ms"]["p50"] for g in guards if g["effect_ms"]["count"]]),
         "dynamodb_calls_per_guarded_job": round(sum(calls.values()) / guarded, 3)
         if guarded
         else None,
-        "dynamodb_calls_per_message": _median([r["dynamodb"]["per_message"] for r in runs]),
+        "dynamodb_calls_per_message": median([r["dynamodb"]["per_message"] for r in runs]),
         "dynamodb_calls_by_operation": {
             name: round(n / guarded, 3) for name, n in sorted(calls.items())
         }
         if guarded
         else {},
-        "dynamodb_call_p50_ms": _median(
+        "dynamodb_call_p50_ms": median(
             [r["dynamodb"]["call_ms"]["p50"] for r in runs if r["dynamodb"]["total"]]
         ),
         "dynamodb_http_requests_per_call": round(
@@ -523,8 +459,8 @@ def measure_drains(setup: Setup, workload: Workload, rounds: int) -> dict[str, A
         ]
 
     comparison = {
-        "added_ms_per_guarded_job_first_run": _median(added_ms("on")),
-        "added_ms_per_guarded_job_replay": _median(added_ms("replay")),
+        "added_ms_per_guarded_job_first_run": median(added_ms("on")),
+        "added_ms_per_guarded_job_replay": median(added_ms("replay")),
         "on_over_off_messages_per_s": round(on["messages_per_s"] / off["messages_per_s"], 3)
         if off["messages_per_s"] and on["messages_per_s"]
         else None,
@@ -619,14 +555,7 @@ def measure(
         "measured_at": started_at.isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - started, 1),
         "config": {
-            "jobs": workload.messages,
-            "unique_jobs": workload.unique,
-            "duplicate_publishes": workload.duplicates,
-            "duplicate_share": workload.duplicate_share,
-            "seed": workload.seed,
-            "rounds": rounds,
-            "job": JOB,
-            "job_effect": "external",
+            **workload_config(workload, rounds),
             "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
             "injected latency), counted per invoice by the sink",
             "latency_ms": setup.latency_ms,
@@ -706,12 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker is not None:
-        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-        spec = json.loads(args.worker.read_text())
-        Path(str(args.worker).replace(".spec.json", ".result.json")).write_text(
-            json.dumps(run_worker(spec))
-        )
-        return 0
+        return worker_mode(args.worker, run_worker)
     if args.rounds < 1 or args.jobs < 1:
         raise SystemExit("--rounds and --jobs must be at least 1")
     if args.cold_start_only:
@@ -723,18 +647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(cold, indent=2))
         return 0
     workload = Workload(args.jobs, args.duplicates, args.seed)
-    with (
-        tempfile.TemporaryDirectory(prefix="infrai-bench-sl-") as scratch,
-        postgres_server_url() as server_url,
-    ):
-        emulator = EmulatorProcess()
-        try:
-            setup = Setup(server_url, emulator, Path(scratch), args.latency_ms, args.timeout_s)
-            result = measure(
-                setup, workload, rounds=args.rounds, cold_start_runs=args.cold_start_runs
-            )
-        finally:
-            emulator.stop()
+    with bench_setup("infrai-bench-sl-", args.latency_ms, args.timeout_s) as setup:
+        result = measure(setup, workload, rounds=args.rounds, cold_start_runs=args.cold_start_runs)
     if args.update:
         _update_results(args.update, result, cold_only=False)
     if args.json:

@@ -325,11 +325,7 @@ class OperatorLedger(ClaimsAdmin):
     ) -> list[DeferredJob]:
         """Deferred work the ledger holds (waiting or running), the next due first."""
         params = {"job": job, "older_than": older_than_seconds, "limit": limit}
-        with (
-            self._connector.session("cannot read deferred jobs") as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            return [DeferredJob(**row) for row in cur.execute(_DEFERRED_LIST, params).fetchall()]
+        return self._deferred(_DEFERRED_LIST, params)
 
     def run_deferred_now(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
         """Waiting deferred work made due at once, for the next drain; recorded as

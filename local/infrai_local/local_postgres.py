@@ -33,7 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()
+        # From another thread, as the emulator's handler does: this thread may hold the
+        # Event's lock inside ``stop.wait``, and setting it here would wait on itself.
+        threading.Thread(target=stop.set, daemon=True).start()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = EmbeddedPostgres()

@@ -81,7 +81,9 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
         return
 
     def handle(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()
+        # Set from another thread: the handler runs on the main thread, which may be inside
+        # ``stop.wait`` holding the Event's lock (not reentrant), and would wait on itself.
+        threading.Thread(target=stop.set, daemon=True).start()
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

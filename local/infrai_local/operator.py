@@ -57,7 +57,7 @@ class Refusal(StrEnum):
     """Why a fenced change may not go ahead on a claim as it stands."""
 
     STATE = "state"  # the claim is not in a state the change applies to
-    LEASE_LIVE = "lease_live"  # running under a live lease, and no claim token was given
+    LEASE_LIVE = "lease_live"  # running under a live lease: only the run holding it may act
     MOVED = "moved"  # another claim token holds it: it changed since it was read
 
 
@@ -74,9 +74,10 @@ def refusal(
     if state not in allowed_states:
         return Refusal.STATE
     live = lease_until is not None and lease_until > datetime.now(UTC)
-    if token is None and state == "running" and live:
-        # Its delivery may be inside the effect right now: acting on it unseen could let a
-        # duplicate repeat an irreversible effect.
+    if state == "running" and live:
+        # Its run may be inside the effect right now: releasing it would let another run
+        # repeat an irreversible effect, and settling it would race the run's own settle.
+        # The ledger's statements hold the same rule on the database's clock.
         return Refusal.LEASE_LIVE
     if token is not None and holder != token:
         return Refusal.MOVED
@@ -114,8 +115,9 @@ def change_refused(
     if why is Refusal.LEASE_LIVE:
         until = row.lease_until.isoformat() if row.lease_until is not None else "?"
         return (
-            f"{what} {key!r} is running under a live lease until {until}; wait for it to end, "
-            f"or run `infrai-jobs {command} {key} --token {holder}` to act on it anyway"
+            f"{what} {key!r} is running under a live lease until {until}: its run may be "
+            f"inside the call right now; wait for the lease to end, then run "
+            f"`infrai-jobs {command} {key}` again"
         )
     return (
         f"{what} {key!r} is now held by token {holder}, not {token}: it changed "
@@ -138,15 +140,18 @@ LIMIT %(limit)s
 """
 )
 
+# An operator never changes a running claim whose lease is live (on the database's clock).
 _RESOLVE: LiteralString = """
 UPDATE job_claims
 SET state = %(new_state)s, result = %(result)s, error = %(error)s, updated_at = now()
 WHERE idem_key = %(key)s AND state = %(state)s AND claim_token IS NOT DISTINCT FROM %(token)s
+  AND (state <> 'running' OR lease_until IS NULL OR lease_until < clock_timestamp())
 """
 
 _RELEASE: LiteralString = """
 DELETE FROM job_claims
 WHERE idem_key = %(key)s AND state = %(state)s AND claim_token IS NOT DISTINCT FROM %(token)s
+  AND (state <> 'running' OR lease_until IS NULL OR lease_until < clock_timestamp())
 """
 
 _HISTORY_OF: LiteralString = """
@@ -395,9 +400,9 @@ def _change_deferred(
     key, token = job.idem_key, job.lease_token
     assert token is not None  # a running deferred job always holds a lease token
     if action == "resolve_done":
-        changed = flow.finish(conn, key, token, result, actor=actor, note=note)
+        changed = flow.finish(conn, key, token, result, actor=actor, note=note, holder=False)
     elif action == "resolve_failed":
-        changed = flow.fail(conn, key, token, error or "", actor=actor, note=note)
+        changed = flow.fail(conn, key, token, error or "", actor=actor, note=note, holder=False)
     else:
         changed = flow.release(conn, key, token, actor=actor, note=note)
     with conn.cursor(row_factory=dict_row) as cur:

@@ -630,13 +630,14 @@ def test_a_deferred_run_under_a_live_lease_or_still_waiting_is_refused_in_one_li
         flow_ledger.defer(conn, waiting, attempts=1, error="test", delay_seconds=3600)
     # When the on-call releases the held one without its token
     held = run_cli(kit, "claims", "release", key)
-    # Then it is refused (exit 3) in one line naming the token to act on it anyway
+    # Then it is refused (exit 3) in one line saying to wait for the lease
     assert held.returncode == 3
     assert held.stderr.count("\n") == 1
-    assert f"--token {taken.lease_token}" in held.stderr
-    # And with the token, it goes ahead
+    assert "wait for the lease to end" in held.stderr
+    # And with its token too: only the run holding a live lease changes it
     forced = run_cli(kit, "claims", "release", key, "--token", str(taken.lease_token))
-    assert forced.returncode == 0, forced.stderr
+    assert forced.returncode == 3
+    assert deferred_row(kit, key)["state"] == "running"  # type: ignore[index]
     # And resolving waiting work is refused, pointing at the commands for it
     early = run_cli(kit, "claims", "resolve", "test.ext:h5", "--done")
     assert early.returncode == 3

@@ -372,7 +372,7 @@ def test_release_and_resolve_failed_forget_the_second_layer_record_first(kit: Ha
     assert forgotten == []
 
 
-def test_a_claim_under_a_live_lease_is_acted_on_only_with_its_token(
+def test_a_claim_under_a_live_lease_is_never_acted_on_even_with_its_token(
     kit: Harness, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given an external claim whose delivery holds a live lease (it may be inside the effect)
@@ -390,8 +390,15 @@ def test_a_claim_under_a_live_lease_is_acted_on_only_with_its_token(
     assert kit.row("receipt.send:live") is not None
     # When the operator passes the token they looked at
     code = cli(["claims", "release", "receipt.send:live", "--token", str(token)])
-    # Then it is released
-    assert code == 0
+    # Then it is still refused: only the delivery holding the lease settles it; once the
+    # lease is over, the release goes ahead
+    assert code == 3
+    assert kit.row("receipt.send:live") is not None
+    kit.sql(
+        "UPDATE job_claims SET lease_until = now() - interval '1 second'"
+        " WHERE idem_key = 'receipt.send:live'"
+    )
+    assert cli(["claims", "release", "receipt.send:live", "--token", str(token)]) == 0
     assert kit.row("receipt.send:live") is None
 
 

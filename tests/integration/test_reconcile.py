@@ -478,3 +478,64 @@ def test_a_deferred_run_whose_probe_cannot_answer_stays_for_a_human_recorded_onc
     one = run_cli(kit, "claims", "reconcile", key, "--json")
     assert one.returncode == 0, one.stderr
     assert json.loads(one.stdout)["by_answer"] == {"done": 0, "not_done": 0, "unknown": 1}
+
+
+def seed_live_deferred_run(kit: Harness, payload: Payload) -> str:
+    """A deferred ``external`` run a drain holds right now: taken, begun, its lease live (the
+    drain is inside the provider call); its key."""
+    derived = kit.registry.derive(payload)
+    key = derived.idem_key
+    work = DeferredWork(key, derived.definition.name, "external", dict(payload), f"m-{key}")
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        flow.defer(conn, work, attempts=1, error="mail provider 503", delay_seconds=0)
+        (taken,) = flow.take_due(conn, 1, lease_seconds=600)
+        assert taken.lease_token is not None
+        assert flow.begin(conn, key, taken.lease_token)
+    return key
+
+
+def test_a_deferred_run_under_a_live_lease_is_neither_released_nor_run_again(
+    kit: Harness,
+) -> None:
+    # Given a deferred receipt a drain is mailing right now: the provider has no trace yet
+    key = seed_live_deferred_run(kit, {**RECEIPT, "invoice_id": "inv_deferred_live"})
+    before = kit.sql("SELECT * FROM deferred_jobs WHERE idem_key = %s", (key,))
+    # When an operator reconciles it by name, and releases it, while a second drain looks
+    reconciled = run_cli(kit, "claims", "reconcile", key, "--json")
+    released = run_cli(kit, "claims", "release", key)
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        second_drain = flow.take_due(conn, 10, lease_seconds=60)
+    # Then the probe's "not done" waits for the lease, the release is refused, and nothing
+    # else takes the run: the provider is called once, by the drain that holds it
+    assert reconciled.returncode == 0, reconciled.stderr
+    claims = json.loads(reconciled.stdout)["claims"]
+    assert [(c["answer"], c["action"]) for c in claims] == [("not_done", "lease_live")]
+    assert released.returncode == 3, released.stdout
+    assert "live lease" in released.stderr
+    assert second_drain == []
+    assert kit.sql("SELECT * FROM deferred_jobs WHERE idem_key = %s", (key,)) == before
+
+
+def test_a_probe_that_says_done_under_a_live_lease_leaves_the_run_to_its_drain(
+    kit: Harness,
+) -> None:
+    # Given a live deferred run whose mail the provider already lists (the call just returned)
+    invoice = "inv_deferred_live_done"
+    key = seed_live_deferred_run(kit, {**RECEIPT, "invoice_id": invoice})
+    sink_call(
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": invoice},
+    )
+    # When the watcher's reconcile pass and an operator's reconcile run meanwhile
+    watcher = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=WATCHER_ACTOR)
+    passed = watcher.run_all(threshold_seconds=900)
+    by_name = run_cli(kit, "claims", "reconcile", key, "--json")
+    # Then the pass does not pick it (it is not stuck) and the named reconcile changes nothing:
+    # only the run that holds the lease settles it
+    assert passed.outcomes == []
+    assert by_name.returncode == 0, by_name.stderr
+    claims = json.loads(by_name.stdout)["claims"]
+    assert [(c["answer"], c["action"]) for c in claims] == [("done", "lease_live")]
+    assert deferred_state(kit, key) == "running"

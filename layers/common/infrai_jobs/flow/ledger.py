@@ -169,13 +169,15 @@ LIMIT %(limit)s
 """
 )
 
-# A run whose effect did not happen waits again, due now (its attempt stays counted).
+# A run whose effect did not happen waits again, due now (its attempt stays counted). Only
+# once its lease is over: under a live one its drain may be making the call right now.
 _RELEASE: LiteralString = (
     """
 UPDATE deferred_jobs
 SET state = 'deferred', lease_token = NULL, lease_until = NULL, began_at = NULL,
     run_after = now(), updated_at = now()
 WHERE idem_key = %(key)s AND state = 'running' AND lease_token = %(token)s
+  AND lease_until < clock_timestamp()
 RETURNING """
     + DEFERRED_COLUMNS
 )
@@ -187,9 +189,16 @@ SET state = %(state)s, result = %(result)s,
     last_error = coalesce(%(error)s, last_error),
     lease_token = NULL, lease_until = NULL, updated_at = now()
 WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
+  AND (%(holder)s OR lease_until < clock_timestamp())
 RETURNING """
     + DEFERRED_COLUMNS
 )
+
+# Whether the run holding ``token`` still has a live lease (on the database's clock).
+_LEASE_LIVE: LiteralString = """
+SELECT lease_until >= clock_timestamp() FROM deferred_jobs
+WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
+"""
 
 # The claim a finished deferred job leaves, so a later copy of its message meets a settled
 # claim like any other. A claim already standing for the key is left as it is.
@@ -315,11 +324,15 @@ def finish(
     *,
     actor: str = DRAIN_ACTOR,
     note: str = "",
+    holder: bool = True,
 ) -> bool:
     """A taken job succeeded: ``done`` with ``result``, its claim settled ``done`` so later
     copies are duplicates, recorded as ``deferred_done``. False when the token no longer
-    holds it (nothing changed)."""
-    return _settle(conn, key, token, "done", result=result, error=None, actor=actor, note=note)
+    holds it (nothing changed). ``holder=False`` is anyone but the run that holds the lease
+    (a reconcile probe, an operator): it changes the run only once its lease is over."""
+    return _settle(
+        conn, key, token, "done", result=result, error=None, actor=actor, note=note, holder=holder
+    )
 
 
 def fail(
@@ -331,6 +344,7 @@ def fail(
     actor: str = DRAIN_ACTOR,
     note: str = "",
     queue: str | None = None,
+    holder: bool = True,
 ) -> bool:
     """A taken job failed for good (out of attempts, or a final error): ``failed`` with
     ``error``, its claim settled ``failed``, recorded as ``deferred_failed``, and an unresolved
@@ -338,7 +352,16 @@ def fail(
     holds it) under its queue (``queue`` when the work recorded none). All in one
     transaction; False when the token no longer holds it (nothing changed)."""
     return _settle(
-        conn, key, token, "failed", result=None, error=error, actor=actor, note=note, queue=queue
+        conn,
+        key,
+        token,
+        "failed",
+        result=None,
+        error=error,
+        actor=actor,
+        note=note,
+        queue=queue,
+        holder=holder,
     )
 
 
@@ -353,6 +376,7 @@ def _settle(
     actor: str,
     note: str,
     queue: str | None = None,
+    holder: bool,
 ) -> bool:
     with (
         ledger_errors(f"cannot settle deferred job {key!r}"),
@@ -366,6 +390,7 @@ def _settle(
             "state": state,
             "result": Jsonb(result) if state == "done" else None,
             "error": error,
+            "holder": holder,
         }
         after_row = cur.execute(_SETTLE, params).fetchone()
         if before_row is None or after_row is None:
@@ -426,6 +451,14 @@ def release(
             conn, "release", DeferredJob(**before), DeferredJob(**after), actor=actor, note=note
         )
     return True
+
+
+def lease_live(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
+    """Whether the run holding ``token`` is still under its lease: its drain may be making the
+    call right now, so nobody but that drain may change it."""
+    with ledger_errors("cannot read deferred jobs"):
+        row = conn.execute(_LEASE_LIVE, {"key": key, "token": token}).fetchone()
+    return bool(row and row[0])
 
 
 def holding(conn: psycopg.Connection[Any], keys: Sequence[str]) -> dict[str, str]:

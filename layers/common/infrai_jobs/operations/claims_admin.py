@@ -42,20 +42,21 @@ DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
 """
 
 # A reconcile pass settles or releases only the attempt its probe was asked about: the same
-# claim token, still running. A release also waits for the lease to end, since a delivery
-# under a live lease may be making the call right now.
+# claim token, still running, and its lease over: a delivery under a live lease may be making
+# the call right now, and only it settles its own run.
 _RECONCILE_DONE: LiteralString = """
 UPDATE job_claims
 SET state = 'done', result = %(result)s, error = NULL, updated_at = now()
 WHERE idem_key = %(key)s AND state = 'running'
   AND claim_token IS NOT DISTINCT FROM %(expected_token)s
+  AND (lease_until IS NULL OR lease_until < clock_timestamp())
 """
 
 _RECONCILE_RELEASE: LiteralString = """
 DELETE FROM job_claims
 WHERE idem_key = %(key)s AND state = 'running'
   AND claim_token IS NOT DISTINCT FROM %(expected_token)s
-  AND (lease_until IS NULL OR lease_until < now())
+  AND (lease_until IS NULL OR lease_until < clock_timestamp())
 """
 
 _LAST_HISTORY: LiteralString = """
@@ -143,8 +144,12 @@ class ClaimsAdmin(LedgerAdapter):
         if token is None:
             return ReconcileWrite.CHANGED
         with self._connector.session(f"cannot reconcile {key!r}") as conn:
+            if answer in ("done", "not_done") and flow.lease_live(conn, key, token):
+                return ReconcileWrite.LEASE_LIVE
             if answer == "done":
-                changed = flow.finish(conn, key, token, result, actor=actor, note=note)
+                changed = flow.finish(
+                    conn, key, token, result, actor=actor, note=note, holder=False
+                )
                 return ReconcileWrite.SETTLED if changed else ReconcileWrite.CHANGED
             if answer == "not_done":
                 changed = flow.release(conn, key, token, actor=actor, note=note)
@@ -191,8 +196,8 @@ class ClaimsAdmin(LedgerAdapter):
             fence = {"key": key, "expected_token": probed.claim_token}
             if answer == "done":
                 params = {**fence, "result": Jsonb(storable_json(result))}
-                if conn.execute(_RECONCILE_DONE, params).rowcount != 1:  # pragma: no cover
-                    return ReconcileWrite.CHANGED  # the row lock makes this unreachable
+                if conn.execute(_RECONCILE_DONE, params).rowcount != 1:
+                    return ReconcileWrite.LEASE_LIVE  # the row lock holds state and token
                 with conn.cursor(row_factory=dict_row) as cur:
                     after_row = cur.execute(_SHOW, {"key": key}).fetchone()
                 after = ClaimRow(**after_row) if after_row else None

@@ -644,3 +644,49 @@ def test_a_deferred_run_under_a_live_lease_or_still_waiting_is_refused_in_one_li
     assert "claims run-now" in early.stderr
     assert "claims cancel" in early.stderr
     assert deferred_row(kit, "test.ext:h5")["state"] == "deferred"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("grace_seconds", [5.0, 240.0])
+def test_a_concurrency_slot_lives_exactly_as_long_as_the_lease_its_run_holds(
+    kit: Harness, grace_seconds: float
+) -> None:
+    # Given a job with a concurrency key that, while it runs, reads its slot's lease and the
+    # lease its claim stored, under a drain whose lease grace is not the default
+    seen: list[tuple[Any, Any]] = []
+
+    def run(payload: Payload, ctx: JobContext) -> JsonValue:
+        with psycopg.connect(kit.database_url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT s.lease_until, c.lease_until FROM flow_concurrency_slots s "
+                "JOIN job_claims c ON c.claim_token = s.token WHERE c.idem_key = %s",
+                (ctx.idem_key,),
+            ).fetchone()
+        seen.append(row if row is not None else (None, None))
+        return {"ok": True}
+
+    kit.registry.job(
+        "test.slot",
+        effect=Effect.EXTERNAL,
+        identity=("id",),
+        concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=1),
+    )(run)
+    (flow,) = flows(kit, kit.registry, 1)
+    kit.publish({"job": "test.slot", "id": 1, "tenant_id": "t1"})
+    try:
+        summary = drain_invocation(
+            DrainRun(
+                queue=kit.client,
+                ledger=kit.ledger,
+                config=DrainConfig(queue=QUEUE, features=[flow], lease_grace_seconds=grace_seconds),
+                time_left_ms=lambda: 60_000,
+                stop_requested=lambda: False,
+            ),
+            kit.registry,
+        )
+    finally:
+        flow.close()
+    # Then the run held a slot whose lease is the claim's own, to the microsecond
+    assert summary.done == 1
+    ((slot_until, claim_until),) = seen
+    assert claim_until is not None
+    assert slot_until == claim_until

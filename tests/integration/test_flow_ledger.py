@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -442,22 +442,29 @@ def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_ur
 # --- Concurrency keys -------------------------------------------------------------------------
 
 
-def _lease(conn: psycopg.Connection[Any], seconds: float) -> datetime:
-    row = conn.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
-    assert row is not None
-    value: datetime = row[0]
-    return value
+def _running_claim(conn: psycopg.Connection[Any], seconds: float) -> tuple[str, uuid.UUID]:
+    """A running claim whose lease ends in ``seconds`` (a slot's holder); its key and token."""
+    token = uuid.uuid4()
+    key = f"report.render:{token}"
+    conn.execute(
+        "INSERT INTO job_claims (idem_key, state, message_id, job, effect, claim_token, "
+        "lease_until) VALUES (%s, 'running', 'm', 'report.render', 'external', %s, "
+        "now() + make_interval(secs => %s))",
+        (key, token, seconds),
+    )
+    return key, token
 
 
 def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     conn: psycopg.Connection[Any],
 ) -> None:
-    lease = _lease(conn, 300)
-    first, second, third = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    runs = {name: _running_claim(conn, 300) for name in ("first", "second", "third", "fourth")}
+    first, second, third = (runs[name][1] for name in ("first", "second", "third"))
+    keys = {token: key for key, token in runs.values()}
 
     def take(token: uuid.UUID, value: str = '["t1"]') -> bool:
         return limits.acquire_concurrency(
-            conn, "report.render", value, 2, holder=str(token), token=token, lease_until=lease
+            conn, "report.render", value, 2, holder=str(token), idem_key=keys[token], token=token
         )
 
     # Given a key value whose two slots are taken
@@ -481,17 +488,14 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     assert not limits.release_concurrency(conn, first)
     # And a released slot is free at once
     assert limits.release_concurrency(conn, second)
-    assert take(uuid.uuid4())
-    # And a lease already over takes nothing
-    late = uuid.uuid4()
+    assert take(runs["fourth"][1])
+    # And a run whose lease is already over, or whose row holds another token, takes nothing
+    late_key, late = _running_claim(conn, -1)
     assert not limits.acquire_concurrency(
-        conn,
-        "report.render",
-        '["t3"]',
-        2,
-        holder="late",
-        token=late,
-        lease_until=_lease(conn, -1),
+        conn, "report.render", '["t3"]', 2, holder="late", idem_key=late_key, token=late
+    )
+    assert not limits.acquire_concurrency(
+        conn, "report.render", '["t3"]', 2, holder="x", idem_key=late_key, token=uuid.uuid4()
     )
 
 
@@ -508,15 +512,15 @@ def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
         ran = 0
         with psycopg.connect(ledger_url, autocommit=True) as conn:
             while ran < rounds:
-                token = uuid.uuid4()
+                key, token = _running_claim(conn, 300)
                 if not limits.acquire_concurrency(
                     conn,
                     "report.render",
                     '["t1"]',
                     max_running,
                     holder=f"drain-{index}",
+                    idem_key=key,
                     token=token,
-                    lease_until=_lease(conn, 300),
                 ):
                     time.sleep(0.001)
                     continue

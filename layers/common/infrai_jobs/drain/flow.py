@@ -31,7 +31,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
-from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -58,7 +57,7 @@ from infrai_jobs.flow.ledger import DeferOutcome, DeferredJob, DeferredWork
 from infrai_jobs.flow.policies import concurrency_value, is_final_error, next_delay
 from infrai_jobs.jobs.policy import JobPolicy, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue
-from infrai_jobs.ledger.claims import JobRun, RunKind, utc_from_epoch
+from infrai_jobs.ledger.claims import JobRun, RunKind
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 
 logger = logging.getLogger(__name__)
@@ -67,9 +66,6 @@ logger = logging.getLogger(__name__)
 CONCURRENCY_RETRY_SECONDS = 1.0
 # A rate-limit wait is taken in the invocation only when this much time is still left after it.
 HANDLER_RESERVE_SECONDS = 2.0
-# A slot taken around a claimed run ends with the claim's lease: the handler's deadline plus
-# the grace an external claim's lease has (DrainConfig.lease_grace_seconds' default).
-CLAIM_LEASE_GRACE_SECONDS = 60.0
 # Deferred jobs taken from the ledger at a time.
 DUE_BATCH = 10
 # A job deferred by a limit, with no retry policy of its own, gets Infrai's three attempts in
@@ -172,7 +168,6 @@ class FlowControl(DrainFeature):
                 policy,
                 attempt.derived.payload,
                 slot_token=attempt.claim_token,
-                slot_until=utc_from_epoch(ctx.deadline + CLAIM_LEASE_GRACE_SECONDS),
             )
         except LedgerError as exc:
             self._drop()
@@ -248,12 +243,11 @@ class FlowControl(DrainFeature):
         payload: Mapping[str, Any],
         *,
         slot_token: uuid.UUID,
-        slot_until: datetime,
     ) -> tuple[bool, float | None, str]:
-        """Take the concurrency slot (held by ``slot_token`` until ``slot_until``: the claim's
-        token and lease, or the deferred job's) and the rate-limit start a run needs: (slot
-        taken, None, "") to run now, or (False, seconds, why) to run that much later. A killed
-        run's slot frees itself when the run's lease ends."""
+        """Take the concurrency slot (held by ``slot_token``: the claim's token, or the
+        deferred run's, for as long as that run's stored lease) and the rate-limit start a run
+        needs: (slot taken, None, "") to run now, or (False, seconds, why) to run that much
+        later. A killed run's slot frees itself when the run's lease ends."""
         slot = False
         if policy.concurrency is not None:
             value = concurrency_value(policy.concurrency, payload)
@@ -263,8 +257,8 @@ class FlowControl(DrainFeature):
                 value,
                 policy.concurrency.max_running,
                 holder=ctx.message_id,
+                idem_key=ctx.idem_key,
                 token=slot_token,
-                lease_until=slot_until,
             )
             if not slot:
                 return (
@@ -386,10 +380,7 @@ class FlowControl(DrainFeature):
             settings=derived.settings,
         )
         try:
-            assert job.lease_until is not None
-            slot, wait, reason = self._gate(
-                conn, ctx, policy, derived.payload, slot_token=token, slot_until=job.lease_until
-            )
+            slot, wait, reason = self._gate(conn, ctx, policy, derived.payload, slot_token=token)
         except InvalidPayload as exc:
             self._fail(conn, job, describe_error(exc), counters)
             return

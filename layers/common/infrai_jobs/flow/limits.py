@@ -10,7 +10,6 @@ value) and end with the run's lease, so a killed run's slot frees itself. Each f
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
 from typing import Any, Final, LiteralString
 
 import psycopg
@@ -58,9 +57,20 @@ _CONCURRENCY_LOCK: LiteralString = (
 )
 
 # Under the key's lock: expired slots go, and a slot is taken when fewer than ``max`` others
-# are live. Taking it again with the same token renews its lease.
+# are live. Its lease is the one its run stored, read here from the run's own row (a claim
+# holding ``token``, or a taken deferred run): never one of its own, so it ends exactly when
+# the run's does. A run whose row no longer holds ``token`` takes nothing. Taking it again with
+# the same token renews it to that lease.
 _ACQUIRE: LiteralString = """
 WITH clock AS (SELECT clock_timestamp() AS now),
+held AS (
+    SELECT coalesce(
+        (SELECT lease_until FROM job_claims
+         WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'),
+        (SELECT lease_until FROM deferred_jobs
+         WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running')
+    ) AS lease_until
+),
 expired AS (
     DELETE FROM flow_concurrency_slots USING clock
     WHERE job = %(job)s AND key_value = %(value)s AND lease_until <= clock.now
@@ -71,8 +81,8 @@ live AS (
       AND token <> %(token)s
 )
 INSERT INTO flow_concurrency_slots (token, job, key_value, holder, lease_until)
-SELECT %(token)s, %(job)s, %(value)s, %(holder)s, %(lease_until)s
-FROM live, clock WHERE live.n < %(max)s AND %(lease_until)s::timestamptz > clock.now
+SELECT %(token)s, %(job)s, %(value)s, %(holder)s, held.lease_until
+FROM live, clock, held WHERE live.n < %(max)s AND held.lease_until > clock.now
 ON CONFLICT (token) DO UPDATE SET lease_until = EXCLUDED.lease_until
 RETURNING token
 """
@@ -110,21 +120,22 @@ def acquire_concurrency(
     max_running: int,
     *,
     holder: str,
+    idem_key: str,
     token: uuid.UUID,
-    lease_until: datetime,
 ) -> bool:
-    """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run holding
-    ``token`` (the claim's), until it is released or ``lease_until`` (the claim's lease)
-    passes; False when all are taken. A slot whose lease ended is free again, so a killed
-    drain's slot never leaks."""
+    """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run of
+    ``idem_key`` holding ``token`` (its claim's token, or its deferred run's), until it is
+    released or the lease that run stored passes; False when all are taken, or when no
+    running row of ``idem_key`` holds ``token``. A slot whose lease ended is free again, so a
+    killed drain's slot never outlives its run."""
     params = {
         "class": CONCURRENCY_LOCK_CLASS,
         "job": job,
         "value": key_value,
         "max": max_running,
         "holder": holder,
+        "key": idem_key,
         "token": token,
-        "lease_until": lease_until,
     }
     with ledger_errors(f"cannot take a concurrency slot of {job!r}"), conn.transaction():
         conn.execute(_CONCURRENCY_LOCK, params)

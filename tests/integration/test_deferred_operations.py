@@ -302,3 +302,36 @@ def test_a_drain_with_a_malformed_job_policies_document_stops_before_anything_ru
     assert "'digest.build'" in finished.stderr
     assert "retry.attempts" in finished.stderr
     assert kit.client.stats(QUEUE).available_count == 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "job", "field"),
+    [
+        (
+            {"retry": {"attempts": 5, "first_delay_seconds": 1e-300, "max_delay_seconds": 1e300}},
+            "digest.build",
+            "retry.first_delay_seconds",
+        ),
+        ({"retry": {"attempts": 5, "max_delay_seconds": 1e300}}, "digest.build", "retry."),
+        ({"retry": {"attempts": 10**12}}, "digest.build", "retry.attempts"),
+        ({"rate": {"per_second": 10**29}}, "receipt.send", "rate.per_second"),
+        ({"concurrency": {"key": ["tenant"], "max_running": 1}}, "digest.build", "'tenant_id'"),
+        ({"concurrency": {"key": ["tenant_id"], "max_running": 10**20}}, "digest.build", "max"),
+    ],
+)
+def test_a_policy_past_what_the_code_or_the_database_holds_stops_the_drain_at_start(
+    kit: Harness, policy: dict[str, Any], job: str, field: str
+) -> None:
+    # Given a job waiting, and a JOB_POLICIES document that parses but that no run could keep
+    kit.publish(_payload("waiting"))
+    document = json.dumps({job: policy})
+    # When the drain starts with it
+    finished = run_cli(kit, "drain", JOB_POLICIES=document)
+    # Then it stops at once in one line naming the job and the field, exit 2, no traceback,
+    # and the message is still in the queue
+    assert finished.returncode == 2, finished.stderr
+    assert len(finished.stderr.strip().splitlines()) == 1, finished.stderr
+    assert "Traceback" not in finished.stderr
+    assert f"'{job}'" in finished.stderr
+    assert field in finished.stderr
+    assert kit.client.stats(QUEUE).available_count == 1

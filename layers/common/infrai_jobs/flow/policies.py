@@ -216,5 +216,22 @@ def policies_in_force(
     for definition in definitions:
         policy = effective_policy(declared_policy(definition), overrides.get(definition.name))
         if not policy.is_empty:
+            check_against_job(definition, policy)
             in_force[definition.name] = policy
     return in_force
+
+
+def check_against_job(definition: JobDefinition, policy: JobPolicy) -> None:
+    """Refuse a policy its job cannot keep: a concurrency key naming a field the job's payload
+    does not declare (when it declares its fields) would fail every run of the job."""
+    declared = [field.name for field in definition.schema.fields]
+    if policy.concurrency is None or not declared:
+        return
+    for name in policy.concurrency.key:
+        if name not in declared:
+            close = difflib.get_close_matches(name, declared, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigurationError(
+                f"job {definition.name!r}: concurrency.key names {name!r}, a field its payload "
+                f"does not declare ({guess}declared: {', '.join(declared)})"
+            )

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
 
+# What a policy's numbers may be: every value between these bounds is one the back-off's
+# floats, the ledger's int columns and its timestamps hold, and no delay is short enough to
+# turn a retry into a busy loop.
+MAX_ATTEMPTS: Final = 1_000
+MIN_DELAY_SECONDS: Final = 0.01
+MAX_DELAY_SECONDS: Final = 30 * 86_400.0  # the ledger's default retention
+MAX_FACTOR: Final = 100.0
+MAX_STARTS_PER_SECOND: Final = 10_000
+MAX_RUNNING: Final = 10_000
 
-def _positive(field: str, value: object, *, whole: bool) -> None:
+
+def _positive(field: str, value: object, *, whole: bool, least: float = 0.0, most: float) -> None:
     # bool is an int to Python, but true is no count in a policy.
     if (
         isinstance(value, bool)
@@ -26,6 +37,9 @@ def _positive(field: str, value: object, *, whole: bool) -> None:
         raise ConfigurationError(f"{field} must be {kind} (got {value!r})")
     if not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{field} must be positive (got {value!r})")
+    if value < least or value > most:
+        low = f"at least {least:g} and " if least else ""
+        raise ConfigurationError(f"{field} must be {low}at most {most:g} (got {value!r})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +57,20 @@ class RetryPolicy:
     final_errors: tuple[type[BaseException] | str, ...] = ()
 
     def __post_init__(self) -> None:
-        _positive("retry.attempts", self.attempts, whole=True)
-        _positive("retry.first_delay_seconds", self.first_delay_seconds, whole=False)
-        _positive("retry.factor", self.factor, whole=False)
+        _positive("retry.attempts", self.attempts, whole=True, most=MAX_ATTEMPTS)
+        for name in ("first_delay_seconds", "max_delay_seconds"):
+            _positive(
+                f"retry.{name}",
+                getattr(self, name),
+                whole=False,
+                least=MIN_DELAY_SECONDS,
+                most=MAX_DELAY_SECONDS,
+            )
+        _positive("retry.factor", self.factor, whole=False, most=MAX_FACTOR)
         if self.factor < 1:
             raise ConfigurationError(
                 f"retry.factor must be at least 1, or delays would shrink (got {self.factor!r})"
             )
-        _positive("retry.max_delay_seconds", self.max_delay_seconds, whole=False)
         if self.max_delay_seconds < self.first_delay_seconds:
             raise ConfigurationError(
                 f"retry.max_delay_seconds ({self.max_delay_seconds!r}) is below "
@@ -78,7 +98,8 @@ class RateLimit:
         given = [name for name in ("per_second", "per_minute") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ConfigurationError("rate needs exactly one of per_second or per_minute")
-        _positive(f"rate.{given[0]}", getattr(self, given[0]), whole=True)
+        most = MAX_STARTS_PER_SECOND * (1 if given[0] == "per_second" else 60)
+        _positive(f"rate.{given[0]}", getattr(self, given[0]), whole=True, most=most)
 
     @property
     def limit(self) -> int:
@@ -105,7 +126,7 @@ class ConcurrencyLimit:
             raise ConfigurationError(
                 f"concurrency.key must list one or more payload field names (got {self.key!r})"
             )
-        _positive("concurrency.max_running", self.max_running, whole=True)
+        _positive("concurrency.max_running", self.max_running, whole=True, most=MAX_RUNNING)
 
 
 @dataclass(frozen=True, slots=True)

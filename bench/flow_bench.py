@@ -60,7 +60,6 @@ from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # n
 from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.ledger.postgres import LedgerConnector  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
-from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
@@ -160,7 +159,6 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         registry,
         policies_in_force(registry, overrides),
         flow_connect,
-        visibility_timeout_seconds=DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         queue=spec["queue"],
     )
     client = InfraiClient(spec["emulator_url"], spec["api_key"])

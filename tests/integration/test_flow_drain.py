@@ -57,7 +57,6 @@ def flow_for(kit: Harness, overrides: str = JOB_POLICIES) -> FlowControl:
         kit.registry,
         parsed,
         lambda: psycopg.connect(kit.database_url, autocommit=True),
-        visibility_timeout_seconds=300,
         queue=QUEUE,
     )
     assert flow is not None
@@ -108,14 +107,18 @@ def run_now(kit: Harness, key: str) -> None:
 
 
 def deferred_after_three_refusals(kit: Harness, flow: FlowControl) -> str:
-    """Publish DIGEST with the digest provider refusing every call and drain it through its
-    three deliveries (the queue's clock moved a visibility timeout between them); its key."""
+    """Publish DIGEST with the digest provider refusing every call: its first delivery is
+    deferred, then run twice more as deferred work (made due as ``claims run-now`` does), so
+    it waits with three failed attempts; its key."""
     sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
     kit.publish(DIGEST)
-    for _ in range(3):
-        drain_with(kit, flow)
-        kit.advance()
-    return kit.registry.derive(DIGEST).idem_key
+    key = kit.registry.derive(DIGEST).idem_key
+    assert drain_with(kit, flow).outcomes == {"deferred": 1}
+    for _ in range(2):
+        run_now(kit, key)
+        assert drain_with(kit, flow).counters["deferred_ran"] == 1
+    assert kit.client.stats(QUEUE).available_count == 0
+    return key
 
 
 def taken_external_run(kit: Harness, number: str, *, began: bool) -> str:
@@ -148,21 +151,22 @@ def test_an_outage_past_three_deliveries_is_deferred_not_dead_lettered(kit: Harn
     kit.publish(DIGEST)
     key = kit.registry.derive(DIGEST).idem_key
     try:
-        # Deliveries 1 and 2 fail and are released: Infrai's redeliveries retry them
-        for _ in range(2):
-            summary = drain_with(kit, flow)
-            assert summary.outcomes == {"retry": 1}, summary.as_dict()
-            kit.advance()
-        # The third fails with no delivery left: the ledger takes the work, the message is acked
+        # The first delivery fails: the ledger takes the work at once and the message is
+        # acked, so no later death can spend the message's last delivery
         summary = drain_with(kit, flow)
         assert summary.outcomes == {"deferred": 1}, summary.as_dict()
         assert summary.acked == 1
         assert summary.deferred == 1
         assert deferred_row(kit, key) == {
             "state": "deferred",
-            "attempts": 3,
+            "attempts": 1,
             "error": "RuntimeError: digest provider answered HTTP 503; will retry",
         }
+        # Failing twice more as deferred work, past the three deliveries the message had
+        for attempt in (2, 3):
+            run_now(kit, key)
+            assert drain_with(kit, flow).counters["deferred_ran"] == 1
+            assert deferred_row(kit, key)["attempts"] == attempt  # type: ignore[index]
         assert kit.client.stats(QUEUE).dlq_count == 0
         assert kit.row(key) is None  # the claim is released: deferred_jobs holds the key
 
@@ -313,7 +317,6 @@ def flows(kit: Harness, registry: JobRegistry, count: int) -> list[FlowControl]:
             registry,
             policies_in_force(registry, {}),  # what the jobs declare in code
             lambda: psycopg.connect(kit.database_url, autocommit=True),
-            visibility_timeout_seconds=300,
             queue=QUEUE,
         )
         assert flow is not None
@@ -393,7 +396,7 @@ def test_jobs_without_a_policy_take_no_flow_control_round_trip(kit: Harness) -> 
             [job.name for job in kit.registry],
         ),
     )
-    flow = flow_control(kit.registry, parsed, refuse, visibility_timeout_seconds=300, queue=QUEUE)
+    flow = flow_control(kit.registry, parsed, refuse, queue=QUEUE)
     assert flow is not None
     kit.publish(DIGEST)
     summary = drain_with(kit, flow)
@@ -435,7 +438,6 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
         registry,
         policies_in_force(registry, parse_job_policies(policies, [job.name for job in registry])),
         lambda: psycopg.connect(database_url, autocommit=True),
-        visibility_timeout_seconds=300,
         queue=QUEUE,
     )
     run = DrainRun(
@@ -690,3 +692,41 @@ def test_a_concurrency_slot_lives_exactly_as_long_as_the_lease_its_run_holds(
     ((slot_until, claim_until),) = seen
     assert claim_until is not None
     assert slot_until == claim_until
+
+
+def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lettered(
+    kit: Harness,
+) -> None:
+    # Given a digest with ten attempts whose provider refuses its first two calls
+    ten = json.dumps({"digest.build": {"retry": {"attempts": 10, "first_delay_seconds": 1}}})
+    flow = flow_for(kit, ten)
+    key = kit.registry.derive(DIGEST).idem_key
+    try:
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+        kit.publish(DIGEST)
+        assert drain_with(kit, flow).outcomes == {"deferred": 1}
+        run_now(kit, key)
+        assert drain_with(kit, flow).counters["deferred_ran"] == 1
+        # When the drain holding its third run is SIGKILLed inside the provider call
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 0.0})
+        run_now(kit, key)
+        run_until_killed(KILL_AFTER_THE_CALL, kit.server.url, kit.database_url, kit.sink.url, ten)
+        # And the queue's clock passes every visibility timeout its message could have had,
+        # while the watcher collects Infrai's DLQ and drains run after the run's lease is over
+        for _ in range(4):
+            kit.advance()
+        kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+        collected = run_cli(kit, "dlq", "--json")
+        assert collected.returncode == 0, collected.stderr
+        summary = drain_with(kit, flow)
+        # Then the digest is built once, and neither Infrai nor the ledger holds a dead letter
+        assert summary.counters["deferred_done"] == 1
+        assert digests_built(kit) == 1
+        assert kit.client.stats(QUEUE).dlq_count == 0
+        assert json.loads(collected.stdout)["messages"] == []
+        assert kit.sql("SELECT count(*) FROM dead_letters") == [(0,)]
+        claim = kit.row(key)
+        assert claim is not None
+        assert claim.state == "done"
+    finally:
+        flow.close()

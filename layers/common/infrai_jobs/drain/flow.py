@@ -8,8 +8,9 @@ trip. Around each handler run of such a job:
 2. its concurrency key takes one of the key's slots, or the job is deferred;
 3. its rate limit records a start, waiting for the window when the wait fits the invocation;
    otherwise the job is deferred;
-4. a transient failure whose next attempt falls beyond the deliveries its message has left is
-   deferred, so an outage longer than Infrai's three deliveries never reaches the DLQ.
+4. a transient failure of a job with a retry policy and attempts left is deferred at once, so
+   an outage longer than Infrai's three deliveries, or a drain killed during a later attempt,
+   never sends a job with attempts left to the DLQ.
 
 A deferral records the work in ``deferred_jobs`` and releases the claim in one transaction,
 fenced by the claim's token; then the message is acked. Around the invocation, the drain takes
@@ -80,7 +81,6 @@ def flow_control(
     policies: Mapping[str, JobPolicy],
     connect: Callable[[], psycopg.Connection[Any]],
     *,
-    visibility_timeout_seconds: int,
     queue: str,
 ) -> FlowControl | None:
     """The feature for ``registry``'s jobs with a policy in force (``policies``: what the code
@@ -102,7 +102,6 @@ def flow_control(
         policies,
         registry,
         connect,
-        visibility_timeout_seconds=visibility_timeout_seconds,
         queue=queue,
     )
 
@@ -119,7 +118,6 @@ class FlowControl(DrainFeature):
         registry: JobRegistry,
         connect: Callable[[], psycopg.Connection[Any]],
         *,
-        visibility_timeout_seconds: int,
         queue: str,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
@@ -127,7 +125,6 @@ class FlowControl(DrainFeature):
         self.policies = dict(policies)
         self._registry = registry
         self._connect = connect
-        self._visibility = float(visibility_timeout_seconds)
         self._queue = queue
         self._clock = clock
         self._sleep = sleep
@@ -223,17 +220,16 @@ class FlowControl(DrainFeature):
 
     # --- deciding -------------------------------------------------------------------------
 
-    def _deferral_delay(self, retry: RetryPolicy, attempts: int) -> float | None:
-        """After ``attempts`` failed runs: the delay before the next one when it must be
-        deferred (no delivery left, or the delay outlasts the ones left), else None (the
-        redelivery retries it, or the policy is out of attempts and the DLQ takes it)."""
+    @staticmethod
+    def _deferral_delay(retry: RetryPolicy, attempts: int) -> float | None:
+        """After ``attempts`` failed runs: the delay before the next one, or None when the
+        policy is out of attempts (the DLQ takes it). The first transient failure is deferred,
+        not left to Infrai's redeliveries: from then on the ledger owns the work, so a drain
+        that dies during a later attempt never spends the message's last delivery (which
+        would dead-letter a job with attempts left)."""
         if attempts >= retry.attempts:
             return None
-        delay = next_delay(retry, attempts)
-        left = MAX_RECEIVE_COUNT - attempts
-        if left > 0 and delay <= left * self._visibility:
-            return None
-        return delay
+        return next_delay(retry, attempts)
 
     def _gate(
         self,

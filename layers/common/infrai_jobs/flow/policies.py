@@ -224,7 +224,8 @@ def policies_in_force(
 def check_against_job(definition: JobDefinition, policy: JobPolicy) -> None:
     """Refuse a policy its job cannot keep: a concurrency key naming a field the job's payload
     does not declare (when it declares its fields) would fail every run of the job."""
-    declared = [field.name for field in definition.schema.fields]
+    # Fields the job's ``fields=`` typed: an identity or required name alone declares nothing.
+    declared = [field.name for field in definition.schema.fields if field.declared_types]
     if policy.concurrency is None or not declared:
         return
     for name in policy.concurrency.key:

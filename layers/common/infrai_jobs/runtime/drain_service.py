@@ -82,7 +82,6 @@ class DrainService:
             registry,
             policies,
             make_connector(resolved, refresh_url=url_hook).connect,
-            visibility_timeout_seconds=resolved.visibility_timeout_seconds,
             queue=resolved.queue,
         )
         return cls(

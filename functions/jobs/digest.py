@@ -63,4 +63,5 @@ def register(registry: JobRegistry) -> None:
         fields={"tenant_id": str, "period": str},
         settings=(DIGEST_PROVIDER_URL,),
         probe=find_digest,
+        prepare=_http.warm,  # ready before a rate-limited start: see jobs._http
     )(build_digest)

@@ -102,4 +102,5 @@ def register(registry: JobRegistry) -> None:
         fields={"invoice_id": (str, int), "email": str},
         settings=(MAIL_PROVIDER_URL,),
         probe=find_receipt,
+        prepare=_http.warm,  # ready before a rate-limited start: see jobs._http
     )(send_receipt)

@@ -7,6 +7,7 @@ it does what an operator's ``claims run-now`` does (``OperatorLedger.run_deferre
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
 import threading
@@ -730,3 +731,73 @@ def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lette
         assert claim.state == "done"
     finally:
         flow.close()
+
+
+def test_a_rate_limit_holds_where_the_provider_counts_the_calls(kit: Harness) -> None:
+    # Given a job limited to 5 starts a second whose "provider" notes when each call arrives
+    arrivals: list[float] = []
+    guard = threading.Lock()
+
+    def call_the_provider(payload: Payload, ctx: JobContext) -> JsonValue:
+        with guard:
+            arrivals.append(time.monotonic())
+        return {"ok": True}
+
+    kit.registry.job(
+        "test.provider", effect=Effect.EXTERNAL, identity=("id",), rate=RateLimit(per_second=5)
+    )(call_the_provider)
+    for n in range(20):
+        kit.publish({"job": "test.provider", "id": n})
+    # When four drains of two lanes each run them at once
+    made = flows(kit, kit.registry, 4)
+    try:
+        drains_until_empty(kit, kit.registry, made, lanes=2)
+    finally:
+        for flow in made:
+            flow.close()
+    # Then every job ran once, and the starts the ledger reserved are 200 ms apart or more
+    assert len(arrivals) == 20
+    starts = [
+        row[0]
+        for row in kit.sql(
+            "SELECT started_at FROM flow_rate_starts WHERE job = 'test.provider' ORDER BY 1"
+        )
+    ]
+    assert min((b - a).total_seconds() for a, b in itertools.pairwise(starts)) >= 0.2
+    # And no window at the provider holds more than 5 calls: each call leaves when its reserved
+    # start comes, so a window of one second less the calls' jitter (allowed: 100 ms, half the
+    # spacing) never holds a sixth
+    arrivals.sort()
+    busiest = max(sum(1 for t in arrivals if a <= t < a + 0.9) for a in arrivals)
+    assert busiest <= 5
+
+
+def test_a_rate_limited_job_is_prepared_once_before_its_first_start_is_reserved(
+    kit: Harness,
+) -> None:
+    # Given a rate-limited job whose client takes a while to build (prepare)
+    seen_starts: list[int] = []
+
+    def prepare() -> None:
+        ((reserved,),) = kit.sql("SELECT count(*) FROM flow_rate_starts")
+        seen_starts.append(int(reserved))
+        time.sleep(0.3)
+
+    kit.registry.job(
+        "test.prepared",
+        effect=Effect.EXTERNAL,
+        identity=("id",),
+        rate=RateLimit(per_second=50),
+        prepare=prepare,
+    )(lambda payload, ctx: {"ok": True})
+    for n in range(3):
+        kit.publish({"job": "test.prepared", "id": n})
+    # When a drain runs the jobs
+    (flow,) = flows(kit, kit.registry, 1)
+    try:
+        summary = drain_with(kit, flow)
+    finally:
+        flow.close()
+    # Then it was prepared once, before any start was reserved, and all three ran
+    assert summary.done == 3
+    assert seen_starts == [0]

@@ -3,6 +3,7 @@ drains, rate limits on the database's clock, concurrency slots that cannot leak.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -390,17 +391,28 @@ def test_the_backlog_and_its_oldest_age(
 # --- Rate limits ------------------------------------------------------------------------------
 
 
-def test_a_start_over_the_limit_is_told_how_long_to_wait(conn: psycopg.Connection[Any]) -> None:
-    limit = RateLimit(per_minute=3)
-    # Given three starts in the minute
-    assert [limits.try_start_rate(conn, "report.render", limit) for _ in range(3)] == [0.0] * 3
-    # When a fourth asks
-    wait = limits.try_start_rate(conn, "report.render", limit)
-    # Then it must wait until the first leaves the window, and nothing was recorded for it
-    assert 0 < wait <= 60
-    assert conn.execute("SELECT count(*) FROM flow_rate_starts").fetchone() == (3,)
+def test_a_start_is_reserved_a_spacing_after_the_last_or_refused_past_the_wait_allowed(
+    conn: psycopg.Connection[Any],
+) -> None:
+    limit = RateLimit(per_minute=3)  # one start every 20 s
+    # Given a first start, reserved for now
+    assert limits.reserve_start(conn, "report.render", limit, max_wait=0) == (True, 0.0)
+    # When a second asks with a minute to spare, and a third with only 10 s
+    second = limits.reserve_start(conn, "report.render", limit, max_wait=60)
+    third = limits.reserve_start(conn, "report.render", limit, max_wait=10)
+    # Then the second is reserved 20 s after the first; the third, which would wait 40 s, is
+    # refused with that wait, and nothing was recorded for it
+    assert second[0]
+    assert 19 < second[1] <= 20
+    assert not third[0]
+    assert 39 < third[1] <= 40
+    rows = conn.execute(
+        "SELECT started_at FROM flow_rate_starts WHERE job = 'report.render' ORDER BY started_at"
+    ).fetchall()
+    assert len(rows) == 2
+    assert (rows[1][0] - rows[0][0]).total_seconds() == 20
     # And another job's limit is its own
-    assert limits.try_start_rate(conn, "other.job", limit) == 0.0
+    assert limits.reserve_start(conn, "other.job", limit, max_wait=0) == (True, 0.0)
 
 
 def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_url: str) -> None:
@@ -412,12 +424,13 @@ def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_ur
         started = refused = 0
         with psycopg.connect(ledger_url, autocommit=True) as conn:
             while started < starts_each:
-                wait = limits.try_start_rate(conn, "report.render", limit)
-                if wait:
+                reserved, wait = limits.reserve_start(conn, "report.render", limit, max_wait=0.5)
+                if not reserved:
                     refused += 1
                     time.sleep(wait)
-                else:
-                    started += 1
+                    continue
+                time.sleep(wait)
+                started += 1
         return refused
 
     _in_threads(4, drain)
@@ -437,6 +450,9 @@ def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_ur
         for start in starts
     )
     assert busiest <= limit.limit
+    # And every two starts are at least the limit's spacing apart, on the database's clock
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(starts)]
+    assert min(gaps) >= limit.spacing_seconds
 
 
 # --- Concurrency keys -------------------------------------------------------------------------

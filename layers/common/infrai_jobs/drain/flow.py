@@ -57,7 +57,7 @@ from infrai_jobs.flow import limits as flow_limits
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredJob, DeferredWork
 from infrai_jobs.flow.policies import concurrency_value, is_final_error, next_delay
 from infrai_jobs.jobs.policy import JobPolicy, RetryPolicy
-from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue
+from infrai_jobs.jobs.registry import Effect, JobContext, JobDefinition, JobRegistry, JsonValue
 from infrai_jobs.ledger.claims import JobRun, RunKind
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 
@@ -132,6 +132,7 @@ class FlowControl(DrainFeature):
         self._lock = threading.Lock()
         self._opened: list[psycopg.Connection[Any]] = []
         self._counters: Counter[str] = Counter()
+        self._prepared: set[str] = set()
 
     # --- the hooks ------------------------------------------------------------------------
 
@@ -151,6 +152,10 @@ class FlowControl(DrainFeature):
         if policy is None:
             return run()
         ctx = attempt.ctx
+        try:
+            self._prepare(attempt.derived.definition, policy)
+        except Exception as exc:  # noqa: BLE001 - a job's own set-up failing is its transient failure
+            return JobRun(RunKind.TRANSIENT, error=f"prepare: {describe_error(exc)}")
         try:
             conn = self._conn()
             held = flow_ledger.holding(conn, [ctx.idem_key])
@@ -220,6 +225,16 @@ class FlowControl(DrainFeature):
 
     # --- deciding -------------------------------------------------------------------------
 
+    def _prepare(self, definition: JobDefinition, policy: JobPolicy) -> None:
+        """Ready a rate-limited job's client once, before its first start is reserved."""
+        if policy.rate is None or definition.prepare is None:
+            return
+        with self._lock:
+            if definition.name in self._prepared:
+                return
+            definition.prepare()
+            self._prepared.add(definition.name)
+
     @staticmethod
     def _deferral_delay(retry: RetryPolicy, attempts: int) -> float | None:
         """After ``attempts`` failed runs: the delay before the next one, or None when the
@@ -263,11 +278,14 @@ class FlowControl(DrainFeature):
                     f"concurrency key {value} has {policy.concurrency.max_running} running",
                 )
         if policy.rate is not None:
-            while (wait := flow_limits.try_start_rate(conn, ctx.job, policy.rate)) > 0:
-                if self._clock() + wait + HANDLER_RESERVE_SECONDS > ctx.deadline:
-                    if slot:
-                        flow_limits.release_concurrency(conn, slot_token)
-                    return False, wait, f"rate limit of {policy.rate.limit} starts reached"
+            fits = ctx.deadline - HANDLER_RESERVE_SECONDS - self._clock()
+            reserved, wait = flow_limits.reserve_start(conn, ctx.job, policy.rate, max_wait=fits)
+            if not reserved:
+                if slot:
+                    flow_limits.release_concurrency(conn, slot_token)
+                return False, wait, f"rate limit of {policy.rate.limit} starts reached"
+            if wait > 0:
+                # Its start is reserved: the call leaves when it comes, not before.
                 with self._lock:
                     self._counters["rate_limit_waits"] += 1
                 self._sleep(wait)
@@ -375,6 +393,18 @@ class FlowControl(DrainFeature):
             deadline=self._clock() + run.config.batch_budget_ms / 1000,
             settings=derived.settings,
         )
+        try:
+            self._prepare(derived.definition, policy)
+        except Exception as exc:  # noqa: BLE001 - a job's own set-up failing is its transient failure
+            flow_ledger.postpone(
+                conn,
+                job.idem_key,
+                token,
+                error=f"prepare: {describe_error(exc)}",
+                delay_seconds=CONCURRENCY_RETRY_SECONDS,
+                ran=False,
+            )
+            return
         try:
             slot, wait, reason = self._gate(conn, ctx, policy, derived.payload, slot_token=token)
         except InvalidPayload as exc:

@@ -1,9 +1,11 @@
 """Rate limits and concurrency keys in the ledger's database, on its clock.
 
-A job's rate-limit starts are counted and recorded under a transaction-scoped advisory lock for
-that job, so no window of the limit's length holds more than its number of starts, whichever
-drain started them. A concurrency key's slots are taken under an advisory lock per (job, key
-value) and end with the run's lease, so a killed run's slot frees itself. Each function runs in
+A job's rate-limit starts are reserved under a transaction-scoped advisory lock for that job,
+each at least the limit's spacing after the last (a generic cell rate algorithm with no
+burst), so no window of the limit's length holds more than its number of starts, whichever
+drain started them, and the calls a provider receives keep that spacing. A concurrency key's
+slots are taken under an advisory lock per (job, key value) and end with the lease its run
+stored, so a killed run's slot frees itself. Each function runs in
 ``conn.transaction()`` of its own (a savepoint inside the caller's transaction).
 """
 
@@ -25,31 +27,35 @@ RATE_STARTS_KEPT_SECONDS: Final = 300.0
 
 _RATE_LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(class)s, hashtext(%(job)s))"
 
-# Under the job's lock: the most recent starts inside the window (at most ``limit`` of them);
-# fewer than ``limit`` lets this start through, recorded at the clock read after the lock, else
-# the wait is until the oldest of them leaves the window. Old starts are pruned on the way.
-_RATE_START: LiteralString = """
+# Under the job's lock, a start is reserved for the run asking: the later of now and the last
+# reserved start plus the spacing (the limit's window over its number: 200 ms for 5 a second),
+# read on the clock after the lock. Starts are spaced, never counted in a window: a window
+# count lets a burst of N through at its start and N more at the next, which a provider sees
+# as up to 2N in one second once calls leave with a little jitter. A reservation later than
+# ``max_wait`` seconds from now is not made (the caller defers the run instead). Old starts
+# are pruned on the way.
+_RATE_RESERVE: LiteralString = """
 WITH clock AS (SELECT clock_timestamp() AS now),
-recent AS (
-    SELECT started_at FROM flow_rate_starts, clock
-    WHERE job = %(job)s AND started_at > clock.now - make_interval(secs => %(window)s)
-    ORDER BY started_at DESC
-    LIMIT %(limit)s
+slot AS (
+    SELECT greatest(
+        clock.now,
+        (SELECT max(started_at) FROM flow_rate_starts WHERE job = %(job)s)
+            + make_interval(secs => %(spacing)s)
+    ) AS at
+    FROM clock
 ),
-verdict AS (SELECT count(*) AS n, min(started_at) AS oldest FROM recent),
 started AS (
     INSERT INTO flow_rate_starts (job, started_at)
-    SELECT %(job)s, clock.now FROM clock, verdict WHERE verdict.n < %(limit)s
+    SELECT %(job)s, slot.at FROM slot, clock
+    WHERE slot.at <= clock.now + make_interval(secs => %(max_wait)s)
     RETURNING id
 ),
 pruned AS (
     DELETE FROM flow_rate_starts USING clock
     WHERE job = %(job)s AND started_at < clock.now - make_interval(secs => %(kept)s)
 )
-SELECT verdict.n < %(limit)s,
-       coalesce(extract(epoch FROM verdict.oldest + make_interval(secs => %(window)s)
-                               - clock.now)::float8, 0)
-FROM clock, verdict
+SELECT EXISTS (SELECT 1 FROM started), extract(epoch FROM slot.at - clock.now)::float8
+FROM slot, clock
 """
 
 _CONCURRENCY_LOCK: LiteralString = (
@@ -90,27 +96,29 @@ RETURNING token
 _RELEASE_SLOT: LiteralString = "DELETE FROM flow_concurrency_slots WHERE token = %(token)s"
 
 
-def try_start_rate(conn: psycopg.Connection[Any], job: str, limit: RateLimit) -> float:
-    """Record one start of ``job`` if ``limit`` allows it now and return 0; else record
-    nothing and return the seconds until it may (ask again then). The count and the start are
-    made under the job's lock, so across every drain no window of the limit's length holds
-    more than its number of starts. Call it in a short transaction of its own: the lock is
-    held until that transaction ends."""
+def reserve_start(
+    conn: psycopg.Connection[Any], job: str, limit: RateLimit, *, max_wait: float
+) -> tuple[bool, float]:
+    """Reserve the next start of ``job`` that ``limit`` allows: (True, seconds to wait until
+    it, 0 for now) when that is at most ``max_wait`` seconds away, else (False, seconds until
+    the next free start) with nothing reserved. Starts are spaced ``limit.spacing_seconds``
+    apart across every drain: call the provider when the wait is over, not before. Call it in a
+    short transaction of its own: the job's lock is held until that transaction ends."""
     params = {
         "class": RATE_LOCK_CLASS,
         "job": job,
-        "limit": limit.limit,
-        "window": limit.window_seconds,
+        "spacing": limit.spacing_seconds,
+        "max_wait": max(float(max_wait), 0.0),
         "kept": limit.window_seconds + RATE_STARTS_KEPT_SECONDS,
     }
     with ledger_errors(f"cannot apply the rate limit of {job!r}"), conn.transaction():
         conn.execute(_RATE_LOCK, params)
-        row = conn.execute(_RATE_START, params).fetchone()
+        row = conn.execute(_RATE_RESERVE, params).fetchone()
     if row is None:  # pragma: no cover - the statement always answers one row
-        return 0.0
-    started, wait = row
+        return True, 0.0
+    reserved, wait = row
     # Microseconds are the clock's grain: a refused start always has a wait, however short.
-    return 0.0 if started else max(float(wait), 1e-6)
+    return bool(reserved), max(float(wait), 0.0) if reserved else max(float(wait), 1e-6)
 
 
 def acquire_concurrency(

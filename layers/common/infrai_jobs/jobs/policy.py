@@ -109,6 +109,11 @@ class RateLimit:
     def window_seconds(self) -> float:
         return 1.0 if self.per_second is not None else 60.0
 
+    @property
+    def spacing_seconds(self) -> float:
+        """How far apart two starts are at least: the window over the limit."""
+        return self.window_seconds / self.limit
+
 
 @dataclass(frozen=True, slots=True)
 class ConcurrencyLimit:

@@ -113,6 +113,10 @@ class JobDefinition:
     retry: RetryPolicy | None = None
     rate: RateLimit | None = None
     concurrency: ConcurrencyLimit | None = None
+    # Called once per process before the job's first rate-limited start (build its HTTP pool,
+    # import its client): a reserved start is the moment the call should leave, so nothing
+    # slow may stand between the two.
+    prepare: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +152,10 @@ class JobRegistry:
                 "(Effect.EXTERNAL or Effect.EXTERNAL_IDEMPOTENT); a database job's claim "
                 "commits with its effect, so it is never stuck"
             )
+        if definition.prepare is not None and not callable(definition.prepare):
+            raise ConfigurationError(
+                f"job {definition.name!r}: prepare must be a function of no arguments"
+            )
         if definition.probe is not None and not callable(definition.probe):
             raise ConfigurationError(
                 f"job {definition.name!r}: probe must be a function of (payload, ctx)"
@@ -178,11 +186,13 @@ class JobRegistry:
         retry: RetryPolicy | None = None,
         rate: RateLimit | None = None,
         concurrency: ConcurrencyLimit | None = None,
+        prepare: Callable[[], object] | None = None,
     ) -> Callable[[Handler], Handler]:
         """Decorator form of ``register``. ``fields`` declares the payload's schema (see
         ``infrai_jobs.jobs.payload_schema``); identity fields are always required; ``probe`` asks
         the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``);
-        ``retry``, ``rate`` and ``concurrency`` declare its flow (``infrai_jobs.jobs.policy``)."""
+        ``retry``, ``rate`` and ``concurrency`` declare its flow (``infrai_jobs.jobs.policy``);
+        ``prepare`` readies its client before a rate-limited start (see ``JobDefinition``)."""
 
         for label, names in (
             ("identity", identity),
@@ -210,6 +220,7 @@ class JobRegistry:
                     retry=retry,
                     rate=rate,
                     concurrency=concurrency,
+                    prepare=prepare,
                 )
             )
             return handler

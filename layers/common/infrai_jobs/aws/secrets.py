@@ -21,13 +21,12 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
 
+from infrai_jobs.config.redis_url import check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
     AnySettings,
     JobSettings,
-    check_redis_url,
-    redis_lacks_auth,
 )
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import malformed_reason, parse_conninfo

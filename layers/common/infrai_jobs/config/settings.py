@@ -23,15 +23,15 @@ Whether ``DATABASE_URL`` is well formed is checked where the ledger's connector 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Self, TypeVar
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
+from infrai_jobs.config.redis_url import check_redis_url, is_loopback_host, redis_lacks_auth
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
@@ -433,7 +433,6 @@ def _required(value: str, variable: str, how: str) -> str:
     return value
 
 
-_LOOPBACK_NAMES = ("localhost",)
 ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
 _logger = logging.getLogger(__name__)
 
@@ -470,23 +469,10 @@ def is_plain_http_off_loopback(url: str) -> bool:
     return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
 
 
-def is_loopback_host(host: str) -> bool:
-    """``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def raw_database_url(environ: Mapping[str, str] | None = None) -> str:
     """DATABASE_URL as the environment holds it, unchecked: for redacting it out of an error
     raised before (or while) the settings were read."""
     return (os.environ if environ is None else environ).get("DATABASE_URL", "")
-
-
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def _backend(env: Mapping[str, str]) -> IdempotencyBackend:
@@ -519,59 +505,6 @@ def _check_second_layer(settings: JobSettings) -> None:
             "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
             "the secret only"
         )
-
-
-def check_redis_url(name: str, url: str) -> None:
-    """A Redis/Valkey URL: ``rediss://`` (TLS, the server's certificate and host name
-    verified), or ``redis://`` to a loopback host, or a ``unix://`` socket. A query parameter
-    that would weaken the certificate check (``ssl_cert_reqs=none``, ...) is refused: nothing
-    this package talks to needs it. The URL may hold a password, so the error names ``name``
-    and the host, never the value."""
-    if not url.startswith(_REDIS_SCHEMES):
-        raise ConfigurationError(f"{name} must start with redis://, rediss:// or unix://")
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-    except ValueError:
-        raise ConfigurationError(f"{name} is not a valid URL") from None
-    if url.startswith("redis://") and not is_loopback_host(host):
-        raise ConfigurationError(
-            f"{name} uses redis:// (plain text) to {host or 'no host'}: use rediss:// for any "
-            "host that is not loopback, so the password and the records travel encrypted"
-        )
-    for parameter, values in parse_qs(parts.query, keep_blank_values=True).items():
-        weakened = parameter.lower() in _REDIS_TLS_WEAKENERS and any(
-            not _REDIS_TLS_WEAKENERS[parameter.lower()](value) for value in values
-        )
-        if weakened:
-            raise ConfigurationError(
-                f"{name} sets {parameter}={values[0]}, which weakens the TLS check of the "
-                f"server at {host or 'its socket'}: remove it (the certificate and the host "
-                "name are always verified)"
-            )
-
-
-# The query parameters of a Redis URL (as redis-py reads them) that can turn a TLS check off,
-# each with the values that keep it on.
-_REDIS_FALSE_WORDS = frozenset({"", "0", "F", "FALSE", "N", "NO", "OFF"})
-_REDIS_TLS_WEAKENERS: dict[str, Callable[[str], bool]] = {
-    "ssl_cert_reqs": lambda value: value.strip().lower() == "required",
-    "ssl_check_hostname": lambda value: value.strip().upper() not in _REDIS_FALSE_WORDS,
-    "ssl_exclude_verify_flags": lambda value: False,
-}
-
-
-def redis_lacks_auth(url: str) -> bool:
-    """Whether a Redis URL to a host off loopback carries no password: the server then lets
-    anyone who reaches it read and write the second layer's records."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-    except ValueError:
-        return False
-    if url.startswith("unix://") or is_loopback_host(host):
-        return False
-    return not parts.password
 
 
 def has_credentials(url: str) -> bool:

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Generic
 from urllib.parse import urlsplit
 
 from infrai_jobs.aws.secrets import SecretRefresh, SecretSource
+from infrai_jobs.config.redis_url import is_loopback_host
 from infrai_jobs.config.settings import (
     AlertSettings,
     AnySettings,
     CommonSettings,
     DrainSettings,
     JobSettings,
-    is_loopback_host,
 )
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError

@@ -110,7 +110,21 @@ $(SAM_STAMP):
 
 tools: $(SAM_STAMP) $(CHECKOV_STAMP)
 
-build: $(SAM_STAMP)
+# A build is what `sam deploy` ships: with DatabaseSslMode verify-full or verify-ca (as
+# `sam deploy --config-env $(CONFIG_ENV)` would take it from samconfig.toml and the template),
+# the CA bundle DatabaseCaBundle names must be in functions/, or the functions could never
+# connect to their ledger; the build stops first with one line saying where to get it.
+# CA_BUNDLE_CHECK=off for a build that is never deployed (CI checks the layer on a clean clone).
+CONFIG_ENV ?= default
+CA_BUNDLE_CHECK ?= on
+.PHONY: ca-bundle-check
+ca-bundle-check: $(STAMP)
+	@if [[ "$(CA_BUNDLE_CHECK)" != "off" ]]; then \
+		$(BIN)/python -m infrai_local.ca_bundle_check --config-env "$(CONFIG_ENV)"; \
+	fi
+
+# The check comes first, before the SAM CLI is installed or anything is built.
+build: ca-bundle-check $(SAM_STAMP)
 	@if [[ " $(SAM_BUILD_FLAGS) " == *" --use-container "* ]]; then \
 		echo "sam build $(SAM_BUILD_FLAGS) (in Lambda's build image)"; \
 		$(SAM) build $(SAM_BUILD_FLAGS); \

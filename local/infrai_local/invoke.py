@@ -532,10 +532,31 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+# Shown by --help; docs/development.md ("Where it differs from sam local invoke") says the same.
+PARITY_GAPS = """\
+where it differs from sam local invoke:
+  - AWS credentials: it forwards AWS_PROFILE and the config and credentials files, and the
+    function's SDK resolves the profile; SAM resolves the profile itself and passes only
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN.
+  - Lambda's own variables: it sets AWS_LAMBDA_FUNCTION_NAME (the logical id), _MEMORY_SIZE,
+    _TIMEOUT, _VERSION, AWS_REGION and AWS_SAM_LOCAL; not AWS_LAMBDA_LOG_GROUP_NAME,
+    AWS_LAMBDA_LOG_STREAM_NAME or AWS_ACCOUNT_ID, which SAM sets.
+  - The env-vars file's "Parameters" section: SAM sets those environment variables in every
+    function; here its entries also count as template parameter values, so a name that is
+    a parameter (QueueName=...) changes every variable that refers to it.
+  - A variable the template and --env-vars leave empty is taken from this shell; SAM never
+    reads the shell into the function.
+  - The handler runs on this machine's Python with the virtualenv's packages, not python3.13
+    on arm64 in Lambda's image.
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="infrai-jobs invoke",
         description="Invoke a function of template.yaml locally, as `sam local invoke` would.",
+        epilog=PARITY_GAPS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("function", help="the function's logical id, e.g. DrainFunction")
     parser.add_argument("--event", "-e", required=True, type=Path, help="event JSON file")

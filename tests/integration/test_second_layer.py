@@ -26,7 +26,7 @@ import pytest
 import redis
 import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
-from drainkit import QUEUE, Harness
+from drainkit import API_KEY, QUEUE, Harness
 from moto import mock_aws
 
 from infrai_jobs.aws.second_layer import (
@@ -36,18 +36,18 @@ from infrai_jobs.aws.second_layer import (
     record_expiry_seconds,
     redis_store,
 )
-from infrai_jobs.config.settings import DrainSettings
+from infrai_jobs.config.settings import AlertSettings, DrainSettings
 from infrai_jobs.drain.features import SecondLayerFeature
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
-from infrai_jobs.errors import ConfigurationError, EffectUncertain
+from infrai_jobs.errors import ConfigurationError, EffectUncertain, SecondLayerUnavailable
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService
-from infrai_jobs.runtime.factory import make_effect_guard
+from infrai_jobs.runtime.factory import make_alert_check, make_effect_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
@@ -347,6 +347,89 @@ def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
     kit.advance()
     assert kit.drain(features=backend.features).outcomes == {"done": 1}
     assert kit.sink.state.snapshot()["mails"] == {"inv_503": 1}
+
+
+class PrintlessAlerter:
+    """Keeps what the watcher would page, instead of sending it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+
+    def send(self, subject: str, message: str) -> None:
+        self.sent.append((subject, message))
+
+
+def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_again(
+    kit: Harness, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the drain's second layer on DynamoDB (the table as the template creates it)
+    fake_aws_credentials(monkeypatch)
+    with mock_aws():
+        client = boto3.client("dynamodb")
+        create_table_as_the_template_does(client, TABLE)
+        guard = SecondLayer(dynamodb_store(TABLE, client=client), expires_after_seconds=EXPIRY)
+        guard.register_lambda_context(FakeLambdaContext())
+        features = (SecondLayerFeature(guard),)
+        # ... and a receipt whose provider answered 503 without sending: uncertain, stored so
+        control = urllib3.PoolManager()
+        faults = f"{kit.sink.url}/_sink/faults"
+        control.request("POST", faults, json={"fail_rate": 1.0})
+        kit.publish({"job": "receipt.send", "invoice_id": "inv_w503", "email": "ada@example.com"})
+        assert kit.drain(features=features).outcomes == {"stuck": 1}
+        control.request("POST", faults, json={})
+        kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
+
+        # When the watcher's check runs, built as DlqAlertFunction builds it from the
+        # environment the template gives it
+        settings = AlertSettings.from_env(
+            {
+                "INFRAI_BASE_URL": kit.server.url,
+                "INFRAI_API_KEY": API_KEY,
+                "DATABASE_URL": database_url,
+                "IDEMPOTENCY_BACKEND": "dynamodb",
+                "IDEMPOTENCY_TABLE": TABLE,
+                "MAIL_PROVIDER_URL": kit.sink.url,
+            },
+            job_settings=kit.registry.probe_settings(),
+        )
+        report = make_alert_check(settings, PrintlessAlerter(), registry=kit.registry).run([QUEUE])
+
+        # Then its probe's "not done" released the claim and dropped the record, so the next
+        # delivery sends the receipt once instead of being parked stuck again
+        assert report.reconciled is not None
+        assert [(o.answer, o.action) for o in report.reconciled.outcomes] == [
+            ("not_done", "released")
+        ]
+        kit.advance()
+        assert kit.drain(features=features).outcomes == {"done": 1}
+        assert kit.sink.state.snapshot()["mails"] == {"inv_w503": 1}
+
+
+def test_a_reconcile_that_cannot_drop_the_record_leaves_the_claim_stuck(
+    kit: Harness, backend: Backend, database_url: str
+) -> None:
+    # Given an uncertain receipt, stored as such, whose lease is over
+    control = urllib3.PoolManager()
+    faults = f"{kit.sink.url}/_sink/faults"
+    control.request("POST", faults, json={"fail_rate": 1.0})
+    kit.publish({"job": "receipt.send", "invoice_id": "inv_s503", "email": "ada@example.com"})
+    assert kit.drain(features=backend.features).outcomes == {"stuck": 1}
+    control.request("POST", faults, json={})
+    kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
+
+    # When a reconcile pass hears "not done" but the store cannot be reached
+    def unreachable(key: str) -> None:
+        raise SecondLayerUnavailable(f"second layer: could not forget {key}: store down")
+
+    reconciler = Reconciler(ClaimsAdmin(database_url), kit.registry, actor="w", forget=unreachable)
+    report = reconciler.run_all(threshold_seconds=900)
+
+    # Then the claim is not released in the ledger alone: it stays running, still stuck
+    assert [(o.answer, o.action) for o in report.outcomes] == [("not_done", "unchanged")]
+    assert len(report.still_stuck()) == 1
+    row = kit.row("receipt.send:inv_s503")
+    assert row is not None
+    assert row.state == "running"
 
 
 # --- What it costs ----------------------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""checkov on template.yaml: no failed check, and every skip says why, offline.
+"""checkov on template.yaml, over every parameter set it offers: no failed check, and every
+skip says why, offline.
+
+A Condition that checkov cannot decide (an ``Fn::If`` on a parameter) would let a check pass on
+the branch the default deployment never takes, so each parameter set (``parameter_sets``) is
+rendered into a template of its own, its Conditions decided, and one checkov process scans the
+folder of them.
 
 checkov pins boto3 and packaging below this project's pins, so it lives in its own virtualenv
 (``make checkov``, version in the Makefile), run here as a subprocess. It must never reach the
@@ -22,7 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from test_template import TEMPLATE, load_template  # noqa: E402
+from parameter_sets import PARAMETER_SETS, Rendering  # noqa: E402
+from test_template import load_template  # noqa: E402
 
 CHECKOV = ROOT / ".tools" / "checkov" / "bin" / "checkov"
 # What checkov reports for a skip written without a comment.
@@ -75,11 +82,17 @@ def checkov_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "NETWORK_LOG": str(network_log),
         "NETWORK_GUARD_LOADED": str(guard / "loaded"),
     }
+    rendered = tmp_path_factory.mktemp("parameter-sets")
+    template = load_template()
+    renderings = {}
+    for name, overrides in PARAMETER_SETS.items():
+        renderings[name] = Rendering(template, overrides).template
+        (rendered / f"{name}.json").write_text(json.dumps(renderings[name], indent=1))
     completed = subprocess.run(
         [
             str(CHECKOV),
-            "--file",
-            str(TEMPLATE),
+            "--directory",
+            str(rendered),
             "--framework",
             "cloudformation",
             "--skip-download",
@@ -97,6 +110,7 @@ def checkov_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     report = json.loads(completed.stdout)
     return {
         "report": report[0] if isinstance(report, list) else report,
+        "renderings": renderings,
         "returncode": completed.returncode,
         "stderr": completed.stderr,
         "network": network_log.read_text() if network_log.exists() else "",
@@ -110,15 +124,20 @@ def test_checkov_finds_no_failed_check_in_the_template(checkov_run: dict[str, An
     summary = report["summary"]
     # Then it parsed the template and looked at its resources
     assert summary["parsing_errors"] == 0, checkov_run["stderr"]
-    assert summary["resource_count"] >= len(load_template()["Resources"])
+    renderings = checkov_run["renderings"]
+    assert summary["resource_count"] >= sum(len(r["Resources"]) for r in renderings.values())
     assert summary["passed"] > 0
+    # And it scanned every parameter set
+    scanned = {_set_of(c) for c in report["results"]["passed_checks"]}
+    assert scanned == set(PARAMETER_SETS)
     # And it is the version the Makefile pins
     pinned = re.search(r"^CHECKOV_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
     assert pinned, "the Makefile pins no CHECKOV_VERSION"
     assert summary["checkov_version"] == pinned.group(1)
     # And no check failed
     failed = [
-        (c["check_id"], c["resource"], c["check_name"]) for c in report["results"]["failed_checks"]
+        (_set_of(c), c["check_id"], c["resource"], c["check_name"])
+        for c in report["results"]["failed_checks"]
     ]
     assert failed == []
     assert summary["failed"] == 0
@@ -128,25 +147,53 @@ def test_checkov_finds_no_failed_check_in_the_template(checkov_run: dict[str, An
 def test_every_skip_is_declared_in_the_template_with_its_reason(
     checkov_run: dict[str, Any],
 ) -> None:
-    # Given the skips checkov applied, and the ones the template declares in its Metadata
-    applied = {
-        (c["resource"].split(".", 1)[1], c["check_id"]): c["check_result"]["suppress_comment"]
-        for c in checkov_run["report"]["results"].get("skipped_checks", [])
-    }
+    # Given the skips checkov applied in each parameter set, and the ones the template declares
+    # in its Metadata
+    applied: dict[str, dict[tuple[str, str], str]] = {name: {} for name in PARAMETER_SETS}
+    for c in checkov_run["report"]["results"].get("skipped_checks", []):
+        key = (c["resource"].split(".", 1)[1], c["check_id"])
+        applied[_set_of(c)][key] = c["check_result"]["suppress_comment"]
     declared = {
         (name, skip.get("id")): skip.get("comment")
         for name, resource in load_template()["Resources"].items()
         for skip in resource.get("Metadata", {}).get("checkov", {}).get("skip", [])
     }
-    # Then checkov skipped exactly what the Metadata declares (no inline or unknown skip)
     assert declared
-    assert set(applied) == set(declared)
-    assert checkov_run["report"]["summary"]["skipped"] == len(declared)
-    # And each skip gives a reason of its own, not checkov's placeholder
-    for key, comment in applied.items():
-        assert comment, key
-        assert comment.strip() not in ("", NO_COMMENT), key
-        assert comment == declared[key], key
+    for parameter_set, rendering in checkov_run["renderings"].items():
+        # Then in each set checkov skipped exactly what the Metadata of the resources that set
+        # deploys declares (no inline or unknown skip)
+        deployed = {key: why for key, why in declared.items() if key[0] in rendering["Resources"]}
+        assert set(applied[parameter_set]) == set(deployed), parameter_set
+        # And each skip gives a reason of its own, not checkov's placeholder
+        for key, comment in applied[parameter_set].items():
+            assert comment, (parameter_set, key)
+            assert comment.strip() not in ("", NO_COMMENT), (parameter_set, key)
+            assert comment == declared[key], (parameter_set, key)
+    assert checkov_run["report"]["summary"]["skipped"] == sum(map(len, applied.values()))
+
+
+def test_the_parameter_sets_cover_each_switch_both_ways() -> None:
+    # Given the parameter sets checkov scans, rendered
+    template = load_template()
+    renderings = [Rendering(template, overrides) for overrides in PARAMETER_SETS.values()]
+    # Then every Condition of the template holds in one set and fails in another
+    for condition in template["Conditions"]:
+        assert {r.condition(condition) for r in renderings} == {True, False}, condition
+    # And every backend of the second layer is crossed with a VPC, tracing and an alert e-mail
+    switches = ("InVpc", "TracingEnabled", "HasAlertEmail")
+    crossed = {
+        (r.values["IdempotencyBackend"], *(r.condition(c) for c in switches)) for r in renderings
+    }
+    assert len(crossed) == 3 * 2 * 2 * 2
+    # And a rendering holds no Condition left to decide
+    for rendering in renderings:
+        assert '"Fn::If"' not in json.dumps(rendering.template)
+        assert not [n for n, r in rendering.template["Resources"].items() if "Condition" in r]
+
+
+def _set_of(check: dict[str, Any]) -> str:
+    """The parameter set a checkov result belongs to: its rendered file's name."""
+    return Path(check["file_path"]).stem
 
 
 def test_checkov_never_tried_the_network(checkov_run: dict[str, Any]) -> None:

@@ -45,13 +45,18 @@ EXACT_ACTIONS = {
     },
 }
 
+# Where a role calls fewer of them: the watcher only forgets records (DeleteItem).
+EXACT_ACTIONS_OF = {"DlqAlertFunctionRole": {"dynamodb": {"dynamodb:DeleteItem"}}}
+
 # What each function may do, by service: a new grant must be added here on purpose.
+# logs: each function's own log group, the one grant AWSLambdaBasicExecutionRole would widen.
 ALLOWED_SERVICES = {
     # lambda: the backlog fan-out invokes DrainFunction itself, and nothing else.
-    "DrainFunctionRole": {"ssm", "secretsmanager", "kms", "dynamodb", "lambda"},
-    "DlqAlertFunctionRole": {"ssm", "secretsmanager", "kms", "sns"},
-    "RedriveFunctionRole": {"ssm", "secretsmanager", "kms"},
-    "PruneFunctionRole": {"secretsmanager", "kms"},
+    "DrainFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "dynamodb", "lambda"},
+    # dynamodb: the reconcile pass drops the second layer's record of a claim it releases.
+    "DlqAlertFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "sns", "dynamodb"},
+    "RedriveFunctionRole": {"logs", "ssm", "secretsmanager", "kms"},
+    "PruneFunctionRole": {"logs", "secretsmanager", "kms"},
     # The role EventBridge Scheduler invokes the scheduled functions with.
     "SchedulerRole": {"lambda"},
 }
@@ -240,7 +245,7 @@ def test_ssm_and_dynamodb_grants_are_exactly_the_calls_the_code_makes() -> None:
     for name, statements in _roles().items():
         actions = {a for s in statements for a in as_list(s["Action"])}
         # When its SSM and DynamoDB actions are collected
-        for service, exact in EXACT_ACTIONS.items():
+        for service, exact in (EXACT_ACTIONS | EXACT_ACTIONS_OF.get(name, {})).items():
             granted = {a for a in actions if a.startswith(f"{service}:")}
             # Then they are the calls the code makes, where the role has the service at all
             assert granted <= exact, (name, granted - exact)
@@ -379,8 +384,9 @@ def test_vpc_and_xray_policies_are_attached_only_when_their_parameters_turn_them
         # When the managed policies of the role the function runs with are read
         role = deployment.of_type("AWS::IAM::Role")[deployment.role_of(name)]
         managed = managed_policy_names(role.get("ManagedPolicyArns", []))
-        # Then it has the logs policy, and the VPC and X-Ray ones exactly when turned on
-        assert managed == {BASIC_EXECUTION} | extra_policies, (name, managed)
+        # Then it has the VPC and X-Ray ones exactly when turned on, and no other (its logs
+        # are an inline grant on its own log group)
+        assert managed == extra_policies, (name, managed)
         # And the function is in the VPC and traced exactly then too
         assert ("VpcConfig" in function) == (VPC_ACCESS in extra_policies), name
         mode = function.get("TracingConfig", {}).get("Mode", "PassThrough")
@@ -524,16 +530,21 @@ def test_a_data_kms_key_encrypts_the_log_groups_and_the_second_layers_table() ->
     assert kms[0]["Resource"] == DATA_KEY_ARN
     assert sorted(as_list(kms[0]["Action"])) == ["kms:Decrypt", "kms:GenerateDataKey"]
     assert _via_services(kms[0]) == {"dynamodb.${AWS::Region}.amazonaws.com"}
+    # And the watcher may only decrypt through DynamoDB (to delete the records it forgets)
+    (watcher,) = [
+        s for s in keyed.statements("DlqAlertFunctionRole") if s["Resource"] == DATA_KEY_ARN
+    ]
+    assert (watcher["Resource"], watcher["Action"]) == (DATA_KEY_ARN, "kms:Decrypt")
+    assert _via_services(watcher) == {"dynamodb.${AWS::Region}.amazonaws.com"}
     # And no other role gains a right to it
-    for role in FUNCTION_ROLES:
-        if role != "DrainFunctionRole":
-            assert DATA_KEY_ARN not in str(keyed.statements(role)), role
+    for role in FUNCTION_ROLES - {"DrainFunctionRole", "DlqAlertFunctionRole"}:
+        assert DATA_KEY_ARN not in str(keyed.statements(role)), role
 
 
 REDIS_SECRET_ARN = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:infrai-redis-AbCdEf"
 
 
-def test_only_the_drain_reads_the_redis_secret_and_only_when_one_is_named() -> None:
+def test_only_the_drain_and_the_watcher_read_the_redis_secret_and_only_when_named() -> None:
     # Given the Redis second layer without and with RedisSecretArn
     plain = Deployment({"IdempotencyBackend": "redis", "RedisUrl": "rediss://cache.example:6379"})
     named = Deployment(
@@ -554,14 +565,51 @@ def test_only_the_drain_reads_the_redis_secret_and_only_when_one_is_named() -> N
             for role in FUNCTION_ROLES
         }
 
-    # Then nobody may read it until it is named, and then only the drain, GetSecretValue only
+    # Then nobody may read it until it is named, and then only the drain (its second layer) and
+    # the watcher (which drops the records of the claims it releases), GetSecretValue only
+    readers_of = {"DrainFunctionRole": "DrainFunction", "DlqAlertFunctionRole": "DlqAlertFunction"}
     assert all(not found for found in readers(plain).values())
     assert {role: bool(found) for role, found in readers(named).items()} == {
-        role: role == "DrainFunctionRole" for role in FUNCTION_ROLES
+        role: role in readers_of for role in FUNCTION_ROLES
     }
+    for role, function in readers_of.items():
+        (statement,) = [s for s in named.statements(role) if s["Resource"] == REDIS_SECRET_ARN]
+        assert statement["Action"] == "secretsmanager:GetSecretValue"
+        environment = named.of_type("AWS::Lambda::Function")[function]["Environment"]
+        assert environment["Variables"]["REDIS_SECRET_ARN"] == REDIS_SECRET_ARN
+
+
+@pytest.mark.parametrize("overrides", [{}, TRACING, {"IdempotencyBackend": "dynamodb"}])
+def test_each_function_writes_logs_to_its_own_log_group_only(overrides: dict[str, str]) -> None:
+    # Given the stack as CloudFormation would create it, outside a VPC
+    deployment = Deployment(overrides)
+    functions = deployment.of_type("AWS::Lambda::Function")
+    for name in functions:
+        role = deployment.role_of(name)
+        # When the role's logs statements and managed policies are read
+        logs = [s for s in deployment.statements(role) if "logs:" in str(s["Action"])]
+        managed = managed_policy_names(
+            deployment.of_type("AWS::IAM::Role")[role].get("ManagedPolicyArns", [])
+        )
+        # Then one statement grants streams and events on the function's own log group, and no
+        # managed policy grants logs on every group
+        assert [s["Resource"] for s in logs] == [{"Fn::GetAtt": [f"{name}LogGroup", "Arn"]}]
+        assert sorted(as_list(logs[0]["Action"])) == ["logs:CreateLogStream", "logs:PutLogEvents"]
+        assert BASIC_EXECUTION not in managed, name
+        # And that group is the one the function logs to
+        assert functions[name]["LoggingConfig"]["LogGroup"] == {"Ref": f"{name}LogGroup"}
+
+
+def test_the_watcher_may_only_delete_the_second_layers_records() -> None:
+    # Given the DynamoDB second layer
+    deployment = Deployment({"IdempotencyBackend": "dynamodb"})
+    # When the watcher's DynamoDB statements are read
     (statement,) = [
-        s for s in named.statements("DrainFunctionRole") if s["Resource"] == REDIS_SECRET_ARN
+        s for s in deployment.statements("DlqAlertFunctionRole") if "dynamodb:" in str(s["Action"])
     ]
-    assert statement["Action"] == "secretsmanager:GetSecretValue"
-    environment = named.of_type("AWS::Lambda::Function")["DrainFunction"]["Environment"]
-    assert environment["Variables"]["REDIS_SECRET_ARN"] == REDIS_SECRET_ARN
+    # Then it may delete an item of the stack's table and nothing more
+    assert statement["Action"] == "dynamodb:DeleteItem"
+    assert statement["Resource"] == {"Fn::GetAtt": ["IdempotencyTable", "Arn"]}
+    variables = deployment.of_type("AWS::Lambda::Function")["DlqAlertFunction"]["Environment"]
+    assert variables["Variables"]["IDEMPOTENCY_BACKEND"] == "dynamodb"
+    assert variables["Variables"]["IDEMPOTENCY_TABLE"] == {"Ref": "IdempotencyTable"}

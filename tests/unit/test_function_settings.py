@@ -91,13 +91,17 @@ def test_a_function_reads_no_variable_the_template_gives_only_to_others(function
 
 def test_each_function_reads_only_its_own_variables() -> None:
     # Given the variables of the drain, of the watcher and of the prune
-    drain_only = {"DRAIN_LANES", "IDEMPOTENCY_BACKEND", "REDIS_URL", "AWS_LAMBDA_FUNCTION_NAME"}
+    drain_only = {"DRAIN_LANES", "JOB_POLICIES", "AWS_LAMBDA_FUNCTION_NAME"}
+    # The second layer's: the drain guards effects with it, the watcher forgets released keys.
+    second_layer = {"IDEMPOTENCY_BACKEND", "IDEMPOTENCY_TABLE", "REDIS_URL", "REDIS_SECRET_ARN"}
     alert_only = {"WATCHED_QUEUES", "ALERT_TOPIC_ARN", "STUCK_CLAIM_SECONDS"}
     # When each function's settings are read
     read = {function: _read_by(function) for function in FUNCTIONS}
     # Then each reads its own and none of the others'
     assert drain_only <= read["DrainFunction"]
     assert not drain_only & (read["DlqAlertFunction"] | read["RedriveFunction"])
+    assert second_layer <= read["DrainFunction"] & read["DlqAlertFunction"]
+    assert not second_layer & (read["RedriveFunction"] | read["PruneFunction"])
     assert alert_only <= read["DlqAlertFunction"]
     assert not alert_only & (read["DrainFunction"] | read["PruneFunction"])
     assert read["PruneFunction"] - read["RedriveFunction"] == {"LEDGER_RETENTION_DAYS"}

@@ -13,7 +13,7 @@ from decimal import Decimal
 from types import FrameType
 from typing import TextIO
 
-from infrai_jobs.config.settings import is_loopback_host
+from infrai_jobs.config.redis_url import is_loopback_host
 from infrai_jobs.queue_contract import (
     DEFAULT_PUBLISH_PRICE_USD,
 )

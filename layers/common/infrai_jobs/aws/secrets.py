@@ -12,6 +12,7 @@ settings: ``resolve()`` once, ``refresh`` for rotation.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,12 +21,12 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
 
+from infrai_jobs.config.redis_url import check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
     AnySettings,
-    DrainSettings,
-    check_redis_url,
+    JobSettings,
 )
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import malformed_reason, parse_conninfo
@@ -33,6 +34,8 @@ from infrai_jobs.ledger.postgres import malformed_reason, parse_conninfo
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 SECRET_CACHE_SECONDS = 300
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +59,9 @@ class SecretSource(Generic[AnySettings]):
 
     ``resolve()`` fills in the named ones (cached, ``SECRET_CACHE_SECONDS``); ``refresh`` gives
     the hooks that fetch a rotated one again, past the cache. A function fetches only what it
-    uses: ``api_key=False`` for one that never calls Infrai; the Redis secret only for a drain
-    with ``IDEMPOTENCY_BACKEND=redis``. So its role needs no more.
+    uses: ``api_key=False`` for one that never calls Infrai; the Redis secret only with
+    ``IDEMPOTENCY_BACKEND=redis`` (the drain, and the watcher whose reconcile pass drops the
+    records of the claims it releases). So its role needs no more.
     """
 
     settings: AnySettings
@@ -99,7 +103,7 @@ class SecretSource(Generic[AnySettings]):
             )
         resolved = replace(settings, infrai_api_key=key, database_url=database_url)
         if (
-            isinstance(resolved, DrainSettings)
+            isinstance(resolved, JobSettings)
             and resolved.idempotency_backend == "redis"
             and resolved.redis_secret_arn
         ):
@@ -117,6 +121,14 @@ def redis_url_from_secret(secret: str, url: str) -> str:
     text = secret.strip()
     if text.startswith(_REDIS_SCHEMES):
         check_redis_url("the Redis secret's URL", text)
+        if redis_lacks_auth(text):
+            # Read at every cold start, with the other secrets: logged each time, as every
+            # other opt-out is.
+            logger.warning(
+                "the Redis secret's URL carries no password: the second layer's Redis takes "
+                "commands without AUTH, so anyone who reaches it can read or drop its records",
+                extra={"action": "security_opt_out"},
+            )
         return text
     username, password = "", text
     if text.startswith("{"):

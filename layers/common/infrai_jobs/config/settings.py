@@ -23,7 +23,6 @@ Whether ``DATABASE_URL`` is well formed is checked where the ledger's connector 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -32,6 +31,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
+from infrai_jobs.config.redis_url import check_redis_url, is_loopback_host, redis_lacks_auth
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
@@ -158,6 +158,17 @@ class JobSettings(CommonSettings):
     job_setting_owners: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis. The
+    # drain guards its jobs' effects with it; the watcher's reconcile pass drops a key's record
+    # when it releases the claim, so both agree the job may run again.
+    idempotency_backend: IdempotencyBackend = "off"
+    idempotency_table: str = ""
+    # May carry a password locally; the template only passes URLs without credentials, and the
+    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
+    redis_url: str = field(default="", repr=False)
+    redis_secret_arn: str = ""
+    # The second layer's records outlive the ledger's settled claims by a day.
+    retention_days: int = 30
 
     @classmethod
     def from_env(
@@ -175,6 +186,20 @@ class JobSettings(CommonSettings):
 
     def declared_urls(self) -> Mapping[str, str]:
         return self.job_settings
+
+    def security_opt_outs(self) -> list[str]:
+        opt_outs = CommonSettings.security_opt_outs(self)
+        if (
+            self.idempotency_backend == "redis"
+            and not self.redis_secret_arn
+            and redis_lacks_auth(self.redis_url)
+        ):
+            opt_outs.append(
+                "REDIS_URL carries no password and REDIS_SECRET_ARN is not set: the second "
+                "layer's Redis takes commands without AUTH, so anyone who reaches it can read or "
+                "drop its records (name the AUTH token's secret with REDIS_SECRET_ARN)"
+            )
+        return opt_outs
 
     def require_job_settings(self) -> dict[str, str]:
         """The jobs' declared settings, every one set; else a ``ConfigurationError`` naming each
@@ -227,15 +252,6 @@ class DrainSettings(JobSettings):
     # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
     # against the registry where the drain is built (infrai_jobs.flow.policies).
     job_policies: str = ""
-    # The second layer's records outlive the ledger's settled claims by a day.
-    retention_days: int = 30
-    # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis.
-    idempotency_backend: IdempotencyBackend = "off"
-    idempotency_table: str = ""
-    # May carry a password locally; the template only passes URLs without credentials, and the
-    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
-    redis_url: str = field(default="", repr=False)
-    redis_secret_arn: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +294,7 @@ def load_settings(
     values: dict[str, Any] = {}
     if issubclass(kind, JobSettings):
         values.update(_job_fields(env, job_settings or {}, allow_plain_http=allow_plain_http))
+        values.update(_second_layer_fields(env))
     values.update(_common_fields(env, allow_plain_http=allow_plain_http))
     if issubclass(kind, DrainSettings):
         values.update(_drain_fields(env))
@@ -286,7 +303,7 @@ def load_settings(
     if issubclass(kind, PruneSettings):
         values.update(retention_days=_retention_days(env))
     settings = kind(**values)
-    if isinstance(settings, DrainSettings):
+    if isinstance(settings, JobSettings):
         _check_second_layer(settings)
     if not settings.queue:
         raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
@@ -365,6 +382,11 @@ def _drain_fields(env: Mapping[str, str]) -> dict[str, Any]:
         "local_invocation": _bool(env, "AWS_SAM_LOCAL", default=False),
         "lambda_endpoint_url": env.get("AWS_ENDPOINT_URL_LAMBDA", "").strip(),
         "job_policies": env.get("JOB_POLICIES", "").strip(),
+    }
+
+
+def _second_layer_fields(env: Mapping[str, str]) -> dict[str, Any]:
+    return {
         "retention_days": _retention_days(env),
         "idempotency_backend": _backend(env),
         "idempotency_table": env.get("IDEMPOTENCY_TABLE", "").strip(),
@@ -411,7 +433,6 @@ def _required(value: str, variable: str, how: str) -> str:
     return value
 
 
-_LOOPBACK_NAMES = ("localhost",)
 ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
 _logger = logging.getLogger(__name__)
 
@@ -421,10 +442,21 @@ def check_web_url(name: str, value: str, *, allow_plain_http: bool, example: str
     HTTP to loopback (a local emulator, sink or test server); plain HTTP elsewhere only with
     ``allow_plain_http``. Refused before any call, so a typo never sends a key in clear text.
     ``name`` says which setting it is; the value is never echoed whole (it may hold a secret)."""
-    parts = urlsplit(value)
-    host = parts.hostname or ""
+    try:
+        parts = urlsplit(value)
+        host = parts.hostname or ""
+    except ValueError:
+        raise ConfigurationError(f"{name} is not a valid URL, e.g. {example}") from None
     if parts.scheme not in ("http", "https") or not host:
         raise ConfigurationError(f"{name} must be an http(s) URL with a host, e.g. {example}")
+    if parts.username is not None or parts.password is not None:
+        # In AWS the environment is plain text to anyone who may read the function's
+        # configuration: a credential there is a leaked credential.
+        raise ConfigurationError(
+            f"{name} carries credentials (user or password before the host): give the URL "
+            "without them, and keep the credential in a secret (Secrets Manager or an SSM "
+            "SecureString) that is fetched by name, never in the environment"
+        )
     if parts.scheme == "http" and not is_loopback_host(host) and not allow_plain_http:
         raise ConfigurationError(
             f"{name} uses plain HTTP to {host}: use HTTPS (plain HTTP is allowed on loopback "
@@ -437,23 +469,10 @@ def is_plain_http_off_loopback(url: str) -> bool:
     return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
 
 
-def is_loopback_host(host: str) -> bool:
-    """``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def raw_database_url(environ: Mapping[str, str] | None = None) -> str:
     """DATABASE_URL as the environment holds it, unchecked: for redacting it out of an error
     raised before (or while) the settings were read."""
     return (os.environ if environ is None else environ).get("DATABASE_URL", "")
-
-
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def _backend(env: Mapping[str, str]) -> IdempotencyBackend:
@@ -465,7 +484,7 @@ def _backend(env: Mapping[str, str]) -> IdempotencyBackend:
     return _IDEMPOTENCY_BACKENDS[raw]
 
 
-def _check_second_layer(settings: DrainSettings) -> None:
+def _check_second_layer(settings: JobSettings) -> None:
     backend = settings.idempotency_backend
     if backend == "dynamodb" and not settings.idempotency_table:
         raise ConfigurationError(
@@ -485,23 +504,6 @@ def _check_second_layer(settings: DrainSettings) -> None:
         raise ConfigurationError(
             "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
             "the secret only"
-        )
-
-
-def check_redis_url(name: str, url: str) -> None:
-    """A Redis/Valkey URL: ``rediss://`` (TLS, the server's certificate verified), or
-    ``redis://`` to a loopback host, or a ``unix://`` socket. The URL may hold a password, so
-    the error names ``name`` and the host, never the value."""
-    if not url.startswith(_REDIS_SCHEMES):
-        raise ConfigurationError(f"{name} must start with redis://, rediss:// or unix://")
-    try:
-        host = urlsplit(url).hostname or ""
-    except ValueError:
-        raise ConfigurationError(f"{name} is not a valid URL") from None
-    if url.startswith("redis://") and not is_loopback_host(host):
-        raise ConfigurationError(
-            f"{name} uses redis:// (plain text) to {host or 'no host'}: use rediss:// for any "
-            "host that is not loopback, so the password and the records travel encrypted"
         )
 
 

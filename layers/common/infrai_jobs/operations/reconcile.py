@@ -31,7 +31,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError
+from infrai_jobs.errors import (
+    ClaimChanged,
+    ClaimNotFound,
+    ConfigurationError,
+    SecondLayerUnavailable,
+)
 from infrai_jobs.flow.ledger import DeferredJob
 from infrai_jobs.jobs.keys import identity_from_key
 from infrai_jobs.jobs.probes import (
@@ -258,9 +263,28 @@ class Reconciler:
             return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, action)
         lease_over = claim.lease_until is None or claim.lease_until < datetime.now(UTC)
         if isinstance(answer, NotDone) and self._forget is not None and lease_over:
-            # Before the release, as `claims release` does: a store that cannot be reached
-            # fails the pass with the claim unchanged. Under a live lease nothing is released.
-            self._forget(claim.idem_key)
+            # Before the release, as `claims release` does. Under a live lease nothing is
+            # released. A store that cannot be reached leaves the claim unchanged, still stuck
+            # (and paged), rather than released in the ledger only; the pass goes on.
+            try:
+                self._forget(claim.idem_key)
+            except SecondLayerUnavailable as exc:
+                logger.warning(
+                    "stuck claim left stuck: the second layer could not drop its record",
+                    extra={
+                        "action": "reconciled",
+                        "write": "unchanged",
+                        "detail": str(exc),
+                        **extra,
+                    },
+                )
+                return ProbeOutcome(
+                    claim.idem_key,
+                    definition.name,
+                    answer.answer,
+                    str(exc),
+                    ReconcileWrite.UNCHANGED.value,
+                )
         try:
             settled = detail if isinstance(answer, Done) else None
             note = history_note(answer.answer, detail)

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Generic
 from urllib.parse import urlsplit
 
 from infrai_jobs.aws.secrets import SecretRefresh, SecretSource
+from infrai_jobs.config.redis_url import is_loopback_host
 from infrai_jobs.config.settings import (
     AlertSettings,
     AnySettings,
     CommonSettings,
     DrainSettings,
-    is_loopback_host,
+    JobSettings,
 )
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
@@ -183,8 +184,14 @@ def make_alert_check(
 
     reconciler = None
     if registry is not None:
+        # With the second layer on, a claim the pass releases loses its record there too, or
+        # the next delivery would replay its stored "uncertain" and be parked stuck again.
+        guard = make_effect_guard(settings)
         reconciler = Reconciler(
-            make_claims_admin(settings, refresh=refresh), registry, actor=WATCHER_ACTOR
+            make_claims_admin(settings, refresh=refresh),
+            registry,
+            actor=WATCHER_ACTOR,
+            forget=guard.forget if guard is not None else None,
         )
 
     return AlertCheck(
@@ -205,8 +212,9 @@ def make_alert_check(
 WATCHER_ACTOR = "DlqAlertFunction"
 
 
-def make_effect_guard(settings: DrainSettings) -> SecondLayer | None:
-    """The second layer around external effects, or None when IDEMPOTENCY_BACKEND=off."""
+def make_effect_guard(settings: JobSettings) -> SecondLayer | None:
+    """The second layer around external effects (the drain's), or the record store the
+    watcher's reconcile pass forgets keys in; None when IDEMPOTENCY_BACKEND=off."""
     if settings.idempotency_backend == "off":
         return None
     # Imported here: the second layer pulls in boto3 (and redis), which off never needs.

@@ -1,0 +1,75 @@
+"""The one rule for a Redis/Valkey URL (the second layer's store), from REDIS_URL or a secret."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from urllib.parse import parse_qs, urlsplit
+
+from infrai_jobs.errors import ConfigurationError
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1): the hosts plain HTTP and plain
+    Redis may reach (settings.check_web_url uses the same rule)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_redis_url(name: str, url: str) -> None:
+    """A Redis/Valkey URL: ``rediss://`` (TLS, the server's certificate and host name
+    verified), or ``redis://`` to a loopback host, or a ``unix://`` socket. A query parameter
+    that would weaken the certificate check (``ssl_cert_reqs=none``, ...) is refused: nothing
+    this package talks to needs it. The URL may hold a password, so the error names ``name``
+    and the host, never the value."""
+    if not url.startswith(_REDIS_SCHEMES):
+        raise ConfigurationError(f"{name} must start with redis://, rediss:// or unix://")
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        raise ConfigurationError(f"{name} is not a valid URL") from None
+    if url.startswith("redis://") and not is_loopback_host(host):
+        raise ConfigurationError(
+            f"{name} uses redis:// (plain text) to {host or 'no host'}: use rediss:// for any "
+            "host that is not loopback, so the password and the records travel encrypted"
+        )
+    for parameter, values in parse_qs(parts.query, keep_blank_values=True).items():
+        weakened = parameter.lower() in _REDIS_TLS_WEAKENERS and any(
+            not _REDIS_TLS_WEAKENERS[parameter.lower()](value) for value in values
+        )
+        if weakened:
+            raise ConfigurationError(
+                f"{name} sets {parameter}={values[0]}, which weakens the TLS check of the "
+                f"server at {host or 'its socket'}: remove it (the certificate and the host "
+                "name are always verified)"
+            )
+
+
+# The query parameters of a Redis URL (as redis-py reads them) that can turn a TLS check off,
+# each with the values that keep it on.
+_REDIS_FALSE_WORDS = frozenset({"", "0", "F", "FALSE", "N", "NO", "OFF"})
+_REDIS_TLS_WEAKENERS: dict[str, Callable[[str], bool]] = {
+    "ssl_cert_reqs": lambda value: value.strip().lower() == "required",
+    "ssl_check_hostname": lambda value: value.strip().upper() not in _REDIS_FALSE_WORDS,
+    "ssl_exclude_verify_flags": lambda value: False,
+}
+
+
+def redis_lacks_auth(url: str) -> bool:
+    """Whether a Redis URL to a host off loopback carries no password: the server then lets
+    anyone who reaches it read and write the second layer's records."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return False
+    if url.startswith("unix://") or is_loopback_host(host):
+        return False
+    return not parts.password

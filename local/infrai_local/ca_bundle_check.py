@@ -1,0 +1,66 @@
+"""Before ``sam build``: the ledger's CA bundle that a deploy would need is in the functions' code.
+
+With ``DatabaseSslMode`` verify-full or verify-ca, every function verifies the ledger's server
+against the PEM file ``DatabaseCaBundle`` names (relative to ``functions/``). That file is not
+in the repository (it is AWS's, or your own CA's), so a build without it would deploy functions
+that cannot connect to their ledger. ``make build`` runs this first: the two parameters are read
+as ``sam deploy --config-env ENV`` would take them (``samconfig.toml``'s deploy and global
+sections over the template's defaults), and a missing file stops the build with one line that
+says where to get it.
+
+``make build CA_BUNDLE_CHECK=off`` skips it, for a build that is never deployed (CI's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from infrai_jobs.errors import ConfigurationError
+from infrai_local.sam_template import load_template, samconfig_overrides
+
+VERIFYING_MODES = ("verify-full", "verify-ca")
+CODE_URI = "functions"
+
+
+def missing_bundle(root: Path, config_env: str = "default") -> str | None:
+    """The one line to print when the deploy of ``config_env`` needs a CA bundle that is not in
+    the functions' code; None when it is there, or not needed."""
+    template = load_template(root / "template.yaml")
+    parameters = template.get("Parameters", {})
+    values = {name: str(spec.get("Default", "")) for name, spec in parameters.items()}
+    values |= samconfig_overrides(root / "samconfig.toml", config_env, "deploy")
+    mode = values.get("DatabaseSslMode", "")
+    bundle = values.get("DatabaseCaBundle", "")
+    if mode not in VERIFYING_MODES:
+        return None
+    path = Path(bundle) if Path(bundle).is_absolute() else root / CODE_URI / bundle
+    if bundle and path.is_file():
+        return None
+    shown = bundle if Path(bundle).is_absolute() else f"{CODE_URI}/{bundle}"
+    return (
+        f"make build: DatabaseSslMode={mode} needs the ledger's CA bundle {shown or '(none set)'}, "
+        "which is missing: download AWS's RDS global bundle (or your server's CA) there, as "
+        "docs/configuration.md says under 'The ledger's TLS', or set DatabaseCaBundle to one"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--root", type=Path, default=Path.cwd())
+    parser.add_argument("--config-env", default="default")
+    args = parser.parse_args(argv)
+    try:
+        line = missing_bundle(args.root, args.config_env)
+    except ConfigurationError as exc:
+        print(f"make build: {exc}", file=sys.stderr)
+        return 2
+    if line:
+        print(line, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

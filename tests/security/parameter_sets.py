@@ -1,0 +1,149 @@
+"""Every parameter set the template offers, each rendered as the template CloudFormation sees.
+
+A parameter changes what deploys only through a Condition (a resource that exists or not, an
+``Fn::If`` branch) or a value. ``PARAMETER_SETS`` crosses the switches the issue names (each
+second-layer backend, in a VPC or not, tracing on or off, an alert e-mail or none) and gives
+every other Condition both of its values across the sets, so no branch of the template goes
+unseen. ``render`` decides each Condition for one set, keeps the resources and the branches that
+hold, and writes every parameter's value in place of its ``Ref``: a scanner reading the result
+sees one deployment, not both sides of an ``Fn::If``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+# The one parameter without a default.
+REQUIRED = {
+    "DatabaseSecretArn": "arn:aws:secretsmanager:eu-west-1:123456789012:secret:ledger-AbC123"
+}
+BACKENDS: dict[str, dict[str, str]] = {
+    "off": {},
+    "dynamodb": {"IdempotencyBackend": "dynamodb"},
+    "redis": {
+        "IdempotencyBackend": "redis",
+        "RedisUrl": "rediss://cache.example.com:6379",
+        "RedisSecretArn": "arn:aws:secretsmanager:eu-west-1:123456789012:secret:redis-AbC123",
+    },
+}
+IN_VPC = {"SubnetIds": "subnet-0a1b2c3d,subnet-4e5f6a7b", "SecurityGroupIds": "sg-0a1b2c3d"}
+TRACING = {"EnableTracing": "true"}
+ALERT_EMAIL = {"AlertEmail": "on-call@example.com"}
+# The other switches, each on in every other set: both values of each are rendered.
+DATA_KEY_ARN = "arn:aws:kms:eu-west-1:123456789012:key/1234abcd-12ab-34cd-56ef-123456789012"
+OTHER_SWITCHES: tuple[dict[str, str], ...] = (
+    {"DataKmsKeyArn": DATA_KEY_ARN},
+    {"SecretsKmsKeyId": "1234abcd-12ab-34cd-56ef-1234567890ab"},
+    {"PermissionsBoundary": "arn:aws:iam::123456789012:policy/workload-boundary"},
+    {"DrainMaxConcurrency": "1"},
+    {"DrainScheduleEnabled": "false"},
+)
+
+
+def _parameter_sets() -> dict[str, dict[str, str]]:
+    sets: dict[str, dict[str, str]] = {}
+    product = itertools.product(BACKENDS, (False, True), (False, True), (False, True))
+    for index, (backend, vpc, tracing, email) in enumerate(product):
+        name = "-".join(
+            [
+                f"backend_{backend}",
+                "vpc" if vpc else "novpc",
+                "tracing" if tracing else "notracing",
+                "email" if email else "noemail",
+            ]
+        )
+        values = dict(REQUIRED) | BACKENDS[backend]
+        values |= (IN_VPC if vpc else {}) | (TRACING if tracing else {})
+        values |= ALERT_EMAIL if email else {}
+        # Switch k is on in the sets whose index has bit k set: each switch both ways.
+        for bit, switch in enumerate(OTHER_SWITCHES):
+            if index >> bit & 1:
+                values |= switch
+        sets[name] = values
+    return sets
+
+
+PARAMETER_SETS = _parameter_sets()
+
+_NO_VALUE = object()
+
+
+class Rendering:
+    """``template`` (a plain dict, as cfn-lint's decoder reads it) for one parameter set."""
+
+    def __init__(self, template: dict[str, Any], overrides: dict[str, str]) -> None:
+        parameters = template["Parameters"]
+        values = {name: str(p.get("Default", "")) for name, p in parameters.items()}
+        unknown = set(overrides) - set(values)
+        assert not unknown, f"not parameters of the template: {sorted(unknown)}"
+        values |= overrides
+        self.values: dict[str, Any] = {
+            name: value.split(",") if parameters[name]["Type"] == "CommaDelimitedList" else value
+            for name, value in values.items()
+        }
+        self._conditions: dict[str, Any] = template.get("Conditions", {})
+        self._decided: dict[str, bool] = {}
+        self.template = self._render(template)
+
+    def condition(self, name: str) -> bool:
+        if name not in self._decided:
+            self._decided[name] = self._holds(self._conditions[name])
+        return self._decided[name]
+
+    def _holds(self, expression: Any) -> bool:
+        ((function, argument),) = expression.items()
+        if function == "Fn::Equals":
+            left, right = (self._value(a) for a in argument)
+            return bool(left == right)
+        if function == "Fn::Not":
+            return not self._holds(argument[0])
+        if function == "Fn::And":
+            return all(self._holds(a) for a in argument)
+        if function == "Fn::Or":
+            return any(self._holds(a) for a in argument)
+        if function == "Condition":
+            return self.condition(argument)
+        raise AssertionError(f"a condition function this renderer does not know: {function}")
+
+    def _value(self, expression: Any) -> Any:
+        if isinstance(expression, str | int):
+            return str(expression)
+        if set(expression) == {"Ref"}:
+            return self.values[expression["Ref"]]
+        if set(expression) == {"Fn::Join"}:
+            separator, items = expression["Fn::Join"]
+            return separator.join(self._value(items))
+        raise AssertionError(f"a condition value this renderer does not know: {expression}")
+
+    def _render(self, template: dict[str, Any]) -> dict[str, Any]:
+        rendered = {k: v for k, v in template.items() if k not in ("Conditions", "Rules")}
+        rendered["Resources"] = {
+            name: self._resolve({k: v for k, v in resource.items() if k != "Condition"})
+            for name, resource in template["Resources"].items()
+            if "Condition" not in resource or self.condition(resource["Condition"])
+        }
+        rendered["Outputs"] = {
+            name: self._resolve({k: v for k, v in output.items() if k != "Condition"})
+            for name, output in template.get("Outputs", {}).items()
+            if "Condition" not in output or self.condition(output["Condition"])
+        }
+        if "Globals" in template:
+            rendered["Globals"] = self._resolve(template["Globals"])
+        return rendered
+
+    def _resolve(self, node: Any) -> Any:
+        if isinstance(node, list):
+            items = [self._resolve(item) for item in node]
+            return [item for item in items if item is not _NO_VALUE]
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"Fn::If"}:
+            name, when_true, when_false = node["Fn::If"]
+            return self._resolve(when_true if self.condition(name) else when_false)
+        if node == {"Ref": "AWS::NoValue"}:
+            return _NO_VALUE
+        if set(node) == {"Ref"} and node["Ref"] in self.values:
+            return self.values[node["Ref"]]
+        resolved = {key: self._resolve(value) for key, value in node.items()}
+        return {key: value for key, value in resolved.items() if value is not _NO_VALUE}

@@ -54,7 +54,7 @@ from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.producer import check_publishable
-from infrai_jobs.runtime.drain_service import DrainService, job_policies
+from infrai_jobs.runtime.drain_service import DrainService, job_policies, retry_of_jobs
 from infrai_jobs.runtime.factory import (
     ledger_url,
     make_effect_guard,
@@ -742,6 +742,9 @@ def _cmd_ops(args: argparse.Namespace) -> int:
                 key_of=lambda: _key_function(getattr(args, "jobs_path", None)),
                 forget=_second_layer_forget(settings),
                 reconciler=reconciler,
+                retry_of=lambda: retry_of_jobs(
+                    settings, load_registry(getattr(args, "jobs_path", None))
+                ),
             ),
         )
 

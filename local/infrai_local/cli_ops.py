@@ -21,7 +21,13 @@ from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, 
 from infrai_jobs.flow.ledger import DeferredJob, deferred_as_dict
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claim_json import claim_as_dict
-from infrai_jobs.operations.dead_letters import Collected, DeadLetterRow, DeadLetterStore, collect
+from infrai_jobs.operations.dead_letters import (
+    Collected,
+    DeadLetterRow,
+    DeadLetterStore,
+    RetryOf,
+    collect,
+)
 from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
 from infrai_jobs.operations.redrive import Selection, publish_price, redrive
 from infrai_jobs.queue.ports import QueuePort
@@ -303,6 +309,9 @@ class OpsContext:
     forget: Callable[[str], None] | None = None
     # The reconcile pass over the jobs package's probes, its settings bound (claims reconcile).
     reconciler: Callable[[], Reconciler] | None = None
+    # Each job's retry policy in force (JOB_POLICIES applied): a dead letter with attempts left
+    # is taken back as deferred work when it is collected.
+    retry_of: Callable[[], RetryOf] | None = None
 
 
 def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
@@ -343,7 +352,14 @@ def _collect(
         raise ConfigurationError(f"{command} --max must be at least 1")
     store = ctx.admin().dead_letters()
     queue, dlq = _queues(args, ctx)
-    collected = collect(ctx.queue(), store, dlq=dlq, main_queue=queue, key_of=ctx.key_of())
+    collected = collect(
+        ctx.queue(),
+        store,
+        dlq=dlq,
+        main_queue=queue,
+        key_of=ctx.key_of(),
+        retry_of=ctx.retry_of() if ctx.retry_of is not None else None,
+    )
     return store, queue, dlq, collected
 
 
@@ -379,6 +395,12 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
         f"{unresolved} unresolved dead letter(s) of {queue} in the ledger; "
         f"{collected.recorded} new one(s) moved there from {dlq} just now"
     ]
+    if collected.taken_back:
+        notes.append(
+            f"{collected.taken_back} dead letter(s) of jobs whose retry policy had attempts "
+            "left were taken back as deferred work (`infrai-jobs claims list --state "
+            "deferred`): their deliveries died before their runs ended"
+        )
     if collected.unrecorded:
         notes.append(
             f"{len(collected.unrecorded)} dead letter(s) in {dlq} could not be read and named "

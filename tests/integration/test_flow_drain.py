@@ -801,3 +801,53 @@ def test_a_rate_limited_job_is_prepared_once_before_its_first_start_is_reserved(
     # Then it was prepared once, before any start was reserved, and all three ran
     assert summary.done == 3
     assert seen_starts == [0]
+
+
+def test_a_policy_job_whose_three_deliveries_all_died_is_taken_back_not_dead_lettered(
+    kit: Harness,
+) -> None:
+    # Given a digest with ten attempts whose three deliveries were each taken by a drain that
+    # died before its run ended (consumed, never acked): Infrai moved it to its DLQ
+    ten = json.dumps({"digest.build": {"retry": {"attempts": 10, "first_delay_seconds": 1}}})
+    key = kit.registry.derive(DIGEST).idem_key
+    kit.publish(DIGEST)
+    for _ in range(3):
+        assert len(kit.client.consume(QUEUE)) == 1
+        kit.advance()
+    assert kit.client.consume(QUEUE) == []
+    assert kit.client.stats(QUEUE).dlq_count == 1
+    # When the watcher's `infrai-jobs dlq` moves Infrai's dead letters into the ledger
+    collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=ten)
+    # Then the digest, with attempts left, is deferred work again, not a dead letter
+    assert collected.returncode == 0, collected.stderr
+    assert json.loads(collected.stdout)["messages"] == []
+    assert kit.client.stats(QUEUE).dlq_count == 0
+    assert kit.sql("SELECT count(*) FROM dead_letters") == [(0,)]
+    row = deferred_row(kit, key)
+    assert row is not None
+    assert (row["state"], row["attempts"]) == ("deferred", 3)
+    assert [action for action, _actor, _note in kit.history(key)] == ["dead_letter_taken_back"]
+    # And a drain builds it once
+    flow = flow_for(kit, ten)
+    try:
+        run_now(kit, key)
+        assert drain_with(kit, flow).counters["deferred_done"] == 1
+    finally:
+        flow.close()
+    assert digests_built(kit) == 1
+
+
+def test_a_dead_letter_of_a_job_without_attempts_left_stays_a_dead_letter(kit: Harness) -> None:
+    # Given a digest whose policy allows three attempts, dead-lettered after three deliveries
+    three = json.dumps({"digest.build": {"retry": {"attempts": 3}}})
+    kit.publish(DIGEST)
+    for _ in range(3):
+        assert len(kit.client.consume(QUEUE)) == 1
+        kit.advance()
+    assert kit.client.consume(QUEUE) == []
+    # When the dead letters are collected
+    collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=three)
+    # Then it is listed as a dead letter, and no deferred work was made
+    assert collected.returncode == 0, collected.stderr
+    assert len(json.loads(collected.stdout)["messages"]) == 1
+    assert deferred_row(kit, kit.registry.derive(DIGEST).idem_key) is None

@@ -29,7 +29,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ConsumeAnswerLost, KeyDerivationError, QueueMessageNotFound
+from infrai_jobs.flow import ledger as flow
 from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.jobs.policy import RetryPolicy
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.dead_letter_rows import (
     LEDGER_HELD_DLQ,
@@ -45,6 +47,12 @@ from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 logger = logging.getLogger(__name__)
 
 KeyOf = Callable[[Any], str]
+# A job's effect class and the retry policy in force for it, by job name; None when it has no
+# policy (or is unknown).
+RetryOf = Callable[[str], tuple[str, RetryPolicy] | None]
+
+# A dead letter taken back as deferred work runs again after this long.
+TAKE_BACK_DELAY_SECONDS = 1.0
 
 # Dead letters one call moves from Infrai's DLQ into the ledger at most; the rest wait for the
 # next call, still in the DLQ.
@@ -239,6 +247,8 @@ class Collected:
     already_recorded: int = 0
     acked: int = 0
     ack_lost: int = 0
+    # Letters of a job whose retry policy had attempts left: deferred work again, no letter.
+    taken_back: int = 0
     # Unreadable answers that named no message: nothing can record or ack them; they stay
     # hidden in the DLQ for its visibility timeout, then the next read tries again.
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
@@ -258,6 +268,66 @@ def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str |
     if claim.payload_sha256 and claim.payload_sha256 != _fingerprint(payload):
         return "conflict", f"conflict with {key} ({claim.state}, different work)"
     return claim.state, claim.error or ""
+
+
+_RELEASE_EXPIRED_CLAIM: LiteralString = """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
+  AND effect = 'external_idempotent' AND lease_until < clock_timestamp()
+"""
+
+
+def _take_back(
+    conn: Any,
+    dead: QueueMessage,
+    *,
+    queue: str,
+    key: str,
+    claim: ClaimRow | None,
+    state: str | None,
+    retry_of: RetryOf,
+) -> bool:
+    """Defer ``dead``'s work in the caller's transaction when its job's policy has attempts
+    left and nothing else holds its key; False (record the letter) otherwise."""
+    job = dead.payload.get("job") if isinstance(dead.payload, Mapping) else None
+    found = retry_of(job) if isinstance(job, str) else None
+    deliveries = MAX_RECEIVE_COUNT
+    if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
+        return False
+    effect = found[0]
+    if claim is not None:
+        # Only a key-passing job's own expired claim may be taken over; done, failed, a
+        # conflict or an irreversible job's unknown outcome stay letters for a human.
+        if state != "running" or claim.effect != "external_idempotent":
+            return False
+        released = conn.execute(_RELEASE_EXPIRED_CLAIM, {"key": key, "token": claim.claim_token})
+        if released.rowcount != 1:
+            return False
+    error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
+    work = flow.DeferredWork(
+        idem_key=key,
+        job=job,
+        effect=effect,
+        payload=dead.payload,
+        message_id=dead.message_id or "",
+        fingerprint=_fingerprint(dead.payload),
+        queue=queue,
+    )
+    outcome = flow.defer(
+        conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
+    )
+    if outcome is not flow.DeferOutcome.DEFERRED:
+        return outcome is flow.DeferOutcome.ALREADY_DEFERRED
+    record_history(
+        conn,
+        key,
+        "dead_letter_taken_back",
+        actor=flow.DRAIN_ACTOR,
+        before=None,
+        after={"message_id": dead.message_id, "attempts": deliveries},
+        note=error,
+    )
+    return True
 
 
 def _fingerprint(payload: Any) -> str | None:
@@ -281,8 +351,21 @@ class DeadLetterStore:
         with self._connector.session("cannot reach the ledger's dead letters") as conn:
             conn.execute(_REACHABLE)
 
-    def record(self, dead: DeadLetter, *, queue: str, dlq: str, key_of: KeyOf | None) -> bool:
-        """Record ``dead`` (it must have a message id); True when this call added the row."""
+    def record(
+        self,
+        dead: DeadLetter,
+        *,
+        queue: str,
+        dlq: str,
+        key_of: KeyOf | None,
+        retry_of: RetryOf | None = None,
+    ) -> str:
+        """Record ``dead`` (it must have a message id): "recorded" when this call added the
+        row, "already" when it was there. A letter of a job whose retry policy (``retry_of``)
+        has attempts left after its three deliveries is "taken_back" instead: each delivery
+        died before its run ended (no claim is left, or a key-passing job's claim whose lease
+        is over), so it becomes deferred work with those deliveries counted as attempts, and
+        no dead letter pages anyone. An ``external`` job's running claim stays a human's."""
         assert dead.message_id is not None
         values: dict[str, Any] = {
             "message_id": dead.message_id,
@@ -338,13 +421,18 @@ class DeadLetterStore:
                 claim = ClaimRow(**found) if found else None
                 assert isinstance(dead, QueueMessage)
                 state, reason = claim_verdict(key, claim, dead.payload)
+                if retry_of is not None and _take_back(
+                    conn, dead, queue=queue, key=key, claim=claim, state=state, retry_of=retry_of
+                ):
+                    return "taken_back"
                 values.update(
                     idem_key=key,
                     state=state,
                     claim_state=claim.state if claim else None,
                     reason=reason,
                 )
-            return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
+            added = conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
+            return "recorded" if added else "already"
 
     def rows(
         self,
@@ -460,10 +548,13 @@ def collect(
     key_of: KeyOf | None,
     limit: int = COLLECT_LIMIT,
     stop: Callable[[], bool] | None = None,
+    retry_of: RetryOf | None = None,
 ) -> Collected:
     """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
     module's doc): the ledger is checked first, and each is acked only after its row
-    committed. ``key_of`` derives each letter's key (None: recorded without one)."""
+    committed. ``key_of`` derives each letter's key (None: recorded without one); with
+    ``retry_of``, a letter of a job with retry attempts left is taken back as deferred work
+    (``DeadLetterStore.record``), acked the same way."""
     store.ensure_reachable()
     summary = Collected()
     for dead in read_dead_letters(queue, dlq, limit, stop=stop):
@@ -474,7 +565,10 @@ def collect(
         # An unreadable one is acked by its message id: the contract's handle when none is sent.
         handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
         assert handle is not None
-        if store.record(dead, queue=main_queue, dlq=dlq, key_of=key_of):
+        recorded = store.record(dead, queue=main_queue, dlq=dlq, key_of=key_of, retry_of=retry_of)
+        if recorded == "taken_back":
+            summary.taken_back += 1
+        elif recorded == "recorded":
             summary.recorded += 1
         else:
             summary.already_recorded += 1

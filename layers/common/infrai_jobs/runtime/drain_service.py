@@ -31,9 +31,15 @@ from infrai_jobs.drain.loop import budget_shortfall, drain_invocation
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
-from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
+from infrai_jobs.flow.policies import (
+    JobPolicy,
+    RetryPolicy,
+    parse_job_policies,
+    policies_in_force,
+)
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.operations.dead_letters import RetryOf
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_jobs.runtime.factory import (
@@ -194,6 +200,20 @@ def job_policies(settings: DrainSettings, registry: JobRegistry) -> dict[str, Jo
     anything is built or consumed."""
     overrides = parse_job_policies(settings.job_policies, [job.name for job in registry])
     return policies_in_force(registry, overrides)
+
+
+def retry_of_jobs(settings: DrainSettings, registry: JobRegistry) -> RetryOf:
+    """Each job's effect class and the retry policy in force for it (``job_policies``), for
+    the dead-letter collection's take-back of work that still has attempts left."""
+    policies = job_policies(settings, registry)
+
+    def retry_of(job: str) -> tuple[str, RetryPolicy] | None:
+        policy, definition = policies.get(job), registry.get(job)
+        if policy is None or policy.retry is None or definition is None:
+            return None
+        return definition.effect.value, policy.retry
+
+    return retry_of
 
 
 def ledger_outage_message(summary: DrainSummary) -> str:

@@ -851,3 +851,45 @@ def test_a_dead_letter_of_a_job_without_attempts_left_stays_a_dead_letter(kit: H
     assert collected.returncode == 0, collected.stderr
     assert len(json.loads(collected.stdout)["messages"]) == 1
     assert deferred_row(kit, kit.registry.derive(DIGEST).idem_key) is None
+
+
+def test_a_taken_back_letter_never_takes_an_irreversible_claim_from_a_human(
+    kit: Harness,
+) -> None:
+    # Given a digest (key-passing) and a receipt (irreversible), each with ten attempts, whose
+    # drains died inside the call on all three deliveries: each left a running claim, lease over
+    receipt = {"job": "receipt.send", "invoice_id": "inv_taken", "email": "a@example.com"}
+    policies = json.dumps(
+        {name: {"retry": {"attempts": 10}} for name in ("digest.build", "receipt.send")}
+    )
+    for payload in (DIGEST, receipt):
+        derived = kit.registry.derive(payload)
+        kit.sql(
+            "INSERT INTO job_claims (idem_key, state, message_id, job, effect, claim_token, "
+            "lease_until, payload_sha256) VALUES (%s, 'running', 'm', %s, %s, gen_random_uuid(), "
+            "now() - interval '1 minute', %s)",
+            (
+                derived.idem_key,
+                derived.definition.name,
+                derived.definition.effect.value,
+                derived.fingerprint,
+            ),
+        )
+        kit.publish(payload)
+    for _ in range(3):
+        assert len(kit.client.consume(QUEUE)) == 2
+        kit.advance()
+    assert kit.client.consume(QUEUE) == []
+    # When the dead letters are collected
+    collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=policies)
+    # Then the digest is deferred work again (its expired claim taken over), while the receipt,
+    # whose mail may have gone, stays a dead letter beside its stuck claim
+    assert collected.returncode == 0, collected.stderr
+    listed = json.loads(collected.stdout)["messages"]
+    assert [row["idem_key"] for row in listed] == [kit.registry.derive(receipt).idem_key]
+    digest_key = kit.registry.derive(DIGEST).idem_key
+    assert deferred_row(kit, digest_key)["state"] == "deferred"  # type: ignore[index]
+    assert kit.row(digest_key) is None
+    receipt_claim = kit.row(kit.registry.derive(receipt).idem_key)
+    assert receipt_claim is not None
+    assert receipt_claim.state == "running"

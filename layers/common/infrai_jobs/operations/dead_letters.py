@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, LiteralString
 
+import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -270,15 +271,17 @@ def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str |
     return claim.state, claim.error or ""
 
 
+# The claim statement's takeover rule, for a dead letter: a key-passing job's claim, not
+# flagged for a human, whose lease is over.
 _RELEASE_EXPIRED_CLAIM: LiteralString = """
 DELETE FROM job_claims
 WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
-  AND effect = 'external_idempotent' AND lease_until < clock_timestamp()
+  AND effect = 'external_idempotent' AND error IS NULL AND lease_until < clock_timestamp()
 """
 
 
 def _take_back(
-    conn: Any,
+    conn: psycopg.Connection[Any],
     dead: QueueMessage,
     *,
     queue: str,

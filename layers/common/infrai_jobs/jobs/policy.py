@@ -22,7 +22,8 @@ MAX_ATTEMPTS: Final = 1_000
 MIN_DELAY_SECONDS: Final = 0.01
 MAX_DELAY_SECONDS: Final = 30 * 86_400.0  # the ledger's default retention
 MAX_FACTOR: Final = 100.0
-MAX_STARTS_PER_SECOND: Final = 10_000
+# Starts are spaced 1/N s apart, and a microsecond is the database clock's grain.
+MAX_STARTS_PER_SECOND: Final = 1_000_000
 MAX_RUNNING: Final = 10_000
 
 

@@ -140,8 +140,8 @@ OUTCOME_RULES: Final[dict[Outcome, OutcomeRule]] = {
         "deferred",
         logging.INFO,
         "OutcomeDeferred",
-        "flow control holds the job back (a retry policy past the deliveries left, a rate "
-        "limit or a concurrency key), or it is a copy of work deferred already",
+        "flow control holds the job back (a transient failure with retry attempts left, a "
+        "rate limit or a concurrency key), or it is a copy of work deferred already",
         "a `deferred_jobs` row runs it later; claim released",
     ),
 }

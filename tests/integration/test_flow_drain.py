@@ -803,6 +803,15 @@ def test_a_rate_limited_job_is_prepared_once_before_its_first_start_is_reserved(
     assert seen_starts == [0]
 
 
+def deliveries_all_died(kit: Harness, messages: int) -> None:
+    """Consume the queue's ``messages`` three times without acking, the queue's clock moved a
+    visibility timeout each time, as drains that all died would: Infrai dead-letters them."""
+    for _ in range(3):
+        assert len(kit.client.consume(QUEUE)) == messages
+        kit.advance()
+    assert kit.client.consume(QUEUE) == []
+
+
 def test_a_policy_job_whose_three_deliveries_all_died_is_taken_back_not_dead_lettered(
     kit: Harness,
 ) -> None:
@@ -811,10 +820,7 @@ def test_a_policy_job_whose_three_deliveries_all_died_is_taken_back_not_dead_let
     ten = json.dumps({"digest.build": {"retry": {"attempts": 10, "first_delay_seconds": 1}}})
     key = kit.registry.derive(DIGEST).idem_key
     kit.publish(DIGEST)
-    for _ in range(3):
-        assert len(kit.client.consume(QUEUE)) == 1
-        kit.advance()
-    assert kit.client.consume(QUEUE) == []
+    deliveries_all_died(kit, 1)
     assert kit.client.stats(QUEUE).dlq_count == 1
     # When the watcher's `infrai-jobs dlq` moves Infrai's dead letters into the ledger
     collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=ten)
@@ -841,10 +847,7 @@ def test_a_dead_letter_of_a_job_without_attempts_left_stays_a_dead_letter(kit: H
     # Given a digest whose policy allows three attempts, dead-lettered after three deliveries
     three = json.dumps({"digest.build": {"retry": {"attempts": 3}}})
     kit.publish(DIGEST)
-    for _ in range(3):
-        assert len(kit.client.consume(QUEUE)) == 1
-        kit.advance()
-    assert kit.client.consume(QUEUE) == []
+    deliveries_all_died(kit, 1)
     # When the dead letters are collected
     collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=three)
     # Then it is listed as a dead letter, and no deferred work was made
@@ -876,10 +879,7 @@ def test_a_taken_back_letter_never_takes_an_irreversible_claim_from_a_human(
             ),
         )
         kit.publish(payload)
-    for _ in range(3):
-        assert len(kit.client.consume(QUEUE)) == 2
-        kit.advance()
-    assert kit.client.consume(QUEUE) == []
+    deliveries_all_died(kit, 2)
     # When the dead letters are collected
     collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=policies)
     # Then the digest is deferred work again (its expired claim taken over), while the receipt,

@@ -401,21 +401,23 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     assert counts == ([1.0], [1.0], [1.0])
 
 
-def seed_stuck_deferred_run(kit: Harness, payload: Payload) -> str:
-    """A deferred ``external`` run left for a human: taken, begun, and its drain gone (lease
-    over); its key."""
+def seed_stuck_deferred_run(kit: Harness, payload: Payload, *, lease_live: bool = False) -> str:
+    """A deferred ``external`` run taken and begun: its drain gone (lease over), or with
+    ``lease_live`` a drain inside the provider call right now; its key."""
     derived = kit.registry.derive(payload)
     key = derived.idem_key
     work = DeferredWork(key, derived.definition.name, "external", dict(payload), f"m-{key}")
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         flow.defer(conn, work, attempts=1, error="mail provider 503", delay_seconds=0)
-        (taken,) = flow.take_due(conn, 1, lease_seconds=60)
+        (taken,) = flow.take_due(conn, 1, lease_seconds=600)
         assert taken.lease_token is not None
         assert flow.begin(conn, key, taken.lease_token)
-    kit.sql(
-        "UPDATE deferred_jobs SET lease_until = now() - interval '1 second' WHERE idem_key = %s",
-        (key,),
-    )
+    if not lease_live:
+        kit.sql(
+            "UPDATE deferred_jobs SET lease_until = now() - interval '1 second'"
+            " WHERE idem_key = %s",
+            (key,),
+        )
     return key
 
 
@@ -480,25 +482,13 @@ def test_a_deferred_run_whose_probe_cannot_answer_stays_for_a_human_recorded_onc
     assert json.loads(one.stdout)["by_answer"] == {"done": 0, "not_done": 0, "unknown": 1}
 
 
-def seed_live_deferred_run(kit: Harness, payload: Payload) -> str:
-    """A deferred ``external`` run a drain holds right now: taken, begun, its lease live (the
-    drain is inside the provider call); its key."""
-    derived = kit.registry.derive(payload)
-    key = derived.idem_key
-    work = DeferredWork(key, derived.definition.name, "external", dict(payload), f"m-{key}")
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        flow.defer(conn, work, attempts=1, error="mail provider 503", delay_seconds=0)
-        (taken,) = flow.take_due(conn, 1, lease_seconds=600)
-        assert taken.lease_token is not None
-        assert flow.begin(conn, key, taken.lease_token)
-    return key
-
-
 def test_a_deferred_run_under_a_live_lease_is_neither_released_nor_run_again(
     kit: Harness,
 ) -> None:
     # Given a deferred receipt a drain is mailing right now: the provider has no trace yet
-    key = seed_live_deferred_run(kit, {**RECEIPT, "invoice_id": "inv_deferred_live"})
+    key = seed_stuck_deferred_run(
+        kit, {**RECEIPT, "invoice_id": "inv_deferred_live"}, lease_live=True
+    )
     before = kit.sql("SELECT * FROM deferred_jobs WHERE idem_key = %s", (key,))
     # When an operator reconciles it by name, and releases it, while a second drain looks
     reconciled = run_cli(kit, "claims", "reconcile", key, "--json")
@@ -521,7 +511,7 @@ def test_a_probe_that_says_done_under_a_live_lease_leaves_the_run_to_its_drain(
 ) -> None:
     # Given a live deferred run whose mail the provider already lists (the call just returned)
     invoice = "inv_deferred_live_done"
-    key = seed_live_deferred_run(kit, {**RECEIPT, "invoice_id": invoice})
+    key = seed_stuck_deferred_run(kit, {**RECEIPT, "invoice_id": invoice}, lease_live=True)
     sink_call(
         kit,
         "POST",

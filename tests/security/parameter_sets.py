@@ -69,22 +69,14 @@ PARAMETER_SETS = _parameter_sets()
 _NO_VALUE = object()
 
 
-class Rendering:
-    """``template`` (a plain dict, as cfn-lint's decoder reads it) for one parameter set."""
+class Conditions:
+    """A template's Conditions decided for one set of parameter values (``values``: a Ref to a
+    parameter reads as a string, or as a list of strings for a list type)."""
 
-    def __init__(self, template: dict[str, Any], overrides: dict[str, str]) -> None:
-        parameters = template["Parameters"]
-        values = {name: str(p.get("Default", "")) for name, p in parameters.items()}
-        unknown = set(overrides) - set(values)
-        assert not unknown, f"not parameters of the template: {sorted(unknown)}"
-        values |= overrides
-        self.values: dict[str, Any] = {
-            name: value.split(",") if parameters[name]["Type"] == "CommaDelimitedList" else value
-            for name, value in values.items()
-        }
-        self._conditions: dict[str, Any] = template.get("Conditions", {})
+    def __init__(self, conditions: dict[str, Any], values: dict[str, Any]) -> None:
+        self._conditions = conditions
         self._decided: dict[str, bool] = {}
-        self.template = self._render(template)
+        self.values = values
 
     def condition(self, name: str) -> bool:
         if name not in self._decided:
@@ -104,7 +96,9 @@ class Rendering:
             return any(self._holds(a) for a in argument)
         if function == "Condition":
             return self.condition(argument)
-        raise AssertionError(f"a condition function this renderer does not know: {function}")
+        raise AssertionError(
+            f"a condition function these tests do not know: {function}"
+        )
 
     def _value(self, expression: Any) -> Any:
         if isinstance(expression, str | int):
@@ -114,7 +108,30 @@ class Rendering:
         if set(expression) == {"Fn::Join"}:
             separator, items = expression["Fn::Join"]
             return separator.join(self._value(items))
-        raise AssertionError(f"a condition value this renderer does not know: {expression}")
+        raise AssertionError(
+            f"a condition value these tests do not know: {expression}"
+        )
+
+
+class Rendering(Conditions):
+    """``template`` (a plain dict, as cfn-lint's decoder reads it) for one parameter set."""
+
+    def __init__(self, template: dict[str, Any], overrides: dict[str, str]) -> None:
+        parameters = template["Parameters"]
+        values = {name: str(p.get("Default", "")) for name, p in parameters.items()}
+        unknown = set(overrides) - set(values)
+        assert not unknown, f"not parameters of the template: {sorted(unknown)}"
+        values |= overrides
+        super().__init__(
+            template.get("Conditions", {}),
+            {
+                name: value.split(",")
+                if parameters[name]["Type"] == "CommaDelimitedList"
+                else value
+                for name, value in values.items()
+            },
+        )
+        self.template = self._render(template)
 
     def _render(self, template: dict[str, Any]) -> dict[str, Any]:
         rendered = {k: v for k, v in template.items() if k not in ("Conditions", "Rules")}

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
+from parameter_sets import Conditions  # noqa: E402
 from test_template import (  # noqa: E402
     as_list,
     load_template,
@@ -84,7 +85,7 @@ BOUNDARY_ARN = "arn:aws:iam::123456789012:policy/workload-boundary"
 _NO_VALUE = object()
 
 
-class Deployment:
+class Deployment(Conditions):
     """template.yaml as CloudFormation would create it for one set of parameter values."""
 
     def __init__(self, overrides: dict[str, str] | None = None) -> None:
@@ -92,50 +93,21 @@ class Deployment:
         values = {name: p.get("Default") for name, p in template["Parameters"].items()}
         values |= REQUIRED | (overrides or {})
         # A Ref to a parameter reads as a string, or as a list of strings for a list type.
-        self.parameters: dict[str, Any] = {
-            name: str(value).split(",")
-            if template["Parameters"][name]["Type"] == "CommaDelimitedList"
-            else str(value)
-            for name, value in values.items()
-        }
         translated = translate(template, {k: str(v) for k, v in values.items()})
-        self._conditions = translated.get("Conditions", {})
-        self._decided: dict[str, bool] = {}
+        super().__init__(
+            translated.get("Conditions", {}),
+            {
+                name: str(value).split(",")
+                if template["Parameters"][name]["Type"] == "CommaDelimitedList"
+                else str(value)
+                for name, value in values.items()
+            },
+        )
         self.resources: dict[str, dict[str, Any]] = {
             name: self._resolve(resource)
             for name, resource in translated["Resources"].items()
             if "Condition" not in resource or self.condition(resource["Condition"])
         }
-
-    def condition(self, name: str) -> bool:
-        if name not in self._decided:
-            self._decided[name] = self._holds(self._conditions[name])
-        return self._decided[name]
-
-    def _holds(self, expression: Any) -> bool:
-        ((function, argument),) = expression.items()
-        if function == "Fn::Equals":
-            left, right = (self._value(a) for a in argument)
-            return bool(left == right)
-        if function == "Fn::Not":
-            return not self._holds(argument[0])
-        if function == "Fn::And":
-            return all(self._holds(a) for a in argument)
-        if function == "Fn::Or":
-            return any(self._holds(a) for a in argument)
-        if function == "Condition":
-            return self.condition(argument)
-        raise AssertionError(f"a condition function this resolver does not know: {function}")
-
-    def _value(self, expression: Any) -> Any:
-        if isinstance(expression, str | int):
-            return str(expression)
-        if set(expression) == {"Ref"}:
-            return self.parameters[expression["Ref"]]
-        if set(expression) == {"Fn::Join"}:
-            separator, items = expression["Fn::Join"]
-            return separator.join(self._value(items))
-        raise AssertionError(f"a condition value this resolver does not know: {expression}")
 
     def _resolve(self, node: Any) -> Any:
         if isinstance(node, list):
@@ -148,8 +120,8 @@ class Deployment:
             return self._resolve(when_true if self.condition(name) else when_false)
         if node == {"Ref": "AWS::NoValue"}:
             return _NO_VALUE
-        if set(node) == {"Ref"} and node["Ref"] in self.parameters:
-            return self.parameters[node["Ref"]]
+        if set(node) == {"Ref"} and node["Ref"] in self.values:
+            return self.values[node["Ref"]]
         resolved = {key: self._resolve(value) for key, value in node.items()}
         return {key: value for key, value in resolved.items() if value is not _NO_VALUE}
 

@@ -96,9 +96,7 @@ class Conditions:
             return any(self._holds(a) for a in argument)
         if function == "Condition":
             return self.condition(argument)
-        raise AssertionError(
-            f"a condition function these tests do not know: {function}"
-        )
+        raise AssertionError(f"a condition function these tests do not know: {function}")
 
     def _value(self, expression: Any) -> Any:
         if isinstance(expression, str | int):
@@ -108,9 +106,7 @@ class Conditions:
         if set(expression) == {"Fn::Join"}:
             separator, items = expression["Fn::Join"]
             return separator.join(self._value(items))
-        raise AssertionError(
-            f"a condition value these tests do not know: {expression}"
-        )
+        raise AssertionError(f"a condition value these tests do not know: {expression}")
 
 
 class Rendering(Conditions):

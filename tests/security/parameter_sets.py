@@ -108,6 +108,23 @@ class Conditions:
             return separator.join(self._value(items))
         raise AssertionError(f"a condition value these tests do not know: {expression}")
 
+    def _resolve(self, node: Any) -> Any:
+        """``node`` with each Fn::If decided, AWS::NoValue dropped and parameter Refs read."""
+        if isinstance(node, list):
+            items = [self._resolve(item) for item in node]
+            return [item for item in items if item is not _NO_VALUE]
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"Fn::If"}:
+            name, when_true, when_false = node["Fn::If"]
+            return self._resolve(when_true if self.condition(name) else when_false)
+        if node == {"Ref": "AWS::NoValue"}:
+            return _NO_VALUE
+        if set(node) == {"Ref"} and node["Ref"] in self.values:
+            return self.values[node["Ref"]]
+        resolved = {key: self._resolve(value) for key, value in node.items()}
+        return {key: value for key, value in resolved.items() if value is not _NO_VALUE}
+
 
 class Rendering(Conditions):
     """``template`` (a plain dict, as cfn-lint's decoder reads it) for one parameter set."""
@@ -144,19 +161,3 @@ class Rendering(Conditions):
         if "Globals" in template:
             rendered["Globals"] = self._resolve(template["Globals"])
         return rendered
-
-    def _resolve(self, node: Any) -> Any:
-        if isinstance(node, list):
-            items = [self._resolve(item) for item in node]
-            return [item for item in items if item is not _NO_VALUE]
-        if not isinstance(node, dict):
-            return node
-        if set(node) == {"Fn::If"}:
-            name, when_true, when_false = node["Fn::If"]
-            return self._resolve(when_true if self.condition(name) else when_false)
-        if node == {"Ref": "AWS::NoValue"}:
-            return _NO_VALUE
-        if set(node) == {"Ref"} and node["Ref"] in self.values:
-            return self.values[node["Ref"]]
-        resolved = {key: self._resolve(value) for key, value in node.items()}
-        return {key: value for key, value in resolved.items() if value is not _NO_VALUE}

@@ -82,8 +82,6 @@ TRACING = {"EnableTracing": "true"}
 KMS_KEY = {"SecretsKmsKeyId": "1234abcd-12ab-34cd-56ef-1234567890ab"}
 BOUNDARY_ARN = "arn:aws:iam::123456789012:policy/workload-boundary"
 
-_NO_VALUE = object()
-
 
 class Deployment(Conditions):
     """template.yaml as CloudFormation would create it for one set of parameter values."""
@@ -108,22 +106,6 @@ class Deployment(Conditions):
             for name, resource in translated["Resources"].items()
             if "Condition" not in resource or self.condition(resource["Condition"])
         }
-
-    def _resolve(self, node: Any) -> Any:
-        if isinstance(node, list):
-            items = [self._resolve(item) for item in node]
-            return [item for item in items if item is not _NO_VALUE]
-        if not isinstance(node, dict):
-            return node
-        if set(node) == {"Fn::If"}:
-            name, when_true, when_false = node["Fn::If"]
-            return self._resolve(when_true if self.condition(name) else when_false)
-        if node == {"Ref": "AWS::NoValue"}:
-            return _NO_VALUE
-        if set(node) == {"Ref"} and node["Ref"] in self.values:
-            return self.values[node["Ref"]]
-        resolved = {key: self._resolve(value) for key, value in node.items()}
-        return {key: value for key, value in resolved.items() if value is not _NO_VALUE}
 
     def of_type(self, resource_type: str) -> dict[str, dict[str, Any]]:
         return {

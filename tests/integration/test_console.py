@@ -27,12 +27,14 @@ def test_the_overview_counts_what_the_commands_count(kit: Harness) -> None:
     dlq = _cli_json(kit, "dlq")
     stuck = _cli_json(kit, "claims", "stuck")
     deferred = _cli_json(kit, "claims", "list", "--state", "deferred")
-    assert isinstance(dlq, dict) and isinstance(stuck, list) and isinstance(deferred, list)
+    assert isinstance(dlq, dict)
+    assert isinstance(stuck, list)
+    assert isinstance(deferred, list)
     assert count_on(html, "dead-letters") == dlq["unresolved"] == 2
     assert count_on(html, "stuck") == len(stuck) == 1
     assert count_on(html, "deferred") == len(deferred) == 1
     # And a read-only console offers no action
-    assert "<form method=\"post\"" not in html
+    assert '<form method="post"' not in html
 
 
 def test_a_post_without_the_token_or_from_another_site_is_refused_and_changes_nothing(

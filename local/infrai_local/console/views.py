@@ -205,7 +205,8 @@ def _guard_requests(app: Flask, guard: Guard) -> None:
             "frame-ancestors 'none'; base-uri 'none'"
         )
         response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
+        # "no-referrer" would make the browser send `Origin: null` with the console's own forms.
+        response.headers["Referrer-Policy"] = "same-origin"
         response.headers["Cache-Control"] = "no-store"
         return response
 

@@ -17,6 +17,7 @@ from drainkit import OPERATOR, Harness
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.wait import WebDriverWait
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -40,6 +41,11 @@ def browser() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
+def shows(browser: webdriver.Chrome, text: str) -> None:
+    """Wait (10 s at most) for the page a click led to: a form's POST answers after the click."""
+    WebDriverWait(browser, 10).until(lambda driver: text in driver.page_source)
+
+
 def test_the_operator_redrives_a_dead_letter_and_resolves_a_stuck_claim(
     kit: Harness, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
@@ -59,24 +65,27 @@ def test_the_operator_redrives_a_dead_letter_and_resolves_a_stuck_claim(
 
         # When they select one dead letter, preview its redrive, and redrive it
         browser.find_element(By.LINK_TEXT, "Dead letters").click()
+        shows(browser, 'tr class="dead-letter"')
         rows = browser.find_elements(By.CSS_SELECTOR, "tr.dead-letter")
         assert len(rows) == 2
         browser.find_element(By.CSS_SELECTOR, f'input[name="m"][value="{letter}"]').click()
         browser.find_element(By.ID, "preview").click()
+        shows(browser, "Redrive preview")
         would_run = browser.find_elements(By.CSS_SELECTOR, "tr.would-run")
         assert [row.text.split()[0] for row in would_run] == [letter]
         browser.find_element(By.ID, "redrive").click()
-        assert "infrai-jobs redrive" in browser.page_source
+        shows(browser, "infrai-jobs redrive")
 
         # And they resolve the stuck claim as done, with the provider's id
         browser.find_element(By.LINK_TEXT, "Stuck claims").click()
+        shows(browser, 'tr class="stuck-claim"')
         (stuck_row,) = browser.find_elements(By.CSS_SELECTOR, "tr.stuck-claim")
         assert seeded.stuck_key in stuck_row.text
         browser.save_screenshot(str(tmp_path / "stuck.png"))
         stuck_row.find_element(By.XPATH, ".//summary[text()='Resolve done']").click()
         stuck_row.find_element(By.NAME, "result").send_keys('{"mail_id": "m-42"}')
         stuck_row.find_element(By.CSS_SELECTOR, "button.resolve-done").click()
-        assert "infrai-jobs claims resolve" in browser.page_source
+        shows(browser, "infrai-jobs claims resolve")
         browser.save_screenshot(str(tmp_path / "resolved.png"))
 
     # Then the ledger has the one letter redriven and the other unresolved

@@ -34,7 +34,20 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local functions
 
-test: lint typecheck $(CHECKOV_STAMP)
+# The console's browser test (tests/integration/test_console_browser.py) drives the OS's
+# headless Chromium through its chromedriver: Debian's packages, installed here when missing
+# (as root, or through sudo), so that `make test` on a fresh machine needs nothing else.
+.PHONY: browser
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		echo "installing Debian's chromium and chromium-driver for the console's browser test"; \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+			chromium chromium-driver; \
+	fi
+
+test: lint typecheck $(CHECKOV_STAMP) browser
 	$(BIN)/pytest
 
 test-unit: $(STAMP)

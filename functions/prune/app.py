@@ -41,6 +41,5 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     return {
         "deleted": result.deleted,
         "batches": result.batches,
-        "outbox_deleted": result.outbox_deleted,
         "older_than_days": settings.retention_days,
     }

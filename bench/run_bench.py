@@ -300,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         "messages per drain of what a limited job costs (flow_bench.py), about a minute at the "
         "default %(default)s",
     )
+    _add_skippable(
+        parser,
+        "--outbox-jobs",
+        300,
+        "intents of the outbox's cost (outbox_bench.py): enqueue in a producer's transaction, "
+        "the relay against direct publishing, commit -> publish (%(default)s)",
+    )
     parser.add_argument(
         "--flow-rounds",
         type=_positive,
@@ -361,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
     second_layer: dict[str, Any] | None = None
     scale: dict[str, Any] | None = None
     flow: dict[str, Any] | None = None
+    outbox: dict[str, Any] | None = None
     args.out.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="infrai-bench-") as scratch,
@@ -403,6 +411,13 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
                 second_layer = _second_layer(args, bench)
             if args.flow_jobs > 0:
                 flow = _flow(args, bench)
+            if args.outbox_jobs > 0:
+                import outbox_bench  # noqa: PLC0415
+
+                outbox = outbox_bench.measure(
+                    bench.server_url, bench.emulator, args.outbox_jobs, bench.latency_ms
+                )
+                print(outbox_bench.summary_text(outbox), file=sys.stderr)
         finally:
             emulator.stop()
 
@@ -421,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
         scale=scale,
         flow=flow,
     )
+    if outbox is not None:
+        document["outbox"] = outbox
     paths = report.write_all(document, args.out, args.docs)
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)

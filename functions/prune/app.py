@@ -33,7 +33,10 @@ def dependencies() -> tuple[PruneSettings, ClaimsAdmin]:
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     settings, admin = dependencies()
     result = admin.prune(older_than_days=settings.retention_days)
-    logger.info("pruned settled claims", extra={"action": "prune", "deleted": result.deleted})
+    logger.info(
+        "pruned settled claims and outbox rows",
+        extra={"action": "prune", "deleted": result.deleted, "outbox": result.outbox_deleted},
+    )
     metrics.add_metric(name="ClaimsPruned", unit=MetricUnit.Count, value=result.deleted)
     return {
         "deleted": result.deleted,

@@ -81,6 +81,7 @@ from infrai_local.migrations import (
     installed_job_migrations,
 )
 from infrai_local.operator import OperatorLedger, default_actor
+from infrai_local.outbox_cli import add_outbox_commands, run_outbox
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
@@ -421,6 +422,7 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.set_defaults(command=_cmd_drain)
 
     add_ops_commands(sub)
+    add_outbox_commands(sub, run_outbox)
 
     stats = sub.add_parser("stats", help="show a queue's counters")
     stats.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")

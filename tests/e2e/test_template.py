@@ -25,9 +25,15 @@ from samtranslator.translator.translator import Translator  # type: ignore[impor
 
 from infrai_jobs.drain.model import DrainSummary
 from infrai_jobs.operations.alerting import AlertReport, StuckClaims
+from infrai_jobs.outbox.relay import RelayReport
+from infrai_jobs.outbox.status import OutboxStatus
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
-from infrai_jobs.runtime.observability import record_alert_check, record_drain
+from infrai_jobs.runtime.observability import (
+    record_alert_check,
+    record_drain,
+    record_outbox_relay,
+)
 from infrai_local.sam_template import parse_parameter_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,7 +275,12 @@ def test_every_scheduled_function_pages_when_it_fails_and_the_watcher_when_silen
         for name, props in functions(template).items()
         if any(e["Type"] in ("Schedule", "ScheduleV2") for e in props.get("Events", {}).values())
     }
-    assert scheduled == {"DrainFunction", "DlqAlertFunction", "PruneFunction"}
+    assert scheduled == {
+        "DrainFunction",
+        "DlqAlertFunction",
+        "PruneFunction",
+        "OutboxRelayFunction",
+    }
     alarms = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
 
     def watched(metric: str) -> set[str]:
@@ -393,6 +404,7 @@ SAMPLE_EVENTS = {
     "DrainFunction": "drain-schedule.json",
     "DlqAlertFunction": "dlq-alert-schedule.json",
     "PruneFunction": "prune-schedule.json",
+    "OutboxRelayFunction": "outbox-relay-schedule.json",
 }
 
 
@@ -493,6 +505,8 @@ def emitted_metrics(
     metrics.flush_metrics()
     record_drain(metrics, queue, DrainSummary())
     metrics.flush_metrics()
+    record_outbox_relay(metrics, RelayReport(), OutboxStatus(0, 0.0, 0, 0, 0))
+    metrics.flush_metrics()
     found: dict[str, tuple[str, dict[str, str]]] = {}
     for line in capsys.readouterr().out.splitlines():
         document = json.loads(line)
@@ -543,7 +557,7 @@ def test_every_schedule_is_an_eventbridge_scheduler_schedule_set_deliberately() 
         for event_name, event in props.get("Events", {}).items()
         if event["Type"] in ("Schedule", "ScheduleV2")
     }
-    assert len(events) == 3, events
+    assert len(events) == 4, events
     for name, event in events.items():
         props = event["Properties"]
         # When its type and properties are read
@@ -833,3 +847,26 @@ def test_the_drain_fans_out_within_its_reserved_concurrency_without_async_retrie
     # And idle polling is opt-in, its window below the one-minute schedule
     assert parameter_default(template, variables["DRAIN_IDLE_POLL_MS"]) == 0
     assert parameter_default(template, variables["DRAIN_IDLE_WINDOW_SECONDS"]) < 60
+
+
+def test_the_oldest_outbox_row_pages_past_its_parameter_and_is_on_the_dashboard(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the outbox alarm, the dashboard, and what the relay's code emits
+    template = load_template()
+    emitted = emitted_metrics(template, capsys)
+    # When the alarm's series is compared with the relay's
+    # Then it reads that series and pages above its parameter, and when the relay goes silent
+    props = alarm_reading_emitted(template, emitted, "OldestOutboxAlarm", "OldestOutboxAgeSeconds")
+    assert props["Threshold"] == {"Ref": "OutboxAgeAlarmSeconds"}
+    assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
+    assert props["TreatMissingData"] == "breaching"
+    assert "infrai-jobs outbox status" in " ".join(props["AlarmDescription"].split())
+    # And the dashboard charts the backlog and the oldest row beside the alarm
+    charted, shown_alarms = dashboard_charts_and_alarms(template)
+    assert {"OutboxPending", "OldestOutboxAgeSeconds", "OutboxPublished"} <= charted
+    assert "<OldestOutboxAlarm.Arn>" in shown_alarms
+    # And the relay runs every minute by default, one at a time
+    relay = template["Resources"]["OutboxRelayFunction"]["Properties"]
+    assert template["Parameters"]["OutboxRelayScheduleRate"]["Default"] == "rate(1 minute)"
+    assert relay["ReservedConcurrentExecutions"] == 1

@@ -58,15 +58,22 @@ ALLOWED_SERVICES = {
     "DlqAlertFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "sns", "dynamodb"},
     "RedriveFunctionRole": {"logs", "ssm", "secretsmanager", "kms"},
     "PruneFunctionRole": {"logs", "secretsmanager", "kms"},
+    "OutboxRelayFunctionRole": {"logs", "ssm", "secretsmanager", "kms"},
     # The role EventBridge Scheduler invokes the scheduled functions with.
     "SchedulerRole": {"lambda"},
 }
-SCHEDULED_FUNCTIONS = {"DrainFunction", "DlqAlertFunction", "PruneFunction"}
+SCHEDULED_FUNCTIONS = {
+    "DrainFunction",
+    "DlqAlertFunction",
+    "PruneFunction",
+    "OutboxRelayFunction",
+}
 FUNCTION_ROLES = {
     "DrainFunctionRole",
     "DlqAlertFunctionRole",
     "RedriveFunctionRole",
     "PruneFunctionRole",
+    "OutboxRelayFunctionRole",
 }
 
 BASIC_EXECUTION = "service-role/AWSLambdaBasicExecutionRole"
@@ -404,6 +411,7 @@ def test_every_kms_grant_holds_only_through_the_service_that_uses_the_key() -> N
         "DlqAlertFunctionRole": [{"sns.${AWS::Region}.amazonaws.com"}, secrets],
         "RedriveFunctionRole": [secrets],
         "PruneFunctionRole": [{"secretsmanager.${AWS::Region}.amazonaws.com"}],
+        "OutboxRelayFunctionRole": [secrets],
     }
     for role, services in expected.items():
         granted = [

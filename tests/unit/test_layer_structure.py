@@ -40,6 +40,7 @@ FLOORS: dict[str, int] = {
     "ledger": 2,
     "aws": 3,
     "flow": 3,
+    "outbox": 3,
     "drain": 4,
     "operations": 4,
     "runtime": 5,

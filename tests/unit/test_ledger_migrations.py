@@ -11,7 +11,7 @@ from infrai_local.migrations import LATEST_VERSION, LEDGER_FOLDER, LEDGER_MIGRAT
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The names infrai_jobs_schema holds for versions 1 to 8 in every database migrated so far: the
+# The names infrai_jobs_schema holds for versions 1 to 9 in every database migrated so far: the
 # contract with them. A file is never renamed; a new version only adds a name.
 RECORDED_NAMES = [
     "claim ledger",
@@ -22,6 +22,7 @@ RECORDED_NAMES = [
     "dead letters",
     "flow control",
     "deferred run begun",
+    "outbox",
 ]
 
 

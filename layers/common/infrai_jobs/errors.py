@@ -147,6 +147,19 @@ class EffectUncertain(JobError):
     """
 
 
+# --- The producers' outbox --------------------------------------------------------------------
+
+
+class OutboxError(InfraiJobsError):
+    """The outbox cannot take this intent as asked (not inside a transaction, a ``key=`` that
+    contradicts the payload's own); nothing was written."""
+
+
+class OutboxKeyConflict(OutboxError):
+    """The outbox already holds this key with different work (another payload fingerprint):
+    a second intent under one key, never treated as a retry of the first."""
+
+
 # --- The claim ledger -------------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 This is the only module that reads the package's settings from the environment (Powertools'
 own variables aside). ``CommonSettings`` holds what every function reads (Infrai's URL and key,
 the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
-``AlertSettings``, ``RedriveSettings`` and ``PruneSettings`` add what only their function reads.
+``AlertSettings``, ``RedriveSettings``, ``PruneSettings`` and ``OutboxRelaySettings`` add what
+only their function reads.
 A handler, or a CLI command, calls ``from_env()`` of its type once (one loader,
 ``load_settings``); everything below receives values, not ``os.environ``.
 
@@ -278,6 +279,15 @@ class PruneSettings(CommonSettings):
     retention_days: int = 30
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxRelaySettings(CommonSettings):
+    """OutboxRelayFunction's (and ``infrai-jobs outbox``'s): where the outbox lives (the
+    ledger's database unless OUTBOX_DATABASE_URL names the producers' own) and the batch size."""
+
+    outbox_database_url: str = field(default="", repr=False)
+    outbox_batch_size: int = 25
+
+
 # --- The one loader ------------------------------------------------------------------------------
 
 
@@ -302,6 +312,11 @@ def load_settings(
         values.update(_alert_fields(env, queue=str(values["queue"])))
     if issubclass(kind, PruneSettings):
         values.update(retention_days=_retention_days(env))
+    if issubclass(kind, OutboxRelaySettings):
+        values.update(
+            outbox_database_url=env.get("OUTBOX_DATABASE_URL", "").strip(),
+            outbox_batch_size=_int(env, "OUTBOX_BATCH_SIZE", 25, minimum=1),
+        )
     settings = kind(**values)
     if isinstance(settings, JobSettings):
         _check_second_layer(settings)

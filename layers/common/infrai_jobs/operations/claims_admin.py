@@ -29,12 +29,15 @@ from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.ledger.postgres import LedgerAdapter, record_history
 from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
 from infrai_jobs.operations.dead_letters import DeadLetterStore
+from infrai_jobs.outbox.status import prune_settled
 
 
 @dataclass(frozen=True, slots=True)
 class PruneResult:
     deleted: int
     batches: int
+    # Published (and dead) outbox rows past the same retention.
+    outbox_deleted: int = 0
 
 
 _DELETE_FAILED: LiteralString = """
@@ -242,7 +245,8 @@ class ClaimsAdmin(LedgerAdapter):
                 deleted += cursor.rowcount
                 if cursor.rowcount < batch_size:
                     break
-        return PruneResult(deleted, batches)
+            outbox = prune_settled(conn, older_than_days=older_than_days, batch_size=batch_size)
+        return PruneResult(deleted, batches, outbox)
 
     def _deferred(self, statement: LiteralString, params: dict[str, Any]) -> list[DeferredJob]:
         with (

@@ -20,6 +20,7 @@ from infrai_jobs.config.settings import (
     CommonSettings,
     DrainSettings,
     JobSettings,
+    OutboxRelaySettings,
 )
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from infrai_jobs.jobs.registry import JobRegistry
     from infrai_jobs.operations.alerting import AlertCheck, Alerter
     from infrai_jobs.operations.claims_admin import ClaimsAdmin
+    from infrai_jobs.outbox.relay import OutboxRelay
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,4 +228,41 @@ def make_effect_guard(settings: JobSettings) -> SecondLayer | None:
         store = second_layer.redis_store(settings.redis_url)
     return second_layer.SecondLayer(
         store, expires_after_seconds=second_layer.record_expiry_seconds(settings.retention_days)
+    )
+
+
+def outbox_connector(
+    settings: OutboxRelaySettings, *, refresh: SecretRefresh | None = None
+) -> LedgerConnector:
+    """The outbox's database: OUTBOX_DATABASE_URL when set (the producers' own), else the
+    ledger's."""
+    if settings.outbox_database_url:
+        reason = malformed_reason(settings.outbox_database_url)
+        if reason:
+            raise ConfigurationError(f"OUTBOX_DATABASE_URL is malformed: {reason}")
+        return LedgerConnector(settings.outbox_database_url, application_name="infrai-jobs-outbox")
+    return LedgerConnector(
+        ledger_url(settings),
+        application_name="infrai-jobs-outbox",
+        refresh=refresh.database_url if refresh else None,
+    )
+
+
+def make_outbox_relay(
+    settings: OutboxRelaySettings, queue: InfraiClient, *, refresh: SecretRefresh | None = None
+) -> OutboxRelay:
+    """OutboxRelayFunction's relay (and ``infrai-jobs outbox relay``'s): the outbox's database,
+    the queue client, and the ledger's database for the dead letters it records."""
+    from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig  # noqa: PLC0415
+
+    ledger = LedgerConnector(
+        ledger_url(settings),
+        application_name="infrai-jobs-outbox",
+        refresh=refresh.database_url if refresh else None,
+    )
+    return OutboxRelay(
+        outbox_connector(settings, refresh=refresh),
+        queue,
+        RelayConfig(default_queue=settings.queue, batch_size=settings.outbox_batch_size),
+        dead_letters=ledger,
     )

@@ -28,6 +28,8 @@ from infrai_jobs.ledger.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
     from infrai_jobs.operations.alerting import AlertReport
+    from infrai_jobs.outbox.relay import RelayReport
+    from infrai_jobs.outbox.status import OutboxStatus
 
 PACKAGE_LOGGER = "infrai_jobs"
 
@@ -200,3 +202,17 @@ RECONCILE_METRICS = {
     NOT_DONE: "ReconciledNotDone",
     UNKNOWN: "ReconciledUnknown",
 }
+
+
+def record_outbox_relay(metrics: Metrics, report: RelayReport, status: OutboxStatus) -> None:
+    """One relay pass, and the outbox after it: OldestOutboxAlarm pages on the oldest pending
+    row's age (zero included, so the alarm sees a steady series)."""
+    metrics.add_metric(name="OutboxPublished", unit=MetricUnit.Count, value=report.published)
+    metrics.add_metric(name="OutboxRetried", unit=MetricUnit.Count, value=report.retried)
+    metrics.add_metric(name="OutboxDeadLettered", unit=MetricUnit.Count, value=report.dead)
+    metrics.add_metric(name="OutboxPending", unit=MetricUnit.Count, value=status.pending)
+    metrics.add_metric(
+        name="OldestOutboxAgeSeconds",
+        unit=MetricUnit.Seconds,
+        value=status.oldest_pending_age_seconds,
+    )

@@ -10,6 +10,9 @@
    completes it, the DLQ returns to zero and the alert resolves.
 5. An irreversible receipt whose outcome is unknown (the mail provider answers 503) stays
    ``running`` and is flagged for a human instead of being sent twice.
+6. A producer enqueues ``inv_8814`` in its own transaction through the outbox and retries it
+   twice: one outbox row, one publish. The producer then "dies" right after its commit, before
+   anything was published: OutboxRelayFunction publishes it anyway, and the drain finalizes it.
 
 Every step drains through ``infrai-jobs invoke DrainFunction`` (the handler in a child process,
 as Lambda would run it). The story's facts are returned as a ``DemoReport`` so a test can assert
@@ -34,6 +37,7 @@ from typing import Any
 import psycopg
 import urllib3
 
+from infrai_jobs import outbox
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import (
@@ -43,7 +47,7 @@ from infrai_local.embedded_db import (
     scratch_database,
 )
 from infrai_local.invoke import invoke, resolve
-from infrai_local.jobs_package import project_root
+from infrai_local.jobs_package import load_registry, project_root
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
 
@@ -171,6 +175,7 @@ def run_story(root: Path, report: DemoReport) -> DemoReport:
         _chapter_poison_to_dlq(stage, report)
         _chapter_redrive_after_fix(stage, report)
         _chapter_unknown_outcome(stage, report)
+        _chapter_outbox(stage, report)
     report.facts["seconds"] = round(time.monotonic() - started, 1)
     report.say(f"\ndone in {report.facts['seconds']} s; everything started was stopped")
     return report
@@ -322,6 +327,42 @@ def _chapter_unknown_outcome(stage: _Stage, report: DemoReport) -> None:
     report.say(
         "it stays running and flagged; after checking the mailbox a human runs "
         "`infrai-jobs claims resolve receipt.send:inv_8812 --done` (or --failed)"
+    )
+
+
+def _chapter_outbox(stage: _Stage, report: DemoReport) -> None:
+    report.say("\n== 6. A producer with the outbox: a retry, then a crash after its commit ==")
+    registry = load_registry(str(stage.root / "functions"))
+    payload = {"job": "invoice.finalize", "invoice_id": "inv_8814", "amount_cents": 4100}
+    queued_at_start = stage.client.stats(QUEUE).message_count
+    # The API handler's business write and its job commit together; its HTTP client retries
+    # the whole request twice (a stalled connection), and the process dies right after the
+    # last commit, before it could publish anything itself.
+    for _ in range(3):
+        with psycopg.connect(stage.database_url) as conn, conn.transaction():
+            conn.execute(
+                "INSERT INTO invoices (id) VALUES ('inv_8814') ON CONFLICT (id) DO NOTHING"
+            )
+            outbox.enqueue(conn, payload, registry=registry)
+    rows = stage.sql("SELECT count(*) FROM outbox WHERE idem_key = 'invoice.finalize:inv_8814'")
+    published_by_producer = stage.client.stats(QUEUE).message_count - queued_at_start
+    relayed = stage.function("OutboxRelayFunction", "outbox-relay-schedule.json")
+    summary = stage.drain_function()
+    claim = stage.claim("invoice.finalize:inv_8814")
+    report.facts["outbox"] = {
+        "outbox_rows": rows[0][0],
+        "published_by_producer": published_by_producer,
+        "relay": relayed,
+        "summary": summary,
+        "claim": claim,
+    }
+    report.say(
+        f"enqueued 3 times in 3 committed transactions: {rows[0][0]} outbox row; "
+        f"{published_by_producer} new message(s) in the queue before the relay ran"
+    )
+    report.say(
+        f"OutboxRelayFunction: published {relayed.get('published')}; DrainFunction: outcomes "
+        f"{outcome_words(summary['outcomes'])}; claim {claim_words(claim)}"
     )
 
 

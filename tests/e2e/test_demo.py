@@ -55,6 +55,15 @@ def test_the_field_notes_story_holds_when_told_from_any_folder(tmp_path: Path) -
     assert error.startswith("effect uncertain")
     assert facts["uncertain"]["summary"]["acked"] == 0
 
+    # And the producer's three enqueues of one intent made one outbox row and one publish,
+    # published by the relay although the producer never published anything itself
+    produced = facts["outbox"]
+    assert produced["outbox_rows"] == 1
+    assert produced["published_by_producer"] == 0
+    assert produced["relay"]["published"] == 1
+    assert produced["summary"]["outcomes"] == {"done": 1}
+    assert produced["claim"][0] == "done"
+
     # And the story was told on stdout, claims and outcomes in words, never as Python values
     assert "A producer retry" in told.stdout
     story = told.stdout.strip().rsplit("\n", 1)[0]

@@ -166,7 +166,9 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     show.add_argument("key")
     show.add_argument("--json", action="store_true")
     show.set_defaults(ops_command="claims_show")
-    stuck = csub.add_parser("stuck", help="running claims a human must look at")
+    stuck = csub.add_parser(
+        "stuck", help="running claims, and deferred runs left for a human, a human must look at"
+    )
     stuck.add_argument("--older-than", type=parse_duration, default=900)
     stuck.add_argument("--json", action="store_true")
     stuck.set_defaults(ops_command="claims_stuck")
@@ -602,7 +604,7 @@ def _claims(
         )
         return _rows_out(rows, args.json, out)
     if command == "claims_stuck":
-        return _rows_out(admin.stuck(threshold_seconds=args.older_than), args.json, out)
+        return _stuck_out(admin, args.older_than, args.json, out)
     if command == "claims_show":
         return _show(args, admin, out)
     if command == "claims_resolve":
@@ -755,6 +757,35 @@ def _parse_result(text: str) -> Any:
 
 def _rows_out(rows: Iterable[ClaimRow], as_json: bool, out: TextIO) -> int:
     documents = [claim_as_dict(r) for r in rows]
+    _emit(documents, as_json, lambda: print_table(documents, CLAIM_COLUMNS, out), out)
+    return EXIT_OK
+
+
+def _stuck_out(admin: OperatorLedger, older_than: int, as_json: bool, out: TextIO) -> int:
+    """Everything running that a human must look at: stuck claims, then deferred runs left for
+    a human (an irreversible run that began its call and whose lease ran out). Both are
+    settled with the same commands (`claims resolve`, `claims release`, `claims reconcile`);
+    ``kind`` tells them apart."""
+    documents = [
+        {**claim_as_dict(r), "kind": "claim"} for r in admin.stuck(threshold_seconds=older_than)
+    ]
+    for job in admin.stuck_deferred():
+        documents.append(
+            {
+                "idem_key": job.idem_key,
+                "state": job.state,
+                "message_id": job.message_id,
+                "job": job.job,
+                "effect": job.effect,
+                "claim_token": str(job.lease_token) if job.lease_token else None,
+                "lease_until": job.lease_until.isoformat() if job.lease_until else None,
+                "attempts": job.attempts,
+                "claimed_at": job.updated_at.isoformat(),
+                "error": "deferred run left for a human: it began its call and its lease ran "
+                f"out (last error: {job.last_error or 'none'})",
+                "kind": "deferred_run",
+            }
+        )
     _emit(documents, as_json, lambda: print_table(documents, CLAIM_COLUMNS, out), out)
     return EXIT_OK
 

@@ -529,3 +529,25 @@ def test_a_probe_that_says_done_under_a_live_lease_leaves_the_run_to_its_drain(
     claims = json.loads(by_name.stdout)["claims"]
     assert [(c["answer"], c["action"]) for c in claims] == [("done", "lease_live")]
     assert deferred_state(kit, key) == "running"
+
+
+def test_claims_stuck_lists_a_deferred_run_left_for_a_human_beside_the_stuck_claims(
+    kit: Harness,
+) -> None:
+    # Given a stuck claim and a deferred receipt run whose drain died inside the call
+    claim_key = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_stuck_claim"})
+    run_key = seed_stuck_deferred_run(kit, {**RECEIPT, "invoice_id": "inv_stuck_run"})
+    # When the on-call lists what is stuck, for a script and for a person
+    listed = run_cli(kit, "claims", "stuck", "--json")
+    table = run_cli(kit, "claims", "stuck")
+    # Then both are there, told apart by kind, and the deferred run says why it waits
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["idem_key"]: row for row in json.loads(listed.stdout)}
+    assert {key: row["kind"] for key, row in rows.items()} == {
+        claim_key: "claim",
+        run_key: "deferred_run",
+    }
+    assert rows[run_key]["error"].startswith("deferred run left for a human")
+    assert table.returncode == 0, table.stderr
+    assert run_key in table.stdout
+    assert claim_key in table.stdout

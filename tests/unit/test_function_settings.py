@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,11 @@ from infrai_jobs.config.settings import (
     AlertSettings,
     CommonSettings,
     DrainSettings,
+    OutboxRelaySettings,
     PruneSettings,
     RedriveSettings,
 )
+from infrai_jobs.config.table import settings_table
 from infrai_jobs.errors import ConfigurationError
 from infrai_local.sam_template import load_template, resolve_function
 from jobs import build_registry
@@ -120,6 +124,45 @@ def test_a_bad_value_fails_only_the_function_that_reads_it() -> None:
         AlertSettings.from_env(environ)
     # And the prune, which reads neither, is unaffected
     assert PruneSettings.from_env(environ).retention_days == 30
+
+
+SETTINGS_KINDS = (
+    CommonSettings,
+    DrainSettings,
+    AlertSettings,
+    RedriveSettings,
+    PruneSettings,
+    OutboxRelaySettings,
+)
+
+
+@pytest.mark.parametrize("kind", SETTINGS_KINDS, ids=lambda kind: kind.__name__)
+def test_a_settings_class_reads_exactly_the_variables_of_its_table(
+    kind: type[CommonSettings],
+) -> None:
+    # Given a settings class's table
+    table = settings_table(kind)
+    # When its settings are read from an empty environment
+    environ = _Recording({})
+    kind.from_env(environ)
+    # Then every field but the jobs' declared settings is a row, each variable once
+    fields_not_rows = {f.name for f in fields(kind)} - {row.field_name for row in table}
+    assert fields_not_rows <= {"job_settings", "job_setting_owners"}
+    variables = [row.variable for row in table]
+    assert len(variables) == len(set(variables))
+    # And it read the rows' variables and nothing else (bar where Lambda puts the code)
+    assert environ.read - {"LAMBDA_TASK_ROOT"} == set(variables)
+
+
+def test_every_variable_a_function_reads_is_in_the_configuration_doc() -> None:
+    # Given the environment variables section of docs/configuration.md
+    doc = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    section = doc.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]*)`", section))
+    # When listing every variable the functions' settings tables read
+    read = {row.variable for kind in SETTINGS_KINDS for row in settings_table(kind)}
+    # Then each is documented there
+    assert read - documented == set()
 
 
 def test_the_watcher_watches_the_drained_queue_unless_told_otherwise() -> None:

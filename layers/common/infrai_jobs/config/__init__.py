@@ -1,1 +1,1 @@
-"""Settings read once from the environment, and fetching a rotated secret again."""
+"""Settings, each declared once and read once from the environment; rotated secrets."""

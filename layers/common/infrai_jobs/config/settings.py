@@ -8,6 +8,13 @@ only their function reads.
 A handler, or a CLI command, calls ``from_env()`` of its type once (one loader,
 ``load_settings``); everything below receives values, not ``os.environ``.
 
+Each setting is declared once, as its field: ``setting(variable, default, parse)``
+(config/table.py) names the environment variable, the value when it is unset and the function
+that parses and checks its text. ``settings_table(kind)`` is that table, one row per field; the
+loader, the docs check (tests/unit/test_function_settings.py) and any listing of variables read
+it. Only the checks that span several fields (the second layer's) live apart, in
+``_check_second_layer``.
+
 The framework's own settings are named here. The jobs' settings are not: each job declares the
 ones it needs (``JobRegistry.declared_settings()``), and
 ``DrainSettings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless
@@ -33,6 +40,18 @@ from typing import Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
 from infrai_jobs.config.redis_url import check_redis_url, is_loopback_host, redis_lacks_auth
+from infrai_jobs.config.table import (
+    Parse,
+    Reading,
+    Setting,
+    parse_bool,
+    parse_int,
+    parse_text,
+    parse_verbatim,
+    read_table,
+    setting,
+    settings_table,
+)
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
@@ -44,6 +63,7 @@ DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 MAX_DRAIN_CONCURRENCY = 1000
 # Idle polling faster than this would spend Infrai's consume rate limit on an empty queue.
 MIN_IDLE_POLL_MS = 50
+ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
 
 # The ledger's TLS in AWS, strongest first: verify-full checks the certificate and the host name,
 # verify-ca the certificate only, require neither (an explicit, logged opt-out each).
@@ -59,6 +79,101 @@ _IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
     "redis": "redis",
 }
 
+_logger = logging.getLogger(__name__)
+
+
+def _web_url(example: str) -> Parse:
+    def parse(row: Setting, raw: str | None, reading: Reading) -> str:
+        url = parse_text(row, raw, reading)
+        if url:
+            allow_plain_http = bool(reading.value("allow_plain_http"))
+            check_web_url(row.variable, url, allow_plain_http=allow_plain_http, example=example)
+        return url
+
+    return parse
+
+
+def _queue(row: Setting, raw: str | None, reading: Reading) -> str:
+    queue = parse_text(row, raw, reading)
+    if not queue:
+        raise ConfigurationError(f"{row.variable} is empty; set it to the queue to drain")
+    return queue
+
+
+def _dlq(row: Setting, raw: str | None, reading: Reading) -> str:
+    queue = str(reading.value("queue"))
+    dlq = f"{queue}-dlq" if raw is None else raw.strip()
+    if dlq == queue:
+        raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
+    return dlq
+
+
+def _queue_names(row: Setting, raw: str | None, reading: Reading) -> tuple[str, ...]:
+    """Comma-separated names, each once; none means the drained queue."""
+    names = (name.strip() for name in (raw or "").split(","))
+    return tuple(dict.fromkeys(name for name in names if name)) or (reading.value("queue"),)
+
+
+def _database_sslmode(row: Setting, raw: str | None, reading: Reading) -> str:
+    mode = (raw or "").strip() or row.default
+    if mode not in DATABASE_SSLMODES:
+        raise ConfigurationError(
+            f"{row.variable}={mode!r} is not one of {', '.join(DATABASE_SSLMODES)}: modes that "
+            "allow plain text are never used for the ledger in AWS"
+        )
+    return str(mode)
+
+
+def _in_task_root(row: Setting, raw: str | None, reading: Reading) -> str:
+    """A relative path as Lambda sees it: under the function's code (LAMBDA_TASK_ROOT)."""
+    path = parse_text(row, raw, reading)
+    root = reading.env.get("LAMBDA_TASK_ROOT", "")
+    if not path or os.path.isabs(path) or not root:
+        return path
+    return os.path.join(root, path)
+
+
+def _backend(row: Setting, raw: str | None, reading: Reading) -> IdempotencyBackend:
+    name = (raw or "").strip().lower() or row.default
+    if name not in _IDEMPOTENCY_BACKENDS:
+        raise ConfigurationError(
+            f"{row.variable}={name!r} is not one of {', '.join(_IDEMPOTENCY_BACKENDS)}"
+        )
+    return _IDEMPOTENCY_BACKENDS[name]
+
+
+def _at_most_lanes(variable: str, lanes: int) -> None:
+    if lanes > MAX_DRAIN_LANES:
+        raise ConfigurationError(
+            f"{variable}={lanes} is above {MAX_DRAIN_LANES}; add concurrent invocations "
+            "instead (overlapping schedules are safe)"
+        )
+
+
+def _at_most_lambda_concurrency(variable: str, drains: int) -> None:
+    if drains > MAX_DRAIN_CONCURRENCY:
+        raise ConfigurationError(
+            f"{variable}={drains} is above {MAX_DRAIN_CONCURRENCY}, Lambda's default "
+            "concurrency limit"
+        )
+
+
+def _off_or_polite_poll(variable: str, poll_ms: int) -> None:
+    if 0 < poll_ms < MIN_IDLE_POLL_MS:
+        raise ConfigurationError(
+            f"{variable}={poll_ms} is below {MIN_IDLE_POLL_MS}: every poll is a consume call, "
+            "and Infrai rate-limits them (0 turns polling off)"
+        )
+
+
+def _retention_days() -> int:
+    # A function, not a shared field object: the prune and the second layer each declare the
+    # field, and dataclasses writes each field's name and type into its field object.
+    return setting("LEDGER_RETENTION_DAYS", 30, parse_int(minimum=1))
+
+
+# --- The settings --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class CommonSettings:
@@ -69,25 +184,28 @@ class CommonSettings:
     the command's) edge, once."""
 
     # Empty means "not configured": local commands then start an emulator; handlers refuse.
-    infrai_base_url: str = ""
-    infrai_api_key: str = field(default="", repr=False)
-    queue: str = DEFAULT_QUEUE
-    dlq: str = f"{DEFAULT_QUEUE}-dlq"
-    database_url: str = field(default="", repr=False)
+    infrai_base_url: str = setting("INFRAI_BASE_URL", "", _web_url(DEFAULT_BASE_URL))
+    infrai_api_key: str = setting("INFRAI_API_KEY", "", parse_verbatim, secret=True)
+    queue: str = setting("INFRAI_QUEUE", DEFAULT_QUEUE, _queue)
+    # Unset, it follows the queue: <queue>-dlq.
+    dlq: str = setting("INFRAI_DLQ", f"{DEFAULT_QUEUE}-dlq", _dlq)
+    database_url: str = setting("DATABASE_URL", "", parse_verbatim, secret=True)
     # In AWS the secrets are named here and fetched by infrai_jobs.aws.secrets.
-    api_key_parameter: str = ""
-    database_secret_arn: str = ""
+    api_key_parameter: str = setting("INFRAI_API_KEY_PARAMETER", "", parse_text)
+    database_secret_arn: str = setting("DATABASE_SECRET_ARN", "", parse_text)
     # The largest Infrai answer read (a consume of ten messages is one answer); a consume
     # whose answer is larger is lost, and its messages are then received one at a time.
-    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
-    publish_retries: bool = False
-    # Opt-out: plain HTTP to hosts that are not loopback (INFRAI_ALLOW_PLAIN_HTTP).
-    allow_plain_http: bool = False
+    max_answer_bytes: int = setting(
+        "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, parse_int(minimum=65_536)
+    )
+    publish_retries: bool = setting("INFRAI_PUBLISH_RETRIES", False, parse_bool)
+    # Opt-out: plain HTTP to hosts that are not loopback.
+    allow_plain_http: bool = setting(ALLOW_PLAIN_HTTP_ENV, False, parse_bool)
     # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
     # used as written): verify-full unless DATABASE_SSLMODE opts out, with the CA bundle file
     # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
-    database_sslmode: str = DEFAULT_DATABASE_SSLMODE
-    database_ca_bundle: str = ""
+    database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _database_sslmode)
+    database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
@@ -162,14 +280,14 @@ class JobSettings(CommonSettings):
     # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis. The
     # drain guards its jobs' effects with it; the watcher's reconcile pass drops a key's record
     # when it releases the claim, so both agree the job may run again.
-    idempotency_backend: IdempotencyBackend = "off"
-    idempotency_table: str = ""
+    idempotency_backend: IdempotencyBackend = setting("IDEMPOTENCY_BACKEND", "off", _backend)
+    idempotency_table: str = setting("IDEMPOTENCY_TABLE", "", parse_text)
     # May carry a password locally; the template only passes URLs without credentials, and the
     # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
-    redis_url: str = field(default="", repr=False)
-    redis_secret_arn: str = ""
+    redis_url: str = setting("REDIS_URL", "", parse_text, secret=True)
+    redis_secret_arn: str = setting("REDIS_SECRET_ARN", "", parse_text)
     # The second layer's records outlive the ledger's settled claims by a day.
-    retention_days: int = 30
+    retention_days: int = _retention_days()
 
     @classmethod
     def from_env(
@@ -224,46 +342,57 @@ class DrainSettings(JobSettings):
 
     # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
     # when the time left covers it (a receive burns one of three deliveries).
-    batch_budget_ms: int = 20_000
+    batch_budget_ms: int = setting("DRAIN_BATCH_BUDGET_MS", 20_000, parse_int(minimum=100))
     # How long an external claim's lease outlives the invocation that took it, in seconds;
     # never past its message's visibility window, whatever this says.
-    lease_grace_seconds: int = 60
+    lease_grace_seconds: int = setting("LEASE_GRACE_SECONDS", 60, parse_int(minimum=0))
     # The drained queue's visibility timeout: how long a consumed message stays hidden.
-    visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+    visibility_timeout_seconds: int = setting(
+        "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
+        DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+        parse_int(minimum=1),
+    )
     # Concurrent drain loops in one invocation, each with its own database connection.
-    drain_lanes: int = 1
+    drain_lanes: int = setting("DRAIN_LANES", 1, parse_int(minimum=1, check=_at_most_lanes))
     # Idle polling (opt-in): after an empty consume, wait this long and consume again while
     # the idle window and the time budget allow. 0 stops at the first empty consume.
-    drain_idle_poll_ms: int = 0
+    drain_idle_poll_ms: int = setting(
+        "DRAIN_IDLE_POLL_MS", 0, parse_int(minimum=0, check=_off_or_polite_poll)
+    )
     # Seconds after a drain starts during which it keeps polling an empty queue; below the
     # schedule's period, so about one poller is alive at a time. 0: the whole time budget.
-    drain_idle_window_seconds: int = 0
+    drain_idle_window_seconds: int = setting("DRAIN_IDLE_WINDOW_SECONDS", 0, parse_int(minimum=0))
     # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
     # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
-    drain_max_concurrency: int = 0
+    drain_max_concurrency: int = setting(
+        "DRAIN_MAX_CONCURRENCY", 0, parse_int(minimum=0, check=_at_most_lambda_concurrency)
+    )
     # More drains are started when the backlog would take longer than this to clear.
-    drain_fan_out_after_seconds: int = 30
+    drain_fan_out_after_seconds: int = setting(
+        "DRAIN_FANOUT_AFTER_SECONDS", 30, parse_int(minimum=1)
+    )
     # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
-    drain_function_name: str = ""
+    drain_function_name: str = setting("AWS_LAMBDA_FUNCTION_NAME", "", parse_text)
     # A local invocation (`sam local invoke` and `infrai-jobs invoke` set AWS_SAM_LOCAL), and
     # the Lambda endpoint it was given (AWS_ENDPOINT_URL_LAMBDA): a local run's fan-out goes
     # there only, never to the real Lambda service.
-    local_invocation: bool = False
-    lambda_endpoint_url: str = ""
+    local_invocation: bool = setting("AWS_SAM_LOCAL", False, parse_bool)
+    lambda_endpoint_url: str = setting("AWS_ENDPOINT_URL_LAMBDA", "", parse_text)
     # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
     # against the registry where the drain is built (infrai_jobs.flow.policies).
-    job_policies: str = ""
+    job_policies: str = setting("JOB_POLICIES", "", parse_text)
 
 
 @dataclass(frozen=True, slots=True)
 class AlertSettings(JobSettings):
     """DlqAlertFunction's: what it watches, where it pages, and when."""
 
-    watched_queues: tuple[str, ...] = ()
-    alert_topic_arn: str = ""
-    stuck_claim_seconds: int = 900
-    backlog_age_seconds: int = 900
-    alert_reminder_seconds: int = 3600
+    # Unset, the drained queue only.
+    watched_queues: tuple[str, ...] = setting("WATCHED_QUEUES", (), _queue_names)
+    alert_topic_arn: str = setting("ALERT_TOPIC_ARN", "", parse_text)
+    stuck_claim_seconds: int = setting("STUCK_CLAIM_SECONDS", 900, parse_int(minimum=1))
+    backlog_age_seconds: int = setting("BACKLOG_AGE_SECONDS", 900, parse_int(minimum=1))
+    alert_reminder_seconds: int = setting("ALERT_REMINDER_SECONDS", 3600, parse_int(minimum=60))
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +405,7 @@ class RedriveSettings(CommonSettings):
 class PruneSettings(CommonSettings):
     """PruneFunction's: the ledger and how long settled claims are kept."""
 
-    retention_days: int = 30
+    retention_days: int = _retention_days()
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,8 +413,8 @@ class OutboxRelaySettings(CommonSettings):
     """OutboxRelayFunction's (and ``infrai-jobs outbox``'s): where the outbox lives (the
     ledger's database unless OUTBOX_DATABASE_URL names the producers' own) and the batch size."""
 
-    outbox_database_url: str = field(default="", repr=False)
-    outbox_batch_size: int = 25
+    outbox_database_url: str = setting("OUTBOX_DATABASE_URL", "", parse_text, secret=True)
+    outbox_batch_size: int = setting("OUTBOX_BATCH_SIZE", 25, parse_int(minimum=1))
 
 
 # --- The one loader ------------------------------------------------------------------------------
@@ -297,35 +426,18 @@ def load_settings(
     *,
     job_settings: Mapping[str, Sequence[str]] | None = None,
 ) -> AnySettings:
-    """``kind`` read from ``environ`` (``os.environ`` by default): only the variables ``kind``
-    holds are read, each checked, and every secure default it turns off is logged."""
+    """``kind`` read from ``environ`` (``os.environ`` by default): only the variables of
+    ``kind``'s table (and, for ``JobSettings``, the jobs' declared ones) are read, each
+    checked, and every secure default it turns off is logged."""
     env = os.environ if environ is None else environ
-    allow_plain_http = _bool(env, ALLOW_PLAIN_HTTP_ENV, default=False)
-    values: dict[str, Any] = {}
+    values = read_table(settings_table(kind), env)
     if issubclass(kind, JobSettings):
-        values.update(_job_fields(env, job_settings or {}, allow_plain_http=allow_plain_http))
-        values.update(_second_layer_fields(env))
-    values.update(_common_fields(env, allow_plain_http=allow_plain_http))
-    if issubclass(kind, DrainSettings):
-        values.update(_drain_fields(env))
-    if issubclass(kind, AlertSettings):
-        values.update(_alert_fields(env, queue=str(values["queue"])))
-    if issubclass(kind, PruneSettings):
-        values.update(retention_days=_retention_days(env))
-    if issubclass(kind, OutboxRelaySettings):
         values.update(
-            outbox_database_url=env.get("OUTBOX_DATABASE_URL", "").strip(),
-            outbox_batch_size=_int(env, "OUTBOX_BATCH_SIZE", 25, minimum=1),
+            _job_fields(env, job_settings or {}, allow_plain_http=bool(values["allow_plain_http"]))
         )
     settings = kind(**values)
     if isinstance(settings, JobSettings):
         _check_second_layer(settings)
-    if not settings.queue:
-        raise ConfigurationError("INFRAI_QUEUE is empty; set it to the queue to drain")
-    if isinstance(settings, DrainSettings):
-        _check_drain(settings)
-    if settings.dlq == settings.queue:
-        raise ConfigurationError("INFRAI_DLQ must differ from INFRAI_QUEUE")
     for warning in settings.security_opt_outs():
         _logger.warning(warning, extra={"action": "security_opt_out"})
     return settings
@@ -350,106 +462,10 @@ def _job_fields(
     }
 
 
-def _common_fields(env: Mapping[str, str], *, allow_plain_http: bool) -> dict[str, Any]:
-    base_url = env.get("INFRAI_BASE_URL", "").strip()
-    if base_url:
-        check_web_url(
-            "INFRAI_BASE_URL",
-            base_url,
-            allow_plain_http=allow_plain_http,
-            example=DEFAULT_BASE_URL,
-        )
-    queue = env.get("INFRAI_QUEUE", DEFAULT_QUEUE).strip()
-    return {
-        "infrai_base_url": base_url,
-        "infrai_api_key": env.get("INFRAI_API_KEY", ""),
-        "queue": queue,
-        "dlq": env.get("INFRAI_DLQ", f"{queue}-dlq").strip(),
-        "database_url": env.get("DATABASE_URL", ""),
-        "api_key_parameter": env.get("INFRAI_API_KEY_PARAMETER", "").strip(),
-        "database_secret_arn": env.get("DATABASE_SECRET_ARN", "").strip(),
-        "max_answer_bytes": _int(
-            env, "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, minimum=65_536
-        ),
-        "publish_retries": _bool(env, "INFRAI_PUBLISH_RETRIES", default=False),
-        "allow_plain_http": allow_plain_http,
-        "database_sslmode": _database_sslmode(env),
-        "database_ca_bundle": _in_task_root(env, env.get("DATABASE_CA_BUNDLE", "").strip()),
-    }
-
-
-def _drain_fields(env: Mapping[str, str]) -> dict[str, Any]:
-    return {
-        "batch_budget_ms": _int(env, "DRAIN_BATCH_BUDGET_MS", 20_000, minimum=100),
-        "lease_grace_seconds": _int(env, "LEASE_GRACE_SECONDS", 60, minimum=0),
-        "visibility_timeout_seconds": _int(
-            env,
-            "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
-            DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-            minimum=1,
-        ),
-        "drain_lanes": _int(env, "DRAIN_LANES", 1, minimum=1),
-        "drain_idle_poll_ms": _int(env, "DRAIN_IDLE_POLL_MS", 0, minimum=0),
-        "drain_idle_window_seconds": _int(env, "DRAIN_IDLE_WINDOW_SECONDS", 0, minimum=0),
-        "drain_max_concurrency": _int(env, "DRAIN_MAX_CONCURRENCY", 0, minimum=0),
-        "drain_fan_out_after_seconds": _int(env, "DRAIN_FANOUT_AFTER_SECONDS", 30, minimum=1),
-        "drain_function_name": env.get("AWS_LAMBDA_FUNCTION_NAME", "").strip(),
-        "local_invocation": _bool(env, "AWS_SAM_LOCAL", default=False),
-        "lambda_endpoint_url": env.get("AWS_ENDPOINT_URL_LAMBDA", "").strip(),
-        "job_policies": env.get("JOB_POLICIES", "").strip(),
-    }
-
-
-def _second_layer_fields(env: Mapping[str, str]) -> dict[str, Any]:
-    return {
-        "retention_days": _retention_days(env),
-        "idempotency_backend": _backend(env),
-        "idempotency_table": env.get("IDEMPOTENCY_TABLE", "").strip(),
-        "redis_url": env.get("REDIS_URL", "").strip(),
-        "redis_secret_arn": env.get("REDIS_SECRET_ARN", "").strip(),
-    }
-
-
-def _alert_fields(env: Mapping[str, str], *, queue: str) -> dict[str, Any]:
-    return {
-        "watched_queues": _names(env.get("WATCHED_QUEUES", "")) or (queue,),
-        "alert_topic_arn": env.get("ALERT_TOPIC_ARN", "").strip(),
-        "stuck_claim_seconds": _int(env, "STUCK_CLAIM_SECONDS", 900, minimum=1),
-        "backlog_age_seconds": _int(env, "BACKLOG_AGE_SECONDS", 900, minimum=1),
-        "alert_reminder_seconds": _int(env, "ALERT_REMINDER_SECONDS", 3600, minimum=60),
-    }
-
-
-def _retention_days(env: Mapping[str, str]) -> int:
-    return _int(env, "LEDGER_RETENTION_DAYS", 30, minimum=1)
-
-
-def _check_drain(settings: DrainSettings) -> None:
-    if settings.drain_lanes > MAX_DRAIN_LANES:
-        raise ConfigurationError(
-            f"DRAIN_LANES={settings.drain_lanes} is above {MAX_DRAIN_LANES}; add concurrent "
-            "invocations instead (overlapping schedules are safe)"
-        )
-    if settings.drain_max_concurrency > MAX_DRAIN_CONCURRENCY:
-        raise ConfigurationError(
-            f"DRAIN_MAX_CONCURRENCY={settings.drain_max_concurrency} is above "
-            f"{MAX_DRAIN_CONCURRENCY}, Lambda's default concurrency limit"
-        )
-    if 0 < settings.drain_idle_poll_ms < MIN_IDLE_POLL_MS:
-        raise ConfigurationError(
-            f"DRAIN_IDLE_POLL_MS={settings.drain_idle_poll_ms} is below {MIN_IDLE_POLL_MS}: "
-            "every poll is a consume call, and Infrai rate-limits them (0 turns polling off)"
-        )
-
-
 def _required(value: str, variable: str, how: str) -> str:
     if not value:
         raise ConfigurationError(f"{variable} is not set; {how}")
     return value
-
-
-ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
-_logger = logging.getLogger(__name__)
 
 
 def check_web_url(name: str, value: str, *, allow_plain_http: bool, example: str) -> None:
@@ -490,15 +506,6 @@ def raw_database_url(environ: Mapping[str, str] | None = None) -> str:
     return (os.environ if environ is None else environ).get("DATABASE_URL", "")
 
 
-def _backend(env: Mapping[str, str]) -> IdempotencyBackend:
-    raw = env.get("IDEMPOTENCY_BACKEND", "").strip().lower() or "off"
-    if raw not in _IDEMPOTENCY_BACKENDS:
-        raise ConfigurationError(
-            f"IDEMPOTENCY_BACKEND={raw!r} is not one of {', '.join(_IDEMPOTENCY_BACKENDS)}"
-        )
-    return _IDEMPOTENCY_BACKENDS[raw]
-
-
 def _check_second_layer(settings: JobSettings) -> None:
     backend = settings.idempotency_backend
     if backend == "dynamodb" and not settings.idempotency_table:
@@ -528,53 +535,6 @@ def has_credentials(url: str) -> bool:
         return bool(parts.username or parts.password)
     except ValueError:
         return False
-
-
-def _database_sslmode(env: Mapping[str, str]) -> str:
-    raw = env.get("DATABASE_SSLMODE", "").strip() or DEFAULT_DATABASE_SSLMODE
-    if raw not in DATABASE_SSLMODES:
-        raise ConfigurationError(
-            f"DATABASE_SSLMODE={raw!r} is not one of {', '.join(DATABASE_SSLMODES)}: modes that "
-            "allow plain text are never used for the ledger in AWS"
-        )
-    return raw
-
-
-def _in_task_root(env: Mapping[str, str], path: str) -> str:
-    """A relative path as Lambda sees it: under the function's code (LAMBDA_TASK_ROOT)."""
-    root = env.get("LAMBDA_TASK_ROOT", "")
-    if not path or os.path.isabs(path) or not root:
-        return path
-    return os.path.join(root, path)
-
-
-def _names(raw: str) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(name.strip() for name in raw.split(",") if name.strip()))
-
-
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigurationError(f"{name}={value} is below the minimum of {minimum}")
-    return value
-
-
-def _bool(env: Mapping[str, str], name: str, *, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ConfigurationError(f"{name}={raw!r} is not a boolean (use true or false)")
 
 
 def tracing_on() -> bool:

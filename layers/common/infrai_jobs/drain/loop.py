@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from infrai_jobs.drain.ack_pipeline import AckPipeline
@@ -70,29 +71,18 @@ def drain(
     ``advance``). A stop request ends the drain before its next receive: what it holds (a batch
     being processed, one received ahead) is still settled and acked."""
     summary = DrainSummary()
-    lane_clock = LaneClock(clock(), time_left_ms, clock, sleep)
+    lane_time = LaneClock(clock(), time_left_ms, clock, sleep)
     try:
         # Before anything is received: a receive spends a delivery, and a batch that cannot be
         # claimed would spend it for nothing.
         ledger.ping()
-        mode = _ConsumeMode(ledger, config, summary, clock)
+        mode = _ConsumeMode(ledger, config, summary, lane_time.clock)
     except LedgerError as exc:
         return stopped_before_receiving(exc)
     acks = AckPipeline(queue, config.queue, summary)
+    lane = _Lane(queue, ledger, registry, config, summary, acks, mode, stop_requested or _never)
     try:
-        _drain_batches(
-            queue,
-            ledger=ledger,
-            registry=registry,
-            config=config,
-            time_left_ms=time_left_ms,
-            clock=clock,
-            summary=summary,
-            acks=acks,
-            mode=mode,
-            lane_clock=lane_clock,
-            stop_requested=stop_requested or _never,
-        )
+        _drain_batches(lane, lane_time)
     finally:
         # Every ack sent is waited for before the invocation reports.
         acks.wait_all()
@@ -147,20 +137,40 @@ def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     return DrainSummary(stopped="ledger_unavailable")
 
 
-def _drain_batches(
-    queue: QueuePort,
-    *,
-    ledger: LedgerPort,
-    registry: JobRegistry,
-    config: DrainConfig,
-    time_left_ms: Callable[[], int],
-    clock: Callable[[], float],
-    summary: DrainSummary,
-    acks: AckPipeline,
-    mode: _ConsumeMode,
-    lane_clock: LaneClock,
-    stop_requested: Callable[[], bool],
-) -> None:
+@dataclass(frozen=True, slots=True)
+class _Lane:
+    """What one lane's batch loop works with, besides its time: the adapters, what it drains,
+    and the state it reports through (the summary, the acks in flight, the consume size)."""
+
+    queue: QueuePort
+    ledger: LedgerPort
+    registry: JobRegistry
+    config: DrainConfig
+    summary: DrainSummary
+    acks: AckPipeline
+    mode: _ConsumeMode
+    stop_requested: Callable[[], bool]
+
+    def stop_reason(self, remaining_ms: int, *, time_for: int) -> str:
+        """Why one more batch may not be received now, or "" when it may.
+
+        ``time_for`` is how many batches the time left must cover: the one to receive, plus the
+        one still being processed when receiving ahead.
+        """
+        config = self.config
+        if config.max_batches is not None and self.summary.batches >= config.max_batches:
+            return "max_batches"
+        if remaining_ms < config.batch_budget_ms * time_for:
+            return "time_budget"
+        return ""
+
+    def poll_again(self, lane_time: LaneClock) -> bool:
+        """After an empty consume: whether a feature (idle polling) waited to consume again."""
+        config, counters = self.config, self.summary.counters
+        return any(f.poll_again(config, lane_time, counters) for f in config.features)
+
+
+def _drain_batches(lane: _Lane, lane_time: LaneClock) -> None:
     """Process batches one after the other, receiving the next while this one runs.
 
     A batch is received only while the time left covers finishing it, and the one received
@@ -172,7 +182,11 @@ def _drain_batches(
     One thread does it all: the consume sent ahead and the acks travel while the batch is
     processed, and their answers are read after (``Pending``), so a lane costs no threads and
     no hand-offs between them.
+
+    ``lane_time`` is the lane's one clock: the time left, the wall clock the deadlines are on, and
+    the start the idle window counts from are all read from it.
     """
+    config, summary, mode, queue = lane.config, lane.summary, lane.mode, lane.queue
     ahead: Pending[list[QueueMessage]] | None = None
     ahead_sent_at = 0.0
     visibility = config.visibility_timeout_seconds
@@ -185,24 +199,24 @@ def _drain_batches(
                     sent_at = ahead_sent_at
                     messages = received.wait()
                 else:
-                    stop = "interrupted" if stop_requested() else ""
-                    stop = stop or _stop_reason(config, summary, time_left_ms(), time_for=1)
+                    stop = "interrupted" if lane.stop_requested() else ""
+                    stop = stop or lane.stop_reason(lane_time.time_left_ms(), time_for=1)
                     if stop:
                         summary.stopped = stop
                         return
-                    sent_at = clock()
+                    sent_at = lane_time.clock()
                     messages = queue.consume(config.queue, mode.size())
             except ConsumeAnswerLost as exc:
                 mode.lost(exc)
                 continue
             mode.served()
             if not messages:
-                if _poll_again(config, lane_clock, summary):
+                if lane.poll_again(lane_time):
                     continue
                 summary.stopped = "empty"
                 return
-            remaining = time_left_ms()
-            stop = _stop_reason(config, summary, remaining, time_for=1)
+            remaining = lane_time.time_left_ms()
+            stop = lane.stop_reason(remaining, time_for=1)
             if stop:
                 # The receive itself ran long (retries, a Retry-After): what is left no longer
                 # covers the batch. Cutting it off half-way could leave an external effect
@@ -215,25 +229,25 @@ def _drain_batches(
                 summary.stopped = stop
                 return
             summary.batches += 1
-            if not stop_requested() and not _stop_reason(config, summary, remaining, time_for=2):
-                ahead_sent_at = clock()
+            if not lane.stop_requested() and not lane.stop_reason(remaining, time_for=2):
+                ahead_sent_at = lane_time.clock()
                 ahead = queue.send_consume(config.queue, mode.size())
             # The queue may deliver these messages again from here on: no handler deadline
             # and no lease may run past it.
             visible_until = sent_at + visibility - VISIBILITY_MARGIN_SECONDS
-            deadline = min(clock() + remaining / 1000, visible_until)
+            deadline = min(lane_time.deadline(remaining), visible_until)
             results = process_batch(
                 messages,
-                ledger,
-                registry,
+                lane.ledger,
+                lane.registry,
                 deadline,
                 config,
                 visible_until=visible_until,
-                clock=clock,
+                clock=lane_time.clock,
             )
             _count(results, summary)
             # This batch's acks travel while the next one is processed.
-            acks.send(results)
+            lane.acks.send(results)
             if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
                 summary.stopped = "ledger_unavailable"
                 return
@@ -254,26 +268,6 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
         f"DRAIN_BATCH_BUDGET_MS is {batch_budget_ms} ms, and a batch is received only when the "
         "time left covers it (each receive spends one of a message's three deliveries)"
     )
-
-
-def _stop_reason(
-    config: DrainConfig, summary: DrainSummary, remaining_ms: int, *, time_for: int
-) -> str:
-    """Why one more batch may not be received now, or "" when it may.
-
-    ``time_for`` is how many batches the time left must cover: the one to receive, plus the
-    one still being processed when receiving ahead.
-    """
-    if config.max_batches is not None and summary.batches >= config.max_batches:
-        return "max_batches"
-    if remaining_ms < config.batch_budget_ms * time_for:
-        return "time_budget"
-    return ""
-
-
-def _poll_again(config: DrainConfig, lane_clock: LaneClock, summary: DrainSummary) -> bool:
-    """After an empty consume: whether a feature (idle polling) waited to consume again."""
-    return any(f.poll_again(config, lane_clock, summary.counters) for f in config.features)
 
 
 class _ConsumeMode:

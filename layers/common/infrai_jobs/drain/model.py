@@ -185,6 +185,10 @@ class LaneClock:
     clock: Callable[[], float]
     sleep: Callable[[float], None]
 
+    def deadline(self, time_left_ms: int) -> float:
+        """The wall-clock moment ``time_left_ms`` (a reading of ``self.time_left_ms``) ends."""
+        return self.clock() + time_left_ms / 1000
+
 
 @dataclass(frozen=True, slots=True)
 class DrainRun:

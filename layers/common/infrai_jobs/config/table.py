@@ -1,0 +1,115 @@
+"""The settings table: each setting declared once, as a dataclass field that also says how it
+is read.
+
+``setting(variable, default, parse)`` is the field's default: it names the environment
+variable, the value when the variable is unset, and the function that turns the variable's text
+into the value (or a ``ConfigurationError`` naming the variable). ``settings_table(kind)`` reads
+those rows back, in field order; ``read_table`` fills them from an environment. Nothing here
+knows a particular setting: config/settings.py declares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+from infrai_jobs.errors import ConfigurationError
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of a settings class's table: the variable, the field it fills, the field's value
+    when the variable is unset, and how the variable's text becomes the value (or an error
+    naming the variable)."""
+
+    variable: str
+    field_name: str
+    default: Any
+    parse: Parse
+
+
+class Reading:
+    """One ``from_env`` call. A row's parse may need another field's value (the DLQ's default
+    follows the queue; a URL's check depends on ``INFRAI_ALLOW_PLAIN_HTTP``), so each field is
+    read when first asked for, once, whatever the table's order."""
+
+    def __init__(self, env: Mapping[str, str], table: Sequence[Setting]) -> None:
+        self.env = env
+        self._rows = {row.field_name: row for row in table}
+        self._values: dict[str, Any] = {}
+
+    def value(self, field_name: str) -> Any:
+        if field_name not in self._values:
+            row = self._rows[field_name]
+            self._values[field_name] = row.parse(row, self.env.get(row.variable), self)
+        return self._values[field_name]
+
+
+# How a row's text (None when its variable is unset) becomes its field's value.
+Parse = Callable[[Setting, "str | None", Reading], Any]
+
+_VARIABLE = "infrai_jobs.variable"
+_PARSE = "infrai_jobs.parse"
+
+
+def setting(variable: str, default: _T, parse: Parse, *, secret: bool = False) -> _T:
+    """A settings field read from ``variable``; ``secret`` keeps its value out of ``repr``."""
+    return field(default=default, repr=not secret, metadata={_VARIABLE: variable, _PARSE: parse})
+
+
+def settings_table(kind: type[Any]) -> tuple[Setting, ...]:
+    """``kind``'s table: a row for each of its fields declared with ``setting``, in field
+    order (a field declared otherwise is not read from the environment)."""
+    return tuple(
+        Setting(f.metadata[_VARIABLE], f.name, f.default, f.metadata[_PARSE])
+        for f in fields(kind)
+        if _VARIABLE in f.metadata
+    )
+
+
+def parse_text(row: Setting, raw: str | None, reading: Reading) -> str:
+    return row.default if raw is None else raw.strip()
+
+
+def parse_verbatim(row: Setting, raw: str | None, reading: Reading) -> str:
+    """A secret, used exactly as given (a key or a password may end in a space)."""
+    return row.default if raw is None else raw
+
+
+def parse_bool(row: Setting, raw: str | None, reading: Reading) -> bool:
+    if raw is None or raw.strip() == "":
+        return bool(row.default)
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"{row.variable}={raw!r} is not a boolean (use true or false)")
+
+
+def parse_int(*, minimum: int, check: Callable[[str, int], None] | None = None) -> Parse:
+    """An integer of at least ``minimum``; ``check`` refuses what else a row rules out."""
+
+    def parse(row: Setting, raw: str | None, reading: Reading) -> int:
+        if raw is None or raw.strip() == "":
+            return int(row.default)
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigurationError(f"{row.variable}={raw!r} is not an integer") from None
+        if value < minimum:
+            raise ConfigurationError(f"{row.variable}={value} is below the minimum of {minimum}")
+        if check is not None:
+            check(row.variable, value)
+        return value
+
+    return parse
+
+
+def read_table(table: Sequence[Setting], env: Mapping[str, str]) -> dict[str, Any]:
+    """Each row's field, read from ``env``: only the rows' variables are asked for."""
+    reading = Reading(env, table)
+    return {row.field_name: reading.value(row.field_name) for row in table}

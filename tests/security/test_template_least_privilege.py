@@ -28,11 +28,20 @@ from test_template import (  # noqa: E402
     translate,
 )
 
-# Actions IAM cannot scope to a resource, which a statement may grant on "*". None: the SSM
-# and DynamoDB grants are inline statements on one parameter and one table, not SAM's
-# SSMParameterWithSlashPrefixReadPolicy (which adds ssm:DescribeParameters on "*") and
-# DynamoDBCrudPolicy (which adds Scan, Query and the Batch* calls).
-UNSCOPABLE_ACTIONS: set[str] = set()
+# Actions a statement may grant on "*": only the network-interface calls Lambda makes to
+# place a function in the VPC (the Describe calls take no resource, and Lambda creates and
+# deletes its interfaces when it chooses); the SSM and DynamoDB grants are inline statements on
+# one parameter and one table, not SAM's SSMParameterWithSlashPrefixReadPolicy (which adds
+# ssm:DescribeParameters on "*") and DynamoDBCrudPolicy (which adds Scan, Query and Batch*).
+VPC_ACTIONS = {
+    "ec2:CreateNetworkInterface",
+    "ec2:DescribeNetworkInterfaces",
+    "ec2:DescribeSubnets",
+    "ec2:DeleteNetworkInterface",
+    "ec2:AssignPrivateIpAddresses",
+    "ec2:UnassignPrivateIpAddresses",
+}
+UNSCOPABLE_ACTIONS: set[str] = VPC_ACTIONS
 
 # The only actions of these services that the code calls (Powertools' get_parameter; its
 # idempotency layer's item calls).
@@ -52,13 +61,14 @@ EXACT_ACTIONS_OF = {"DlqAlertFunctionRole": {"dynamodb": {"dynamodb:DeleteItem"}
 # What each function may do, by service: a new grant must be added here on purpose.
 # logs: each function's own log group, the one grant AWSLambdaBasicExecutionRole would widen.
 ALLOWED_SERVICES = {
+    # ec2 (every function's role): the network-interface calls, only in a VPC (VPC_ACTIONS).
     # lambda: the backlog fan-out invokes DrainFunction itself, and nothing else.
-    "DrainFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "dynamodb", "lambda"},
+    "DrainFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "dynamodb", "lambda", "ec2"},
     # dynamodb: the reconcile pass drops the second layer's record of a claim it releases.
-    "DlqAlertFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "sns", "dynamodb"},
-    "RedriveFunctionRole": {"logs", "ssm", "secretsmanager", "kms"},
-    "PruneFunctionRole": {"logs", "secretsmanager", "kms"},
-    "OutboxRelayFunctionRole": {"logs", "ssm", "secretsmanager", "kms"},
+    "DlqAlertFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "sns", "dynamodb", "ec2"},
+    "RedriveFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "ec2"},
+    "PruneFunctionRole": {"logs", "secretsmanager", "kms", "ec2"},
+    "OutboxRelayFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "ec2"},
     # The role EventBridge Scheduler invokes the scheduled functions with.
     "SchedulerRole": {"lambda"},
 }
@@ -334,7 +344,7 @@ def test_the_drain_may_invoke_itself_and_nothing_else() -> None:
         pytest.param(IN_VPC | TRACING, {VPC_ACCESS, XRAY_WRITE}, id="vpc-and-tracing"),
     ],
 )
-def test_vpc_and_xray_policies_are_attached_only_when_their_parameters_turn_them_on(
+def test_vpc_access_and_xray_are_granted_only_when_their_parameters_turn_them_on(
     overrides: dict[str, str], extra_policies: set[str]
 ) -> None:
     # Given the stack as CloudFormation would create it for these parameter values
@@ -342,12 +352,21 @@ def test_vpc_and_xray_policies_are_attached_only_when_their_parameters_turn_them
     functions = deployment.of_type("AWS::Lambda::Function")
     assert {deployment.role_of(name) for name in functions} == FUNCTION_ROLES
     for name, function in functions.items():
-        # When the managed policies of the role the function runs with are read
+        # When the policies of the role the function runs with are read
         role = deployment.of_type("AWS::IAM::Role")[deployment.role_of(name)]
         managed = managed_policy_names(role.get("ManagedPolicyArns", []))
-        # Then it has the VPC and X-Ray ones exactly when turned on, and no other (its logs
-        # are an inline grant on its own log group)
-        assert managed == extra_policies, (name, managed)
+        inline = {
+            action
+            for policy in role.get("Policies", [])
+            for statement in policy_statements(policy)
+            for action in as_list(statement["Action"])
+        }
+        # Then X-Ray's managed policy is there exactly when tracing is on, and no other: the
+        # VPC's network-interface calls are an inline grant, there exactly in a VPC, because
+        # AWSLambdaVPCAccessExecutionRole would also grant logs on every group
+        assert managed == extra_policies & {XRAY_WRITE}, (name, managed)
+        assert (inline >= VPC_ACTIONS) == (VPC_ACCESS in extra_policies), (name, inline)
+        assert not inline & {"logs:CreateLogGroup"}, name
         # And the function is in the VPC and traced exactly then too
         assert ("VpcConfig" in function) == (VPC_ACCESS in extra_policies), name
         mode = function.get("TracingConfig", {}).get("Mode", "PassThrough")

@@ -742,6 +742,7 @@ def _cmd_ops(args: argparse.Namespace) -> int:
                 key_of=lambda: _key_function(getattr(args, "jobs_path", None)),
                 forget=_second_layer_forget(settings),
                 reconciler=reconciler,
+                registry=lambda: load_registry(getattr(args, "jobs_path", None)),
             ),
         )
 

@@ -22,6 +22,7 @@ from drainkit import (
     OPERATOR,
     QUEUE,
     ROOT,
+    TEST_JOBS_CODE,
     Harness,
     cli_environment,
     run_cli,
@@ -489,6 +490,8 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
         "db": kit.client.publish(DLQ, {"job": "test.db", "id": "a"}),
         "db2": kit.client.publish(DLQ, {"job": "test.db", "id": "b"}),
     }
+    # (the CLI judges each letter by a jobs package that knows test.db, as the drain's does)
+    test_jobs = str(TEST_JOBS_CODE)
     # When the operator redrives one key (a job with its own identity rule)
     by_key = run_cli(kit, "redrive", "--key", "receipt.send:inv_5", "--json")
     # Then only that one moved; the others stay unresolved in the ledger
@@ -504,7 +507,7 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
         f"published 1 dead letter(s) of the ledger -> {QUEUE} (--message-id {ids['invoice']})"
         in by_id.stdout
     )
-    by_job = run_cli(kit, "redrive", "--job", "test.db", "--json")
+    by_job = run_cli(kit, "redrive", "--job", "test.db", "--json", INFRAI_JOBS_PATH=test_jobs)
     # Then each moved exactly what it named, and nothing is left unresolved
     assert json.loads(by_job.stdout)["published"] == 2
     assert kit.client.stats(QUEUE).dlq_count == 0

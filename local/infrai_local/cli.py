@@ -47,9 +47,11 @@ from infrai_jobs.errors import (
     InfraiError,
     InfraiJobsError,
     KeyDerivationError,
+    SchemaNotMigrated,
 )
 from infrai_jobs.jobs.correlation import with_correlation_id
 from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.ledger.job_schema import job_migrations_in
 from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
@@ -225,7 +227,8 @@ def _report(exc: Exception, *, as_json: bool) -> int:
 
 
 def _describe_error(exc: Exception) -> tuple[int, str, dict[str, Any]]:
-    if isinstance(exc, ConfigurationError):
+    # A database behind the code is set-up to fix (`infrai-jobs migrate`), as a bad setting is.
+    if isinstance(exc, ConfigurationError | SchemaNotMigrated):
         return EXIT_USAGE, str(exc), {}
     if isinstance(exc, ClaimNotFound | ClaimChanged | DeadLetterNotFound):
         return EXIT_CONFLICT, str(exc), {}
@@ -557,7 +560,12 @@ def _cmd_drain(args: argparse.Namespace) -> int:
             settings, stack, who="`infrai-jobs drain`", jobs_path=args.jobs_path
         )
         starter = _drain_processes(settings, args)
-        service = DrainService.from_settings(settings, registry, starter=starter)
+        service = DrainService.from_settings(
+            settings,
+            registry,
+            starter=starter,
+            job_migrations=job_migrations_in(code_root(args.jobs_path) / "jobs"),
+        )
         stack.callback(service.close)
         # What this drain received and has not acked: reported if it is interrupted.
         held = InFlightMessages(

@@ -277,7 +277,7 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
     finished = invoke_drain_function(env_vars, base_env(DATABASE_URL=database_url))
     # Then it fails with the database named as not migrated and the command to run, before
     # any handler runs; the database has still no table, and the job was not consumed
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert "infrai-jobs migrate" in line
     assert "END DrainFunction" not in finished.stderr
@@ -292,7 +292,7 @@ def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
     # When DrainFunction is invoked
     finished = invoke_drain_function("events/env.json", base_env(DATABASE_URL=database_url))
     # Then the database is named as not migrated first, and stays so
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert table_count(database_url) == 0
 
@@ -447,7 +447,7 @@ def test_a_drain_on_an_unmigrated_database_says_migrate_and_consumes_nothing(
     # When the drain runs
     finished = run("drain", env=env)
     # Then it says the database is not migrated and what to run, not "unreachable"
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert "infrai-jobs migrate" in line
     assert "unreachable" not in finished.stderr
@@ -475,7 +475,7 @@ def test_claims_commands_on_an_unmigrated_database_say_migrate(
     # When a claims command runs with --json
     finished = run(*command, "--json", env=base_env(DATABASE_URL=database_url))
     # Then one line says it is not migrated with the command, and stdout holds the JSON error
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert "infrai-jobs migrate" in line
     assert json.loads(finished.stdout)["error"]["type"] == "SchemaNotMigrated"

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -323,7 +324,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "publish",
         help="publish one JSON job to the queue, once the drain's jobs package accepts it",
     )
-    publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
+    publish.add_argument("body", nargs="?", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
+    publish.add_argument(
+        "--body-file",
+        metavar="PATH",
+        help="read the job's JSON from PATH instead (- for standard input): for a body too "
+        "large for a shell argument",
+    )
     publish.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     publish.add_argument("--delay-seconds", type=int, default=None)
     publish.add_argument(
@@ -782,11 +789,32 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _publish_body_text(args: argparse.Namespace) -> str:
+    """The body's JSON text: the argument, or what ``--body-file`` names (``-``: stdin)."""
+    if args.body is not None and args.body_file is not None:
+        raise ConfigurationError("publish takes either a body or --body-file, not both")
+    if args.body is not None:
+        return str(args.body)
+    if args.body_file is None:
+        raise ConfigurationError(
+            "publish needs a body to publish: JSON as the argument, or --body-file PATH "
+            "(- for standard input)"
+        )
+    if args.body_file == "-":
+        return sys.stdin.read()
+    try:
+        return Path(args.body_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigurationError(f"cannot read --body-file {args.body_file}: {reason}") from None
+
+
 def _cmd_publish(args: argparse.Namespace) -> int:
     settings = CommonSettings.from_env()
+    text = _publish_body_text(args)
     try:
         # NaN and Infinity are Python's extension, not JSON: Infrai could not carry them.
-        body = json.loads(args.body, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise ConfigurationError(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -824,6 +824,9 @@ def _show_human(
     if probes:
         print("\nreconcile probes (what the provider answered):", file=out)
         print_table(probes, ["at", "answer", "note"], out, whole=["note"])
+    if not history:
+        print("\nhistory: none recorded", file=out)
+        return
     print("\nhistory:", file=out)
     print_table(history, ["at", "action", "actor", "note"], out)
 

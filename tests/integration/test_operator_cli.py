@@ -723,3 +723,15 @@ def test_a_retried_infrai_call_is_a_warning_naming_the_call_and_queue(
     assert len(retries) == 3
     assert {r.levelno for r in retries} == {logging.WARNING}
     assert {(r.call, r.queue) for r in retries} == {("ack", QUEUE)}  # type: ignore[attr-defined]
+
+
+def test_claims_show_says_in_one_line_when_no_history_is_recorded(kit: Harness) -> None:
+    # Given a done claim nobody acted on
+    key = "receipt.send:inv_quiet"
+    _seed_claim(kit, key, "done")
+    # When it is shown
+    shown = run_cli(kit, "claims", "show", key)
+    # Then its history is said to be empty once, in words
+    assert shown.returncode == 0, shown.stderr
+    assert "history: none recorded" in shown.stdout
+    assert "(none)" not in shown.stdout

@@ -390,6 +390,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "NAME:field1:field2",
     )
     add_jobs_path(new_job, "a code root holding the `jobs` package to add it to")
+    new_job.add_argument(
+        "--dry-run", action="store_true", help="list the files it would write, and write none"
+    )
     new_job.set_defaults(command=_cmd_new_job)
 
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
@@ -508,9 +511,12 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
 
 def _cmd_new_job(args: argparse.Namespace) -> int:
     job = scaffold.parse_request(args.name, args.effect, args.identity)
-    jobs_folder = code_root(args.jobs_path) / "jobs"
-    project = jobs_folder.parent.parent
-    plan = scaffold.plan(job, project, jobs_folder, load_registry(args.jobs_path))
+    root = code_root(args.jobs_path)
+    project = scaffold.project_of(root)
+    plan = scaffold.plan(job, project, root / "jobs", load_registry(args.jobs_path))
+    if args.dry_run:
+        print(scaffold.dry_run_listing(job, plan))
+        return EXIT_OK
     print(scaffold.next_steps(job, plan.write(), project))
     return EXIT_OK
 

@@ -13,6 +13,11 @@ the installed jobs package belongs to:
 * ``tests/integration/test_job_refund_issue.py``, written with the test kit;
 * ``events/jobs/refund.issue.json``, a sample payload for ``infrai-jobs publish``.
 
+Every path is the project's that holds the jobs package: the nearest folder above its code
+root with a ``template.yaml`` (the SAM project whose functions import it), wherever the command
+runs from; a jobs package outside any project is refused. ``--dry-run`` lists the files and
+writes none.
+
 Nothing is written unless everything can be: a name that exists, a bad field, or a
 ``build_registry`` it cannot find is refused first.
 """
@@ -67,15 +72,34 @@ class Scaffold:
     files: dict[Path, str]
     registry_file: Path
     registry_text: str
+    project: Path
+
+    @property
+    def paths(self) -> list[Path]:
+        """What ``write`` writes, then the file it edits."""
+        return [*self.files, self.registry_file]
 
     def write(self) -> list[Path]:
         for path, text in self.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
         self.registry_file.write_text(self.registry_text, encoding="utf-8")
-        written = [*self.files, self.registry_file]
-        _format([p for p in written if p.suffix == ".py"])
+        written = self.paths
+        _format([p for p in written if p.suffix == ".py"], self.project)
         return written
+
+
+def project_of(code_root: Path) -> Path:
+    """The project that holds a code root: the nearest folder above it with a template.yaml."""
+    for folder in code_root.resolve().parents:
+        if (folder / "template.yaml").is_file():
+            return folder
+    raise ConfigurationError(
+        f"the jobs package in {code_root} is in no project (no template.yaml in a folder above "
+        "it): new-job writes the job's test and sample event beside the template whose "
+        "functions import the package; pass --jobs-path with a project's code root "
+        "(e.g. functions/)"
+    )
 
 
 def parse_request(name: str, effect: str, identity: str) -> NewJob:
@@ -123,7 +147,15 @@ def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -
         if path.exists():
             raise ConfigurationError(f"{path} already exists: nothing was written")
     registry_file = jobs_folder / "__init__.py"
-    return Scaffold(files, registry_file, _registered(registry_file, job.module))
+    return Scaffold(files, registry_file, _registered(registry_file, job.module), project)
+
+
+def dry_run_listing(job: NewJob, scaffold: Scaffold) -> str:
+    lines = [f"new-job {job.name} ({job.effect.value}) would write, in {scaffold.project}:"]
+    lines += [f"  {_relative(path, scaffold.project)}" for path in scaffold.files]
+    lines += [f"and edit:\n  {_relative(scaffold.registry_file, scaffold.project)}"]
+    lines += ["(dry run: nothing was written)"]
+    return "\n".join(lines)
 
 
 def next_steps(job: NewJob, written: list[Path], project: Path) -> str:
@@ -251,7 +283,7 @@ def _sample_text(job: NewJob) -> str:
     return json.dumps(_sample(job, 1)) + "\n"
 
 
-def _format(paths: list[Path]) -> None:
+def _format(paths: list[Path], project: Path) -> None:
     """Let the project's formatter have the last word on what was written, when it is installed
     beside this interpreter (``make venv`` installs it), so ``make lint`` passes as written."""
     ruff = Path(sys.executable).parent / "ruff"
@@ -259,7 +291,10 @@ def _format(paths: list[Path]) -> None:
         return
     names = [str(p) for p in paths]
     for command in (["check", "--fix-only", "--quiet", "--select", "I"], ["format", "--quiet"]):
-        subprocess.run([str(ruff), *command, *names], check=False, capture_output=True)  # noqa: S603
+        # From the project: ruff keeps its cache where it runs, never in the caller's folder.
+        subprocess.run(  # noqa: S603
+            [str(ruff), *command, *names], check=False, capture_output=True, cwd=project
+        )
 
 
 def _next_version(migrations: Path) -> int:

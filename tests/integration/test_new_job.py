@@ -34,6 +34,7 @@ def project(tmp_path: Path) -> Path:
     (tmp_path / "tests" / "integration").mkdir(parents=True)
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(ROOT / "template.yaml", tmp_path / "template.yaml")
     return tmp_path
 
 
@@ -160,3 +161,82 @@ def test_new_job_runs_from_any_folder_with_the_installed_jobs_package(tmp_path: 
     assert finished.returncode == 2
     assert "--identity field 'Bad'" in finished.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _tree(folder: Path) -> list[Path]:
+    return sorted(p.relative_to(folder) for p in folder.rglob("*"))
+
+
+def test_new_job_writes_every_file_in_the_project_of_the_jobs_package_from_any_folder(
+    kit: Harness, project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Given an operator in a folder outside the project, naming its code root
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    # When they scaffold a job there
+    made = run_cli(
+        kit,
+        "new-job",
+        WALK_JOB,
+        "--effect",
+        "database",
+        "--identity",
+        "refund_id",
+        "--jobs-path",
+        str(project / "functions"),
+        cwd=elsewhere,
+    )
+    # Then the module, its migration, its test and its sample event are all in that project
+    assert made.returncode == 0, made.stderr
+    assert (project / "functions" / "jobs" / f"{WALK_MODULE}.py").is_file()
+    assert (project / "tests" / "integration" / f"test_job_{WALK_MODULE}.py").is_file()
+    assert (project / "events" / "jobs" / f"{WALK_JOB}.json").is_file()
+    # And nothing in the folder it ran from
+    assert _tree(elsewhere) == []
+
+
+def test_new_job_refuses_a_jobs_package_outside_any_project(kit: Harness, tmp_path: Path) -> None:
+    # Given a code root that no project (template.yaml) holds
+    shutil.copytree(
+        ROOT / "functions", tmp_path / "loose", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    before = _tree(tmp_path)
+    # When new-job is pointed at it
+    refused = run_cli(
+        kit,
+        "new-job",
+        WALK_JOB,
+        "--effect",
+        "database",
+        "--identity",
+        "refund_id",
+        "--jobs-path",
+        str(tmp_path / "loose"),
+        cwd=tmp_path,
+    )
+    # Then it exits 2 saying why, and writes nothing
+    assert refused.returncode == 2, refused.stdout
+    assert "template.yaml" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert _tree(tmp_path) == before
+
+
+def test_new_job_dry_run_lists_the_files_and_writes_nothing(kit: Harness, project: Path) -> None:
+    before = _tree(project)
+    # When new-job runs with --dry-run
+    looked = new_job(
+        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id", "--dry-run"
+    )
+    # Then it lists each file it would write or edit, relative to the project
+    assert looked.returncode == 0, looked.stderr
+    version = next_version(project)
+    for path in (
+        f"functions/jobs/{WALK_MODULE}.py",
+        f"functions/jobs/migrations/{version:04d}_{WALK_MODULE}.sql",
+        f"tests/integration/test_job_{WALK_MODULE}.py",
+        f"events/jobs/{WALK_JOB}.json",
+        "functions/jobs/__init__.py",
+    ):
+        assert path in looked.stdout
+    assert "nothing was written" in looked.stdout
+    # And the project is as it was
+    assert _tree(project) == before

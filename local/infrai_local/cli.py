@@ -391,6 +391,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_jobs_path(new_job, "a code root holding the `jobs` package to add it to")
     new_job.add_argument(
+        "--setting",
+        action="append",
+        metavar="NAME",
+        help="a setting the job declares (an environment variable naming a URL it calls); "
+        "repeatable. An external job's default is NAME_URL (REFUND_ISSUE_URL). Each new one "
+        "gets its template parameter, the Environment entries of the functions that load "
+        "the jobs' settings, an events/env.json entry and a docs/configuration.md row",
+    )
+    new_job.add_argument(
         "--dry-run", action="store_true", help="list the files it would write, and write none"
     )
     new_job.set_defaults(command=_cmd_new_job)
@@ -510,14 +519,14 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
 
 
 def _cmd_new_job(args: argparse.Namespace) -> int:
-    job = scaffold.parse_request(args.name, args.effect, args.identity)
+    job = scaffold.parse_request(args.name, args.effect, args.identity, args.setting or ())
     root = code_root(args.jobs_path)
     project = scaffold.project_of(root)
     plan = scaffold.plan(job, project, root / "jobs", load_registry(args.jobs_path))
     if args.dry_run:
         print(scaffold.dry_run_listing(job, plan))
         return EXIT_OK
-    print(scaffold.next_steps(job, plan.write(), project))
+    print(scaffold.next_steps(job, plan.write(), project, plan.left_alone))
     return EXIT_OK
 
 

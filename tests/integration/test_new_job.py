@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, run_cli
@@ -240,3 +241,61 @@ def test_new_job_dry_run_lists_the_files_and_writes_nothing(kit: Harness, projec
     assert "nothing was written" in looked.stdout
     # And the project is as it was
     assert _tree(project) == before
+
+
+SETTING = "NEWJOB_CHECK_PROVIDER_URL"
+SETTING_PARAMETER = "NewjobCheckProviderUrl"
+CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
+
+
+def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
+    kit: Harness, project: Path
+) -> None:
+    # Given a project with its env-vars file and configuration docs (and the layer, read-only)
+    (project / "layers").symlink_to(ROOT / "layers")
+    (project / "events").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "events" / "env.json", project / "events" / "env.json")
+    shutil.copy(ROOT / "events" / "drain-schedule.json", project / "events" / "drain-schedule.json")
+    (project / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "configuration.md", project / "docs" / "configuration.md")
+    # When an external job with a setting of its own is scaffolded
+    made = new_job(
+        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
+        "--setting", SETTING,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    # Then the template has its parameter, listed with the jobs' settings, and passes it to
+    # each function that loads the jobs' settings; cfn-lint is still clean
+    template = (project / "template.yaml").read_text()
+    assert f"  {SETTING_PARAMETER}:\n    Type: String\n" in template
+    assert template.count(f"{SETTING}: !Ref {SETTING_PARAMETER}") == 2
+    assert f", {SETTING_PARAMETER}]" in template
+    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    # And events/env.json and the configuration docs name it
+    env = json.loads((project / "events" / "env.json").read_text())
+    assert env["DrainFunction"][SETTING] == env["DlqAlertFunction"][SETTING] == ""
+    assert f"| `{SETTING}` |" in (project / "docs" / "configuration.md").read_text()
+    # When the setting is put in events/env.json and DrainFunction is invoked on a job
+    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+    from infrai_local.migrations import apply_migrations, read_migrations  # noqa: PLC0415
+
+    env["DrainFunction"] = dict.fromkeys(env["DrainFunction"], kit.sink.url)
+    (project / "events" / "env.json").write_text(json.dumps(env, indent=2))
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        apply_migrations(conn, read_migrations(project / "functions" / "jobs" / "migrations"))
+    kit.publish({"job": WALK_JOB, "refund_id": "r1"})
+    spec = resolve("DrainFunction", root=project, env_vars=project / "events" / "env.json")
+    services = {
+        "INFRAI_BASE_URL": kit.server.url,
+        "INFRAI_API_KEY": "test-key",
+        "DATABASE_URL": kit.database_url,
+    }
+    result = invoke(spec, project / "events" / "drain-schedule.json", extra_env=services)
+    # Then the job ran, calling the URL its setting names
+    assert result.ok, result.payload
+    assert result.payload["done"] == 1
+    effects = kit.sink.state.snapshot()["effects"]
+    assert (
+        sum(n for route, n in effects.items() if route.startswith(f"/v1/effects/{WALK_JOB}")) == 1
+    )

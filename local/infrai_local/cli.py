@@ -400,6 +400,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "the jobs' settings, an events/env.json entry and a docs/configuration.md row",
     )
     new_job.add_argument(
+        "--retry-attempts",
+        type=int,
+        metavar="N",
+        help="declare a retry policy of N attempts in all (external jobs, N above Infrai's 3 "
+        "deliveries): flow control defers the job past its deliveries, and its test asserts "
+        "that",
+    )
+    new_job.add_argument(
         "--dry-run", action="store_true", help="list the files it would write, and write none"
     )
     new_job.set_defaults(command=_cmd_new_job)
@@ -519,7 +527,9 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
 
 
 def _cmd_new_job(args: argparse.Namespace) -> int:
-    job = scaffold.parse_request(args.name, args.effect, args.identity, args.setting or ())
+    job = scaffold.parse_request(
+        args.name, args.effect, args.identity, args.setting or (), args.retry_attempts
+    )
     root = code_root(args.jobs_path)
     project = scaffold.project_of(root)
     plan = scaffold.plan(job, project, root / "jobs", load_registry(args.jobs_path))

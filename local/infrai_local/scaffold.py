@@ -42,6 +42,7 @@ from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.registry import Effect, JobRegistry
+from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_local.scaffold_settings import plan_setting_edits
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
@@ -71,6 +72,8 @@ class NewJob:
     identity: tuple[str, ...]
     # The settings asked for with --setting; none: an external job's default (``setting``).
     asked_settings: tuple[str, ...] = ()
+    # --retry-attempts: a retry policy the job declares (external jobs), None for none.
+    retry_attempts: int | None = None
 
     @property
     def module(self) -> str:
@@ -137,7 +140,13 @@ def project_of(code_root: Path) -> Path:
     )
 
 
-def parse_request(name: str, effect: str, identity: str, settings: Sequence[str] = ()) -> NewJob:
+def parse_request(
+    name: str,
+    effect: str,
+    identity: str,
+    settings: Sequence[str] = (),
+    retry_attempts: int | None = None,
+) -> NewJob:
     """Check the command's arguments; a ``ConfigurationError`` says what is wrong."""
     if not _JOB_NAME.match(name):
         raise ConfigurationError(
@@ -162,6 +171,12 @@ def parse_request(name: str, effect: str, identity: str, settings: Sequence[str]
             )
     if len(set(fields)) != len(fields):
         raise ConfigurationError(f"--identity {identity!r} names a field twice")
+    _check_settings(settings)
+    _check_retry(effect_class, retry_attempts)
+    return NewJob(name, effect_class, fields, tuple(settings), retry_attempts)
+
+
+def _check_settings(settings: Sequence[str]) -> None:
     for setting in settings:
         if not _SETTING_NAME.match(setting) or setting.startswith(_FRAMEWORK_PREFIXES):
             raise ConfigurationError(
@@ -171,7 +186,21 @@ def parse_request(name: str, effect: str, identity: str, settings: Sequence[str]
             )
     if len(set(settings)) != len(settings):
         raise ConfigurationError("--setting names a setting twice")
-    return NewJob(name, effect_class, fields, tuple(settings))
+
+
+def _check_retry(effect: Effect, attempts: int | None) -> None:
+    if attempts is None:
+        return
+    if effect is Effect.DATABASE:
+        raise ConfigurationError(
+            "--retry-attempts: flow control applies to external jobs only; a database job "
+            "rolls back with its batch and keeps Infrai's three deliveries"
+        )
+    if attempts <= MAX_RECEIVE_COUNT:
+        raise ConfigurationError(
+            f"--retry-attempts {attempts}: give more than {MAX_RECEIVE_COUNT}; Infrai's own "
+            f"{MAX_RECEIVE_COUNT} deliveries retry that many already"
+        )
 
 
 def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -> Scaffold:
@@ -300,6 +329,15 @@ def _module_text(job: NewJob, version: int) -> str:
         setting=job.setting,
         setting_constants=_setting_constants(job),
         settings_tuple=_settings_tuple(job),
+        policy_import=(
+            "\nfrom infrai_jobs.jobs.policy import RetryPolicy" if job.retry_attempts else ""
+        ),
+        retry=(
+            f"\n        retry=RetryPolicy(attempts={job.retry_attempts}, first_delay_seconds=1.0, "
+            "max_delay_seconds=60.0),"
+            if job.retry_attempts
+            else ""
+        ),
         key_header=(
             '"Idempotency-Key": ctx.idem_key, ' if idempotent else '"X-Request-Key": ctx.idem_key, '
         ),
@@ -356,7 +394,9 @@ def _test_text(job: NewJob) -> str:
     body += _TEST_RUNS_ONCE.format(module=job.module)
     if job.effect is Effect.DATABASE:
         body += _TEST_ONE_ROW.format(table=job.table)
-    body += _TEST_OTHERS.format(module=job.module, other=other)
+    failing = _TEST_DEFERRED if job.retry_attempts else _TEST_RETRIED
+    body += failing.format(module=job.module, other=other)
+    body += _TEST_CONFLICT.format(module=job.module)
     if job.effect is not Effect.DATABASE:
         body += _TEST_STUCK.format(module=job.module, third=third)
     return body
@@ -483,7 +523,7 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
     import json
 
-    from infrai_jobs.errors import EffectUncertain, PermanentJobError
+    from infrai_jobs.errors import EffectUncertain, PermanentJobError{policy_import}
     from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
     from jobs._http import LazyPool
 
@@ -516,7 +556,7 @@ _EXTERNAL_MODULE = textwrap.dedent(
             answer = {{}}
         return {{"provider_id": answer.get("id") if isinstance(answer, dict) else None}}
     """
-) + _registration("settings=({settings_tuple}),")
+) + _registration("settings=({settings_tuple}),{retry}")
 
 _TEST_HEADER = textwrap.dedent(
     '''\
@@ -541,7 +581,7 @@ _TEST_RUNS_ONCE = textwrap.dedent(
 
 _TEST_ONE_ROW = '    assert job_kit.sql("SELECT count(*) FROM {table}") == [(1,)]\n'
 
-_TEST_OTHERS = textwrap.dedent(
+_TEST_RETRIED = textwrap.dedent(
     """
 
     def test_{module}_failing_is_retried_then_dead_lettered(job_kit: JobKit) -> None:
@@ -549,7 +589,23 @@ _TEST_OTHERS = textwrap.dedent(
             {{**PAYLOAD, {other}}},
             raising=RuntimeError("downstream is down"),
         )
+    """
+)
 
+# A job with a retry policy past Infrai's deliveries: flow control defers it instead.
+_TEST_DEFERRED = textwrap.dedent(
+    """
+
+    def test_{module}_failing_is_deferred_then_done(job_kit: JobKit) -> None:
+        job_kit.assert_deferred_then_done(
+            {{**PAYLOAD, {other}}},
+            raising=RuntimeError("downstream is down"),
+        )
+    """
+)
+
+_TEST_CONFLICT = textwrap.dedent(
+    """
 
     def test_{module}_same_key_different_work_is_a_conflict(job_kit: JobKit) -> None:
         job_kit.assert_conflict(PAYLOAD, {{**PAYLOAD, "note": "different work"}})

@@ -299,3 +299,50 @@ def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
     assert (
         sum(n for route, n in effects.items() if route.startswith(f"/v1/effects/{WALK_JOB}")) == 1
     )
+
+
+def test_a_job_scaffolded_with_a_retry_policy_tests_its_deferral_and_passes(
+    kit: Harness, project: Path, pg_server_url: str
+) -> None:
+    # Given an external job scaffolded with a setting and a retry policy past Infrai's three
+    # deliveries
+    made = new_job(
+        kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
+        "--setting", SETTING, "--retry-attempts", "5",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    assert "retry=RetryPolicy(attempts=5" in module
+    test = (project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py").read_text()
+    # Then its test asserts deferral, not a walk to the DLQ
+    assert "assert_deferred_then_done" in test
+    assert "assert_retried_then_dead_lettered" not in test
+    # And that test passes with the test kit, which runs the drain DrainFunction runs
+    tested = run_captured(
+        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
+        cwd=project,
+        env={
+            **server_env(pg_server_url),
+            "INFRAI_JOBS_PATH": str(project / "functions"),
+            "PYTHONPATH": str(ROOT / "tests" / "integration"),
+        },
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert "4 passed" in tested.stdout
+
+
+def test_a_retry_policy_is_refused_where_the_drain_would_refuse_it(
+    kit: Harness, project: Path
+) -> None:
+    before = _tree(project)
+    for effect, attempts, says in (
+        ("database", "5", "external jobs only"),
+        ("external", "3", "more than 3"),
+    ):
+        refused = new_job(
+            kit, project, LINT_JOB, "--effect", effect, "--identity", "report_id",
+            "--retry-attempts", attempts,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stdout
+        assert says in refused.stderr
+    assert _tree(project) == before

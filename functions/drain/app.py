@@ -5,13 +5,16 @@ A fan-out event (another drain started this one for a backlog) carries the slot 
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
+import jobs
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import FAN_OUT_EVENT_KEY, fan_out_slot
+from infrai_jobs.ledger.job_schema import job_migrations_in
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.observability import (
     function_observability,
@@ -28,10 +31,16 @@ logger, metrics = function_observability()
 def service() -> DrainService:
     """Built on the first invocation and reused while the environment stays warm. Only the
     settings the registered jobs declared are read, and each must be set; the secrets come
-    from the one source every function uses (``factory.with_secrets``, in ``from_settings``)."""
+    from the one source every function uses (``factory.with_secrets``, in ``from_settings``).
+    The jobs' migrations shipped with the code are part of the schema check."""
     registry = build_registry()
     settings = DrainSettings.from_env(job_settings=registry.declared_settings())
-    return DrainService.from_settings(settings, registry, message_span=message_tracing())
+    return DrainService.from_settings(
+        settings,
+        registry,
+        message_span=message_tracing(),
+        job_migrations=job_migrations_in(Path(str(jobs.__file__)).parent),
+    )
 
 
 # The correlation id of every log line: a tick's event id (Scheduler's execution id), or for a

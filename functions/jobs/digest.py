@@ -52,7 +52,10 @@ def find_digest(payload: Payload, ctx: JobContext) -> ProbeAnswer:
     answer = json.loads(response.data)
     if not isinstance(answer, dict) or not answer.get("id"):
         return Unknown("digest provider's lookup answered without a digest id")
-    return Done({"digest_id": answer["id"], "replayed": False, "reconciled": True})
+    if answer.get("idempotency_key") != ctx.idem_key:
+        # Not the digest this claim stands for: settling on it could hide one never built.
+        return Unknown("digest provider's lookup answered a digest of another key")
+    return Done({"digest_id": str(answer["id"]), "replayed": False, "reconciled": True})
 
 
 def register(registry: JobRegistry) -> None:

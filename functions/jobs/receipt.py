@@ -5,10 +5,12 @@ tell (a timeout, a 5xx), the handler raises ``EffectUncertain``: the claim stays
 flagged for a human, instead of a retry that might send a second receipt.
 
 When a claim is stuck anyway, its reconcile probe asks the provider for the mails sent for the
-invoice (``GET /v1/mail?invoice_id=...``): one found settles the claim ``done``, none releases
-it for one more try, and any other answer leaves it to a human. That is safe only because the
-provider's search sees a mail as soon as its send was answered; with a provider whose search
-lags, answer ``Unknown`` for recent claims instead of ``NotDone``.
+invoice (``GET /v1/mail?invoice_id=...``) and looks for this invoice's receipt among them (its
+invoice id and the ``receipt`` template: a reminder for the same invoice is not a receipt):
+one found settles the claim ``done`` with that mail's id, none releases it for one more try,
+and any other answer (a listed mail that does not say what it is) leaves it to a human. That is
+safe only because the provider's search sees a mail as soon as its send was answered; with a
+provider whose search lags, answer ``Unknown`` for recent claims instead of ``NotDone``.
 
 Its result is kept in the ledger (and in the second layer's store), so it holds no e-mail
 address: only the SHA-256 of the address as sent (trimmed, lower-cased), enough to confirm
@@ -28,6 +30,8 @@ from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=5.0)
 
+RECEIPT_TEMPLATE = "receipt"
+
 # Where receipts are mailed: the mail provider's base URL (HTTPS; HTTP on loopback only).
 MAIL_PROVIDER_URL = "MAIL_PROVIDER_URL"
 
@@ -36,7 +40,11 @@ def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
     import urllib3  # noqa: PLC0415 (on first use, like the pool: see jobs._http)
 
     body = json.dumps(
-        {"to": payload["email"], "template": "receipt", "invoice_id": payload["invoice_id"]}
+        {
+            "to": payload["email"],
+            "template": RECEIPT_TEMPLATE,
+            "invoice_id": payload["invoice_id"],
+        }
     )
     try:
         response = _http.request(
@@ -76,16 +84,25 @@ def find_receipt(payload: Payload, ctx: JobContext) -> ProbeAnswer:
     messages = answer.get("messages") if isinstance(answer, dict) else None
     if not isinstance(messages, list):
         return Unknown("mail provider's search answered without a list of messages")
-    if not messages:
-        return NotDone()
-    first = messages[0] if isinstance(messages[0], dict) else {}
-    return Done(
-        {
-            "provider_message_id": first.get("id"),
-            "to_sha256": address_digest(str(first.get("to", ""))),
-            "reconciled": True,
-        }
-    )
+    mails = [m for m in messages if isinstance(m, dict)]
+    receipts = [
+        m
+        for m in mails
+        if str(m.get("invoice_id")) == str(invoice) and m.get("template") == RECEIPT_TEMPLATE
+    ]
+    if receipts:
+        found = receipts[-1]
+        # Only the reference: the provider's answer itself is not the claim's to keep.
+        return Done(
+            {
+                "provider_message_id": found.get("id"),
+                "to_sha256": address_digest(str(found.get("to", ""))),
+                "reconciled": True,
+            }
+        )
+    if len(mails) < len(messages) or any("template" not in m for m in mails):
+        return Unknown("mail provider listed mails that do not say what they are")
+    return NotDone()
 
 
 def address_digest(email: str) -> str:

@@ -7,7 +7,8 @@ true}); events/redrive.json moves (the same with "dry_run": false); events/redri
 moves only the dead letters of one job ("job"; "key" and "message_id" select too). A redrive
 that runs short of time stops early and says so ("stopped": "time_budget"): invoke it again.
 Dead letters it cannot publish (unreadable) are listed in "skipped" or "unreadable"
-("complete": false).
+("complete": false); those whose copies would be duplicates or bounce straight back are held
+back, listed in "held_back" with why ("include_bouncing": true publishes them too).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
             time_left_ms=context.get_remaining_time_in_millis,
             selection=request.selection,
             key_of=lambda payload: jobs.derive(payload).idem_key,
+            include_bouncing=request.include_bouncing,
+            known_jobs=lambda name: "" if jobs.get(name) else jobs.unknown_job(name),
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)

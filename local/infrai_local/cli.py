@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -47,9 +48,11 @@ from infrai_jobs.errors import (
     InfraiError,
     InfraiJobsError,
     KeyDerivationError,
+    SchemaNotMigrated,
 )
 from infrai_jobs.jobs.correlation import with_correlation_id
 from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.ledger.job_schema import job_migrations_in
 from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
@@ -231,7 +234,8 @@ def _report(exc: Exception, *, as_json: bool) -> int:
 
 
 def _describe_error(exc: Exception) -> tuple[int, str, dict[str, Any]]:
-    if isinstance(exc, ConfigurationError):
+    # A database behind the code is set-up to fix (`infrai-jobs migrate`), as a bad setting is.
+    if isinstance(exc, ConfigurationError | SchemaNotMigrated):
         return EXIT_USAGE, str(exc), {}
     if isinstance(exc, ClaimNotFound | ClaimChanged | DeadLetterNotFound):
         return EXIT_CONFLICT, str(exc), {}
@@ -332,7 +336,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "publish",
         help="publish one JSON job to the queue, once the drain's jobs package accepts it",
     )
-    publish.add_argument("body", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
+    publish.add_argument("body", nargs="?", help='the job as JSON, e.g. \'{"job": "NAME", ...}\'')
+    publish.add_argument(
+        "--body-file",
+        metavar="PATH",
+        help="read the job's JSON from PATH instead (- for standard input): for a body too "
+        "large for a shell argument",
+    )
     publish.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
     publish.add_argument("--delay-seconds", type=int, default=None)
     publish.add_argument(
@@ -392,6 +402,26 @@ def _build_parser() -> argparse.ArgumentParser:
         "NAME:field1:field2",
     )
     add_jobs_path(new_job, "a code root holding the `jobs` package to add it to")
+    new_job.add_argument(
+        "--setting",
+        action="append",
+        metavar="NAME",
+        help="a setting the job declares (an environment variable naming a URL it calls); "
+        "repeatable. An external job's default is NAME_URL (REFUND_ISSUE_URL). Each new one "
+        "gets its template parameter, the Environment entries of the functions that load "
+        "the jobs' settings, an events/env.json entry and a docs/configuration.md row",
+    )
+    new_job.add_argument(
+        "--retry-attempts",
+        type=int,
+        metavar="N",
+        help="declare a retry policy of N attempts in all (external jobs, N above Infrai's 3 "
+        "deliveries): flow control defers the job past its deliveries, and its test asserts "
+        "that",
+    )
+    new_job.add_argument(
+        "--dry-run", action="store_true", help="list the files it would write, and write none"
+    )
     new_job.set_defaults(command=_cmd_new_job)
 
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
@@ -510,11 +540,16 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
 
 
 def _cmd_new_job(args: argparse.Namespace) -> int:
-    job = scaffold.parse_request(args.name, args.effect, args.identity)
-    jobs_folder = code_root(args.jobs_path) / "jobs"
-    project = jobs_folder.parent.parent
-    plan = scaffold.plan(job, project, jobs_folder, load_registry(args.jobs_path))
-    print(scaffold.next_steps(job, plan.write(), project))
+    job = scaffold.parse_request(
+        args.name, args.effect, args.identity, args.setting or (), args.retry_attempts
+    )
+    root = code_root(args.jobs_path)
+    project = scaffold.project_of(root)
+    plan = scaffold.plan(job, project, root / "jobs", load_registry(args.jobs_path))
+    if args.dry_run:
+        print(scaffold.dry_run_listing(job, plan))
+        return EXIT_OK
+    print(scaffold.next_steps(job, plan.write(), project, plan.left_alone))
     return EXIT_OK
 
 
@@ -570,7 +605,12 @@ def _cmd_drain(args: argparse.Namespace) -> int:
             settings, stack, who="`infrai-jobs drain`", jobs_path=args.jobs_path
         )
         starter = _drain_processes(settings, args)
-        service = DrainService.from_settings(settings, registry, starter=starter)
+        service = DrainService.from_settings(
+            settings,
+            registry,
+            starter=starter,
+            job_migrations=job_migrations_in(code_root(args.jobs_path) / "jobs"),
+        )
         stack.callback(service.close)
         # What this drain received and has not acked: reported if it is interrupted.
         held = InFlightMessages(
@@ -760,6 +800,7 @@ def ops_context(
         forget=_second_layer_forget(settings),
         reconciler=lambda: _reconciler(settings, jobs_path, admin()),
         retry_of=lambda: retry_of_jobs(settings, load_registry(jobs_path)),
+        registry=lambda: load_registry(jobs_path),
     )
 
 
@@ -790,11 +831,32 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _publish_body_text(args: argparse.Namespace) -> str:
+    """The body's JSON text: the argument, or what ``--body-file`` names (``-``: stdin)."""
+    if args.body is not None and args.body_file is not None:
+        raise ConfigurationError("publish takes either a body or --body-file, not both")
+    if args.body is not None:
+        return str(args.body)
+    if args.body_file is None:
+        raise ConfigurationError(
+            "publish needs a body to publish: JSON as the argument, or --body-file PATH "
+            "(- for standard input)"
+        )
+    if args.body_file == "-":
+        return sys.stdin.read()
+    try:
+        return Path(args.body_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigurationError(f"cannot read --body-file {args.body_file}: {reason}") from None
+
+
 def _cmd_publish(args: argparse.Namespace) -> int:
     settings = CommonSettings.from_env()
+    text = _publish_body_text(args)
     try:
         # NaN and Infinity are Python's extension, not JSON: Infrai could not carry them.
-        body = json.loads(args.body, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise ConfigurationError(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

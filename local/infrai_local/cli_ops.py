@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
 from infrai_jobs.flow.ledger import DeferredJob, deferred_as_dict
+from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claim_json import claim_as_dict
 from infrai_jobs.operations.dead_letters import (
@@ -128,6 +129,12 @@ def add_ops_commands(sub: Any) -> None:
         "--dry-run",
         action="store_true",
         help="look only: new dead letters are moved into the ledger, none is published",
+    )
+    red.add_argument(
+        "--include-bouncing",
+        action="store_true",
+        help="publish the dead letters whose copies would be duplicates or bounce back too "
+        "(a plain redrive holds them back and says why)",
     )
     red.add_argument("--key", help="move only the dead letters of this idempotency key")
     red.add_argument("--job", help="move only the dead letters of this job type")
@@ -314,6 +321,8 @@ class OpsContext:
     # Each job's retry policy in force (JOB_POLICIES applied): a dead letter with attempts left
     # is taken back as deferred work when it is collected.
     retry_of: Callable[[], RetryOf] | None = None
+    # The jobs package's registry, for a command that names a job (redrive --job).
+    registry: Callable[[], JobRegistry] | None = None
 
 
 def run_ops(args: argparse.Namespace, ctx: OpsContext) -> int:
@@ -484,6 +493,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     selection = Selection(key=args.key, job=args.job, message_id=args.message_id)
     progress = _progress_bar(args.max) if sys.stderr.isatty() and not args.json else None
     admin = ctx.admin()
+    registry = ctx.registry() if ctx.registry is not None and args.job else None
     summary = redrive(
         ctx.queue(),
         admin.dead_letters(),
@@ -497,6 +507,10 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         progress=progress,
         selection=selection,
         key_of=ctx.key_of(),
+        include_bouncing=args.include_bouncing,
+        known_jobs=(lambda name: "" if registry.get(name) else registry.unknown_job(name))
+        if registry is not None
+        else None,
     )
     if progress is not None:
         print(file=sys.stderr)
@@ -511,9 +525,26 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
             f"({summary.recorded} new one(s) moved from {dlq_name} into the ledger first)",
             file=out,
         )
+        causes = summary.held_back_by_cause()
+        if causes:
+            counted = ", ".join(f"{n} {cause}" for cause, n in causes.items())
+            verb_held = "would hold back" if args.dry_run else "held back"
+            print(
+                f"{verb_held} {len(summary.held_back)}: {counted} (their copies would not run; "
+                "--include-bouncing publishes them anyway)",
+                file=out,
+            )
         if args.dry_run:
-            print_table(summary.seen, ["message_id", "idem_key", "state", "reason"], out)
+            print_table(
+                summary.seen + summary.held_back,
+                ["message_id", "idem_key", "verdict", "why"],
+                out,
+                whole=("why",),
+            )
             print("note: nothing was published or marked redriven", file=out)
+        else:
+            for entry in summary.held_back:
+                print(f"HELD BACK: {entry['message_id']}: {entry['why']}", file=out)
         print(
             f"selected {summary.selected}, published {summary.published}, "
             f"reopened {len(summary.reopened)}, skipped {len(summary.skipped)}, "
@@ -846,6 +877,9 @@ def _show_human(
     if probes:
         print("\nreconcile probes (what the provider answered):", file=out)
         print_table(probes, ["at", "answer", "note"], out, whole=["note"])
+    if not history:
+        print("\nhistory: none recorded", file=out)
+        return
     print("\nhistory:", file=out)
     print_table(history, ["at", "action", "actor", "note"], out)
 

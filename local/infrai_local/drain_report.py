@@ -132,11 +132,13 @@ def _by_outcome(summary: DrainSummary, bucket: str) -> str:
 def summary_lines(summary: DrainSummary) -> list[str]:
     """The summary in words: what ran, what comes back by itself, what waits for a human."""
     duplicates, parked = _by_outcome(summary, "duplicates"), _by_outcome(summary, "parked")
+    # Deferral is shown only when there was some: a drain without flow control reads as before.
+    deferred = f", {summary.deferred} deferred" if summary.deferred else ""
     lines = [
         f"drained {summary.consumed} message(s) in {summary.batches} batch(es): "
         f"{summary.done} done, {summary.duplicates} duplicate(s){duplicates}, "
         f"{summary.retried} retried, {summary.failed} failed, "
-        f"{summary.parked} parked{parked}; {summary.acked} acked "
+        f"{summary.parked} parked{parked}{deferred}; {summary.acked} acked "
         f"({summary.ack_lost} ack_lost, {summary.ack_failed} ack_failed); "
         f"stopped: {summary.stopped or '-'}"
     ]
@@ -147,6 +149,7 @@ def summary_lines(summary: DrainSummary) -> list[str]:
             "itself, the messages received with the others come back after the visibility "
             "timeout"
         )
+    lines.extend(_deferred_lines(summary))
     if summary.retried:
         lines.append(
             f"  {summary.retried} retried: the handler raised; the message comes back after the "
@@ -157,4 +160,26 @@ def summary_lines(summary: DrainSummary) -> list[str]:
             f"  {summary.failed + summary.parked} failed or parked: not acked, they walk to the "
             "DLQ for a human; see `infrai-jobs dlq` and `infrai-jobs claims stuck`"
         )
+    return lines
+
+
+def _deferred_lines(summary: DrainSummary) -> list[str]:
+    """Flow control's share of the drain: messages it deferred, deferred jobs it ran from the
+    ledger (they were consumed by an earlier drain, so no total above counts them), waits."""
+    lines = []
+    if summary.deferred:
+        lines.append(
+            f"  {summary.deferred} deferred: the ledger holds them (acked) and a later drain runs "
+            "each when it is due; see `infrai-jobs claims list --state deferred`"
+        )
+    ran = summary.counters["deferred_ran"]
+    if ran:
+        lines.append(
+            f"  {ran} deferred job(s) run from the ledger: {summary.counters['deferred_done']} "
+            f"done, {summary.counters['deferred_failed']} failed for good (those are dead "
+            "letters: `infrai-jobs dlq`); the rest wait for their next attempt"
+        )
+    waits = summary.counters["rate_limit_waits"]
+    if waits:
+        lines.append(f"  {waits} rate-limit wait(s): handler starts held back by a job's rate")
     return lines

@@ -67,7 +67,7 @@ from infrai_local.sandbox import (
 
 # Runs inside the child. It is passed with -c so that no folder of this package is on the path.
 _BOOTSTRAP = r"""
-import importlib, json, os, sys, time, traceback, uuid
+import importlib, json, os, sys, time, uuid
 
 handler_name, event_file, result_file, deadline, function_name, memory = sys.argv[1:7]
 deadline = float(deadline)
@@ -96,14 +96,8 @@ try:
     handler = getattr(importlib.import_module(module_name), attr)
     result = {"ok": True, "payload": handler(event, LambdaContext())}
 except Exception as exc:
-    result = {
-        "ok": False,
-        "payload": {
-            "errorMessage": str(exc),
-            "errorType": type(exc).__name__,
-            "stackTrace": traceback.format_exception(exc),
-        },
-    }
+    # The error's type and message, never a stack trace: it is printed to whoever invoked.
+    result = {"ok": False, "payload": {"errorMessage": str(exc), "errorType": type(exc).__name__}}
 with open(result_file, "w") as stream:
     json.dump(result, stream, default=str)
 sys.stdout.flush()

@@ -19,7 +19,6 @@ is nullable or defaulted, so the notes' ``INSERT (idem_key, state, message_id)``
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Final, Literal, LiteralString
 import psycopg
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.ledger.job_schema import MIGRATION_FILE_NAME
 from infrai_local.jobs_package import import_jobs
 
 # An arbitrary constant that names "infrai-jobs schema changes" among advisory locks.
@@ -47,7 +47,8 @@ class Migration:
 
 LEDGER_FOLDER: Final = Path(__file__).parent / "ledger_migrations"
 MIGRATIONS_FOLDER: Final = "migrations"
-_FILE_NAME: Final = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
+# The layer's schema check reads the jobs' file names by the same rule.
+_FILE_NAME: Final = MIGRATION_FILE_NAME
 
 
 def read_migrations(folder: Path, owner: Owner = "jobs") -> tuple[Migration, ...]:

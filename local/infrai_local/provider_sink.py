@@ -11,8 +11,8 @@ It counts effects so tests and the demo can prove "at most once":
 * ``POST /v1/effects/<job>``: any other job's downstream (what ``infrai-jobs new-job`` calls):
   with an ``Idempotency-Key``, a repeated key replays the first answer; without one, every call
   is one more effect.
-* ``GET /v1/mail?invoice_id=<id>``: the mails sent for an invoice (id and recipient), as a mail
-  provider's message search offers; an empty list when none was.
+* ``GET /v1/mail?invoice_id=<id>``: the mails sent for an invoice (id, recipient, invoice id and
+  template), as a mail provider's message search offers; an empty list when none was.
 * ``GET /v1/digests/<idempotency key>``: the digest built under that key, or 404: the lookup by
   idempotency key an idempotent provider offers.
 * ``GET /_sink/state``: calls and effects per route and per key.
@@ -28,6 +28,7 @@ import argparse
 import json
 import random
 import secrets
+import sys
 import threading
 import time
 from collections import Counter
@@ -157,7 +158,12 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path == "/v1/mail/send":
                 invoice = str(body.get("invoice_id"))
                 state.mails[invoice] += 1
-                mail = {"id": "mail_" + secrets.token_hex(6), "to": str(body.get("to", ""))}
+                mail = {
+                    "id": "mail_" + secrets.token_hex(6),
+                    "to": str(body.get("to", "")),
+                    "invoice_id": invoice,
+                    "template": str(body.get("template", "")),
+                }
                 state.sent.setdefault(invoice, []).append(mail)
                 return {"id": mail["id"]}
             key = self.headers.get("Idempotency-Key") or ""
@@ -184,6 +190,13 @@ class _SinkServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int]) -> None:
         super().__init__(address, _Handler)
         self.state = SinkState()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A caller that hung up (a drain whose read timed out while a hang fault held the
+        # answer) is what the fault is for: nothing to report, and no traceback for it.
+        if isinstance(sys.exc_info()[1], BrokenPipeError | ConnectionResetError):
+            return
+        super().handle_error(request, client_address)
 
 
 @dataclass

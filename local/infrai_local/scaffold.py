@@ -11,7 +11,16 @@ the installed jobs package belongs to:
 * ``functions/jobs/migrations/NNNN_refund_issue.sql``, the next version: the table of a
   ``database`` job, a placeholder for the others;
 * ``tests/integration/test_job_refund_issue.py``, written with the test kit;
-* ``events/jobs/refund.issue.json``, a sample payload for ``infrai-jobs publish``.
+* ``events/jobs/refund.issue.json``, a sample payload for ``infrai-jobs publish``;
+* for each setting it declares (``--setting NAME``, repeatable; an ``external`` job's default is
+  ``REFUND_ISSUE_URL``) that no job declared before: the template parameter and the entries in
+  the functions' ``Environment``, ``events/env.json`` and ``docs/configuration.md``
+  (``scaffold_settings``).
+
+Every path is the project's that holds the jobs package: the nearest folder above its code
+root with a ``template.yaml`` (the SAM project whose functions import it), wherever the command
+runs from; a jobs package outside any project is refused. ``--dry-run`` lists the files and
+writes none.
 
 Nothing is written unless everything can be: a name that exists, a bad field, or a
 ``build_registry`` it cannot find is refused first.
@@ -19,21 +28,36 @@ Nothing is written unless everything can be: a name that exists, a bad field, or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import keyword
 import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.registry import Effect, JobRegistry
+from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_local.scaffold_settings import plan_setting_edits
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
 _FIELD_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")
+_SETTING_NAME: Final = re.compile(r"^[A-Z][A-Z0-9_]*$")
+# Variables the framework reads itself: a job's setting may not take one of their names.
+_FRAMEWORK_PREFIXES: Final = (
+    "INFRAI_",
+    "DATABASE_",
+    "DRAIN_",
+    "IDEMPOTENCY_",
+    "POWERTOOLS_",
+    "AWS_",
+    "JOB_POLICIES",
+)
 _JOBS_IMPORT: Final = re.compile(r"^from jobs import (\([^)]*\)|[^\n(]+)$", re.M)
 _RETURN_REGISTRY: Final = "    return registry\n"
 _LINE_LENGTH: Final = 100
@@ -46,14 +70,27 @@ class NewJob:
     name: str
     effect: Effect
     identity: tuple[str, ...]
+    # The settings asked for with --setting; none: an external job's default (``setting``).
+    asked_settings: tuple[str, ...] = ()
+    # --retry-attempts: a retry policy the job declares (external jobs), None for none.
+    retry_attempts: int | None = None
 
     @property
     def module(self) -> str:
         return self.name.replace(".", "_")
 
     @property
+    def settings(self) -> tuple[str, ...]:
+        """The settings the job declares: those asked for, else an external job's URL."""
+        if self.asked_settings:
+            return self.asked_settings
+        default = f"{self.module.upper()}_URL"
+        return () if self.effect is Effect.DATABASE else (default,)
+
+    @property
     def setting(self) -> str:
-        return f"{self.module.upper()}_URL"
+        """The setting whose URL an external job's handler calls (its first)."""
+        return self.settings[0] if self.settings else f"{self.module.upper()}_URL"
 
     @property
     def table(self) -> str:
@@ -67,18 +104,49 @@ class Scaffold:
     files: dict[Path, str]
     registry_file: Path
     registry_text: str
+    project: Path
+    # Files that name the jobs' settings, with the new one added (scaffold_settings).
+    edits: dict[Path, str] = dataclasses.field(default_factory=dict)
+    # What the settings' edits left to the user, one sentence each.
+    left_alone: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def paths(self) -> list[Path]:
+        """What ``write`` writes, then the files it edits."""
+        return [*self.files, self.registry_file, *self.edits]
 
     def write(self) -> list[Path]:
         for path, text in self.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
         self.registry_file.write_text(self.registry_text, encoding="utf-8")
-        written = [*self.files, self.registry_file]
-        _format([p for p in written if p.suffix == ".py"])
+        for path, text in self.edits.items():
+            path.write_text(text, encoding="utf-8")
+        written = self.paths
+        _format([p for p in written if p.suffix == ".py"], self.project)
         return written
 
 
-def parse_request(name: str, effect: str, identity: str) -> NewJob:
+def project_of(code_root: Path) -> Path:
+    """The project that holds a code root: the nearest folder above it with a template.yaml."""
+    for folder in code_root.resolve().parents:
+        if (folder / "template.yaml").is_file():
+            return folder
+    raise ConfigurationError(
+        f"the jobs package in {code_root} is in no project (no template.yaml in a folder above "
+        "it): new-job writes the job's test and sample event beside the template whose "
+        "functions import the package; pass --jobs-path with a project's code root "
+        "(e.g. functions/)"
+    )
+
+
+def parse_request(
+    name: str,
+    effect: str,
+    identity: str,
+    settings: Sequence[str] = (),
+    retry_attempts: int | None = None,
+) -> NewJob:
     """Check the command's arguments; a ``ConfigurationError`` says what is wrong."""
     if not _JOB_NAME.match(name):
         raise ConfigurationError(
@@ -103,7 +171,36 @@ def parse_request(name: str, effect: str, identity: str) -> NewJob:
             )
     if len(set(fields)) != len(fields):
         raise ConfigurationError(f"--identity {identity!r} names a field twice")
-    return NewJob(name, effect_class, fields)
+    _check_settings(settings)
+    _check_retry(effect_class, retry_attempts)
+    return NewJob(name, effect_class, fields, tuple(settings), retry_attempts)
+
+
+def _check_settings(settings: Sequence[str]) -> None:
+    for setting in settings:
+        if not _SETTING_NAME.match(setting) or setting.startswith(_FRAMEWORK_PREFIXES):
+            raise ConfigurationError(
+                f"--setting {setting!r}: use an upper-case environment variable name "
+                "(letters, digits, underscores), e.g. REFUND_PROVIDER_URL, not one of the "
+                "framework's own (INFRAI_, DATABASE_, DRAIN_, ...)"
+            )
+    if len(set(settings)) != len(settings):
+        raise ConfigurationError("--setting names a setting twice")
+
+
+def _check_retry(effect: Effect, attempts: int | None) -> None:
+    if attempts is None:
+        return
+    if effect is Effect.DATABASE:
+        raise ConfigurationError(
+            "--retry-attempts: flow control applies to external jobs only; a database job "
+            "rolls back with its batch and keeps Infrai's three deliveries"
+        )
+    if attempts <= MAX_RECEIVE_COUNT:
+        raise ConfigurationError(
+            f"--retry-attempts {attempts}: give more than {MAX_RECEIVE_COUNT}; Infrai's own "
+            f"{MAX_RECEIVE_COUNT} deliveries retry that many already"
+        )
 
 
 def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -> Scaffold:
@@ -123,24 +220,49 @@ def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -
         if path.exists():
             raise ConfigurationError(f"{path} already exists: nothing was written")
     registry_file = jobs_folder / "__init__.py"
-    return Scaffold(files, registry_file, _registered(registry_file, job.module))
+    declared = list(registry.declared_settings())
+    new_settings = [s for s in job.settings if s not in declared]
+    edits = plan_setting_edits(project, job.name, new_settings, declared)
+    return Scaffold(
+        files,
+        registry_file,
+        _registered(registry_file, job.module),
+        project,
+        edits.texts,
+        edits.left_alone,
+    )
 
 
-def next_steps(job: NewJob, written: list[Path], project: Path) -> str:
+def dry_run_listing(job: NewJob, scaffold: Scaffold) -> str:
+    lines = [f"new-job {job.name} ({job.effect.value}) would write, in {scaffold.project}:"]
+    lines += [f"  {_relative(path, scaffold.project)}" for path in scaffold.files]
+    lines += ["and edit:"]
+    edited = [scaffold.registry_file, *scaffold.edits]
+    lines += [f"  {_relative(path, scaffold.project)}" for path in edited]
+    lines += [f"note: {note}" for note in scaffold.left_alone]
+    lines += ["(dry run: nothing was written)"]
+    return "\n".join(lines)
+
+
+def next_steps(
+    job: NewJob, written: list[Path], project: Path, left_alone: Sequence[str] = ()
+) -> str:
     sample = project / "events" / "jobs" / f"{job.name}.json"
     lines = [f"created job {job.name} ({job.effect.value}):"]
     lines += [f"  {_relative(path, project)}" for path in written]
     lines += ["next:"]
+    for setting in job.settings:
+        lines += [
+            f"  set {setting} to the URL it calls: exported, or in events/env.json for invoke",
+            "  (locally the provider sink stands in); in AWS, its template parameter",
+        ]
+    lines += [f"  note: {note}" for note in left_alone]
     if job.effect is Effect.DATABASE:
         lines.append(f"  infrai-jobs migrate     # creates its table, {job.table}")
     else:
-        lines += [
-            f"  set {job.setting} to the URL it calls (locally the provider sink stands in);",
-            f"  in AWS give DrainFunction a {job.setting} environment variable (a template",
-            "  parameter, as MailProviderUrl is for MAIL_PROVIDER_URL), or the drain refuses",
-            "  to start without it",
-            "  infrai-jobs migrate     # records its migration (a placeholder for its tables)",
-        ]
+        lines.append(
+            "  infrai-jobs migrate     # records its migration (a placeholder for its tables)"
+        )
     lines += [
         f'  infrai-jobs publish "$(cat {_relative(sample, project)})"',
         "  infrai-jobs drain",
@@ -176,13 +298,20 @@ def _module_text(job: NewJob, version: int) -> str:
             "transaction also holds the job's claim, so the row and the claim's ``done`` commit "
             f"together or not at all. Its key is ``{common['key']}``."
         )
-        return _DATABASE_MODULE.format(
+        text = _DATABASE_MODULE.format(
             **common,
             docstring=_docstring(title, about),
             table=job.table,
             columns=", ".join(job.identity),
             values=", ".join(f"%({f})s" for f in job.identity),
             returned=", ".join(f'"{f}": row[{i}]' for i, f in enumerate(job.identity)),
+        )
+        if not job.settings:
+            return text
+        # Declared for the handler to read (ctx.settings[...]); the drain refuses without them.
+        text = text.replace("\n\ndef handle(", "\n" + _setting_constants(job) + "\n\ndef handle(")
+        return text.replace(
+            "    )(handle)\n", f"        settings=({_settings_tuple(job)}),\n    )(handle)\n"
         )
     idempotent = job.effect is Effect.EXTERNAL_IDEMPOTENT
     kind = (
@@ -198,10 +327,38 @@ def _module_text(job: NewJob, version: int) -> str:
         **common,
         docstring=_docstring(title, about),
         setting=job.setting,
+        setting_constants=_setting_constants(job),
+        settings_tuple=_settings_tuple(job),
+        policy_import=(
+            "\nfrom infrai_jobs.jobs.policy import RetryPolicy" if job.retry_attempts else ""
+        ),
+        retry=(
+            f"\n        retry=RetryPolicy(attempts={job.retry_attempts}, first_delay_seconds=1.0, "
+            "max_delay_seconds=60.0),"
+            if job.retry_attempts
+            else ""
+        ),
         key_header=(
             '"Idempotency-Key": ctx.idem_key, ' if idempotent else '"X-Request-Key": ctx.idem_key, '
         ),
     )
+
+
+def _setting_constants(job: NewJob) -> str:
+    lines = []
+    for index, setting in enumerate(job.settings):
+        calls = job.effect is not Effect.DATABASE and index == 0
+        lines.append(
+            "# The base URL this job calls (HTTPS; HTTP on loopback only)."
+            if calls
+            else "# A setting this job declares (HTTPS; HTTP on loopback only)."
+        )
+        lines.append(f'{setting} = "{setting}"')
+    return "\n".join(lines)
+
+
+def _settings_tuple(job: NewJob) -> str:
+    return "".join(f"{setting}, " for setting in job.settings).rstrip()
 
 
 def _docstring(title: str, about: str) -> str:
@@ -237,7 +394,9 @@ def _test_text(job: NewJob) -> str:
     body += _TEST_RUNS_ONCE.format(module=job.module)
     if job.effect is Effect.DATABASE:
         body += _TEST_ONE_ROW.format(table=job.table)
-    body += _TEST_OTHERS.format(module=job.module, other=other)
+    failing = _TEST_DEFERRED if job.retry_attempts else _TEST_RETRIED
+    body += failing.format(module=job.module, other=other)
+    body += _TEST_CONFLICT.format(module=job.module)
     if job.effect is not Effect.DATABASE:
         body += _TEST_STUCK.format(module=job.module, third=third)
     return body
@@ -251,7 +410,7 @@ def _sample_text(job: NewJob) -> str:
     return json.dumps(_sample(job, 1)) + "\n"
 
 
-def _format(paths: list[Path]) -> None:
+def _format(paths: list[Path], project: Path) -> None:
     """Let the project's formatter have the last word on what was written, when it is installed
     beside this interpreter (``make venv`` installs it), so ``make lint`` passes as written."""
     ruff = Path(sys.executable).parent / "ruff"
@@ -259,7 +418,10 @@ def _format(paths: list[Path]) -> None:
         return
     names = [str(p) for p in paths]
     for command in (["check", "--fix-only", "--quiet", "--select", "I"], ["format", "--quiet"]):
-        subprocess.run([str(ruff), *command, *names], check=False, capture_output=True)  # noqa: S603
+        # From the project: ruff keeps its cache where it runs, never in the caller's folder.
+        subprocess.run(  # noqa: S603
+            [str(ruff), *command, *names], check=False, capture_output=True, cwd=project
+        )
 
 
 def _next_version(migrations: Path) -> int:
@@ -361,14 +523,13 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
     import json
 
-    from infrai_jobs.errors import EffectUncertain, PermanentJobError
+    from infrai_jobs.errors import EffectUncertain, PermanentJobError{policy_import}
     from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
     from jobs._http import LazyPool
 
     _http = LazyPool(connect_s=2.0, read_s=10.0)
 
-    # The base URL this job calls (HTTPS; HTTP on loopback only).
-    {setting} = "{setting}"
+    {setting_constants}
 
 
     def handle(payload: Payload, ctx: JobContext) -> JsonValue:
@@ -395,7 +556,7 @@ _EXTERNAL_MODULE = textwrap.dedent(
             answer = {{}}
         return {{"provider_id": answer.get("id") if isinstance(answer, dict) else None}}
     """
-) + _registration("settings=({setting},),")
+) + _registration("settings=({settings_tuple}),{retry}")
 
 _TEST_HEADER = textwrap.dedent(
     '''\
@@ -420,7 +581,7 @@ _TEST_RUNS_ONCE = textwrap.dedent(
 
 _TEST_ONE_ROW = '    assert job_kit.sql("SELECT count(*) FROM {table}") == [(1,)]\n'
 
-_TEST_OTHERS = textwrap.dedent(
+_TEST_RETRIED = textwrap.dedent(
     """
 
     def test_{module}_failing_is_retried_then_dead_lettered(job_kit: JobKit) -> None:
@@ -428,7 +589,23 @@ _TEST_OTHERS = textwrap.dedent(
             {{**PAYLOAD, {other}}},
             raising=RuntimeError("downstream is down"),
         )
+    """
+)
 
+# A job with a retry policy past Infrai's deliveries: flow control defers it instead.
+_TEST_DEFERRED = textwrap.dedent(
+    """
+
+    def test_{module}_failing_is_deferred_then_done(job_kit: JobKit) -> None:
+        job_kit.assert_deferred_then_done(
+            {{**PAYLOAD, {other}}},
+            raising=RuntimeError("downstream is down"),
+        )
+    """
+)
+
+_TEST_CONFLICT = textwrap.dedent(
+    """
 
     def test_{module}_same_key_different_work_is_a_conflict(job_kit: JobKit) -> None:
         job_kit.assert_conflict(PAYLOAD, {{**PAYLOAD, "note": "different work"}})

@@ -3,7 +3,10 @@
 Never deployed. Each test gets a fresh database on a real PostgreSQL (``DATABASE_URL`` when set,
 else an embedded server for the session), migrated like production (the ledger's migrations,
 then the jobs'), the Infrai emulator over HTTP, and the provider sink standing in for every
-external endpoint. Messages go through ``drain.loop.drain``, the code DrainFunction runs.
+external endpoint. Messages go through the drain DrainFunction runs: ``DrainService`` built
+from settings as the function builds it, so the job's declared retry, rate and concurrency
+policies (with ``JOB_POLICIES``, from the ``job_kit_job_policies`` fixture) and flow control's
+deferred runs are part of every drain.
 
 Load it from a ``conftest.py``::
 
@@ -17,6 +20,7 @@ and assert one guarantee per line::
         job_kit.assert_conflict(payload, {**payload, "amount_cents": 7})
         job_kit.assert_retried_then_dead_lettered({**payload, "refund_id": "r_2"})
         job_kit.assert_stuck_when_uncertain(...)          # external jobs only
+        job_kit.assert_deferred_then_done(...)            # jobs with a retry policy
 
 The registry comes from the ``job_kit_registry`` fixture (the installed ``jobs`` package, as
 every function builds it), and the database is prepared by ``job_kit_migrate`` (the ledger's
@@ -26,6 +30,7 @@ migrations, then the jobs'); a ``conftest.py`` may override either.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -35,8 +40,8 @@ import psycopg
 import pytest
 import urllib3
 
-from infrai_jobs.drain.loop import drain
-from infrai_jobs.drain.model import DrainConfig, DrainSummary
+from infrai_jobs.config.settings import DrainSettings
+from infrai_jobs.drain.model import DrainSummary
 from infrai_jobs.errors import EffectUncertain
 from infrai_jobs.jobs.registry import (
     DerivedJob,
@@ -50,10 +55,12 @@ from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_jobs.runtime.drain_service import DrainService, job_policies
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import load_registry
 from infrai_local.migrations import migrate_all
+from infrai_local.operator import OperatorLedger
 
 QUEUE = "testkit-jobs"
 DLQ = "testkit-jobs-dlq"
@@ -84,6 +91,8 @@ class JobKit:
         client: InfraiClient,
         emulator_url: str,
         provider_url: str,
+        *,
+        job_policies_document: str = "",
     ) -> None:
         self.database_url = database_url
         self.client = client
@@ -98,8 +107,25 @@ class JobKit:
         self.registry = self._instrumented(registry)
         # Every setting a job declared points at the provider sink.
         self.registry.bind_settings(dict.fromkeys(self.registry.declared_settings(), provider_url))
+        # DrainFunction's settings, for its service: this kit's queue, ledger and provider.
+        self.settings = DrainSettings.from_env(
+            {
+                "INFRAI_BASE_URL": emulator_url,
+                "INFRAI_API_KEY": API_KEY,
+                "INFRAI_QUEUE": QUEUE,
+                "INFRAI_DLQ": DLQ,
+                "DATABASE_URL": database_url,
+                "JOB_POLICIES": job_policies_document,
+                **dict.fromkeys(self.registry.declared_settings(), provider_url),
+            },
+            job_settings=self.registry.declared_settings(),
+        )
+        self.policies = job_policies(self.settings, self.registry)
+        self._service: DrainService | None = None
 
     def close(self) -> None:
+        if self._service is not None:
+            self._service.close()
         self.ledger.close()
         self._control.clear()
 
@@ -110,14 +136,15 @@ class JobKit:
         return [self.client.publish(QUEUE, dict(payload)) for _ in range(times)]
 
     def drain(self) -> DrainSummary:
-        """One DrainFunction invocation's worth of draining, with the real drain loop."""
-        return drain(
-            self.client,
-            self.ledger,
-            self.registry,
-            DrainConfig(queue=QUEUE, visibility_timeout_seconds=VISIBILITY_SECONDS),
-            lambda: TIME_LEFT_MS,
-        )
+        """One DrainFunction invocation: its service, built once as the function builds it
+        (flow control with the policies in force, and what else its settings switch on)."""
+        if self._service is None:
+            self._service = DrainService.from_settings(self.settings, self.registry)
+        return self._service.run(lambda: TIME_LEFT_MS)
+
+    def run_deferred_now(self, payload: Payload) -> None:
+        """Make the payload's deferred work due at once, as ``claims run-now`` does."""
+        OperatorLedger(self.database_url).run_deferred_now(self.key(payload), actor="job-kit")
 
     def redeliver(self) -> None:
         """Let every unacked message's visibility lapse, so the next drain receives it again."""
@@ -184,6 +211,12 @@ class JobKit:
         with self._raising(name, raising):
             self.publish(payload)
             summaries = [self._deliver() for _ in range(MAX_RECEIVE_COUNT)]
+        if any(s.deferred for s in summaries):
+            raise JobKitError(
+                f"{key}: flow control deferred it (its retry policy outlasts Infrai's "
+                f"{MAX_RECEIVE_COUNT} deliveries): the drain acks it and the ledger runs it "
+                "later; assert_deferred_then_done is this job's assertion"
+            )
         self._expect_every_delivery(key, "retry", summaries, "one retry each")
         self._expect(
             self.ledger.get(key) is None,
@@ -191,6 +224,55 @@ class JobKit:
             summaries,
         )
         self._expect_dead_lettered(key, dead_before, summaries)
+
+    def assert_deferred_then_done(
+        self, payload: Payload, *, raising: BaseException | None = None
+    ) -> ClaimRow:
+        """A job with a retry policy whose handler raises (``raising`` injected) through
+        Infrai's deliveries is deferred, not dead-lettered: the message is acked, the ledger
+        holds the work; when it is due and the handler succeeds, it runs once and is done."""
+        derived = self._derive(payload)
+        key, name = derived.idem_key, derived.definition.name
+        policy = self.policies.get(name)
+        if policy is None or policy.retry is None:
+            raise JobKitError(
+                f"{key}: {name} has no retry policy in force, so nothing defers it: its "
+                f"failures walk to the DLQ in {MAX_RECEIVE_COUNT} deliveries "
+                "(assert_retried_then_dead_lettered)"
+            )
+        dead_before = self.queue_counts()[1]
+        with self._raising(name, raising):
+            self.publish(payload)
+            summaries = [self._deliver() for _ in range(MAX_RECEIVE_COUNT)]
+        self._expect(
+            sum(s.deferred for s in summaries) == 1,
+            f"{key}: it was deferred {sum(s.deferred for s in summaries)} times, not once",
+            summaries,
+        )
+        self._expect(
+            self.queue_counts() == (0, dead_before),
+            f"{key}: (queue, DLQ) = {self.queue_counts()}, not (0, {dead_before}): a deferred "
+            "message is acked, never dead-lettered",
+            summaries,
+        )
+        # When it is due, and the handler no longer raises: it runs once from the ledger.
+        self.run_deferred_now(payload)
+        ran = self.drain()
+        summaries.append(ran)
+        claim = self.ledger.get(key)
+        self._expect(
+            ran.counters["deferred_done"] == 1 and claim is not None and claim.state == "done",
+            f"{key}: its deferred run ended {dict(ran.counters)}, the claim {_state(claim)}, "
+            "not done",
+            summaries,
+        )
+        self._expect(
+            self.completed[key] == 1,
+            f"{key}: the handler completed {self.completed[key]} times, not once",
+            summaries,
+        )
+        assert claim is not None
+        return claim
 
     def assert_stuck_when_uncertain(self, payload: Payload) -> ClaimRow:
         """An irreversible job whose outcome is unknown (``EffectUncertain``) is left
@@ -390,11 +472,19 @@ def job_kit_migrate() -> Callable[[psycopg.Connection[Any]], None]:
 
 
 @pytest.fixture
+def job_kit_job_policies() -> str:
+    """The ``JOB_POLICIES`` document the kit's drain applies over the jobs' declared policies:
+    the environment's, as DrainFunction reads its own. Override to test an override."""
+    return os.environ.get("JOB_POLICIES", "")
+
+
+@pytest.fixture
 def job_kit(
     job_kit_server_url: str,
     job_kit_registry: JobRegistry,
     job_kit_migrate: Callable[[psycopg.Connection[Any]], None],
     job_kit_provider_url: str,
+    job_kit_job_policies: str,
 ) -> Iterator[JobKit]:
     """A ``JobKit`` on a fresh database, a fresh emulator and the provider sink."""
     with ExitStack() as stack:
@@ -406,7 +496,14 @@ def job_kit(
         client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
         stack.callback(client.close)
         client.ensure_queue(QUEUE, dlq=DLQ)
-        kit = JobKit(job_kit_registry, database_url, client, server.url, job_kit_provider_url)
+        kit = JobKit(
+            job_kit_registry,
+            database_url,
+            client,
+            server.url,
+            job_kit_provider_url,
+            job_policies_document=job_kit_job_policies,
+        )
         stack.callback(kit.close)
         yield kit
 

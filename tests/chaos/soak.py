@@ -95,7 +95,7 @@ from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
-from infrai_local.migrations import apply_migrations
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
 from jobs import build_registry
 
@@ -506,7 +506,9 @@ class SoakDatabase:
                 )
             )
         with psycopg.connect(self.app_url, autocommit=True) as conn:
-            apply_migrations(conn)
+            # The ledger's, then the functions' jobs' own, as `infrai-jobs migrate` does: the
+            # drain workers run DrainFunction's handler, whose schema check includes the jobs'.
+            apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
             conn.execute(SOAK_EFFECTS_DDL)
 
     def query(self, statement: LiteralString, params: Any = None) -> list[tuple[Any, ...]]:

@@ -156,7 +156,11 @@ def test_the_cli_reports_a_handler_error_with_exit_code_1(tmp_path: Path) -> Non
     (tmp_path / "e.json").write_text("{}")
     finished = _cli_invoke("Broken", tmp_path)
     assert finished.returncode == 1
-    assert json.loads(finished.stdout)["errorType"] == "KeyError"
+    answer = json.loads(finished.stdout)
+    assert answer["errorType"] == "KeyError"
+    # The error answer names the error, and shows no stack trace
+    assert "stackTrace" not in answer
+    assert "Traceback" not in finished.stdout + finished.stderr
     unknown = _cli_invoke("Nope", tmp_path)
     assert unknown.returncode == 2
     assert "no function 'Nope'" in unknown.stderr

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from child_process import clean_env, run_captured
 
+from infrai_local.provider_sink import sink_settings
+
 ROOT = Path(__file__).resolve().parents[2]
 WALKTHROUGH_DOC = ROOT / "docs" / "development.md"
 
@@ -55,11 +57,12 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
         .replace(".local/pg-url", str(tmp_path / "pg-url"))
         .replace("events/env.json", str(env_vars))
     )
+    # And every setting the team's jobs declare pointed at the walkthrough's provider sink, as
+    # the walkthrough does for the example jobs' (a job the team added must not turn it red)
+    env = {**clean_env(), **sink_settings(f"http://127.0.0.1:{sink_port}")}
     # When bash runs it, stopping the background stand-ins at the end
     stop_stand_ins = "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n"
-    finished = run_captured(
-        ["bash", "-c", stop_stand_ins + script], env=clean_env(), cwd=ROOT, timeout=280
-    )
+    finished = run_captured(["bash", "-c", stop_stand_ins + script], env=env, cwd=ROOT, timeout=280)
     output = finished.stdout + finished.stderr
     # Then every command succeeded, with no traceback
     assert finished.returncode == 0, output

@@ -43,6 +43,9 @@ ROOT = HERE.parent.parent
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 OPERATOR = "on-call@example.com"
 FUNCTIONS_CODE = HERE.parent.parent / "functions"
+# A code root whose jobs package declares the test jobs below: INFRAI_JOBS_PATH of a CLI child
+# that must judge the harness's test jobs' dead letters as the harness's drain would.
+TEST_JOBS_CODE = HERE.parent / "fixture_code"
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

@@ -49,8 +49,11 @@ def test_redrive_by_key_from_a_subfolder_moves_the_jobs_dead_letter(kit: Harness
     other = kit.client.publish(DLQ, {"job": "test.db", "id": "stays"})
     # When the operator redrives its key from a folder below the project root
     below = Path(__file__).resolve().parent
-    moved = run_cli(kit, "redrive", "--key", "receipt.send:inv_far", "--json", cwd=below)
-    # Then both moved into the ledger, and only the receipt went back to the queue
+    moved = run_cli(
+        kit, "redrive", "--key", "receipt.send:inv_far", "--reopen-failed", "--json", cwd=below
+    )
+    # Then both moved into the ledger, and only the receipt (its failed claim reopened) went
+    # back to the queue
     assert moved.returncode == 0, moved.stderr
     summary = json.loads(moved.stdout)
     assert (summary["published"], summary["acked"], summary["not_selected"]) == (1, 2, 1)

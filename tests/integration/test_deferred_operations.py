@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
+from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, Harness, RecordingAlerter, run_cli
 
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.flow.ledger import DeferredWork
@@ -226,7 +226,8 @@ def test_a_deferred_job_out_of_attempts_pages_until_discarded_or_redriven_and_th
     watcher.run([QUEUE])
     assert len(alerter.sent) == 1
     # When the other is redriven (no --reopen-failed needed: its failed claim is reopened)
-    summary = _json(kit, "redrive", "--key", redriven)
+    # (with a jobs package that knows test.db, as the drain's does: a redrive judges each letter)
+    summary = _json(kit, "redrive", "--key", redriven, "--jobs-path", str(TEST_JOBS_CODE))
     # Then its payload is published again and its failed claim reopened, recorded
     assert (summary["published"], summary["reopened"]) == (1, [redriven])
     assert kit.row(redriven) is None

@@ -11,11 +11,12 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 import urllib3
-from drainkit import DLQ, QUEUE, Harness
+from drainkit import DLQ, QUEUE, TEST_JOBS_CODE, Harness
 from test_operator_cli import ROOT, run_cli
 
 
@@ -101,7 +102,10 @@ def _json_through(
 ) -> dict[str, Any]:
     """``infrai-jobs COMMAND --json`` against Infrai behind ``proxy``: checks its exit code and
     returns the JSON document it printed."""
-    finished = run_cli(kit, command, "--json", INFRAI_BASE_URL=proxy.url)
+    # The test jobs' package: a redrive judges each letter by the drain's jobs.
+    finished = run_cli(
+        kit, command, "--json", INFRAI_BASE_URL=proxy.url, INFRAI_JOBS_PATH=str(TEST_JOBS_CODE)
+    )
     assert finished.returncode == exit_code, finished.stderr
     document: dict[str, Any] = json.loads(finished.stdout)
     return document
@@ -153,7 +157,7 @@ def test_redrive_moves_the_readable_dead_letters_and_never_reports_the_unreadabl
     assert ids["poison"] not in json.dumps(summary) or unreadable["message_id"] == ids["poison"]
     # And the human form says NOT MOVED for it
     kit.advance()
-    again = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url)
+    again = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url, INFRAI_JOBS_PATH=str(TEST_JOBS_CODE))
     assert again.returncode == 1
     assert "published 0 dead letter(s)" in again.stdout
     assert "unreadable 1" in again.stdout
@@ -175,7 +179,9 @@ def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
     assert kit.client.stats(QUEUE).dlq_count == 0
     # When the operator redrives, Then the two readable ones go, the unreadable one is not
     # redriven blindly: NOT MOVED, exit 1
-    redriven = run_cli(kit, "redrive", INFRAI_BASE_URL=proxy.url)
+    redriven = run_cli(
+        kit, "redrive", INFRAI_BASE_URL=proxy.url, INFRAI_JOBS_PATH=str(TEST_JOBS_CODE)
+    )
     assert redriven.returncode == 1
     assert "published 2 dead letter(s)" in redriven.stdout
     assert f"NOT MOVED: {ids['poison']}: unreadable" in redriven.stdout
@@ -194,7 +200,7 @@ def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
 
 
 def test_redrive_function_reports_an_unreadable_dead_letter_and_moves_the_rest(
-    kit: Harness, proxy: CorruptingProxy
+    kit: Harness, proxy: CorruptingProxy, tmp_path: Path
 ) -> None:
     from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
 
@@ -207,7 +213,12 @@ def test_redrive_function_reports_an_unreadable_dead_letter_and_moves_the_rest(
         "INFRAI_API_KEY": "test-key",
         "DATABASE_URL": kit.database_url,
     }
-    result = invoke(spec, ROOT / "events" / "redrive.json", extra_env=services)
+    # (asked to include the letters that would bounce: the function's jobs package is the
+    # team's, which lacks the harness's test jobs)
+    event = json.loads((ROOT / "events" / "redrive.json").read_text())
+    event_file = tmp_path / "redrive.json"
+    event_file.write_text(json.dumps({**event, "include_bouncing": True}))
+    result = invoke(spec, event_file, extra_env=services)
     # Then its answer moves the two, lists the unreadable one, and is not complete
     assert result.ok, result.payload
     assert (result.payload["published"], result.payload["complete"]) == (2, False)

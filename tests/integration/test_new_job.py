@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, run_cli
@@ -34,6 +35,7 @@ def project(tmp_path: Path) -> Path:
     (tmp_path / "tests" / "integration").mkdir(parents=True)
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(ROOT / "template.yaml", tmp_path / "template.yaml")
     return tmp_path
 
 
@@ -160,3 +162,187 @@ def test_new_job_runs_from_any_folder_with_the_installed_jobs_package(tmp_path: 
     assert finished.returncode == 2
     assert "--identity field 'Bad'" in finished.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _tree(folder: Path) -> list[Path]:
+    return sorted(p.relative_to(folder) for p in folder.rglob("*"))
+
+
+def test_new_job_writes_every_file_in_the_project_of_the_jobs_package_from_any_folder(
+    kit: Harness, project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Given an operator in a folder outside the project, naming its code root
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    # When they scaffold a job there
+    made = run_cli(
+        kit,
+        "new-job",
+        WALK_JOB,
+        "--effect",
+        "database",
+        "--identity",
+        "refund_id",
+        "--jobs-path",
+        str(project / "functions"),
+        cwd=elsewhere,
+    )
+    # Then the module, its migration, its test and its sample event are all in that project
+    assert made.returncode == 0, made.stderr
+    assert (project / "functions" / "jobs" / f"{WALK_MODULE}.py").is_file()
+    assert (project / "tests" / "integration" / f"test_job_{WALK_MODULE}.py").is_file()
+    assert (project / "events" / "jobs" / f"{WALK_JOB}.json").is_file()
+    # And nothing in the folder it ran from
+    assert _tree(elsewhere) == []
+
+
+def test_new_job_refuses_a_jobs_package_outside_any_project(kit: Harness, tmp_path: Path) -> None:
+    # Given a code root that no project (template.yaml) holds
+    shutil.copytree(
+        ROOT / "functions", tmp_path / "loose", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    before = _tree(tmp_path)
+    # When new-job is pointed at it
+    refused = run_cli(
+        kit,
+        "new-job",
+        WALK_JOB,
+        "--effect",
+        "database",
+        "--identity",
+        "refund_id",
+        "--jobs-path",
+        str(tmp_path / "loose"),
+        cwd=tmp_path,
+    )
+    # Then it exits 2 saying why, and writes nothing
+    assert refused.returncode == 2, refused.stdout
+    assert "template.yaml" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert _tree(tmp_path) == before
+
+
+def test_new_job_dry_run_lists_the_files_and_writes_nothing(kit: Harness, project: Path) -> None:
+    before = _tree(project)
+    # When new-job runs with --dry-run
+    looked = new_job(
+        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id", "--dry-run"
+    )
+    # Then it lists each file it would write or edit, relative to the project
+    assert looked.returncode == 0, looked.stderr
+    version = next_version(project)
+    for path in (
+        f"functions/jobs/{WALK_MODULE}.py",
+        f"functions/jobs/migrations/{version:04d}_{WALK_MODULE}.sql",
+        f"tests/integration/test_job_{WALK_MODULE}.py",
+        f"events/jobs/{WALK_JOB}.json",
+        "functions/jobs/__init__.py",
+    ):
+        assert path in looked.stdout
+    assert "nothing was written" in looked.stdout
+    # And the project is as it was
+    assert _tree(project) == before
+
+
+SETTING = "NEWJOB_CHECK_PROVIDER_URL"
+SETTING_PARAMETER = "NewjobCheckProviderUrl"
+CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
+
+
+def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
+    kit: Harness, project: Path
+) -> None:
+    # Given a project with its env-vars file and configuration docs (and the layer, read-only)
+    (project / "layers").symlink_to(ROOT / "layers")
+    (project / "events").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "events" / "env.json", project / "events" / "env.json")
+    shutil.copy(ROOT / "events" / "drain-schedule.json", project / "events" / "drain-schedule.json")
+    (project / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "configuration.md", project / "docs" / "configuration.md")
+    # When an external job with a setting of its own is scaffolded
+    made = new_job(
+        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
+        "--setting", SETTING,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    # Then the template has its parameter, listed with the jobs' settings, and passes it to
+    # each function that loads the jobs' settings; cfn-lint is still clean
+    template = (project / "template.yaml").read_text()
+    assert f"  {SETTING_PARAMETER}:\n    Type: String\n" in template
+    assert template.count(f"{SETTING}: !Ref {SETTING_PARAMETER}") == 2
+    assert f", {SETTING_PARAMETER}]" in template
+    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    # And events/env.json and the configuration docs name it
+    env = json.loads((project / "events" / "env.json").read_text())
+    assert env["DrainFunction"][SETTING] == env["DlqAlertFunction"][SETTING] == ""
+    assert f"| `{SETTING}` |" in (project / "docs" / "configuration.md").read_text()
+    # When the setting is put in events/env.json and DrainFunction is invoked on a job
+    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+    from infrai_local.migrations import apply_migrations, read_migrations  # noqa: PLC0415
+
+    env["DrainFunction"] = dict.fromkeys(env["DrainFunction"], kit.sink.url)
+    (project / "events" / "env.json").write_text(json.dumps(env, indent=2))
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        apply_migrations(conn, read_migrations(project / "functions" / "jobs" / "migrations"))
+    kit.publish({"job": WALK_JOB, "refund_id": "r1"})
+    spec = resolve("DrainFunction", root=project, env_vars=project / "events" / "env.json")
+    services = {
+        "INFRAI_BASE_URL": kit.server.url,
+        "INFRAI_API_KEY": "test-key",
+        "DATABASE_URL": kit.database_url,
+    }
+    result = invoke(spec, project / "events" / "drain-schedule.json", extra_env=services)
+    # Then the job ran, calling the URL its setting names
+    assert result.ok, result.payload
+    assert result.payload["done"] == 1
+    effects = kit.sink.state.snapshot()["effects"]
+    assert (
+        sum(n for route, n in effects.items() if route.startswith(f"/v1/effects/{WALK_JOB}")) == 1
+    )
+
+
+def test_a_job_scaffolded_with_a_retry_policy_tests_its_deferral_and_passes(
+    kit: Harness, project: Path, pg_server_url: str
+) -> None:
+    # Given an external job scaffolded with a setting and a retry policy past Infrai's three
+    # deliveries
+    made = new_job(
+        kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
+        "--setting", SETTING, "--retry-attempts", "5",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    assert "retry=RetryPolicy(attempts=5" in module
+    test = (project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py").read_text()
+    # Then its test asserts deferral, not a walk to the DLQ
+    assert "assert_deferred_then_done" in test
+    assert "assert_retried_then_dead_lettered" not in test
+    # And that test passes with the test kit, which runs the drain DrainFunction runs
+    tested = run_captured(
+        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
+        cwd=project,
+        env={
+            **server_env(pg_server_url),
+            "INFRAI_JOBS_PATH": str(project / "functions"),
+            "PYTHONPATH": str(ROOT / "tests" / "integration"),
+        },
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert "4 passed" in tested.stdout
+
+
+def test_a_retry_policy_is_refused_where_the_drain_would_refuse_it(
+    kit: Harness, project: Path
+) -> None:
+    before = _tree(project)
+    for effect, attempts, says in (
+        ("database", "5", "external jobs only"),
+        ("external", "3", "more than 3"),
+    ):
+        refused = new_job(
+            kit, project, LINT_JOB, "--effect", effect, "--identity", "report_id",
+            "--retry-attempts", attempts,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stdout
+        assert says in refused.stderr
+    assert _tree(project) == before

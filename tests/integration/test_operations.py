@@ -112,9 +112,7 @@ def _store(kit: Harness) -> DeadLetterStore:
     return ClaimsAdmin(kit.database_url).dead_letters()
 
 
-def test_redrive_reopens_failed_claims_but_never_stuck_ones(
-    kit: Harness, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_redrive_reopens_failed_claims_and_holds_back_stuck_ones(kit: Harness) -> None:
     broken = {"on": True}
 
     def switch(payload: Payload, ctx: JobContext) -> JsonValue:
@@ -139,18 +137,32 @@ def test_redrive_reopens_failed_claims_but_never_stuck_ones(
         kit.drain()
     kit.advance()
     assert kit.client.stats(QUEUE).dlq_count == 2
-    # When the bug is fixed and the DLQ redriven with --reopen-failed
+    # When the bug is fixed and the DLQ redriven with --reopen-failed (by the harness's jobs)
     broken["on"] = False
-    code, document = _run_cli(capsys, "redrive", "--reopen-failed", "--json")
-    assert code == 0
-    assert document["published"] == 2
+    redriven = redrive(
+        kit.client,
+        _store(kit),
+        source=DLQ,
+        target=QUEUE,
+        max_messages=100,
+        actor=OPERATOR,
+        reopen_failed=True,
+        admin=ClaimsAdmin(kit.database_url),
+        key_of=lambda payload: kit.registry.derive(payload).idem_key,
+    )
+    document = redriven.as_dict()
+    assert document["published"] == 1
     assert document["reopened"] == ["test.switch:a"]
+    assert document["held_back_by_cause"] == {"stuck": 1}
     assert document["price_source"] == "discovery"
-    assert document["cost_usd"] == "0.00004"
-    # Then the failed job runs again and is done; the stuck one stays stuck, untouched
+    assert document["cost_usd"] == "0.00002"
+    # Then the failed job runs again and is done; the stuck one stays stuck, untouched, its
+    # dead letter unresolved for a human
     summary = kit.drain()
-    assert summary.outcomes == {"done": 1, "stuck": 1}
+    assert summary.outcomes == {"done": 1}
     assert kit.external_effects("test.ext:s") == 1
+    assert kit.row("test.ext:s") is not None
+    assert kit.sql("SELECT count(*) FROM dead_letters WHERE resolution IS NULL") == [(1,)]
     history = OperatorLedger(kit.database_url).history("test.switch:a")
     assert [h["action"] for h in history] == ["reopen"]
     assert history[0]["actor"] == "on-call@example.com"

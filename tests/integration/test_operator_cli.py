@@ -22,6 +22,7 @@ from drainkit import (
     OPERATOR,
     QUEUE,
     ROOT,
+    TEST_JOBS_CODE,
     Harness,
     cli_environment,
     run_cli,
@@ -489,6 +490,8 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
         "db": kit.client.publish(DLQ, {"job": "test.db", "id": "a"}),
         "db2": kit.client.publish(DLQ, {"job": "test.db", "id": "b"}),
     }
+    # (the CLI judges each letter by a jobs package that knows test.db, as the drain's does)
+    test_jobs = str(TEST_JOBS_CODE)
     # When the operator redrives one key (a job with its own identity rule)
     by_key = run_cli(kit, "redrive", "--key", "receipt.send:inv_5", "--json")
     # Then only that one moved; the others stay unresolved in the ledger
@@ -504,7 +507,7 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
         f"published 1 dead letter(s) of the ledger -> {QUEUE} (--message-id {ids['invoice']})"
         in by_id.stdout
     )
-    by_job = run_cli(kit, "redrive", "--job", "test.db", "--json")
+    by_job = run_cli(kit, "redrive", "--job", "test.db", "--json", INFRAI_JOBS_PATH=test_jobs)
     # Then each moved exactly what it named, and nothing is left unresolved
     assert json.loads(by_job.stdout)["published"] == 2
     assert kit.client.stats(QUEUE).dlq_count == 0
@@ -720,3 +723,15 @@ def test_a_retried_infrai_call_is_a_warning_naming_the_call_and_queue(
     assert len(retries) == 3
     assert {r.levelno for r in retries} == {logging.WARNING}
     assert {(r.call, r.queue) for r in retries} == {("ack", QUEUE)}  # type: ignore[attr-defined]
+
+
+def test_claims_show_says_in_one_line_when_no_history_is_recorded(kit: Harness) -> None:
+    # Given a done claim nobody acted on
+    key = "receipt.send:inv_quiet"
+    _seed_claim(kit, key, "done")
+    # When it is shown
+    shown = run_cli(kit, "claims", "show", key)
+    # Then its history is said to be empty once, in words
+    assert shown.returncode == 0, shown.stderr
+    assert "history: none recorded" in shown.stdout
+    assert "(none)" not in shown.stdout

@@ -94,6 +94,49 @@ def queue() -> Iterator[InfraiClient]:
         server.stop()
 
 
+# A jobs package of these tests' own: two jobs, each declaring one setting, so what the drain
+# names does not depend on the settings of the team's jobs.
+SETTINGS_JOBS = """
+from infrai_jobs.jobs.registry import Effect, JobRegistry
+
+
+def _send(payload, ctx):
+    return None
+
+
+def build_registry():
+    registry = JobRegistry()
+    registry.job(
+        "safety.mail", effect=Effect.EXTERNAL, identity=("id",), settings=("SAFETY_MAIL_URL",)
+    )(_send)
+    registry.job(
+        "safety.crm", effect=Effect.EXTERNAL, identity=("id",), settings=("SAFETY_CRM_URL",)
+    )(_send)
+    return registry
+"""
+
+
+@pytest.fixture
+def settings_jobs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The code root of ``SETTINGS_JOBS``, for ``--jobs-path``."""
+    root = tmp_path_factory.mktemp("settings-jobs")
+    (root / "jobs").mkdir()
+    (root / "jobs" / "__init__.py").write_text(SETTINGS_JOBS)
+    return str(root)
+
+
+def named(names: list[str]) -> str:
+    """``A, B and C``, as the CLI lists what is (not) set."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def drain_function_settings() -> list[str]:
+    """The settings DrainFunction's jobs declare and the template passes it, in their order."""
+    from infrai_local.invoke import job_setting_owners, resolve  # noqa: PLC0415
+
+    return list(job_setting_owners(resolve("DrainFunction", root=ROOT)))
+
+
 def migrated(database_url: str) -> str:
     with psycopg.connect(database_url, autocommit=True) as conn:
         apply_migrations(conn)
@@ -128,20 +171,20 @@ def test_a_drain_of_a_real_queue_without_database_url_consumes_nothing(
 
 
 def test_a_drain_of_a_real_queue_without_its_jobs_settings_consumes_nothing(
-    queue: InfraiClient, database_url: str
+    queue: InfraiClient, database_url: str, settings_jobs: str
 ) -> None:
     # Given a real queue and a real, migrated ledger, but none of the settings the jobs declared
     env = base_env(
         INFRAI_BASE_URL=queue.base_url, INFRAI_API_KEY=API_KEY, DATABASE_URL=migrated(database_url)
     )
     # When the drain runs
-    finished = run("drain", env=env)
+    finished = run("drain", "--jobs-path", settings_jobs, env=env)
     # Then it names each setting and the job that needs it (never a throwaway sink for a real
     # job), and consumed nothing
     line = assert_one_line_error(finished, 2)
-    assert "MAIL_PROVIDER_URL and DIGEST_PROVIDER_URL are not set" in line
-    assert "MAIL_PROVIDER_URL (the downstream receipt.send calls" in line
-    assert "DIGEST_PROVIDER_URL (the downstream digest.build calls" in line
+    assert "SAFETY_MAIL_URL and SAFETY_CRM_URL are not set" in line
+    assert "SAFETY_MAIL_URL (the downstream safety.mail calls" in line
+    assert "SAFETY_CRM_URL (the downstream safety.crm calls" in line
     assert still_waiting(queue)
 
 
@@ -171,32 +214,33 @@ def test_a_drain_needs_only_the_settings_of_the_jobs_it_registered(
 
 
 def test_a_drain_with_only_a_real_database_never_migrates_or_stands_in_a_queue(
-    database_url: str,
+    database_url: str, settings_jobs: str
 ) -> None:
     # Given a real (never migrated) database and nothing else
     env = base_env(DATABASE_URL=database_url)
     # When the drain runs
-    finished = run("drain", env=env)
+    finished = run("drain", "--jobs-path", settings_jobs, env=env)
     # Then it names INFRAI_BASE_URL and the jobs' settings, and the database is untouched
     line = assert_one_line_error(finished, 2)
     assert (
-        "INFRAI_BASE_URL, MAIL_PROVIDER_URL and DIGEST_PROVIDER_URL are not set, "
-        "but DATABASE_URL is"
+        "INFRAI_BASE_URL, SAFETY_MAIL_URL and SAFETY_CRM_URL are not set, but DATABASE_URL is"
     ) in line
     assert table_count(database_url) == 0
 
 
-def test_a_database_secret_counts_as_a_real_database(queue: InfraiClient) -> None:
+def test_a_database_secret_counts_as_a_real_database(
+    queue: InfraiClient, settings_jobs: str
+) -> None:
     # Given a database named only by its secret, and no queue configured
     env = base_env(
         DATABASE_SECRET_ARN="arn:aws:secretsmanager:eu-west-1:1:secret:db",
-        **sink_settings("http://127.0.0.1:9"),
+        SAFETY_MAIL_URL="http://127.0.0.1:9",
+        SAFETY_CRM_URL="http://127.0.0.1:9",
     )
     # When the drain runs, Then it refuses before fetching anything, naming INFRAI_BASE_URL
-    line = assert_one_line_error(run("drain", env=env), 2)
+    line = assert_one_line_error(run("drain", "--jobs-path", settings_jobs, env=env), 2)
     assert (
-        "INFRAI_BASE_URL is not set, but DATABASE_URL, MAIL_PROVIDER_URL and "
-        "DIGEST_PROVIDER_URL are"
+        "INFRAI_BASE_URL is not set, but DATABASE_URL, SAFETY_MAIL_URL and SAFETY_CRM_URL are"
     ) in line
 
 
@@ -277,7 +321,7 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
     finished = invoke_drain_function(env_vars, base_env(DATABASE_URL=database_url))
     # Then it fails with the database named as not migrated and the command to run, before
     # any handler runs; the database has still no table, and the job was not consumed
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert "infrai-jobs migrate" in line
     assert "END DrainFunction" not in finished.stderr
@@ -292,7 +336,7 @@ def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
     # When DrainFunction is invoked
     finished = invoke_drain_function("events/env.json", base_env(DATABASE_URL=database_url))
     # Then the database is named as not migrated first, and stays so
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert table_count(database_url) == 0
 
@@ -309,10 +353,9 @@ def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anythi
     finished = invoke_drain_function(env_vars, base_env())
     # Then it names DATABASE_URL; no handler ran
     line = assert_one_line_error(finished, 2)
-    assert (
-        "DATABASE_URL, MAIL_PROVIDER_URL and DIGEST_PROVIDER_URL are not set, "
-        "but INFRAI_BASE_URL is"
-    ) in line
+    # (the settings of the jobs DrainFunction's code holds, whichever they are)
+    unset = named(["DATABASE_URL", *drain_function_settings()])
+    assert f"{unset} are not set, but INFRAI_BASE_URL is" in line
     assert "END DrainFunction" not in finished.stderr
 
 
@@ -447,7 +490,7 @@ def test_a_drain_on_an_unmigrated_database_says_migrate_and_consumes_nothing(
     # When the drain runs
     finished = run("drain", env=env)
     # Then it says the database is not migrated and what to run, not "unreachable"
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert "infrai-jobs migrate" in line
     assert "unreachable" not in finished.stderr
@@ -475,7 +518,7 @@ def test_claims_commands_on_an_unmigrated_database_say_migrate(
     # When a claims command runs with --json
     finished = run(*command, "--json", env=base_env(DATABASE_URL=database_url))
     # Then one line says it is not migrated with the command, and stdout holds the JSON error
-    line = assert_one_line_error(finished, 1)
+    line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
     assert "infrai-jobs migrate" in line
     assert json.loads(finished.stdout)["error"]["type"] == "SchemaNotMigrated"

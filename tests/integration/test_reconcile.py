@@ -353,7 +353,10 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     # receipt keyed by its producer, which its probe cannot look up (unknown)
     mailed = {**RECEIPT, "invoice_id": "inv_watched"}
     sink_call(
-        kit, "POST", "/v1/mail/send", json={"to": "ada@example.com", "invoice_id": "inv_watched"}
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": "ada@example.com", "template": "receipt", "invoice_id": "inv_watched"},
     )
     mailed_key = seed_dead_worker_claim(kit, mailed)
     unbuilt_key = seed_dead_worker_claim(kit, {**DIGEST, "tenant_id": "t_watched"})

@@ -139,3 +139,36 @@ def test_every_outcome_keeps_one_label_in_the_summary_and_the_outcomes() -> None
         "done": 1,
         "duplicate_in_flight": 1,
     }
+
+
+def test_the_summary_in_words_shows_deferred_work_whenever_there_is_any() -> None:
+    # Given a drain whose ten messages were all deferred by flow control, and acked
+    deferring = DrainSummary(consumed=10, batches=1, acked=10)
+    deferring.outcomes.update({"deferred": 10})
+    # When it is put in words
+    first, *notes = summary_lines(deferring)
+    # Then the first line counts them beside the other totals, and a note says who runs them
+    assert "0 done, 0 duplicate(s), 0 retried, 0 failed, 0 parked, 10 deferred; 10 acked" in first
+    assert any("10 deferred: the ledger holds them" in n for n in notes)
+
+
+def test_the_summary_in_words_counts_the_deferred_runs_and_rate_limit_waits() -> None:
+    # Given a drain that consumed nothing but ran three due deferred jobs (two done, one out of
+    # attempts) and waited twice for a rate limit
+    summary = DrainSummary(consumed=0, batches=1, stopped="empty")
+    summary.counters.update(
+        {"deferred_ran": 3, "deferred_done": 2, "deferred_failed": 1, "rate_limit_waits": 2}
+    )
+    # When it is put in words
+    lines = summary_lines(summary)
+    # Then the deferred runs and the waits are told, not hidden behind "0 done"
+    assert any(
+        "3 deferred job(s) run from the ledger: 2 done, 1 failed for good" in line for line in lines
+    )
+    assert any("2 rate-limit wait(s)" in line for line in lines)
+
+
+def test_the_summary_in_words_says_nothing_of_deferral_when_there_was_none() -> None:
+    summary = DrainSummary(consumed=1, batches=1, acked=1)
+    summary.outcomes.update({"done": 1})
+    assert not any("deferred" in line or "rate-limit" in line for line in summary_lines(summary))

@@ -8,7 +8,6 @@ from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_local.sandbox import LEDGER_ENDPOINT, QUEUE_ENDPOINT, configured_endpoints, stand_ins
-from jobs import build_registry
 
 
 def echo_settings(payload: Payload, ctx: JobContext) -> JsonValue:
@@ -24,13 +23,6 @@ def registry_with_two_jobs() -> JobRegistry:
         "b.both", effect=Effect.EXTERNAL, identity=("id",), settings=("MAIL_URL", "CRM_URL")
     )(echo_settings)
     return registry
-
-
-def test_the_example_jobs_declare_their_own_settings_and_the_invoice_job_none() -> None:
-    assert build_registry().declared_settings() == {
-        "MAIL_PROVIDER_URL": ("receipt.send",),
-        "DIGEST_PROVIDER_URL": ("digest.build",),
-    }
 
 
 def test_a_bound_job_sees_only_the_settings_it_declared() -> None:

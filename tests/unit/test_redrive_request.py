@@ -35,6 +35,11 @@ def test_an_event_selects_by_key_job_and_message_id_together() -> None:
     )
 
 
+def test_an_event_may_ask_to_publish_the_letters_that_would_bounce() -> None:
+    assert RedriveRequest.from_event({"include_bouncing": True}).include_bouncing is True
+    assert RedriveRequest.from_event({}).include_bouncing is False
+
+
 @pytest.mark.parametrize(
     ("event", "message"),
     [
@@ -42,6 +47,7 @@ def test_an_event_selects_by_key_job_and_message_id_together() -> None:
         ({"job": " "}, "job must be a non-empty string"),
         ({"message_id": ["qmsg_1"]}, "message_id must be a non-empty string"),
         ({"queue": "other"}, "unknown redrive event field(s): queue"),
+        ({"include_bouncing": "yes"}, "include_bouncing must be true or false"),
     ],
 )
 def test_a_bad_selection_is_refused_by_name(event: dict[str, object], message: str) -> None:

@@ -126,6 +126,10 @@ class KeyDerivationError(InfraiJobsError):
     unrepresentable fields). The message is left unacked so it reaches the dead-letter queue."""
 
 
+class UnknownJob(KeyDerivationError):
+    """The payload names a job the registry lacks; the message says the closest name it has."""
+
+
 class InvalidPayload(KeyDerivationError):
     """The payload does not match its job's declared fields: a required one is missing, or one
     has the wrong JSON type. The message names every such field; like any payload without a

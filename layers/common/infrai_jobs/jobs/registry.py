@@ -48,7 +48,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from infrai_jobs.errors import ConfigurationError, KeyDerivationError
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError, UnknownJob
 from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
 from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy, check_declared
@@ -295,6 +295,13 @@ class JobRegistry:
         """The bound values of job ``name``'s declared settings (empty before binding)."""
         return self._settings.get(name, MappingProxyType({}))
 
+    def unknown_job(self, name: str) -> str:
+        """What to tell someone who named a job this registry lacks: the closest name it has."""
+        known = ", ".join(sorted(self._jobs)) or "none"
+        close = difflib.get_close_matches(name, self._jobs, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        return f"unknown job {name!r} ({guess}registered: {known})"
+
     def identity_table(self) -> dict[str, tuple[str, ...]]:
         return {job.name: job.identity for job in self._jobs.values() if job.identity}
 
@@ -310,10 +317,7 @@ class JobRegistry:
             raise KeyDerivationError("payload has no 'job' string naming the job type")
         definition = self._jobs.get(name)
         if definition is None:
-            known = ", ".join(sorted(self._jobs)) or "none"
-            close = difflib.get_close_matches(name, self._jobs, n=1)
-            guess = f"did you mean {close[0]!r}? " if close else ""
-            raise KeyDerivationError(f"unknown job {name!r} ({guess}registered: {known})")
+            raise UnknownJob(self.unknown_job(name))
         definition.schema.check(name, payload)
         idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
         settings = self._settings.get(name, MappingProxyType({}))

@@ -45,6 +45,11 @@ from infrai_jobs.ledger.claims import (
     decide,
     settled_kind,
 )
+from infrai_jobs.ledger.job_schema import (
+    JobMigrationName,
+    jobs_schema_behind,
+    missing_job_migrations,
+)
 from infrai_jobs.ledger.postgres import (
     CLAIM_BY_KEY,
     SCHEMA_VERSION,
@@ -237,12 +242,15 @@ class PostgresLedger(LedgerAdapter):
         database_url: str,
         *,
         visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+        job_migrations: Sequence[JobMigrationName] = (),
         **options: Any,
     ) -> None:
         # The queue's visibility timeout bounds every lease (see the module's docstring);
-        # options are LedgerAdapter's (connect_timeout, refresh_url).
+        # options are LedgerAdapter's (connect_timeout, refresh_url). ``job_migrations``: the
+        # jobs package's, checked with the ledger's schema on the first connection.
         super().__init__(database_url, **options)
         self._visibility = visibility_timeout
+        self._job_migrations = tuple(job_migrations)
         self._conn: psycopg.Connection[Any] | None = None
         self._schema_checked = False
 
@@ -267,12 +275,16 @@ class PostgresLedger(LedgerAdapter):
             try:
                 with ledger_errors("cannot read the ledger's schema version", self._connector.url):
                     version = current_version(conn)
+                    missing = missing_job_migrations(conn, self._job_migrations)
             except LedgerError:
                 conn.close()
                 raise
             if version < SCHEMA_VERSION:
                 conn.close()
                 raise SchemaNotMigrated(schema_behind(version))
+            if missing:
+                conn.close()
+                raise SchemaNotMigrated(jobs_schema_behind(missing))
             self._schema_checked = True
         self._conn = conn
         return conn

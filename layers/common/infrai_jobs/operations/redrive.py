@@ -15,6 +15,13 @@ claim reopened: that claim is why it is a dead letter. A stuck
 ``running`` claim of an irreversible job is never reopened: that needs a human's verdict first
 (``infrai-jobs claims resolve``). An unreadable dead letter is never redriven blindly: it is
 reported, and can be discarded (``infrai-jobs dlq discard``).
+
+Before publishing, each selected letter is judged (``forecast``) against the registry and the
+claim ledger as they are now: it would **run**, be **skipped** (its work is done, or deferred
+work the ledger owns: the copy would be a duplicate), or **bounce** straight back to the DLQ
+(a failed claim not reopened, a stuck claim, a payload the registry rejects or whose job it
+lacks, a key holding other work). A redrive publishes only what would run, and reports the rest
+in ``held_back``; ``include_bouncing`` publishes everything readable, as an operator may ask.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from enum import StrEnum
 from typing import Any
 
 from infrai_jobs.errors import (
@@ -30,10 +39,12 @@ from infrai_jobs.errors import (
     InfraiInvalidResponse,
     InfraiUnavailable,
     KeyDerivationError,
+    UnknownJob,
 )
 from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
+from infrai_jobs.operations.dead_letters import DeadLetterRow, DeadLetterStore, collect
 from infrai_jobs.queue.ports import QueuePort
 
 logger = logging.getLogger(__name__)
@@ -52,6 +63,120 @@ MAX_REDRIVE_PER_CALL = 10_000
 MESSAGE_BUDGET_MS = 20_000
 
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
+
+# A running claim this long untouched counts as stuck, as `claims stuck` and the watcher count
+# it (STUCK_CLAIM_SECONDS' default).
+STUCK_AFTER_SECONDS = 900
+
+
+class Verdict(StrEnum):
+    """What a published copy of a dead letter would meet in the drain."""
+
+    RUN = "run"  # the job runs (again)
+    SKIP = "skip"  # the copy would be acked as a duplicate: nothing to publish for
+    BOUNCE = "bounce"  # the copy would come straight back to the DLQ
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    verdict: Verdict
+    # One word for the reason, for counting: no_claim, reopened, in_flight, done, deferred,
+    # failed, stuck, conflict, rejected, unknown_job, unknown (no key, no ledger to ask).
+    cause: str
+    why: str
+
+    def entry(self, row: DeadLetterRow, key: str | None) -> dict[str, Any]:
+        return {
+            "message_id": row.message_id,
+            "idem_key": key,
+            "state": row.state,
+            "reason": row.reason,
+            "verdict": str(self.verdict),
+            "cause": self.cause,
+            "why": self.why,
+        }
+
+
+def forecast(
+    row: DeadLetterRow,
+    *,
+    key_of: KeyOf | None,
+    admin: ClaimsAdmin | None,
+    reopen_failed: bool,
+    stuck_after_seconds: int = STUCK_AFTER_SECONDS,
+    now: datetime | None = None,
+) -> tuple[Forecast, str | None]:
+    """What a copy of ``row`` published now would meet, and the key it would be claimed by.
+
+    The key is derived again with ``key_of`` (the registry may have changed since the letter
+    was recorded); without it, the key recorded with the row is used. Without a key or a ledger
+    to ask, the letter is judged to run, as a redrive always assumed."""
+    key = row.idem_key
+    if key_of is not None:
+        try:
+            key = key_of(row.body)
+        except UnknownJob as exc:
+            return Forecast(Verdict.BOUNCE, "unknown_job", str(exc)), None
+        except KeyDerivationError as exc:
+            return Forecast(Verdict.BOUNCE, "rejected", f"the drain rejects it: {exc}"), None
+    if key is None or admin is None:
+        return Forecast(Verdict.RUN, "unknown", "no key or ledger to judge it by"), key
+    claim = admin.find(key)
+    if claim is None:
+        deferred = admin.find_deferred(key)
+        if deferred is not None and deferred.state in ("deferred", "running"):
+            why = (
+                f"the ledger holds it as deferred work ({deferred.state}, attempt "
+                f"{deferred.attempts}): a copy is a duplicate (`claims list --state deferred`)"
+            )
+            return Forecast(Verdict.SKIP, "deferred", why), key
+        return Forecast(Verdict.RUN, "no_claim", "no claim: the job runs"), key
+    return _against_claim(row, claim, reopen_failed, stuck_after_seconds, now), key
+
+
+def _against_claim(
+    row: DeadLetterRow,
+    claim: ClaimRow,
+    reopen_failed: bool,
+    stuck_after_seconds: int,
+    now: datetime | None,
+) -> Forecast:
+    if claim.payload_sha256 and claim.payload_sha256 != _fingerprint(row.body):
+        why = (
+            f"conflict: {claim.idem_key} is claimed by different work ({claim.state}); the "
+            "copy would be rejected as a payload mismatch"
+        )
+        return Forecast(Verdict.BOUNCE, "conflict", why)
+    if claim.state == "done":
+        return Forecast(
+            Verdict.SKIP, "done", "done already: the copy would be acked as a duplicate"
+        )
+    if claim.state == "failed":
+        if reopen_failed or row.held_by_ledger:
+            return Forecast(Verdict.RUN, "reopened", "its failed claim is reopened: it runs")
+        why = (
+            f"its claim failed ({claim.error or 'no error recorded'}): without "
+            "--reopen-failed the copy is a duplicate of the failure and returns to the DLQ"
+        )
+        return Forecast(Verdict.BOUNCE, "failed", why)
+    touched = claim.updated_at or claim.claimed_at
+    moment = now or datetime.now(UTC)
+    if claim.error is not None or moment - touched > timedelta(seconds=stuck_after_seconds):
+        why = (
+            f"its claim is stuck ({claim.error or 'running, untouched'}): a human decides "
+            "first (`infrai-jobs claims resolve`)"
+        )
+        return Forecast(Verdict.BOUNCE, "stuck", why)
+    return Forecast(
+        Verdict.RUN, "in_flight", "a delivery holds its claim now: the copy meets its outcome"
+    )
+
+
+def _fingerprint(payload: Any) -> str | None:
+    try:
+        return payload_fingerprint(payload)
+    except KeyDerivationError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +206,7 @@ class RedriveRequest:
     max_messages: int = 100
     reopen_failed: bool = False
     dry_run: bool = False
+    include_bouncing: bool = False
     selection: Selection = field(default_factory=Selection)
 
     @classmethod
@@ -91,6 +217,7 @@ class RedriveRequest:
             "max_messages",
             "reopen_failed",
             "dry_run",
+            "include_bouncing",
             "key",
             "job",
             "message_id",
@@ -105,7 +232,7 @@ class RedriveRequest:
         if not 1 <= max_messages <= MAX_REDRIVE_PER_CALL:
             raise ConfigurationError(f"max_messages must be between 1 and {MAX_REDRIVE_PER_CALL}")
         flags = {}
-        for name in ("reopen_failed", "dry_run"):
+        for name in ("reopen_failed", "dry_run", "include_bouncing"):
             value = event.get(name, False)
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{name} must be true or false")
@@ -138,6 +265,9 @@ class RedriveSummary:
     reopened: list[str] = field(default_factory=list)
     # Selected rows it cannot publish (unreadable, or not a JSON object): left unresolved.
     skipped: list[dict[str, str]] = field(default_factory=list)
+    # Selected rows it chose not to publish, each with its forecast: their copies would be
+    # duplicates of done work, or bounce straight back. Left unresolved, for a human.
+    held_back: list[dict[str, Any]] = field(default_factory=list)
     # Unreadable answers from the DLQ that named no message: neither recorded nor acked.
     unreadable: list[dict[str, Any]] = field(default_factory=list)
     # Unresolved rows of the queue this redrive did not select (a selective redrive, or more
@@ -160,6 +290,12 @@ class RedriveSummary:
         """Every dead letter it meant to move was read and moved (or, dry, looked at)."""
         return not self.skipped and not self.unreadable and not self.stopped
 
+    def held_back_by_cause(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for entry in self.held_back:
+            counts[entry["cause"]] = counts.get(entry["cause"], 0) + 1
+        return dict(sorted(counts.items()))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -173,6 +309,8 @@ class RedriveSummary:
             "published": self.published,
             "reopened": self.reopened,
             "skipped": self.skipped,
+            "held_back": self.held_back,
+            "held_back_by_cause": self.held_back_by_cause(),
             "unreadable": self.unreadable,
             "not_selected": self.not_selected,
             "selection": self.selection,
@@ -214,6 +352,8 @@ def redrive(
     time_left_ms: Callable[[], int] | None = None,
     selection: Selection | None = None,
     key_of: KeyOf | None = None,
+    include_bouncing: bool = False,
+    known_jobs: Callable[[str], str] | None = None,
 ) -> RedriveSummary:
     """Move new dead letters of ``source`` into the ledger, then publish up to
     ``max_messages`` of its unresolved rows (those ``selection`` matches) to ``target``.
@@ -222,8 +362,13 @@ def redrive(
     (the operator on the command line, ``RedriveFunction`` in Lambda).
 
     ``key_of`` derives the keys of the dead letters recorded now (a row keeps its key, which a
-    selection by key matches). ``dry_run`` records, then publishes and marks nothing; its
-    ``seen`` lists the rows a redrive would publish.
+    selection by key matches), and judges each selected row (``forecast``). ``dry_run``
+    records, then publishes and marks nothing; its ``seen`` lists the rows a redrive would
+    publish, and ``held_back`` those it would not, each with its verdict and why.
+    ``include_bouncing`` publishes the letters that would be skipped or bounce too.
+
+    ``known_jobs``, given a selection's job, answers "" when the registry has it, else what to
+    say: an unknown job is refused (``ConfigurationError``) before anything is read.
 
     ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
     it can still report: nothing is read or published with less than ``MESSAGE_BUDGET_MS``
@@ -232,6 +377,7 @@ def redrive(
     if reopen_failed and admin is None:
         raise ValueError("reopen_failed needs the ledger (admin)")
     selection = selection or Selection()
+    _refuse_an_unknown_job(selection, known_jobs)
     summary = RedriveSummary(
         source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
     )
@@ -264,15 +410,12 @@ def redrive(
         if row.redrivable:
             summary.skipped.append({"message_id": row.message_id, "reason": row.redrivable})
             continue
+        judged, key = forecast(row, key_of=key_of, admin=admin, reopen_failed=reopen_failed)
+        if judged.verdict is not Verdict.RUN and not include_bouncing:
+            summary.held_back.append(judged.entry(row, key))
+            continue
         if dry_run:
-            summary.seen.append(
-                {
-                    "message_id": row.message_id,
-                    "idem_key": row.idem_key,
-                    "state": row.state,
-                    "reason": row.reason,
-                }
-            )
+            summary.seen.append(judged.entry(row, key))
             continue
         if short_of_time():
             break
@@ -286,10 +429,28 @@ def redrive(
             summary.reopened.extend(_reopen(admin, row.message_id, row.body, actor=actor))
         if store.redrive(row.message_id, _publisher(queue, target), actor=actor, note="redrive"):
             summary.published += 1
+    _log_outcome(summary)
+    logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
+    return summary
+
+
+def _refuse_an_unknown_job(selection: Selection, known_jobs: Callable[[str], str] | None) -> None:
+    if selection.job is not None and known_jobs is not None:
+        unknown = known_jobs(selection.job)
+        if unknown:
+            raise ConfigurationError(f"redrive --job: {unknown}")
+
+
+def _log_outcome(summary: RedriveSummary) -> None:
     if summary.stopped:
         logger.warning(
             "redrive stopped before the invocation's time ran out; invoke it again for the rest",
             extra={"action": "redrive_stopped", "moved": summary.published},
+        )
+    if summary.held_back:
+        logger.warning(
+            "redrive held back dead letters whose copies would not run",
+            extra={"action": "redrive_held_back", "causes": summary.held_back_by_cause()},
         )
     if summary.unreadable or summary.skipped:
         logger.error(
@@ -300,8 +461,6 @@ def redrive(
                 "skipped": len(summary.skipped),
             },
         )
-    logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
-    return summary
 
 
 def _publisher(queue: QueuePort, target: str) -> Callable[[Any], None]:
@@ -313,8 +472,6 @@ def _publisher(queue: QueuePort, target: str) -> Callable[[Any], None]:
 
 
 def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any, *, actor: str) -> list[str]:
-    try:
-        fingerprint: str | None = payload_fingerprint(payload)
-    except KeyDerivationError:
-        fingerprint = None  # unrepresentable work: match the claim by message id alone
+    # Unrepresentable work has no fingerprint: its claim is matched by message id alone.
+    fingerprint = _fingerprint(payload)
     return admin.reopen_failed(message_id=message_id, fingerprint=fingerprint, actor=actor)

@@ -13,7 +13,7 @@ starts more drains, up to that cap), lanes, and tracing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -39,6 +39,7 @@ from infrai_jobs.flow.policies import (
 )
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.operations.dead_letters import RetryOf
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
@@ -73,13 +74,16 @@ class DrainService:
         *,
         starter: DrainStarterPort | None = None,
         message_span: MessageSpan | None = None,
+        job_migrations: Sequence[JobMigrationName] = (),
     ) -> DrainService:
         """``registry``'s jobs get the values of the settings they declared, read into
         ``settings`` (``DrainSettings.from_env(job_settings=registry.declared_settings())``): a
         missing one is a ``ConfigurationError`` naming it and its jobs, before anything is
         built or consumed. ``starter`` replaces Lambda's for local runs (the CLI starts drain
         processes). ``message_span``: the span around each handler run, with tracing on
-        (``observability.message_tracing``)."""
+        (``observability.message_tracing``). ``job_migrations``: the jobs package's
+        (``job_schema.job_migrations_in``): a ledger database without one of them is
+        ``SchemaNotMigrated`` before anything is received."""
         registry.bind_settings(settings.require_job_settings())
         policies = job_policies(settings, registry)
         resolved, refresh = with_secrets(settings).unpacked()
@@ -93,7 +97,7 @@ class DrainService:
         return cls(
             settings=resolved,
             queue=make_queue_client(resolved, refresh_api_key=key_hook),
-            ledger=make_ledger(resolved, refresh_url=url_hook),
+            ledger=make_ledger(resolved, refresh_url=url_hook, job_migrations=job_migrations),
             registry=registry,
             features=drain_features(
                 resolved,

@@ -7,7 +7,7 @@ of a ledger connector takes its URL from ``ledger_url``, which refuses a malform
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic
 from urllib.parse import urlsplit
@@ -25,6 +25,7 @@ from infrai_jobs.config.settings import (
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.ledger.postgres import LedgerConnector, malformed_reason
 from infrai_jobs.queue.client import InfraiClient
 
@@ -94,12 +95,17 @@ def client_pool_size(lanes: int) -> int:
 
 
 def make_ledger(
-    settings: DrainSettings, *, refresh_url: Callable[[], str] | None = None
+    settings: DrainSettings,
+    *,
+    refresh_url: Callable[[], str] | None = None,
+    job_migrations: Sequence[JobMigrationName] = (),
 ) -> PostgresLedger:
+    """``job_migrations``: the jobs package's, part of the schema check (``ledger.job_schema``)."""
     return PostgresLedger(
         ledger_url(settings),
         visibility_timeout=settings.visibility_timeout_seconds,
         refresh_url=refresh_url,
+        job_migrations=job_migrations,
     )
 
 

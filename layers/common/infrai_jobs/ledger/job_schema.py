@@ -1,0 +1,78 @@
+"""The jobs' own schema: which of a jobs package's migrations a database has applied.
+
+A jobs package keeps its tables as ``migrations/NNNN_name.sql`` inside it (the function code
+ships them); ``infrai-jobs migrate`` applies them after the ledger's and records each in
+``infrai_jobs_job_schema``. The drain reads only the file names and that table: a job whose
+migration is missing would otherwise be found out by its handler, after its message was
+consumed, retried until it was a dead letter. Nothing here applies SQL from a file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, LiteralString
+
+import psycopg
+
+# NNNN_name.sql: the version, then the name recorded with it (infrai_local.migrations applies
+# files named so, and refuses any other .sql file).
+MIGRATION_FILE_NAME: Final = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
+MIGRATIONS_FOLDER: Final = "migrations"
+
+_HAS_JOB_SCHEMA: LiteralString = "SELECT to_regclass('infrai_jobs_job_schema') IS NOT NULL"
+_JOB_SCHEMA_APPLIED: LiteralString = "SELECT version, name FROM infrai_jobs_job_schema"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class JobMigrationName:
+    """One of a jobs package's migrations, by its file name."""
+
+    version: int
+    name: str
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.version:04d}_{self.name}.sql"
+
+
+def job_migrations_in(package_folder: Path) -> tuple[JobMigrationName, ...]:
+    """The migrations a jobs package holds (its ``migrations/``), by version; none without
+    the folder. Files not named ``NNNN_name.sql`` are left to ``infrai-jobs migrate``, which
+    refuses them."""
+    folder = package_folder / MIGRATIONS_FOLDER
+    if not folder.is_dir():
+        return ()
+    found = []
+    for path in folder.glob("*.sql"):
+        match = MIGRATION_FILE_NAME.match(path.name)
+        if match is not None:
+            found.append(JobMigrationName(int(match["version"]), match["name"]))
+    return tuple(sorted(found))
+
+
+def missing_job_migrations(
+    conn: psycopg.Connection[Any], declared: Sequence[JobMigrationName]
+) -> list[JobMigrationName]:
+    """Those of ``declared`` the database has not applied (under that version and name)."""
+    if not declared:
+        return []
+    row = conn.execute(_HAS_JOB_SCHEMA).fetchone()
+    applied: set[JobMigrationName] = set()
+    if row and row[0]:
+        applied = {
+            JobMigrationName(int(version), str(name))
+            for version, name in conn.execute(_JOB_SCHEMA_APPLIED).fetchall()
+        }
+    return [migration for migration in declared if migration not in applied]
+
+
+def jobs_schema_behind(missing: Sequence[JobMigrationName]) -> str:
+    """What ``SchemaNotMigrated`` says about a database that lacks ``missing``."""
+    names = ", ".join(migration.file_name for migration in missing)
+    return (
+        f"the jobs' migration(s) {names} are not applied to the ledger database: run "
+        "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+    )

@@ -1,0 +1,23 @@
+"""A jobs package of the framework's tests, for ``infrai-jobs`` children (``INFRAI_JOBS_PATH``).
+
+It declares the harness's test jobs (``drainkit.add_test_jobs``) by name, effect and identity,
+so a command run in a child process derives the same keys and judges the same dead letters as
+the harness's drain does, whichever jobs a team has. Their handlers run only in the harness:
+here they refuse, so a child that tried to run one would say so.
+"""
+
+from __future__ import annotations
+
+from infrai_jobs.errors import PermanentJobError
+from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+
+
+def _not_here(payload: Payload, ctx: JobContext) -> JsonValue:
+    raise PermanentJobError("the fixture package only derives keys; the harness runs its jobs")
+
+
+def build_registry() -> JobRegistry:
+    registry = JobRegistry()
+    registry.job("test.db", effect=Effect.DATABASE, identity=("id",))(_not_here)
+    registry.job("test.ext", effect=Effect.EXTERNAL, identity=("id",))(_not_here)
+    return registry

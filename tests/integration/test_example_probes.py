@@ -1,0 +1,137 @@
+"""Probes check what they settle, and what they store is bounded.
+
+The example jobs' probes are tested as examples here: the receipt probe settles ``done`` only
+for a mail that is this invoice's receipt, the digest probe only for a digest under this claim's
+key. Any probe's ``Done`` result is bounded in size before the ledger stores it, with a note
+saying it was cut. Real PostgreSQL, the provider sink (and a stand-in provider) over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from drainkit import OPERATOR, Harness
+from test_reconcile import DIGEST, RECEIPT, seed_dead_worker_claim, sink_call
+
+from infrai_jobs.jobs.probes import MAX_PROBE_RESULT_BYTES, Done, ProbeAnswer
+from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.reconcile import Reconciler
+
+
+def _reconcile(kit: Harness, key: str) -> tuple[str, str]:
+    report = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=OPERATOR).run_one(key)
+    ((outcome),) = report.outcomes
+    return outcome.answer, outcome.action
+
+
+def _send_mail(kit: Harness, invoice_id: str, template: str) -> None:
+    body = {"to": "ada@example.com", "template": template, "invoice_id": invoice_id}
+    sink_call(kit, "POST", "/v1/mail/send", json=body)
+
+
+def test_the_receipt_probe_does_not_settle_on_a_mail_that_is_not_this_invoices_receipt(
+    kit: Harness,
+) -> None:
+    # Given a stuck receipt for inv_1, and the provider holding a reminder for that invoice
+    key = seed_dead_worker_claim(kit, RECEIPT)
+    _send_mail(kit, "inv_1", "reminder")
+    # When the claim is reconciled
+    answer = _reconcile(kit, key)
+    # Then no receipt was found: the claim is released for its one more try, not settled done
+    assert answer == ("not_done", "released")
+    assert kit.row(key) is None
+
+
+def test_the_receipt_probe_settles_on_this_invoices_receipt(kit: Harness) -> None:
+    # Given a stuck receipt for inv_1, a receipt of another invoice and this invoice's receipt
+    key = seed_dead_worker_claim(kit, RECEIPT)
+    _send_mail(kit, "inv_2", "receipt")
+    _send_mail(kit, "inv_1", "receipt")
+    # When the claim is reconciled
+    answer = _reconcile(kit, key)
+    # Then it is done, with this receipt's provider id
+    assert answer == ("done", "settled_done")
+    row = kit.row(key)
+    assert row is not None
+    assert row.state == "done"
+    assert isinstance(row.result, dict)
+    assert row.result["reconciled"] is True
+    assert row.result["provider_message_id"] == kit.sink.state.sent["inv_1"][-1]["id"]
+
+
+class _WrongKeyProvider(BaseHTTPRequestHandler):
+    """A digest provider whose lookup answers a digest built under another key."""
+
+    def do_GET(self) -> None:
+        data = json.dumps({"id": "dg_other", "idempotency_key": "digest.build:someone-else"})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def wrong_key_provider() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _WrongKeyProvider)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_digest_probe_does_not_settle_on_a_digest_of_another_key(
+    kit: Harness, wrong_key_provider: str
+) -> None:
+    # Given a stuck digest, and a provider whose lookup answers another key's digest
+    key = seed_dead_worker_claim(kit, DIGEST)
+    settings = dict.fromkeys(kit.registry.declared_settings(), kit.sink.url)
+    kit.registry.bind_settings({**settings, "DIGEST_PROVIDER_URL": wrong_key_provider})
+    # When the claim is reconciled
+    answer = _reconcile(kit, key)
+    # Then the answer is unknown and the claim stays stuck for a human
+    assert answer == ("unknown", "unchanged")
+    row = kit.row(key)
+    assert row is not None
+    assert row.state == "running"
+
+
+def test_a_probes_stored_result_is_bounded_with_a_note_when_cut(kit: Harness) -> None:
+    # Given a job whose probe answers done with a 2 MB provider answer
+    def huge(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+        return Done({"provider_answer": "x" * 2_000_000})
+
+    def job(payload: Payload, ctx: JobContext) -> JsonValue:
+        return None
+
+    kit.registry.job("test.huge", effect=Effect.EXTERNAL, identity=("id",), probe=huge)(job)
+    key = seed_dead_worker_claim(kit, {"job": "test.huge", "id": "h1"})
+    # When the claim is reconciled
+    answer = _reconcile(kit, key)
+    # Then it is done, and what the ledger stores is small and says it was cut
+    assert answer == ("done", "settled_done")
+    stored = kit.sql("SELECT result::text FROM job_claims WHERE idem_key = %s", (key,))[0][0]
+    assert len(stored.encode()) <= MAX_PROBE_RESULT_BYTES
+    result = json.loads(stored)
+    assert result["truncated"] is True
+    assert "2000" in result["note"]
+    history = kit.sql(
+        "SELECT max(length(after::text)) FROM claim_history WHERE idem_key = %s", (key,)
+    )
+    assert history[0][0] is None or history[0][0] <= 2 * MAX_PROBE_RESULT_BYTES
+
+
+def test_a_small_probe_result_is_stored_as_it_is() -> None:
+    assert Done({"digest_id": "dg_1"}).result == {"digest_id": "dg_1"}

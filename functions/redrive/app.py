@@ -22,7 +22,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from infrai_jobs.config.settings import RedriveSettings
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.redrive import RedriveRequest, redrive
+from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.runtime.factory import (
     EdgeSettings,
@@ -80,18 +80,13 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
         summary = redrive(
             queue,
             ledger().dead_letters(),
-            source=settings.dlq,
-            target=settings.queue,
-            max_messages=request.max_messages,
-            actor=ACTOR,
-            dry_run=request.dry_run,
-            reopen_failed=request.reopen_failed,
+            request.to(source=settings.dlq, target=settings.queue, actor=ACTOR),
             admin=ledger(),
+            jobs=JobsKnowledge(
+                key_of=lambda payload: jobs.derive(payload).idem_key,
+                known_jobs=lambda name: "" if jobs.get(name) else jobs.unknown_job(name),
+            ),
             time_left_ms=context.get_remaining_time_in_millis,
-            selection=request.selection,
-            key_of=lambda payload: jobs.derive(payload).idem_key,
-            include_bouncing=request.include_bouncing,
-            known_jobs=lambda name: "" if jobs.get(name) else jobs.unknown_job(name),
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)

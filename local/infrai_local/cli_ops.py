@@ -30,7 +30,13 @@ from infrai_jobs.operations.dead_letters import (
     collect,
 )
 from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
-from infrai_jobs.operations.redrive import Selection, publish_price, redrive
+from infrai_jobs.operations.redrive import (
+    JobsKnowledge,
+    RedriveRequest,
+    Selection,
+    publish_price,
+    redrive,
+)
 from infrai_jobs.queue.ports import QueuePort
 from infrai_local.operator import (
     OperatorLedger,
@@ -494,23 +500,22 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     progress = _progress_bar(args.max) if sys.stderr.isatty() and not args.json else None
     admin = ctx.admin()
     registry = ctx.registry() if ctx.registry is not None and args.job else None
-    summary = redrive(
-        ctx.queue(),
-        admin.dead_letters(),
-        source=dlq_name,
-        target=queue_name,
+    request = RedriveRequest(
         max_messages=args.max,
-        actor=default_actor(),
-        dry_run=args.dry_run,
         reopen_failed=args.reopen_failed,
-        admin=admin,
-        progress=progress,
-        selection=selection,
-        key_of=ctx.key_of(),
+        dry_run=args.dry_run,
         include_bouncing=args.include_bouncing,
+        selection=selection,
+    ).to(source=dlq_name, target=queue_name, actor=default_actor())
+    jobs = JobsKnowledge(
+        key_of=ctx.key_of(),
         known_jobs=(lambda name: "" if registry.get(name) else registry.unknown_job(name))
         if registry is not None
         else None,
+        retry_of=ctx.retry_of() if ctx.retry_of is not None else None,
+    )
+    summary = redrive(
+        ctx.queue(), admin.dead_letters(), request, admin=admin, jobs=jobs, progress=progress
     )
     if progress is not None:
         print(file=sys.stderr)

@@ -90,7 +90,7 @@ from infrai_jobs.ledger.dead_letter_rows import LEDGER_HELD_DLQ
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import collect
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
-from infrai_jobs.operations.redrive import MAX_REDRIVE_PER_CALL, redrive
+from infrai_jobs.operations.redrive import MAX_REDRIVE_PER_CALL, RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local.embedded_db import EmbeddedPostgres
@@ -1522,10 +1522,9 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
         summary = redrive(
             client,
             store,
-            source=source,
-            target=target,
-            max_messages=MAX_REDRIVE_PER_CALL,
-            actor="soak",
+            RedriveRequest(
+                source=source, target=target, max_messages=MAX_REDRIVE_PER_CALL, actor="soak"
+            ),
         )
         published += summary.published
         if collected.read == 0 and summary.consumed == 0:

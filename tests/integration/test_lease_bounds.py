@@ -17,7 +17,7 @@ from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.redrive import redrive
+from infrai_jobs.operations.redrive import RedriveRequest, redrive
 
 VISIBILITY = 4
 KEY = "test.idem:d1"
@@ -104,7 +104,11 @@ def test_a_redrive_behind_a_dead_owners_lease_takes_the_claim_over(kit: Harness)
     wait_for_lease_end(kit, within=VISIBILITY + 2)
     # When an operator redrives it and the next drain runs
     store = ClaimsAdmin(kit.database_url).dead_letters()
-    moved = redrive(kit.client, store, source=DLQ, target=QUEUE, max_messages=10, actor="on-call")
+    moved = redrive(
+        kit.client,
+        store,
+        RedriveRequest(source=DLQ, target=QUEUE, max_messages=10, actor="on-call"),
+    )
     assert moved.published == 1
     summary = drain_with(kit)
     # Then the copy took the claim over and did the work, once, under the same key

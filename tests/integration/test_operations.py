@@ -19,7 +19,7 @@ from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, P
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import DeadLetterStore
-from infrai_jobs.operations.redrive import redrive
+from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, redrive
 from infrai_local import cli_ops
 from infrai_local.cli import main as cli
 from infrai_local.operator import OperatorLedger
@@ -54,7 +54,7 @@ REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
     import os, signal, sys
     from infrai_jobs.operations.claims_admin import ClaimsAdmin
     from infrai_jobs.queue.client import InfraiClient
-    from infrai_jobs.operations.redrive import redrive
+    from infrai_jobs.operations.redrive import RedriveRequest, redrive
 
     client = InfraiClient(sys.argv[1], "test-key")
     published = []
@@ -67,10 +67,10 @@ REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
         return answer
     client.publish = publish
     store = ClaimsAdmin(sys.argv[2]).dead_letters()
-    redrive(
-        client, store, source="billing-jobs-dlq", target="billing-jobs", max_messages=1000,
-        actor="on-call@example.com",
+    request = RedriveRequest(max_messages=1000).to(
+        source="billing-jobs-dlq", target="billing-jobs", actor="on-call@example.com"
     )
+    redrive(client, store, request)
     """
 )
 
@@ -90,7 +90,9 @@ def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit:
     assert kit.sql("SELECT count(*) FROM dead_letters WHERE resolution IS NULL") == [(246,)]
     # ... and redriven again to the end
     summary = redrive(
-        kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=1000, actor=OPERATOR
+        kit.client,
+        _store(kit),
+        RedriveRequest(source=DLQ, target=QUEUE, max_messages=1000, actor=OPERATOR),
     )
     assert (summary.consumed, summary.published, summary.complete) == (0, 246, True)
     drained = kit.drain()
@@ -142,13 +144,11 @@ def test_redrive_reopens_failed_claims_and_holds_back_stuck_ones(kit: Harness) -
     redriven = redrive(
         kit.client,
         _store(kit),
-        source=DLQ,
-        target=QUEUE,
-        max_messages=100,
-        actor=OPERATOR,
-        reopen_failed=True,
+        RedriveRequest(
+            source=DLQ, target=QUEUE, max_messages=100, actor=OPERATOR, reopen_failed=True
+        ),
+        jobs=JobsKnowledge(key_of=lambda payload: kit.registry.derive(payload).idem_key),
         admin=ClaimsAdmin(kit.database_url),
-        key_of=lambda payload: kit.registry.derive(payload).idem_key,
     )
     document = redriven.as_dict()
     assert document["published"] == 1
@@ -209,10 +209,7 @@ def test_a_redrive_short_of_time_stops_early_and_the_rest_waits(kit: Harness) ->
     summary = redrive(
         kit.client,
         _store(kit),
-        source=DLQ,
-        target=QUEUE,
-        max_messages=100,
-        actor=OPERATOR,
+        RedriveRequest(source=DLQ, target=QUEUE, max_messages=100, actor=OPERATOR),
         time_left_ms=time_left,
     )
     # Then it stopped before the budget ran out, and says so
@@ -227,7 +224,9 @@ def test_a_redrive_short_of_time_stops_early_and_the_rest_waits(kit: Harness) ->
     assert kit.client.stats(DLQ).available_count == 60 - summary.recorded
     # When a second redrive runs at once, with time to spare
     rest = redrive(
-        kit.client, _store(kit), source=DLQ, target=QUEUE, max_messages=100, actor=OPERATOR
+        kit.client,
+        _store(kit),
+        RedriveRequest(source=DLQ, target=QUEUE, max_messages=100, actor=OPERATOR),
     )
     # Then it moves the rest, and the drain runs every job once
     assert (rest.stopped, rest.published) == ("", 60 - summary.published)

@@ -21,7 +21,7 @@ from child_process import clean_env, run_captured
 from infrai_jobs.errors import SchemaNotMigrated
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.redrive import _reopen, redrive
+from infrai_jobs.operations.redrive import RedriveRequest, _reopen, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local import emulator
@@ -549,7 +549,9 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
     # When DlqAlertFunction's check, a redrive and a redrive's reopen use it
     for call in (
         lambda: check.run([QUEUE]),
-        lambda: redrive(queue, store, source=DLQ, target=QUEUE, max_messages=1, actor="on-call"),
+        lambda: redrive(
+            queue, store, RedriveRequest(source=DLQ, target=QUEUE, max_messages=1, actor="on-call")
+        ),
         lambda: _reopen(
             ClaimsAdmin(database_url),
             dead_letter.message_id,

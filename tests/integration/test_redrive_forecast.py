@@ -19,7 +19,7 @@ from drainkit import DLQ, OPERATOR, QUEUE, Harness, harness, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.redrive import RedriveSummary, redrive
+from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, RedriveSummary, redrive
 
 RUNS = {"job": "test.db", "id": "runs"}
 DONE = {"job": "test.db", "id": "done"}
@@ -65,16 +65,13 @@ def _mixed_dead_letters(kit: Harness) -> dict[str, str]:
 
 def _redrive(kit: Harness, **options: Any) -> RedriveSummary:
     admin = ClaimsAdmin(kit.database_url)
+    request = RedriveRequest(max_messages=100, **options)
     return redrive(
         kit.client,
         admin.dead_letters(),
-        source=DLQ,
-        target=QUEUE,
-        max_messages=100,
-        actor=OPERATOR,
+        request.to(source=DLQ, target=QUEUE, actor=OPERATOR),
         admin=admin,
-        key_of=lambda payload: kit.registry.derive(payload).idem_key,
-        **options,
+        jobs=JobsKnowledge(key_of=lambda payload: kit.registry.derive(payload).idem_key),
     )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
@@ -44,7 +44,7 @@ from infrai_jobs.errors import (
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import DeadLetterRow, DeadLetterStore, collect
+from infrai_jobs.operations.dead_letters import DeadLetterRow, DeadLetterStore, RetryOf, collect
 from infrai_jobs.queue.ports import QueuePort
 
 logger = logging.getLogger(__name__)
@@ -201,13 +201,22 @@ class Selection:
 
 @dataclass(frozen=True, slots=True)
 class RedriveRequest:
-    """What RedriveFunction's event asks for (see events/redrive.json)."""
+    """One redrive: what RedriveFunction's event (see events/redrive.json) or the command line
+    asks for, and where and for whom (``source``, ``target`` and ``actor``, which the caller
+    names: its settings, ``--queue``, the operator or the function)."""
 
     max_messages: int = 100
     reopen_failed: bool = False
     dry_run: bool = False
     include_bouncing: bool = False
     selection: Selection = field(default_factory=Selection)
+    source: str = ""
+    target: str = ""
+    actor: str = ""
+
+    def to(self, *, source: str, target: str, actor: str) -> RedriveRequest:
+        """This request, from ``source`` to ``target`` on behalf of ``actor``."""
+        return replace(self, source=source, target=target, actor=actor)
 
     @classmethod
     def from_event(cls, event: object) -> RedriveRequest:
@@ -231,7 +240,7 @@ class RedriveRequest:
             raise ConfigurationError("max_messages must be an integer")
         if not 1 <= max_messages <= MAX_REDRIVE_PER_CALL:
             raise ConfigurationError(f"max_messages must be between 1 and {MAX_REDRIVE_PER_CALL}")
-        flags = {}
+        flags: dict[str, bool] = {}
         for name in ("reopen_failed", "dry_run", "include_bouncing"):
             value = event.get(name, False)
             if not isinstance(value, bool):
@@ -245,7 +254,25 @@ class RedriveRequest:
             if not isinstance(value, str) or not value.strip():
                 raise ConfigurationError(f"{name} must be a non-empty string")
             filters[name] = value
-        return cls(max_messages=max_messages, selection=Selection(**filters), **flags)
+        return cls(
+            max_messages=max_messages,
+            selection=Selection(**filters),
+            reopen_failed=flags["reopen_failed"],
+            dry_run=flags["dry_run"],
+            include_bouncing=flags["include_bouncing"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JobsKnowledge:
+    """What the jobs package tells a redrive: each letter's key (``key_of``; None: recorded
+    without one), whether a selection's job exists (``known_jobs``: "" when it does, else what
+    to say), and each job's retry policy in force (``retry_of``: a letter with attempts left is
+    taken back as deferred work when it is collected)."""
+
+    key_of: KeyOf | None = None
+    known_jobs: Callable[[str], str] | None = None
+    retry_of: RetryOf | None = None
 
 
 @dataclass
@@ -340,44 +367,43 @@ def publish_price(queue: QueuePort) -> tuple[Decimal, str]:
 def redrive(
     queue: QueuePort,
     store: DeadLetterStore,
+    request: RedriveRequest,
     *,
-    source: str,
-    target: str,
-    max_messages: int,
-    actor: str,
-    dry_run: bool = False,
-    reopen_failed: bool = False,
     admin: ClaimsAdmin | None = None,
+    jobs: JobsKnowledge | None = None,
     progress: Progress | None = None,
     time_left_ms: Callable[[], int] | None = None,
-    selection: Selection | None = None,
-    key_of: KeyOf | None = None,
-    include_bouncing: bool = False,
-    known_jobs: Callable[[str], str] | None = None,
 ) -> RedriveSummary:
-    """Move new dead letters of ``source`` into the ledger, then publish up to
-    ``max_messages`` of its unresolved rows (those ``selection`` matches) to ``target``.
+    """Move new dead letters of ``request.source`` into the ledger, then publish up to
+    ``request.max_messages`` of its unresolved rows (those its ``selection`` matches) to
+    ``request.target``.
 
-    ``actor`` is who is redriving, recorded with each row redriven and each claim reopened
-    (the operator on the command line, ``RedriveFunction`` in Lambda).
+    ``request.actor`` is who is redriving, recorded with each row redriven and each claim
+    reopened (the operator on the command line, ``RedriveFunction`` in Lambda).
 
-    ``key_of`` derives the keys of the dead letters recorded now (a row keeps its key, which a
-    selection by key matches), and judges each selected row (``forecast``). ``dry_run``
-    records, then publishes and marks nothing; its ``seen`` lists the rows a redrive would
-    publish, and ``held_back`` those it would not, each with its verdict and why.
-    ``include_bouncing`` publishes the letters that would be skipped or bounce too.
+    ``jobs.key_of`` derives the keys of the dead letters recorded now (a row keeps its key,
+    which a selection by key matches), and judges each selected row (``forecast``); with
+    ``jobs.retry_of`` a letter of a job with retry attempts left is taken back as deferred work
+    as it is collected. A ``dry_run`` records, then publishes and marks nothing; its ``seen``
+    lists the rows a redrive would publish, and ``held_back`` those it would not, each with its
+    verdict and why. ``include_bouncing`` publishes the letters that would be skipped or bounce
+    too. ``jobs.known_jobs`` refuses an unknown selected job (``ConfigurationError``) before
+    anything is read.
 
-    ``known_jobs``, given a selection's job, answers "" when the registry has it, else what to
-    say: an unknown job is refused (``ConfigurationError``) before anything is read.
-
-    ``time_left_ms`` (RedriveFunction passes its Lambda context's) makes the redrive stop while
-    it can still report: nothing is read or published with less than ``MESSAGE_BUDGET_MS``
-    left; ``summary.stopped`` says so.
+    ``time_left_ms`` (RedriveFunction passes its Lambda context's), the one clock, makes the
+    redrive stop while it can still report: nothing is read or published with less than
+    ``MESSAGE_BUDGET_MS`` left; ``summary.stopped`` says so.
     """
+    jobs = jobs or JobsKnowledge()
+    source, target, actor = request.source, request.target, request.actor
+    if not (source and target and actor):
+        raise ValueError("a redrive names its source, target and actor (RedriveRequest.to)")
+    max_messages, dry_run, selection = request.max_messages, request.dry_run, request.selection
+    reopen_failed, include_bouncing = request.reopen_failed, request.include_bouncing
+    key_of = jobs.key_of
     if reopen_failed and admin is None:
         raise ValueError("reopen_failed needs the ledger (admin)")
-    selection = selection or Selection()
-    _refuse_an_unknown_job(selection, known_jobs)
+    _refuse_an_unknown_job(selection, jobs.known_jobs)
     summary = RedriveSummary(
         source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
     )
@@ -389,7 +415,13 @@ def redrive(
         return False
 
     collected = collect(
-        queue, store, dlq=source, main_queue=target, key_of=key_of, stop=short_of_time
+        queue,
+        store,
+        dlq=source,
+        main_queue=target,
+        key_of=key_of,
+        stop=short_of_time,
+        retry_of=jobs.retry_of,
     )
     summary.consumed, summary.recorded = collected.read, collected.recorded
     summary.acked, summary.ack_lost = collected.acked, collected.ack_lost

@@ -30,11 +30,12 @@ migrations, then the jobs'); a ``conftest.py`` may override either.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 import pytest
@@ -43,6 +44,7 @@ import urllib3
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.model import DrainSummary
 from infrai_jobs.errors import EffectUncertain
+from infrai_jobs.flow.policies import concurrency_value
 from infrai_jobs.jobs.registry import (
     DerivedJob,
     Effect,
@@ -53,6 +55,8 @@ from infrai_jobs.jobs.registry import (
 )
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
@@ -79,6 +83,9 @@ class _Faults:
     """What the kit makes a job's handler do instead of its own work, by job name."""
 
     raising: dict[str, BaseException] = dataclasses.field(default_factory=dict)
+    # Jobs whose handler does its work, then raises EffectUncertain: the effect happened, and
+    # the drain cannot know it.
+    uncertain_after: set[str] = dataclasses.field(default_factory=set)
 
 
 class JobKit:
@@ -306,6 +313,151 @@ class JobKit:
         assert claim is not None
         return claim
 
+    def assert_rate_limited(self, payloads: Sequence[Payload]) -> list[ClaimRow]:
+        """Jobs of one job with a rate limit in force, published at once, all run once, and
+        the starts the ledger reserved for them are the limit's spacing apart (1/N s for N a
+        second) on the database's clock: no window of the limit's length holds more than N,
+        whichever drain started them. Those the limit held past the invocation are deferred,
+        and run when due."""
+        derived = [self._derive(p) for p in payloads]
+        names = {d.definition.name for d in derived}
+        if len(names) != 1 or not payloads:
+            raise JobKitError("assert_rate_limited takes payloads of one job, at least one")
+        (name,) = names
+        policy = self.policies.get(name)
+        if policy is None or policy.rate is None:
+            raise JobKitError(f"{name} has no rate limit in force: nothing spaces its starts")
+        for payload in payloads:
+            self.publish(payload)
+        summaries = self._drain_until_settled()
+        for key in [d.idem_key for d in derived]:
+            for _ in range(len(payloads) + 1):
+                if (claim := self.ledger.get(key)) is not None and claim.state == "done":
+                    break
+                self.run_deferred_now_by_key(key)
+                summaries.append(self.drain())
+        claims = [self.ledger.get(d.idem_key) for d in derived]
+        self._expect(
+            all(c is not None and c.state == "done" for c in claims),
+            f"{name}: claims {[_state(c) for c in claims]}, not all done",
+            summaries,
+        )
+        self._expect(
+            all(self.completed[d.idem_key] == 1 for d in derived),
+            f"{name}: handler completions {[self.completed[d.idem_key] for d in derived]}, "
+            "not once each",
+            summaries,
+        )
+        starts = [
+            row[0]
+            for row in self.sql(
+                "SELECT started_at FROM flow_rate_starts WHERE job = %s ORDER BY started_at",
+                (name,),
+            )
+        ]
+        gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(starts)]
+        self._expect(
+            len(starts) >= len(payloads)
+            and min(gaps, default=policy.rate.spacing_seconds)
+            >= policy.rate.spacing_seconds - 1e-6,
+            f"{name}: {len(starts)} starts reserved, closest {min(gaps, default=0):.6f} s "
+            f"apart, not {policy.rate.spacing_seconds:.6f} s",
+            summaries,
+        )
+        return [c for c in claims if c is not None]
+
+    def assert_held_back_by_concurrency(self, payload: Payload) -> ClaimRow:
+        """A job with a concurrency key whose slots are all held by other live runs does not
+        run: it is deferred (acked, not dead-lettered) with nothing called; once a slot is
+        free and it is due, it runs once and is done."""
+        derived = self._derive(payload)
+        key, name = derived.idem_key, derived.definition.name
+        policy = self.policies.get(name)
+        if policy is None or policy.concurrency is None:
+            raise JobKitError(f"{name} has no concurrency key in force: nothing holds it back")
+        value = concurrency_value(policy.concurrency, derived.payload)
+        for _ in range(policy.concurrency.max_running):
+            self.sql(_HOLD_A_SLOT, {"job": name, "value": value})
+        self.publish(payload)
+        summaries = [self.drain()]
+        self._expect(
+            summaries[0].deferred == 1 and self.attempted[key] == 0,
+            f"{key}: with every slot of {value} taken it was deferred "
+            f"{summaries[0].deferred} times and called {self.attempted[key]} times, not "
+            "deferred once and never called",
+            summaries,
+        )
+        self.sql(_FREE_HELD_SLOTS, {"job": name, "value": value})
+        self.run_deferred_now(payload)
+        summaries.append(self.drain())
+        claim = self.ledger.get(key)
+        self._expect(
+            claim is not None and claim.state == "done" and self.completed[key] == 1,
+            f"{key}: once a slot was free its claim is {_state(claim)} after "
+            f"{self.completed[key]} completed calls, not done once",
+            summaries,
+        )
+        assert claim is not None
+        return claim
+
+    def assert_reconciled(self, payload: Payload, *, effect_happened: bool) -> ClaimRow | None:
+        """An irreversible job whose outcome is unknown is stuck, then its reconcile probe
+        settles it as the watcher's pass does, once the drain's lease is over: an effect that
+        happened (the call went through, its answer was lost) is settled ``done`` and never run
+        again; one that did not is released, and the next delivery runs it once."""
+        derived = self._derive(payload)
+        key, definition = derived.idem_key, derived.definition
+        if definition.probe is None or definition.effect is Effect.DATABASE:
+            raise JobKitError(f"{definition.name} declares no reconcile probe")
+        faults = self._faults
+        if effect_happened:
+            faults.uncertain_after.add(definition.name)
+            try:
+                self.publish(payload)
+                summaries = [self.drain()]
+            finally:
+                faults.uncertain_after.discard(definition.name)
+        else:
+            with self._raising(definition.name, EffectUncertain("the kit: outcome unknown")):
+                self.publish(payload)
+                summaries = [self.drain()]
+        self._expect(
+            summaries[0].outcomes.get("stuck") == 1,
+            f"{key}: the uncertain run was not flagged stuck",
+            summaries,
+        )
+        # The drain's lease runs out (the kit moves it into the past): only then may a probe's
+        # answer change the claim.
+        self.sql(_END_THE_LEASE, {"key": key})
+        report = Reconciler(ClaimsAdmin(self.database_url), self.registry, actor="job-kit").run_one(
+            key
+        )
+        (outcome,) = report.outcomes
+        expected = ("done", "settled_done") if effect_happened else ("not_done", "released")
+        self._expect(
+            (outcome.answer, outcome.action) == expected,
+            f"{key}: the probe answered {outcome.answer} ({outcome.action}), not {expected}",
+            summaries,
+        )
+        if not effect_happened:
+            self.redeliver()
+            summaries.append(self.drain())
+        claim = self.ledger.get(key)
+        self._expect(
+            claim is not None and claim.state == "done" and self.completed[key] == 1,
+            f"{key}: after the reconcile its claim is {_state(claim)} and the handler completed "
+            f"{self.completed[key]} times, not done once",
+            summaries,
+        )
+        return claim
+
+    def run_deferred_now_by_key(self, key: str) -> None:
+        """``run_deferred_now`` for a key; nothing when the key holds no waiting work."""
+        operator = OperatorLedger(self.database_url)
+        found = operator.find_deferred(key)
+        if found is not None and found.state == "deferred":
+            operator.run_deferred_now(key, actor="job-kit")
+
     def assert_conflict(self, payload: Payload, different: Payload) -> None:
         """The same key with different work is a conflict on every delivery: never run, never
         acked (it ends in the DLQ), the first work's claim unchanged."""
@@ -380,6 +532,8 @@ class JobKit:
                 raise injected
             result = handler(payload, ctx)
             self.completed[ctx.idem_key] += 1
+            if ctx.job in self._faults.uncertain_after:
+                raise EffectUncertain("the kit: the call returned, its answer was lost")
             return result
 
         return run
@@ -412,6 +566,20 @@ class JobKit:
         if not condition:
             seen = "; ".join(str(dict(s.outcomes)) for s in summaries)
             raise JobKitError(f"{message} (drain outcomes: {seen})")
+
+
+# The kit's stand-ins for other live runs of a concurrency key, and the end of a lease.
+_HOLD_A_SLOT: LiteralString = """
+INSERT INTO flow_concurrency_slots (token, job, key_value, holder, lease_until)
+VALUES (gen_random_uuid(), %(job)s, %(value)s, 'job-kit', now() + interval '1 hour')
+"""
+_FREE_HELD_SLOTS: LiteralString = """
+DELETE FROM flow_concurrency_slots
+WHERE job = %(job)s AND key_value = %(value)s AND holder = 'job-kit'
+"""
+_END_THE_LEASE: LiteralString = """
+UPDATE job_claims SET lease_until = now() - interval '1 second' WHERE idem_key = %(key)s
+"""
 
 
 class _Injected:

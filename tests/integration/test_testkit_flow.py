@@ -1,13 +1,15 @@
 """The test kit runs the drain DrainFunction runs: a job's declared retry policy defers its
-failure past Infrai's deliveries in the kit as in ``infrai-jobs drain``, and the kit has the
-assertion for it. Fixture jobs of the test's own, on the kit's real PostgreSQL and emulator.
+failure past Infrai's deliveries in the kit as in ``infrai-jobs drain``, a rate limit spaces its
+starts, a concurrency key holds it back, a probe's answer settles it, and the kit has an
+assertion for each. Fixture jobs of the test's own, on the kit's real PostgreSQL and emulator.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from infrai_jobs.jobs.policy import RetryPolicy
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
+from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_local.testkit import JobKit, JobKitError
 
@@ -29,7 +31,31 @@ def job_kit_registry() -> JobRegistry:
         retry=RetryPolicy(attempts=5, first_delay_seconds=1, max_delay_seconds=1),
     )(_call)
     registry.job("kit.plain", effect=Effect.EXTERNAL_IDEMPOTENT, identity=("id",))(_call)
+    registry.job(
+        "kit.rated", effect=Effect.EXTERNAL_IDEMPOTENT, identity=("id",), rate=RateLimit(10)
+    )(_call)
+    registry.job(
+        "kit.tenant",
+        effect=Effect.EXTERNAL_IDEMPOTENT,
+        identity=("id",),
+        fields={"id": str, "tenant_id": str},
+        concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=2),
+    )(_call)
+    registry.job("kit.mail", effect=Effect.EXTERNAL, identity=("id",), probe=_was_mailed)(_mail)
     return registry
+
+
+# The fixture mail provider: what it has sent, which its probe asks.
+MAILED: set[str] = set()
+
+
+def _mail(payload: Payload, ctx: JobContext) -> JsonValue:
+    MAILED.add(ctx.idem_key)
+    return {"mailed": payload["id"]}
+
+
+def _was_mailed(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+    return Done({"found": ctx.idem_key}) if ctx.idem_key in MAILED else NotDone()
 
 
 def test_a_retry_policy_jobs_failure_is_deferred_in_the_kit_as_in_the_drain(
@@ -60,3 +86,43 @@ def test_deferral_is_refused_for_a_job_without_a_retry_policy(job_kit: JobKit) -
     assert "retry policy" in str(refused.value)
     # And the assertion that fits it holds
     job_kit.assert_retried_then_dead_lettered({**PLAIN, "id": "p2"}, raising=RuntimeError("x"))
+
+
+def test_the_kit_asserts_a_rate_limit_spaces_the_starts(job_kit: JobKit) -> None:
+    # Given five jobs of a job limited to 10 starts a second, published at once
+    payloads = [{"job": "kit.rated", "id": f"r{n}"} for n in range(5)]
+    # When the kit drains them, Then each runs once and their starts are 100 ms apart or more
+    claims = job_kit.assert_rate_limited(payloads)
+    assert [c.state for c in claims] == ["done"] * 5
+
+
+def test_the_kit_asserts_a_concurrency_key_holds_a_job_back(job_kit: JobKit) -> None:
+    # Given a tenant whose two slots other runs hold
+    # When the kit drains its job, Then it is deferred uncalled, and runs once a slot is free
+    claim = job_kit.assert_held_back_by_concurrency(
+        {"job": "kit.tenant", "id": "t1", "tenant_id": "acme"}
+    )
+    assert claim.state == "done"
+
+
+@pytest.mark.parametrize("effect_happened", [True, False])
+def test_the_kit_asserts_what_each_reconcile_answer_does(
+    job_kit: JobKit, effect_happened: bool
+) -> None:
+    # Given an irreversible job whose outcome is unknown: mailed with its answer lost, or not
+    payload = {"job": "kit.mail", "id": f"m-{effect_happened}"}
+    # When its probe is asked once the lease is over, Then it is done once either way: settled
+    # from the probe's answer, or released and run by the next delivery
+    claim = job_kit.assert_reconciled(payload, effect_happened=effect_happened)
+    assert claim is not None
+    assert claim.state == "done"
+    assert job_kit.completed[job_kit.key(payload)] == 1
+
+
+def test_the_kit_refuses_a_limit_assertion_for_a_job_without_that_limit(job_kit: JobKit) -> None:
+    with pytest.raises(JobKitError, match="no rate limit"):
+        job_kit.assert_rate_limited([PLAIN])
+    with pytest.raises(JobKitError, match="no concurrency key"):
+        job_kit.assert_held_back_by_concurrency(PLAIN)
+    with pytest.raises(JobKitError, match="no reconcile probe"):
+        job_kit.assert_reconciled(PLAIN, effect_happened=True)

@@ -33,8 +33,8 @@ import dataclasses
 import itertools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, LiteralString
 
 import psycopg
@@ -100,6 +100,7 @@ class JobKit:
         provider_url: str,
         *,
         job_policies_document: str = "",
+        second_layer: Mapping[str, str] | None = None,
     ) -> None:
         self.database_url = database_url
         self.client = client
@@ -123,12 +124,18 @@ class JobKit:
                 "INFRAI_DLQ": DLQ,
                 "DATABASE_URL": database_url,
                 "JOB_POLICIES": job_policies_document,
+                **(second_layer or {}),
                 **dict.fromkeys(self.registry.declared_settings(), provider_url),
             },
             job_settings=self.registry.declared_settings(),
         )
         self.policies = job_policies(self.settings, self.registry)
         self._service: DrainService | None = None
+
+    @property
+    def second_layer_on(self) -> bool:
+        """Whether the drain wraps external effects in the second layer (its settings)."""
+        return self.settings.idempotency_backend != "off"
 
     def close(self) -> None:
         if self._service is not None:
@@ -646,34 +653,78 @@ def job_kit_job_policies() -> str:
     return os.environ.get("JOB_POLICIES", "")
 
 
+# The second layer's settings, as DrainFunction reads them.
+SECOND_LAYER_SETTINGS = (
+    "IDEMPOTENCY_BACKEND",
+    "IDEMPOTENCY_TABLE",
+    "REDIS_URL",
+    "REDIS_SECRET_ARN",
+)
+
+
 @pytest.fixture
-def job_kit(
-    job_kit_server_url: str,
-    job_kit_registry: JobRegistry,
-    job_kit_migrate: Callable[[psycopg.Connection[Any]], None],
-    job_kit_provider_url: str,
-    job_kit_job_policies: str,
+def job_kit_second_layer() -> dict[str, str]:
+    """The second layer the kit's drain runs with: the environment's ``IDEMPOTENCY_BACKEND``
+    and its settings, as DrainFunction reads its own (off when unset). Override to test a job
+    under the second layer, e.g. ``{"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": url}``."""
+    return {name: os.environ[name] for name in SECOND_LAYER_SETTINGS if os.environ.get(name)}
+
+
+@contextmanager
+def open_job_kit(
+    server_url: str,
+    registry: JobRegistry,
+    provider_url: str,
+    *,
+    migrate: Callable[[psycopg.Connection[Any]], None] | None = None,
+    job_policies: str = "",
+    second_layer: Mapping[str, str] | None = None,
 ) -> Iterator[JobKit]:
-    """A ``JobKit`` on a fresh database, a fresh emulator and the provider sink."""
+    """A ``JobKit`` on a fresh database of ``server_url``'s (migrated as ``infrai-jobs
+    migrate`` does, unless ``migrate`` says otherwise), a fresh emulator and the provider sink
+    at ``provider_url``; what the ``job_kit`` fixture yields, for a test that needs two kits or
+    settings of its own."""
     with ExitStack() as stack:
-        database_url = stack.enter_context(scratch_database(job_kit_server_url))
+        database_url = stack.enter_context(scratch_database(server_url))
         with psycopg.connect(database_url, autocommit=True) as conn:
-            job_kit_migrate(conn)
+            (migrate or migrate_all)(conn)
         server = emulator.start_in_thread(visibility_timeout=VISIBILITY_SECONDS)
         stack.callback(server.stop)
         client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
         stack.callback(client.close)
         client.ensure_queue(QUEUE, dlq=DLQ)
         kit = JobKit(
-            job_kit_registry,
+            registry,
             database_url,
             client,
             server.url,
-            job_kit_provider_url,
-            job_policies_document=job_kit_job_policies,
+            provider_url,
+            job_policies_document=job_policies,
+            second_layer=second_layer,
         )
         stack.callback(kit.close)
         yield kit
 
 
-__all__ = ["JobKit", "JobKitError"]
+@pytest.fixture
+def job_kit(  # noqa: PLR0917 - pytest hands fixtures in by name
+    job_kit_server_url: str,
+    job_kit_registry: JobRegistry,
+    job_kit_migrate: Callable[[psycopg.Connection[Any]], None],
+    job_kit_provider_url: str,
+    job_kit_job_policies: str,
+    job_kit_second_layer: dict[str, str],
+) -> Iterator[JobKit]:
+    """A ``JobKit`` on a fresh database, a fresh emulator and the provider sink."""
+    with open_job_kit(
+        job_kit_server_url,
+        job_kit_registry,
+        job_kit_provider_url,
+        migrate=job_kit_migrate,
+        job_policies=job_kit_job_policies,
+        second_layer=job_kit_second_layer,
+    ) as kit:
+        yield kit
+
+
+__all__ = ["JobKit", "JobKitError", "open_job_kit"]

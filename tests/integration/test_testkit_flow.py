@@ -7,11 +7,13 @@ assertion for each. Fixture jobs of the test's own, on the kit's real PostgreSQL
 from __future__ import annotations
 
 import pytest
+import redis
 
+from infrai_jobs.aws.second_layer import KEY_PREFIX
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_local.testkit import JobKit, JobKitError
+from infrai_local.testkit import JobKit, JobKitError, open_job_kit
 
 FLAKY = {"job": "kit.flaky", "id": "f1"}
 PLAIN = {"job": "kit.plain", "id": "p1"}
@@ -126,3 +128,40 @@ def test_the_kit_refuses_a_limit_assertion_for_a_job_without_that_limit(job_kit:
         job_kit.assert_held_back_by_concurrency(PLAIN)
     with pytest.raises(JobKitError, match="no reconcile probe"):
         job_kit.assert_reconciled(PLAIN, effect_happened=True)
+
+
+@pytest.mark.parametrize("job_kit_second_layer", [{}], indirect=False)
+def test_the_kit_runs_without_the_second_layer_unless_its_settings_say(
+    job_kit: JobKit, job_kit_second_layer: dict[str, str]
+) -> None:
+    assert not job_kit.second_layer_on
+    job_kit.assert_runs_once({**PLAIN, "id": "off"})
+
+
+def test_the_kit_runs_a_job_under_the_second_layer_its_settings_switch_on(
+    job_kit_server_url: str,
+    job_kit_registry: JobRegistry,
+    job_kit_provider_url: str,
+    redis_url: str,
+) -> None:
+    # Given the kit's drain with the Redis second layer on, as DrainFunction's settings say
+    client = redis.Redis.from_url(redis_url)
+
+    def records() -> int:
+        return sum(1 for _ in client.scan_iter(match=f"{KEY_PREFIX}#*", count=1000))
+
+    before = records()
+    try:
+        with open_job_kit(
+            job_kit_server_url,
+            job_kit_registry,
+            job_kit_provider_url,
+            second_layer={"IDEMPOTENCY_BACKEND": "redis", "REDIS_URL": redis_url},
+        ) as kit:
+            # When a job is published twice, Then its effect happens once, and the drain that
+            # ran it wrapped the call in the second layer: one more record in Redis
+            assert kit.second_layer_on
+            kit.assert_runs_once({**PLAIN, "id": "second-layer"})
+        assert records() == before + 1
+    finally:
+        client.close()

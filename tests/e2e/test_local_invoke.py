@@ -716,3 +716,32 @@ def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
         assert "forwarded-secret" not in finished.stdout + finished.stderr
     finally:
         moto.stop()
+
+
+def test_a_jobs_setting_exported_in_the_shell_reaches_the_function_as_in_sam(
+    services: dict[str, str], tmp_path: Path
+) -> None:
+    # Given an env-vars file that leaves every job setting empty, and a shell that exports the
+    # endpoints and the jobs' settings (the template declares each on DrainFunction, so
+    # `sam local invoke` would take its value from the shell)
+    env_vars = tmp_path / "env.json"
+    env_vars.write_text(json.dumps({"DrainFunction": {}}))
+    client = InfraiClient(services["INFRAI_BASE_URL"], services["INFRAI_API_KEY"])
+    try:
+        client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+        client.publish(
+            "billing-jobs",
+            {"job": "receipt.send", "invoice_id": "inv_exported", "email": "a@example.com"},
+        )
+    finally:
+        client.close()
+    # When DrainFunction is invoked from that shell
+    finished = _invoke_from_shell(
+        "DrainFunction", "events/drain-schedule.json", env_vars, env=clean_env(**services)
+    )
+    # Then the receipt was sent through the exported MAIL_PROVIDER_URL, and nothing stood in
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert json.loads(finished.stdout)["done"] == 1
+    assert "sandbox" not in finished.stderr
+    state = urllib3.request("GET", f"{services['MAIL_PROVIDER_URL']}/_sink/state").json()
+    assert state["mail_effects"] == 1

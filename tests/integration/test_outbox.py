@@ -5,11 +5,13 @@ do, and its effect happens once; what rolls back is never published."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 from typing import Any
 
 import psycopg
 import pytest
-from drainkit import QUEUE, Harness, RecordingAlerter, run_cli, run_concurrently
+from drainkit import QUEUE, Harness, RecordingAlerter, run_cli, run_concurrently, start_cli
 from drainkit import run_until_killed as run_child_until_killed
 
 from infrai_jobs.errors import InvalidPayload, KeyDerivationError, OutboxError, OutboxKeyConflict
@@ -19,6 +21,7 @@ from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.outbox import enqueue
 from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
 from infrai_jobs.outbox.status import read_status
+from infrai_local.cli import EXIT_INTERRUPTED
 
 # A pass never short of time: the relay's own budget check is not what these tests are about.
 PLENTY = 120_000
@@ -388,3 +391,29 @@ def test_published_rows_are_pruned_with_the_ledgers_retention(kit: Harness) -> N
     # And its key may be enqueued again
     with psycopg.connect(kit.database_url) as conn, conn.transaction():
         assert enqueue(conn, job(0), registry=kit.registry).created
+
+
+def test_a_following_relay_is_woken_by_the_commit_and_stops_cleanly_on_ctrl_c(
+    kit: Harness,
+) -> None:
+    # Given `outbox relay --follow` polling only every 60 s, listening for commits
+    relay = start_cli(kit, "outbox", "relay", "--follow", "--poll-seconds", "60", "--json")
+    try:
+        assert relay.stderr is not None
+        assert relay.stderr.readline().startswith("relaying; listening on")
+        # When a producer commits a row with notify=True
+        enqueue_committed(kit, job("followed"), notify=True)
+        # Then it is published long before the next poll: the commit's NOTIFY woke the relay
+        deadline = time.monotonic() + 30
+        while queued(kit) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queued(kit) == 1
+        assert read_pending(kit) == 0
+    finally:
+        # And Ctrl-C stops it in one line, with no traceback
+        relay.send_signal(signal.SIGINT)
+        out, err = relay.communicate(timeout=30)
+    assert relay.returncode == EXIT_INTERRUPTED, err
+    assert json.loads(out.splitlines()[0])["published"] == 1
+    assert "Traceback" not in err
+    assert err.strip().endswith("error: interrupted")

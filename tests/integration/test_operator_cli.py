@@ -630,10 +630,11 @@ def test_claims_show_after_a_redrive_reopened_the_failed_claim(kit: Harness) -> 
     redriven = run_cli(kit, "redrive", "--reopen-failed", "--json")
     assert redriven.returncode == 0, redriven.stderr
     assert json.loads(redriven.stdout)["reopened"] == ["invoice.finalize:inv_404"]
-    # Then claims show tells the reopen and the failure before it
+    # Then claims show tells the redrive, the reopen and the failure before it
     shown = run_cli(kit, "claims", "show", "invoice.finalize:inv_404")
     assert shown.returncode == 0, shown.stderr
-    assert "now: reopen by" in shown.stdout
+    assert "now: redrive by" in shown.stdout
+    assert "reopen" in shown.stdout
     assert "no such invoice" in shown.stdout
 
 

@@ -513,20 +513,18 @@ class DeadLetterStore:
                     "note": note or None,
                 },
             )
-            if resolution != "discarded":
-                return True
             claim = None
             if row.idem_key is not None:
                 with conn.cursor(row_factory=dict_row) as cur:
                     claim_row = cur.execute(CLAIM_BY_KEY, {"key": row.idem_key}).fetchone()
                 claim = claim_as_dict(ClaimRow(**claim_row)) if claim_row else None
-            # A discard in the operator history, beside the claim changes of its key: the dead
-            # letter with its payload, and the key's claim as it was then. The message id names
-            # the dead letter when it has no key.
+            # A discard or a redrive in the operator history, beside the claim changes of its
+            # key: the dead letter with its payload, and the key's claim as it was then. The
+            # message id names the dead letter when it has no key.
             record_history(
                 conn,
                 row.idem_key or message_id,
-                "discard",
+                "discard" if resolution == "discarded" else "redrive",
                 actor=actor,
                 before={"dead_letter": _history_record(row), "claim": claim},
                 after=None,

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import FanOutPolicy, FleetMembership
@@ -40,7 +41,6 @@ from infrai_jobs.flow.policies import (
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.job_schema import JobMigrationName
-from infrai_jobs.operations.dead_letters import RetryOf
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_jobs.runtime.factory import (
@@ -55,6 +55,9 @@ from infrai_jobs.runtime.factory import (
 from infrai_jobs.runtime.observability import MessageSpan, MessageTracing
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # a type only: the drain's cold start never imports the dead letters
+    from infrai_jobs.operations.dead_letters import RetryOf
 
 
 @dataclass

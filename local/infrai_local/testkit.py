@@ -397,17 +397,9 @@ class JobKit:
         self.sql(_FREE_HELD_SLOTS, {"job": name, "value": value})
         self.run_deferred_now(payload)
         summaries.append(self.drain())
-        claim = self.ledger.get(key)
-        self._expect(
-            claim is not None and claim.state == "done" and self.completed[key] == 1,
-            f"{key}: once a slot was free its claim is {_state(claim)} after "
-            f"{self.completed[key]} completed calls, not done once",
-            summaries,
-        )
-        assert claim is not None
-        return claim
+        return self._expect_done_once(key, summaries, "once a slot was free")
 
-    def assert_reconciled(self, payload: Payload, *, effect_happened: bool) -> ClaimRow | None:
+    def assert_reconciled(self, payload: Payload, *, effect_happened: bool) -> ClaimRow:
         """An irreversible job whose outcome is unknown is stuck, then its reconcile probe
         settles it as the watcher's pass does, once the drain's lease is over: an effect that
         happened (the call went through, its answer was lost) is settled ``done`` and never run
@@ -449,14 +441,7 @@ class JobKit:
         if not effect_happened:
             self.redeliver()
             summaries.append(self.drain())
-        claim = self.ledger.get(key)
-        self._expect(
-            claim is not None and claim.state == "done" and self.completed[key] == 1,
-            f"{key}: after the reconcile its claim is {_state(claim)} and the handler completed "
-            f"{self.completed[key]} times, not done once",
-            summaries,
-        )
-        return claim
+        return self._expect_done_once(key, summaries, "after the reconcile")
 
     def run_deferred_now_by_key(self, key: str) -> None:
         """``run_deferred_now`` for a key; nothing when the key holds no waiting work."""
@@ -567,6 +552,18 @@ class JobKit:
             "rest in the DLQ",
             summaries,
         )
+
+    def _expect_done_once(self, key: str, summaries: list[DrainSummary], when: str) -> ClaimRow:
+        """The key's claim is ``done`` and its handler completed exactly once; the claim."""
+        claim = self.ledger.get(key)
+        self._expect(
+            claim is not None and claim.state == "done" and self.completed[key] == 1,
+            f"{key}: {when} its claim is {_state(claim)} and the handler completed "
+            f"{self.completed[key]} times, not done once",
+            summaries,
+        )
+        assert claim is not None
+        return claim
 
     @staticmethod
     def _expect(condition: bool, message: str, summaries: list[DrainSummary]) -> None:

@@ -122,6 +122,15 @@ def deferred_after_three_refusals(kit: Harness, flow: FlowControl) -> str:
     return key
 
 
+def assert_built_once_by_a_deferred_run(kit: Harness, key: str, summary: DrainSummary) -> None:
+    """The drain that produced ``summary`` finished the deferred digest: built once, claim done."""
+    assert summary.counters["deferred_done"] == 1
+    assert digests_built(kit) == 1
+    claim = kit.row(key)
+    assert claim is not None
+    assert claim.state == "done"
+
+
 def taken_external_run(kit: Harness, number: str, *, began: bool) -> str:
     """A deferred ``test.ext`` job taken by a drain that then died (its lease over), after its
     handler was called or before; its key."""
@@ -471,12 +480,8 @@ def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harn
         kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
         kit.sql("UPDATE flow_concurrency_slots SET lease_until = now() - interval '1 second'")
         summary = drain_with(kit, flow)
-        assert summary.counters["deferred_done"] == 1
         assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
-        assert digests_built(kit) == 1
-        claim = kit.row(key)
-        assert claim is not None
-        assert claim.state == "done"
+        assert_built_once_by_a_deferred_run(kit, key, summary)
     finally:
         flow.close()
 
@@ -721,14 +726,10 @@ def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lette
         assert collected.returncode == 0, collected.stderr
         summary = drain_with(kit, flow)
         # Then the digest is built once, and neither Infrai nor the ledger holds a dead letter
-        assert summary.counters["deferred_done"] == 1
-        assert digests_built(kit) == 1
+        assert_built_once_by_a_deferred_run(kit, key, summary)
         assert kit.client.stats(QUEUE).dlq_count == 0
         assert json.loads(collected.stdout)["messages"] == []
         assert kit.sql("SELECT count(*) FROM dead_letters") == [(0,)]
-        claim = kit.row(key)
-        assert claim is not None
-        assert claim.state == "done"
     finally:
         flow.close()
 

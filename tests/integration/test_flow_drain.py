@@ -894,3 +894,26 @@ def test_a_taken_back_letter_never_takes_an_irreversible_claim_from_a_human(
     receipt_claim = kit.row(kit.registry.derive(receipt).idem_key)
     assert receipt_claim is not None
     assert receipt_claim.state == "running"
+
+
+def test_a_stale_letter_never_brings_back_work_an_operator_cancelled(kit: Harness) -> None:
+    # Given a digest with attempts left whose deferred work an operator cancelled, and a copy
+    # of its message that later died in all three deliveries
+    ten = json.dumps({"digest.build": {"retry": {"attempts": 10}}})
+    flow = flow_for(kit, ten)
+    key = kit.registry.derive(DIGEST).idem_key
+    try:
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+        kit.publish(DIGEST)
+        assert drain_with(kit, flow).outcomes == {"deferred": 1}
+    finally:
+        flow.close()
+    assert run_cli(kit, "claims", "cancel", key).returncode == 0
+    kit.publish(DIGEST)
+    deliveries_all_died(kit, 1)
+    # When the dead letters are collected
+    collected = run_cli(kit, "dlq", "--json", JOB_POLICIES=ten)
+    # Then the work stays cancelled, and the letter waits for a human
+    assert collected.returncode == 0, collected.stderr
+    assert [row["idem_key"] for row in json.loads(collected.stdout)["messages"]] == [key]
+    assert deferred_row(kit, key)["state"] == "cancelled"  # type: ignore[index]

@@ -280,6 +280,12 @@ WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
 """
 
 
+_ENDED_DEFERRED_WORK: LiteralString = """
+SELECT state FROM deferred_jobs
+WHERE idem_key = %(key)s AND state NOT IN ('deferred', 'running')
+"""
+
+
 def _take_back(
     conn: psycopg.Connection[Any],
     dead: QueueMessage,
@@ -298,6 +304,11 @@ def _take_back(
     if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
         return False
     effect = found[0]
+    ended = conn.execute(_ENDED_DEFERRED_WORK, {"key": key}).fetchone()
+    if ended is not None:
+        # Its deferred life ended (done, failed, or an operator cancelled it): a stale letter
+        # never brings it back; it is recorded for a human like any other.
+        return False
     if claim is not None:
         # Only a key-passing job's own expired claim may be taken over; done, failed, a
         # conflict or an irreversible job's unknown outcome stay letters for a human.

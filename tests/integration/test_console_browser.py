@@ -17,6 +17,8 @@ from drainkit import OPERATOR, Harness
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.wait import WebDriverWait
 
 CHROMIUM = "/usr/bin/chromium"
@@ -41,9 +43,18 @@ def browser() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-def shows(browser: webdriver.Chrome, text: str) -> None:
-    """Wait (10 s at most) for the page a click led to: a form's POST answers after the click."""
-    WebDriverWait(browser, 10).until(lambda driver: text in driver.page_source)
+def goes_to(browser: webdriver.Chrome, element: WebElement, text: str) -> None:
+    """Click, then wait (20 s at most) for the page the click led to, holding `text`.
+
+    The old page must be gone first: a text that the old page holds too (the preview shows the
+    redrive's command line, as the result page does) would otherwise match at once, and the next
+    find would run against a page that is being replaced."""
+    old = browser.find_element(By.TAG_NAME, "html")
+    element.click()
+    wait = WebDriverWait(browser, 20)
+    wait.until(expected_conditions.staleness_of(old))
+    wait.until(lambda driver: driver.execute_script("return document.readyState") == "complete")
+    wait.until(lambda driver: text in driver.page_source)
 
 
 def test_the_operator_redrives_a_dead_letter_and_resolves_a_stuck_claim(
@@ -64,28 +75,28 @@ def test_the_operator_redrives_a_dead_letter_and_resolves_a_stuck_claim(
             browser.save_screenshot(os.environ["CONSOLE_SCREENSHOT"])
 
         # When they select one dead letter, preview its redrive, and redrive it
-        browser.find_element(By.LINK_TEXT, "Dead letters").click()
-        shows(browser, 'tr class="dead-letter"')
+        goes_to(
+            browser, browser.find_element(By.LINK_TEXT, "Dead letters"), 'tr class="dead-letter"'
+        )
         rows = browser.find_elements(By.CSS_SELECTOR, "tr.dead-letter")
         assert len(rows) == 2
         browser.find_element(By.CSS_SELECTOR, f'input[name="m"][value="{letter}"]').click()
-        browser.find_element(By.ID, "preview").click()
-        shows(browser, "Redrive preview")
+        goes_to(browser, browser.find_element(By.ID, "preview"), "Redrive preview")
         would_run = browser.find_elements(By.CSS_SELECTOR, "tr.would-run")
         assert [row.text.split()[0] for row in would_run] == [letter]
-        browser.find_element(By.ID, "redrive").click()
-        shows(browser, "infrai-jobs redrive")
+        goes_to(browser, browser.find_element(By.ID, "redrive"), "infrai-jobs redrive")
 
         # And they resolve the stuck claim as done, with the provider's id
-        browser.find_element(By.LINK_TEXT, "Stuck claims").click()
-        shows(browser, 'tr class="stuck-claim"')
+        goes_to(
+            browser, browser.find_element(By.LINK_TEXT, "Stuck claims"), 'tr class="stuck-claim"'
+        )
         (stuck_row,) = browser.find_elements(By.CSS_SELECTOR, "tr.stuck-claim")
         assert seeded.stuck_key in stuck_row.text
         browser.save_screenshot(str(tmp_path / "stuck.png"))
         stuck_row.find_element(By.XPATH, ".//summary[text()='Resolve done']").click()
         stuck_row.find_element(By.NAME, "result").send_keys('{"mail_id": "m-42"}')
-        stuck_row.find_element(By.CSS_SELECTOR, "button.resolve-done").click()
-        shows(browser, "infrai-jobs claims resolve")
+        button = stuck_row.find_element(By.CSS_SELECTOR, "button.resolve-done")
+        goes_to(browser, button, "infrai-jobs claims resolve")
         browser.save_screenshot(str(tmp_path / "resolved.png"))
 
     # Then the ledger has the one letter redriven and the other unresolved

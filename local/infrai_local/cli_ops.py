@@ -18,10 +18,8 @@ from decimal import Decimal
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
-from infrai_jobs.flow.ledger import DeferredJob, deferred_as_dict
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claim_json import claim_as_dict
 from infrai_jobs.operations.dead_letters import (
     Collected,
     DeadLetterRow,
@@ -714,7 +712,7 @@ def _deferred_list(args: argparse.Namespace, admin: OperatorLedger, out: TextIO)
     deferred = admin.list_deferred(
         job=args.job, older_than_seconds=args.older_than, limit=args.limit
     )
-    documents = [deferred_as_dict(job) for job in deferred]
+    documents = [job.as_dict() for job in deferred]
     _emit(documents, args.json, lambda: print_table(documents, DEFERRED_COLUMNS, out), out)
     return EXIT_OK
 
@@ -735,7 +733,7 @@ def _steer_deferred(args: argparse.Namespace, admin: OperatorLedger, out: TextIO
         "the next drain runs it" if run_now else "it will not run; a new message for it is new work"
     )
     _emit(
-        {"action": "run_now" if run_now else "cancel", "deferred": deferred_as_dict(job)},
+        {"action": "run_now" if run_now else "cancel", "deferred": job.as_dict()},
         args.json,
         lambda: print(f"{verb}: {job.idem_key}: {detail} (recorded in claim_history)", file=out),
         out,
@@ -792,7 +790,7 @@ def _parse_result(text: str) -> Any:
 
 
 def _rows_out(rows: Iterable[ClaimRow], as_json: bool, out: TextIO) -> int:
-    documents = [claim_as_dict(r) for r in rows]
+    documents = [r.as_dict() for r in rows]
     _emit(documents, as_json, lambda: print_table(documents, CLAIM_COLUMNS, out), out)
     return EXIT_OK
 
@@ -802,28 +800,19 @@ def _stuck_out(admin: OperatorLedger, older_than: int, as_json: bool, out: TextI
     a human (an irreversible run that began its call and whose lease ran out). Both are
     settled with the same commands (`claims resolve`, `claims release`, `claims reconcile`);
     ``kind`` tells them apart."""
-    documents = [
-        {**claim_as_dict(r), "kind": "claim"} for r in admin.stuck(threshold_seconds=older_than)
-    ]
-    for job in admin.stuck_deferred():
-        documents.append(
-            {
-                "idem_key": job.idem_key,
-                "state": job.state,
-                "message_id": job.message_id,
-                "job": job.job,
-                "effect": job.effect,
-                "claim_token": str(job.lease_token) if job.lease_token else None,
-                "lease_until": job.lease_until.isoformat() if job.lease_until else None,
-                "attempts": job.attempts,
-                "claimed_at": job.updated_at.isoformat(),
-                "error": "deferred run left for a human: it began its call and its lease ran "
-                f"out (last error: {job.last_error or 'none'})",
-                "kind": "deferred_run",
-            }
-        )
+    documents = [_stuck_document(r) for r in admin.stuck(threshold_seconds=older_than)]
     _emit(documents, as_json, lambda: print_table(documents, CLAIM_COLUMNS, out), out)
     return EXIT_OK
+
+
+def _stuck_document(row: ClaimRow) -> dict[str, Any]:
+    document = {**row.as_dict(), "kind": "deferred_run" if row.owned else "claim"}
+    if row.owned and row.error is None:
+        document["error"] = (
+            "deferred run left for a human: it began its call and its lease ran out "
+            f"(last error: {row.last_error or 'none'})"
+        )
+    return document
 
 
 def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
@@ -831,20 +820,18 @@ def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     history and the claim as it was before the last change."""
     found = admin.find(args.key)
     history = admin.history(args.key)
-    held = admin.find_deferred(args.key)
-    deferred = deferred_as_dict(held) if held is not None else None
-    if found is None and not history and deferred is None:
+    if found is None and not history:
         raise ClaimNotFound(f"no claim with key {args.key!r}, and no operator history for it")
-    row = claim_as_dict(found) if found is not None else None
+    row = found.as_dict() if found is not None else None
     probes = [
         {"at": h["at"], "answer": answer_of(h["note"]), "note": h["note"], "actor": h["actor"]}
         for h in history
         if h["action"] == HISTORY_ACTION
     ]
     _emit(
-        {"claim": row, "deferred": deferred, "history": history, "probes": probes},
+        {"claim": row, "history": history, "probes": probes},
         args.json,
-        lambda: _show_human(args.key, row, history, out, probes, deferred=deferred),
+        lambda: _show_human(args.key, row, history, out, probes),
         out,
     )
     return EXIT_OK
@@ -856,16 +843,9 @@ def _show_human(
     history: Sequence[Mapping[str, Any]],
     out: TextIO,
     probes: Sequence[Mapping[str, Any]] = (),
-    *,
-    deferred: Mapping[str, Any] | None = None,
 ) -> None:
-    if deferred is not None:
-        # The ledger holds this work deferred: that row is what an operator acts on.
-        print("deferred work (claims list --state deferred):", file=out)
-        _print_fields(deferred, out)
-        if not history:
-            return
-        print(file=out)
+    if row is not None and row.get("run_after") is not None:
+        print("deferred work, owned by the ledger (claims list --state deferred):", file=out)
     if row is None:
         last = history[-1]
         print(
@@ -900,12 +880,9 @@ def _is_claim(document: Any) -> bool:
     return isinstance(document, Mapping) and "state" in document and "idem_key" in document
 
 
-def _changed_out(row: ClaimRow | DeferredJob, verb: str, as_json: bool, out: TextIO) -> int:
+def _changed_out(row: ClaimRow, verb: str, as_json: bool, out: TextIO) -> int:
     """A resolve or a release: of a claim, or of a deferred run left for a human."""
-    if isinstance(row, DeferredJob):
-        document = {"action": verb, "deferred": deferred_as_dict(row)}
-    else:
-        document = {"action": verb, "claim": claim_as_dict(row)}
+    document = {"action": verb, "claim": row.as_dict()}
     _emit(
         document,
         as_json,

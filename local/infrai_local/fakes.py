@@ -52,6 +52,7 @@ from infrai_jobs.jobs.registry import Effect, JsonValue
 from infrai_jobs.ledger.claim_ledger import DatabaseRunner
 from infrai_jobs.ledger.claims import (
     SETTLE_STATUS,
+    WORK_STATES,
     ClaimDecision,
     ClaimRequest,
     ClaimRow,
@@ -92,7 +93,7 @@ FAKE_EPOCH: Final = 1_785_024_000.0
 
 _QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 _BASE62: Final = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-_CLAIM_STATES: Final = frozenset({"running", "done", "failed"})
+_CLAIM_STATES: Final = frozenset(WORK_STATES)
 
 
 class FakeClock:
@@ -453,11 +454,14 @@ class InMemoryLedger:
         result: JsonValue = None,
         claimed_at: datetime | None = None,
         updated_at: datetime | None = None,
+        run_after: datetime | None = None,
+        payload: JsonValue = None,
     ) -> ClaimRow:
         """Write a row as another worker, an operator or the notes' SQL would have left it.
 
         Replaces any row under the key. Unset columns are what the table defaults to, so
         ``seed(key, state="running", message_id=...)`` is exactly the notes' own INSERT.
+        ``run_after`` (with its ``payload``) makes it work the ledger owns: deferred.
         """
         if state not in _CLAIM_STATES:
             raise ValueError(f"state must be one of {sorted(_CLAIM_STATES)}, not {state!r}")
@@ -476,6 +480,9 @@ class InMemoryLedger:
                 lease_until=lease_until,
                 updated_at=updated_at,
                 claim_token=claim_token,
+                payload=payload,
+                run_after=run_after,
+                deferred_at=None if run_after is None else self._now(),
             )
             self._rows[idem_key] = row
             return row
@@ -534,7 +541,8 @@ class InMemoryLedger:
         won_token = request.claim_token if won else None
         won_attempts = None
         if won:
-            won_attempts = 1 if row is None else (row.attempts or 1) + 1
+            fresh = row is None or row.state == "cancelled"
+            won_attempts = 1 if fresh or row is None else (row.attempts or 1) + 1
         if row is None:
             return {
                 "won_token": won_token,
@@ -547,6 +555,7 @@ class InMemoryLedger:
                 "result": None,
                 "lease_expired": None,
                 "held_seconds": None,
+                "owned": None,
             }
         lease_end = row.lease_until
         if lease_end is None:
@@ -562,6 +571,7 @@ class InMemoryLedger:
             "result": row.result,
             "lease_expired": lease_end < now,
             "held_seconds": (now - (row.updated_at or row.claimed_at)).total_seconds(),
+            "owned": row.owned,
         }
 
     def _settle(
@@ -604,13 +614,15 @@ class InMemoryLedger:
 
 def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
     """The claim statement's ``ON CONFLICT ... DO UPDATE ... WHERE``, row by row: only a
-    key-passing effect, only the same work, never a claim flagged for a human, and only once
-    the lease is over or when the holder is this very message. NULLs compare as SQL compares
-    them (a NULL lease is never over)."""
+    key-passing effect, only the same work, never a claim flagged for a human, never work the
+    ledger owns, and only once the lease is over or when the holder is this very message; or
+    work an operator cancelled (free: new work).
+    NULLs compare as SQL compares them (a NULL lease is never over)."""
     idempotent = Effect.EXTERNAL_IDEMPOTENT.value
     lease_over = row.lease_until is not None and row.lease_until < now
-    return (
+    return row.state == "cancelled" or (
         row.state == "running"
+        and not row.owned
         and row.effect == idempotent
         and request.effect.value == idempotent
         and row.payload_sha256 is not None
@@ -632,7 +644,8 @@ def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> d
 def _claimed_row(
     before: ClaimRow | None, request: ClaimRequest, now: datetime, visibility: float
 ) -> ClaimRow:
-    if before is not None:  # a takeover keeps the row's history, as the UPDATE does
+    if before is not None and before.state != "cancelled":
+        # A takeover keeps the row's history, as the UPDATE does.
         return replace(
             before,
             message_id=request.message_id,

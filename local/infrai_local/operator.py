@@ -20,20 +20,13 @@ from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import ledger as flow
-from infrai_jobs.flow.ledger import (
-    DEFERRED_BY_KEY,
-    DEFERRED_COLUMNS,
-    DEFERRED_FOR_UPDATE,
-    DeferredJob,
-    record_deferred_change,
-)
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, CLAIM_BY_KEY_FOR_UPDATE, CLAIM_COLUMNS
-from infrai_jobs.operations.claims_admin import ClaimsAdmin, record_claim_change
+from infrai_jobs.operations.claim_json import storable_json
+from infrai_jobs.operations.claims_admin import ClaimsAdmin
 
 
 def default_actor() -> str:
@@ -85,24 +78,21 @@ def refusal(
 
 
 def change_refused(
-    row: ClaimRow | DeferredJob,
+    row: ClaimRow,
     *,
     command: str,
     allowed_states: tuple[str, ...],
     token: uuid.UUID | None,
 ) -> str:
-    """Why ``infrai-jobs COMMAND`` is refused for a claim or a deferred run, or "" when it may
-    go ahead."""
-    if isinstance(row, DeferredJob):
-        holder, what = row.lease_token, "deferred job"
-        if row.state == "deferred":
-            return (
-                f"deferred job {row.idem_key!r} is waiting to run (due "
-                f"{row.run_after.isoformat()}): `infrai-jobs claims run-now {row.idem_key}` or "
-                f"`infrai-jobs claims cancel {row.idem_key}` act on it"
-            )
-    else:
-        holder, what = row.claim_token, "claim"
+    """Why ``infrai-jobs COMMAND`` is refused for a claim (a delivery's, or deferred work),
+    or "" when it may go ahead."""
+    holder, what = row.claim_token, "deferred job" if row.owned else "claim"
+    if row.state == "deferred" and row.run_after is not None:
+        return (
+            f"deferred job {row.idem_key!r} is waiting to run (due "
+            f"{row.run_after.isoformat()}): `infrai-jobs claims run-now {row.idem_key}` or "
+            f"`infrai-jobs claims cancel {row.idem_key}` act on it"
+        )
     key = row.idem_key
     why = refusal(row.state, row.lease_until, holder, allowed_states=allowed_states, token=token)
     if why is None:
@@ -140,37 +130,23 @@ LIMIT %(limit)s
 """
 )
 
-# An operator never changes a running claim whose lease is live (on the database's clock).
-_RESOLVE: LiteralString = """
-UPDATE job_claims
-SET state = %(new_state)s, result = %(result)s, error = %(error)s, updated_at = now()
-WHERE idem_key = %(key)s AND state = %(state)s AND claim_token IS NOT DISTINCT FROM %(token)s
-  AND (state <> 'running' OR lease_until IS NULL OR lease_until < clock_timestamp())
-"""
-
-_RELEASE: LiteralString = """
-DELETE FROM job_claims
-WHERE idem_key = %(key)s AND state = %(state)s AND claim_token IS NOT DISTINCT FROM %(token)s
-  AND (state <> 'running' OR lease_until IS NULL OR lease_until < clock_timestamp())
-"""
-
 _HISTORY_OF: LiteralString = """
 SELECT id, idem_key, action, actor, at, before, after, note
 FROM claim_history WHERE idem_key = %(key)s ORDER BY id
 """
 
-# ``claims list --state deferred``: the work deferred jobs hold (waiting or running), the next
-# due first.
+# ``claims list --state deferred``: the work the ledger owns, waiting or running, the next due
+# first.
 _DEFERRED_LIST: LiteralString = (
     "SELECT "
-    + DEFERRED_COLUMNS
+    + CLAIM_COLUMNS
     + """
-FROM deferred_jobs
-WHERE state IN ('deferred', 'running')
+FROM job_claims
+WHERE run_after IS NOT NULL AND state IN ('deferred', 'running')
   AND (%(job)s::text IS NULL OR job = %(job)s)
   AND (%(older_than)s::float8 IS NULL
-       OR created_at < now() - make_interval(secs => %(older_than)s))
-ORDER BY run_after, created_at, idem_key
+       OR deferred_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY run_after, deferred_at, idem_key
 LIMIT %(limit)s
 """
 )
@@ -178,21 +154,21 @@ LIMIT %(limit)s
 # ``claims cancel`` ends waiting work; ``claims run-now`` makes it due at once.
 _STEER_DEFERRED: LiteralString = (
     """
-UPDATE deferred_jobs
+UPDATE job_claims
 SET state = %(state)s,
     run_after = CASE WHEN %(state)s = 'deferred' THEN least(run_after, now()) ELSE run_after END,
     updated_at = now()
 WHERE idem_key = %(key)s AND state = 'deferred'
 RETURNING """
-    + DEFERRED_COLUMNS
+    + CLAIM_COLUMNS
 )
 
 
-# The states a resolve or a release applies to, on a claim and on a deferred run.
+# The states a resolve or a release applies to.
 _ALLOWED: Final = {
-    "resolve_done": (RESOLVABLE, ("running",)),
-    "resolve_failed": (RESOLVABLE, ("running",)),
-    "release": (RELEASABLE, ("running",)),
+    "resolve_done": RESOLVABLE,
+    "resolve_failed": RESOLVABLE,
+    "release": RELEASABLE,
 }
 
 
@@ -234,9 +210,10 @@ class OperatorLedger(ClaimsAdmin):
         expected_token: uuid.UUID | None = None,
         actor: str,
         note: str = "",
-    ) -> ClaimRow | DeferredJob:
+    ) -> ClaimRow:
         """A human's verdict on a running claim, or on a deferred run left ``running`` for a
-        human: ``done`` (with the provider's reference) or ``failed`` (with the reason)."""
+        human: ``done`` (with the provider's reference) or ``failed`` (with the reason; work
+        the ledger owns also gets a dead letter, as its last attempt's failure would)."""
         failure = None if done else (error or "resolved as failed by an operator")
         return self._fenced_change(
             key,
@@ -255,7 +232,7 @@ class OperatorLedger(ClaimsAdmin):
         expected_token: uuid.UUID | None = None,
         actor: str,
         note: str = "",
-    ) -> ClaimRow | DeferredJob:
+    ) -> ClaimRow:
         """Delete a running or failed claim so the next delivery runs the job again; a
         deferred run left ``running`` waits again instead, due now, for the next drain."""
         return self._fenced_change(
@@ -264,11 +241,10 @@ class OperatorLedger(ClaimsAdmin):
 
     def change_refused(self, key: str, action: str, *, token: uuid.UUID | None) -> str:
         """Why ``action`` would be refused for ``key`` as it stands now, or "" (the change is
-        fenced again when it is made); ``ClaimNotFound`` when neither a claim nor deferred
-        work has the key."""
-        found: ClaimRow | DeferredJob | None = self.find(key) or self.find_deferred(key)
+        fenced again when it is made); ``ClaimNotFound`` when no claim has the key."""
+        found = self.find(key)
         if found is None:
-            raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
+            raise ClaimNotFound(f"no claim with key {key!r}")
         return _refusal(found, action, token)
 
     def _fenced_change(
@@ -281,79 +257,78 @@ class OperatorLedger(ClaimsAdmin):
         expected_token: uuid.UUID | None,
         actor: str,
         note: str,
-    ) -> ClaimRow | DeferredJob:
+    ) -> ClaimRow:
+        """One operator change, through the state machine's own transitions (``flow.ledger``):
+        refused, in the command's words, unless the row is in a state the change applies to,
+        its lease is over and (when given) ``expected_token`` still holds it."""
         with (
             self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
             conn.transaction(),
         ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
-                deferred_row = None
-                if row is None:
-                    deferred_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
-            target = _target(row, deferred_row)
-            if target is None:
-                raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
-            refused = _refusal(target, action, expected_token)
+            before = self._claim(conn, key, lock=True)
+            if before is None:
+                raise ClaimNotFound(f"no claim with key {key!r}")
+            refused = _refusal(before, action, expected_token)
             if refused:
                 raise ClaimChanged(refused)
-            if isinstance(target, DeferredJob):
-                return _change_deferred(
-                    conn, target, action, result=result, error=error, actor=actor, note=note
-                )
-            before = target
-            fence = {"key": key, "state": before.state, "token": before.claim_token}
+            token = before.claim_token
+            changed: ClaimRow | None
             if action == "release":
-                cursor = conn.execute(_RELEASE, fence)
+                changed = flow.release(conn, key, token, actor=actor, note=note)
             else:
                 done = action == "resolve_done"
-                changes = {
-                    "new_state": "done" if done else "failed",
-                    "result": Jsonb(result) if done else None,
-                    "error": error,
-                }
-                cursor = conn.execute(_RESOLVE, {**fence, **changes})
-            if cursor.rowcount != 1:  # pragma: no cover - the row lock makes this unreachable
+                changed = flow.settle(
+                    conn,
+                    key,
+                    token,
+                    "done" if done else "failed",
+                    result=storable_json(result) if done else None,
+                    error=error,
+                    actor=actor,
+                    action=action,
+                    note=note,
+                    holder=False,
+                )
+            if changed is None:  # pragma: no cover - the row lock makes this unreachable
                 raise ClaimChanged(f"claim {key!r} changed while it was being updated")
             after = self._claim(conn, key)
-            record_claim_change(conn, action, before, after, actor=actor, note=note)
         return after or before
 
     @staticmethod
-    def _claim(conn: psycopg.Connection[Any], key: str) -> ClaimRow | None:
+    def _claim(conn: psycopg.Connection[Any], key: str, *, lock: bool = False) -> ClaimRow | None:
         with conn.cursor(row_factory=dict_row) as cur:
-            row = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+            statement = CLAIM_BY_KEY_FOR_UPDATE if lock else CLAIM_BY_KEY
+            row = cur.execute(statement, {"key": key}).fetchone()
         return ClaimRow(**row) if row else None
 
     def list_deferred(
         self, *, job: str | None = None, older_than_seconds: float | None = None, limit: int = 100
-    ) -> list[DeferredJob]:
+    ) -> list[ClaimRow]:
         """Deferred work the ledger holds (waiting or running), the next due first."""
         params = {"job": job, "older_than": older_than_seconds, "limit": limit}
-        return self._deferred(_DEFERRED_LIST, params)
+        return self._rows(_DEFERRED_LIST, params)
 
-    def run_deferred_now(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
+    def run_deferred_now(self, key: str, *, actor: str, note: str = "") -> ClaimRow:
         """Waiting deferred work made due at once, for the next drain; recorded as
         ``run_now``."""
         return self._steer_deferred(key, "deferred", "run_now", actor=actor, note=note)
 
-    def cancel_deferred(self, key: str, *, actor: str, note: str = "") -> DeferredJob:
+    def cancel_deferred(self, key: str, *, actor: str, note: str = "") -> ClaimRow:
         """Waiting deferred work cancelled: it never runs (a running one may be inside its
         effect, so it is refused). Recorded as ``cancel``."""
         return self._steer_deferred(key, "cancelled", "cancel", actor=actor, note=note)
 
     def _steer_deferred(
         self, key: str, state: str, action: str, *, actor: str, note: str
-    ) -> DeferredJob:
+    ) -> ClaimRow:
         with (
             self._connector.session(f"cannot {action.replace('_', ' ')} {key!r}") as conn,
             conn.transaction(),
             conn.cursor(row_factory=dict_row) as cur,
         ):
-            before_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
-            if before_row is None:
+            before = self._claim(conn, key, lock=True)
+            if before is None or not before.owned:
                 raise ClaimNotFound(f"no deferred job with key {key!r}")
-            before = DeferredJob(**before_row)
             if before.state != "deferred":
                 raise ClaimChanged(
                     f"deferred job {key!r} is {before.state}; only a waiting ('deferred') job "
@@ -362,51 +337,13 @@ class OperatorLedger(ClaimsAdmin):
             after_row = cur.execute(_STEER_DEFERRED, {"key": key, "state": state}).fetchone()
             if after_row is None:  # pragma: no cover - the row lock makes this unreachable
                 raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
-            after = DeferredJob(**after_row)
-            record_deferred_change(conn, action, before, after, actor=actor, note=note)
+            after = ClaimRow(**after_row)
+            flow.record_change(conn, action, before, after, actor=actor, note=note)
         return after
 
 
-def _target(
-    claim: dict[str, Any] | None, deferred: dict[str, Any] | None
-) -> ClaimRow | DeferredJob | None:
-    """What a resolve or a release acts on: the claim, else the deferred work with the key."""
-    if claim is not None:
-        return ClaimRow(**claim)
-    return DeferredJob(**deferred) if deferred is not None else None
-
-
-def _refusal(target: ClaimRow | DeferredJob, action: str, token: uuid.UUID | None) -> str:
+def _refusal(target: ClaimRow, action: str, token: uuid.UUID | None) -> str:
     """Why ``action`` is refused for ``target``, in the words of its command, or ""."""
-    claim_states, deferred_states = _ALLOWED[action]
-    states = deferred_states if isinstance(target, DeferredJob) else claim_states
-    return change_refused(target, command=COMMANDS[action], allowed_states=states, token=token)
-
-
-def _change_deferred(
-    conn: psycopg.Connection[Any],
-    job: DeferredJob,
-    action: str,
-    *,
-    result: Any,
-    error: str | None,
-    actor: str,
-    note: str,
-) -> DeferredJob:
-    """A resolve or a release of a deferred run left ``running`` (fenced by its lease token,
-    inside the caller's transaction, which holds its row): done settles it and its claim as a
-    drain's success would, failed as its last attempt would (a dead letter the ledger holds),
-    and a release makes it wait again, due now."""
-    key, token = job.idem_key, job.lease_token
-    assert token is not None  # a running deferred job always holds a lease token
-    if action == "resolve_done":
-        changed = flow.finish(conn, key, token, result, actor=actor, note=note, holder=False)
-    elif action == "resolve_failed":
-        changed = flow.fail(conn, key, token, error or "", actor=actor, note=note, holder=False)
-    else:
-        changed = flow.release(conn, key, token, actor=actor, note=note)
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(DEFERRED_BY_KEY, {"key": key}).fetchone()
-    if not changed or row is None:  # pragma: no cover - the row lock makes this unreachable
-        raise ClaimChanged(f"deferred job {key!r} changed while it was being updated")
-    return DeferredJob(**row)
+    return change_refused(
+        target, command=COMMANDS[action], allowed_states=_ALLOWED[action], token=token
+    )

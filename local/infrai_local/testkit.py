@@ -446,8 +446,8 @@ class JobKit:
     def run_deferred_now_by_key(self, key: str) -> None:
         """``run_deferred_now`` for a key; nothing when the key holds no waiting work."""
         operator = OperatorLedger(self.database_url)
-        found = operator.find_deferred(key)
-        if found is not None and found.state == "deferred":
+        found = operator.find(key)
+        if found is not None and found.owned and found.state == "deferred":
             operator.run_deferred_now(key, actor="job-kit")
 
     def assert_conflict(self, payload: Payload, different: Payload) -> None:

@@ -35,6 +35,7 @@ from infrai_jobs.ledger.claims import (
     Settlement,
     SettleStatus,
 )
+from infrai_jobs.ledger.outcomes import CLAIM_OUTCOMES, Outcome
 from infrai_local.fakes import FakeClock, InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
@@ -47,11 +48,13 @@ EXPIRED = "claim lease expired while running: the effect may have happened"
 
 _SEED: LiteralString = """
 INSERT INTO job_claims (idem_key, state, message_id, job, effect, payload_sha256, claim_token,
-                        attempts, error, result, lease_until, claimed_at)
+                        attempts, error, result, lease_until, claimed_at, payload, run_after)
 VALUES (%(key)s, %(state)s, %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s, %(token)s,
         %(attempts)s, %(error)s, %(result)s,
         now() + make_interval(secs => %(lease_in)s::float8),
-        now() - make_interval(secs => %(claimed_ago)s::float8))
+        now() - make_interval(secs => %(claimed_ago)s::float8),
+        CASE WHEN %(owned)s THEN '{"job": "job"}'::jsonb END,
+        CASE WHEN %(owned)s THEN now() END)
 """
 _REASSIGN: LiteralString = (
     "UPDATE job_claims SET claim_token = %(token)s, updated_at = now() WHERE idem_key = %(key)s"
@@ -81,9 +84,11 @@ class Backend:
         claimed_ago: float = 0.0,
         error: str | None = None,
         result: JsonValue = None,
+        owned: bool = False,
     ) -> ClaimRow:
         """Write a row; ``lease_in`` seconds from now (negative: over), ``claimed_ago`` seconds
-        before now. Answers the row as the ledger reads it back."""
+        before now; ``owned``: work the ledger owns (deferred). Answers the row as the ledger
+        reads it back."""
         self.write_row(
             {
                 "key": key,
@@ -92,8 +97,9 @@ class Backend:
                 "job": "job",
                 "effect": None if effect is None else effect.value,
                 "fingerprint": fingerprint,
-                "token": uuid.uuid4(),
+                "token": None if state == "deferred" else uuid.uuid4(),
                 "attempts": 1,
+                "owned": owned,
                 "error": error,
                 "result": result,
                 "lease_in": lease_in,
@@ -154,6 +160,8 @@ def _fake_backend() -> Backend:
             result=values["result"],
             lease_until=None if lease_in is None else now + timedelta(seconds=lease_in),
             claimed_at=now - timedelta(seconds=values["claimed_ago"]),
+            run_after=now if values["owned"] else None,
+            payload={"job": "job"} if values["owned"] else None,
         )
 
     return Backend(fake, clock.utcnow, write_row, fake.reassign)
@@ -542,31 +550,56 @@ def test_a_settle_by_a_holder_who_lost_the_claim_changes_nothing(
     assert backend.row() == before
 
 
-def test_a_deferred_run_releases_the_claim_it_still_holds(backend: Backend) -> None:
-    # Given a won claim whose run flow control deferred (a copy of work deferred_jobs holds)
-    request = backend.request()
-    backend.claim_one(request)
-    # When it settles
-    settlement = backend.ledger.settle(request, JobRun(RunKind.DEFERRED, error="copy"))
-    # Then the claim is gone and the message may be acked: deferred_jobs holds the work
-    assert settlement.status is SettleStatus.DEFERRED
-    assert backend.row() is None
-
-
-def test_a_deferred_run_whose_claim_moved_on_changes_nothing_and_is_still_deferred(
-    backend: Backend,
-) -> None:
-    # Given a won claim released already (the deferral released it, fenced, as it recorded the
-    # work) and since handed to someone else
+def test_a_deferred_run_settles_nothing_more(backend: Backend) -> None:
+    # Given a won claim whose run flow control deferred (the deferral itself turned the claim
+    # into waiting work, fenced by its token) and that was since handed to someone else
     request = backend.request()
     backend.claim_one(request)
     backend.give_away(request.idem_key)
     before = backend.row()
     # When the deferred run settles
     settlement = backend.ledger.settle(request, JobRun(RunKind.DEFERRED, error="deferred"))
-    # Then nothing changes, and the outcome is still deferred: the work is in deferred_jobs
+    # Then nothing changes, and the outcome is deferred: the message may be acked
     assert settlement.status is SettleStatus.DEFERRED
     assert backend.row() == before
+
+
+@pytest.mark.parametrize("effect", [Effect.EXTERNAL, Effect.EXTERNAL_IDEMPOTENT])
+@pytest.mark.parametrize(
+    ("state", "lease_in"), [("deferred", None), ("running", HOUR), ("running", -HOUR)]
+)
+def test_a_copy_of_work_the_ledger_owns_is_a_duplicate_never_claimed_or_taken_over(
+    backend: Backend, effect: Effect, state: str, lease_in: float | None
+) -> None:
+    # Given work the ledger owns: waiting, or taken by a drain (its lease live or over)
+    before = backend.seed(effect=effect, state=state, lease_in=lease_in, owned=True)
+    # When a copy of its message is claimed, even by the message the work came from
+    for message_id in ("qmsg_me", before.message_id):
+        decision = backend.claim_one(backend.request(effect=effect, message_id=message_id))
+        # Then it is a duplicate of deferred work (acked), and the row is unchanged
+        assert decision.status is ClaimStatus.DEFERRED, decision.detail
+        assert CLAIM_OUTCOMES[decision.status] is Outcome.DEFERRED
+        assert decision.redelivered_early_after is None
+        assert backend.row() == before
+
+
+def test_work_an_operator_cancelled_is_new_work_to_a_later_message(backend: Backend) -> None:
+    # Given deferred work an operator cancelled
+    backend.seed(state="cancelled", owned=True, fingerprint="fp-old")
+    # When a new message with its key is claimed
+    decision = backend.claim_one(backend.request(fingerprint=FP))
+    # Then it wins as a first claim, and the row is a message's claim again
+    assert decision.status is ClaimStatus.WON
+    assert not decision.takeover
+    row = backend.row()
+    assert row is not None
+    assert (row.state, row.attempts, row.owned, row.payload, row.payload_sha256) == (
+        "running",
+        1,
+        False,
+        None,
+        FP,
+    )
 
 
 def test_a_claim_taken_over_is_lost_to_its_old_holder(backend: Backend) -> None:

@@ -45,10 +45,10 @@ def _defer(kit: Harness, name: str, *, delay: float = 3600.0, queue: str | None 
 
 def _take_and_fail(kit: Harness, key: str, error: str, **options: Any) -> bool:
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        conn.execute("UPDATE deferred_jobs SET run_after = now() WHERE idem_key = %s", (key,))
+        conn.execute("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (key,))
         (taken,) = flow.take_due(conn, 1, lease_seconds=60)
         assert taken.idem_key == key
-        return flow.fail(conn, key, taken.lease_token or uuid.uuid4(), error, **options)
+        return flow.fail(conn, key, taken.claim_token or uuid.uuid4(), error, **options)
 
 
 def _json(kit: Harness, *args: str) -> Any:
@@ -102,9 +102,7 @@ def test_run_now_makes_waiting_work_due_and_cancel_stops_it_both_recorded(kit: H
     # And the second is cancelled, said in one line
     assert cancelled.returncode == 0, cancelled.stderr
     assert cancelled.stdout.startswith(f"cancelled: {never}:")
-    assert kit.sql("SELECT state FROM deferred_jobs WHERE idem_key = %s", (never,)) == [
-        ("cancelled",)
-    ]
+    assert kit.sql("SELECT state FROM job_claims WHERE idem_key = %s", (never,)) == [("cancelled",)]
     # And claim_history records each, with the operator as actor
     assert kit.history(soon) == [("run_now", OPERATOR, "provider is back")]
     assert kit.history(never) == [("cancel", OPERATOR, None)]
@@ -116,7 +114,7 @@ def test_a_missing_key_or_a_running_job_is_refused_in_one_line_exit_3(
 ) -> None:
     # Given a deferred job a drain is running now
     running = _defer(kit, "running")
-    kit.sql("UPDATE deferred_jobs SET run_after = now() WHERE idem_key = %s", (running,))
+    kit.sql("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (running,))
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         assert flow.take_due(conn, 1, lease_seconds=60)
     # When an operator acts on it, and on a key no deferred job has
@@ -132,9 +130,7 @@ def test_a_missing_key_or_a_running_job_is_refused_in_one_line_exit_3(
     assert "no deferred job with key 'test.db:nope'" in missing.stderr
     assert "claims list --state deferred" in missing.stderr
     assert json.loads(as_json.stdout)["error"]["exit_code"] == 3
-    assert kit.sql("SELECT state FROM deferred_jobs WHERE idem_key = %s", (running,)) == [
-        ("running",)
-    ]
+    assert kit.sql("SELECT state FROM job_claims WHERE idem_key = %s", (running,)) == [("running",)]
     assert kit.history(running) == []
 
 
@@ -161,14 +157,12 @@ def test_failing_a_deferred_job_records_its_dead_letter_in_the_same_transaction(
     # When one fails for good, and the other's failure is rolled back with its transaction
     assert _take_and_fail(kit, kept, "out of attempts: upstream 503")
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE deferred_jobs SET run_after = now() WHERE idem_key = %s", (rolled_back,)
-        )
+        conn.execute("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (rolled_back,))
         (taken,) = flow.take_due(conn, 1, lease_seconds=60)
 
         def fail_then_roll_back() -> None:
             with conn.transaction():
-                assert flow.fail(conn, rolled_back, taken.lease_token or uuid.uuid4(), "x")
+                assert flow.fail(conn, rolled_back, taken.claim_token or uuid.uuid4(), "x")
                 raise RuntimeError("the drain's transaction failed")
 
         with pytest.raises(RuntimeError):
@@ -270,7 +264,7 @@ def test_the_watcher_reports_the_deferred_backlog_and_its_oldest_age(
     older = _defer(kit, "older")
     _defer(kit, "newer")
     kit.sql(
-        "UPDATE deferred_jobs SET created_at = now() - interval '10 minutes' WHERE idem_key = %s",
+        "UPDATE job_claims SET deferred_at = now() - interval '10 minutes' WHERE idem_key = %s",
         (older,),
     )
     # When the watcher checks

@@ -97,9 +97,7 @@ def digests_built(kit: Harness) -> int:
 
 
 def deferred_row(kit: Harness, key: str) -> dict[str, Any] | None:
-    rows = kit.sql(
-        "SELECT state, attempts, last_error FROM deferred_jobs WHERE idem_key = %s", (key,)
-    )
+    rows = kit.sql("SELECT state, attempts, last_error FROM job_claims WHERE idem_key = %s", (key,))
     return None if not rows else {"state": rows[0][0], "attempts": rows[0][1], "error": rows[0][2]}
 
 
@@ -141,10 +139,10 @@ def taken_external_run(kit: Harness, number: str, *, began: bool) -> str:
         flow_ledger.defer(conn, work, attempts=3, error="test", delay_seconds=0)
         (taken,) = flow_ledger.take_due(conn, 1, lease_seconds=60)
         assert taken.idem_key == key
-        assert taken.lease_token is not None
+        assert taken.claim_token is not None
         if began:
-            assert flow_ledger.begin(conn, key, taken.lease_token)
-    kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+            assert flow_ledger.begin(conn, key, taken.claim_token)
+    kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 second'")
     return key
 
 
@@ -178,7 +176,9 @@ def test_an_outage_past_three_deliveries_is_deferred_not_dead_lettered(kit: Harn
             assert drain_with(kit, flow).counters["deferred_ran"] == 1
             assert deferred_row(kit, key)["attempts"] == attempt  # type: ignore[index]
         assert kit.client.stats(QUEUE).dlq_count == 0
-        assert kit.row(key) is None  # the claim is released: deferred_jobs holds the key
+        held = kit.row(key)  # the claim waits as deferred work: the ledger owns it
+        assert held is not None
+        assert held.owned
 
         # A copy of the deferred job is acked and never runs
         kit.publish(DIGEST)
@@ -223,7 +223,7 @@ def test_a_job_without_a_policy_still_reaches_the_dlq(kit: Harness) -> None:
             assert drain_with(kit, flow).outcomes == {"retry": 1}
             kit.advance()
         assert kit.client.stats(QUEUE).dlq_count == 1
-        assert kit.sql("SELECT count(*) FROM deferred_jobs") == [(0,)]
+        assert kit.sql("SELECT count(*) FROM job_claims WHERE run_after IS NOT NULL") == [(0,)]
     finally:
         flow.close()
 
@@ -301,7 +301,8 @@ def drains_until_empty(
                 )
                 with psycopg.connect(kit.database_url) as conn:
                     (waiting,) = conn.execute(
-                        "SELECT count(*) FROM deferred_jobs WHERE state IN ('deferred', 'running')"
+                        "SELECT count(*) FROM job_claims"
+                        " WHERE run_after IS NOT NULL AND state IN ('deferred', 'running')"
                     ).fetchone() or (0,)
                 if summary.consumed == 0 and waiting == 0:
                     return
@@ -477,7 +478,7 @@ def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harn
         assert digests_built(kit) == 1
         # Then, once its lease is over, a drain takes the key-passing job again; the provider
         # answers with the digest it built, and nothing is built twice
-        kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+        kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 second'")
         kit.sql("UPDATE flow_concurrency_slots SET lease_until = now() - interval '1 second'")
         summary = drain_with(kit, flow)
         assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
@@ -562,11 +563,12 @@ def test_claims_resolve_done_settles_a_stuck_deferred_run_and_no_drain_runs_it(
     # When the on-call looks it up, it is shown as the running deferred work it is
     shown = run_cli(kit, "claims", "show", key)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith("deferred work (claims list --state deferred):")
-    assert (
-        json.loads(run_cli(kit, "claims", "show", key, "--json").stdout)["deferred"]["state"]
-        == "running"
+    assert shown.stdout.startswith(
+        "deferred work, owned by the ledger (claims list --state deferred):"
     )
+    claim = json.loads(run_cli(kit, "claims", "show", key, "--json").stdout)["claim"]
+    assert claim["state"] == "running"
+    assert claim["run_after"] is not None
     # And when they check the provider and resolve it as done, with the provider's reference
     finished = run_cli(
         kit, "claims", "resolve", key, "--done", "--result", '{"ref": "p-1"}', "--note", "seen"
@@ -577,7 +579,7 @@ def test_claims_resolve_done_settles_a_stuck_deferred_run_and_no_drain_runs_it(
     assert kit.sql("SELECT state, result FROM job_claims WHERE idem_key = %s", (key,)) == [
         ("done", {"ref": "p-1"})
     ]
-    assert kit.history(key)[-1] == ("deferred_done", OPERATOR, "seen")
+    assert kit.history(key)[-1] == ("resolve_done", OPERATOR, "seen")
     # And no drain runs it, and nothing is left in the backlog
     flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
     try:
@@ -602,7 +604,7 @@ def test_claims_resolve_failed_ends_a_stuck_deferred_run_as_a_dead_letter(kit: H
         "SELECT resolution, reason LIKE '%%no trace of it%%' FROM dead_letters WHERE idem_key = %s",
         (key,),
     ) == [(None, True)]
-    assert kit.history(key)[-1] == ("deferred_failed", OPERATOR, None)
+    assert kit.history(key)[-1] == ("resolve_failed", OPERATOR, None)
 
 
 def test_claims_release_makes_a_stuck_deferred_run_run_again_once(kit: Harness) -> None:
@@ -643,7 +645,7 @@ def test_a_deferred_run_under_a_live_lease_or_still_waiting_is_refused_in_one_li
     assert held.stderr.count("\n") == 1
     assert "wait for the lease to end" in held.stderr
     # And with its token too: only the run holding a live lease changes it
-    forced = run_cli(kit, "claims", "release", key, "--token", str(taken.lease_token))
+    forced = run_cli(kit, "claims", "release", key, "--token", str(taken.claim_token))
     assert forced.returncode == 3
     assert deferred_row(kit, key)["state"] == "running"  # type: ignore[index]
     # And resolving waiting work is refused, pointing at the commands for it
@@ -721,7 +723,7 @@ def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lette
         # while the watcher collects Infrai's DLQ and drains run after the run's lease is over
         for _ in range(4):
             kit.advance()
-        kit.sql("UPDATE deferred_jobs SET lease_until = now() - interval '1 second'")
+        kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 second'")
         collected = run_cli(kit, "dlq", "--json")
         assert collected.returncode == 0, collected.stderr
         summary = drain_with(kit, flow)
@@ -890,7 +892,9 @@ def test_a_taken_back_letter_never_takes_an_irreversible_claim_from_a_human(
     assert [row["idem_key"] for row in listed] == [kit.registry.derive(receipt).idem_key]
     digest_key = kit.registry.derive(DIGEST).idem_key
     assert deferred_row(kit, digest_key)["state"] == "deferred"  # type: ignore[index]
-    assert kit.row(digest_key) is None
+    digest_claim = kit.row(digest_key)
+    assert digest_claim is not None
+    assert digest_claim.owned
     receipt_claim = kit.row(kit.registry.derive(receipt).idem_key)
     assert receipt_claim is not None
     assert receipt_claim.state == "running"

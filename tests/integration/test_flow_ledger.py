@@ -8,18 +8,23 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from drainkit import migrate_by_hand
+from psycopg.rows import dict_row
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.flow import limits
 from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import RateLimit
+from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.ledger.claim_ledger import PostgresLedger
+from infrai_jobs.ledger.claims import ClaimRequest, ClaimRow, ClaimStatus
+from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, STUCK_CLAIM
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
 from infrai_local.operator import OperatorLedger
 
@@ -73,7 +78,7 @@ def _claim(conn: psycopg.Connection[Any], key: str) -> uuid.UUID:
 def _expire_lease(conn: psycopg.Connection[Any], key: str) -> None:
     # What a drain killed mid-run leaves once its lease has run out.
     conn.execute(
-        "UPDATE deferred_jobs SET lease_until = now() - interval '1 second' WHERE idem_key = %s",
+        "UPDATE job_claims SET lease_until = now() - interval '1 second' WHERE idem_key = %s",
         (key,),
     )
 
@@ -138,10 +143,109 @@ def test_flow_control_migration_only_adds_to_a_ledger_at_version_6(database_url:
         assert apply_migrations(conn) == []
 
 
+# --- Migration 10: one state machine ------------------------------------------------------------
+
+# What a drain of the previous version sends to defer an attempt (its claim is released first,
+# in the same transaction), and to take due work: its own statements, word for word in effect.
+_OLD_DEFER = """
+INSERT INTO deferred_jobs AS d (idem_key, job, effect, payload, payload_sha256, message_id,
+                                queue, attempts, last_error, run_after)
+VALUES (%(key)s, 'report.render', 'external_idempotent', '{"job": "report.render"}', 'fp',
+        %(key)s, 'jobs', 1, 'provider 503', clock_timestamp())
+ON CONFLICT (idem_key) DO UPDATE SET state = 'deferred' WHERE d.state IN ('done', 'failed')
+RETURNING idem_key
+"""
+_OLD_TAKE_DUE = """
+SELECT idem_key FROM deferred_jobs
+WHERE state = 'deferred' AND run_after <= clock_timestamp() FOR UPDATE SKIP LOCKED
+"""
+
+
+def test_the_one_state_machine_migration_moves_deferred_work_and_catches_old_drains(
+    database_url: str,
+) -> None:
+    # Given a ledger at version 9 with deferred work waiting, one running under a lease, one
+    # finished (its settled claim beside it), and a claim of the notes' worker
+    token = uuid.uuid4()
+    with psycopg.connect(database_url, autocommit=True) as conn, conn.transaction():
+        migrate_by_hand(conn, up_to=9)
+        conn.execute(
+            "INSERT INTO deferred_jobs (idem_key, job, effect, payload, payload_sha256,"
+            " message_id, queue, state, attempts, last_error, run_after, lease_token,"
+            " lease_until) VALUES"
+            " ('wait', 'report.render', 'external', '{\"n\": 1}', 'fp1', 'q1', 'jobs',"
+            "  'deferred', 2, 'e', now() + interval '1 hour', NULL, NULL),"
+            " ('run', 'report.render', 'external_idempotent', '{\"n\": 2}', 'fp2', 'q2', 'jobs',"
+            "  'running', 3, 'e', now(), %s, now() + interval '5 minutes'),"
+            " ('fin', 'report.render', 'external', '{\"n\": 3}', 'fp3', 'q3', 'jobs',"
+            "  'done', 1, NULL, now(), NULL, NULL)",
+            (token,),
+        )
+        conn.execute(
+            "INSERT INTO job_claims (idem_key, state, message_id, result) VALUES"
+            " ('fin', 'done', 'q3', '{\"ref\": 3}'), ('notes', 'done', 'q4', NULL)"
+        )
+    # When migrated
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        applied = [m.version for m in apply_migrations(conn)]
+        assert applied[0] == 10
+        # Then the waiting and running work are claims the ledger owns, the running one with
+        # its token and lease, and the finished one's claim is as it was
+        rows = {
+            row.idem_key: row
+            for row in (_row(conn, key) for key in ("wait", "run", "fin", "notes"))
+        }
+        assert (rows["wait"].state, rows["wait"].attempts, rows["wait"].payload) == (
+            "deferred",
+            2,
+            {"n": 1},
+        )
+        assert rows["wait"].owned
+        assert (rows["run"].state, rows["run"].claim_token, rows["run"].owned) == (
+            "running",
+            token,
+            True,
+        )
+        assert (rows["fin"].state, rows["fin"].result, rows["fin"].owned) == (
+            "done",
+            {"ref": 3},
+            False,
+        )
+        assert rows["notes"].state == "done"
+        assert conn.execute("SELECT count(*) FROM deferred_jobs").fetchone() == (0,)
+        # And a drain of the previous version that defers an attempt lands in job_claims: its
+        # insert reads as "already deferred" (a duplicate it acks), and it finds nothing due
+        with conn.transaction():
+            answered = conn.execute(_OLD_DEFER, {"key": "old"}).fetchall()
+        assert answered == []
+        old = _row(conn, "old")
+        assert (old.state, old.owned, old.last_error) == ("deferred", True, "provider 503")
+        assert conn.execute(_OLD_TAKE_DUE).fetchall() == []
+        # And this version's drain takes it, once
+        assert [job.idem_key for job in flow.take_due(conn, 10, lease_seconds=60)] == ["old"]
+        # And the notes' worker's own insert sees a deferred key as taken
+        assert (
+            conn.execute(
+                "INSERT INTO job_claims (idem_key, state, message_id) VALUES ('wait', 'running',"
+                " 'q9') ON CONFLICT (idem_key) DO NOTHING RETURNING idem_key"
+            ).fetchall()
+            == []
+        )
+        # And a second run applies nothing
+        assert apply_migrations(conn) == []
+
+
 # --- Deferring --------------------------------------------------------------------------------
 
 
-def test_deferring_releases_the_claim_and_the_ledger_holds_the_work(
+def _row(conn: psycopg.Connection[Any], key: str) -> ClaimRow:
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+    assert found is not None, f"no row for {key}"
+    return ClaimRow(**found)
+
+
+def test_deferring_turns_the_claim_into_work_the_ledger_owns(
     conn: psycopg.Connection[Any],
 ) -> None:
     # Given an attempt holding its claim
@@ -151,31 +255,33 @@ def test_deferring_releases_the_claim_and_the_ledger_holds_the_work(
         outcome = flow.defer(
             conn, _work("k1"), attempts=2, error="provider 503", delay_seconds=30, claim_token=token
         )
-    # Then the claim is gone and the deferred row holds everything a later run needs
+    # Then the same row waits, with no token or lease, holding everything a later run needs
     assert outcome is DeferOutcome.DEFERRED
-    assert conn.execute("SELECT count(*) FROM job_claims").fetchone() == (0,)
+    assert conn.execute("SELECT count(*) FROM job_claims").fetchone() == (1,)
     row = conn.execute(
-        "SELECT job, effect, payload, payload_sha256, message_id, queue, state, attempts,"
-        " last_error, run_after - now() > interval '25 seconds' FROM deferred_jobs"
+        "SELECT job, effect, payload, message_id, queue, state, attempts, last_error, error,"
+        " claim_token, lease_until, run_after - now() > interval '25 seconds' FROM job_claims"
     ).fetchone()
     assert row == (
         "report.render",
         "external_idempotent",
         {"job": "report.render", "tenant_id": "t1", "n": "k1"},
-        "fp-k1",
         "qmsg_k1",
         "jobs",
         "deferred",
         2,
         "provider 503",
+        None,
+        None,
+        None,
         True,
     )
-    # And a copy of its message is a duplicate of deferred work
-    assert flow.holding(conn, ["k1", "k2"]) == {"k1": "deferred"}
+    assert _row(conn, "k1").owned
+    # And work for a key a row holds is never deferred over it
     assert flow.defer(conn, _work("k1"), attempts=1, error="again", delay_seconds=0) is (
-        DeferOutcome.ALREADY_DEFERRED
+        DeferOutcome.ALREADY_HELD
     )
-    assert conn.execute("SELECT attempts, last_error FROM deferred_jobs").fetchone() == (
+    assert conn.execute("SELECT attempts, last_error FROM job_claims").fetchone() == (
         2,
         "provider 503",
     )
@@ -188,10 +294,9 @@ def test_a_deferral_whose_claim_was_lost_changes_nothing(conn: psycopg.Connectio
     outcome = flow.defer(
         conn, _work("k1"), attempts=1, error="e", delay_seconds=1, claim_token=uuid.uuid4()
     )
-    # Then it is told so, and neither the claim nor the deferred work changed
+    # Then it is told so, and the claim is as it was
     assert outcome is DeferOutcome.CLAIM_LOST
-    assert conn.execute("SELECT count(*) FROM job_claims").fetchone() == (1,)
-    assert conn.execute("SELECT count(*) FROM deferred_jobs").fetchone() == (0,)
+    assert conn.execute("SELECT state, run_after FROM job_claims").fetchall() == [("running", None)]
 
 
 def test_due_jobs_are_taken_oldest_due_first_and_only_once(
@@ -201,19 +306,19 @@ def test_due_jobs_are_taken_oldest_due_first_and_only_once(
     flow.defer(conn, _work("later"), attempts=1, error="e", delay_seconds=3600)
     flow.defer(conn, _work("second"), attempts=1, error="e", delay_seconds=0)
     conn.execute(
-        "UPDATE deferred_jobs SET run_after = now() - interval '10 seconds'"
-        " WHERE idem_key = 'second'"
+        "UPDATE job_claims SET run_after = now() - interval '10 seconds' WHERE idem_key = 'second'"
     )
     flow.defer(conn, _work("first"), attempts=3, error="e", delay_seconds=0)
     conn.execute(
-        "UPDATE deferred_jobs SET run_after = now() - interval '1 minute' WHERE idem_key = 'first'"
+        "UPDATE job_claims SET run_after = now() - interval '1 minute' WHERE idem_key = 'first'"
     )
     # When a drain takes what is due
     taken = flow.take_due(conn, 10, lease_seconds=120)
-    # Then it gets the due ones, the longest due first, each under a lease, attempts counted
+    # Then it gets the due ones, the longest due first, each under a token and lease, attempts
+    # counted
     assert [job.idem_key for job in taken] == ["first", "second"]
     assert [job.attempts for job in taken] == [4, 2]
-    assert all(job.state == "running" and job.lease_token for job in taken)
+    assert all(job.state == "running" and job.claim_token and job.lease_until for job in taken)
     assert taken[0].payload == {"job": "report.render", "tenant_id": "t1", "n": "first"}
     # And a second drain finds nothing to take while their leases live
     assert flow.take_due(conn, 10, lease_seconds=120) == []
@@ -252,7 +357,7 @@ def test_an_expired_lease_is_taken_over_except_for_an_external_job(
     flow.defer(conn, _work("idem"), attempts=1, error="e", delay_seconds=0)
     flow.defer(conn, _work("ext", effect="external"), attempts=1, error="e", delay_seconds=0)
     first = {job.idem_key: job for job in flow.take_due(conn, 10, lease_seconds=300)}
-    ext_token = first["ext"].lease_token
+    ext_token = first["ext"].claim_token
     assert ext_token is not None
     assert flow.begin(conn, "ext", ext_token)
     _expire_lease(conn, "idem")
@@ -261,66 +366,61 @@ def test_an_expired_lease_is_taken_over_except_for_an_external_job(
     again = flow.take_due(conn, 10, lease_seconds=300)
     # Then it takes over the key-passing job under a new token, never the external one
     assert [job.idem_key for job in again] == ["idem"]
-    assert again[0].lease_token != first["idem"].lease_token
+    assert again[0].claim_token != first["idem"].claim_token
     assert again[0].attempts == 3
     # And the dead drain's token no longer settles anything
-    old = first["idem"].lease_token
+    old = first["idem"].claim_token
     assert old is not None
-    assert not flow.finish(conn, "idem", old, {"ref": "x"})
-    assert conn.execute("SELECT state FROM deferred_jobs WHERE idem_key = 'ext'").fetchone() == (
-        "running",
-    )
+    assert flow.finish(conn, "idem", old, {"ref": "x"}) is None
+    # And the external run is stuck for a human, by the one stuck rule
+    assert _row(conn, "ext").state == "running"
+    stuck = conn.execute(
+        "SELECT idem_key FROM job_claims WHERE " + STUCK_CLAIM, {"threshold": 900}
+    ).fetchall()
+    assert stuck == [("ext",)]
 
 
-def test_finishing_settles_the_claim_and_records_it(conn: psycopg.Connection[Any]) -> None:
+def test_finishing_settles_the_one_row_and_records_it(conn: psycopg.Connection[Any]) -> None:
     # Given a taken deferred job
     flow.defer(conn, _work("k1"), attempts=1, error="e", delay_seconds=0)
     (job,) = flow.take_due(conn, 1, lease_seconds=60)
-    assert job.lease_token is not None
+    assert job.claim_token is not None
     # When it succeeds, inside the caller's transaction
     with conn.transaction():
-        assert flow.finish(conn, "k1", job.lease_token, {"ref": "r-1"})
-    # Then it is done, and its claim says so for any later copy
-    assert conn.execute(
-        "SELECT state, result, lease_token FROM deferred_jobs WHERE idem_key = 'k1'"
-    ).fetchone() == ("done", {"ref": "r-1"}, None)
+        assert flow.finish(conn, "k1", job.claim_token, {"ref": "r-1"})
+    # Then its row is done: any later copy of its message is a duplicate of done
     assert conn.execute(
         "SELECT state, result, message_id, job, payload_sha256, attempts FROM job_claims"
     ).fetchone() == ("done", {"ref": "r-1"}, "qmsg_k1", "report.render", "fp-k1", 2)
-    assert flow.holding(conn, ["k1"]) == {}
     # And the history records the change, before and after
     action, actor, before, after = conn.execute(
         "SELECT action, actor, before->>'state', after->>'state' FROM claim_history"
     ).fetchone() or (None, None, None, None)
     assert (action, actor, before, after) == ("deferred_done", "drain", "running", "done")
     # And finishing it twice changes nothing
-    assert not flow.finish(conn, "k1", job.lease_token, {"ref": "r-2"})
+    assert flow.finish(conn, "k1", job.claim_token, {"ref": "r-2"}) is None
 
 
 def test_failing_and_postponing_a_taken_job(conn: psycopg.Connection[Any]) -> None:
     flow.defer(conn, _work("k1"), attempts=1, error="e1", delay_seconds=0)
     flow.defer(conn, _work("k2"), attempts=1, error="e1", delay_seconds=0)
     taken = {job.idem_key: job for job in flow.take_due(conn, 2, lease_seconds=60)}
-    token1, token2 = taken["k1"].lease_token, taken["k2"].lease_token
+    token1, token2 = taken["k1"].claim_token, taken["k2"].claim_token
     assert token1 is not None
     assert token2 is not None
     # When one attempt fails again with attempts left, and the other runs out of attempts
     assert flow.postpone(conn, "k1", token1, error="e2", delay_seconds=3600)
     assert flow.fail(conn, "k2", token2, "out of attempts: provider 503")
-    # Then the first waits again with its error, not due, its lease gone
+    # Then the first waits again with its error, not due, its token and lease gone
     assert conn.execute(
-        "SELECT state, last_error, lease_token, run_after > now() + interval '50 minutes'"
-        " FROM deferred_jobs WHERE idem_key = 'k1'"
+        "SELECT state, last_error, claim_token, run_after > now() + interval '50 minutes'"
+        " FROM job_claims WHERE idem_key = 'k1'"
     ).fetchone() == ("deferred", "e2", None, True)
     assert flow.take_due(conn, 10, lease_seconds=60) == []
-    # And the second is failed with its reason, in its claim too, and recorded
+    # And the second is failed with its reason, and recorded
     assert conn.execute(
-        "SELECT state, last_error FROM deferred_jobs WHERE idem_key = 'k2'"
-    ).fetchone() == ("failed", "out of attempts: provider 503")
-    assert conn.execute("SELECT state, error FROM job_claims WHERE idem_key = 'k2'").fetchone() == (
-        "failed",
-        "out of attempts: provider 503",
-    )
+        "SELECT state, error, last_error FROM job_claims WHERE idem_key = 'k2'"
+    ).fetchone() == ("failed", "out of attempts: provider 503", "out of attempts: provider 503")
     assert conn.execute("SELECT action FROM claim_history WHERE idem_key = 'k2'").fetchall() == [
         ("deferred_failed",)
     ]
@@ -340,7 +440,10 @@ def test_operators_run_now_or_cancel_waiting_work_recorded_in_the_history(
     assert ran.state == "deferred"
     assert cancelled.state == "cancelled"
     assert [job.idem_key for job in flow.take_due(conn, 10, lease_seconds=60)] == ["k1"]
-    assert flow.holding(conn, ["k1", "k2"]) == {"k1": "running"}
+    assert conn.execute("SELECT idem_key, state FROM job_claims ORDER BY idem_key").fetchall() == [
+        ("k1", "running"),
+        ("k2", "cancelled"),
+    ]
     # And each action is in the history with who did it and why
     assert conn.execute(
         "SELECT idem_key, action, actor, note, before->>'state', after->>'state'"
@@ -357,19 +460,39 @@ def test_operators_run_now_or_cancel_waiting_work_recorded_in_the_history(
     assert conn.execute("SELECT count(*) FROM claim_history").fetchone() == (2,)
 
 
-def test_a_cancelled_key_may_be_deferred_afresh(
+def test_a_cancelled_key_is_free_for_new_work_but_not_for_a_stale_take_back(
     conn: psycopg.Connection[Any], operator: OperatorLedger
 ) -> None:
     flow.defer(conn, _work("k1"), attempts=4, error="old", delay_seconds=3600)
     operator.cancel_deferred("k1", actor=OPERATOR)
-    # When new work with the same key is deferred later
+    # When the cancelled work is offered to the ledger again without a claim (a take-back)
     outcome = flow.defer(conn, _work("k1"), attempts=1, error="new", delay_seconds=0)
-    # Then it starts over
-    assert outcome is DeferOutcome.DEFERRED
-    assert conn.execute("SELECT state, attempts, last_error FROM deferred_jobs").fetchone() == (
-        "deferred",
+    # Then it is not: the row stays cancelled
+    assert outcome is DeferOutcome.ALREADY_HELD
+    assert _row(conn, "k1").state == "cancelled"
+    # And a new message's claim takes the key afresh, as new work
+    ledger = PostgresLedger(conn.info.dsn)
+    try:
+        request = ClaimRequest(
+            idem_key="k1",
+            message_id="qmsg_new",
+            job="report.render",
+            effect=Effect.EXTERNAL_IDEMPOTENT,
+            fingerprint="fp-new",
+            lease_until=datetime.now(UTC) + timedelta(minutes=5),
+        )
+        (decision,) = ledger.claim([request])
+    finally:
+        ledger.close()
+    assert decision.status is ClaimStatus.WON
+    assert not decision.takeover
+    fresh = _row(conn, "k1")
+    assert (fresh.state, fresh.attempts, fresh.payload, fresh.run_after, fresh.message_id) == (
+        "running",
         1,
-        "new",
+        None,
+        None,
+        "qmsg_new",
     )
 
 
@@ -380,7 +503,7 @@ def test_the_backlog_and_its_oldest_age(
     for key in ("k1", "k2", "k3"):
         flow.defer(conn, _work(key), attempts=1, error="e", delay_seconds=3600)
     conn.execute(
-        "UPDATE deferred_jobs SET created_at = now() - interval '10 minutes' WHERE idem_key = 'k2'"
+        "UPDATE job_claims SET deferred_at = now() - interval '10 minutes' WHERE idem_key = 'k2'"
     )
     operator.cancel_deferred("k3", actor=OPERATOR)
     backlog, oldest = flow.deferred_stats(conn)

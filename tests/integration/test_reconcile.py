@@ -413,19 +413,18 @@ def seed_stuck_deferred_run(kit: Harness, payload: Payload, *, lease_live: bool 
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         flow.defer(conn, work, attempts=1, error="mail provider 503", delay_seconds=0)
         (taken,) = flow.take_due(conn, 1, lease_seconds=600)
-        assert taken.lease_token is not None
-        assert flow.begin(conn, key, taken.lease_token)
+        assert taken.claim_token is not None
+        assert flow.begin(conn, key, taken.claim_token)
     if not lease_live:
         kit.sql(
-            "UPDATE deferred_jobs SET lease_until = now() - interval '1 second'"
-            " WHERE idem_key = %s",
+            "UPDATE job_claims SET lease_until = now() - interval '1 second' WHERE idem_key = %s",
             (key,),
         )
     return key
 
 
 def deferred_state(kit: Harness, key: str) -> str:
-    ((state,),) = kit.sql("SELECT state FROM deferred_jobs WHERE idem_key = %s", (key,))
+    ((state,),) = kit.sql("SELECT state FROM job_claims WHERE idem_key = %s", (key,))
     return str(state)
 
 
@@ -458,7 +457,7 @@ def test_deferred_runs_left_for_a_human_resolve_themselves_too(kit: Harness) -> 
     assert mailed_claim.result["reconciled"] is True
     # And the unsent one waits again, due now, and the next drain mails it once
     assert deferred_state(kit, unsent_key) == "deferred"
-    assert [action for action, _ in history(kit, unsent_key)] == ["release"]
+    assert [action for action, _ in history(kit, unsent_key)] == ["reconcile"]
     assert history(kit, unsent_key)[0][1].startswith("not_done")
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         (taken,) = flow.take_due(conn, 10, lease_seconds=60)
@@ -492,7 +491,7 @@ def test_a_deferred_run_under_a_live_lease_is_neither_released_nor_run_again(
     key = seed_stuck_deferred_run(
         kit, {**RECEIPT, "invoice_id": "inv_deferred_live"}, lease_live=True
     )
-    before = kit.sql("SELECT * FROM deferred_jobs WHERE idem_key = %s", (key,))
+    before = kit.sql("SELECT * FROM job_claims WHERE idem_key = %s", (key,))
     # When an operator reconciles it by name, and releases it, while a second drain looks
     reconciled = run_cli(kit, "claims", "reconcile", key, "--json")
     released = run_cli(kit, "claims", "release", key)
@@ -506,7 +505,7 @@ def test_a_deferred_run_under_a_live_lease_is_neither_released_nor_run_again(
     assert released.returncode == 3, released.stdout
     assert "live lease" in released.stderr
     assert second_drain == []
-    assert kit.sql("SELECT * FROM deferred_jobs WHERE idem_key = %s", (key,)) == before
+    assert kit.sql("SELECT * FROM job_claims WHERE idem_key = %s", (key,)) == before
 
 
 def test_a_probe_that_says_done_under_a_live_lease_leaves_the_run_to_its_drain(

@@ -268,7 +268,7 @@ def _read_pages(app: Flask, backend: Backend) -> None:
                 "deferred": len(work),
                 "deferred_due": len(due),
                 "deferred_running": sum(1 for j in work if j["state"] == "running"),
-                "deferred_oldest": oldest([j["created_at"] for j in work]),
+                "deferred_oldest": oldest([j["deferred_at"] for j in work]),
             },
             notice=letters.get("notice", ""),
             stats=backend.stats(),

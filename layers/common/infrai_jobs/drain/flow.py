@@ -4,24 +4,25 @@ Only jobs with a policy in force (``@job(retry=, rate=, concurrency=)``, or ``JO
 reach this module; every other job runs exactly as it would without it, with no extra round
 trip. Around each handler run of such a job:
 
-1. a copy of work the ledger holds deferred never runs: it settles ``deferred`` (acked);
-2. its concurrency key takes one of the key's slots, or the job is deferred;
-3. its rate limit records a start, waiting for the window when the wait fits the invocation;
+1. its concurrency key takes one of the key's slots, or the job is deferred;
+2. its rate limit reserves a start, waiting for it when the wait fits the invocation;
    otherwise the job is deferred;
-4. a transient failure of a job with a retry policy and attempts left is deferred at once, so
+3. a transient failure of a job with a retry policy and attempts left is deferred at once, so
    an outage longer than Infrai's three deliveries, or a drain killed during a later attempt,
    never sends a job with attempts left to the DLQ.
 
-A deferral records the work in ``deferred_jobs`` and releases the claim in one transaction,
-fenced by the claim's token; then the message is acked. Around the invocation, the drain takes
+A deferral turns the claim into deferred work (payload, attempts, next run) in one statement
+fenced by the claim's token; then the message is acked, and a copy of it is a duplicate
+(the claim statement sees the work the ledger holds). Around the invocation, the drain takes
 the due deferred jobs (``take_due``: never one another drain holds) and runs them under the
-same time budget, before and after what it consumes.
+same time budget, before and after what it consumes, each under a new token and lease on the
+same row.
 
 An ``external`` job's effect is never repeated when its outcome is unknown: an uncertain run
-stays ``running`` in ``deferred_jobs``, and a lease that ran out is never taken again, so the
-oldest-deferred alarm finds it for a human. Database jobs keep Infrai's deliveries: their
-effect rolls back with the batch's transaction, which a deferral cannot join, so a policy on one
-is a configuration error.
+is flagged and stays ``running``, and a run that began and whose lease ran out is never taken
+again, so ``claims stuck`` and the watcher find it for a human. Database jobs keep Infrai's
+deliveries: their effect rolls back with the batch's transaction, which a deferral cannot
+join, so a policy on one is a configuration error.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.flow import ledger as flow_ledger
 from infrai_jobs.flow import limits as flow_limits
-from infrai_jobs.flow.ledger import DeferOutcome, DeferredJob, DeferredWork
+from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import concurrency_value, is_final_error, next_delay
 from infrai_jobs.jobs.policy import JobPolicy, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobContext, JobDefinition, JobRegistry, JsonValue
-from infrai_jobs.ledger.claims import JobRun, RunKind
+from infrai_jobs.ledger.claims import ClaimRow, JobRun, RunKind
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 
 logger = logging.getLogger(__name__)
@@ -158,12 +159,6 @@ class FlowControl(DrainFeature):
             return JobRun(RunKind.TRANSIENT, error=f"prepare: {describe_error(exc)}")
         try:
             conn = self._conn()
-            held = flow_ledger.holding(conn, [ctx.idem_key])
-            if held:
-                return JobRun(
-                    RunKind.DEFERRED,
-                    error=f"a copy of work the ledger holds deferred ({held[ctx.idem_key]})",
-                )
             slot, wait, reason = self._gate(
                 conn,
                 ctx,
@@ -255,8 +250,8 @@ class FlowControl(DrainFeature):
         *,
         slot_token: uuid.UUID,
     ) -> tuple[bool, float | None, str]:
-        """Take the concurrency slot (held by ``slot_token``: the claim's token, or the
-        deferred run's, for as long as that run's stored lease) and the rate-limit start a run
+        """Take the concurrency slot (held by ``slot_token``: the token of the claim that runs
+        it, for as long as that claim's stored lease) and the rate-limit start a run
         needs: (slot taken, None, "") to run now, or (False, seconds, why) to run that much
         later. A killed run's slot frees itself when the run's lease ends."""
         slot = False
@@ -370,10 +365,10 @@ class FlowControl(DrainFeature):
                     return
 
     def _run_one(
-        self, conn: psycopg.Connection[Any], job: DeferredJob, run: DrainRun, counters: Counter[str]
+        self, conn: psycopg.Connection[Any], job: ClaimRow, run: DrainRun, counters: Counter[str]
     ) -> None:
-        assert job.lease_token is not None  # take_due leases every job it returns
-        token = job.lease_token
+        assert job.claim_token is not None  # take_due leases every job it returns
+        token = job.claim_token
         try:
             derived = self._registry.derive(job.payload)
         except (KeyDerivationError, ConfigurationError) as exc:
@@ -384,12 +379,12 @@ class FlowControl(DrainFeature):
                 conn, job, f"its payload now derives another key ({derived.idem_key})", counters
             )
             return
-        policy = self.policies.get(job.job, JobPolicy())
+        policy = self.policies.get(derived.definition.name, JobPolicy())
         ctx = JobContext(
             idem_key=job.idem_key,
-            job=job.job,
+            job=derived.definition.name,
             message_id=job.message_id,
-            delivery_count=job.attempts,
+            delivery_count=job.attempts or 1,
             deadline=self._clock() + run.config.batch_budget_ms / 1000,
             settings=derived.settings,
         )
@@ -437,13 +432,13 @@ class FlowControl(DrainFeature):
     def _settle(
         self,
         conn: psycopg.Connection[Any],
-        job: DeferredJob,
+        job: ClaimRow,
         result: JobRun,
         retry: RetryPolicy,
         counters: Counter[str],
     ) -> None:
-        assert job.lease_token is not None
-        token = job.lease_token
+        assert job.claim_token is not None
+        token = job.claim_token
         if result.kind is RunKind.SUCCEEDED:
             if flow_ledger.finish(conn, job.idem_key, token, result.result):
                 counters["deferred_done"] += 1
@@ -452,27 +447,28 @@ class FlowControl(DrainFeature):
         if result.kind is RunKind.PERMANENT:
             self._fail(conn, job, error, counters)
         elif result.kind is RunKind.UNCERTAIN and job.effect == Effect.EXTERNAL.value:
-            # Never repeated: it stays running, and its lease running out never frees it.
+            # Never repeated: flagged, it stays running, and no drain takes it again.
+            flow_ledger.flag_uncertain(conn, job.idem_key, token, error)
             logger.error(
                 "a deferred external job's outcome is unknown: it stays running for a human",
                 extra={"action": "deferred_stuck", "idem_key": job.idem_key, "detail": error},
             )
-        elif job.attempts >= retry.attempts:
-            self._fail(conn, job, f"out of attempts ({job.attempts}): {error}", counters)
+        elif (attempts := job.attempts or 1) >= retry.attempts:
+            self._fail(conn, job, f"out of attempts ({attempts}): {error}", counters)
         else:
             flow_ledger.postpone(
                 conn,
                 job.idem_key,
                 token,
                 error=error,
-                delay_seconds=next_delay(retry, job.attempts),
+                delay_seconds=next_delay(retry, attempts),
             )
 
     def _fail(
-        self, conn: psycopg.Connection[Any], job: DeferredJob, reason: str, counters: Counter[str]
+        self, conn: psycopg.Connection[Any], job: ClaimRow, reason: str, counters: Counter[str]
     ) -> None:
-        assert job.lease_token is not None
-        if flow_ledger.fail(conn, job.idem_key, job.lease_token, reason):
+        assert job.claim_token is not None
+        if flow_ledger.fail(conn, job.idem_key, job.claim_token, reason):
             counters["deferred_failed"] += 1
             logger.error(
                 "deferred job failed",

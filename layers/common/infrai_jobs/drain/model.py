@@ -106,7 +106,7 @@ class DrainSummary:
 
     @property
     def deferred(self) -> int:
-        """Flow control held the job back: deferred_jobs holds the work, the message is acked."""
+        """Flow control held the job back: its claim waits as deferred work; acked."""
         return self.total("deferred")
 
     def as_dict(self) -> dict[str, Any]:

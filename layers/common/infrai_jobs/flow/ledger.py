@@ -1,24 +1,26 @@
-"""Flow control in the ledger's database: deferred work, rate-limit starts, concurrency slots.
+"""Deferred work: a claim that waits. The transitions of ``job_claims`` rows the ledger owns.
+
+A claim is deferred by the run that holds it (fenced by its token): its row keeps the payload,
+the attempts so far and the next run time, its message is acked, and from then on the ledger
+owns the work (``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's
+``take_due`` runs it, under a new token and lease on the same row. There is one token, one
+lease, one clock (the database's ``clock_timestamp()``) and one rule for who may change a run:
+the run holding the token, or anyone else once its lease is over (``release``, and the
+``holder=False`` settles of a reconcile probe or an operator). The whole machine is the table
+``ledger.claims.WORK_TRANSITIONS``.
 
 Every function takes the caller's psycopg connection and runs in ``conn.transaction()``: on an
-autocommit connection that is a transaction of its own, inside the caller's transaction a
-savepoint of it, so a deferral can commit with the attempt it settles. Times are the
-database's (``clock_timestamp()``), never a drain's, so every drain agrees on them.
-
-Fencing: a taken deferred job carries a ``lease_token``; every later change to it names that
-token and changes nothing (returns False) when the row moved on. The end of a deferred job
-(``finish``, ``fail``) is recorded in ``claim_history`` with the row before and after, in the
-same transaction, as the command line's ``cancel`` and ``run_now`` are
-(``record_deferred_change``).
+autocommit connection a transaction of its own, inside the caller's a savepoint of it, so a
+deferral can commit with the attempt it settles. The end of a deferred run (``finish``,
+``fail``) is recorded in ``claim_history`` with the row before and after, in the same
+transaction, as an operator's change is.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from datetime import datetime
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, LiteralString, NamedTuple
 
@@ -26,8 +28,15 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.dead_letter_rows import hold_dead_letter
-from infrai_jobs.ledger.postgres import array_literal, ledger_errors, record_history
+from infrai_jobs.ledger.postgres import (
+    CLAIM_BY_KEY_FOR_UPDATE,
+    CLAIM_COLUMNS,
+    array_literal,
+    ledger_errors,
+    record_history,
+)
 
 # Who a drain's own changes are recorded as in claim_history.
 DRAIN_ACTOR: Final = "drain"
@@ -46,32 +55,10 @@ class DeferredWork:
     queue: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DeferredJob:
-    """A row of ``deferred_jobs``."""
-
-    idem_key: str
-    job: str
-    effect: str
-    payload: Any
-    payload_sha256: str | None
-    message_id: str
-    queue: str | None
-    state: str
-    attempts: int
-    last_error: str | None
-    result: Any
-    run_after: datetime
-    created_at: datetime
-    updated_at: datetime
-    lease_token: uuid.UUID | None
-    lease_until: datetime | None
-
-
 class DeferOutcome(StrEnum):
     DEFERRED = "deferred"  # the ledger owns the work now: ack the message
-    ALREADY_DEFERRED = "already_deferred"  # deferred work held the key already: a duplicate
-    CLAIM_LOST = "claim_lost"  # the fenced release of the claim matched nothing: do not ack
+    ALREADY_HELD = "already_held"  # a row held the key already (a dead letter taken back)
+    CLAIM_LOST = "claim_lost"  # the fenced deferral matched nothing: do not ack
 
 
 class DeferredStats(NamedTuple):
@@ -79,145 +66,121 @@ class DeferredStats(NamedTuple):
     oldest_age_seconds: float  # since the oldest of those was first deferred; 0 when none
 
 
-# The columns of a DeferredJob, for every statement that reads whole rows.
-DEFERRED_COLUMNS: LiteralString = """idem_key, job, effect, payload, payload_sha256, message_id,
-       queue, state, attempts, last_error, result, run_after, created_at, updated_at,
-       lease_token, lease_until"""
+_RETURNING: LiteralString = " RETURNING " + CLAIM_COLUMNS
 
-_RELEASE_CLAIM: LiteralString = """
-DELETE FROM job_claims
+# The run holding the claim defers it: the row waits, with its payload, until run_after.
+_DEFER: LiteralString = (
+    """
+UPDATE job_claims
+SET state = 'deferred', payload = %(payload)s, queue = %(queue)s, message_id = %(message_id)s,
+    attempts = %(attempts)s, last_error = %(error)s, error = NULL,
+    run_after = clock_timestamp() + make_interval(secs => %(delay)s),
+    deferred_at = coalesce(deferred_at, now()), claim_token = NULL, lease_until = NULL,
+    began_at = NULL, updated_at = now()
+WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'"""
+    + _RETURNING
+)
+
+# Work no claim holds yet (a dead letter taken back): a new row that waits.
+_DEFER_NEW: LiteralString = (
+    """
+INSERT INTO job_claims (idem_key, state, message_id, job, effect, payload_sha256, attempts,
+                        payload, queue, last_error, run_after, deferred_at, updated_at)
+VALUES (%(key)s, 'deferred', %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s,
+        %(attempts)s, %(payload)s, %(queue)s, %(error)s,
+        clock_timestamp() + make_interval(secs => %(delay)s), now(), now())
+ON CONFLICT (idem_key) DO NOTHING"""
+    + _RETURNING
+)
+
+# Due first (then the oldest deferral), skipping rows another drain has locked. A run whose
+# lease is over is taken over, unless it is flagged for a human or an ``external`` run that
+# began its handler (its effect may have happened: a human's, through the stuck rule).
+_DUE: LiteralString = """
+WITH due AS (
+    SELECT idem_key AS due_key FROM job_claims
+    WHERE run_after IS NOT NULL
+      AND ((state = 'deferred' AND run_after <= clock_timestamp())
+           OR (state = 'running' AND lease_until < clock_timestamp() AND error IS NULL
+               AND (effect <> 'external' OR began_at IS NULL)))
+      AND (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[]))
+    ORDER BY run_after, deferred_at, idem_key
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)"""
+_TAKE_DUE: LiteralString = (
+    _DUE
+    + """
+UPDATE job_claims
+SET state = 'running', attempts = attempts + 1, claim_token = gen_random_uuid(),
+    lease_until = clock_timestamp() + make_interval(secs => %(lease)s), updated_at = now(),
+    began_at = NULL
+FROM due WHERE idem_key = due.due_key"""
+    + _RETURNING
+)
+
+_BEGIN: LiteralString = """
+UPDATE job_claims SET began_at = clock_timestamp()
 WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
 """
 
-# A key whose earlier deferred life ended (done, failed, cancelled) may be deferred afresh;
-# one still deferred or running holds it.
-_DEFER: LiteralString = """
-INSERT INTO deferred_jobs AS d (idem_key, job, effect, payload, payload_sha256, message_id,
-                                queue, attempts, last_error, run_after)
-VALUES (%(key)s, %(job)s, %(effect)s, %(payload)s, %(fingerprint)s, %(message_id)s,
-        %(queue)s, %(attempts)s, %(error)s,
-        clock_timestamp() + make_interval(secs => %(delay)s))
-ON CONFLICT (idem_key) DO UPDATE
-SET job = EXCLUDED.job, effect = EXCLUDED.effect, payload = EXCLUDED.payload,
-    payload_sha256 = EXCLUDED.payload_sha256, message_id = EXCLUDED.message_id,
-    queue = EXCLUDED.queue, state = 'deferred', attempts = EXCLUDED.attempts,
-    last_error = EXCLUDED.last_error, result = NULL, run_after = EXCLUDED.run_after,
-    created_at = now(), updated_at = now(), lease_token = NULL, lease_until = NULL
-WHERE d.state IN ('done', 'failed', 'cancelled')
-RETURNING idem_key
+# An external run whose outcome is unknown is flagged and its lease ended, as a delivery's
+# uncertain claim is: it stays running, and only a human (or a probe) settles it.
+_FLAG_UNCERTAIN: LiteralString = """
+UPDATE job_claims
+SET error = 'effect uncertain: ' || %(error)s, lease_until = least(lease_until, now()),
+    updated_at = now()
+WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
 """
 
 # A job a limit held back did not run: its attempt is given back and its last error kept.
 _POSTPONE: LiteralString = """
-UPDATE deferred_jobs
+UPDATE job_claims
 SET state = 'deferred', last_error = coalesce(%(error)s, last_error),
-    attempts = attempts - CASE WHEN %(ran)s THEN 0 ELSE 1 END, lease_token = NULL,
-    lease_until = NULL, run_after = clock_timestamp() + make_interval(secs => %(delay)s),
-    updated_at = now()
-WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
+    attempts = attempts - CASE WHEN %(ran)s THEN 0 ELSE 1 END, claim_token = NULL,
+    lease_until = NULL, began_at = NULL,
+    run_after = clock_timestamp() + make_interval(secs => %(delay)s), updated_at = now()
+WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
+  AND run_after IS NOT NULL
 """
 
-# Due first (then the oldest deferral), skipping rows another drain has locked; an expired
-# lease is taken over unless the job's effect is external (its outcome is unknown: a human's).
-_TAKE_DUE: LiteralString = """
-WITH due AS (
-    SELECT idem_key FROM deferred_jobs
-    WHERE ((state = 'deferred' AND run_after <= clock_timestamp())
-           OR (state = 'running' AND lease_until < clock_timestamp()
-               AND (effect <> 'external' OR began_at IS NULL)))
-      AND (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[]))
-    ORDER BY run_after, created_at, idem_key
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE deferred_jobs AS d
-SET state = 'running', attempts = d.attempts + 1, lease_token = gen_random_uuid(),
-    lease_until = clock_timestamp() + make_interval(secs => %(lease)s), updated_at = now(),
-    began_at = NULL
-FROM due WHERE d.idem_key = due.idem_key
-RETURNING d.idem_key, d.job, d.effect, d.payload, d.payload_sha256, d.message_id, d.queue,
-          d.state, d.attempts, d.last_error, d.result, d.run_after, d.created_at, d.updated_at,
-          d.lease_token, d.lease_until
-"""
-
-_BEGIN: LiteralString = """
-UPDATE deferred_jobs SET began_at = clock_timestamp()
-WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
-"""
-
-DEFERRED_BY_KEY: LiteralString = (
-    """SELECT """
-    + DEFERRED_COLUMNS
-    + """
-FROM deferred_jobs WHERE idem_key = %(key)s"""
-)
-DEFERRED_FOR_UPDATE: LiteralString = DEFERRED_BY_KEY + " FOR UPDATE"
-
-# A run left for a human: an ``external`` run that began its handler and whose lease is over
-# (its drain died, or its outcome was unknown). ``take_due`` never takes it again; an operator,
-# or a reconcile probe, settles it or lets it run again. Of ``jobs`` only, when not NULL.
-STUCK_DEFERRED: LiteralString = (
-    "SELECT "
-    + DEFERRED_COLUMNS
-    + """
-FROM deferred_jobs
-WHERE state = 'running' AND effect = 'external' AND began_at IS NOT NULL
-  AND lease_until < clock_timestamp()
-  AND (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[]))
-ORDER BY updated_at, idem_key
-LIMIT %(limit)s
-"""
-)
-
-# A run whose effect did not happen waits again, due now (its attempt stays counted). Only
-# once its lease is over: under a live one its drain may be making the call right now.
-_RELEASE: LiteralString = (
-    """
-UPDATE deferred_jobs
-SET state = 'deferred', lease_token = NULL, lease_until = NULL, began_at = NULL,
-    run_after = now(), updated_at = now()
-WHERE idem_key = %(key)s AND state = 'running' AND lease_token = %(token)s
-  AND lease_until < clock_timestamp()
-RETURNING """
-    + DEFERRED_COLUMNS
-)
-
+# The one takeover rule for anyone but the run itself: the same token as read, still running,
+# and its lease over (a run under a live lease may be making the call right now).
 _SETTLE: LiteralString = (
     """
-UPDATE deferred_jobs
-SET state = %(state)s, result = %(result)s,
-    last_error = coalesce(%(error)s, last_error),
-    lease_token = NULL, lease_until = NULL, updated_at = now()
-WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
-  AND (%(holder)s OR lease_until < clock_timestamp())
-RETURNING """
-    + DEFERRED_COLUMNS
+UPDATE job_claims
+SET state = %(state)s, result = %(result)s, error = %(error)s,
+    last_error = coalesce(%(error)s, last_error), updated_at = now()
+WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
+  AND (%(holder)s OR lease_until IS NULL OR lease_until < clock_timestamp())"""
+    + _RETURNING
 )
 
-# Whether the run holding ``token`` still has a live lease (on the database's clock).
-_LEASE_LIVE: LiteralString = """
-SELECT lease_until >= clock_timestamp() FROM deferred_jobs
-WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running'
-"""
-
-# The claim a finished deferred job leaves, so a later copy of its message meets a settled
-# claim like any other. A claim already standing for the key is left as it is.
-_SETTLED_CLAIM: LiteralString = """
-INSERT INTO job_claims (idem_key, state, message_id, job, effect, payload_sha256, result,
-                        error, attempts, claim_token, updated_at)
-VALUES (%(key)s, %(state)s, %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s, %(result)s,
-        %(error)s, %(attempts)s, %(token)s, now())
-ON CONFLICT (idem_key) DO NOTHING
-"""
-
-_HOLDING: LiteralString = """
-SELECT idem_key, state FROM deferred_jobs
-WHERE idem_key = ANY(%(keys)s::text[]) AND state IN ('deferred', 'running')
-"""
+# A run whose effect did not happen: work the ledger owns waits again, due now (its attempt
+# stays counted); a message's claim is deleted, so its next delivery claims it afresh.
+_RELEASE_OWNED: LiteralString = (
+    """
+UPDATE job_claims
+SET state = 'deferred', claim_token = NULL, lease_until = NULL, began_at = NULL, error = NULL,
+    run_after = now(), updated_at = now()
+WHERE idem_key = %(key)s AND claim_token IS NOT DISTINCT FROM %(token)s
+  AND state = 'running' AND run_after IS NOT NULL
+  AND (lease_until IS NULL OR lease_until < clock_timestamp())"""
+    + _RETURNING
+)
+_RELEASE_CLAIM: LiteralString = (
+    """
+DELETE FROM job_claims
+WHERE idem_key = %(key)s AND claim_token IS NOT DISTINCT FROM %(token)s
+  AND state IN ('running', 'failed')
+  AND (state <> 'running' OR lease_until IS NULL OR lease_until < clock_timestamp())"""
+    + _RETURNING
+)
 
 _STATS: LiteralString = """
-SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)
-FROM deferred_jobs WHERE state IN ('deferred', 'running')
+SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(deferred_at)), 0)
+FROM job_claims
+WHERE run_after IS NOT NULL AND state IN ('deferred', 'running')
 """
 
 
@@ -233,31 +196,30 @@ def defer(
     delay_seconds: float,
     claim_token: uuid.UUID | None = None,
 ) -> DeferOutcome:
-    """Record ``work`` to run again in ``delay_seconds`` (on the database's clock), after
-    ``attempts`` attempts, the last failing with ``error``. With ``claim_token``, the claim
-    that attempt held is released in the same transaction (fenced by the token): from here
-    the ledger owns the work, and the message may be acked."""
+    """Make ``work`` wait ``delay_seconds`` (on the database's clock) after ``attempts``
+    attempts, the last failing with ``error``. With ``claim_token``, the claim that attempt
+    holds becomes the deferred work, fenced by the token; without, a new row is made for a key
+    no row holds. Either way the ledger owns the work from here, and its message may be
+    acked."""
+    params = {
+        "key": work.idem_key,
+        "job": work.job,
+        "effect": work.effect,
+        "payload": Jsonb(dict(work.payload)),
+        "fingerprint": work.fingerprint,
+        "message_id": work.message_id,
+        "queue": work.queue,
+        "attempts": max(attempts, 0),
+        "error": error,
+        "delay": max(float(delay_seconds), 0.0),
+        "token": claim_token,
+    }
     with ledger_errors("cannot defer a job"), conn.transaction():
-        if claim_token is not None:
-            released = conn.execute(_RELEASE_CLAIM, {"key": work.idem_key, "token": claim_token})
-            if released.rowcount != 1:
-                return DeferOutcome.CLAIM_LOST
-        row = conn.execute(
-            _DEFER,
-            {
-                "key": work.idem_key,
-                "job": work.job,
-                "effect": work.effect,
-                "payload": Jsonb(dict(work.payload)),
-                "fingerprint": work.fingerprint,
-                "message_id": work.message_id,
-                "queue": work.queue,
-                "attempts": attempts,
-                "error": error,
-                "delay": max(float(delay_seconds), 0.0),
-            },
-        ).fetchone()
-    return DeferOutcome.DEFERRED if row else DeferOutcome.ALREADY_DEFERRED
+        if claim_token is None:
+            row = conn.execute(_DEFER_NEW, params).fetchone()
+            return DeferOutcome.DEFERRED if row else DeferOutcome.ALREADY_HELD
+        row = conn.execute(_DEFER, params).fetchone()
+    return DeferOutcome.DEFERRED if row else DeferOutcome.CLAIM_LOST
 
 
 def take_due(
@@ -266,9 +228,9 @@ def take_due(
     *,
     lease_seconds: float,
     jobs: Sequence[str] | None = None,
-) -> list[DeferredJob]:
+) -> list[ClaimRow]:
     """Take up to ``limit`` due deferred jobs (of ``jobs``, when given), due first then oldest,
-    each under a new lease of ``lease_seconds`` and token, its attempt count raised by one.
+    each under a new token and lease of ``lease_seconds``, its attempt count raised by one.
     Two drains never take the same job: a row another holds is skipped, a taken one is
     ``running`` under a live lease until finished, failed, postponed or expired."""
     params = {
@@ -281,8 +243,8 @@ def take_due(
         conn.transaction(),
         conn.cursor(row_factory=dict_row) as cur,
     ):
-        rows = [DeferredJob(**row) for row in cur.execute(_TAKE_DUE, params).fetchall()]
-    return sorted(rows, key=lambda job: (job.run_after, job.created_at, job.idem_key))
+        rows = [ClaimRow(**row) for row in cur.execute(_TAKE_DUE, params).fetchall()]
+    return sorted(rows, key=lambda job: (job.run_after, job.deferred_at, job.idem_key))
 
 
 def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
@@ -291,6 +253,14 @@ def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
     holds it (do not run)."""
     with ledger_errors("cannot begin a deferred run"), conn.transaction():
         return conn.execute(_BEGIN, {"key": key, "token": token}).rowcount == 1
+
+
+def flag_uncertain(conn: psycopg.Connection[Any], key: str, token: uuid.UUID, error: str) -> bool:
+    """The run holding ``token`` does not know whether its effect happened: flagged for a
+    human, never taken again. False when the token no longer holds it."""
+    params = {"key": key, "token": token, "error": error}
+    with ledger_errors("cannot flag a deferred run"), conn.transaction():
+        return conn.execute(_FLAG_UNCERTAIN, params).rowcount == 1
 
 
 def postpone(
@@ -323,15 +293,24 @@ def finish(
     result: Any,
     *,
     actor: str = DRAIN_ACTOR,
+    action: str = "deferred_done",
     note: str = "",
     holder: bool = True,
-) -> bool:
-    """A taken job succeeded: ``done`` with ``result``, its claim settled ``done`` so later
-    copies are duplicates, recorded as ``deferred_done``. False when the token no longer
-    holds it (nothing changed). ``holder=False`` is anyone but the run that holds the lease
-    (a reconcile probe, an operator): it changes the run only once its lease is over."""
-    return _settle(
-        conn, key, token, "done", result=result, error=None, actor=actor, note=note, holder=holder
+) -> ClaimRow | None:
+    """A run settles ``done`` with ``result``, recorded in ``claim_history`` as ``action``;
+    None when the token no longer holds it (nothing changed). ``holder=False`` is anyone but
+    the run holding the lease (a reconcile probe, an operator): it changes the run only once
+    its lease is over."""
+    return settle(
+        conn,
+        key,
+        token,
+        "done",
+        result=result,
+        actor=actor,
+        action=action,
+        note=note,
+        holder=holder,
     )
 
 
@@ -342,133 +321,110 @@ def fail(
     error: str,
     *,
     actor: str = DRAIN_ACTOR,
+    action: str = "deferred_failed",
     note: str = "",
     queue: str | None = None,
     holder: bool = True,
-) -> bool:
-    """A taken job failed for good (out of attempts, or a final error): ``failed`` with
-    ``error``, its claim settled ``failed``, recorded as ``deferred_failed``, and an unresolved
-    dead letter recorded in ``dead_letters`` (its message was acked long ago, so the ledger
-    holds it) under its queue (``queue`` when the work recorded none). All in one
-    transaction; False when the token no longer holds it (nothing changed)."""
-    return _settle(
+) -> ClaimRow | None:
+    """A run fails for good with ``error`` (for work the ledger owns: out of attempts, or a
+    final error), recorded as ``action``. Work the ledger owns also gets an unresolved dead
+    letter in ``dead_letters`` (its message was acked long ago, so the ledger holds it) under
+    its queue (``queue`` when the work recorded none). One transaction; None when the token no
+    longer holds it."""
+    return settle(
         conn,
         key,
         token,
         "failed",
-        result=None,
         error=error,
         actor=actor,
+        action=action,
         note=note,
         queue=queue,
         holder=holder,
     )
 
 
-def _settle(
+def settle(
     conn: psycopg.Connection[Any],
     key: str,
-    token: uuid.UUID,
+    token: uuid.UUID | None,
     state: str,
     *,
-    result: Any,
-    error: str | None,
+    result: Any = None,
+    error: str | None = None,
     actor: str,
+    action: str,
     note: str,
     queue: str | None = None,
     holder: bool,
-) -> bool:
+) -> ClaimRow | None:
+    """Settle the run holding ``token`` as ``state`` (``done`` or ``failed``) and record it,
+    with the row before and after, in one transaction; None when nothing changed."""
     with (
-        ledger_errors(f"cannot settle deferred job {key!r}"),
+        ledger_errors(f"cannot settle {key!r}"),
         conn.transaction(),
         conn.cursor(row_factory=dict_row) as cur,
     ):
-        before_row = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
+        before_row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
         params = {
             "key": key,
             "token": token,
             "state": state,
             "result": Jsonb(result) if state == "done" else None,
-            "error": error,
+            "error": error if state == "failed" else None,
             "holder": holder,
         }
         after_row = cur.execute(_SETTLE, params).fetchone()
         if before_row is None or after_row is None:
-            return False
-        after = DeferredJob(**after_row)
-        cur.execute(
-            _SETTLED_CLAIM,
-            {
-                "key": key,
-                "state": state,
-                "message_id": after.message_id,
-                "job": after.job,
-                "effect": after.effect,
-                "fingerprint": after.payload_sha256,
-                "result": Jsonb(result) if state == "done" else None,
-                "error": error,
-                "attempts": after.attempts,
-                "token": token,
-            },
-        )
-        if state == "failed":
+            return None
+        after = ClaimRow(**after_row)
+        if state == "failed" and after.owned:
             hold_dead_letter(
                 conn,
                 message_id=after.message_id,
                 queue=after.queue or queue or "",
                 payload=after.payload,
-                job=after.job,
+                job=after.job or "",
                 idem_key=key,
                 reason=f"deferred job failed after {after.attempts} attempt(s): {error}",
             )
-        record_deferred_change(
-            conn,
-            f"deferred_{state}",
-            DeferredJob(**before_row),
-            after,
-            actor=actor,
-            note=note,
-        )
-    return True
+        record_change(conn, action, ClaimRow(**before_row), after, actor=actor, note=note)
+    return after
 
 
 def release(
-    conn: psycopg.Connection[Any], key: str, token: uuid.UUID, *, actor: str, note: str = ""
-) -> bool:
-    """A run left for a human whose effect did not happen (an operator's ``claims release``,
-    or a reconcile probe's ``not_done``): waiting again, due now, recorded as ``release``.
-    False when the token no longer holds it (nothing changed)."""
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID | None,
+    *,
+    actor: str,
+    action: str = "release",
+    note: str = "",
+) -> ClaimRow | None:
+    """A run whose effect did not happen (a probe's ``not_done``, an operator's ``claims
+    release``), or a failed claim to run again: a run of work the ledger owns waits again,
+    due now; any other claim is deleted, so the next delivery (or a redrive) runs it. Only the
+    row ``token`` holds, and a running one only once its lease is over. Recorded as
+    ``action``; returns the row as it was, or None when nothing changed."""
+    params = {"key": key, "token": token}
     with (
-        ledger_errors(f"cannot release deferred job {key!r}"),
+        ledger_errors(f"cannot release {key!r}"),
         conn.transaction(),
         conn.cursor(row_factory=dict_row) as cur,
     ):
-        before = cur.execute(DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
-        after = cur.execute(_RELEASE, {"key": key, "token": token}).fetchone()
-        if before is None or after is None:
-            return False
-        record_deferred_change(
-            conn, "release", DeferredJob(**before), DeferredJob(**after), actor=actor, note=note
-        )
-    return True
-
-
-def lease_live(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
-    """Whether the run holding ``token`` is still under its lease: its drain may be making the
-    call right now, so nobody but that drain may change it."""
-    with ledger_errors("cannot read deferred jobs"):
-        row = conn.execute(_LEASE_LIVE, {"key": key, "token": token}).fetchone()
-    return bool(row and row[0])
-
-
-def holding(conn: psycopg.Connection[Any], keys: Sequence[str]) -> dict[str, str]:
-    """The keys among ``keys`` that deferred work holds (waiting or running), with its state:
-    a message carrying one of them is a duplicate of deferred work."""
-    if not keys:
-        return {}
-    with ledger_errors("cannot read deferred jobs"):
-        rows = conn.execute(_HOLDING, {"keys": array_literal(keys)}).fetchall()
-    return {str(key): str(state) for key, state in rows}
+        before_row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+        if before_row is None:
+            return None
+        before = ClaimRow(**before_row)
+        waits_again = before.owned and before.state == "running"
+        statement = _RELEASE_OWNED if waits_again else _RELEASE_CLAIM
+        after_row = cur.execute(statement, params).fetchone()
+        if after_row is None:
+            return None
+        after = ClaimRow(**after_row) if waits_again else None
+        record_change(conn, action, before, after, actor=actor, note=note)
+    return before
 
 
 def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
@@ -483,36 +439,23 @@ def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
 # --- claim_history ----------------------------------------------------------------------------
 
 
-def record_deferred_change(
+def record_change(
     conn: psycopg.Connection[Any],
     action: str,
-    before: DeferredJob,
-    after: DeferredJob,
+    before: ClaimRow,
+    after: ClaimRow | None,
     *,
     actor: str,
     note: str,
 ) -> None:
-    """A change to deferred work in ``claim_history``: the row before and after it."""
+    """A change to a unit of work in ``claim_history``: the row before and after it (None:
+    deleted)."""
     record_history(
         conn,
         before.idem_key,
         action,
         actor=actor,
-        before=deferred_as_dict(before),
-        after=deferred_as_dict(after),
+        before=before.as_dict(),
+        after=after.as_dict() if after is not None else None,
         note=note,
     )
-
-
-def deferred_as_dict(job: DeferredJob) -> dict[str, Any]:
-    """A deferred job as JSON-ready values, for the history table and ``--json`` output."""
-    out: dict[str, Any] = {}
-    for field in fields(job):
-        value = getattr(job, field.name)
-        if isinstance(value, datetime):
-            value = value.isoformat()
-        elif isinstance(value, uuid.UUID):
-            value = str(value)
-        out[field.name] = value
-    json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
-    return out

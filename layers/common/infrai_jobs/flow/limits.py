@@ -63,19 +63,16 @@ _CONCURRENCY_LOCK: LiteralString = (
 )
 
 # Under the key's lock: expired slots go, and a slot is taken when fewer than ``max`` others
-# are live. Its lease is the one its run stored, read here from the run's own row (a claim
-# holding ``token``, or a taken deferred run): never one of its own, so it ends exactly when
-# the run's does. A run whose row no longer holds ``token`` takes nothing. Taking it again with
-# the same token renews it to that lease.
+# are live. Its lease is the one its run stored, read here from the run's own row (the claim
+# holding ``token``, a delivery's or a taken deferred run's): never one of its own, so it ends
+# exactly when the run's does. A run whose row no longer holds ``token`` takes nothing. Taking
+# it again with the same token renews it to that lease.
 _ACQUIRE: LiteralString = """
 WITH clock AS (SELECT clock_timestamp() AS now),
 held AS (
-    SELECT coalesce(
-        (SELECT lease_until FROM job_claims
-         WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'),
-        (SELECT lease_until FROM deferred_jobs
-         WHERE idem_key = %(key)s AND lease_token = %(token)s AND state = 'running')
-    ) AS lease_until
+    SELECT (SELECT lease_until FROM job_claims
+            WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running')
+        AS lease_until
 ),
 expired AS (
     DELETE FROM flow_concurrency_slots USING clock
@@ -132,7 +129,7 @@ def acquire_concurrency(
     token: uuid.UUID,
 ) -> bool:
     """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run of
-    ``idem_key`` holding ``token`` (its claim's token, or its deferred run's), until it is
+    ``idem_key`` holding ``token`` (its claim's token), until it is
     released or the lease that run stored passes; False when all are taken, or when no
     running row of ``idem_key`` holds ``token``. A slot whose lease ended is free again, so a
     killed drain's slot never outlives its run."""

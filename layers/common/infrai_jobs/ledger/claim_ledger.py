@@ -97,23 +97,34 @@ claimed AS (
         SET message_id = EXCLUDED.message_id,
             claim_token = EXCLUDED.claim_token,
             lease_until = EXCLUDED.lease_until,
-            attempts = coalesce(c.attempts, 1) + 1,
+            attempts = CASE WHEN c.state = 'cancelled' THEN 1 ELSE coalesce(c.attempts, 1) + 1 END,
             error = NULL,
-            updated_at = now()
-        -- Takeover: only a key-passing effect, only the same work, never a claim flagged for a
-        -- human, and only once the lease is over or when the holder is this very message (its
-        -- earlier delivery is certainly dead).
-        WHERE c.state = 'running'
-          AND c.effect = 'external_idempotent'
-          AND EXCLUDED.effect = 'external_idempotent'
-          AND c.payload_sha256 = EXCLUDED.payload_sha256
-          AND c.error IS NULL
-          AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id)
+            updated_at = now(),
+            -- Unchanged by a takeover (the same work, not ledger-owned); cleared for new work.
+            state = 'running', job = EXCLUDED.job, effect = EXCLUDED.effect,
+            payload_sha256 = EXCLUDED.payload_sha256, result = NULL, payload = NULL,
+            queue = NULL, run_after = NULL, deferred_at = NULL, last_error = NULL,
+            began_at = NULL,
+            claimed_at = CASE WHEN c.state = 'cancelled' THEN now() ELSE c.claimed_at END
+        -- Work an operator cancelled is free: a new message for its key is new work. Takeover:
+        -- only a key-passing effect, only the same work, never a claim flagged for a human,
+        -- never work the ledger owns (deferred: only a drain's take_due runs it), and only
+        -- once the lease is over or when the holder is this very message (its earlier
+        -- delivery is certainly dead).
+        WHERE c.state = 'cancelled'
+           OR (c.state = 'running'
+               AND c.run_after IS NULL
+               AND c.effect = 'external_idempotent'
+               AND EXCLUDED.effect = 'external_idempotent'
+               AND c.payload_sha256 = EXCLUDED.payload_sha256
+               AND c.error IS NULL
+               AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id))
     RETURNING c.idem_key, c.claim_token, c.attempts
 )
 -- j is the row as it stood before this statement (one snapshot for the whole WITH).
 SELECT i.idem_key, c.claim_token AS won_token, c.attempts AS won_attempts,
        j.state, j.message_id, j.effect, j.payload_sha256, j.error, j.result,
+       j.run_after IS NOT NULL AS owned,
        coalesce(j.lease_until, j.claimed_at + make_interval(secs => %(visibility)s)) < now()
            AS lease_expired,
        extract(epoch FROM now() - coalesce(j.updated_at, j.claimed_at))::float8 AS held_seconds
@@ -128,7 +139,7 @@ _BEGIN_AND_CLAIM: LiteralString = "BEGIN;\n" + _CLAIM
 # the claim statement's snapshot; this re-reads those few keys.
 _REREAD: LiteralString = """
 SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
-       state, message_id, effect, payload_sha256, error, result,
+       state, message_id, effect, payload_sha256, error, result, run_after IS NOT NULL AS owned,
        coalesce(lease_until, claimed_at + make_interval(secs => %(visibility)s)) < now()
            AS lease_expired,
        extract(epoch FROM now() - coalesce(updated_at, claimed_at))::float8 AS held_seconds
@@ -529,12 +540,12 @@ class PostgresLedger(LedgerAdapter):
                 cursor = conn.execute(
                     _MARK_UNCERTAIN, {"keys": keys, "tokens": tokens, "errors": errors}
                 )
-            else:
+            elif kind is RunKind.TRANSIENT:
                 cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
+            else:
+                continue  # a deferral settled the claim itself, fenced by its token
             matched.update(row[0] for row in cursor.fetchall())
 
-        # A deferred run's claim may be gone already: the deferral released it, fenced, in the
-        # transaction that recorded the work. Either way deferred_jobs holds the work.
         return [
             Settlement(
                 request,

@@ -8,6 +8,7 @@ of them, held to the SQL by the ledger contract suite (tests/contract). Nothing 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ class ClaimStatus(StrEnum):
     LIVE = "live"  # another delivery holds an unexpired claim
     STUCK = "stuck"  # an irreversible effect's outcome is unknown: a human decides
     CONFLICT = "conflict"  # same key, different work
+    DEFERRED = "deferred"  # the ledger owns this work (waiting or running): a copy to ack
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +65,8 @@ class RunKind(StrEnum):
     PERMANENT = "permanent"  # PermanentJobError: mark failed
     UNCERTAIN = "uncertain"  # EffectUncertain: leave running, flag stuck
     TRANSIENT = "transient"  # anything else: release the claim for a retry
-    # Flow control holds the work in ``deferred_jobs`` (a retry policy, a rate limit or a
-    # concurrency key): release the claim if this run still holds it, and ack the message.
+    # Flow control turned the claim into deferred work (a retry policy, a rate limit or a
+    # concurrency key), fenced by its token: nothing is left to settle; ack the message.
     DEFERRED = "deferred"
 
 
@@ -83,7 +85,7 @@ class SettleStatus(StrEnum):
     RELEASED = "released"
     STUCK = "stuck"
     LOST = "lost"  # the fenced update matched nothing: someone else owns the row now
-    DEFERRED = "deferred"  # deferred_jobs holds the work; the claim is released
+    DEFERRED = "deferred"  # the claim waits as deferred work, owned by the ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,8 @@ class Settlement:
 
 @dataclass(frozen=True, slots=True)
 class ClaimRow:
+    """A row of ``job_claims``: the one unit of work the ledger owns (see ``WORK_STATES``)."""
+
     idem_key: str
     state: str
     message_id: str
@@ -108,6 +112,92 @@ class ClaimRow:
     lease_until: datetime | None
     updated_at: datetime | None
     claim_token: uuid.UUID | None
+    # Set once its message was acked and the ledger took the work over (a deferral): the
+    # payload to run it with, its queue, when it may run next, when it was first deferred,
+    # its last attempt's error, and when a taken run began its handler.
+    payload: Any = None
+    queue: str | None = None
+    run_after: datetime | None = None
+    deferred_at: datetime | None = None
+    last_error: str | None = None
+    began_at: datetime | None = None
+
+    @property
+    def owned(self) -> bool:
+        """Whether the ledger owns this work (its message was acked): only a drain's
+        ``take_due`` runs it, never a copy of its message."""
+        return self.run_after is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as JSON-ready values, for ``--json`` output and the history table."""
+        out: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, datetime):
+                value = value.isoformat()
+            elif isinstance(value, uuid.UUID):
+                value = str(value)
+            out[name] = value
+        json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
+        return out
+
+
+# --- The one state machine ---------------------------------------------------------------------
+#
+# Every unit of work the ledger owns is one ``job_claims`` row: one token (``claim_token``), one
+# lease (``lease_until``), one clock (the database's). ``(none)`` is "no row": the key is free.
+# A running row is owned by the ledger (``ClaimRow.owned``) once it was deferred; before that
+# its message drives it. docs/design.md shows this table; a test keeps the two equal, and the
+# contract suite drives every transition on PostgreSQL.
+
+WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    action: str  # the function (or command) that makes it
+    source: str  # the state it starts from; "(none)" for no row
+    target: str  # the state it leaves; "(none)" for a deleted row
+    who: str  # who may make it
+    fence: str  # what must still hold, in the same statement
+
+
+_HOLDER = "the run holding the token"
+_LIVE = "token; any lease"
+_OVER = "token as read; lease over"
+WORK_TRANSITIONS: Final = (
+    Transition("claim", "(none)", "running", "a delivery", "no row for the key"),
+    Transition("claim (new work)", "cancelled", "running", "a delivery", "none: it is free"),
+    Transition("claim (takeover)", "running", "running", "a delivery of a key-passing job",
+               "same work, not flagged, not ledger-owned, lease over"),
+    Transition("settle done", "running", "done", _HOLDER, _LIVE),
+    Transition("settle failed", "running", "failed", _HOLDER, _LIVE),
+    Transition("release (transient)", "running", "(none)", _HOLDER, _LIVE),
+    Transition("flag uncertain", "running", "running", _HOLDER, "token; the lease ends now"),
+    Transition("defer", "running", "deferred", _HOLDER, _LIVE),
+    Transition("take back a dead letter", "(none)", "deferred", "`dlq`, `redrive`",
+               "no row for the key"),
+    Transition("take due", "deferred", "running", "a drain", "run_after passed; row unlocked"),
+    Transition("take due (takeover)", "running", "running", "a drain",
+               "ledger-owned, not flagged, lease over, not an external run that began"),
+    Transition("begin", "running", "running", _HOLDER, _LIVE),
+    Transition("postpone", "running", "deferred", _HOLDER, _LIVE),
+    Transition("finish", "running", "done", _HOLDER, _LIVE),
+    Transition("fail (and hold a dead letter)", "running", "failed", _HOLDER, _LIVE),
+    Transition("reconcile done, claims resolve --done", "running", "done",
+               "a probe, an operator", _OVER),
+    Transition("claims resolve --failed", "running", "failed", "an operator", _OVER),
+    Transition("reconcile not done, claims release", "running", "(none)",
+               "a probe, an operator", _OVER + "; a delivery's claim"),
+    Transition("reconcile not done, claims release", "running", "deferred",
+               "a probe, an operator", _OVER + "; ledger-owned"),
+    Transition("claims release, redrive --reopen-failed", "failed", "(none)",
+               "an operator, a redrive", "state as read"),
+    Transition("claims run-now", "deferred", "deferred", "an operator", "state (due now)"),
+    Transition("claims cancel", "deferred", "cancelled", "an operator", "state"),
+    Transition("prune", "done, failed, cancelled", "(none)", "the prune function",
+               "older than the retention"),
+)  # fmt: skip
 
 
 # How a handler's run settles its claim (a fenced update that matches nothing is LOST instead).
@@ -137,7 +227,7 @@ def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
         return decision
     early = None
     own = row["message_id"] == request.message_id
-    if own and row["state"] == "running" and not row["lease_expired"]:
+    if own and row["state"] == "running" and not row["lease_expired"] and not row.get("owned"):
         early = float(row.get("held_seconds") or 0.0)
     return replace(decision, holder=row["message_id"], redelivered_early_after=early)
 
@@ -171,6 +261,10 @@ def _classify(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
         return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
     if state == "failed":
         return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
+    if state == "deferred" or row.get("owned"):
+        return ClaimDecision(
+            request, ClaimStatus.DEFERRED, f"a copy of work the ledger holds ({state})"
+        )
     # Running: flagged for a human, held by someone, or abandoned.
     if row["error"]:
         return ClaimDecision(

@@ -142,7 +142,7 @@ OUTCOME_RULES: Final[dict[Outcome, OutcomeRule]] = {
         "OutcomeDeferred",
         "flow control holds the job back (a transient failure with retry attempts left, a "
         "rate limit or a concurrency key), or it is a copy of work deferred already",
-        "a `deferred_jobs` row runs it later; claim released",
+        "the claim waits as `deferred` (payload, attempts, next run); a drain runs it later",
     ),
 }
 
@@ -157,6 +157,7 @@ CLAIM_OUTCOMES: Final = {
     ClaimStatus.FAILED: Outcome.DUPLICATE_FAILED,
     ClaimStatus.STUCK: Outcome.STUCK,
     ClaimStatus.CONFLICT: Outcome.CONFLICT,
+    ClaimStatus.DEFERRED: Outcome.DEFERRED,
 }
 SETTLE_OUTCOMES: Final = {
     SettleStatus.DONE: Outcome.DONE,

@@ -330,7 +330,7 @@ class LedgerAdapter:
 
 
 # The schema this code needs: a unit test holds it equal to the newest migration file in local/.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 def current_version(conn: psycopg.Connection[Any]) -> int:
@@ -433,15 +433,21 @@ def array_literal(values: Iterable[str | uuid.UUID | datetime | float | None]) -
 
 
 # When a claim is stuck, the one rule (``claims stuck`` lists them, the watcher pages on them):
-# running, and flagged for a human or older than the threshold since its latest claim. A
-# takeover starts the age again, so a live holder that took over an old claim is not stuck.
+# running, and flagged for a human, or (a message's claim) older than the threshold since its
+# latest claim, or (work the ledger owns) an ``external`` run that began its handler and whose
+# lease is over: its effect may have happened, so no drain takes it again. A takeover starts
+# the age again, so a live holder that took over an old claim is not stuck.
 STUCK_CLAIM: LiteralString = """state = 'running'
   AND (error IS NOT NULL
-       OR coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))"""
+       OR (run_after IS NULL
+           AND coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))
+       OR (run_after IS NOT NULL AND effect = 'external' AND began_at IS NOT NULL
+           AND lease_until < clock_timestamp()))"""
 
 # The columns of a ClaimRow (ledger.claims), for every statement that reads whole claims.
 CLAIM_COLUMNS: LiteralString = """idem_key, state, message_id, job, effect, attempts,
-       payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token"""
+       payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token,
+       payload, queue, run_after, deferred_at, last_error, began_at"""
 
 CLAIM_BY_KEY: LiteralString = (
     """SELECT """

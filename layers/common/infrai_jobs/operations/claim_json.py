@@ -8,11 +8,7 @@ it without importing each other.
 from __future__ import annotations
 
 import json
-import uuid
-from datetime import datetime
 from typing import Any
-
-from infrai_jobs.ledger.claims import ClaimRow
 
 
 def storable_json(value: Any) -> Any:
@@ -33,17 +29,3 @@ def storable_json(value: Any) -> Any:
         described = f"<{type(value).__name__} that JSON cannot describe>"
     # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
     return {"not_storable_as_jsonb": described}
-
-
-def claim_as_dict(row: ClaimRow) -> dict[str, Any]:
-    """A claim as JSON-ready values, for ``--json`` output and the history table."""
-    out: dict[str, Any] = {}
-    for name in row.__dataclass_fields__:
-        value = getattr(row, name)
-        if isinstance(value, datetime):
-            value = value.isoformat()
-        elif isinstance(value, uuid.UUID):
-            value = str(value)
-        out[name] = value
-    json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
-    return out

@@ -13,21 +13,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, LiteralString
+from typing import Any, Final, LiteralString
 
-import psycopg
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 
 from infrai_jobs.flow import ledger as flow
-from infrai_jobs.flow.ledger import DEFERRED_BY_KEY, STUCK_DEFERRED, DeferredJob
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
-from infrai_jobs.ledger.postgres import LedgerAdapter, record_history
-from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
+from infrai_jobs.ledger.postgres import LedgerAdapter
+from infrai_jobs.operations.claim_json import storable_json
 from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.outbox.status import prune_settled
 
@@ -40,27 +37,13 @@ class PruneResult:
     outbox_deleted: int = 0
 
 
+# What a probe's answer is recorded as in claim_history.
+_RECONCILE: Final = "reconcile"
+
 _DELETE_FAILED: LiteralString = """
 DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
 """
 
-# A reconcile pass settles or releases only the attempt its probe was asked about: the same
-# claim token, still running, and its lease over: a delivery under a live lease may be making
-# the call right now, and only it settles its own run.
-_RECONCILE_DONE: LiteralString = """
-UPDATE job_claims
-SET state = 'done', result = %(result)s, error = NULL, updated_at = now()
-WHERE idem_key = %(key)s AND state = 'running'
-  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
-  AND (lease_until IS NULL OR lease_until < clock_timestamp())
-"""
-
-_RECONCILE_RELEASE: LiteralString = """
-DELETE FROM job_claims
-WHERE idem_key = %(key)s AND state = 'running'
-  AND claim_token IS NOT DISTINCT FROM %(expected_token)s
-  AND (lease_until IS NULL OR lease_until < clock_timestamp())
-"""
 
 _LAST_HISTORY: LiteralString = """
 SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
@@ -69,7 +52,7 @@ SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC
 _PRUNE_BATCH: LiteralString = """
 DELETE FROM job_claims WHERE idem_key IN (
     SELECT idem_key FROM job_claims
-    WHERE state IN ('done', 'failed')
+    WHERE state IN ('done', 'failed', 'cancelled')
       AND coalesce(updated_at, claimed_at) < now() - make_interval(days => %(days)s)
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
@@ -117,58 +100,6 @@ class ClaimsAdmin(LedgerAdapter):
         }
         return self._rows(_STUCK, params)
 
-    def find_deferred(self, key: str) -> DeferredJob | None:
-        """The deferred work with this key, in whatever state, or None."""
-        found = self._deferred(DEFERRED_BY_KEY, {"key": key})
-        return found[0] if found else None
-
-    def stuck_deferred(
-        self, jobs: Sequence[str] | None = None, *, limit: int = 100
-    ) -> list[DeferredJob]:
-        """Deferred runs left for a human (``STUCK_DEFERRED``); only those of ``jobs`` when
-        given."""
-        return self._deferred(
-            STUCK_DEFERRED, {"jobs": None if jobs is None else list(jobs), "limit": limit}
-        )
-
-    def apply_probe_answer_to_deferred(
-        self,
-        probed: DeferredJob,
-        answer: str,
-        *,
-        result: Any = None,
-        actor: str,
-        note: str,
-    ) -> ReconcileWrite:
-        """``apply_probe_answer`` for a deferred run left for a human, fenced by its lease
-        token: ``done`` settles it and its claim (``flow.ledger.finish``), ``not_done`` makes it
-        wait again, due now (``flow.ledger.release``), anything else changes nothing."""
-        key, token = probed.idem_key, probed.lease_token
-        if token is None:
-            return ReconcileWrite.CHANGED
-        with self._connector.session(f"cannot reconcile {key!r}") as conn:
-            if answer in ("done", "not_done") and flow.lease_live(conn, key, token):
-                return ReconcileWrite.LEASE_LIVE
-            if answer == "done":
-                changed = flow.finish(
-                    conn, key, token, result, actor=actor, note=note, holder=False
-                )
-                return ReconcileWrite.SETTLED if changed else ReconcileWrite.CHANGED
-            if answer == "not_done":
-                changed = flow.release(conn, key, token, actor=actor, note=note)
-                return ReconcileWrite.RELEASED if changed else ReconcileWrite.CHANGED
-            with conn.transaction():
-                with conn.cursor(row_factory=dict_row) as cur:
-                    row = cur.execute(flow.DEFERRED_FOR_UPDATE, {"key": key}).fetchone()
-                if row is None or row["lease_token"] != token or row["state"] != "running":
-                    return ReconcileWrite.CHANGED
-                last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
-                if last is None or tuple(last) != ("reconcile", note):
-                    flow.record_deferred_change(
-                        conn, "reconcile", probed, probed, actor=actor, note=note
-                    )
-            return ReconcileWrite.UNCHANGED
-
     def apply_probe_answer(
         self,
         probed: ClaimRow,
@@ -178,11 +109,13 @@ class ClaimsAdmin(LedgerAdapter):
         actor: str,
         note: str,
     ) -> ReconcileWrite:
-        """Act on a probe's answer about ``probed`` (the claim as it was when asked), fenced by
+        """Act on a probe's answer about ``probed`` (the run as it was when asked), fenced by
         its state and claim token, and record it in ``claim_history`` as ``reconcile``:
-        ``done`` settles the claim with ``result``, ``not_done`` releases it, anything else
-        changes nothing (and is recorded unless the last record already says the same)."""
-        key = probed.idem_key
+        ``done`` settles it with ``result``, ``not_done`` releases it (a message's claim is
+        deleted, work the ledger owns waits again, due now), anything else changes nothing
+        (and is recorded unless the last record already says the same). Under a live lease
+        nothing changes: only the run holding it settles its own work."""
+        key, token = probed.idem_key, probed.claim_token
         with (
             self._connector.session(f"cannot reconcile {key!r}") as conn,
             conn.transaction(),
@@ -190,31 +123,23 @@ class ClaimsAdmin(LedgerAdapter):
             with conn.cursor(row_factory=dict_row) as cur:
                 row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
             before = ClaimRow(**row) if row is not None else None
-            if (
-                before is None
-                or before.state != "running"
-                or before.claim_token != probed.claim_token
-            ):
+            if before is None or before.state != "running" or before.claim_token != token:
                 return ReconcileWrite.CHANGED
-            fence = {"key": key, "expected_token": probed.claim_token}
+            # The row lock holds state and token: a change that matches nothing met a live lease.
             if answer == "done":
-                params = {**fence, "result": Jsonb(storable_json(result))}
-                if conn.execute(_RECONCILE_DONE, params).rowcount != 1:
-                    return ReconcileWrite.LEASE_LIVE  # the row lock holds state and token
-                with conn.cursor(row_factory=dict_row) as cur:
-                    after_row = cur.execute(_SHOW, {"key": key}).fetchone()
-                after = ClaimRow(**after_row) if after_row else None
-                record_claim_change(conn, "reconcile", before, after, actor=actor, note=note)
-                return ReconcileWrite.SETTLED
+                settled = storable_json(result)
+                done = flow.settle(
+                    conn, key, token, "done", result=settled, holder=False,
+                    actor=actor, action=_RECONCILE, note=note,
+                )  # fmt: skip
+                return ReconcileWrite.SETTLED if done else ReconcileWrite.LEASE_LIVE
             if answer == "not_done":
-                if conn.execute(_RECONCILE_RELEASE, fence).rowcount != 1:
-                    return ReconcileWrite.LEASE_LIVE
-                record_claim_change(conn, "reconcile", before, None, actor=actor, note=note)
-                return ReconcileWrite.RELEASED
+                released = flow.release(conn, key, token, actor=actor, action=_RECONCILE, note=note)
+                return ReconcileWrite.RELEASED if released else ReconcileWrite.LEASE_LIVE
             last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
-            if last is None or tuple(last) != ("reconcile", note):
+            if last is None or tuple(last) != (_RECONCILE, note):
                 # An unchanged answer every few minutes would bury the history in repeats.
-                record_claim_change(conn, "reconcile", before, before, actor=actor, note=note)
+                flow.record_change(conn, _RECONCILE, before, before, actor=actor, note=note)
             return ReconcileWrite.UNCHANGED
 
     def reopen_failed(self, *, message_id: str, fingerprint: str | None, actor: str) -> list[str]:
@@ -229,7 +154,7 @@ class ClaimsAdmin(LedgerAdapter):
                 failed = [ClaimRow(**row) for row in cur.execute(_FAILED_OF_WORK, params)]
             for claim in failed:
                 conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
-                record_claim_change(
+                flow.record_change(
                     conn, "reopen", claim, None, actor=actor, note="redrive --reopen-failed"
                 )
         return [claim.idem_key for claim in failed]
@@ -248,38 +173,9 @@ class ClaimsAdmin(LedgerAdapter):
             outbox = prune_settled(conn, older_than_days=older_than_days, batch_size=batch_size)
         return PruneResult(deleted, batches, outbox)
 
-    def _deferred(self, statement: LiteralString, params: dict[str, Any]) -> list[DeferredJob]:
-        with (
-            self._connector.session("cannot read deferred jobs") as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            return [DeferredJob(**row) for row in cur.execute(statement, params).fetchall()]
-
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
         with (
             self._connector.session("cannot read claims") as conn,
             conn.cursor(row_factory=dict_row) as cur,
         ):
             return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
-
-
-def record_claim_change(
-    conn: psycopg.Connection[Any],
-    action: str,
-    before: ClaimRow,
-    after: ClaimRow | None,
-    *,
-    actor: str,
-    note: str,
-) -> None:
-    """A change to a claim in ``claim_history``: the claim before and after it, each as
-    ``claim_as_dict`` spells it."""
-    record_history(
-        conn,
-        before.idem_key,
-        action,
-        actor=actor,
-        before=claim_as_dict(before),
-        after=claim_as_dict(after) if after else None,
-        note=note,
-    )

@@ -40,7 +40,7 @@ from infrai_jobs.ledger.dead_letter_rows import (
     UNRESOLVED_DEAD_LETTERS,
 )
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector, record_history
-from infrai_jobs.operations.claim_json import claim_as_dict, storable_json
+from infrai_jobs.operations.claim_json import storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
@@ -280,12 +280,6 @@ WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
 """
 
 
-_ENDED_DEFERRED_WORK: LiteralString = """
-SELECT state FROM deferred_jobs
-WHERE idem_key = %(key)s AND state NOT IN ('deferred', 'running')
-"""
-
-
 def _take_back(
     conn: psycopg.Connection[Any],
     dead: QueueMessage,
@@ -304,11 +298,11 @@ def _take_back(
     if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
         return False
     effect = found[0]
-    ended = conn.execute(_ENDED_DEFERRED_WORK, {"key": key}).fetchone()
-    if ended is not None:
-        # Its deferred life ended (done, failed, or an operator cancelled it): a stale letter
-        # never brings it back; it is recorded for a human like any other.
-        return False
+    if claim is not None and claim.owned:
+        # The ledger holds the work already (the letter is a stale copy), or its deferred life
+        # ended (done, failed, or an operator cancelled it): a stale letter never brings it
+        # back, and is recorded for a human like any other.
+        return state in ("deferred", "running")
     if claim is not None:
         # Only a key-passing job's own expired claim may be taken over; done, failed, a
         # conflict or an irreversible job's unknown outcome stay letters for a human.
@@ -331,7 +325,7 @@ def _take_back(
         conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
     )
     if outcome is not flow.DeferOutcome.DEFERRED:
-        return outcome is flow.DeferOutcome.ALREADY_DEFERRED
+        return outcome is flow.DeferOutcome.ALREADY_HELD
     record_history(
         conn,
         key,
@@ -528,7 +522,7 @@ class DeadLetterStore:
             if row.idem_key is not None:
                 with conn.cursor(row_factory=dict_row) as cur:
                     claim_row = cur.execute(CLAIM_BY_KEY, {"key": row.idem_key}).fetchone()
-                claim = claim_as_dict(ClaimRow(**claim_row)) if claim_row else None
+                claim = ClaimRow(**claim_row).as_dict() if claim_row else None
             # A discard or a redrive in the operator history, beside the claim changes of its
             # key: the dead letter with its payload, and the key's claim as it was then. The
             # message id names the dead letter when it has no key.

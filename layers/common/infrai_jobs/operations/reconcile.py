@@ -37,7 +37,6 @@ from infrai_jobs.errors import (
     ConfigurationError,
     SecondLayerUnavailable,
 )
-from infrai_jobs.flow.ledger import DeferredJob
 from infrai_jobs.jobs.keys import identity_from_key
 from infrai_jobs.jobs.probes import (
     ANSWERS,
@@ -197,11 +196,7 @@ class Reconciler:
         jobs = self.probed_jobs()
         if not jobs:
             return report
-        candidates: list[ClaimRow | DeferredJob] = [
-            *self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
-        ]
-        if len(candidates) < limit:
-            candidates += self._admin.stuck_deferred(jobs, limit=limit - len(candidates))
+        candidates = self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
         ends = None if budget_seconds is None else self._clock() + budget_seconds
         for index, claim in enumerate(candidates):
             if ends is not None and self._clock() + self._probe_timeout > ends:
@@ -212,11 +207,9 @@ class Reconciler:
 
     def run_one(self, key: str, *, dry_run: bool = False) -> ReconcileReport:
         """Probe one claim, named by its key: a running claim of a job with a probe."""
-        claim: ClaimRow | DeferredJob | None = self._admin.find(key)
+        claim = self._admin.find(key)
         if claim is None:
-            claim = self._admin.find_deferred(key)
-        if claim is None:
-            raise ClaimNotFound(f"no claim with key {key!r}, and no deferred job")
+            raise ClaimNotFound(f"no claim with key {key!r}")
         if claim.state != "running":
             raise ClaimChanged(
                 f"claim {key!r} is {claim.state}: only a running claim is reconciled"
@@ -224,7 +217,7 @@ class Reconciler:
         self._definition(claim)
         return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
 
-    def _definition(self, claim: ClaimRow | DeferredJob) -> JobDefinition:
+    def _definition(self, claim: ClaimRow) -> JobDefinition:
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(
@@ -233,9 +226,9 @@ class Reconciler:
             )
         return definition
 
-    def _reconcile(self, claim: ClaimRow | DeferredJob, *, dry_run: bool) -> ProbeOutcome:
-        """Probe one stuck claim, or one deferred run left for a human, and act on the answer
-        (unless ``dry_run``)."""
+    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
+        """Probe one stuck claim (a delivery's, or a deferred run left for a human) and act on
+        the answer (unless ``dry_run``)."""
         definition = self._definition(claim)
         assert definition.probe is not None  # _definition refuses a job without one
         identity = identity_from_key(definition.name, definition.identity, claim.idem_key) or {}
@@ -288,14 +281,9 @@ class Reconciler:
         try:
             settled = detail if isinstance(answer, Done) else None
             note = history_note(answer.answer, detail)
-            if isinstance(claim, DeferredJob):
-                write = self._admin.apply_probe_answer_to_deferred(
-                    claim, answer.answer, result=settled, actor=self._actor, note=note
-                )
-            else:
-                write = self._admin.apply_probe_answer(
-                    claim, answer.answer, result=settled, actor=self._actor, note=note
-                )
+            write = self._admin.apply_probe_answer(
+                claim, answer.answer, result=settled, actor=self._actor, note=note
+            )
         except ClaimNotFound:
             write = ReconcileWrite.CHANGED
         resolved = write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED)

@@ -123,13 +123,6 @@ def forecast(
         return Forecast(Verdict.RUN, "unknown", "no key or ledger to judge it by"), key
     claim = admin.find(key)
     if claim is None:
-        deferred = admin.find_deferred(key)
-        if deferred is not None and deferred.state in ("deferred", "running"):
-            why = (
-                f"the ledger holds it as deferred work ({deferred.state}, attempt "
-                f"{deferred.attempts}): a copy is a duplicate (`claims list --state deferred`)"
-            )
-            return Forecast(Verdict.SKIP, "deferred", why), key
         return Forecast(Verdict.RUN, "no_claim", "no claim: the job runs"), key
     return _against_claim(row, claim, reopen_failed, stuck_after_seconds, now), key
 
@@ -151,6 +144,15 @@ def _against_claim(
         return Forecast(
             Verdict.SKIP, "done", "done already: the copy would be acked as a duplicate"
         )
+    if claim.owned and claim.state in ("deferred", "running"):
+        why = (
+            f"the ledger holds it as deferred work ({claim.state}, attempt {claim.attempts}): "
+            "a copy is a duplicate (`claims list --state deferred`)"
+        )
+        return Forecast(Verdict.SKIP, "deferred", why)
+    if claim.state == "cancelled":
+        why = "an operator cancelled its deferred work: a copy is new work, and runs"
+        return Forecast(Verdict.RUN, "cancelled", why)
     if claim.state == "failed":
         if reopen_failed or row.held_by_ledger:
             return Forecast(Verdict.RUN, "reopened", "its failed claim is reopened: it runs")

@@ -117,15 +117,14 @@ _TIME_LEFT_MS = 3_600_000
 # stray round trips over the whole drain stay under this.
 UNCHANGED_TOLERANCE = 0.005
 # Labels (``instruments.statement_label``) of the statements only a limited job's run makes:
-# the holding check, the advisory locks, the rate start, the concurrency slot.
+# the advisory locks, the rate start, the concurrency slot.
 _LIMIT_STATEMENTS = re.compile(
-    r"^(prepare )?"
-    r"(SELECT|SELECT deferred_jobs|INSERT flow_rate_starts|\w+ flow_concurrency_slots)$"
+    r"^(prepare )?(SELECT|INSERT flow_rate_starts|\w+ flow_concurrency_slots)$"
 )
 _CHECK: LiteralString = """
 SELECT (SELECT count(*) FROM job_claims),
        (SELECT count(*) FROM job_claims WHERE state = 'done'),
-       (SELECT count(*) FROM deferred_jobs),
+       (SELECT count(*) FROM job_claims WHERE run_after IS NOT NULL),
        (SELECT count(*) FROM flow_rate_starts),
        (SELECT count(*) FROM flow_concurrency_slots)
 """
@@ -243,7 +242,7 @@ def _one_drain(
         expected_mails=unique,
     )
     checks |= {
-        "deferred_jobs": deferred,
+        "deferred_rows": deferred,
         "deferred_outcomes": result["outcomes"].get("deferred", 0),
         "rate_limit_waits": counters.get("rate_limit_waits", 0),
         "rate_starts": rate_starts,

@@ -36,7 +36,7 @@ holds a live lease, redrives the dead-letter queues (``operations.redrive``, pub
 and lets the drains settle them without faults. Then every key must be ``done``, or ``failed``
 with its message in the DLQ, or flagged stuck (an irreversible effect whose outcome nobody
 knows); a key the ledger deferred must be done once by a deferred run, failed with its reason
-in the ledger's dead letters, or left ``running`` in ``deferred_jobs`` for a human (an external
+in the ledger's dead letters, or left ``running`` in the ledger for a human (an external
 job whose lease ran out); and the effects must agree with the ledger: database effects exactly
 once, external effects at most once; every dead letter must be explained by the ledger (or, for
 the oversized poison, by its size).
@@ -316,7 +316,7 @@ _POISON_ORDER = (
     "share",
 )
 _DEFERRED_ORDER = (
-    "deferred_jobs rows",
+    "deferred rows",
     "  done",
     "  failed",
     "  running",
@@ -897,9 +897,10 @@ class Convergence:
 
 
 _DEFERRED_PENDING: LiteralString = """
-SELECT count(*) FROM deferred_jobs
-WHERE state = 'deferred'
-   OR (state = 'running' AND (lease_until > now() OR effect <> 'external'))
+SELECT count(*) FROM job_claims
+WHERE run_after IS NOT NULL
+  AND (state = 'deferred'
+       OR (state = 'running' AND (lease_until > now() OR effect <> 'external')))
 """
 
 
@@ -1473,19 +1474,21 @@ class _Classifier:
 
     def _row(self, key: str) -> ClaimFacts | None:
         rows = self.database.query(
-            "SELECT state, error, effect, coalesce(lease_until > now(), false) "
-            "FROM job_claims WHERE idem_key = %s",
+            "SELECT state, error, effect, coalesce(lease_until > now(), false), "
+            "run_after IS NOT NULL FROM job_claims WHERE idem_key = %s",
             (key,),
         )
-        if rows:
-            return ClaimFacts(*rows[0])
-        held = self.database.query("SELECT state FROM deferred_jobs WHERE idem_key = %s", (key,))
-        return _deferred_facts(str(held[0][0])) if held else None
+        if not rows:
+            return None
+        state, error, effect, lease_live, owned = rows[0]
+        if owned and state in ("deferred", "running"):
+            return _deferred_facts(str(state))
+        return ClaimFacts(state, error, effect, lease_live)
 
 
 def _deferred_facts(state: str) -> ClaimFacts:
-    """A key with no claim whose work ``deferred_jobs`` holds (its claim was released when it
-    was deferred): the classifier's view of it."""
+    """A key whose work the ledger owns, waiting or running (its message was acked when it was
+    deferred): the classifier's view of it."""
     return ClaimFacts(DEFERRED_STATE_PREFIX + state, None, None, False)
 
 
@@ -1540,7 +1543,7 @@ DONE_COPY = "copy of work the ledger has done"
 UNREADABLE = "unreadable: larger than the drains' answer limit, never read (no ledger row)"
 TAKEOVER_DUE = "dead owner: key-passing claim, lease over (a copy takes it over)"
 STUCK_DUE = "dead owner: irreversible claim, lease over (a copy flags it stuck)"
-DEFERRED_COPY = "copy of work the ledger holds deferred (no claim; deferred_jobs has it)"
+DEFERRED_COPY = "copy of work the ledger holds deferred (its claim waits, owned by the ledger)"
 NO_ROW = "NO REASON: nothing in the ledger (three deliveries lost)"
 UNFLAGGED = "NO REASON: running claim with a live lease (a copy would be acked in flight)"
 EXPLAINED_DEAD_LETTERS = frozenset(
@@ -1708,7 +1711,7 @@ def _performed(job: PlannedJob, mails: Mapping[str, int], digests: Mapping[str, 
 
 @dataclass(frozen=True, slots=True)
 class DeferredFacts:
-    """What the audit needs of a key's row in ``deferred_jobs``."""
+    """What the audit needs of a key's row the ledger owns (it was deferred)."""
 
     state: str
     effect: str
@@ -1716,7 +1719,8 @@ class DeferredFacts:
 
 
 _ALL_DEFERRED: LiteralString = """
-SELECT idem_key, state, effect, coalesce(lease_until > now(), false) FROM deferred_jobs
+SELECT idem_key, state, effect, coalesce(lease_until > now(), false) FROM job_claims
+WHERE run_after IS NOT NULL
 """
 # The ledger's own dead letters (deferred work out of attempts) the operator has not resolved.
 _LEDGER_DEAD_LETTERS: LiteralString = (
@@ -1727,7 +1731,7 @@ _LEDGER_DEAD_LETTERS: LiteralString = (
 
 DEFERRED_DONE = "keys done by a deferred run, effect exactly once"
 DEFERRED_FAILED = "keys failed after their retry policy, reason in the ledger's dead letters"
-DEFERRED_FOR_A_HUMAN = "keys left running in deferred_jobs for a human (lease ran out)"
+DEFERRED_FOR_A_HUMAN = "deferred keys left running for a human (lease ran out)"
 
 
 def _audited_as_deferred(
@@ -1817,7 +1821,7 @@ def _record_deferred(
     for key in sorted(set(ledger_dead) - failed):
         report.violations.append(f"{key}: a dead letter held by the ledger, no deferred job failed")
     figures = report.deferred
-    figures["deferred_jobs rows (keys the ledger deferred)"] = len(deferred)
+    figures["deferred rows (keys the ledger deferred)"] = len(deferred)
     states = Counter(facts.state for facts in deferred.values())
     for state, label in _DEFERRED_STATES.items():
         figures[label] = states.pop(state, 0)

@@ -161,7 +161,7 @@ def test_deferred_jobs_end_done_once_failed_in_the_ledger_or_left_for_a_human(
     assert refused > 0
     # Then the ledger deferred work, and ran it from the ledger
     deferred = report.deferred
-    assert deferred["deferred_jobs rows (keys the ledger deferred)"] >= outage + refused
+    assert deferred["deferred rows (keys the ledger deferred)"] >= outage + refused
     assert deferred["drain summaries: deferred runs taken from the ledger"] > 0
     # And every digest the provider refused three times was done once by a deferred run (the
     # audit checks each key: done with exactly one digest, its claim settled done)

@@ -48,7 +48,7 @@ def _take_and_fail(kit: Harness, key: str, error: str, **options: Any) -> bool:
         conn.execute("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (key,))
         (taken,) = flow.take_due(conn, 1, lease_seconds=60)
         assert taken.idem_key == key
-        return flow.fail(conn, key, taken.claim_token or uuid.uuid4(), error, **options)
+        return flow.fail(conn, key, taken.claim_token or uuid.uuid4(), error, **options) is not None
 
 
 def _json(kit: Harness, *args: str) -> Any:

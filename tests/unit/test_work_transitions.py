@@ -23,7 +23,8 @@ def rendered_table() -> str:
 
 def test_the_documented_state_machine_is_the_codes() -> None:
     text = DESIGN_DOC.read_text(encoding="utf-8")
-    assert BEGIN in text and END in text, "docs/design.md needs the work-transitions markers"
+    assert BEGIN in text, "docs/design.md needs the work-transitions begin marker"
+    assert END in text, "docs/design.md needs the work-transitions end marker"
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     expected = rendered_table()
     assert table == expected, f"replace docs/design.md's state machine table with:\n{expected}"

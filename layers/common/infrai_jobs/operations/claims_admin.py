@@ -127,11 +127,17 @@ class ClaimsAdmin(LedgerAdapter):
                 return ReconcileWrite.CHANGED
             # The row lock holds state and token: a change that matches nothing met a live lease.
             if answer == "done":
-                settled = storable_json(result)
                 done = flow.settle(
-                    conn, key, token, "done", result=settled, holder=False,
-                    actor=actor, action=_RECONCILE, note=note,
-                )  # fmt: skip
+                    conn,
+                    key,
+                    token,
+                    "done",
+                    result=storable_json(result),
+                    actor=actor,
+                    action=_RECONCILE,
+                    note=note,
+                    holder=False,
+                )
                 return ReconcileWrite.SETTLED if done else ReconcileWrite.LEASE_LIVE
             if answer == "not_done":
                 released = flow.release(conn, key, token, actor=actor, action=_RECONCILE, note=note)

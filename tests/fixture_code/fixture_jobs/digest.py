@@ -28,7 +28,7 @@ def build(payload: Payload, ctx: JobContext) -> JsonValue:
         headers={"Content-Type": "application/json", "Idempotency-Key": ctx.idem_key},
     )
     if answer.status in _RETRIED_CLIENT_ERRORS or answer.status >= 500:
-        raise RuntimeError(f"the digest provider answered HTTP {answer.status}; retried")
+        raise RuntimeError(f"digest provider answered HTTP {answer.status}; will retry")
     if answer.status >= 300:
         raise PermanentJobError(f"the digest provider refused: HTTP {answer.status}")
     built = json.loads(answer.data)

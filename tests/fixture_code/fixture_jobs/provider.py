@@ -12,9 +12,9 @@ class Provider:
     """The endpoint a job's setting names. The pool is built once, on first use or by
     ``prepare`` (what a rate-limited job runs before its first start is reserved)."""
 
-    def __init__(self, setting: str, read_timeout: float) -> None:
+    def __init__(self, setting: str, read_timeout: float, connect_timeout: float = 2.0) -> None:
         self.setting = setting
-        self._read_timeout = read_timeout
+        self._timeouts = {"connect": connect_timeout, "read": read_timeout}
         self._pool: Any = None
         self._building = threading.Lock()  # lanes are threads
 
@@ -26,7 +26,7 @@ class Provider:
 
         with self._building:
             if self._pool is None:
-                timeout = urllib3.Timeout(connect=2.0, read=self._read_timeout)
+                timeout = urllib3.Timeout(**self._timeouts)
                 self._pool = urllib3.PoolManager(retries=False, timeout=timeout)
         return self._pool
 

@@ -1,6 +1,4 @@
-"""Fixtures the end-to-end tests share: the project they invoke (the repository's template and
-handlers with the fixture jobs, ``fixture_project``) and the stand-ins a local invocation talks
-to."""
+"""Fixtures the end-to-end tests share: the stand-ins a local invocation talks to."""
 
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ from infrai_local.migrations import apply_migrations, jobs_migrations_folder, re
 
 @pytest.fixture(scope="session")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project a test invokes: the repository's template, events and handlers, with the
-    fixture jobs as their jobs package, whichever jobs a team has."""
+    """The project a test invokes (``infrai-jobs invoke``): the repository's template, events
+    and handlers, with the fixture jobs as their jobs package (``fixture_project``)."""
     return build_fixture_project(tmp_path_factory.mktemp("fixture-project") / "project")
 
 

@@ -8,11 +8,20 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from aws_lambda_powertools.utilities import parameters
 from drainkit import Harness, harness
+from fixture_project import build_fixture_project
 from redis_server import wait_for_redis
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project a test invokes (``infrai-jobs invoke``): the repository's template, events
+    and handlers, with the fixture jobs as their jobs package (``fixture_project``)."""
+    return build_fixture_project(tmp_path_factory.mktemp("fixture-project") / "project")
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from typing import LiteralString
 
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
+NAME = "invoice.finalize"
+
 _MARK_FINAL: LiteralString = (
     "UPDATE invoices SET status = 'final', total_cents = %(total)s WHERE id = %(id)s"
     " RETURNING id, status, total_cents"
@@ -28,9 +30,6 @@ def mark_final(payload: Payload, ctx: JobContext) -> JsonValue:
 
 
 def register(registry: JobRegistry) -> None:
-    registry.job(
-        "invoice.finalize",
-        effect=Effect.DATABASE,
-        identity=("invoice_id",),
-        fields={"invoice_id": (str, int), "amount_cents": int},
-    )(mark_final)
+    # A producer may send the id as a number: it keys as its digits.
+    schema = {"invoice_id": (str, int), "amount_cents": int}
+    registry.job(NAME, identity=("invoice_id",), fields=schema, effect=Effect.DATABASE)(mark_final)

@@ -15,6 +15,8 @@ from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
+NAME = "digest.build"
+
 _http = Provider("DIGEST_PROVIDER_URL", read_timeout=10.0)
 _RETRIED_CLIENT_ERRORS = (409, 429)
 
@@ -47,11 +49,11 @@ def find_built(payload: Payload, ctx: JobContext) -> ProbeAnswer:
 
 def register(registry: JobRegistry) -> None:
     registry.job(
-        "digest.build",
-        effect=Effect.EXTERNAL_IDEMPOTENT,
+        NAME,
         identity=("tenant_id", "period"),
-        fields={"tenant_id": str, "period": str},
+        fields=dict.fromkeys(("tenant_id", "period"), str),
+        effect=Effect.EXTERNAL_IDEMPOTENT,
         settings=(_http.setting,),
-        probe=find_built,
         prepare=_http.prepare,
+        probe=find_built,
     )(build)

@@ -15,29 +15,31 @@ from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
+NAME = "receipt.send"
+
 mailer = Provider("MAIL_PROVIDER_URL", read_timeout=5.0)
 KIND = "receipt"
+
+
+# What an answer's status class says about a mail that may have gone out.
+_FAILURES = {5: EffectUncertain, 4: PermanentJobError}
 
 
 def send(payload: Payload, ctx: JobContext) -> JsonValue:
     import urllib3  # noqa: PLC0415 - as the provider's pool: only when a mail is sent
 
     mail = {"to": payload["email"], "template": KIND, "invoice_id": payload["invoice_id"]}
+    headers = {"Content-Type": "application/json"}
+    url = mailer.url(ctx, "/v1/mail/send")
     try:
-        answer = mailer.request(
-            "POST",
-            mailer.url(ctx, "/v1/mail/send"),
-            body=json.dumps(mail),
-            headers={"Content-Type": "application/json"},
-        )
-    except urllib3.exceptions.NewConnectionError:
-        raise  # never connected: nothing was sent, a retry is safe
+        answer = mailer.request("POST", url, body=json.dumps(mail), headers=headers)
     except urllib3.exceptions.HTTPError as exc:
+        if isinstance(exc, urllib3.exceptions.NewConnectionError):
+            raise  # never connected: nothing was sent, a retry is safe
         raise EffectUncertain(f"the mail call ended unanswered: {exc}") from exc
-    if answer.status >= 500:
-        raise EffectUncertain(f"the mail provider answered {answer.status}: it may have sent")
-    if answer.status >= 400:
-        raise PermanentJobError(f"the mail provider refused: HTTP {answer.status}")
+    failure = _FAILURES.get(answer.status // 100)
+    if failure is not None:
+        raise failure(f"the mail provider answered HTTP {answer.status}")
     sent = json.loads(answer.data or b"{}")
     return {"provider_message_id": sent.get("id") if isinstance(sent, dict) else None}
 
@@ -59,12 +61,13 @@ def find_sent(payload: Payload, ctx: JobContext) -> ProbeAnswer:
 
 
 def register(registry: JobRegistry) -> None:
+    schema = {"invoice_id": (str, int), "email": str}
     registry.job(
-        "receipt.send",
-        effect=Effect.EXTERNAL,
+        NAME,
         identity=("invoice_id",),
-        fields={"invoice_id": (str, int), "email": str},
+        fields=schema,
+        effect=Effect.EXTERNAL,
         settings=(mailer.setting,),
-        probe=find_sent,
         prepare=mailer.prepare,
+        probe=find_sent,
     )(send)

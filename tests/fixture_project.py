@@ -1,5 +1,6 @@
 """The project as deployed, with the fixture jobs in place of the team's: what the end-to-end
-tests invoke. Importable from every test folder, as ``child_process`` is.
+tests invoke, and what a test that imports a handler module or runs the CLI in this process
+loads (``fixture_jobs_as_jobs``). Importable from every test folder, as ``child_process`` is.
 
 ``infrai-jobs invoke`` runs a function with its CodeUri (``functions/``) and the layer on the
 path, so its ``jobs`` package is whatever that folder holds. This project's ``functions/`` holds
@@ -10,8 +11,13 @@ the repository's own.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import fixture_jobs
 
@@ -33,3 +39,30 @@ def build_fixture_project(folder: Path) -> Path:
     for package in ("jobs", "fixture_jobs"):
         (code / package).symlink_to(fixture_jobs.CODE_ROOT / package, target_is_directory=True)
     return folder
+
+
+@contextmanager
+def fixture_jobs_as_jobs() -> Iterator[ModuleType]:
+    """This process's ``jobs``, for the block, is the fixture code root's package: what the CLI
+    run in-process (``infrai_local.cli.main``) imports, where it would find the team's package
+    otherwise. The team's modules, if imported, are put back afterwards."""
+    ours = fixture_jobs.CODE_ROOT / "jobs"
+    saved = {name: sys.modules.pop(name) for name in _jobs_modules()}
+    spec = importlib.util.spec_from_file_location(
+        "jobs", ours / "__init__.py", submodule_search_locations=[str(ours)]
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["jobs"] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for name in _jobs_modules():
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def _jobs_modules() -> list[str]:
+    return [name for name in sys.modules if name == "jobs" or name.startswith("jobs.")]

@@ -4,7 +4,6 @@ test jobs whose effects can be counted."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -14,7 +13,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import fixture_jobs
@@ -227,33 +225,6 @@ def harness(
         kit.control.clear()
         sink.stop()
         server.stop()
-
-
-@contextmanager
-def fixture_jobs_as_jobs() -> Iterator[ModuleType]:
-    """This process's ``jobs``, for the block, is the fixture code root's package: what the CLI
-    run in-process (``infrai_local.cli.main``) imports, where it would find the team's package
-    otherwise. The team's modules, if imported, are put back afterwards."""
-    ours = TEST_JOBS_CODE / "jobs"
-    saved = {name: sys.modules.pop(name) for name in _jobs_modules()}
-    spec = importlib.util.spec_from_file_location(
-        "jobs", ours / "__init__.py", submodule_search_locations=[str(ours)]
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["jobs"] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        for name in _jobs_modules():
-            del sys.modules[name]
-        sys.modules.update(saved)
-
-
-def _jobs_modules() -> list[str]:
-    return [name for name in sys.modules if name == "jobs" or name.startswith("jobs.")]
 
 
 def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:

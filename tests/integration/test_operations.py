@@ -13,15 +13,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from drainkit import (
-    DLQ,
-    OPERATOR,
-    QUEUE,
-    Harness,
-    fixture_jobs_as_jobs,
-    harness,
-    run_until_killed,
-)
+from drainkit import DLQ, OPERATOR, QUEUE, Harness, harness, run_until_killed
+from fixture_project import fixture_jobs_as_jobs
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload

@@ -20,8 +20,17 @@ from pathlib import Path
 from types import ModuleType
 
 import fixture_jobs
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project a test invokes (``infrai-jobs invoke``): the repository's template, events
+    and handlers, with the fixture jobs as their jobs package. A tier's ``conftest.py`` imports
+    it."""
+    return build_fixture_project(tmp_path_factory.mktemp("fixture-project") / "project")
 
 
 def build_fixture_project(folder: Path) -> Path:

@@ -1,25 +1,18 @@
-"""Fixtures the end-to-end tests share: the stand-ins a local invocation talks to."""
+"""Fixtures the end-to-end tests share: the project they invoke (``fixture_project``) and the
+stand-ins a local invocation talks to."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import fixture_jobs
 import psycopg
 import pytest
-from fixture_project import build_fixture_project
+from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
 
 from infrai_local import emulator, provider_sink
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-
-
-@pytest.fixture(scope="session")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project a test invokes (``infrai-jobs invoke``): the repository's template, events
-    and handlers, with the fixture jobs as their jobs package (``fixture_project``)."""
-    return build_fixture_project(tmp_path_factory.mktemp("fixture-project") / "project")
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Fixtures the integration tests share: the drain harness (``kit``) and a real Redis for the
-second layer's tests."""
+"""Fixtures the integration tests share: the drain harness (``kit``), the project a test invokes
+(``fixture_project``) and a real Redis for the second layer's tests."""
 
 from __future__ import annotations
 
@@ -8,20 +8,12 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from aws_lambda_powertools.utilities import parameters
 from drainkit import Harness, harness
-from fixture_project import build_fixture_project
+from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
 from redis_server import wait_for_redis
-
-
-@pytest.fixture(scope="session")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project a test invokes (``infrai-jobs invoke``): the repository's template, events
-    and handlers, with the fixture jobs as their jobs package (``fixture_project``)."""
-    return build_fixture_project(tmp_path_factory.mktemp("fixture-project") / "project")
 
 
 @pytest.fixture

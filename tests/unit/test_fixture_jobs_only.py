@@ -26,6 +26,13 @@ ALLOWED = {
     # path the soak gives it, whose build_registry it wraps before drain.app binds it.
     "chaos/drain_worker.py": "its `jobs` is the fixture code root's (soak.py's PYTHONPATH)",
 }
+# Other ways into the team's package: the settings the installed jobs declare, and the tables of
+# the repository's own functions/jobs. A test module may use them only where it may import it.
+_OTHER_ROUTES = re.compile(r"\bsink_settings\(|jobs_migrations_folder\(\s*ROOT\s*/\s*\"functions\"")
+ALLOWED_ROUTES = {
+    # The README's walkthrough, run as written on the example jobs.
+    "e2e/test_readme_walkthrough.py": "the walkthrough's provider settings are the examples'",
+}
 # Where a test's child script (a string) imports the jobs package.
 _SCRIPT_IMPORT = re.compile(r"^\s*(?:import jobs\b|from jobs(?:\.\w+)* import )", re.M)
 
@@ -62,6 +69,18 @@ def test_no_framework_test_imports_the_teams_jobs_package() -> None:
     assert {name: found for name, found in importing.items() if name not in ALLOWED} == {}
     # And every allowed one still does: an entry no longer needed goes
     assert sorted(ALLOWED) == sorted(importing)
+
+
+def test_no_framework_test_reaches_the_teams_jobs_another_way() -> None:
+    # Given every module of the test tree but the fixture jobs themselves
+    # When their text is searched for the installed jobs' settings or functions/jobs' tables
+    reaching = sorted(
+        path.relative_to(TESTS).as_posix()
+        for path in _framework_test_modules()
+        if path.name != Path(__file__).name and _OTHER_ROUTES.search(path.read_text("utf-8"))
+    )
+    # Then only the allowed modules do
+    assert reaching == sorted(ALLOWED_ROUTES)
 
 
 def test_the_guard_sees_an_import_in_code_and_in_a_child_script() -> None:

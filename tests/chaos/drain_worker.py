@@ -51,7 +51,7 @@ from typing import Any
 
 from soak_jobs import provider_refuses, register_soak_jobs
 
-import jobs  # the functions' own jobs package (functions/ is on the path)
+import jobs  # the fixture code root's jobs package (first on the path: soak.py)
 from infrai_jobs.jobs.registry import (
     Effect,
     Handler,

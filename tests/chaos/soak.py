@@ -70,6 +70,7 @@ from typing import Any, LiteralString
 import psycopg
 import urllib3
 from child_process import stop_process
+from fixture_jobs import CODE_ROOT, build_registry, provider_settings
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from soak_jobs import (
@@ -96,8 +97,6 @@ from infrai_jobs.queue.models import QueueMessage
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.provider_sink import sink_settings
-from jobs import build_registry
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -506,9 +505,9 @@ class SoakDatabase:
                 )
             )
         with psycopg.connect(self.app_url, autocommit=True) as conn:
-            # The ledger's, then the functions' jobs' own, as `infrai-jobs migrate` does: the
+            # The ledger's, then the fixture jobs' own, as `infrai-jobs migrate` does: the
             # drain workers run DrainFunction's handler, whose schema check includes the jobs'.
-            apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
+            apply_migrations(conn, read_migrations(jobs_migrations_folder(CODE_ROOT)))
             conn.execute(SOAK_EFFECTS_DDL)
 
     def query(self, statement: LiteralString, params: Any = None) -> list[tuple[Any, ...]]:
@@ -1338,7 +1337,7 @@ WORKLOAD_REFUSED = f"    of which it always refuses (failed after {DIGEST_ATTEMP
 def _drain_env(
     config: SoakConfig, database: SoakDatabase, base_url: str, provider_url: str, api_key: str
 ) -> dict[str, str]:
-    pythonpath = [str(HERE), str(ROOT / "functions")]
+    pythonpath = [str(HERE), str(CODE_ROOT), str(ROOT / "functions")]
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(pythonpath),
@@ -1347,7 +1346,7 @@ def _drain_env(
         "INFRAI_QUEUE": QUEUE,
         "INFRAI_DLQ": DLQ,
         "DATABASE_URL": database.app_url,
-        **sink_settings(provider_url),
+        **provider_settings(provider_url),
         "DRAIN_BATCH_BUDGET_MS": str(config.batch_budget_ms),
         "LEASE_GRACE_SECONDS": str(config.lease_grace_seconds),
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS": str(config.visibility_seconds),

@@ -1,26 +1,27 @@
-"""Fixtures the end-to-end tests share: the stand-ins a local invocation talks to."""
+"""Fixtures the end-to-end tests share: the project they invoke (``fixture_project``) and the
+stand-ins a local invocation talks to."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
+import fixture_jobs
 import psycopg
 import pytest
+from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
 
 from infrai_local import emulator, provider_sink
+from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.provider_sink import sink_settings
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def services(database_url: str) -> Iterator[dict[str, str]]:
-    """A migrated ledger with draft invoices inv_8812 and inv_9000, the emulator and the
-    provider sink, as the environment a function is invoked with."""
+    """A ledger migrated with the fixture jobs' tables, holding draft invoices inv_8812 and
+    inv_9000, the emulator and the provider sink, as the environment a function is invoked with
+    (and an ``infrai-jobs`` child that publishes to it: the fixture jobs' code root)."""
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(fixture_jobs.CODE_ROOT)))
         conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
         conn.execute("INSERT INTO invoices VALUES ('inv_9000', 'draft', NULL)")
     server = emulator.start_in_thread()
@@ -30,7 +31,8 @@ def services(database_url: str) -> Iterator[dict[str, str]]:
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY": "local-dev-key",
             "DATABASE_URL": database_url,
-            **sink_settings(sink.url),
+            JOBS_PATH_ENV: str(fixture_jobs.CODE_ROOT),
+            **fixture_jobs.provider_settings(sink.url),
         }
     finally:
         sink.stop()

@@ -32,7 +32,7 @@ def publish(services: dict[str, str], body: dict[str, object], *args: str) -> tu
 
 
 def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
-    services: dict[str, str],
+    services: dict[str, str], project: Path
 ) -> None:
     # Given the notes' job published twice by `publish` (one correlation id for both), and
     # another job whose producer sent a W3C traceparent
@@ -50,7 +50,7 @@ def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
     (traced,), traced_id = publish(services, traced_body)
     assert traced_id == TRACE_ID
     # When DrainFunction is invoked with the schedule event
-    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    spec = resolve("DrainFunction", root=project, env_vars=EVENTS / "env.json")
     logs = LineSink()
     result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
     assert result.ok, result.payload

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import fixture_jobs
 import psycopg
 import pytest
 import urllib3
@@ -21,7 +22,6 @@ from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.fan_out import CLI, LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -80,12 +80,12 @@ def test_invoking_another_function_is_an_error_not_a_throttle(
 
 @pytest.mark.slow
 def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
-    database_url: str, tmp_path: Path
+    database_url: str, tmp_path: Path, project: Path
 ) -> None:
     # Given 600 invoices to finalize waiting, Infrai answering in 100 ms, and DrainFunction
     # allowed three drains alive with a fan-out time of one second
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(project / "functions")))
         conn.execute(
             "INSERT INTO invoices SELECT 'inv_' || n, 'draft', NULL FROM generate_series(1, 600) n"
         )
@@ -111,7 +111,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
                         "DATABASE_SECRET_ARN": "",
                     },
                     "DrainFunction": {
-                        **sink_settings(sink.url),
+                        **fixture_jobs.provider_settings(sink.url),
                         "DRAIN_MAX_CONCURRENCY": "3",
                         "DRAIN_FANOUT_AFTER_SECONDS": "1",
                     },
@@ -129,7 +129,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
                 "--env-vars",
                 str(env_vars),
             ],
-            cwd=ROOT,
+            cwd=project,
             capture_output=True,
             text=True,
             timeout=240,

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import boto3
+import fixture_jobs
 import psycopg
 import pytest
 import urllib3
@@ -20,7 +21,6 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import dependency_path, invoke, resolve
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.provider_sink import sink_settings
 from infrai_local.sam_template import (
     function_names,
     load_template,
@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
 
 
-def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, str]) -> None:
+def test_drain_function_drains_the_emulator_into_the_ledger(
+    services: dict[str, str], project: Path
+) -> None:
     # Given the notes' job published twice to the emulator
     client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
     client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
@@ -40,7 +42,7 @@ def test_drain_function_drains_the_emulator_into_the_ledger(services: dict[str, 
     client.publish("billing-jobs", payload)
     client.publish("billing-jobs", payload)
     # When DrainFunction is invoked with the repo's schedule event and env-vars file
-    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    spec = resolve("DrainFunction", root=project, env_vars=EVENTS / "env.json")
     logs = LineSink()
     result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
     # Then it returned the summary, the ledger holds one done claim, and the queue is empty
@@ -187,7 +189,7 @@ def _cli_invoke(function: str, folder: Path, *extra: str) -> subprocess.Complete
 
 
 def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
-    services: dict[str, str], tmp_path: Path
+    services: dict[str, str], tmp_path: Path, project: Path
 ) -> None:
     # Given a fan-out event, as one drain sends another it starts (no event id of its own)
     InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key").ensure_queue(
@@ -196,7 +198,7 @@ def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
     slot = "6b1f2a3c-4d5e-4f60-8a7b-9c0d1e2f3a4b"
     event = {"infrai_jobs_fan_out": {"queue": "billing-jobs", "drain_id": slot, "started_by": "x"}}
     (tmp_path / "fan-out.json").write_text(json.dumps(event))
-    spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    spec = resolve("DrainFunction", root=project, env_vars=EVENTS / "env.json")
     logs = LineSink()
     # When DrainFunction is invoked with it
     result = invoke(spec, tmp_path / "fan-out.json", log_stream=logs, extra_env=services)
@@ -232,11 +234,13 @@ def _dead_letter(services: dict[str, str], payload: dict[str, object]) -> Infrai
     return client
 
 
-def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, str]) -> None:
+def test_dlq_alert_function_reports_a_dead_lettered_message(
+    services: dict[str, str], project: Path
+) -> None:
     # Given a message dead-lettered in the emulator
     _dead_letter(services, {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1})
     # When DlqAlertFunction is invoked with its schedule event (no topic locally: it prints)
-    spec = resolve("DlqAlertFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    spec = resolve("DlqAlertFunction", root=project, env_vars=EVENTS / "env.json")
     logs = LineSink()
     result = invoke(
         spec,
@@ -256,12 +260,12 @@ def test_dlq_alert_function_reports_a_dead_lettered_message(services: dict[str, 
     assert_every_line_correlates(logs, EVENTS / "dlq-alert-schedule.json")
 
 
-def test_redrive_function_moves_dead_letters_back(services: dict[str, str]) -> None:
+def test_redrive_function_moves_dead_letters_back(services: dict[str, str], project: Path) -> None:
     # Given a dead-lettered job whose invoice now exists
     client = _dead_letter(
         services, {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
     )
-    spec = resolve("RedriveFunction", root=ROOT, env_vars=EVENTS / "env.json")
+    spec = resolve("RedriveFunction", root=project, env_vars=EVENTS / "env.json")
     # When RedriveFunction is first invoked with events/redrive-dry-run.json
     looked = invoke(
         spec, EVENTS / "redrive-dry-run.json", log_stream=LineSink(), extra_env=services
@@ -308,9 +312,9 @@ def test_prune_function_deletes_old_settled_claims(services: dict[str, str]) -> 
     assert_every_line_correlates(logs, EVENTS / "prune-schedule.json")
 
 
-def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None:
+def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3(project: Path) -> None:
     # Given DrainFunction's code, layer and environment, with plain secrets (no fetch by name)
-    spec = resolve("DrainFunction", root=ROOT)
+    spec = resolve("DrainFunction", root=project)
     path = [str(spec.code_uri), *map(str, spec.layer_dirs), *dependency_path()]
     env = {
         **spec.environment,
@@ -319,7 +323,7 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3() -> None
         "INFRAI_BASE_URL": "http://127.0.0.1:9",
         "INFRAI_API_KEY": "cold-key",
         "DATABASE_URL": "postgresql://cold@127.0.0.1:9/cold",
-        **sink_settings("http://127.0.0.1:9"),
+        **fixture_jobs.provider_settings("http://127.0.0.1:9"),
         "POWERTOOLS_TRACE_DISABLED": "true",
     }
     check = textwrap.dedent(
@@ -614,10 +618,10 @@ def test_the_readmes_invoke_command_runs_as_written_in_a_fresh_shell() -> None:
 
 
 def _invoke_from_shell(
-    function: str, event: str, env_vars: Path, *, env: dict[str, str]
+    project: Path, function: str, event: str, env_vars: Path, *, env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
     """``infrai-jobs invoke FUNCTION --event EVENT --env-vars ENV_VARS`` in a child process,
-    run from the checkout's root with only ``env`` as its environment."""
+    run from ``project``'s root with only ``env`` as its environment."""
     return run_captured(
         [
             str(Path(sys.executable).parent / "infrai-jobs"),
@@ -629,25 +633,28 @@ def _invoke_from_shell(
             str(env_vars),
         ],
         env=env,
-        cwd=ROOT,
+        cwd=project,
         timeout=120,
     )
 
 
-def test_a_template_default_endpoint_is_not_a_choice_the_user_made(database_url: str) -> None:
+def test_a_template_default_endpoint_is_not_a_choice_the_user_made(
+    database_url: str, project: Path
+) -> None:
     # Given an env-vars file that sets nothing, so InfraiBaseUrl keeps the template's Default
-    spec = resolve("DrainFunction", root=ROOT)
+    spec = resolve("DrainFunction", root=project)
     assert spec.environment["INFRAI_BASE_URL"] == "https://api.infrai.cc"
     assert "INFRAI_BASE_URL" in spec.template_only
     # And one where the user chose it, on the command line
     chosen = resolve(
-        "DrainFunction", root=ROOT, parameter_overrides={"InfraiBaseUrl": "http://127.0.0.1:9"}
+        "DrainFunction", root=project, parameter_overrides={"InfraiBaseUrl": "http://127.0.0.1:9"}
     )
     assert "INFRAI_BASE_URL" not in chosen.template_only
     # When DrainFunction is invoked with a real ledger from the shell and no Infrai URL
     with psycopg.connect(database_url, autocommit=True) as conn:
-        apply_migrations(conn, read_migrations(jobs_migrations_folder(ROOT / "functions")))
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(project / "functions")))
     finished = _invoke_from_shell(
+        project,
         "DrainFunction",
         "events/drain-schedule.json",
         EVENTS / "env.json",
@@ -662,7 +669,7 @@ def test_a_template_default_endpoint_is_not_a_choice_the_user_made(database_url:
 
 
 def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
-    services: dict[str, str], tmp_path: Path
+    services: dict[str, str], tmp_path: Path, project: Path
 ) -> None:
     # Given SNS served by moto over HTTP, a topic with a queue subscribed to read it back, and
     # a shell naming moto's endpoint, credentials and a region (AWS_DEFAULT_REGION only)
@@ -703,7 +710,11 @@ def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
         )
         # When DlqAlertFunction is invoked from that shell
         finished = _invoke_from_shell(
-            "DlqAlertFunction", "events/dlq-alert-schedule.json", env_vars, env=clean_env(**aws)
+            project,
+            "DlqAlertFunction",
+            "events/dlq-alert-schedule.json",
+            env_vars,
+            env=clean_env(**aws),
         )
         # Then the alert went to SNS through moto, signed with the forwarded credentials
         assert finished.returncode == 0, finished.stdout + finished.stderr
@@ -719,7 +730,7 @@ def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
 
 
 def test_a_jobs_setting_exported_in_the_shell_reaches_the_function_as_in_sam(
-    services: dict[str, str], tmp_path: Path
+    services: dict[str, str], tmp_path: Path, project: Path
 ) -> None:
     # Given an env-vars file that leaves every job setting empty, and a shell that exports the
     # endpoints and the jobs' settings (the template declares each on DrainFunction, so
@@ -737,7 +748,7 @@ def test_a_jobs_setting_exported_in_the_shell_reaches_the_function_as_in_sam(
         client.close()
     # When DrainFunction is invoked from that shell
     finished = _invoke_from_shell(
-        "DrainFunction", "events/drain-schedule.json", env_vars, env=clean_env(**services)
+        project, "DrainFunction", "events/drain-schedule.json", env_vars, env=clean_env(**services)
     )
     # Then the receipt was sent through the exported MAIL_PROVIDER_URL, and nothing stood in
     assert finished.returncode == 0, finished.stdout + finished.stderr

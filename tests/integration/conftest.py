@@ -1,5 +1,5 @@
-"""Fixtures the integration tests share: the drain harness (``kit``) and a real Redis for the
-second layer's tests."""
+"""Fixtures the integration tests share: the drain harness (``kit``), the project a test invokes
+(``fixture_project``) and a real Redis for the second layer's tests."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from aws_lambda_powertools.utilities import parameters
 from drainkit import Harness, harness
+from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
 from redis_server import wait_for_redis
 
 

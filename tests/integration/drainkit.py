@@ -1,5 +1,6 @@
 """A harness for drain tests: the emulator over HTTP, a migrated ledger in a real PostgreSQL, the
-example jobs from ``functions/jobs`` and a few test jobs whose effects can be counted."""
+framework tests' fixture jobs (``fixture_jobs``, never the team's ``functions/jobs``) and a few
+test jobs whose effects can be counted."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fixture_jobs
 import psycopg
 import urllib3
 from child_process import run_captured
@@ -35,17 +37,16 @@ from infrai_local.migrations import (
     jobs_migrations_folder,
     read_migrations,
 )
-from infrai_local.provider_sink import sink_settings
-from jobs import build_registry
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
 OPERATOR = "on-call@example.com"
 FUNCTIONS_CODE = HERE.parent.parent / "functions"
-# A code root whose jobs package declares the test jobs below: INFRAI_JOBS_PATH of a CLI child
-# that must judge the harness's test jobs' dead letters as the harness's drain would.
-TEST_JOBS_CODE = HERE.parent / "fixture_code"
+# The fixture jobs' code root: its jobs package serves them, and declares the test jobs below,
+# to every CLI child (INFRAI_JOBS_PATH) and child Python (PYTHONPATH) of the harness, so a child
+# derives the keys and judges the dead letters the harness's drain does.
+TEST_JOBS_CODE = fixture_jobs.CODE_ROOT
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -185,27 +186,35 @@ def migrate_by_hand(conn: psycopg.Connection[Any], *, up_to: int) -> None:
         )
 
 
-def prepare_database(database_url: str) -> None:
+def prepare_database(database_url: str, code_root: Path = TEST_JOBS_CODE) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
-        # The ledger's, then the example jobs' own migrations (invoices), as `migrate` does.
-        apply_migrations(conn, read_migrations(jobs_migrations_folder(FUNCTIONS_CODE)))
+        # The ledger's, then the jobs' own migrations (the fixture jobs': invoices), as
+        # `migrate` does.
+        apply_migrations(conn, read_migrations(jobs_migrations_folder(code_root)))
         conn.execute(EFFECTS_DDL)
 
 
 @contextmanager
 def harness(
-    database_url: str, *, visibility: float = VISIBILITY, max_answer_bytes: int | None = None
+    database_url: str,
+    *,
+    visibility: float = VISIBILITY,
+    max_answer_bytes: int | None = None,
+    jobs: Callable[[], JobRegistry] = fixture_jobs.build_registry,
+    code_root: Path = TEST_JOBS_CODE,
 ) -> Iterator[Harness]:
-    prepare_database(database_url)
+    """The harness on ``database_url``. Its jobs are the fixture jobs, with their tables, unless
+    ``jobs`` and ``code_root`` name others (the example tests pass the team's)."""
+    prepare_database(database_url, code_root)
     server = emulator_module.start_in_thread(visibility_timeout=visibility)
     sink = provider_sink.start_in_thread()
     limits = {} if max_answer_bytes is None else {"max_answer_bytes": max_answer_bytes}
     client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
     client.ensure_queue(QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
-    registry = build_registry()
+    registry = jobs()
     add_test_jobs(registry, database_url)
-    # The example jobs' settings (MAIL_PROVIDER_URL, ...) all point at the sink.
+    # The fixture jobs' settings (MAIL_PROVIDER_URL, ...) all point at the sink.
     registry.bind_settings(dict.fromkeys(registry.declared_settings(), sink.url))
     kit = Harness(server, sink, client, ledger, registry, database_url)
     try:
@@ -241,15 +250,16 @@ def run_concurrently(*targets: Callable[[], Any]) -> list[Any]:
 
 def child_env() -> dict[str, str]:
     """This environment, with the path a child Python needs to import this module (and the
-    tests' shared helpers beside it) and the drain function's code (its ``jobs`` package)."""
-    path = [str(HERE), str(HERE.parent), str(FUNCTIONS_CODE)]
+    tests' shared helpers beside it), the fixture jobs (``fixture_jobs``, and the ``jobs``
+    package of their code root, first) and the functions' handler modules."""
+    path = [str(HERE), str(HERE.parent), str(TEST_JOBS_CODE), str(FUNCTIONS_CODE)]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def run_until_killed(script: str, *args: str) -> None:
     """Run ``script`` (with ``args``) in a child Python that SIGKILLs itself at the moment the
-    test chose, and assert that is how it ended. The child finds this module and the drain
-    function's code (its ``jobs`` package) on its path."""
+    test chose, and assert that is how it ended. The child finds this module and the fixture
+    jobs on its path (``child_env``)."""
     finished = run_captured([sys.executable, "-c", script, *args], env=child_env())
     assert finished.returncode == -signal.SIGKILL, finished.stderr
 
@@ -258,7 +268,8 @@ def run_cli(
     kit: Harness, *args: str, cwd: Path = ROOT, **env: str
 ) -> subprocess.CompletedProcess[str]:
     """``infrai-jobs ARGS`` in a child process (from the project root unless ``cwd`` says
-    otherwise), configured for the harness's emulator, ledger and provider sink, and for no
+    otherwise), configured for the harness's emulator, ledger and provider sink and its jobs
+    (the fixture code root's; ``INFRAI_JOBS_PATH`` in ``env`` names another), and for no
     endpoint of the shell running the tests."""
     return run_captured([INFRAI_JOBS, *args], env=cli_environment(kit, **env), cwd=cwd)
 
@@ -288,7 +299,8 @@ def cli_environment(kit: Harness, **env: str) -> dict[str, str]:
             "INFRAI_BASE_URL": kit.server.url,
             "INFRAI_API_KEY": "test-key",
             "DATABASE_URL": kit.database_url,
-            **sink_settings(kit.sink.url),
+            "INFRAI_JOBS_PATH": str(TEST_JOBS_CODE),
+            **fixture_jobs.provider_settings(kit.sink.url),
             "OPERATOR": OPERATOR,
             **env,
         }

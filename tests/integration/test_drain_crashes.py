@@ -23,7 +23,7 @@ KILL_AT_ACK = textwrap.dedent(
     from infrai_jobs.drain.loop import drain
     from infrai_jobs.ledger.claim_ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
-    from jobs import build_registry
+    from fixture_jobs import build_registry
 
     base_url, database_url, provider_url = sys.argv[1:4]
     client = InfraiClient(base_url, "test-key")

@@ -15,13 +15,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from drainkit import OPERATOR, Harness
+from drainkit import FUNCTIONS_CODE, OPERATOR, Harness, harness
 from test_reconcile import DIGEST, RECEIPT, seed_dead_worker_claim, sink_call
 
+import jobs
 from infrai_jobs.jobs.probes import MAX_PROBE_RESULT_BYTES, Done, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
+
+
+@pytest.fixture
+def kit(database_url: str) -> Iterator[Harness]:
+    """The harness running the team's example jobs (``functions/jobs``, with their tables)
+    instead of the framework tests' fixture jobs."""
+    with harness(database_url, jobs=jobs.build_registry, code_root=FUNCTIONS_CODE) as example_kit:
+        yield example_kit
 
 
 def _reconcile(kit: Harness, key: str) -> tuple[str, str]:

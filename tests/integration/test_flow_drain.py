@@ -423,7 +423,7 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
     """
     import os, signal, sys
     import psycopg
-    import jobs.digest as digest
+    import fixture_jobs.digest as digest
     from drainkit import QUEUE, add_test_jobs
     from infrai_jobs.drain.flow import flow_control
     from infrai_jobs.drain.loop import drain_invocation
@@ -431,7 +431,7 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
     from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
     from infrai_jobs.ledger.claim_ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
-    from jobs import build_registry
+    from fixture_jobs import build_registry
 
     base_url, database_url, provider_url, policies = sys.argv[1:5]
     call = digest._http.request

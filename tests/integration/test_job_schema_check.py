@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from drainkit import API_KEY, FUNCTIONS_CODE, QUEUE, Harness, harness, run_cli
+from drainkit import API_KEY, QUEUE, TEST_JOBS_CODE, Harness, harness, run_cli
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import SchemaNotMigrated
@@ -40,10 +40,10 @@ def build_registry() -> JobRegistry:
     return registry
 """
 PAYOUT_TABLE = "CREATE TABLE schemacheck_payout (payout_id text PRIMARY KEY);"
-# The harness's database holds the team's jobs' migrations already: the payout package's comes
-# after the last of them, whichever they are.
+# The harness's database holds the fixture jobs' migrations already: the payout package's comes
+# after the last of them.
 VERSION = (
-    max((m.version for m in read_migrations(jobs_migrations_folder(FUNCTIONS_CODE))), default=0) + 1
+    max((m.version for m in read_migrations(jobs_migrations_folder(TEST_JOBS_CODE))), default=0) + 1
 )
 MIGRATION = JobMigrationName(VERSION, "schemacheck_payout")
 

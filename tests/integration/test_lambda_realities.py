@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psycopg
 from drainkit import DLQ, QUEUE, Harness, add_test_jobs, child_env, run_concurrently
+from fixture_jobs import build_registry
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
@@ -23,7 +24,6 @@ from infrai_jobs.errors import LedgerUnavailable
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.runtime.drain_service import DrainService
-from jobs import build_registry
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -39,7 +39,7 @@ TIMED_OUT_INVOCATION = textwrap.dedent(
     from infrai_jobs.jobs.registry import Effect
     from infrai_jobs.ledger.claim_ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
-    from jobs import build_registry
+    from fixture_jobs import build_registry
 
     base_url, database_url, provider_url, seconds = sys.argv[1:5]
     deadline = time.time() + float(seconds)

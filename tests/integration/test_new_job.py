@@ -1,7 +1,9 @@
 """``infrai-jobs new-job``: a scaffolded job runs out of the box, through the real CLI.
 
 Each test works on a copy of the project's code root (``functions/``) in a folder of its own,
-named with ``--jobs-path`` / ``INFRAI_JOBS_PATH``, so the repository is never written to.
+named with ``--jobs-path`` / ``INFRAI_JOBS_PATH``, so the repository is never written to. Its
+jobs package is the fixture code root's (the framework tests' jobs, laid out as a team's), never
+the team's own: what the tests scaffold beside holds whichever jobs a team has.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from child_process import run_captured
-from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, run_cli
+from drainkit import INFRAI_JOBS, QUEUE, ROOT, TEST_JOBS_CODE, Harness, run_cli
 
 RUFF = str(Path(sys.executable).parent / "ruff")
 # Names no team would give a job of its own, so the tests hold in any checkout (the issue's
@@ -28,10 +30,18 @@ PYTEST = str(Path(sys.executable).parent / "pytest")
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A copy of the project's code root and tests' shared files, as a team's checkout."""
+    """A copy of the project's code root and tests' shared files, as a team's checkout, whose
+    jobs package holds the fixture jobs."""
+    functions = tmp_path / "functions"
     shutil.copytree(
-        ROOT / "functions", tmp_path / "functions", ignore=shutil.ignore_patterns("__pycache__")
+        ROOT / "functions", functions, ignore=shutil.ignore_patterns("__pycache__", "jobs")
     )
+    for package in ("jobs", "fixture_jobs"):
+        shutil.copytree(
+            TEST_JOBS_CODE / package,
+            functions / package,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
     (tmp_path / "tests" / "integration").mkdir(parents=True)
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -198,7 +208,7 @@ def test_new_job_writes_every_file_in_the_project_of_the_jobs_package_from_any_f
 def test_new_job_refuses_a_jobs_package_outside_any_project(kit: Harness, tmp_path: Path) -> None:
     # Given a code root that no project (template.yaml) holds
     shutil.copytree(
-        ROOT / "functions", tmp_path / "loose", ignore=shutil.ignore_patterns("__pycache__")
+        TEST_JOBS_CODE, tmp_path / "loose", ignore=shutil.ignore_patterns("__pycache__")
     )
     before = _tree(tmp_path)
     # When new-job is pointed at it

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 from drainkit import DLQ, OPERATOR, QUEUE, Harness, harness, run_until_killed
+from fixture_project import fixture_jobs_as_jobs
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
@@ -30,7 +31,8 @@ ROOT = HERE.parent.parent
 
 @pytest.fixture
 def kit(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
-    with harness(database_url) as h:
+    # The CLI runs in this process: its jobs package is the harness's, the fixture jobs'
+    with harness(database_url) as h, fixture_jobs_as_jobs():
         monkeypatch.setenv("INFRAI_BASE_URL", h.server.url)
         monkeypatch.setenv("INFRAI_API_KEY", "test-key")
         monkeypatch.setenv("DATABASE_URL", database_url)

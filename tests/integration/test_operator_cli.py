@@ -514,14 +514,14 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
     assert json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"] == []
 
 
-def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness) -> None:
+def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness, project: Path) -> None:
     from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
 
     # Given dead letters of two jobs
     kit.client.publish(DLQ, {"job": "invoice.finalize", "invoice_id": "inv_7", "amount_cents": 1})
     kit.client.publish(DLQ, {"job": "test.db", "id": "stays"})
     # When RedriveFunction is invoked with events/redrive-selected.json (job invoice.finalize)
-    spec = resolve("RedriveFunction", root=ROOT, env_vars=ROOT / "events" / "env.json")
+    spec = resolve("RedriveFunction", root=project, env_vars=ROOT / "events" / "env.json")
     services = {
         "INFRAI_BASE_URL": kit.server.url,
         "INFRAI_API_KEY": "test-key",
@@ -538,7 +538,7 @@ def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness) -> 
 
 
 def test_redrive_function_derives_a_jobs_own_key_with_the_shared_jobs_package(
-    kit: Harness, tmp_path: Path
+    kit: Harness, tmp_path: Path, project: Path
 ) -> None:
     from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
 
@@ -557,7 +557,7 @@ def test_redrive_function_derives_a_jobs_own_key_with_the_shared_jobs_package(
     event = tmp_path / "redrive-key.json"
     event.write_text(json.dumps({"key": "receipt.send:inv_8", "reopen_failed": True}))
     # When RedriveFunction is asked for that key
-    spec = resolve("RedriveFunction", root=ROOT, env_vars=ROOT / "events" / "env.json")
+    spec = resolve("RedriveFunction", root=project, env_vars=ROOT / "events" / "env.json")
     services = {
         "INFRAI_BASE_URL": kit.server.url,
         "INFRAI_API_KEY": "test-key",

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import fixture_jobs
 import psycopg
 import pytest
 from child_process import clean_env, run_captured
@@ -25,8 +26,8 @@ from infrai_jobs.operations.redrive import RedriveRequest, _reopen, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local import emulator
+from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations
-from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -36,15 +37,20 @@ API_KEY = "safety-key"
 JOB = {"job": "receipt.send", "invoice_id": "inv_real_1", "email": "a@example.com"}
 
 
-base_env = clean_env
+def base_env(**variables: str) -> dict[str, str]:
+    """A clean environment (``clean_env``) whose ``infrai-jobs`` loads the fixture jobs."""
+    return clean_env(**{JOBS_PATH_ENV: str(fixture_jobs.CODE_ROOT), **variables})
 
 
 def run(*args: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return run_captured([CLI, *args], env=env, cwd=cwd)
 
 
-def invoke_drain_function(env_vars: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``infrai-jobs invoke DrainFunction`` with the repo's schedule event and ``env_vars``."""
+def invoke_drain_function(
+    project: Path, env_vars: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs invoke DrainFunction`` in ``project`` (the fixture project), with the
+    repo's schedule event and ``env_vars``."""
     return run(
         "invoke",
         "DrainFunction",
@@ -53,6 +59,7 @@ def invoke_drain_function(env_vars: str, env: dict[str, str]) -> subprocess.Comp
         "--env-vars",
         env_vars,
         env=env,
+        cwd=project,
     )
 
 
@@ -130,11 +137,15 @@ def named(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def drain_function_settings() -> list[str]:
-    """The settings DrainFunction's jobs declare and the template passes it, in their order."""
-    from infrai_local.invoke import job_setting_owners, resolve  # noqa: PLC0415
+def drain_function_settings(project: Path) -> list[str]:
+    """The settings DrainFunction's jobs (the fixture jobs) declare and the template passes it,
+    in their order. (Read here, not through ``job_setting_owners``: this process's ``jobs`` is
+    the team's package.)"""
+    from infrai_local.invoke import resolve  # noqa: PLC0415
 
-    return list(job_setting_owners(resolve("DrainFunction", root=ROOT)))
+    environment = resolve("DrainFunction", root=project).environment
+    declared = fixture_jobs.build_registry().declared_settings()
+    return [name for name in declared if name in environment]
 
 
 def migrated(database_url: str) -> str:
@@ -159,7 +170,7 @@ def test_a_drain_of_a_real_queue_without_database_url_consumes_nothing(
     env = base_env(
         INFRAI_BASE_URL=queue.base_url,
         INFRAI_API_KEY=API_KEY,
-        **sink_settings(job_kit_provider_url),
+        **fixture_jobs.provider_settings(job_kit_provider_url),
     )
     # When the drain runs
     finished = run("drain", env=env)
@@ -303,7 +314,7 @@ def test_a_missing_queue_points_at_the_server_as_well_as_the_name(queue: InfraiC
 
 
 def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
-    queue: InfraiClient, job_kit_provider_url: str, database_url: str, tmp_path: Path
+    queue: InfraiClient, job_kit_provider_url: str, database_url: str, tmp_path: Path, project: Path
 ) -> None:
     # Given an env-vars file that leaves DATABASE_URL empty (as events/env.json does) and a
     # shell whose DATABASE_URL names a database never migrated
@@ -314,11 +325,11 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
             "INFRAI_API_KEY": API_KEY,
             "INFRAI_API_KEY_PARAMETER": "",
             "DATABASE_URL": "",
-            **sink_settings(job_kit_provider_url),
+            **fixture_jobs.provider_settings(job_kit_provider_url),
         },
     )
     # When DrainFunction is invoked
-    finished = invoke_drain_function(env_vars, base_env(DATABASE_URL=database_url))
+    finished = invoke_drain_function(project, env_vars, base_env(DATABASE_URL=database_url))
     # Then it fails with the database named as not migrated and the command to run, before
     # any handler runs; the database has still no table, and the job was not consumed
     line = assert_one_line_error(finished, 2)
@@ -330,11 +341,13 @@ def test_invoke_with_an_unmigrated_database_from_the_shell_leaves_it_unmigrated(
 
 
 def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
-    queue: InfraiClient, database_url: str
+    queue: InfraiClient, database_url: str, project: Path
 ) -> None:
     # Given the repo's env-vars file and a shell with only an un-migrated DATABASE_URL
     # When DrainFunction is invoked
-    finished = invoke_drain_function("events/env.json", base_env(DATABASE_URL=database_url))
+    finished = invoke_drain_function(
+        project, "events/env.json", base_env(DATABASE_URL=database_url)
+    )
     # Then the database is named as not migrated first, and stays so
     line = assert_one_line_error(finished, 2)
     assert "not migrated" in line
@@ -342,7 +355,7 @@ def test_invoke_names_an_unmigrated_database_even_with_other_pieces_missing(
 
 
 def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anything(
-    queue: InfraiClient, tmp_path: Path
+    queue: InfraiClient, tmp_path: Path, project: Path
 ) -> None:
     # Given an env-vars file naming a queue (DATABASE_URL empty) and no DATABASE_URL in the
     # shell
@@ -350,22 +363,24 @@ def test_invoke_with_a_real_queue_and_no_database_refuses_before_starting_anythi
         tmp_path, {"INFRAI_BASE_URL": queue.base_url, "INFRAI_API_KEY": API_KEY}
     )
     # When DrainFunction is invoked
-    finished = invoke_drain_function(env_vars, base_env())
+    finished = invoke_drain_function(project, env_vars, base_env())
     # Then it names DATABASE_URL; no handler ran
     line = assert_one_line_error(finished, 2)
     # (the settings of the jobs DrainFunction's code holds, whichever they are)
-    unset = named(["DATABASE_URL", *drain_function_settings()])
+    unset = named(["DATABASE_URL", *drain_function_settings(project)])
     assert f"{unset} are not set, but INFRAI_BASE_URL is" in line
     assert "END DrainFunction" not in finished.stderr
 
 
-def test_invoke_with_nothing_configured_runs_in_a_sandbox_and_says_so(tmp_path: Path) -> None:
+def test_invoke_with_nothing_configured_runs_in_a_sandbox_and_says_so(
+    tmp_path: Path, project: Path
+) -> None:
     # Given an env-vars file leaving every endpoint empty
     env_vars = write_env_vars(
         tmp_path, {"INFRAI_BASE_URL": "", "DATABASE_URL": "", "INFRAI_API_KEY": ""}
     )
     # When DrainFunction is invoked
-    finished = invoke_drain_function(env_vars, base_env())
+    finished = invoke_drain_function(project, env_vars, base_env())
     # Then the first line says sandbox, and the drain ran against the stand-ins
     assert finished.returncode == 0, finished.stderr
     assert finished.stderr.splitlines()[0].startswith("sandbox: nothing real is configured")
@@ -437,7 +452,7 @@ def test_both_outputs_closed_is_exit_1_with_nothing_left_behind(database_url: st
                 DATABASE_URL=database_url,
                 INFRAI_BASE_URL="http://127.0.0.1:9",
                 INFRAI_API_KEY="k",
-                **sink_settings("http://127.0.0.1:9"),
+                **fixture_jobs.provider_settings("http://127.0.0.1:9"),
             ),
             cwd=ROOT,
             stdout=write_end,
@@ -485,7 +500,7 @@ def test_a_drain_on_an_unmigrated_database_says_migrate_and_consumes_nothing(
         INFRAI_BASE_URL=queue.base_url,
         INFRAI_API_KEY=API_KEY,
         DATABASE_URL=database_url,
-        **sink_settings(job_kit_provider_url),
+        **fixture_jobs.provider_settings(job_kit_provider_url),
     )
     # When the drain runs
     finished = run("drain", env=env)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fixture_jobs
 import pytest
 from child_process import clean_env, run_captured
+from fixture_project import fixture_jobs_as_jobs
 
 from infrai_jobs.aws.secrets import database_url_from_secret
 from infrai_jobs.config.settings import DrainSettings, PruneSettings
@@ -31,8 +33,8 @@ from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_sec
 from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
+from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.operator import OperatorLedger
-from infrai_local.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -181,6 +183,13 @@ class _NoQueue:
         raise AssertionError(name)
 
 
+@pytest.fixture(autouse=True)
+def fixture_jobs_imported() -> Iterator[None]:
+    """``migrate`` runs in this process too: its jobs package is the fixture jobs'."""
+    with fixture_jobs_as_jobs():
+        yield
+
+
 def entry_points(url: str) -> dict[str, Callable[[], object]]:
     message = QueueMessage(
         "qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "in_flight", "r"
@@ -221,7 +230,12 @@ def test_no_operator_command_prints_a_piece_of_the_password(case: Hostile) -> No
     for command in (["migrate"], ["claims", "list"], ["claims", "stuck"]):
         # When an operator runs the command with the hostile DATABASE_URL
         finished = run_captured(
-            [CLI, *command], env=clean_env(DATABASE_URL=case.conninfo), cwd=ROOT, timeout=60
+            [CLI, *command],
+            env=clean_env(
+                DATABASE_URL=case.conninfo, **{JOBS_PATH_ENV: str(fixture_jobs.CODE_ROOT)}
+            ),
+            cwd=ROOT,
+            timeout=60,
         )
         # Then it fails in one line (2: malformed configuration, 1: cannot connect) and shows
         # no piece of the password
@@ -238,7 +252,11 @@ def services() -> Iterator[dict[str, str]]:
     server = emulator.start_in_thread()
     sink = provider_sink.start_in_thread()
     try:
-        yield {"INFRAI_BASE_URL": server.url, "INFRAI_API_KEY": "k", **sink_settings(sink.url)}
+        yield {
+            "INFRAI_BASE_URL": server.url,
+            "INFRAI_API_KEY": "k",
+            **fixture_jobs.provider_settings(sink.url),
+        }
     finally:
         sink.stop()
         server.stop()
@@ -254,10 +272,10 @@ class _Lines:
 
 @pytest.mark.parametrize("case", HOSTILE.values(), ids=HOSTILE.keys())
 def test_drain_function_logs_no_piece_of_the_password(
-    case: Hostile, services: dict[str, str]
+    case: Hostile, services: dict[str, str], project: Path
 ) -> None:
     # Given DrainFunction configured with the hostile DATABASE_URL
-    spec = resolve("DrainFunction", root=ROOT)
+    spec = resolve("DrainFunction", root=project)
     logs = _Lines()
     extra = {**services, "DATABASE_URL": case.conninfo, "INFRAI_API_KEY_PARAMETER": ""}
     # When it is invoked

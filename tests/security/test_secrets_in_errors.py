@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fixture_project import fixture_jobs_as_jobs
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import InfraiError, LedgerError
@@ -64,6 +65,12 @@ def test_a_malformed_database_url_error_never_holds_the_password() -> None:
 
 
 def test_every_place_that_connects_keeps_a_malformed_urls_password_out_of_its_error() -> None:
+    # (``migrate`` runs in this process: its jobs package is the fixture jobs')
+    with fixture_jobs_as_jobs():
+        _every_place_keeps_the_password_out()
+
+
+def _every_place_keeps_the_password_out() -> None:
     # Given a database URL with a typo (an unclosed IPv6 bracket) and a password, which the
     # driver quotes whole in its own error
     url = f"postgresql://infrai:{PASSWORD}@[::1/jobs"

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import pytest
+from fixture_jobs import build_registry
 from hypothesis import given
 from hypothesis import strategies as st
 from notes_example import NOTES_PAYLOAD
@@ -22,7 +23,6 @@ from infrai_jobs.jobs.correlation import (
 )
 from infrai_jobs.jobs.keys import NO_KEY_RULES, derive_key, payload_fingerprint
 from infrai_jobs.jobs.registry import JobContext
-from jobs import build_registry
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_jobs import build_registry
 from function_apps import load_function_app
 
 from infrai_jobs.aws.secrets import SecretSource
@@ -25,7 +26,6 @@ from infrai_jobs.config.settings import (
 from infrai_jobs.config.table import settings_table
 from infrai_jobs.errors import ConfigurationError
 from infrai_local.sam_template import load_template, resolve_function
-from jobs import build_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from fixture_jobs import build_registry
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.flow.policies import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
-from jobs import build_registry
 
 # The document, word for word.
 DOCUMENT = (

@@ -59,9 +59,9 @@ def test_away_from_the_project_the_installed_package_is_the_functions_own(tmp_pa
     # Given a process started in a folder that is not the project
     # When it imports the jobs package the way the CLI does
     origin, names = which_jobs(tmp_path)
-    # Then it is functions/jobs, the package every function imports, with the example jobs
+    # Then it is functions/jobs, the package every function imports, whichever jobs it holds
     assert Path(origin) == ROOT / "functions" / "jobs" / "__init__.py"
-    assert "invoice.finalize" in names
+    assert names.startswith("[")
 
 
 def test_the_code_root_and_project_are_where_lambda_and_the_template_expect_them() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import json_strategies
 import pytest
 import rfc8785
+from fixture_jobs import build_registry
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from json_strategies import SAFE_INT
@@ -29,9 +30,8 @@ from infrai_jobs.jobs.keys import (
     payload_fingerprint,
     work_fields,
 )
-from jobs import build_registry
 
-# The key rules the example jobs declare (functions/jobs): the layer knows none itself.
+# The key rules the fixture jobs declare (tests/fixture_code): the layer knows none itself.
 EXAMPLE_RULES = MappingProxyType(build_registry().identity_table())
 # A job with no key rule: keyed by its content.
 UNRULED_JOB = "report.export"

@@ -8,6 +8,7 @@ from typing import Any
 
 import json_strategies
 import pytest
+from fixture_jobs import build_registry
 from hypothesis import given
 from hypothesis import strategies as st
 from json_strategies import SAFE_INT
@@ -24,7 +25,6 @@ from infrai_jobs.jobs.registry import (
     JsonValue,
     Payload,
 )
-from jobs import build_registry
 
 
 def _noop(payload: Payload, ctx: JobContext) -> JsonValue:

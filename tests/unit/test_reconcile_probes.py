@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from fixture_jobs import build_registry
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.keys import identity_from_key, natural_key
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.operations.reconcile import answer_of, ask, history_note
-from jobs import build_registry
 
 
 def handler(payload: Payload, ctx: JobContext) -> JsonValue:

@@ -1,23 +1,22 @@
-"""A jobs package of the framework's tests, for ``infrai-jobs`` children (``INFRAI_JOBS_PATH``).
+"""The fixture code root's ``jobs`` package, for ``infrai-jobs`` children (``INFRAI_JOBS_PATH``),
+child Pythons (this folder first on ``PYTHONPATH``) and the fixture project's functions: the
+framework tests' jobs (``fixture_jobs``), whichever jobs a team has, and the harness's counted
+test jobs (``counted``). It is laid out as a team's package is (one ``from jobs import`` line,
+one ``return registry``, and the ``_http`` pool a scaffolded external job imports), so
+``infrai-jobs new-job`` can add a job to a copy of it.
 
-It declares the harness's test jobs (``drainkit.add_test_jobs``) by name, effect and identity,
-so a command run in a child process derives the same keys and judges the same dead letters as
-the harness's drain does, whichever jobs a team has. Their handlers run only in the harness:
-here they refuse, so a child that tried to run one would say so.
+A child that runs the counted jobs itself registers them on ``fixture_jobs.build_registry()``.
 """
 
 from __future__ import annotations
 
-from infrai_jobs.errors import PermanentJobError
-from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from fixture_jobs import build_registry as build_fixture_registry
 
-
-def _not_here(payload: Payload, ctx: JobContext) -> JsonValue:
-    raise PermanentJobError("the fixture package only derives keys; the harness runs its jobs")
+from infrai_jobs.jobs.registry import JobRegistry
+from jobs import counted
 
 
 def build_registry() -> JobRegistry:
-    registry = JobRegistry()
-    registry.job("test.db", effect=Effect.DATABASE, identity=("id",))(_not_here)
-    registry.job("test.ext", effect=Effect.EXTERNAL, identity=("id",))(_not_here)
+    registry: JobRegistry = build_fixture_registry()
+    counted.register(registry)
     return registry

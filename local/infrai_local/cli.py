@@ -420,6 +420,26 @@ def _build_parser() -> argparse.ArgumentParser:
         "that",
     )
     new_job.add_argument(
+        "--rate-per-second",
+        type=int,
+        metavar="N",
+        help="declare a rate limit of N starts a second across every drain (external jobs); "
+        "its test asserts the starts' spacing",
+    )
+    new_job.add_argument(
+        "--concurrency-key",
+        metavar="FIELD[,FIELD]",
+        help="declare a concurrency key on these --identity fields (external jobs): at most "
+        "--max-running runs at once per value; its test asserts a job waits for a free slot",
+    )
+    new_job.add_argument(
+        "--max-running",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --concurrency-key: runs at once per value (1)",
+    )
+    new_job.add_argument(
         "--dry-run", action="store_true", help="list the files it would write, and write none"
     )
     new_job.set_defaults(command=_cmd_new_job)
@@ -541,7 +561,14 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
 
 def _cmd_new_job(args: argparse.Namespace) -> int:
     job = scaffold.parse_request(
-        args.name, args.effect, args.identity, args.setting or (), args.retry_attempts
+        args.name,
+        args.effect,
+        args.identity,
+        args.setting or (),
+        args.retry_attempts,
+        rate_per_second=args.rate_per_second,
+        concurrency_key=args.concurrency_key,
+        max_running=args.max_running,
     )
     root = code_root(args.jobs_path)
     project = scaffold.project_of(root)

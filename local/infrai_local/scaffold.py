@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_local.scaffold_settings import plan_setting_edits
@@ -74,6 +75,11 @@ class NewJob:
     asked_settings: tuple[str, ...] = ()
     # --retry-attempts: a retry policy the job declares (external jobs), None for none.
     retry_attempts: int | None = None
+    # --rate-per-second: a rate limit the job declares (external jobs), None for none.
+    rate_per_second: int | None = None
+    # --concurrency-key and --max-running: a concurrency key (external jobs), () for none.
+    concurrency_key: tuple[str, ...] = ()
+    max_running: int = 1
 
     @property
     def module(self) -> str:
@@ -146,6 +152,10 @@ def parse_request(
     identity: str,
     settings: Sequence[str] = (),
     retry_attempts: int | None = None,
+    *,
+    rate_per_second: int | None = None,
+    concurrency_key: str | None = None,
+    max_running: int = 1,
 ) -> NewJob:
     """Check the command's arguments; a ``ConfigurationError`` says what is wrong."""
     if not _JOB_NAME.match(name):
@@ -173,7 +183,17 @@ def parse_request(
         raise ConfigurationError(f"--identity {identity!r} names a field twice")
     _check_settings(settings)
     _check_retry(effect_class, retry_attempts)
-    return NewJob(name, effect_class, fields, tuple(settings), retry_attempts)
+    key = _check_limits(effect_class, fields, rate_per_second, concurrency_key, max_running)
+    return NewJob(
+        name,
+        effect_class,
+        fields,
+        tuple(settings),
+        retry_attempts,
+        rate_per_second,
+        key,
+        max_running,
+    )
 
 
 def _check_settings(settings: Sequence[str]) -> None:
@@ -201,6 +221,41 @@ def _check_retry(effect: Effect, attempts: int | None) -> None:
             f"--retry-attempts {attempts}: give more than {MAX_RECEIVE_COUNT}; Infrai's own "
             f"{MAX_RECEIVE_COUNT} deliveries retry that many already"
         )
+
+
+def _check_limits(
+    effect: Effect,
+    identity: tuple[str, ...],
+    rate_per_second: int | None,
+    concurrency_key: str | None,
+    max_running: int,
+) -> tuple[str, ...]:
+    """The concurrency key's fields, once the limits are checked as the drain checks them at
+    cold start (bounds, and a key naming the job's own fields)."""
+    key = tuple(f.strip() for f in (concurrency_key or "").split(",") if f.strip())
+    if concurrency_key is None and max_running != 1:
+        raise ConfigurationError("--max-running needs --concurrency-key (what it counts by)")
+    if rate_per_second is None and not key:
+        return key
+    if effect is Effect.DATABASE:
+        raise ConfigurationError(
+            "--rate-per-second and --concurrency-key: flow control applies to external jobs "
+            "only; a database job rolls back with its batch's transaction"
+        )
+    try:
+        if rate_per_second is not None:
+            RateLimit(per_second=rate_per_second)
+        if concurrency_key is not None:
+            ConcurrencyLimit(key=key, max_running=max_running)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"new-job's flow control: {exc}") from None
+    unknown = [field for field in key if field not in identity]
+    if unknown:
+        raise ConfigurationError(
+            f"--concurrency-key {', '.join(unknown)}: name fields of --identity "
+            f"({', '.join(identity)}), the fields the job declares"
+        )
+    return key
 
 
 def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -> Scaffold:
@@ -329,19 +384,45 @@ def _module_text(job: NewJob, version: int) -> str:
         setting=job.setting,
         setting_constants=_setting_constants(job),
         settings_tuple=_settings_tuple(job),
-        policy_import=(
-            "\nfrom infrai_jobs.jobs.policy import RetryPolicy" if job.retry_attempts else ""
-        ),
-        retry=(
-            f"\n        retry=RetryPolicy(attempts={job.retry_attempts}, first_delay_seconds=1.0, "
-            "max_delay_seconds=60.0),"
-            if job.retry_attempts
-            else ""
-        ),
+        policy_import=_policy_import(job),
+        retry=_policy_arguments(job),
         key_header=(
             '"Idempotency-Key": ctx.idem_key, ' if idempotent else '"X-Request-Key": ctx.idem_key, '
         ),
     )
+
+
+def _policy_import(job: NewJob) -> str:
+    names = [
+        name
+        for name, wanted in (
+            ("ConcurrencyLimit", job.concurrency_key),
+            ("RateLimit", job.rate_per_second),
+            ("RetryPolicy", job.retry_attempts),
+        )
+        if wanted
+    ]
+    return f"\nfrom infrai_jobs.jobs.policy import {', '.join(names)}" if names else ""
+
+
+def _policy_arguments(job: NewJob) -> str:
+    """The registration's policy arguments, one line each (a rate-limited job warms its pool
+    before its first start is reserved, so the import never sits between a start and its
+    call)."""
+    lines = []
+    if job.retry_attempts:
+        lines.append(
+            f"retry=RetryPolicy(attempts={job.retry_attempts}, first_delay_seconds=1.0, "
+            "max_delay_seconds=60.0),"
+        )
+    if job.rate_per_second:
+        lines.append(f"rate=RateLimit(per_second={job.rate_per_second}),")
+        lines.append("prepare=_http.warm,")
+    if job.concurrency_key:
+        fields = ", ".join(f'"{f}"' for f in job.concurrency_key)
+        key = f"({fields},)" if len(job.concurrency_key) == 1 else f"({fields})"
+        lines.append(f"concurrency=ConcurrencyLimit(key={key}, max_running={job.max_running}),")
+    return "".join(f"\n        {line}" for line in lines)
 
 
 def _setting_constants(job: NewJob) -> str:
@@ -396,6 +477,10 @@ def _test_text(job: NewJob) -> str:
         body += _TEST_ONE_ROW.format(table=job.table)
     failing = _TEST_DEFERRED if job.retry_attempts else _TEST_RETRIED
     body += failing.format(module=job.module, other=other)
+    if job.rate_per_second:
+        body += _TEST_RATE.format(module=job.module, samples=_samples_text(job, 3))
+    if job.concurrency_key:
+        body += _TEST_CONCURRENCY.format(module=job.module, fourth=_fields_text(job, 4))
     body += _TEST_CONFLICT.format(module=job.module)
     if job.effect is not Effect.DATABASE:
         body += _TEST_STUCK.format(module=job.module, third=third)
@@ -404,6 +489,14 @@ def _test_text(job: NewJob) -> str:
 
 def _sample(job: NewJob, n: int) -> dict[str, str]:
     return {"job": job.name, **{f: f"{f}_{n}" for f in job.identity}}
+
+
+def _fields_text(job: NewJob, n: int) -> str:
+    return ", ".join(f'"{f}": "{f}_{n}"' for f in job.identity)
+
+
+def _samples_text(job: NewJob, count: int) -> str:
+    return ", ".join(f"{{**PAYLOAD, {_fields_text(job, 10 + n)}}}" for n in range(count))
 
 
 def _sample_text(job: NewJob) -> str:
@@ -601,6 +694,24 @@ _TEST_DEFERRED = textwrap.dedent(
             {{**PAYLOAD, {other}}},
             raising=RuntimeError("downstream is down"),
         )
+    """
+)
+
+# A rate limit: the starts the ledger reserved are the limit's spacing apart, each job once.
+_TEST_RATE = textwrap.dedent(
+    """
+
+    def test_{module}_starts_keep_the_rate_limit(job_kit: JobKit) -> None:
+        job_kit.assert_rate_limited([{samples}])
+    """
+)
+
+# A concurrency key: with every slot of its value held, the job waits (deferred), then runs.
+_TEST_CONCURRENCY = textwrap.dedent(
+    """
+
+    def test_{module}_waits_for_a_free_concurrency_slot(job_kit: JobKit) -> None:
+        job_kit.assert_held_back_by_concurrency({{**PAYLOAD, {fourth}}})
     """
 )
 

@@ -356,3 +356,53 @@ def test_a_retry_policy_is_refused_where_the_drain_would_refuse_it(
         assert refused.returncode == 2, refused.stdout
         assert says in refused.stderr
     assert _tree(project) == before
+
+
+def test_a_job_scaffolded_with_a_rate_limit_and_a_concurrency_key_tests_both_and_passes(
+    kit: Harness, project: Path, pg_server_url: str
+) -> None:
+    # Given an external job scaffolded with a rate limit and a concurrency key on its tenant
+    made = new_job(
+        kit, project, LINT_JOB, "--effect", "external_idempotent",
+        "--identity", "tenant_id,report_id", "--setting", SETTING,
+        "--rate-per-second", "20", "--concurrency-key", "tenant_id", "--max-running", "2",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    assert "rate=RateLimit(per_second=20)" in module
+    assert 'concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=2)' in module
+    assert "prepare=_http.warm" in module
+    test = (project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py").read_text()
+    # Then its tests assert the limit's spacing and the wait for a free slot
+    assert "assert_rate_limited" in test
+    assert "assert_held_back_by_concurrency" in test
+    # And they pass with the test kit, which runs the drain DrainFunction runs
+    tested = run_captured(
+        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
+        cwd=project,
+        env={
+            **server_env(pg_server_url),
+            "INFRAI_JOBS_PATH": str(project / "functions"),
+            "PYTHONPATH": str(ROOT / "tests" / "integration"),
+        },
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert "6 passed" in tested.stdout
+
+
+def test_limits_are_refused_where_the_drain_would_refuse_them(kit: Harness, project: Path) -> None:
+    before = _tree(project)
+    for effect, options, says in (
+        ("database", ["--rate-per-second", "5"], "external jobs only"),
+        ("external", ["--rate-per-second", "0"], "rate.per_second"),
+        ("external", ["--concurrency-key", "tenant"], "name fields of --identity"),
+        ("external", ["--max-running", "3"], "--max-running needs --concurrency-key"),
+        ("external", ["--concurrency-key", "report_id", "--max-running", "0"], "max_running"),
+    ):
+        refused = new_job(
+            kit, project, LINT_JOB, "--effect", effect, "--identity", "report_id", *options
+        )
+        assert refused.returncode == 2, refused.stdout
+        assert says in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert _tree(project) == before

@@ -15,9 +15,9 @@ import json
 from urllib.parse import quote
 
 from infrai_jobs.errors import PermanentJobError
+from infrai_jobs.jobs.http_pool import LazyPool
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=10.0)
 
@@ -66,5 +66,5 @@ def register(registry: JobRegistry) -> None:
         fields={"tenant_id": str, "period": str},
         settings=(DIGEST_PROVIDER_URL,),
         probe=find_digest,
-        prepare=_http.warm,  # ready before a rate-limited start: see jobs._http
+        prepare=_http.warm,  # ready before a rate-limited start: see infrai_jobs.jobs.http_pool
     )(build_digest)

@@ -24,9 +24,9 @@ import json
 from urllib.parse import urlencode
 
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
+from infrai_jobs.jobs.http_pool import LazyPool
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from jobs._http import LazyPool
 
 _http = LazyPool(connect_s=2.0, read_s=5.0)
 
@@ -37,7 +37,7 @@ MAIL_PROVIDER_URL = "MAIL_PROVIDER_URL"
 
 
 def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
-    import urllib3  # noqa: PLC0415 (on first use, like the pool: see jobs._http)
+    import urllib3  # noqa: PLC0415 (on first use, like the pool: see infrai_jobs.jobs.http_pool)
 
     body = json.dumps(
         {
@@ -119,5 +119,5 @@ def register(registry: JobRegistry) -> None:
         fields={"invoice_id": (str, int), "email": str},
         settings=(MAIL_PROVIDER_URL,),
         probe=find_receipt,
-        prepare=_http.warm,  # ready before a rate-limited start: see jobs._http
+        prepare=_http.warm,  # ready before a rate-limited start: see infrai_jobs.jobs.http_pool
     )(send_receipt)

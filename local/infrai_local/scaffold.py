@@ -616,9 +616,9 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
     import json
 
-    from infrai_jobs.errors import EffectUncertain, PermanentJobError{policy_import}
+    from infrai_jobs.errors import EffectUncertain, PermanentJobError
+    from infrai_jobs.jobs.http_pool import LazyPool{policy_import}
     from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-    from jobs._http import LazyPool
 
     _http = LazyPool(connect_s=2.0, read_s=10.0)
 
@@ -626,7 +626,7 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
 
     def handle(payload: Payload, ctx: JobContext) -> JsonValue:
-        import urllib3  # noqa: PLC0415 (on first use, like the pool: see jobs._http)
+        import urllib3  # noqa: PLC0415 (on first use, like the pool: see its module)
 
         try:
             response = _http.request(

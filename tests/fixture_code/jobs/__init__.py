@@ -2,8 +2,7 @@
 child Pythons (this folder first on ``PYTHONPATH``) and the fixture project's functions: the
 framework tests' jobs (``fixture_jobs``), whichever jobs a team has, and the harness's counted
 test jobs (``counted``). It is laid out as a team's package is (one ``from jobs import`` line,
-one ``return registry``, and the ``_http`` pool a scaffolded external job imports), so
-``infrai-jobs new-job`` can add a job to a copy of it.
+one ``return registry``), so ``infrai-jobs new-job`` can add a job to a copy of it.
 
 A child that runs the counted jobs itself registers them on ``fixture_jobs.build_registry()``.
 """

@@ -1,9 +1,11 @@
-"""The example jobs' HTTP pool to the provider, built on the first call or by ``warm``.
+"""A job's HTTP pool to its provider, built on the first call or by ``warm``.
 
-``urllib3`` costs DrainFunction about 20-25 ms of cold start to import. A drain whose batches
+``urllib3`` costs a function about 20-25 ms of cold start to import. A drain whose batches
 hold only ``database`` jobs never calls a provider, so it never pays that. A rate-limited job
 passes ``warm`` as its ``prepare``: flow control calls it before the job's first start is
 reserved, so the import never stands between a reserved start and the call the provider counts.
+The layer ships it so that every team's job (and every one ``infrai-jobs new-job`` writes) has
+it, whatever the jobs package beside it holds.
 """
 
 from __future__ import annotations

@@ -392,6 +392,7 @@ class FlowControl(DrainFeature):
             delivery_count=job.attempts,
             deadline=self._clock() + run.config.batch_budget_ms / 1000,
             settings=derived.settings,
+            secrets=derived.secrets,
         )
         try:
             self._prepare(derived.definition, policy)

@@ -22,15 +22,18 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
     """Built on the first invocation and reused while the environment stays warm; a rotated
     API key or database secret is fetched again when the cached one fails
     (factory.with_secrets, as every function does). The jobs' probes reconcile stuck claims
-    before they are counted, so the settings they declared are read and bound; a probe whose
-    setting is missing is left out (said once here), never the page."""
+    before they are counted, so the settings and secrets they declared are read and bound; a
+    probe whose setting or secret is missing is left out (said once here), never the page."""
     registry = build_registry()
     settings, refresh = with_secrets(
-        AlertSettings.from_env(job_settings=registry.probe_settings())
+        AlertSettings.from_env(
+            job_settings=registry.probe_settings(), job_secrets=registry.probe_secrets()
+        )
     ).unpacked()
-    for job, missing in registry.bind_probe_settings(settings.job_settings).items():
+    unprobed = registry.bind_probe_settings(settings.job_settings, secrets=settings.job_secrets)
+    for job, missing in unprobed.items():
         logger.warning(
-            "a setting of this job is not set: its stuck claims are not probed",
+            "a setting or secret of this job is not set: its stuck claims are not probed",
             extra={"action": "probe_off", "job": job, "missing": list(missing)},
         )
     alert_check = make_alert_check(settings, refresh=refresh, registry=registry)

@@ -88,6 +88,7 @@ from infrai_local.outbox_cli import add_outbox_commands, run_outbox
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
+    STAND_IN_SECRET,
     configured_endpoints,
     sandbox_notice,
     stand_ins,
@@ -412,6 +413,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "the jobs' settings, an events/env.json entry and a docs/configuration.md row",
     )
     new_job.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME",
+        help="a secret the job declares (a credential its handler reads as ctx.secrets[NAME]); "
+        "repeatable. Each new one gets a template parameter for its Secrets Manager ARN, "
+        "NAME_SECRET_ARN in DrainFunction's Environment, a grant to read exactly that secret, "
+        "an events/env.json entry and a docs/configuration.md row",
+    )
+    new_job.add_argument(
         "--retry-attempts",
         type=int,
         metavar="N",
@@ -522,6 +532,13 @@ def _with_stand_ins(
         infrai_api_key=settings.infrai_api_key or "local-emulator",
         database_url=url,
         job_settings=MappingProxyType(dict.fromkeys(settings.job_settings, sink.url)),
+        # A secret neither set nor named gets a stand-in; a named one is still fetched.
+        job_secrets=MappingProxyType(
+            {
+                name: value if value or settings.job_secret_arns.get(name) else STAND_IN_SECRET
+                for name, value in settings.job_secrets.items()
+            }
+        ),
     )
     client = make_queue_client(settings)
     try:
@@ -569,6 +586,7 @@ def _cmd_new_job(args: argparse.Namespace) -> int:
         rate_per_second=args.rate_per_second,
         concurrency_key=args.concurrency_key,
         max_running=args.max_running,
+        secrets=args.secret or (),
     )
     root = code_root(args.jobs_path)
     project = scaffold.project_of(root)
@@ -604,7 +622,9 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     # Before any stand-in starts: a drain without its jobs could only fail every message. Only
     # the settings its jobs declared are read.
     registry = load_registry(args.jobs_path)
-    settings = DrainSettings.from_env(job_settings=registry.declared_settings())
+    settings = DrainSettings.from_env(
+        job_settings=registry.declared_settings(), job_secrets=registry.declared_secrets()
+    )
     # A malformed JOB_POLICIES is refused here, before any stand-in starts.
     job_policies(settings, registry)
     if args.queue:
@@ -785,6 +805,13 @@ def _drain_processes(
             "INFRAI_DLQ": settings.dlq,
             "DATABASE_URL": settings.database_url,
             **settings.job_settings,
+            # The secrets set here (locally, or a sandbox's stand-ins); a named one the children
+            # fetch by the same ARN, which they inherit.
+            **{
+                name: value
+                for name, value in settings.job_secrets.items()
+                if value and not settings.job_secret_arns.get(name)
+            },
         }
     )
     return ProcessDrainStarter(
@@ -838,8 +865,11 @@ def _reconciler(
     its jobs declared read from the environment (each must be set: a real ledger is never
     reconciled against a stand-in provider)."""
     registry = load_registry(jobs_path)
-    declared = DrainSettings.from_env(job_settings=registry.declared_settings())
-    registry.bind_settings(declared.require_job_settings())
+    declared = DrainSettings.from_env(
+        job_settings=registry.declared_settings(), job_secrets=registry.declared_secrets()
+    )
+    resolved = with_secrets(declared, api_key=False).settings
+    registry.bind_settings(declared.require_job_settings(), secrets=resolved.require_job_secrets())
     return Reconciler(admin, registry, actor=default_actor(), forget=_second_layer_forget(settings))
 
 

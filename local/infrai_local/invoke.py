@@ -10,6 +10,10 @@ Architectures (python3.13 on arm64): ``make build`` and ``.ci/check_build.py`` c
 child gets a Lambda context whose remaining time counts down from the function's Timeout, and is
 killed when it runs out.
 
+A job's secret is passed as ``sam local invoke`` passes it, by its ``NAME_SECRET_ARN`` (the
+function fetches it with the shell's AWS credentials); with none named, the shell's plain
+``NAME`` is passed, and in a sandbox a stand-in value (``PARITY_GAPS`` says so).
+
 Local stand-ins, all or nothing as everywhere in this project (``local_services``): a variable the
 function's environment leaves empty is taken from the shell when set there, and an endpoint only
 the template's parameter defaults name counts as empty (a default is the template author's
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import describe
 from infrai_local.sam_template import (
@@ -61,6 +66,7 @@ from infrai_local.sam_template import (
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
+    STAND_IN_SECRET,
     sandbox_notice,
     stand_ins,
 )
@@ -292,12 +298,52 @@ _ENDPOINTS = (QUEUE_ENDPOINT, LEDGER_ENDPOINT, "DATABASE_SECRET_ARN")
 def job_setting_owners(spec: FunctionSpec) -> dict[str, tuple[str, ...]]:
     """The settings the jobs in the function's code declared that its environment carries (the
     template names them on the functions that run jobs), with the jobs that declared each."""
+    return _declared_in_environment(spec, secrets=False)
+
+
+def job_secret_owners(spec: FunctionSpec) -> dict[str, tuple[str, ...]]:
+    """The secrets the jobs in the function's code declared whose ``NAME_SECRET_ARN`` its
+    environment carries (the template names them where a job's secret is read), with their
+    jobs."""
+    return _declared_in_environment(spec, secrets=True)
+
+
+def _declared_in_environment(spec: FunctionSpec, *, secrets: bool) -> dict[str, tuple[str, ...]]:
     if not (spec.code_uri / "jobs" / "__init__.py").is_file():
         return {}
     from infrai_local.jobs_package import load_registry  # noqa: PLC0415
 
-    declared = load_registry(str(spec.code_uri)).declared_settings()
-    return {name: jobs for name, jobs in declared.items() if name in spec.environment}
+    registry = load_registry(str(spec.code_uri))
+    declared = registry.declared_secrets() if secrets else registry.declared_settings()
+    suffix = SECRET_ARN_SUFFIX if secrets else ""
+    return {name: jobs for name, jobs in declared.items() if name + suffix in spec.environment}
+
+
+def _job_secrets(
+    spec: FunctionSpec,
+    env: Mapping[str, str],
+    shell: Mapping[str, str],
+    say: Callable[[str], object],
+) -> tuple[dict[str, str], list[str]]:
+    """Each job secret's ARN variable, as ``sam local invoke`` passes it: from the template
+    and ``--env-vars``, else from the shell; and, where no ARN is named, the plain ``NAME`` from
+    the shell (which SAM would not pass: its template declares no such variable). Returns the
+    values to add and the secrets still unset."""
+    values: dict[str, str] = {}
+    unset: list[str] = []
+    for name in job_secret_owners(spec):
+        variable = name + SECRET_ARN_SUFFIX
+        if not env.get(variable) and shell.get(variable):
+            values[variable] = shell[variable]
+            say(f"{variable}: from your shell ({values[variable]})")
+        if env.get(variable) or values.get(variable):
+            continue
+        if shell.get(name):
+            values[name] = shell[name]
+            say(f"{name}: from your shell (not shown)")
+        else:
+            unset.append(name)
+    return values, unset
 
 
 @contextlib.contextmanager
@@ -323,6 +369,7 @@ def local_services(
     say = announce if announce is not None else _to_stderr
     from_shell = os.environ if shell is None else shell
     owners = job_setting_owners(spec)
+    secret_values, unset_secrets = _job_secrets(spec, spec.environment, from_shell, say)
     # An endpoint only the template's defaults name (InfraiBaseUrl's hosted service) is not
     # one the user chose: it counts as unset, and is never passed on to the function.
     values: dict[str, str] = {
@@ -350,6 +397,10 @@ def local_services(
         _require_migrated(merged[LEDGER_ENDPOINT])
     who = f"`infrai-jobs invoke {spec.logical_id}`"
     plan = stand_ins(configured, declared, who=who, job_setting_owners=owners)
+    # A job's secret left unset: a stand-in in a sandbox; else the function says it is missing.
+    values.update(secret_values)
+    if plan:
+        values.update(dict.fromkeys(unset_secrets, STAND_IN_SECRET))
     with contextlib.ExitStack() as stack:
         if plan:
             say(sandbox_notice(plan, who=who))
@@ -540,6 +591,10 @@ where it differs from sam local invoke:
     a parameter (QueueName=...) changes every variable that refers to it.
   - A variable the template and --env-vars leave empty is taken from this shell; SAM never
     reads the shell into the function.
+  - A job's secret: NAME_SECRET_ARN is passed as SAM passes it (the function then fetches the
+    secret from Secrets Manager with your AWS credentials); where none is named, the shell's
+    plain NAME is passed too, and in a sandbox a stand-in value. SAM passes only variables
+    the template declares, and the template declares NAME_SECRET_ARN only.
   - The handler runs on this machine's Python with the virtualenv's packages, not python3.13
     on arm64 in Lambda's image.
 """

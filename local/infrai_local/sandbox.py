@@ -2,7 +2,9 @@
 
 ``infrai-jobs drain`` and ``infrai-jobs invoke`` stand in an emulator, an embedded PostgreSQL
 and a provider sink only when nothing real is configured (docs/configuration.md, "Local
-stand-ins are all or nothing"). The functions in AWS never stand anything in.
+stand-ins are all or nothing"). The functions in AWS never stand anything in. A job's secret
+is no endpoint: in a sandbox, one left unset holds ``STAND_IN_SECRET``; beside a real
+endpoint, it must be set.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ STAND_INS: dict[str, str] = {
     LEDGER_ENDPOINT: "an embedded PostgreSQL",
 }
 JOB_SETTING_STAND_IN = "a local provider sink"
+# What a job's declared secret holds in a sandbox when nothing sets it: the provider sink
+# checks no credential. Never used beside a real endpoint.
+STAND_IN_SECRET = "local-sandbox-secret"  # noqa: S105 - a stand-in, not a credential
 _HOW_TO_SET = {
     QUEUE_ENDPOINT: "INFRAI_BASE_URL (Infrai, or a running `infrai-jobs emulator`)",
     LEDGER_ENDPOINT: "DATABASE_URL (a PostgreSQL migrated with `infrai-jobs migrate`) or "

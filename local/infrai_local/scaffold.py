@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX, secret_parameter_name
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
-from infrai_local.scaffold_settings import plan_setting_edits
+from infrai_local.scaffold_settings import parameter_name, plan_secret_edits, plan_setting_edits
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
 _FIELD_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -80,6 +81,8 @@ class NewJob:
     # --concurrency-key and --max-running: a concurrency key (external jobs), () for none.
     concurrency_key: tuple[str, ...] = ()
     max_running: int = 1
+    # The secrets asked for with --secret (credentials, read from ctx.secrets).
+    secrets: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -156,6 +159,7 @@ def parse_request(
     rate_per_second: int | None = None,
     concurrency_key: str | None = None,
     max_running: int = 1,
+    secrets: Sequence[str] = (),
 ) -> NewJob:
     """Check the command's arguments; a ``ConfigurationError`` says what is wrong."""
     if not _JOB_NAME.match(name):
@@ -182,6 +186,7 @@ def parse_request(
     if len(set(fields)) != len(fields):
         raise ConfigurationError(f"--identity {identity!r} names a field twice")
     _check_settings(settings)
+    _check_secrets(secrets, settings)
     _check_retry(effect_class, retry_attempts)
     key = _check_limits(effect_class, fields, rate_per_second, concurrency_key, max_running)
     return NewJob(
@@ -193,6 +198,7 @@ def parse_request(
         rate_per_second,
         key,
         max_running,
+        tuple(secrets),
     )
 
 
@@ -206,6 +212,24 @@ def _check_settings(settings: Sequence[str]) -> None:
             )
     if len(set(settings)) != len(settings):
         raise ConfigurationError("--setting names a setting twice")
+
+
+def _check_secrets(secrets: Sequence[str], settings: Sequence[str]) -> None:
+    for secret in secrets:
+        if (
+            not _SETTING_NAME.match(secret)
+            or secret.startswith((*_FRAMEWORK_PREFIXES, "REDIS"))
+            or secret.endswith(SECRET_ARN_SUFFIX)
+        ):
+            raise ConfigurationError(
+                f"--secret {secret!r}: use an upper-case environment variable name (letters, "
+                "digits, underscores), e.g. REFUND_PROVIDER_TOKEN, not one of the framework's "
+                f"own and not ending in {SECRET_ARN_SUFFIX} (that suffix names its ARN)"
+            )
+    if len(set(secrets)) != len(secrets):
+        raise ConfigurationError("--secret names a secret twice")
+    if set(secrets) & set(settings):
+        raise ConfigurationError("a name is given both as --setting and as --secret")
 
 
 def _check_retry(effect: Effect, attempts: int | None) -> None:
@@ -278,6 +302,16 @@ def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -
     declared = list(registry.declared_settings())
     new_settings = [s for s in job.settings if s not in declared]
     edits = plan_setting_edits(project, job.name, new_settings, declared)
+    declared_secrets = list(registry.declared_secrets())
+    new_secrets = [s for s in job.secrets if s not in declared_secrets]
+    if set(job.settings) & set(declared_secrets) or set(job.secrets) & set(declared):
+        raise ConfigurationError(
+            "a job already declares one of these names as a setting where it is a secret, or "
+            "the other way round: nothing was written"
+        )
+    beside = [parameter_name(s) for s in (*declared, *new_settings)]
+    beside += [secret_parameter_name(s) for s in declared_secrets]
+    plan_secret_edits(project, job.name, new_secrets, beside, edits)
     return Scaffold(
         files,
         registry_file,
@@ -311,6 +345,11 @@ def next_steps(
             f"  set {setting} to the URL it calls: exported, or in events/env.json for invoke",
             "  (locally the provider sink stands in); in AWS, its template parameter",
         ]
+    for secret in job.secrets:
+        lines += [
+            f"  store {secret} in Secrets Manager and give its ARN to the template parameter",
+            f"  {secret_parameter_name(secret)}; locally, export {secret} (a sandbox stands in)",
+        ]
     lines += [f"  note: {note}" for note in left_alone]
     if job.effect is Effect.DATABASE:
         lines.append(f"  infrai-jobs migrate     # creates its table, {job.table}")
@@ -330,6 +369,22 @@ def next_steps(
 
 
 def _module_text(job: NewJob, version: int) -> str:
+    """The job's module; with secrets, their declaration too (an external job sends its first
+    as a bearer token)."""
+    text = _module_body(job, version)
+    if not job.secrets:
+        return text
+    constants = "\n".join(
+        f"# A credential this job declares: in AWS from the secret {s}{SECRET_ARN_SUFFIX} names.\n"
+        f'{s} = "{s}"'
+        for s in job.secrets
+    )
+    listed = "".join(f"{s}, " for s in job.secrets).rstrip()
+    text = text.replace("\n\ndef handle(", "\n" + constants + "\n\n\ndef handle(", 1)
+    return text.replace("    )(handle)\n", f"        secrets=({listed}),\n    )(handle)\n")
+
+
+def _module_body(job: NewJob, version: int) -> str:
     fields = ", ".join(f'"{f}": str' for f in job.identity)
     quoted = [f'"{f}"' for f in job.identity]
     identity = f"({quoted[0]},)" if len(quoted) == 1 else f"({', '.join(quoted)})"
@@ -387,7 +442,12 @@ def _module_text(job: NewJob, version: int) -> str:
         policy_import=_policy_import(job),
         retry=_policy_arguments(job),
         key_header=(
-            '"Idempotency-Key": ctx.idem_key, ' if idempotent else '"X-Request-Key": ctx.idem_key, '
+            (f'"Authorization": "Bearer " + ctx.secrets[{job.secrets[0]}], ' if job.secrets else "")
+            + (
+                '"Idempotency-Key": ctx.idem_key, '
+                if idempotent
+                else '"X-Request-Key": ctx.idem_key, '
+            )
         ),
     )
 

@@ -10,6 +10,10 @@ the project needs, beside the job:
 * in ``events/env.json``: ``"NAME": ""`` for those functions, so ``--env-vars`` can set it;
 * in ``docs/configuration.md``: a row of the variables' table, beside the other jobs' settings.
 
+``new-job --secret NAME`` declares a secret; it needs a parameter for its ARN, a condition,
+``NAME_SECRET_ARN`` in DrainFunction's Environment, a grant to read exactly that ARN in its
+role, an ``events/env.json`` entry and a docs row (``plan_secret_edits``).
+
 The template is edited as text, line by line, so its comments and layout stay as they were. A
 file the project lacks is left alone, and said so.
 """
@@ -22,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX, secret_parameter_name
 
 # The functions whose Environment holds the jobs' settings (they load the jobs and bind them).
 SETTING_FUNCTIONS: Final = ("DrainFunction", "DlqAlertFunction")
@@ -186,3 +192,170 @@ def _docs_text(text: str, job_name: str, new: Sequence[str], declared: Sequence[
         for setting in new
     ]
     return "".join([*lines[: last + 1], *rows, *lines[last + 1 :]])
+
+
+# --- A new job's secrets ---------------------------------------------------------------------
+
+# The function whose Environment names the jobs' secrets and whose role may read them: the
+# drain runs the jobs. The watcher reads a secret only for a probe (``probe_secrets``), so a
+# new job, which has none, grants it nothing; add the same three lines there with a probe.
+DRAIN_FUNCTION: Final = "DrainFunction"
+_ARN_PATTERN: Final = (
+    "^(arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+"
+    "-[A-Za-z0-9]{6})?$"
+)
+
+
+def plan_secret_edits(
+    project: Path,
+    job_name: str,
+    new: Sequence[str],
+    beside: Sequence[str],
+    edits: SettingEdits,
+) -> None:
+    """Add to ``edits`` (after the settings' own) what each secret of ``new`` (those of job
+    ``job_name`` no job declared yet) needs: in ``template.yaml`` a parameter for its ARN
+    (empty, or a Secrets Manager ARN), a condition, ``NAME_SECRET_ARN`` in DrainFunction's
+    Environment and a ``secretsmanager:GetSecretValue`` grant on exactly that ARN in its role,
+    only when it is set; an ``events/env.json`` entry; a docs row. ``beside``: the parameters
+    of the jobs' settings and secrets already declared, after which the new ones go."""
+    if not new:
+        return
+    template = project / "template.yaml"
+    text = edits.texts.get(template) or template.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    params = [secret_parameter_name(s) for s in new]
+    lines = _listed_in_group(lines, params, edits)
+    lines = _with_secret_parameters(lines, job_name, new, beside, edits)
+    lines = _after_line(
+        lines, "Conditions:", [f'  {_has(s)}: !Not [!Equals [!Ref {_param(s)}, ""]]\n' for s in new]
+    )
+    lines = _in_resource(lines, DRAIN_FUNCTION, "Variables:", _secret_variables(new), edits)
+    lines = _in_resource(lines, f"{DRAIN_FUNCTION}Role", "Policies:", _secret_grants(new), edits)
+    edits.texts[template] = "".join(lines)
+    env_file = project / "events" / "env.json"
+    if env_file.is_file():
+        document = json.loads(edits.texts.get(env_file) or env_file.read_text(encoding="utf-8"))
+        entries = document.setdefault(DRAIN_FUNCTION, {})
+        for secret in new:
+            entries.setdefault(secret + SECRET_ARN_SUFFIX, "")
+        edits.texts[env_file] = json.dumps(document, indent=2) + "\n"
+    docs = project / "docs" / "configuration.md"
+    if docs.is_file():
+        text = edits.texts.get(docs) or docs.read_text(encoding="utf-8")
+        rows = [
+            f"| `{secret}{SECRET_ARN_SUFFIX}` | Drain | the Secrets Manager secret holding "
+            f"`{secret}`, a secret {job_name} declares (written by `infrai-jobs new-job`); "
+            f'locally the plain `{secret}` may stand in ([jobs.md](jobs.md), "Secrets") | '
+            f"none; in AWS: `{secret_parameter_name(secret)}` |\n"
+            for secret in new
+        ]
+        done = _after_table_row(text, f"`NAME{SECRET_ARN_SUFFIX}`", rows)
+        if done is None:
+            edits.left_alone.append(f"{docs} has no row of the jobs' secrets to add one beside")
+        else:
+            edits.texts[docs] = done
+
+
+def _param(secret: str) -> str:
+    return secret_parameter_name(secret)
+
+
+def _has(secret: str) -> str:
+    return "Has" + secret_parameter_name(secret)
+
+
+def _with_secret_parameters(
+    lines: list[str], job_name: str, new: Sequence[str], beside: Sequence[str], edits: SettingEdits
+) -> list[str]:
+    blocks = [
+        "  " + _param(secret) + ":\n"
+        "    Type: String\n"
+        '    Default: ""\n'
+        f"    AllowedPattern: {_ARN_PATTERN}\n"
+        "    ConstraintDescription: must be empty or the full ARN of a Secrets Manager secret "
+        "(with its -XXXXXX suffix)\n"
+        f"    Description: ARN of the Secrets Manager secret holding {secret}, a secret "
+        f"{job_name} declares; DrainFunction alone may read it, and refuses to start while it "
+        "is empty.\n"
+        for secret in new
+    ]
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == "Parameters:"), None)
+    if start is None:
+        edits.left_alone.append("template.yaml has no Parameters section: none was added")
+        return lines
+    end = next(
+        (i for i in range(start + 1, len(lines)) if _TOP_LEVEL_KEY.match(lines[i])), len(lines)
+    )
+    at = start + 1
+    for index in range(start + 1, end):
+        match = _PARAMETER_KEY.match(lines[index])
+        if match and match["name"] in beside:
+            at = _block_end(lines, index, end)
+    return [*lines[:at], *blocks, *lines[at:]]
+
+
+def _secret_variables(new: Sequence[str]) -> list[str]:
+    return [f"{s}{SECRET_ARN_SUFFIX}: !Ref {_param(s)}\n" for s in new]
+
+
+def _secret_grants(new: Sequence[str]) -> list[str]:
+    grants: list[str] = []
+    for secret in new:
+        sid = f"ReadThe{secret_parameter_name(secret).removesuffix('Arn')}"
+        grants += [
+            "- !If\n",
+            f"  - {_has(secret)}\n",
+            f"  - PolicyName: {sid}\n",
+            "    PolicyDocument:\n",
+            '      Version: "2012-10-17"\n',
+            "      Statement:\n",
+            f"        - Sid: {sid}\n",
+            "          Effect: Allow\n",
+            "          Action: secretsmanager:GetSecretValue\n",
+            f"          Resource: !Ref {_param(secret)}\n",
+            "  - !Ref AWS::NoValue\n",
+        ]
+    return grants
+
+
+def _after_line(lines: list[str], key: str, added: list[str]) -> list[str]:
+    at = next((i for i, line in enumerate(lines) if line.rstrip() == key), None)
+    if at is None:
+        return [*lines, f"\n{key}\n", *added]
+    return [*lines[: at + 1], *added, *lines[at + 1 :]]
+
+
+def _in_resource(
+    lines: list[str], resource: str, key: str, added: list[str], edits: SettingEdits
+) -> list[str]:
+    """``added`` (lines relative to the list's indentation) as the first entries under
+    ``key`` inside the top-level resource ``resource``, indented as the entry that follows."""
+    start = next((i for i, line in enumerate(lines) if line == f"  {resource}:\n"), None)
+    found = None
+    if start is not None:
+        for index in range(start + 1, len(lines)):
+            if re.match(r"^  \S", lines[index]) or _TOP_LEVEL_KEY.match(lines[index]):
+                break
+            if lines[index].strip() == key:
+                found = index
+                break
+    if found is None or found + 1 >= len(lines):
+        edits.left_alone.append(
+            f"template.yaml has no {key} in {resource}: add "
+            + " ".join(line.strip() for line in added)
+            + " there by hand"
+        )
+        return lines
+    # A comment heading the first entry is indented as the entries are.
+    following = lines[found + 1]
+    indent = following[: len(following) - len(following.lstrip())]
+    return [*lines[: found + 1], *(indent + line for line in added), *lines[found + 1 :]]
+
+
+def _after_table_row(text: str, marker: str, rows: list[str]) -> str | None:
+    lines = text.splitlines(keepends=True)
+    for index, line in enumerate(lines):
+        if line.startswith("| ") and marker in line.split("|")[1]:
+            return "".join([*lines[: index + 1], *rows, *lines[index + 1 :]])
+    return None

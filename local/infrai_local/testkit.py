@@ -65,6 +65,7 @@ from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import load_registry
 from infrai_local.migrations import migrate_all
 from infrai_local.operator import OperatorLedger
+from infrai_local.sandbox import STAND_IN_SECRET
 
 QUEUE = "testkit-jobs"
 DLQ = "testkit-jobs-dlq"
@@ -113,8 +114,13 @@ class JobKit:
         self.completed: Counter[str] = Counter()
         self.attempted: Counter[str] = Counter()
         self.registry = self._instrumented(registry)
-        # Every setting a job declared points at the provider sink.
-        self.registry.bind_settings(dict.fromkeys(self.registry.declared_settings(), provider_url))
+        # Every setting a job declared points at the provider sink, and every secret it declared
+        # holds a stand-in value (the sink checks no credential).
+        stand_in_secrets = dict.fromkeys(self.registry.declared_secrets(), STAND_IN_SECRET)
+        self.registry.bind_settings(
+            dict.fromkeys(self.registry.declared_settings(), provider_url),
+            secrets=stand_in_secrets,
+        )
         # DrainFunction's settings, for its service: this kit's queue, ledger and provider.
         self.settings = DrainSettings.from_env(
             {
@@ -126,8 +132,10 @@ class JobKit:
                 "JOB_POLICIES": job_policies_document,
                 **(second_layer or {}),
                 **dict.fromkeys(self.registry.declared_settings(), provider_url),
+                **stand_in_secrets,
             },
             job_settings=self.registry.declared_settings(),
+            job_secrets=self.registry.declared_secrets(),
         )
         self.policies = job_policies(self.settings, self.registry)
         self._service: DrainService | None = None

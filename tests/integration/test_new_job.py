@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, TEST_JOBS_CODE, Harness, run_cli
+
+from infrai_local.sam_template import load_template
 
 RUFF = str(Path(sys.executable).parent / "ruff")
 # Names no team would give a job of its own, so the tests hold in any checkout (the issue's
@@ -406,3 +410,79 @@ def test_limits_are_refused_where_the_drain_would_refuse_them(kit: Harness, proj
         assert says in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     assert _tree(project) == before
+
+
+SECRET = "NEWJOB_CHECK_API_TOKEN"
+SECRET_PARAMETER = "NewjobCheckApiTokenSecretArn"
+
+
+def _grants_of(template: dict[str, Any], role: str, parameter: str) -> list[Any]:
+    """Every statement of ``role``'s inline policies that names ``parameter``, with the
+    condition each policy is under (None: unconditioned)."""
+    found = []
+    for entry in template["Resources"][role]["Properties"]["Policies"]:
+        condition, policy = entry["Fn::If"][:2] if "Fn::If" in entry else (None, entry)
+        for statement in policy["PolicyDocument"]["Statement"]:
+            if statement.get("Resource") == {"Ref": parameter}:
+                found.append((condition, statement["Action"]))
+    return found
+
+
+def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
+    kit: Harness, project: Path, pg_server_url: str
+) -> None:
+    # Given a project with its env-vars file and configuration docs
+    (project / "events").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "events" / "env.json", project / "events" / "env.json")
+    (project / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "configuration.md", project / "docs" / "configuration.md")
+    # When an external job with a secret is scaffolded
+    made = new_job(
+        kit, project, LINT_JOB, "--effect", "external", "--identity", "refund_id",
+        "--secret", SECRET,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert SECRET_PARAMETER in made.stdout
+    # Then the template has a parameter for its ARN: empty, or a Secrets Manager ARN
+    template = load_template(project / "template.yaml")
+    parameter = template["Parameters"][SECRET_PARAMETER]
+    assert parameter["Default"] == ""
+    assert re.fullmatch(parameter["AllowedPattern"], "")
+    arn = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:refund/token-AbC123"
+    assert re.fullmatch(parameter["AllowedPattern"], arn)
+    assert not re.fullmatch(parameter["AllowedPattern"], "plain-token-value")
+    # And DrainFunction, alone, is told the ARN and may read exactly that secret, only when set
+    functions = template["Resources"]
+    drain_env = functions["DrainFunction"]["Properties"]["Environment"]["Variables"]
+    assert drain_env[f"{SECRET}_SECRET_ARN"] == {"Ref": SECRET_PARAMETER}
+    assert SECRET not in drain_env
+    watcher_env = functions["DlqAlertFunction"]["Properties"]["Environment"]["Variables"]
+    assert f"{SECRET}_SECRET_ARN" not in watcher_env
+    condition = f"Has{SECRET_PARAMETER}"
+    assert template["Conditions"][condition] == {
+        "Fn::Not": [{"Fn::Equals": [{"Ref": SECRET_PARAMETER}, ""]}]
+    }
+    assert _grants_of(template, "DrainFunctionRole", SECRET_PARAMETER) == [
+        (condition, "secretsmanager:GetSecretValue")
+    ]
+    roles = [name for name, r in functions.items() if r["Type"] == "AWS::IAM::Role"]
+    for role in set(roles) - {"DrainFunctionRole"}:
+        assert json.dumps(functions[role]).count(SECRET_PARAMETER) == 0, role
+    # And cfn-lint is clean, and events/env.json and the docs name it
+    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    env = json.loads((project / "events" / "env.json").read_text())
+    assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
+    assert f"| `{SECRET}_SECRET_ARN` |" in (project / "docs" / "configuration.md").read_text()
+    # And the job's own tests, written with the test kit, pass with the secret stood in
+    tested = run_captured(
+        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
+        cwd=project,
+        env={
+            **server_env(pg_server_url),
+            "INFRAI_JOBS_PATH": str(project / "functions"),
+            "PYTHONPATH": str(ROOT / "tests" / "integration"),
+        },
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert "4 passed" in tested.stdout

@@ -147,7 +147,13 @@ def test_a_settings_class_reads_exactly_the_variables_of_its_table(
     kind.from_env(environ)
     # Then every field but the jobs' declared settings is a row, each variable once
     fields_not_rows = {f.name for f in fields(kind)} - {row.field_name for row in table}
-    assert fields_not_rows <= {"job_settings", "job_setting_owners"}
+    assert fields_not_rows <= {
+        "job_settings",
+        "job_setting_owners",
+        "job_secret_arns",
+        "job_secrets",
+        "job_secret_owners",
+    }
     variables = [row.variable for row in table]
     assert len(variables) == len(set(variables))
     # And it read the rows' variables and nothing else (bar where Lambda puts the code)

@@ -1,4 +1,5 @@
-"""Secrets in AWS: the API key from SSM, the database URL from Secrets Manager, both cached.
+"""Secrets in AWS: the API key from SSM, the database URL and the jobs' secrets from Secrets
+Manager, all cached.
 
 Locally the plain env vars (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
 AWS the template sets only the *names* (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``);
@@ -6,7 +7,9 @@ the values are fetched through Powertools Parameters, cached for ``max_age`` sec
 rotated secret is picked up without a deploy. boto3 is imported only when a secret is fetched.
 
 Every function, and every CLI command, gets its secrets from one ``SecretSource`` built on its
-settings: ``resolve()`` once, ``refresh`` for rotation.
+settings: ``resolve()`` once, ``refresh`` for rotation. The jobs' secrets (each declared
+``NAME``, named by ``NAME_SECRET_ARN``) are fetched by ``resolve()`` only, at the cold start:
+a rotated one is picked up by the next cold start. No error here shows a secret's value.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Generic
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
 
+from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
 from infrai_jobs.config.redis_url import check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
@@ -68,8 +73,11 @@ class SecretSource(Generic[AnySettings]):
     api_key: bool = True
 
     def resolve(self) -> AnySettings:
-        """The settings with every secret they name fetched."""
-        return self._resolve(api_key=self.api_key, database=True, force_fetch=False)
+        """The settings with every secret they name fetched, the jobs' secrets included."""
+        resolved = self._resolve(api_key=self.api_key, database=True, force_fetch=False)
+        if isinstance(resolved, JobSettings) and any(resolved.job_secret_arns.values()):
+            resolved = replace(resolved, job_secrets=MappingProxyType(_job_secrets(resolved)))
+        return resolved
 
     @property
     def refresh(self) -> SecretRefresh:
@@ -111,6 +119,27 @@ class SecretSource(Generic[AnySettings]):
             redis_url = redis_url_from_secret(secret, resolved.redis_url)
             resolved = replace(resolved, redis_url=redis_url)
         return resolved
+
+
+def _job_secrets(settings: JobSettings) -> dict[str, str]:
+    """Each job secret's value: fetched when its ARN is set, else as the settings hold it. A
+    secret that cannot be read is a ``ConfigurationError`` naming its variable and its jobs."""
+    from aws_lambda_powertools.utilities.parameters.exceptions import (  # noqa: PLC0415
+        GetParameterError,
+    )
+
+    values = dict(settings.job_secrets)
+    for name, arn in settings.job_secret_arns.items():
+        if not arn:
+            continue
+        try:
+            values[name] = _fetch_secret(arn, force_fetch=False)
+        except (GetParameterError, ConfigurationError) as exc:
+            jobs = ", ".join(settings.job_secret_owners.get(name, ()))
+            raise ConfigurationError(
+                f"{name}{SECRET_ARN_SUFFIX} (for {jobs}): the secret cannot be read: {exc}"
+            ) from exc
+    return values
 
 
 def redis_url_from_secret(secret: str, url: str) -> str:

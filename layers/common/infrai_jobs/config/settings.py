@@ -1,7 +1,8 @@
 """Settings, read once at the edge into frozen, validated objects, one type per function.
 
 This is the only module that reads the package's settings from the environment (Powertools'
-own variables aside). ``CommonSettings`` holds what every function reads (Infrai's URL and key,
+own variables aside, and the jobs' secrets, read by config/job_secrets.py for it).
+``CommonSettings`` holds what every function reads (Infrai's URL and key,
 the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
 ``AlertSettings``, ``RedriveSettings``, ``PruneSettings`` and ``OutboxRelaySettings`` add what
 only their function reads.
@@ -18,7 +19,9 @@ it. Only the checks that span several fields (the second layer's) live apart, in
 The framework's own settings are named here. The jobs' settings are not: each job declares the
 ones it needs (``JobRegistry.declared_settings()``), and
 ``DrainSettings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless
-loopback); so does ``AlertSettings`` for the jobs' probes.
+loopback); so does ``AlertSettings`` for the jobs' probes. The jobs' secrets
+(``job_secrets=...``) are read by name: ``NAME_SECRET_ARN``, fetched by ``aws.secrets``; the
+plain ``NAME`` is a local stand-in only, refused in a deployed function (``config.job_secrets``).
 
 One rule for every URL the package calls over HTTP (Infrai's and the jobs' downstreams,
 ``check_web_url``): HTTPS, or plain HTTP to a loopback host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets
@@ -39,6 +42,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
+from infrai_jobs.config.job_secrets import job_secret_fields, missing_secrets
 from infrai_jobs.config.redis_url import check_redis_url, is_loopback_host, redis_lacks_auth
 from infrai_jobs.config.table import (
     Parse,
@@ -277,6 +281,13 @@ class JobSettings(CommonSettings):
     job_setting_owners: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # Each declared secret's Secrets Manager ARN (NAME_SECRET_ARN, "" when unset), its value
+    # (locally the plain NAME; in AWS filled in by aws.secrets), and the jobs that declared it.
+    job_secret_arns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    job_secrets: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    job_secret_owners: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
     # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis. The
     # drain guards its jobs' effects with it; the watcher's reconcile pass drops a key's record
     # when it releases the claim, so both agree the job may run again.
@@ -295,13 +306,15 @@ class JobSettings(CommonSettings):
         environ: Mapping[str, str] | None = None,
         *,
         job_settings: Mapping[str, Sequence[str]] | None = None,
+        job_secrets: Mapping[str, Sequence[str]] | None = None,
     ) -> Self:
         """As ``CommonSettings.from_env``, with ``job_settings``: the settings the registered
         jobs declared, with their jobs (``JobRegistry.declared_settings()``); only those are
         read, and a set one must be an HTTPS URL (HTTP on loopback). An unset one is allowed
         here: whether that is an error, or a sandbox's stand-in, is decided by the command or
-        the function."""
-        return load_settings(cls, environ, job_settings=job_settings)
+        the function. ``job_secrets`` likewise (``JobRegistry.declared_secrets()``): each
+        ``NAME_SECRET_ARN``, or locally the plain ``NAME``."""
+        return load_settings(cls, environ, job_settings=job_settings, job_secrets=job_secrets)
 
     def declared_urls(self) -> Mapping[str, str]:
         return self.job_settings
@@ -334,6 +347,15 @@ class JobSettings(CommonSettings):
                 + ": set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
             )
         return dict(self.job_settings)
+
+    def require_job_secrets(self) -> dict[str, str]:
+        """The jobs' declared secrets, every one with its value (``aws.secrets`` fetched the
+        named ones); else a ``ConfigurationError`` naming each missing one, its variables and
+        its jobs."""
+        missing = [name for name, value in self.job_secrets.items() if not value]
+        if missing:
+            raise ConfigurationError(missing_secrets(missing, self.job_secret_owners))
+        return dict(self.job_secrets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +447,7 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     *,
     job_settings: Mapping[str, Sequence[str]] | None = None,
+    job_secrets: Mapping[str, Sequence[str]] | None = None,
 ) -> AnySettings:
     """``kind`` read from ``environ`` (``os.environ`` by default): only the variables of
     ``kind``'s table (and, for ``JobSettings``, the jobs' declared ones) are read, each
@@ -435,6 +458,7 @@ def load_settings(
         values.update(
             _job_fields(env, job_settings or {}, allow_plain_http=bool(values["allow_plain_http"]))
         )
+        values.update(job_secret_fields(env, job_secrets or {}))
     settings = kind(**values)
     if isinstance(settings, JobSettings):
         _check_second_layer(settings)
@@ -455,6 +479,7 @@ def _job_fields(
                 value,
                 allow_plain_http=allow_plain_http,
                 example="https://mail.example.com",
+                credential_home=JOB_CREDENTIAL_HOME,
             )
     return {
         "job_settings": MappingProxyType(values),
@@ -468,7 +493,23 @@ def _required(value: str, variable: str, how: str) -> str:
     return value
 
 
-def check_web_url(name: str, value: str, *, allow_plain_http: bool, example: str) -> None:
+# Where a URL's credential belongs instead, for Infrai's URL and for a job's setting.
+INFRAI_CREDENTIAL_HOME = "Infrai's API key in the SSM parameter INFRAI_API_KEY_PARAMETER names"
+JOB_CREDENTIAL_HOME = (
+    'declare it on the job as a secret, e.g. secrets=("MAIL_API_TOKEN",), read by its handler '
+    'as ctx.secrets["MAIL_API_TOKEN"]; in AWS it is fetched from the Secrets Manager secret '
+    'MAIL_API_TOKEN_SECRET_ARN names (docs/jobs.md, "Secrets")'
+)
+
+
+def check_web_url(
+    name: str,
+    value: str,
+    *,
+    allow_plain_http: bool,
+    example: str,
+    credential_home: str = INFRAI_CREDENTIAL_HOME,
+) -> None:
     """The one rule for a URL called over HTTP (Infrai, a job's downstream): HTTPS, or plain
     HTTP to loopback (a local emulator, sink or test server); plain HTTP elsewhere only with
     ``allow_plain_http``. Refused before any call, so a typo never sends a key in clear text.
@@ -485,8 +526,8 @@ def check_web_url(name: str, value: str, *, allow_plain_http: bool, example: str
         # configuration: a credential there is a leaked credential.
         raise ConfigurationError(
             f"{name} carries credentials (user or password before the host): give the URL "
-            "without them, and keep the credential in a secret (Secrets Manager or an SSM "
-            "SecureString) that is fetched by name, never in the environment"
+            f"without them, and keep the credential in a secret fetched by name, never in the "
+            f"environment: {credential_home}"
         )
     if parts.scheme == "http" and not is_loopback_host(host) and not allow_plain_http:
         raise ConfigurationError(

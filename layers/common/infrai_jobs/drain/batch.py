@@ -179,6 +179,7 @@ class _Batch:
             deadline=self.deadline,
             db=db,
             settings=derived.settings,
+            secrets=derived.secrets,
             correlation_id=correlation.correlation_id,
             traceparent=correlation.traceparent,
         )

@@ -387,6 +387,7 @@ class FlowControl(DrainFeature):
             delivery_count=job.attempts or 1,
             deadline=self._clock() + run.config.batch_budget_ms / 1000,
             settings=derived.settings,
+            secrets=derived.secrets,
         )
         try:
             self._prepare(derived.definition, policy)

@@ -34,6 +34,12 @@ the downstreams it calls. The framework names none. The function (or the CLI) re
 declared ones at its edge (``config.settings``) and binds them with ``bind_settings`` before
 anything is consumed; a handler finds its own in ``ctx.settings``.
 
+A job declares its credentials as secrets, by name (``secrets=("MAIL_API_TOKEN",)``), never in
+a setting's URL. In AWS each is read from the Secrets Manager secret ``MAIL_API_TOKEN_SECRET_ARN``
+names (``aws.secrets``), once, at the cold start; locally the plain ``MAIL_API_TOKEN`` may stand
+in. They are bound with the settings (``bind_settings(..., secrets=...)``); a handler finds its
+own in ``ctx.secrets``, whose repr names them and never shows a value.
+
 A job may declare its flow (``infrai_jobs.jobs.policy``): ``retry=RetryPolicy(...)``,
 ``rate=RateLimit(...)``, ``concurrency=ConcurrencyLimit(...)``. ``JOB_POLICIES`` overrides them
 (``infrai_jobs.flow.policies``); a job that declares none takes exactly the path it took before.
@@ -61,6 +67,28 @@ Payload = Mapping[str, Any]
 JsonValue = Any
 
 
+class SecretValues(Mapping[str, str]):
+    """A job's secrets by name. Its repr names them and shows no value, so a context or a
+    derived job that ends up in a log line or an error leaks nothing."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, str] | None = None) -> None:
+        self._values = dict(values or {})
+
+    def __getitem__(self, name: str) -> str:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"SecretValues({', '.join(self._values)})"
+
+
 class Effect(StrEnum):
     DATABASE = "database"
     EXTERNAL = "external"
@@ -81,6 +109,8 @@ class JobContext:
     db: psycopg.Connection[Any] | None = None
     # The values of the settings this job declared, by name.
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The values of the secrets this job declared, by name (never in a repr).
+    secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
     # The producer's correlation id (its ``_correlation_id``, else its ``_traceparent``'s trace
     # id) and its W3C traceparent, to pass downstream; None when the message carried none.
     correlation_id: str | None = None
@@ -107,6 +137,8 @@ class JobDefinition:
     schema: PayloadSchema = field(default_factory=PayloadSchema)
     # The settings (environment variables) the handler reads from ``ctx.settings``.
     settings: tuple[str, ...] = ()
+    # The secrets (credentials, by name) the handler reads from ``ctx.secrets``.
+    secrets: tuple[str, ...] = ()
     # Asks the provider about a stuck claim; only for the external effect classes.
     probe: Probe | None = None
     # Flow control, as declared in code (``JOB_POLICIES`` may override each).
@@ -129,12 +161,15 @@ class DerivedJob:
     fingerprint: str
     # The bound values of the job's declared settings (``JobRegistry.bind_settings``).
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The bound values of the job's declared secrets.
+    secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
 
 
 @dataclass
 class JobRegistry:
     _jobs: dict[str, JobDefinition] = field(default_factory=dict)
     _settings: dict[str, Mapping[str, str]] = field(default_factory=dict)
+    _secrets: dict[str, Mapping[str, str]] = field(default_factory=dict, repr=False)
 
     def register(self, definition: JobDefinition) -> JobDefinition:
         """Add a job; a definition that could never key a message fails here, at start-up,
@@ -160,6 +195,12 @@ class JobRegistry:
             raise ConfigurationError(
                 f"job {definition.name!r}: probe must be a function of (payload, ctx)"
             )
+        both = sorted(set(definition.secrets) & set(definition.settings))
+        if both:
+            raise ConfigurationError(
+                f"job {definition.name!r}: {', '.join(both)} is declared both as a setting "
+                "and as a secret; a credential is a secret only"
+            )
         try:
             check_declared(definition.retry, definition.rate, definition.concurrency)
         except ConfigurationError as exc:
@@ -182,6 +223,7 @@ class JobRegistry:
         required: Sequence[str] = (),
         fields: Mapping[str, FieldSpec] | None = None,
         settings: Sequence[str] = (),
+        secrets: Sequence[str] = (),
         probe: Probe | None = None,
         retry: RetryPolicy | None = None,
         rate: RateLimit | None = None,
@@ -192,12 +234,14 @@ class JobRegistry:
         ``infrai_jobs.jobs.payload_schema``); identity fields are always required; ``probe`` asks
         the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``);
         ``retry``, ``rate`` and ``concurrency`` declare its flow (``infrai_jobs.jobs.policy``);
+        ``settings`` and ``secrets`` name what it reads from ``ctx.settings`` and ``ctx.secrets``;
         ``prepare`` readies its client before a rate-limited start (see ``JobDefinition``)."""
 
         for label, names in (
             ("identity", identity),
             ("required", required),
             ("settings", settings),
+            ("secrets", secrets),
         ):
             if isinstance(names, str):
                 # A bare string is a Sequence[str] too: it would name one field per character.
@@ -216,6 +260,7 @@ class JobRegistry:
                     required=tuple(dict.fromkeys((*identity, *required, *schema.required))),
                     schema=schema,
                     settings=tuple(dict.fromkeys(settings)),
+                    secrets=tuple(dict.fromkeys(secrets)),
                     probe=probe,
                     retry=retry,
                     rate=rate,
@@ -238,18 +283,27 @@ class JobRegistry:
 
     def declared_settings(self) -> dict[str, tuple[str, ...]]:
         """Every setting a registered job declared, with the jobs that declared it."""
-        owners: dict[str, list[str]] = {}
-        for job in self._jobs.values():
-            for name in job.settings:
-                owners.setdefault(name, []).append(job.name)
-        return {name: tuple(jobs) for name, jobs in owners.items()}
+        return self._owners(lambda job: job.settings)
 
-    def bind_settings(self, values: Mapping[str, str]) -> None:
-        """Give every job the values of the settings it declared, at start-up: one that is
-        missing or empty is a ``ConfigurationError`` naming the setting and its jobs."""
+    def declared_secrets(self) -> dict[str, tuple[str, ...]]:
+        """Every secret a registered job declared, with the jobs that declared it."""
+        return self._owners(lambda job: job.secrets)
+
+    def bind_settings(
+        self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
+    ) -> None:
+        """Give every job the values of the settings and secrets it declared, at start-up: one
+        that is missing or empty is a ``ConfigurationError`` naming it and its jobs (never a
+        value)."""
+        secret_values = secrets or {}
         missing = {
             name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
         }
+        missing.update(
+            (name, jobs)
+            for name, jobs in self.declared_secrets().items()
+            if not secret_values.get(name)
+        )
         if missing:
             raise ConfigurationError(
                 "; ".join(
@@ -261,39 +315,63 @@ class JobRegistry:
             job.name: MappingProxyType({name: values[name] for name in job.settings})
             for job in self._jobs.values()
         }
+        self._secrets = {
+            job.name: SecretValues({name: secret_values[name] for name in job.secrets})
+            for job in self._jobs.values()
+        }
 
     def probe_settings(self) -> dict[str, tuple[str, ...]]:
         """The settings the jobs with a reconcile probe declared, with those jobs: all a
         process that only probes (the watcher) reads."""
-        owners: dict[str, list[str]] = {}
-        for job in self._jobs.values():
-            if job.probe is not None:
-                for name in job.settings:
-                    owners.setdefault(name, []).append(job.name)
-        return {name: tuple(jobs) for name, jobs in owners.items()}
+        return self._owners(lambda job: job.settings, probes_only=True)
 
-    def bind_probe_settings(self, values: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-        """For a process that only probes: bind the settings of the jobs with a probe. A job
-        missing one of its settings loses its probe here instead of failing the process (the
-        watcher must page whatever else is wrong); those jobs are returned with the settings
+    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
+        """The secrets the jobs with a reconcile probe declared, with those jobs."""
+        return self._owners(lambda job: job.secrets, probes_only=True)
+
+    def bind_probe_settings(
+        self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
+    ) -> dict[str, tuple[str, ...]]:
+        """For a process that only probes: bind the settings and secrets of the jobs with a
+        probe. A job missing one of them loses its probe here instead of failing the process
+        (the watcher must page whatever else is wrong); those jobs are returned with the names
         they miss, so the caller can say so."""
+        secret_values = secrets or {}
         unprobed: dict[str, tuple[str, ...]] = {}
         bound: dict[str, Mapping[str, str]] = {}
+        bound_secrets: dict[str, Mapping[str, str]] = {}
         for job in list(self._jobs.values()):
             if job.probe is None:
                 continue
             missing = tuple(name for name in job.settings if not values.get(name))
+            missing += tuple(name for name in job.secrets if not secret_values.get(name))
             if missing:
                 unprobed[job.name] = missing
                 self._jobs[job.name] = replace(job, probe=None)
                 continue
             bound[job.name] = MappingProxyType({name: values[name] for name in job.settings})
+            bound_secrets[job.name] = SecretValues({n: secret_values[n] for n in job.secrets})
         self._settings = bound
+        self._secrets = bound_secrets
         return unprobed
 
     def settings_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared settings (empty before binding)."""
         return self._settings.get(name, MappingProxyType({}))
+
+    def secrets_of(self, name: str) -> Mapping[str, str]:
+        """The bound values of job ``name``'s declared secrets (empty before binding)."""
+        return self._secrets.get(name, SecretValues())
+
+    def _owners(
+        self, names: Callable[[JobDefinition], tuple[str, ...]], *, probes_only: bool = False
+    ) -> dict[str, tuple[str, ...]]:
+        owners: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            if job.probe is not None or not probes_only:
+                for name in names(job):
+                    owners.setdefault(name, []).append(job.name)
+        return {name: tuple(jobs) for name, jobs in owners.items()}
 
     def unknown_job(self, name: str) -> str:
         """What to tell someone who named a job this registry lacks: the closest name it has."""
@@ -320,8 +398,14 @@ class JobRegistry:
             raise UnknownJob(self.unknown_job(name))
         definition.schema.check(name, payload)
         idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})
-        settings = self._settings.get(name, MappingProxyType({}))
-        return DerivedJob(definition, payload, idem_key, payload_fingerprint(payload), settings)
+        return DerivedJob(
+            definition,
+            payload,
+            idem_key,
+            payload_fingerprint(payload),
+            self.settings_of(name),
+            self.secrets_of(name),
+        )
 
 
 def _json_type_name(value: object) -> str:

@@ -239,6 +239,7 @@ class Reconciler:
             delivery_count=0,
             deadline=time.time() + self._probe_timeout,
             settings=self._registry.settings_of(definition.name),
+            secrets=self._registry.secrets_of(definition.name),
         )
         payload = {"job": definition.name, **identity}
         answer = ask(definition.probe, payload, ctx, self._probe_timeout)

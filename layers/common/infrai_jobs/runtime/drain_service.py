@@ -82,14 +82,16 @@ class DrainService:
         """``registry``'s jobs get the values of the settings they declared, read into
         ``settings`` (``DrainSettings.from_env(job_settings=registry.declared_settings())``): a
         missing one is a ``ConfigurationError`` naming it and its jobs, before anything is
-        built or consumed. ``starter`` replaces Lambda's for local runs (the CLI starts drain
-        processes). ``message_span``: the span around each handler run, with tracing on
-        (``observability.message_tracing``). ``job_migrations``: the jobs package's
-        (``job_schema.job_migrations_in``): a ledger database without one of them is
-        ``SchemaNotMigrated`` before anything is received."""
-        registry.bind_settings(settings.require_job_settings())
+        built or consumed; so is a secret they declared (``job_secrets=``) that is missing or
+        cannot be read (fetched here, once, by ``with_secrets``). ``starter`` replaces
+        Lambda's for local runs (the CLI starts drain processes). ``message_span``: the span
+        around each handler run, with tracing on (``observability.message_tracing``).
+        ``job_migrations``: the jobs package's (``job_schema.job_migrations_in``): a ledger
+        database without one of them is ``SchemaNotMigrated`` before anything is received."""
+        job_settings = settings.require_job_settings()
         policies = job_policies(settings, registry)
         resolved, refresh = with_secrets(settings).unpacked()
+        registry.bind_settings(job_settings, secrets=resolved.require_job_secrets())
         url_hook, key_hook = refresh.database_url, refresh.api_key
         flow = flow_control(
             registry,

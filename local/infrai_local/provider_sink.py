@@ -25,6 +25,7 @@ It counts effects so tests and the demo can prove "at most once":
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import secrets
@@ -45,6 +46,9 @@ class SinkState:
     mails: Counter[str] = field(default_factory=Counter)  # invoice id -> e-mails sent
     digests: Counter[str] = field(default_factory=Counter)  # idempotency key -> digests built
     effects: Counter[str] = field(default_factory=Counter)  # "<path> <key>" -> effects
+    # path -> SHA-256 of the last Authorization header a /v1/effects/ call sent: a test checks
+    # a job's credential arrived, and the sink keeps no credential itself.
+    authorized: dict[str, str] = field(default_factory=dict)
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
     sent: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # invoice id -> mails
     lookup_status: int = 0  # 0: lookups answer; else every lookup answers this status
@@ -60,6 +64,7 @@ class SinkState:
                 "mails": dict(self.mails),
                 "digests": dict(self.digests),
                 "effects": dict(self.effects),
+                "authorized": dict(self.authorized),
                 "mail_effects": sum(self.mails.values()),
                 "digest_effects": sum(self.digests.values()),
             }
@@ -168,6 +173,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return {"id": mail["id"]}
             key = self.headers.get("Idempotency-Key") or ""
             if self.path.startswith("/v1/effects/"):
+                if authorization := self.headers.get("Authorization"):
+                    digest = hashlib.sha256(authorization.encode()).hexdigest()
+                    state.authorized[self.path] = digest
                 if key and key in state.replies:
                     return {**state.replies[key], "replayed": True}
                 state.effects[f"{self.path} {key or self.headers.get('X-Request-Key', '')}"] += 1

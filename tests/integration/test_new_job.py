@@ -8,6 +8,7 @@ the team's own: what the tests scaffold beside holds whichever jobs a team has.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -486,3 +487,60 @@ def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
     )
     assert tested.returncode == 0, tested.stdout[-3000:]
     assert "4 passed" in tested.stdout
+
+
+def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
+    kit: Harness, project: Path
+) -> None:
+    # Given a project whose external job declares a secret, its ARN left empty in env.json
+    (project / "layers").symlink_to(ROOT / "layers")
+    (project / "events").mkdir(exist_ok=True)
+    for name in ("env.json", "drain-schedule.json"):
+        shutil.copy(ROOT / "events" / name, project / "events" / name)
+    made = new_job(
+        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
+        "--setting", SETTING, "--secret", SECRET,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    env = json.loads((project / "events" / "env.json").read_text())
+    assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
+    # (every job's setting points at the provider stand-in)
+    env["DrainFunction"] = {
+        name: "" if name.endswith("_SECRET_ARN") else kit.sink.url for name in env["DrainFunction"]
+    }
+    (project / "events" / "env.json").write_text(json.dumps(env, indent=2))
+    from infrai_local.migrations import apply_migrations, read_migrations  # noqa: PLC0415
+
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        apply_migrations(conn, read_migrations(project / "functions" / "jobs" / "migrations"))
+    kit.publish({"job": WALK_JOB, "refund_id": "r-secret"})
+    # When DrainFunction is invoked with the plain secret exported in the shell (what
+    # `sam local invoke` would not pass: its template declares only NAME_SECRET_ARN)
+    token = "tok-only-in-the-shell-7d1f"
+    shell = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("INFRAI_", "DATABASE_", "AWS_"))
+    }
+    invoked = run_captured(
+        [
+            INFRAI_JOBS, "invoke", "DrainFunction",
+            "--event", "events/drain-schedule.json", "--env-vars", "events/env.json",
+        ],
+        cwd=project,
+        env={
+            **shell,
+            "INFRAI_BASE_URL": kit.server.url,
+            "INFRAI_API_KEY": "test-key",
+            "DATABASE_URL": kit.database_url,
+            SECRET: token,
+        },
+    )  # fmt: skip
+    # Then the job ran once and sent the secret as its bearer token, which no output shows
+    assert invoked.returncode == 0, invoked.stdout + invoked.stderr
+    assert json.loads(invoked.stdout)["done"] == 1
+    assert f"{SECRET}: from your shell (not shown)" in invoked.stderr
+    assert token not in invoked.stdout + invoked.stderr
+    authorized = kit.sink.state.snapshot()["authorized"]
+    expected = hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
+    assert authorized == {f"/v1/effects/{WALK_JOB}": expected}

@@ -41,9 +41,10 @@ def test_help_names_each_difference(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     shown = capsys.readouterr().out
-    for difference in ("AWS_PROFILE", "AWS_LAMBDA_LOG_GROUP_NAME", "AWS_ACCOUNT_ID", "Parameters"):
+    differences = ("AWS_PROFILE", "AWS_LAMBDA_LOG_GROUP_NAME", "AWS_ACCOUNT_ID", "Parameters")
+    for difference in (*differences, "NAME_SECRET_ARN"):
         assert difference in shown
     # And the docs name them too
     development = (ROOT / "docs" / "development.md").read_text()
-    for difference in ("AWS_LAMBDA_LOG_GROUP_NAME", "AWS_ACCOUNT_ID", '"Parameters"'):
+    for difference in ("AWS_LAMBDA_LOG_GROUP_NAME", "AWS_ACCOUNT_ID", '"Parameters"', "SECRET_ARN"):
         assert difference in development

@@ -16,7 +16,7 @@ them repeat publishes), one lane, run three ways per round, each in a fresh work
 3. ``limited``: ``JOB_POLICIES`` gives ``receipt.send`` itself a rate limit far above what one
    lane can start and a concurrency key with a large ``max_running``: a policy in force that
    never throttles, so the difference from ``unlimited`` is the limits' bookkeeping alone (the
-   holding check, the concurrency slot, the rate start, the slot's release).
+   concurrency slot, the rate start, the slot's release).
 
 Flow control is built as ``DrainFunction`` builds it (``parse_job_policies``,
 ``policies_in_force``, ``flow_control`` with its own connection through a ``LedgerConnector``)

@@ -1201,8 +1201,7 @@ def _flow_section(document: dict[str, Any]) -> list[str]:
         "",
         f"**A limited job** costs **{_fmt(added, 1)} more ledger round trips** per run "
         f"(duplicates never reach flow control), by statement: {extra_labels}. They are the "
-        "holding check (one statement), the concurrency slot (a transaction: advisory lock, "
-        "then the slot), the rate start (a transaction: advisory lock, then the start) and the "
+        "concurrency slot (a transaction: advisory lock, then the slot), the rate start (a transaction: advisory lock, then the start) and the "
         "slot's release (a transaction of one statement), each on flow control's own "
         "connection, in turn, on the lane's critical path. Here PostgreSQL is on the same "
         f"machine, so they added {_fmt(comparison['added_ms_per_limited_job'], 2)} ms of wall "
@@ -1216,7 +1215,8 @@ def _flow_section(document: dict[str, Any]) -> list[str]:
         + " To carry it over, multiply your database's round trip by that count: at 1 ms a "
         f"limited job adds about {_fmt(added, 0)} ms, which stays hidden only while a batch's "
         "limited runs fit in one Infrai round trip. A job with a retry policy and no limit "
-        "pays the holding check alone (one round trip per run).",
+        "pays none per run: a copy of work the ledger holds deferred is told apart by the "
+        "claim statement itself.",
         "",
     ]
     skewed = [

@@ -1201,7 +1201,8 @@ def _flow_section(document: dict[str, Any]) -> list[str]:
         "",
         f"**A limited job** costs **{_fmt(added, 1)} more ledger round trips** per run "
         f"(duplicates never reach flow control), by statement: {extra_labels}. They are the "
-        "concurrency slot (a transaction: advisory lock, then the slot), the rate start (a transaction: advisory lock, then the start) and the "
+        "concurrency slot (a transaction: advisory lock, then the slot), the rate start (a "
+        "transaction: advisory lock, then the start) and the "
         "slot's release (a transaction of one statement), each on flow control's own "
         "connection, in turn, on the lane's critical path. Here PostgreSQL is on the same "
         f"machine, so they added {_fmt(comparison['added_ms_per_limited_job'], 2)} ms of wall "

@@ -112,19 +112,6 @@ def _with_parameters(
     beside: Sequence[str],
     edits: SettingEdits,
 ) -> list[str]:
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == "Parameters:"), None)
-    if start is None:
-        edits.left_alone.append("template.yaml has no Parameters section: none was added")
-        return lines
-    end = next(
-        (i for i in range(start + 1, len(lines)) if _TOP_LEVEL_KEY.match(lines[i])), len(lines)
-    )
-    # After the last parameter of a job's setting, else at the section's start.
-    at = start + 1
-    for index in range(start + 1, end):
-        match = _PARAMETER_KEY.match(lines[index])
-        if match and match["name"] in beside:
-            at = _block_end(lines, index, end)
     blocks = [
         "  " + parameter_name(setting) + ":\n"
         "    Type: String\n"
@@ -133,6 +120,26 @@ def _with_parameters(
         f"    Description: {setting}, a setting {job_name} declares (HTTPS; see AllowPlainHttp).\n"
         for setting in new
     ]
+    return _insert_parameters(lines, blocks, beside, edits)
+
+
+def _insert_parameters(
+    lines: list[str], blocks: list[str], beside: Sequence[str], edits: SettingEdits
+) -> list[str]:
+    """``blocks`` in the template's Parameters section: after the last parameter named in
+    ``beside`` (the jobs' settings and secrets), else at the section's start."""
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == "Parameters:"), None)
+    if start is None:
+        edits.left_alone.append("template.yaml has no Parameters section: none was added")
+        return lines
+    end = next(
+        (i for i in range(start + 1, len(lines)) if _TOP_LEVEL_KEY.match(lines[i])), len(lines)
+    )
+    at = start + 1
+    for index in range(start + 1, end):
+        match = _PARAMETER_KEY.match(lines[index])
+        if match and match["name"] in beside:
+            at = _block_end(lines, index, end)
     return [*lines[:at], *blocks, *lines[at:]]
 
 
@@ -280,19 +287,7 @@ def _with_secret_parameters(
         "is empty.\n"
         for secret in new
     ]
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == "Parameters:"), None)
-    if start is None:
-        edits.left_alone.append("template.yaml has no Parameters section: none was added")
-        return lines
-    end = next(
-        (i for i in range(start + 1, len(lines)) if _TOP_LEVEL_KEY.match(lines[i])), len(lines)
-    )
-    at = start + 1
-    for index in range(start + 1, end):
-        match = _PARAMETER_KEY.match(lines[index])
-        if match and match["name"] in beside:
-            at = _block_end(lines, index, end)
-    return [*lines[:at], *blocks, *lines[at:]]
+    return _insert_parameters(lines, blocks, beside, edits)
 
 
 def _secret_variables(new: Sequence[str]) -> list[str]:

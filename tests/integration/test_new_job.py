@@ -118,18 +118,7 @@ def test_what_is_scaffolded_passes_lint_and_its_own_tests(
     migration = f"{version:04d}_{LINT_MODULE}.sql"
     assert (project / "functions" / "jobs" / "migrations" / migration).is_file()
     # And the scaffolded test, written with the test kit, passes on a real PostgreSQL
-    tested = run_captured(
-        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
-        cwd=project,
-        env={
-            **server_env(pg_server_url),
-            "INFRAI_JOBS_PATH": str(project / "functions"),
-            "PYTHONPATH": str(ROOT / "tests" / "integration"),
-        },
-    )
-    assert tested.returncode == 0, tested.stdout[-3000:]
-    expected = 4 if effect != "database" else 3
-    assert f"{expected} passed" in tested.stdout
+    scaffolded_tests_pass(project, pg_server_url, passed=4 if effect != "database" else 3)
 
 
 def server_env(server_url: str) -> dict[str, str]:
@@ -333,17 +322,7 @@ def test_a_job_scaffolded_with_a_retry_policy_tests_its_deferral_and_passes(
     assert "assert_deferred_then_done" in test
     assert "assert_retried_then_dead_lettered" not in test
     # And that test passes with the test kit, which runs the drain DrainFunction runs
-    tested = run_captured(
-        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
-        cwd=project,
-        env={
-            **server_env(pg_server_url),
-            "INFRAI_JOBS_PATH": str(project / "functions"),
-            "PYTHONPATH": str(ROOT / "tests" / "integration"),
-        },
-    )
-    assert tested.returncode == 0, tested.stdout[-3000:]
-    assert "4 passed" in tested.stdout
+    scaffolded_tests_pass(project, pg_server_url, passed=4)
 
 
 def test_a_retry_policy_is_refused_where_the_drain_would_refuse_it(
@@ -382,17 +361,7 @@ def test_a_job_scaffolded_with_a_rate_limit_and_a_concurrency_key_tests_both_and
     assert "assert_rate_limited" in test
     assert "assert_held_back_by_concurrency" in test
     # And they pass with the test kit, which runs the drain DrainFunction runs
-    tested = run_captured(
-        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
-        cwd=project,
-        env={
-            **server_env(pg_server_url),
-            "INFRAI_JOBS_PATH": str(project / "functions"),
-            "PYTHONPATH": str(ROOT / "tests" / "integration"),
-        },
-    )
-    assert tested.returncode == 0, tested.stdout[-3000:]
-    assert "6 passed" in tested.stdout
+    scaffolded_tests_pass(project, pg_server_url, passed=6)
 
 
 def test_limits_are_refused_where_the_drain_would_refuse_them(kit: Harness, project: Path) -> None:
@@ -476,17 +445,7 @@ def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
     assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
     assert f"| `{SECRET}_SECRET_ARN` |" in (project / "docs" / "configuration.md").read_text()
     # And the job's own tests, written with the test kit, pass with the secret stood in
-    tested = run_captured(
-        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
-        cwd=project,
-        env={
-            **server_env(pg_server_url),
-            "INFRAI_JOBS_PATH": str(project / "functions"),
-            "PYTHONPATH": str(ROOT / "tests" / "integration"),
-        },
-    )
-    assert tested.returncode == 0, tested.stdout[-3000:]
-    assert "4 passed" in tested.stdout
+    scaffolded_tests_pass(project, pg_server_url, passed=4)
 
 
 def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
@@ -544,3 +503,18 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
     authorized = kit.sink.state.snapshot()["authorized"]
     expected = hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
     assert authorized == {f"/v1/effects/{WALK_JOB}": expected}
+
+
+def scaffolded_tests_pass(project: Path, pg_server_url: str, *, passed: int) -> None:
+    """The scaffolded job's own test file passes with the test kit, every test of it."""
+    tested = run_captured(
+        [PYTEST, "-q", "-p", "no:cacheprovider", f"tests/integration/test_job_{LINT_MODULE}.py"],
+        cwd=project,
+        env={
+            **server_env(pg_server_url),
+            "INFRAI_JOBS_PATH": str(project / "functions"),
+            "PYTHONPATH": str(ROOT / "tests" / "integration"),
+        },
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert f"{passed} passed" in tested.stdout

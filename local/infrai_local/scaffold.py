@@ -257,6 +257,11 @@ def _check_limits(
     """The concurrency key's fields, once the limits are checked as the drain checks them at
     cold start (bounds, and a key naming the job's own fields)."""
     key = tuple(f.strip() for f in (concurrency_key or "").split(",") if f.strip())
+    if concurrency_key is not None and not key:
+        raise ConfigurationError(
+            f"--concurrency-key {concurrency_key!r}: name one or more fields of --identity "
+            f"({', '.join(identity)})"
+        )
     if concurrency_key is None and max_running != 1:
         raise ConfigurationError("--max-running needs --concurrency-key (what it counts by)")
     if rate_per_second is None and not key:

@@ -370,6 +370,7 @@ def test_limits_are_refused_where_the_drain_would_refuse_them(kit: Harness, proj
         ("database", ["--rate-per-second", "5"], "external jobs only"),
         ("external", ["--rate-per-second", "0"], "rate.per_second"),
         ("external", ["--concurrency-key", "tenant"], "name fields of --identity"),
+        ("external", ["--concurrency-key", " , "], "name one or more fields of --identity"),
         ("external", ["--max-running", "3"], "--max-running needs --concurrency-key"),
         ("external", ["--concurrency-key", "report_id", "--max-running", "0"], "max_running"),
     ):

@@ -1,20 +1,11 @@
 """The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries.
 
-Retry rules (docs/infrai-api.md, "What the client does with it"):
-
-* create, consume, ack and stats are retried with jittered exponential backoff on connection
-  errors, dropped responses, 5xx and 429 (honouring ``Retry-After``). They are safe to repeat:
-  a repeated ack of an applied ack answers ``QUEUE_MESSAGE_NOT_FOUND``, which callers treat as
-  harmless; a repeated consume at worst hides messages until their visibility lapses.
-* a consume whose answer is lost after it was sent (cut off, too large, not JSON, too deep, a
-  5xx) is **not** retried: it may have been served, and each message it served has spent one of
-  its three deliveries unseen. It raises ``ConsumeAnswerLost`` and the caller decides (the drain
-  goes on one message at a time, so an unreadable message cannot take its neighbours along).
-* a TLS certificate or hostname that does not verify is final (``UntrustedServer``), never
-  retried: no request was sent, and a repeat would meet the same certificate.
-* publish is **not** retried by default. Infrai has no producer-side deduplication, so a retried
-  publish whose first attempt reached the server is a duplicate job. ``retry_publish=True`` opts
-  in; that is safe only because consumers (this package's drain) dedupe by idempotency key.
+Retry rules: docs/infrai-api.md, "What the client does with it". In short: create, consume, ack
+and stats are retried (jittered back-off; 5xx, 429 with ``Retry-After``, connection errors); a
+consume whose answer is lost after it was sent is not (``ConsumeAnswerLost``: it may have been
+served, spending a delivery of each message unseen); a TLS certificate or hostname that does not
+verify is final (``UntrustedServer``); publish is retried only with ``retry_publish``, since
+Infrai does not dedupe producers and only the drain's idempotency keys make a duplicate safe.
 
 The API key is held privately and never appears in a repr, log line or exception message.
 """
@@ -29,9 +20,9 @@ import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
 from infrai_jobs.config.settings import check_web_url
@@ -107,12 +98,6 @@ class InfraiClient:
         max_answer_bytes: int = MAX_BODY,
         allow_plain_http: bool = False,
     ) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigurationError(
-                f"INFRAI_BASE_URL {base_url!r} is not an http(s) URL; "
-                "set it to e.g. https://api.infrai.cc"
-            )
         # The settings' rule again, for a client built without them: the key is in every request.
         example = "https://api.infrai.cc"
         check_web_url(
@@ -277,21 +262,16 @@ class InfraiClient:
         first: _Attempt | None = None,
         spends: tuple[str, int] | None = None,
     ) -> Any:
-        """Make a call with its retries. ``first``, when given, is a request already sent (see
-        ``_send``): its answer is the first attempt's; the retries send afresh. ``spends``
-        marks a consume (queue, messages asked for): see ``_send``."""
+        """Make a call with its retries. ``first``, when given, is a request already sent: its
+        answer is the first attempt's; the retries send afresh. ``spends``: see ``_send``."""
+
+        def send() -> _Attempt:
+            return self._send(method, path, body, call=call, spends=spends)
+
+        queue = body.get("queue") if body else None
         sent: list[_Attempt] = []
         try:
-            return self._call_with_retries(
-                method,
-                path,
-                body,
-                call=call,
-                retryable=retryable,
-                first=first,
-                sent=sent,
-                spends=spends,
-            )
+            return self._with_retries(send, first, sent, call=call, queue=queue, retry=retryable)
         except InfraiError as exc:
             if exc.status != 401:
                 raise
@@ -300,9 +280,7 @@ class InfraiClient:
             if sent[-1].key == self._api_key and not self._take_refreshed_key():
                 raise
         # A 401 is answered before anything is applied, so one more try is safe for every call.
-        return self._call_with_retries(
-            method, path, body, call=call, retryable=retryable, sent=[], spends=spends
-        )
+        return self._with_retries(send, None, [], call=call, queue=queue, retry=retryable)
 
     def _take_refreshed_key(self) -> bool:
         fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
@@ -316,26 +294,21 @@ class InfraiClient:
         self._api_key = fresh
         return True
 
-    def _call_with_retries(
+    def _with_retries(
         self,
-        method: str,
-        path: str,
-        body: Mapping[str, Any] | None,
+        send: Callable[[], _Attempt],
+        first: _Attempt | None,
+        sent: list[_Attempt],
         *,
         call: str,
-        retryable: bool,
-        sent: list[_Attempt],
-        first: _Attempt | None = None,
-        spends: tuple[str, int] | None = None,
+        queue: object,
+        retry: bool,
     ) -> Any:
-        attempts = self._retry.max_attempts if retryable else 1
+        attempts = self._retry.max_attempts if retry else 1
         for attempt in range(attempts):
+            current = first if attempt == 0 and first is not None else send()
+            sent.append(current)
             try:
-                if attempt == 0 and first is not None:
-                    current = first
-                else:
-                    current = self._send(method, path, body, call=call, spends=spends)
-                sent.append(current)
                 return current.answer()
             except ConsumeAnswerLost:
                 # Never repeated: the lost answer may have served messages, and a repeat would
@@ -348,8 +321,7 @@ class InfraiClient:
                 if retry_after is not None:
                     delay = retry_after + random.uniform(0, self._retry.base_delay)
                 if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
-                    # The public type, whatever answer class carried the last failure.
-                    raise InfraiUnavailable(exc.code, exc.message, exc.status, call=call) from exc
+                    raise _public(exc, call) from exc
                 # WARNING: a retried call is Infrai failing (5xx, 429, a connection), and a run
                 # of them is how an outage looks before anything else fails.
                 logger.warning(
@@ -357,7 +329,7 @@ class InfraiClient:
                     extra={
                         "action": "http_retry",
                         "call": call,
-                        "queue": body.get("queue") if body else None,
+                        "queue": queue,
                         "code": exc.code,
                         "attempt": attempt + 1,
                         "delay_seconds": round(delay, 3),
@@ -421,26 +393,20 @@ class InfraiClient:
             try:
                 response = self._pool.receive(exchange)
             except TransportError as exc:
-                if spends is not None:
-                    size = exc.size if isinstance(exc, AnswerTooLarge) else None
-                    code = "ANSWER_TOO_LARGE" if isinstance(exc, AnswerTooLarge) else None
-                    raise _lost(spends, code or "CONNECTION_ERROR", str(exc), 0, size=size) from exc
-                raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
+                if spends is None:
+                    raise InfraiUnavailable("CONNECTION_ERROR", str(exc), 0, call=call) from exc
+                if isinstance(exc, AnswerTooLarge):
+                    raise _lost(spends, "ANSWER_TOO_LARGE", str(exc), 0, size=exc.size) from exc
+                raise _lost(spends, "CONNECTION_ERROR", str(exc), 0) from exc
+            raw = response.body
             try:
-                return _unwrap(
-                    response.status, response.body, response.headers.get("retry-after"), call
-                )
+                return _unwrap(response.status, raw, response.headers.get("retry-after"), call)
             except (_RetryableAnswer, InfraiInvalidResponse) as exc:
                 if spends is None or exc.status == 429:
                     raise
-                body = response.body
+                ids = _ids_in(raw)
                 raise _lost(
-                    spends,
-                    exc.code,
-                    exc.message,
-                    exc.status,
-                    size=len(body),
-                    message_ids=_ids_in(body),
+                    spends, exc.code, exc.message, exc.status, size=len(raw), message_ids=ids
                 ) from exc
 
         return _Attempt(key, call, answer)
@@ -464,18 +430,13 @@ def _check_api_key(key: str) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
 class _Attempt:
     """One request sent: the API key it carried and how to read its answer."""
 
-    __slots__ = ("answer", "call", "key")
-
-    def __init__(self, key: str, call: str, answer: Callable[[], Any]) -> None:
-        self.key = key
-        self.call = call
-        self.answer = answer
-
-    def __repr__(self) -> str:
-        return f"_Attempt(call={self.call!r}, key=<redacted>)"
+    key: str = field(repr=False)
+    call: str
+    answer: Callable[[], Any]
 
     def answer_alone(self) -> Any:
         """The answer with no retry; a retryable failure is raised as the public type."""
@@ -484,7 +445,7 @@ class _Attempt:
         except ConsumeAnswerLost:
             raise
         except InfraiUnavailable as exc:
-            raise InfraiUnavailable(exc.code, exc.message, exc.status, call=self.call) from exc
+            raise _public(exc, self.call) from exc
 
 
 class _RetryableAnswer(InfraiUnavailable):
@@ -493,6 +454,11 @@ class _RetryableAnswer(InfraiUnavailable):
     ):
         super().__init__(code, message, status, call=call)
         self.retry_after = retry_after
+
+
+def _public(exc: InfraiUnavailable, call: str) -> InfraiUnavailable:
+    """The public type, whatever answer class carried the failure."""
+    return InfraiUnavailable(exc.code, exc.message, exc.status, call=call)
 
 
 def _lost(
@@ -506,13 +472,7 @@ def _lost(
 ) -> ConsumeAnswerLost:
     queue, served = spends
     return ConsumeAnswerLost(
-        code,
-        message,
-        status,
-        queue=queue,
-        max_messages=served,
-        size=size,
-        message_ids=message_ids,
+        code, message, status, queue=queue, max_messages=served, size=size, message_ids=message_ids
     )
 
 
@@ -543,47 +503,38 @@ def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:
 
 def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) -> Any:
     """Turn a response into its data, accepting bodies with and without the envelope."""
+
+    def invalid(what: str) -> InfraiInvalidResponse:
+        return InfraiInvalidResponse(
+            "INVALID_RESPONSE", f"answered HTTP {status} {what}", status, call=call
+        )
+
+    success = 200 <= status < 300
     try:
         document = json.loads(raw) if raw else None
     except RecursionError:
-        raise InfraiInvalidResponse(
-            "INVALID_RESPONSE",
-            f"answered HTTP {status} with JSON nested too deeply",
-            status,
-            call=call,
-        ) from None
+        raise invalid("with JSON nested too deeply") from None
     except ValueError:
         document = None
-        if 200 <= status < 300:
-            raise InfraiInvalidResponse(
-                "INVALID_RESPONSE",
-                f"answered HTTP {status} with a body that is not JSON",
-                status,
-                call=call,
-            ) from None
+        if success:
+            raise invalid("with a body that is not JSON") from None
     code, message = f"HTTP_{status}", "no error envelope in the answer"
     if isinstance(document, Mapping) and "ok" in document:
-        if document["ok"] is True and 200 <= status < 300:
+        if document["ok"] is True and success:
             return document.get("data")
         error = document.get("error")
         if isinstance(error, Mapping):
             code = str(error.get("code") or code)
             message = str(error.get("message") or "")
-        elif 200 <= status < 300:
+        elif success:
             # A success status whose envelope neither says ok nor names an error ("ok": "yes",
             # "ok": false alone) is outside the contract, not an HTTP error.
-            raise InfraiInvalidResponse(
-                "INVALID_RESPONSE",
-                f"answered HTTP {status} with an envelope whose ok is {document['ok']!r:.20}",
-                status,
-                call=call,
-            )
-    elif 200 <= status < 300:
+            raise invalid(f"with an envelope whose ok is {document['ok']!r:.20}")
+    elif success:
         return document
     if status == 429 or status >= 500:
-        raise _RetryableAnswer(
-            code, message, status, call=call, retry_after=_parse_retry_after(retry_after_header)
-        )
+        retry_after = _parse_retry_after(retry_after_header)
+        raise _RetryableAnswer(code, message, status, call=call, retry_after=retry_after)
     if code == "QUEUE_MESSAGE_NOT_FOUND":
         raise QueueMessageNotFound(code, message, status, call=call)
     raise InfraiError(code, message, status, call=call)

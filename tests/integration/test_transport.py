@@ -567,13 +567,9 @@ def test_several_sent_requests_travel_at_once_and_are_read_in_any_order(
     again = [pool.send("GET", f"/u{n}", {}) for n in range(5)]
     assert [pool.receive(e).status for e in again] == [200] * 5
     assert server.connections == 5
-    # And an exchange is read once: a second read, or a read after discarding, is refused
+    # And an exchange is read once: a second read is refused
     with pytest.raises(RuntimeError, match="already read"):
         pool.receive(again[0])
-    dropped = pool.send("GET", "/v", {})
-    pool.discard(dropped)
-    with pytest.raises(RuntimeError, match="already read"):
-        pool.receive(dropped)
     pool.close()
 
 

@@ -1,6 +1,5 @@
-"""One HTTP/1.1 connection of ``infrai_jobs.queue.transport``'s pool, and reading an answer off it:
-status line, headers, and a ``Content-Length``, chunked or close-delimited body, within limits
-on line length, header count and body size, and within the answer's deadline."""
+"""One HTTP/1.1 connection of ``infrai_jobs.queue.transport``'s pool, and reading an answer off
+it within limits (line length, header count, body size) and within the answer's deadline."""
 
 from __future__ import annotations
 
@@ -9,31 +8,23 @@ import select
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from infrai_jobs.errors import OversizedAnswer, ProtocolError
 
-# A line of the answer's head, and how many header lines it may have.
 MAX_LINE = 65536
 MAX_HEADERS = 100
 # 1xx answers skipped before the real one; a server sending more is not answering.
 MAX_INTERIM = 10
-
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-
 _STATUS_CODE = re.compile(r"[0-9]{3}")
-
 _LENGTH = re.compile(r"[0-9]{1,18}")
-
 _RECV_SIZE = 65536
-
-# Past an answer's deadline a read still takes what has already arrived, waiting this long.
+# Past an answer's deadline a read still takes what has already arrived, waiting this long, for
+# at most _LATE_READS_FOR from the first such read (a server sending a byte at a time cannot
+# stretch it).
 _ARRIVED_WAIT = 0.001
-
-# ... for this long at most from the first such read, so a server sending a byte at a time
-# cannot stretch it.
 _LATE_READS_FOR = 0.5
-
 # A head found whole within this many buffered bytes is parsed in one go (Infrai's are ~150).
 _WHOLE_HEAD_LIMIT = 8192
 
@@ -46,6 +37,7 @@ class Response:
     body: bytes
 
 
+@dataclass(eq=False, slots=True)
 class Connection:
     """A socket and the bytes read from it but not yet parsed.
 
@@ -54,31 +46,19 @@ class Connection:
     next request's answer.
     """
 
-    __slots__ = (
-        "buffer",
-        "deadline",
-        "first_byte_by",
-        "idle_since",
-        "late_until",
-        "read_timeout",
-        "shortened",
-        "sock",
-    )
-
-    def __init__(self, sock: socket.socket, read_timeout: float) -> None:
-        self.sock = sock
-        self.buffer = bytearray()
-        self.idle_since = 0.0
-        self.read_timeout = read_timeout
-        self.deadline = 0.0
-        # Set at the first read after the deadline: reads of what has arrived end then.
-        self.late_until = 0.0
-        # While no byte of the answer has come: when the read timeout, counted from the send,
-        # ends (0 once one has).
-        self.first_byte_by = 0.0
-        # The socket's timeout was cut to fit the deadline (setting it is a system call, so it
-        # is restored only then).
-        self.shortened = False
+    sock: socket.socket
+    read_timeout: float
+    buffer: bytearray = field(default_factory=bytearray)
+    idle_since: float = 0.0
+    deadline: float = 0.0
+    # Set at the first read after the deadline: reads of what has arrived end then.
+    late_until: float = 0.0
+    # While no byte of the answer has come: when the read timeout, counted from the send,
+    # ends (0 once one has).
+    first_byte_by: float = 0.0
+    # The socket's timeout was cut to fit the deadline (setting it is a system call, so it
+    # is restored only then).
+    shortened: bool = False
 
     def close(self) -> None:
         self.sock.close()

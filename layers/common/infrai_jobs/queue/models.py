@@ -1,9 +1,6 @@
-"""Typed, frozen views of what Infrai answers, parsed strictly at the edge.
-
-Infrai's answers are data from the network: every field is checked here once, so the rest of the
-package can trust a ``QueueMessage`` without re-validating it. A shape the contract does not allow
-raises ``InfraiInvalidResponse`` naming the call and the field.
-"""
+"""Typed, frozen views of what Infrai answers, each field checked here once so the rest of the
+package can trust them; a shape outside the contract raises ``InfraiInvalidResponse`` naming the
+call and the field."""
 
 from __future__ import annotations
 
@@ -77,7 +74,10 @@ class QueueMessage:
         call = "consume"
         if not isinstance(item, Mapping):
             raise _invalid(call, f"an item is a {type(item).__name__}, not an object")
-        message_id = _require_storable(_require_str(item, "message_id", call), "message_id", call)
+        message_id = item.get("message_id")
+        if not isinstance(message_id, str) or not message_id:
+            raise _invalid(call, "message_id is missing or not a non-empty string")
+        _require_storable(message_id, "message_id", call)
         delivery_count = item.get("delivery_count", 1)
         if isinstance(delivery_count, bool) or not isinstance(delivery_count, int):
             raise _invalid(call, f"item {message_id}: delivery_count is not an integer")
@@ -85,9 +85,9 @@ class QueueMessage:
             raise _invalid(call, f"item {message_id}: delivery_count {delivery_count} is below 1")
         # The notes' worker acks with the message id; a separate handle wins when Infrai sends one.
         handle = item.get("receipt_handle")
-        if handle is not None and (not isinstance(handle, str) or not handle):
-            raise _invalid(call, f"item {message_id}: receipt_handle is not a non-empty string")
         if handle is not None:
+            if not isinstance(handle, str) or not handle:
+                raise _invalid(call, f"item {message_id}: receipt_handle is not a non-empty string")
             _require_storable(handle, "receipt_handle", call)
         item_queue = item.get("queue", queue)
         if not isinstance(item_queue, str) or not item_queue:
@@ -134,13 +134,7 @@ class QueueStats:
         # Required like the counts: read as 0 when missing, it would tell the watcher that a
         # lagging drain is "keeping up again".
         age = data.get("oldest_message_age_seconds")
-        if (
-            age is None
-            or isinstance(age, bool)
-            or not isinstance(age, int | float)
-            or not math.isfinite(age)
-            or age < 0
-        ):
+        if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < math.inf:
             raise _invalid(call, "oldest_message_age_seconds is missing or not a number >= 0")
         name = data.get("queue", queue)
         return cls(
@@ -207,14 +201,7 @@ def _parse_timestamp(value: object) -> datetime | None:
         return None
 
 
-def _require_str(data: Mapping[str, object], field: str, call: str) -> str:
-    value = data.get(field)
-    if not isinstance(value, str) or not value:
-        raise _invalid(call, f"{field} is missing or not a non-empty string")
-    return value
-
-
-def _require_storable(value: str, field: str, call: str) -> str:
+def _require_storable(value: str, field: str, call: str) -> None:
     """An id the ledger and the logs can hold: no NUL, no lone surrogates."""
     if "\x00" in value:
         raise _invalid(call, f"{field} contains a NUL character")
@@ -222,7 +209,6 @@ def _require_storable(value: str, field: str, call: str) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise _invalid(call, f"{field} is not valid Unicode") from None
-    return value
 
 
 def _require_count(data: Mapping[str, object], field: str, call: str) -> int:

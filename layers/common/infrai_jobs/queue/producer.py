@@ -1,29 +1,15 @@
 """Publishing a job only when the drain could run it: the producer's side of the job registry.
 
-A payload the drain cannot key (an unknown job, a missing or mistyped field, a value JSON cannot
-carry exactly) is rejected there and waits in the DLQ for a human, and its publish has been
-paid for. ``publish_checked`` applies the drain's own rule first (``check_publishable``, which is
-``JobRegistry.derive``) and publishes only what passes::
+A payload the drain cannot key (unknown job, missing or mistyped field, a value JSON cannot carry
+exactly) is rejected there and waits in the DLQ for a human, its publish paid for.
+``publish_checked`` applies the drain's own rule first (``check_publishable``, which is
+``JobRegistry.derive``, as ``infrai-jobs publish`` does) and sends only what passes; usage in
+docs/payload-schemas.md.
 
-    from infrai_jobs.queue.producer import publish_checked
-
-    registry = build_registry()  # the jobs package every function loads (functions/jobs)
-    published = publish_checked(queue, registry, "billing-jobs", {"job": "refund.issue", ...})
-    logger.info(
-        "job published",
-        extra={"idem_key": published.idem_key, "correlation_id": published.correlation_id},
-    )
-
-A payload that fails raises ``KeyDerivationError`` (``InvalidPayload`` for a field that is
-missing or of the wrong type) with the drain's reason, and nothing is sent. ``infrai-jobs
-publish`` checks with ``check_publishable`` too, so a producer and the command line follow one
-rule.
-
-The published body carries a ``_correlation_id`` (``infrai_jobs.jobs.correlation``): the one passed
-as ``correlation_id``, else the payload's own (its ``_correlation_id``, else its
-``_traceparent``'s trace id), else a fresh one. Every log line the drain writes about the
-message carries it, and the handler finds it in ``ctx.correlation_id``. It is envelope: the key
-and the fingerprint do not change with it, so a retried publish may pass the same one or not.
+The published body carries a ``_correlation_id`` (``infrai_jobs.jobs.correlation``): the one
+passed, else the payload's own (its ``_correlation_id``, else its ``_traceparent``'s trace id),
+else a fresh one. It is envelope: the key and the fingerprint do not change with it, so a retried
+publish may pass the same one or not.
 """
 
 from __future__ import annotations
@@ -65,11 +51,10 @@ def publish_checked(
     delay_seconds: int | None = None,
     correlation_id: str | None = None,
 ) -> PublishedJob:
-    """Check ``payload`` as the drain will (``registry.derive``), then publish it to
-    ``queue_name`` with a ``_correlation_id`` (see the module's doc). Raises
-    ``KeyDerivationError`` before anything is sent when the drain would reject it, and
-    ``InvalidPayload`` for a correlation id or traceparent the drain would ignore; the queue's
-    own errors (``InfraiError``) as ``queue.publish`` raises them."""
+    """Check ``payload`` as the drain will, then publish it to ``queue_name`` with a
+    ``_correlation_id``. Raises, before anything is sent, ``KeyDerivationError`` when the drain
+    would reject it and ``InvalidPayload`` for a correlation id or traceparent the drain would
+    ignore; the queue's own errors as ``queue.publish`` raises them."""
     derived = check_publishable(registry, payload)
     try:
         body, chosen = with_correlation_id(payload, correlation_id)

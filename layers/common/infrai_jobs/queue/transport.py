@@ -1,35 +1,21 @@
 """A small HTTP/1.1 keep-alive client, just enough for Infrai's JSON API.
 
-Why not urllib3: every ack is one request, so the client's own CPU per request bounds how many
-messages a lane (and a thread-laned drain, which shares one GIL) can finish per second. urllib3
-and ``http.client`` spend most of theirs on general machinery this API never needs (the
-``email`` header parser, URL parsing on every call, pool keys); on this project's benchmark a
-request cost about four times the CPU it costs here. A Lambda at 512 MB has about a third of a
-vCPU, so that CPU is throughput.
+Why not urllib3: every ack is one request, so the client's CPU per request bounds a lane's
+throughput, and a 512 MB Lambda has about a third of a vCPU. urllib3 and ``http.client`` spend
+most of theirs on machinery this API never needs; here a request costs about a quarter as much
+(bench/transport.md, ``make bench-transport``).
 
-What it does: one request per connection at a time (``send`` and ``receive`` let one thread
-have several travel at once, each on its own connection), connections kept alive and reused
-from a bounded idle list (LIFO, thread-safe), TLS with certificate and hostname verification through
-``ssl.create_default_context()``, connect and read timeouts, ``Content-Length``, chunked and
-close-delimited answers, limits on line length, header count and body size, and a deadline for
-the whole answer (a server dripping bytes cannot hold a call past it). A connection goes back
-to the pool only when its answer was framed exactly, with no byte left over; before reuse it is
-dropped if the server has closed it (or sent something unasked) or it sat idle too long. It
-never retries: whether a call may be repeated is the caller's decision (see ``queue_client``);
-a certificate or hostname that fails verification is a ``TlsVerificationFailed``, so the caller
-can tell it from a transient failure.
-
-It does not do proxies, redirects, compression, cookies or HTTP/2: Infrai's API needs none, and
-it asks for no content coding (``Accept-Encoding: identity``) and refuses one it did not ask for.
-Error messages name the host and the failure, never a header.
+A connection goes back to the (LIFO, bounded) idle list only when its answer was framed exactly,
+with no byte left over; before reuse it is dropped if the server closed it, sent something
+unasked, or it sat idle too long. The whole answer has a deadline, so a server dripping bytes
+cannot hold a call. It never retries: that is the caller's decision; a certificate or hostname
+that fails verification is a ``TlsVerificationFailed``, so the caller can tell it from a
+transient failure. No proxies, redirects, compression, cookies or HTTP/2: it asks for no content
+coding and refuses one. Error messages name the host and the failure, never a header.
 """
-
-# The CPU figures above: bench/transport_bench.py (`make bench-transport`) measures both clients;
-# bench/transport.md holds the latest run.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import socket
 import ssl
@@ -46,11 +32,7 @@ from infrai_jobs.errors import (
     TlsVerificationFailed,
     TransportError,
 )
-from infrai_jobs.queue.http_wire import (
-    Connection,
-    Response,
-    read_response,
-)
+from infrai_jobs.queue.http_wire import Connection, Response, read_response
 
 # Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
 # hostile server from filling a 512 MB Lambda.
@@ -81,7 +63,7 @@ class Exchange:
     def take(self) -> Connection:
         conn, self._conn = self._conn, None
         if conn is None:
-            raise RuntimeError("this exchange's answer was already read or discarded")
+            raise RuntimeError("this exchange's answer was already read")
         return conn
 
 
@@ -110,10 +92,12 @@ class HttpPool:
             raise ValueError(f"{base_url!r} has an invalid port") from exc
         self._tls = parts.scheme == "https"
         self._host = parts.hostname
-        self._port = port or (443 if self._tls else 80)
-        default_port = (self._tls and self._port == 443) or (not self._tls and self._port == 80)
+        default_port = 443 if self._tls else 80
+        self._port = port or default_port
         host_for_header = f"[{self._host}]" if ":" in self._host else self._host
-        self._host_header = host_for_header if default_port else f"{host_for_header}:{self._port}"
+        self._host_header = (
+            host_for_header if self._port == default_port else f"{host_for_header}:{self._port}"
+        )
         self._prefix = parts.path.rstrip("/")
         self._where = f"{parts.scheme}://{self._host_header}"
         self._connect_timeout = connect_timeout
@@ -194,12 +178,6 @@ class HttpPool:
         else:
             conn.close()
         return response
-
-    @staticmethod
-    def discard(exchange: Exchange) -> None:
-        """Close an exchange's connection without reading its answer (it is not reusable)."""
-        with contextlib.suppress(OSError):
-            exchange.take().close()
 
     # --- connections --------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 from infrai_jobs.drain.ports import Clock
 from infrai_jobs.errors import (
@@ -219,10 +219,10 @@ class InMemoryQueue:
     def send_consume(
         self, queue: str, max_messages: int = CONSUME_CAP
     ) -> Pending[list[QueueMessage]]:
-        return Pending.settled(lambda: self.consume(queue, max_messages))
+        return _settled(lambda: self.consume(queue, max_messages))
 
     def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
-        return Pending.settled(lambda: self.ack(queue, receipt_handle))
+        return _settled(lambda: self.ack(queue, receipt_handle))
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         with self._lock:
@@ -287,6 +287,25 @@ class InMemoryQueue:
         """Ids of the messages acks removed, in order (including those whose answer was lost)."""
         with self._lock:
             return list(self._acked)
+
+
+T = TypeVar("T")
+
+
+def _settled(call: Callable[[], T]) -> Pending[T]:
+    """Make the call now (an in-memory queue has nothing to wait for); ``wait()`` gives back its
+    result or raises its error."""
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 - handed to whoever waits, unchanged
+        error = exc
+    else:
+        return Pending(lambda: result)
+
+    def fail() -> T:
+        raise error
+
+    return Pending(fail)
 
 
 def _client_error(error: ApiError, call: str) -> InfraiError:

@@ -135,7 +135,6 @@ def test_stats_are_typed_and_count_delayed_messages(client: InfraiClient) -> Non
 def test_publish_price_comes_from_discovery(client: InfraiClient) -> None:
     price = client.publish_price()
     assert price.usd_per_message == Decimal("0.00002")
-    assert price.monthly_cost(100_000) == Decimal("60.00000")
 
 
 def test_unknown_queue_and_bad_key_map_to_clear_errors(emulator: Any, control: Any) -> None:

@@ -285,7 +285,6 @@ def test_publish_price_is_todays_discovery_price(queue: InMemoryQueue) -> None:
     # Then it is the notes' price, as discovery's billing object carries it
     assert price.usd_per_message == Decimal("0.00002")
     assert price.billing["price_usd"] == "0.00002"
-    assert price.monthly_cost(1000) == Decimal("0.60000")
 
 
 def test_a_lost_ack_answer_is_applied_but_reported_not_found(queue: InMemoryQueue) -> None:

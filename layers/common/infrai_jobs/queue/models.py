@@ -40,22 +40,6 @@ class Pending(Generic[T]):
             raise RuntimeError("this call's answer was already read")
         return finish() if retry else self._first()
 
-    @classmethod
-    def settled(cls, call: Callable[[], T]) -> Pending[T]:
-        """Make the call now (an in-memory queue has nothing to wait for); ``wait()`` gives
-        back its result or raises its error."""
-        try:
-            result = call()
-        except Exception as exc:  # noqa: BLE001 - handed to whoever waits, unchanged
-            error = exc
-        else:
-            return cls(lambda: result)
-
-        def fail() -> T:
-            raise error
-
-        return cls(fail)
-
 
 @dataclass(frozen=True, slots=True)
 class QueueMessage:
@@ -150,9 +134,6 @@ class PublishPrice:
 
     usd_per_message: Decimal
     billing: Mapping[str, JsonValue]
-
-    def monthly_cost(self, messages_per_day: int, days: int = 30) -> Decimal:
-        return self.usd_per_message * messages_per_day * days
 
 
 # Discovery's billing object is not specified field by field; these are the names we accept for

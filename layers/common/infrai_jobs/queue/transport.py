@@ -120,20 +120,12 @@ class HttpPool:
         _close_all(idle)
 
     def request(
-        self,
-        method: str,
-        path: str,
-        headers: Mapping[str, str],
-        body: bytes | None = None,
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes | None = None
     ) -> Response:
         return self.receive(self.send(method, path, headers, body))
 
     def send(
-        self,
-        method: str,
-        path: str,
-        headers: Mapping[str, str],
-        body: bytes | None = None,
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes | None = None
     ) -> Exchange:
         """Send a request on a connection of its own and return without waiting for the answer.
 

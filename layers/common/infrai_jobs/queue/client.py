@@ -1,13 +1,10 @@
 """The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries.
 
-Retry rules: docs/infrai-api.md, "What the client does with it". In short: create, consume, ack
-and stats are retried (jittered back-off; 5xx, 429 with ``Retry-After``, connection errors); a
-consume whose answer is lost after it was sent is not (``ConsumeAnswerLost``: it may have been
-served, spending a delivery of each message unseen); a TLS certificate or hostname that does not
-verify is final (``UntrustedServer``); publish is retried only with ``retry_publish``, since
-Infrai does not dedupe producers and only the drain's idempotency keys make a duplicate safe.
-
-The API key is held privately and never appears in a repr, log line or exception message.
+Retry rules: docs/infrai-api.md, "What the client does with it". Not retried: a consume whose
+answer is lost after it was sent (``ConsumeAnswerLost``: it may have been served, spending a
+delivery of each message unseen), a TLS failure (``UntrustedServer``), and publish unless
+``retry_publish`` (Infrai does not dedupe producers; only the drain's keys make a duplicate safe).
+The API key never appears in a repr, log line or exception message.
 """
 
 from __future__ import annotations
@@ -116,8 +113,7 @@ class InfraiClient:
         self._sleep = sleep
         # Set by retries_within() for the length of one invocation; None: no deadline.
         self._time_left_ms: Callable[[], int] | None = None
-        # Retries are ours (they depend on the call and on Infrai's error codes); the pool
-        # never retries. Concurrent ackers beyond pool_maxsize get short-lived connections.
+        # The pool never retries; concurrent ackers beyond pool_maxsize get short-lived connections.
         try:
             self._pool = HttpPool(
                 base_url,
@@ -142,11 +138,9 @@ class InfraiClient:
 
     @contextmanager
     def retries_within(self, time_left_ms: Callable[[], int]) -> Iterator[None]:
-        """Within the block, a call is retried only if the back-off and one more attempt (its
-        connect and read timeouts) fit in ``time_left_ms()``; otherwise its last failure is
-        raised at once. A Lambda invocation then fails with Infrai's error, in its own time,
-        instead of being killed by its timeout while asleep. One invocation at a time: every
-        thread using the client shares the bound."""
+        """Within the block, a call is retried only if the back-off and one more attempt fit in
+        ``time_left_ms()``, so a Lambda fails with Infrai's error instead of being killed asleep
+        by its timeout. One invocation at a time: every thread using the client shares it."""
         self._time_left_ms = time_left_ms
         try:
             yield
@@ -176,11 +170,8 @@ class InfraiClient:
         delay_seconds: int | None = None,
         retry: bool | None = None,
     ) -> str:
-        """Publish one message and return its ``message_id``.
-
-        Not retried unless ``retry`` (or the client's ``retry_publish``) says so: see the module
-        docstring for why.
-        """
+        """Publish one message and return its ``message_id``; retried only if ``retry`` (or
+        the client's ``retry_publish``) says so."""
         request: dict[str, Any] = {"queue": queue, "body": body}
         if delay_seconds is not None:
             request["delay_seconds"] = delay_seconds
@@ -194,12 +185,8 @@ class InfraiClient:
         return message_id
 
     def consume(self, queue: str, max_messages: int = CONSUME_CAP) -> list[QueueMessage]:
-        """Receive up to ``max_messages`` (capped at 10). Each receive uses one of three deliveries.
-
-        An item too malformed to process (no id, bad delivery count) is logged and left alone:
-        unacked, it returns after the visibility timeout and is dead-lettered after three. An
-        answer lost or unreadable after the request went out raises ``ConsumeAnswerLost``.
-        """
+        """Receive up to ``max_messages`` (capped at 10), each spending one of its deliveries.
+        A malformed item is logged and left unacked, to be dead-lettered after three."""
         return self.send_consume(queue, max_messages).wait()
 
     def send_consume(
@@ -322,8 +309,7 @@ class InfraiClient:
                     delay = retry_after + random.uniform(0, self._retry.base_delay)
                 if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
                     raise _public(exc, call) from exc
-                # WARNING: a retried call is Infrai failing (5xx, 429, a connection), and a run
-                # of them is how an outage looks before anything else fails.
+                # WARNING: a run of retries is how an outage looks before anything else fails.
                 logger.warning(
                     "retrying an Infrai call",
                     extra={
@@ -354,14 +340,10 @@ class InfraiClient:
         call: str,
         spends: tuple[str, int] | None = None,
     ) -> _Attempt:
-        """Send one attempt; its ``answer()`` reads the answer (the call's data) or raises. A
-        request that could not be sent fails when its answer is asked for, as a retryable
-        connection error.
-
-        ``spends`` (queue, messages asked for) marks a consume: once it has been sent, an
-        answer that is cut off, too large, unreadable or a 5xx raises ``ConsumeAnswerLost``,
-        since the queue may have served it. A 429 was refused before serving and stays
-        retryable."""
+        """Send one attempt; its ``answer()`` returns the call's data or raises (a request that
+        could not be sent, as a retryable connection error). ``spends`` (queue, messages asked
+        for) marks a consume: an answer then cut off, too large, unreadable or a 5xx raises
+        ``ConsumeAnswerLost``, as the queue may have served it (a 429 was not, and retries)."""
         key = self._api_key
         headers = {
             "Authorization": f"Bearer {key}",
@@ -375,8 +357,7 @@ class InfraiClient:
         try:
             exchange = self._pool.send(method, path, headers, encoded)
         except TransportError as exc:
-            # The transport's message names the host and the failure, never our headers. A
-            # certificate or hostname that does not verify is final: a retry meets the same one.
+            # A certificate that does not verify is final: a retry meets the same one.
             failure: InfraiError = (
                 UntrustedServer("TLS_VERIFICATION_FAILED", str(exc), 0, call=call)
                 if isinstance(exc, TlsVerificationFailed)

@@ -39,12 +39,9 @@ class Response:
 
 @dataclass(eq=False, slots=True)
 class Connection:
-    """A socket and the bytes read from it but not yet parsed.
-
-    The buffer is ours (not ``socket.makefile``) so that bytes left over after an answer are
-    visible: a connection holding any is closed, never pooled, or they would be read as the
-    next request's answer.
-    """
+    """A socket and the bytes read from it but not yet parsed. The buffer is ours (not
+    ``socket.makefile``) so that bytes left over after an answer are visible: a connection
+    holding any is closed, never pooled, or they would be read as the next request's answer."""
 
     sock: socket.socket
     read_timeout: float
@@ -53,11 +50,9 @@ class Connection:
     deadline: float = 0.0
     # Set at the first read after the deadline: reads of what has arrived end then.
     late_until: float = 0.0
-    # While no byte of the answer has come: when the read timeout, counted from the send,
-    # ends (0 once one has).
+    # Until the answer's first byte: when the read timeout, counted from the send, ends.
     first_byte_by: float = 0.0
-    # The socket's timeout was cut to fit the deadline (setting it is a system call, so it
-    # is restored only then).
+    # The socket's timeout was cut to fit the deadline (restored only then: a system call).
     shortened: bool = False
 
     def close(self) -> None:
@@ -80,11 +75,9 @@ class Connection:
     # --- reading, bounded by the answer's deadline ---------------------------------------------
 
     def fill(self) -> bool:
-        """Read what the socket has into the buffer; False at the end of the stream.
-
-        Past the deadline, only bytes that have already arrived are read: an answer that came
-        while the caller was busy (a long batch) is not a timeout, a late one is.
-        """
+        """Read what the socket has into the buffer; False at the end of the stream. Past the
+        deadline, only bytes already arrived are read: an answer that came while the caller was
+        busy (a long batch) is not a timeout, a late one is."""
         now = time.monotonic()
         # Until the answer's first byte, the read timeout also runs from the send.
         limit = min(self.deadline, self.first_byte_by) if self.first_byte_by else self.deadline
@@ -94,8 +87,7 @@ class Connection:
             elif now > self.late_until:
                 raise TimeoutError("the answer did not complete in time")
         remaining = max(limit - now, _ARRIVED_WAIT)
-        # Setting the timeout is a system call: the socket keeps the read timeout unless the
-        # time left is a tenth or more shorter (so a prompt answer costs none).
+        # A system call: only when the time left is a tenth or more under the read timeout.
         if remaining < self.read_timeout * 0.9:
             self.sock.settimeout(remaining)
             self.shortened = True

@@ -20,13 +20,10 @@ T = TypeVar("T")
 
 
 class Pending(Generic[T]):
-    """A queue call that was sent and whose answer is read by ``wait()``, once.
-
-    The drain sends its next consume and a batch's acks this way: they travel while it works,
-    with no thread per call. ``wait()`` returns what the plain call would have returned, or
-    raises what it would have raised, retries included; ``wait(retry=False)`` reads the sent
-    request's answer alone, raising its error instead of retrying.
-    """
+    """A queue call that was sent and whose answer is read by ``wait()``, once: the drain's next
+    consume and a batch's acks travel while it works, with no thread per call. ``wait()`` does
+    what the plain call would (retries included); ``wait(retry=False)`` reads the sent
+    request's answer alone, raising its error instead of retrying."""
 
     __slots__ = ("_finish", "_first")
 
@@ -88,6 +85,9 @@ class QueueMessage:
         )
 
 
+_COUNTS = ("message_count", "available_count", "in_flight_count", "delayed_count", "dlq_count")
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     """The counters of ``GET /v1/queue/stats/{queue}``."""
@@ -105,16 +105,7 @@ class QueueStats:
         call = "stats"
         if not isinstance(data, Mapping):
             raise _invalid(call, f"the answer is a {type(data).__name__}, not an object")
-        counts = {
-            name: _require_count(data, name, call)
-            for name in (
-                "message_count",
-                "available_count",
-                "in_flight_count",
-                "delayed_count",
-                "dlq_count",
-            )
-        }
+        counts = {name: _require_count(data, name, call) for name in _COUNTS}
         # Required like the counts: read as 0 when missing, it would tell the watcher that a
         # lagging drain is "keeping up again".
         age = data.get("oldest_message_age_seconds")

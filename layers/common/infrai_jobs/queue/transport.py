@@ -1,17 +1,11 @@
 """A small HTTP/1.1 keep-alive client, just enough for Infrai's JSON API.
 
-Why not urllib3: every ack is one request, so the client's CPU per request bounds a lane's
-throughput, and a 512 MB Lambda has about a third of a vCPU. urllib3 and ``http.client`` spend
-most of theirs on machinery this API never needs; here a request costs about a quarter as much
-(bench/transport.md, ``make bench-transport``).
-
-A connection goes back to the (LIFO, bounded) idle list only when its answer was framed exactly,
-with no byte left over; before reuse it is dropped if the server closed it, sent something
-unasked, or it sat idle too long. The whole answer has a deadline, so a server dripping bytes
-cannot hold a call. It never retries: that is the caller's decision; a certificate or hostname
-that fails verification is a ``TlsVerificationFailed``, so the caller can tell it from a
-transient failure. No proxies, redirects, compression, cookies or HTTP/2: it asks for no content
-coding and refuses one. Error messages name the host and the failure, never a header.
+Why not urllib3: every ack is one request, so CPU per request bounds a lane's throughput (a
+512 MB Lambda has a third of a vCPU), and here a request costs about a quarter of urllib3's
+(bench/transport.md). A connection is pooled again only when its answer was framed exactly; the
+whole answer has a deadline; it never retries (the caller decides), and reports a failed
+certificate as ``TlsVerificationFailed``. No proxies, redirects, compression, cookies or HTTP/2.
+Error messages name the host and the failure, never a header.
 """
 
 from __future__ import annotations
@@ -127,12 +121,9 @@ class HttpPool:
     def send(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes | None = None
     ) -> Exchange:
-        """Send a request on a connection of its own and return without waiting for the answer.
-
-        The caller must ``receive`` every exchange (or ``discard`` it): until then its
-        connection is held. Several exchanges may be open at once, one per connection, so one
-        thread can have a batch of requests travel together and read their answers after.
-        """
+        """Send a request on a connection of its own without waiting for the answer; the caller
+        must ``receive`` every exchange, as it holds its connection until then. One thread may
+        have several open at once, a batch of requests travelling together."""
         head = self._encode_head(method, path, headers, body)
         conn = self._take()
         try:
@@ -150,20 +141,16 @@ class HttpPool:
         return Exchange(conn, method)
 
     def receive(self, exchange: Exchange) -> Response:
-        """Read the answer of an exchange ``send`` opened; its connection goes back to the pool
-        when the answer was framed exactly, and is closed otherwise."""
+        """Read an exchange's answer; its connection is pooled again only if framed exactly."""
         conn = exchange.take()
-        method = exchange.method
         try:
-            response, keep_alive = read_response(conn, method, self._max_body)
-        except OversizedAnswer as exc:
+            response, keep_alive = read_response(conn, exchange.method, self._max_body)
+        except BaseException as exc:
             conn.close()
-            raise AnswerTooLarge(self._describe(exc), exc.size) from exc
-        except (OSError, ProtocolError) as exc:
-            conn.close()
-            raise TransportError(self._describe(exc)) from exc
-        except BaseException:
-            conn.close()
+            if isinstance(exc, OversizedAnswer):
+                raise AnswerTooLarge(self._describe(exc), exc.size) from exc
+            if isinstance(exc, OSError | ProtocolError):
+                raise TransportError(self._describe(exc)) from exc
             raise
         if keep_alive and not conn.buffer:
             self._give_back(conn)
@@ -230,8 +217,7 @@ class HttpPool:
             _latin1(f"{method} {target} HTTP/1.1\r\nHost: {self._host_header}\r\n", "the path"),
             b"Accept-Encoding: identity\r\n",
         ]
-        # A client sends the same few header sets again and again: each is checked and encoded
-        # once, then reused.
+        # A client sends the same few header sets: each is checked and encoded once.
         key = tuple(headers.items())
         block = self._header_blocks.get(key)
         if block is None:

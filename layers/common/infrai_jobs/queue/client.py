@@ -48,8 +48,7 @@ from infrai_jobs.queue_contract import CONSUME_CAP
 logger = logging.getLogger(__name__)
 
 USER_AGENT = "infrai-jobs/0.1"
-# Request bodies need no spaces and no NaN. Built once: json.dumps with any option builds a new
-# encoder per call (about 1.5 µs, for every ack).
+# Built once: json.dumps with any option builds a new encoder per call (1.5 µs, every ack).
 _BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 _ASCII_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 # Ids of the messages an unreadable consume answer still shows (at most a batch of them).
@@ -63,8 +62,7 @@ class RetryPolicy:
     max_attempts: int = 4
     base_delay: float = 0.1
     max_delay: float = 5.0
-    # A Retry-After beyond this is not honoured by sleeping; the call fails instead. Within a
-    # time-budgeted run (``InfraiClient.retries_within``) a retry must also fit the time left.
+    # A longer Retry-After fails the call instead (as does one past ``retries_within``'s time).
     max_retry_after: float = 30.0
 
     def backoff(self, attempt: int) -> float:
@@ -146,8 +144,6 @@ class InfraiClient:
             yield
         finally:
             self._time_left_ms = None
-
-    # --- calls ------------------------------------------------------------------------------
 
     def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
         """Create ``name`` (and its DLQ); return False when it already existed."""
@@ -235,8 +231,6 @@ class InfraiClient:
         """Today's publish price from discovery (only publishing is metered)."""
         data = self._call("GET", "/v1/discovery", None, call="discovery", retryable=True)
         return parse_publish_price(data)
-
-    # --- transport ---------------------------------------------------------------------------
 
     def _call(
         self,
@@ -394,8 +388,8 @@ class InfraiClient:
 
 
 def _encode_body(body: Mapping[str, Any]) -> bytes:
-    """A request body in UTF-8, so non-ASCII text travels at its own size rather than tripled
-    by ``\\u`` escapes; text UTF-8 cannot carry (a lone surrogate) is sent escaped instead."""
+    """UTF-8, so non-ASCII text is not tripled by ``\\u`` escapes; escaped only for text UTF-8
+    cannot carry (a lone surrogate)."""
     try:
         return _BODY_JSON.encode(body).encode("utf-8")
     except UnicodeEncodeError:
@@ -466,7 +460,6 @@ def _ids_in(raw: bytes) -> tuple[str, ...]:
 def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:
     items = data.get("items") if isinstance(data, Mapping) else None
     if not isinstance(items, list):
-        # Something was answered, and the queue may have served messages to it.
         raise _lost(
             (queue, served), "INVALID_RESPONSE", "consume answered without an items list", 200
         )
@@ -508,8 +501,7 @@ def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) 
             code = str(error.get("code") or code)
             message = str(error.get("message") or "")
         elif success:
-            # A success status whose envelope neither says ok nor names an error ("ok": "yes",
-            # "ok": false alone) is outside the contract, not an HTTP error.
+            # Neither ok nor an error ("ok": "yes", "ok": false alone): outside the contract.
             raise invalid(f"with an envelope whose ok is {document['ok']!r:.20}")
     elif success:
         return document
@@ -522,10 +514,9 @@ def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) 
 
 
 def _parse_retry_after(value: str | None) -> float | None:
-    if value is None:
-        return None
+    # Infrai does not use the HTTP-date form: anything but seconds falls back to back-off.
     try:
-        seconds = float(value)
+        seconds = float(value or "-1")
     except ValueError:
-        return None  # the HTTP-date form is not used by Infrai; fall back to backoff
+        return None
     return seconds if seconds >= 0 else None

@@ -20,9 +20,8 @@ _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _STATUS_CODE = re.compile(r"[0-9]{3}")
 _LENGTH = re.compile(r"[0-9]{1,18}")
 _RECV_SIZE = 65536
-# Past an answer's deadline a read still takes what has already arrived, waiting this long, for
-# at most _LATE_READS_FOR from the first such read (a server sending a byte at a time cannot
-# stretch it).
+# Past the deadline a read still takes what has arrived, waiting this long, for at most
+# _LATE_READS_FOR after the first such read (so a server dripping bytes cannot stretch it).
 _ARRIVED_WAIT = 0.001
 _LATE_READS_FOR = 0.5
 # A head found whole within this many buffered bytes is parsed in one go (Infrai's are ~150).
@@ -71,8 +70,6 @@ class Connection:
             return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
-
-    # --- reading, bounded by the answer's deadline ---------------------------------------------
 
     def fill(self) -> bool:
         """Read what the socket has into the buffer; False at the end of the stream. Past the

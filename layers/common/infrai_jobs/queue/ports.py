@@ -22,15 +22,13 @@ class QueuePort(Protocol):
 
     def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]: ...
 
-    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
-        """``consume`` whose answer is read later (an in-memory queue may answer at once)."""
-        ...
+    # ``consume`` and ``ack`` sent now, answered by ``Pending.wait()`` (an in-memory queue may
+    # answer at once).
+    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]: ...
 
     def ack(self, queue: str, receipt_handle: str) -> None: ...
 
-    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
-        """``ack`` whose answer is read later."""
-        ...
+    def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]: ...
 
     def stats(self, queue: str) -> QueueStats: ...
 
@@ -38,8 +36,7 @@ class QueuePort(Protocol):
 
 
 class ForwardingQueue:
-    """A ``QueuePort`` that hands every call to ``inner`` unchanged: a wrapper that watches
-    some calls subclasses it and overrides only those."""
+    """A ``QueuePort`` handing every call to ``inner``: a wrapper overrides the calls it watches."""
 
     def __init__(self, inner: QueuePort) -> None:
         self._inner = inner

@@ -1,15 +1,10 @@
-"""Publishing a job only when the drain could run it: the producer's side of the job registry.
+"""Publishing a job only when the drain could run it (usage: docs/payload-schemas.md).
 
-A payload the drain cannot key (unknown job, missing or mistyped field, a value JSON cannot carry
-exactly) is rejected there and waits in the DLQ for a human, its publish paid for.
-``publish_checked`` applies the drain's own rule first (``check_publishable``, which is
-``JobRegistry.derive``, as ``infrai-jobs publish`` does) and sends only what passes; usage in
-docs/payload-schemas.md.
-
-The published body carries a ``_correlation_id`` (``infrai_jobs.jobs.correlation``): the one
-passed, else the payload's own (its ``_correlation_id``, else its ``_traceparent``'s trace id),
-else a fresh one. It is envelope: the key and the fingerprint do not change with it, so a retried
-publish may pass the same one or not.
+A payload the drain cannot key is rejected there and waits in the DLQ, its publish paid for:
+``publish_checked`` applies the drain's own rule first (``check_publishable``, as ``infrai-jobs
+publish`` does). The body carries a ``_correlation_id``: the one passed, else the payload's own
+(or its ``_traceparent``'s trace id), else a fresh one. It is envelope: the key and fingerprint
+do not change with it, so a retried publish may pass the same one or not.
 """
 
 from __future__ import annotations

@@ -28,14 +28,11 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.queue.http_wire import Connection, Response, read_response
 
-# Infrai's answers are small JSON documents (ten messages at most); this only stops a broken or
-# hostile server from filling a 512 MB Lambda.
+# Infrai's answers are small; this stops a broken or hostile server filling a 512 MB Lambda.
 MAX_BODY = 16 * 1024 * 1024
-# Well under the idle timeouts of common load balancers (60 s) and API gateways; a connection
-# idle longer, e.g. across a frozen Lambda, is more likely dead than alive.
+# Under load balancers' idle timeouts (60 s): idle longer (a frozen Lambda), likely dead.
 DEFAULT_MAX_IDLE = 30.0
-# The whole answer must arrive within this many read timeouts (the read timeout alone bounds
-# each wait for bytes, not a server sending one byte at a time).
+# The whole answer must arrive within this many read timeouts (each bounds one wait for bytes).
 ANSWER_DEADLINE_READS = 3
 
 _UNSAFE_HEADER = re.compile(r"[\r\n\x00]")
@@ -103,8 +100,7 @@ class HttpPool:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._header_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
-        # A pool dropped without close() still closes its sockets (no ResourceWarning, no fd
-        # leak); the finalizer holds the list, not the pool.
+        # A pool dropped unclosed still closes its sockets; the finalizer holds the list, not it.
         weakref.finalize(self, _close_all, self._idle)
 
     def close(self) -> None:
@@ -158,8 +154,6 @@ class HttpPool:
             conn.close()
         return response
 
-    # --- connections --------------------------------------------------------------------------
-
     def _take(self) -> Connection:
         now = time.monotonic()
         while True:
@@ -204,8 +198,6 @@ class HttpPool:
             sock.close()
             raise TransportError(self._describe(exc)) from exc
         return Connection(sock, self._read_timeout)
-
-    # --- wire format --------------------------------------------------------------------------
 
     def _encode_head(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes | None

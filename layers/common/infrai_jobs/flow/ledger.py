@@ -287,31 +287,11 @@ def postpone(
 
 
 def finish(
-    conn: psycopg.Connection[Any],
-    key: str,
-    token: uuid.UUID,
-    result: Any,
-    *,
-    actor: str = DRAIN_ACTOR,
-    action: str = "deferred_done",
-    note: str = "",
-    holder: bool = True,
+    conn: psycopg.Connection[Any], key: str, token: uuid.UUID, result: Any
 ) -> ClaimRow | None:
-    """A run settles ``done`` with ``result``, recorded in ``claim_history`` as ``action``;
-    None when the token no longer holds it (nothing changed). ``holder=False`` is anyone but
-    the run holding the lease (a reconcile probe, an operator): it changes the run only once
-    its lease is over."""
-    return settle(
-        conn,
-        key,
-        token,
-        "done",
-        result=result,
-        actor=actor,
-        action=action,
-        note=note,
-        holder=holder,
-    )
+    """The run holding ``token`` settles ``done`` with ``result``; None when the token no
+    longer holds it (nothing changed)."""
+    return settle(conn, key, token, "done", result=result, action="deferred_done")
 
 
 def fail(
@@ -320,29 +300,11 @@ def fail(
     token: uuid.UUID,
     error: str,
     *,
-    actor: str = DRAIN_ACTOR,
-    action: str = "deferred_failed",
-    note: str = "",
     queue: str | None = None,
-    holder: bool = True,
 ) -> ClaimRow | None:
-    """A run fails for good with ``error`` (for work the ledger owns: out of attempts, or a
-    final error), recorded as ``action``. Work the ledger owns also gets an unresolved dead
-    letter in ``dead_letters`` (its message was acked long ago, so the ledger holds it) under
-    its queue (``queue`` when the work recorded none). One transaction; None when the token no
-    longer holds it."""
-    return settle(
-        conn,
-        key,
-        token,
-        "failed",
-        error=error,
-        actor=actor,
-        action=action,
-        note=note,
-        queue=queue,
-        holder=holder,
-    )
+    """The run holding ``token`` fails for good with ``error`` (out of attempts, or a final
+    error); None when the token no longer holds it."""
+    return settle(conn, key, token, "failed", error=error, action="deferred_failed", queue=queue)
 
 
 def settle(
@@ -353,14 +315,18 @@ def settle(
     *,
     result: Any = None,
     error: str | None = None,
-    actor: str,
+    actor: str = DRAIN_ACTOR,
     action: str,
-    note: str,
+    note: str = "",
     queue: str | None = None,
-    holder: bool,
+    holder: bool = True,
 ) -> ClaimRow | None:
-    """Settle the run holding ``token`` as ``state`` (``done`` or ``failed``) and record it,
-    with the row before and after, in one transaction; None when nothing changed."""
+    """Settle the run holding ``token`` as ``state`` (``done`` or ``failed``) and record it in
+    ``claim_history`` as ``action``, with the row before and after, in one transaction; None
+    when nothing changed. ``holder=False`` is anyone but the run holding the lease (a reconcile
+    probe, an operator): it changes the run only once its lease is over. Failed work the ledger
+    owns also gets an unresolved dead letter (its message was acked long ago, so the ledger
+    holds it) under its queue (``queue`` when the work recorded none)."""
     with (
         ledger_errors(f"cannot settle {key!r}"),
         conn.transaction(),
@@ -380,15 +346,8 @@ def settle(
             return None
         after = ClaimRow(**after_row)
         if state == "failed" and after.owned:
-            hold_dead_letter(
-                conn,
-                message_id=after.message_id,
-                queue=after.queue or queue or "",
-                payload=after.payload,
-                job=after.job or "",
-                idem_key=key,
-                reason=f"deferred job failed after {after.attempts} attempt(s): {error}",
-            )
+            reason = f"deferred job failed after {after.attempts} attempt(s): {error}"
+            hold_dead_letter(conn, after, queue=after.queue or queue or "", reason=reason)
         record_change(conn, action, ClaimRow(**before_row), after, actor=actor, note=note)
     return after
 
@@ -436,9 +395,6 @@ def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
     return DeferredStats(int(row[0]), float(row[1]))
 
 
-# --- claim_history ----------------------------------------------------------------------------
-
-
 def record_change(
     conn: psycopg.Connection[Any],
     action: str,
@@ -448,14 +404,14 @@ def record_change(
     actor: str,
     note: str,
 ) -> None:
-    """A change to a unit of work in ``claim_history``: the row before and after it (None:
-    deleted)."""
+    """A change to a unit of work in ``claim_history``: the row before and after (None: gone)."""
+    after_dict = None if after is None else after.as_dict()
     record_history(
         conn,
         before.idem_key,
         action,
         actor=actor,
         before=before.as_dict(),
-        after=after.as_dict() if after is not None else None,
+        after=after_dict,
         note=note,
     )

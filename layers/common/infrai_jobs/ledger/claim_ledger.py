@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, LiteralString
+from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
@@ -146,41 +146,40 @@ SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
 FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
 """
 
-_SETTLE_DONE: LiteralString = """
-UPDATE job_claims AS c
-SET state = 'done', result = u.result::jsonb, error = NULL, updated_at = now()
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::text[])
-    AS u(idem_key, claim_token, result)
+# Every settle is fenced by its run's token, and matches only a running claim. ``values`` is
+# the result (as JSON text) of a done run, the error of any other.
+_FENCED: LiteralString = """
+    unnest(%(keys)s::text[], %(tokens)s::uuid[], %(values)s::text[])
+    AS u(idem_key, claim_token, value)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
+RETURNING c.idem_key"""
+_SETTLE_DONE: LiteralString = (
+    "UPDATE job_claims AS c\n"
+    "SET state = 'done', result = u.value::jsonb, error = NULL, updated_at = now()\nFROM" + _FENCED
+)
 _SETTLE_DONE_AND_COMMIT: LiteralString = _SETTLE_DONE + ";\nCOMMIT"
-
-_SETTLE_FAILED: LiteralString = """
-UPDATE job_claims AS c
-SET state = 'failed', error = u.error, updated_at = now()
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
-    AS u(idem_key, claim_token, error)
-WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
-_MARK_UNCERTAIN: LiteralString = """
-UPDATE job_claims AS c
-SET error = u.error, updated_at = now(), lease_until = least(c.lease_until, now())
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
-    AS u(idem_key, claim_token, error)
-WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
+_SETTLE_FAILED: LiteralString = (
+    "UPDATE job_claims AS c\nSET state = 'failed', error = u.value, updated_at = now()\nFROM"
+    + _FENCED
+)
+_MARK_UNCERTAIN: LiteralString = (
+    "UPDATE job_claims AS c\nSET error = 'effect uncertain: ' || u.value, updated_at = now(),\n"
+    "    lease_until = least(c.lease_until, now())\nFROM" + _FENCED
+)
 _RELEASE: LiteralString = """
 DELETE FROM job_claims AS c
 USING unnest(%(keys)s::text[], %(tokens)s::uuid[]) AS u(idem_key, claim_token)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
 RETURNING c.idem_key
 """
+
+# How each kind of run settles its claim, fenced by its token (a deferral settled it already).
+_SETTLE_STATEMENTS: Final[dict[RunKind, LiteralString]] = {
+    RunKind.SUCCEEDED: _SETTLE_DONE,
+    RunKind.PERMANENT: _SETTLE_FAILED,
+    RunKind.UNCERTAIN: _MARK_UNCERTAIN,
+    RunKind.TRANSIENT: _RELEASE,
+}
 
 # Annotates a claim this delivery does not hold; it changes no state, so it is not fenced.
 _FLAG_STUCK: LiteralString = """
@@ -219,14 +218,10 @@ def _aborted(conn: psycopg.Connection[Any]) -> bool:
 
 @contextmanager
 def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """The ledger's one transaction style, for a database-class batch.
-
-    The connection is in autocommit; the transaction is opened by its first statement, sent as
-    ``BEGIN; <claim>`` (``_claim_on(begin=True)``), and committed by its last, sent as
-    ``<settle>; COMMIT`` (``_settle_and_commit``), one round trip each. What the body leaves
-    open is committed here; any failure rolls back the whole. Savepoints inside it are psycopg's
-    (``conn.transaction()`` within an open transaction is a savepoint).
-    """
+    """A database-class batch's transaction on the autocommit connection: opened by its first
+    statement (``BEGIN; <claim>``) and committed by its last (``<settle>; COMMIT``), one round
+    trip each. What the body leaves open is committed here; any failure rolls back the whole.
+    ``conn.transaction()`` inside it is a savepoint."""
     try:
         yield
     except BaseException:
@@ -243,10 +238,7 @@ DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobR
 
 
 class PostgresLedger(LedgerAdapter):
-    """The claim ledger on one reusable connection, re-established when the server drops it.
-
-    ``refresh_url`` fetches the database URL again, bypassing the secret cache: called once when
-    a connection fails, because a rotated password is the likely reason in AWS."""
+    """The claim ledger on one reusable connection, re-established when the server drops it."""
 
     def __init__(
         self,
@@ -256,9 +248,8 @@ class PostgresLedger(LedgerAdapter):
         job_migrations: Sequence[JobMigrationName] = (),
         **options: Any,
     ) -> None:
-        # The queue's visibility timeout bounds every lease (see the module's docstring);
-        # options are LedgerAdapter's (connect_timeout, refresh_url). ``job_migrations``: the
-        # jobs package's, checked with the ledger's schema on the first connection.
+        # The queue's visibility timeout bounds every lease (see the module's docstring); the
+        # jobs package's migrations are checked with the ledger's schema on the first connection.
         super().__init__(database_url, **options)
         self._visibility = visibility_timeout
         self._job_migrations = tuple(job_migrations)
@@ -267,10 +258,7 @@ class PostgresLedger(LedgerAdapter):
 
     def close(self) -> None:
         if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    # --- connection handling --------------------------------------------------------------
+            self._drop(self._conn)
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn
@@ -287,15 +275,13 @@ class PostgresLedger(LedgerAdapter):
                 with ledger_errors("cannot read the ledger's schema version", self._connector.url):
                     version = current_version(conn)
                     missing = missing_job_migrations(conn, self._job_migrations)
+                if version < SCHEMA_VERSION:
+                    raise SchemaNotMigrated(schema_behind(version))
+                if missing:
+                    raise SchemaNotMigrated(jobs_schema_behind(missing))
             except LedgerError:
                 conn.close()
                 raise
-            if version < SCHEMA_VERSION:
-                conn.close()
-                raise SchemaNotMigrated(schema_behind(version))
-            if missing:
-                conn.close()
-                raise SchemaNotMigrated(jobs_schema_behind(missing))
             self._schema_checked = True
         self._conn = conn
         return conn
@@ -344,8 +330,6 @@ class PostgresLedger(LedgerAdapter):
         finally:
             if self._conn is conn:
                 self._conn = None
-
-    # --- claims ---------------------------------------------------------------------------
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
         """Claim external-effect jobs (committed at once). Keys must be distinct."""
@@ -413,44 +397,33 @@ class PostgresLedger(LedgerAdapter):
         by_key = {r.idem_key: r for r in requests}
         return [decide(by_key[key], row) for key, row in rows.items()]
 
-    # --- database-class batch -------------------------------------------------------------
-
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction.
+        """Claim, run and settle database jobs in one transaction: every claim decision and
+        the settlements of the jobs that ran. Nothing is committed unless everything is, so a
+        crash or a lost connection leaves no trace and the redeliveries simply run again.
 
-        Returns every claim decision and the settlements of the jobs that ran. Nothing is
-        committed unless everything is, so a crash or a lost connection leaves no trace and the
-        redeliveries simply run again.
-
-        The common case costs the ledger two round trips per batch: ``BEGIN`` travels with the
-        claim and ``COMMIT`` with the settle (one simple-protocol message each, parameters
-        bound client-side). If any handler fails, that attempt is rolled back whole and the
-        batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
+        The common case costs two round trips per batch (``BEGIN`` travels with the claim,
+        ``COMMIT`` with the settle). If any handler fails, that attempt is rolled back whole and
+        the batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
         """
         if not requests:
             return [], []
         with self._translated() as conn:
             try:
-                return self._database_batch_in_one_go(conn, requests, runner)
+                return self._database_batch(conn, requests, runner, isolated=False)
             except _IsolateJobs:
                 pass
-            with _batch_transaction(conn):
-                decisions = self._claim_on(conn, requests, begin=True)
-                runs: list[tuple[ClaimRequest, JobRun]] = []
-                for decision in decisions:
-                    if decision.status is ClaimStatus.WON:
-                        run = self._run_in_savepoint(conn, decision, runner)
-                        runs.append((decision.request, run))
-                settlements = self._settle_on(conn, runs, uncertain_is_stuck=False)
-            return decisions, settlements
+            return self._database_batch(conn, requests, runner, isolated=True)
 
-    def _database_batch_in_one_go(
+    def _database_batch(
         self,
         conn: psycopg.Connection[Any],
         requests: Sequence[ClaimRequest],
         runner: DatabaseRunner,
+        *,
+        isolated: bool,
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
         with _batch_transaction(conn):
             decisions = self._claim_on(conn, requests, begin=True)
@@ -458,34 +431,15 @@ class PostgresLedger(LedgerAdapter):
             for decision in decisions:
                 if decision.status is not ClaimStatus.WON:
                     continue
-                run = runner(decision.request, conn)
-                if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
-                    raise _IsolateJobs
+                if isolated:
+                    run = self._run_in_savepoint(conn, decision, runner)
+                else:
+                    run = runner(decision.request, conn)
+                    if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
+                        raise _IsolateJobs
                 runs.append((decision.request, run))
-            settlements = self._settle_and_commit(conn, runs)
+            settlements = self._settle_on(conn, runs, uncertain_is_stuck=False, commit=not isolated)
         return decisions, settlements
-
-    def _settle_and_commit(
-        self, conn: psycopg.Connection[Any], runs: Sequence[tuple[ClaimRequest, JobRun]]
-    ) -> list[Settlement]:
-        if not runs:
-            return []  # nothing to settle: _batch_transaction commits
-        params = {
-            "keys": array_literal(r.idem_key for r, _ in runs),
-            "tokens": array_literal(r.claim_token for r, _ in runs),
-            "results": array_literal(_RESULT_JSON.encode(run.result) for _, run in runs),
-        }
-        with psycopg.ClientCursor(conn) as cur:
-            cur.execute(_SETTLE_DONE_AND_COMMIT, params)
-            settled = {row[0] for row in cur.fetchall()}
-        return [
-            Settlement(
-                request,
-                SettleStatus.DONE if request.idem_key in settled else SettleStatus.LOST,
-                run,
-            )
-            for request, run in runs
-        ]
 
     @staticmethod
     def _run_in_savepoint(
@@ -501,8 +455,6 @@ class PostgresLedger(LedgerAdapter):
                 raise psycopg.Rollback(savepoint)
         return run
 
-    # --- settling -------------------------------------------------------------------------
-
     def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
         """Settle one external job right after its effect, fenced by its claim token."""
         with self._translated() as conn:
@@ -515,37 +467,31 @@ class PostgresLedger(LedgerAdapter):
         runs: Sequence[tuple[ClaimRequest, JobRun]],
         *,
         uncertain_is_stuck: bool,
+        commit: bool = False,
     ) -> list[Settlement]:
+        """Settle ``runs``, one fenced statement per kind. ``commit``: only successes, settled
+        by the batch transaction's last statement (bound client-side: one round trip)."""
         kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
         for (request, run), kind in zip(runs, kinds, strict=True):
             groups.setdefault(kind, []).append((request, run))
-
         matched: set[str] = set()
         for kind, items in groups.items():
-            keys = array_literal(r.idem_key for r, _ in items)
-            tokens = array_literal(r.claim_token for r, _ in items)
-            if kind is RunKind.SUCCEEDED:
-                results = array_literal(_RESULT_JSON.encode(run.result) for _, run in items)
-                cursor = conn.execute(
-                    _SETTLE_DONE, {"keys": keys, "tokens": tokens, "results": results}
-                )
-            elif kind is RunKind.PERMANENT:
-                errors = array_literal(run.error for _, run in items)
-                cursor = conn.execute(
-                    _SETTLE_FAILED, {"keys": keys, "tokens": tokens, "errors": errors}
-                )
-            elif kind is RunKind.UNCERTAIN:
-                errors = array_literal(f"effect uncertain: {run.error}" for _, run in items)
-                cursor = conn.execute(
-                    _MARK_UNCERTAIN, {"keys": keys, "tokens": tokens, "errors": errors}
-                )
-            elif kind is RunKind.TRANSIENT:
-                cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
-            else:
+            statement = _SETTLE_STATEMENTS.get(kind)
+            if statement is None:
                 continue  # a deferral settled the claim itself, fenced by its token
-            matched.update(row[0] for row in cursor.fetchall())
-
+            done = kind is RunKind.SUCCEEDED
+            params = {
+                "keys": array_literal(r.idem_key for r, _ in items),
+                "tokens": array_literal(r.claim_token for r, _ in items),
+                "values": array_literal(
+                    _RESULT_JSON.encode(run.result) if done else run.error for _, run in items
+                ),
+            }
+            if commit:
+                statement = _SETTLE_DONE_AND_COMMIT
+            with psycopg.ClientCursor(conn) if commit else conn.cursor() as cur:
+                matched.update(row[0] for row in cur.execute(statement, params).fetchall())
         return [
             Settlement(
                 request,
@@ -566,8 +512,6 @@ class PostgresLedger(LedgerAdapter):
                 _FLAG_STUCK,
                 {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())},
             )
-
-    # --- consume isolation ------------------------------------------------------------------
 
     def consume_isolation(self, queue: str) -> float:
         """Seconds left in ``queue``'s one-message-at-a-time window; 0 when there is none."""

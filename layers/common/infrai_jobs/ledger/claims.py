@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final
@@ -222,68 +222,59 @@ def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
     """Classify one claim attempt from the claim statement's answer (or the fake's copy of it):
     ``won_token``/``won_attempts`` when this request won, and the row as it stood before the
     statement (``state`` is None when there was none)."""
-    decision = _classify(request, row)
-    if row["state"] is None:
-        return decision
-    early = None
-    own = row["message_id"] == request.message_id
-    if own and row["state"] == "running" and not row["lease_expired"] and not row.get("owned"):
-        early = float(row.get("held_seconds") or 0.0)
-    return replace(decision, holder=row["message_id"], redelivered_early_after=early)
+    attempts = row.get("won_attempts") or 1
+    if row["won_token"] is None:
+        status, detail = _not_won(request, row)
+    else:
+        status = ClaimStatus.WON
+        detail = f"took over an expired claim (attempt {attempts})" if attempts > 1 else ""
+    holder = early = None
+    if row["state"] is not None:
+        holder = row["message_id"]
+        own = holder == request.message_id
+        if own and row["state"] == "running" and not row["lease_expired"] and not row.get("owned"):
+            early = float(row.get("held_seconds") or 0.0)
+    return ClaimDecision(
+        request,
+        status,
+        detail,
+        result=row["result"] if status is ClaimStatus.DONE else None,
+        takeover=status is ClaimStatus.WON and attempts > 1,
+        holder=holder,
+        redelivered_early_after=early,
+    )
 
 
-def _classify(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
-    if row["won_token"] is not None:
-        attempts = row.get("won_attempts") or 1
-        if attempts > 1:
-            return ClaimDecision(
-                request,
-                ClaimStatus.WON,
-                f"took over an expired claim (attempt {attempts})",
-                takeover=True,
-            )
-        return ClaimDecision(request, ClaimStatus.WON)
+def _not_won(request: ClaimRequest, row: Mapping[str, Any]) -> tuple[ClaimStatus, str]:
     state = row["state"]
     if state is None:
         # The row vanished between the claim and the re-read: its holder released it after a
         # failed attempt. The holder's message is unacked and carries the retry, exactly as for
         # a live claim, so this copy is treated (and acked) like one.
-        return ClaimDecision(request, ClaimStatus.LIVE, "claim released concurrently")
+        return ClaimStatus.LIVE, "claim released concurrently"
     stored = row["payload_sha256"]
     if stored is not None and stored != request.fingerprint:
-        return ClaimDecision(
-            request,
-            ClaimStatus.CONFLICT,
+        return ClaimStatus.CONFLICT, (
             f"key {request.idem_key} already claimed for different work "
-            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)",
+            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)"
         )
     if state == "done":
-        return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
+        return ClaimStatus.DONE, ""
     if state == "failed":
-        return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
+        return ClaimStatus.FAILED, row["error"] or "failed earlier"
     if state == "deferred" or row.get("owned"):
-        return ClaimDecision(
-            request, ClaimStatus.DEFERRED, f"a copy of work the ledger holds ({state})"
-        )
+        return ClaimStatus.DEFERRED, f"a copy of work the ledger holds ({state})"
     # Running: flagged for a human, held by someone, or abandoned.
     if row["error"]:
-        return ClaimDecision(
-            request, ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
-        )
+        return ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
     if row["message_id"] == request.message_id:
-        return ClaimDecision(
-            request,
-            ClaimStatus.STUCK,
+        return ClaimStatus.STUCK, (
             "redelivered while its own claim is still running: the earlier attempt died "
-            "after claiming, and the effect may have happened",
+            "after claiming, and the effect may have happened"
         )
     if row["lease_expired"]:
-        return ClaimDecision(
-            request,
-            ClaimStatus.STUCK,
-            "claim lease expired while running: the effect may have happened",
-        )
-    return ClaimDecision(request, ClaimStatus.LIVE, "another delivery holds a live claim")
+        return ClaimStatus.STUCK, "claim lease expired while running: the effect may have happened"
+    return ClaimStatus.LIVE, "another delivery holds a live claim"
 
 
 def utc_from_epoch(seconds: float) -> datetime:

@@ -1,22 +1,20 @@
 """The claim ledger: ``job_claims`` in Postgres, claimed before any work runs.
 
-Every claim for a batch is one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``), and
-every state change after it is fenced by the claim token: ``WHERE idem_key = k AND claim_token =
-t``. An update that matches nothing means the claim was lost (taken over, resolved by a human), and
-the caller must not ack.
+A batch's claims are one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``); every
+change after it is fenced by the claim token. An update that matches nothing means the claim was
+lost (taken over, resolved by a human), and the caller must not ack.
 
 ``database`` jobs run inside one batch transaction, a savepoint each, so no ``running`` row of
-theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed ``running``
-with a lease before the effect, and settled one by one right after it, to keep the window in which
-a crash leaves a stuck row as small as the call itself.
+theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed
+``running`` with a lease before the effect and settled one by one right after it, so a crash
+leaves a stuck row only within the call itself.
 
 **A lease never outlives its message's visibility window.** The claim statement stores
 ``least(requested lease, now() + the visibility the message has left)``, the latter never more
-than the queue's whole visibility timeout, whatever the caller's budget or grace asked for. Once
-the queue may deliver the message again, or dead-letter it, the claim is therefore expired: a
-redelivered or redriven copy is judged by the expired-lease rows of the outcome table (an
-``external`` claim is stuck and flagged, an ``external_idempotent`` one is taken over), never
-acked as ``duplicate_in_flight`` behind an owner that is gone.
+than the queue's visibility timeout. Once the queue may deliver the message again, or
+dead-letter it, the claim is expired: a redelivered or redriven copy is judged by the
+expired-lease rows of the outcome table, never acked as ``duplicate_in_flight`` behind an owner
+that is gone.
 """
 
 from __future__ import annotations
@@ -72,25 +70,26 @@ _RESULT_JSON = json.JSONEncoder(allow_nan=False)
 
 _CLAIM: LiteralString = """
 WITH input AS (
-    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.payload_sha256,
+    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.fingerprint,
            -- The lease invariant: never past the message's visibility window.
            CASE WHEN t.lease_until IS NOT NULL THEN least(
                t.lease_until,
                now() + make_interval(secs => least(
                    greatest(coalesce(t.visibility_left, %(visibility)s), 0), %(visibility)s))
            ) END AS lease_until
+    -- One array per field of ClaimRequest.
     FROM unnest(
-        %(keys)s::text[], %(message_ids)s::text[], %(jobs)s::text[], %(effects)s::text[],
-        %(tokens)s::uuid[], %(leases)s::timestamptz[], %(fingerprints)s::text[],
+        %(idem_key)s::text[], %(message_id)s::text[], %(job)s::text[], %(effect)s::text[],
+        %(claim_token)s::uuid[], %(lease_until)s::timestamptz[], %(fingerprint)s::text[],
         %(visibility_left)s::float8[]
-    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, payload_sha256,
+    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, fingerprint,
            visibility_left)
 ),
 claimed AS (
     INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
                                  lease_until, payload_sha256, attempts, updated_at)
     SELECT idem_key, 'running', message_id, job, effect, claim_token,
-           lease_until, payload_sha256, 1, now()
+           lease_until, fingerprint, 1, now()
     FROM input
     ORDER BY idem_key
     ON CONFLICT (idem_key) DO UPDATE
@@ -287,13 +286,9 @@ class PostgresLedger(LedgerAdapter):
         return conn
 
     def ping(self) -> None:
-        """Make sure the ledger answers before a drain receives anything.
-
-        A connection the server closed while the execution environment was frozen is only
-        found out by using it: this uses it (``SELECT 1``), reconnects once if it was dead,
-        and raises ``LedgerUnavailable`` if the database cannot be reached, so no delivery is
-        spent on messages that could not be claimed.
-        """
+        """Make sure the ledger answers before a drain receives anything: a connection the
+        server closed while the environment was frozen is only found out by using it. Reconnects
+        once if it was dead, so no delivery is spent on messages that could not be claimed."""
         for attempt in range(2):
             conn = self._connection()
             try:
@@ -332,7 +327,7 @@ class PostgresLedger(LedgerAdapter):
                 self._conn = None
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
-        """Claim external-effect jobs (committed at once). Keys must be distinct."""
+        """Keys must be distinct."""
         if not requests:
             return []
         with self._translated(on_broken=lambda: self._release_after_lost_answer(requests)) as conn:
@@ -366,17 +361,11 @@ class PostgresLedger(LedgerAdapter):
         begin: bool = False,
     ) -> list[ClaimDecision]:
         ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
-        params = {
-            "keys": array_literal(r.idem_key for r in ordered),
-            "message_ids": array_literal(r.message_id for r in ordered),
-            "jobs": array_literal(r.job for r in ordered),
-            "effects": array_literal(r.effect.value for r in ordered),
-            "tokens": array_literal(r.claim_token for r in ordered),
-            "leases": array_literal(r.lease_until for r in ordered),
-            "fingerprints": array_literal(r.fingerprint for r in ordered),
-            "visibility_left": array_literal(r.visibility_left for r in ordered),
-            "visibility": self._visibility,
+        params: dict[str, Any] = {
+            name: array_literal(getattr(r, name) for r in ordered)
+            for name in ClaimRequest.__dataclass_fields__
         }
+        params["visibility"] = self._visibility
         if begin:
             # BEGIN and the claim in one message: the second result set is the claim's.
             with psycopg.ClientCursor(conn, row_factory=dict_row) as client_cur:
@@ -456,7 +445,6 @@ class PostgresLedger(LedgerAdapter):
         return run
 
     def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
-        """Settle one external job right after its effect, fenced by its claim token."""
         with self._translated() as conn:
             (settlement,) = self._settle_on(conn, [(request, run)], uncertain_is_stuck=True)
         return settlement
@@ -504,7 +492,6 @@ class PostgresLedger(LedgerAdapter):
         ]
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
-        """Record on each running claim why a human must look at it."""
         if not reasons:
             return
         with self._translated() as conn:
@@ -514,16 +501,13 @@ class PostgresLedger(LedgerAdapter):
             )
 
     def consume_isolation(self, queue: str) -> float:
-        """Seconds left in ``queue``'s one-message-at-a-time window; 0 when there is none."""
         with self._translated() as conn:
             row = conn.execute(_ISOLATION_LEFT, {"queue": queue}).fetchone()
         return float(row[0]) if row else 0.0
 
     def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
-        """Open or extend ``queue``'s window to at least ``seconds`` from now; the seconds left.
-
-        Kept here, not in one process: the messages an unreadable answer served come back
-        after the visibility timeout, to whichever drain consumes next."""
+        """Kept in the ledger, not in one process: the messages an unreadable answer served come
+        back after the visibility timeout, to whichever drain consumes next."""
         params = {"queue": queue, "seconds": seconds, "reason": reason[:500]}
         with self._translated() as conn:
             row = conn.execute(_ISOLATE, params).fetchone()

@@ -1,10 +1,9 @@
 """The ``dead_letters`` table's shared statements, and the dead letters the ledger itself holds.
 
 Most dead letters are moved out of Infrai's DLQ (``operations.dead_letters``). Work the ledger
-owns after its message was acked (a deferred job that ran out of attempts) has no message left
-in any DLQ, so the ledger records its dead letter itself, in the transaction that fails it
-(``flow.ledger.fail``): the same row the operator lists, discards and redrives, and the same
-count the watcher pages on. Both writers use the statement here.
+owns (a deferred job out of attempts) has no message left in any DLQ, so the ledger records its
+dead letter itself, in the transaction that fails it: the same row the operator lists, discards
+and redrives, and the same count the watcher pages on.
 """
 
 from __future__ import annotations

@@ -404,21 +404,15 @@ CLAIM_COLUMNS: LiteralString = """idem_key, state, message_id, job, effect, atte
        payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token,
        payload, queue, run_after, deferred_at, last_error, began_at"""
 
-CLAIM_BY_KEY: LiteralString = (
-    """SELECT """
-    + CLAIM_COLUMNS
-    + """
-FROM job_claims WHERE idem_key = %(key)s"""
-)
+_CLAIMS: LiteralString = "SELECT " + CLAIM_COLUMNS + "\nFROM job_claims"
+CLAIM_BY_KEY: LiteralString = _CLAIMS + " WHERE idem_key = %(key)s"
 CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
 
 # A redrive's ``--reopen-failed``: the failed claims of one piece of work, by its message id or
 # its payload fingerprint, locked for the change.
 FAILED_CLAIMS_OF_WORK: LiteralString = (
-    "SELECT "
-    + CLAIM_COLUMNS
+    _CLAIMS
     + """
-FROM job_claims
 WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
 FOR UPDATE
 """
@@ -427,16 +421,10 @@ FOR UPDATE
 # Stuck claims, oldest first: every job's (``claims stuck``), or only those of ``jobs`` (the
 # reconcile pass's candidates: the jobs that declare a probe) when it is not NULL.
 STUCK_CLAIMS: LiteralString = (
-    "SELECT "
-    + CLAIM_COLUMNS
-    + """
-FROM job_claims
-WHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND """
+    _CLAIMS
+    + "\nWHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND "
     + STUCK_CLAIM
-    + """
-ORDER BY coalesce(updated_at, claimed_at)
-LIMIT %(limit)s
-"""
+    + "\nORDER BY coalesce(updated_at, claimed_at)\nLIMIT %(limit)s\n"
 )
 
 # What the watcher pages on: how many are stuck, and the oldest running claim's age (from its

@@ -151,8 +151,7 @@ def declared_policy(definition: JobDefinition) -> JobPolicy:
 
 
 def effective_policy(declared: JobPolicy, override: JobPolicy | None) -> JobPolicy:
-    """The policy in force: each section ``override`` gives (or clears) replaces the declared
-    one; the others stay as declared."""
+    """Each section ``override`` gives (or clears) replaces the declared one."""
     if override is None:
         return declared
     sections = {}
@@ -207,8 +206,7 @@ def concurrency_value(limit: ConcurrencyLimit, payload: Payload) -> str:
 def policies_in_force(
     definitions: Iterable[JobDefinition], overrides: Mapping[str, JobPolicy]
 ) -> dict[str, JobPolicy]:
-    """Every job that has something to enforce, with its policy in force; a job absent here
-    takes the path of a job without a policy."""
+    """Every job that has something to enforce, with its policy in force."""
     in_force = {}
     for definition in definitions:
         policy = effective_policy(declared_policy(definition), overrides.get(definition.name))
@@ -219,9 +217,8 @@ def policies_in_force(
 
 
 def check_against_job(definition: JobDefinition, policy: JobPolicy) -> None:
-    """Refuse a policy its job cannot keep: a concurrency key naming a field the job's payload
-    does not declare (when it declares its fields) would fail every run of the job."""
-    # Fields the job's ``fields=`` typed: an identity or required name alone declares nothing.
+    """Refuse a concurrency key naming a field the job's payload does not declare (when it
+    declares its fields, with ``fields=``): it would fail every run of the job."""
     declared = [field.name for field in definition.schema.fields if field.declared_types]
     if policy.concurrency is None or not declared:
         return

@@ -3,17 +3,12 @@
 A claim is deferred by the run that holds it (fenced by its token): its row keeps the payload,
 the attempts so far and the next run time, its message is acked, and from then on the ledger
 owns the work (``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's
-``take_due`` runs it, under a new token and lease on the same row. There is one token, one
-lease, one clock (the database's ``clock_timestamp()``) and one rule for who may change a run:
-the run holding the token, or anyone else once its lease is over (``release``, and the
-``holder=False`` settles of a reconcile probe or an operator). The whole machine is the table
-``ledger.claims.WORK_TRANSITIONS``.
+``take_due`` runs it, under a new token and lease on the same row. One clock (the database's)
+and one rule for who may change a run: the run holding the token, or anyone else once its lease
+is over. The whole machine is the table ``ledger.claims.WORK_TRANSITIONS``.
 
-Every function takes the caller's psycopg connection and runs in ``conn.transaction()``: on an
-autocommit connection a transaction of its own, inside the caller's a savepoint of it, so a
-deferral can commit with the attempt it settles. The end of a deferred run (``finish``,
-``fail``) is recorded in ``claim_history`` with the row before and after, in the same
-transaction, as an operator's change is.
+Every function runs in ``conn.transaction()`` on the caller's connection (inside the caller's
+transaction a savepoint, so a deferral can commit with the attempt it settles).
 """
 
 from __future__ import annotations
@@ -44,8 +39,6 @@ DRAIN_ACTOR: Final = "drain"
 
 @dataclass(frozen=True, slots=True)
 class DeferredWork:
-    """What a deferral records of the attempt it settles."""
-
     idem_key: str
     job: str
     effect: str
@@ -77,7 +70,7 @@ SET state = 'deferred', payload = %(payload)s, queue = %(queue)s, message_id = %
     run_after = clock_timestamp() + make_interval(secs => %(delay)s),
     deferred_at = coalesce(deferred_at, now()), claim_token = NULL, lease_until = NULL,
     began_at = NULL, updated_at = now()
-WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'"""
+WHERE idem_key = %(idem_key)s AND claim_token = %(token)s AND state = 'running'"""
     + _RETURNING
 )
 
@@ -86,7 +79,7 @@ _DEFER_NEW: LiteralString = (
     """
 INSERT INTO job_claims (idem_key, state, message_id, job, effect, payload_sha256, attempts,
                         payload, queue, last_error, run_after, deferred_at, updated_at)
-VALUES (%(key)s, 'deferred', %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s,
+VALUES (%(idem_key)s, 'deferred', %(message_id)s, %(job)s, %(effect)s, %(fingerprint)s,
         %(attempts)s, %(payload)s, %(queue)s, %(error)s,
         clock_timestamp() + make_interval(secs => %(delay)s), now(), now())
 ON CONFLICT (idem_key) DO NOTHING"""
@@ -184,9 +177,6 @@ WHERE run_after IS NOT NULL AND state IN ('deferred', 'running')
 """
 
 
-# --- Deferring and running deferred work ------------------------------------------------------
-
-
 def defer(
     conn: psycopg.Connection[Any],
     work: DeferredWork,
@@ -196,19 +186,12 @@ def defer(
     delay_seconds: float,
     claim_token: uuid.UUID | None = None,
 ) -> DeferOutcome:
-    """Make ``work`` wait ``delay_seconds`` (on the database's clock) after ``attempts``
-    attempts, the last failing with ``error``. With ``claim_token``, the claim that attempt
-    holds becomes the deferred work, fenced by the token; without, a new row is made for a key
-    no row holds. Either way the ledger owns the work from here, and its message may be
-    acked."""
-    params = {
-        "key": work.idem_key,
-        "job": work.job,
-        "effect": work.effect,
+    """Make ``work`` wait ``delay_seconds`` after ``attempts`` attempts, the last failing with
+    ``error``: the claim ``claim_token`` holds, or without it a new row for a key no row holds.
+    Either way the ledger owns the work from here, and its message may be acked."""
+    params = {name: getattr(work, name) for name in DeferredWork.__dataclass_fields__}
+    params |= {
         "payload": Jsonb(dict(work.payload)),
-        "fingerprint": work.fingerprint,
-        "message_id": work.message_id,
-        "queue": work.queue,
         "attempts": max(attempts, 0),
         "error": error,
         "delay": max(float(delay_seconds), 0.0),
@@ -230,9 +213,8 @@ def take_due(
     jobs: Sequence[str] | None = None,
 ) -> list[ClaimRow]:
     """Take up to ``limit`` due deferred jobs (of ``jobs``, when given), due first then oldest,
-    each under a new token and lease of ``lease_seconds``, its attempt count raised by one.
-    Two drains never take the same job: a row another holds is skipped, a taken one is
-    ``running`` under a live lease until finished, failed, postponed or expired."""
+    each under a new token and lease, its attempt counted. Two drains never take the same job:
+    a row another holds is skipped, a taken one runs under a live lease."""
     params = {
         "limit": limit,
         "lease": float(lease_seconds),
@@ -248,16 +230,15 @@ def take_due(
 
 
 def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
-    """Record that the taken run holding ``token`` is about to call its handler: from here an
-    ``external`` run whose lease runs out is never taken again. False when the token no longer
-    holds it (do not run)."""
+    """The taken run holding ``token`` is about to call its handler: from here an ``external``
+    run whose lease runs out is never taken again. False when the token no longer holds it."""
     with ledger_errors("cannot begin a deferred run"), conn.transaction():
         return conn.execute(_BEGIN, {"key": key, "token": token}).rowcount == 1
 
 
 def flag_uncertain(conn: psycopg.Connection[Any], key: str, token: uuid.UUID, error: str) -> bool:
     """The run holding ``token`` does not know whether its effect happened: flagged for a
-    human, never taken again. False when the token no longer holds it."""
+    human, never taken again."""
     params = {"key": key, "token": token, "error": error}
     with ledger_errors("cannot flag a deferred run"), conn.transaction():
         return conn.execute(_FLAG_UNCERTAIN, params).rowcount == 1
@@ -273,8 +254,7 @@ def postpone(
     ran: bool = True,
 ) -> bool:
     """A taken job's attempt failed (``error``), or a limit held it back before it ran
-    (``ran=False``: the attempt is not counted), and it runs again in ``delay_seconds``;
-    False when the token no longer holds it."""
+    (``ran=False``: not counted); it runs again in ``delay_seconds``."""
     params = {
         "key": key,
         "token": token,
@@ -287,31 +267,10 @@ def postpone(
 
 
 def finish(
-    conn: psycopg.Connection[Any],
-    key: str,
-    token: uuid.UUID,
-    result: Any,
-    *,
-    actor: str = DRAIN_ACTOR,
-    action: str = "deferred_done",
-    note: str = "",
-    holder: bool = True,
+    conn: psycopg.Connection[Any], key: str, token: uuid.UUID, result: Any
 ) -> ClaimRow | None:
-    """A run settles ``done`` with ``result``, recorded in ``claim_history`` as ``action``;
-    None when the token no longer holds it (nothing changed). ``holder=False`` is anyone but
-    the run holding the lease (a reconcile probe, an operator): it changes the run only once
-    its lease is over."""
-    return settle(
-        conn,
-        key,
-        token,
-        "done",
-        result=result,
-        actor=actor,
-        action=action,
-        note=note,
-        holder=holder,
-    )
+    """The run holding ``token`` settles ``done``; None when the token no longer holds it."""
+    return settle(conn, key, token, "done", result=result, action="deferred_done")
 
 
 def fail(
@@ -320,29 +279,10 @@ def fail(
     token: uuid.UUID,
     error: str,
     *,
-    actor: str = DRAIN_ACTOR,
-    action: str = "deferred_failed",
-    note: str = "",
     queue: str | None = None,
-    holder: bool = True,
 ) -> ClaimRow | None:
-    """A run fails for good with ``error`` (for work the ledger owns: out of attempts, or a
-    final error), recorded as ``action``. Work the ledger owns also gets an unresolved dead
-    letter in ``dead_letters`` (its message was acked long ago, so the ledger holds it) under
-    its queue (``queue`` when the work recorded none). One transaction; None when the token no
-    longer holds it."""
-    return settle(
-        conn,
-        key,
-        token,
-        "failed",
-        error=error,
-        actor=actor,
-        action=action,
-        note=note,
-        queue=queue,
-        holder=holder,
-    )
+    """The run holding ``token`` fails for good (out of attempts, or a final error)."""
+    return settle(conn, key, token, "failed", error=error, action="deferred_failed", queue=queue)
 
 
 def settle(
@@ -353,14 +293,17 @@ def settle(
     *,
     result: Any = None,
     error: str | None = None,
-    actor: str,
+    actor: str = DRAIN_ACTOR,
     action: str,
-    note: str,
+    note: str = "",
     queue: str | None = None,
-    holder: bool,
+    holder: bool = True,
 ) -> ClaimRow | None:
-    """Settle the run holding ``token`` as ``state`` (``done`` or ``failed``) and record it,
-    with the row before and after, in one transaction; None when nothing changed."""
+    """Settle the run holding ``token`` as ``done`` or ``failed`` and record it in
+    ``claim_history`` as ``action``, in one transaction; None when nothing changed.
+    ``holder=False`` (a reconcile probe, an operator) changes the run only once its lease is
+    over. Failed work the ledger owns also gets a dead letter (its message was acked long ago)
+    under its queue (``queue`` when the work recorded none)."""
     with (
         ledger_errors(f"cannot settle {key!r}"),
         conn.transaction(),
@@ -380,15 +323,8 @@ def settle(
             return None
         after = ClaimRow(**after_row)
         if state == "failed" and after.owned:
-            hold_dead_letter(
-                conn,
-                message_id=after.message_id,
-                queue=after.queue or queue or "",
-                payload=after.payload,
-                job=after.job or "",
-                idem_key=key,
-                reason=f"deferred job failed after {after.attempts} attempt(s): {error}",
-            )
+            reason = f"deferred job failed after {after.attempts} attempt(s): {error}"
+            hold_dead_letter(conn, after, queue=after.queue or queue or "", reason=reason)
         record_change(conn, action, ClaimRow(**before_row), after, actor=actor, note=note)
     return after
 
@@ -402,11 +338,10 @@ def release(
     action: str = "release",
     note: str = "",
 ) -> ClaimRow | None:
-    """A run whose effect did not happen (a probe's ``not_done``, an operator's ``claims
-    release``), or a failed claim to run again: a run of work the ledger owns waits again,
-    due now; any other claim is deleted, so the next delivery (or a redrive) runs it. Only the
-    row ``token`` holds, and a running one only once its lease is over. Recorded as
-    ``action``; returns the row as it was, or None when nothing changed."""
+    """A run whose effect did not happen (a probe's ``not_done``, ``claims release``), or a
+    failed claim to run again: work the ledger owns waits again, due now; any other claim is
+    deleted, so the next delivery (or a redrive) runs it. Only the row ``token`` holds, a
+    running one only once its lease is over. Returns the row as it was, or None."""
     params = {"key": key, "token": token}
     with (
         ledger_errors(f"cannot release {key!r}"),
@@ -436,9 +371,6 @@ def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
     return DeferredStats(int(row[0]), float(row[1]))
 
 
-# --- claim_history ----------------------------------------------------------------------------
-
-
 def record_change(
     conn: psycopg.Connection[Any],
     action: str,
@@ -448,14 +380,14 @@ def record_change(
     actor: str,
     note: str,
 ) -> None:
-    """A change to a unit of work in ``claim_history``: the row before and after it (None:
-    deleted)."""
+    """A change to a unit of work in ``claim_history``: the row before and after (None: gone)."""
+    after_dict = None if after is None else after.as_dict()
     record_history(
         conn,
         before.idem_key,
         action,
         actor=actor,
         before=before.as_dict(),
-        after=after.as_dict() if after is not None else None,
+        after=after_dict,
         note=note,
     )

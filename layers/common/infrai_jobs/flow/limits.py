@@ -1,12 +1,10 @@
-"""Rate limits and concurrency keys in the ledger's database, on its clock.
+"""Rate limits and concurrency keys in the ledger's database, on its clock, each function in
+``conn.transaction()`` of its own (a savepoint inside the caller's transaction).
 
 A job's rate-limit starts are reserved under a transaction-scoped advisory lock for that job,
-each at least the limit's spacing after the last (a generic cell rate algorithm with no
-burst), so no window of the limit's length holds more than its number of starts, whichever
-drain started them, and the calls a provider receives keep that spacing. A concurrency key's
-slots are taken under an advisory lock per (job, key value) and end with the lease its run
-stored, so a killed run's slot frees itself. Each function runs in
-``conn.transaction()`` of its own (a savepoint inside the caller's transaction).
+each at least the limit's spacing after the last (a generic cell rate algorithm with no burst),
+whichever drain started them. A concurrency key's slots are taken under an advisory lock per
+(job, key value) and end with the lease its run stored, so a killed run's slot frees itself.
 """
 
 from __future__ import annotations
@@ -27,13 +25,11 @@ RATE_STARTS_KEPT_SECONDS: Final = 300.0
 
 _RATE_LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(class)s, hashtext(%(job)s))"
 
-# Under the job's lock, a start is reserved for the run asking: the later of now and the last
-# reserved start plus the spacing (the limit's window over its number: 200 ms for 5 a second),
-# read on the clock after the lock. Starts are spaced, never counted in a window: a window
-# count lets a burst of N through at its start and N more at the next, which a provider sees
-# as up to 2N in one second once calls leave with a little jitter. A reservation later than
-# ``max_wait`` seconds from now is not made (the caller defers the run instead). Old starts
-# are pruned on the way.
+# Under the job's lock, the start reserved is the later of now (read after the lock) and the
+# last reserved start plus the spacing (200 ms for 5 a second). Starts are spaced, never counted
+# in a window: a window count lets N through at its end and N more at the next one's start,
+# which a provider sees as 2N in one second. No reservation later than ``max_wait`` seconds
+# from now is made (the caller defers the run instead). Old starts are pruned on the way.
 _RATE_RESERVE: LiteralString = """
 WITH clock AS (SELECT clock_timestamp() AS now),
 slot AS (
@@ -63,10 +59,9 @@ _CONCURRENCY_LOCK: LiteralString = (
 )
 
 # Under the key's lock: expired slots go, and a slot is taken when fewer than ``max`` others
-# are live. Its lease is the one its run stored, read here from the run's own row (the claim
-# holding ``token``, a delivery's or a taken deferred run's): never one of its own, so it ends
-# exactly when the run's does. A run whose row no longer holds ``token`` takes nothing. Taking
-# it again with the same token renews it to that lease.
+# are live. Its lease is read from the run's own row (the claim holding ``token``), so it ends
+# exactly when the run's does; a row no longer holding ``token`` takes nothing. Taking it again
+# with the same token renews it to that lease.
 _ACQUIRE: LiteralString = """
 WITH clock AS (SELECT clock_timestamp() AS now),
 held AS (
@@ -97,10 +92,9 @@ def reserve_start(
     conn: psycopg.Connection[Any], job: str, limit: RateLimit, *, max_wait: float
 ) -> tuple[bool, float]:
     """Reserve the next start of ``job`` that ``limit`` allows: (True, seconds to wait until
-    it, 0 for now) when that is at most ``max_wait`` seconds away, else (False, seconds until
-    the next free start) with nothing reserved. Starts are spaced ``limit.spacing_seconds``
-    apart across every drain: call the provider when the wait is over, not before. Call it in a
-    short transaction of its own: the job's lock is held until that transaction ends."""
+    it) when that is at most ``max_wait`` seconds away, else (False, seconds until the next
+    free start) with nothing reserved. Call the provider when the wait is over, not before; the
+    job's lock is held until the caller's transaction ends, so keep that short."""
     params = {
         "class": RATE_LOCK_CLASS,
         "job": job,
@@ -129,10 +123,8 @@ def acquire_concurrency(
     token: uuid.UUID,
 ) -> bool:
     """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run of
-    ``idem_key`` holding ``token`` (its claim's token), until it is
-    released or the lease that run stored passes; False when all are taken, or when no
-    running row of ``idem_key`` holds ``token``. A slot whose lease ended is free again, so a
-    killed drain's slot never outlives its run."""
+    ``idem_key`` holding ``token``, until it is released or that run's lease passes; False
+    when all are taken, or when no running row of ``idem_key`` holds ``token``."""
     params = {
         "class": CONCURRENCY_LOCK_CLASS,
         "job": job,
@@ -148,7 +140,6 @@ def acquire_concurrency(
 
 
 def release_concurrency(conn: psycopg.Connection[Any], token: uuid.UUID) -> bool:
-    """Free the slot the run holding ``token`` took; False when it had none (or it expired
-    and was taken back)."""
+    """Free the slot the run holding ``token`` took; False when it had none (or it expired)."""
     with ledger_errors("cannot release a concurrency slot"), conn.transaction():
         return conn.execute(_RELEASE_SLOT, {"token": token}).rowcount == 1

@@ -37,15 +37,11 @@ __all__ = [
 
 SETTING = "JOB_POLICIES"
 
-_SECTIONS: dict[str, tuple[type, frozenset[str]]] = {
-    "retry": (
-        RetryPolicy,
-        frozenset(
-            {"attempts", "first_delay_seconds", "factor", "max_delay_seconds", "final_errors"}
-        ),
-    ),
-    "rate": (RateLimit, frozenset({"per_second", "per_minute"})),
-    "concurrency": (ConcurrencyLimit, frozenset({"key", "max_running"})),
+# A section's fields are its dataclass's.
+_SECTIONS: dict[str, type] = {
+    "retry": RetryPolicy,
+    "rate": RateLimit,
+    "concurrency": ConcurrencyLimit,
 }
 
 
@@ -68,10 +64,9 @@ def parse_job_policies(text: str | None, known_jobs: Iterable[str]) -> dict[str,
 def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
     where = f"{SETTING}: job {name!r}"
     if name not in known:
-        close = difflib.get_close_matches(name, known, n=1)
-        guess = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigurationError(
-            f"{where} is not a registered job ({guess}registered: {', '.join(known) or 'none'})"
+            f"{where} is not a registered job "
+            f"({_guess(name, known)}registered: {', '.join(known) or 'none'})"
         )
     if not isinstance(value, dict):
         raise ConfigurationError(
@@ -93,12 +88,13 @@ def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
 
 
 def _parse_section(where: str, section: str, body: object) -> object:
-    kind, fields = _SECTIONS[section]
+    kind = _SECTIONS[section]
+    fields = {field.name: field for field in dataclasses.fields(kind)}
     if not isinstance(body, dict):
         raise ConfigurationError(
             f"{where}: {section} must be an object or null (got {_json_kind(body)})"
         )
-    unknown = sorted(set(body) - fields)
+    unknown = sorted(set(body) - set(fields))
     if unknown:
         raise ConfigurationError(
             f"{where}: unknown field {section}.{unknown[0]} (known: {', '.join(sorted(fields))})"
@@ -117,7 +113,13 @@ def _parse_section(where: str, section: str, body: object) -> object:
     try:
         return kind(**arguments)
     except TypeError:
-        missing = sorted(name for name in fields if name not in arguments and _required(kind, name))
+        missing = sorted(
+            name
+            for name, field in fields.items()
+            if name not in arguments
+            and field.default is dataclasses.MISSING
+            and field.default_factory is dataclasses.MISSING
+        )
         raise ConfigurationError(
             f"{where}: {section}.{missing[0] if missing else '?'} is missing"
         ) from None
@@ -125,27 +127,22 @@ def _parse_section(where: str, section: str, body: object) -> object:
         raise ConfigurationError(f"{where}: {exc}") from None
 
 
-def _required(kind: type, name: str) -> bool:
-    return any(
-        field.name == name
-        and field.default is dataclasses.MISSING
-        and field.default_factory is dataclasses.MISSING
-        for field in dataclasses.fields(kind)
-    )
+def _guess(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+_JSON_KINDS: tuple[tuple[Any, str], ...] = (
+    (type(None), "null"),
+    (bool, "a boolean"),
+    (int | float, "a number"),
+    (str, "a string"),
+    (list, "an array"),
+)
 
 
 def _json_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
+    return next((name for kind, name in _JSON_KINDS if isinstance(value, kind)), "an object")
 
 
 def declared_policy(definition: JobDefinition) -> JobPolicy:
@@ -154,8 +151,7 @@ def declared_policy(definition: JobDefinition) -> JobPolicy:
 
 
 def effective_policy(declared: JobPolicy, override: JobPolicy | None) -> JobPolicy:
-    """The policy in force: each section ``override`` gives (or clears) replaces the declared
-    one; the others stay as declared."""
+    """Each section ``override`` gives (or clears) replaces the declared one."""
     if override is None:
         return declared
     sections = {}
@@ -210,8 +206,7 @@ def concurrency_value(limit: ConcurrencyLimit, payload: Payload) -> str:
 def policies_in_force(
     definitions: Iterable[JobDefinition], overrides: Mapping[str, JobPolicy]
 ) -> dict[str, JobPolicy]:
-    """Every job that has something to enforce, with its policy in force; a job absent here
-    takes the path of a job without a policy."""
+    """Every job that has something to enforce, with its policy in force."""
     in_force = {}
     for definition in definitions:
         policy = effective_policy(declared_policy(definition), overrides.get(definition.name))
@@ -222,17 +217,14 @@ def policies_in_force(
 
 
 def check_against_job(definition: JobDefinition, policy: JobPolicy) -> None:
-    """Refuse a policy its job cannot keep: a concurrency key naming a field the job's payload
-    does not declare (when it declares its fields) would fail every run of the job."""
-    # Fields the job's ``fields=`` typed: an identity or required name alone declares nothing.
+    """Refuse a concurrency key naming a field the job's payload does not declare (when it
+    declares its fields, with ``fields=``): it would fail every run of the job."""
     declared = [field.name for field in definition.schema.fields if field.declared_types]
     if policy.concurrency is None or not declared:
         return
     for name in policy.concurrency.key:
         if name not in declared:
-            close = difflib.get_close_matches(name, declared, n=1)
-            guess = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigurationError(
                 f"job {definition.name!r}: concurrency.key names {name!r}, a field its payload "
-                f"does not declare ({guess}declared: {', '.join(declared)})"
+                f"does not declare ({_guess(name, declared)}declared: {', '.join(declared)})"
             )

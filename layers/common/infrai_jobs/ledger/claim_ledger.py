@@ -1,22 +1,20 @@
 """The claim ledger: ``job_claims`` in Postgres, claimed before any work runs.
 
-Every claim for a batch is one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``), and
-every state change after it is fenced by the claim token: ``WHERE idem_key = k AND claim_token =
-t``. An update that matches nothing means the claim was lost (taken over, resolved by a human), and
-the caller must not ack.
+A batch's claims are one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``); every
+change after it is fenced by the claim token. An update that matches nothing means the claim was
+lost (taken over, resolved by a human), and the caller must not ack.
 
 ``database`` jobs run inside one batch transaction, a savepoint each, so no ``running`` row of
-theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed ``running``
-with a lease before the effect, and settled one by one right after it, to keep the window in which
-a crash leaves a stuck row as small as the call itself.
+theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed
+``running`` with a lease before the effect and settled one by one right after it, so a crash
+leaves a stuck row only within the call itself.
 
 **A lease never outlives its message's visibility window.** The claim statement stores
 ``least(requested lease, now() + the visibility the message has left)``, the latter never more
-than the queue's whole visibility timeout, whatever the caller's budget or grace asked for. Once
-the queue may deliver the message again, or dead-letter it, the claim is therefore expired: a
-redelivered or redriven copy is judged by the expired-lease rows of the outcome table (an
-``external`` claim is stuck and flagged, an ``external_idempotent`` one is taken over), never
-acked as ``duplicate_in_flight`` behind an owner that is gone.
+than the queue's visibility timeout. Once the queue may deliver the message again, or
+dead-letter it, the claim is expired: a redelivered or redriven copy is judged by the
+expired-lease rows of the outcome table, never acked as ``duplicate_in_flight`` behind an owner
+that is gone.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, LiteralString
+from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
@@ -72,25 +70,26 @@ _RESULT_JSON = json.JSONEncoder(allow_nan=False)
 
 _CLAIM: LiteralString = """
 WITH input AS (
-    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.payload_sha256,
+    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.fingerprint,
            -- The lease invariant: never past the message's visibility window.
            CASE WHEN t.lease_until IS NOT NULL THEN least(
                t.lease_until,
                now() + make_interval(secs => least(
                    greatest(coalesce(t.visibility_left, %(visibility)s), 0), %(visibility)s))
            ) END AS lease_until
+    -- One array per field of ClaimRequest.
     FROM unnest(
-        %(keys)s::text[], %(message_ids)s::text[], %(jobs)s::text[], %(effects)s::text[],
-        %(tokens)s::uuid[], %(leases)s::timestamptz[], %(fingerprints)s::text[],
+        %(idem_key)s::text[], %(message_id)s::text[], %(job)s::text[], %(effect)s::text[],
+        %(claim_token)s::uuid[], %(lease_until)s::timestamptz[], %(fingerprint)s::text[],
         %(visibility_left)s::float8[]
-    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, payload_sha256,
+    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, fingerprint,
            visibility_left)
 ),
 claimed AS (
     INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
                                  lease_until, payload_sha256, attempts, updated_at)
     SELECT idem_key, 'running', message_id, job, effect, claim_token,
-           lease_until, payload_sha256, 1, now()
+           lease_until, fingerprint, 1, now()
     FROM input
     ORDER BY idem_key
     ON CONFLICT (idem_key) DO UPDATE
@@ -146,41 +145,40 @@ SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
 FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
 """
 
-_SETTLE_DONE: LiteralString = """
-UPDATE job_claims AS c
-SET state = 'done', result = u.result::jsonb, error = NULL, updated_at = now()
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::text[])
-    AS u(idem_key, claim_token, result)
+# Every settle is fenced by its run's token, and matches only a running claim. ``values`` is
+# the result (as JSON text) of a done run, the error of any other.
+_FENCED: LiteralString = """
+    unnest(%(keys)s::text[], %(tokens)s::uuid[], %(values)s::text[])
+    AS u(idem_key, claim_token, value)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
+RETURNING c.idem_key"""
+_SETTLE_DONE: LiteralString = (
+    "UPDATE job_claims AS c\n"
+    "SET state = 'done', result = u.value::jsonb, error = NULL, updated_at = now()\nFROM" + _FENCED
+)
 _SETTLE_DONE_AND_COMMIT: LiteralString = _SETTLE_DONE + ";\nCOMMIT"
-
-_SETTLE_FAILED: LiteralString = """
-UPDATE job_claims AS c
-SET state = 'failed', error = u.error, updated_at = now()
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
-    AS u(idem_key, claim_token, error)
-WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
-_MARK_UNCERTAIN: LiteralString = """
-UPDATE job_claims AS c
-SET error = u.error, updated_at = now(), lease_until = least(c.lease_until, now())
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(errors)s::text[])
-    AS u(idem_key, claim_token, error)
-WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
+_SETTLE_FAILED: LiteralString = (
+    "UPDATE job_claims AS c\nSET state = 'failed', error = u.value, updated_at = now()\nFROM"
+    + _FENCED
+)
+_MARK_UNCERTAIN: LiteralString = (
+    "UPDATE job_claims AS c\nSET error = 'effect uncertain: ' || u.value, updated_at = now(),\n"
+    "    lease_until = least(c.lease_until, now())\nFROM" + _FENCED
+)
 _RELEASE: LiteralString = """
 DELETE FROM job_claims AS c
 USING unnest(%(keys)s::text[], %(tokens)s::uuid[]) AS u(idem_key, claim_token)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
 RETURNING c.idem_key
 """
+
+# How each kind of run settles its claim, fenced by its token (a deferral settled it already).
+_SETTLE_STATEMENTS: Final[dict[RunKind, LiteralString]] = {
+    RunKind.SUCCEEDED: _SETTLE_DONE,
+    RunKind.PERMANENT: _SETTLE_FAILED,
+    RunKind.UNCERTAIN: _MARK_UNCERTAIN,
+    RunKind.TRANSIENT: _RELEASE,
+}
 
 # Annotates a claim this delivery does not hold; it changes no state, so it is not fenced.
 _FLAG_STUCK: LiteralString = """
@@ -219,14 +217,10 @@ def _aborted(conn: psycopg.Connection[Any]) -> bool:
 
 @contextmanager
 def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """The ledger's one transaction style, for a database-class batch.
-
-    The connection is in autocommit; the transaction is opened by its first statement, sent as
-    ``BEGIN; <claim>`` (``_claim_on(begin=True)``), and committed by its last, sent as
-    ``<settle>; COMMIT`` (``_settle_and_commit``), one round trip each. What the body leaves
-    open is committed here; any failure rolls back the whole. Savepoints inside it are psycopg's
-    (``conn.transaction()`` within an open transaction is a savepoint).
-    """
+    """A database-class batch's transaction on the autocommit connection: opened by its first
+    statement (``BEGIN; <claim>``) and committed by its last (``<settle>; COMMIT``), one round
+    trip each. What the body leaves open is committed here; any failure rolls back the whole.
+    ``conn.transaction()`` inside it is a savepoint."""
     try:
         yield
     except BaseException:
@@ -243,10 +237,7 @@ DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobR
 
 
 class PostgresLedger(LedgerAdapter):
-    """The claim ledger on one reusable connection, re-established when the server drops it.
-
-    ``refresh_url`` fetches the database URL again, bypassing the secret cache: called once when
-    a connection fails, because a rotated password is the likely reason in AWS."""
+    """The claim ledger on one reusable connection, re-established when the server drops it."""
 
     def __init__(
         self,
@@ -256,9 +247,8 @@ class PostgresLedger(LedgerAdapter):
         job_migrations: Sequence[JobMigrationName] = (),
         **options: Any,
     ) -> None:
-        # The queue's visibility timeout bounds every lease (see the module's docstring);
-        # options are LedgerAdapter's (connect_timeout, refresh_url). ``job_migrations``: the
-        # jobs package's, checked with the ledger's schema on the first connection.
+        # The queue's visibility timeout bounds every lease (see the module's docstring); the
+        # jobs package's migrations are checked with the ledger's schema on the first connection.
         super().__init__(database_url, **options)
         self._visibility = visibility_timeout
         self._job_migrations = tuple(job_migrations)
@@ -267,10 +257,7 @@ class PostgresLedger(LedgerAdapter):
 
     def close(self) -> None:
         if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    # --- connection handling --------------------------------------------------------------
+            self._drop(self._conn)
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn
@@ -287,27 +274,21 @@ class PostgresLedger(LedgerAdapter):
                 with ledger_errors("cannot read the ledger's schema version", self._connector.url):
                     version = current_version(conn)
                     missing = missing_job_migrations(conn, self._job_migrations)
+                if version < SCHEMA_VERSION:
+                    raise SchemaNotMigrated(schema_behind(version))
+                if missing:
+                    raise SchemaNotMigrated(jobs_schema_behind(missing))
             except LedgerError:
                 conn.close()
                 raise
-            if version < SCHEMA_VERSION:
-                conn.close()
-                raise SchemaNotMigrated(schema_behind(version))
-            if missing:
-                conn.close()
-                raise SchemaNotMigrated(jobs_schema_behind(missing))
             self._schema_checked = True
         self._conn = conn
         return conn
 
     def ping(self) -> None:
-        """Make sure the ledger answers before a drain receives anything.
-
-        A connection the server closed while the execution environment was frozen is only
-        found out by using it: this uses it (``SELECT 1``), reconnects once if it was dead,
-        and raises ``LedgerUnavailable`` if the database cannot be reached, so no delivery is
-        spent on messages that could not be claimed.
-        """
+        """Make sure the ledger answers before a drain receives anything: a connection the
+        server closed while the environment was frozen is only found out by using it. Reconnects
+        once if it was dead, so no delivery is spent on messages that could not be claimed."""
         for attempt in range(2):
             conn = self._connection()
             try:
@@ -345,10 +326,8 @@ class PostgresLedger(LedgerAdapter):
             if self._conn is conn:
                 self._conn = None
 
-    # --- claims ---------------------------------------------------------------------------
-
     def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
-        """Claim external-effect jobs (committed at once). Keys must be distinct."""
+        """Keys must be distinct."""
         if not requests:
             return []
         with self._translated(on_broken=lambda: self._release_after_lost_answer(requests)) as conn:
@@ -382,17 +361,11 @@ class PostgresLedger(LedgerAdapter):
         begin: bool = False,
     ) -> list[ClaimDecision]:
         ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
-        params = {
-            "keys": array_literal(r.idem_key for r in ordered),
-            "message_ids": array_literal(r.message_id for r in ordered),
-            "jobs": array_literal(r.job for r in ordered),
-            "effects": array_literal(r.effect.value for r in ordered),
-            "tokens": array_literal(r.claim_token for r in ordered),
-            "leases": array_literal(r.lease_until for r in ordered),
-            "fingerprints": array_literal(r.fingerprint for r in ordered),
-            "visibility_left": array_literal(r.visibility_left for r in ordered),
-            "visibility": self._visibility,
+        params: dict[str, Any] = {
+            name: array_literal(getattr(r, name) for r in ordered)
+            for name in ClaimRequest.__dataclass_fields__
         }
+        params["visibility"] = self._visibility
         if begin:
             # BEGIN and the claim in one message: the second result set is the claim's.
             with psycopg.ClientCursor(conn, row_factory=dict_row) as client_cur:
@@ -413,44 +386,33 @@ class PostgresLedger(LedgerAdapter):
         by_key = {r.idem_key: r for r in requests}
         return [decide(by_key[key], row) for key, row in rows.items()]
 
-    # --- database-class batch -------------------------------------------------------------
-
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction.
+        """Claim, run and settle database jobs in one transaction: every claim decision and
+        the settlements of the jobs that ran. Nothing is committed unless everything is, so a
+        crash or a lost connection leaves no trace and the redeliveries simply run again.
 
-        Returns every claim decision and the settlements of the jobs that ran. Nothing is
-        committed unless everything is, so a crash or a lost connection leaves no trace and the
-        redeliveries simply run again.
-
-        The common case costs the ledger two round trips per batch: ``BEGIN`` travels with the
-        claim and ``COMMIT`` with the settle (one simple-protocol message each, parameters
-        bound client-side). If any handler fails, that attempt is rolled back whole and the
-        batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
+        The common case costs two round trips per batch (``BEGIN`` travels with the claim,
+        ``COMMIT`` with the settle). If any handler fails, that attempt is rolled back whole and
+        the batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
         """
         if not requests:
             return [], []
         with self._translated() as conn:
             try:
-                return self._database_batch_in_one_go(conn, requests, runner)
+                return self._database_batch(conn, requests, runner, isolated=False)
             except _IsolateJobs:
                 pass
-            with _batch_transaction(conn):
-                decisions = self._claim_on(conn, requests, begin=True)
-                runs: list[tuple[ClaimRequest, JobRun]] = []
-                for decision in decisions:
-                    if decision.status is ClaimStatus.WON:
-                        run = self._run_in_savepoint(conn, decision, runner)
-                        runs.append((decision.request, run))
-                settlements = self._settle_on(conn, runs, uncertain_is_stuck=False)
-            return decisions, settlements
+            return self._database_batch(conn, requests, runner, isolated=True)
 
-    def _database_batch_in_one_go(
+    def _database_batch(
         self,
         conn: psycopg.Connection[Any],
         requests: Sequence[ClaimRequest],
         runner: DatabaseRunner,
+        *,
+        isolated: bool,
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
         with _batch_transaction(conn):
             decisions = self._claim_on(conn, requests, begin=True)
@@ -458,34 +420,15 @@ class PostgresLedger(LedgerAdapter):
             for decision in decisions:
                 if decision.status is not ClaimStatus.WON:
                     continue
-                run = runner(decision.request, conn)
-                if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
-                    raise _IsolateJobs
+                if isolated:
+                    run = self._run_in_savepoint(conn, decision, runner)
+                else:
+                    run = runner(decision.request, conn)
+                    if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
+                        raise _IsolateJobs
                 runs.append((decision.request, run))
-            settlements = self._settle_and_commit(conn, runs)
+            settlements = self._settle_on(conn, runs, uncertain_is_stuck=False, commit=not isolated)
         return decisions, settlements
-
-    def _settle_and_commit(
-        self, conn: psycopg.Connection[Any], runs: Sequence[tuple[ClaimRequest, JobRun]]
-    ) -> list[Settlement]:
-        if not runs:
-            return []  # nothing to settle: _batch_transaction commits
-        params = {
-            "keys": array_literal(r.idem_key for r, _ in runs),
-            "tokens": array_literal(r.claim_token for r, _ in runs),
-            "results": array_literal(_RESULT_JSON.encode(run.result) for _, run in runs),
-        }
-        with psycopg.ClientCursor(conn) as cur:
-            cur.execute(_SETTLE_DONE_AND_COMMIT, params)
-            settled = {row[0] for row in cur.fetchall()}
-        return [
-            Settlement(
-                request,
-                SettleStatus.DONE if request.idem_key in settled else SettleStatus.LOST,
-                run,
-            )
-            for request, run in runs
-        ]
 
     @staticmethod
     def _run_in_savepoint(
@@ -501,10 +444,7 @@ class PostgresLedger(LedgerAdapter):
                 raise psycopg.Rollback(savepoint)
         return run
 
-    # --- settling -------------------------------------------------------------------------
-
     def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
-        """Settle one external job right after its effect, fenced by its claim token."""
         with self._translated() as conn:
             (settlement,) = self._settle_on(conn, [(request, run)], uncertain_is_stuck=True)
         return settlement
@@ -515,37 +455,31 @@ class PostgresLedger(LedgerAdapter):
         runs: Sequence[tuple[ClaimRequest, JobRun]],
         *,
         uncertain_is_stuck: bool,
+        commit: bool = False,
     ) -> list[Settlement]:
+        """Settle ``runs``, one fenced statement per kind. ``commit``: only successes, settled
+        by the batch transaction's last statement (bound client-side: one round trip)."""
         kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
         for (request, run), kind in zip(runs, kinds, strict=True):
             groups.setdefault(kind, []).append((request, run))
-
         matched: set[str] = set()
         for kind, items in groups.items():
-            keys = array_literal(r.idem_key for r, _ in items)
-            tokens = array_literal(r.claim_token for r, _ in items)
-            if kind is RunKind.SUCCEEDED:
-                results = array_literal(_RESULT_JSON.encode(run.result) for _, run in items)
-                cursor = conn.execute(
-                    _SETTLE_DONE, {"keys": keys, "tokens": tokens, "results": results}
-                )
-            elif kind is RunKind.PERMANENT:
-                errors = array_literal(run.error for _, run in items)
-                cursor = conn.execute(
-                    _SETTLE_FAILED, {"keys": keys, "tokens": tokens, "errors": errors}
-                )
-            elif kind is RunKind.UNCERTAIN:
-                errors = array_literal(f"effect uncertain: {run.error}" for _, run in items)
-                cursor = conn.execute(
-                    _MARK_UNCERTAIN, {"keys": keys, "tokens": tokens, "errors": errors}
-                )
-            elif kind is RunKind.TRANSIENT:
-                cursor = conn.execute(_RELEASE, {"keys": keys, "tokens": tokens})
-            else:
+            statement = _SETTLE_STATEMENTS.get(kind)
+            if statement is None:
                 continue  # a deferral settled the claim itself, fenced by its token
-            matched.update(row[0] for row in cursor.fetchall())
-
+            done = kind is RunKind.SUCCEEDED
+            params = {
+                "keys": array_literal(r.idem_key for r, _ in items),
+                "tokens": array_literal(r.claim_token for r, _ in items),
+                "values": array_literal(
+                    _RESULT_JSON.encode(run.result) if done else run.error for _, run in items
+                ),
+            }
+            if commit:
+                statement = _SETTLE_DONE_AND_COMMIT
+            with psycopg.ClientCursor(conn) if commit else conn.cursor() as cur:
+                matched.update(row[0] for row in cur.execute(statement, params).fetchall())
         return [
             Settlement(
                 request,
@@ -558,7 +492,6 @@ class PostgresLedger(LedgerAdapter):
         ]
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
-        """Record on each running claim why a human must look at it."""
         if not reasons:
             return
         with self._translated() as conn:
@@ -567,19 +500,14 @@ class PostgresLedger(LedgerAdapter):
                 {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())},
             )
 
-    # --- consume isolation ------------------------------------------------------------------
-
     def consume_isolation(self, queue: str) -> float:
-        """Seconds left in ``queue``'s one-message-at-a-time window; 0 when there is none."""
         with self._translated() as conn:
             row = conn.execute(_ISOLATION_LEFT, {"queue": queue}).fetchone()
         return float(row[0]) if row else 0.0
 
     def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
-        """Open or extend ``queue``'s window to at least ``seconds`` from now; the seconds left.
-
-        Kept here, not in one process: the messages an unreadable answer served come back
-        after the visibility timeout, to whichever drain consumes next."""
+        """Kept in the ledger, not in one process: the messages an unreadable answer served come
+        back after the visibility timeout, to whichever drain consumes next."""
         params = {"queue": queue, "seconds": seconds, "reason": reason[:500]}
         with self._translated() as conn:
             row = conn.execute(_ISOLATE, params).fetchone()

@@ -1,9 +1,8 @@
 """Claim decisions, pure: what a claim attempt means, and how a handler's run settles its claim.
 
-The Postgres ledger (``ledger.claim_ledger``) and the in-memory fake (``infrai_local.fakes``) both
-decide by these functions. The rules the claim statement applies itself (when a claim may be
-taken over, how long a lease may last) are stated once, in its SQL; the fake keeps its own copy
-of them, held to the SQL by the ledger contract suite (tests/contract). Nothing here does I/O.
+The Postgres ledger and the in-memory fake (``infrai_local.fakes``) both decide by these
+functions. The rules the claim statement applies itself (takeover, lease length) are stated
+once, in its SQL; the fake's copy is held to it by the ledger contract suite (tests/contract).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final
@@ -38,9 +37,8 @@ class ClaimRequest:
     fingerprint: str
     # When the claim may be considered abandoned; None for database jobs (never committed).
     lease_until: datetime | None = None
-    # Seconds, counted from when the request is built, until the queue may deliver this
-    # message again; the stored lease ends no later (the module's lease invariant). None: the
-    # whole visibility timeout.
+    # Seconds from when the request is built until the queue may deliver this message again;
+    # the stored lease ends no later. None: the whole visibility timeout.
     visibility_left: float | None = None
     claim_token: uuid.UUID = field(default_factory=uuid.uuid4)
 
@@ -55,8 +53,8 @@ class ClaimDecision:
     takeover: bool = False
     # The message that held the claim when this attempt was decided (None: no claim stood).
     holder: str | None = None
-    # Set when this message came back while its own claim's lease was still live: the queue hid
-    # it for less time than the drain was told. Seconds from its claim to this delivery.
+    # Seconds from its claim to this delivery, when this message came back while its own
+    # claim's lease was live (the queue hid it for less time than the drain was told).
     redelivered_early_after: float | None = None
 
 
@@ -65,9 +63,7 @@ class RunKind(StrEnum):
     PERMANENT = "permanent"  # PermanentJobError: mark failed
     UNCERTAIN = "uncertain"  # EffectUncertain: leave running, flag stuck
     TRANSIENT = "transient"  # anything else: release the claim for a retry
-    # Flow control turned the claim into deferred work (a retry policy, a rate limit or a
-    # concurrency key), fenced by its token: nothing is left to settle; ack the message.
-    DEFERRED = "deferred"
+    DEFERRED = "deferred"  # flow control made the claim deferred work: nothing left to settle
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +108,7 @@ class ClaimRow:
     lease_until: datetime | None
     updated_at: datetime | None
     claim_token: uuid.UUID | None
-    # Set once its message was acked and the ledger took the work over (a deferral): the
-    # payload to run it with, its queue, when it may run next, when it was first deferred,
-    # its last attempt's error, and when a taken run began its handler.
+    # Set once the ledger took the work over (a deferral) and its message was acked.
     payload: Any = None
     queue: str | None = None
     run_after: datetime | None = None
@@ -124,8 +118,8 @@ class ClaimRow:
 
     @property
     def owned(self) -> bool:
-        """Whether the ledger owns this work (its message was acked): only a drain's
-        ``take_due`` runs it, never a copy of its message."""
+        """The ledger owns this work: only a drain's ``take_due`` runs it, never a copy of its
+        message."""
         return self.run_after is not None
 
     def as_dict(self) -> dict[str, Any]:
@@ -144,11 +138,10 @@ class ClaimRow:
 
 # --- The one state machine ---------------------------------------------------------------------
 #
-# Every unit of work the ledger owns is one ``job_claims`` row: one token (``claim_token``), one
-# lease (``lease_until``), one clock (the database's). ``(none)`` is "no row": the key is free.
-# A running row is owned by the ledger (``ClaimRow.owned``) once it was deferred; before that
-# its message drives it. docs/design.md shows this table; a test keeps the two equal, and the
-# contract suite drives every transition on PostgreSQL.
+# Every unit of work is one ``job_claims`` row: one token, one lease, one clock (the
+# database's). ``(none)`` is "no row". A running row is owned by the ledger once it was
+# deferred; before that its message drives it. docs/design.md shows this table (a test keeps
+# the two equal), and the contract suite drives every transition on PostgreSQL.
 
 WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
 
@@ -211,8 +204,8 @@ SETTLE_STATUS: Final = {
 
 
 def settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
-    """The kind a run is settled as. A database job's effect rolled back with its savepoint:
-    nothing is uncertain, so a retry is safe and its claim is released."""
+    """A database job's effect rolled back with its savepoint: nothing is uncertain, so its
+    claim is released for a retry."""
     if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
         return RunKind.TRANSIENT
     return kind
@@ -222,68 +215,59 @@ def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
     """Classify one claim attempt from the claim statement's answer (or the fake's copy of it):
     ``won_token``/``won_attempts`` when this request won, and the row as it stood before the
     statement (``state`` is None when there was none)."""
-    decision = _classify(request, row)
-    if row["state"] is None:
-        return decision
-    early = None
-    own = row["message_id"] == request.message_id
-    if own and row["state"] == "running" and not row["lease_expired"] and not row.get("owned"):
-        early = float(row.get("held_seconds") or 0.0)
-    return replace(decision, holder=row["message_id"], redelivered_early_after=early)
+    attempts = row.get("won_attempts") or 1
+    if row["won_token"] is None:
+        status, detail = _not_won(request, row)
+    else:
+        status = ClaimStatus.WON
+        detail = f"took over an expired claim (attempt {attempts})" if attempts > 1 else ""
+    holder = early = None
+    if row["state"] is not None:
+        holder = row["message_id"]
+        own = holder == request.message_id
+        if own and row["state"] == "running" and not row["lease_expired"] and not row.get("owned"):
+            early = float(row.get("held_seconds") or 0.0)
+    return ClaimDecision(
+        request,
+        status,
+        detail,
+        result=row["result"] if status is ClaimStatus.DONE else None,
+        takeover=status is ClaimStatus.WON and attempts > 1,
+        holder=holder,
+        redelivered_early_after=early,
+    )
 
 
-def _classify(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
-    if row["won_token"] is not None:
-        attempts = row.get("won_attempts") or 1
-        if attempts > 1:
-            return ClaimDecision(
-                request,
-                ClaimStatus.WON,
-                f"took over an expired claim (attempt {attempts})",
-                takeover=True,
-            )
-        return ClaimDecision(request, ClaimStatus.WON)
+def _not_won(request: ClaimRequest, row: Mapping[str, Any]) -> tuple[ClaimStatus, str]:
     state = row["state"]
     if state is None:
         # The row vanished between the claim and the re-read: its holder released it after a
         # failed attempt. The holder's message is unacked and carries the retry, exactly as for
         # a live claim, so this copy is treated (and acked) like one.
-        return ClaimDecision(request, ClaimStatus.LIVE, "claim released concurrently")
+        return ClaimStatus.LIVE, "claim released concurrently"
     stored = row["payload_sha256"]
     if stored is not None and stored != request.fingerprint:
-        return ClaimDecision(
-            request,
-            ClaimStatus.CONFLICT,
+        return ClaimStatus.CONFLICT, (
             f"key {request.idem_key} already claimed for different work "
-            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)",
+            f"(fingerprint {stored[:12]}..., this message {request.fingerprint[:12]}...)"
         )
     if state == "done":
-        return ClaimDecision(request, ClaimStatus.DONE, result=row["result"])
+        return ClaimStatus.DONE, ""
     if state == "failed":
-        return ClaimDecision(request, ClaimStatus.FAILED, row["error"] or "failed earlier")
+        return ClaimStatus.FAILED, row["error"] or "failed earlier"
     if state == "deferred" or row.get("owned"):
-        return ClaimDecision(
-            request, ClaimStatus.DEFERRED, f"a copy of work the ledger holds ({state})"
-        )
+        return ClaimStatus.DEFERRED, f"a copy of work the ledger holds ({state})"
     # Running: flagged for a human, held by someone, or abandoned.
     if row["error"]:
-        return ClaimDecision(
-            request, ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
-        )
+        return ClaimStatus.STUCK, f"claim is flagged for a human: {row['error']}"
     if row["message_id"] == request.message_id:
-        return ClaimDecision(
-            request,
-            ClaimStatus.STUCK,
+        return ClaimStatus.STUCK, (
             "redelivered while its own claim is still running: the earlier attempt died "
-            "after claiming, and the effect may have happened",
+            "after claiming, and the effect may have happened"
         )
     if row["lease_expired"]:
-        return ClaimDecision(
-            request,
-            ClaimStatus.STUCK,
-            "claim lease expired while running: the effect may have happened",
-        )
-    return ClaimDecision(request, ClaimStatus.LIVE, "another delivery holds a live claim")
+        return ClaimStatus.STUCK, "claim lease expired while running: the effect may have happened"
+    return ClaimStatus.LIVE, "another delivery holds a live claim"
 
 
 def utc_from_epoch(seconds: float) -> datetime:

@@ -1,10 +1,9 @@
 """The ``dead_letters`` table's shared statements, and the dead letters the ledger itself holds.
 
 Most dead letters are moved out of Infrai's DLQ (``operations.dead_letters``). Work the ledger
-owns after its message was acked (a deferred job that ran out of attempts) has no message left
-in any DLQ, so the ledger records its dead letter itself, in the transaction that fails it
-(``flow.ledger.fail``): the same row the operator lists, discards and redrives, and the same
-count the watcher pages on. Both writers use the statement here.
+owns (a deferred job out of attempts) has no message left in any DLQ, so the ledger records its
+dead letter itself, in the transaction that fails it: the same row the operator lists, discards
+and redrives, and the same count the watcher pages on.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg.types.json import Jsonb
+
+from infrai_jobs.ledger.claims import ClaimRow
 
 # The ``dlq`` of a dead letter the ledger holds: no DLQ ever had it.
 LEDGER_HELD_DLQ: Final = "(ledger)"
@@ -35,34 +36,23 @@ SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
 
 
 def hold_dead_letter(
-    conn: psycopg.Connection[Any],
-    *,
-    message_id: str,
-    queue: str,
-    payload: Any,
-    job: str,
-    idem_key: str,
-    reason: str,
+    conn: psycopg.Connection[Any], work: ClaimRow, *, queue: str, reason: str
 ) -> bool:
-    """Record an unresolved dead letter for failed work whose message was acked long ago, on
+    """Record an unresolved dead letter for failed ``work`` whose message was acked long ago, on
     the caller's connection (inside its transaction). Its claim is ``failed``; a redrive
-    publishes ``payload`` again and reopens that claim. False when a dead letter with this
+    publishes its payload again and reopens that claim. False when a dead letter with this
     message id is recorded already."""
-    values = {
-        "message_id": message_id,
+    unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
+    values = dict.fromkeys(unknown) | {
+        "message_id": work.message_id,
         "queue": queue,
         "dlq": LEDGER_HELD_DLQ,
         "unreadable": False,
-        "payload": Jsonb(payload),
-        "raw_text": None,
-        "size_bytes": None,
-        "job": job,
-        "idem_key": idem_key,
+        "payload": Jsonb(work.payload),
+        "job": work.job or "",
+        "idem_key": work.idem_key,
         "state": "failed",
         "claim_state": "failed",
         "reason": reason,
-        "main_deliveries": None,
-        "dlq_deliveries": None,
-        "published_at": None,
     }
     return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1

@@ -1,9 +1,6 @@
-"""The jobs' own schema: which of a jobs package's migrations a database has applied.
-
-A jobs package keeps its tables as ``migrations/NNNN_name.sql`` inside it (the function code
-ships them); ``infrai-jobs migrate`` applies them after the ledger's and records each in
-``infrai_jobs_job_schema``. The drain reads only the file names and that table: a job whose
-migration is missing would otherwise be found out by its handler, after its message was
+"""The jobs' own schema: which of a jobs package's ``migrations/NNNN_name.sql`` a database has
+applied (``infrai-jobs migrate`` records each in ``infrai_jobs_job_schema``). The drain checks
+them up front: a missing one would otherwise be found out by a handler, after its message was
 consumed, retried until it was a dead letter. Nothing here applies SQL from a file.
 """
 
@@ -28,8 +25,6 @@ _JOB_SCHEMA_APPLIED: LiteralString = "SELECT version, name FROM infrai_jobs_job_
 
 @dataclass(frozen=True, slots=True, order=True)
 class JobMigrationName:
-    """One of a jobs package's migrations, by its file name."""
-
     version: int
     name: str
 
@@ -39,9 +34,8 @@ class JobMigrationName:
 
 
 def job_migrations_in(package_folder: Path) -> tuple[JobMigrationName, ...]:
-    """The migrations a jobs package holds (its ``migrations/``), by version; none without
-    the folder. Files not named ``NNNN_name.sql`` are left to ``infrai-jobs migrate``, which
-    refuses them."""
+    """The migrations in a jobs package's ``migrations/``, by version. Files not named
+    ``NNNN_name.sql`` are left to ``infrai-jobs migrate``, which refuses them."""
     folder = package_folder / MIGRATIONS_FOLDER
     if not folder.is_dir():
         return ()
@@ -60,12 +54,8 @@ def missing_job_migrations(
     if not declared:
         return []
     row = conn.execute(_HAS_JOB_SCHEMA).fetchone()
-    applied: set[JobMigrationName] = set()
-    if row and row[0]:
-        applied = {
-            JobMigrationName(int(version), str(name))
-            for version, name in conn.execute(_JOB_SCHEMA_APPLIED).fetchall()
-        }
+    rows = conn.execute(_JOB_SCHEMA_APPLIED).fetchall() if row and row[0] else []
+    applied = {JobMigrationName(int(version), str(name)) for version, name in rows}
     return [migration for migration in declared if migration not in applied]
 
 

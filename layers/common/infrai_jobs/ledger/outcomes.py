@@ -46,105 +46,40 @@ class OutcomeRule:
 
 
 # Transient retries are WARNING (they fix themselves, unless they keep coming); what needs a
-# human's fix is ERROR.
+# human's fix is ERROR. Laid out as the table it is (docs/design.md shows it).
+_INFO, _WARNING, _ERROR = logging.INFO, logging.WARNING, logging.ERROR
 OUTCOME_RULES: Final[dict[Outcome, OutcomeRule]] = {
-    Outcome.DONE: OutcomeRule(
-        True, "done", logging.INFO, "OutcomeDone", "ran now, succeeded", "`done`, result stored"
-    ),
-    Outcome.DUPLICATE: OutcomeRule(
-        True, "duplicates", logging.INFO, "OutcomeDuplicateDone", "duplicate of `done`", "unchanged"
-    ),
-    Outcome.IN_FLIGHT: OutcomeRule(
-        True,
-        "duplicates",
-        logging.INFO,
-        "OutcomeDuplicateInFlight",
-        "another delivery holds a live claim (its message drives the retries)",
-        "unchanged",
-    ),
-    Outcome.BATCH_DUPLICATE: OutcomeRule(
-        False,
-        "parked",
-        logging.WARNING,
-        "OutcomeBatchDuplicate",
-        "a second copy in the same batch, whose first copy was not acked",
-        "unchanged",
-    ),
-    Outcome.RETRY: OutcomeRule(
-        False,
-        "retried",
-        logging.WARNING,
-        "OutcomeRetry",
-        "handler raised: redelivered, dead-lettered after 3",
-        "claim released",
-    ),
-    Outcome.FAILED: OutcomeRule(
-        False,
-        "failed",
-        logging.ERROR,
-        "OutcomeFailed",
-        "handler raised `PermanentJobError`: goes to the DLQ",
-        "`failed`, error stored",
-    ),
-    Outcome.DUPLICATE_FAILED: OutcomeRule(
-        False,
-        "parked",
-        logging.WARNING,
-        "OutcomeDuplicateFailed",
-        "duplicate of `failed`",
-        "unchanged",
-    ),
-    Outcome.STUCK: OutcomeRule(
-        False,
-        "parked",
-        logging.ERROR,
-        "OutcomeStuck",
+    Outcome.DONE: OutcomeRule(True, "done", _INFO, "OutcomeDone",
+        "ran now, succeeded", "`done`, result stored"),
+    Outcome.DUPLICATE: OutcomeRule(True, "duplicates", _INFO, "OutcomeDuplicateDone",
+        "duplicate of `done`", "unchanged"),
+    Outcome.IN_FLIGHT: OutcomeRule(True, "duplicates", _INFO, "OutcomeDuplicateInFlight",
+        "another delivery holds a live claim (its message drives the retries)", "unchanged"),
+    Outcome.BATCH_DUPLICATE: OutcomeRule(False, "parked", _WARNING, "OutcomeBatchDuplicate",
+        "a second copy in the same batch, whose first copy was not acked", "unchanged"),
+    Outcome.RETRY: OutcomeRule(False, "retried", _WARNING, "OutcomeRetry",
+        "handler raised: redelivered, dead-lettered after 3", "claim released"),
+    Outcome.FAILED: OutcomeRule(False, "failed", _ERROR, "OutcomeFailed",
+        "handler raised `PermanentJobError`: goes to the DLQ", "`failed`, error stored"),
+    Outcome.DUPLICATE_FAILED: OutcomeRule(False, "parked", _WARNING, "OutcomeDuplicateFailed",
+        "duplicate of `failed`", "unchanged"),
+    Outcome.STUCK: OutcomeRule(False, "parked", _ERROR, "OutcomeStuck",
         "an irreversible effect's outcome is unknown: `EffectUncertain`, our own redelivery "
         "finds our `running` row, or an `external` claim's lease expired",
-        "stays `running`, flagged stuck",
-    ),
-    Outcome.CONFLICT: OutcomeRule(
-        False,
-        "parked",
-        logging.ERROR,
-        "OutcomePayloadMismatch",
-        "same key, different work (payload fingerprint)",
-        "unchanged",
-    ),
-    Outcome.REJECTED: OutcomeRule(
-        False,
-        "parked",
-        logging.ERROR,
-        "OutcomeRejected",
-        "no key derivable: not an object, unknown job, missing field",
-        "none",
-    ),
-    Outcome.CLAIM_LOST: OutcomeRule(
-        False,
-        "parked",
-        logging.ERROR,
-        "OutcomeClaimLost",
-        "a fenced settle matched no row (the claim was lost)",
-        "unchanged",
-    ),
-    Outcome.LEDGER_UNAVAILABLE: OutcomeRule(
-        False,
-        "parked",
-        logging.ERROR,
-        "OutcomeLedgerUnavailable",
-        "the database failed before the outcome settled",
-        "unchanged (rolled back)",
-    ),
-    Outcome.DEFERRED: OutcomeRule(
-        True,
-        "deferred",
-        logging.INFO,
-        "OutcomeDeferred",
+        "stays `running`, flagged stuck"),
+    Outcome.CONFLICT: OutcomeRule(False, "parked", _ERROR, "OutcomePayloadMismatch",
+        "same key, different work (payload fingerprint)", "unchanged"),
+    Outcome.REJECTED: OutcomeRule(False, "parked", _ERROR, "OutcomeRejected",
+        "no key derivable: not an object, unknown job, missing field", "none"),
+    Outcome.CLAIM_LOST: OutcomeRule(False, "parked", _ERROR, "OutcomeClaimLost",
+        "a fenced settle matched no row (the claim was lost)", "unchanged"),
+    Outcome.LEDGER_UNAVAILABLE: OutcomeRule(False, "parked", _ERROR, "OutcomeLedgerUnavailable",
+        "the database failed before the outcome settled", "unchanged (rolled back)"),
+    Outcome.DEFERRED: OutcomeRule(True, "deferred", _INFO, "OutcomeDeferred",
         "flow control holds the job back (a transient failure with retry attempts left, a "
         "rate limit or a concurrency key), or it is a copy of work deferred already",
-        "the claim waits as `deferred` (payload, attempts, next run); a drain runs it later",
-    ),
-}
+        "the claim waits as `deferred` (payload, attempts, next run); a drain runs it later"),
+}  # fmt: skip
 
 ACKED_OUTCOMES: Final = frozenset(o for o, rule in OUTCOME_RULES.items() if rule.ack)
 OUTCOME_METRICS: Final = {o.value: rule.metric for o, rule in OUTCOME_RULES.items()}

@@ -15,33 +15,26 @@ class LedgerPort(Protocol):
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
         """Claim external-effect jobs; the claims are committed before this returns."""
-        ...
 
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
         """Claim, run and settle database jobs atomically."""
-        ...
 
     def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
         """Record one external job's outcome, fenced by its claim token."""
-        ...
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         """Annotate running claims a human must look at."""
-        ...
 
     def ping(self) -> None:
         """Raise ``LedgerUnavailable`` unless the ledger answers (reconnecting once)."""
-        ...
 
     def consume_isolation(self, queue: str) -> float:
         """Seconds left in ``queue``'s one-message-at-a-time window (0: consume in batches)."""
-        ...
 
     def isolate_consumes(self, queue: str, seconds: float, reason: str) -> float:
         """Open or extend ``queue``'s window to at least ``seconds``; the seconds left."""
-        ...
 
 
 class EffectGuard(Protocol):

@@ -1,28 +1,18 @@
-"""Postgres in one place: connection strings kept out of messages and logs (the one redaction
-every place uses), the one way to connect, the one translation of driver errors, array
-parameters, the statements several modules share, and the schema version this code needs (the
-migrations that reach it are applied by the tools in local/, never by a function). Every other
-module meets the driver's errors through ``ledger_errors`` and connects through a
-``LedgerConnector`` (which also picks up a rotated database secret) or, for a one-off,
-``connect_to_ledger``.
+"""Postgres in one place: the one way to connect (``LedgerConnector``, which also picks up a
+rotated database secret, or ``connect_to_ledger`` for a one-off), the one translation of driver
+errors (``ledger_errors``), the one redaction of connection strings, array parameters, the
+statements several modules share, and the schema version this code needs (the migrations that
+reach it are applied by the tools in local/, never by a function).
 
-Connection strings:
-
-A connection string reaches an error in two ways: libpq quotes it (whole, when it cannot parse
-it), or it quotes a part it parsed (a host, a database name). For a well-formed URL those parts
-are what the operator wrote and are safe to show; only the password is secret. A *malformed* URL
-is different: ``postgresql://u:Hu@nter2/x@host/db`` (an unescaped ``@`` in the password) parses
-as the password ``Hu`` on host ``nter2``, so the "host" in the driver's error is the tail of the
-password. So:
-
-- ``malformed_reason`` tells a connection string that libpq would read differently from the way
-  it was meant (or cannot read at all); callers refuse such a string before connecting, so no
-  part of its password ever reaches a resolver, a server or an error.
-- ``redact`` removes every secret of a connection string from a text: the password as libpq
-  reads it, the password as it was meant (everything between the user's ``:`` and the last
-  ``@``), raw and percent-decoded, and for a malformed string each piece of it.
-- ``describe`` is the safe way to name a database in a message: ``user@host:port/dbname``, or
-  only "a malformed database URL".
+Connection strings: libpq quotes a string it cannot parse whole, or a part it parsed (a host, a
+database name). For a well-formed URL those parts are what the operator wrote; only the password
+is secret. A *malformed* URL is different: ``postgresql://u:Hu@nter2/x@host/db`` (an unescaped
+``@`` in the password) parses as the password ``Hu`` on host ``nter2``, so the driver's "host" is
+the tail of the password. Callers therefore refuse a string ``malformed_reason`` finds before
+connecting; ``redact`` removes the password as libpq reads it, as it was meant (between the
+user's ``:`` and the last ``@``), raw and percent-decoded, and for a malformed string each piece
+of it; ``describe`` names a database safely (``user@host:port/dbname``, or nothing of a
+malformed string).
 """
 
 from __future__ import annotations
@@ -74,15 +64,10 @@ def parse_conninfo(conninfo: str) -> dict[str, str] | None:
 
 
 def _meant_password(conninfo: str) -> str | None:
-    """The password of a URL as a person wrote it: between the user's ``:`` and the *last*
-    ``@``, percent-encoded as it stands. None when the URL carries no password."""
-    rest = conninfo.strip().split("://", 1)[1]
-    if "@" not in rest:
-        return None
-    userinfo = rest[: rest.rindex("@")]
-    if ":" not in userinfo:
-        return None
-    return userinfo.split(":", 1)[1]
+    """A URL's password as a person wrote it (percent-encoded as it stands), or None."""
+    userinfo, at, _ = conninfo.strip().split("://", 1)[1].rpartition("@")
+    _, colon, password = userinfo.partition(":")
+    return password if at and colon else None
 
 
 def _keyword_passwords(conninfo: str) -> list[str]:
@@ -168,8 +153,7 @@ def redact(text: str, conninfo: str) -> str:
 
 
 def describe(conninfo: str) -> str:
-    """``user@host:port/dbname`` for messages and log lines: never the password, and nothing
-    at all from a malformed string (its "host" may be a piece of the password)."""
+    """``user@host:port/dbname`` for messages and log lines (nothing of a malformed string)."""
     parsed = parse_conninfo(conninfo)
     if parsed is None or malformed_reason(conninfo):
         return "a malformed database URL"
@@ -178,9 +162,6 @@ def describe(conninfo: str) -> str:
         where += f":{parsed['port']}"
     user = f"{parsed['user']}@" if parsed.get("user") else ""
     return f"{user}{where}/{parsed.get('dbname', '')}"
-
-
-# --- Connecting and the one translation of driver errors --------------------------------------
 
 
 def one_line(text: str) -> str:
@@ -216,9 +197,12 @@ _TLS_VERIFICATION_FAILURES = (
 )
 
 
-def open_connection(
-    url: str, *, connect_timeout: int, application_name: str
+def connect_to_ledger(
+    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
 ) -> psycopg.Connection[Any]:
+    """An autocommit connection to the ledger's database, never refreshed. Its failure is
+    ``LedgerUnavailable`` with the URL kept out of the message (and the driver's error, which
+    may quote it, not chained)."""
     # A URL libpq would read differently from how it was written is refused before it is used:
     # its "host" may be the tail of a password, and connecting would send that to a resolver.
     reason = malformed_reason(url)
@@ -235,23 +219,11 @@ def open_connection(
         raise _connect_failure(exc, url) from None
 
 
-def connect_to_ledger(
-    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
-) -> psycopg.Connection[Any]:
-    """An autocommit connection to the ledger's database. Its failure is ``LedgerUnavailable``
-    with the URL kept out of the message (and the driver's error, which may quote it, not
-    chained). For a one-off connection (migrate, the CLI); a long-lived adapter connects
-    through a ``LedgerConnector``."""
-    return open_connection(url, connect_timeout=connect_timeout, application_name=application_name)
-
-
 class LedgerConnector:
     """How every adapter connects to the ledger, and the one way a warm environment picks up a
     rotated database secret: a connection that fails is tried once more with the secret fetched
     again (``factory.SecretRefresh.database_url``), and the new URL is kept when it differs.
-
-    ``url`` is the current URL, for the redaction of the errors met on its connections.
-    """
+    ``url`` is the current one, for redacting the errors met on its connections."""
 
     def __init__(
         self,
@@ -289,15 +261,14 @@ class LedgerConnector:
 
     @contextmanager
     def session(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
-        """A connection for one piece of work, closed after it, its driver errors translated
-        (``ledger_error``) and redacted with the URL it was opened with."""
+        """A connection for one piece of work, closed after it, its errors translated."""
         conn = self.connect()
         with ledger_errors(doing, self._url), conn:
             yield conn
 
     def connect_once(self) -> psycopg.Connection[Any]:
         """A connection with the current URL, never refreshed (a last-chance clean-up)."""
-        return open_connection(
+        return connect_to_ledger(
             self._url,
             connect_timeout=self._connect_timeout,
             application_name=self._application_name,
@@ -306,8 +277,8 @@ class LedgerConnector:
 
 class LedgerAdapter:
     """What the adapters on the ledger's database share: a ``LedgerConnector`` under their
-    ``APPLICATION_NAME`` (as ``pg_stat_activity`` shows them), refreshed through ``refresh_url``
-    (``factory.SecretRefresh.database_url``), and a repr that never shows the URL."""
+    ``APPLICATION_NAME`` (as ``pg_stat_activity`` shows them), refreshed through
+    ``refresh_url``, and a repr that never shows the URL."""
 
     APPLICATION_NAME: ClassVar[str] = "infrai-jobs"
 
@@ -356,12 +327,9 @@ def schema_behind(version: int) -> str:
 
 
 def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerError:
-    """A driver error met while ``doing`` something, in the package's terms.
-
-    A missing table or column means the database was never migrated (or is older than this
-    code): that is ``SchemaNotMigrated``, naming the command to run, never "unreachable". A
-    broken connection is ``LedgerUnavailable``. The driver's text goes through ``redact``.
-    """
+    """A driver error met while ``doing`` something, in the package's terms: a missing table
+    or column is ``SchemaNotMigrated`` (never "unreachable"), a broken connection
+    ``LedgerUnavailable``. The driver's text goes through ``redact``."""
     detail = redact(one_line(str(exc)), url) if url else one_line(str(exc))
     where = f"{doing}: " if doing else ""
     if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
@@ -379,12 +347,9 @@ def ledger_errors(
     doing: str = "", url: str = "", *, on_broken: Callable[[], None] | None = None
 ) -> Iterator[None]:
     """Driver errors raised inside, in the package's terms (``ledger_error``, redacted with
-    ``url``): the one translation, which every adapter on the ledger's database goes through,
-    so no other module catches a psycopg error.
-
-    ``on_broken`` runs first when the error is a broken connection (``OperationalError``: the
-    server closed it, or it broke mid-statement), for the adapter to drop the connection, and
-    whatever else a lost answer asks for, before ``LedgerUnavailable`` is raised."""
+    ``url``): no other module catches a psycopg error. ``on_broken`` runs first when the
+    connection broke (``OperationalError``), for the adapter to drop it and do whatever else a
+    lost answer asks for."""
     try:
         yield
     except psycopg.Error as exc:
@@ -396,30 +361,20 @@ def ledger_errors(
 @contextmanager
 def savepoint_rollback_checked(what: str) -> Iterator[None]:
     """Around ``conn.transaction()`` whose body raises ``psycopg.Rollback`` to undo ``what``.
-
-    psycopg swallows its own ``Rollback`` once the savepoint is rolled back. It lets it out
-    (after logging "error ignored in rollback") when that rollback failed, which means the
-    connection broke under it: that is said as the broken connection it is
-    (``OperationalError``), so ``ledger_errors`` drops the connection."""
+    psycopg lets its own ``Rollback`` out only when the rollback failed, that is when the
+    connection broke: said as the ``OperationalError`` it is, so ``ledger_errors`` drops it."""
     try:
         yield
     except psycopg.Rollback as exc:
         raise psycopg.OperationalError(f"the connection failed while rolling back {what}") from exc
 
 
-# --- Parameters and shared statements --------------------------------------------------------
-
-
 def array_literal(values: Iterable[str | uuid.UUID | datetime | float | None]) -> str:
-    """A list parameter as the text of a one-dimensional PostgreSQL array.
+    """A list parameter as the text of a one-dimensional PostgreSQL array (``%(name)s::text[]``).
 
-    Every statement here takes its lists as ``%(name)s::text[]`` (or ``uuid[]``,
-    ``timestamptz[]``). Handing psycopg one string per list instead of the list itself is the
-    same array to the server, and it spares the client psycopg's element-by-element array
-    dumping: binding a batch of ten claims took about 160 µs of CPU that way and takes about
-    30 µs this way. Inside a double-quoted element only ``\\`` and ``"`` are special;
-    ``NULL`` unquoted is a null.
-    """
+    The same array to the server, without psycopg's element-by-element dumping: binding ten
+    claims took about 160 µs of CPU that way, 30 µs this way. Inside a double-quoted element
+    only ``\\`` and ``"`` are special; ``NULL`` unquoted is a null."""
     parts = []
     for value in values:
         if value is None:
@@ -449,21 +404,15 @@ CLAIM_COLUMNS: LiteralString = """idem_key, state, message_id, job, effect, atte
        payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token,
        payload, queue, run_after, deferred_at, last_error, began_at"""
 
-CLAIM_BY_KEY: LiteralString = (
-    """SELECT """
-    + CLAIM_COLUMNS
-    + """
-FROM job_claims WHERE idem_key = %(key)s"""
-)
+_CLAIMS: LiteralString = "SELECT " + CLAIM_COLUMNS + "\nFROM job_claims"
+CLAIM_BY_KEY: LiteralString = _CLAIMS + " WHERE idem_key = %(key)s"
 CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
 
 # A redrive's ``--reopen-failed``: the failed claims of one piece of work, by its message id or
 # its payload fingerprint, locked for the change.
 FAILED_CLAIMS_OF_WORK: LiteralString = (
-    "SELECT "
-    + CLAIM_COLUMNS
+    _CLAIMS
     + """
-FROM job_claims
 WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
 FOR UPDATE
 """
@@ -472,16 +421,10 @@ FOR UPDATE
 # Stuck claims, oldest first: every job's (``claims stuck``), or only those of ``jobs`` (the
 # reconcile pass's candidates: the jobs that declare a probe) when it is not NULL.
 STUCK_CLAIMS: LiteralString = (
-    "SELECT "
-    + CLAIM_COLUMNS
-    + """
-FROM job_claims
-WHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND """
+    _CLAIMS
+    + "\nWHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND "
     + STUCK_CLAIM
-    + """
-ORDER BY coalesce(updated_at, claimed_at)
-LIMIT %(limit)s
-"""
+    + "\nORDER BY coalesce(updated_at, claimed_at)\nLIMIT %(limit)s\n"
 )
 
 # What the watcher pages on: how many are stuck, and the oldest running claim's age (from its
@@ -512,9 +455,8 @@ def record_history(
     after: dict[str, Any] | None,
     note: str,
 ) -> None:
-    """The one writer of ``claim_history`` (append-only: the database refuses updates and
-    deletes there): one change to ``key``, the records before and after it, in the caller's
-    transaction, so the change and its record commit together."""
+    """The one writer of ``claim_history`` (append-only): one change to ``key``, before and
+    after, in the caller's transaction, so the change and its record commit together."""
     conn.execute(
         _HISTORY,
         {

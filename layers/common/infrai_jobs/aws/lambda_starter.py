@@ -1,8 +1,7 @@
 """Starting another DrainFunction invocation: Lambda ``Invoke`` with ``InvocationType=Event``.
 
-The template lets the function invoke itself only, and turns its async retries off: a fan-out
-event that fails is not worth repeating, since the next check or tick looks at the backlog
-again. boto3 is imported on the first start, never at cold start: most drains never fan out.
+The template turns async retries off: the next check or tick looks at the backlog again anyway.
+boto3 is imported on the first start, never at cold start: most drains never fan out.
 """
 
 from __future__ import annotations

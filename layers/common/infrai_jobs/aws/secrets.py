@@ -1,15 +1,10 @@
-"""Secrets in AWS: the API key from SSM, the database URL and the jobs' secrets from Secrets
-Manager, all cached.
+"""Secrets in AWS: the API key from SSM; the database URL, the Redis credentials and the jobs'
+secrets from Secrets Manager.
 
-Locally the plain env vars (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
-AWS the template sets only the *names* (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``);
-the values are fetched through Powertools Parameters, cached for ``max_age`` seconds, so a
-rotated secret is picked up without a deploy. boto3 is imported only when a secret is fetched.
-
-Every function, and every CLI command, gets its secrets from one ``SecretSource`` built on its
-settings: ``resolve()`` once, ``refresh`` for rotation. The jobs' secrets (each declared
-``NAME``, named by ``NAME_SECRET_ARN``) are fetched by ``resolve()`` only, at the cold start:
-a rotated one is picked up by the next cold start. No error here shows a secret's value.
+Locally the plain variables (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
+AWS the template sets only the *names*; the values are fetched through Powertools Parameters,
+cached, so a rotated secret is picked up without a deploy (the jobs' secrets only at the next
+cold start). boto3 is imported only when a secret is fetched. No error here shows a secret.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from psycopg.conninfo import make_conninfo
 
 from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
-from infrai_jobs.config.redis_url import check_redis_url, redis_lacks_auth
+from infrai_jobs.config.redis_url import REDIS_SCHEMES, check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
@@ -36,8 +31,6 @@ from infrai_jobs.config.settings import (
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import malformed_reason, parse_conninfo
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
 SECRET_CACHE_SECONDS = 300
 
 logger = logging.getLogger(__name__)
@@ -46,11 +39,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SecretRefresh:
     """How a warm environment picks up a rotated secret: the queue client retries a 401 once,
-    and the ledger a failed connect once, with the secret fetched again past its cache.
-
-    Only secrets fetched by name (the SSM parameter, the Secrets Manager ARN) can rotate under
-    a running function; a plain environment value is what it is, so its hook is None.
-    """
+    and the ledger a failed connect once, with the secret fetched again past its cache. Only a
+    secret fetched by name can rotate under a running function; otherwise the hook is None."""
 
     api_key: Callable[[], str] | None
     database_url: Callable[[], str] | None
@@ -58,16 +48,12 @@ class SecretRefresh:
 
 @dataclass(frozen=True, slots=True)
 class SecretSource(Generic[AnySettings]):
-    """The one source of a function's secrets: ``settings`` as read from the environment,
-    where a secret may be named (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``,
-    ``REDIS_SECRET_ARN``) rather than set.
-
-    ``resolve()`` fills in the named ones (cached, ``SECRET_CACHE_SECONDS``); ``refresh`` gives
-    the hooks that fetch a rotated one again, past the cache. A function fetches only what it
-    uses: ``api_key=False`` for one that never calls Infrai; the Redis secret only with
-    ``IDEMPOTENCY_BACKEND=redis`` (the drain, and the watcher whose reconcile pass drops the
-    records of the claims it releases). So its role needs no more.
-    """
+    """The one source of a function's (or a CLI command's) secrets: ``settings``, where a
+    secret may be named (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``,
+    ``REDIS_SECRET_ARN``) rather than set. ``resolve()`` fills in the named ones; ``refresh``
+    gives the hooks that fetch a rotated one again. Only what the function uses is fetched
+    (``api_key=False``: it never calls Infrai; Redis only with ``IDEMPOTENCY_BACKEND=redis``),
+    so its role needs no more."""
 
     settings: AnySettings
     api_key: bool = True
@@ -122,8 +108,7 @@ class SecretSource(Generic[AnySettings]):
 
 
 def _job_secrets(settings: JobSettings) -> dict[str, str]:
-    """Each job secret's value: fetched when its ARN is set, else as the settings hold it. A
-    secret that cannot be read is a ``ConfigurationError`` naming its variable and its jobs."""
+    """Each job secret's value: fetched when its ARN is set, else as the settings hold it."""
     from aws_lambda_powertools.utilities.parameters.exceptions import (  # noqa: PLC0415
         GetParameterError,
     )
@@ -143,16 +128,13 @@ def _job_secrets(settings: JobSettings) -> dict[str, str]:
 
 
 def redis_url_from_secret(secret: str, url: str) -> str:
-    """The Redis/Valkey URL with the credentials a secret holds: the whole URL
-    (``rediss://...``), JSON with ``password`` (and ``username`` for an ACL user), or the bare
-    password, added to ``url`` (``REDIS_URL``, which then carries none). Either way the URL
-    must be ``rediss://`` unless its host is loopback. No error shows the secret."""
+    """The Redis URL with the credentials a secret holds: the whole URL, JSON with
+    ``password`` (and ``username`` for an ACL user), or the bare password, added to ``url``
+    (``REDIS_URL``, which then carries none)."""
     text = secret.strip()
-    if text.startswith(_REDIS_SCHEMES):
+    if text.startswith(REDIS_SCHEMES):
         check_redis_url("the Redis secret's URL", text)
         if redis_lacks_auth(text):
-            # Read at every cold start, with the other secrets: logged each time, as every
-            # other opt-out is.
             logger.warning(
                 "the Redis secret's URL carries no password: the second layer's Redis takes "
                 "commands without AUTH, so anyone who reaches it can read or drop its records",
@@ -192,15 +174,10 @@ _VERIFYING_SSLMODES = frozenset({"verify-ca", "verify-full"})
 def database_url_from_secret(
     secret: str, *, sslmode: str = DEFAULT_DATABASE_SSLMODE, ca_bundle: str = ""
 ) -> str:
-    """The connection string a database secret holds, with the server verified.
-
-    Accepted shapes: a ``postgresql://`` URL, a libpq keyword string, or JSON (an RDS-managed
-    secret's ``host``/``username``/``password``/``port``/``dbname``, or ``{"url": ...}``). In
-    AWS the ledger is reached over the network, so a secret without an ``sslmode`` gets
-    ``sslmode`` (``DATABASE_SSLMODE``, verify-full unless opted out) and, for the verifying
-    modes, ``sslrootcert=ca_bundle`` (``DATABASE_CA_BUNDLE``). A secret asking for a weaker mode
-    than that, or for one that allows plain text, is refused.
-    """
+    """The connection string a database secret holds (a ``postgresql://`` URL, a libpq keyword
+    string, RDS secret JSON or ``{"url": ...}``), with the server verified: without its own
+    ``sslmode`` it gets ``sslmode`` and, for the verifying modes, ``sslrootcert=ca_bundle``; a
+    weaker mode than ``sslmode``, or one allowing plain text, is refused."""
     return _require_tls(_connection_string(secret.strip()), sslmode, ca_bundle)
 
 

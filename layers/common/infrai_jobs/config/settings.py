@@ -1,35 +1,26 @@
 """Settings, read once at the edge into frozen, validated objects, one type per function.
 
-This is the only module that reads the package's settings from the environment (Powertools'
-own variables aside, and the jobs' secrets, read by config/job_secrets.py for it).
-``CommonSettings`` holds what every function reads (Infrai's URL and key,
-the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
-``AlertSettings``, ``RedriveSettings``, ``PruneSettings`` and ``OutboxRelaySettings`` add what
-only their function reads.
-A handler, or a CLI command, calls ``from_env()`` of its type once (one loader,
-``load_settings``); everything below receives values, not ``os.environ``.
+The only module that reads the package's settings from the environment (Powertools' own
+variables aside; the jobs' secrets are read for it by config/job_secrets.py). ``CommonSettings``
+holds what every function reads; ``DrainSettings``, ``AlertSettings``, ``RedriveSettings``,
+``PruneSettings`` and ``OutboxRelaySettings`` add what only their function reads. A handler, or
+a CLI command, calls its type's ``from_env()`` once; everything below receives values, not
+``os.environ``.
 
-Each setting is declared once, as its field: ``setting(variable, default, parse)``
-(config/table.py) names the environment variable, the value when it is unset and the function
-that parses and checks its text. ``settings_table(kind)`` is that table, one row per field; the
-loader, the docs check (tests/unit/test_function_settings.py) and any listing of variables read
-it. Only the checks that span several fields (the second layer's) live apart, in
-``_check_second_layer``.
+Each setting is declared once, as its field (``setting(variable, default, parse)``,
+config/table.py); ``settings_table(kind)`` is the table the loader and the docs check
+(tests/unit/test_function_settings.py) read. Only the checks spanning several fields (the
+second layer's, ``_check_second_layer``) live apart.
 
-The framework's own settings are named here. The jobs' settings are not: each job declares the
-ones it needs (``JobRegistry.declared_settings()``), and
-``DrainSettings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless
-loopback); so does ``AlertSettings`` for the jobs' probes. The jobs' secrets
-(``job_secrets=...``) are read by name: ``NAME_SECRET_ARN``, fetched by ``aws.secrets``; the
-plain ``NAME`` is a local stand-in only, refused in a deployed function (``config.job_secrets``).
+The jobs' settings are not named here: each job declares the ones it needs, and
+``DrainSettings.from_env(job_settings=...)`` (or ``AlertSettings``', for the probes) reads
+exactly those, as URLs. The jobs' secrets (``job_secrets=...``) are read as
+``NAME_SECRET_ARN``, fetched by ``aws.secrets``; the plain ``NAME`` is a local stand-in only.
 
-One rule for every URL the package calls over HTTP (Infrai's and the jobs' downstreams,
-``check_web_url``): HTTPS, or plain HTTP to a loopback host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets
-plain HTTP reach other hosts too (a local network); it is logged as a warning every time the
-settings are read, that is at every cold start.
-
-Whether ``DATABASE_URL`` is well formed is checked where the ledger's connector is built
-(``runtime.factory``), so reading settings never loads the database driver.
+One rule for every URL called over HTTP (``check_web_url``): HTTPS, or plain HTTP to a loopback
+host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets plain HTTP reach other hosts too, logged as a
+warning at every cold start. Whether ``DATABASE_URL`` is well formed is checked where the
+ledger's connector is built (``runtime.factory``), so reading settings never loads the driver.
 """
 
 from __future__ import annotations
@@ -39,7 +30,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from infrai_jobs.config.job_secrets import job_secret_fields, missing_secrets
@@ -49,6 +40,7 @@ from infrai_jobs.config.table import (
     Reading,
     Setting,
     parse_bool,
+    parse_choice,
     parse_int,
     parse_text,
     parse_verbatim,
@@ -77,11 +69,6 @@ DEFAULT_DATABASE_SSLMODE = "verify-full"
 AnySettings = TypeVar("AnySettings", bound="CommonSettings")
 
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
-_IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
-    "off": "off",
-    "dynamodb": "dynamodb",
-    "redis": "redis",
-}
 
 _logger = logging.getLogger(__name__)
 
@@ -118,16 +105,6 @@ def _queue_names(row: Setting, raw: str | None, reading: Reading) -> tuple[str, 
     return tuple(dict.fromkeys(name for name in names if name)) or (reading.value("queue"),)
 
 
-def _database_sslmode(row: Setting, raw: str | None, reading: Reading) -> str:
-    mode = (raw or "").strip() or row.default
-    if mode not in DATABASE_SSLMODES:
-        raise ConfigurationError(
-            f"{row.variable}={mode!r} is not one of {', '.join(DATABASE_SSLMODES)}: modes that "
-            "allow plain text are never used for the ledger in AWS"
-        )
-    return str(mode)
-
-
 def _in_task_root(row: Setting, raw: str | None, reading: Reading) -> str:
     """A relative path as Lambda sees it: under the function's code (LAMBDA_TASK_ROOT)."""
     path = parse_text(row, raw, reading)
@@ -137,29 +114,17 @@ def _in_task_root(row: Setting, raw: str | None, reading: Reading) -> str:
     return os.path.join(root, path)
 
 
-def _backend(row: Setting, raw: str | None, reading: Reading) -> IdempotencyBackend:
-    name = (raw or "").strip().lower() or row.default
-    if name not in _IDEMPOTENCY_BACKENDS:
-        raise ConfigurationError(
-            f"{row.variable}={name!r} is not one of {', '.join(_IDEMPOTENCY_BACKENDS)}"
-        )
-    return _IDEMPOTENCY_BACKENDS[name]
-
-
-def _at_most_lanes(variable: str, lanes: int) -> None:
-    if lanes > MAX_DRAIN_LANES:
-        raise ConfigurationError(
-            f"{variable}={lanes} is above {MAX_DRAIN_LANES}; add concurrent invocations "
-            "instead (overlapping schedules are safe)"
-        )
-
-
-def _at_most_lambda_concurrency(variable: str, drains: int) -> None:
-    if drains > MAX_DRAIN_CONCURRENCY:
-        raise ConfigurationError(
-            f"{variable}={drains} is above {MAX_DRAIN_CONCURRENCY}, Lambda's default "
-            "concurrency limit"
-        )
+_SSLMODE = parse_choice(
+    DATABASE_SSLMODES, why=": modes that allow plain text are never used for the ledger in AWS"
+)
+_LANES = parse_int(
+    minimum=1,
+    maximum=MAX_DRAIN_LANES,
+    why_maximum="; add concurrent invocations instead (overlapping schedules are safe)",
+)
+_MAX_CONCURRENCY = parse_int(
+    minimum=0, maximum=MAX_DRAIN_CONCURRENCY, why_maximum=", Lambda's default concurrency limit"
+)
 
 
 def _off_or_polite_poll(variable: str, poll_ms: int) -> None:
@@ -181,11 +146,7 @@ def _retention_days() -> int:
 
 @dataclass(frozen=True, slots=True)
 class CommonSettings:
-    """What every function reads: how to reach Infrai and the ledger, and the queue's names.
-
-    Each function's own settings add what only it reads (``DrainSettings``, ``AlertSettings``,
-    ``RedriveSettings``, ``PruneSettings``); each is read by ``from_env`` at the function's (or
-    the command's) edge, once."""
+    """What every function reads: how to reach Infrai and the ledger, and the queue's names."""
 
     # Empty means "not configured": local commands then start an emulator; handlers refuse.
     infrai_base_url: str = setting("INFRAI_BASE_URL", "", _web_url(DEFAULT_BASE_URL))
@@ -208,32 +169,23 @@ class CommonSettings:
     # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
     # used as written): verify-full unless DATABASE_SSLMODE opts out, with the CA bundle file
     # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
-    database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _database_sslmode)
+    database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
-        """These settings, read from ``environ`` (the process's environment by default) and
-        checked; a bad value is a ``ConfigurationError`` naming its variable."""
+        """These settings, read from ``environ`` (``os.environ`` by default) and checked; a
+        bad value is a ``ConfigurationError`` naming its variable."""
         return load_settings(cls, environ)
 
-    def declared_urls(self) -> Mapping[str, str]:
-        """The jobs' declared settings these settings hold (none here)."""
-        return MappingProxyType({})
-
     def security_opt_outs(self) -> list[str]:
-        """One sentence per secure default these settings turn off, for a warning each time
-        they are read (every cold start)."""
+        """One sentence per secure default these settings turn off, logged as a warning each
+        time they are read (every cold start)."""
         opt_outs = []
         if self.allow_plain_http:
-            plain = [
-                name
-                for name, url in (
-                    ("INFRAI_BASE_URL", self.infrai_base_url),
-                    *self.declared_urls().items(),
-                )
-                if url and is_plain_http_off_loopback(url)
-            ]
+            # The jobs' declared URLs too, when these are JobSettings.
+            urls = {"INFRAI_BASE_URL": self.infrai_base_url, **getattr(self, "job_settings", {})}
+            plain = [name for name, url in urls.items() if url and _is_plain_http_off_loopback(url)]
             opt_outs.append(
                 f"{ALLOW_PLAIN_HTTP_ENV}=true: plain HTTP is allowed to hosts that are not "
                 "loopback, so an API key or a job's data may cross the network unencrypted"
@@ -271,27 +223,29 @@ class CommonSettings:
         )
 
 
+def _empty() -> Mapping[str, Any]:
+    return MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class JobSettings(CommonSettings):
     """Common settings plus the settings the registered jobs declared (the drain's jobs run
     with them; the watcher's probes ask their providers)."""
 
     # Each declared setting's value ("" when unset), and the jobs that declared each.
-    job_settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    job_setting_owners: Mapping[str, tuple[str, ...]] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    job_settings: Mapping[str, str] = field(default_factory=_empty)
+    job_setting_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
     # Each declared secret's Secrets Manager ARN (NAME_SECRET_ARN, "" when unset), its value
     # (locally the plain NAME; in AWS filled in by aws.secrets), and the jobs that declared it.
-    job_secret_arns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    job_secrets: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
-    job_secret_owners: Mapping[str, tuple[str, ...]] = field(
-        default_factory=lambda: MappingProxyType({})
+    job_secret_arns: Mapping[str, str] = field(default_factory=_empty)
+    job_secrets: Mapping[str, str] = field(default_factory=_empty, repr=False)
+    job_secret_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
+    # The optional second layer (infrai_jobs.aws.second_layer). The drain guards its jobs'
+    # effects with it; the watcher's reconcile pass drops a key's record when it releases the
+    # claim, so both agree the job may run again.
+    idempotency_backend: IdempotencyBackend = setting(
+        "IDEMPOTENCY_BACKEND", "off", parse_choice(get_args(IdempotencyBackend), lower=True)
     )
-    # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis. The
-    # drain guards its jobs' effects with it; the watcher's reconcile pass drops a key's record
-    # when it releases the claim, so both agree the job may run again.
-    idempotency_backend: IdempotencyBackend = setting("IDEMPOTENCY_BACKEND", "off", _backend)
     idempotency_table: str = setting("IDEMPOTENCY_TABLE", "", parse_text)
     # May carry a password locally; the template only passes URLs without credentials, and the
     # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
@@ -308,16 +262,11 @@ class JobSettings(CommonSettings):
         job_settings: Mapping[str, Sequence[str]] | None = None,
         job_secrets: Mapping[str, Sequence[str]] | None = None,
     ) -> Self:
-        """As ``CommonSettings.from_env``, with ``job_settings``: the settings the registered
-        jobs declared, with their jobs (``JobRegistry.declared_settings()``); only those are
-        read, and a set one must be an HTTPS URL (HTTP on loopback). An unset one is allowed
-        here: whether that is an error, or a sandbox's stand-in, is decided by the command or
-        the function. ``job_secrets`` likewise (``JobRegistry.declared_secrets()``): each
-        ``NAME_SECRET_ARN``, or locally the plain ``NAME``."""
+        """As ``CommonSettings.from_env``, plus the settings the registered jobs declared, with
+        their jobs (``JobRegistry.declared_settings()``): a set one must be an HTTPS URL (HTTP
+        on loopback); whether an unset one is an error is for the command or the function to
+        say. ``job_secrets`` likewise (``JobRegistry.declared_secrets()``)."""
         return load_settings(cls, environ, job_settings=job_settings, job_secrets=job_secrets)
-
-    def declared_urls(self) -> Mapping[str, str]:
-        return self.job_settings
 
     def security_opt_outs(self) -> list[str]:
         opt_outs = CommonSettings.security_opt_outs(self)
@@ -350,8 +299,7 @@ class JobSettings(CommonSettings):
 
     def require_job_secrets(self) -> dict[str, str]:
         """The jobs' declared secrets, every one with its value (``aws.secrets`` fetched the
-        named ones); else a ``ConfigurationError`` naming each missing one, its variables and
-        its jobs."""
+        named ones); else a ``ConfigurationError`` naming each missing one and its jobs."""
         missing = [name for name, value in self.job_secrets.items() if not value]
         if missing:
             raise ConfigurationError(missing_secrets(missing, self.job_secret_owners))
@@ -375,7 +323,7 @@ class DrainSettings(JobSettings):
         parse_int(minimum=1),
     )
     # Concurrent drain loops in one invocation, each with its own database connection.
-    drain_lanes: int = setting("DRAIN_LANES", 1, parse_int(minimum=1, check=_at_most_lanes))
+    drain_lanes: int = setting("DRAIN_LANES", 1, _LANES)
     # Idle polling (opt-in): after an empty consume, wait this long and consume again while
     # the idle window and the time budget allow. 0 stops at the first empty consume.
     drain_idle_poll_ms: int = setting(
@@ -386,9 +334,7 @@ class DrainSettings(JobSettings):
     drain_idle_window_seconds: int = setting("DRAIN_IDLE_WINDOW_SECONDS", 0, parse_int(minimum=0))
     # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
     # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
-    drain_max_concurrency: int = setting(
-        "DRAIN_MAX_CONCURRENCY", 0, parse_int(minimum=0, check=_at_most_lambda_concurrency)
-    )
+    drain_max_concurrency: int = setting("DRAIN_MAX_CONCURRENCY", 0, _MAX_CONCURRENCY)
     # More drains are started when the backlog would take longer than this to clear.
     drain_fan_out_after_seconds: int = setting(
         "DRAIN_FANOUT_AFTER_SECONDS", 30, parse_int(minimum=1)
@@ -419,8 +365,7 @@ class AlertSettings(JobSettings):
 
 @dataclass(frozen=True, slots=True)
 class RedriveSettings(CommonSettings):
-    """RedriveFunction's: the queue, its DLQ and the ledger, nothing more (its event says what
-    to move)."""
+    """RedriveFunction's: the queue, its DLQ and the ledger (its event says what to move)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,7 +481,7 @@ def check_web_url(
         )
 
 
-def is_plain_http_off_loopback(url: str) -> bool:
+def _is_plain_http_off_loopback(url: str) -> bool:
     parts = urlsplit(url)
     return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
 
@@ -563,14 +508,14 @@ def _check_second_layer(settings: JobSettings) -> None:
         )
     if settings.redis_url:
         check_redis_url("REDIS_URL", settings.redis_url)
-    if settings.redis_secret_arn and has_credentials(settings.redis_url):
+    if settings.redis_secret_arn and _has_credentials(settings.redis_url):
         raise ConfigurationError(
             "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
             "the secret only"
         )
 
 
-def has_credentials(url: str) -> bool:
+def _has_credentials(url: str) -> bool:
     try:
         parts = urlsplit(url)
         return bool(parts.username or parts.password)

@@ -46,6 +46,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 # Importing this imports boto3: only ``factory.make_effect_guard`` does, with a backend on.
@@ -97,14 +98,6 @@ class RemainingTime(Protocol):
     """The one thing Powertools reads from a Lambda context."""
 
     def get_remaining_time_in_millis(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _TimeLeft:
-    time_left_ms: Callable[[], int]
-
-    def get_remaining_time_in_millis(self) -> int:
-        return self.time_left_ms()
 
 
 def record_expiry_seconds(retention_days: int) -> int:
@@ -182,7 +175,8 @@ class SecondLayer:
 
     def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
         """``register_lambda_context`` for a drain given its time budget as a callable."""
-        self.register_lambda_context(_TimeLeft(time_left_ms))
+        context = SimpleNamespace(get_remaining_time_in_millis=time_left_ms)
+        self.register_lambda_context(cast("RemainingTime", context))
 
     @property
     def hits(self) -> int:

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Generic
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -48,63 +49,56 @@ class SecretRefresh:
 
 @dataclass(frozen=True, slots=True)
 class SecretSource(Generic[AnySettings]):
-    """The one source of a function's (or a CLI command's) secrets: ``settings``, where a
-    secret may be named (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``,
-    ``REDIS_SECRET_ARN``) rather than set. ``resolve()`` fills in the named ones; ``refresh``
-    gives the hooks that fetch a rotated one again. Only what the function uses is fetched
-    (``api_key=False``: it never calls Infrai; Redis only with ``IDEMPOTENCY_BACKEND=redis``),
-    so its role needs no more."""
+    """The one source of a function's (or a CLI command's) secrets: ``resolve()`` fills in the
+    ones ``settings`` name; ``refresh`` gives the hooks that fetch a rotated one again. Only
+    what the function uses is fetched (``api_key=False``: it never calls Infrai; Redis only
+    with ``IDEMPOTENCY_BACKEND=redis``), so its role needs no more."""
 
     settings: AnySettings
     api_key: bool = True
 
     def resolve(self) -> AnySettings:
         """The settings with every secret they name fetched, the jobs' secrets included."""
-        resolved = self._resolve(api_key=self.api_key, database=True, force_fetch=False)
-        if isinstance(resolved, JobSettings) and any(resolved.job_secret_arns.values()):
-            resolved = replace(resolved, job_secrets=MappingProxyType(_job_secrets(resolved)))
-        return resolved
+        settings = self.settings
+        key = self._api_key(force_fetch=False) if self.api_key else settings.infrai_api_key
+        resolved = replace(
+            settings, infrai_api_key=key, database_url=self._database_url(force_fetch=False)
+        )
+        if not isinstance(resolved, JobSettings):
+            return resolved
+        redis_url, job_secrets = resolved.redis_url, resolved.job_secrets
+        if resolved.idempotency_backend == "redis" and resolved.redis_secret_arn:
+            secret = _fetch_secret(resolved.redis_secret_arn, force_fetch=False)
+            redis_url = redis_url_from_secret(secret, redis_url)
+        if any(resolved.job_secret_arns.values()):
+            job_secrets = MappingProxyType(_job_secrets(resolved))
+        return replace(resolved, redis_url=redis_url, job_secrets=job_secrets)
 
     @property
     def refresh(self) -> SecretRefresh:
         settings = self.settings
-
-        def api_key() -> str:
-            return self._resolve(api_key=True, database=False, force_fetch=True).infrai_api_key
-
-        def database_url() -> str:
-            return self._resolve(api_key=False, database=True, force_fetch=True).database_url
-
         fetches_key = self.api_key and not settings.infrai_api_key and settings.api_key_parameter
+        fetches_url = not settings.database_url and settings.database_secret_arn
         return SecretRefresh(
-            api_key=api_key if fetches_key else None,
-            database_url=(
-                database_url if not settings.database_url and settings.database_secret_arn else None
-            ),
+            api_key=partial(self._api_key, force_fetch=True) if fetches_key else None,
+            database_url=partial(self._database_url, force_fetch=True) if fetches_url else None,
         )
 
-    def _resolve(self, *, api_key: bool, database: bool, force_fetch: bool) -> AnySettings:
+    def _api_key(self, *, force_fetch: bool) -> str:
         settings = self.settings
-        key = settings.infrai_api_key
-        if api_key and not key and settings.api_key_parameter:
-            key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
-        database_url = settings.database_url
-        if database and not database_url and settings.database_secret_arn:
-            database_url = database_url_from_secret(
-                _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
-                sslmode=settings.database_sslmode,
-                ca_bundle=settings.database_ca_bundle,
-            )
-        resolved = replace(settings, infrai_api_key=key, database_url=database_url)
-        if (
-            isinstance(resolved, JobSettings)
-            and resolved.idempotency_backend == "redis"
-            and resolved.redis_secret_arn
-        ):
-            secret = _fetch_secret(resolved.redis_secret_arn, force_fetch=force_fetch)
-            redis_url = redis_url_from_secret(secret, resolved.redis_url)
-            resolved = replace(resolved, redis_url=redis_url)
-        return resolved
+        if settings.infrai_api_key or not settings.api_key_parameter:
+            return settings.infrai_api_key
+        return _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
+
+    def _database_url(self, *, force_fetch: bool) -> str:
+        settings = self.settings
+        if settings.database_url or not settings.database_secret_arn:
+            return settings.database_url
+        return database_url_from_secret(
+            _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
+            sslmode=settings.database_sslmode,
+            ca_bundle=settings.database_ca_bundle,
+        )
 
 
 def _job_secrets(settings: JobSettings) -> dict[str, str]:
@@ -143,12 +137,7 @@ def redis_url_from_secret(secret: str, url: str) -> str:
         return text
     username, password = "", text
     if text.startswith("{"):
-        try:
-            document: Any = json.loads(text)
-        except ValueError:
-            raise ConfigurationError(
-                "the Redis secret is neither a URL, JSON nor a password"
-            ) from None
+        document = _json(text, "the Redis secret is neither a URL, JSON nor a password")
         if not isinstance(document, dict) or not isinstance(document.get("password"), str):
             raise ConfigurationError('the Redis secret JSON has no "password" string')
         username, password = str(document.get("username") or ""), document["password"]
@@ -186,13 +175,11 @@ def _connection_string(text: str) -> str:
         return text
     if not text.startswith("{") and "=" in text:
         return text  # libpq's keyword form: "host=... dbname=... user=..."
-    try:
-        document: Any = json.loads(text)
-    except ValueError:
-        raise ConfigurationError(
-            "the database secret is neither a postgresql:// URL, a libpq connection string nor "
-            "RDS secret JSON"
-        ) from None
+    document = _json(
+        text,
+        "the database secret is neither a postgresql:// URL, a libpq connection string nor "
+        "RDS secret JSON",
+    )
     if not isinstance(document, dict):
         raise ConfigurationError("the database secret JSON is not an object")
     if isinstance(document.get("url"), str):
@@ -212,6 +199,13 @@ def _connection_string(text: str) -> str:
     host = str(document["host"])
     dbname = quote(str(document.get("dbname") or document.get("database") or "postgres"), safe="")
     return f"postgresql://{user}:{password}@{host}:{port}/{dbname}"
+
+
+def _json(text: str, error: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ConfigurationError(error) from None
 
 
 def _require_tls(url: str, minimum: str, ca_bundle: str) -> str:

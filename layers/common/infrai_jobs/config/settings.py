@@ -1,26 +1,18 @@
 """Settings, read once at the edge into frozen, validated objects, one type per function.
 
-The only module that reads the package's settings from the environment (Powertools' own
-variables aside; the jobs' secrets are read for it by config/job_secrets.py). ``CommonSettings``
-holds what every function reads; ``DrainSettings``, ``AlertSettings``, ``RedriveSettings``,
-``PruneSettings`` and ``OutboxRelaySettings`` add what only their function reads. A handler, or
-a CLI command, calls its type's ``from_env()`` once; everything below receives values, not
-``os.environ``.
+The only module that reads the package's settings from the environment (Powertools' own aside).
+A handler, or a CLI command, calls its type's ``from_env()`` once; everything below receives
+values. Each setting is declared once, as its field (``setting(variable, default, parse)``,
+config/table.py); docs/configuration.md says what each means, and a test checks it names them
+all. Only the checks spanning several fields (``_check_second_layer``) live apart.
 
-Each setting is declared once, as its field (``setting(variable, default, parse)``,
-config/table.py); ``settings_table(kind)`` is the table the loader and the docs check
-(tests/unit/test_function_settings.py) read. Only the checks spanning several fields (the
-second layer's, ``_check_second_layer``) live apart.
+The jobs' settings are not named here: ``from_env(job_settings=...)`` reads exactly those the
+jobs declared, as URLs; their secrets (``job_secrets=...``) are named by ``NAME_SECRET_ARN``
+and fetched by ``aws.secrets`` (the plain ``NAME`` is a local stand-in only).
 
-The jobs' settings are not named here: each job declares the ones it needs, and
-``DrainSettings.from_env(job_settings=...)`` (or ``AlertSettings``', for the probes) reads
-exactly those, as URLs. The jobs' secrets (``job_secrets=...``) are read as
-``NAME_SECRET_ARN``, fetched by ``aws.secrets``; the plain ``NAME`` is a local stand-in only.
-
-One rule for every URL called over HTTP (``check_web_url``): HTTPS, or plain HTTP to a loopback
-host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets plain HTTP reach other hosts too, logged as a
-warning at every cold start. Whether ``DATABASE_URL`` is well formed is checked where the
-ledger's connector is built (``runtime.factory``), so reading settings never loads the driver.
+One rule for every URL called over HTTP (``check_web_url``): HTTPS, or plain HTTP to loopback
+(``INFRAI_ALLOW_PLAIN_HTTP=true`` opts out, logged at every cold start). ``DATABASE_URL``'s form
+is checked where the ledger's connector is built, so reading settings never loads the driver.
 """
 
 from __future__ import annotations
@@ -152,23 +144,17 @@ class CommonSettings:
     infrai_base_url: str = setting("INFRAI_BASE_URL", "", _web_url(DEFAULT_BASE_URL))
     infrai_api_key: str = setting("INFRAI_API_KEY", "", parse_verbatim, secret=True)
     queue: str = setting("INFRAI_QUEUE", DEFAULT_QUEUE, _queue)
-    # Unset, it follows the queue: <queue>-dlq.
     dlq: str = setting("INFRAI_DLQ", f"{DEFAULT_QUEUE}-dlq", _dlq)
     database_url: str = setting("DATABASE_URL", "", parse_verbatim, secret=True)
-    # In AWS the secrets are named here and fetched by infrai_jobs.aws.secrets.
+    # In AWS the secrets are named, and fetched by infrai_jobs.aws.secrets.
     api_key_parameter: str = setting("INFRAI_API_KEY_PARAMETER", "", parse_text)
     database_secret_arn: str = setting("DATABASE_SECRET_ARN", "", parse_text)
-    # The largest Infrai answer read (a consume of ten messages is one answer); a consume
-    # whose answer is larger is lost, and its messages are then received one at a time.
     max_answer_bytes: int = setting(
         "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, parse_int(minimum=65_536)
     )
     publish_retries: bool = setting("INFRAI_PUBLISH_RETRIES", False, parse_bool)
-    # Opt-out: plain HTTP to hosts that are not loopback.
     allow_plain_http: bool = setting(ALLOW_PLAIN_HTTP_ENV, False, parse_bool)
-    # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
-    # used as written): verify-full unless DATABASE_SSLMODE opts out, with the CA bundle file
-    # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
+    # For a URL read from the database secret only (DATABASE_URL is used as written).
     database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
 
@@ -232,26 +218,22 @@ class JobSettings(CommonSettings):
     """Common settings plus the settings the registered jobs declared (the drain's jobs run
     with them; the watcher's probes ask their providers)."""
 
-    # Each declared setting's value ("" when unset), and the jobs that declared each.
+    # Each declared setting's value ("" when unset) and secret's ARN and value (locally the
+    # plain NAME; in AWS filled in by aws.secrets), and the jobs that declared each.
     job_settings: Mapping[str, str] = field(default_factory=_empty)
     job_setting_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
-    # Each declared secret's Secrets Manager ARN (NAME_SECRET_ARN, "" when unset), its value
-    # (locally the plain NAME; in AWS filled in by aws.secrets), and the jobs that declared it.
     job_secret_arns: Mapping[str, str] = field(default_factory=_empty)
     job_secrets: Mapping[str, str] = field(default_factory=_empty, repr=False)
     job_secret_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
-    # The optional second layer (infrai_jobs.aws.second_layer). The drain guards its jobs'
-    # effects with it; the watcher's reconcile pass drops a key's record when it releases the
-    # claim, so both agree the job may run again.
+    # The second layer (aws.second_layer): the drain guards effects with it; the watcher's
+    # reconcile pass drops a key's record when it releases the claim.
     idempotency_backend: IdempotencyBackend = setting(
         "IDEMPOTENCY_BACKEND", "off", parse_choice(get_args(IdempotencyBackend), lower=True)
     )
     idempotency_table: str = setting("IDEMPOTENCY_TABLE", "", parse_text)
-    # May carry a password locally; the template only passes URLs without credentials, and the
-    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
+    # May carry a password locally; in AWS the password is in the secret REDIS_SECRET_ARN names.
     redis_url: str = setting("REDIS_URL", "", parse_text, secret=True)
     redis_secret_arn: str = setting("REDIS_SECRET_ARN", "", parse_text)
-    # The second layer's records outlive the ledger's settled claims by a day.
     retention_days: int = _retention_days()
 
     @classmethod
@@ -262,10 +244,9 @@ class JobSettings(CommonSettings):
         job_settings: Mapping[str, Sequence[str]] | None = None,
         job_secrets: Mapping[str, Sequence[str]] | None = None,
     ) -> Self:
-        """As ``CommonSettings.from_env``, plus the settings the registered jobs declared, with
-        their jobs (``JobRegistry.declared_settings()``): a set one must be an HTTPS URL (HTTP
-        on loopback); whether an unset one is an error is for the command or the function to
-        say. ``job_secrets`` likewise (``JobRegistry.declared_secrets()``)."""
+        """As ``CommonSettings.from_env``, plus the settings and secrets the registered jobs
+        declared (``JobRegistry.declared_settings()``, ``declared_secrets()``); whether an unset
+        one is an error is for the command or the function to say."""
         return load_settings(cls, environ, job_settings=job_settings, job_secrets=job_secrets)
 
     def security_opt_outs(self) -> list[str]:
@@ -310,44 +291,34 @@ class JobSettings(CommonSettings):
 class DrainSettings(JobSettings):
     """DrainFunction's (and ``infrai-jobs drain``'s, and the operator tools' second layer)."""
 
-    # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
-    # when the time left covers it (a receive burns one of three deliveries).
+    # The drain consumes a batch only when the time left covers this (a receive burns one of
+    # three deliveries).
     batch_budget_ms: int = setting("DRAIN_BATCH_BUDGET_MS", 20_000, parse_int(minimum=100))
-    # How long an external claim's lease outlives the invocation that took it, in seconds;
-    # never past its message's visibility window, whatever this says.
+    # Never past a message's visibility window, whatever this says.
     lease_grace_seconds: int = setting("LEASE_GRACE_SECONDS", 60, parse_int(minimum=0))
-    # The drained queue's visibility timeout: how long a consumed message stays hidden.
     visibility_timeout_seconds: int = setting(
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
         DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         parse_int(minimum=1),
     )
-    # Concurrent drain loops in one invocation, each with its own database connection.
     drain_lanes: int = setting("DRAIN_LANES", 1, _LANES)
-    # Idle polling (opt-in): after an empty consume, wait this long and consume again while
-    # the idle window and the time budget allow. 0 stops at the first empty consume.
+    # Idle polling (opt-in, 0 is off) for the idle window: below the schedule's period, so
+    # about one poller is alive at a time.
     drain_idle_poll_ms: int = setting(
         "DRAIN_IDLE_POLL_MS", 0, parse_int(minimum=0, check=_off_or_polite_poll)
     )
-    # Seconds after a drain starts during which it keeps polling an empty queue; below the
-    # schedule's period, so about one poller is alive at a time. 0: the whole time budget.
     drain_idle_window_seconds: int = setting("DRAIN_IDLE_WINDOW_SECONDS", 0, parse_int(minimum=0))
-    # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
-    # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
+    # Backlog fan-out: drains alive at once at most, counted in the ledger (0: never fans out).
     drain_max_concurrency: int = setting("DRAIN_MAX_CONCURRENCY", 0, _MAX_CONCURRENCY)
-    # More drains are started when the backlog would take longer than this to clear.
     drain_fan_out_after_seconds: int = setting(
         "DRAIN_FANOUT_AFTER_SECONDS", 30, parse_int(minimum=1)
     )
-    # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
+    # The function a fan-out invokes (Lambda names itself), and a local invocation's Lambda
+    # endpoint: its fan-out goes there only, never to the real Lambda service.
     drain_function_name: str = setting("AWS_LAMBDA_FUNCTION_NAME", "", parse_text)
-    # A local invocation (`sam local invoke` and `infrai-jobs invoke` set AWS_SAM_LOCAL), and
-    # the Lambda endpoint it was given (AWS_ENDPOINT_URL_LAMBDA): a local run's fan-out goes
-    # there only, never to the real Lambda service.
     local_invocation: bool = setting("AWS_SAM_LOCAL", False, parse_bool)
     lambda_endpoint_url: str = setting("AWS_ENDPOINT_URL_LAMBDA", "", parse_text)
-    # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
-    # against the registry where the drain is built (infrai_jobs.flow.policies).
+    # Parsed against the registry where the drain is built (infrai_jobs.flow.policies).
     job_policies: str = setting("JOB_POLICIES", "", parse_text)
 
 
@@ -355,7 +326,6 @@ class DrainSettings(JobSettings):
 class AlertSettings(JobSettings):
     """DlqAlertFunction's: what it watches, where it pages, and when."""
 
-    # Unset, the drained queue only.
     watched_queues: tuple[str, ...] = setting("WATCHED_QUEUES", (), _queue_names)
     alert_topic_arn: str = setting("ALERT_TOPIC_ARN", "", parse_text)
     stuck_claim_seconds: int = setting("STUCK_CLAIM_SECONDS", 900, parse_int(minimum=1))
@@ -377,8 +347,7 @@ class PruneSettings(CommonSettings):
 
 @dataclass(frozen=True, slots=True)
 class OutboxRelaySettings(CommonSettings):
-    """OutboxRelayFunction's (and ``infrai-jobs outbox``'s): where the outbox lives (the
-    ledger's database unless OUTBOX_DATABASE_URL names the producers' own) and the batch size."""
+    """OutboxRelayFunction's (and ``infrai-jobs outbox``'s)."""
 
     outbox_database_url: str = setting("OUTBOX_DATABASE_URL", "", parse_text, secret=True)
     outbox_batch_size: int = setting("OUTBOX_BATCH_SIZE", 25, parse_int(minimum=1))
@@ -394,9 +363,8 @@ def load_settings(
     job_settings: Mapping[str, Sequence[str]] | None = None,
     job_secrets: Mapping[str, Sequence[str]] | None = None,
 ) -> AnySettings:
-    """``kind`` read from ``environ`` (``os.environ`` by default): only the variables of
-    ``kind``'s table (and, for ``JobSettings``, the jobs' declared ones) are read, each
-    checked, and every secure default it turns off is logged."""
+    """``kind`` read from ``environ``: only the variables of ``kind``'s table (and the jobs'
+    declared ones) are read, each checked; every secure default it turns off is logged."""
     env = os.environ if environ is None else environ
     values = read_table(settings_table(kind), env)
     if issubclass(kind, JobSettings):
@@ -455,10 +423,9 @@ def check_web_url(
     example: str,
     credential_home: str = INFRAI_CREDENTIAL_HOME,
 ) -> None:
-    """The one rule for a URL called over HTTP (Infrai, a job's downstream): HTTPS, or plain
-    HTTP to loopback (a local emulator, sink or test server); plain HTTP elsewhere only with
-    ``allow_plain_http``. Refused before any call, so a typo never sends a key in clear text.
-    ``name`` says which setting it is; the value is never echoed whole (it may hold a secret)."""
+    """HTTPS, or plain HTTP to loopback (or elsewhere with ``allow_plain_http``): refused before
+    any call, so a typo never sends a key in clear text. The error names ``name``, never the
+    whole value (it may hold a secret)."""
     try:
         parts = urlsplit(value)
         host = parts.hostname or ""
@@ -524,7 +491,6 @@ def _has_credentials(url: str) -> bool:
 
 
 def tracing_on() -> bool:
-    """Whether the template turned tracing on (POWERTOOLS_TRACE_DISABLED=false). Read before
-    any function's settings, when the handler is decorated at import time."""
+    """Whether the template turned tracing on; read when the handler is decorated at import."""
     disabled = os.environ.get("POWERTOOLS_TRACE_DISABLED", "true").lower()
     return disabled not in ("1", "true", "yes")

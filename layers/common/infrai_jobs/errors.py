@@ -15,11 +15,9 @@ class ConfigurationError(InfraiJobsError):
     """A setting is missing or malformed; the message names the setting and the fix."""
 
 
-# --- HTTP transport (never leaves the queue client, which turns it into InfraiUnavailable) ------
-
-
 class TransportError(InfraiJobsError):
-    """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer."""
+    """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer.
+    Never leaves the queue client, which turns it into ``InfraiUnavailable``."""
 
 
 class TlsVerificationFailed(TransportError):
@@ -46,9 +44,6 @@ class OversizedAnswer(ProtocolError):
     def __init__(self, limit: int, size: int | None = None) -> None:
         super().__init__(f"the answer is larger than {limit} bytes")
         self.size = size
-
-
-# --- The Infrai queue -------------------------------------------------------------------------
 
 
 class InfraiError(InfraiJobsError):
@@ -107,9 +102,6 @@ class QueueMessageNotFound(InfraiError):
     harmless, since the claim already settled the work (counted as ``ack_lost``)."""
 
 
-# --- Keys and jobs ----------------------------------------------------------------------------
-
-
 class KeyDerivationError(InfraiJobsError):
     """No idempotency key can be derived from a payload; the message is left unacked so it
     reaches the dead-letter queue."""
@@ -137,9 +129,6 @@ class EffectUncertain(JobError):
     claim stays ``running`` and is flagged stuck; the message is not acked."""
 
 
-# --- The producers' outbox --------------------------------------------------------------------
-
-
 class OutboxError(InfraiJobsError):
     """The outbox cannot take this intent as asked (not inside a transaction, a ``key=`` that
     contradicts the payload's own); nothing was written."""
@@ -148,9 +137,6 @@ class OutboxError(InfraiJobsError):
 class OutboxKeyConflict(OutboxError):
     """The outbox already holds this key with different work: a second intent under one key,
     never treated as a retry of the first."""
-
-
-# --- The claim ledger -------------------------------------------------------------------------
 
 
 class LedgerError(InfraiJobsError):
@@ -165,9 +151,6 @@ class SchemaNotMigrated(LedgerError):
     """The ledger's tables are missing or older than this code: run ``infrai-jobs migrate``."""
 
 
-# --- Backlog fan-out --------------------------------------------------------------------------
-
-
 class FanOutError(InfraiJobsError):
     """Another drain could not be started; the drain that asked goes on (the next check or tick
     tries again)."""
@@ -175,9 +158,6 @@ class FanOutError(InfraiJobsError):
 
 class FanOutThrottled(FanOutError):
     """Lambda throttled the invoke: expected under load, counted, never an error that pages."""
-
-
-# --- Operator commands ------------------------------------------------------------------------
 
 
 class ClaimNotFound(InfraiJobsError):
@@ -190,9 +170,6 @@ class ClaimChanged(InfraiJobsError):
 
 class DeadLetterNotFound(InfraiJobsError):
     """No dead letter read matched what the operator named (``dlq discard``)."""
-
-
-# --- The second layer (Powertools idempotency) ------------------------------------------------
 
 
 class EffectInProgress(InfraiJobsError):

@@ -21,9 +21,8 @@ _THROTTLE_CODES = frozenset(
 class LambdaDrainStarter:
     """``DrainStarterPort`` on Lambda's Invoke API."""
 
-    def __init__(self, function_name: str, *, region: str | None = None) -> None:
+    def __init__(self, function_name: str) -> None:
         self.function_name = function_name
-        self._region = region
         self._client: Any = None
 
     def __repr__(self) -> str:
@@ -60,5 +59,5 @@ class LambdaDrainStarter:
                 connect_timeout=2,
                 read_timeout=5,
             )
-            self._client = boto3.client("lambda", region_name=self._region, config=config)
+            self._client = boto3.client("lambda", config=config)
         return self._client

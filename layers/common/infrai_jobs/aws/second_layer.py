@@ -198,9 +198,10 @@ class SecondLayer:
             envelope = self._guarded(work=work, attempt=attempt)
         except IdempotencyError as exc:
             envelope = self._settle_store_error(exc, attempt, idem_key)
+        effect = envelope.get("effect") if isinstance(envelope, dict) else None
         if not attempt.entered:
-            self._count_hit(idem_key, envelope)
-        return _unwrap(envelope, attempt, idem_key)
+            self._count_hit(idem_key, effect)
+        return _unwrap(envelope, effect, attempt, idem_key)
 
     def forget(self, idem_key: str) -> None:
         """Drop a key's record, so its next claim runs the effect again (for an operator who
@@ -247,23 +248,19 @@ class SecondLayer:
             ) from exc
         raise SecondLayerUnavailable(f"second layer: idempotency store failed: {exc}") from exc
 
-    def _count_hit(self, idem_key: str, envelope: Any) -> None:
+    def _count_hit(self, idem_key: str, effect: Any) -> None:
         with self._lock:
             self._hits += 1
         logger.info(
             "second layer replayed a recorded effect; the effect was not repeated",
-            extra={
-                "action": "second_layer_hit",
-                "idem_key": idem_key,
-                "replayed": envelope.get("effect") if isinstance(envelope, dict) else None,
-            },
+            extra={"action": "second_layer_hit", "idem_key": idem_key, "replayed": effect},
         )
 
 
-def _unwrap(envelope: Any, attempt: _Attempt, idem_key: str) -> Any:
-    if isinstance(envelope, dict) and envelope.get("effect") == _DONE:
+def _unwrap(envelope: Any, effect: Any, attempt: _Attempt, idem_key: str) -> Any:
+    if effect == _DONE:
         return envelope.get("result")
-    if isinstance(envelope, dict) and envelope.get("effect") == _UNCERTAIN:
+    if effect == _UNCERTAIN:
         if attempt.uncertain is not None:
             raise attempt.uncertain
         raise EffectUncertain(
@@ -272,9 +269,6 @@ def _unwrap(envelope: Any, attempt: _Attempt, idem_key: str) -> Any:
         )
     # A completed record this code cannot read: something ran, so it must not run again.
     raise EffectUncertain(f"second layer: unreadable record for {idem_key}: {envelope!r}")
-
-
-# --- Stores -----------------------------------------------------------------------------------
 
 
 def dynamodb_store(table_name: str, *, client: Any = None) -> BasePersistenceLayer:

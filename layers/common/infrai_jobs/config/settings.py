@@ -133,9 +133,6 @@ def _retention_days() -> int:
     return setting("LEDGER_RETENTION_DAYS", 30, parse_int(minimum=1))
 
 
-# --- The settings --------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class CommonSettings:
     """What every function reads: how to reach Infrai and the ledger, and the queue's names."""
@@ -187,26 +184,13 @@ class CommonSettings:
         return opt_outs
 
     def require_base_url(self) -> str:
-        return _required(
-            self.infrai_base_url,
-            "INFRAI_BASE_URL",
-            f"use {DEFAULT_BASE_URL} for the hosted service",
-        )
+        return _required(self.infrai_base_url, "INFRAI_BASE_URL")
 
     def require_api_key(self) -> str:
-        return _required(
-            self.infrai_api_key,
-            "INFRAI_API_KEY",
-            "export your Infrai API key "
-            "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)",
-        )
+        return _required(self.infrai_api_key, "INFRAI_API_KEY")
 
     def require_database_url(self) -> str:
-        return _required(
-            self.database_url,
-            "DATABASE_URL",
-            "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
-        )
+        return _required(self.database_url, "DATABASE_URL")
 
 
 def _empty() -> Mapping[str, Any]:
@@ -353,9 +337,6 @@ class OutboxRelaySettings(CommonSettings):
     outbox_batch_size: int = setting("OUTBOX_BATCH_SIZE", 25, parse_int(minimum=1))
 
 
-# --- The one loader ------------------------------------------------------------------------------
-
-
 def load_settings(
     kind: type[AnySettings],
     environ: Mapping[str, str] | None = None,
@@ -400,9 +381,17 @@ def _job_fields(
     }
 
 
-def _required(value: str, variable: str, how: str) -> str:
+_HOW_TO_SET = {
+    "INFRAI_BASE_URL": f"use {DEFAULT_BASE_URL} for the hosted service",
+    "INFRAI_API_KEY": "export your Infrai API key "
+    "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)",
+    "DATABASE_URL": "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
+}
+
+
+def _required(value: str, variable: str) -> str:
     if not value:
-        raise ConfigurationError(f"{variable} is not set; {how}")
+        raise ConfigurationError(f"{variable} is not set; {_HOW_TO_SET[variable]}")
     return value
 
 

@@ -37,7 +37,7 @@ from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_jobs.runtime.factory import (
-    make_connector,
+    ledger_connector,
     make_drain_fleet,
     make_drain_starter,
     make_effect_guard,
@@ -83,7 +83,7 @@ class DrainService:
         flow = flow_control(
             registry,
             policies,
-            make_connector(resolved, refresh_url=url_hook).connect,
+            ledger_connector(resolved, "infrai-jobs-flow", url_hook).connect,
             queue=resolved.queue,
         )
         return cls(

@@ -75,7 +75,7 @@ def _well_formed(url: str, variable: str) -> str:
     return url
 
 
-def _ledger_connector(
+def ledger_connector(
     settings: CommonSettings, application_name: str, refresh: Callable[[], str] | None
 ) -> LedgerConnector:
     return LedgerConnector(ledger_url(settings), application_name=application_name, refresh=refresh)
@@ -114,13 +114,6 @@ def make_ledger(
         refresh_url=refresh_url,
         job_migrations=job_migrations,
     )
-
-
-def make_connector(
-    settings: DrainSettings, *, refresh_url: Callable[[], str] | None = None
-) -> LedgerConnector:
-    """Flow control's connections to the ledger's database (one per lane, kept)."""
-    return _ledger_connector(settings, "infrai-jobs-flow", refresh_url)
 
 
 def make_claims_admin(
@@ -164,19 +157,6 @@ def make_drain_starter(settings: DrainSettings) -> LambdaDrainStarter | None:
     return LambdaDrainStarter(settings.drain_function_name)
 
 
-def make_alerter(settings: AlertSettings) -> Alerter:
-    # Imported here: the drain's cold start never needs the alerting module.
-    from infrai_jobs.operations.alerting import PrintingAlerter, SnsAlerter  # noqa: PLC0415
-
-    if settings.alert_topic_arn:
-        return SnsAlerter(settings.alert_topic_arn)
-    logging.getLogger(__name__).warning(
-        "ALERT_TOPIC_ARN is not set: alerts are printed, not sent",
-        extra={"action": "alerts_printed"},
-    )
-    return PrintingAlerter()
-
-
 def make_alert_check(
     settings: AlertSettings,
     alerter: Alerter | None = None,
@@ -187,8 +167,18 @@ def make_alert_check(
     """DlqAlertFunction's check; ``refresh`` (``with_secrets(settings).refresh``) lets a warm
     environment pick up rotated secrets. With ``registry`` (its settings bound), each check
     first reconciles the stuck claims of the jobs that declare a probe."""
-    from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
+    # Imported here: the drain's cold start never needs the alerting module.
+    from infrai_jobs.operations import alerting  # noqa: PLC0415
     from infrai_jobs.operations.reconcile import Reconciler  # noqa: PLC0415
+
+    if alerter is None and settings.alert_topic_arn:
+        alerter = alerting.SnsAlerter(settings.alert_topic_arn)
+    elif alerter is None:
+        logging.getLogger(__name__).warning(
+            "ALERT_TOPIC_ARN is not set: alerts are printed, not sent",
+            extra={"action": "alerts_printed"},
+        )
+        alerter = alerting.PrintingAlerter()
 
     reconciler = None
     if registry is not None:
@@ -202,11 +192,11 @@ def make_alert_check(
             forget=guard.forget if guard is not None else None,
         )
 
-    return AlertCheck(
+    return alerting.AlertCheck(
         make_queue_client(settings, refresh_api_key=refresh.api_key if refresh else None),
         ledger_url(settings),
-        alerter or make_alerter(settings),
-        AlertThresholds(
+        alerter,
+        alerting.AlertThresholds(
             stuck_claim_seconds=settings.stuck_claim_seconds,
             backlog_age_seconds=settings.backlog_age_seconds,
             reminder_seconds=settings.alert_reminder_seconds,
@@ -245,7 +235,7 @@ def outbox_connector(
     if settings.outbox_database_url:
         url = _well_formed(settings.outbox_database_url, "OUTBOX_DATABASE_URL")
         return LedgerConnector(url, application_name=_OUTBOX_APPLICATION)
-    return _ledger_connector(
+    return ledger_connector(
         settings, _OUTBOX_APPLICATION, refresh.database_url if refresh else None
     )
 
@@ -260,7 +250,7 @@ def make_outbox_relay(
     the queue client, and the ledger's database for the dead letters it records."""
     from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig  # noqa: PLC0415
 
-    ledger = _ledger_connector(
+    ledger = ledger_connector(
         settings, _OUTBOX_APPLICATION, refresh.database_url if refresh else None
     )
     return OutboxRelay(

@@ -26,6 +26,8 @@ from infrai_jobs.ledger.claims import JobRun
 from infrai_jobs.ledger.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
+    from aws_lambda_powertools import Tracer
+
     from infrai_jobs.operations.alerting import AlertReport
     from infrai_jobs.outbox.relay import RelayReport
     from infrai_jobs.outbox.status import OutboxStatus
@@ -66,11 +68,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 def tracing(handler: F) -> F:
     """X-Ray tracing around a handler, only when the template turns it on (otherwise the X-Ray
     SDK is never imported, which saves about 300 ms of cold start: docs/performance.md)."""
+    tracer = _tracer()
+    return handler if tracer is None else cast(F, tracer.capture_lambda_handler(handler))
+
+
+def _tracer() -> Tracer | None:
     if not tracing_on():
-        return handler
+        return None
     from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
 
-    return cast(F, Tracer().capture_lambda_handler(handler))
+    return Tracer()
 
 
 MessageSpan = Callable[[JobContext], AbstractContextManager[object]]
@@ -80,11 +87,9 @@ def message_tracing() -> MessageSpan | None:
     """With tracing on, the span each handler run gets (``MessageTracing``): an X-Ray subsegment
     ``## job NAME`` annotated by ``message_annotations``, so the drain's trace can be found from
     the producer's. With tracing off: None."""
-    if not tracing_on():
+    tracer = _tracer()
+    if tracer is None:
         return None
-    from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
-
-    tracer = Tracer()
 
     @contextmanager
     def span(ctx: JobContext) -> Iterator[object]:

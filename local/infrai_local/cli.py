@@ -58,7 +58,7 @@ from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue.producer import check_publishable
-from infrai_jobs.runtime.drain_service import DrainService, job_policies, retry_of_jobs
+from infrai_jobs.runtime.drain_service import DrainService, job_policies
 from infrai_jobs.runtime.factory import (
     ledger_url,
     make_effect_guard,
@@ -95,6 +95,9 @@ from infrai_local.sandbox import (
 )
 
 if TYPE_CHECKING:
+    from infrai_jobs.flow.policies import RetryPolicy
+    from infrai_jobs.jobs.registry import JobRegistry
+    from infrai_jobs.operations.dead_letters import RetryOf
     from infrai_local.fan_out import ProcessDrainStarter
 
 EXIT_OK = 0
@@ -853,9 +856,23 @@ def ops_context(
         key_of=lambda: _key_function(jobs_path),
         forget=_second_layer_forget(settings),
         reconciler=lambda: _reconciler(settings, jobs_path, admin()),
-        retry_of=lambda: retry_of_jobs(settings, load_registry(jobs_path)),
+        retry_of=lambda: _retry_of_jobs(settings, load_registry(jobs_path)),
         registry=lambda: load_registry(jobs_path),
     )
+
+
+def _retry_of_jobs(settings: DrainSettings, registry: JobRegistry) -> RetryOf:
+    """Each job's effect class and the retry policy in force for it (``job_policies``), for
+    the dead-letter collection's take-back of work that still has attempts left."""
+    policies = job_policies(settings, registry)
+
+    def retry_of(job: str) -> tuple[str, RetryPolicy] | None:
+        policy, definition = policies.get(job), registry.get(job)
+        if policy is None or policy.retry is None or definition is None:
+            return None
+        return definition.effect.value, policy.retry
+
+    return retry_of
 
 
 def _reconciler(

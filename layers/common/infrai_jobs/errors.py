@@ -15,16 +15,14 @@ class ConfigurationError(InfraiJobsError):
     """A setting is missing or malformed; the message names the setting and the fix."""
 
 
-# --- HTTP transport (never leaves the queue client, which turns it into InfraiUnavailable) ------
-
-
 class TransportError(InfraiJobsError):
-    """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer."""
+    """The exchange failed below HTTP: connect, TLS, timeout, a dropped or malformed answer.
+    Never leaves the queue client, which turns it into ``InfraiUnavailable``."""
 
 
 class TlsVerificationFailed(TransportError):
-    """The server's certificate or hostname did not verify: the handshake failed before any
-    request was sent. Not transient, so never retried."""
+    """The server's certificate or hostname did not verify, before any request was sent; not
+    transient, so never retried."""
 
 
 class AnswerTooLarge(TransportError):
@@ -48,16 +46,10 @@ class OversizedAnswer(ProtocolError):
         self.size = size
 
 
-# --- The Infrai queue -------------------------------------------------------------------------
-
-
 class InfraiError(InfraiJobsError):
-    """Infrai answered with an error envelope, or could not be reached.
-
-    ``code`` is Infrai's error code (``QUEUE_NOT_FOUND``, ``RATE_LIMITED``, ...) or one of ours for
-    transport failures (``CONNECTION_ERROR``, ``INVALID_RESPONSE``); ``status`` is the HTTP status,
-    0 when no answer arrived.
-    """
+    """Infrai answered with an error envelope, or could not be reached. ``code`` is Infrai's
+    (``QUEUE_NOT_FOUND``, ...) or ours for transport failures (``CONNECTION_ERROR``, ...);
+    ``status`` is the HTTP status, 0 when no answer arrived."""
 
     def __init__(self, code: str, message: str, status: int = 0, *, call: str = "") -> None:
         self.code = code
@@ -73,8 +65,7 @@ class InfraiUnavailable(InfraiError):
 
 
 class UntrustedServer(InfraiError):
-    """Infrai's server could not be verified (certificate or hostname), so nothing was sent;
-    final, never retried (code ``TLS_VERIFICATION_FAILED``)."""
+    """Infrai's server could not be verified, so nothing was sent; final, never retried."""
 
 
 class InfraiInvalidResponse(InfraiError):
@@ -82,14 +73,10 @@ class InfraiInvalidResponse(InfraiError):
 
 
 class ConsumeAnswerLost(InfraiUnavailable):
-    """A consume may have been served, but its answer was lost or could not be read.
-
-    Too large, not JSON, nested too deeply, cut off, or a 5xx after the call may have applied:
-    every message it served (up to ``max_messages``) is now in flight and has spent one of its
-    three deliveries, unseen. Callers isolate the cause by consuming one message at a time.
-    ``size`` is the answer's length in bytes when known; ``message_ids`` are the ids that could
-    still be read from it (often none).
-    """
+    """A consume may have been served, but its answer was lost or could not be read (too
+    large, not JSON, cut off, or a 5xx after the call may have applied): every message it served
+    is now in flight and has spent one of its three deliveries, unseen. Callers isolate the
+    cause by consuming one message at a time. ``message_ids``: those still readable, if any."""
 
     def __init__(
         self,
@@ -111,19 +98,13 @@ class ConsumeAnswerLost(InfraiUnavailable):
 
 
 class QueueMessageNotFound(InfraiError):
-    """An ack named a handle the queue no longer holds: already acked, or dead-lettered.
-
-    The drain counts this as ``ack_lost``; it is harmless because the claim already settled
-    the work.
-    """
-
-
-# --- Keys and jobs ----------------------------------------------------------------------------
+    """An ack named a handle the queue no longer holds (already acked, or dead-lettered);
+    harmless, since the claim already settled the work (counted as ``ack_lost``)."""
 
 
 class KeyDerivationError(InfraiJobsError):
-    """No idempotency key can be derived from a payload (not an object, unknown job, missing or
-    unrepresentable fields). The message is left unacked so it reaches the dead-letter queue."""
+    """No idempotency key can be derived from a payload; the message is left unacked so it
+    reaches the dead-letter queue."""
 
 
 class UnknownJob(KeyDerivationError):
@@ -131,9 +112,8 @@ class UnknownJob(KeyDerivationError):
 
 
 class InvalidPayload(KeyDerivationError):
-    """The payload does not match its job's declared fields: a required one is missing, or one
-    has the wrong JSON type. The message names every such field; like any payload without a
-    key, it is rejected before a claim, and a checked publish refuses it before it is sent."""
+    """The payload does not match its job's declared fields (the message names every such
+    field): rejected before a claim, and by a checked publish before it is sent."""
 
 
 class JobError(InfraiJobsError):
@@ -145,13 +125,8 @@ class PermanentJobError(JobError):
 
 
 class EffectUncertain(JobError):
-    """An irreversible effect may or may not have happened; a human must reconcile it.
-
-    The claim stays ``running`` and is flagged stuck; the message is not acked.
-    """
-
-
-# --- The producers' outbox --------------------------------------------------------------------
+    """An irreversible effect may or may not have happened; a human must reconcile it. The
+    claim stays ``running`` and is flagged stuck; the message is not acked."""
 
 
 class OutboxError(InfraiJobsError):
@@ -160,11 +135,8 @@ class OutboxError(InfraiJobsError):
 
 
 class OutboxKeyConflict(OutboxError):
-    """The outbox already holds this key with different work (another payload fingerprint):
-    a second intent under one key, never treated as a retry of the first."""
-
-
-# --- The claim ledger -------------------------------------------------------------------------
+    """The outbox already holds this key with different work: a second intent under one key,
+    never treated as a retry of the first."""
 
 
 class LedgerError(InfraiJobsError):
@@ -179,24 +151,13 @@ class SchemaNotMigrated(LedgerError):
     """The ledger's tables are missing or older than this code: run ``infrai-jobs migrate``."""
 
 
-# --- Backlog fan-out --------------------------------------------------------------------------
-
-
 class FanOutError(InfraiJobsError):
-    """Another drain could not be started (Lambda refused the invoke, or a local start failed).
-
-    The drain that asked goes on: it is healthy, and the next check or tick tries again.
-    """
+    """Another drain could not be started; the drain that asked goes on (the next check or tick
+    tries again)."""
 
 
 class FanOutThrottled(FanOutError):
-    """Lambda throttled the invoke (the reserved concurrency or the account is full).
-
-    Expected under load: logged and counted (``fan_out_throttled``), never an error that pages.
-    """
-
-
-# --- Operator commands ------------------------------------------------------------------------
+    """Lambda throttled the invoke: expected under load, counted, never an error that pages."""
 
 
 class ClaimNotFound(InfraiJobsError):
@@ -209,9 +170,6 @@ class ClaimChanged(InfraiJobsError):
 
 class DeadLetterNotFound(InfraiJobsError):
     """No dead letter read matched what the operator named (``dlq discard``)."""
-
-
-# --- The second layer (Powertools idempotency) ------------------------------------------------
 
 
 class EffectInProgress(InfraiJobsError):

@@ -1,8 +1,7 @@
 """Starting another DrainFunction invocation: Lambda ``Invoke`` with ``InvocationType=Event``.
 
-The template lets the function invoke itself only, and turns its async retries off: a fan-out
-event that fails is not worth repeating, since the next check or tick looks at the backlog
-again. boto3 is imported on the first start, never at cold start: most drains never fan out.
+The template turns async retries off: the next check or tick looks at the backlog again anyway.
+boto3 is imported on the first start, never at cold start: most drains never fan out.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ _THROTTLE_CODES = frozenset(
 class LambdaDrainStarter:
     """``DrainStarterPort`` on Lambda's Invoke API."""
 
-    def __init__(self, function_name: str, *, region: str | None = None) -> None:
+    def __init__(self, function_name: str) -> None:
         self.function_name = function_name
-        self._region = region
         self._client: Any = None
 
     def __repr__(self) -> str:
@@ -61,5 +59,5 @@ class LambdaDrainStarter:
                 connect_timeout=2,
                 read_timeout=5,
             )
-            self._client = boto3.client("lambda", region_name=self._region, config=config)
+            self._client = boto3.client("lambda", config=config)
         return self._client

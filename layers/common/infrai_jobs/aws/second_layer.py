@@ -1,13 +1,12 @@
 """The optional second layer: Powertools idempotency around the effect of external jobs.
 
-The Postgres ledger decides every outcome; this layer only runs after the ledger claim was won,
-and only answers one question: "did this key's effect already happen?". It exists for the case
-the ledger cannot see: its row is gone (a restore from an older backup, a prune that came too
-early, a hand-deleted row) while the message, or a producer's retry, is delivered again. Without
-it, that delivery would find no claim and repeat an irreversible effect.
+The Postgres ledger decides every outcome; this layer runs only after the ledger claim was won,
+and answers one question: "did this key's effect already happen?". It is for what the ledger
+cannot see: its row is gone (a restore from an older backup, a prune that came too early, a
+hand-deleted row) while the message is delivered again, which would repeat an irreversible effect.
 
-What it does, per guarded call (``SecondLayer.run``), keyed by ``key_prefix#sha256(idem_key)``
-and validated against the work's fingerprint:
+Per guarded call (``SecondLayer.run``), keyed by ``key_prefix#sha256(idem_key)`` and validated
+against the work's fingerprint:
 
 ===========================================  =================================================
 the effect call                              what the store keeps / what the drain sees
@@ -25,20 +24,18 @@ store failed after the call returned         the call's own outcome (logged, not
 ===========================================  =================================================
 
 Why "uncertain" is stored as COMPLETED: Powertools deletes its record whenever the wrapped call
-raises, so a raised ``EffectUncertain`` would leave the key free and a later delivery (after the
-ledger row was lost) would repeat the effect. The wrapped call therefore returns an envelope that
-says "uncertain", and the guard raises ``EffectUncertain`` again outside, fresh or replayed: a
-stuck irreversible job stays stuck. When an operator has checked and wants the job retried, the
-record must be dropped with ``SecondLayer.forget`` besides releasing the ledger claim.
+raises, so a raised ``EffectUncertain`` would leave the key free for a later delivery to repeat
+the effect. The wrapped call returns an envelope saying "uncertain" instead, and the guard raises
+``EffectUncertain`` again outside, fresh or replayed: a stuck irreversible job stays stuck. An
+operator who wants it retried drops the record (``SecondLayer.forget``) besides the claim.
 
-Why a different fingerprint is permanent: the ledger lost the row that would have reported the
-conflict, and retrying cannot make two different pieces of work share one key. ``failed`` keeps
-the reason in the ledger and the message goes to the DLQ for a human, like a ledger conflict.
+Why a different fingerprint is permanent: retrying cannot make two different pieces of work
+share one key; the message goes to the DLQ for a human, like a ledger conflict.
 
 The in-progress record expires with the invocation (``register_lambda_context``), so a crashed
-call blocks its key only until the deadline; the ledger's running claim is what keeps a crashed
-irreversible job from being retried. Records expire one day after the ledger's retention, so the
-second layer outlives every ledger row it backs up (the prune runs daily).
+call blocks its key only until the deadline (the ledger's running claim is what keeps a crashed
+irreversible job from a retry). Records expire one day after the ledger's retention, so they
+outlive every ledger row they back up (the prune runs daily).
 """
 
 from __future__ import annotations
@@ -49,10 +46,10 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-# Importing this module imports boto3 (Powertools' idempotency package does); only
-# ``factory.make_effect_guard`` imports it, and only when a backend is on.
+# Importing this imports boto3: only ``factory.make_effect_guard`` does, with a backend on.
 from aws_lambda_powertools.utilities.idempotency import (
     DynamoDBPersistenceLayer,
     IdempotencyConfig,
@@ -103,18 +100,8 @@ class RemainingTime(Protocol):
     def get_remaining_time_in_millis(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
-class _TimeLeft:
-    """A drain's time budget in the shape Powertools reads from a Lambda context."""
-
-    time_left_ms: Callable[[], int]
-
-    def get_remaining_time_in_millis(self) -> int:
-        return self.time_left_ms()
-
-
 def record_expiry_seconds(retention_days: int) -> int:
-    """How long a record lives: the ledger's retention plus the day the daily prune may lag."""
+    """The ledger's retention plus the day the daily prune may lag."""
     return (retention_days + 1) * SECONDS_PER_DAY
 
 
@@ -139,13 +126,12 @@ def _run_effect(*, work: dict[str, str], attempt: _Attempt) -> dict[str, Any]:
         attempt.uncertain = exc
         attempt.envelope = {"effect": _UNCERTAIN, "error": str(exc)}
     except Exception as exc:
-        # Recorded and re-raised unchanged, so the handler's own failure still decides the
-        # outcome when Powertools then fails to delete its record.
+        # Kept, so it still decides the outcome if Powertools then fails to delete its record.
         attempt.raised = exc
         raise
     else:
-        # An envelope rather than the bare result: Powertools replays an empty result as None,
-        # and no handler result can be mistaken for the "uncertain" marker.
+        # An envelope: Powertools replays an empty result as None, and no handler result can
+        # be mistaken for the "uncertain" marker.
         attempt.envelope = {"effect": _DONE, "result": result}
     return attempt.envelope
 
@@ -185,12 +171,12 @@ class SecondLayer:
 
     def register_lambda_context(self, context: RemainingTime) -> None:
         """Let in-progress records expire with this invocation; call at every invocation."""
-        # Powertools reads only get_remaining_time_in_millis from it.
         self._config.register_lambda_context(cast("LambdaContext", context))
 
     def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
         """``register_lambda_context`` for a drain given its time budget as a callable."""
-        self.register_lambda_context(_TimeLeft(time_left_ms))
+        context = SimpleNamespace(get_remaining_time_in_millis=time_left_ms)
+        self.register_lambda_context(cast("RemainingTime", context))
 
     @property
     def hits(self) -> int:
@@ -212,16 +198,14 @@ class SecondLayer:
             envelope = self._guarded(work=work, attempt=attempt)
         except IdempotencyError as exc:
             envelope = self._settle_store_error(exc, attempt, idem_key)
+        effect = envelope.get("effect") if isinstance(envelope, dict) else None
         if not attempt.entered:
-            self._count_hit(idem_key, envelope)
-        return _unwrap(envelope, attempt, idem_key)
+            self._count_hit(idem_key, effect)
+        return _unwrap(envelope, effect, attempt, idem_key)
 
     def forget(self, idem_key: str) -> None:
-        """Drop the record of a key, so its next claim runs the effect again.
-
-        For an operator who checked a stuck job and releases its ledger claim for a retry:
-        without this, the stored "uncertain" would park the retry again.
-        """
+        """Drop a key's record, so its next claim runs the effect again (for an operator who
+        releases a stuck job's claim: the stored "uncertain" would park the retry again)."""
         self._store.configure(self._config, key_prefix=self._key_prefix)
         forgotten = InfraiJobsError(f"released by an operator: {idem_key}")
         try:
@@ -238,10 +222,8 @@ class SecondLayer:
     def _settle_store_error(
         self, exc: IdempotencyError, attempt: _Attempt, idem_key: str
     ) -> dict[str, Any]:
-        """Turn a Powertools error into the envelope or exception the drain must see."""
         if attempt.raised is not None:
-            # The handler failed and the store then failed to delete its record: the handler's
-            # failure is the truth; the in-progress record expires with the invocation.
+            # The handler's failure is the truth; the in-progress record expires by itself.
             logger.warning(
                 "second layer could not clear its record",
                 extra={"action": "second_layer_store_failed", "idem_key": idem_key},
@@ -266,23 +248,19 @@ class SecondLayer:
             ) from exc
         raise SecondLayerUnavailable(f"second layer: idempotency store failed: {exc}") from exc
 
-    def _count_hit(self, idem_key: str, envelope: Any) -> None:
+    def _count_hit(self, idem_key: str, effect: Any) -> None:
         with self._lock:
             self._hits += 1
         logger.info(
             "second layer replayed a recorded effect; the effect was not repeated",
-            extra={
-                "action": "second_layer_hit",
-                "idem_key": idem_key,
-                "replayed": envelope.get("effect") if isinstance(envelope, dict) else None,
-            },
+            extra={"action": "second_layer_hit", "idem_key": idem_key, "replayed": effect},
         )
 
 
-def _unwrap(envelope: Any, attempt: _Attempt, idem_key: str) -> Any:
-    if isinstance(envelope, dict) and envelope.get("effect") == _DONE:
+def _unwrap(envelope: Any, effect: Any, attempt: _Attempt, idem_key: str) -> Any:
+    if effect == _DONE:
         return envelope.get("result")
-    if isinstance(envelope, dict) and envelope.get("effect") == _UNCERTAIN:
+    if effect == _UNCERTAIN:
         if attempt.uncertain is not None:
             raise attempt.uncertain
         raise EffectUncertain(
@@ -291,9 +269,6 @@ def _unwrap(envelope: Any, attempt: _Attempt, idem_key: str) -> Any:
         )
     # A completed record this code cannot read: something ran, so it must not run again.
     raise EffectUncertain(f"second layer: unreadable record for {idem_key}: {envelope!r}")
-
-
-# --- Stores -----------------------------------------------------------------------------------
 
 
 def dynamodb_store(table_name: str, *, client: Any = None) -> BasePersistenceLayer:
@@ -305,7 +280,6 @@ def redis_store(
     url: str = "", *, client: CacheClientProtocol | None = None
 ) -> BasePersistenceLayer:
     """A Redis/Valkey store from a ``redis://`` or ``rediss://`` URL, or a ready client."""
-    # Both import redis, which only this backend needs.
     from aws_lambda_powertools.utilities.idempotency.persistence.cache import (  # noqa: PLC0415
         CachePersistenceLayer,
     )
@@ -313,8 +287,7 @@ def redis_store(
     if client is None:
         import redis  # noqa: PLC0415
 
-        # Our own client rather than Powertools' URL option, to bound how long a dead server
-        # can hold the drain.
+        # Our own client, to bound how long a dead server can hold the drain.
         client = cast(
             "CacheClientProtocol",
             redis.Redis.from_url(
@@ -325,18 +298,14 @@ def redis_store(
         )
 
     with warnings.catch_warnings():
-        # Powertools marks the class behind its own recommended ``CachePersistenceLayer`` alias
-        # as deprecated, so using (and subclassing) the recommended name warns.
+        # Powertools marks the class behind its recommended ``CachePersistenceLayer`` alias as
+        # deprecated, so subclassing the recommended name warns.
         warnings.simplefilter("ignore", DeprecationWarning)
 
         class ValidatingCachePersistenceLayer(CachePersistenceLayer):
-            """Keeps the payload hash when a record completes.
-
-            Powertools 3.37's cache layer rewrites a completed record without its ``validation``
-            field, so with payload validation on, every replay fails validation (the TypeScript
-            port fixed the same bug upstream). This overrides ``_update_record``, one of the four
-            methods of the persistence seam, to write the field the DynamoDB layer keeps.
-            """
+            """Keeps the payload hash when a record completes: Powertools 3.37's cache layer
+            rewrites a completed record without its ``validation`` field, so every replay
+            fails validation (the TypeScript port fixed the same bug upstream)."""
 
             def _update_record(self, data_record: DataRecord) -> None:
                 mapping: dict[str, Any] = {

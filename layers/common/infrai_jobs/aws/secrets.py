@@ -1,15 +1,10 @@
-"""Secrets in AWS: the API key from SSM, the database URL and the jobs' secrets from Secrets
-Manager, all cached.
+"""Secrets in AWS: the API key from SSM; the database URL, the Redis credentials and the jobs'
+secrets from Secrets Manager.
 
-Locally the plain env vars (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
-AWS the template sets only the *names* (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``);
-the values are fetched through Powertools Parameters, cached for ``max_age`` seconds, so a
-rotated secret is picked up without a deploy. boto3 is imported only when a secret is fetched.
-
-Every function, and every CLI command, gets its secrets from one ``SecretSource`` built on its
-settings: ``resolve()`` once, ``refresh`` for rotation. The jobs' secrets (each declared
-``NAME``, named by ``NAME_SECRET_ARN``) are fetched by ``resolve()`` only, at the cold start:
-a rotated one is picked up by the next cold start. No error here shows a secret's value.
+Locally the plain variables (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
+AWS the template sets only the *names*; the values are fetched through Powertools Parameters,
+cached, so a rotated secret is picked up without a deploy (the jobs' secrets only at the next
+cold start). boto3 is imported only when a secret is fetched. No error here shows a secret.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Generic
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -26,7 +22,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from psycopg.conninfo import make_conninfo
 
 from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
-from infrai_jobs.config.redis_url import check_redis_url, redis_lacks_auth
+from infrai_jobs.config.redis_url import REDIS_SCHEMES, check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
@@ -36,8 +32,6 @@ from infrai_jobs.config.settings import (
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import malformed_reason, parse_conninfo
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
 SECRET_CACHE_SECONDS = 300
 
 logger = logging.getLogger(__name__)
@@ -46,11 +40,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SecretRefresh:
     """How a warm environment picks up a rotated secret: the queue client retries a 401 once,
-    and the ledger a failed connect once, with the secret fetched again past its cache.
-
-    Only secrets fetched by name (the SSM parameter, the Secrets Manager ARN) can rotate under
-    a running function; a plain environment value is what it is, so its hook is None.
-    """
+    and the ledger a failed connect once, with the secret fetched again past its cache. Only a
+    secret fetched by name can rotate under a running function; otherwise the hook is None."""
 
     api_key: Callable[[], str] | None
     database_url: Callable[[], str] | None
@@ -58,72 +49,60 @@ class SecretRefresh:
 
 @dataclass(frozen=True, slots=True)
 class SecretSource(Generic[AnySettings]):
-    """The one source of a function's secrets: ``settings`` as read from the environment,
-    where a secret may be named (``INFRAI_API_KEY_PARAMETER``, ``DATABASE_SECRET_ARN``,
-    ``REDIS_SECRET_ARN``) rather than set.
-
-    ``resolve()`` fills in the named ones (cached, ``SECRET_CACHE_SECONDS``); ``refresh`` gives
-    the hooks that fetch a rotated one again, past the cache. A function fetches only what it
-    uses: ``api_key=False`` for one that never calls Infrai; the Redis secret only with
-    ``IDEMPOTENCY_BACKEND=redis`` (the drain, and the watcher whose reconcile pass drops the
-    records of the claims it releases). So its role needs no more.
-    """
+    """The one source of a function's (or a CLI command's) secrets: ``resolve()`` fills in the
+    ones ``settings`` name; ``refresh`` gives the hooks that fetch a rotated one again. Only
+    what the function uses is fetched (``api_key=False``: it never calls Infrai; Redis only
+    with ``IDEMPOTENCY_BACKEND=redis``), so its role needs no more."""
 
     settings: AnySettings
     api_key: bool = True
 
     def resolve(self) -> AnySettings:
         """The settings with every secret they name fetched, the jobs' secrets included."""
-        resolved = self._resolve(api_key=self.api_key, database=True, force_fetch=False)
-        if isinstance(resolved, JobSettings) and any(resolved.job_secret_arns.values()):
-            resolved = replace(resolved, job_secrets=MappingProxyType(_job_secrets(resolved)))
-        return resolved
+        settings = self.settings
+        key = self._api_key(force_fetch=False) if self.api_key else settings.infrai_api_key
+        resolved = replace(
+            settings, infrai_api_key=key, database_url=self._database_url(force_fetch=False)
+        )
+        if not isinstance(resolved, JobSettings):
+            return resolved
+        redis_url, job_secrets = resolved.redis_url, resolved.job_secrets
+        if resolved.idempotency_backend == "redis" and resolved.redis_secret_arn:
+            secret = _fetch_secret(resolved.redis_secret_arn, force_fetch=False)
+            redis_url = redis_url_from_secret(secret, redis_url)
+        if any(resolved.job_secret_arns.values()):
+            job_secrets = MappingProxyType(_job_secrets(resolved))
+        return replace(resolved, redis_url=redis_url, job_secrets=job_secrets)
 
     @property
     def refresh(self) -> SecretRefresh:
         settings = self.settings
-
-        def api_key() -> str:
-            return self._resolve(api_key=True, database=False, force_fetch=True).infrai_api_key
-
-        def database_url() -> str:
-            return self._resolve(api_key=False, database=True, force_fetch=True).database_url
-
         fetches_key = self.api_key and not settings.infrai_api_key and settings.api_key_parameter
+        fetches_url = not settings.database_url and settings.database_secret_arn
         return SecretRefresh(
-            api_key=api_key if fetches_key else None,
-            database_url=(
-                database_url if not settings.database_url and settings.database_secret_arn else None
-            ),
+            api_key=partial(self._api_key, force_fetch=True) if fetches_key else None,
+            database_url=partial(self._database_url, force_fetch=True) if fetches_url else None,
         )
 
-    def _resolve(self, *, api_key: bool, database: bool, force_fetch: bool) -> AnySettings:
+    def _api_key(self, *, force_fetch: bool) -> str:
         settings = self.settings
-        key = settings.infrai_api_key
-        if api_key and not key and settings.api_key_parameter:
-            key = _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
-        database_url = settings.database_url
-        if database and not database_url and settings.database_secret_arn:
-            database_url = database_url_from_secret(
-                _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
-                sslmode=settings.database_sslmode,
-                ca_bundle=settings.database_ca_bundle,
-            )
-        resolved = replace(settings, infrai_api_key=key, database_url=database_url)
-        if (
-            isinstance(resolved, JobSettings)
-            and resolved.idempotency_backend == "redis"
-            and resolved.redis_secret_arn
-        ):
-            secret = _fetch_secret(resolved.redis_secret_arn, force_fetch=force_fetch)
-            redis_url = redis_url_from_secret(secret, resolved.redis_url)
-            resolved = replace(resolved, redis_url=redis_url)
-        return resolved
+        if settings.infrai_api_key or not settings.api_key_parameter:
+            return settings.infrai_api_key
+        return _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
+
+    def _database_url(self, *, force_fetch: bool) -> str:
+        settings = self.settings
+        if settings.database_url or not settings.database_secret_arn:
+            return settings.database_url
+        return database_url_from_secret(
+            _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
+            sslmode=settings.database_sslmode,
+            ca_bundle=settings.database_ca_bundle,
+        )
 
 
 def _job_secrets(settings: JobSettings) -> dict[str, str]:
-    """Each job secret's value: fetched when its ARN is set, else as the settings hold it. A
-    secret that cannot be read is a ``ConfigurationError`` naming its variable and its jobs."""
+    """Each job secret's value: fetched when its ARN is set, else as the settings hold it."""
     from aws_lambda_powertools.utilities.parameters.exceptions import (  # noqa: PLC0415
         GetParameterError,
     )
@@ -143,16 +122,13 @@ def _job_secrets(settings: JobSettings) -> dict[str, str]:
 
 
 def redis_url_from_secret(secret: str, url: str) -> str:
-    """The Redis/Valkey URL with the credentials a secret holds: the whole URL
-    (``rediss://...``), JSON with ``password`` (and ``username`` for an ACL user), or the bare
-    password, added to ``url`` (``REDIS_URL``, which then carries none). Either way the URL
-    must be ``rediss://`` unless its host is loopback. No error shows the secret."""
+    """The Redis URL with the credentials a secret holds: the whole URL, JSON with
+    ``password`` (and ``username`` for an ACL user), or the bare password, added to ``url``
+    (``REDIS_URL``, which then carries none)."""
     text = secret.strip()
-    if text.startswith(_REDIS_SCHEMES):
+    if text.startswith(REDIS_SCHEMES):
         check_redis_url("the Redis secret's URL", text)
         if redis_lacks_auth(text):
-            # Read at every cold start, with the other secrets: logged each time, as every
-            # other opt-out is.
             logger.warning(
                 "the Redis secret's URL carries no password: the second layer's Redis takes "
                 "commands without AUTH, so anyone who reaches it can read or drop its records",
@@ -161,12 +137,7 @@ def redis_url_from_secret(secret: str, url: str) -> str:
         return text
     username, password = "", text
     if text.startswith("{"):
-        try:
-            document: Any = json.loads(text)
-        except ValueError:
-            raise ConfigurationError(
-                "the Redis secret is neither a URL, JSON nor a password"
-            ) from None
+        document = _json(text, "the Redis secret is neither a URL, JSON nor a password")
         if not isinstance(document, dict) or not isinstance(document.get("password"), str):
             raise ConfigurationError('the Redis secret JSON has no "password" string')
         username, password = str(document.get("username") or ""), document["password"]
@@ -192,15 +163,10 @@ _VERIFYING_SSLMODES = frozenset({"verify-ca", "verify-full"})
 def database_url_from_secret(
     secret: str, *, sslmode: str = DEFAULT_DATABASE_SSLMODE, ca_bundle: str = ""
 ) -> str:
-    """The connection string a database secret holds, with the server verified.
-
-    Accepted shapes: a ``postgresql://`` URL, a libpq keyword string, or JSON (an RDS-managed
-    secret's ``host``/``username``/``password``/``port``/``dbname``, or ``{"url": ...}``). In
-    AWS the ledger is reached over the network, so a secret without an ``sslmode`` gets
-    ``sslmode`` (``DATABASE_SSLMODE``, verify-full unless opted out) and, for the verifying
-    modes, ``sslrootcert=ca_bundle`` (``DATABASE_CA_BUNDLE``). A secret asking for a weaker mode
-    than that, or for one that allows plain text, is refused.
-    """
+    """The connection string a database secret holds (a ``postgresql://`` URL, a libpq keyword
+    string, RDS secret JSON or ``{"url": ...}``), with the server verified: without its own
+    ``sslmode`` it gets ``sslmode`` and, for the verifying modes, ``sslrootcert=ca_bundle``; a
+    weaker mode than ``sslmode``, or one allowing plain text, is refused."""
     return _require_tls(_connection_string(secret.strip()), sslmode, ca_bundle)
 
 
@@ -209,13 +175,11 @@ def _connection_string(text: str) -> str:
         return text
     if not text.startswith("{") and "=" in text:
         return text  # libpq's keyword form: "host=... dbname=... user=..."
-    try:
-        document: Any = json.loads(text)
-    except ValueError:
-        raise ConfigurationError(
-            "the database secret is neither a postgresql:// URL, a libpq connection string nor "
-            "RDS secret JSON"
-        ) from None
+    document = _json(
+        text,
+        "the database secret is neither a postgresql:// URL, a libpq connection string nor "
+        "RDS secret JSON",
+    )
     if not isinstance(document, dict):
         raise ConfigurationError("the database secret JSON is not an object")
     if isinstance(document.get("url"), str):
@@ -235,6 +199,13 @@ def _connection_string(text: str) -> str:
     host = str(document["host"])
     dbname = quote(str(document.get("dbname") or document.get("database") or "postgres"), safe="")
     return f"postgresql://{user}:{password}@{host}:{port}/{dbname}"
+
+
+def _json(text: str, error: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ConfigurationError(error) from None
 
 
 def _require_tls(url: str, minimum: str, ca_bundle: str) -> str:

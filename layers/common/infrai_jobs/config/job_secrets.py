@@ -1,10 +1,9 @@
 """The jobs' secrets as the environment names them, for ``config.settings``.
 
 A job declares a secret by name (``MAIL_API_TOKEN``). In AWS the function's environment holds
-only the ARN of the Secrets Manager secret that stores it, ``MAIL_API_TOKEN_SECRET_ARN``
-(template parameter ``MailApiTokenSecretArn``), fetched by ``aws.secrets``. Locally the plain
-``MAIL_API_TOKEN`` may stand in; in a deployed function it is refused, never used: a function's
-environment is readable by whoever may read its configuration. No message here shows a value.
+only the ARN of the Secrets Manager secret that stores it (``MAIL_API_TOKEN_SECRET_ARN``),
+fetched by ``aws.secrets``. Locally the plain ``MAIL_API_TOKEN`` may stand in; a deployed
+function refuses it: its environment is readable by whoever may read its configuration.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ def secret_parameter_name(secret: str) -> str:
 def job_secret_fields(
     env: Mapping[str, str], declared: Mapping[str, Sequence[str]]
 ) -> dict[str, Any]:
-    """``JobSettings``' secret fields: each declared secret's ARN, and locally its plain
-    value. A plain value in a deployed function is refused; so is one set beside its ARN
-    (which of the two would be meant?)."""
+    """``JobSettings``' secret fields. A plain value is refused in a deployed function, and
+    beside its ARN (which of the two would be meant?)."""
     owners = {name: tuple(jobs) for name, jobs in declared.items()}
     arns = {name: env.get(name + SECRET_ARN_SUFFIX, "").strip() for name in owners}
     plain = {name: env.get(name, "") for name in owners}
@@ -54,7 +52,6 @@ def job_secret_fields(
 
 
 def missing_secrets(missing: Sequence[str], owners: Mapping[str, Sequence[str]]) -> str:
-    """What to say about declared secrets that have no value: where each one comes from."""
     return "; ".join(
         f"{name} is not set, and job(s) {', '.join(owners.get(name, ()))} need it: in AWS, "
         f"name its Secrets Manager secret with {name}{SECRET_ARN_SUFFIX} (template parameter "
@@ -64,7 +61,6 @@ def missing_secrets(missing: Sequence[str], owners: Mapping[str, Sequence[str]])
 
 
 def _in_deployed_lambda(env: Mapping[str, str]) -> bool:
-    """In Lambda itself: its runtime names the function, and no local invocation
-    (``sam local invoke``, ``infrai-jobs invoke``) said AWS_SAM_LOCAL=true."""
+    """Lambda names the function, and no local invocation said AWS_SAM_LOCAL=true."""
     local = env.get("AWS_SAM_LOCAL", "").strip().lower() in ("1", "true", "yes", "on")
     return bool(env.get("AWS_LAMBDA_FUNCTION_NAME")) and not local

@@ -8,12 +8,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from infrai_jobs.errors import ConfigurationError
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def is_loopback_host(host: str) -> bool:
-    """``localhost`` or a loopback address (127.0.0.0/8, ::1): the hosts plain HTTP and plain
-    Redis may reach (settings.check_web_url uses the same rule)."""
+    """``localhost`` or a loopback address: the hosts plain HTTP and plain Redis may reach."""
     if host.lower() == "localhost":
         return True
     try:
@@ -23,12 +22,10 @@ def is_loopback_host(host: str) -> bool:
 
 
 def check_redis_url(name: str, url: str) -> None:
-    """A Redis/Valkey URL: ``rediss://`` (TLS, the server's certificate and host name
-    verified), or ``redis://`` to a loopback host, or a ``unix://`` socket. A query parameter
-    that would weaken the certificate check (``ssl_cert_reqs=none``, ...) is refused: nothing
-    this package talks to needs it. The URL may hold a password, so the error names ``name``
-    and the host, never the value."""
-    if not url.startswith(_REDIS_SCHEMES):
+    """``rediss://`` (TLS, certificate and host name verified), ``redis://`` to loopback, or a
+    ``unix://`` socket; a query parameter weakening the TLS check (``ssl_cert_reqs=none``, ...)
+    is refused. The URL may hold a password: errors name ``name`` and the host only."""
+    if not url.startswith(REDIS_SCHEMES):
         raise ConfigurationError(f"{name} must start with redis://, rediss:// or unix://")
     try:
         parts = urlsplit(url)

@@ -1,8 +1,5 @@
-"""Fetching a rotated secret again, once, after it stopped working.
-
-The ledger (a failed connection) and the queue client (a 401) share this: ask the secret
-store for the value again, bypassing its cache, and use it only if it actually changed.
-"""
+"""Fetching a rotated secret again, once, after it stopped working (a failed ledger connection,
+a 401 from the queue): past the secret store's cache, and used only if it actually changed."""
 
 from __future__ import annotations
 

@@ -1,35 +1,18 @@
 """Settings, read once at the edge into frozen, validated objects, one type per function.
 
-This is the only module that reads the package's settings from the environment (Powertools'
-own variables aside, and the jobs' secrets, read by config/job_secrets.py for it).
-``CommonSettings`` holds what every function reads (Infrai's URL and key,
-the queue and its DLQ, the ledger's URL or secret and its TLS); ``DrainSettings``,
-``AlertSettings``, ``RedriveSettings``, ``PruneSettings`` and ``OutboxRelaySettings`` add what
-only their function reads.
-A handler, or a CLI command, calls ``from_env()`` of its type once (one loader,
-``load_settings``); everything below receives values, not ``os.environ``.
+The only module that reads the package's settings from the environment (Powertools' own aside).
+A handler, or a CLI command, calls its type's ``from_env()`` once; everything below receives
+values. Each setting is declared once, as its field (``setting(variable, default, parse)``,
+config/table.py); docs/configuration.md says what each means, and a test checks it names them
+all. Only the checks spanning several fields (``_check_second_layer``) live apart.
 
-Each setting is declared once, as its field: ``setting(variable, default, parse)``
-(config/table.py) names the environment variable, the value when it is unset and the function
-that parses and checks its text. ``settings_table(kind)`` is that table, one row per field; the
-loader, the docs check (tests/unit/test_function_settings.py) and any listing of variables read
-it. Only the checks that span several fields (the second layer's) live apart, in
-``_check_second_layer``.
+The jobs' settings are not named here: ``from_env(job_settings=...)`` reads exactly those the
+jobs declared, as URLs; their secrets (``job_secrets=...``) are named by ``NAME_SECRET_ARN``
+and fetched by ``aws.secrets`` (the plain ``NAME`` is a local stand-in only).
 
-The framework's own settings are named here. The jobs' settings are not: each job declares the
-ones it needs (``JobRegistry.declared_settings()``), and
-``DrainSettings.from_env(job_settings=...)`` reads exactly those, as URLs (HTTPS unless
-loopback); so does ``AlertSettings`` for the jobs' probes. The jobs' secrets
-(``job_secrets=...``) are read by name: ``NAME_SECRET_ARN``, fetched by ``aws.secrets``; the
-plain ``NAME`` is a local stand-in only, refused in a deployed function (``config.job_secrets``).
-
-One rule for every URL the package calls over HTTP (Infrai's and the jobs' downstreams,
-``check_web_url``): HTTPS, or plain HTTP to a loopback host. ``INFRAI_ALLOW_PLAIN_HTTP=true`` lets
-plain HTTP reach other hosts too (a local network); it is logged as a warning every time the
-settings are read, that is at every cold start.
-
-Whether ``DATABASE_URL`` is well formed is checked where the ledger's connector is built
-(``runtime.factory``), so reading settings never loads the database driver.
+One rule for every URL called over HTTP (``check_web_url``): HTTPS, or plain HTTP to loopback
+(``INFRAI_ALLOW_PLAIN_HTTP=true`` opts out, logged at every cold start). ``DATABASE_URL``'s form
+is checked where the ledger's connector is built, so reading settings never loads the driver.
 """
 
 from __future__ import annotations
@@ -39,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from infrai_jobs.config.job_secrets import job_secret_fields, missing_secrets
@@ -49,6 +32,7 @@ from infrai_jobs.config.table import (
     Reading,
     Setting,
     parse_bool,
+    parse_choice,
     parse_int,
     parse_text,
     parse_verbatim,
@@ -77,11 +61,6 @@ DEFAULT_DATABASE_SSLMODE = "verify-full"
 AnySettings = TypeVar("AnySettings", bound="CommonSettings")
 
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
-_IDEMPOTENCY_BACKENDS: dict[str, IdempotencyBackend] = {
-    "off": "off",
-    "dynamodb": "dynamodb",
-    "redis": "redis",
-}
 
 _logger = logging.getLogger(__name__)
 
@@ -118,16 +97,6 @@ def _queue_names(row: Setting, raw: str | None, reading: Reading) -> tuple[str, 
     return tuple(dict.fromkeys(name for name in names if name)) or (reading.value("queue"),)
 
 
-def _database_sslmode(row: Setting, raw: str | None, reading: Reading) -> str:
-    mode = (raw or "").strip() or row.default
-    if mode not in DATABASE_SSLMODES:
-        raise ConfigurationError(
-            f"{row.variable}={mode!r} is not one of {', '.join(DATABASE_SSLMODES)}: modes that "
-            "allow plain text are never used for the ledger in AWS"
-        )
-    return str(mode)
-
-
 def _in_task_root(row: Setting, raw: str | None, reading: Reading) -> str:
     """A relative path as Lambda sees it: under the function's code (LAMBDA_TASK_ROOT)."""
     path = parse_text(row, raw, reading)
@@ -137,29 +106,17 @@ def _in_task_root(row: Setting, raw: str | None, reading: Reading) -> str:
     return os.path.join(root, path)
 
 
-def _backend(row: Setting, raw: str | None, reading: Reading) -> IdempotencyBackend:
-    name = (raw or "").strip().lower() or row.default
-    if name not in _IDEMPOTENCY_BACKENDS:
-        raise ConfigurationError(
-            f"{row.variable}={name!r} is not one of {', '.join(_IDEMPOTENCY_BACKENDS)}"
-        )
-    return _IDEMPOTENCY_BACKENDS[name]
-
-
-def _at_most_lanes(variable: str, lanes: int) -> None:
-    if lanes > MAX_DRAIN_LANES:
-        raise ConfigurationError(
-            f"{variable}={lanes} is above {MAX_DRAIN_LANES}; add concurrent invocations "
-            "instead (overlapping schedules are safe)"
-        )
-
-
-def _at_most_lambda_concurrency(variable: str, drains: int) -> None:
-    if drains > MAX_DRAIN_CONCURRENCY:
-        raise ConfigurationError(
-            f"{variable}={drains} is above {MAX_DRAIN_CONCURRENCY}, Lambda's default "
-            "concurrency limit"
-        )
+_SSLMODE = parse_choice(
+    DATABASE_SSLMODES, why=": modes that allow plain text are never used for the ledger in AWS"
+)
+_LANES = parse_int(
+    minimum=1,
+    maximum=MAX_DRAIN_LANES,
+    why_maximum="; add concurrent invocations instead (overlapping schedules are safe)",
+)
+_MAX_CONCURRENCY = parse_int(
+    minimum=0, maximum=MAX_DRAIN_CONCURRENCY, why_maximum=", Lambda's default concurrency limit"
+)
 
 
 def _off_or_polite_poll(variable: str, poll_ms: int) -> None:
@@ -176,64 +133,42 @@ def _retention_days() -> int:
     return setting("LEDGER_RETENTION_DAYS", 30, parse_int(minimum=1))
 
 
-# --- The settings --------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class CommonSettings:
-    """What every function reads: how to reach Infrai and the ledger, and the queue's names.
-
-    Each function's own settings add what only it reads (``DrainSettings``, ``AlertSettings``,
-    ``RedriveSettings``, ``PruneSettings``); each is read by ``from_env`` at the function's (or
-    the command's) edge, once."""
+    """What every function reads: how to reach Infrai and the ledger, and the queue's names."""
 
     # Empty means "not configured": local commands then start an emulator; handlers refuse.
     infrai_base_url: str = setting("INFRAI_BASE_URL", "", _web_url(DEFAULT_BASE_URL))
     infrai_api_key: str = setting("INFRAI_API_KEY", "", parse_verbatim, secret=True)
     queue: str = setting("INFRAI_QUEUE", DEFAULT_QUEUE, _queue)
-    # Unset, it follows the queue: <queue>-dlq.
     dlq: str = setting("INFRAI_DLQ", f"{DEFAULT_QUEUE}-dlq", _dlq)
     database_url: str = setting("DATABASE_URL", "", parse_verbatim, secret=True)
-    # In AWS the secrets are named here and fetched by infrai_jobs.aws.secrets.
+    # In AWS the secrets are named, and fetched by infrai_jobs.aws.secrets.
     api_key_parameter: str = setting("INFRAI_API_KEY_PARAMETER", "", parse_text)
     database_secret_arn: str = setting("DATABASE_SECRET_ARN", "", parse_text)
-    # The largest Infrai answer read (a consume of ten messages is one answer); a consume
-    # whose answer is larger is lost, and its messages are then received one at a time.
     max_answer_bytes: int = setting(
         "INFRAI_MAX_ANSWER_BYTES", DEFAULT_MAX_ANSWER_BYTES, parse_int(minimum=65_536)
     )
     publish_retries: bool = setting("INFRAI_PUBLISH_RETRIES", False, parse_bool)
-    # Opt-out: plain HTTP to hosts that are not loopback.
     allow_plain_http: bool = setting(ALLOW_PLAIN_HTTP_ENV, False, parse_bool)
-    # How a URL read from the database secret reaches its server (AWS only; DATABASE_URL is
-    # used as written): verify-full unless DATABASE_SSLMODE opts out, with the CA bundle file
-    # DATABASE_CA_BUNDLE names (relative to the function's code, LAMBDA_TASK_ROOT).
-    database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _database_sslmode)
+    # For a URL read from the database secret only (DATABASE_URL is used as written).
+    database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
-        """These settings, read from ``environ`` (the process's environment by default) and
-        checked; a bad value is a ``ConfigurationError`` naming its variable."""
+        """These settings, read from ``environ`` (``os.environ`` by default) and checked; a
+        bad value is a ``ConfigurationError`` naming its variable."""
         return load_settings(cls, environ)
 
-    def declared_urls(self) -> Mapping[str, str]:
-        """The jobs' declared settings these settings hold (none here)."""
-        return MappingProxyType({})
-
     def security_opt_outs(self) -> list[str]:
-        """One sentence per secure default these settings turn off, for a warning each time
-        they are read (every cold start)."""
+        """One sentence per secure default these settings turn off, logged as a warning each
+        time they are read (every cold start)."""
         opt_outs = []
         if self.allow_plain_http:
-            plain = [
-                name
-                for name, url in (
-                    ("INFRAI_BASE_URL", self.infrai_base_url),
-                    *self.declared_urls().items(),
-                )
-                if url and is_plain_http_off_loopback(url)
-            ]
+            # The jobs' declared URLs too, when these are JobSettings.
+            urls = {"INFRAI_BASE_URL": self.infrai_base_url, **getattr(self, "job_settings", {})}
+            plain = [name for name, url in urls.items() if url and _is_plain_http_off_loopback(url)]
             opt_outs.append(
                 f"{ALLOW_PLAIN_HTTP_ENV}=true: plain HTTP is allowed to hosts that are not "
                 "loopback, so an API key or a job's data may cross the network unencrypted"
@@ -249,26 +184,17 @@ class CommonSettings:
         return opt_outs
 
     def require_base_url(self) -> str:
-        return _required(
-            self.infrai_base_url,
-            "INFRAI_BASE_URL",
-            f"use {DEFAULT_BASE_URL} for the hosted service",
-        )
+        return _required(self.infrai_base_url, "INFRAI_BASE_URL")
 
     def require_api_key(self) -> str:
-        return _required(
-            self.infrai_api_key,
-            "INFRAI_API_KEY",
-            "export your Infrai API key "
-            "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)",
-        )
+        return _required(self.infrai_api_key, "INFRAI_API_KEY")
 
     def require_database_url(self) -> str:
-        return _required(
-            self.database_url,
-            "DATABASE_URL",
-            "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
-        )
+        return _required(self.database_url, "DATABASE_URL")
+
+
+def _empty() -> Mapping[str, Any]:
+    return MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,28 +202,22 @@ class JobSettings(CommonSettings):
     """Common settings plus the settings the registered jobs declared (the drain's jobs run
     with them; the watcher's probes ask their providers)."""
 
-    # Each declared setting's value ("" when unset), and the jobs that declared each.
-    job_settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    job_setting_owners: Mapping[str, tuple[str, ...]] = field(
-        default_factory=lambda: MappingProxyType({})
+    # Each declared setting's value ("" when unset) and secret's ARN and value (locally the
+    # plain NAME; in AWS filled in by aws.secrets), and the jobs that declared each.
+    job_settings: Mapping[str, str] = field(default_factory=_empty)
+    job_setting_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
+    job_secret_arns: Mapping[str, str] = field(default_factory=_empty)
+    job_secrets: Mapping[str, str] = field(default_factory=_empty, repr=False)
+    job_secret_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
+    # The second layer (aws.second_layer): the drain guards effects with it; the watcher's
+    # reconcile pass drops a key's record when it releases the claim.
+    idempotency_backend: IdempotencyBackend = setting(
+        "IDEMPOTENCY_BACKEND", "off", parse_choice(get_args(IdempotencyBackend), lower=True)
     )
-    # Each declared secret's Secrets Manager ARN (NAME_SECRET_ARN, "" when unset), its value
-    # (locally the plain NAME; in AWS filled in by aws.secrets), and the jobs that declared it.
-    job_secret_arns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    job_secrets: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
-    job_secret_owners: Mapping[str, tuple[str, ...]] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
-    # The optional second layer (infrai_jobs.aws.second_layer): off, dynamodb or redis. The
-    # drain guards its jobs' effects with it; the watcher's reconcile pass drops a key's record
-    # when it releases the claim, so both agree the job may run again.
-    idempotency_backend: IdempotencyBackend = setting("IDEMPOTENCY_BACKEND", "off", _backend)
     idempotency_table: str = setting("IDEMPOTENCY_TABLE", "", parse_text)
-    # May carry a password locally; the template only passes URLs without credentials, and the
-    # password (or the whole URL) in the Secrets Manager secret REDIS_SECRET_ARN names.
+    # May carry a password locally; in AWS the password is in the secret REDIS_SECRET_ARN names.
     redis_url: str = setting("REDIS_URL", "", parse_text, secret=True)
     redis_secret_arn: str = setting("REDIS_SECRET_ARN", "", parse_text)
-    # The second layer's records outlive the ledger's settled claims by a day.
     retention_days: int = _retention_days()
 
     @classmethod
@@ -308,16 +228,10 @@ class JobSettings(CommonSettings):
         job_settings: Mapping[str, Sequence[str]] | None = None,
         job_secrets: Mapping[str, Sequence[str]] | None = None,
     ) -> Self:
-        """As ``CommonSettings.from_env``, with ``job_settings``: the settings the registered
-        jobs declared, with their jobs (``JobRegistry.declared_settings()``); only those are
-        read, and a set one must be an HTTPS URL (HTTP on loopback). An unset one is allowed
-        here: whether that is an error, or a sandbox's stand-in, is decided by the command or
-        the function. ``job_secrets`` likewise (``JobRegistry.declared_secrets()``): each
-        ``NAME_SECRET_ARN``, or locally the plain ``NAME``."""
+        """As ``CommonSettings.from_env``, plus the settings and secrets the registered jobs
+        declared (``JobRegistry.declared_settings()``, ``declared_secrets()``); whether an unset
+        one is an error is for the command or the function to say."""
         return load_settings(cls, environ, job_settings=job_settings, job_secrets=job_secrets)
-
-    def declared_urls(self) -> Mapping[str, str]:
-        return self.job_settings
 
     def security_opt_outs(self) -> list[str]:
         opt_outs = CommonSettings.security_opt_outs(self)
@@ -350,8 +264,7 @@ class JobSettings(CommonSettings):
 
     def require_job_secrets(self) -> dict[str, str]:
         """The jobs' declared secrets, every one with its value (``aws.secrets`` fetched the
-        named ones); else a ``ConfigurationError`` naming each missing one, its variables and
-        its jobs."""
+        named ones); else a ``ConfigurationError`` naming each missing one and its jobs."""
         missing = [name for name, value in self.job_secrets.items() if not value]
         if missing:
             raise ConfigurationError(missing_secrets(missing, self.job_secret_owners))
@@ -362,46 +275,34 @@ class JobSettings(CommonSettings):
 class DrainSettings(JobSettings):
     """DrainFunction's (and ``infrai-jobs drain``'s, and the operator tools' second layer)."""
 
-    # Milliseconds a batch is assumed to need at most; the drain consumes another batch only
-    # when the time left covers it (a receive burns one of three deliveries).
+    # The drain consumes a batch only when the time left covers this (a receive burns one of
+    # three deliveries).
     batch_budget_ms: int = setting("DRAIN_BATCH_BUDGET_MS", 20_000, parse_int(minimum=100))
-    # How long an external claim's lease outlives the invocation that took it, in seconds;
-    # never past its message's visibility window, whatever this says.
+    # Never past a message's visibility window, whatever this says.
     lease_grace_seconds: int = setting("LEASE_GRACE_SECONDS", 60, parse_int(minimum=0))
-    # The drained queue's visibility timeout: how long a consumed message stays hidden.
     visibility_timeout_seconds: int = setting(
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
         DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
         parse_int(minimum=1),
     )
-    # Concurrent drain loops in one invocation, each with its own database connection.
-    drain_lanes: int = setting("DRAIN_LANES", 1, parse_int(minimum=1, check=_at_most_lanes))
-    # Idle polling (opt-in): after an empty consume, wait this long and consume again while
-    # the idle window and the time budget allow. 0 stops at the first empty consume.
+    drain_lanes: int = setting("DRAIN_LANES", 1, _LANES)
+    # Idle polling (opt-in, 0 is off) for the idle window: below the schedule's period, so
+    # about one poller is alive at a time.
     drain_idle_poll_ms: int = setting(
         "DRAIN_IDLE_POLL_MS", 0, parse_int(minimum=0, check=_off_or_polite_poll)
     )
-    # Seconds after a drain starts during which it keeps polling an empty queue; below the
-    # schedule's period, so about one poller is alive at a time. 0: the whole time budget.
     drain_idle_window_seconds: int = setting("DRAIN_IDLE_WINDOW_SECONDS", 0, parse_int(minimum=0))
-    # Backlog fan-out: drains alive at once at most (the function's reserved concurrency in
-    # AWS), counted in the ledger's drain_leases. 0 counts nothing and never fans out.
-    drain_max_concurrency: int = setting(
-        "DRAIN_MAX_CONCURRENCY", 0, parse_int(minimum=0, check=_at_most_lambda_concurrency)
-    )
-    # More drains are started when the backlog would take longer than this to clear.
+    # Backlog fan-out: drains alive at once at most, counted in the ledger (0: never fans out).
+    drain_max_concurrency: int = setting("DRAIN_MAX_CONCURRENCY", 0, _MAX_CONCURRENCY)
     drain_fan_out_after_seconds: int = setting(
         "DRAIN_FANOUT_AFTER_SECONDS", 30, parse_int(minimum=1)
     )
-    # The function a fan-out invokes (Lambda sets AWS_LAMBDA_FUNCTION_NAME to its own name).
+    # The function a fan-out invokes (Lambda names itself), and a local invocation's Lambda
+    # endpoint: its fan-out goes there only, never to the real Lambda service.
     drain_function_name: str = setting("AWS_LAMBDA_FUNCTION_NAME", "", parse_text)
-    # A local invocation (`sam local invoke` and `infrai-jobs invoke` set AWS_SAM_LOCAL), and
-    # the Lambda endpoint it was given (AWS_ENDPOINT_URL_LAMBDA): a local run's fan-out goes
-    # there only, never to the real Lambda service.
     local_invocation: bool = setting("AWS_SAM_LOCAL", False, parse_bool)
     lambda_endpoint_url: str = setting("AWS_ENDPOINT_URL_LAMBDA", "", parse_text)
-    # JOB_POLICIES: the JSON document overriding the jobs' flow policies, as written; parsed
-    # against the registry where the drain is built (infrai_jobs.flow.policies).
+    # Parsed against the registry where the drain is built (infrai_jobs.flow.policies).
     job_policies: str = setting("JOB_POLICIES", "", parse_text)
 
 
@@ -409,7 +310,6 @@ class DrainSettings(JobSettings):
 class AlertSettings(JobSettings):
     """DlqAlertFunction's: what it watches, where it pages, and when."""
 
-    # Unset, the drained queue only.
     watched_queues: tuple[str, ...] = setting("WATCHED_QUEUES", (), _queue_names)
     alert_topic_arn: str = setting("ALERT_TOPIC_ARN", "", parse_text)
     stuck_claim_seconds: int = setting("STUCK_CLAIM_SECONDS", 900, parse_int(minimum=1))
@@ -419,8 +319,7 @@ class AlertSettings(JobSettings):
 
 @dataclass(frozen=True, slots=True)
 class RedriveSettings(CommonSettings):
-    """RedriveFunction's: the queue, its DLQ and the ledger, nothing more (its event says what
-    to move)."""
+    """RedriveFunction's: the queue, its DLQ and the ledger (its event says what to move)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,14 +331,10 @@ class PruneSettings(CommonSettings):
 
 @dataclass(frozen=True, slots=True)
 class OutboxRelaySettings(CommonSettings):
-    """OutboxRelayFunction's (and ``infrai-jobs outbox``'s): where the outbox lives (the
-    ledger's database unless OUTBOX_DATABASE_URL names the producers' own) and the batch size."""
+    """OutboxRelayFunction's (and ``infrai-jobs outbox``'s)."""
 
     outbox_database_url: str = setting("OUTBOX_DATABASE_URL", "", parse_text, secret=True)
     outbox_batch_size: int = setting("OUTBOX_BATCH_SIZE", 25, parse_int(minimum=1))
-
-
-# --- The one loader ------------------------------------------------------------------------------
 
 
 def load_settings(
@@ -449,9 +344,8 @@ def load_settings(
     job_settings: Mapping[str, Sequence[str]] | None = None,
     job_secrets: Mapping[str, Sequence[str]] | None = None,
 ) -> AnySettings:
-    """``kind`` read from ``environ`` (``os.environ`` by default): only the variables of
-    ``kind``'s table (and, for ``JobSettings``, the jobs' declared ones) are read, each
-    checked, and every secure default it turns off is logged."""
+    """``kind`` read from ``environ``: only the variables of ``kind``'s table (and the jobs'
+    declared ones) are read, each checked; every secure default it turns off is logged."""
     env = os.environ if environ is None else environ
     values = read_table(settings_table(kind), env)
     if issubclass(kind, JobSettings):
@@ -487,9 +381,17 @@ def _job_fields(
     }
 
 
-def _required(value: str, variable: str, how: str) -> str:
+_HOW_TO_SET = {
+    "INFRAI_BASE_URL": f"use {DEFAULT_BASE_URL} for the hosted service",
+    "INFRAI_API_KEY": "export your Infrai API key "
+    "(in AWS it is read from the SSM parameter named by INFRAI_API_KEY_PARAMETER)",
+    "DATABASE_URL": "export a PostgreSQL URL such as postgresql://user@127.0.0.1:5432/jobs",
+}
+
+
+def _required(value: str, variable: str) -> str:
     if not value:
-        raise ConfigurationError(f"{variable} is not set; {how}")
+        raise ConfigurationError(f"{variable} is not set; {_HOW_TO_SET[variable]}")
     return value
 
 
@@ -510,10 +412,9 @@ def check_web_url(
     example: str,
     credential_home: str = INFRAI_CREDENTIAL_HOME,
 ) -> None:
-    """The one rule for a URL called over HTTP (Infrai, a job's downstream): HTTPS, or plain
-    HTTP to loopback (a local emulator, sink or test server); plain HTTP elsewhere only with
-    ``allow_plain_http``. Refused before any call, so a typo never sends a key in clear text.
-    ``name`` says which setting it is; the value is never echoed whole (it may hold a secret)."""
+    """HTTPS, or plain HTTP to loopback (or elsewhere with ``allow_plain_http``): refused before
+    any call, so a typo never sends a key in clear text. The error names ``name``, never the
+    whole value (it may hold a secret)."""
     try:
         parts = urlsplit(value)
         host = parts.hostname or ""
@@ -536,7 +437,7 @@ def check_web_url(
         )
 
 
-def is_plain_http_off_loopback(url: str) -> bool:
+def _is_plain_http_off_loopback(url: str) -> bool:
     parts = urlsplit(url)
     return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
 
@@ -563,14 +464,14 @@ def _check_second_layer(settings: JobSettings) -> None:
         )
     if settings.redis_url:
         check_redis_url("REDIS_URL", settings.redis_url)
-    if settings.redis_secret_arn and has_credentials(settings.redis_url):
+    if settings.redis_secret_arn and _has_credentials(settings.redis_url):
         raise ConfigurationError(
             "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
             "the secret only"
         )
 
 
-def has_credentials(url: str) -> bool:
+def _has_credentials(url: str) -> bool:
     try:
         parts = urlsplit(url)
         return bool(parts.username or parts.password)
@@ -579,7 +480,6 @@ def has_credentials(url: str) -> bool:
 
 
 def tracing_on() -> bool:
-    """Whether the template turned tracing on (POWERTOOLS_TRACE_DISABLED=false). Read before
-    any function's settings, when the handler is decorated at import time."""
+    """Whether the template turned tracing on; read when the handler is decorated at import."""
     disabled = os.environ.get("POWERTOOLS_TRACE_DISABLED", "true").lower()
     return disabled not in ("1", "true", "yes")

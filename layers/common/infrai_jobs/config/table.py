@@ -2,10 +2,9 @@
 is read.
 
 ``setting(variable, default, parse)`` is the field's default: it names the environment
-variable, the value when the variable is unset, and the function that turns the variable's text
-into the value (or a ``ConfigurationError`` naming the variable). ``settings_table(kind)`` reads
-those rows back, in field order; ``read_table`` fills them from an environment. Nothing here
-knows a particular setting: config/settings.py declares them.
+variable, the value when it is unset, and the function that turns its text into the value (or
+a ``ConfigurationError`` naming the variable). ``settings_table(kind)`` reads those rows back,
+in field order; ``read_table`` fills them from an environment. config/settings.py declares them.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One row of a settings class's table: the variable, the field it fills, the field's value
-    when the variable is unset, and how the variable's text becomes the value (or an error
-    naming the variable)."""
+    """One row: the variable, the field it fills, the field's value when the variable is
+    unset, and how the variable's text becomes the value."""
 
     variable: str
     field_name: str
@@ -61,8 +59,7 @@ def setting(variable: str, default: _T, parse: Parse, *, secret: bool = False) -
 
 
 def settings_table(kind: type[Any]) -> tuple[Setting, ...]:
-    """``kind``'s table: a row for each of its fields declared with ``setting``, in field
-    order (a field declared otherwise is not read from the environment)."""
+    """``kind``'s rows, one per field declared with ``setting``, in field order."""
     return tuple(
         Setting(f.metadata[_VARIABLE], f.name, f.default, f.metadata[_PARSE])
         for f in fields(kind)
@@ -90,8 +87,15 @@ def parse_bool(row: Setting, raw: str | None, reading: Reading) -> bool:
     raise ConfigurationError(f"{row.variable}={raw!r} is not a boolean (use true or false)")
 
 
-def parse_int(*, minimum: int, check: Callable[[str, int], None] | None = None) -> Parse:
-    """An integer of at least ``minimum``; ``check`` refuses what else a row rules out."""
+def parse_int(
+    *,
+    minimum: int,
+    maximum: int | None = None,
+    why_maximum: str = "",
+    check: Callable[[str, int], None] | None = None,
+) -> Parse:
+    """An integer of at least ``minimum`` and at most ``maximum`` (``why_maximum`` ends that
+    refusal); ``check`` refuses what else a row rules out."""
 
     def parse(row: Setting, raw: str | None, reading: Reading) -> int:
         if raw is None or raw.strip() == "":
@@ -102,9 +106,26 @@ def parse_int(*, minimum: int, check: Callable[[str, int], None] | None = None) 
             raise ConfigurationError(f"{row.variable}={raw!r} is not an integer") from None
         if value < minimum:
             raise ConfigurationError(f"{row.variable}={value} is below the minimum of {minimum}")
+        if maximum is not None and value > maximum:
+            raise ConfigurationError(f"{row.variable}={value} is above {maximum}{why_maximum}")
         if check is not None:
             check(row.variable, value)
         return value
+
+    return parse
+
+
+def parse_choice(choices: Sequence[str], *, lower: bool = False, why: str = "") -> Parse:
+    """One of ``choices`` (``lower``: compared lower-cased); ``why`` ends the refusal."""
+
+    def parse(row: Setting, raw: str | None, reading: Reading) -> str:
+        text = (raw or "").strip()
+        choice = (text.lower() if lower else text) or row.default
+        if choice not in choices:
+            raise ConfigurationError(
+                f"{row.variable}={choice!r} is not one of {', '.join(choices)}{why}"
+            )
+        return str(choice)
 
     return parse
 

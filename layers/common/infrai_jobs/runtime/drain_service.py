@@ -1,13 +1,8 @@
 """What DrainFunction and ``infrai-jobs drain`` share: the adapters, built once and reused.
 
 A warm Lambda keeps one ``DrainService``: its HTTP pool and its database connection live across
-invocations, and the connection is re-established when the server has closed it.
-
-The optional features (``drain.model.DrainFeature``) are chosen from the settings by
-``drain_features``, in the order they wrap the drain: the second layer, idle polling, the fleet
-(with ``DRAIN_MAX_CONCURRENCY`` set, every run is counted in the ledger's ``drain_leases``: a run
-that would be one drain too many stops at once, ``at_capacity``, and a run that meets a backlog
-starts more drains, up to that cap), lanes, and tracing.
+invocations (the connection is re-established when the server has closed it). The optional
+features (``drain.model.DrainFeature``) are chosen from the settings by ``drain_features``.
 """
 
 from __future__ import annotations
@@ -16,7 +11,6 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import FanOutPolicy, FleetMembership
@@ -34,7 +28,6 @@ from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
 from infrai_jobs.flow.policies import (
     JobPolicy,
-    RetryPolicy,
     parse_job_policies,
     policies_in_force,
 )
@@ -44,7 +37,7 @@ from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_jobs.runtime.factory import (
-    make_connector,
+    ledger_connector,
     make_drain_fleet,
     make_drain_starter,
     make_effect_guard,
@@ -55,9 +48,6 @@ from infrai_jobs.runtime.factory import (
 from infrai_jobs.runtime.observability import MessageSpan, MessageTracing
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:  # a type only: the drain's cold start never imports the dead letters
-    from infrai_jobs.operations.dead_letters import RetryOf
 
 
 @dataclass
@@ -79,15 +69,12 @@ class DrainService:
         message_span: MessageSpan | None = None,
         job_migrations: Sequence[JobMigrationName] = (),
     ) -> DrainService:
-        """``registry``'s jobs get the values of the settings they declared, read into
-        ``settings`` (``DrainSettings.from_env(job_settings=registry.declared_settings())``): a
-        missing one is a ``ConfigurationError`` naming it and its jobs, before anything is
-        built or consumed; so is a secret they declared (``job_secrets=``) that is missing or
-        cannot be read (fetched here, once, by ``with_secrets``). ``starter`` replaces
-        Lambda's for local runs (the CLI starts drain processes). ``message_span``: the span
-        around each handler run, with tracing on (``observability.message_tracing``).
-        ``job_migrations``: the jobs package's (``job_schema.job_migrations_in``): a ledger
-        database without one of them is ``SchemaNotMigrated`` before anything is received."""
+        """``registry``'s jobs get the settings and secrets they declared, read into
+        ``settings`` (``DrainSettings.from_env(job_settings=..., job_secrets=...)``): a missing
+        one is a ``ConfigurationError`` naming it and its jobs, before anything is built or
+        consumed. ``starter`` replaces Lambda's for local runs; ``message_span`` is the span
+        around each handler run, with tracing on; ``job_migrations`` (the jobs package's) are
+        part of the ledger's schema check."""
         job_settings = settings.require_job_settings()
         policies = job_policies(settings, registry)
         resolved, refresh = with_secrets(settings).unpacked()
@@ -96,7 +83,7 @@ class DrainService:
         flow = flow_control(
             registry,
             policies,
-            make_connector(resolved, refresh_url=url_hook).connect,
+            ledger_connector(resolved, "infrai-jobs-flow", url_hook).connect,
             queue=resolved.queue,
         )
         return cls(
@@ -121,8 +108,8 @@ class DrainService:
             feature.close()
 
     def config(self, max_batches: int | None = None, *, fanned_out: bool = False) -> DrainConfig:
-        """``fanned_out`` for a drain a fan-out started: it goes without the features that
-        say so (idle polling: it drains a backlog and stops; the scheduled drains poll)."""
+        """``fanned_out``: a drain a fan-out started goes without the features that say so (idle
+        polling: it drains a backlog and stops; the scheduled drains poll)."""
         return DrainConfig(
             queue=self.settings.queue,
             batch_budget_ms=self.settings.batch_budget_ms,
@@ -152,7 +139,7 @@ class DrainService:
             self.ledger,
             config,
             time_left_ms,
-            stop_requested or _never,
+            stop_requested or (lambda: False),
             fan_out_slot=fan_out_slot,
         )
         with _retries_within(self.queue, time_left_ms):
@@ -176,10 +163,10 @@ def drain_features(
     message_span: MessageSpan | None = None,
     flow: FlowControl | None = None,
 ) -> list[DrainFeature]:
-    """The features ``settings`` switch on, outermost first. The adapters are passed in (None:
-    that feature is off): ``second_layer`` (IDEMPOTENCY_BACKEND), ``fleet`` and ``starter``
-    (DRAIN_MAX_CONCURRENCY), ``message_span`` (tracing); ``make_lane_ledger`` opens each lane's
-    connection beyond the first (DRAIN_LANES)."""
+    """The features ``settings`` switch on, outermost first; an adapter passed as None turns its
+    feature off. ``make_lane_ledger`` opens each lane's connection beyond the first. With a
+    ``fleet`` (DRAIN_MAX_CONCURRENCY), every run is counted in the ledger's ``drain_leases``: one
+    drain too many stops at once (``at_capacity``); one that meets a backlog starts more."""
     # Flow control outermost: each invocation runs the due deferred work around everything
     # else, and its gates come before a handler's span.
     features: list[DrainFeature] = [flow] if flow is not None else []
@@ -211,23 +198,8 @@ def job_policies(settings: DrainSettings, registry: JobRegistry) -> dict[str, Jo
     return policies_in_force(registry, overrides)
 
 
-def retry_of_jobs(settings: DrainSettings, registry: JobRegistry) -> RetryOf:
-    """Each job's effect class and the retry policy in force for it (``job_policies``), for
-    the dead-letter collection's take-back of work that still has attempts left."""
-    policies = job_policies(settings, registry)
-
-    def retry_of(job: str) -> tuple[str, RetryPolicy] | None:
-        policy, definition = policies.get(job), registry.get(job)
-        if policy is None or policy.retry is None or definition is None:
-            return None
-        return definition.effect.value, policy.retry
-
-    return retry_of
-
-
 def ledger_outage_message(summary: DrainSummary) -> str:
-    """What a drain stopped by the ledger says: "mid-drain" only when it had received something
-    (the summary so far in words); before that, that nothing was received."""
+    """What a drain stopped by the ledger says: what it had received and settled, if anything."""
     if summary.consumed == 0:
         return (
             "the ledger database is unreachable, so the drain received nothing: every message "
@@ -245,8 +217,7 @@ def ledger_outage_message(summary: DrainSummary) -> str:
 
 def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
     """Refuse a drain whose time cannot hold one batch (it would stop at once, reporting
-    ``time_budget`` with messages waiting untouched). Idle polling warns on its own when it
-    cannot poll (``IdlePolling.around_drain``)."""
+    ``time_budget`` with messages waiting untouched)."""
     shortfall = budget_shortfall(config.batch_budget_ms, time_budget_ms)
     if shortfall:
         logger.error(
@@ -259,16 +230,10 @@ def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
         )
 
 
-def _never() -> bool:
-    return False
-
-
 def _retries_within(
     queue: QueuePort, time_left_ms: Callable[[], int]
 ) -> AbstractContextManager[None]:
-    """The Infrai client retries only while the invocation has time for it (looked for behind
-    any wrapper that watches its calls); other queues (the in-memory one of the tests) have no
-    retries to bound."""
+    """The Infrai client (behind any wrapper) retries only while the invocation has time."""
     while isinstance(queue, ForwardingQueue):
         queue = queue.inner
     if isinstance(queue, InfraiClient):

@@ -1,8 +1,8 @@
-"""Builds the real adapters from settings. Only handlers and the CLI call this.
+"""Builds the real adapters from settings; only handlers and the CLI call this.
 
-A handler's edge is the same in every function: its settings type's ``from_env()``, then
-``with_secrets`` (the one ``SecretSource``), then the ``make_*`` builders here. Every builder
-of a ledger connector takes its URL from ``ledger_url``, which refuses a malformed one."""
+Every handler's edge: its settings type's ``from_env()``, then ``with_secrets``, then the
+``make_*`` builders here, which take the ledger's URL from ``ledger_url`` (it refuses a
+malformed one)."""
 
 from __future__ import annotations
 
@@ -51,11 +51,9 @@ class EdgeSettings(Generic[AnySettings]):
 
 
 def with_secrets(settings: AnySettings, *, api_key: bool = True) -> EdgeSettings[AnySettings]:
-    """What every handler does at its edge, once: ``settings`` (read by ``from_env``) with the
-    secrets they name fetched, and the hooks that fetch a rotated one again
-    (``aws.secrets.SecretSource``). ``api_key=False`` for a function that never calls Infrai.
-    A malformed ``DATABASE_URL`` is refused here already (``ledger_url``), before anything is
-    built."""
+    """``settings`` with the secrets they name fetched, and the hooks that fetch a rotated one
+    again (``aws.secrets.SecretSource``); a malformed ``DATABASE_URL`` is refused here already,
+    before anything is built. ``api_key=False`` for a function that never calls Infrai."""
     source = SecretSource(settings, api_key=api_key)
     resolved = source.resolve()
     if resolved.database_url:
@@ -64,14 +62,23 @@ def with_secrets(settings: AnySettings, *, api_key: bool = True) -> EdgeSettings
 
 
 def ledger_url(settings: CommonSettings) -> str:
-    """The ledger's URL for a connector: set, and well formed. A malformed ``DATABASE_URL``
-    is refused here, before any connection, naming the variable and never the value (it may
-    hold a password); a URL from the database secret was checked when it was read."""
-    url = settings.require_database_url()
+    """The ledger's URL for a connector: set, and well formed (a URL from the database secret
+    was checked when it was read)."""
+    return _well_formed(settings.require_database_url(), "DATABASE_URL")
+
+
+def _well_formed(url: str, variable: str) -> str:
+    # Names the variable, never the value: it may hold a password.
     reason = malformed_reason(url)
     if reason:
-        raise ConfigurationError(f"DATABASE_URL is malformed: {reason}")
+        raise ConfigurationError(f"{variable} is malformed: {reason}")
     return url
+
+
+def ledger_connector(
+    settings: CommonSettings, application_name: str, refresh: Callable[[], str] | None
+) -> LedgerConnector:
+    return LedgerConnector(ledger_url(settings), application_name=application_name, refresh=refresh)
 
 
 def make_queue_client(
@@ -109,20 +116,11 @@ def make_ledger(
     )
 
 
-def make_connector(
-    settings: DrainSettings, *, refresh_url: Callable[[], str] | None = None
-) -> LedgerConnector:
-    """Flow control's connections to the ledger's database (one per lane, kept)."""
-    return LedgerConnector(
-        ledger_url(settings), application_name="infrai-jobs-flow", refresh=refresh_url
-    )
-
-
 def make_claims_admin(
     settings: CommonSettings, *, refresh: SecretRefresh | None = None
 ) -> ClaimsAdmin:
     """Claim changes outside the drain (PruneFunction, RedriveFunction, the watcher's reconcile
-    pass); ``refresh`` as for ``make_alert_check``."""
+    pass)."""
     from infrai_jobs.operations.claims_admin import ClaimsAdmin  # noqa: PLC0415 - not on the drain's path
 
     return ClaimsAdmin(ledger_url(settings), refresh_url=refresh.database_url if refresh else None)
@@ -140,14 +138,13 @@ def make_drain_fleet(
 
 
 def make_drain_starter(settings: DrainSettings) -> LambdaDrainStarter | None:
-    """Lambda's Invoke of this very function, when it runs in Lambda and may fan out.
-
-    A local invocation (``sam local invoke``, ``infrai-jobs invoke``) fans out only through a
-    Lambda endpoint on loopback (the one ``infrai-jobs invoke`` serves); otherwise its fan-out
-    is off, since the credentials it was given would reach the real Lambda service."""
+    """Lambda's Invoke of this very function, when it may fan out. A local invocation fans out
+    only through a Lambda endpoint on loopback (``infrai-jobs invoke`` serves one): the
+    credentials it was given would reach the real Lambda service."""
     if settings.drain_max_concurrency <= 1 or not settings.drain_function_name:
         return None
-    if settings.local_invocation and not _on_loopback(settings.lambda_endpoint_url):
+    endpoint_host = urlsplit(settings.lambda_endpoint_url).hostname or ""
+    if settings.local_invocation and not is_loopback_host(endpoint_host):
         logging.getLogger(__name__).warning(
             "backlog fan-out is off in a local invocation without a local Lambda endpoint "
             "(AWS_ENDPOINT_URL_LAMBDA on loopback): it would start drains in the real Lambda "
@@ -160,23 +157,6 @@ def make_drain_starter(settings: DrainSettings) -> LambdaDrainStarter | None:
     return LambdaDrainStarter(settings.drain_function_name)
 
 
-def _on_loopback(url: str) -> bool:
-    return is_loopback_host(urlsplit(url).hostname or "")
-
-
-def make_alerter(settings: AlertSettings) -> Alerter:
-    # Imported here: the drain's cold start never needs the alerting module.
-    from infrai_jobs.operations.alerting import PrintingAlerter, SnsAlerter  # noqa: PLC0415
-
-    if settings.alert_topic_arn:
-        return SnsAlerter(settings.alert_topic_arn)
-    logging.getLogger(__name__).warning(
-        "ALERT_TOPIC_ARN is not set: alerts are printed, not sent",
-        extra={"action": "alerts_printed"},
-    )
-    return PrintingAlerter()
-
-
 def make_alert_check(
     settings: AlertSettings,
     alerter: Alerter | None = None,
@@ -185,10 +165,20 @@ def make_alert_check(
     registry: JobRegistry | None = None,
 ) -> AlertCheck:
     """DlqAlertFunction's check; ``refresh`` (``with_secrets(settings).refresh``) lets a warm
-    environment pick up rotated secrets. With ``registry`` (its settings bound),
-    each check first reconciles the stuck claims of the jobs that declare a probe."""
-    from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds  # noqa: PLC0415
+    environment pick up rotated secrets. With ``registry`` (its settings bound), each check
+    first reconciles the stuck claims of the jobs that declare a probe."""
+    # Imported here: the drain's cold start never needs the alerting module.
+    from infrai_jobs.operations import alerting  # noqa: PLC0415
     from infrai_jobs.operations.reconcile import Reconciler  # noqa: PLC0415
+
+    if alerter is None and settings.alert_topic_arn:
+        alerter = alerting.SnsAlerter(settings.alert_topic_arn)
+    elif alerter is None:
+        logging.getLogger(__name__).warning(
+            "ALERT_TOPIC_ARN is not set: alerts are printed, not sent",
+            extra={"action": "alerts_printed"},
+        )
+        alerter = alerting.PrintingAlerter()
 
     reconciler = None
     if registry is not None:
@@ -202,11 +192,11 @@ def make_alert_check(
             forget=guard.forget if guard is not None else None,
         )
 
-    return AlertCheck(
+    return alerting.AlertCheck(
         make_queue_client(settings, refresh_api_key=refresh.api_key if refresh else None),
         ledger_url(settings),
-        alerter or make_alerter(settings),
-        AlertThresholds(
+        alerter,
+        alerting.AlertThresholds(
             stuck_claim_seconds=settings.stuck_claim_seconds,
             backlog_age_seconds=settings.backlog_age_seconds,
             reminder_seconds=settings.alert_reminder_seconds,
@@ -221,11 +211,11 @@ WATCHER_ACTOR = "DlqAlertFunction"
 
 
 def make_effect_guard(settings: JobSettings) -> SecondLayer | None:
-    """The second layer around external effects (the drain's), or the record store the
-    watcher's reconcile pass forgets keys in; None when IDEMPOTENCY_BACKEND=off."""
+    """The second layer around the drain's external effects, or the record store the watcher's
+    reconcile pass forgets keys in; None when IDEMPOTENCY_BACKEND=off."""
     if settings.idempotency_backend == "off":
         return None
-    # Imported here: the second layer pulls in boto3 (and redis), which off never needs.
+    # Imported here: the second layer pulls in boto3 (and redis).
     from infrai_jobs.aws import second_layer  # noqa: PLC0415
 
     if settings.idempotency_backend == "dynamodb":
@@ -243,15 +233,14 @@ def outbox_connector(
     """The outbox's database: OUTBOX_DATABASE_URL when set (the producers' own), else the
     ledger's."""
     if settings.outbox_database_url:
-        reason = malformed_reason(settings.outbox_database_url)
-        if reason:
-            raise ConfigurationError(f"OUTBOX_DATABASE_URL is malformed: {reason}")
-        return LedgerConnector(settings.outbox_database_url, application_name="infrai-jobs-outbox")
-    return LedgerConnector(
-        ledger_url(settings),
-        application_name="infrai-jobs-outbox",
-        refresh=refresh.database_url if refresh else None,
+        url = _well_formed(settings.outbox_database_url, "OUTBOX_DATABASE_URL")
+        return LedgerConnector(url, application_name=_OUTBOX_APPLICATION)
+    return ledger_connector(
+        settings, _OUTBOX_APPLICATION, refresh.database_url if refresh else None
     )
+
+
+_OUTBOX_APPLICATION = "infrai-jobs-outbox"
 
 
 def make_outbox_relay(
@@ -261,10 +250,8 @@ def make_outbox_relay(
     the queue client, and the ledger's database for the dead letters it records."""
     from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig  # noqa: PLC0415
 
-    ledger = LedgerConnector(
-        ledger_url(settings),
-        application_name="infrai-jobs-outbox",
-        refresh=refresh.database_url if refresh else None,
+    ledger = ledger_connector(
+        settings, _OUTBOX_APPLICATION, refresh.database_url if refresh else None
     )
     return OutboxRelay(
         outbox_connector(settings, refresh=refresh),

@@ -1,16 +1,15 @@
 """Observability, declared once: the Powertools Logger, Metrics and Tracer every function uses.
 
-Log lines about a message carry ``idem_key``, ``message_id``, ``delivery_count``, ``job``, a
-stable ``action`` word and, when its producer sent one, ``message_correlation_id`` (the library
-logs them through stdlib ``logging``; the function's Powertools Logger formats them as JSON).
-Metrics are EMF with low-cardinality dimensions only: the queue name, never a key or a message
+The library logs through stdlib ``logging`` (a stable ``action`` word, and ``idem_key``,
+``message_id``, ``job``, ... about a message); the function's Powertools Logger formats it as
+JSON. Metrics are EMF with low-cardinality dimensions only: the queue, never a key or a message
 id. Tracing is off unless the template turns it on; off, the X-Ray SDK is never imported.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -27,15 +26,15 @@ from infrai_jobs.ledger.claims import JobRun
 from infrai_jobs.ledger.outcomes import OUTCOME_METRICS
 
 if TYPE_CHECKING:
+    from aws_lambda_powertools import Tracer
+
     from infrai_jobs.operations.alerting import AlertReport
     from infrai_jobs.outbox.relay import RelayReport
     from infrai_jobs.outbox.status import OutboxStatus
 
 PACKAGE_LOGGER = "infrai_jobs"
 
-# The drain's metric catalogue. Summary totals first, then one metric per row of the outcome
-# table (docs/design.md), so a dashboard can show every row. Dimensions: service and queue, never
-# a key.
+# The drain's summary totals; ``record_drain`` adds one metric per row of the outcome table.
 DRAIN_METRICS = {
     "consumed": "MessagesConsumed",
     "done": "JobsDone",
@@ -67,33 +66,30 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def tracing(handler: F) -> F:
-    """X-Ray tracing around a handler, only when the template turns it on.
+    """X-Ray tracing around a handler, only when the template turns it on (otherwise the X-Ray
+    SDK is never imported, which saves about 300 ms of cold start: docs/performance.md)."""
+    tracer = _tracer()
+    return handler if tracer is None else cast(F, tracer.capture_lambda_handler(handler))
 
-    ``EnableTracing`` sets POWERTOOLS_TRACE_DISABLED=false; otherwise the X-Ray SDK is never
-    imported, which saves about 300 ms of cold start (see docs/performance.md).
-    """
+
+def _tracer() -> Tracer | None:
     if not tracing_on():
-        return handler
+        return None
     from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
 
-    return cast(F, Tracer().capture_lambda_handler(handler))
+    return Tracer()
 
 
 MessageSpan = Callable[[JobContext], AbstractContextManager[object]]
 
 
 def message_tracing() -> MessageSpan | None:
-    """With tracing on, the span each handler run gets (``MessageTracing``): an X-Ray
-    subsegment ``## job NAME``, annotated with the message's id and job and, when its producer
-    sent them, its ``correlation_id`` and its traceparent's trace id (``trace_id``, and as X-Ray
-    writes it, ``xray_trace_id``), so the drain's trace can be found from the producer's.
-
-    With tracing off: None, and the X-Ray SDK is never imported."""
-    if not tracing_on():
+    """With tracing on, the span each handler run gets (``MessageTracing``): an X-Ray subsegment
+    ``## job NAME`` annotated by ``message_annotations``, so the drain's trace can be found from
+    the producer's. With tracing off: None."""
+    tracer = _tracer()
+    if tracer is None:
         return None
-    from aws_lambda_powertools import Tracer  # noqa: PLC0415 - imports the X-Ray SDK
-
-    tracer = Tracer()
 
     @contextmanager
     def span(ctx: JobContext) -> Iterator[object]:
@@ -117,8 +113,8 @@ class MessageTracing(DrainFeature):
 
 
 def message_annotations(ctx: JobContext) -> dict[str, str]:
-    """The X-Ray annotations of one handler run (bounded strings: the envelope values were
-    checked when the message was read)."""
+    """The X-Ray annotations of one handler run: its job and message id and, when its producer
+    sent them, its correlation id and its traceparent's trace id (also as X-Ray writes it)."""
     annotations = {"job": ctx.job, "message_id": ctx.message_id}
     if ctx.correlation_id is not None:
         annotations["correlation_id"] = ctx.correlation_id
@@ -131,10 +127,8 @@ def message_annotations(ctx: JobContext) -> dict[str, str]:
 
 
 def function_observability() -> tuple[Logger, Metrics]:
-    """The Logger and Metrics of a Lambda function; call once, at the handler module's top.
-
-    Service name, namespace and level come from the POWERTOOLS_* variables the template sets.
-    """
+    """The Logger and Metrics of a Lambda function (configured by the template's POWERTOOLS_*
+    variables); call once, at the handler module's top."""
     logger = Logger()
     # Registering the package logger first lets the copy below reach every infrai_jobs.* child.
     logging.getLogger(PACKAGE_LOGGER)
@@ -148,53 +142,28 @@ def record_drain(
     """Every summary total and every outcome (zero included, so alarms see a steady series)."""
     metrics.add_dimension(name="queue", value=queue)
     counts = summary.as_dict()
-    for field, name in DRAIN_METRICS.items():
-        metrics.add_metric(name=name, unit=MetricUnit.Count, value=counts[field])
-    for outcome, name in OUTCOME_METRICS.items():
-        metrics.add_metric(name=name, unit=MetricUnit.Count, value=summary.outcomes[outcome])
-    metrics.add_metric(name="SecondLayerHits", unit=MetricUnit.Count, value=second_layer_hits)
+    _add(metrics, MetricUnit.Count, {name: counts[field] for field, name in DRAIN_METRICS.items()})
+    outcomes = {name: summary.outcomes[outcome] for outcome, name in OUTCOME_METRICS.items()}
+    _add(metrics, MetricUnit.Count, {**outcomes, "SecondLayerHits": second_layer_hits})
+
+
+def _add(
+    metrics: Metrics | EphemeralMetrics, unit: MetricUnit, values: Mapping[str, float]
+) -> None:
+    for name, value in values.items():
+        metrics.add_metric(name=name, unit=unit, value=value)
 
 
 # Per watched queue, with the queue as the one dimension.
 QUEUE_METRICS = {
-    "dlq_count": ("DlqCount", MetricUnit.Count),
-    "ledger_dead_letters": ("LedgerDeadLetters", MetricUnit.Count),
+    "dlq_count": "DlqCount",
+    "ledger_dead_letters": "LedgerDeadLetters",
     # Both together: what the watcher alerts on, and what DlqCountAlarm pages on.
-    "dead_letters": ("DeadLetters", MetricUnit.Count),
-    "available_count": ("AvailableCount", MetricUnit.Count),
-    "in_flight_count": ("InFlightCount", MetricUnit.Count),
-    "delayed_count": ("DelayedCount", MetricUnit.Count),
-    "oldest_message_age_seconds": ("OldestMessageAgeSeconds", MetricUnit.Seconds),
+    "dead_letters": "DeadLetters",
+    "available_count": "AvailableCount",
+    "in_flight_count": "InFlightCount",
+    "delayed_count": "DelayedCount",
 }
-
-
-def record_alert_check(metrics: Metrics, report: AlertReport) -> None:
-    """One EMF document per queue (dimension ``queue``), the ledger's figures on ``metrics``."""
-    for queue in report.as_dict()["queues"]:
-        per_queue = EphemeralMetrics(namespace=metrics.namespace, service=metrics.service)
-        per_queue.add_dimension(name="queue", value=queue["queue"])
-        for field, (name, unit) in QUEUE_METRICS.items():
-            per_queue.add_metric(name=name, unit=unit, value=queue[field])
-        per_queue.flush_metrics()
-    metrics.add_metric(name="StuckClaims", unit=MetricUnit.Count, value=report.stuck.count)
-    metrics.add_metric(
-        name="OldestRunningClaimAgeSeconds",
-        unit=MetricUnit.Seconds,
-        value=report.stuck.oldest_running_age_seconds,
-    )
-    # The deferred work the ledger holds: OldestDeferredAlarm pages on its age.
-    metrics.add_metric(name="DeferredBacklog", unit=MetricUnit.Count, value=report.deferred.backlog)
-    metrics.add_metric(
-        name="OldestDeferredAgeSeconds",
-        unit=MetricUnit.Seconds,
-        value=report.deferred.oldest_age_seconds,
-    )
-    metrics.add_metric(name="AlertsSent", unit=MetricUnit.Count, value=len(report.sent))
-    # Every answer, zero included, so a dashboard sees a steady series.
-    reconciled = report.reconciled.by_answer() if report.reconciled else dict.fromkeys(ANSWERS, 0)
-    for answer, name in RECONCILE_METRICS.items():
-        metrics.add_metric(name=name, unit=MetricUnit.Count, value=reconciled[answer])
-
 
 # Stuck claims probed by the watcher before counting, by the probe's answer.
 RECONCILE_METRICS = {
@@ -204,15 +173,39 @@ RECONCILE_METRICS = {
 }
 
 
+def record_alert_check(metrics: Metrics, report: AlertReport) -> None:
+    """One EMF document per queue (dimension ``queue``), the ledger's figures on ``metrics``;
+    every figure zero included, so a dashboard (and OldestDeferredAlarm) sees a steady series."""
+    for queue in report.as_dict()["queues"]:
+        per_queue = EphemeralMetrics(namespace=metrics.namespace, service=metrics.service)
+        per_queue.add_dimension(name="queue", value=queue["queue"])
+        _add(per_queue, MetricUnit.Count, {name: queue[f] for f, name in QUEUE_METRICS.items()})
+        age = queue["oldest_message_age_seconds"]
+        _add(per_queue, MetricUnit.Seconds, {"OldestMessageAgeSeconds": age})
+        per_queue.flush_metrics()
+    reconciled = report.reconciled.by_answer() if report.reconciled else dict.fromkeys(ANSWERS, 0)
+    counts = {
+        "StuckClaims": report.stuck.count,
+        "DeferredBacklog": report.deferred.backlog,
+        "AlertsSent": len(report.sent),
+        **{name: reconciled[answer] for answer, name in RECONCILE_METRICS.items()},
+    }
+    _add(metrics, MetricUnit.Count, counts)
+    ages = {
+        "OldestRunningClaimAgeSeconds": report.stuck.oldest_running_age_seconds,
+        "OldestDeferredAgeSeconds": report.deferred.oldest_age_seconds,
+    }
+    _add(metrics, MetricUnit.Seconds, ages)
+
+
 def record_outbox_relay(metrics: Metrics, report: RelayReport, status: OutboxStatus) -> None:
     """One relay pass, and the outbox after it: OldestOutboxAlarm pages on the oldest pending
     row's age (zero included, so the alarm sees a steady series)."""
-    metrics.add_metric(name="OutboxPublished", unit=MetricUnit.Count, value=report.published)
-    metrics.add_metric(name="OutboxRetried", unit=MetricUnit.Count, value=report.retried)
-    metrics.add_metric(name="OutboxDeadLettered", unit=MetricUnit.Count, value=report.dead)
-    metrics.add_metric(name="OutboxPending", unit=MetricUnit.Count, value=status.pending)
-    metrics.add_metric(
-        name="OldestOutboxAgeSeconds",
-        unit=MetricUnit.Seconds,
-        value=status.oldest_pending_age_seconds,
-    )
+    counts = {
+        "OutboxPublished": report.published,
+        "OutboxRetried": report.retried,
+        "OutboxDeadLettered": report.dead,
+        "OutboxPending": status.pending,
+    }
+    _add(metrics, MetricUnit.Count, counts)
+    _add(metrics, MetricUnit.Seconds, {"OldestOutboxAgeSeconds": status.oldest_pending_age_seconds})

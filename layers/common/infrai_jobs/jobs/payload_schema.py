@@ -103,12 +103,15 @@ class PayloadSchema:
     def required(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields if f.required)
 
-    def requiring(self, job: str, names: Sequence[str]) -> PayloadSchema:
-        """This schema with ``names`` required too (untyped where not declared). A name the
-        schema declares optional is a contradiction, refused as a ``ConfigurationError``."""
+    def requiring(
+        self, job: str, identity: Sequence[str], required: Sequence[str]
+    ) -> PayloadSchema:
+        """This schema with the ``identity`` and ``required`` fields required too (untyped where
+        not declared). One the schema declares optional, or an identity field declared of a type
+        no key can be built from, is refused as a ``ConfigurationError``."""
         declared = {f.name: f for f in self.fields}
         added: list[DeclaredField] = []
-        for name in dict.fromkeys(names):
+        for name in dict.fromkeys((*identity, *required)):
             found = declared.get(name)
             if found is None:
                 added.append(DeclaredField(name, required=True, accepted=None, expected="any"))
@@ -117,17 +120,13 @@ class PayloadSchema:
                     f"job {job!r}: field {name!r} is declared optional but is an identity or "
                     "required field"
                 )
-        return PayloadSchema((*self.fields, *added)) if added else self
-
-    def check_identity(self, job: str, identity: Sequence[str]) -> None:
-        """Refuse identity fields whose declared type no key can be built from."""
-        for f in self.fields:
-            if f.name in identity and f.declared_types and not f.declared_types <= _KEYABLE:
+            elif name in identity and not found.declared_types <= _KEYABLE:
                 raise ConfigurationError(
-                    f"job {job!r}: identity field {f.name!r} is declared {f.expected}, but a "
+                    f"job {job!r}: identity field {name!r} is declared {found.expected}, but a "
                     "key is built only from strings and integers: declare it str, int or "
                     "(str, int)"
                 )
+        return PayloadSchema((*self.fields, *added)) if added else self
 
     def check(self, job: str, payload: Mapping[str, object]) -> None:
         """Raise ``InvalidPayload`` naming every required field that is missing, or else every

@@ -1,48 +1,25 @@
 """Declaring jobs: a name, how its key is derived, its effect class, and its handler.
 
-Users write handlers in ``functions/jobs/`` and register them on a ``JobRegistry``::
+Handlers live in ``functions/jobs/`` and register on a ``JobRegistry``::
 
-    registry = JobRegistry()
-
-    @registry.job(
-        "refund.issue",
-        effect=Effect.DATABASE,
-        identity=("refund_id",),
-        fields={"refund_id": str, "amount_cents": int},
-    )
-    def issue_refund(payload: Payload, ctx: JobContext) -> JsonValue:
-        ...
+    @registry.job("refund.issue", effect=Effect.DATABASE, identity=("refund_id",),
+                  fields={"refund_id": str, "amount_cents": int})
+    def issue_refund(payload: Payload, ctx: JobContext) -> JsonValue: ...
 
 The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):
 
-* ``DATABASE``: effects only in the ledger's own Postgres. The handler gets ``ctx.db``, a
-  connection inside the batch transaction; claim, effect and ``done`` commit together.
+* ``DATABASE``: effects only in the ledger's own Postgres, on ``ctx.db`` inside the batch
+  transaction; claim, effect and ``done`` commit together.
 * ``EXTERNAL``: irreversible calls. The claim is committed ``running`` first; a crash after the
-  call leaves it for a human, never for a retry.
+  call leaves it for a human (or the job's reconcile ``probe``), never for a retry.
 * ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
   may be taken over and the call repeated with the same key.
 
-``fields`` is the payload's schema (``infrai_jobs.jobs.payload_schema``): ``derive`` checks every
-payload against it before the claim, so a handler sees only payloads that match it.
-
-An ``EXTERNAL`` or ``EXTERNAL_IDEMPOTENT`` job may declare a reconcile probe (``probe=fn``, see
-``infrai_jobs.jobs.probes``): asked about a stuck claim, it answers ``Done``, ``NotDone`` or
-``Unknown``, and the reconcile pass settles, releases or leaves the claim accordingly.
-
-A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
-the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
-declared ones at its edge (``config.settings``) and binds them with ``bind_settings`` before
-anything is consumed; a handler finds its own in ``ctx.settings``.
-
-A job declares its credentials as secrets, by name (``secrets=("MAIL_API_TOKEN",)``), never in
-a setting's URL. In AWS each is read from the Secrets Manager secret ``MAIL_API_TOKEN_SECRET_ARN``
-names (``aws.secrets``), once, at the cold start; locally the plain ``MAIL_API_TOKEN`` may stand
-in. They are bound with the settings (``bind_settings(..., secrets=...)``); a handler finds its
-own in ``ctx.secrets``, whose repr names them and never shows a value.
-
-A job may declare its flow (``infrai_jobs.jobs.policy``): ``retry=RetryPolicy(...)``,
-``rate=RateLimit(...)``, ``concurrency=ConcurrencyLimit(...)``. ``JOB_POLICIES`` overrides them
-(``infrai_jobs.flow.policies``); a job that declares none takes exactly the path it took before.
+``fields`` is the payload's schema (``payload_schema``), checked by ``derive`` before the claim.
+``settings`` and ``secrets`` name what the job reads (downstream URLs; credentials, never in a
+URL): the function reads exactly the declared ones at its edge and binds them with
+``bind_settings`` before anything is consumed. ``retry``, ``rate`` and ``concurrency`` declare
+its flow (``policy``; ``JOB_POLICIES`` may override them).
 """
 
 from __future__ import annotations
@@ -56,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError, UnknownJob
 from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
-from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema
+from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema, json_type_of
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy, check_declared
 from infrai_jobs.jobs.probes import ProbeAnswer
 
@@ -89,6 +66,10 @@ class SecretValues(Mapping[str, str]):
         return f"SecretValues({', '.join(self._values)})"
 
 
+def _no_settings() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
 class Effect(StrEnum):
     DATABASE = "database"
     EXTERNAL = "external"
@@ -107,18 +88,14 @@ class JobContext:
     deadline: float
     # Only for DATABASE jobs: the connection whose transaction also holds the claim.
     db: psycopg.Connection[Any] | None = None
-    # The values of the settings this job declared, by name.
-    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # The values of the secrets this job declared, by name (never in a repr).
+    settings: Mapping[str, str] = field(default_factory=_no_settings)
     secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
-    # The producer's correlation id (its ``_correlation_id``, else its ``_traceparent``'s trace
-    # id) and its W3C traceparent, to pass downstream; None when the message carried none.
+    # The producer's correlation id and W3C traceparent (``correlation``), to pass downstream.
     correlation_id: str | None = None
     traceparent: str | None = None
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]
-# Asks the provider whether a stuck claim's effect happened (``infrai_jobs.jobs.probes``).
 Probe = Callable[[Payload, JobContext], ProbeAnswer]
 
 
@@ -132,14 +109,11 @@ class JobDefinition:
     identity: tuple[str, ...] = ()
     # Fields the handler cannot work without; a payload missing one is rejected before claiming.
     required: tuple[str, ...] = ()
-    # The payload's declared fields and their JSON types; ``register`` adds the identity and
-    # required fields it does not declare, as required fields of any type.
+    # ``register`` adds the identity and required fields it does not declare, untyped.
     schema: PayloadSchema = field(default_factory=PayloadSchema)
-    # The settings (environment variables) the handler reads from ``ctx.settings``.
     settings: tuple[str, ...] = ()
-    # The secrets (credentials, by name) the handler reads from ``ctx.secrets``.
     secrets: tuple[str, ...] = ()
-    # Asks the provider about a stuck claim; only for the external effect classes.
+    # Asks the provider about a stuck claim (``probes``); only for the external effect classes.
     probe: Probe | None = None
     # Flow control, as declared in code (``JOB_POLICIES`` may override each).
     retry: RetryPolicy | None = None
@@ -153,15 +127,14 @@ class JobDefinition:
 
 @dataclass(frozen=True, slots=True)
 class DerivedJob:
-    """A payload matched to its job, with the key and fingerprint the claim will carry."""
+    """A payload matched to its job, with the key and fingerprint the claim will carry, and the
+    bound values of the job's settings and secrets."""
 
     definition: JobDefinition
     payload: Payload
     idem_key: str
     fingerprint: str
-    # The bound values of the job's declared settings (``JobRegistry.bind_settings``).
-    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # The bound values of the job's declared secrets.
+    settings: Mapping[str, str] = field(default_factory=_no_settings)
     secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
 
 
@@ -174,44 +147,37 @@ class JobRegistry:
     def register(self, definition: JobDefinition) -> JobDefinition:
         """Add a job; a definition that could never key a message fails here, at start-up,
         not once per message in the drain."""
-        if not definition.name:
+        name = definition.name
+        if not name:
             raise ConfigurationError("a job needs a non-empty name")
-        if definition.name in self._jobs:
-            raise ConfigurationError(f"job {definition.name!r} is registered twice")
+        if name in self._jobs:
+            raise ConfigurationError(f"job {name!r} is registered twice")
         if definition.identity:
-            check_key_rule(definition.name, definition.identity)
+            check_key_rule(name, definition.identity)
         if definition.probe is not None and definition.effect is Effect.DATABASE:
-            # A database job never leaves a running claim behind: there is nothing to probe.
             raise ConfigurationError(
-                f"job {definition.name!r}: a reconcile probe needs an external effect "
+                f"job {name!r}: a reconcile probe needs an external effect "
                 "(Effect.EXTERNAL or Effect.EXTERNAL_IDEMPOTENT); a database job's claim "
                 "commits with its effect, so it is never stuck"
             )
         if definition.prepare is not None and not callable(definition.prepare):
-            raise ConfigurationError(
-                f"job {definition.name!r}: prepare must be a function of no arguments"
-            )
+            raise ConfigurationError(f"job {name!r}: prepare must be a function of no arguments")
         if definition.probe is not None and not callable(definition.probe):
-            raise ConfigurationError(
-                f"job {definition.name!r}: probe must be a function of (payload, ctx)"
-            )
+            raise ConfigurationError(f"job {name!r}: probe must be a function of (payload, ctx)")
         both = sorted(set(definition.secrets) & set(definition.settings))
         if both:
             raise ConfigurationError(
-                f"job {definition.name!r}: {', '.join(both)} is declared both as a setting "
+                f"job {name!r}: {', '.join(both)} is declared both as a setting "
                 "and as a secret; a credential is a secret only"
             )
         try:
             check_declared(definition.retry, definition.rate, definition.concurrency)
         except ConfigurationError as exc:
-            raise ConfigurationError(f"job {definition.name!r}: {exc}") from None
-        schema = definition.schema.requiring(
-            definition.name, (*definition.identity, *definition.required)
-        )
-        schema.check_identity(definition.name, definition.identity)
+            raise ConfigurationError(f"job {name!r}: {exc}") from None
+        schema = definition.schema.requiring(name, definition.identity, definition.required)
         if schema is not definition.schema:
             definition = replace(definition, schema=schema)
-        self._jobs[definition.name] = definition
+        self._jobs[name] = definition
         return definition
 
     def job(
@@ -230,13 +196,8 @@ class JobRegistry:
         concurrency: ConcurrencyLimit | None = None,
         prepare: Callable[[], object] | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Decorator form of ``register``. ``fields`` declares the payload's schema (see
-        ``infrai_jobs.jobs.payload_schema``); identity fields are always required; ``probe`` asks
-        the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``);
-        ``retry``, ``rate`` and ``concurrency`` declare its flow (``infrai_jobs.jobs.policy``);
-        ``settings`` and ``secrets`` name what it reads from ``ctx.settings`` and ``ctx.secrets``;
-        ``prepare`` readies its client before a rate-limited start (see ``JobDefinition``)."""
-
+        """Decorator form of ``register``; the arguments are ``JobDefinition``'s, ``fields``
+        its schema's (identity fields are always required)."""
         for label, names in (
             ("identity", identity),
             ("required", required),
@@ -289,6 +250,15 @@ class JobRegistry:
         """Every secret a registered job declared, with the jobs that declared it."""
         return self._owners(lambda job: job.secrets)
 
+    def probe_settings(self) -> dict[str, tuple[str, ...]]:
+        """The settings of the jobs with a reconcile probe: all a process that only probes (the
+        watcher) reads."""
+        return self._owners(lambda job: job.settings, probes_only=True)
+
+    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
+        """The secrets of the jobs with a reconcile probe, with those jobs."""
+        return self._owners(lambda job: job.secrets, probes_only=True)
+
     def bind_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
     ) -> None:
@@ -311,23 +281,7 @@ class JobRegistry:
                     for name, jobs in missing.items()
                 )
             )
-        self._settings = {
-            job.name: MappingProxyType({name: values[name] for name in job.settings})
-            for job in self._jobs.values()
-        }
-        self._secrets = {
-            job.name: SecretValues({name: secret_values[name] for name in job.secrets})
-            for job in self._jobs.values()
-        }
-
-    def probe_settings(self) -> dict[str, tuple[str, ...]]:
-        """The settings the jobs with a reconcile probe declared, with those jobs: all a
-        process that only probes (the watcher) reads."""
-        return self._owners(lambda job: job.settings, probes_only=True)
-
-    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
-        """The secrets the jobs with a reconcile probe declared, with those jobs."""
-        return self._owners(lambda job: job.secrets, probes_only=True)
+        self._bind(list(self._jobs.values()), values, secret_values)
 
     def bind_probe_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
@@ -338,26 +292,30 @@ class JobRegistry:
         they miss, so the caller can say so."""
         secret_values = secrets or {}
         unprobed: dict[str, tuple[str, ...]] = {}
-        bound: dict[str, Mapping[str, str]] = {}
-        bound_secrets: dict[str, Mapping[str, str]] = {}
-        for job in list(self._jobs.values()):
-            if job.probe is None:
-                continue
+        for job in [job for job in self._jobs.values() if job.probe is not None]:
             missing = tuple(name for name in job.settings if not values.get(name))
             missing += tuple(name for name in job.secrets if not secret_values.get(name))
             if missing:
                 unprobed[job.name] = missing
                 self._jobs[job.name] = replace(job, probe=None)
-                continue
-            bound[job.name] = MappingProxyType({name: values[name] for name in job.settings})
-            bound_secrets[job.name] = SecretValues({n: secret_values[n] for n in job.secrets})
-        self._settings = bound
-        self._secrets = bound_secrets
+        probed = [job for job in self._jobs.values() if job.probe is not None]
+        self._bind(probed, values, secret_values)
         return unprobed
+
+    def _bind(
+        self, jobs: list[JobDefinition], values: Mapping[str, str], secrets: Mapping[str, str]
+    ) -> None:
+        self._settings = {
+            job.name: MappingProxyType({name: values[name] for name in job.settings})
+            for job in jobs
+        }
+        self._secrets = {
+            job.name: SecretValues({name: secrets[name] for name in job.secrets}) for job in jobs
+        }
 
     def settings_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared settings (empty before binding)."""
-        return self._settings.get(name, MappingProxyType({}))
+        return self._settings.get(name) or _no_settings()
 
     def secrets_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared secrets (empty before binding)."""
@@ -387,9 +345,7 @@ class JobRegistry:
         """Match a payload to its job, check it against the job's schema and derive its key;
         ``KeyDerivationError`` (``InvalidPayload`` when the fields do not match) says why not."""
         if not isinstance(payload, Mapping):
-            raise KeyDerivationError(
-                f"payload is not a JSON object (got {_json_type_name(payload)})"
-            )
+            raise KeyDerivationError(f"payload is not a JSON object (got {json_type_of(payload)})")
         name = payload.get("job")
         if not isinstance(name, str) or not name:
             raise KeyDerivationError("payload has no 'job' string naming the job type")
@@ -406,15 +362,3 @@ class JobRegistry:
             self.settings_of(name),
             self.secrets_of(name),
         )
-
-
-def _json_type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "boolean",
-        int: "number",
-        float: "number",
-        str: "string",
-        list: "array",
-    }.get(type(value), type(value).__name__)

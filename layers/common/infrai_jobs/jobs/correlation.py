@@ -1,16 +1,13 @@
-"""A producer's correlation id, read from a message's envelope so it follows the job.
-
-A producer may set, next to the work, either or both envelope fields (top-level names starting
-with ``_`` are envelope: they never change the key or the fingerprint, ``infrai_jobs.jobs.keys``):
+"""A producer's correlation id, read from a message's envelope (fields that never change the
+key or the fingerprint) so it follows the job. A producer may set either or both of:
 
 * ``_correlation_id``: a string of 1 to ``MAX_CORRELATION_ID_LENGTH`` printable characters;
 * ``_traceparent``: a W3C Trace Context ``traceparent`` (``version-traceid-parentid-flags``,
   lowercase hex). Its trace id is the correlation id when ``_correlation_id`` is absent.
 
-Every log line the drain writes about the message carries it as ``message_correlation_id`` (and
-the traceparent's trace id as ``message_trace_id``); the handler finds it in
-``ctx.correlation_id`` (and the traceparent in ``ctx.traceparent``) to pass it on.
-A value that does not fit is ignored with a WARNING: a message never fails for its envelope.
+Every log line about the message carries them (``log_fields``); the handler finds them in
+``ctx.correlation_id`` and ``ctx.traceparent`` to pass on. A value that does not fit is ignored
+with a WARNING: a message never fails for its envelope.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -27,9 +24,6 @@ TRACEPARENT_FIELD: Final = "_traceparent"
 # Long enough for any id scheme in use (a uuid, an X-Ray or W3C trace id, a request id), short
 # enough that a hostile value cannot swell every log line about its message.
 MAX_CORRELATION_ID_LENGTH: Final = 128
-# The log fields that carry them on every line about the message.
-LOG_CORRELATION_ID: Final = "message_correlation_id"
-LOG_TRACE_ID: Final = "message_trace_id"
 # Version 00 is exactly 55 characters; a later version may append fields. Beyond this it is
 # not a traceparent.
 _MAX_TRACEPARENT_LENGTH: Final = 512
@@ -44,9 +38,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Correlation:
     """What a message's envelope says about where it comes from; empty when it says nothing
-    (or nothing usable)."""
+    (or nothing usable). ``correlation_id`` is the producer's id, else the trace id."""
 
-    # The producer's id, or else the traceparent's trace id.
     correlation_id: str | None = None
     # The validated traceparent, as the producer sent it, and its trace id.
     traceparent: str | None = None
@@ -65,46 +58,29 @@ def correlation_of(payload: object) -> Correlation:
     if not isinstance(payload, Mapping):
         return NO_CORRELATION
     reasons: list[str] = []
-    correlation_id = _envelope_value(
-        payload,
-        CORRELATION_FIELD,
-        valid_correlation_id,
-        f"{CORRELATION_FIELD} is not a string of 1 to {MAX_CORRELATION_ID_LENGTH} "
-        "printable characters",
-        reasons,
-    )
-    trace_id = _envelope_value(
-        payload,
-        TRACEPARENT_FIELD,
-        traceparent_trace_id,
-        f"{TRACEPARENT_FIELD} is not a W3C traceparent "
-        "(version-traceid-parentid-flags, lowercase hex)",
-        reasons,
-    )
-    traceparent = payload[TRACEPARENT_FIELD] if trace_id is not None else None
+    correlation_id = trace_id = traceparent = None
+    if CORRELATION_FIELD in payload:
+        correlation_id = valid_correlation_id(payload[CORRELATION_FIELD])
+        if correlation_id is None:
+            reasons.append(
+                f"{CORRELATION_FIELD} is not a string of 1 to {MAX_CORRELATION_ID_LENGTH} "
+                "printable characters"
+            )
+    if TRACEPARENT_FIELD in payload:
+        trace_id = traceparent_trace_id(payload[TRACEPARENT_FIELD])
+        if trace_id is None:
+            reasons.append(
+                f"{TRACEPARENT_FIELD} is not a W3C traceparent "
+                "(version-traceid-parentid-flags, lowercase hex)"
+            )
+        else:
+            traceparent = payload[TRACEPARENT_FIELD]
     return Correlation(
         correlation_id=correlation_id or trace_id,
         traceparent=traceparent,
         trace_id=trace_id,
         ignored="; ".join(reasons),
     )
-
-
-def _envelope_value(
-    payload: Mapping[str, Any],
-    field: str,
-    read: Callable[[object], str | None],
-    unusable: str,
-    reasons: list[str],
-) -> str | None:
-    """What ``read`` makes of the envelope ``field``: None when the body has no such field, or
-    when its value does not fit, and then ``unusable`` is added to ``reasons``."""
-    if field not in payload:
-        return None
-    value = read(payload[field])
-    if value is None:
-        reasons.append(unusable)
-    return value
 
 
 def valid_correlation_id(value: object) -> str | None:
@@ -165,15 +141,10 @@ def log_fields(correlation: Correlation) -> dict[str, Any]:
     schedule's event id, or a fanned-out drain's slot), and one batch holds many messages."""
     fields: dict[str, Any] = {}
     if correlation.correlation_id is not None:
-        fields[LOG_CORRELATION_ID] = correlation.correlation_id
+        fields["message_correlation_id"] = correlation.correlation_id
     if correlation.trace_id is not None:
-        fields[LOG_TRACE_ID] = correlation.trace_id
+        fields["message_trace_id"] = correlation.trace_id
     return fields
-
-
-def new_correlation_id() -> str:
-    """A fresh correlation id for a producer that has none: a uuid4 in hex."""
-    return uuid.uuid4().hex
 
 
 def with_correlation_id(
@@ -181,9 +152,9 @@ def with_correlation_id(
 ) -> tuple[dict[str, Any], str]:
     """``payload`` (a copy) carrying ``_correlation_id``, and that id.
 
-    ``correlation_id`` when given; else the one the payload already carries (its
-    ``_correlation_id``, or its traceparent's trace id); else a fresh one. A producer learns of
-    a value the drain would ignore here: ``ValueError`` names it, and nothing is chosen."""
+    ``correlation_id`` when given; else the one the payload already carries; else a fresh uuid4
+    in hex. A producer learns of a value the drain would ignore here: ``ValueError`` names it,
+    and nothing is chosen."""
     body = dict(payload)
     carried = correlation_of(body)
     if carried.ignored:
@@ -193,6 +164,6 @@ def with_correlation_id(
             f"a correlation id is a string of 1 to {MAX_CORRELATION_ID_LENGTH} printable "
             "characters, without leading or trailing spaces"
         )
-    chosen = correlation_id or carried.correlation_id or new_correlation_id()
+    chosen = correlation_id or carried.correlation_id or uuid.uuid4().hex
     body[CORRELATION_FIELD] = chosen
     return body, chosen

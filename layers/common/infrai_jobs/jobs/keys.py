@@ -3,21 +3,17 @@
 Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSON object:
 
 1. ``_idempotency_key``, when the producer set one, is the key as given.
-2. A job with declared identity fields (a key rule, from the job registry) gets
-   ``{job}:{field}[:{field}...]``. A rule ``refund.issue`` -> ``("refund_id",)`` gives
-   ``refund.issue:{refund_id}``, byte for byte the string the notes' Node worker builds, so
-   both can share one ledger during a migration; a tenant + period rule gives
-   ``{job}:{tenant_id}:{period}``.
+2. A job with a key rule (its identity fields, from the registry) gets
+   ``{job}:{field}[:{field}...]``: for ``refund.issue`` -> ``("refund_id",)``, byte for byte the
+   string the notes' Node worker builds, so both can share one ledger during a migration.
 3. Any other job: ``sha256:`` + the payload fingerprint.
 
-The rules belong to the jobs (``functions/jobs``, through ``JobRegistry``); this module
-knows no job by name. Code without the registry (RedriveFunction) passes ``NO_KEY_RULES`` and so
-knows producer keys and content keys only.
+This module knows no job by name; code without the registry (RedriveFunction) passes
+``NO_KEY_RULES`` and so knows producer keys and content keys only.
 
-The payload fingerprint is the hex SHA-256 of the RFC 8785 canonical JSON of the work fields:
-every top-level field except those starting with ``_``, which are envelope (tracing, the
-producer's key, ...), not work. It is stored with each claim so that the same key arriving with
-different work is a conflict rather than a silent duplicate.
+The fingerprint is the hex SHA-256 of the RFC 8785 canonical JSON of the work fields (every
+top-level field except the envelope, names starting with ``_``). Stored with each claim, it
+makes the same key arriving with different work a conflict rather than a silent duplicate.
 
 Any change that gives an existing payload a different key is a new scheme version: rows the
 ledger holds under the old keys would stop matching, and their redeliveries would run twice.
@@ -46,11 +42,9 @@ CONTENT_KEY_PREFIX: Final = "sha256:"
 # is far above any natural key and far below the btree entry limit.
 MAX_KEY_LENGTH: Final = 512
 
+# Job name -> the payload fields that identify one unit of that job's work, in key order.
 KeyRules: TypeAlias = Mapping[str, Sequence[str]]
-"""Job name -> the payload fields that identify one unit of that job's work, in key order."""
-
 NO_KEY_RULES: Final[KeyRules] = MappingProxyType({})
-"""No job's rule: a producer key or a content key, all that can be known without the registry."""
 
 # JSON numbers are IEEE 754 doubles: beyond this an integer id no longer names one value, and
 # the Node worker would already have rounded it.
@@ -58,12 +52,9 @@ _SAFE_INTEGER_MAX: Final = 2**53 - 1
 
 
 def derive_key(payload: object, key_rules: KeyRules) -> str:
-    """The idempotency key of one message body under ``key_rules`` (the job registry's table).
-
-    A job without a rule there is keyed by its content. Raises ``KeyDerivationError`` when the
-    body is not an object, a ruled job lacks an identity field, or the work cannot be
-    canonicalised.
-    """
+    """The idempotency key of one message body under ``key_rules``; ``KeyDerivationError``
+    when the body is not an object, a ruled job lacks an identity field, or the work cannot be
+    canonicalised."""
     body = _require_object(payload)
     if PRODUCER_KEY_FIELD in body:
         return _producer_key(body[PRODUCER_KEY_FIELD])
@@ -75,10 +66,8 @@ def derive_key(payload: object, key_rules: KeyRules) -> str:
 
 def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, object]) -> str:
     """``{job}:{value}[:{value}...]`` from the payload's identity fields, in rule order.
-
-    Only the last field may contain ``:``: with one field that keeps the Node worker's plain
-    concatenation, and with several it keeps ``a:b`` + ``c`` apart from ``a`` + ``b:c``.
-    """
+    Only the last may contain ``:``: with one field that keeps the Node worker's plain
+    concatenation, and with several it keeps ``a:b`` + ``c`` apart from ``a`` + ``b:c``."""
     check_key_rule(job, identity_fields)
     parts = [job]
     for position, field in enumerate(identity_fields, start=1):
@@ -96,8 +85,8 @@ def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, 
 
 def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dict[str, str] | None:
     """The identity fields a natural key of ``job`` spells, as strings; None when ``key`` is
-    not one (a producer key or a content key). The inverse of ``natural_key`` up to type: only
-    the last field may hold ``:``, so splitting from the left is unambiguous."""
+    not one. The inverse of ``natural_key`` up to type (split from the left: only the last
+    field may hold ``:``)."""
     prefix = job + ":"
     if not identity_fields or not key.startswith(prefix):
         return None
@@ -123,11 +112,8 @@ def work_fields(payload: object) -> dict[str, object]:
 
 
 def canonical_json(value: object) -> bytes:
-    """RFC 8785 (JCS) canonical JSON of ``value``.
-
-    Raises ``KeyDerivationError`` for anything JSON cannot carry exactly, so that two different
-    payloads never meet in one lossy serialisation.
-    """
+    """RFC 8785 (JCS) canonical JSON of ``value``; ``KeyDerivationError`` for anything JSON
+    cannot carry exactly, so that two payloads never meet in one lossy serialisation."""
     plain = _plain_canonical_json(value)
     if plain is not None:
         return plain
@@ -163,12 +149,9 @@ def _plain_canonical_json(value: object) -> bytes | None:
     """The canonical JSON of plain work, written by the stdlib's C encoder; else None.
 
     Plain: objects with ASCII names, arrays, strings, integers within +/-(2**53 - 1), booleans
-    and nulls, at most 32 levels deep. For these, ``json`` with sorted keys and no spaces writes
-    the very bytes RFC 8785 prescribes (ASCII names sort alike by code point and by UTF-16 unit;
-    strings escape the same characters the same way), in about half the time ``rfc8785`` takes,
-    and a drain lane does this for every message. Floats, non-ASCII names and everything JSON
-    cannot carry go to ``rfc8785``; a test compares the two on generated work.
-    """
+    and nulls, at most 32 levels deep. For these, sorted ``json`` without spaces writes the very
+    bytes RFC 8785 prescribes (ASCII names sort alike by code point and by UTF-16 unit; strings
+    escape alike) in half ``rfc8785``'s time, for every message. A test compares the two."""
     if not _is_plain(value, 32):
         return None
     text = _PLAIN_ENCODER.encode(value)
@@ -179,8 +162,8 @@ def _plain_canonical_json(value: object) -> bytes | None:
 
 
 def _is_plain(value: object, depth: int) -> bool:
-    # Exact types: an int subclass (an IntEnum, say) is not what json.loads gives, so it takes
-    # the slow path rather than a bet on two encoders agreeing about it.
+    # Exact types: an int subclass (an IntEnum, say) takes the slow path rather than a bet on
+    # two encoders agreeing about it.
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return True
@@ -244,8 +227,7 @@ def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
         )
 
 
-# C0 controls and DEL: one regex scan instead of a Python loop per character (it runs for
-# every message, twice).
+# C0 controls and DEL: one regex scan, not a Python loop per character (twice per message).
 _CONTROL_CHARACTERS: Final = re.compile("[\x00-\x1f\x7f]")
 
 

@@ -1,32 +1,11 @@
 """Payload schemas: which fields a job's payload carries, their JSON types, which are required.
 
-A job declares them where it registers (``JobRegistry.job(..., fields=...)``)::
-
-    fields={
-        "refund_id": (str, int),             # required: a string or an integer
-        "amount_cents": int,                 # required: an integer (a boolean is not one)
-        "note": Field(str, required=False),  # optional: absent, null, or a string
-    }
-
-Types are JSON's, named by the Python types ``json.loads`` returns for them: ``str`` string,
-``int`` integer (written without a fraction or exponent; ``4900.0`` is a number, not an
-integer), ``float`` number (integers included), ``bool`` boolean, ``dict`` object, ``list``
-array. A tuple of them accepts any one. ``bool`` is an ``int`` to Python but never to a schema:
-``true`` is not an integer and not a number.
-
-The rules ``check`` applies:
-
-* A required field must be present and not null, and a string one not empty: the rule the
-  ``required=`` names have always had.
-* An optional field may be absent or null; otherwise it must have its type.
-* Fields the schema does not declare are allowed and not checked: producers add fields before
-  every consumer knows them, and a rolling deploy must not turn those payloads into dead letters.
-* Envelope fields (names starting with ``_``) are never checked and cannot be declared, nor can
-  ``job``, which the registry has already used to find the schema.
-* Only the top level is checked: what an object or an array holds is the handler's business.
-
-``JobRegistry.derive`` checks every payload before its claim, so a payload that does not match is
-rejected with ``InvalidPayload``, whose message names each field and what was wrong with it.
+Declared with ``JobRegistry.job(..., fields=...)``; the rules are in docs/payload-schemas.md.
+Types are JSON's, named by the Python types ``json.loads`` gives: ``bool`` is never an ``int``
+or a ``float`` here, and ``4900.0`` is a number, not an integer. Fields the schema does not
+declare pass unchecked (a rolling deploy must not turn payloads with a new field into dead
+letters); the envelope (``_`` names) and ``job`` cannot be declared; only the top level is
+checked. ``JobRegistry.derive`` checks every payload before its claim (``InvalidPayload``).
 """
 
 from __future__ import annotations
@@ -38,8 +17,8 @@ from typing import Final, TypeAlias
 from infrai_jobs.errors import ConfigurationError, InvalidPayload
 from infrai_jobs.jobs.keys import ENVELOPE_PREFIX
 
+# A JSON type by its Python type (``str``, ``int``, ...), or a tuple of them for any one.
 FieldType: TypeAlias = type[object] | tuple[type[object], ...]
-"""A JSON type by its Python type (``str``, ``int``, ...), or a tuple of them for any one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +30,16 @@ class Field:
     required: bool = True
 
 
+# What ``fields=`` maps a field name to: a type (required), a tuple of types, or a ``Field``.
 FieldSpec: TypeAlias = FieldType | Field
-"""What ``fields=`` maps a field name to: a type (required), a tuple of types, or a ``Field``."""
 
-# Declared Python type -> (what the messages call it, the Python values that are one).
+# Declared Python type -> (what the messages call it, the Python values that are one), in the
+# order ``json_type_of`` tries them.
 _JSON_TYPES: Final[dict[type[object], tuple[str, tuple[type[object], ...]]]] = {
-    str: ("a string", (str,)),
+    bool: ("a boolean", (bool,)),
     int: ("an integer", (int,)),
     float: ("a number", (int, float)),
-    bool: ("a boolean", (bool,)),
+    str: ("a string", (str,)),
     dict: ("an object", (Mapping,)),
     list: ("an array", (list, tuple)),
 }
@@ -151,15 +131,9 @@ def json_type_of(value: object) -> str:
     """The JSON type a value would be sent as, for messages ("integer", "null", ...)."""
     if value is None:
         return "null"
-    for declared, name in ((bool, "boolean"), (int, "integer"), (float, "number")):
-        if isinstance(value, declared):
-            return name
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, Mapping):
-        return "object"
-    if isinstance(value, list | tuple):
-        return "array"
+    for expected, accepted in _JSON_TYPES.values():
+        if _is_one_of(value, accepted):
+            return expected.split()[-1]
     return type(value).__name__
 
 

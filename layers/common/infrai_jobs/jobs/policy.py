@@ -1,10 +1,8 @@
 """What a job may declare about its flow: a retry policy, a rate limit, a concurrency key.
 
-Plain, validated values. They live beside the registry (``@registry.job(..., retry=...)``)
-because a job declares them there; what they mean (back-off, the ``JOB_POLICIES`` document,
-the ledger's limits) is ``infrai_jobs.flow``'s. Each value checks itself when built and raises
-``ConfigurationError`` naming the field, so a policy written in code fails at start-up and one
-read from ``JOB_POLICIES`` fails naming the job and the field.
+Plain values that check themselves when built (a ``ConfigurationError`` naming the field), so a
+policy in code fails at start-up and one from ``JOB_POLICIES`` names the job and the field.
+What they mean (back-off, ``JOB_POLICIES``, the ledger's limits) is ``infrai_jobs.flow``'s.
 """
 
 from __future__ import annotations
@@ -151,9 +149,7 @@ class JobPolicy:
         return self.retry is None and self.rate is None and self.concurrency is None
 
 
-def check_declared(
-    retry: object, rate: object, concurrency: object
-) -> tuple[RetryPolicy | None, RateLimit | None, ConcurrencyLimit | None]:
+def check_declared(retry: object, rate: object, concurrency: object) -> None:
     """The registry's check of what ``@job(retry=, rate=, concurrency=)`` was given."""
     for field, value, kind in (
         ("retry", retry, RetryPolicy),
@@ -162,8 +158,3 @@ def check_declared(
     ):
         if value is not None and not isinstance(value, kind):
             raise ConfigurationError(f"{field} must be a {kind.__name__} (got {value!r})")
-    return (
-        retry if isinstance(retry, RetryPolicy) else None,
-        rate if isinstance(rate, RateLimit) else None,
-        concurrency if isinstance(concurrency, ConcurrencyLimit) else None,
-    )

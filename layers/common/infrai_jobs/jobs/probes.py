@@ -1,28 +1,15 @@
 """Reconcile probes: an external job's way of asking its provider "did this happen?".
 
-A job whose effect is ``external`` or ``external_idempotent`` may declare a probe
-(``registry.job(..., probe=fn)``). When one of its claims is stuck (a ``running`` claim whose
-outcome nobody knows), the reconcile pass (``infrai_jobs.operations.reconcile``) calls
-``fn(payload, ctx)`` and acts on the answer:
+When a claim of a job with a probe is stuck (``running``, outcome unknown), the reconcile pass
+(``infrai_jobs.operations.reconcile``) calls ``probe(payload, ctx)`` and acts on the answer:
+``Done(result)`` settles the claim ``done``; ``NotDone()`` releases it, so the next delivery
+runs the job once; ``Unknown(reason)`` leaves it for a human, as does a probe that raises,
+answers anything else or runs out of time: a claim changes only on a clear answer.
 
-* ``Done(result)``: the provider has the effect; the claim settles ``done`` with ``result``.
-* ``NotDone()``: the provider has no trace of it; the claim is released, so the next delivery
-  (or a redrive) runs the job once.
-* ``Unknown(reason)``: the provider cannot tell; the claim stays stuck for a human.
-
-A probe that raises, answers something else, or does not answer within its time limit counts
-as ``Unknown``: a claim changes only on a clear answer.
-
-The ledger keeps no payload (a receipt's holds an e-mail address), so ``payload`` is what the
-claim's key names: ``job`` and the job's identity fields, as strings, read back from a natural
-key. A claim keyed otherwise (a producer's ``_idempotency_key``, a content hash) gets ``job``
-alone; ``ctx.idem_key`` is always there, and is what an idempotent provider is asked by.
-
-A probe settles what it checked: it answers ``Done`` only for the effect this claim stands for
-(the invoice's receipt, the digest under this key), never for whatever the provider lists.
-``Done``'s result is bounded (``MAX_PROBE_RESULT_BYTES`` of JSON): the claim and its history
-store it, and a provider's whole answer can be megabytes. A larger one is replaced by a small
-object that says so (``truncated``, a ``note``, its size and SHA-256, and its start).
+The ledger keeps no payload, so ``payload`` holds ``job`` and the identity fields read back from
+a natural key (``job`` alone for other keys); ``ctx.idem_key`` is always there. ``Done`` answers
+for this claim's effect only, and its result is bounded (``MAX_PROBE_RESULT_BYTES`` of JSON): the
+claim and its history store it, and a provider's whole answer can be megabytes. See docs/jobs.md.
 """
 
 from __future__ import annotations

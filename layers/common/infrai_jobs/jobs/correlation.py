@@ -27,9 +27,10 @@ MAX_CORRELATION_ID_LENGTH: Final = 128
 # Version 00 is exactly 55 characters; a later version may append fields. Beyond this it is
 # not a traceparent.
 _MAX_TRACEPARENT_LENGTH: Final = 512
+# Version ff and all-zero trace or parent ids are invalid (W3C Trace Context, level 1).
 _TRACEPARENT = re.compile(
-    r"(?P<version>[0-9a-f]{2})-(?P<trace_id>[0-9a-f]{32})-(?P<parent_id>[0-9a-f]{16})"
-    r"-(?P<flags>[0-9a-f]{2})(?P<rest>-[^\s]*)?"
+    r"(?P<version>(?!ff)[0-9a-f]{2})-(?P<trace_id>(?!0{32})[0-9a-f]{32})"
+    r"-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(?P<rest>-[^\s]*)?"
 )
 
 logger = logging.getLogger(__name__)
@@ -96,21 +97,14 @@ def valid_correlation_id(value: object) -> str | None:
 
 
 def traceparent_trace_id(value: object) -> str | None:
-    """The trace id of a valid W3C ``traceparent``, else None.
-
-    Version ``ff`` and all-zero trace or parent ids are invalid (W3C Trace Context, level 1);
-    version ``00`` has exactly four fields, a later version may carry more after them."""
+    """The trace id of a valid W3C ``traceparent``, else None. Version ``00`` has exactly four
+    fields; a later version may carry more after them."""
     if not isinstance(value, str) or len(value) > _MAX_TRACEPARENT_LENGTH:
         return None
     match = _TRACEPARENT.fullmatch(value)
-    if match is None:
+    if match is None or (match["version"] == "00" and match["rest"]):
         return None
-    version, trace_id, parent_id, rest = match.group("version", "trace_id", "parent_id", "rest")
-    if version == "ff" or (version == "00" and rest):
-        return None
-    if trace_id == "0" * 32 or parent_id == "0" * 16:
-        return None
-    return trace_id
+    return str(match["trace_id"])
 
 
 def read_correlation(payload: object, *, message_id: str, delivery_count: int) -> Correlation:

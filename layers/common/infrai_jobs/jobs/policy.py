@@ -147,14 +147,3 @@ class JobPolicy:
     def is_empty(self) -> bool:
         """Nothing to enforce: the job takes the path it takes without a policy."""
         return self.retry is None and self.rate is None and self.concurrency is None
-
-
-def check_declared(retry: object, rate: object, concurrency: object) -> None:
-    """The registry's check of what ``@job(retry=, rate=, concurrency=)`` was given."""
-    for field, value, kind in (
-        ("retry", retry, RetryPolicy),
-        ("rate", rate, RateLimit),
-        ("concurrency", concurrency, ConcurrencyLimit),
-    ):
-        if value is not None and not isinstance(value, kind):
-            raise ConfigurationError(f"{field} must be a {kind.__name__} (got {value!r})")

@@ -24,8 +24,6 @@ DONE: Final = "done"
 NOT_DONE: Final = "not_done"
 UNKNOWN: Final = "unknown"
 ANSWERS: Final = (DONE, NOT_DONE, UNKNOWN)
-
-
 # The most JSON a probe's Done result may take in the claim; a reference (an id, a digest)
 # needs a few dozen bytes.
 MAX_PROBE_RESULT_BYTES: Final = 4096
@@ -35,33 +33,30 @@ _KEPT_START_CHARS: Final = 1024
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The provider has the effect; ``result`` is what the claim stores (its reference),
-    bounded: see ``bounded_result``."""
+    """The provider has the effect; ``result`` is what the claim stores (its reference). One
+    whose JSON exceeds ``MAX_PROBE_RESULT_BYTES`` is replaced by a small object saying it was
+    cut, with its size, its SHA-256 and its start."""
 
     result: Any = None
     answer: ClassVar[str] = DONE
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "result", bounded_result(self.result))
-
-
-def bounded_result(result: Any) -> Any:
-    """``result`` when its JSON fits ``MAX_PROBE_RESULT_BYTES``, else a small object saying it
-    was cut, with its size, its SHA-256 and its start."""
-    text = json.dumps(result, default=str, ensure_ascii=False)
-    size = len(text.encode("utf-8"))
-    if size <= MAX_PROBE_RESULT_BYTES:
-        return result
-    return {
-        "truncated": True,
-        "note": (
-            f"the probe's result was {size} bytes of JSON, above the {MAX_PROBE_RESULT_BYTES}"
-            "-byte bound: only its start is kept; store a reference (an id), not the answer"
-        ),
-        "size_bytes": size,
-        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "start": text[:_KEPT_START_CHARS],
-    }
+        text = json.dumps(self.result, default=str, ensure_ascii=False)
+        data = text.encode("utf-8")
+        if len(data) <= MAX_PROBE_RESULT_BYTES:
+            return
+        cut = {
+            "truncated": True,
+            "note": (
+                f"the probe's result was {len(data)} bytes of JSON, above the "
+                f"{MAX_PROBE_RESULT_BYTES}-byte bound: only its start is kept; store a reference "
+                "(an id), not the answer"
+            ),
+            "size_bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "start": text[:_KEPT_START_CHARS],
+        }
+        object.__setattr__(self, "result", cut)
 
 
 @dataclass(frozen=True, slots=True)

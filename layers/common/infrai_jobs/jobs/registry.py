@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError, UnknownJob
 from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
 from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema, json_type_of
-from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy, check_declared
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.probes import ProbeAnswer
 
 if TYPE_CHECKING:
@@ -170,10 +170,15 @@ class JobRegistry:
                 f"job {name!r}: {', '.join(both)} is declared both as a setting "
                 "and as a secret; a credential is a secret only"
             )
-        try:
-            check_declared(definition.retry, definition.rate, definition.concurrency)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"job {name!r}: {exc}") from None
+        for label, value, kind in (
+            ("retry", definition.retry, RetryPolicy),
+            ("rate", definition.rate, RateLimit),
+            ("concurrency", definition.concurrency, ConcurrencyLimit),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise ConfigurationError(
+                    f"job {name!r}: {label} must be a {kind.__name__} (got {value!r})"
+                )
         schema = definition.schema.requiring(name, definition.identity, definition.required)
         if schema is not definition.schema:
             definition = replace(definition, schema=schema)
@@ -337,9 +342,6 @@ class JobRegistry:
         close = difflib.get_close_matches(name, self._jobs, n=1)
         guess = f"did you mean {close[0]!r}? " if close else ""
         return f"unknown job {name!r} ({guess}registered: {known})"
-
-    def identity_table(self) -> dict[str, tuple[str, ...]]:
-        return {job.name: job.identity for job in self._jobs.values() if job.identity}
 
     def derive(self, payload: object) -> DerivedJob:
         """Match a payload to its job, check it against the job's schema and derive its key;

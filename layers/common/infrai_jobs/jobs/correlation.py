@@ -21,11 +21,10 @@ from typing import Any, Final
 
 CORRELATION_FIELD: Final = "_correlation_id"
 TRACEPARENT_FIELD: Final = "_traceparent"
-# Long enough for any id scheme in use (a uuid, an X-Ray or W3C trace id, a request id), short
-# enough that a hostile value cannot swell every log line about its message.
+# Long enough for any id scheme in use, short enough that a hostile value cannot swell every
+# log line about its message.
 MAX_CORRELATION_ID_LENGTH: Final = 128
-# Version 00 is exactly 55 characters; a later version may append fields. Beyond this it is
-# not a traceparent.
+# Version 00 is exactly 55 characters; a later version may append fields, but not this many.
 _MAX_TRACEPARENT_LENGTH: Final = 512
 # Version ff and all-zero trace or parent ids are invalid (W3C Trace Context, level 1).
 _TRACEPARENT = re.compile(
@@ -53,8 +52,7 @@ NO_CORRELATION: Final = Correlation()
 
 
 def correlation_of(payload: object) -> Correlation:
-    """The correlation a message body carries. Never raises: a body that is not an object, or
-    envelope values that do not fit, give an empty (or partial) ``Correlation`` whose
+    """The correlation a message body carries. Never raises: what does not fit is left out, and
     ``ignored`` says why."""
     if not isinstance(payload, Mapping):
         return NO_CORRELATION
@@ -144,11 +142,9 @@ def log_fields(correlation: Correlation) -> dict[str, Any]:
 def with_correlation_id(
     payload: Mapping[str, Any], correlation_id: str | None = None
 ) -> tuple[dict[str, Any], str]:
-    """``payload`` (a copy) carrying ``_correlation_id``, and that id.
-
-    ``correlation_id`` when given; else the one the payload already carries; else a fresh uuid4
-    in hex. A producer learns of a value the drain would ignore here: ``ValueError`` names it,
-    and nothing is chosen."""
+    """``payload`` (a copy) carrying ``_correlation_id`` (``correlation_id``, else the one it
+    carries, else a fresh one), and that id. A producer learns of a value the drain would
+    ignore here: ``ValueError`` names it."""
     body = dict(payload)
     carried = correlation_of(body)
     if carried.ignored:

@@ -2,22 +2,16 @@
 
 Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSON object:
 
-1. ``_idempotency_key``, when the producer set one, is the key as given.
-2. A job with a key rule (its identity fields, from the registry) gets
-   ``{job}:{field}[:{field}...]``: for ``refund.issue`` -> ``("refund_id",)``, byte for byte the
-   string the notes' Node worker builds, so both can share one ledger during a migration.
-3. Any other job: ``sha256:`` + the payload fingerprint.
+1. the producer's ``_idempotency_key``, as given;
+2. for a job with a key rule (its identity fields, from the registry): ``{job}:{field}[:...]``,
+   byte for byte what the notes' Node worker builds, so both can share one ledger;
+3. else ``sha256:`` + the payload fingerprint: the hex SHA-256 of the RFC 8785 canonical JSON of
+   the work fields (all but the envelope, ``_`` names). Stored with each claim, it makes the
+   same key with different work a conflict rather than a silent duplicate.
 
-This module knows no job by name; code without the registry (RedriveFunction) passes
-``NO_KEY_RULES`` and so knows producer keys and content keys only.
-
-The fingerprint is the hex SHA-256 of the RFC 8785 canonical JSON of the work fields (every
-top-level field except the envelope, names starting with ``_``). Stored with each claim, it
-makes the same key arriving with different work a conflict rather than a silent duplicate.
-
-Any change that gives an existing payload a different key is a new scheme version: rows the
-ledger holds under the old keys would stop matching, and their redeliveries would run twice.
-The unit tests pin exact keys so such a change cannot slip in unnoticed.
+Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an
+existing payload a different key is a new scheme version: rows under the old keys would stop
+matching, and their redeliveries would run twice. The unit tests pin exact keys.
 """
 
 from __future__ import annotations
@@ -38,8 +32,8 @@ KEY_SCHEME_VERSION: Final = 1
 PRODUCER_KEY_FIELD: Final = "_idempotency_key"
 ENVELOPE_PREFIX: Final = "_"
 CONTENT_KEY_PREFIX: Final = "sha256:"
-# A key is a text primary key and appears in every log line about its message; 512 characters
-# is far above any natural key and far below the btree entry limit.
+# A key is a primary key in every log line about its message: far above any natural key, far
+# below the btree entry limit.
 MAX_KEY_LENGTH: Final = 512
 
 # Job name -> the payload fields that identify one unit of that job's work, in key order.
@@ -52,12 +46,16 @@ _SAFE_INTEGER_MAX: Final = 2**53 - 1
 
 
 def derive_key(payload: object, key_rules: KeyRules) -> str:
-    """The idempotency key of one message body under ``key_rules``; ``KeyDerivationError``
-    when the body is not an object, a ruled job lacks an identity field, or the work cannot be
-    canonicalised."""
+    """The idempotency key of one message body under ``key_rules``, or ``KeyDerivationError``
+    saying why none can be derived."""
     body = _require_object(payload)
     if PRODUCER_KEY_FIELD in body:
-        return _producer_key(body[PRODUCER_KEY_FIELD])
+        key = body[PRODUCER_KEY_FIELD]
+        if not isinstance(key, str) or not key.strip():
+            raise KeyDerivationError(
+                f"{PRODUCER_KEY_FIELD} must be a non-empty string (got {_describe(key)})"
+            )
+        return _checked_key(key, PRODUCER_KEY_FIELD)
     job = body.get("job")
     if isinstance(job, str) and job in key_rules:
         return natural_key(job, key_rules[job], body)
@@ -97,12 +95,12 @@ def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dic
 
 
 def payload_fingerprint(payload: object) -> str:
-    """Hex SHA-256 of the canonical JSON of the payload's work fields (envelope excluded)."""
+    """Hex SHA-256 of the canonical JSON of the payload's work fields."""
     return hashlib.sha256(canonical_json(work_fields(payload))).hexdigest()
 
 
 def work_fields(payload: object) -> dict[str, object]:
-    """The payload's top-level fields without the envelope (names starting with ``_``)."""
+    """The payload's top-level fields without the envelope."""
     body = _require_object(payload)
     return {
         name: value
@@ -118,8 +116,7 @@ def canonical_json(value: object) -> bytes:
     if plain is not None:
         return plain
     try:
-        # Any Python value may arrive here; refusing what JSON cannot carry is rfc8785's job.
-        return rfc8785.dumps(value)  # type: ignore[arg-type]
+        return rfc8785.dumps(value)  # type: ignore[arg-type]  # it refuses what JSON cannot carry
     except rfc8785.IntegerDomainError as exc:
         raise KeyDerivationError(
             "payload holds an integer outside +/-(2**53 - 1), which a JSON number cannot "
@@ -186,14 +183,6 @@ def _require_object(payload: object) -> dict[str, object]:
         raise KeyDerivationError(f"payload is not a JSON object (got {type(payload).__name__})")
     # A copy as a plain dict: rfc8785 serialises dicts only, and callers may hold other Mappings.
     return dict(payload)
-
-
-def _producer_key(value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise KeyDerivationError(
-            f"{PRODUCER_KEY_FIELD} must be a non-empty string (got {_describe(value)})"
-        )
-    return _checked_key(value, PRODUCER_KEY_FIELD)
 
 
 def _identity_part(job: str, field: str, value: object) -> str:

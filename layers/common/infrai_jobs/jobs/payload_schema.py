@@ -54,8 +54,7 @@ class DeclaredField:
 
     name: str
     required: bool
-    # The Python types that are values of this field; None when any value is (a field that is
-    # only named required, by ``required=`` or as an identity field).
+    # The Python types that are values of this field; None when any value is (untyped).
     accepted: tuple[type[object], ...] | None
     # "an integer", "a string or an integer": for messages.
     expected: str

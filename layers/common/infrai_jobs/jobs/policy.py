@@ -13,9 +13,8 @@ from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
 
-# What a policy's numbers may be: every value between these bounds is one the back-off's
-# floats, the ledger's int columns and its timestamps hold, and no delay is short enough to
-# turn a retry into a busy loop.
+# Every value within these bounds fits the back-off's floats and the ledger's int columns and
+# timestamps, and no delay is short enough to turn a retry into a busy loop.
 MAX_ATTEMPTS: Final = 1_000
 MIN_DELAY_SECONDS: Final = 0.01
 MAX_DELAY_SECONDS: Final = 30 * 86_400.0  # the ledger's default retention
@@ -25,13 +24,11 @@ MAX_STARTS_PER_SECOND: Final = 1_000_000
 MAX_RUNNING: Final = 10_000
 
 
-def _positive(field: str, value: object, *, whole: bool, least: float = 0.0, most: float) -> None:
+def _positive(
+    field: str, value: object, most: float, *, whole: bool = True, least: float = 0.0
+) -> None:
     # bool is an int to Python, but true is no count in a policy.
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or (whole and not isinstance(value, int))
-    ):
+    if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
         kind = "a whole number" if whole else "a number"
         raise ConfigurationError(f"{field} must be {kind} (got {value!r})")
     if not math.isfinite(value) or value <= 0:
@@ -51,21 +48,17 @@ class RetryPolicy:
     first_delay_seconds: float = 1.0
     factor: float = 2.0
     max_delay_seconds: float = 300.0
-    # Exception classes, or their names as ``JOB_POLICIES`` spells them ("ValueError", or
-    # "module.ClassName").
+    # Exception classes, or their names as ``JOB_POLICIES`` spells them ("module.ClassName").
     final_errors: tuple[type[BaseException] | str, ...] = ()
 
     def __post_init__(self) -> None:
-        _positive("retry.attempts", self.attempts, whole=True, most=MAX_ATTEMPTS)
+        _positive("retry.attempts", self.attempts, MAX_ATTEMPTS)
         for name in ("first_delay_seconds", "max_delay_seconds"):
+            value = getattr(self, name)
             _positive(
-                f"retry.{name}",
-                getattr(self, name),
-                whole=False,
-                least=MIN_DELAY_SECONDS,
-                most=MAX_DELAY_SECONDS,
+                f"retry.{name}", value, MAX_DELAY_SECONDS, whole=False, least=MIN_DELAY_SECONDS
             )
-        _positive("retry.factor", self.factor, whole=False, most=MAX_FACTOR)
+        _positive("retry.factor", self.factor, MAX_FACTOR, whole=False)
         if self.factor < 1:
             raise ConfigurationError(
                 f"retry.factor must be at least 1, or delays would shrink (got {self.factor!r})"
@@ -98,7 +91,7 @@ class RateLimit:
         if len(given) != 1:
             raise ConfigurationError("rate needs exactly one of per_second or per_minute")
         most = MAX_STARTS_PER_SECOND * (1 if given[0] == "per_second" else 60)
-        _positive(f"rate.{given[0]}", getattr(self, given[0]), whole=True, most=most)
+        _positive(f"rate.{given[0]}", getattr(self, given[0]), most)
 
     @property
     def limit(self) -> int:
@@ -122,15 +115,12 @@ class ConcurrencyLimit:
     max_running: int
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.key, tuple)
-            or not self.key
-            or not all(isinstance(name, str) and name for name in self.key)
-        ):
+        key = self.key
+        if not (isinstance(key, tuple) and key and all(isinstance(n, str) and n for n in key)):
             raise ConfigurationError(
                 f"concurrency.key must list one or more payload field names (got {self.key!r})"
             )
-        _positive("concurrency.max_running", self.max_running, whole=True, most=MAX_RUNNING)
+        _positive("concurrency.max_running", self.max_running, MAX_RUNNING)
 
 
 @dataclass(frozen=True, slots=True)

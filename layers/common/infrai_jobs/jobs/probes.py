@@ -24,8 +24,7 @@ DONE: Final = "done"
 NOT_DONE: Final = "not_done"
 UNKNOWN: Final = "unknown"
 ANSWERS: Final = (DONE, NOT_DONE, UNKNOWN)
-# The most JSON a probe's Done result may take in the claim; a reference (an id, a digest)
-# needs a few dozen bytes.
+# The most JSON a Done result may take in the claim; a reference needs a few dozen bytes.
 MAX_PROBE_RESULT_BYTES: Final = 4096
 # How much of a cut result's JSON text is kept, so a human can see what it was.
 _KEPT_START_CHARS: Final = 1024

@@ -1,25 +1,18 @@
 """Declaring jobs: a name, how its key is derived, its effect class, and its handler.
 
-Handlers live in ``functions/jobs/`` and register on a ``JobRegistry``::
-
-    @registry.job("refund.issue", effect=Effect.DATABASE, identity=("refund_id",),
-                  fields={"refund_id": str, "amount_cents": int})
-    def issue_refund(payload: Payload, ctx: JobContext) -> JsonValue: ...
-
+Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., identity=...,
+fields=..., settings=..., secrets=..., probe=..., retry=..., rate=..., concurrency=...)``.
 The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):
 
 * ``DATABASE``: effects only in the ledger's own Postgres, on ``ctx.db`` inside the batch
   transaction; claim, effect and ``done`` commit together.
 * ``EXTERNAL``: irreversible calls. The claim is committed ``running`` first; a crash after the
-  call leaves it for a human (or the job's reconcile ``probe``), never for a retry.
+  call leaves it for a human (or the job's reconcile probe), never for a retry.
 * ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
   may be taken over and the call repeated with the same key.
 
-``fields`` is the payload's schema (``payload_schema``), checked by ``derive`` before the claim.
-``settings`` and ``secrets`` name what the job reads (downstream URLs; credentials, never in a
-URL): the function reads exactly the declared ones at its edge and binds them with
-``bind_settings`` before anything is consumed. ``retry``, ``rate`` and ``concurrency`` declare
-its flow (``policy``; ``JOB_POLICIES`` may override them).
+Settings (downstream URLs) and secrets (credentials, never in a URL) are declared by name; the
+function reads exactly those at its edge and binds them (``bind_settings``) before consuming.
 """
 
 from __future__ import annotations
@@ -47,8 +40,6 @@ JsonValue = Any
 class SecretValues(Mapping[str, str]):
     """A job's secrets by name. Its repr names them and shows no value, so a context or a
     derived job that ends up in a log line or an error leaks nothing."""
-
-    __slots__ = ("_values",)
 
     def __init__(self, values: Mapping[str, str] | None = None) -> None:
         self._values = dict(values or {})
@@ -104,8 +95,7 @@ class JobDefinition:
     name: str
     effect: Effect
     handler: Handler
-    # Payload fields that identify the work; the key is "{name}:{field1}:{field2}...".
-    # Empty means "no natural identity": the key is a hash of the canonical payload.
+    # Payload fields that identify the work (``keys``); empty: the key is a content hash.
     identity: tuple[str, ...] = ()
     # Fields the handler cannot work without; a payload missing one is rejected before claiming.
     required: tuple[str, ...] = ()
@@ -119,9 +109,8 @@ class JobDefinition:
     retry: RetryPolicy | None = None
     rate: RateLimit | None = None
     concurrency: ConcurrencyLimit | None = None
-    # Called once per process before the job's first rate-limited start (build its HTTP pool,
-    # import its client): a reserved start is the moment the call should leave, so nothing
-    # slow may stand between the two.
+    # Called once per process before the job's first rate-limited start (to build its client):
+    # nothing slow may stand between a reserved start and the call.
     prepare: Callable[[], object] | None = None
 
 
@@ -201,8 +190,7 @@ class JobRegistry:
         concurrency: ConcurrencyLimit | None = None,
         prepare: Callable[[], object] | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Decorator form of ``register``; the arguments are ``JobDefinition``'s, ``fields``
-        its schema's (identity fields are always required)."""
+        """Decorator form of ``register``; ``fields`` declares the ``payload_schema``."""
         for label, names in (
             ("identity", identity),
             ("required", required),
@@ -256,8 +244,7 @@ class JobRegistry:
         return self._owners(lambda job: job.secrets)
 
     def probe_settings(self) -> dict[str, tuple[str, ...]]:
-        """The settings of the jobs with a reconcile probe: all a process that only probes (the
-        watcher) reads."""
+        """The settings of the jobs with a reconcile probe: all the watcher reads."""
         return self._owners(lambda job: job.settings, probes_only=True)
 
     def probe_secrets(self) -> dict[str, tuple[str, ...]]:

@@ -1,13 +1,12 @@
-"""A producer's correlation id, read from a message's envelope (fields that never change the
-key or the fingerprint) so it follows the job. A producer may set either or both of:
+"""A producer's correlation id, read from a message's envelope so it follows the job.
 
 * ``_correlation_id``: a string of 1 to ``MAX_CORRELATION_ID_LENGTH`` printable characters;
-* ``_traceparent``: a W3C Trace Context ``traceparent`` (``version-traceid-parentid-flags``,
-  lowercase hex). Its trace id is the correlation id when ``_correlation_id`` is absent.
+* ``_traceparent``: a W3C Trace Context ``traceparent``, whose trace id is the correlation id
+  when ``_correlation_id`` is absent.
 
-Every log line about the message carries them (``log_fields``); the handler finds them in
-``ctx.correlation_id`` and ``ctx.traceparent`` to pass on. A value that does not fit is ignored
-with a WARNING: a message never fails for its envelope.
+Log lines about the message carry them (``log_fields``), the handler finds them in ``ctx`` to
+pass on. A value that does not fit is ignored with a WARNING: a message never fails for its
+envelope.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from typing import Any, Final
 
 CORRELATION_FIELD: Final = "_correlation_id"
 TRACEPARENT_FIELD: Final = "_traceparent"
-# Long enough for any id scheme in use, short enough that a hostile value cannot swell every
-# log line about its message.
+# Any id scheme in use fits; a hostile value cannot swell every log line about its message.
 MAX_CORRELATION_ID_LENGTH: Final = 128
 # Version 00 is exactly 55 characters; a later version may append fields, but not this many.
 _MAX_TRACEPARENT_LENGTH: Final = 512
@@ -126,11 +124,8 @@ def read_correlation(payload: object, *, message_id: str, delivery_count: int) -
 
 
 def log_fields(correlation: Correlation) -> dict[str, Any]:
-    """The fields a log line about the message adds: ``message_correlation_id`` and
-    ``message_trace_id``, each when the envelope carried it.
-
-    Not ``correlation_id``: on every line of an invocation that names the invocation (the
-    schedule's event id, or a fanned-out drain's slot), and one batch holds many messages."""
+    """The fields a log line about the message adds, each when the envelope carried it. Not
+    ``correlation_id``: that names the invocation, and one batch holds many messages."""
     fields: dict[str, Any] = {}
     if correlation.correlation_id is not None:
         fields["message_correlation_id"] = correlation.correlation_id

@@ -40,8 +40,7 @@ MAX_KEY_LENGTH: Final = 512
 KeyRules: TypeAlias = Mapping[str, Sequence[str]]
 NO_KEY_RULES: Final[KeyRules] = MappingProxyType({})
 
-# JSON numbers are IEEE 754 doubles: beyond this an integer id no longer names one value, and
-# the Node worker would already have rounded it.
+# JSON numbers are doubles: beyond this an integer names no one value (Node has rounded it).
 _SAFE_INTEGER_MAX: Final = 2**53 - 1
 
 
@@ -132,8 +131,7 @@ def canonical_json(value: object) -> bytes:
             "payload holds text that is not valid Unicode (a lone surrogate)"
         ) from exc
     except ValueError as exc:
-        # CanonicalizationError (non-string object keys, unsupported types such as bytes or
-        # sets) is a ValueError; so is int-to-text refusing a number of thousands of digits.
+        # CanonicalizationError (non-string keys, bytes, sets...) and int-to-text's refusal.
         raise KeyDerivationError(f"payload is not representable as canonical JSON: {exc}") from exc
     except RecursionError as exc:
         raise KeyDerivationError("payload is nested too deeply to canonicalise") from exc
@@ -159,8 +157,7 @@ def _plain_canonical_json(value: object) -> bytes | None:
 
 
 def _is_plain(value: object, depth: int) -> bool:
-    # Exact types: an int subclass (an IntEnum, say) takes the slow path rather than a bet on
-    # two encoders agreeing about it.
+    # Exact types: an IntEnum takes the slow path rather than a bet on two encoders agreeing.
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return True

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Final, Self, TypeAlias
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload
 from infrai_jobs.jobs.keys import ENVELOPE_PREFIX
@@ -23,8 +23,7 @@ FieldType: TypeAlias = type[object] | tuple[type[object], ...]
 
 @dataclass(frozen=True, slots=True)
 class Field:
-    """A declared field that is not simply "required, of this type": ``Field(str,
-    required=False)`` is an optional string."""
+    """A declared field other than "required, of this type": ``Field(str, required=False)``."""
 
     type: FieldType
     required: bool = True
@@ -45,7 +44,6 @@ _JSON_TYPES: Final[dict[type[object], tuple[str, tuple[type[object], ...]]]] = {
 }
 # What a key can be built from (keys.natural_key): an identity field may be declared only so.
 _KEYABLE: Final = frozenset({str, int})
-_ROUTING_FIELD: Final = "job"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +67,7 @@ class PayloadSchema:
 
     @classmethod
     def declare(cls, job: str, fields: Mapping[str, FieldSpec]) -> PayloadSchema:
-        """The schema ``fields`` describes; ``ConfigurationError`` (at registration, not once per
-        message) when a name or a type cannot be checked."""
+        """The schema ``fields`` describes, or a ``ConfigurationError`` at registration."""
         if not isinstance(fields, Mapping):
             raise ConfigurationError(
                 f"job {job!r}: fields must map field names to types, e.g. "
@@ -82,12 +79,10 @@ class PayloadSchema:
     def required(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields if f.required)
 
-    def requiring(
-        self, job: str, identity: Sequence[str], required: Sequence[str]
-    ) -> PayloadSchema:
-        """This schema with the ``identity`` and ``required`` fields required too (untyped where
-        not declared). One the schema declares optional, or an identity field declared of a type
-        no key can be built from, is refused as a ``ConfigurationError``."""
+    def requiring(self, job: str, identity: Sequence[str], required: Sequence[str]) -> Self:
+        """This schema with ``identity`` and ``required`` required too (untyped where undeclared).
+        A ``ConfigurationError`` refuses one declared optional, or an identity field declared of
+        a type no key can be built from."""
         declared = {f.name: f for f in self.fields}
         added: list[DeclaredField] = []
         for name in dict.fromkeys((*identity, *required)):
@@ -105,7 +100,7 @@ class PayloadSchema:
                     "key is built only from strings and integers: declare it str, int or "
                     "(str, int)"
                 )
-        return PayloadSchema((*self.fields, *added)) if added else self
+        return type(self)((*self.fields, *added)) if added else self
 
     def check(self, job: str, payload: Mapping[str, object]) -> None:
         """Raise ``InvalidPayload`` naming every required field that is missing, or else every
@@ -146,7 +141,7 @@ def _is_one_of(value: object, accepted: tuple[type[object], ...]) -> bool:
 def _declared(job: str, name: object, spec: object) -> DeclaredField:
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"job {job!r}: field names must be non-empty strings ({name!r})")
-    if name.startswith(ENVELOPE_PREFIX) or name == _ROUTING_FIELD:
+    if name.startswith(ENVELOPE_PREFIX) or name == "job":
         raise ConfigurationError(
             f"job {job!r}: field {name!r} cannot be declared: 'job' and names starting with "
             f"{ENVELOPE_PREFIX!r} (the envelope) are never part of a job's payload schema"

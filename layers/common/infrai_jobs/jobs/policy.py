@@ -24,9 +24,7 @@ MAX_STARTS_PER_SECOND: Final = 1_000_000
 MAX_RUNNING: Final = 10_000
 
 
-def _positive(
-    field: str, value: object, most: float, *, whole: bool = True, least: float = 0.0
-) -> None:
+def _positive(field: str, value: object, most: float, whole: bool = True, least: float = 0) -> None:
     # bool is an int to Python, but true is no count in a policy.
     if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
         kind = "a whole number" if whole else "a number"

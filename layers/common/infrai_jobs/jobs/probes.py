@@ -1,15 +1,10 @@
 """Reconcile probes: an external job's way of asking its provider "did this happen?".
 
-When a claim of a job with a probe is stuck (``running``, outcome unknown), the reconcile pass
-(``infrai_jobs.operations.reconcile``) calls ``probe(payload, ctx)`` and acts on the answer:
-``Done(result)`` settles the claim ``done``; ``NotDone()`` releases it, so the next delivery
-runs the job once; ``Unknown(reason)`` leaves it for a human, as does a probe that raises,
-answers anything else or runs out of time: a claim changes only on a clear answer.
-
-The ledger keeps no payload, so ``payload`` holds ``job`` and the identity fields read back from
-a natural key (``job`` alone for other keys); ``ctx.idem_key`` is always there. ``Done`` answers
-for this claim's effect only, and its result is bounded (``MAX_PROBE_RESULT_BYTES`` of JSON): the
-claim and its history store it, and a provider's whole answer can be megabytes. See docs/jobs.md.
+The reconcile pass (``operations.reconcile``) asks a stuck claim's probe and acts on a clear
+answer only: ``Done(result)`` settles it ``done``; ``NotDone()`` releases it (the next delivery
+runs the job once); ``Unknown(reason)``, or a probe that raises, answers anything else or runs
+out of time, leaves it for a human. The ledger keeps no payload: a probe gets ``job`` and the
+identity fields read back from a natural key, and ``ctx.idem_key``. See docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -32,9 +27,9 @@ _KEPT_START_CHARS: Final = 1024
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The provider has the effect; ``result`` is what the claim stores (its reference). One
-    whose JSON exceeds ``MAX_PROBE_RESULT_BYTES`` is replaced by a small object saying it was
-    cut, with its size, its SHA-256 and its start."""
+    """The provider has this claim's effect (not merely something like it); ``result`` is what
+    the claim stores, a reference. One whose JSON exceeds ``MAX_PROBE_RESULT_BYTES`` is replaced
+    by a small object saying it was cut, with its size, its SHA-256 and its start."""
 
     result: Any = None
     answer: ClassVar[str] = DONE

@@ -1,15 +1,11 @@
 """Declaring jobs: a name, how its key is derived, its effect class, and its handler.
 
-Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., identity=...,
-fields=..., settings=..., secrets=..., probe=..., retry=..., rate=..., concurrency=...)``.
-The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):
-
-* ``DATABASE``: effects only in the ledger's own Postgres, on ``ctx.db`` inside the batch
-  transaction; claim, effect and ``done`` commit together.
-* ``EXTERNAL``: irreversible calls. The claim is committed ``running`` first; a crash after the
-  call leaves it for a human (or the job's reconcile probe), never for a retry.
-* ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
-  may be taken over and the call repeated with the same key.
+Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., ...)``. The effect
+class decides how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE``
+job's claim, effect and ``done`` commit in one transaction (``ctx.db``); an ``EXTERNAL`` job's
+claim is committed ``running`` before the irreversible call, so a crash leaves it for a human
+(or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream accepts our
+key (``ctx.idem_key``), so an expired claim may be taken over and the call repeated.
 
 Settings (downstream URLs) and secrets (credentials, never in a URL) are declared by name; the
 function reads exactly those at its edge and binds them (``bind_settings``) before consuming.
@@ -254,9 +250,8 @@ class JobRegistry:
     def bind_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
     ) -> None:
-        """Give every job the values of the settings and secrets it declared, at start-up: one
-        that is missing or empty is a ``ConfigurationError`` naming it and its jobs (never a
-        value)."""
+        """Give every job the values of the settings and secrets it declared, at start-up; a
+        missing or empty one is a ``ConfigurationError`` naming it and its jobs, never a value."""
         secret_values = secrets or {}
         missing = {
             name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
@@ -278,10 +273,9 @@ class JobRegistry:
     def bind_probe_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
     ) -> dict[str, tuple[str, ...]]:
-        """For a process that only probes: bind the settings and secrets of the jobs with a
-        probe. A job missing one of them loses its probe here instead of failing the process
-        (the watcher must page whatever else is wrong); those jobs are returned with the names
-        they miss, so the caller can say so."""
+        """For the watcher: bind the settings and secrets of the jobs with a probe. A job missing
+        one loses its probe instead of failing the process (which must page whatever else is
+        wrong); those jobs are returned with the names they miss."""
         secret_values = secrets or {}
         unprobed: dict[str, tuple[str, ...]] = {}
         for job in [job for job in self._jobs.values() if job.probe is not None]:

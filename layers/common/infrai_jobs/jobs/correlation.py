@@ -4,9 +4,8 @@
 * ``_traceparent``: a W3C Trace Context ``traceparent``, whose trace id is the correlation id
   when ``_correlation_id`` is absent.
 
-Log lines about the message carry them (``log_fields``), the handler finds them in ``ctx`` to
-pass on. A value that does not fit is ignored with a WARNING: a message never fails for its
-envelope.
+Log lines about the message carry them, and the handler finds them in ``ctx``. A value that
+does not fit is ignored with a WARNING: a message never fails for its envelope.
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Correlation:
-    """What a message's envelope says about where it comes from; empty when it says nothing
-    (or nothing usable). ``correlation_id`` is the producer's id, else the trace id."""
+    """What a message's envelope says about where it comes from (nothing usable: empty). The
+    producer's id, else the trace id; the validated traceparent as sent, and its trace id; why
+    an envelope value was ignored ("" when none was)."""
 
     correlation_id: str | None = None
-    # The validated traceparent, as the producer sent it, and its trace id.
     traceparent: str | None = None
     trace_id: str | None = None
-    # Why an envelope value was ignored ("" when none was).
     ignored: str = ""
 
 

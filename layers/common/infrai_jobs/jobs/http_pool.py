@@ -1,8 +1,8 @@
 """A job's HTTP pool to its provider, built on the first call or by ``warm``.
 
-Importing ``urllib3`` costs about 20-25 ms of cold start, which a drain of ``database`` jobs
-never pays. A rate-limited job passes ``warm`` as its ``prepare``, so the import never stands
-between a reserved start and the call. In the layer so every team's job (and ``new-job``'s) has it.
+Importing ``urllib3`` costs 20-25 ms of cold start, which a drain of ``database`` jobs never
+pays. A rate-limited job passes ``warm`` as its ``prepare``, so the import never stands between
+a reserved start and the call.
 """
 
 from __future__ import annotations

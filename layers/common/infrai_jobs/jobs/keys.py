@@ -8,10 +8,10 @@ Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSO
 3. else ``sha256:`` + the payload fingerprint: the hex SHA-256 of the RFC 8785 canonical JSON of
    the work fields (all but the envelope, ``_`` names). Stored with each claim, it makes the
    same key with different work a conflict rather than a silent duplicate.
+Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``.
 
-Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an
-existing payload a different key is a new scheme version: rows under the old keys would stop
-matching, and their redeliveries would run twice. The unit tests pin exact keys.
+Any change that gives an existing payload a different key is a new scheme version: rows under
+the old keys would stop matching, and their redeliveries would run twice. Tests pin exact keys.
 """
 
 from __future__ import annotations
@@ -81,9 +81,8 @@ def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, 
 
 
 def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dict[str, str] | None:
-    """The identity fields a natural key of ``job`` spells, as strings; None when ``key`` is
-    not one. The inverse of ``natural_key`` up to type (split from the left: only the last
-    field may hold ``:``)."""
+    """The identity fields (as strings) a natural key of ``job`` spells, else None: the inverse
+    of ``natural_key`` up to type (split from the left: only the last field may hold ``:``)."""
     prefix = job + ":"
     if not identity_fields or not key.startswith(prefix):
         return None

@@ -1,11 +1,9 @@
 """Payload schemas: which fields a job's payload carries, their JSON types, which are required.
 
 Declared with ``JobRegistry.job(..., fields=...)``; the rules are in docs/payload-schemas.md.
-Types are JSON's, named by the Python types ``json.loads`` gives: ``bool`` is never an ``int``
-or a ``float`` here, and ``4900.0`` is a number, not an integer. Fields the schema does not
-declare pass unchecked (a rolling deploy must not turn payloads with a new field into dead
-letters); the envelope (``_`` names) and ``job`` cannot be declared; only the top level is
-checked. ``JobRegistry.derive`` checks every payload before its claim (``InvalidPayload``).
+Types are JSON's, named by the Python types ``json.loads`` gives (``bool`` is never an ``int``
+here). Undeclared fields pass unchecked: a rolling deploy must not turn payloads with a new
+field into dead letters. ``JobRegistry.derive`` checks every payload before its claim.
 """
 
 from __future__ import annotations
@@ -103,8 +101,7 @@ class PayloadSchema:
         return type(self)((*self.fields, *added)) if added else self
 
     def check(self, job: str, payload: Mapping[str, object]) -> None:
-        """Raise ``InvalidPayload`` naming every required field that is missing, or else every
-        field of the wrong type."""
+        """``InvalidPayload`` naming every missing required field, or else every mistyped one."""
         missing: list[str] = []
         wrong: list[str] = []
         for f in self.fields:

@@ -1,8 +1,7 @@
 """What a job may declare about its flow: a retry policy, a rate limit, a concurrency key.
 
-Plain values that check themselves when built (a ``ConfigurationError`` naming the field), so a
-policy in code fails at start-up and one from ``JOB_POLICIES`` names the job and the field.
-What they mean (back-off, ``JOB_POLICIES``, the ledger's limits) is ``infrai_jobs.flow``'s.
+Plain values that check themselves when built (a ``ConfigurationError`` naming the field, so a
+policy in code fails at start-up); what they mean is ``infrai_jobs.flow``'s.
 """
 
 from __future__ import annotations
@@ -24,16 +23,16 @@ MAX_STARTS_PER_SECOND: Final = 1_000_000
 MAX_RUNNING: Final = 10_000
 
 
-def _positive(field: str, value: object, most: float, whole: bool = True, least: float = 0) -> None:
+def _positive(field: str, value: object, most: float, whole: bool = True, low: float = 0) -> None:
     # bool is an int to Python, but true is no count in a policy.
     if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
         kind = "a whole number" if whole else "a number"
         raise ConfigurationError(f"{field} must be {kind} (got {value!r})")
     if not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{field} must be positive (got {value!r})")
-    if value < least or value > most:
-        low = f"at least {least:g} and " if least else ""
-        raise ConfigurationError(f"{field} must be {low}at most {most:g} (got {value!r})")
+    if value < low or value > most:
+        least = f"at least {low:g} and " if low else ""
+        raise ConfigurationError(f"{field} must be {least}at most {most:g} (got {value!r})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +52,7 @@ class RetryPolicy:
         _positive("retry.attempts", self.attempts, MAX_ATTEMPTS)
         for name in ("first_delay_seconds", "max_delay_seconds"):
             value = getattr(self, name)
-            _positive(
-                f"retry.{name}", value, MAX_DELAY_SECONDS, whole=False, least=MIN_DELAY_SECONDS
-            )
+            _positive(f"retry.{name}", value, MAX_DELAY_SECONDS, whole=False, low=MIN_DELAY_SECONDS)
         _positive("retry.factor", self.factor, MAX_FACTOR, whole=False)
         if self.factor < 1:
             raise ConfigurationError(

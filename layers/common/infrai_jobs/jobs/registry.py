@@ -53,10 +53,6 @@ class SecretValues(Mapping[str, str]):
         return f"SecretValues({', '.join(self._values)})"
 
 
-def _no_settings() -> Mapping[str, str]:
-    return MappingProxyType({})
-
-
 class Effect(StrEnum):
     DATABASE = "database"
     EXTERNAL = "external"
@@ -75,7 +71,7 @@ class JobContext:
     deadline: float
     # Only for DATABASE jobs: the connection whose transaction also holds the claim.
     db: psycopg.Connection[Any] | None = None
-    settings: Mapping[str, str] = field(default_factory=_no_settings)
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
     # The producer's correlation id and W3C traceparent (``correlation``), to pass downstream.
     correlation_id: str | None = None
@@ -93,9 +89,8 @@ class JobDefinition:
     handler: Handler
     # Payload fields that identify the work (``keys``); empty: the key is a content hash.
     identity: tuple[str, ...] = ()
-    # Fields the handler cannot work without; a payload missing one is rejected before claiming.
+    # Fields the handler cannot work without: ``register`` adds them, untyped, to the schema.
     required: tuple[str, ...] = ()
-    # ``register`` adds the identity and required fields it does not declare, untyped.
     schema: PayloadSchema = field(default_factory=PayloadSchema)
     settings: tuple[str, ...] = ()
     secrets: tuple[str, ...] = ()
@@ -112,14 +107,13 @@ class JobDefinition:
 
 @dataclass(frozen=True, slots=True)
 class DerivedJob:
-    """A payload matched to its job, with the key and fingerprint the claim will carry, and the
-    bound values of the job's settings and secrets."""
+    """A payload matched to its job, with its claim's key and fingerprint, and bound values."""
 
     definition: JobDefinition
     payload: Payload
     idem_key: str
     fingerprint: str
-    settings: Mapping[str, str] = field(default_factory=_no_settings)
+    settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
 
 
@@ -130,8 +124,7 @@ class JobRegistry:
     _secrets: dict[str, Mapping[str, str]] = field(default_factory=dict, repr=False)
 
     def register(self, definition: JobDefinition) -> JobDefinition:
-        """Add a job; a definition that could never key a message fails here, at start-up,
-        not once per message in the drain."""
+        """Add a job; one that could never key a message fails here, not once per message."""
         name = definition.name
         if not name:
             raise ConfigurationError("a job needs a non-empty name")
@@ -301,7 +294,7 @@ class JobRegistry:
 
     def settings_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared settings (empty before binding)."""
-        return self._settings.get(name) or _no_settings()
+        return self._settings.get(name, MappingProxyType({}))
 
     def secrets_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared secrets (empty before binding)."""

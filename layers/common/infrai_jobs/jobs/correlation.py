@@ -1,5 +1,6 @@
 """A producer's correlation id, read from a message's envelope so it follows the job.
 
+Envelope fields (``_`` names) never change the key or the fingerprint. A producer may set:
 * ``_correlation_id``: a string of 1 to ``MAX_CORRELATION_ID_LENGTH`` printable characters;
 * ``_traceparent``: a W3C Trace Context ``traceparent``, whose trace id is the correlation id
   when ``_correlation_id`` is absent.
@@ -34,9 +35,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Correlation:
-    """What a message's envelope says about where it comes from (nothing usable: empty). The
-    producer's id, else the trace id; the validated traceparent as sent, and its trace id; why
-    an envelope value was ignored ("" when none was)."""
+    """Where a message comes from (empty: nothing usable): the producer's id, else the trace id;
+    the validated traceparent as sent, and its trace id; why a value was ignored ("" if none)."""
 
     correlation_id: str | None = None
     traceparent: str | None = None

@@ -8,10 +8,10 @@ Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSO
 3. else ``sha256:`` + the payload fingerprint: the hex SHA-256 of the RFC 8785 canonical JSON of
    the work fields (all but the envelope, ``_`` names). Stored with each claim, it makes the
    same key with different work a conflict rather than a silent duplicate.
-Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``.
 
-Any change that gives an existing payload a different key is a new scheme version: rows under
-the old keys would stop matching, and their redeliveries would run twice. Tests pin exact keys.
+Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an
+existing payload a different key is a new scheme version: rows under the old keys would stop
+matching, and their redeliveries would run twice. Tests pin exact keys.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ KEY_SCHEME_VERSION: Final = 1
 PRODUCER_KEY_FIELD: Final = "_idempotency_key"
 ENVELOPE_PREFIX: Final = "_"
 CONTENT_KEY_PREFIX: Final = "sha256:"
-# A key is a primary key in every log line about its message: far above any natural key, far
-# below the btree entry limit.
+# A key is a text primary key and in every log line about its message: 512 is far above any
+# natural key and far below the btree entry limit.
 MAX_KEY_LENGTH: Final = 512
 
 # Job name -> the payload fields that identify one unit of that job's work, in key order.
@@ -156,7 +156,7 @@ def _plain_canonical_json(value: object) -> bytes | None:
 
 
 def _is_plain(value: object, depth: int) -> bool:
-    # Exact types: an IntEnum takes the slow path rather than a bet on two encoders agreeing.
+    # Exact types: an int subclass (an IntEnum, say) takes the slow path, not a bet on encoders.
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return True

@@ -32,7 +32,9 @@ from infrai_jobs.jobs.keys import (
 )
 
 # The key rules the fixture jobs declare (tests/fixture_code): the layer knows none itself.
-EXAMPLE_RULES = MappingProxyType(build_registry().identity_table())
+EXAMPLE_RULES = MappingProxyType(
+    {job.name: job.identity for job in build_registry() if job.identity}
+)
 # A job with no key rule: keyed by its content.
 UNRULED_JOB = "report.export"
 

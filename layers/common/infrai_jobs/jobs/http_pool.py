@@ -1,11 +1,8 @@
 """A job's HTTP pool to its provider, built on the first call or by ``warm``.
 
-``urllib3`` costs a function about 20-25 ms of cold start to import. A drain whose batches
-hold only ``database`` jobs never calls a provider, so it never pays that. A rate-limited job
-passes ``warm`` as its ``prepare``: flow control calls it before the job's first start is
-reserved, so the import never stands between a reserved start and the call the provider counts.
-The layer ships it so that every team's job (and every one ``infrai-jobs new-job`` writes) has
-it, whatever the jobs package beside it holds.
+Importing ``urllib3`` costs 20-25 ms of cold start, which a drain of ``database`` jobs never
+pays. A rate-limited job passes ``warm`` as its ``prepare``, so the import never stands between
+a reserved start and the call.
 """
 
 from __future__ import annotations

@@ -2,26 +2,16 @@
 
 Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSON object:
 
-1. ``_idempotency_key``, when the producer set one, is the key as given.
-2. A job with declared identity fields (a key rule, from the job registry) gets
-   ``{job}:{field}[:{field}...]``. A rule ``refund.issue`` -> ``("refund_id",)`` gives
-   ``refund.issue:{refund_id}``, byte for byte the string the notes' Node worker builds, so
-   both can share one ledger during a migration; a tenant + period rule gives
-   ``{job}:{tenant_id}:{period}``.
-3. Any other job: ``sha256:`` + the payload fingerprint.
+1. the producer's ``_idempotency_key``, as given;
+2. for a job with a key rule (its identity fields, from the registry): ``{job}:{field}[:...]``,
+   byte for byte what the notes' Node worker builds, so both can share one ledger;
+3. else ``sha256:`` + the payload fingerprint: the hex SHA-256 of the RFC 8785 canonical JSON of
+   the work fields (all but the envelope, ``_`` names). Stored with each claim, it makes the
+   same key with different work a conflict rather than a silent duplicate.
 
-The rules belong to the jobs (``functions/jobs``, through ``JobRegistry``); this module
-knows no job by name. Code without the registry (RedriveFunction) passes ``NO_KEY_RULES`` and so
-knows producer keys and content keys only.
-
-The payload fingerprint is the hex SHA-256 of the RFC 8785 canonical JSON of the work fields:
-every top-level field except those starting with ``_``, which are envelope (tracing, the
-producer's key, ...), not work. It is stored with each claim so that the same key arriving with
-different work is a conflict rather than a silent duplicate.
-
-Any change that gives an existing payload a different key is a new scheme version: rows the
-ledger holds under the old keys would stop matching, and their redeliveries would run twice.
-The unit tests pin exact keys so such a change cannot slip in unnoticed.
+Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an
+existing payload a different key is a new scheme version: rows under the old keys would stop
+matching, and their redeliveries would run twice. Tests pin exact keys.
 """
 
 from __future__ import annotations
@@ -42,31 +32,29 @@ KEY_SCHEME_VERSION: Final = 1
 PRODUCER_KEY_FIELD: Final = "_idempotency_key"
 ENVELOPE_PREFIX: Final = "_"
 CONTENT_KEY_PREFIX: Final = "sha256:"
-# A key is a text primary key and appears in every log line about its message; 512 characters
-# is far above any natural key and far below the btree entry limit.
+# A key is a text primary key and in every log line about its message: 512 is far above any
+# natural key and far below the btree entry limit.
 MAX_KEY_LENGTH: Final = 512
 
+# Job name -> the payload fields that identify one unit of that job's work, in key order.
 KeyRules: TypeAlias = Mapping[str, Sequence[str]]
-"""Job name -> the payload fields that identify one unit of that job's work, in key order."""
-
 NO_KEY_RULES: Final[KeyRules] = MappingProxyType({})
-"""No job's rule: a producer key or a content key, all that can be known without the registry."""
 
-# JSON numbers are IEEE 754 doubles: beyond this an integer id no longer names one value, and
-# the Node worker would already have rounded it.
+# JSON numbers are doubles: beyond this an integer names no one value (Node has rounded it).
 _SAFE_INTEGER_MAX: Final = 2**53 - 1
 
 
 def derive_key(payload: object, key_rules: KeyRules) -> str:
-    """The idempotency key of one message body under ``key_rules`` (the job registry's table).
-
-    A job without a rule there is keyed by its content. Raises ``KeyDerivationError`` when the
-    body is not an object, a ruled job lacks an identity field, or the work cannot be
-    canonicalised.
-    """
+    """The idempotency key of one message body under ``key_rules``, or ``KeyDerivationError``
+    saying why none can be derived."""
     body = _require_object(payload)
     if PRODUCER_KEY_FIELD in body:
-        return _producer_key(body[PRODUCER_KEY_FIELD])
+        key = body[PRODUCER_KEY_FIELD]
+        if not isinstance(key, str) or not key.strip():
+            raise KeyDerivationError(
+                f"{PRODUCER_KEY_FIELD} must be a non-empty string (got {_describe(key)})"
+            )
+        return _checked_key(key, PRODUCER_KEY_FIELD)
     job = body.get("job")
     if isinstance(job, str) and job in key_rules:
         return natural_key(job, key_rules[job], body)
@@ -75,10 +63,8 @@ def derive_key(payload: object, key_rules: KeyRules) -> str:
 
 def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, object]) -> str:
     """``{job}:{value}[:{value}...]`` from the payload's identity fields, in rule order.
-
-    Only the last field may contain ``:``: with one field that keeps the Node worker's plain
-    concatenation, and with several it keeps ``a:b`` + ``c`` apart from ``a`` + ``b:c``.
-    """
+    Only the last may contain ``:``: with one field that keeps the Node worker's plain
+    concatenation, and with several it keeps ``a:b`` + ``c`` apart from ``a`` + ``b:c``."""
     check_key_rule(job, identity_fields)
     parts = [job]
     for position, field in enumerate(identity_fields, start=1):
@@ -95,9 +81,8 @@ def natural_key(job: str, identity_fields: Sequence[str], payload: Mapping[str, 
 
 
 def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dict[str, str] | None:
-    """The identity fields a natural key of ``job`` spells, as strings; None when ``key`` is
-    not one (a producer key or a content key). The inverse of ``natural_key`` up to type: only
-    the last field may hold ``:``, so splitting from the left is unambiguous."""
+    """The identity fields (as strings) a natural key of ``job`` spells, else None: the inverse
+    of ``natural_key`` up to type (split from the left: only the last field may hold ``:``)."""
     prefix = job + ":"
     if not identity_fields or not key.startswith(prefix):
         return None
@@ -108,12 +93,12 @@ def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dic
 
 
 def payload_fingerprint(payload: object) -> str:
-    """Hex SHA-256 of the canonical JSON of the payload's work fields (envelope excluded)."""
+    """Hex SHA-256 of the canonical JSON of the payload's work fields."""
     return hashlib.sha256(canonical_json(work_fields(payload))).hexdigest()
 
 
 def work_fields(payload: object) -> dict[str, object]:
-    """The payload's top-level fields without the envelope (names starting with ``_``)."""
+    """The payload's top-level fields without the envelope."""
     body = _require_object(payload)
     return {
         name: value
@@ -123,17 +108,13 @@ def work_fields(payload: object) -> dict[str, object]:
 
 
 def canonical_json(value: object) -> bytes:
-    """RFC 8785 (JCS) canonical JSON of ``value``.
-
-    Raises ``KeyDerivationError`` for anything JSON cannot carry exactly, so that two different
-    payloads never meet in one lossy serialisation.
-    """
+    """RFC 8785 (JCS) canonical JSON of ``value``; ``KeyDerivationError`` for anything JSON
+    cannot carry exactly, so that two payloads never meet in one lossy serialisation."""
     plain = _plain_canonical_json(value)
     if plain is not None:
         return plain
     try:
-        # Any Python value may arrive here; refusing what JSON cannot carry is rfc8785's job.
-        return rfc8785.dumps(value)  # type: ignore[arg-type]
+        return rfc8785.dumps(value)  # type: ignore[arg-type]  # it refuses what JSON cannot carry
     except rfc8785.IntegerDomainError as exc:
         raise KeyDerivationError(
             "payload holds an integer outside +/-(2**53 - 1), which a JSON number cannot "
@@ -149,8 +130,7 @@ def canonical_json(value: object) -> bytes:
             "payload holds text that is not valid Unicode (a lone surrogate)"
         ) from exc
     except ValueError as exc:
-        # CanonicalizationError (non-string object keys, unsupported types such as bytes or
-        # sets) is a ValueError; so is int-to-text refusing a number of thousands of digits.
+        # CanonicalizationError (non-string keys, bytes, sets...) and int-to-text's refusal.
         raise KeyDerivationError(f"payload is not representable as canonical JSON: {exc}") from exc
     except RecursionError as exc:
         raise KeyDerivationError("payload is nested too deeply to canonicalise") from exc
@@ -163,12 +143,9 @@ def _plain_canonical_json(value: object) -> bytes | None:
     """The canonical JSON of plain work, written by the stdlib's C encoder; else None.
 
     Plain: objects with ASCII names, arrays, strings, integers within +/-(2**53 - 1), booleans
-    and nulls, at most 32 levels deep. For these, ``json`` with sorted keys and no spaces writes
-    the very bytes RFC 8785 prescribes (ASCII names sort alike by code point and by UTF-16 unit;
-    strings escape the same characters the same way), in about half the time ``rfc8785`` takes,
-    and a drain lane does this for every message. Floats, non-ASCII names and everything JSON
-    cannot carry go to ``rfc8785``; a test compares the two on generated work.
-    """
+    and nulls, at most 32 levels deep. For these, sorted ``json`` without spaces writes the very
+    bytes RFC 8785 prescribes (ASCII names sort alike by code point and by UTF-16 unit; strings
+    escape alike) in half ``rfc8785``'s time, for every message. A test compares the two."""
     if not _is_plain(value, 32):
         return None
     text = _PLAIN_ENCODER.encode(value)
@@ -179,8 +156,7 @@ def _plain_canonical_json(value: object) -> bytes | None:
 
 
 def _is_plain(value: object, depth: int) -> bool:
-    # Exact types: an int subclass (an IntEnum, say) is not what json.loads gives, so it takes
-    # the slow path rather than a bet on two encoders agreeing about it.
+    # Exact types: an int subclass (an IntEnum, say) takes the slow path, not a bet on encoders.
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return True
@@ -203,14 +179,6 @@ def _require_object(payload: object) -> dict[str, object]:
         raise KeyDerivationError(f"payload is not a JSON object (got {type(payload).__name__})")
     # A copy as a plain dict: rfc8785 serialises dicts only, and callers may hold other Mappings.
     return dict(payload)
-
-
-def _producer_key(value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise KeyDerivationError(
-            f"{PRODUCER_KEY_FIELD} must be a non-empty string (got {_describe(value)})"
-        )
-    return _checked_key(value, PRODUCER_KEY_FIELD)
 
 
 def _identity_part(job: str, field: str, value: object) -> str:
@@ -244,8 +212,7 @@ def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
         )
 
 
-# C0 controls and DEL: one regex scan instead of a Python loop per character (it runs for
-# every message, twice).
+# C0 controls and DEL: one regex scan, not a Python loop per character (twice per message).
 _CONTROL_CHARACTERS: Final = re.compile("[\x00-\x1f\x7f]")
 
 

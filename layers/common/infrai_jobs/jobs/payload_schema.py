@@ -1,71 +1,47 @@
 """Payload schemas: which fields a job's payload carries, their JSON types, which are required.
 
-A job declares them where it registers (``JobRegistry.job(..., fields=...)``)::
-
-    fields={
-        "refund_id": (str, int),             # required: a string or an integer
-        "amount_cents": int,                 # required: an integer (a boolean is not one)
-        "note": Field(str, required=False),  # optional: absent, null, or a string
-    }
-
-Types are JSON's, named by the Python types ``json.loads`` returns for them: ``str`` string,
-``int`` integer (written without a fraction or exponent; ``4900.0`` is a number, not an
-integer), ``float`` number (integers included), ``bool`` boolean, ``dict`` object, ``list``
-array. A tuple of them accepts any one. ``bool`` is an ``int`` to Python but never to a schema:
-``true`` is not an integer and not a number.
-
-The rules ``check`` applies:
-
-* A required field must be present and not null, and a string one not empty: the rule the
-  ``required=`` names have always had.
-* An optional field may be absent or null; otherwise it must have its type.
-* Fields the schema does not declare are allowed and not checked: producers add fields before
-  every consumer knows them, and a rolling deploy must not turn those payloads into dead letters.
-* Envelope fields (names starting with ``_``) are never checked and cannot be declared, nor can
-  ``job``, which the registry has already used to find the schema.
-* Only the top level is checked: what an object or an array holds is the handler's business.
-
-``JobRegistry.derive`` checks every payload before its claim, so a payload that does not match is
-rejected with ``InvalidPayload``, whose message names each field and what was wrong with it.
+Declared with ``JobRegistry.job(..., fields=...)``; the rules are in docs/payload-schemas.md.
+Types are JSON's, named by the Python types ``json.loads`` gives (``bool`` is never an ``int``
+here). Undeclared fields pass unchecked: a rolling deploy must not turn payloads with a new
+field into dead letters. ``JobRegistry.derive`` checks every payload before its claim.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Final, Self, TypeAlias
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload
 from infrai_jobs.jobs.keys import ENVELOPE_PREFIX
 
+# A JSON type by its Python type (``str``, ``int``, ...), or a tuple of them for any one.
 FieldType: TypeAlias = type[object] | tuple[type[object], ...]
-"""A JSON type by its Python type (``str``, ``int``, ...), or a tuple of them for any one."""
 
 
 @dataclass(frozen=True, slots=True)
 class Field:
-    """A declared field that is not simply "required, of this type": ``Field(str,
-    required=False)`` is an optional string."""
+    """A declared field other than "required, of this type": ``Field(str, required=False)``."""
 
     type: FieldType
     required: bool = True
 
 
+# What ``fields=`` maps a field name to: a type (required), a tuple of types, or a ``Field``.
 FieldSpec: TypeAlias = FieldType | Field
-"""What ``fields=`` maps a field name to: a type (required), a tuple of types, or a ``Field``."""
 
-# Declared Python type -> (what the messages call it, the Python values that are one).
+# Declared Python type -> (what the messages call it, the Python values that are one), in the
+# order ``json_type_of`` tries them.
 _JSON_TYPES: Final[dict[type[object], tuple[str, tuple[type[object], ...]]]] = {
-    str: ("a string", (str,)),
+    bool: ("a boolean", (bool,)),
     int: ("an integer", (int,)),
     float: ("a number", (int, float)),
-    bool: ("a boolean", (bool,)),
+    str: ("a string", (str,)),
     dict: ("an object", (Mapping,)),
     list: ("an array", (list, tuple)),
 }
 # What a key can be built from (keys.natural_key): an identity field may be declared only so.
 _KEYABLE: Final = frozenset({str, int})
-_ROUTING_FIELD: Final = "job"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +50,7 @@ class DeclaredField:
 
     name: str
     required: bool
-    # The Python types that are values of this field; None when any value is (a field that is
-    # only named required, by ``required=`` or as an identity field).
+    # The Python types that are values of this field; None when any value is (untyped).
     accepted: tuple[type[object], ...] | None
     # "an integer", "a string or an integer": for messages.
     expected: str
@@ -90,8 +65,7 @@ class PayloadSchema:
 
     @classmethod
     def declare(cls, job: str, fields: Mapping[str, FieldSpec]) -> PayloadSchema:
-        """The schema ``fields`` describes; ``ConfigurationError`` (at registration, not once per
-        message) when a name or a type cannot be checked."""
+        """The schema ``fields`` describes, or a ``ConfigurationError`` at registration."""
         if not isinstance(fields, Mapping):
             raise ConfigurationError(
                 f"job {job!r}: fields must map field names to types, e.g. "
@@ -103,12 +77,13 @@ class PayloadSchema:
     def required(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields if f.required)
 
-    def requiring(self, job: str, names: Sequence[str]) -> PayloadSchema:
-        """This schema with ``names`` required too (untyped where not declared). A name the
-        schema declares optional is a contradiction, refused as a ``ConfigurationError``."""
+    def requiring(self, job: str, identity: Sequence[str], required: Sequence[str]) -> Self:
+        """This schema with ``identity`` and ``required`` required too (untyped where undeclared).
+        A ``ConfigurationError`` refuses one declared optional, or an identity field declared of
+        a type no key can be built from."""
         declared = {f.name: f for f in self.fields}
         added: list[DeclaredField] = []
-        for name in dict.fromkeys(names):
+        for name in dict.fromkeys((*identity, *required)):
             found = declared.get(name)
             if found is None:
                 added.append(DeclaredField(name, required=True, accepted=None, expected="any"))
@@ -117,21 +92,16 @@ class PayloadSchema:
                     f"job {job!r}: field {name!r} is declared optional but is an identity or "
                     "required field"
                 )
-        return PayloadSchema((*self.fields, *added)) if added else self
-
-    def check_identity(self, job: str, identity: Sequence[str]) -> None:
-        """Refuse identity fields whose declared type no key can be built from."""
-        for f in self.fields:
-            if f.name in identity and f.declared_types and not f.declared_types <= _KEYABLE:
+            elif name in identity and not found.declared_types <= _KEYABLE:
                 raise ConfigurationError(
-                    f"job {job!r}: identity field {f.name!r} is declared {f.expected}, but a "
+                    f"job {job!r}: identity field {name!r} is declared {found.expected}, but a "
                     "key is built only from strings and integers: declare it str, int or "
                     "(str, int)"
                 )
+        return type(self)((*self.fields, *added)) if added else self
 
     def check(self, job: str, payload: Mapping[str, object]) -> None:
-        """Raise ``InvalidPayload`` naming every required field that is missing, or else every
-        field of the wrong type."""
+        """``InvalidPayload`` naming every missing required field, or else every mistyped one."""
         missing: list[str] = []
         wrong: list[str] = []
         for f in self.fields:
@@ -152,15 +122,9 @@ def json_type_of(value: object) -> str:
     """The JSON type a value would be sent as, for messages ("integer", "null", ...)."""
     if value is None:
         return "null"
-    for declared, name in ((bool, "boolean"), (int, "integer"), (float, "number")):
-        if isinstance(value, declared):
-            return name
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, Mapping):
-        return "object"
-    if isinstance(value, list | tuple):
-        return "array"
+    for expected, accepted in _JSON_TYPES.values():
+        if _is_one_of(value, accepted):
+            return expected.split()[-1]
     return type(value).__name__
 
 
@@ -174,7 +138,7 @@ def _is_one_of(value: object, accepted: tuple[type[object], ...]) -> bool:
 def _declared(job: str, name: object, spec: object) -> DeclaredField:
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"job {job!r}: field names must be non-empty strings ({name!r})")
-    if name.startswith(ENVELOPE_PREFIX) or name == _ROUTING_FIELD:
+    if name.startswith(ENVELOPE_PREFIX) or name == "job":
         raise ConfigurationError(
             f"job {job!r}: field {name!r} cannot be declared: 'job' and names starting with "
             f"{ENVELOPE_PREFIX!r} (the envelope) are never part of a job's payload schema"

@@ -1,10 +1,7 @@
 """What a job may declare about its flow: a retry policy, a rate limit, a concurrency key.
 
-Plain, validated values. They live beside the registry (``@registry.job(..., retry=...)``)
-because a job declares them there; what they mean (back-off, the ``JOB_POLICIES`` document,
-the ledger's limits) is ``infrai_jobs.flow``'s. Each value checks itself when built and raises
-``ConfigurationError`` naming the field, so a policy written in code fails at start-up and one
-read from ``JOB_POLICIES`` fails naming the job and the field.
+Plain values that check themselves when built (a ``ConfigurationError`` naming the field, so a
+policy in code fails at start-up); what they mean is ``infrai_jobs.flow``'s.
 """
 
 from __future__ import annotations
@@ -15,9 +12,8 @@ from typing import Final
 
 from infrai_jobs.errors import ConfigurationError
 
-# What a policy's numbers may be: every value between these bounds is one the back-off's
-# floats, the ledger's int columns and its timestamps hold, and no delay is short enough to
-# turn a retry into a busy loop.
+# Every value within these bounds fits the back-off's floats and the ledger's int columns and
+# timestamps, and no delay is short enough to turn a retry into a busy loop.
 MAX_ATTEMPTS: Final = 1_000
 MIN_DELAY_SECONDS: Final = 0.01
 MAX_DELAY_SECONDS: Final = 30 * 86_400.0  # the ledger's default retention
@@ -27,20 +23,16 @@ MAX_STARTS_PER_SECOND: Final = 1_000_000
 MAX_RUNNING: Final = 10_000
 
 
-def _positive(field: str, value: object, *, whole: bool, least: float = 0.0, most: float) -> None:
+def _positive(field: str, value: object, most: float, whole: bool = True, low: float = 0) -> None:
     # bool is an int to Python, but true is no count in a policy.
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or (whole and not isinstance(value, int))
-    ):
+    if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
         kind = "a whole number" if whole else "a number"
         raise ConfigurationError(f"{field} must be {kind} (got {value!r})")
     if not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{field} must be positive (got {value!r})")
-    if value < least or value > most:
-        low = f"at least {least:g} and " if least else ""
-        raise ConfigurationError(f"{field} must be {low}at most {most:g} (got {value!r})")
+    if value < low or value > most:
+        least = f"at least {low:g} and " if low else ""
+        raise ConfigurationError(f"{field} must be {least}at most {most:g} (got {value!r})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +45,15 @@ class RetryPolicy:
     first_delay_seconds: float = 1.0
     factor: float = 2.0
     max_delay_seconds: float = 300.0
-    # Exception classes, or their names as ``JOB_POLICIES`` spells them ("ValueError", or
-    # "module.ClassName").
+    # Exception classes, or their names as ``JOB_POLICIES`` spells them ("module.ClassName").
     final_errors: tuple[type[BaseException] | str, ...] = ()
 
     def __post_init__(self) -> None:
-        _positive("retry.attempts", self.attempts, whole=True, most=MAX_ATTEMPTS)
+        _positive("retry.attempts", self.attempts, MAX_ATTEMPTS)
         for name in ("first_delay_seconds", "max_delay_seconds"):
-            _positive(
-                f"retry.{name}",
-                getattr(self, name),
-                whole=False,
-                least=MIN_DELAY_SECONDS,
-                most=MAX_DELAY_SECONDS,
-            )
-        _positive("retry.factor", self.factor, whole=False, most=MAX_FACTOR)
+            value = getattr(self, name)
+            _positive(f"retry.{name}", value, MAX_DELAY_SECONDS, whole=False, low=MIN_DELAY_SECONDS)
+        _positive("retry.factor", self.factor, MAX_FACTOR, whole=False)
         if self.factor < 1:
             raise ConfigurationError(
                 f"retry.factor must be at least 1, or delays would shrink (got {self.factor!r})"
@@ -100,7 +86,7 @@ class RateLimit:
         if len(given) != 1:
             raise ConfigurationError("rate needs exactly one of per_second or per_minute")
         most = MAX_STARTS_PER_SECOND * (1 if given[0] == "per_second" else 60)
-        _positive(f"rate.{given[0]}", getattr(self, given[0]), whole=True, most=most)
+        _positive(f"rate.{given[0]}", getattr(self, given[0]), most)
 
     @property
     def limit(self) -> int:
@@ -124,15 +110,12 @@ class ConcurrencyLimit:
     max_running: int
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.key, tuple)
-            or not self.key
-            or not all(isinstance(name, str) and name for name in self.key)
-        ):
+        key = self.key
+        if not (isinstance(key, tuple) and key and all(isinstance(n, str) and n for n in key)):
             raise ConfigurationError(
                 f"concurrency.key must list one or more payload field names (got {self.key!r})"
             )
-        _positive("concurrency.max_running", self.max_running, whole=True, most=MAX_RUNNING)
+        _positive("concurrency.max_running", self.max_running, MAX_RUNNING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,21 +132,3 @@ class JobPolicy:
     def is_empty(self) -> bool:
         """Nothing to enforce: the job takes the path it takes without a policy."""
         return self.retry is None and self.rate is None and self.concurrency is None
-
-
-def check_declared(
-    retry: object, rate: object, concurrency: object
-) -> tuple[RetryPolicy | None, RateLimit | None, ConcurrencyLimit | None]:
-    """The registry's check of what ``@job(retry=, rate=, concurrency=)`` was given."""
-    for field, value, kind in (
-        ("retry", retry, RetryPolicy),
-        ("rate", rate, RateLimit),
-        ("concurrency", concurrency, ConcurrencyLimit),
-    ):
-        if value is not None and not isinstance(value, kind):
-            raise ConfigurationError(f"{field} must be a {kind.__name__} (got {value!r})")
-    return (
-        retry if isinstance(retry, RetryPolicy) else None,
-        rate if isinstance(rate, RateLimit) else None,
-        concurrency if isinstance(concurrency, ConcurrencyLimit) else None,
-    )

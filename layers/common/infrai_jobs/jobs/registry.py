@@ -1,48 +1,14 @@
 """Declaring jobs: a name, how its key is derived, its effect class, and its handler.
 
-Users write handlers in ``functions/jobs/`` and register them on a ``JobRegistry``::
+Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., ...)``. The effect
+class decides how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE``
+job's claim, effect and ``done`` commit in one transaction (``ctx.db``); an ``EXTERNAL`` job's
+claim is committed ``running`` before the irreversible call, so a crash leaves it for a human
+(or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream accepts our
+key (``ctx.idem_key``), so an expired claim may be taken over and the call repeated.
 
-    registry = JobRegistry()
-
-    @registry.job(
-        "refund.issue",
-        effect=Effect.DATABASE,
-        identity=("refund_id",),
-        fields={"refund_id": str, "amount_cents": int},
-    )
-    def issue_refund(payload: Payload, ctx: JobContext) -> JsonValue:
-        ...
-
-The effect class decides how the claim protects the work (docs/design.md, "Effect classes"):
-
-* ``DATABASE``: effects only in the ledger's own Postgres. The handler gets ``ctx.db``, a
-  connection inside the batch transaction; claim, effect and ``done`` commit together.
-* ``EXTERNAL``: irreversible calls. The claim is committed ``running`` first; a crash after the
-  call leaves it for a human, never for a retry.
-* ``EXTERNAL_IDEMPOTENT``: the downstream accepts our key (``ctx.idem_key``); an expired claim
-  may be taken over and the call repeated with the same key.
-
-``fields`` is the payload's schema (``infrai_jobs.jobs.payload_schema``): ``derive`` checks every
-payload against it before the claim, so a handler sees only payloads that match it.
-
-An ``EXTERNAL`` or ``EXTERNAL_IDEMPOTENT`` job may declare a reconcile probe (``probe=fn``, see
-``infrai_jobs.jobs.probes``): asked about a stuck claim, it answers ``Done``, ``NotDone`` or
-``Unknown``, and the reconcile pass settles, releases or leaves the claim accordingly.
-
-A job declares the settings it needs by name (``settings=("CRM_URL",)``): the URLs of
-the downstreams it calls. The framework names none. The function (or the CLI) reads exactly the
-declared ones at its edge (``config.settings``) and binds them with ``bind_settings`` before
-anything is consumed; a handler finds its own in ``ctx.settings``.
-
-A job declares its credentials as secrets, by name (``secrets=("MAIL_API_TOKEN",)``), never in
-a setting's URL. In AWS each is read from the Secrets Manager secret ``MAIL_API_TOKEN_SECRET_ARN``
-names (``aws.secrets``), once, at the cold start; locally the plain ``MAIL_API_TOKEN`` may stand
-in. They are bound with the settings (``bind_settings(..., secrets=...)``); a handler finds its
-own in ``ctx.secrets``, whose repr names them and never shows a value.
-
-A job may declare its flow (``infrai_jobs.jobs.policy``): ``retry=RetryPolicy(...)``,
-``rate=RateLimit(...)``, ``concurrency=ConcurrencyLimit(...)``. ``JOB_POLICIES`` overrides them
-(``infrai_jobs.flow.policies``); a job that declares none takes exactly the path it took before.
+Settings (downstream URLs) and secrets (credentials, never in a URL) are declared by name; the
+function reads exactly those at its edge and binds them (``bind_settings``) before consuming.
 """
 
 from __future__ import annotations
@@ -56,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError, UnknownJob
 from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
-from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema
-from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy, check_declared
+from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema, json_type_of
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.probes import ProbeAnswer
 
 if TYPE_CHECKING:
@@ -70,8 +36,6 @@ JsonValue = Any
 class SecretValues(Mapping[str, str]):
     """A job's secrets by name. Its repr names them and shows no value, so a context or a
     derived job that ends up in a log line or an error leaks nothing."""
-
-    __slots__ = ("_values",)
 
     def __init__(self, values: Mapping[str, str] | None = None) -> None:
         self._values = dict(values or {})
@@ -107,18 +71,14 @@ class JobContext:
     deadline: float
     # Only for DATABASE jobs: the connection whose transaction also holds the claim.
     db: psycopg.Connection[Any] | None = None
-    # The values of the settings this job declared, by name.
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # The values of the secrets this job declared, by name (never in a repr).
     secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
-    # The producer's correlation id (its ``_correlation_id``, else its ``_traceparent``'s trace
-    # id) and its W3C traceparent, to pass downstream; None when the message carried none.
+    # The producer's correlation id and W3C traceparent (``correlation``), to pass downstream.
     correlation_id: str | None = None
     traceparent: str | None = None
 
 
 Handler = Callable[[Payload, JobContext], JsonValue]
-# Asks the provider whether a stuck claim's effect happened (``infrai_jobs.jobs.probes``).
 Probe = Callable[[Payload, JobContext], ProbeAnswer]
 
 
@@ -127,41 +87,33 @@ class JobDefinition:
     name: str
     effect: Effect
     handler: Handler
-    # Payload fields that identify the work; the key is "{name}:{field1}:{field2}...".
-    # Empty means "no natural identity": the key is a hash of the canonical payload.
+    # Payload fields that identify the work (``keys``); empty: the key is a content hash.
     identity: tuple[str, ...] = ()
-    # Fields the handler cannot work without; a payload missing one is rejected before claiming.
+    # Fields the handler cannot work without: ``register`` adds them, untyped, to the schema.
     required: tuple[str, ...] = ()
-    # The payload's declared fields and their JSON types; ``register`` adds the identity and
-    # required fields it does not declare, as required fields of any type.
     schema: PayloadSchema = field(default_factory=PayloadSchema)
-    # The settings (environment variables) the handler reads from ``ctx.settings``.
     settings: tuple[str, ...] = ()
-    # The secrets (credentials, by name) the handler reads from ``ctx.secrets``.
     secrets: tuple[str, ...] = ()
-    # Asks the provider about a stuck claim; only for the external effect classes.
+    # Asks the provider about a stuck claim (``probes``); only for the external effect classes.
     probe: Probe | None = None
     # Flow control, as declared in code (``JOB_POLICIES`` may override each).
     retry: RetryPolicy | None = None
     rate: RateLimit | None = None
     concurrency: ConcurrencyLimit | None = None
-    # Called once per process before the job's first rate-limited start (build its HTTP pool,
-    # import its client): a reserved start is the moment the call should leave, so nothing
-    # slow may stand between the two.
+    # Called once per process before the job's first rate-limited start (to build its client):
+    # nothing slow may stand between a reserved start and the call.
     prepare: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class DerivedJob:
-    """A payload matched to its job, with the key and fingerprint the claim will carry."""
+    """A payload matched to its job, with its claim's key and fingerprint, and bound values."""
 
     definition: JobDefinition
     payload: Payload
     idem_key: str
     fingerprint: str
-    # The bound values of the job's declared settings (``JobRegistry.bind_settings``).
     settings: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # The bound values of the job's declared secrets.
     secrets: Mapping[str, str] = field(default_factory=SecretValues, repr=False)
 
 
@@ -172,46 +124,43 @@ class JobRegistry:
     _secrets: dict[str, Mapping[str, str]] = field(default_factory=dict, repr=False)
 
     def register(self, definition: JobDefinition) -> JobDefinition:
-        """Add a job; a definition that could never key a message fails here, at start-up,
-        not once per message in the drain."""
-        if not definition.name:
+        """Add a job; one that could never key a message fails here, not once per message."""
+        name = definition.name
+        if not name:
             raise ConfigurationError("a job needs a non-empty name")
-        if definition.name in self._jobs:
-            raise ConfigurationError(f"job {definition.name!r} is registered twice")
+        if name in self._jobs:
+            raise ConfigurationError(f"job {name!r} is registered twice")
         if definition.identity:
-            check_key_rule(definition.name, definition.identity)
+            check_key_rule(name, definition.identity)
         if definition.probe is not None and definition.effect is Effect.DATABASE:
-            # A database job never leaves a running claim behind: there is nothing to probe.
             raise ConfigurationError(
-                f"job {definition.name!r}: a reconcile probe needs an external effect "
+                f"job {name!r}: a reconcile probe needs an external effect "
                 "(Effect.EXTERNAL or Effect.EXTERNAL_IDEMPOTENT); a database job's claim "
                 "commits with its effect, so it is never stuck"
             )
         if definition.prepare is not None and not callable(definition.prepare):
-            raise ConfigurationError(
-                f"job {definition.name!r}: prepare must be a function of no arguments"
-            )
+            raise ConfigurationError(f"job {name!r}: prepare must be a function of no arguments")
         if definition.probe is not None and not callable(definition.probe):
-            raise ConfigurationError(
-                f"job {definition.name!r}: probe must be a function of (payload, ctx)"
-            )
+            raise ConfigurationError(f"job {name!r}: probe must be a function of (payload, ctx)")
         both = sorted(set(definition.secrets) & set(definition.settings))
         if both:
             raise ConfigurationError(
-                f"job {definition.name!r}: {', '.join(both)} is declared both as a setting "
+                f"job {name!r}: {', '.join(both)} is declared both as a setting "
                 "and as a secret; a credential is a secret only"
             )
-        try:
-            check_declared(definition.retry, definition.rate, definition.concurrency)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"job {definition.name!r}: {exc}") from None
-        schema = definition.schema.requiring(
-            definition.name, (*definition.identity, *definition.required)
-        )
-        schema.check_identity(definition.name, definition.identity)
+        for label, value, kind in (
+            ("retry", definition.retry, RetryPolicy),
+            ("rate", definition.rate, RateLimit),
+            ("concurrency", definition.concurrency, ConcurrencyLimit),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise ConfigurationError(
+                    f"job {name!r}: {label} must be a {kind.__name__} (got {value!r})"
+                )
+        schema = definition.schema.requiring(name, definition.identity, definition.required)
         if schema is not definition.schema:
             definition = replace(definition, schema=schema)
-        self._jobs[definition.name] = definition
+        self._jobs[name] = definition
         return definition
 
     def job(
@@ -230,13 +179,7 @@ class JobRegistry:
         concurrency: ConcurrencyLimit | None = None,
         prepare: Callable[[], object] | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Decorator form of ``register``. ``fields`` declares the payload's schema (see
-        ``infrai_jobs.jobs.payload_schema``); identity fields are always required; ``probe`` asks
-        the provider about a stuck claim (external effects only, ``infrai_jobs.jobs.probes``);
-        ``retry``, ``rate`` and ``concurrency`` declare its flow (``infrai_jobs.jobs.policy``);
-        ``settings`` and ``secrets`` name what it reads from ``ctx.settings`` and ``ctx.secrets``;
-        ``prepare`` readies its client before a rate-limited start (see ``JobDefinition``)."""
-
+        """Decorator form of ``register``; ``fields`` declares the ``payload_schema``."""
         for label, names in (
             ("identity", identity),
             ("required", required),
@@ -289,12 +232,19 @@ class JobRegistry:
         """Every secret a registered job declared, with the jobs that declared it."""
         return self._owners(lambda job: job.secrets)
 
+    def probe_settings(self) -> dict[str, tuple[str, ...]]:
+        """The settings of the jobs with a reconcile probe: all the watcher reads."""
+        return self._owners(lambda job: job.settings, probes_only=True)
+
+    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
+        """The secrets of the jobs with a reconcile probe, with those jobs."""
+        return self._owners(lambda job: job.secrets, probes_only=True)
+
     def bind_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
     ) -> None:
-        """Give every job the values of the settings and secrets it declared, at start-up: one
-        that is missing or empty is a ``ConfigurationError`` naming it and its jobs (never a
-        value)."""
+        """Give every job the values of the settings and secrets it declared, at start-up; a
+        missing or empty one is a ``ConfigurationError`` naming it and its jobs, never a value."""
         secret_values = secrets or {}
         missing = {
             name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
@@ -311,49 +261,36 @@ class JobRegistry:
                     for name, jobs in missing.items()
                 )
             )
-        self._settings = {
-            job.name: MappingProxyType({name: values[name] for name in job.settings})
-            for job in self._jobs.values()
-        }
-        self._secrets = {
-            job.name: SecretValues({name: secret_values[name] for name in job.secrets})
-            for job in self._jobs.values()
-        }
-
-    def probe_settings(self) -> dict[str, tuple[str, ...]]:
-        """The settings the jobs with a reconcile probe declared, with those jobs: all a
-        process that only probes (the watcher) reads."""
-        return self._owners(lambda job: job.settings, probes_only=True)
-
-    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
-        """The secrets the jobs with a reconcile probe declared, with those jobs."""
-        return self._owners(lambda job: job.secrets, probes_only=True)
+        self._bind(list(self._jobs.values()), values, secret_values)
 
     def bind_probe_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None
     ) -> dict[str, tuple[str, ...]]:
-        """For a process that only probes: bind the settings and secrets of the jobs with a
-        probe. A job missing one of them loses its probe here instead of failing the process
-        (the watcher must page whatever else is wrong); those jobs are returned with the names
-        they miss, so the caller can say so."""
+        """For the watcher: bind the settings and secrets of the jobs with a probe. A job missing
+        one loses its probe instead of failing the process (which must page whatever else is
+        wrong); those jobs are returned with the names they miss."""
         secret_values = secrets or {}
         unprobed: dict[str, tuple[str, ...]] = {}
-        bound: dict[str, Mapping[str, str]] = {}
-        bound_secrets: dict[str, Mapping[str, str]] = {}
-        for job in list(self._jobs.values()):
-            if job.probe is None:
-                continue
+        for job in [job for job in self._jobs.values() if job.probe is not None]:
             missing = tuple(name for name in job.settings if not values.get(name))
             missing += tuple(name for name in job.secrets if not secret_values.get(name))
             if missing:
                 unprobed[job.name] = missing
                 self._jobs[job.name] = replace(job, probe=None)
-                continue
-            bound[job.name] = MappingProxyType({name: values[name] for name in job.settings})
-            bound_secrets[job.name] = SecretValues({n: secret_values[n] for n in job.secrets})
-        self._settings = bound
-        self._secrets = bound_secrets
+        probed = [job for job in self._jobs.values() if job.probe is not None]
+        self._bind(probed, values, secret_values)
         return unprobed
+
+    def _bind(
+        self, jobs: list[JobDefinition], values: Mapping[str, str], secrets: Mapping[str, str]
+    ) -> None:
+        self._settings = {
+            job.name: MappingProxyType({name: values[name] for name in job.settings})
+            for job in jobs
+        }
+        self._secrets = {
+            job.name: SecretValues({name: secrets[name] for name in job.secrets}) for job in jobs
+        }
 
     def settings_of(self, name: str) -> Mapping[str, str]:
         """The bound values of job ``name``'s declared settings (empty before binding)."""
@@ -380,16 +317,11 @@ class JobRegistry:
         guess = f"did you mean {close[0]!r}? " if close else ""
         return f"unknown job {name!r} ({guess}registered: {known})"
 
-    def identity_table(self) -> dict[str, tuple[str, ...]]:
-        return {job.name: job.identity for job in self._jobs.values() if job.identity}
-
     def derive(self, payload: object) -> DerivedJob:
         """Match a payload to its job, check it against the job's schema and derive its key;
         ``KeyDerivationError`` (``InvalidPayload`` when the fields do not match) says why not."""
         if not isinstance(payload, Mapping):
-            raise KeyDerivationError(
-                f"payload is not a JSON object (got {_json_type_name(payload)})"
-            )
+            raise KeyDerivationError(f"payload is not a JSON object (got {json_type_of(payload)})")
         name = payload.get("job")
         if not isinstance(name, str) or not name:
             raise KeyDerivationError("payload has no 'job' string naming the job type")
@@ -406,15 +338,3 @@ class JobRegistry:
             self.settings_of(name),
             self.secrets_of(name),
         )
-
-
-def _json_type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "boolean",
-        int: "number",
-        float: "number",
-        str: "string",
-        list: "array",
-    }.get(type(value), type(value).__name__)

@@ -7,11 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from infrai_jobs.drain.batch import MessageResult, describe_error
-from infrai_jobs.errors import (
-    InfraiError,
-    InfraiUnavailable,
-    QueueMessageNotFound,
-)
+from infrai_jobs.errors import InfraiError, InfraiUnavailable, QueueMessageNotFound
 from infrai_jobs.jobs.correlation import log_fields
 from infrai_jobs.queue.models import Pending
 from infrai_jobs.queue.ports import QueuePort

@@ -80,10 +80,7 @@ class PostgresDrainFleet(LedgerAdapter):
                 return True
             if _count(conn, queue) >= cap:
                 return False
-            conn.execute(
-                _INSERT,
-                {**params, "origin": origin, "ids": _uuid_array([drain_id])},
-            )
+            conn.execute(_INSERT, {**params, "origin": origin, "ids": _uuid_array([drain_id])})
             return True
 
     def renew(self, queue: str, drain_id: str, *, lease_seconds: float) -> int:

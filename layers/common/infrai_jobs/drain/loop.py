@@ -1,15 +1,12 @@
 """The drain loop: consume in batches of ten, claim, run, settle, ack what is settled.
 
-One call drains one queue lane for as long as the time budget allows another whole batch: every
-receive burns one of a message's three deliveries, so the loop never consumes what it cannot
-finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is the ack column
-of docs/design.md's outcome table.
+One call drains one queue lane while the time budget allows another whole batch: every receive
+burns one of a message's three deliveries, so the loop never consumes what it cannot finish.
+Each message ends in exactly one ``Outcome`` (``ACKED_OUTCOMES``: docs/design.md's ack column).
 
-A consume whose answer is lost or unreadable (``ConsumeAnswerLost``) has spent a delivery of
-every message it served, unseen. The lane then takes one message at a time: after a lost answer
-for its next consume, and, when the answer was unreadable (too large, not JSON, too deep), for a
-window kept in the ledger for every drain of the queue, long enough for the messages it served
-to come back. So an unreadable message walks to the DLQ alone, not with nine neighbours.
+A lost or unreadable consume answer (``ConsumeAnswerLost``) spent a delivery of every message it
+served, unseen; the lane then consumes one message at a time (``_ConsumeMode``), so an
+unreadable message walks to the DLQ alone, not with nine neighbours.
 """
 
 from __future__ import annotations
@@ -18,17 +15,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from infrai_jobs.drain.ack_pipeline import AckPipeline
 from infrai_jobs.drain.batch import MessageResult, process_batch, storable_text
 from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary, LaneClock, NextDrain
-from infrai_jobs.errors import (
-    ConsumeAnswerLost,
-    InfraiError,
-    LedgerError,
-    SchemaNotMigrated,
-)
+from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, LedgerError, SchemaNotMigrated
 from infrai_jobs.jobs.correlation import correlation_of
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.outcomes import Outcome
@@ -64,12 +57,8 @@ def drain(
     stop_requested: Callable[[], bool] | None = None,
 ) -> DrainSummary:
     """Drain ``config.queue`` until it is empty, the budget is spent, the ledger fails, or
-    ``stop_requested()`` says to stop (an interrupted CLI drain: ``interrupted``).
-
-    After an empty consume, a feature may wait and poll again (idle polling: "empty" then means
-    empty for the whole idle window); ``sleep`` is how it waits (a test passes its fake clock's
-    ``advance``). A stop request ends the drain before its next receive: what it holds (a batch
-    being processed, one received ahead) is still settled and acked."""
+    ``stop_requested()`` (``interrupted``: before the next receive; what the lane holds is
+    still settled and acked). ``sleep`` is how idle polling waits (a test's fake clock)."""
     summary = DrainSummary()
     lane_time = LaneClock(clock(), time_left_ms, clock, sleep)
     try:
@@ -80,7 +69,8 @@ def drain(
     except LedgerError as exc:
         return stopped_before_receiving(exc)
     acks = AckPipeline(queue, config.queue, summary)
-    lane = _Lane(queue, ledger, registry, config, summary, acks, mode, stop_requested or _never)
+    stop = stop_requested or (lambda: False)
+    lane = _Lane(queue, ledger, registry, config, summary, acks, mode, stop)
     try:
         _drain_batches(lane, lane_time)
     finally:
@@ -91,39 +81,28 @@ def drain(
 
 
 def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
-    """One invocation's drain: each feature's ``around_drain`` in the order of
-    ``run.config.features`` (the first outermost), then one lane (``drain``)."""
-    features = run.config.features
+    """One invocation's drain: each feature's ``around_drain`` (the first outermost), then one
+    lane (``drain``)."""
 
-    def one_lane(lane_run: DrainRun) -> DrainSummary:
+    def one_lane(lane: DrainRun) -> DrainSummary:
         return drain(
-            lane_run.queue,
-            lane_run.ledger,
+            lane.queue,
+            lane.ledger,
             registry,
-            lane_run.config,
-            lane_run.time_left_ms,
-            stop_requested=lane_run.stop_requested,
+            lane.config,
+            lane.time_left_ms,
+            stop_requested=lane.stop_requested,
         )
 
-    def from_feature(index: int) -> NextDrain:
-        if index == len(features):
-            return one_lane
-        feature, after = features[index], from_feature(index + 1)
-        return lambda next_run: feature.around_drain(next_run, after)
-
-    return from_feature(0)(run)
-
-
-def _never() -> bool:
-    return False
+    next_drain: NextDrain = one_lane
+    for feature in reversed(run.config.features):
+        next_drain = partial(feature.around_drain, next_drain=next_drain)
+    return next_drain(run)
 
 
 def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
-    """The ledger failed before anything was received: say so, and stop.
-
-    A database behind the code is not an outage to wait out: it is raised, so the invocation
-    fails with the command to run. Any other failure ends the drain as ``ledger_unavailable``.
-    """
+    """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
+    A database behind the code is no outage to wait out: it is raised, naming the command."""
     if isinstance(exc, SchemaNotMigrated):
         logger.error(
             "the ledger database is not migrated; nothing was received",
@@ -139,8 +118,7 @@ def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
 
 @dataclass(frozen=True, slots=True)
 class _Lane:
-    """What one lane's batch loop works with, besides its time: the adapters, what it drains,
-    and the state it reports through (the summary, the acks in flight, the consume size)."""
+    """What one lane's batch loop works with, besides its time."""
 
     queue: QueuePort
     ledger: LedgerPort
@@ -152,11 +130,8 @@ class _Lane:
     stop_requested: Callable[[], bool]
 
     def stop_reason(self, remaining_ms: int, *, time_for: int) -> str:
-        """Why one more batch may not be received now, or "" when it may.
-
-        ``time_for`` is how many batches the time left must cover: the one to receive, plus the
-        one still being processed when receiving ahead.
-        """
+        """Why one more batch may not be received now, or "". ``time_for``: the batches the time
+        left must cover (the one to receive, plus the one in process when receiving ahead)."""
         config = self.config
         if config.max_batches is not None and self.summary.batches >= config.max_batches:
             return "max_batches"
@@ -173,18 +148,10 @@ class _Lane:
 def _drain_batches(lane: _Lane, lane_time: LaneClock) -> None:
     """Process batches one after the other, receiving the next while this one runs.
 
-    A batch is received only while the time left covers finishing it, and the one received
-    ahead only while the time covers both: every receive burns one of three deliveries. If the
-    receive itself ran so long (retries, a ``Retry-After``) that the time left no longer covers
-    the batch, it is left unprocessed for redelivery rather than cut off half-way. How many
-    messages a receive asks for is ``mode``'s decision (one at a time after a lost answer).
-
-    One thread does it all: the consume sent ahead and the acks travel while the batch is
-    processed, and their answers are read after (``Pending``), so a lane costs no threads and
-    no hand-offs between them.
-
-    ``lane_time`` is the lane's one clock: the time left, the wall clock the deadlines are on, and
-    the start the idle window counts from are all read from it.
+    A batch is received only while the time left covers finishing it, and one ahead only while
+    it covers both. One thread does it all: the consume sent ahead and the acks travel while
+    the batch is processed and their answers are read after (``Pending``), so a lane costs no
+    threads and no hand-offs. ``lane_time`` is the lane's one clock.
     """
     config, summary, mode, queue = lane.config, lane.summary, lane.mode, lane.queue
     ahead: Pending[list[QueueMessage]] | None = None
@@ -257,10 +224,8 @@ def _drain_batches(lane: _Lane, lane_time: LaneClock) -> None:
 
 
 def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
-    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "".
-
-    Such a drain would stop at once with ``time_budget`` and look like an empty queue; its
-    caller refuses it instead, before anything is received."""
+    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "": it would
+    stop at once and look like an empty queue, so its caller refuses it instead."""
     if time_budget_ms >= batch_budget_ms:
         return ""
     return (
@@ -273,12 +238,11 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
 class _ConsumeMode:
     """How many messages a lane's next consume asks for: a batch, or one at a time.
 
-    One at a time for the consume after a lost answer (which spent a delivery of up to ten
-    messages, unseen), and for as long as the queue's isolation window lasts. An unreadable
-    answer (too large, not JSON, too deep: a message's doing, likely to repeat) opens that
-    window in the ledger for every drain of the queue, for two visibility timeouts: the
-    messages it served come back after one and are then received one by one, so only the
-    unreadable one fails again. A lost answer that served one message only has isolated it.
+    One at a time for the consume after a lost answer, and while the queue's isolation window
+    lasts. An unreadable answer (too large, not JSON, too deep: a message's doing, likely to
+    repeat) opens that window in the ledger for every drain of the queue, for two visibility
+    timeouts: the messages it served come back after one and are received one by one, so only
+    the unreadable one fails again. A lost answer that served one message has isolated it.
     """
 
     def __init__(
@@ -353,19 +317,17 @@ class _ConsumeMode:
 
 def _log_lost(exc: ConsumeAnswerLost, *, isolated: bool) -> None:
     if isolated:
-        level = logging.ERROR
+        level, action = logging.ERROR, "unreadable_message"
         message = (
             "an unreadable message was received alone: only it spent a delivery, and it "
             "reaches the DLQ after three"
         )
-        action = "unreadable_message"
     else:
-        level = logging.WARNING
+        level, action = logging.WARNING, "consume_answer_lost"
         message = (
             "a consume answer was lost or unreadable: the messages it served spent a delivery "
             "unseen and come back after the visibility timeout; consuming one at a time"
         )
-        action = "consume_answer_lost"
     logger.log(
         level,
         message,
@@ -384,11 +346,9 @@ def _log_lost(exc: ConsumeAnswerLost, *, isolated: bool) -> None:
 
 
 def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:
-    """A batch received ahead but never processed (the ledger failed): it is not acked, so
-    Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery.
-
-    Only the answer already on its way is read: retrying a failed consume here would receive
-    another batch just to leave it too."""
+    """Say that a batch received ahead was never processed (the ledger failed): unacked, it is
+    redelivered, and it cost a delivery. Only the answer on its way is read: retrying a failed
+    consume here would receive another batch just to leave it too."""
     try:
         messages = ahead.wait(retry=False)
     except ConsumeAnswerLost as exc:

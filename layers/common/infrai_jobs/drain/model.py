@@ -1,9 +1,6 @@
 """What one drain is told (``DrainConfig``), what it reports (``DrainSummary``), and the seam the
-optional features plug into (``DrainFeature``).
-
-The loop, the batch and the ack pipeline all read these; they live apart from the loop so that
-none of the three imports another only for its types.
-"""
+optional features plug into (``DrainFeature``); apart, so no drain module imports another only
+for its types."""
 
 from __future__ import annotations
 
@@ -57,8 +54,9 @@ FEATURE_COUNTERS = (
 @dataclass
 class DrainSummary:
     """What one drain did. Every consumed message has one outcome in ``outcomes``; the totals
-    ``done``, ``duplicates``, ``retried``, ``failed`` and ``parked`` are derived from them by
-    the outcome table (``OUTCOME_RULES``). ``counters`` holds the features' own counters."""
+    (``done``, ``retried``, ...) follow from them by ``OUTCOME_RULES``: a retried handler's
+    claim was released, a failed one's message goes to the DLQ, a deferred job's claim waits
+    as deferred work (acked). ``counters`` holds the features' own counters."""
 
     consumed: int = 0
     acked: int = 0
@@ -91,13 +89,10 @@ class DrainSummary:
 
     @property
     def retried(self) -> int:
-        """A handler raised and its claim was released: the redelivery runs it again."""
         return self.total("retried")
 
     @property
     def failed(self) -> int:
-        """A handler raised PermanentJobError: the claim is failed, the message goes to the
-        DLQ."""
         return self.total("failed")
 
     @property
@@ -106,7 +101,6 @@ class DrainSummary:
 
     @property
     def deferred(self) -> int:
-        """Flow control held the job back: its claim waits as deferred work; acked."""
         return self.total("deferred")
 
     def as_dict(self) -> dict[str, Any]:
@@ -122,15 +116,12 @@ class DrainSummary:
         }
 
 
+# The outcome table's summary totals, in the order the summary reports them.
+OUTCOME_BUCKETS = ("done", "duplicates", "retried", "failed", "parked", "deferred")
 # Every count the summary reports, in the order it reports them (the metrics follow it).
 SUMMARY_COUNTS = (
     "consumed",
-    "done",
-    "duplicates",
-    "retried",
-    "failed",
-    "parked",
-    "deferred",
+    *OUTCOME_BUCKETS,
     "acked",
     "ack_lost",
     "ack_failed",
@@ -150,8 +141,6 @@ SUMMARY_COUNTS = (
 )
 # Each outcome's summary total, by the outcome's value (the keys of ``outcomes``).
 _BUCKET_OF = {o.value: rule.bucket for o, rule in OUTCOME_RULES.items()}
-# The outcome table's summary totals, in the order the summary reports them.
-OUTCOME_BUCKETS = ("done", "duplicates", "retried", "failed", "parked", "deferred")
 # The consume and ack counters the core loop keeps, in field order: what lanes add up.
 _CORE_COUNTERS = tuple(
     f.name for f in fields(DrainSummary) if f.name not in {"outcomes", "counters", "stopped"}
@@ -177,8 +166,7 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
 
 @dataclass(frozen=True, slots=True)
 class LaneClock:
-    """One lane's time, as a feature's hooks may read it: when the lane started, the time left
-    in the invocation, the clock and how to wait (a test passes its fake clock's)."""
+    """One lane's time as a feature's hooks read it (a test passes its fake clock's)."""
 
     started_at: float
     time_left_ms: Callable[[], int]
@@ -192,9 +180,8 @@ class LaneClock:
 
 @dataclass(frozen=True, slots=True)
 class DrainRun:
-    """One invocation's drain as the features see it: the adapters a lane uses and what the
-    invocation was given. A feature may hand the next one a changed copy
-    (``dataclasses.replace``)."""
+    """One invocation's drain as the features see it; a feature may hand the next one a changed
+    copy (``dataclasses.replace``)."""
 
     queue: QueuePort
     ledger: LedgerPort
@@ -207,8 +194,7 @@ class DrainRun:
 
 @dataclass(frozen=True, slots=True)
 class HandlerAttempt:
-    """One handler run as ``around_handler`` sees it: the job's context, the payload matched to
-    its job, and the claim the run holds (its token fences a release)."""
+    """One handler run as ``around_handler`` sees it; the claim's token fences a release."""
 
     ctx: JobContext
     derived: DerivedJob

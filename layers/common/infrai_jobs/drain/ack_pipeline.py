@@ -20,25 +20,20 @@ logger = logging.getLogger(__name__)
 
 # Batches whose acks may still be travelling when the next batch's are sent.
 ACKS_IN_FLIGHT_BATCHES = 2
-
-
-# Connections one lane may hold open to Infrai at once: one per ack still travelling and the
-# consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
-# (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
+# Connections one lane may hold open to Infrai at once: one per ack travelling and the consume
+# sent ahead. The client's pool keeps this many per lane, or lanes would reconnect (a new TCP
+# and TLS handshake) for every ack beyond what the pool keeps.
 HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * CONSUME_CAP + 1
 
 
 class AckPipeline:
-    """Acks sent together and their answers read later, so they overlap the next batch's work.
-
-    Once a batch's acks are sent, the answers of the batch before it are read (by then they have
-    usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once.
-    """
+    """Once a batch's acks are sent, the answers of the batch before it are read (by then they
+    have usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once."""
 
     def __init__(self, queue: QueuePort, queue_name: str, summary: DrainSummary) -> None:
         self._queue = queue
         self._queue_name = queue_name
-        self._summary = summary
+        self.summary = summary
         self._pending: list[list[tuple[MessageResult, Pending[None]]]] = []
 
     def send(self, results: Sequence[MessageResult]) -> None:
@@ -63,7 +58,7 @@ class AckPipeline:
             raise first_error
 
     def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
-        summary = self._summary
+        summary = self.summary
         # Answers are read one after another on this thread: once Infrai has failed one ack
         # through all its retries, the rest of the batch get their sent request's answer only,
         # so an outage costs one ack's retries per batch, not ten in a row.

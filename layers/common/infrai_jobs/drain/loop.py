@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -70,14 +69,112 @@ def drain(
         return stopped_before_receiving(exc)
     acks = AckPipeline(queue, config.queue, summary)
     stop = stop_requested or (lambda: False)
-    lane = _Lane(queue, ledger, registry, config, summary, acks, mode, stop)
     try:
-        _drain_batches(lane, lane_time)
+        _drain_batches(queue, ledger, registry, config, lane_time, mode=mode, acks=acks, stop=stop)
     finally:
         # Every ack sent is waited for before the invocation reports.
         acks.wait_all()
     logger.info("drain finished", extra={"action": "drain_summary", **summary.as_dict()})
     return summary
+
+
+def _drain_batches(
+    queue: QueuePort,
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    config: DrainConfig,
+    lane_time: LaneClock,
+    *,
+    mode: _ConsumeMode,
+    acks: AckPipeline,
+    stop: Callable[[], bool],
+) -> None:
+    """Process batches one after the other, receiving the next while this one runs.
+
+    A batch is received only while the time left covers finishing it, and one ahead only while
+    it covers both. One thread does it all: the consume sent ahead and the acks travel while
+    the batch is processed and their answers are read after (``Pending``), so a lane costs no
+    threads and no hand-offs. ``lane_time`` is the lane's one clock.
+    """
+    summary = acks.summary
+    ahead: Pending[list[QueueMessage]] | None = None
+    ahead_sent_at = 0.0
+    try:
+        while True:
+            try:
+                if ahead is not None:
+                    # Taken before waiting: a consume that failed is not waited for twice.
+                    received, ahead = ahead, None
+                    sent_at = ahead_sent_at
+                    messages = received.wait()
+                else:
+                    why = "interrupted" if stop() else ""
+                    why = why or _stop_reason(config, summary, lane_time.time_left_ms(), 1)
+                    if why:
+                        summary.stopped = why
+                        return
+                    sent_at = lane_time.clock()
+                    messages = queue.consume(config.queue, mode.size())
+            except ConsumeAnswerLost as exc:
+                mode.lost(exc)
+                continue
+            mode.served()
+            if not messages:
+                if any(f.poll_again(config, lane_time, summary.counters) for f in config.features):
+                    continue
+                summary.stopped = "empty"
+                return
+            remaining = lane_time.time_left_ms()
+            why = _stop_reason(config, summary, remaining, 1)
+            if why:
+                # The receive itself ran long (retries, a Retry-After): what is left no longer
+                # covers the batch. Cutting it off half-way could leave an external effect
+                # uncertain; unacked, it costs one delivery instead.
+                _left_for_redelivery(
+                    messages,
+                    "a batch received when the time left no longer covered it was left "
+                    "for redelivery",
+                )
+                summary.stopped = why
+                return
+            summary.batches += 1
+            if not stop() and not _stop_reason(config, summary, remaining, 2):
+                ahead_sent_at = lane_time.clock()
+                ahead = queue.send_consume(config.queue, mode.size())
+            # The queue may deliver these messages again from here on: no handler deadline
+            # and no lease may run past it.
+            visible_until = sent_at + config.visibility_timeout_seconds - VISIBILITY_MARGIN_SECONDS
+            deadline = min(lane_time.deadline(remaining), visible_until)
+            results = process_batch(
+                messages,
+                ledger,
+                registry,
+                deadline,
+                config,
+                visible_until=visible_until,
+                clock=lane_time.clock,
+            )
+            _count(results, summary)
+            # This batch's acks travel while the next one is processed.
+            acks.send(results)
+            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+                summary.stopped = "ledger_unavailable"
+                return
+    finally:
+        if ahead is not None:
+            _abandon(ahead, mode)
+
+
+def _stop_reason(
+    config: DrainConfig, summary: DrainSummary, remaining_ms: int, batches: int
+) -> str:
+    """Why one more batch may not be received now, or "". ``batches``: how many the time left
+    must cover (the one to receive, plus the one in process when receiving ahead)."""
+    if config.max_batches is not None and summary.batches >= config.max_batches:
+        return "max_batches"
+    if remaining_ms < config.batch_budget_ms * batches:
+        return "time_budget"
+    return ""
 
 
 def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
@@ -114,113 +211,6 @@ def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
         extra={"action": "ledger_unavailable", "detail": str(exc)},
     )
     return DrainSummary(stopped="ledger_unavailable")
-
-
-@dataclass(frozen=True, slots=True)
-class _Lane:
-    """What one lane's batch loop works with, besides its time."""
-
-    queue: QueuePort
-    ledger: LedgerPort
-    registry: JobRegistry
-    config: DrainConfig
-    summary: DrainSummary
-    acks: AckPipeline
-    mode: _ConsumeMode
-    stop_requested: Callable[[], bool]
-
-    def stop_reason(self, remaining_ms: int, *, time_for: int) -> str:
-        """Why one more batch may not be received now, or "". ``time_for``: the batches the time
-        left must cover (the one to receive, plus the one in process when receiving ahead)."""
-        config = self.config
-        if config.max_batches is not None and self.summary.batches >= config.max_batches:
-            return "max_batches"
-        if remaining_ms < config.batch_budget_ms * time_for:
-            return "time_budget"
-        return ""
-
-    def poll_again(self, lane_time: LaneClock) -> bool:
-        """After an empty consume: whether a feature (idle polling) waited to consume again."""
-        config, counters = self.config, self.summary.counters
-        return any(f.poll_again(config, lane_time, counters) for f in config.features)
-
-
-def _drain_batches(lane: _Lane, lane_time: LaneClock) -> None:
-    """Process batches one after the other, receiving the next while this one runs.
-
-    A batch is received only while the time left covers finishing it, and one ahead only while
-    it covers both. One thread does it all: the consume sent ahead and the acks travel while
-    the batch is processed and their answers are read after (``Pending``), so a lane costs no
-    threads and no hand-offs. ``lane_time`` is the lane's one clock.
-    """
-    config, summary, mode, queue = lane.config, lane.summary, lane.mode, lane.queue
-    ahead: Pending[list[QueueMessage]] | None = None
-    ahead_sent_at = 0.0
-    visibility = config.visibility_timeout_seconds
-    try:
-        while True:
-            try:
-                if ahead is not None:
-                    # Taken before waiting: a consume that failed is not waited for twice.
-                    received, ahead = ahead, None
-                    sent_at = ahead_sent_at
-                    messages = received.wait()
-                else:
-                    stop = "interrupted" if lane.stop_requested() else ""
-                    stop = stop or lane.stop_reason(lane_time.time_left_ms(), time_for=1)
-                    if stop:
-                        summary.stopped = stop
-                        return
-                    sent_at = lane_time.clock()
-                    messages = queue.consume(config.queue, mode.size())
-            except ConsumeAnswerLost as exc:
-                mode.lost(exc)
-                continue
-            mode.served()
-            if not messages:
-                if lane.poll_again(lane_time):
-                    continue
-                summary.stopped = "empty"
-                return
-            remaining = lane_time.time_left_ms()
-            stop = lane.stop_reason(remaining, time_for=1)
-            if stop:
-                # The receive itself ran long (retries, a Retry-After): what is left no longer
-                # covers the batch. Cutting it off half-way could leave an external effect
-                # uncertain; unacked, it costs one delivery instead.
-                _left_for_redelivery(
-                    messages,
-                    "a batch received when the time left no longer covered it was left "
-                    "for redelivery",
-                )
-                summary.stopped = stop
-                return
-            summary.batches += 1
-            if not lane.stop_requested() and not lane.stop_reason(remaining, time_for=2):
-                ahead_sent_at = lane_time.clock()
-                ahead = queue.send_consume(config.queue, mode.size())
-            # The queue may deliver these messages again from here on: no handler deadline
-            # and no lease may run past it.
-            visible_until = sent_at + visibility - VISIBILITY_MARGIN_SECONDS
-            deadline = min(lane_time.deadline(remaining), visible_until)
-            results = process_batch(
-                messages,
-                lane.ledger,
-                lane.registry,
-                deadline,
-                config,
-                visible_until=visible_until,
-                clock=lane_time.clock,
-            )
-            _count(results, summary)
-            # This batch's acks travel while the next one is processed.
-            lane.acks.send(results)
-            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
-                summary.stopped = "ledger_unavailable"
-                return
-    finally:
-        if ahead is not None:
-            _abandon(ahead, mode)
 
 
 def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:

@@ -20,9 +20,8 @@ logger = logging.getLogger(__name__)
 
 # Batches whose acks may still be travelling when the next batch's are sent.
 ACKS_IN_FLIGHT_BATCHES = 2
-# Connections one lane may hold open to Infrai at once: one per ack travelling and the consume
-# sent ahead. The client's pool keeps this many per lane, or lanes would reconnect (a new TCP
-# and TLS handshake) for every ack beyond what the pool keeps.
+# Connections a lane may hold open to Infrai: one per ack travelling and the consume sent ahead.
+# The client's pool keeps this many per lane, or lanes would reconnect (TCP and TLS) for more.
 HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * CONSUME_CAP + 1
 
 
@@ -59,9 +58,8 @@ class AckPipeline:
 
     def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
         summary = self.summary
-        # Answers are read one after another on this thread: once Infrai has failed one ack
-        # through all its retries, the rest of the batch get their sent request's answer only,
-        # so an outage costs one ack's retries per batch, not ten in a row.
+        # Once Infrai failed one ack through all its retries, the rest of the batch get their sent
+        # request's answer only: an outage costs one ack's retries per batch, not ten in a row.
         retry = True
         unexpected: Exception | None = None
         for result, pending in batch:
@@ -71,8 +69,7 @@ class AckPipeline:
                 summary.ack_lost += 1
                 _log_ack(result, "ack_lost")
             except InfraiError as exc:
-                # Harmless for correctness: the redelivery finds the claim settled, and is
-                # acked then.
+                # Harmless: the redelivery finds the claim settled, and is acked then.
                 if isinstance(exc, InfraiUnavailable):
                     retry = False
                 summary.ack_failed += 1

@@ -58,8 +58,7 @@ class MessageResult:
     detail: str = ""
     # The claim was won by taking over an expired external_idempotent claim.
     takeover: bool = False
-    # The message came back while its own claim's lease was live: the queue hides messages for
-    # less time than the drain's visibility timeout says.
+    # Back while its own claim's lease was live: the queue hides messages for less than told.
     visibility_mismatch: bool = False
     # The producer's correlation id and traceparent, from the message's envelope.
     correlation: Correlation = NO_CORRELATION
@@ -91,21 +90,17 @@ class _Batch:
     registry: JobRegistry
     deadline: float
     config: DrainConfig
-    # When the queue may deliver the batch again (None: unknown), on ``clock``.
     visible_until: float | None
     clock: Callable[[], float]
     lease_until: datetime = field(init=False)
     results: dict[str, MessageResult] = field(init=False, default_factory=dict)
-    # The message of each key that is judged (at first the key's first message), and the other
-    # copies of a key, which follow it.
+    # Each key's judged message (at first its first one); the key's other copies follow it.
     primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
     copies: list[tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=list)
-    # Per key, the messages already judged; and the copies found holding their key's claim,
-    # judged next in place of the message that found them.
+    # Per key, the messages judged; the copies found holding their key's claim, judged next.
     judged: dict[str, set[str]] = field(init=False, default_factory=dict)
     holders: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
-    # Messages redelivered while their own claim's lease was live, with the seconds since they
-    # claimed.
+    # Messages back while their own claim's lease was live: the seconds since they claimed.
     early: dict[str, float] = field(init=False, default_factory=dict)
     takeovers: set[str] = field(init=False, default_factory=set)
     # Each message's correlation (messages whose envelope carries one only).
@@ -139,8 +134,7 @@ class _Batch:
             try:
                 derived = self.registry.derive(message.payload)
             except (KeyDerivationError, ConfigurationError) as exc:
-                # A configuration error here is the job's, not the batch's: this message walks
-                # to the DLQ with the reason, the others go on.
+                # The job's configuration error, not the batch's: this message walks to the DLQ.
                 self._set(MessageResult(message, Outcome.REJECTED, detail=str(exc)))
                 continue
             if derived.idem_key in self.primaries:
@@ -180,8 +174,7 @@ class _Batch:
             traceparent=correlation.traceparent,
         )
         features = self.config.features
-        # Only an external job's effect is wrapped (the second layer): a database job's is
-        # rolled back with its claim.
+        # Only an external job's effect is wrapped: a database job's rolls back with its claim.
         effect_features = features if request.effect is not Effect.DATABASE else ()
         run = partial(run_handler, derived, ctx, effect_features)
         attempt = HandlerAttempt(ctx, derived, request.claim_token)
@@ -201,13 +194,9 @@ class _Batch:
         self._record(decisions, settlements)
 
     def _run_external(self, requests: list[ClaimRequest]) -> None:
-        """Commit claims, then run and settle each job right after its effect.
-
-        Key-passing (``external_idempotent``) jobs are claimed together: if this process dies
-        before calling, a later delivery takes the claim over once its lease ends. Irreversible
-        (``external``) jobs are claimed one by one, right before their call, so a crash leaves
-        for a human only the claim whose call had begun, not every claim of the batch.
-        """
+        """Commit claims, then run and settle each job. Key-passing jobs are claimed together (a
+        later delivery takes a claim over once its lease ends); irreversible ones one by one, so
+        a crash leaves for a human only the claim whose call had begun."""
         idempotent = [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]
         if idempotent:
             self._claim_and_run(idempotent)

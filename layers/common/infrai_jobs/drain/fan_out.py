@@ -1,12 +1,9 @@
 """Backlog fan-out: a drain that sees more backlog than it can clear soon starts more drains.
 
-While a drain runs, a monitor beside its lanes renews its lease in the ledger every few seconds
-(``DrainFleetPort``) and, with fan-out on, measures its consume rate and the queue's backlog.
-If the drains alive would take longer than ``after_seconds`` to clear it, it reserves the
-missing slots (never more than ``max_concurrency`` drains in all; counted and reserved under
-one ledger lock) and starts one drain per slot asynchronously (``DrainStarterPort``). A started
-drain adopts the slot its event names. Each is an ordinary drain: the claims keep them safe.
-"""
+A monitor beside the lanes renews the drain's lease and, if the drains alive would take longer
+than ``after_seconds`` to clear the backlog at the rate measured, reserves the missing slots (at
+most ``max_concurrency`` drains) and starts one drain per slot, which adopts it. Each is an
+ordinary drain: the claims keep them safe."""
 
 from __future__ import annotations
 
@@ -33,9 +30,8 @@ logger = logging.getLogger(__name__)
 FAN_OUT_EVENT_KEY = "infrai_jobs_fan_out"
 # How often the monitor renews the lease and looks at the backlog.
 CHECK_EVERY_SECONDS = 2.0
-# A running drain's lease: several checks long, so one slow check (a stats call retrying) does
-# not make a live drain look dead; a drain killed mid-run frees its slot within this. Lambda's
-# reserved concurrency still holds the real line if a drain ever looks dead too early.
+# A running drain's lease: several checks long, so one slow check does not make it look dead; a
+# drain killed mid-run frees its slot within this (reserved concurrency holds the real line).
 LEASE_SECONDS = 15.0
 # A reserved slot waits this long for its drain to start (an async invoke, a cold start).
 START_GRACE_SECONDS = 30.0
@@ -49,10 +45,6 @@ class FanOutPolicy:
     # More drains are started when the backlog would take longer than this to clear.
     after_seconds: float = 30.0
     lease_seconds: float = LEASE_SECONDS
-
-    @property
-    def fans_out(self) -> bool:
-        return self.max_concurrency > 1
 
 
 def drains_wanted(available: int, rate_per_drain: float, after_seconds: float, cap: int) -> int:
@@ -115,7 +107,7 @@ class FleetMonitor:
         self.fleet = fleet
         self.queue = queue
         self.consumed = consumed
-        self.starter = starter if policy.fans_out else None
+        self.starter = starter if policy.max_concurrency > 1 else None
         self.clock = clock
         self.fanned_out = 0
         self.throttled = 0
@@ -134,11 +126,9 @@ class FleetMonitor:
         if self.starter is None or live >= policy.max_concurrency:
             return FanOutCheck(live)
         if received <= 0 or elapsed <= 0:
-            # Nothing received since the last check: an idle queue, or a drain held up. A rate
-            # of zero says nothing about how many drains the backlog needs.
+            # Nothing received since the last check (idle, or held up): a zero rate says nothing.
             return FanOutCheck(live)
-        # The rate since the last check, not since the start: a drain that polled an idle queue
-        # for a minute and now meets a burst must not take its idle time for slowness.
+        # The rate since the last check, not the start: time spent idle polling is no slowness.
         rate = received / elapsed
         available = self.queue.stats(policy.queue).available_count
         wanted = drains_wanted(available, rate, policy.after_seconds, policy.max_concurrency)
@@ -176,14 +166,12 @@ class FleetMonitor:
         assert self.starter is not None
         for index, slot in enumerate(slots):
             if self.clock() - self._renewed_at >= CHECK_EVERY_SECONDS:
-                # Starting many drains through a slow Invoke API must not let this one's own
-                # lease run out meanwhile.
+                # A slow Invoke API must not let this drain's own lease run out meanwhile.
                 self._renew()
             try:
                 self.starter.start(fan_out_event(self.policy.queue, slot, self.drain_id))
             except FanOutError as exc:
-                # The slots not started are given back, so the count stays true; failing that,
-                # their leases end on their own after START_GRACE_SECONDS.
+                # The slots not started are given back (or expire after START_GRACE_SECONDS).
                 msg = "could not give back reserved drain slots"
                 _leave(self.fleet, self.policy.queue, slots[index:], msg, "fan_out_release_failed")
                 if isinstance(exc, FanOutThrottled):

@@ -27,13 +27,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class IdlePolling(DrainFeature):
-    """After an empty consume: wait ``poll_ms`` and consume again, or stop (DRAIN_IDLE_POLL_MS).
-
-    Polling goes on while the idle window after the lane's start lasts (``window_seconds``;
-    0: the whole time budget) and the time left still covers a batch after the wait. The window
-    ends before the next scheduled drain starts, so on an idle queue about one poller is alive
-    at a time. A drain a fan-out started drains a backlog and stops: it does not poll.
-    """
+    """After an empty consume: wait ``poll_ms`` and consume again (DRAIN_IDLE_POLL_MS), while
+    the idle window from the lane's start lasts (0: the whole budget; it ends before the next
+    scheduled drain, so about one poller is alive) and the time left still covers a batch."""
 
     in_fanned_out_drains = False
     poll_ms: int

@@ -1,10 +1,6 @@
-"""The drains of a queue alive now, counted in the ledger's ``drain_leases`` table.
-
-Each drain renews a lease while it runs; a fan-out reserves slots that the drains it starts
-adopt. Counting and reserving happen under a transaction-scoped advisory lock per queue, so two
-drains deciding at once never both start the missing ones. Leases run on the database's clock
-(``now()``), so drains on machines whose clocks disagree still agree.
-"""
+"""The drains of a queue alive now, leases in the ledger's ``drain_leases`` table. Counting and
+reserving happen under an advisory lock per queue, so two drains deciding at once never both
+start the missing ones; leases run on the database's clock, which all drains agree on."""
 
 from __future__ import annotations
 

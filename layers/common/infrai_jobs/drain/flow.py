@@ -1,21 +1,14 @@
 """Flow control in the drain: ``flow``'s policies and ledger, plugged in as one ``DrainFeature``.
 
-Only jobs with a policy in force (``@job(retry=, rate=, concurrency=)``, or ``JOB_POLICIES``)
-reach this module; other jobs run with no extra round trip. Around each run of such a job, its
-concurrency key takes a slot and its rate limit reserves a start (waiting when the wait fits
-the invocation), or the job is deferred; a transient failure with attempts left is deferred at
-once, so neither a long outage nor a drain killed in a later attempt dead-letters a job with
-attempts left.
-
-A deferral turns the claim into deferred work in one statement fenced by the claim's token;
-the message is then acked (a copy of it is a duplicate). Before and after what it consumes,
-the drain takes due deferred jobs (``take_due``: never one another drain holds) and runs them
-under the same budget, each under a new token and lease on the same row.
+Only jobs with a policy in force reach it (others make no extra round trip). Around each run,
+the job's concurrency key takes a slot and its rate limit reserves a start, or the job is
+deferred: its claim becomes deferred work in one statement fenced by the claim's token, and
+the message is acked. Before and after what it consumes, the drain runs due deferred jobs
+(``take_due``: never one another drain holds) under a new token and lease on the same row.
 
 An uncertain ``external`` run is flagged and stays ``running``, and one that began and whose
-lease ran out is never taken again: ``claims stuck`` and the watcher find it for a human.
-Database jobs roll back with their batch's transaction, which a deferral cannot join, so a
-policy on one is a configuration error.
+lease ran out is never taken again: ``claims stuck`` finds it for a human. Database jobs roll
+back with their batch's transaction, which a deferral cannot join: a policy on one is refused.
 """
 
 from __future__ import annotations
@@ -57,8 +50,7 @@ CONCURRENCY_RETRY_SECONDS = 1.0
 HANDLER_RESERVE_SECONDS = 2.0
 # Deferred jobs taken from the ledger at a time.
 DUE_BATCH = 10
-# A job deferred by a limit, with no retry policy of its own, gets Infrai's three attempts in
-# the ledger, a visibility timeout apart at most.
+# A job deferred by a limit, with no retry policy of its own: Infrai's three attempts.
 LIMITED_JOB_RETRY = RetryPolicy(
     attempts=MAX_RECEIVE_COUNT, first_delay_seconds=30.0, factor=2.0, max_delay_seconds=300.0
 )
@@ -155,9 +147,8 @@ class FlowControl(DrainFeature):
             if slot:
                 self._release_slot(conn, attempt.claim_token)
         retry, attempts = policy.retry, ctx.delivery_count
-        # The first transient failure is deferred, not left to Infrai's redeliveries: from then
-        # on the ledger owns the work, so a drain that dies in a later attempt never spends the
-        # message's last delivery. Out of attempts, the DLQ takes it.
+        # Deferred at the first transient failure: the ledger then owns the work, so a drain dying
+        # in a later attempt never spends the message's last delivery. Out of attempts: the DLQ.
         if result.kind is RunKind.TRANSIENT and retry is not None and attempts < retry.attempts:
             return self._defer(
                 conn,
@@ -174,14 +165,12 @@ class FlowControl(DrainFeature):
     ) -> JsonValue:
         policy = self.policies.get(ctx.job)
         retry = policy.retry if policy is not None else None
-        if retry is None or not retry.final_errors:
-            return call()
         try:
             return call()
         except (PermanentJobError, EffectUncertain):
             raise
         except Exception as exc:
-            if is_final_error(retry, exc):
+            if retry is not None and is_final_error(retry, exc):
                 raise PermanentJobError(
                     f"final for its retry policy: {describe_error(exc)}"
                 ) from exc

@@ -2,11 +2,6 @@
 
 One call drains one queue lane while the time budget allows another whole batch: every receive
 burns one of a message's three deliveries, so the loop never consumes what it cannot finish.
-Each message ends in exactly one ``Outcome`` (``ACKED_OUTCOMES``: docs/design.md's ack column).
-
-A lost or unreadable consume answer (``ConsumeAnswerLost``) spent a delivery of every message it
-served, unseen; the lane then consumes one message at a time (``_ConsumeMode``), so an
-unreadable message walks to the DLQ alone, not with nine neighbours.
 """
 
 from __future__ import annotations
@@ -32,11 +27,10 @@ logger = logging.getLogger(__name__)
 
 # A lease and a handler's deadline end this long before the queue may deliver the message again.
 VISIBILITY_MARGIN_SECONDS = 2.0
-# Lost consume answers in a row after which a lane gives up (raising the last one), so a queue
-# that loses every answer costs a few deliveries, not one per message for the whole budget.
+# Lost consume answers in a row after which a lane raises the last: a queue losing every answer
+# costs a few deliveries, not one per message for the whole budget.
 LOST_ANSWERS_IN_A_ROW = 3
-# An unreadable answer opens the queue's one-at-a-time window for this many visibility
-# timeouts: the messages it served come back after one, to be consumed one by one.
+# Visibility timeouts an unreadable answer opens the queue's one-at-a-time window for.
 ISOLATION_VISIBILITY_TIMEOUTS = 2
 # How often a lane re-reads the window another drain may have opened meanwhile.
 ISOLATION_REREAD_SECONDS = 60.0
@@ -61,8 +55,7 @@ def drain(
     summary = DrainSummary()
     lane_time = LaneClock(clock(), time_left_ms, clock, sleep)
     try:
-        # Before anything is received: a receive spends a delivery, and a batch that cannot be
-        # claimed would spend it for nothing.
+        # First: a receive spends a delivery, for nothing if the batch cannot be claimed.
         ledger.ping()
         mode = _ConsumeMode(ledger, config, summary, lane_time.clock)
     except LedgerError as exc:
@@ -89,13 +82,9 @@ def _drain_batches(
     acks: AckPipeline,
     stop: Callable[[], bool],
 ) -> None:
-    """Process batches one after the other, receiving the next while this one runs.
-
-    A batch is received only while the time left covers finishing it, and one ahead only while
-    it covers both. One thread does it all: the consume sent ahead and the acks travel while
-    the batch is processed and their answers are read after (``Pending``), so a lane costs no
-    threads and no hand-offs. ``lane_time`` is the lane's one clock.
-    """
+    """Process batches, receiving the next while this one runs, only while the time left covers
+    both. One thread does it all: the consume ahead and the acks travel while the batch is
+    processed, their answers read after (``Pending``), so a lane costs no threads."""
     summary = acks.summary
     ahead: Pending[list[QueueMessage]] | None = None
     ahead_sent_at = 0.0
@@ -127,9 +116,8 @@ def _drain_batches(
             remaining = lane_time.time_left_ms()
             why = _stop_reason(config, summary, remaining, 1)
             if why:
-                # The receive itself ran long (retries, a Retry-After): what is left no longer
-                # covers the batch. Cutting it off half-way could leave an external effect
-                # uncertain; unacked, it costs one delivery instead.
+                # The receive ran long (retries, a Retry-After). Cut off half-way, the batch could
+                # leave an external effect uncertain; unacked, it costs one delivery instead.
                 _left_for_redelivery(
                     messages,
                     "a batch received when the time left no longer covered it was left "
@@ -141,10 +129,9 @@ def _drain_batches(
             if not stop() and not _stop_reason(config, summary, remaining, 2):
                 ahead_sent_at = lane_time.clock()
                 ahead = queue.send_consume(config.queue, mode.size())
-            # The queue may deliver these messages again from here on: no handler deadline
-            # and no lease may run past it.
+            # The queue may redeliver from here on: no handler deadline and no lease runs past it.
             visible_until = sent_at + config.visibility_timeout_seconds - VISIBILITY_MARGIN_SECONDS
-            deadline = min(lane_time.deadline(remaining), visible_until)
+            deadline = min(lane_time.clock() + remaining / 1000, visible_until)
             results = process_batch(
                 messages,
                 ledger,
@@ -181,14 +168,9 @@ def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
     """One invocation's drain: each feature's ``around_drain`` (the first outermost), then one
     lane (``drain``)."""
 
-    def one_lane(lane: DrainRun) -> DrainSummary:
+    def one_lane(r: DrainRun) -> DrainSummary:
         return drain(
-            lane.queue,
-            lane.ledger,
-            registry,
-            lane.config,
-            lane.time_left_ms,
-            stop_requested=lane.stop_requested,
+            r.queue, r.ledger, registry, r.config, r.time_left_ms, stop_requested=r.stop_requested
         )
 
     next_drain: NextDrain = one_lane
@@ -226,14 +208,11 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
 
 
 class _ConsumeMode:
-    """How many messages a lane's next consume asks for: a batch, or one at a time.
-
-    One at a time for the consume after a lost answer, and while the queue's isolation window
-    lasts. An unreadable answer (too large, not JSON, too deep: a message's doing, likely to
-    repeat) opens that window in the ledger for every drain of the queue, for two visibility
-    timeouts: the messages it served come back after one and are received one by one, so only
-    the unreadable one fails again. A lost answer that served one message has isolated it.
-    """
+    """How many messages a lane's next consume asks for: one at a time after a lost answer (it
+    spent a delivery of every message it served, unseen) and while the queue's isolation window
+    lasts. An unreadable answer (a message's doing, likely to repeat) opens that window in the
+    ledger for every drain of the queue: the messages it served come back one by one, so an
+    unreadable one walks to the DLQ alone, not with nine neighbours."""
 
     def __init__(
         self,

@@ -26,19 +26,16 @@ class DrainConfig:
     batch_size: int = CONSUME_CAP
     # The time one batch may need at most; a batch is consumed only when this much is left.
     batch_budget_ms: int = 20_000
-    # An external claim's lease outlives the invocation's deadline by this much, but never
-    # its message's visibility window.
+    # An external claim's lease outlives the deadline by this much (never the visibility window).
     lease_grace_seconds: int = 60
     # The queue's visibility timeout: a consumed message is hidden this long.
     visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
     max_batches: int | None = None
-    # The optional features switched on (lanes, fan-out, idle polling, the second layer,
-    # tracing), outermost first; none by default.
+    # The optional features switched on, outermost first.
     features: Sequence[DrainFeature] = ()
 
 
-# The counters the optional features keep, in the order the summary reports them. Each is
-# reported (as 0 when its feature is off) so the summary's keys never change.
+# The features' counters, in report order; each is reported (0 when off): the keys never change.
 FEATURE_COUNTERS = (
     "idle_polls",  # IdlePolling: empty consumes it waited after and repeated
     "fanned_out",  # FleetMembership: drains this one started for the backlog
@@ -64,12 +61,10 @@ class DrainSummary:
     ack_failed: int = 0
     batches: int = 0
     takeovers: int = 0
-    # Consumes whose answer was lost or unreadable, and those of them that served one message
-    # only: an unreadable message isolated (it alone spent the delivery).
+    # Lost or unreadable consume answers, and those that served one message (so isolated it).
     answers_lost: int = 0
     unreadable: int = 0
-    # Messages that came back while their own claim's lease was live: the queue's visibility
-    # timeout is shorter than the drain was told (INFRAI_VISIBILITY_TIMEOUT_SECONDS).
+    # Messages back while their claim's lease was live (INFRAI_VISIBILITY_TIMEOUT_SECONDS too long).
     visibility_mismatches: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     counters: Counter[str] = field(default_factory=Counter)
@@ -118,32 +113,21 @@ class DrainSummary:
 
 # The outcome table's summary totals, in the order the summary reports them.
 OUTCOME_BUCKETS = ("done", "duplicates", "retried", "failed", "parked", "deferred")
-# Every count the summary reports, in the order it reports them (the metrics follow it).
-SUMMARY_COUNTS = (
-    "consumed",
-    *OUTCOME_BUCKETS,
-    "acked",
-    "ack_lost",
-    "ack_failed",
-    "batches",
-    "takeovers",
-    "answers_lost",
-    "unreadable",
-    "idle_polls",
-    "fanned_out",
-    "fan_out_throttled",
-    "fan_out_failed",
-    "visibility_mismatches",
-    "deferred_ran",
-    "deferred_done",
-    "deferred_failed",
-    "rate_limit_waits",
-)
 # Each outcome's summary total, by the outcome's value (the keys of ``outcomes``).
 _BUCKET_OF = {o.value: rule.bucket for o, rule in OUTCOME_RULES.items()}
 # The consume and ack counters the core loop keeps, in field order: what lanes add up.
 _CORE_COUNTERS = tuple(
     f.name for f in fields(DrainSummary) if f.name not in {"outcomes", "counters", "stopped"}
+)
+# Every count the summary reports, in the order it reports them (the metrics follow it, as a
+# unit test holds): visibility_mismatches, the last core counter, comes after the fan-out ones.
+SUMMARY_COUNTS = (
+    "consumed",
+    *OUTCOME_BUCKETS,
+    *_CORE_COUNTERS[1:-1],
+    *FEATURE_COUNTERS[:4],
+    "visibility_mismatches",
+    *FEATURE_COUNTERS[4:],
 )
 
 
@@ -172,10 +156,6 @@ class LaneClock:
     time_left_ms: Callable[[], int]
     clock: Callable[[], float]
     sleep: Callable[[float], None]
-
-    def deadline(self, time_left_ms: int) -> float:
-        """The wall-clock moment ``time_left_ms`` (a reading of ``self.time_left_ms``) ends."""
-        return self.clock() + time_left_ms / 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,14 +186,10 @@ NextDrain = Callable[[DrainRun], DrainSummary]
 
 
 class DrainFeature:
-    """An optional feature of the drain. Every hook does nothing; a feature overrides the ones
-    it needs and keeps its own counters in ``DrainSummary.counters`` (``FEATURE_COUNTERS``).
-
-    Per invocation, ``around_drain`` wraps the rest of the drain (features listed later, then
-    the lane); per lane, ``poll_again`` decides after an empty consume; per handler run,
-    ``around_handler`` wraps the run (it never raises) and ``around_effect`` wraps the handler
-    call of an external job (what it raises becomes the run's outcome).
-    """
+    """An optional feature of the drain: it overrides the hooks it needs and keeps its counters
+    in ``DrainSummary.counters``. ``around_drain`` wraps the rest of the drain, ``poll_again``
+    decides after an empty consume, ``around_handler`` wraps a run (never raising), and
+    ``around_effect`` an external job's call (what it raises becomes the run's outcome)."""
 
     # False for a feature a drain started by a fan-out goes without.
     in_fanned_out_drains: bool = True

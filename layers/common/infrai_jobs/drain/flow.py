@@ -91,15 +91,11 @@ class FlowControl(DrainFeature):
         connect: Callable[[], psycopg.Connection[Any]],
         *,
         queue: str,
-        clock: Callable[[], float] = time.time,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.policies = dict(policies)
         self._registry = registry
         self._connect = connect
         self._queue = queue
-        self._clock = clock
-        self._sleep = sleep
         self._local = threading.local()
         self._lock = threading.Lock()
         self._opened: list[psycopg.Connection[Any]] = []
@@ -223,7 +219,7 @@ class FlowControl(DrainFeature):
                     f"concurrency key {value} has {policy.concurrency.max_running} running",
                 )
         if policy.rate is not None:
-            fits = ctx.deadline - HANDLER_RESERVE_SECONDS - self._clock()
+            fits = ctx.deadline - HANDLER_RESERVE_SECONDS - time.time()
             reserved, wait = flow_limits.reserve_start(conn, ctx.job, policy.rate, max_wait=fits)
             if not reserved:
                 if slot:
@@ -233,7 +229,7 @@ class FlowControl(DrainFeature):
                 # Its start is reserved: the call leaves when it comes, not before.
                 with self._lock:
                     self._counters["rate_limit_waits"] += 1
-                self._sleep(wait)
+                time.sleep(wait)
         return slot, None, ""
 
     def _defer(
@@ -246,8 +242,8 @@ class FlowControl(DrainFeature):
         delay: float,
         fallback: JobRun | None = None,
     ) -> JobRun:
-        """Record the work and release its claim in one transaction (the message is then
-        acked); failing that, ``fallback``: a released claim, its message carries the work."""
+        """Record the work and release its claim in one transaction; failing that, ``fallback``
+        (a released claim: its message carries the work)."""
         ctx, derived = attempt.ctx, attempt.derived
         work = DeferredWork(
             idem_key=ctx.idem_key,
@@ -318,7 +314,7 @@ class FlowControl(DrainFeature):
             job=derived.definition.name,
             message_id=job.message_id,
             delivery_count=job.attempts or 1,
-            deadline=self._clock() + run.config.batch_budget_ms / 1000,
+            deadline=time.time() + run.config.batch_budget_ms / 1000,
             settings=derived.settings,
             secrets=derived.secrets,
         )

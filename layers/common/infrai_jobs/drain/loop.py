@@ -165,8 +165,7 @@ def _stop_reason(
 
 
 def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
-    """One invocation's drain: each feature's ``around_drain`` (the first outermost), then one
-    lane (``drain``)."""
+    """One invocation's drain: each feature's ``around_drain`` (first outermost), then a lane."""
 
     def one_lane(r: DrainRun) -> DrainSummary:
         return drain(
@@ -258,7 +257,34 @@ class _ConsumeMode:
         unreadable = exc.code in UNREADABLE_CODES
         isolated = exc.max_messages == 1 and unreadable
         summary.unreadable += int(isolated)
-        _log_lost(exc, isolated=isolated)
+        if isolated:
+            level, action = logging.ERROR, "unreadable_message"
+            message = (
+                "an unreadable message was received alone: only it spent a delivery, and it "
+                "reaches the DLQ after three"
+            )
+        else:
+            level, action = logging.WARNING, "consume_answer_lost"
+            message = (
+                "a consume answer was lost or unreadable: the messages it served spent a "
+                "delivery unseen and come back after the visibility timeout; consuming one at a "
+                "time"
+            )
+        logger.log(
+            level,
+            message,
+            extra={
+                "action": action,
+                "queue": exc.queue,
+                "route": "POST /v1/queue/consume",
+                "code": exc.code,
+                "status": exc.status,
+                "size_bytes": exc.size,
+                "message_ids": list(exc.message_ids),
+                "max_messages": exc.max_messages,
+                "detail": storable_text(exc.message[:500]),
+            },
+        )
         self._single_next = True
         if unreadable:
             self._open_window(exc)
@@ -284,40 +310,9 @@ class _ConsumeMode:
         self._single_until = max(self._single_until, now + left)
 
 
-def _log_lost(exc: ConsumeAnswerLost, *, isolated: bool) -> None:
-    if isolated:
-        level, action = logging.ERROR, "unreadable_message"
-        message = (
-            "an unreadable message was received alone: only it spent a delivery, and it "
-            "reaches the DLQ after three"
-        )
-    else:
-        level, action = logging.WARNING, "consume_answer_lost"
-        message = (
-            "a consume answer was lost or unreadable: the messages it served spent a delivery "
-            "unseen and come back after the visibility timeout; consuming one at a time"
-        )
-    logger.log(
-        level,
-        message,
-        extra={
-            "action": action,
-            "queue": exc.queue,
-            "route": "POST /v1/queue/consume",
-            "code": exc.code,
-            "status": exc.status,
-            "size_bytes": exc.size,
-            "message_ids": list(exc.message_ids),
-            "max_messages": exc.max_messages,
-            "detail": storable_text(exc.message[:500]),
-        },
-    )
-
-
 def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:
-    """Say that a batch received ahead was never processed (the ledger failed): unacked, it is
-    redelivered, and it cost a delivery. Only the answer on its way is read: retrying a failed
-    consume here would receive another batch just to leave it too."""
+    """Say that a batch received ahead was never processed (it cost a delivery). Only the answer
+    on its way is read: retrying a failed consume would receive another batch to leave too."""
     try:
         messages = ahead.wait(retry=False)
     except ConsumeAnswerLost as exc:

@@ -1,6 +1,5 @@
 """What one drain is told (``DrainConfig``), what it reports (``DrainSummary``), and the seam the
-optional features plug into (``DrainFeature``); apart, so no drain module imports another only
-for its types."""
+optional features plug into (``DrainFeature``)."""
 
 from __future__ import annotations
 
@@ -50,10 +49,8 @@ FEATURE_COUNTERS = (
 
 @dataclass
 class DrainSummary:
-    """What one drain did. Every consumed message has one outcome in ``outcomes``; the totals
-    (``done``, ``retried``, ...) follow from them by ``OUTCOME_RULES``: a retried handler's
-    claim was released, a failed one's message goes to the DLQ, a deferred job's claim waits
-    as deferred work (acked). ``counters`` holds the features' own counters."""
+    """What one drain did: one outcome per consumed message in ``outcomes``, whose totals
+    (``done``, ``retried``, ...) follow by ``OUTCOME_RULES``; the features' own ``counters``."""
 
     consumed: int = 0
     acked: int = 0
@@ -141,10 +138,8 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
         merged.counters.update(summary.counters)
     reasons = {s.stopped for s in summaries}
     # The most alarming reason wins: an outage must not hide behind a lane that found no work.
-    for reason in ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty"):
-        if reason in reasons:
-            merged.stopped = reason
-            break
+    alarming = ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty")
+    merged.stopped = next((reason for reason in alarming if reason in reasons), "")
     return merged
 
 
@@ -160,8 +155,7 @@ class LaneClock:
 
 @dataclass(frozen=True, slots=True)
 class DrainRun:
-    """One invocation's drain as the features see it; a feature may hand the next one a changed
-    copy (``dataclasses.replace``)."""
+    """One invocation's drain as the features see it; each may hand the next a changed copy."""
 
     queue: QueuePort
     ledger: LedgerPort

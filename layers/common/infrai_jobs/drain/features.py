@@ -81,9 +81,8 @@ class ClosableLedger(LedgerPort, Protocol):
 
 
 class Lanes(DrainFeature):
-    """DRAIN_LANES > 1: several lanes drain one queue at once, the claims keeping them apart. Each
-    lane has its own database connection (the others than the drain's own are kept for reuse);
-    the HTTP pool is shared (thread-safe)."""
+    """DRAIN_LANES > 1: several lanes drain one queue at once, the claims keeping them apart,
+    each on its own database connection (kept for reuse); the HTTP pool is shared."""
 
     def __init__(self, count: int, make_ledger: Callable[[], ClosableLedger]) -> None:
         self.count = count
@@ -121,8 +120,7 @@ class SecondLayerFeature(DrainFeature):
     guard: SecondLayerGuard
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
-        # Every invocation: an in-progress record of a crashed call then expires with this
-        # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
+        # Every invocation: an in-progress record of a crashed call expires with its deadline.
         self.guard.start_invocation(run.time_left_ms)
         return next_drain(run)
 

@@ -101,8 +101,7 @@ class PostgresDrainFleet(LedgerAdapter):
     def live(self, queue: str) -> int:
         """Drains alive now (expired leases left out); for operators and tests."""
         with self._translated() as conn:
-            row = conn.execute(_LIVE_NOW, {"queue": queue}).fetchone()
-        return int(row[0]) if row else 0
+            return _count(conn, queue, _LIVE_NOW)
 
     @contextmanager
     def _locked(self, queue: str) -> Iterator[psycopg.Connection[Any]]:
@@ -129,8 +128,8 @@ class PostgresDrainFleet(LedgerAdapter):
             yield conn
 
 
-def _count(conn: psycopg.Connection[Any], queue: str) -> int:
-    row = conn.execute(_LIVE, {"queue": queue}).fetchone()
+def _count(conn: psycopg.Connection[Any], queue: str, sql: LiteralString = _LIVE) -> int:
+    row = conn.execute(sql, {"queue": queue}).fetchone()
     return int(row[0]) if row else 0
 
 

@@ -36,9 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
 
-from infrai_jobs.drain.ports import Clock
 from infrai_jobs.errors import (
     FanOutError,
     FanOutThrottled,
@@ -96,10 +95,16 @@ _BASE62: Final = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz
 _CLAIM_STATES: Final = frozenset(WORK_STATES)
 
 
+class Clock(Protocol):
+    """Wall-clock seconds since the epoch; a fake moves by hand in tests."""
+
+    def now(self) -> float: ...
+
+
 class FakeClock:
     """Epoch seconds that move only when a test says so.
 
-    Satisfies ``ports.Clock`` (``now()``) and is itself callable, so it can be passed wherever a
+    Satisfies ``Clock`` (``now()``) and is itself callable, so it can be passed wherever a
     ``Callable[[], float]`` clock is expected, such as ``drain(..., clock=...)``.
     """
 

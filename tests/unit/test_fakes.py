@@ -13,7 +13,6 @@ from decimal import Decimal
 
 import pytest
 
-from infrai_jobs.drain.ports import Clock
 from infrai_jobs.errors import InfraiError, LedgerUnavailable, QueueMessageNotFound
 from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.ledger.claims import (
@@ -26,7 +25,7 @@ from infrai_jobs.ledger.claims import (
 )
 from infrai_jobs.ledger.ports import LedgerPort
 from infrai_jobs.queue.ports import QueuePort
-from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
+from infrai_local.fakes import Clock, FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

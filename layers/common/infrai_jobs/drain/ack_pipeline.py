@@ -7,11 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from infrai_jobs.drain.batch import MessageResult, describe_error
-from infrai_jobs.errors import (
-    InfraiError,
-    InfraiUnavailable,
-    QueueMessageNotFound,
-)
+from infrai_jobs.errors import InfraiError, InfraiUnavailable, QueueMessageNotFound
 from infrai_jobs.jobs.correlation import log_fields
 from infrai_jobs.queue.models import Pending
 from infrai_jobs.queue.ports import QueuePort
@@ -24,25 +20,19 @@ logger = logging.getLogger(__name__)
 
 # Batches whose acks may still be travelling when the next batch's are sent.
 ACKS_IN_FLIGHT_BATCHES = 2
-
-
-# Connections one lane may hold open to Infrai at once: one per ack still travelling and the
-# consume it sends ahead. The client's pool keeps this many per lane, or lanes would reconnect
-# (a new TCP and TLS handshake) for every ack beyond what the pool keeps.
+# Connections a lane may hold open to Infrai: one per ack travelling and the consume sent ahead.
+# The client's pool keeps this many per lane, or lanes would reconnect (TCP and TLS) for more.
 HTTP_CONNECTIONS_PER_LANE = ACKS_IN_FLIGHT_BATCHES * CONSUME_CAP + 1
 
 
 class AckPipeline:
-    """Acks sent together and their answers read later, so they overlap the next batch's work.
-
-    Once a batch's acks are sent, the answers of the batch before it are read (by then they have
-    usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once.
-    """
+    """Once a batch's acks are sent, the answers of the batch before it are read (by then they
+    have usually arrived): at most ``ACKS_IN_FLIGHT_BATCHES`` batches of acks travel at once."""
 
     def __init__(self, queue: QueuePort, queue_name: str, summary: DrainSummary) -> None:
         self._queue = queue
         self._queue_name = queue_name
-        self._summary = summary
+        self.summary = summary
         self._pending: list[list[tuple[MessageResult, Pending[None]]]] = []
 
     def send(self, results: Sequence[MessageResult]) -> None:
@@ -67,10 +57,9 @@ class AckPipeline:
             raise first_error
 
     def _collect(self, batch: list[tuple[MessageResult, Pending[None]]]) -> None:
-        summary = self._summary
-        # Answers are read one after another on this thread: once Infrai has failed one ack
-        # through all its retries, the rest of the batch get their sent request's answer only,
-        # so an outage costs one ack's retries per batch, not ten in a row.
+        summary = self.summary
+        # Once Infrai failed one ack through all its retries, the rest of the batch get their sent
+        # request's answer only: an outage costs one ack's retries per batch, not ten in a row.
         retry = True
         unexpected: Exception | None = None
         for result, pending in batch:
@@ -80,8 +69,7 @@ class AckPipeline:
                 summary.ack_lost += 1
                 _log_ack(result, "ack_lost")
             except InfraiError as exc:
-                # Harmless for correctness: the redelivery finds the claim settled, and is
-                # acked then.
+                # Harmless: the redelivery finds the claim settled, and is acked then.
                 if isinstance(exc, InfraiUnavailable):
                     retry = False
                 summary.ack_failed += 1

@@ -58,8 +58,7 @@ class MessageResult:
     detail: str = ""
     # The claim was won by taking over an expired external_idempotent claim.
     takeover: bool = False
-    # The message came back while its own claim's lease was live: the queue hides messages for
-    # less time than the drain's visibility timeout says.
+    # Back while its own claim's lease was live: the queue hides messages for less than told.
     visibility_mismatch: bool = False
     # The producer's correlation id and traceparent, from the message's envelope.
     correlation: Correlation = NO_CORRELATION
@@ -79,37 +78,29 @@ def process_batch(
     visible_until: float | None = None,
     clock: Callable[[], float] = time.time,
 ) -> list[MessageResult]:
-    """Decide every message of one batch; one bad message never stops the others.
-
-    ``visible_until`` (``clock`` seconds) is when the queue may deliver these messages again:
-    no claim's lease ends later (None: one whole visibility timeout from the claim)."""
+    """Decide every message of one batch. ``visible_until`` (``clock`` seconds): when the queue
+    may deliver them again, which no lease outlives (None: a visibility timeout from the claim)."""
     return _Batch(messages, ledger, registry, deadline, config, visible_until, clock).process()
 
 
 @dataclass(slots=True)
 class _Batch:
-    """The state of one batch while its messages are claimed, run and settled."""
-
     messages: Sequence[QueueMessage]
     ledger: LedgerPort
     registry: JobRegistry
     deadline: float
     config: DrainConfig
-    # When the queue may deliver the batch again (None: unknown), on ``clock``.
     visible_until: float | None
     clock: Callable[[], float]
     lease_until: datetime = field(init=False)
     results: dict[str, MessageResult] = field(init=False, default_factory=dict)
-    # The message of each key that is judged (at first the key's first message), and the other
-    # copies of a key, which follow it.
+    # Each key's judged message (at first its first one); the key's other copies follow it.
     primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
     copies: list[tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=list)
-    # Per key, the messages already judged; and the copies found holding their key's claim,
-    # judged next in place of the message that found them.
+    # Per key, the messages judged; the copies found holding their key's claim, judged next.
     judged: dict[str, set[str]] = field(init=False, default_factory=dict)
     holders: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
-    # Messages redelivered while their own claim's lease was live, with the seconds since they
-    # claimed.
+    # Messages back while their own claim's lease was live: the seconds since they claimed.
     early: dict[str, float] = field(init=False, default_factory=dict)
     takeovers: set[str] = field(init=False, default_factory=set)
     # Each message's correlation (messages whose envelope carries one only).
@@ -143,8 +134,7 @@ class _Batch:
             try:
                 derived = self.registry.derive(message.payload)
             except (KeyDerivationError, ConfigurationError) as exc:
-                # A configuration error here is the job's, not the batch's: this message walks
-                # to the DLQ with the reason, the others go on.
+                # The job's configuration error, not the batch's: this message walks to the DLQ.
                 self._set(MessageResult(message, Outcome.REJECTED, detail=str(exc)))
                 continue
             if derived.idem_key in self.primaries:
@@ -168,10 +158,10 @@ class _Batch:
             ),
         )
 
-    def _context(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobContext:
+    def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
         message, derived = self.primaries[request.idem_key]
         correlation = self.correlations.get(message.message_id, NO_CORRELATION)
-        return JobContext(
+        ctx = JobContext(
             idem_key=request.idem_key,
             job=derived.definition.name,
             message_id=message.message_id,
@@ -183,13 +173,8 @@ class _Batch:
             correlation_id=correlation.correlation_id,
             traceparent=correlation.traceparent,
         )
-
-    def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:
-        derived = self.primaries[request.idem_key][1]
-        ctx = self._context(request, db)
         features = self.config.features
-        # Only an external job's effect is wrapped (the second layer): a database job's is
-        # rolled back with its claim.
+        # Only an external job's effect is wrapped: a database job's rolls back with its claim.
         effect_features = features if request.effect is not Effect.DATABASE else ()
         run = partial(run_handler, derived, ctx, effect_features)
         attempt = HandlerAttempt(ctx, derived, request.claim_token)
@@ -204,26 +189,20 @@ class _Batch:
         try:
             decisions, settlements = self.ledger.run_database_batch(requests, self._run)
         except LedgerError as exc:
-            for request in requests:
-                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
+            self._unavailable(requests, str(exc))
             return
         self._record(decisions, settlements)
 
     def _run_external(self, requests: list[ClaimRequest]) -> None:
-        """Commit claims, then run and settle each job right after its effect.
-
-        Key-passing (``external_idempotent``) jobs are claimed for the batch in one statement:
-        if this process dies before calling, a later delivery takes the claim over once its
-        lease ends. Irreversible (``external``) jobs are claimed one by one, right before their
-        own call, so a crash leaves for a human only the claim whose call had begun, not every
-        claim of the batch.
-        """
+        """Commit claims, then run and settle each job. Key-passing jobs are claimed together (a
+        later delivery takes a claim over once its lease ends); irreversible ones one by one, so
+        a crash leaves for a human only the claim whose call had begun."""
         idempotent = [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]
         if idempotent:
             self._claim_and_run(idempotent)
         for request in (r for r in requests if r.effect is Effect.EXTERNAL):
             if self.ledger_failed:
-                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, self.ledger_failed)
+                self._unavailable([request], self.ledger_failed)
             else:
                 self._claim_and_run([request])
 
@@ -232,8 +211,7 @@ class _Batch:
             decisions = self.ledger.claim(requests)
         except LedgerError as exc:
             self.ledger_failed = str(exc)
-            for request in requests:
-                self._set_for(request, Outcome.LEDGER_UNAVAILABLE, str(exc))
+            self._unavailable(requests, self.ledger_failed)
             return
         self.takeovers |= {d.request.idem_key for d in decisions if d.takeover}
         settlements: list[Settlement] = []
@@ -249,6 +227,10 @@ class _Batch:
                 detail = f"handler {run.kind}, then settling failed: {exc}"
                 self._set_for(decision.request, outcome, detail)
         self._record(decisions, settlements)
+
+    def _unavailable(self, requests: list[ClaimRequest], detail: str) -> None:
+        for request in requests:
+            self._set_for(request, Outcome.LEDGER_UNAVAILABLE, detail)
 
     def _record(
         self, decisions: Sequence[ClaimDecision], settlements: Sequence[Settlement]
@@ -279,12 +261,9 @@ class _Batch:
                 )
 
     def _held_by_a_copy(self, decision: ClaimDecision) -> bool:
-        """Whether another copy of this key in the batch holds its claim.
-
-        That copy is its key's own redelivery and must be judged as one (stuck for an
-        irreversible effect, taken over for a key-passing one), never mirrored as a copy of a
-        message that merely found its claim: acking both would strand the claim ``running``
-        with no message left to carry it.
+        """Whether another copy of this key in the batch holds its claim. That copy is its key's
+        own redelivery and is judged as one (stuck, or taken over), never mirrored as a copy of
+        a message that merely found its claim: acking both would strand the claim ``running``.
         """
         key = decision.request.idem_key
         holder = decision.holder
@@ -379,12 +358,8 @@ class _Batch:
 def run_handler(
     derived: DerivedJob, ctx: JobContext, features: Sequence[DrainFeature] = ()
 ) -> JobRun:
-    """Run one handler and turn whatever it does into a ``JobRun``.
-
-    This is the one place that catches every exception: a job's failure is an outcome to
-    settle, not a crash of the batch. The call runs through each feature's ``around_effect``
-    (the second layer, keyed by the same idempotency key), the first outermost.
-    """
+    """Run one handler through each feature's ``around_effect`` (the first outermost) and turn
+    whatever it does into a ``JobRun``: the one place that catches every exception."""
 
     def handler() -> JsonValue:
         return derived.definition.handler(derived.payload, ctx)
@@ -437,11 +412,8 @@ _RESULT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
 
 
 def _jsonable(result: JsonValue) -> JsonValue:
-    """The handler's result as the ledger can store it (jsonb).
-
-    The effect has happened, so a result that cannot be stored must never turn into a retry:
-    it is replaced by a printable description instead.
-    """
+    """The handler's result as jsonb can store it. The effect has happened, so a result that
+    cannot be stored is replaced by a printable description, never turned into a retry."""
     try:
         text = _RESULT_JSON.encode(result)
         text.encode("utf-8")  # lone surrogates

@@ -1,18 +1,9 @@
 """Backlog fan-out: a drain that sees more backlog than it can clear soon starts more drains.
 
-While a drain runs, a monitor beside its lanes renews the drain's lease in the ledger every few
-seconds (``DrainFleetPort``) and, when fan-out is on, measures the rate the drain is consuming at
-and reads the queue's backlog (``available_count``). If the backlog would take the drains alive
-longer than ``after_seconds`` to clear, it reserves the missing slots, as many as would clear it
-within ``after_seconds`` at that rate and never more than ``max_concurrency`` drains alive in
-all, and starts one drain per slot asynchronously (``DrainStarterPort``: Lambda ``Invoke`` with
-``InvocationType=Event`` in AWS, a process locally). The reservation and the count happen under
-one lock in the ledger, so two drains deciding at once never both start the missing ones.
-
-A started drain finds its slot's id in its event, adopts the slot, and fans out in turn if the
-backlog still calls for it. Nothing here schedules work: each drain is an ordinary drain, and
-the claims keep overlapping drains safe.
-"""
+A monitor beside the lanes renews the drain's lease and, if the drains alive would take longer
+than ``after_seconds`` to clear the backlog at the rate measured, reserves the missing slots (at
+most ``max_concurrency`` drains) and starts one drain per slot, which adopts it. Each is an
+ordinary drain: the claims keep them safe."""
 
 from __future__ import annotations
 
@@ -39,9 +30,8 @@ logger = logging.getLogger(__name__)
 FAN_OUT_EVENT_KEY = "infrai_jobs_fan_out"
 # How often the monitor renews the lease and looks at the backlog.
 CHECK_EVERY_SECONDS = 2.0
-# A running drain's lease: several checks long, so one slow check (a stats call retrying) does
-# not make a live drain look dead; a drain killed mid-run frees its slot within this. Lambda's
-# reserved concurrency still holds the real line if a drain ever looks dead too early.
+# A running drain's lease: several checks long, so one slow check does not make it look dead; a
+# drain killed mid-run frees its slot within this (reserved concurrency holds the real line).
 LEASE_SECONDS = 15.0
 # A reserved slot waits this long for its drain to start (an async invoke, a cold start).
 START_GRACE_SECONDS = 30.0
@@ -54,13 +44,7 @@ class FanOutPolicy:
     max_concurrency: int
     # More drains are started when the backlog would take longer than this to clear.
     after_seconds: float = 30.0
-    check_every_seconds: float = CHECK_EVERY_SECONDS
     lease_seconds: float = LEASE_SECONDS
-    start_grace_seconds: float = START_GRACE_SECONDS
-
-    @property
-    def fans_out(self) -> bool:
-        return self.max_concurrency > 1
 
 
 def drains_wanted(available: int, rate_per_drain: float, after_seconds: float, cap: int) -> int:
@@ -72,16 +56,12 @@ def drains_wanted(available: int, rate_per_drain: float, after_seconds: float, c
 
 
 def fan_out_event(queue: str, drain_id: str, started_by: str) -> dict[str, Any]:
-    """The event a fanned-out drain receives."""
     return {FAN_OUT_EVENT_KEY: {"queue": queue, "drain_id": drain_id, "started_by": started_by}}
 
 
 def fan_out_slot(event: object) -> str | None:
-    """The reserved slot's id when ``event`` is a fan-out event, else None (a schedule tick).
-
-    A malformed fan-out event is logged and treated as a tick: the drain still runs, it only
-    takes a free slot instead of its reserved one.
-    """
+    """The reserved slot's id when ``event`` is a fan-out event, else None (a schedule tick, as
+    a malformed fan-out event is taken: the drain runs in a free slot instead)."""
     if not isinstance(event, Mapping) or FAN_OUT_EVENT_KEY not in event:
         return None
     body = event[FAN_OUT_EVENT_KEY]
@@ -108,12 +88,8 @@ class FanOutCheck:
 
 
 class FleetMonitor:
-    """One drain's membership of its queue's fleet: the lease, and the fan-out decisions.
-
-    ``check()`` is one step (tests call it directly); ``running()`` calls it every
-    ``check_every_seconds`` on a thread of its own while the drain's lanes work. ``consumed``
-    tells how many messages the drain has received so far (``CountingQueue.consumed``).
-    """
+    """One drain's lease and fan-out decisions: ``check()`` is one step, which ``running()``
+    takes every few seconds on a thread of its own. ``consumed``: messages received so far."""
 
     def __init__(
         self,
@@ -131,7 +107,7 @@ class FleetMonitor:
         self.fleet = fleet
         self.queue = queue
         self.consumed = consumed
-        self.starter = starter if policy.fans_out else None
+        self.starter = starter if policy.max_concurrency > 1 else None
         self.clock = clock
         self.fanned_out = 0
         self.throttled = 0
@@ -150,11 +126,9 @@ class FleetMonitor:
         if self.starter is None or live >= policy.max_concurrency:
             return FanOutCheck(live)
         if received <= 0 or elapsed <= 0:
-            # Nothing received since the last check: an idle queue, or a drain held up. A rate
-            # of zero says nothing about how many drains the backlog needs.
+            # Nothing received since the last check (idle, or held up): a zero rate says nothing.
             return FanOutCheck(live)
-        # The rate since the last check, not since the start: a drain that polled an idle queue
-        # for a minute and now meets a burst must not take its idle time for slowness.
+        # The rate since the last check, not the start: time spent idle polling is no slowness.
         rate = received / elapsed
         available = self.queue.stats(policy.queue).available_count
         wanted = drains_wanted(available, rate, policy.after_seconds, policy.max_concurrency)
@@ -164,10 +138,9 @@ class FleetMonitor:
             policy.queue,
             wanted=wanted,
             cap=policy.max_concurrency,
-            lease_seconds=policy.start_grace_seconds,
+            lease_seconds=START_GRACE_SECONDS,
         )
         started = self._start(slots)
-        check = FanOutCheck(live, available, rate, wanted, started)
         logger.info(
             "backlog fan-out: started %d more drains",
             started,
@@ -181,7 +154,7 @@ class FleetMonitor:
                 "drains_started": started,
             },
         )
-        return check
+        return FanOutCheck(live, available, rate, wanted, started)
 
     def _renew(self) -> int:
         self._renewed_at = self.clock()
@@ -192,15 +165,15 @@ class FleetMonitor:
     def _start(self, slots: Sequence[str]) -> int:
         assert self.starter is not None
         for index, slot in enumerate(slots):
-            if self.clock() - self._renewed_at >= self.policy.check_every_seconds:
-                # Starting many drains through a slow Invoke API must not let this one's own
-                # lease run out meanwhile.
+            if self.clock() - self._renewed_at >= CHECK_EVERY_SECONDS:
+                # A slow Invoke API must not let this drain's own lease run out meanwhile.
                 self._renew()
             try:
                 self.starter.start(fan_out_event(self.policy.queue, slot, self.drain_id))
             except FanOutError as exc:
-                # The slots not started are given back, so the count stays true.
-                self._give_back(slots[index:])
+                # The slots not started are given back (or expire after START_GRACE_SECONDS).
+                msg = "could not give back reserved drain slots"
+                _leave(self.fleet, self.policy.queue, slots[index:], msg, "fan_out_release_failed")
                 if isinstance(exc, FanOutThrottled):
                     self.throttled += 1
                     logger.warning(
@@ -217,23 +190,12 @@ class FleetMonitor:
             self.fanned_out += 1
         return len(slots)
 
-    def _give_back(self, slots: Sequence[str]) -> None:
-        try:
-            self.fleet.leave(self.policy.queue, slots)
-        except LedgerError as exc:
-            # Their leases end on their own after start_grace_seconds.
-            logger.warning(
-                "could not give back reserved drain slots",
-                extra={"action": "fan_out_release_failed", "detail": str(exc)},
-            )
-
     @contextmanager
     def running(self) -> Iterator[FleetMonitor]:
-        """Check every ``check_every_seconds`` on a background thread until the block ends."""
         stop = threading.Event()
 
         def loop() -> None:
-            while not stop.wait(self.policy.check_every_seconds):
+            while not stop.wait(CHECK_EVERY_SECONDS):
                 try:
                     self.check()
                 except (LedgerError, InfraiError) as exc:
@@ -252,24 +214,16 @@ class FleetMonitor:
             thread.join()
 
 
+@dataclass(eq=False)
 class FleetMembership(DrainFeature):
     """DRAIN_MAX_CONCURRENCY: every drain counts itself in the fleet (or stops at once,
-    ``at_capacity``, when it would be one too many), and starts more drains for a backlog while
-    it drains (``FleetMonitor``). Its counters: ``fanned_out``, ``fan_out_throttled``,
-    ``fan_out_failed``."""
+    ``at_capacity``, when one too many) and fans out for a backlog while it drains."""
 
-    def __init__(
-        self,
-        policy: FanOutPolicy,
-        fleet: DrainFleetPort,
-        starter: DrainStarterPort | None = None,
-    ) -> None:
-        self.policy = policy
-        self.fleet = fleet
-        self.starter = starter
+    policy: FanOutPolicy
+    fleet: DrainFleetPort
+    starter: DrainStarterPort | None = None
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
-        """Drain as one of the fleet: join it (or stop at the cap), fan out while draining."""
         policy, fleet, queue = self.policy, self.fleet, run.config.queue
         drain_id = run.fan_out_slot or str(uuid.uuid4())
         try:
@@ -302,14 +256,9 @@ class FleetMembership(DrainFeature):
             with monitor.running():
                 summary = next_drain(replace(run, queue=counting))
         finally:
-            try:
-                fleet.leave(queue, [drain_id])
-            except LedgerError as exc:
-                # Its lease ends on its own within LEASE_SECONDS.
-                logger.warning(
-                    "could not give back this drain's lease",
-                    extra={"action": "fleet_leave_failed", "detail": str(exc)},
-                )
+            # Should this fail, its lease ends on its own within LEASE_SECONDS.
+            msg = "could not give back this drain's lease"
+            _leave(fleet, queue, [drain_id], msg, "fleet_leave_failed")
         summary.counters.update(
             fanned_out=monitor.fanned_out,
             fan_out_throttled=monitor.throttled,
@@ -321,6 +270,15 @@ class FleetMembership(DrainFeature):
         close_fleet = getattr(self.fleet, "close", None)
         if close_fleet is not None:
             close_fleet()
+
+
+def _leave(
+    fleet: DrainFleetPort, queue: str, drain_ids: Sequence[str], message: str, action: str
+) -> None:
+    try:
+        fleet.leave(queue, drain_ids)
+    except LedgerError as exc:
+        logger.warning(message, extra={"action": action, "detail": str(exc)})
 
 
 class CountingQueue(ForwardingQueue):

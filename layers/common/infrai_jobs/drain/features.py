@@ -1,7 +1,5 @@
-"""The optional features of the drain that need nothing beyond the drain's own adapters: idle
-polling, lanes and the second layer. Each is a ``DrainFeature`` (``drain.model``); fan-out is in
-``drain.fan_out`` and tracing in ``runtime.observability``.
-"""
+"""The drain's optional features that need nothing beyond its own adapters: idle polling, lanes
+and the second layer (fan-out is in ``drain.fan_out``, tracing in ``runtime.observability``)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from infrai_jobs.drain.model import (
@@ -27,21 +25,15 @@ from infrai_jobs.ledger.ports import EffectGuard, LedgerPort
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class IdlePolling(DrainFeature):
-    """After an empty consume: wait ``poll_ms`` and consume again, or stop (DRAIN_IDLE_POLL_MS).
-
-    Polling goes on while the idle window after the lane's start lasts (``window_seconds``;
-    0: the whole time budget) and the time left still covers a batch after the wait (a consume
-    that receives one must finish it). The window ends before the next scheduled drain starts,
-    so on an idle queue about one poller is alive at a time. A drain a fan-out started drains a
-    backlog and stops: the scheduled drains do the polling.
-    """
+    """After an empty consume: wait ``poll_ms`` and consume again (DRAIN_IDLE_POLL_MS), while
+    the idle window from the lane's start lasts (0: the whole budget; it ends before the next
+    scheduled drain, so about one poller is alive) and the time left still covers a batch."""
 
     in_fanned_out_drains = False
-
-    def __init__(self, poll_ms: int, window_seconds: float = 0.0) -> None:
-        self.poll_ms = poll_ms
-        self.window_seconds = window_seconds
+    poll_ms: int
+    window_seconds: float = 0.0
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
         shortfall = self.shortfall(run.config.batch_budget_ms, run.time_left_ms())
@@ -89,9 +81,8 @@ class ClosableLedger(LedgerPort, Protocol):
 
 
 class Lanes(DrainFeature):
-    """DRAIN_LANES > 1: several lanes drain one queue at once; the claims keep them from
-    overlapping. Each lane has its own database connection (the first is the drain's own, the
-    others are opened on first use and kept); the HTTP pool is shared (thread-safe)."""
+    """DRAIN_LANES > 1: several lanes drain one queue at once, the claims keeping them apart,
+    each on its own database connection (kept for reuse); the HTTP pool is shared."""
 
     def __init__(self, count: int, make_ledger: Callable[[], ClosableLedger]) -> None:
         self.count = count
@@ -116,23 +107,20 @@ class SecondLayerGuard(EffectGuard, Protocol):
 
     def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
         """Let in-progress records expire with this invocation's deadline."""
-        ...
 
     def take_hits(self) -> int:
         """Effects replayed instead of repeated since the last call."""
-        ...
 
 
+@dataclass(eq=False)
 class SecondLayerFeature(DrainFeature):
     """The optional second layer (IDEMPOTENCY_BACKEND): each external job's effect runs through
     the guard, keyed by the same idempotency key, after the ledger claim was won."""
 
-    def __init__(self, guard: SecondLayerGuard) -> None:
-        self.guard = guard
+    guard: SecondLayerGuard
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
-        # Every invocation: an in-progress record of a crashed call then expires with this
-        # invocation's deadline (in Lambda, time_left_ms is the context's own clock).
+        # Every invocation: an in-progress record of a crashed call expires with its deadline.
         self.guard.start_invocation(run.time_left_ms)
         return next_drain(run)
 

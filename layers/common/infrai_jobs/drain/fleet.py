@@ -1,11 +1,6 @@
-"""The drains of a queue alive now, counted in the ledger's ``drain_leases`` table.
-
-Each drain holds a lease it renews while it runs; a fan-out reserves slots for the drains it is
-about to start, and each started drain adopts its slot. Counting and reserving happen under a
-transaction-scoped advisory lock per queue, so two drains deciding at the same moment never both
-start the missing ones: the second sees the first one's reservations. Leases run on the
-database's clock (``now()``), so drains on machines whose clocks disagree still agree.
-"""
+"""The drains of a queue alive now, leases in the ledger's ``drain_leases`` table. Counting and
+reserving happen under an advisory lock per queue, so two drains deciding at once never both
+start the missing ones; leases run on the database's clock, which all drains agree on."""
 
 from __future__ import annotations
 
@@ -29,9 +24,7 @@ _FORGET_EXPIRED: LiteralString = (
     "DELETE FROM drain_leases WHERE queue = %(queue)s AND lease_until < now()"
 )
 _LIVE: LiteralString = "SELECT count(*) FROM drain_leases WHERE queue = %(queue)s"
-_LIVE_NOW: LiteralString = (
-    "SELECT count(*) FROM drain_leases WHERE queue = %(queue)s AND lease_until >= now()"
-)
+_LIVE_NOW: LiteralString = _LIVE + " AND lease_until >= now()"
 _ADOPT: LiteralString = """
 UPDATE drain_leases SET lease_until = now() + make_interval(secs => %(seconds)s)
 WHERE queue = %(queue)s AND drain_id = %(drain_id)s
@@ -80,10 +73,7 @@ class PostgresDrainFleet(LedgerAdapter):
                 return True
             if _count(conn, queue) >= cap:
                 return False
-            conn.execute(
-                _INSERT,
-                {**params, "origin": origin, "ids": _uuid_array([drain_id])},
-            )
+            _insert(conn, queue, [drain_id], origin, lease_seconds)
             return True
 
     def renew(self, queue: str, drain_id: str, *, lease_seconds: float) -> int:
@@ -99,15 +89,7 @@ class PostgresDrainFleet(LedgerAdapter):
             if missing <= 0:
                 return []
             ids = [str(uuid.uuid4()) for _ in range(missing)]
-            conn.execute(
-                _INSERT,
-                {
-                    "queue": queue,
-                    "origin": "fan_out",
-                    "seconds": lease_seconds,
-                    "ids": _uuid_array(ids),
-                },
-            )
+            _insert(conn, queue, ids, "fan_out", lease_seconds)
             return ids
 
     def leave(self, queue: str, drain_ids: Sequence[str]) -> None:
@@ -119,10 +101,7 @@ class PostgresDrainFleet(LedgerAdapter):
     def live(self, queue: str) -> int:
         """Drains alive now (expired leases left out); for operators and tests."""
         with self._translated() as conn:
-            row = conn.execute(_LIVE_NOW, {"queue": queue}).fetchone()
-        return int(row[0]) if row else 0
-
-    # --- connection handling --------------------------------------------------------------
+            return _count(conn, queue, _LIVE_NOW)
 
     @contextmanager
     def _locked(self, queue: str) -> Iterator[psycopg.Connection[Any]]:
@@ -134,7 +113,10 @@ class PostgresDrainFleet(LedgerAdapter):
 
     @contextmanager
     def _translated(self) -> Iterator[psycopg.Connection[Any]]:
-        conn = self._connection()
+        """This adapter's one connection, reopened when closed or broken."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            conn = self._conn = self._connector.connect()
 
         def broken() -> None:
             # The server closed the connection, or it broke mid-statement: reconnect next time.
@@ -145,18 +127,17 @@ class PostgresDrainFleet(LedgerAdapter):
         with ledger_errors("a drain-lease statement", self._connector.url, on_broken=broken):
             yield conn
 
-    def _connection(self) -> psycopg.Connection[Any]:
-        conn = self._conn
-        if conn is not None and not conn.closed and not conn.broken:
-            return conn
-        conn = self._connector.connect()
-        self._conn = conn
-        return conn
 
-
-def _count(conn: psycopg.Connection[Any], queue: str) -> int:
-    row = conn.execute(_LIVE, {"queue": queue}).fetchone()
+def _count(conn: psycopg.Connection[Any], queue: str, sql: LiteralString = _LIVE) -> int:
+    row = conn.execute(sql, {"queue": queue}).fetchone()
     return int(row[0]) if row else 0
+
+
+def _insert(
+    conn: psycopg.Connection[Any], queue: str, ids: Sequence[str], origin: str, seconds: float
+) -> None:
+    params = {"queue": queue, "origin": origin, "seconds": seconds, "ids": _uuid_array(ids)}
+    conn.execute(_INSERT, params)
 
 
 def _uuid_array(ids: Sequence[str]) -> str:

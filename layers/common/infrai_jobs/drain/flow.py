@@ -1,28 +1,14 @@
 """Flow control in the drain: ``flow``'s policies and ledger, plugged in as one ``DrainFeature``.
 
-Only jobs with a policy in force (``@job(retry=, rate=, concurrency=)``, or ``JOB_POLICIES``)
-reach this module; every other job runs exactly as it would without it, with no extra round
-trip. Around each handler run of such a job:
+Only jobs with a policy in force reach it (others make no extra round trip). Around each run,
+the job's concurrency key takes a slot and its rate limit reserves a start, or the job is
+deferred: its claim becomes deferred work in one statement fenced by the claim's token, and
+the message is acked. Before and after what it consumes, the drain runs due deferred jobs
+(``take_due``: never one another drain holds) under a new token and lease on the same row.
 
-1. its concurrency key takes one of the key's slots, or the job is deferred;
-2. its rate limit reserves a start, waiting for it when the wait fits the invocation;
-   otherwise the job is deferred;
-3. a transient failure of a job with a retry policy and attempts left is deferred at once, so
-   an outage longer than Infrai's three deliveries, or a drain killed during a later attempt,
-   never sends a job with attempts left to the DLQ.
-
-A deferral turns the claim into deferred work (payload, attempts, next run) in one statement
-fenced by the claim's token; then the message is acked, and a copy of it is a duplicate
-(the claim statement sees the work the ledger holds). Around the invocation, the drain takes
-the due deferred jobs (``take_due``: never one another drain holds) and runs them under the
-same time budget, before and after what it consumes, each under a new token and lease on the
-same row.
-
-An ``external`` job's effect is never repeated when its outcome is unknown: an uncertain run
-is flagged and stays ``running``, and a run that began and whose lease ran out is never taken
-again, so ``claims stuck`` and the watcher find it for a human. Database jobs keep Infrai's
-deliveries: their effect rolls back with the batch's transaction, which a deferral cannot
-join, so a policy on one is a configuration error.
+An uncertain ``external`` run is flagged and stays ``running``, and one that began and whose
+lease ran out is never taken again: ``claims stuck`` finds it for a human. Database jobs roll
+back with their batch's transaction, which a deferral cannot join: a policy on one is refused.
 """
 
 from __future__ import annotations
@@ -38,13 +24,7 @@ from typing import Any
 import psycopg
 
 from infrai_jobs.drain.batch import describe_error, run_handler
-from infrai_jobs.drain.model import (
-    DrainFeature,
-    DrainRun,
-    DrainSummary,
-    HandlerAttempt,
-    NextDrain,
-)
+from infrai_jobs.drain.model import DrainFeature, DrainRun, DrainSummary, HandlerAttempt, NextDrain
 from infrai_jobs.errors import (
     ConfigurationError,
     EffectUncertain,
@@ -70,8 +50,7 @@ CONCURRENCY_RETRY_SECONDS = 1.0
 HANDLER_RESERVE_SECONDS = 2.0
 # Deferred jobs taken from the ledger at a time.
 DUE_BATCH = 10
-# A job deferred by a limit, with no retry policy of its own, gets Infrai's three attempts in
-# the ledger, a visibility timeout apart at most.
+# A job deferred by a limit, with no retry policy of its own: Infrai's three attempts.
 LIMITED_JOB_RETRY = RetryPolicy(
     attempts=MAX_RECEIVE_COUNT, first_delay_seconds=30.0, factor=2.0, max_delay_seconds=300.0
 )
@@ -84,8 +63,7 @@ def flow_control(
     *,
     queue: str,
 ) -> FlowControl | None:
-    """The feature for ``registry``'s jobs with a policy in force (``policies``: what the code
-    declares, with ``JOB_POLICIES`` applied), or None when no job has one."""
+    """The feature for the jobs with a policy in force (``JOB_POLICIES`` applied), or None."""
     if not policies:
         return None
     database = sorted(
@@ -99,19 +77,12 @@ def flow_control(
             "(effect 'database') rolls back with its batch's transaction, so it keeps Infrai's "
             "three deliveries: remove its retry, rate and concurrency policy"
         )
-    return FlowControl(
-        policies,
-        registry,
-        connect,
-        queue=queue,
-    )
+    return FlowControl(policies, registry, connect, queue=queue)
 
 
 class FlowControl(DrainFeature):
-    """Retry policies past Infrai's deliveries, rate limits and concurrency keys (see above).
-
-    Each lane's thread gets its own connection to the ledger's database (autocommit; every
-    ``flow.ledger`` call is a short transaction of its own)."""
+    """Retry policies, rate limits and concurrency keys. Each lane's thread has its own
+    autocommit connection (every ``flow.ledger`` call is a short transaction of its own)."""
 
     def __init__(
         self,
@@ -120,22 +91,16 @@ class FlowControl(DrainFeature):
         connect: Callable[[], psycopg.Connection[Any]],
         *,
         queue: str,
-        clock: Callable[[], float] = time.time,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.policies = dict(policies)
         self._registry = registry
         self._connect = connect
         self._queue = queue
-        self._clock = clock
-        self._sleep = sleep
         self._local = threading.local()
         self._lock = threading.Lock()
         self._opened: list[psycopg.Connection[Any]] = []
         self._counters: Counter[str] = Counter()
         self._prepared: set[str] = set()
-
-    # --- the hooks ------------------------------------------------------------------------
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
         counters: Counter[str] = Counter()
@@ -160,11 +125,7 @@ class FlowControl(DrainFeature):
         try:
             conn = self._conn()
             slot, wait, reason = self._gate(
-                conn,
-                ctx,
-                policy,
-                attempt.derived.payload,
-                slot_token=attempt.claim_token,
+                conn, ctx, policy, attempt.derived.payload, slot_token=attempt.claim_token
             )
         except LedgerError as exc:
             self._drop()
@@ -181,17 +142,18 @@ class FlowControl(DrainFeature):
         finally:
             if slot:
                 self._release_slot(conn, attempt.claim_token)
-        if result.kind is RunKind.TRANSIENT and policy.retry is not None:
-            delay = self._deferral_delay(policy.retry, ctx.delivery_count)
-            if delay is not None:
-                return self._defer(
-                    conn,
-                    attempt,
-                    attempts=ctx.delivery_count,
-                    error=result.error or "transient failure",
-                    delay=delay,
-                    fallback=result,
-                )
+        retry, attempts = policy.retry, ctx.delivery_count
+        # Deferred at the first transient failure: the ledger then owns the work, so a drain dying
+        # in a later attempt never spends the message's last delivery. Out of attempts: the DLQ.
+        if result.kind is RunKind.TRANSIENT and retry is not None and attempts < retry.attempts:
+            return self._defer(
+                conn,
+                attempt,
+                attempts=attempts,
+                error=result.error or "transient failure",
+                delay=next_delay(retry, attempts),
+                fallback=result,
+            )
         return result
 
     def around_effect(
@@ -199,14 +161,12 @@ class FlowControl(DrainFeature):
     ) -> JsonValue:
         policy = self.policies.get(ctx.job)
         retry = policy.retry if policy is not None else None
-        if retry is None or not retry.final_errors:
-            return call()
         try:
             return call()
         except (PermanentJobError, EffectUncertain):
             raise
         except Exception as exc:
-            if is_final_error(retry, exc):
+            if retry is not None and is_final_error(retry, exc):
                 raise PermanentJobError(
                     f"final for its retry policy: {describe_error(exc)}"
                 ) from exc
@@ -218,8 +178,6 @@ class FlowControl(DrainFeature):
         for conn in opened:
             conn.close()
 
-    # --- deciding -------------------------------------------------------------------------
-
     def _prepare(self, definition: JobDefinition, policy: JobPolicy) -> None:
         """Ready a rate-limited job's client once, before its first start is reserved."""
         if policy.rate is None or definition.prepare is None:
@@ -230,17 +188,6 @@ class FlowControl(DrainFeature):
             definition.prepare()
             self._prepared.add(definition.name)
 
-    @staticmethod
-    def _deferral_delay(retry: RetryPolicy, attempts: int) -> float | None:
-        """After ``attempts`` failed runs: the delay before the next one, or None when the
-        policy is out of attempts (the DLQ takes it). The first transient failure is deferred,
-        not left to Infrai's redeliveries: from then on the ledger owns the work, so a drain
-        that dies during a later attempt never spends the message's last delivery (which
-        would dead-letter a job with attempts left)."""
-        if attempts >= retry.attempts:
-            return None
-        return next_delay(retry, attempts)
-
     def _gate(
         self,
         conn: psycopg.Connection[Any],
@@ -250,10 +197,9 @@ class FlowControl(DrainFeature):
         *,
         slot_token: uuid.UUID,
     ) -> tuple[bool, float | None, str]:
-        """Take the concurrency slot (held by ``slot_token``: the token of the claim that runs
-        it, for as long as that claim's stored lease) and the rate-limit start a run
-        needs: (slot taken, None, "") to run now, or (False, seconds, why) to run that much
-        later. A killed run's slot frees itself when the run's lease ends."""
+        """Take the concurrency slot (held by ``slot_token``, the running claim's, until its
+        lease ends: a killed run's slot frees itself) and the rate-limit start: (slot taken,
+        None, "") to run now, or (False, seconds, why) to run that much later."""
         slot = False
         if policy.concurrency is not None:
             value = concurrency_value(policy.concurrency, payload)
@@ -273,7 +219,7 @@ class FlowControl(DrainFeature):
                     f"concurrency key {value} has {policy.concurrency.max_running} running",
                 )
         if policy.rate is not None:
-            fits = ctx.deadline - HANDLER_RESERVE_SECONDS - self._clock()
+            fits = ctx.deadline - HANDLER_RESERVE_SECONDS - time.time()
             reserved, wait = flow_limits.reserve_start(conn, ctx.job, policy.rate, max_wait=fits)
             if not reserved:
                 if slot:
@@ -283,7 +229,7 @@ class FlowControl(DrainFeature):
                 # Its start is reserved: the call leaves when it comes, not before.
                 with self._lock:
                     self._counters["rate_limit_waits"] += 1
-                self._sleep(wait)
+                time.sleep(wait)
         return slot, None, ""
 
     def _defer(
@@ -296,9 +242,8 @@ class FlowControl(DrainFeature):
         delay: float,
         fallback: JobRun | None = None,
     ) -> JobRun:
-        """Record the work and release its claim in one transaction; the message is then
-        acked. When that fails, ``fallback`` (a released claim: the message carries the work
-        on, as it would without flow control)."""
+        """Record the work and release its claim in one transaction; failing that, ``fallback``
+        (a released claim: its message carries the work)."""
         ctx, derived = attempt.ctx, attempt.derived
         work = DeferredWork(
             idem_key=ctx.idem_key,
@@ -320,17 +265,12 @@ class FlowControl(DrainFeature):
                 claim_token=attempt.claim_token,
             )
         except LedgerError as exc:
-            self._drop()
-            logger.warning(
-                "could not defer a job; its message carries it on",
-                extra={"action": "defer_failed", "idem_key": ctx.idem_key, "detail": str(exc)},
-            )
+            msg = "could not defer a job; its message carries it on"
+            self._ledger_failed(msg, "defer_failed", exc, idem_key=ctx.idem_key)
             return unchanged
         if outcome is DeferOutcome.CLAIM_LOST:
             return unchanged
         return JobRun(RunKind.DEFERRED, error=f"runs again in {delay:.1f} s: {error}")
-
-    # --- running due deferred work --------------------------------------------------------
 
     def _run_due(self, run: DrainRun, counters: Counter[str]) -> None:
         lease = run.config.batch_budget_ms / 1000 + run.config.lease_grace_seconds
@@ -340,11 +280,7 @@ class FlowControl(DrainFeature):
                 conn = self._conn()
                 due = flow_ledger.take_due(conn, DUE_BATCH, lease_seconds=lease, jobs=jobs)
             except LedgerError as exc:
-                self._drop()
-                logger.warning(
-                    "could not take deferred jobs",
-                    extra={"action": "deferred_take_failed", "detail": str(exc)},
-                )
+                self._ledger_failed("could not take deferred jobs", "deferred_take_failed", exc)
                 return
             if not due:
                 return
@@ -353,15 +289,8 @@ class FlowControl(DrainFeature):
                     self._run_one(conn, job, run, counters)
                 except LedgerError as exc:
                     # Its lease runs out; a non-external job is taken again after it.
-                    self._drop()
-                    logger.warning(
-                        "could not settle a deferred job",
-                        extra={
-                            "action": "deferred_settle_failed",
-                            "idem_key": job.idem_key,
-                            "detail": str(exc),
-                        },
-                    )
+                    msg, key = "could not settle a deferred job", job.idem_key
+                    self._ledger_failed(msg, "deferred_settle_failed", exc, idem_key=key)
                     return
 
     def _run_one(
@@ -385,7 +314,7 @@ class FlowControl(DrainFeature):
             job=derived.definition.name,
             message_id=job.message_id,
             delivery_count=job.attempts or 1,
-            deadline=self._clock() + run.config.batch_budget_ms / 1000,
+            deadline=time.time() + run.config.batch_budget_ms / 1000,
             settings=derived.settings,
             secrets=derived.secrets,
         )
@@ -458,11 +387,7 @@ class FlowControl(DrainFeature):
             self._fail(conn, job, f"out of attempts ({attempts}): {error}", counters)
         else:
             flow_ledger.postpone(
-                conn,
-                job.idem_key,
-                token,
-                error=error,
-                delay_seconds=next_delay(retry, attempts),
+                conn, job.idem_key, token, error=error, delay_seconds=next_delay(retry, attempts)
             )
 
     def _fail(
@@ -476,18 +401,12 @@ class FlowControl(DrainFeature):
                 extra={"action": "deferred_failed", "idem_key": job.idem_key, "detail": reason},
             )
 
-    # --- connections ----------------------------------------------------------------------
-
     def _release_slot(self, conn: psycopg.Connection[Any], token: uuid.UUID) -> None:
         try:
             flow_limits.release_concurrency(conn, token)
         except LedgerError as exc:
             # The slot is freed when its lease ends.
-            self._drop()
-            logger.warning(
-                "could not release a concurrency slot",
-                extra={"action": "slot_release_failed", "detail": str(exc)},
-            )
+            self._ledger_failed("could not release a concurrency slot", "slot_release_failed", exc)
 
     def _conn(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
@@ -497,6 +416,10 @@ class FlowControl(DrainFeature):
             with self._lock:
                 self._opened.append(conn)
         return conn
+
+    def _ledger_failed(self, message: str, action: str, exc: LedgerError, **fields: str) -> None:
+        self._drop()
+        logger.warning(message, extra={"action": action, **fields, "detail": str(exc)})
 
     def _drop(self) -> None:
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)

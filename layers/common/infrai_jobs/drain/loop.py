@@ -1,15 +1,7 @@
 """The drain loop: consume in batches of ten, claim, run, settle, ack what is settled.
 
-One call drains one queue lane for as long as the time budget allows another whole batch: every
-receive burns one of a message's three deliveries, so the loop never consumes what it cannot
-finish. Each message ends in exactly one ``Outcome``; ``ACKED_OUTCOMES`` is the ack column
-of docs/design.md's outcome table.
-
-A consume whose answer is lost or unreadable (``ConsumeAnswerLost``) has spent a delivery of
-every message it served, unseen. The lane then takes one message at a time: after a lost answer
-for its next consume, and, when the answer was unreadable (too large, not JSON, too deep), for a
-window kept in the ledger for every drain of the queue, long enough for the messages it served
-to come back. So an unreadable message walks to the DLQ alone, not with nine neighbours.
+One call drains one queue lane while the time budget allows another whole batch: every receive
+burns one of a message's three deliveries, so the loop never consumes what it cannot finish.
 """
 
 from __future__ import annotations
@@ -17,18 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from infrai_jobs.drain.ack_pipeline import AckPipeline
 from infrai_jobs.drain.batch import MessageResult, process_batch, storable_text
 from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary, LaneClock, NextDrain
-from infrai_jobs.errors import (
-    ConsumeAnswerLost,
-    InfraiError,
-    LedgerError,
-    SchemaNotMigrated,
-)
+from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, LedgerError, SchemaNotMigrated
 from infrai_jobs.jobs.correlation import correlation_of
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.outcomes import Outcome
@@ -40,11 +27,10 @@ logger = logging.getLogger(__name__)
 
 # A lease and a handler's deadline end this long before the queue may deliver the message again.
 VISIBILITY_MARGIN_SECONDS = 2.0
-# Lost consume answers in a row after which a lane gives up (raising the last one), so a queue
-# that loses every answer costs a few deliveries, not one per message for the whole budget.
+# Lost consume answers in a row after which a lane raises the last: a queue losing every answer
+# costs a few deliveries, not one per message for the whole budget.
 LOST_ANSWERS_IN_A_ROW = 3
-# An unreadable answer opens the queue's one-at-a-time window for this many visibility
-# timeouts: the messages it served come back after one, to be consumed one by one.
+# Visibility timeouts an unreadable answer opens the queue's one-at-a-time window for.
 ISOLATION_VISIBILITY_TIMEOUTS = 2
 # How often a lane re-reads the window another drain may have opened meanwhile.
 ISOLATION_REREAD_SECONDS = 60.0
@@ -64,25 +50,20 @@ def drain(
     stop_requested: Callable[[], bool] | None = None,
 ) -> DrainSummary:
     """Drain ``config.queue`` until it is empty, the budget is spent, the ledger fails, or
-    ``stop_requested()`` says to stop (an interrupted CLI drain: ``interrupted``).
-
-    After an empty consume, a feature may wait and poll again (idle polling: "empty" then means
-    empty for the whole idle window); ``sleep`` is how it waits (a test passes its fake clock's
-    ``advance``). A stop request ends the drain before its next receive: what it holds (a batch
-    being processed, one received ahead) is still settled and acked."""
+    ``stop_requested()`` (``interrupted``: before the next receive; what the lane holds is
+    still settled and acked). ``sleep`` is how idle polling waits (a test's fake clock)."""
     summary = DrainSummary()
     lane_time = LaneClock(clock(), time_left_ms, clock, sleep)
     try:
-        # Before anything is received: a receive spends a delivery, and a batch that cannot be
-        # claimed would spend it for nothing.
+        # First: a receive spends a delivery, for nothing if the batch cannot be claimed.
         ledger.ping()
         mode = _ConsumeMode(ledger, config, summary, lane_time.clock)
     except LedgerError as exc:
         return stopped_before_receiving(exc)
     acks = AckPipeline(queue, config.queue, summary)
-    lane = _Lane(queue, ledger, registry, config, summary, acks, mode, stop_requested or _never)
+    stop = stop_requested or (lambda: False)
     try:
-        _drain_batches(lane, lane_time)
+        _drain_batches(queue, ledger, registry, config, lane_time, mode=mode, acks=acks, stop=stop)
     finally:
         # Every ack sent is waited for before the invocation reports.
         acks.wait_all()
@@ -90,40 +71,116 @@ def drain(
     return summary
 
 
-def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
-    """One invocation's drain: each feature's ``around_drain`` in the order of
-    ``run.config.features`` (the first outermost), then one lane (``drain``)."""
-    features = run.config.features
+def _drain_batches(
+    queue: QueuePort,
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    config: DrainConfig,
+    lane_time: LaneClock,
+    *,
+    mode: _ConsumeMode,
+    acks: AckPipeline,
+    stop: Callable[[], bool],
+) -> None:
+    """Process batches, receiving the next while this one runs, only while the time left covers
+    both. One thread does it all: the consume ahead and the acks travel while the batch is
+    processed, their answers read after (``Pending``), so a lane costs no threads."""
+    summary = acks.summary
+    ahead: Pending[list[QueueMessage]] | None = None
+    ahead_sent_at = 0.0
+    try:
+        while True:
+            try:
+                if ahead is not None:
+                    # Taken before waiting: a consume that failed is not waited for twice.
+                    received, ahead = ahead, None
+                    sent_at = ahead_sent_at
+                    messages = received.wait()
+                else:
+                    why = "interrupted" if stop() else ""
+                    why = why or _stop_reason(config, summary, lane_time.time_left_ms(), 1)
+                    if why:
+                        summary.stopped = why
+                        return
+                    sent_at = lane_time.clock()
+                    messages = queue.consume(config.queue, mode.size())
+            except ConsumeAnswerLost as exc:
+                mode.lost(exc)
+                continue
+            mode.served()
+            if not messages:
+                if any(f.poll_again(config, lane_time, summary.counters) for f in config.features):
+                    continue
+                summary.stopped = "empty"
+                return
+            remaining = lane_time.time_left_ms()
+            why = _stop_reason(config, summary, remaining, 1)
+            if why:
+                # The receive ran long (retries, a Retry-After). Cut off half-way, the batch could
+                # leave an external effect uncertain; unacked, it costs one delivery instead.
+                _left_for_redelivery(
+                    messages,
+                    "a batch received when the time left no longer covered it was left "
+                    "for redelivery",
+                )
+                summary.stopped = why
+                return
+            summary.batches += 1
+            if not stop() and not _stop_reason(config, summary, remaining, 2):
+                ahead_sent_at = lane_time.clock()
+                ahead = queue.send_consume(config.queue, mode.size())
+            # The queue may redeliver from here on: no handler deadline and no lease runs past it.
+            visible_until = sent_at + config.visibility_timeout_seconds - VISIBILITY_MARGIN_SECONDS
+            deadline = min(lane_time.clock() + remaining / 1000, visible_until)
+            results = process_batch(
+                messages,
+                ledger,
+                registry,
+                deadline,
+                config,
+                visible_until=visible_until,
+                clock=lane_time.clock,
+            )
+            _count(results, summary)
+            # This batch's acks travel while the next one is processed.
+            acks.send(results)
+            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
+                summary.stopped = "ledger_unavailable"
+                return
+    finally:
+        if ahead is not None:
+            _abandon(ahead, mode)
 
-    def one_lane(lane_run: DrainRun) -> DrainSummary:
+
+def _stop_reason(
+    config: DrainConfig, summary: DrainSummary, remaining_ms: int, batches: int
+) -> str:
+    """Why one more batch may not be received now, or "". ``batches``: how many the time left
+    must cover (the one to receive, plus the one in process when receiving ahead)."""
+    if config.max_batches is not None and summary.batches >= config.max_batches:
+        return "max_batches"
+    if remaining_ms < config.batch_budget_ms * batches:
+        return "time_budget"
+    return ""
+
+
+def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
+    """One invocation's drain: each feature's ``around_drain`` (first outermost), then a lane."""
+
+    def one_lane(r: DrainRun) -> DrainSummary:
         return drain(
-            lane_run.queue,
-            lane_run.ledger,
-            registry,
-            lane_run.config,
-            lane_run.time_left_ms,
-            stop_requested=lane_run.stop_requested,
+            r.queue, r.ledger, registry, r.config, r.time_left_ms, stop_requested=r.stop_requested
         )
 
-    def from_feature(index: int) -> NextDrain:
-        if index == len(features):
-            return one_lane
-        feature, after = features[index], from_feature(index + 1)
-        return lambda next_run: feature.around_drain(next_run, after)
-
-    return from_feature(0)(run)
-
-
-def _never() -> bool:
-    return False
+    next_drain: NextDrain = one_lane
+    for feature in reversed(run.config.features):
+        next_drain = partial(feature.around_drain, next_drain=next_drain)
+    return next_drain(run)
 
 
 def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
-    """The ledger failed before anything was received: say so, and stop.
-
-    A database behind the code is not an outage to wait out: it is raised, so the invocation
-    fails with the command to run. Any other failure ends the drain as ``ledger_unavailable``.
-    """
+    """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
+    A database behind the code is no outage to wait out: it is raised, naming the command."""
     if isinstance(exc, SchemaNotMigrated):
         logger.error(
             "the ledger database is not migrated; nothing was received",
@@ -137,130 +194,9 @@ def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     return DrainSummary(stopped="ledger_unavailable")
 
 
-@dataclass(frozen=True, slots=True)
-class _Lane:
-    """What one lane's batch loop works with, besides its time: the adapters, what it drains,
-    and the state it reports through (the summary, the acks in flight, the consume size)."""
-
-    queue: QueuePort
-    ledger: LedgerPort
-    registry: JobRegistry
-    config: DrainConfig
-    summary: DrainSummary
-    acks: AckPipeline
-    mode: _ConsumeMode
-    stop_requested: Callable[[], bool]
-
-    def stop_reason(self, remaining_ms: int, *, time_for: int) -> str:
-        """Why one more batch may not be received now, or "" when it may.
-
-        ``time_for`` is how many batches the time left must cover: the one to receive, plus the
-        one still being processed when receiving ahead.
-        """
-        config = self.config
-        if config.max_batches is not None and self.summary.batches >= config.max_batches:
-            return "max_batches"
-        if remaining_ms < config.batch_budget_ms * time_for:
-            return "time_budget"
-        return ""
-
-    def poll_again(self, lane_time: LaneClock) -> bool:
-        """After an empty consume: whether a feature (idle polling) waited to consume again."""
-        config, counters = self.config, self.summary.counters
-        return any(f.poll_again(config, lane_time, counters) for f in config.features)
-
-
-def _drain_batches(lane: _Lane, lane_time: LaneClock) -> None:
-    """Process batches one after the other, receiving the next while this one runs.
-
-    A batch is received only while the time left covers finishing it, and the one received
-    ahead only while the time covers both: every receive burns one of three deliveries. If the
-    receive itself ran so long (retries, a ``Retry-After``) that the time left no longer covers
-    the batch, it is left unprocessed for redelivery rather than cut off half-way. How many
-    messages a receive asks for is ``mode``'s decision (one at a time after a lost answer).
-
-    One thread does it all: the consume sent ahead and the acks travel while the batch is
-    processed, and their answers are read after (``Pending``), so a lane costs no threads and
-    no hand-offs between them.
-
-    ``lane_time`` is the lane's one clock: the time left, the wall clock the deadlines are on, and
-    the start the idle window counts from are all read from it.
-    """
-    config, summary, mode, queue = lane.config, lane.summary, lane.mode, lane.queue
-    ahead: Pending[list[QueueMessage]] | None = None
-    ahead_sent_at = 0.0
-    visibility = config.visibility_timeout_seconds
-    try:
-        while True:
-            try:
-                if ahead is not None:
-                    # Taken before waiting: a consume that failed is not waited for twice.
-                    received, ahead = ahead, None
-                    sent_at = ahead_sent_at
-                    messages = received.wait()
-                else:
-                    stop = "interrupted" if lane.stop_requested() else ""
-                    stop = stop or lane.stop_reason(lane_time.time_left_ms(), time_for=1)
-                    if stop:
-                        summary.stopped = stop
-                        return
-                    sent_at = lane_time.clock()
-                    messages = queue.consume(config.queue, mode.size())
-            except ConsumeAnswerLost as exc:
-                mode.lost(exc)
-                continue
-            mode.served()
-            if not messages:
-                if lane.poll_again(lane_time):
-                    continue
-                summary.stopped = "empty"
-                return
-            remaining = lane_time.time_left_ms()
-            stop = lane.stop_reason(remaining, time_for=1)
-            if stop:
-                # The receive itself ran long (retries, a Retry-After): what is left no longer
-                # covers the batch. Cutting it off half-way could leave an external effect
-                # uncertain; unacked, it costs one delivery instead.
-                _left_for_redelivery(
-                    messages,
-                    "a batch received when the time left no longer covered it was left "
-                    "for redelivery",
-                )
-                summary.stopped = stop
-                return
-            summary.batches += 1
-            if not lane.stop_requested() and not lane.stop_reason(remaining, time_for=2):
-                ahead_sent_at = lane_time.clock()
-                ahead = queue.send_consume(config.queue, mode.size())
-            # The queue may deliver these messages again from here on: no handler deadline
-            # and no lease may run past it.
-            visible_until = sent_at + visibility - VISIBILITY_MARGIN_SECONDS
-            deadline = min(lane_time.deadline(remaining), visible_until)
-            results = process_batch(
-                messages,
-                lane.ledger,
-                lane.registry,
-                deadline,
-                config,
-                visible_until=visible_until,
-                clock=lane_time.clock,
-            )
-            _count(results, summary)
-            # This batch's acks travel while the next one is processed.
-            lane.acks.send(results)
-            if any(r.outcome is Outcome.LEDGER_UNAVAILABLE for r in results):
-                summary.stopped = "ledger_unavailable"
-                return
-    finally:
-        if ahead is not None:
-            _abandon(ahead, mode)
-
-
 def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
-    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "".
-
-    Such a drain would stop at once with ``time_budget`` and look like an empty queue; its
-    caller refuses it instead, before anything is received."""
+    """Why a drain given ``time_budget_ms`` could not receive a single batch, or "": it would
+    stop at once and look like an empty queue, so its caller refuses it instead."""
     if time_budget_ms >= batch_budget_ms:
         return ""
     return (
@@ -271,15 +207,11 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
 
 
 class _ConsumeMode:
-    """How many messages a lane's next consume asks for: a batch, or one at a time.
-
-    One at a time for the consume after a lost answer (which spent a delivery of up to ten
-    messages, unseen), and for as long as the queue's isolation window lasts. An unreadable
-    answer (too large, not JSON, too deep: a message's doing, likely to repeat) opens that
-    window in the ledger for every drain of the queue, for two visibility timeouts: the
-    messages it served come back after one and are then received one by one, so only the
-    unreadable one fails again. A lost answer that served one message only has isolated it.
-    """
+    """How many messages a lane's next consume asks for: one at a time after a lost answer (it
+    spent a delivery of every message it served, unseen) and while the queue's isolation window
+    lasts. An unreadable answer (a message's doing, likely to repeat) opens that window in the
+    ledger for every drain of the queue: the messages it served come back one by one, so an
+    unreadable one walks to the DLQ alone, not with nine neighbours."""
 
     def __init__(
         self,
@@ -325,7 +257,34 @@ class _ConsumeMode:
         unreadable = exc.code in UNREADABLE_CODES
         isolated = exc.max_messages == 1 and unreadable
         summary.unreadable += int(isolated)
-        _log_lost(exc, isolated=isolated)
+        if isolated:
+            level, action = logging.ERROR, "unreadable_message"
+            message = (
+                "an unreadable message was received alone: only it spent a delivery, and it "
+                "reaches the DLQ after three"
+            )
+        else:
+            level, action = logging.WARNING, "consume_answer_lost"
+            message = (
+                "a consume answer was lost or unreadable: the messages it served spent a "
+                "delivery unseen and come back after the visibility timeout; consuming one at a "
+                "time"
+            )
+        logger.log(
+            level,
+            message,
+            extra={
+                "action": action,
+                "queue": exc.queue,
+                "route": "POST /v1/queue/consume",
+                "code": exc.code,
+                "status": exc.status,
+                "size_bytes": exc.size,
+                "message_ids": list(exc.message_ids),
+                "max_messages": exc.max_messages,
+                "detail": storable_text(exc.message[:500]),
+            },
+        )
         self._single_next = True
         if unreadable:
             self._open_window(exc)
@@ -351,44 +310,9 @@ class _ConsumeMode:
         self._single_until = max(self._single_until, now + left)
 
 
-def _log_lost(exc: ConsumeAnswerLost, *, isolated: bool) -> None:
-    if isolated:
-        level = logging.ERROR
-        message = (
-            "an unreadable message was received alone: only it spent a delivery, and it "
-            "reaches the DLQ after three"
-        )
-        action = "unreadable_message"
-    else:
-        level = logging.WARNING
-        message = (
-            "a consume answer was lost or unreadable: the messages it served spent a delivery "
-            "unseen and come back after the visibility timeout; consuming one at a time"
-        )
-        action = "consume_answer_lost"
-    logger.log(
-        level,
-        message,
-        extra={
-            "action": action,
-            "queue": exc.queue,
-            "route": "POST /v1/queue/consume",
-            "code": exc.code,
-            "status": exc.status,
-            "size_bytes": exc.size,
-            "message_ids": list(exc.message_ids),
-            "max_messages": exc.max_messages,
-            "detail": storable_text(exc.message[:500]),
-        },
-    )
-
-
 def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:
-    """A batch received ahead but never processed (the ledger failed): it is not acked, so
-    Infrai redelivers it after the visibility timeout. Say so, since it cost a delivery.
-
-    Only the answer already on its way is read: retrying a failed consume here would receive
-    another batch just to leave it too."""
+    """Say that a batch received ahead was never processed (it cost a delivery). Only the answer
+    on its way is read: retrying a failed consume would receive another batch to leave too."""
     try:
         messages = ahead.wait(retry=False)
     except ConsumeAnswerLost as exc:

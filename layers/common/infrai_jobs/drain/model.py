@@ -1,9 +1,5 @@
 """What one drain is told (``DrainConfig``), what it reports (``DrainSummary``), and the seam the
-optional features plug into (``DrainFeature``).
-
-The loop, the batch and the ack pipeline all read these; they live apart from the loop so that
-none of the three imports another only for its types.
-"""
+optional features plug into (``DrainFeature``)."""
 
 from __future__ import annotations
 
@@ -29,19 +25,16 @@ class DrainConfig:
     batch_size: int = CONSUME_CAP
     # The time one batch may need at most; a batch is consumed only when this much is left.
     batch_budget_ms: int = 20_000
-    # An external claim's lease outlives the invocation's deadline by this much, but never
-    # its message's visibility window.
+    # An external claim's lease outlives the deadline by this much (never the visibility window).
     lease_grace_seconds: int = 60
     # The queue's visibility timeout: a consumed message is hidden this long.
     visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
     max_batches: int | None = None
-    # The optional features switched on (lanes, fan-out, idle polling, the second layer,
-    # tracing), outermost first; none by default.
+    # The optional features switched on, outermost first.
     features: Sequence[DrainFeature] = ()
 
 
-# The counters the optional features keep, in the order the summary reports them. Each is
-# reported (as 0 when its feature is off) so the summary's keys never change.
+# The features' counters, in report order; each is reported (0 when off): the keys never change.
 FEATURE_COUNTERS = (
     "idle_polls",  # IdlePolling: empty consumes it waited after and repeated
     "fanned_out",  # FleetMembership: drains this one started for the backlog
@@ -56,9 +49,8 @@ FEATURE_COUNTERS = (
 
 @dataclass
 class DrainSummary:
-    """What one drain did. Every consumed message has one outcome in ``outcomes``; the totals
-    ``done``, ``duplicates``, ``retried``, ``failed`` and ``parked`` are derived from them by
-    the outcome table (``OUTCOME_RULES``). ``counters`` holds the features' own counters."""
+    """What one drain did: one outcome per consumed message in ``outcomes``, whose totals
+    (``done``, ``retried``, ...) follow by ``OUTCOME_RULES``; the features' own ``counters``."""
 
     consumed: int = 0
     acked: int = 0
@@ -66,12 +58,10 @@ class DrainSummary:
     ack_failed: int = 0
     batches: int = 0
     takeovers: int = 0
-    # Consumes whose answer was lost or unreadable, and those of them that served one message
-    # only: an unreadable message isolated (it alone spent the delivery).
+    # Lost or unreadable consume answers, and those that served one message (so isolated it).
     answers_lost: int = 0
     unreadable: int = 0
-    # Messages that came back while their own claim's lease was live: the queue's visibility
-    # timeout is shorter than the drain was told (INFRAI_VISIBILITY_TIMEOUT_SECONDS).
+    # Messages back while their claim's lease was live (INFRAI_VISIBILITY_TIMEOUT_SECONDS too long).
     visibility_mismatches: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     counters: Counter[str] = field(default_factory=Counter)
@@ -91,13 +81,10 @@ class DrainSummary:
 
     @property
     def retried(self) -> int:
-        """A handler raised and its claim was released: the redelivery runs it again."""
         return self.total("retried")
 
     @property
     def failed(self) -> int:
-        """A handler raised PermanentJobError: the claim is failed, the message goes to the
-        DLQ."""
         return self.total("failed")
 
     @property
@@ -106,7 +93,6 @@ class DrainSummary:
 
     @property
     def deferred(self) -> int:
-        """Flow control held the job back: its claim waits as deferred work; acked."""
         return self.total("deferred")
 
     def as_dict(self) -> dict[str, Any]:
@@ -122,39 +108,23 @@ class DrainSummary:
         }
 
 
-# Every count the summary reports, in the order it reports them (the metrics follow it).
-SUMMARY_COUNTS = (
-    "consumed",
-    "done",
-    "duplicates",
-    "retried",
-    "failed",
-    "parked",
-    "deferred",
-    "acked",
-    "ack_lost",
-    "ack_failed",
-    "batches",
-    "takeovers",
-    "answers_lost",
-    "unreadable",
-    "idle_polls",
-    "fanned_out",
-    "fan_out_throttled",
-    "fan_out_failed",
-    "visibility_mismatches",
-    "deferred_ran",
-    "deferred_done",
-    "deferred_failed",
-    "rate_limit_waits",
-)
-# Each outcome's summary total, by the outcome's value (the keys of ``outcomes``).
-_BUCKET_OF = {o.value: rule.bucket for o, rule in OUTCOME_RULES.items()}
 # The outcome table's summary totals, in the order the summary reports them.
 OUTCOME_BUCKETS = ("done", "duplicates", "retried", "failed", "parked", "deferred")
+# Each outcome's summary total, by the outcome's value (the keys of ``outcomes``).
+_BUCKET_OF = {o.value: rule.bucket for o, rule in OUTCOME_RULES.items()}
 # The consume and ack counters the core loop keeps, in field order: what lanes add up.
 _CORE_COUNTERS = tuple(
     f.name for f in fields(DrainSummary) if f.name not in {"outcomes", "counters", "stopped"}
+)
+# Every count the summary reports, in the order it reports them (the metrics follow it, as a
+# unit test holds): visibility_mismatches, the last core counter, comes after the fan-out ones.
+SUMMARY_COUNTS = (
+    "consumed",
+    *OUTCOME_BUCKETS,
+    *_CORE_COUNTERS[1:-1],
+    *FEATURE_COUNTERS[:4],
+    "visibility_mismatches",
+    *FEATURE_COUNTERS[4:],
 )
 
 
@@ -168,33 +138,24 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
         merged.counters.update(summary.counters)
     reasons = {s.stopped for s in summaries}
     # The most alarming reason wins: an outage must not hide behind a lane that found no work.
-    for reason in ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty"):
-        if reason in reasons:
-            merged.stopped = reason
-            break
+    alarming = ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty")
+    merged.stopped = next((reason for reason in alarming if reason in reasons), "")
     return merged
 
 
 @dataclass(frozen=True, slots=True)
 class LaneClock:
-    """One lane's time, as a feature's hooks may read it: when the lane started, the time left
-    in the invocation, the clock and how to wait (a test passes its fake clock's)."""
+    """One lane's time as a feature's hooks read it (a test passes its fake clock's)."""
 
     started_at: float
     time_left_ms: Callable[[], int]
     clock: Callable[[], float]
     sleep: Callable[[float], None]
 
-    def deadline(self, time_left_ms: int) -> float:
-        """The wall-clock moment ``time_left_ms`` (a reading of ``self.time_left_ms``) ends."""
-        return self.clock() + time_left_ms / 1000
-
 
 @dataclass(frozen=True, slots=True)
 class DrainRun:
-    """One invocation's drain as the features see it: the adapters a lane uses and what the
-    invocation was given. A feature may hand the next one a changed copy
-    (``dataclasses.replace``)."""
+    """One invocation's drain as the features see it; each may hand the next a changed copy."""
 
     queue: QueuePort
     ledger: LedgerPort
@@ -207,8 +168,7 @@ class DrainRun:
 
 @dataclass(frozen=True, slots=True)
 class HandlerAttempt:
-    """One handler run as ``around_handler`` sees it: the job's context, the payload matched to
-    its job, and the claim the run holds (its token fences a release)."""
+    """One handler run as ``around_handler`` sees it; the claim's token fences a release."""
 
     ctx: JobContext
     derived: DerivedJob
@@ -220,14 +180,10 @@ NextDrain = Callable[[DrainRun], DrainSummary]
 
 
 class DrainFeature:
-    """An optional feature of the drain. Every hook does nothing; a feature overrides the ones
-    it needs and keeps its own counters in ``DrainSummary.counters`` (``FEATURE_COUNTERS``).
-
-    Per invocation, ``around_drain`` wraps the rest of the drain (features listed later, then
-    the lane); per lane, ``poll_again`` decides after an empty consume; per handler run,
-    ``around_handler`` wraps the run (it never raises) and ``around_effect`` wraps the handler
-    call of an external job (what it raises becomes the run's outcome).
-    """
+    """An optional feature of the drain: it overrides the hooks it needs and keeps its counters
+    in ``DrainSummary.counters``. ``around_drain`` wraps the rest of the drain, ``poll_again``
+    decides after an empty consume, ``around_handler`` wraps a run (never raising), and
+    ``around_effect`` an external job's call (what it raises becomes the run's outcome)."""
 
     # False for a feature a drain started by a fan-out goes without.
     in_fanned_out_drains: bool = True

@@ -7,30 +7,23 @@ from typing import Any, Protocol
 
 
 class DrainFleetPort(Protocol):
-    """The drains of a queue alive now, as the ledger counts them (``drain_leases``).
-
-    Leases are in seconds from the ledger's own clock. ``join`` and ``reserve`` decide under one
-    lock per queue, so two drains deciding at once never both start the missing ones.
-    """
+    """The drains of a queue alive now, as the ledger counts them (``drain_leases``), leases in
+    seconds on its clock. ``join`` and ``reserve`` decide under one lock per queue."""
 
     def join(
         self, queue: str, drain_id: str, *, origin: str, lease_seconds: float, cap: int
     ) -> bool:
         """Count this drain in: adopt its reserved slot, or take a free one; False when
         ``cap`` drains are alive already."""
-        ...
 
     def renew(self, queue: str, drain_id: str, *, lease_seconds: float) -> int:
         """Extend this drain's lease; return how many drains of the queue are alive."""
-        ...
 
     def reserve(self, queue: str, *, wanted: int, cap: int, lease_seconds: float) -> list[str]:
         """Reserve slots for the drains missing to make ``min(wanted, cap)`` alive; their ids."""
-        ...
 
     def leave(self, queue: str, drain_ids: Sequence[str]) -> None:
         """Give back these drains' leases or reserved slots."""
-        ...
 
 
 class DrainStarterPort(Protocol):
@@ -39,10 +32,3 @@ class DrainStarterPort(Protocol):
     def start(self, event: Mapping[str, Any]) -> None:
         """Hand ``event`` to a new drain and return at once; ``FanOutThrottled`` when refused
         for capacity, ``FanOutError`` for any other failure."""
-        ...
-
-
-class Clock(Protocol):
-    """Wall-clock seconds since the epoch; a fake moves by hand in tests."""
-
-    def now(self) -> float: ...

@@ -1,19 +1,12 @@
 """Dead letters live in the ledger: Infrai's DLQ is moved into ``dead_letters``, then worked on.
 
-Infrai cannot peek at a queue: reading its DLQ consumes it and hides what was read for the
-visibility timeout. So nothing looks at the DLQ directly. ``collect`` first checks that the
-ledger answers (nothing is consumed before that), then reads the DLQ one message per consume,
-records each dead letter in its own transaction (``INSERT ... ON CONFLICT (message_id) DO
-NOTHING``) and acks it from the DLQ only after that row committed. A crash in between leaves the
-letter in the DLQ; the next read finds its row already there and only acks it: one row per
-letter, however often it is read.
-
-Every view (``infrai-jobs dlq``), discard and redrive works on the rows, so two reads show the
-same letters and none depends on a visibility timeout. A row is resolved once (``discarded`` or
-``redriven``, when, by whom, a note), and the resolution is recorded in ``claim_history`` in the
-same transaction. A redrive publishes a row's payload and marks the row in one transaction that
-holds the row's lock across the publish: a crash before the commit leaves the row unresolved and
-a later redrive publishes it again, which the claims absorb; two redrives never both publish it.
+Reading Infrai's DLQ consumes it (hidden for the visibility timeout), so nothing else reads it.
+``collect`` checks the ledger answers first, then reads one message per consume, records each
+in its own transaction (``ON CONFLICT (message_id) DO NOTHING``) and acks it only after that
+commit: a crash in between leaves the letter in the DLQ, and the next read finds its row and
+only acks it. Views, discards and redrives work on the rows. A row is resolved once, recorded in
+``claim_history`` in the same transaction; a redrive holds the row's lock across its publish, so
+a crash republishes at worst (the claims absorb it) and two redrives never both publish it.
 """
 
 from __future__ import annotations
@@ -48,15 +41,13 @@ from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 logger = logging.getLogger(__name__)
 
 KeyOf = Callable[[Any], str]
-# A job's effect class and the retry policy in force for it, by job name; None when it has no
-# policy (or is unknown).
+# A job's effect class and retry policy in force, by job name; None when it has none.
 RetryOf = Callable[[str], tuple[str, RetryPolicy] | None]
 
 # A dead letter taken back as deferred work runs again after this long.
 TAKE_BACK_DELAY_SECONDS = 1.0
 
-# Dead letters one call moves from Infrai's DLQ into the ledger at most; the rest wait for the
-# next call, still in the DLQ.
+# Dead letters one call moves into the ledger at most; the rest wait in the DLQ.
 COLLECT_LIMIT = 1_000
 
 # Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
@@ -94,6 +85,11 @@ FOR UPDATE SKIP LOCKED
 """
 )
 
+_RESOLUTION_FIELDS = ("resolution", "resolved_at", "resolved_by", "resolution_note")
+# What ``RECORD_DEAD_LETTER`` takes that a dead letter may lack.
+_NULLABLE: tuple[str, ...] = ("payload", "raw_text", "size_bytes", "job", "idem_key", "state")
+_NULLABLE += ("claim_state", "dlq_deliveries", "published_at")
+
 _RESOLVE: LiteralString = """
 UPDATE dead_letters
 SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
@@ -104,11 +100,8 @@ WHERE message_id = %(message_id)s AND resolution IS NULL
 
 @dataclass(frozen=True, slots=True)
 class Unreadable:
-    """A dead letter whose consume answer was lost or could not be read.
-
-    ``message_id`` is known only when the client could still read it from the answer (then it
-    is recorded and acked by that id), ``size`` only when an answer came.
-    """
+    """A dead letter whose consume answer was lost or unreadable. ``message_id`` is known only
+    when the client could still read it (then it is recorded and acked by that id)."""
 
     message_id: str | None
     size: int | None
@@ -142,13 +135,9 @@ def read_dead_letters(
     *,
     stop: Callable[[], bool] | None = None,
 ) -> Iterator[DeadLetter]:
-    """Up to ``limit`` dead letters of ``source``, read one per consume: a consume whose answer
-    cannot be read has spent it on every message it served, unseen, so with one message per
-    consume an unreadable dead letter hides only itself, and every other is still read.
-
-    ``stop`` is asked before each read. Reading stops early when the DLQ is empty, or after
-    ``MAX_UNREADABLE_IN_A_ROW`` unreadable answers in a row.
-    """
+    """Up to ``limit`` dead letters of ``source``, one per consume: an unreadable answer has
+    spent every message it served, so one per consume hides only itself. ``stop`` is asked
+    before each read."""
     read = unreadable_in_a_row = 0
     while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
         if stop is not None and stop():
@@ -159,16 +148,9 @@ def read_dead_letters(
             read += 1
             unreadable_in_a_row += 1
             unreadable = Unreadable.from_error(exc)
-            logger.error(
-                "a dead letter could not be read",
-                extra={
-                    "action": "dead_letter_unreadable",
-                    "queue": source,
-                    "message_id": unreadable.message_id,
-                    "size_bytes": unreadable.size,
-                    "detail": unreadable.reason,
-                },
-            )
+            extra: dict[str, Any] = {"action": "dead_letter_unreadable", "queue": source}
+            extra.update(message_id=unreadable.message_id, size_bytes=unreadable.size)
+            logger.error("a dead letter could not be read", extra={**extra, "detail": str(exc)})
             yield unreadable
             continue
         if not batch:
@@ -206,8 +188,8 @@ class DeadLetterRow:
 
     @property
     def body(self) -> Any:
-        """The dead letter's payload as it was read (None when unreadable): from ``raw_text``
-        when jsonb could not hold it."""
+        """The payload as read (None when unreadable), from ``raw_text`` when jsonb could not
+        hold it."""
         if self.unreadable:
             return None
         if self.payload is None and self.raw_text is not None:
@@ -216,8 +198,8 @@ class DeadLetterRow:
 
     @property
     def held_by_ledger(self) -> bool:
-        """Recorded by the ledger itself (deferred work that ran out of attempts), never in
-        Infrai's DLQ: a redrive reopens its failed claim, or the new copy could not run."""
+        """Recorded by the ledger itself (deferred work out of attempts), never in Infrai's
+        DLQ: a redrive must reopen its failed claim, or the new copy could not run."""
         return self.dlq == LEDGER_HELD_DLQ
 
     @property
@@ -229,11 +211,12 @@ class DeadLetterRow:
             return "payload is not a JSON object (Infrai only takes objects)"
         return ""
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, resolution: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            out[name] = value.isoformat() if isinstance(value, datetime) else value
+            if resolution or name not in _RESOLUTION_FIELDS:
+                value = getattr(self, name)
+                out[name] = value.isoformat() if isinstance(value, datetime) else value
         out["payload"] = storable_json(self.body)
         return out
 
@@ -258,6 +241,19 @@ class Collected:
         return asdict(self)
 
 
+def fingerprint_or_none(payload: Any) -> str | None:
+    """The payload's fingerprint, or None for work that has none (unrepresentable)."""
+    try:
+        return payload_fingerprint(payload)
+    except KeyDerivationError:
+        return None
+
+
+def other_work(claim: ClaimRow, payload: Any) -> bool:
+    """Whether ``claim`` holds different work than ``payload`` under the same key."""
+    return bool(claim.payload_sha256) and claim.payload_sha256 != fingerprint_or_none(payload)
+
+
 def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:
     """The claim's state and the reason a dead letter with ``key`` shows: a claim for other
     work is a conflict, never its own state (a "done" beside no reason reads as nothing
@@ -266,7 +262,7 @@ def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str |
         return None, (
             "no claim: it failed and was released, or never got that far; a redrive runs it again"
         )
-    if claim.payload_sha256 and claim.payload_sha256 != _fingerprint(payload):
+    if other_work(claim, payload):
         return "conflict", f"conflict with {key} ({claim.state}, different work)"
     return claim.state, claim.error or ""
 
@@ -297,11 +293,9 @@ def _take_back(
     deliveries = MAX_RECEIVE_COUNT
     if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
         return False
-    effect = found[0]
     if claim is not None and claim.owned:
         # The ledger holds the work already (the letter is a stale copy), or its deferred life
-        # ended (done, failed, or an operator cancelled it): a stale letter never brings it
-        # back, and is recorded for a human like any other.
+        # ended (done, failed, cancelled): a stale letter never brings it back.
         return state in ("deferred", "running")
     if claim is not None:
         # Only a key-passing job's own expired claim may be taken over; done, failed, a
@@ -315,10 +309,10 @@ def _take_back(
     work = flow.DeferredWork(
         idem_key=key,
         job=job,
-        effect=effect,
+        effect=found[0],
         payload=dead.payload,
         message_id=dead.message_id or "",
-        fingerprint=_fingerprint(dead.payload),
+        fingerprint=fingerprint_or_none(dead.payload),
         queue=queue,
     )
     outcome = flow.defer(
@@ -326,23 +320,17 @@ def _take_back(
     )
     if outcome is not flow.DeferOutcome.DEFERRED:
         return outcome is flow.DeferOutcome.ALREADY_HELD
+    after = {"message_id": dead.message_id, "attempts": deliveries}
     record_history(
         conn,
         key,
         "dead_letter_taken_back",
         actor=flow.DRAIN_ACTOR,
         before=None,
-        after={"message_id": dead.message_id, "attempts": deliveries},
+        after=after,
         note=error,
     )
     return True
-
-
-def _fingerprint(payload: Any) -> str | None:
-    try:
-        return payload_fingerprint(payload)
-    except KeyDerivationError:
-        return None
 
 
 class DeadLetterStore:
@@ -375,45 +363,24 @@ class DeadLetterStore:
         is over), so it becomes deferred work with those deliveries counted as attempts, and
         no dead letter pages anyone. An ``external`` job's running claim stays a human's."""
         assert dead.message_id is not None
-        values: dict[str, Any] = {
-            "message_id": dead.message_id,
-            "queue": queue,
-            "dlq": dlq,
-            "job": None,
-            "idem_key": None,
-            "main_deliveries": MAX_RECEIVE_COUNT,
-        }
+        values: dict[str, Any] = dict.fromkeys(_NULLABLE)
+        values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
+        values.update(unreadable=False, main_deliveries=MAX_RECEIVE_COUNT)
         key: str | None = None
         if isinstance(dead, Unreadable):
-            values.update(
-                unreadable=True,
-                payload=None,
-                raw_text=dead.reason,
-                size_bytes=dead.size,
-                state="unreadable",
-                claim_state=None,
-                reason=dead.describe(),
-                dlq_deliveries=None,
-                published_at=None,
-            )
+            values.update(unreadable=True, raw_text=dead.reason, size_bytes=dead.size)
+            values.update(state="unreadable", reason=dead.describe())
         else:
             payload = dead.payload
             # jsonb refuses NUL characters and lone surrogates: such a body is kept as its
             # exact JSON text (ASCII, every such character escaped), which text can hold.
-            storable = storable_json(payload) is payload
+            if storable_json(payload) is payload:
+                values["payload"] = Jsonb(payload)
+            else:
+                values["raw_text"] = json.dumps(payload, ensure_ascii=True)
             job = payload.get("job") if isinstance(payload, Mapping) else None
-            values.update(
-                unreadable=False,
-                payload=Jsonb(payload) if storable else None,
-                raw_text=None if storable else json.dumps(payload, ensure_ascii=True),
-                size_bytes=None,
-                job=job if isinstance(job, str) else None,
-                state=None,
-                claim_state=None,
-                reason="",
-                dlq_deliveries=dead.delivery_count,
-                published_at=dead.published_at,
-            )
+            values["job"] = job if isinstance(job, str) else None
+            values.update(dlq_deliveries=dead.delivery_count, published_at=dead.published_at)
             if key_of is not None:
                 try:
                     key = key_of(payload)
@@ -424,21 +391,15 @@ class DeadLetterStore:
             conn.transaction(),
         ):
             if key is not None:
-                with conn.cursor(row_factory=dict_row) as cur:
-                    found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
-                claim = ClaimRow(**found) if found else None
                 assert isinstance(dead, QueueMessage)
+                claim = _claim(conn, key)
                 state, reason = claim_verdict(key, claim, dead.payload)
                 if retry_of is not None and _take_back(
                     conn, dead, queue=queue, key=key, claim=claim, state=state, retry_of=retry_of
                 ):
                     return "taken_back"
-                values.update(
-                    idem_key=key,
-                    state=state,
-                    claim_state=claim.state if claim else None,
-                    reason=reason,
-                )
+                claim_state = claim.state if claim else None
+                values.update(idem_key=key, state=state, claim_state=claim_state, reason=reason)
             added = conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
             return "recorded" if added else "already"
 
@@ -452,14 +413,8 @@ class DeadLetterStore:
         job: str | None = None,
         limit: int = 100,
     ) -> list[DeadLetterRow]:
-        params = {
-            "queue": queue,
-            "unresolved": unresolved,
-            "message_id": message_id,
-            "key": key,
-            "job": job,
-            "limit": limit,
-        }
+        params = {"queue": queue, "unresolved": unresolved, "message_id": message_id}
+        params.update(key=key, job=job, limit=limit)
         with (
             self._connector.session("cannot read the dead letters") as conn,
             conn.cursor(row_factory=dict_row) as cur,
@@ -477,16 +432,10 @@ class DeadLetterStore:
         return self._resolve(message_id, "discarded", actor=actor, note=note)
 
     def redrive(
-        self,
-        message_id: str,
-        publish: Callable[[Any], None],
-        *,
-        actor: str,
-        note: str = "",
+        self, message_id: str, publish: Callable[[Any], object], *, actor: str, note: str = ""
     ) -> bool:
         """Publish an unresolved row's payload (``publish``), then mark it redriven, under the
-        row's lock; False when it is resolved already or another redrive holds it. The row
-        records the redrive (claim_history records the reopened claims, as before)."""
+        row's lock; False when it is resolved already or another redrive holds it."""
         return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
 
     def _resolve(
@@ -496,7 +445,7 @@ class DeadLetterStore:
         *,
         actor: str,
         note: str,
-        before: Callable[[Any], None] | None = None,
+        before: Callable[[Any], object] | None = None,
     ) -> bool:
         with (
             self._connector.session(f"cannot mark a dead letter {resolution}") as conn,
@@ -509,40 +458,32 @@ class DeadLetterStore:
             row = DeadLetterRow(**found)
             if before is not None:
                 before(row.body)
-            conn.execute(
-                _RESOLVE,
-                {
-                    "message_id": message_id,
-                    "resolution": resolution,
-                    "actor": actor,
-                    "note": note or None,
-                },
-            )
-            claim = None
-            if row.idem_key is not None:
-                with conn.cursor(row_factory=dict_row) as cur:
-                    claim_row = cur.execute(CLAIM_BY_KEY, {"key": row.idem_key}).fetchone()
-                claim = ClaimRow(**claim_row).as_dict() if claim_row else None
-            # A discard or a redrive in the operator history, beside the claim changes of its
-            # key: the dead letter with its payload, and the key's claim as it was then. The
-            # message id names the dead letter when it has no key.
+            params = {"message_id": message_id, "resolution": resolution, "actor": actor}
+            conn.execute(_RESOLVE, {**params, "note": note or None})
+            claim = _claim(conn, row.idem_key) if row.idem_key is not None else None
+            # In the operator history beside the claim changes of its key (the message id when
+            # it has none): the dead letter with its payload, and the key's claim as it was.
+            before_change = {
+                "dead_letter": row.as_dict(resolution=False),
+                "claim": claim.as_dict() if claim else None,
+            }
+            action = "discard" if resolution == "discarded" else "redrive"
             record_history(
                 conn,
                 row.idem_key or message_id,
-                "discard" if resolution == "discarded" else "redrive",
+                action,
                 actor=actor,
-                before={"dead_letter": _history_record(row), "claim": claim},
+                before=before_change,
                 after=None,
                 note=note,
             )
         return True
 
 
-def _history_record(row: DeadLetterRow) -> dict[str, Any]:
-    record = row.as_dict()
-    for name in ("resolution", "resolved_at", "resolved_by", "resolution_note"):
-        record.pop(name)
-    return record
+def _claim(conn: psycopg.Connection[Any], key: str) -> ClaimRow | None:
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+    return ClaimRow(**found) if found else None
 
 
 def collect(
@@ -557,10 +498,9 @@ def collect(
     retry_of: RetryOf | None = None,
 ) -> Collected:
     """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
-    module's doc): the ledger is checked first, and each is acked only after its row
-    committed. ``key_of`` derives each letter's key (None: recorded without one); with
+    module's doc). ``key_of`` derives each letter's key (None: recorded without one); with
     ``retry_of``, a letter of a job with retry attempts left is taken back as deferred work
-    (``DeadLetterStore.record``), acked the same way."""
+    (``DeadLetterStore.record``), and acked the same way."""
     store.ensure_reachable()
     summary = Collected()
     for dead in read_dead_letters(queue, dlq, limit, stop=stop):

@@ -1,17 +1,10 @@
 """Turning dead letters, stuck claims and a lagging drain into pages a human can act on.
 
-Each check reads the watched queues' stats, the ledger's unresolved dead letters and its running
-claims, then decides per
-signal whether to alert, remind, resolve or stay quiet. The last alerted value of every signal
-lives in Postgres (``alert_state``), read and written under a row lock in the same transaction as
-the decision, so a cold start does not re-alert and two concurrent checks send one alert.
-
-Before it counts stuck claims, a check runs a reconcile pass when it was given one
-(``operations.reconcile``): the stuck claims of jobs with a probe are asked about, settled or
-released when the provider knows, and only what is still stuck is counted and paged on.
-
-The decision is a pure function (``decide``) of the previous state and the new value; the
-``Alerter`` port carries the message out (SNS in AWS, a printer locally).
+Each check reads the watched queues' stats, the ledger's unresolved dead letters and its stuck
+claims (after a reconcile pass, when given one: only what is still stuck is paged on), then
+``decide``s per signal to alert, remind, resolve or stay quiet. The last alerted value of each
+signal lives in ``alert_state``, read and written under a row lock in the decision's
+transaction: a cold start does not re-alert, and two concurrent checks send one alert.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.flow.ledger import DeferredStats, deferred_stats
 from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.ledger.postgres import STUCK_CLAIM_COUNT as _STUCK
-from infrai_jobs.ledger.postgres import LedgerConnector
+from infrai_jobs.ledger.postgres import LedgerAdapter
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
@@ -41,8 +34,7 @@ SNS_SUBJECT_LIMIT = 100
 
 
 class Signal(StrEnum):
-    # dead letters of a queue: in Infrai's DLQ plus unresolved in the ledger (dead_letters)
-    DLQ = "dlq"
+    DLQ = "dlq"  # a queue's dead letters: in Infrai's DLQ plus unresolved in the ledger
     STUCK = "stuck"  # running claims older than the threshold, or flagged
     BACKLOG = "backlog"  # the oldest message is older than the threshold: the drain lags
 
@@ -65,17 +57,13 @@ class AlertThresholds:
     stuck_claim_seconds: int = 900
     backlog_age_seconds: int = 900
     reminder_seconds: int = 3600
-    # How long a check may spend probing stuck claims before it counts them (of the
-    # function's 60 s); claims left unprobed stay stuck and are probed by the next check.
+    # Of the function's 60 s, how long a check may probe stuck claims before counting them.
     reconcile_budget_seconds: float = 30.0
 
 
 def decide(previous: AlertState, value: int, now: datetime, reminder_seconds: int) -> Verdict:
     """Rising edge alerts, an unchanged bad value reminds after an interval, zero resolves once.
-
-    A value that falls but stays above zero is quiet: it is getting better, and the last alert
-    already told a human to look.
-    """
+    A value that falls but stays above zero is quiet: the last alert already told a human."""
     if value > previous.value:
         return Verdict.ALERT
     if value == 0:
@@ -127,20 +115,15 @@ class AlertReport:
     deferred: DeferredStats = field(default_factory=lambda: DeferredStats(0, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
+        queues = []
+        for s in self.stats:
+            in_ledger = self.ledger_dead_letters.get(s.queue, 0)
+            queue = {"queue": s.queue, "dlq_count": s.dlq_count, "ledger_dead_letters": in_ledger}
+            queue.update(dead_letters=s.dlq_count + in_ledger, available_count=s.available_count)
+            queue.update(in_flight_count=s.in_flight_count, delayed_count=s.delayed_count)
+            queues.append({**queue, "oldest_message_age_seconds": s.oldest_message_age_seconds})
         return {
-            "queues": [
-                {
-                    "queue": s.queue,
-                    "dlq_count": s.dlq_count,
-                    "ledger_dead_letters": self.ledger_dead_letters.get(s.queue, 0),
-                    "dead_letters": s.dlq_count + self.ledger_dead_letters.get(s.queue, 0),
-                    "available_count": s.available_count,
-                    "in_flight_count": s.in_flight_count,
-                    "delayed_count": s.delayed_count,
-                    "oldest_message_age_seconds": s.oldest_message_age_seconds,
-                }
-                for s in self.stats
-            ],
+            "queues": queues,
             "stuck_claims": self.stuck.count,
             "oldest_running_claim_age_seconds": self.stuck.oldest_running_age_seconds,
             "deferred_backlog": self.deferred.backlog,
@@ -149,8 +132,6 @@ class AlertReport:
             "alerts": self.sent,
         }
 
-
-# --- SQL -------------------------------------------------------------------------------------
 
 _ENSURE_STATE: LiteralString = """
 INSERT INTO alert_state (scope, signal) VALUES (%(scope)s, %(signal)s)
@@ -167,8 +148,10 @@ WHERE scope = %(scope)s AND signal = %(signal)s
 """
 
 
-class AlertCheck:
-    """One run of the watcher over the watched queues and the ledger."""
+class AlertCheck(LedgerAdapter):
+    """The watcher's check over the watched queues and the ledger; one connection per run."""
+
+    APPLICATION_NAME = "infrai-jobs-watcher"
 
     def __init__(
         self,
@@ -181,16 +164,9 @@ class AlertCheck:
         refresh_url: Callable[[], str] | None = None,
         reconciler: Reconciler | None = None,
     ) -> None:
+        super().__init__(database_url, connect_timeout=connect_timeout, refresh_url=refresh_url)
         self._queue = queue
         self._reconciler = reconciler
-        # One connection per run; a rotated secret is fetched again when it fails
-        # (factory.with_secrets).
-        self._ledger = LedgerConnector(
-            database_url,
-            application_name="infrai-jobs-watcher",
-            connect_timeout=connect_timeout,
-            refresh=refresh_url,
-        )
         self._alerter = alerter
         self._thresholds = thresholds
 
@@ -205,9 +181,9 @@ class AlertCheck:
         report = AlertReport()
         unread: list[InfraiError] = []
         report.reconciled = self._reconcile()
-        with self._ledger.session("alert check") as conn:
-            # When this run started looking, by the database's clock: a signal saved by
-            # another run after this moment holds a newer observation than ours.
+        with self._connector.session("alert check") as conn:
+            # By the database's clock: a signal saved by another run after this moment holds a
+            # newer observation than ours.
             started = conn.execute("SELECT now()").fetchone()
             report.started = started[0] if started else None
             # Stats before any verdict. A queue whose stats cannot be read gets no verdict
@@ -247,9 +223,8 @@ class AlertCheck:
         return report
 
     def _reconcile(self) -> ReconcileReport | None:
-        """Probe stuck claims before counting them. A ledger that fails here is logged and the
-        check goes on: the count below then fails the run the same way, and a page is never
-        held back by a probe."""
+        """Probe stuck claims before counting them. A ledger failure here is logged and the check
+        goes on (the count then fails the run the same way): a probe never holds a page back."""
         if self._reconciler is None or not self._reconciler.probed_jobs():
             return None
         try:

@@ -1,11 +1,9 @@
 """The ledger changes the functions make outside the drain: reconcile a stuck claim, reopen a
 redriven job's failed claims, prune old rows; and the reads they need for it.
 
-Each change is fenced by the claim's state and token as it was read, and recorded in
-``claim_history`` in the same transaction, with the actor its caller names (a function its own
-name, the command line the operator): who is acting is never looked up here. The command
-line's own reads and changes (list, show, resolve, release, deferred work) extend this class in
-``infrai_local.operator``, outside the layer.
+Each change is fenced by the claim's state and token as read, and recorded in ``claim_history``
+in the same transaction as the actor the caller names. The command line's own reads and changes
+extend this class in ``infrai_local.operator``.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.ledger.postgres import LedgerAdapter
-from infrai_jobs.operations.claim_json import storable_json
-from infrai_jobs.operations.dead_letters import DeadLetterStore
+from infrai_jobs.operations.dead_letters import DeadLetterStore, storable_json
 from infrai_jobs.outbox.status import prune_settled
 
 
@@ -43,7 +40,6 @@ _RECONCILE: Final = "reconcile"
 _DELETE_FAILED: LiteralString = """
 DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
 """
-
 
 _LAST_HISTORY: LiteralString = """
 SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
@@ -71,13 +67,11 @@ class ReconcileWrite(StrEnum):
 
 
 class ClaimsAdmin(LedgerAdapter):
-    """Changes to claims outside the drain; one short connection per call. The functions build
-    it with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
+    """Changes to claims outside the drain; one short connection per call."""
 
     APPLICATION_NAME = "infrai-jobs-admin"
 
     def dead_letters(self) -> DeadLetterStore:
-        """The ledger's dead letters, on this admin's connection settings."""
         return DeadLetterStore(self._connector)
 
     def find(self, key: str) -> ClaimRow | None:
@@ -109,12 +103,11 @@ class ClaimsAdmin(LedgerAdapter):
         actor: str,
         note: str,
     ) -> ReconcileWrite:
-        """Act on a probe's answer about ``probed`` (the run as it was when asked), fenced by
-        its state and claim token, and record it in ``claim_history`` as ``reconcile``:
-        ``done`` settles it with ``result``, ``not_done`` releases it (a message's claim is
-        deleted, work the ledger owns waits again, due now), anything else changes nothing
-        (and is recorded unless the last record already says the same). Under a live lease
-        nothing changes: only the run holding it settles its own work."""
+        """Act on a probe's answer about ``probed`` (as it was when asked), fenced by its state
+        and claim token, recorded as ``reconcile``: ``done`` settles it with ``result``,
+        ``not_done`` releases it (a message's claim is deleted, owned work waits again, due
+        now), anything else changes nothing (recorded unless the last record says the same).
+        Under a live lease nothing changes: only the run holding it settles its own work."""
         key, token = probed.idem_key, probed.claim_token
         with (
             self._connector.session(f"cannot reconcile {key!r}") as conn,

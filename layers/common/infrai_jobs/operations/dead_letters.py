@@ -33,7 +33,6 @@ from infrai_jobs.ledger.dead_letter_rows import (
     UNRESOLVED_DEAD_LETTERS,
 )
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector, record_history
-from infrai_jobs.operations.claim_json import storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
@@ -96,6 +95,25 @@ SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
     resolution_note = %(note)s
 WHERE message_id = %(message_id)s AND resolution IS NULL
 """
+
+
+def storable_json(value: Any) -> Any:
+    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can: jsonb
+    refuses NUL characters and lone surrogates, which a JSON body may carry. What the jsonb
+    columns of ``claim_history`` and ``dead_letters`` hold, and what ``--json`` prints."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError):
+        text = ""
+    if text and "\\u0000" not in text:
+        return value
+    try:
+        described = json.dumps(value, ensure_ascii=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        described = f"<{type(value).__name__} that JSON cannot describe>"
+    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
+    return {"not_storable_as_jsonb": described}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,12 @@
 """Reconcile before paging: ask the provider about stuck claims, and settle what it knows.
 
-A stuck claim (``running``, flagged or older than the threshold) of a job that declares a probe
-(``infrai_jobs.jobs.probes``) is probed, and the answer acts on the ledger, fenced by the claim
-token the probe was asked about:
-
-============  ========================================================================
-answer        what happens to the claim
-============  ========================================================================
-done          settles ``done`` with the provider's result
-not done      is released (once its lease is over): the next delivery or a redrive runs
-              the job once
-unknown       nothing: it stays stuck for a human
-============  ========================================================================
-
-Every answer is recorded in ``claim_history`` as ``reconcile``, its note starting with the
-answer. A probe that raises, answers something else or takes longer than its time limit is
-``unknown``. The watcher runs a pass before it counts stuck claims (so it pages only on what is
-still stuck), and ``infrai-jobs claims reconcile`` runs one on demand.
+A stuck claim of a job that declares a probe (``infrai_jobs.jobs.probes``) is probed, and the
+answer acts on the ledger, fenced by the claim token it was asked about: ``done`` settles it
+with the provider's result, ``not done`` releases it (once its lease is over) so the job runs
+once more, ``unknown`` (also a probe that raises, answers something else or times out) leaves
+it stuck for a human. Every answer is recorded in ``claim_history`` as ``reconcile``, its note
+starting with the answer. The watcher runs a pass before counting stuck claims, and
+``infrai-jobs claims reconcile`` runs one on demand.
 """
 
 from __future__ import annotations
@@ -59,7 +49,7 @@ PROBE_TIMEOUT_SECONDS: Final = 10.0
 # The ``claim_history`` action of every recorded answer.
 HISTORY_ACTION: Final = "reconcile"
 
-# What each write means in a report, and in a dry run, what it would do.
+# What a dry run reports each answer would do.
 _DRY_RUN_ACTION: Final = {
     DONE: "would settle done",
     NOT_DONE: "would release",
@@ -127,8 +117,8 @@ def answer_of(note: str | None) -> str | None:
 def ask(
     probe: Callable[..., Any], payload: Mapping[str, Any], ctx: JobContext, timeout: float
 ) -> ProbeAnswer:
-    """Run one probe on a thread of its own and wait ``timeout`` seconds at most. Whatever
-    goes wrong is an ``Unknown`` with the reason: a probe never changes a claim by failing."""
+    """Run one probe on a thread of its own for ``timeout`` seconds at most. Whatever goes
+    wrong is an ``Unknown`` with the reason: a probe never changes a claim by failing."""
     box: list[ProbeAnswer] = []
 
     def run() -> None:
@@ -138,12 +128,11 @@ def ask(
         except Exception as exc:  # noqa: BLE001
             box.append(Unknown(f"the probe raised {type(exc).__name__}: {exc}"))
             return
-        if isinstance(answer, Done | NotDone | Unknown):
-            box.append(answer)
-        else:
-            box.append(
-                Unknown(f"the probe answered {type(answer).__name__}, not Done, NotDone or Unknown")
+        if not isinstance(answer, Done | NotDone | Unknown):
+            answer = Unknown(
+                f"the probe answered {type(answer).__name__}, not Done, NotDone or Unknown"
             )
+        box.append(answer)
 
     # A daemon thread: a probe stuck in a call cannot hold the function past its own timeout.
     worker = threading.Thread(target=run, name=f"probe {ctx.idem_key}", daemon=True)
@@ -155,12 +144,9 @@ def ask(
 
 
 class Reconciler:
-    """Probes stuck claims of the registry's jobs and acts on the answers through ``admin``.
-
-    ``actor`` is who its answers are recorded as in ``claim_history``. ``forget`` (the second
-    layer's, when it is on) drops a key's stored "uncertain" before its claim is released, or
-    the retry would be parked as stuck again.
-    """
+    """Probes stuck claims of the registry's jobs and acts on the answers through ``admin``,
+    recorded as ``actor``. ``forget`` (the second layer's, when on) drops a key's stored
+    "uncertain" before its claim is released, or the retry would be parked as stuck again."""
 
     def __init__(
         self,
@@ -231,54 +217,37 @@ class Reconciler:
         the answer (unless ``dry_run``)."""
         definition = self._definition(claim)
         assert definition.probe is not None  # _definition refuses a job without one
-        identity = identity_from_key(definition.name, definition.identity, claim.idem_key) or {}
+        job, key = definition.name, claim.idem_key
+        identity = identity_from_key(job, definition.identity, key) or {}
         ctx = JobContext(
-            idem_key=claim.idem_key,
-            job=definition.name,
+            idem_key=key,
+            job=job,
             message_id=claim.message_id,
             delivery_count=0,
             deadline=time.time() + self._probe_timeout,
-            settings=self._registry.settings_of(definition.name),
-            secrets=self._registry.secrets_of(definition.name),
+            settings=self._registry.settings_of(job),
+            secrets=self._registry.secrets_of(job),
         )
-        payload = {"job": definition.name, **identity}
-        answer = ask(definition.probe, payload, ctx, self._probe_timeout)
-        detail = (
-            answer.result
-            if isinstance(answer, Done)
-            else answer.reason
-            if isinstance(answer, Unknown)
-            else None
-        )
-        extra = {"idem_key": claim.idem_key, "job": definition.name, "answer": answer.answer}
+        answer = ask(definition.probe, {"job": job, **identity}, ctx, self._probe_timeout)
+        detail = answer.result if isinstance(answer, Done) else getattr(answer, "reason", None)
+        extra = {"idem_key": key, "job": job, "answer": answer.answer}
         if dry_run:
             logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
-            action = _DRY_RUN_ACTION[answer.answer]
-            return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, action)
+            return ProbeOutcome(key, job, answer.answer, detail, _DRY_RUN_ACTION[answer.answer])
         lease_over = claim.lease_until is None or claim.lease_until < datetime.now(UTC)
         if isinstance(answer, NotDone) and self._forget is not None and lease_over:
             # Before the release, as `claims release` does. Under a live lease nothing is
             # released. A store that cannot be reached leaves the claim unchanged, still stuck
             # (and paged), rather than released in the ledger only; the pass goes on.
             try:
-                self._forget(claim.idem_key)
+                self._forget(key)
             except SecondLayerUnavailable as exc:
+                unchanged = ReconcileWrite.UNCHANGED.value
                 logger.warning(
                     "stuck claim left stuck: the second layer could not drop its record",
-                    extra={
-                        "action": "reconciled",
-                        "write": "unchanged",
-                        "detail": str(exc),
-                        **extra,
-                    },
+                    extra={"action": "reconciled", "write": unchanged, "detail": str(exc), **extra},
                 )
-                return ProbeOutcome(
-                    claim.idem_key,
-                    definition.name,
-                    answer.answer,
-                    str(exc),
-                    ReconcileWrite.UNCHANGED.value,
-                )
+                return ProbeOutcome(key, job, answer.answer, str(exc), unchanged)
         try:
             settled = detail if isinstance(answer, Done) else None
             note = history_note(answer.answer, detail)
@@ -293,7 +262,7 @@ class Reconciler:
             "stuck claim reconciled",
             extra={"action": "reconciled", "write": write.value, **extra},
         )
-        return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, write.value)
+        return ProbeOutcome(key, job, answer.answer, detail, write.value)
 
 
 # How much of a probe's reason or result a history note keeps.

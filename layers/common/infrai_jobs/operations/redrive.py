@@ -82,15 +82,8 @@ class Forecast:
     why: str
 
     def entry(self, row: DeadLetterRow, key: str | None) -> dict[str, Any]:
-        return {
-            "message_id": row.message_id,
-            "idem_key": key,
-            "state": row.state,
-            "reason": row.reason,
-            "verdict": str(self.verdict),
-            "cause": self.cause,
-            "why": self.why,
-        }
+        entry = {"message_id": row.message_id, "idem_key": key, "state": row.state}
+        return {**entry, "reason": row.reason, **asdict(self), "verdict": str(self.verdict)}
 
 
 def forecast(
@@ -99,8 +92,6 @@ def forecast(
     key_of: KeyOf | None,
     admin: ClaimsAdmin | None,
     reopen_failed: bool,
-    stuck_after_seconds: int = STUCK_AFTER_SECONDS,
-    now: datetime | None = None,
 ) -> tuple[Forecast, str | None]:
     """What a copy of ``row`` published now would meet, and the key it would be claimed by.
 
@@ -119,16 +110,10 @@ def forecast(
     claim = admin.find(key)
     if claim is None:
         return Forecast(Verdict.RUN, "no_claim", "no claim: the job runs"), key
-    return _against_claim(row, claim, reopen_failed, stuck_after_seconds, now), key
+    return _against_claim(row, claim, reopen_failed), key
 
 
-def _against_claim(
-    row: DeadLetterRow,
-    claim: ClaimRow,
-    reopen_failed: bool,
-    stuck_after_seconds: int,
-    now: datetime | None,
-) -> Forecast:
+def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> Forecast:
     if other_work(claim, row.body):
         why = (
             f"conflict: {claim.idem_key} is claimed by different work ({claim.state}); the "
@@ -156,9 +141,8 @@ def _against_claim(
             "--reopen-failed the copy is a duplicate of the failure and returns to the DLQ"
         )
         return Forecast(Verdict.BOUNCE, "failed", why)
-    touched = claim.updated_at or claim.claimed_at
-    moment = now or datetime.now(UTC)
-    if claim.error is not None or moment - touched > timedelta(seconds=stuck_after_seconds):
+    untouched = datetime.now(UTC) - (claim.updated_at or claim.claimed_at)
+    if claim.error is not None or untouched > timedelta(seconds=STUCK_AFTER_SECONDS):
         why = (
             f"its claim is stuck ({claim.error or 'running, untouched'}): a human decides "
             "first (`infrai-jobs claims resolve`)"

@@ -18,8 +18,10 @@ from decimal import Decimal
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
+from infrai_jobs.jobs.probes import ANSWERS
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.operations.claims_admin import RECONCILE
 from infrai_jobs.operations.dead_letters import (
     Collected,
     DeadLetterRow,
@@ -27,7 +29,7 @@ from infrai_jobs.operations.dead_letters import (
     RetryOf,
     collect,
 )
-from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
+from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.operations.redrive import (
     JobsKnowledge,
     RedriveRequest,
@@ -815,6 +817,13 @@ def _stuck_document(row: ClaimRow) -> dict[str, Any]:
     return document
 
 
+def answer_of(note: str | None) -> str | None:
+    """The answer a ``reconcile`` history note records (``reconcile.history_note``'s first
+    word)."""
+    head = (note or "").split(":", 1)[0]
+    return head if head in ANSWERS else None
+
+
 def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     """One claim and its history; a key whose claim is gone (released, reopened) shows its
     history and the claim as it was before the last change."""
@@ -826,7 +835,7 @@ def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     probes = [
         {"at": h["at"], "answer": answer_of(h["note"]), "note": h["note"], "actor": h["actor"]}
         for h in history
-        if h["action"] == HISTORY_ACTION
+        if h["action"] == RECONCILE
     ]
     _emit(
         {"claim": row, "history": history, "probes": probes},

@@ -201,6 +201,7 @@ class AlertCheck(LedgerAdapter):
             report.stuck = self._stuck_claims(conn)
             report.deferred = deferred_stats(conn)
             limit = self._thresholds.backlog_age_seconds
+            seen: list[Observation] = []
             for stats in report.stats:
                 lagging = int(stats.oldest_message_age_seconds > limit)
                 # The watcher never reads the DLQ itself (that would consume it): it adds the
@@ -209,15 +210,12 @@ class AlertCheck(LedgerAdapter):
                 row = conn.execute(UNRESOLVED_DEAD_LETTERS, {"queue": stats.queue}).fetchone()
                 in_ledger = int(row[0]) if row else 0
                 report.ledger_dead_letters[stats.queue] = in_ledger
-                dlq = Observation(
-                    stats.queue, Signal.DLQ, stats.dlq_count + in_ledger, stats, in_ledger
-                )
-                self._evaluate(conn, report, dlq)
-                self._evaluate(
-                    conn, report, Observation(stats.queue, Signal.BACKLOG, lagging, stats)
-                )
-            stuck = Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count)
-            self._evaluate(conn, report, stuck)
+                dead = stats.dlq_count + in_ledger
+                seen.append(Observation(stats.queue, Signal.DLQ, dead, stats, in_ledger))
+                seen.append(Observation(stats.queue, Signal.BACKLOG, lagging, stats))
+            seen.append(Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count))
+            for observation in seen:
+                self._evaluate(conn, report, observation)
         if unread:
             raise unread[0]
         return report

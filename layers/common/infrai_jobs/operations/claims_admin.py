@@ -35,7 +35,7 @@ class PruneResult:
 
 
 # What a probe's answer is recorded as in claim_history.
-_RECONCILE: Final = "reconcile"
+RECONCILE: Final = "reconcile"
 
 _DELETE_FAILED: LiteralString = """
 DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
@@ -87,12 +87,8 @@ class ClaimsAdmin(LedgerAdapter):
         limit: int = 100,
     ) -> list[ClaimRow]:
         """Stuck claims (``STUCK_CLAIM``), oldest first; only those of ``jobs`` when given."""
-        params = {
-            "jobs": None if jobs is None else list(jobs),
-            "threshold": threshold_seconds,
-            "limit": limit,
-        }
-        return self._rows(_STUCK, params)
+        params = {"jobs": None if jobs is None else list(jobs), "threshold": threshold_seconds}
+        return self._rows(_STUCK, {**params, "limit": limit})
 
     def apply_probe_answer(
         self,
@@ -127,18 +123,18 @@ class ClaimsAdmin(LedgerAdapter):
                     "done",
                     result=storable_json(result),
                     actor=actor,
-                    action=_RECONCILE,
+                    action=RECONCILE,
                     note=note,
                     holder=False,
                 )
                 return ReconcileWrite.SETTLED if done else ReconcileWrite.LEASE_LIVE
             if answer == "not_done":
-                released = flow.release(conn, key, token, actor=actor, action=_RECONCILE, note=note)
+                released = flow.release(conn, key, token, actor=actor, action=RECONCILE, note=note)
                 return ReconcileWrite.RELEASED if released else ReconcileWrite.LEASE_LIVE
             last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
-            if last is None or tuple(last) != (_RECONCILE, note):
+            if last is None or tuple(last) != (RECONCILE, note):
                 # An unchanged answer every few minutes would bury the history in repeats.
-                flow.record_change(conn, _RECONCILE, before, before, actor=actor, note=note)
+                flow.record_change(conn, RECONCILE, before, before, actor=actor, note=note)
             return ReconcileWrite.UNCHANGED
 
     def reopen_failed(self, *, message_id: str, fingerprint: str | None, actor: str) -> list[str]:

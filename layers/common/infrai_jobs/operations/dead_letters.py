@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, LiteralString
@@ -55,16 +55,16 @@ MAX_UNREADABLE_IN_A_ROW = 10
 
 _REACHABLE: LiteralString = "SELECT count(*) FROM dead_letters WHERE false"
 
-_COLUMNS: LiteralString = """message_id, queue, dlq, unreadable, payload, raw_text, size_bytes,
-       job, idem_key, state, claim_state, reason, main_deliveries, dlq_deliveries, published_at,
-       first_seen, resolution, resolved_at, resolved_by, resolution_note"""
+_ROWS: LiteralString = """
+SELECT message_id, queue, dlq, unreadable, payload, raw_text, size_bytes, job, idem_key, state,
+       claim_state, reason, main_deliveries, dlq_deliveries, published_at, first_seen,
+       resolution, resolved_at, resolved_by, resolution_note
+FROM dead_letters"""
 
 # Every filter is optional; ``unresolved`` false lists the resolved ones too.
 _SELECT: LiteralString = (
-    "SELECT "
-    + _COLUMNS
+    _ROWS
     + """
-FROM dead_letters
 WHERE queue = %(queue)s
   AND (NOT %(unresolved)s OR resolution IS NULL)
   AND (%(message_id)s::text IS NULL OR message_id = %(message_id)s)
@@ -76,12 +76,7 @@ LIMIT %(limit)s
 )
 
 _LOCK_UNRESOLVED: LiteralString = (
-    "SELECT "
-    + _COLUMNS
-    + """
-FROM dead_letters WHERE message_id = %(message_id)s AND resolution IS NULL
-FOR UPDATE SKIP LOCKED
-"""
+    _ROWS + " WHERE message_id = %(message_id)s AND resolution IS NULL FOR UPDATE SKIP LOCKED"
 )
 
 _RESOLUTION_FIELDS = ("resolution", "resolved_at", "resolved_by", "resolution_note")
@@ -135,48 +130,11 @@ class Unreadable:
         return f"unreadable dead letter ({size}): {self.reason}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "message_id": self.message_id,
-            "unreadable": True,
-            "size_bytes": self.size,
-            "reason": self.describe(),
-        }
+        seen = {"message_id": self.message_id, "unreadable": True, "size_bytes": self.size}
+        return {**seen, "reason": self.describe()}
 
 
 DeadLetter = QueueMessage | Unreadable
-
-
-def read_dead_letters(
-    queue: QueuePort,
-    source: str,
-    limit: int,
-    *,
-    stop: Callable[[], bool] | None = None,
-) -> Iterator[DeadLetter]:
-    """Up to ``limit`` dead letters of ``source``, one per consume: an unreadable answer has
-    spent every message it served, so one per consume hides only itself. ``stop`` is asked
-    before each read."""
-    read = unreadable_in_a_row = 0
-    while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
-        if stop is not None and stop():
-            return
-        try:
-            batch = queue.consume(source, 1)
-        except ConsumeAnswerLost as exc:
-            read += 1
-            unreadable_in_a_row += 1
-            unreadable = Unreadable.from_error(exc)
-            extra: dict[str, Any] = {"action": "dead_letter_unreadable", "queue": source}
-            extra.update(message_id=unreadable.message_id, size_bytes=unreadable.size)
-            logger.error("a dead letter could not be read", extra={**extra, "detail": str(exc)})
-            yield unreadable
-            continue
-        if not batch:
-            return
-        unreadable_in_a_row = 0
-        for message in batch[: limit - read]:
-            read += 1
-            yield message
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,15 +297,8 @@ def _take_back(
     if outcome is not flow.DeferOutcome.DEFERRED:
         return outcome is flow.DeferOutcome.ALREADY_HELD
     after = {"message_id": dead.message_id, "attempts": deliveries}
-    record_history(
-        conn,
-        key,
-        "dead_letter_taken_back",
-        actor=flow.DRAIN_ACTOR,
-        before=None,
-        after=after,
-        note=error,
-    )
+    action = "dead_letter_taken_back"
+    record_history(conn, key, action, actor=flow.DRAIN_ACTOR, before=None, after=after, note=error)
     return True
 
 
@@ -356,9 +307,6 @@ class DeadLetterStore:
 
     def __init__(self, connector: LedgerConnector) -> None:
         self._connector = connector
-
-    def __repr__(self) -> str:
-        return "DeadLetterStore(<database url redacted>)"
 
     def ensure_reachable(self) -> None:
         """Raise ``LedgerUnavailable`` (or ``SchemaNotMigrated``) unless the table answers."""
@@ -374,12 +322,11 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded" when this call added the
-        row, "already" when it was there. A letter of a job whose retry policy (``retry_of``)
-        has attempts left after its three deliveries is "taken_back" instead: each delivery
-        died before its run ended (no claim is left, or a key-passing job's claim whose lease
-        is over), so it becomes deferred work with those deliveries counted as attempts, and
-        no dead letter pages anyone. An ``external`` job's running claim stays a human's."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already" when its row was
+        there. A letter of a job whose retry policy (``retry_of``) has attempts left after its
+        three deliveries is "taken_back" instead: each delivery died before its run ended (no
+        claim left, or a key-passing job's expired one), so it becomes deferred work with those
+        deliveries counted as attempts. An ``external`` job's running claim stays a human's."""
         assert dead.message_id is not None
         values: dict[str, Any] = dict.fromkeys(_NULLABLE)
         values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
@@ -481,20 +428,11 @@ class DeadLetterStore:
             claim = _claim(conn, row.idem_key) if row.idem_key is not None else None
             # In the operator history beside the claim changes of its key (the message id when
             # it has none): the dead letter with its payload, and the key's claim as it was.
-            before_change = {
-                "dead_letter": row.as_dict(resolution=False),
-                "claim": claim.as_dict() if claim else None,
-            }
+            was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
+            was["claim"] = claim.as_dict() if claim else None
             action = "discard" if resolution == "discarded" else "redrive"
-            record_history(
-                conn,
-                row.idem_key or message_id,
-                action,
-                actor=actor,
-                before=before_change,
-                after=None,
-                note=note,
-            )
+            key = row.idem_key or message_id
+            record_history(conn, key, action, actor=actor, before=was, after=None, note=note)
         return True
 
 
@@ -516,31 +454,51 @@ def collect(
     retry_of: RetryOf | None = None,
 ) -> Collected:
     """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
-    module's doc). ``key_of`` derives each letter's key (None: recorded without one); with
-    ``retry_of``, a letter of a job with retry attempts left is taken back as deferred work
+    module's doc); ``stop`` is asked before each read. ``key_of`` derives each letter's key;
+    with ``retry_of``, a letter of a job with attempts left is taken back as deferred work
     (``DeadLetterStore.record``), and acked the same way."""
     store.ensure_reachable()
     summary = Collected()
-    for dead in read_dead_letters(queue, dlq, limit, stop=stop):
-        summary.read += 1
-        if isinstance(dead, Unreadable) and dead.message_id is None:
-            summary.unrecorded.append(dead.as_dict())
-            continue
-        # An unreadable one is acked by its message id: the contract's handle when none is sent.
-        handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
-        assert handle is not None
-        recorded = store.record(dead, queue=main_queue, dlq=dlq, key_of=key_of, retry_of=retry_of)
-        if recorded == "taken_back":
-            summary.taken_back += 1
-        elif recorded == "recorded":
-            summary.recorded += 1
-        else:
-            summary.already_recorded += 1
+    unreadable_in_a_row = 0
+    while summary.read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
+        if stop is not None and stop():
+            break
         try:
-            queue.ack(dlq, handle)
-            summary.acked += 1
-        except QueueMessageNotFound:
-            summary.ack_lost += 1
+            # One per consume: an unreadable answer has spent every message it served, unseen,
+            # so with one per consume an unreadable dead letter hides only itself.
+            batch: list[DeadLetter] = [*queue.consume(dlq, 1)]
+            unreadable_in_a_row = 0
+        except ConsumeAnswerLost as exc:
+            unreadable_in_a_row += 1
+            unreadable = Unreadable.from_error(exc)
+            batch = [unreadable]
+            extra: dict[str, Any] = {"action": "dead_letter_unreadable", "queue": dlq}
+            extra.update(message_id=unreadable.message_id, size_bytes=unreadable.size)
+            logger.error("a dead letter could not be read", extra={**extra, "detail": str(exc)})
+        if not batch:
+            break
+        for dead in batch[: limit - summary.read]:
+            summary.read += 1
+            if isinstance(dead, Unreadable) and dead.message_id is None:
+                summary.unrecorded.append(dead.as_dict())
+                continue
+            # An unreadable one is acked by its message id (the contract's handle then).
+            handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
+            assert handle is not None
+            recorded = store.record(
+                dead, queue=main_queue, dlq=dlq, key_of=key_of, retry_of=retry_of
+            )
+            if recorded == "taken_back":
+                summary.taken_back += 1
+            elif recorded == "recorded":
+                summary.recorded += 1
+            else:
+                summary.already_recorded += 1
+            try:
+                queue.ack(dlq, handle)
+                summary.acked += 1
+            except QueueMessageNotFound:
+                summary.ack_lost += 1
     if summary.read:
         logger.info(
             "dead letters moved into the ledger",

@@ -38,7 +38,7 @@ from infrai_jobs.jobs.probes import (
     ProbeAnswer,
     Unknown,
 )
-from infrai_jobs.jobs.registry import JobContext, JobDefinition, JobRegistry
+from infrai_jobs.jobs.registry import JobContext, JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claims_admin import ClaimsAdmin, ReconcileWrite
 
@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 
 # How long one probe may take before its answer counts as unknown.
 PROBE_TIMEOUT_SECONDS: Final = 10.0
-# The ``claim_history`` action of every recorded answer.
-HISTORY_ACTION: Final = "reconcile"
+
+# How much of a probe's reason or result a history note keeps.
+_NOTE_DETAIL_CHARS: Final = 500
 
 # What a dry run reports each answer would do.
 _DRY_RUN_ACTION: Final = {
@@ -91,12 +92,8 @@ class ReconcileReport:
         return [outcome for outcome in self.outcomes if outcome.action not in resolved]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "dry_run": self.dry_run,
-            "by_answer": self.by_answer(),
-            "skipped": self.skipped,
-            "claims": [outcome.as_dict() for outcome in self.outcomes],
-        }
+        report = {"dry_run": self.dry_run, "by_answer": self.by_answer(), "skipped": self.skipped}
+        return {**report, "claims": [outcome.as_dict() for outcome in self.outcomes]}
 
 
 def history_note(answer: str, detail: Any) -> str:
@@ -104,14 +101,10 @@ def history_note(answer: str, detail: Any) -> str:
     if answer == UNKNOWN:
         return f"{UNKNOWN}: {str(detail)[:_NOTE_DETAIL_CHARS]}"
     if answer == DONE:
-        return f"{DONE}: provider result {_short(detail)}"
+        text = json.dumps(detail, default=str, ensure_ascii=False)
+        cut = text if len(text) <= _NOTE_DETAIL_CHARS else text[: _NOTE_DETAIL_CHARS - 3] + "..."
+        return f"{DONE}: provider result {cut}"
     return f"{NOT_DONE}: the provider has no trace of it"
-
-
-def answer_of(note: str | None) -> str | None:
-    """The answer a ``reconcile`` history note records (``history_note``'s first word)."""
-    head = (note or "").split(":", 1)[0]
-    return head if head in ANSWERS else None
 
 
 def ask(
@@ -200,23 +193,17 @@ class Reconciler:
             raise ClaimChanged(
                 f"claim {key!r} is {claim.state}: only a running claim is reconciled"
             )
-        self._definition(claim)
         return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
 
-    def _definition(self, claim: ClaimRow) -> JobDefinition:
+    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
+        """Probe one stuck claim (a delivery's, or a deferred run left for a human) and act on
+        the answer (unless ``dry_run``)."""
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(
                 f"claim {claim.idem_key!r} is of job {claim.job!r}, which declares no reconcile "
                 "probe: check the provider, then `infrai-jobs claims resolve`"
             )
-        return definition
-
-    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
-        """Probe one stuck claim (a delivery's, or a deferred run left for a human) and act on
-        the answer (unless ``dry_run``)."""
-        definition = self._definition(claim)
-        assert definition.probe is not None  # _definition refuses a job without one
         job, key = definition.name, claim.idem_key
         identity = identity_from_key(job, definition.identity, key) or {}
         ctx = JobContext(
@@ -263,12 +250,3 @@ class Reconciler:
             extra={"action": "reconciled", "write": write.value, **extra},
         )
         return ProbeOutcome(key, job, answer.answer, detail, write.value)
-
-
-# How much of a probe's reason or result a history note keeps.
-_NOTE_DETAIL_CHARS: Final = 500
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= _NOTE_DETAIL_CHARS else text[: _NOTE_DETAIL_CHARS - 3] + "..."

@@ -18,6 +18,7 @@ and an unreadable letter is never redriven blindly (``dlq discard``).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -221,10 +222,9 @@ class RedriveRequest:
 
 @dataclass(frozen=True, slots=True)
 class JobsKnowledge:
-    """What the jobs package tells a redrive: each letter's key (``key_of``; None: recorded
-    without one), whether a selection's job exists (``known_jobs``: "" when it does, else what
-    to say), and each job's retry policy in force (``retry_of``: a letter with attempts left is
-    taken back as deferred work when it is collected)."""
+    """What the jobs package tells a redrive: each letter's key (``key_of``), whether a
+    selection's job exists (``known_jobs``: "" when it does, else what to say), and each job's
+    retry policy (``retry_of``: a letter with attempts left is taken back as deferred work)."""
 
     key_of: KeyOf | None = None
     known_jobs: Callable[[str], str] | None = None
@@ -247,18 +247,15 @@ class RedriveSummary:
     reopened: list[str] = field(default_factory=list)
     # Selected rows it cannot publish (unreadable, or not a JSON object): left unresolved.
     skipped: list[dict[str, str]] = field(default_factory=list)
-    # Selected rows it chose not to publish, each with its forecast: their copies would be
-    # duplicates of done work, or bounce straight back. Left unresolved, for a human.
+    # Selected rows whose copies would not run (their forecasts): left unresolved, for a human.
     held_back: list[dict[str, Any]] = field(default_factory=list)
     # Unreadable answers from the DLQ that named no message: neither recorded nor acked.
     unreadable: list[dict[str, Any]] = field(default_factory=list)
-    # Unresolved rows of the queue this redrive did not select (a selective redrive, or more
-    # than max_messages): they stay unresolved in the ledger for another redrive or a discard.
+    # Unresolved rows of the queue this redrive did not select (by filter, or max_messages).
     not_selected: int = 0
     selection: dict[str, str] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
-    # "time_budget" when the invocation ran short and the redrive stopped early; "" otherwise.
-    # What it did not reach stays unresolved in the ledger (or in the DLQ) for the next one.
+    # "time_budget" when the invocation ran short and it stopped early; "" otherwise.
     stopped: str = ""
     price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
     price_source: str = "fallback"
@@ -273,10 +270,7 @@ class RedriveSummary:
         return not self.skipped and not self.unreadable and not self.stopped
 
     def held_back_by_cause(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for entry in self.held_back:
-            counts[entry["cause"]] = counts.get(entry["cause"], 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(entry["cause"] for entry in self.held_back).items()))
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -287,8 +281,8 @@ class RedriveSummary:
 
 def publish_price(queue: QueuePort) -> tuple[Decimal, str]:
     """Discovery's live price, or the documented fallback when discovery cannot be reached or
-    its answer read. Any other error (a 401: the key is wrong) is raised: every other call
-    would fail the same way, and a price is no reason to hide it."""
+    read. Any other error (a 401: the key is wrong) is raised: every other call would fail
+    the same way."""
     try:
         return queue.publish_price().usd_per_message, "discovery"
     except (InfraiUnavailable, InfraiInvalidResponse) as exc:

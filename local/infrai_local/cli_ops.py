@@ -524,7 +524,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     def human() -> None:
         verb = "would publish" if args.dry_run else "published"
         count = len(summary.seen) if args.dry_run else summary.published
-        chosen = f" ({selection.describe()})" if not selection.everything else ""
+        chosen = f" ({describe_selection(selection)})" if selection.as_dict() else ""
         print(
             f"{verb} {count} dead letter(s) of the ledger -> {queue_name}{chosen} "
             f"({summary.recorded} new one(s) moved from {dlq_name} into the ledger first)",
@@ -580,6 +580,11 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
 
     _emit(document, args.json, human, out)
     return EXIT_OK if summary.complete else EXIT_FAILED
+
+
+def describe_selection(selection: Selection) -> str:
+    """The command line's options that choose ``selection``."""
+    return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in selection.as_dict().items())
 
 
 def _progress_bar(total: int) -> Callable[[int], None]:

@@ -104,14 +104,11 @@ class AlertReport:
 
     stats: list[QueueStats] = field(default_factory=list)
     stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
-    # Unresolved dead letters in the ledger, per watched queue.
     ledger_dead_letters: dict[str, int] = field(default_factory=dict)
     sent: list[dict[str, Any]] = field(default_factory=list)
-    # When the run started looking, by the database's clock.
     started: datetime | None = None
     # The reconcile pass run before counting stuck claims (None: no job has a probe).
     reconciled: ReconcileReport | None = None
-    # The deferred work the ledger holds (waiting or running) and its oldest entry's age.
     deferred: DeferredStats = field(default_factory=lambda: DeferredStats(0, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
@@ -182,8 +179,7 @@ class AlertCheck(LedgerAdapter):
         unread: list[InfraiError] = []
         report.reconciled = self._reconcile()
         with self._connector.session("alert check") as conn:
-            # By the database's clock: a signal saved by another run after this moment holds a
-            # newer observation than ours.
+            # A signal saved by another run after this moment holds a newer observation.
             started = conn.execute("SELECT now()").fetchone()
             report.started = started[0] if started else None
             # Stats before any verdict. A queue whose stats cannot be read gets no verdict
@@ -198,7 +194,9 @@ class AlertCheck(LedgerAdapter):
                         extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
                     )
                     unread.append(exc)
-            report.stuck = self._stuck_claims(conn)
+            threshold = {"threshold": self._thresholds.stuck_claim_seconds}
+            count, oldest = conn.execute(_STUCK, threshold).fetchone() or (0, 0)
+            report.stuck = StuckClaims(int(count), float(oldest))
             report.deferred = deferred_stats(conn)
             limit = self._thresholds.backlog_age_seconds
             seen: list[Observation] = []
@@ -236,11 +234,6 @@ class AlertCheck(LedgerAdapter):
                 extra={"action": "reconcile_failed", "detail": str(exc)},
             )
             return None
-
-    def _stuck_claims(self, conn: psycopg.Connection[Any]) -> StuckClaims:
-        row = conn.execute(_STUCK, {"threshold": self._thresholds.stuck_claim_seconds}).fetchone()
-        count, oldest = row if row else (0, 0)
-        return StuckClaims(int(count), float(oldest))
 
     def _evaluate(
         self, conn: psycopg.Connection[Any], report: AlertReport, seen: Observation

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, LiteralString
 
-from psycopg.rows import dict_row
-
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
@@ -22,7 +20,7 @@ from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.ledger.postgres import LedgerAdapter
-from infrai_jobs.operations.dead_letters import DeadLetterStore, storable_json
+from infrai_jobs.operations.dead_letters import DeadLetterStore, claim_of, claim_rows, storable_json
 from infrai_jobs.outbox.status import prune_settled
 
 
@@ -109,9 +107,7 @@ class ClaimsAdmin(LedgerAdapter):
             self._connector.session(f"cannot reconcile {key!r}") as conn,
             conn.transaction(),
         ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
-            before = ClaimRow(**row) if row is not None else None
+            before = claim_of(conn, key, _FOR_UPDATE)
             if before is None or before.state != "running" or before.claim_token != token:
                 return ReconcileWrite.CHANGED
             # The row lock holds state and token: a change that matches nothing met a live lease.
@@ -145,8 +141,7 @@ class ClaimsAdmin(LedgerAdapter):
             self._connector.session("cannot reopen failed claims") as conn,
             conn.transaction(),
         ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                failed = [ClaimRow(**row) for row in cur.execute(_FAILED_OF_WORK, params)]
+            failed = claim_rows(conn, _FAILED_OF_WORK, params)
             for claim in failed:
                 conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
                 flow.record_change(
@@ -169,8 +164,5 @@ class ClaimsAdmin(LedgerAdapter):
         return PruneResult(deleted, batches, outbox)
 
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
-        with (
-            self._connector.session("cannot read claims") as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
+        with self._connector.session("cannot read claims") as conn:
+            return claim_rows(conn, statement, params)

@@ -1,12 +1,8 @@
 """Dead letters live in the ledger: Infrai's DLQ is moved into ``dead_letters``, then worked on.
 
-Reading Infrai's DLQ consumes it (hidden for the visibility timeout), so nothing else reads it.
-``collect`` checks the ledger answers first, then reads one message per consume, records each
-in its own transaction (``ON CONFLICT (message_id) DO NOTHING``) and acks it only after that
-commit: a crash in between leaves the letter in the DLQ, and the next read finds its row and
-only acks it. Views, discards and redrives work on the rows. A row is resolved once, recorded in
-``claim_history`` in the same transaction; a redrive holds the row's lock across its publish, so
-a crash republishes at worst (the claims absorb it) and two redrives never both publish it.
+Reading the DLQ consumes it, so only ``collect`` reads it, and acks each letter only after its
+row committed; a redrive holds the row's lock across its publish. The protocol and its crash
+cases: docs/operations.md, "Dead letters live in the ledger".
 """
 
 from __future__ import annotations
@@ -49,8 +45,8 @@ TAKE_BACK_DELAY_SECONDS = 1.0
 # Dead letters one call moves into the ledger at most; the rest wait in the DLQ.
 COLLECT_LIMIT = 1_000
 
-# Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
-# for the visibility timeout, and a run of them says the answers, not the messages, are broken.
+# Unreadable answers in a row after which a DLQ read stops: a run of them says the answers,
+# not the messages, are broken (and each hides a letter for the visibility timeout).
 MAX_UNREADABLE_IN_A_ROW = 10
 
 _REACHABLE: LiteralString = "SELECT count(*) FROM dead_letters WHERE false"
@@ -209,8 +205,7 @@ class Collected:
     ack_lost: int = 0
     # Letters of a job whose retry policy had attempts left: deferred work again, no letter.
     taken_back: int = 0
-    # Unreadable answers that named no message: nothing can record or ack them; they stay
-    # hidden in the DLQ for its visibility timeout, then the next read tries again.
+    # Unreadable answers that named no message: unrecorded, unacked, read again later.
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -243,8 +238,7 @@ def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str |
     return claim.state, claim.error or ""
 
 
-# The claim statement's takeover rule, for a dead letter: a key-passing job's claim, not
-# flagged for a human, whose lease is over.
+# The claim statement's takeover rule: a key-passing job's unflagged claim whose lease is over.
 _RELEASE_EXPIRED_CLAIM: LiteralString = """
 DELETE FROM job_claims
 WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
@@ -337,8 +331,7 @@ class DeadLetterStore:
             values.update(state="unreadable", reason=dead.describe())
         else:
             payload = dead.payload
-            # jsonb refuses NUL characters and lone surrogates: such a body is kept as its
-            # exact JSON text (ASCII, every such character escaped), which text can hold.
+            # A body jsonb cannot hold is kept as its exact JSON text, ASCII-escaped.
             if storable_json(payload) is payload:
                 values["payload"] = Jsonb(payload)
             else:
@@ -357,7 +350,7 @@ class DeadLetterStore:
         ):
             if key is not None:
                 assert isinstance(dead, QueueMessage)
-                claim = _claim(conn, key)
+                claim = claim_of(conn, key)
                 state, reason = claim_verdict(key, claim, dead.payload)
                 if retry_of is not None and _take_back(
                     conn, dead, queue=queue, key=key, claim=claim, state=state, retry_of=retry_of
@@ -425,9 +418,8 @@ class DeadLetterStore:
                 before(row.body)
             params = {"message_id": message_id, "resolution": resolution, "actor": actor}
             conn.execute(_RESOLVE, {**params, "note": note or None})
-            claim = _claim(conn, row.idem_key) if row.idem_key is not None else None
-            # In the operator history beside the claim changes of its key (the message id when
-            # it has none): the dead letter with its payload, and the key's claim as it was.
+            claim = claim_of(conn, row.idem_key) if row.idem_key is not None else None
+            # Beside its key's claim changes (its message id without a key), as it was then.
             was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
             was["claim"] = claim.as_dict() if claim else None
             action = "discard" if resolution == "discarded" else "redrive"
@@ -436,10 +428,18 @@ class DeadLetterStore:
         return True
 
 
-def _claim(conn: psycopg.Connection[Any], key: str) -> ClaimRow | None:
+def claim_rows(
+    conn: psycopg.Connection[Any], statement: LiteralString, params: dict[str, Any]
+) -> list[ClaimRow]:
     with conn.cursor(row_factory=dict_row) as cur:
-        found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
-    return ClaimRow(**found) if found else None
+        return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
+
+
+def claim_of(
+    conn: psycopg.Connection[Any], key: str, statement: LiteralString = CLAIM_BY_KEY
+) -> ClaimRow | None:
+    found = claim_rows(conn, statement, {"key": key})
+    return found[0] if found else None
 
 
 def collect(

@@ -65,10 +65,8 @@ class ProbeOutcome:
     idem_key: str
     job: str
     answer: str
-    # The provider's result (done) or the reason (unknown).
-    detail: Any
-    # A ``ReconcileWrite`` value, or in a dry run what the answer would do.
-    action: str
+    detail: Any  # the provider's result (done) or the reason (unknown)
+    action: str  # a ``ReconcileWrite`` value, or in a dry run what the answer would do
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,14 +147,12 @@ class Reconciler:
         actor: str,
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
         forget: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._admin = admin
         self._registry = registry
         self._actor = actor
         self._probe_timeout = probe_timeout
         self._forget = forget
-        self._clock = clock
 
     def probed_jobs(self) -> list[str]:
         return [job.name for job in self._registry if job.probe is not None]
@@ -176,9 +172,9 @@ class Reconciler:
         if not jobs:
             return report
         candidates = self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
-        ends = None if budget_seconds is None else self._clock() + budget_seconds
+        ends = None if budget_seconds is None else time.monotonic() + budget_seconds
         for index, claim in enumerate(candidates):
-            if ends is not None and self._clock() + self._probe_timeout > ends:
+            if ends is not None and time.monotonic() + self._probe_timeout > ends:
                 report.skipped = len(candidates) - index
                 break
             report.outcomes.append(self._reconcile(claim, dry_run=dry_run))

@@ -1,18 +1,10 @@
 """Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
 
-A redrive first collects what is new in Infrai's DLQ into ``dead_letters``, then works on the
-unresolved rows it selects: it **publishes each row's payload, then marks it redriven**, under
-the row's lock; a crash in between publishes it again at worst, which the claims absorb. A dry
-run collects too, then publishes and marks nothing.
-
-Each selected row is first judged (``forecast``) against the registry and the claims as they
-are now: its copy would **run**, be **skipped** (done, or deferred work the ledger owns) or
-**bounce** back to the DLQ (a failed claim not reopened, a stuck claim, a payload the registry
-rejects, a key holding other work). Only what would run is published unless
-``include_bouncing``; the rest is reported in ``held_back``. ``reopen_failed`` deletes the
-redriven work's ``failed`` claims (always, for a letter the ledger held itself: that claim is
-why it is a letter). A stuck irreversible claim is never reopened (``claims resolve`` first),
-and an unreadable letter is never redriven blindly (``dlq discard``).
+Each selected row's payload is published, then the row marked redriven, under the row's lock: a
+crash between republishes, which the claims absorb. Each row is first judged (``forecast``): its
+copy would run, be skipped or bounce back; only what would run is published unless
+``include_bouncing``. ``reopen_failed`` deletes the work's ``failed`` claims (always, for a
+letter the ledger held itself). The verdicts: docs/operations.md, "Dead letters: the steps".
 """
 
 from __future__ import annotations
@@ -52,12 +44,9 @@ logger = logging.getLogger(__name__)
 # The field notes' price, verified 2026-07-26; used only when discovery cannot be reached.
 FALLBACK_PUBLISH_PRICE_USD = Decimal("0.00002")
 
-
-Progress = Callable[[int], None]
-
 MAX_REDRIVE_PER_CALL = 10_000
-# A dead letter is read or published only while this much of the invocation is left: each is a
-# call or two, normally well under a second; this covers a few retries.
+# A dead letter is read or published only while this much of the invocation is left (a call
+# or two each, plus a few retries).
 MESSAGE_BUDGET_MS = 20_000
 
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
@@ -162,16 +151,9 @@ class Selection:
     job: str | None = None
     message_id: str | None = None
 
-    @property
-    def everything(self) -> bool:
-        return not self.as_dict()
-
     def as_dict(self) -> dict[str, str]:
         chosen = {"key": self.key, "job": self.job, "message_id": self.message_id}
         return {name: value for name, value in chosen.items() if value is not None}
-
-    def describe(self) -> str:
-        return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in self.as_dict().items())
 
 
 _EVENT_FLAGS = ("reopen_failed", "dry_run", "include_bouncing")
@@ -241,7 +223,6 @@ class RedriveSummary:
     recorded: int = 0
     acked: int = 0
     ack_lost: int = 0
-    # The ledger's unresolved rows this redrive selected, and what it did with them.
     selected: int = 0
     published: int = 0
     reopened: list[str] = field(default_factory=list)
@@ -300,19 +281,15 @@ def redrive(
     *,
     admin: ClaimsAdmin | None = None,
     jobs: JobsKnowledge | None = None,
-    progress: Progress | None = None,
+    progress: Callable[[int], None] | None = None,
     time_left_ms: Callable[[], int] | None = None,
 ) -> RedriveSummary:
-    """Collect new dead letters of ``request.source``, then publish up to
-    ``request.max_messages`` of the unresolved rows its ``selection`` matches to
-    ``request.target``, recording ``request.actor`` with each row redriven and claim reopened.
+    """Collect new dead letters of ``request.source``, then publish up to ``max_messages`` of
+    the unresolved rows its ``selection`` matches to ``request.target`` as ``request.actor``.
 
-    ``jobs`` (``JobsKnowledge``) keys and takes back what is collected, judges each selected
-    row (``forecast``), and refuses an unknown selected job before anything is read. A
-    ``dry_run`` publishes and marks nothing: ``seen`` lists what a redrive would publish,
-    ``held_back`` what it would not, with why. ``time_left_ms`` (the Lambda context's) stops
-    the redrive while it can still report: nothing is read or published with less than
-    ``MESSAGE_BUDGET_MS`` left, and ``summary.stopped`` says so.
+    An unknown selected job is refused before anything is read. A ``dry_run`` publishes and
+    marks nothing: ``seen`` lists what it would publish. ``time_left_ms`` (the Lambda
+    context's) stops it while it can still report (``MESSAGE_BUDGET_MS``; ``stopped``).
     """
     jobs = jobs or JobsKnowledge()
     source, target, actor = request.source, request.target, request.actor

@@ -1,10 +1,9 @@
 """Turning dead letters, stuck claims and a lagging drain into pages a human can act on.
 
-Each check reads the watched queues' stats, the ledger's unresolved dead letters and its stuck
-claims (after a reconcile pass, when given one: only what is still stuck is paged on), then
-``decide``s per signal to alert, remind, resolve or stay quiet. The last alerted value of each
-signal lives in ``alert_state``, read and written under a row lock in the decision's
-transaction: a cold start does not re-alert, and two concurrent checks send one alert.
+Each check reads queue stats, unresolved dead letters and stuck claims (after a reconcile
+pass, when given one), then ``decide``s per signal. The last alerted value of each signal lives
+in ``alert_state``, locked in the decision's transaction: a cold start does not re-alert, and
+two concurrent checks send one alert.
 """
 
 from __future__ import annotations
@@ -107,8 +106,7 @@ class AlertReport:
     ledger_dead_letters: dict[str, int] = field(default_factory=dict)
     sent: list[dict[str, Any]] = field(default_factory=list)
     started: datetime | None = None
-    # The reconcile pass run before counting stuck claims (None: no job has a probe).
-    reconciled: ReconcileReport | None = None
+    reconciled: ReconcileReport | None = None  # None: no job has a probe
     deferred: DeferredStats = field(default_factory=lambda: DeferredStats(0, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
@@ -293,7 +291,6 @@ def compose(
     """The subject and body of one alert: what, how much, since when, and what to run next."""
     signal, scope, after, stats = seen.signal, seen.scope, seen.value, seen.stats
     if signal is Signal.DLQ:
-        dlq_name = f"the dead-letter queue of {scope}"
         subject = {
             Verdict.ALERT: f"{after - before} new dead letter(s) on {scope}",
             Verdict.REMIND: f"still {after} dead letter(s) on {scope}",
@@ -301,9 +298,9 @@ def compose(
         }[verdict]
         in_dlq = stats.dlq_count if stats else 0
         body = [
-            f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in {dlq_name} "
-            f"(dlq_count), {seen.in_ledger} moved into the ledger and not yet redriven or "
-            "discarded.",
+            f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in the "
+            f"dead-letter queue of {scope} (dlq_count), {seen.in_ledger} moved into the ledger "
+            "and not yet redriven or discarded.",
             "Each message there failed three deliveries, or was left unacked on purpose "
             "(a conflict, a stuck irreversible job, an unknown job).",
         ]

@@ -1,9 +1,6 @@
-"""The ledger changes the functions make outside the drain: reconcile a stuck claim, reopen a
-redriven job's failed claims, prune old rows; and the reads they need for it.
-
-Each change is fenced by the claim's state and token as read, and recorded in ``claim_history``
-in the same transaction as the actor the caller names. The command line's own reads and changes
-extend this class in ``infrai_local.operator``.
+"""The ledger changes the functions make outside the drain (reconcile, reopen, prune), each
+fenced by the claim's state and token as read and recorded in ``claim_history`` in its
+transaction, as the actor the caller names. ``infrai_local.operator`` extends it for the CLI.
 """
 
 from __future__ import annotations
@@ -97,10 +94,9 @@ class ClaimsAdmin(LedgerAdapter):
         actor: str,
         note: str,
     ) -> ReconcileWrite:
-        """Act on a probe's answer about ``probed`` (as it was when asked), fenced by its state
-        and claim token, recorded as ``reconcile``: ``done`` settles it with ``result``,
-        ``not_done`` releases it (a message's claim is deleted, owned work waits again, due
-        now), anything else changes nothing (recorded unless the last record says the same).
+        """Act on a probe's answer about ``probed`` (as asked), fenced by its state and token:
+        ``done`` settles it with ``result``, ``not_done`` releases it (owned work waits again,
+        due now), anything else changes nothing (recorded unless the last record says so).
         Under a live lease nothing changes: only the run holding it settles its own work."""
         key, token = probed.idem_key, probed.claim_token
         with (
@@ -111,21 +107,13 @@ class ClaimsAdmin(LedgerAdapter):
             if before is None or before.state != "running" or before.claim_token != token:
                 return ReconcileWrite.CHANGED
             # The row lock holds state and token: a change that matches nothing met a live lease.
+            why = {"actor": actor, "action": RECONCILE, "note": note}
             if answer == "done":
-                done = flow.settle(
-                    conn,
-                    key,
-                    token,
-                    "done",
-                    result=storable_json(result),
-                    actor=actor,
-                    action=RECONCILE,
-                    note=note,
-                    holder=False,
-                )
+                stored = storable_json(result)
+                done = flow.settle(conn, key, token, "done", result=stored, holder=False, **why)
                 return ReconcileWrite.SETTLED if done else ReconcileWrite.LEASE_LIVE
             if answer == "not_done":
-                released = flow.release(conn, key, token, actor=actor, action=RECONCILE, note=note)
+                released = flow.release(conn, key, token, **why)
                 return ReconcileWrite.RELEASED if released else ReconcileWrite.LEASE_LIVE
             last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
             if last is None or tuple(last) != (RECONCILE, note):
@@ -150,8 +138,7 @@ class ClaimsAdmin(LedgerAdapter):
         return [claim.idem_key for claim in failed]
 
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
-        """Delete ``done``/``failed`` rows older than the retention, a short transaction per
-        batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
+        """Delete settled rows past the retention, a batch per transaction, skipping locked rows."""
         deleted = batches = 0
         with self._connector.session("cannot prune claims") as conn:
             while True:

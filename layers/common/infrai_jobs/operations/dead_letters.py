@@ -109,8 +109,7 @@ def storable_json(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Unreadable:
-    """A dead letter whose consume answer was lost or unreadable. ``message_id`` is known only
-    when the client could still read it (then it is recorded and acked by that id)."""
+    """A dead letter whose consume answer was lost or unreadable; its id only when still read."""
 
     message_id: str | None
     size: int | None
@@ -160,8 +159,7 @@ class DeadLetterRow:
 
     @property
     def body(self) -> Any:
-        """The payload as read (None when unreadable), from ``raw_text`` when jsonb could not
-        hold it."""
+        """The payload as read (None when unreadable; from ``raw_text`` if jsonb refused it)."""
         if self.unreadable:
             return None
         if self.payload is None and self.raw_text is not None:
@@ -199,12 +197,10 @@ class Collected:
 
     read: int = 0
     recorded: int = 0
-    # Read again after a crash between a commit and its ack: the row was there already.
-    already_recorded: int = 0
+    already_recorded: int = 0  # read again after a crash between its commit and its ack
     acked: int = 0
     ack_lost: int = 0
-    # Letters of a job whose retry policy had attempts left: deferred work again, no letter.
-    taken_back: int = 0
+    taken_back: int = 0  # of a job with retry attempts left: deferred work again, no letter
     # Unreadable answers that named no message: unrecorded, unacked, read again later.
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
 
@@ -226,9 +222,8 @@ def other_work(claim: ClaimRow, payload: Any) -> bool:
 
 
 def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:
-    """The claim's state and the reason a dead letter with ``key`` shows: a claim for other
-    work is a conflict, never its own state (a "done" beside no reason reads as nothing
-    wrong)."""
+    """The claim's state and reason a dead letter with ``key`` shows: a claim for other work is
+    a conflict, never its own state (a "done" there would read as nothing wrong)."""
     if claim is None:
         return None, (
             "no claim: it failed and was released, or never got that far; a redrive runs it again"
@@ -316,11 +311,10 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded", or "already" when its row was
-        there. A letter of a job whose retry policy (``retry_of``) has attempts left after its
-        three deliveries is "taken_back" instead: each delivery died before its run ended (no
-        claim left, or a key-passing job's expired one), so it becomes deferred work with those
-        deliveries counted as attempts. An ``external`` job's running claim stays a human's."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already". A letter of a
+        job whose retry policy has attempts left after its deliveries, each of which died before
+        its run ended (no claim left, or a key-passing job's expired one), is "taken_back" as
+        deferred work instead. An ``external`` job's running claim stays a human's."""
         assert dead.message_id is not None
         values: dict[str, Any] = dict.fromkeys(_NULLABLE)
         values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
@@ -385,8 +379,7 @@ class DeadLetterStore:
         return int(row[0]) if row else 0
 
     def discard(self, message_id: str, *, actor: str, note: str = "") -> bool:
-        """Resolve an unresolved row as discarded; False when it is resolved (or being
-        resolved) already."""
+        """Resolve a row as discarded; False when it is resolved (or being resolved) already."""
         return self._resolve(message_id, "discarded", actor=actor, note=note)
 
     def redrive(

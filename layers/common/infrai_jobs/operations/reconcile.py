@@ -1,12 +1,10 @@
 """Reconcile before paging: ask the provider about stuck claims, and settle what it knows.
 
-A stuck claim of a job that declares a probe (``infrai_jobs.jobs.probes``) is probed, and the
-answer acts on the ledger, fenced by the claim token it was asked about: ``done`` settles it
-with the provider's result, ``not done`` releases it (once its lease is over) so the job runs
-once more, ``unknown`` (also a probe that raises, answers something else or times out) leaves
-it stuck for a human. Every answer is recorded in ``claim_history`` as ``reconcile``, its note
-starting with the answer. The watcher runs a pass before counting stuck claims, and
-``infrai-jobs claims reconcile`` runs one on demand.
+A stuck claim of a job with a probe (``infrai_jobs.jobs.probes``) is probed; the answer acts,
+fenced by the claim token it was asked about: ``done`` settles it with the provider's result,
+``not done`` releases it (once its lease is over) to run once more, ``unknown`` (or a probe
+that raises, answers something else or times out) leaves it for a human. Each answer is
+recorded in ``claim_history`` as ``reconcile``, its note starting with the answer.
 """
 
 from __future__ import annotations
@@ -108,8 +106,7 @@ def history_note(answer: str, detail: Any) -> str:
 def ask(
     probe: Callable[..., Any], payload: Mapping[str, Any], ctx: JobContext, timeout: float
 ) -> ProbeAnswer:
-    """Run one probe on a thread of its own for ``timeout`` seconds at most. Whatever goes
-    wrong is an ``Unknown`` with the reason: a probe never changes a claim by failing."""
+    """Run one probe on its own thread for ``timeout`` s at most; a failure is an ``Unknown``."""
     box: list[ProbeAnswer] = []
 
     def run() -> None:
@@ -135,9 +132,8 @@ def ask(
 
 
 class Reconciler:
-    """Probes stuck claims of the registry's jobs and acts on the answers through ``admin``,
-    recorded as ``actor``. ``forget`` (the second layer's, when on) drops a key's stored
-    "uncertain" before its claim is released, or the retry would be parked as stuck again."""
+    """Probes stuck claims and acts on the answers as ``actor``. ``forget`` (the second layer's)
+    drops a key's stored "uncertain" before its release, or the retry would be parked again."""
 
     def __init__(
         self,
@@ -192,8 +188,7 @@ class Reconciler:
         return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
 
     def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
-        """Probe one stuck claim (a delivery's, or a deferred run left for a human) and act on
-        the answer (unless ``dry_run``)."""
+        """Probe one stuck claim (a delivery's, or deferred work's) and act on the answer."""
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(

@@ -83,10 +83,9 @@ def forecast(
     admin: ClaimsAdmin | None,
     reopen_failed: bool,
 ) -> tuple[Forecast, str | None]:
-    """What a copy of ``row`` published now would meet, and the key it would be claimed by.
-
-    The key is derived again with ``key_of`` (the registry may have changed since the letter
-    was recorded), else the row's is used. Without a key or a ledger, it is judged to run."""
+    """What a copy of ``row`` published now would meet, and the key it would be claimed by:
+    derived again (the registry may have changed since), else the row's. Without a key or a
+    ledger, it is judged to run."""
     key = row.idem_key
     if key_of is not None:
         try:
@@ -111,9 +110,8 @@ def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> 
         )
         return Forecast(Verdict.BOUNCE, "conflict", why)
     if claim.state == "done":
-        return Forecast(
-            Verdict.SKIP, "done", "done already: the copy would be acked as a duplicate"
-        )
+        why = "done already: the copy would be acked as a duplicate"
+        return Forecast(Verdict.SKIP, "done", why)
     if claim.owned and claim.state in ("deferred", "running"):
         why = (
             f"the ledger holds it as deferred work ({claim.state}, attempt {claim.attempts}): "
@@ -138,9 +136,8 @@ def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> 
             "first (`infrai-jobs claims resolve`)"
         )
         return Forecast(Verdict.BOUNCE, "stuck", why)
-    return Forecast(
-        Verdict.RUN, "in_flight", "a delivery holds its claim now: the copy meets its outcome"
-    )
+    why = "a delivery holds its claim now: the copy meets its outcome"
+    return Forecast(Verdict.RUN, "in_flight", why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,18 +223,16 @@ class RedriveSummary:
     selected: int = 0
     published: int = 0
     reopened: list[str] = field(default_factory=list)
-    # Selected rows it cannot publish (unreadable, or not a JSON object): left unresolved.
+    # Selected rows it cannot publish (unreadable, not a JSON object) or would not (their
+    # copies would not run): left unresolved, for a human.
     skipped: list[dict[str, str]] = field(default_factory=list)
-    # Selected rows whose copies would not run (their forecasts): left unresolved, for a human.
     held_back: list[dict[str, Any]] = field(default_factory=list)
-    # Unreadable answers from the DLQ that named no message: neither recorded nor acked.
+    # Unreadable answers from the DLQ that named no message (Collected.unrecorded).
     unreadable: list[dict[str, Any]] = field(default_factory=list)
-    # Unresolved rows of the queue this redrive did not select (by filter, or max_messages).
-    not_selected: int = 0
+    not_selected: int = 0  # unresolved rows it did not select (by filter, or max_messages)
     selection: dict[str, str] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
-    # "time_budget" when the invocation ran short and it stopped early; "" otherwise.
-    stopped: str = ""
+    stopped: str = ""  # "time_budget" when the invocation ran short and it stopped early
     price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
     price_source: str = "fallback"
 
@@ -286,11 +281,9 @@ def redrive(
 ) -> RedriveSummary:
     """Collect new dead letters of ``request.source``, then publish up to ``max_messages`` of
     the unresolved rows its ``selection`` matches to ``request.target`` as ``request.actor``.
-
-    An unknown selected job is refused before anything is read. A ``dry_run`` publishes and
-    marks nothing: ``seen`` lists what it would publish. ``time_left_ms`` (the Lambda
-    context's) stops it while it can still report (``MESSAGE_BUDGET_MS``; ``stopped``).
-    """
+    An unknown selected job is refused before anything is read; a ``dry_run`` lists in ``seen``
+    what it would publish. ``time_left_ms`` (the Lambda context's) stops it while it can still
+    report (``MESSAGE_BUDGET_MS``, ``stopped``)."""
     jobs = jobs or JobsKnowledge()
     source, target, actor = request.source, request.target, request.actor
     if not (source and target and actor):
@@ -301,9 +294,7 @@ def redrive(
     unknown = jobs.known_jobs(selection.job) if selection.job and jobs.known_jobs else ""
     if unknown:
         raise ConfigurationError(f"redrive --job: {unknown}")
-    summary = RedriveSummary(
-        source=source, target=target, dry_run=request.dry_run, selection=selection.as_dict()
-    )
+    summary = RedriveSummary(source, target, request.dry_run, selection=selection.as_dict())
 
     def short_of_time() -> bool:
         if time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS:

@@ -18,8 +18,10 @@ from decimal import Decimal
 from typing import Any, TextIO
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
+from infrai_jobs.jobs.probes import ANSWERS
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
+from infrai_jobs.operations.claims_admin import RECONCILE
 from infrai_jobs.operations.dead_letters import (
     Collected,
     DeadLetterRow,
@@ -27,7 +29,7 @@ from infrai_jobs.operations.dead_letters import (
     RetryOf,
     collect,
 )
-from infrai_jobs.operations.reconcile import HISTORY_ACTION, Reconciler, ReconcileReport, answer_of
+from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.operations.redrive import (
     JobsKnowledge,
     RedriveRequest,
@@ -522,7 +524,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     def human() -> None:
         verb = "would publish" if args.dry_run else "published"
         count = len(summary.seen) if args.dry_run else summary.published
-        chosen = f" ({selection.describe()})" if not selection.everything else ""
+        chosen = f" ({describe_selection(selection)})" if selection.as_dict() else ""
         print(
             f"{verb} {count} dead letter(s) of the ledger -> {queue_name}{chosen} "
             f"({summary.recorded} new one(s) moved from {dlq_name} into the ledger first)",
@@ -578,6 +580,11 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
 
     _emit(document, args.json, human, out)
     return EXIT_OK if summary.complete else EXIT_FAILED
+
+
+def describe_selection(selection: Selection) -> str:
+    """The command line's options that choose ``selection``."""
+    return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in selection.as_dict().items())
 
 
 def _progress_bar(total: int) -> Callable[[int], None]:
@@ -815,6 +822,13 @@ def _stuck_document(row: ClaimRow) -> dict[str, Any]:
     return document
 
 
+def answer_of(note: str | None) -> str | None:
+    """The answer a ``reconcile`` history note records (``reconcile.history_note``'s first
+    word)."""
+    head = (note or "").split(":", 1)[0]
+    return head if head in ANSWERS else None
+
+
 def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     """One claim and its history; a key whose claim is gone (released, reopened) shows its
     history and the claim as it was before the last change."""
@@ -826,7 +840,7 @@ def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     probes = [
         {"at": h["at"], "answer": answer_of(h["note"]), "note": h["note"], "actor": h["actor"]}
         for h in history
-        if h["action"] == HISTORY_ACTION
+        if h["action"] == RECONCILE
     ]
     _emit(
         {"claim": row, "history": history, "probes": probes},

@@ -25,8 +25,8 @@ from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, CLAIM_BY_KEY_FOR_UPDATE, CLAIM_COLUMNS
-from infrai_jobs.operations.claim_json import storable_json
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import storable_json
 
 
 def default_actor() -> str:

@@ -12,7 +12,8 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.keys import identity_from_key, natural_key
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.operations.reconcile import answer_of, ask, history_note
+from infrai_jobs.operations.reconcile import ask, history_note
+from infrai_local.cli_ops import answer_of
 
 
 def handler(payload: Payload, ctx: JobContext) -> JsonValue:

@@ -9,13 +9,14 @@ import pytest
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.operations.redrive import RedriveRequest, Selection
+from infrai_local.cli_ops import describe_selection
 
 EVENTS = Path(__file__).resolve().parents[2] / "events"
 
 
 def test_the_sample_events_parse_into_what_they_say() -> None:
     looking = RedriveRequest.from_event(json.loads((EVENTS / "redrive-dry-run.json").read_text()))
-    assert (looking.dry_run, looking.selection.everything) == (True, True)
+    assert (looking.dry_run, looking.selection) == (True, Selection())
     selected = RedriveRequest.from_event(json.loads((EVENTS / "redrive-selected.json").read_text()))
     assert selected.selection == Selection(job="invoice.finalize")
     assert selected.dry_run is False
@@ -30,7 +31,7 @@ def test_an_event_selects_by_key_job_and_message_id_together() -> None:
         "job": "invoice.finalize",
         "message_id": "qmsg_1",
     }
-    assert request.selection.describe() == (
+    assert describe_selection(request.selection) == (
         "--key invoice.finalize:inv_1 --job invoice.finalize --message-id qmsg_1"
     )
 

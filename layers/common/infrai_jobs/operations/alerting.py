@@ -1,17 +1,9 @@
 """Turning dead letters, stuck claims and a lagging drain into pages a human can act on.
 
-Each check reads the watched queues' stats, the ledger's unresolved dead letters and its running
-claims, then decides per
-signal whether to alert, remind, resolve or stay quiet. The last alerted value of every signal
-lives in Postgres (``alert_state``), read and written under a row lock in the same transaction as
-the decision, so a cold start does not re-alert and two concurrent checks send one alert.
-
-Before it counts stuck claims, a check runs a reconcile pass when it was given one
-(``operations.reconcile``): the stuck claims of jobs with a probe are asked about, settled or
-released when the provider knows, and only what is still stuck is counted and paged on.
-
-The decision is a pure function (``decide``) of the previous state and the new value; the
-``Alerter`` port carries the message out (SNS in AWS, a printer locally).
+Each check reads queue stats, unresolved dead letters and stuck claims (after a reconcile
+pass, when given one), then ``decide``s per signal. The last alerted value of each signal lives
+in ``alert_state``, locked in the decision's transaction: a cold start does not re-alert, and
+two concurrent checks send one alert.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.flow.ledger import DeferredStats, deferred_stats
 from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.ledger.postgres import STUCK_CLAIM_COUNT as _STUCK
-from infrai_jobs.ledger.postgres import LedgerConnector
+from infrai_jobs.ledger.postgres import LedgerAdapter
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
@@ -41,8 +33,7 @@ SNS_SUBJECT_LIMIT = 100
 
 
 class Signal(StrEnum):
-    # dead letters of a queue: in Infrai's DLQ plus unresolved in the ledger (dead_letters)
-    DLQ = "dlq"
+    DLQ = "dlq"  # a queue's dead letters: in Infrai's DLQ plus unresolved in the ledger
     STUCK = "stuck"  # running claims older than the threshold, or flagged
     BACKLOG = "backlog"  # the oldest message is older than the threshold: the drain lags
 
@@ -65,17 +56,13 @@ class AlertThresholds:
     stuck_claim_seconds: int = 900
     backlog_age_seconds: int = 900
     reminder_seconds: int = 3600
-    # How long a check may spend probing stuck claims before it counts them (of the
-    # function's 60 s); claims left unprobed stay stuck and are probed by the next check.
+    # Of the function's 60 s, how long a check may probe stuck claims before counting them.
     reconcile_budget_seconds: float = 30.0
 
 
 def decide(previous: AlertState, value: int, now: datetime, reminder_seconds: int) -> Verdict:
     """Rising edge alerts, an unchanged bad value reminds after an interval, zero resolves once.
-
-    A value that falls but stays above zero is quiet: it is getting better, and the last alert
-    already told a human to look.
-    """
+    A value that falls but stays above zero is quiet: the last alert already told a human."""
     if value > previous.value:
         return Verdict.ALERT
     if value == 0:
@@ -116,31 +103,22 @@ class AlertReport:
 
     stats: list[QueueStats] = field(default_factory=list)
     stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
-    # Unresolved dead letters in the ledger, per watched queue.
     ledger_dead_letters: dict[str, int] = field(default_factory=dict)
     sent: list[dict[str, Any]] = field(default_factory=list)
-    # When the run started looking, by the database's clock.
     started: datetime | None = None
-    # The reconcile pass run before counting stuck claims (None: no job has a probe).
-    reconciled: ReconcileReport | None = None
-    # The deferred work the ledger holds (waiting or running) and its oldest entry's age.
+    reconciled: ReconcileReport | None = None  # None: no job has a probe
     deferred: DeferredStats = field(default_factory=lambda: DeferredStats(0, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
+        queues = []
+        for s in self.stats:
+            in_ledger = self.ledger_dead_letters.get(s.queue, 0)
+            queue = {"queue": s.queue, "dlq_count": s.dlq_count, "ledger_dead_letters": in_ledger}
+            queue.update(dead_letters=s.dlq_count + in_ledger, available_count=s.available_count)
+            queue.update(in_flight_count=s.in_flight_count, delayed_count=s.delayed_count)
+            queues.append({**queue, "oldest_message_age_seconds": s.oldest_message_age_seconds})
         return {
-            "queues": [
-                {
-                    "queue": s.queue,
-                    "dlq_count": s.dlq_count,
-                    "ledger_dead_letters": self.ledger_dead_letters.get(s.queue, 0),
-                    "dead_letters": s.dlq_count + self.ledger_dead_letters.get(s.queue, 0),
-                    "available_count": s.available_count,
-                    "in_flight_count": s.in_flight_count,
-                    "delayed_count": s.delayed_count,
-                    "oldest_message_age_seconds": s.oldest_message_age_seconds,
-                }
-                for s in self.stats
-            ],
+            "queues": queues,
             "stuck_claims": self.stuck.count,
             "oldest_running_claim_age_seconds": self.stuck.oldest_running_age_seconds,
             "deferred_backlog": self.deferred.backlog,
@@ -149,8 +127,6 @@ class AlertReport:
             "alerts": self.sent,
         }
 
-
-# --- SQL -------------------------------------------------------------------------------------
 
 _ENSURE_STATE: LiteralString = """
 INSERT INTO alert_state (scope, signal) VALUES (%(scope)s, %(signal)s)
@@ -167,8 +143,10 @@ WHERE scope = %(scope)s AND signal = %(signal)s
 """
 
 
-class AlertCheck:
-    """One run of the watcher over the watched queues and the ledger."""
+class AlertCheck(LedgerAdapter):
+    """The watcher's check over the watched queues and the ledger; one connection per run."""
+
+    APPLICATION_NAME = "infrai-jobs-watcher"
 
     def __init__(
         self,
@@ -181,16 +159,9 @@ class AlertCheck:
         refresh_url: Callable[[], str] | None = None,
         reconciler: Reconciler | None = None,
     ) -> None:
+        super().__init__(database_url, connect_timeout=connect_timeout, refresh_url=refresh_url)
         self._queue = queue
         self._reconciler = reconciler
-        # One connection per run; a rotated secret is fetched again when it fails
-        # (factory.with_secrets).
-        self._ledger = LedgerConnector(
-            database_url,
-            application_name="infrai-jobs-watcher",
-            connect_timeout=connect_timeout,
-            refresh=refresh_url,
-        )
         self._alerter = alerter
         self._thresholds = thresholds
 
@@ -205,9 +176,8 @@ class AlertCheck:
         report = AlertReport()
         unread: list[InfraiError] = []
         report.reconciled = self._reconcile()
-        with self._ledger.session("alert check") as conn:
-            # When this run started looking, by the database's clock: a signal saved by
-            # another run after this moment holds a newer observation than ours.
+        with self._connector.session("alert check") as conn:
+            # A signal saved by another run after this moment holds a newer observation.
             started = conn.execute("SELECT now()").fetchone()
             report.started = started[0] if started else None
             # Stats before any verdict. A queue whose stats cannot be read gets no verdict
@@ -222,9 +192,12 @@ class AlertCheck:
                         extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
                     )
                     unread.append(exc)
-            report.stuck = self._stuck_claims(conn)
+            threshold = {"threshold": self._thresholds.stuck_claim_seconds}
+            count, oldest = conn.execute(_STUCK, threshold).fetchone() or (0, 0)
+            report.stuck = StuckClaims(int(count), float(oldest))
             report.deferred = deferred_stats(conn)
             limit = self._thresholds.backlog_age_seconds
+            seen: list[Observation] = []
             for stats in report.stats:
                 lagging = int(stats.oldest_message_age_seconds > limit)
                 # The watcher never reads the DLQ itself (that would consume it): it adds the
@@ -233,23 +206,19 @@ class AlertCheck:
                 row = conn.execute(UNRESOLVED_DEAD_LETTERS, {"queue": stats.queue}).fetchone()
                 in_ledger = int(row[0]) if row else 0
                 report.ledger_dead_letters[stats.queue] = in_ledger
-                dlq = Observation(
-                    stats.queue, Signal.DLQ, stats.dlq_count + in_ledger, stats, in_ledger
-                )
-                self._evaluate(conn, report, dlq)
-                self._evaluate(
-                    conn, report, Observation(stats.queue, Signal.BACKLOG, lagging, stats)
-                )
-            stuck = Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count)
-            self._evaluate(conn, report, stuck)
+                dead = stats.dlq_count + in_ledger
+                seen.append(Observation(stats.queue, Signal.DLQ, dead, stats, in_ledger))
+                seen.append(Observation(stats.queue, Signal.BACKLOG, lagging, stats))
+            seen.append(Observation(LEDGER_SCOPE, Signal.STUCK, report.stuck.count))
+            for observation in seen:
+                self._evaluate(conn, report, observation)
         if unread:
             raise unread[0]
         return report
 
     def _reconcile(self) -> ReconcileReport | None:
-        """Probe stuck claims before counting them. A ledger that fails here is logged and the
-        check goes on: the count below then fails the run the same way, and a page is never
-        held back by a probe."""
+        """Probe stuck claims before counting them. A ledger failure here is logged and the check
+        goes on (the count then fails the run the same way): a probe never holds a page back."""
         if self._reconciler is None or not self._reconciler.probed_jobs():
             return None
         try:
@@ -263,11 +232,6 @@ class AlertCheck:
                 extra={"action": "reconcile_failed", "detail": str(exc)},
             )
             return None
-
-    def _stuck_claims(self, conn: psycopg.Connection[Any]) -> StuckClaims:
-        row = conn.execute(_STUCK, {"threshold": self._thresholds.stuck_claim_seconds}).fetchone()
-        count, oldest = row if row else (0, 0)
-        return StuckClaims(int(count), float(oldest))
 
     def _evaluate(
         self, conn: psycopg.Connection[Any], report: AlertReport, seen: Observation
@@ -327,7 +291,6 @@ def compose(
     """The subject and body of one alert: what, how much, since when, and what to run next."""
     signal, scope, after, stats = seen.signal, seen.scope, seen.value, seen.stats
     if signal is Signal.DLQ:
-        dlq_name = f"the dead-letter queue of {scope}"
         subject = {
             Verdict.ALERT: f"{after - before} new dead letter(s) on {scope}",
             Verdict.REMIND: f"still {after} dead letter(s) on {scope}",
@@ -335,9 +298,9 @@ def compose(
         }[verdict]
         in_dlq = stats.dlq_count if stats else 0
         body = [
-            f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in {dlq_name} "
-            f"(dlq_count), {seen.in_ledger} moved into the ledger and not yet redriven or "
-            "discarded.",
+            f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in the "
+            f"dead-letter queue of {scope} (dlq_count), {seen.in_ledger} moved into the ledger "
+            "and not yet redriven or discarded.",
             "Each message there failed three deliveries, or was left unacked on purpose "
             "(a conflict, a stuck irreversible job, an unknown job).",
         ]

@@ -1,11 +1,6 @@
-"""The ledger changes the functions make outside the drain: reconcile a stuck claim, reopen a
-redriven job's failed claims, prune old rows; and the reads they need for it.
-
-Each change is fenced by the claim's state and token as it was read, and recorded in
-``claim_history`` in the same transaction, with the actor its caller names (a function its own
-name, the command line the operator): who is acting is never looked up here. The command
-line's own reads and changes (list, show, resolve, release, deferred work) extend this class in
-``infrai_local.operator``, outside the layer.
+"""The ledger changes the functions make outside the drain (reconcile, reopen, prune), each
+fenced by the claim's state and token as read and recorded in ``claim_history`` in its
+transaction, as the actor the caller names. ``infrai_local.operator`` extends it for the CLI.
 """
 
 from __future__ import annotations
@@ -15,8 +10,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, LiteralString
 
-from psycopg.rows import dict_row
-
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
@@ -24,8 +17,7 @@ from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
 from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.ledger.postgres import LedgerAdapter
-from infrai_jobs.operations.claim_json import storable_json
-from infrai_jobs.operations.dead_letters import DeadLetterStore
+from infrai_jobs.operations.dead_letters import DeadLetterStore, claim_of, claim_rows, storable_json
 from infrai_jobs.outbox.status import prune_settled
 
 
@@ -38,12 +30,11 @@ class PruneResult:
 
 
 # What a probe's answer is recorded as in claim_history.
-_RECONCILE: Final = "reconcile"
+RECONCILE: Final = "reconcile"
 
 _DELETE_FAILED: LiteralString = """
 DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
 """
-
 
 _LAST_HISTORY: LiteralString = """
 SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
@@ -71,13 +62,11 @@ class ReconcileWrite(StrEnum):
 
 
 class ClaimsAdmin(LedgerAdapter):
-    """Changes to claims outside the drain; one short connection per call. The functions build
-    it with ``factory.make_claims_admin``, whose ``refresh`` picks up a rotated secret."""
+    """Changes to claims outside the drain; one short connection per call."""
 
     APPLICATION_NAME = "infrai-jobs-admin"
 
     def dead_letters(self) -> DeadLetterStore:
-        """The ledger's dead letters, on this admin's connection settings."""
         return DeadLetterStore(self._connector)
 
     def find(self, key: str) -> ClaimRow | None:
@@ -93,12 +82,8 @@ class ClaimsAdmin(LedgerAdapter):
         limit: int = 100,
     ) -> list[ClaimRow]:
         """Stuck claims (``STUCK_CLAIM``), oldest first; only those of ``jobs`` when given."""
-        params = {
-            "jobs": None if jobs is None else list(jobs),
-            "threshold": threshold_seconds,
-            "limit": limit,
-        }
-        return self._rows(_STUCK, params)
+        params = {"jobs": None if jobs is None else list(jobs), "threshold": threshold_seconds}
+        return self._rows(_STUCK, {**params, "limit": limit})
 
     def apply_probe_answer(
         self,
@@ -109,43 +94,31 @@ class ClaimsAdmin(LedgerAdapter):
         actor: str,
         note: str,
     ) -> ReconcileWrite:
-        """Act on a probe's answer about ``probed`` (the run as it was when asked), fenced by
-        its state and claim token, and record it in ``claim_history`` as ``reconcile``:
-        ``done`` settles it with ``result``, ``not_done`` releases it (a message's claim is
-        deleted, work the ledger owns waits again, due now), anything else changes nothing
-        (and is recorded unless the last record already says the same). Under a live lease
-        nothing changes: only the run holding it settles its own work."""
+        """Act on a probe's answer about ``probed`` (as asked), fenced by its state and token:
+        ``done`` settles it with ``result``, ``not_done`` releases it (owned work waits again,
+        due now), anything else changes nothing (recorded unless the last record says so).
+        Under a live lease nothing changes: only the run holding it settles its own work."""
         key, token = probed.idem_key, probed.claim_token
         with (
             self._connector.session(f"cannot reconcile {key!r}") as conn,
             conn.transaction(),
         ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                row = cur.execute(_FOR_UPDATE, {"key": key}).fetchone()
-            before = ClaimRow(**row) if row is not None else None
+            before = claim_of(conn, key, _FOR_UPDATE)
             if before is None or before.state != "running" or before.claim_token != token:
                 return ReconcileWrite.CHANGED
             # The row lock holds state and token: a change that matches nothing met a live lease.
+            why = {"actor": actor, "action": RECONCILE, "note": note}
             if answer == "done":
-                done = flow.settle(
-                    conn,
-                    key,
-                    token,
-                    "done",
-                    result=storable_json(result),
-                    actor=actor,
-                    action=_RECONCILE,
-                    note=note,
-                    holder=False,
-                )
+                stored = storable_json(result)
+                done = flow.settle(conn, key, token, "done", result=stored, holder=False, **why)
                 return ReconcileWrite.SETTLED if done else ReconcileWrite.LEASE_LIVE
             if answer == "not_done":
-                released = flow.release(conn, key, token, actor=actor, action=_RECONCILE, note=note)
+                released = flow.release(conn, key, token, **why)
                 return ReconcileWrite.RELEASED if released else ReconcileWrite.LEASE_LIVE
             last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
-            if last is None or tuple(last) != (_RECONCILE, note):
+            if last is None or tuple(last) != (RECONCILE, note):
                 # An unchanged answer every few minutes would bury the history in repeats.
-                flow.record_change(conn, _RECONCILE, before, before, actor=actor, note=note)
+                flow.record_change(conn, RECONCILE, before, before, actor=actor, note=note)
             return ReconcileWrite.UNCHANGED
 
     def reopen_failed(self, *, message_id: str, fingerprint: str | None, actor: str) -> list[str]:
@@ -156,8 +129,7 @@ class ClaimsAdmin(LedgerAdapter):
             self._connector.session("cannot reopen failed claims") as conn,
             conn.transaction(),
         ):
-            with conn.cursor(row_factory=dict_row) as cur:
-                failed = [ClaimRow(**row) for row in cur.execute(_FAILED_OF_WORK, params)]
+            failed = claim_rows(conn, _FAILED_OF_WORK, params)
             for claim in failed:
                 conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
                 flow.record_change(
@@ -166,8 +138,7 @@ class ClaimsAdmin(LedgerAdapter):
         return [claim.idem_key for claim in failed]
 
     def prune(self, *, older_than_days: int, batch_size: int = 1000) -> PruneResult:
-        """Delete ``done``/``failed`` rows older than the retention, a short transaction per
-        batch, skipping rows someone holds a lock on; ``running`` rows are never touched."""
+        """Delete settled rows past the retention, a batch per transaction, skipping locked rows."""
         deleted = batches = 0
         with self._connector.session("cannot prune claims") as conn:
             while True:
@@ -180,8 +151,5 @@ class ClaimsAdmin(LedgerAdapter):
         return PruneResult(deleted, batches, outbox)
 
     def _rows(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
-        with (
-            self._connector.session("cannot read claims") as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
+        with self._connector.session("cannot read claims") as conn:
+            return claim_rows(conn, statement, params)

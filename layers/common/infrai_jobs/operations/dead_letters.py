@@ -1,26 +1,15 @@
 """Dead letters live in the ledger: Infrai's DLQ is moved into ``dead_letters``, then worked on.
 
-Infrai cannot peek at a queue: reading its DLQ consumes it and hides what was read for the
-visibility timeout. So nothing looks at the DLQ directly. ``collect`` first checks that the
-ledger answers (nothing is consumed before that), then reads the DLQ one message per consume,
-records each dead letter in its own transaction (``INSERT ... ON CONFLICT (message_id) DO
-NOTHING``) and acks it from the DLQ only after that row committed. A crash in between leaves the
-letter in the DLQ; the next read finds its row already there and only acks it: one row per
-letter, however often it is read.
-
-Every view (``infrai-jobs dlq``), discard and redrive works on the rows, so two reads show the
-same letters and none depends on a visibility timeout. A row is resolved once (``discarded`` or
-``redriven``, when, by whom, a note), and the resolution is recorded in ``claim_history`` in the
-same transaction. A redrive publishes a row's payload and marks the row in one transaction that
-holds the row's lock across the publish: a crash before the commit leaves the row unresolved and
-a later redrive publishes it again, which the claims absorb; two redrives never both publish it.
+Reading the DLQ consumes it, so only ``collect`` reads it, and acks each letter only after its
+row committed; a redrive holds the row's lock across its publish. The protocol and its crash
+cases: docs/operations.md, "Dead letters live in the ledger".
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, LiteralString
@@ -40,7 +29,6 @@ from infrai_jobs.ledger.dead_letter_rows import (
     UNRESOLVED_DEAD_LETTERS,
 )
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector, record_history
-from infrai_jobs.operations.claim_json import storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
@@ -48,33 +36,31 @@ from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 logger = logging.getLogger(__name__)
 
 KeyOf = Callable[[Any], str]
-# A job's effect class and the retry policy in force for it, by job name; None when it has no
-# policy (or is unknown).
+# A job's effect class and retry policy in force, by job name; None when it has none.
 RetryOf = Callable[[str], tuple[str, RetryPolicy] | None]
 
 # A dead letter taken back as deferred work runs again after this long.
 TAKE_BACK_DELAY_SECONDS = 1.0
 
-# Dead letters one call moves from Infrai's DLQ into the ledger at most; the rest wait for the
-# next call, still in the DLQ.
+# Dead letters one call moves into the ledger at most; the rest wait in the DLQ.
 COLLECT_LIMIT = 1_000
 
-# Unreadable answers in a row after which a DLQ read stops: every one may hide a dead letter
-# for the visibility timeout, and a run of them says the answers, not the messages, are broken.
+# Unreadable answers in a row after which a DLQ read stops: a run of them says the answers,
+# not the messages, are broken (and each hides a letter for the visibility timeout).
 MAX_UNREADABLE_IN_A_ROW = 10
 
 _REACHABLE: LiteralString = "SELECT count(*) FROM dead_letters WHERE false"
 
-_COLUMNS: LiteralString = """message_id, queue, dlq, unreadable, payload, raw_text, size_bytes,
-       job, idem_key, state, claim_state, reason, main_deliveries, dlq_deliveries, published_at,
-       first_seen, resolution, resolved_at, resolved_by, resolution_note"""
+_ROWS: LiteralString = """
+SELECT message_id, queue, dlq, unreadable, payload, raw_text, size_bytes, job, idem_key, state,
+       claim_state, reason, main_deliveries, dlq_deliveries, published_at, first_seen,
+       resolution, resolved_at, resolved_by, resolution_note
+FROM dead_letters"""
 
 # Every filter is optional; ``unresolved`` false lists the resolved ones too.
 _SELECT: LiteralString = (
-    "SELECT "
-    + _COLUMNS
+    _ROWS
     + """
-FROM dead_letters
 WHERE queue = %(queue)s
   AND (NOT %(unresolved)s OR resolution IS NULL)
   AND (%(message_id)s::text IS NULL OR message_id = %(message_id)s)
@@ -86,13 +72,13 @@ LIMIT %(limit)s
 )
 
 _LOCK_UNRESOLVED: LiteralString = (
-    "SELECT "
-    + _COLUMNS
-    + """
-FROM dead_letters WHERE message_id = %(message_id)s AND resolution IS NULL
-FOR UPDATE SKIP LOCKED
-"""
+    _ROWS + " WHERE message_id = %(message_id)s AND resolution IS NULL FOR UPDATE SKIP LOCKED"
 )
+
+_RESOLUTION_FIELDS = ("resolution", "resolved_at", "resolved_by", "resolution_note")
+# What ``RECORD_DEAD_LETTER`` takes that a dead letter may lack.
+_NULLABLE: tuple[str, ...] = ("payload", "raw_text", "size_bytes", "job", "idem_key", "state")
+_NULLABLE += ("claim_state", "dlq_deliveries", "published_at")
 
 _RESOLVE: LiteralString = """
 UPDATE dead_letters
@@ -102,13 +88,28 @@ WHERE message_id = %(message_id)s AND resolution IS NULL
 """
 
 
+def storable_json(value: Any) -> Any:
+    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can: jsonb
+    refuses NUL characters and lone surrogates, which a JSON body may carry. What the jsonb
+    columns of ``claim_history`` and ``dead_letters`` hold, and what ``--json`` prints."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError):
+        text = ""
+    if text and "\\u0000" not in text:
+        return value
+    try:
+        described = json.dumps(value, ensure_ascii=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        described = f"<{type(value).__name__} that JSON cannot describe>"
+    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
+    return {"not_storable_as_jsonb": described}
+
+
 @dataclass(frozen=True, slots=True)
 class Unreadable:
-    """A dead letter whose consume answer was lost or could not be read.
-
-    ``message_id`` is known only when the client could still read it from the answer (then it
-    is recorded and acked by that id), ``size`` only when an answer came.
-    """
+    """A dead letter whose consume answer was lost or unreadable; its id only when still read."""
 
     message_id: str | None
     size: int | None
@@ -124,59 +125,11 @@ class Unreadable:
         return f"unreadable dead letter ({size}): {self.reason}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "message_id": self.message_id,
-            "unreadable": True,
-            "size_bytes": self.size,
-            "reason": self.describe(),
-        }
+        seen = {"message_id": self.message_id, "unreadable": True, "size_bytes": self.size}
+        return {**seen, "reason": self.describe()}
 
 
 DeadLetter = QueueMessage | Unreadable
-
-
-def read_dead_letters(
-    queue: QueuePort,
-    source: str,
-    limit: int,
-    *,
-    stop: Callable[[], bool] | None = None,
-) -> Iterator[DeadLetter]:
-    """Up to ``limit`` dead letters of ``source``, read one per consume: a consume whose answer
-    cannot be read has spent it on every message it served, unseen, so with one message per
-    consume an unreadable dead letter hides only itself, and every other is still read.
-
-    ``stop`` is asked before each read. Reading stops early when the DLQ is empty, or after
-    ``MAX_UNREADABLE_IN_A_ROW`` unreadable answers in a row.
-    """
-    read = unreadable_in_a_row = 0
-    while read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
-        if stop is not None and stop():
-            return
-        try:
-            batch = queue.consume(source, 1)
-        except ConsumeAnswerLost as exc:
-            read += 1
-            unreadable_in_a_row += 1
-            unreadable = Unreadable.from_error(exc)
-            logger.error(
-                "a dead letter could not be read",
-                extra={
-                    "action": "dead_letter_unreadable",
-                    "queue": source,
-                    "message_id": unreadable.message_id,
-                    "size_bytes": unreadable.size,
-                    "detail": unreadable.reason,
-                },
-            )
-            yield unreadable
-            continue
-        if not batch:
-            return
-        unreadable_in_a_row = 0
-        for message in batch[: limit - read]:
-            read += 1
-            yield message
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +159,7 @@ class DeadLetterRow:
 
     @property
     def body(self) -> Any:
-        """The dead letter's payload as it was read (None when unreadable): from ``raw_text``
-        when jsonb could not hold it."""
+        """The payload as read (None when unreadable; from ``raw_text`` if jsonb refused it)."""
         if self.unreadable:
             return None
         if self.payload is None and self.raw_text is not None:
@@ -216,8 +168,8 @@ class DeadLetterRow:
 
     @property
     def held_by_ledger(self) -> bool:
-        """Recorded by the ledger itself (deferred work that ran out of attempts), never in
-        Infrai's DLQ: a redrive reopens its failed claim, or the new copy could not run."""
+        """Recorded by the ledger itself (deferred work out of attempts), never in Infrai's
+        DLQ: a redrive must reopen its failed claim, or the new copy could not run."""
         return self.dlq == LEDGER_HELD_DLQ
 
     @property
@@ -229,11 +181,12 @@ class DeadLetterRow:
             return "payload is not a JSON object (Infrai only takes objects)"
         return ""
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, resolution: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            out[name] = value.isoformat() if isinstance(value, datetime) else value
+            if resolution or name not in _RESOLUTION_FIELDS:
+                value = getattr(self, name)
+                out[name] = value.isoformat() if isinstance(value, datetime) else value
         out["payload"] = storable_json(self.body)
         return out
 
@@ -244,35 +197,43 @@ class Collected:
 
     read: int = 0
     recorded: int = 0
-    # Read again after a crash between a commit and its ack: the row was there already.
-    already_recorded: int = 0
+    already_recorded: int = 0  # read again after a crash between its commit and its ack
     acked: int = 0
     ack_lost: int = 0
-    # Letters of a job whose retry policy had attempts left: deferred work again, no letter.
-    taken_back: int = 0
-    # Unreadable answers that named no message: nothing can record or ack them; they stay
-    # hidden in the DLQ for its visibility timeout, then the next read tries again.
+    taken_back: int = 0  # of a job with retry attempts left: deferred work again, no letter
+    # Unreadable answers that named no message: unrecorded, unacked, read again later.
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def fingerprint_or_none(payload: Any) -> str | None:
+    """The payload's fingerprint, or None for work that has none (unrepresentable)."""
+    try:
+        return payload_fingerprint(payload)
+    except KeyDerivationError:
+        return None
+
+
+def other_work(claim: ClaimRow, payload: Any) -> bool:
+    """Whether ``claim`` holds different work than ``payload`` under the same key."""
+    return bool(claim.payload_sha256) and claim.payload_sha256 != fingerprint_or_none(payload)
+
+
 def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:
-    """The claim's state and the reason a dead letter with ``key`` shows: a claim for other
-    work is a conflict, never its own state (a "done" beside no reason reads as nothing
-    wrong)."""
+    """The claim's state and reason a dead letter with ``key`` shows: a claim for other work is
+    a conflict, never its own state (a "done" there would read as nothing wrong)."""
     if claim is None:
         return None, (
             "no claim: it failed and was released, or never got that far; a redrive runs it again"
         )
-    if claim.payload_sha256 and claim.payload_sha256 != _fingerprint(payload):
+    if other_work(claim, payload):
         return "conflict", f"conflict with {key} ({claim.state}, different work)"
     return claim.state, claim.error or ""
 
 
-# The claim statement's takeover rule, for a dead letter: a key-passing job's claim, not
-# flagged for a human, whose lease is over.
+# The claim statement's takeover rule: a key-passing job's unflagged claim whose lease is over.
 _RELEASE_EXPIRED_CLAIM: LiteralString = """
 DELETE FROM job_claims
 WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
@@ -297,11 +258,9 @@ def _take_back(
     deliveries = MAX_RECEIVE_COUNT
     if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
         return False
-    effect = found[0]
     if claim is not None and claim.owned:
         # The ledger holds the work already (the letter is a stale copy), or its deferred life
-        # ended (done, failed, or an operator cancelled it): a stale letter never brings it
-        # back, and is recorded for a human like any other.
+        # ended (done, failed, cancelled): a stale letter never brings it back.
         return state in ("deferred", "running")
     if claim is not None:
         # Only a key-passing job's own expired claim may be taken over; done, failed, a
@@ -315,10 +274,10 @@ def _take_back(
     work = flow.DeferredWork(
         idem_key=key,
         job=job,
-        effect=effect,
+        effect=found[0],
         payload=dead.payload,
         message_id=dead.message_id or "",
-        fingerprint=_fingerprint(dead.payload),
+        fingerprint=fingerprint_or_none(dead.payload),
         queue=queue,
     )
     outcome = flow.defer(
@@ -326,23 +285,10 @@ def _take_back(
     )
     if outcome is not flow.DeferOutcome.DEFERRED:
         return outcome is flow.DeferOutcome.ALREADY_HELD
-    record_history(
-        conn,
-        key,
-        "dead_letter_taken_back",
-        actor=flow.DRAIN_ACTOR,
-        before=None,
-        after={"message_id": dead.message_id, "attempts": deliveries},
-        note=error,
-    )
+    after = {"message_id": dead.message_id, "attempts": deliveries}
+    action = "dead_letter_taken_back"
+    record_history(conn, key, action, actor=flow.DRAIN_ACTOR, before=None, after=after, note=error)
     return True
-
-
-def _fingerprint(payload: Any) -> str | None:
-    try:
-        return payload_fingerprint(payload)
-    except KeyDerivationError:
-        return None
 
 
 class DeadLetterStore:
@@ -350,9 +296,6 @@ class DeadLetterStore:
 
     def __init__(self, connector: LedgerConnector) -> None:
         self._connector = connector
-
-    def __repr__(self) -> str:
-        return "DeadLetterStore(<database url redacted>)"
 
     def ensure_reachable(self) -> None:
         """Raise ``LedgerUnavailable`` (or ``SchemaNotMigrated``) unless the table answers."""
@@ -368,52 +311,28 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded" when this call added the
-        row, "already" when it was there. A letter of a job whose retry policy (``retry_of``)
-        has attempts left after its three deliveries is "taken_back" instead: each delivery
-        died before its run ended (no claim is left, or a key-passing job's claim whose lease
-        is over), so it becomes deferred work with those deliveries counted as attempts, and
-        no dead letter pages anyone. An ``external`` job's running claim stays a human's."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already". A letter of a
+        job whose retry policy has attempts left after its deliveries, each of which died before
+        its run ended (no claim left, or a key-passing job's expired one), is "taken_back" as
+        deferred work instead. An ``external`` job's running claim stays a human's."""
         assert dead.message_id is not None
-        values: dict[str, Any] = {
-            "message_id": dead.message_id,
-            "queue": queue,
-            "dlq": dlq,
-            "job": None,
-            "idem_key": None,
-            "main_deliveries": MAX_RECEIVE_COUNT,
-        }
+        values: dict[str, Any] = dict.fromkeys(_NULLABLE)
+        values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
+        values.update(unreadable=False, main_deliveries=MAX_RECEIVE_COUNT)
         key: str | None = None
         if isinstance(dead, Unreadable):
-            values.update(
-                unreadable=True,
-                payload=None,
-                raw_text=dead.reason,
-                size_bytes=dead.size,
-                state="unreadable",
-                claim_state=None,
-                reason=dead.describe(),
-                dlq_deliveries=None,
-                published_at=None,
-            )
+            values.update(unreadable=True, raw_text=dead.reason, size_bytes=dead.size)
+            values.update(state="unreadable", reason=dead.describe())
         else:
             payload = dead.payload
-            # jsonb refuses NUL characters and lone surrogates: such a body is kept as its
-            # exact JSON text (ASCII, every such character escaped), which text can hold.
-            storable = storable_json(payload) is payload
+            # A body jsonb cannot hold is kept as its exact JSON text, ASCII-escaped.
+            if storable_json(payload) is payload:
+                values["payload"] = Jsonb(payload)
+            else:
+                values["raw_text"] = json.dumps(payload, ensure_ascii=True)
             job = payload.get("job") if isinstance(payload, Mapping) else None
-            values.update(
-                unreadable=False,
-                payload=Jsonb(payload) if storable else None,
-                raw_text=None if storable else json.dumps(payload, ensure_ascii=True),
-                size_bytes=None,
-                job=job if isinstance(job, str) else None,
-                state=None,
-                claim_state=None,
-                reason="",
-                dlq_deliveries=dead.delivery_count,
-                published_at=dead.published_at,
-            )
+            values["job"] = job if isinstance(job, str) else None
+            values.update(dlq_deliveries=dead.delivery_count, published_at=dead.published_at)
             if key_of is not None:
                 try:
                     key = key_of(payload)
@@ -424,21 +343,15 @@ class DeadLetterStore:
             conn.transaction(),
         ):
             if key is not None:
-                with conn.cursor(row_factory=dict_row) as cur:
-                    found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
-                claim = ClaimRow(**found) if found else None
                 assert isinstance(dead, QueueMessage)
+                claim = claim_of(conn, key)
                 state, reason = claim_verdict(key, claim, dead.payload)
                 if retry_of is not None and _take_back(
                     conn, dead, queue=queue, key=key, claim=claim, state=state, retry_of=retry_of
                 ):
                     return "taken_back"
-                values.update(
-                    idem_key=key,
-                    state=state,
-                    claim_state=claim.state if claim else None,
-                    reason=reason,
-                )
+                claim_state = claim.state if claim else None
+                values.update(idem_key=key, state=state, claim_state=claim_state, reason=reason)
             added = conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
             return "recorded" if added else "already"
 
@@ -452,14 +365,8 @@ class DeadLetterStore:
         job: str | None = None,
         limit: int = 100,
     ) -> list[DeadLetterRow]:
-        params = {
-            "queue": queue,
-            "unresolved": unresolved,
-            "message_id": message_id,
-            "key": key,
-            "job": job,
-            "limit": limit,
-        }
+        params = {"queue": queue, "unresolved": unresolved, "message_id": message_id}
+        params.update(key=key, job=job, limit=limit)
         with (
             self._connector.session("cannot read the dead letters") as conn,
             conn.cursor(row_factory=dict_row) as cur,
@@ -472,21 +379,14 @@ class DeadLetterStore:
         return int(row[0]) if row else 0
 
     def discard(self, message_id: str, *, actor: str, note: str = "") -> bool:
-        """Resolve an unresolved row as discarded; False when it is resolved (or being
-        resolved) already."""
+        """Resolve a row as discarded; False when it is resolved (or being resolved) already."""
         return self._resolve(message_id, "discarded", actor=actor, note=note)
 
     def redrive(
-        self,
-        message_id: str,
-        publish: Callable[[Any], None],
-        *,
-        actor: str,
-        note: str = "",
+        self, message_id: str, publish: Callable[[Any], object], *, actor: str, note: str = ""
     ) -> bool:
         """Publish an unresolved row's payload (``publish``), then mark it redriven, under the
-        row's lock; False when it is resolved already or another redrive holds it. The row
-        records the redrive (claim_history records the reopened claims, as before)."""
+        row's lock; False when it is resolved already or another redrive holds it."""
         return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
 
     def _resolve(
@@ -496,7 +396,7 @@ class DeadLetterStore:
         *,
         actor: str,
         note: str,
-        before: Callable[[Any], None] | None = None,
+        before: Callable[[Any], object] | None = None,
     ) -> bool:
         with (
             self._connector.session(f"cannot mark a dead letter {resolution}") as conn,
@@ -509,40 +409,30 @@ class DeadLetterStore:
             row = DeadLetterRow(**found)
             if before is not None:
                 before(row.body)
-            conn.execute(
-                _RESOLVE,
-                {
-                    "message_id": message_id,
-                    "resolution": resolution,
-                    "actor": actor,
-                    "note": note or None,
-                },
-            )
-            claim = None
-            if row.idem_key is not None:
-                with conn.cursor(row_factory=dict_row) as cur:
-                    claim_row = cur.execute(CLAIM_BY_KEY, {"key": row.idem_key}).fetchone()
-                claim = ClaimRow(**claim_row).as_dict() if claim_row else None
-            # A discard or a redrive in the operator history, beside the claim changes of its
-            # key: the dead letter with its payload, and the key's claim as it was then. The
-            # message id names the dead letter when it has no key.
-            record_history(
-                conn,
-                row.idem_key or message_id,
-                "discard" if resolution == "discarded" else "redrive",
-                actor=actor,
-                before={"dead_letter": _history_record(row), "claim": claim},
-                after=None,
-                note=note,
-            )
+            params = {"message_id": message_id, "resolution": resolution, "actor": actor}
+            conn.execute(_RESOLVE, {**params, "note": note or None})
+            claim = claim_of(conn, row.idem_key) if row.idem_key is not None else None
+            # Beside its key's claim changes (its message id without a key), as it was then.
+            was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
+            was["claim"] = claim.as_dict() if claim else None
+            action = "discard" if resolution == "discarded" else "redrive"
+            key = row.idem_key or message_id
+            record_history(conn, key, action, actor=actor, before=was, after=None, note=note)
         return True
 
 
-def _history_record(row: DeadLetterRow) -> dict[str, Any]:
-    record = row.as_dict()
-    for name in ("resolution", "resolved_at", "resolved_by", "resolution_note"):
-        record.pop(name)
-    return record
+def claim_rows(
+    conn: psycopg.Connection[Any], statement: LiteralString, params: dict[str, Any]
+) -> list[ClaimRow]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
+
+
+def claim_of(
+    conn: psycopg.Connection[Any], key: str, statement: LiteralString = CLAIM_BY_KEY
+) -> ClaimRow | None:
+    found = claim_rows(conn, statement, {"key": key})
+    return found[0] if found else None
 
 
 def collect(
@@ -557,32 +447,51 @@ def collect(
     retry_of: RetryOf | None = None,
 ) -> Collected:
     """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
-    module's doc): the ledger is checked first, and each is acked only after its row
-    committed. ``key_of`` derives each letter's key (None: recorded without one); with
-    ``retry_of``, a letter of a job with retry attempts left is taken back as deferred work
-    (``DeadLetterStore.record``), acked the same way."""
+    module's doc); ``stop`` is asked before each read. ``key_of`` derives each letter's key;
+    with ``retry_of``, a letter of a job with attempts left is taken back as deferred work
+    (``DeadLetterStore.record``), and acked the same way."""
     store.ensure_reachable()
     summary = Collected()
-    for dead in read_dead_letters(queue, dlq, limit, stop=stop):
-        summary.read += 1
-        if isinstance(dead, Unreadable) and dead.message_id is None:
-            summary.unrecorded.append(dead.as_dict())
-            continue
-        # An unreadable one is acked by its message id: the contract's handle when none is sent.
-        handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
-        assert handle is not None
-        recorded = store.record(dead, queue=main_queue, dlq=dlq, key_of=key_of, retry_of=retry_of)
-        if recorded == "taken_back":
-            summary.taken_back += 1
-        elif recorded == "recorded":
-            summary.recorded += 1
-        else:
-            summary.already_recorded += 1
+    unreadable_in_a_row = 0
+    while summary.read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
+        if stop is not None and stop():
+            break
         try:
-            queue.ack(dlq, handle)
-            summary.acked += 1
-        except QueueMessageNotFound:
-            summary.ack_lost += 1
+            # One per consume: an unreadable answer has spent every message it served, unseen,
+            # so with one per consume an unreadable dead letter hides only itself.
+            batch: list[DeadLetter] = [*queue.consume(dlq, 1)]
+            unreadable_in_a_row = 0
+        except ConsumeAnswerLost as exc:
+            unreadable_in_a_row += 1
+            unreadable = Unreadable.from_error(exc)
+            batch = [unreadable]
+            extra: dict[str, Any] = {"action": "dead_letter_unreadable", "queue": dlq}
+            extra.update(message_id=unreadable.message_id, size_bytes=unreadable.size)
+            logger.error("a dead letter could not be read", extra={**extra, "detail": str(exc)})
+        if not batch:
+            break
+        for dead in batch[: limit - summary.read]:
+            summary.read += 1
+            if isinstance(dead, Unreadable) and dead.message_id is None:
+                summary.unrecorded.append(dead.as_dict())
+                continue
+            # An unreadable one is acked by its message id (the contract's handle then).
+            handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
+            assert handle is not None
+            recorded = store.record(
+                dead, queue=main_queue, dlq=dlq, key_of=key_of, retry_of=retry_of
+            )
+            if recorded == "taken_back":
+                summary.taken_back += 1
+            elif recorded == "recorded":
+                summary.recorded += 1
+            else:
+                summary.already_recorded += 1
+            try:
+                queue.ack(dlq, handle)
+                summary.acked += 1
+            except QueueMessageNotFound:
+                summary.ack_lost += 1
     if summary.read:
         logger.info(
             "dead letters moved into the ledger",

@@ -1,22 +1,10 @@
 """Reconcile before paging: ask the provider about stuck claims, and settle what it knows.
 
-A stuck claim (``running``, flagged or older than the threshold) of a job that declares a probe
-(``infrai_jobs.jobs.probes``) is probed, and the answer acts on the ledger, fenced by the claim
-token the probe was asked about:
-
-============  ========================================================================
-answer        what happens to the claim
-============  ========================================================================
-done          settles ``done`` with the provider's result
-not done      is released (once its lease is over): the next delivery or a redrive runs
-              the job once
-unknown       nothing: it stays stuck for a human
-============  ========================================================================
-
-Every answer is recorded in ``claim_history`` as ``reconcile``, its note starting with the
-answer. A probe that raises, answers something else or takes longer than its time limit is
-``unknown``. The watcher runs a pass before it counts stuck claims (so it pages only on what is
-still stuck), and ``infrai-jobs claims reconcile`` runs one on demand.
+A stuck claim of a job with a probe (``infrai_jobs.jobs.probes``) is probed; the answer acts,
+fenced by the claim token it was asked about: ``done`` settles it with the provider's result,
+``not done`` releases it (once its lease is over) to run once more, ``unknown`` (or a probe
+that raises, answers something else or times out) leaves it for a human. Each answer is
+recorded in ``claim_history`` as ``reconcile``, its note starting with the answer.
 """
 
 from __future__ import annotations
@@ -48,7 +36,7 @@ from infrai_jobs.jobs.probes import (
     ProbeAnswer,
     Unknown,
 )
-from infrai_jobs.jobs.registry import JobContext, JobDefinition, JobRegistry
+from infrai_jobs.jobs.registry import JobContext, JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claims_admin import ClaimsAdmin, ReconcileWrite
 
@@ -56,10 +44,11 @@ logger = logging.getLogger(__name__)
 
 # How long one probe may take before its answer counts as unknown.
 PROBE_TIMEOUT_SECONDS: Final = 10.0
-# The ``claim_history`` action of every recorded answer.
-HISTORY_ACTION: Final = "reconcile"
 
-# What each write means in a report, and in a dry run, what it would do.
+# How much of a probe's reason or result a history note keeps.
+_NOTE_DETAIL_CHARS: Final = 500
+
+# What a dry run reports each answer would do.
 _DRY_RUN_ACTION: Final = {
     DONE: "would settle done",
     NOT_DONE: "would release",
@@ -74,10 +63,8 @@ class ProbeOutcome:
     idem_key: str
     job: str
     answer: str
-    # The provider's result (done) or the reason (unknown).
-    detail: Any
-    # A ``ReconcileWrite`` value, or in a dry run what the answer would do.
-    action: str
+    detail: Any  # the provider's result (done) or the reason (unknown)
+    action: str  # a ``ReconcileWrite`` value, or in a dry run what the answer would do
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,12 +88,8 @@ class ReconcileReport:
         return [outcome for outcome in self.outcomes if outcome.action not in resolved]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "dry_run": self.dry_run,
-            "by_answer": self.by_answer(),
-            "skipped": self.skipped,
-            "claims": [outcome.as_dict() for outcome in self.outcomes],
-        }
+        report = {"dry_run": self.dry_run, "by_answer": self.by_answer(), "skipped": self.skipped}
+        return {**report, "claims": [outcome.as_dict() for outcome in self.outcomes]}
 
 
 def history_note(answer: str, detail: Any) -> str:
@@ -114,21 +97,16 @@ def history_note(answer: str, detail: Any) -> str:
     if answer == UNKNOWN:
         return f"{UNKNOWN}: {str(detail)[:_NOTE_DETAIL_CHARS]}"
     if answer == DONE:
-        return f"{DONE}: provider result {_short(detail)}"
+        text = json.dumps(detail, default=str, ensure_ascii=False)
+        cut = text if len(text) <= _NOTE_DETAIL_CHARS else text[: _NOTE_DETAIL_CHARS - 3] + "..."
+        return f"{DONE}: provider result {cut}"
     return f"{NOT_DONE}: the provider has no trace of it"
-
-
-def answer_of(note: str | None) -> str | None:
-    """The answer a ``reconcile`` history note records (``history_note``'s first word)."""
-    head = (note or "").split(":", 1)[0]
-    return head if head in ANSWERS else None
 
 
 def ask(
     probe: Callable[..., Any], payload: Mapping[str, Any], ctx: JobContext, timeout: float
 ) -> ProbeAnswer:
-    """Run one probe on a thread of its own and wait ``timeout`` seconds at most. Whatever
-    goes wrong is an ``Unknown`` with the reason: a probe never changes a claim by failing."""
+    """Run one probe on its own thread for ``timeout`` s at most; a failure is an ``Unknown``."""
     box: list[ProbeAnswer] = []
 
     def run() -> None:
@@ -138,12 +116,11 @@ def ask(
         except Exception as exc:  # noqa: BLE001
             box.append(Unknown(f"the probe raised {type(exc).__name__}: {exc}"))
             return
-        if isinstance(answer, Done | NotDone | Unknown):
-            box.append(answer)
-        else:
-            box.append(
-                Unknown(f"the probe answered {type(answer).__name__}, not Done, NotDone or Unknown")
+        if not isinstance(answer, Done | NotDone | Unknown):
+            answer = Unknown(
+                f"the probe answered {type(answer).__name__}, not Done, NotDone or Unknown"
             )
+        box.append(answer)
 
     # A daemon thread: a probe stuck in a call cannot hold the function past its own timeout.
     worker = threading.Thread(target=run, name=f"probe {ctx.idem_key}", daemon=True)
@@ -155,12 +132,8 @@ def ask(
 
 
 class Reconciler:
-    """Probes stuck claims of the registry's jobs and acts on the answers through ``admin``.
-
-    ``actor`` is who its answers are recorded as in ``claim_history``. ``forget`` (the second
-    layer's, when it is on) drops a key's stored "uncertain" before its claim is released, or
-    the retry would be parked as stuck again.
-    """
+    """Probes stuck claims and acts on the answers as ``actor``. ``forget`` (the second layer's)
+    drops a key's stored "uncertain" before its release, or the retry would be parked again."""
 
     def __init__(
         self,
@@ -170,14 +143,12 @@ class Reconciler:
         actor: str,
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
         forget: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._admin = admin
         self._registry = registry
         self._actor = actor
         self._probe_timeout = probe_timeout
         self._forget = forget
-        self._clock = clock
 
     def probed_jobs(self) -> list[str]:
         return [job.name for job in self._registry if job.probe is not None]
@@ -197,9 +168,9 @@ class Reconciler:
         if not jobs:
             return report
         candidates = self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
-        ends = None if budget_seconds is None else self._clock() + budget_seconds
+        ends = None if budget_seconds is None else time.monotonic() + budget_seconds
         for index, claim in enumerate(candidates):
-            if ends is not None and self._clock() + self._probe_timeout > ends:
+            if ends is not None and time.monotonic() + self._probe_timeout > ends:
                 report.skipped = len(candidates) - index
                 break
             report.outcomes.append(self._reconcile(claim, dry_run=dry_run))
@@ -214,71 +185,47 @@ class Reconciler:
             raise ClaimChanged(
                 f"claim {key!r} is {claim.state}: only a running claim is reconciled"
             )
-        self._definition(claim)
         return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
 
-    def _definition(self, claim: ClaimRow) -> JobDefinition:
+    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
+        """Probe one stuck claim (a delivery's, or deferred work's) and act on the answer."""
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(
                 f"claim {claim.idem_key!r} is of job {claim.job!r}, which declares no reconcile "
                 "probe: check the provider, then `infrai-jobs claims resolve`"
             )
-        return definition
-
-    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
-        """Probe one stuck claim (a delivery's, or a deferred run left for a human) and act on
-        the answer (unless ``dry_run``)."""
-        definition = self._definition(claim)
-        assert definition.probe is not None  # _definition refuses a job without one
-        identity = identity_from_key(definition.name, definition.identity, claim.idem_key) or {}
+        job, key = definition.name, claim.idem_key
+        identity = identity_from_key(job, definition.identity, key) or {}
         ctx = JobContext(
-            idem_key=claim.idem_key,
-            job=definition.name,
+            idem_key=key,
+            job=job,
             message_id=claim.message_id,
             delivery_count=0,
             deadline=time.time() + self._probe_timeout,
-            settings=self._registry.settings_of(definition.name),
-            secrets=self._registry.secrets_of(definition.name),
+            settings=self._registry.settings_of(job),
+            secrets=self._registry.secrets_of(job),
         )
-        payload = {"job": definition.name, **identity}
-        answer = ask(definition.probe, payload, ctx, self._probe_timeout)
-        detail = (
-            answer.result
-            if isinstance(answer, Done)
-            else answer.reason
-            if isinstance(answer, Unknown)
-            else None
-        )
-        extra = {"idem_key": claim.idem_key, "job": definition.name, "answer": answer.answer}
+        answer = ask(definition.probe, {"job": job, **identity}, ctx, self._probe_timeout)
+        detail = answer.result if isinstance(answer, Done) else getattr(answer, "reason", None)
+        extra = {"idem_key": key, "job": job, "answer": answer.answer}
         if dry_run:
             logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
-            action = _DRY_RUN_ACTION[answer.answer]
-            return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, action)
+            return ProbeOutcome(key, job, answer.answer, detail, _DRY_RUN_ACTION[answer.answer])
         lease_over = claim.lease_until is None or claim.lease_until < datetime.now(UTC)
         if isinstance(answer, NotDone) and self._forget is not None and lease_over:
             # Before the release, as `claims release` does. Under a live lease nothing is
             # released. A store that cannot be reached leaves the claim unchanged, still stuck
             # (and paged), rather than released in the ledger only; the pass goes on.
             try:
-                self._forget(claim.idem_key)
+                self._forget(key)
             except SecondLayerUnavailable as exc:
+                unchanged = ReconcileWrite.UNCHANGED.value
                 logger.warning(
                     "stuck claim left stuck: the second layer could not drop its record",
-                    extra={
-                        "action": "reconciled",
-                        "write": "unchanged",
-                        "detail": str(exc),
-                        **extra,
-                    },
+                    extra={"action": "reconciled", "write": unchanged, "detail": str(exc), **extra},
                 )
-                return ProbeOutcome(
-                    claim.idem_key,
-                    definition.name,
-                    answer.answer,
-                    str(exc),
-                    ReconcileWrite.UNCHANGED.value,
-                )
+                return ProbeOutcome(key, job, answer.answer, str(exc), unchanged)
         try:
             settled = detail if isinstance(answer, Done) else None
             note = history_note(answer.answer, detail)
@@ -293,13 +240,4 @@ class Reconciler:
             "stuck claim reconciled",
             extra={"action": "reconciled", "write": write.value, **extra},
         )
-        return ProbeOutcome(claim.idem_key, definition.name, answer.answer, detail, write.value)
-
-
-# How much of a probe's reason or result a history note keeps.
-_NOTE_DETAIL_CHARS: Final = 500
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= _NOTE_DETAIL_CHARS else text[: _NOTE_DETAIL_CHARS - 3] + "..."
+        return ProbeOutcome(key, job, answer.answer, detail, write.value)

@@ -1,37 +1,22 @@
 """Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
 
-Dead letters live in the ledger (``operations.dead_letters``): a redrive first moves what is
-new in Infrai's DLQ into ``dead_letters`` (recorded, then acked there), then works on the
-unresolved rows it selects (all, by key, job or message id). For each it **publishes the row's
-payload, then marks the row redriven**, under the row's lock: a crash in between publishes it
-again at worst, and the claim ledger absorbs that duplicate. Nothing is lost, no effect doubles.
-A dry run moves new dead letters into the ledger too (that is how they are read), and then
-publishes and marks nothing.
-
-``reopen_failed`` deletes the ``failed`` claims of the redriven work (matched by message id or
-payload fingerprint), recording each in ``claim_history``, so the fixed job runs again. A dead
-letter the ledger held itself (deferred work that ran out of attempts) always has its failed
-claim reopened: that claim is why it is a dead letter. A stuck
-``running`` claim of an irreversible job is never reopened: that needs a human's verdict first
-(``infrai-jobs claims resolve``). An unreadable dead letter is never redriven blindly: it is
-reported, and can be discarded (``infrai-jobs dlq discard``).
-
-Before publishing, each selected letter is judged (``forecast``) against the registry and the
-claim ledger as they are now: it would **run**, be **skipped** (its work is done, or deferred
-work the ledger owns: the copy would be a duplicate), or **bounce** straight back to the DLQ
-(a failed claim not reopened, a stuck claim, a payload the registry rejects or whose job it
-lacks, a key holding other work). A redrive publishes only what would run, and reports the rest
-in ``held_back``; ``include_bouncing`` publishes everything readable, as an operator may ask.
+Each selected row's payload is published, then the row marked redriven, under the row's lock: a
+crash between republishes, which the claims absorb. Each row is first judged (``forecast``): its
+copy would run, be skipped or bounce back; only what would run is published unless
+``include_bouncing``. ``reopen_failed`` deletes the work's ``failed`` claims (always, for a
+letter the ledger held itself). The verdicts: docs/operations.md, "Dead letters: the steps".
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from infrai_jobs.errors import (
@@ -41,10 +26,17 @@ from infrai_jobs.errors import (
     KeyDerivationError,
     UnknownJob,
 )
-from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import DeadLetterRow, DeadLetterStore, RetryOf, collect
+from infrai_jobs.operations.dead_letters import (
+    DeadLetterRow,
+    DeadLetterStore,
+    KeyOf,
+    RetryOf,
+    collect,
+    fingerprint_or_none,
+    other_work,
+)
 from infrai_jobs.queue.ports import QueuePort
 
 logger = logging.getLogger(__name__)
@@ -52,20 +44,14 @@ logger = logging.getLogger(__name__)
 # The field notes' price, verified 2026-07-26; used only when discovery cannot be reached.
 FALLBACK_PUBLISH_PRICE_USD = Decimal("0.00002")
 
-
-Progress = Callable[[int], None]
-KeyOf = Callable[[Any], str]
-
 MAX_REDRIVE_PER_CALL = 10_000
-# A dead letter is read or published only while this much of the invocation is left. Each is a
-# call or two, normally well under a second; this covers a few retries. Like the drain's batch
-# budget.
+# A dead letter is read or published only while this much of the invocation is left (a call
+# or two each, plus a few retries).
 MESSAGE_BUDGET_MS = 20_000
 
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
 
-# A running claim this long untouched counts as stuck, as `claims stuck` and the watcher count
-# it (STUCK_CLAIM_SECONDS' default).
+# A running claim this long untouched is stuck, as for `claims stuck` and the watcher.
 STUCK_AFTER_SECONDS = 900
 
 
@@ -86,15 +72,8 @@ class Forecast:
     why: str
 
     def entry(self, row: DeadLetterRow, key: str | None) -> dict[str, Any]:
-        return {
-            "message_id": row.message_id,
-            "idem_key": key,
-            "state": row.state,
-            "reason": row.reason,
-            "verdict": str(self.verdict),
-            "cause": self.cause,
-            "why": self.why,
-        }
+        entry = {"message_id": row.message_id, "idem_key": key, "state": row.state}
+        return {**entry, "reason": row.reason, **asdict(self), "verdict": str(self.verdict)}
 
 
 def forecast(
@@ -103,14 +82,10 @@ def forecast(
     key_of: KeyOf | None,
     admin: ClaimsAdmin | None,
     reopen_failed: bool,
-    stuck_after_seconds: int = STUCK_AFTER_SECONDS,
-    now: datetime | None = None,
 ) -> tuple[Forecast, str | None]:
-    """What a copy of ``row`` published now would meet, and the key it would be claimed by.
-
-    The key is derived again with ``key_of`` (the registry may have changed since the letter
-    was recorded); without it, the key recorded with the row is used. Without a key or a ledger
-    to ask, the letter is judged to run, as a redrive always assumed."""
+    """What a copy of ``row`` published now would meet, and the key it would be claimed by:
+    derived again (the registry may have changed since), else the row's. Without a key or a
+    ledger, it is judged to run."""
     key = row.idem_key
     if key_of is not None:
         try:
@@ -124,26 +99,19 @@ def forecast(
     claim = admin.find(key)
     if claim is None:
         return Forecast(Verdict.RUN, "no_claim", "no claim: the job runs"), key
-    return _against_claim(row, claim, reopen_failed, stuck_after_seconds, now), key
+    return _against_claim(row, claim, reopen_failed), key
 
 
-def _against_claim(
-    row: DeadLetterRow,
-    claim: ClaimRow,
-    reopen_failed: bool,
-    stuck_after_seconds: int,
-    now: datetime | None,
-) -> Forecast:
-    if claim.payload_sha256 and claim.payload_sha256 != _fingerprint(row.body):
+def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> Forecast:
+    if other_work(claim, row.body):
         why = (
             f"conflict: {claim.idem_key} is claimed by different work ({claim.state}); the "
             "copy would be rejected as a payload mismatch"
         )
         return Forecast(Verdict.BOUNCE, "conflict", why)
     if claim.state == "done":
-        return Forecast(
-            Verdict.SKIP, "done", "done already: the copy would be acked as a duplicate"
-        )
+        why = "done already: the copy would be acked as a duplicate"
+        return Forecast(Verdict.SKIP, "done", why)
     if claim.owned and claim.state in ("deferred", "running"):
         why = (
             f"the ledger holds it as deferred work ({claim.state}, attempt {claim.attempts}): "
@@ -161,24 +129,15 @@ def _against_claim(
             "--reopen-failed the copy is a duplicate of the failure and returns to the DLQ"
         )
         return Forecast(Verdict.BOUNCE, "failed", why)
-    touched = claim.updated_at or claim.claimed_at
-    moment = now or datetime.now(UTC)
-    if claim.error is not None or moment - touched > timedelta(seconds=stuck_after_seconds):
+    untouched = datetime.now(UTC) - (claim.updated_at or claim.claimed_at)
+    if claim.error is not None or untouched > timedelta(seconds=STUCK_AFTER_SECONDS):
         why = (
             f"its claim is stuck ({claim.error or 'running, untouched'}): a human decides "
             "first (`infrai-jobs claims resolve`)"
         )
         return Forecast(Verdict.BOUNCE, "stuck", why)
-    return Forecast(
-        Verdict.RUN, "in_flight", "a delivery holds its claim now: the copy meets its outcome"
-    )
-
-
-def _fingerprint(payload: Any) -> str | None:
-    try:
-        return payload_fingerprint(payload)
-    except KeyDerivationError:
-        return None
+    why = "a delivery holds its claim now: the copy meets its outcome"
+    return Forecast(Verdict.RUN, "in_flight", why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,16 +148,13 @@ class Selection:
     job: str | None = None
     message_id: str | None = None
 
-    @property
-    def everything(self) -> bool:
-        return self.key is None and self.job is None and self.message_id is None
-
     def as_dict(self) -> dict[str, str]:
         chosen = {"key": self.key, "job": self.job, "message_id": self.message_id}
         return {name: value for name, value in chosen.items() if value is not None}
 
-    def describe(self) -> str:
-        return " ".join(f"--{n.replace('_', '-')} {v}" for n, v in self.as_dict().items())
+
+_EVENT_FLAGS = ("reopen_failed", "dry_run", "include_bouncing")
+_EVENT_FILTERS = ("key", "job", "message_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,53 +180,30 @@ class RedriveRequest:
     def from_event(cls, event: object) -> RedriveRequest:
         if not isinstance(event, Mapping):
             raise ConfigurationError("the redrive event must be a JSON object")
-        unknown = set(event) - {
-            "max_messages",
-            "reopen_failed",
-            "dry_run",
-            "include_bouncing",
-            "key",
-            "job",
-            "message_id",
-        }
+        unknown = sorted(set(event) - {"max_messages", *_EVENT_FLAGS, *_EVENT_FILTERS})
         if unknown:
-            raise ConfigurationError(
-                f"unknown redrive event field(s): {', '.join(sorted(unknown))}"
-            )
+            raise ConfigurationError(f"unknown redrive event field(s): {', '.join(unknown)}")
         max_messages = event.get("max_messages", 100)
         if isinstance(max_messages, bool) or not isinstance(max_messages, int):
             raise ConfigurationError("max_messages must be an integer")
         if not 1 <= max_messages <= MAX_REDRIVE_PER_CALL:
             raise ConfigurationError(f"max_messages must be between 1 and {MAX_REDRIVE_PER_CALL}")
-        flags: dict[str, bool] = {}
-        for name in ("reopen_failed", "dry_run", "include_bouncing"):
-            value = event.get(name, False)
+        flags = {name: event.get(name, False) for name in _EVENT_FLAGS}
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{name} must be true or false")
-            flags[name] = value
-        filters: dict[str, str] = {}
-        for name in ("key", "job", "message_id"):
-            value = event.get(name)
-            if value is None:
-                continue
+        filters = {name: event[name] for name in _EVENT_FILTERS if event.get(name) is not None}
+        for name, value in filters.items():
             if not isinstance(value, str) or not value.strip():
                 raise ConfigurationError(f"{name} must be a non-empty string")
-            filters[name] = value
-        return cls(
-            max_messages=max_messages,
-            selection=Selection(**filters),
-            reopen_failed=flags["reopen_failed"],
-            dry_run=flags["dry_run"],
-            include_bouncing=flags["include_bouncing"],
-        )
+        return cls(max_messages=max_messages, selection=Selection(**filters), **flags)
 
 
 @dataclass(frozen=True, slots=True)
 class JobsKnowledge:
-    """What the jobs package tells a redrive: each letter's key (``key_of``; None: recorded
-    without one), whether a selection's job exists (``known_jobs``: "" when it does, else what
-    to say), and each job's retry policy in force (``retry_of``: a letter with attempts left is
-    taken back as deferred work when it is collected)."""
+    """What the jobs package tells a redrive: each letter's key (``key_of``), whether a
+    selection's job exists (``known_jobs``: "" when it does, else what to say), and each job's
+    retry policy (``retry_of``: a letter with attempts left is taken back as deferred work)."""
 
     key_of: KeyOf | None = None
     known_jobs: Callable[[str], str] | None = None
@@ -282,31 +215,24 @@ class RedriveSummary:
     source: str
     target: str
     dry_run: bool
-    # Moved from Infrai's DLQ into the ledger first (dead_letters.Collected): read, newly
-    # recorded, and acked from the DLQ after their rows committed.
+    # Collected from Infrai's DLQ first (dead_letters.Collected): read, newly recorded, acked.
     consumed: int = 0
     recorded: int = 0
     acked: int = 0
     ack_lost: int = 0
-    # The ledger's unresolved rows this redrive selected, and what it did with them.
     selected: int = 0
     published: int = 0
     reopened: list[str] = field(default_factory=list)
-    # Selected rows it cannot publish (unreadable, or not a JSON object): left unresolved.
+    # Selected rows it cannot publish (unreadable, not a JSON object) or would not (their
+    # copies would not run): left unresolved, for a human.
     skipped: list[dict[str, str]] = field(default_factory=list)
-    # Selected rows it chose not to publish, each with its forecast: their copies would be
-    # duplicates of done work, or bounce straight back. Left unresolved, for a human.
     held_back: list[dict[str, Any]] = field(default_factory=list)
-    # Unreadable answers from the DLQ that named no message: neither recorded nor acked.
+    # Unreadable answers from the DLQ that named no message (Collected.unrecorded).
     unreadable: list[dict[str, Any]] = field(default_factory=list)
-    # Unresolved rows of the queue this redrive did not select (a selective redrive, or more
-    # than max_messages): they stay unresolved in the ledger for another redrive or a discard.
-    not_selected: int = 0
+    not_selected: int = 0  # unresolved rows it did not select (by filter, or max_messages)
     selection: dict[str, str] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
-    # "time_budget" when the invocation ran short and the redrive stopped early; "" otherwise.
-    # What it did not reach stays unresolved in the ledger (or in the DLQ) for the next one.
-    stopped: str = ""
+    stopped: str = ""  # "time_budget" when the invocation ran short and it stopped early
     price_usd_per_message: Decimal = FALLBACK_PUBLISH_PRICE_USD
     price_source: str = "fallback"
 
@@ -320,42 +246,19 @@ class RedriveSummary:
         return not self.skipped and not self.unreadable and not self.stopped
 
     def held_back_by_cause(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for entry in self.held_back:
-            counts[entry["cause"]] = counts.get(entry["cause"], 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(entry["cause"] for entry in self.held_back).items()))
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "target": self.target,
-            "dry_run": self.dry_run,
-            "consumed": self.consumed,
-            "recorded": self.recorded,
-            "acked": self.acked,
-            "ack_lost": self.ack_lost,
-            "selected": self.selected,
-            "published": self.published,
-            "reopened": self.reopened,
-            "skipped": self.skipped,
-            "held_back": self.held_back,
-            "held_back_by_cause": self.held_back_by_cause(),
-            "unreadable": self.unreadable,
-            "not_selected": self.not_selected,
-            "selection": self.selection,
-            "complete": self.complete,
-            "seen": self.seen,
-            "stopped": self.stopped,
-            "price_usd_per_message": str(self.price_usd_per_message),
-            "price_source": self.price_source,
-            "cost_usd": str(self.cost_usd),
-        }
+        out = asdict(self)
+        out.update(held_back_by_cause=self.held_back_by_cause(), complete=self.complete)
+        out.update(price_usd_per_message=str(self.price_usd_per_message))
+        return {**out, "cost_usd": str(self.cost_usd)}
 
 
 def publish_price(queue: QueuePort) -> tuple[Decimal, str]:
     """Discovery's live price, or the documented fallback when discovery cannot be reached or
-    its answer read. Any other error (a 401: the key is wrong) is raised: every other call
-    would fail the same way, and a price is no reason to hide it."""
+    read. Any other error (a 401: the key is wrong) is raised: every other call would fail
+    the same way."""
     try:
         return queue.publish_price().usd_per_message, "discovery"
     except (InfraiUnavailable, InfraiInvalidResponse) as exc:
@@ -373,42 +276,25 @@ def redrive(
     *,
     admin: ClaimsAdmin | None = None,
     jobs: JobsKnowledge | None = None,
-    progress: Progress | None = None,
+    progress: Callable[[int], None] | None = None,
     time_left_ms: Callable[[], int] | None = None,
 ) -> RedriveSummary:
-    """Move new dead letters of ``request.source`` into the ledger, then publish up to
-    ``request.max_messages`` of its unresolved rows (those its ``selection`` matches) to
-    ``request.target``.
-
-    ``request.actor`` is who is redriving, recorded with each row redriven and each claim
-    reopened (the operator on the command line, ``RedriveFunction`` in Lambda).
-
-    ``jobs.key_of`` derives the keys of the dead letters recorded now (a row keeps its key,
-    which a selection by key matches), and judges each selected row (``forecast``); with
-    ``jobs.retry_of`` a letter of a job with retry attempts left is taken back as deferred work
-    as it is collected. A ``dry_run`` records, then publishes and marks nothing; its ``seen``
-    lists the rows a redrive would publish, and ``held_back`` those it would not, each with its
-    verdict and why. ``include_bouncing`` publishes the letters that would be skipped or bounce
-    too. ``jobs.known_jobs`` refuses an unknown selected job (``ConfigurationError``) before
-    anything is read.
-
-    ``time_left_ms`` (RedriveFunction passes its Lambda context's), the one clock, makes the
-    redrive stop while it can still report: nothing is read or published with less than
-    ``MESSAGE_BUDGET_MS`` left; ``summary.stopped`` says so.
-    """
+    """Collect new dead letters of ``request.source``, then publish up to ``max_messages`` of
+    the unresolved rows its ``selection`` matches to ``request.target`` as ``request.actor``.
+    An unknown selected job is refused before anything is read; a ``dry_run`` lists in ``seen``
+    what it would publish. ``time_left_ms`` (the Lambda context's) stops it while it can still
+    report (``MESSAGE_BUDGET_MS``, ``stopped``)."""
     jobs = jobs or JobsKnowledge()
     source, target, actor = request.source, request.target, request.actor
     if not (source and target and actor):
         raise ValueError("a redrive names its source, target and actor (RedriveRequest.to)")
-    max_messages, dry_run, selection = request.max_messages, request.dry_run, request.selection
-    reopen_failed, include_bouncing = request.reopen_failed, request.include_bouncing
-    key_of = jobs.key_of
-    if reopen_failed and admin is None:
+    if request.reopen_failed and admin is None:
         raise ValueError("reopen_failed needs the ledger (admin)")
-    _refuse_an_unknown_job(selection, jobs.known_jobs)
-    summary = RedriveSummary(
-        source=source, target=target, dry_run=dry_run, selection=selection.as_dict()
-    )
+    selection = request.selection
+    unknown = jobs.known_jobs(selection.job) if selection.job and jobs.known_jobs else ""
+    if unknown:
+        raise ConfigurationError(f"redrive --job: {unknown}")
+    summary = RedriveSummary(source, target, request.dry_run, selection=selection.as_dict())
 
     def short_of_time() -> bool:
         if time_left_ms is not None and time_left_ms() < MESSAGE_BUDGET_MS:
@@ -421,7 +307,7 @@ def redrive(
         store,
         dlq=source,
         main_queue=target,
-        key_of=key_of,
+        key_of=jobs.key_of,
         stop=short_of_time,
         retry_of=jobs.retry_of,
     )
@@ -434,21 +320,25 @@ def redrive(
         message_id=selection.message_id,
         key=selection.key,
         job=selection.job,
-        limit=max_messages,
+        limit=request.max_messages,
     )
     summary.selected = len(rows)
     summary.not_selected = store.unresolved_count(target) - len(rows)
+    # Retrying the publish is safe here: the drain's claims absorb a duplicate.
+    publish = partial(queue.publish, target, retry=True)
     for done, row in enumerate(rows, start=1):
         if progress is not None:
             progress(done)
         if row.redrivable:
             summary.skipped.append({"message_id": row.message_id, "reason": row.redrivable})
             continue
-        judged, key = forecast(row, key_of=key_of, admin=admin, reopen_failed=reopen_failed)
-        if judged.verdict is not Verdict.RUN and not include_bouncing:
+        judged, key = forecast(
+            row, key_of=jobs.key_of, admin=admin, reopen_failed=request.reopen_failed
+        )
+        if judged.verdict is not Verdict.RUN and not request.include_bouncing:
             summary.held_back.append(judged.entry(row, key))
             continue
-        if dry_run:
+        if request.dry_run:
             summary.seen.append(judged.entry(row, key))
             continue
         if short_of_time():
@@ -456,23 +346,16 @@ def redrive(
         if row.held_by_ledger and admin is None:
             summary.skipped.append({"message_id": row.message_id, "reason": _NEEDS_LEDGER})
             continue
-        if reopen_failed or row.held_by_ledger:
+        if request.reopen_failed or row.held_by_ledger:
             # A letter the ledger held is its own failed claim's: without the reopen, the new
             # copy would meet that claim and walk to Infrai's DLQ instead of running.
             assert admin is not None
             summary.reopened.extend(_reopen(admin, row.message_id, row.body, actor=actor))
-        if store.redrive(row.message_id, _publisher(queue, target), actor=actor, note="redrive"):
+        if store.redrive(row.message_id, publish, actor=actor, note="redrive"):
             summary.published += 1
     _log_outcome(summary)
     logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})
     return summary
-
-
-def _refuse_an_unknown_job(selection: Selection, known_jobs: Callable[[str], str] | None) -> None:
-    if selection.job is not None and known_jobs is not None:
-        unknown = known_jobs(selection.job)
-        if unknown:
-            raise ConfigurationError(f"redrive --job: {unknown}")
 
 
 def _log_outcome(summary: RedriveSummary) -> None:
@@ -487,25 +370,14 @@ def _log_outcome(summary: RedriveSummary) -> None:
             extra={"action": "redrive_held_back", "causes": summary.held_back_by_cause()},
         )
     if summary.unreadable or summary.skipped:
+        incomplete = {"unreadable": len(summary.unreadable), "skipped": len(summary.skipped)}
         logger.error(
             "redrive could not move every dead letter; the rest stay unresolved",
-            extra={
-                "action": "redrive_incomplete",
-                "unreadable": len(summary.unreadable),
-                "skipped": len(summary.skipped),
-            },
+            extra={"action": "redrive_incomplete", **incomplete},
         )
-
-
-def _publisher(queue: QueuePort, target: str) -> Callable[[Any], None]:
-    def publish(payload: Any) -> None:
-        # Retrying the publish is safe here: the drain's claims absorb a duplicate.
-        queue.publish(target, payload, retry=True)
-
-    return publish
 
 
 def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any, *, actor: str) -> list[str]:
     # Unrepresentable work has no fingerprint: its claim is matched by message id alone.
-    fingerprint = _fingerprint(payload)
+    fingerprint = fingerprint_or_none(payload)
     return admin.reopen_failed(message_id=message_id, fingerprint=fingerprint, actor=actor)

@@ -20,6 +20,7 @@ import pytest
 from drainkit import API_KEY, QUEUE, Harness, harness
 
 from infrai_jobs.drain.fleet import PostgresDrainFleet
+from infrai_jobs.errors import SchemaNotMigrated
 from infrai_local.fan_out import CLI
 
 # Every change to drain_leases records how many drains were alive right after it. Inserts and
@@ -100,6 +101,25 @@ def test_a_dead_drains_expired_lease_is_not_counted(kit: Harness) -> None:
         # Then it takes the dead one's place
         assert joined
         assert fleet.live(QUEUE) == 1
+    finally:
+        fleet.close()
+
+
+def test_a_fleet_on_an_unmigrated_database_names_the_missing_table_in_one_line(
+    database_url: str,
+) -> None:
+    fleet = _fleet(database_url)
+    try:
+        # Given a database never migrated: no drain_leases table
+        # When a drain renews its lease
+        with pytest.raises(SchemaNotMigrated) as raised:
+            fleet.renew(QUEUE, str(uuid.uuid4()), lease_seconds=30)
+        # Then it says which table is missing, in the server's words only (not the statement
+        # quoted after them), and the command to run
+        assert str(raised.value) == (
+            'a drain-lease statement: the ledger database is not migrated (relation "drain_leases" '
+            "does not exist): run `infrai-jobs migrate` with DATABASE_URL pointing at it"
+        )
     finally:
         fleet.close()
 

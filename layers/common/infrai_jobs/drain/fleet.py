@@ -4,7 +4,6 @@ start the missing ones; leases run on the database's clock, which all drains agr
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -12,9 +11,7 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.ledger.postgres import LedgerAdapter, ledger_errors
-
-logger = logging.getLogger(__name__)
+from infrai_jobs.ledger.postgres import LedgerAdapter, array_literal
 
 # Names "infrai-jobs drain leases" among advisory locks; the queue's hash is the second key.
 FLEET_LOCK_CLASS = 0x1F0A_7C3C
@@ -57,12 +54,8 @@ class PostgresDrainFleet(LedgerAdapter):
     """``DrainFleetPort`` on one reusable connection of its own (the lanes hold theirs)."""
 
     APPLICATION_NAME = "infrai-jobs-fleet"
-    _conn: psycopg.Connection[Any] | None = None
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
+    DOING = "a drain-lease statement"
 
     def join(
         self, queue: str, drain_id: str, *, origin: str, lease_seconds: float, cap: int
@@ -95,8 +88,9 @@ class PostgresDrainFleet(LedgerAdapter):
     def leave(self, queue: str, drain_ids: Sequence[str]) -> None:
         if not drain_ids:
             return
+        ids = array_literal(map(uuid.UUID, drain_ids))
         with self._translated() as conn:
-            conn.execute(_LEAVE, {"queue": queue, "ids": _uuid_array(drain_ids)})
+            conn.execute(_LEAVE, {"queue": queue, "ids": ids})
 
     def live(self, queue: str) -> int:
         """Drains alive now (expired leases left out); for operators and tests."""
@@ -111,22 +105,6 @@ class PostgresDrainFleet(LedgerAdapter):
             conn.execute(_FORGET_EXPIRED, {"queue": queue})
             yield conn
 
-    @contextmanager
-    def _translated(self) -> Iterator[psycopg.Connection[Any]]:
-        """This adapter's one connection, reopened when closed or broken."""
-        conn = self._conn
-        if conn is None or conn.closed or conn.broken:
-            conn = self._conn = self._connector.connect()
-
-        def broken() -> None:
-            # The server closed the connection, or it broke mid-statement: reconnect next time.
-            self._conn = None
-            conn.close()
-
-        # A missing drain_leases table is SchemaNotMigrated, naming the command to run.
-        with ledger_errors("a drain-lease statement", self._connector.url, on_broken=broken):
-            yield conn
-
 
 def _count(conn: psycopg.Connection[Any], queue: str, sql: LiteralString = _LIVE) -> int:
     row = conn.execute(sql, {"queue": queue}).fetchone()
@@ -136,10 +114,5 @@ def _count(conn: psycopg.Connection[Any], queue: str, sql: LiteralString = _LIVE
 def _insert(
     conn: psycopg.Connection[Any], queue: str, ids: Sequence[str], origin: str, seconds: float
 ) -> None:
-    params = {"queue": queue, "origin": origin, "seconds": seconds, "ids": _uuid_array(ids)}
-    conn.execute(_INSERT, params)
-
-
-def _uuid_array(ids: Sequence[str]) -> str:
-    # Each id is parsed first: only a well-formed uuid reaches the array's text.
-    return "{" + ",".join(str(uuid.UUID(i)) for i in ids) + "}"
+    ids_array = array_literal(map(uuid.UUID, ids))
+    conn.execute(_INSERT, {"queue": queue, "origin": origin, "seconds": seconds, "ids": ids_array})

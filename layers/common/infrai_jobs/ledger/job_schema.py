@@ -14,12 +14,13 @@ from typing import Any, Final, LiteralString
 
 import psycopg
 
+from infrai_jobs.ledger.postgres import RUN_MIGRATE, table_exists
+
 # NNNN_name.sql: the version, then the name recorded with it (infrai_local.migrations applies
 # files named so, and refuses any other .sql file).
 MIGRATION_FILE_NAME: Final = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
 MIGRATIONS_FOLDER: Final = "migrations"
 
-_HAS_JOB_SCHEMA: LiteralString = "SELECT to_regclass('infrai_jobs_job_schema') IS NOT NULL"
 _JOB_SCHEMA_APPLIED: LiteralString = "SELECT version, name FROM infrai_jobs_job_schema"
 
 
@@ -53,8 +54,8 @@ def missing_job_migrations(
     """Those of ``declared`` the database has not applied (under that version and name)."""
     if not declared:
         return []
-    row = conn.execute(_HAS_JOB_SCHEMA).fetchone()
-    rows = conn.execute(_JOB_SCHEMA_APPLIED).fetchall() if row and row[0] else []
+    has_table = table_exists(conn, "infrai_jobs_job_schema")
+    rows = conn.execute(_JOB_SCHEMA_APPLIED).fetchall() if has_table else []
     applied = {JobMigrationName(int(version), str(name)) for version, name in rows}
     return [migration for migration in declared if migration not in applied]
 
@@ -62,7 +63,4 @@ def missing_job_migrations(
 def jobs_schema_behind(missing: Sequence[JobMigrationName]) -> str:
     """What ``SchemaNotMigrated`` says about a database that lacks ``missing``."""
     names = ", ".join(migration.file_name for migration in missing)
-    return (
-        f"the jobs' migration(s) {names} are not applied to the ledger database: run "
-        "`infrai-jobs migrate` with DATABASE_URL pointing at it"
-    )
+    return f"the jobs' migration(s) {names} are not applied to the ledger database: {RUN_MIGRATE}"

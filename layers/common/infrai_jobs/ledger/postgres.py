@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, ClassVar, LiteralString
+from typing import Any, ClassVar, Final, LiteralString
 from urllib.parse import unquote
 
 import psycopg
@@ -266,6 +266,12 @@ class LedgerConnector:
         with ledger_errors(doing, self._url), conn:
             yield conn
 
+    @contextmanager
+    def transaction(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
+        """A ``session`` whose work is one transaction, committed when the body returns."""
+        with self.session(doing) as conn, conn.transaction():
+            yield conn
+
     def connect_once(self) -> psycopg.Connection[Any]:
         """A connection with the current URL, never refreshed (a last-chance clean-up)."""
         return connect_to_ledger(
@@ -278,9 +284,13 @@ class LedgerConnector:
 class LedgerAdapter:
     """What the adapters on the ledger's database share: a ``LedgerConnector`` under their
     ``APPLICATION_NAME`` (as ``pg_stat_activity`` shows them), refreshed through
-    ``refresh_url``, and a repr that never shows the URL."""
+    ``refresh_url``, a repr that never shows the URL, and, for an adapter that keeps one, a
+    reusable connection (``_translated``) reopened when the server closed or broke it."""
 
     APPLICATION_NAME: ClassVar[str] = "infrai-jobs"
+    # What the errors met on the reusable connection say was being done ("" for nothing).
+    DOING: ClassVar[str] = ""
+    _conn: psycopg.Connection[Any] | None = None
 
     def __init__(
         self,
@@ -299,43 +309,86 @@ class LedgerAdapter:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(<database url redacted>)"
 
+    def close(self) -> None:
+        if self._conn is not None:
+            self._drop(self._conn)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        if conn is not None:
+            logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
+            conn.close()
+        self._conn = self._connector.connect()
+        return self._conn
+
+    @contextmanager
+    def _translated(
+        self, on_broken: Callable[[], None] | None = None
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """The reusable connection, its driver errors in the package's terms. A broken one runs
+        ``on_broken``, then is dropped: the next call reconnects."""
+        conn = self._connection()
+
+        def broken() -> None:
+            if on_broken is not None:
+                on_broken()
+            self._drop(conn)
+
+        with ledger_errors(self.DOING, self._connector.url, on_broken=broken):
+            yield conn
+
+    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            conn.close()
+        finally:
+            if self._conn is conn:
+                self._conn = None
+
 
 # The schema this code needs: a unit test holds it equal to the newest migration file in local/.
 SCHEMA_VERSION = 10
 
 
+def table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [table]).fetchone()
+    return bool(row and row[0])
+
+
 def current_version(conn: psycopg.Connection[Any]) -> int:
     """The schema version in the database; 0 when never migrated."""
-    row = conn.execute("SELECT to_regclass('infrai_jobs_schema') IS NOT NULL").fetchone()
-    if not row or not row[0]:
+    if not table_exists(conn, "infrai_jobs_schema"):
         return 0
     version = conn.execute("SELECT coalesce(max(version), 0) FROM infrai_jobs_schema").fetchone()
     return int(version[0]) if version else 0
 
 
+# How every SchemaNotMigrated ends.
+RUN_MIGRATE: Final = "run `infrai-jobs migrate` with DATABASE_URL pointing at it"
+
+
 def schema_behind(version: int) -> str:
     """What ``SchemaNotMigrated`` says about a database at ``version``."""
     if version == 0:
-        return (
-            "the ledger database is not migrated (it has no infrai-jobs tables): run "
-            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
-        )
-    return (
-        f"the ledger schema is at version {version}, this code needs {SCHEMA_VERSION}: run "
-        "`infrai-jobs migrate` with DATABASE_URL pointing at it"
-    )
+        return f"the ledger database is not migrated (it has no infrai-jobs tables): {RUN_MIGRATE}"
+    behind = f"the ledger schema is at version {version}, this code needs {SCHEMA_VERSION}"
+    return f"{behind}: {RUN_MIGRATE}"
 
 
 def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerError:
     """A driver error met while ``doing`` something, in the package's terms: a missing table
     or column is ``SchemaNotMigrated`` (never "unreachable"), a broken connection
     ``LedgerUnavailable``. The driver's text goes through ``redact``."""
-    detail = redact(one_line(str(exc)), url) if url else one_line(str(exc))
+    missing = isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn)
+    # A missing table's primary message alone (``relation "x" does not exist``), without the
+    # statement the server quotes after it.
+    text = (exc.diag.message_primary or str(exc).split("\n", 1)[0]) if missing else str(exc)
+    detail = redact(one_line(text), url)
     where = f"{doing}: " if doing else ""
-    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
+    if missing:
         return SchemaNotMigrated(
-            f"{where}the ledger database is not migrated ({detail}): run "
-            "`infrai-jobs migrate` with DATABASE_URL pointing at it"
+            f"{where}the ledger database is not migrated ({detail}): {RUN_MIGRATE}"
         )
     if isinstance(exc, psycopg.OperationalError):
         return LedgerUnavailable(f"{where}the ledger database failed: {detail}")
@@ -408,14 +461,14 @@ _CLAIMS: LiteralString = "SELECT " + CLAIM_COLUMNS + "\nFROM job_claims"
 CLAIM_BY_KEY: LiteralString = _CLAIMS + " WHERE idem_key = %(key)s"
 CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
 
-# A redrive's ``--reopen-failed``: the failed claims of one piece of work, by its message id or
-# its payload fingerprint, locked for the change.
-FAILED_CLAIMS_OF_WORK: LiteralString = (
-    _CLAIMS
-    + """
+# A redrive's ``--reopen-failed``: delete the failed claims of one piece of work, by its message
+# id or its payload fingerprint, returning each as it was.
+DELETE_FAILED_CLAIMS_OF_WORK: LiteralString = (
+    """
+DELETE FROM job_claims
 WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
-FOR UPDATE
-"""
+RETURNING """
+    + CLAIM_COLUMNS
 )
 
 # Stuck claims, oldest first: every job's (``claims stuck``), or only those of ``jobs`` (the

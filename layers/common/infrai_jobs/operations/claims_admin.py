@@ -14,7 +14,7 @@ from infrai_jobs.flow import ledger as flow
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY as _SHOW
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY_FOR_UPDATE as _FOR_UPDATE
-from infrai_jobs.ledger.postgres import FAILED_CLAIMS_OF_WORK as _FAILED_OF_WORK
+from infrai_jobs.ledger.postgres import DELETE_FAILED_CLAIMS_OF_WORK as _DELETE_FAILED_OF_WORK
 from infrai_jobs.ledger.postgres import STUCK_CLAIMS as _STUCK
 from infrai_jobs.ledger.postgres import LedgerAdapter
 from infrai_jobs.operations.dead_letters import DeadLetterStore, claim_of, claim_rows, storable_json
@@ -26,15 +26,11 @@ class PruneResult:
     deleted: int
     batches: int
     # Published (and dead) outbox rows past the same retention.
-    outbox_deleted: int = 0
+    outbox_deleted: int
 
 
 # What a probe's answer is recorded as in claim_history.
 RECONCILE: Final = "reconcile"
-
-_DELETE_FAILED: LiteralString = """
-DELETE FROM job_claims WHERE idem_key = %(key)s AND state = 'failed'
-"""
 
 _LAST_HISTORY: LiteralString = """
 SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
@@ -99,10 +95,7 @@ class ClaimsAdmin(LedgerAdapter):
         due now), anything else changes nothing (recorded unless the last record says so).
         Under a live lease nothing changes: only the run holding it settles its own work."""
         key, token = probed.idem_key, probed.claim_token
-        with (
-            self._connector.session(f"cannot reconcile {key!r}") as conn,
-            conn.transaction(),
-        ):
+        with self._connector.transaction(f"cannot reconcile {key!r}") as conn:
             before = claim_of(conn, key, _FOR_UPDATE)
             if before is None or before.state != "running" or before.claim_token != token:
                 return ReconcileWrite.CHANGED
@@ -125,13 +118,9 @@ class ClaimsAdmin(LedgerAdapter):
         """Delete the ``failed`` claims of one piece of work (its message id, or its payload
         fingerprint) so its redriven copy runs again; each is recorded as ``reopen``."""
         params = {"message_id": message_id, "fingerprint": fingerprint}
-        with (
-            self._connector.session("cannot reopen failed claims") as conn,
-            conn.transaction(),
-        ):
-            failed = claim_rows(conn, _FAILED_OF_WORK, params)
+        with self._connector.transaction("cannot reopen failed claims") as conn:
+            failed = claim_rows(conn, _DELETE_FAILED_OF_WORK, params)
             for claim in failed:
-                conn.execute(_DELETE_FAILED, {"key": claim.idem_key})
                 flow.record_change(
                     conn, "reopen", claim, None, actor=actor, note="redrive --reopen-failed"
                 )

@@ -21,7 +21,6 @@ _FORGET_EXPIRED: LiteralString = (
     "DELETE FROM drain_leases WHERE queue = %(queue)s AND lease_until < now()"
 )
 _LIVE: LiteralString = "SELECT count(*) FROM drain_leases WHERE queue = %(queue)s"
-_LIVE_NOW: LiteralString = _LIVE + " AND lease_until >= now()"
 _ADOPT: LiteralString = """
 UPDATE drain_leases SET lease_until = now() + make_interval(secs => %(seconds)s)
 WHERE queue = %(queue)s AND drain_id = %(drain_id)s
@@ -92,11 +91,6 @@ class PostgresDrainFleet(LedgerAdapter):
         with self._translated() as conn:
             conn.execute(_LEAVE, {"queue": queue, "ids": ids})
 
-    def live(self, queue: str) -> int:
-        """Drains alive now (expired leases left out); for operators and tests."""
-        with self._translated() as conn:
-            return _count(conn, queue, _LIVE_NOW)
-
     @contextmanager
     def _locked(self, queue: str) -> Iterator[psycopg.Connection[Any]]:
         """One transaction holding the queue's fleet lock, expired leases already forgotten."""
@@ -106,8 +100,8 @@ class PostgresDrainFleet(LedgerAdapter):
             yield conn
 
 
-def _count(conn: psycopg.Connection[Any], queue: str, sql: LiteralString = _LIVE) -> int:
-    row = conn.execute(sql, {"queue": queue}).fetchone()
+def _count(conn: psycopg.Connection[Any], queue: str) -> int:
+    row = conn.execute(_LIVE, {"queue": queue}).fetchone()
     return int(row[0]) if row else 0
 
 

@@ -1,10 +1,6 @@
-"""The ``dead_letters`` table's shared statements, and the dead letters the ledger itself holds.
-
-Most dead letters are moved out of Infrai's DLQ (``operations.dead_letters``). Work the ledger
-owns (a deferred job out of attempts) has no message left in any DLQ, so the ledger records its
-dead letter itself, in the transaction that fails it: the same row the operator lists, discards
-and redrives, and the same count the watcher pages on.
-"""
+"""The ``dead_letters`` table's shared statements, and the dead letters the ledger holds: work
+it owns (a deferred job out of attempts) has no message in any DLQ, so its dead letter is recorded
+in the transaction that fails it, the same row an operator lists, discards and redrives."""
 
 from __future__ import annotations
 
@@ -38,10 +34,9 @@ SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
 def hold_dead_letter(
     conn: psycopg.Connection[Any], work: ClaimRow, *, queue: str, reason: str
 ) -> bool:
-    """Record an unresolved dead letter for failed ``work`` whose message was acked long ago, on
-    the caller's connection (inside its transaction). Its claim is ``failed``; a redrive
-    publishes its payload again and reopens that claim. False when a dead letter with this
-    message id is recorded already."""
+    """Record an unresolved dead letter for failed ``work`` whose message was acked long ago, in
+    the caller's transaction; a redrive publishes its payload again and reopens its ``failed``
+    claim. False when a dead letter with this message id is recorded already."""
     unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
     values = dict.fromkeys(unknown) | {
         "message_id": work.message_id,

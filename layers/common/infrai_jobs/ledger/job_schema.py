@@ -1,8 +1,6 @@
-"""The jobs' own schema: which of a jobs package's ``migrations/NNNN_name.sql`` a database has
-applied (``infrai-jobs migrate`` records each in ``infrai_jobs_job_schema``). The drain checks
-them up front: a missing one would otherwise be found out by a handler, after its message was
-consumed, retried until it was a dead letter. Nothing here applies SQL from a file.
-"""
+"""Which of a jobs package's ``migrations/NNNN_name.sql`` a database has applied (``infrai-jobs
+migrate`` records each in ``infrai_jobs_job_schema``; nothing here applies SQL). The drain checks
+up front: else a handler finds a missing one, its message retried until it is a dead letter."""
 
 from __future__ import annotations
 

@@ -38,11 +38,8 @@ class LedgerPort(Protocol):
 
 
 class EffectGuard(Protocol):
-    """An optional second layer around an external effect (Powertools idempotency).
-
-    ``call`` performs the effect. The guard may return a result recorded earlier for the same
-    key instead of calling it, and must let ``EffectUncertain`` and other job errors through to
-    the drain unchanged (see ``infrai_jobs.aws.second_layer``).
-    """
+    """An optional second layer around an external effect (``aws.second_layer``): it may return
+    a result recorded earlier for the key instead of ``call``, and must let ``EffectUncertain``
+    and other job errors through unchanged."""
 
     def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any: ...

@@ -1,18 +1,15 @@
-"""Postgres in one place: the one way to connect (``LedgerConnector``, which also picks up a
-rotated database secret, or ``connect_to_ledger`` for a one-off), the one translation of driver
-errors (``ledger_errors``), the one redaction of connection strings, array parameters, the
-statements several modules share, and the schema version this code needs (the migrations that
-reach it are applied by the tools in local/, never by a function).
+"""Postgres in one place: connecting (``LedgerConnector``, which picks up a rotated database
+secret; ``connect_to_ledger`` for a one-off), translating driver errors (``ledger_errors``),
+redacting connection strings, the statements several modules share, and the schema version this
+code needs (migrations are applied by the tools in local/, never by a function).
 
-Connection strings: libpq quotes a string it cannot parse whole, or a part it parsed (a host, a
-database name). For a well-formed URL those parts are what the operator wrote; only the password
-is secret. A *malformed* URL is different: ``postgresql://u:Hu@nter2/x@host/db`` (an unescaped
-``@`` in the password) parses as the password ``Hu`` on host ``nter2``, so the driver's "host" is
-the tail of the password. Callers therefore refuse a string ``malformed_reason`` finds before
-connecting; ``redact`` removes the password as libpq reads it, as it was meant (between the
-user's ``:`` and the last ``@``), raw and percent-decoded, and for a malformed string each piece
-of it; ``describe`` names a database safely (``user@host:port/dbname``, or nothing of a
-malformed string).
+libpq quotes in its errors a string it cannot parse, or the parts it parsed. Only a password is
+secret, but in a *malformed* URL such as ``postgresql://u:Hu@nter2/x@host/db`` (an unescaped ``@``
+in the password) the "host" libpq reads, ``nter2``, is the tail of the password. So callers refuse
+a string ``malformed_reason`` finds before connecting; ``redact`` removes the password as libpq
+reads it and as it was meant (between the user's ``:`` and the last ``@``), raw and
+percent-decoded, and for a malformed string each piece of it; ``describe`` names a database
+(``user@host:port/dbname``) without it, and nothing of a malformed string.
 """
 
 from __future__ import annotations
@@ -72,8 +69,7 @@ def _meant_password(conninfo: str) -> str | None:
 
 def _keyword_passwords(conninfo: str) -> list[str]:
     values = []
-    for match in _KEYWORD_PASSWORD.finditer(conninfo):
-        value = match.group(1)
+    for value in _KEYWORD_PASSWORD.findall(conninfo):
         values.append(value)
         if value.startswith("'"):
             values.append(value.strip("'").replace("\\'", "'").replace("\\\\", "\\"))
@@ -97,12 +93,9 @@ _PORT = re.compile(r"(?:\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?")
 
 
 def malformed_reason(conninfo: str) -> str:
-    """Why libpq would not read ``conninfo`` as it was meant, or "" when it would.
-
-    Meant and read differ when libpq puts an ``@`` into a host or a database name, or a
-    non-number into a port: that is where the tail of a password with an unescaped ``@`` or
-    ``/`` lands. The reason never quotes the string: it names what to fix.
-    """
+    """Why libpq would not read ``conninfo`` as it was meant (an ``@`` in a host or database
+    name, or a non-number port: where the tail of a password with an unescaped ``@`` or ``/``
+    lands), or "" when it would. The reason names what to fix, never quoting the string."""
     if parse_conninfo(conninfo) is None:
         return (
             "it cannot be parsed (a stray '%', quote or space, or an unclosed '[' are the usual "
@@ -111,13 +104,12 @@ def malformed_reason(conninfo: str) -> str:
     if not _is_url(conninfo):
         return ""
     host_part, dbname = _as_libpq_splits_it(conninfo)
-    bad_port = any(_PORT.fullmatch(host) is None for host in host_part.split(","))
     if "@" in host_part or "@" in dbname:
         return (
             "its password would be read only in part (an unescaped '@' or '/' in it): "
             "percent-encode them ('@' is %40, '/' is %2F)"
         )
-    if bad_port:
+    if any(_PORT.fullmatch(host) is None for host in host_part.split(",")):
         return (
             "its port is not a number (an unescaped '/' in a password also reads that way: "
             "percent-encode it as %2F)"
@@ -128,7 +120,6 @@ def malformed_reason(conninfo: str) -> str:
 def secrets_of(conninfo: str) -> list[str]:
     """Every string ``redact`` removes for ``conninfo``, longest first."""
     found: set[str] = set()
-    pieces: set[str] = set()
     parsed = parse_conninfo(conninfo)
     if parsed is not None and parsed.get("password"):
         found.add(parsed["password"])
@@ -140,9 +131,8 @@ def secrets_of(conninfo: str) -> list[str]:
         found.update(_keyword_passwords(conninfo))
     if malformed_reason(conninfo):
         # The pieces libpq may have taken for a host, a port or a database name.
-        for secret in found:
-            pieces.update(p for p in _PIECE_SEPARATORS.split(secret) if len(p) >= _MIN_PIECE)
-    return sorted((s for s in found | pieces if s), key=len, reverse=True)
+        found |= {p for s in found for p in _PIECE_SEPARATORS.split(s) if len(p) >= _MIN_PIECE}
+    return sorted((s for s in found if s), key=len, reverse=True)
 
 
 def redact(text: str, conninfo: str) -> str:
@@ -200,11 +190,9 @@ _TLS_VERIFICATION_FAILURES = (
 def connect_to_ledger(
     url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
 ) -> psycopg.Connection[Any]:
-    """An autocommit connection to the ledger's database, never refreshed. Its failure is
-    ``LedgerUnavailable`` with the URL kept out of the message (and the driver's error, which
-    may quote it, not chained)."""
-    # A URL libpq would read differently from how it was written is refused before it is used:
-    # its "host" may be the tail of a password, and connecting would send that to a resolver.
+    """An autocommit connection, never refreshed; its failure ``LedgerUnavailable`` without the
+    URL (nor the driver's error, which may quote it, chained). A malformed URL is refused first:
+    its "host" may be the tail of a password, and connecting would send that to a resolver."""
     reason = malformed_reason(url)
     if reason:
         raise _malformed_url(reason)
@@ -220,10 +208,9 @@ def connect_to_ledger(
 
 
 class LedgerConnector:
-    """How every adapter connects to the ledger, and the one way a warm environment picks up a
-    rotated database secret: a connection that fails is tried once more with the secret fetched
-    again (``factory.SecretRefresh.database_url``), and the new URL is kept when it differs.
-    ``url`` is the current one, for redacting the errors met on its connections."""
+    """How every adapter connects, and how a warm environment picks up a rotated database secret:
+    a failed connection is tried once more with the secret fetched again (``refresh``), the new
+    URL kept. ``url`` is the current one, for redacting the errors met on its connections."""
 
     def __init__(
         self,
@@ -282,10 +269,9 @@ class LedgerConnector:
 
 
 class LedgerAdapter:
-    """What the adapters on the ledger's database share: a ``LedgerConnector`` under their
-    ``APPLICATION_NAME`` (as ``pg_stat_activity`` shows them), refreshed through
-    ``refresh_url``, a repr that never shows the URL, and, for an adapter that keeps one, a
-    reusable connection (``_translated``) reopened when the server closed or broke it."""
+    """What the ledger's adapters share: a ``LedgerConnector`` named ``APPLICATION_NAME`` in
+    ``pg_stat_activity``, a repr without the URL, and, for those that keep one, a reusable
+    connection (``_translated``) reopened when the server closed or broke it."""
 
     APPLICATION_NAME: ClassVar[str] = "infrai-jobs"
     # What the errors met on the reusable connection say was being done ("" for nothing).
@@ -399,10 +385,9 @@ def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerEr
 def ledger_errors(
     doing: str = "", url: str = "", *, on_broken: Callable[[], None] | None = None
 ) -> Iterator[None]:
-    """Driver errors raised inside, in the package's terms (``ledger_error``, redacted with
-    ``url``): no other module catches a psycopg error. ``on_broken`` runs first when the
-    connection broke (``OperationalError``), for the adapter to drop it and do whatever else a
-    lost answer asks for."""
+    """Driver errors raised inside, as ``ledger_error`` says them (redacted with ``url``): no
+    other module catches a psycopg error. ``on_broken`` runs first on a broken connection
+    (``OperationalError``), to drop it and do whatever else a lost answer asks for."""
     try:
         yield
     except psycopg.Error as exc:

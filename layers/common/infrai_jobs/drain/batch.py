@@ -352,7 +352,13 @@ class _Batch:
             correlation = self.correlations.get(message_id)
             if correlation is not None:
                 result = replace(result, correlation=correlation)
-            self.results[message_id] = _log(result)
+            self.results[message_id] = result
+            level = OUTCOME_RULES[result.outcome].level
+            action = result.outcome.value
+            detail = result.detail
+            log_message(
+                logger, level, "message %s", result, action, detail=detail, acked=result.ack
+            )
 
 
 def run_handler(
@@ -378,23 +384,32 @@ def run_handler(
     return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
 
 
-def _log(result: MessageResult) -> MessageResult:
-    logger.log(
-        OUTCOME_RULES[result.outcome].level,
-        "message %s",
-        result.outcome.value,
+def log_message(
+    log: logging.Logger,
+    level: int,
+    text: str,
+    result: MessageResult,
+    action: str,
+    *,
+    detail: str,
+    **fields: object,
+) -> None:
+    """One line about a message (its outcome, or its ack's), naming its key, job and correlation."""
+    log.log(
+        level,
+        text,
+        action,
         extra={
-            "action": result.outcome.value,
+            "action": action,
             "idem_key": result.idem_key,
             "message_id": result.message.message_id,
             "delivery_count": result.message.delivery_count,
             "job": result.job,
-            "acked": result.ack,
-            "detail": result.detail,
+            **fields,
+            "detail": detail,
             **log_fields(result.correlation),
         },
     )
-    return result
 
 
 def describe_error(exc: BaseException) -> str:

@@ -80,7 +80,9 @@ def process_batch(
 ) -> list[MessageResult]:
     """Decide every message of one batch. ``visible_until`` (``clock`` seconds): when the queue
     may deliver them again, which no lease outlives (None: a visibility timeout from the claim)."""
-    return _Batch(messages, ledger, registry, deadline, config, visible_until, clock).process()
+    lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
+    batch = _Batch(messages, ledger, registry, deadline, config, visible_until, clock, lease_until)
+    return batch.process()
 
 
 @dataclass(slots=True)
@@ -92,7 +94,7 @@ class _Batch:
     config: DrainConfig
     visible_until: float | None
     clock: Callable[[], float]
-    lease_until: datetime = field(init=False)
+    lease_until: datetime
     results: dict[str, MessageResult] = field(init=False, default_factory=dict)
     # Each key's judged message (at first its first one); the key's other copies follow it.
     primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
@@ -107,9 +109,6 @@ class _Batch:
     correlations: dict[str, Correlation] = field(init=False, default_factory=dict)
     # Set once a claim failed for the ledger: the rest of the batch is not tried.
     ledger_failed: str = field(init=False, default="")
-
-    def __post_init__(self) -> None:
-        self.lease_until = utc_from_epoch(self.deadline + self.config.lease_grace_seconds)
 
     def process(self) -> list[MessageResult]:
         self._derive_keys()
@@ -366,11 +365,7 @@ def run_handler(
 ) -> JobRun:
     """Run one handler through each feature's ``around_effect`` (the first outermost) and turn
     whatever it does into a ``JobRun``: the one place that catches every exception."""
-
-    def handler() -> JsonValue:
-        return derived.definition.handler(derived.payload, ctx)
-
-    call = handler
+    call: Callable[[], JsonValue] = partial(derived.definition.handler, derived.payload, ctx)
     for feature in reversed(features):
         call = partial(feature.around_effect, ctx, derived.fingerprint, call)
     try:

@@ -328,21 +328,13 @@ class _Batch:
             )
 
     def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
-        message, derived = self.primaries[request.idem_key]
-        takeover = request.idem_key in self.takeovers
+        key = request.idem_key
+        message, derived = self.primaries[key]
+        takeover, early = key in self.takeovers, message.message_id in self.early
         if takeover:
             detail = f"lease takeover; {detail}" if detail else "lease takeover"
-        self._set(
-            MessageResult(
-                message,
-                outcome,
-                request.idem_key,
-                derived.definition.name,
-                detail,
-                takeover,
-                visibility_mismatch=message.message_id in self.early,
-            )
-        )
+        job = derived.definition.name
+        self._set(MessageResult(message, outcome, key, job, detail, takeover, early))
 
     def _set(self, result: MessageResult) -> None:
         # The first decision about a message stands (a settle failure is recorded first).
@@ -352,11 +344,9 @@ class _Batch:
             if correlation is not None:
                 result = replace(result, correlation=correlation)
             self.results[message_id] = result
-            level = OUTCOME_RULES[result.outcome].level
-            action = result.outcome.value
-            detail = result.detail
+            level, action = OUTCOME_RULES[result.outcome].level, result.outcome.value
             log_message(
-                logger, level, "message %s", result, action, detail=detail, acked=result.ack
+                logger, level, "message %s", result, action, detail=result.detail, acked=result.ack
             )
 
 

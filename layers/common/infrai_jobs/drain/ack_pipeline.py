@@ -6,9 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from infrai_jobs.drain.batch import MessageResult, describe_error
+from infrai_jobs.drain.batch import MessageResult, describe_error, log_message
 from infrai_jobs.errors import InfraiError, InfraiUnavailable, QueueMessageNotFound
-from infrai_jobs.jobs.correlation import log_fields
 from infrai_jobs.queue.models import Pending
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import CONSUME_CAP
@@ -67,36 +66,23 @@ class AckPipeline:
                 pending.wait(retry=retry)
             except QueueMessageNotFound:
                 summary.ack_lost += 1
-                _log_ack(result, "ack_lost")
+                log_message(logger, logging.WARNING, "ack %s", result, "ack_lost", detail="")
             except InfraiError as exc:
                 # Harmless: the redelivery finds the claim settled, and is acked then.
                 if isinstance(exc, InfraiUnavailable):
                     retry = False
                 summary.ack_failed += 1
-                _log_ack(result, "ack_failed", str(exc))
+                log_message(
+                    logger, logging.WARNING, "ack %s", result, "ack_failed", detail=str(exc)
+                )
             except Exception as exc:  # noqa: BLE001 - the other answers are read first
                 # Not an answer from Infrai (a refreshed API key that cannot be used, a bug):
                 # the rest of the batch is still read, so no connection is left half-used.
                 summary.ack_failed += 1
-                _log_ack(result, "ack_failed", describe_error(exc))
+                detail = describe_error(exc)
+                log_message(logger, logging.WARNING, "ack %s", result, "ack_failed", detail=detail)
                 unexpected = unexpected or exc
             else:
                 summary.acked += 1
         if unexpected is not None:
             raise unexpected
-
-
-def _log_ack(result: MessageResult, action: str, detail: str = "") -> None:
-    logger.warning(
-        "ack %s",
-        action,
-        extra={
-            "action": action,
-            "idem_key": result.idem_key,
-            "message_id": result.message.message_id,
-            "delivery_count": result.message.delivery_count,
-            "job": result.job,
-            "detail": detail,
-            **log_fields(result.correlation),
-        },
-    )

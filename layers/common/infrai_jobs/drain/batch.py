@@ -80,7 +80,9 @@ def process_batch(
 ) -> list[MessageResult]:
     """Decide every message of one batch. ``visible_until`` (``clock`` seconds): when the queue
     may deliver them again, which no lease outlives (None: a visibility timeout from the claim)."""
-    return _Batch(messages, ledger, registry, deadline, config, visible_until, clock).process()
+    lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
+    batch = _Batch(messages, ledger, registry, deadline, config, visible_until, clock, lease_until)
+    return batch.process()
 
 
 @dataclass(slots=True)
@@ -92,7 +94,7 @@ class _Batch:
     config: DrainConfig
     visible_until: float | None
     clock: Callable[[], float]
-    lease_until: datetime = field(init=False)
+    lease_until: datetime
     results: dict[str, MessageResult] = field(init=False, default_factory=dict)
     # Each key's judged message (at first its first one); the key's other copies follow it.
     primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
@@ -107,9 +109,6 @@ class _Batch:
     correlations: dict[str, Correlation] = field(init=False, default_factory=dict)
     # Set once a claim failed for the ledger: the rest of the batch is not tried.
     ledger_failed: str = field(init=False, default="")
-
-    def __post_init__(self) -> None:
-        self.lease_until = utc_from_epoch(self.deadline + self.config.lease_grace_seconds)
 
     def process(self) -> list[MessageResult]:
         self._derive_keys()
@@ -329,21 +328,13 @@ class _Batch:
             )
 
     def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
-        message, derived = self.primaries[request.idem_key]
-        takeover = request.idem_key in self.takeovers
+        key = request.idem_key
+        message, derived = self.primaries[key]
+        takeover, early = key in self.takeovers, message.message_id in self.early
         if takeover:
             detail = f"lease takeover; {detail}" if detail else "lease takeover"
-        self._set(
-            MessageResult(
-                message,
-                outcome,
-                request.idem_key,
-                derived.definition.name,
-                detail,
-                takeover,
-                visibility_mismatch=message.message_id in self.early,
-            )
-        )
+        job = derived.definition.name
+        self._set(MessageResult(message, outcome, key, job, detail, takeover, early))
 
     def _set(self, result: MessageResult) -> None:
         # The first decision about a message stands (a settle failure is recorded first).
@@ -352,7 +343,11 @@ class _Batch:
             correlation = self.correlations.get(message_id)
             if correlation is not None:
                 result = replace(result, correlation=correlation)
-            self.results[message_id] = _log(result)
+            self.results[message_id] = result
+            level, action = OUTCOME_RULES[result.outcome].level, result.outcome.value
+            log_message(
+                logger, level, "message %s", result, action, detail=result.detail, acked=result.ack
+            )
 
 
 def run_handler(
@@ -360,11 +355,7 @@ def run_handler(
 ) -> JobRun:
     """Run one handler through each feature's ``around_effect`` (the first outermost) and turn
     whatever it does into a ``JobRun``: the one place that catches every exception."""
-
-    def handler() -> JsonValue:
-        return derived.definition.handler(derived.payload, ctx)
-
-    call = handler
+    call: Callable[[], JsonValue] = partial(derived.definition.handler, derived.payload, ctx)
     for feature in reversed(features):
         call = partial(feature.around_effect, ctx, derived.fingerprint, call)
     try:
@@ -378,23 +369,32 @@ def run_handler(
     return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
 
 
-def _log(result: MessageResult) -> MessageResult:
-    logger.log(
-        OUTCOME_RULES[result.outcome].level,
-        "message %s",
-        result.outcome.value,
+def log_message(
+    log: logging.Logger,
+    level: int,
+    text: str,
+    result: MessageResult,
+    action: str,
+    *,
+    detail: str,
+    **fields: object,
+) -> None:
+    """One line about a message (its outcome, or its ack's), naming its key, job and correlation."""
+    log.log(
+        level,
+        text,
+        action,
         extra={
-            "action": result.outcome.value,
+            "action": action,
             "idem_key": result.idem_key,
             "message_id": result.message.message_id,
             "delivery_count": result.message.delivery_count,
             "job": result.job,
-            "acked": result.ack,
-            "detail": result.detail,
+            **fields,
+            "detail": detail,
             **log_fields(result.correlation),
         },
     )
-    return result
 
 
 def describe_error(exc: BaseException) -> str:

@@ -77,9 +77,7 @@ def fan_out_slot(event: object) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class FanOutCheck:
-    """What one check saw and did; logged, and returned for tests."""
-
+class FanOutCheck:  # what one check saw and did
     live: int
     available: int = 0
     rate: float = 0.0

@@ -129,6 +129,3 @@ class SecondLayerFeature(DrainFeature):
     ) -> JsonValue:
         result: JsonValue = self.guard.run(ctx.idem_key, fingerprint, call)
         return result
-
-    def take_hits(self) -> int:
-        return self.guard.take_hits()

@@ -1,15 +1,11 @@
 """Flow control in the drain: ``flow``'s policies and ledger, plugged in as one ``DrainFeature``.
 
-Only jobs with a policy in force reach it (others make no extra round trip). Around each run,
-the job's concurrency key takes a slot and its rate limit reserves a start, or the job is
-deferred: its claim becomes deferred work in one statement fenced by the claim's token, and
-the message is acked. Before and after what it consumes, the drain runs due deferred jobs
-(``take_due``: never one another drain holds) under a new token and lease on the same row.
-
-An uncertain ``external`` run is flagged and stays ``running``, and one that began and whose
-lease ran out is never taken again: ``claims stuck`` finds it for a human. Database jobs roll
-back with their batch's transaction, which a deferral cannot join: a policy on one is refused.
-"""
+Only jobs with a policy in force reach it (others make no extra round trip). A job its limits
+hold back is deferred: its claim becomes deferred work in one statement fenced by the claim's
+token, and the message is acked. Before and after what it consumes, the drain runs due deferred
+jobs (``take_due``: never one another drain holds) under a new token and lease on the same row.
+Database jobs roll back with their batch's transaction, which a deferral cannot join: a policy
+on one is refused."""
 
 from __future__ import annotations
 

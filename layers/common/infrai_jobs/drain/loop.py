@@ -286,28 +286,24 @@ class _ConsumeMode:
             },
         )
         self._single_next = True
-        if unreadable:
-            self._open_window(exc)
         self._lost_in_a_row += 1
+        if unreadable:
+            seconds = float(ISOLATION_VISIBILITY_TIMEOUTS * self._config.visibility_timeout_seconds)
+            now = self._clock()
+            self._single_until = max(self._single_until, now + seconds)
+            try:
+                left = self._ledger.isolate_consumes(
+                    self._config.queue, seconds, storable_text(f"{exc.code}: {exc.message}")
+                )
+                self._checked_at = now
+                self._single_until = max(self._single_until, now + left)
+            except LedgerError as exc_ledger:
+                logger.warning(
+                    "could not record the queue's isolation window; this lane keeps it alone",
+                    extra={"action": "isolation_unrecorded", "detail": str(exc_ledger)},
+                )
         if self._lost_in_a_row >= LOST_ANSWERS_IN_A_ROW and not final:
             raise exc
-
-    def _open_window(self, exc: ConsumeAnswerLost) -> None:
-        seconds = float(ISOLATION_VISIBILITY_TIMEOUTS * self._config.visibility_timeout_seconds)
-        now = self._clock()
-        self._single_until = max(self._single_until, now + seconds)
-        try:
-            left = self._ledger.isolate_consumes(
-                self._config.queue, seconds, storable_text(f"{exc.code}: {exc.message}")
-            )
-        except LedgerError as exc_ledger:
-            logger.warning(
-                "could not record the queue's isolation window; this lane keeps it alone",
-                extra={"action": "isolation_unrecorded", "detail": str(exc_ledger)},
-            )
-            return
-        self._checked_at = now
-        self._single_until = max(self._single_until, now + left)
 
 
 def _abandon(ahead: Pending[list[QueueMessage]], mode: _ConsumeMode) -> None:

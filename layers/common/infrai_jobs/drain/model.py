@@ -47,6 +47,16 @@ FEATURE_COUNTERS = (
 )
 
 
+class _Total:
+    """A read-only ``DrainSummary`` total named after its bucket (``summary.done``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.bucket = name
+
+    def __get__(self, summary: DrainSummary, owner: type | None = None) -> int:
+        return summary.total(self.bucket)
+
+
 @dataclass
 class DrainSummary:
     """What one drain did: one outcome per consumed message in ``outcomes``, whose totals
@@ -71,29 +81,12 @@ class DrainSummary:
         """Messages whose outcome counts under ``bucket`` (an ``OutcomeRule.bucket``)."""
         return sum(n for o, n in self.outcomes.items() if _BUCKET_OF.get(o) == bucket)
 
-    @property
-    def done(self) -> int:
-        return self.total("done")
-
-    @property
-    def duplicates(self) -> int:
-        return self.total("duplicates")
-
-    @property
-    def retried(self) -> int:
-        return self.total("retried")
-
-    @property
-    def failed(self) -> int:
-        return self.total("failed")
-
-    @property
-    def parked(self) -> int:
-        return self.total("parked")
-
-    @property
-    def deferred(self) -> int:
-        return self.total("deferred")
+    done = _Total()
+    duplicates = _Total()
+    retried = _Total()
+    failed = _Total()
+    parked = _Total()
+    deferred = _Total()
 
     def as_dict(self) -> dict[str, Any]:
         counts = {

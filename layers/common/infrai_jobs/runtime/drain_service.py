@@ -1,9 +1,6 @@
-"""What DrainFunction and ``infrai-jobs drain`` share: the adapters, built once and reused.
-
-A warm Lambda keeps one ``DrainService``: its HTTP pool and its database connection live across
-invocations (the connection is re-established when the server has closed it). The optional
-features (``drain.model.DrainFeature``) are chosen from the settings by ``drain_features``.
-"""
+"""What DrainFunction and ``infrai-jobs drain`` share. A warm Lambda keeps one ``DrainService``:
+its HTTP pool and database connection live across invocations (the connection is re-established
+when the server has closed it)."""
 
 from __future__ import annotations
 
@@ -26,11 +23,7 @@ from infrai_jobs.drain.loop import budget_shortfall, drain_invocation
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
-from infrai_jobs.flow.policies import (
-    JobPolicy,
-    parse_job_policies,
-    policies_in_force,
-)
+from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.job_schema import JobMigrationName
@@ -69,12 +62,9 @@ class DrainService:
         message_span: MessageSpan | None = None,
         job_migrations: Sequence[JobMigrationName] = (),
     ) -> DrainService:
-        """``registry``'s jobs get the settings and secrets they declared, read into
-        ``settings`` (``DrainSettings.from_env(job_settings=..., job_secrets=...)``): a missing
-        one is a ``ConfigurationError`` naming it and its jobs, before anything is built or
-        consumed. ``starter`` replaces Lambda's for local runs; ``message_span`` is the span
-        around each handler run, with tracing on; ``job_migrations`` (the jobs package's) are
-        part of the ledger's schema check."""
+        """A job setting or secret missing from ``settings`` (``DrainSettings.from_env(
+        job_settings=..., job_secrets=...)``) is a ``ConfigurationError`` naming it and its jobs,
+        before anything is built or consumed. ``starter`` replaces Lambda's for local runs."""
         job_settings = settings.require_job_settings()
         policies = job_policies(settings, registry)
         resolved, refresh = with_secrets(settings).unpacked()
@@ -83,7 +73,7 @@ class DrainService:
         flow = flow_control(
             registry,
             policies,
-            ledger_connector(resolved, "infrai-jobs-flow", url_hook).connect,
+            ledger_connector(resolved, "infrai-jobs-flow", refresh).connect,
             queue=resolved.queue,
         )
         return cls(
@@ -128,10 +118,7 @@ class DrainService:
         stop_requested: Callable[[], bool] | None = None,
     ) -> DrainSummary:
         """Drain once. A ledger outage is raised after what settled was acked, so the
-        function's Errors alarm fires instead of the invocation looking healthy.
-
-        ``fan_out_slot`` is the slot a fan-out reserved for this run (its event says so);
-        ``stop_requested`` ends it before its next receive (the CLI, interrupted)."""
+        function's Errors alarm fires instead of the invocation looking healthy."""
         config = self.config(max_batches, fanned_out=fan_out_slot is not None)
         check_time_budget(config, time_left_ms())
         run = DrainRun(
@@ -150,7 +137,7 @@ class DrainService:
 
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""
-        return sum(f.take_hits() for f in self.features if isinstance(f, SecondLayerFeature))
+        return sum(f.guard.take_hits() for f in self.features if isinstance(f, SecondLayerFeature))
 
 
 def drain_features(
@@ -164,9 +151,7 @@ def drain_features(
     flow: FlowControl | None = None,
 ) -> list[DrainFeature]:
     """The features ``settings`` switch on, outermost first; an adapter passed as None turns its
-    feature off. ``make_lane_ledger`` opens each lane's connection beyond the first. With a
-    ``fleet`` (DRAIN_MAX_CONCURRENCY), every run is counted in the ledger's ``drain_leases``: one
-    drain too many stops at once (``at_capacity``); one that meets a backlog starts more."""
+    feature off. ``make_lane_ledger`` opens each lane's connection beyond the first."""
     # Flow control outermost: each invocation runs the due deferred work around everything
     # else, and its gates come before a handler's span.
     features: list[DrainFeature] = [flow] if flow is not None else []
@@ -191,15 +176,13 @@ def drain_features(
 
 
 def job_policies(settings: DrainSettings, registry: JobRegistry) -> dict[str, JobPolicy]:
-    """The flow policies in force: what the jobs declare, with ``JOB_POLICIES`` applied. A
-    malformed document is a ``ConfigurationError`` naming the job and the field, raised before
-    anything is built or consumed."""
+    """What the jobs declare, with ``JOB_POLICIES`` applied (malformed: a ``ConfigurationError``
+    naming the job and the field)."""
     overrides = parse_job_policies(settings.job_policies, [job.name for job in registry])
     return policies_in_force(registry, overrides)
 
 
 def ledger_outage_message(summary: DrainSummary) -> str:
-    """What a drain stopped by the ledger says: what it had received and settled, if anything."""
     if summary.consumed == 0:
         return (
             "the ledger database is unreachable, so the drain received nothing: every message "
@@ -216,8 +199,7 @@ def ledger_outage_message(summary: DrainSummary) -> str:
 
 
 def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
-    """Refuse a drain whose time cannot hold one batch (it would stop at once, reporting
-    ``time_budget`` with messages waiting untouched)."""
+    """Refuse a drain whose time cannot hold one batch (``budget_shortfall``)."""
     shortfall = budget_shortfall(config.batch_budget_ms, time_budget_ms)
     if shortfall:
         logger.error(

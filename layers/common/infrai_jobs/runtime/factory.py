@@ -1,8 +1,5 @@
-"""Builds the real adapters from settings; only handlers and the CLI call this.
-
-Every handler's edge: its settings type's ``from_env()``, then ``with_secrets``, then the
-``make_*`` builders here, which take the ledger's URL from ``ledger_url`` (it refuses a
-malformed one)."""
+"""Builds the real adapters from settings, at every handler's edge (and the CLI's): its settings
+type's ``from_env()``, then ``with_secrets``, then the ``make_*`` builders here."""
 
 from __future__ import annotations
 
@@ -76,9 +73,10 @@ def _well_formed(url: str, variable: str) -> str:
 
 
 def ledger_connector(
-    settings: CommonSettings, application_name: str, refresh: Callable[[], str] | None
+    settings: CommonSettings, application_name: str, refresh: SecretRefresh | None
 ) -> LedgerConnector:
-    return LedgerConnector(ledger_url(settings), application_name=application_name, refresh=refresh)
+    url, refresh_url = ledger_url(settings), refresh.database_url if refresh else None
+    return LedgerConnector(url, application_name=application_name, refresh=refresh_url)
 
 
 def make_queue_client(
@@ -235,9 +233,7 @@ def outbox_connector(
     if settings.outbox_database_url:
         url = _well_formed(settings.outbox_database_url, "OUTBOX_DATABASE_URL")
         return LedgerConnector(url, application_name=_OUTBOX_APPLICATION)
-    return ledger_connector(
-        settings, _OUTBOX_APPLICATION, refresh.database_url if refresh else None
-    )
+    return ledger_connector(settings, _OUTBOX_APPLICATION, refresh)
 
 
 _OUTBOX_APPLICATION = "infrai-jobs-outbox"
@@ -250,12 +246,9 @@ def make_outbox_relay(
     the queue client, and the ledger's database for the dead letters it records."""
     from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig  # noqa: PLC0415
 
-    ledger = ledger_connector(
-        settings, _OUTBOX_APPLICATION, refresh.database_url if refresh else None
-    )
     return OutboxRelay(
         outbox_connector(settings, refresh=refresh),
         queue,
         RelayConfig(default_queue=settings.queue, batch_size=settings.outbox_batch_size),
-        dead_letters=ledger,
+        dead_letters=ledger_connector(settings, _OUTBOX_APPLICATION, refresh),
     )

@@ -3,8 +3,7 @@
 The library logs through stdlib ``logging`` (a stable ``action`` word, and ``idem_key``,
 ``message_id``, ``job``, ... about a message); the function's Powertools Logger formats it as
 JSON. Metrics are EMF with low-cardinality dimensions only: the queue, never a key or a message
-id. Tracing is off unless the template turns it on; off, the X-Ray SDK is never imported.
-"""
+id."""
 
 from __future__ import annotations
 

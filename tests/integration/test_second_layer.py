@@ -136,7 +136,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
                 "before-call.dynamodb", lambda model, **_: calls.append(model.name)
             )
             guard = SecondLayer(dynamodb_store(TABLE, client=client), expires_after_seconds=EXPIRY)
-            guard.register_lambda_context(FakeLambdaContext())
+            guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
             yield Backend("dynamodb", guard, calls)
         return
     # A prefix of this test's own: its keys never meet another run's on a shared server.
@@ -144,7 +144,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
     store = redis_store(client=CountingRedis(client, calls))
     guard = SecondLayer(store, expires_after_seconds=EXPIRY, key_prefix=prefix)
-    guard.register_lambda_context(FakeLambdaContext())
+    guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
     try:
         yield Backend("redis", guard, calls)
     finally:
@@ -368,7 +368,7 @@ def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_ag
         client = boto3.client("dynamodb")
         create_table_as_the_template_does(client, TABLE)
         guard = SecondLayer(dynamodb_store(TABLE, client=client), expires_after_seconds=EXPIRY)
-        guard.register_lambda_context(FakeLambdaContext())
+        guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
         features = (SecondLayerFeature(guard),)
         # ... and a receipt whose provider answered 503 without sending: uncertain, stored so
         control = urllib3.PoolManager()

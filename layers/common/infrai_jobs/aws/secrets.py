@@ -21,11 +21,11 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
 
-from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
 from infrai_jobs.config.redis_url import REDIS_SCHEMES, check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
+    SECRET_ARN_SUFFIX,
     AnySettings,
     JobSettings,
 )

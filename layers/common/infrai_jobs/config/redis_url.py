@@ -60,13 +60,10 @@ _REDIS_TLS_WEAKENERS: dict[str, Callable[[str], bool]] = {
 
 
 def redis_lacks_auth(url: str) -> bool:
-    """Whether a Redis URL to a host off loopback carries no password: the server then lets
-    anyone who reaches it read and write the second layer's records."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-    except ValueError:
-        return False
-    if url.startswith("unix://") or is_loopback_host(host):
-        return False
-    return not parts.password
+    """Whether a Redis URL (one ``check_redis_url`` passed) to a host off loopback carries no
+    password: the server then lets anyone who reaches it read and write the second layer's
+    records."""
+    parts = urlsplit(url)
+    return not (
+        url.startswith("unix://") or is_loopback_host(parts.hostname or "") or parts.password
+    )

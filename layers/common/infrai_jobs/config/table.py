@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from infrai_jobs.errors import ConfigurationError
 
 _T = TypeVar("_T")
+TRUE_WORDS = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ def parse_bool(row: Setting, raw: str | None, reading: Reading) -> bool:
     if raw is None or raw.strip() == "":
         return bool(row.default)
     lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
+    if lowered in TRUE_WORDS:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False

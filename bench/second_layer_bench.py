@@ -240,7 +240,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if timed is None
         else {
             "calls": timed.calls,
-            "hits": guard.hits,
+            "hits": guard.take_hits(),
             "setup_ms": round(setup_ms, 1),
             "overhead_ms": latency_summary(timed.overhead_ms),
             "effect_ms": latency_summary(timed.effect_ms),

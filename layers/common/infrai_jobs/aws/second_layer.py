@@ -32,10 +32,9 @@ operator who wants it retried drops the record (``SecondLayer.forget``) besides 
 Why a different fingerprint is permanent: retrying cannot make two different pieces of work
 share one key; the message goes to the DLQ for a human, like a ledger conflict.
 
-The in-progress record expires with the invocation (``start_invocation``), so a crashed
-call blocks its key only until the deadline (the ledger's running claim is what keeps a crashed
-irreversible job from a retry). Records expire one day after the ledger's retention, so they
-outlive every ledger row they back up (the prune runs daily).
+The in-progress record expires with the invocation (``start_invocation``), so a crashed call
+blocks its key only until the deadline (the ledger's running claim keeps a crashed irreversible
+job from a retry).
 """
 
 from __future__ import annotations
@@ -94,7 +93,8 @@ _UNCERTAIN = "uncertain"
 
 
 def record_expiry_seconds(retention_days: int) -> int:
-    """The ledger's retention plus the day the daily prune may lag."""
+    """The ledger's retention plus the day the daily prune may lag: a record outlives the
+    ledger row it backs up."""
     return (retention_days + 1) * 86_400
 
 
@@ -160,24 +160,17 @@ class SecondLayer:
         )
         self._lock = threading.Lock()
         self._hits = 0
-        self._hits_taken = 0
 
     def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
         """Let in-progress records expire with this invocation; call at every invocation."""
         context = SimpleNamespace(get_remaining_time_in_millis=time_left_ms)
         self._config.register_lambda_context(cast("LambdaContext", context))
 
-    @property
-    def hits(self) -> int:
-        """Calls answered from the store without running the effect, since start."""
-        with self._lock:
-            return self._hits
-
     def take_hits(self) -> int:
-        """Hits since the last call: what one invocation adds to ``SecondLayerHits``."""
+        """Calls answered from the store without running the effect, since the last take: what
+        one invocation adds to ``SecondLayerHits``."""
         with self._lock:
-            fresh = self._hits - self._hits_taken
-            self._hits_taken = self._hits
+            fresh, self._hits = self._hits, 0
             return fresh
 
     def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any:

@@ -249,8 +249,7 @@ class JobSettings(CommonSettings):
         return opt_outs
 
     def require_job_settings(self) -> dict[str, str]:
-        """The jobs' declared settings, every one set; else a ``ConfigurationError`` naming each
-        missing setting and the jobs that need it."""
+        """The jobs' declared settings, every one set, else an error naming each unset one."""
         missing = [name for name, value in self.job_settings.items() if not value]
         if missing:
             raise ConfigurationError(
@@ -264,8 +263,7 @@ class JobSettings(CommonSettings):
         return dict(self.job_settings)
 
     def require_job_secrets(self) -> dict[str, str]:
-        """The jobs' declared secrets, every one with its value (``aws.secrets`` fetched the
-        named ones); else a ``ConfigurationError`` naming each missing one and its jobs."""
+        """The jobs' declared secrets (``aws.secrets`` fetched the named ones), every one set."""
         missing = [name for name, value in self.job_secrets.items() if not value]
         if missing:
             raise ConfigurationError(
@@ -374,10 +372,8 @@ def _job_fields(
     secrets: Mapping[str, Sequence[str]],
     allow_plain_http: bool,
 ) -> dict[str, Any]:
-    """The jobs' declared settings (URLs each) and secrets. A secret's ARN is
-    ``NAME_SECRET_ARN``; the plain ``NAME`` is a local stand-in, refused in a deployed function
-    (its environment is readable by whoever may read its configuration) and beside its ARN
-    (which of the two would be meant?)."""
+    """The jobs' declared settings (URLs each) and secrets: a plain secret is refused in a
+    deployed function, and beside its ARN (which of the two would be meant?)."""
     owners = {name: tuple(jobs) for name, jobs in settings.items()}
     values = {name: env.get(name, "").strip() for name in owners}
     for name, value in values.items():

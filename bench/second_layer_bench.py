@@ -203,7 +203,7 @@ def _make_guard(spec: dict[str, Any], meter: DynamoDBMeter) -> tuple[Any, float]
     guard = second_layer.SecondLayer(
         store, expires_after_seconds=second_layer.record_expiry_seconds(_RETENTION_DAYS)
     )
-    guard.register_lambda_context(_TimeLeft())
+    guard.start_invocation(_TimeLeft().get_remaining_time_in_millis)
     return guard, (time.perf_counter() - started) * 1000
 
 
@@ -240,7 +240,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if timed is None
         else {
             "calls": timed.calls,
-            "hits": guard.hits,
+            "hits": guard.take_hits(),
             "setup_ms": round(setup_ms, 1),
             "overhead_ms": latency_summary(timed.overhead_ms),
             "effect_ms": latency_summary(timed.effect_ms),

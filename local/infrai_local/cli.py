@@ -36,7 +36,6 @@ from infrai_jobs.config.settings import (
     DEFAULT_BASE_URL,
     CommonSettings,
     DrainSettings,
-    raw_database_url,
 )
 from infrai_jobs.drain.loop import budget_shortfall
 from infrai_jobs.drain.model import DrainSummary
@@ -837,6 +836,12 @@ def _cmd_ops(args: argparse.Namespace) -> int:
             return client
 
         return run_ops(args, ops_context(settings, getattr(args, "jobs_path", None), queue))
+
+
+def raw_database_url() -> str:
+    """DATABASE_URL as the environment holds it, unchecked: for redacting it out of an error
+    raised before (or while) the settings were read."""
+    return os.environ.get("DATABASE_URL", "")
 
 
 def ops_context(

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
+from infrai_jobs.config.settings import SECRET_ARN_SUFFIX
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import describe
 from infrai_local.sam_template import (

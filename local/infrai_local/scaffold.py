@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX, secret_parameter_name
+from infrai_jobs.config.settings import SECRET_ARN_SUFFIX, secret_parameter_name
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobRegistry

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX, secret_parameter_name
+from infrai_jobs.config.settings import SECRET_ARN_SUFFIX, secret_parameter_name
 
 # The functions whose Environment holds the jobs' settings (they load the jobs and bind them).
 SETTING_FUNCTIONS: Final = ("DrainFunction", "DlqAlertFunction")

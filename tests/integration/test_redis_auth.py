@@ -111,7 +111,7 @@ def _guard(url: str) -> SecondLayer:
     settings = DrainSettings(idempotency_backend="redis", redis_url=url)
     guard = make_effect_guard(settings)
     assert isinstance(guard, SecondLayer)
-    guard.register_lambda_context(_MinuteLeft())
+    guard.start_invocation(_MinuteLeft().get_remaining_time_in_millis)
     return guard
 
 

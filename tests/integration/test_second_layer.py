@@ -136,7 +136,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
                 "before-call.dynamodb", lambda model, **_: calls.append(model.name)
             )
             guard = SecondLayer(dynamodb_store(TABLE, client=client), expires_after_seconds=EXPIRY)
-            guard.register_lambda_context(FakeLambdaContext())
+            guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
             yield Backend("dynamodb", guard, calls)
         return
     # A prefix of this test's own: its keys never meet another run's on a shared server.
@@ -144,7 +144,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
     store = redis_store(client=CountingRedis(client, calls))
     guard = SecondLayer(store, expires_after_seconds=EXPIRY, key_prefix=prefix)
-    guard.register_lambda_context(FakeLambdaContext())
+    guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
     try:
         yield Backend("redis", guard, calls)
     finally:
@@ -191,7 +191,6 @@ def test_a_lost_ledger_row_does_not_repeat_the_effect(
     row = kit.assert_settled(again, RECEIPT_KEY, outcome="done", acked=1, state="done")
     assert row.result == sent.result
     # And the replay is visible: counted, and logged with the key
-    assert backend.guard.hits == 1
     assert backend.guard.take_hits() == 1
     assert backend.guard.take_hits() == 0
     hits = [r for r in caplog.records if getattr(r, "action", "") == "second_layer_hit"]
@@ -213,7 +212,7 @@ def test_an_uncertain_effect_is_not_retried_through_the_second_layer(
     row = kit.assert_settled(summary, "test.ext:x", outcome="stuck", acked=0, state="running")
     assert kit.external_effects("test.ext:x") == 1
     assert "replayed by the second layer" in (row.error or "")
-    assert backend.guard.hits == 1
+    assert backend.guard.take_hits() == 1
 
 
 def test_concurrent_duplicates_run_the_effect_once(
@@ -294,7 +293,7 @@ def test_a_transient_failure_leaves_no_record_so_the_retry_runs(
     # Then it ran: Powertools dropped its record when the first call raised
     assert summary.outcomes.get("done") == 1
     assert kit.external_effects("test.ext:t") == 1
-    assert backend.guard.hits == 0
+    assert backend.guard.take_hits() == 0
 
 
 def test_an_operator_can_forget_an_uncertain_record_to_retry_the_job(
@@ -368,7 +367,7 @@ def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_ag
         client = boto3.client("dynamodb")
         create_table_as_the_template_does(client, TABLE)
         guard = SecondLayer(dynamodb_store(TABLE, client=client), expires_after_seconds=EXPIRY)
-        guard.register_lambda_context(FakeLambdaContext())
+        guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
         features = (SecondLayerFeature(guard),)
         # ... and a receipt whose provider answered 503 without sending: uncertain, stored so
         control = urllib3.PoolManager()

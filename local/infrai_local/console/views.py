@@ -18,7 +18,6 @@ from typing import Any, Protocol
 from flask import Flask, Response, redirect, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from infrai_jobs.config.settings import raw_database_url
 from infrai_jobs.errors import (
     ClaimChanged,
     ClaimNotFound,
@@ -28,6 +27,7 @@ from infrai_jobs.errors import (
     InfraiJobsError,
 )
 from infrai_jobs.ledger.postgres import redact
+from infrai_local.cli import raw_database_url
 from infrai_local.console import chart, commands
 from infrai_local.console.commands import BULK_LIMIT, CommandResult
 from infrai_local.console.guard import TOKEN_FIELD, Guard

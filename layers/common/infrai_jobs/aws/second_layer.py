@@ -32,10 +32,9 @@ operator who wants it retried drops the record (``SecondLayer.forget``) besides 
 Why a different fingerprint is permanent: retrying cannot make two different pieces of work
 share one key; the message goes to the DLQ for a human, like a ledger conflict.
 
-The in-progress record expires with the invocation (``register_lambda_context``), so a crashed
-call blocks its key only until the deadline (the ledger's running claim is what keeps a crashed
-irreversible job from a retry). Records expire one day after the ledger's retention, so they
-outlive every ledger row they back up (the prune runs daily).
+The in-progress record expires with the invocation (``start_invocation``), so a crashed call
+blocks its key only until the deadline (the ledger's running claim keeps a crashed irreversible
+job from a retry).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 # Importing this imports boto3: only ``factory.make_effect_guard`` does, with a backend on.
 from aws_lambda_powertools.utilities.idempotency import (
@@ -86,7 +85,6 @@ logger = logging.getLogger(__name__)
 # Fixed, so records keep matching after the function is renamed, moved or redeployed under
 # another stack name (Powertools' default prefix is the function's name and module).
 KEY_PREFIX = "infrai-jobs"
-SECONDS_PER_DAY = 86_400
 # Seconds Redis may take to connect or answer before the call fails as transient.
 REDIS_TIMEOUT_SECONDS = 2.0
 
@@ -94,15 +92,10 @@ _DONE = "done"
 _UNCERTAIN = "uncertain"
 
 
-class RemainingTime(Protocol):
-    """The one thing Powertools reads from a Lambda context."""
-
-    def get_remaining_time_in_millis(self) -> int: ...
-
-
 def record_expiry_seconds(retention_days: int) -> int:
-    """The ledger's retention plus the day the daily prune may lag."""
-    return (retention_days + 1) * SECONDS_PER_DAY
+    """The ledger's retention plus the day the daily prune may lag: a record outlives the
+    ledger row it backs up."""
+    return (retention_days + 1) * 86_400
 
 
 @dataclass
@@ -167,28 +160,17 @@ class SecondLayer:
         )
         self._lock = threading.Lock()
         self._hits = 0
-        self._hits_taken = 0
-
-    def register_lambda_context(self, context: RemainingTime) -> None:
-        """Let in-progress records expire with this invocation; call at every invocation."""
-        self._config.register_lambda_context(cast("LambdaContext", context))
 
     def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
-        """``register_lambda_context`` for a drain given its time budget as a callable."""
+        """Let in-progress records expire with this invocation; call at every invocation."""
         context = SimpleNamespace(get_remaining_time_in_millis=time_left_ms)
-        self.register_lambda_context(cast("RemainingTime", context))
-
-    @property
-    def hits(self) -> int:
-        """Calls answered from the store without running the effect, since start."""
-        with self._lock:
-            return self._hits
+        self._config.register_lambda_context(cast("LambdaContext", context))
 
     def take_hits(self) -> int:
-        """Hits since the last call: what one invocation adds to ``SecondLayerHits``."""
+        """Calls answered from the store without running the effect, since the last take: what
+        one invocation adds to ``SecondLayerHits``."""
         with self._lock:
-            fresh = self._hits - self._hits_taken
-            self._hits_taken = self._hits
+            fresh, self._hits = self._hits, 0
             return fresh
 
     def run(self, idem_key: str, fingerprint: str, call: Callable[[], Any]) -> Any:
@@ -288,14 +270,11 @@ def redis_store(
         import redis  # noqa: PLC0415
 
         # Our own client, to bound how long a dead server can hold the drain.
-        client = cast(
-            "CacheClientProtocol",
-            redis.Redis.from_url(
-                url,
-                socket_timeout=REDIS_TIMEOUT_SECONDS,
-                socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
-            ),
+        timeout = REDIS_TIMEOUT_SECONDS
+        connection = redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
+        client = cast("CacheClientProtocol", connection)
 
     with warnings.catch_warnings():
         # Powertools marks the class behind its recommended ``CachePersistenceLayer`` alias as

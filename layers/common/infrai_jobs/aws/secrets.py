@@ -21,11 +21,11 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
 
-from infrai_jobs.config.job_secrets import SECRET_ARN_SUFFIX
 from infrai_jobs.config.redis_url import REDIS_SCHEMES, check_redis_url, redis_lacks_auth
 from infrai_jobs.config.settings import (
     DATABASE_SSLMODES,
     DEFAULT_DATABASE_SSLMODE,
+    SECRET_ARN_SUFFIX,
     AnySettings,
     JobSettings,
 )
@@ -59,10 +59,11 @@ class SecretSource(Generic[AnySettings]):
 
     def resolve(self) -> AnySettings:
         """The settings with every secret they name fetched, the jobs' secrets included."""
-        settings = self.settings
-        key = self._api_key(force_fetch=False) if self.api_key else settings.infrai_api_key
+        settings, fetch = self.settings, self._fetchers(force_fetch=False)
         resolved = replace(
-            settings, infrai_api_key=key, database_url=self._database_url(force_fetch=False)
+            settings,
+            infrai_api_key=fetch.api_key() if fetch.api_key else settings.infrai_api_key,
+            database_url=fetch.database_url() if fetch.database_url else settings.database_url,
         )
         if not isinstance(resolved, JobSettings):
             return resolved
@@ -76,29 +77,25 @@ class SecretSource(Generic[AnySettings]):
 
     @property
     def refresh(self) -> SecretRefresh:
-        settings = self.settings
-        fetches_key = self.api_key and not settings.infrai_api_key and settings.api_key_parameter
-        fetches_url = not settings.database_url and settings.database_secret_arn
-        return SecretRefresh(
-            api_key=partial(self._api_key, force_fetch=True) if fetches_key else None,
-            database_url=partial(self._database_url, force_fetch=True) if fetches_url else None,
-        )
+        return self._fetchers(force_fetch=True)
 
-    def _api_key(self, *, force_fetch: bool) -> str:
+    def _fetchers(self, *, force_fetch: bool) -> SecretRefresh:
+        """A fetch for each secret named and not given in plain (a plain one wins)."""
         settings = self.settings
-        if settings.infrai_api_key or not settings.api_key_parameter:
-            return settings.infrai_api_key
-        return _fetch_parameter(settings.api_key_parameter, force_fetch=force_fetch)
+        api_key = database_url = None
+        if self.api_key and not settings.infrai_api_key and settings.api_key_parameter:
+            api_key = partial(_fetch_parameter, settings.api_key_parameter, force_fetch)
+        if not settings.database_url and settings.database_secret_arn:
+            database_url = partial(_database_url, settings, force_fetch)
+        return SecretRefresh(api_key=api_key, database_url=database_url)
 
-    def _database_url(self, *, force_fetch: bool) -> str:
-        settings = self.settings
-        if settings.database_url or not settings.database_secret_arn:
-            return settings.database_url
-        return database_url_from_secret(
-            _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
-            sslmode=settings.database_sslmode,
-            ca_bundle=settings.database_ca_bundle,
-        )
+
+def _database_url(settings: AnySettings, force_fetch: bool) -> str:
+    return database_url_from_secret(
+        _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
+        sslmode=settings.database_sslmode,
+        ca_bundle=settings.database_ca_bundle,
+    )
 
 
 def _job_secrets(settings: JobSettings) -> dict[str, str]:
@@ -187,13 +184,10 @@ def _connection_string(text: str) -> str:
     missing = [k for k in ("host", "username", "password") if not document.get(k)]
     if missing:
         raise ConfigurationError(f"the database secret JSON lacks {', '.join(missing)}")
-    raw_port = document.get("port") or 5432
     try:
-        port = int(raw_port)
+        port = int(document.get("port") or 5432)
     except (TypeError, ValueError):
-        raise ConfigurationError(
-            "the database secret JSON has a port that is not a number"
-        ) from None
+        raise ConfigurationError("the database secret JSON's port is not a number") from None
     user = quote(str(document["username"]), safe="")
     password = quote(str(document["password"]), safe="")
     host = str(document["host"])
@@ -257,7 +251,7 @@ def _ca_bundle(path: str, mode: str) -> str:
     return path
 
 
-def _fetch_parameter(name: str, *, force_fetch: bool) -> str:
+def _fetch_parameter(name: str, force_fetch: bool) -> str:
     from aws_lambda_powertools.utilities import parameters  # noqa: PLC0415 - boto3 on demand
 
     value = parameters.get_parameter(

@@ -38,10 +38,8 @@ def check_redis_url(name: str, url: str) -> None:
             "host that is not loopback, so the password and the records travel encrypted"
         )
     for parameter, values in parse_qs(parts.query, keep_blank_values=True).items():
-        weakened = parameter.lower() in _REDIS_TLS_WEAKENERS and any(
-            not _REDIS_TLS_WEAKENERS[parameter.lower()](value) for value in values
-        )
-        if weakened:
+        keeps_check = _REDIS_TLS_WEAKENERS.get(parameter.lower())
+        if keeps_check is not None and not all(map(keeps_check, values)):
             raise ConfigurationError(
                 f"{name} sets {parameter}={values[0]}, which weakens the TLS check of the "
                 f"server at {host or 'its socket'}: remove it (the certificate and the host "
@@ -60,13 +58,10 @@ _REDIS_TLS_WEAKENERS: dict[str, Callable[[str], bool]] = {
 
 
 def redis_lacks_auth(url: str) -> bool:
-    """Whether a Redis URL to a host off loopback carries no password: the server then lets
-    anyone who reaches it read and write the second layer's records."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-    except ValueError:
-        return False
-    if url.startswith("unix://") or is_loopback_host(host):
-        return False
-    return not parts.password
+    """Whether a Redis URL (one ``check_redis_url`` passed) to a host off loopback carries no
+    password: the server then lets anyone who reaches it read and write the second layer's
+    records."""
+    parts = urlsplit(url)
+    return not (
+        url.startswith("unix://") or is_loopback_host(parts.hostname or "") or parts.password
+    )

@@ -25,9 +25,9 @@ from types import MappingProxyType
 from typing import Any, Literal, Self, TypeVar, get_args
 from urllib.parse import urlsplit
 
-from infrai_jobs.config.job_secrets import job_secret_fields, missing_secrets
 from infrai_jobs.config.redis_url import check_redis_url, is_loopback_host, redis_lacks_auth
 from infrai_jobs.config.table import (
+    TRUE_WORDS,
     Parse,
     Reading,
     Setting,
@@ -52,6 +52,7 @@ MAX_DRAIN_CONCURRENCY = 1000
 # Idle polling faster than this would spend Infrai's consume rate limit on an empty queue.
 MIN_IDLE_POLL_MS = 50
 ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
+SECRET_ARN_SUFFIX = "_SECRET_ARN"  # noqa: S105 - a variable name's suffix, not a secret
 
 # The ledger's TLS in AWS, strongest first: verify-full checks the certificate and the host name,
 # verify-ca the certificate only, require neither (an explicit, logged opt-out each).
@@ -248,8 +249,7 @@ class JobSettings(CommonSettings):
         return opt_outs
 
     def require_job_settings(self) -> dict[str, str]:
-        """The jobs' declared settings, every one set; else a ``ConfigurationError`` naming each
-        missing setting and the jobs that need it."""
+        """The jobs' declared settings, every one set, else an error naming each unset one."""
         missing = [name for name, value in self.job_settings.items() if not value]
         if missing:
             raise ConfigurationError(
@@ -263,11 +263,18 @@ class JobSettings(CommonSettings):
         return dict(self.job_settings)
 
     def require_job_secrets(self) -> dict[str, str]:
-        """The jobs' declared secrets, every one with its value (``aws.secrets`` fetched the
-        named ones); else a ``ConfigurationError`` naming each missing one and its jobs."""
+        """The jobs' declared secrets (``aws.secrets`` fetched the named ones), every one set."""
         missing = [name for name, value in self.job_secrets.items() if not value]
         if missing:
-            raise ConfigurationError(missing_secrets(missing, self.job_secret_owners))
+            raise ConfigurationError(
+                "; ".join(
+                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} "
+                    f"need it: in AWS, name its Secrets Manager secret with {name}"
+                    f"{SECRET_ARN_SUFFIX} (template parameter {secret_parameter_name(name)}); "
+                    f"locally, export {name}"
+                    for name in missing
+                )
+            )
         return dict(self.job_secrets)
 
 
@@ -349,10 +356,8 @@ def load_settings(
     env = os.environ if environ is None else environ
     values = read_table(settings_table(kind), env)
     if issubclass(kind, JobSettings):
-        values.update(
-            _job_fields(env, job_settings or {}, allow_plain_http=bool(values["allow_plain_http"]))
-        )
-        values.update(job_secret_fields(env, job_secrets or {}))
+        allow_plain_http = bool(values["allow_plain_http"])
+        values.update(_job_fields(env, job_settings or {}, job_secrets or {}, allow_plain_http))
     settings = kind(**values)
     if isinstance(settings, JobSettings):
         _check_second_layer(settings)
@@ -362,9 +367,14 @@ def load_settings(
 
 
 def _job_fields(
-    env: Mapping[str, str], declared: Mapping[str, Sequence[str]], *, allow_plain_http: bool
+    env: Mapping[str, str],
+    settings: Mapping[str, Sequence[str]],
+    secrets: Mapping[str, Sequence[str]],
+    allow_plain_http: bool,
 ) -> dict[str, Any]:
-    owners = {name: tuple(jobs) for name, jobs in declared.items()}
+    """The jobs' declared settings (URLs each) and secrets: a plain secret is refused in a
+    deployed function, and beside its ARN (which of the two would be meant?)."""
+    owners = {name: tuple(jobs) for name, jobs in settings.items()}
     values = {name: env.get(name, "").strip() for name in owners}
     for name, value in values.items():
         if value:
@@ -375,10 +385,37 @@ def _job_fields(
                 example="https://mail.example.com",
                 credential_home=JOB_CREDENTIAL_HOME,
             )
+    secret_owners = {name: tuple(jobs) for name, jobs in secrets.items()}
+    arns = {name: env.get(name + SECRET_ARN_SUFFIX, "").strip() for name in secret_owners}
+    plain = {name: env.get(name, "") for name in secret_owners}
+    # Lambda names the function, and no local invocation said AWS_SAM_LOCAL=true.
+    deployed = bool(secrets) and bool(env.get("AWS_LAMBDA_FUNCTION_NAME"))
+    deployed = deployed and env.get("AWS_SAM_LOCAL", "").strip().lower() not in TRUE_WORDS
+    for name, jobs in secret_owners.items():
+        if plain[name] and arns[name]:
+            raise ConfigurationError(
+                f"{name} and {name}{SECRET_ARN_SUFFIX} are both set: keep the value in the "
+                f"secret only (unset {name})"
+            )
+        if plain[name] and deployed:
+            raise ConfigurationError(
+                f"{name} (for {', '.join(jobs)}) is set in the function's plain environment, "
+                "readable by whoever may read its configuration: store it in Secrets Manager, "
+                f"name it with {name}{SECRET_ARN_SUFFIX} (template parameter "
+                f"{secret_parameter_name(name)}), and remove {name}"
+            )
     return {
         "job_settings": MappingProxyType(values),
         "job_setting_owners": MappingProxyType(owners),
+        "job_secret_arns": MappingProxyType(arns),
+        "job_secrets": MappingProxyType(plain),
+        "job_secret_owners": MappingProxyType(secret_owners),
     }
+
+
+def secret_parameter_name(secret: str) -> str:
+    """``MAIL_API_TOKEN`` -> ``MailApiTokenSecretArn``: the template parameter of its ARN."""
+    return "".join(part.capitalize() for part in (secret + SECRET_ARN_SUFFIX).split("_") if part)
 
 
 _HOW_TO_SET = {
@@ -442,12 +479,6 @@ def _is_plain_http_off_loopback(url: str) -> bool:
     return parts.scheme == "http" and not is_loopback_host(parts.hostname or "")
 
 
-def raw_database_url(environ: Mapping[str, str] | None = None) -> str:
-    """DATABASE_URL as the environment holds it, unchecked: for redacting it out of an error
-    raised before (or while) the settings were read."""
-    return (os.environ if environ is None else environ).get("DATABASE_URL", "")
-
-
 def _check_second_layer(settings: JobSettings) -> None:
     backend = settings.idempotency_backend
     if backend == "dynamodb" and not settings.idempotency_table:
@@ -464,19 +495,12 @@ def _check_second_layer(settings: JobSettings) -> None:
         )
     if settings.redis_url:
         check_redis_url("REDIS_URL", settings.redis_url)
-    if settings.redis_secret_arn and _has_credentials(settings.redis_url):
+    parts = urlsplit(settings.redis_url)  # checked above: it parses
+    if settings.redis_secret_arn and (parts.username or parts.password):
         raise ConfigurationError(
             "REDIS_URL carries credentials while REDIS_SECRET_ARN is set: keep the password in "
             "the secret only"
         )
-
-
-def _has_credentials(url: str) -> bool:
-    try:
-        parts = urlsplit(url)
-        return bool(parts.username or parts.password)
-    except ValueError:
-        return False
 
 
 def tracing_on() -> bool:

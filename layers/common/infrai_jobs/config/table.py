@@ -1,10 +1,6 @@
-"""The settings table: each setting declared once, as a dataclass field that also says how it
-is read.
-
-``setting(variable, default, parse)`` is the field's default: it names the environment
-variable, the value when it is unset, and the function that turns its text into the value (or
-a ``ConfigurationError`` naming the variable). ``settings_table(kind)`` reads those rows back,
-in field order; ``read_table`` fills them from an environment. config/settings.py declares them.
+"""The settings table: each setting declared once (in config/settings.py), as a dataclass field
+``setting(variable, default, parse)``: its environment variable, its value when unset, and how
+its text becomes the value (or a ``ConfigurationError`` naming the variable).
 """
 
 from __future__ import annotations
@@ -16,12 +12,12 @@ from typing import Any, TypeVar
 from infrai_jobs.errors import ConfigurationError
 
 _T = TypeVar("_T")
+TRUE_WORDS = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One row: the variable, the field it fills, the field's value when the variable is
-    unset, and how the variable's text becomes the value."""
+    """One row, as ``settings_table`` reads it back from a field."""
 
     variable: str
     field_name: str
@@ -80,7 +76,7 @@ def parse_bool(row: Setting, raw: str | None, reading: Reading) -> bool:
     if raw is None or raw.strip() == "":
         return bool(row.default)
     lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
+    if lowered in TRUE_WORDS:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False

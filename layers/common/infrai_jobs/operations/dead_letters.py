@@ -115,11 +115,6 @@ class Unreadable:
     size: int | None
     reason: str
 
-    @classmethod
-    def from_error(cls, exc: ConsumeAnswerLost) -> Unreadable:
-        ids = exc.message_ids
-        return cls(message_id=ids[0] if len(ids) == 1 else None, size=exc.size, reason=str(exc))
-
     def describe(self) -> str:
         size = f"{self.size} bytes" if self.size is not None else "size unknown"
         return f"unreadable dead letter ({size}): {self.reason}"
@@ -462,7 +457,8 @@ def collect(
             unreadable_in_a_row = 0
         except ConsumeAnswerLost as exc:
             unreadable_in_a_row += 1
-            unreadable = Unreadable.from_error(exc)
+            ids = exc.message_ids
+            unreadable = Unreadable(ids[0] if len(ids) == 1 else None, exc.size, str(exc))
             batch = [unreadable]
             extra: dict[str, Any] = {"action": "dead_letter_unreadable", "queue": dlq}
             extra.update(message_id=unreadable.message_id, size_bytes=unreadable.size)

@@ -41,6 +41,8 @@ from infrai_jobs.queue.ports import QueuePort
 from infrai_local.operator import (
     OperatorLedger,
     default_actor,
+    reconcile_one,
+    still_stuck,
 )
 
 EXIT_OK = 0
@@ -754,7 +756,7 @@ def _reconcile(args: argparse.Namespace, reconciler: Reconciler, out: TextIO) ->
             threshold_seconds=args.older_than, limit=args.limit, dry_run=args.dry_run
         )
     else:
-        report = reconciler.run_one(args.key, dry_run=args.dry_run)
+        report = reconcile_one(reconciler, args.key, dry_run=args.dry_run)
     _emit(report.as_dict(), args.json, lambda: _reconcile_human(report, out), out)
     return EXIT_OK
 
@@ -768,7 +770,7 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
     print(f"\n{lead}probed {len(report.outcomes)} stuck claim(s): {counts}", file=out)
     if report.skipped:
         print(f"{report.skipped} more left unprobed (time ran out); run it again", file=out)
-    left = report.still_stuck()
+    left = still_stuck(report)
     if left and not report.dry_run:
         print(
             f"{len(left)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",

@@ -25,8 +25,9 @@ from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import ledger as flow
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, CLAIM_BY_KEY_FOR_UPDATE, CLAIM_COLUMNS
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.claims_admin import ClaimsAdmin, ReconcileWrite
 from infrai_jobs.operations.dead_letters import storable_json
+from infrai_jobs.operations.reconcile import ProbeOutcome, Reconciler, ReconcileReport
 
 
 def default_actor() -> str:
@@ -347,3 +348,19 @@ def _refusal(target: ClaimRow, action: str, token: uuid.UUID | None) -> str:
     return change_refused(
         target, command=COMMANDS[action], allowed_states=_ALLOWED[action], token=token
     )
+
+
+def reconcile_one(reconciler: Reconciler, key: str, *, dry_run: bool = False) -> ReconcileReport:
+    """Probe one claim, named by its key: a running claim of a job with a probe."""
+    claim = reconciler.admin.find(key)
+    if claim is None:
+        raise ClaimNotFound(f"no claim with key {key!r}")
+    if claim.state != "running":
+        raise ClaimChanged(f"claim {key!r} is {claim.state}: only a running claim is reconciled")
+    return ReconcileReport([reconciler.reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
+
+
+def still_stuck(report: ReconcileReport) -> list[ProbeOutcome]:
+    """The probed claims a pass left stuck: unknown, fenced out, or under a live lease."""
+    resolved = (ReconcileWrite.SETTLED.value, ReconcileWrite.RELEASED.value)
+    return [outcome for outcome in report.outcomes if outcome.action not in resolved]

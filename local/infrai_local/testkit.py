@@ -64,7 +64,7 @@ from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import load_registry
 from infrai_local.migrations import migrate_all
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator import OperatorLedger, reconcile_one
 from infrai_local.sandbox import STAND_IN_SECRET
 
 QUEUE = "testkit-jobs"
@@ -436,9 +436,8 @@ class JobKit:
         # The drain's lease runs out (the kit moves it into the past): only then may a probe's
         # answer change the claim.
         self.sql(_END_THE_LEASE, {"key": key})
-        report = Reconciler(ClaimsAdmin(self.database_url), self.registry, actor="job-kit").run_one(
-            key
-        )
+        reconciler = Reconciler(ClaimsAdmin(self.database_url), self.registry, actor="job-kit")
+        report = reconcile_one(reconciler, key)
         (outcome,) = report.outcomes
         expected = ("done", "settled_done") if effect_happened else ("not_done", "released")
         self._expect(

@@ -23,6 +23,7 @@ from infrai_jobs.jobs.probes import MAX_PROBE_RESULT_BYTES, Done, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
+from infrai_local.operator import reconcile_one
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ def kit(database_url: str) -> Iterator[Harness]:
 
 
 def _reconcile(kit: Harness, key: str) -> tuple[str, str]:
-    report = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=OPERATOR).run_one(key)
+    reconciler = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=OPERATOR)
+    report = reconcile_one(reconciler, key)
     ((outcome),) = report.outcomes
     return outcome.answer, outcome.action
 

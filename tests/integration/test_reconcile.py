@@ -31,6 +31,7 @@ from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.runtime.factory import WATCHER_ACTOR
 from infrai_jobs.runtime.observability import record_alert_check
+from infrai_local.operator import reconcile_one
 
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "ada@example.com"}
 DIGEST = {"job": "digest.build", "tenant_id": "t_1", "period": "2026-11"}
@@ -221,7 +222,7 @@ def test_a_probe_that_raises_or_hangs_is_unknown_and_changes_nothing(
 
     # When it is reconciled with a 0.3 s limit
     started = time.monotonic()
-    timed = Reconciler(admin, slow, actor=OPERATOR, probe_timeout=0.3).run_one(slow_key)
+    timed = reconcile_one(Reconciler(admin, slow, actor=OPERATOR, probe_timeout=0.3), slow_key)
 
     # Then the pass did not wait for it, counted it unknown, and left the claim alone
     assert time.monotonic() - started < 2
@@ -276,7 +277,8 @@ def test_a_claim_that_moved_on_while_probed_is_fenced_out(kit: Harness, database
     holder["key"] = seed_dead_worker_claim_for(kit, registry, {"job": "test.moving", "id": "m1"})
 
     # When it is reconciled
-    report = Reconciler(ClaimsAdmin(database_url), registry, actor=OPERATOR).run_one(holder["key"])
+    reconciler = Reconciler(ClaimsAdmin(database_url), registry, actor=OPERATOR)
+    report = reconcile_one(reconciler, holder["key"])
 
     # Then the release matched nothing: the new holder keeps its claim, nothing is recorded
     assert report.outcomes[0].action == "changed"

@@ -48,6 +48,7 @@ from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.factory import make_alert_check, make_effect_guard
+from infrai_local.operator import still_stuck
 
 ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}
@@ -425,7 +426,7 @@ def test_a_reconcile_that_cannot_drop_the_record_leaves_the_claim_stuck(
 
     # Then the claim is not released in the ledger alone: it stays running, still stuck
     assert [(o.answer, o.action) for o in report.outcomes] == [("not_done", "unchanged")]
-    assert len(report.still_stuck()) == 1
+    assert len(still_stuck(report)) == 1
     row = kit.row("receipt.send:inv_s503")
     assert row is not None
     assert row.state == "running"

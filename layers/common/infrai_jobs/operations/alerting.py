@@ -155,21 +155,14 @@ class AlertCheck(LedgerAdapter):
         alerter: Alerter,
         thresholds: AlertThresholds,
         *,
-        connect_timeout: int = 5,
         refresh_url: Callable[[], str] | None = None,
         reconciler: Reconciler | None = None,
     ) -> None:
-        super().__init__(database_url, connect_timeout=connect_timeout, refresh_url=refresh_url)
+        super().__init__(database_url, refresh_url=refresh_url)
         self._queue = queue
         self._reconciler = reconciler
         self._alerter = alerter
         self._thresholds = thresholds
-
-    def close(self) -> None:
-        """Close the queue client's connections (the ledger's are per run)."""
-        close = getattr(self._queue, "close", None)
-        if close is not None:
-            close()
 
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""

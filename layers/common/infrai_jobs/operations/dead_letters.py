@@ -115,11 +115,6 @@ class Unreadable:
     size: int | None
     reason: str
 
-    @classmethod
-    def from_error(cls, exc: ConsumeAnswerLost) -> Unreadable:
-        ids = exc.message_ids
-        return cls(message_id=ids[0] if len(ids) == 1 else None, size=exc.size, reason=str(exc))
-
     def describe(self) -> str:
         size = f"{self.size} bytes" if self.size is not None else "size unknown"
         return f"unreadable dead letter ({size}): {self.reason}"
@@ -311,10 +306,9 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded", or "already". A letter of a
-        job whose retry policy has attempts left after its deliveries, each of which died before
-        its run ended (no claim left, or a key-passing job's expired one), is "taken_back" as
-        deferred work instead. An ``external`` job's running claim stays a human's."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already"; "taken_back"
+        when ``_take_back`` defers its work instead (an ``external`` job's claim stays a
+        human's)."""
         assert dead.message_id is not None
         values: dict[str, Any] = dict.fromkeys(_NULLABLE)
         values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
@@ -386,7 +380,8 @@ class DeadLetterStore:
         self, message_id: str, publish: Callable[[Any], object], *, actor: str, note: str = ""
     ) -> bool:
         """Publish an unresolved row's payload (``publish``), then mark it redriven, under the
-        row's lock; False when it is resolved already or another redrive holds it."""
+        row's lock; False when it is resolved already or another redrive holds it. A crash in
+        between leaves it unresolved: the next redrive publishes it again, the claims absorb it."""
         return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
 
     def _resolve(
@@ -447,9 +442,8 @@ def collect(
     retry_of: RetryOf | None = None,
 ) -> Collected:
     """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
-    module's doc); ``stop`` is asked before each read. ``key_of`` derives each letter's key;
-    with ``retry_of``, a letter of a job with attempts left is taken back as deferred work
-    (``DeadLetterStore.record``), and acked the same way."""
+    module's doc), asking ``stop`` before each read; each is recorded (or taken back:
+    ``DeadLetterStore.record``), then acked."""
     store.ensure_reachable()
     summary = Collected()
     unreadable_in_a_row = 0
@@ -463,7 +457,8 @@ def collect(
             unreadable_in_a_row = 0
         except ConsumeAnswerLost as exc:
             unreadable_in_a_row += 1
-            unreadable = Unreadable.from_error(exc)
+            ids = exc.message_ids
+            unreadable = Unreadable(ids[0] if len(ids) == 1 else None, exc.size, str(exc))
             batch = [unreadable]
             extra: dict[str, Any] = {"action": "dead_letter_unreadable", "queue": dlq}
             extra.update(message_id=unreadable.message_id, size_bytes=unreadable.size)

@@ -19,12 +19,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from infrai_jobs.errors import (
-    ClaimChanged,
-    ClaimNotFound,
-    ConfigurationError,
-    SecondLayerUnavailable,
-)
+from infrai_jobs.errors import ClaimNotFound, ConfigurationError, SecondLayerUnavailable
 from infrai_jobs.jobs.keys import identity_from_key
 from infrai_jobs.jobs.probes import (
     ANSWERS,
@@ -81,11 +76,6 @@ class ReconcileReport:
         """How many claims got each answer (every answer present, zero included)."""
         counts = Counter(outcome.answer for outcome in self.outcomes)
         return {answer: counts[answer] for answer in ANSWERS}
-
-    def still_stuck(self) -> list[ProbeOutcome]:
-        """The probed claims the pass left stuck: unknown, fenced out, or under a live lease."""
-        resolved = (ReconcileWrite.SETTLED.value, ReconcileWrite.RELEASED.value)
-        return [outcome for outcome in self.outcomes if outcome.action not in resolved]
 
     def as_dict(self) -> dict[str, Any]:
         report = {"dry_run": self.dry_run, "by_answer": self.by_answer(), "skipped": self.skipped}
@@ -144,7 +134,7 @@ class Reconciler:
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
         forget: Callable[[str], None] | None = None,
     ) -> None:
-        self._admin = admin
+        self.admin = admin
         self._registry = registry
         self._actor = actor
         self._probe_timeout = probe_timeout
@@ -167,27 +157,16 @@ class Reconciler:
         jobs = self.probed_jobs()
         if not jobs:
             return report
-        candidates = self._admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
+        candidates = self.admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
         ends = None if budget_seconds is None else time.monotonic() + budget_seconds
         for index, claim in enumerate(candidates):
             if ends is not None and time.monotonic() + self._probe_timeout > ends:
                 report.skipped = len(candidates) - index
                 break
-            report.outcomes.append(self._reconcile(claim, dry_run=dry_run))
+            report.outcomes.append(self.reconcile(claim, dry_run=dry_run))
         return report
 
-    def run_one(self, key: str, *, dry_run: bool = False) -> ReconcileReport:
-        """Probe one claim, named by its key: a running claim of a job with a probe."""
-        claim = self._admin.find(key)
-        if claim is None:
-            raise ClaimNotFound(f"no claim with key {key!r}")
-        if claim.state != "running":
-            raise ClaimChanged(
-                f"claim {key!r} is {claim.state}: only a running claim is reconciled"
-            )
-        return ReconcileReport([self._reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
-
-    def _reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
+    def reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
         """Probe one stuck claim (a delivery's, or deferred work's) and act on the answer."""
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
@@ -229,7 +208,7 @@ class Reconciler:
         try:
             settled = detail if isinstance(answer, Done) else None
             note = history_note(answer.answer, detail)
-            write = self._admin.apply_probe_answer(
+            write = self.admin.apply_probe_answer(
                 claim, answer.answer, result=settled, actor=self._actor, note=note
             )
         except ClaimNotFound:

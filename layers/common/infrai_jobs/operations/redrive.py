@@ -1,10 +1,8 @@
 """Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
 
-Each selected row's payload is published, then the row marked redriven, under the row's lock: a
-crash between republishes, which the claims absorb. Each row is first judged (``forecast``): its
-copy would run, be skipped or bounce back; only what would run is published unless
-``include_bouncing``. ``reopen_failed`` deletes the work's ``failed`` claims (always, for a
-letter the ledger held itself). The verdicts: docs/operations.md, "Dead letters: the steps".
+Each selected row is first judged (``forecast``): its copy would run, be skipped or bounce back;
+only what would run is published unless ``include_bouncing``. The verdicts: docs/operations.md,
+"Dead letters: the steps".
 """
 
 from __future__ import annotations
@@ -149,8 +147,7 @@ class Selection:
     message_id: str | None = None
 
     def as_dict(self) -> dict[str, str]:
-        chosen = {"key": self.key, "job": self.job, "message_id": self.message_id}
-        return {name: value for name, value in chosen.items() if value is not None}
+        return {name: value for name, value in asdict(self).items() if value is not None}
 
 
 _EVENT_FLAGS = ("reopen_failed", "dry_run", "include_bouncing")
@@ -160,8 +157,7 @@ _EVENT_FILTERS = ("key", "job", "message_id")
 @dataclass(frozen=True, slots=True)
 class RedriveRequest:
     """One redrive: what RedriveFunction's event (see events/redrive.json) or the command line
-    asks for, and where and for whom (``source``, ``target`` and ``actor``, which the caller
-    names: its settings, ``--queue``, the operator or the function)."""
+    asks for; the caller names where and for whom (``to``)."""
 
     max_messages: int = 100
     reopen_failed: bool = False
@@ -349,8 +345,13 @@ def redrive(
         if request.reopen_failed or row.held_by_ledger:
             # A letter the ledger held is its own failed claim's: without the reopen, the new
             # copy would meet that claim and walk to Infrai's DLQ instead of running.
+            # Unrepresentable work has no fingerprint: its claim is matched by message id alone.
             assert admin is not None
-            summary.reopened.extend(_reopen(admin, row.message_id, row.body, actor=actor))
+            fingerprint = fingerprint_or_none(row.body)
+            reopened = admin.reopen_failed(
+                message_id=row.message_id, fingerprint=fingerprint, actor=actor
+            )
+            summary.reopened.extend(reopened)
         if store.redrive(row.message_id, publish, actor=actor, note="redrive"):
             summary.published += 1
     _log_outcome(summary)
@@ -375,9 +376,3 @@ def _log_outcome(summary: RedriveSummary) -> None:
             "redrive could not move every dead letter; the rest stay unresolved",
             extra={"action": "redrive_incomplete", **incomplete},
         )
-
-
-def _reopen(admin: ClaimsAdmin, message_id: str, payload: Any, *, actor: str) -> list[str]:
-    # Unrepresentable work has no fingerprint: its claim is matched by message id alone.
-    fingerprint = fingerprint_or_none(payload)
-    return admin.reopen_failed(message_id=message_id, fingerprint=fingerprint, actor=actor)

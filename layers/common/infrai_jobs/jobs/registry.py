@@ -14,7 +14,7 @@ function reads exactly those at its edge and binds them (``bind_settings``) befo
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType
@@ -313,9 +313,7 @@ class JobRegistry:
     def unknown_job(self, name: str) -> str:
         """What to tell someone who named a job this registry lacks: the closest name it has."""
         known = ", ".join(sorted(self._jobs)) or "none"
-        close = difflib.get_close_matches(name, self._jobs, n=1)
-        guess = f"did you mean {close[0]!r}? " if close else ""
-        return f"unknown job {name!r} ({guess}registered: {known})"
+        return f"unknown job {name!r} ({did_you_mean(name, self._jobs)}registered: {known})"
 
     def derive(self, payload: object) -> DerivedJob:
         """Match a payload to its job, check it against the job's schema and derive its key;
@@ -338,3 +336,9 @@ class JobRegistry:
             self.settings_of(name),
             self.secrets_of(name),
         )
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """ "did you mean 'x'? " for the closest of ``known`` to ``name``, or ""."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""

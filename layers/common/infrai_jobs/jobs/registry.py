@@ -246,14 +246,10 @@ class JobRegistry:
         """Give every job the values of the settings and secrets it declared, at start-up; a
         missing or empty one is a ``ConfigurationError`` naming it and its jobs, never a value."""
         secret_values = secrets or {}
-        missing = {
-            name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
+        missing = {n: jobs for n, jobs in self.declared_settings().items() if not values.get(n)}
+        missing |= {
+            n: jobs for n, jobs in self.declared_secrets().items() if not secret_values.get(n)
         }
-        missing.update(
-            (name, jobs)
-            for name, jobs in self.declared_secrets().items()
-            if not secret_values.get(name)
-        )
         if missing:
             raise ConfigurationError(
                 "; ".join(

@@ -137,11 +137,9 @@ class ClaimRow:
 
 
 # --- The one state machine ---------------------------------------------------------------------
-#
 # Every unit of work is one ``job_claims`` row: one token, one lease, one clock (the
-# database's). ``(none)`` is "no row". A running row is owned by the ledger once it was
-# deferred; before that its message drives it. docs/design.md shows this table (a test keeps
-# the two equal), and the contract suite drives every transition on PostgreSQL.
+# database's). ``(none)`` is "no row". docs/design.md shows this table (a test keeps the two
+# equal), and the contract suite drives every transition on PostgreSQL.
 
 WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
 

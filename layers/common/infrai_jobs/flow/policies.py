@@ -99,19 +99,17 @@ def _parse_section(where: str, section: str, body: object) -> object:
             if not all(isinstance(item, str) for item in arguments[listed]):
                 raise ConfigurationError(f"{where}: {section}.{listed} must hold only strings")
             arguments[listed] = tuple(arguments[listed])
+    missing = sorted(
+        name
+        for name, field in fields.items()
+        if name not in arguments
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ConfigurationError(f"{where}: {section}.{missing[0]} is missing")
     try:
         return kind(**arguments)
-    except TypeError:
-        missing = sorted(
-            name
-            for name, field in fields.items()
-            if name not in arguments
-            and field.default is dataclasses.MISSING
-            and field.default_factory is dataclasses.MISSING
-        )
-        raise ConfigurationError(
-            f"{where}: {section}.{missing[0] if missing else '?'} is missing"
-        ) from None
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
 
@@ -131,8 +129,7 @@ def effective_policy(declared: JobPolicy, override: JobPolicy | None) -> JobPoli
 
 
 def next_delay(policy: RetryPolicy, attempt: int) -> float:
-    """Seconds to wait after attempt ``attempt`` (1 is the first run) failed:
-    ``first_delay_seconds * factor ** (attempt - 1)``, capped at ``max_delay_seconds``."""
+    """Seconds to wait after attempt ``attempt`` (1 is the first run) failed (``RetryPolicy``)."""
     if attempt < 1:
         raise ValueError(f"attempts count from 1 (got {attempt})")
     first, cap = float(policy.first_delay_seconds), float(policy.max_delay_seconds)

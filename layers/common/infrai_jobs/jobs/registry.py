@@ -2,10 +2,9 @@
 
 Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., ...)``. The effect
 class decides how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE``
-job's claim, effect and ``done`` commit in one transaction (``ctx.db``); an ``EXTERNAL`` job's
-claim is committed ``running`` before the irreversible call, so a crash leaves it for a human
-(or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream accepts our
-key (``ctx.idem_key``), so an expired claim may be taken over and the call repeated.
+job's claim, effect and ``done`` commit together (``ctx.db``); an ``EXTERNAL`` job's crash
+leaves its claim for a human (or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT``
+job's downstream accepts our key (``ctx.idem_key``), so an expired claim may be taken over.
 
 Settings (downstream URLs) and secrets (credentials, never in a URL) are declared by name; the
 function reads exactly those at its edge and binds them (``bind_settings``) before consuming.

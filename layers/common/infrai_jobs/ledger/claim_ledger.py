@@ -217,10 +217,9 @@ def _aborted(conn: psycopg.Connection[Any]) -> bool:
 
 @contextmanager
 def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """A database-class batch's transaction on the autocommit connection: opened by its first
-    statement (``BEGIN; <claim>``) and committed by its last (``<settle>; COMMIT``), one round
-    trip each. What the body leaves open is committed here; any failure rolls back the whole.
-    ``conn.transaction()`` inside it is a savepoint."""
+    """A database-class batch's transaction on the autocommit connection, opened by its first
+    statement (``BEGIN; <claim>``) and committed by its last (``<settle>; COMMIT``) or here; any
+    failure rolls back the whole. ``conn.transaction()`` inside it is a savepoint."""
     try:
         yield
     except BaseException:
@@ -373,13 +372,11 @@ class PostgresLedger(LedgerAdapter):
             with conn.cursor(row_factory=dict_row) as cur:
                 claimed = cur.execute(_CLAIM, params).fetchall()
         rows = {row["idem_key"]: row for row in claimed}
-        with conn.cursor(row_factory=dict_row) as cur:
-            unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
-            if unseen:
-                reread = cur.execute(
-                    _REREAD, {"keys": array_literal(unseen), "visibility": self._visibility}
-                )
-                rows.update({row["idem_key"]: row for row in reread.fetchall()})
+        unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
+        if unseen:
+            reread = {"keys": array_literal(unseen), "visibility": self._visibility}
+            with conn.cursor(row_factory=dict_row) as cur:
+                rows.update((row["idem_key"], row) for row in cur.execute(_REREAD, reread))
         by_key = {r.idem_key: r for r in requests}
         return [decide(by_key[key], row) for key, row in rows.items()]
 
@@ -387,13 +384,11 @@ class PostgresLedger(LedgerAdapter):
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
         """Claim, run and settle database jobs in one transaction: every claim decision and
-        the settlements of the jobs that ran. Nothing is committed unless everything is, so a
-        crash or a lost connection leaves no trace and the redeliveries simply run again.
-
-        The common case costs two round trips per batch (``BEGIN`` travels with the claim,
-        ``COMMIT`` with the settle). If any handler fails, that attempt is rolled back whole and
-        the batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
-        """
+        the settlements of the jobs that ran. A crash or a lost connection leaves no trace, and
+        the redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the
+        claim, ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back
+        whole and the batch runs again with a savepoint per job, so one failure cannot undo its
+        neighbours."""
         if not requests:
             return [], []
         with self._translated() as conn:
@@ -486,11 +481,9 @@ class PostgresLedger(LedgerAdapter):
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         if not reasons:
             return
+        params = {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())}
         with self._translated() as conn:
-            conn.execute(
-                _FLAG_STUCK,
-                {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())},
-            )
+            conn.execute(_FLAG_STUCK, params)
 
     def consume_isolation(self, queue: str) -> float:
         with self._translated() as conn:

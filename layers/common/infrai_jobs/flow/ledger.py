@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any, Final, LiteralString, NamedTuple
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.ledger.claims import ClaimRow
@@ -220,12 +220,8 @@ def take_due(
         "lease": float(lease_seconds),
         "jobs": None if jobs is None else array_literal(jobs),
     }
-    with (
-        ledger_errors("cannot take deferred jobs"),
-        conn.transaction(),
-        conn.cursor(row_factory=dict_row) as cur,
-    ):
-        rows = [ClaimRow(**row) for row in cur.execute(_TAKE_DUE, params).fetchall()]
+    with ledger_errors("cannot take deferred jobs"), conn.transaction(), _rows(conn) as cur:
+        rows = cur.execute(_TAKE_DUE, params).fetchall()
     return sorted(rows, key=lambda job: (job.run_after, job.deferred_at, job.idem_key))
 
 
@@ -304,12 +300,8 @@ def settle(
     ``holder=False`` (a reconcile probe, an operator) changes the run only once its lease is
     over. Failed work the ledger owns also gets a dead letter (its message was acked long ago)
     under its queue (``queue`` when the work recorded none)."""
-    with (
-        ledger_errors(f"cannot settle {key!r}"),
-        conn.transaction(),
-        conn.cursor(row_factory=dict_row) as cur,
-    ):
-        before_row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+    with ledger_errors(f"cannot settle {key!r}"), conn.transaction(), _rows(conn) as cur:
+        before = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
         params = {
             "key": key,
             "token": token,
@@ -318,14 +310,13 @@ def settle(
             "error": error if state == "failed" else None,
             "holder": holder,
         }
-        after_row = cur.execute(_SETTLE, params).fetchone()
-        if before_row is None or after_row is None:
+        after = cur.execute(_SETTLE, params).fetchone()
+        if before is None or after is None:
             return None
-        after = ClaimRow(**after_row)
         if state == "failed" and after.owned:
             reason = f"deferred job failed after {after.attempts} attempt(s): {error}"
             hold_dead_letter(conn, after, queue=after.queue or queue or "", reason=reason)
-        record_change(conn, action, ClaimRow(**before_row), after, actor=actor, note=note)
+        record_change(conn, action, before, after, actor=actor, note=note)
     return after
 
 
@@ -342,24 +333,21 @@ def release(
     failed claim to run again: work the ledger owns waits again, due now; any other claim is
     deleted, so the next delivery (or a redrive) runs it. Only the row ``token`` holds, a
     running one only once its lease is over. Returns the row as it was, or None."""
-    params = {"key": key, "token": token}
-    with (
-        ledger_errors(f"cannot release {key!r}"),
-        conn.transaction(),
-        conn.cursor(row_factory=dict_row) as cur,
-    ):
-        before_row = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
-        if before_row is None:
+    with ledger_errors(f"cannot release {key!r}"), conn.transaction(), _rows(conn) as cur:
+        before = cur.execute(CLAIM_BY_KEY_FOR_UPDATE, {"key": key}).fetchone()
+        if before is None:
             return None
-        before = ClaimRow(**before_row)
         waits_again = before.owned and before.state == "running"
         statement = _RELEASE_OWNED if waits_again else _RELEASE_CLAIM
-        after_row = cur.execute(statement, params).fetchone()
-        if after_row is None:
+        after = cur.execute(statement, {"key": key, "token": token}).fetchone()
+        if after is None:
             return None
-        after = ClaimRow(**after_row) if waits_again else None
-        record_change(conn, action, before, after, actor=actor, note=note)
+        record_change(conn, action, before, after if waits_again else None, actor=actor, note=note)
     return before
+
+
+def _rows(conn: psycopg.Connection[Any]) -> psycopg.Cursor[ClaimRow]:
+    return conn.cursor(row_factory=class_row(ClaimRow))
 
 
 def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:

@@ -1,10 +1,7 @@
 """Rate limits and concurrency keys in the ledger's database, on its clock, each function in
-``conn.transaction()`` of its own (a savepoint inside the caller's transaction).
-
-A job's rate-limit starts are reserved under a transaction-scoped advisory lock for that job,
-each at least the limit's spacing after the last (a generic cell rate algorithm with no burst),
-whichever drain started them. A concurrency key's slots are taken under an advisory lock per
-(job, key value) and end with the lease its run stored, so a killed run's slot frees itself.
+``conn.transaction()`` of its own (a savepoint inside the caller's transaction). A rate limit
+spaces the starts of every drain (a generic cell rate algorithm with no burst); a concurrency
+slot ends with its run's lease, so a killed run's slot frees itself.
 """
 
 from __future__ import annotations

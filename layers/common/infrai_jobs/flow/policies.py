@@ -11,7 +11,6 @@ malformed is a ``ConfigurationError`` naming the job and the field.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -19,21 +18,12 @@ from typing import Any
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload
 from infrai_jobs.jobs.keys import canonical_json
+from infrai_jobs.jobs.payload_schema import json_kind
 from infrai_jobs.jobs.policy import ConcurrencyLimit, JobPolicy, RateLimit, RetryPolicy
-from infrai_jobs.jobs.registry import JobDefinition, Payload
+from infrai_jobs.jobs.registry import JobDefinition, Payload, did_you_mean
 
-__all__ = [
-    "ConcurrencyLimit",
-    "JobPolicy",
-    "RateLimit",
-    "RetryPolicy",
-    "concurrency_value",
-    "declared_policy",
-    "effective_policy",
-    "is_final_error",
-    "next_delay",
-    "parse_job_policies",
-]
+# The flow declarations, re-exported for the drain's and the CLI's imports.
+__all__ = ["ConcurrencyLimit", "JobPolicy", "RateLimit", "RetryPolicy"]
 
 SETTING = "JOB_POLICIES"
 
@@ -55,7 +45,7 @@ def parse_job_policies(text: str | None, known_jobs: Iterable[str]) -> dict[str,
         raise ConfigurationError(f"{SETTING} is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise ConfigurationError(
-            f"{SETTING} must be a JSON object keyed by job name (got {_json_kind(document)})"
+            f"{SETTING} must be a JSON object keyed by job name (got {json_kind(document)})"
         )
     known = sorted(set(known_jobs))
     return {name: _parse_job(name, value, known) for name, value in document.items()}
@@ -66,25 +56,24 @@ def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
     if name not in known:
         raise ConfigurationError(
             f"{where} is not a registered job "
-            f"({_guess(name, known)}registered: {', '.join(known) or 'none'})"
+            f"({did_you_mean(name, known)}registered: {', '.join(known) or 'none'})"
         )
     if not isinstance(value, dict):
         raise ConfigurationError(
-            f"{where} must be an object with retry, rate or concurrency (got {_json_kind(value)})"
+            f"{where} must be an object with retry, rate or concurrency (got {json_kind(value)})"
         )
     unknown = sorted(set(value) - set(_SECTIONS))
     if unknown:
         raise ConfigurationError(
             f"{where}: unknown field {unknown[0]!r} (a job's policy has retry, rate, concurrency)"
         )
-    sections: dict[str, Any] = {}
-    cleared = set()
-    for section, body in value.items():
-        if body is None:
-            cleared.add(section)
-            continue
-        sections[section] = _parse_section(where, section, body)
-    return JobPolicy(**sections, cleared=frozenset(cleared))
+    sections: dict[str, Any] = {
+        section: _parse_section(where, section, body)
+        for section, body in value.items()
+        if body is not None
+    }
+    cleared = frozenset(section for section, body in value.items() if body is None)
+    return JobPolicy(**sections, cleared=cleared)
 
 
 def _parse_section(where: str, section: str, body: object) -> object:
@@ -92,7 +81,7 @@ def _parse_section(where: str, section: str, body: object) -> object:
     fields = {field.name: field for field in dataclasses.fields(kind)}
     if not isinstance(body, dict):
         raise ConfigurationError(
-            f"{where}: {section} must be an object or null (got {_json_kind(body)})"
+            f"{where}: {section} must be an object or null (got {json_kind(body)})"
         )
     unknown = sorted(set(body) - set(fields))
     if unknown:
@@ -105,44 +94,24 @@ def _parse_section(where: str, section: str, body: object) -> object:
             if not isinstance(arguments[listed], list):
                 raise ConfigurationError(
                     f"{where}: {section}.{listed} must be a list of strings "
-                    f"(got {_json_kind(arguments[listed])})"
+                    f"(got {json_kind(arguments[listed])})"
                 )
             if not all(isinstance(item, str) for item in arguments[listed]):
                 raise ConfigurationError(f"{where}: {section}.{listed} must hold only strings")
             arguments[listed] = tuple(arguments[listed])
+    missing = sorted(
+        name
+        for name, field in fields.items()
+        if name not in arguments
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ConfigurationError(f"{where}: {section}.{missing[0]} is missing")
     try:
         return kind(**arguments)
-    except TypeError:
-        missing = sorted(
-            name
-            for name, field in fields.items()
-            if name not in arguments
-            and field.default is dataclasses.MISSING
-            and field.default_factory is dataclasses.MISSING
-        )
-        raise ConfigurationError(
-            f"{where}: {section}.{missing[0] if missing else '?'} is missing"
-        ) from None
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
-
-
-def _guess(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
-_JSON_KINDS: tuple[tuple[Any, str], ...] = (
-    (type(None), "null"),
-    (bool, "a boolean"),
-    (int | float, "a number"),
-    (str, "a string"),
-    (list, "an array"),
-)
-
-
-def _json_kind(value: object) -> str:
-    return next((name for kind, name in _JSON_KINDS if isinstance(value, kind)), "an object")
 
 
 def declared_policy(definition: JobDefinition) -> JobPolicy:
@@ -154,19 +123,13 @@ def effective_policy(declared: JobPolicy, override: JobPolicy | None) -> JobPoli
     """Each section ``override`` gives (or clears) replaces the declared one."""
     if override is None:
         return declared
-    sections = {}
-    for section in _SECTIONS:
-        mine = getattr(override, section)
-        if mine is not None:
-            sections[section] = mine
-        elif section not in override.cleared:
-            sections[section] = getattr(declared, section)
+    sections = {s: getattr(declared, s) for s in _SECTIONS if s not in override.cleared}
+    sections |= {s: mine for s in _SECTIONS if (mine := getattr(override, s)) is not None}
     return JobPolicy(**sections)
 
 
 def next_delay(policy: RetryPolicy, attempt: int) -> float:
-    """Seconds to wait after attempt ``attempt`` (1 is the first run) failed:
-    ``first_delay_seconds * factor ** (attempt - 1)``, capped at ``max_delay_seconds``."""
+    """Seconds to wait after attempt ``attempt`` (1 is the first run) failed (``RetryPolicy``)."""
     if attempt < 1:
         raise ValueError(f"attempts count from 1 (got {attempt})")
     first, cap = float(policy.first_delay_seconds), float(policy.max_delay_seconds)
@@ -180,15 +143,12 @@ def next_delay(policy: RetryPolicy, attempt: int) -> float:
 def is_final_error(policy: RetryPolicy, error: BaseException) -> bool:
     """Whether ``error`` is one the policy never retries: its class or a base of it is named
     (by class, by name, or by ``module.Name``) in ``final_errors``."""
-    for entry in policy.final_errors:
-        if isinstance(entry, type):
-            if isinstance(error, entry):
-                return True
-            continue
-        for cls in type(error).__mro__:
-            if entry in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
-                return True
-    return False
+    mro = type(error).__mro__
+    names = {cls.__name__ for cls in mro} | {f"{cls.__module__}.{cls.__qualname__}" for cls in mro}
+    return any(
+        isinstance(error, entry) if isinstance(entry, type) else entry in names
+        for entry in policy.final_errors
+    )
 
 
 def concurrency_value(limit: ConcurrencyLimit, payload: Payload) -> str:
@@ -226,5 +186,5 @@ def check_against_job(definition: JobDefinition, policy: JobPolicy) -> None:
         if name not in declared:
             raise ConfigurationError(
                 f"job {definition.name!r}: concurrency.key names {name!r}, a field its payload "
-                f"does not declare ({_guess(name, declared)}declared: {', '.join(declared)})"
+                f"does not declare ({did_you_mean(name, declared)}declared: {', '.join(declared)})"
             )

@@ -120,11 +120,16 @@ class PayloadSchema:
 
 def json_type_of(value: object) -> str:
     """The JSON type a value would be sent as, for messages ("integer", "null", ...)."""
+    return json_kind(value).split()[-1]
+
+
+def json_kind(value: object) -> str:
+    """``json_type_of`` with its article: "an integer", "null"."""
     if value is None:
         return "null"
     for expected, accepted in _JSON_TYPES.values():
         if _is_one_of(value, accepted):
-            return expected.split()[-1]
+            return expected
     return type(value).__name__
 
 

@@ -53,11 +53,7 @@ class RetryPolicy:
         for name in ("first_delay_seconds", "max_delay_seconds"):
             value = getattr(self, name)
             _positive(f"retry.{name}", value, MAX_DELAY_SECONDS, whole=False, low=MIN_DELAY_SECONDS)
-        _positive("retry.factor", self.factor, MAX_FACTOR, whole=False)
-        if self.factor < 1:
-            raise ConfigurationError(
-                f"retry.factor must be at least 1, or delays would shrink (got {self.factor!r})"
-            )
+        _positive("retry.factor", self.factor, MAX_FACTOR, whole=False, low=1)  # else delays shrink
         if self.max_delay_seconds < self.first_delay_seconds:
             raise ConfigurationError(
                 f"retry.max_delay_seconds ({self.max_delay_seconds!r}) is below "

@@ -2,10 +2,9 @@
 
 Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., ...)``. The effect
 class decides how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE``
-job's claim, effect and ``done`` commit in one transaction (``ctx.db``); an ``EXTERNAL`` job's
-claim is committed ``running`` before the irreversible call, so a crash leaves it for a human
-(or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream accepts our
-key (``ctx.idem_key``), so an expired claim may be taken over and the call repeated.
+job's claim, effect and ``done`` commit together (``ctx.db``); an ``EXTERNAL`` job's crash
+leaves its claim for a human (or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT``
+job's downstream accepts our key (``ctx.idem_key``), so an expired claim may be taken over.
 
 Settings (downstream URLs) and secrets (credentials, never in a URL) are declared by name; the
 function reads exactly those at its edge and binds them (``bind_settings``) before consuming.
@@ -14,7 +13,7 @@ function reads exactly those at its edge and binds them (``bind_settings``) befo
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType
@@ -246,14 +245,10 @@ class JobRegistry:
         """Give every job the values of the settings and secrets it declared, at start-up; a
         missing or empty one is a ``ConfigurationError`` naming it and its jobs, never a value."""
         secret_values = secrets or {}
-        missing = {
-            name: jobs for name, jobs in self.declared_settings().items() if not values.get(name)
+        missing = {n: jobs for n, jobs in self.declared_settings().items() if not values.get(n)}
+        missing |= {
+            n: jobs for n, jobs in self.declared_secrets().items() if not secret_values.get(n)
         }
-        missing.update(
-            (name, jobs)
-            for name, jobs in self.declared_secrets().items()
-            if not secret_values.get(name)
-        )
         if missing:
             raise ConfigurationError(
                 "; ".join(
@@ -313,9 +308,7 @@ class JobRegistry:
     def unknown_job(self, name: str) -> str:
         """What to tell someone who named a job this registry lacks: the closest name it has."""
         known = ", ".join(sorted(self._jobs)) or "none"
-        close = difflib.get_close_matches(name, self._jobs, n=1)
-        guess = f"did you mean {close[0]!r}? " if close else ""
-        return f"unknown job {name!r} ({guess}registered: {known})"
+        return f"unknown job {name!r} ({did_you_mean(name, self._jobs)}registered: {known})"
 
     def derive(self, payload: object) -> DerivedJob:
         """Match a payload to its job, check it against the job's schema and derive its key;
@@ -338,3 +331,9 @@ class JobRegistry:
             self.settings_of(name),
             self.secrets_of(name),
         )
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """ "did you mean 'x'? " for the closest of ``known`` to ``name``, or ""."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""

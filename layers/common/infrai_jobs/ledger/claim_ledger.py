@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any, Final, LiteralString
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import class_row, dict_row
 
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
 from infrai_jobs.ledger.claims import (
@@ -217,10 +217,9 @@ def _aborted(conn: psycopg.Connection[Any]) -> bool:
 
 @contextmanager
 def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """A database-class batch's transaction on the autocommit connection: opened by its first
-    statement (``BEGIN; <claim>``) and committed by its last (``<settle>; COMMIT``), one round
-    trip each. What the body leaves open is committed here; any failure rolls back the whole.
-    ``conn.transaction()`` inside it is a savepoint."""
+    """A database-class batch's transaction on the autocommit connection, opened by its first
+    statement (``BEGIN; <claim>``) and committed by its last (``<settle>; COMMIT``) or here; any
+    failure rolls back the whole. ``conn.transaction()`` inside it is a savepoint."""
     try:
         yield
     except BaseException:
@@ -233,6 +232,7 @@ def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
 
 # --- The ledger --------------------------------------------------------------------------------
 
+_REQUEST_FIELDS: Final = tuple(ClaimRequest.__dataclass_fields__)
 DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
 
 
@@ -307,8 +307,7 @@ class PostgresLedger(LedgerAdapter):
     def _translated(
         self, on_broken: Callable[[], None] | None = None
     ) -> Iterator[psycopg.Connection[Any]]:
-        """Yield the connection, its driver errors in the package's terms (``ledger_errors``).
-        A broken connection runs ``on_broken``, then is dropped: reconnect next time."""
+        """The connection under ``ledger_errors``; a broken one is dropped after ``on_broken``."""
         conn = self._connection()
 
         def broken() -> None:
@@ -361,11 +360,8 @@ class PostgresLedger(LedgerAdapter):
         begin: bool = False,
     ) -> list[ClaimDecision]:
         ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
-        params: dict[str, Any] = {
-            name: array_literal(getattr(r, name) for r in ordered)
-            for name in ClaimRequest.__dataclass_fields__
-        }
-        params["visibility"] = self._visibility
+        params: dict[str, Any] = {"visibility": self._visibility}
+        params |= {n: array_literal(getattr(r, n) for r in ordered) for n in _REQUEST_FIELDS}
         if begin:
             # BEGIN and the claim in one message: the second result set is the claim's.
             with psycopg.ClientCursor(conn, row_factory=dict_row) as client_cur:
@@ -376,13 +372,11 @@ class PostgresLedger(LedgerAdapter):
             with conn.cursor(row_factory=dict_row) as cur:
                 claimed = cur.execute(_CLAIM, params).fetchall()
         rows = {row["idem_key"]: row for row in claimed}
-        with conn.cursor(row_factory=dict_row) as cur:
-            unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
-            if unseen:
-                reread = cur.execute(
-                    _REREAD, {"keys": array_literal(unseen), "visibility": self._visibility}
-                )
-                rows.update({row["idem_key"]: row for row in reread.fetchall()})
+        unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
+        if unseen:
+            reread = {"keys": array_literal(unseen), "visibility": self._visibility}
+            with conn.cursor(row_factory=dict_row) as cur:
+                rows.update((row["idem_key"], row) for row in cur.execute(_REREAD, reread))
         by_key = {r.idem_key: r for r in requests}
         return [decide(by_key[key], row) for key, row in rows.items()]
 
@@ -390,13 +384,11 @@ class PostgresLedger(LedgerAdapter):
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
         """Claim, run and settle database jobs in one transaction: every claim decision and
-        the settlements of the jobs that ran. Nothing is committed unless everything is, so a
-        crash or a lost connection leaves no trace and the redeliveries simply run again.
-
-        The common case costs two round trips per batch (``BEGIN`` travels with the claim,
-        ``COMMIT`` with the settle). If any handler fails, that attempt is rolled back whole and
-        the batch runs again with a savepoint per job, so one failure cannot undo its neighbours.
-        """
+        the settlements of the jobs that ran. A crash or a lost connection leaves no trace, and
+        the redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the
+        claim, ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back
+        whole and the batch runs again with a savepoint per job, so one failure cannot undo its
+        neighbours."""
         if not requests:
             return [], []
         with self._translated() as conn:
@@ -459,15 +451,15 @@ class PostgresLedger(LedgerAdapter):
     ) -> list[Settlement]:
         """Settle ``runs``, one fenced statement per kind. ``commit``: only successes, settled
         by the batch transaction's last statement (bound client-side: one round trip)."""
-        kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
-        for (request, run), kind in zip(runs, kinds, strict=True):
-            groups.setdefault(kind, []).append((request, run))
-        matched: set[str] = set()
+        for request, run in runs:
+            groups.setdefault(settled_kind(run.kind, uncertain_is_stuck), []).append((request, run))
+        settled: dict[str, SettleStatus] = {}  # by key; a key missing from it was LOST
         for kind, items in groups.items():
             statement = _SETTLE_STATEMENTS.get(kind)
-            if statement is None:
-                continue  # a deferral settled the claim itself, fenced by its token
+            if statement is None:  # a deferral settled the claim itself, fenced by its token
+                settled.update((request.idem_key, SETTLE_STATUS[kind]) for request, _ in items)
+                continue
             done = kind is RunKind.SUCCEEDED
             params = {
                 "keys": array_literal(r.idem_key for r, _ in items),
@@ -479,26 +471,19 @@ class PostgresLedger(LedgerAdapter):
             if commit:
                 statement = _SETTLE_DONE_AND_COMMIT
             with psycopg.ClientCursor(conn) if commit else conn.cursor() as cur:
-                matched.update(row[0] for row in cur.execute(statement, params).fetchall())
+                matched = cur.execute(statement, params).fetchall()
+            settled.update((row[0], SETTLE_STATUS[kind]) for row in matched)
         return [
-            Settlement(
-                request,
-                SETTLE_STATUS[kind]
-                if kind is RunKind.DEFERRED or request.idem_key in matched
-                else SettleStatus.LOST,
-                run,
-            )
-            for (request, run), kind in zip(runs, kinds, strict=True)
+            Settlement(request, settled.get(request.idem_key, SettleStatus.LOST), run)
+            for request, run in runs
         ]
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         if not reasons:
             return
+        params = {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())}
         with self._translated() as conn:
-            conn.execute(
-                _FLAG_STUCK,
-                {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())},
-            )
+            conn.execute(_FLAG_STUCK, params)
 
     def consume_isolation(self, queue: str) -> float:
         with self._translated() as conn:
@@ -514,6 +499,5 @@ class PostgresLedger(LedgerAdapter):
         return float(row[0]) if row else seconds
 
     def get(self, idem_key: str) -> ClaimRow | None:
-        with self._translated() as conn, conn.cursor(row_factory=dict_row) as cur:
-            row = cur.execute(CLAIM_BY_KEY, {"key": idem_key}).fetchone()
-        return ClaimRow(**row) if row else None
+        with self._translated() as conn, conn.cursor(row_factory=class_row(ClaimRow)) as cur:
+            return cur.execute(CLAIM_BY_KEY, {"key": idem_key}).fetchone()

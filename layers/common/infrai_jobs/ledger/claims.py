@@ -118,30 +118,25 @@ class ClaimRow:
 
     @property
     def owned(self) -> bool:
-        """The ledger owns this work: only a drain's ``take_due`` runs it, never a copy of its
-        message."""
+        """The ledger owns this work: only ``take_due`` runs it, not a copy of its message."""
         return self.run_after is not None
 
     def as_dict(self) -> dict[str, Any]:
         """The row as JSON-ready values, for ``--json`` output and the history table."""
-        out: dict[str, Any] = {}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
+        out: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for name, value in out.items():
             if isinstance(value, datetime):
-                value = value.isoformat()
+                out[name] = value.isoformat()
             elif isinstance(value, uuid.UUID):
-                value = str(value)
-            out[name] = value
+                out[name] = str(value)
         json.dumps(out)  # fail here, not in a caller's output, if a value is not JSON
         return out
 
 
 # --- The one state machine ---------------------------------------------------------------------
-#
 # Every unit of work is one ``job_claims`` row: one token, one lease, one clock (the
-# database's). ``(none)`` is "no row". A running row is owned by the ledger once it was
-# deferred; before that its message drives it. docs/design.md shows this table (a test keeps
-# the two equal), and the contract suite drives every transition on PostgreSQL.
+# database's). ``(none)`` is "no row". docs/design.md shows this table (a test keeps the two
+# equal), and the contract suite drives every transition on PostgreSQL.
 
 WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
 

@@ -1,9 +1,7 @@
 """The outcome table of docs/design.md as data: every way one message can end, in one place.
 
-Each row says whether the message is acked, which summary total it adds to, how loudly it is
-logged, which metric counts it, what the ledger shows, and what it means. The drain, its
-summary, the logs, the metrics and the table in docs/design.md all derive from ``OUTCOME_RULES``;
-a test keeps that table equal to it.
+The drain, its summary, the logs and the metrics derive from ``OUTCOME_RULES``; a test keeps
+the table in docs/design.md equal to it.
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class OutcomeRule:
-    """One row of the outcome table."""
-
     ack: bool  # whether the message is acked (else it comes back, and reaches the DLQ)
     bucket: str  # the DrainSummary total it adds to
     level: int  # its log line's level: WARNING or ERROR when a human may have to act

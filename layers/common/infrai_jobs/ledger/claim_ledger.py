@@ -252,38 +252,20 @@ class PostgresLedger(LedgerAdapter):
         super().__init__(database_url, **options)
         self._visibility = visibility_timeout
         self._job_migrations = tuple(job_migrations)
-        self._conn: psycopg.Connection[Any] | None = None
         self._schema_checked = False
 
-    def close(self) -> None:
-        if self._conn is not None:
-            self._drop(self._conn)
-
-    def _connection(self) -> psycopg.Connection[Any]:
-        conn = self._conn
-        if conn is not None and not conn.closed and not conn.broken:
-            return conn
-        if conn is not None:
-            logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
-            conn.close()
-        conn = self._connector.connect()
-        if not self._schema_checked:
-            # Before the caller's error translation: say it as reading the schema version, and
-            # do not leave the new connection open.
-            try:
-                with ledger_errors("cannot read the ledger's schema version", self._connector.url):
-                    version = current_version(conn)
-                    missing = missing_job_migrations(conn, self._job_migrations)
-                if version < SCHEMA_VERSION:
-                    raise SchemaNotMigrated(schema_behind(version))
-                if missing:
-                    raise SchemaNotMigrated(jobs_schema_behind(missing))
-            except LedgerError:
-                conn.close()
-                raise
-            self._schema_checked = True
-        self._conn = conn
-        return conn
+    def _opened(self, conn: psycopg.Connection[Any]) -> None:
+        if self._schema_checked:
+            return
+        # Before the caller's error translation: say it as reading the schema version.
+        with ledger_errors("cannot read the ledger's schema version", self._connector.url):
+            version = current_version(conn)
+            missing = missing_job_migrations(conn, self._job_migrations)
+        if version < SCHEMA_VERSION:
+            raise SchemaNotMigrated(schema_behind(version))
+        if missing:
+            raise SchemaNotMigrated(jobs_schema_behind(missing))
+        self._schema_checked = True
 
     def ping(self) -> None:
         """Make sure the ledger answers before a drain receives anything: a connection the
@@ -302,28 +284,6 @@ class PostgresLedger(LedgerAdapter):
                 )
             else:
                 return
-
-    @contextmanager
-    def _translated(
-        self, on_broken: Callable[[], None] | None = None
-    ) -> Iterator[psycopg.Connection[Any]]:
-        """The connection under ``ledger_errors``; a broken one is dropped after ``on_broken``."""
-        conn = self._connection()
-
-        def broken() -> None:
-            if on_broken is not None:
-                on_broken()
-            self._drop(conn)
-
-        with ledger_errors(url=self._connector.url, on_broken=broken):
-            yield conn
-
-    def _drop(self, conn: psycopg.Connection[Any]) -> None:
-        try:
-            conn.close()
-        finally:
-            if self._conn is conn:
-                self._conn = None
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
         """Keys must be distinct."""

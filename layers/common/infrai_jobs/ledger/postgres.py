@@ -306,8 +306,18 @@ class LedgerAdapter:
         if conn is not None:
             logger.warning("database connection lost; reconnecting", extra={"action": "reconnect"})
             conn.close()
-        self._conn = self._connector.connect()
-        return self._conn
+        conn = self._connector.connect()
+        try:
+            self._opened(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _opened(self, conn: psycopg.Connection[Any]) -> None:
+        """A new connection, before it is kept: an adapter checks what it needs here (a raise
+        closes it)."""
 
     @contextmanager
     def _translated(

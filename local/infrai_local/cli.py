@@ -85,6 +85,7 @@ from infrai_local.migrations import (
 )
 from infrai_local.operator import OperatorLedger, default_actor
 from infrai_local.outbox_cli import add_outbox_commands, run_outbox
+from infrai_local.queues import ensure_queue
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
@@ -545,7 +546,7 @@ def _with_stand_ins(
     )
     client = make_queue_client(settings)
     try:
-        client.ensure_queue(settings.queue, dlq=settings.dlq)
+        ensure_queue(client, settings.queue, dlq=settings.dlq)
     finally:
         client.close()
     return settings
@@ -961,7 +962,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     published = 0
     with _queue_client(settings) as client:
         if args.create:
-            client.ensure_queue(queue, dlq=settings.dlq if queue == settings.queue else None)
+            ensure_queue(client, queue, dlq=settings.dlq if queue == settings.queue else None)
         try:
             for _ in range(args.count):
                 message_id = client.publish(queue, body, delay_seconds=args.delay_seconds)

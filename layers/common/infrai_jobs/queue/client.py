@@ -145,19 +145,6 @@ class InfraiClient:
         finally:
             self._time_left_ms = None
 
-    def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
-        """Create ``name`` (and its DLQ); return False when it already existed."""
-        body: dict[str, Any] = {"name": name, "type": type_}
-        if dlq:
-            body["dlq"] = dlq
-        try:
-            self._call("POST", "/v1/queue/create", body, call="create", retryable=True)
-        except InfraiError as exc:
-            if exc.code == "QUEUE_ALREADY_EXISTS":
-                return False
-            raise
-        return True
-
     def publish(
         self,
         queue: str,

@@ -1518,7 +1518,6 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
                     row.body,
                     row.dlq_deliveries or 1,
                     row.published_at,
-                    "in_flight",
                     row.message_id,
                 )
             )

@@ -558,7 +558,7 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
 ) -> None:
     # Given a database never migrated
     check = AlertCheck(queue, database_url, PrintingAlerter(), AlertThresholds())
-    dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "in_flight", "r")
+    dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "r")
     # And a dead letter in the DLQ
     queue.publish(DLQ, JOB)
     store = ClaimsAdmin(database_url).dead_letters()

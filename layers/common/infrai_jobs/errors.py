@@ -26,9 +26,10 @@ class TlsVerificationFailed(TransportError):
 
 
 class AnswerTooLarge(TransportError):
-    """The answer is longer than the pool accepts; ``size`` is its declared length, if any."""
+    """The answer is longer than the limit; ``size`` is its declared length, when it declared one.
+    The wire reader raises it; the pool raises it again naming the host."""
 
-    def __init__(self, message: str, size: int | None) -> None:
+    def __init__(self, message: str, size: int | None = None) -> None:
         super().__init__(message)
         self.size = size
 
@@ -36,14 +37,6 @@ class AnswerTooLarge(TransportError):
 class ProtocolError(InfraiJobsError):
     """An answer that breaks HTTP/1.1 framing or a limit; the pool reports it as a
     ``TransportError`` naming the host."""
-
-
-class OversizedAnswer(ProtocolError):
-    """An answer longer than the limit; ``size`` is its declared length, when it declared one."""
-
-    def __init__(self, limit: int, size: int | None = None) -> None:
-        super().__init__(f"the answer is larger than {limit} bytes")
-        self.size = size
 
 
 class InfraiError(InfraiJobsError):
@@ -116,15 +109,11 @@ class InvalidPayload(KeyDerivationError):
     field): rejected before a claim, and by a checked publish before it is sent."""
 
 
-class JobError(InfraiJobsError):
-    """Base for what a job handler may raise to steer its outcome."""
-
-
-class PermanentJobError(JobError):
+class PermanentJobError(InfraiJobsError):
     """Retrying cannot help: the claim is marked ``failed`` and the message goes to the DLQ."""
 
 
-class EffectUncertain(JobError):
+class EffectUncertain(InfraiJobsError):
     """An irreversible effect may or may not have happened; a human must reconcile it. The
     claim stays ``running`` and is flagged stuck; the message is not acked."""
 

@@ -44,7 +44,6 @@ from infrai_jobs.errors import (
     ClaimChanged,
     ClaimNotFound,
     ConfigurationError,
-    DeadLetterNotFound,
     InfraiError,
     InfraiJobsError,
     KeyDerivationError,
@@ -66,7 +65,13 @@ from infrai_jobs.runtime.factory import (
     with_secrets,
 )
 from infrai_local import scaffold
-from infrai_local.cli_ops import OpsContext, add_jobs_path, add_ops_commands, run_ops
+from infrai_local.cli_ops import (
+    DeadLetterNotFound,
+    OpsContext,
+    add_jobs_path,
+    add_ops_commands,
+    run_ops,
+)
 from infrai_local.drain_interrupt import (
     DEFAULT_GRACE_SECONDS,
     Finished,

@@ -21,8 +21,7 @@ class TransportError(InfraiJobsError):
 
 
 class TlsVerificationFailed(TransportError):
-    """The server's certificate or hostname did not verify, before any request was sent; not
-    transient, so never retried."""
+    """The certificate or hostname did not verify, before anything was sent; never retried."""
 
 
 class AnswerTooLarge(TransportError):
@@ -35,8 +34,7 @@ class AnswerTooLarge(TransportError):
 
 
 class ProtocolError(InfraiJobsError):
-    """An answer that breaks HTTP/1.1 framing or a limit; the pool reports it as a
-    ``TransportError`` naming the host."""
+    """Broken HTTP/1.1 framing or a broken limit; the pool raises it as a ``TransportError``."""
 
 
 class InfraiError(InfraiJobsError):
@@ -77,13 +75,12 @@ class ConsumeAnswerLost(InfraiUnavailable):
         message: str,
         status: int = 0,
         *,
-        call: str = "consume",
         queue: str = "",
         max_messages: int = 0,
         size: int | None = None,
         message_ids: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(code, message, status, call=call)
+        super().__init__(code, message, status, call="consume")
         self.queue = queue
         self.max_messages = max_messages
         self.size = size
@@ -96,8 +93,7 @@ class QueueMessageNotFound(InfraiError):
 
 
 class KeyDerivationError(InfraiJobsError):
-    """No idempotency key can be derived from a payload; the message is left unacked so it
-    reaches the dead-letter queue."""
+    """No idempotency key can be derived from the payload; left unacked, it reaches the DLQ."""
 
 
 class UnknownJob(KeyDerivationError):
@@ -155,10 +151,6 @@ class ClaimNotFound(InfraiJobsError):
 
 class ClaimChanged(InfraiJobsError):
     """The claim is no longer in the state (or held by the token) the operator saw."""
-
-
-class DeadLetterNotFound(InfraiJobsError):
-    """No dead letter read matched what the operator named (``dlq discard``)."""
 
 
 class EffectInProgress(InfraiJobsError):

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
-from infrai_jobs.config.settings import check_web_url
+from infrai_jobs.config.settings import DEFAULT_BASE_URL, check_web_url
 from infrai_jobs.errors import (
     AnswerTooLarge,
     ConfigurationError,
@@ -94,9 +94,8 @@ class InfraiClient:
         allow_plain_http: bool = False,
     ) -> None:
         # The settings' rule again, for a client built without them: the key is in every request.
-        example = "https://api.infrai.cc"
         check_web_url(
-            "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=example
+            "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=DEFAULT_BASE_URL
         )
         if not api_key:
             raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
@@ -175,8 +174,7 @@ class InfraiClient:
     def send_consume(
         self, queue: str, max_messages: int = CONSUME_CAP
     ) -> Pending[list[QueueMessage]]:
-        """``consume``, sent now and answered by ``wait()``: the drain receives its next batch
-        while it works on this one."""
+        """``consume``, sent now and answered by ``Pending.wait()``."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
         served = min(max_messages, CONSUME_CAP)
@@ -198,8 +196,7 @@ class InfraiClient:
         self.send_ack(queue, receipt_handle).wait()
 
     def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
-        """``ack``, sent now and answered by ``wait()``: a batch's acks travel together, each
-        on its own connection, while the drain works on the next batch."""
+        """``ack``, sent now and answered by ``Pending.wait()``, each on its own connection."""
         request = {"queue": queue, "receipt_handle": receipt_handle}
         path = "/v1/queue/ack"
         first = self._send("POST", path, request, call="ack")

@@ -52,7 +52,10 @@ class InfraiError(InfraiJobsError):
 
 
 class InfraiUnavailable(InfraiError):
-    """A transport failure or a retryable answer (429, 5xx) that outlived the retries."""
+    """A transport failure or a retryable answer (429, 5xx) that outlived the retries;
+    ``retry_after``: the seconds the answer asked to wait, if it said."""
+
+    retry_after: float | None = None
 
 
 class UntrustedServer(InfraiError):

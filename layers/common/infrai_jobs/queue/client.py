@@ -189,7 +189,7 @@ class InfraiClient:
             )
             return _messages(data, queue, served)
 
-        return Pending(finish, lambda: _messages(first.answer_alone(), queue, served))
+        return Pending(finish, lambda: _messages(first.answer(), queue, served))
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
@@ -204,7 +204,7 @@ class InfraiClient:
         def finish() -> None:
             self._call("POST", path, request, call="ack", retryable=True, first=first)
 
-        return Pending(finish, first.answer_alone)
+        return Pending(finish, first.answer)
 
     def stats(self, queue: str) -> QueueStats:
         path = "/v1/queue/stats/" + quote(queue, safe="")
@@ -280,13 +280,13 @@ class InfraiClient:
                 # spend a delivery of the next ones too.
                 raise
             except InfraiUnavailable as exc:
-                retry_after = getattr(exc, "retry_after", None)
+                retry_after = exc.retry_after
                 out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
                 delay = self._retry.backoff(attempt)
                 if retry_after is not None:
                     delay = retry_after + random.uniform(0, self._retry.base_delay)
                 if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
-                    raise _public(exc, call) from exc
+                    raise
                 # WARNING: a run of retries is how an outage looks before anything else fails.
                 logger.warning(
                     "retrying an Infrai call",
@@ -346,7 +346,7 @@ class InfraiClient:
             def failed() -> Any:
                 raise failure
 
-            return _Attempt(key, call, failed)
+            return _Attempt(key, failed)
 
         def answer() -> Any:
             try:
@@ -360,7 +360,7 @@ class InfraiClient:
             raw = response.body
             try:
                 return _unwrap(response.status, raw, response.headers.get("retry-after"), call)
-            except (_RetryableAnswer, InfraiInvalidResponse) as exc:
+            except (InfraiUnavailable, InfraiInvalidResponse) as exc:
                 if spends is None or exc.status == 429:
                     raise
                 ids = _ids_in(raw)
@@ -368,7 +368,7 @@ class InfraiClient:
                     spends, exc.code, exc.message, exc.status, size=len(raw), message_ids=ids
                 ) from exc
 
-        return _Attempt(key, call, answer)
+        return _Attempt(key, answer)
 
 
 def _encode_body(body: Mapping[str, Any]) -> bytes:
@@ -394,30 +394,7 @@ class _Attempt:
     """One request sent: the API key it carried and how to read its answer."""
 
     key: str = field(repr=False)
-    call: str
     answer: Callable[[], Any]
-
-    def answer_alone(self) -> Any:
-        """The answer with no retry; a retryable failure is raised as the public type."""
-        try:
-            return self.answer()
-        except ConsumeAnswerLost:
-            raise
-        except InfraiUnavailable as exc:
-            raise _public(exc, self.call) from exc
-
-
-class _RetryableAnswer(InfraiUnavailable):
-    def __init__(
-        self, code: str, message: str, status: int, *, call: str, retry_after: float | None
-    ):
-        super().__init__(code, message, status, call=call)
-        self.retry_after = retry_after
-
-
-def _public(exc: InfraiUnavailable, call: str) -> InfraiUnavailable:
-    """The public type, whatever answer class carried the failure."""
-    return InfraiUnavailable(exc.code, exc.message, exc.status, call=call)
 
 
 def _lost(
@@ -490,8 +467,9 @@ def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) 
     elif success:
         return document
     if status == 429 or status >= 500:
-        retry_after = _parse_retry_after(retry_after_header)
-        raise _RetryableAnswer(code, message, status, call=call, retry_after=retry_after)
+        unavailable = InfraiUnavailable(code, message, status, call=call)
+        unavailable.retry_after = _parse_retry_after(retry_after_header)
+        raise unavailable
     if code == "QUEUE_MESSAGE_NOT_FOUND":
         raise QueueMessageNotFound(code, message, status, call=call)
     raise InfraiError(code, message, status, call=call)

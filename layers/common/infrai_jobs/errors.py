@@ -1,8 +1,5 @@
-"""The package's one exception tree.
-
-Adapters translate driver and HTTP errors into these with ``raise ... from exc``; callers catch
-the narrowest type that fits. No message here ever contains the Infrai API key.
-"""
+"""The package's one exception tree; adapters raise these ``from`` the driver's or HTTP's error.
+No message here ever contains the Infrai API key."""
 
 from __future__ import annotations
 

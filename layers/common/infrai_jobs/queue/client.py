@@ -51,7 +51,6 @@ USER_AGENT = "infrai-jobs/0.1"
 # Built once: json.dumps with any option builds a new encoder per call (1.5 µs, every ack).
 _BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 _ASCII_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-# Ids of the messages an unreadable consume answer still shows (at most a batch of them).
 _MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 
@@ -152,8 +151,7 @@ class InfraiClient:
         delay_seconds: int | None = None,
         retry: bool | None = None,
     ) -> str:
-        """Publish one message and return its ``message_id``; retried only if ``retry`` (or
-        the client's ``retry_publish``) says so."""
+        """Publish one message, returning its id; retried if ``retry`` (else ``retry_publish``)."""
         request: dict[str, Any] = {"queue": queue, "body": body}
         if delay_seconds is not None:
             request["delay_seconds"] = delay_seconds

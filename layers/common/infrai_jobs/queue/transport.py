@@ -3,9 +3,8 @@
 Why not urllib3: every ack is one request, so CPU per request bounds a lane's throughput (a
 512 MB Lambda has a third of a vCPU), and here a request costs about a quarter of urllib3's
 (bench/transport.md). A connection is pooled again only when its answer was framed exactly; the
-whole answer has a deadline; it never retries (the caller decides), and reports a failed
-certificate as ``TlsVerificationFailed``. No proxies, redirects, compression, cookies or HTTP/2.
-Error messages name the host and the failure, never a header.
+whole answer has a deadline; it never retries (the caller decides). No proxies, redirects,
+compression, cookies or HTTP/2. Error messages name the host and the failure, never a header.
 """
 
 from __future__ import annotations

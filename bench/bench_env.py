@@ -27,6 +27,7 @@ import urllib3
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import scratch_database
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
+from infrai_local.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "functions"))
@@ -158,7 +159,7 @@ def prepared_run(
         emulator.set_latency(0)
         client = InfraiClient(emulator.url, API_KEY)
         try:
-            client.ensure_queue(queue, dlq=f"{queue}-dlq")
+            ensure_queue(client, queue, dlq=f"{queue}-dlq")
             for payload in workload.payloads():
                 client.publish(queue, payload)
         finally:

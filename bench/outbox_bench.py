@@ -42,6 +42,7 @@ from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.migrations import apply_migrations
+from infrai_local.queues import ensure_queue
 
 from bench_env import API_KEY, EmulatorProcess
 
@@ -151,7 +152,7 @@ def measure(
         emulator.set_latency(latency_ms)
         client = InfraiClient(emulator.url, API_KEY)
         try:
-            client.ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+            ensure_queue(client, QUEUE, dlq=f"{QUEUE}-dlq")
             direct = _direct(client, jobs)
             relayed, published = _relayed(database_url, client)
             latencies = _latency(database_url, client, min(jobs, 100))

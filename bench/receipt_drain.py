@@ -27,6 +27,7 @@ import psycopg
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.migrations import apply_migrations
+from infrai_local.queues import ensure_queue
 
 from bench_env import API_KEY, EmulatorProcess, Workload, worker_result
 from instruments import sample_busy_percent
@@ -94,7 +95,7 @@ def prepared(setup: Setup, queue: str, workload: Workload) -> Iterator[str]:
         setup.emulator.set_latency(0)
         client = InfraiClient(setup.emulator.url, API_KEY)
         try:
-            client.ensure_queue(queue, dlq=f"{queue}-dlq")
+            ensure_queue(client, queue, dlq=f"{queue}-dlq")
             for payload in receipt_payloads(workload):
                 client.publish(queue, payload)
         finally:

@@ -40,6 +40,7 @@ from infrai_jobs.queue.client import InfraiClient
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.fan_out import CLI
 from infrai_local.migrations import apply_migrations
+from infrai_local.queues import ensure_queue
 
 from bench_env import API_KEY, JOB_MIGRATIONS, EmulatorProcess, Workload, invoice_id, prepared_run
 from instruments import latency_summary, sample_busy_percent
@@ -188,7 +189,7 @@ def measure_latency(
             conn.execute(_INVOICES, {"count": jobs})
             conn.execute(_EFFECTS_DDL)
         client = InfraiClient(emulator.url, API_KEY)
-        client.ensure_queue(queue, dlq=f"{queue}-dlq")
+        ensure_queue(client, queue, dlq=f"{queue}-dlq")
         background = sample_busy_percent(0.5)
         emulator.set_latency(latency_ms)
         trickle_s = jobs * TRICKLE_EVERY_S

@@ -43,7 +43,6 @@ from infrai_jobs.errors import (
     ClaimChanged,
     ClaimNotFound,
     ConfigurationError,
-    DeadLetterNotFound,
     InfraiError,
     InfraiJobsError,
     KeyDerivationError,
@@ -65,7 +64,13 @@ from infrai_jobs.runtime.factory import (
     with_secrets,
 )
 from infrai_local import scaffold
-from infrai_local.cli_ops import OpsContext, add_jobs_path, add_ops_commands, run_ops
+from infrai_local.cli_ops import (
+    DeadLetterNotFound,
+    OpsContext,
+    add_jobs_path,
+    add_ops_commands,
+    run_ops,
+)
 from infrai_local.drain_interrupt import (
     DEFAULT_GRACE_SECONDS,
     Finished,
@@ -84,6 +89,7 @@ from infrai_local.migrations import (
 )
 from infrai_local.operator import OperatorLedger, default_actor
 from infrai_local.outbox_cli import add_outbox_commands, run_outbox
+from infrai_local.queues import ensure_queue
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
@@ -544,7 +550,7 @@ def _with_stand_ins(
     )
     client = make_queue_client(settings)
     try:
-        client.ensure_queue(settings.queue, dlq=settings.dlq)
+        ensure_queue(client, settings.queue, dlq=settings.dlq)
     finally:
         client.close()
     return settings
@@ -966,7 +972,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     published = 0
     with _queue_client(settings) as client:
         if args.create:
-            client.ensure_queue(queue, dlq=settings.dlq if queue == settings.queue else None)
+            ensure_queue(client, queue, dlq=settings.dlq if queue == settings.queue else None)
         try:
             for _ in range(args.count):
                 message_id = client.publish(queue, body, delay_seconds=args.delay_seconds)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TextIO
 
-from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, DeadLetterNotFound
+from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, InfraiJobsError
 from infrai_jobs.jobs.probes import ANSWERS
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claims import ClaimRow
@@ -54,6 +54,10 @@ KeyOf = Callable[[Any], str]
 
 _DURATION = re.compile(r"^(\d+)\s*([smhd]?)$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class DeadLetterNotFound(InfraiJobsError):
+    """No dead letter read matched what the operator named (``dlq discard``)."""
 
 
 def parse_duration(text: str) -> int:

@@ -50,6 +50,7 @@ from infrai_local.invoke import invoke, resolve
 from infrai_local.jobs_package import load_registry, project_root
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.provider_sink import sink_settings
+from infrai_local.queues import ensure_queue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -401,7 +402,7 @@ def _stage(root: Path) -> Iterator[_Stage]:
         stack.callback(sink.stop)
         client = InfraiClient(server.url, API_KEY)
         stack.callback(client.close)
-        client.ensure_queue(QUEUE, dlq=DLQ)
+        ensure_queue(client, QUEUE, dlq=DLQ)
         yield _Stage(root, database_url, client, server.url, sink.url, io.StringIO())
 
 

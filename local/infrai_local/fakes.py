@@ -67,10 +67,15 @@ from infrai_jobs.ledger.claims import (
 from infrai_jobs.queue.models import Pending, PublishPrice, QueueMessage, QueueStats
 from infrai_jobs.queue_contract import (
     CONSUME_CAP,
-    DEFAULT_PUBLISH_PRICE_USD,
     DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
 )
-from infrai_local.queue_model import ApiError, QueueModel, counted_message_id, invalid
+from infrai_local.queue_model import (
+    DEFAULT_PUBLISH_PRICE_USD,
+    ApiError,
+    QueueModel,
+    counted_message_id,
+    invalid,
+)
 
 if TYPE_CHECKING:
     from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort

@@ -410,6 +410,7 @@ def local_services(
         if QUEUE_ENDPOINT in plan:
             from infrai_jobs.queue.client import InfraiClient  # noqa: PLC0415
             from infrai_local.emulator import start_in_thread  # noqa: PLC0415
+            from infrai_local.queues import ensure_queue  # noqa: PLC0415
 
             server = start_in_thread()
             stack.callback(server.stop)
@@ -420,8 +421,8 @@ def local_services(
                 # The function's queue exists, empty, as on a freshly deployed stack.
                 client = InfraiClient(server.url, values["INFRAI_API_KEY"])
                 try:
-                    client.ensure_queue(
-                        merged["INFRAI_QUEUE"], dlq=merged.get("INFRAI_DLQ") or None
+                    ensure_queue(
+                        client, merged["INFRAI_QUEUE"], dlq=merged.get("INFRAI_DLQ") or None
                     )
                 finally:
                     client.close()

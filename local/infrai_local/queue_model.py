@@ -44,7 +44,6 @@ from infrai_jobs.queue_contract import (
     CONSUME_CAP,
     MAX_DELAY_SECONDS,
     MAX_RECEIVE_COUNT,
-    MESSAGE_ID_PREFIX,
 )
 
 # What publish accepts, consume can serve: a body nested deeper than this, or longer than this
@@ -53,7 +52,10 @@ from infrai_jobs.queue_contract import (
 # JSON parser's nesting and a 16 MiB answer).
 MAX_BODY_DEPTH: Final = 800
 MAX_SERVED_BODY_BYTES: Final = 12 * 1024 * 1024
+MESSAGE_ID_PREFIX: Final = "qmsg_"
 MESSAGE_ID_LENGTH: Final = 24
+# The publish price the notes verified; a deployed client reads the live one from discovery.
+DEFAULT_PUBLISH_PRICE_USD: Final = "0.00002"
 QUEUE_TYPES: Final = frozenset({"standard"})
 
 _BASE62: Final = string.digits + string.ascii_uppercase + string.ascii_lowercase

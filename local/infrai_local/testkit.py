@@ -65,6 +65,7 @@ from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import load_registry
 from infrai_local.migrations import migrate_all
 from infrai_local.operator import OperatorLedger, reconcile_one
+from infrai_local.queues import ensure_queue
 from infrai_local.sandbox import STAND_IN_SECRET
 
 QUEUE = "testkit-jobs"
@@ -696,7 +697,7 @@ def open_job_kit(
         stack.callback(server.stop)
         client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
         stack.callback(client.close)
-        client.ensure_queue(QUEUE, dlq=DLQ)
+        ensure_queue(client, QUEUE, dlq=DLQ)
         kit = JobKit(
             registry,
             database_url,

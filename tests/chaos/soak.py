@@ -97,6 +97,7 @@ from infrai_jobs.queue.models import QueueMessage
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
+from infrai_local.queues import ensure_queue
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -993,7 +994,7 @@ class LeasedScenario:
         return {job.key for job in self.jobs}
 
     def start(self) -> None:
-        self.client.ensure_queue(LEASED_QUEUE, dlq=LEASED_DLQ)
+        ensure_queue(self.client, LEASED_QUEUE, dlq=LEASED_DLQ)
         self._thread = threading.Thread(target=self._run, name="soak-leased", daemon=True)
         self._thread.start()
 
@@ -1088,7 +1089,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         stack.callback(emulator.close)
         client = InfraiClient(emulator_process.url, api_key, retry=RetryPolicy(base_delay=0.01))
         stack.callback(client.close)
-        client.ensure_queue(QUEUE, dlq=DLQ)
+        ensure_queue(client, QUEUE, dlq=DLQ)
 
         parent_log = work_dir / "soak-parent.log"
         stack.enter_context(_capture_package_logs(parent_log))
@@ -1517,7 +1518,6 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
                     row.body,
                     row.dlq_deliveries or 1,
                     row.published_at,
-                    "in_flight",
                     row.message_id,
                 )
             )

@@ -325,7 +325,7 @@ def test_a_dead_letter_of_deferred_work_is_explained_by_the_ledger() -> None:
     # Given a dead letter whose key has no claim, only deferred work in the ledger
     registry = soak_registry("http://127.0.0.1:9")
     payload = {"job": "digest.build", "tenant_id": "t1", "period": "p1"}
-    message = QueueMessage("m1", "soak-jobs-dlq", payload, 3, None, "in_flight", "r1")
+    message = QueueMessage("m1", "soak-jobs-dlq", payload, 3, None, "r1")
 
     def lookup(key: str) -> ClaimFacts | None:
         return _deferred_facts("running")

@@ -19,6 +19,7 @@ from infrai_jobs.queue_contract import CONSUME_CAP, MAX_RECEIVE_COUNT
 from infrai_local.emulator import start_in_thread
 from infrai_local.fakes import FakeClock, InMemoryQueue
 from infrai_local.queue_model import MAX_BODY_DEPTH
+from infrai_local.queues import ensure_queue
 
 QUEUE = "contract-jobs"
 DLQ = "contract-jobs-dlq"
@@ -45,7 +46,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     server = start_in_thread(visibility_timeout=VISIBILITY)
     client = InfraiClient(server.url, "contract-key", retry=RetryPolicy(base_delay=0.01))
     try:
-        client.ensure_queue(QUEUE, dlq=DLQ)
+        ensure_queue(client, QUEUE, dlq=DLQ)
         yield Backend(client, server.emulator.advance_clock)
     finally:
         client.close()

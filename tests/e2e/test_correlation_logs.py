@@ -12,6 +12,7 @@ from child_process import LineSink, clean_env, run_captured
 
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import invoke, resolve
+from infrai_local.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -36,8 +37,10 @@ def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
 ) -> None:
     # Given the notes' job published twice by `publish` (one correlation id for both), and
     # another job whose producer sent a W3C traceparent
-    InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key").ensure_queue(
-        "billing-jobs", dlq="billing-jobs-dlq"
+    ensure_queue(
+        InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key"),
+        "billing-jobs",
+        dlq="billing-jobs-dlq",
     )
     notes = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
     retried, correlation_id = publish(services, notes, "--count", "2")

@@ -22,6 +22,7 @@ from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator, provider_sink
 from infrai_local.fan_out import CLI, LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
+from infrai_local.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -93,7 +94,7 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
     sink = provider_sink.start_in_thread()
     try:
         client = InfraiClient(server.url, "local-dev-key")
-        client.ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        ensure_queue(client, QUEUE, dlq=f"{QUEUE}-dlq")
         for n in range(1, 601):
             client.publish(
                 QUEUE, {"job": "invoice.finalize", "invoice_id": f"inv_{n}", "amount_cents": n}

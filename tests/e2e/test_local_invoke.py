@@ -21,6 +21,7 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import dependency_path, invoke, resolve
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
+from infrai_local.queues import ensure_queue
 from infrai_local.sam_template import (
     function_names,
     load_template,
@@ -37,7 +38,7 @@ def test_drain_function_drains_the_emulator_into_the_ledger(
 ) -> None:
     # Given the notes' job published twice to the emulator
     client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
-    client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+    ensure_queue(client, "billing-jobs", dlq="billing-jobs-dlq")
     payload = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
     client.publish("billing-jobs", payload)
     client.publish("billing-jobs", payload)
@@ -192,8 +193,10 @@ def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
     services: dict[str, str], tmp_path: Path, project: Path
 ) -> None:
     # Given a fan-out event, as one drain sends another it starts (no event id of its own)
-    InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key").ensure_queue(
-        "billing-jobs", dlq="billing-jobs-dlq"
+    ensure_queue(
+        InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key"),
+        "billing-jobs",
+        dlq="billing-jobs-dlq",
     )
     slot = "6b1f2a3c-4d5e-4f60-8a7b-9c0d1e2f3a4b"
     event = {"infrai_jobs_fan_out": {"queue": "billing-jobs", "drain_id": slot, "started_by": "x"}}
@@ -221,7 +224,7 @@ def assert_every_line_correlates(logs: LineSink, event_file: Path) -> None:
 
 def _dead_letter(services: dict[str, str], payload: dict[str, object]) -> InfraiClient:
     client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
-    client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+    ensure_queue(client, "billing-jobs", dlq="billing-jobs-dlq")
     client.publish("billing-jobs", payload)
     for _ in range(3):
         assert client.consume("billing-jobs")
@@ -739,7 +742,7 @@ def test_a_jobs_setting_exported_in_the_shell_reaches_the_function_as_in_sam(
     env_vars.write_text(json.dumps({"DrainFunction": {}}))
     client = InfraiClient(services["INFRAI_BASE_URL"], services["INFRAI_API_KEY"])
     try:
-        client.ensure_queue("billing-jobs", dlq="billing-jobs-dlq")
+        ensure_queue(client, "billing-jobs", dlq="billing-jobs-dlq")
         client.publish(
             "billing-jobs",
             {"job": "receipt.send", "invoice_id": "inv_exported", "email": "a@example.com"},

@@ -37,6 +37,7 @@ from infrai_local.migrations import (
     jobs_migrations_folder,
     read_migrations,
 )
+from infrai_local.queues import ensure_queue
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -210,7 +211,7 @@ def harness(
     sink = provider_sink.start_in_thread()
     limits = {} if max_answer_bytes is None else {"max_answer_bytes": max_answer_bytes}
     client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
-    client.ensure_queue(QUEUE, dlq=DLQ)
+    ensure_queue(client, QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
     registry = jobs()
     add_test_jobs(registry, database_url)

@@ -28,6 +28,7 @@ from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_local import emulator as emulator_module
 from infrai_local.migrations import apply_migrations
+from infrai_local.queues import ensure_queue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -54,7 +55,7 @@ class Stage:
         self.client = InfraiClient(
             self.server.url, "k", retry=RetryPolicy(max_attempts=2, base_delay=0.01)
         )
-        self.client.ensure_queue(QUEUE, dlq=DLQ)
+        ensure_queue(self.client, QUEUE, dlq=DLQ)
         self.http = urllib3.PoolManager()
 
     def check(self, alerter: Any, **thresholds: int) -> AlertCheck:

@@ -177,7 +177,7 @@ def _process(kit: Ledgers, case: Case) -> tuple[str, list[MessageResult], list[s
     ids = [f"qmsg_{key_id[:8]}_{n}" for n in range(case.copies)]
     _seed_claim(kit, case, key, payload, ids)
     order = [n for n in case.order if n < case.copies]
-    batch = [QueueMessage(ids[n], QUEUE, payload, 2, None, "in_flight", ids[n]) for n in order]
+    batch = [QueueMessage(ids[n], QUEUE, payload, 2, None, ids[n]) for n in order]
     kit.runs.clear()
     results = process_batch(
         batch, kit.ledger, kit.registry(), kit.now() + 60, DrainConfig(queue=QUEUE), clock=kit.now

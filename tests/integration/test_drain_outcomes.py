@@ -239,7 +239,7 @@ def test_payloads_that_are_not_objects_are_rejected(kit: Harness) -> None:
     # the drain must survive them whatever they are.
 
     odd = [
-        QueueMessage(f"qmsg_{i}", QUEUE, payload, 1, None, "in_flight", f"qmsg_{i}")
+        QueueMessage(f"qmsg_{i}", QUEUE, payload, 1, None, f"qmsg_{i}")
         for i, payload in enumerate([None, [1, 2], "text", 42, {"job": 7}])
     ]
     results = process_batch(odd, kit.ledger, kit.registry, 2e9, DrainConfig(queue=QUEUE))

@@ -51,7 +51,7 @@ def _frontend_messages(conn: psycopg.Connection[Any], run: Any) -> list[tuple[st
 
 def _messages(payloads: list[dict[str, object]]) -> list[QueueMessage]:
     return [
-        QueueMessage(f"qmsg_{i}", "billing-jobs", p, 1, None, "in_flight", f"qmsg_{i}")
+        QueueMessage(f"qmsg_{i}", "billing-jobs", p, 1, None, f"qmsg_{i}")
         for i, p in enumerate(payloads)
     ]
 

@@ -28,6 +28,7 @@ from infrai_jobs.queue.models import QueueMessage
 from infrai_local import emulator
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations
+from infrai_local.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -92,7 +93,7 @@ def queue() -> Iterator[InfraiClient]:
     """A "real" queue (the emulator over HTTP) holding one job."""
     server = emulator.start_in_thread()
     client = InfraiClient(server.url, API_KEY)
-    client.ensure_queue(QUEUE, dlq=DLQ)
+    ensure_queue(client, QUEUE, dlq=DLQ)
     client.publish(QUEUE, JOB)
     try:
         yield client
@@ -557,7 +558,7 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
 ) -> None:
     # Given a database never migrated
     check = AlertCheck(queue, database_url, PrintingAlerter(), AlertThresholds())
-    dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "in_flight", "r")
+    dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "r")
     # And a dead letter in the DLQ
     queue.publish(DLQ, JOB)
     store = ClaimsAdmin(database_url).dead_letters()

@@ -24,6 +24,7 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_local.emulator import start_in_thread
+from infrai_local.queues import ensure_queue
 
 API_KEY = "sk_live_do_not_print_4f9a2c"
 
@@ -67,7 +68,7 @@ def sleeps() -> SleepRecorder:
 @pytest.fixture
 def client(emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder) -> Iterator[Any]:
     infrai = InfraiClient(emulator.url, API_KEY, sleep=sleeps)
-    infrai.ensure_queue(QUEUE, dlq=DLQ)
+    ensure_queue(infrai, QUEUE, dlq=DLQ)
     yield infrai
     infrai.close()
 
@@ -75,10 +76,10 @@ def client(emulator: Any, control: urllib3.PoolManager, sleeps: SleepRecorder) -
 def test_ensure_queue_treats_an_existing_queue_as_success(client: InfraiClient) -> None:
     # Given the fixture created the queue already
     # When it is ensured again
-    created = client.ensure_queue(QUEUE, dlq=DLQ)
+    created = ensure_queue(client, QUEUE, dlq=DLQ)
     # Then that is not an error, and the answer says it existed
     assert created is False
-    assert client.ensure_queue("fresh-queue") is True
+    assert ensure_queue(client, "fresh-queue") is True
 
 
 def test_publish_consume_ack_round_trip(client: InfraiClient) -> None:
@@ -156,7 +157,7 @@ def test_the_api_key_never_appears_in_repr_logs_or_errors(
     # Given every logger at DEBUG (urllib3 included) and a service that keeps failing
     caplog.set_level(logging.DEBUG)
     client = InfraiClient(emulator.url, API_KEY, retry=RetryPolicy(base_delay=0.001))
-    client.ensure_queue(QUEUE, dlq=DLQ)
+    ensure_queue(client, QUEUE, dlq=DLQ)
     set_faults(control, emulator.url, error_rate=1.0)
     # When calls fail, are retried and give up
     with pytest.raises(InfraiUnavailable) as caught:
@@ -232,7 +233,7 @@ def test_acks_sent_together_before_a_key_rotation_all_land_with_one_refresh() ->
     server = start_in_thread(api_key="sk_new_key")
     try:
         fresh = InfraiClient(server.url, "sk_new_key")
-        fresh.ensure_queue(QUEUE)
+        ensure_queue(fresh, QUEUE)
         for n in range(3):
             fresh.publish(QUEUE, {"n": n})
         handles = [m.receipt_handle for m in fresh.consume(QUEUE, 3)]

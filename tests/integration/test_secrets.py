@@ -23,6 +23,7 @@ from infrai_jobs.errors import InfraiError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local import emulator as emulator_module
+from infrai_local.queues import ensure_queue
 
 REGION = "us-east-1"
 PARAMETER = "/infrai-jobs/api-key"
@@ -137,7 +138,7 @@ def test_the_client_refreshes_a_rotated_api_key_once(aws: dict[str, Any]) -> Non
             ).refresh.api_key,
         )
         # When a call meets a 401, Then it succeeds with the key fetched again
-        assert client.ensure_queue(QUEUE) is True
+        assert ensure_queue(client, QUEUE) is True
         # And a key that is still wrong after the refresh fails clearly, without looping
         aws["ssm"].put_parameter(
             Name=PARAMETER, Value="sk_wrong", Type="SecureString", Overwrite=True
@@ -188,7 +189,7 @@ def test_redrive_function_picks_up_a_rotated_api_key_in_a_warm_environment(
     # Given RedriveFunction warm with the key SSM held at its first invocation
     server = emulator_module.start_in_thread(api_key="sk_new")
     try:
-        InfraiClient(server.url, "sk_new").ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        ensure_queue(InfraiClient(server.url, "sk_new"), QUEUE, dlq=f"{QUEUE}-dlq")
         aws["ssm"].put_parameter(Name=PARAMETER, Value="sk_old", Type="SecureString")
         for name, value in {
             "INFRAI_BASE_URL": server.url,
@@ -263,7 +264,7 @@ def test_a_warm_function_picks_up_a_rotated_database_secret_in_the_same_run(
     server = emulator_module.start_in_thread(api_key="test-key")
     try:
         client = InfraiClient(server.url, "test-key")
-        client.ensure_queue(QUEUE, dlq=f"{QUEUE}-dlq")
+        ensure_queue(client, QUEUE, dlq=f"{QUEUE}-dlq")
         warm_up, event, dead_letters = WARM_FUNCTIONS[function]
         for payload in dead_letters:
             client.publish(f"{QUEUE}-dlq", payload)

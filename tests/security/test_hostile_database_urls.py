@@ -191,9 +191,7 @@ def fixture_jobs_imported() -> Iterator[None]:
 
 
 def entry_points(url: str) -> dict[str, Callable[[], object]]:
-    message = QueueMessage(
-        "qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "in_flight", "r"
-    )
+    message = QueueMessage("qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "r")
     return {
         "the drain's ledger": lambda: PostgresLedger(url, connect_timeout=1).ping(),
         "the watcher": lambda: AlertCheck(

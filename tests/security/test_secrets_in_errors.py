@@ -74,9 +74,7 @@ def _every_place_keeps_the_password_out() -> None:
     # Given a database URL with a typo (an unclosed IPv6 bracket) and a password, which the
     # driver quotes whole in its own error
     url = f"postgresql://infrai:{PASSWORD}@[::1/jobs"
-    message = QueueMessage(
-        "qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "in_flight", "r"
-    )
+    message = QueueMessage("qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "r")
     entry_points = {
         "the watcher": lambda: AlertCheck(
             _NoQueue(), url, PrintingAlerter(), AlertThresholds()

@@ -1,8 +1,5 @@
-"""The package's one exception tree.
-
-Adapters translate driver and HTTP errors into these with ``raise ... from exc``; callers catch
-the narrowest type that fits. No message here ever contains the Infrai API key.
-"""
+"""The package's one exception tree; adapters raise these ``from`` the driver's or HTTP's error.
+No message here ever contains the Infrai API key."""
 
 from __future__ import annotations
 
@@ -21,29 +18,20 @@ class TransportError(InfraiJobsError):
 
 
 class TlsVerificationFailed(TransportError):
-    """The server's certificate or hostname did not verify, before any request was sent; not
-    transient, so never retried."""
+    """The certificate or hostname did not verify, before anything was sent; never retried."""
 
 
 class AnswerTooLarge(TransportError):
-    """The answer is longer than the pool accepts; ``size`` is its declared length, if any."""
+    """The answer is longer than the limit; ``size`` is its declared length, when it declared one.
+    The wire reader raises it; the pool raises it again naming the host."""
 
-    def __init__(self, message: str, size: int | None) -> None:
+    def __init__(self, message: str, size: int | None = None) -> None:
         super().__init__(message)
         self.size = size
 
 
 class ProtocolError(InfraiJobsError):
-    """An answer that breaks HTTP/1.1 framing or a limit; the pool reports it as a
-    ``TransportError`` naming the host."""
-
-
-class OversizedAnswer(ProtocolError):
-    """An answer longer than the limit; ``size`` is its declared length, when it declared one."""
-
-    def __init__(self, limit: int, size: int | None = None) -> None:
-        super().__init__(f"the answer is larger than {limit} bytes")
-        self.size = size
+    """Broken HTTP/1.1 framing or a broken limit; the pool raises it as a ``TransportError``."""
 
 
 class InfraiError(InfraiJobsError):
@@ -61,7 +49,10 @@ class InfraiError(InfraiJobsError):
 
 
 class InfraiUnavailable(InfraiError):
-    """A transport failure or a retryable answer (429, 5xx) that outlived the retries."""
+    """A transport failure or a retryable answer (429, 5xx) that outlived the retries;
+    ``retry_after``: the seconds the answer asked to wait, if it said."""
+
+    retry_after: float | None = None
 
 
 class UntrustedServer(InfraiError):
@@ -84,13 +75,12 @@ class ConsumeAnswerLost(InfraiUnavailable):
         message: str,
         status: int = 0,
         *,
-        call: str = "consume",
         queue: str = "",
         max_messages: int = 0,
         size: int | None = None,
         message_ids: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(code, message, status, call=call)
+        super().__init__(code, message, status, call="consume")
         self.queue = queue
         self.max_messages = max_messages
         self.size = size
@@ -103,8 +93,7 @@ class QueueMessageNotFound(InfraiError):
 
 
 class KeyDerivationError(InfraiJobsError):
-    """No idempotency key can be derived from a payload; the message is left unacked so it
-    reaches the dead-letter queue."""
+    """No idempotency key can be derived from the payload; left unacked, it reaches the DLQ."""
 
 
 class UnknownJob(KeyDerivationError):
@@ -116,15 +105,11 @@ class InvalidPayload(KeyDerivationError):
     field): rejected before a claim, and by a checked publish before it is sent."""
 
 
-class JobError(InfraiJobsError):
-    """Base for what a job handler may raise to steer its outcome."""
-
-
-class PermanentJobError(JobError):
+class PermanentJobError(InfraiJobsError):
     """Retrying cannot help: the claim is marked ``failed`` and the message goes to the DLQ."""
 
 
-class EffectUncertain(JobError):
+class EffectUncertain(InfraiJobsError):
     """An irreversible effect may or may not have happened; a human must reconcile it. The
     claim stays ``running`` and is flagged stuck; the message is not acked."""
 
@@ -166,10 +151,6 @@ class ClaimNotFound(InfraiJobsError):
 
 class ClaimChanged(InfraiJobsError):
     """The claim is no longer in the state (or held by the token) the operator saw."""
-
-
-class DeadLetterNotFound(InfraiJobsError):
-    """No dead letter read matched what the operator named (``dlq discard``)."""
 
 
 class EffectInProgress(InfraiJobsError):

@@ -16,6 +16,3 @@ MAX_RECEIVE_COUNT: Final = 3
 DEFAULT_VISIBILITY_TIMEOUT_SECONDS: Final = 300
 # (our choice) The longest delay_seconds a publish accepts.
 MAX_DELAY_SECONDS: Final = 86_400
-# The publish price the notes verified; the live one comes from discovery.
-DEFAULT_PUBLISH_PRICE_USD: Final = "0.00002"
-MESSAGE_ID_PREFIX: Final = "qmsg_"

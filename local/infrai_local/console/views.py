@@ -22,12 +22,12 @@ from infrai_jobs.errors import (
     ClaimChanged,
     ClaimNotFound,
     ConfigurationError,
-    DeadLetterNotFound,
     InfraiError,
     InfraiJobsError,
 )
 from infrai_jobs.ledger.postgres import redact
 from infrai_local.cli import raw_database_url
+from infrai_local.cli_ops import DeadLetterNotFound
 from infrai_local.console import chart, commands
 from infrai_local.console.commands import BULK_LIMIT, CommandResult
 from infrai_local.console.guard import TOKEN_FIELD, Guard

@@ -14,15 +14,12 @@ from types import FrameType
 from typing import TextIO
 
 from infrai_jobs.config.redis_url import is_loopback_host
-from infrai_jobs.queue_contract import (
-    DEFAULT_PUBLISH_PRICE_USD,
-)
 from infrai_local.emulator.http import DEFAULT_HOST, DEFAULT_PORT, start_in_thread
 from infrai_local.emulator.state import (
     DEFAULT_VISIBILITY_TIMEOUT,
     price_text,
 )
-from infrai_local.queue_model import ApiError
+from infrai_local.queue_model import DEFAULT_PUBLISH_PRICE_USD, ApiError
 
 
 def serve(

@@ -23,9 +23,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from infrai_jobs.queue_contract import (
-    DEFAULT_PUBLISH_PRICE_USD,
-)
 from infrai_local.emulator.routes import (
     CONTROL_ENDPOINTS,
     Endpoint,
@@ -38,7 +35,13 @@ from infrai_local.emulator.state import (
     EmulatorClock,
     FaultDecision,
 )
-from infrai_local.queue_model import ApiError, JsonObject, encode_answer, invalid
+from infrai_local.queue_model import (
+    DEFAULT_PUBLISH_PRICE_USD,
+    ApiError,
+    JsonObject,
+    encode_answer,
+    invalid,
+)
 
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8765

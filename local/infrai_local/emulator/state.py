@@ -16,10 +16,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
-from infrai_jobs.queue_contract import (
-    DEFAULT_PUBLISH_PRICE_USD,
-    DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-)
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_local.emulator.parsing import (
     optional_int,
     optional_integer,
@@ -27,6 +24,7 @@ from infrai_local.emulator.parsing import (
     reject_unknown_fields,
 )
 from infrai_local.queue_model import (
+    DEFAULT_PUBLISH_PRICE_USD,
     JsonObject,
     QueueModel,
     format_timestamp,

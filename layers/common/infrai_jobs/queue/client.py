@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
-from infrai_jobs.config.settings import check_web_url
+from infrai_jobs.config.settings import DEFAULT_BASE_URL, check_web_url
 from infrai_jobs.errors import (
     AnswerTooLarge,
     ConfigurationError,
@@ -51,7 +51,6 @@ USER_AGENT = "infrai-jobs/0.1"
 # Built once: json.dumps with any option builds a new encoder per call (1.5 µs, every ack).
 _BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 _ASCII_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-# Ids of the messages an unreadable consume answer still shows (at most a batch of them).
 _MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 
@@ -94,9 +93,8 @@ class InfraiClient:
         allow_plain_http: bool = False,
     ) -> None:
         # The settings' rule again, for a client built without them: the key is in every request.
-        example = "https://api.infrai.cc"
         check_web_url(
-            "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=example
+            "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=DEFAULT_BASE_URL
         )
         if not api_key:
             raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
@@ -145,19 +143,6 @@ class InfraiClient:
         finally:
             self._time_left_ms = None
 
-    def ensure_queue(self, name: str, *, dlq: str | None = None, type_: str = "standard") -> bool:
-        """Create ``name`` (and its DLQ); return False when it already existed."""
-        body: dict[str, Any] = {"name": name, "type": type_}
-        if dlq:
-            body["dlq"] = dlq
-        try:
-            self._call("POST", "/v1/queue/create", body, call="create", retryable=True)
-        except InfraiError as exc:
-            if exc.code == "QUEUE_ALREADY_EXISTS":
-                return False
-            raise
-        return True
-
     def publish(
         self,
         queue: str,
@@ -166,8 +151,7 @@ class InfraiClient:
         delay_seconds: int | None = None,
         retry: bool | None = None,
     ) -> str:
-        """Publish one message and return its ``message_id``; retried only if ``retry`` (or
-        the client's ``retry_publish``) says so."""
+        """Publish one message, returning its id; retried if ``retry`` (else ``retry_publish``)."""
         request: dict[str, Any] = {"queue": queue, "body": body}
         if delay_seconds is not None:
             request["delay_seconds"] = delay_seconds
@@ -188,8 +172,7 @@ class InfraiClient:
     def send_consume(
         self, queue: str, max_messages: int = CONSUME_CAP
     ) -> Pending[list[QueueMessage]]:
-        """``consume``, sent now and answered by ``wait()``: the drain receives its next batch
-        while it works on this one."""
+        """``consume``, sent now and answered by ``Pending.wait()``."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
         served = min(max_messages, CONSUME_CAP)
@@ -204,15 +187,14 @@ class InfraiClient:
             )
             return _messages(data, queue, served)
 
-        return Pending(finish, lambda: _messages(first.answer_alone(), queue, served))
+        return Pending(finish, lambda: _messages(first.answer(), queue, served))
 
     def ack(self, queue: str, receipt_handle: str) -> None:
         """Acknowledge a delivery. Raises ``QueueMessageNotFound`` when the handle is gone."""
         self.send_ack(queue, receipt_handle).wait()
 
     def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
-        """``ack``, sent now and answered by ``wait()``: a batch's acks travel together, each
-        on its own connection, while the drain works on the next batch."""
+        """``ack``, sent now and answered by ``Pending.wait()``, each on its own connection."""
         request = {"queue": queue, "receipt_handle": receipt_handle}
         path = "/v1/queue/ack"
         first = self._send("POST", path, request, call="ack")
@@ -220,7 +202,7 @@ class InfraiClient:
         def finish() -> None:
             self._call("POST", path, request, call="ack", retryable=True, first=first)
 
-        return Pending(finish, first.answer_alone)
+        return Pending(finish, first.answer)
 
     def stats(self, queue: str) -> QueueStats:
         path = "/v1/queue/stats/" + quote(queue, safe="")
@@ -296,13 +278,13 @@ class InfraiClient:
                 # spend a delivery of the next ones too.
                 raise
             except InfraiUnavailable as exc:
-                retry_after = getattr(exc, "retry_after", None)
+                retry_after = exc.retry_after
                 out_of_time = retry_after is not None and retry_after > self._retry.max_retry_after
                 delay = self._retry.backoff(attempt)
                 if retry_after is not None:
                     delay = retry_after + random.uniform(0, self._retry.base_delay)
                 if attempt + 1 >= attempts or out_of_time or not self._retry_fits(delay):
-                    raise _public(exc, call) from exc
+                    raise
                 # WARNING: a run of retries is how an outage looks before anything else fails.
                 logger.warning(
                     "retrying an Infrai call",
@@ -362,7 +344,7 @@ class InfraiClient:
             def failed() -> Any:
                 raise failure
 
-            return _Attempt(key, call, failed)
+            return _Attempt(key, failed)
 
         def answer() -> Any:
             try:
@@ -376,7 +358,7 @@ class InfraiClient:
             raw = response.body
             try:
                 return _unwrap(response.status, raw, response.headers.get("retry-after"), call)
-            except (_RetryableAnswer, InfraiInvalidResponse) as exc:
+            except (InfraiUnavailable, InfraiInvalidResponse) as exc:
                 if spends is None or exc.status == 429:
                     raise
                 ids = _ids_in(raw)
@@ -384,7 +366,7 @@ class InfraiClient:
                     spends, exc.code, exc.message, exc.status, size=len(raw), message_ids=ids
                 ) from exc
 
-        return _Attempt(key, call, answer)
+        return _Attempt(key, answer)
 
 
 def _encode_body(body: Mapping[str, Any]) -> bytes:
@@ -410,30 +392,7 @@ class _Attempt:
     """One request sent: the API key it carried and how to read its answer."""
 
     key: str = field(repr=False)
-    call: str
     answer: Callable[[], Any]
-
-    def answer_alone(self) -> Any:
-        """The answer with no retry; a retryable failure is raised as the public type."""
-        try:
-            return self.answer()
-        except ConsumeAnswerLost:
-            raise
-        except InfraiUnavailable as exc:
-            raise _public(exc, self.call) from exc
-
-
-class _RetryableAnswer(InfraiUnavailable):
-    def __init__(
-        self, code: str, message: str, status: int, *, call: str, retry_after: float | None
-    ):
-        super().__init__(code, message, status, call=call)
-        self.retry_after = retry_after
-
-
-def _public(exc: InfraiUnavailable, call: str) -> InfraiUnavailable:
-    """The public type, whatever answer class carried the failure."""
-    return InfraiUnavailable(exc.code, exc.message, exc.status, call=call)
 
 
 def _lost(
@@ -506,8 +465,9 @@ def _unwrap(status: int, raw: bytes, retry_after_header: str | None, call: str) 
     elif success:
         return document
     if status == 429 or status >= 500:
-        retry_after = _parse_retry_after(retry_after_header)
-        raise _RetryableAnswer(code, message, status, call=call, retry_after=retry_after)
+        unavailable = InfraiUnavailable(code, message, status, call=call)
+        unavailable.retry_after = _parse_retry_after(retry_after_header)
+        raise unavailable
     if code == "QUEUE_MESSAGE_NOT_FOUND":
         raise QueueMessageNotFound(code, message, status, call=call)
     raise InfraiError(code, message, status, call=call)

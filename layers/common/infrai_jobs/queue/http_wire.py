@@ -10,7 +10,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 
-from infrai_jobs.errors import OversizedAnswer, ProtocolError
+from infrai_jobs.errors import AnswerTooLarge, ProtocolError
 
 MAX_LINE = 65536
 MAX_HEADERS = 100
@@ -129,7 +129,7 @@ class Connection:
         while len(self.buffer) <= limit and self.fill():
             pass
         if len(self.buffer) > limit:
-            raise OversizedAnswer(limit)
+            raise AnswerTooLarge(f"the answer is larger than {limit} bytes")
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
@@ -204,7 +204,7 @@ def read_response(conn: Connection, method: str, max_body: int) -> tuple[Respons
         return Response(status, headers, conn.read_to_end(max_body)), False
     size = _parse_length(length)
     if size > max_body:
-        raise OversizedAnswer(max_body, size)
+        raise AnswerTooLarge(f"the answer is larger than {max_body} bytes", size)
     body = conn.read(size)
     if len(body) != size:
         raise ProtocolError(f"the answer was cut short ({len(body)} of {size} bytes)")
@@ -299,7 +299,7 @@ def _read_chunked(conn: Connection, max_body: int) -> bytes:
         if size == 0:
             break
         if len(body) + size > max_body:
-            raise OversizedAnswer(max_body)
+            raise AnswerTooLarge(f"the answer is larger than {max_body} bytes")
         chunk = conn.read(size)
         if len(chunk) != size or conn.readline() not in (b"\r\n", b"\n"):
             raise ProtocolError("the answer was cut short inside a chunk")

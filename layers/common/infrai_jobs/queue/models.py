@@ -47,7 +47,6 @@ class QueueMessage:
     payload: JsonValue
     delivery_count: int
     published_at: datetime | None
-    status: str
     receipt_handle: str
 
     @classmethod
@@ -73,14 +72,12 @@ class QueueMessage:
         item_queue = item.get("queue", queue)
         if not isinstance(item_queue, str) or not item_queue:
             raise _invalid(call, f"item {message_id}: queue is not a non-empty string")
-        status = item.get("status", "in_flight")
         return cls(
             message_id=message_id,
             queue=item_queue,
             payload=item.get("payload"),
             delivery_count=delivery_count,
             published_at=_parse_timestamp(item.get("published_at")),
-            status=status if isinstance(status, str) else "in_flight",
             receipt_handle=handle or message_id,
         )
 

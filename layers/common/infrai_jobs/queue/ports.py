@@ -43,7 +43,6 @@ class ForwardingQueue:
 
     @property
     def inner(self) -> QueuePort:
-        """The queue this one forwards to."""
         return self._inner
 
     def publish(

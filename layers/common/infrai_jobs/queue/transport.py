@@ -3,9 +3,8 @@
 Why not urllib3: every ack is one request, so CPU per request bounds a lane's throughput (a
 512 MB Lambda has a third of a vCPU), and here a request costs about a quarter of urllib3's
 (bench/transport.md). A connection is pooled again only when its answer was framed exactly; the
-whole answer has a deadline; it never retries (the caller decides), and reports a failed
-certificate as ``TlsVerificationFailed``. No proxies, redirects, compression, cookies or HTTP/2.
-Error messages name the host and the failure, never a header.
+whole answer has a deadline; it never retries (the caller decides). No proxies, redirects,
+compression, cookies or HTTP/2. Error messages name the host and the failure, never a header.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from urllib.parse import urlsplit
 
 from infrai_jobs.errors import (
     AnswerTooLarge,
-    OversizedAnswer,
     ProtocolError,
     TlsVerificationFailed,
     TransportError,
@@ -72,17 +70,14 @@ class HttpPool:
         max_idle: float = DEFAULT_MAX_IDLE,
         max_body: int = MAX_BODY,
     ) -> None:
+        # The client checked scheme, host and credentials (check_web_url); the port is left.
         parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{base_url!r} is not an http(s) URL with a host")
-        if parts.username is not None or parts.password is not None:
-            raise ValueError("the URL carries credentials; pass them as headers instead")
         try:
             port = parts.port
         except ValueError as exc:
             raise ValueError(f"{base_url!r} has an invalid port") from exc
         self._tls = parts.scheme == "https"
-        self._host = parts.hostname
+        self._host = parts.hostname or ""
         default_port = 443 if self._tls else 80
         self._port = port or default_port
         host_for_header = f"[{self._host}]" if ":" in self._host else self._host
@@ -143,7 +138,7 @@ class HttpPool:
             response, keep_alive = read_response(conn, exchange.method, self._max_body)
         except BaseException as exc:
             conn.close()
-            if isinstance(exc, OversizedAnswer):
+            if isinstance(exc, AnswerTooLarge):
                 raise AnswerTooLarge(self._describe(exc), exc.size) from exc
             if isinstance(exc, OSError | ProtocolError):
                 raise TransportError(self._describe(exc)) from exc

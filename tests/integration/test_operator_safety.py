@@ -22,7 +22,8 @@ from child_process import clean_env, run_captured
 from infrai_jobs.errors import SchemaNotMigrated
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.redrive import RedriveRequest, _reopen, redrive
+from infrai_jobs.operations.dead_letters import fingerprint_or_none
+from infrai_jobs.operations.redrive import RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_local import emulator
@@ -568,10 +569,9 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
         lambda: redrive(
             queue, store, RedriveRequest(source=DLQ, target=QUEUE, max_messages=1, actor="on-call")
         ),
-        lambda: _reopen(
-            ClaimsAdmin(database_url),
-            dead_letter.message_id,
-            dead_letter.payload,
+        lambda: ClaimsAdmin(database_url).reopen_failed(
+            message_id=dead_letter.message_id,
+            fingerprint=fingerprint_or_none(dead_letter.payload),
             actor="on-call",
         ),
     ):

@@ -25,9 +25,9 @@ from infrai_jobs.config.settings import DrainSettings, PruneSettings
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
-from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import fingerprint_or_none
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_secrets
 from infrai_local import cli as cli_module
@@ -200,8 +200,10 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).stuck(),
         "operator ledger": lambda: OperatorLedger(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: redrive_module._reopen(
-            ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"
+        "redrive's reopen": lambda: ClaimsAdmin(url).reopen_failed(
+            message_id=message.message_id,
+            fingerprint=fingerprint_or_none(message.payload),
+            actor="on-call",
         ),
         "the ledger's dead letters": lambda: (
             ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()

@@ -18,9 +18,9 @@ from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.operations import redrive as redrive_module
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import fingerprint_or_none
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.drain_service import DrainService
@@ -82,8 +82,10 @@ def _every_place_keeps_the_password_out() -> None:
         "claims admin": lambda: ClaimsAdmin(url).find("any"),
         "operator ledger": lambda: OperatorLedger(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: redrive_module._reopen(
-            ClaimsAdmin(url), message.message_id, message.payload, actor="on-call"
+        "redrive's reopen": lambda: ClaimsAdmin(url).reopen_failed(
+            message_id=message.message_id,
+            fingerprint=fingerprint_or_none(message.payload),
+            actor="on-call",
         ),
         "the ledger's dead letters": lambda: (
             ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()

@@ -155,10 +155,11 @@ class AlertCheck(LedgerAdapter):
         alerter: Alerter,
         thresholds: AlertThresholds,
         *,
+        connect_timeout: int = 5,
         refresh_url: Callable[[], str] | None = None,
         reconciler: Reconciler | None = None,
     ) -> None:
-        super().__init__(database_url, refresh_url=refresh_url)
+        super().__init__(database_url, connect_timeout=connect_timeout, refresh_url=refresh_url)
         self._queue = queue
         self._reconciler = reconciler
         self._alerter = alerter

@@ -57,9 +57,9 @@ from infrai_jobs.drain.flow import flow_control  # noqa: E402
 from infrai_jobs.drain.loop import drain_invocation  # noqa: E402
 from infrai_jobs.drain.model import DrainConfig, DrainRun  # noqa: E402
 from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # noqa: E402
-from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.ledger.postgres import LedgerConnector  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
+from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from jobs import build_registry  # noqa: E402
 

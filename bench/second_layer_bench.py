@@ -63,9 +63,9 @@ import psycopg  # noqa: E402
 from infrai_jobs.drain.loop import drain  # noqa: E402
 from infrai_jobs.drain.model import DrainConfig, DrainFeature  # noqa: E402
 from infrai_jobs.jobs.registry import JobContext  # noqa: E402
-from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.ledger.ports import EffectGuard  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
+from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
+from infrai_jobs.work.ports import EffectGuard  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from jobs import build_registry  # noqa: E402
 

@@ -33,9 +33,9 @@ import psycopg  # noqa: E402
 from infrai_jobs.drain.loop import drain  # noqa: E402
 from infrai_jobs.drain.model import DrainConfig, DrainSummary  # noqa: E402
 from infrai_jobs.jobs.registry import JobRegistry  # noqa: E402
-from infrai_jobs.ledger.claim_ledger import PostgresLedger  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_jobs.runtime.factory import client_pool_size  # noqa: E402
+from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
 import notes_loop  # noqa: E402

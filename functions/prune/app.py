@@ -10,15 +10,15 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.config.settings import PruneSettings
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.runtime.factory import make_claims_admin, with_secrets
 from infrai_jobs.runtime.observability import function_observability, tracing
+from infrai_jobs.work.admin import WorkStore
 
 logger, metrics = function_observability()
 
 
 @cache
-def dependencies() -> tuple[PruneSettings, ClaimsAdmin]:
+def dependencies() -> tuple[PruneSettings, WorkStore]:
     """Built once per warm environment; a rotated database secret is fetched again when a
     connection fails with the cached one (factory.with_secrets, as every function does). It
     never calls Infrai, so it never fetches the API key."""

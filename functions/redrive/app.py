@@ -21,7 +21,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from infrai_jobs.config.settings import RedriveSettings
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.runtime.factory import (
@@ -31,6 +31,7 @@ from infrai_jobs.runtime.factory import (
     with_secrets,
 )
 from infrai_jobs.runtime.observability import function_observability, tracing
+from infrai_jobs.work.admin import WorkStore
 from jobs import build_registry
 
 logger, metrics = function_observability()
@@ -62,7 +63,7 @@ def registry() -> JobRegistry:
 
 
 @cache
-def ledger() -> ClaimsAdmin:
+def ledger() -> WorkStore:
     """The ledger (its dead letters, and failed claims for ``reopen_failed``); a rotated
     database secret is fetched again when a connection fails with the cached one."""
     settings, refresh = edge().unpacked()
@@ -79,7 +80,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
-            ledger().dead_letters(),
+            DeadLetterStore(ledger().connector),
             request.to(source=settings.dlq, target=settings.queue, actor=ACTOR),
             admin=ledger(),
             jobs=JobsKnowledge(

@@ -857,7 +857,9 @@ def ops_context(
     and probes, the second layer): the same for a command and for the console's actions."""
 
     def admin() -> OperatorLedger:
-        return OperatorLedger(ledger_url(settings))
+        # A lease-less row's lease ends by the queue's visibility timeout: this deployment's.
+        visibility = settings.visibility_timeout_seconds
+        return OperatorLedger(ledger_url(settings), visibility_timeout=visibility)
 
     return OpsContext(
         queue=queue,

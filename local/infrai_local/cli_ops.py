@@ -20,8 +20,6 @@ from typing import Any, TextIO
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, ConfigurationError, InfraiJobsError
 from infrai_jobs.jobs.probes import ANSWERS
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claims_admin import RECONCILE
 from infrai_jobs.operations.dead_letters import (
     Collected,
     DeadLetterRow,
@@ -38,6 +36,8 @@ from infrai_jobs.operations.redrive import (
     redrive,
 )
 from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.work.admin import RECONCILE
+from infrai_jobs.work.states import ClaimRow
 from infrai_local.operator import (
     OperatorLedger,
     default_actor,
@@ -373,7 +373,7 @@ def _collect(
     ledger is checked first): the ledger's dead letters, the queue, its DLQ and what moved."""
     if args.max < 1:
         raise ConfigurationError(f"{command} --max must be at least 1")
-    store = ctx.admin().dead_letters()
+    store = DeadLetterStore(ctx.admin().connector)
     queue, dlq = _queues(args, ctx)
     collected = collect(
         ctx.queue(),
@@ -521,7 +521,12 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         retry_of=ctx.retry_of() if ctx.retry_of is not None else None,
     )
     summary = redrive(
-        ctx.queue(), admin.dead_letters(), request, admin=admin, jobs=jobs, progress=progress
+        ctx.queue(),
+        DeadLetterStore(admin.connector),
+        request,
+        admin=admin,
+        jobs=jobs,
+        progress=progress,
     )
     if progress is not None:
         print(file=sys.stderr)

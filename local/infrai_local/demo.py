@@ -74,7 +74,7 @@ _CRASH_BEFORE_ACK = textwrap.dedent(
     sys.path.insert(0, sys.argv[4])
     from infrai_jobs.drain.model import DrainConfig
     from infrai_jobs.drain.loop import drain
-    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.work.ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
     from jobs import build_registry
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from infrai_jobs.drain.model import DrainSummary
-from infrai_jobs.ledger.outcomes import OUTCOME_RULES
+from infrai_jobs.work.outcomes import OUTCOME_RULES
 
 # The layer package's logger (observability.PACKAGE_LOGGER, not imported: it loads Powertools).
 PACKAGE_LOGGER = "infrai_jobs"

@@ -48,8 +48,13 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.jobs.registry import Effect, JsonValue
-from infrai_jobs.ledger.claim_ledger import DatabaseRunner
-from infrai_jobs.ledger.claims import (
+from infrai_jobs.queue.models import Pending, PublishPrice, QueueMessage, QueueStats
+from infrai_jobs.queue_contract import (
+    CONSUME_CAP,
+    DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+)
+from infrai_jobs.work.ledger import DatabaseRunner
+from infrai_jobs.work.states import (
     SETTLE_STATUS,
     WORK_STATES,
     ClaimDecision,
@@ -64,11 +69,6 @@ from infrai_jobs.ledger.claims import (
     settled_kind,
     utc_from_epoch,
 )
-from infrai_jobs.queue.models import Pending, PublishPrice, QueueMessage, QueueStats
-from infrai_jobs.queue_contract import (
-    CONSUME_CAP,
-    DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-)
 from infrai_local.queue_model import (
     DEFAULT_PUBLISH_PRICE_USD,
     ApiError,
@@ -79,8 +79,8 @@ from infrai_local.queue_model import (
 
 if TYPE_CHECKING:
     from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
-    from infrai_jobs.ledger.ports import LedgerPort
     from infrai_jobs.queue.ports import QueuePort
+    from infrai_jobs.work.ports import LedgerPort
 
 __all__ = [
     "FakeClock",
@@ -555,7 +555,7 @@ class InMemoryLedger:
         decisions: list[ClaimDecision] = []
         for request in sorted(requests, key=lambda r: r.idem_key):
             before = self._rows.get(request.idem_key)
-            won = before is None or _may_take_over(before, request, now)
+            won = before is None or _may_take_over(before, request, now, self.visibility_timeout)
             if won:
                 self._rows[request.idem_key] = _claimed_row(
                     before, request, now, self.visibility_timeout
@@ -586,9 +586,7 @@ class InMemoryLedger:
                 "held_seconds": None,
                 "owned": None,
             }
-        lease_end = row.lease_until
-        if lease_end is None:
-            lease_end = utc_from_epoch(row.claimed_at.timestamp() + self.visibility_timeout)
+        lease_end = _lease_end(row, self.visibility_timeout)
         return {
             "won_token": won_token,
             "won_attempts": won_attempts,
@@ -641,14 +639,14 @@ class InMemoryLedger:
         return settlements
 
 
-def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
+def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime, visibility: float) -> bool:
     """The claim statement's ``ON CONFLICT ... DO UPDATE ... WHERE``, row by row: only a
     key-passing effect, only the same work, never a claim flagged for a human, never work the
-    ledger owns, and only once the lease is over or when the holder is this very message; or
-    work an operator cancelled (free: new work).
-    NULLs compare as SQL compares them (a NULL lease is never over)."""
+    ledger owns, and only once the lease is over (a lease-less row's at its claim time plus the
+    visibility timeout) or when the holder is this very message; or work an operator cancelled
+    (free: new work)."""
     idempotent = Effect.EXTERNAL_IDEMPOTENT.value
-    lease_over = row.lease_until is not None and row.lease_until < now
+    lease_over = _lease_end(row, visibility) < now
     return row.state == "cancelled" or (
         row.state == "running"
         and not row.owned
@@ -661,13 +659,20 @@ def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime) -> bool:
     )
 
 
+def _lease_end(row: ClaimRow, visibility: float) -> datetime:
+    """``work.statements.lease_end``, row by row."""
+    if row.lease_until is not None:
+        return row.lease_until
+    return row.claimed_at + timedelta(seconds=visibility)
+
+
 def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
     """The lease the claim statement stores: the requested one, but never past the message's
     visibility window (what it has left, never more than the whole timeout)."""
-    if request.lease_until is None:
+    if request.lease_seconds is None:
         return None
     left = visibility if request.visibility_left is None else request.visibility_left
-    return min(request.lease_until, now + timedelta(seconds=min(max(left, 0.0), visibility)))
+    return now + timedelta(seconds=min(request.lease_seconds, max(left, 0.0), visibility))
 
 
 def _claimed_row(

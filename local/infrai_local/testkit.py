@@ -53,13 +53,14 @@ from infrai_jobs.jobs.registry import (
     JsonValue,
     Payload,
 )
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.statements import END_LEASE
+from infrai_jobs.work.states import ClaimRow
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import load_registry
@@ -436,8 +437,8 @@ class JobKit:
         )
         # The drain's lease runs out (the kit moves it into the past): only then may a probe's
         # answer change the claim.
-        self.sql(_END_THE_LEASE, {"key": key})
-        reconciler = Reconciler(ClaimsAdmin(self.database_url), self.registry, actor="job-kit")
+        self.sql(END_LEASE, {"key": key})
+        reconciler = Reconciler(WorkStore(self.database_url), self.registry, actor="job-kit")
         report = reconcile_one(reconciler, key)
         (outcome,) = report.outcomes
         expected = ("done", "settled_done") if effect_happened else ("not_done", "released")
@@ -588,9 +589,6 @@ VALUES (gen_random_uuid(), %(job)s, %(value)s, 'job-kit', now() + interval '1 ho
 _FREE_HELD_SLOTS: LiteralString = """
 DELETE FROM flow_concurrency_slots
 WHERE job = %(job)s AND key_value = %(value)s AND holder = 'job-kit'
-"""
-_END_THE_LEASE: LiteralString = """
-UPDATE job_claims SET lease_until = now() - interval '1 second' WHERE idem_key = %(key)s
 """
 
 

@@ -88,12 +88,12 @@ from infrai_jobs.drain.loop import UNREADABLE_CODES
 from infrai_jobs.errors import KeyDerivationError
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.ledger.dead_letter_rows import LEDGER_HELD_DLQ
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import collect
+from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.operations.redrive import MAX_REDRIVE_PER_CALL, RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.work.admin import WorkStore
 from infrai_local.embedded_db import EmbeddedPostgres
 from infrai_local.fan_out import LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
@@ -1188,7 +1188,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
 
         # Reconcile phase: what the watcher does before it pages on stuck claims.
         reconcile_started = time.monotonic()
-        reconciled = Reconciler(ClaimsAdmin(database.audit_url), registry, actor="soak").run_all(
+        reconciled = Reconciler(WorkStore(database.audit_url), registry, actor="soak").run_all(
             threshold_seconds=STUCK_SECONDS, limit=len(plan.jobs) + len(plan.leased)
         )
         released = _record_reconcile(report, reconciled)
@@ -1500,7 +1500,7 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
     ledger, each new one described by ``classify`` (the unreadable ones are not: nothing of them
     can be), then redriven, call after call until nothing new comes from the DLQ. Returns how
     many were published back."""
-    store = ClaimsAdmin(classify.database.audit_url).dead_letters()
+    store = DeadLetterStore(WorkStore(classify.database.audit_url).connector)
     described: set[str] = set()
     published = 0
     while True:

@@ -24,8 +24,9 @@ from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import LedgerError
 from infrai_jobs.jobs.registry import Effect, JsonValue
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.claims import (
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.outcomes import CLAIM_OUTCOMES, Outcome
+from infrai_jobs.work.states import (
     ClaimDecision,
     ClaimRequest,
     ClaimRow,
@@ -35,7 +36,6 @@ from infrai_jobs.ledger.claims import (
     Settlement,
     SettleStatus,
 )
-from infrai_jobs.ledger.outcomes import CLAIM_OUTCOMES, Outcome
 from infrai_local.fakes import FakeClock, InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
@@ -121,14 +121,13 @@ class Backend:
         visibility_left: float | None = None,
     ) -> ClaimRequest:
         # Database claims are never committed, so they carry no lease.
-        lease = None if effect is Effect.DATABASE else self.now() + timedelta(seconds=lease_seconds)
         return ClaimRequest(
             idem_key=key,
             message_id=message_id,
             job="job",
             effect=effect,
             fingerprint=fingerprint,
-            lease_until=lease,
+            lease_seconds=None if effect is Effect.DATABASE else lease_seconds,
             visibility_left=visibility_left,
         )
 
@@ -229,11 +228,11 @@ def test_a_new_key_is_won_and_committed_running(backend: Backend) -> None:
         1,
         None,
     )
-    assert (row.claim_token, row.payload_sha256, row.lease_until) == (
-        request.claim_token,
-        FP,
-        request.lease_until,
-    )
+    assert (row.claim_token, row.payload_sha256) == (request.claim_token, FP)
+    # The lease asked for, counted from the claim on the ledger's clock
+    assert row.lease_until is not None
+    assert row.updated_at is not None
+    assert _seconds(row.lease_until - row.updated_at) == request.lease_seconds
     assert row.updated_at == row.claimed_at
 
 
@@ -325,7 +324,9 @@ def test_an_expired_claim_is_taken_over_only_for_a_key_passing_effect(
         FP,
         "external_idempotent",
     )
-    assert row.lease_until == request.lease_until
+    assert row.lease_until is not None
+    assert row.updated_at is not None
+    assert _seconds(row.lease_until - row.updated_at) == request.lease_seconds
 
 
 def test_an_expired_claim_flagged_for_a_human_is_never_taken_over(backend: Backend) -> None:
@@ -449,10 +450,12 @@ def test_a_lease_shorter_than_the_window_is_kept(backend: Backend) -> None:
     # Given a claim asking for ten seconds; When claimed
     request = backend.request(lease_seconds=10)
     backend.claim_one(request)
-    # Then the lease is the one asked for
+    # Then the lease is the one asked for, counted from the claim
     row = backend.row()
     assert row is not None
-    assert row.lease_until == request.lease_until
+    assert row.lease_until is not None
+    assert row.updated_at is not None
+    assert _seconds(row.lease_until - row.updated_at) == request.lease_seconds
 
 
 def test_a_taken_over_lease_is_bounded_too(backend: Backend) -> None:

@@ -14,9 +14,9 @@ import psycopg
 import urllib3
 from drainkit import QUEUE, Harness, start_cli
 
-from infrai_jobs.flow import ledger as flow
-from infrai_jobs.flow.ledger import DeferredWork
 from infrai_jobs.jobs.keys import payload_fingerprint
+from infrai_jobs.work import store as flow
+from infrai_jobs.work.store import DeferredWork
 
 RECEIPTS = [
     {"job": "receipt.send", "invoice_id": f"inv_console_{name}", "email": f"{name}@example.com"}

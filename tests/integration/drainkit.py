@@ -25,10 +25,10 @@ from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.states import ClaimRow
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from infrai_local.migrations import (

@@ -22,10 +22,10 @@ from moto.sns.models import sns_backends
 
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import collect
+from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.observability import record_alert_check
+from infrai_jobs.work.admin import WorkStore
 from infrai_local import emulator as emulator_module
 from infrai_local.migrations import apply_migrations
 from infrai_local.queues import ensure_queue
@@ -152,7 +152,7 @@ def test_dead_letters_moved_into_the_ledger_keep_the_alert_until_each_is_resolve
     stage.dead_letter(2)
     stage.check(alerter).run([QUEUE])
     # Given both dead letters were moved from Infrai's DLQ into the ledger
-    store = ClaimsAdmin(stage.database_url).dead_letters()
+    store = DeadLetterStore(WorkStore(stage.database_url).connector)
     moved = collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
     assert (moved.recorded, moved.acked) == (2, 2)
     assert stage.client.stats(QUEUE).dlq_count == 0
@@ -178,7 +178,7 @@ def test_an_alert_counts_the_dlq_and_the_ledger_together(stage: Stage) -> None:
     alerter = RecordingAlerter()
     # Given one dead letter moved into the ledger and a new one still in Infrai's DLQ
     stage.dead_letter()
-    store = ClaimsAdmin(stage.database_url).dead_letters()
+    store = DeadLetterStore(WorkStore(stage.database_url).connector)
     assert collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None).recorded == 1
     stage.dead_letter()
     # When the watcher runs

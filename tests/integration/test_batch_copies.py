@@ -29,11 +29,11 @@ from infrai_jobs.drain.batch import MessageResult, process_batch
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.claims import ClaimRow, utc_from_epoch
-from infrai_jobs.ledger.ports import LedgerPort
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.ports import LedgerPort
+from infrai_jobs.work.states import ClaimRow, utc_from_epoch
 from infrai_local.fakes import InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
@@ -370,6 +370,6 @@ def test_an_in_flight_copy_is_acked_only_while_its_owner_message_still_carries_t
     assert row is not None
     assert (row.state, row.message_id) == ("running", owner)
     assert row.error is not None
-    stuck = ClaimsAdmin(kit.database_url).stuck()
+    stuck = WorkStore(kit.database_url).stuck()
     assert [c.idem_key for c in stuck] == [derived.idem_key]
     assert copy != owner

@@ -12,8 +12,8 @@ from typing import Any
 from drainkit import DLQ, QUEUE, Harness, RecordingAlerter, run_cli, run_until_killed
 
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import collect
+from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
+from infrai_jobs.work.admin import WorkStore
 
 RECEIPTS = [
     {"job": "receipt.send", "invoice_id": f"inv_{name}", "email": f"{name}@example.com"}
@@ -121,13 +121,13 @@ KILLED_BETWEEN_COMMIT_AND_ACK = textwrap.dedent(
     """
     import os, signal, sys
     from drainkit import DLQ, QUEUE
-    from infrai_jobs.operations.claims_admin import ClaimsAdmin
+    from infrai_jobs.work.admin import WorkStore
     from infrai_jobs.operations.dead_letters import collect
     from infrai_jobs.queue.client import InfraiClient
 
     client = InfraiClient(sys.argv[1], "test-key")
     client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
-    store = ClaimsAdmin(sys.argv[2]).dead_letters()
+    store = DeadLetterStore(WorkStore(sys.argv[2]).connector)
     collect(client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
     """
 )
@@ -145,7 +145,7 @@ def test_a_crash_between_the_commit_and_the_ack_leaves_each_letter_recorded_once
     assert kit.client.stats(QUEUE).dlq_count == 3
     # When it is visible again and the next read runs
     kit.advance()
-    store = ClaimsAdmin(kit.database_url).dead_letters()
+    store = DeadLetterStore(WorkStore(kit.database_url).connector)
     moved = collect(kit.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
     # Then each letter is recorded once, the first found already there, and all are acked
     assert (moved.recorded, moved.already_recorded, moved.acked) == (2, 1, 3)
@@ -160,7 +160,7 @@ def test_a_crash_between_the_commit_and_the_ack_leaves_each_letter_recorded_once
 def test_a_redrive_racing_another_publishes_each_dead_letter_once(kit: Harness) -> None:
     # Given three dead letters already in the ledger
     _dead_letter(kit, RECEIPTS)
-    store = ClaimsAdmin(kit.database_url).dead_letters()
+    store = DeadLetterStore(WorkStore(kit.database_url).connector)
     assert collect(kit.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None).recorded == 3
     published: list[str] = []
     raced: list[bool] = []

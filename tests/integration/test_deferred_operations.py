@@ -15,10 +15,10 @@ import pytest
 from aws_lambda_powertools import Metrics
 from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, Harness, RecordingAlerter, run_cli
 
-from infrai_jobs.flow import ledger as flow
-from infrai_jobs.flow.ledger import DeferredWork
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
 from infrai_jobs.runtime.observability import record_alert_check
+from infrai_jobs.work import store as flow
+from infrai_jobs.work.store import DeferredWork
 
 
 def _payload(name: str) -> dict[str, Any]:

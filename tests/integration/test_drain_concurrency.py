@@ -11,8 +11,8 @@ from drainkit import QUEUE, Harness, harness, run_concurrently
 from infrai_jobs.drain.features import Lanes
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.work.ledger import PostgresLedger
 
 JOBS = 500
 DUPLICATE_SHARE = 0.3

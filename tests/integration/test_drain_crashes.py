@@ -21,7 +21,7 @@ KILL_AT_ACK = textwrap.dedent(
     from drainkit import QUEUE, add_test_jobs
     from infrai_jobs.drain.model import DrainConfig
     from infrai_jobs.drain.loop import drain
-    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.work.ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
     from fixture_jobs import build_registry
 
@@ -166,7 +166,7 @@ KILL_MID_CALL = textwrap.dedent(
     from infrai_jobs.drain.model import DrainConfig
     from infrai_jobs.drain.loop import drain
     from infrai_jobs.jobs.registry import Effect, JobRegistry
-    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.work.ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
 
     base_url, database_url = sys.argv[1:3]

@@ -17,8 +17,8 @@ from infrai_jobs.drain.batch import process_batch
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger.outcomes import Outcome
 from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.work.outcomes import Outcome
 
 NOTES_KEY = "invoice.finalize:inv_8812"
 

@@ -21,8 +21,8 @@ from test_reconcile import DIGEST, RECEIPT, seed_dead_worker_claim, sink_call
 import jobs
 from infrai_jobs.jobs.probes import MAX_PROBE_RESULT_BYTES, Done, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
+from infrai_jobs.work.admin import WorkStore
 from infrai_local.operator import reconcile_one
 
 
@@ -35,7 +35,7 @@ def kit(database_url: str) -> Iterator[Harness]:
 
 
 def _reconcile(kit: Harness, key: str) -> tuple[str, str]:
-    reconciler = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=OPERATOR)
+    reconciler = Reconciler(WorkStore(kit.database_url), kit.registry, actor=OPERATOR)
     report = reconcile_one(reconciler, key)
     ((outcome),) = report.outcomes
     return outcome.answer, outcome.action

@@ -24,13 +24,13 @@ from infrai_jobs.drain.flow import FlowControl, flow_control
 from infrai_jobs.drain.loop import drain_invocation
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
-from infrai_jobs.flow import ledger as flow_ledger
 from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.client import RetryPolicy as ClientRetry
+from infrai_jobs.work import store as flow_ledger
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local.operator import OperatorLedger
 
 JOB_POLICIES = json.dumps(
@@ -429,7 +429,7 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
     from infrai_jobs.drain.loop import drain_invocation
     from infrai_jobs.drain.model import DrainConfig, DrainRun
     from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
-    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.work.ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
     from fixture_jobs import build_registry
 

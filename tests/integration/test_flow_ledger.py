@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -17,14 +17,14 @@ from drainkit import migrate_by_hand
 from psycopg.rows import dict_row
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
-from infrai_jobs.flow import ledger as flow
 from infrai_jobs.flow import limits
-from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import RateLimit
 from infrai_jobs.jobs.registry import Effect
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.ledger.claims import ClaimRequest, ClaimRow, ClaimStatus
 from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, STUCK_CLAIM
+from infrai_jobs.work import store as flow
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.states import ClaimRequest, ClaimRow, ClaimStatus
+from infrai_jobs.work.store import DeferOutcome, DeferredWork
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
 from infrai_local.operator import OperatorLedger
 
@@ -479,7 +479,7 @@ def test_a_cancelled_key_is_free_for_new_work_but_not_for_a_stale_take_back(
             job="report.render",
             effect=Effect.EXTERNAL_IDEMPOTENT,
             fingerprint="fp-new",
-            lease_until=datetime.now(UTC) + timedelta(minutes=5),
+            lease_seconds=300,
         )
         (decision,) = ledger.claim([request])
     finally:

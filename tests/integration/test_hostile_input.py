@@ -36,9 +36,9 @@ from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, InfraiInvalidResponse
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import array_literal
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local.embedded_db import scratch_database
 
 HOSTILE_SETTINGS = settings(

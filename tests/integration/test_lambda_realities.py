@@ -22,8 +22,8 @@ from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import LedgerUnavailable
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.work.ledger import PostgresLedger
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -37,7 +37,7 @@ TIMED_OUT_INVOCATION = textwrap.dedent(
     from infrai_jobs.drain.model import DrainConfig
     from infrai_jobs.drain.loop import drain
     from infrai_jobs.jobs.registry import Effect
-    from infrai_jobs.ledger.claim_ledger import PostgresLedger
+    from infrai_jobs.work.ledger import PostgresLedger
     from infrai_jobs.queue.client import InfraiClient
     from fixture_jobs import build_registry
 

@@ -16,8 +16,9 @@ from drainkit import DLQ, QUEUE, Harness, harness
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.redrive import RedriveRequest, redrive
+from infrai_jobs.work.admin import WorkStore
 
 VISIBILITY = 4
 KEY = "test.idem:d1"
@@ -103,7 +104,7 @@ def test_a_redrive_behind_a_dead_owners_lease_takes_the_claim_over(kit: Harness)
     # And once dead-lettered, the message has left no live claim behind
     wait_for_lease_end(kit, within=VISIBILITY + 2)
     # When an operator redrives it and the next drain runs
-    store = ClaimsAdmin(kit.database_url).dead_letters()
+    store = DeadLetterStore(WorkStore(kit.database_url).connector)
     moved = redrive(
         kit.client,
         store,

@@ -10,8 +10,8 @@ import pytest
 from drainkit import migrate_by_hand, run_concurrently
 
 from infrai_jobs.errors import LedgerError, SchemaNotMigrated
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import current_version
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local.migrations import LATEST_VERSION, LEDGER_MIGRATIONS, apply_migrations
 
 NOTES_DDL = """

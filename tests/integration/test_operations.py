@@ -18,9 +18,9 @@ from fixture_project import fixture_jobs_as_jobs
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound, LedgerUnavailable, PermanentJobError
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, redrive
+from infrai_jobs.work.admin import WorkStore
 from infrai_local import cli_ops
 from infrai_local.cli import main as cli
 from infrai_local.operator import OperatorLedger
@@ -54,7 +54,7 @@ def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
 REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
     """
     import os, signal, sys
-    from infrai_jobs.operations.claims_admin import ClaimsAdmin
+    from infrai_jobs.work.admin import WorkStore
     from infrai_jobs.queue.client import InfraiClient
     from infrai_jobs.operations.redrive import RedriveRequest, redrive
 
@@ -68,7 +68,7 @@ REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         return answer
     client.publish = publish
-    store = ClaimsAdmin(sys.argv[2]).dead_letters()
+    store = DeadLetterStore(WorkStore(sys.argv[2]).connector)
     request = RedriveRequest(max_messages=1000).to(
         source="billing-jobs-dlq", target="billing-jobs", actor="on-call@example.com"
     )
@@ -113,7 +113,7 @@ def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit:
 
 
 def _store(kit: Harness) -> DeadLetterStore:
-    return ClaimsAdmin(kit.database_url).dead_letters()
+    return DeadLetterStore(WorkStore(kit.database_url).connector)
 
 
 def test_redrive_reopens_failed_claims_and_holds_back_stuck_ones(kit: Harness) -> None:
@@ -150,7 +150,7 @@ def test_redrive_reopens_failed_claims_and_holds_back_stuck_ones(kit: Harness) -
             source=DLQ, target=QUEUE, max_messages=100, actor=OPERATOR, reopen_failed=True
         ),
         jobs=JobsKnowledge(key_of=lambda payload: kit.registry.derive(payload).idem_key),
-        admin=ClaimsAdmin(kit.database_url),
+        admin=WorkStore(kit.database_url),
     )
     document = redriven.as_dict()
     assert document["published"] == 1

@@ -21,11 +21,11 @@ from child_process import clean_env, run_captured
 
 from infrai_jobs.errors import SchemaNotMigrated
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import fingerprint_or_none
+from infrai_jobs.operations.dead_letters import DeadLetterStore, fingerprint_or_none
 from infrai_jobs.operations.redrive import RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.work.admin import WorkStore
 from infrai_local import emulator
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations
@@ -562,14 +562,14 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
     dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "r")
     # And a dead letter in the DLQ
     queue.publish(DLQ, JOB)
-    store = ClaimsAdmin(database_url).dead_letters()
+    store = DeadLetterStore(WorkStore(database_url).connector)
     # When DlqAlertFunction's check, a redrive and a redrive's reopen use it
     for call in (
         lambda: check.run([QUEUE]),
         lambda: redrive(
             queue, store, RedriveRequest(source=DLQ, target=QUEUE, max_messages=1, actor="on-call")
         ),
-        lambda: ClaimsAdmin(database_url).reopen_failed(
+        lambda: WorkStore(database_url).reopen_failed(
             message_id=dead_letter.message_id,
             fingerprint=fingerprint_or_none(dead_letter.payload),
             actor="on-call",

@@ -17,10 +17,10 @@ from drainkit import run_until_killed as run_child_until_killed
 from infrai_jobs.errors import InvalidPayload, KeyDerivationError, OutboxError, OutboxKeyConflict
 from infrai_jobs.ledger.postgres import LedgerConnector
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.outbox import enqueue
 from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
 from infrai_jobs.outbox.status import read_status
+from infrai_jobs.work.admin import WorkStore
 from infrai_local.cli import EXIT_INTERRUPTED
 
 # A pass never short of time: the relay's own budget check is not what these tests are about.
@@ -384,7 +384,7 @@ def test_published_rows_are_pruned_with_the_ledgers_retention(kit: Harness) -> N
     kit.sql("UPDATE outbox SET settled_at = now() - interval '31 days' WHERE seq = 1")
     kit.sql("UPDATE outbox SET enqueued_at = now() - interval '40 days' WHERE seq = 3")
     # When the prune runs with a 30-day retention
-    result = ClaimsAdmin(kit.database_url).prune(older_than_days=30)
+    result = WorkStore(kit.database_url).prune(older_than_days=30)
     # Then only the old published row is gone; the pending one is never pruned
     assert result.outbox_deleted == 1
     assert sorted(r[0] for r in kit.sql("SELECT seq FROM outbox")) == [2, 3]

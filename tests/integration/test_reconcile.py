@@ -21,16 +21,16 @@ import urllib3
 from aws_lambda_powertools import Metrics
 from drainkit import OPERATOR, QUEUE, Harness, run_cli
 
-from infrai_jobs.flow import ledger as flow
-from infrai_jobs.flow.ledger import DeferredWork
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.runtime.factory import WATCHER_ACTOR
 from infrai_jobs.runtime.observability import record_alert_check
+from infrai_jobs.work import store as flow
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.store import DeferredWork
 from infrai_local.operator import reconcile_one
 
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "ada@example.com"}
@@ -196,7 +196,7 @@ def test_a_probe_that_raises_or_hangs_is_unknown_and_changes_nothing(
     assert registry_of_kit is not None
     registry.register(registry_of_kit)
     registry.bind_settings({"MAIL_PROVIDER_URL": "http://127.0.0.1:9"})
-    admin = ClaimsAdmin(database_url)
+    admin = WorkStore(database_url)
 
     # When it is reconciled
     report = Reconciler(admin, registry, actor=OPERATOR).run_all(threshold_seconds=900)
@@ -277,7 +277,7 @@ def test_a_claim_that_moved_on_while_probed_is_fenced_out(kit: Harness, database
     holder["key"] = seed_dead_worker_claim_for(kit, registry, {"job": "test.moving", "id": "m1"})
 
     # When it is reconciled
-    reconciler = Reconciler(ClaimsAdmin(database_url), registry, actor=OPERATOR)
+    reconciler = Reconciler(WorkStore(database_url), registry, actor=OPERATOR)
     report = reconcile_one(reconciler, holder["key"])
 
     # Then the release matched nothing: the new holder keeps its claim, nothing is recorded
@@ -370,7 +370,7 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
         database_url,
         alerter,
         AlertThresholds(),
-        reconciler=Reconciler(ClaimsAdmin(database_url), kit.registry, actor=WATCHER_ACTOR),
+        reconciler=Reconciler(WorkStore(database_url), kit.registry, actor=WATCHER_ACTOR),
     )
 
     # When the watcher runs its check
@@ -446,7 +446,7 @@ def test_deferred_runs_left_for_a_human_resolve_themselves_too(kit: Harness) -> 
         json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_deferred_mailed"},
     )
     # When the watcher's reconcile pass runs
-    report = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=WATCHER_ACTOR).run_all(
+    report = Reconciler(WorkStore(kit.database_url), kit.registry, actor=WATCHER_ACTOR).run_all(
         threshold_seconds=900
     )
     # Then the mailed one is done, its claim settled done with the provider's answer
@@ -523,7 +523,7 @@ def test_a_probe_that_says_done_under_a_live_lease_leaves_the_run_to_its_drain(
         json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": invoice},
     )
     # When the watcher's reconcile pass and an operator's reconcile run meanwhile
-    watcher = Reconciler(ClaimsAdmin(kit.database_url), kit.registry, actor=WATCHER_ACTOR)
+    watcher = Reconciler(WorkStore(kit.database_url), kit.registry, actor=WATCHER_ACTOR)
     passed = watcher.run_all(threshold_seconds=900)
     by_name = run_cli(kit, "claims", "reconcile", key, "--json")
     # Then the pass does not pick it (it is not stuck) and the named reconcile changes nothing:

@@ -18,8 +18,9 @@ import pytest
 from drainkit import DLQ, OPERATOR, QUEUE, Harness, harness, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, RedriveSummary, redrive
+from infrai_jobs.work.admin import WorkStore
 
 RUNS = {"job": "test.db", "id": "runs"}
 DONE = {"job": "test.db", "id": "done"}
@@ -64,11 +65,11 @@ def _mixed_dead_letters(kit: Harness) -> dict[str, str]:
 
 
 def _redrive(kit: Harness, **options: Any) -> RedriveSummary:
-    admin = ClaimsAdmin(kit.database_url)
+    admin = WorkStore(kit.database_url)
     request = RedriveRequest(max_messages=100, **options)
     return redrive(
         kit.client,
-        admin.dead_letters(),
+        DeadLetterStore(admin.connector),
         request.to(source=DLQ, target=QUEUE, actor=OPERATOR),
         admin=admin,
         jobs=JobsKnowledge(key_of=lambda payload: kit.registry.derive(payload).idem_key),

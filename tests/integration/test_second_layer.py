@@ -42,12 +42,12 @@ from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import ConfigurationError, EffectUncertain, SecondLayerUnavailable
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.factory import make_alert_check, make_effect_guard
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local.operator import still_stuck
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,7 +337,7 @@ def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
 
     # When a reconcile pass, given the second layer's forget (as the CLI is), asks the provider
     reconciler = Reconciler(
-        ClaimsAdmin(database_url), kit.registry, actor="on-call", forget=backend.guard.forget
+        WorkStore(database_url), kit.registry, actor="on-call", forget=backend.guard.forget
     )
     report = reconciler.run_all(threshold_seconds=900)
 
@@ -421,7 +421,7 @@ def test_a_reconcile_that_cannot_drop_the_record_leaves_the_claim_stuck(
     def unreachable(key: str) -> None:
         raise SecondLayerUnavailable(f"second layer: could not forget {key}: store down")
 
-    reconciler = Reconciler(ClaimsAdmin(database_url), kit.registry, actor="w", forget=unreachable)
+    reconciler = Reconciler(WorkStore(database_url), kit.registry, actor="w", forget=unreachable)
     report = reconciler.run_all(threshold_seconds=900)
 
     # Then the claim is not released in the ledger alone: it stays running, still stuck

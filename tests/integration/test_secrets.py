@@ -20,8 +20,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from infrai_jobs.aws.secrets import SecretSource
 from infrai_jobs.config.settings import CommonSettings
 from infrai_jobs.errors import InfraiError
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local import emulator as emulator_module
 from infrai_local.queues import ensure_queue
 

@@ -23,13 +23,13 @@ from fixture_project import fixture_jobs_as_jobs
 from infrai_jobs.aws.secrets import database_url_from_secret
 from infrai_jobs.config.settings import DrainSettings, PruneSettings
 from infrai_jobs.errors import ConfigurationError, LedgerError
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import fingerprint_or_none
+from infrai_jobs.operations.dead_letters import DeadLetterStore, fingerprint_or_none
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_secrets
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local import cli as cli_module
 from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
@@ -197,17 +197,17 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
         "the watcher": lambda: AlertCheck(
             _NoQueue(), url, PrintingAlerter(), AlertThresholds(), connect_timeout=1
         ).run([]),
-        "claims admin": lambda: ClaimsAdmin(url, connect_timeout=1).stuck(),
+        "claims admin": lambda: WorkStore(url, connect_timeout=1).stuck(),
         "operator ledger": lambda: OperatorLedger(url, connect_timeout=1).list_claims(),
         "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: ClaimsAdmin(url).reopen_failed(
+        "redrive's reopen": lambda: WorkStore(url).reopen_failed(
             message_id=message.message_id,
             fingerprint=fingerprint_or_none(message.payload),
             actor="on-call",
         ),
-        "the ledger's dead letters": lambda: (
-            ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()
-        ),
+        "the ledger's dead letters": lambda: DeadLetterStore(
+            WorkStore(url, connect_timeout=1).connector
+        ).ensure_reachable(),
     }
 
 

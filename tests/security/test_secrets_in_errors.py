@@ -17,13 +17,13 @@ from fixture_project import fixture_jobs_as_jobs
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
-from infrai_jobs.operations.dead_letters import fingerprint_or_none
+from infrai_jobs.operations.dead_letters import DeadLetterStore, fingerprint_or_none
 from infrai_jobs.queue.client import InfraiClient, RetryPolicy
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.drain_service import DrainService
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local import cli as cli_module
 from infrai_local.emulator import RunningEmulator, start_in_thread
 from infrai_local.operator import OperatorLedger
@@ -79,17 +79,17 @@ def _every_place_keeps_the_password_out() -> None:
         "the watcher": lambda: AlertCheck(
             _NoQueue(), url, PrintingAlerter(), AlertThresholds()
         ).run([]),
-        "claims admin": lambda: ClaimsAdmin(url).find("any"),
+        "claims admin": lambda: WorkStore(url).find("any"),
         "operator ledger": lambda: OperatorLedger(url).show("any"),
         "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: ClaimsAdmin(url).reopen_failed(
+        "redrive's reopen": lambda: WorkStore(url).reopen_failed(
             message_id=message.message_id,
             fingerprint=fingerprint_or_none(message.payload),
             actor="on-call",
         ),
-        "the ledger's dead letters": lambda: (
-            ClaimsAdmin(url, connect_timeout=1).dead_letters().ensure_reachable()
-        ),
+        "the ledger's dead letters": lambda: DeadLetterStore(
+            WorkStore(url, connect_timeout=1).connector
+        ).ensure_reachable(),
     }
     for name, call in entry_points.items():
         # When each is used

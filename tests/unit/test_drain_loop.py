@@ -33,9 +33,9 @@ from infrai_jobs.jobs.registry import (
     JsonValue,
     Payload,
 )
-from infrai_jobs.ledger.claims import ClaimRow, utc_from_epoch
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.runtime.drain_service import check_time_budget
+from infrai_jobs.work.states import ClaimRow, utc_from_epoch
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"

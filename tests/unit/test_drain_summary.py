@@ -11,8 +11,8 @@ from infrai_jobs.drain.model import (
     DrainSummary,
     merge_summaries,
 )
-from infrai_jobs.ledger.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
 from infrai_jobs.runtime.observability import DRAIN_METRICS, OUTCOME_METRICS
+from infrai_jobs.work.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
 from infrai_local.drain_report import report_line, summary_lines
 
 ATTENTION = {

@@ -15,16 +15,15 @@ import pytest
 
 from infrai_jobs.errors import InfraiError, LedgerUnavailable, QueueMessageNotFound
 from infrai_jobs.jobs.registry import Effect
-from infrai_jobs.ledger.claims import (
+from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.work.ports import LedgerPort
+from infrai_jobs.work.states import (
     ClaimRequest,
     ClaimStatus,
     JobRun,
     RunKind,
     SettleStatus,
-    utc_from_epoch,
 )
-from infrai_jobs.ledger.ports import LedgerPort
-from infrai_jobs.queue.ports import QueuePort
 from infrai_local.fakes import Clock, FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
@@ -351,14 +350,13 @@ def _request(
     lease_seconds: float = 120,
 ) -> ClaimRequest:
     # Database claims are never committed, so they carry no lease.
-    lease = None if effect is Effect.DATABASE else ledger.clock.now() + lease_seconds
     return ClaimRequest(
         idem_key=key,
         message_id=message_id,
         job="job",
         effect=effect,
         fingerprint=fingerprint,
-        lease_until=None if lease is None else utc_from_epoch(lease),
+        lease_seconds=None if effect is Effect.DATABASE else lease_seconds,
     )
 
 

@@ -41,9 +41,10 @@ FLOORS: dict[str, int] = {
     "aws": 3,
     "flow": 3,
     "outbox": 3,
-    "drain": 4,
-    "operations": 4,
-    "runtime": 5,
+    "work": 4,
+    "drain": 5,
+    "operations": 5,
+    "runtime": 6,
 }
 # What the root holds: the package itself, and the modules every floor may share.
 ROOT_FILES = {"__init__.py", "errors.py", "queue_contract.py", "py.typed"}

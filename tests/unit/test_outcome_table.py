@@ -1,11 +1,11 @@
-"""docs/design.md's outcome table is ``infrai_jobs.ledger.outcomes.OUTCOME_RULES``, row for row."""
+"""docs/design.md's outcome table is ``infrai_jobs.work.outcomes.OUTCOME_RULES``, row for row."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from infrai_jobs.ledger.outcomes import OUTCOME_RULES
+from infrai_jobs.work.outcomes import OUTCOME_RULES
 
 DESIGN_DOC = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 BEGIN = "<!-- outcome-table:begin (tests/unit/test_outcome_table.py keeps it equal to the code) -->"

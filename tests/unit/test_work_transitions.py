@@ -1,10 +1,10 @@
-"""docs/design.md's state machine table is ``infrai_jobs.ledger.claims.WORK_TRANSITIONS``."""
+"""docs/design.md's state machine table is ``infrai_jobs.work.states.WORK_TRANSITIONS``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from infrai_jobs.ledger.claims import WORK_STATES, WORK_TRANSITIONS
+from infrai_jobs.work.states import WORK_STATES, WORK_TRANSITIONS
 
 DESIGN_DOC = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 BEGIN = (
@@ -15,9 +15,11 @@ END = "<!-- work-transitions:end -->"
 
 
 def rendered_table() -> str:
-    rows = ["| action | from | to | who | fenced by |", "|---|---|---|---|---|"]
+    rows = ["| action | from | to | who | fenced by | made by |", "|---|---|---|---|---|---|"]
     for t in WORK_TRANSITIONS:
-        rows.append(f"| {t.action} | `{t.source}` | `{t.target}` | {t.who} | {t.fence} |")
+        rows.append(
+            f"| {t.action} | `{t.source}` | `{t.target}` | {t.who} | {t.fence} | `{t.method}` |"
+        )
     return "\n".join(rows)
 
 

@@ -3,6 +3,8 @@ No message here ever contains the Infrai API key."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class InfraiJobsError(Exception):
     """Base of every error this package raises on purpose."""
@@ -150,7 +152,12 @@ class ClaimNotFound(InfraiJobsError):
 
 
 class ClaimChanged(InfraiJobsError):
-    """The claim is no longer in the state (or held by the token) the operator saw."""
+    """The claim is no longer in the state (or held by the token) the operator saw. When the
+    store refused a fenced change: ``row``, the claim as it read it, and ``refusal``, why."""
+
+    def __init__(self, message: str, *, row: Any = None, refusal: str = "") -> None:
+        super().__init__(message)
+        self.row, self.refusal = row, refusal
 
 
 class EffectInProgress(InfraiJobsError):

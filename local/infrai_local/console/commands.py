@@ -23,6 +23,7 @@ from typing import Any, Final, LiteralString, NoReturn
 from psycopg.rows import dict_row
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.queue.ports import QueuePort
 from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
 from infrai_local.operator import OperatorLedger, default_actor
@@ -223,6 +224,6 @@ class CommandBackend:
 
     def dead_letters_of_key(self, key: str) -> list[dict[str, Any]]:
         """Every dead letter of ``key`` the ledger holds, resolved ones too (``dlq --all``)."""
-        store = self._ledger.dead_letters()
+        store = DeadLetterStore(self._ledger.connector)
         rows = store.rows(self.queue_name, unresolved=False, key=key, limit=PAGE_LIMIT)
         return [row.as_dict() for row in rows]

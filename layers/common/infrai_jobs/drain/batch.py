@@ -1,5 +1,5 @@
 """One batch: derive every message's key, claim, run and settle by effect class, and decide each
-message's ``Outcome`` (``infrai_jobs.ledger.outcomes``). One bad message never stops the others."""
+message's ``Outcome`` (``infrai_jobs.work.outcomes``). One bad message never stops the others."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -24,24 +23,23 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.jobs.correlation import NO_CORRELATION, Correlation, log_fields, read_correlation
 from infrai_jobs.jobs.registry import DerivedJob, Effect, JobContext, JobRegistry, JsonValue
-from infrai_jobs.ledger.claims import (
-    ClaimDecision,
-    ClaimRequest,
-    ClaimStatus,
-    JobRun,
-    RunKind,
-    Settlement,
-    utc_from_epoch,
-)
-from infrai_jobs.ledger.outcomes import (
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.work.outcomes import (
     ACKED_OUTCOMES,
     CLAIM_OUTCOMES,
     OUTCOME_RULES,
     SETTLE_OUTCOMES,
     Outcome,
 )
-from infrai_jobs.ledger.ports import LedgerPort
-from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.work.ports import LedgerPort
+from infrai_jobs.work.states import (
+    ClaimDecision,
+    ClaimRequest,
+    ClaimStatus,
+    JobRun,
+    RunKind,
+    Settlement,
+)
 
 if TYPE_CHECKING:
     from infrai_jobs.drain.model import DrainConfig, DrainFeature
@@ -80,8 +78,7 @@ def process_batch(
 ) -> list[MessageResult]:
     """Decide every message of one batch. ``visible_until`` (``clock`` seconds): when the queue
     may deliver them again, which no lease outlives (None: a visibility timeout from the claim)."""
-    lease_until = utc_from_epoch(deadline + config.lease_grace_seconds)
-    batch = _Batch(messages, ledger, registry, deadline, config, visible_until, clock, lease_until)
+    batch = _Batch(messages, ledger, registry, deadline, config, visible_until, clock)
     return batch.process()
 
 
@@ -94,7 +91,6 @@ class _Batch:
     config: DrainConfig
     visible_until: float | None
     clock: Callable[[], float]
-    lease_until: datetime
     results: dict[str, MessageResult] = field(init=False, default_factory=dict)
     # Each key's judged message (at first its first one); the key's other copies follow it.
     primaries: dict[str, tuple[QueueMessage, DerivedJob]] = field(init=False, default_factory=dict)
@@ -144,17 +140,20 @@ class _Batch:
     def _request(self, key: str) -> ClaimRequest:
         message, derived = self.primaries[key]
         self.judged.setdefault(key, set()).add(message.message_id)
-        effect = derived.definition.effect
+        effect, now = derived.definition.effect, self.clock()
         return ClaimRequest(
             idem_key=key,
             message_id=message.message_id,
             job=derived.definition.name,
             effect=effect,
             fingerprint=derived.fingerprint,
-            lease_until=None if effect is Effect.DATABASE else self.lease_until,
-            visibility_left=(
-                None if self.visible_until is None else self.visible_until - self.clock()
+            # How long the run may take, as a span: the ledger sets its end on its own clock.
+            lease_seconds=(
+                None
+                if effect is Effect.DATABASE
+                else self.deadline - now + self.config.lease_grace_seconds
             ),
+            visibility_left=None if self.visible_until is None else self.visible_until - now,
         )
 
     def _run(self, request: ClaimRequest, db: psycopg.Connection[Any] | None) -> JobRun:

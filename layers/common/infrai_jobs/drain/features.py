@@ -20,7 +20,7 @@ from infrai_jobs.drain.model import (
     merge_summaries,
 )
 from infrai_jobs.jobs.registry import JobContext, JsonValue
-from infrai_jobs.ledger.ports import EffectGuard, LedgerPort
+from infrai_jobs.work.ports import EffectGuard, LedgerPort
 
 logger = logging.getLogger(__name__)
 

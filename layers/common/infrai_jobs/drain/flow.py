@@ -29,14 +29,14 @@ from infrai_jobs.errors import (
     LedgerError,
     PermanentJobError,
 )
-from infrai_jobs.flow import ledger as flow_ledger
 from infrai_jobs.flow import limits as flow_limits
-from infrai_jobs.flow.ledger import DeferOutcome, DeferredWork
 from infrai_jobs.flow.policies import concurrency_value, is_final_error, next_delay
 from infrai_jobs.jobs.policy import JobPolicy, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobContext, JobDefinition, JobRegistry, JsonValue
-from infrai_jobs.ledger.claims import ClaimRow, JobRun, RunKind
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_jobs.work import store as flow_ledger
+from infrai_jobs.work.states import ClaimRow, JobRun, RunKind
+from infrai_jobs.work.store import DeferOutcome, DeferredWork
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary, LaneClo
 from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, LedgerError, SchemaNotMigrated
 from infrai_jobs.jobs.correlation import correlation_of
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.ledger.outcomes import Outcome
-from infrai_jobs.ledger.ports import LedgerPort
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.work.outcomes import Outcome
+from infrai_jobs.work.ports import LedgerPort
 
 logger = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from infrai_jobs.jobs.registry import DerivedJob, JobContext, JsonValue
-from infrai_jobs.ledger.claims import JobRun
-from infrai_jobs.ledger.outcomes import OUTCOME_RULES
 from infrai_jobs.queue_contract import CONSUME_CAP, DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.work.outcomes import OUTCOME_RULES
+from infrai_jobs.work.states import JobRun
 
 if TYPE_CHECKING:
-    from infrai_jobs.ledger.ports import LedgerPort
     from infrai_jobs.queue.ports import QueuePort
+    from infrai_jobs.work.ports import LedgerPort
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,15 +4,13 @@ in the transaction that fails it, the same row an operator lists, discards and r
 
 from __future__ import annotations
 
-from typing import Any, Final, LiteralString
+from typing import Final, LiteralString
 
-import psycopg
-from psycopg.types.json import Jsonb
-
-from infrai_jobs.ledger.claims import ClaimRow
-
-# The ``dlq`` of a dead letter the ledger holds: no DLQ ever had it.
+# The ``dlq`` of a dead letter the ledger holds: no DLQ ever had it. A drain's (out of attempts)
+# is redriven with its failed claim reopened; an operator's (``claims resolve --failed``) is a
+# human's verdict, reopened only by an explicit ``redrive --reopen-failed``.
 LEDGER_HELD_DLQ: Final = "(ledger)"
+RESOLVED_FAILED_DLQ: Final = "(resolved failed)"
 
 RECORD_DEAD_LETTER: LiteralString = """
 INSERT INTO dead_letters (
@@ -29,25 +27,3 @@ ON CONFLICT (message_id) DO NOTHING
 UNRESOLVED_DEAD_LETTERS: LiteralString = """
 SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
 """
-
-
-def hold_dead_letter(
-    conn: psycopg.Connection[Any], work: ClaimRow, *, queue: str, reason: str
-) -> bool:
-    """Record an unresolved dead letter for failed ``work`` whose message was acked long ago, in
-    the caller's transaction; a redrive publishes its payload again and reopens its ``failed``
-    claim. False when a dead letter with this message id is recorded already."""
-    unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
-    values = dict.fromkeys(unknown) | {
-        "message_id": work.message_id,
-        "queue": queue,
-        "dlq": LEDGER_HELD_DLQ,
-        "unreadable": False,
-        "payload": Jsonb(work.payload),
-        "job": work.job or "",
-        "idem_key": work.idem_key,
-        "state": "failed",
-        "claim_state": "failed",
-        "reason": reason,
-    }
-    return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1

@@ -14,6 +14,7 @@ percent-decoded, and for a malformed string each piece of it; ``describe`` names
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import uuid
@@ -435,57 +436,24 @@ def array_literal(values: Iterable[str | uuid.UUID | datetime | float | None]) -
     return "{" + ",".join(parts) + "}"
 
 
-# When a claim is stuck, the one rule (``claims stuck`` lists them, the watcher pages on them):
-# running, and flagged for a human, or (a message's claim) older than the threshold since its
-# latest claim, or (work the ledger owns) an ``external`` run that began its handler and whose
-# lease is over: its effect may have happened, so no drain takes it again. A takeover starts
-# the age again, so a live holder that took over an old claim is not stuck.
-STUCK_CLAIM: LiteralString = """state = 'running'
-  AND (error IS NOT NULL
-       OR (run_after IS NULL
-           AND coalesce(updated_at, claimed_at) < now() - make_interval(secs => %(threshold)s))
-       OR (run_after IS NOT NULL AND effect = 'external' AND began_at IS NOT NULL
-           AND lease_until < clock_timestamp()))"""
+def storable_json(value: Any) -> Any:
+    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can: jsonb
+    refuses NUL characters and lone surrogates, which a JSON body may carry. What the jsonb
+    columns of ``claim_history`` and ``dead_letters`` hold, and what ``--json`` prints."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError):
+        text = ""
+    if text and "\\u0000" not in text:
+        return value
+    try:
+        described = json.dumps(value, ensure_ascii=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        described = f"<{type(value).__name__} that JSON cannot describe>"
+    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
+    return {"not_storable_as_jsonb": described}
 
-# The columns of a ClaimRow (ledger.claims), for every statement that reads whole claims.
-CLAIM_COLUMNS: LiteralString = """idem_key, state, message_id, job, effect, attempts,
-       payload_sha256, error, result, claimed_at, lease_until, updated_at, claim_token,
-       payload, queue, run_after, deferred_at, last_error, began_at"""
-
-_CLAIMS: LiteralString = "SELECT " + CLAIM_COLUMNS + "\nFROM job_claims"
-CLAIM_BY_KEY: LiteralString = _CLAIMS + " WHERE idem_key = %(key)s"
-CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
-
-# A redrive's ``--reopen-failed``: delete the failed claims of one piece of work, by its message
-# id or its payload fingerprint, returning each as it was.
-DELETE_FAILED_CLAIMS_OF_WORK: LiteralString = (
-    """
-DELETE FROM job_claims
-WHERE state = 'failed' AND (message_id = %(message_id)s OR payload_sha256 = %(fingerprint)s)
-RETURNING """
-    + CLAIM_COLUMNS
-)
-
-# Stuck claims, oldest first: every job's (``claims stuck``), or only those of ``jobs`` (the
-# reconcile pass's candidates: the jobs that declare a probe) when it is not NULL.
-STUCK_CLAIMS: LiteralString = (
-    _CLAIMS
-    + "\nWHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND "
-    + STUCK_CLAIM
-    + "\nORDER BY coalesce(updated_at, claimed_at)\nLIMIT %(limit)s\n"
-)
-
-# What the watcher pages on: how many are stuck, and the oldest running claim's age (from its
-# latest claim, like the rule).
-STUCK_CLAIM_COUNT: LiteralString = (
-    """
-SELECT count(*) FILTER (WHERE """
-    + STUCK_CLAIM
-    + """),
-       coalesce(extract(epoch FROM now() - min(coalesce(updated_at, claimed_at))), 0)
-FROM job_claims WHERE state = 'running'
-"""
-)
 
 _HISTORY: LiteralString = """
 INSERT INTO claim_history (idem_key, action, actor, before, after, note)

@@ -18,13 +18,13 @@ from typing import Any, LiteralString, Protocol
 import psycopg
 
 from infrai_jobs.errors import InfraiError, LedgerError
-from infrai_jobs.flow.ledger import DeferredStats, deferred_stats
 from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
-from infrai_jobs.ledger.postgres import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.ledger.postgres import LedgerAdapter
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.work.statements import STUCK_CLAIM_COUNT as _STUCK
+from infrai_jobs.work.store import VISIBILITY, DeferredStats, deferred_stats
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ class AlertCheck(LedgerAdapter):
                         extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
                     )
                     unread.append(exc)
-            threshold = {"threshold": self._thresholds.stuck_claim_seconds}
-            count, oldest = conn.execute(_STUCK, threshold).fetchone() or (0, 0)
+            params = {"threshold": self._thresholds.stuck_claim_seconds, "visibility": VISIBILITY}
+            count, oldest = conn.execute(_STUCK, params).fetchone() or (0, 0)
             report.stuck = StuckClaims(int(count), float(oldest))
             report.deferred = deferred_stats(conn)
             limit = self._thresholds.backlog_age_seconds

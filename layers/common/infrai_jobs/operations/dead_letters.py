@@ -19,19 +19,27 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import ConsumeAnswerLost, KeyDerivationError, QueueMessageNotFound
-from infrai_jobs.flow import ledger as flow
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.policy import RetryPolicy
-from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.ledger.dead_letter_rows import (
     LEDGER_HELD_DLQ,
     RECORD_DEAD_LETTER,
+    RESOLVED_FAILED_DLQ,
     UNRESOLVED_DEAD_LETTERS,
 )
-from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, LedgerConnector, record_history
+from infrai_jobs.ledger.postgres import LedgerConnector, record_history, storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_jobs.work.states import ClaimRow
+from infrai_jobs.work.store import (
+    DRAIN_ACTOR,
+    DeferOutcome,
+    DeferredWork,
+    claim_of,
+    defer,
+    release_for_take_back,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,25 +94,6 @@ SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
     resolution_note = %(note)s
 WHERE message_id = %(message_id)s AND resolution IS NULL
 """
-
-
-def storable_json(value: Any) -> Any:
-    """``value`` if PostgreSQL's jsonb can hold it, else a description of it that it can: jsonb
-    refuses NUL characters and lone surrogates, which a JSON body may carry. What the jsonb
-    columns of ``claim_history`` and ``dead_letters`` hold, and what ``--json`` prints."""
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        text.encode("utf-8")
-    except (TypeError, ValueError, RecursionError):
-        text = ""
-    if text and "\\u0000" not in text:
-        return value
-    try:
-        described = json.dumps(value, ensure_ascii=True, default=repr)
-    except (TypeError, ValueError, RecursionError):
-        described = f"<{type(value).__name__} that JSON cannot describe>"
-    # ASCII text with every NUL and surrogate written as an escape: jsonb keeps it as text.
-    return {"not_storable_as_jsonb": described}
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +157,12 @@ class DeadLetterRow:
         return self.dlq == LEDGER_HELD_DLQ
 
     @property
+    def resolved_failed(self) -> bool:
+        """Recorded when an operator resolved the ledger's work as failed: a human's verdict,
+        which only ``redrive --reopen-failed`` overturns."""
+        return self.dlq == RESOLVED_FAILED_DLQ
+
+    @property
     def redrivable(self) -> str:
         """Why this row cannot be published again, or "" when it can."""
         if self.unreadable:
@@ -228,14 +223,6 @@ def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str |
     return claim.state, claim.error or ""
 
 
-# The claim statement's takeover rule: a key-passing job's unflagged claim whose lease is over.
-_RELEASE_EXPIRED_CLAIM: LiteralString = """
-DELETE FROM job_claims
-WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
-  AND effect = 'external_idempotent' AND error IS NULL AND lease_until < clock_timestamp()
-"""
-
-
 def _take_back(
     conn: psycopg.Connection[Any],
     dead: QueueMessage,
@@ -262,11 +249,10 @@ def _take_back(
         # conflict or an irreversible job's unknown outcome stay letters for a human.
         if state != "running" or claim.effect != "external_idempotent":
             return False
-        released = conn.execute(_RELEASE_EXPIRED_CLAIM, {"key": key, "token": claim.claim_token})
-        if released.rowcount != 1:
+        if not release_for_take_back(conn, claim):
             return False
     error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
-    work = flow.DeferredWork(
+    work = DeferredWork(
         idem_key=key,
         job=job,
         effect=found[0],
@@ -275,14 +261,14 @@ def _take_back(
         fingerprint=fingerprint_or_none(dead.payload),
         queue=queue,
     )
-    outcome = flow.defer(
+    outcome = defer(
         conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
     )
-    if outcome is not flow.DeferOutcome.DEFERRED:
-        return outcome is flow.DeferOutcome.ALREADY_HELD
+    if outcome is not DeferOutcome.DEFERRED:
+        return outcome is DeferOutcome.ALREADY_HELD
     after = {"message_id": dead.message_id, "attempts": deliveries}
     action = "dead_letter_taken_back"
-    record_history(conn, key, action, actor=flow.DRAIN_ACTOR, before=None, after=after, note=error)
+    record_history(conn, key, action, actor=DRAIN_ACTOR, before=None, after=after, note=error)
     return True
 
 
@@ -414,20 +400,6 @@ class DeadLetterStore:
             key = row.idem_key or message_id
             record_history(conn, key, action, actor=actor, before=was, after=None, note=note)
         return True
-
-
-def claim_rows(
-    conn: psycopg.Connection[Any], statement: LiteralString, params: dict[str, Any]
-) -> list[ClaimRow]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return [ClaimRow(**row) for row in cur.execute(statement, params).fetchall()]
-
-
-def claim_of(
-    conn: psycopg.Connection[Any], key: str, statement: LiteralString = CLAIM_BY_KEY
-) -> ClaimRow | None:
-    found = claim_rows(conn, statement, {"key": key})
-    return found[0] if found else None
 
 
 def collect(

@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Final
 
 from infrai_jobs.errors import ClaimNotFound, ConfigurationError, SecondLayerUnavailable
@@ -32,8 +31,8 @@ from infrai_jobs.jobs.probes import (
     Unknown,
 )
 from infrai_jobs.jobs.registry import JobContext, JobRegistry
-from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claims_admin import ClaimsAdmin, ReconcileWrite
+from infrai_jobs.work.admin import ReconcileWrite, WorkStore
+from infrai_jobs.work.states import ClaimRow
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class Reconciler:
 
     def __init__(
         self,
-        admin: ClaimsAdmin,
+        admin: WorkStore,
         registry: JobRegistry,
         *,
         actor: str,
@@ -191,8 +190,9 @@ class Reconciler:
         if dry_run:
             logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
             return ProbeOutcome(key, job, answer.answer, detail, _DRY_RUN_ACTION[answer.answer])
-        lease_over = claim.lease_until is None or claim.lease_until < datetime.now(UTC)
-        if isinstance(answer, NotDone) and self._forget is not None and lease_over:
+        # The lease as the database judged it when the claim was read; the write is fenced
+        # again on its clock.
+        if isinstance(answer, NotDone) and self._forget is not None and claim.lease_live is False:
             # Before the release, as `claims release` does. Under a live lease nothing is
             # released. A store that cannot be reached leaves the claim unchanged, still stuck
             # (and paged), rather than released in the ledger only; the pass goes on.

@@ -24,8 +24,6 @@ from infrai_jobs.errors import (
     KeyDerivationError,
     UnknownJob,
 )
-from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import (
     DeadLetterRow,
     DeadLetterStore,
@@ -36,6 +34,8 @@ from infrai_jobs.operations.dead_letters import (
     other_work,
 )
 from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.states import ClaimRow
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ MAX_REDRIVE_PER_CALL = 10_000
 # or two each, plus a few retries).
 MESSAGE_BUDGET_MS = 20_000
 
+# The history note of a failed claim a plain redrive reopens: the ledger's own dead letter.
+_LEDGER_HELD_NOTE = "redrive of a dead letter the ledger held (out of attempts)"
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
 
 # A running claim this long untouched is stuck, as for `claims stuck` and the watcher.
@@ -65,7 +67,8 @@ class Verdict(StrEnum):
 class Forecast:
     verdict: Verdict
     # One word for the reason, for counting: no_claim, reopened, in_flight, done, deferred,
-    # failed, stuck, conflict, rejected, unknown_job, unknown (no key, no ledger to ask).
+    # failed, resolved_failed, stuck, conflict, rejected, unknown_job, unknown (no key, no
+    # ledger to ask).
     cause: str
     why: str
 
@@ -78,7 +81,7 @@ def forecast(
     row: DeadLetterRow,
     *,
     key_of: KeyOf | None,
-    admin: ClaimsAdmin | None,
+    admin: WorkStore | None,
     reopen_failed: bool,
 ) -> tuple[Forecast, str | None]:
     """What a copy of ``row`` published now would meet, and the key it would be claimed by:
@@ -122,6 +125,12 @@ def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> 
     if claim.state == "failed":
         if reopen_failed or row.held_by_ledger:
             return Forecast(Verdict.RUN, "reopened", "its failed claim is reopened: it runs")
+        if row.resolved_failed:
+            why = (
+                f"an operator resolved it failed ({claim.error or 'no reason recorded'}): a plain "
+                "redrive never reopens a human's verdict; `redrive --reopen-failed` does"
+            )
+            return Forecast(Verdict.BOUNCE, "resolved_failed", why)
         why = (
             f"its claim failed ({claim.error or 'no error recorded'}): without "
             "--reopen-failed the copy is a duplicate of the failure and returns to the DLQ"
@@ -270,7 +279,7 @@ def redrive(
     store: DeadLetterStore,
     request: RedriveRequest,
     *,
-    admin: ClaimsAdmin | None = None,
+    admin: WorkStore | None = None,
     jobs: JobsKnowledge | None = None,
     progress: Callable[[int], None] | None = None,
     time_left_ms: Callable[[], int] | None = None,
@@ -349,7 +358,10 @@ def redrive(
             assert admin is not None
             fingerprint = fingerprint_or_none(row.body)
             reopened = admin.reopen_failed(
-                message_id=row.message_id, fingerprint=fingerprint, actor=actor
+                message_id=row.message_id,
+                fingerprint=fingerprint,
+                actor=actor,
+                note="redrive --reopen-failed" if request.reopen_failed else _LEDGER_HELD_NOTE,
             )
             summary.reopened.extend(reopened)
         if store.redrive(row.message_id, publish, actor=actor, note="redrive"):

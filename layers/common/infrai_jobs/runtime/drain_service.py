@@ -25,7 +25,6 @@ from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
 from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
@@ -39,6 +38,7 @@ from infrai_jobs.runtime.factory import (
     with_secrets,
 )
 from infrai_jobs.runtime.observability import MessageSpan, MessageTracing
+from infrai_jobs.work.ledger import PostgresLedger
 
 logger = logging.getLogger(__name__)
 

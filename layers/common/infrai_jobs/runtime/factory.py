@@ -21,10 +21,10 @@ from infrai_jobs.config.settings import (
 )
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.ledger.postgres import LedgerConnector, malformed_reason
 from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.work.ledger import PostgresLedger
 
 if TYPE_CHECKING:
     from infrai_jobs.aws.lambda_starter import LambdaDrainStarter
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from infrai_jobs.drain.fleet import PostgresDrainFleet
     from infrai_jobs.jobs.registry import JobRegistry
     from infrai_jobs.operations.alerting import AlertCheck, Alerter
-    from infrai_jobs.operations.claims_admin import ClaimsAdmin
     from infrai_jobs.outbox.relay import OutboxRelay
+    from infrai_jobs.work.admin import WorkStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +116,12 @@ def make_ledger(
 
 def make_claims_admin(
     settings: CommonSettings, *, refresh: SecretRefresh | None = None
-) -> ClaimsAdmin:
+) -> WorkStore:
     """Claim changes outside the drain (PruneFunction, RedriveFunction, the watcher's reconcile
     pass)."""
-    from infrai_jobs.operations.claims_admin import ClaimsAdmin  # noqa: PLC0415 - not on the drain's path
+    from infrai_jobs.work.admin import WorkStore  # noqa: PLC0415 - not on the drain's path
 
-    return ClaimsAdmin(ledger_url(settings), refresh_url=refresh.database_url if refresh else None)
+    return WorkStore(ledger_url(settings), refresh_url=refresh.database_url if refresh else None)
 
 
 def make_drain_fleet(

@@ -21,8 +21,8 @@ from infrai_jobs.drain.model import DrainFeature, DrainSummary, HandlerAttempt
 from infrai_jobs.jobs.correlation import traceparent_trace_id
 from infrai_jobs.jobs.probes import ANSWERS, DONE, NOT_DONE, UNKNOWN
 from infrai_jobs.jobs.registry import JobContext
-from infrai_jobs.ledger.claims import JobRun
-from infrai_jobs.ledger.outcomes import OUTCOME_METRICS
+from infrai_jobs.work.outcomes import OUTCOME_METRICS
+from infrai_jobs.work.states import JobRun
 
 if TYPE_CHECKING:
     from aws_lambda_powertools import Tracer

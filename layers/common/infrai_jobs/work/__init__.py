@@ -1,2 +1,1 @@
-"""The one writer of ``job_claims``: its states and transitions, every statement on the table,
-the lease rule, and the schema that holds them."""
+"""The one writer of ``job_claims``: its states, transitions, statements and lease rule."""

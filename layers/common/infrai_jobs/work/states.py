@@ -1,8 +1,10 @@
-"""Claim decisions, pure: what a claim attempt means, and how a handler's run settles its claim.
+"""The work's states, pure: the row type, the one state machine as data, the one token source,
+what a claim attempt means, and how a handler's run settles its claim.
 
 The Postgres ledger and the in-memory fake (``infrai_local.fakes``) both decide by these
-functions. The rules the claim statement applies itself (takeover, lease length) are stated
-once, in its SQL; the fake's copy is held to it by the ledger contract suite (tests/contract).
+functions. The rules the statements apply themselves (takeover, lease length, lease over) are
+stated once, in ``work.statements``; the fake's copy is held to them by the ledger contract suite
+(tests/contract).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class ClaimStatus(StrEnum):
     DEFERRED = "deferred"  # the ledger owns this work (waiting or running): a copy to ack
 
 
+def new_token() -> uuid.UUID:
+    """The one source of claim tokens: a delivery's claim and a drain's take of due work."""
+    return uuid.uuid4()
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimRequest:
     idem_key: str
@@ -35,12 +42,13 @@ class ClaimRequest:
     job: str
     effect: Effect
     fingerprint: str
-    # When the claim may be considered abandoned; None for database jobs (never committed).
-    lease_until: datetime | None = None
+    # How long the claim is held, from the claim statement on the database's clock; None for
+    # database jobs (their claim is never committed).
+    lease_seconds: float | None = None
     # Seconds from when the request is built until the queue may deliver this message again;
     # the stored lease ends no later. None: the whole visibility timeout.
     visibility_left: float | None = None
-    claim_token: uuid.UUID = field(default_factory=uuid.uuid4)
+    claim_token: uuid.UUID = field(default_factory=new_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +123,10 @@ class ClaimRow:
     deferred_at: datetime | None = None
     last_error: str | None = None
     began_at: datetime | None = None
+    # Read by the database's rule (``work.statements.lease_end``), never by a Python clock:
+    # when the lease ends (a lease-less row's implied end), and whether a run holds it now.
+    lease_end: datetime | None = field(default=None, compare=False)
+    lease_live: bool | None = field(default=None, compare=False)
 
     @property
     def owned(self) -> bool:
@@ -123,7 +135,9 @@ class ClaimRow:
 
     def as_dict(self) -> dict[str, Any]:
         """The row as JSON-ready values, for ``--json`` output and the history table."""
-        out: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out: dict[str, Any] = {
+            name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _READ_AT
+        }
         for name, value in out.items():
             if isinstance(value, datetime):
                 out[name] = value.isoformat()
@@ -133,58 +147,86 @@ class ClaimRow:
         return out
 
 
+# Fields read with the row at one moment, not the row's own.
+_READ_AT: Final = ("lease_end", "lease_live")
+
+
 # --- The one state machine ---------------------------------------------------------------------
 # Every unit of work is one ``job_claims`` row: one token, one lease, one clock (the
 # database's). ``(none)`` is "no row". docs/design.md shows this table (a test keeps the two
-# equal), and the contract suite drives every transition on PostgreSQL.
+# equal), and the contract suite drives every transition on PostgreSQL through the method its
+# row names.
 
 WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
 
 
 @dataclass(frozen=True, slots=True)
 class Transition:
-    action: str  # the function (or command) that makes it
+    action: str  # what it is called (the command that makes it, where an operator does)
     source: str  # the state it starts from; "(none)" for no row
     target: str  # the state it leaves; "(none)" for a deleted row
     who: str  # who may make it
     fence: str  # what must still hold, in the same statement
+    method: str  # what makes it: ``PostgresLedger.x`` (work.ledger), ``store.x`` or ``WorkStore.x``
 
 
 _HOLDER = "the run holding the token"
 _LIVE = "token; any lease"
 _OVER = "token as read; lease over"
+_LEDGER = "PostgresLedger."
 WORK_TRANSITIONS: Final = (
-    Transition("claim", "(none)", "running", "a delivery", "no row for the key"),
-    Transition("claim (new work)", "cancelled", "running", "a delivery", "none: it is free"),
+    Transition("claim", "(none)", "running", "a delivery", "no row for the key", _LEDGER + "claim"),
+    Transition("claim (new work)", "cancelled", "running", "a delivery", "none: it is free",
+               _LEDGER + "claim"),
     Transition("claim (takeover)", "running", "running", "a delivery of a key-passing job",
-               "same work, not flagged, not ledger-owned, lease over"),
-    Transition("settle done", "running", "done", _HOLDER, _LIVE),
-    Transition("settle failed", "running", "failed", _HOLDER, _LIVE),
-    Transition("release (transient)", "running", "(none)", _HOLDER, _LIVE),
-    Transition("flag uncertain", "running", "running", _HOLDER, "token; the lease ends now"),
-    Transition("defer", "running", "deferred", _HOLDER, _LIVE),
+               "same work, not ledger-owned, the takeover rule", _LEDGER + "claim"),
+    Transition("flag stuck", "running", "running", "a delivery that cannot run its copy",
+               "not flagged yet", _LEDGER + "flag_stuck"),
+    Transition("settle done", "running", "done", _HOLDER, _LIVE, _LEDGER + "settle"),
+    Transition("settle failed", "running", "failed", _HOLDER, _LIVE, _LEDGER + "settle"),
+    Transition("release (transient)", "running", "(none)", _HOLDER, _LIVE, _LEDGER + "settle"),
+    Transition("flag uncertain", "running", "running", _HOLDER, "token; the lease ends now",
+               _LEDGER + "settle"),
+    Transition("defer", "running", "deferred", _HOLDER, _LIVE, "store.defer"),
     Transition("take back a dead letter", "(none)", "deferred", "`dlq`, `redrive`",
-               "no row for the key"),
-    Transition("take due", "deferred", "running", "a drain", "run_after passed; row unlocked"),
+               "no row for the key", "store.defer"),
+    Transition("take back a dead letter (takeover)", "running", "(none)", "`dlq`, `redrive`",
+               "token as read; a key-passing job's claim; the takeover rule",
+               "store.release_for_take_back"),
+    Transition("take due", "deferred", "running", "a drain", "run_after passed; row unlocked",
+               "store.take_due"),
     Transition("take due (takeover)", "running", "running", "a drain",
-               "ledger-owned, not flagged, lease over, not an external run that began"),
-    Transition("begin", "running", "running", _HOLDER, _LIVE),
-    Transition("postpone", "running", "deferred", _HOLDER, _LIVE),
-    Transition("finish", "running", "done", _HOLDER, _LIVE),
-    Transition("fail (and hold a dead letter)", "running", "failed", _HOLDER, _LIVE),
-    Transition("reconcile done, claims resolve --done", "running", "done",
-               "a probe, an operator", _OVER),
-    Transition("claims resolve --failed", "running", "failed", "an operator", _OVER),
-    Transition("reconcile not done, claims release", "running", "(none)",
-               "a probe, an operator", _OVER + "; a delivery's claim"),
-    Transition("reconcile not done, claims release", "running", "deferred",
-               "a probe, an operator", _OVER + "; ledger-owned"),
-    Transition("claims release, redrive --reopen-failed", "failed", "(none)",
-               "an operator, a redrive", "state as read"),
-    Transition("claims run-now", "deferred", "deferred", "an operator", "state (due now)"),
-    Transition("claims cancel", "deferred", "cancelled", "an operator", "state"),
+               "ledger-owned, row unlocked, the takeover rule", "store.take_due"),
+    Transition("begin", "running", "running", _HOLDER, _LIVE, "store.begin"),
+    Transition("flag uncertain (deferred run)", "running", "running", _HOLDER,
+               "token; the lease ends now", "store.flag_uncertain"),
+    Transition("postpone", "running", "deferred", _HOLDER, _LIVE, "store.postpone"),
+    Transition("finish", "running", "done", _HOLDER, _LIVE, "store.finish"),
+    Transition("fail (and hold a dead letter)", "running", "failed", _HOLDER, _LIVE, "store.fail"),
+    Transition("reconcile done", "running", "done", "a probe", _OVER,
+               "WorkStore.apply_probe_answer"),
+    Transition("claims resolve --done", "running", "done", "an operator", _OVER,
+               "WorkStore.resolve"),
+    Transition("claims resolve --failed", "running", "failed", "an operator", _OVER,
+               "WorkStore.resolve"),
+    Transition("reconcile not done", "running", "(none)", "a probe",
+               _OVER + "; a delivery's claim", "WorkStore.apply_probe_answer"),
+    Transition("reconcile not done", "running", "deferred", "a probe", _OVER + "; ledger-owned",
+               "WorkStore.apply_probe_answer"),
+    Transition("claims release", "running", "(none)", "an operator",
+               _OVER + "; a delivery's claim", "WorkStore.release"),
+    Transition("claims release", "running", "deferred", "an operator", _OVER + "; ledger-owned",
+               "WorkStore.release"),
+    Transition("claims release", "failed", "(none)", "an operator", "token as read",
+               "WorkStore.release"),
+    Transition("redrive --reopen-failed", "failed", "(none)", "a redrive", "state as read",
+               "WorkStore.reopen_failed"),
+    Transition("claims run-now", "deferred", "deferred", "an operator", "state (due now)",
+               "WorkStore.run_now"),
+    Transition("claims cancel", "deferred", "cancelled", "an operator", "state",
+               "WorkStore.cancel"),
     Transition("prune", "done, failed, cancelled", "(none)", "the prune function",
-               "older than the retention"),
+               "older than the retention", "WorkStore.prune"),
 )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
-from infrai_jobs.ledger.claims import ClaimStatus, SettleStatus
+from infrai_jobs.work.states import ClaimStatus, SettleStatus
 
 
 class Outcome(StrEnum):

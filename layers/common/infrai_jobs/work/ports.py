@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from infrai_jobs.ledger.claim_ledger import DatabaseRunner
-    from infrai_jobs.ledger.claims import ClaimDecision, ClaimRequest, JobRun, Settlement
+    from infrai_jobs.work.ledger import DatabaseRunner
+    from infrai_jobs.work.states import ClaimDecision, ClaimRequest, JobRun, Settlement
 
 
 class LedgerPort(Protocol):

@@ -1,4 +1,5 @@
-"""The claim ledger: ``job_claims`` in Postgres, claimed before any work runs.
+"""A delivery's side of ``job_claims``: a batch's claims, its runs' settles, on one reusable
+connection (the statements are ``work.statements``').
 
 A batch's claims are one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``); every
 change after it is fenced by the claim token. An update that matches nothing means the claim was
@@ -10,11 +11,11 @@ theirs is ever committed. ``external`` and ``external_idempotent`` claims are co
 leaves a stuck row only within the call itself.
 
 **A lease never outlives its message's visibility window.** The claim statement stores
-``least(requested lease, now() + the visibility the message has left)``, the latter never more
-than the queue's visibility timeout. Once the queue may deliver the message again, or
-dead-letter it, the claim is expired: a redelivered or redriven copy is judged by the
-expired-lease rows of the outcome table, never acked as ``duplicate_in_flight`` behind an owner
-that is gone.
+``least(requested lease, the visibility the message has left)`` from the statement's clock,
+the latter never more than the queue's visibility timeout. Once the queue may deliver the
+message again, or dead-letter it, the claim is expired: a redelivered or redriven copy is judged
+by the expired-lease rows of the outcome table, never acked as ``duplicate_in_flight`` behind an
+owner that is gone.
 """
 
 from __future__ import annotations
@@ -27,10 +28,26 @@ from functools import partial
 from typing import Any, Final, LiteralString
 
 import psycopg
-from psycopg.rows import class_row, dict_row
+from psycopg.rows import dict_row
 
 from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
-from infrai_jobs.ledger.claims import (
+from infrai_jobs.ledger.job_schema import (
+    JobMigrationName,
+    jobs_schema_behind,
+    missing_job_migrations,
+)
+from infrai_jobs.ledger.postgres import (
+    SCHEMA_VERSION,
+    LedgerAdapter,
+    array_literal,
+    current_version,
+    ledger_errors,
+    savepoint_rollback_checked,
+    schema_behind,
+)
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.work import statements as sql
+from infrai_jobs.work.states import (
     SETTLE_STATUS,
     ClaimDecision,
     ClaimRequest,
@@ -43,22 +60,7 @@ from infrai_jobs.ledger.claims import (
     decide,
     settled_kind,
 )
-from infrai_jobs.ledger.job_schema import (
-    JobMigrationName,
-    jobs_schema_behind,
-    missing_job_migrations,
-)
-from infrai_jobs.ledger.postgres import (
-    CLAIM_BY_KEY,
-    SCHEMA_VERSION,
-    LedgerAdapter,
-    array_literal,
-    current_version,
-    ledger_errors,
-    savepoint_rollback_checked,
-    schema_behind,
-)
-from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.work.store import claim_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,127 +68,13 @@ logger = logging.getLogger(__name__)
 _RESULT_JSON = json.JSONEncoder(allow_nan=False)
 
 
-# --- SQL: static, parameterised ----------------------------------------------------------------
-
-_CLAIM: LiteralString = """
-WITH input AS (
-    SELECT t.idem_key, t.message_id, t.job, t.effect, t.claim_token, t.fingerprint,
-           -- The lease invariant: never past the message's visibility window.
-           CASE WHEN t.lease_until IS NOT NULL THEN least(
-               t.lease_until,
-               now() + make_interval(secs => least(
-                   greatest(coalesce(t.visibility_left, %(visibility)s), 0), %(visibility)s))
-           ) END AS lease_until
-    -- One array per field of ClaimRequest.
-    FROM unnest(
-        %(idem_key)s::text[], %(message_id)s::text[], %(job)s::text[], %(effect)s::text[],
-        %(claim_token)s::uuid[], %(lease_until)s::timestamptz[], %(fingerprint)s::text[],
-        %(visibility_left)s::float8[]
-    ) AS t(idem_key, message_id, job, effect, claim_token, lease_until, fingerprint,
-           visibility_left)
-),
-claimed AS (
-    INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
-                                 lease_until, payload_sha256, attempts, updated_at)
-    SELECT idem_key, 'running', message_id, job, effect, claim_token,
-           lease_until, fingerprint, 1, now()
-    FROM input
-    ORDER BY idem_key
-    ON CONFLICT (idem_key) DO UPDATE
-        SET message_id = EXCLUDED.message_id,
-            claim_token = EXCLUDED.claim_token,
-            lease_until = EXCLUDED.lease_until,
-            attempts = CASE WHEN c.state = 'cancelled' THEN 1 ELSE coalesce(c.attempts, 1) + 1 END,
-            error = NULL,
-            updated_at = now(),
-            -- Unchanged by a takeover (the same work, not ledger-owned); cleared for new work.
-            state = 'running', job = EXCLUDED.job, effect = EXCLUDED.effect,
-            payload_sha256 = EXCLUDED.payload_sha256, result = NULL, payload = NULL,
-            queue = NULL, run_after = NULL, deferred_at = NULL, last_error = NULL,
-            began_at = NULL,
-            claimed_at = CASE WHEN c.state = 'cancelled' THEN now() ELSE c.claimed_at END
-        -- Work an operator cancelled is free: a new message for its key is new work. Takeover:
-        -- only a key-passing effect, only the same work, never a claim flagged for a human,
-        -- never work the ledger owns (deferred: only a drain's take_due runs it), and only
-        -- once the lease is over or when the holder is this very message (its earlier
-        -- delivery is certainly dead).
-        WHERE c.state = 'cancelled'
-           OR (c.state = 'running'
-               AND c.run_after IS NULL
-               AND c.effect = 'external_idempotent'
-               AND EXCLUDED.effect = 'external_idempotent'
-               AND c.payload_sha256 = EXCLUDED.payload_sha256
-               AND c.error IS NULL
-               AND (c.lease_until < now() OR c.message_id = EXCLUDED.message_id))
-    RETURNING c.idem_key, c.claim_token, c.attempts
-)
--- j is the row as it stood before this statement (one snapshot for the whole WITH).
-SELECT i.idem_key, c.claim_token AS won_token, c.attempts AS won_attempts,
-       j.state, j.message_id, j.effect, j.payload_sha256, j.error, j.result,
-       j.run_after IS NOT NULL AS owned,
-       coalesce(j.lease_until, j.claimed_at + make_interval(secs => %(visibility)s)) < now()
-           AS lease_expired,
-       extract(epoch FROM now() - coalesce(j.updated_at, j.claimed_at))::float8 AS held_seconds
-FROM input i
-LEFT JOIN claimed c ON c.idem_key = i.idem_key
-LEFT JOIN job_claims j ON j.idem_key = i.idem_key
-"""
-
-_BEGIN_AND_CLAIM: LiteralString = "BEGIN;\n" + _CLAIM
-
-# A claim that lost a race with a transaction committing the same key cannot see that row in
-# the claim statement's snapshot; this re-reads those few keys.
-_REREAD: LiteralString = """
-SELECT idem_key, NULL::uuid AS won_token, NULL::int AS won_attempts,
-       state, message_id, effect, payload_sha256, error, result, run_after IS NOT NULL AS owned,
-       coalesce(lease_until, claimed_at + make_interval(secs => %(visibility)s)) < now()
-           AS lease_expired,
-       extract(epoch FROM now() - coalesce(updated_at, claimed_at))::float8 AS held_seconds
-FROM job_claims WHERE idem_key = ANY(%(keys)s::text[])
-"""
-
-# Every settle is fenced by its run's token, and matches only a running claim. ``values`` is
-# the result (as JSON text) of a done run, the error of any other.
-_FENCED: LiteralString = """
-    unnest(%(keys)s::text[], %(tokens)s::uuid[], %(values)s::text[])
-    AS u(idem_key, claim_token, value)
-WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key"""
-_SETTLE_DONE: LiteralString = (
-    "UPDATE job_claims AS c\n"
-    "SET state = 'done', result = u.value::jsonb, error = NULL, updated_at = now()\nFROM" + _FENCED
-)
-_SETTLE_DONE_AND_COMMIT: LiteralString = _SETTLE_DONE + ";\nCOMMIT"
-_SETTLE_FAILED: LiteralString = (
-    "UPDATE job_claims AS c\nSET state = 'failed', error = u.value, updated_at = now()\nFROM"
-    + _FENCED
-)
-_MARK_UNCERTAIN: LiteralString = (
-    "UPDATE job_claims AS c\nSET error = 'effect uncertain: ' || u.value, updated_at = now(),\n"
-    "    lease_until = least(c.lease_until, now())\nFROM" + _FENCED
-)
-_RELEASE: LiteralString = """
-DELETE FROM job_claims AS c
-USING unnest(%(keys)s::text[], %(tokens)s::uuid[]) AS u(idem_key, claim_token)
-WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key
-"""
-
 # How each kind of run settles its claim, fenced by its token (a deferral settled it already).
 _SETTLE_STATEMENTS: Final[dict[RunKind, LiteralString]] = {
-    RunKind.SUCCEEDED: _SETTLE_DONE,
-    RunKind.PERMANENT: _SETTLE_FAILED,
-    RunKind.UNCERTAIN: _MARK_UNCERTAIN,
-    RunKind.TRANSIENT: _RELEASE,
+    RunKind.SUCCEEDED: sql.SETTLE_DONE,
+    RunKind.PERMANENT: sql.SETTLE_FAILED,
+    RunKind.UNCERTAIN: sql.MARK_UNCERTAIN,
+    RunKind.TRANSIENT: sql.RELEASE_BATCH,
 }
-
-# Annotates a claim this delivery does not hold; it changes no state, so it is not fenced.
-_FLAG_STUCK: LiteralString = """
-UPDATE job_claims AS c
-SET error = u.reason, updated_at = now()
-FROM unnest(%(keys)s::text[], %(reasons)s::text[]) AS u(idem_key, reason)
-WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
-"""
 
 _ISOLATION_LEFT: LiteralString = """
 SELECT greatest(extract(epoch FROM single_until - now()), 0)::float8
@@ -299,7 +187,7 @@ class PostgresLedger(LedgerAdapter):
         try:
             with ledger_errors(url=self._connector.url), self._connector.connect_once() as fresh:
                 fresh.execute(
-                    _RELEASE,
+                    sql.RELEASE_BATCH,
                     {
                         "keys": array_literal(r.idem_key for r in requests),
                         "tokens": array_literal(r.claim_token for r in requests),
@@ -325,18 +213,18 @@ class PostgresLedger(LedgerAdapter):
         if begin:
             # BEGIN and the claim in one message: the second result set is the claim's.
             with psycopg.ClientCursor(conn, row_factory=dict_row) as client_cur:
-                client_cur.execute(_BEGIN_AND_CLAIM, params)
+                client_cur.execute(sql.BEGIN_AND_CLAIM, params)
                 client_cur.nextset()
                 claimed = client_cur.fetchall()
         else:
             with conn.cursor(row_factory=dict_row) as cur:
-                claimed = cur.execute(_CLAIM, params).fetchall()
+                claimed = cur.execute(sql.CLAIM, params).fetchall()
         rows = {row["idem_key"]: row for row in claimed}
         unseen = [k for k, row in rows.items() if row["won_token"] is None and not row["state"]]
         if unseen:
             reread = {"keys": array_literal(unseen), "visibility": self._visibility}
             with conn.cursor(row_factory=dict_row) as cur:
-                rows.update((row["idem_key"], row) for row in cur.execute(_REREAD, reread))
+                rows.update((row["idem_key"], row) for row in cur.execute(sql.REREAD, reread))
         by_key = {r.idem_key: r for r in requests}
         return [decide(by_key[key], row) for key, row in rows.items()]
 
@@ -429,7 +317,7 @@ class PostgresLedger(LedgerAdapter):
                 ),
             }
             if commit:
-                statement = _SETTLE_DONE_AND_COMMIT
+                statement = sql.SETTLE_DONE_AND_COMMIT
             with psycopg.ClientCursor(conn) if commit else conn.cursor() as cur:
                 matched = cur.execute(statement, params).fetchall()
             settled.update((row[0], SETTLE_STATUS[kind]) for row in matched)
@@ -443,7 +331,7 @@ class PostgresLedger(LedgerAdapter):
             return
         params = {"keys": array_literal(reasons), "reasons": array_literal(reasons.values())}
         with self._translated() as conn:
-            conn.execute(_FLAG_STUCK, params)
+            conn.execute(sql.FLAG_STUCK, params)
 
     def consume_isolation(self, queue: str) -> float:
         with self._translated() as conn:
@@ -459,5 +347,5 @@ class PostgresLedger(LedgerAdapter):
         return float(row[0]) if row else seconds
 
     def get(self, idem_key: str) -> ClaimRow | None:
-        with self._translated() as conn, conn.cursor(row_factory=class_row(ClaimRow)) as cur:
-            return cur.execute(CLAIM_BY_KEY, {"key": idem_key}).fetchone()
+        with self._translated() as conn:
+            return claim_of(conn, idem_key, visibility=self._visibility)

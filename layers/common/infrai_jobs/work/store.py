@@ -1,0 +1,364 @@
+"""The transitions of ``job_claims`` rows outside a delivery's batch: deferred work (a claim that
+waits), and every change a probe, an operator, a redrive or the prune function makes.
+
+A claim is deferred by the run that holds it (fenced by its token): its row keeps the payload,
+the attempts so far and the next run time, its message is acked, and from then on the ledger
+owns the work (``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's
+``take_due`` runs it, under a new token and lease on the same row. Who may change a run is one
+rule (``work.statements``): the run holding the token, or anyone else once its lease is over.
+The whole machine is ``work.states.WORK_TRANSITIONS``; each row names its function here (or in
+``work.ledger`` for a delivery's batch).
+
+The functions run in ``conn.transaction()`` on the caller's connection (inside the caller's
+transaction a savepoint, so a deferral can commit with the attempt it settles); ``WorkStore``
+makes the operators' changes on short connections of its own, each recorded in
+``claim_history`` in its transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final, LiteralString, NamedTuple
+
+import psycopg
+from psycopg.rows import class_row
+from psycopg.types.json import Jsonb
+
+from infrai_jobs.ledger.dead_letter_rows import (
+    LEDGER_HELD_DLQ,
+    RECORD_DEAD_LETTER,
+    RESOLVED_FAILED_DLQ,
+)
+from infrai_jobs.ledger.postgres import (
+    array_literal,
+    ledger_errors,
+    record_history,
+    storable_json,
+)
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.work import statements as sql
+from infrai_jobs.work.states import ClaimRow, new_token
+
+# Who a drain's own changes are recorded as in claim_history.
+DRAIN_ACTOR: Final = "drain"
+# The visibility timeout a lease-less row's implied lease is measured by, unless told otherwise.
+VISIBILITY: Final = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredWork:
+    idem_key: str
+    job: str
+    effect: str
+    payload: Mapping[str, Any]
+    message_id: str
+    fingerprint: str | None = None
+    queue: str | None = None
+
+
+class DeferOutcome(StrEnum):
+    DEFERRED = "deferred"  # the ledger owns the work now: ack the message
+    ALREADY_HELD = "already_held"  # a row held the key already (a dead letter taken back)
+    CLAIM_LOST = "claim_lost"  # the fenced deferral matched nothing: do not ack
+
+
+class DeferredStats(NamedTuple):
+    backlog: int  # deferred or running
+    oldest_age_seconds: float  # since the oldest of those was first deferred; 0 when none
+
+
+def _rows(conn: psycopg.Connection[Any]) -> psycopg.Cursor[ClaimRow]:
+    return conn.cursor(row_factory=class_row(ClaimRow))
+
+
+def claim_rows(
+    conn: psycopg.Connection[Any],
+    statement: LiteralString,
+    params: dict[str, Any],
+    *,
+    visibility: float = VISIBILITY,
+) -> list[ClaimRow]:
+    """Whole claims a statement of ``work.statements`` returns, their leases judged by it."""
+    with _rows(conn) as cur:
+        return cur.execute(statement, {**params, "visibility": visibility}).fetchall()
+
+
+def claim_of(
+    conn: psycopg.Connection[Any], key: str, *, lock: bool = False, visibility: float = VISIBILITY
+) -> ClaimRow | None:
+    statement = sql.CLAIM_BY_KEY_FOR_UPDATE if lock else sql.CLAIM_BY_KEY
+    found = claim_rows(conn, statement, {"key": key}, visibility=visibility)
+    return found[0] if found else None
+
+
+def hold_dead_letter(
+    conn: psycopg.Connection[Any], work: ClaimRow, *, queue: str, reason: str, by_human: bool
+) -> bool:
+    """Record an unresolved dead letter for failed ``work`` whose message was acked long ago, in
+    the caller's transaction. A redrive publishes its payload again and reopens its ``failed``
+    claim, unless a human failed it (``by_human``): then only ``--reopen-failed`` does. False
+    when a dead letter with this message id is recorded already."""
+    unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
+    values = dict.fromkeys(unknown) | {
+        "message_id": work.message_id,
+        "queue": queue,
+        "dlq": RESOLVED_FAILED_DLQ if by_human else LEDGER_HELD_DLQ,
+        "unreadable": False,
+        "payload": Jsonb(work.payload),
+        "job": work.job or "",
+        "idem_key": work.idem_key,
+        "state": "failed",
+        "claim_state": "failed",
+        "reason": reason,
+    }
+    return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
+
+
+# --- Deferred work: the run holding it, and the drains that take it -----------------------------
+
+
+def defer(
+    conn: psycopg.Connection[Any],
+    work: DeferredWork,
+    *,
+    attempts: int,
+    error: str,
+    delay_seconds: float,
+    claim_token: uuid.UUID | None = None,
+) -> DeferOutcome:
+    """Make ``work`` wait ``delay_seconds`` after ``attempts`` attempts, the last failing with
+    ``error``: the claim ``claim_token`` holds, or without it a new row for a key no row holds
+    (a dead letter taken back). Either way the ledger owns the work from here, and its message
+    may be acked."""
+    params = {name: getattr(work, name) for name in DeferredWork.__dataclass_fields__}
+    params |= {
+        "payload": Jsonb(dict(work.payload)),
+        "attempts": max(attempts, 0),
+        "error": error,
+        "delay": max(float(delay_seconds), 0.0),
+        "token": claim_token,
+    }
+    with ledger_errors("cannot defer a job"), conn.transaction():
+        if claim_token is None:
+            row = claim_rows(conn, sql.DEFER_NEW, params)
+            return DeferOutcome.DEFERRED if row else DeferOutcome.ALREADY_HELD
+        row = claim_rows(conn, sql.DEFER, params)
+    return DeferOutcome.DEFERRED if row else DeferOutcome.CLAIM_LOST
+
+
+def take_due(
+    conn: psycopg.Connection[Any],
+    limit: int,
+    *,
+    lease_seconds: float,
+    jobs: Sequence[str] | None = None,
+) -> list[ClaimRow]:
+    """Take up to ``limit`` due deferred jobs (of ``jobs``, when given), due first then oldest,
+    each under a new token and lease, its attempt counted. Two drains never take the same job:
+    a row another holds is skipped, a taken one runs under a live lease."""
+    params = {
+        "tokens": array_literal(new_token() for _ in range(max(limit, 0))),
+        "lease": float(lease_seconds),
+        "jobs": None if jobs is None else array_literal(jobs),
+    }
+    with ledger_errors("cannot take deferred jobs"), conn.transaction():
+        rows = claim_rows(conn, sql.TAKE_DUE, params)
+    return sorted(rows, key=lambda job: (job.run_after, job.deferred_at, job.idem_key))
+
+
+def _fenced(
+    conn: psycopg.Connection[Any], statement: LiteralString, doing: str, **params: Any
+) -> bool:
+    with ledger_errors(doing), conn.transaction():
+        return conn.execute(statement, params).rowcount == 1
+
+
+def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
+    """The taken run holding ``token`` is about to call its handler: from here an ``external``
+    run whose lease runs out is never taken again. False when the token no longer holds it."""
+    return _fenced(conn, sql.BEGIN_RUN, "cannot begin a deferred run", key=key, token=token)
+
+
+def flag_uncertain(conn: psycopg.Connection[Any], key: str, token: uuid.UUID, error: str) -> bool:
+    """The run holding ``token`` does not know whether its effect happened: flagged for a
+    human, its lease ended, never taken again."""
+    doing = "cannot flag a deferred run"
+    return _fenced(conn, sql.FLAG_UNCERTAIN, doing, key=key, token=token, error=error)
+
+
+def postpone(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    *,
+    error: str | None,
+    delay_seconds: float,
+    ran: bool = True,
+) -> bool:
+    """A taken job's attempt failed (``error``), or a limit held it back before it ran
+    (``ran=False``: not counted); it runs again in ``delay_seconds``."""
+    delay = max(float(delay_seconds), 0.0)
+    doing = "cannot postpone a deferred job"
+    return _fenced(
+        conn, sql.POSTPONE, doing, key=key, token=token, error=error, delay=delay, ran=ran
+    )
+
+
+def finish(
+    conn: psycopg.Connection[Any], key: str, token: uuid.UUID, result: Any
+) -> ClaimRow | None:
+    """The run holding ``token`` settles ``done``; None when the token no longer holds it."""
+    return settle_as_holder(conn, key, token, "done", result=result, action="deferred_done")
+
+
+def fail(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    error: str,
+    *,
+    queue: str | None = None,
+) -> ClaimRow | None:
+    """The run holding ``token`` fails for good (out of attempts, or a final error)."""
+    return settle_as_holder(
+        conn, key, token, "failed", error=error, action="deferred_failed", queue=queue
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Why:
+    """Who changes a row, recorded in ``claim_history`` with the change."""
+
+    action: str
+    actor: str = DRAIN_ACTOR
+    note: str = ""
+
+
+def settle_as_holder(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    state: str,
+    *,
+    result: Any = None,
+    error: str | None = None,
+    action: str,
+    queue: str | None = None,
+) -> ClaimRow | None:
+    """The run holding ``token`` settles its run ``done`` or ``failed``, whatever its lease;
+    recorded as ``action``. Failed work the ledger owns also gets a dead letter (its message was
+    acked long ago) under its queue (``queue`` when the work recorded none)."""
+    values = {"token": token, "state": state, "result": result, "error": error}
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why(action), queue=queue)
+
+
+def settle_as_other(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID | None,
+    state: str,
+    why: Why,
+    *,
+    result: Any = None,
+    error: str | None = None,
+    visibility: float = VISIBILITY,
+) -> ClaimRow | None:
+    """A probe or an operator settles the run ``token`` held when they read it (None on a row
+    the notes' worker wrote), only once its lease is over; None when nothing changed."""
+    values = {"token": token, "state": state, "result": storable_json(result), "error": error}
+    return _settle(conn, key, sql.SETTLE_AS_OTHER, values, why, visibility=visibility)
+
+
+def _settle(
+    conn: psycopg.Connection[Any],
+    key: str,
+    statement: LiteralString,
+    values: dict[str, Any],
+    why: Why,
+    *,
+    queue: str | None = None,
+    visibility: float = VISIBILITY,
+) -> ClaimRow | None:
+    state = values["state"]
+    params = {
+        **values,
+        "key": key,
+        "result": Jsonb(values["result"]) if state == "done" else None,
+        "error": values["error"] if state == "failed" else None,
+    }
+    with ledger_errors(f"cannot settle {key!r}"), conn.transaction():
+        before = claim_of(conn, key, lock=True, visibility=visibility)
+        after = claim_rows(conn, statement, params, visibility=visibility)
+        if before is None or not after:
+            return None
+        if state == "failed" and after[0].owned:
+            reason = f"deferred job failed after {after[0].attempts} attempt(s): {values['error']}"
+            hold_dead_letter(
+                conn,
+                after[0],
+                queue=after[0].queue or queue or "",
+                reason=reason,
+                by_human=why.actor != DRAIN_ACTOR,
+            )
+        record_change(conn, why, before, after[0])
+    return after[0]
+
+
+def release(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID | None,
+    why: Why,
+    *,
+    visibility: float = VISIBILITY,
+) -> ClaimRow | None:
+    """A run whose effect did not happen (a probe's ``not_done``, ``claims release``), or a
+    failed claim to run again: work the ledger owns waits again, due now; any other claim is
+    deleted, so the next delivery (or a redrive) runs it. Only the row ``token`` held when read,
+    a running one only once its lease is over. Returns the row as it was, or None."""
+    with ledger_errors(f"cannot release {key!r}"), conn.transaction():
+        before = claim_of(conn, key, lock=True, visibility=visibility)
+        if before is None:
+            return None
+        waits_again = before.owned and before.state == "running"
+        statement = sql.RELEASE_OWNED if waits_again else sql.RELEASE_CLAIM
+        params = {"key": key, "token": token}
+        after = claim_rows(conn, statement, params, visibility=visibility)
+        if not after:
+            return None
+        record_change(conn, why, before, after[0] if waits_again else None)
+    return before
+
+
+def release_for_take_back(conn: psycopg.Connection[Any], claim: ClaimRow) -> bool:
+    """A dead letter of a key-passing job is taken back: its own claim, if the takeover rule
+    allows it, is released in the caller's transaction so the work can be deferred."""
+    params = {"key": claim.idem_key, "token": claim.claim_token, "visibility": VISIBILITY}
+    return conn.execute(sql.RELEASE_FOR_TAKE_BACK, params).rowcount == 1
+
+
+def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
+    """The deferred backlog (waiting or running) and its oldest entry's age, in seconds."""
+    with ledger_errors("cannot read deferred jobs"):
+        row = conn.execute(sql.DEFERRED_STATS).fetchone()
+    if row is None:  # pragma: no cover - an aggregate always answers one row
+        return DeferredStats(0, 0.0)
+    return DeferredStats(int(row[0]), float(row[1]))
+
+
+def record_change(
+    conn: psycopg.Connection[Any], why: Why, before: ClaimRow, after: ClaimRow | None
+) -> None:
+    """A change to a unit of work in ``claim_history``: the row before and after (None: gone)."""
+    record_history(
+        conn,
+        before.idem_key,
+        why.action,
+        actor=why.actor,
+        before=before.as_dict(),
+        after=None if after is None else after.as_dict(),
+        note=why.note,
+    )

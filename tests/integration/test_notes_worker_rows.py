@@ -1,0 +1,207 @@
+"""Rows the field notes' Node worker writes, met by every operator verb, and a human's verdict met
+by a later redrive.
+
+The notes' worker claims with ``INSERT INTO job_claims (idem_key, state, message_id) VALUES (...,
+'running', ...) ON CONFLICT (idem_key) DO NOTHING``: a running row with no lease. Such a row is
+live until its claim time plus the queue's visibility timeout, for every reader (the drain's
+claim, the operator's commands, the probe, the stuck listing). Against a real PostgreSQL, the
+emulator over HTTP and ``infrai-jobs`` in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, VISIBILITY, Harness, run_cli
+
+from infrai_jobs.work import store
+from infrai_jobs.work.admin import WorkStore
+from infrai_jobs.work.states import ClaimRequest, ClaimStatus
+
+KEY = "invoice.finalize:inv_8812"
+NOTES_CLAIM = """
+INSERT INTO job_claims (idem_key, state, message_id) VALUES (%s, 'running', 'qmsg_node')
+ON CONFLICT (idem_key) DO NOTHING
+"""
+
+
+def _notes_worker_claims(kit: Harness, key: str = KEY, *, seconds_ago: float = 0.0) -> None:
+    """The notes' own claim statement, made ``seconds_ago`` (the claim time moved back stands
+    for the time that passed)."""
+    kit.sql(NOTES_CLAIM, (key,))
+    if seconds_ago:
+        kit.sql(
+            "UPDATE job_claims SET claimed_at = claimed_at - make_interval(secs => %s) "
+            "WHERE idem_key = %s",
+            (seconds_ago, key),
+        )
+
+
+def _row(kit: Harness, key: str = KEY) -> tuple[Any, ...]:
+    (row,) = kit.sql(
+        "SELECT state, message_id, claim_token, lease_until, error, result FROM job_claims "
+        "WHERE idem_key = %s",
+        (key,),
+    )
+    return row
+
+
+# --- Every operator verb on a row the notes' worker holds now --------------------------------
+
+VERBS = {
+    "release": ("claims", "release", KEY),
+    "resolve --done": ("claims", "resolve", KEY, "--done", "--result", '{"ref": "x"}'),
+    "resolve --failed": ("claims", "resolve", KEY, "--failed", "--error", "bad"),
+}
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_verb_on_a_row_the_notes_worker_just_claimed_changes_nothing_and_says_until_when(
+    kit: Harness, verb: str
+) -> None:
+    # Given the notes' worker claimed the invoice a moment ago (no lease: live until its claim
+    # time plus the visibility timeout)
+    _notes_worker_claims(kit)
+    before = _row(kit)
+    (claimed_at,) = kit.sql("SELECT claimed_at FROM job_claims WHERE idem_key = %s", (KEY,))[0]
+    # When an operator releases or resolves it
+    finished = run_cli(kit, *VERBS[verb])
+    # Then it is refused with exit 3, naming the live lease and when it ends
+    assert finished.returncode == 3, finished.stdout + finished.stderr
+    said = finished.stderr + finished.stdout
+    assert "live lease" in said
+    implied_end = claimed_at + timedelta(seconds=VISIBILITY)
+    assert implied_end.isoformat(timespec="seconds")[:19] in said, said
+    assert "changed while it was being updated" not in said
+    assert "Traceback" not in said
+    # And the row is as the worker left it, with nothing recorded
+    assert _row(kit) == before
+    assert kit.history(KEY) == []
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_verb_on_a_notes_worker_row_past_its_implied_lease_goes_ahead_and_is_recorded(
+    kit: Harness, verb: str
+) -> None:
+    # Given the notes' worker claimed the invoice longer ago than the visibility timeout
+    _notes_worker_claims(kit, seconds_ago=VISIBILITY + 5)
+    # When an operator releases or resolves it
+    finished = run_cli(kit, *VERBS[verb])
+    # Then it goes ahead and is recorded with the operator as actor
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    action = {"release": "release", "resolve --done": "resolve_done"}.get(verb, "resolve_failed")
+    assert [row[:2] for row in kit.history(KEY)] == [(action, OPERATOR)]
+    states = kit.sql("SELECT state FROM job_claims WHERE idem_key = %s", (KEY,))
+    expected = {"release": [], "resolve --done": [("done",)], "resolve --failed": [("failed",)]}
+    assert states == expected[verb]
+
+
+def test_stuck_lists_no_notes_worker_row_under_its_implied_lease(kit: Harness) -> None:
+    # Given one row the notes' worker claimed a moment ago and one claimed long ago
+    _notes_worker_claims(kit, "invoice.finalize:live", seconds_ago=5)
+    _notes_worker_claims(kit, "invoice.finalize:old", seconds_ago=VISIBILITY + 5)
+    kit.sql("UPDATE job_claims SET updated_at = claimed_at")
+    # When an operator lists what is stuck for longer than a second
+    finished = run_cli(kit, "claims", "stuck", "--older-than", "1", "--json")
+    # Then only the one past its implied lease is listed
+    assert finished.returncode == 0, finished.stderr
+    assert [row["idem_key"] for row in json.loads(finished.stdout)] == ["invoice.finalize:old"]
+
+
+@pytest.mark.parametrize("verb", ["run-now", "cancel"])
+def test_run_now_and_cancel_refuse_a_notes_worker_row(kit: Harness, verb: str) -> None:
+    # Given the notes' worker holds the invoice
+    _notes_worker_claims(kit)
+    before = _row(kit)
+    # When an operator tries to steer it as deferred work
+    finished = run_cli(kit, "claims", verb, KEY)
+    # Then it is refused (it is no deferred job) and nothing changed
+    assert finished.returncode == 3, finished.stdout + finished.stderr
+    assert "no deferred job" in finished.stderr + finished.stdout
+    assert _row(kit) == before
+
+
+def test_the_drain_and_the_store_read_a_notes_worker_row_as_live(kit: Harness) -> None:
+    # Given the notes' worker holds the invoice
+    _notes_worker_claims(kit)
+    admin = WorkStore(kit.database_url, visibility_timeout=VISIBILITY)
+    row = admin.find(KEY)
+    assert row is not None
+    # When a drain's delivery of another copy claims it, and a probe says "not done"
+    request = ClaimRequest(KEY, "qmsg_copy", "invoice.finalize", "database", "fp")  # type: ignore[arg-type]
+    (decision,) = kit.ledger.claim([request])
+    probed = admin.apply_probe_answer(row, "not_done", actor="watcher", note="probe: not done")
+    # Then the copy meets a live claim, and the probe changes nothing
+    assert decision.status is ClaimStatus.LIVE
+    assert probed.value == "lease_live"
+    assert _row(kit)[0] == "running"
+
+
+# --- A human's "must not run" stands against a plain redrive --------------------------------------
+
+
+def _deferred_run_left_for_a_human(kit: Harness, name: str) -> str:
+    """Deferred work for ``test.db`` taken by a drain whose outcome is unknown: flagged, its
+    lease ended. Its key."""
+    payload = {"job": "test.db", "id": name}
+    key = kit.registry.derive(payload).idem_key
+    work = store.DeferredWork(key, "test.db", "database", payload, f"qmsg-{name}", queue=QUEUE)
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        assert store.defer(conn, work, attempts=1, error="503", delay_seconds=0) is not None
+        (taken,) = store.take_due(conn, 1, lease_seconds=60)
+        token = taken.claim_token or uuid.uuid4()
+        assert store.flag_uncertain(conn, key, token, "timed out")
+    return key
+
+
+def test_a_plain_redrive_never_reopens_work_a_human_resolved_failed(kit: Harness) -> None:
+    # Given a deferred run left for a human, resolved failed by an operator
+    key = _deferred_run_left_for_a_human(kit, "must-not-run")
+    resolved = run_cli(kit, "claims", "resolve", key, "--failed", "--error", "customer refunded")
+    assert resolved.returncode == 0, resolved.stdout + resolved.stderr
+    # When a plain redrive runs (no --reopen-failed)
+    plain = run_cli(kit, "redrive", "--jobs-path", str(TEST_JOBS_CODE), "--json")
+    # Then nothing is published for it, its claim stays failed, and the letter says why
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    summary = json.loads(plain.stdout)
+    assert summary["published"] == 0
+    assert summary["reopened"] == []
+    (held,) = [entry for entry in summary["held_back"] if entry["idem_key"] == key]
+    assert held["cause"] == "resolved_failed"
+    assert "--reopen-failed" in held["why"]
+    assert kit.sql("SELECT state FROM job_claims WHERE idem_key = %s", (key,)) == [("failed",)]
+    assert "reopen" not in [row[0] for row in kit.history(key)]
+    # When the operator asks for it explicitly
+    explicit = run_cli(
+        kit, "redrive", "--reopen-failed", "--jobs-path", str(TEST_JOBS_CODE), "--json"
+    )
+    # Then it is reopened and published, and the history names the flag given
+    assert explicit.returncode == 0, explicit.stdout + explicit.stderr
+    assert json.loads(explicit.stdout)["published"] == 1
+    reopen = [row for row in kit.history(key) if row[0] == "reopen"]
+    assert [row[2] for row in reopen] == ["redrive --reopen-failed"]
+
+
+def test_a_plain_redrive_of_work_out_of_attempts_reopens_it_and_says_no_flag(
+    kit: Harness,
+) -> None:
+    # Given deferred work a drain failed for good (out of attempts), held by the ledger
+    payload = {"job": "test.db", "id": "out-of-attempts"}
+    key = kit.registry.derive(payload).idem_key
+    work = store.DeferredWork(key, "test.db", "database", payload, "qmsg-ooa", queue=QUEUE)
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        store.defer(conn, work, attempts=1, error="503", delay_seconds=0)
+        (taken,) = store.take_due(conn, 1, lease_seconds=60)
+        assert store.fail(conn, key, taken.claim_token or uuid.uuid4(), "gave up") is not None
+    # When a plain redrive runs
+    plain = run_cli(kit, "redrive", "--jobs-path", str(TEST_JOBS_CODE), "--json")
+    # Then it is reopened and published, and the history does not claim a flag that was not given
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert json.loads(plain.stdout)["reopened"] == [key]
+    (reopen,) = [row for row in kit.history(key) if row[0] == "reopen"]
+    assert "--reopen-failed" not in (reopen[2] or "")

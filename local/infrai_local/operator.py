@@ -10,11 +10,14 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Final
+from typing import Any, Final, LiteralString
+
+from psycopg.rows import dict_row
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.operations.reconcile import ProbeOutcome, Reconciler, ReconcileReport
 from infrai_jobs.work.admin import ALLOWED, ReconcileWrite, Refusal, WorkStore, refusal
+from infrai_jobs.work.statements import CLAIMS
 from infrai_jobs.work.states import ClaimRow
 from infrai_jobs.work.store import Why
 
@@ -22,6 +25,38 @@ from infrai_jobs.work.store import Why
 def default_actor() -> str:
     """Who is acting: OPERATOR if set, else the login name (recorded, never trusted)."""
     return os.environ.get("OPERATOR") or getpass.getuser()
+
+
+# ``claims list``: newest first, filtered by state, job and age when given.
+_LIST_CLAIMS: LiteralString = (
+    CLAIMS
+    + """
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR claimed_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY claimed_at DESC
+LIMIT %(limit)s
+"""
+)
+
+# ``claims list --state deferred``: the work the ledger owns, waiting or running, next due first.
+_LIST_DEFERRED: LiteralString = (
+    CLAIMS
+    + """
+WHERE run_after IS NOT NULL AND state IN ('deferred', 'running')
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR deferred_at < now() - make_interval(secs => %(older_than)s))
+ORDER BY run_after, deferred_at, idem_key
+LIMIT %(limit)s
+"""
+)
+
+_HISTORY_OF: LiteralString = """
+SELECT id, idem_key, action, actor, at, before, after, note
+FROM claim_history WHERE idem_key = %(key)s ORDER BY id
+"""
 
 
 # The command an operator types for each change recorded in claim_history: what error texts name.
@@ -75,6 +110,32 @@ class OperatorLedger(WorkStore):
         if found is None:
             raise ClaimNotFound(f"no claim with key {key!r}")
         return found
+
+    def list_claims(
+        self,
+        *,
+        state: str | None = None,
+        job: str | None = None,
+        older_than_seconds: float | None = None,
+        limit: int = 100,
+    ) -> list[ClaimRow]:
+        params = {"state": state, "job": job, "older_than": older_than_seconds, "limit": limit}
+        return self._read(_LIST_CLAIMS, params)
+
+    def list_deferred(
+        self, *, job: str | None = None, older_than_seconds: float | None = None, limit: int = 100
+    ) -> list[ClaimRow]:
+        """Deferred work the ledger holds (waiting or running), the next due first."""
+        params = {"job": job, "older_than": older_than_seconds, "limit": limit}
+        return self._read(_LIST_DEFERRED, params)
+
+    def history(self, key: str) -> list[dict[str, Any]]:
+        """Every change recorded for this key, oldest first (kept after a release)."""
+        with (
+            self._connector.session("cannot read the claim history") as conn,
+            conn.cursor(row_factory=dict_row) as cur,
+        ):
+            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
 
     def change_refused(self, key: str, action: str, *, token: uuid.UUID | None) -> str:
         """Why ``action`` would be refused for ``key`` as it stands now, or "" (the change is

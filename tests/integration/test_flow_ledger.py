@@ -14,15 +14,14 @@ from typing import Any
 import psycopg
 import pytest
 from drainkit import migrate_by_hand
-from psycopg.rows import dict_row
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.flow import limits
 from infrai_jobs.flow.policies import RateLimit
 from infrai_jobs.jobs.registry import Effect
-from infrai_jobs.ledger.postgres import CLAIM_BY_KEY, STUCK_CLAIM
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.statements import STUCK_CLAIM
 from infrai_jobs.work.states import ClaimRequest, ClaimRow, ClaimStatus
 from infrai_jobs.work.store import DeferOutcome, DeferredWork
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
@@ -239,10 +238,9 @@ def test_the_one_state_machine_migration_moves_deferred_work_and_catches_old_dra
 
 
 def _row(conn: psycopg.Connection[Any], key: str) -> ClaimRow:
-    with conn.cursor(row_factory=dict_row) as cur:
-        found = cur.execute(CLAIM_BY_KEY, {"key": key}).fetchone()
+    found = flow.claim_of(conn, key)
     assert found is not None, f"no row for {key}"
-    return ClaimRow(**found)
+    return found
 
 
 def test_deferring_turns_the_claim_into_work_the_ledger_owns(
@@ -375,7 +373,8 @@ def test_an_expired_lease_is_taken_over_except_for_an_external_job(
     # And the external run is stuck for a human, by the one stuck rule
     assert _row(conn, "ext").state == "running"
     stuck = conn.execute(
-        "SELECT idem_key FROM job_claims WHERE " + STUCK_CLAIM, {"threshold": 900}
+        "SELECT idem_key FROM job_claims WHERE " + STUCK_CLAIM,
+        {"threshold": 900, "visibility": 300},
     ).fetchall()
     assert stuck == [("ext",)]
 

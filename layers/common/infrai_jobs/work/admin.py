@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, LiteralString
 
-from psycopg.rows import dict_row
-
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.ledger.postgres import LedgerAdapter, LedgerConnector
 from infrai_jobs.outbox.status import prune_settled
@@ -124,32 +122,6 @@ class WorkStore(LedgerAdapter):
         """Stuck claims (``STUCK_CLAIM``), oldest first; only those of ``jobs`` when given."""
         params = {"jobs": None if jobs is None else list(jobs), "threshold": threshold_seconds}
         return self._read(sql.STUCK_CLAIMS, {**params, "limit": limit})
-
-    def list_claims(
-        self,
-        *,
-        state: str | None = None,
-        job: str | None = None,
-        older_than_seconds: float | None = None,
-        limit: int = 100,
-    ) -> list[ClaimRow]:
-        params = {"state": state, "job": job, "older_than": older_than_seconds, "limit": limit}
-        return self._read(sql.LIST_CLAIMS, params)
-
-    def list_deferred(
-        self, *, job: str | None = None, older_than_seconds: float | None = None, limit: int = 100
-    ) -> list[ClaimRow]:
-        """Deferred work the ledger holds (waiting or running), the next due first."""
-        params = {"job": job, "older_than": older_than_seconds, "limit": limit}
-        return self._read(sql.LIST_DEFERRED, params)
-
-    def history(self, key: str) -> list[dict[str, Any]]:
-        """Every change recorded for this key, oldest first (kept after a release)."""
-        with (
-            self._connector.session("cannot read the claim history") as conn,
-            conn.cursor(row_factory=dict_row) as cur,
-        ):
-            return list(cur.execute(_HISTORY_OF, {"key": key}).fetchall())
 
     # --- Changes --------------------------------------------------------------------------
 
@@ -285,9 +257,3 @@ class WorkStore(LedgerAdapter):
                     break
             outbox = prune_settled(conn, older_than_days=older_than_days, batch_size=batch_size)
         return PruneResult(deleted, batches, outbox)
-
-
-_HISTORY_OF: LiteralString = """
-SELECT id, idem_key, action, actor, at, before, after, note
-FROM claim_history WHERE idem_key = %(key)s ORDER BY id
-"""

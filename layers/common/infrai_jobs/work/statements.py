@@ -3,8 +3,8 @@
 No other module holds an ``INSERT``, ``UPDATE`` or ``DELETE`` on the table (a unit test reads the
 tree for one). The rules several statements share are fragments defined once here:
 
-**One clock.** Every lease is set and judged on the database's transaction clock, ``now()``:
-one instant for a whole statement and its transaction, so a lease set and a lease judged in one
+**One clock.** Every lease is set and judged on the database's transaction clock,
+``now()``: one instant for a whole statement and its transaction, so a lease set and a lease judged in one
 transaction agree exactly and every row of a batch gets the same end. Leases are only set in
 short transactions (a delivery's claim, ``take due``), so the end is where it was asked for; a
 longer transaction that judges one sees the lease live a little longer, never over early. Schedules
@@ -83,35 +83,9 @@ CLAIM_COLUMNS: LiteralString = (
 )
 
 _RETURNING: LiteralString = "\nRETURNING " + CLAIM_COLUMNS
-_CLAIMS: LiteralString = "SELECT " + CLAIM_COLUMNS + "\nFROM job_claims"
-CLAIM_BY_KEY: LiteralString = _CLAIMS + " WHERE idem_key = %(key)s"
+CLAIMS: LiteralString = "SELECT " + CLAIM_COLUMNS + "\nFROM job_claims"
+CLAIM_BY_KEY: LiteralString = CLAIMS + " WHERE idem_key = %(key)s"
 CLAIM_BY_KEY_FOR_UPDATE: LiteralString = CLAIM_BY_KEY + " FOR UPDATE"
-
-# ``claims list``: newest first, filtered by state, job and age when given.
-LIST_CLAIMS: LiteralString = (
-    _CLAIMS
-    + """
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-  AND (%(job)s::text IS NULL OR job = %(job)s)
-  AND (%(older_than)s::float8 IS NULL
-       OR claimed_at < now() - make_interval(secs => %(older_than)s))
-ORDER BY claimed_at DESC
-LIMIT %(limit)s
-"""
-)
-
-# ``claims list --state deferred``: the work the ledger owns, waiting or running, next due first.
-LIST_DEFERRED: LiteralString = (
-    _CLAIMS
-    + """
-WHERE run_after IS NOT NULL AND state IN ('deferred', 'running')
-  AND (%(job)s::text IS NULL OR job = %(job)s)
-  AND (%(older_than)s::float8 IS NULL
-       OR deferred_at < now() - make_interval(secs => %(older_than)s))
-ORDER BY run_after, deferred_at, idem_key
-LIMIT %(limit)s
-"""
-)
 
 # A stuck claim: running, its lease over, and flagged for a human (an outcome nobody knows), or
 # untouched for ``%(threshold)s`` seconds since its latest claim, or (work the ledger owns) an
@@ -130,7 +104,7 @@ STUCK_CLAIM: LiteralString = (
 # Stuck claims, oldest first: every job's (``claims stuck``), or only those of ``jobs`` (the
 # reconcile pass's candidates: the jobs that declare a probe) when it is not NULL.
 STUCK_CLAIMS: LiteralString = (
-    _CLAIMS
+    CLAIMS
     + "\nWHERE (%(jobs)s::text[] IS NULL OR job = ANY(%(jobs)s::text[])) AND "
     + STUCK_CLAIM
     + "\nORDER BY coalesce(updated_at, claimed_at)\nLIMIT %(limit)s\n"
@@ -176,8 +150,8 @@ WITH input AS (
 claimed AS (
     INSERT INTO job_claims AS c (idem_key, state, message_id, job, effect, claim_token,
                                  lease_until, payload_sha256, attempts, updated_at)
-    SELECT idem_key, 'running', message_id, job, effect, claim_token,
-           lease_until, fingerprint, 1, now()
+    SELECT idem_key, 'running', message_id, job, effect, claim_token, lease_until,
+           fingerprint, 1, now()
     FROM input
     ORDER BY idem_key
     ON CONFLICT (idem_key) DO UPDATE

@@ -108,6 +108,10 @@ INVARIANTS: Final = (
 
 # The verbs an explicit reopen of a human's failed verdict is made with.
 EXPLICIT_REOPENS: Final = ("claims release", "redrive --reopen-failed")
+# Every other verb names a transition of ``ledger.claims.WORK_TRANSITIONS``, except these steps
+# of the queue, the clock and the effects, which change no row; ``prune`` is not modelled.
+MODEL_ONLY_STEPS: Final = ("receive", "run", "ack", "kill", "tick", "probe", "dlq", "redrive")
+NOT_MODELLED: Final = ("prune",)
 
 
 # --- State ---------------------------------------------------------------------------------------
@@ -488,8 +492,8 @@ class Protocol:
         text = f"lane claims (delivery {actor.deliveries}): {decision}"
         if decision == "won":
             # claim_ledger._CLAIM: claim, claim (new work), claim (takeover)
-            fresh = rest.row is None or rest.row.state == CANCELLED
-            verb = "claim" if fresh else "claim (takeover)"
+            verbs = {None: "claim", CANCELLED: "claim (new work)"}
+            verb = verbs.get(None if rest.row is None else rest.row.state, "claim (takeover)")
             yield Act(verb, False, text), _hand_over(rest, actor, claimed_row(), CLAIMED)
         elif decision in ACKED_DECISIONS:
             yield Act("claim", False, text), _attach(rest, _acking(actor))

@@ -10,6 +10,7 @@ from work_protocol import (
     EXTERNAL_ONCE,
     HUMAN_VERDICT_STANDS,
     IDEMPOTENT,
+    IDEMPOTENT_RETRY,
     INVARIANTS,
     MAX_DELIVERIES,
     MODEL_ONLY_STEPS,
@@ -27,8 +28,8 @@ from work_protocol import (
     main,
 )
 
-from infrai_jobs.ledger.claims import WORK_TRANSITIONS
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_jobs.work.states import WORK_TRANSITIONS
 
 # The default bounds: two keys (an irreversible job, and one with a retry policy), three
 # actors alive at once, 14 steps, one death. About 4 s on two cores.
@@ -51,6 +52,14 @@ def other_classes_run() -> Report:
     return _shown(explore(Protocol(Bounds(kinds=(DATABASE, IDEMPOTENT), steps=16))))
 
 
+@pytest.fixture(scope="module")
+def retried_key_passing_run() -> Report:
+    """A key-passing job with a retry policy, published twice (a producer's retry), deep
+    enough that a dead letter is taken back from its own claim."""
+    bounds = Bounds(kinds=(IDEMPOTENT_RETRY,), copies=2, steps=20)
+    return _shown(explore(Protocol(bounds)))
+
+
 @pytest.mark.slow
 def test_the_correct_rules_hold_every_invariant_at_the_default_bounds(default_run: Report) -> None:
     # Given the correct rules, explored over every interleaving up to the default bounds
@@ -63,10 +72,11 @@ def test_the_correct_rules_hold_every_invariant_at_the_default_bounds(default_ru
 
 @pytest.mark.slow
 def test_the_exploration_reaches_every_transition_it_models(
-    default_run: Report, other_classes_run: Report
+    default_run: Report, other_classes_run: Report, retried_key_passing_run: Report
 ) -> None:
-    # Given the default run and the other effect classes' run
-    reached = set(default_run.verbs) | set(other_classes_run.verbs)
+    # Given the default run and the runs of the other kinds of job
+    runs = (default_run, other_classes_run, retried_key_passing_run)
+    reached = {verb for run in runs for verb in run.verbs}
     # Then every transition of the production table but prune was made somewhere
     production = {name for t in WORK_TRANSITIONS for name in t.action.split(", ")}
     assert production - reached == set(NOT_MODELLED)
@@ -81,6 +91,18 @@ def test_the_other_effect_classes_hold_every_invariant(other_classes_run: Report
     assert report.ok, "\n".join([report.summary(), *report.trace])
     assert report.depth == 16
     assert report.states > 10_000
+
+
+@pytest.mark.slow
+def test_a_retried_key_passing_job_published_twice_holds_every_invariant(
+    retried_key_passing_run: Report,
+) -> None:
+    # Given a key-passing job with a retry policy, two messages of it, 20 steps
+    # Then nothing is violated, and its dead letter was taken back from its own expired claim
+    report = retried_key_passing_run
+    assert report.ok, "\n".join([report.summary(), *report.trace])
+    assert report.states > 20_000
+    assert report.verbs["take back a dead letter (takeover)"] > 0
 
 
 @pytest.mark.slow
@@ -100,6 +122,7 @@ def test_a_producer_retry_holds_every_invariant() -> None:
         ("c", NO_VERB_UNDER_LIVE_LEASE, 3),  # the operator reads a NULL lease as over
         ("d", HUMAN_VERDICT_STANDS, 9),  # a plain redrive reopens a human's verdict
         ("e", EXTERNAL_ONCE, 10),  # a probe's answer from under a live lease
+        ("f", HUMAN_VERDICT_STANDS, 14),  # a plain redrive judges the letter, not the claim
     ],
 )
 def test_each_broken_variant_is_caught_with_a_counterexample(
@@ -125,18 +148,27 @@ def test_the_counterexamples_tell_the_story_of_each_bug() -> None:
     assert "deferred" not in traces["b"]
     assert f"delivery {MAX_DELIVERIES}" in traces["b"]
     assert "killed" in traces["b"].splitlines()[-1]
-    # (c): the notes' worker's claim (NULL lease) released by an operator while it runs
+    # (c): an operator changes the notes' worker's claim (NULL lease) while the worker runs
     assert "inserts its claim (NULL lease)" in traces["c"]
-    assert "operator releases the claim" in traces["c"].splitlines()[-1]
+    assert "operator" in traces["c"].splitlines()[-1]
+    assert "node:claimed" in traces["c"].splitlines()[-1]
 
 
 @pytest.mark.parametrize("variant", ["a", "c"])
-def test_work_released_under_a_live_lease_runs_twice(variant: str) -> None:
-    # Given a variant that releases work under a live lease, with that rule itself unchecked
-    checked = [name for name in INVARIANTS if name != NO_VERB_UNDER_LIVE_LEASE]
-    report = _shown(explore(VARIANTS[variant](DEFAULT), checked))
+def test_work_changed_under_a_live_lease_runs_twice(variant: str) -> None:
+    # Given a variant that changes work under a live lease, checked only for the harm
+    report = _shown(explore(VARIANTS[variant](DEFAULT), [ONE_LIVE_HOLDER, EXTERNAL_ONCE]))
     # Then the harm follows: two runs hold the work at once, or its effect happens twice
     assert report.violation in (ONE_LIVE_HOLDER, EXTERNAL_ONCE), report.summary()
+
+
+def test_the_notes_workers_settle_overwrites_a_verdict_given_under_its_lease() -> None:
+    # Given (c), with the live-lease rule itself unchecked
+    checked = [name for name in INVARIANTS if name != NO_VERB_UNDER_LIVE_LEASE]
+    report = _shown(explore(VARIANTS["c"](DEFAULT), checked))
+    # Then the worker's own settle, by key alone, overwrites the human's verdict
+    assert report.violation == HUMAN_VERDICT_STANDS
+    assert "marks done (by key alone)" in report.trace[-1]
 
 
 def test_the_notes_worker_acks_copies_of_failed_work() -> None:

@@ -35,7 +35,7 @@ from typing import Any, Final, NamedTuple, TypeVar
 
 # --- Vocabulary ---------------------------------------------------------------------------------
 
-# Row states (ledger.claims.WORK_STATES); a key without a row has ``row = None``.
+# Row states (work.states.WORK_STATES); a key without a row has ``row = None``.
 RUNNING: Final = "running"
 DEFERRED: Final = "deferred"
 DONE: Final = "done"
@@ -49,14 +49,18 @@ NULL_LIVE: Final = "null_live"  # NULL lease_until, before claimed_at + visibili
 NULL_OVER: Final = "null_over"  # NULL lease_until, after it
 NO_LEASE: Final = "-"
 
-# The kinds of job a key can belong to: the three effect classes, and an irreversible job with
-# a retry policy of more attempts than the queue has deliveries (flow control defers it).
+# The kinds of job a key can belong to: the three effect classes, and an irreversible and a
+# key-passing job with a retry policy of more attempts than the queue has deliveries (flow
+# control defers them).
 DATABASE: Final = "database"
 EXTERNAL: Final = "external"
 IDEMPOTENT: Final = "external_idempotent"
-RETRY: Final = "retry"
-KINDS: Final = (DATABASE, EXTERNAL, IDEMPOTENT, RETRY)
-IRREVERSIBLE: Final = (EXTERNAL, RETRY)  # its effect must happen at most once
+RETRY: Final = "retry"  # external, with a retry policy
+IDEMPOTENT_RETRY: Final = "idempotent_retry"  # external_idempotent, with a retry policy
+KINDS: Final = (DATABASE, EXTERNAL, IDEMPOTENT, RETRY, IDEMPOTENT_RETRY)
+IRREVERSIBLE: Final = (EXTERNAL, RETRY)  # effect class external: at most once
+KEY_PASSING: Final = (IDEMPOTENT, IDEMPOTENT_RETRY)  # effect class external_idempotent
+RETRIED: Final = (RETRY, IDEMPOTENT_RETRY)  # a retry policy: deferred, taken back
 PROBED: Final = (EXTERNAL, RETRY)  # declares a reconcile probe
 NODE_JOBS: Final = (EXTERNAL,)  # what the notes' worker knows how to run
 
@@ -108,9 +112,10 @@ INVARIANTS: Final = (
 
 # The verbs an explicit reopen of a human's failed verdict is made with.
 EXPLICIT_REOPENS: Final = ("claims release", "redrive --reopen-failed")
-# Every other verb names a transition of ``ledger.claims.WORK_TRANSITIONS``, except these steps
+# Every other verb names a transition of ``work.states.WORK_TRANSITIONS``, except these steps
 # of the queue, the clock and the effects, which change no row; ``prune`` is not modelled.
 MODEL_ONLY_STEPS: Final = ("receive", "run", "ack", "kill", "tick", "probe", "dlq", "redrive")
+FLAG_UNCERTAIN_DEFERRED: Final = "flag uncertain (deferred run)"
 NOT_MODELLED: Final = ("prune",)
 
 
@@ -120,10 +125,9 @@ NOT_MODELLED: Final = ("prune",)
 
 
 class Row(NamedTuple):
-    """A ``job_claims`` row (ledger.claims.ClaimRow), reduced to what decides its future."""
+    """A ``job_claims`` row (work.states.ClaimRow), reduced to what decides its future."""
 
     state: str
-    tokened: bool  # claim_token set (the notes' worker and a waiting deferral leave it NULL)
     lease: str
     flagged: bool  # error set on a running row: flagged for a human
     owned: bool  # run_after set: the ledger owns the work
@@ -131,7 +135,7 @@ class Row(NamedTuple):
     began: bool  # began_at set: an external deferred run called its handler
     due: bool  # a deferred row whose run_after has passed
     human: bool  # a failed row a human resolved as failed
-    node: bool  # written by the notes' worker: no effect class, no fingerprint
+    node: bool  # written by the notes' worker: no token, effect class or fingerprint
 
 
 class Copy(NamedTuple):
@@ -151,10 +155,16 @@ class Actor(NamedTuple):
     note: str  # a pending outcome, a probe's answer
 
 
+# Where an unresolved dead letter came from (``dead_letters.dlq``).
+FROM_DLQ: Final = "dlq"  # moved out of Infrai's DLQ
+LEDGER_HELD: Final = "ledger"  # LEDGER_HELD_DLQ: deferred work a drain failed (out of attempts)
+RESOLVED_FAILED: Final = "resolved"  # RESOLVED_FAILED_DLQ: deferred work a human resolved failed
+
+
 class Letter(NamedTuple):
     """An unresolved row of the ledger's ``dead_letters``."""
 
-    ledger: bool  # held by the ledger itself (failed deferred work), never in Infrai's DLQ
+    source: str
 
 
 class Key(NamedTuple):
@@ -224,38 +234,39 @@ class Bounds:
 
 
 def lease_live(row: Row | None) -> bool:
-    """The one lease rule, for every reader (``_CLAIM``'s ``lease_expired``: ``coalesce(
-    lease_until, claimed_at + visibility) < now()``): a NULL lease is live until claim time
+    """The one lease rule, for every reader (``work.statements.lease_end``: ``coalesce(
+    lease_until, claimed_at + visibility, 'infinity')``): a NULL lease is live until claim time
     plus the visibility timeout."""
     return row is not None and row.state == RUNNING and row.lease in (LIVE, NULL_LIVE)
 
 
 def running_row(*, owned: bool = False, attempts: int = 0, node: bool = False) -> Row:
     lease = NULL_LIVE if node else LIVE
-    return Row(RUNNING, not node, lease, False, owned, attempts, False, False, False, node)
+    return Row(RUNNING, lease, False, owned, attempts, False, False, False, node)
 
 
 def waiting_row(attempts: int, *, due: bool) -> Row:
-    """A deferred row: no token, no lease (``_DEFER``, ``_POSTPONE``, ``_RELEASE_OWNED``)."""
-    return Row(DEFERRED, False, NO_LEASE, False, True, attempts, False, due, False, False)
+    """A deferred row: no token, no lease (``statements.DEFER``, ``POSTPONE``,
+    ``RELEASE_OWNED``)."""
+    return Row(DEFERRED, NO_LEASE, False, True, attempts, False, due, False, False)
 
 
 def settled_row(state: str, *, human: bool = False) -> Row:
     """done, failed or cancelled: nothing about its last run decides anything any more."""
-    return Row(state, False, NO_LEASE, False, False, 0, False, False, human, False)
+    return Row(state, NO_LEASE, False, False, 0, False, False, human, False)
 
 
 def takes_over(row: Row, kind: str, mine: bool) -> bool:
-    """``_CLAIM``'s ON CONFLICT ... WHERE: cancelled work is free; a running claim is taken
-    over only by a key-passing job, for the same work, never flagged, never ledger-owned, and
-    only once its lease is over (``lease_until < now()``: a NULL lease never is) or by its own
-    message (whose earlier delivery is certainly gone)."""
+    """``statements.CLAIM``'s ON CONFLICT ... WHERE: cancelled work is free; a running claim is
+    taken over only by a key-passing job, for the same work (a row of the notes' worker has no
+    effect class), never flagged, never ledger-owned, and only by ``TAKEOVER`` (its lease over)
+    or by its own message (whose earlier delivery is certainly gone)."""
     if row.state == CANCELLED:
         return True
     return (
         row.state == RUNNING
         and not row.owned
-        and kind == IDEMPOTENT
+        and kind in KEY_PASSING
         and not row.node
         and not row.flagged
         and (row.lease == OVER or mine)
@@ -263,7 +274,7 @@ def takes_over(row: Row, kind: str, mine: bool) -> bool:
 
 
 def claim_decision(row: Row | None, kind: str, mine: bool) -> str:
-    """``ledger.claims.decide`` after the claim statement: won, or why not."""
+    """``work.states.decide`` after the claim statement: won, or why not."""
     if row is None or takes_over(row, kind, mine):
         return "won"
     if row.state == DONE:
@@ -277,32 +288,32 @@ def claim_decision(row: Row | None, kind: str, mine: bool) -> str:
     return "live"
 
 
-ACKED_DECISIONS: Final = ("done", "deferred", "live")  # ledger.outcomes: acked outcomes
+ACKED_DECISIONS: Final = ("done", "deferred", "live")  # work.outcomes: acked outcomes
 
 
 def claimed_row() -> Row:
-    """The row a won claim leaves (``_CLAIM``): running, a new token and a live lease, the
+    """The row a won claim leaves (``statements.CLAIM``): running, a new token and a live lease, the
     attempts of a delivery's claim no longer deciding anything."""
     return running_row()
 
 
 def flag_stuck(row: Row | None) -> Row | None:
-    """``_FLAG_STUCK``: annotate a running row no one flagged yet (not fenced: no state
-    change)."""
+    """``statements.FLAG_STUCK``: annotate a running row no one flagged yet (not fenced: no
+    state change)."""
     if row is None or row.state != RUNNING or row.flagged:
         return row
     return row._replace(flagged=True)
 
 
 def flag_uncertain(row: Row) -> Row:
-    """``_MARK_UNCERTAIN`` / ``flow.ledger._FLAG_UNCERTAIN``: flagged, and the lease ends now."""
+    """``statements.MARK_UNCERTAIN`` / ``FLAG_UNCERTAIN``: flagged, and the lease ends now."""
     lease = NULL_OVER if row.lease in (NULL_LIVE, NULL_OVER) else OVER
     return row._replace(flagged=True, lease=lease)
 
 
 def due_for_a_drain(row: Row | None, kind: str) -> bool:
-    """``flow.ledger._DUE``: ledger-owned work that waits and is due, or whose run's lease is
-    over, unless flagged or an external run that began its handler."""
+    """``statements.TAKE_DUE``: ledger-owned work that waits and is due, or a run of it that
+    ``TAKEOVER`` allows (lease over, not flagged, not an external run that began its call)."""
     if row is None or not row.owned:
         return False
     if row.state == DEFERRED:
@@ -312,16 +323,14 @@ def due_for_a_drain(row: Row | None, kind: str) -> bool:
 
 
 def for_a_human(row: Row | None, kind: str) -> bool:
-    """``ledger.postgres.STUCK_CLAIM`` (what ``claims stuck`` lists and the watcher pages on):
-    flagged, an external deferred run that began and whose lease is over, or a delivery's claim
-    untouched past the threshold (here: its lease over)."""
-    if row is None or row.state != RUNNING:
+    """``statements.STUCK_CLAIM`` (what ``claims stuck`` lists and the watcher pages on): a
+    running row whose lease is over and that is flagged, a delivery's claim untouched past the
+    threshold (here: any whose lease is over), or an external deferred run that began."""
+    if row is None or row.state != RUNNING or lease_live(row):
         return False
-    if row.flagged:
+    if row.flagged or not row.owned:
         return True
-    if row.owned:
-        return kind in IRREVERSIBLE and row.began and row.lease == OVER
-    return not lease_live(row)
+    return kind in IRREVERSIBLE and row.began
 
 
 def dead_lettered(key: Key) -> bool:
@@ -384,12 +393,12 @@ class Protocol:
     # -- The guards the variants swap ---------------------------------------------------------
 
     def operator_sees_lease_over(self, row: Row) -> bool:
-        """``infrai_local.operator.refusal`` and ``flow.ledger._SETTLE``/``_RELEASE_*``'s lease
-        condition: a NULL lease is live until claimed_at + visibility."""
+        """``work.admin.refusal`` and ``statements.SETTLE_AS_OTHER``/``RELEASE_*``'s
+        ``lease_over``: a NULL lease is live until claimed_at + visibility."""
         return not lease_live(row)
 
     def probe_may_release(self, row: Row) -> bool:
-        """``flow.ledger.release`` for a probe's ``not_done``: only once the lease is over, for
+        """``work.store.release`` for a probe's ``not_done``: only once the lease is over, for
         a delivery's claim and for a deferred run alike."""
         return not lease_live(row)
 
@@ -405,10 +414,10 @@ class Protocol:
         return not lease_live(row) or self.probe_may_release(row)
 
     def plain_redrive_reopens(self, letter: Letter, row: Row) -> bool:
-        """``redrive.redrive`` without ``--reopen-failed``: a letter the ledger holds reopens its
-        failed claim, unless a human's verdict is what failed it (held back, for deferred work
-        too, and for a letter older than that verdict)."""
-        return letter.ledger and not row.human
+        """``redrive.redrive`` without ``--reopen-failed``: a letter the ledger holds for a
+        drain's failure reopens the failed claim, unless the claim's failure is a human's verdict
+        (held back, for deferred work too, and for a letter older than that verdict)."""
+        return letter.source == LEDGER_HELD and not row.human
 
     # -- The initial state and the moves ------------------------------------------------------
 
@@ -491,19 +500,22 @@ class Protocol:
         decision = claim_decision(rest.row, rest.kind, actor.mine)
         text = f"lane claims (delivery {actor.deliveries}): {decision}"
         if decision == "won":
-            # claim_ledger._CLAIM: claim, claim (new work), claim (takeover)
+            # statements.CLAIM: claim, claim (new work), claim (takeover)
             verbs = {None: "claim", CANCELLED: "claim (new work)"}
             verb = verbs.get(None if rest.row is None else rest.row.state, "claim (takeover)")
             yield Act(verb, False, text), _hand_over(rest, actor, claimed_row(), CLAIMED)
         elif decision in ACKED_DECISIONS:
             yield Act("claim", False, text), _attach(rest, _acking(actor))
+        elif decision == "stuck":
+            # not acked; flagged for a human (drain.batch, statements.FLAG_STUCK)
+            flagged = _set_row(rest, flag_stuck(rest.row))
+            yield Act("flag stuck", False, text), _end(flagged, actor, acked=False)
         else:
-            # failed or stuck: not acked; a stuck claim is flagged for a human (drain.batch)
-            row = flag_stuck(rest.row) if decision == "stuck" else rest.row
-            yield Act("claim", False, text), _end(_set_row(rest, row), actor, acked=False)
+            yield Act("claim", False, text), _end(rest, actor, acked=False)
 
     def database_batch(self, rest: Key, actor: Actor) -> Iterator[KeyMove]:
-        """``PostgresLedger.run_database_batch``: claim, run and settle in one transaction, so
+        """``work.ledger.PostgresLedger.run_database_batch``: claim, run and settle in one
+        transaction, so
         no running row is ever committed; a failure rolls the effect back."""
         decision = claim_decision(rest.row, rest.kind, actor.mine)
         text = f"lane claims a database job: {decision}"
@@ -533,7 +545,7 @@ class Protocol:
     def _lane_settle_without_effect(
         self, rest: Key, actor: Actor, outcome: str, text: str
     ) -> KeyMove:
-        if outcome == TRANSIENT and rest.kind == RETRY and self.defers_now(actor.deliveries):
+        if outcome == TRANSIENT and rest.kind in RETRIED and self.defers_now(actor.deliveries):
             return self.defer(rest, actor, text)
         if outcome == TRANSIENT:
             return self.fenced(rest, actor, "release (transient)", None, text)
@@ -559,8 +571,8 @@ class Protocol:
         *,
         acked: bool = False,
     ) -> KeyMove:
-        """A settle fenced by the run's token (``_FENCED``: ``claim_token = $t AND state =
-        'running'``); zero rows is ``claim_lost``: not acked. A flag keeps the token."""
+        """A settle fenced by the run's token (``statements._FENCED``: ``claim_token = $t AND
+        state = 'running'``); zero rows is ``claim_lost``: not acked. A flag keeps the token."""
         if not _holds(rest, actor):
             return Act(verb, True, f"{text}; fenced out (claim lost)"), _end(rest, actor, False)
         after = _set_row(rest, row) if verb == "flag uncertain" else _settle(rest, row)
@@ -569,7 +581,7 @@ class Protocol:
         return Act(verb, True, text), _end(after, actor, acked=False)
 
     def defer(self, rest: Key, actor: Actor, text: str) -> KeyMove:
-        """``flow.ledger.defer`` with the run's token (``_DEFER``): the ledger owns the work
+        """``work.store.defer`` with the run's token (``DEFER``): the ledger owns the work
         from here, and the message is acked. A lost claim is released instead (its fallback),
         which matches nothing either: not acked."""
         if not _holds(rest, actor):
@@ -611,10 +623,10 @@ class Protocol:
         text = "the notes' worker marks done (by key alone)"
         yield Act("settle done", actor.current, text), _attach(after, _acking(actor))
 
-    # -- Deferred work (drain.flow: take due, begin, run, finish/postpone/fail) -------------
+    # -- Deferred work (drain.flow and work.store: take due, begin, run, finish/postpone/fail) --
 
     def take_due(self, key: Key) -> KeyMove:
-        """``flow.ledger.take_due``: a new token and lease on the same row, its attempt
+        """``work.store.take_due``: a new token and lease on the same row, its attempt
         counted."""
         assert key.row is not None
         verb = "take due" if key.row.state == DEFERRED else "take due (takeover)"
@@ -624,7 +636,7 @@ class Protocol:
         return Act(verb, False, text), _hand_over(key, actor, row, TAKEN)
 
     def deferred_begin(self, rest: Key, actor: Actor) -> Iterator[KeyMove]:
-        """``flow.ledger.begin`` (external runs only): from here it is never taken again."""
+        """``work.store.begin`` (external runs only): from here it is never taken again."""
         if rest.kind not in IRREVERSIBLE:
             yield Act("begin", True, "deferred run starts"), _attach(rest, _stage(actor, BEGUN))
         elif not _holds(rest, actor):
@@ -653,17 +665,17 @@ class Protocol:
         assert rest.row is not None
         if outcome == UNCERTAIN_BEFORE and rest.kind in IRREVERSIBLE:
             flagged = _set_row(rest, _uncertain(rest.row))
-            return Act("flag uncertain", True, text), _end(flagged, actor, True)
+            return Act(FLAG_UNCERTAIN_DEFERRED, True, text), _end(flagged, actor, True)
         if outcome == PERMANENT or rest.row.attempts >= RETRY_ATTEMPTS:
             return self.deferred_fail(rest, actor, text, final=outcome == PERMANENT)
         waiting = _settle(rest, waiting_row(rest.row.attempts, due=False))
         return Act("postpone", True, f"{text}; postponed"), _end(waiting, actor, True)
 
     def deferred_fail(self, rest: Key, actor: Actor, text: str, *, final: bool) -> KeyMove:
-        """``flow.ledger.fail``: failed, and a dead letter the ledger holds (its message was
+        """``work.store.fail``: failed, and a dead letter the ledger holds (its message was
         acked long ago)."""
         failed = _settle(rest, settled_row(FAILED))
-        failed = failed._replace(letters=_with(failed.letters, Letter(ledger=True)))
+        failed = failed._replace(letters=_with(failed.letters, Letter(LEDGER_HELD)))
         act = Act("fail (and hold a dead letter)", True, f"{text}; failed", final)
         return act, _end(failed, actor, acked=True)
 
@@ -676,7 +688,7 @@ class Protocol:
         elif rest.kind in IRREVERSIBLE:
             flagged = _set_row(rest, _uncertain(rest.row))
             text = "deferred run flags its outcome uncertain"
-            yield Act("flag uncertain", True, text), _end(flagged, actor, True)
+            yield Act(FLAG_UNCERTAIN_DEFERRED, True, text), _end(flagged, actor, True)
         else:
             yield self.deferred_postpone_after_effect(rest, actor)
 
@@ -689,7 +701,7 @@ class Protocol:
         text = "deferred run: uncertain; postponed (the downstream takes our key)"
         return Act("postpone", True, text), _end(waiting, actor, True)
 
-    # -- A probe (operations.reconcile: ask, then write fenced by the token it read) ---------
+    # -- A probe (operations.reconcile, work.admin: ask, then write fenced by the token read) --
 
     def probe_asks(self, key: Key) -> Iterator[KeyMove]:
         """``Reconciler.reconcile``: a provider answers truthfully about a running claim
@@ -701,13 +713,14 @@ class Protocol:
         yield Act("probe", False, f"probe asks the provider: {answer}"), _attach(key, probe)
 
     def probe_write(self, rest: Key, actor: Actor) -> Iterator[KeyMove]:
-        """``ClaimsAdmin.apply_probe_answer``: nothing unless the row is still running under
-        the token as read; done settles it (``flow.ledger.settle``, holder=False: a NULL token
-        never matches); not done releases it (``flow.ledger.release``)."""
+        """``WorkStore.apply_probe_answer``: nothing unless the row is still running under the
+        token as read (``IS NOT DISTINCT FROM``: a NULL token too); done settles it
+        (``store.settle_as_other``), not done releases it (``store.release``), once the lease
+        is over."""
         row = rest.row
         if row is None or row.state != RUNNING or not actor.current:
             yield Act("probe", False, "probe's answer is fenced out (changed)"), rest
-        elif actor.note == "done" and row.tokened and not lease_live(row):
+        elif actor.note == "done" and not lease_live(row):
             yield (
                 Act("reconcile done", False, "probe settles done"),
                 _settle(rest, settled_row(DONE)),
@@ -716,7 +729,7 @@ class Protocol:
             released = _settle(rest, _released(row))._replace(handed_back=True)
             yield Act("reconcile not done", False, "probe releases the claim"), released
         else:
-            text = "probe's write matches nothing (a live lease, or a NULL token): unchanged"
+            text = "probe's write meets a live lease: unchanged"
             yield Act("probe", False, text), rest
 
     # -- Kills ---------------------------------------------------------------------------------
@@ -728,7 +741,7 @@ class Protocol:
             text = f"{actor.role} killed at {actor.stage}"
             yield Act("kill", False, text), _end(rest, actor, acked=False)
 
-    # -- The operator (infrai_local.operator, operations.redrive, operations.dead_letters) ----
+    # -- The operator (work.admin.WorkStore, operations.redrive, operations.dead_letters) ------
     # Truthful: a human checks the provider first, so releases and ``--failed`` verdicts are
     # given only where an irreversible effect did not happen, ``--done`` only where it did.
 
@@ -743,11 +756,11 @@ class Protocol:
             yield self.collect(key)
 
     def resolve(self, key: Key) -> Iterator[KeyMove]:
-        """``claims resolve --done|--failed``: a running row whose lease is over, through
-        ``flow.ledger.settle`` (holder=False, fenced by the token as read: NULL never
-        matches)."""
+        """``claims resolve --done|--failed`` (``WorkStore.resolve``): a running row whose lease
+        is over, through ``store.settle_as_other`` (fenced by the token as read, NULL too); failed
+        work the ledger owns gets a dead letter that is a human's verdict."""
         row = key.row
-        if row is None or row.state != RUNNING or not row.tokened:
+        if row is None or row.state != RUNNING:
             return
         if not self.operator_sees_lease_over(row):
             return
@@ -760,12 +773,12 @@ class Protocol:
         if not key.effects:
             failed = _settle(key, settled_row(FAILED, human=True))
             if row.owned:
-                failed = failed._replace(letters=_with(failed.letters, Letter(ledger=True)))
+                failed = failed._replace(letters=_with(failed.letters, Letter(RESOLVED_FAILED)))
             yield Act("claims resolve --failed", False, "operator resolves --failed"), failed
 
     def release(self, key: Key) -> Iterator[KeyMove]:
-        """``claims release``: a running row whose lease is over (owned work waits again, due
-        now; a delivery's claim is deleted), or a failed row (deleted)."""
+        """``claims release`` (``WorkStore.release``): a running row whose lease is over (owned
+        work waits again, due now; a delivery's claim is deleted), or a failed row (deleted)."""
         row = key.row
         if row is None or (key.effects and key.kind in IRREVERSIBLE):
             return
@@ -777,7 +790,7 @@ class Protocol:
             yield Act("claims release", False, "operator releases the claim"), released
 
     def steer_deferred(self, key: Key) -> Iterator[KeyMove]:
-        """``claims run-now`` and ``claims cancel`` (``_STEER_DEFERRED``): waiting work only."""
+        """``claims run-now`` and ``claims cancel`` (``STEER_DEFERRED``): waiting work only."""
         row = key.row
         if row is None or row.state != DEFERRED or not row.owned:
             return
@@ -806,7 +819,7 @@ class Protocol:
         )
         if reopens:
             after = _settle(after, None)._replace(handed_back=True)
-        text = f"operator: {verb} ({'ledger' if letter.ledger else 'DLQ'} letter)"
+        text = f"operator: {verb} ({letter.source} letter)"
         yield Act(verb, False, text), after
 
     @staticmethod
@@ -820,15 +833,20 @@ class Protocol:
 
     def collect(self, key: Key) -> KeyMove:
         """``dead_letters.collect`` (``dlq``, ``redrive``): move one dead letter out of Infrai's
-        DLQ; a job with retry attempts left is taken back as deferred work (``_take_back``)."""
-        row = key.row
-        after = key._replace(dlq=key.dlq - 1)
-        if key.kind == RETRY and row is not None and row.owned and row.state in (DEFERRED, RUNNING):
-            return Act("take back a dead letter", False, "dlq: a stale copy of owned work"), after
-        if key.kind == RETRY and row is None:
-            taken = _settle(after, waiting_row(MAX_DELIVERIES, due=False))
-            return Act("take back a dead letter", False, "dlq: taken back as deferred"), taken
-        recorded = after._replace(letters=_with(after.letters, Letter(ledger=False)))
+        DLQ; a job with retry attempts left is taken back as deferred work (``_take_back``): a
+        stale copy of work the ledger owns is dropped, a key-passing job's own claim is taken
+        over by ``TAKEOVER`` (``store.release_for_take_back``); the rest are recorded."""
+        row, after = key.row, key._replace(dlq=key.dlq - 1)
+        taken_back = Act("take back a dead letter", False, "dlq: taken back as deferred")
+        if key.kind in RETRIED and row is not None and row.owned:
+            if row.state in (DEFERRED, RUNNING):
+                return taken_back._replace(text="dlq: a stale copy of owned work"), after
+        elif key.kind in RETRIED and row is None:
+            return taken_back, _settle(after, waiting_row(MAX_DELIVERIES, due=False))
+        elif key.kind in RETRIED and _taken_back_over(row, key.kind):
+            takeover = Act("take back a dead letter (takeover)", False, taken_back.text)
+            return takeover, _settle(after, waiting_row(MAX_DELIVERIES, due=False))
+        recorded = after._replace(letters=_with(after.letters, Letter(FROM_DLQ)))
         return Act("dlq", False, "dlq: recorded as a dead letter"), recorded
 
 
@@ -841,8 +859,21 @@ def _move(state: State, index: int, act: Act, key: Key, killed: int) -> Move:
     return Move(act, state.keys[index], key, after)
 
 
+def _taken_back_over(row: Row | None, kind: str) -> bool:
+    """``statements.RELEASE_FOR_TAKE_BACK``: a key-passing job's own claim, not owned, by the
+    takeover rule (running, not flagged, its lease over)."""
+    return (
+        row is not None
+        and kind in KEY_PASSING
+        and row.state == RUNNING
+        and not row.owned
+        and not row.flagged
+        and row.lease == OVER
+    )
+
+
 def _released(row: Row) -> Row | None:
-    """``flow.ledger.release``: owned work waits again, due now; a delivery's claim is
+    """``work.store.release``: owned work waits again, due now; a delivery's claim is
     deleted."""
     return waiting_row(row.attempts, due=True) if row.owned else None
 
@@ -974,7 +1005,7 @@ def move_violations(move: Move) -> list[str]:
     if changed and human_failed and move.act.verb not in EXPLICIT_REOPENS:
         found.append(HUMAN_VERDICT_STANDS)
     single_death = move.state.kills <= 1 and not new.handed_back
-    if old.kind == RETRY and single_death and _dooms_retry_work(old, new):
+    if old.kind in RETRIED and single_death and _dooms_retry_work(old, new):
         found.append(OWNED_NOT_DEAD_LETTERED)
     spent = old.row is not None and old.row.attempts >= RETRY_ATTEMPTS
     if move.act.verb == "fail (and hold a dead letter)" and not (move.act.final or spent):
@@ -1100,7 +1131,7 @@ def _render_key(key: Key) -> str:
     else:
         marks = [row.state]
         if row.state == RUNNING:
-            marks.append(f"lease {row.lease}" + ("" if row.tokened else ", no token"))
+            marks.append(f"lease {row.lease}" + (", no token" if row.node else ""))
         marks += [m for m, on in (("flagged", row.flagged), ("owned", row.owned)) if on]
         marks += [m for m, on in (("began", row.began), ("due", row.due)) if on]
         marks += [m for m, on in (("by a human", row.human), ("notes' worker", row.node)) if on]
@@ -1152,12 +1183,23 @@ class OperatorReadsNullLeaseAsOver(Protocol):
 
 class PlainRedriveReopensHumanVerdict(Protocol):
     """(d) A plain redrive reopens every failed claim whose dead letter the ledger holds, a
-    human's ``resolve --failed`` of deferred work included."""
+    human's ``resolve --failed`` of deferred work included (both letters alike)."""
 
     name = "broken (d): plain redrive reopens a human's verdict on deferred work"
 
     def plain_redrive_reopens(self, letter: Letter, row: Row) -> bool:
-        return letter.ledger
+        return letter.source in (LEDGER_HELD, RESOLVED_FAILED)
+
+
+class PlainRedriveJudgesTheLetter(Protocol):
+    """(f) A plain redrive tells a drain's failure from a human's by the dead letter alone: a
+    letter the ledger held for an earlier failure reopens the claim a human has since resolved
+    failed (the work was reopened and claimed again in between)."""
+
+    name = "broken (f): plain redrive judges the letter, not the claim"
+
+    def plain_redrive_reopens(self, letter: Letter, row: Row) -> bool:
+        return letter.source == LEDGER_HELD
 
 
 class ProbeAsksUnderLiveLease(Protocol):
@@ -1178,6 +1220,7 @@ VARIANTS: Final[dict[str, type[Protocol]]] = {
     "c": OperatorReadsNullLeaseAsOver,
     "d": PlainRedriveReopensHumanVerdict,
     "e": ProbeAsksUnderLiveLease,
+    "f": PlainRedriveJudgesTheLetter,
 }
 
 

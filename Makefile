@@ -89,6 +89,16 @@ SOAK_JOBS ?= 20000
 soak: $(STAMP)
 	SOAK_JOBS=$(SOAK_JOBS) SOAK_DOCS=docs/reliability.md $(BIN)/pytest tests/chaos -m chaos -s -p no:cacheprovider
 
+# The work protocol's model (tests/model/work_protocol.py): every interleaving of deliveries,
+# deferred runs, kills, the clock, probes, operators and the notes' worker within bounds, checked
+# against the protocol's invariants; then each broken variant, which must end in a
+# counterexample. make test runs it at its default bounds; MODEL_ARGS sets others, e.g.
+# MODEL_ARGS="--steps 16" (the correct rules only) or MODEL_ARGS="--all --steps 16".
+.PHONY: model
+MODEL_ARGS ?= --all
+model: $(STAMP)
+	$(BIN)/python -m tests.model.work_protocol $(MODEL_ARGS)
+
 # --- SAM: build and validate the function bundle -------------------------------------------
 # aws-sam-cli pins its own boto3 and click, so it lives in its own virtualenv, never in .venv.
 SAM_CLI_VERSION := 1.170.0

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar, Final, LiteralString
 from urllib.parse import unquote
 
@@ -343,7 +344,10 @@ class LedgerAdapter:
                 self._conn = None
 
 
-# The schema this code needs: a unit test holds it equal to the newest migration file in local/.
+# The ledger's schema: SQL files NNNN_name.sql beside the one writer of job_claims (work/),
+# shipped in the layer and applied only by the tools (`infrai-jobs migrate`), never by a function.
+LEDGER_MIGRATIONS_FOLDER: Final = Path(__file__).parent.parent / "work" / "migrations"
+# The schema this code needs: a unit test holds it equal to the newest migration file there.
 SCHEMA_VERSION = 10
 
 

@@ -4,11 +4,17 @@ databases already hold for it, and the package ships them."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
-from infrai_jobs.ledger.postgres import SCHEMA_VERSION
+import pytest
+
+from infrai_jobs.ledger.postgres import SCHEMA_VERSION, newest_migration
 from infrai_local.migrations import LATEST_VERSION, LEDGER_FOLDER, LEDGER_MIGRATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +37,44 @@ RECORDED_NAMES = [
 
 def test_the_layer_needs_the_newest_ledger_migration() -> None:
     assert LEDGER_MIGRATIONS[-1].version == LATEST_VERSION == SCHEMA_VERSION
+
+
+def test_the_schema_version_is_the_highest_file_number(tmp_path: Path) -> None:
+    # Given a folder of migrations, out of order, and files that are not migrations
+    for name in ["0002_b.sql", "0011_k.sql", "0003_c.sql", "README.md", "notes.sql", "0012.txt"]:
+        (tmp_path / name).write_text("SELECT 1;\n")
+    # Then the version is the highest NNNN of an NNNN_name.sql
+    assert newest_migration(tmp_path) == 11
+
+
+def test_a_layer_without_its_migrations_does_not_guess_a_version(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no ledger migration"):
+        newest_migration(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        newest_migration(tmp_path / "missing")
+
+
+def test_a_new_migration_file_is_all_it_takes_to_raise_the_version(tmp_path: Path) -> None:
+    # Given a copy of the layer package, as Lambda unpacks it, with one more migration file
+    copy = tmp_path / "infrai_jobs"
+    shutil.copytree(LAYER_PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "work" / "migrations" / f"{SCHEMA_VERSION + 1:04d}_next.sql").write_text("SELECT 1;\n")
+    # When a fresh interpreter imports the ledger from that copy
+    script = "import infrai_jobs.ledger.postgres as p\nprint(p.__file__)\nprint(p.SCHEMA_VERSION)\n"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    finished = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    # Then the version it needs is the new file's, with no constant edited
+    assert finished.returncode == 0, finished.stderr
+    module_file, version = finished.stdout.split()
+    assert Path(module_file).is_relative_to(copy)
+    assert int(version) == SCHEMA_VERSION + 1
 
 
 def test_the_ledger_versions_run_from_1_with_no_gap() -> None:

@@ -1,8 +1,9 @@
 """Checks what `make build` left in .aws-sam/build: the artifacts Lambda would run.
 
-1. The layer holds ``infrai_jobs`` (the same modules as ``layers/common``) and exactly the
-   packages of the lock ``layers/common/requirements.txt`` (``make lock``): each locked package at
-   its locked version, transitive ones included, and no package the lock does not name.
+1. The layer holds ``infrai_jobs`` (the same modules as ``layers/common``, and the ledger's
+   migrations, ``work/migrations/*.sql``, byte for byte) and exactly the packages of the lock
+   ``layers/common/requirements.txt`` (``make lock``): each locked package at its locked
+   version, transitive ones included, and no package the lock does not name.
 2. Its native code is for the Lambda runtime: psycopg_binary's wheel tags say CPython 3.13 on
    manylinux aarch64, its extension modules are named for cpython-313-aarch64, and every ELF
    file in the layer is a 64-bit AArch64 object (read from the ELF header, not the file name).
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / ".aws-sam" / "build"
 LOCK = ROOT / "layers" / "common" / "requirements.txt"
 SOURCE_PACKAGE = ROOT / "layers" / "common" / "infrai_jobs"
+# The ledger's migrations, inside the package.
+MIGRATIONS = "work/migrations"
 
 ELF_MAGIC = b"\x7fELF"
 ELFCLASS64 = 2
@@ -146,6 +149,22 @@ def check_layer(checks: Checks, site: Path) -> None:
         f"missing {sorted(source - built)}, extra {sorted(built - source)}"
         if built != source
         else f"{len(built)} modules",
+    )
+
+    # The ledger's schema ships with the code that needs it: the layer reads its version from
+    # these files' names, and `infrai-jobs migrate` applies the same files.
+    source_sql = {p.name: p.read_bytes() for p in (SOURCE_PACKAGE / MIGRATIONS).glob("*.sql")}
+    built_sql = {p.name: p.read_bytes() for p in (built_root / MIGRATIONS).glob("*.sql")}
+    changed = sorted(
+        name for name in source_sql.keys() & built_sql.keys() if source_sql[name] != built_sql[name]
+    )
+    checks.check(
+        bool(source_sql) and built_sql == source_sql,
+        f"layer holds the ledger's migrations, infrai_jobs/{MIGRATIONS}/*.sql, byte for byte",
+        f"missing {sorted(source_sql.keys() - built_sql.keys())}, "
+        f"extra {sorted(built_sql.keys() - source_sql.keys())}, changed {changed}"
+        if built_sql != source_sql or not source_sql
+        else f"{len(built_sql)} files",
     )
 
     dists = installed_dists(site)

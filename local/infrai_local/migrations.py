@@ -1,12 +1,13 @@
 """Versioned, idempotent schema migrations: the claim ledger's, then the jobs' own tables.
 
-Both are SQL files named ``NNNN_name.sql``: the ledger's in ``ledger_migrations/`` beside this
-module, the jobs' in ``migrations/`` inside the jobs package. The number is the version
-(``0001``, ``0002``, ...), the rest of the file name is the name recorded with it. A file is SQL
-as PostgreSQL takes it, one or more statements, and runs inside the migrate transaction (so no
-``CREATE INDEX CONCURRENTLY``). Only the tools here apply them (``infrai-jobs migrate``, the demo,
-local invoke, the test kit); the layer only reads the version a database is at
-(``infrai_jobs.ledger.postgres.current_version``) and refuses one behind its ``SCHEMA_VERSION``.
+Both are SQL files named ``NNNN_name.sql``: the ledger's in the layer, ``work/migrations/`` of
+``infrai_jobs`` (beside the one writer of ``job_claims``), the jobs' in ``migrations/`` inside the
+jobs package. The number is the version (``0001``, ``0002``, ...), the rest of the file name is
+the name recorded with it. A file is SQL as PostgreSQL takes it, one or more statements, and runs
+inside the migrate transaction (so no ``CREATE INDEX CONCURRENTLY``). Only the tools here apply
+them (``infrai-jobs migrate``, the demo, local invoke, the test kit); the layer only reads the
+version a database is at (``infrai_jobs.ledger.postgres.current_version``) and refuses one behind
+its ``SCHEMA_VERSION``.
 
 ``apply_migrations`` takes a transaction-scoped advisory lock, so two ``infrai-jobs migrate`` runs
 started at once apply each migration exactly once: the second waits, then finds nothing to do.
@@ -28,6 +29,7 @@ import psycopg
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.job_schema import MIGRATION_FILE_NAME
+from infrai_jobs.ledger.postgres import LEDGER_MIGRATIONS_FOLDER
 from infrai_local.jobs_package import import_jobs
 
 # An arbitrary constant that names "infrai-jobs schema changes" among advisory locks.
@@ -45,7 +47,8 @@ class Migration:
     owner: Owner = "ledger"
 
 
-LEDGER_FOLDER: Final = Path(__file__).parent / "ledger_migrations"
+# Read from the installed layer package: the same files a deployed function ships with.
+LEDGER_FOLDER: Final = LEDGER_MIGRATIONS_FOLDER
 MIGRATIONS_FOLDER: Final = "migrations"
 # The layer's schema check reads the jobs' file names by the same rule.
 _FILE_NAME: Final = MIGRATION_FILE_NAME

@@ -278,9 +278,9 @@ def test_only_the_settings_module_reads_the_environment(path: Path) -> None:
     assert used == [], f"{_id(path)} reads the environment: {used}"
 
 
-# The schema is the tools': the ledger's migrations are SQL files in local/, applied only by them.
-# The layer reads the version a database is at and never creates or alters a table (nor a
-# temporary or unlogged one).
+# The schema is the ledger's SQL files (work/migrations/NNNN_name.sql): shipped in the layer,
+# applied only by the tools in local/. The layer's code reads the version a database is at and
+# never creates or alters a table (nor a temporary or unlogged one).
 _DDL = re.compile(r"\b(?:CREATE|ALTER)\s+(?:[A-Z]+\s+){0,2}TABLE\b")
 
 
@@ -288,7 +288,8 @@ _DDL = re.compile(r"\b(?:CREATE|ALTER)\s+(?:[A-Z]+\s+){0,2}TABLE\b")
 def test_the_layer_holds_no_ddl(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     lines = [text.count("\n", 0, match.start()) + 1 for match in _DDL.finditer(text)]
-    assert lines == [], f"{_id(path)} creates or alters a table: a migration belongs in local/"
+    where = "a migration is a new SQL file in work/migrations/"
+    assert lines == [], f"{_id(path)} creates or alters a table: {where}"
 
 
 def test_importing_the_settings_loads_no_database_driver() -> None:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar, Final, LiteralString
 from urllib.parse import unquote
 
@@ -344,8 +345,22 @@ class LedgerAdapter:
                 self._conn = None
 
 
-# The schema this code needs: a unit test holds it equal to the newest migration file in local/.
-SCHEMA_VERSION = 10
+# The ledger's schema: SQL files NNNN_name.sql beside the one writer of job_claims (work/),
+# shipped in the layer and applied only by the tools (`infrai-jobs migrate`), never by a function.
+LEDGER_MIGRATIONS_FOLDER: Final = Path(__file__).parent.parent / "work" / "migrations"
+
+
+def newest_migration(folder: Path) -> int:
+    """The highest ``NNNN`` among ``folder``'s ``NNNN_*.sql`` files. It lists file names and
+    reads none, so a cold start pays one directory listing."""
+    versions = [int(path.name[:4]) for path in folder.glob("[0-9][0-9][0-9][0-9]_*.sql")]
+    if not versions:
+        raise FileNotFoundError(f"no ledger migration (NNNN_name.sql) in {folder}")
+    return max(versions)
+
+
+# The schema this code needs: the newest ledger migration, read from the files themselves.
+SCHEMA_VERSION: Final = newest_migration(LEDGER_MIGRATIONS_FOLDER)
 
 
 def table_exists(conn: psycopg.Connection[Any], table: str) -> bool:

@@ -208,9 +208,10 @@ def _one_stuck_claim_alerted(
 def test_stuck_claims_alert_and_name_the_command(stage: Stage) -> None:
     alerter = RecordingAlerter()
     stage.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, error) VALUES"
-        " ('receipt.send:inv_1', 'running', 'qmsg_a', 'external', 'effect uncertain: timeout'),"
-        " ('receipt.send:inv_2', 'running', 'qmsg_b', 'external', NULL)"
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, error, lease_until) VALUES"
+        " ('receipt.send:inv_1', 'running', 'qmsg_a', 'external', 'effect uncertain: timeout',"
+        "  now() - interval '1 second'),"
+        " ('receipt.send:inv_2', 'running', 'qmsg_b', 'external', NULL, NULL)"
     )
     # Only the flagged claim is stuck; the fresh unflagged one is merely running
     message = _one_stuck_claim_alerted(stage, alerter, oldest_at_least=0)

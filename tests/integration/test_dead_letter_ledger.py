@@ -121,6 +121,7 @@ KILLED_BETWEEN_COMMIT_AND_ACK = textwrap.dedent(
     """
     import os, signal, sys
     from drainkit import DLQ, QUEUE
+    from infrai_jobs.operations.dead_letters import DeadLetterStore
     from infrai_jobs.work.admin import WorkStore
     from infrai_jobs.operations.dead_letters import collect
     from infrai_jobs.queue.client import InfraiClient

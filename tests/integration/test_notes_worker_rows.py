@@ -205,3 +205,23 @@ def test_a_plain_redrive_of_work_out_of_attempts_reopens_it_and_says_no_flag(
     assert json.loads(plain.stdout)["reopened"] == [key]
     (reopen,) = [row for row in kit.history(key) if row[0] == "reopen"]
     assert "--reopen-failed" not in (reopen[2] or "")
+
+
+def test_a_probe_asked_under_a_live_lease_never_acts_after_the_lease_ends(kit: Harness) -> None:
+    # Given the notes' worker's claim, read while its implied lease is live
+    _notes_worker_claims(kit)
+    admin = WorkStore(kit.database_url, visibility_timeout=VISIBILITY)
+    read = admin.find(KEY)
+    assert read is not None
+    assert read.lease_live is True
+    # When the probe's "not done" arrives only after the lease has ended (the worker may have
+    # made the call in between)
+    kit.sql(
+        "UPDATE job_claims SET claimed_at = claimed_at - make_interval(secs => %s)",
+        (VISIBILITY + 5,),
+    )
+    write = admin.apply_probe_answer(read, "not_done", actor="watcher", note="probe: not done")
+    # Then nothing is released: the answer is as old as the read
+    assert write.value == "lease_live"
+    assert _row(kit)[0] == "running"
+    assert kit.history(KEY) == []

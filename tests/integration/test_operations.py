@@ -54,6 +54,7 @@ def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
 REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
     """
     import os, signal, sys
+    from infrai_jobs.operations.dead_letters import DeadLetterStore
     from infrai_jobs.work.admin import WorkStore
     from infrai_jobs.queue.client import InfraiClient
     from infrai_jobs.operations.redrive import RedriveRequest, redrive
@@ -263,8 +264,9 @@ def test_redrive_dry_run_publishes_nothing_and_leaves_the_letter_listed(
 
 def _stuck_claim(kit: Harness, key: str = "receipt.send:inv_1") -> str:
     kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, error)"
-        " VALUES (%s, 'running', 'qmsg_1', 'external', gen_random_uuid(), 'effect uncertain')",
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, error,"
+        " lease_until) VALUES (%s, 'running', 'qmsg_1', 'external', gen_random_uuid(),"
+        " 'effect uncertain', now() - interval '1 second')",
         (key,),
     )
     return str(kit.sql("SELECT claim_token FROM job_claims WHERE idem_key = %s", (key,))[0][0])

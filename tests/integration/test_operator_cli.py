@@ -365,8 +365,8 @@ def _seed_settled_claim(
     with its fingerprint."""
     derived = kit.registry.derive(payload)
     kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, error, payload_sha256)"
-        " VALUES (%s, %s, %s, %s, %s, %s)",
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, error, payload_sha256,"
+        " lease_until) VALUES (%s, %s, %s, %s, %s, %s, now() - interval '1 second')",
         (derived.idem_key, state, message_id, effect, error, derived.fingerprint),
     )
 
@@ -586,8 +586,9 @@ def test_redrive_function_derives_a_jobs_own_key_with_the_shared_jobs_package(
 
 def _seed_claim(kit: Harness, key: str, state: str, error: str | None = None) -> str:
     kit.sql(
-        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, error)"
-        " VALUES (%s, %s, 'qmsg_seeded', 'external', gen_random_uuid(), %s)",
+        "INSERT INTO job_claims (idem_key, state, message_id, effect, claim_token, error,"
+        " lease_until) VALUES (%s, %s, 'qmsg_seeded', 'external', gen_random_uuid(), %s,"
+        " now() - interval '1 second')",
         (key, state, error),
     )
     return str(kit.sql("SELECT claim_token FROM job_claims WHERE idem_key = %s", (key,))[0][0])

@@ -57,6 +57,15 @@ class _Checker(ast.NodeVisitor):
         self.calls = 0
         self.module_scope = _Scope(tree.body, [])
         self.stack: list[_Scope] = []
+        # The module's own functions whose result mypy --strict holds to LiteralString: a call
+        # to one of them with static arguments is static text.
+        self.literal_functions = {
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef)
+            and node.returns is not None
+            and ast.unparse(node.returns).rsplit(".", 1)[-1] == "LiteralString"
+        }
         # Names imported from the project's own modules: static when their home module
         # annotates them LiteralString (mypy --strict holds that everywhere).
         self.imported = {
@@ -152,6 +161,13 @@ class _Checker(ast.NodeVisitor):
             return self.building(node) is None
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             return self.static(node.left, seen) and self.static(node.right, seen)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in self.literal_functions
+        ):
+            arguments = [*node.args, *(keyword.value for keyword in node.keywords)]
+            return all(self.static(argument, seen) for argument in arguments)
         if isinstance(node, ast.Name) and node.id not in seen:
             for scope in [*reversed(self.stack), self.module_scope]:
                 if node.id in scope.parameters:
@@ -260,6 +276,13 @@ STRING_BUILT = {
     "via a str parameter": "def run(conn, query: str):\n    conn.execute(query)",
     "a constant joined to a value": '_B = "SELECT * FROM t WHERE k = " + key\nconn.execute(_B)',
     "built away from execute": 'QUERY = "SELECT a FROM t WHERE b = " + str(b)',
+    "a LiteralString function of a run-time value": (
+        "def part(row: LiteralString) -> LiteralString:\n    return row\n"
+        '_Q = "SELECT " + part(name) + " FROM t"\nconn.execute(_Q)'
+    ),
+    "a function that is not LiteralString": (
+        'def part(row):\n    return row\n_Q = "SELECT " + part("c") + " FROM t"\nconn.execute(_Q)'
+    ),
     "joined to an import that is not LiteralString": (
         'from infrai_jobs.ledger.postgres import MASK\n_Q = "SELECT " + MASK\nconn.execute(_Q)'
     ),
@@ -277,8 +300,12 @@ STATIC = {
     ),
     "messages that are not SQL": 'raise ValueError(f"job {name!r} is missing field {field}")',
     "joined to an imported LiteralString": (
-        "from infrai_jobs.ledger.postgres import CLAIM_COLUMNS\n"
+        "from infrai_jobs.work.statements import CLAIM_COLUMNS\n"
         '_Q = "SELECT " + CLAIM_COLUMNS + " FROM job_claims"\nconn.execute(_Q)'
+    ),
+    "joined to a LiteralString function of static text": (
+        'def part(row: LiteralString) -> LiteralString:\n    return row + ".lease_until"\n'
+        '_Q = "SELECT " + part("c") + " FROM job_claims c"\nconn.execute(_Q)'
     ),
 }
 

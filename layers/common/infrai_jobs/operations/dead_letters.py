@@ -24,7 +24,6 @@ from infrai_jobs.jobs.policy import RetryPolicy
 from infrai_jobs.ledger.dead_letter_rows import (
     LEDGER_HELD_DLQ,
     RECORD_DEAD_LETTER,
-    RESOLVED_FAILED_DLQ,
     UNRESOLVED_DEAD_LETTERS,
 )
 from infrai_jobs.ledger.postgres import LedgerConnector, record_history, storable_json
@@ -155,12 +154,6 @@ class DeadLetterRow:
         """Recorded by the ledger itself (deferred work out of attempts), never in Infrai's
         DLQ: a redrive must reopen its failed claim, or the new copy could not run."""
         return self.dlq == LEDGER_HELD_DLQ
-
-    @property
-    def resolved_failed(self) -> bool:
-        """Recorded when an operator resolved the ledger's work as failed: a human's verdict,
-        which only ``redrive --reopen-failed`` overturns."""
-        return self.dlq == RESOLVED_FAILED_DLQ
 
     @property
     def redrivable(self) -> str:

@@ -100,10 +100,13 @@ def forecast(
     claim = admin.find(key)
     if claim is None:
         return Forecast(Verdict.RUN, "no_claim", "no claim: the job runs"), key
-    return _against_claim(row, claim, reopen_failed), key
+    human = claim.state == "failed" and admin.failed_by_human(key)
+    return _against_claim(row, claim, reopen_failed, human=human), key
 
 
-def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> Forecast:
+def _against_claim(
+    row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool, *, human: bool
+) -> Forecast:
     if other_work(claim, row.body):
         why = (
             f"conflict: {claim.idem_key} is claimed by different work ({claim.state}); the "
@@ -123,9 +126,10 @@ def _against_claim(row: DeadLetterRow, claim: ClaimRow, reopen_failed: bool) -> 
         why = "an operator cancelled its deferred work: a copy is new work, and runs"
         return Forecast(Verdict.RUN, "cancelled", why)
     if claim.state == "failed":
-        if reopen_failed or row.held_by_ledger:
+        # A human's verdict stands, whichever dead letter asks: only the flag reopens it.
+        if reopen_failed or (row.held_by_ledger and not human):
             return Forecast(Verdict.RUN, "reopened", "its failed claim is reopened: it runs")
-        if row.resolved_failed:
+        if human:
             why = (
                 f"an operator resolved it failed ({claim.error or 'no reason recorded'}): a plain "
                 "redrive never reopens a human's verdict; `redrive --reopen-failed` does"
@@ -351,7 +355,7 @@ def redrive(
         if row.held_by_ledger and admin is None:
             summary.skipped.append({"message_id": row.message_id, "reason": _NEEDS_LEDGER})
             continue
-        if request.reopen_failed or row.held_by_ledger:
+        if judged.cause == "reopened":
             # A letter the ledger held is its own failed claim's: without the reopen, the new
             # copy would meet that claim and walk to Infrai's DLQ instead of running.
             # Unrepresentable work has no fingerprint: its claim is matched by message id alone.

@@ -80,6 +80,12 @@ def refusal(
     return None
 
 
+# The latest record that ended a claim as failed, or gave a failed one back.
+_LAST_END: LiteralString = """
+SELECT action FROM claim_history
+WHERE idem_key = %(key)s AND action IN ('resolve_failed', 'deferred_failed', 'reopen', 'release')
+ORDER BY id DESC LIMIT 1
+"""
 _LAST_HISTORY: LiteralString = """
 SELECT action, note FROM claim_history WHERE idem_key = %(key)s ORDER BY id DESC LIMIT 1
 """
@@ -217,6 +223,9 @@ class WorkStore(LedgerAdapter):
             before = claim_of(conn, key, lock=True, visibility=vis)
             if before is None or before.state != "running" or before.claim_token != token:
                 return ReconcileWrite.CHANGED
+            if probed.lease_live is not False:
+                # Asked while a run held it: the run may have made the call since.
+                return ReconcileWrite.LEASE_LIVE
             # The row lock holds state and token: a change that matches nothing met a live lease.
             if answer == "done":
                 done = settle_as_other(conn, key, token, "done", why, result=result, visibility=vis)
@@ -230,8 +239,20 @@ class WorkStore(LedgerAdapter):
                 record_change(conn, why, before, before)
             return ReconcileWrite.UNCHANGED
 
+    def failed_by_human(self, key: str) -> bool:
+        """Whether the claim's latest end as ``failed`` was a human's verdict (``claims resolve
+        --failed``), not a drain's: only ``redrive --reopen-failed`` overturns one."""
+        with self._connector.session("cannot read the claim history") as conn:
+            row = conn.execute(_LAST_END, {"key": key}).fetchone()
+        return row is not None and row[0] == "resolve_failed"
+
     def reopen_failed(
-        self, *, message_id: str, fingerprint: str | None, actor: str, note: str
+        self,
+        *,
+        message_id: str,
+        fingerprint: str | None,
+        actor: str,
+        note: str = "redrive --reopen-failed",
     ) -> list[str]:
         """Delete the ``failed`` claims of one piece of work (its message id, or its payload
         fingerprint) so its redriven copy runs again; each is recorded as ``reopen``, with a

@@ -4,12 +4,12 @@ No other module holds an ``INSERT``, ``UPDATE`` or ``DELETE`` on the table (a un
 tree for one). The rules several statements share are fragments defined once here:
 
 **One clock.** Every lease is set and judged on the database's transaction clock,
-``now()``: one instant for a whole statement and its transaction, so a lease set and a lease judged in one
-transaction agree exactly and every row of a batch gets the same end. Leases are only set in
-short transactions (a delivery's claim, ``take due``), so the end is where it was asked for; a
-longer transaction that judges one sees the lease live a little longer, never over early. Schedules
-(``run_after``) are not leases: a deferral made inside a delivery's batch transaction waits its
-full delay from when it is made, so it counts from ``clock_timestamp()``.
+``now()``: one instant for a whole statement and its transaction, so a lease set and a lease
+judged in one transaction agree exactly and every row of a batch gets the same end. Leases are
+only set in short transactions (a delivery's claim, ``take due``), so the end is where it was
+asked for; a longer transaction that judges one sees the lease live a little longer, never over
+early. Schedules (``run_after``) are not leases: a deferral made inside a delivery's batch
+transaction waits its full delay from when it is made, so it counts from ``clock_timestamp()``.
 
 **One lease end.** ``lease_end`` is when the run holding a ``running`` row may be presumed gone.
 A row without a lease (the field notes' Node worker writes every row that way) is held until its

@@ -57,7 +57,6 @@ from infrai_jobs.drain.flow import flow_control  # noqa: E402
 from infrai_jobs.drain.loop import drain_invocation  # noqa: E402
 from infrai_jobs.drain.model import DrainConfig, DrainRun  # noqa: E402
 from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # noqa: E402
-from infrai_jobs.ledger.postgres import LedgerConnector  # noqa: E402
 from infrai_jobs.queue.client import InfraiClient  # noqa: E402
 from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
@@ -146,20 +145,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     registry.bind_settings(dict.fromkeys(registry.declared_settings(), spec["provider_url"]))
     # As DrainService.from_settings builds it from JOB_POLICIES.
     overrides = parse_job_policies(spec["job_policies"], [job.name for job in registry])
-    flow_conns: list[psycopg.Connection[Any]] = []
-    connector = LedgerConnector(spec["database_url"], application_name="infrai-jobs-flow")
-
-    def flow_connect() -> psycopg.Connection[Any]:
-        conn = connector.connect()
-        flow_conns.append(conn)
-        return conn
-
-    flow = flow_control(
-        registry,
-        policies_in_force(registry, overrides),
-        flow_connect,
-        queue=spec["queue"],
-    )
+    flow = flow_control(registry, policies_in_force(registry, overrides), queue=spec["queue"])
     client = InfraiClient(spec["emulator_url"], spec["api_key"])
     ledger = PostgresLedger(spec["database_url"])
     config = DrainConfig(queue=spec["queue"], features=(flow,) if flow is not None else ())
@@ -171,10 +157,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     cpu1 = process_cpu_seconds()
     paths = trace.finish()
-    flow_paths = trace.paths_of(flow_conns)
+    # Flow control holds no connection of its own: its statements run on the lane's ledger
+    # connection and are counted with the ledger's round trips, none apart.
+    flow_paths: list[Path] = []
     ledger.close()
-    if flow is not None:
-        flow.close()
     client.close()
     every = _round_trips(paths)
     flow_only = _round_trips(flow_paths)

@@ -38,6 +38,8 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
 
+import psycopg
+
 from infrai_jobs.errors import (
     FanOutError,
     FanOutThrottled,
@@ -434,6 +436,11 @@ class InMemoryLedger:
             until = max(self._single_until.get(queue, 0.0), now + seconds)
             self._single_until[queue] = until
             return until - now
+
+    def connection(self) -> psycopg.Connection[Any]:
+        raise LedgerUnavailable(
+            "the in-memory ledger has no database: flow control's limits need PostgreSQL"
+        )
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         if not reasons:

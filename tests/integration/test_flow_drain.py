@@ -54,12 +54,7 @@ def flow_for(kit: Harness, overrides: str = JOB_POLICIES) -> FlowControl:
     parsed = policies_in_force(
         kit.registry, parse_job_policies(overrides, [job.name for job in kit.registry])
     )
-    flow = flow_control(
-        kit.registry,
-        parsed,
-        lambda: psycopg.connect(kit.database_url, autocommit=True),
-        queue=QUEUE,
-    )
+    flow = flow_control(kit.registry, parsed, queue=QUEUE)
     assert flow is not None
     return flow
 
@@ -327,7 +322,6 @@ def flows(kit: Harness, registry: JobRegistry, count: int) -> list[FlowControl]:
         flow = flow_control(
             registry,
             policies_in_force(registry, {}),  # what the jobs declare in code
-            lambda: psycopg.connect(kit.database_url, autocommit=True),
             queue=QUEUE,
         )
         assert flow is not None
@@ -393,12 +387,14 @@ def test_a_rate_limit_holds_across_drains_and_loses_nothing(kit: Harness) -> Non
 
 
 def test_jobs_without_a_policy_take_no_flow_control_round_trip(kit: Harness) -> None:
-    # With only receipt.send limited, and flow control's every connection attempt counted
+    # With only receipt.send limited, and every time flow control asks the lane's ledger for its
+    # connection counted (and refused)
     connects: list[int] = []
 
-    def refuse() -> psycopg.Connection[Any]:
-        connects.append(1)
-        raise LedgerUnavailable("flow control's database is down (test)")
+    class Refusing(PostgresLedger):
+        def connection(self) -> psycopg.Connection[Any]:
+            connects.append(1)
+            raise LedgerUnavailable("flow control's database is down (test)")
 
     parsed = policies_in_force(
         kit.registry,
@@ -407,10 +403,14 @@ def test_jobs_without_a_policy_take_no_flow_control_round_trip(kit: Harness) -> 
             [job.name for job in kit.registry],
         ),
     )
-    flow = flow_control(kit.registry, parsed, refuse, queue=QUEUE)
+    flow = flow_control(kit.registry, parsed, queue=QUEUE)
     assert flow is not None
     kit.publish(DIGEST)
-    summary = drain_with(kit, flow)
+    refusing = Refusing(kit.database_url)
+    try:
+        summary = drain_with(kit, flow, ledger=refusing)
+    finally:
+        refusing.close()
     # A digest runs as it would without flow control: only the two due-work passes (before and
     # after the consumes) asked for a connection, the digest's run never did
     assert summary.outcomes == {"done": 1}
@@ -448,7 +448,6 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
     flow = flow_control(
         registry,
         policies_in_force(registry, parse_job_policies(policies, [job.name for job in registry])),
-        lambda: psycopg.connect(database_url, autocommit=True),
         queue=QUEUE,
     )
     run = DrainRun(

@@ -175,7 +175,7 @@ class _Batch:
         # Only an external job's effect is wrapped: a database job's rolls back with its claim.
         effect_features = features if request.effect is not Effect.DATABASE else ()
         run = partial(run_handler, derived, ctx, effect_features)
-        attempt = HandlerAttempt(ctx, derived, request.claim_token)
+        attempt = HandlerAttempt(ctx, derived, request.claim_token, self.ledger)
         for feature in reversed(features):
             run = partial(feature.around_handler, attempt, run)
         return run()

@@ -53,11 +53,7 @@ LIMITED_JOB_RETRY = RetryPolicy(
 
 
 def flow_control(
-    registry: JobRegistry,
-    policies: Mapping[str, JobPolicy],
-    connect: Callable[[], psycopg.Connection[Any]],
-    *,
-    queue: str,
+    registry: JobRegistry, policies: Mapping[str, JobPolicy], *, queue: str
 ) -> FlowControl | None:
     """The feature for the jobs with a policy in force (``JOB_POLICIES`` applied), or None."""
     if not policies:
@@ -73,28 +69,21 @@ def flow_control(
             "(effect 'database') rolls back with its batch's transaction, so it keeps Infrai's "
             "three deliveries: remove its retry, rate and concurrency policy"
         )
-    return FlowControl(policies, registry, connect, queue=queue)
+    return FlowControl(policies, registry, queue=queue)
 
 
 class FlowControl(DrainFeature):
-    """Retry policies, rate limits and concurrency keys. Each lane's thread has its own
-    autocommit connection (every ``flow.ledger`` call is a short transaction of its own)."""
+    """Retry policies, rate limits and concurrency keys. Deliveries and deferred runs go through
+    one port: every statement runs on the lane's own ledger connection (each ``work.store`` and
+    ``flow.limits`` call a short transaction of its own), so flow control holds no connection."""
 
     def __init__(
-        self,
-        policies: Mapping[str, JobPolicy],
-        registry: JobRegistry,
-        connect: Callable[[], psycopg.Connection[Any]],
-        *,
-        queue: str,
+        self, policies: Mapping[str, JobPolicy], registry: JobRegistry, *, queue: str
     ) -> None:
         self.policies = dict(policies)
         self._registry = registry
-        self._connect = connect
         self._queue = queue
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._opened: list[psycopg.Connection[Any]] = []
         self._counters: Counter[str] = Counter()
         self._prepared: set[str] = set()
 
@@ -119,12 +108,11 @@ class FlowControl(DrainFeature):
         except Exception as exc:  # noqa: BLE001 - a job's own set-up failing is its transient failure
             return JobRun(RunKind.TRANSIENT, error=f"prepare: {describe_error(exc)}")
         try:
-            conn = self._conn()
+            conn = attempt.ledger.connection()
             slot, wait, reason = self._gate(
                 conn, ctx, policy, attempt.derived.payload, slot_token=attempt.claim_token
             )
         except LedgerError as exc:
-            self._drop()
             # Released, not deferred: its message carries the work, as without flow control.
             return JobRun(RunKind.TRANSIENT, error=f"flow control: {exc}")
         except InvalidPayload as exc:
@@ -167,12 +155,6 @@ class FlowControl(DrainFeature):
                     f"final for its retry policy: {describe_error(exc)}"
                 ) from exc
             raise
-
-    def close(self) -> None:
-        with self._lock:
-            opened, self._opened = self._opened, []
-        for conn in opened:
-            conn.close()
 
     def _prepare(self, definition: JobDefinition, policy: JobPolicy) -> None:
         """Ready a rate-limited job's client once, before its first start is reserved."""
@@ -273,7 +255,7 @@ class FlowControl(DrainFeature):
         jobs = sorted(self.policies)
         while run.time_left_ms() > run.config.batch_budget_ms and not run.stop_requested():
             try:
-                conn = self._conn()
+                conn = run.ledger.connection()
                 due = flow_ledger.take_due(conn, DUE_BATCH, lease_seconds=lease, jobs=jobs)
             except LedgerError as exc:
                 self._ledger_failed("could not take deferred jobs", "deferred_take_failed", exc)
@@ -404,21 +386,6 @@ class FlowControl(DrainFeature):
             # The slot is freed when its lease ends.
             self._ledger_failed("could not release a concurrency slot", "slot_release_failed", exc)
 
-    def _conn(self) -> psycopg.Connection[Any]:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        if conn is None or conn.closed:
-            conn = self._connect()
-            self._local.conn = conn
-            with self._lock:
-                self._opened.append(conn)
-        return conn
-
     def _ledger_failed(self, message: str, action: str, exc: LedgerError, **fields: str) -> None:
-        self._drop()
+        # A broken connection is reopened by the ledger on its next use.
         logger.warning(message, extra={"action": action, **fields, "detail": str(exc)})
-
-    def _drop(self) -> None:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()

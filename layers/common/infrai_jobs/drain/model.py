@@ -166,6 +166,8 @@ class HandlerAttempt:
     ctx: JobContext
     derived: DerivedJob
     claim_token: uuid.UUID
+    # The lane's ledger: flow control's statements run on its connection.
+    ledger: LedgerPort
 
 
 # What a feature's ``around_drain`` calls to go on: the features after it, then the lane.

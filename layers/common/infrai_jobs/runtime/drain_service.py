@@ -29,7 +29,6 @@ from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_jobs.runtime.factory import (
-    ledger_connector,
     make_drain_fleet,
     make_drain_starter,
     make_effect_guard,
@@ -70,12 +69,7 @@ class DrainService:
         resolved, refresh = with_secrets(settings).unpacked()
         registry.bind_settings(job_settings, secrets=resolved.require_job_secrets())
         url_hook, key_hook = refresh.database_url, refresh.api_key
-        flow = flow_control(
-            registry,
-            policies,
-            ledger_connector(resolved, "infrai-jobs-flow", refresh).connect,
-            queue=resolved.queue,
-        )
+        flow = flow_control(registry, policies, queue=resolved.queue)
         return cls(
             settings=resolved,
             queue=make_queue_client(resolved, refresh_api_key=key_hook),

@@ -155,6 +155,9 @@ class PostgresLedger(LedgerAdapter):
             raise SchemaNotMigrated(jobs_schema_behind(missing))
         self._schema_checked = True
 
+    def connection(self) -> psycopg.Connection[Any]:
+        return self._connection()
+
     def ping(self) -> None:
         """Make sure the ledger answers before a drain receives anything: a connection the
         server closed while the environment was frozen is only found out by using it. Reconnects

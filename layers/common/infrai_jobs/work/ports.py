@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import psycopg
+
     from infrai_jobs.work.ledger import DatabaseRunner
     from infrai_jobs.work.states import ClaimDecision, ClaimRequest, JobRun, Settlement
 
@@ -26,6 +28,10 @@ class LedgerPort(Protocol):
 
     def flag_stuck(self, reasons: dict[str, str]) -> None:
         """Annotate running claims a human must look at."""
+
+    def connection(self) -> psycopg.Connection[Any]:
+        """Its one connection, reopened when the server closed it: flow control runs its
+        statements (``work.store``, ``flow.limits``) on it, so a lane holds one connection."""
 
     def ping(self) -> None:
         """Raise ``LedgerUnavailable`` unless the ledger answers (reconnecting once)."""

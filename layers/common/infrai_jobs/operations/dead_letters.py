@@ -259,9 +259,11 @@ def _take_back(
     )
     if outcome is not DeferOutcome.DEFERRED:
         return outcome is DeferOutcome.ALREADY_HELD
+    # The claim it released, if any, as it was: the history keeps both sides of the change.
+    before = None if claim is None else claim.as_dict()
     after = {"message_id": dead.message_id, "attempts": deliveries}
     action = "dead_letter_taken_back"
-    record_history(conn, key, action, actor=DRAIN_ACTOR, before=None, after=after, note=error)
+    record_history(conn, key, action, actor=DRAIN_ACTOR, before=before, after=after, note=error)
     return True
 
 

@@ -227,7 +227,8 @@ SETTLE_FAILED: LiteralString = (
     "UPDATE job_claims AS c\nSET state = 'failed', error = u.value, updated_at = now()\nFROM"
     + _FENCED
 )
-# The holder does not know whether its effect happened: flagged for a human, its lease ended.
+# The holder does not know whether its effect happened (a delivery's or a deferred run's):
+# flagged for a human, its lease ended; only a human or a probe settles it.
 MARK_UNCERTAIN: LiteralString = (
     "UPDATE job_claims AS c\nSET error = 'effect uncertain: ' || u.value, updated_at = now(),\n"
     "    lease_until = " + lease_cut("c") + "\nFROM" + _FENCED
@@ -305,16 +306,6 @@ BEGIN_RUN: LiteralString = """
 UPDATE job_claims SET began_at = clock_timestamp()
 WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
 """
-
-# An external run whose outcome is unknown is flagged and its lease ended, as a delivery's
-# uncertain claim is: it stays running, and only a human (or a probe) settles it.
-FLAG_UNCERTAIN: LiteralString = (
-    "UPDATE job_claims\nSET error = 'effect uncertain: ' || %(error)s, lease_until = "
-    + lease_cut()
-    + """, updated_at = now()
-WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
-"""
-)
 
 # A job a limit held back did not run: its attempt is given back and its last error kept.
 POSTPONE: LiteralString = """

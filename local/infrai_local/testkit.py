@@ -57,7 +57,7 @@ from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
 from infrai_local import emulator, provider_sink
@@ -695,7 +695,7 @@ def open_job_kit(
             (migrate or migrate_all)(conn)
         server = emulator.start_in_thread(visibility_timeout=VISIBILITY_SECONDS)
         stack.callback(server.stop)
-        client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
+        client = InfraiClient(server.url, API_KEY, retry=HttpRetryPolicy(base_delay=0.01))
         stack.callback(client.close)
         ensure_queue(client, QUEUE, dlq=DLQ)
         kit = JobKit(

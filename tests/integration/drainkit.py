@@ -27,7 +27,7 @@ from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.claims import ClaimRow
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
@@ -210,7 +210,7 @@ def harness(
     server = emulator_module.start_in_thread(visibility_timeout=visibility)
     sink = provider_sink.start_in_thread()
     limits = {} if max_answer_bytes is None else {"max_answer_bytes": max_answer_bytes}
-    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
+    client = InfraiClient(server.url, API_KEY, retry=HttpRetryPolicy(base_delay=0.01), **limits)
     ensure_queue(client, QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
     registry = jobs()

@@ -24,7 +24,7 @@ from infrai_jobs.errors import InfraiError
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import collect
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_local import emulator as emulator_module
 from infrai_local.migrations import apply_migrations
@@ -53,7 +53,7 @@ class Stage:
         self.database_url = database_url
         self.server = emulator_module.start_in_thread()
         self.client = InfraiClient(
-            self.server.url, "k", retry=RetryPolicy(max_attempts=2, base_delay=0.01)
+            self.server.url, "k", retry=HttpRetryPolicy(max_attempts=2, base_delay=0.01)
         )
         ensure_queue(self.client, QUEUE, dlq=DLQ)
         self.http = urllib3.PoolManager()

@@ -29,8 +29,7 @@ from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
-from infrai_jobs.queue.client import InfraiClient
-from infrai_jobs.queue.client import RetryPolicy as ClientRetry
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_local.operator import OperatorLedger
 
 JOB_POLICIES = json.dumps(
@@ -291,7 +290,7 @@ def drains_until_empty(
     queue and the deferred backlog are empty."""
 
     def one(flow: FlowControl) -> None:
-        client = InfraiClient(kit.server.url, "test-key", retry=ClientRetry(base_delay=0.01))
+        client = InfraiClient(kit.server.url, "test-key", retry=HttpRetryPolicy(base_delay=0.01))
         ledger = PostgresLedger(kit.database_url)
         lane_feature = Lanes(lanes, lambda: PostgresLedger(kit.database_url)) if lanes > 1 else None
         try:

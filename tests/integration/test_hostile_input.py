@@ -38,7 +38,7 @@ from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, InfraiInvalidResp
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.ledger.postgres import array_literal
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_local.embedded_db import scratch_database
 
 HOSTILE_SETTINGS = settings(
@@ -210,7 +210,7 @@ def crafted() -> Iterator[CraftedInfrai]:
 
 
 def crafted_client(crafted: CraftedInfrai) -> InfraiClient:
-    return InfraiClient(crafted.url, "test-key", retry=RetryPolicy(max_attempts=1))
+    return InfraiClient(crafted.url, "test-key", retry=HttpRetryPolicy(max_attempts=1))
 
 
 # --- Helpers ----------------------------------------------------------------------------------

@@ -704,11 +704,11 @@ def test_a_retried_infrai_call_is_a_warning_naming_the_call_and_queue(
     import logging  # noqa: PLC0415
 
     from infrai_jobs.errors import InfraiUnavailable  # noqa: PLC0415
-    from infrai_jobs.queue.client import InfraiClient, RetryPolicy  # noqa: PLC0415
+    from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient  # noqa: PLC0415
 
     # Given an Infrai failing every ack
     kit.faults(error_rate=1.0, routes=["ack"])
-    client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.001))
+    client = InfraiClient(kit.server.url, "test-key", retry=HttpRetryPolicy(base_delay=0.001))
     try:
         # When an ack is retried until it gives up
         with (

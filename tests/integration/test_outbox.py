@@ -220,7 +220,7 @@ KILL_AFTER_PUBLISHES = """
 import os, signal, sys
 from infrai_jobs.ledger.postgres import LedgerConnector
 from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import InfraiClient, HttpRetryPolicy
 from infrai_jobs.queue.ports import ForwardingQueue
 
 url, database_url, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -237,7 +237,7 @@ class KilledAfterPublishing(ForwardingQueue):
         return message_id
 
 
-client = InfraiClient(url, "test-key", retry=RetryPolicy(base_delay=0.01))
+client = InfraiClient(url, "test-key", retry=HttpRetryPolicy(base_delay=0.01))
 relay = OutboxRelay(
     LedgerConnector(database_url, application_name="killed-relay"),
     KilledAfterPublishing(client),

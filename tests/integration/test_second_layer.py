@@ -45,7 +45,7 @@ from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.factory import make_alert_check, make_effect_guard
 from infrai_local.operator import still_stuck
@@ -240,7 +240,7 @@ def test_concurrent_duplicates_run_the_effect_once(
         forget_ledger_row(kit, "test.slow:1")
         kit.publish({"job": "test.slow", "id": "1"})
         # When a second drain, with its own connections, claims the copy meanwhile
-        client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.01))
+        client = InfraiClient(kit.server.url, "test-key", retry=HttpRetryPolicy(base_delay=0.01))
         ledger = PostgresLedger(database_url)
         try:
             config = DrainConfig(queue=QUEUE, features=backend.features)

@@ -21,7 +21,7 @@ from infrai_jobs.ledger.claim_ledger import PostgresLedger
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
 from infrai_jobs.operations.claims_admin import ClaimsAdmin
 from infrai_jobs.operations.dead_letters import fingerprint_or_none
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_local import cli as cli_module
@@ -110,7 +110,7 @@ class _NoQueue:
 
 def test_a_rejected_api_key_never_appears_in_the_error(emulator: RunningEmulator) -> None:
     # Given a client whose API key the service rejects
-    client = InfraiClient(emulator.url, API_KEY, retry=RetryPolicy(max_attempts=1))
+    client = InfraiClient(emulator.url, API_KEY, retry=HttpRetryPolicy(max_attempts=1))
     # When it calls, Then the 401 error and its chain do not show the key
     with pytest.raises(InfraiError) as raised:
         client.stats("billing-jobs")
@@ -122,7 +122,7 @@ def test_a_rejected_api_key_never_appears_in_the_error(emulator: RunningEmulator
 
 def test_an_unreachable_service_error_never_holds_the_api_key() -> None:
     # Given a client pointed at a closed port
-    client = InfraiClient("http://127.0.0.1:1", API_KEY, retry=RetryPolicy(max_attempts=1))
+    client = InfraiClient("http://127.0.0.1:1", API_KEY, retry=HttpRetryPolicy(max_attempts=1))
     # When it calls, Then the connection error does not show the key
     with pytest.raises(InfraiError) as raised:
         client.stats("billing-jobs")

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, cli_environment, run_cli
+from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, cli_environment, code_root, run_cli
 
 FIXTURE_JOBS = """
 from infrai_jobs.jobs.registry import Effect, JobRegistry
@@ -39,10 +39,7 @@ LARGE_NOTE = "n" * 200_000
 
 @pytest.fixture
 def code(tmp_path: Path) -> Path:
-    package = tmp_path / "code" / "jobs"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(FIXTURE_JOBS)
-    return package.parent
+    return code_root(tmp_path / "code", FIXTURE_JOBS)
 
 
 def _published(kit: Harness) -> list[dict[str, object]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import fixture_jobs
 import pytest
 from child_process import clean_env, run_captured
-from fixture_project import fixture_jobs_as_jobs
+from fixture_project import fixture_jobs_as_jobs, running_services
 from ledger_entry_points import entry_points
 
 from infrai_jobs.aws.secrets import database_url_from_secret
@@ -25,7 +25,6 @@ from infrai_jobs.config.settings import DrainSettings, PruneSettings
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
 from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_secrets
-from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
 from infrai_local.jobs_package import JOBS_PATH_ENV
 
@@ -214,17 +213,8 @@ def test_no_operator_command_prints_a_piece_of_the_password(case: Hostile) -> No
 
 @pytest.fixture(scope="module")
 def services() -> Iterator[dict[str, str]]:
-    server = emulator.start_in_thread()
-    sink = provider_sink.start_in_thread()
-    try:
-        yield {
-            "INFRAI_BASE_URL": server.url,
-            "INFRAI_API_KEY": "k",
-            **fixture_jobs.provider_settings(sink.url),
-        }
-    finally:
-        sink.stop()
-        server.stop()
+    with running_services("k") as running:
+        yield running
 
 
 class _Lines:

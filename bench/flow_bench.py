@@ -41,7 +41,6 @@ import re
 import shutil
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,6 +61,7 @@ from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
+import receipt_drain  # noqa: E402
 from bench_env import API_KEY, Workload  # noqa: E402
 from instruments import (  # noqa: E402
     BatchRecorder,
@@ -69,6 +69,8 @@ from instruments import (  # noqa: E402
     RoundTrips,
     TimedQueue,
     count_round_trips,
+    cpu_use,
+    labels_per_message,
     latency_summary,
     memory_mb,
     process_cpu_seconds,
@@ -82,10 +84,9 @@ from receipt_drain import (  # noqa: E402
     prepared,
     queue_stats,
     run_worker_process,
-    worker_mode,
     workload_config,
 )
-from results_file import add_output_options, update_results  # noqa: E402
+from results_file import update_results  # noqa: E402
 
 # Limits far above what one lane starts (a few hundred a second here), on a key whose every
 # value runs once at a time: in force, never reached.
@@ -183,10 +184,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "flow_round_trips_by_label": dict(flow_only.by_label.most_common()),
         },
         "memory": {"rss_before_mb": rss_before, **memory_mb()},
-        "cpu": {
-            "process_s": round(cpu1 - cpu0, 2),
-            "process_pct_of_one_core": round(100 * (cpu1 - cpu0) / elapsed, 1) if elapsed else 0,
-        },
+        "cpu": cpu_use(cpu1 - cpu0, elapsed),
     }
 
 
@@ -279,11 +277,6 @@ def _one_drain(
 
 
 def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    labels: Counter[str] = Counter()
-    consumed = 0
-    for run in runs:
-        labels.update(run["db"]["round_trips_by_label"])
-        consumed += run["consumed"]
     return {
         "messages_per_s": median([r["messages_per_s"] for r in runs]),
         "elapsed_s": median([r["elapsed_s"] for r in runs]),
@@ -298,10 +291,8 @@ def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "flow_round_trips_per_drain": median([r["db"]["flow_round_trips"] for r in runs]),
         "statements_per_message": median([r["db"]["per_message"]["statements"] for r in runs]),
         "round_trips_per_message_by_label": {
-            label: round(n / consumed, 3) for label, n in labels.most_common()
-        }
-        if consumed
-        else {},
+            label: round(n, 3) for label, n in labels_per_message(runs).items()
+        },
         "process_cpu_pct": median([r["cpu"]["process_pct_of_one_core"] for r in runs]),
         "peak_rss_mb": median([r["memory"]["peak_rss_mb"] for r in runs]),
         "verified": all(r["verified"]["ok"] for r in runs),
@@ -406,30 +397,20 @@ def summary_text(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flow_bench.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=1000, help="messages per drain (%(default)s)")
-    parser.add_argument(
-        "--duplicates", type=float, default=0.3, help="share of duplicate publishes (%(default)s)"
+    return receipt_drain.build_parser(
+        "flow_bench.py",
+        __doc__.split("\n\n")[0],
+        latency_help="per Infrai call",
+        rounds_help="(unlimited, available, limited)",
+        stored_under="flow_control",
     )
-    parser.add_argument("--latency-ms", type=float, default=25.0, help="per Infrai call")
-    parser.add_argument("--rounds", type=int, default=2, help="(unlimited, available, limited)")
-    parser.add_argument("--seed", type=int, default=9)
-    parser.add_argument("--timeout-s", type=float, default=900, help="per drain")
-    add_output_options(
-        parser,
-        update_help="store the result under flow_control in these results files and "
-        "regenerate the chart and docs/performance.md from the first",
-    )
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker is not None:
-        return worker_mode(args.worker, run_worker)
-    if args.rounds < 1 or args.jobs < 1:
-        raise SystemExit("--rounds and --jobs must be at least 1")
+    return receipt_drain.command(build_parser().parse_args(argv), run_worker, _measured)
+
+
+def _measured(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     workload = Workload(args.jobs, args.duplicates, args.seed)
     with bench_setup("infrai-bench-flow-", args.latency_ms, args.timeout_s) as setup:
         result = measure(setup, workload, rounds=args.rounds)
@@ -442,11 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             document["targets"] = report.evaluate_targets(document)
 
         update_results(args.update, with_flow)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(summary_text(result))
-    return 0
+    return result, summary_text(result)
 
 
 if __name__ == "__main__":

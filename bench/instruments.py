@@ -319,6 +319,17 @@ def count_round_trips(paths: Iterable[Path], job_statement: re.Pattern[str]) -> 
     return counts
 
 
+def labels_per_message(runs: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """The ledger's round trips per message consumed, by label, over worker results that hold
+    ``db.round_trips_by_label`` (most frequent first; none when nothing was consumed)."""
+    counts: Counter[str] = Counter()
+    consumed = 0
+    for run in runs:
+        counts.update(run["db"]["round_trips_by_label"])
+        consumed += run["consumed"]
+    return {label: n / consumed for label, n in counts.most_common()} if consumed else {}
+
+
 def _messages(text: str) -> list[tuple[str, str, str]]:
     """(direction, type, text) per message; SQL with newlines spans several trace lines."""
     messages: list[tuple[str, str, str]] = []
@@ -428,6 +439,14 @@ def memory_mb() -> dict[str, float]:
 def process_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def cpu_use(seconds: float, elapsed: float) -> dict[str, float]:
+    """A result's ``cpu``: the seconds a drain used, and that as a share of one core."""
+    return {
+        "process_s": round(seconds, 2),
+        "process_pct_of_one_core": round(100 * seconds / elapsed, 1) if elapsed else 0,
+    }
 
 
 def pid_cpu_seconds(pid: int) -> float | None:

@@ -9,6 +9,7 @@ latency is injected on the emulator only while the worker drains.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import statistics
@@ -31,6 +32,7 @@ from infrai_local.queues import ensure_queue
 
 from bench_env import API_KEY, EmulatorProcess, Workload, worker_result
 from instruments import sample_busy_percent
+from results_file import add_output_options
 
 if TYPE_CHECKING:
     from infrai_jobs.queue.models import QueueStats
@@ -197,3 +199,44 @@ def median(values: Sequence[float | None]) -> float | None:
     """The median of the values present, rounded to 3 places (None if there is none)."""
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 3) if present else None
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def build_parser(
+    prog: str, description: str, *, latency_help: str, rounds_help: str, stored_under: str
+) -> argparse.ArgumentParser:
+    """The options every receipt benchmark takes; ``stored_under``: its key in results files."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--jobs", type=int, default=1000, help="messages per drain (%(default)s)")
+    parser.add_argument(
+        "--duplicates", type=float, default=0.3, help="share of duplicate publishes (%(default)s)"
+    )
+    parser.add_argument("--latency-ms", type=float, default=25.0, help=latency_help)
+    parser.add_argument("--rounds", type=int, default=2, help=rounds_help)
+    parser.add_argument("--seed", type=int, default=9)
+    parser.add_argument("--timeout-s", type=float, default=900, help="per drain")
+    add_output_options(
+        parser,
+        update_help=f"store the result under {stored_under} in these results files and "
+        "regenerate the chart and docs/performance.md from the first",
+    )
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def command(
+    args: argparse.Namespace,
+    run_worker: Callable[[dict[str, Any]], dict[str, Any]],
+    measure: Callable[[argparse.Namespace], tuple[dict[str, Any], str]],
+) -> int:
+    """A receipt benchmark's command: one drain in ``--worker`` mode; else what ``measure``
+    gives (it stores the result with ``--update``): the result with ``--json``, else its text."""
+    if args.worker is not None:
+        return worker_mode(args.worker, run_worker)
+    if args.rounds < 1 or args.jobs < 1:
+        raise SystemExit("--rounds and --jobs must be at least 1")
+    result, text = measure(args)
+    print(json.dumps(result, indent=2) if args.json else text)
+    return 0

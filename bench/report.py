@@ -11,13 +11,14 @@ import argparse
 import json
 import math
 import sys
-from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
+
+from instruments import labels_per_message
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -367,15 +368,6 @@ def _pass(value: bool | None) -> str:
     return "not measured" if value is None else ("**pass**" if value else "**FAIL**")
 
 
-def _labels_per_message(runs: list[dict[str, Any]]) -> dict[str, float]:
-    counts: Counter[str] = Counter()
-    consumed = 0
-    for run in runs:
-        counts.update(run["db"]["round_trips_by_label"])
-        consumed += run["consumed"]
-    return {label: n / consumed for label, n in counts.most_common()} if consumed else {}
-
-
 def render_markdown(document: dict[str, Any], chart: Path) -> str:
     lines: list[str] = []
     add = lines.append
@@ -559,8 +551,8 @@ def _comparison_section(document: dict[str, Any]) -> list[str]:
 def _round_trips_section(document: dict[str, Any]) -> list[str]:
     if not document["config"]["db_trace"]:
         return []
-    a_labels = _labels_per_message(document["variants"]["notes_loop"]["runs"])
-    b_labels = _labels_per_message(document["variants"]["drain"]["runs"])
+    a_labels = labels_per_message(document["variants"]["notes_loop"]["runs"])
+    b_labels = labels_per_message(document["variants"]["drain"]["runs"])
     lines = [
         "### Where the database round trips go",
         "",
@@ -991,9 +983,7 @@ def _second_layer_section(document: dict[str, Any]) -> list[str]:
         "HTTP request (a botocore `before-send` hook that sleeps, then sends: exactly one "
         "latency per attempt, no extra proxy hop in what is measured).",
         "",
-        f"| per drain (median{' of ' + str(rounds) + ' rounds' if rounds > 1 else ''}) | off "
-        "| on: first run | on: replay |",
-        "| --- | ---: | ---: | ---: |",
+        *_per_drain_header(rounds, "off", "on: first run", "on: replay"),
     ]
     for label, key, digits in _SECOND_LAYER_ROWS:
         cells = [_fmt(m[key], digits) for m in (off, on, replay)]
@@ -1035,19 +1025,7 @@ def _second_layer_section(document: dict[str, Any]) -> list[str]:
         "answers never reach the layer, and `database`-class jobs never use it.",
         "",
     ]
-    skewed = [
-        f"{run['name']} {run['background_busy_pct']:g}%"
-        for mode_runs in result["runs"].values()
-        for run in mode_runs
-        if (run.get("background_busy_pct") or 0) > BACKGROUND_WARNING_PCT
-    ]
-    if skewed:
-        lines += [
-            f"Other work was running when {len(skewed)} of these drains started (more than "
-            f"{BACKGROUND_WARNING_PCT:g}% busy: {', '.join(skewed)}); their figures may be "
-            "skewed.",
-            "",
-        ]
+    lines += _busy_machine_note(result)
     cold = result.get("cold_start")
     if cold:
         when = f" (measured {cold['measured_at']})" if cold.get("measured_at") else ""
@@ -1159,9 +1137,7 @@ def _flow_section(document: dict[str, Any]) -> list[str]:
         "released, one recorded rate start per limited job run, and none of the limits' "
         "statements without a limited job.",
         "",
-        f"| per drain (median{' of ' + str(rounds) + ' rounds' if rounds > 1 else ''}) "
-        "| unlimited | available | limited |",
-        "| --- | ---: | ---: | ---: |",
+        *_per_drain_header(rounds, "unlimited", "available", "limited"),
     ]
     for label, key, digits in _FLOW_ROWS:
         cells = [_fmt(m[key], digits) for m in (unlimited, available, limited)]
@@ -1220,20 +1196,35 @@ def _flow_section(document: dict[str, Any]) -> list[str]:
         "claim statement itself.",
         "",
     ]
+    lines += _busy_machine_note(result)
+    return lines
+
+
+def _per_drain_header(rounds: int, *columns: str) -> list[str]:
+    """The head of a receipt benchmark's table: one column of medians per mode."""
+    over = f" of {rounds} rounds" if rounds > 1 else ""
+    return [
+        f"| per drain (median{over}) | {' | '.join(columns)} |",
+        "| --- |" + " ---: |" * len(columns),
+    ]
+
+
+def _busy_machine_note(result: dict[str, Any]) -> list[str]:
+    """A paragraph naming the drains of a receipt benchmark that started while other work kept
+    the machine busy (none when there were none)."""
     skewed = [
         f"{run['name']} {run['background_busy_pct']:g}%"
         for mode_runs in result["runs"].values()
         for run in mode_runs
         if (run.get("background_busy_pct") or 0) > BACKGROUND_WARNING_PCT
     ]
-    if skewed:
-        lines += [
-            f"Other work was running when {len(skewed)} of these drains started (more than "
-            f"{BACKGROUND_WARNING_PCT:g}% busy: {', '.join(skewed)}); their figures may be "
-            "skewed.",
-            "",
-        ]
-    return lines
+    if not skewed:
+        return []
+    return [
+        f"Other work was running when {len(skewed)} of these drains started (more than "
+        f"{BACKGROUND_WARNING_PCT:g}% busy: {', '.join(skewed)}); their figures may be skewed.",
+        "",
+    ]
 
 
 def _method_section(document: dict[str, Any]) -> list[str]:

@@ -54,6 +54,7 @@ from infrai_jobs.queue_contract import CONSUME_CAP
 from infrai_local.embedded_db import configured_database_url, postgres_server_url
 
 import cold_start
+import receipt_drain
 import report
 from bench_env import (
     API_KEY,
@@ -470,16 +471,9 @@ def _second_layer(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     # Imported here: it imports functions/jobs and, when it runs, moto's server.
     import second_layer_bench  # noqa: PLC0415
 
-    print(
-        f"second layer: off / on / replay, {args.second_layer_jobs} receipt.send messages",
-        file=sys.stderr,
+    setup, workload = _receipt_bench(
+        args, bench, "second-layer", "second layer: off / on / replay", args.second_layer_jobs
     )
-    scratch = bench.scratch / "second-layer"
-    scratch.mkdir()
-    setup = second_layer_bench.Setup(
-        bench.server_url, bench.emulator, scratch, bench.latency_ms, bench.timeout_s
-    )
-    workload = Workload(args.second_layer_jobs, args.duplicates, args.seed)
     result: dict[str, Any] = second_layer_bench.measure(
         setup, workload, rounds=args.second_layer_rounds, cold_start_runs=args.cold_start_runs
     )
@@ -491,19 +485,26 @@ def _flow(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     """What a limited job costs, on this run's PostgreSQL and emulator."""
     import flow_bench  # noqa: PLC0415 - it imports functions/jobs and the provider sink
 
-    print(
-        f"flow control: unlimited / available / limited, {args.flow_jobs} receipt.send messages",
-        file=sys.stderr,
+    setup, workload = _receipt_bench(
+        args, bench, "flow", "flow control: unlimited / available / limited", args.flow_jobs
     )
-    scratch = bench.scratch / "flow"
-    scratch.mkdir()
-    setup = flow_bench.Setup(
-        bench.server_url, bench.emulator, scratch, bench.latency_ms, bench.timeout_s
-    )
-    workload = Workload(args.flow_jobs, args.duplicates, args.seed)
     result: dict[str, Any] = flow_bench.measure(setup, workload, rounds=args.flow_rounds)
     print(flow_bench.summary_text(result), file=sys.stderr)
     return result
+
+
+def _receipt_bench(
+    args: argparse.Namespace, bench: Bench, folder: str, modes: str, jobs: int
+) -> tuple[receipt_drain.Setup, Workload]:
+    """A receipt benchmark's setup on this run's PostgreSQL and emulator (a scratch ``folder``
+    of its own), and its workload of ``jobs`` messages; ``modes`` is said first."""
+    print(f"{modes}, {jobs} receipt.send messages", file=sys.stderr)
+    scratch = bench.scratch / folder
+    scratch.mkdir()
+    setup = receipt_drain.Setup(
+        bench.server_url, bench.emulator, scratch, bench.latency_ms, bench.timeout_s
+    )
+    return setup, Workload(jobs, args.duplicates, args.seed)
 
 
 def assemble(

@@ -69,10 +69,12 @@ from infrai_jobs.work.ports import EffectGuard  # noqa: E402
 from infrai_local import provider_sink  # noqa: E402
 from jobs import build_registry  # noqa: E402
 
+import receipt_drain  # noqa: E402
 from bench_env import API_KEY, Workload  # noqa: E402
 from instruments import (  # noqa: E402
     BatchRecorder,
     TimedQueue,
+    cpu_use,
     latency_summary,
     memory_mb,
     process_cpu_seconds,
@@ -86,10 +88,9 @@ from receipt_drain import (  # noqa: E402
     prepared,
     queue_stats,
     run_worker_process,
-    worker_mode,
     workload_config,
 )
-from results_file import add_output_options, update_results  # noqa: E402
+from results_file import update_results  # noqa: E402
 
 TABLE_PREFIX = "infrai-bench-idempotency"
 # Fake credentials for moto; never real ones.
@@ -253,10 +254,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         },
         "memory": {"rss_before_mb": rss_before, **memory},
         "boto3_imported": "boto3" in sys.modules,
-        "cpu": {
-            "process_s": round(cpu1 - cpu0, 2),
-            "process_pct_of_one_core": round(100 * (cpu1 - cpu0) / elapsed, 1) if elapsed else 0,
-        },
+        "cpu": cpu_use(cpu1 - cpu0, elapsed),
     }
 
 
@@ -604,58 +602,40 @@ def summary_text(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="second_layer_bench.py", description=__doc__.split("\n\n")[0]
+    parser = receipt_drain.build_parser(
+        "second_layer_bench.py",
+        __doc__.split("\n\n")[0],
+        latency_help="per Infrai and DynamoDB call (%(default)s)",
+        rounds_help="(off, on, replay) rounds",
+        stored_under="second_layer",
     )
-    parser.add_argument("--jobs", type=int, default=1000, help="messages per drain (%(default)s)")
-    parser.add_argument(
-        "--duplicates", type=float, default=0.3, help="share of duplicate publishes (%(default)s)"
-    )
-    parser.add_argument(
-        "--latency-ms", type=float, default=25.0, help="per Infrai and DynamoDB call (%(default)s)"
-    )
-    parser.add_argument("--rounds", type=int, default=2, help="(off, on, replay) rounds")
     parser.add_argument("--cold-start-runs", type=int, default=10, help="0 skips the cold start")
     parser.add_argument(
         "--cold-start-only",
         action="store_true",
         help="measure only the cold start (with --update: replace only that part)",
     )
-    parser.add_argument("--seed", type=int, default=9)
-    parser.add_argument("--timeout-s", type=float, default=900, help="per drain")
-    add_output_options(
-        parser,
-        update_help="store the result under second_layer in these results files and "
-        "regenerate the chart and docs/performance.md from the first",
-    )
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker is not None:
-        return worker_mode(args.worker, run_worker)
-    if args.rounds < 1 or args.jobs < 1:
-        raise SystemExit("--rounds and --jobs must be at least 1")
+    return receipt_drain.command(build_parser().parse_args(argv), run_worker, _measured)
+
+
+def _measured(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.cold_start_only:
         if args.cold_start_runs < 1:
             raise SystemExit("--cold-start-only needs --cold-start-runs of at least 1")
         cold = measure_cold_start(args.cold_start_runs)
         if args.update:
             _update_results(args.update, {"cold_start": cold}, cold_only=True)
-        print(json.dumps(cold, indent=2))
-        return 0
+        return cold, json.dumps(cold, indent=2)
     workload = Workload(args.jobs, args.duplicates, args.seed)
     with bench_setup("infrai-bench-sl-", args.latency_ms, args.timeout_s) as setup:
         result = measure(setup, workload, rounds=args.rounds, cold_start_runs=args.cold_start_runs)
     if args.update:
         _update_results(args.update, result, cold_only=False)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(summary_text(result))
-    return 0
+    return result, summary_text(result)
 
 
 if __name__ == "__main__":

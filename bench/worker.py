@@ -47,6 +47,7 @@ from instruments import (  # noqa: E402
     TimedQueue,
     busy_percent,
     count_round_trips,
+    cpu_use,
     latency_summary,
     machine_cpu_ticks,
     memory_mb,
@@ -186,11 +187,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         },
         "memory": {"rss_before_mb": rss_before, **memory},
         "profile_top": profile_top,
-        "cpu": {
-            "process_s": round(drained.cpu_s, 2),
-            "process_pct_of_one_core": round(100 * drained.cpu_s / elapsed, 1) if elapsed else 0,
-            "machine_busy_pct": drained.busy_pct,
-        },
+        "cpu": {**cpu_use(drained.cpu_s, elapsed), "machine_busy_pct": drained.busy_pct},
     }
 
 

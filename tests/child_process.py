@@ -29,10 +29,19 @@ def run_captured(
     env: dict[str, str] | None = None,
     cwd: Path | str | None = None,
     timeout: float = 120,
+    stdin_text: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``argv`` run to its end (or the timeout), stdout and stderr captured as text."""
+    """``argv`` run to its end (or the timeout), given ``stdin_text`` on its standard input,
+    stdout and stderr captured as text."""
     return subprocess.run(
-        list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        list(argv),
+        cwd=cwd,
+        env=env,
+        input=stdin_text,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

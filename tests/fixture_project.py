@@ -22,6 +22,8 @@ from types import ModuleType
 import fixture_jobs
 import pytest
 
+from infrai_local import emulator, provider_sink
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,3 +77,20 @@ def fixture_jobs_as_jobs() -> Iterator[ModuleType]:
 
 def _jobs_modules() -> list[str]:
     return [name for name in sys.modules if name == "jobs" or name.startswith("jobs.")]
+
+
+@contextmanager
+def running_services(api_key: str) -> Iterator[dict[str, str]]:
+    """The emulator and the provider sink, running, named as a function's environment names
+    them: Infrai's URL with ``api_key``, and every fixture job's setting pointed at the sink."""
+    server = emulator.start_in_thread()
+    sink = provider_sink.start_in_thread()
+    try:
+        yield {
+            "INFRAI_BASE_URL": server.url,
+            "INFRAI_API_KEY": api_key,
+            **fixture_jobs.provider_settings(sink.url),
+        }
+    finally:
+        sink.stop()
+        server.stop()

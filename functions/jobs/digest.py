@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from urllib.parse import quote
 
-from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs.http_pool import LazyPool
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
@@ -27,16 +26,14 @@ DIGEST_PROVIDER_URL = "DIGEST_PROVIDER_URL"
 
 def build_digest(payload: Payload, ctx: JobContext) -> JsonValue:
     body = json.dumps({"tenant_id": payload["tenant_id"], "period": payload["period"]})
-    response = _http.request(
+    response = _http.call(
         "POST",
         f"{ctx.settings[DIGEST_PROVIDER_URL]}/v1/digests",
+        provider="digest provider",
+        idempotent=True,
         body=body,
         headers={"Content-Type": "application/json", "Idempotency-Key": ctx.idem_key},
     )
-    if 400 <= response.status < 500 and response.status not in (409, 429):
-        raise PermanentJobError(f"digest provider refused: HTTP {response.status}")
-    if response.status >= 300:
-        raise RuntimeError(f"digest provider answered HTTP {response.status}; will retry")
     answer = json.loads(response.data)
     return {"digest_id": answer.get("id"), "replayed": bool(answer.get("replayed"))}
 

@@ -1,8 +1,8 @@
 """``receipt.send``: an ``external`` job. A sent e-mail cannot be unsent.
 
 Its claim is committed before the call. If the call may have reached the provider but we cannot
-tell (a timeout, a 5xx), the handler raises ``EffectUncertain``: the claim stays ``running`` and is
-flagged for a human, instead of a retry that might send a second receipt.
+tell (a timeout, a 5xx), the pool's ``call`` raises ``EffectUncertain``: the claim stays
+``running`` and is flagged for a human, instead of a retry that might send a second receipt.
 
 When a claim is stuck anyway, its reconcile probe asks the provider for the mails sent for the
 invoice (``GET /v1/mail?invoice_id=...``) and looks for this invoice's receipt among them (its
@@ -23,7 +23,6 @@ import hashlib
 import json
 from urllib.parse import urlencode
 
-from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs.http_pool import LazyPool
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
@@ -37,8 +36,6 @@ MAIL_PROVIDER_URL = "MAIL_PROVIDER_URL"
 
 
 def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
-    import urllib3  # noqa: PLC0415 (on first use, like the pool: see infrai_jobs.jobs.http_pool)
-
     body = json.dumps(
         {
             "to": payload["email"],
@@ -46,21 +43,13 @@ def send_receipt(payload: Payload, ctx: JobContext) -> JsonValue:
             "invoice_id": payload["invoice_id"],
         }
     )
-    try:
-        response = _http.request(
-            "POST",
-            f"{ctx.settings[MAIL_PROVIDER_URL]}/v1/mail/send",
-            body=body,
-            headers={"Content-Type": "application/json"},
-        )
-    except urllib3.exceptions.NewConnectionError:
-        raise  # nothing was sent: the transient failure releases the claim for a retry
-    except urllib3.exceptions.HTTPError as exc:
-        raise EffectUncertain(f"mail provider call ended without an answer: {exc}") from exc
-    if response.status >= 500:
-        raise EffectUncertain(f"mail provider answered {response.status}; it may have sent")
-    if response.status >= 400:
-        raise PermanentJobError(f"mail provider refused the receipt: HTTP {response.status}")
+    response = _http.call(
+        "POST",
+        f"{ctx.settings[MAIL_PROVIDER_URL]}/v1/mail/send",
+        provider="mail provider",
+        body=body,
+        headers={"Content-Type": "application/json"},
+    )
     # The mail is sent: whatever the body looks like, this must not become a retry.
     try:
         answer = json.loads(response.data)

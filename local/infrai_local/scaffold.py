@@ -681,7 +681,6 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
     import json
 
-    from infrai_jobs.errors import EffectUncertain, PermanentJobError
     from infrai_jobs.jobs.http_pool import LazyPool{policy_import}
     from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
@@ -691,23 +690,13 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
 
     def handle(payload: Payload, ctx: JobContext) -> JsonValue:
-        import urllib3  # noqa: PLC0415 (on first use, like the pool: see its module)
-
-        try:
-            response = _http.request(
-                "POST",
-                f"{{ctx.settings[{setting}]}}/v1/effects/{name}",
-                body=json.dumps(dict(payload)),
-                headers={{{key_header}"Content-Type": "application/json"}},
-            )
-        except urllib3.exceptions.NewConnectionError:
-            raise  # nothing was sent: the claim is released for a retry
-        except urllib3.exceptions.HTTPError as exc:
-            raise EffectUncertain(f"the call ended without an answer: {{exc}}") from exc
-        if response.status >= 500:
-            raise EffectUncertain(f"the provider answered {{response.status}}; it may have acted")
-        if response.status >= 400:
-            raise PermanentJobError(f"the provider refused: HTTP {{response.status}}")
+        response = _http.call(
+            "POST",
+            f"{{ctx.settings[{setting}]}}/v1/effects/{name}",
+            provider="the provider",
+            body=json.dumps(dict(payload)),
+            headers={{{key_header}"Content-Type": "application/json"}},
+        )
         try:
             answer = json.loads(response.data)
         except ValueError:

@@ -54,7 +54,7 @@ from infrai_jobs.jobs.registry import (
     Payload,
 )
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_jobs.runtime.drain_service import DrainService, job_policies
 from infrai_jobs.work.admin import WorkStore
@@ -693,7 +693,7 @@ def open_job_kit(
             (migrate or migrate_all)(conn)
         server = emulator.start_in_thread(visibility_timeout=VISIBILITY_SECONDS)
         stack.callback(server.stop)
-        client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01))
+        client = InfraiClient(server.url, API_KEY, retry=HttpRetryPolicy(base_delay=0.01))
         stack.callback(client.close)
         ensure_queue(client, QUEUE, dlq=DLQ)
         kit = JobKit(

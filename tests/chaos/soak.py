@@ -91,7 +91,7 @@ from infrai_jobs.ledger.dead_letter_rows import LEDGER_HELD_DLQ
 from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.operations.redrive import MAX_REDRIVE_PER_CALL, RedriveRequest, redrive
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.work.admin import WorkStore
 from infrai_local.embedded_db import EmbeddedPostgres
@@ -1087,7 +1087,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         stack.callback(sink_process.stop)
         emulator = Emulator(emulator_process.url)
         stack.callback(emulator.close)
-        client = InfraiClient(emulator_process.url, api_key, retry=RetryPolicy(base_delay=0.01))
+        client = InfraiClient(emulator_process.url, api_key, retry=HttpRetryPolicy(base_delay=0.01))
         stack.callback(client.close)
         ensure_queue(client, QUEUE, dlq=DLQ)
 

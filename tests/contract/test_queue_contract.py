@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue_contract import CONSUME_CAP, MAX_RECEIVE_COUNT
 from infrai_local.emulator import start_in_thread
 from infrai_local.fakes import FakeClock, InMemoryQueue
@@ -44,7 +44,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield Backend(fake, clock.advance)
         return
     server = start_in_thread(visibility_timeout=VISIBILITY)
-    client = InfraiClient(server.url, "contract-key", retry=RetryPolicy(base_delay=0.01))
+    client = InfraiClient(server.url, "contract-key", retry=HttpRetryPolicy(base_delay=0.01))
     try:
         ensure_queue(client, QUEUE, dlq=DLQ)
         yield Backend(client, server.emulator.advance_clock)

@@ -8,9 +8,11 @@ from collections.abc import Iterator
 import fixture_jobs
 import psycopg
 import pytest
-from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
+from fixture_project import (
+    project,  # noqa: F401 - the fixture, for this tier's tests
+    running_services,
+)
 
-from infrai_local import emulator, provider_sink
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 
@@ -24,16 +26,9 @@ def services(database_url: str) -> Iterator[dict[str, str]]:
         apply_migrations(conn, read_migrations(jobs_migrations_folder(fixture_jobs.CODE_ROOT)))
         conn.execute("INSERT INTO invoices VALUES ('inv_8812', 'draft', NULL)")
         conn.execute("INSERT INTO invoices VALUES ('inv_9000', 'draft', NULL)")
-    server = emulator.start_in_thread()
-    sink = provider_sink.start_in_thread()
-    try:
+    with running_services("local-dev-key") as running:
         yield {
-            "INFRAI_BASE_URL": server.url,
-            "INFRAI_API_KEY": "local-dev-key",
+            **running,
             "DATABASE_URL": database_url,
             JOBS_PATH_ENV: str(fixture_jobs.CODE_ROOT),
-            **fixture_jobs.provider_settings(sink.url),
         }
-    finally:
-        sink.stop()
-        server.stop()

@@ -541,6 +541,28 @@ def alarm_reading_emitted(
     return props
 
 
+def alarm_on_emitted_series(
+    capsys: pytest.CaptureFixture[str], alarm_name: str, metric: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The template, what its functions' code emits (``emitted_metrics``), and the properties
+    of ``alarm_name`` once seen to read ``metric`` among them (``alarm_reading_emitted``)."""
+    template = load_template()
+    emitted = emitted_metrics(template, capsys)
+    return template, emitted, alarm_reading_emitted(template, emitted, alarm_name, metric)
+
+
+def age_alarm_on_emitted_series(
+    capsys: pytest.CaptureFixture[str], alarm_name: str, metric: str, parameter: str, command: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``alarm_on_emitted_series`` for an alarm on an age: it pages when the series' maximum is
+    above the ``parameter``, and its description names the ``command`` to look."""
+    template, emitted, props = alarm_on_emitted_series(capsys, alarm_name, metric)
+    assert props["Threshold"] == {"Ref": parameter}
+    assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
+    assert command in " ".join(props["AlarmDescription"].split())
+    return template, emitted, props
+
+
 def drain_schedule_rate_seconds(template: dict[str, Any]) -> int:
     rate = template["Parameters"]["DrainScheduleRate"]["Default"]
     match = re.fullmatch(r"rate\((\d+) minutes?\)", rate)
@@ -699,11 +721,9 @@ def test_dlq_count_and_stuck_claims_page_on_the_metrics_the_watcher_emits(
     alarm_name: str, metric: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given the backstop alarm and the EMF the watcher's code emits with the template's settings
-    template = load_template()
-    emitted = emitted_metrics(template, capsys)
     # When the alarm's namespace, metric and dimensions are compared with what is emitted
     # Then they are the same series, and any value above zero pages
-    props = alarm_reading_emitted(template, emitted, alarm_name, metric)
+    _, _, props = alarm_on_emitted_series(capsys, alarm_name, metric)
     assert (props["Threshold"], props["ComparisonOperator"]) == (0, "GreaterThanThreshold")
     assert props["Statistic"] == "Maximum"
     # And between two checks the last verdict stands
@@ -714,12 +734,10 @@ def test_a_visibility_mismatch_pages_and_is_on_the_dashboard(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Given the visibility mismatch alarm and what the drain's code emits
-    template = load_template()
-    emitted = emitted_metrics(template, capsys)
     # When the alarm's series is compared with the drain's
     # Then it reads the drain's own series, and one mismatch in five minutes pages
-    props = alarm_reading_emitted(
-        template, emitted, "VisibilityMismatchAlarm", "VisibilityMismatch"
+    template, _, props = alarm_on_emitted_series(
+        capsys, "VisibilityMismatchAlarm", "VisibilityMismatch"
     )
     assert (props["Statistic"], props["Period"]) == ("Sum", 300)
     assert (props["Threshold"], props["ComparisonOperator"]) == (
@@ -729,9 +747,7 @@ def test_a_visibility_mismatch_pages_and_is_on_the_dashboard(
     # And the description names the setting to fix
     assert "INFRAI_VISIBILITY_TIMEOUT_SECONDS" in props["AlarmDescription"]
     # And the dashboard charts the metric and shows the alarm
-    charted, shown_alarms = dashboard_charts_and_alarms(template)
-    assert "VisibilityMismatch" in charted
-    assert "<VisibilityMismatchAlarm.Arn>" in shown_alarms
+    assert_on_the_dashboard(template, "VisibilityMismatchAlarm", "VisibilityMismatch")
 
 
 def dashboard(template: dict[str, Any]) -> dict[str, Any]:
@@ -757,6 +773,13 @@ def dashboard_charts_and_alarms(template: dict[str, Any]) -> tuple[set[str], set
     charted = {row[1] for w in widgets for row in w["properties"].get("metrics", [])}
     shown_alarms = {a for w in widgets for a in w["properties"].get("alarms", [])}
     return charted, shown_alarms
+
+
+def assert_on_the_dashboard(template: dict[str, Any], alarm_name: str, *metrics: str) -> None:
+    """The dashboard charts each of ``metrics`` and shows the alarm ``alarm_name``."""
+    charted, shown_alarms = dashboard_charts_and_alarms(template)
+    assert set(metrics) <= charted, set(metrics) - charted
+    assert f"<{alarm_name}.Arn>" in shown_alarms
 
 
 def test_the_dashboard_shows_the_drain_queue_ledger_and_function_figures(
@@ -804,22 +827,20 @@ def test_the_oldest_deferred_job_pages_past_its_parameter_and_is_on_the_dashboar
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Given the deferred-age alarm, the dashboard, and what the watcher's code emits
-    template = load_template()
-    emitted = emitted_metrics(template, capsys)
     # When the alarm's series is compared with the watcher's
     # Then it reads that series, and pages above the parameter's threshold (an hour by default)
-    props = alarm_reading_emitted(
-        template, emitted, "OldestDeferredAlarm", "OldestDeferredAgeSeconds"
+    template, emitted, _ = age_alarm_on_emitted_series(
+        capsys,
+        "OldestDeferredAlarm",
+        "OldestDeferredAgeSeconds",
+        "DeferredAgeAlarmSeconds",
+        "claims list --state deferred",
     )
-    assert props["Threshold"] == {"Ref": "DeferredAgeAlarmSeconds"}
     assert template["Parameters"]["DeferredAgeAlarmSeconds"]["Default"] == 3600
-    assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
-    assert "claims list --state deferred" in " ".join(props["AlarmDescription"].split())
     # And the watcher emits the backlog too, and the dashboard charts all three with the alarm
     assert "DeferredBacklog" in emitted
-    charted, shown_alarms = dashboard_charts_and_alarms(template)
-    assert {"JobsDeferred", "DeferredBacklog", "OldestDeferredAgeSeconds"} <= charted
-    assert "<OldestDeferredAlarm.Arn>" in shown_alarms
+    charted = ("JobsDeferred", "DeferredBacklog", "OldestDeferredAgeSeconds")
+    assert_on_the_dashboard(template, "OldestDeferredAlarm", *charted)
 
 
 def test_job_policies_reach_the_drain_from_a_parameter_empty_by_default() -> None:
@@ -853,19 +874,20 @@ def test_the_oldest_outbox_row_pages_past_its_parameter_and_is_on_the_dashboard(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Given the outbox alarm, the dashboard, and what the relay's code emits
-    template = load_template()
-    emitted = emitted_metrics(template, capsys)
     # When the alarm's series is compared with the relay's
     # Then it reads that series and pages above its parameter, and when the relay goes silent
-    props = alarm_reading_emitted(template, emitted, "OldestOutboxAlarm", "OldestOutboxAgeSeconds")
-    assert props["Threshold"] == {"Ref": "OutboxAgeAlarmSeconds"}
-    assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
+    template, _, props = age_alarm_on_emitted_series(
+        capsys,
+        "OldestOutboxAlarm",
+        "OldestOutboxAgeSeconds",
+        "OutboxAgeAlarmSeconds",
+        "infrai-jobs outbox status",
+    )
     assert props["TreatMissingData"] == "breaching"
-    assert "infrai-jobs outbox status" in " ".join(props["AlarmDescription"].split())
     # And the dashboard charts the backlog and the oldest row beside the alarm
-    charted, shown_alarms = dashboard_charts_and_alarms(template)
-    assert {"OutboxPending", "OldestOutboxAgeSeconds", "OutboxPublished"} <= charted
-    assert "<OldestOutboxAlarm.Arn>" in shown_alarms
+    assert_on_the_dashboard(
+        template, "OldestOutboxAlarm", "OutboxPending", "OldestOutboxAgeSeconds", "OutboxPublished"
+    )
     # And the relay runs every minute by default, one at a time
     relay = template["Resources"]["OutboxRelayFunction"]["Properties"]
     assert template["Parameters"]["OutboxRelayScheduleRate"]["Default"] == "rate(1 minute)"

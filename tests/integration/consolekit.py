@@ -10,13 +10,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import psycopg
 import urllib3
 from drainkit import QUEUE, Harness, start_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
-from infrai_jobs.work import store as flow
-from infrai_jobs.work.store import DeferredWork
 
 RECEIPTS = [
     {"job": "receipt.send", "invoice_id": f"inv_console_{name}", "email": f"{name}@example.com"}
@@ -55,19 +52,7 @@ def seed(kit: Harness) -> Seeded:
             payload_fingerprint(STUCK_RECEIPT),
         ),
     )
-    payload = {"job": "test.db", "id": "console-deferred"}
-    key = kit.registry.derive(payload).idem_key
-    work = DeferredWork(
-        idem_key=key,
-        job="test.db",
-        effect="database",
-        payload=payload,
-        message_id="qmsg-console-deferred",
-        queue=QUEUE,
-    )
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        outcome = flow.defer(conn, work, attempts=1, error="upstream 503", delay_seconds=3600)
-    assert outcome is flow.DeferOutcome.DEFERRED
+    key = kit.defer("console-deferred")
     return Seeded(ids, derived.idem_key, key)
 
 

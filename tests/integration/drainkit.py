@@ -25,10 +25,12 @@ from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
+from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.states import ClaimRow
+from infrai_jobs.work.store import DeferredWork
 from infrai_local import emulator as emulator_module
 from infrai_local import provider_sink
 from infrai_local.migrations import (
@@ -92,6 +94,16 @@ class Harness:
     registry: JobRegistry
     database_url: str
     control: urllib3.PoolManager = field(default_factory=urllib3.PoolManager)
+
+    @property
+    def services(self) -> dict[str, str]:
+        """Where this harness's Infrai and ledger are, named as a function's environment names
+        them."""
+        return {
+            "INFRAI_BASE_URL": self.server.url,
+            "INFRAI_API_KEY": API_KEY,
+            "DATABASE_URL": self.database_url,
+        }
 
     def publish(self, payload: Any, times: int = 1) -> list[str]:
         return [self.client.publish(QUEUE, payload) for _ in range(times)]
@@ -161,15 +173,45 @@ class Harness:
         rows = self.sql("SELECT count(*) FROM test_external_effects WHERE idem_key = %s", (key,))
         return int(rows[0][0])
 
+    def defer(self, name: str, *, delay: float = 3600.0, queue: str | None = QUEUE) -> str:
+        """Deferred work for ``test.db`` (``{"id": name}``) as a drain records it; its key."""
+        payload = {"job": "test.db", "id": name}
+        key = self.registry.derive(payload).idem_key
+        work = DeferredWork(
+            idem_key=key,
+            job="test.db",
+            effect="database",
+            payload=payload,
+            message_id=f"qmsg-{name}",
+            queue=queue,
+        )
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            outcome = flow.defer(conn, work, attempts=1, error="upstream 503", delay_seconds=delay)
+        assert outcome is flow.DeferOutcome.DEFERRED
+        return key
+
 
 class RecordingAlerter:
-    """An alerter that keeps the subject of every alert it is handed, in order."""
+    """An alerter that keeps every alert it is handed, in order: ``alerts`` as (subject,
+    message), ``sent`` their subjects."""
 
     def __init__(self) -> None:
-        self.sent: list[str] = []
+        self.alerts: list[tuple[str, str]] = []
+
+    @property
+    def sent(self) -> list[str]:
+        return [subject for subject, _ in self.alerts]
 
     def publish(self, subject: str, message: str) -> None:
-        self.sent.append(subject)
+        self.alerts.append((subject, message))
+
+
+def code_root(folder: Path, jobs_package: str) -> Path:
+    """``folder`` made a code root (what ``--jobs-path`` names) whose ``jobs`` package is the
+    source ``jobs_package``."""
+    (folder / "jobs").mkdir(parents=True)
+    (folder / "jobs" / "__init__.py").write_text(jobs_package)
+    return folder
 
 
 def migrate_by_hand(conn: psycopg.Connection[Any], *, up_to: int) -> None:
@@ -210,7 +252,7 @@ def harness(
     server = emulator_module.start_in_thread(visibility_timeout=visibility)
     sink = provider_sink.start_in_thread()
     limits = {} if max_answer_bytes is None else {"max_answer_bytes": max_answer_bytes}
-    client = InfraiClient(server.url, API_KEY, retry=RetryPolicy(base_delay=0.01), **limits)
+    client = InfraiClient(server.url, API_KEY, retry=HttpRetryPolicy(base_delay=0.01), **limits)
     ensure_queue(client, QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
     registry = jobs()
@@ -297,9 +339,7 @@ def cli_environment(kit: Harness, **env: str) -> dict[str, str]:
     }
     environment.update(
         {
-            "INFRAI_BASE_URL": kit.server.url,
-            "INFRAI_API_KEY": "test-key",
-            "DATABASE_URL": kit.database_url,
+            **kit.services,
             "INFRAI_JOBS_PATH": str(TEST_JOBS_CODE),
             **fixture_jobs.provider_settings(kit.sink.url),
             "OPERATOR": OPERATOR,

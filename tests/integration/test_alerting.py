@@ -23,7 +23,7 @@ from moto.sns.models import sns_backends
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
 from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work.admin import WorkStore
 from infrai_local import emulator as emulator_module
@@ -53,7 +53,7 @@ class Stage:
         self.database_url = database_url
         self.server = emulator_module.start_in_thread()
         self.client = InfraiClient(
-            self.server.url, "k", retry=RetryPolicy(max_attempts=2, base_delay=0.01)
+            self.server.url, "k", retry=HttpRetryPolicy(max_attempts=2, base_delay=0.01)
         )
         ensure_queue(self.client, QUEUE, dlq=DLQ)
         self.http = urllib3.PoolManager()

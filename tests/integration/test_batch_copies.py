@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from job_modes import fail_as_asked
 
 from infrai_jobs.drain.batch import MessageResult, process_batch
-from infrai_jobs.drain.model import DrainConfig
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.queue.models import QueueMessage
@@ -263,6 +263,17 @@ def _owner_died_and_came_back_early(kit: Harness, payload: dict[str, str]) -> tu
     return first, second
 
 
+def _both_drained(
+    kit: Harness, caplog: pytest.LogCaptureFixture, payload: dict[str, str]
+) -> tuple[str, str, DrainSummary]:
+    """``_owner_died_and_came_back_early``, then one drain consuming both copies, its log kept:
+    A's and B's message ids, and the drain's summary."""
+    first, second = _owner_died_and_came_back_early(kit, payload)
+    with caplog.at_level(logging.INFO, logger="infrai_jobs"):
+        summary = kit.drain()
+    return first, second, summary
+
+
 def _mismatch_logged(caplog: pytest.LogCaptureFixture, message_id: str) -> logging.LogRecord:
     (record,) = [r for r in caplog.records if getattr(r, "action", "") == "visibility_mismatch"]
     assert record.levelno == logging.ERROR
@@ -276,11 +287,8 @@ def test_an_irreversible_owner_back_beside_its_copy_is_stuck_not_stranded(
     kit: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given an external job whose owner B died mid-call and came back early, A first in the batch
-    payload = {"job": "test.ext", "id": "owner-early"}
-    first, second = _owner_died_and_came_back_early(kit, payload)
     # When a drain consumes both
-    with caplog.at_level(logging.INFO, logger="infrai_jobs"):
-        summary = kit.drain()
+    first, second, summary = _both_drained(kit, caplog, {"job": "test.ext", "id": "owner-early"})
     # Then B is judged as its own redelivery (stuck, flagged) and A follows it: nothing acked
     assert summary.outcomes == {"stuck": 1, "batch_duplicate": 1}
     assert summary.acked == 0
@@ -302,10 +310,8 @@ def test_the_mismatch_line_and_both_copies_lines_carry_the_producers_correlation
 ) -> None:
     # Given an irreversible job whose producer set a correlation id, its owner back early
     payload = {"job": "test.ext", "id": "owner-correlated", "_correlation_id": "order-55"}
-    first, second = _owner_died_and_came_back_early(kit, payload)
     # When a drain consumes both
-    with caplog.at_level(logging.INFO, logger="infrai_jobs"):
-        kit.drain()
+    first, second, _ = _both_drained(kit, caplog, payload)
     # Then the visibility mismatch line carries it, and so does every line about either copy
     assert _mismatch_logged(caplog, second).message_correlation_id == "order-55"  # type: ignore[attr-defined]
     about = [r for r in caplog.records if getattr(r, "message_id", None) in (first, second)]
@@ -317,11 +323,8 @@ def test_a_key_passing_owner_back_beside_its_copy_takes_its_claim_over_once(
     kit: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given a key-passing job whose owner B died mid-call and came back early, A first
-    payload = {"job": "test.idem", "id": "owner-early"}
-    _, second = _owner_died_and_came_back_early(kit, payload)
     # When a drain consumes both
-    with caplog.at_level(logging.INFO, logger="infrai_jobs"):
-        summary = kit.drain()
+    _, second, summary = _both_drained(kit, caplog, {"job": "test.idem", "id": "owner-early"})
     # Then B takes its own claim over and runs the call once (with the same key); A follows it
     assert summary.outcomes == {"done": 1, "duplicate_in_flight": 1}
     assert summary.acked == 2

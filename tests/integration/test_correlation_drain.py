@@ -7,13 +7,13 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from child_process import run_captured
 from drainkit import QUEUE, Harness, child_env, harness, run_cli
 from notes_example import NOTES_PAYLOAD
 
@@ -193,14 +193,7 @@ def test_with_tracing_on_each_run_is_an_annotated_subsegment_of_the_invocations_
             "TP": TRACEPARENT,
         }
         # When a handler runs inside the drain's span
-        finished = subprocess.run(
-            [sys.executable, "-c", SEGMENT_SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        finished = run_captured([sys.executable, "-c", SEGMENT_SCRIPT], env=env, timeout=60)
         assert finished.returncode == 0, finished.stderr
         datagram = daemon.recv(65536).decode()
     # Then X-Ray received a subsegment of the invocation's trace, annotated with the ids

@@ -18,29 +18,10 @@ from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, Harness, RecordingAlerter,
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow
-from infrai_jobs.work.store import DeferredWork
 
 
 def _payload(name: str) -> dict[str, Any]:
     return {"job": "test.db", "id": name}
-
-
-def _defer(kit: Harness, name: str, *, delay: float = 3600.0, queue: str | None = QUEUE) -> str:
-    """Deferred work for ``test.db`` as a drain records it; its key."""
-    payload = _payload(name)
-    key = kit.registry.derive(payload).idem_key
-    work = DeferredWork(
-        idem_key=key,
-        job="test.db",
-        effect="database",
-        payload=payload,
-        message_id=f"qmsg-{name}",
-        queue=queue,
-    )
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        outcome = flow.defer(conn, work, attempts=1, error="upstream 503", delay_seconds=delay)
-    assert outcome is flow.DeferOutcome.DEFERRED
-    return key
 
 
 def _take_and_fail(kit: Harness, key: str, error: str, **options: Any) -> bool:
@@ -64,9 +45,9 @@ def test_claims_list_shows_the_deferred_work_with_attempts_run_after_and_last_er
     kit: Harness,
 ) -> None:
     # Given two deferred jobs, one due sooner, and one whose deferred life ended
-    later = _defer(kit, "later", delay=7200)
-    sooner = _defer(kit, "sooner", delay=60)
-    ended = _defer(kit, "ended")
+    later = kit.defer("later", delay=7200)
+    sooner = kit.defer("sooner", delay=60)
+    ended = kit.defer("ended")
     _take_and_fail(kit, ended, "gave up")
     # When an operator lists the deferred claims, for a script and for a person
     rows = _json(kit, "claims", "list", "--state", "deferred")
@@ -89,7 +70,7 @@ def test_claims_list_shows_the_deferred_work_with_attempts_run_after_and_last_er
 
 def test_run_now_makes_waiting_work_due_and_cancel_stops_it_both_recorded(kit: Harness) -> None:
     # Given two jobs deferred for an hour
-    soon, never = _defer(kit, "soon"), _defer(kit, "never")
+    soon, never = kit.defer("soon"), kit.defer("never")
     # When an operator runs one now and cancels the other
     ran = _json(kit, "claims", "run-now", soon, "--note", "provider is back")
     cancelled = run_cli(kit, "claims", "cancel", never)
@@ -113,7 +94,7 @@ def test_a_missing_key_or_a_running_job_is_refused_in_one_line_exit_3(
     kit: Harness, command: str
 ) -> None:
     # Given a deferred job a drain is running now
-    running = _defer(kit, "running")
+    running = kit.defer("running")
     kit.sql("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (running,))
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         assert flow.take_due(conn, 1, lease_seconds=60)
@@ -153,7 +134,7 @@ def test_failing_a_deferred_job_records_its_dead_letter_in_the_same_transaction(
     kit: Harness,
 ) -> None:
     # Given two deferred jobs taken by a drain
-    kept, rolled_back = _defer(kit, "kept"), _defer(kit, "rolled-back")
+    kept, rolled_back = kit.defer("kept"), kit.defer("rolled-back")
     # When one fails for good, and the other's failure is rolled back with its transaction
     assert _take_and_fail(kit, kept, "out of attempts: upstream 503")
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
@@ -189,7 +170,7 @@ def test_work_deferred_without_a_queue_is_held_under_the_queue_the_drain_names(
     kit: Harness,
 ) -> None:
     # Given deferred work that recorded no queue
-    key = _defer(kit, "no-queue", queue=None)
+    key = kit.defer("no-queue", queue=None)
     # When it fails for good, the drain naming its queue
     assert _take_and_fail(kit, key, "final", queue=QUEUE)
     # Then its dead letter is listed under that queue
@@ -200,7 +181,7 @@ def test_a_deferred_job_out_of_attempts_pages_until_discarded_or_redriven_and_th
     kit: Harness,
 ) -> None:
     # Given two deferred jobs that ran out of attempts, and a watcher
-    redriven, discarded = _defer(kit, "redriven"), _defer(kit, "discarded")
+    redriven, discarded = kit.defer("redriven"), kit.defer("discarded")
     for key in (redriven, discarded):
         assert _take_and_fail(kit, key, "upstream 503")
     alerter = RecordingAlerter()
@@ -261,8 +242,8 @@ def test_the_watcher_reports_the_deferred_backlog_and_its_oldest_age(
     assert (empty["report"]["deferred_backlog"], empty["metrics"]["DeferredBacklog"]) == (0, [0.0])
     assert empty["metrics"]["OldestDeferredAgeSeconds"] == [0.0]
     # Given two deferred jobs, the older first deferred ten minutes ago
-    older = _defer(kit, "older")
-    _defer(kit, "newer")
+    older = kit.defer("older")
+    kit.defer("newer")
     kit.sql(
         "UPDATE job_claims SET deferred_at = now() - interval '10 minutes' WHERE idem_key = %s",
         (older,),

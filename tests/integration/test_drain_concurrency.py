@@ -11,7 +11,7 @@ from drainkit import QUEUE, Harness, harness, run_concurrently
 from infrai_jobs.drain.features import Lanes
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.work.ledger import PostgresLedger
 
 JOBS = 500
@@ -40,7 +40,9 @@ def test_three_concurrent_drains_apply_every_effect_once(database_url: str) -> N
 
         # When three drains with their own connections run at the same time
         def lane() -> dict[str, object]:
-            client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.01))
+            client = InfraiClient(
+                kit.server.url, "test-key", retry=HttpRetryPolicy(base_delay=0.01)
+            )
             ledger = PostgresLedger(database_url)
             try:
                 summary = drain(

@@ -27,8 +27,7 @@ from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
 from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.queue.client import InfraiClient
-from infrai_jobs.queue.client import RetryPolicy as ClientRetry
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.work import store as flow_ledger
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local.operator import OperatorLedger
@@ -100,14 +99,19 @@ def run_now(kit: Harness, key: str) -> None:
     OperatorLedger(kit.database_url).run_deferred_now(key, actor="test")
 
 
-def deferred_after_three_refusals(kit: Harness, flow: FlowControl) -> str:
-    """Publish DIGEST with the digest provider refusing every call: its first delivery is
-    deferred, then run twice more as deferred work (made due as ``claims run-now`` does), so
-    it waits with three failed attempts; its key."""
+def deferred_once(kit: Harness, flow: FlowControl) -> str:
+    """Publish DIGEST with the digest provider refusing every call, and drain: its first
+    delivery is deferred (the ledger holds it); its key."""
     sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
     kit.publish(DIGEST)
-    key = kit.registry.derive(DIGEST).idem_key
     assert drain_with(kit, flow).outcomes == {"deferred": 1}
+    return kit.registry.derive(DIGEST).idem_key
+
+
+def deferred_after_three_refusals(kit: Harness, flow: FlowControl) -> str:
+    """``deferred_once``, then run twice more as deferred work (made due as ``claims run-now``
+    does), so it waits with three failed attempts; its key."""
+    key = deferred_once(kit, flow)
     for _ in range(2):
         run_now(kit, key)
         assert drain_with(kit, flow).counters["deferred_ran"] == 1
@@ -139,6 +143,16 @@ def taken_external_run(kit: Harness, number: str, *, began: bool) -> str:
             assert flow_ledger.begin(conn, key, taken.claim_token)
     kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 second'")
     return key
+
+
+def drain_with_an_external_retry_policy(kit: Harness) -> DrainSummary:
+    """One drain with flow control, ``test.ext`` given a retry policy (so its deferred runs are
+    the ledger's to take again)."""
+    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
+    try:
+        return drain_with(kit, flow)
+    finally:
+        flow.close()
 
 
 @pytest.fixture
@@ -279,21 +293,26 @@ def add_counted_job(
     registry.job(name, effect=Effect.EXTERNAL, identity=("id",), **policy)(run)
 
 
-def drains_until_empty(
-    kit: Harness, registry: JobRegistry, flows: list[FlowControl], *, lanes: int = 1
-) -> None:
-    """Several drains at once, each with its own client, ledger and flow control, until the
-    queue and the deferred backlog are empty."""
+def drains_until_empty(kit: Harness, *, lanes: int = 1) -> None:
+    """Four drains at once, each with its own client, ledger and flow control (the policies the
+    jobs declare in code), until the queue and the deferred backlog are empty."""
+    made = flows(kit, kit.registry, 4)
+    try:
+        _drains_until_empty(kit, made, lanes)
+    finally:
+        for flow in made:
+            flow.close()
+
+
+def _drains_until_empty(kit: Harness, flows: list[FlowControl], lanes: int) -> None:
 
     def one(flow: FlowControl) -> None:
-        client = InfraiClient(kit.server.url, "test-key", retry=ClientRetry(base_delay=0.01))
+        client = InfraiClient(kit.server.url, "test-key", retry=HttpRetryPolicy(base_delay=0.01))
         ledger = PostgresLedger(kit.database_url)
         lane_feature = Lanes(lanes, lambda: PostgresLedger(kit.database_url)) if lanes > 1 else None
         try:
             for _ in range(200):
-                summary = drain_with(
-                    kit, flow, client=client, ledger=ledger, registry=registry, lanes=lane_feature
-                )
+                summary = drain_with(kit, flow, client=client, ledger=ledger, lanes=lane_feature)
                 with psycopg.connect(kit.database_url) as conn:
                     (waiting,) = conn.execute(
                         "SELECT count(*) FROM job_claims"
@@ -340,12 +359,7 @@ def test_a_concurrency_key_never_lets_one_tenant_run_twice_at_once(kit: Harness)
     )
     for n in range(24):
         kit.publish({"job": "test.tenant", "id": n, "tenant_id": f"t{n % 3}"})
-    made = flows(kit, kit.registry, 4)
-    try:
-        drains_until_empty(kit, kit.registry, made, lanes=2)
-    finally:
-        for flow in made:
-            flow.close()
+    drains_until_empty(kit, lanes=2)
     runs = kit.sql("SELECT tenant, started_at, ended_at FROM flow_runs ORDER BY started_at")
     assert len(runs) == 24  # every job ran, once (the primary key refuses a second run)
     overlapping = [
@@ -363,12 +377,7 @@ def test_a_rate_limit_holds_across_drains_and_loses_nothing(kit: Harness) -> Non
     )
     for n in range(200):
         kit.publish({"job": "test.rated", "id": n, "tenant_id": "t"})
-    made = flows(kit, kit.registry, 4)
-    try:
-        drains_until_empty(kit, kit.registry, made)
-    finally:
-        for flow in made:
-            flow.close()
+    drains_until_empty(kit)
     # Every job ran once, from its first delivery: the limit never cost a redelivery
     assert kit.sql("SELECT count(*), max(delivery) FROM flow_runs") == [(200, 1)]
     # No one-second window of the starts the database recorded holds more than 20: start n
@@ -486,22 +495,6 @@ def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harn
         flow.close()
 
 
-def test_an_external_deferred_job_whose_lease_ran_out_is_left_for_a_human(kit: Harness) -> None:
-    # Given an irreversible job the ledger holds, whose run's lease ran out mid-run
-    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    key = taken_external_run(kit, "x1", began=True)
-    try:
-        summary = drain_with(kit, flow)
-    finally:
-        flow.close()
-    # Then no drain runs it again: its effect may have happened
-    assert summary.counters["deferred_ran"] == 0
-    assert kit.external_effects(key) == 0
-    assert deferred_row(kit, key)["state"] == "running"  # type: ignore[index]
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        assert flow_ledger.deferred_stats(conn).backlog == 1
-
-
 def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error(
     kit: Harness,
 ) -> None:
@@ -537,18 +530,29 @@ def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error
         flow.close()
 
 
-def test_an_external_deferred_run_killed_before_it_began_is_taken_again(kit: Harness) -> None:
-    # Given an irreversible job the ledger holds, taken by a drain that died before its call
-    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    key = taken_external_run(kit, "x2", began=False)
-    try:
-        summary = drain_with(kit, flow)
-    finally:
-        flow.close()
-    # Then, nothing having begun, the next drain runs it: once, and it is done
-    assert summary.counters["deferred_done"] == 1
-    assert kit.external_effects(key) == 1
-    assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
+@pytest.mark.parametrize(
+    ("began", "then"),
+    [
+        # Its run's lease ran out mid-run: no drain runs it again, its effect may have happened
+        pytest.param(True, ("deferred_ran", 0, "running", 1), id="began-left-for-a-human"),
+        # Its drain died before the call: nothing began, so the next drain runs it, once
+        pytest.param(False, ("deferred_done", 1, "done", 0), id="never-began-taken-again"),
+    ],
+)
+def test_an_external_deferred_run_whose_drain_died_runs_again_only_if_it_never_began(
+    kit: Harness, began: bool, then: tuple[str, int, str, int]
+) -> None:
+    counter, effects, state, backlog = then
+    # Given an irreversible job the ledger holds, taken by a drain that died
+    key = taken_external_run(kit, "x1" if began else "x2", began=began)
+    # When the next drain looks for due deferred work
+    summary = drain_with_an_external_retry_policy(kit)
+    # Then it ran it (once) or left it, as the call began or not
+    assert summary.counters[counter] == effects
+    assert kit.external_effects(key) == effects
+    assert deferred_row(kit, key)["state"] == state  # type: ignore[index]
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        assert flow_ledger.deferred_stats(conn).backlog == backlog
 
 
 # --- A deferred run left for a human, and the human's commands ----------------------------------
@@ -580,11 +584,7 @@ def test_claims_resolve_done_settles_a_stuck_deferred_run_and_no_drain_runs_it(
     ]
     assert kit.history(key)[-1] == ("resolve_done", OPERATOR, "seen")
     # And no drain runs it, and nothing is left in the backlog
-    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    try:
-        assert drain_with(kit, flow).counters["deferred_ran"] == 0
-    finally:
-        flow.close()
+    assert drain_with_an_external_retry_policy(kit).counters["deferred_ran"] == 0
     assert kit.external_effects(key) == 0
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         assert flow_ledger.deferred_stats(conn).backlog == 0
@@ -615,12 +615,8 @@ def test_claims_release_makes_a_stuck_deferred_run_run_again_once(kit: Harness) 
     assert finished.returncode == 0, finished.stderr
     assert deferred_row(kit, key)["state"] == "deferred"  # type: ignore[index]
     assert kit.history(key)[-1] == ("release", OPERATOR, "provider has no trace")
-    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    try:
-        assert drain_with(kit, flow).counters["deferred_done"] == 1
-        assert drain_with(kit, flow).counters["deferred_ran"] == 0
-    finally:
-        flow.close()
+    assert drain_with_an_external_retry_policy(kit).counters["deferred_done"] == 1
+    assert drain_with_an_external_retry_policy(kit).counters["deferred_ran"] == 0
     assert kit.external_effects(key) == 1
 
 
@@ -707,11 +703,8 @@ def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lette
     # Given a digest with ten attempts whose provider refuses its first two calls
     ten = json.dumps({"digest.build": {"retry": {"attempts": 10, "first_delay_seconds": 1}}})
     flow = flow_for(kit, ten)
-    key = kit.registry.derive(DIGEST).idem_key
     try:
-        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-        kit.publish(DIGEST)
-        assert drain_with(kit, flow).outcomes == {"deferred": 1}
+        key = deferred_once(kit, flow)
         run_now(kit, key)
         assert drain_with(kit, flow).counters["deferred_ran"] == 1
         # When the drain holding its third run is SIGKILLed inside the provider call
@@ -751,12 +744,7 @@ def test_a_rate_limit_holds_where_the_provider_counts_the_calls(kit: Harness) ->
     for n in range(20):
         kit.publish({"job": "test.provider", "id": n})
     # When four drains of two lanes each run them at once
-    made = flows(kit, kit.registry, 4)
-    try:
-        drains_until_empty(kit, kit.registry, made, lanes=2)
-    finally:
-        for flow in made:
-            flow.close()
+    drains_until_empty(kit, lanes=2)
     # Then every job ran once, and the starts the ledger reserved are 200 ms apart or more
     assert len(arrivals) == 20
     starts = [
@@ -904,11 +892,8 @@ def test_a_stale_letter_never_brings_back_work_an_operator_cancelled(kit: Harnes
     # of its message that later died in all three deliveries
     ten = json.dumps({"digest.build": {"retry": {"attempts": 10}}})
     flow = flow_for(kit, ten)
-    key = kit.registry.derive(DIGEST).idem_key
     try:
-        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-        kit.publish(DIGEST)
-        assert drain_with(kit, flow).outcomes == {"deferred": 1}
+        key = deferred_once(kit, flow)
     finally:
         flow.close()
     assert run_cli(kit, "claims", "cancel", key).returncode == 0

@@ -37,7 +37,7 @@ from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, InfraiInvalidResponse
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.postgres import array_literal
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local.embedded_db import scratch_database
 
@@ -210,7 +210,7 @@ def crafted() -> Iterator[CraftedInfrai]:
 
 
 def crafted_client(crafted: CraftedInfrai) -> InfraiClient:
-    return InfraiClient(crafted.url, "test-key", retry=RetryPolicy(max_attempts=1))
+    return InfraiClient(crafted.url, "test-key", retry=HttpRetryPolicy(max_attempts=1))
 
 
 # --- Helpers ----------------------------------------------------------------------------------

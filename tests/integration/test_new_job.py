@@ -29,6 +29,8 @@ RUFF = str(Path(sys.executable).parent / "ruff")
 # Names no team would give a job of its own, so the tests hold in any checkout (the issue's
 # walkthrough scaffolds refund.issue into the project itself).
 WALK_JOB, WALK_MODULE = "newjob_check.refund", "newjob_check_refund"
+# new-job's arguments for the walkthrough's database job.
+WALK_DATABASE_JOB = (WALK_JOB, "--effect", "database", "--identity", "refund_id")
 LINT_JOB, LINT_MODULE = "newjob_check.report", "newjob_check_report"
 PYTEST = str(Path(sys.executable).parent / "pytest")
 
@@ -48,10 +50,15 @@ def project(tmp_path: Path) -> Path:
             ignore=shutil.ignore_patterns("__pycache__"),
         )
     (tmp_path / "tests" / "integration").mkdir(parents=True)
-    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copy(ROOT / "template.yaml", tmp_path / "template.yaml")
+    copied_from_the_repository(tmp_path, "tests/conftest.py", "pyproject.toml", "template.yaml")
     return tmp_path
+
+
+def copied_from_the_repository(project: Path, *paths: str) -> None:
+    """The repository's files at ``paths`` copied into ``project``, each at the same place."""
+    for path in paths:
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, project / path)
 
 
 def next_version(project: Path) -> int:
@@ -60,15 +67,20 @@ def next_version(project: Path) -> int:
     return max((int(p.name[:4]) for p in migrations), default=0) + 1
 
 
-def new_job(kit: Harness, project: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli(kit, "new-job", *args, "--jobs-path", str(project / "functions"), cwd=project)
+def new_job(
+    kit: Harness, project: Path, *args: str, code_root: Path | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs new-job ARGS --jobs-path`` the project's code root (or ``code_root``), run
+    in the project (or in ``cwd``)."""
+    jobs_path = code_root or project / "functions"
+    return run_cli(kit, "new-job", *args, "--jobs-path", str(jobs_path), cwd=cwd or project)
 
 
 def test_a_scaffolded_database_job_runs_once_from_migrate_to_drain(
     kit: Harness, project: Path
 ) -> None:
     # Given a new database job scaffolded into the project
-    made = new_job(kit, project, WALK_JOB, "--effect", "database", "--identity", "refund_id")
+    made = new_job(kit, project, *WALK_DATABASE_JOB)
     assert made.returncode == 0, made.stderr
     assert "infrai-jobs migrate" in made.stdout
     sample = project / "events" / "jobs" / f"{WALK_JOB}.json"
@@ -178,18 +190,7 @@ def test_new_job_writes_every_file_in_the_project_of_the_jobs_package_from_any_f
     # Given an operator in a folder outside the project, naming its code root
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     # When they scaffold a job there
-    made = run_cli(
-        kit,
-        "new-job",
-        WALK_JOB,
-        "--effect",
-        "database",
-        "--identity",
-        "refund_id",
-        "--jobs-path",
-        str(project / "functions"),
-        cwd=elsewhere,
-    )
+    made = new_job(kit, project, *WALK_DATABASE_JOB, cwd=elsewhere)
     # Then the module, its migration, its test and its sample event are all in that project
     assert made.returncode == 0, made.stderr
     assert (project / "functions" / "jobs" / f"{WALK_MODULE}.py").is_file()
@@ -206,18 +207,7 @@ def test_new_job_refuses_a_jobs_package_outside_any_project(kit: Harness, tmp_pa
     )
     before = _tree(tmp_path)
     # When new-job is pointed at it
-    refused = run_cli(
-        kit,
-        "new-job",
-        WALK_JOB,
-        "--effect",
-        "database",
-        "--identity",
-        "refund_id",
-        "--jobs-path",
-        str(tmp_path / "loose"),
-        cwd=tmp_path,
-    )
+    refused = new_job(kit, tmp_path, *WALK_DATABASE_JOB, code_root=tmp_path / "loose")
     # Then it exits 2 saying why, and writes nothing
     assert refused.returncode == 2, refused.stdout
     assert "template.yaml" in refused.stderr
@@ -257,11 +247,9 @@ def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
 ) -> None:
     # Given a project with its env-vars file and configuration docs (and the layer, read-only)
     (project / "layers").symlink_to(ROOT / "layers")
-    (project / "events").mkdir(exist_ok=True)
-    shutil.copy(ROOT / "events" / "env.json", project / "events" / "env.json")
-    shutil.copy(ROOT / "events" / "drain-schedule.json", project / "events" / "drain-schedule.json")
-    (project / "docs").mkdir()
-    shutil.copy(ROOT / "docs" / "configuration.md", project / "docs" / "configuration.md")
+    copied_from_the_repository(
+        project, "events/env.json", "events/drain-schedule.json", "docs/configuration.md"
+    )
     # When an external job with a setting of its own is scaffolded
     made = new_job(
         kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
@@ -290,12 +278,7 @@ def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
         apply_migrations(conn, read_migrations(project / "functions" / "jobs" / "migrations"))
     kit.publish({"job": WALK_JOB, "refund_id": "r1"})
     spec = resolve("DrainFunction", root=project, env_vars=project / "events" / "env.json")
-    services = {
-        "INFRAI_BASE_URL": kit.server.url,
-        "INFRAI_API_KEY": "test-key",
-        "DATABASE_URL": kit.database_url,
-    }
-    result = invoke(spec, project / "events" / "drain-schedule.json", extra_env=services)
+    result = invoke(spec, project / "events" / "drain-schedule.json", extra_env=kit.services)
     # Then the job ran, calling the URL its setting names
     assert result.ok, result.payload
     assert result.payload["done"] == 1
@@ -403,10 +386,7 @@ def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
     kit: Harness, project: Path, pg_server_url: str
 ) -> None:
     # Given a project with its env-vars file and configuration docs
-    (project / "events").mkdir(exist_ok=True)
-    shutil.copy(ROOT / "events" / "env.json", project / "events" / "env.json")
-    (project / "docs").mkdir()
-    shutil.copy(ROOT / "docs" / "configuration.md", project / "docs" / "configuration.md")
+    copied_from_the_repository(project, "events/env.json", "docs/configuration.md")
     # When an external job with a secret is scaffolded
     made = new_job(
         kit, project, LINT_JOB, "--effect", "external", "--identity", "refund_id",
@@ -454,9 +434,7 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
 ) -> None:
     # Given a project whose external job declares a secret, its ARN left empty in env.json
     (project / "layers").symlink_to(ROOT / "layers")
-    (project / "events").mkdir(exist_ok=True)
-    for name in ("env.json", "drain-schedule.json"):
-        shutil.copy(ROOT / "events" / name, project / "events" / name)
+    copied_from_the_repository(project, "events/env.json", "events/drain-schedule.json")
     made = new_job(
         kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
         "--setting", SETTING, "--secret", SECRET,
@@ -490,9 +468,7 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
         cwd=project,
         env={
             **shell,
-            "INFRAI_BASE_URL": kit.server.url,
-            "INFRAI_API_KEY": "test-key",
-            "DATABASE_URL": kit.database_url,
+            **kit.services,
             SECRET: token,
         },
     )  # fmt: skip

@@ -44,6 +44,26 @@ def enqueue_committed(kit: Harness, payload: dict[str, Any], **options: Any) -> 
         enqueue(conn, payload, registry=kit.registry, **options)
 
 
+def committed_rows(kit: Harness, count: int) -> None:
+    """``count`` intents of the test job (``job(0)`` ...), enqueued in one committed transaction."""
+    with psycopg.connect(kit.database_url) as conn, conn.transaction():
+        for n in range(count):
+            enqueue(conn, job(n), registry=kit.registry)
+
+
+def publish_faults(kit: Harness, *, seed: int, error: float, throttle: float, drop: float) -> None:
+    """Infrai failing, throttling (asking for no wait) and dropping the answer of that share of
+    publishes each, drawn from ``seed``."""
+    kit.faults(
+        error_rate=error,
+        rate_limit_rate=throttle,
+        drop_response_rate=drop,
+        retry_after_seconds=0,
+        seed=seed,
+        routes=["publish"],
+    )
+
+
 def queued(kit: Harness) -> int:
     stats = kit.client.stats(QUEUE)
     return stats.available_count + stats.in_flight_count
@@ -168,9 +188,7 @@ def test_enqueue_refuses_what_it_cannot_do_safely(kit: Harness) -> None:
 
 def test_two_relays_at_once_never_publish_the_same_row(kit: Harness) -> None:
     # Given sixty committed rows
-    with psycopg.connect(kit.database_url) as conn, conn.transaction():
-        for n in range(60):
-            enqueue(conn, job(n), registry=kit.registry)
+    committed_rows(kit, 60)
     # When two relays run at the same time, in small batches
     first, second = relay_for(kit, batch_size=3), relay_for(kit, batch_size=3)
     reports = run_concurrently(
@@ -188,17 +206,8 @@ def test_infrai_5xx_429_and_lost_answers_lose_nothing_and_run_each_effect_once(
     kit: Harness,
 ) -> None:
     # Given forty committed rows and an Infrai that fails, throttles and drops answers
-    with psycopg.connect(kit.database_url) as conn, conn.transaction():
-        for n in range(40):
-            enqueue(conn, job(n), registry=kit.registry)
-    kit.faults(
-        error_rate=0.25,
-        rate_limit_rate=0.15,
-        drop_response_rate=0.2,
-        retry_after_seconds=0,
-        seed=38,
-        routes=["publish"],
-    )
+    committed_rows(kit, 40)
+    publish_faults(kit, seed=38, error=0.25, throttle=0.15, drop=0.2)
     # When relays run until the outbox is empty
     relay_until_empty(relay_for(kit, batch_size=7))
     kit.faults()
@@ -220,7 +229,7 @@ KILL_AFTER_PUBLISHES = """
 import os, signal, sys
 from infrai_jobs.ledger.postgres import LedgerConnector
 from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import InfraiClient, HttpRetryPolicy
 from infrai_jobs.queue.ports import ForwardingQueue
 
 url, database_url, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -237,7 +246,7 @@ class KilledAfterPublishing(ForwardingQueue):
         return message_id
 
 
-client = InfraiClient(url, "test-key", retry=RetryPolicy(base_delay=0.01))
+client = InfraiClient(url, "test-key", retry=HttpRetryPolicy(base_delay=0.01))
 relay = OutboxRelay(
     LedgerConnector(database_url, application_name="killed-relay"),
     KilledAfterPublishing(client),
@@ -251,17 +260,8 @@ def test_relays_killed_mid_batch_again_and_again_publish_every_row_and_run_it_on
     kit: Harness,
 ) -> None:
     # Given thirty committed rows and an Infrai that fails now and then
-    with psycopg.connect(kit.database_url) as conn, conn.transaction():
-        for n in range(30):
-            enqueue(conn, job(n), registry=kit.registry)
-    kit.faults(
-        error_rate=0.1,
-        rate_limit_rate=0.1,
-        drop_response_rate=0.1,
-        retry_after_seconds=0,
-        seed=7,
-        routes=["publish"],
-    )
+    committed_rows(kit, 30)
+    publish_faults(kit, seed=7, error=0.1, throttle=0.1, drop=0.1)
     # When relays are SIGKILLed after a publish Infrai took, at a different point each time
     for kill_after in (4, 1, 9, 2):
         run_child_until_killed(
@@ -327,9 +327,7 @@ def test_a_wrong_setting_stops_the_pass_and_keeps_the_row(kit: Harness) -> None:
 
 def test_outbox_status_json_agrees_with_the_database(kit: Harness) -> None:
     # Given pending, published and dead rows, one of them published over an hour ago
-    with psycopg.connect(kit.database_url) as conn, conn.transaction():
-        for n in range(5):
-            enqueue(conn, job(n), registry=kit.registry)
+    committed_rows(kit, 5)
     relay_for(kit, batch_size=2).run(lambda: PLENTY, max_batches=1)
     kit.sql("UPDATE outbox SET settled_at = now() - interval '2 hours' WHERE seq = 1")
     kit.sql("UPDATE outbox SET enqueued_at = now() - interval '90 seconds' WHERE seq = 3")

@@ -8,11 +8,11 @@ the test's own.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, cli_environment, run_cli
+from child_process import run_captured
+from drainkit import INFRAI_JOBS, QUEUE, ROOT, Harness, cli_environment, code_root, run_cli
 
 FIXTURE_JOBS = """
 from infrai_jobs.jobs.registry import Effect, JobRegistry
@@ -39,10 +39,7 @@ LARGE_NOTE = "n" * 200_000
 
 @pytest.fixture
 def code(tmp_path: Path) -> Path:
-    package = tmp_path / "code" / "jobs"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(FIXTURE_JOBS)
-    return package.parent
+    return code_root(tmp_path / "code", FIXTURE_JOBS)
 
 
 def _published(kit: Harness) -> list[dict[str, object]]:
@@ -70,15 +67,11 @@ def test_a_body_from_stdin_is_published(kit: Harness, code: Path) -> None:
     # Given a body on standard input
     body = json.dumps({"job": "refund.issue", "refund_id": "r2", "note": "from a pipe"})
     # When it is published with --body-file -
-    finished = subprocess.run(
+    finished = run_captured(
         [INFRAI_JOBS, "publish", "--body-file", "-", "--jobs-path", str(code)],
-        input=body,
         env=cli_environment(kit),
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        stdin_text=body,
     )
     # Then it went out
     assert finished.returncode == 0, finished.stderr

@@ -22,7 +22,7 @@ from infrai_jobs.errors import (
     InfraiUnavailable,
     QueueMessageNotFound,
 )
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_local.emulator import start_in_thread
 from infrai_local.queues import ensure_queue
 
@@ -156,13 +156,13 @@ def test_the_api_key_never_appears_in_repr_logs_or_errors(
 ) -> None:
     # Given every logger at DEBUG (urllib3 included) and a service that keeps failing
     caplog.set_level(logging.DEBUG)
-    client = InfraiClient(emulator.url, API_KEY, retry=RetryPolicy(base_delay=0.001))
+    client = InfraiClient(emulator.url, API_KEY, retry=HttpRetryPolicy(base_delay=0.001))
     ensure_queue(client, QUEUE, dlq=DLQ)
     set_faults(control, emulator.url, error_rate=1.0)
     # When calls fail, are retried and give up
     with pytest.raises(InfraiUnavailable) as caught:
         client.stats(QUEUE)
-    unreachable = InfraiClient("http://127.0.0.1:9", API_KEY, retry=RetryPolicy(max_attempts=1))
+    unreachable = InfraiClient("http://127.0.0.1:9", API_KEY, retry=HttpRetryPolicy(max_attempts=1))
     with pytest.raises(InfraiUnavailable) as refused:
         unreachable.consume(QUEUE)
     # Then the key is nowhere a human or a log shipper could see it
@@ -190,8 +190,8 @@ def test_retryable_calls_back_off_on_5xx_then_give_up(
     # Then it was tried max_attempts times with bounded, jittered sleeps in between
     assert caught.value.code == "INTERNAL"
     assert caught.value.status == 500
-    assert len(sleeps.delays) == RetryPolicy().max_attempts - 1
-    assert all(0 <= d <= RetryPolicy().max_delay for d in sleeps.delays)
+    assert len(sleeps.delays) == HttpRetryPolicy().max_attempts - 1
+    assert all(0 <= d <= HttpRetryPolicy().max_delay for d in sleeps.delays)
 
 
 def test_sent_acks_and_consumes_keep_the_retry_rules_of_the_plain_calls(
@@ -212,7 +212,7 @@ def test_sent_acks_and_consumes_keep_the_retry_rules_of_the_plain_calls(
     # Then the ack was tried max_attempts times in all, the sent request being the first, and
     # the consume once: a 5xx may have come after it served messages, and a repeat would spend
     # a delivery of the next ones too
-    attempts = RetryPolicy().max_attempts
+    attempts = HttpRetryPolicy().max_attempts
     assert (ack_error.value.call, consume_error.value.call) == ("ack", "consume")
     assert (consume_error.value.status, consume_error.value.max_messages) == (500, 10)
     assert len(sleeps.delays) == attempts - 1
@@ -359,7 +359,7 @@ def test_opt_in_publish_retries_can_duplicate_which_the_claims_absorb(
         client.publish(QUEUE, NOTES_PAYLOAD, retry=True)
     # Then every attempt reached the queue: this is why it is off by default
     set_faults(control, emulator.url)
-    assert client.stats(QUEUE).message_count == RetryPolicy().max_attempts
+    assert client.stats(QUEUE).message_count == HttpRetryPolicy().max_attempts
 
 
 def test_configuration_errors_name_the_setting() -> None:
@@ -444,7 +444,7 @@ def test_bodies_without_the_envelope_are_accepted(bare_server: str) -> None:
 
 
 def test_answers_outside_the_contract_raise_invalid_response(bare_server: str) -> None:
-    client = InfraiClient(bare_server, API_KEY, retry=RetryPolicy(max_attempts=1))
+    client = InfraiClient(bare_server, API_KEY, retry=HttpRetryPolicy(max_attempts=1))
     with pytest.raises(InfraiInvalidResponse, match="not JSON"):
         client.stats("garbage")
     with pytest.raises(InfraiInvalidResponse, match="message_count"):

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 import urllib3
 from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, Harness, run_cli
+from drainkit import OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
@@ -349,14 +349,6 @@ def test_the_operator_sees_what_was_reconciled(kit: Harness) -> None:
         assert "Traceback" not in finished.stderr
 
 
-class RecordingAlerter:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, str]] = []
-
-    def publish(self, subject: str, message: str) -> None:
-        self.sent.append((subject, message))
-
-
 def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     kit: Harness, database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -389,7 +381,7 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     assert report.reconciled is not None
     assert report.reconciled.by_answer() == {"done": 1, "not_done": 1, "unknown": 1}
     assert report.stuck.count == 1
-    (subject, message) = next((s, m) for s, m in alerter.sent if "stuck" in s)
+    (subject, message) = next((s, m) for s, m in alerter.alerts if "stuck" in s)
     assert subject == "[infrai-jobs] 1 new stuck claim(s) in the ledger"
     assert "done for 1 (settled), not done for 1 (released" in message
     assert "unknown for 1" in message

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from drainkit import DLQ, OPERATOR, QUEUE, Harness, harness, run_cli
+from drainkit import DLQ, OPERATOR, QUEUE, Harness, code_root, harness, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.operations.dead_letters import DeadLetterStore
@@ -157,10 +157,7 @@ def build_registry() -> JobRegistry:
 
 @pytest.fixture
 def fixture_jobs(tmp_path: Path) -> Path:
-    package = tmp_path / "code" / "jobs"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(FIXTURE_JOBS)
-    return package.parent
+    return code_root(tmp_path / "code", FIXTURE_JOBS)
 
 
 def test_redrive_job_with_a_typo_exits_2_with_did_you_mean(

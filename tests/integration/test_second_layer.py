@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import pytest
 import redis
 import urllib3
 from cfnlint.decode import cfn_yaml  # type: ignore[import-untyped]
-from drainkit import API_KEY, QUEUE, Harness
+from drainkit import API_KEY, QUEUE, Harness, RecordingAlerter
 from moto import mock_aws
 
 from infrai_jobs.aws.second_layer import (
@@ -39,11 +39,11 @@ from infrai_jobs.aws.second_layer import (
 from infrai_jobs.config.settings import AlertSettings, DrainSettings
 from infrai_jobs.drain.features import SecondLayerFeature
 from infrai_jobs.drain.loop import drain
-from infrai_jobs.drain.model import DrainConfig
+from infrai_jobs.drain.model import DrainConfig, DrainFeature
 from infrai_jobs.errors import ConfigurationError, EffectUncertain, SecondLayerUnavailable
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.factory import make_alert_check, make_effect_guard
 from infrai_jobs.work.admin import WorkStore
@@ -240,7 +240,7 @@ def test_concurrent_duplicates_run_the_effect_once(
         forget_ledger_row(kit, "test.slow:1")
         kit.publish({"job": "test.slow", "id": "1"})
         # When a second drain, with its own connections, claims the copy meanwhile
-        client = InfraiClient(kit.server.url, "test-key", retry=RetryPolicy(base_delay=0.01))
+        client = InfraiClient(kit.server.url, "test-key", retry=HttpRetryPolicy(base_delay=0.01))
         ledger = PostgresLedger(database_url)
         try:
             config = DrainConfig(queue=QUEUE, features=backend.features)
@@ -322,18 +322,24 @@ def test_an_operator_can_forget_an_uncertain_record_to_retry_the_job(
     assert len(calls) == 2
 
 
-def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
-    kit: Harness, backend: Backend, database_url: str
-) -> None:
-    # Given a receipt whose provider answered 503 without sending: uncertain, stored as such
+def uncertain_receipt(kit: Harness, invoice: str, features: Sequence[DrainFeature]) -> None:
+    """A receipt for ``invoice`` drained while its provider answers 503 without sending:
+    uncertain, stuck, stored so by the second layer's ``features``; then its lease runs out."""
     control = urllib3.PoolManager()
     faults = f"{kit.sink.url}/_sink/faults"
     control.request("POST", faults, json={"fail_rate": 1.0})
-    kit.publish({"job": "receipt.send", "invoice_id": "inv_503", "email": "ada@example.com"})
-    assert kit.drain(features=backend.features).outcomes == {"stuck": 1}
+    kit.publish({"job": "receipt.send", "invoice_id": invoice, "email": "ada@example.com"})
+    assert kit.drain(features=features).outcomes == {"stuck": 1}
     control.request("POST", faults, json={})
-    # ... and time passes: the lease of the delivery that flagged it is over
     kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
+
+
+def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
+    kit: Harness, backend: Backend, database_url: str
+) -> None:
+    # Given a receipt whose provider answered 503 without sending: uncertain, stored as such,
+    # and time passes: the lease of the delivery that flagged it is over
+    uncertain_receipt(kit, "inv_503", backend.features)
 
     # When a reconcile pass, given the second layer's forget (as the CLI is), asks the provider
     reconciler = Reconciler(
@@ -349,16 +355,6 @@ def test_a_reconcile_release_drops_the_uncertain_record_so_the_retry_runs(
     assert kit.sink.state.snapshot()["mails"] == {"inv_503": 1}
 
 
-class PrintlessAlerter:
-    """Keeps what the watcher would page, instead of sending it."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, str]] = []
-
-    def send(self, subject: str, message: str) -> None:
-        self.sent.append((subject, message))
-
-
 def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_again(
     kit: Harness, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -371,13 +367,7 @@ def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_ag
         guard.start_invocation(FakeLambdaContext().get_remaining_time_in_millis)
         features = (SecondLayerFeature(guard),)
         # ... and a receipt whose provider answered 503 without sending: uncertain, stored so
-        control = urllib3.PoolManager()
-        faults = f"{kit.sink.url}/_sink/faults"
-        control.request("POST", faults, json={"fail_rate": 1.0})
-        kit.publish({"job": "receipt.send", "invoice_id": "inv_w503", "email": "ada@example.com"})
-        assert kit.drain(features=features).outcomes == {"stuck": 1}
-        control.request("POST", faults, json={})
-        kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
+        uncertain_receipt(kit, "inv_w503", features)
 
         # When the watcher's check runs, built as DlqAlertFunction builds it from the
         # environment the template gives it
@@ -392,7 +382,7 @@ def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_ag
             },
             job_settings=kit.registry.probe_settings(),
         )
-        report = make_alert_check(settings, PrintlessAlerter(), registry=kit.registry).run([QUEUE])
+        report = make_alert_check(settings, RecordingAlerter(), registry=kit.registry).run([QUEUE])
 
         # Then its probe's "not done" released the claim and dropped the record, so the next
         # delivery sends the receipt once instead of being parked stuck again
@@ -409,13 +399,7 @@ def test_a_reconcile_that_cannot_drop_the_record_leaves_the_claim_stuck(
     kit: Harness, backend: Backend, database_url: str
 ) -> None:
     # Given an uncertain receipt, stored as such, whose lease is over
-    control = urllib3.PoolManager()
-    faults = f"{kit.sink.url}/_sink/faults"
-    control.request("POST", faults, json={"fail_rate": 1.0})
-    kit.publish({"job": "receipt.send", "invoice_id": "inv_s503", "email": "ada@example.com"})
-    assert kit.drain(features=backend.features).outcomes == {"stuck": 1}
-    control.request("POST", faults, json={})
-    kit.sql("UPDATE job_claims SET lease_until = now() - interval '1 minute'")
+    uncertain_receipt(kit, "inv_s503", backend.features)
 
     # When a reconcile pass hears "not done" but the store cannot be reached
     def unreachable(key: str) -> None:

@@ -27,7 +27,7 @@ from infrai_jobs.errors import (
     TransportError,
     UntrustedServer,
 )
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue.transport import HttpPool
 
 API_KEY = "sk_live_transport_secret_77"
@@ -653,7 +653,7 @@ def test_tls_refuses_an_untrusted_certificate_at_once_without_retrying(
     server, _ = tls_server
     sleeps: list[float] = []
     client = InfraiClient(
-        server.url, API_KEY, retry=RetryPolicy(max_attempts=5), sleep=sleeps.append
+        server.url, API_KEY, retry=HttpRetryPolicy(max_attempts=5), sleep=sleeps.append
     )
     # When a retryable call is made
     with pytest.raises(UntrustedServer, match="CERTIFICATE_VERIFY_FAILED") as caught:
@@ -680,7 +680,7 @@ def test_a_certificate_for_another_host_is_final_for_the_client(
         server.url,
         API_KEY,
         ssl_context=trusted,
-        retry=RetryPolicy(max_attempts=5),
+        retry=HttpRetryPolicy(max_attempts=5),
         sleep=sleeps.append,
     )
     # When a call is made, Then the hostname mismatch is final: one handshake, no retry

@@ -10,31 +10,23 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import fixture_jobs
 import pytest
 from child_process import clean_env, run_captured
-from fixture_project import fixture_jobs_as_jobs
+from fixture_project import fixture_jobs_as_jobs, running_services
+from ledger_entry_points import entry_points
 
 from infrai_jobs.aws.secrets import database_url_from_secret
 from infrai_jobs.config.settings import DrainSettings, PruneSettings
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
-from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.operations.dead_letters import DeadLetterStore, fingerprint_or_none
-from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_secrets
-from infrai_jobs.work.admin import WorkStore
-from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local import cli as cli_module
-from infrai_local import emulator, provider_sink
 from infrai_local.invoke import invoke, resolve
 from infrai_local.jobs_package import JOBS_PATH_ENV
-from infrai_local.operator import OperatorLedger
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -176,39 +168,11 @@ def everything_logged(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))
 
 
-class _NoQueue:
-    """The watcher's queue, for a run that watches no queue (it fails on the ledger first)."""
-
-    def stats(self, name: str) -> Any:  # pragma: no cover - no queue is watched
-        raise AssertionError(name)
-
-
 @pytest.fixture(autouse=True)
 def fixture_jobs_imported() -> Iterator[None]:
     """``migrate`` runs in this process too: its jobs package is the fixture jobs'."""
     with fixture_jobs_as_jobs():
         yield
-
-
-def entry_points(url: str) -> dict[str, Callable[[], object]]:
-    message = QueueMessage("qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "r")
-    return {
-        "the drain's ledger": lambda: PostgresLedger(url, connect_timeout=1).ping(),
-        "the watcher": lambda: AlertCheck(
-            _NoQueue(), url, PrintingAlerter(), AlertThresholds(), connect_timeout=1
-        ).run([]),
-        "claims admin": lambda: WorkStore(url, connect_timeout=1).stuck(),
-        "operator ledger": lambda: OperatorLedger(url, connect_timeout=1).list_claims(),
-        "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: WorkStore(url).reopen_failed(
-            message_id=message.message_id,
-            fingerprint=fingerprint_or_none(message.payload),
-            actor="on-call",
-        ),
-        "the ledger's dead letters": lambda: DeadLetterStore(
-            WorkStore(url, connect_timeout=1).connector
-        ).ensure_reachable(),
-    }
 
 
 @pytest.mark.parametrize("case", HOSTILE.values(), ids=HOSTILE.keys())
@@ -249,17 +213,8 @@ def test_no_operator_command_prints_a_piece_of_the_password(case: Hostile) -> No
 
 @pytest.fixture(scope="module")
 def services() -> Iterator[dict[str, str]]:
-    server = emulator.start_in_thread()
-    sink = provider_sink.start_in_thread()
-    try:
-        yield {
-            "INFRAI_BASE_URL": server.url,
-            "INFRAI_API_KEY": "k",
-            **fixture_jobs.provider_settings(sink.url),
-        }
-    finally:
-        sink.stop()
-        server.stop()
+    with running_services("k") as running:
+        yield running
 
 
 class _Lines:

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from fixture_project import fixture_jobs_as_jobs
+from ledger_entry_points import entry_points
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, PrintingAlerter
-from infrai_jobs.operations.dead_letters import DeadLetterStore, fingerprint_or_none
-from infrai_jobs.queue.client import InfraiClient, RetryPolicy
-from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.drain_service import DrainService
-from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local import cli as cli_module
 from infrai_local.emulator import RunningEmulator, start_in_thread
-from infrai_local.operator import OperatorLedger
 
 PASSWORD = "pw_do_not_print_8c1e77"
 API_KEY = "sk_live_do_not_print_51d0aa"
@@ -74,24 +68,7 @@ def _every_place_keeps_the_password_out() -> None:
     # Given a database URL with a typo (an unclosed IPv6 bracket) and a password, which the
     # driver quotes whole in its own error
     url = f"postgresql://infrai:{PASSWORD}@[::1/jobs"
-    message = QueueMessage("qmsg_1", "billing-jobs-dlq", {"job": "x", "id": "1"}, 1, None, "r")
-    entry_points = {
-        "the watcher": lambda: AlertCheck(
-            _NoQueue(), url, PrintingAlerter(), AlertThresholds()
-        ).run([]),
-        "claims admin": lambda: WorkStore(url).find("any"),
-        "operator ledger": lambda: OperatorLedger(url).show("any"),
-        "migrate": lambda: cli_module._migrate(url),
-        "redrive's reopen": lambda: WorkStore(url).reopen_failed(
-            message_id=message.message_id,
-            fingerprint=fingerprint_or_none(message.payload),
-            actor="on-call",
-        ),
-        "the ledger's dead letters": lambda: DeadLetterStore(
-            WorkStore(url, connect_timeout=1).connector
-        ).ensure_reachable(),
-    }
-    for name, call in entry_points.items():
+    for name, call in entry_points(url).items():
         # When each is used
         with pytest.raises(LedgerError) as raised:
             call()
@@ -101,16 +78,9 @@ def _every_place_keeps_the_password_out() -> None:
         assert PASSWORD not in everything_logged(raised.value), name
 
 
-class _NoQueue:
-    """The watcher's queue, for a run that watches no queue (it fails on the ledger first)."""
-
-    def stats(self, name: str) -> Any:  # pragma: no cover - no queue is watched
-        raise AssertionError(name)
-
-
 def test_a_rejected_api_key_never_appears_in_the_error(emulator: RunningEmulator) -> None:
     # Given a client whose API key the service rejects
-    client = InfraiClient(emulator.url, API_KEY, retry=RetryPolicy(max_attempts=1))
+    client = InfraiClient(emulator.url, API_KEY, retry=HttpRetryPolicy(max_attempts=1))
     # When it calls, Then the 401 error and its chain do not show the key
     with pytest.raises(InfraiError) as raised:
         client.stats("billing-jobs")
@@ -122,7 +92,7 @@ def test_a_rejected_api_key_never_appears_in_the_error(emulator: RunningEmulator
 
 def test_an_unreachable_service_error_never_holds_the_api_key() -> None:
     # Given a client pointed at a closed port
-    client = InfraiClient("http://127.0.0.1:1", API_KEY, retry=RetryPolicy(max_attempts=1))
+    client = InfraiClient("http://127.0.0.1:1", API_KEY, retry=HttpRetryPolicy(max_attempts=1))
     # When it calls, Then the connection error does not show the key
     with pytest.raises(InfraiError) as raised:
         client.stats("billing-jobs")

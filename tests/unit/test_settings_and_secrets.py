@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
+
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.aws.secrets import database_url_from_secret
 from infrai_jobs.config.settings import DrainSettings
+from infrai_jobs.config.table import settings_table
+from infrai_jobs.drain.model import DrainConfig
 from infrai_jobs.errors import ConfigurationError
 
 
@@ -26,6 +30,17 @@ def test_the_visibility_window_and_the_answer_limit_are_configuration() -> None:
         {"INFRAI_VISIBILITY_TIMEOUT_SECONDS": "900", "INFRAI_MAX_ANSWER_BYTES": "1048576"}
     )
     assert (chosen.visibility_timeout_seconds, chosen.max_answer_bytes) == (900, 1_048_576)
+
+
+def test_a_drain_config_built_without_settings_keeps_the_settings_tables_defaults() -> None:
+    # Given the settings table's defaults, and the defaults of DrainConfig's fields
+    table = {row.field_name: row.default for row in settings_table(DrainSettings)}
+    config = {f.name: f.default for f in fields(DrainConfig) if f.default is not MISSING}
+    # Then every field both declare has one default: the table's (a drain built in a test or a
+    # benchmark runs as one whose settings are unset)
+    shared = sorted(set(table) & set(config))
+    assert shared == ["batch_budget_ms", "lease_grace_seconds", "visibility_timeout_seconds"]
+    assert {name: config[name] for name in shared} == {name: table[name] for name in shared}
 
 
 def test_the_dlq_follows_the_queue_unless_set() -> None:

@@ -11,28 +11,24 @@ import json
 from urllib.parse import quote
 
 from fixture_jobs.provider import Provider
-from infrai_jobs.errors import PermanentJobError
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
 NAME = "digest.build"
 
 _http = Provider("DIGEST_PROVIDER_URL", read_timeout=10.0)
-_RETRIED_CLIENT_ERRORS = (409, 429)
 
 
 def build(payload: Payload, ctx: JobContext) -> JsonValue:
     period = {"tenant_id": payload["tenant_id"], "period": payload["period"]}
-    answer = _http.request(
+    answer = _http.call(
         "POST",
         _http.url(ctx, "/v1/digests"),
+        provider="digest provider",
+        idempotent=True,
         body=json.dumps(period),
         headers={"Content-Type": "application/json", "Idempotency-Key": ctx.idem_key},
     )
-    if answer.status in _RETRIED_CLIENT_ERRORS or answer.status >= 500:
-        raise RuntimeError(f"digest provider answered HTTP {answer.status}; will retry")
-    if answer.status >= 300:
-        raise PermanentJobError(f"the digest provider refused: HTTP {answer.status}")
     built = json.loads(answer.data)
     return {"digest_id": built.get("id"), "replayed": bool(built.get("replayed"))}
 
@@ -54,6 +50,6 @@ def register(registry: JobRegistry) -> None:
         fields=dict.fromkeys(("tenant_id", "period"), str),
         effect=Effect.EXTERNAL_IDEMPOTENT,
         settings=(_http.setting,),
-        prepare=_http.prepare,
+        prepare=_http.warm,
         probe=find_built,
     )(build)

@@ -11,7 +11,6 @@ import json
 from urllib.parse import quote
 
 from fixture_jobs.provider import Provider
-from infrai_jobs.errors import EffectUncertain, PermanentJobError
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 
@@ -21,25 +20,13 @@ mailer = Provider("MAIL_PROVIDER_URL", read_timeout=5.0)
 KIND = "receipt"
 
 
-# What an answer's status class says about a mail that may have gone out.
-_FAILURES = {5: EffectUncertain, 4: PermanentJobError}
-
-
 def send(payload: Payload, ctx: JobContext) -> JsonValue:
-    import urllib3  # noqa: PLC0415 - as the provider's pool: only when a mail is sent
-
     mail = {"to": payload["email"], "template": KIND, "invoice_id": payload["invoice_id"]}
     headers = {"Content-Type": "application/json"}
     url = mailer.url(ctx, "/v1/mail/send")
-    try:
-        answer = mailer.request("POST", url, body=json.dumps(mail), headers=headers)
-    except urllib3.exceptions.HTTPError as exc:
-        if isinstance(exc, urllib3.exceptions.NewConnectionError):
-            raise  # never connected: nothing was sent, a retry is safe
-        raise EffectUncertain(f"the mail call ended unanswered: {exc}") from exc
-    failure = _FAILURES.get(answer.status // 100)
-    if failure is not None:
-        raise failure(f"the mail provider answered HTTP {answer.status}")
+    answer = mailer.call(
+        "POST", url, provider="the mail provider", body=json.dumps(mail), headers=headers
+    )
     sent = json.loads(answer.data or b"{}")
     return {"provider_message_id": sent.get("id") if isinstance(sent, dict) else None}
 
@@ -68,6 +55,6 @@ def register(registry: JobRegistry) -> None:
         fields=schema,
         effect=Effect.EXTERNAL,
         settings=(mailer.setting,),
-        prepare=mailer.prepare,
+        prepare=mailer.warm,
         probe=find_sent,
     )(send)

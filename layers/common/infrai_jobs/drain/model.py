@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.jobs.registry import DerivedJob, JobContext, JsonValue
-from infrai_jobs.queue_contract import CONSUME_CAP, DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.queue_contract import CONSUME_CAP
 from infrai_jobs.work.outcomes import OUTCOME_RULES
 from infrai_jobs.work.states import JobRun
 
@@ -24,11 +25,11 @@ class DrainConfig:
     queue: str
     batch_size: int = CONSUME_CAP
     # The time one batch may need at most; a batch is consumed only when this much is left.
-    batch_budget_ms: int = 20_000
+    batch_budget_ms: int = DrainSettings().batch_budget_ms
     # An external claim's lease outlives the deadline by this much (never the visibility window).
-    lease_grace_seconds: int = 60
+    lease_grace_seconds: int = DrainSettings().lease_grace_seconds
     # The queue's visibility timeout: a consumed message is hidden this long.
-    visibility_timeout_seconds: int = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+    visibility_timeout_seconds: int = DrainSettings().visibility_timeout_seconds
     max_batches: int | None = None
     # The optional features switched on, outermost first.
     features: Sequence[DrainFeature] = ()

@@ -1,4 +1,5 @@
-"""A job's HTTP pool to its provider, built on the first call or by ``warm``.
+"""A job's HTTP pool to its provider, built on the first call or by ``warm``; ``call`` sorts
+what the provider answers into done, retried, uncertain or permanent, for every job alike.
 
 Importing ``urllib3`` costs 20-25 ms of cold start, which a drain of ``database`` jobs never
 pays. A rate-limited job passes ``warm`` as its ``prepare``, so the import never stands between
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
+
+from infrai_jobs.errors import EffectUncertain, PermanentJobError
 
 if TYPE_CHECKING:
     import urllib3
@@ -25,6 +28,30 @@ class LazyPool:
 
     def request(self, method: str, url: str, **kwargs: Any) -> urllib3.BaseHTTPResponse:
         return (self._pool or self.warm()).request(method, url, **kwargs)
+
+    def call(
+        self, method: str, url: str, *, provider: str, idempotent: bool = False, **kwargs: Any
+    ) -> urllib3.BaseHTTPResponse:
+        """``request`` an effect of ``provider`` (named in errors): a refused connection sent
+        nothing (retried); a 4xx is refused (permanent); a lost answer or a 5xx may have acted
+        (uncertain), unless the provider is ``idempotent`` (our key as ``Idempotency-Key``):
+        then they, a 3xx, a 409 (the key's first call still running) and a 429 are retried."""
+        import urllib3  # noqa: PLC0415 (on first use: see the module's docstring)
+
+        try:
+            response = self.request(method, url, **kwargs)
+        except urllib3.exceptions.HTTPError as exc:
+            if idempotent or isinstance(exc, urllib3.exceptions.NewConnectionError):
+                raise
+            raise EffectUncertain(f"{provider} call ended without an answer: {exc}") from exc
+        status = response.status
+        if 400 <= status < 500 and not (idempotent and status in (409, 429)):
+            raise PermanentJobError(f"{provider} refused: HTTP {status}")
+        if idempotent and status >= 300:
+            raise RuntimeError(f"{provider} answered HTTP {status}; will retry")
+        if status >= 500:
+            raise EffectUncertain(f"{provider} answered {status}; it may have acted")
+        return response
 
     def warm(self) -> urllib3.PoolManager:
         """Import urllib3 and build the pool, once; the pool."""

@@ -55,8 +55,8 @@ _MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 
 @dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How retryable calls back off: full jitter, capped, bounded in attempts."""
+class HttpRetryPolicy:
+    """How the client's retried HTTP calls back off: full jitter, capped, bounded in attempts."""
 
     max_attempts: int = 4
     base_delay: float = 0.1
@@ -83,7 +83,7 @@ class InfraiClient:
         api_key: str,
         *,
         timeouts: Timeouts | None = None,
-        retry: RetryPolicy | None = None,
+        retry: HttpRetryPolicy | None = None,
         retry_publish: bool = False,
         pool_maxsize: int = 16,
         sleep: Callable[[float], None] = time.sleep,
@@ -104,7 +104,7 @@ class InfraiClient:
         # Fetches the key again (bypassing the secret cache) after a 401: a rotated key.
         self._refresh_api_key = refresh_api_key
         self._timeouts = timeouts or Timeouts()
-        self._retry = retry or RetryPolicy()
+        self._retry = retry or HttpRetryPolicy()
         self._retry_publish = retry_publish
         self._sleep = sleep
         # Set by retries_within() for the length of one invocation; None: no deadline.

@@ -45,15 +45,8 @@ class ForwardingQueue:
     def inner(self) -> QueuePort:
         return self._inner
 
-    def publish(
-        self,
-        queue: str,
-        body: Mapping[str, Any],
-        *,
-        delay_seconds: int | None = None,
-        retry: bool | None = None,
-    ) -> str:
-        return self._inner.publish(queue, body, delay_seconds=delay_seconds, retry=retry)
+    def publish(self, queue: str, body: Mapping[str, Any], **options: Any) -> str:
+        return self._inner.publish(queue, body, **options)
 
     def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
         return self._inner.consume(queue, max_messages)

@@ -46,24 +46,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, LiteralString
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
+import psycopg
 
-import psycopg  # noqa: E402
+from infrai_jobs.drain.flow import flow_control
+from infrai_jobs.drain.loop import drain_invocation
+from infrai_jobs.drain.model import DrainConfig, DrainRun
+from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_local import provider_sink
+from jobs import build_registry
 
-from infrai_jobs.drain.flow import flow_control  # noqa: E402
-from infrai_jobs.drain.loop import drain_invocation  # noqa: E402
-from infrai_jobs.drain.model import DrainConfig, DrainRun  # noqa: E402
-from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # noqa: E402
-from infrai_jobs.queue.client import InfraiClient  # noqa: E402
-from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
-from infrai_local import provider_sink  # noqa: E402
-from jobs import build_registry  # noqa: E402
-
-import receipt_drain  # noqa: E402
-from bench_env import API_KEY, Workload  # noqa: E402
-from instruments import (  # noqa: E402
+import receipt_drain
+from bench_env import API_KEY, Workload
+from instruments import (
     BatchRecorder,
     ProtocolTrace,
     RoundTrips,
@@ -75,7 +71,7 @@ from instruments import (  # noqa: E402
     memory_mb,
     process_cpu_seconds,
 )
-from receipt_drain import (  # noqa: E402
+from receipt_drain import (
     JOB,
     Setup,
     bench_setup,
@@ -86,7 +82,7 @@ from receipt_drain import (  # noqa: E402
     run_worker_process,
     workload_config,
 )
-from results_file import update_results  # noqa: E402
+from results_file import update_results
 
 # Limits far above what one lane starts (a few hundred a second here), on a key whose every
 # value runs once at a time: in force, never reached.

@@ -54,24 +54,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, LiteralString
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
+import psycopg
 
-import psycopg  # noqa: E402
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainFeature
+from infrai_jobs.jobs.registry import JobContext
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.ports import EffectGuard
+from infrai_local import provider_sink
+from jobs import build_registry
 
-from infrai_jobs.drain.loop import drain  # noqa: E402
-from infrai_jobs.drain.model import DrainConfig, DrainFeature  # noqa: E402
-from infrai_jobs.jobs.registry import JobContext  # noqa: E402
-from infrai_jobs.queue.client import InfraiClient  # noqa: E402
-from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.work.ports import EffectGuard  # noqa: E402
-from infrai_local import provider_sink  # noqa: E402
-from jobs import build_registry  # noqa: E402
-
-import receipt_drain  # noqa: E402
-from bench_env import API_KEY, Workload  # noqa: E402
-from instruments import (  # noqa: E402
+import receipt_drain
+from bench_env import API_KEY, Workload
+from instruments import (
     BatchRecorder,
     TimedQueue,
     cpu_use,
@@ -80,7 +76,7 @@ from instruments import (  # noqa: E402
     process_cpu_seconds,
     sample_busy_percent,
 )
-from receipt_drain import (  # noqa: E402
+from receipt_drain import (
     Setup,
     bench_setup,
     drain_checks,
@@ -90,8 +86,9 @@ from receipt_drain import (  # noqa: E402
     run_worker_process,
     workload_config,
 )
-from results_file import update_results  # noqa: E402
+from results_file import update_results
 
+ROOT = Path(__file__).resolve().parents[1]
 TABLE_PREFIX = "infrai-bench-idempotency"
 # Fake credentials for moto; never real ones.
 AWS_ENV = {

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from infrai_local import provider_sink
 
 JOB = "receipt.send"
+_CHECK_CLAIMS: LiteralString = (
+    "SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims"
+)
 
 
 @dataclass(frozen=True)
@@ -167,16 +170,21 @@ def queue_stats(emulator: EmulatorProcess, queue: str) -> QueueStats:
 
 
 def drain_checks(
+    setup: Setup,
+    queue: str,
+    database_url: str,
+    worker: WorkerRun,
     *,
-    claims: int,
-    claims_done: int,
-    stats: QueueStats,
-    mails: Mapping[str, int],
     unique: int,
     expected_mails: int,
 ) -> tuple[dict[str, Any], bool]:
-    """The checks every receipt drain makes, and whether they pass: one ``done`` claim per
-    distinct job, queue and DLQ empty, ``expected_mails`` e-mails and no invoice mailed twice."""
+    """The checks every receipt drain makes, read from its ledger database, its queue and the
+    e-mails its worker caused, and whether they pass: one ``done`` claim per distinct job, queue
+    and DLQ empty, ``expected_mails`` e-mails and no invoice mailed twice."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        claims, claims_done = conn.execute(_CHECK_CLAIMS).fetchone() or (0, 0)
+    stats = queue_stats(setup.emulator, queue)
+    mails = worker.mails
     checks: dict[str, Any] = {
         "claims": claims,
         "claims_done": claims_done,

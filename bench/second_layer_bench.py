@@ -52,9 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, LiteralString
-
-import psycopg
+from typing import Any
 
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainFeature
@@ -82,7 +80,6 @@ from receipt_drain import (
     drain_checks,
     median,
     prepared,
-    queue_stats,
     run_worker_process,
     workload_config,
 )
@@ -102,9 +99,6 @@ AWS_ENV = {
 _TIME_LEFT_MS = 3_600_000
 _RETENTION_DAYS = 30
 MODES = ("off", "on", "replay")
-_CHECK_CLAIMS: LiteralString = (
-    "SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims"
-)
 
 
 # --- the worker (a process of its own per drain) ------------------------------------------------
@@ -322,6 +316,7 @@ def _one_drain(
 ) -> dict[str, Any]:
     setup = world.setup
     queue = f"bench-sl-{name}"
+    unique = workload.unique
     with prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
@@ -338,19 +333,11 @@ def _one_drain(
             setup, Path(__file__).resolve(), name, spec, world.sink, env=env
         )
         result = worker.result
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            claims, claims_done = conn.execute(_CHECK_CLAIMS).fetchone() or (0, 0)
-        stats = queue_stats(setup.emulator, queue)
-    unique = workload.unique
+        expected_mails = 0 if mode == "replay" else unique
+        checks, common_ok = drain_checks(
+            setup, queue, database_url, worker, unique=unique, expected_mails=expected_mails
+        )
     guard = result["guard"]
-    checks, common_ok = drain_checks(
-        claims=claims,
-        claims_done=claims_done,
-        stats=stats,
-        mails=worker.mails,
-        unique=unique,
-        expected_mails=0 if mode == "replay" else unique,
-    )
     checks["records_in_table"] = world.moto.item_count(table) if mode != "off" else None
     checks["ok"] = (
         common_ok

@@ -42,7 +42,6 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, LiteralString
 
@@ -74,12 +73,13 @@ from instruments import (
 from receipt_drain import (
     JOB,
     Setup,
+    Stopwatch,
     bench_setup,
     drain_checks,
     median,
     prepared,
+    run_config,
     run_worker_process,
-    workload_config,
 )
 from results_file import update_results
 
@@ -287,8 +287,7 @@ def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
     """``rounds`` x (unlimited, available, limited), each drain checked."""
-    started_at = datetime.now(UTC)
-    started = time.monotonic()
+    watch = Stopwatch()
     sink = provider_sink.start_in_thread()
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
@@ -347,13 +346,9 @@ def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
         "unchanged_tolerance": UNCHANGED_TOLERANCE,
     }
     return {
-        "measured_at": started_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - started, 1),
+        **watch.stamp(),
         "config": {
-            **workload_config(workload, rounds),
-            "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
-            "injected latency)",
-            "latency_ms": setup.latency_ms,
+            **run_config(setup, workload, rounds),
             "database_latency": "none injected (PostgreSQL on this machine)",
             "job_policies": {mode: POLICIES[mode] for mode in MODES},
             "lanes": 1,

@@ -16,10 +16,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, LiteralString
 
@@ -39,6 +41,10 @@ if TYPE_CHECKING:
     from infrai_local import provider_sink
 
 JOB = "receipt.send"
+EFFECT = (
+    "one HTTP POST /v1/mail/send to the local provider sink (loopback, no injected latency), "
+    "counted per invoice by the sink"
+)
 _CHECK_CLAIMS: LiteralString = (
     "SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims"
 )
@@ -77,8 +83,9 @@ def receipt_payloads(workload: Workload) -> list[dict[str, Any]]:
     ]
 
 
-def workload_config(workload: Workload, rounds: int) -> dict[str, Any]:
-    """The start of a result's ``config``: the workload, the rounds and the job."""
+def run_config(setup: Setup, workload: Workload, rounds: int) -> dict[str, Any]:
+    """The start of a result's ``config``: the workload, the rounds, the job and its effect, and
+    the latency injected into every Infrai call."""
     return {
         "jobs": workload.messages,
         "unique_jobs": workload.unique,
@@ -88,7 +95,24 @@ def workload_config(workload: Workload, rounds: int) -> dict[str, Any]:
         "rounds": rounds,
         "job": JOB,
         "job_effect": "external",
+        "effect": EFFECT,
+        "latency_ms": setup.latency_ms,
     }
+
+
+@dataclass(frozen=True)
+class Stopwatch:
+    """When a measurement started: on the calendar, and on the monotonic clock."""
+
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    started: float = field(default_factory=time.monotonic)
+
+    def stamp(self) -> dict[str, Any]:
+        """A result's ``measured_at`` (when it started) and ``duration_s`` (until now)."""
+        return {
+            "measured_at": self.started_at.isoformat(timespec="seconds"),
+            "duration_s": round(time.monotonic() - self.started, 1),
+        }
 
 
 @contextmanager

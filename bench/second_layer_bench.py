@@ -76,12 +76,13 @@ from instruments import (
 )
 from receipt_drain import (
     Setup,
+    Stopwatch,
     bench_setup,
     drain_checks,
     median,
     prepared,
+    run_config,
     run_worker_process,
-    workload_config,
 )
 from results_file import update_results
 
@@ -529,18 +530,13 @@ def measure(
     rounds: int,
     cold_start_runs: int,
 ) -> dict[str, Any]:
-    started_at = datetime.now(UTC)
-    started = time.monotonic()
+    watch = Stopwatch()
     drains = measure_drains(setup, workload, rounds)
     cold = measure_cold_start(cold_start_runs) if cold_start_runs > 0 else None
     return {
-        "measured_at": started_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - started, 1),
+        **watch.stamp(),
         "config": {
-            **workload_config(workload, rounds),
-            "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
-            "injected latency), counted per invoice by the sink",
-            "latency_ms": setup.latency_ms,
+            **run_config(setup, workload, rounds),
             "backend": "dynamodb",
             "store": "moto ThreadedMotoServer on 127.0.0.1 (real HTTP), table as template.yaml",
             "dynamodb_latency": "botocore before-send hook on the worker's DynamoDB client: "

@@ -78,6 +78,7 @@ from receipt_drain import (
     drain_checks,
     median,
     prepared,
+    reported,
     run_config,
     run_worker_process,
 )
@@ -250,16 +251,11 @@ def _one_drain(
     result["background_busy_pct"] = worker.background_busy_pct
     result["verified"] = checks
     shutil.rmtree(trace_dir, ignore_errors=True)
-    print(
-        f"  {name}: {result['messages_per_s']} msg/s in {result['elapsed_s']} s, "
+    return reported(
+        result,
         f"{db['per_message']['ledger_round_trips']} ledger round trips/msg "
-        f"({db['flow_round_trips']} on flow control's connection), verified {checks['ok']}",
-        file=sys.stderr,
-        flush=True,
+        f"({db['flow_round_trips']} on flow control's connection)",
     )
-    if not checks["ok"]:
-        raise RuntimeError(f"{name}: the drain's result is wrong: {checks}")
-    return result
 
 
 def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

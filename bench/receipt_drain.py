@@ -227,6 +227,21 @@ def drain_checks(
     return checks, ok
 
 
+def reported(result: dict[str, Any], details: str) -> dict[str, Any]:
+    """``result``, once its drain's line is on stderr (its name and pace, ``details``, whether it
+    was verified: ``result["verified"]``); a drain that was not stops the benchmark."""
+    checks = result["verified"]
+    print(
+        f"  {result['name']}: {result['messages_per_s']} msg/s in {result['elapsed_s']} s, "
+        f"{details}, verified {checks['ok']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not checks["ok"]:
+        raise RuntimeError(f"{result['name']}: the drain's result is wrong: {checks}")
+    return result
+
+
 def median(values: Sequence[float | None]) -> float | None:
     """The median of the values present, rounded to 3 places (None if there is none)."""
     present = [v for v in values if v is not None]

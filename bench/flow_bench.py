@@ -70,18 +70,7 @@ from instruments import (
     memory_mb,
     process_cpu_seconds,
 )
-from receipt_drain import (
-    JOB,
-    Setup,
-    Stopwatch,
-    bench_setup,
-    drain_checks,
-    median,
-    prepared,
-    reported,
-    run_config,
-    run_worker_process,
-)
+from receipt_drain import JOB, Setup, median
 from results_file import update_results
 
 # Limits far above what one lane starts (a few hundred a second here), on a key whose every
@@ -193,7 +182,7 @@ def _one_drain(
     trace_dir.mkdir()
     policies = POLICIES[mode]
     unique = workload.unique
-    with prepared(setup, queue, workload) as database_url:
+    with receipt_drain.prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
             "job_policies": json.dumps(policies) if policies is not None else "",
@@ -204,9 +193,9 @@ def _one_drain(
             "provider_url": sink.url,
             "trace_dir": str(trace_dir),
         }
-        worker = run_worker_process(setup, Path(__file__).resolve(), name, spec, sink)
+        worker = receipt_drain.run_worker_process(setup, Path(__file__).resolve(), name, spec, sink)
         result = worker.result
-        checks, common_ok = drain_checks(
+        checks, common_ok = receipt_drain.drain_checks(
             setup, queue, database_url, worker, unique=unique, expected_mails=unique
         )
         with psycopg.connect(database_url, autocommit=True) as conn:
@@ -251,7 +240,7 @@ def _one_drain(
     result["background_busy_pct"] = worker.background_busy_pct
     result["verified"] = checks
     shutil.rmtree(trace_dir, ignore_errors=True)
-    return reported(
+    return receipt_drain.reported(
         result,
         f"{db['per_message']['ledger_round_trips']} ledger round trips/msg "
         f"({db['flow_round_trips']} on flow control's connection)",
@@ -283,7 +272,7 @@ def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
     """``rounds`` x (unlimited, available, limited), each drain checked."""
-    watch = Stopwatch()
+    watch = receipt_drain.Stopwatch()
     sink = provider_sink.start_in_thread()
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
@@ -344,7 +333,7 @@ def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
     return {
         **watch.stamp(),
         "config": {
-            **run_config(setup, workload, rounds),
+            **receipt_drain.run_config(setup, workload, rounds),
             "database_latency": "none injected (PostgreSQL on this machine)",
             "job_policies": {mode: POLICIES[mode] for mode in MODES},
             "lanes": 1,
@@ -389,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _measured(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     workload = Workload(args.jobs, args.duplicates, args.seed)
-    with bench_setup("infrai-bench-flow-", args.latency_ms, args.timeout_s) as setup:
+    with receipt_drain.bench_setup("infrai-bench-flow-", args.latency_ms, args.timeout_s) as setup:
         result = measure(setup, workload, rounds=args.rounds)
     if args.update:
 

@@ -74,17 +74,7 @@ from instruments import (
     process_cpu_seconds,
     sample_busy_percent,
 )
-from receipt_drain import (
-    Setup,
-    Stopwatch,
-    bench_setup,
-    drain_checks,
-    median,
-    prepared,
-    reported,
-    run_config,
-    run_worker_process,
-)
+from receipt_drain import Setup, median
 from results_file import update_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,7 +309,7 @@ def _one_drain(
     setup = world.setup
     queue = f"bench-sl-{name}"
     unique = workload.unique
-    with prepared(setup, queue, workload) as database_url:
+    with receipt_drain.prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
             "table": table,
@@ -331,12 +321,12 @@ def _one_drain(
             "provider_url": world.sink.url,
         }
         env = {**os.environ, **AWS_ENV, "AWS_ENDPOINT_URL_DYNAMODB": world.moto.url}
-        worker = run_worker_process(
+        worker = receipt_drain.run_worker_process(
             setup, Path(__file__).resolve(), name, spec, world.sink, env=env
         )
         result = worker.result
         expected_mails = 0 if mode == "replay" else unique
-        checks, common_ok = drain_checks(
+        checks, common_ok = receipt_drain.drain_checks(
             setup, queue, database_url, worker, unique=unique, expected_mails=expected_mails
         )
     guard = result["guard"]
@@ -357,7 +347,7 @@ def _one_drain(
     result["dynamodb"]["per_message"] = round(
         result["dynamodb"]["total"] / max(result["consumed"], 1), 3
     )
-    return reported(
+    return receipt_drain.reported(
         result,
         f"DynamoDB {result['dynamodb']['total']} calls ({result['dynamodb']['per_guarded_job']} "
         f"per guarded job), peak RSS {result['memory']['peak_rss_mb']} MB",
@@ -525,13 +515,13 @@ def measure(
     rounds: int,
     cold_start_runs: int,
 ) -> dict[str, Any]:
-    watch = Stopwatch()
+    watch = receipt_drain.Stopwatch()
     drains = measure_drains(setup, workload, rounds)
     cold = measure_cold_start(cold_start_runs) if cold_start_runs > 0 else None
     return {
         **watch.stamp(),
         "config": {
-            **run_config(setup, workload, rounds),
+            **receipt_drain.run_config(setup, workload, rounds),
             "backend": "dynamodb",
             "store": "moto ThreadedMotoServer on 127.0.0.1 (real HTTP), table as template.yaml",
             "dynamodb_latency": "botocore before-send hook on the worker's DynamoDB client: "
@@ -606,7 +596,7 @@ def _measured(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             _update_results(args.update, {"cold_start": cold}, cold_only=True)
         return cold, json.dumps(cold, indent=2)
     workload = Workload(args.jobs, args.duplicates, args.seed)
-    with bench_setup("infrai-bench-sl-", args.latency_ms, args.timeout_s) as setup:
+    with receipt_drain.bench_setup("infrai-bench-sl-", args.latency_ms, args.timeout_s) as setup:
         result = measure(setup, workload, rounds=args.rounds, cold_start_runs=args.cold_start_runs)
     if args.update:
         _update_results(args.update, result, cold_only=False)

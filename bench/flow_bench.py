@@ -42,28 +42,23 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, LiteralString
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
+import psycopg
 
-import psycopg  # noqa: E402
+from infrai_jobs.drain.flow import flow_control
+from infrai_jobs.drain.loop import drain_invocation
+from infrai_jobs.drain.model import DrainConfig, DrainRun
+from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_local import provider_sink
+from jobs import build_registry
 
-from infrai_jobs.drain.flow import flow_control  # noqa: E402
-from infrai_jobs.drain.loop import drain_invocation  # noqa: E402
-from infrai_jobs.drain.model import DrainConfig, DrainRun  # noqa: E402
-from infrai_jobs.flow.policies import parse_job_policies, policies_in_force  # noqa: E402
-from infrai_jobs.queue.client import InfraiClient  # noqa: E402
-from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
-from infrai_local import provider_sink  # noqa: E402
-from jobs import build_registry  # noqa: E402
-
-import receipt_drain  # noqa: E402
-from bench_env import API_KEY, Workload  # noqa: E402
-from instruments import (  # noqa: E402
+import receipt_drain
+from bench_env import API_KEY, Workload
+from instruments import (
     BatchRecorder,
     ProtocolTrace,
     RoundTrips,
@@ -75,18 +70,8 @@ from instruments import (  # noqa: E402
     memory_mb,
     process_cpu_seconds,
 )
-from receipt_drain import (  # noqa: E402
-    JOB,
-    Setup,
-    bench_setup,
-    drain_checks,
-    median,
-    prepared,
-    queue_stats,
-    run_worker_process,
-    workload_config,
-)
-from results_file import update_results  # noqa: E402
+from receipt_drain import JOB, Setup, median
+from results_file import update_results
 
 # Limits far above what one lane starts (a few hundred a second here), on a key whose every
 # value runs once at a time: in force, never reached.
@@ -122,9 +107,7 @@ _LIMIT_STATEMENTS = re.compile(
     r"^(prepare )?(SELECT|INSERT flow_rate_starts|\w+ flow_concurrency_slots)$"
 )
 _CHECK: LiteralString = """
-SELECT (SELECT count(*) FROM job_claims),
-       (SELECT count(*) FROM job_claims WHERE state = 'done'),
-       (SELECT count(*) FROM job_claims WHERE run_after IS NOT NULL),
+SELECT (SELECT count(*) FROM job_claims WHERE run_after IS NOT NULL),
        (SELECT count(*) FROM flow_rate_starts),
        (SELECT count(*) FROM flow_concurrency_slots)
 """
@@ -198,7 +181,8 @@ def _one_drain(
     trace_dir = setup.scratch / name
     trace_dir.mkdir()
     policies = POLICIES[mode]
-    with prepared(setup, queue, workload) as database_url:
+    unique = workload.unique
+    with receipt_drain.prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
             "job_policies": json.dumps(policies) if policies is not None else "",
@@ -209,22 +193,14 @@ def _one_drain(
             "provider_url": sink.url,
             "trace_dir": str(trace_dir),
         }
-        worker = run_worker_process(setup, Path(__file__).resolve(), name, spec, sink)
+        worker = receipt_drain.run_worker_process(setup, Path(__file__).resolve(), name, spec, sink)
         result = worker.result
+        checks, common_ok = receipt_drain.drain_checks(
+            setup, queue, database_url, worker, unique=unique, expected_mails=unique
+        )
         with psycopg.connect(database_url, autocommit=True) as conn:
-            row = conn.execute(_CHECK).fetchone() or (0, 0, 0, 0, 0)
-        claims, claims_done, deferred, rate_starts, slots = row
-        stats = queue_stats(setup.emulator, queue)
-    unique = workload.unique
+            deferred, rate_starts, slots = conn.execute(_CHECK).fetchone() or (0, 0, 0)
     counters = result["counters"]
-    checks, common_ok = drain_checks(
-        claims=claims,
-        claims_done=claims_done,
-        stats=stats,
-        mails=worker.mails,
-        unique=unique,
-        expected_mails=unique,
-    )
     checks |= {
         "deferred_rows": deferred,
         "deferred_outcomes": result["outcomes"].get("deferred", 0),
@@ -264,16 +240,11 @@ def _one_drain(
     result["background_busy_pct"] = worker.background_busy_pct
     result["verified"] = checks
     shutil.rmtree(trace_dir, ignore_errors=True)
-    print(
-        f"  {name}: {result['messages_per_s']} msg/s in {result['elapsed_s']} s, "
+    return receipt_drain.reported(
+        result,
         f"{db['per_message']['ledger_round_trips']} ledger round trips/msg "
-        f"({db['flow_round_trips']} on flow control's connection), verified {checks['ok']}",
-        file=sys.stderr,
-        flush=True,
+        f"({db['flow_round_trips']} on flow control's connection)",
     )
-    if not checks["ok"]:
-        raise RuntimeError(f"{name}: the drain's result is wrong: {checks}")
-    return result
 
 
 def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -301,8 +272,7 @@ def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
     """``rounds`` x (unlimited, available, limited), each drain checked."""
-    started_at = datetime.now(UTC)
-    started = time.monotonic()
+    watch = receipt_drain.Stopwatch()
     sink = provider_sink.start_in_thread()
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
@@ -361,13 +331,9 @@ def measure(setup: Setup, workload: Workload, *, rounds: int) -> dict[str, Any]:
         "unchanged_tolerance": UNCHANGED_TOLERANCE,
     }
     return {
-        "measured_at": started_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - started, 1),
+        **watch.stamp(),
         "config": {
-            **workload_config(workload, rounds),
-            "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
-            "injected latency)",
-            "latency_ms": setup.latency_ms,
+            **receipt_drain.run_config(setup, workload, rounds),
             "database_latency": "none injected (PostgreSQL on this machine)",
             "job_policies": {mode: POLICIES[mode] for mode in MODES},
             "lanes": 1,
@@ -412,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _measured(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     workload = Workload(args.jobs, args.duplicates, args.seed)
-    with bench_setup("infrai-bench-flow-", args.latency_ms, args.timeout_s) as setup:
+    with receipt_drain.bench_setup("infrai-bench-flow-", args.latency_ms, args.timeout_s) as setup:
         result = measure(setup, workload, rounds=args.rounds)
     if args.update:
 

@@ -16,12 +16,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 
@@ -39,6 +41,13 @@ if TYPE_CHECKING:
     from infrai_local import provider_sink
 
 JOB = "receipt.send"
+EFFECT = (
+    "one HTTP POST /v1/mail/send to the local provider sink (loopback, no injected latency), "
+    "counted per invoice by the sink"
+)
+_CHECK_CLAIMS: LiteralString = (
+    "SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims"
+)
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,9 @@ def receipt_payloads(workload: Workload) -> list[dict[str, Any]]:
     ]
 
 
-def workload_config(workload: Workload, rounds: int) -> dict[str, Any]:
-    """The start of a result's ``config``: the workload, the rounds and the job."""
+def run_config(setup: Setup, workload: Workload, rounds: int) -> dict[str, Any]:
+    """The start of a result's ``config``: the workload, the rounds, the job and its effect, and
+    the latency injected into every Infrai call."""
     return {
         "jobs": workload.messages,
         "unique_jobs": workload.unique,
@@ -85,7 +95,24 @@ def workload_config(workload: Workload, rounds: int) -> dict[str, Any]:
         "rounds": rounds,
         "job": JOB,
         "job_effect": "external",
+        "effect": EFFECT,
+        "latency_ms": setup.latency_ms,
     }
+
+
+@dataclass(frozen=True)
+class Stopwatch:
+    """When a measurement started: on the calendar, and on the monotonic clock."""
+
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    started: float = field(default_factory=time.monotonic)
+
+    def stamp(self) -> dict[str, Any]:
+        """A result's ``measured_at`` (when it started) and ``duration_s`` (until now)."""
+        return {
+            "measured_at": self.started_at.isoformat(timespec="seconds"),
+            "duration_s": round(time.monotonic() - self.started, 1),
+        }
 
 
 @contextmanager
@@ -167,16 +194,21 @@ def queue_stats(emulator: EmulatorProcess, queue: str) -> QueueStats:
 
 
 def drain_checks(
+    setup: Setup,
+    queue: str,
+    database_url: str,
+    worker: WorkerRun,
     *,
-    claims: int,
-    claims_done: int,
-    stats: QueueStats,
-    mails: Mapping[str, int],
     unique: int,
     expected_mails: int,
 ) -> tuple[dict[str, Any], bool]:
-    """The checks every receipt drain makes, and whether they pass: one ``done`` claim per
-    distinct job, queue and DLQ empty, ``expected_mails`` e-mails and no invoice mailed twice."""
+    """The checks every receipt drain makes, read from its ledger database, its queue and the
+    e-mails its worker caused, and whether they pass: one ``done`` claim per distinct job, queue
+    and DLQ empty, ``expected_mails`` e-mails and no invoice mailed twice."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        claims, claims_done = conn.execute(_CHECK_CLAIMS).fetchone() or (0, 0)
+    stats = queue_stats(setup.emulator, queue)
+    mails = worker.mails
     checks: dict[str, Any] = {
         "claims": claims,
         "claims_done": claims_done,
@@ -193,6 +225,21 @@ def drain_checks(
         and checks["invoices_mailed_twice"] == 0
     )
     return checks, ok
+
+
+def reported(result: dict[str, Any], details: str) -> dict[str, Any]:
+    """``result``, once its drain's line is on stderr (its name and pace, ``details``, whether it
+    was verified: ``result["verified"]``); a drain that was not stops the benchmark."""
+    checks = result["verified"]
+    print(
+        f"  {result['name']}: {result['messages_per_s']} msg/s in {result['elapsed_s']} s, "
+        f"{details}, verified {checks['ok']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not checks["ok"]:
+        raise RuntimeError(f"{result['name']}: the drain's result is wrong: {checks}")
+    return result
 
 
 def median(values: Sequence[float | None]) -> float | None:

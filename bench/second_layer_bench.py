@@ -52,26 +52,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, LiteralString
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainFeature
+from infrai_jobs.jobs.registry import JobContext
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.work.ledger import PostgresLedger
+from infrai_jobs.work.ports import EffectGuard
+from infrai_local import provider_sink
+from jobs import build_registry
 
-import psycopg  # noqa: E402
-
-from infrai_jobs.drain.loop import drain  # noqa: E402
-from infrai_jobs.drain.model import DrainConfig, DrainFeature  # noqa: E402
-from infrai_jobs.jobs.registry import JobContext  # noqa: E402
-from infrai_jobs.queue.client import InfraiClient  # noqa: E402
-from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
-from infrai_jobs.work.ports import EffectGuard  # noqa: E402
-from infrai_local import provider_sink  # noqa: E402
-from jobs import build_registry  # noqa: E402
-
-import receipt_drain  # noqa: E402
-from bench_env import API_KEY, Workload  # noqa: E402
-from instruments import (  # noqa: E402
+import receipt_drain
+from bench_env import API_KEY, Workload
+from instruments import (
     BatchRecorder,
     TimedQueue,
     cpu_use,
@@ -80,18 +74,10 @@ from instruments import (  # noqa: E402
     process_cpu_seconds,
     sample_busy_percent,
 )
-from receipt_drain import (  # noqa: E402
-    Setup,
-    bench_setup,
-    drain_checks,
-    median,
-    prepared,
-    queue_stats,
-    run_worker_process,
-    workload_config,
-)
-from results_file import update_results  # noqa: E402
+from receipt_drain import Setup, median
+from results_file import update_results
 
+ROOT = Path(__file__).resolve().parents[1]
 TABLE_PREFIX = "infrai-bench-idempotency"
 # Fake credentials for moto; never real ones.
 AWS_ENV = {
@@ -105,9 +91,6 @@ AWS_ENV = {
 _TIME_LEFT_MS = 3_600_000
 _RETENTION_DAYS = 30
 MODES = ("off", "on", "replay")
-_CHECK_CLAIMS: LiteralString = (
-    "SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims"
-)
 
 
 # --- the worker (a process of its own per drain) ------------------------------------------------
@@ -325,7 +308,8 @@ def _one_drain(
 ) -> dict[str, Any]:
     setup = world.setup
     queue = f"bench-sl-{name}"
-    with prepared(setup, queue, workload) as database_url:
+    unique = workload.unique
+    with receipt_drain.prepared(setup, queue, workload) as database_url:
         spec = {
             "mode": mode,
             "table": table,
@@ -337,23 +321,15 @@ def _one_drain(
             "provider_url": world.sink.url,
         }
         env = {**os.environ, **AWS_ENV, "AWS_ENDPOINT_URL_DYNAMODB": world.moto.url}
-        worker = run_worker_process(
+        worker = receipt_drain.run_worker_process(
             setup, Path(__file__).resolve(), name, spec, world.sink, env=env
         )
         result = worker.result
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            claims, claims_done = conn.execute(_CHECK_CLAIMS).fetchone() or (0, 0)
-        stats = queue_stats(setup.emulator, queue)
-    unique = workload.unique
+        expected_mails = 0 if mode == "replay" else unique
+        checks, common_ok = receipt_drain.drain_checks(
+            setup, queue, database_url, worker, unique=unique, expected_mails=expected_mails
+        )
     guard = result["guard"]
-    checks, common_ok = drain_checks(
-        claims=claims,
-        claims_done=claims_done,
-        stats=stats,
-        mails=worker.mails,
-        unique=unique,
-        expected_mails=0 if mode == "replay" else unique,
-    )
     checks["records_in_table"] = world.moto.item_count(table) if mode != "off" else None
     checks["ok"] = (
         common_ok
@@ -371,17 +347,11 @@ def _one_drain(
     result["dynamodb"]["per_message"] = round(
         result["dynamodb"]["total"] / max(result["consumed"], 1), 3
     )
-    print(
-        f"  {name}: {result['messages_per_s']} msg/s in {result['elapsed_s']} s, "
+    return receipt_drain.reported(
+        result,
         f"DynamoDB {result['dynamodb']['total']} calls ({result['dynamodb']['per_guarded_job']} "
-        f"per guarded job), peak RSS {result['memory']['peak_rss_mb']} MB, "
-        f"verified {checks['ok']}",
-        file=sys.stderr,
-        flush=True,
+        f"per guarded job), peak RSS {result['memory']['peak_rss_mb']} MB",
     )
-    if not checks["ok"]:
-        raise RuntimeError(f"{name}: the drain's result is wrong: {checks}")
-    return result
 
 
 def _mode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -545,18 +515,13 @@ def measure(
     rounds: int,
     cold_start_runs: int,
 ) -> dict[str, Any]:
-    started_at = datetime.now(UTC)
-    started = time.monotonic()
+    watch = receipt_drain.Stopwatch()
     drains = measure_drains(setup, workload, rounds)
     cold = measure_cold_start(cold_start_runs) if cold_start_runs > 0 else None
     return {
-        "measured_at": started_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - started, 1),
+        **watch.stamp(),
         "config": {
-            **workload_config(workload, rounds),
-            "effect": "one HTTP POST /v1/mail/send to the local provider sink (loopback, no "
-            "injected latency), counted per invoice by the sink",
-            "latency_ms": setup.latency_ms,
+            **receipt_drain.run_config(setup, workload, rounds),
             "backend": "dynamodb",
             "store": "moto ThreadedMotoServer on 127.0.0.1 (real HTTP), table as template.yaml",
             "dynamodb_latency": "botocore before-send hook on the worker's DynamoDB client: "
@@ -631,7 +596,7 @@ def _measured(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             _update_results(args.update, {"cold_start": cold}, cold_only=True)
         return cold, json.dumps(cold, indent=2)
     workload = Workload(args.jobs, args.duplicates, args.seed)
-    with bench_setup("infrai-bench-sl-", args.latency_ms, args.timeout_s) as setup:
+    with receipt_drain.bench_setup("infrai-bench-sl-", args.latency_ms, args.timeout_s) as setup:
         result = measure(setup, workload, rounds=args.rounds, cold_start_runs=args.cold_start_runs)
     if args.update:
         _update_results(args.update, result, cold_only=False)

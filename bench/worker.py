@@ -25,21 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "functions"))  # the functions' jobs package
+import psycopg
 
-import psycopg  # noqa: E402
+from infrai_jobs.drain.loop import drain
+from infrai_jobs.drain.model import DrainConfig, DrainSummary
+from infrai_jobs.jobs.registry import JobRegistry
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.runtime.factory import client_pool_size
+from infrai_jobs.work.ledger import PostgresLedger
+from jobs import build_registry
 
-from infrai_jobs.drain.loop import drain  # noqa: E402
-from infrai_jobs.drain.model import DrainConfig, DrainSummary  # noqa: E402
-from infrai_jobs.jobs.registry import JobRegistry  # noqa: E402
-from infrai_jobs.queue.client import InfraiClient  # noqa: E402
-from infrai_jobs.runtime.factory import client_pool_size  # noqa: E402
-from infrai_jobs.work.ledger import PostgresLedger  # noqa: E402
-from jobs import build_registry  # noqa: E402
-
-import notes_loop  # noqa: E402
-from instruments import (  # noqa: E402
+import notes_loop
+from instruments import (
     BatchRecorder,
     ProtocolTrace,
     RoundTrips,

@@ -63,7 +63,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, LiteralString
 
@@ -815,25 +815,18 @@ class ChaosGate:
         return self.opened_after is not None
 
 
+@dataclass
 class Convergence:
     """Waits for the queue to empty, advancing the clock when only unacked messages remain,
     and (given the database) for the deferred work the drains can still run to end."""
 
-    def __init__(
-        self,
-        client: InfraiClient,
-        emulator: Emulator,
-        config: SoakConfig,
-        *,
-        queue: str = QUEUE,
-        database: SoakDatabase | None = None,
-    ) -> None:
-        self.client = client
-        self.emulator = emulator
-        self.config = config
-        self.queue = queue
-        self.database = database
-        self.advances = 0
+    client: InfraiClient
+    emulator: Emulator
+    config: SoakConfig
+    _: KW_ONLY
+    queue: str = QUEUE
+    database: SoakDatabase | None = None
+    advances: int = field(default=0, init=False)
 
     def deferred_pending(self) -> int:
         """Deferred jobs a drain will still run: waiting, or running under a live lease, or

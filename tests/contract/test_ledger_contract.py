@@ -20,6 +20,7 @@ from typing import Any, LiteralString
 
 import psycopg
 import pytest
+from claim_requests import FP, KEY, claim_request
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import LedgerError
@@ -40,8 +41,6 @@ from infrai_local.fakes import FakeClock, InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
 VISIBILITY = 30
-KEY = "job:1"
-FP = "a" * 64
 OTHER_FP = "b" * 64
 HOUR = 3600.0
 EXPIRED = "claim lease expired while running: the effect may have happened"
@@ -109,27 +108,6 @@ class Backend:
         row = self.ledger.get(key)
         assert row is not None
         return row
-
-    def request(
-        self,
-        key: str = KEY,
-        *,
-        message_id: str = "qmsg_me",
-        effect: Effect = Effect.EXTERNAL,
-        fingerprint: str = FP,
-        lease_seconds: float = 20,
-        visibility_left: float | None = None,
-    ) -> ClaimRequest:
-        # Database claims are never committed, so they carry no lease.
-        return ClaimRequest(
-            idem_key=key,
-            message_id=message_id,
-            job="job",
-            effect=effect,
-            fingerprint=fingerprint,
-            lease_seconds=None if effect is Effect.DATABASE else lease_seconds,
-            visibility_left=visibility_left,
-        )
 
     def claim_one(self, request: ClaimRequest) -> ClaimDecision:
         (decision,) = self.ledger.claim([request])
@@ -214,7 +192,7 @@ def _not_run(request: ClaimRequest, db: object) -> JobRun:
 
 def test_a_new_key_is_won_and_committed_running(backend: Backend) -> None:
     # Given an empty ledger; When an external job is claimed
-    request = backend.request()
+    request = claim_request()
     decision = backend.claim_one(request)
     # Then it is won, and its row is running with the request's token, lease and fingerprint
     assert (decision.status, decision.takeover, decision.holder) == (ClaimStatus.WON, False, None)
@@ -239,7 +217,7 @@ def test_a_new_key_is_won_and_committed_running(backend: Backend) -> None:
 def test_a_done_key_is_a_duplicate_carrying_its_result(backend: Backend) -> None:
     # Given the work done; When claimed again
     before = backend.seed(state="done", result={"sent": 1})
-    decision = backend.claim_one(backend.request())
+    decision = backend.claim_one(claim_request())
     # Then it is a duplicate, the caller learns the stored result, and nothing changes
     assert (decision.status, decision.result, decision.holder) == (
         ClaimStatus.DONE,
@@ -252,7 +230,7 @@ def test_a_done_key_is_a_duplicate_carrying_its_result(backend: Backend) -> None
 def test_a_failed_key_stays_failed(backend: Backend) -> None:
     # Given the work failed permanently; When claimed again
     before = backend.seed(state="failed", error="PermanentJobError: no")
-    decision = backend.claim_one(backend.request())
+    decision = backend.claim_one(claim_request())
     # Then it stays failed, with the stored error
     assert (decision.status, decision.detail) == (ClaimStatus.FAILED, "PermanentJobError: no")
     assert backend.row() == before
@@ -268,7 +246,7 @@ def test_a_live_claim_of_another_message_is_in_flight_whatever_the_effect(
     # Given another message holding the claim for an hour more
     before = backend.seed(effect=effect, lease_in=HOUR)
     # When this message claims it (a database job through its batch)
-    request = backend.request(effect=effect)
+    request = claim_request(effect=effect)
     if effect is Effect.DATABASE:
         (decision,), settlements = backend.ledger.run_database_batch([request], _not_run)
         assert settlements == []
@@ -298,7 +276,7 @@ def test_an_expired_claim_is_taken_over_only_for_a_key_passing_effect(
     # Given a claim whose holder died an hour ago, for the same work
     before = backend.seed(effect=effect, message_id="qmsg_dead", lease_in=-HOUR, claimed_ago=HOUR)
     # When another delivery claims it (a database job through its batch)
-    request = backend.request(effect=effect)
+    request = claim_request(effect=effect)
     if effect is Effect.DATABASE:
         (decision,), _ = backend.ledger.run_database_batch([request], _not_run)
     else:
@@ -338,7 +316,7 @@ def test_an_expired_claim_flagged_for_a_human_is_never_taken_over(backend: Backe
         error="effect uncertain: E: timeout",
     )
     # When another delivery claims it
-    decision = backend.claim_one(backend.request(effect=Effect.EXTERNAL_IDEMPOTENT))
+    decision = backend.claim_one(claim_request(effect=Effect.EXTERNAL_IDEMPOTENT))
     # Then it stays stuck for the human, the row as it was
     assert decision.status is ClaimStatus.STUCK
     assert "flagged for a human" in decision.detail
@@ -353,17 +331,17 @@ def test_a_notes_row_without_a_lease_expires_after_the_visibility_timeout(
     backend.seed("job:new", effect=None, fingerprint=None)
     backend.seed("job:old", effect=None, fingerprint=None, claimed_ago=VISIBILITY + 60)
     # When claimed; Then the first is live, the second stuck (never taken over)
-    fresh = backend.claim_one(backend.request("job:new", effect=Effect.EXTERNAL_IDEMPOTENT))
-    old = backend.claim_one(backend.request("job:old", effect=Effect.EXTERNAL_IDEMPOTENT))
+    fresh = backend.claim_one(claim_request("job:new", effect=Effect.EXTERNAL_IDEMPOTENT))
+    old = backend.claim_one(claim_request("job:old", effect=Effect.EXTERNAL_IDEMPOTENT))
     assert (fresh.status, old.status) == (ClaimStatus.LIVE, ClaimStatus.STUCK)
 
 
 def test_our_own_redelivery_finding_our_running_row_is_stuck(backend: Backend) -> None:
     # Given a delivery that claimed an irreversible job and died
-    backend.claim_one(backend.request())
+    backend.claim_one(claim_request())
     before = backend.row()
     # When the same message comes back within the lease
-    decision = backend.claim_one(backend.request())
+    decision = backend.claim_one(claim_request())
     # Then the effect may have happened: stuck, and seen as an early redelivery
     assert decision.status is ClaimStatus.STUCK
     assert "redelivered while its own claim is still running" in decision.detail
@@ -376,9 +354,9 @@ def test_an_idempotent_claim_is_taken_over_by_its_own_message_within_its_lease(
     backend: Backend,
 ) -> None:
     # Given a key-passing job claimed by a delivery that died within its lease
-    backend.claim_one(backend.request(effect=Effect.EXTERNAL_IDEMPOTENT))
+    backend.claim_one(claim_request(effect=Effect.EXTERNAL_IDEMPOTENT))
     # When the same message comes back
-    again = backend.request(effect=Effect.EXTERNAL_IDEMPOTENT)
+    again = claim_request(effect=Effect.EXTERNAL_IDEMPOTENT)
     decision = backend.claim_one(again)
     # Then it takes its own claim over, noticed as an early redelivery
     assert (decision.status, decision.takeover) == (ClaimStatus.WON, True)
@@ -404,7 +382,7 @@ def test_the_same_key_for_different_work_is_a_conflict(
 ) -> None:
     # Given a key held for some work; When other work (another fingerprint) claims the key
     before = backend.seed(state=state, effect=effect, lease_in=lease_in, claimed_ago=HOUR)
-    decision = backend.claim_one(backend.request(effect=effect, fingerprint=OTHER_FP))
+    decision = backend.claim_one(claim_request(effect=effect, fingerprint=OTHER_FP))
     # Then it is a conflict, never a duplicate nor a takeover, and the row is left as it was
     assert decision.status is ClaimStatus.CONFLICT
     assert "different work" in decision.detail
@@ -414,7 +392,7 @@ def test_the_same_key_for_different_work_is_a_conflict(
 def test_duplicate_keys_in_one_claim_are_refused_whole(backend: Backend) -> None:
     # Given one key twice in one claim; When claimed; Then refused whole, as ON CONFLICT does
     with pytest.raises(LedgerError, match="second time"):
-        backend.ledger.claim([backend.request(), backend.request(message_id="qmsg_2")])
+        backend.ledger.claim([claim_request(), claim_request(message_id="qmsg_2")])
     assert backend.row() is None
 
 
@@ -435,7 +413,7 @@ def test_a_lease_never_outlives_the_messages_visibility_window(
     backend: Backend, lease_seconds: float, visibility_left: float | None, stored: float
 ) -> None:
     # Given a claim asking for a lease far beyond the visibility window
-    request = backend.request(lease_seconds=lease_seconds, visibility_left=visibility_left)
+    request = claim_request(lease_seconds=lease_seconds, visibility_left=visibility_left)
     # When claimed
     backend.claim_one(request)
     # Then the stored lease ends when the window does, counted from the claim
@@ -448,7 +426,7 @@ def test_a_lease_never_outlives_the_messages_visibility_window(
 
 def test_a_lease_shorter_than_the_window_is_kept(backend: Backend) -> None:
     # Given a claim asking for ten seconds; When claimed
-    request = backend.request(lease_seconds=10)
+    request = claim_request(lease_seconds=10)
     backend.claim_one(request)
     # Then the lease is the one asked for, counted from the claim
     row = backend.row()
@@ -461,7 +439,7 @@ def test_a_lease_shorter_than_the_window_is_kept(backend: Backend) -> None:
 def test_a_taken_over_lease_is_bounded_too(backend: Backend) -> None:
     # Given an expired key-passing claim; When taken over asking for an hour
     backend.seed(effect=Effect.EXTERNAL_IDEMPOTENT, lease_in=-HOUR, claimed_ago=HOUR)
-    backend.claim_one(backend.request(effect=Effect.EXTERNAL_IDEMPOTENT, lease_seconds=HOUR))
+    backend.claim_one(claim_request(effect=Effect.EXTERNAL_IDEMPOTENT, lease_seconds=HOUR))
     # Then the new lease ends with the visibility window as well
     row = backend.row()
     assert row is not None
@@ -498,7 +476,7 @@ def test_an_external_settle_records_each_kind_of_run(
     row_after: tuple[str, str | None, JsonValue] | None,
 ) -> None:
     # Given a won external claim
-    request = backend.request()
+    request = claim_request()
     backend.claim_one(request)
     # When its run is settled
     settlement = backend.ledger.settle(request, run)
@@ -510,7 +488,7 @@ def test_an_external_settle_records_each_kind_of_run(
 
 def test_an_uncertain_settle_ends_the_claims_lease(backend: Backend) -> None:
     # Given an external claim with twenty seconds of lease; When settled uncertain
-    request = backend.request(lease_seconds=20)
+    request = claim_request(lease_seconds=20)
     backend.claim_one(request)
     backend.ledger.settle(request, JobRun(RunKind.UNCERTAIN, error="E: timeout"))
     # Then its lease ends at the settle
@@ -522,11 +500,11 @@ def test_an_uncertain_settle_ends_the_claims_lease(backend: Backend) -> None:
 
 def test_a_released_claim_is_won_afresh(backend: Backend) -> None:
     # Given a claim released after a transient failure
-    request = backend.request()
+    request = claim_request()
     backend.claim_one(request)
     backend.ledger.settle(request, JobRun(RunKind.TRANSIENT, error="E: retry"))
     # When the redelivery claims it
-    retry = backend.request()
+    retry = claim_request()
     decision = backend.claim_one(retry)
     # Then it wins a new claim, as if the first had never been
     assert (decision.status, decision.takeover, decision.holder) == (ClaimStatus.WON, False, None)
@@ -542,7 +520,7 @@ def test_a_settle_by_a_holder_who_lost_the_claim_changes_nothing(
     backend: Backend, kind: RunKind
 ) -> None:
     # Given a won claim that someone else was handed (an operator, a takeover)
-    request = backend.request()
+    request = claim_request()
     backend.claim_one(request)
     backend.give_away(request.idem_key)
     before = backend.row()
@@ -556,7 +534,7 @@ def test_a_settle_by_a_holder_who_lost_the_claim_changes_nothing(
 def test_a_deferred_run_settles_nothing_more(backend: Backend) -> None:
     # Given a won claim whose run flow control deferred (the deferral itself turned the claim
     # into waiting work, fenced by its token) and that was since handed to someone else
-    request = backend.request()
+    request = claim_request()
     backend.claim_one(request)
     backend.give_away(request.idem_key)
     before = backend.row()
@@ -578,7 +556,7 @@ def test_a_copy_of_work_the_ledger_owns_is_a_duplicate_never_claimed_or_taken_ov
     before = backend.seed(effect=effect, state=state, lease_in=lease_in, owned=True)
     # When a copy of its message is claimed, even by the message the work came from
     for message_id in ("qmsg_me", before.message_id):
-        decision = backend.claim_one(backend.request(effect=effect, message_id=message_id))
+        decision = backend.claim_one(claim_request(effect=effect, message_id=message_id))
         # Then it is a duplicate of deferred work (acked), and the row is unchanged
         assert decision.status is ClaimStatus.DEFERRED, decision.detail
         assert CLAIM_OUTCOMES[decision.status] is Outcome.DEFERRED
@@ -590,7 +568,7 @@ def test_work_an_operator_cancelled_is_new_work_to_a_later_message(backend: Back
     # Given deferred work an operator cancelled
     backend.seed(state="cancelled", owned=True, fingerprint="fp-old")
     # When a new message with its key is claimed
-    decision = backend.claim_one(backend.request(fingerprint=FP))
+    decision = backend.claim_one(claim_request(fingerprint=FP))
     # Then it wins as a first claim, and the row is a message's claim again
     assert decision.status is ClaimStatus.WON
     assert not decision.takeover
@@ -616,7 +594,7 @@ def test_a_claim_taken_over_is_lost_to_its_old_holder(backend: Backend) -> None:
         fingerprint=FP,
         claim_token=uuid.UUID(int=1),
     )
-    taker = backend.request(effect=Effect.EXTERNAL_IDEMPOTENT)
+    taker = claim_request(effect=Effect.EXTERNAL_IDEMPOTENT)
     assert backend.claim_one(taker).status is ClaimStatus.WON
     # When the old holder comes back and settles; Then it lost the claim, the taker keeps it
     late = backend.ledger.settle(old_holder, JobRun(RunKind.SUCCEEDED, result="late"))
@@ -630,7 +608,7 @@ def test_a_claim_taken_over_is_lost_to_its_old_holder(backend: Backend) -> None:
 
 def test_a_settled_or_released_claim_cannot_be_settled_again(backend: Backend) -> None:
     # Given one claim settled done and one released
-    done, released = backend.request("job:done"), backend.request("job:released")
+    done, released = claim_request("job:done"), claim_request("job:released")
     backend.ledger.claim([done, released])
     backend.ledger.settle(done, JobRun(RunKind.SUCCEEDED, result=1))
     backend.ledger.settle(released, JobRun(RunKind.TRANSIENT, error="E: retry"))
@@ -674,7 +652,7 @@ def test_flag_stuck_annotates_only_running_rows_and_keeps_the_first_reason(
 def test_a_database_batch_settles_each_won_job(backend: Backend) -> None:
     # Given three database jobs, one already done
     backend.seed("db:done", state="done", effect=Effect.DATABASE, result="old")
-    requests = [backend.request(k, effect=Effect.DATABASE) for k in ("db:ok", "db:bad", "db:done")]
+    requests = [claim_request(k, effect=Effect.DATABASE) for k in ("db:ok", "db:bad", "db:done")]
     outcomes = {
         "db:ok": JobRun(RunKind.SUCCEEDED, result={"ok": True}),
         "db:bad": JobRun(RunKind.PERMANENT, error="E: bad"),
@@ -711,7 +689,7 @@ def test_a_database_batch_settles_each_won_job(backend: Backend) -> None:
 def test_a_database_job_that_may_retry_is_released(backend: Backend, kind: RunKind) -> None:
     # Given a database job whose handler failed or reports an uncertain effect; When run in a
     # batch
-    request = backend.request(effect=Effect.DATABASE)
+    request = claim_request(effect=Effect.DATABASE)
     _, settlements = backend.ledger.run_database_batch(
         [request], lambda r, db: JobRun(kind, error="E: ?")
     )
@@ -722,7 +700,7 @@ def test_a_database_job_that_may_retry_is_released(backend: Backend, kind: RunKi
 
 def test_a_database_batch_leaves_no_trace_when_it_fails(backend: Backend) -> None:
     # Given a batch whose second job cannot be stored (Postgres refuses NUL in jsonb)
-    requests = [backend.request(k, effect=Effect.DATABASE) for k in ("db:a", "db:b")]
+    requests = [claim_request(k, effect=Effect.DATABASE) for k in ("db:a", "db:b")]
 
     def runner(request: ClaimRequest, db: object) -> JobRun:
         return JobRun(RunKind.SUCCEEDED, result="a\x00b" if request.idem_key == "db:b" else 1)
@@ -733,7 +711,7 @@ def test_a_database_batch_leaves_no_trace_when_it_fails(backend: Backend) -> Non
     # Then no claim of it remains, and the redelivery wins afresh
     assert (backend.row("db:a"), backend.row("db:b")) == (None, None)
     (decision,), _ = backend.ledger.run_database_batch(
-        [backend.request("db:a", effect=Effect.DATABASE)], lambda r, db: JobRun(RunKind.SUCCEEDED)
+        [claim_request("db:a", effect=Effect.DATABASE)], lambda r, db: JobRun(RunKind.SUCCEEDED)
     )
     assert (decision.status, decision.takeover) == (ClaimStatus.WON, False)
 
@@ -755,7 +733,7 @@ def test_a_settle_postgres_refuses_raises_and_changes_nothing(
     backend: Backend, run: JobRun, raised: type[Exception]
 ) -> None:
     # Given a won claim
-    request = backend.request()
+    request = claim_request()
     backend.claim_one(request)
     before = backend.row()
     # When settled with a value Postgres cannot store; Then it raises, the claim as it was
@@ -766,7 +744,7 @@ def test_a_settle_postgres_refuses_raises_and_changes_nothing(
 
 def test_a_paired_surrogate_result_is_stored_as_its_character(backend: Backend) -> None:
     # Given a result holding a surrogate pair (valid in jsonb); When settled
-    request = backend.request()
+    request = claim_request()
     backend.claim_one(request)
     settlement: Settlement = backend.ledger.settle(
         request, JobRun(RunKind.SUCCEEDED, result="\ud83d\ude00")

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from claim_requests import claim_request
 
 from infrai_jobs.errors import ClaimChanged
 from infrai_jobs.jobs.registry import Effect
@@ -56,13 +57,8 @@ class Work:
     def request(
         self, *, message_id: str = "qmsg_me", effect: Effect = Effect.EXTERNAL
     ) -> ClaimRequest:
-        return ClaimRequest(
-            idem_key=KEY,
-            message_id=message_id,
-            job="report.render",
-            effect=effect,
-            fingerprint="fp",
-            lease_seconds=300,
+        return claim_request(
+            KEY, message_id=message_id, job="report.render", effect=effect, lease_seconds=300
         )
 
     def claimed(self, effect: Effect = Effect.EXTERNAL) -> ClaimRequest:

@@ -7,16 +7,16 @@ that id); it can be discarded, never redriven."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import urllib3
 from drainkit import DLQ, QUEUE, TEST_JOBS_CODE, Harness
+from stub_servers import QuietJsonHandler, serving
 from test_operator_cli import ROOT, run_cli
 
 
@@ -35,7 +35,7 @@ class CorruptingProxy:
     pool: urllib3.PoolManager = field(default_factory=urllib3.PoolManager)
 
 
-class _ProxyHandler(BaseHTTPRequestHandler):
+class _ProxyHandler(QuietJsonHandler):
     protocol_version = "HTTP/1.1"
     server: _ProxyServer
 
@@ -57,16 +57,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             else:
                 data = b"<html>502 Bad Gateway</html>" + b" " * 4000
             proxy.spoiled.append(len(data))
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.send_json(status, data)
 
     do_GET = do_POST = _forward
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
 
 
 class _ProxyServer(ThreadingHTTPServer):
@@ -77,14 +70,9 @@ class _ProxyServer(ThreadingHTTPServer):
 @pytest.fixture
 def proxy(kit: Harness) -> Iterator[CorruptingProxy]:
     server = _ProxyServer(("127.0.0.1", 0), _ProxyHandler)
-    server.proxy = CorruptingProxy(
-        target=kit.server.url, url=f"http://127.0.0.1:{server.server_address[1]}"
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.proxy
-    server.shutdown()
-    server.server_close()
+    with serving(server) as url:
+        server.proxy = CorruptingProxy(target=kit.server.url, url=url)
+        yield server.proxy
     server.proxy.pool.clear()
 
 

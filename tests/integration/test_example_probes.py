@@ -9,13 +9,12 @@ saying it was cut. Real PostgreSQL, the provider sink (and a stand-in provider) 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import ThreadingHTTPServer
 
 import pytest
 from drainkit import FUNCTIONS_CODE, OPERATOR, Harness, harness
+from stub_servers import QuietJsonHandler, serving
 from test_reconcile import DIGEST, RECEIPT, seed_dead_worker_claim, sink_call
 
 import jobs
@@ -76,31 +75,18 @@ def test_the_receipt_probe_settles_on_this_invoices_receipt(kit: Harness) -> Non
     assert row.result["provider_message_id"] == kit.sink.state.sent["inv_1"][-1]["id"]
 
 
-class _WrongKeyProvider(BaseHTTPRequestHandler):
+class _WrongKeyProvider(QuietJsonHandler):
     """A digest provider whose lookup answers a digest built under another key."""
 
     def do_GET(self) -> None:
         data = json.dumps({"id": "dg_other", "idempotency_key": "digest.build:someone-else"})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data.encode())
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
+        self.send_json(200, data.encode())
 
 
 @pytest.fixture
 def wrong_key_provider() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _WrongKeyProvider)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), _WrongKeyProvider)) as url:
+        yield url
 
 
 def test_the_digest_probe_does_not_settle_on_a_digest_of_another_key(

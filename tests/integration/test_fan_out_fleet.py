@@ -12,6 +12,7 @@ import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,7 @@ def _live(url: str, queue: str) -> int:
 
 
 def test_the_fleet_counts_joins_up_to_the_cap_and_adopts_reserved_slots(kit: Harness) -> None:
-    fleet = _fleet(kit.database_url)
-    try:
+    with closing(_fleet(kit.database_url)) as fleet:
         # Given two drains alive under a cap of three
         first, second = str(uuid.uuid4()), str(uuid.uuid4())
         assert fleet.join(QUEUE, first, origin="schedule", lease_seconds=30, cap=3)
@@ -96,13 +96,10 @@ def test_the_fleet_counts_joins_up_to_the_cap_and_adopts_reserved_slots(kit: Har
         fleet.leave(QUEUE, [second])
         assert _live(kit.database_url, QUEUE) == 2
         assert _live(kit.database_url, "other-queue") == 0
-    finally:
-        fleet.close()
 
 
 def test_a_dead_drains_expired_lease_is_not_counted(kit: Harness) -> None:
-    fleet = _fleet(kit.database_url)
-    try:
+    with closing(_fleet(kit.database_url)) as fleet:
         # Given a drain whose lease has already run out (it was killed and never renewed)
         assert fleet.join(QUEUE, str(uuid.uuid4()), origin="schedule", lease_seconds=-1, cap=1)
         # When another drain joins under a cap of one
@@ -110,15 +107,12 @@ def test_a_dead_drains_expired_lease_is_not_counted(kit: Harness) -> None:
         # Then it takes the dead one's place
         assert joined
         assert _live(kit.database_url, QUEUE) == 1
-    finally:
-        fleet.close()
 
 
 def test_a_fleet_on_an_unmigrated_database_names_the_missing_table_in_one_line(
     database_url: str,
 ) -> None:
-    fleet = _fleet(database_url)
-    try:
+    with closing(_fleet(database_url)) as fleet:
         # Given a database never migrated: no drain_leases table
         # When a drain renews its lease
         with pytest.raises(SchemaNotMigrated) as raised:
@@ -129,8 +123,6 @@ def test_a_fleet_on_an_unmigrated_database_names_the_missing_table_in_one_line(
             'a drain-lease statement: the ledger database is not migrated (relation "drain_leases" '
             "does not exist): run `infrai-jobs migrate` with DATABASE_URL pointing at it"
         )
-    finally:
-        fleet.close()
 
 
 def test_drains_reserving_at_the_same_moment_never_start_more_than_the_missing_ones(

@@ -12,6 +12,7 @@ import json
 import textwrap
 import threading
 import time
+from contextlib import closing
 from typing import Any
 
 import psycopg
@@ -148,11 +149,8 @@ def taken_external_run(kit: Harness, number: str, *, began: bool) -> str:
 def drain_with_an_external_retry_policy(kit: Harness) -> DrainSummary:
     """One drain with flow control, ``test.ext`` given a retry policy (so its deferred runs are
     the ledger's to take again)."""
-    flow = flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))
-    try:
+    with closing(flow_for(kit, json.dumps({"test.ext": {"retry": {"attempts": 5}}}))) as flow:
         return drain_with(kit, flow)
-    finally:
-        flow.close()
 
 
 @pytest.fixture
@@ -163,11 +161,10 @@ def kit(database_url: str) -> Any:
 
 def test_an_outage_past_three_deliveries_is_deferred_not_dead_lettered(kit: Harness) -> None:
     # Given the digest provider refusing every call, and digest.build's retry policy
-    flow = flow_for(kit)
-    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-    kit.publish(DIGEST)
-    key = kit.registry.derive(DIGEST).idem_key
-    try:
+    with closing(flow_for(kit)) as flow:
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+        kit.publish(DIGEST)
+        key = kit.registry.derive(DIGEST).idem_key
         # The first delivery fails: the ledger takes the work at once and the message is
         # acked, so no later death can spend the message's last delivery
         summary = drain_with(kit, flow)
@@ -218,31 +215,25 @@ def test_an_outage_past_three_deliveries_is_deferred_not_dead_lettered(kit: Harn
         assert drain_with(kit, flow).outcomes == {"duplicate_done": 1}
         assert digests_built(kit) == 1
         assert kit.client.stats(QUEUE).dlq_count == 0
-    finally:
-        flow.close()
 
 
 def test_a_job_without_a_policy_still_reaches_the_dlq(kit: Harness) -> None:
     # JOB_POLICIES without digest.build: its three deliveries fail, the DLQ takes it
-    flow = flow_for(kit, json.dumps({"receipt.send": {"rate": {"per_second": 20}}}))
-    sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
-    kit.publish(DIGEST)
-    try:
+    with closing(flow_for(kit, json.dumps({"receipt.send": {"rate": {"per_second": 20}}}))) as flow:
+        sink(kit, "POST", "/_sink/faults", json={"fail_rate": 1.0})
+        kit.publish(DIGEST)
         for _ in range(3):
             assert drain_with(kit, flow).outcomes == {"retry": 1}
             kit.advance()
         assert kit.client.stats(QUEUE).dlq_count == 1
         assert kit.sql("SELECT count(*) FROM job_claims WHERE run_after IS NOT NULL") == [(0,)]
-    finally:
-        flow.close()
 
 
 def test_a_deferred_job_out_of_attempts_fails_with_its_reason(kit: Harness) -> None:
     short = json.dumps(
         {"digest.build": {"retry": {"attempts": 4, "first_delay_seconds": 1, "factor": 1}}}
     )
-    flow = flow_for(kit, short)
-    try:
+    with closing(flow_for(kit, short)) as flow:
         key = deferred_after_three_refusals(kit, flow)
         assert deferred_row(kit, key)["attempts"] == 3  # type: ignore[index]
         run_now(kit, key)
@@ -256,8 +247,6 @@ def test_a_deferred_job_out_of_attempts_fails_with_its_reason(kit: Harness) -> N
         assert claim is not None
         assert claim.state == "failed"
         assert digests_built(kit) == 0
-    finally:
-        flow.close()
 
 
 def test_a_policy_on_a_database_job_is_refused_naming_it(kit: Harness) -> None:
@@ -473,8 +462,7 @@ KILL_AFTER_THE_CALL = textwrap.dedent(
 
 def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harness) -> None:
     # Given a digest deferred by its retry policy and due now
-    flow = flow_for(kit)
-    try:
+    with closing(flow_for(kit)) as flow:
         key = deferred_after_three_refusals(kit, flow)
         sink(kit, "POST", "/_sink/faults", json={"fail_rate": 0.0})
         run_now(kit, key)
@@ -491,16 +479,13 @@ def test_a_drain_killed_inside_a_deferred_run_never_repeats_the_effect(kit: Harn
         summary = drain_with(kit, flow)
         assert deferred_row(kit, key)["state"] == "done"  # type: ignore[index]
         assert_built_once_by_a_deferred_run(kit, key, summary)
-    finally:
-        flow.close()
 
 
 def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error(
     kit: Harness,
 ) -> None:
     # Given a digest deferred after three refused deliveries, due now
-    flow = flow_for(kit)
-    try:
+    with closing(flow_for(kit)) as flow:
         key = deferred_after_three_refusals(kit, flow)
         before = deferred_row(kit, key)
         assert before is not None
@@ -526,8 +511,6 @@ def test_a_deferred_job_a_limit_holds_back_keeps_its_attempts_and_its_last_error
         summary = drain_with(kit, flow)
         assert summary.counters["deferred_done"] == 1
         assert digests_built(kit) == 1
-    finally:
-        flow.close()
 
 
 @pytest.mark.parametrize(
@@ -702,8 +685,7 @@ def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lette
 ) -> None:
     # Given a digest with ten attempts whose provider refuses its first two calls
     ten = json.dumps({"digest.build": {"retry": {"attempts": 10, "first_delay_seconds": 1}}})
-    flow = flow_for(kit, ten)
-    try:
+    with closing(flow_for(kit, ten)) as flow:
         key = deferred_once(kit, flow)
         run_now(kit, key)
         assert drain_with(kit, flow).counters["deferred_ran"] == 1
@@ -724,8 +706,6 @@ def test_a_policy_job_killed_in_its_third_run_is_built_once_and_never_dead_lette
         assert kit.client.stats(QUEUE).dlq_count == 0
         assert json.loads(collected.stdout)["messages"] == []
         assert kit.sql("SELECT count(*) FROM dead_letters") == [(0,)]
-    finally:
-        flow.close()
 
 
 def test_a_rate_limit_holds_where_the_provider_counts_the_calls(kit: Harness) -> None:
@@ -824,12 +804,9 @@ def test_a_policy_job_whose_three_deliveries_all_died_is_taken_back_not_dead_let
     assert (row["state"], row["attempts"]) == ("deferred", 3)
     assert [action for action, _actor, _note in kit.history(key)] == ["dead_letter_taken_back"]
     # And a drain builds it once
-    flow = flow_for(kit, ten)
-    try:
+    with closing(flow_for(kit, ten)) as flow:
         run_now(kit, key)
         assert drain_with(kit, flow).counters["deferred_done"] == 1
-    finally:
-        flow.close()
     assert digests_built(kit) == 1
 
 
@@ -891,11 +868,8 @@ def test_a_stale_letter_never_brings_back_work_an_operator_cancelled(kit: Harnes
     # Given a digest with attempts left whose deferred work an operator cancelled, and a copy
     # of its message that later died in all three deliveries
     ten = json.dumps({"digest.build": {"retry": {"attempts": 10}}})
-    flow = flow_for(kit, ten)
-    try:
+    with closing(flow_for(kit, ten)) as flow:
         key = deferred_once(kit, flow)
-    finally:
-        flow.close()
     assert run_cli(kit, "claims", "cancel", key).returncode == 0
     kit.publish(DIGEST)
     deliveries_all_died(kit, 1)

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from claim_requests import claim_request
 from drainkit import migrate_by_hand
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
@@ -22,7 +23,7 @@ from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.statements import STUCK_CLAIM
-from infrai_jobs.work.states import ClaimRequest, ClaimRow, ClaimStatus
+from infrai_jobs.work.states import ClaimRow, ClaimStatus
 from infrai_jobs.work.store import DeferOutcome, DeferredWork
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
 from infrai_local.operator import OperatorLedger
@@ -472,8 +473,8 @@ def test_a_cancelled_key_is_free_for_new_work_but_not_for_a_stale_take_back(
     # And a new message's claim takes the key afresh, as new work
     ledger = PostgresLedger(conn.info.dsn)
     try:
-        request = ClaimRequest(
-            idem_key="k1",
+        request = claim_request(
+            "k1",
             message_id="qmsg_new",
             job="report.render",
             effect=Effect.EXTERNAL_IDEMPOTENT,

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import psycopg
@@ -31,6 +31,7 @@ from drainkit import QUEUE, Harness, harness
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
+from stub_servers import QuietJsonHandler, serving
 
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
@@ -160,16 +161,9 @@ class CraftedInfrai:
         return consumes
 
 
-class _CraftedHandler(BaseHTTPRequestHandler):
+class _CraftedHandler(QuietJsonHandler):
     protocol_version = "HTTP/1.1"
     server: _CraftedServer
-
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -177,7 +171,7 @@ class _CraftedHandler(BaseHTTPRequestHandler):
         if self.path == "/v1/queue/ack":
             with crafted.lock:
                 crafted.acked.append(json.loads(raw)["receipt_handle"])
-            self._send(200, b'{"ok":true,"data":{"acked":true}}')
+            self.send_json(200, b'{"ok":true,"data":{"acked":true}}')
             return
         if self.path == "/v1/queue/consume":
             with crafted.lock:
@@ -187,10 +181,7 @@ class _CraftedHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         with self.server.crafted.lock:
             status, body = self.server.crafted.answers.get(self.path, (404, b'{"ok":false}'))
-        self._send(status, body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
+        self.send_json(status, body)
 
 
 class _CraftedServer(ThreadingHTTPServer):
@@ -201,12 +192,9 @@ class _CraftedServer(ThreadingHTTPServer):
 @pytest.fixture(scope="module")
 def crafted() -> Iterator[CraftedInfrai]:
     server = _CraftedServer(("127.0.0.1", 0), _CraftedHandler)
-    server.crafted = CraftedInfrai(url=f"http://127.0.0.1:{server.server_address[1]}")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.crafted
-    server.shutdown()
-    server.server_close()
+    with serving(server) as url:
+        server.crafted = CraftedInfrai(url=url)
+        yield server.crafted
 
 
 def crafted_client(crafted: CraftedInfrai) -> InfraiClient:

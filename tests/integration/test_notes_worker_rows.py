@@ -17,11 +17,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from claim_requests import claim_request
 from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, VISIBILITY, Harness, run_cli
 
+from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.work import store
 from infrai_jobs.work.admin import WorkStore
-from infrai_jobs.work.states import ClaimRequest, ClaimStatus
+from infrai_jobs.work.states import ClaimStatus
 
 KEY = "invoice.finalize:inv_8812"
 NOTES_CLAIM = """
@@ -133,7 +135,9 @@ def test_the_drain_and_the_store_read_a_notes_worker_row_as_live(kit: Harness) -
     row = admin.find(KEY)
     assert row is not None
     # When a drain's delivery of another copy claims it, and a probe says "not done"
-    request = ClaimRequest(KEY, "qmsg_copy", "invoice.finalize", "database", "fp")  # type: ignore[arg-type]
+    request = claim_request(
+        KEY, message_id="qmsg_copy", job="invoice.finalize", effect=Effect.DATABASE
+    )
     (decision,) = kit.ledger.claim([request])
     probed = admin.apply_probe_answer(row, "not_done", actor="watcher", note="probe: not done")
     # Then the copy meets a live claim, and the probe changes nothing

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Iterator
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
 import urllib3
 from notes_example import DLQ, NOTES_PAYLOAD, QUEUE
+from stub_servers import QuietJsonHandler, serving
 
 from infrai_jobs.errors import (
     ConfigurationError,
@@ -405,36 +405,21 @@ ODD_ITEMS = (
 )
 
 
-class BareHandler(BaseHTTPRequestHandler):
+class BareHandler(QuietJsonHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = ODD_ITEMS if self.path == "/v1/queue/consume" else b'{"ok":false}'
-        self.send_response(200 if self.path == "/v1/queue/consume" else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_json(200 if self.path == "/v1/queue/consume" else 404, body)
 
     def do_GET(self) -> None:
         status, body = BARE_ANSWERS.get(self.path, (404, b'{"ok":false}'))
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
+        self.send_json(status, body)
 
 
 @pytest.fixture(scope="module")
 def bare_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BareHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), BareHandler)) as url:
+        yield url
 
 
 def test_bodies_without_the_envelope_are_accepted(bare_server: str) -> None:

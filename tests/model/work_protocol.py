@@ -532,15 +532,28 @@ class Protocol:
             yield Act("settle failed", False, "lane's database job fails for good"), failed
 
     def lane_run(self, rest: Key, actor: Actor) -> Iterator[KeyMove]:
-        """``drain.batch.run_handler``, then its settle. An outcome without an effect settles in
-        the same step: a kill between the two equals a kill before the call."""
+        """``drain.batch.run_handler``, then its settle."""
+        yield from self._run_handler(
+            rest, actor, "lane runs the handler", self._lane_settle_without_effect
+        )
+
+    def _run_handler(
+        self,
+        rest: Key,
+        actor: Actor,
+        who: str,
+        settle_without_effect: Callable[[Key, Actor, str, str], KeyMove],
+    ) -> Iterator[KeyMove]:
+        """Each outcome of one run of the handler. An outcome with an effect stops after the
+        call; any other settles in the same step: a kill between the two equals a kill before
+        the call."""
         for outcome in RUN_OUTCOMES:
-            text = f"lane runs the handler: {outcome}"
+            text = f"{who}: {outcome}"
             if outcome in EFFECT_OUTCOMES:
                 ran = _attach(_effect(rest), actor._replace(stage=RAN, note=outcome))
                 yield Act("run", True, text), ran
             else:
-                yield self._lane_settle_without_effect(rest, actor, outcome, text)
+                yield settle_without_effect(rest, actor, outcome, text)
 
     def _lane_settle_without_effect(
         self, rest: Key, actor: Actor, outcome: str, text: str
@@ -647,13 +660,9 @@ class Protocol:
             yield Act("begin", True, "deferred run begins"), _attach(began, _stage(actor, BEGUN))
 
     def deferred_run(self, rest: Key, actor: Actor) -> Iterator[KeyMove]:
-        for outcome in RUN_OUTCOMES:
-            text = f"deferred run's handler: {outcome}"
-            if outcome in EFFECT_OUTCOMES:
-                ran = _attach(_effect(rest), actor._replace(stage=RAN, note=outcome))
-                yield Act("run", True, text), ran
-            else:
-                yield self._deferred_settle_without_effect(rest, actor, outcome, text)
+        yield from self._run_handler(
+            rest, actor, "deferred run's handler", self._deferred_settle_without_effect
+        )
 
     def _deferred_settle_without_effect(
         self, rest: Key, actor: Actor, outcome: str, text: str

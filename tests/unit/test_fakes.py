@@ -12,6 +12,7 @@ import threading
 from decimal import Decimal
 
 import pytest
+from claim_requests import claim_request
 
 from infrai_jobs.errors import InfraiError, LedgerUnavailable, QueueMessageNotFound
 from infrai_jobs.jobs.registry import Effect
@@ -29,7 +30,6 @@ from infrai_local.fakes import Clock, FakeClock, InMemoryLedger, InMemoryQueue
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
 VISIBILITY = 300
-FP = "a" * 64
 
 
 @pytest.fixture
@@ -340,26 +340,6 @@ def test_acks_from_many_threads_each_remove_one_message(queue: InMemoryQueue) ->
 # --- the ledger -------------------------------------------------------------------------------
 
 
-def _request(
-    ledger: InMemoryLedger,
-    key: str = "job:1",
-    *,
-    message_id: str = "qmsg_me",
-    effect: Effect = Effect.EXTERNAL,
-    fingerprint: str = FP,
-    lease_seconds: float = 120,
-) -> ClaimRequest:
-    # Database claims are never committed, so they carry no lease.
-    return ClaimRequest(
-        idem_key=key,
-        message_id=message_id,
-        job="job",
-        effect=effect,
-        fingerprint=fingerprint,
-        lease_seconds=None if effect is Effect.DATABASE else lease_seconds,
-    )
-
-
 def test_a_database_batch_runs_its_handlers_without_a_connection(ledger: InMemoryLedger) -> None:
     # Given two database jobs; When run as one batch
     seen: list[object] = []
@@ -368,7 +348,7 @@ def test_a_database_batch_runs_its_handlers_without_a_connection(ledger: InMemor
         seen.append(db)
         return JobRun(RunKind.SUCCEEDED, result=request.idem_key)
 
-    requests = [_request(ledger, k, effect=Effect.DATABASE) for k in ("db:a", "db:b")]
+    requests = [claim_request(k, effect=Effect.DATABASE) for k in ("db:a", "db:b")]
     _, settlements = ledger.run_database_batch(requests, runner)
     # Then each handler got no connection (the fake has none), and the batch was one call
     assert seen == [None, None]
@@ -381,9 +361,9 @@ def test_an_injected_failure_changes_nothing_and_passes(ledger: InMemoryLedger) 
     ledger.fail_next("claim")
     # When claimed twice
     with pytest.raises(LedgerUnavailable):
-        ledger.claim([_request(ledger)])
+        ledger.claim([claim_request()])
     rows_after_failure = ledger.rows
-    (decision,) = ledger.claim([_request(ledger)])
+    (decision,) = ledger.claim([claim_request()])
     # Then the first failed without a trace, and the second went through
     assert rows_after_failure == {}
     assert decision.status is ClaimStatus.WON

@@ -14,12 +14,12 @@ import importlib
 import inspect
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from child_process import run_captured
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER = ROOT / "layers" / "common" / "infrai_jobs"
@@ -299,14 +299,7 @@ def test_importing_the_settings_loads_no_database_driver() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'psycopg'))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(LAYER.parent)}
-    finished = subprocess.run(
-        [sys.executable, "-c", script],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    finished = run_captured([sys.executable, "-c", script], env=env)
     # Then it ran, and psycopg was not among what it loaded
     assert finished.returncode == 0, finished.stderr
     assert finished.stdout.strip() == "[]"

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+from child_process import run_captured
 
 from infrai_jobs.ledger.postgres import SCHEMA_VERSION, newest_migration
 from infrai_local.migrations import LATEST_VERSION, LEDGER_FOLDER, LEDGER_MIGRATIONS
@@ -62,14 +62,7 @@ def test_a_new_migration_file_is_all_it_takes_to_raise_the_version(tmp_path: Pat
     # When a fresh interpreter imports the ledger from that copy
     script = "import infrai_jobs.ledger.postgres as p\nprint(p.__file__)\nprint(p.SCHEMA_VERSION)\n"
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    finished = subprocess.run(
-        [sys.executable, "-c", script],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    finished = run_captured([sys.executable, "-c", script], env=env)
     # Then the version it needs is the new file's, with no constant edited
     assert finished.returncode == 0, finished.stderr
     module_file, version = finished.stdout.split()

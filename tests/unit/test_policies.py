@@ -229,14 +229,19 @@ def test_a_payload_without_a_key_field_is_invalid_naming_it() -> None:
 
 def test_a_job_declares_its_policy_in_code_and_jobs_without_one_have_none() -> None:
     # Given a registry with one job that declares every policy and one that declares none
+    declared = JobPolicy(
+        retry=RetryPolicy(attempts=5, first_delay_seconds=2),
+        rate=RateLimit(per_second=3),
+        concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=1),
+    )
     registry = JobRegistry()
     registry.job(
         "report.render",
         effect=Effect.EXTERNAL_IDEMPOTENT,
         identity=("tenant_id",),
-        retry=RetryPolicy(attempts=5, first_delay_seconds=2),
-        rate=RateLimit(per_second=3),
-        concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=1),
+        retry=declared.retry,
+        rate=declared.rate,
+        concurrency=declared.concurrency,
     )(_noop)
     registry.job("invoice.finalize", effect=Effect.DATABASE, identity=("invoice_id",))(_noop)
     # Then the declaring job carries it, and the other carries nothing
@@ -244,11 +249,7 @@ def test_a_job_declares_its_policy_in_code_and_jobs_without_one_have_none() -> N
     plain = registry.get("invoice.finalize")
     assert render is not None
     assert plain is not None
-    assert declared_policy(render) == JobPolicy(
-        retry=RetryPolicy(attempts=5, first_delay_seconds=2),
-        rate=RateLimit(per_second=3),
-        concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=1),
-    )
+    assert declared_policy(render) == declared
     assert declared_policy(plain).is_empty
     # And only the job with something to enforce is in force, overrides included
     overrides = parse_job_policies('{"report.render": {"rate": null}}', ["report.render"])

@@ -127,5 +127,4 @@ class SecondLayerFeature(DrainFeature):
     def around_effect(
         self, ctx: JobContext, fingerprint: str, call: Callable[[], JsonValue]
     ) -> JsonValue:
-        result: JsonValue = self.guard.run(ctx.idem_key, fingerprint, call)
-        return result
+        return self.guard.run(ctx.idem_key, fingerprint, call)

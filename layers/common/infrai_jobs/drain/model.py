@@ -188,7 +188,6 @@ class DrainFeature:
         return next_drain(run)
 
     def poll_again(self, config: DrainConfig, time: LaneClock, counters: Counter[str]) -> bool:
-        """After an empty consume: whether to consume again (having waited), or stop."""
         return False
 
     def around_handler(self, attempt: HandlerAttempt, run: Callable[[], JobRun]) -> JobRun:

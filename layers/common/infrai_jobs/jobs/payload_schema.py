@@ -1,10 +1,7 @@
-"""Payload schemas: which fields a job's payload carries, their JSON types, which are required.
-
-Declared with ``JobRegistry.job(..., fields=...)``; the rules are in docs/payload-schemas.md.
-Types are JSON's, named by the Python types ``json.loads`` gives (``bool`` is never an ``int``
-here). Undeclared fields pass unchecked: a rolling deploy must not turn payloads with a new
-field into dead letters. ``JobRegistry.derive`` checks every payload before its claim.
-"""
+"""Payload schemas: which fields a job's payload carries, their JSON types (named by the Python
+types ``json.loads`` gives; ``bool`` is never an ``int``) and which are required; the rules are in
+docs/payload-schemas.md. Undeclared fields pass unchecked: a rolling deploy must not turn payloads
+with a new field into dead letters."""
 
 from __future__ import annotations
 

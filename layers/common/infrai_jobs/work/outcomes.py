@@ -1,8 +1,6 @@
-"""The outcome table of docs/design.md as data: every way one message can end, in one place.
-
-The drain, its summary, the logs and the metrics derive from ``OUTCOME_RULES``; a test keeps
-the table in docs/design.md equal to it.
-"""
+"""The outcome table of docs/design.md as data: every way one message can end, in one place. The
+drain, its summary, the logs and the metrics derive from ``OUTCOME_RULES``; a test keeps the
+table in docs/design.md equal to it."""
 
 from __future__ import annotations
 

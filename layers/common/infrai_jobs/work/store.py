@@ -1,19 +1,13 @@
 """The transitions of ``job_claims`` rows outside a delivery's batch: deferred work (a claim that
-waits), and every change a probe, an operator, a redrive or the prune function makes.
-
-A claim is deferred by the run that holds it (fenced by its token): its row keeps the payload,
-the attempts so far and the next run time, its message is acked, and from then on the ledger
-owns the work (``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's
-``take_due`` runs it, under a new token and lease on the same row. Who may change a run is one
-rule (``work.statements``): the run holding the token, or anyone else once its lease is over.
-The whole machine is ``work.states.WORK_TRANSITIONS``; each row names its function here (or in
-``work.ledger`` for a delivery's batch).
-
-The functions run in ``conn.transaction()`` on the caller's connection (inside the caller's
-transaction a savepoint, so a deferral can commit with the attempt it settles); ``WorkStore``
-makes the operators' changes on short connections of its own, each recorded in
-``claim_history`` in its transaction.
-"""
+waits), and every change a probe, an operator, a redrive or the prune function makes. A claim is
+deferred by the run that holds it (fenced by its token): its row keeps the payload, the attempts
+so far and the next run time, its message is acked, and from then on the ledger owns the work
+(``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's ``take_due`` runs
+it, under a new token and lease on the same row. Who may change a run is one rule
+(``work.statements``): the run holding the token, or anyone else once its lease is over. The
+whole machine is ``work.states.WORK_TRANSITIONS``; each row names its function here (or in
+``work.ledger``). The functions run in ``conn.transaction()`` on the caller's connection (inside
+the caller's transaction a savepoint, so a deferral can commit with the attempt it settles)."""
 
 from __future__ import annotations
 
@@ -32,12 +26,7 @@ from infrai_jobs.ledger.dead_letter_rows import (
     RECORD_DEAD_LETTER,
     RESOLVED_FAILED_DLQ,
 )
-from infrai_jobs.ledger.postgres import (
-    array_literal,
-    ledger_errors,
-    record_history,
-    storable_json,
-)
+from infrai_jobs.ledger.postgres import array_literal, ledger_errors, record_history, storable_json
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work import statements as sql
 from infrai_jobs.work.states import ClaimRow, new_token
@@ -70,10 +59,6 @@ class DeferredStats(NamedTuple):
     oldest_age_seconds: float  # since the oldest of those was first deferred; 0 when none
 
 
-def _rows(conn: psycopg.Connection[Any]) -> psycopg.Cursor[ClaimRow]:
-    return conn.cursor(row_factory=class_row(ClaimRow))
-
-
 def claim_rows(
     conn: psycopg.Connection[Any],
     statement: LiteralString,
@@ -82,7 +67,7 @@ def claim_rows(
     visibility: float = VISIBILITY,
 ) -> list[ClaimRow]:
     """Whole claims a statement of ``work.statements`` returns, their leases judged by it."""
-    with _rows(conn) as cur:
+    with conn.cursor(row_factory=class_row(ClaimRow)) as cur:
         return cur.execute(statement, {**params, "visibility": visibility}).fetchall()
 
 
@@ -115,9 +100,6 @@ def hold_dead_letter(
         "reason": reason,
     }
     return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
-
-
-# --- Deferred work: the run holding it, and the drains that take it -----------------------------
 
 
 def defer(
@@ -211,8 +193,10 @@ def postpone(
 def finish(
     conn: psycopg.Connection[Any], key: str, token: uuid.UUID, result: Any
 ) -> ClaimRow | None:
-    """The run holding ``token`` settles ``done``; None when the token no longer holds it."""
-    return settle_as_holder(conn, key, token, "done", result=result, action="deferred_done")
+    """The run holding ``token`` settles ``done``, whatever its lease; None when the token no
+    longer holds it."""
+    values = {"token": token, "state": "done", "result": result, "error": None}
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_done"))
 
 
 def fail(
@@ -223,10 +207,11 @@ def fail(
     *,
     queue: str | None = None,
 ) -> ClaimRow | None:
-    """The run holding ``token`` fails for good (out of attempts, or a final error)."""
-    return settle_as_holder(
-        conn, key, token, "failed", error=error, action="deferred_failed", queue=queue
-    )
+    """The run holding ``token`` fails for good (out of attempts, or a final error), whatever its
+    lease. Failed work the ledger owns also gets a dead letter (its message was acked long ago)
+    under its queue (``queue`` when the work recorded none)."""
+    values = {"token": token, "state": "failed", "result": None, "error": error}
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_failed"), queue=queue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,24 +221,6 @@ class Why:
     action: str
     actor: str = DRAIN_ACTOR
     note: str = ""
-
-
-def settle_as_holder(
-    conn: psycopg.Connection[Any],
-    key: str,
-    token: uuid.UUID,
-    state: str,
-    *,
-    result: Any = None,
-    error: str | None = None,
-    action: str,
-    queue: str | None = None,
-) -> ClaimRow | None:
-    """The run holding ``token`` settles its run ``done`` or ``failed``, whatever its lease;
-    recorded as ``action``. Failed work the ledger owns also gets a dead letter (its message was
-    acked long ago) under its queue (``queue`` when the work recorded none)."""
-    values = {"token": token, "state": state, "result": result, "error": error}
-    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why(action), queue=queue)
 
 
 def settle_as_other(

@@ -1,9 +1,7 @@
-"""Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
-
-Each selected row is first judged (``forecast``): its copy would run, be skipped or bounce back;
-only what would run is published unless ``include_bouncing``. The verdicts: docs/operations.md,
-"Dead letters: the steps".
-"""
+"""Redrive: dead letters back to the main queue after a fix, the third source of duplicates. Each
+selected row is first judged (``forecast``): its copy would run, be skipped or bounce back; only
+what would run is published unless ``include_bouncing``. The verdicts: docs/operations.md, "Dead
+letters: the steps"."""
 
 from __future__ import annotations
 
@@ -78,11 +76,7 @@ class Forecast:
 
 
 def forecast(
-    row: DeadLetterRow,
-    *,
-    key_of: KeyOf | None,
-    admin: WorkStore | None,
-    reopen_failed: bool,
+    row: DeadLetterRow, *, key_of: KeyOf | None, admin: WorkStore | None, reopen_failed: bool
 ) -> tuple[Forecast, str | None]:
     """What a copy of ``row`` published now would meet, and the key it would be claimed by:
     derived again (the registry may have changed since), else the row's. Without a key or a

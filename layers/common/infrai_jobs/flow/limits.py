@@ -1,8 +1,7 @@
 """Rate limits and concurrency keys in the ledger's database, on its clock, each function in
 ``conn.transaction()`` of its own (a savepoint inside the caller's transaction). A rate limit
 spaces the starts of every drain (a generic cell rate algorithm with no burst); a concurrency
-slot ends with its run's lease, so a killed run's slot frees itself.
-"""
+slot ends with its run's lease, so a killed run's slot frees itself."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Flow policies: the ``JOB_POLICIES`` document, which policy is in force, back-off delays, and
-the value of a concurrency key.
-
-``JOB_POLICIES`` is a JSON object keyed by job name; each job's object may hold ``retry``,
-``rate`` and ``concurrency`` (the fields of ``RetryPolicy``, ``RateLimit`` and
-``ConcurrencyLimit``), or ``null`` for one of them to turn off what the code declares. A section
-it gives replaces the code's section whole; a section it leaves out keeps the code's. Anything
-malformed is a ``ConfigurationError`` naming the job and the field.
-"""
+"""Flow policies: the ``JOB_POLICIES`` document (docs/flow-control.md: per job, a ``retry``,
+``rate`` or ``concurrency`` section replaces the code's whole, ``null`` turns one off, anything
+malformed is a ``ConfigurationError`` naming the job and the field), which policy is in force,
+back-off delays, and the value of a concurrency key."""
 
 from __future__ import annotations
 
@@ -115,7 +110,6 @@ def _parse_section(where: str, section: str, body: object) -> object:
 
 
 def declared_policy(definition: JobDefinition) -> JobPolicy:
-    """What the job declares in code."""
     return JobPolicy(definition.retry, definition.rate, definition.concurrency)
 
 

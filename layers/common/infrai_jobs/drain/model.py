@@ -123,7 +123,6 @@ SUMMARY_COUNTS = (
 
 
 def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
-    """One summary for several lanes of the same invocation."""
     merged = DrainSummary()
     for summary in summaries:
         for name in _CORE_COUNTERS:

@@ -85,12 +85,10 @@ def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dic
 
 
 def payload_fingerprint(payload: object) -> str:
-    """Hex SHA-256 of the canonical JSON of the payload's work fields."""
     return hashlib.sha256(canonical_json(work_fields(payload))).hexdigest()
 
 
 def work_fields(payload: object) -> dict[str, object]:
-    """The payload's top-level fields without the envelope."""
     body = _require_object(payload)
     return {
         name: value

@@ -283,11 +283,9 @@ class JobRegistry:
         }
 
     def settings_of(self, name: str) -> Mapping[str, str]:
-        """The bound values of job ``name``'s declared settings (empty before binding)."""
         return self._settings.get(name, MappingProxyType({}))
 
     def secrets_of(self, name: str) -> Mapping[str, str]:
-        """The bound values of job ``name``'s declared secrets (empty before binding)."""
         return self._secrets.get(name, SecretValues())
 
     def _owners(

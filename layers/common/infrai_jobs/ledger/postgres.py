@@ -363,14 +363,12 @@ def table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
 
 
 def current_version(conn: psycopg.Connection[Any]) -> int:
-    """The schema version in the database; 0 when never migrated."""
     if not table_exists(conn, "infrai_jobs_schema"):
         return 0
     version = conn.execute("SELECT coalesce(max(version), 0) FROM infrai_jobs_schema").fetchone()
     return int(version[0]) if version else 0
 
 
-# How every SchemaNotMigrated ends.
 RUN_MIGRATE: Final = "run `infrai-jobs migrate` with DATABASE_URL pointing at it"
 
 

@@ -115,8 +115,6 @@ DeadLetter = QueueMessage | Unreadable
 
 @dataclass(frozen=True, slots=True)
 class DeadLetterRow:
-    """One dead letter as the ledger holds it."""
-
     message_id: str
     queue: str
     dlq: str

@@ -54,7 +54,6 @@ class Refusal(StrEnum):
     MOVED = "moved"  # another claim token holds it: it changed since it was read
 
 
-# The states each operator change applies to.
 RESOLVABLE: Final = ("running",)
 RELEASABLE: Final = ("running", "failed")
 ALLOWED: Final = {"resolve_done": RESOLVABLE, "resolve_failed": RESOLVABLE, "release": RELEASABLE}

@@ -43,8 +43,6 @@ _KEYABLE: Final = frozenset({str, int})
 
 @dataclass(frozen=True, slots=True)
 class DeclaredField:
-    """One field as ``check`` uses it."""
-
     name: str
     required: bool
     # The Python types that are values of this field; None when any value is (untyped).
@@ -91,9 +89,8 @@ class PayloadSchema:
                 )
             elif name in identity and not found.declared_types <= _KEYABLE:
                 raise ConfigurationError(
-                    f"job {job!r}: identity field {name!r} is declared {found.expected}, but a "
-                    "key is built only from strings and integers: declare it str, int or "
-                    "(str, int)"
+                    f"job {job!r}: identity field {name!r} is declared {found.expected}, but a key "
+                    "is built only from strings and integers: declare it str, int or (str, int)"
                 )
         return type(self)((*self.fields, *added)) if added else self
 

@@ -257,10 +257,9 @@ class JobSettings(CommonSettings):
         if missing:
             raise ConfigurationError(
                 "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} "
-                    f"need it: in AWS, name its Secrets Manager secret with {name}"
-                    f"{SECRET_ARN_SUFFIX} (template parameter {secret_parameter_name(name)}); "
-                    f"locally, export {name}"
+                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} need "
+                    f"it: in AWS, name its Secrets Manager secret with {name}{SECRET_ARN_SUFFIX} "
+                    f"(template parameter {secret_parameter_name(name)}); locally, export {name}"
                     for name in missing
                 )
             )

@@ -265,9 +265,8 @@ class _ConsumeMode:
         else:
             level, action = logging.WARNING, "consume_answer_lost"
             message = (
-                "a consume answer was lost or unreadable: the messages it served spent a "
-                "delivery unseen and come back after the visibility timeout; consuming one at a "
-                "time"
+                "a consume answer was lost or unreadable: the messages it served spent a delivery "
+                "unseen and come back after the visibility timeout; consuming one at a time"
             )
         logger.log(
             level,

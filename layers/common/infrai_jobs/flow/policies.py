@@ -62,16 +62,12 @@ def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
         raise ConfigurationError(
             f"{where}: unknown field {unknown[0]!r} (a job's policy has retry, rate, concurrency)"
         )
-    sections: dict[str, Any] = {
-        section: _parse_section(where, section, body)
-        for section, body in value.items()
-        if body is not None
-    }
+    sections = {s: _parse_section(where, s, body) for s, body in value.items() if body is not None}
     cleared = frozenset(section for section, body in value.items() if body is None)
     return JobPolicy(**sections, cleared=cleared)
 
 
-def _parse_section(where: str, section: str, body: object) -> object:
+def _parse_section(where: str, section: str, body: object) -> Any:
     kind = _SECTIONS[section]
     fields = {field.name: field for field in dataclasses.fields(kind)}
     if not isinstance(body, dict):

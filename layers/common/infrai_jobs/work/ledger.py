@@ -178,13 +178,9 @@ class PostgresLedger(LedgerAdapter):
         # find them running and (rightly, for an irreversible effect) flag them stuck.
         try:
             with ledger_errors(url=self._connector.url), self._connector.connect_once() as fresh:
-                fresh.execute(
-                    sql.RELEASE_BATCH,
-                    {
-                        "keys": array_literal(r.idem_key for r in requests),
-                        "tokens": array_literal(r.claim_token for r in requests),
-                    },
-                )
+                keys = array_literal(r.idem_key for r in requests)
+                tokens = array_literal(r.claim_token for r in requests)
+                fresh.execute(sql.RELEASE_BATCH, {"keys": keys, "tokens": tokens})
         except LedgerError:
             # The batch's own error follows; the claims expire with their leases.
             logger.warning(
@@ -223,12 +219,11 @@ class PostgresLedger(LedgerAdapter):
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction: every claim decision and
-        the settlements of the jobs that ran. A crash or a lost connection leaves no trace, and
-        the redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the
-        claim, ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back
-        whole and the batch runs again with a savepoint per job, so one failure cannot undo its
-        neighbours."""
+        """Claim, run and settle database jobs in one transaction: every claim decision and the
+        settlements of the jobs that ran. A crash or a lost connection leaves no trace, and the
+        redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the claim,
+        ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back whole and the
+        batch runs again with a savepoint per job, so one failure cannot undo its neighbours."""
         if not requests:
             return [], []
         with self._translated() as conn:

@@ -87,18 +87,11 @@ def hold_dead_letter(
     claim, unless a human failed it (``by_human``): then only ``--reopen-failed`` does. False
     when a dead letter with this message id is recorded already."""
     unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
-    values = dict.fromkeys(unknown) | {
-        "message_id": work.message_id,
-        "queue": queue,
-        "dlq": RESOLVED_FAILED_DLQ if by_human else LEDGER_HELD_DLQ,
-        "unreadable": False,
-        "payload": Jsonb(work.payload),
-        "job": work.job or "",
-        "idem_key": work.idem_key,
-        "state": "failed",
-        "claim_state": "failed",
-        "reason": reason,
-    }
+    values: dict[str, Any] = dict.fromkeys(unknown)
+    values.update(message_id=work.message_id, queue=queue, unreadable=False, reason=reason)
+    values.update(dlq=RESOLVED_FAILED_DLQ if by_human else LEDGER_HELD_DLQ, job=work.job or "")
+    values.update(payload=Jsonb(work.payload), idem_key=work.idem_key)
+    values.update(state="failed", claim_state="failed")
     return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
 
 
@@ -116,13 +109,8 @@ def defer(
     (a dead letter taken back). Either way the ledger owns the work from here, and its message
     may be acked."""
     params = {name: getattr(work, name) for name in DeferredWork.__dataclass_fields__}
-    params |= {
-        "payload": Jsonb(dict(work.payload)),
-        "attempts": max(attempts, 0),
-        "error": error,
-        "delay": max(float(delay_seconds), 0.0),
-        "token": claim_token,
-    }
+    params |= {"payload": Jsonb(dict(work.payload)), "attempts": max(attempts, 0), "error": error}
+    params |= {"delay": max(float(delay_seconds), 0.0), "token": claim_token}
     with ledger_errors("cannot defer a job"), conn.transaction():
         if claim_token is None:
             row = claim_rows(conn, sql.DEFER_NEW, params)

@@ -283,9 +283,8 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded", or "already"; "taken_back"
-        when ``_take_back`` defers its work instead (an ``external`` job's claim stays a
-        human's)."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already"; "taken_back" when
+        ``_take_back`` defers its work instead (an ``external`` job's claim stays a human's)."""
         assert dead.message_id is not None
         values: dict[str, Any] = dict.fromkeys(_NULLABLE)
         values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")

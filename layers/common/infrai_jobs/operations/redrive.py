@@ -64,9 +64,8 @@ class Verdict(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Forecast:
     verdict: Verdict
-    # One word for the reason, for counting: no_claim, reopened, in_flight, done, deferred,
-    # failed, resolved_failed, stuck, conflict, rejected, unknown_job, unknown (no key, no
-    # ledger to ask).
+    # One word for the reason, for counting: no_claim, reopened, in_flight, done, deferred, failed,
+    # resolved_failed, stuck, conflict, rejected, unknown_job, unknown (no key, no ledger to ask).
     cause: str
     why: str
 

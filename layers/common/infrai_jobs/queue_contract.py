@@ -1,8 +1,5 @@
-"""What Infrai's queue promises (docs/infrai-api.md), written down once.
-
-The client, the drain, the settings, the emulator and the in-memory fake all read these; none
-keeps a copy of its own.
-"""
+"""What Infrai's queue promises (docs/infrai-api.md), written down once: the client, the drain, the
+settings, the emulator and the in-memory fake all read these; none keeps a copy of its own."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Starting another DrainFunction invocation: Lambda ``Invoke`` with ``InvocationType=Event``.
-
-The template turns async retries off: the next check or tick looks at the backlog again anyway.
-boto3 is imported on the first start, never at cold start: most drains never fan out.
-"""
+"""Starting another DrainFunction invocation: Lambda ``Invoke`` with ``InvocationType=Event``
+(the template turns async retries off: the next check or tick looks at the backlog again anyway).
+boto3 is imported on the first start, never at cold start: most drains never fan out."""
 
 from __future__ import annotations
 

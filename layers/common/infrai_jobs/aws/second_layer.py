@@ -1,41 +1,18 @@
 """The optional second layer: Powertools idempotency around the effect of external jobs.
 
-The Postgres ledger decides every outcome; this layer runs only after the ledger claim was won,
-and answers one question: "did this key's effect already happen?". It is for what the ledger
-cannot see: its row is gone (a restore from an older backup, a prune that came too early, a
-hand-deleted row) while the message is delivered again, which would repeat an irreversible effect.
-
-Per guarded call (``SecondLayer.run``), keyed by ``key_prefix#sha256(idem_key)`` and validated
-against the work's fingerprint:
-
-===========================================  =================================================
-the effect call                              what the store keeps / what the drain sees
-===========================================  =================================================
-returned a result                            COMPLETED with the result / the result
-raised ``EffectUncertain``                   COMPLETED with "uncertain" / ``EffectUncertain``
-raised anything else (transient, permanent)  nothing (Powertools deletes it) / that exception
--- a later call for the same key --
-record COMPLETED with a result               effect not called; the stored result (a *hit*)
-record COMPLETED with "uncertain"            effect not called; ``EffectUncertain`` (a *hit*)
-record COMPLETED, different fingerprint      effect not called; ``PermanentJobError``
-record INPROGRESS (another call is inside)   effect not called; ``EffectInProgress`` (transient)
-store unreachable before the call            effect not called; ``SecondLayerUnavailable``
-store failed after the call returned         the call's own outcome (logged, not recorded)
-===========================================  =================================================
-
-Why "uncertain" is stored as COMPLETED: Powertools deletes its record whenever the wrapped call
-raises, so a raised ``EffectUncertain`` would leave the key free for a later delivery to repeat
-the effect. The wrapped call returns an envelope saying "uncertain" instead, and the guard raises
-``EffectUncertain`` again outside, fresh or replayed: a stuck irreversible job stays stuck. An
-operator who wants it retried drops the record (``SecondLayer.forget``) besides the claim.
-
-Why a different fingerprint is permanent: retrying cannot make two different pieces of work
-share one key; the message goes to the DLQ for a human, like a ledger conflict.
-
-The in-progress record expires with the invocation (``start_invocation``), so a crashed call
-blocks its key only until the deadline (the ledger's running claim keeps a crashed irreversible
-job from a retry).
-"""
+The Postgres ledger decides every outcome; this layer runs only after the ledger claim was won, and
+answers one question: "did this key's effect already happen?", for when the ledger's row is gone (an
+older backup restored, a prune too early, a row deleted by hand) while the message is delivered
+again. Records are keyed by ``key_prefix#sha256(idem_key)`` and validated against the work's
+fingerprint; what each case stores and returns: docs/design.md, "Second layer". Why "uncertain" is
+stored as COMPLETED: Powertools deletes its record whenever the wrapped call raises, so a raised
+``EffectUncertain`` would leave the key free for a later delivery to repeat the effect. The wrapped
+call returns an envelope saying "uncertain" instead, and the guard raises ``EffectUncertain`` again
+outside, fresh or replayed: a stuck irreversible job stays stuck. An operator who wants it retried
+drops the record (``SecondLayer.forget``) besides the claim. A different fingerprint is permanent
+(retrying cannot make two pieces of work share one key). The in-progress record expires with the
+invocation (``start_invocation``), so a crashed call blocks its key only until the deadline (the
+ledger's running claim keeps a crashed irreversible job from a retry)."""
 
 from __future__ import annotations
 
@@ -54,9 +31,7 @@ from aws_lambda_powertools.utilities.idempotency import (
     IdempotencyConfig,
     idempotent_function,
 )
-from aws_lambda_powertools.utilities.idempotency.exceptions import (
-    BaseError as IdempotencyError,
-)
+from aws_lambda_powertools.utilities.idempotency.exceptions import BaseError as IdempotencyError
 from aws_lambda_powertools.utilities.idempotency.exceptions import (
     IdempotencyAlreadyInProgressError,
     IdempotencyValidationError,
@@ -71,12 +46,8 @@ from infrai_jobs.errors import (
 )
 
 if TYPE_CHECKING:
-    from aws_lambda_powertools.utilities.idempotency.persistence.base import (
-        BasePersistenceLayer,
-    )
-    from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
-        CacheClientProtocol,
-    )
+    from aws_lambda_powertools.utilities.idempotency.persistence.base import BasePersistenceLayer
+    from aws_lambda_powertools.utilities.idempotency.persistence.cache import CacheClientProtocol
     from aws_lambda_powertools.utilities.idempotency.persistence.datarecord import DataRecord
     from aws_lambda_powertools.utilities.typing import LambdaContext
 
@@ -182,7 +153,12 @@ class SecondLayer:
             envelope = self._settle_store_error(exc, attempt, idem_key)
         effect = envelope.get("effect") if isinstance(envelope, dict) else None
         if not attempt.entered:
-            self._count_hit(idem_key, effect)
+            with self._lock:
+                self._hits += 1
+            logger.info(
+                "second layer replayed a recorded effect; the effect was not repeated",
+                extra={"action": "second_layer_hit", "idem_key": idem_key, "replayed": effect},
+            )
         return _unwrap(envelope, effect, attempt, idem_key)
 
     def forget(self, idem_key: str) -> None:
@@ -229,14 +205,6 @@ class SecondLayer:
                 f"second layer: another call for {idem_key} is running its effect now"
             ) from exc
         raise SecondLayerUnavailable(f"second layer: idempotency store failed: {exc}") from exc
-
-    def _count_hit(self, idem_key: str, effect: Any) -> None:
-        with self._lock:
-            self._hits += 1
-        logger.info(
-            "second layer replayed a recorded effect; the effect was not repeated",
-            extra={"action": "second_layer_hit", "idem_key": idem_key, "replayed": effect},
-        )
 
 
 def _unwrap(envelope: Any, effect: Any, attempt: _Attempt, idem_key: str) -> Any:

@@ -1,11 +1,8 @@
 """Secrets in AWS: the API key from SSM; the database URL, the Redis credentials and the jobs'
-secrets from Secrets Manager.
-
-Locally the plain variables (``INFRAI_API_KEY``, ``DATABASE_URL``) win and nothing here runs. In
-AWS the template sets only the *names*; the values are fetched through Powertools Parameters,
-cached, so a rotated secret is picked up without a deploy (the jobs' secrets only at the next
-cold start). boto3 is imported only when a secret is fetched. No error here shows a secret.
-"""
+secrets from Secrets Manager, fetched by the names the template sets, through Powertools
+Parameters, cached (a rotated secret is picked up without a deploy; the jobs' secrets at the next
+cold start). Locally the plain variables win and nothing here runs. boto3 is imported only when a
+secret is fetched. No error here shows a secret."""
 
 from __future__ import annotations
 

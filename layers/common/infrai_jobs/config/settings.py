@@ -1,19 +1,11 @@
-"""Settings, read once at the edge into frozen, validated objects, one type per function.
-
-The only module that reads the package's settings from the environment (Powertools' own aside).
-A handler, or a CLI command, calls its type's ``from_env()`` once; everything below receives
-values. Each setting is declared once, as its field (``setting(variable, default, parse)``,
-config/table.py); docs/configuration.md says what each means, and a test checks it names them
-all. Only the checks spanning several fields (``_check_second_layer``) live apart.
-
-The jobs' settings are not named here: ``from_env(job_settings=...)`` reads exactly those the
-jobs declared, as URLs; their secrets (``job_secrets=...``) are named by ``NAME_SECRET_ARN``
-and fetched by ``aws.secrets`` (the plain ``NAME`` is a local stand-in only).
-
-One rule for every URL called over HTTP (``check_web_url``): HTTPS, or plain HTTP to loopback
-(``INFRAI_ALLOW_PLAIN_HTTP=true`` opts out, logged at every cold start). ``DATABASE_URL``'s form
-is checked where the ledger's connector is built, so reading settings never loads the driver.
-"""
+"""Settings, read once at the edge into frozen, validated objects, one type per function: the
+only module that reads the package's settings from the environment (Powertools' own aside).
+Each setting is declared once, as its field (``setting(variable, default, parse)``); checks
+spanning several fields live apart (``_check_second_layer``). The jobs' settings are exactly those
+they declared (``from_env(job_settings=..., job_secrets=...)``; a secret is named by
+``NAME_SECRET_ARN``, its plain ``NAME`` is a local stand-in). Every URL called over HTTP is HTTPS
+or plain HTTP to loopback (``check_web_url``); ``DATABASE_URL``'s form is checked where the
+ledger's connector is built, so reading settings never loads the driver."""
 
 from __future__ import annotations
 
@@ -236,11 +228,8 @@ class JobSettings(CommonSettings):
 
     def security_opt_outs(self) -> list[str]:
         opt_outs = CommonSettings.security_opt_outs(self)
-        if (
-            self.idempotency_backend == "redis"
-            and not self.redis_secret_arn
-            and redis_lacks_auth(self.redis_url)
-        ):
+        redis_without_secret = self.idempotency_backend == "redis" and not self.redis_secret_arn
+        if redis_without_secret and redis_lacks_auth(self.redis_url):
             opt_outs.append(
                 "REDIS_URL carries no password and REDIS_SECRET_ARN is not set: the second "
                 "layer's Redis takes commands without AUTH, so anyone who reaches it can read or "
@@ -268,10 +257,9 @@ class JobSettings(CommonSettings):
         if missing:
             raise ConfigurationError(
                 "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} "
-                    f"need it: in AWS, name its Secrets Manager secret with {name}"
-                    f"{SECRET_ARN_SUFFIX} (template parameter {secret_parameter_name(name)}); "
-                    f"locally, export {name}"
+                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} need "
+                    f"it: in AWS, name its Secrets Manager secret with {name}{SECRET_ARN_SUFFIX} "
+                    f"(template parameter {secret_parameter_name(name)}); locally, export {name}"
                     for name in missing
                 )
             )

@@ -1,7 +1,6 @@
 """The settings table: each setting declared once (in config/settings.py), as a dataclass field
 ``setting(variable, default, parse)``: its environment variable, its value when unset, and how
-its text becomes the value (or a ``ConfigurationError`` naming the variable).
-"""
+its text becomes the value (or a ``ConfigurationError`` naming the variable)."""
 
 from __future__ import annotations
 

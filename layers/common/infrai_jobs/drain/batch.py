@@ -78,8 +78,7 @@ def process_batch(
 ) -> list[MessageResult]:
     """Decide every message of one batch. ``visible_until`` (``clock`` seconds): when the queue
     may deliver them again, which no lease outlives (None: a visibility timeout from the claim)."""
-    batch = _Batch(messages, ledger, registry, deadline, config, visible_until, clock)
-    return batch.process()
+    return _Batch(messages, ledger, registry, deadline, config, visible_until, clock).process()
 
 
 @dataclass(slots=True)
@@ -261,8 +260,7 @@ class _Batch:
     def _held_by_a_copy(self, decision: ClaimDecision) -> bool:
         """Whether another copy of this key in the batch holds its claim. That copy is its key's
         own redelivery and is judged as one (stuck, or taken over), never mirrored as a copy of
-        a message that merely found its claim: acking both would strand the claim ``running``.
-        """
+        a message that merely found its claim: acking both would strand the claim ``running``."""
         key = decision.request.idem_key
         holder = decision.holder
         if holder is None or holder in self.judged.get(key, ()):

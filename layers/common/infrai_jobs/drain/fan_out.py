@@ -1,9 +1,8 @@
-"""Backlog fan-out: a drain that sees more backlog than it can clear soon starts more drains.
-
-A monitor beside the lanes renews the drain's lease and, if the drains alive would take longer
-than ``after_seconds`` to clear the backlog at the rate measured, reserves the missing slots (at
-most ``max_concurrency`` drains) and starts one drain per slot, which adopts it. Each is an
-ordinary drain: the claims keep them safe."""
+"""Backlog fan-out: a drain that sees more backlog than it can clear soon starts more drains. A
+monitor beside the lanes renews the drain's lease and, if the drains alive would take longer than
+``after_seconds`` to clear the backlog at the rate measured, reserves the missing slots (at most
+``max_concurrency`` drains) and starts one drain per slot, which adopts it. Each is an ordinary
+drain: the claims keep them safe."""
 
 from __future__ import annotations
 

@@ -70,8 +70,7 @@ class IdlePolling(DrainFeature):
         if 0 < self.window_seconds * 1000 < poll_ms:
             return (
                 f"idle polling (DRAIN_IDLE_POLL_MS={poll_ms}) cannot poll: its window, "
-                f"DRAIN_IDLE_WINDOW_SECONDS={self.window_seconds:g}, is shorter than one "
-                "interval"
+                f"DRAIN_IDLE_WINDOW_SECONDS={self.window_seconds:g}, is shorter than one interval"
             )
         return ""
 
@@ -103,13 +102,12 @@ class Lanes(DrainFeature):
 
 
 class SecondLayerGuard(EffectGuard, Protocol):
-    """The second layer as the drain uses it (``aws.second_layer.SecondLayer``)."""
+    """The second layer as the drain uses it (``aws.second_layer.SecondLayer`` says what each
+    method does)."""
 
-    def start_invocation(self, time_left_ms: Callable[[], int]) -> None:
-        """Let in-progress records expire with this invocation's deadline."""
+    def start_invocation(self, time_left_ms: Callable[[], int]) -> None: ...
 
-    def take_hits(self) -> int:
-        """Effects replayed instead of repeated since the last call."""
+    def take_hits(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -127,5 +125,4 @@ class SecondLayerFeature(DrainFeature):
     def around_effect(
         self, ctx: JobContext, fingerprint: str, call: Callable[[], JsonValue]
     ) -> JsonValue:
-        result: JsonValue = self.guard.run(ctx.idem_key, fingerprint, call)
-        return result
+        return self.guard.run(ctx.idem_key, fingerprint, call)

@@ -1,5 +1,4 @@
 """Flow control in the drain: ``flow``'s policies and ledger, plugged in as one ``DrainFeature``.
-
 Only jobs with a policy in force reach it (others make no extra round trip). A job its limits
 hold back is deferred: its claim becomes deferred work in one statement fenced by the claim's
 token, and the message is acked. Before and after what it consumes, the drain runs due deferred
@@ -191,11 +190,8 @@ class FlowControl(DrainFeature):
                 token=slot_token,
             )
             if not slot:
-                return (
-                    False,
-                    CONCURRENCY_RETRY_SECONDS,
-                    f"concurrency key {value} has {policy.concurrency.max_running} running",
-                )
+                why = f"concurrency key {value} has {policy.concurrency.max_running} running"
+                return False, CONCURRENCY_RETRY_SECONDS, why
         if policy.rate is not None:
             fits = ctx.deadline - HANDLER_RESERVE_SECONDS - time.time()
             reserved, wait = flow_limits.reserve_start(conn, ctx.job, policy.rate, max_wait=fits)

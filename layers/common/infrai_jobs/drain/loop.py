@@ -1,15 +1,12 @@
-"""The drain loop: consume in batches of ten, claim, run, settle, ack what is settled.
-
-One call drains one queue lane while the time budget allows another whole batch: every receive
-burns one of a message's three deliveries, so the loop never consumes what it cannot finish.
-"""
+"""The drain loop: consume in batches of ten, claim, run, settle, ack what is settled. One call
+drains one queue lane while the time budget allows another whole batch: every receive burns one
+of a message's three deliveries, so the loop never consumes what it cannot finish."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -64,7 +61,7 @@ def drain(
     acks = AckPipeline(queue, config.queue, summary)
     stop = stop_requested or (lambda: False)
     try:
-        _drain_batches(_Lane(queue, ledger, registry, config, mode, acks, stop), lane_time)
+        _drain_batches(queue, ledger, registry, config, lane_time, mode=mode, acks=acks, stop=stop)
     finally:
         # Every ack sent is waited for before the invocation reports.
         acks.wait_all()
@@ -72,30 +69,21 @@ def drain(
     return summary
 
 
-@dataclass(frozen=True, slots=True)
-class _Lane:
-    """What one lane's batch loop works with besides its one clock: the adapters, what it
-    drains, the consume size, the acks in flight (and the summary they report to), and the
-    question whether to stop."""
-
-    queue: QueuePort
-    ledger: LedgerPort
-    registry: JobRegistry
-    config: DrainConfig
-    mode: _ConsumeMode
-    acks: AckPipeline
-    stop: Callable[[], bool]
-
-
-def _drain_batches(lane: _Lane, lane_time: LaneClock) -> None:
+def _drain_batches(
+    queue: QueuePort,
+    ledger: LedgerPort,
+    registry: JobRegistry,
+    config: DrainConfig,
+    lane_time: LaneClock,
+    *,
+    mode: _ConsumeMode,
+    acks: AckPipeline,
+    stop: Callable[[], bool],
+) -> None:
     """Process batches, receiving the next while this one runs, only while the time left covers
-    both. One thread does it all: the consume ahead and the acks travel while the batch is
-    processed, their answers read after (``Pending``), so a lane costs no threads.
-
-    ``lane_time`` is the lane's one clock: the time left, the wall clock deadlines are on, and
-    the start the idle window counts from are all read from it."""
-    queue, ledger, registry, config = lane.queue, lane.ledger, lane.registry, lane.config
-    mode, acks, stop = lane.mode, lane.acks, lane.stop
+    both, on one thread: the consume ahead and the acks travel while the batch is processed,
+    their answers read after (``Pending``). ``lane_time`` is the lane's one clock: the time
+    left, the wall clock deadlines are on, and the start the idle window counts from."""
     summary = acks.summary
     ahead: Pending[list[QueueMessage]] | None = None
     ahead_sent_at = 0.0
@@ -277,9 +265,8 @@ class _ConsumeMode:
         else:
             level, action = logging.WARNING, "consume_answer_lost"
             message = (
-                "a consume answer was lost or unreadable: the messages it served spent a "
-                "delivery unseen and come back after the visibility timeout; consuming one at a "
-                "time"
+                "a consume answer was lost or unreadable: the messages it served spent a delivery "
+                "unseen and come back after the visibility timeout; consuming one at a time"
             )
         logger.log(
             level,

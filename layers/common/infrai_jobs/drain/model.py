@@ -123,7 +123,6 @@ SUMMARY_COUNTS = (
 
 
 def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
-    """One summary for several lanes of the same invocation."""
     merged = DrainSummary()
     for summary in summaries:
         for name in _CORE_COUNTERS:
@@ -188,7 +187,6 @@ class DrainFeature:
         return next_drain(run)
 
     def poll_again(self, config: DrainConfig, time: LaneClock, counters: Counter[str]) -> bool:
-        """After an empty consume: whether to consume again (having waited), or stop."""
         return False
 
     def around_handler(self, attempt: HandlerAttempt, run: Callable[[], JobRun]) -> JobRun:

@@ -1,8 +1,7 @@
 """Rate limits and concurrency keys in the ledger's database, on its clock, each function in
 ``conn.transaction()`` of its own (a savepoint inside the caller's transaction). A rate limit
 spaces the starts of every drain (a generic cell rate algorithm with no burst); a concurrency
-slot ends with its run's lease, so a killed run's slot frees itself.
-"""
+slot ends with its run's lease, so a killed run's slot frees itself."""
 
 from __future__ import annotations
 
@@ -92,13 +91,9 @@ def reserve_start(
     it) when that is at most ``max_wait`` seconds away, else (False, seconds until the next
     free start) with nothing reserved. Call the provider when the wait is over, not before; the
     job's lock is held until the caller's transaction ends, so keep that short."""
-    params = {
-        "class": RATE_LOCK_CLASS,
-        "job": job,
-        "spacing": limit.spacing_seconds,
-        "max_wait": max(float(max_wait), 0.0),
-        "kept": limit.window_seconds + RATE_STARTS_KEPT_SECONDS,
-    }
+    params = {"class": RATE_LOCK_CLASS, "job": job, "spacing": limit.spacing_seconds}
+    params["max_wait"] = max(float(max_wait), 0.0)
+    params["kept"] = limit.window_seconds + RATE_STARTS_KEPT_SECONDS
     with ledger_errors(f"cannot apply the rate limit of {job!r}"), conn.transaction():
         conn.execute(_RATE_LOCK, params)
         row = conn.execute(_RATE_RESERVE, params).fetchone()
@@ -122,15 +117,8 @@ def acquire_concurrency(
     """Take one of the ``max_running`` slots of (``job``, ``key_value``) for the run of
     ``idem_key`` holding ``token``, until it is released or that run's lease passes; False
     when all are taken, or when no running row of ``idem_key`` holds ``token``."""
-    params = {
-        "class": CONCURRENCY_LOCK_CLASS,
-        "job": job,
-        "value": key_value,
-        "max": max_running,
-        "holder": holder,
-        "key": idem_key,
-        "token": token,
-    }
+    params = {"class": CONCURRENCY_LOCK_CLASS, "job": job, "value": key_value, "max": max_running}
+    params |= {"holder": holder, "key": idem_key, "token": token}
     with ledger_errors(f"cannot take a concurrency slot of {job!r}"), conn.transaction():
         conn.execute(_CONCURRENCY_LOCK, params)
         return conn.execute(_ACQUIRE, params).fetchone() is not None

@@ -1,12 +1,7 @@
-"""Flow policies: the ``JOB_POLICIES`` document, which policy is in force, back-off delays, and
-the value of a concurrency key.
-
-``JOB_POLICIES`` is a JSON object keyed by job name; each job's object may hold ``retry``,
-``rate`` and ``concurrency`` (the fields of ``RetryPolicy``, ``RateLimit`` and
-``ConcurrencyLimit``), or ``null`` for one of them to turn off what the code declares. A section
-it gives replaces the code's section whole; a section it leaves out keeps the code's. Anything
-malformed is a ``ConfigurationError`` naming the job and the field.
-"""
+"""Flow policies: the ``JOB_POLICIES`` document (docs/flow-control.md: per job, a ``retry``,
+``rate`` or ``concurrency`` section replaces the code's whole, ``null`` turns one off, anything
+malformed is a ``ConfigurationError`` naming the job and the field), which policy is in force,
+back-off delays, and the value of a concurrency key."""
 
 from __future__ import annotations
 
@@ -67,16 +62,12 @@ def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
         raise ConfigurationError(
             f"{where}: unknown field {unknown[0]!r} (a job's policy has retry, rate, concurrency)"
         )
-    sections: dict[str, Any] = {
-        section: _parse_section(where, section, body)
-        for section, body in value.items()
-        if body is not None
-    }
+    sections = {s: _parse_section(where, s, body) for s, body in value.items() if body is not None}
     cleared = frozenset(section for section, body in value.items() if body is None)
     return JobPolicy(**sections, cleared=cleared)
 
 
-def _parse_section(where: str, section: str, body: object) -> object:
+def _parse_section(where: str, section: str, body: object) -> Any:
     kind = _SECTIONS[section]
     fields = {field.name: field for field in dataclasses.fields(kind)}
     if not isinstance(body, dict):
@@ -115,7 +106,6 @@ def _parse_section(where: str, section: str, body: object) -> object:
 
 
 def declared_policy(definition: JobDefinition) -> JobPolicy:
-    """What the job declares in code."""
     return JobPolicy(definition.retry, definition.rate, definition.concurrency)
 
 

@@ -1,13 +1,7 @@
-"""A producer's correlation id, read from a message's envelope so it follows the job.
-
-Envelope fields (``_`` names) never change the key or the fingerprint. A producer may set:
-* ``_correlation_id``: a string of 1 to ``MAX_CORRELATION_ID_LENGTH`` printable characters;
-* ``_traceparent``: a W3C Trace Context ``traceparent``, whose trace id is the correlation id
-  when ``_correlation_id`` is absent.
-
-Log lines about the message carry them, and the handler finds them in ``ctx``. A value that
-does not fit is ignored with a WARNING: a message never fails for its envelope.
-"""
+"""A producer's correlation id, read from a message's envelope (``_correlation_id``, else the
+trace id of a W3C ``_traceparent``) so it follows the job, into the log lines about the message
+and the handler's ``ctx``. Envelope fields never change the key or the fingerprint, and a value
+that does not fit is ignored with a WARNING: a message never fails for its envelope."""
 
 from __future__ import annotations
 
@@ -70,23 +64,13 @@ def correlation_of(payload: object) -> Correlation:
             )
         else:
             traceparent = payload[TRACEPARENT_FIELD]
-    return Correlation(
-        correlation_id=correlation_id or trace_id,
-        traceparent=traceparent,
-        trace_id=trace_id,
-        ignored="; ".join(reasons),
-    )
+    return Correlation(correlation_id or trace_id, traceparent, trace_id, "; ".join(reasons))
 
 
 def valid_correlation_id(value: object) -> str | None:
     """``value`` when it is a usable correlation id, else None."""
-    if (
-        isinstance(value, str)
-        and 0 < len(value) <= MAX_CORRELATION_ID_LENGTH
-        and value.isprintable()
-        and value.strip() == value
-    ):
-        return value
+    if isinstance(value, str) and 0 < len(value) <= MAX_CORRELATION_ID_LENGTH:
+        return value if value.isprintable() and value.strip() == value else None
     return None
 
 

@@ -1,10 +1,8 @@
 """A job's HTTP pool to its provider, built on the first call or by ``warm``; ``call`` sorts
 what the provider answers into done, retried, uncertain or permanent, for every job alike.
-
 Importing ``urllib3`` costs 20-25 ms of cold start, which a drain of ``database`` jobs never
 pays. A rate-limited job passes ``warm`` as its ``prepare``, so the import never stands between
-a reserved start and the call.
-"""
+a reserved start and the call."""
 
 from __future__ import annotations
 

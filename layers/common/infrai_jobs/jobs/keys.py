@@ -1,18 +1,10 @@
-"""Idempotency keys and payload fingerprints: pure functions of the work, no I/O.
-
-Key scheme, version 1 (``KEY_SCHEME_VERSION``), for a message body that is a JSON object:
-
-1. the producer's ``_idempotency_key``, as given;
-2. for a job with a key rule (its identity fields, from the registry): ``{job}:{field}[:...]``,
-   byte for byte what the notes' Node worker builds, so both can share one ledger;
-3. else ``sha256:`` + the payload fingerprint: the hex SHA-256 of the RFC 8785 canonical JSON of
-   the work fields (all but the envelope, ``_`` names). Stored with each claim, it makes the
-   same key with different work a conflict rather than a silent duplicate.
-
+"""Idempotency keys and payload fingerprints: pure functions of the work, no I/O. The scheme
+(version ``KEY_SCHEME_VERSION``) is docs/design.md's "Idempotency keys": the producer's
+``_idempotency_key``; else, for a job with identity fields, ``{job}:{field}[:...]``, byte for byte
+the notes' Node worker's key (so both can share one ledger); else ``sha256:`` + the fingerprint.
 Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an
 existing payload a different key is a new scheme version: rows under the old keys would stop
-matching, and their redeliveries would run twice. Tests pin exact keys.
-"""
+matching, and their redeliveries would run twice."""
 
 from __future__ import annotations
 
@@ -93,12 +85,10 @@ def identity_from_key(job: str, identity_fields: Sequence[str], key: str) -> dic
 
 
 def payload_fingerprint(payload: object) -> str:
-    """Hex SHA-256 of the canonical JSON of the payload's work fields."""
     return hashlib.sha256(canonical_json(work_fields(payload))).hexdigest()
 
 
 def work_fields(payload: object) -> dict[str, object]:
-    """The payload's top-level fields without the envelope."""
     body = _require_object(payload)
     return {
         name: value
@@ -140,12 +130,11 @@ _PLAIN_ENCODER: Final = json.JSONEncoder(sort_keys=True, separators=(",", ":"), 
 
 
 def _plain_canonical_json(value: object) -> bytes | None:
-    """The canonical JSON of plain work, written by the stdlib's C encoder; else None.
-
-    Plain: objects with ASCII names, arrays, strings, integers within +/-(2**53 - 1), booleans
-    and nulls, at most 32 levels deep. For these, sorted ``json`` without spaces writes the very
-    bytes RFC 8785 prescribes (ASCII names sort alike by code point and by UTF-16 unit; strings
-    escape alike) in half ``rfc8785``'s time, for every message. A test compares the two."""
+    """The canonical JSON of plain work, written by the stdlib's C encoder; else None. Plain:
+    objects with ASCII names, arrays, strings, integers within +/-(2**53 - 1), booleans and nulls,
+    at most 32 levels deep. For these, sorted ``json`` without spaces writes the very bytes RFC 8785
+    prescribes (ASCII names sort alike by code point and by UTF-16 unit; strings escape alike) in
+    half ``rfc8785``'s time, for every message. A test compares the two."""
     if not _is_plain(value, 32):
         return None
     text = _PLAIN_ENCODER.encode(value)

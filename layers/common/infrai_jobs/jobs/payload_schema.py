@@ -1,10 +1,7 @@
-"""Payload schemas: which fields a job's payload carries, their JSON types, which are required.
-
-Declared with ``JobRegistry.job(..., fields=...)``; the rules are in docs/payload-schemas.md.
-Types are JSON's, named by the Python types ``json.loads`` gives (``bool`` is never an ``int``
-here). Undeclared fields pass unchecked: a rolling deploy must not turn payloads with a new
-field into dead letters. ``JobRegistry.derive`` checks every payload before its claim.
-"""
+"""Payload schemas: which fields a job's payload carries, their JSON types (named by the Python
+types ``json.loads`` gives; ``bool`` is never an ``int``) and which are required; the rules are in
+docs/payload-schemas.md. Undeclared fields pass unchecked: a rolling deploy must not turn payloads
+with a new field into dead letters."""
 
 from __future__ import annotations
 
@@ -46,8 +43,6 @@ _KEYABLE: Final = frozenset({str, int})
 
 @dataclass(frozen=True, slots=True)
 class DeclaredField:
-    """One field as ``check`` uses it."""
-
     name: str
     required: bool
     # The Python types that are values of this field; None when any value is (untyped).
@@ -94,9 +89,8 @@ class PayloadSchema:
                 )
             elif name in identity and not found.declared_types <= _KEYABLE:
                 raise ConfigurationError(
-                    f"job {job!r}: identity field {name!r} is declared {found.expected}, but a "
-                    "key is built only from strings and integers: declare it str, int or "
-                    "(str, int)"
+                    f"job {job!r}: identity field {name!r} is declared {found.expected}, but a key "
+                    "is built only from strings and integers: declare it str, int or (str, int)"
                 )
         return type(self)((*self.fields, *added)) if added else self
 

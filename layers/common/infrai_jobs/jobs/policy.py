@@ -1,8 +1,6 @@
-"""What a job may declare about its flow: a retry policy, a rate limit, a concurrency key.
-
-Plain values that check themselves when built (a ``ConfigurationError`` naming the field, so a
-policy in code fails at start-up); what they mean is ``infrai_jobs.flow``'s.
-"""
+"""What a job may declare about its flow: a retry policy, a rate limit, a concurrency key; plain
+values that check themselves when built (a ``ConfigurationError`` naming the field, so a policy in
+code fails at start-up). What they mean is ``infrai_jobs.flow``'s."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Reconcile probes: an external job's way of asking its provider "did this happen?".
-
-The reconcile pass (``operations.reconcile``) asks a stuck claim's probe and acts on a clear
-answer only: ``Done(result)`` settles it ``done``; ``NotDone()`` releases it (the next delivery
-runs the job once); ``Unknown(reason)``, or a probe that raises, answers anything else or runs
-out of time, leaves it for a human. The ledger keeps no payload: a probe gets ``job`` and the
-identity fields read back from a natural key, and ``ctx.idem_key``. See docs/jobs.md.
-"""
+"""Reconcile probes: an external job's way of asking its provider "did this happen?" about a
+stuck claim (``operations.reconcile`` acts on a clear answer only; docs/jobs.md). The ledger keeps
+no payload: a probe gets ``job`` and the identity fields read back from a natural key, and
+``ctx.idem_key``."""
 
 from __future__ import annotations
 

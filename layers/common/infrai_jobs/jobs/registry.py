@@ -1,14 +1,9 @@
-"""Declaring jobs: a name, how its key is derived, its effect class, and its handler.
-
-Handlers in ``functions/jobs/`` register with ``@registry.job(name, effect=..., ...)``. The effect
-class decides how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE``
-job's claim, effect and ``done`` commit together (``ctx.db``); an ``EXTERNAL`` job's crash
-leaves its claim for a human (or its reconcile probe), never a retry; an ``EXTERNAL_IDEMPOTENT``
-job's downstream accepts our key (``ctx.idem_key``), so an expired claim may be taken over.
-
-Settings (downstream URLs) and secrets (credentials, never in a URL) are declared by name; the
-function reads exactly those at its edge and binds them (``bind_settings``) before consuming.
-"""
+"""Declaring jobs: a name, how its key is derived, its handler, and its effect class, which decides
+how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE`` job's claim,
+effect and ``done`` commit together; an ``EXTERNAL`` job's crash leaves its claim for a human (or
+its probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream takes our key, so an
+expired claim may be taken over. Settings (URLs) and secrets (credentials) are declared by name,
+read at the function's edge and bound (``bind_settings``) before consuming."""
 
 from __future__ import annotations
 
@@ -288,11 +283,9 @@ class JobRegistry:
         }
 
     def settings_of(self, name: str) -> Mapping[str, str]:
-        """The bound values of job ``name``'s declared settings (empty before binding)."""
         return self._settings.get(name, MappingProxyType({}))
 
     def secrets_of(self, name: str) -> Mapping[str, str]:
-        """The bound values of job ``name``'s declared secrets (empty before binding)."""
         return self._secrets.get(name, SecretValues())
 
     def _owners(

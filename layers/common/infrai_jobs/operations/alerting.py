@@ -1,15 +1,13 @@
-"""Turning dead letters, stuck claims and a lagging drain into pages a human can act on.
-
-Each check reads queue stats, unresolved dead letters and stuck claims (after a reconcile
-pass, when given one), then ``decide``s per signal. The last alerted value of each signal lives
-in ``alert_state``, locked in the decision's transaction: a cold start does not re-alert, and
-two concurrent checks send one alert.
-"""
+"""Turning dead letters, stuck claims and a lagging drain into pages a human can act on. Each check
+reads queue stats, unresolved dead letters and stuck claims (after a reconcile pass, when given
+one), then ``decide``s per signal. The last alerted value of each signal lives in
+``alert_state``, locked in the decision's transaction: a cold start does not re-alert, and two
+concurrent checks send one alert."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -155,11 +153,10 @@ class AlertCheck(LedgerAdapter):
         alerter: Alerter,
         thresholds: AlertThresholds,
         *,
-        connect_timeout: int = 5,
-        refresh_url: Callable[[], str] | None = None,
         reconciler: Reconciler | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(database_url, connect_timeout=connect_timeout, refresh_url=refresh_url)
+        super().__init__(database_url, **options)
         self._queue = queue
         self._reconciler = reconciler
         self._alerter = alerter
@@ -261,13 +258,8 @@ class AlertCheck(LedgerAdapter):
                 # If publishing fails the state is not saved, so the next run alerts again.
                 self._alerter.publish(subject, message)
                 alerted_at = now
-                change = {
-                    "signal": seen.signal.value,
-                    "scope": seen.scope,
-                    "verdict": verdict.value,
-                    "from": previous.value,
-                    "to": seen.value,
-                }
+                change: dict[str, Any] = {"signal": seen.signal.value, "scope": seen.scope}
+                change |= {"verdict": verdict.value, "from": previous.value, "to": seen.value}
                 report.sent.append({**change, "subject": subject, "message": message})
                 logger.warning(subject, extra={"action": f"alert_{verdict.value}", **change})
             conn.execute(_SAVE_STATE, {**key, "value": seen.value, "alerted_at": alerted_at})

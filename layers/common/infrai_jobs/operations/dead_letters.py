@@ -1,9 +1,7 @@
 """Dead letters live in the ledger: Infrai's DLQ is moved into ``dead_letters``, then worked on.
-
 Reading the DLQ consumes it, so only ``collect`` reads it, and acks each letter only after its
 row committed; a redrive holds the row's lock across its publish. The protocol and its crash
-cases: docs/operations.md, "Dead letters live in the ledger".
-"""
+cases: docs/operations.md, "Dead letters live in the ledger"."""
 
 from __future__ import annotations
 
@@ -117,8 +115,6 @@ DeadLetter = QueueMessage | Unreadable
 
 @dataclass(frozen=True, slots=True)
 class DeadLetterRow:
-    """One dead letter as the ledger holds it."""
-
     message_id: str
     queue: str
     dlq: str
@@ -287,9 +283,8 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded", or "already"; "taken_back"
-        when ``_take_back`` defers its work instead (an ``external`` job's claim stays a
-        human's)."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already"; "taken_back" when
+        ``_take_back`` defers its work instead (an ``external`` job's claim stays a human's)."""
         assert dead.message_id is not None
         values: dict[str, Any] = dict.fromkeys(_NULLABLE)
         values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
@@ -313,10 +308,7 @@ class DeadLetterStore:
                     key = key_of(payload)
                 except KeyDerivationError as exc:
                     values["reason"] = f"no key: {exc}"
-        with (
-            self._connector.session("cannot record a dead letter") as conn,
-            conn.transaction(),
-        ):
+        with self._connector.session("cannot record a dead letter") as conn, conn.transaction():
             if key is not None:
                 assert isinstance(dead, QueueMessage)
                 claim = claim_of(conn, key)
@@ -404,17 +396,16 @@ def collect(
     dlq: str,
     main_queue: str,
     key_of: KeyOf | None,
-    limit: int = COLLECT_LIMIT,
     stop: Callable[[], bool] | None = None,
     retry_of: RetryOf | None = None,
 ) -> Collected:
-    """Move up to ``limit`` dead letters from Infrai's ``dlq`` into the ledger (see the
+    """Move up to ``COLLECT_LIMIT`` dead letters from Infrai's ``dlq`` into the ledger (see the
     module's doc), asking ``stop`` before each read; each is recorded (or taken back:
     ``DeadLetterStore.record``), then acked."""
     store.ensure_reachable()
     summary = Collected()
     unreadable_in_a_row = 0
-    while summary.read < limit and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
+    while summary.read < COLLECT_LIMIT and unreadable_in_a_row < MAX_UNREADABLE_IN_A_ROW:
         if stop is not None and stop():
             break
         try:
@@ -432,7 +423,7 @@ def collect(
             logger.error("a dead letter could not be read", extra={**extra, "detail": str(exc)})
         if not batch:
             break
-        for dead in batch[: limit - summary.read]:
+        for dead in batch[: COLLECT_LIMIT - summary.read]:
             summary.read += 1
             if isinstance(dead, Unreadable) and dead.message_id is None:
                 summary.unrecorded.append(dead.as_dict())

@@ -1,11 +1,9 @@
-"""Reconcile before paging: ask the provider about stuck claims, and settle what it knows.
-
-A stuck claim of a job with a probe (``infrai_jobs.jobs.probes``) is probed; the answer acts,
-fenced by the claim token it was asked about: ``done`` settles it with the provider's result,
-``not done`` releases it (once its lease is over) to run once more, ``unknown`` (or a probe
-that raises, answers something else or times out) leaves it for a human. Each answer is
-recorded in ``claim_history`` as ``reconcile``, its note starting with the answer.
-"""
+"""Reconcile before paging: ask the provider about stuck claims, and settle what it knows. A stuck
+claim of a job with a probe (``infrai_jobs.jobs.probes``) is probed; the answer acts, fenced by
+the claim token it was asked about: ``done`` settles it with the provider's result, ``not done``
+releases it (once its lease is over) to run once more, ``unknown`` (or a probe that raises,
+answers something else or times out) leaves it for a human. Each answer is recorded in
+``claim_history`` as ``reconcile``, its note starting with the answer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Redrive: dead letters back to the main queue after a fix, the third source of duplicates.
-
-Each selected row is first judged (``forecast``): its copy would run, be skipped or bounce back;
-only what would run is published unless ``include_bouncing``. The verdicts: docs/operations.md,
-"Dead letters: the steps".
-"""
+"""Redrive: dead letters back to the main queue after a fix, the third source of duplicates. Each
+selected row is first judged (``forecast``): its copy would run, be skipped or bounce back; only
+what would run is published unless ``include_bouncing``. The verdicts: docs/operations.md, "Dead
+letters: the steps"."""
 
 from __future__ import annotations
 
@@ -66,9 +64,8 @@ class Verdict(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Forecast:
     verdict: Verdict
-    # One word for the reason, for counting: no_claim, reopened, in_flight, done, deferred,
-    # failed, resolved_failed, stuck, conflict, rejected, unknown_job, unknown (no key, no
-    # ledger to ask).
+    # One word for the reason, for counting: no_claim, reopened, in_flight, done, deferred, failed,
+    # resolved_failed, stuck, conflict, rejected, unknown_job, unknown (no key, no ledger to ask).
     cause: str
     why: str
 
@@ -78,11 +75,7 @@ class Forecast:
 
 
 def forecast(
-    row: DeadLetterRow,
-    *,
-    key_of: KeyOf | None,
-    admin: WorkStore | None,
-    reopen_failed: bool,
+    row: DeadLetterRow, *, key_of: KeyOf | None, admin: WorkStore | None, reopen_failed: bool
 ) -> tuple[Forecast, str | None]:
     """What a copy of ``row`` published now would meet, and the key it would be claimed by:
     derived again (the registry may have changed since), else the row's. Without a key or a

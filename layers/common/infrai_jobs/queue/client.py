@@ -1,11 +1,9 @@
-"""The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries.
-
-Retry rules: docs/infrai-api.md, "What the client does with it". Not retried: a consume whose
-answer is lost after it was sent (``ConsumeAnswerLost``: it may have been served, spending a
-delivery of each message unseen), a TLS failure (``UntrustedServer``), and publish unless
-``retry_publish`` (Infrai does not dedupe producers; only the drain's keys make a duplicate safe).
-The API key never appears in a repr, log line or exception message.
-"""
+"""The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries (rules:
+docs/infrai-api.md, "What the client does with it"). Not retried: a consume whose answer is lost
+after it was sent (``ConsumeAnswerLost``: it may have been served, spending a delivery of each
+message unseen), a TLS failure (``UntrustedServer``), and publish unless ``retry_publish`` (Infrai
+does not dedupe producers; only the drain's keys make a duplicate safe). The API key never appears
+in a repr, log line or exception message."""
 
 from __future__ import annotations
 
@@ -361,7 +359,9 @@ class InfraiClient:
             except (InfraiUnavailable, InfraiInvalidResponse) as exc:
                 if spends is None or exc.status == 429:
                     raise
-                ids = _ids_in(raw)
+                # The message ids the answer still shows, at most one batch of them.
+                found = (m.group(1).decode("ascii") for m in _MESSAGE_ID.finditer(raw))
+                ids = tuple(dict.fromkeys(found))[:CONSUME_CAP]
                 raise _lost(
                     spends, exc.code, exc.message, exc.status, size=len(raw), message_ids=ids
                 ) from exc
@@ -408,12 +408,6 @@ def _lost(
     return ConsumeAnswerLost(
         code, message, status, queue=queue, max_messages=served, size=size, message_ids=message_ids
     )
-
-
-def _ids_in(raw: bytes) -> tuple[str, ...]:
-    """The message ids an unreadable answer still shows, at most one batch of them."""
-    found = (m.group(1).decode("ascii") for m in _MESSAGE_ID.finditer(raw))
-    return tuple(dict.fromkeys(found))[:CONSUME_CAP]
 
 
 def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:

@@ -1,10 +1,7 @@
-"""Publishing a job only when the drain could run it (usage: docs/payload-schemas.md).
-
-A payload the drain cannot key waits in the DLQ, its publish paid for: ``publish_checked``
-applies the drain's own rule first, as ``infrai-jobs publish`` does. The ``_correlation_id`` it
-adds (the one passed, else the payload's own or its ``_traceparent``'s trace id, else a fresh
-one) is envelope: the key and fingerprint do not change with it, so a retry may pass it or not.
-"""
+"""Publishing a job only when the drain could run it (usage: docs/payload-schemas.md): a payload
+the drain cannot key waits in the DLQ, its publish paid for, so ``publish_checked`` applies the
+drain's own rule first, as ``infrai-jobs publish`` does. The ``_correlation_id`` it adds is
+envelope: the key and fingerprint do not change with it, so a retry may pass it or not."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""A small HTTP/1.1 keep-alive client, just enough for Infrai's JSON API.
-
-Why not urllib3: every ack is one request, so CPU per request bounds a lane's throughput (a
-512 MB Lambda has a third of a vCPU), and here a request costs about a quarter of urllib3's
-(bench/transport.md). A connection is pooled again only when its answer was framed exactly; the
-whole answer has a deadline; it never retries (the caller decides). No proxies, redirects,
-compression, cookies or HTTP/2. Error messages name the host and the failure, never a header.
-"""
+"""A small HTTP/1.1 keep-alive client, just enough for Infrai's JSON API. Why not urllib3: every
+ack is one request, so CPU per request bounds a lane's throughput (a 512 MB Lambda has a third of
+a vCPU), and here a request costs about a quarter of urllib3's (bench/transport.md). A connection
+is pooled again only when its answer was framed exactly; the whole answer has a deadline; it
+never retries (the caller decides). No proxies, redirects, compression, cookies or HTTP/2. Error
+messages name the host and the failure, never a header."""
 
 from __future__ import annotations
 
@@ -18,12 +16,7 @@ import weakref
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from infrai_jobs.errors import (
-    AnswerTooLarge,
-    ProtocolError,
-    TlsVerificationFailed,
-    TransportError,
-)
+from infrai_jobs.errors import AnswerTooLarge, ProtocolError, TlsVerificationFailed, TransportError
 from infrai_jobs.queue.http_wire import Connection, Response, read_response
 
 # Infrai's answers are small; this stops a broken or hostile server filling a 512 MB Lambda.

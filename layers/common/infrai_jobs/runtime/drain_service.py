@@ -115,14 +115,8 @@ class DrainService:
         function's Errors alarm fires instead of the invocation looking healthy."""
         config = self.config(max_batches, fanned_out=fan_out_slot is not None)
         check_time_budget(config, time_left_ms())
-        run = DrainRun(
-            self.queue,
-            self.ledger,
-            config,
-            time_left_ms,
-            stop_requested or (lambda: False),
-            fan_out_slot=fan_out_slot,
-        )
+        stop = stop_requested or (lambda: False)
+        run = DrainRun(self.queue, self.ledger, config, time_left_ms, stop, fan_out_slot)
         with _retries_within(self.queue, time_left_ms):
             summary = drain_invocation(run, self.registry)
         if summary.stopped == "ledger_unavailable":
@@ -185,10 +179,9 @@ def ledger_outage_message(summary: DrainSummary) -> str:
         )
     unsettled = summary.consumed - summary.acked
     return (
-        f"the ledger database failed mid-drain, after {summary.consumed} message(s) received "
-        f"in {summary.batches} batch(es): {summary.done} done, {summary.duplicates} "
-        f"duplicate(s), {summary.acked} acked; the {unsettled} not acked come back after the "
-        "visibility timeout"
+        f"the ledger database failed mid-drain, after {summary.consumed} message(s) received in "
+        f"{summary.batches} batch(es): {summary.done} done, {summary.duplicates} duplicate(s), "
+        f"{summary.acked} acked; the {unsettled} not acked come back after the visibility timeout"
     )
 
 

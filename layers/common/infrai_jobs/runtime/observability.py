@@ -1,9 +1,7 @@
-"""Observability, declared once: the Powertools Logger, Metrics and Tracer every function uses.
-
-The library logs through stdlib ``logging`` (a stable ``action`` word, and ``idem_key``,
-``message_id``, ``job``, ... about a message); the function's Powertools Logger formats it as
-JSON. Metrics are EMF with low-cardinality dimensions only: the queue, never a key or a message
-id."""
+"""Observability, declared once: the Powertools Logger, Metrics and Tracer every function uses. The
+library logs through stdlib ``logging`` (a stable ``action`` word, and ``idem_key``, ``message_id``,
+``job``, ... about a message); the function's Powertools Logger formats it as JSON. Metrics are EMF
+with low-cardinality dimensions only: the queue, never a key or a message id."""
 
 from __future__ import annotations
 

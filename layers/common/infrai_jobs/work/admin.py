@@ -1,9 +1,5 @@
-"""The operators' store: every change a probe, an operator, a redrive or the prune function makes
-to ``job_claims``, each on a short connection of its own, fenced by the row as read under its
-lock, refused under a live lease as the database judges it, and recorded in ``claim_history``
-in its transaction. The CLI, the console, the watcher's reconcile pass, RedriveFunction and
-PruneFunction call these methods; the CLI and the console only word what they answer.
-"""
+"""The operators' store (``WorkStore``): every change a probe, an operator, a redrive or the prune
+function makes to ``job_claims``; the CLI and the console only word what it answers."""
 
 from __future__ import annotations
 
@@ -58,7 +54,6 @@ class Refusal(StrEnum):
     MOVED = "moved"  # another claim token holds it: it changed since it was read
 
 
-# The states each operator change applies to.
 RESOLVABLE: Final = ("running",)
 RELEASABLE: Final = ("running", "failed")
 ALLOWED: Final = {"resolve_done": RESOLVABLE, "resolve_failed": RESOLVABLE, "release": RELEASABLE}
@@ -119,17 +114,11 @@ class WorkStore(LedgerAdapter):
         return rows[0] if rows else None
 
     def stuck(
-        self,
-        jobs: Sequence[str] | None = None,
-        *,
-        threshold_seconds: int = 900,
-        limit: int = 100,
+        self, jobs: Sequence[str] | None = None, *, threshold_seconds: int = 900, limit: int = 100
     ) -> list[ClaimRow]:
         """Stuck claims (``STUCK_CLAIM``), oldest first; only those of ``jobs`` when given."""
         params = {"jobs": None if jobs is None else list(jobs), "threshold": threshold_seconds}
         return self._read(sql.STUCK_CLAIMS, {**params, "limit": limit})
-
-    # --- Changes --------------------------------------------------------------------------
 
     def resolve(
         self,

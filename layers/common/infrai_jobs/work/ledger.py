@@ -1,22 +1,15 @@
-"""A delivery's side of ``job_claims``: a batch's claims, its runs' settles, on one reusable
-connection (the statements are ``work.statements``').
-
-A batch's claims are one statement (``INSERT ... SELECT FROM unnest(...) ON CONFLICT``); every
-change after it is fenced by the claim token. An update that matches nothing means the claim was
-lost (taken over, resolved by a human), and the caller must not ack.
-
-``database`` jobs run inside one batch transaction, a savepoint each, so no ``running`` row of
-theirs is ever committed. ``external`` and ``external_idempotent`` claims are committed
-``running`` with a lease before the effect and settled one by one right after it, so a crash
-leaves a stuck row only within the call itself.
-
-**A lease never outlives its message's visibility window.** The claim statement stores
-``least(requested lease, the visibility the message has left)`` from the statement's clock,
-the latter never more than the queue's visibility timeout. Once the queue may deliver the
-message again, or dead-letter it, the claim is expired: a redelivered or redriven copy is judged
-by the expired-lease rows of the outcome table, never acked as ``duplicate_in_flight`` behind an
-owner that is gone.
-"""
+"""A delivery's side of ``job_claims`` (the statements are ``work.statements``'): a batch's claims,
+in one statement, and its runs' settles, on one reusable connection. Every change after a claim is
+fenced by its token: an update that matches nothing means the claim was lost (taken over,
+resolved by a human), and the caller must not ack. ``database`` jobs run inside one batch
+transaction, a savepoint each, so no ``running`` row of theirs is ever committed; external claims
+are committed ``running`` with a lease before the effect and settled one by one right after it, so
+a crash leaves a stuck row only within the call itself. **A lease never outlives its message's
+visibility window**: the claim stores ``least(requested lease, the visibility the message has
+left)`` from the statement's clock, the latter never more than the queue's visibility timeout.
+Once the queue may deliver the message again, or dead-letter it, the claim is expired: a
+redelivered or redriven copy is judged by the expired-lease rows of the outcome table, never acked
+as ``duplicate_in_flight`` behind an owner that is gone."""
 
 from __future__ import annotations
 
@@ -67,7 +60,6 @@ logger = logging.getLogger(__name__)
 # Built once: json.dumps with any option builds a new encoder per call (about 1.5 µs).
 _RESULT_JSON = json.JSONEncoder(allow_nan=False)
 
-
 # How each kind of run settles its claim, fenced by its token (a deferral settled it already).
 _SETTLE_STATEMENTS: Final[dict[RunKind, LiteralString]] = {
     RunKind.SUCCEEDED: sql.SETTLE_DONE,
@@ -90,7 +82,6 @@ ON CONFLICT (queue) DO UPDATE
         updated_at = now()
 RETURNING greatest(extract(epoch FROM single_until - now()), 0)::float8
 """
-
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 
@@ -117,8 +108,6 @@ def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
     if conn.info.transaction_status != _IDLE:
         conn.execute("COMMIT")
 
-
-# --- The ledger --------------------------------------------------------------------------------
 
 _REQUEST_FIELDS: Final = tuple(ClaimRequest.__dataclass_fields__)
 DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
@@ -189,13 +178,9 @@ class PostgresLedger(LedgerAdapter):
         # find them running and (rightly, for an irreversible effect) flag them stuck.
         try:
             with ledger_errors(url=self._connector.url), self._connector.connect_once() as fresh:
-                fresh.execute(
-                    sql.RELEASE_BATCH,
-                    {
-                        "keys": array_literal(r.idem_key for r in requests),
-                        "tokens": array_literal(r.claim_token for r in requests),
-                    },
-                )
+                keys = array_literal(r.idem_key for r in requests)
+                tokens = array_literal(r.claim_token for r in requests)
+                fresh.execute(sql.RELEASE_BATCH, {"keys": keys, "tokens": tokens})
         except LedgerError:
             # The batch's own error follows; the claims expire with their leases.
             logger.warning(
@@ -234,12 +219,11 @@ class PostgresLedger(LedgerAdapter):
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction: every claim decision and
-        the settlements of the jobs that ran. A crash or a lost connection leaves no trace, and
-        the redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the
-        claim, ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back
-        whole and the batch runs again with a savepoint per job, so one failure cannot undo its
-        neighbours."""
+        """Claim, run and settle database jobs in one transaction: every claim decision and the
+        settlements of the jobs that ran. A crash or a lost connection leaves no trace, and the
+        redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the claim,
+        ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back whole and the
+        batch runs again with a savepoint per job, so one failure cannot undo its neighbours."""
         if not requests:
             return [], []
         with self._translated() as conn:

@@ -1,8 +1,6 @@
-"""The outcome table of docs/design.md as data: every way one message can end, in one place.
-
-The drain, its summary, the logs and the metrics derive from ``OUTCOME_RULES``; a test keeps
-the table in docs/design.md equal to it.
-"""
+"""The outcome table of docs/design.md as data: every way one message can end, in one place. The
+drain, its summary, the logs and the metrics derive from ``OUTCOME_RULES``; a test keeps the
+table in docs/design.md equal to it."""
 
 from __future__ import annotations
 
@@ -80,8 +78,7 @@ OUTCOME_RULES: Final[dict[Outcome, OutcomeRule]] = {
 ACKED_OUTCOMES: Final = frozenset(o for o, rule in OUTCOME_RULES.items() if rule.ack)
 OUTCOME_METRICS: Final = {o.value: rule.metric for o, rule in OUTCOME_RULES.items()}
 
-# A claim attempt that did not win ends its message here; one that won is decided by its
-# settlement.
+# A claim attempt that did not win ends its message here; one that won is decided by its settlement.
 CLAIM_OUTCOMES: Final = {
     ClaimStatus.DONE: Outcome.DUPLICATE,
     ClaimStatus.LIVE: Outcome.IN_FLIGHT,

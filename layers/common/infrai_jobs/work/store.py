@@ -1,19 +1,13 @@
 """The transitions of ``job_claims`` rows outside a delivery's batch: deferred work (a claim that
-waits), and every change a probe, an operator, a redrive or the prune function makes.
-
-A claim is deferred by the run that holds it (fenced by its token): its row keeps the payload,
-the attempts so far and the next run time, its message is acked, and from then on the ledger
-owns the work (``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's
-``take_due`` runs it, under a new token and lease on the same row. Who may change a run is one
-rule (``work.statements``): the run holding the token, or anyone else once its lease is over.
-The whole machine is ``work.states.WORK_TRANSITIONS``; each row names its function here (or in
-``work.ledger`` for a delivery's batch).
-
-The functions run in ``conn.transaction()`` on the caller's connection (inside the caller's
-transaction a savepoint, so a deferral can commit with the attempt it settles); ``WorkStore``
-makes the operators' changes on short connections of its own, each recorded in
-``claim_history`` in its transaction.
-"""
+waits), and every change a probe, an operator, a redrive or the prune function makes. A claim is
+deferred by the run that holds it (fenced by its token): its row keeps the payload, the attempts
+so far and the next run time, its message is acked, and from then on the ledger owns the work
+(``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's ``take_due`` runs
+it, under a new token and lease on the same row. Who may change a run is one rule
+(``work.statements``): the run holding the token, or anyone else once its lease is over. The
+whole machine is ``work.states.WORK_TRANSITIONS``; each row names its function here (or in
+``work.ledger``). The functions run in ``conn.transaction()`` on the caller's connection (inside
+the caller's transaction a savepoint, so a deferral can commit with the attempt it settles)."""
 
 from __future__ import annotations
 
@@ -32,12 +26,7 @@ from infrai_jobs.ledger.dead_letter_rows import (
     RECORD_DEAD_LETTER,
     RESOLVED_FAILED_DLQ,
 )
-from infrai_jobs.ledger.postgres import (
-    array_literal,
-    ledger_errors,
-    record_history,
-    storable_json,
-)
+from infrai_jobs.ledger.postgres import array_literal, ledger_errors, record_history, storable_json
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work import statements as sql
 from infrai_jobs.work.states import ClaimRow, new_token
@@ -70,10 +59,6 @@ class DeferredStats(NamedTuple):
     oldest_age_seconds: float  # since the oldest of those was first deferred; 0 when none
 
 
-def _rows(conn: psycopg.Connection[Any]) -> psycopg.Cursor[ClaimRow]:
-    return conn.cursor(row_factory=class_row(ClaimRow))
-
-
 def claim_rows(
     conn: psycopg.Connection[Any],
     statement: LiteralString,
@@ -82,7 +67,7 @@ def claim_rows(
     visibility: float = VISIBILITY,
 ) -> list[ClaimRow]:
     """Whole claims a statement of ``work.statements`` returns, their leases judged by it."""
-    with _rows(conn) as cur:
+    with conn.cursor(row_factory=class_row(ClaimRow)) as cur:
         return cur.execute(statement, {**params, "visibility": visibility}).fetchall()
 
 
@@ -102,22 +87,12 @@ def hold_dead_letter(
     claim, unless a human failed it (``by_human``): then only ``--reopen-failed`` does. False
     when a dead letter with this message id is recorded already."""
     unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
-    values = dict.fromkeys(unknown) | {
-        "message_id": work.message_id,
-        "queue": queue,
-        "dlq": RESOLVED_FAILED_DLQ if by_human else LEDGER_HELD_DLQ,
-        "unreadable": False,
-        "payload": Jsonb(work.payload),
-        "job": work.job or "",
-        "idem_key": work.idem_key,
-        "state": "failed",
-        "claim_state": "failed",
-        "reason": reason,
-    }
+    values: dict[str, Any] = dict.fromkeys(unknown)
+    values.update(message_id=work.message_id, queue=queue, unreadable=False, reason=reason)
+    values.update(dlq=RESOLVED_FAILED_DLQ if by_human else LEDGER_HELD_DLQ, job=work.job or "")
+    values.update(payload=Jsonb(work.payload), idem_key=work.idem_key)
+    values.update(state="failed", claim_state="failed")
     return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
-
-
-# --- Deferred work: the run holding it, and the drains that take it -----------------------------
 
 
 def defer(
@@ -134,13 +109,8 @@ def defer(
     (a dead letter taken back). Either way the ledger owns the work from here, and its message
     may be acked."""
     params = {name: getattr(work, name) for name in DeferredWork.__dataclass_fields__}
-    params |= {
-        "payload": Jsonb(dict(work.payload)),
-        "attempts": max(attempts, 0),
-        "error": error,
-        "delay": max(float(delay_seconds), 0.0),
-        "token": claim_token,
-    }
+    params |= {"payload": Jsonb(dict(work.payload)), "attempts": max(attempts, 0), "error": error}
+    params |= {"delay": max(float(delay_seconds), 0.0), "token": claim_token}
     with ledger_errors("cannot defer a job"), conn.transaction():
         if claim_token is None:
             row = claim_rows(conn, sql.DEFER_NEW, params)
@@ -211,8 +181,10 @@ def postpone(
 def finish(
     conn: psycopg.Connection[Any], key: str, token: uuid.UUID, result: Any
 ) -> ClaimRow | None:
-    """The run holding ``token`` settles ``done``; None when the token no longer holds it."""
-    return settle_as_holder(conn, key, token, "done", result=result, action="deferred_done")
+    """The run holding ``token`` settles ``done``, whatever its lease; None when the token no
+    longer holds it."""
+    values = {"token": token, "state": "done", "result": result, "error": None}
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_done"))
 
 
 def fail(
@@ -223,10 +195,11 @@ def fail(
     *,
     queue: str | None = None,
 ) -> ClaimRow | None:
-    """The run holding ``token`` fails for good (out of attempts, or a final error)."""
-    return settle_as_holder(
-        conn, key, token, "failed", error=error, action="deferred_failed", queue=queue
-    )
+    """The run holding ``token`` fails for good (out of attempts, or a final error), whatever its
+    lease. Failed work the ledger owns also gets a dead letter (its message was acked long ago)
+    under its queue (``queue`` when the work recorded none)."""
+    values = {"token": token, "state": "failed", "result": None, "error": error}
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_failed"), queue=queue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,24 +209,6 @@ class Why:
     action: str
     actor: str = DRAIN_ACTOR
     note: str = ""
-
-
-def settle_as_holder(
-    conn: psycopg.Connection[Any],
-    key: str,
-    token: uuid.UUID,
-    state: str,
-    *,
-    result: Any = None,
-    error: str | None = None,
-    action: str,
-    queue: str | None = None,
-) -> ClaimRow | None:
-    """The run holding ``token`` settles its run ``done`` or ``failed``, whatever its lease;
-    recorded as ``action``. Failed work the ledger owns also gets a dead letter (its message was
-    acked long ago) under its queue (``queue`` when the work recorded none)."""
-    values = {"token": token, "state": state, "result": result, "error": error}
-    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why(action), queue=queue)
 
 
 def settle_as_other(

@@ -47,12 +47,14 @@ def _lane_process(spec: dict[str, Any], go: Path) -> None:
     """One lane in this process: connect, wait for the start signal, drain, print a summary."""
     from infrai_jobs.drain.loop import drain  # noqa: PLC0415
     from infrai_jobs.drain.model import DrainConfig  # noqa: PLC0415
-    from infrai_jobs.queue.client import InfraiClient  # noqa: PLC0415
+    from infrai_jobs.queue.client import InfraiClient, PoolOptions  # noqa: PLC0415
     from infrai_jobs.runtime.factory import client_pool_size  # noqa: PLC0415
     from infrai_jobs.work.ledger import PostgresLedger  # noqa: PLC0415
     from jobs import build_registry  # noqa: PLC0415
 
-    client = InfraiClient(spec["emulator_url"], spec["api_key"], pool_maxsize=client_pool_size(1))
+    client = InfraiClient(
+        spec["emulator_url"], spec["api_key"], pool=PoolOptions(maxsize=client_pool_size(1))
+    )
     ledger = PostgresLedger(spec["database_url"])
     ledger.ping()
     registry = build_registry()

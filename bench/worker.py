@@ -30,7 +30,7 @@ import psycopg
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.client import InfraiClient, PoolOptions
 from infrai_jobs.runtime.factory import client_pool_size
 from infrai_jobs.work.ledger import PostgresLedger
 from jobs import build_registry
@@ -94,7 +94,7 @@ def _drain_lanes(
     # As DrainFunction runs lanes: one client (its pool sized for every lane) and a database
     # connection per lane.
     client = InfraiClient(
-        spec["emulator_url"], spec["api_key"], pool_maxsize=client_pool_size(lanes)
+        spec["emulator_url"], spec["api_key"], pool=PoolOptions(maxsize=client_pool_size(lanes))
     )
     ledgers = [PostgresLedger(spec["database_url"]) for _ in range(lanes)]
     registries = [bound_registry(spec["provider_url"]) for _ in range(lanes)]

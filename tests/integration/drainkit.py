@@ -25,7 +25,7 @@ from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
@@ -251,8 +251,8 @@ def harness(
     prepare_database(database_url, code_root)
     server = emulator_module.start_in_thread(visibility_timeout=visibility)
     sink = provider_sink.start_in_thread()
-    limits = {} if max_answer_bytes is None else {"max_answer_bytes": max_answer_bytes}
-    client = InfraiClient(server.url, API_KEY, retry=HttpRetryPolicy(base_delay=0.01), **limits)
+    pool = None if max_answer_bytes is None else PoolOptions(max_answer_bytes=max_answer_bytes)
+    client = InfraiClient(server.url, API_KEY, pool=pool, retry=HttpRetryPolicy(base_delay=0.01))
     ensure_queue(client, QUEUE, dlq=DLQ)
     ledger = PostgresLedger(database_url)
     registry = jobs()

@@ -27,7 +27,7 @@ from infrai_jobs.errors import (
     TransportError,
     UntrustedServer,
 )
-from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
 from infrai_jobs.queue.transport import HttpPool
 
 API_KEY = "sk_live_transport_secret_77"
@@ -637,7 +637,7 @@ def test_tls_with_a_trusted_certificate_works_and_keeps_the_connection(
 ) -> None:
     server, ca_path = tls_server
     trusted = ssl.create_default_context(cafile=str(ca_path))
-    client = InfraiClient(server.url, API_KEY, ssl_context=trusted)
+    client = InfraiClient(server.url, API_KEY, pool=PoolOptions(ssl_context=trusted))
     stats = [client.stats("q") for _ in range(3)]
     client.close()
     assert [s.available_count for s in stats] == [1, 1, 1]
@@ -679,7 +679,7 @@ def test_a_certificate_for_another_host_is_final_for_the_client(
     client = InfraiClient(
         server.url,
         API_KEY,
-        ssl_context=trusted,
+        pool=PoolOptions(ssl_context=trusted),
         retry=HttpRetryPolicy(max_attempts=5),
         sleep=sleeps.append,
     )
@@ -781,8 +781,10 @@ def test_lanes_drain_over_tls_with_kept_alive_connections(
         client = InfraiClient(
             front.url,
             "test-key",
-            ssl_context=ssl.create_default_context(cafile=str(ca_path)),
-            pool_maxsize=client_pool_size(4),
+            pool=PoolOptions(
+                ssl_context=ssl.create_default_context(cafile=str(ca_path)),
+                maxsize=client_pool_size(4),
+            ),
         )
         service = kit.lane_service(DrainSettings(queue=QUEUE, drain_lanes=4), client)
         kit.faults(latency_ms=5)

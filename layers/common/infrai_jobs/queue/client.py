@@ -72,6 +72,17 @@ class Timeouts:
     read: float = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class PoolOptions:
+    """How the client's one HTTP pool connects: its timeouts, its size (concurrent ackers beyond
+    it get short-lived connections), the TLS context, and the largest answer it reads."""
+
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    maxsize: int = 16
+    ssl_context: ssl.SSLContext | None = None
+    max_answer_bytes: int = MAX_BODY
+
+
 class InfraiClient:
     """Talks to Infrai's queue API (``/v1/queue/*`` and ``/v1/discovery``)."""
 
@@ -80,14 +91,11 @@ class InfraiClient:
         base_url: str,
         api_key: str,
         *,
-        timeouts: Timeouts | None = None,
+        pool: PoolOptions | None = None,
         retry: HttpRetryPolicy | None = None,
         retry_publish: bool = False,
-        pool_maxsize: int = 16,
         sleep: Callable[[float], None] = time.sleep,
         refresh_api_key: Callable[[], str] | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        max_answer_bytes: int = MAX_BODY,
         allow_plain_http: bool = False,
     ) -> None:
         # The settings' rule again, for a client built without them: the key is in every request.
@@ -101,21 +109,22 @@ class InfraiClient:
         self._api_key = api_key
         # Fetches the key again (bypassing the secret cache) after a 401: a rotated key.
         self._refresh_api_key = refresh_api_key
-        self._timeouts = timeouts or Timeouts()
         self._retry = retry or HttpRetryPolicy()
         self._retry_publish = retry_publish
         self._sleep = sleep
         # Set by retries_within() for the length of one invocation; None: no deadline.
         self._time_left_ms: Callable[[], int] | None = None
         # The pool never retries; concurrent ackers beyond pool_maxsize get short-lived connections.
+        options = pool or PoolOptions()
+        self._timeouts = options.timeouts
         try:
             self._pool = HttpPool(
                 base_url,
-                connect_timeout=self._timeouts.connect,
-                read_timeout=self._timeouts.read,
-                maxsize=pool_maxsize,
-                ssl_context=ssl_context,
-                max_body=max_answer_bytes,
+                connect_timeout=options.timeouts.connect,
+                read_timeout=options.timeouts.read,
+                maxsize=options.maxsize,
+                ssl_context=options.ssl_context,
+                max_body=options.max_answer_bytes,
             )
         except ValueError as exc:
             raise ConfigurationError(f"INFRAI_BASE_URL: {exc}") from None

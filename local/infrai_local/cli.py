@@ -585,17 +585,7 @@ def _migrate(url: str, jobs_path: str | None = None) -> list[Migration]:
 
 
 def _cmd_new_job(args: argparse.Namespace) -> int:
-    job = scaffold.parse_request(
-        args.name,
-        args.effect,
-        args.identity,
-        args.setting or (),
-        args.retry_attempts,
-        rate_per_second=args.rate_per_second,
-        concurrency_key=args.concurrency_key,
-        max_running=args.max_running,
-        secrets=args.secret or (),
-    )
+    job = scaffold.parse_request(args)
     root = code_root(args.jobs_path)
     project = scaffold.project_of(root)
     plan = scaffold.plan(job, project, root / "jobs", load_registry(args.jobs_path))

@@ -340,6 +340,19 @@ class _InjectedFailure:
     times: int
 
 
+# The columns a ClaimRow needs that seed() leaves NULL unless told.
+_REQUIRED_COLUMNS: Final = (
+    "job",
+    "effect",
+    "payload_sha256",
+    "error",
+    "result",
+    "lease_until",
+    "updated_at",
+    "claim_token",
+)
+
+
 class InMemoryLedger:
     """``job_claims`` in a dict, with ``PostgresLedger``'s semantics.
 
@@ -474,52 +487,27 @@ class InMemoryLedger:
         with self._lock:
             return Counter(self._calls)
 
-    def seed(
-        self,
-        idem_key: str,
-        *,
-        state: str = "running",
-        message_id: str = "qmsg_seeded",
-        job: str | None = None,
-        effect: Effect | str | None = None,
-        fingerprint: str | None = None,
-        lease_until: datetime | None = None,
-        claim_token: uuid.UUID | None = None,
-        attempts: int | None = 1,
-        error: str | None = None,
-        result: JsonValue = None,
-        claimed_at: datetime | None = None,
-        updated_at: datetime | None = None,
-        run_after: datetime | None = None,
-        payload: JsonValue = None,
-    ) -> ClaimRow:
+    def seed(self, idem_key: str, **columns: Any) -> ClaimRow:
         """Write a row as another worker, an operator or the notes' SQL would have left it.
 
-        Replaces any row under the key. Unset columns are what the table defaults to, so
+        Replaces any row under the key. ``columns`` are ``ClaimRow``'s fields (``fingerprint``
+        for ``payload_sha256``); an unset one is what the table defaults to, so
         ``seed(key, state="running", message_id=...)`` is exactly the notes' own INSERT.
         ``run_after`` (with its ``payload``) makes it work the ledger owns: deferred.
         """
+        if "fingerprint" in columns:
+            columns["payload_sha256"] = columns.pop("fingerprint")
+        if columns.get("effect") is not None:
+            columns["effect"] = str(columns["effect"])
+        state = columns.setdefault("state", "running")
         if state not in _CLAIM_STATES:
             raise ValueError(f"state must be one of {sorted(_CLAIM_STATES)}, not {state!r}")
         with self._lock:
-            row = ClaimRow(
-                idem_key=idem_key,
-                state=state,
-                message_id=message_id,
-                job=job,
-                effect=None if effect is None else str(effect),
-                attempts=attempts,
-                payload_sha256=fingerprint,
-                error=error,
-                result=result,
-                claimed_at=claimed_at or self._now(),
-                lease_until=lease_until,
-                updated_at=updated_at,
-                claim_token=claim_token,
-                payload=payload,
-                run_after=run_after,
-                deferred_at=None if run_after is None else self._now(),
-            )
+            defaults: dict[str, Any] = dict.fromkeys(_REQUIRED_COLUMNS)
+            defaults |= {"message_id": "qmsg_seeded", "attempts": 1, "claimed_at": self._now()}
+            if columns.get("run_after") is not None:
+                defaults["deferred_at"] = self._now()
+            row = ClaimRow(idem_key=idem_key, **(defaults | columns))
             self._rows[idem_key] = row
             return row
 

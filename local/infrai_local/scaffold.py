@@ -28,6 +28,7 @@ Nothing is written unless everything can be: a name that exists, a bad field, or
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import keyword
@@ -149,19 +150,15 @@ def project_of(code_root: Path) -> Path:
     )
 
 
-def parse_request(
-    name: str,
-    effect: str,
-    identity: str,
-    settings: Sequence[str] = (),
-    retry_attempts: int | None = None,
-    *,
-    rate_per_second: int | None = None,
-    concurrency_key: str | None = None,
-    max_running: int = 1,
-    secrets: Sequence[str] = (),
-) -> NewJob:
-    """Check the command's arguments; a ``ConfigurationError`` says what is wrong."""
+def parse_request(args: argparse.Namespace) -> NewJob:
+    """Check ``new-job``'s arguments; a ``ConfigurationError`` says what is wrong."""
+    name, effect, identity = args.name, args.effect, args.identity
+    settings: Sequence[str] = args.setting or ()
+    secrets: Sequence[str] = args.secret or ()
+    retry_attempts: int | None = args.retry_attempts
+    rate_per_second: int | None = args.rate_per_second
+    concurrency_key: str | None = args.concurrency_key
+    max_running: int = args.max_running
     if not _JOB_NAME.match(name):
         raise ConfigurationError(
             f"job name {name!r}: use lower-case words separated by dots, e.g. refund.issue"

@@ -1097,7 +1097,7 @@ _FLOW_ROWS = (
     ("drain wall time, s", "elapsed_s", 2),
     ("batch latency p50, ms", "batch_p50_ms", 1),
     ("ledger round trips per message", "ledger_round_trips_per_message", 3),
-    ("of which on flow control's connection", "flow_round_trips_per_message", 3),
+    ("of which flow control's looks for due work", "flow_round_trips_per_message", 3),
     ("flow control's round trips per drain", "flow_round_trips_per_drain", 0),
     ("statements per message", "statements_per_message", 3),
     ("worker CPU, % of one core", "process_cpu_pct", 1),

@@ -81,7 +81,7 @@ DELAYS: Final = (0, 60)
 REAL_TIME_SLACK: Final = 25.0
 
 EXAMPLES: Final = int(os.environ.get("WORK_STATEFUL_EXAMPLES") or 0)
-BOUNDED_EXAMPLES: Final = 200
+BOUNDED_EXAMPLES: Final = 300
 STEPS: Final = int(os.environ.get("WORK_STATEFUL_STEPS") or 0) or 30
 
 OPERATOR = "on-call@example.com"
@@ -133,8 +133,9 @@ def other_effect(effect: str) -> str:
 @dataclass(frozen=True)
 class Deliver:
     """A message (or its copy) is delivered and its key claimed. A database job is claimed,
-    run (as ``kind``) and settled in one transaction; another job's claim is committed for its
-    holder to settle later, and a copy that cannot run may be ``flag``ged stuck."""
+    run (as ``kind``) and settled in one transaction; another job's claim is committed, and
+    its holder acts at once (``then``, as a drain does within one invocation) or in a later
+    step (None). A copy that cannot run may be ``flag``ged stuck."""
 
     key: str
     copy: int
@@ -143,6 +144,8 @@ class Deliver:
     visibility_left: int | None
     kind: str
     flag: bool
+    then: str | None
+    delay: int  # a deferral's, when ``then`` defers
 
 
 @dataclass(frozen=True)
@@ -157,10 +160,13 @@ class DeliveryActs:
 
 @dataclass(frozen=True)
 class TakeDue:
-    """A drain takes due deferred work, and runs it no further yet."""
+    """A drain takes due deferred work; the first run it took acts at once (``then``) or in a
+    later step (None), as do the others."""
 
     limit: int
     lease: int
+    then: str | None
+    delay: int
 
 
 @dataclass(frozen=True)
@@ -254,6 +260,9 @@ class LeaseEnds:
     key: str
 
 
+# What a delivery holding a claim does, and what a run a drain took does.
+DELIVERY_STEPS: Final = (*RUN_KINDS, "defer", "defer", "dies")
+RUN_STEPS: Final = ("begin", "uncertain", "postpone", "postpone unran", "finish", "fail", "killed")
 KEY = st.sampled_from(KEYS)
 COPY = st.sampled_from(COPIES)
 NTH = st.integers(min_value=0, max_value=3)
@@ -266,21 +275,27 @@ DELIVER = st.builds(
     visibility_left=st.sampled_from(VISIBILITY_LEFT),
     kind=st.sampled_from(RUN_KINDS),
     flag=st.booleans(),
+    then=st.sampled_from((None, *DELIVERY_STEPS)),
+    delay=st.sampled_from(DELAYS),
 )
 DELIVERY_ACTS = st.builds(
     DeliveryActs,
     nth=NTH,
-    does=st.sampled_from((*RUN_KINDS, "defer", "defer", "dies")),
+    does=st.sampled_from(DELIVERY_STEPS),
     attempts=st.sampled_from((1, 2, 3)),
     delay=st.sampled_from(DELAYS),
 )
-TAKE_DUE = st.builds(TakeDue, limit=st.sampled_from((1, 2)), lease=st.sampled_from(DUE_LEASES))
+TAKE_DUE = st.builds(
+    TakeDue,
+    limit=st.sampled_from((1, 2)),
+    lease=st.sampled_from(DUE_LEASES),
+    then=st.sampled_from((None, *RUN_STEPS)),
+    delay=st.sampled_from(DELAYS),
+)
 RUN_ACTS = st.builds(
     RunActs,
     nth=NTH,
-    does=st.sampled_from(
-        ("begin", "uncertain", "postpone", "postpone unran", "finish", "fail", "killed")
-    ),
+    does=st.sampled_from(RUN_STEPS),
     delay=st.sampled_from(DELAYS),
 )
 # One choice of equal weight each (st.one_of would count a strategy given twice once):
@@ -292,10 +307,8 @@ ACTIONS: Final = st.sampled_from(
         DELIVER,
         DELIVER,
         DELIVERY_ACTS,
-        DELIVERY_ACTS,
         TAKE_DUE,
         TAKE_DUE,
-        RUN_ACTS,
         RUN_ACTS,
         st.builds(LookAt, key=KEY),
         st.builds(
@@ -383,6 +396,8 @@ class RunStats:
     steps: int = 0
     longest_sequence_s: float = 0.0
     outcomes: Counter[str] = field(default_factory=Counter)
+    # The sequence and the step where a check first failed (before Hypothesis shrank it).
+    first_failure: tuple[int, int] | None = None
 
 
 def nth_newest(items: list[Any], nth: int, *, remove: bool = False) -> Any:
@@ -408,11 +423,15 @@ class WorkStoreMachine(RuleBasedStateMachine):
         self.runs: list[TakenRun] = []
         self.snapshots: list[Snapshot] = []
         self.seen: dict[str, Seen] = {}
+        # True while a step or its checks run: a sequence torn down then has failed.
+        self.checking = False
         self.started = time.monotonic()
         db.conn.execute("TRUNCATE job_claims, claim_history, dead_letters")
         stats.sequences += 1
 
     def teardown(self) -> None:
+        if self.checking and self.stats.first_failure is None:
+            self.stats.first_failure = (self.stats.sequences, self.stats.steps)
         took = time.monotonic() - self.started
         self.stats.longest_sequence_s = max(self.stats.longest_sequence_s, took)
 
@@ -422,6 +441,7 @@ class WorkStoreMachine(RuleBasedStateMachine):
 
     @rule(action=ACTIONS)
     def act(self, action: Any) -> None:
+        self.checking = True
         self.stats.steps += 1
         self.actor = Actor()  # anyone but a holder, unless the action says otherwise
         handlers = {
@@ -440,6 +460,7 @@ class WorkStoreMachine(RuleBasedStateMachine):
             LeaseEnds: self._lease_ends,
         }
         handlers[type(action)](action)
+        self.checking = False
 
     # --- Bookkeeping ------------------------------------------------------------------------
 
@@ -496,7 +517,10 @@ class WorkStoreMachine(RuleBasedStateMachine):
         self._note(f"claim {expected.status}" + (" (takeover)" if expected.takeover else ""))
         if expected.status == "won":
             self._issued(key, request.claim_token)
-            self.deliveries.append(Delivery(request))
+            if action.then is None:
+                self.deliveries.append(Delivery(request))
+            else:
+                self._holder_does(Delivery(request), action.then, 1, action.delay)
         elif expected.status == "stuck" and action.flag:
             self.db.ledger.flag_stuck({key: decision.detail})
             self.model.flag_stuck(key, decision.detail)
@@ -522,17 +546,20 @@ class WorkStoreMachine(RuleBasedStateMachine):
         self._note(f"database claim {claimed.status} {settled or ''}".strip())
 
     def _delivery_acts(self, action: DeliveryActs) -> None:
-        """The holder settles its run (``PostgresLedger.settle``), defers it (``store.defer``),
-        or dies: its invocation is killed and its token never used again."""
         if not self.deliveries:
             self._note("no delivery holds a claim")
             return
         held: Delivery = nth_newest(self.deliveries, action.nth, remove=True)
+        self.actor = Actor(held.request.claim_token)
+        self._holder_does(held, action.does, action.attempts, action.delay)
+
+    def _holder_does(self, held: Delivery, does: str, attempts: int, delay: int) -> None:
+        """The holder settles its run (``PostgresLedger.settle``), defers it (``store.defer``),
+        or dies: its invocation is killed and its token never used again."""
         request, key, token = held.request, held.request.idem_key, held.request.claim_token
-        self.actor = Actor(token)
-        if action.does == "dies":
+        if does == "dies":
             self._note("delivery dies")
-        elif action.does == "defer":
+        elif does == "defer":
             work = store.DeferredWork(
                 key, request.job, request.effect.value, {"job": request.job},
                 request.message_id, request.fingerprint, "jobs",
@@ -540,23 +567,21 @@ class WorkStoreMachine(RuleBasedStateMachine):
             outcome = store.defer(
                 self.db.conn,
                 work,
-                attempts=action.attempts,
+                attempts=attempts,
                 error="held back by a limit",
-                delay_seconds=action.delay,
+                delay_seconds=delay,
                 claim_token=token,
             )
             expected = self.model.defer(
-                key, token, message_id=request.message_id, attempts=action.attempts,
-                delay=action.delay,
-            )  # fmt: skip
+                key, token, message_id=request.message_id, attempts=attempts, delay=delay
+            )
             assert outcome.value == expected
             self._note(f"defer: {expected}")
         else:
-            run = JobRun(RunKind(action.does), {"ref": 1}, "E: x")
-            settlement = self.db.ledger.settle(request, run)
-            expected = self.model.settle(key, token, action.does, "E: x")
+            settlement = self.db.ledger.settle(request, JobRun(RunKind(does), {"ref": 1}, "E: x"))
+            expected = self.model.settle(key, token, does, "E: x")
             assert settlement.status.value == expected
-            self._note(f"settle {action.does}: {expected}")
+            self._note(f"settle {does}: {expected}")
 
     # --- Drains --------------------------------------------------------------------------------
 
@@ -574,21 +599,31 @@ class WorkStoreMachine(RuleBasedStateMachine):
             self._note("take due (takeover)" if took_over else "take due")
         if not taken:
             self._note("take due: none")
+        elif action.then is not None:
+            first: TakenRun = nth_newest(self.runs, len(taken) - 1, remove=action.then != "begin")
+            self.actor = Actor(first.token)
+            self._run_does(first, action.then, action.delay)
 
     def _run_acts(self, action: RunActs) -> None:
         if not self.runs:
             self._note("no run taken")
             return
         held: TakenRun = nth_newest(self.runs, action.nth, remove=action.does != "begin")
-        key, token, does, conn = held.key, held.token, action.does, self.db.conn
-        self.actor = Actor(token)
+        self.actor = Actor(held.token)
+        self._run_does(held, action.does, action.delay)
+
+    def _run_does(self, held: TakenRun, does: str, delay: int) -> None:
+        """The run begins its handler (``store.begin``), or ends: its outcome is uncertain
+        (``store.flag_uncertain``), it is postponed (``store.postpone``), it finishes or fails
+        (``store.finish``, ``store.fail``), or its drain is killed and its token abandoned."""
+        key, token, conn = held.key, held.token, self.db.conn
         if does == "begin":
             answered, expected = store.begin(conn, key, token), self.model.begin(key, token)
         elif does == "uncertain":
             answered = store.flag_uncertain(conn, key, token, "timed out")
             expected = self.model.flag_uncertain(key, token, "timed out")
         elif does.startswith("postpone"):
-            ran, delay = does == "postpone", action.delay
+            ran = does == "postpone"
             answered = store.postpone(
                 conn, key, token, error="E" if ran else None, delay_seconds=delay, ran=ran
             )
@@ -741,6 +776,7 @@ class WorkStoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def rows_are_what_the_model_predicts(self) -> None:
+        self.checking = True
         now = self._read_all()
         assert set(now) == set(self.model.rows), (sorted(now), sorted(self.model.rows))
         for key, seen in now.items():
@@ -749,6 +785,7 @@ class WorkStoreMachine(RuleBasedStateMachine):
         self._nobody_else_changed_a_live_claim(now)
         self._only_the_newest_token_holds(now)
         self.seen = now
+        self.checking = False
 
     def _times_agree(self, key: str, seen: Seen) -> None:
         """A stored end lags the model's only by the real time since it was stored."""
@@ -881,30 +918,37 @@ def test_random_sequences_of_the_stores_changes_keep_every_row_as_the_model_pred
     started = time.monotonic()
     # When random sequences of deliveries, drains, operators, probes, redrives, the notes'
     # worker, dead runs and clock jumps run against it
-    run_state_machine_as_test(
-        lambda: WorkStoreMachine(ledger, stats),
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=STEPS,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
-    took = time.monotonic() - started
-    # Then every step matched the model (the machine's invariants), and the run reached the
-    # branches it is meant to test
-    for name, value in (("sequences", stats.sequences), ("steps", stats.steps)):
-        record_property(name, value)
-    with capsys.disabled():
-        print(
-            f"\nwork store stateful: {stats.sequences} sequences, {stats.steps} steps "
-            f"in {took:.1f} s (longest sequence {stats.longest_sequence_s:.2f} s)"
+    try:
+        run_state_machine_as_test(
+            lambda: WorkStoreMachine(ledger, stats),
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=STEPS,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
         )
-        if EXAMPLES:
-            for outcome, count in sorted(stats.outcomes.items()):
-                print(f"  {count:7d}  {outcome}")
+    finally:
+        # The figures, also when a step failed (then with the sequences Hypothesis ran to
+        # shrink it)
+        took = time.monotonic() - started
+        for name, value in (("sequences", stats.sequences), ("steps", stats.steps)):
+            record_property(name, value)
+        with capsys.disabled():
+            print(
+                f"\nwork store stateful: {stats.sequences} sequences, {stats.steps} steps "
+                f"in {took:.1f} s (longest sequence {stats.longest_sequence_s:.2f} s)"
+            )
+            if stats.first_failure is not None:
+                sequence, step = stats.first_failure
+                print(f"  first failed in sequence {sequence}, at step {step} of the run")
+            if EXAMPLES:
+                for outcome, count in sorted(stats.outcomes.items()):
+                    print(f"  {count:7d}  {outcome}")
+    # Then every step matched the model (the machine's invariants and the answers it checks),
+    # and the run reached the branches it is meant to test
     missing = [outcome for outcome in MUST_REACH if not stats.outcomes[outcome]]
     assert not missing, missing
     assert stats.longest_sequence_s < REAL_TIME_SLACK

@@ -90,7 +90,7 @@ soak: $(STAMP)
 	SOAK_JOBS=$(SOAK_JOBS) SOAK_DOCS=docs/reliability.md $(BIN)/pytest tests/chaos -m chaos -s -p no:cacheprovider
 
 # The stateful test of job_claims' store (tests/contract/test_work_store_stateful.py) at length:
-# make test runs 200 sequences of 30 steps; this runs STATEFUL_EXAMPLES sequences of
+# make test runs 300 sequences of 30 steps; this runs STATEFUL_EXAMPLES sequences of
 # STATEFUL_STEPS steps (about 8 minutes at the defaults) and prints what they reached.
 .PHONY: stateful
 STATEFUL_EXAMPLES ?= 2000

@@ -694,8 +694,13 @@ class WorkStoreMachine(RuleBasedStateMachine):
         write = self.db.admin.apply_probe_answer(
             probed.row, answer, result={"ref": 3}, actor="probe", note=f"{answer}: test"
         )
+        now = self.model.rows.get(key)
         expected = self.model.probe_answer(key, probed.row.claim_token, probed.attempt, answer)
-        assert write.value == expected
+        assert write.value == expected, (
+            f"a probe's {answer!r} about attempt {probed.attempt} of {key} (attempt "
+            f"{None if now is None else now.attempt} now): the store answered {write.value!r}, "
+            f"the design {expected!r}"
+        )
         self._note(f"probe {answer}: {expected}")
 
     def _reopen_failed(self, action: ReopenFailed) -> None:
@@ -895,6 +900,27 @@ MUST_REACH: Final = (
 )
 
 
+# Sequences a run of the machine found, kept as they are, by hand-shrunk steps: each runs
+# through the machine and its checks on every make test, whatever Hypothesis generates.
+FOUND: Final = {
+    # docs/design.md: "A probe asked about an attempt that has moved on (another delivery took
+    # the claim over, or an operator acted) is fenced out and changes nothing." On the notes'
+    # rows the token read is NULL, so the store cannot tell the attempt probed from a later one:
+    # a late "not done" about the first row deletes the second, whose run may be inside its
+    # effect. make stateful found it on an earlier revision of this module, whose sequences
+    # differed; the sequences Hypothesis makes now do not reach it within 2,000.
+    "a late probe answer about a notes' row released by an operator": (
+        NotesWorkerClaims("k:a", copy=1),
+        LookAt("k:a"),
+        ClockJumps(seconds=300),
+        OperatorActs("k:a", action="release", token="none", nth=0),
+        NotesWorkerClaims("k:a", copy=2),
+        ClockJumps(seconds=300),
+        ProbeAnswers("k:a", answer="not_done", earlier=True, nth=0),
+    ),
+}
+
+
 @pytest.fixture
 def ledger(database_url: str) -> Iterator[Ledger]:
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -952,3 +978,19 @@ def test_random_sequences_of_the_stores_changes_keep_every_row_as_the_model_pred
     missing = [outcome for outcome in MUST_REACH if not stats.outcomes[outcome]]
     assert not missing, missing
     assert stats.longest_sequence_s < REAL_TIME_SLACK
+
+
+@pytest.mark.parametrize("found", sorted(FOUND))
+def test_each_sequence_a_run_found_keeps_every_row_as_the_model_predicts(
+    ledger: Ledger, found: str
+) -> None:
+    # Given a fresh machine on the migrated ledger, its keys' jobs external
+    machine = WorkStoreMachine(ledger, RunStats())
+    machine.each_key_has_a_job((EXTERNAL,) * len(KEYS))
+    machine.rows_are_what_the_model_predicts()
+    # When the sequence's actions run, one step at a time
+    for action in FOUND[found]:
+        machine.act(action)
+        # Then after each step the rows and the answers are what the model predicts
+        machine.rows_are_what_the_model_predicts()
+    machine.teardown()

@@ -99,6 +99,16 @@ MODEL_ARGS ?= --all
 model: $(STAMP)
 	$(BIN)/python -m tests.model.work_protocol $(MODEL_ARGS)
 
+# The stateful test of job_claims' store (tests/contract/test_work_store_stateful.py) at length:
+# make test runs 300 sequences of 30 steps; this runs STATEFUL_EXAMPLES sequences of
+# STATEFUL_STEPS steps (about 8 minutes at the defaults) and prints what they reached.
+.PHONY: stateful
+STATEFUL_EXAMPLES ?= 2000
+STATEFUL_STEPS ?= 50
+stateful: $(STAMP)
+	WORK_STATEFUL_EXAMPLES=$(STATEFUL_EXAMPLES) WORK_STATEFUL_STEPS=$(STATEFUL_STEPS) \
+		$(BIN)/pytest tests/contract/test_work_store_stateful.py -p no:cacheprovider
+
 # --- SAM: build and validate the function bundle -------------------------------------------
 # aws-sam-cli pins its own boto3 and click, so it lives in its own virtualenv, never in .venv.
 SAM_CLI_VERSION := 1.170.0

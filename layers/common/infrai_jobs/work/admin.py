@@ -210,9 +210,17 @@ class WorkStore(LedgerAdapter):
         why = Why(RECONCILE, actor, note)
         with self._connector.transaction(f"cannot reconcile {key!r}") as conn:
             before = claim_of(conn, key, lock=True, visibility=vis)
-            if before is None or before.state != "running" or before.claim_token != token:
+            # The token fences the attempt; a row the notes' worker wrote has none, so its claim
+            # time and message tell a later claim of the key from the one that was probed.
+            if before is None or before.state != "running":
                 return ReconcileWrite.CHANGED
-            if probed.lease_live is not False:
+            if (before.claim_token, before.claimed_at, before.message_id) != (
+                token,
+                probed.claimed_at,
+                probed.message_id,
+            ):
+                return ReconcileWrite.CHANGED
+            if answer in ("done", "not_done") and probed.lease_live is not False:
                 # Asked while a run held it: the run may have made the call since.
                 return ReconcileWrite.LEASE_LIVE
             # The row lock holds state and token: a change that matches nothing met a live lease.

@@ -138,6 +138,38 @@ def test_a_redrive_asked_to_include_bouncing_letters_publishes_them_too(kit: Har
     assert (summary.published, summary.held_back) == (7, [])
 
 
+def test_a_running_claim_is_judged_by_its_lease_on_the_database_clock_not_by_its_age(
+    kit: Harness,
+) -> None:
+    # Given two running claims: a long run that renewed its lease a moment ago (claimed and last
+    # touched 20 minutes back), and a notes' worker's row (no lease) claimed 10 minutes ago,
+    # whose implied lease (claimed_at + visibility) is over
+    long_run = {"job": "test.ext", "id": "long"}
+    gone = {"job": "test.ext", "id": "gone"}
+    insert = (
+        "INSERT INTO job_claims (idem_key, state, message_id, job, effect, payload_sha256,"
+        " claim_token, claimed_at, updated_at, lease_until) VALUES (%s, 'running', 'qmsg_before',"
+        " 'test.ext', 'external', %s, gen_random_uuid(), now() - %s::interval,"
+        " now() - %s::interval, now() + %s::interval)"
+    )
+    ago, renewed = "20 minutes", "10 minutes"
+    kit.sql(insert, ("test.ext:long", payload_fingerprint(long_run), ago, ago, renewed))
+    kit.sql(
+        insert.replace("now() + %s::interval", "NULL"),
+        ("test.ext:gone", payload_fingerprint(gone), renewed, renewed),
+    )
+    ids = {
+        name: kit.client.publish(DLQ, body) for name, body in (("long", long_run), ("gone", gone))
+    }
+    # When the operator looks
+    summary = _redrive(kit, dry_run=True)
+    judged = {entry["message_id"]: entry for entry in summary.seen + summary.held_back}
+    # Then the live lease means a delivery holds it (the copy meets its outcome), and the lease
+    # that is over means nobody does: a human decides first, as `claims stuck` lists it
+    assert (judged[ids["long"]]["verdict"], judged[ids["long"]]["cause"]) == ("run", "in_flight")
+    assert (judged[ids["gone"]]["verdict"], judged[ids["gone"]]["cause"]) == ("bounce", "stuck")
+
+
 # --- the command line, with a jobs package of the test's own ------------------------------------
 
 FIXTURE_JOBS = """

@@ -9,7 +9,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 from functools import partial
@@ -48,9 +47,6 @@ MESSAGE_BUDGET_MS = 20_000
 # The history note of a failed claim a plain redrive reopens: the ledger's own dead letter.
 _LEDGER_HELD_NOTE = "redrive of a dead letter the ledger held (out of attempts)"
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
-
-# A running claim this long untouched is stuck, as for `claims stuck` and the watcher.
-STUCK_AFTER_SECONDS = 900
 
 
 class Verdict(StrEnum):
@@ -133,8 +129,8 @@ def _against_claim(
             "--reopen-failed the copy is a duplicate of the failure and returns to the DLQ"
         )
         return Forecast(Verdict.BOUNCE, "failed", why)
-    untouched = datetime.now(UTC) - (claim.updated_at or claim.claimed_at)
-    if claim.error is not None or untouched > timedelta(seconds=STUCK_AFTER_SECONDS):
+    # Whether the lease is over is the database's answer (read with the row), never this clock's.
+    if claim.error is not None or claim.lease_live is False:
         why = (
             f"its claim is stuck ({claim.error or 'running, untouched'}): a human decides "
             "first (`infrai-jobs claims resolve`)"

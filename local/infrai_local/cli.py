@@ -759,9 +759,11 @@ def _claims_left_running(service: DrainService, message_ids: set[str]) -> list[s
     if not message_ids:
         return []
     try:
-        rows = OperatorLedger(ledger_url(service.settings)).list_claims(
-            state="running", limit=10_000
+        settings = service.settings
+        admin = OperatorLedger(
+            ledger_url(settings), visibility_timeout=settings.visibility_timeout_seconds
         )
+        rows = admin.list_claims(state="running", limit=10_000)
     except InfraiJobsError:
         return None
     return sorted(row.idem_key for row in rows if row.message_id in message_ids)

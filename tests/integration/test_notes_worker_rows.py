@@ -20,7 +20,14 @@ import pytest
 from claim_requests import claim_request
 from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, VISIBILITY, Harness, run_cli
 
+from infrai_jobs.config.settings import (
+    AlertSettings,
+    CommonSettings,
+    PruneSettings,
+    RedriveSettings,
+)
 from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.runtime.factory import make_claims_admin
 from infrai_jobs.work import store
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.states import ClaimStatus
@@ -230,3 +237,23 @@ def test_a_probe_asked_under_a_live_lease_never_acts_after_the_lease_ends(kit: H
     assert write.value in ("lease_live", "changed")
     assert _row(kit)[0] == "running"
     assert kit.history(KEY) == []
+
+
+# --- Every function judges a lease-less row by the deployment's visibility timeout -----------
+
+
+@pytest.mark.parametrize("settings_type", [RedriveSettings, PruneSettings, AlertSettings])
+def test_the_functions_outside_the_drain_end_a_lease_less_row_by_the_configured_visibility(
+    kit: Harness, settings_type: type[CommonSettings]
+) -> None:
+    # Given a queue whose visibility timeout is 15 minutes, set for every function, and a row
+    # the notes' worker claimed 10 minutes ago
+    settings = settings_type.from_env(
+        {"DATABASE_URL": kit.database_url, "INFRAI_VISIBILITY_TIMEOUT_SECONDS": "900"}
+    )
+    _notes_worker_claims(kit, seconds_ago=600)
+    # When RedriveFunction, PruneFunction or the watcher judges it
+    claim = make_claims_admin(settings).find(KEY)
+    # Then its lease is live, as the drain reads it: not the default 5 minutes
+    assert claim is not None
+    assert claim.lease_live is True

@@ -147,6 +147,13 @@ class CommonSettings:
     # For a URL read from the database secret only (DATABASE_URL is used as written).
     database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
+    # The queue's visibility timeout: a lease-less claim's lease (a notes' worker's row) ends this
+    # long after its claim, for the drain and for every function that judges a claim alike.
+    visibility_timeout_seconds: int = setting(
+        "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
+        DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
+        parse_int(minimum=1),
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
@@ -275,11 +282,6 @@ class DrainSettings(JobSettings):
     batch_budget_ms: int = setting("DRAIN_BATCH_BUDGET_MS", 20_000, parse_int(minimum=100))
     # Never past a message's visibility window, whatever this says.
     lease_grace_seconds: int = setting("LEASE_GRACE_SECONDS", 60, parse_int(minimum=0))
-    visibility_timeout_seconds: int = setting(
-        "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
-        DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
-        parse_int(minimum=1),
-    )
     drain_lanes: int = setting("DRAIN_LANES", 1, _LANES)
     # Idle polling (opt-in, 0 is off) for the idle window: below the schedule's period, so
     # about one poller is alive at a time.

@@ -122,7 +122,11 @@ def make_claims_admin(
     pass)."""
     from infrai_jobs.work.admin import WorkStore  # noqa: PLC0415 - not on the drain's path
 
-    return WorkStore(ledger_url(settings), refresh_url=refresh.database_url if refresh else None)
+    return WorkStore(
+        ledger_url(settings),
+        visibility_timeout=settings.visibility_timeout_seconds,
+        refresh_url=refresh.database_url if refresh else None,
+    )
 
 
 def make_drain_fleet(

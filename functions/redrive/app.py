@@ -80,7 +80,7 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
-            DeadLetterStore(ledger().connector),
+            DeadLetterStore(ledger()),
             request.to(source=settings.dlq, target=settings.queue, actor=ACTOR),
             admin=ledger(),
             jobs=JobsKnowledge(

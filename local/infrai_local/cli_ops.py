@@ -373,7 +373,7 @@ def _collect(
     ledger is checked first): the ledger's dead letters, the queue, its DLQ and what moved."""
     if args.max < 1:
         raise ConfigurationError(f"{command} --max must be at least 1")
-    store = DeadLetterStore(ctx.admin().connector)
+    store = DeadLetterStore(ctx.admin())
     queue, dlq = _queues(args, ctx)
     collected = collect(
         ctx.queue(),
@@ -522,7 +522,7 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
     )
     summary = redrive(
         ctx.queue(),
-        DeadLetterStore(admin.connector),
+        DeadLetterStore(admin),
         request,
         admin=admin,
         jobs=jobs,

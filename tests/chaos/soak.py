@@ -1493,7 +1493,7 @@ def _redrive_all(client: InfraiClient, source: str, target: str, classify: _Clas
     ledger, each new one described by ``classify`` (the unreadable ones are not: nothing of them
     can be), then redriven, call after call until nothing new comes from the DLQ. Returns how
     many were published back."""
-    store = DeadLetterStore(WorkStore(classify.database.audit_url).connector)
+    store = DeadLetterStore(WorkStore(classify.database.audit_url))
     described: set[str] = set()
     published = 0
     while True:

@@ -36,6 +36,8 @@ from infrai_local.operator import OperatorLedger
 KEY = "work:1"
 ACTOR = "on-call@example.com"
 NONE = "(none)"
+# The queue's visibility timeout the rows here are judged by (the default).
+VISIBILITY = 300
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Work:
     operator: OperatorLedger
 
     def row(self, key: str = KEY) -> ClaimRow | None:
-        return flow.claim_of(self.conn, key)
+        return flow.claim_of(self.conn, key, visibility=VISIBILITY)
 
     def state(self, key: str = KEY) -> str:
         row = self.row(key)
@@ -186,7 +188,7 @@ def _take_back_takeover(work: Work, release_for_take_back: Act) -> tuple[str, st
     work.expire()
     row = work.row()
     before = work.state()
-    assert release_for_take_back(work.conn, row)
+    assert release_for_take_back(work.conn, row, visibility=VISIBILITY)
     return before, work.state()
 
 
@@ -394,7 +396,8 @@ def test_no_probe_operator_or_drain_changes_work_under_a_live_lease(
         with pytest.raises(ClaimChanged, match="live lease"):
             change()
     assert flow.take_due(work.conn, 10, lease_seconds=60) == []
-    assert flow.release(work.conn, KEY, row.claim_token, flow.Why("release", ACTOR)) is None
+    why = flow.Why("release", ACTOR)
+    assert flow.release(work.conn, KEY, row.claim_token, why, visibility=VISIBILITY) is None
     # Then the row is exactly as its run left it, and nothing was recorded
     assert work.row() == row
     assert work.conn.execute("SELECT count(*) FROM claim_history").fetchone() == (0,)

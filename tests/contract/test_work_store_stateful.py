@@ -741,7 +741,9 @@ class WorkStoreMachine(RuleBasedStateMachine):
         got = expected = "kept"
         if not stays:
             with self.db.conn.transaction():
-                if claim is None or store.release_for_take_back(self.db.conn, claim):
+                if claim is None or store.release_for_take_back(
+                    self.db.conn, claim, visibility=VISIBILITY
+                ):
                     got = store.defer(
                         self.db.conn, work, attempts=3, error="from the DLQ", delay_seconds=0
                     ).value

@@ -152,7 +152,7 @@ def test_dead_letters_moved_into_the_ledger_keep_the_alert_until_each_is_resolve
     stage.dead_letter(2)
     stage.check(alerter).run([QUEUE])
     # Given both dead letters were moved from Infrai's DLQ into the ledger
-    store = DeadLetterStore(WorkStore(stage.database_url).connector)
+    store = DeadLetterStore(WorkStore(stage.database_url))
     moved = collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
     assert (moved.recorded, moved.acked) == (2, 2)
     assert stage.client.stats(QUEUE).dlq_count == 0
@@ -178,7 +178,7 @@ def test_an_alert_counts_the_dlq_and_the_ledger_together(stage: Stage) -> None:
     alerter = RecordingAlerter()
     # Given one dead letter moved into the ledger and a new one still in Infrai's DLQ
     stage.dead_letter()
-    store = DeadLetterStore(WorkStore(stage.database_url).connector)
+    store = DeadLetterStore(WorkStore(stage.database_url))
     assert collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None).recorded == 1
     stage.dead_letter()
     # When the watcher runs

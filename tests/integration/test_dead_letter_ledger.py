@@ -128,7 +128,7 @@ KILLED_BETWEEN_COMMIT_AND_ACK = textwrap.dedent(
 
     client = InfraiClient(sys.argv[1], "test-key")
     client.ack = lambda queue, handle: os.kill(os.getpid(), signal.SIGKILL)
-    store = DeadLetterStore(WorkStore(sys.argv[2]).connector)
+    store = DeadLetterStore(WorkStore(sys.argv[2]))
     collect(client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
     """
 )
@@ -146,7 +146,7 @@ def test_a_crash_between_the_commit_and_the_ack_leaves_each_letter_recorded_once
     assert kit.client.stats(QUEUE).dlq_count == 3
     # When it is visible again and the next read runs
     kit.advance()
-    store = DeadLetterStore(WorkStore(kit.database_url).connector)
+    store = DeadLetterStore(WorkStore(kit.database_url))
     moved = collect(kit.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None)
     # Then each letter is recorded once, the first found already there, and all are acked
     assert (moved.recorded, moved.already_recorded, moved.acked) == (2, 1, 3)
@@ -161,7 +161,7 @@ def test_a_crash_between_the_commit_and_the_ack_leaves_each_letter_recorded_once
 def test_a_redrive_racing_another_publishes_each_dead_letter_once(kit: Harness) -> None:
     # Given three dead letters already in the ledger
     _dead_letter(kit, RECEIPTS)
-    store = DeadLetterStore(WorkStore(kit.database_url).connector)
+    store = DeadLetterStore(WorkStore(kit.database_url))
     assert collect(kit.client, store, dlq=DLQ, main_queue=QUEUE, key_of=None).recorded == 3
     published: list[str] = []
     raced: list[bool] = []

@@ -239,7 +239,7 @@ def test_the_one_state_machine_migration_moves_deferred_work_and_catches_old_dra
 
 
 def _row(conn: psycopg.Connection[Any], key: str) -> ClaimRow:
-    found = flow.claim_of(conn, key)
+    found = flow.claim_of(conn, key, visibility=300)
     assert found is not None, f"no row for {key}"
     return found
 

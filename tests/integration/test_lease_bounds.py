@@ -104,7 +104,7 @@ def test_a_redrive_behind_a_dead_owners_lease_takes_the_claim_over(kit: Harness)
     # And once dead-lettered, the message has left no live claim behind
     wait_for_lease_end(kit, within=VISIBILITY + 2)
     # When an operator redrives it and the next drain runs
-    store = DeadLetterStore(WorkStore(kit.database_url).connector)
+    store = DeadLetterStore(WorkStore(kit.database_url))
     moved = redrive(
         kit.client,
         store,

@@ -69,7 +69,7 @@ REDRIVE_KILLED_AFTER_FIFTH_PUBLISH = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         return answer
     client.publish = publish
-    store = DeadLetterStore(WorkStore(sys.argv[2]).connector)
+    store = DeadLetterStore(WorkStore(sys.argv[2]))
     request = RedriveRequest(max_messages=1000).to(
         source="billing-jobs-dlq", target="billing-jobs", actor="on-call@example.com"
     )
@@ -114,7 +114,7 @@ def test_redrive_of_250_dead_letters_runs_every_key_once_even_after_a_crash(kit:
 
 
 def _store(kit: Harness) -> DeadLetterStore:
-    return DeadLetterStore(WorkStore(kit.database_url).connector)
+    return DeadLetterStore(WorkStore(kit.database_url))
 
 
 def test_redrive_reopens_failed_claims_and_holds_back_stuck_ones(kit: Harness) -> None:

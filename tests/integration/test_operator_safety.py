@@ -562,7 +562,7 @@ def test_the_watcher_and_redrive_name_an_unmigrated_database(
     dead_letter = QueueMessage("qmsg_1", DLQ, JOB, 3, None, "r")
     # And a dead letter in the DLQ
     queue.publish(DLQ, JOB)
-    store = DeadLetterStore(WorkStore(database_url).connector)
+    store = DeadLetterStore(WorkStore(database_url))
     # When DlqAlertFunction's check, a redrive and a redrive's reopen use it
     for call in (
         lambda: check.run([QUEUE]),

@@ -69,7 +69,7 @@ def _redrive(kit: Harness, **options: Any) -> RedriveSummary:
     request = RedriveRequest(max_messages=100, **options)
     return redrive(
         kit.client,
-        DeadLetterStore(admin.connector),
+        DeadLetterStore(admin),
         request.to(source=DLQ, target=QUEUE, actor=OPERATOR),
         admin=admin,
         jobs=JobsKnowledge(key_of=lambda payload: kit.registry.derive(payload).idem_key),

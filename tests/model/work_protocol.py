@@ -235,7 +235,7 @@ class Bounds:
 
 def lease_live(row: Row | None) -> bool:
     """The one lease rule, for every reader (``work.statements.lease_end``: ``coalesce(
-    lease_until, claimed_at + visibility, 'infinity')``): a NULL lease is live until claim time
+    lease_until, claimed_at + visibility)``): a NULL lease is live until claim time
     plus the visibility timeout."""
     return row is not None and row.state == RUNNING and row.lease in (LIVE, NULL_LIVE)
 

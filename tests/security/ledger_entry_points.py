@@ -40,6 +40,6 @@ def entry_points(url: str) -> dict[str, Callable[[], object]]:
             actor="on-call",
         ),
         "the ledger's dead letters": lambda: DeadLetterStore(
-            WorkStore(url, connect_timeout=1).connector
+            WorkStore(url, connect_timeout=1)
         ).ensure_reachable(),
     }

@@ -224,6 +224,6 @@ class CommandBackend:
 
     def dead_letters_of_key(self, key: str) -> list[dict[str, Any]]:
         """Every dead letter of ``key`` the ledger holds, resolved ones too (``dlq --all``)."""
-        store = DeadLetterStore(self._ledger.connector)
+        store = DeadLetterStore(self._ledger)
         rows = store.rows(self.queue_name, unresolved=False, key=key, limit=PAGE_LIMIT)
         return [row.as_dict() for row in rows]

@@ -21,8 +21,9 @@ from infrai_jobs.ledger.postgres import LedgerAdapter
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work.statements import STUCK_CLAIM_COUNT as _STUCK
-from infrai_jobs.work.store import VISIBILITY, DeferredStats, deferred_stats
+from infrai_jobs.work.store import DeferredStats, deferred_stats
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class AlertThresholds:
     reminder_seconds: int = 3600
     # Of the function's 60 s, how long a check may probe stuck claims before counting them.
     reconcile_budget_seconds: float = 30.0
+    # By which a lease-less claim's lease ends (a notes' worker's row is stuck only after it).
+    visibility: float = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 
 def decide(previous: AlertState, value: int, now: datetime, reminder_seconds: int) -> Verdict:
@@ -183,7 +186,8 @@ class AlertCheck(LedgerAdapter):
                         extra={"action": "stats_unread", "queue": name, "detail": str(exc)},
                     )
                     unread.append(exc)
-            params = {"threshold": self._thresholds.stuck_claim_seconds, "visibility": VISIBILITY}
+            limits = self._thresholds
+            params = {"threshold": limits.stuck_claim_seconds, "visibility": limits.visibility}
             count, oldest = conn.execute(_STUCK, params).fetchone() or (0, 0)
             report.stuck = StuckClaims(int(count), float(oldest))
             report.deferred = deferred_stats(conn)

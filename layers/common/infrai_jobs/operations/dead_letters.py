@@ -24,10 +24,11 @@ from infrai_jobs.ledger.dead_letter_rows import (
     RECORD_DEAD_LETTER,
     UNRESOLVED_DEAD_LETTERS,
 )
-from infrai_jobs.ledger.postgres import LedgerConnector, record_history, storable_json
+from infrai_jobs.ledger.postgres import record_history, storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.states import ClaimRow
 from infrai_jobs.work.store import (
     DRAIN_ACTOR,
@@ -212,62 +213,64 @@ def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str |
     return claim.state, claim.error or ""
 
 
-def _take_back(
-    conn: psycopg.Connection[Any],
-    dead: QueueMessage,
-    *,
-    queue: str,
-    key: str,
-    claim: ClaimRow | None,
-    state: str | None,
-    retry_of: RetryOf,
-) -> bool:
-    """Defer ``dead``'s work in the caller's transaction when its job's policy has attempts
-    left and nothing else holds its key; False (record the letter) otherwise."""
-    job = dead.payload.get("job") if isinstance(dead.payload, Mapping) else None
-    found = retry_of(job) if isinstance(job, str) else None
-    deliveries = MAX_RECEIVE_COUNT
-    if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
-        return False
-    if claim is not None and claim.owned:
-        # The ledger holds the work already (the letter is a stale copy), or its deferred life
-        # ended (done, failed, cancelled): a stale letter never brings it back.
-        return state in ("deferred", "running")
-    if claim is not None:
-        # Only a key-passing job's own expired claim may be taken over; done, failed, a
-        # conflict or an irreversible job's unknown outcome stay letters for a human.
-        if state != "running" or claim.effect != "external_idempotent":
-            return False
-        if not release_for_take_back(conn, claim):
-            return False
-    error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
-    work = DeferredWork(
-        idem_key=key,
-        job=job,
-        effect=found[0],
-        payload=dead.payload,
-        message_id=dead.message_id or "",
-        fingerprint=fingerprint_or_none(dead.payload),
-        queue=queue,
-    )
-    outcome = defer(
-        conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
-    )
-    if outcome is not DeferOutcome.DEFERRED:
-        return outcome is DeferOutcome.ALREADY_HELD
-    # The claim it released, if any, as it was: the history keeps both sides of the change.
-    before = None if claim is None else claim.as_dict()
-    after = {"message_id": dead.message_id, "attempts": deliveries}
-    action = "dead_letter_taken_back"
-    record_history(conn, key, action, actor=DRAIN_ACTOR, before=before, after=after, note=error)
-    return True
-
-
 class DeadLetterStore:
     """The ``dead_letters`` table; one short connection per call."""
 
-    def __init__(self, connector: LedgerConnector) -> None:
-        self._connector = connector
+    def __init__(self, work: WorkStore) -> None:
+        # The claim store's connections, and its visibility timeout for a lease-less claim.
+        self._connector = work.connector
+        self._visibility = work.visibility
+
+    def _take_back(
+        self,
+        conn: psycopg.Connection[Any],
+        dead: QueueMessage,
+        *,
+        queue: str,
+        key: str,
+        claim: ClaimRow | None,
+        state: str | None,
+        retry_of: RetryOf,
+    ) -> bool:
+        """Defer ``dead``'s work in the caller's transaction when its job's policy has attempts
+        left and nothing else holds its key; False (record the letter) otherwise."""
+        job = dead.payload.get("job") if isinstance(dead.payload, Mapping) else None
+        found = retry_of(job) if isinstance(job, str) else None
+        deliveries = MAX_RECEIVE_COUNT
+        if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
+            return False
+        if claim is not None and claim.owned:
+            # The ledger holds the work already (the letter is a stale copy), or its deferred life
+            # ended (done, failed, cancelled): a stale letter never brings it back.
+            return state in ("deferred", "running")
+        if claim is not None:
+            # Only a key-passing job's own expired claim may be taken over; done, failed, a
+            # conflict or an irreversible job's unknown outcome stay letters for a human.
+            if state != "running" or claim.effect != "external_idempotent":
+                return False
+            if not release_for_take_back(conn, claim, visibility=self._visibility):
+                return False
+        error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
+        work = DeferredWork(
+            idem_key=key,
+            job=job,
+            effect=found[0],
+            payload=dead.payload,
+            message_id=dead.message_id or "",
+            fingerprint=fingerprint_or_none(dead.payload),
+            queue=queue,
+        )
+        outcome = defer(
+            conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
+        )
+        if outcome is not DeferOutcome.DEFERRED:
+            return outcome is DeferOutcome.ALREADY_HELD
+        # The claim it released, if any, as it was: the history keeps both sides of the change.
+        before = None if claim is None else claim.as_dict()
+        after = {"message_id": dead.message_id, "attempts": deliveries}
+        action = "dead_letter_taken_back"
+        record_history(conn, key, action, actor=DRAIN_ACTOR, before=before, after=after, note=error)
+        return True
 
     def ensure_reachable(self) -> None:
         """Raise ``LedgerUnavailable`` (or ``SchemaNotMigrated``) unless the table answers."""
@@ -311,9 +314,9 @@ class DeadLetterStore:
         with self._connector.session("cannot record a dead letter") as conn, conn.transaction():
             if key is not None:
                 assert isinstance(dead, QueueMessage)
-                claim = claim_of(conn, key)
+                claim = claim_of(conn, key, visibility=self._visibility)
                 state, reason = claim_verdict(key, claim, dead.payload)
-                if retry_of is not None and _take_back(
+                if retry_of is not None and self._take_back(
                     conn, dead, queue=queue, key=key, claim=claim, state=state, retry_of=retry_of
                 ):
                     return "taken_back"
@@ -379,7 +382,8 @@ class DeadLetterStore:
                 before(row.body)
             params = {"message_id": message_id, "resolution": resolution, "actor": actor}
             conn.execute(_RESOLVE, {**params, "note": note or None})
-            claim = claim_of(conn, row.idem_key) if row.idem_key is not None else None
+            key = row.idem_key
+            claim = claim_of(conn, key, visibility=self._visibility) if key is not None else None
             # Beside its key's claim changes (its message id without a key), as it was then.
             was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
             was["claim"] = claim.as_dict() if claim else None

@@ -203,6 +203,7 @@ def make_alert_check(
             stuck_claim_seconds=settings.stuck_claim_seconds,
             backlog_age_seconds=settings.backlog_age_seconds,
             reminder_seconds=settings.alert_reminder_seconds,
+            visibility=settings.visibility_timeout_seconds,
         ),
         refresh_url=refresh.database_url if refresh else None,
         reconciler=reconciler,

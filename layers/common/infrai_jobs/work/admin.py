@@ -12,10 +12,10 @@ from typing import Any, Final, LiteralString
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
 from infrai_jobs.ledger.postgres import LedgerAdapter, LedgerConnector
 from infrai_jobs.outbox.status import prune_settled
+from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS as VISIBILITY
 from infrai_jobs.work import statements as sql
 from infrai_jobs.work.states import ClaimRow
 from infrai_jobs.work.store import (
-    VISIBILITY,
     Why,
     claim_of,
     claim_rows,
@@ -97,7 +97,8 @@ class WorkStore(LedgerAdapter):
         self, database_url: str, *, visibility_timeout: float = VISIBILITY, **options: Any
     ) -> None:
         super().__init__(database_url, **options)
-        self._visibility = visibility_timeout
+        # The queue's visibility timeout, by which a lease-less row's lease ends.
+        self.visibility = visibility_timeout
 
     @property
     def connector(self) -> LedgerConnector:
@@ -106,7 +107,7 @@ class WorkStore(LedgerAdapter):
 
     def _read(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
         with self._connector.session("cannot read claims") as conn:
-            return claim_rows(conn, statement, params, visibility=self._visibility)
+            return claim_rows(conn, statement, params, visibility=self.visibility)
 
     def find(self, key: str) -> ClaimRow | None:
         """The claim with this key, or None (released, reopened, pruned, or never claimed)."""
@@ -154,14 +155,14 @@ class WorkStore(LedgerAdapter):
         error: str | None = None,
     ) -> ClaimRow:
         with self._connector.transaction(f"cannot {action.replace('_', ' ')} {key!r}") as conn:
-            before = claim_of(conn, key, lock=True, visibility=self._visibility)
+            before = claim_of(conn, key, lock=True, visibility=self.visibility)
             if before is None:
                 raise ClaimNotFound(f"no claim with key {key!r}")
             refused = refusal(before, allowed_states=ALLOWED[action], token=expected_token)
             if refused is not None:
                 message = f"{action} refused for {key!r}: {refused.value}"
                 raise ClaimChanged(message, row=before, refusal=refused.value)
-            token, vis = before.claim_token, self._visibility
+            token, vis = before.claim_token, self.visibility
             if action == "release":
                 changed = release(conn, key, token, why, visibility=vis)
             else:
@@ -185,7 +186,7 @@ class WorkStore(LedgerAdapter):
 
     def _steer(self, key: str, state: str, why: Why) -> ClaimRow:
         with self._connector.transaction(f"cannot {why.action.replace('_', ' ')} {key!r}") as conn:
-            before = claim_of(conn, key, lock=True, visibility=self._visibility)
+            before = claim_of(conn, key, lock=True, visibility=self.visibility)
             if before is None or not before.owned:
                 raise ClaimNotFound(f"no deferred job with key {key!r}")
             if before.state != "deferred":
@@ -195,7 +196,7 @@ class WorkStore(LedgerAdapter):
                     f"can be {verb}"
                 )
             params = {"key": key, "state": state}
-            (after,) = claim_rows(conn, sql.STEER_DEFERRED, params, visibility=self._visibility)
+            (after,) = claim_rows(conn, sql.STEER_DEFERRED, params, visibility=self.visibility)
             record_change(conn, why, before, after)
         return after
 
@@ -206,7 +207,7 @@ class WorkStore(LedgerAdapter):
         ``done`` settles it with ``result``, ``not_done`` releases it (owned work waits again,
         due now), anything else changes nothing (recorded unless the last record says so).
         Under a live lease nothing changes: only the run holding it settles its own work."""
-        key, token, vis = probed.idem_key, probed.claim_token, self._visibility
+        key, token, vis = probed.idem_key, probed.claim_token, self.visibility
         why = Why(RECONCILE, actor, note)
         with self._connector.transaction(f"cannot reconcile {key!r}") as conn:
             before = claim_of(conn, key, lock=True, visibility=vis)
@@ -257,7 +258,7 @@ class WorkStore(LedgerAdapter):
         params = {"message_id": message_id, "fingerprint": fingerprint}
         why = Why("reopen", actor, note)
         with self._connector.transaction("cannot reopen failed claims") as conn:
-            failed = claim_rows(conn, sql.REOPEN_FAILED, params, visibility=self._visibility)
+            failed = claim_rows(conn, sql.REOPEN_FAILED, params, visibility=self.visibility)
             for claim in failed:
                 record_change(conn, why, claim, None)
         return [claim.idem_key for claim in failed]

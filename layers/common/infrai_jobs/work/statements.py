@@ -14,9 +14,10 @@ transaction waits its full delay from when it is made, so it counts from ``clock
 **One lease end.** ``lease_end`` is when the run holding a ``running`` row may be presumed gone.
 A row without a lease (the field notes' Node worker writes every row that way) is held until its
 claim time plus the queue's visibility timeout (``%(visibility)s``, bound by every caller): by
-then the queue may deliver its message again, so its worker's time is up. A row with neither
-never ends. "Over" and "live" are that one end compared with the clock; nothing in Python
-decides either.
+then the queue may deliver its message again, so its worker's time is up. Without either (a
+holder reading back rows it holds binds no visibility) the end is unknown, NULL: never "over",
+so nothing takes such a row. "Over" and "live" are that one end compared with the clock; nothing
+in Python decides either.
 
 **One takeover rule** (``TAKEOVER``): a running run whose lease is over, not flagged for a human,
 whose effect may be repeated (an ``external`` run may be taken only if it never began its
@@ -34,7 +35,7 @@ def lease_end(row: LiteralString = "") -> LiteralString:
     at = row + "." if row else ""
     return (
         "coalesce(" + at + "lease_until, " + at + "claimed_at + "
-        "make_interval(secs => %(visibility)s), 'infinity'::timestamptz)"
+        "make_interval(secs => %(visibility)s))"
     )
 
 

@@ -27,14 +27,11 @@ from infrai_jobs.ledger.dead_letter_rows import (
     RESOLVED_FAILED_DLQ,
 )
 from infrai_jobs.ledger.postgres import array_literal, ledger_errors, record_history, storable_json
-from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work import statements as sql
 from infrai_jobs.work.states import ClaimRow, new_token
 
 # Who a drain's own changes are recorded as in claim_history.
 DRAIN_ACTOR: Final = "drain"
-# The visibility timeout a lease-less row's implied lease is measured by, unless told otherwise.
-VISIBILITY: Final = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +61,17 @@ def claim_rows(
     statement: LiteralString,
     params: dict[str, Any],
     *,
-    visibility: float = VISIBILITY,
+    visibility: float | None,
 ) -> list[ClaimRow]:
-    """Whole claims a statement of ``work.statements`` returns, their leases judged by it."""
+    """Whole claims a statement of ``work.statements`` returns, their leases judged by it: a
+    lease-less row's by ``visibility``, the queue's timeout (None where the caller holds or has
+    just written every row it gets back, and a lease-less one is left unjudged)."""
     with conn.cursor(row_factory=class_row(ClaimRow)) as cur:
         return cur.execute(statement, {**params, "visibility": visibility}).fetchall()
 
 
 def claim_of(
-    conn: psycopg.Connection[Any], key: str, *, lock: bool = False, visibility: float = VISIBILITY
+    conn: psycopg.Connection[Any], key: str, *, lock: bool = False, visibility: float | None
 ) -> ClaimRow | None:
     statement = sql.CLAIM_BY_KEY_FOR_UPDATE if lock else sql.CLAIM_BY_KEY
     found = claim_rows(conn, statement, {"key": key}, visibility=visibility)
@@ -113,9 +112,9 @@ def defer(
     params |= {"delay": max(float(delay_seconds), 0.0), "token": claim_token}
     with ledger_errors("cannot defer a job"), conn.transaction():
         if claim_token is None:
-            row = claim_rows(conn, sql.DEFER_NEW, params)
+            row = claim_rows(conn, sql.DEFER_NEW, params, visibility=None)
             return DeferOutcome.DEFERRED if row else DeferOutcome.ALREADY_HELD
-        row = claim_rows(conn, sql.DEFER, params)
+        row = claim_rows(conn, sql.DEFER, params, visibility=None)
     return DeferOutcome.DEFERRED if row else DeferOutcome.CLAIM_LOST
 
 
@@ -135,7 +134,7 @@ def take_due(
         "jobs": None if jobs is None else array_literal(jobs),
     }
     with ledger_errors("cannot take deferred jobs"), conn.transaction():
-        rows = claim_rows(conn, sql.TAKE_DUE, params)
+        rows = claim_rows(conn, sql.TAKE_DUE, params, visibility=None)
     return sorted(rows, key=lambda job: (job.run_after, job.deferred_at, job.idem_key))
 
 
@@ -184,7 +183,7 @@ def finish(
     """The run holding ``token`` settles ``done``, whatever its lease; None when the token no
     longer holds it."""
     values = {"token": token, "state": "done", "result": result, "error": None}
-    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_done"))
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_done"), visibility=None)
 
 
 def fail(
@@ -199,7 +198,8 @@ def fail(
     lease. Failed work the ledger owns also gets a dead letter (its message was acked long ago)
     under its queue (``queue`` when the work recorded none)."""
     values = {"token": token, "state": "failed", "result": None, "error": error}
-    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, Why("deferred_failed"), queue=queue)
+    why = Why("deferred_failed")
+    return _settle(conn, key, sql.SETTLE_AS_HOLDER, values, why, queue=queue, visibility=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +220,7 @@ def settle_as_other(
     *,
     result: Any = None,
     error: str | None = None,
-    visibility: float = VISIBILITY,
+    visibility: float,
 ) -> ClaimRow | None:
     """A probe or an operator settles the run ``token`` held when they read it (None on a row
     the notes' worker wrote), only once its lease is over; None when nothing changed."""
@@ -236,7 +236,7 @@ def _settle(
     why: Why,
     *,
     queue: str | None = None,
-    visibility: float = VISIBILITY,
+    visibility: float | None,
 ) -> ClaimRow | None:
     state = values["state"]
     params = {
@@ -269,7 +269,7 @@ def release(
     token: uuid.UUID | None,
     why: Why,
     *,
-    visibility: float = VISIBILITY,
+    visibility: float,
 ) -> ClaimRow | None:
     """A run whose effect did not happen (a probe's ``not_done``, ``claims release``), or a
     failed claim to run again: work the ledger owns waits again, due now; any other claim is
@@ -289,10 +289,12 @@ def release(
     return before
 
 
-def release_for_take_back(conn: psycopg.Connection[Any], claim: ClaimRow) -> bool:
+def release_for_take_back(
+    conn: psycopg.Connection[Any], claim: ClaimRow, *, visibility: float
+) -> bool:
     """A dead letter of a key-passing job is taken back: its own claim, if the takeover rule
     allows it, is released in the caller's transaction so the work can be deferred."""
-    params = {"key": claim.idem_key, "token": claim.claim_token, "visibility": VISIBILITY}
+    params = {"key": claim.idem_key, "token": claim.claim_token, "visibility": visibility}
     return conn.execute(sql.RELEASE_FOR_TAKE_BACK, params).rowcount == 1
 
 

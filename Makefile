@@ -17,11 +17,15 @@ CHECKOV := env -u BC_API_KEY BC_SKIP_MAPPING=TRUE CKV_SKIP_PACKAGE_UPDATE_CHECK=
 
 .PHONY: venv lint typecheck test test-unit test-integration test-e2e demo clean
 
+# The distribution holds the framework, not this repository's jobs package, so the last step
+# puts functions/ on the virtualenv's path as Lambda puts the functions' CodeUri on its own:
+# `import jobs` (the CLI, the demo, bench/) finds the example jobs from any folder, edits included.
 $(STAMP): pyproject.toml layers/common/requirements.in
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "infrai-jobs needs Python 3.11 or newer (found %s)" % sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	echo "$(CURDIR)/functions" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/infrai_jobs_functions.pth"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -67,6 +67,19 @@ test-e2e: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
 
+# The versioned distribution: dist/infrai_jobs-VERSION-py3-none-any.whl and
+# its sdist, VERSION being infrai_jobs.__version__. `python -m build` (pinned in the dev extra)
+# builds in an isolated environment from pyproject's build-system, as pip would: the sdist
+# first, then the wheel from the sdist, so a file the sdist misses fails the build. setuptools
+# adds the file list of an existing infrai_jobs.egg-info (the editable install's) to the sdist,
+# so a stale one is removed first. DIST_DIR names another folder (tests/e2e/test_dist.py).
+DIST_DIR ?= dist
+.PHONY: dist
+dist: $(STAMP)
+	rm -rf infrai_jobs.egg-info
+	rm -f "$(DIST_DIR)"/infrai_jobs-*
+	$(BIN)/python -m build --outdir "$(DIST_DIR)" .
+
 # The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory,
 # cold start, the second layer's cost, what a limited job costs (flow control), idle-poll latency
 # and backlog fan-out, about 20 minutes;

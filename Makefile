@@ -67,7 +67,7 @@ test-e2e: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
 
-# The versioned distribution: dist/infrai_jobs-VERSION-py3-none-any.whl and
+# The versioned distribution (docs/upgrading.md): dist/infrai_jobs-VERSION-py3-none-any.whl and
 # its sdist, VERSION being infrai_jobs.__version__. `python -m build` (pinned in the dev extra)
 # builds in an isolated environment from pyproject's build-system, as pip would: the sdist
 # first, then the wheel from the sdist, so a file the sdist misses fails the build. setuptools

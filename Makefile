@@ -17,11 +17,15 @@ CHECKOV := env -u BC_API_KEY BC_SKIP_MAPPING=TRUE CKV_SKIP_PACKAGE_UPDATE_CHECK=
 
 .PHONY: venv lint typecheck test test-unit test-integration test-e2e demo clean
 
+# The distribution holds the framework, not this repository's jobs package, so the last step
+# puts functions/ on the virtualenv's path as Lambda puts the functions' CodeUri on its own:
+# `import jobs` (the CLI, the demo, bench/) finds the example jobs from any folder, edits included.
 $(STAMP): pyproject.toml layers/common/requirements.in
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "infrai-jobs needs Python 3.11 or newer (found %s)" % sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	echo "$(CURDIR)/functions" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/infrai_jobs_functions.pth"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -62,6 +66,19 @@ test-e2e: $(STAMP)
 # The field notes' story, end to end, on an embedded PostgreSQL and the local emulator.
 demo: $(STAMP)
 	$(BIN)/infrai-jobs demo
+
+# The versioned distribution (docs/upgrading.md): dist/infrai_jobs-VERSION-py3-none-any.whl and
+# its sdist, VERSION being infrai_jobs.__version__. `python -m build` (pinned in the dev extra)
+# builds in an isolated environment from pyproject's build-system, as pip would: the sdist
+# first, then the wheel from the sdist, so a file the sdist misses fails the build. setuptools
+# adds the file list of an existing infrai_jobs.egg-info (the editable install's) to the sdist,
+# so a stale one is removed first. DIST_DIR names another folder (tests/e2e/test_dist.py).
+DIST_DIR ?= dist
+.PHONY: dist
+dist: $(STAMP)
+	rm -rf infrai_jobs.egg-info
+	rm -f "$(DIST_DIR)"/infrai_jobs-*
+	$(BIN)/python -m build --outdir "$(DIST_DIR)" .
 
 # The benchmark (not part of CI): the field notes' loop against this drain, lanes, memory,
 # cold start, the second layer's cost, what a limited job costs (flow control), idle-poll latency

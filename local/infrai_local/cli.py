@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import psycopg
 
+from infrai_jobs import __version__
 from infrai_jobs.config.settings import (
     DEFAULT_BASE_URL,
     CommonSettings,
@@ -299,11 +300,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}", self.format_usage())
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _command_parser() -> argparse.ArgumentParser:
+    """``infrai-jobs`` itself: its description and ``--version`` (``infrai_jobs.__version__``)."""
     parser = _Parser(
         prog="infrai-jobs",
         description="Process Infrai queue jobs exactly once: claim in Postgres, then work.",
     )
+    parser.add_argument("--version", action="version", version=f"infrai-jobs {__version__}")
+    return parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _command_parser()
     sub = parser.add_subparsers(metavar="COMMAND")
 
     sub.add_parser(

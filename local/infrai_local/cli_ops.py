@@ -77,8 +77,8 @@ def add_jobs_path(
         "--jobs-path",
         default=default,
         metavar=metavar,
-        help=f"{what} (default: $INFRAI_JOBS_PATH, else the installed jobs package, "
-        "functions/jobs)",
+        help=f"{what} (default: $INFRAI_JOBS_PATH, else the jobs package on the path: "
+        "functions/jobs, which `make venv` puts there)",
     )
 
 

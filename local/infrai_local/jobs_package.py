@@ -1,9 +1,12 @@
 """The team's jobs package, imported by the CLI exactly as every function imports it.
 
 Every function's code root is ``functions/`` (one CodeUri): Lambda puts it on ``sys.path`` and a
-handler runs ``from jobs import build_registry``. The project installs the same folder as the
-top-level package ``jobs`` (``pip install -e .``, which ``make venv`` runs), so ``infrai-jobs``
-runs ``import jobs`` too, from whatever folder it is started in.
+handler runs ``from jobs import build_registry``. The ``infrai-jobs`` distribution is the
+framework and holds no ``jobs`` package (a team's jobs are the team's code), so a project's
+virtualenv puts its code root on the path the same way: ``make venv`` writes a ``.pth`` file
+naming ``functions/``, and ``infrai-jobs`` runs ``import jobs`` from whatever folder it is
+started in. It imports and does not search: a package found by walking up from the working
+directory could differ from the one the venv names, and the two would disagree silently.
 
 ``--jobs-path FOLDER`` or ``INFRAI_JOBS_PATH`` names another code root (a folder holding
 ``jobs/``, laid out like ``functions/``); it is put first on ``sys.path``, as a CodeUri would be.
@@ -26,7 +29,7 @@ JOBS_PATH_ENV: Final = "INFRAI_JOBS_PATH"
 
 def import_jobs(explicit: str | None = None) -> ModuleType:
     """The ``jobs`` package: from ``explicit`` (``--jobs-path``) or ``INFRAI_JOBS_PATH`` when
-    given, else the installed one."""
+    given, else the one on the path (a project's venv puts its code root there)."""
     overrides = (("--jobs-path", explicit), (JOBS_PATH_ENV, os.environ.get(JOBS_PATH_ENV)))
     for source, given in overrides:
         if given:
@@ -44,9 +47,9 @@ def import_jobs(explicit: str | None = None) -> ModuleType:
         if exc.name != "jobs":
             raise
         raise ConfigurationError(
-            "no jobs package: install the project (`make venv`, or pip install -e . in it) so "
-            f"that functions/jobs is importable, or pass --jobs-path FOLDER or set {JOBS_PATH_ENV} "
-            "to a folder holding jobs/"
+            "no jobs package: pass --jobs-path FOLDER or set "
+            f"{JOBS_PATH_ENV} to the code root holding jobs/ (a project's functions/), or put "
+            "that folder on the virtualenv's path (`make venv` does it for its project)"
         ) from None
 
 

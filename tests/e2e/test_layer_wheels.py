@@ -9,34 +9,21 @@ The requirements file is the layer's lock (``make lock``): every package pinned 
 so pip runs in hash-checking mode. A package the lock misses, or a wheel whose hash it does not
 list, fails the download; the download must then bring exactly the locked set.
 
-The project's own wheel (what a non-editable install puts in site-packages) is built too, as pip
-builds it (setuptools from the registry), to see that it carries the layer's data files: the
-ledger's migrations, which `infrai-jobs migrate` applies and the layer reads its version from.
-An editable install reads them in place, so only a built wheel shows a missing declaration.
+The project's own wheel, with the ledger's migrations the layer reads its version from, is
+built and checked by tests/e2e/test_dist.py (`make dist`).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "layers" / "common" / "requirements.txt"
-LEDGER_MIGRATIONS = ROOT / "layers" / "common" / "infrai_jobs" / "work" / "migrations"
-# What setuptools reads to build the project's wheel (pyproject.toml's package-dir, its readme).
-WHEEL_SOURCES = (
-    "pyproject.toml",
-    "README.md",
-    "layers/common/infrai_jobs",
-    "local/infrai_local",
-    "functions/jobs",
-)
 # Lambda's python3.13 runtime (Amazon Linux 2023, glibc 2.34) on arm64, as sam build asks pip.
 LAMBDA_PLATFORMS = (
     "manylinux2014_aarch64",
@@ -120,53 +107,3 @@ def test_every_pinned_wheel_exists_for_cpython313_on_manylinux_aarch64(tmp_path:
         assert any(RUNTIME_PYTHON.match(p) for p in python.split(".")), f"{name}: {tags}"
         assert any(RUNTIME_ABI.match(a) for a in abi.split(".")), f"{name}: {tags}"
         assert any(RUNTIME_PLATFORM.match(p) for p in platform.split(".")), f"{name}: {tags}"
-
-
-@pytest.mark.slow
-def test_the_project_wheel_ships_the_ledger_migrations(tmp_path: Path) -> None:
-    # Given a copy of what the wheel is built from (so the build leaves nothing in the checkout)
-    source = tmp_path / "source"
-    for name in WHEEL_SOURCES:
-        if (ROOT / name).is_dir():
-            ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-            shutil.copytree(ROOT / name, source / name, ignore=ignore)
-        else:
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
-    # When pip builds the wheel
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--wheel-dir",
-            str(tmp_path / "dist"),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    (wheel,) = (tmp_path / "dist").glob("infrai_jobs-*.whl")
-    # Then it holds the layer's migrations, every file byte for byte, inside infrai_jobs.work
-    expected = {path.name: path.read_bytes() for path in LEDGER_MIGRATIONS.glob("*.sql")}
-    assert expected
-    with zipfile.ZipFile(wheel) as archive:
-        names = archive.namelist()
-        folder = "infrai_jobs/work/migrations/"
-        shipped = {
-            name.removeprefix(folder): archive.read(name)
-            for name in names
-            if name.startswith(folder) and name.endswith(".sql")
-        }
-    assert "infrai_jobs/work/__init__.py" in names
-    assert sorted(shipped) == sorted(expected)
-    assert shipped == expected
-    # And the tools carry no second copy of them
-    assert [name for name in names if name.startswith("infrai_local/") and ".sql" in name] == []

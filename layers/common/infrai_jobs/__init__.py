@@ -2,4 +2,4 @@
 Nothing here opens a connection or reads the environment at import time: import the module you
 need (``queue.client``, ``drain.loop``, ...)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

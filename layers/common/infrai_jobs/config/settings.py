@@ -147,8 +147,7 @@ class CommonSettings:
     # For a URL read from the database secret only (DATABASE_URL is used as written).
     database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
-    # The queue's visibility timeout: a lease-less claim's lease (a notes' worker's row) ends this
-    # long after its claim, for the drain and for every function that judges a claim alike.
+    # The queue's: bounds every lease, and ends a lease-less one this long after its claim.
     visibility_timeout_seconds: int = setting(
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
         DEFAULT_VISIBILITY_TIMEOUT_SECONDS,

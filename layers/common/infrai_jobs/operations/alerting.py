@@ -57,7 +57,6 @@ class AlertThresholds:
     reminder_seconds: int = 3600
     # Of the function's 60 s, how long a check may probe stuck claims before counting them.
     reconcile_budget_seconds: float = 30.0
-    # By which a lease-less claim's lease ends (a notes' worker's row is stuck only after it).
     visibility: float = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 

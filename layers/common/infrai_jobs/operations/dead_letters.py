@@ -217,7 +217,6 @@ class DeadLetterStore:
     """The ``dead_letters`` table; one short connection per call."""
 
     def __init__(self, work: WorkStore) -> None:
-        # The claim store's connections, and its visibility timeout for a lease-less claim.
         self._connector = work.connector
         self._visibility = work.visibility
 
@@ -236,20 +235,18 @@ class DeadLetterStore:
         left and nothing else holds its key; False (record the letter) otherwise."""
         job = dead.payload.get("job") if isinstance(dead.payload, Mapping) else None
         found = retry_of(job) if isinstance(job, str) else None
-        deliveries = MAX_RECEIVE_COUNT
+        deliveries, vis = MAX_RECEIVE_COUNT, self._visibility
         if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
             return False
         if claim is not None and claim.owned:
             # The ledger holds the work already (the letter is a stale copy), or its deferred life
             # ended (done, failed, cancelled): a stale letter never brings it back.
             return state in ("deferred", "running")
-        if claim is not None:
-            # Only a key-passing job's own expired claim may be taken over; done, failed, a
-            # conflict or an irreversible job's unknown outcome stay letters for a human.
-            if state != "running" or claim.effect != "external_idempotent":
-                return False
-            if not release_for_take_back(conn, claim, visibility=self._visibility):
-                return False
+        # Only a key-passing job's own expired claim may be taken over; done, failed, a
+        # conflict or an irreversible job's unknown outcome stay letters for a human.
+        passing = claim is None or (state == "running" and claim.effect == "external_idempotent")
+        if not passing or (claim and not release_for_take_back(conn, claim, visibility=vis)):
+            return False
         error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
         work = DeferredWork(
             idem_key=key,

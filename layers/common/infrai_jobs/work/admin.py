@@ -97,7 +97,6 @@ class WorkStore(LedgerAdapter):
         self, database_url: str, *, visibility_timeout: float = VISIBILITY, **options: Any
     ) -> None:
         super().__init__(database_url, **options)
-        # The queue's visibility timeout, by which a lease-less row's lease ends.
         self.visibility = visibility_timeout
 
     @property

@@ -54,6 +54,7 @@ from work_model import (
     UNCERTAIN,
     VISIBILITY,
     Row,
+    Work,
     WorkModel,
 )
 
@@ -121,6 +122,11 @@ def job_of(effect: str) -> str:
 def fingerprint(key: str, effect: str) -> str:
     """One job per effect: a key's work for another effect's job is different work."""
     return f"fp:{key}:{job_of(effect)}"
+
+
+def work_of(request: ClaimRequest) -> Work:
+    """The work a delivery's claim request brings, as the model writes it."""
+    return Work(request.message_id, request.job, request.effect.value, request.fingerprint)
 
 
 def other_effect(effect: str) -> str:
@@ -513,15 +519,8 @@ class WorkStoreMachine(RuleBasedStateMachine):
             self._database_batch(request, action.kind)
             return
         (decision,) = self.db.ledger.claim([request])
-        expected = self.model.claim(
-            key,
-            message_id=request.message_id,
-            job=request.job,
-            effect=effect,
-            fingerprint=request.fingerprint,
-            token=request.claim_token,
-            lease=self.model.lease_for(action.lease, action.visibility_left),
-        )
+        lease = self.model.lease_for(action.lease, action.visibility_left)
+        expected = self.model.claim(key, work_of(request), token=request.claim_token, lease=lease)
         assert (decision.status.value, decision.takeover) == (expected.status, expected.takeover)
         self._note(f"claim {expected.status}" + (" (takeover)" if expected.takeover else ""))
         if expected.status == "won":
@@ -541,12 +540,7 @@ class WorkStoreMachine(RuleBasedStateMachine):
             [request], lambda _request, _conn: run
         )
         claimed, settled = self.model.database_batch(
-            request.idem_key,
-            message_id=request.message_id,
-            job=request.job,
-            fingerprint=request.fingerprint,
-            token=request.claim_token,
-            kind=kind,
+            request.idem_key, work_of(request), token=request.claim_token, kind=kind
         )
         assert [d.status.value for d in decisions] == [claimed.status]
         assert [s.status.value for s in settlements] == ([] if settled is None else [settled])
@@ -749,10 +743,8 @@ class WorkStoreMachine(RuleBasedStateMachine):
                     ).value
             token = None if claim is None else claim.claim_token
             if claim is None or self.model.release_for_take_back(key, token):
-                expected = self.model.defer_new(
-                    key, message_id=work.message_id, job=work.job, effect=effect,
-                    fingerprint=fingerprint(key, effect), attempts=3, delay=0,
-                )  # fmt: skip
+                new = Work(work.message_id, work.job, effect, fingerprint(key, effect))
+                expected = self.model.defer_new(key, new, attempts=3, delay=0)
         assert got == expected
         self._note(f"take back{'' if claim is None else ' over a claim'}: {expected}")
 

@@ -70,6 +70,16 @@ class Row:
 
 
 @dataclass(frozen=True, slots=True)
+class Work:
+    """What a message brings to a new row: its id, the job, its effect class and fingerprint."""
+
+    message_id: str
+    job: str
+    effect: str
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
 class Claimed:
     """What a delivery's claim attempt is told."""
 
@@ -143,45 +153,39 @@ class WorkModel:
 
     # --- A delivery ----------------------------------------------------------------------------
 
-    def claim(
-        self,
-        key: str,
-        *,
-        message_id: str,
-        job: str,
-        effect: str,
-        fingerprint: str,
-        token: uuid.UUID,
-        lease: int | None,
-    ) -> Claimed:
+    def _new_row(
+        self, state: str, work: Work, token: uuid.UUID | None, attempts: int, claimed_at: int
+    ) -> Row:
+        """A row for ``work`` as a claim or a deferral writes it: unflagged, a new attempt."""
+        return Row(
+            state, work.message_id, work.job, work.effect, work.fingerprint, token, attempts,
+            None, claimed_at, attempt=self._attempt(),
+        )  # fmt: skip
+
+    def claim(self, key: str, work: Work, *, token: uuid.UUID, lease: int | None) -> Claimed:
         """A delivery claims ``key``: a new row, new work on a cancelled one, or a takeover of a
         key-passing job's own claim that the ledger does not own (by the takeover rule, or when
         its holder is this very message); anything else is told why not."""
         row = self.rows.get(key)
         lease_until = None if lease is None else self.now + lease
         if row is None or row.state == CANCELLED:
-            self.rows[key] = Row(
-                RUNNING, message_id, job, effect, fingerprint, token, 1, None, self.now,
-                lease_until, attempt=self._attempt(),
-            )  # fmt: skip
+            new = self._new_row(RUNNING, work, token, 1, self.now)
+            self.rows[key] = replace(new, lease_until=lease_until)
             return Claimed("won")
         if (
             not row.owned
             and row.effect == IDEMPOTENT
-            and effect == IDEMPOTENT
+            and work.effect == IDEMPOTENT
             and row.fingerprint is not None
-            and row.fingerprint == fingerprint
+            and row.fingerprint == work.fingerprint
             and row.state == RUNNING
             and row.error is None
-            and (self.may_take_over(row) or row.message_id == message_id)
+            and (self.may_take_over(row) or row.message_id == work.message_id)
         ):
-            attempts = (row.attempts or 1) + 1
-            self.rows[key] = Row(
-                RUNNING, message_id, job, effect, fingerprint, token, attempts, None,
-                row.claimed_at, lease_until, attempt=self._attempt(),
-            )  # fmt: skip
+            taken = self._new_row(RUNNING, work, token, (row.attempts or 1) + 1, row.claimed_at)
+            self.rows[key] = replace(taken, lease_until=lease_until)
             return Claimed("won", takeover=True)
-        return Claimed(self._not_won(row, message_id, fingerprint))
+        return Claimed(self._not_won(row, work.message_id, work.fingerprint))
 
     def _not_won(self, row: Row, message_id: str, fingerprint: str) -> str:
         """The outcome table's rows, in ``states.decide``'s order (the design gives none)."""
@@ -220,14 +224,11 @@ class WorkModel:
         return "released"
 
     def database_batch(
-        self, key: str, *, message_id: str, job: str, fingerprint: str, token: uuid.UUID, kind: str
+        self, key: str, work: Work, *, token: uuid.UUID, kind: str
     ) -> tuple[Claimed, str | None]:
         """A database job claims, runs and settles in one transaction: nothing of it stays
         ``running``; an uncertain run rolled back with its savepoint, so it is released."""
-        claimed = self.claim(
-            key, message_id=message_id, job=job, effect=DATABASE, fingerprint=fingerprint,
-            token=token, lease=None,
-        )  # fmt: skip
+        claimed = self.claim(key, replace(work, effect=DATABASE), token=token, lease=None)
         if claimed.status != "won":
             return claimed, None
         return claimed, self.settle(key, token, TRANSIENT if kind == UNCERTAIN else kind, "E")
@@ -256,25 +257,13 @@ class WorkModel:
         )
         return "deferred"
 
-    def defer_new(
-        self,
-        key: str,
-        *,
-        message_id: str,
-        job: str,
-        effect: str,
-        fingerprint: str,
-        attempts: int,
-        delay: int,
-    ) -> str:
+    def defer_new(self, key: str, work: Work, *, attempts: int, delay: int) -> str:
         """A dead letter taken back: new waiting work, only where no row holds the key."""
         if key in self.rows:
             return "already_held"
         stamp = self._stamp(delay)
-        self.rows[key] = Row(
-            DEFERRED, message_id, job, effect, fingerprint, None, attempts, None, self.now,
-            run_after=stamp, deferred_at=(self.now, stamp[1]), attempt=self._attempt(),
-        )  # fmt: skip
+        new = self._new_row(DEFERRED, work, None, attempts, self.now)
+        self.rows[key] = replace(new, run_after=stamp, deferred_at=(self.now, stamp[1]))
         return "deferred"
 
     def release_for_take_back(self, key: str, token: uuid.UUID | None) -> bool:

@@ -353,7 +353,24 @@ def _bare_python(code: str, cwd: Path, env: dict[str, str]) -> subprocess.Comple
 
 # --- SAM parity: the template loader, samconfig.toml, Fn::Sub -------------------------------
 
-EVERY_SHORT_FORM = """
+
+def _one_function_template(head: str, name: str, variables: str) -> str:
+    """A SAM template: ``head`` (from its first line to its Conditions), then its one resource,
+    the function ``name`` of ``fn/app.py`` whose environment is ``variables`` (YAML lines)."""
+    resources = f"""Resources:
+  {name}:
+    Type: AWS::Serverless::Function
+    Properties:
+      CodeUri: fn
+      Handler: app.handler
+      Environment:
+        Variables:
+"""
+    return head + resources + textwrap.indent(variables.lstrip("\n"), " " * 10)
+
+
+EVERY_SHORT_FORM = _one_function_template(
+    """
 AWSTemplateFormatVersion: "2010-09-09"
 Transform: AWS::Serverless-2016-10-31
 Parameters:
@@ -362,31 +379,27 @@ Parameters:
 Conditions:
   IsOn: !Equals [!Ref Flag, "true"]
   Both: !And [!Condition IsOn, !Not [!Equals [!Ref Name, ""]]]
-Resources:
-  Fn:
-    Type: AWS::Serverless::Function
-    Properties:
-      CodeUri: fn
-      Handler: app.handler
-      Environment:
-        Variables:
-          LITERAL: !Sub "${!Literal}-${Name}"
-          LISTED: !Sub ["${X}-${AWS::Region}", {X: !Ref Name}]
-          DOTTED: !GetAtt Fn.Arn
-          LISTED_ATT: !GetAtt [Fn, Arn]
-          CHOSEN: !If [Both, "on", "off"]
-          JOINED: !Join [",", [!Select [0, !Split [" ", !Ref Name]], !Base64 x]]
-          MAPPED: !FindInMap [M, k, v]
-          IMPORTED: !ImportValue other
-          ZONES: !GetAZs ""
-          CIDR: !Cidr [10.0.0.0/16, 2, 8]
-          OCTAL: 0755
-          BARE_ON: on
-          DATE: 2026-12-01
-          BLOCK: |
-            multi
-            line
-"""
+""",
+    "Fn",
+    """
+LITERAL: !Sub "${!Literal}-${Name}"
+LISTED: !Sub ["${X}-${AWS::Region}", {X: !Ref Name}]
+DOTTED: !GetAtt Fn.Arn
+LISTED_ATT: !GetAtt [Fn, Arn]
+CHOSEN: !If [Both, "on", "off"]
+JOINED: !Join [",", [!Select [0, !Split [" ", !Ref Name]], !Base64 x]]
+MAPPED: !FindInMap [M, k, v]
+IMPORTED: !ImportValue other
+ZONES: !GetAZs ""
+CIDR: !Cidr [10.0.0.0/16, 2, 8]
+OCTAL: 0755
+BARE_ON: on
+DATE: 2026-12-01
+BLOCK: |
+  multi
+  line
+""",
+)
 
 
 def _as_json(document: object) -> object:
@@ -472,24 +485,21 @@ parameter_overrides = "Region=from-prod-global"
 parameter_overrides = "ApiKeyParameterName=/app/prod/api-key Queue=prod-queue"
 """
 
-ECHO_TEMPLATE = """
+ECHO_TEMPLATE = _one_function_template(
+    """
 Transform: AWS::Serverless-2016-10-31
 Parameters:
   Queue: {Type: String, Default: template-queue}
   Region: {Type: String, Default: template-region}
   ApiKeyParameterName: {Type: String, Default: /app/api-key}
-Resources:
-  Echo:
-    Type: AWS::Serverless::Function
-    Properties:
-      CodeUri: fn
-      Handler: app.handler
-      Environment:
-        Variables:
-          QUEUE: !Ref Queue
-          REGION: !Ref Region
-          API_KEY_PARAMETER: !Ref ApiKeyParameterName
-"""
+""",
+    "Echo",
+    """
+QUEUE: !Ref Queue
+REGION: !Ref Region
+API_KEY_PARAMETER: !Ref ApiKeyParameterName
+""",
+)
 
 
 def _echo_project(folder: Path, samconfig: str) -> None:

@@ -552,12 +552,15 @@ def alarm_on_emitted_series(
 
 
 def age_alarm_on_emitted_series(
-    capsys: pytest.CaptureFixture[str], alarm_name: str, metric: str, parameter: str, command: str
+    capsys: pytest.CaptureFixture[str], what: str, command: str
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """``alarm_on_emitted_series`` for an alarm on an age: it pages when the series' maximum is
-    above the ``parameter``, and its description names the ``command`` to look."""
+    """``alarm_on_emitted_series`` for the alarm on the age of the oldest ``what``, named as
+    every such alarm is (``Oldest<what>Alarm`` on ``Oldest<what>AgeSeconds``): it pages when the
+    series' maximum is above the parameter ``<what>AgeAlarmSeconds``, and its description names
+    the ``command`` to look."""
+    alarm_name, metric = f"Oldest{what}Alarm", f"Oldest{what}AgeSeconds"
     template, emitted, props = alarm_on_emitted_series(capsys, alarm_name, metric)
-    assert props["Threshold"] == {"Ref": parameter}
+    assert props["Threshold"] == {"Ref": f"{what}AgeAlarmSeconds"}
     assert (props["Statistic"], props["ComparisonOperator"]) == ("Maximum", "GreaterThanThreshold")
     assert command in " ".join(props["AlarmDescription"].split())
     return template, emitted, props
@@ -830,11 +833,7 @@ def test_the_oldest_deferred_job_pages_past_its_parameter_and_is_on_the_dashboar
     # When the alarm's series is compared with the watcher's
     # Then it reads that series, and pages above the parameter's threshold (an hour by default)
     template, emitted, _ = age_alarm_on_emitted_series(
-        capsys,
-        "OldestDeferredAlarm",
-        "OldestDeferredAgeSeconds",
-        "DeferredAgeAlarmSeconds",
-        "claims list --state deferred",
+        capsys, "Deferred", "claims list --state deferred"
     )
     assert template["Parameters"]["DeferredAgeAlarmSeconds"]["Default"] == 3600
     # And the watcher emits the backlog too, and the dashboard charts all three with the alarm
@@ -876,13 +875,7 @@ def test_the_oldest_outbox_row_pages_past_its_parameter_and_is_on_the_dashboard(
     # Given the outbox alarm, the dashboard, and what the relay's code emits
     # When the alarm's series is compared with the relay's
     # Then it reads that series and pages above its parameter, and when the relay goes silent
-    template, _, props = age_alarm_on_emitted_series(
-        capsys,
-        "OldestOutboxAlarm",
-        "OldestOutboxAgeSeconds",
-        "OutboxAgeAlarmSeconds",
-        "infrai-jobs outbox status",
-    )
+    template, _, props = age_alarm_on_emitted_series(capsys, "Outbox", "infrai-jobs outbox status")
     assert props["TreatMissingData"] == "breaching"
     # And the dashboard charts the backlog and the oldest row beside the alarm
     assert_on_the_dashboard(

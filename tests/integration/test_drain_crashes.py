@@ -37,12 +37,10 @@ KILL_AT_ACK = textwrap.dedent(
 )
 
 
-def _terminate(kit: Harness, conn: psycopg.Connection[Any]) -> int:
+def _terminate(kit: Harness, conn: psycopg.Connection[Any]) -> None:
     """Have the server terminate ``conn``'s backend, as an operator or a failover would."""
-    pid = conn.info.backend_pid
     with psycopg.connect(kit.database_url, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    return pid
+        admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
 
 
 def _publish_with_a_neighbour(
@@ -53,6 +51,30 @@ def _publish_with_a_neighbour(
     kit.registry.job(job, effect=Effect.DATABASE, identity=("id",))(handler)
     kit.publish({"job": job, "id": "1"})
     kit.publish({"job": "test.db", "id": "neighbour"})
+
+
+def _killing_its_connection(
+    kit: Harness, *, at_run: int, writes_effect: bool, fails: bool
+) -> tuple[Callable[[Payload, JobContext], JsonValue], list[int]]:
+    """A database job whose run number ``at_run`` has the server terminate the ledger's
+    connection under it (after writing its effect row, if it ``writes_effect``); every run then
+    fails, or answers. Also the backend pid of each run so far."""
+    runs: list[int] = []
+
+    def handler(payload: Payload, ctx: JobContext) -> JsonValue:
+        assert ctx.db is not None
+        runs.append(ctx.db.info.backend_pid)
+        if writes_effect:
+            ctx.db.execute(
+                "INSERT INTO test_effects VALUES (%s, %s)", (ctx.idem_key, ctx.message_id)
+            )
+        if len(runs) == at_run:
+            _terminate(kit, ctx.db)
+        if fails:
+            raise RuntimeError("the job failed")
+        return {"ok": True}
+
+    return handler, runs
 
 
 def _assert_nothing_committed_or_acked(kit: Harness, summary: DrainSummary) -> None:
@@ -86,15 +108,7 @@ def test_connection_terminated_mid_batch_commits_nothing_and_retries_cleanly(
     kit: Harness,
 ) -> None:
     # Given a database job during which the server terminates the ledger's connection
-    terminated: list[int] = []
-
-    def killer(payload: Payload, ctx: JobContext) -> JsonValue:
-        assert ctx.db is not None
-        ctx.db.execute("INSERT INTO test_effects VALUES (%s, %s)", (ctx.idem_key, ctx.message_id))
-        if not terminated:
-            terminated.append(_terminate(kit, ctx.db))
-        return {"ok": True}
-
+    killer, _ = _killing_its_connection(kit, at_run=1, writes_effect=True, fails=False)
     _publish_with_a_neighbour(kit, "test.killer", killer)
     # When the batch runs, nothing of it commits and nothing is acked
     _assert_nothing_committed_or_acked(kit, kit.drain())
@@ -111,15 +125,7 @@ def test_connection_terminated_while_a_savepoint_rolls_back_is_ledger_unavailabl
 ) -> None:
     # Given a database job that fails twice: in the batch's one-go attempt, then in its own
     # savepoint, where the server terminates the connection just before the savepoint's rollback
-    calls: list[int] = []
-
-    def failing_killer(payload: Payload, ctx: JobContext) -> JsonValue:
-        assert ctx.db is not None
-        calls.append(ctx.db.info.backend_pid)
-        if len(calls) == 2:
-            _terminate(kit, ctx.db)
-        raise RuntimeError("the job failed")
-
+    failing_killer, calls = _killing_its_connection(kit, at_run=2, writes_effect=False, fails=True)
     _publish_with_a_neighbour(kit, "test.failing_killer", failing_killer)
     # When the batch runs, the drain reports the ledger unavailable (psycopg's own Rollback
     # exception used to escape here), commits nothing and acks nothing
@@ -143,8 +149,7 @@ def test_external_claims_are_given_back_when_the_claim_answer_is_lost(kit: Harne
     batch = kit.client.consume(QUEUE)
     conn: Any = kit.ledger._conn  # the test reaches in to break the live connection
     assert conn is not None
-    with psycopg.connect(kit.database_url, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+    _terminate(kit, conn)
     # When the batch meets the dead connection
     (result,) = process_batch(batch, kit.ledger, kit.registry, 2e9, DrainConfig(queue=QUEUE))
     # Then nothing ran and no running row was left behind

@@ -454,48 +454,45 @@ def test_a_refused_connection_is_a_transport_error() -> None:
 # --- answers outside HTTP ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("wire", "message"),
-    [
-        (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "not an HTTP/1.x status line"),
-        (b"HTTP/1.1 2000 OK\r\n\r\n", "not an HTTP status code"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", "invalid Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxy", "conflicting"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{}", "cut short"),
-        (
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
-            "chunk size",
-        ),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header"),
-        (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: y\r\n" * 101 + b"\r\n", "more than 100 headers"),
-        (b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n", "longer than 64 KiB"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000, "larger than 1024"),
-        (b"HTTP/1.1 200 OK\r\nContent-Le", "closed inside the answer's headers"),
-    ],
-)
-def test_malformed_answers_are_transport_errors(
-    serve: Callable[..., ScriptedServer], wire: bytes, message: str
-) -> None:
-    server = serve(lambda request, conn, index: (wire, True))
-    assert_get_fails(server, message, max_body=1024)
+# Broken answers a server sends and then closes its connection after.
+_MALFORMED_ANSWERS = [
+    (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 2000 OK\r\n\r\n", "not an HTTP status code"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", "invalid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxy", "conflicting"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{}", "cut short"),
+    (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
+        "chunk size",
+    ),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: y\r\n" * 101 + b"\r\n", "more than 100 headers"),
+    (b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n", "longer than 64 KiB"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000, "larger than 1024"),
+    (b"HTTP/1.1 200 OK\r\nContent-Le", "closed inside the answer's headers"),
+]
+# Broken heads a server sends and then keeps the connection open after.
+_MALFORMED_HEADS_LEFT_OPEN = [
+    (b"SSH-2.0-OpenSSH_9.2\r\n", "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\r\n", "malformed header"),
+]
 
 
 @pytest.mark.parametrize(
-    ("wire", "message"),
-    [
-        (b"SSH-2.0-OpenSSH_9.2\r\n", "not an HTTP/1.x status line"),
-        (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\r\n", "malformed header"),
-    ],
+    ("wire", "close", "message"),
+    [(wire, True, message) for wire, message in _MALFORMED_ANSWERS]
+    + [(wire, False, message) for wire, message in _MALFORMED_HEADS_LEFT_OPEN],
 )
-def test_a_malformed_head_on_a_connection_left_open_fails_at_once(
-    serve: Callable[..., ScriptedServer], wire: bytes, message: str
+def test_malformed_answers_are_transport_errors_at_once(
+    serve: Callable[..., ScriptedServer], wire: bytes, close: bool, message: str
 ) -> None:
-    # Given a server that sends a broken head and then keeps the connection open
-    server = serve(lambda request, conn, index: (wire, False))
-    # When a request is made, Then the head is refused as soon as it shows it is broken: a pool
-    # waiting for more would end on its 30 s read timeout, with a timeout's message
-    assert_get_fails(server, message, read_timeout=30.0)
+    # Given a server that sends a broken answer, then closes the connection or keeps it open
+    server = serve(lambda request, conn, index: (wire, close))
+    # When a request is made, Then the answer is refused as soon as it shows it is broken: a pool
+    # waiting for more on an open connection would end on its 30 s read timeout, with a timeout's
+    # message
+    assert_get_fails(server, message, max_body=1024, read_timeout=30.0)
 
 
 def test_a_header_value_with_a_line_break_is_refused_without_printing_it() -> None:

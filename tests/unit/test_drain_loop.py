@@ -82,6 +82,16 @@ class Kit:
             clock=self.clock,
         )
 
+    def publish_database_jobs(self, numbers: range) -> None:
+        """A database job for each of ``numbers``, identified by it."""
+        for n in numbers:
+            self.publish(_db(str(n)))
+
+    def waiting(self) -> tuple[int, int]:
+        """The queue's messages available and in flight."""
+        stats = self.queue.stats(QUEUE)
+        return stats.available_count, stats.in_flight_count
+
     def redeliver(self) -> None:
         """Let every unacked delivery's visibility lapse."""
         self.clock.advance(VISIBILITY + 1)
@@ -213,8 +223,7 @@ def test_a_stop_request_ends_the_drain_before_its_next_receive_and_settles_what_
     kit: Kit,
 ) -> None:
     # Given 35 jobs, and a stop requested once the first batch has been run
-    for n in range(35):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(35))
 
     def stop_requested() -> bool:
         return kit.ledger.calls["run_database_batch"] >= 1
@@ -233,14 +242,12 @@ def test_a_stop_request_ends_the_drain_before_its_next_receive_and_settles_what_
     # received nothing more
     assert (summary.batches, summary.consumed, summary.acked) == (2, 20, 20)
     assert summary.stopped == "interrupted"
-    stats = kit.queue.stats(QUEUE)
-    assert (stats.available_count, stats.in_flight_count) == (15, 0)
+    assert kit.waiting() == (15, 0)
 
 
 def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> None:
     # Given 25 jobs and a budget that covers two batches only
-    for n in range(25):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(25))
 
     # (each batch processed takes 20 s of the 60 s left)
     def time_left() -> int:
@@ -251,14 +258,12 @@ def test_the_loop_stops_when_the_budget_runs_out_between_batches(kit: Kit) -> No
     # Then two full batches ran and the rest waits, undelivered
     assert (summary.batches, summary.consumed, summary.done) == (2, 20, 20)
     assert summary.stopped == "time_budget"
-    stats = kit.queue.stats(QUEUE)
-    assert (stats.available_count, stats.in_flight_count) == (5, 0)
+    assert kit.waiting() == (5, 0)
 
 
 def test_a_batch_whose_receive_ran_long_is_left_for_redelivery_not_cut_off(kit: Kit) -> None:
     # Given 20 jobs, and a second receive that takes 30 s of the 45 s left (retries, say)
-    for n in range(20):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(20))
 
     def time_left() -> int:
         return 45_000 - (30_000 if len(kit.queue.batch_sizes) >= 2 else 0)
@@ -283,8 +288,7 @@ def test_a_job_whose_key_rule_is_broken_rejects_its_messages_only(kit: Kit) -> N
     bad = JobDefinition("billing:bad", Effect.DATABASE, lambda p, c: None, identity=("id",))
     kit.registry._jobs[bad.name] = bad
     # And a batch of nine good jobs and one of that job
-    for n in range(9):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(9))
     kit.publish({"job": "billing:bad", "id": "x"})
     # When the drain runs
     summary = kit.drain()
@@ -296,8 +300,7 @@ def test_a_job_whose_key_rule_is_broken_rejects_its_messages_only(kit: Kit) -> N
 
 def test_the_loop_drains_in_batches_of_ten_until_empty(kit: Kit) -> None:
     # Given 25 database jobs
-    for n in range(25):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(25))
     # When drained
     summary = kit.drain()
     # Then three batches of 10, 10 and 5 ran, one ledger transaction each, and all were acked
@@ -310,8 +313,7 @@ def test_the_loop_drains_in_batches_of_ten_until_empty(kit: Kit) -> None:
 
 def test_max_batches_ends_the_loop_early(kit: Kit) -> None:
     # Given 25 jobs
-    for n in range(25):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(25))
     # When drained with at most two batches
     summary = kit.drain(max_batches=2)
     # Then two ran and the rest waits, undelivered
@@ -774,23 +776,20 @@ def test_a_deeply_nested_result_is_described_not_a_crash(kit: Kit) -> None:
 
 def test_the_next_batch_is_received_ahead_only_when_the_time_covers_both(kit: Kit) -> None:
     # Given 30 jobs and time for exactly two batches at once
-    for n in range(30):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(30))
     # When the drain runs with plenty of time
     summary = kit.drain(time_left_ms=lambda: 40_000, batch_budget_ms=20_000)
     # Then it drained everything, receiving ahead, and stopped on an empty queue
     assert (summary.batches, summary.done, summary.stopped) == (3, 30, "empty")
     # And with time for one batch but not two, it still drains, one batch at a time
-    for n in range(30, 40):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(30, 40))
     summary = kit.drain(time_left_ms=lambda: 39_999, batch_budget_ms=20_000)
     assert (summary.batches, summary.done, summary.stopped) == (1, 10, "empty")
 
 
 def test_a_batch_received_ahead_when_the_ledger_fails_is_left_for_redelivery(kit: Kit) -> None:
     # Given 20 jobs, and a ledger that fails on the first batch
-    for n in range(20):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(20))
     kit.ledger.fail_next("run_database_batch")
     # When the drain runs
     summary = kit.drain()
@@ -806,8 +805,7 @@ def test_a_batch_received_ahead_when_the_ledger_fails_is_left_for_redelivery(kit
 def test_abandoning_a_failed_consume_sent_ahead_does_not_retry_it(kit: Kit) -> None:
     # Given 20 jobs, a ledger that fails on the first batch, and a consume sent ahead whose
     # first answer is a 500 (a retry would receive the next ten messages)
-    for n in range(20):
-        kit.publish(_db(str(n)))
+    kit.publish_database_jobs(range(20))
     kit.ledger.fail_next("run_database_batch")
     retried: list[int] = []
 
@@ -829,8 +827,7 @@ def test_abandoning_a_failed_consume_sent_ahead_does_not_retry_it(kit: Kit) -> N
     assert summary.stopped == "ledger_unavailable"
     # Then the failed consume was not tried again: the other ten were never received
     assert retried == []
-    stats = kit.queue.stats(QUEUE)
-    assert (stats.in_flight_count, stats.available_count) == (10, 10)
+    assert kit.waiting() == (10, 10)
 
 
 class EventQueue(RecordingQueue):

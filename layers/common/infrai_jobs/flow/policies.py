@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload
@@ -53,33 +53,18 @@ def _parse_job(name: str, value: object, known: list[str]) -> JobPolicy:
             f"{where} is not a registered job "
             f"({did_you_mean(name, known)}registered: {', '.join(known) or 'none'})"
         )
-    if not isinstance(value, dict):
-        raise ConfigurationError(
-            f"{where} must be an object with retry, rate or concurrency (got {json_kind(value)})"
-        )
-    unknown = sorted(set(value) - set(_SECTIONS))
-    if unknown:
-        raise ConfigurationError(
-            f"{where}: unknown field {unknown[0]!r} (a job's policy has retry, rate, concurrency)"
-        )
-    sections = {s: _parse_section(where, s, body) for s, body in value.items() if body is not None}
-    cleared = frozenset(section for section, body in value.items() if body is None)
+    must_be = f"{where} must be an object with retry, rate or concurrency"
+    policy = _known_fields(value, _SECTIONS, must_be, where)
+    sections = {s: _parse_section(where, s, body) for s, body in policy.items() if body is not None}
+    cleared = frozenset(section for section, body in policy.items() if body is None)
     return JobPolicy(**sections, cleared=cleared)
 
 
 def _parse_section(where: str, section: str, body: object) -> Any:
     kind = _SECTIONS[section]
     fields = {field.name: field for field in dataclasses.fields(kind)}
-    if not isinstance(body, dict):
-        raise ConfigurationError(
-            f"{where}: {section} must be an object or null (got {json_kind(body)})"
-        )
-    unknown = sorted(set(body) - set(fields))
-    if unknown:
-        raise ConfigurationError(
-            f"{where}: unknown field {section}.{unknown[0]} (known: {', '.join(sorted(fields))})"
-        )
-    arguments = dict(body)
+    must_be = f"{where}: {section} must be an object or null"
+    arguments = dict(_known_fields(body, fields, must_be, where, f"{section}."))
     for listed in ("key", "final_errors"):
         if listed in arguments:
             if not isinstance(arguments[listed], list):
@@ -103,6 +88,21 @@ def _parse_section(where: str, section: str, body: object) -> Any:
         return kind(**arguments)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
+
+
+def _known_fields(
+    value: object, known: Collection[str], must_be: str, where: str, prefix: str = ""
+) -> dict[str, Any]:
+    """``value`` as an object of ``known`` fields only: the job's policy and each of its sections
+    are held to the same two rules, so a misspelt field is refused, never silently ignored."""
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{must_be} (got {json_kind(value)})")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigurationError(
+            f"{where}: unknown field {prefix + unknown[0]!r} (known: {', '.join(sorted(known))})"
+        )
+    return value
 
 
 def declared_policy(definition: JobDefinition) -> JobPolicy:

@@ -21,7 +21,6 @@ from infrai_jobs.ledger.postgres import RUN_MIGRATE, SCHEMA_VERSION, current_ver
 # files named so, and refuses any other .sql file).
 MIGRATION_FILE_NAME: Final = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
 MIGRATIONS_FOLDER: Final = "migrations"
-_RELEASE: Final = re.compile(r"(\d+)\.(\d+)\.(\d+)")
 
 _JOB_SCHEMA_APPLIED: LiteralString = "SELECT version, name FROM infrai_jobs_job_schema"
 _FLOOR: LiteralString = "SELECT floor FROM infrai_jobs_schema_floor"
@@ -48,18 +47,15 @@ def job_migrations_in(package_folder: Path) -> tuple[JobMigrationName, ...]:
 def release_numbers(version: str) -> tuple[int, ...]:
     """A semantic version's ``MAJOR.MINOR.PATCH`` as numbers (0.10.0 is above 0.9.0); what
     follows them is not compared, so ``0.3.0rc1`` counts as 0.3.0."""
-    found = _RELEASE.match(version.strip())
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", version.strip())
     if found is None:
         raise ValueError(f"not a semantic version (MAJOR.MINOR.PATCH): {version!r}")
     return tuple(int(number) for number in found.groups())
 
 
-def check_schema(
-    conn: psycopg.Connection[Any], job_migrations: Sequence[JobMigrationName] = ()
-) -> None:
-    """``SchemaNotMigrated`` for a database behind this code (a ledger's or jobs' migration
-    missing), ``SchemaTooNew`` for a floor above ``__version__``. A schema ahead is otherwise
-    fine: migrations only add, or contract what no version at the floor or above reads."""
+def check_schema(conn: psycopg.Connection[Any], jobs: Sequence[JobMigrationName] = ()) -> None:
+    """``SchemaNotMigrated`` for a database behind this code (a ledger's or ``jobs``' migration
+    missing), ``SchemaTooNew`` for a floor above ``__version__``; one ahead is fine otherwise."""
     version = current_version(conn)
     if version < SCHEMA_VERSION:
         behind = f"the ledger schema is at version {version}, this code needs {SCHEMA_VERSION}"
@@ -73,10 +69,10 @@ def check_schema(
             f"{__version__}: deploy {floor[0]} or newer (a schema is never migrated back; "
             "`infrai-jobs migrate --status` shows what a newer version applied)"
         )
-    has_table = bool(job_migrations) and table_exists(conn, "infrai_jobs_job_schema")
+    has_table = bool(jobs) and table_exists(conn, "infrai_jobs_job_schema")
     rows = conn.execute(_JOB_SCHEMA_APPLIED).fetchall() if has_table else []
     applied = {JobMigrationName(int(version), str(name)) for version, name in rows}
-    missing = ", ".join(m.file_name for m in job_migrations if m not in applied)
+    missing = ", ".join(m.file_name for m in jobs if m not in applied)
     if missing:
         raise SchemaNotMigrated(
             f"the jobs' migration(s) {missing} are not applied to the ledger database: "

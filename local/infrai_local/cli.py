@@ -84,9 +84,14 @@ from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
 from infrai_local.jobs_package import code_root, load_registry
 from infrai_local.migrations import (
     LATEST_VERSION,
+    LEDGER_MIGRATIONS,
     Migration,
     apply_migrations,
     installed_job_migrations,
+    migration_script,
+    pending_migrations,
+    recorded_migrations,
+    schema_status,
 )
 from infrai_local.operator import OperatorLedger, default_actor
 from infrai_local.outbox_cli import add_outbox_commands, run_outbox
@@ -391,13 +396,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     publish.set_defaults(command=_cmd_publish)
 
-    migrate = sub.add_parser(
-        "migrate",
-        help="create or upgrade the claim ledger's tables, then the jobs' own "
-        "(functions/jobs/migrations)",
-    )
-    add_jobs_path(migrate, "a code root holding the `jobs` package whose migrations to apply")
-    migrate.set_defaults(command=_cmd_migrate)
+    _add_migrate_command(sub)
 
     new_job = sub.add_parser(
         "new-job",
@@ -508,6 +507,37 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_migrate_command(sub: Any) -> None:
+    """`migrate`, and its forms that only read: `--status` and `--emit-sql`."""
+    migrate = sub.add_parser(
+        "migrate",
+        help="create or upgrade the claim ledger's tables, then the jobs' own "
+        "(functions/jobs/migrations)",
+    )
+    add_jobs_path(migrate, "a code root holding the `jobs` package whose migrations to apply")
+    look = migrate.add_mutually_exclusive_group()
+    look.add_argument(
+        "--status",
+        action="store_true",
+        help="list each migration (the ledger's, then the jobs') as applied, with when, or "
+        "pending, the schema's floor and this code's version; applies nothing",
+    )
+    look.add_argument(
+        "--emit-sql",
+        action="store_true",
+        help="print the SQL of the pending migrations, in order and with the version rows "
+        "migrate writes, for a migration tool of your own; applies nothing",
+    )
+    migrate.add_argument(
+        "--all",
+        action="store_true",
+        help="with --emit-sql: every migration, for a database with no infrai-jobs tables "
+        "(needs no DATABASE_URL)",
+    )
+    migrate.add_argument("--json", action="store_true", help="with --status: print JSON")
+    migrate.set_defaults(command=_cmd_migrate)
+
+
 def _with_stand_ins(
     settings: DrainSettings,
     stack: contextlib.ExitStack,
@@ -605,14 +635,29 @@ def _cmd_new_job(args: argparse.Namespace) -> int:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
+    if args.all and not args.emit_sql:
+        raise UsageError("infrai-jobs migrate: --all goes with --emit-sql")
+    if args.json and not args.status:
+        raise UsageError("infrai-jobs migrate: --json goes with --status")
+    if args.emit_sql and args.all:
+        # For an empty database: nothing to read first.
+        jobs = installed_job_migrations(args.jobs_path)
+        print(migration_script([*LEDGER_MIGRATIONS, *jobs], with_jobs=bool(jobs)), end="")
+        return EXIT_OK
     settings = CommonSettings.from_env()
     if not settings.database_url and not settings.database_secret_arn:
+        command = "migrate"
+        why = "migrating a throwaway embedded PostgreSQL would leave nothing behind"
+        if args.status or args.emit_sql:
+            command = "migrate --status" if args.status else "migrate --emit-sql"
+            why = "it reads what the ledger's database has applied"
         raise ConfigurationError(
-            "`infrai-jobs migrate` needs DATABASE_URL (or DATABASE_SECRET_ARN): migrating a "
-            "throwaway embedded PostgreSQL would leave nothing behind. Export the ledger's "
-            "PostgreSQL URL, e.g. postgresql://user@127.0.0.1:5432/jobs"
+            f"`infrai-jobs {command}` needs DATABASE_URL (or DATABASE_SECRET_ARN): {why}. "
+            "Export the ledger's PostgreSQL URL, e.g. postgresql://user@127.0.0.1:5432/jobs"
         )
     url = ledger_url(with_secrets(settings, api_key=False).settings)
+    if args.status or args.emit_sql:
+        return _migrate_read_only(url, args)
     applied = _migrate(url, args.jobs_path)
     for migration in applied:
         print(f"applied {migration.owner} {migration.version:04d}: {migration.name}")
@@ -621,6 +666,23 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
             f"ledger schema already at version {LATEST_VERSION} and every jobs migration "
             "applied; nothing to do"
         )
+    return EXIT_OK
+
+
+def _migrate_read_only(url: str, args: argparse.Namespace) -> int:
+    """``migrate --status``, or ``--emit-sql`` of what is pending: reads, applies nothing."""
+    jobs = installed_job_migrations(args.jobs_path)
+    with connect_to_ledger(url, connect_timeout=10, application_name="infrai-jobs-migrate") as conn:
+        try:
+            recorded = recorded_migrations(conn)
+            status = None if args.emit_sql else schema_status(conn, jobs)
+        except psycopg.Error as exc:
+            raise ledger_error(exc, "cannot read the schema's migrations", url) from exc
+    if status is None:
+        pending = pending_migrations(recorded, jobs)
+        print(migration_script(pending, with_jobs=bool(jobs)), end="")
+    else:
+        print(json.dumps(status.as_dict()) if args.json else "\n".join(status.lines()))
     return EXIT_OK
 
 

@@ -513,19 +513,13 @@ def _embedded_migrated_ledger(code_uri: Path) -> str:
 
 
 def _require_migrated(url: str) -> None:
-    """``SchemaNotMigrated``, naming the command to run, for a database behind this code."""
-    from infrai_jobs.errors import SchemaNotMigrated  # noqa: PLC0415
-    from infrai_jobs.ledger.postgres import (  # noqa: PLC0415
-        SCHEMA_VERSION,
-        connect_to_ledger,
-        current_version,
-        schema_behind,
-    )
+    """``SchemaNotMigrated``, naming the command to run, for a database behind this code (or
+    ``SchemaTooNew`` for one whose floor is above this code's version)."""
+    from infrai_jobs.ledger.job_schema import check_schema  # noqa: PLC0415
+    from infrai_jobs.ledger.postgres import connect_to_ledger  # noqa: PLC0415
 
     with connect_to_ledger(url, application_name="infrai-jobs-invoke") as conn:
-        version = current_version(conn)
-    if version < SCHEMA_VERSION:
-        raise SchemaNotMigrated(schema_behind(version))
+        check_schema(conn)
 
 
 def _to_stderr(line: str) -> None:

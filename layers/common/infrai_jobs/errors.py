@@ -138,6 +138,10 @@ class SchemaNotMigrated(LedgerError):
     """The ledger's tables are missing or older than this code: run ``infrai-jobs migrate``."""
 
 
+class SchemaTooNew(SchemaNotMigrated):
+    """The schema's floor is above this code's version; refused as a schema behind it is."""
+
+
 class FanOutError(InfraiJobsError):
     """Another drain could not be started; the drain that asked goes on (the next check or tick
     tries again)."""

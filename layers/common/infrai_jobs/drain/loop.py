@@ -179,10 +179,10 @@ def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
 
 def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
-    A database behind the code is no outage to wait out: it is raised, naming the command."""
+    A schema the code may not run on (behind it, or a floor above it) is no outage: raised."""
     if isinstance(exc, SchemaNotMigrated):
         logger.error(
-            "the ledger database is not migrated; nothing was received",
+            "the ledger's schema does not fit this code; nothing was received",
             extra={"action": "schema_not_migrated", "detail": str(exc)},
         )
         raise exc

@@ -372,14 +372,6 @@ def current_version(conn: psycopg.Connection[Any]) -> int:
 RUN_MIGRATE: Final = "run `infrai-jobs migrate` with DATABASE_URL pointing at it"
 
 
-def schema_behind(version: int) -> str:
-    """What ``SchemaNotMigrated`` says about a database at ``version``."""
-    if version == 0:
-        return f"the ledger database is not migrated (it has no infrai-jobs tables): {RUN_MIGRATE}"
-    behind = f"the ledger schema is at version {version}, this code needs {SCHEMA_VERSION}"
-    return f"{behind}: {RUN_MIGRATE}"
-
-
 def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerError:
     """A driver error met while ``doing`` something, in the package's terms: a missing table
     or column is ``SchemaNotMigrated`` (never "unreachable"), a broken connection

@@ -24,6 +24,7 @@ from infrai_jobs.ledger.dead_letter_rows import (
     RECORD_DEAD_LETTER,
     UNRESOLVED_DEAD_LETTERS,
 )
+from infrai_jobs.ledger.job_schema import check_schema
 from infrai_jobs.ledger.postgres import record_history, storable_json
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.queue.ports import QueuePort
@@ -54,8 +55,6 @@ COLLECT_LIMIT = 1_000
 # Unreadable answers in a row after which a DLQ read stops: a run of them says the answers,
 # not the messages, are broken (and each hides a letter for the visibility timeout).
 MAX_UNREADABLE_IN_A_ROW = 10
-
-_REACHABLE: LiteralString = "SELECT count(*) FROM dead_letters WHERE false"
 
 _ROWS: LiteralString = """
 SELECT message_id, queue, dlq, unreadable, payload, raw_text, size_bytes, job, idem_key, state,
@@ -270,9 +269,10 @@ class DeadLetterStore:
         return True
 
     def ensure_reachable(self) -> None:
-        """Raise ``LedgerUnavailable`` (or ``SchemaNotMigrated``) unless the table answers."""
+        """Raise ``LedgerUnavailable``, or ``SchemaNotMigrated`` for a schema this code may not
+        run on (``check_schema``), before a dead letter is consumed."""
         with self._connector.session("cannot reach the ledger's dead letters") as conn:
-            conn.execute(_REACHABLE)
+            check_schema(conn)
 
     def record(
         self,

@@ -23,20 +23,13 @@ from typing import Any, Final, LiteralString
 import psycopg
 from psycopg.rows import dict_row
 
-from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
-from infrai_jobs.ledger.job_schema import (
-    JobMigrationName,
-    jobs_schema_behind,
-    missing_job_migrations,
-)
+from infrai_jobs.errors import LedgerError, LedgerUnavailable
+from infrai_jobs.ledger.job_schema import JobMigrationName, check_schema
 from infrai_jobs.ledger.postgres import (
-    SCHEMA_VERSION,
     LedgerAdapter,
     array_literal,
-    current_version,
     ledger_errors,
     savepoint_rollback_checked,
-    schema_behind,
 )
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work import statements as sql
@@ -136,12 +129,7 @@ class PostgresLedger(LedgerAdapter):
             return
         # Before the caller's error translation: say it as reading the schema version.
         with ledger_errors("cannot read the ledger's schema version", self._connector.url):
-            version = current_version(conn)
-            missing = missing_job_migrations(conn, self._job_migrations)
-        if version < SCHEMA_VERSION:
-            raise SchemaNotMigrated(schema_behind(version))
-        if missing:
-            raise SchemaNotMigrated(jobs_schema_behind(missing))
+            check_schema(conn, self._job_migrations)
         self._schema_checked = True
 
     def connection(self) -> psycopg.Connection[Any]:

@@ -374,8 +374,11 @@ def test_a_ruled_job_without_a_usable_identity_is_refused(
         (None, r"got null"),
         (42, r"got int"),
         ("k" * (MAX_KEY_LENGTH + 1), "longer than 512"),
-        ("tab\there", "control characters"),
-        ("nul\x00", "control characters"),
+        ("tab\there", "contains U\\+0009: a key takes no control character"),
+        ("nul\x00", "contains U\\+0000"),
+        ("csi\x9b31m", "contains U\\+009B"),
+        ("evil\u202etxt.exe", "contains U\\+202E: .* bidi override or isolate"),
+        ("lone \ud800", "contains U\\+D800: .* lone surrogate"),
     ],
 )
 def test_an_unusable_producer_key_is_refused(producer_key: Any, message: str) -> None:
@@ -384,6 +387,44 @@ def test_an_unusable_producer_key_is_refused(producer_key: Any, message: str) ->
     # When / Then it is refused rather than silently replaced by the natural key
     with pytest.raises(KeyDerivationError, match=message):
         derive_key(payload, EXAMPLE_RULES)
+
+
+# What a key must never carry: it reaches terminals, the console's pages and PostgreSQL. C0 and
+# C1 controls and DEL (U+009B is a one-byte CSI: terminal escapes), the bidi overrides and
+# isolates that reorder what a reader sees (U+202A-U+202E, U+2066-U+2069), lone surrogates.
+UNFIT = [*map(chr, range(0x20)), *map(chr, range(0x7F, 0xA0))]
+UNFIT += [*map(chr, range(0x202A, 0x202F)), *map(chr, range(0x2066, 0x206A)), "\ud800", "\udfff"]
+fit_text = st.text(
+    st.characters(exclude_characters="".join(UNFIT), exclude_categories=["Cs"]), max_size=40
+)
+
+
+@given(before=fit_text, unfit=st.sampled_from(UNFIT), after=fit_text)
+def test_a_key_with_an_unfit_character_anywhere_is_refused(
+    before: str, unfit: str, after: str
+) -> None:
+    # Given text with one control, bidi or surrogate character somewhere in it
+    text = before + unfit + after
+    assume(text.strip())
+    # When it is a producer's key, or the identity a job's key is made of
+    for payload in (
+        {**NOTES_PAYLOAD, "_idempotency_key": text},
+        {**NOTES_PAYLOAD, "invoice_id": text},
+    ):
+        # Then it is refused, naming the character
+        with pytest.raises(KeyDerivationError, match=f"contains U\\+{ord(unfit):04X}"):
+            derive_key(payload, EXAMPLE_RULES)
+
+
+@given(text=fit_text)
+@example(text="caf\u00e9 \u200e\u200f\u061c \U0001f469\u200d\U0001f4bb \ufeff")
+def test_a_key_of_any_other_characters_is_kept_as_given(text: str) -> None:
+    # Given a non-blank key of any other characters (marks, joiners, emoji, any script)
+    assume(text.strip())
+    # When / Then a producer's key is the key as given, and an identity field is its last part
+    assert derive_key({**NOTES_PAYLOAD, "_idempotency_key": text}, EXAMPLE_RULES) == text
+    key = derive_key({**NOTES_PAYLOAD, "invoice_id": text}, EXAMPLE_RULES)
+    assert key == f"invoice.finalize:{text}"
 
 
 # --- The fast path of canonical JSON ------------------------------------------------------------

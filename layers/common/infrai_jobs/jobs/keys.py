@@ -201,19 +201,20 @@ def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
         )
 
 
-# C0 controls and DEL: one regex scan, not a Python loop per character (twice per message).
-_CONTROL_CHARACTERS: Final = re.compile("[\x00-\x1f\x7f]")
+# What a key reaches (terminals, the console, PostgreSQL) must not act on: C0 and C1 controls,
+# DEL, the bidi overrides and isolates, lone surrogates. One regex scan (twice per message).
+_UNFIT_CHARACTERS: Final = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _checked_key(key: str, source: str) -> str:
     if len(key) > MAX_KEY_LENGTH:
         raise KeyDerivationError(f"{source} is longer than {MAX_KEY_LENGTH} characters")
-    if _CONTROL_CHARACTERS.search(key):
-        raise KeyDerivationError(f"{source} contains control characters")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise KeyDerivationError(f"{source} is not valid Unicode (a lone surrogate)") from exc
+    unfit = _UNFIT_CHARACTERS.search(key)
+    if unfit:
+        raise KeyDerivationError(
+            f"{source} contains U+{ord(unfit.group()):04X}: a key takes no control character, "
+            "bidi override or isolate, or lone surrogate"
+        )
     return key
 
 

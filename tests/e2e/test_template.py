@@ -885,3 +885,39 @@ def test_the_oldest_outbox_row_pages_past_its_parameter_and_is_on_the_dashboard(
     relay = template["Resources"]["OutboxRelayFunction"]["Properties"]
     assert template["Parameters"]["OutboxRelayScheduleRate"]["Default"] == "rate(1 minute)"
     assert relay["ReservedConcurrentExecutions"] == 1
+
+
+SECURITY_OPT_OUT_PATTERN = '{ $.action = "security_opt_out" }'
+
+
+def test_every_functions_security_opt_outs_are_counted_and_page() -> None:
+    # Given every function's log group and the template's metric filters
+    template = load_template()
+    namespace = globals_variable(template, "POWERTOOLS_METRICS_NAMESPACE")
+    filters = {
+        props["LogGroupName"]["Ref"]: props
+        for resource in template["Resources"].values()
+        if resource["Type"] == "AWS::Logs::MetricFilter"
+        for props in [resource["Properties"]]
+    }
+    for name, props in functions(template).items():
+        # When the filter on its log group is read
+        found = filters.get(props["LoggingConfig"]["LogGroup"]["Ref"])
+        # Then it counts each line logged with action security_opt_out, beside the EMF metrics
+        assert found is not None, f"{name}'s opt-outs are not counted"
+        assert found["FilterPattern"] == SECURITY_OPT_OUT_PATTERN, name
+        (counted,) = found["MetricTransformations"]
+        assert (counted["MetricNamespace"], counted["MetricName"]) == (namespace, "SecurityOptOuts")
+        assert (counted["MetricValue"], counted["Unit"]) == ("1", "Count")
+        assert "Dimensions" not in counted, name
+    # And one alarm reads that series (no dimension, as the filters write it): any opt-out in
+    # the last day pages, since a function logs one only when it starts
+    alarm = alarms(template)["SecurityOptOutAlarm"]["Properties"]
+    assert (alarm["Namespace"], alarm["MetricName"]) == (namespace, "SecurityOptOuts")
+    assert "Dimensions" not in alarm
+    assert (alarm["Statistic"], alarm["Threshold"]) == ("Sum", 1)
+    assert alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    assert alarm["Period"] * alarm["EvaluationPeriods"] == 86_400
+    assert alarm["DatapointsToAlarm"] == 1
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert "without AUTH" in alarm["AlarmDescription"]

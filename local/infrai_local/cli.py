@@ -338,7 +338,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "example-data",
-        help="create the example jobs' table with draft invoices (see --help)",
+        help="add draft invoices for the example invoice.finalize (its invoices table comes "
+        "from `migrate`; see --help)",
         add_help=False,
     )
     sub.add_parser(
@@ -512,7 +513,7 @@ def _add_migrate_command(sub: Any) -> None:
     migrate = sub.add_parser(
         "migrate",
         help="create or upgrade the claim ledger's tables, then the jobs' own "
-        "(functions/jobs/migrations)",
+        "(functions/jobs/migrations: the examples' invoices table among them)",
     )
     add_jobs_path(migrate, "a code root holding the `jobs` package whose migrations to apply")
     look = migrate.add_mutually_exclusive_group()

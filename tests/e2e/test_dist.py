@@ -100,8 +100,9 @@ def clean_checkout(destination: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make dist` on a clean copy of the project, into a folder of its own."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`make dist` on a clean copy of the project, into a folder of its own: the folder, and
+    what the build printed."""
     source = clean_checkout(tmp_path_factory.mktemp("clone"))
     out = tmp_path_factory.mktemp("dist")
     made = run_captured(
@@ -120,7 +121,23 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=240,
     )
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
-    return out
+    return out, made.stdout + made.stderr
+
+
+@pytest.fixture(scope="module")
+def dist(built: tuple[Path, str]) -> Path:
+    return built[0]
+
+
+@pytest.mark.slow
+def test_the_build_finds_every_shipped_file_in_a_package_it_was_given(
+    built: tuple[Path, str],
+) -> None:
+    # Given what `make dist` printed (the same setuptools configuration `make venv` builds)
+    _, printed = built
+    # Then setuptools took no data folder (migrations, templates, static) for a package missing
+    # from `packages`: it warns so, once a folder, when it would pick their files up by itself
+    assert "is absent from the `packages` configuration" not in printed, printed[-3000:]
 
 
 def wheel_names(dist: Path) -> list[str]:

@@ -6,7 +6,6 @@ with low-cardinality dimensions only: the queue, never a key or a message id."""
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -131,8 +130,6 @@ def function_observability() -> tuple[Logger, Metrics]:
     # Registering the package logger first lets the copy below reach every infrai_jobs.* child.
     logging.getLogger(PACKAGE_LOGGER)
     copy_config_to_registered_loggers(source_logger=logger, include={PACKAGE_LOGGER})
-    # A failed invocation records no metric (Lambda's Errors counts it): no warning beside it.
-    warnings.filterwarnings("ignore", "No application metrics to publish", UserWarning)
     return logger, Metrics()
 
 

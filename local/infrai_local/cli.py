@@ -338,7 +338,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "example-data",
-        help="add draft invoices for the example invoice.finalize (its invoices table comes "
+        help="add draft invoices for the example jobs to finalize (their invoices table comes "
         "from `migrate`; see --help)",
         add_help=False,
     )

@@ -7,6 +7,7 @@ Real PostgreSQL, the emulator, and a stand-in provider over HTTP answering 5 MB.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import tracemalloc
@@ -46,10 +47,9 @@ class _Provider(QuietJsonHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        try:
+        # The client may stop reading at its bound, as it should: not this server's error.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client stopped reading at its bound, as it should
 
     do_POST = do_GET
 
@@ -105,6 +105,16 @@ def test_an_answer_within_the_bound_reads_as_a_preloaded_one(
         assert (response.status, response.data, response.data) == (200, data, data)
         assert response.headers["Content-Type"] == "application/json"
     assert pool.request("GET", provider + "/small").json() == json.loads(SMALL)
+
+
+def test_a_pool_given_its_own_bound_reads_to_it(provider: str) -> None:
+    # Given a pool bounded below the small answer's length, and one bounded at it exactly
+    below = LazyPool(connect_s=2.0, read_s=10.0, max_answer_bytes=len(SMALL) - 1)
+    at = LazyPool(connect_s=2.0, read_s=10.0, max_answer_bytes=len(SMALL))
+    # When / Then the first refuses it, naming its bound, and the second reads it whole
+    with pytest.raises(urllib3.exceptions.ProtocolError, match=f"answer over {len(SMALL) - 1} "):
+        below.request("GET", provider + "/small")
+    assert at.request("GET", provider + "/small").data == SMALL
 
 
 def test_a_receipt_whose_answer_is_too_large_is_left_stuck_not_retried(

@@ -19,26 +19,23 @@ if TYPE_CHECKING:
 class LazyPool:
     """A ``urllib3.PoolManager`` without retries, created (once) by the first ``request``."""
 
-    max_answer_bytes = 1 << 20  # the most of an answer read (Infrai's client: 16 MiB, ten jobs)
-
-    def __init__(self, *, connect_s: float, read_s: float) -> None:
+    def __init__(self, *, connect_s: float, read_s: float, max_answer_bytes: int = 1 << 20) -> None:
         self._connect_s = connect_s
         self._read_s = read_s
+        self.max_answer_bytes = max_answer_bytes  # 1 MiB by default; the queue client's: 16 MiB
         self._pool: urllib3.PoolManager | None = None
         self._lock = threading.Lock()  # lanes are threads: the first calls may race
 
     def request(self, method: str, url: str, **kwargs: Any) -> urllib3.BaseHTTPResponse:
-        """The answer, read to ``max_answer_bytes``: a longer one is not read on, its connection
-        is closed and urllib3's ``ProtocolError`` raised, as for an answer cut short."""
+        """The answer, preloaded (decoded) to ``max_answer_bytes``: a longer one raises urllib3's
+        ``ProtocolError`` unread, as an answer cut short."""
         import urllib3  # noqa: PLC0415 (on first use: see the module's docstring)
 
         response = (self._pool or self.warm()).request(method, url, preload_content=False, **kwargs)
-        body = response.read(self.max_answer_bytes + 1)  # decoded: a compressed one is bounded too
+        body = response.read(self.max_answer_bytes + 1)  # read to its end, the pool has it back
         if len(body) > self.max_answer_bytes:
             response.close()
             raise urllib3.exceptions.ProtocolError(f"answer over {self.max_answer_bytes:,} bytes")
-        response.release_conn()
-        # As if preloaded (``status``, ``headers``, ``data``, ``json()``), the body decoded once.
         kept: dict[str, Any] = {"decode_content": False, "enforce_content_length": False}
         return urllib3.HTTPResponse(io.BytesIO(body), response.headers, response.status, **kept)
 

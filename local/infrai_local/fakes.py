@@ -34,7 +34,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
 
@@ -69,7 +69,6 @@ from infrai_jobs.work.states import (
     SettleStatus,
     decide,
     settled_kind,
-    utc_from_epoch,
 )
 from infrai_local.queue_model import (
     DEFAULT_PUBLISH_PRICE_USD,
@@ -130,7 +129,7 @@ class FakeClock:
         return self.now()
 
     def utcnow(self) -> datetime:
-        return utc_from_epoch(self.now())
+        return datetime.fromtimestamp(self.now(), tz=UTC)
 
     def advance(self, seconds: float) -> float:
         """Move forward (never back, like the emulator's clock); answers the new time."""
@@ -527,7 +526,7 @@ class InMemoryLedger:
     # --- internals (lock held) ----------------------------------------------------------------
 
     def _now(self) -> datetime:
-        return utc_from_epoch(self.clock.now())
+        return datetime.fromtimestamp(self.clock.now(), tz=UTC)
 
     def _enter(self, call: LedgerCall) -> None:
         self._calls[call] += 1

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -33,7 +33,7 @@ from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.ports import LedgerPort
-from infrai_jobs.work.states import ClaimRow, utc_from_epoch
+from infrai_jobs.work.states import ClaimRow
 from infrai_local.fakes import InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
@@ -155,7 +155,7 @@ def _seed_claim(kit: Ledgers, case: Case, key: str, payload: Payload, ids: list[
         return
     holder = ids[case.holder % case.copies] if case.state.endswith("_member") else "qmsg_outside"
     seconds = EXPIRED_SECONDS if case.state.startswith("expired") else LIVE_SECONDS
-    lease: datetime = utc_from_epoch(kit.now()) + timedelta(seconds=seconds)
+    lease: datetime = datetime.fromtimestamp(kit.now(), tz=UTC) + timedelta(seconds=seconds)
     state = case.state if case.state in {"done", "failed"} else "running"
     kit.seed(
         key,

@@ -11,7 +11,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -35,7 +35,7 @@ from infrai_jobs.jobs.registry import (
 )
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.runtime.drain_service import check_time_budget
-from infrai_jobs.work.states import ClaimRow, utc_from_epoch
+from infrai_jobs.work.states import ClaimRow
 from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
@@ -349,7 +349,7 @@ def test_an_external_claim_lease_is_the_deadline_plus_the_grace(kit: Kit) -> Non
     # When drained with 120 s left and a 60 s grace
     kit.drain(time_left_ms=lambda: 120_000, lease_grace_seconds=60)
     # Then the claim's lease ends 60 s after the invocation's deadline
-    assert kit.row("test.ext:x").lease_until == utc_from_epoch(start + 120 + 60)
+    assert kit.row("test.ext:x").lease_until == datetime.fromtimestamp(start + 120 + 60, tz=UTC)
 
 
 # --- two copies in one batch ------------------------------------------------------------------

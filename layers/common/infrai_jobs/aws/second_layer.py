@@ -1,16 +1,11 @@
-"""The optional second layer: Powertools idempotency around the effect of external jobs.
-
-The Postgres ledger decides every outcome; this layer runs only after the ledger claim was won, and
-answers one question: "did this key's effect already happen?", for when the ledger's row is gone (an
-older backup restored, a prune too early, a row deleted by hand) while the message is delivered
-again. Records are keyed by ``key_prefix#sha256(idem_key)`` and validated against the work's
-fingerprint; what each case stores and returns: docs/design.md, "Second layer". Why "uncertain" is
-stored as COMPLETED: Powertools deletes its record whenever the wrapped call raises, so a raised
-``EffectUncertain`` would leave the key free for a later delivery to repeat the effect. The wrapped
-call returns an envelope saying "uncertain" instead, and the guard raises ``EffectUncertain`` again
-outside, fresh or replayed: a stuck irreversible job stays stuck. An operator who wants it retried
-drops the record (``SecondLayer.forget``) besides the claim. A different fingerprint is permanent
-(retrying cannot make two pieces of work share one key). The in-progress record expires with the
+"""The optional second layer: Powertools idempotency around the effect of external jobs, run
+after the ledger claim was won, for when the ledger's row is gone; what it is for and what each
+case stores and returns: docs/design.md, "Second layer". Why "uncertain" is stored as COMPLETED:
+Powertools deletes its record whenever the wrapped call raises, so a raised ``EffectUncertain``
+would leave the key free for a later delivery to repeat the effect. The wrapped call returns an
+envelope saying "uncertain" instead, and the guard raises ``EffectUncertain`` again outside, fresh
+or replayed: a stuck irreversible job stays stuck. An operator who wants it retried drops the
+record (``SecondLayer.forget``) besides the claim. The in-progress record expires with the
 invocation (``start_invocation``), so a crashed call blocks its key only until the deadline (the
 ledger's running claim keeps a crashed irreversible job from a retry)."""
 
@@ -238,9 +233,8 @@ def redis_store(
         import redis  # noqa: PLC0415
 
         # Our own client, to bound how long a dead server can hold the drain.
-        timeout = REDIS_TIMEOUT_SECONDS
         connection = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout
+            url, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS
         )
         client = cast("CacheClientProtocol", connection)
 

@@ -1,10 +1,9 @@
-"""Idempotency keys and payload fingerprints: pure functions of the work, no I/O. The scheme
-(version ``KEY_SCHEME_VERSION``) is docs/design.md's "Idempotency keys": the producer's
-``_idempotency_key``; else, for a job with identity fields, ``{job}:{field}[:...]``, byte for byte
-the notes' Node worker's key (so both can share one ledger); else ``sha256:`` + the fingerprint.
-Code without the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an
-existing payload a different key is a new scheme version: rows under the old keys would stop
-matching, and their redeliveries would run twice."""
+"""Idempotency keys and payload fingerprints: pure functions of the work, no I/O, by the scheme
+(version ``KEY_SCHEME_VERSION``) of docs/design.md's "Idempotency keys" (``derive_key``); a
+natural key is byte for byte the notes' Node worker's, so both can share one ledger. Code without
+the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an existing payload
+a different key is a new scheme version: rows under the old keys would stop matching, and their
+redeliveries would run twice."""
 
 from __future__ import annotations
 
@@ -201,16 +200,14 @@ def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
         )
 
 
-# What a key reaches (terminals, the console, PostgreSQL) must not act on: C0 and C1 controls,
-# DEL, the bidi overrides and isolates, lone surrogates. One regex scan (twice per message).
+# What terminals, pages or PostgreSQL would act on: C0/C1, DEL, bidi overrides, lone surrogates.
 _UNFIT_CHARACTERS: Final = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _checked_key(key: str, source: str) -> str:
     if len(key) > MAX_KEY_LENGTH:
         raise KeyDerivationError(f"{source} is longer than {MAX_KEY_LENGTH} characters")
-    unfit = _UNFIT_CHARACTERS.search(key)
-    if unfit:
+    if unfit := _UNFIT_CHARACTERS.search(key):
         raise KeyDerivationError(
             f"{source} contains U+{ord(unfit.group()):04X}: a key takes no control character, "
             "bidi override or isolate, or lone surrogate"

@@ -13,7 +13,7 @@ import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Final
 
@@ -305,7 +305,3 @@ def _not_won(request: ClaimRequest, row: Mapping[str, Any]) -> tuple[ClaimStatus
     if row["lease_expired"]:
         return ClaimStatus.STUCK, "claim lease expired while running: the effect may have happened"
     return ClaimStatus.LIVE, "another delivery holds a live claim"
-
-
-def utc_from_epoch(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=UTC)

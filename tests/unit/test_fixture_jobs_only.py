@@ -22,6 +22,7 @@ ALLOWED = {
     # The example jobs tested as examples: their settings, guarantees and probes.
     "unit/test_example_job_settings.py": "tests the example jobs' declared settings",
     "integration/test_example_probes.py": "tests the example jobs' reconcile probes",
+    "integration/test_provider_answers.py": "the example jobs read a provider's answer bounded",
     # A drain process of the soak: its `jobs` is the fixture code root's package, first on the
     # path the soak gives it, whose build_registry it wraps before drain.app binds it.
     "chaos/drain_worker.py": "its `jobs` is the fixture code root's (soak.py's PYTHONPATH)",

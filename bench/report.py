@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import cost
 from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 
 from instruments import labels_per_message
@@ -263,7 +264,12 @@ def _flow_target(document: dict[str, Any]) -> dict[str, Any]:
 # --- files -------------------------------------------------------------------------------------
 
 
-def write_all(document: dict[str, Any], out: Path, docs: Path) -> list[Path]:
+def write_all(
+    document: dict[str, Any], out: Path, docs: Path, prices: cost.Prices | None = None
+) -> list[Path]:
+    document["cost"] = cost.per_million(
+        document, cost.DrainShape.from_template(), prices or cost.Prices()
+    )
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.fromisoformat(document["started_at"]).strftime("%Y%m%dT%H%M%SZ")
     text = json.dumps(document, indent=2) + "\n"
@@ -393,6 +399,7 @@ def render_markdown(document: dict[str, Any], chart: Path) -> str:
         _round_trips_section,
         _lanes_section,
         _scale_section,
+        _cost_section,
         _memory_section,
         _profile_section,
         _cold_start_section,
@@ -1290,6 +1297,19 @@ def _method_section(document: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cost_section(document: dict[str, Any]) -> list[str]:
+    if "cost" not in document:
+        return []
+    machine = document.get("machine", {})
+    start = machine.get("load_average_at_start")
+    load = (
+        f"load average {start[0]:g} on {machine['nproc']} CPUs at the start"
+        if start
+        else "load not recorded"
+    )
+    return cost.markdown(document["cost"], document["started_at"], load)
+
+
 def summary_text(document: dict[str, Any]) -> str:
     a = document["variants"]["notes_loop"]["median"]
     b = document["variants"]["drain"]["median"]
@@ -1302,6 +1322,18 @@ def summary_text(document: dict[str, Any]) -> str:
     ]
     for target in document["targets"]:
         parts.append(f"  {target['target']}: {target['measured']} ({_pass(target['pass'])})")
+    for row in document.get("cost", {}).get("lanes", []):
+        parts.append(
+            f"  1,000,000 messages at {row['lanes']} lane(s): {row['gb_seconds']:,.1f} GB-s, "
+            f"{row['requests']} requests, ${row['arm64_usd']:.4f} arm64 / "
+            f"${row['x86_64_usd']:.4f} x86_64 in Lambda"
+        )
+    if "cost" in document:
+        publish, saves = document["cost"]["infrai_publish_usd"], document["cost"]["outbox_saves"]
+        parts.append(
+            f"  Infrai publishes: ${publish:,.2f} per million; the outbox saves "
+            f"${saves['publish_usd']:,.2f} of them at the stated producer retry rate"
+        )
     return "\n".join(parts)
 
 
@@ -1309,8 +1341,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate the chart and docs/performance.md.")
     parser.add_argument("results", nargs="?", type=Path, default=BENCH / "results" / "latest.json")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "performance.md")
+    defaults = cost.Prices()
+    for field in cost.Prices.__dataclass_fields__:
+        parser.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=float,
+            default=getattr(defaults, field),
+            help="for the cost of a million jobs (%(default)s)",
+        )
     args = parser.parse_args(argv)
     document = json.loads(args.results.read_text())
+    prices = cost.Prices(
+        **{field: getattr(args, field) for field in cost.Prices.__dataclass_fields__}
+    )
+    document["cost"] = cost.per_million(document, cost.DrainShape.from_template(), prices)
     chart = args.results.parent / "latest.png"
     write_chart(document, chart)
     args.docs.write_text(render_markdown(document, chart))

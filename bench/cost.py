@@ -38,13 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LAMBDA_FULL_VCPU_MB = 1769
 
 
-@dataclass(frozen=True)
-class Prices:
-    arm64_gb_s: float = 0.0000133334
-    x86_64_gb_s: float = 0.0000166667
-    lambda_requests_per_million: float = 0.20
-    infrai_publish: float = 0.00002
-    producer_retry_rate: float = 0.05
+# Prices in US dollars, each a flag of report.py (``--arm64-gb-s`` ...).
+PRICES: dict[str, float] = {
+    "arm64_gb_s": 0.0000133334,
+    "x86_64_gb_s": 0.0000166667,
+    "lambda_requests_per_million": 0.20,
+    "infrai_publish": 0.00002,
+    "producer_retry_rate": 0.05,
+}
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ class DrainShape:
         return cls(default("DrainMemorySize"), int(timeout.group(1)), default("DrainBatchBudgetMs"))
 
 
-def per_million(document: dict[str, Any], shape: DrainShape, prices: Prices) -> dict[str, Any]:
+def per_million(
+    document: dict[str, Any], shape: DrainShape, prices: dict[str, float] = PRICES
+) -> dict[str, Any]:
     """The cost of 1,000,000 messages at each measured lane count, and what the outbox saves."""
     vcpu_share = shape.memory_mb / LAMBDA_FULL_VCPU_MB
     useful_s = shape.timeout_s - shape.batch_budget_ms / 1000
@@ -87,7 +90,7 @@ def per_million(document: dict[str, Any], shape: DrainShape, prices: Prices) -> 
         seconds = 1_000_000 / rate
         gb_s = seconds * gb
         requests = math.ceil(seconds / useful_s)
-        request_cost = requests * prices.lambda_requests_per_million / 1_000_000
+        request_cost = requests * prices["lambda_requests_per_million"] / 1_000_000
         rows.append(
             {
                 "lanes": measured["lanes"],
@@ -95,14 +98,16 @@ def per_million(document: dict[str, Any], shape: DrainShape, prices: Prices) -> 
                 "cpu_bound": cpu_bound,
                 "gb_seconds": round(gb_s, 1),
                 "requests": requests,
-                "arm64_usd": round(gb_s * prices.arm64_gb_s + request_cost, 4),
-                "x86_64_usd": round(gb_s * prices.x86_64_gb_s + request_cost, 4),
+                "arm64_usd": round(gb_s * prices["arm64_gb_s"] + request_cost, 4),
+                "x86_64_usd": round(gb_s * prices["x86_64_gb_s"] + request_cost, 4),
             }
         )
-    publishes = 1_000_000 * prices.infrai_publish
-    retried = 1_000_000 * prices.producer_retry_rate
+    publishes = 1_000_000 * prices["infrai_publish"]
+    retried = 1_000_000 * prices["producer_retry_rate"]
     one_lane = rows[0] if rows else None
-    drain_saved = retried / one_lane["messages_per_s"] * gb * prices.arm64_gb_s if one_lane else 0.0
+    drain_saved = (
+        retried / one_lane["messages_per_s"] * gb * prices["arm64_gb_s"] if one_lane else 0.0
+    )
     return {
         "shape": {
             "memory_mb": shape.memory_mb,
@@ -110,12 +115,12 @@ def per_million(document: dict[str, Any], shape: DrainShape, prices: Prices) -> 
             "batch_budget_ms": shape.batch_budget_ms,
             "vcpu_share": round(vcpu_share, 3),
         },
-        "prices": prices.__dict__,
+        "prices": dict(prices),
         "lanes": rows,
         "infrai_publish_usd": round(publishes, 2),
         "outbox_saves": {
             "retried_intents": round(retried),
-            "publish_usd": round(retried * prices.infrai_publish, 2),
+            "publish_usd": round(retried * prices["infrai_publish"], 2),
             "drain_arm64_usd": round(drain_saved, 4),
         },
     }

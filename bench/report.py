@@ -264,12 +264,8 @@ def _flow_target(document: dict[str, Any]) -> dict[str, Any]:
 # --- files -------------------------------------------------------------------------------------
 
 
-def write_all(
-    document: dict[str, Any], out: Path, docs: Path, prices: cost.Prices | None = None
-) -> list[Path]:
-    document["cost"] = cost.per_million(
-        document, cost.DrainShape.from_template(), prices or cost.Prices()
-    )
+def write_all(document: dict[str, Any], out: Path, docs: Path) -> list[Path]:
+    document["cost"] = cost.per_million(document, cost.DrainShape.from_template())
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.fromisoformat(document["started_at"]).strftime("%Y%m%dT%H%M%SZ")
     text = json.dumps(document, indent=2) + "\n"
@@ -1341,19 +1337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate the chart and docs/performance.md.")
     parser.add_argument("results", nargs="?", type=Path, default=BENCH / "results" / "latest.json")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "performance.md")
-    defaults = cost.Prices()
-    for field in cost.Prices.__dataclass_fields__:
+    for name, default in cost.PRICES.items():
         parser.add_argument(
-            f"--{field.replace('_', '-')}",
+            f"--{name.replace('_', '-')}",
             type=float,
-            default=getattr(defaults, field),
+            default=default,
             help="for the cost of a million jobs (%(default)s)",
         )
     args = parser.parse_args(argv)
     document = json.loads(args.results.read_text())
-    prices = cost.Prices(
-        **{field: getattr(args, field) for field in cost.Prices.__dataclass_fields__}
-    )
+    prices = {name: getattr(args, name) for name in cost.PRICES}
     document["cost"] = cost.per_million(document, cost.DrainShape.from_template(), prices)
     chart = args.results.parent / "latest.png"
     write_chart(document, chart)

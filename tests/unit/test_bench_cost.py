@@ -24,7 +24,7 @@ def test_a_lane_within_its_cpu_share_is_priced_at_its_measured_rate() -> None:
     document = {
         "lanes": {"scaling": [{"lanes": 1, "messages_per_s": 500.0, "process_cpu_pct": 20}]}
     }
-    [row] = cost.per_million(document, shape, cost.Prices())["lanes"]
+    [row] = cost.per_million(document, shape, cost.PRICES)["lanes"]
     # 2,000 s of drain at 1 GB; invocations of 100 useful seconds each
     assert row["gb_seconds"] == 2000.0
     assert row["requests"] == 20
@@ -37,14 +37,14 @@ def test_a_lane_that_needs_more_cpu_than_its_memory_buys_is_slowed_in_proportion
     document = {
         "lanes": {"scaling": [{"lanes": 4, "messages_per_s": 1000.0, "process_cpu_pct": 100}]}
     }
-    [row] = cost.per_million(document, shape, cost.Prices())["lanes"]
+    [row] = cost.per_million(document, shape, cost.PRICES)["lanes"]
     assert row["cpu_bound"] is True
     assert row["messages_per_s"] == pytest.approx(500, rel=0.01)
 
 
 def test_the_outbox_saves_the_publishes_of_retried_intents() -> None:
     document = {"lanes": {"scaling": [{"lanes": 1, "messages_per_s": 400.0}]}}
-    prices = cost.Prices(infrai_publish=0.00002, producer_retry_rate=0.1)
+    prices = {**cost.PRICES, "infrai_publish": 0.00002, "producer_retry_rate": 0.1}
     result = cost.per_million(document, cost.DrainShape(512, 240, 20000), prices)
     assert result["infrai_publish_usd"] == 20.0
     assert result["outbox_saves"]["retried_intents"] == 100_000

@@ -60,7 +60,7 @@ def test_public_imports_and_the_teams_own_modules_pass(tmp_path: Path) -> None:
         "import infrai_jobs.errors\n"
         "from infrai_jobs.jobs.registry import Effect, JobRegistry\n"
         "from infrai_jobs.errors import PermanentJobError\n"
-        "from jobs.helpers import shared\n"
+        "from payments.helpers import shared\n"
         "from . import sibling\n"
     )
     assert _refusals_of(tmp_path, source) == []

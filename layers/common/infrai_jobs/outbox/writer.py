@@ -72,8 +72,8 @@ QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 # items' fields stay well under it, so no two large messages can make a consume answer that
 # the drain refuses (and that spends a delivery of every message beside them).
 MAX_BODY_BYTES: Final = 1024 * 1024
-# A name shaped like a job's (``invoice.finalize``): the first part of a natural key,
-# ``invoice.finalize:inv_8812``. A producer's key may not start with another job's.
+# A name shaped like a job's (``refund.issue``): the first part of a natural key,
+# ``refund.issue:r_1``. A producer's key may not start with another job's.
 _JOB_SHAPED: Final = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)+")
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from infrai_jobs.config.settings import OutboxRelaySettings
-from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.errors import ConfigurationError, OutboxError
 from infrai_jobs.ledger.postgres import ledger_errors
 from infrai_jobs.outbox.admin import WAITING, OutboxAdmin, OutboxChange
 from infrai_jobs.outbox.relay import OutboxRelay, RelayReport
@@ -204,11 +204,24 @@ def _row_command(settings: OutboxRelaySettings, args: argparse.Namespace) -> int
     actor = default_actor()
     if args.outbox_action == "discard":
         changes = [admin.discard(args.seq, actor=actor, reason=args.reason)]
+    elif args.all_dead:
+        changes = _retry_every_dead(admin, actor, args.note)
     else:
-        seqs = admin.dead_seqs() if args.all_dead else [args.seq]
-        changes = [admin.retry(seq, actor=actor, note=args.note) for seq in seqs]
+        changes = [admin.retry(args.seq, actor=actor, note=args.note)]
     _print_changes(args.outbox_action, changes, as_json=args.json)
     return EXIT_OK
+
+
+def _retry_every_dead(admin: OutboxAdmin, actor: str, note: str) -> list[OutboxChange]:
+    """Every dead row made due; one another operator (or a relay) changed meanwhile is left
+    as it is now, said on stderr, and the others are retried all the same."""
+    changes = []
+    for seq in admin.dead_seqs():
+        try:
+            changes.append(admin.retry(seq, actor=actor, note=note))
+        except OutboxError as exc:
+            print(f"note: outbox row {seq} left as it is: {exc}", file=sys.stderr, flush=True)
+    return changes
 
 
 _APPLICATION = "infrai-jobs-outbox-cli"

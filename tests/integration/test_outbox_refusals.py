@@ -81,6 +81,14 @@ def test_rows_for_missing_queues_hold_back_none_of_the_200_behind_them(kit: Harn
         assert (row["state"], row["attempts"]) == ("pending", 1)
         assert "QUEUE_NOT_FOUND" in row["last_error"]
     assert cli_json(kit, "outbox", "list", "--failing", "--queue", "deleted-queue")["count"] == 1
+    # And its human form says the same, a row per line with its last error under it
+    human = run_cli(kit, "outbox", "list")
+    assert human.returncode == 0, human.stderr
+    lines = human.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[::2]] == [
+        [str(row["seq"]), "pending"] for row in listed["rows"]
+    ]
+    assert all("QUEUE_NOT_FOUND" in line for line in lines[1::2])
     # When the operator discards one with a reason
     seq = listed["rows"][1]["seq"]
     done = run_cli(

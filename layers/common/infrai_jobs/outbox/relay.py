@@ -261,8 +261,8 @@ class OutboxRelay:
             _log("Infrai refused an outbox row's queue; the row backs off", row, exc, _REFUSED)
             return False
         reason = (
-            f"Infrai refused the row's queue {queue!r} at each of {attempt} attempts, the "
-            f"last: {_text(exc)}"
+            f"Infrai refused the row's queue {queue!r} at its attempt {attempt}, the last the "
+            f"relay makes for a queue Infrai refuses: {_text(exc)}"
         )
         self._mark_dead(conn, row, queue, reason, error=_text(exc))
         _log("Infrai refused an outbox row's queue for the last time", row, exc, "outbox_dead")

@@ -887,3 +887,22 @@ def test_the_oldest_outbox_row_pages_past_its_parameter_and_is_on_the_dashboard(
     relay = template["Resources"]["OutboxRelayFunction"]["Properties"]
     assert template["Parameters"]["OutboxRelayScheduleRate"]["Default"] == "rate(1 minute)"
     assert relay["ReservedConcurrentExecutions"] == 1
+
+
+def test_an_outbox_row_the_relay_gives_up_pages_and_says_what_to_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the alarm on the rows the relay gives up, and what the relay's code emits
+    template, _, props = alarm_on_emitted_series(
+        capsys, "OutboxDeadLetteredAlarm", "OutboxDeadLettered"
+    )
+    # Then it pages on the first row given up in five minutes, and not on a quiet relay
+    assert (props["Statistic"], props["Period"], props["Threshold"]) == ("Sum", 300, 1)
+    assert props["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    assert props["TreatMissingData"] == "notBreaching"
+    # And it names the operator's commands for the outbox's rows
+    description = " ".join(props["AlarmDescription"].split())
+    for command in ("infrai-jobs outbox list", "infrai-jobs outbox retry", "outbox discard"):
+        assert command in description
+    # And the dashboard shows it beside the series it reads
+    assert_on_the_dashboard(template, "OutboxDeadLetteredAlarm", "OutboxDeadLettered")

@@ -8,6 +8,7 @@ and the result page shows the command line, so the operator can type it next tim
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import sys
 import threading
@@ -197,7 +198,9 @@ def create_app(
 
 
 def page(template: str, status: int = 200, **context: Any) -> Response:
-    html = render_template(template, **context)
+    # Each render carries a mark of its own (``data-render``): what follows a click is told
+    # from the page clicked on without holding a node of the page being replaced.
+    html = render_template(template, render_mark=secrets.token_hex(8), **context)
     return Response(html, status=status, mimetype="text/html")
 
 

@@ -3,6 +3,7 @@ that answers the read commands and records every command it is asked to run."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -192,6 +193,28 @@ def test_the_token_redirect_encodes_the_query_it_keeps() -> None:
     answer = app.get(f"/key?{query}", base_url=ORIGIN)
     assert answer.status_code == 303
     assert answer.headers["Location"] == "/key?k=a%26b%23c&m=m-1&m=m+2&note=%C3%A9t%C3%A9"
+
+
+def test_the_token_redirect_stays_on_the_console() -> None:
+    app = create_app(RecordingBackend(), Guard(token=TOKEN, port=PORT)).test_client()
+    # (a request line `GET //evil.example/x?token=... HTTP/1.1`)
+    answer = app.get(
+        "/",
+        query_string={"token": TOKEN},
+        base_url=ORIGIN,
+        environ_overrides={"PATH_INFO": "//evil.example/x"},
+    )
+    assert answer.status_code == 303
+    assert answer.headers["Location"] == "/evil.example/x"
+
+
+def test_every_render_carries_a_mark_of_its_own() -> None:
+    client = client_for(RecordingBackend())
+    marks = [
+        re.search(r'<html lang="en" data-render="([0-9a-f]+)">', html).group(1)  # type: ignore[union-attr]
+        for html in (client.get("/stuck", base_url=ORIGIN).data.decode() for _ in range(2))
+    ]
+    assert len(set(marks)) == 2
 
 
 @pytest.mark.parametrize(

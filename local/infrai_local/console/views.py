@@ -224,9 +224,10 @@ def _guard_requests(app: Flask, guard: Guard) -> None:
             return refused(refusal)
         if query_token is not None:
             # Into a cookie, and out of the address bar (and the browser's history); the rest of
-            # the query is encoded again, so a value holding & or # stays one value.
+            # the query is encoded again, so a value holding & or # stays one value, and the
+            # path keeps one leading slash (`//host/` would send the browser to another site).
             kept = [(k, v) for k, v in request.args.items(multi=True) if k != "token"]
-            target = quote(request.path) + ("?" + urlencode(kept) if kept else "")
+            target = "/" + quote(request.path.lstrip("/")) + ("?" + urlencode(kept) if kept else "")
             response = redirect(target, code=303)
             response.set_cookie(
                 guard.cookie_name, guard.token, httponly=True, samesite="Strict", path="/"

@@ -135,7 +135,8 @@ class OutboxAdmin:
             with conn.cursor(row_factory=class_row(OutboxRow)) as cur:
                 after = cur.execute(_RETRY, {"seq": seq}).fetchone()
             assert after is not None  # locked, pending or dead
-            resolved = self._record(conn, row, after, RETRY, actor=actor, note=note)
+            with self._recording(conn) as ledger:
+                resolved = _record_in(ledger, row, after, RETRY, actor=actor, note=note)
         return OutboxChange(row, after, resolved)
 
     def discard(self, seq: int, *, actor: str, reason: str) -> OutboxChange:
@@ -145,7 +146,8 @@ class OutboxAdmin:
             raise OutboxError("a discard needs a reason (--reason), for the record")
         with self._locked(seq, "discard") as (conn, row):
             conn.execute(_DISCARD, {"seq": seq})
-            resolved = self._record(conn, row, None, DISCARD, actor=actor, note=reason)
+            with self._recording(conn) as ledger:
+                resolved = _record_in(ledger, row, None, DISCARD, actor=actor, note=reason)
         return OutboxChange(row, None, resolved)
 
     @contextmanager
@@ -170,22 +172,15 @@ class OutboxAdmin:
                 )
             yield conn, row
 
-    def _record(
-        self,
-        conn: psycopg.Connection[Any],
-        row: OutboxRow,
-        after: OutboxRow | None,
-        action: str,
-        *,
-        actor: str,
-        note: str,
-    ) -> bool:
-        """The change's record and its dead letter's resolution: in the outbox's transaction
-        when the ledger is the same database, else committed just before it."""
+    @contextmanager
+    def _recording(self, conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+        """Where a change is recorded: the outbox's own transaction when the ledger is the same
+        database, else a ledger transaction committed just before it."""
         if self._ledger.url == self._outbox.url:
-            return _record_in(conn, row, after, action, actor=actor, note=note)
+            yield conn
+            return
         with self._ledger.session("cannot record an outbox change") as ledger, ledger.transaction():
-            return _record_in(ledger, row, after, action, actor=actor, note=note)
+            yield ledger
 
 
 def _record_in(

@@ -13,12 +13,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 import urllib3
 from drainkit import QUEUE, Harness, start_cli
+from stub_servers import QuietJsonHandler, serving
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 
@@ -142,31 +143,18 @@ class HeldProvider:
 def held_provider() -> Iterator[HeldProvider]:
     held = HeldProvider()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietJsonHandler):
         def do_GET(self) -> None:
             held.arrived.set()
             held.release.wait(timeout=60)
-            body = json.dumps(held.answer()).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_json(200, json.dumps(held.answer()).encode())
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    held.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield held
-    finally:
-        held.release.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as url:
+        held.url = url
+        try:
+            yield held
+        finally:
+            held.release.set()
 
 
 class Session:

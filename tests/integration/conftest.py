@@ -14,7 +14,7 @@ import pytest
 from aws_lambda_powertools.utilities import parameters
 from drainkit import Harness, harness
 from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
-from pgbouncer import MISSING, RunningPooler, running_pgbouncer
+from pgbouncer import MISSING, RunningPooler, pgbouncer_binary, running_pgbouncer
 from redis_server import wait_for_redis
 
 
@@ -78,7 +78,7 @@ def redis_url(
 @pytest.fixture(scope="session")
 def pgbouncer(pg_server_url: str) -> Iterator[RunningPooler]:
     """A PgBouncer in transaction mode before the session's PostgreSQL; never skipped."""
-    if shutil.which("pgbouncer") is None and shutil.which("pgbouncer", path="/usr/sbin") is None:
+    if pgbouncer_binary() is None:
         pytest.fail(MISSING)
     with running_pgbouncer(pg_server_url) as pooler:
         yield pooler

@@ -63,6 +63,11 @@ class RunningPooler:
         return "\n".join(self.lines)
 
 
+def pgbouncer_binary() -> str | None:
+    """Debian's pgbouncer, on PATH or in /usr/sbin (which a user's PATH may lack)."""
+    return shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -114,7 +119,7 @@ def _config(server_url: str, folder: Path, port: int) -> Path:
 def running_pgbouncer(server_url: str) -> Iterator[RunningPooler]:
     """A pgbouncer in transaction mode before the server at ``server_url``, stopped (by its
     own process id) when the block ends."""
-    binary = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+    binary = pgbouncer_binary()
     if binary is None:
         raise RuntimeError(MISSING)
     with tempfile.TemporaryDirectory(prefix="infrai-pgbouncer-") as scratch:

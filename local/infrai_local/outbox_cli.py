@@ -5,7 +5,10 @@ a bastion.
 database (never a throwaway emulator: a publish there would vanish). ``--follow`` keeps relaying
 until Ctrl-C: it listens on the ``infrai_outbox`` channel, which ``enqueue(..., notify=True)``
 signals at commit, and polls every ``--poll-seconds`` in any case, so a row enqueued without
-notify still goes out within that interval. ``status`` reads the outbox's figures.
+notify still goes out within that interval. ``LISTEN`` needs a session of its own, which a
+transaction pooler does not keep: ``OUTBOX_LISTEN_URL`` names the outbox's database directly,
+for listening only (docs/configuration.md, "Behind a connection pooler"). ``status`` reads the
+outbox's figures.
 
 ``list`` shows the rows that wait (pending, or dead: refused for good, or for their own queue),
 ``retry`` makes one (or every dead one) due now, ``discard`` deletes one with a reason; both are
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +27,7 @@ from typing import Any
 
 from infrai_jobs.config.settings import OutboxRelaySettings
 from infrai_jobs.errors import ConfigurationError, OutboxError
-from infrai_jobs.ledger.postgres import ledger_errors
+from infrai_jobs.ledger.postgres import LedgerConnector, ledger_errors, malformed_reason
 from infrai_jobs.outbox.admin import WAITING, OutboxAdmin, OutboxChange
 from infrai_jobs.outbox.relay import OutboxRelay, RelayReport
 from infrai_jobs.outbox.rows import OutboxRow
@@ -44,6 +48,8 @@ EXIT_OK = 0
 PASS_BUDGET_MS = 240_000
 # What `outbox list` shows at most unless --limit says otherwise.
 DEFAULT_LIST_LIMIT = 100
+# The outbox's database without a pooler in between, for --follow's LISTEN (CLI only).
+LISTEN_URL_ENV = "OUTBOX_LISTEN_URL"
 
 
 def add_outbox_commands(sub: Any, command: Callable[[argparse.Namespace], int]) -> None:
@@ -139,12 +145,21 @@ def run_outbox(args: argparse.Namespace) -> int:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.poll_seconds <= 0:
         raise ConfigurationError("--poll-seconds must be above 0")
+    listen_url = os.environ.get(LISTEN_URL_ENV, "").strip()
+    if args.follow and malformed_reason(listen_url):
+        # Names the variable, never the value: it may hold a password.
+        raise ConfigurationError(f"{LISTEN_URL_ENV} is malformed: {malformed_reason(listen_url)}")
     edge, refresh = with_secrets(settings).unpacked()
     client = make_queue_client(edge, refresh_api_key=refresh.api_key)
     try:
         relay = make_outbox_relay(edge, client, refresh=refresh)
         if args.follow:
-            return _follow(relay, edge, args.poll_seconds, as_json=args.json)
+            listener = (
+                LedgerConnector(listen_url, application_name="infrai-jobs-outbox-listen")
+                if listen_url
+                else outbox_connector(edge)
+            )
+            return _follow(relay, listener, args.poll_seconds, as_json=args.json)
         report = _one_pass(relay, args.max_batches)
         _print_report(report, relay.status(), as_json=args.json)
     finally:
@@ -158,9 +173,10 @@ def _one_pass(relay: OutboxRelay, max_batches: int | None) -> RelayReport:
 
 
 def _follow(
-    relay: OutboxRelay, settings: OutboxRelaySettings, poll_seconds: float, *, as_json: bool
+    relay: OutboxRelay, connector: LedgerConnector, poll_seconds: float, *, as_json: bool
 ) -> int:
-    connector = outbox_connector(settings)
+    """Relay until Ctrl-C, woken by ``connector``'s LISTEN (the outbox's own connector, or
+    ``OUTBOX_LISTEN_URL``'s) or every ``poll_seconds``."""
     with connector.session("cannot listen on the outbox") as conn:
         conn.execute("LISTEN infrai_outbox")
         print(

@@ -50,6 +50,7 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
+from infrai_local.public_imports import PUBLIC_API
 from infrai_local.scaffold_settings import (
     PLACEHOLDER,
     parameter_name,
@@ -73,15 +74,10 @@ _FRAMEWORK_PREFIXES: Final = (
 _JOBS_IMPORT: Final = re.compile(r"^from jobs import (\([^)]*\)|[^\n(]+)$", re.M)
 _RETURN_REGISTRY: Final = "    return registry\n"
 _LINE_LENGTH: Final = 100
-# Where the code new-job writes imports each name from: the one place to change when they move
-# (to a public API module, say).
+# Where the code new-job writes imports each name from: a job module's from the public job API
+# (``public_imports``), its test's from the test kit. The one place to change when they move.
 _IMPORTED_FROM: Final = {
-    **dict.fromkeys(
-        ("Effect", "JobContext", "JobRegistry", "JsonValue", "Payload"), "infrai_jobs.jobs.registry"
-    ),
-    "LazyPool": "infrai_jobs.jobs.http_pool",
-    **dict.fromkeys(("ConcurrencyLimit", "RateLimit", "RetryPolicy"), "infrai_jobs.jobs.policy"),
-    **dict.fromkeys(("Done", "NotDone", "ProbeAnswer", "Unknown"), "infrai_jobs.jobs.probes"),
+    **{name: module for module, names in PUBLIC_API.items() for name in names},
     **dict.fromkeys(("JobKit", "Route"), "infrai_local.testkit"),
 }
 # A retry policy's back-off when new-job is given none.
@@ -379,7 +375,7 @@ def dry_run_listing(job: NewJob, scaffold: Scaffold) -> str:
     lines += ["and edit:"]
     edited = [scaffold.registry_file, *scaffold.edits]
     lines += [f"  {_relative(path, scaffold.project)}" for path in edited]
-    lines += [f"note: {note}" for note in scaffold.left_alone]
+    lines += [f"note: {note}." for note in scaffold.left_alone]
     lines += ["(dry run: nothing was written)"]
     return "\n".join(lines)
 
@@ -409,7 +405,7 @@ def next_steps(
             f"  Make find_call in functions/jobs/{job.module}.py ask your provider's lookup; its",
             "  tests' stand-in serves the routes in their job_kit_provider_routes fixture.",
         ]
-    lines += [f"  note: {note}" for note in left_alone]
+    lines += [f"  note: {note}." for note in left_alone]
     if job.effect is Effect.DATABASE:
         lines.append(f"  infrai-jobs migrate     # creates its table, {job.table}")
     else:

@@ -23,6 +23,7 @@ import pytest
 from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, TEST_JOBS_CODE, Harness, run_cli
 
+from infrai_local.public_imports import refused_imports
 from infrai_local.sam_template import load_template
 
 RUFF = str(Path(sys.executable).parent / "ruff")
@@ -127,6 +128,8 @@ def test_what_is_scaffolded_passes_lint_and_its_own_tests(
     for command in (["check"], ["format", "--check"]):
         linted = run_captured([RUFF, *command, *map(str, written)], cwd=project)
         assert linted.returncode == 0, linted.stdout + linted.stderr
+    # And the job module imports only the public job API
+    assert refused_imports([written[0]]) == []
     migration = f"{version:04d}_{LINT_MODULE}.sql"
     assert (project / "functions" / "jobs" / "migrations" / migration).is_file()
     # And the scaffolded test, written with the test kit, passes on a real PostgreSQL (an

@@ -51,7 +51,20 @@ browser:
 			chromium chromium-driver; \
 	fi
 
-test: lint typecheck $(CHECKOV_STAMP) browser
+# The pooler tier (tests/integration/test_behind_pooler.py) runs the framework through Debian's
+# PgBouncer in transaction mode, which the tests start on 127.0.0.1 as they start PostgreSQL:
+# installed here when missing (as root, or through sudo), as `browser` installs Chromium.
+.PHONY: pgbouncer
+pgbouncer:
+	@if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		echo "installing Debian's pgbouncer for the pooler tier"; \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+			pgbouncer; \
+	fi
+
+test: lint typecheck $(CHECKOV_STAMP) browser pgbouncer
 	$(BIN)/pytest
 
 test-unit: $(STAMP)

@@ -2,7 +2,9 @@
 
 One pass publishes due outbox rows oldest first, in batches, until none is due or the time is
 short (infrai_jobs.outbox.relay), then reports the outbox's backlog as metrics: OutboxPending and
-OldestOutboxAgeSeconds, which OldestOutboxAlarm pages on.
+OldestOutboxAgeSeconds, which OldestOutboxAlarm pages on. A row whose own queue Infrai refuses
+backs off without stopping the pass; a row given up counts in OutboxDeadLettered, which
+OutboxDeadLetteredAlarm pages on. Only a refusal of the relay's own setting fails the pass.
 """
 
 from __future__ import annotations

@@ -446,6 +446,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "that",
     )
     new_job.add_argument(
+        "--first-delay-seconds",
+        type=float,
+        metavar="S",
+        help="with --retry-attempts: the delay before the first retry (1.0)",
+    )
+    new_job.add_argument(
+        "--max-delay-seconds",
+        type=float,
+        metavar="S",
+        help="with --retry-attempts: the longest delay, which the back-off doubles up to (60.0)",
+    )
+    new_job.add_argument(
         "--rate-per-second",
         type=int,
         metavar="N",
@@ -455,8 +467,9 @@ def _build_parser() -> argparse.ArgumentParser:
     new_job.add_argument(
         "--concurrency-key",
         metavar="FIELD[,FIELD]",
-        help="declare a concurrency key on these --identity fields (external jobs): at most "
-        "--max-running runs at once per value; its test asserts a job waits for a free slot",
+        help="declare a concurrency key on these payload fields (external jobs; a field not in "
+        "--identity is declared too): at most --max-running runs at once per value; its test "
+        "asserts a job waits for a free slot",
     )
     new_job.add_argument(
         "--max-running",

@@ -1,46 +1,64 @@
-"""``infrai-jobs outbox relay`` and ``infrai-jobs outbox status``: the producers' outbox from
-a laptop or a bastion.
+"""``infrai-jobs outbox relay|status|list|retry|discard``: the producers' outbox from a laptop or
+a bastion.
 
 ``relay`` runs one pass, as OutboxRelayFunction does, against the configured Infrai and outbox
 database (never a throwaway emulator: a publish there would vanish). ``--follow`` keeps relaying
 until Ctrl-C: it listens on the ``infrai_outbox`` channel, which ``enqueue(..., notify=True)``
 signals at commit, and polls every ``--poll-seconds`` in any case, so a row enqueued without
-notify still goes out within that interval. ``status`` reads the outbox's figures.
+notify still goes out within that interval. ``LISTEN`` needs a session of its own, which a
+transaction pooler does not keep: ``OUTBOX_LISTEN_URL`` names the outbox's database directly,
+for listening only (docs/configuration.md, "Behind a connection pooler"). ``status`` reads the
+outbox's figures.
+
+``list`` shows the rows that wait (pending, or dead: refused for good, or for their own queue),
+``retry`` makes one (or every dead one) due now, ``discard`` deletes one with a reason; both are
+``infrai_jobs.outbox.admin``'s, recorded in claim_history with the operator's name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from infrai_jobs.config.settings import OutboxRelaySettings
-from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.ledger.postgres import ledger_errors
+from infrai_jobs.errors import ConfigurationError, OutboxError
+from infrai_jobs.ledger.postgres import LedgerConnector, ledger_errors, malformed_reason
+from infrai_jobs.outbox.admin import WAITING, OutboxAdmin, OutboxChange
 from infrai_jobs.outbox.relay import OutboxRelay, RelayReport
+from infrai_jobs.outbox.rows import OutboxRow
 from infrai_jobs.outbox.status import OutboxStatus, read_status
 from infrai_jobs.outbox.writer import NOTIFY_CHANNEL
 from infrai_jobs.runtime.factory import (
+    ledger_connector,
     make_outbox_relay,
     make_queue_client,
     outbox_connector,
     with_secrets,
 )
+from infrai_local.operator import default_actor
 
 EXIT_OK = 0
 
 # A pass from the command line has no invocation deadline; this stands in for one.
 PASS_BUDGET_MS = 240_000
+# What `outbox list` shows at most unless --limit says otherwise.
+DEFAULT_LIST_LIMIT = 100
+# The outbox's database without a pooler in between, for --follow's LISTEN (CLI only).
+LISTEN_URL_ENV = "OUTBOX_LISTEN_URL"
 
 
 def add_outbox_commands(sub: Any, command: Callable[[argparse.Namespace], int]) -> None:
-    """Register ``outbox relay`` and ``outbox status``; ``command`` is what the CLI's
-    dispatcher calls for either (``run_outbox``, wired by the CLI)."""
+    """Register ``outbox relay|status|list|retry|discard``; ``command`` is what the CLI's
+    dispatcher calls for each (``run_outbox``, wired by the CLI)."""
     outbox = sub.add_parser(
-        "outbox", help="the producers' transactional outbox: relay it to Infrai, or show it"
+        "outbox",
+        help="the producers' transactional outbox: relay it to Infrai, show it, retry or "
+        "discard a row",
     )
     actions = outbox.add_subparsers(metavar="ACTION", dest="outbox_action", required=True)
     relay = actions.add_parser(
@@ -66,6 +84,44 @@ def add_outbox_commands(sub: Any, command: Callable[[argparse.Namespace], int]) 
     )
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(command=command)
+    _add_row_commands(actions, command)
+
+
+def _add_row_commands(actions: Any, command: Callable[[argparse.Namespace], int]) -> None:
+    listing = actions.add_parser(
+        "list", help="the rows that wait, oldest first: pending, and dead (refused for good)"
+    )
+    listing.add_argument(
+        "--state", choices=WAITING, default=None, help="only pending, or only dead, rows"
+    )
+    listing.add_argument("--job", default=None, help="only rows of this job")
+    listing.add_argument("--queue", default=None, help="only rows for this queue (their own)")
+    listing.add_argument(
+        "--failing", action="store_true", help="only rows that met an error (attempts > 0)"
+    )
+    listing.add_argument(
+        "--limit", type=int, default=DEFAULT_LIST_LIMIT, help="at most N rows (default 100)"
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    listing.set_defaults(command=command)
+    retry = actions.add_parser(
+        "retry",
+        help="make a pending or dead row due now, its attempts at 0 (after fixing the cause); "
+        "recorded in claim_history",
+    )
+    retry.add_argument("seq", nargs="?", type=int, default=None, help="the row's seq")
+    retry.add_argument("--all-dead", action="store_true", help="every dead row")
+    retry.add_argument("--note", default="", help="why, for claim_history")
+    retry.add_argument("--json", action="store_true", help="print JSON for scripts")
+    retry.set_defaults(command=command)
+    discard = actions.add_parser(
+        "discard",
+        help="delete a pending or dead row for good; recorded in claim_history with its body",
+    )
+    discard.add_argument("seq", type=int, help="the row's seq")
+    discard.add_argument("--reason", required=True, help="why, for claim_history")
+    discard.add_argument("--json", action="store_true", help="print JSON for scripts")
+    discard.set_defaults(command=command)
 
 
 def run_outbox(args: argparse.Namespace) -> int:
@@ -77,6 +133,8 @@ def run_outbox(args: argparse.Namespace) -> int:
         )
     if args.outbox_action == "status":
         return _status(settings, as_json=args.json)
+    if args.outbox_action in ("list", "retry", "discard"):
+        return _row_command(settings, args)
     if not settings.infrai_base_url:
         raise ConfigurationError(
             "`infrai-jobs outbox relay` needs INFRAI_BASE_URL: a row published to a throwaway "
@@ -87,12 +145,21 @@ def run_outbox(args: argparse.Namespace) -> int:
         raise ConfigurationError("--max-batches must be at least 1")
     if args.poll_seconds <= 0:
         raise ConfigurationError("--poll-seconds must be above 0")
+    listen_url = os.environ.get(LISTEN_URL_ENV, "").strip()
+    if args.follow and malformed_reason(listen_url):
+        # Names the variable, never the value: it may hold a password.
+        raise ConfigurationError(f"{LISTEN_URL_ENV} is malformed: {malformed_reason(listen_url)}")
     edge, refresh = with_secrets(settings).unpacked()
     client = make_queue_client(edge, refresh_api_key=refresh.api_key)
     try:
         relay = make_outbox_relay(edge, client, refresh=refresh)
         if args.follow:
-            return _follow(relay, edge, args.poll_seconds, as_json=args.json)
+            listener = (
+                LedgerConnector(listen_url, application_name="infrai-jobs-outbox-listen")
+                if listen_url
+                else outbox_connector(edge)
+            )
+            return _follow(relay, listener, args.poll_seconds, as_json=args.json)
         report = _one_pass(relay, args.max_batches)
         _print_report(report, relay.status(), as_json=args.json)
     finally:
@@ -106,9 +173,10 @@ def _one_pass(relay: OutboxRelay, max_batches: int | None) -> RelayReport:
 
 
 def _follow(
-    relay: OutboxRelay, settings: OutboxRelaySettings, poll_seconds: float, *, as_json: bool
+    relay: OutboxRelay, connector: LedgerConnector, poll_seconds: float, *, as_json: bool
 ) -> int:
-    connector = outbox_connector(settings)
+    """Relay until Ctrl-C, woken by ``connector``'s LISTEN (the outbox's own connector, or
+    ``OUTBOX_LISTEN_URL``'s) or every ``poll_seconds``."""
     with connector.session("cannot listen on the outbox") as conn:
         conn.execute("LISTEN infrai_outbox")
         print(
@@ -119,7 +187,7 @@ def _follow(
         )
         while True:
             report = _one_pass(relay, None)
-            if report.published or report.retried or report.dead:
+            if report.published or report.retried or report.dead or report.refused:
                 _print_report(report, None, as_json=as_json)
             with ledger_errors("cannot listen on the outbox", connector.url):
                 for _ in conn.notifies(timeout=poll_seconds, stop_after=1):
@@ -137,6 +205,89 @@ def _status(settings: OutboxRelaySettings, *, as_json: bool) -> int:
     return EXIT_OK
 
 
+def _row_command(settings: OutboxRelaySettings, args: argparse.Namespace) -> int:
+    """``list``, ``retry`` or ``discard``: each checks its arguments before it connects."""
+    if args.outbox_action == "list" and args.limit < 1:
+        raise ConfigurationError("--limit must be at least 1")
+    if args.outbox_action == "retry" and (args.seq is None) == (not args.all_dead):
+        raise ConfigurationError("`outbox retry` takes a row's SEQ or --all-dead (one of them)")
+    if args.outbox_action == "discard" and not args.reason.strip():
+        raise ConfigurationError("`outbox discard` needs a --reason that says why")
+    edge = with_secrets(settings, api_key=False).settings
+    admin = OutboxAdmin(outbox_connector(edge), ledger_connector(edge, _APPLICATION, None))
+    if args.outbox_action == "list":
+        return _list(admin, args)
+    actor = default_actor()
+    if args.outbox_action == "discard":
+        changes = [admin.discard(args.seq, actor=actor, reason=args.reason)]
+    elif args.all_dead:
+        changes = _retry_every_dead(admin, actor, args.note)
+    else:
+        changes = [admin.retry(args.seq, actor=actor, note=args.note)]
+    _print_changes(args.outbox_action, changes, as_json=args.json)
+    return EXIT_OK
+
+
+def _retry_every_dead(admin: OutboxAdmin, actor: str, note: str) -> list[OutboxChange]:
+    """Every dead row made due; one another operator (or a relay) changed meanwhile is left
+    as it is now, said on stderr, and the others are retried all the same."""
+    changes = []
+    for seq in admin.dead_seqs():
+        try:
+            changes.append(admin.retry(seq, actor=actor, note=note))
+        except OutboxError as exc:
+            print(f"note: outbox row {seq} left as it is: {exc}", file=sys.stderr, flush=True)
+    return changes
+
+
+_APPLICATION = "infrai-jobs-outbox-cli"
+
+
+def _list(admin: OutboxAdmin, args: argparse.Namespace) -> int:
+    rows = admin.rows(
+        states=(args.state,) if args.state else WAITING,
+        job=args.job,
+        queue=args.queue,
+        failing=args.failing,
+        limit=args.limit,
+    )
+    if args.json:
+        print(json.dumps({"rows": [row.as_dict() for row in rows], "count": len(rows)}))
+        return EXIT_OK
+    if not rows:
+        print("no outbox row waits (pending or dead) that matches", flush=True)
+        return EXIT_OK
+    for row in rows:
+        print(_row_line(row), flush=True)
+    return EXIT_OK
+
+
+def _row_line(row: OutboxRow) -> str:
+    queue = row.queue or "(the relay's queue)"
+    due = "" if row.state != "pending" else f", due {row.next_attempt_at.isoformat()}"
+    error = f"\n    last error: {row.last_error}" if row.last_error else ""
+    return (
+        f"{row.seq}  {row.state}  {row.job or '-'}  key {row.idem_key}  queue {queue}  "
+        f"attempts {row.attempts}{due}{error}"
+    )
+
+
+def _print_changes(action: str, changes: list[OutboxChange], *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({action: [change.as_dict() for change in changes]}), flush=True)
+        return
+    if not changes:
+        print("no dead outbox row: nothing to retry", flush=True)
+    done = "due now, attempts 0" if action == "retry" else "deleted"
+    for change in changes:
+        letter = " (its dead letter resolved)" if change.letter_resolved else ""
+        print(
+            f"{action} outbox row {change.before.seq} (key {change.before.idem_key}): {done}"
+            f"{letter}; recorded in claim_history",
+            flush=True,
+        )
+
+
 def _print_report(report: RelayReport, status: OutboxStatus | None, *, as_json: bool) -> None:
     document: dict[str, Any] = report.as_dict()
     if status is not None:
@@ -149,6 +300,12 @@ def _print_report(report: RelayReport, status: OutboxStatus | None, *, as_json: 
         f"{report.dead} in {report.batches} batch(es)",
         flush=True,
     )
+    if report.refused:
+        print(
+            f"{report.refused} row(s) refused for their own queue (`infrai-jobs outbox list "
+            "--failing` shows them)",
+            flush=True,
+        )
     if status is not None:
         _print_fields(status.as_dict())
 

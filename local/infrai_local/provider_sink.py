@@ -20,6 +20,19 @@ It counts effects so tests and the demo can prove "at most once":
   "lookup_status": code}``: answer 503 without an effect, or perform the effect and then hang
   past the client's read timeout; ``lookup_status`` makes every lookup answer that status.
 * ``POST /_sink/reset``.
+
+A job of your own gets routes of its own (``Route``, passed to ``start_in_thread(routes=...)``;
+the test kit's ``job_kit_provider_routes`` fixture): any method and path, ``{name}`` matching
+one path segment (``POST /hooks/{subscriber}``), answered with the status and body it gives
+(200 and a fresh ``{"id": ...}`` unless told). A call answered 2xx is one effect, recorded under
+its key: the ``Idempotency-Key`` header, else ``X-Request-Key`` (what ``new-job``'s handlers
+send), else where ``key`` says (``header:NAME``, ``body:FIELD``, ``path:NAME``, ``query:NAME``).
+A route with ``lookup=True`` is what a reconcile probe calls (``GET /deliveries/{id}``): it
+answers 200 with what was received under the key its request names (its path's last
+``{parameter}`` unless told) and 404 when nothing was. ``fail_rate``, ``hang_rate`` and
+``lookup_status`` apply to these routes as to the built-in ones. A request no route serves
+answers 404 and is listed in the state's ``unrouted``, so a test that calls a path the
+stand-in lacks says which.
 """
 
 from __future__ import annotations
@@ -28,15 +41,73 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import secrets
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
+
+_KEY_SOURCES: Final = ("header", "body", "path", "query")
+_PATH_PARAMETER: Final = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route of a job's own stand-in provider (see the module's docstring).
+
+    ``path``: ``{name}`` matches one path segment. ``status``/``body``: the answer (``body``
+    None: a fresh ``{"id": ...}``); a 2xx answer records an effect. ``lookup``: answer from the
+    calls received instead, 200 with the first call under the key the request names, else 404.
+    ``key``: where a call's key is (``header:NAME``, ``body:FIELD``, ``path:NAME``,
+    ``query:NAME``); empty: ``Idempotency-Key``, else ``X-Request-Key`` for an effect, and
+    the path's last ``{parameter}`` for a lookup."""
+
+    method: str
+    path: str
+    status: int = 200
+    body: Mapping[str, Any] | None = None
+    lookup: bool = False
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/") or not self.method.isalpha():
+            raise ValueError(f"route {self.method} {self.path}: a method and a path from /")
+        source, _, name = self.key_source.partition(":")
+        if source not in _KEY_SOURCES or not name:
+            raise ValueError(
+                f"route {self.method} {self.path}: key {self.key!r} is not one of "
+                "header:NAME, body:FIELD, path:NAME, query:NAME"
+            )
+        if source == "path" and name not in _PATH_PARAMETER.findall(self.path):
+            raise ValueError(
+                f"route {self.method} {self.path}: key {self.key!r} names no {{{name}}} in the path"
+            )
+
+    @property
+    def key_source(self) -> str:
+        """Where the key is; a lookup's default is its path's last ``{parameter}``."""
+        if self.key or not self.lookup:
+            return self.key or "header:Idempotency-Key"
+        names = _PATH_PARAMETER.findall(self.path)
+        return f"path:{names[-1] if names else 'key'}"
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        """The path's parameters when this route serves the request, else None."""
+        if method != self.method.upper():
+            return None
+        parts = _PATH_PARAMETER.split(self.path)  # literal, name, literal, ...
+        pattern = "".join(
+            f"(?P<{part}>[^/]+)" if index % 2 else re.escape(part)
+            for index, part in enumerate(parts)
+        )
+        found = re.fullmatch(pattern, path)
+        return {k: unquote(v) for k, v in found.groupdict().items()} if found else None
 
 
 @dataclass
@@ -56,6 +127,11 @@ class SinkState:
     hang_rate: float = 0.0
     hang_seconds: float = 6.0
     rng: random.Random = field(default_factory=random.Random)
+    # A job's own routes (``Route``), served before the built-in ones; what they received, by
+    # key; and the requests no route served ("METHOD /path").
+    routes: tuple[Route, ...] = ()
+    received: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    unrouted: list[str] = field(default_factory=list)
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -67,6 +143,11 @@ class SinkState:
                 "authorized": dict(self.authorized),
                 "mail_effects": sum(self.mails.values()),
                 "digest_effects": sum(self.digests.values()),
+                "received": {
+                    key: [{"path": c["path"], "id": c["id"]} for c in calls]
+                    for key, calls in self.received.items()
+                },
+                "unrouted": list(self.unrouted),
             }
 
 
@@ -100,9 +181,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/_sink/state":
             self._reply(200, state.snapshot())
             return
+        if self._routed({}):
+            return
         url = urlsplit(self.path)
         if url.path != "/v1/mail" and not url.path.startswith("/v1/digests/"):
-            self._reply(404, {"error": "not found"})
+            self._not_found()
             return
         with state.lock:
             state.calls[f"GET {url.path.split('/')[2]}"] += 1
@@ -129,7 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         if self.path == "/_sink/reset":
             with state.lock:
-                self.server.state = SinkState()
+                self.server.state = SinkState(routes=state.routes)
             self._reply(200, {"ok": True})
             return
         if self.path == "/_sink/faults":
@@ -141,9 +224,11 @@ class _Handler(BaseHTTPRequestHandler):
                 state.lookup_status = int(body.get("lookup_status", 0))
             self._reply(200, {"ok": True})
             return
+        if self._routed(body):
+            return
         generic = self.path.startswith("/v1/effects/") and len(self.path) > len("/v1/effects/")
         if self.path not in ("/v1/mail/send", "/v1/digests") and not generic:
-            self._reply(404, {"error": "not found"})
+            self._not_found()
             return
         with state.lock:
             state.calls[self.path] += 1
@@ -157,6 +242,89 @@ class _Handler(BaseHTTPRequestHandler):
             # The effect happened; the caller will time out and cannot know it.
             time.sleep(state.hang_seconds)
         self._reply(200, reply)
+
+    def do_PUT(self) -> None:
+        self._only_routed()
+
+    def do_PATCH(self) -> None:
+        self._only_routed()
+
+    def do_DELETE(self) -> None:
+        self._only_routed()
+
+    def _only_routed(self) -> None:
+        if not self._routed(self._body()):
+            self._not_found()
+
+    def _not_found(self) -> None:
+        request = f"{self.command} {urlsplit(self.path).path}"
+        with self.server.state.lock:
+            self.server.state.unrouted.append(request)
+        self._reply(404, {"error": f"the stand-in provider has no route {request}"})
+
+    def _routed(self, body: dict[str, Any]) -> bool:
+        """Serve the request with a job's own route, if one matches; whether one did."""
+        state = self.server.state
+        url = urlsplit(self.path)
+        for route in state.routes:
+            params = route.match(self.command, url.path)
+            if params is None:
+                continue
+            key = self._route_key(route, params, parse_qs(url.query), body)
+            with state.lock:
+                state.calls[f"{route.method.upper()} {route.path}"] += 1
+                if route.lookup:
+                    status = state.lookup_status
+                    calls = list(state.received.get(key, ()))
+                    fail = hang = False
+                else:
+                    status = 0
+                    fail = state.rng.random() < state.fail_rate
+                    hang = not fail and state.rng.random() < state.hang_rate
+            if route.lookup:
+                self._reply(*_lookup_answer(status, key, calls))
+            elif fail:
+                self._reply(503, {"error": "provider unavailable, nothing done"})
+            else:
+                self._reply(route.status, self._route_effect(route, url.path, key, body, hang))
+            return True
+        return False
+
+    def _route_key(
+        self,
+        route: Route,
+        params: Mapping[str, str],
+        query: Mapping[str, Sequence[str]],
+        body: Mapping[str, Any],
+    ) -> str:
+        if not route.key and not route.lookup:
+            return self.headers.get("Idempotency-Key") or self.headers.get("X-Request-Key") or ""
+        source, _, name = route.key_source.partition(":")
+        if source == "header":
+            return self.headers.get(name) or ""
+        if source == "path":
+            return params.get(name, "")
+        if source == "query":
+            return (query.get(name) or [""])[0]
+        return str(body.get(name, ""))
+
+    def _route_effect(
+        self, route: Route, path: str, key: str, body: dict[str, Any], hang: bool
+    ) -> dict[str, Any]:
+        """A job's own route's answer; a 2xx one is an effect, recorded under its key."""
+        reply = dict(route.body) if route.body is not None else {"id": "fx_" + secrets.token_hex(6)}
+        if 200 <= route.status < 300:
+            state = self.server.state
+            with state.lock:
+                state.effects[f"{path} {key}"] += 1
+                call = {"path": path, "id": reply.get("id"), "body": body}
+                state.received.setdefault(key, []).append(call)
+                if authorization := self.headers.get("Authorization"):
+                    state.authorized[path] = hashlib.sha256(authorization.encode()).hexdigest()
+        if hang:
+            # The effect happened; the caller will time out and cannot know it.
+            time.sleep(self.server.state.hang_seconds)
+        return reply
 
     def _effect(self, state: SinkState, body: dict[str, Any]) -> dict[str, Any]:
         with state.lock:
@@ -192,12 +360,29 @@ class _Handler(BaseHTTPRequestHandler):
             return reply
 
 
+def _lookup_answer(fault: int, key: str, calls: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """A lookup route's answer: the first call received under ``key`` (its id, path and body,
+    and how many there were), 404 when none was, or the ``lookup_status`` fault."""
+    if fault:
+        return fault, {"error": f"lookup answers {fault} (a fault)"}
+    if not key or not calls:
+        return 404, {"error": f"nothing received under key {key!r}"}
+    first = calls[0]
+    return 200, {
+        "key": key,
+        "id": first["id"],
+        "path": first["path"],
+        "body": first["body"],
+        "calls": len(calls),
+    }
+
+
 class _SinkServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int]) -> None:
+    def __init__(self, address: tuple[str, int], routes: Sequence[Route] = ()) -> None:
         super().__init__(address, _Handler)
-        self.state = SinkState()
+        self.state = SinkState(routes=tuple(routes))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A caller that hung up (a drain whose read timed out while a hang fault held the
@@ -235,8 +420,11 @@ def sink_settings(url: str, jobs_path: str | None = None) -> dict[str, str]:
     return dict.fromkeys(load_registry(jobs_path).declared_settings(), url)
 
 
-def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> RunningSink:
-    server = _SinkServer((host, port))
+def start_in_thread(
+    host: str = "127.0.0.1", port: int = 0, routes: Sequence[Route] = ()
+) -> RunningSink:
+    """The sink on ``host:port`` (0: a free port), serving ``routes`` before its own."""
+    server = _SinkServer((host, port), routes)
     thread = threading.Thread(target=server.serve_forever, name="provider-sink", daemon=True)
     thread.start()
     return RunningSink(server, thread)

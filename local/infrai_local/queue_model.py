@@ -1,5 +1,5 @@
 """Infrai's queue semantics in memory: the one model the emulator serves over HTTP and the
-in-memory fake (``infrai_local.fakes.InMemoryQueue``) serves to unit tests.
+in-memory fake (``InMemoryQueue`` in ``tests/fakes.py``) serves to unit tests.
 
 What docs/infrai-api.md promises, and the emulator's choices where it is silent (the client must not
 depend on them):

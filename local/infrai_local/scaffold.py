@@ -4,17 +4,20 @@ For ``new-job refund.issue --effect database --identity refund_id`` it writes, i
 the installed jobs package belongs to:
 
 * ``functions/jobs/refund_issue.py``: the job's declaration (name, effect class, identity,
-  payload schema, settings) and a working handler. A ``database`` job writes one row to its
-  own table; an ``external`` job calls the URL its declared setting names (``REFUND_ISSUE_URL``),
-  an ``external_idempotent`` one with its key as ``Idempotency-Key``;
+  payload schema, settings, flow policies) and a working handler. A ``database`` job writes one
+  row to its own table; an ``external`` job calls the URL its declared setting names
+  (``REFUND_ISSUE_URL``), with a reconcile probe that looks the call up there; an
+  ``external_idempotent`` one sends its key as ``Idempotency-Key``;
 * its registration in ``functions/jobs/__init__.py`` (``build_registry``);
 * ``functions/jobs/migrations/NNNN_refund_issue.sql``, the next version: the table of a
   ``database`` job, a placeholder for the others;
-* ``tests/integration/test_job_refund_issue.py``, written with the test kit;
+* ``tests/integration/test_job_refund_issue.py``, written with the test kit (an external job's
+  stand-in provider serves the routes its handler and probe call);
 * ``events/jobs/refund.issue.json``, a sample payload for ``infrai-jobs publish``;
 * for each setting it declares (``--setting NAME``, repeatable; an ``external`` job's default is
   ``REFUND_ISSUE_URL``) that no job declared before: the template parameter and the entries in
-  the functions' ``Environment``, ``events/env.json`` and ``docs/configuration.md``
+  the functions' ``Environment``, ``events/env.json``, ``docs/configuration.md`` and a
+  placeholder in ``samconfig.toml`` that a deploy refuses until it is replaced
   (``scaffold_settings``).
 
 Every path is the project's that holds the jobs package: the nearest folder above its code
@@ -36,17 +39,24 @@ import re
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from infrai_jobs.config.settings import SECRET_ARN_SUFFIX, secret_parameter_name
 from infrai_jobs.errors import ConfigurationError
-from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit
+from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
-from infrai_local.scaffold_settings import parameter_name, plan_secret_edits, plan_setting_edits
+from infrai_local.public_imports import PUBLIC_API
+from infrai_local.scaffold_settings import (
+    PLACEHOLDER,
+    parameter_name,
+    plan_secret_edits,
+    plan_setting_edits,
+)
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
 _FIELD_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -64,6 +74,30 @@ _FRAMEWORK_PREFIXES: Final = (
 _JOBS_IMPORT: Final = re.compile(r"^from jobs import (\([^)]*\)|[^\n(]+)$", re.M)
 _RETURN_REGISTRY: Final = "    return registry\n"
 _LINE_LENGTH: Final = 100
+# Where the code new-job writes imports each name from: a job module's from the public job API
+# (``public_imports``), its test's from the test kit. The one place to change when they move.
+_IMPORTED_FROM: Final = {
+    **{name: module for module, names in PUBLIC_API.items() for name in names},
+    **dict.fromkeys(("JobKit", "Route"), "infrai_local.testkit"),
+}
+# A retry policy's back-off when new-job is given none.
+_FIRST_DELAY_SECONDS: Final = 1.0
+_MAX_DELAY_SECONDS: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """The flow policies ``new-job`` was asked for (external jobs): none by default."""
+
+    # --retry-attempts and the back-off (--first-delay-seconds, --max-delay-seconds).
+    retry_attempts: int | None = None
+    first_delay_seconds: float = _FIRST_DELAY_SECONDS
+    max_delay_seconds: float = _MAX_DELAY_SECONDS
+    # --rate-per-second: a rate limit, None for none.
+    rate_per_second: int | None = None
+    # --concurrency-key and --max-running: a concurrency key, () for none.
+    concurrency_key: tuple[str, ...] = ()
+    max_running: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,19 +109,24 @@ class NewJob:
     identity: tuple[str, ...]
     # The settings asked for with --setting; none: an external job's default (``setting``).
     asked_settings: tuple[str, ...] = ()
-    # --retry-attempts: a retry policy the job declares (external jobs), None for none.
-    retry_attempts: int | None = None
-    # --rate-per-second: a rate limit the job declares (external jobs), None for none.
-    rate_per_second: int | None = None
-    # --concurrency-key and --max-running: a concurrency key (external jobs), () for none.
-    concurrency_key: tuple[str, ...] = ()
-    max_running: int = 1
     # The secrets asked for with --secret (credentials, read from ctx.secrets).
     secrets: tuple[str, ...] = ()
+    flow: Flow = Flow()
 
     @property
     def module(self) -> str:
         return self.name.replace(".", "_")
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The payload fields the job declares: its identity, then its concurrency key's
+        other fields."""
+        return (*self.identity, *(f for f in self.flow.concurrency_key if f not in self.identity))
+
+    @property
+    def probed(self) -> bool:
+        """Whether it gets a reconcile probe: an irreversible call's outcome can be lost."""
+        return self.effect is Effect.EXTERNAL
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -155,7 +194,6 @@ def parse_request(args: argparse.Namespace) -> NewJob:
     name, effect, identity = args.name, args.effect, args.identity
     settings: Sequence[str] = args.setting or ()
     secrets: Sequence[str] = args.secret or ()
-    retry_attempts: int | None = args.retry_attempts
     rate_per_second: int | None = args.rate_per_second
     concurrency_key: str | None = args.concurrency_key
     max_running: int = args.max_running
@@ -174,29 +212,26 @@ def parse_request(args: argparse.Namespace) -> NewJob:
     fields = tuple(f.strip() for f in identity.split(",") if f.strip())
     if not fields:
         raise ConfigurationError("--identity names at least one payload field, e.g. refund_id")
-    for field in fields:
-        if not _FIELD_NAME.match(field) or keyword.iskeyword(field) or field == "job":
-            raise ConfigurationError(
-                f"--identity field {field!r}: use a lower-case name (letters, digits, "
-                "underscores), not 'job' and not starting with '_'"
-            )
+    _check_field_names("--identity", fields)
     if len(set(fields)) != len(fields):
         raise ConfigurationError(f"--identity {identity!r} names a field twice")
     _check_settings(settings)
     _check_secrets(secrets, settings)
-    _check_retry(effect_class, retry_attempts)
-    key = _check_limits(effect_class, fields, rate_per_second, concurrency_key, max_running)
-    return NewJob(
-        name,
-        effect_class,
-        fields,
-        tuple(settings),
-        retry_attempts,
-        rate_per_second,
-        key,
-        max_running,
-        tuple(secrets),
+    retry = _check_retry(effect_class, args)
+    key = _check_limits(effect_class, rate_per_second, concurrency_key, max_running)
+    flow = dataclasses.replace(
+        retry, rate_per_second=rate_per_second, concurrency_key=key, max_running=max_running
     )
+    return NewJob(name, effect_class, fields, tuple(settings), tuple(secrets), flow)
+
+
+def _check_field_names(option: str, fields: Iterable[str]) -> None:
+    for field in fields:
+        if not _FIELD_NAME.match(field) or keyword.iskeyword(field) or field == "job":
+            raise ConfigurationError(
+                f"{option} field {field!r}: use a lower-case name (letters, digits, "
+                "underscores), not 'job' and not starting with '_'"
+            )
 
 
 def _check_settings(settings: Sequence[str]) -> None:
@@ -229,9 +264,19 @@ def _check_secrets(secrets: Sequence[str], settings: Sequence[str]) -> None:
         raise ConfigurationError("a name is given both as --setting and as --secret")
 
 
-def _check_retry(effect: Effect, attempts: int | None) -> None:
+def _check_retry(effect: Effect, args: argparse.Namespace) -> Flow:
+    """The retry policy asked for, checked as the policy checks itself (its back-off's bounds)
+    and as the drain would take it (more attempts than Infrai's deliveries)."""
+    attempts: int | None = args.retry_attempts
+    first: float | None = args.first_delay_seconds
+    most: float | None = args.max_delay_seconds
     if attempts is None:
-        return
+        if first is not None or most is not None:
+            raise ConfigurationError(
+                "--first-delay-seconds and --max-delay-seconds shape a retry policy's back-off: "
+                "give --retry-attempts too"
+            )
+        return Flow()
     if effect is Effect.DATABASE:
         raise ConfigurationError(
             "--retry-attempts: flow control applies to external jobs only; a database job "
@@ -242,23 +287,29 @@ def _check_retry(effect: Effect, attempts: int | None) -> None:
             f"--retry-attempts {attempts}: give more than {MAX_RECEIVE_COUNT}; Infrai's own "
             f"{MAX_RECEIVE_COUNT} deliveries retry that many already"
         )
+    first = _FIRST_DELAY_SECONDS if first is None else first
+    # The default ceiling never sits below a first delay that was given.
+    most = max(_MAX_DELAY_SECONDS, first) if most is None else most
+    try:
+        RetryPolicy(attempts=attempts, first_delay_seconds=first, max_delay_seconds=most)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"new-job's retry policy: {exc}") from None
+    return Flow(attempts, first, most)
 
 
 def _check_limits(
-    effect: Effect,
-    identity: tuple[str, ...],
-    rate_per_second: int | None,
-    concurrency_key: str | None,
-    max_running: int,
+    effect: Effect, rate_per_second: int | None, concurrency_key: str | None, max_running: int
 ) -> tuple[str, ...]:
     """The concurrency key's fields, once the limits are checked as the drain checks them at
-    cold start (bounds, and a key naming the job's own fields)."""
+    cold start (bounds). A key field that is not an identity field is declared beside them, so
+    the key always names the job's own fields."""
     key = tuple(f.strip() for f in (concurrency_key or "").split(",") if f.strip())
     if concurrency_key is not None and not key:
         raise ConfigurationError(
-            f"--concurrency-key {concurrency_key!r}: name one or more fields of --identity "
-            f"({', '.join(identity)})"
+            f"--concurrency-key {concurrency_key!r}: name one or more payload fields, e.g. "
+            "subscriber_id"
         )
+    _check_field_names("--concurrency-key", key)
     if concurrency_key is None and max_running != 1:
         raise ConfigurationError("--max-running needs --concurrency-key (what it counts by)")
     if rate_per_second is None and not key:
@@ -275,12 +326,6 @@ def _check_limits(
             ConcurrencyLimit(key=key, max_running=max_running)
     except ConfigurationError as exc:
         raise ConfigurationError(f"new-job's flow control: {exc}") from None
-    unknown = [field for field in key if field not in identity]
-    if unknown:
-        raise ConfigurationError(
-            f"--concurrency-key {', '.join(unknown)}: name fields of --identity "
-            f"({', '.join(identity)}), the fields the job declares"
-        )
     return key
 
 
@@ -330,7 +375,7 @@ def dry_run_listing(job: NewJob, scaffold: Scaffold) -> str:
     lines += ["and edit:"]
     edited = [scaffold.registry_file, *scaffold.edits]
     lines += [f"  {_relative(path, scaffold.project)}" for path in edited]
-    lines += [f"note: {note}" for note in scaffold.left_alone]
+    lines += [f"note: {note}." for note in scaffold.left_alone]
     lines += ["(dry run: nothing was written)"]
     return "\n".join(lines)
 
@@ -344,15 +389,23 @@ def next_steps(
     lines += ["next:"]
     for setting in job.settings:
         lines += [
-            f"  set {setting} to the URL it calls: exported, or in events/env.json for invoke",
-            "  (locally the provider sink stands in); in AWS, its template parameter",
+            f"  Set {setting} to the URL the job calls. Locally, export it or put it in",
+            "  events/env.json for `infrai-jobs invoke` (the provider sink stands in until then).",
+            f"  In AWS, replace {parameter_name(setting)}={PLACEHOLDER} in samconfig.toml's "
+            "parameter_overrides:",
+            "  a deploy refuses the placeholder, as it refuses one without a value.",
         ]
     for secret in job.secrets:
         lines += [
-            f"  store {secret} in Secrets Manager and give its ARN to the template parameter",
-            f"  {secret_parameter_name(secret)}; locally, export {secret} (a sandbox stands in)",
+            f"  Store {secret} in Secrets Manager and give its ARN to the template parameter",
+            f"  {secret_parameter_name(secret)}. Locally, export {secret} (a sandbox stands in).",
         ]
-    lines += [f"  note: {note}" for note in left_alone]
+    if job.probed:
+        lines += [
+            f"  Make find_call in functions/jobs/{job.module}.py ask your provider's lookup; its",
+            "  tests' stand-in serves the routes in their job_kit_provider_routes fixture.",
+        ]
+    lines += [f"  note: {note}." for note in left_alone]
     if job.effect is Effect.DATABASE:
         lines.append(f"  infrai-jobs migrate     # creates its table, {job.table}")
     else:
@@ -387,7 +440,7 @@ def _module_text(job: NewJob, version: int) -> str:
 
 
 def _module_body(job: NewJob, version: int) -> str:
-    fields = ", ".join(f'"{f}": str' for f in job.identity)
+    fields = ", ".join(f'"{f}": str' for f in job.fields)
     quoted = [f'"{f}"' for f in job.identity]
     identity = f"({quoted[0]},)" if len(quoted) == 1 else f"({', '.join(quoted)})"
     key = ":".join(f"<{f}>" for f in job.identity)
@@ -413,6 +466,9 @@ def _module_body(job: NewJob, version: int) -> str:
         text = _DATABASE_MODULE.format(
             **common,
             docstring=_docstring(title, about),
+            imports=_framework_imports(
+                ("Effect", "JobContext", "JobRegistry", "JsonValue", "Payload")
+            ),
             table=job.table,
             columns=", ".join(job.identity),
             values=", ".join(f"%({f})s" for f in job.identity),
@@ -435,13 +491,18 @@ def _module_body(job: NewJob, version: int) -> str:
         f"It calls the URL its setting ``{job.setting}`` names: {kind}. Its key is "
         f"``{common['key']}``; its migration is ``migrations/{version:04d}_{job.module}.sql``."
     )
-    return _EXTERNAL_MODULE.format(
+    if job.probed:
+        about += (
+            " When its outcome is lost, its reconcile probe ``find_call`` asks the provider "
+            "whether the call arrived."
+        )
+    text = _EXTERNAL_MODULE.format(
         **common,
         docstring=_docstring(title, about),
+        imports=_framework_imports(_external_names(job)),
         setting=job.setting,
         setting_constants=_setting_constants(job),
         settings_tuple=_settings_tuple(job),
-        policy_import=_policy_import(job),
         retry=_policy_arguments(job),
         key_header=(
             (f'"Authorization": "Bearer " + ctx.secrets[{job.secrets[0]}], ' if job.secrets else "")
@@ -452,19 +513,36 @@ def _module_body(job: NewJob, version: int) -> str:
             )
         ),
     )
+    if not job.probed:
+        return text
+    probe = _PROBE.format(name=job.name, setting=job.setting)
+    text = text.replace("\n\ndef register(", probe + "\n\ndef register(", 1)
+    text = text.replace("import json\n", "import json\nfrom urllib.parse import quote\n", 1)
+    return text.replace("    )(handle)\n", "        probe=find_call,\n    )(handle)\n")
 
 
-def _policy_import(job: NewJob) -> str:
-    names = [
+def _external_names(job: NewJob) -> list[str]:
+    """The framework's names an external job's module imports."""
+    names = ["Effect", "JobContext", "JobRegistry", "JsonValue", "LazyPool", "Payload"]
+    flow = job.flow
+    names += [
         name
         for name, wanted in (
-            ("ConcurrencyLimit", job.concurrency_key),
-            ("RateLimit", job.rate_per_second),
-            ("RetryPolicy", job.retry_attempts),
+            ("ConcurrencyLimit", flow.concurrency_key),
+            ("RateLimit", flow.rate_per_second),
+            ("RetryPolicy", flow.retry_attempts),
         )
         if wanted
     ]
-    return f"\nfrom infrai_jobs.jobs.policy import {', '.join(names)}" if names else ""
+    return names + (["Done", "NotDone", "ProbeAnswer", "Unknown"] if job.probed else [])
+
+
+def _framework_imports(names: Iterable[str]) -> str:
+    """The ``from MODULE import ...`` lines of ``names`` (``_IMPORTED_FROM``), one a module."""
+    by_module: defaultdict[str, list[str]] = defaultdict(list)
+    for name in sorted(set(names)):
+        by_module[_IMPORTED_FROM[name]].append(name)
+    return "\n".join(f"from {m} import {', '.join(n)}" for m, n in sorted(by_module.items()))
 
 
 def _policy_arguments(job: NewJob) -> str:
@@ -472,18 +550,20 @@ def _policy_arguments(job: NewJob) -> str:
     before its first start is reserved, so the import never sits between a start and its
     call)."""
     lines = []
-    if job.retry_attempts:
+    flow = job.flow
+    if flow.retry_attempts:
         lines.append(
-            f"retry=RetryPolicy(attempts={job.retry_attempts}, first_delay_seconds=1.0, "
-            "max_delay_seconds=60.0),"
+            f"retry=RetryPolicy(attempts={flow.retry_attempts}, "
+            f"first_delay_seconds={flow.first_delay_seconds!r}, "
+            f"max_delay_seconds={flow.max_delay_seconds!r}),"
         )
-    if job.rate_per_second:
-        lines.append(f"rate=RateLimit(per_second={job.rate_per_second}),")
+    if flow.rate_per_second:
+        lines.append(f"rate=RateLimit(per_second={flow.rate_per_second}),")
         lines.append("prepare=_http.warm,")
-    if job.concurrency_key:
-        fields = ", ".join(f'"{f}"' for f in job.concurrency_key)
-        key = f"({fields},)" if len(job.concurrency_key) == 1 else f"({fields})"
-        lines.append(f"concurrency=ConcurrencyLimit(key={key}, max_running={job.max_running}),")
+    if flow.concurrency_key:
+        fields = ", ".join(f'"{f}"' for f in flow.concurrency_key)
+        key = f"({fields},)" if len(flow.concurrency_key) == 1 else f"({fields})"
+        lines.append(f"concurrency=ConcurrencyLimit(key={key}, max_running={flow.max_running}),")
     return "".join(f"\n        {line}" for line in lines)
 
 
@@ -533,24 +613,50 @@ def _test_text(job: NewJob) -> str:
     payload = json.dumps(_sample(job, 1))
     other = ", ".join(f'"{f}": "{f}_2"' for f in job.identity)
     third = ", ".join(f'"{f}": "{f}_3"' for f in job.identity)
-    body = _TEST_HEADER.format(name=job.name, payload=payload)
+    external = job.effect is not Effect.DATABASE
+    names = ["JobKit", "Route"] if external else ["JobKit"]
+    body = _TEST_HEADER.format(name=job.name, payload=payload, imports=_framework_imports(names))
+    if external:
+        body = body.replace(
+            "from __future__ import annotations\n",
+            "from __future__ import annotations\n\nimport pytest\n",
+            1,
+        )
+        routes = [f'Route("POST", "/v1/effects/{job.name}"),']
+        if job.probed:
+            routes.append(f'Route("GET", "/v1/effects/{job.name}/{{key}}", lookup=True),')
+        about = f"The stand-in for the provider {job.setting} names: the route the handler calls"
+        about += (
+            ", and the lookup its probe makes, answered from what the stand-in received."
+            if job.probed
+            else "."
+        )
+        about += " Change them with the job's URLs (docs/jobs.md, \"A provider of the job's own\")."
+        docstring = textwrap.fill(about, _LINE_LENGTH - 8, subsequent_indent="    ")
+        body += _TEST_ROUTES.format(
+            docstring=docstring, routes="".join(f"\n        {route}" for route in routes)
+        )
     body += _TEST_RUNS_ONCE.format(module=job.module)
     if job.effect is Effect.DATABASE:
         body += _TEST_ONE_ROW.format(table=job.table)
-    failing = _TEST_DEFERRED if job.retry_attempts else _TEST_RETRIED
+    failing = _TEST_DEFERRED if job.flow.retry_attempts else _TEST_RETRIED
     body += failing.format(module=job.module, other=other)
-    if job.rate_per_second:
+    if job.flow.rate_per_second:
         body += _TEST_RATE.format(module=job.module, samples=_samples_text(job, 3))
-    if job.concurrency_key:
+    if job.flow.concurrency_key:
         body += _TEST_CONCURRENCY.format(module=job.module, fourth=_fields_text(job, 4))
     body += _TEST_CONFLICT.format(module=job.module)
-    if job.effect is not Effect.DATABASE:
+    if external:
         body += _TEST_STUCK.format(module=job.module, third=third)
+    if job.probed:
+        body += _TEST_RECONCILED.format(
+            module=job.module, fifth=_fields_text(job, 5), sixth=_fields_text(job, 6)
+        )
     return body
 
 
 def _sample(job: NewJob, n: int) -> dict[str, str]:
-    return {"job": job.name, **{f: f"{f}_{n}" for f in job.identity}}
+    return {"job": job.name, **{f: f"{f}_{n}" for f in job.fields}}
 
 
 def _fields_text(job: NewJob, n: int) -> str:
@@ -649,7 +755,7 @@ _DATABASE_MODULE = (
 
     from psycopg.types.json import Jsonb
 
-    from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+    {imports}
 
     _INSERT: LiteralString = """
     INSERT INTO {table} ({columns}, payload)
@@ -678,8 +784,7 @@ _EXTERNAL_MODULE = textwrap.dedent(
 
     import json
 
-    from infrai_jobs.jobs.http_pool import LazyPool{policy_import}
-    from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+    {imports}
 
     _http = LazyPool(connect_s=2.0, read_s=10.0)
 
@@ -709,9 +814,60 @@ _TEST_HEADER = textwrap.dedent(
 
     from __future__ import annotations
 
-    from infrai_local.testkit import JobKit
+    {imports}
 
     PAYLOAD = {payload}
+    '''
+)
+
+# An external job's stand-in provider: the routes its handler and its probe call.
+_TEST_ROUTES = textwrap.dedent(
+    '''
+
+    @pytest.fixture
+    def job_kit_provider_routes() -> list[Route]:
+        """{docstring}"""
+        return [{routes}
+        ]
+    '''
+)
+
+# The reconcile probe's two answers: the call arrived (settled done) or not (run once more).
+_TEST_RECONCILED = textwrap.dedent(
+    """
+
+    def test_{module}_lost_answer_is_settled_done_by_its_probe(job_kit: JobKit) -> None:
+        job_kit.assert_reconciled({{**PAYLOAD, {fifth}}}, effect_happened=True)
+
+
+    def test_{module}_call_that_never_arrived_runs_once_after_its_probe(job_kit: JobKit) -> None:
+        job_kit.assert_reconciled({{**PAYLOAD, {sixth}}}, effect_happened=False)
+    """
+)
+
+# An irreversible job's reconcile probe: was the call received? Looked up by the key it sent.
+_PROBE = textwrap.dedent(
+    '''
+
+    def find_call(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+        """The reconcile probe, asked about a stuck claim once its lease is over: did the
+        provider receive this work's call? It looks the call up by the key the handler sent;
+        make it ask what your provider offers. Answer NotDone only if the lookup sees a call as
+        soon as it was answered. A lookup that fails raises: the reconcile pass counts it
+        unknown."""
+        key = quote(ctx.idem_key, safe="")
+        response = _http.request("GET", f"{{ctx.settings[{setting}]}}/v1/effects/{name}/{{key}}")
+        if response.status == 404:
+            return NotDone()
+        if response.status != 200:
+            return Unknown(f"the provider's lookup answered HTTP {{response.status}}")
+        try:
+            answer = json.loads(response.data)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or answer.get("id") is None:
+            return Unknown("the provider's lookup answered without the call's id")
+        return Done({{"provider_id": answer["id"], "reconciled": True}})
     '''
 )
 

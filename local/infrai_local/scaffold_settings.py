@@ -8,7 +8,15 @@ the project needs, beside the job:
   function that loads the jobs' settings (DrainFunction runs the jobs, DlqAlertFunction their
   probes): wherever the settings the jobs declared already are, the new one goes beside them;
 * in ``events/env.json``: ``"NAME": ""`` for those functions, so ``--env-vars`` can set it;
-* in ``docs/configuration.md``: a row of the variables' table, beside the other jobs' settings.
+* in ``docs/configuration.md``: a row of the variables' table, beside the other jobs' settings;
+* in ``samconfig.toml``: ``Param=SET-ME`` in the ``parameter_overrides`` of each environment's
+  ``deploy`` and ``sync`` sections.
+
+The parameter takes the shipped URL parameters' pattern (HTTPS without credentials, plain HTTP
+to loopback only) and has no default: a deploy that gives it no value is refused by
+CloudFormation before anything changes, and so is the placeholder, which does not fit the
+pattern. The drain refuses to start without the setting, so an empty value would deploy
+functions that refuse every cold start.
 
 ``new-job --secret NAME`` declares a secret; it needs a parameter for its ARN, a condition,
 ``NAME_SECRET_ARN`` in DrainFunction's Environment, a grant to read exactly that ARN in its
@@ -22,12 +30,15 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from infrai_jobs.config.settings import SECRET_ARN_SUFFIX, secret_parameter_name
+from infrai_jobs.errors import ConfigurationError
+from infrai_local.sam_template import parse_parameter_overrides
 
 # The functions whose Environment holds the jobs' settings (they load the jobs and bind them).
 SETTING_FUNCTIONS: Final = ("DrainFunction", "DlqAlertFunction")
@@ -35,6 +46,21 @@ _GROUP_LABEL: Final = "Jobs' settings"
 _GROUP_LIST: Final = re.compile(r"^(?P<head>\s+Parameters:\s*\[)(?P<names>[^\]]*)(?P<tail>\].*)$")
 _TOP_LEVEL_KEY: Final = re.compile(r"^\S")
 _PARAMETER_KEY: Final = re.compile(r"^  (?P<name>[A-Za-z0-9]+):\s*$")
+# What the code accepts for a URL without an opt-out (``check_web_url``), as the shipped URL
+# parameters spell it (InfraiBaseUrl; MailProviderUrl's allows empty too): HTTPS, or plain HTTP
+# to loopback only, and no user or password before the host.
+URL_PATTERN: Final = (
+    r"^(https://[^\s/?#@]+([/?#][^\s]*)?"
+    r"|http://(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?([/?#][^\s]*)?)$"
+)
+URL_CONSTRAINT: Final = "must be an https:// URL without credentials (http:// only to loopback)"
+# A new setting's value in samconfig.toml until the team gives one: it does not fit URL_PATTERN,
+# so CloudFormation refuses the deploy, naming the parameter.
+PLACEHOLDER: Final = "SET-ME"
+# The samconfig.toml sections whose parameter_overrides reach a deployed stack.
+DEPLOYING_COMMANDS: Final = ("deploy", "sync")
+_TABLE_HEADER: Final = re.compile(r"^\s*\[(?P<name>[A-Za-z0-9_.-]+)\]\s*(#.*)?$")
+_OVERRIDES_LINE: Final = re.compile(r"^\s*parameter_overrides\s*=")
 
 
 def parameter_name(setting: str) -> str:
@@ -68,6 +94,7 @@ def plan_setting_edits(
         edits.texts[env_file] = _env_text(env_file.read_text(encoding="utf-8"), new)
     else:
         edits.left_alone.append(f"{env_file} does not exist: no --env-vars entry was added")
+    _samconfig_edit(project / "samconfig.toml", [parameter_name(s) for s in new], edits)
     docs = project / "docs" / "configuration.md"
     if docs.is_file():
         text = _docs_text(docs.read_text(encoding="utf-8"), job_name, new, declared)
@@ -115,9 +142,12 @@ def _with_parameters(
     blocks = [
         "  " + parameter_name(setting) + ":\n"
         "    Type: String\n"
-        '    Default: ""\n'
-        "    AllowedPattern: ^(https?://[^\\s]+)?$\n"
-        f"    Description: {setting}, a setting {job_name} declares (HTTPS; see AllowPlainHttp).\n"
+        "    # No default: a deploy without a value is refused (the drain refuses to start\n"
+        "    # without it); samconfig.toml's placeholder does not fit the pattern.\n"
+        f"    AllowedPattern: {URL_PATTERN}\n"
+        f"    ConstraintDescription: {URL_CONSTRAINT}\n"
+        f"    Description: {setting}, the URL {job_name} calls (HTTPS, no credentials in the "
+        "URL); required.\n"
         for setting in new
     ]
     return _insert_parameters(lines, blocks, beside, edits)
@@ -175,6 +205,90 @@ def _with_environment(
     return out
 
 
+def _samconfig_edit(path: Path, params: Sequence[str], edits: SettingEdits) -> None:
+    """``Param=SET-ME`` for each of ``params`` in the ``parameter_overrides`` of each
+    environment's deploy and sync sections of samconfig.toml, a comment above saying what to
+    put there; the file is edited line by line and checked by reading it back."""
+    names = ", ".join(params)
+    if not path.is_file():
+        edits.left_alone.append(
+            f"there is no samconfig.toml: give {names} a value wherever you deploy (a deploy "
+            "without one is refused)"
+        )
+        return
+    text = path.read_text(encoding="utf-8")
+    try:
+        edited, sections = _with_placeholders(text, params)
+    except (ConfigurationError, tomllib.TOMLDecodeError, ValueError) as exc:
+        edits.left_alone.append(
+            f"samconfig.toml was left as it is ({exc}): add {names} to the parameter_overrides "
+            "of each environment's deploy section by hand (a deploy without them is refused)"
+        )
+        return
+    if not sections:
+        edits.left_alone.append(
+            "samconfig.toml has no deploy or sync section: give "
+            f"{names} a value wherever you deploy (a deploy without one is refused)"
+        )
+        return
+    edits.texts[path] = edited
+
+
+def _with_placeholders(text: str, params: Sequence[str]) -> tuple[str, list[str]]:
+    """``text`` with the placeholders added, and the sections (``env.command``) given them."""
+    document = tomllib.loads(text)
+    lines = text.splitlines(keepends=True)
+    headers = [(i, m["name"]) for i, line in enumerate(lines) if (m := _TABLE_HEADER.match(line))]
+    inserts: list[tuple[int, int, list[str]]] = []  # (start, end, lines) replacing lines[start:end]
+    sections: list[str] = []
+    for number, (at, name) in enumerate(headers):
+        environment, _, rest = name.partition(".")
+        command = rest.removesuffix(".parameters")
+        if command not in DEPLOYING_COMMANDS or rest != f"{command}.parameters":
+            continue
+        end = headers[number + 1][0] if number + 1 < len(headers) else len(lines)
+        table = document[environment][command]["parameters"]
+        inherited = document[environment].get("global", {}).get("parameters", {})
+        raw = table.get("parameter_overrides", inherited.get("parameter_overrides", ""))
+        if not isinstance(raw, str):
+            raise ConfigurationError(f"[{name}] parameter_overrides is not one string")
+        given = parse_parameter_overrides(raw) if raw else {}
+        missing = [p for p in params if p not in given]
+        if not missing:
+            continue
+        value = " ".join([raw, *(f"{p}={PLACEHOLDER}" for p in missing)]).strip()
+        comment = (
+            f"# {', '.join(missing)}: the URL of a job's setting (new-job); a deploy refuses "
+            f"{PLACEHOLDER}.\n"
+        )
+        line = f"parameter_overrides = {json.dumps(value, ensure_ascii=False)}\n"
+        own = [i for i in range(at + 1, end) if _OVERRIDES_LINE.match(lines[i])]
+        if own:
+            inserts.append((own[0], own[0] + 1, [comment, line]))
+        else:
+            last = max((i for i in range(at + 1, end) if lines[i].strip()), default=at)
+            inserts.append((last + 1, last + 1, [comment, line]))
+        sections.append(f"{environment}.{command}")
+    for start, end, added in reversed(inserts):
+        lines[start:end] = added
+    edited = "".join(lines)
+    _check_placeholders(tomllib.loads(edited), sections, params)
+    return edited, sections
+
+
+def _check_placeholders(
+    document: dict[str, Any], sections: list[str], params: Sequence[str]
+) -> None:
+    """Read back: each section's overrides hold every parameter (the placeholder, or a value
+    the team gave already)."""
+    for section in sections:
+        environment, command = section.split(".")
+        table = document[environment][command]["parameters"]
+        given = parse_parameter_overrides(table["parameter_overrides"])
+        if any(p not in given for p in params):
+            raise ConfigurationError(f"[{section}.parameters] did not take the placeholders")
+
+
 def _env_text(text: str, new: Sequence[str]) -> str:
     document = json.loads(text)
     for function in SETTING_FUNCTIONS:
@@ -195,7 +309,7 @@ def _docs_text(text: str, job_name: str, new: Sequence[str], declared: Sequence[
     rows = [
         f"| `{setting}` | Drain, DlqAlert (its reconcile probes) | a setting {job_name} declares "
         f"(written by `infrai-jobs new-job`): its downstream, HTTPS or loopback HTTP "
-        f"([jobs.md](jobs.md)) | none; in AWS: `{parameter_name(setting)}` |\n"
+        f"([jobs.md](jobs.md)) | none (required); in AWS: `{parameter_name(setting)}` |\n"
         for setting in new
     ]
     return "".join([*lines[: last + 1], *rows, *lines[last + 1 :]])

@@ -25,12 +25,27 @@ and assert one guarantee per line::
 The registry comes from the ``job_kit_registry`` fixture (the installed ``jobs`` package, as
 every function builds it), and the database is prepared by ``job_kit_migrate`` (the ledger's
 migrations, then the jobs'); a ``conftest.py`` may override either.
+
+A job that calls a provider of its own gets a stand-in for it from the
+``job_kit_provider_routes`` fixture: the routes it calls and the lookups its probe makes, served
+by the provider sink behind every declared setting (``provider_sink.Route``)::
+
+    @pytest.fixture
+    def job_kit_provider_routes():
+        return [
+            Route("POST", "/hooks/{subscriber}"),                # the handler's call
+            Route("GET", "/deliveries/{id}", lookup=True),       # its probe's lookup
+        ]
+
+``job_kit.provider_faults(fail_rate=1.0)`` makes the stand-in fail, ``job_kit.provider_state()``
+says what it received.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,6 +81,7 @@ from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import load_registry
 from infrai_local.migrations import migrate_all
 from infrai_local.operator import OperatorLedger, reconcile_one
+from infrai_local.provider_sink import Route
 from infrai_local.queues import ensure_queue
 from infrai_local.sandbox import STAND_IN_SECRET
 
@@ -190,6 +206,21 @@ class JobKit:
         """(messages in the queue, dead letters)."""
         stats = self.client.stats(QUEUE)
         return stats.message_count, stats.dlq_count
+
+    def provider_state(self) -> dict[str, Any]:
+        """What the provider sink received: calls and effects per route and key, what each
+        key's calls were (``received``) and the requests no route served (``unrouted``)."""
+        response = self._control.request("GET", f"{self.provider_url}/_sink/state")
+        state: dict[str, Any] = json.loads(response.data)
+        return state
+
+    def provider_faults(self, **faults: float) -> None:
+        """Set the provider sink's faults, e.g. ``fail_rate=1.0`` (503, nothing done),
+        ``hang_rate``/``hang_seconds`` (done, then no answer in time), ``lookup_status=500``
+        (every lookup answers it), ``seed``; none given: no fault."""
+        response = self._control.request("POST", f"{self.provider_url}/_sink/faults", json=faults)
+        if response.status != 200:
+            raise JobKitError(f"the provider sink refused the faults {faults}: {response.status}")
 
     def sql(self, query: str, params: Any = None) -> list[tuple[Any, ...]]:
         """Run SQL on the test's database, e.g. to read a job's own table."""
@@ -574,11 +605,23 @@ class JobKit:
         assert claim is not None
         return claim
 
-    @staticmethod
-    def _expect(condition: bool, message: str, summaries: list[DrainSummary]) -> None:
+    def _expect(self, condition: bool, message: str, summaries: list[DrainSummary]) -> None:
         if not condition:
             seen = "; ".join(str(dict(s.outcomes)) for s in summaries)
-            raise JobKitError(f"{message} (drain outcomes: {seen})")
+            raise JobKitError(f"{message} (drain outcomes: {seen}){self._unrouted()}")
+
+    def _unrouted(self) -> str:
+        """What a failure adds when the provider stand-in was called where it serves nothing."""
+        try:
+            unrouted = sorted(set(self.provider_state().get("unrouted", [])))
+        except (urllib3.exceptions.HTTPError, ValueError, AttributeError):
+            return ""  # a provider of the test's own, not the sink: nothing to add
+        if not unrouted:
+            return ""
+        return (
+            f"; the provider stand-in has no route for {', '.join(unrouted)}: give it one with "
+            'the job_kit_provider_routes fixture (docs/jobs.md, "A provider of the job\'s own")'
+        )
 
 
 # The kit's stand-ins for other live runs of a concurrency key, and the end of a lease.
@@ -622,9 +665,18 @@ def job_kit_server_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def job_kit_provider_url() -> Iterator[str]:
-    """The provider sink, standing in for every external endpoint the jobs call."""
-    sink = provider_sink.start_in_thread()
+def job_kit_provider_routes() -> list[Route]:
+    """Routes of the jobs' own providers, which the provider sink serves before its built-in
+    ones: each a ``Route(method, path, status=, body=, lookup=, key=)``. None unless
+    overridden; override to give a job the routes it calls and the lookups its probe makes."""
+    return []
+
+
+@pytest.fixture
+def job_kit_provider_url(job_kit_provider_routes: list[Route]) -> Iterator[str]:
+    """The provider sink, standing in for every external endpoint the jobs call, serving
+    ``job_kit_provider_routes`` too."""
+    sink = provider_sink.start_in_thread(routes=job_kit_provider_routes)
     try:
         yield sink.url
     finally:
@@ -730,4 +782,4 @@ def job_kit(  # noqa: PLR0917 - pytest hands fixtures in by name
         yield kit
 
 
-__all__ = ["JobKit", "JobKitError", "open_job_kit"]
+__all__ = ["JobKit", "JobKitError", "Route", "open_job_kit"]

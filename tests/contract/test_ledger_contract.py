@@ -21,6 +21,7 @@ from typing import Any, LiteralString
 import psycopg
 import pytest
 from claim_requests import FP, KEY, claim_request
+from fakes import FakeClock, InMemoryLedger
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.errors import LedgerError
@@ -37,7 +38,6 @@ from infrai_jobs.work.states import (
     Settlement,
     SettleStatus,
 )
-from infrai_local.fakes import FakeClock, InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
 VISIBILITY = 30

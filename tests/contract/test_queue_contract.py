@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from fakes import FakeClock, InMemoryQueue
 
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue_contract import CONSUME_CAP, MAX_RECEIVE_COUNT
 from infrai_local.emulator import start_in_thread
-from infrai_local.fakes import FakeClock, InMemoryQueue
 from infrai_local.queue_model import MAX_BODY_DEPTH
 from infrai_local.queues import ensure_queue
 

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tarfile
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from child_process import clean_env, run_captured
+from git_files import git_files
 
 import infrai_jobs
 
@@ -85,17 +85,10 @@ def builder_env() -> dict[str, str]:
 
 def clean_checkout(destination: Path) -> Path:
     """The files git tracks or would track (not ignored), copied to ``destination``."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-        timeout=30,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        if (ROOT / name).is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, destination / name)
+    for path in git_files():
+        copy = destination / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy)
     return destination
 
 

@@ -349,9 +349,11 @@ def test_samconfig_is_version_01_as_a_number_with_a_prod_environment() -> None:
     # Then the version is the number 0.1 that SAM requires, not a string
     assert isinstance(config["version"], float)
     assert config["version"] == pytest.approx(0.1)
-    # And default and prod deploy to different stacks, each asking before it changes anything
-    assert config["default"]["global"]["parameters"]["stack_name"] == "infrai-jobs"
-    assert config["prod"]["global"]["parameters"]["stack_name"] != "infrai-jobs"
+    # And default and prod deploy to different stacks (whatever a team names them), each asking
+    # before it changes anything
+    stacks = [config[env]["global"]["parameters"]["stack_name"] for env in ("default", "prod")]
+    assert all(stacks)
+    assert stacks[0] != stacks[1]
     for environment in ("default", "prod"):
         deploy = config[environment]["deploy"]["parameters"]
         assert deploy["confirm_changeset"] is True, environment
@@ -885,6 +887,25 @@ def test_the_oldest_outbox_row_pages_past_its_parameter_and_is_on_the_dashboard(
     relay = template["Resources"]["OutboxRelayFunction"]["Properties"]
     assert template["Parameters"]["OutboxRelayScheduleRate"]["Default"] == "rate(1 minute)"
     assert relay["ReservedConcurrentExecutions"] == 1
+
+
+def test_an_outbox_row_the_relay_gives_up_pages_and_says_what_to_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the alarm on the rows the relay gives up, and what the relay's code emits
+    template, _, props = alarm_on_emitted_series(
+        capsys, "OutboxDeadLetteredAlarm", "OutboxDeadLettered"
+    )
+    # Then it pages on the first row given up in five minutes, and not on a quiet relay
+    assert (props["Statistic"], props["Period"], props["Threshold"]) == ("Sum", 300, 1)
+    assert props["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    assert props["TreatMissingData"] == "notBreaching"
+    # And it names the operator's commands for the outbox's rows
+    description = " ".join(props["AlarmDescription"].split())
+    for command in ("infrai-jobs outbox list", "infrai-jobs outbox retry", "outbox discard"):
+        assert command in description
+    # And the dashboard shows it beside the series it reads
+    assert_on_the_dashboard(template, "OutboxDeadLetteredAlarm", "OutboxDeadLettered")
 
 
 SECURITY_OPT_OUT_PATTERN = '{ $.action = "security_opt_out" }'

@@ -1,5 +1,6 @@
 """Fixtures the integration tests share: the drain harness (``kit``), the project a test invokes
-(``fixture_project``) and a real Redis for the second layer's tests."""
+(``fixture_project``), a real Redis for the second layer's tests and a PgBouncer in transaction
+mode for the pooler tier's (``pooled_database_url``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from aws_lambda_powertools.utilities import parameters
 from drainkit import Harness, harness
 from fixture_project import project  # noqa: F401 - the fixture, for this tier's tests
+from pgbouncer import MISSING, RunningPooler, pgbouncer_binary, running_pgbouncer
 from redis_server import wait_for_redis
 
 
@@ -71,6 +73,23 @@ def redis_url(
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server_url: str) -> Iterator[RunningPooler]:
+    """A PgBouncer in transaction mode before the session's PostgreSQL; never skipped."""
+    if pgbouncer_binary() is None:
+        pytest.fail(MISSING)
+    with running_pgbouncer(pg_server_url) as pooler:
+        yield pooler
+
+
+@pytest.fixture
+def pooled_database_url(database_url: str, pgbouncer: RunningPooler) -> str:
+    """This test's own database (``database_url``), reached through the pooler, its pool's
+    server connections open (``RunningPooler.warm``)."""
+    pgbouncer.warm(database_url)
+    return pgbouncer.url_for(database_url)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from drainkit import QUEUE as DRAIN_QUEUE
 from drainkit import Harness, harness
+from fakes import InMemoryLedger
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from job_modes import fail_as_asked
@@ -34,7 +35,6 @@ from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.ports import LedgerPort
 from infrai_jobs.work.states import ClaimRow
-from infrai_local.fakes import InMemoryLedger
 from infrai_local.migrations import apply_migrations
 
 QUEUE = "copies"

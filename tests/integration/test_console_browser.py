@@ -15,10 +15,10 @@ import pytest
 from consolekit import console, seed
 from drainkit import OPERATOR, Harness
 from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.wait import WebDriverWait
 
 CHROMIUM = "/usr/bin/chromium"
@@ -44,17 +44,35 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 
 def goes_to(browser: webdriver.Chrome, element: WebElement, text: str) -> None:
-    """Click, then wait (20 s at most) for the page the click led to, holding `text`.
+    """Click, then wait (20 s at most) for the page the click led to, loaded and holding `text`.
 
-    The old page must be gone first: a text that the old page holds too (the preview shows the
-    redrive's command line, as the result page does) would otherwise match at once, and the next
-    find would run against a page that is being replaced."""
-    old = browser.find_element(By.TAG_NAME, "html")
+    Every page the console renders carries a mark of its own (`data-render` on `<html>`), so the
+    next page is the one whose mark differs from the current one's: a text that the old page
+    holds too (the preview shows the redrive's command line, as the result page does) cannot
+    match early. Each check reads the document through one script, never through a node found
+    before: a node of the page being replaced may be gone when it is asked about (Chrome's "Node
+    with given id does not belong to the document"), which means the next page is not there yet."""
+    before = page_state(browser)[0]
     element.click()
-    wait = WebDriverWait(browser, 20)
-    wait.until(expected_conditions.staleness_of(old))
-    wait.until(lambda driver: driver.execute_script("return document.readyState") == "complete")
-    wait.until(lambda driver: text in driver.page_source)
+
+    def arrived(driver: webdriver.Chrome) -> bool:
+        try:
+            mark, ready, html = page_state(driver)
+        except WebDriverException:
+            return False
+        return mark != before and ready == "complete" and text in html
+
+    WebDriverWait(browser, 20).until(arrived, f"no page holding {text!r} followed the click")
+
+
+def page_state(driver: webdriver.Chrome) -> tuple[str, str, str]:
+    """The current document's render mark, its readyState and its HTML, read at once."""
+    state = driver.execute_script(
+        "const html = document.documentElement;"
+        "return [html.dataset.render || '', document.readyState, html.outerHTML];"
+    )
+    mark, ready, html = state
+    return str(mark), str(ready), str(html)
 
 
 def test_the_operator_redrives_a_dead_letter_and_resolves_a_stuck_claim(

@@ -23,6 +23,7 @@ import pytest
 from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, TEST_JOBS_CODE, Harness, run_cli
 
+from infrai_local.public_imports import refused_imports
 from infrai_local.sam_template import load_template
 
 RUFF = str(Path(sys.executable).parent / "ruff")
@@ -127,10 +128,14 @@ def test_what_is_scaffolded_passes_lint_and_its_own_tests(
     for command in (["check"], ["format", "--check"]):
         linted = run_captured([RUFF, *command, *map(str, written)], cwd=project)
         assert linted.returncode == 0, linted.stdout + linted.stderr
+    # And the job module imports only the public job API
+    assert refused_imports([written[0]]) == []
     migration = f"{version:04d}_{LINT_MODULE}.sql"
     assert (project / "functions" / "jobs" / "migrations" / migration).is_file()
-    # And the scaffolded test, written with the test kit, passes on a real PostgreSQL
-    scaffolded_tests_pass(project, pg_server_url, passed=4 if effect != "database" else 3)
+    # And the scaffolded test, written with the test kit, passes on a real PostgreSQL (an
+    # external job's two more: its probe's answers)
+    passed = {"database": 3, "external": 6, "external_idempotent": 4}[effect]
+    scaffolded_tests_pass(project, pg_server_url, passed=passed)
 
 
 def server_env(server_url: str) -> dict[str, str]:
@@ -305,7 +310,7 @@ def test_a_job_scaffolded_with_a_retry_policy_tests_its_deferral_and_passes(
     assert "assert_deferred_then_done" in test
     assert "assert_retried_then_dead_lettered" not in test
     # And that test passes with the test kit, which runs the drain DrainFunction runs
-    scaffolded_tests_pass(project, pg_server_url, passed=4)
+    scaffolded_tests_pass(project, pg_server_url, passed=6)
 
 
 def test_a_retry_policy_is_refused_where_the_drain_would_refuse_it(
@@ -352,8 +357,8 @@ def test_limits_are_refused_where_the_drain_would_refuse_them(kit: Harness, proj
     for effect, options, says in (
         ("database", ["--rate-per-second", "5"], "external jobs only"),
         ("external", ["--rate-per-second", "0"], "rate.per_second"),
-        ("external", ["--concurrency-key", "tenant"], "name fields of --identity"),
-        ("external", ["--concurrency-key", " , "], "name one or more fields of --identity"),
+        ("external", ["--concurrency-key", "Tenant"], "--concurrency-key field 'Tenant'"),
+        ("external", ["--concurrency-key", " , "], "name one or more payload fields"),
         ("external", ["--max-running", "3"], "--max-running needs --concurrency-key"),
         ("external", ["--concurrency-key", "report_id", "--max-running", "0"], "max_running"),
     ):
@@ -426,7 +431,7 @@ def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
     assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
     assert f"| `{SECRET}_SECRET_ARN` |" in (project / "docs" / "configuration.md").read_text()
     # And the job's own tests, written with the test kit, pass with the secret stood in
-    scaffolded_tests_pass(project, pg_server_url, passed=4)
+    scaffolded_tests_pass(project, pg_server_url, passed=6)
 
 
 def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
@@ -495,3 +500,111 @@ def scaffolded_tests_pass(project: Path, pg_server_url: str, *, passed: int) -> 
     )
     assert tested.returncode == 0, tested.stdout[-3000:]
     assert f"{passed} passed" in tested.stdout
+
+
+HOOK_SETTING, HOOK_PARAMETER = "HOOK_URL", "HookUrl"
+
+
+def test_a_webhook_with_its_own_url_path_and_probe_lookup_passes_its_scaffolded_tests(
+    kit: Harness, project: Path, pg_server_url: str
+) -> None:
+    # Given an external webhook job scaffolded with a per-subscriber concurrency key (a field
+    # that is not its identity) and a setting of its own
+    made = new_job(
+        kit, project, LINT_JOB, "--effect", "external", "--identity", "delivery_id",
+        "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    module_file = project / "functions" / "jobs" / f"{LINT_MODULE}.py"
+    test_file = project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py"
+    module, test = module_file.read_text(), test_file.read_text()
+    assert 'concurrency=ConcurrencyLimit(key=("subscriber_id",), max_running=1)' in module
+    assert '"subscriber_id": str' in module
+    assert "probe=find_call" in module
+    # When the team points the handler at its provider's own path (POST /hooks/<subscriber>)
+    # and the probe at its lookup (GET /deliveries/<id>), and gives the stand-in those routes,
+    # as the scaffolded test's fixture and docs/jobs.md show
+    effect_path = f"/v1/effects/{LINT_JOB}"
+    module = module.replace(f'{effect_path}"', "/hooks/{payload['subscriber_id']}\"")
+    module = module.replace(f"{effect_path}/{{key}}", "/deliveries/{key}")
+    test = test.replace(f'"{effect_path}/{{key}}"', '"/deliveries/{id}"')
+    test = test.replace(f'"{effect_path}"', '"/hooks/{subscriber}"')
+    assert effect_path not in module + test
+    module_file.write_text(module)
+    test_file.write_text(test)
+    # Then every scaffolded kit test passes: runs once, retried, held back per subscriber, a
+    # conflict, stuck, and both of its probe's answers
+    scaffolded_tests_pass(project, pg_server_url, passed=7)
+
+
+def test_a_scaffolded_url_parameter_refuses_plain_http_and_credentials_and_a_missing_value(
+    kit: Harness, project: Path
+) -> None:
+    # Given a project with its samconfig.toml
+    copied_from_the_repository(project, "samconfig.toml", "events/env.json")
+    # When new-job adds a job with HOOK_URL and a concurrency key on a non-identity field
+    made = new_job(
+        kit, project, WALK_JOB, "--effect", "external", "--identity", "delivery_id",
+        "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    # Then its parameter takes the shipped URL parameters' pattern and constraint text, with
+    # no default and no description naming a parameter that does not exist
+    template = load_template(project / "template.yaml")
+    parameter = template["Parameters"][HOOK_PARAMETER]
+    shipped = template["Parameters"]["InfraiBaseUrl"]
+    assert parameter["AllowedPattern"] == shipped["AllowedPattern"]
+    assert parameter["ConstraintDescription"] == shipped["ConstraintDescription"]
+    assert "Default" not in parameter
+    assert "AllowPlainHttp" not in (project / "template.yaml").read_text()
+    # And a deploy refuses plain HTTP, credentials and the placeholder (the whole value must
+    # match, as CloudFormation reads AllowedPattern)
+    for refused in ("http://hooks.example.com", "https://u:p@hooks.example.com", "SET-ME", ""):
+        assert not re.fullmatch(parameter["AllowedPattern"], refused), refused
+    assert re.fullmatch(parameter["AllowedPattern"], "https://hooks.example.com/v1")
+    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    # And every environment's deploy carries the placeholder, not the local invocation
+    from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
+
+    samconfig = project / "samconfig.toml"
+    for environment in ("default", "prod"):
+        assert samconfig_overrides(samconfig, environment, "deploy")[HOOK_PARAMETER] == "SET-ME"
+    assert HOOK_PARAMETER not in samconfig_overrides(samconfig, "default")
+    # And the next steps finish their sentences: each paragraph of prose ends with a full stop
+    prose = made.stdout.split("next:\n", 1)[1].split("  infrai-jobs migrate", 1)[0]
+    lines = prose.rstrip().split("\n")
+    for line, following in zip(lines, [*lines[1:], "  (the end)"], strict=True):
+        if not following.strip()[0].islower():  # a new sentence, or the end, follows
+            assert line.rstrip().endswith("."), prose
+    assert f"{HOOK_PARAMETER}=SET-ME in samconfig.toml" in made.stdout
+    # And the sample payload names the key's field
+    sample = json.loads((project / "events" / "jobs" / f"{WALK_JOB}.json").read_text())
+    assert sample["subscriber_id"] == "subscriber_id_1"
+
+
+def test_the_back_off_is_scaffolded_as_given_and_refused_as_the_policy_refuses_it(
+    kit: Harness, project: Path
+) -> None:
+    before = _tree(project)
+    for options, says in (
+        (["--first-delay-seconds", "2"], "give --retry-attempts too"),
+        (["--retry-attempts", "5", "--first-delay-seconds", "0"], "retry.first_delay_seconds"),
+        (["--retry-attempts", "5", "--first-delay-seconds", "9", "--max-delay-seconds", "3"],
+         "below retry.first_delay_seconds"),
+        (["--retry-attempts", "5", "--max-delay-seconds", "nan"], "retry.max_delay_seconds"),
+    ):  # fmt: skip
+        refused = new_job(
+            kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id", *options
+        )
+        assert refused.returncode == 2, refused.stdout
+        assert says in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert _tree(project) == before
+    made = new_job(
+        kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
+        "--retry-attempts", "6", "--first-delay-seconds", "0.5", "--max-delay-seconds", "120",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    assert "RetryPolicy(attempts=6, first_delay_seconds=0.5, max_delay_seconds=120.0)" in module

@@ -14,7 +14,13 @@ import pytest
 from drainkit import QUEUE, Harness, RecordingAlerter, run_cli, run_concurrently, start_cli
 from drainkit import run_until_killed as run_child_until_killed
 
-from infrai_jobs.errors import InvalidPayload, KeyDerivationError, OutboxError, OutboxKeyConflict
+from infrai_jobs.errors import (
+    InfraiError,
+    InvalidPayload,
+    KeyDerivationError,
+    OutboxError,
+    OutboxKeyConflict,
+)
 from infrai_jobs.ledger.postgres import LedgerConnector
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
 from infrai_jobs.outbox import enqueue
@@ -314,15 +320,20 @@ def test_a_payload_infrai_refuses_for_good_is_an_outbox_dead_letter_that_pages(
 
 
 def test_a_wrong_setting_stops_the_pass_and_keeps_the_row(kit: Harness) -> None:
-    # Given a row for a queue Infrai does not have
-    with psycopg.connect(kit.database_url) as conn, conn.transaction():
-        enqueue(conn, job(1), registry=kit.registry, queue="no-such-queue")
-    # When the relay runs, Then it raises Infrai's refusal, and the row waits with the error
-    with pytest.raises(Exception, match="QUEUE_NOT_FOUND"):
-        relay_for(kit).run(lambda: PLENTY)
-    ((state, attempts, error),) = kit.sql("SELECT state, attempts, last_error FROM outbox")
-    assert (state, attempts) == ("pending", 1)
-    assert "QUEUE_NOT_FOUND" in error
+    # Given two rows for the relay's own queue, and a relay whose queue Infrai does not have
+    committed_rows(kit, 2)
+    relay = OutboxRelay(
+        LedgerConnector(kit.database_url, application_name="test-outbox"),
+        kit.client,
+        RelayConfig(default_queue="no-such-queue", base_delay_seconds=0),
+    )
+    # When the relay runs, Then it raises Infrai's refusal at the first row and stops
+    with pytest.raises(InfraiError, match="QUEUE_NOT_FOUND"):
+        relay.run(lambda: PLENTY)
+    # And that row waits with the error; the one behind it was not tried
+    rows = kit.sql("SELECT state, attempts, last_error FROM outbox ORDER BY seq")
+    assert [(state, attempts) for state, attempts, _ in rows] == [("pending", 1), ("pending", 0)]
+    assert "QUEUE_NOT_FOUND" in rows[0][2]
 
 
 def test_outbox_status_json_agrees_with_the_database(kit: Harness) -> None:

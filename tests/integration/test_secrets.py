@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import boto3
@@ -95,6 +96,27 @@ def test_secrets_come_from_ssm_and_secrets_manager_and_are_cached(aws: dict[str,
     source = SecretSource(_settings(arn), api_key=False)
     assert source.resolve().infrai_api_key == ""
     assert source.refresh.api_key is None
+
+
+def test_database_host_points_the_secrets_url_at_a_proxys_endpoint(aws: dict[str, Any]) -> None:
+    # Given an RDS secret naming the database's own host (the proxy logs in with it), and
+    # DATABASE_HOST naming the proxy's endpoint, as the template sets it with DatabaseProxy create
+    proxy = "infrai-jobs-ledger.proxy-abc123.us-east-1.rds.amazonaws.com"
+    secret = {"host": "ledger.abc123.us-east-1.rds.amazonaws.com", "port": 5432}
+    arn = aws["secrets"].create_secret(
+        Name=SECRET,
+        SecretString=_rds_secret("postgresql://jobs@x/ledger", **secret),
+    )["ARN"]
+    source = SecretSource(replace(_settings(arn), database_host=proxy), api_key=False)
+    # When a function resolves its database URL, and fetches it again after a rotation
+    resolved = conninfo_to_dict(source.resolve().database_url)
+    assert source.refresh.database_url is not None
+    refreshed = conninfo_to_dict(source.refresh.database_url())
+    # Then both go to the proxy, with the secret's port, credentials, database and TLS
+    for url in (resolved, refreshed):
+        assert url["host"] == proxy
+        assert (url["port"], url["user"], url["dbname"]) == ("5432", "jobs", "ledger")
+        assert (url["password"], url["sslmode"]) == ("s3cret-Passw0rd", "require")
 
 
 def test_the_ledger_refreshes_a_rotated_database_secret_once(

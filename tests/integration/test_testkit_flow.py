@@ -6,14 +6,18 @@ assertion for each. Fixture jobs of the test's own, on the kit's real PostgreSQL
 
 from __future__ import annotations
 
+import json
+from urllib.parse import quote
+
 import pytest
 import redis
 
 from infrai_jobs.aws.second_layer import KEY_PREFIX
+from infrai_jobs.jobs.http_pool import LazyPool
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
-from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer
+from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_local.testkit import JobKit, JobKitError, open_job_kit
+from infrai_local.testkit import JobKit, JobKitError, Route, open_job_kit
 
 FLAKY = {"job": "kit.flaky", "id": "f1"}
 PLAIN = {"job": "kit.plain", "id": "p1"}
@@ -44,7 +48,58 @@ def job_kit_registry() -> JobRegistry:
         concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=2),
     )(_call)
     registry.job("kit.mail", effect=Effect.EXTERNAL, identity=("id",), probe=_was_mailed)(_mail)
+    registry.job(
+        "kit.webhook",
+        effect=Effect.EXTERNAL,
+        identity=("delivery_id",),
+        fields={"delivery_id": str, "subscriber_id": str},
+        settings=(HOOK_URL,),
+        probe=_find_delivery,
+    )(_deliver)
+    registry.job("kit.unrouted", effect=Effect.EXTERNAL, identity=("id",), settings=(HOOK_URL,))(
+        _call_a_path_nobody_serves
+    )
     return registry
+
+
+# A webhook provider of the test's own, as a team's would be: deliveries are POSTed to the
+# subscriber's path, and looked up by the delivery id the job sent.
+HOOK_URL = "HOOK_URL"
+_http = LazyPool(connect_s=2.0, read_s=5.0)
+
+
+@pytest.fixture
+def job_kit_provider_routes() -> list[Route]:
+    return [
+        Route("POST", "/hooks/{subscriber}", key="header:X-Delivery-Id"),
+        Route("GET", "/deliveries/{id}", lookup=True),
+    ]
+
+
+def _deliver(payload: Payload, ctx: JobContext) -> JsonValue:
+    response = _http.call(
+        "POST",
+        f"{ctx.settings[HOOK_URL]}/hooks/{payload['subscriber_id']}",
+        provider="the subscriber",
+        body=json.dumps(dict(payload)),
+        headers={"X-Delivery-Id": ctx.idem_key, "Content-Type": "application/json"},
+    )
+    return {"delivered": json.loads(response.data)["id"]}
+
+
+def _find_delivery(payload: Payload, ctx: JobContext) -> ProbeAnswer:
+    url = f"{ctx.settings[HOOK_URL]}/deliveries/{quote(ctx.idem_key, safe='')}"
+    response = _http.request("GET", url)
+    if response.status == 404:
+        return NotDone()
+    if response.status != 200:
+        return Unknown(f"the lookup answered HTTP {response.status}")
+    return Done({"delivered": json.loads(response.data)["id"]})
+
+
+def _call_a_path_nobody_serves(payload: Payload, ctx: JobContext) -> JsonValue:
+    _http.call("POST", f"{ctx.settings[HOOK_URL]}/webhooks/{payload['id']}", provider="x")
+    return None
 
 
 # The fixture mail provider: what it has sent, which its probe asks.
@@ -165,3 +220,53 @@ def test_the_kit_runs_a_job_under_the_second_layer_its_settings_switch_on(
         assert records() == before + 1
     finally:
         client.close()
+
+
+WEBHOOK = {"job": "kit.webhook", "delivery_id": "d1", "subscriber_id": "sub-7"}
+
+
+def test_a_job_with_a_provider_of_its_own_runs_once_against_its_stand_in(
+    job_kit: JobKit,
+) -> None:
+    # Given a webhook job whose provider's routes the test gave the kit (its own URL path)
+    # When it is published twice and drained
+    job_kit.assert_runs_once(WEBHOOK)
+    # Then the stand-in received one delivery, on the subscriber's path, under the job's key
+    state = job_kit.provider_state()
+    key = job_kit.key(WEBHOOK)
+    assert state["effects"] == {f"/hooks/sub-7 {key}": 1}
+    assert [call["path"] for call in state["received"][key]] == ["/hooks/sub-7"]
+
+
+@pytest.mark.parametrize("effect_happened", [True, False])
+def test_a_jobs_probe_asks_its_own_lookup_route_and_the_kit_settles_it(
+    job_kit: JobKit, effect_happened: bool
+) -> None:
+    # Given the webhook job's delivery outcome is unknown: delivered with its answer lost, or not
+    payload = {**WEBHOOK, "delivery_id": f"d-{effect_happened}"}
+    # When its probe asks the stand-in's lookup route (GET /deliveries/<id>), answered from what
+    # the stand-in received, Then it is done once either way
+    claim = job_kit.assert_reconciled(payload, effect_happened=effect_happened)
+    assert claim.state == "done"
+    assert job_kit.completed[job_kit.key(payload)] == 1
+    assert job_kit.provider_state()["calls"]["GET /deliveries/{id}"] == 1
+
+
+def test_a_failing_provider_stand_in_sends_the_job_to_a_human(job_kit: JobKit) -> None:
+    # Given the stand-in answering 503 to every call (it may have acted: the pool says uncertain)
+    job_kit.provider_faults(fail_rate=1.0)
+    # When the webhook job runs, Then it is stuck for a human, never called again
+    claim = job_kit.assert_stuck_when_uncertain({**WEBHOOK, "delivery_id": "d-503"})
+    assert claim.error is not None
+    assert job_kit.provider_state()["effects"] == {}
+
+
+def test_a_job_calling_a_path_its_stand_in_lacks_fails_saying_which_and_how_to_add_it(
+    job_kit: JobKit,
+) -> None:
+    # Given a job that calls a path no route of its stand-in serves
+    with pytest.raises(JobKitError) as failed:
+        job_kit.assert_runs_once({"job": "kit.unrouted", "id": "u1"})
+    # Then the failure names the request and the fixture that gives the stand-in a route
+    assert "no route for POST /webhooks/u1" in str(failed.value)
+    assert "job_kit_provider_routes" in str(failed.value)

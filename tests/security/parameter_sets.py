@@ -30,6 +30,10 @@ BACKENDS: dict[str, dict[str, str]] = {
 IN_VPC = {"SubnetIds": "subnet-0a1b2c3d,subnet-4e5f6a7b", "SecurityGroupIds": "sg-0a1b2c3d"}
 TRACING = {"EnableTracing": "true"}
 ALERT_EMAIL = {"AlertEmail": "on-call@example.com"}
+# An RDS Proxy before the ledger lives in the VPC: it is on in the VPC sets with an alert e-mail,
+# before an Aurora cluster in those with tracing too, so each of its Conditions goes both ways.
+PROXY = {"DatabaseProxy": "create", "DatabaseProxyTarget": "ledger-db"}
+ON_A_CLUSTER = {"DatabaseProxyTargetKind": "cluster"}
 # The other switches, each on in every other set: both values of each are rendered.
 DATA_KEY_ARN = "arn:aws:kms:eu-west-1:123456789012:key/1234abcd-12ab-34cd-56ef-123456789012"
 OTHER_SWITCHES: tuple[dict[str, str], ...] = (
@@ -56,6 +60,9 @@ def _parameter_sets() -> dict[str, dict[str, str]]:
         values = dict(REQUIRED) | BACKENDS[backend]
         values |= (IN_VPC if vpc else {}) | (TRACING if tracing else {})
         values |= ALERT_EMAIL if email else {}
+        if vpc and email:
+            values |= PROXY | (ON_A_CLUSTER if tracing else {})
+            name += "-proxy"
         # Switch k is on in the sets whose index has bit k set: each switch both ways.
         for bit, switch in enumerate(OTHER_SWITCHES):
             if index >> bit & 1:

@@ -24,6 +24,7 @@ from infrai_jobs.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from test_template import load_template
+from test_url_parameters import url_parameters
 
 MAIL = {"MAIL_PROVIDER_URL": ("receipt.send",)}
 PASSWORD = "s3cr3t-auth-token-77"
@@ -147,7 +148,12 @@ def test_an_infrai_base_url_with_credentials_is_refused_when_read() -> None:
         DrainSettings.from_env({"INFRAI_BASE_URL": "https://key:sk_live_1@api.infrai.cc"})
 
 
-URL_PARAMETERS = ("InfraiBaseUrl", "MailProviderUrl", "DigestProviderUrl")
+# Every web URL parameter, however it is named (test_url_parameters finds them).
+URL_PARAMETERS = tuple(
+    name
+    for name, spec in url_parameters(load_template()).items()
+    if "https" in spec.get("AllowedPattern", "")
+)
 SAMPLE_URLS = [
     "https://api.infrai.cc",
     "https://mail.example.com/v1/send?region=eu",

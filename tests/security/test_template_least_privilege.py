@@ -71,6 +71,8 @@ ALLOWED_SERVICES = {
     "OutboxRelayFunctionRole": {"logs", "ssm", "secretsmanager", "kms", "ec2"},
     # The role EventBridge Scheduler invokes the scheduled functions with.
     "SchedulerRole": {"lambda"},
+    # The role the ledger's RDS Proxy reads the database secret with (DatabaseProxy create).
+    "LedgerProxyRole": {"secretsmanager", "kms"},
 }
 SCHEDULED_FUNCTIONS = {
     "DrainFunction",

@@ -3,6 +3,8 @@ that answers the read commands and records every command it is asked to run."""
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -13,8 +15,8 @@ from werkzeug.datastructures import MultiDict
 
 from infrai_local.console import commands
 from infrai_local.console.commands import CommandResult, ops_parser
-from infrai_local.console.guard import Guard, is_loopback
-from infrai_local.console.server import parse_args
+from infrai_local.console.guard import Guard, is_loopback, is_wildcard
+from infrai_local.console.server import page_url, parse_args
 from infrai_local.console.views import create_app
 
 TOKEN = "t" * 43
@@ -27,11 +29,17 @@ class RecordingBackend:
     watched = ("billing-jobs",)
     actor = "on-call@example.com"
 
-    def __init__(self) -> None:
+    def __init__(self, lock: threading.Lock | None = None) -> None:
         self.ran: list[tuple[str, ...]] = []
+        self.lock = lock
+        self.held: list[tuple[str, bool]] = []  # (command, whether the lock was held)
 
     def run(self, argv: Sequence[str]) -> CommandResult:
         self.ran.append(tuple(argv))
+        if self.lock is not None:
+            self.held.append(
+                (" ".join(w for w in argv[:2] if not w.startswith("-")), self.lock.locked())
+            )
         words = [w for w in argv if not w.startswith("-")]
         document: Any = {"ok": True}
         if words[:1] == ["dlq"] and len(words) == 1:
@@ -176,4 +184,137 @@ def test_the_console_listens_on_loopback_unless_told_otherwise() -> None:
     assert is_loopback("::1")
     assert is_loopback("localhost")
     assert not is_loopback("0.0.0.0")
-    assert parse_args(["--bind", "0.0.0.0"]).bind == "0.0.0.0"
+    assert parse_args(["--bind", "0.0.0.0", "--hostname", "ops.internal"]).bind == "0.0.0.0"
+
+
+def test_the_token_redirect_encodes_the_query_it_keeps() -> None:
+    app = create_app(RecordingBackend(), Guard(token=TOKEN, port=PORT)).test_client()
+    query = f"k=a%26b%23c&token={TOKEN}&m=m-1&m=m%202&note=%C3%A9t%C3%A9"
+    answer = app.get(f"/key?{query}", base_url=ORIGIN)
+    assert answer.status_code == 303
+    assert answer.headers["Location"] == "/key?k=a%26b%23c&m=m-1&m=m+2&note=%C3%A9t%C3%A9"
+
+
+def test_the_token_redirect_stays_on_the_console() -> None:
+    app = create_app(RecordingBackend(), Guard(token=TOKEN, port=PORT)).test_client()
+    # (a request line `GET //evil.example/x?token=... HTTP/1.1`)
+    answer = app.get(
+        "/",
+        query_string={"token": TOKEN},
+        base_url=ORIGIN,
+        environ_overrides={"PATH_INFO": "//evil.example/x"},
+    )
+    assert answer.status_code == 303
+    assert answer.headers["Location"] == "/evil.example/x"
+
+
+def test_every_render_carries_a_mark_of_its_own() -> None:
+    client = client_for(RecordingBackend())
+    marks = [
+        re.search(r'<html lang="en" data-render="([0-9a-f]+)">', html).group(1)  # type: ignore[union-attr]
+        for html in (client.get("/stuck", base_url=ORIGIN).data.decode() for _ in range(2))
+    ]
+    assert len(set(marks)) == 2
+
+
+@pytest.mark.parametrize(
+    ("bind", "hostname", "url"),
+    [
+        ("127.0.0.1", "", f"http://127.0.0.1:{PORT}/"),
+        ("localhost", "", f"http://127.0.0.1:{PORT}/"),
+        ("127.0.0.2", "", f"http://127.0.0.2:{PORT}/"),
+        ("::1", "", f"http://[::1]:{PORT}/"),
+        ("10.0.0.5", "", f"http://10.0.0.5:{PORT}/"),
+        ("0.0.0.0", "ops.internal", f"http://ops.internal:{PORT}/"),
+        ("::", "fd00::5", f"http://[fd00::5]:{PORT}/"),
+    ],
+)
+def test_the_printed_url_names_where_the_console_listens(
+    bind: str, hostname: str, url: str
+) -> None:
+    guard = Guard(token=TOKEN, port=PORT, bind=bind, hostname=hostname)
+    assert page_url(guard) == f"{url}?token={TOKEN}"
+    # And the console answers to the name its URL gives
+    assert guard.host_refusal(url.split("/")[2]) == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--bind", "0.0.0.0"], "--hostname"),
+        (["--bind", "::"], "--hostname"),
+        (["--bind", ""], "--hostname"),
+        (["--bind", "0.0.0.0", "--hostname", "http://ops.internal"], "no scheme"),
+        (["--bind", "0.0.0.0", "--hostname", "ops.internal:8780"], "no scheme, port"),
+        (["--bind", "0.0.0.0", "--hostname", "0.0.0.0"], "not an address one can open"),
+        (["--hostname", "ops.internal"], "beyond this machine"),
+    ],
+)
+def test_a_bind_the_console_cannot_name_is_refused_with_the_reason(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv)
+    assert stopped.value.code == 2
+    assert why in capsys.readouterr().err
+    assert is_wildcard("0.0.0.0")
+    assert not is_wildcard("10.0.0.5")
+
+
+def test_off_loopback_a_refusal_says_which_name_or_site_it_met_and_which_it_wanted() -> None:
+    guard = Guard(
+        token=TOKEN, port=PORT, bind="0.0.0.0", allow_actions=True, hostname="ops.internal"
+    )
+    own = f"http://ops.internal:{PORT}"
+    # A page asked for under another name (the machine's address, say) is refused, saying both
+    refusal = guard.host_refusal(f"10.0.0.5:{PORT}")
+    assert f"10.0.0.5:{PORT}" in refusal
+    assert own in refusal
+    assert "--hostname" in refusal
+    # As is an action from another origin
+    refusal = guard.action_refusal(TOKEN, origin=f"http://10.0.0.5:{PORT}", fetch_site=None)
+    assert f"http://10.0.0.5:{PORT}" in refusal
+    assert own in refusal
+    refusal = guard.action_refusal(TOKEN, origin=own, fetch_site="cross-site")
+    assert "cross-site" in refusal
+    # And the console's own name, and loopback (it listens there too), are served
+    assert guard.host_refusal(f"OPS.internal:{PORT}") == ""
+    assert guard.host_refusal(f"127.0.0.1:{PORT}") == ""
+    assert guard.action_refusal(TOKEN, origin=own, fetch_site="same-origin") == ""
+    # A console on one address answers to that address only
+    one = Guard(token=TOKEN, port=PORT, bind="10.0.0.5")
+    assert one.host_refusal(f"10.0.0.5:{PORT}") == ""
+    assert one.host_refusal(f"127.0.0.1:{PORT}") != ""
+
+
+def test_only_the_commands_that_touch_the_dead_letters_run_one_at_a_time() -> None:
+    # Given a console whose dead-letter commands hold a lock the test can see
+    lock = threading.Lock()
+    backend = RecordingBackend(lock)
+    app = create_app(
+        backend, Guard(token=TOKEN, port=PORT, allow_actions=True), dead_letters_lock=lock
+    )
+    client = app.test_client()
+    client.set_cookie(f"infrai_console_{PORT}", TOKEN, domain="127.0.0.1")
+    # When the pages and the actions run
+    client.get("/", base_url=ORIGIN)
+    client.get("/dead-letters/preview?m=m-1", base_url=ORIGIN)
+    for path, data in [
+        ("/dead-letters/redrive", {"m": "m-1"}),
+        ("/dead-letters/discard", {"m": "m-1", "note": "n"}),
+        ("/claims/probe", {"key": "k"}),
+        ("/claims/release", {"key": "k"}),
+    ]:
+        answer = post(client, path, {**data, "csrf_token": TOKEN}, Origin=ORIGIN)
+        assert answer.status_code == 200, answer.data
+    # Then the reads and changes of the dead letters held it, and nothing else did (a probe
+    # waiting on its provider holds up no other page)
+    held = dict(backend.held)
+    assert {command for command, locked in backend.held if locked} == {
+        "dlq",
+        "redrive",
+        "dlq discard",
+    }
+    assert held["claims reconcile"] is False
+    assert held["claims release"] is False
+    assert held["claims stuck"] is False

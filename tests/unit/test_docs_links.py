@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from git_files import ROOT, git_files
 
 # Files whose text may cite documents: code, configuration, build and CI scripts, the docs.
 CITING_SUFFIXES = (".py", ".yaml", ".yml", ".toml", ".md", ".cfg", ".ini", ".sh", ".json")
@@ -42,20 +42,13 @@ def tracked_files() -> list[Path]:
     """The files git tracks or would track (new, not ignored), or, outside a git checkout, every
     file not in a hidden folder."""
     try:
-        listed = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            capture_output=True,
-            check=True,
-            timeout=30,
-        ).stdout.decode()
+        return git_files()
     except (OSError, subprocess.SubprocessError):
         return [
             path
             for path in ROOT.rglob("*")
             if path.is_file() and not any(part.startswith(".") for part in path.parts[-4:-1])
         ]
-    return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).is_file()]
 
 
 def relative(path: Path) -> str:

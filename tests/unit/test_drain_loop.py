@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from fakes import FakeClock, InMemoryLedger, InMemoryQueue
 from job_modes import fail_as_asked
 
 from infrai_jobs.drain.features import IdlePolling
@@ -36,7 +37,6 @@ from infrai_jobs.jobs.registry import (
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.runtime.drain_service import check_time_budget
 from infrai_jobs.work.states import ClaimRow
-from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

@@ -13,6 +13,7 @@ from decimal import Decimal
 
 import pytest
 from claim_requests import claim_request
+from fakes import Clock, FakeClock, InMemoryLedger, InMemoryQueue
 
 from infrai_jobs.errors import InfraiError, LedgerUnavailable, QueueMessageNotFound
 from infrai_jobs.jobs.registry import Effect
@@ -25,7 +26,6 @@ from infrai_jobs.work.states import (
     RunKind,
     SettleStatus,
 )
-from infrai_local.fakes import Clock, FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fakes import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.fan_out import (
@@ -25,7 +26,6 @@ from infrai_jobs.drain.fan_out import (
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_jobs.runtime.factory import make_drain_starter
-from infrai_local.fakes import FakeClock, InMemoryDrainFleet, InMemoryQueue, RecordingDrainStarter
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -234,7 +234,7 @@ def _registry(effects: list[str]) -> JobRegistry:
 
 
 def _service(fleet: InMemoryDrainFleet, queue: InMemoryQueue, effects: list[str]) -> Any:
-    from infrai_local.fakes import InMemoryLedger  # noqa: PLC0415
+    from fakes import InMemoryLedger  # noqa: PLC0415
 
     settings = DrainSettings(queue=QUEUE, dlq=DLQ, drain_max_concurrency=2)
     ledger = InMemoryLedger(fleet.clock)

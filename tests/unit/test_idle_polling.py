@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.features import IdlePolling
@@ -20,7 +21,6 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
-from infrai_local.fakes import FakeClock, InMemoryLedger, InMemoryQueue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

@@ -29,7 +29,7 @@ RULE_DEFINITIONS = ('    return "(" + lease_end(row) + " ', '    return "least("
 # which restates the rule on the clock a test controls and is held to it by the contract suite.
 OTHER_LEASES = {
     ROOT / "layers" / "common" / "infrai_jobs" / "drain" / "fleet.py",
-    ROOT / "local" / "infrai_local" / "fakes.py",
+    ROOT / "tests" / "fakes.py",
 }
 
 

@@ -121,6 +121,11 @@ def steer_deferred(key: str, *, run_now: bool, note: str) -> list[str]:
     return ["claims", "run-now" if run_now else "cancel", "--json", f"--note={note}", "--", key]
 
 
+def touches_dead_letters(argv: Sequence[str]) -> bool:
+    """Whether the command reads or changes the dead letters (and so consumes Infrai's DLQ)."""
+    return bool(argv) and argv[0] in ("dlq", "redrive")
+
+
 # --- the ledger's own reads (no command prints them) ---------------------------------------------
 
 # Claims settled (done or failed) and dead letters first seen, per minute of the last hour.

@@ -8,12 +8,15 @@ and the result page shows the command line, so the operator can type it next tim
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote, urlencode
 
 from flask import Flask, Response, redirect, render_template, request
 from werkzeug.exceptions import HTTPException
@@ -134,8 +137,48 @@ def _message_ids(values: list[str]) -> list[str]:
     return chosen
 
 
-def create_app(backend: Backend, guard: Guard) -> Flask:
-    """The console's WSGI app, for one start (one token)."""
+class _DeadLettersOneAtATime:
+    """The backend, its commands that touch the dead letters run one at a time.
+
+    The server serves each request on a thread of its own. Reading the dead letters consumes
+    Infrai's DLQ before recording what it read: two reads at once would each hide from the other
+    the letters it had taken and not yet recorded (a page would list too few), and a redrive or
+    discard submitted twice would race itself to the same letters. Other commands (a probe that
+    waits on a slow provider, the stuck claims, one key) run beside them: the ledger fences each
+    change."""
+
+    def __init__(self, backend: Backend, lock: threading.Lock) -> None:
+        self._backend = backend
+        self._lock = lock
+        self.queue_name = backend.queue_name
+        self.watched = backend.watched
+        self.actor = backend.actor
+
+    def run(self, argv: Sequence[str]) -> CommandResult:
+        if not commands.touches_dead_letters(argv):
+            return self._backend.run(argv)
+        with self._lock:
+            return self._backend.run(argv)
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self._backend.stats()
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self._backend.alerts()
+
+    def settled_per_minute(self) -> tuple[Any, list[dict[str, Any]]]:
+        return self._backend.settled_per_minute()
+
+    def dead_letters_of_key(self, key: str) -> list[dict[str, Any]]:
+        return self._backend.dead_letters_of_key(key)
+
+
+def create_app(
+    backend: Backend, guard: Guard, *, dead_letters_lock: threading.Lock | None = None
+) -> Flask:
+    """The console's WSGI app, for one start (one token). Its commands that touch the dead
+    letters hold ``dead_letters_lock`` (a new one unless given) while they run."""
+    backend = _DeadLettersOneAtATime(backend, dead_letters_lock or threading.Lock())
     app = Flask(
         __name__,
         template_folder=str(HERE / "templates"),
@@ -155,7 +198,9 @@ def create_app(backend: Backend, guard: Guard) -> Flask:
 
 
 def page(template: str, status: int = 200, **context: Any) -> Response:
-    html = render_template(template, **context)
+    # Each render carries a mark of its own (``data-render``): what follows a click is told
+    # from the page clicked on without holding a node of the page being replaced.
+    html = render_template(template, render_mark=secrets.token_hex(8), **context)
     return Response(html, status=status, mimetype="text/html")
 
 
@@ -178,11 +223,11 @@ def _guard_requests(app: Flask, guard: Guard) -> None:
         if refusal:
             return refused(refusal)
         if query_token is not None:
-            # Into a cookie, and out of the address bar (and the browser's history).
-            args = {k: v for k, v in request.args.items(multi=True) if k != "token"}
-            target = request.path + (
-                "?" + "&".join(f"{k}={v}" for k, v in args.items()) if args else ""
-            )
+            # Into a cookie, and out of the address bar (and the browser's history); the rest of
+            # the query is encoded again, so a value holding & or # stays one value, and the
+            # path keeps one leading slash (`//host/` would send the browser to another site).
+            kept = [(k, v) for k, v in request.args.items(multi=True) if k != "token"]
+            target = "/" + quote(request.path.lstrip("/")) + ("?" + urlencode(kept) if kept else "")
             response = redirect(target, code=303)
             response.set_cookie(
                 guard.cookie_name, guard.token, httponly=True, samesite="Strict", path="/"

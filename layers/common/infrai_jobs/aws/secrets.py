@@ -88,11 +88,12 @@ class SecretSource(Generic[AnySettings]):
 
 
 def _database_url(settings: AnySettings, force_fetch: bool) -> str:
-    return database_url_from_secret(
+    url = database_url_from_secret(
         _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
         sslmode=settings.database_sslmode,
         ca_bundle=settings.database_ca_bundle,
     )
+    return make_conninfo(url, host=settings.database_host) if settings.database_host else url
 
 
 def _job_secrets(settings: JobSettings) -> dict[str, str]:

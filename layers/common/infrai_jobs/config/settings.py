@@ -144,9 +144,11 @@ class CommonSettings:
     )
     publish_retries: bool = setting("INFRAI_PUBLISH_RETRIES", False, parse_bool)
     allow_plain_http: bool = setting(ALLOW_PLAIN_HTTP_ENV, False, parse_bool)
-    # For a URL read from the database secret only (DATABASE_URL is used as written).
+    # For the database secret's URL only (DATABASE_URL is used as written); the host a proxy's.
     database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
+    database_host: str = setting("DATABASE_HOST", "", parse_text)
+    database_prepared_statements: bool = setting("DATABASE_PREPARED_STATEMENTS", False, parse_bool)
     # The queue's: bounds every lease, and ends a lease-less one this long after its claim.
     visibility_timeout_seconds: int = setting(
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS",

@@ -24,6 +24,12 @@ _TRACEPARENT = re.compile(
     r"-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(?P<rest>-[^\s]*)?"
 )
 
+# Why an envelope value present in a message is ignored, by field.
+_UNFIT: Final = {
+    CORRELATION_FIELD: f"is not a string of 1 to {MAX_CORRELATION_ID_LENGTH} printable characters",
+    TRACEPARENT_FIELD: "is not a W3C traceparent (version-traceid-parentid-flags, lowercase hex)",
+}
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,25 +52,12 @@ def correlation_of(payload: object) -> Correlation:
     ``ignored`` says why."""
     if not isinstance(payload, Mapping):
         return NO_CORRELATION
-    reasons: list[str] = []
-    correlation_id = trace_id = traceparent = None
-    if CORRELATION_FIELD in payload:
-        correlation_id = valid_correlation_id(payload[CORRELATION_FIELD])
-        if correlation_id is None:
-            reasons.append(
-                f"{CORRELATION_FIELD} is not a string of 1 to {MAX_CORRELATION_ID_LENGTH} "
-                "printable characters"
-            )
-    if TRACEPARENT_FIELD in payload:
-        trace_id = traceparent_trace_id(payload[TRACEPARENT_FIELD])
-        if trace_id is None:
-            reasons.append(
-                f"{TRACEPARENT_FIELD} is not a W3C traceparent "
-                "(version-traceid-parentid-flags, lowercase hex)"
-            )
-        else:
-            traceparent = payload[TRACEPARENT_FIELD]
-    return Correlation(correlation_id or trace_id, traceparent, trace_id, "; ".join(reasons))
+    correlation_id = valid_correlation_id(payload.get(CORRELATION_FIELD))
+    trace_id = traceparent_trace_id(payload.get(TRACEPARENT_FIELD))
+    read = ((CORRELATION_FIELD, correlation_id), (TRACEPARENT_FIELD, trace_id))
+    ignored = [f"{name} {_UNFIT[name]}" for name, value in read if name in payload and not value]
+    traceparent = payload[TRACEPARENT_FIELD] if trace_id else None
+    return Correlation(correlation_id or trace_id, traceparent, trace_id, "; ".join(ignored))
 
 
 def valid_correlation_id(value: object) -> str | None:

@@ -187,42 +187,46 @@ _TLS_VERIFICATION_FAILURES = (
 
 
 def connect_to_ledger(
-    url: str, *, connect_timeout: int = 5, application_name: str = "infrai-jobs"
+    url: str,
+    *,
+    connect_timeout: int = 5,
+    application_name: str = "infrai-jobs",
+    prepared_statements: bool = False,
 ) -> psycopg.Connection[Any]:
     """An autocommit connection, never refreshed; its failure ``LedgerUnavailable`` without the
     URL (nor the driver's error, which may quote it, chained). A malformed URL is refused first:
-    its "host" may be the tail of a password, and connecting would send that to a resolver."""
+    its "host" may be the tail of a password, and connecting would send that to a resolver.
+    Unless ``prepared_statements`` (DATABASE_PREPARED_STATEMENTS), nothing is prepared on the
+    server: behind a transaction pooler the next transaction may meet a server without it."""
     reason = malformed_reason(url)
     if reason:
         raise _malformed_url(reason)
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             url, autocommit=True, connect_timeout=connect_timeout, application_name=application_name
         )
     except psycopg.Error as exc:
         raise _connect_failure(exc, url) from None
+    if not prepared_statements:
+        conn.prepare_threshold = None  # psycopg's default prepares a statement at its sixth run
+    return conn
 
 
 class LedgerConnector:
     """How every adapter connects, and how a warm environment picks up a rotated database secret:
     a failed connection is tried once more with the secret fetched again (``refresh``), the new
-    URL kept. ``url`` is the current one, for redacting the errors met on its connections."""
+    URL kept. ``url`` is the current one, for redacting the errors met on its connections.
+    ``options`` are ``connect_to_ledger``'s (``application_name``, ``prepared_statements``, ...)."""
 
     def __init__(
-        self,
-        url: str,
-        *,
-        application_name: str,
-        connect_timeout: int = 5,
-        refresh: Callable[[], str] | None = None,
+        self, url: str, *, refresh: Callable[[], str] | None = None, **options: Any
     ) -> None:
         self._url = url
-        self._application_name = application_name
-        self._connect_timeout = connect_timeout
         self._refresh = refresh
+        self._options = options
 
     def __repr__(self) -> str:
-        return f"LedgerConnector(<database url redacted>, {self._application_name!r})"
+        return f"LedgerConnector(<database url redacted>, {self._options})"
 
     @property
     def url(self) -> str:
@@ -257,11 +261,7 @@ class LedgerConnector:
 
     def connect_once(self) -> psycopg.Connection[Any]:
         """A connection with the current URL, never refreshed (a last-chance clean-up)."""
-        return connect_to_ledger(
-            self._url,
-            connect_timeout=self._connect_timeout,
-            application_name=self._application_name,
-        )
+        return connect_to_ledger(self._url, **self._options)
 
 
 class LedgerAdapter:
@@ -275,17 +275,11 @@ class LedgerAdapter:
     _conn: psycopg.Connection[Any] | None = None
 
     def __init__(
-        self,
-        database_url: str,
-        *,
-        connect_timeout: int = 5,
-        refresh_url: Callable[[], str] | None = None,
+        self, database_url: str, *, refresh_url: Callable[[], str] | None = None, **options: Any
     ) -> None:
+        """``options``: ``connect_to_ledger``'s (``connect_timeout``, ``prepared_statements``)."""
         self._connector = LedgerConnector(
-            database_url,
-            application_name=self.APPLICATION_NAME,
-            connect_timeout=connect_timeout,
-            refresh=refresh_url,
+            database_url, application_name=self.APPLICATION_NAME, refresh=refresh_url, **options
         )
 
     def __repr__(self) -> str:

@@ -52,12 +52,8 @@ class QueueMessage:
     @classmethod
     def from_api(cls, item: object, *, queue: str) -> QueueMessage:
         call = "consume"
-        if not isinstance(item, Mapping):
-            raise _invalid(call, f"an item is a {type(item).__name__}, not an object")
-        message_id = item.get("message_id")
-        if not isinstance(message_id, str) or not message_id:
-            raise _invalid(call, "message_id is missing or not a non-empty string")
-        _require_storable(message_id, "message_id", call)
+        item = _require_object(item, "an item", call)
+        message_id = _require_id(item.get("message_id"), "message_id", call)
         delivery_count = item.get("delivery_count", 1)
         if isinstance(delivery_count, bool) or not isinstance(delivery_count, int):
             raise _invalid(call, f"item {message_id}: delivery_count is not an integer")
@@ -66,15 +62,10 @@ class QueueMessage:
         # The notes' worker acks with the message id; a separate handle wins when Infrai sends one.
         handle = item.get("receipt_handle")
         if handle is not None:
-            if not isinstance(handle, str) or not handle:
-                raise _invalid(call, f"item {message_id}: receipt_handle is not a non-empty string")
-            _require_storable(handle, "receipt_handle", call)
-        item_queue = item.get("queue", queue)
-        if not isinstance(item_queue, str) or not item_queue:
-            raise _invalid(call, f"item {message_id}: queue is not a non-empty string")
+            handle = _require_id(handle, f"item {message_id}: receipt_handle", call)
         return cls(
             message_id=message_id,
-            queue=item_queue,
+            queue=_require_text(item.get("queue", queue), f"item {message_id}: queue", call),
             payload=item.get("payload"),
             delivery_count=delivery_count,
             published_at=_parse_timestamp(item.get("published_at")),
@@ -100,8 +91,7 @@ class QueueStats:
     @classmethod
     def from_api(cls, data: object, *, queue: str) -> QueueStats:
         call = "stats"
-        if not isinstance(data, Mapping):
-            raise _invalid(call, f"the answer is a {type(data).__name__}, not an object")
+        data = _require_object(data, "the answer", call)
         counts = {name: _require_count(data, name, call) for name in _COUNTS}
         # Required like the counts: read as 0 when missing, it would tell the watcher that a
         # lagging drain is "keeping up again".
@@ -131,9 +121,7 @@ _PRICE_FIELDS = ("price_usd", "usd_per_message", "unit_price_usd", "price", "amo
 
 def parse_publish_price(data: object) -> PublishPrice:
     call = "discovery"
-    if not isinstance(data, Mapping):
-        raise _invalid(call, "the answer is not an object")
-    capabilities = data.get("capabilities")
+    capabilities = _require_object(data, "the answer", call).get("capabilities")
     if not isinstance(capabilities, list):
         raise _invalid(call, "capabilities is not a list")
     for capability in capabilities:
@@ -170,14 +158,29 @@ def _parse_timestamp(value: object) -> datetime | None:
         return None
 
 
-def _require_storable(value: str, field: str, call: str) -> None:
-    """An id the ledger and the logs can hold: no NUL, no lone surrogates."""
-    if "\x00" in value:
+def _require_id(value: object, field: str, call: str) -> str:
+    """An id the ledger and the logs can hold: a non-empty string, no NUL, no lone surrogates."""
+    text = _require_text(value, field, call)
+    if "\x00" in text:
         raise _invalid(call, f"{field} contains a NUL character")
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise _invalid(call, f"{field} is not valid Unicode") from None
+    return text
+
+
+def _require_object(value: object, what: str, call: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _invalid(call, f"{what} is a {type(value).__name__}, not an object")
+    return value
+
+
+def _require_text(value: object, field: str, call: str) -> str:
+    if not isinstance(value, str) or not value:
+        what = "missing" if value is None else "not a non-empty string"
+        raise _invalid(call, f"{field} is {what}")
+    return value
 
 
 def _require_count(data: Mapping[str, object], field: str, call: str) -> int:

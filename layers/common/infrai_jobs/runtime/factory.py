@@ -106,12 +106,14 @@ def make_ledger(
     refresh_url: Callable[[], str] | None = None,
     job_migrations: Sequence[JobMigrationName] = (),
 ) -> PostgresLedger:
-    """``job_migrations``: the jobs package's, part of the schema check (``ledger.job_schema``)."""
+    """``job_migrations``: the jobs package's, part of the schema check (``ledger.job_schema``).
+    The drain's (and its lanes') connections are the only ones that may prepare statements."""
     return PostgresLedger(
         ledger_url(settings),
         visibility_timeout=settings.visibility_timeout_seconds,
         refresh_url=refresh_url,
         job_migrations=job_migrations,
+        prepared_statements=settings.database_prepared_statements,
     )
 
 

@@ -1,7 +1,7 @@
 """The work's states, pure: the row type, the one state machine as data, the one token source,
 what a claim attempt means, and how a handler's run settles its claim.
 
-The Postgres ledger and the in-memory fake (``infrai_local.fakes``) both decide by these
+The Postgres ledger and the in-memory fake (``tests/fakes.py``) both decide by these
 functions. The rules the statements apply themselves (takeover, lease length, lease over) are
 stated once, in ``work.statements``; the fake's copy is held to them by the ledger contract suite
 (tests/contract).

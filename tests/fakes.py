@@ -1,5 +1,6 @@
-"""In-memory fakes of the layer's ports, for unit tests. Never deployed: the layer ships only what
-the functions import.
+"""In-memory fakes of the layer's ports, for the framework's unit tests: they live with the tests,
+never in the layer (which ships only what the functions import) nor in the package a team
+installs.
 
 ``InMemoryQueue`` stands in for Infrai's queue (``QueuePort``) and ``InMemoryLedger`` for the
 Postgres claim ledger (``LedgerPort``); both run on a ``FakeClock`` that tests move by hand, so
@@ -308,7 +309,7 @@ def _settled(call: Callable[[], T]) -> Pending[T]:
     result or raises its error."""
     try:
         result = call()
-    except Exception as exc:  # noqa: BLE001 - handed to whoever waits, unchanged
+    except Exception as exc:
         error = exc
     else:
         return Pending(lambda: result)

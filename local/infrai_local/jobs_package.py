@@ -15,6 +15,7 @@ directory could differ from the one the venv names, and the two would disagree s
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,26 @@ JOBS_PATH_ENV: Final = "INFRAI_JOBS_PATH"
 def import_jobs(explicit: str | None = None) -> ModuleType:
     """The ``jobs`` package: from ``explicit`` (``--jobs-path``) or ``INFRAI_JOBS_PATH`` when
     given, else the one on the path (a project's venv puts its code root there)."""
+    _put_on_path(explicit)
+    try:
+        return importlib.import_module("jobs")
+    except ModuleNotFoundError as exc:
+        if exc.name != "jobs":
+            raise
+        raise _no_jobs_package() from None
+
+
+def jobs_folder(explicit: str | None = None) -> Path:
+    """The folder of the ``jobs`` package ``import_jobs`` would import, found without running
+    it (a check of its source must not depend on its imports working)."""
+    _put_on_path(explicit)
+    spec = importlib.util.find_spec("jobs")
+    if spec is None or spec.origin is None:
+        raise _no_jobs_package()
+    return Path(spec.origin).parent
+
+
+def _put_on_path(explicit: str | None) -> None:
     overrides = (("--jobs-path", explicit), (JOBS_PATH_ENV, os.environ.get(JOBS_PATH_ENV)))
     for source, given in overrides:
         if given:
@@ -41,16 +62,14 @@ def import_jobs(explicit: str | None = None) -> ModuleType:
             if str(root) not in sys.path:
                 sys.path.insert(0, str(root))
             break
-    try:
-        return importlib.import_module("jobs")
-    except ModuleNotFoundError as exc:
-        if exc.name != "jobs":
-            raise
-        raise ConfigurationError(
-            "no jobs package: pass --jobs-path FOLDER or set "
-            f"{JOBS_PATH_ENV} to the code root holding jobs/ (a project's functions/), or put "
-            "that folder on the virtualenv's path (`make venv` does it for its project)"
-        ) from None
+
+
+def _no_jobs_package() -> ConfigurationError:
+    return ConfigurationError(
+        "no jobs package: pass --jobs-path FOLDER or set "
+        f"{JOBS_PATH_ENV} to the code root holding jobs/ (a project's functions/), or put "
+        "that folder on the virtualenv's path (`make venv` does it for its project)"
+    )
 
 
 def load_registry(explicit: str | None = None) -> JobRegistry:

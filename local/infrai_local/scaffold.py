@@ -76,10 +76,18 @@ _RETURN_REGISTRY: Final = "    return registry\n"
 _LINE_LENGTH: Final = 100
 # Where the code new-job writes imports each name from: a job module's from the public job API
 # (``public_imports``), its test's from the test kit. The one place to change when they move.
-_IMPORTED_FROM: Final = {
-    **{name: module for module, names in PUBLIC_API.items() for name in names},
-    **dict.fromkeys(("JobKit", "Route"), "infrai_local.testkit"),
-}
+_IMPORTED_FROM: Final = {name: module for module, names in PUBLIC_API.items() for name in names}
+# Written once per project, beside the first job's tests: the team's own check that its jobs
+# import only the public API (infrai_local.public_imports).
+_IMPORTS_TEST: Final = (
+    '"""Our jobs import only the framework\'s public job API, so an upgrade cannot break them."""\n'
+    "\n"
+    "from infrai_local.testkit import assert_public_imports\n"
+    "\n"
+    "\n"
+    "def test_the_jobs_import_only_the_public_api() -> None:\n"
+    "    assert_public_imports()\n"
+)
 # A retry policy's back-off when new-job is given none.
 _FIRST_DELAY_SECONDS: Final = 1.0
 _MAX_DELAY_SECONDS: Final = 60.0
@@ -345,6 +353,9 @@ def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -
     for path in files:
         if path.exists():
             raise ConfigurationError(f"{path} already exists: nothing was written")
+    imports_test = project / "tests" / "unit" / "test_jobs_import_public_api.py"
+    if not imports_test.exists():
+        files[imports_test] = _IMPORTS_TEST
     registry_file = jobs_folder / "__init__.py"
     declared = list(registry.declared_settings())
     new_settings = [s for s in job.settings if s not in declared]

@@ -50,6 +50,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any, LiteralString
 
 import psycopg
@@ -78,10 +79,11 @@ from infrai_jobs.work.statements import END_LEASE
 from infrai_jobs.work.states import ClaimRow
 from infrai_local import emulator, provider_sink
 from infrai_local.embedded_db import postgres_server_url, scratch_database
-from infrai_local.jobs_package import load_registry
+from infrai_local.jobs_package import jobs_folder, load_registry
 from infrai_local.migrations import migrate_all
 from infrai_local.operator import OperatorLedger, reconcile_one
 from infrai_local.provider_sink import Route
+from infrai_local.public_imports import refused_imports
 from infrai_local.queues import ensure_queue
 from infrai_local.sandbox import STAND_IN_SECRET
 
@@ -782,4 +784,17 @@ def job_kit(  # noqa: PLR0917 - pytest hands fixtures in by name
         yield kit
 
 
-__all__ = ["JobKit", "JobKitError", "Route", "open_job_kit"]
+def assert_public_imports(*paths: str | Path) -> None:
+    """Fail (``JobKitError``) on every import of ``infrai_jobs`` or ``infrai_local`` in
+    ``paths`` (files or folders; by default the project's ``jobs`` package) that is not the
+    public job API, each named with the public path to use instead (docs/upgrading.md)."""
+    folders = [Path(p) for p in paths] or [jobs_folder()]
+    refused = refused_imports(folders)
+    if refused:
+        raise JobKitError(
+            "imports outside the public job API, which an upgrade may break "
+            "(docs/upgrading.md):\n  " + "\n  ".join(refused)
+        )
+
+
+__all__ = ["JobKit", "JobKitError", "Route", "assert_public_imports", "open_job_kit"]

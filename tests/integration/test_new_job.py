@@ -608,3 +608,38 @@ def test_the_back_off_is_scaffolded_as_given_and_refused_as_the_policy_refuses_i
     assert made.returncode == 0, made.stderr
     module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
     assert "RetryPolicy(attempts=6, first_delay_seconds=0.5, max_delay_seconds=120.0)" in module
+
+
+def test_the_projects_own_imports_test_refuses_an_internal_import(
+    kit: Harness, project: Path, pg_server_url: str
+) -> None:
+    # Given a project's first job, scaffolded
+    made = new_job(kit, project, LINT_JOB, "--effect", "database", "--identity", "tenant")
+    assert made.returncode == 0, made.stderr
+    imports_test = project / "tests" / "unit" / "test_jobs_import_public_api.py"
+
+    def imports_test_run() -> subprocess.CompletedProcess[str]:
+        return run_captured(
+            [PYTEST, "-q", "-p", "no:cacheprovider", str(imports_test)],
+            cwd=project,
+            env={**server_env(pg_server_url), "INFRAI_JOBS_PATH": str(project / "functions")},
+        )
+
+    # When the team's own imports test runs, Then it passes: the scaffold imports public names
+    passed = imports_test_run()
+    assert passed.returncode == 0, passed.stdout[-2000:]
+    assert "1 passed" in passed.stdout
+    # And once the job imports an internal module, it fails naming the line and the way back
+    module = project / "functions" / "jobs" / f"{LINT_MODULE}.py"
+    scaffolded = module.read_text()
+    module.write_text(scaffolded + "\nfrom infrai_jobs.jobs.registry import LazyPool\n")
+    refused = imports_test_run()
+    assert refused.returncode == 1
+    assert f"{module}:" in refused.stdout
+    assert "use `from infrai_jobs.jobs.http_pool import LazyPool`" in refused.stdout
+    # And a second job keeps the test the team may have edited
+    module.write_text(scaffolded)
+    imports_test.write_text(imports_test.read_text() + "# ours now\n", encoding="utf-8")
+    again = new_job(kit, project, "lint.second", "--effect", "database", "--identity", "tenant")
+    assert again.returncode == 0, again.stderr
+    assert imports_test.read_text().endswith("# ours now\n")

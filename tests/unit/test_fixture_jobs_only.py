@@ -68,8 +68,9 @@ def test_no_framework_test_imports_the_teams_jobs_package() -> None:
     }
     # Then only the allowed modules import the team's jobs package
     assert {name: found for name, found in importing.items() if name not in ALLOWED} == {}
-    # And every allowed one still does: an entry no longer needed goes
-    assert sorted(ALLOWED) == sorted(importing)
+    # And every allowed one that is still there still does: an entry no longer needed goes
+    # (a team that deletes the examples deletes their tests too, and stays green)
+    assert sorted(name for name in ALLOWED if (TESTS / name).is_file()) == sorted(importing)
 
 
 def test_no_framework_test_reaches_the_teams_jobs_another_way() -> None:

@@ -18,10 +18,6 @@ def _refusals_of(tmp_path: Path, source: str) -> list[str]:
     return refused_imports([tmp_path])
 
 
-def test_the_example_jobs_import_only_the_public_api() -> None:
-    assert refused_imports([ROOT / "functions" / "jobs"]) == []
-
-
 @pytest.mark.parametrize(
     ("module", "name"), sorted((m, n) for m, ns in PUBLIC_API.items() for n in ns)
 )

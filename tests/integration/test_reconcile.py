@@ -24,9 +24,8 @@ from drainkit import OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
+from infrai_jobs.operations.alerting import WATCHER_ACTOR, AlertCheck, AlertThresholds
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.runtime.factory import WATCHER_ACTOR
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.admin import WorkStore

@@ -1,8 +1,8 @@
 """Turning dead letters, stuck claims and a lagging drain into pages a human can act on. Each check
-reads queue stats, unresolved dead letters and stuck claims (after a reconcile pass, when given
-one), then ``decide``s per signal. The last alerted value of each signal lives in
-``alert_state``, locked in the decision's transaction: a cold start does not re-alert, and two
-concurrent checks send one alert."""
+reads queue stats, unresolved dead letters (after resolving those of work the ledger shows done)
+and stuck claims (after a reconcile pass, when given one), then ``decide``s per signal. The last
+alerted value of each signal lives in ``alert_state``, locked in the decision's transaction: a
+cold start does not re-alert, and two concurrent checks send one alert."""
 
 from __future__ import annotations
 
@@ -18,16 +18,20 @@ import psycopg
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.ledger.postgres import LedgerAdapter
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.statements import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.work.store import DeferredStats, deferred_stats
 
 logger = logging.getLogger(__name__)
 
 LEDGER_SCOPE = "ledger"
+# Who the watcher's changes (reconcile answers, dead letters of done work) are recorded as.
+WATCHER_ACTOR = "DlqAlertFunction"
 SNS_SUBJECT_LIMIT = 100
 
 
@@ -104,6 +108,8 @@ class AlertReport:
     stats: list[QueueStats] = field(default_factory=list)
     stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
     ledger_dead_letters: dict[str, int] = field(default_factory=dict)
+    # Per queue: the ledger's dead letters of done work this check resolved before counting.
+    resolved_done: dict[str, list[str]] = field(default_factory=dict)
     sent: list[dict[str, Any]] = field(default_factory=list)
     started: datetime | None = None
     reconciled: ReconcileReport | None = None  # None: no job has a probe
@@ -114,6 +120,7 @@ class AlertReport:
         for s in self.stats:
             in_ledger = self.ledger_dead_letters.get(s.queue, 0)
             queue = {"queue": s.queue, "dlq_count": s.dlq_count, "ledger_dead_letters": in_ledger}
+            queue["resolved_done"] = self.resolved_done.get(s.queue, [])
             queue.update(dead_letters=s.dlq_count + in_ledger, available_count=s.available_count)
             queue.update(in_flight_count=s.in_flight_count, delayed_count=s.delayed_count)
             queues.append({**queue, "oldest_message_age_seconds": s.oldest_message_age_seconds})
@@ -163,12 +170,16 @@ class AlertCheck(LedgerAdapter):
         self._reconciler = reconciler
         self._alerter = alerter
         self._thresholds = thresholds
+        work = WorkStore(database_url, visibility_timeout=thresholds.visibility, **options)
+        self._letters = DeadLetterStore(work)
 
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
         unread: list[InfraiError] = []
         report.reconciled = self._reconcile()
+        for name in watched:
+            report.resolved_done[name] = self._resolve_done(name)
         with self._connector.session("alert check") as conn:
             # A signal saved by another run after this moment holds a newer observation.
             started = conn.execute("SELECT now()").fetchone()
@@ -226,6 +237,20 @@ class AlertCheck(LedgerAdapter):
                 extra={"action": "reconcile_failed", "detail": str(exc)},
             )
             return None
+
+    def _resolve_done(self, queue: str) -> list[str]:
+        """Resolve the dead letters of work the ledger shows done, so they stop counting. A
+        failure is logged and the check goes on: they are then counted, and page."""
+        try:
+            resolved = self._letters.resolve_done(queue, actor=WATCHER_ACTOR)
+        except LedgerError as exc:
+            extra = {"action": "dead_letters_done_failed", "queue": queue, "detail": str(exc)}
+            logger.error("cannot resolve dead letters of done work", extra=extra)
+            return []
+        if resolved:
+            done = {"action": "dead_letters_done", "queue": queue, "message_ids": resolved}
+            logger.info("dead letters of done work resolved", extra=done)
+        return resolved
 
     def _evaluate(
         self, conn: psycopg.Connection[Any], report: AlertReport, seen: Observation
@@ -289,7 +314,7 @@ def compose(
         body = [
             f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in the "
             f"dead-letter queue of {scope} (dlq_count), {seen.in_ledger} moved into the ledger "
-            "and not yet redriven or discarded.",
+            "and not yet redriven or discarded (nor found done).",
             "Each message there failed three deliveries, or was left unacked on purpose "
             "(a conflict, a stuck irreversible job, an unknown job).",
         ]

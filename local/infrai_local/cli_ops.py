@@ -104,7 +104,10 @@ def add_ops_commands(sub: Any) -> None:
     )
     dlq.add_argument("--max", type=int, default=100, help="dead letters to show (default 100)")
     dlq.add_argument(
-        "--all", action="store_true", help="show discarded and redriven ones too, newest last"
+        "--all",
+        action="store_true",
+        help="show resolved ones too (redriven, discarded, or done: their work was done), "
+        "newest last, with a RESOLUTION column",
     )
     dlq.add_argument("--json", action="store_true")
     _add_jobs_path(dlq)
@@ -387,6 +390,8 @@ def _collect(
 
 
 _DLQ_COLUMNS = ["message_id", "deliveries", "idem_key", "state", "first_seen", "reason"]
+# With --all: how each was resolved (redriven, discarded, done), empty while it is unresolved.
+_DLQ_ALL_COLUMNS = [*_DLQ_COLUMNS[:-1], "resolution", "reason"]
 
 
 def _listed(row: DeadLetterRow) -> dict[str, Any]:
@@ -424,6 +429,13 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
             "left were taken back as deferred work (`infrai-jobs claims list --state "
             "deferred`): their deliveries died before their runs ended"
         )
+    done = sum(1 for row in rows if row.get("resolution") == "done")
+    if done:
+        notes.append(
+            f"{done} shown resolved done: the ledger shows their work done (their key's claim "
+            "is done), so nothing is left to redrive; the watcher resolved them before counting "
+            "(`infrai-jobs claims show KEY` has the record)"
+        )
     if collected.unrecorded:
         notes.append(
             f"{len(collected.unrecorded)} dead letter(s) in {dlq} could not be read and named "
@@ -432,8 +444,13 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
         )
 
     def human() -> None:
-        shown = [{**row, "message_id": row["message_id"] or "(unknown)"} for row in rows]
-        print_table(shown, _DLQ_COLUMNS, out, whole=("reason",))
+        shown = [
+            {**row, "message_id": row["message_id"] or "(unknown)"}
+            | {"resolution": row.get("resolution") or ""}
+            for row in rows
+        ]
+        columns = _DLQ_ALL_COLUMNS if args.all else _DLQ_COLUMNS
+        print_table(shown, columns, out, whole=("reason",))
         for note in notes:
             print(f"\nnote: {note}", file=out)
 

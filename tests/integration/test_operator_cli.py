@@ -461,6 +461,45 @@ def test_dlq_discard_by_key_takes_every_copy_and_keeps_unkeyed_records_by_messag
     assert kit.client.stats(QUEUE).dlq_count == 0
 
 
+def test_dlq_all_shows_how_each_dead_letter_was_resolved(kit: Harness) -> None:
+    # Given three dead letters: one the operator discards, one redriven, one left alone
+    ids = {
+        name: kit.client.publish(DLQ, {"job": "test.db", "id": name})
+        for name in ("discarded", "redriven", "open")
+    }
+    test_jobs = str(TEST_JOBS_CODE)
+    discarded = run_cli(kit, "dlq", "discard", "--message-id", ids["discarded"])
+    assert discarded.returncode == 0, discarded.stderr
+    redriven = run_cli(kit, "redrive", "--message-id", ids["redriven"], INFRAI_JOBS_PATH=test_jobs)
+    assert redriven.returncode == 0, redriven.stderr
+    # When the operator lists them all
+    listed = run_cli(kit, "dlq", "--all", INFRAI_JOBS_PATH=test_jobs)
+    # Then a RESOLUTION column says how each was resolved, and is empty for the open one
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.split("\n\n", 1)[0].splitlines()
+    assert header.split() == [
+        "MESSAGE_ID",
+        "DELIVERIES",
+        "IDEM_KEY",
+        "STATE",
+        "FIRST_SEEN",
+        "RESOLUTION",
+        "REASON",
+    ]
+    start = header.index("RESOLUTION")
+    resolution = {row.split()[0]: row[start:].split(" ", 1)[0] for row in rows}
+    assert resolution == {
+        ids["discarded"]: "discarded",
+        ids["redriven"]: "redriven",
+        ids["open"]: "",
+    }
+    # And without --all the open one alone is listed, with no such column
+    plain = run_cli(kit, "dlq", INFRAI_JOBS_PATH=test_jobs)
+    assert "RESOLUTION" not in plain.stdout
+    assert ids["open"] in plain.stdout
+    assert ids["discarded"] not in plain.stdout
+
+
 def test_dlq_discard_of_nothing_matching_fails_and_changes_nothing(kit: Harness) -> None:
     kit.client.publish(DLQ, {"job": "test.db", "id": "x"})
     finished = run_cli(kit, "dlq", "discard", "--message-id", "qmsg_nope")

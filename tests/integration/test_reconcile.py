@@ -19,7 +19,7 @@ import psycopg
 import pytest
 import urllib3
 from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
+from drainkit import DLQ, OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
@@ -404,6 +404,62 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     assert ledger["StuckClaims"] == [1.0]
     counts = (ledger["ReconciledDone"], ledger["ReconciledNotDone"], ledger["ReconciledUnknown"])
     assert counts == ([1.0], [1.0], [1.0])
+
+
+def test_a_claim_the_watcher_reconciles_done_takes_its_dead_letter_with_it(
+    kit: Harness, database_url: str
+) -> None:
+    # Given a receipt the provider mailed for a worker that died after the call: its claim is
+    # stuck, and its message was dead-lettered beside it
+    mailed = {**RECEIPT, "invoice_id": "inv_lettered"}
+    sink_call(
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_lettered"},
+    )
+    key = seed_dead_worker_claim(kit, mailed)
+    message_id = kit.client.publish(DLQ, mailed)
+    # And `dlq` moved the letter into the ledger, unresolved
+    (letter,) = json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"]
+    assert (letter["message_id"], letter["idem_key"], letter["state"]) == (
+        message_id,
+        key,
+        "running",
+    )
+    alerter = RecordingAlerter()
+    check = AlertCheck(
+        kit.client,
+        database_url,
+        alerter,
+        AlertThresholds(),
+        reconciler=Reconciler(WorkStore(database_url), kit.registry, actor=WATCHER_ACTOR),
+    )
+
+    # When the watcher runs its check
+    report = check.run([QUEUE])
+
+    # Then the probe settled the claim done, and the letter was resolved before counting:
+    # no dead letter counts toward the alarm's metric, and none is paged
+    claim = kit.row(key)
+    assert claim is not None
+    assert claim.state == "done"
+    (queue,) = report.as_dict()["queues"]
+    assert queue["dead_letters"] == 0
+    assert queue["resolved_done"] == [message_id]
+    assert not [subject for subject in alerter.sent if "dead letter" in subject]
+    # And `dlq` lists nothing left to do, while `dlq --all` says it was resolved done, and why
+    assert json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"] == []
+    everything = run_cli(kit, "dlq", "--all")
+    assert everything.returncode == 0, everything.stderr
+    (line,) = [row for row in everything.stdout.splitlines() if row.startswith(message_id)]
+    assert " done " in line
+    assert "1 shown resolved done: the ledger shows their work done" in everything.stdout
+    (resolved,) = json.loads(run_cli(kit, "dlq", "--all", "--json").stdout)["messages"]
+    assert (resolved["resolution"], resolved["resolved_by"]) == ("done", WATCHER_ACTOR)
+    assert "its work is done" in resolved["resolution_note"]
+    # And the key's history has the probe's answer, then the letter resolved
+    assert [action for action, _ in history(kit, key)] == ["reconcile", "dead_letter_done"]
 
 
 def seed_stuck_deferred_run(kit: Harness, payload: Payload, *, lease_live: bool = False) -> str:

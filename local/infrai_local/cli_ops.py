@@ -796,10 +796,23 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
     print(f"\n{lead}probed {len(report.outcomes)} stuck claim(s): {counts}", file=out)
     if report.skipped:
         print(f"{report.skipped} more left unprobed (time ran out); run it again", file=out)
+    if report.dry_run:
+        return
     left = still_stuck(report)
-    if left and not report.dry_run:
+    # Under a live lease only the run holding it may act (`claims resolve` is refused too):
+    # the advice is when to ask again, the lease's end as the database read it.
+    for outcome in left:
+        if outcome.lease_until is not None:
+            print(
+                f"{outcome.idem_key}: running under a live lease until {outcome.lease_until}: "
+                "its run may still settle it; after then, run `infrai-jobs claims reconcile "
+                f"{outcome.idem_key}` again",
+                file=out,
+            )
+    ended = [outcome for outcome in left if outcome.lease_until is None]
+    if ended:
         print(
-            f"{len(left)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",
+            f"{len(ended)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",
             file=out,
         )
 

@@ -260,6 +260,44 @@ def test_not_done_never_releases_a_claim_under_a_live_lease(kit: Harness) -> Non
     assert kit.row(key) == before
 
 
+def test_done_under_a_live_lease_advises_when_to_ask_again_not_a_refused_resolve(
+    kit: Harness,
+) -> None:
+    # Given a receipt the provider mailed, whose claim is flagged under a lease still live
+    payload = {**RECEIPT, "invoice_id": "inv_done_live"}
+    sink_call(
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_done_live"},
+    )
+    key = seed_dead_worker_claim(kit, payload, lease_live=True)
+    ((lease_until,),) = kit.sql("SELECT lease_until FROM job_claims WHERE idem_key = %s", (key,))
+
+    # When the operator reconciles it by its key
+    shown = run_cli(kit, "claims", "reconcile", key)
+    as_json = run_cli(kit, "claims", "reconcile", key, "--json")
+
+    # Then the provider answered done, nothing changed, and the advice is to ask again after
+    # the lease's end as the database stores it, never the `claims resolve` it would refuse
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert (
+        f"{key}: running under a live lease until {lease_until.isoformat()}: its run may still "
+        f"settle it; after then, run `infrai-jobs claims reconcile {key}` again"
+    ) in shown.stdout
+    assert "claims resolve" not in shown.stdout
+    (outcome,) = json.loads(as_json.stdout)["claims"]
+    assert (outcome["answer"], outcome["action"]) == ("done", "lease_live")
+    assert outcome["lease_until"] == lease_until.isoformat()
+    claim = kit.row(key)
+    assert claim is not None
+    assert claim.state == "running"
+    # And the resolve the old advice named is refused, naming the same end
+    refused = run_cli(kit, "claims", "resolve", key, "--done")
+    assert refused.returncode == 3
+    assert f"live lease until {lease_until.isoformat()}" in refused.stderr
+
+
 def test_a_claim_that_moved_on_while_probed_is_fenced_out(kit: Harness, database_url: str) -> None:
     # Given a stuck claim whose probe sees another delivery take the claim over meanwhile
     registry = JobRegistry()

@@ -57,6 +57,9 @@ class ProbeOutcome:
     answer: str
     detail: Any  # the provider's result (done) or the reason (unknown)
     action: str  # a ``ReconcileWrite`` value, or in a dry run what the answer would do
+    # When the live lease the claim was read under ends (the store's reading of the database's
+    # clock): nothing acts on it before then. None: its lease was over.
+    lease_until: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,9 +188,12 @@ class Reconciler:
         answer = ask(definition.probe, {"job": job, **identity}, ctx, self._probe_timeout)
         detail = answer.result if isinstance(answer, Done) else getattr(answer, "reason", None)
         extra = {"idem_key": key, "job": job, "answer": answer.answer}
+        until = claim.lease_end.isoformat() if claim.lease_live and claim.lease_end else None
         if dry_run:
             logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
-            return ProbeOutcome(key, job, answer.answer, detail, _DRY_RUN_ACTION[answer.answer])
+            return ProbeOutcome(
+                key, job, answer.answer, detail, _DRY_RUN_ACTION[answer.answer], until
+            )
         # The lease as the database judged it when the claim was read; the write is fenced
         # again on its clock.
         if isinstance(answer, NotDone) and self._forget is not None and claim.lease_live is False:
@@ -202,7 +208,7 @@ class Reconciler:
                     "stuck claim left stuck: the second layer could not drop its record",
                     extra={"action": "reconciled", "write": unchanged, "detail": str(exc), **extra},
                 )
-                return ProbeOutcome(key, job, answer.answer, str(exc), unchanged)
+                return ProbeOutcome(key, job, answer.answer, str(exc), unchanged, until)
         try:
             settled = detail if isinstance(answer, Done) else None
             note = history_note(answer.answer, detail)
@@ -217,4 +223,4 @@ class Reconciler:
             "stuck claim reconciled",
             extra={"action": "reconciled", "write": write.value, **extra},
         )
-        return ProbeOutcome(key, job, answer.answer, detail, write.value)
+        return ProbeOutcome(key, job, answer.answer, detail, write.value, until)

@@ -13,8 +13,10 @@ import signal
 import subprocess
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 from drainkit import (
     DLQ,
@@ -31,6 +33,7 @@ from drainkit import (
 )
 
 from infrai_jobs.jobs.registry import Payload
+from infrai_jobs.work import store
 from infrai_local.operator import OperatorLedger
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
@@ -664,6 +667,36 @@ def test_claims_show_after_a_redrive_reopened_the_failed_claim(kit: Harness) -> 
     assert "now: redrive by" in shown.stdout
     assert "reopen" in shown.stdout
     assert "no such invoice" in shown.stdout
+
+
+def test_history_notes_name_exactly_the_redrive_flags_given(kit: Harness) -> None:
+    # Given a failed invoice job in the DLQ, with its failed claim
+    invoice = {"job": "invoice.finalize", "invoice_id": "inv_noted", "amount_cents": 5}
+    _seed_settled_claim(kit, invoice, "failed", message_id="qmsg_noted", error="no such invoice")
+    kit.client.publish(DLQ, invoice)
+    # And deferred work a drain failed for good: the ledger holds its dead letter
+    deferred = {"job": "test.db", "id": "noted"}
+    deferred_key = kit.registry.derive(deferred).idem_key
+    work = store.DeferredWork(deferred_key, "test.db", "database", deferred, "qmsg-d", queue=QUEUE)
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        store.defer(conn, work, attempts=1, error="503", delay_seconds=0)
+        (taken,) = store.take_due(conn, 1, lease_seconds=60)
+        assert store.fail(conn, deferred_key, taken.claim_token or uuid.uuid4(), "gave up")
+    test_jobs = str(TEST_JOBS_CODE)
+    # When the operator redrives the invoice with --reopen-failed, by its key
+    key = "invoice.finalize:inv_noted"
+    explicit = run_cli(kit, "redrive", "--reopen-failed", "--key", key, INFRAI_JOBS_PATH=test_jobs)
+    # And the deferred work's job with a plain redrive
+    plain = run_cli(kit, "redrive", "--job", "test.db", INFRAI_JOBS_PATH=test_jobs)
+    # Then each history note says exactly what was given, and only that
+    assert explicit.returncode == 0, explicit.stdout + explicit.stderr
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    given = f"redrive --reopen-failed --key {key}"
+    assert [(row[0], row[2]) for row in kit.history(key)] == [("reopen", given), ("redrive", given)]
+    notes = {action: note for action, _, note in kit.history(deferred_key)}
+    assert notes["redrive"] == "redrive --job test.db"
+    assert notes["reopen"].startswith("redrive --job test.db: ")
+    assert "--reopen-failed" not in notes["reopen"]
 
 
 def test_claims_resolve_failed_needs_a_reason(kit: Harness) -> None:

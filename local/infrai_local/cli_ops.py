@@ -41,8 +41,11 @@ from infrai_jobs.work.states import ClaimRow
 from infrai_local.operator import (
     OperatorLedger,
     default_actor,
+    live_lease_ends,
+    probe_only,
     reconcile_one,
     still_stuck,
+    stuck_probed,
 )
 
 EXIT_OK = 0
@@ -777,17 +780,22 @@ def _steer_deferred(args: argparse.Namespace, admin: OperatorLedger, out: TextIO
 
 
 def _reconcile(args: argparse.Namespace, reconciler: Reconciler, out: TextIO) -> int:
-    if args.all:
-        report = reconciler.run_all(
-            threshold_seconds=args.older_than, limit=args.limit, dry_run=args.dry_run
-        )
+    if args.all and args.dry_run:
+        stuck = stuck_probed(reconciler, threshold_seconds=args.older_than, limit=args.limit)
+        report = probe_only(reconciler, stuck)
+    elif args.all:
+        report = reconciler.run_all(threshold_seconds=args.older_than, limit=args.limit)
     else:
         report = reconcile_one(reconciler, args.key, dry_run=args.dry_run)
-    _emit(report.as_dict(), args.json, lambda: _reconcile_human(report, out), out)
+    live = live_lease_ends(reconciler.admin, still_stuck(report))
+    document = report.as_dict()
+    for claim in document["claims"]:
+        claim["lease_until"] = live.get(claim["idem_key"])
+    _emit(document, args.json, lambda: _reconcile_human(report, live, out), out)
     return EXIT_OK
 
 
-def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
+def _reconcile_human(report: ReconcileReport, live: Mapping[str, str], out: TextIO) -> None:
     rows = [outcome.as_dict() for outcome in report.outcomes]
     print_table(rows, ["idem_key", "job", "answer", "action", "detail"], out)
     by_answer = report.by_answer().items()
@@ -798,18 +806,15 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
         print(f"{report.skipped} more left unprobed (time ran out); run it again", file=out)
     if report.dry_run:
         return
-    left = still_stuck(report)
     # Under a live lease only the run holding it may act (`claims resolve` is refused too):
-    # the advice is when to ask again, the lease's end as the database read it.
-    for outcome in left:
-        if outcome.lease_until is not None:
-            print(
-                f"{outcome.idem_key}: running under a live lease until {outcome.lease_until}: "
-                "its run may still settle it; after then, run `infrai-jobs claims reconcile "
-                f"{outcome.idem_key}` again",
-                file=out,
-            )
-    ended = [outcome for outcome in left if outcome.lease_until is None]
+    # the advice is when to ask again, the lease's end as the database reads it.
+    for key, until in live.items():
+        print(
+            f"{key}: running under a live lease until {until}: its run may still settle it; "
+            f"after then, run `infrai-jobs claims reconcile {key}` again",
+            file=out,
+        )
+    ended = [outcome for outcome in still_stuck(report) if outcome.idem_key not in live]
     if ended:
         print(
             f"{len(ended)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",

@@ -108,8 +108,6 @@ class AlertReport:
     stats: list[QueueStats] = field(default_factory=list)
     stuck: StuckClaims = field(default_factory=lambda: StuckClaims(0, 0.0))
     ledger_dead_letters: dict[str, int] = field(default_factory=dict)
-    # Per queue: the ledger's dead letters of done work this check resolved before counting.
-    resolved_done: dict[str, list[str]] = field(default_factory=dict)
     sent: list[dict[str, Any]] = field(default_factory=list)
     started: datetime | None = None
     reconciled: ReconcileReport | None = None  # None: no job has a probe
@@ -120,7 +118,6 @@ class AlertReport:
         for s in self.stats:
             in_ledger = self.ledger_dead_letters.get(s.queue, 0)
             queue = {"queue": s.queue, "dlq_count": s.dlq_count, "ledger_dead_letters": in_ledger}
-            queue["resolved_done"] = self.resolved_done.get(s.queue, [])
             queue.update(dead_letters=s.dlq_count + in_ledger, available_count=s.available_count)
             queue.update(in_flight_count=s.in_flight_count, delayed_count=s.delayed_count)
             queues.append({**queue, "oldest_message_age_seconds": s.oldest_message_age_seconds})
@@ -179,7 +176,11 @@ class AlertCheck(LedgerAdapter):
         unread: list[InfraiError] = []
         report.reconciled = self._reconcile()
         for name in watched:
-            report.resolved_done[name] = self._resolve_done(name)
+            try:  # Before counting; a failure is logged, and those letters are counted (and page).
+                self._letters.resolve_done(name, actor=WATCHER_ACTOR)
+            except LedgerError as exc:
+                failed = {"action": "dead_letters_done_failed", "queue": name, "detail": str(exc)}
+                logger.error("cannot resolve dead letters of done work", extra=failed)
         with self._connector.session("alert check") as conn:
             # A signal saved by another run after this moment holds a newer observation.
             started = conn.execute("SELECT now()").fetchone()
@@ -237,20 +238,6 @@ class AlertCheck(LedgerAdapter):
                 extra={"action": "reconcile_failed", "detail": str(exc)},
             )
             return None
-
-    def _resolve_done(self, queue: str) -> list[str]:
-        """Resolve the dead letters of work the ledger shows done, so they stop counting. A
-        failure is logged and the check goes on: they are then counted, and page."""
-        try:
-            resolved = self._letters.resolve_done(queue, actor=WATCHER_ACTOR)
-        except LedgerError as exc:
-            extra = {"action": "dead_letters_done_failed", "queue": queue, "detail": str(exc)}
-            logger.error("cannot resolve dead letters of done work", extra=extra)
-            return []
-        if resolved:
-            done = {"action": "dead_letters_done", "queue": queue, "message_ids": resolved}
-            logger.info("dead letters of done work resolved", extra=done)
-        return resolved
 
     def _evaluate(
         self, conn: psycopg.Connection[Any], report: AlertReport, seen: Observation

@@ -91,17 +91,14 @@ SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
     resolution_note = %(note)s
 WHERE message_id = %(message_id)s AND resolution IS NULL
 """
-# Unresolved letters whose key's claim is done (one recorded as a conflict is other work's);
-# each is judged again under its lock.
+# Unresolved letters whose key's claim is done (a conflict's is other work's); ``_resolve`` judges.
 _KEY_DONE: LiteralString = """
-SELECT d.message_id FROM dead_letters d JOIN job_claims c ON c.idem_key = d.idem_key
-WHERE d.queue = %(queue)s AND d.resolution IS NULL AND c.state = 'done'
-  AND d.state IS DISTINCT FROM 'conflict'
-ORDER BY d.first_seen, d.message_id LIMIT %(limit)s
-"""
-# The claim_history action of each resolution.
-_ACTIONS = {"discarded": "discard", "redriven": "redrive", "done": "dead_letter_done"}
+SELECT message_id FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
+  AND state IS DISTINCT FROM 'conflict'
+  AND idem_key IN (SELECT idem_key FROM job_claims WHERE state = 'done')
+ORDER BY first_seen, message_id LIMIT %(limit)s"""
 WORK_DONE_NOTE = "its work is done (its key's claim is done): nothing is left to redrive"
+_HISTORY_ACTIONS = {"discarded": "discard", "redriven": "redrive", "done": "dead_letter_done"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +206,6 @@ def fingerprint_or_none(payload: Any) -> str | None:
 def other_work(claim: ClaimRow, payload: Any) -> bool:
     """Whether ``claim`` holds different work than ``payload`` under the same key."""
     return bool(claim.payload_sha256) and claim.payload_sha256 != fingerprint_or_none(payload)
-
-
-def work_done(claim: ClaimRow | None, payload: Any) -> bool:
-    """Whether ``claim`` shows the work of ``payload`` done: a letter of it has nothing left
-    to run (a claim done for other work is a conflict, for a human)."""
-    return claim is not None and claim.state == "done" and not other_work(claim, payload)
 
 
 def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:
@@ -375,15 +366,15 @@ class DeadLetterStore:
         return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
 
     def resolve_done(self, queue: str, *, actor: str, limit: int = COLLECT_LIMIT) -> list[str]:
-        """Resolve as ``done`` each unresolved dead letter of ``queue`` whose work the ledger
-        shows done (``work_done``), recorded as a discard is; the message ids resolved."""
-        with self._connector.session("cannot resolve the dead letters of done work") as conn:
+        """Resolve as ``done`` each unresolved dead letter of ``queue`` whose key's claim is done
+        for the same work, recorded as a discard is; the message ids resolved."""
+        with self._connector.session("cannot read the dead letters of done work") as conn:
             found = conn.execute(_KEY_DONE, {"queue": queue, "limit": limit}).fetchall()
-            return [
-                message_id
-                for (message_id,) in found
-                if self._resolve_in(conn, message_id, "done", actor=actor, note=WORK_DONE_NOTE)
-            ]
+        done = [m for (m,) in found if self._resolve(m, "done", actor=actor, note=WORK_DONE_NOTE)]
+        if done:
+            extra = {"action": "dead_letters_done", "queue": queue, "message_ids": done}
+            logger.info("dead letters of done work resolved", extra=extra)
+        return done
 
     def _resolve(
         self,
@@ -394,24 +385,10 @@ class DeadLetterStore:
         note: str,
         before: Callable[[Any], object] | None = None,
     ) -> bool:
-        with self._connector.session(f"cannot mark a dead letter {resolution}") as conn:
-            return self._resolve_in(
-                conn, message_id, resolution, actor=actor, note=note, before=before
-            )
-
-    def _resolve_in(
-        self,
-        conn: psycopg.Connection[Any],
-        message_id: str,
-        resolution: str,
-        *,
-        actor: str,
-        note: str,
-        before: Callable[[Any], object] | None = None,
-    ) -> bool:
-        """One row resolved in its own transaction on ``conn``: ``done`` only if ``work_done``
-        still holds under the row's lock."""
-        with conn.transaction():
+        with (
+            self._connector.session(f"cannot mark a dead letter {resolution}") as conn,
+            conn.transaction(),
+        ):
             with conn.cursor(row_factory=dict_row) as cur:
                 found = cur.execute(_LOCK_UNRESOLVED, {"message_id": message_id}).fetchone()
             if found is None:
@@ -419,7 +396,9 @@ class DeadLetterStore:
             row = DeadLetterRow(**found)
             key = row.idem_key
             claim = claim_of(conn, key, visibility=self._visibility) if key is not None else None
-            if resolution == "done" and not work_done(claim, row.body):
+            # ``done`` only while its key's claim shows this work done, judged under the lock.
+            done = claim is not None and claim.state == "done" and not other_work(claim, row.body)
+            if resolution == "done" and not done:
                 return False
             if before is not None:
                 before(row.body)
@@ -428,10 +407,8 @@ class DeadLetterStore:
             # Beside its key's claim changes (its message id without a key), as it was then.
             was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
             was["claim"] = claim.as_dict() if claim else None
-            action = _ACTIONS[resolution]
-            record_history(
-                conn, key or message_id, action, actor=actor, before=was, after=None, note=note
-            )
+            action, key = _HISTORY_ACTIONS[resolution], key or message_id
+            record_history(conn, key, action, actor=actor, before=was, after=None, note=note)
         return True
 
 

@@ -171,14 +171,10 @@ class RedriveRequest:
     actor: str = ""
 
     def given(self) -> str:
-        """This redrive as given, in the command line's words: what its history notes say, with
-        only the flags and selection given (--max and --dry-run change no letter's fate)."""
-        flags = [
-            ("--reopen-failed", self.reopen_failed),
-            ("--include-bouncing", self.include_bouncing),
-        ]
+        """What its history notes say: this redrive in the command line's words, as given."""
+        flags = {"--reopen-failed": self.reopen_failed, "--include-bouncing": self.include_bouncing}
         chosen = [f"--{n.replace('_', '-')} {v}" for n, v in self.selection.as_dict().items()]
-        return " ".join(["redrive", *(flag for flag, on in flags if on), *chosen])
+        return " ".join(["redrive", *(flag for flag, on in flags.items() if on), *chosen])
 
     def to(self, *, source: str, target: str, actor: str) -> RedriveRequest:
         """This request, from ``source`` to ``target`` on behalf of ``actor``."""

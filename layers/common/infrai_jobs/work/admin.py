@@ -244,12 +244,7 @@ class WorkStore(LedgerAdapter):
         return row is not None and row[0] == "resolve_failed"
 
     def reopen_failed(
-        self,
-        *,
-        message_id: str,
-        fingerprint: str | None,
-        actor: str,
-        note: str = "",
+        self, *, message_id: str, fingerprint: str | None, actor: str, note: str = ""
     ) -> list[str]:
         """Delete the ``failed`` claims of one piece of work (its message id, or its payload
         fingerprint) so its redriven copy runs again; each is recorded as ``reopen``, with the

@@ -540,14 +540,8 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         else None,
         retry_of=ctx.retry_of() if ctx.retry_of is not None else None,
     )
-    summary = redrive(
-        ctx.queue(),
-        DeadLetterStore(admin),
-        request,
-        admin=admin,
-        jobs=jobs,
-        progress=progress,
-    )
+    store = DeadLetterStore(admin) if progress is None else _TickingStore(admin, progress)
+    summary = redrive(ctx.queue(), store, request, admin=admin, jobs=jobs)
     if progress is not None:
         print(file=sys.stderr)
     document = summary.as_dict()
@@ -611,6 +605,23 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
 
     _emit(document, args.json, human, out)
     return EXIT_OK if summary.complete else EXIT_FAILED
+
+
+class _TickingStore(DeadLetterStore):
+    """The ledger's dead letters, ticking ``tick`` with the count of each one a redrive moves
+    (the progress bar on a terminal)."""
+
+    def __init__(self, admin: OperatorLedger, tick: Callable[[int], None]) -> None:
+        super().__init__(admin)
+        self._tick, self._moved = tick, 0
+
+    def redrive(
+        self, message_id: str, publish: Callable[[Any], object], *, actor: str, note: str = ""
+    ) -> bool:
+        moved = super().redrive(message_id, publish, actor=actor, note=note)
+        self._moved += 1
+        self._tick(self._moved)
+        return moved
 
 
 def describe_selection(selection: Selection) -> str:

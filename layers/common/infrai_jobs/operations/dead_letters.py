@@ -95,8 +95,7 @@ WHERE message_id = %(message_id)s AND resolution IS NULL
 _KEY_DONE: LiteralString = """
 SELECT message_id FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
   AND state IS DISTINCT FROM 'conflict'
-  AND idem_key IN (SELECT idem_key FROM job_claims WHERE state = 'done')
-ORDER BY first_seen, message_id LIMIT %(limit)s"""
+  AND idem_key IN (SELECT idem_key FROM job_claims WHERE state = 'done') LIMIT %(limit)s"""
 WORK_DONE_NOTE = "its work is done (its key's claim is done): nothing is left to redrive"
 _HISTORY_ACTIONS = {"discarded": "discard", "redriven": "redrive", "done": "dead_letter_done"}
 
@@ -366,15 +365,10 @@ class DeadLetterStore:
         return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
 
     def resolve_done(self, queue: str, *, actor: str, limit: int = COLLECT_LIMIT) -> list[str]:
-        """Resolve as ``done`` each unresolved dead letter of ``queue`` whose key's claim is done
-        for the same work, recorded as a discard is; the message ids resolved."""
+        """Resolve ``queue``'s dead letters of work done (recorded as a discard is); their ids."""
         with self._connector.session("cannot read the dead letters of done work") as conn:
             found = conn.execute(_KEY_DONE, {"queue": queue, "limit": limit}).fetchall()
-        done = [m for (m,) in found if self._resolve(m, "done", actor=actor, note=WORK_DONE_NOTE)]
-        if done:
-            extra = {"action": "dead_letters_done", "queue": queue, "message_ids": done}
-            logger.info("dead letters of done work resolved", extra=extra)
-        return done
+        return [m for (m,) in found if self._resolve(m, "done", actor=actor, note=WORK_DONE_NOTE)]
 
     def _resolve(
         self,
@@ -396,7 +390,6 @@ class DeadLetterStore:
             row = DeadLetterRow(**found)
             key = row.idem_key
             claim = claim_of(conn, key, visibility=self._visibility) if key is not None else None
-            # ``done`` only while its key's claim shows this work done, judged under the lock.
             done = claim is not None and claim.state == "done" and not other_work(claim, row.body)
             if resolution == "done" and not done:
                 return False

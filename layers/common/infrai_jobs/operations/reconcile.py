@@ -152,8 +152,7 @@ class Reconciler:
         return report
 
     def probe(self, claim: ClaimRow) -> tuple[ProbeAnswer, Any]:
-        """Ask the probe of ``claim``'s job (changing nothing): its answer, and the provider's
-        result (done) or the reason (unknown) with it."""
+        """Ask ``claim``'s probe, changing nothing: its answer, and the result or reason with it."""
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(

@@ -44,7 +44,6 @@ MAX_REDRIVE_PER_CALL = 10_000
 # or two each, plus a few retries).
 MESSAGE_BUDGET_MS = 20_000
 
-# Why a redrive without --reopen-failed reopens a failed claim: the ledger's own dead letter.
 _LEDGER_HELD_NOTE = "a dead letter the ledger held (out of attempts) reopens its failed claim"
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
 
@@ -280,7 +279,6 @@ def redrive(
     *,
     admin: WorkStore | None = None,
     jobs: JobsKnowledge | None = None,
-    progress: Callable[[int], None] | None = None,
     time_left_ms: Callable[[], int] | None = None,
 ) -> RedriveSummary:
     """Collect new dead letters of ``request.source``, then publish up to ``max_messages`` of
@@ -330,9 +328,7 @@ def redrive(
     summary.not_selected = store.unresolved_count(target) - len(rows)
     # Retrying the publish is safe here: the drain's claims absorb a duplicate.
     publish = partial(queue.publish, target, retry=True)
-    for done, row in enumerate(rows, start=1):
-        if progress is not None:
-            progress(done)
+    for row in rows:
         if row.redrivable:
             summary.skipped.append({"message_id": row.message_id, "reason": row.redrivable})
             continue

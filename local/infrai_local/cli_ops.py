@@ -608,8 +608,8 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
 
 
 class _TickingStore(DeadLetterStore):
-    """The ledger's dead letters, ticking ``tick`` with the count of each one a redrive moves
-    (the progress bar on a terminal)."""
+    """The ledger's dead letters, ticking ``tick`` with the count of those a redrive has tried
+    to publish so far (the progress bar on a terminal)."""
 
     def __init__(self, admin: OperatorLedger, tick: Callable[[int], None]) -> None:
         super().__init__(admin)

@@ -41,8 +41,11 @@ from infrai_jobs.work.states import ClaimRow
 from infrai_local.operator import (
     OperatorLedger,
     default_actor,
+    live_lease_ends,
+    probe_only,
     reconcile_one,
     still_stuck,
+    stuck_probed,
 )
 
 EXIT_OK = 0
@@ -104,7 +107,10 @@ def add_ops_commands(sub: Any) -> None:
     )
     dlq.add_argument("--max", type=int, default=100, help="dead letters to show (default 100)")
     dlq.add_argument(
-        "--all", action="store_true", help="show discarded and redriven ones too, newest last"
+        "--all",
+        action="store_true",
+        help="show resolved ones too (redriven, discarded, or done: their work was done), "
+        "newest last, with a RESOLUTION column",
     )
     dlq.add_argument("--json", action="store_true")
     _add_jobs_path(dlq)
@@ -387,6 +393,8 @@ def _collect(
 
 
 _DLQ_COLUMNS = ["message_id", "deliveries", "idem_key", "state", "first_seen", "reason"]
+# With --all: how each was resolved (redriven, discarded, done), empty while it is unresolved.
+_DLQ_ALL_COLUMNS = [*_DLQ_COLUMNS[:-1], "resolution", "reason"]
 
 
 def _listed(row: DeadLetterRow) -> dict[str, Any]:
@@ -424,6 +432,13 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
             "left were taken back as deferred work (`infrai-jobs claims list --state "
             "deferred`): their deliveries died before their runs ended"
         )
+    done = sum(1 for row in rows if row.get("resolution") == "done")
+    if done:
+        notes.append(
+            f"{done} shown resolved done: the ledger shows their work done (their key's claim "
+            "is done), so nothing is left to redrive; the watcher resolved them before counting "
+            "(`infrai-jobs claims show KEY` has the record)"
+        )
     if collected.unrecorded:
         notes.append(
             f"{len(collected.unrecorded)} dead letter(s) in {dlq} could not be read and named "
@@ -432,8 +447,13 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
         )
 
     def human() -> None:
-        shown = [{**row, "message_id": row["message_id"] or "(unknown)"} for row in rows]
-        print_table(shown, _DLQ_COLUMNS, out, whole=("reason",))
+        shown = [
+            {**row, "message_id": row["message_id"] or "(unknown)"}
+            | {"resolution": row.get("resolution") or ""}
+            for row in rows
+        ]
+        columns = _DLQ_ALL_COLUMNS if args.all else _DLQ_COLUMNS
+        print_table(shown, columns, out, whole=("reason",))
         for note in notes:
             print(f"\nnote: {note}", file=out)
 
@@ -520,14 +540,8 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
         else None,
         retry_of=ctx.retry_of() if ctx.retry_of is not None else None,
     )
-    summary = redrive(
-        ctx.queue(),
-        DeadLetterStore(admin),
-        request,
-        admin=admin,
-        jobs=jobs,
-        progress=progress,
-    )
+    store = DeadLetterStore(admin) if progress is None else _TickingStore(admin, progress)
+    summary = redrive(ctx.queue(), store, request, admin=admin, jobs=jobs)
     if progress is not None:
         print(file=sys.stderr)
     document = summary.as_dict()
@@ -591,6 +605,23 @@ def _redrive(args: argparse.Namespace, ctx: OpsContext) -> int:
 
     _emit(document, args.json, human, out)
     return EXIT_OK if summary.complete else EXIT_FAILED
+
+
+class _TickingStore(DeadLetterStore):
+    """The ledger's dead letters, ticking ``tick`` with the count of those a redrive has tried
+    to publish so far (the progress bar on a terminal)."""
+
+    def __init__(self, admin: OperatorLedger, tick: Callable[[int], None]) -> None:
+        super().__init__(admin)
+        self._tick, self._moved = tick, 0
+
+    def redrive(
+        self, message_id: str, publish: Callable[[Any], object], *, actor: str, note: str = ""
+    ) -> bool:
+        moved = super().redrive(message_id, publish, actor=actor, note=note)
+        self._moved += 1
+        self._tick(self._moved)
+        return moved
 
 
 def describe_selection(selection: Selection) -> str:
@@ -760,17 +791,22 @@ def _steer_deferred(args: argparse.Namespace, admin: OperatorLedger, out: TextIO
 
 
 def _reconcile(args: argparse.Namespace, reconciler: Reconciler, out: TextIO) -> int:
-    if args.all:
-        report = reconciler.run_all(
-            threshold_seconds=args.older_than, limit=args.limit, dry_run=args.dry_run
-        )
+    if args.all and args.dry_run:
+        stuck = stuck_probed(reconciler, threshold_seconds=args.older_than, limit=args.limit)
+        report = probe_only(reconciler, stuck)
+    elif args.all:
+        report = reconciler.run_all(threshold_seconds=args.older_than, limit=args.limit)
     else:
         report = reconcile_one(reconciler, args.key, dry_run=args.dry_run)
-    _emit(report.as_dict(), args.json, lambda: _reconcile_human(report, out), out)
+    live = live_lease_ends(reconciler.admin, still_stuck(report))
+    document = report.as_dict()
+    for claim in document["claims"]:
+        claim["lease_until"] = live.get(claim["idem_key"])
+    _emit(document, args.json, lambda: _reconcile_human(report, live, out), out)
     return EXIT_OK
 
 
-def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
+def _reconcile_human(report: ReconcileReport, live: Mapping[str, str], out: TextIO) -> None:
     rows = [outcome.as_dict() for outcome in report.outcomes]
     print_table(rows, ["idem_key", "job", "answer", "action", "detail"], out)
     by_answer = report.by_answer().items()
@@ -779,10 +815,20 @@ def _reconcile_human(report: ReconcileReport, out: TextIO) -> None:
     print(f"\n{lead}probed {len(report.outcomes)} stuck claim(s): {counts}", file=out)
     if report.skipped:
         print(f"{report.skipped} more left unprobed (time ran out); run it again", file=out)
-    left = still_stuck(report)
-    if left and not report.dry_run:
+    if report.dry_run:
+        return
+    # Under a live lease only the run holding it may act (`claims resolve` is refused too):
+    # the advice is when to ask again, the lease's end as the database reads it.
+    for key, until in live.items():
         print(
-            f"{len(left)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",
+            f"{key}: running under a live lease until {until}: its run may still settle it; "
+            f"after then, run `infrai-jobs claims reconcile {key}` again",
+            file=out,
+        )
+    ended = [outcome for outcome in still_stuck(report) if outcome.idem_key not in live]
+    if ended:
+        print(
+            f"{len(ended)} still stuck: check the provider, then `infrai-jobs claims resolve KEY`",
             file=out,
         )
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import getpass
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final, LiteralString
 
 from psycopg.rows import dict_row
 
 from infrai_jobs.errors import ClaimChanged, ClaimNotFound
+from infrai_jobs.jobs.probes import DONE, NOT_DONE, UNKNOWN
 from infrai_jobs.operations.reconcile import ProbeOutcome, Reconciler, ReconcileReport
 from infrai_jobs.work.admin import ALLOWED, ReconcileWrite, Refusal, WorkStore, refusal
 from infrai_jobs.work.statements import CLAIMS
@@ -191,7 +192,48 @@ def reconcile_one(reconciler: Reconciler, key: str, *, dry_run: bool = False) ->
         raise ClaimNotFound(f"no claim with key {key!r}")
     if claim.state != "running":
         raise ClaimChanged(f"claim {key!r} is {claim.state}: only a running claim is reconciled")
-    return ReconcileReport([reconciler.reconcile(claim, dry_run=dry_run)], dry_run=dry_run)
+    if dry_run:
+        return probe_only(reconciler, [claim])
+    return ReconcileReport([reconciler.reconcile(claim)])
+
+
+# What a dry run reports each answer would do.
+_WOULD: Final = {DONE: "would settle done", NOT_DONE: "would release", UNKNOWN: "would leave stuck"}
+
+
+def probe_only(reconciler: Reconciler, claims: Iterable[ClaimRow]) -> ReconcileReport:
+    """A dry run: each claim's probe asked, and what its answer would do; nothing changed or
+    recorded."""
+    report = ReconcileReport(dry_run=True)
+    for claim in claims:
+        answer, detail = reconciler.probe(claim)
+        would = _WOULD[answer.answer]
+        report.outcomes.append(
+            ProbeOutcome(claim.idem_key, claim.job or "", answer.answer, detail, would)
+        )
+    return report
+
+
+def stuck_probed(reconciler: Reconciler, *, threshold_seconds: int, limit: int) -> list[ClaimRow]:
+    """The stuck claims a reconcile pass would probe: those of jobs with a probe, oldest first."""
+    jobs = reconciler.probed_jobs()
+    return (
+        reconciler.admin.stuck(jobs, threshold_seconds=threshold_seconds, limit=limit)
+        if jobs
+        else []
+    )
+
+
+def live_lease_ends(admin: WorkStore, outcomes: Iterable[ProbeOutcome]) -> dict[str, str]:
+    """Which of the probed claims run under a live lease now, with when it ends, as the database
+    reads it: nothing but the run holding it may act on one before then (`claims reconcile`
+    changes nothing, `claims resolve` and `claims release` are refused)."""
+    ends: dict[str, str] = {}
+    for outcome in outcomes:
+        claim = admin.find(outcome.idem_key)
+        if claim is not None and claim.lease_live and claim.lease_end is not None:
+            ends[outcome.idem_key] = claim.lease_end.isoformat()
+    return ends
 
 
 def still_stuck(report: ReconcileReport) -> list[ProbeOutcome]:

@@ -21,6 +21,7 @@ from moto import mock_aws
 from moto.sns.models import sns_backends
 
 from infrai_jobs.errors import InfraiError
+from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
 from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
@@ -34,6 +35,8 @@ QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
 REGION = "us-east-1"
 ACCOUNT = "123456789012"
+# Who the watcher's changes are recorded as.
+WATCHER = "DlqAlertFunction"
 
 
 class RecordingAlerter:
@@ -189,6 +192,64 @@ def test_an_alert_counts_the_dlq_and_the_ledger_together(stage: Stage) -> None:
     assert "1 in the dead-letter queue of billing-jobs (dlq_count), 1 moved into the ledger" in (
         message
     )
+
+
+def test_dead_letters_of_work_the_ledger_shows_done_are_resolved_before_they_count(
+    stage: Stage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alerter = RecordingAlerter()
+    # Given three dead letters moved into the ledger, keyed by their number
+    stage.dead_letter(3)
+    store = DeadLetterStore(WorkStore(stage.database_url))
+    moved = collect(stage.client, store, dlq=DLQ, main_queue=QUEUE, key_of=_poison_key)
+    assert moved.recorded == 3
+    # And the ledger shows the first one's work done, the second's key done for other work (a
+    # conflict) and the third's still running under its lease
+    for n, state, work in ((0, "done", {"job": "poison", "n": 0}), (1, "done", {"other": 1})):
+        stage.sql(
+            "INSERT INTO job_claims (idem_key, state, message_id, payload_sha256)"
+            " VALUES (%s, %s, 'm', %s)",
+            (f"poison:{n}", state, payload_fingerprint(work)),
+        )
+    stage.sql(
+        "INSERT INTO job_claims (idem_key, state, message_id, lease_until)"
+        " VALUES ('poison:2', 'running', 'm', now() + interval '5 minutes')"
+    )
+    # When the watcher runs
+    report = stage.check(alerter).run([QUEUE])
+    # Then the done one was resolved before counting: two are counted, and two paged
+    assert report.ledger_dead_letters[QUEUE] == 2
+    assert [s for s, _ in alerter.sent] == ["[infrai-jobs] 2 new dead letter(s) on billing-jobs"]
+    # And the metric DlqCountAlarm pages on says two
+    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
+    record_alert_check(metrics, report)
+    metrics.flush_metrics()
+    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    per_queue = next(d for d in documents if d.get("queue") == QUEUE)
+    assert per_queue["DeadLetters"] == [2.0]
+    # And the letter says so, as the watcher's, and the key's history records it with the claim
+    with psycopg.connect(stage.database_url, autocommit=True) as conn:
+        letters = conn.execute(
+            "SELECT idem_key, resolution, resolved_by FROM dead_letters ORDER BY idem_key"
+        ).fetchall()
+        history = conn.execute(
+            "SELECT idem_key, action, actor, before -> 'claim' ->> 'state' FROM claim_history"
+        ).fetchall()
+    assert letters == [
+        ("poison:0", "done", WATCHER),
+        ("poison:1", None, None),
+        ("poison:2", None, None),
+    ]
+    assert history == [("poison:0", "dead_letter_done", WATCHER, "done")]
+    # And a second pass finds nothing more to resolve
+    again = stage.check(alerter).run([QUEUE])
+    assert again.ledger_dead_letters[QUEUE] == 2
+    with psycopg.connect(stage.database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM claim_history").fetchone() == (1,)
+
+
+def _poison_key(payload: Any) -> str:
+    return f"poison:{payload['n']}"
 
 
 def _one_stuck_claim_alerted(

@@ -13,8 +13,10 @@ import signal
 import subprocess
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 from drainkit import (
     DLQ,
@@ -31,6 +33,7 @@ from drainkit import (
 )
 
 from infrai_jobs.jobs.registry import Payload
+from infrai_jobs.work import store
 from infrai_local.operator import OperatorLedger
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
@@ -461,6 +464,45 @@ def test_dlq_discard_by_key_takes_every_copy_and_keeps_unkeyed_records_by_messag
     assert kit.client.stats(QUEUE).dlq_count == 0
 
 
+def test_dlq_all_shows_how_each_dead_letter_was_resolved(kit: Harness) -> None:
+    # Given three dead letters: one the operator discards, one redriven, one left alone
+    ids = {
+        name: kit.client.publish(DLQ, {"job": "test.db", "id": name})
+        for name in ("discarded", "redriven", "open")
+    }
+    test_jobs = str(TEST_JOBS_CODE)
+    discarded = run_cli(kit, "dlq", "discard", "--message-id", ids["discarded"])
+    assert discarded.returncode == 0, discarded.stderr
+    redriven = run_cli(kit, "redrive", "--message-id", ids["redriven"], INFRAI_JOBS_PATH=test_jobs)
+    assert redriven.returncode == 0, redriven.stderr
+    # When the operator lists them all
+    listed = run_cli(kit, "dlq", "--all", INFRAI_JOBS_PATH=test_jobs)
+    # Then a RESOLUTION column says how each was resolved, and is empty for the open one
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.split("\n\n", 1)[0].splitlines()
+    assert header.split() == [
+        "MESSAGE_ID",
+        "DELIVERIES",
+        "IDEM_KEY",
+        "STATE",
+        "FIRST_SEEN",
+        "RESOLUTION",
+        "REASON",
+    ]
+    start = header.index("RESOLUTION")
+    resolution = {row.split()[0]: row[start:].split(" ", 1)[0] for row in rows}
+    assert resolution == {
+        ids["discarded"]: "discarded",
+        ids["redriven"]: "redriven",
+        ids["open"]: "",
+    }
+    # And without --all the open one alone is listed, with no such column
+    plain = run_cli(kit, "dlq", INFRAI_JOBS_PATH=test_jobs)
+    assert "RESOLUTION" not in plain.stdout
+    assert ids["open"] in plain.stdout
+    assert ids["discarded"] not in plain.stdout
+
+
 def test_dlq_discard_of_nothing_matching_fails_and_changes_nothing(kit: Harness) -> None:
     kit.client.publish(DLQ, {"job": "test.db", "id": "x"})
     finished = run_cli(kit, "dlq", "discard", "--message-id", "qmsg_nope")
@@ -625,6 +667,36 @@ def test_claims_show_after_a_redrive_reopened_the_failed_claim(kit: Harness) -> 
     assert "now: redrive by" in shown.stdout
     assert "reopen" in shown.stdout
     assert "no such invoice" in shown.stdout
+
+
+def test_history_notes_name_exactly_the_redrive_flags_given(kit: Harness) -> None:
+    # Given a failed invoice job in the DLQ, with its failed claim
+    invoice = {"job": "invoice.finalize", "invoice_id": "inv_noted", "amount_cents": 5}
+    _seed_settled_claim(kit, invoice, "failed", message_id="qmsg_noted", error="no such invoice")
+    kit.client.publish(DLQ, invoice)
+    # And deferred work a drain failed for good: the ledger holds its dead letter
+    deferred = {"job": "test.db", "id": "noted"}
+    deferred_key = kit.registry.derive(deferred).idem_key
+    work = store.DeferredWork(deferred_key, "test.db", "database", deferred, "qmsg-d", queue=QUEUE)
+    with psycopg.connect(kit.database_url, autocommit=True) as conn:
+        store.defer(conn, work, attempts=1, error="503", delay_seconds=0)
+        (taken,) = store.take_due(conn, 1, lease_seconds=60)
+        assert store.fail(conn, deferred_key, taken.claim_token or uuid.uuid4(), "gave up")
+    test_jobs = str(TEST_JOBS_CODE)
+    # When the operator redrives the invoice with --reopen-failed, by its key
+    key = "invoice.finalize:inv_noted"
+    explicit = run_cli(kit, "redrive", "--reopen-failed", "--key", key, INFRAI_JOBS_PATH=test_jobs)
+    # And the deferred work's job with a plain redrive
+    plain = run_cli(kit, "redrive", "--job", "test.db", INFRAI_JOBS_PATH=test_jobs)
+    # Then each history note says exactly what was given, and only that
+    assert explicit.returncode == 0, explicit.stdout + explicit.stderr
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    given = f"redrive --reopen-failed --key {key}"
+    assert [(row[0], row[2]) for row in kit.history(key)] == [("reopen", given), ("redrive", given)]
+    notes = {action: note for action, _, note in kit.history(deferred_key)}
+    assert notes["redrive"] == "redrive --job test.db"
+    assert notes["reopen"].startswith("redrive --job test.db: ")
+    assert "--reopen-failed" not in notes["reopen"]
 
 
 def test_claims_resolve_failed_needs_a_reason(kit: Harness) -> None:

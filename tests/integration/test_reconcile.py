@@ -19,14 +19,13 @@ import psycopg
 import pytest
 import urllib3
 from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
+from drainkit import DLQ, OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
+from infrai_jobs.operations.alerting import WATCHER_ACTOR, AlertCheck, AlertThresholds
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.runtime.factory import WATCHER_ACTOR
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.admin import WorkStore
@@ -261,6 +260,44 @@ def test_not_done_never_releases_a_claim_under_a_live_lease(kit: Harness) -> Non
     assert kit.row(key) == before
 
 
+def test_done_under_a_live_lease_advises_when_to_ask_again_not_a_refused_resolve(
+    kit: Harness,
+) -> None:
+    # Given a receipt the provider mailed, whose claim is flagged under a lease still live
+    payload = {**RECEIPT, "invoice_id": "inv_done_live"}
+    sink_call(
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_done_live"},
+    )
+    key = seed_dead_worker_claim(kit, payload, lease_live=True)
+    ((lease_until,),) = kit.sql("SELECT lease_until FROM job_claims WHERE idem_key = %s", (key,))
+
+    # When the operator reconciles it by its key
+    shown = run_cli(kit, "claims", "reconcile", key)
+    as_json = run_cli(kit, "claims", "reconcile", key, "--json")
+
+    # Then the provider answered done, nothing changed, and the advice is to ask again after
+    # the lease's end as the database stores it, never the `claims resolve` it would refuse
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert (
+        f"{key}: running under a live lease until {lease_until.isoformat()}: its run may still "
+        f"settle it; after then, run `infrai-jobs claims reconcile {key}` again"
+    ) in shown.stdout
+    assert "claims resolve" not in shown.stdout
+    (outcome,) = json.loads(as_json.stdout)["claims"]
+    assert (outcome["answer"], outcome["action"]) == ("done", "lease_live")
+    assert outcome["lease_until"] == lease_until.isoformat()
+    claim = kit.row(key)
+    assert claim is not None
+    assert claim.state == "running"
+    # And the resolve the old advice named is refused, naming the same end
+    refused = run_cli(kit, "claims", "resolve", key, "--done")
+    assert refused.returncode == 3
+    assert f"live lease until {lease_until.isoformat()}" in refused.stderr
+
+
 def test_a_claim_that_moved_on_while_probed_is_fenced_out(kit: Harness, database_url: str) -> None:
     # Given a stuck claim whose probe sees another delivery take the claim over meanwhile
     registry = JobRegistry()
@@ -405,6 +442,61 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     assert ledger["StuckClaims"] == [1.0]
     counts = (ledger["ReconciledDone"], ledger["ReconciledNotDone"], ledger["ReconciledUnknown"])
     assert counts == ([1.0], [1.0], [1.0])
+
+
+def test_a_claim_the_watcher_reconciles_done_takes_its_dead_letter_with_it(
+    kit: Harness, database_url: str
+) -> None:
+    # Given a receipt the provider mailed for a worker that died after the call: its claim is
+    # stuck, and its message was dead-lettered beside it
+    mailed = {**RECEIPT, "invoice_id": "inv_lettered"}
+    sink_call(
+        kit,
+        "POST",
+        "/v1/mail/send",
+        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_lettered"},
+    )
+    key = seed_dead_worker_claim(kit, mailed)
+    message_id = kit.client.publish(DLQ, mailed)
+    # And `dlq` moved the letter into the ledger, unresolved
+    (letter,) = json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"]
+    assert (letter["message_id"], letter["idem_key"], letter["state"]) == (
+        message_id,
+        key,
+        "running",
+    )
+    alerter = RecordingAlerter()
+    check = AlertCheck(
+        kit.client,
+        database_url,
+        alerter,
+        AlertThresholds(),
+        reconciler=Reconciler(WorkStore(database_url), kit.registry, actor=WATCHER_ACTOR),
+    )
+
+    # When the watcher runs its check
+    report = check.run([QUEUE])
+
+    # Then the probe settled the claim done, and the letter was resolved before counting:
+    # no dead letter counts toward the alarm's metric, and none is paged
+    claim = kit.row(key)
+    assert claim is not None
+    assert claim.state == "done"
+    (queue,) = report.as_dict()["queues"]
+    assert (queue["dead_letters"], queue["ledger_dead_letters"]) == (0, 0)
+    assert not [subject for subject in alerter.sent if "dead letter" in subject]
+    # And `dlq` lists nothing left to do, while `dlq --all` says it was resolved done, and why
+    assert json.loads(run_cli(kit, "dlq", "--json").stdout)["messages"] == []
+    everything = run_cli(kit, "dlq", "--all")
+    assert everything.returncode == 0, everything.stderr
+    (line,) = [row for row in everything.stdout.splitlines() if row.startswith(message_id)]
+    assert " done " in line
+    assert "1 shown resolved done: the ledger shows their work done" in everything.stdout
+    (resolved,) = json.loads(run_cli(kit, "dlq", "--all", "--json").stdout)["messages"]
+    assert (resolved["resolution"], resolved["resolved_by"]) == ("done", WATCHER_ACTOR)
+    assert "its work is done" in resolved["resolution_note"]
+    # And the key's history has the probe's answer, then the letter resolved
+    assert [action for action, _ in history(kit, key)] == ["reconcile", "dead_letter_done"]
 
 
 def seed_stuck_deferred_run(kit: Harness, payload: Payload, *, lease_live: bool = False) -> str:

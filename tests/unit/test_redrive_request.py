@@ -55,3 +55,25 @@ def test_a_bad_selection_is_refused_by_name(event: dict[str, object], message: s
     with pytest.raises(ConfigurationError) as raised:
         RedriveRequest.from_event(event)
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(
+    ("event", "note"),
+    [
+        ({}, "redrive"),
+        ({"dry_run": True, "max_messages": 5}, "redrive"),
+        ({"reopen_failed": True}, "redrive --reopen-failed"),
+        ({"include_bouncing": True, "job": "test.db"}, "redrive --include-bouncing --job test.db"),
+        (
+            {"reopen_failed": True, "include_bouncing": True, "key": "k:1"},
+            "redrive --reopen-failed --include-bouncing --key k:1",
+        ),
+    ],
+)
+def test_the_history_note_says_the_redrive_as_given_and_nothing_else(
+    event: dict[str, object], note: str
+) -> None:
+    # Given a redrive asked for by an event (the command line's flags build the same request)
+    request = RedriveRequest.from_event(event)
+    # Then its note names what was given that decides a letter's fate, and only that
+    assert request.given() == note

@@ -1,14 +1,14 @@
 """Turning dead letters, stuck claims and a lagging drain into pages a human can act on. Each check
-reads queue stats, unresolved dead letters and stuck claims (after a reconcile pass, when given
-one), then ``decide``s per signal. The last alerted value of each signal lives in
-``alert_state``, locked in the decision's transaction: a cold start does not re-alert, and two
-concurrent checks send one alert."""
+reads queue stats, unresolved dead letters (after resolving those of work the ledger shows done)
+and stuck claims (after a reconcile pass, when given one), then ``decide``s per signal. The last
+alerted value of each signal lives in ``alert_state``, locked in the decision's transaction: a
+cold start does not re-alert, and two concurrent checks send one alert."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, LiteralString, Protocol
@@ -18,16 +18,19 @@ import psycopg
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.ledger.postgres import LedgerAdapter
+from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.statements import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.work.store import DeferredStats, deferred_stats
 
 logger = logging.getLogger(__name__)
 
 LEDGER_SCOPE = "ledger"
+WATCHER_ACTOR = "DlqAlertFunction"
 SNS_SUBJECT_LIMIT = 100
 
 
@@ -113,10 +116,8 @@ class AlertReport:
         queues = []
         for s in self.stats:
             in_ledger = self.ledger_dead_letters.get(s.queue, 0)
-            queue = {"queue": s.queue, "dlq_count": s.dlq_count, "ledger_dead_letters": in_ledger}
-            queue.update(dead_letters=s.dlq_count + in_ledger, available_count=s.available_count)
-            queue.update(in_flight_count=s.in_flight_count, delayed_count=s.delayed_count)
-            queues.append({**queue, "oldest_message_age_seconds": s.oldest_message_age_seconds})
+            dead = {"ledger_dead_letters": in_ledger, "dead_letters": s.dlq_count + in_ledger}
+            queues.append({**asdict(s), **dead})
         return {
             "queues": queues,
             "stuck_claims": self.stuck.count,
@@ -163,16 +164,17 @@ class AlertCheck(LedgerAdapter):
         self._reconciler = reconciler
         self._alerter = alerter
         self._thresholds = thresholds
+        work = WorkStore(database_url, visibility_timeout=thresholds.visibility, **options)
+        self._letters = DeadLetterStore(work)
 
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""
         report = AlertReport()
         unread: list[InfraiError] = []
-        report.reconciled = self._reconcile()
+        report.reconciled = self._reconcile(watched)
         with self._connector.session("alert check") as conn:
             # A signal saved by another run after this moment holds a newer observation.
-            started = conn.execute("SELECT now()").fetchone()
-            report.started = started[0] if started else None
+            (report.started,) = conn.execute("SELECT now()").fetchone() or (None,)
             # Stats before any verdict. A queue whose stats cannot be read gets no verdict
             # at all (never a "resolved" on missing data); the others are still judged, and
             # the run raises at the end so the function's Errors alarm fires.
@@ -210,22 +212,24 @@ class AlertCheck(LedgerAdapter):
             raise unread[0]
         return report
 
-    def _reconcile(self) -> ReconcileReport | None:
-        """Probe stuck claims before counting them. A ledger failure here is logged and the check
-        goes on (the count then fails the run the same way): a probe never holds a page back."""
-        if self._reconciler is None or not self._reconciler.probed_jobs():
-            return None
+    def _reconcile(self, watched: Sequence[str]) -> ReconcileReport | None:
+        """Before counting, probe stuck claims and resolve the dead letters of work done; a ledger
+        failure is logged and the check goes on (the count then fails the run the same way)."""
+        reconciled = None
         try:
-            return self._reconciler.run_all(
-                threshold_seconds=self._thresholds.stuck_claim_seconds,
-                budget_seconds=self._thresholds.reconcile_budget_seconds,
-            )
+            if self._reconciler is not None and self._reconciler.probed_jobs():
+                reconciled = self._reconciler.run_all(
+                    threshold_seconds=self._thresholds.stuck_claim_seconds,
+                    budget_seconds=self._thresholds.reconcile_budget_seconds,
+                )
+            for name in watched:
+                self._letters.resolve_done(name, actor=WATCHER_ACTOR)
         except LedgerError as exc:
             logger.error(
-                "cannot reconcile stuck claims; they are counted unprobed",
+                "cannot reconcile stuck claims or dead letters of done work: counted as they are",
                 extra={"action": "reconcile_failed", "detail": str(exc)},
             )
-            return None
+        return reconciled
 
     def _evaluate(
         self, conn: psycopg.Connection[Any], report: AlertReport, seen: Observation
@@ -289,7 +293,7 @@ def compose(
         body = [
             f"Dead letters of {scope} went from {before} to {after}: {in_dlq} in the "
             f"dead-letter queue of {scope} (dlq_count), {seen.in_ledger} moved into the ledger "
-            "and not yet redriven or discarded.",
+            "and not yet redriven or discarded (nor found done).",
             "Each message there failed three deliveries, or was left unacked on purpose "
             "(a conflict, a stuck irreversible job, an unknown job).",
         ]

@@ -91,6 +91,13 @@ SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
     resolution_note = %(note)s
 WHERE message_id = %(message_id)s AND resolution IS NULL
 """
+# Unresolved letters whose key's claim is done (a conflict's is other work's); ``_resolve`` judges.
+_KEY_DONE: LiteralString = """
+SELECT message_id FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
+  AND state IS DISTINCT FROM 'conflict'
+  AND idem_key IN (SELECT idem_key FROM job_claims WHERE state = 'done') LIMIT %(limit)s"""
+WORK_DONE_NOTE = "its work is done (its key's claim is done): nothing is left to redrive"
+_HISTORY_ACTIONS = {"discarded": "discard", "redriven": "redrive", "done": "dead_letter_done"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +364,12 @@ class DeadLetterStore:
         between leaves it unresolved: the next redrive publishes it again, the claims absorb it."""
         return self._resolve(message_id, "redriven", actor=actor, note=note, before=publish)
 
+    def resolve_done(self, queue: str, *, actor: str, limit: int = COLLECT_LIMIT) -> list[str]:
+        """Resolve ``queue``'s dead letters of work done (recorded as a discard is); their ids."""
+        with self._connector.session("cannot read the dead letters of done work") as conn:
+            found = conn.execute(_KEY_DONE, {"queue": queue, "limit": limit}).fetchall()
+        return [m for (m,) in found if self._resolve(m, "done", actor=actor, note=WORK_DONE_NOTE)]
+
     def _resolve(
         self,
         message_id: str,
@@ -375,17 +388,19 @@ class DeadLetterStore:
             if found is None:
                 return False
             row = DeadLetterRow(**found)
+            key = row.idem_key
+            claim = claim_of(conn, key, visibility=self._visibility) if key is not None else None
+            done = claim is not None and claim.state == "done" and not other_work(claim, row.body)
+            if resolution == "done" and not done:
+                return False
             if before is not None:
                 before(row.body)
             params = {"message_id": message_id, "resolution": resolution, "actor": actor}
             conn.execute(_RESOLVE, {**params, "note": note or None})
-            key = row.idem_key
-            claim = claim_of(conn, key, visibility=self._visibility) if key is not None else None
             # Beside its key's claim changes (its message id without a key), as it was then.
             was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
             was["claim"] = claim.as_dict() if claim else None
-            action = "discard" if resolution == "discarded" else "redrive"
-            key = row.idem_key or message_id
+            action, key = _HISTORY_ACTIONS[resolution], key or message_id
             record_history(conn, key, action, actor=actor, before=was, after=None, note=note)
         return True
 

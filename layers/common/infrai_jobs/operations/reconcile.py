@@ -40,13 +40,6 @@ PROBE_TIMEOUT_SECONDS: Final = 10.0
 # How much of a probe's reason or result a history note keeps.
 _NOTE_DETAIL_CHARS: Final = 500
 
-# What a dry run reports each answer would do.
-_DRY_RUN_ACTION: Final = {
-    DONE: "would settle done",
-    NOT_DONE: "would release",
-    UNKNOWN: "would leave stuck",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ProbeOutcome:
@@ -141,16 +134,11 @@ class Reconciler:
         return [job.name for job in self._registry if job.probe is not None]
 
     def run_all(
-        self,
-        *,
-        threshold_seconds: int,
-        limit: int = 100,
-        budget_seconds: float | None = None,
-        dry_run: bool = False,
+        self, *, threshold_seconds: int, limit: int = 100, budget_seconds: float | None = None
     ) -> ReconcileReport:
         """Probe every stuck claim of a job with a probe (up to ``limit``, oldest first), while
         ``budget_seconds`` lasts; the rest stay stuck, counted as ``skipped``."""
-        report = ReconcileReport(dry_run=dry_run)
+        report = ReconcileReport()
         jobs = self.probed_jobs()
         if not jobs:
             return report
@@ -160,11 +148,11 @@ class Reconciler:
             if ends is not None and time.monotonic() + self._probe_timeout > ends:
                 report.skipped = len(candidates) - index
                 break
-            report.outcomes.append(self.reconcile(claim, dry_run=dry_run))
+            report.outcomes.append(self.reconcile(claim))
         return report
 
-    def reconcile(self, claim: ClaimRow, *, dry_run: bool) -> ProbeOutcome:
-        """Probe one stuck claim (a delivery's, or deferred work's) and act on the answer."""
+    def probe(self, claim: ClaimRow) -> tuple[ProbeAnswer, Any]:
+        """Ask ``claim``'s probe, changing nothing: its answer, and the result or reason with it."""
         definition = self._registry.get(claim.job or "")
         if definition is None or definition.probe is None:
             raise ConfigurationError(
@@ -184,10 +172,12 @@ class Reconciler:
         )
         answer = ask(definition.probe, {"job": job, **identity}, ctx, self._probe_timeout)
         detail = answer.result if isinstance(answer, Done) else getattr(answer, "reason", None)
+        return answer, detail
+
+    def reconcile(self, claim: ClaimRow) -> ProbeOutcome:
+        """Probe one stuck claim (a delivery's, or deferred work's) and act on the answer."""
+        (answer, detail), key, job = self.probe(claim), claim.idem_key, claim.job or ""
         extra = {"idem_key": key, "job": job, "answer": answer.answer}
-        if dry_run:
-            logger.info("stuck claim probed (dry run)", extra={"action": "probed", **extra})
-            return ProbeOutcome(key, job, answer.answer, detail, _DRY_RUN_ACTION[answer.answer])
         # The lease as the database judged it when the claim was read; the write is fenced
         # again on its clock.
         if isinstance(answer, NotDone) and self._forget is not None and claim.lease_live is False:

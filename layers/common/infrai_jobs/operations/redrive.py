@@ -44,8 +44,7 @@ MAX_REDRIVE_PER_CALL = 10_000
 # or two each, plus a few retries).
 MESSAGE_BUDGET_MS = 20_000
 
-# The history note of a failed claim a plain redrive reopens: the ledger's own dead letter.
-_LEDGER_HELD_NOTE = "redrive of a dead letter the ledger held (out of attempts)"
+_LEDGER_HELD_NOTE = "a dead letter the ledger held (out of attempts) reopens its failed claim"
 _NEEDS_LEDGER = "held by the ledger: its failed claim must be reopened, and no ledger was given"
 
 
@@ -170,6 +169,12 @@ class RedriveRequest:
     target: str = ""
     actor: str = ""
 
+    def given(self) -> str:
+        """What its history notes say: this redrive in the command line's words, as given."""
+        flags = {"--reopen-failed": self.reopen_failed, "--include-bouncing": self.include_bouncing}
+        chosen = [f"--{n.replace('_', '-')} {v}" for n, v in self.selection.as_dict().items()]
+        return " ".join(["redrive", *(flag for flag, on in flags.items() if on), *chosen])
+
     def to(self, *, source: str, target: str, actor: str) -> RedriveRequest:
         """This request, from ``source`` to ``target`` on behalf of ``actor``."""
         return replace(self, source=source, target=target, actor=actor)
@@ -274,7 +279,6 @@ def redrive(
     *,
     admin: WorkStore | None = None,
     jobs: JobsKnowledge | None = None,
-    progress: Callable[[int], None] | None = None,
     time_left_ms: Callable[[], int] | None = None,
 ) -> RedriveSummary:
     """Collect new dead letters of ``request.source``, then publish up to ``max_messages`` of
@@ -288,7 +292,7 @@ def redrive(
         raise ValueError("a redrive names its source, target and actor (RedriveRequest.to)")
     if request.reopen_failed and admin is None:
         raise ValueError("reopen_failed needs the ledger (admin)")
-    selection = request.selection
+    selection, given = request.selection, request.given()
     unknown = jobs.known_jobs(selection.job) if selection.job and jobs.known_jobs else ""
     if unknown:
         raise ConfigurationError(f"redrive --job: {unknown}")
@@ -324,9 +328,7 @@ def redrive(
     summary.not_selected = store.unresolved_count(target) - len(rows)
     # Retrying the publish is safe here: the drain's claims absorb a duplicate.
     publish = partial(queue.publish, target, retry=True)
-    for done, row in enumerate(rows, start=1):
-        if progress is not None:
-            progress(done)
+    for row in rows:
         if row.redrivable:
             summary.skipped.append({"message_id": row.message_id, "reason": row.redrivable})
             continue
@@ -354,10 +356,10 @@ def redrive(
                 message_id=row.message_id,
                 fingerprint=fingerprint,
                 actor=actor,
-                note="redrive --reopen-failed" if request.reopen_failed else _LEDGER_HELD_NOTE,
+                note=given if request.reopen_failed else f"{given}: {_LEDGER_HELD_NOTE}",
             )
             summary.reopened.extend(reopened)
-        if store.redrive(row.message_id, publish, actor=actor, note="redrive"):
+        if store.redrive(row.message_id, publish, actor=actor, note=given):
             summary.published += 1
     _log_outcome(summary)
     logger.info("redrive finished", extra={"action": "redrive_summary", **summary.as_dict()})

@@ -193,7 +193,7 @@ def make_alert_check(
         reconciler = Reconciler(
             make_claims_admin(settings, refresh=refresh),
             registry,
-            actor=WATCHER_ACTOR,
+            actor=alerting.WATCHER_ACTOR,
             forget=guard.forget if guard is not None else None,
         )
 
@@ -210,10 +210,6 @@ def make_alert_check(
         refresh_url=refresh.database_url if refresh else None,
         reconciler=reconciler,
     )
-
-
-# Who the watcher's reconcile answers are recorded as, in claim_history.
-WATCHER_ACTOR = "DlqAlertFunction"
 
 
 def make_effect_guard(settings: JobSettings) -> SecondLayer | None:

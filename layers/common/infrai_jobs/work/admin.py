@@ -244,16 +244,11 @@ class WorkStore(LedgerAdapter):
         return row is not None and row[0] == "resolve_failed"
 
     def reopen_failed(
-        self,
-        *,
-        message_id: str,
-        fingerprint: str | None,
-        actor: str,
-        note: str = "redrive --reopen-failed",
+        self, *, message_id: str, fingerprint: str | None, actor: str, note: str = ""
     ) -> list[str]:
         """Delete the ``failed`` claims of one piece of work (its message id, or its payload
-        fingerprint) so its redriven copy runs again; each is recorded as ``reopen``, with a
-        note that names what asked for it."""
+        fingerprint) so its redriven copy runs again; each is recorded as ``reopen``, with the
+        caller's note (what asked for it, as given)."""
         params = {"message_id": message_id, "fingerprint": fingerprint}
         why = Why("reopen", actor, note)
         with self._connector.transaction("cannot reopen failed claims") as conn:

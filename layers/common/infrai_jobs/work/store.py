@@ -301,10 +301,8 @@ def release_for_take_back(
 def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
     """The deferred backlog (waiting or running) and its oldest entry's age, in seconds."""
     with ledger_errors("cannot read deferred jobs"):
-        row = conn.execute(sql.DEFERRED_STATS).fetchone()
-    if row is None:  # pragma: no cover - an aggregate always answers one row
-        return DeferredStats(0, 0.0)
-    return DeferredStats(int(row[0]), float(row[1]))
+        backlog, oldest = conn.execute(sql.DEFERRED_STATS).fetchone() or (0, 0.0)
+    return DeferredStats(int(backlog), float(oldest))
 
 
 def record_change(

@@ -24,6 +24,14 @@ INSERT INTO dead_letters (
 ON CONFLICT (message_id) DO NOTHING
 """
 
+# A letter's verdict (discarded, redriven, done), an outbox row's (id ``outbox:<seq>``) too.
+RESOLVE_DEAD_LETTER: LiteralString = """
+UPDATE dead_letters
+SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
+    resolution_note = %(note)s
+WHERE message_id = %(message_id)s AND resolution IS NULL
+"""
+
 UNRESOLVED_DEAD_LETTERS: LiteralString = """
 SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
 """

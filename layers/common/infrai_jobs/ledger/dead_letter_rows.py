@@ -24,7 +24,6 @@ INSERT INTO dead_letters (
 ON CONFLICT (message_id) DO NOTHING
 """
 
-# A letter's verdict (discarded, redriven, done), an outbox row's (id ``outbox:<seq>``) too.
 RESOLVE_DEAD_LETTER: LiteralString = """
 UPDATE dead_letters
 SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,

@@ -1,7 +1,7 @@
-"""Rate limits and concurrency keys in the ledger's database, on its clock, each function one
-pipelined ``conn.transaction()`` (one round trip, bench/flow_bench.py; a statement still sees
-what its lock let in). A rate limit spaces every drain's starts (a generic cell rate algorithm
-with no burst); a slot ends with its run's lease, so a killed run's slot frees itself."""
+"""Rate limits and concurrency keys in the ledger's database, on its clock, each function in
+``conn.transaction()`` of its own (a savepoint inside the caller's transaction). A rate limit
+spaces the starts of every drain (a generic cell rate algorithm with no burst); a concurrency
+slot ends with its run's lease, so a killed run's slot frees itself."""
 
 from __future__ import annotations
 
@@ -94,10 +94,12 @@ def reserve_start(
     params = {"class": RATE_LOCK_CLASS, "job": job, "spacing": limit.spacing_seconds}
     params["max_wait"] = max(float(max_wait), 0.0)
     params["kept"] = limit.window_seconds + RATE_STARTS_KEPT_SECONDS
-    with ledger_errors(f"cannot rate-limit {job!r}"), conn.pipeline(), conn.transaction():
+    with ledger_errors(f"cannot apply the rate limit of {job!r}"), conn.transaction():
         conn.execute(_RATE_LOCK, params)
-        cursor = conn.execute(_RATE_RESERVE, params)
-    reserved, wait = cursor.fetchone() or (True, 0.0)  # the statement always answers one row
+        row = conn.execute(_RATE_RESERVE, params).fetchone()
+    if row is None:  # pragma: no cover - the statement always answers one row
+        return True, 0.0
+    reserved, wait = row
     # Microseconds are the clock's grain: a refused start always has a wait, however short.
     return bool(reserved), max(float(wait), 0.0) if reserved else max(float(wait), 1e-6)
 
@@ -117,14 +119,12 @@ def acquire_concurrency(
     when all are taken, or when no running row of ``idem_key`` holds ``token``."""
     params = {"class": CONCURRENCY_LOCK_CLASS, "job": job, "value": key_value, "max": max_running}
     params |= {"holder": holder, "key": idem_key, "token": token}
-    with ledger_errors(f"cannot take a slot of {job!r}"), conn.pipeline(), conn.transaction():
+    with ledger_errors(f"cannot take a concurrency slot of {job!r}"), conn.transaction():
         conn.execute(_CONCURRENCY_LOCK, params)
-        cursor = conn.execute(_ACQUIRE, params)
-    return cursor.fetchone() is not None
+        return conn.execute(_ACQUIRE, params).fetchone() is not None
 
 
 def release_concurrency(conn: psycopg.Connection[Any], token: uuid.UUID) -> bool:
     """Free the slot the run holding ``token`` took; False when it had none (or it expired)."""
-    with ledger_errors("cannot release a concurrency slot"), conn.pipeline(), conn.transaction():
-        cursor = conn.execute(_RELEASE_SLOT, {"token": token})
-    return cursor.rowcount == 1
+    with ledger_errors("cannot release a concurrency slot"), conn.transaction():
+        return conn.execute(_RELEASE_SLOT, {"token": token}).rowcount == 1

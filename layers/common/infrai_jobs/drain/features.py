@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from infrai_jobs.drain.loop import stopped_before_receiving
 from infrai_jobs.drain.model import (
     DrainConfig,
     DrainFeature,
@@ -19,6 +20,7 @@ from infrai_jobs.drain.model import (
     NextDrain,
     merge_summaries,
 )
+from infrai_jobs.errors import DatabaseBusy, LedgerError
 from infrai_jobs.jobs.registry import JobContext, JsonValue
 from infrai_jobs.work.ports import EffectGuard, LedgerPort
 
@@ -81,7 +83,9 @@ class ClosableLedger(LedgerPort, Protocol):
 
 class Lanes(DrainFeature):
     """DRAIN_LANES > 1: several lanes drain one queue at once, the claims keeping them apart,
-    each on its own database connection (kept for reuse); the HTTP pool is shared."""
+    each on its own database connection (kept for reuse); the HTTP pool is shared. Every lane's
+    connection is opened before any lane consumes: one the database refuses as full is shed for
+    this invocation (``lanes_shed``), the drain running with the lanes it could open."""
 
     def __init__(self, count: int, make_ledger: Callable[[], ClosableLedger]) -> None:
         self.count = count
@@ -91,14 +95,35 @@ class Lanes(DrainFeature):
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
         while len(self.extra_ledgers) < self.count - 1:
             self.extra_ledgers.append(self._make_ledger())
-        ledgers = [run.ledger, *self.extra_ledgers[: self.count - 1]]
+        try:
+            ledgers = [run.ledger, *filter(_opened, self.extra_ledgers)]
+        except LedgerError as exc:
+            return stopped_before_receiving(exc)
+        shed = self.count - len(ledgers)
+        if shed:
+            logger.warning(
+                "the ledger database is full: %d of %d lanes shed",
+                *(shed, self.count),
+                extra={"action": "lanes_shed", "lanes_shed": shed},
+            )
         with ThreadPoolExecutor(max_workers=len(ledgers), thread_name_prefix="lane") as pool:
             futures = [pool.submit(next_drain, replace(run, ledger=ledger)) for ledger in ledgers]
-            return merge_summaries([future.result() for future in futures])
+            summary = merge_summaries([future.result() for future in futures])
+        summary.counters["lanes_shed"] += shed
+        return summary
 
     def close(self) -> None:
         for ledger in self.extra_ledgers:
             ledger.close()
+
+
+def _opened(ledger: LedgerPort) -> bool:
+    """The lane's connection is open and answers; False when the database is full."""
+    try:
+        ledger.ping()
+    except DatabaseBusy:
+        return False
+    return True
 
 
 class SecondLayerGuard(EffectGuard, Protocol):

@@ -175,25 +175,21 @@ def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
             " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE in "
             "AWS, must hold the CA that signed it, and the host must be a name on it)"
         )
-    unavailable = DatabaseBusy if _is_full(exc) else LedgerUnavailable
-    return unavailable(f"cannot connect to the ledger database at {describe(url)}: {detail}")
+    return _busy_or_down(exc)(f"cannot connect to the ledger database at {describe(url)}: {detail}")
 
 
 # How PostgreSQL (SQLSTATE 53300, which libpq does not pass on for a refused connection),
-# PgBouncer and RDS Proxy say that they are full, or waited too long for a server connection.
-_FULL_SIGNS = (
-    "too many clients already",
-    "too many connections for",
-    "remaining connection slots are reserved",
-    "no more connections allowed",
-    "query_wait_timeout",
-    "timed-out waiting to acquire database connection",
+# PgBouncer and RDS Proxy say they are full, or waited too long for a server connection.
+_FULL = re.compile(
+    r"too many (clients|connections for)|remaining connection slots|no more connections allowed"
+    r"|query_wait_timeout|timed-out waiting to acquire",
+    re.IGNORECASE,
 )
 
 
-def _is_full(exc: psycopg.Error) -> bool:
+def _busy_or_down(exc: psycopg.Error) -> type[LedgerUnavailable]:
     """The one rule telling a database at its connection limit from one that is down."""
-    return exc.sqlstate == "53300" or any(sign in str(exc).lower() for sign in _FULL_SIGNS)
+    return DatabaseBusy if exc.sqlstate == "53300" or _FULL.search(str(exc)) else LedgerUnavailable
 
 
 # How libpq words a certificate or host name that does not verify.
@@ -401,8 +397,7 @@ def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerEr
             f"{where}the ledger database is not migrated ({detail}): {RUN_MIGRATE}"
         )
     if isinstance(exc, psycopg.OperationalError):
-        unavailable = DatabaseBusy if _is_full(exc) else LedgerUnavailable
-        return unavailable(f"{where}the ledger database failed: {detail}")
+        return _busy_or_down(exc)(f"{where}the ledger database failed: {detail}")
     return LedgerError(f"{where}the ledger rejected a statement: {detail}")
 
 

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from infrai_jobs.drain.loop import stopped_before_receiving
 from infrai_jobs.drain.model import (
     DrainConfig,
     DrainFeature,
@@ -20,7 +19,7 @@ from infrai_jobs.drain.model import (
     NextDrain,
     merge_summaries,
 )
-from infrai_jobs.errors import DatabaseBusy, LedgerError
+from infrai_jobs.errors import DatabaseBusy
 from infrai_jobs.jobs.registry import JobContext, JsonValue
 from infrai_jobs.work.ports import EffectGuard, LedgerPort
 
@@ -95,12 +94,9 @@ class Lanes(DrainFeature):
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
         while len(self.extra_ledgers) < self.count - 1:
             self.extra_ledgers.append(self._make_ledger())
-        try:
-            ledgers = [run.ledger, *filter(_opened, self.extra_ledgers)]
-        except LedgerError as exc:
-            return stopped_before_receiving(exc)
-        shed = self.count - len(ledgers)
-        if shed:
+        # A lane's other failure (the database down) is raised before any lane consumes.
+        ledgers = [run.ledger, *filter(_opened, self.extra_ledgers)]
+        if shed := self.count - len(ledgers):
             logger.warning(
                 "the ledger database is full: %d of %d lanes shed",
                 *(shed, self.count),
@@ -118,7 +114,7 @@ class Lanes(DrainFeature):
 
 
 def _opened(ledger: LedgerPort) -> bool:
-    """The lane's connection is open and answers; False when the database is full."""
+    """False when the database refuses the lane's connection as full."""
     try:
         ledger.ping()
     except DatabaseBusy:

@@ -44,8 +44,8 @@ from infrai_jobs.work.ledger import PostgresLedger
 logger = logging.getLogger(__name__)
 
 # The drain's first connection waits for a full database at most this share of the time left,
-# and never longer than this; tried again after each back-off (doubled from the first to the
-# last, with jitter so that drains refused together do not come back together).
+# this long at most, tried again after a back-off doubled from the first to the last (jittered,
+# so drains refused together come back apart).
 CONNECT_WAIT_SHARE = 0.25
 CONNECT_WAIT_SECONDS = 30
 CONNECT_BACKOFF_SECONDS = (0.2, 3.2)

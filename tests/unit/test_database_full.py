@@ -6,6 +6,7 @@ its time, sheds the lanes it cannot open, and says so as a warning and a count, 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
 import pytest
@@ -201,3 +202,27 @@ def test_lanes_the_database_refuses_are_shed_before_any_lane_consumes(
     shed = [r for r in caplog.records if getattr(r, "action", "") == "lanes_shed"]
     assert [(r.levelno, getattr(r, "lanes_shed", 0)) for r in shed] == [(logging.WARNING, 2)]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_fleet_lease_refused_as_full_stops_the_drain_as_full_not_as_an_outage() -> None:
+    from fakes import InMemoryDrainFleet  # noqa: PLC0415
+
+    class FullFleet(InMemoryDrainFleet):
+        def join(self, queue: str, drain_id: str, **kwargs: Any) -> bool:
+            raise DatabaseBusy("cannot connect: FATAL:  sorry, too many clients already")
+
+    # Given a drain with fan-out on, whose fleet lease's connection the database refuses as full
+    clock = FakeClock()
+    kit = Invocation(FullLedger(clock, refusals=0), clock, lanes=[])
+    settings = DrainSettings(queue=QUEUE, drain_max_concurrency=2)
+    kit.service.features = drain_features(
+        settings, make_lane_ledger=lambda: kit.service.ledger, fleet=FullFleet(clock)
+    )
+    kit.queue.publish_raw(QUEUE, {"job": "test.db", "id": 1})
+    # When it runs, Then it stops as full, having received nothing, without raising
+    summary, _ = kit.run(120)
+    assert (summary["stopped"], summary["database_full"], summary["consumed"]) == (
+        "database_full",
+        1,
+        0,
+    )

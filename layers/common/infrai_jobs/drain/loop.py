@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -13,7 +14,13 @@ from typing import Any
 from infrai_jobs.drain.ack_pipeline import AckPipeline
 from infrai_jobs.drain.batch import MessageResult, process_batch, storable_text
 from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary, LaneClock, NextDrain
-from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, LedgerError, SchemaNotMigrated
+from infrai_jobs.errors import (
+    ConsumeAnswerLost,
+    DatabaseBusy,
+    InfraiError,
+    LedgerError,
+    SchemaNotMigrated,
+)
 from infrai_jobs.jobs.correlation import correlation_of
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.queue.models import Pending, QueueMessage
@@ -179,7 +186,14 @@ def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
 
 def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
-    A schema the code may not run on (behind it, or a floor above it) is no outage: raised."""
+    A schema the code may not run on (behind it, or a floor above it) is no outage: raised. A
+    database at its connection limit is none either: ``database_full``, a warning and a count."""
+    if isinstance(exc, DatabaseBusy):
+        logger.warning(
+            "the ledger database is full; nothing was received",
+            extra={"action": "database_full", "detail": str(exc)},
+        )
+        return DrainSummary(counters=Counter(database_full=1), stopped="database_full")
     if isinstance(exc, SchemaNotMigrated):
         logger.error(
             "the ledger's schema does not fit this code; nothing was received",

@@ -45,6 +45,8 @@ FEATURE_COUNTERS = (
     "deferred_done",  # ... of them, done
     "deferred_failed",  # ... of them, failed for good (out of attempts or a final error)
     "rate_limit_waits",  # ... handler starts that waited for their job's rate limit
+    "database_full",  # the drain's first connection: refused as full after its wait, so 1
+    "lanes_shed",  # Lanes: lanes the database refused as full, this drain running without them
 )
 
 
@@ -131,8 +133,8 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
         merged.counters.update(summary.counters)
     reasons = {s.stopped for s in summaries}
     # The most alarming reason wins: an outage must not hide behind a lane that found no work.
-    alarming = ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty")
-    merged.stopped = next((reason for reason in alarming if reason in reasons), "")
+    alarming = ("ledger_unavailable", "database_full", "interrupted", "time_budget", "max_batches")
+    merged.stopped = next((r for r in (*alarming, "empty") if r in reasons), "")
     return merged
 
 

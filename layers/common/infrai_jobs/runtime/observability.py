@@ -56,6 +56,8 @@ DRAIN_METRICS = {
     "deferred_done": "DeferredJobsDone",
     "deferred_failed": "DeferredJobsFailed",
     "rate_limit_waits": "RateLimitWaits",
+    "database_full": "DatabaseFull",
+    "lanes_shed": "LanesShed",
 }
 
 

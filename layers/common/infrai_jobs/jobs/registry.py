@@ -1,9 +1,7 @@
 """Declaring jobs: a name, how its key is derived, its handler, and its effect class, which decides
-how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE`` job's claim,
-effect and ``done`` commit together; an ``EXTERNAL`` job's crash leaves its claim for a human (or
-its probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream takes our key, so an
-expired claim may be taken over. Settings (URLs) and secrets (credentials) are declared by name,
-read at the function's edge and bound (``bind_settings``) before consuming."""
+how the claim protects the work (docs/design.md, "Effect classes"). Settings (URLs) and secrets
+(credentials) are declared by name, read at the function's edge and bound (``bind_settings``)
+before consuming."""
 
 from __future__ import annotations
 

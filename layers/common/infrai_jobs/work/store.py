@@ -150,9 +150,8 @@ def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
 def flag_uncertain(conn: psycopg.Connection[Any], key: str, token: uuid.UUID, error: str) -> bool:
     """The run holding ``token`` does not know whether its effect happened: flagged for a
     human, its lease ended, never taken again."""
-    params = {"keys": [key], "tokens": [token], "values": [error]}
-    with ledger_errors("cannot flag a deferred run"), conn.transaction():
-        return len(conn.execute(sql.MARK_UNCERTAIN, params).fetchall()) == 1
+    doing = "cannot flag a deferred run"
+    return _fenced(conn, sql.MARK_UNCERTAIN, doing, keys=[key], tokens=[token], values=[error])
 
 
 def postpone(

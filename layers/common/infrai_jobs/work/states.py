@@ -152,10 +152,7 @@ _READ_AT: Final = ("lease_end", "lease_live")
 
 
 # --- The one state machine ---------------------------------------------------------------------
-# Every unit of work is one ``job_claims`` row: one token, one lease, one clock (the
-# database's). ``(none)`` is "no row". docs/design.md shows this table (a test keeps the two
-# equal), and the contract suite drives every transition on PostgreSQL through the method its
-# row names.
+# docs/design.md's "One state machine" shows this table (a test keeps the two equal).
 
 WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
 

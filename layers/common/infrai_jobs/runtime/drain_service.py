@@ -25,7 +25,8 @@ from infrai_jobs.drain.loop import budget_shortfall, drain_invocation, stopped_b
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
 from infrai_jobs.errors import ConfigurationError, DatabaseBusy, LedgerError, LedgerUnavailable
-from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
+from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
+from infrai_jobs.jobs.policy import JobPolicy
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.queue.client import InfraiClient

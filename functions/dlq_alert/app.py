@@ -29,7 +29,7 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
         AlertSettings.from_env(
             job_settings=registry.probe_settings(), job_secrets=registry.probe_secrets()
         )
-    ).unpacked()
+    )
     unprobed = registry.bind_probe_settings(settings.job_settings, secrets=settings.job_secrets)
     for job, missing in unprobed.items():
         logger.warning(

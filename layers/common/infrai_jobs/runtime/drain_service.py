@@ -78,7 +78,7 @@ class DrainService:
         before anything is built or consumed. ``starter`` replaces Lambda's for local runs."""
         job_settings = settings.require_job_settings()
         policies = job_policies(settings, registry)
-        resolved, refresh = with_secrets(settings).unpacked()
+        resolved, refresh = with_secrets(settings)
         registry.bind_settings(job_settings, secrets=resolved.require_job_secrets())
         url_hook, key_hook = refresh.database_url, refresh.api_key
         flow = flow_control(registry, policies, queue=resolved.queue)

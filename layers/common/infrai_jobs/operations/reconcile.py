@@ -51,9 +51,6 @@ class ProbeOutcome:
     detail: Any  # the provider's result (done) or the reason (unknown)
     action: str  # a ``ReconcileWrite`` value, or in a dry run what the answer would do
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class ReconcileReport:
@@ -69,7 +66,7 @@ class ReconcileReport:
 
     def as_dict(self) -> dict[str, Any]:
         report = {"dry_run": self.dry_run, "by_answer": self.by_answer(), "skipped": self.skipped}
-        return {**report, "claims": [outcome.as_dict() for outcome in self.outcomes]}
+        return {**report, "claims": [asdict(outcome) for outcome in self.outcomes]}
 
 
 def history_note(answer: str, detail: Any) -> str:

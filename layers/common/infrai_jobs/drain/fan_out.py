@@ -39,9 +39,7 @@ START_GRACE_SECONDS = 30.0
 @dataclass(frozen=True, slots=True)
 class FanOutPolicy:
     queue: str
-    # Drains alive at once at most (the function's reserved concurrency in AWS).
     max_concurrency: int
-    # More drains are started when the backlog would take longer than this to clear.
     after_seconds: float = 30.0
     lease_seconds: float = LEASE_SECONDS
 

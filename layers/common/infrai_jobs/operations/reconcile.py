@@ -1,9 +1,6 @@
-"""Reconcile before paging: ask the provider about stuck claims, and settle what it knows. A stuck
-claim of a job with a probe (``infrai_jobs.jobs.probes``) is probed; the answer acts, fenced by
-the claim token it was asked about: ``done`` settles it with the provider's result, ``not done``
-releases it (once its lease is over) to run once more, ``unknown`` (or a probe that raises,
-answers something else or times out) leaves it for a human. Each answer is recorded in
-``claim_history`` as ``reconcile``, its note starting with the answer."""
+"""Reconcile before paging: ask the provider about the stuck claims of jobs with a probe
+(``infrai_jobs.jobs.probes``), and act on what it knows, fenced by the claim token it was asked
+about; what each answer does, and how it is recorded: docs/operations.md, "Stuck claims"."""
 
 from __future__ import annotations
 

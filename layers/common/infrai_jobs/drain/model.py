@@ -24,11 +24,9 @@ if TYPE_CHECKING:
 class DrainConfig:
     queue: str
     batch_size: int = CONSUME_CAP
-    # The time one batch may need at most; a batch is consumed only when this much is left.
+    # The settings' (DRAIN_BATCH_BUDGET_MS, LEASE_GRACE_SECONDS, INFRAI_VISIBILITY_TIMEOUT_SECONDS).
     batch_budget_ms: int = DrainSettings().batch_budget_ms
-    # An external claim's lease outlives the deadline by this much (never the visibility window).
     lease_grace_seconds: int = DrainSettings().lease_grace_seconds
-    # The queue's visibility timeout: a consumed message is hidden this long.
     visibility_timeout_seconds: int = DrainSettings().visibility_timeout_seconds
     max_batches: int | None = None
     # The optional features switched on, outermost first.

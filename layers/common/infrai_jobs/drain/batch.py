@@ -54,9 +54,8 @@ class MessageResult:
     idem_key: str | None = None
     job: str | None = None
     detail: str = ""
-    # The claim was won by taking over an expired external_idempotent claim.
+    # As its ClaimDecision's takeover and redelivered_early_after (work.states) said.
     takeover: bool = False
-    # Back while its own claim's lease was live: the queue hides messages for less than told.
     visibility_mismatch: bool = False
     # The producer's correlation id and traceparent, from the message's envelope.
     correlation: Correlation = NO_CORRELATION

@@ -216,21 +216,14 @@ class JobRegistry:
     def get(self, name: str) -> JobDefinition | None:
         return self._jobs.get(name)
 
-    def declared_settings(self) -> dict[str, tuple[str, ...]]:
-        """Every setting a registered job declared, with the jobs that declared it."""
-        return self._owners(lambda job: job.settings)
+    def declared_settings(self, *, probes_only: bool = False) -> dict[str, tuple[str, ...]]:
+        """Every setting a registered job (``probes_only``: one with a reconcile probe, all the
+        watcher reads) declared, with the jobs that declared it."""
+        return self._owners(lambda job: job.settings, probes_only=probes_only)
 
-    def declared_secrets(self) -> dict[str, tuple[str, ...]]:
-        """Every secret a registered job declared, with the jobs that declared it."""
-        return self._owners(lambda job: job.secrets)
-
-    def probe_settings(self) -> dict[str, tuple[str, ...]]:
-        """The settings of the jobs with a reconcile probe: all the watcher reads."""
-        return self._owners(lambda job: job.settings, probes_only=True)
-
-    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
-        """The secrets of the jobs with a reconcile probe, with those jobs."""
-        return self._owners(lambda job: job.secrets, probes_only=True)
+    def declared_secrets(self, *, probes_only: bool = False) -> dict[str, tuple[str, ...]]:
+        """As ``declared_settings``, for the secrets."""
+        return self._owners(lambda job: job.secrets, probes_only=probes_only)
 
     def bind_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None

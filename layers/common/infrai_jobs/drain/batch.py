@@ -413,11 +413,10 @@ def _jsonable(result: JsonValue) -> JsonValue:
     try:
         text = _RESULT_JSON.encode(result)
         text.encode("utf-8")  # lone surrogates
+        storable = "\\u0000" not in text  # jsonb refuses the NUL escape
     except (TypeError, ValueError, RecursionError):
-        return {"unserializable_result": _safe_repr(result)}
-    if "\\u0000" in text:  # jsonb refuses the NUL escape
-        return {"unserializable_result": _safe_repr(result)}
-    return result
+        storable = False
+    return result if storable else {"unserializable_result": _safe_repr(result)}
 
 
 def _safe_repr(value: object) -> str:

@@ -118,10 +118,9 @@ class FleetMonitor:
         now, consumed = self.clock(), self.consumed()
         elapsed, received = now - self._since, consumed - self._consumed_since
         self._since, self._consumed_since = now, consumed
-        if self.starter is None or live >= policy.max_concurrency:
-            return FanOutCheck(live)
-        if received <= 0 or elapsed <= 0:
-            # Nothing received since the last check (idle, or held up): a zero rate says nothing.
+        # Nothing to start, or nothing received since the last check (idle, or held up: a zero
+        # rate says nothing).
+        if self.starter is None or live >= policy.max_concurrency or received <= 0 or elapsed <= 0:
             return FanOutCheck(live)
         # The rate since the last check, not the start: time spent idle polling is no slowness.
         rate = received / elapsed

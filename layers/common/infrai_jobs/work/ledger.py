@@ -200,11 +200,10 @@ class PostgresLedger(LedgerAdapter):
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction: every claim decision and the
-        settlements of the jobs that ran. A crash or a lost connection leaves no trace, and the
-        redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the claim,
-        ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back whole and the
-        batch runs again with a savepoint per job, so one failure cannot undo its neighbours."""
+        """Claim, run and settle database jobs in one transaction (docs/design.md, "Effect
+        classes"): every claim decision and the settlements of the jobs that ran, in two round
+        trips (``BEGIN`` travels with the claim, ``COMMIT`` with the settle). If a handler fails,
+        that attempt is rolled back whole and the batch runs again with a savepoint per job."""
         if not requests:
             return [], []
         with self._translated() as conn:

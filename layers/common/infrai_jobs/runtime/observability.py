@@ -153,7 +153,6 @@ def _add(
         metrics.add_metric(name=name, unit=unit, value=value)
 
 
-# Per watched queue, with the queue as the one dimension.
 QUEUE_METRICS = {
     "dlq_count": "DlqCount",
     "ledger_dead_letters": "LedgerDeadLetters",

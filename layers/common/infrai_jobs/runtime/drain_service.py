@@ -58,7 +58,6 @@ class DrainService:
     queue: QueuePort
     ledger: PostgresLedger
     registry: JobRegistry
-    # The optional features switched on, outermost first (``drain_features``).
     features: list[DrainFeature] = field(default_factory=list)
     # How the wait for a full database sleeps (a test's fake).
     sleep: Callable[[float], None] = time.sleep

@@ -220,11 +220,9 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
 
 
 class _ConsumeMode:
-    """How many messages a lane's next consume asks for: one at a time after a lost answer (it
-    spent a delivery of every message it served, unseen) and while the queue's isolation window
-    lasts. An unreadable answer (a message's doing, likely to repeat) opens that window in the
-    ledger for every drain of the queue: the messages it served come back one by one, so an
-    unreadable one walks to the DLQ alone, not with nine neighbours."""
+    """How many messages a lane's next consume asks for: one at a time after a lost answer, and
+    while the queue's isolation window, which an unreadable answer opens in the ledger, lasts
+    (docs/design.md, "A message nobody can read costs only its own deliveries")."""
 
     def __init__(
         self,

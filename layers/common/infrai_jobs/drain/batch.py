@@ -257,9 +257,8 @@ class _Batch:
                 )
 
     def _held_by_a_copy(self, decision: ClaimDecision) -> bool:
-        """Whether another copy of this key in the batch holds its claim. That copy is its key's
-        own redelivery and is judged as one (stuck, or taken over), never mirrored as a copy of
-        a message that merely found its claim: acking both would strand the claim ``running``."""
+        """Whether another copy of this key in the batch holds its claim: it is judged next, as
+        the key's own redelivery (docs/design.md, "Copies follow the claim's holder")."""
         key = decision.request.idem_key
         holder = decision.holder
         if holder is None or holder in self.judged.get(key, ()):

@@ -241,9 +241,8 @@ def redis_store(
         warnings.simplefilter("ignore", DeprecationWarning)
 
         class ValidatingCachePersistenceLayer(CachePersistenceLayer):
-            """Keeps the payload hash when a record completes: Powertools 3.37's cache layer
-            rewrites a completed record without its ``validation`` field, so every replay
-            fails validation (the TypeScript port fixed the same bug upstream)."""
+            """Keeps the payload hash when a record completes: docs/design.md, "A Powertools
+            bug the Redis backend works around"."""
 
             def _update_record(self, data_record: DataRecord) -> None:
                 mapping: dict[str, Any] = {

@@ -28,9 +28,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class IdlePolling(DrainFeature):
-    """After an empty consume: wait ``poll_ms`` and consume again (DRAIN_IDLE_POLL_MS), while
-    the idle window from the lane's start lasts (0: the whole budget; it ends before the next
-    scheduled drain, so about one poller is alive) and the time left still covers a batch."""
+    """After an empty consume: wait ``poll_ms`` and consume again while the idle window from the
+    lane's start (0: the whole budget) and the time left allow (docs/design.md, "Idle polling")."""
 
     in_fanned_out_drains = False
     poll_ms: int

@@ -140,10 +140,9 @@ class DrainService:
         return summary
 
     def _first_connection(self, time_left_ms: Callable[[], int], stop: Callable[[], bool]) -> None:
-        """The drain's own connection, open and answering before anything is consumed. While
-        the database is full (``DatabaseBusy``) it is tried again with back-off for at most
-        CONNECT_WAIT_SHARE of the time left (CONNECT_WAIT_SECONDS at most) or until ``stop()``;
-        then the last refusal is raised. Any other failure is raised at once."""
+        """The drain's own connection, open and answering before anything is consumed: while the
+        database is full (``DatabaseBusy``), tried again as the CONNECT_* constants say or until
+        ``stop()``, then the last refusal raised. Any other failure is raised at once."""
         patience = min(time_left_ms() * CONNECT_WAIT_SHARE / 1000, CONNECT_WAIT_SECONDS)
         give_up_below, delay = time_left_ms() - patience * 1000, CONNECT_BACKOFF_SECONDS[0]
         while True:

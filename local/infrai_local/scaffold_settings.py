@@ -38,7 +38,6 @@ from typing import Any, Final
 
 from infrai_jobs.config.settings import SECRET_ARN_SUFFIX, secret_parameter_name
 from infrai_jobs.errors import ConfigurationError
-from infrai_local.sam_template import parse_parameter_overrides
 
 # The functions whose Environment holds the jobs' settings (they load the jobs and bind them).
 SETTING_FUNCTIONS: Final = ("DrainFunction", "DlqAlertFunction")
@@ -236,6 +235,9 @@ def _samconfig_edit(path: Path, params: Sequence[str], edits: SettingEdits) -> N
 
 def _with_placeholders(text: str, params: Sequence[str]) -> tuple[str, list[str]]:
     """``text`` with the placeholders added, and the sections (``env.command``) given them."""
+    # Here, not at the top: sam_template needs cfn-lint, which the CLI must not load to start.
+    from infrai_local.sam_template import parse_parameter_overrides  # noqa: PLC0415
+
     document = tomllib.loads(text)
     lines = text.splitlines(keepends=True)
     headers = [(i, m["name"]) for i, line in enumerate(lines) if (m := _TABLE_HEADER.match(line))]
@@ -281,6 +283,8 @@ def _check_placeholders(
 ) -> None:
     """Read back: each section's overrides hold every parameter (the placeholder, or a value
     the team gave already)."""
+    from infrai_local.sam_template import parse_parameter_overrides  # noqa: PLC0415
+
     for section in sections:
         environment, command = section.split(".")
         table = document[environment][command]["parameters"]

@@ -13,8 +13,10 @@ from fixture_project import (
     running_services,
 )
 
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
+from infrai_local.queues import ensure_queue
 
 
 @pytest.fixture
@@ -32,3 +34,15 @@ def services(database_url: str) -> Iterator[dict[str, str]]:
             "DATABASE_URL": database_url,
             JOBS_PATH_ENV: str(fixture_jobs.CODE_ROOT),
         }
+
+
+@pytest.fixture
+def billing_queue(services: dict[str, str]) -> Iterator[InfraiClient]:
+    """A client of the emulator, whose queue billing-jobs (the env-vars file's) and its DLQ
+    exist."""
+    client = InfraiClient(services["INFRAI_BASE_URL"], services["INFRAI_API_KEY"])
+    try:
+        ensure_queue(client, "billing-jobs", dlq="billing-jobs-dlq")
+        yield client
+    finally:
+        client.close()

@@ -8,11 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from child_process import LineSink, clean_env, run_captured
 
-from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import invoke, resolve
-from infrai_local.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -32,16 +31,12 @@ def publish(services: dict[str, str], body: dict[str, object], *args: str) -> tu
     return finished.stdout.split(), line.removeprefix("correlation_id ")
 
 
+@pytest.mark.usefixtures("billing_queue")
 def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
     services: dict[str, str], project: Path
 ) -> None:
     # Given the notes' job published twice by `publish` (one correlation id for both), and
     # another job whose producer sent a W3C traceparent
-    ensure_queue(
-        InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key"),
-        "billing-jobs",
-        dlq="billing-jobs-dlq",
-    )
     notes = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
     retried, correlation_id = publish(services, notes, "--count", "2")
     traced_body = {

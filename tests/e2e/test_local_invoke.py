@@ -34,14 +34,12 @@ EVENTS = ROOT / "events"
 
 
 def test_drain_function_drains_the_emulator_into_the_ledger(
-    services: dict[str, str], project: Path
+    services: dict[str, str], billing_queue: InfraiClient, project: Path
 ) -> None:
     # Given the notes' job published twice to the emulator
-    client = InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key")
-    ensure_queue(client, "billing-jobs", dlq="billing-jobs-dlq")
     payload = {"job": "invoice.finalize", "invoice_id": "inv_8812", "amount_cents": 4900}
-    client.publish("billing-jobs", payload)
-    client.publish("billing-jobs", payload)
+    billing_queue.publish("billing-jobs", payload)
+    billing_queue.publish("billing-jobs", payload)
     # When DrainFunction is invoked with the repo's schedule event and env-vars file
     spec = resolve("DrainFunction", root=project, env_vars=EVENTS / "env.json")
     logs = LineSink()
@@ -55,7 +53,7 @@ def test_drain_function_drains_the_emulator_into_the_ledger(
         assert conn.execute("SELECT idem_key, state FROM job_claims").fetchall() == [
             ("invoice.finalize:inv_8812", "done")
         ]
-    assert client.stats("billing-jobs").message_count == 0
+    assert billing_queue.stats("billing-jobs").message_count == 0
     # And its logs are Powertools JSON lines carrying the message fields
     records = [json.loads(line) for line in logs.lines if line.startswith("{")]
     done = [r for r in records if r.get("action") == "done"]
@@ -189,15 +187,11 @@ def _cli_invoke(function: str, folder: Path, *extra: str) -> subprocess.Complete
     )
 
 
+@pytest.mark.usefixtures("billing_queue")
 def test_a_fanned_out_drain_correlates_its_lines_with_its_slot(
     services: dict[str, str], tmp_path: Path, project: Path
 ) -> None:
     # Given a fan-out event, as one drain sends another it starts (no event id of its own)
-    ensure_queue(
-        InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key"),
-        "billing-jobs",
-        dlq="billing-jobs-dlq",
-    )
     slot = "6b1f2a3c-4d5e-4f60-8a7b-9c0d1e2f3a4b"
     event = {"infrai_jobs_fan_out": {"queue": "billing-jobs", "drain_id": slot, "started_by": "x"}}
     (tmp_path / "fan-out.json").write_text(json.dumps(event))
@@ -774,22 +768,17 @@ def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
 
 
 def test_a_jobs_setting_exported_in_the_shell_reaches_the_function_as_in_sam(
-    services: dict[str, str], tmp_path: Path, project: Path
+    services: dict[str, str], billing_queue: InfraiClient, tmp_path: Path, project: Path
 ) -> None:
     # Given an env-vars file that leaves every job setting empty, and a shell that exports the
     # endpoints and the jobs' settings (the template declares each on DrainFunction, so
     # `sam local invoke` would take its value from the shell)
     env_vars = tmp_path / "env.json"
     env_vars.write_text(json.dumps({"DrainFunction": {}}))
-    client = InfraiClient(services["INFRAI_BASE_URL"], services["INFRAI_API_KEY"])
-    try:
-        ensure_queue(client, "billing-jobs", dlq="billing-jobs-dlq")
-        client.publish(
-            "billing-jobs",
-            {"job": "receipt.send", "invoice_id": "inv_exported", "email": "a@example.com"},
-        )
-    finally:
-        client.close()
+    billing_queue.publish(
+        "billing-jobs",
+        {"job": "receipt.send", "invoice_id": "inv_exported", "email": "a@example.com"},
+    )
     # When DrainFunction is invoked from that shell
     finished = _invoke_from_shell(
         project, "DrainFunction", "events/drain-schedule.json", env_vars, env=clean_env(**services)

@@ -10,12 +10,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from child_process import LineSink
 from test_template import SECURITY_OPT_OUT_PATTERN, load_template
 
-from infrai_jobs.queue.client import InfraiClient
 from infrai_local.invoke import invoke, resolve
-from infrai_local.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"
@@ -28,16 +27,12 @@ def counted_by(pattern: str, record: dict[str, Any]) -> bool:
     return record.get(match.group(1)) == match.group(2)
 
 
+@pytest.mark.usefixtures("billing_queue")
 def test_a_redis_second_layer_without_auth_is_counted_at_each_cold_start(
     services: dict[str, str], project: Path
 ) -> None:
     # Given DrainFunction deployed with a Redis second layer over TLS, with no password and no
     # RedisSecretArn: every client that reaches it may read or drop its records
-    ensure_queue(
-        InfraiClient(services["INFRAI_BASE_URL"], "local-dev-key"),
-        "billing-jobs",
-        dlq="billing-jobs-dlq",
-    )
     overrides = {"IdempotencyBackend": "redis", "RedisUrl": "rediss://cache.example.com:6379"}
     spec = resolve(
         "DrainFunction",

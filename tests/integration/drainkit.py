@@ -4,11 +4,13 @@ test jobs whose effects can be counted."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,7 +19,9 @@ from typing import Any
 
 import fixture_jobs
 import psycopg
+import pytest
 import urllib3
+from aws_lambda_powertools import Metrics
 from child_process import run_captured
 from job_modes import fail_as_asked
 
@@ -25,8 +29,10 @@ from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.operations.alerting import AlertReport
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
+from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.states import ClaimRow
@@ -190,6 +196,16 @@ class Harness:
         assert outcome is flow.DeferOutcome.DEFERRED
         return key
 
+    def take_and_fail(self, key: str, error: str, **options: Any) -> bool:
+        """Take the deferred run under ``key`` (due now) and fail it for good, as a drain out
+        of attempts does; whether the fail changed the row."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            conn.execute("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (key,))
+            (taken,) = flow.take_due(conn, 1, lease_seconds=60)
+            assert taken.idem_key == key
+            failed = flow.fail(conn, key, taken.claim_token or uuid.uuid4(), error, **options)
+            return failed is not None
+
 
 class RecordingAlerter:
     """An alerter that keeps every alert it is handed, in order: ``alerts`` as (subject,
@@ -204,6 +220,17 @@ class RecordingAlerter:
 
     def publish(self, subject: str, message: str) -> None:
         self.alerts.append((subject, message))
+
+
+def watcher_metrics(
+    report: AlertReport, capsys: pytest.CaptureFixture[str]
+) -> list[dict[str, Any]]:
+    """The EMF documents the watcher emits for ``report`` (what was printed before is dropped)."""
+    capsys.readouterr()
+    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
+    record_alert_check(metrics, report)
+    metrics.flush_metrics()
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
 
 
 def code_root(folder: Path, jobs_package: str) -> Path:

@@ -16,7 +16,7 @@ import boto3
 import psycopg
 import pytest
 import urllib3
-from aws_lambda_powertools import Metrics
+from drainkit import watcher_metrics
 from moto import mock_aws
 from moto.sns.models import sns_backends
 
@@ -25,7 +25,6 @@ from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAlerter
 from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
-from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work.admin import WorkStore
 from infrai_local import emulator as emulator_module
 from infrai_local.migrations import apply_migrations
@@ -221,10 +220,7 @@ def test_dead_letters_of_work_the_ledger_shows_done_are_resolved_before_they_cou
     assert report.ledger_dead_letters[QUEUE] == 2
     assert [s for s, _ in alerter.sent] == ["[infrai-jobs] 2 new dead letter(s) on billing-jobs"]
     # And the metric DlqCountAlarm pages on says two
-    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
-    record_alert_check(metrics, report)
-    metrics.flush_metrics()
-    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    documents = watcher_metrics(report, capsys)
     per_queue = next(d for d in documents if d.get("queue") == QUEUE)
     assert per_queue["DeadLetters"] == [2.0]
     # And the letter says so, as the watcher's, and the key's history records it with the claim
@@ -426,10 +422,7 @@ def test_metrics_are_emitted_as_emf_per_queue(
 ) -> None:
     stage.dead_letter()
     report = stage.check(RecordingAlerter()).run([QUEUE])
-    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
-    record_alert_check(metrics, report)
-    metrics.flush_metrics()
-    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    documents = watcher_metrics(report, capsys)
     per_queue = next(d for d in documents if d.get("queue") == QUEUE)
     assert per_queue["DlqCount"] == [1.0]
     assert (per_queue["LedgerDeadLetters"], per_queue["DeadLetters"]) == ([0.0], [1.0])

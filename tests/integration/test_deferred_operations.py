@@ -12,24 +12,22 @@ from typing import Any
 
 import psycopg
 import pytest
-from aws_lambda_powertools import Metrics
-from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, Harness, RecordingAlerter, run_cli
+from drainkit import (
+    OPERATOR,
+    QUEUE,
+    TEST_JOBS_CODE,
+    Harness,
+    RecordingAlerter,
+    run_cli,
+    watcher_metrics,
+)
 
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
-from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow
 
 
 def _payload(name: str) -> dict[str, Any]:
     return {"job": "test.db", "id": name}
-
-
-def _take_and_fail(kit: Harness, key: str, error: str, **options: Any) -> bool:
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        conn.execute("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (key,))
-        (taken,) = flow.take_due(conn, 1, lease_seconds=60)
-        assert taken.idem_key == key
-        return flow.fail(conn, key, taken.claim_token or uuid.uuid4(), error, **options) is not None
 
 
 def _json(kit: Harness, *args: str) -> Any:
@@ -48,7 +46,7 @@ def test_claims_list_shows_the_deferred_work_with_attempts_run_after_and_last_er
     later = kit.defer("later", delay=7200)
     sooner = kit.defer("sooner", delay=60)
     ended = kit.defer("ended")
-    _take_and_fail(kit, ended, "gave up")
+    kit.take_and_fail(ended, "gave up")
     # When an operator lists the deferred claims, for a script and for a person
     rows = _json(kit, "claims", "list", "--state", "deferred")
     human = run_cli(kit, "claims", "list", "--state", "deferred")
@@ -136,7 +134,7 @@ def test_failing_a_deferred_job_records_its_dead_letter_in_the_same_transaction(
     # Given two deferred jobs taken by a drain
     kept, rolled_back = kit.defer("kept"), kit.defer("rolled-back")
     # When one fails for good, and the other's failure is rolled back with its transaction
-    assert _take_and_fail(kit, kept, "out of attempts: upstream 503")
+    assert kit.take_and_fail(kept, "out of attempts: upstream 503")
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         conn.execute("UPDATE job_claims SET run_after = now() WHERE idem_key = %s", (rolled_back,))
         (taken,) = flow.take_due(conn, 1, lease_seconds=60)
@@ -172,7 +170,7 @@ def test_work_deferred_without_a_queue_is_held_under_the_queue_the_drain_names(
     # Given deferred work that recorded no queue
     key = kit.defer("no-queue", queue=None)
     # When it fails for good, the drain naming its queue
-    assert _take_and_fail(kit, key, "final", queue=QUEUE)
+    assert kit.take_and_fail(key, "final", queue=QUEUE)
     # Then its dead letter is listed under that queue
     assert kit.sql("SELECT queue FROM dead_letters WHERE idem_key = %s", (key,)) == [(QUEUE,)]
 
@@ -183,7 +181,7 @@ def test_a_deferred_job_out_of_attempts_pages_until_discarded_or_redriven_and_th
     # Given two deferred jobs that ran out of attempts, and a watcher
     redriven, discarded = kit.defer("redriven"), kit.defer("discarded")
     for key in (redriven, discarded):
-        assert _take_and_fail(kit, key, "upstream 503")
+        assert kit.take_and_fail(key, "upstream 503")
     alerter = RecordingAlerter()
     watcher = AlertCheck(kit.client, kit.database_url, alerter, AlertThresholds())
     # When the watcher checks and an operator lists the dead letters
@@ -229,11 +227,7 @@ def test_the_watcher_reports_the_deferred_backlog_and_its_oldest_age(
 
     def emitted() -> dict[str, Any]:
         report = watcher.run([QUEUE])
-        capsys.readouterr()
-        metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
-        record_alert_check(metrics, report)
-        metrics.flush_metrics()
-        documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+        documents = watcher_metrics(report, capsys)
         ledger: dict[str, Any] = next(d for d in documents if "StuckClaims" in d)
         return {"report": report.as_dict(), "metrics": ledger}
 

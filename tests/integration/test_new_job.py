@@ -77,13 +77,29 @@ def new_job(
     return run_cli(kit, "new-job", *args, "--jobs-path", str(jobs_path), cwd=cwd or project)
 
 
+def scaffold(kit: Harness, project: Path, *args: str, cwd: Path | None = None) -> str:
+    """``new_job`` that succeeds; what it printed."""
+    made = new_job(kit, project, *args, cwd=cwd)
+    assert made.returncode == 0, made.stderr
+    return made.stdout
+
+
+def job_module(project: Path, module: str = LINT_MODULE) -> Path:
+    """The module new-job writes for ``module``'s job."""
+    return project / "functions" / "jobs" / f"{module}.py"
+
+
+def job_tests(project: Path, module: str = LINT_MODULE) -> Path:
+    """The kit tests new-job writes for ``module``'s job."""
+    return project / "tests" / "integration" / f"test_job_{module}.py"
+
+
 def test_a_scaffolded_database_job_runs_once_from_migrate_to_drain(
     kit: Harness, project: Path
 ) -> None:
     # Given a new database job scaffolded into the project
-    made = new_job(kit, project, *WALK_DATABASE_JOB)
-    assert made.returncode == 0, made.stderr
-    assert "infrai-jobs migrate" in made.stdout
+    printed = scaffold(kit, project, *WALK_DATABASE_JOB)
+    assert "infrai-jobs migrate" in printed
     sample = project / "events" / "jobs" / f"{WALK_JOB}.json"
     payload = json.loads(sample.read_text())
     assert payload == {"job": WALK_JOB, "refund_id": "refund_id_1"}
@@ -117,12 +133,11 @@ def test_what_is_scaffolded_passes_lint_and_its_own_tests(
 ) -> None:
     # Given a job of each effect class scaffolded with two identity fields
     version = next_version(project)
-    made = new_job(kit, project, LINT_JOB, "--effect", effect, "--identity", "tenant,month")
-    assert made.returncode == 0, made.stderr
+    scaffold(kit, project, LINT_JOB, "--effect", effect, "--identity", "tenant,month")
     written = [
-        project / "functions" / "jobs" / f"{LINT_MODULE}.py",
+        job_module(project),
         project / "functions" / "jobs" / "__init__.py",
-        project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py",
+        job_tests(project),
     ]
     # When the project's linters read it, Then they find nothing to change
     for command in (["check"], ["format", "--check"]):
@@ -195,11 +210,10 @@ def test_new_job_writes_every_file_in_the_project_of_the_jobs_package_from_any_f
     # Given an operator in a folder outside the project, naming its code root
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     # When they scaffold a job there
-    made = new_job(kit, project, *WALK_DATABASE_JOB, cwd=elsewhere)
+    scaffold(kit, project, *WALK_DATABASE_JOB, cwd=elsewhere)
     # Then the module, its migration, its test and its sample event are all in that project
-    assert made.returncode == 0, made.stderr
-    assert (project / "functions" / "jobs" / f"{WALK_MODULE}.py").is_file()
-    assert (project / "tests" / "integration" / f"test_job_{WALK_MODULE}.py").is_file()
+    assert job_module(project, WALK_MODULE).is_file()
+    assert job_tests(project, WALK_MODULE).is_file()
     assert (project / "events" / "jobs" / f"{WALK_JOB}.json").is_file()
     # And nothing in the folder it ran from
     assert _tree(elsewhere) == []
@@ -256,11 +270,10 @@ def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
         project, "events/env.json", "events/drain-schedule.json", "docs/configuration.md"
     )
     # When an external job with a setting of its own is scaffolded
-    made = new_job(
+    scaffold(
         kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
         "--setting", SETTING,
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
     # Then the template has its parameter, listed with the jobs' settings, and passes it to
     # each function that loads the jobs' settings; cfn-lint is still clean
     template = (project / "template.yaml").read_text()
@@ -298,14 +311,13 @@ def test_a_job_scaffolded_with_a_retry_policy_tests_its_deferral_and_passes(
 ) -> None:
     # Given an external job scaffolded with a setting and a retry policy past Infrai's three
     # deliveries
-    made = new_job(
+    scaffold(
         kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
         "--setting", SETTING, "--retry-attempts", "5",
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    module = job_module(project).read_text()
     assert "retry=RetryPolicy(attempts=5" in module
-    test = (project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py").read_text()
+    test = job_tests(project).read_text()
     # Then its test asserts deferral, not a walk to the DLQ
     assert "assert_deferred_then_done" in test
     assert "assert_retried_then_dead_lettered" not in test
@@ -334,17 +346,16 @@ def test_a_job_scaffolded_with_a_rate_limit_and_a_concurrency_key_tests_both_and
     kit: Harness, project: Path, pg_server_url: str
 ) -> None:
     # Given an external job scaffolded with a rate limit and a concurrency key on its tenant
-    made = new_job(
+    scaffold(
         kit, project, LINT_JOB, "--effect", "external_idempotent",
         "--identity", "tenant_id,report_id", "--setting", SETTING,
         "--rate-per-second", "20", "--concurrency-key", "tenant_id", "--max-running", "2",
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    module = job_module(project).read_text()
     assert "rate=RateLimit(per_second=20)" in module
     assert 'concurrency=ConcurrencyLimit(key=("tenant_id",), max_running=2)' in module
     assert "prepare=_http.warm" in module
-    test = (project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py").read_text()
+    test = job_tests(project).read_text()
     # Then its tests assert the limit's spacing and the wait for a free slot
     assert "assert_rate_limited" in test
     assert "assert_held_back_by_concurrency" in test
@@ -393,12 +404,11 @@ def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
     # Given a project with its env-vars file and configuration docs
     copied_from_the_repository(project, "events/env.json", "docs/configuration.md")
     # When an external job with a secret is scaffolded
-    made = new_job(
+    printed = scaffold(
         kit, project, LINT_JOB, "--effect", "external", "--identity", "refund_id",
         "--secret", SECRET,
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    assert SECRET_PARAMETER in made.stdout
+    assert SECRET_PARAMETER in printed
     # Then the template has a parameter for its ARN: empty, or a Secrets Manager ARN
     template = load_template(project / "template.yaml")
     parameter = template["Parameters"][SECRET_PARAMETER]
@@ -440,11 +450,10 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
     # Given a project whose external job declares a secret, its ARN left empty in env.json
     (project / "layers").symlink_to(ROOT / "layers")
     copied_from_the_repository(project, "events/env.json", "events/drain-schedule.json")
-    made = new_job(
+    scaffold(
         kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
         "--setting", SETTING, "--secret", SECRET,
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
     env = json.loads((project / "events" / "env.json").read_text())
     assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
     # (every job's setting points at the provider stand-in)
@@ -510,13 +519,12 @@ def test_a_webhook_with_its_own_url_path_and_probe_lookup_passes_its_scaffolded_
 ) -> None:
     # Given an external webhook job scaffolded with a per-subscriber concurrency key (a field
     # that is not its identity) and a setting of its own
-    made = new_job(
+    scaffold(
         kit, project, LINT_JOB, "--effect", "external", "--identity", "delivery_id",
         "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    module_file = project / "functions" / "jobs" / f"{LINT_MODULE}.py"
-    test_file = project / "tests" / "integration" / f"test_job_{LINT_MODULE}.py"
+    module_file = job_module(project)
+    test_file = job_tests(project)
     module, test = module_file.read_text(), test_file.read_text()
     assert 'concurrency=ConcurrencyLimit(key=("subscriber_id",), max_running=1)' in module
     assert '"subscriber_id": str' in module
@@ -543,11 +551,10 @@ def test_a_scaffolded_url_parameter_refuses_plain_http_and_credentials_and_a_mis
     # Given a project with its samconfig.toml
     copied_from_the_repository(project, "samconfig.toml", "events/env.json")
     # When new-job adds a job with HOOK_URL and a concurrency key on a non-identity field
-    made = new_job(
+    printed = scaffold(
         kit, project, WALK_JOB, "--effect", "external", "--identity", "delivery_id",
         "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
     # Then its parameter takes the shipped URL parameters' pattern and constraint text, with
     # no default and no description naming a parameter that does not exist
     template = load_template(project / "template.yaml")
@@ -572,12 +579,12 @@ def test_a_scaffolded_url_parameter_refuses_plain_http_and_credentials_and_a_mis
         assert samconfig_overrides(samconfig, environment, "deploy")[HOOK_PARAMETER] == "SET-ME"
     assert HOOK_PARAMETER not in samconfig_overrides(samconfig, "default")
     # And the next steps finish their sentences: each paragraph of prose ends with a full stop
-    prose = made.stdout.split("next:\n", 1)[1].split("  infrai-jobs migrate", 1)[0]
+    prose = printed.split("next:\n", 1)[1].split("  infrai-jobs migrate", 1)[0]
     lines = prose.rstrip().split("\n")
     for line, following in zip(lines, [*lines[1:], "  (the end)"], strict=True):
         if not following.strip()[0].islower():  # a new sentence, or the end, follows
             assert line.rstrip().endswith("."), prose
-    assert f"{HOOK_PARAMETER}=SET-ME in samconfig.toml" in made.stdout
+    assert f"{HOOK_PARAMETER}=SET-ME in samconfig.toml" in printed
     # And the sample payload names the key's field
     sample = json.loads((project / "events" / "jobs" / f"{WALK_JOB}.json").read_text())
     assert sample["subscriber_id"] == "subscriber_id_1"
@@ -601,12 +608,11 @@ def test_the_back_off_is_scaffolded_as_given_and_refused_as_the_policy_refuses_i
         assert says in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     assert _tree(project) == before
-    made = new_job(
+    scaffold(
         kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
         "--retry-attempts", "6", "--first-delay-seconds", "0.5", "--max-delay-seconds", "120",
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    module = (project / "functions" / "jobs" / f"{LINT_MODULE}.py").read_text()
+    module = job_module(project).read_text()
     assert "RetryPolicy(attempts=6, first_delay_seconds=0.5, max_delay_seconds=120.0)" in module
 
 
@@ -614,8 +620,7 @@ def test_the_projects_own_imports_test_refuses_an_internal_import(
     kit: Harness, project: Path, pg_server_url: str
 ) -> None:
     # Given a project's first job, scaffolded
-    made = new_job(kit, project, LINT_JOB, "--effect", "database", "--identity", "tenant")
-    assert made.returncode == 0, made.stderr
+    scaffold(kit, project, LINT_JOB, "--effect", "database", "--identity", "tenant")
     imports_test = project / "tests" / "unit" / "test_jobs_import_public_api.py"
 
     def imports_test_run() -> subprocess.CompletedProcess[str]:
@@ -630,7 +635,7 @@ def test_the_projects_own_imports_test_refuses_an_internal_import(
     assert passed.returncode == 0, passed.stdout[-2000:]
     assert "1 passed" in passed.stdout
     # And once the job imports an internal module, it fails naming the line and the way back
-    module = project / "functions" / "jobs" / f"{LINT_MODULE}.py"
+    module = job_module(project)
     scaffolded = module.read_text()
     module.write_text(scaffolded + "\nfrom infrai_jobs.jobs.registry import LazyPool\n")
     refused = imports_test_run()

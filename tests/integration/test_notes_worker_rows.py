@@ -202,13 +202,8 @@ def test_a_plain_redrive_of_work_out_of_attempts_reopens_it_and_says_no_flag(
     kit: Harness,
 ) -> None:
     # Given deferred work a drain failed for good (out of attempts), held by the ledger
-    payload = {"job": "test.db", "id": "out-of-attempts"}
-    key = kit.registry.derive(payload).idem_key
-    work = store.DeferredWork(key, "test.db", "database", payload, "qmsg-ooa", queue=QUEUE)
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        store.defer(conn, work, attempts=1, error="503", delay_seconds=0)
-        (taken,) = store.take_due(conn, 1, lease_seconds=60)
-        assert store.fail(conn, key, taken.claim_token or uuid.uuid4(), "gave up") is not None
+    key = kit.defer("out-of-attempts", delay=0)
+    assert kit.take_and_fail(key, "gave up")
     # When a plain redrive runs
     plain = run_cli(kit, "redrive", "--jobs-path", str(TEST_JOBS_CODE), "--json")
     # Then it is reopened and published, and the history does not claim a flag that was not given

@@ -13,10 +13,8 @@ import signal
 import subprocess
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
 from drainkit import (
     DLQ,
@@ -33,7 +31,6 @@ from drainkit import (
 )
 
 from infrai_jobs.jobs.registry import Payload
-from infrai_jobs.work import store
 from infrai_local.operator import OperatorLedger
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
@@ -675,13 +672,8 @@ def test_history_notes_name_exactly_the_redrive_flags_given(kit: Harness) -> Non
     _seed_settled_claim(kit, invoice, "failed", message_id="qmsg_noted", error="no such invoice")
     kit.client.publish(DLQ, invoice)
     # And deferred work a drain failed for good: the ledger holds its dead letter
-    deferred = {"job": "test.db", "id": "noted"}
-    deferred_key = kit.registry.derive(deferred).idem_key
-    work = store.DeferredWork(deferred_key, "test.db", "database", deferred, "qmsg-d", queue=QUEUE)
-    with psycopg.connect(kit.database_url, autocommit=True) as conn:
-        store.defer(conn, work, attempts=1, error="503", delay_seconds=0)
-        (taken,) = store.take_due(conn, 1, lease_seconds=60)
-        assert store.fail(conn, deferred_key, taken.claim_token or uuid.uuid4(), "gave up")
+    deferred_key = kit.defer("noted", delay=0)
+    assert kit.take_and_fail(deferred_key, "gave up")
     test_jobs = str(TEST_JOBS_CODE)
     # When the operator redrives the invoice with --reopen-failed, by its key
     key = "invoice.finalize:inv_noted"

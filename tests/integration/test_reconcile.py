@@ -18,15 +18,13 @@ from typing import Any
 import psycopg
 import pytest
 import urllib3
-from aws_lambda_powertools import Metrics
-from drainkit import DLQ, OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli
+from drainkit import DLQ, OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli, watcher_metrics
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.operations.alerting import WATCHER_ACTOR, AlertCheck, AlertThresholds
 from infrai_jobs.operations.reconcile import Reconciler
-from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.store import DeferredWork
@@ -70,6 +68,26 @@ def sink_call(kit: Harness, method: str, path: str, **kwargs: Any) -> Any:
 
 def sink_faults(kit: Harness, **faults: Any) -> None:
     sink_call(kit, "POST", "/_sink/faults", json=faults)
+
+
+def provider_mailed(kit: Harness, invoice_id: str) -> None:
+    """The provider sends this invoice's receipt, as a worker's call that reached it would."""
+    mail = {"to": RECEIPT["email"], "template": "receipt", "invoice_id": invoice_id}
+    sink_call(kit, "POST", "/v1/mail/send", json=mail)
+
+
+def watcher_pass(kit: Harness) -> Reconciler:
+    """The watcher's reconcile pass."""
+    return Reconciler(WorkStore(kit.database_url), kit.registry, actor=WATCHER_ACTOR)
+
+
+def watcher_check(kit: Harness) -> tuple[AlertCheck, RecordingAlerter]:
+    """The watcher's check, reconciling first, and the alerter it pages."""
+    alerter = RecordingAlerter()
+    check = AlertCheck(
+        kit.client, kit.database_url, alerter, AlertThresholds(), reconciler=watcher_pass(kit)
+    )
+    return check, alerter
 
 
 def history(kit: Harness, key: str) -> list[tuple[str, str]]:
@@ -265,12 +283,7 @@ def test_done_under_a_live_lease_advises_when_to_ask_again_not_a_refused_resolve
 ) -> None:
     # Given a receipt the provider mailed, whose claim is flagged under a lease still live
     payload = {**RECEIPT, "invoice_id": "inv_done_live"}
-    sink_call(
-        kit,
-        "POST",
-        "/v1/mail/send",
-        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_done_live"},
-    )
+    provider_mailed(kit, "inv_done_live")
     key = seed_dead_worker_claim(kit, payload, lease_live=True)
     ((lease_until,),) = kit.sql("SELECT lease_until FROM job_claims WHERE idem_key = %s", (key,))
 
@@ -387,29 +400,17 @@ def test_the_operator_sees_what_was_reconciled(kit: Harness) -> None:
 
 
 def test_the_watcher_reconciles_before_it_counts_stuck_claims(
-    kit: Harness, database_url: str, capsys: pytest.CaptureFixture[str]
+    kit: Harness, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given three stuck claims: a receipt the provider mailed, a digest it never built, and a
     # receipt keyed by its producer, which its probe cannot look up (unknown)
     mailed = {**RECEIPT, "invoice_id": "inv_watched"}
-    sink_call(
-        kit,
-        "POST",
-        "/v1/mail/send",
-        json={"to": "ada@example.com", "template": "receipt", "invoice_id": "inv_watched"},
-    )
+    provider_mailed(kit, "inv_watched")
     mailed_key = seed_dead_worker_claim(kit, mailed)
     unbuilt_key = seed_dead_worker_claim(kit, {**DIGEST, "tenant_id": "t_watched"})
     unknowable = {**RECEIPT, "invoice_id": "inv_x", "_idempotency_key": "producer-key-7"}
     unknowable_key = seed_dead_worker_claim(kit, unknowable)
-    alerter = RecordingAlerter()
-    check = AlertCheck(
-        kit.client,
-        database_url,
-        alerter,
-        AlertThresholds(),
-        reconciler=Reconciler(WorkStore(database_url), kit.registry, actor=WATCHER_ACTOR),
-    )
+    check, alerter = watcher_check(kit)
 
     # When the watcher runs its check
     report = check.run([QUEUE])
@@ -433,29 +434,18 @@ def test_the_watcher_reconciles_before_it_counts_stuck_claims(
     actors = kit.sql("SELECT DISTINCT actor FROM claim_history WHERE action = 'reconcile'")
     assert actors == [(WATCHER_ACTOR,)]
     # And the metrics count the reconciled claims by answer, beside the stuck count
-    capsys.readouterr()
-    metrics = Metrics(namespace="InfraiJobsTest", service="alerting")
-    record_alert_check(metrics, report)
-    metrics.flush_metrics()
-    documents = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    documents = watcher_metrics(report, capsys)
     ledger = next(d for d in documents if "StuckClaims" in d)
     assert ledger["StuckClaims"] == [1.0]
     counts = (ledger["ReconciledDone"], ledger["ReconciledNotDone"], ledger["ReconciledUnknown"])
     assert counts == ([1.0], [1.0], [1.0])
 
 
-def test_a_claim_the_watcher_reconciles_done_takes_its_dead_letter_with_it(
-    kit: Harness, database_url: str
-) -> None:
+def test_a_claim_the_watcher_reconciles_done_takes_its_dead_letter_with_it(kit: Harness) -> None:
     # Given a receipt the provider mailed for a worker that died after the call: its claim is
     # stuck, and its message was dead-lettered beside it
     mailed = {**RECEIPT, "invoice_id": "inv_lettered"}
-    sink_call(
-        kit,
-        "POST",
-        "/v1/mail/send",
-        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_lettered"},
-    )
+    provider_mailed(kit, "inv_lettered")
     key = seed_dead_worker_claim(kit, mailed)
     message_id = kit.client.publish(DLQ, mailed)
     # And `dlq` moved the letter into the ledger, unresolved
@@ -465,14 +455,7 @@ def test_a_claim_the_watcher_reconciles_done_takes_its_dead_letter_with_it(
         key,
         "running",
     )
-    alerter = RecordingAlerter()
-    check = AlertCheck(
-        kit.client,
-        database_url,
-        alerter,
-        AlertThresholds(),
-        reconciler=Reconciler(WorkStore(database_url), kit.registry, actor=WATCHER_ACTOR),
-    )
+    check, alerter = watcher_check(kit)
 
     # When the watcher runs its check
     report = check.run([QUEUE])
@@ -532,16 +515,9 @@ def test_deferred_runs_left_for_a_human_resolve_themselves_too(kit: Harness) -> 
         seed_stuck_deferred_run(kit, mailed),
         seed_stuck_deferred_run(kit, unsent),
     )
-    sink_call(
-        kit,
-        "POST",
-        "/v1/mail/send",
-        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": "inv_deferred_mailed"},
-    )
+    provider_mailed(kit, "inv_deferred_mailed")
     # When the watcher's reconcile pass runs
-    report = Reconciler(WorkStore(kit.database_url), kit.registry, actor=WATCHER_ACTOR).run_all(
-        threshold_seconds=900
-    )
+    report = watcher_pass(kit).run_all(threshold_seconds=900)
     # Then the mailed one is done, its claim settled done with the provider's answer
     actions = {outcome.idem_key: outcome.action for outcome in report.outcomes}
     assert actions == {mailed_key: "settled_done", unsent_key: "released"}
@@ -609,14 +585,9 @@ def test_a_probe_that_says_done_under_a_live_lease_leaves_the_run_to_its_drain(
     # Given a live deferred run whose mail the provider already lists (the call just returned)
     invoice = "inv_deferred_live_done"
     key = seed_stuck_deferred_run(kit, {**RECEIPT, "invoice_id": invoice}, lease_live=True)
-    sink_call(
-        kit,
-        "POST",
-        "/v1/mail/send",
-        json={"to": RECEIPT["email"], "template": "receipt", "invoice_id": invoice},
-    )
+    provider_mailed(kit, invoice)
     # When the watcher's reconcile pass and an operator's reconcile run meanwhile
-    watcher = Reconciler(WorkStore(kit.database_url), kit.registry, actor=WATCHER_ACTOR)
+    watcher = watcher_pass(kit)
     passed = watcher.run_all(threshold_seconds=900)
     by_name = run_cli(kit, "claims", "reconcile", key, "--json")
     # Then the pass does not pick it (it is not stuck) and the named reconcile changes nothing:

@@ -24,6 +24,13 @@ INSERT INTO dead_letters (
 ON CONFLICT (message_id) DO NOTHING
 """
 
+RESOLVE_DEAD_LETTER: LiteralString = """
+UPDATE dead_letters
+SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
+    resolution_note = %(note)s
+WHERE message_id = %(message_id)s AND resolution IS NULL
+"""
+
 UNRESOLVED_DEAD_LETTERS: LiteralString = """
 SELECT count(*) FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
 """

@@ -165,7 +165,8 @@ class AlertCheck(LedgerAdapter):
         self._alerter = alerter
         self._thresholds = thresholds
         work = WorkStore(database_url, visibility_timeout=thresholds.visibility, **options)
-        self._letters = DeadLetterStore(work)
+        # One connector for the check and its letters: a rotated secret is fetched once a run.
+        self._letters, self._connector = DeadLetterStore(work), work.connector
 
     def run(self, watched: Sequence[str]) -> AlertReport:
         """Check every watched queue; raise rather than report zeros when a source fails."""

@@ -22,6 +22,7 @@ from infrai_jobs.jobs.policy import RetryPolicy
 from infrai_jobs.ledger.dead_letter_rows import (
     LEDGER_HELD_DLQ,
     RECORD_DEAD_LETTER,
+    RESOLVE_DEAD_LETTER,
     UNRESOLVED_DEAD_LETTERS,
 )
 from infrai_jobs.ledger.job_schema import check_schema
@@ -85,12 +86,6 @@ _RESOLUTION_FIELDS = ("resolution", "resolved_at", "resolved_by", "resolution_no
 _NULLABLE: tuple[str, ...] = ("payload", "raw_text", "size_bytes", "job", "idem_key", "state")
 _NULLABLE += ("claim_state", "dlq_deliveries", "published_at")
 
-_RESOLVE: LiteralString = """
-UPDATE dead_letters
-SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
-    resolution_note = %(note)s
-WHERE message_id = %(message_id)s AND resolution IS NULL
-"""
 # Unresolved letters whose key's claim is done (a conflict's is other work's); ``_resolve`` judges.
 _KEY_DONE: LiteralString = """
 SELECT message_id FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
@@ -393,7 +388,7 @@ class DeadLetterStore:
             if before is not None:
                 before(row.body)
             params = {"message_id": message_id, "resolution": resolution, "actor": actor}
-            conn.execute(_RESOLVE, {**params, "note": note or None})
+            conn.execute(RESOLVE_DEAD_LETTER, {**params, "note": note or None})
             # Beside its key's claim changes (its message id without a key), as it was then.
             was: dict[str, Any] = {"dead_letter": row.as_dict(resolution=False)}
             was["claim"] = claim.as_dict() if claim else None

@@ -21,6 +21,7 @@ import psycopg
 from psycopg.rows import class_row
 
 from infrai_jobs.errors import OutboxError
+from infrai_jobs.ledger.dead_letter_rows import RESOLVE_DEAD_LETTER
 from infrai_jobs.ledger.postgres import LedgerConnector, record_history
 from infrai_jobs.outbox.rows import OUTBOX_COLUMNS, OutboxRow
 
@@ -64,15 +65,6 @@ RETURNING """
 )
 
 _DISCARD: LiteralString = "DELETE FROM outbox WHERE seq = %(seq)s AND state IN ('pending', 'dead')"
-
-# As ``infrai-jobs dlq discard`` resolves a dead letter (operations.dead_letters), for the one
-# an outbox row left: its id is ``outbox:<seq>``.
-_RESOLVE_LETTER: LiteralString = """
-UPDATE dead_letters
-SET resolution = %(resolution)s, resolved_at = now(), resolved_by = %(actor)s,
-    resolution_note = %(note)s
-WHERE message_id = %(message_id)s AND resolution IS NULL
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,5 +189,5 @@ def _record_in(
     record_history(conn, row.idem_key, action, actor=actor, before=before, after=later, note=note)
     resolution: Literal["redriven", "discarded"] = "redriven" if action == RETRY else "discarded"
     params = {"message_id": f"outbox:{row.seq}", "resolution": resolution, "actor": actor}
-    resolved = conn.execute(_RESOLVE_LETTER, {**params, "note": note or None})
+    resolved = conn.execute(RESOLVE_DEAD_LETTER, {**params, "note": note or None})
     return resolved.rowcount == 1

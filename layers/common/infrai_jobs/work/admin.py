@@ -171,8 +171,7 @@ class WorkStore(LedgerAdapter):
                 )
             if changed is None:  # pragma: no cover - the row lock makes this unreachable
                 raise ClaimChanged(f"claim {key!r} changed while it was being updated")
-            after = claim_of(conn, key, visibility=vis)
-        return after or before
+            return claim_of(conn, key, visibility=vis) or before
 
     def run_now(self, key: str, why: Why) -> ClaimRow:
         """Waiting deferred work made due at once, for the next drain."""

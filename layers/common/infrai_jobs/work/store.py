@@ -276,8 +276,7 @@ def release(
             return None
         waits_again = before.owned and before.state == "running"
         statement = sql.RELEASE_OWNED if waits_again else sql.RELEASE_CLAIM
-        params = {"key": key, "token": token}
-        after = claim_rows(conn, statement, params, visibility=visibility)
+        after = claim_rows(conn, statement, {"key": key, "token": token}, visibility=visibility)
         if not after:
             return None
         record_change(conn, why, before, after[0] if waits_again else None)

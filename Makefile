@@ -186,8 +186,15 @@ ca-bundle-check: $(STAMP)
 		$(BIN)/python -m infrai_local.ca_bundle_check --config-env "$(CONFIG_ENV)"; \
 	fi
 
-# The check comes first, before the SAM CLI is installed or anything is built.
-build: ca-bundle-check $(SAM_STAMP)
+# The fleet's worst case of database connections (docs/configuration.md, "The fleet's
+# connection budget") must fit DatabaseMaxConnections, read as the deploy would take it; the
+# build stops with one line naming each term. DatabaseMaxConnections 0 (the default) checks nothing.
+.PHONY: connection-budget-check
+connection-budget-check: $(STAMP)
+	@$(BIN)/python -m infrai_local.connection_budget --config-env "$(CONFIG_ENV)"
+
+# The checks come first, before the SAM CLI is installed or anything is built.
+build: ca-bundle-check connection-budget-check $(SAM_STAMP)
 	@if [[ " $(SAM_BUILD_FLAGS) " == *" --use-container "* ]]; then \
 		echo "sam build $(SAM_BUILD_FLAGS) (in Lambda's build image)"; \
 		$(SAM) build $(SAM_BUILD_FLAGS); \

@@ -27,9 +27,10 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
     registry = build_registry()
     settings, refresh = with_secrets(
         AlertSettings.from_env(
-            job_settings=registry.probe_settings(), job_secrets=registry.probe_secrets()
+            job_settings=registry.declared_settings(probes_only=True),
+            job_secrets=registry.declared_secrets(probes_only=True),
         )
-    ).unpacked()
+    )
     unprobed = registry.bind_probe_settings(settings.job_settings, secrets=settings.job_secrets)
     for job, missing in unprobed.items():
         logger.warning(

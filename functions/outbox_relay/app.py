@@ -27,7 +27,7 @@ logger, metrics = function_observability()
 def relay() -> OutboxRelay:
     """Built once per warm environment; a rotated API key or database secret is fetched again
     when the cached one fails (factory.with_secrets, as every function does)."""
-    settings, refresh = with_secrets(OutboxRelaySettings.from_env()).unpacked()
+    settings, refresh = with_secrets(OutboxRelaySettings.from_env())
     queue = make_queue_client(settings, refresh_api_key=refresh.api_key)
     return make_outbox_relay(settings, queue, refresh=refresh)
 

@@ -22,7 +22,7 @@ def dependencies() -> tuple[PruneSettings, WorkStore]:
     """Built once per warm environment; a rotated database secret is fetched again when a
     connection fails with the cached one (factory.with_secrets, as every function does). It
     never calls Infrai, so it never fetches the API key."""
-    settings, refresh = with_secrets(PruneSettings.from_env(), api_key=False).unpacked()
+    settings, refresh = with_secrets(PruneSettings.from_env(), api_key=False)
     return settings, make_claims_admin(settings, refresh=refresh)
 
 

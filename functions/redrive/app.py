@@ -50,7 +50,7 @@ def edge() -> EdgeSettings[RedriveSettings]:
 @cache
 def dependencies() -> tuple[RedriveSettings, InfraiClient]:
     """Built once per warm environment; a rotated API key is fetched again on its first 401."""
-    settings, refresh = edge().unpacked()
+    settings, refresh = edge()
     return settings, make_queue_client(settings, refresh_api_key=refresh.api_key)
 
 
@@ -66,7 +66,7 @@ def registry() -> JobRegistry:
 def ledger() -> WorkStore:
     """The ledger (its dead letters, and failed claims for ``reopen_failed``); a rotated
     database secret is fetched again when a connection fails with the cached one."""
-    settings, refresh = edge().unpacked()
+    settings, refresh = edge()
     return make_claims_admin(settings, refresh=refresh)
 
 

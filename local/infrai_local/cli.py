@@ -106,7 +106,7 @@ from infrai_local.sandbox import (
 )
 
 if TYPE_CHECKING:
-    from infrai_jobs.flow.policies import RetryPolicy
+    from infrai_jobs.jobs.policy import RetryPolicy
     from infrai_jobs.jobs.registry import JobRegistry
     from infrai_jobs.operations.dead_letters import RetryOf
     from infrai_local.fan_out import ProcessDrainStarter

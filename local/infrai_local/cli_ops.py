@@ -13,7 +13,7 @@ import re
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from typing import Any, TextIO
 
@@ -464,7 +464,7 @@ def _dlq(args: argparse.Namespace, ctx: OpsContext) -> int:
             "messages": rows,
             "unresolved": unresolved,
             "unreadable": sum(1 for r in rows if r["unreadable"]),
-            "collected": collected.as_dict(),
+            "collected": asdict(collected),
             "notice": "; ".join(notes),
         },
         args.json,
@@ -807,7 +807,7 @@ def _reconcile(args: argparse.Namespace, reconciler: Reconciler, out: TextIO) ->
 
 
 def _reconcile_human(report: ReconcileReport, live: Mapping[str, str], out: TextIO) -> None:
-    rows = [outcome.as_dict() for outcome in report.outcomes]
+    rows = [asdict(outcome) for outcome in report.outcomes]
     print_table(rows, ["idem_key", "job", "answer", "action", "detail"], out)
     by_answer = report.by_answer().items()
     counts = ", ".join(f"{n} {answer.replace('_', ' ')}" for answer, n in by_answer)

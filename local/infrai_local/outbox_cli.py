@@ -149,7 +149,7 @@ def run_outbox(args: argparse.Namespace) -> int:
     if args.follow and malformed_reason(listen_url):
         # Names the variable, never the value: it may hold a password.
         raise ConfigurationError(f"{LISTEN_URL_ENV} is malformed: {malformed_reason(listen_url)}")
-    edge, refresh = with_secrets(settings).unpacked()
+    edge, refresh = with_secrets(settings)
     client = make_queue_client(edge, refresh_api_key=refresh.api_key)
     try:
         relay = make_outbox_relay(edge, client, refresh=refresh)

@@ -322,7 +322,7 @@ def _docs_text(text: str, job_name: str, new: Sequence[str], declared: Sequence[
 # --- A new job's secrets ---------------------------------------------------------------------
 
 # The function whose Environment names the jobs' secrets and whose role may read them: the
-# drain runs the jobs. The watcher reads a secret only for a probe (``probe_secrets``), so a
+# drain runs the jobs. The watcher reads a secret only for a probe (``declared_secrets``), so a
 # new job, which has none, grants it nothing; add the same three lines there with a probe.
 DRAIN_FUNCTION: Final = "DrainFunction"
 _ARN_PATTERN: Final = (

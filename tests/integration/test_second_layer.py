@@ -380,7 +380,7 @@ def test_the_watchers_reconcile_drops_the_record_so_its_release_is_not_parked_ag
                 "IDEMPOTENCY_TABLE": TABLE,
                 "MAIL_PROVIDER_URL": kit.sink.url,
             },
-            job_settings=kit.registry.probe_settings(),
+            job_settings=kit.registry.declared_settings(probes_only=True),
         )
         report = make_alert_check(settings, RecordingAlerter(), registry=kit.registry).run([QUEUE])
 

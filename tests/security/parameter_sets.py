@@ -41,7 +41,8 @@ OTHER_SWITCHES: tuple[dict[str, str], ...] = (
     {"SecretsKmsKeyId": "1234abcd-12ab-34cd-56ef-1234567890ab"},
     {"PermissionsBoundary": "arn:aws:iam::123456789012:policy/workload-boundary"},
     {"DrainMaxConcurrency": "1"},
-    {"DrainScheduleEnabled": "false"},
+    # Sets 0-23 reach bit 4 at most: the connection budget's output rides with the schedule.
+    {"DrainScheduleEnabled": "false", "DatabaseMaxConnections": "400"},
 )
 
 

@@ -58,7 +58,7 @@ def _read_by(function: str) -> set[str]:
     if function == "DrainFunction":
         DrainSettings.from_env(environ, job_settings=registry.declared_settings())
     elif function == "DlqAlertFunction":
-        AlertSettings.from_env(environ, job_settings=registry.probe_settings())
+        AlertSettings.from_env(environ, job_settings=registry.declared_settings(probes_only=True))
     elif function == "RedriveFunction":
         RedriveSettings.from_env(environ)
     else:

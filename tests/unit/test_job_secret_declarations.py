@@ -72,7 +72,7 @@ def test_a_bare_string_of_secrets_is_refused() -> None:
 def test_the_watcher_drops_a_probe_whose_secret_is_missing() -> None:
     # Given a job whose probe needs a secret, and a watcher with its setting only
     registry = _registry()
-    assert registry.probe_secrets() == SECRETS
+    assert registry.declared_secrets(probes_only=True) == SECRETS
     # When its probe settings are bound without the secret
     unprobed = registry.bind_probe_settings({"MAIL_PROVIDER_URL": "https://mail.example.com"})
     # Then the job loses its probe and the caller is told which name it misses

@@ -116,7 +116,7 @@ def test_a_note_that_is_not_an_answer_reads_as_none() -> None:
 def test_the_watcher_binds_only_probe_settings_and_drops_a_probe_missing_one() -> None:
     # Given the example jobs, and a watcher environment with the mail provider only
     registry = build_registry()
-    assert registry.probe_settings() == {
+    assert registry.declared_settings(probes_only=True) == {
         "MAIL_PROVIDER_URL": ("receipt.send",),
         "DIGEST_PROVIDER_URL": ("digest.build",),
     }

@@ -134,6 +134,11 @@ class LedgerUnavailable(LedgerError):
     """The database could not be reached or dropped the connection."""
 
 
+class DatabaseBusy(LedgerUnavailable):
+    """Up, but full: the database or a pooler before it refused a connection at its limit, or
+    timed out waiting for one. The drain waits for its first connection or sheds a lane."""
+
+
 class SchemaNotMigrated(LedgerError):
     """The ledger's tables are missing or older than this code: run ``infrai-jobs migrate``."""
 

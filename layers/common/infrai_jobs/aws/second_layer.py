@@ -4,10 +4,7 @@ case stores and returns: docs/design.md, "Second layer". Why "uncertain" is stor
 Powertools deletes its record whenever the wrapped call raises, so a raised ``EffectUncertain``
 would leave the key free for a later delivery to repeat the effect. The wrapped call returns an
 envelope saying "uncertain" instead, and the guard raises ``EffectUncertain`` again outside, fresh
-or replayed: a stuck irreversible job stays stuck. An operator who wants it retried drops the
-record (``SecondLayer.forget``) besides the claim. The in-progress record expires with the
-invocation (``start_invocation``), so a crashed call blocks its key only until the deadline (the
-ledger's running claim keeps a crashed irreversible job from a retry)."""
+or replayed: a stuck irreversible job stays stuck (until an operator's ``forget``)."""
 
 from __future__ import annotations
 
@@ -244,9 +241,8 @@ def redis_store(
         warnings.simplefilter("ignore", DeprecationWarning)
 
         class ValidatingCachePersistenceLayer(CachePersistenceLayer):
-            """Keeps the payload hash when a record completes: Powertools 3.37's cache layer
-            rewrites a completed record without its ``validation`` field, so every replay
-            fails validation (the TypeScript port fixed the same bug upstream)."""
+            """Keeps the payload hash when a record completes: docs/design.md, "A Powertools
+            bug the Redis backend works around"."""
 
             def _update_record(self, data_record: DataRecord) -> None:
                 mapping: dict[str, Any] = {

@@ -1,11 +1,11 @@
-"""Settings, read once at the edge into frozen, validated objects, one type per function: the
-only module that reads the package's settings from the environment (Powertools' own aside).
-Each setting is declared once, as its field (``setting(variable, default, parse)``); checks
-spanning several fields live apart (``_check_second_layer``). The jobs' settings are exactly those
-they declared (``from_env(job_settings=..., job_secrets=...)``; a secret is named by
-``NAME_SECRET_ARN``, its plain ``NAME`` is a local stand-in). Every URL called over HTTP is HTTPS
-or plain HTTP to loopback (``check_web_url``); ``DATABASE_URL``'s form is checked where the
-ledger's connector is built, so reading settings never loads the driver."""
+"""Settings, read once at the edge into frozen, validated objects, one type per function: the only
+module that reads the package's settings from the environment (Powertools' own aside). Each setting
+is declared once, as its field (``setting(variable, default, parse)``; what each means is
+docs/configuration.md's); checks spanning several fields live apart (``_check_second_layer``). The
+jobs' settings are exactly those they declared (``from_env(job_settings=..., job_secrets=...)``; a
+secret is named by ``NAME_SECRET_ARN``, its plain ``NAME`` is a local stand-in). Every URL called
+over HTTP is HTTPS or plain HTTP to loopback (``check_web_url``); ``DATABASE_URL``'s form is checked
+where the ledger's connector is built, so reading settings never loads the driver."""
 
 from __future__ import annotations
 
@@ -144,12 +144,10 @@ class CommonSettings:
     )
     publish_retries: bool = setting("INFRAI_PUBLISH_RETRIES", False, parse_bool)
     allow_plain_http: bool = setting(ALLOW_PLAIN_HTTP_ENV, False, parse_bool)
-    # For the database secret's URL only (DATABASE_URL is used as written); the host a proxy's.
     database_sslmode: str = setting("DATABASE_SSLMODE", DEFAULT_DATABASE_SSLMODE, _SSLMODE)
     database_ca_bundle: str = setting("DATABASE_CA_BUNDLE", "", _in_task_root)
     database_host: str = setting("DATABASE_HOST", "", parse_text)
     database_prepared_statements: bool = setting("DATABASE_PREPARED_STATEMENTS", False, parse_bool)
-    # The queue's: bounds every lease, and ends a lease-less one this long after its claim.
     visibility_timeout_seconds: int = setting(
         "INFRAI_VISIBILITY_TIMEOUT_SECONDS",
         DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
@@ -210,8 +208,6 @@ class JobSettings(CommonSettings):
     job_secret_arns: Mapping[str, str] = field(default_factory=_empty)
     job_secrets: Mapping[str, str] = field(default_factory=_empty, repr=False)
     job_secret_owners: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
-    # The second layer (aws.second_layer): the drain guards effects with it; the watcher's
-    # reconcile pass drops a key's record when it releases the claim.
     idempotency_backend: IdempotencyBackend = setting(
         "IDEMPOTENCY_BACKEND", "off", parse_choice(get_args(IdempotencyBackend), lower=True)
     )
@@ -278,29 +274,20 @@ class JobSettings(CommonSettings):
 class DrainSettings(JobSettings):
     """DrainFunction's (and ``infrai-jobs drain``'s, and the operator tools' second layer)."""
 
-    # The drain consumes a batch only when the time left covers this (a receive burns one of
-    # three deliveries).
     batch_budget_ms: int = setting("DRAIN_BATCH_BUDGET_MS", 20_000, parse_int(minimum=100))
-    # Never past a message's visibility window, whatever this says.
     lease_grace_seconds: int = setting("LEASE_GRACE_SECONDS", 60, parse_int(minimum=0))
     drain_lanes: int = setting("DRAIN_LANES", 1, _LANES)
-    # Idle polling (opt-in, 0 is off) for the idle window: below the schedule's period, so
-    # about one poller is alive at a time.
     drain_idle_poll_ms: int = setting(
         "DRAIN_IDLE_POLL_MS", 0, parse_int(minimum=0, check=_off_or_polite_poll)
     )
     drain_idle_window_seconds: int = setting("DRAIN_IDLE_WINDOW_SECONDS", 0, parse_int(minimum=0))
-    # Backlog fan-out: drains alive at once at most, counted in the ledger (0: never fans out).
     drain_max_concurrency: int = setting("DRAIN_MAX_CONCURRENCY", 0, _MAX_CONCURRENCY)
     drain_fan_out_after_seconds: int = setting(
         "DRAIN_FANOUT_AFTER_SECONDS", 30, parse_int(minimum=1)
     )
-    # The function a fan-out invokes (Lambda names itself), and a local invocation's Lambda
-    # endpoint: its fan-out goes there only, never to the real Lambda service.
     drain_function_name: str = setting("AWS_LAMBDA_FUNCTION_NAME", "", parse_text)
     local_invocation: bool = setting("AWS_SAM_LOCAL", False, parse_bool)
     lambda_endpoint_url: str = setting("AWS_ENDPOINT_URL_LAMBDA", "", parse_text)
-    # Parsed against the registry where the drain is built (infrai_jobs.flow.policies).
     job_policies: str = setting("JOB_POLICIES", "", parse_text)
 
 

@@ -67,21 +67,17 @@ class AckPipeline:
             except QueueMessageNotFound:
                 summary.ack_lost += 1
                 log_message(logger, logging.WARNING, "ack %s", result, "ack_lost", detail="")
-            except InfraiError as exc:
-                # Harmless: the redelivery finds the claim settled, and is acked then.
-                if isinstance(exc, InfraiUnavailable):
-                    retry = False
-                summary.ack_failed += 1
-                log_message(
-                    logger, logging.WARNING, "ack %s", result, "ack_failed", detail=str(exc)
-                )
             except Exception as exc:  # noqa: BLE001 - the other answers are read first
-                # Not an answer from Infrai (a refreshed API key that cannot be used, a bug):
-                # the rest of the batch is still read, so no connection is left half-used.
+                # Infrai's error is harmless: the redelivery finds the claim settled, and is acked
+                # then. Any other (a refreshed API key that cannot be used, a bug) is raised once
+                # the rest of the batch is read, so no connection is left half-used.
+                infrai = isinstance(exc, InfraiError)
+                retry = retry and not isinstance(exc, InfraiUnavailable)
                 summary.ack_failed += 1
-                detail = describe_error(exc)
+                detail = str(exc) if infrai else describe_error(exc)
                 log_message(logger, logging.WARNING, "ack %s", result, "ack_failed", detail=detail)
-                unexpected = unexpected or exc
+                if not infrai:
+                    unexpected = unexpected or exc
             else:
                 summary.acked += 1
         if unexpected is not None:

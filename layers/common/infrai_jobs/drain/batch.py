@@ -54,9 +54,8 @@ class MessageResult:
     idem_key: str | None = None
     job: str | None = None
     detail: str = ""
-    # The claim was won by taking over an expired external_idempotent claim.
+    # As its ClaimDecision's takeover and redelivered_early_after (work.states) said.
     takeover: bool = False
-    # Back while its own claim's lease was live: the queue hides messages for less than told.
     visibility_mismatch: bool = False
     # The producer's correlation id and traceparent, from the message's envelope.
     correlation: Correlation = NO_CORRELATION
@@ -258,9 +257,8 @@ class _Batch:
                 )
 
     def _held_by_a_copy(self, decision: ClaimDecision) -> bool:
-        """Whether another copy of this key in the batch holds its claim. That copy is its key's
-        own redelivery and is judged as one (stuck, or taken over), never mirrored as a copy of
-        a message that merely found its claim: acking both would strand the claim ``running``."""
+        """Whether another copy of this key in the batch holds its claim: it is judged next, as
+        the key's own redelivery (docs/design.md, "Copies follow the claim's holder")."""
         key = decision.request.idem_key
         holder = decision.holder
         if holder is None or holder in self.judged.get(key, ()):
@@ -414,11 +412,10 @@ def _jsonable(result: JsonValue) -> JsonValue:
     try:
         text = _RESULT_JSON.encode(result)
         text.encode("utf-8")  # lone surrogates
+        storable = "\\u0000" not in text  # jsonb refuses the NUL escape
     except (TypeError, ValueError, RecursionError):
-        return {"unserializable_result": _safe_repr(result)}
-    if "\\u0000" in text:  # jsonb refuses the NUL escape
-        return {"unserializable_result": _safe_repr(result)}
-    return result
+        storable = False
+    return result if storable else {"unserializable_result": _safe_repr(result)}
 
 
 def _safe_repr(value: object) -> str:

@@ -39,9 +39,7 @@ START_GRACE_SECONDS = 30.0
 @dataclass(frozen=True, slots=True)
 class FanOutPolicy:
     queue: str
-    # Drains alive at once at most (the function's reserved concurrency in AWS).
     max_concurrency: int
-    # More drains are started when the backlog would take longer than this to clear.
     after_seconds: float = 30.0
     lease_seconds: float = LEASE_SECONDS
 
@@ -120,10 +118,9 @@ class FleetMonitor:
         now, consumed = self.clock(), self.consumed()
         elapsed, received = now - self._since, consumed - self._consumed_since
         self._since, self._consumed_since = now, consumed
-        if self.starter is None or live >= policy.max_concurrency:
-            return FanOutCheck(live)
-        if received <= 0 or elapsed <= 0:
-            # Nothing received since the last check (idle, or held up): a zero rate says nothing.
+        # Nothing to start, or nothing received since the last check (idle, or held up: a zero
+        # rate says nothing).
+        if self.starter is None or live >= policy.max_concurrency or received <= 0 or elapsed <= 0:
             return FanOutCheck(live)
         # The rate since the last check, not the start: time spent idle polling is no slowness.
         rate = received / elapsed

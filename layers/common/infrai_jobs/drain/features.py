@@ -19,6 +19,7 @@ from infrai_jobs.drain.model import (
     NextDrain,
     merge_summaries,
 )
+from infrai_jobs.errors import DatabaseBusy
 from infrai_jobs.jobs.registry import JobContext, JsonValue
 from infrai_jobs.work.ports import EffectGuard, LedgerPort
 
@@ -27,9 +28,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class IdlePolling(DrainFeature):
-    """After an empty consume: wait ``poll_ms`` and consume again (DRAIN_IDLE_POLL_MS), while
-    the idle window from the lane's start lasts (0: the whole budget; it ends before the next
-    scheduled drain, so about one poller is alive) and the time left still covers a batch."""
+    """After an empty consume: wait ``poll_ms`` and consume again while the idle window from the
+    lane's start (0: the whole budget) and the time left allow (docs/design.md, "Idle polling")."""
 
     in_fanned_out_drains = False
     poll_ms: int
@@ -81,7 +81,9 @@ class ClosableLedger(LedgerPort, Protocol):
 
 class Lanes(DrainFeature):
     """DRAIN_LANES > 1: several lanes drain one queue at once, the claims keeping them apart,
-    each on its own database connection (kept for reuse); the HTTP pool is shared."""
+    each on its own database connection (kept for reuse); the HTTP pool is shared. Every lane's
+    connection is opened before any lane consumes: one the database refuses as full is shed for
+    this invocation (``lanes_shed``), the drain running with the lanes it could open."""
 
     def __init__(self, count: int, make_ledger: Callable[[], ClosableLedger]) -> None:
         self.count = count
@@ -91,14 +93,32 @@ class Lanes(DrainFeature):
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
         while len(self.extra_ledgers) < self.count - 1:
             self.extra_ledgers.append(self._make_ledger())
-        ledgers = [run.ledger, *self.extra_ledgers[: self.count - 1]]
+        # A lane's other failure (the database down) is raised before any lane consumes.
+        ledgers = [run.ledger, *filter(_opened, self.extra_ledgers)]
+        if shed := self.count - len(ledgers):
+            logger.warning(
+                "the ledger database is full: %d of %d lanes shed",
+                *(shed, self.count),
+                extra={"action": "lanes_shed", "lanes_shed": shed},
+            )
         with ThreadPoolExecutor(max_workers=len(ledgers), thread_name_prefix="lane") as pool:
             futures = [pool.submit(next_drain, replace(run, ledger=ledger)) for ledger in ledgers]
-            return merge_summaries([future.result() for future in futures])
+            summary = merge_summaries([future.result() for future in futures])
+        summary.counters["lanes_shed"] += shed
+        return summary
 
     def close(self) -> None:
         for ledger in self.extra_ledgers:
             ledger.close()
+
+
+def _opened(ledger: LedgerPort) -> bool:
+    """False when the database refuses the lane's connection as full."""
+    try:
+        ledger.ping()
+    except DatabaseBusy:
+        return False
+    return True
 
 
 class SecondLayerGuard(EffectGuard, Protocol):

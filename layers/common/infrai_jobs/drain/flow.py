@@ -1,10 +1,8 @@
-"""Flow control in the drain: ``flow``'s policies and ledger, plugged in as one ``DrainFeature``.
-Only jobs with a policy in force reach it (others make no extra round trip). A job its limits
-hold back is deferred: its claim becomes deferred work in one statement fenced by the claim's
-token, and the message is acked. Before and after what it consumes, the drain runs due deferred
-jobs (``take_due``: never one another drain holds) under a new token and lease on the same row.
-Database jobs roll back with their batch's transaction, which a deferral cannot join: a policy
-on one is refused."""
+"""Flow control in the drain (docs/flow-control.md): ``flow``'s policies and ledger, plugged in as
+one ``DrainFeature``. Only jobs with a policy in force reach it (others make no extra round trip).
+A job its limits hold back is deferred in one statement fenced by the claim's token; before and
+after what it consumes, the drain runs due deferred jobs (``take_due``: never one another drain
+holds) under a new token and lease on the same row."""
 
 from __future__ import annotations
 

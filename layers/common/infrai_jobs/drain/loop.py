@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -13,7 +14,13 @@ from typing import Any
 from infrai_jobs.drain.ack_pipeline import AckPipeline
 from infrai_jobs.drain.batch import MessageResult, process_batch, storable_text
 from infrai_jobs.drain.model import DrainConfig, DrainRun, DrainSummary, LaneClock, NextDrain
-from infrai_jobs.errors import ConsumeAnswerLost, InfraiError, LedgerError, SchemaNotMigrated
+from infrai_jobs.errors import (
+    ConsumeAnswerLost,
+    DatabaseBusy,
+    InfraiError,
+    LedgerError,
+    SchemaNotMigrated,
+)
 from infrai_jobs.jobs.correlation import correlation_of
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.queue.models import Pending, QueueMessage
@@ -179,7 +186,14 @@ def drain_invocation(run: DrainRun, registry: JobRegistry) -> DrainSummary:
 
 def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
-    A schema the code may not run on (behind it, or a floor above it) is no outage: raised."""
+    A schema the code may not run on (behind it, or a floor above it) is no outage: raised. A
+    database at its connection limit is none either: ``database_full``, a warning and a count."""
+    if isinstance(exc, DatabaseBusy):
+        logger.warning(
+            "the ledger database is full; nothing was received",
+            extra={"action": "database_full", "detail": str(exc)},
+        )
+        return DrainSummary(counters=Counter(database_full=1), stopped="database_full")
     if isinstance(exc, SchemaNotMigrated):
         logger.error(
             "the ledger's schema does not fit this code; nothing was received",
@@ -206,11 +220,9 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
 
 
 class _ConsumeMode:
-    """How many messages a lane's next consume asks for: one at a time after a lost answer (it
-    spent a delivery of every message it served, unseen) and while the queue's isolation window
-    lasts. An unreadable answer (a message's doing, likely to repeat) opens that window in the
-    ledger for every drain of the queue: the messages it served come back one by one, so an
-    unreadable one walks to the DLQ alone, not with nine neighbours."""
+    """How many messages a lane's next consume asks for: one at a time after a lost answer, and
+    while the queue's isolation window, which an unreadable answer opens in the ledger, lasts
+    (docs/design.md, "A message nobody can read costs only its own deliveries")."""
 
     def __init__(
         self,

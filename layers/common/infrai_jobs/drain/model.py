@@ -24,11 +24,9 @@ if TYPE_CHECKING:
 class DrainConfig:
     queue: str
     batch_size: int = CONSUME_CAP
-    # The time one batch may need at most; a batch is consumed only when this much is left.
+    # The settings' (DRAIN_BATCH_BUDGET_MS, LEASE_GRACE_SECONDS, INFRAI_VISIBILITY_TIMEOUT_SECONDS).
     batch_budget_ms: int = DrainSettings().batch_budget_ms
-    # An external claim's lease outlives the deadline by this much (never the visibility window).
     lease_grace_seconds: int = DrainSettings().lease_grace_seconds
-    # The queue's visibility timeout: a consumed message is hidden this long.
     visibility_timeout_seconds: int = DrainSettings().visibility_timeout_seconds
     max_batches: int | None = None
     # The optional features switched on, outermost first.
@@ -45,6 +43,8 @@ FEATURE_COUNTERS = (
     "deferred_done",  # ... of them, done
     "deferred_failed",  # ... of them, failed for good (out of attempts or a final error)
     "rate_limit_waits",  # ... handler starts that waited for their job's rate limit
+    "database_full",  # the drain's first connection: refused as full after its wait, so 1
+    "lanes_shed",  # Lanes: lanes the database refused as full, this drain running without them
 )
 
 
@@ -131,8 +131,8 @@ def merge_summaries(summaries: Sequence[DrainSummary]) -> DrainSummary:
         merged.counters.update(summary.counters)
     reasons = {s.stopped for s in summaries}
     # The most alarming reason wins: an outage must not hide behind a lane that found no work.
-    alarming = ("ledger_unavailable", "interrupted", "time_budget", "max_batches", "empty")
-    merged.stopped = next((reason for reason in alarming if reason in reasons), "")
+    alarming = ("ledger_unavailable", "database_full", "interrupted", "time_budget", "max_batches")
+    merged.stopped = next((r for r in (*alarming, "empty") if r in reasons), "")
     return merged
 
 

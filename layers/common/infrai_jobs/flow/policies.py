@@ -17,9 +17,6 @@ from infrai_jobs.jobs.payload_schema import json_kind
 from infrai_jobs.jobs.policy import ConcurrencyLimit, JobPolicy, RateLimit, RetryPolicy
 from infrai_jobs.jobs.registry import JobDefinition, Payload, did_you_mean
 
-# The flow declarations, re-exported for the drain's and the CLI's imports.
-__all__ = ["ConcurrencyLimit", "JobPolicy", "RateLimit", "RetryPolicy"]
-
 SETTING = "JOB_POLICIES"
 
 # A section's fields are its dataclass's.

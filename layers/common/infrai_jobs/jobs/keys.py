@@ -1,9 +1,8 @@
 """Idempotency keys and payload fingerprints: pure functions of the work, no I/O, by the scheme
 (version ``KEY_SCHEME_VERSION``) of docs/design.md's "Idempotency keys" (``derive_key``); a
-natural key is byte for byte the notes' Node worker's, so both can share one ledger. Code without
-the registry (RedriveFunction) passes ``NO_KEY_RULES``. Any change that gives an existing payload
-a different key is a new scheme version: rows under the old keys would stop matching, and their
-redeliveries would run twice."""
+natural key is byte for byte the notes' Node worker's, so both can share one ledger. A change that
+gives an existing payload another key is a new scheme version: rows under the old keys would stop
+matching, and their redeliveries would run twice."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Declaring jobs: a name, how its key is derived, its handler, and its effect class, which decides
-how the claim protects the work (docs/design.md, "Effect classes"): a ``DATABASE`` job's claim,
-effect and ``done`` commit together; an ``EXTERNAL`` job's crash leaves its claim for a human (or
-its probe), never a retry; an ``EXTERNAL_IDEMPOTENT`` job's downstream takes our key, so an
-expired claim may be taken over. Settings (URLs) and secrets (credentials) are declared by name,
-read at the function's edge and bound (``bind_settings``) before consuming."""
+how the claim protects the work (docs/design.md, "Effect classes"). Settings (URLs) and secrets
+(credentials) are declared by name, read at the function's edge and bound (``bind_settings``)
+before consuming."""
 
 from __future__ import annotations
 
@@ -218,21 +216,14 @@ class JobRegistry:
     def get(self, name: str) -> JobDefinition | None:
         return self._jobs.get(name)
 
-    def declared_settings(self) -> dict[str, tuple[str, ...]]:
-        """Every setting a registered job declared, with the jobs that declared it."""
-        return self._owners(lambda job: job.settings)
+    def declared_settings(self, *, probes_only: bool = False) -> dict[str, tuple[str, ...]]:
+        """Every setting a registered job (``probes_only``: one with a reconcile probe, all the
+        watcher reads) declared, with the jobs that declared it."""
+        return self._owners(lambda job: job.settings, probes_only=probes_only)
 
-    def declared_secrets(self) -> dict[str, tuple[str, ...]]:
-        """Every secret a registered job declared, with the jobs that declared it."""
-        return self._owners(lambda job: job.secrets)
-
-    def probe_settings(self) -> dict[str, tuple[str, ...]]:
-        """The settings of the jobs with a reconcile probe: all the watcher reads."""
-        return self._owners(lambda job: job.settings, probes_only=True)
-
-    def probe_secrets(self) -> dict[str, tuple[str, ...]]:
-        """The secrets of the jobs with a reconcile probe, with those jobs."""
-        return self._owners(lambda job: job.secrets, probes_only=True)
+    def declared_secrets(self, *, probes_only: bool = False) -> dict[str, tuple[str, ...]]:
+        """As ``declared_settings``, for the secrets."""
+        return self._owners(lambda job: job.secrets, probes_only=probes_only)
 
     def bind_settings(
         self, values: Mapping[str, str], *, secrets: Mapping[str, str] | None = None

@@ -27,7 +27,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
 from infrai_jobs.config.rotation import fetch_again
-from infrai_jobs.errors import LedgerError, LedgerUnavailable, SchemaNotMigrated
+from infrai_jobs.errors import DatabaseBusy, LedgerError, LedgerUnavailable, SchemaNotMigrated
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,21 @@ def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
             " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE in "
             "AWS, must hold the CA that signed it, and the host must be a name on it)"
         )
-    return LedgerUnavailable(f"cannot connect to the ledger database at {describe(url)}: {detail}")
+    return _busy_or_down(exc)(f"cannot connect to the ledger database at {describe(url)}: {detail}")
+
+
+# How PostgreSQL (SQLSTATE 53300, which libpq does not pass on for a refused connection),
+# PgBouncer and RDS Proxy say they are full, or waited too long for a server connection.
+_FULL = re.compile(
+    r"too many (clients|connections for)|remaining connection slots|no more connections allowed"
+    r"|query_wait_timeout|timed-out waiting to acquire",
+    re.IGNORECASE,
+)
+
+
+def _busy_or_down(exc: psycopg.Error) -> type[LedgerUnavailable]:
+    """The one rule telling a database at its connection limit from one that is down."""
+    return DatabaseBusy if exc.sqlstate == "53300" or _FULL.search(str(exc)) else LedgerUnavailable
 
 
 # How libpq words a certificate or host name that does not verify.
@@ -235,6 +249,8 @@ class LedgerConnector:
     def connect(self) -> psycopg.Connection[Any]:
         try:
             return self.connect_once()
+        except DatabaseBusy:
+            raise  # a full database: a fresh secret would not make room
         except LedgerUnavailable:
             fresh = fetch_again(self._refresh, self._url, "database secret")
             if fresh is None:
@@ -381,7 +397,7 @@ def ledger_error(exc: psycopg.Error, doing: str = "", url: str = "") -> LedgerEr
             f"{where}the ledger database is not migrated ({detail}): {RUN_MIGRATE}"
         )
     if isinstance(exc, psycopg.OperationalError):
-        return LedgerUnavailable(f"{where}the ledger database failed: {detail}")
+        return _busy_or_down(exc)(f"{where}the ledger database failed: {detail}")
     return LedgerError(f"{where}the ledger rejected a statement: {detail}")
 
 

@@ -193,10 +193,9 @@ class AlertCheck(LedgerAdapter):
             count, oldest = conn.execute(_STUCK, params).fetchone() or (0, 0)
             report.stuck = StuckClaims(int(count), float(oldest))
             report.deferred = deferred_stats(conn)
-            limit = self._thresholds.backlog_age_seconds
             seen: list[Observation] = []
             for stats in report.stats:
-                lagging = int(stats.oldest_message_age_seconds > limit)
+                lagging = int(stats.oldest_message_age_seconds > limits.backlog_age_seconds)
                 # The watcher never reads the DLQ itself (that would consume it): it adds the
                 # letters already moved into the ledger. One moved but not yet acked counts
                 # twice for a moment: more, never fewer, so nothing resolves early.

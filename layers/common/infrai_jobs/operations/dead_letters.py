@@ -185,9 +185,6 @@ class Collected:
     # Unreadable answers that named no message: unrecorded, unacked, read again later.
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def fingerprint_or_none(payload: Any) -> str | None:
     """The payload's fingerprint, or None for work that has none (unrepresentable)."""
@@ -459,6 +456,6 @@ def collect(
     if summary.read:
         logger.info(
             "dead letters moved into the ledger",
-            extra={"action": "dead_letters_collected", "queue": dlq, **summary.as_dict()},
+            extra={"action": "dead_letters_collected", "queue": dlq, **asdict(summary)},
         )
     return summary

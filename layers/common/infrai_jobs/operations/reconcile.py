@@ -1,9 +1,6 @@
-"""Reconcile before paging: ask the provider about stuck claims, and settle what it knows. A stuck
-claim of a job with a probe (``infrai_jobs.jobs.probes``) is probed; the answer acts, fenced by
-the claim token it was asked about: ``done`` settles it with the provider's result, ``not done``
-releases it (once its lease is over) to run once more, ``unknown`` (or a probe that raises,
-answers something else or times out) leaves it for a human. Each answer is recorded in
-``claim_history`` as ``reconcile``, its note starting with the answer."""
+"""Reconcile before paging: ask the provider about the stuck claims of jobs with a probe
+(``infrai_jobs.jobs.probes``), and act on what it knows, fenced by the claim token it was asked
+about; what each answer does, and how it is recorded: docs/operations.md, "Stuck claims"."""
 
 from __future__ import annotations
 
@@ -51,9 +48,6 @@ class ProbeOutcome:
     detail: Any  # the provider's result (done) or the reason (unknown)
     action: str  # a ``ReconcileWrite`` value, or in a dry run what the answer would do
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class ReconcileReport:
@@ -69,7 +63,7 @@ class ReconcileReport:
 
     def as_dict(self) -> dict[str, Any]:
         report = {"dry_run": self.dry_run, "by_answer": self.by_answer(), "skipped": self.skipped}
-        return {**report, "claims": [outcome.as_dict() for outcome in self.outcomes]}
+        return {**report, "claims": [asdict(outcome) for outcome in self.outcomes]}
 
 
 def history_note(answer: str, detail: Any) -> str:

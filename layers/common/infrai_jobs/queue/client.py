@@ -114,7 +114,6 @@ class InfraiClient:
         self._sleep = sleep
         # Set by retries_within() for the length of one invocation; None: no deadline.
         self._time_left_ms: Callable[[], int] | None = None
-        # The pool never retries; concurrent ackers beyond pool_maxsize get short-lived connections.
         options = pool or PoolOptions()
         self._timeouts = options.timeouts
         try:

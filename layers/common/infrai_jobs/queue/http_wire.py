@@ -106,32 +106,30 @@ class Connection:
         while True:
             end = self.buffer.find(b"\n", start, MAX_LINE + 1)
             if end >= 0:
-                line = bytes(self.buffer[: end + 1])
-                del self.buffer[: end + 1]
-                return line
+                return self._take(end + 1)
             if len(self.buffer) > MAX_LINE:
                 raise ProtocolError("an answer line is longer than 64 KiB")
             start = len(self.buffer)
             if not self.fill():
-                line = bytes(self.buffer)
-                self.buffer.clear()
-                return line
+                return self._take(len(self.buffer))
 
     def read(self, size: int) -> bytes:
         """Exactly ``size`` bytes, or fewer at the end of the stream."""
         while len(self.buffer) < size and self.fill():
             pass
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
+        return self._take(size)
 
     def read_to_end(self, limit: int) -> bytes:
         while len(self.buffer) <= limit and self.fill():
             pass
         if len(self.buffer) > limit:
             raise AnswerTooLarge(f"the answer is larger than {limit} bytes")
-        data = bytes(self.buffer)
-        self.buffer.clear()
+        return self._take(len(self.buffer))
+
+    def _take(self, size: int) -> bytes:
+        """The first ``size`` bytes of the buffer, taken out of it."""
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
         return data
 
 

@@ -5,6 +5,8 @@ when the server has closed it)."""
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -19,11 +21,12 @@ from infrai_jobs.drain.features import (
     SecondLayerGuard,
 )
 from infrai_jobs.drain.flow import FlowControl, flow_control
-from infrai_jobs.drain.loop import budget_shortfall, drain_invocation
+from infrai_jobs.drain.loop import budget_shortfall, drain_invocation, stopped_before_receiving
 from infrai_jobs.drain.model import DrainConfig, DrainFeature, DrainRun, DrainSummary
 from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
-from infrai_jobs.errors import ConfigurationError, LedgerUnavailable
-from infrai_jobs.flow.policies import JobPolicy, parse_job_policies, policies_in_force
+from infrai_jobs.errors import ConfigurationError, DatabaseBusy, LedgerError, LedgerUnavailable
+from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
+from infrai_jobs.jobs.policy import JobPolicy
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.queue.client import InfraiClient
@@ -41,6 +44,13 @@ from infrai_jobs.work.ledger import PostgresLedger
 
 logger = logging.getLogger(__name__)
 
+# The drain's first connection waits for a full database at most this share of the time left,
+# this long at most, tried again after a back-off doubled from the first to the last (jittered,
+# so drains refused together come back apart).
+CONNECT_WAIT_SHARE = 0.25
+CONNECT_WAIT_SECONDS = 30
+CONNECT_BACKOFF_SECONDS = (0.2, 3.2)
+
 
 @dataclass
 class DrainService:
@@ -48,8 +58,9 @@ class DrainService:
     queue: QueuePort
     ledger: PostgresLedger
     registry: JobRegistry
-    # The optional features switched on, outermost first (``drain_features``).
     features: list[DrainFeature] = field(default_factory=list)
+    # How the wait for a full database sleeps (a test's fake).
+    sleep: Callable[[float], None] = time.sleep
 
     @classmethod
     def from_settings(
@@ -66,7 +77,7 @@ class DrainService:
         before anything is built or consumed. ``starter`` replaces Lambda's for local runs."""
         job_settings = settings.require_job_settings()
         policies = job_policies(settings, registry)
-        resolved, refresh = with_secrets(settings).unpacked()
+        resolved, refresh = with_secrets(settings)
         registry.bind_settings(job_settings, secrets=resolved.require_job_secrets())
         url_hook, key_hook = refresh.database_url, refresh.api_key
         flow = flow_control(registry, policies, queue=resolved.queue)
@@ -117,11 +128,37 @@ class DrainService:
         check_time_budget(config, time_left_ms())
         stop = stop_requested or (lambda: False)
         run = DrainRun(self.queue, self.ledger, config, time_left_ms, stop, fan_out_slot)
-        with _retries_within(self.queue, time_left_ms):
-            summary = drain_invocation(run, self.registry)
+        try:
+            self._first_connection(time_left_ms, stop)
+        except LedgerError as exc:
+            summary = stopped_before_receiving(exc)
+        else:
+            with _retries_within(self.queue, time_left_ms):
+                summary = drain_invocation(run, self.registry)
         if summary.stopped == "ledger_unavailable":
             raise LedgerUnavailable(ledger_outage_message(summary))
         return summary
+
+    def _first_connection(self, time_left_ms: Callable[[], int], stop: Callable[[], bool]) -> None:
+        """The drain's own connection, open and answering before anything is consumed: while the
+        database is full (``DatabaseBusy``), tried again as the CONNECT_* constants say or until
+        ``stop()``, then the last refusal raised. Any other failure is raised at once."""
+        patience = min(time_left_ms() * CONNECT_WAIT_SHARE / 1000, CONNECT_WAIT_SECONDS)
+        give_up_below, delay = time_left_ms() - patience * 1000, CONNECT_BACKOFF_SECONDS[0]
+        while True:
+            try:
+                return self.ledger.ping()
+            except DatabaseBusy as exc:
+                if stop() or time_left_ms() - delay * 1000 < give_up_below:
+                    raise
+                if delay == CONNECT_BACKOFF_SECONDS[0]:
+                    logger.warning(
+                        "the ledger database is full; waiting up to %.1f s for a connection",
+                        patience,
+                        extra={"action": "connection_wait", "detail": str(exc)},
+                    )
+            self.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, CONNECT_BACKOFF_SECONDS[1])
 
     def take_second_layer_hits(self) -> int:
         """Effects the second layer replayed instead of repeating, since the last call."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic
+from typing import TYPE_CHECKING, Generic, NamedTuple
 from urllib.parse import urlsplit
 
 from infrai_jobs.aws.secrets import SecretRefresh, SecretSource
@@ -36,15 +35,11 @@ if TYPE_CHECKING:
     from infrai_jobs.work.admin import WorkStore
 
 
-@dataclass(frozen=True, slots=True)
-class EdgeSettings(Generic[AnySettings]):
+class EdgeSettings(NamedTuple, Generic[AnySettings]):
     """A function's settings, its secrets resolved, and how to pick up a rotated one."""
 
     settings: AnySettings
     refresh: SecretRefresh
-
-    def unpacked(self) -> tuple[AnySettings, SecretRefresh]:
-        return self.settings, self.refresh
 
 
 def with_secrets(settings: AnySettings, *, api_key: bool = True) -> EdgeSettings[AnySettings]:

@@ -56,6 +56,8 @@ DRAIN_METRICS = {
     "deferred_done": "DeferredJobsDone",
     "deferred_failed": "DeferredJobsFailed",
     "rate_limit_waits": "RateLimitWaits",
+    "database_full": "DatabaseFull",
+    "lanes_shed": "LanesShed",
 }
 
 
@@ -151,7 +153,6 @@ def _add(
         metrics.add_metric(name=name, unit=unit, value=value)
 
 
-# Per watched queue, with the queue as the one dimension.
 QUEUE_METRICS = {
     "dlq_count": "DlqCount",
     "ledger_dead_letters": "LedgerDeadLetters",

@@ -211,13 +211,10 @@ class WorkStore(LedgerAdapter):
             before = claim_of(conn, key, lock=True, visibility=vis)
             # The token fences the attempt; a row the notes' worker wrote has none, so its claim
             # time and message tell a later claim of the key from the one that was probed.
+            asked = (token, probed.claimed_at, probed.message_id)
             if before is None or before.state != "running":
                 return ReconcileWrite.CHANGED
-            if (before.claim_token, before.claimed_at, before.message_id) != (
-                token,
-                probed.claimed_at,
-                probed.message_id,
-            ):
+            if (before.claim_token, before.claimed_at, before.message_id) != asked:
                 return ReconcileWrite.CHANGED
             if answer in ("done", "not_done") and probed.lease_live is not False:
                 # Asked while a run held it: the run may have made the call since.

@@ -1,15 +1,8 @@
 """A delivery's side of ``job_claims`` (the statements are ``work.statements``'): a batch's claims,
 in one statement, and its runs' settles, on one reusable connection. Every change after a claim is
 fenced by its token: an update that matches nothing means the claim was lost (taken over,
-resolved by a human), and the caller must not ack. ``database`` jobs run inside one batch
-transaction, a savepoint each, so no ``running`` row of theirs is ever committed; external claims
-are committed ``running`` with a lease before the effect and settled one by one right after it, so
-a crash leaves a stuck row only within the call itself. **A lease never outlives its message's
-visibility window**: the claim stores ``least(requested lease, the visibility the message has
-left)`` from the statement's clock, the latter never more than the queue's visibility timeout.
-Once the queue may deliver the message again, or dead-letter it, the claim is expired: a
-redelivered or redriven copy is judged by the expired-lease rows of the outcome table, never acked
-as ``duplicate_in_flight`` behind an owner that is gone."""
+resolved by a human), and the caller must not ack. How each effect class commits, and why a lease
+never outlives its message's visibility window: docs/design.md, "Effect classes"."""
 
 from __future__ import annotations
 
@@ -117,7 +110,7 @@ class PostgresLedger(LedgerAdapter):
         job_migrations: Sequence[JobMigrationName] = (),
         **options: Any,
     ) -> None:
-        # The queue's visibility timeout bounds every lease (see the module's docstring); the
+        # The queue's visibility timeout bounds every lease (``work.statements.CLAIM``); the
         # jobs package's migrations are checked with the ledger's schema on the first connection.
         super().__init__(database_url, **options)
         self._visibility = visibility_timeout
@@ -207,11 +200,10 @@ class PostgresLedger(LedgerAdapter):
     def run_database_batch(
         self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
     ) -> tuple[list[ClaimDecision], list[Settlement]]:
-        """Claim, run and settle database jobs in one transaction: every claim decision and the
-        settlements of the jobs that ran. A crash or a lost connection leaves no trace, and the
-        redeliveries simply run again. Two round trips per batch (``BEGIN`` travels with the claim,
-        ``COMMIT`` with the settle); if any handler fails, that attempt is rolled back whole and the
-        batch runs again with a savepoint per job, so one failure cannot undo its neighbours."""
+        """Claim, run and settle database jobs in one transaction (docs/design.md, "Effect
+        classes"): every claim decision and the settlements of the jobs that ran, in two round
+        trips (``BEGIN`` travels with the claim, ``COMMIT`` with the settle). If a handler fails,
+        that attempt is rolled back whole and the batch runs again with a savepoint per job."""
         if not requests:
             return [], []
         with self._translated() as conn:

@@ -1,23 +1,16 @@
 """Every statement that writes ``job_claims``, and the reads that decide who may write it.
 
 No other module holds an ``INSERT``, ``UPDATE`` or ``DELETE`` on the table (a unit test reads the
-tree for one). The rules several statements share are fragments defined once here:
+tree for one). The rules several statements share are fragments defined once here; why they are
+as they are is docs/design.md's "One state machine".
 
-**One clock.** Every lease is set and judged on the database's transaction clock,
-``now()``: one instant for a whole statement and its transaction, so a lease set and a lease
-judged in one transaction agree exactly and every row of a batch gets the same end. Leases are
-only set in short transactions (a delivery's claim, ``take due``), so the end is where it was
-asked for; a longer transaction that judges one sees the lease live a little longer, never over
-early. Schedules (``run_after``) are not leases: a deferral made inside a delivery's batch
-transaction waits its full delay from when it is made, so it counts from ``clock_timestamp()``.
+**One clock**, the database's transaction clock ``now()``: every lease is set and judged on it.
+Schedules (``run_after``) count from ``clock_timestamp()`` instead.
 
-**One lease end.** ``lease_end`` is when the run holding a ``running`` row may be presumed gone.
-A row without a lease (the field notes' Node worker writes every row that way) is held until its
-claim time plus the queue's visibility timeout (``%(visibility)s``, bound by every caller): by
-then the queue may deliver its message again, so its worker's time is up. Without either (a
-holder reading back rows it holds binds no visibility) the end is unknown, NULL: never "over",
-so nothing takes such a row. "Over" and "live" are that one end compared with the clock; nothing
-in Python decides either.
+**One lease end.** ``lease_end``: the lease, else (a lease-less row, as the field notes' Node worker
+writes them) the claim time plus the queue's visibility timeout (``%(visibility)s``, bound by every
+caller), else NULL: never "over", so nothing takes such a row. "Over" and "live" are that one end
+compared with the clock; nothing in Python decides either.
 
 **One takeover rule** (``TAKEOVER``): a running run whose lease is over, not flagged for a human,
 whose effect may be repeated (an ``external`` run may be taken only if it never began its

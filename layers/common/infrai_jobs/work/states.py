@@ -1,11 +1,8 @@
 """The work's states, pure: the row type, the one state machine as data, the one token source,
-what a claim attempt means, and how a handler's run settles its claim.
-
-The Postgres ledger and the in-memory fake (``tests/fakes.py``) both decide by these
-functions. The rules the statements apply themselves (takeover, lease length, lease over) are
-stated once, in ``work.statements``; the fake's copy is held to them by the ledger contract suite
-(tests/contract).
-"""
+what a claim attempt means, and how a handler's run settles its claim. The Postgres ledger and the
+in-memory fake (``tests/fakes.py``) both decide by these functions; the rules the statements apply
+themselves are ``work.statements``', and the ledger contract suite (tests/contract) holds the
+fake's copy to them."""
 
 from __future__ import annotations
 
@@ -152,10 +149,7 @@ _READ_AT: Final = ("lease_end", "lease_live")
 
 
 # --- The one state machine ---------------------------------------------------------------------
-# Every unit of work is one ``job_claims`` row: one token, one lease, one clock (the
-# database's). ``(none)`` is "no row". docs/design.md shows this table (a test keeps the two
-# equal), and the contract suite drives every transition on PostgreSQL through the method its
-# row names.
+# docs/design.md's "One state machine" shows this table (a test keeps the two equal).
 
 WORK_STATES: Final = ("running", "deferred", "done", "failed", "cancelled")
 

@@ -1,11 +1,7 @@
 """The transitions of ``job_claims`` rows outside a delivery's batch: deferred work (a claim that
-waits), and every change a probe, an operator, a redrive or the prune function makes. A claim is
-deferred by the run that holds it (fenced by its token): its row keeps the payload, the attempts
-so far and the next run time, its message is acked, and from then on the ledger owns the work
-(``ClaimRow.owned``): a copy of its message is a duplicate, and only a drain's ``take_due`` runs
-it, under a new token and lease on the same row. Who may change a run is one rule
-(``work.statements``): the run holding the token, or anyone else once its lease is over. The
-whole machine is ``work.states.WORK_TRANSITIONS``; each row names its function here (or in
+waits, owned by the ledger: docs/design.md, "One state machine"), and every change a probe, an
+operator, a redrive or the prune function makes. Who may change a run is one rule
+(``work.statements``); each row of ``work.states.WORK_TRANSITIONS`` names its function here (or in
 ``work.ledger``). The functions run in ``conn.transaction()`` on the caller's connection (inside
 the caller's transaction a savepoint, so a deferral can commit with the attempt it settles)."""
 
@@ -154,9 +150,8 @@ def begin(conn: psycopg.Connection[Any], key: str, token: uuid.UUID) -> bool:
 def flag_uncertain(conn: psycopg.Connection[Any], key: str, token: uuid.UUID, error: str) -> bool:
     """The run holding ``token`` does not know whether its effect happened: flagged for a
     human, its lease ended, never taken again."""
-    params = {"keys": [key], "tokens": [token], "values": [error]}
-    with ledger_errors("cannot flag a deferred run"), conn.transaction():
-        return len(conn.execute(sql.MARK_UNCERTAIN, params).fetchall()) == 1
+    doing = "cannot flag a deferred run"
+    return _fenced(conn, sql.MARK_UNCERTAIN, doing, keys=[key], tokens=[token], values=[error])
 
 
 def postpone(

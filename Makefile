@@ -20,11 +20,13 @@ CHECKOV := env -u BC_API_KEY BC_SKIP_MAPPING=TRUE CKV_SKIP_PACKAGE_UPDATE_CHECK=
 # The distribution holds the framework, not this repository's jobs package, so the last step
 # puts functions/ on the virtualenv's path as Lambda puts the functions' CodeUri on its own:
 # `import jobs` (the CLI, the demo, bench/) finds the example jobs from any folder, edits included.
-$(STAMP): pyproject.toml layers/common/requirements.in
+$(STAMP): pyproject.toml layers/common/requirements.in layers/common/requirements.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "infrai-jobs needs Python 3.11 or newer (found %s)" % sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# The tests run on what the layer ships: its lock's versions constrain every shared package.
+	sed -E -n 's/^([A-Za-z0-9._-]+==[^ \\;]+).*/\1/p' layers/common/requirements.txt > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -c $(VENV)/constraints.txt
 	echo "$(CURDIR)/functions" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/infrai_jobs_functions.pth"
 	@touch $(STAMP)
 
@@ -103,7 +105,7 @@ dist: $(STAMP)
 .PHONY: bench
 BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]' -c $(VENV)/constraints.txt
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
 # Why the queue client has its own HTTP transport: its CPU per request against urllib3's, over

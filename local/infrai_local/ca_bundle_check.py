@@ -21,6 +21,7 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_local.sam_template import load_template, samconfig_overrides
 
 VERIFYING_MODES = ("verify-full", "verify-ca")
+_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 CODE_URI = "functions"
 
 
@@ -36,12 +37,14 @@ def missing_bundle(root: Path, config_env: str = "default") -> str | None:
     if mode not in VERIFYING_MODES:
         return None
     path = Path(bundle) if Path(bundle).is_absolute() else root / CODE_URI / bundle
-    if bundle and path.is_file():
+    # A failed download can leave an empty file (or none): only a certificate counts.
+    if bundle and path.is_file() and _PEM_CERTIFICATE in path.read_bytes():
         return None
     shown = bundle if Path(bundle).is_absolute() else f"{CODE_URI}/{bundle}"
+    what = "is empty or holds no certificate" if bundle and path.is_file() else "is missing"
     return (
         f"make build: DatabaseSslMode={mode} needs the ledger's CA bundle {shown or '(none set)'}, "
-        "which is missing: download AWS's RDS global bundle (or your server's CA) there, as "
+        f"which {what}: download AWS's RDS global bundle (or your server's CA) there, as "
         "docs/configuration.md says under 'The ledger's TLS', or set DatabaseCaBundle to one"
     )
 

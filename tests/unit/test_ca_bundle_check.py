@@ -91,3 +91,15 @@ def test_the_module_runs_as_make_runs_it(clone: Path) -> None:
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr
     assert completed.stderr.startswith("make build: DatabaseSslMode=verify-full")
+
+
+def test_a_failed_download_that_left_an_empty_file_stops_the_build(clone: Path) -> None:
+    # Given what `curl --create-dirs -o` leaves when the download fails: the folder, and an
+    # empty file or one without a certificate (an error page)
+    (clone / "functions" / "certs").mkdir()
+    for text in ("", "<html>404</html>\n"):
+        (clone / "functions" / BUNDLE).write_text(text)
+        # When the check runs, Then it stops the build and says what it found
+        found = missing_bundle(clone)
+        assert found is not None
+        assert "is empty or holds no certificate" in found

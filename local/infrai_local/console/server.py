@@ -107,9 +107,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="infrai-jobs console",
         description="Serve the operator console: dead letters, stuck claims with their probes' "
-        "answers, deferred work, one key's history, a chart of outcomes. Read-only unless "
-        "--allow-actions; each action runs the same code as its command and is recorded in "
-        "claim_history with the operator's name (OPERATOR, else the login name).",
+        "answers, deferred work, one key's history, a chart of outcomes. It changes no claim "
+        "unless --allow-actions (a page load still moves new letters from Infrai's DLQ into the "
+        "ledger, as `infrai-jobs dlq` does); each action runs the same code as its command "
+        "and is recorded in claim_history with the operator's name (OPERATOR, else the login "
+        "name).",
     )
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0 picks a free one"

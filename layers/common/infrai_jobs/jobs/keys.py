@@ -199,8 +199,10 @@ def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
         )
 
 
-# What terminals, pages or PostgreSQL would act on: C0/C1, DEL, bidi overrides, lone surrogates.
-_UNFIT_CHARACTERS: Final = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# What terminals, pages or PostgreSQL would act on (a zero-width joiner stays: emoji need it).
+_UNFIT_CHARACTERS: Final = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 
 
 def _checked_key(key: str, source: str) -> str:
@@ -209,7 +211,7 @@ def _checked_key(key: str, source: str) -> str:
     if unfit := _UNFIT_CHARACTERS.search(key):
         raise KeyDerivationError(
             f"{source} contains U+{ord(unfit.group()):04X}: a key takes no control character, "
-            "bidi override or isolate, or lone surrogate"
+            "bidi mark, override or isolate, or lone surrogate"
         )
     return key
 

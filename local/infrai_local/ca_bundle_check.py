@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_local.sam_template import load_template, samconfig_overrides
+from infrai_local.sam_template import deploy_values
 
 VERIFYING_MODES = ("verify-full", "verify-ca")
 _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
@@ -28,10 +29,7 @@ CODE_URI = "functions"
 def missing_bundle(root: Path, config_env: str = "default") -> str | None:
     """The one line to print when the deploy of ``config_env`` needs a CA bundle that is not in
     the functions' code; None when it is there, or not needed."""
-    template = load_template(root / "template.yaml")
-    parameters = template.get("Parameters", {})
-    values = {name: str(spec.get("Default", "")) for name, spec in parameters.items()}
-    values |= samconfig_overrides(root / "samconfig.toml", config_env, "deploy")
+    _, values = deploy_values(root, config_env)
     mode = values.get("DatabaseSslMode", "")
     bundle = values.get("DatabaseCaBundle", "")
     if mode not in VERIFYING_MODES:
@@ -49,20 +47,33 @@ def missing_bundle(root: Path, config_env: str = "default") -> str | None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def run_check(
+    argv: list[str] | None, check: Callable[[Path, str], tuple[str, str]], description: str
+) -> int:
+    """One of ``make build``'s checks as a command: ``check(root, config_env)`` answers (the
+    line that stops the build, or ""; the line to print when it passes, or ""). Exit 1 on a
+    refusal, 2 when the project cannot be read, 0 otherwise; never a traceback."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--root", type=Path, default=Path.cwd())
     parser.add_argument("--config-env", default="default")
     args = parser.parse_args(argv)
     try:
-        line = missing_bundle(args.root, args.config_env)
+        refusal, passed = check(args.root, args.config_env)
     except ConfigurationError as exc:
         print(f"make build: {exc}", file=sys.stderr)
         return 2
-    if line:
-        print(line, file=sys.stderr)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 1
+    if passed:
+        print(passed)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_check(
+        argv, lambda root, env: (missing_bundle(root, env) or "", ""), __doc__.split("\n", 1)[0]
+    )
 
 
 if __name__ == "__main__":

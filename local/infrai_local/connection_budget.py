@@ -18,7 +18,6 @@ default) checks nothing and says so.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_local.sam_template import load_template, samconfig_overrides
+from infrai_local.ca_bundle_check import run_check
+from infrai_local.sam_template import deploy_values
 
 # The other functions: connections one invocation holds at most, times its reserved concurrency
 # (read from the template). The watcher's alert check and its reconcile pass keep one each; the
@@ -109,34 +109,23 @@ def _number(values: Mapping[str, str], name: str) -> int:
 
 def budget_of(root: Path, config_env: str = "default") -> ConnectionBudget:
     """The budget of ``config_env``'s deploy of the stack at ``root``."""
-    template = load_template(root / "template.yaml")
-    parameters = template.get("Parameters", {})
-    values = {name: str(spec.get("Default", "")) for name, spec in parameters.items()}
-    values |= samconfig_overrides(root / "samconfig.toml", config_env, "deploy")
+    template, values = deploy_values(root, config_env)
     return connection_budget(values, template.get("Resources", {}))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--root", type=Path, default=Path.cwd())
-    parser.add_argument("--config-env", default="default")
-    args = parser.parse_args(argv)
-    try:
-        budget = budget_of(args.root, args.config_env)
-    except ConfigurationError as exc:
-        print(f"make build: {exc}", file=sys.stderr)
-        return 2
-    refusal = budget.refusal()
-    if refusal:
-        print(refusal, file=sys.stderr)
-        return 1
+    return run_check(argv, _judged, (__doc__ or "").split("\n", 1)[0])
+
+
+def _judged(root: Path, config_env: str) -> tuple[str, str]:
+    budget = budget_of(root, config_env)
     checked = (
         f"within {budget.limit} ({budget.limit_source})"
         if budget.limit is not None
         else "not checked: set DatabaseMaxConnections"
     )
-    print(f"connection budget: {budget.worst_case} database connections at worst, {checked}")
-    return 0
+    passed = f"connection budget: {budget.worst_case} database connections at worst, {checked}"
+    return budget.refusal() or "", passed
 
 
 if __name__ == "__main__":

@@ -145,6 +145,16 @@ def samconfig_overrides(
 _LONG_FORM = re.compile(r"^ParameterKey=(?P<name>[^,]+),ParameterValue=(?P<value>.*)$", re.DOTALL)
 
 
+def deploy_values(root: Path, config_env: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The template at ``root`` and its parameters' values as ``sam deploy --config-env
+    config_env`` would take them: samconfig.toml's deploy and global sections over the
+    template's defaults (what ``make build``'s checks judge)."""
+    template = load_template(root / "template.yaml")
+    parameters = template.get("Parameters", {})
+    values = {name: str(spec.get("Default", "")) for name, spec in parameters.items()}
+    return template, values | samconfig_overrides(root / "samconfig.toml", config_env, "deploy")
+
+
 def parse_parameter_overrides(raw: Any) -> dict[str, str]:
     """Parameter overrides as SAM CLI accepts them: a string of shell-quoted ``Name=Value``
     (or ``ParameterKey=Name,ParameterValue=Value``) items, a list of such strings, or a table."""

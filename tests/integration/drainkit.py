@@ -67,6 +67,26 @@ CREATE TABLE IF NOT EXISTS test_effects (idem_key text NOT NULL, message_id text
 CREATE TABLE IF NOT EXISTS test_external_effects (idem_key text NOT NULL);
 """
 
+# A jobs package for drain processes of their own (a code root's jobs/__init__.py): one
+# database job whose every run leaves a row, so a double effect shows as two rows for one key.
+COUNTING_JOBS = """
+from infrai_jobs.jobs.registry import Effect, JobRegistry
+
+
+def build_registry():
+    registry = JobRegistry()
+
+    @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
+    def db_job(payload, ctx):
+        ctx.db.execute(
+            "INSERT INTO test_effects (idem_key, message_id) VALUES (%s, %s)",
+            (ctx.idem_key, ctx.message_id),
+        )
+        return None
+
+    return registry
+"""
+
 
 def add_test_jobs(registry: JobRegistry, database_url: str) -> None:
     """``test.db`` and ``test.ext`` count their effects in tables; ``mode`` steers failures."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from drainkit import API_KEY, DLQ, QUEUE, Harness
+from drainkit import API_KEY, COUNTING_JOBS, DLQ, QUEUE, Harness
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -32,24 +32,6 @@ DRAINS = 12
 LANES = 2
 CONNECTION_LIMIT = 6
 JOBS = 300
-
-COUNTING_JOBS = """
-from infrai_jobs.jobs.registry import Effect, JobRegistry
-
-
-def build_registry():
-    registry = JobRegistry()
-
-    @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
-    def db_job(payload, ctx):
-        ctx.db.execute(
-            "INSERT INTO test_effects (idem_key, message_id) VALUES (%s, %s)",
-            (ctx.idem_key, ctx.message_id),
-        )
-        return None
-
-    return registry
-"""
 
 
 @pytest.fixture

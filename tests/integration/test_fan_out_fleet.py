@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from drainkit import API_KEY, QUEUE, Harness, harness
+from drainkit import API_KEY, COUNTING_JOBS, QUEUE, Harness, harness
 
 from infrai_jobs.drain.fleet import PostgresDrainFleet
 from infrai_jobs.errors import SchemaNotMigrated
@@ -36,26 +36,6 @@ BEGIN
 END $$;
 CREATE TRIGGER record_fleet_size AFTER INSERT OR UPDATE ON drain_leases
     FOR EACH STATEMENT EXECUTE FUNCTION record_fleet_size();
-"""
-
-# A jobs package for the drain processes: one database job whose every run leaves a row, so a
-# double effect would show as two rows for one key.
-COUNTING_JOBS = """
-from infrai_jobs.jobs.registry import Effect, JobRegistry
-
-
-def build_registry():
-    registry = JobRegistry()
-
-    @registry.job("test.db", effect=Effect.DATABASE, identity=("id",))
-    def db_job(payload, ctx):
-        ctx.db.execute(
-            "INSERT INTO test_effects (idem_key, message_id) VALUES (%s, %s)",
-            (ctx.idem_key, ctx.message_id),
-        )
-        return None
-
-    return registry
 """
 
 

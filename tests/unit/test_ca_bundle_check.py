@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_process import run_captured
 
 from infrai_local.ca_bundle_check import main, missing_bundle
 
@@ -82,11 +82,8 @@ def test_make_build_runs_the_check_first_and_ci_turns_it_off() -> None:
 
 
 def test_the_module_runs_as_make_runs_it(clone: Path) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "infrai_local.ca_bundle_check", "--root", str(clone)],
-        capture_output=True,
-        text=True,
-        check=False,
+    completed = run_captured(
+        [sys.executable, "-m", "infrai_local.ca_bundle_check", "--root", str(clone)]
     )
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_process import run_captured
 
 from infrai_local.connection_budget import budget_of, connection_budget, main
 
@@ -118,12 +118,7 @@ def test_make_build_runs_the_budget_check_before_building() -> None:
 def test_the_module_runs_as_make_runs_it_without_a_traceback(clone: Path) -> None:
     _deploying(clone, "DrainMaxConcurrency=50 DrainLanes=16 DatabaseMaxConnections=413")
     module = [sys.executable, "-m", "infrai_local.connection_budget"]
-    completed = subprocess.run(
-        [*module, "--root", str(clone), "--config-env", "budget"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    completed = run_captured([*module, "--root", str(clone), "--config-env", "budget"])
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr
     assert completed.stderr.startswith("make build: the fleet's worst case is 859 ")

@@ -7,8 +7,8 @@
 2. Its native code is for the Lambda runtime: psycopg_binary's wheel tags say CPython 3.13 on
    manylinux aarch64, its extension modules are named for cpython-313-aarch64, and every ELF
    file in the layer is a 64-bit AArch64 object (read from the ELF header, not the file name).
-3. Every function of the built template has its handler file and the shared ``jobs`` package
-   (every function's CodeUri is ``functions/``), all its code compiles under
+3. Every function of the built template has its handler file in the layer and the shared
+   ``jobs`` package (every function's CodeUri is ``functions/``), all its code compiles under
    Python 3.13, and its handler imports in a Python 3.13 with only the function's code and the
    layer on ``sys.path`` (``-S -I``: no site-packages, as on Lambda).
 
@@ -231,7 +231,8 @@ def check_functions(
         code_dir = BUILD / str(props.get("CodeUri", name))
         handler = str(props.get("Handler", ""))
         module_name = handler.rpartition(".")[0]
-        handler_file = code_dir / (module_name.replace(".", "/") + ".py")
+        # The entry point is the layer's (infrai_jobs.handlers.*); the code holds only the jobs.
+        handler_file = layer_site / (module_name.replace(".", "/") + ".py")
         if not checks.check(handler_file.is_file(), f"{name}: handler file {handler_file.name}"):
             continue
         # One CodeUri for every function: each carries the same jobs package (functions/jobs).
@@ -265,7 +266,7 @@ def check_functions(
         if ok:
             report = json.loads(imported.stdout.strip().splitlines()[-1])
             from_layer = Path(report["psycopg_file"]).is_relative_to(layer_site)
-            ok = from_layer and Path(report["handler_file"]).is_relative_to(code_dir)
+            ok = from_layer and Path(report["handler_file"]).is_relative_to(layer_site)
             how = "as on Lambda" if native else "pure-Python psycopg, this machine is not arm64"
             detail = f"Python {report['python']}, psycopg {report['psycopg_impl']} ({how})"
         checks.check(ok, f"{name}: {handler} imports with only its code and the layer", detail)

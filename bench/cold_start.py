@@ -44,7 +44,7 @@ _HANDLER_CHILD = r"""
 import sys, time
 sys.stderr.write("--- cold start ---\n")
 t0 = time.perf_counter()
-from drain import app
+from infrai_jobs.handlers import drain as app
 t1 = time.perf_counter()
 app.service()
 t2 = time.perf_counter()

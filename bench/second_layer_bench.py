@@ -445,10 +445,11 @@ def measure_drains(setup: Setup, workload: Workload, rounds: int) -> dict[str, A
 # --- cold start ---------------------------------------------------------------------------------
 
 
-# After an untimed ``from drain import app``: what building the second layer adds, step by step.
+# After an untimed import of the drain's handler: what building the second layer adds, step by
+# step.
 _BREAKDOWN_CHILD = r"""
 import sys, time
-from drain import app
+from infrai_jobs.handlers import drain as app
 t0 = time.perf_counter()
 import boto3
 t1 = time.perf_counter()

@@ -44,9 +44,6 @@ def build_fixture_project(folder: Path) -> Path:
     (folder / "layers").symlink_to(ROOT / "layers", target_is_directory=True)
     code = folder / "functions"
     code.mkdir()
-    for handler in (ROOT / "functions").iterdir():
-        if (handler / "app.py").is_file():
-            (code / handler.name).symlink_to(handler, target_is_directory=True)
     for package in ("jobs", "fixture_jobs"):
         (code / package).symlink_to(fixture_jobs.CODE_ROOT / package, target_is_directory=True)
     return folder

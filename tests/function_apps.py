@@ -9,15 +9,16 @@ from typing import Any
 
 from fixture_project import fixture_jobs_as_jobs
 
-FUNCTIONS = Path(__file__).resolve().parent.parent / "functions"
+HANDLERS = Path(__file__).resolve().parent.parent / "layers" / "common" / "infrai_jobs" / "handlers"
 
 
 def load_function_app(function: str) -> Any:
-    """``functions/FUNCTION/app.py`` as a new module of its own, not the one ``import`` caches:
+    """``infrai_jobs/handlers/FUNCTION.py``, the function's entry point, as a new module of its
+    own, not the one ``import`` caches:
     what it reads and builds at import (its settings, its cached adapters) starts from nothing,
     under the environment the test set. Its ``jobs`` is the fixture code root's package."""
     spec = importlib.util.spec_from_file_location(
-        f"{function}_app_under_test", FUNCTIONS / function / "app.py"
+        f"{function}_app_under_test", HANDLERS / f"{function}.py"
     )
     assert spec is not None
     assert spec.loader is not None

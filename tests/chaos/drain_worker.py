@@ -1,6 +1,6 @@
 """One warm DrainFunction execution environment, as a process the soak can SIGKILL.
 
-It runs the deployed handler (``drain.app``: Powertools Logger and Metrics, the
+It runs the deployed handler (``infrai_jobs.handlers.drain``: Powertools Logger and Metrics, the
 cached ``DrainService``) invocation after invocation, each with a Lambda-like context whose
 remaining time counts down, the way EventBridge ticks reach a warm function. The only addition is
 the soak's ``soak.db`` job in the function's registry.
@@ -214,7 +214,7 @@ def main() -> int:
 
     # Before app is imported: the handler module binds jobs.build_registry at import.
     jobs.build_registry = build_registry
-    from drain import app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
+    from infrai_jobs.handlers import drain as app  # noqa: PLC0415 - only now: it binds jobs.build_registry when imported
 
     invocation_seconds = float(os.environ["SOAK_INVOCATION_SECONDS"])
     idle_seconds = float(os.environ.get("SOAK_IDLE_SECONDS", "0.2"))

@@ -68,7 +68,7 @@ def test_drain_function_drains_the_emulator_into_the_ledger(
 def test_the_template_and_env_file_resolve_like_sam() -> None:
     spec = resolve("DrainFunction", root=ROOT, env_vars=EVENTS / "env.json")
     # Globals, the function's own variables, parameter defaults and the env-vars file combine
-    assert spec.handler == "drain.app.lambda_handler"
+    assert spec.handler == "infrai_jobs.handlers.drain.lambda_handler"
     assert spec.code_uri == ROOT / "functions"
     assert spec.layer_dirs == (ROOT / "layers" / "common",)
     assert spec.timeout == 240
@@ -326,7 +326,7 @@ def test_drain_cold_start_imports_no_provider_http_client_and_no_boto3(project: 
     check = textwrap.dedent(
         """
         import sys
-        from drain import app
+        from infrai_jobs.handlers import drain as app
         app.service()
         # (Powertools imports botocore's bare package, under a millisecond, for its user agent)
         print(sorted(m for m in ("urllib3", "boto3", "botocore.client") if m in sys.modules))

@@ -147,11 +147,14 @@ def test_every_function_times_out_before_the_queue_redelivers() -> None:
     assert too_long == {}, f"timeouts must stay below {DEFAULT_VISIBILITY_TIMEOUT_SECONDS} s"
 
 
-def test_every_handler_names_a_function_defined_in_its_code_uri() -> None:
-    # Given every function's Handler and CodeUri
+def test_every_handler_names_a_function_defined_in_the_layer() -> None:
+    # Given every function's Handler: an entry point of the layer, which is on the function's
+    # path beside its CodeUri (that holds only the team's jobs package)
+    layer = ROOT / load_template()["Resources"]["CommonLayer"]["Properties"]["ContentUri"]
     for name, props in functions(load_template()).items():
         module_name, _, attribute = props["Handler"].rpartition(".")
-        module_file = ROOT / props["CodeUri"] / (module_name.replace(".", "/") + ".py")
+        assert module_name.startswith("infrai_jobs.handlers."), name
+        module_file = layer / (module_name.replace(".", "/") + ".py")
         # When the module file is parsed (not imported)
         assert module_file.is_file(), f"{name}: {module_file} does not exist"
         tree = ast.parse(module_file.read_text(), filename=str(module_file))
@@ -172,11 +175,12 @@ def test_every_function_shares_one_code_uri_holding_the_jobs_package() -> None:
     # Then there is one, functions/, and it holds the jobs package every handler imports
     assert set(code_uris.values()) == {"functions"}, code_uris
     assert (ROOT / "functions" / "jobs" / "__init__.py").is_file()
-    # And each Handler names its own folder's app module
-    for name, p in props.items():
-        folder = p["Handler"].split(".")[0]
-        assert p["Handler"] == f"{folder}.app.lambda_handler", name
-        assert (ROOT / "functions" / folder / "app.py").is_file(), name
+    # And nothing else: every Handler is the layer's, so a team's functions/ is only its jobs
+    assert sorted(e.name for e in (ROOT / "functions").iterdir() if e.name != "__pycache__") == [
+        "jobs"
+    ]
+    handlers = sorted(p["Handler"] for p in props.values())
+    assert len(set(handlers)) == len(props), handlers
 
 
 def test_the_layer_holds_the_package_and_its_pinned_requirements() -> None:

@@ -463,7 +463,10 @@ def test_a_function_added_without_its_own_role_gets_the_boundary_from_globals() 
     template = load_template()
     template["Resources"]["ExtraFunction"] = {
         "Type": "AWS::Serverless::Function",
-        "Properties": {"CodeUri": "functions/drain", "Handler": "app.lambda_handler"},
+        "Properties": {
+            "CodeUri": "functions",
+            "Handler": "infrai_jobs.handlers.drain.lambda_handler",
+        },
     }
     for boundary in ("", BOUNDARY_ARN):
         translated = translate(template, REQUIRED | {"PermissionsBoundary": boundary})

@@ -24,7 +24,7 @@ ALLOWED = {
     "integration/test_example_probes.py": "tests the example jobs' reconcile probes",
     "integration/test_provider_answers.py": "the example jobs read a provider's answer bounded",
     # A drain process of the soak: its `jobs` is the fixture code root's package, first on the
-    # path the soak gives it, whose build_registry it wraps before drain.app binds it.
+    # path the soak gives it, whose build_registry it wraps before the drain handler binds it.
     "chaos/drain_worker.py": "its `jobs` is the fixture code root's (soak.py's PYTHONPATH)",
 }
 # Other ways into the team's package: the settings the installed jobs declare, and the tables of

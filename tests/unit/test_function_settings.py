@@ -220,7 +220,8 @@ def test_redrive_reads_its_environment_once(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("function", ["drain", "dlq_alert", "redrive", "prune"])
 def test_no_handler_reads_the_environment_itself(function: str) -> None:
-    source = (ROOT / "functions" / function / "app.py").read_text()
+    handlers = ROOT / "layers" / "common" / "infrai_jobs" / "handlers"
+    source = (handlers / f"{function}.py").read_text()
     assert "os.environ" not in source
     assert "getenv" not in source
     assert "with_secrets" in source or function == "drain"

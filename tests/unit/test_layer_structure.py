@@ -45,14 +45,16 @@ FLOORS: dict[str, int] = {
     "drain": 5,
     "operations": 5,
     "runtime": 6,
+    "handlers": 7,
 }
 # What the root holds: the package itself, and the modules every floor may share.
 ROOT_FILES = {"__init__.py", "errors.py", "queue_contract.py", "py.typed"}
 
 # Only the command line parses arguments, asks who is at the keyboard or imports by name; the
-# layer never imports the tools (infrai_local) nor the team's jobs package (the registry hands
-# the jobs over).
+# layer never imports the tools (infrai_local), and only the functions' entry points (handlers/,
+# Lambda's Handler) import the team's jobs package: below them the registry hands the jobs over.
 FORBIDDEN_IMPORTS = {"infrai_local", "jobs", "argparse", "getpass", "importlib"}
+ENTRY_POINTS = "handlers"
 # The one module that reads the environment: everything else is handed a Settings.
 ENVIRONMENT_READER = LAYER / "config" / "settings.py"
 _ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
@@ -254,7 +256,10 @@ def test_a_layer_module_imports_nothing_of_the_tools_the_jobs_or_the_command_lin
     path: Path,
 ) -> None:
     imported = {module for module, _ in imports_of(path)}
-    upward = sorted(name for name in imported if name.split(".")[0] in FORBIDDEN_IMPORTS)
+    forbidden = (
+        FORBIDDEN_IMPORTS - {"jobs"} if _id(path).startswith(ENTRY_POINTS) else FORBIDDEN_IMPORTS
+    )
+    upward = sorted(name for name in imported if name.split(".")[0] in forbidden)
     assert upward == [], f"{_id(path)} imports {upward}"
     assert "import_module" not in _names(_tree(path))
 
@@ -316,8 +321,9 @@ def test_no_layer_module_is_over_600_lines(path: Path) -> None:
 
 # The drain's layer as a whole, the producers' package (outbox/) aside: one state machine and one
 # settings table took it under this, and a feature that needs more should first find a mechanism
-# to change instead of a second one to add.
-MAX_LAYER_LINES = 10_800
+# to change instead of a second one to add. 10,800 until the functions' five entry points moved
+# in from functions/*/app.py (305 lines, unchanged): functions/ now holds only a team's jobs.
+MAX_LAYER_LINES = 11_105
 
 
 def test_the_layer_without_the_outbox_stays_within_its_size() -> None:

@@ -1,1 +1,0 @@
-"""DrainFunction: Handler ``drain.app.lambda_handler`` in the shared CodeUri, functions/."""

@@ -1,1 +1,0 @@
-"""OutboxRelayFunction: Handler ``outbox_relay.app.lambda_handler`` in the shared CodeUri."""

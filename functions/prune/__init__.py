@@ -1,1 +1,0 @@
-"""PruneFunction: Handler ``prune.app.lambda_handler`` in the shared CodeUri, functions/."""

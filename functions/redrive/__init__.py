@@ -1,1 +1,0 @@
-"""RedriveFunction: Handler ``redrive.app.lambda_handler`` in the shared CodeUri, functions/."""

@@ -19,7 +19,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from child_process import run_captured
+from child_process import clean_env, run_captured
 from git_files import ROOT, git_files
 
 
@@ -89,3 +89,52 @@ def install_wheel(bin_dir: Path, wheel: Path) -> None:
     )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     dependencies.write_text(sysconfig.get_path("purelib") + "\n")
+
+
+# The issue's two jobs: a database one, and an external one with a setting, a retry policy, a
+# rate limit and a concurrency key.
+TWO_JOBS = (
+    ("ledger.entry", "--effect", "database", "--identity", "entry_id"),
+    (
+        "payout.send",
+        "--effect",
+        "external",
+        "--identity",
+        "payout_id",
+        "--setting",
+        "PAYOUT_URL",
+        "--retry-attempts",
+        "5",
+        "--rate-per-second",
+        "10",
+        "--concurrency-key",
+        "account_id",
+    ),
+)
+
+
+def team_project(bin_dir: Path, folder: Path, stack: str) -> Path:
+    """``infrai-jobs init folder --name stack`` with the virtualenv of ``bin_dir``, whose
+    ``make venv`` is then taken as done (the project's functions/ on its path, its stamp), and
+    the two jobs added with ``new-job``."""
+    made = run_captured([str(bin_dir / "infrai-jobs"), "init", str(folder), "--name", stack])
+    assert made.returncode == 0, made.stderr
+    mark_venv_installed(bin_dir, folder)
+    for job in TWO_JOBS:
+        added = run_captured(
+            [str(bin_dir / "infrai-jobs"), "new-job", *job], env=clean_env(), cwd=folder
+        )
+        assert added.returncode == 0, added.stdout + added.stderr
+    return folder
+
+
+def mark_venv_installed(bin_dir: Path, project: Path) -> None:
+    """What the project's ``make venv`` does after pip: the functions' code root on the
+    virtualenv's path, and its stamp for the pinned version."""
+    site = run_captured(
+        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
+    )
+    (Path(site.stdout.strip()) / "team_jobs.pth").write_text(f"{project / 'functions'}\n")
+    pin = (project / "layers" / "common" / "requirements.txt").read_text()
+    version = pin.rsplit("infrai-jobs==", 1)[1].strip()
+    (bin_dir.parent / f".installed-{version}").touch()

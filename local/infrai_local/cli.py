@@ -315,7 +315,7 @@ def _command_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement an option
     parser = _command_parser()
     sub = parser.add_subparsers(metavar="COMMAND")
 
@@ -482,6 +482,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="list the files it would write, and write none"
     )
     new_job.set_defaults(command=_cmd_new_job)
+    _add_project_commands(sub)
 
     drain = sub.add_parser("drain", help="drain the queue once, as DrainFunction does")
     drain.add_argument("--queue", help="queue name (default: INFRAI_QUEUE)")
@@ -519,6 +520,50 @@ def _build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(command=_cmd_stats)
 
     return parser
+
+
+def _add_project_commands(sub: Any) -> None:
+    """``init`` and ``upgrade``: a team's own project on a pinned version (infrai_local.project)."""
+    init = sub.add_parser(
+        "init",
+        help="write a team's own project (its template, jobs package, tests, Makefile) on this "
+        "version, no framework code copied in",
+    )
+    init.add_argument("directory", help="a new or empty folder")
+    init.add_argument("--name", required=True, help="the CloudFormation stack's name")
+    init.set_defaults(command=_cmd_init)
+    upgrade = sub.add_parser(
+        "upgrade",
+        help="bring a project's framework.yaml and pin to this installed version, and say what "
+        "changed; no file of the team's is touched",
+    )
+    upgrade.add_argument("--project", default=".", help="the project's folder (default: .)")
+    upgrade.add_argument("--json", action="store_true", help="print JSON")
+    upgrade.set_defaults(command=_cmd_upgrade)
+
+
+def _project_module() -> Any:
+    try:
+        return importlib.import_module("infrai_local.project")
+    except ModuleNotFoundError as exc:
+        raise missing_local_tools(exc, "this command") from None
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    directory = Path(args.directory)
+    written = _project_module().init(directory, args.name)
+    print(
+        f"wrote the project {args.name} in {directory} ({len(written)} files) on infrai-jobs "
+        f"{__version__}:"
+    )
+    print(f"  cd {directory} && make test   # then: infrai-jobs new-job NAME ...; make demo")
+    return EXIT_OK
+
+
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    done = _project_module().upgrade(Path(args.project))
+    print(json.dumps(done.as_dict()) if args.json else "\n".join(done.lines()))
+    return EXIT_OK
 
 
 def _add_migrate_command(sub: Any) -> None:

@@ -10,7 +10,9 @@ over those are evaluated; anything that would only be known in AWS becomes an em
 
 The template itself is decoded by cfn-lint (``cfnlint.decode``), the decoder ``sam validate
 --lint`` reads it with: short forms become their long forms (``!GetAtt A.B`` a two-item list),
-scalars keep YAML's types, and a JSON template is read as well.
+scalars keep YAML's types, and a JSON template is read as well. A nested
+``AWS::Serverless::Application`` whose ``Location`` is a template beside it (a team's
+``framework.yaml``, ``infrai_local.project``) is read as part of one template.
 """
 
 from __future__ import annotations
@@ -61,21 +63,65 @@ class FunctionSpec:
 
 
 def load_template(path: Path) -> dict[str, Any]:
-    """The template at ``path`` as cfn-lint decodes it, in plain dicts, lists and scalars."""
+    """The template at ``path`` as cfn-lint decodes it, in plain dicts, lists and scalars, with
+    each nested application whose ``Location`` is a local file merged in (``_merge_nested``)."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigurationError(f"cannot read {path}: {exc}") from exc
+    template = decode_template(text, path)
+    for name, resource in list(template["Resources"].items()):
+        if isinstance(resource, dict) and resource.get("Type") == NESTED_APPLICATION:
+            location = resource.get("Properties", {}).get("Location")
+            if isinstance(location, str) and "://" not in location:
+                template = _merge_nested(template, name, path, location)
+    return template
+
+
+def decode_template(text: str, source: Path | str) -> dict[str, Any]:
+    """A template's text as cfn-lint decodes it; ``source`` names it in errors."""
     document, problems = decode_str(text)
     if problems:
         message = problems[0].message
         if "line" not in message:
             message += f" (line {problems[0].linenumber})"
-        raise ConfigurationError(f"cannot read {path}: {message}")
+        raise ConfigurationError(f"cannot read {source}: {message}")
     if not isinstance(document, dict) or "Resources" not in document:
-        raise ConfigurationError(f"{path} is not a SAM template (no Resources)")
+        raise ConfigurationError(f"{source} is not a SAM template (no Resources)")
     plain: dict[str, Any] = _plain(document)
     return plain
+
+
+NESTED_APPLICATION = "AWS::Serverless::Application"
+
+
+def _merge_nested(parent: dict[str, Any], name: str, path: Path, location: str) -> dict[str, Any]:
+    """One view of ``parent`` and the application ``name`` nests from ``location`` (a template
+    beside it, so that both read relative paths from one folder): the child's parameters,
+    conditions, globals and resources, the parent's winning. A parameter passed to the child is
+    read only as ``Name: !Ref Name`` (the parent's parameter of the same name, whose definition
+    and value then hold for both); anything else passed is refused, naming it."""
+    if Path(location).name != location:
+        raise ConfigurationError(f"{path}: {name}'s Location {location!r} must sit beside it")
+    child = load_template(path.parent / location)
+    passed = parent["Resources"][name].get("Properties", {}).get("Parameters", {})
+    for key, value in passed.items():
+        if value != {"Ref": key} or key not in parent.get("Parameters", {}):
+            raise ConfigurationError(
+                f"{path}: {name} passes parameter {key} as {value!r}; locally a nested "
+                f"application's parameter is read only as `{key}: !Ref {key}`, a parameter of "
+                "the same name in this template"
+            )
+        if key not in child.get("Parameters", {}):
+            raise ConfigurationError(f"{path}: {name} passes {key}, which {location} lacks")
+    resources = {key: value for key, value in parent["Resources"].items() if key != name}
+    clash = sorted(set(resources) & set(child["Resources"]))
+    if clash:
+        raise ConfigurationError(f"{path}: {', '.join(clash)} also in {location}")
+    merged = {**child, **parent, "Resources": {**child["Resources"], **resources}}
+    for section in ("Parameters", "Conditions", "Globals", "Mappings"):
+        merged[section] = {**child.get(section, {}), **parent.get(section, {})}
+    return merged
 
 
 def _plain(value: Any) -> Any:

@@ -73,6 +73,7 @@ _FRAMEWORK_PREFIXES: Final = (
 )
 _JOBS_IMPORT: Final = re.compile(r"^from jobs import (\([^)]*\)|[^\n(]+)$", re.M)
 _RETURN_REGISTRY: Final = "    return registry\n"
+_DEF_REGISTRY: Final = "\n\ndef build_registry("
 _LINE_LENGTH: Final = 100
 # Where the code new-job writes imports each name from: a job module's from the public job API
 # (``public_imports``), its test's from the test kit. The one place to change when they move.
@@ -711,6 +712,10 @@ def _registered(registry_file: Path, module: str) -> str:
         raise ConfigurationError(f"{registry_file} does not exist: where is build_registry?")
     text = registry_file.read_text(encoding="utf-8")
     imports = _JOBS_IMPORT.search(text)
+    if imports is None and text.count(_DEF_REGISTRY) == 1:
+        # The first job of a registry `infrai-jobs init` wrote: its import goes above it.
+        text = text.replace(_DEF_REGISTRY, f"from jobs import {module}\n{_DEF_REGISTRY}")
+        imports = _JOBS_IMPORT.search(text)
     if imports is None or text.count(_RETURN_REGISTRY) != 1:
         raise ConfigurationError(
             f"{registry_file}: cannot find one `from jobs import ...` line and one "

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import email.parser
 import json
-import os
 import re
-import shutil
 import sys
 import sysconfig
 import tarfile
@@ -32,8 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from built_versions import builder_env, source_copy
 from child_process import clean_env, run_captured
-from git_files import git_files
 
 import infrai_jobs
 
@@ -77,19 +75,10 @@ def requirement_names(requirements: set[str]) -> set[str]:
     return names
 
 
-def builder_env() -> dict[str, str]:
-    """This environment (the package index's settings included), minus what would point the
-    build or a child interpreter at this checkout's code."""
-    return {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "INFRAI_JOBS_PATH"}}
-
-
 def clean_checkout(destination: Path) -> Path:
-    """The files git tracks or would track (not ignored), copied to ``destination``."""
-    for path in git_files():
-        copy = destination / path.relative_to(ROOT)
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, copy)
-    return destination
+    """The files git tracks or would track (not ignored), copied to ``destination``, symbolic
+    links kept as links, as a clone has them."""
+    return source_copy(destination)
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +185,26 @@ def test_the_wheel_holds_the_framework_and_nothing_of_a_team(dist: Path) -> None
     assert shipped_sql == expected_sql
     assert [name for name in names if name.endswith(".sql") and "migrations/" not in name] == []
     assert [name for name in names if name.startswith("infrai_local/") and ".sql" in name] == []
+
+
+@pytest.mark.slow
+def test_the_shipped_template_and_changelog_are_the_repositorys_files(dist: Path) -> None:
+    # Given the package's framework.yaml and CHANGELOG.md: in git, links to the repository's
+    # template.yaml and CHANGELOG.md (one copy of each; `init` and `upgrade` read them)
+    for link, target in (("framework.yaml", "template.yaml"), ("CHANGELOG.md", "CHANGELOG.md")):
+        assert (TOOLS_PACKAGE / link).is_symlink()
+        assert (TOOLS_PACKAGE / link).resolve() == ROOT / target
+        expected = (ROOT / target).read_bytes()
+        # Then the wheel and the sdist, built from a copy that kept the links, hold the files'
+        # content, not a link
+        with zipfile.ZipFile(dist / WHEEL_NAME) as wheel:
+            assert wheel.read(f"infrai_local/{link}") == expected
+        with tarfile.open(dist / SDIST_NAME) as sdist:
+            member = sdist.getmember(f"infrai_jobs-{VERSION}/local/infrai_local/{link}")
+            assert member.isfile()
+            shipped = sdist.extractfile(member)
+            assert shipped is not None
+            assert shipped.read() == expected
 
 
 @pytest.mark.slow

@@ -40,9 +40,10 @@ _CITED_DOCUMENT = re.compile(r"(?<![\w./-])((?:\.{0,2}/)?(?:[\w.-]+/)*[\w-]+\.md
 
 def tracked_files() -> list[Path]:
     """The files git tracks or would track (new, not ignored), or, outside a git checkout, every
-    file not in a hidden folder."""
+    file not in a hidden folder; a symbolic link (the package's CHANGELOG.md) is checked where
+    it points, from the folder of the file it names, not a second time from its own."""
     try:
-        return git_files()
+        return [path for path in git_files() if not path.is_symlink()]
     except (OSError, subprocess.SubprocessError):
         return [
             path

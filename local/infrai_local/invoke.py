@@ -182,9 +182,15 @@ class InvocationResult:
 
 
 def dependency_path() -> list[str]:
-    """Where the layer's pinned requirements are installed locally (the virtualenv)."""
-    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    return sorted(paths)
+    """Where the layer's pinned requirements are installed locally: the folders this Python's
+    own start-up put on its path (the virtualenv's site-packages and the folders its ``.pth``
+    files name, or a base or user site), the standard library aside. The handler's Python
+    starts without that start-up (``-S``), so it sees these folders and nothing a ``.pth``
+    file would run."""
+    stdlib = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib"))
+    site = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    found = [p for p in sys.path if p and os.path.isdir(p) and not p.startswith(stdlib)]
+    return sorted(site) + [p for p in dict.fromkeys(found) if p not in site]
 
 
 def invoke(

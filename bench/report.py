@@ -266,7 +266,7 @@ def _flow_target(document: dict[str, Any]) -> dict[str, Any]:
 
 # Parts a script of their own measures and stores with ``--update``: a full run keeps them from
 # the results file it replaces, so the page still shows them (each section gives its own date).
-MEASURED_APART = ("lane_processes",)
+MEASURED_APART = ("lane_processes", "many_drains")
 
 
 def write_all(document: dict[str, Any], out: Path, docs: Path) -> list[Path]:
@@ -1228,6 +1228,10 @@ def _measured_apart_section(document: dict[str, Any]) -> list[str]:
         import lane_processes  # noqa: PLC0415 - it imports the drain's modules
 
         lines += lane_processes.markdown(document["lane_processes"])
+    if document.get("many_drains"):
+        import many_drains  # noqa: PLC0415 - it imports the drain's modules
+
+        lines += many_drains.markdown(document["many_drains"])
     return lines
 
 
@@ -1286,6 +1290,8 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "about 2 minutes",
         ".venv/bin/python bench/lane_processes.py --lanes 1,2,4 --jobs 9000 --rounds 1 "
         "--update bench/results/latest.json  # lanes on a fixed 9,000 messages, about 5 minutes",
+        "make bench-many                              # many drains under a connection limit, "
+        "direct and through PgBouncer, a few minutes",
         ".venv/bin/python bench/report.py             # this page and the chart from latest.json",
         "```",
         "",

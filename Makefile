@@ -108,12 +108,12 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]' -c $(VENV)/constraints.txt
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
-# Many drains at once (not part of make bench): a dozen drain processes of lanes each against
+# Many drains at once (not part of make bench): 16 drain processes of 2 lanes each against
 # one PostgreSQL whose role allows fewer connections than they want, directly and through
-# PgBouncer in transaction mode (installed by the pgbouncer target), a few minutes. The result is
+# PgBouncer in transaction mode (installed by the pgbouncer target), about a minute. The result is
 # stored in MANY_UPDATE's results file and docs/performance.md regenerated (MANY_UPDATE= only
 # prints it and writes bench/results/many-drains-*.json); MANY_ARGS passes other options, e.g.
-# MANY_ARGS="--drains 16 --jobs 9000" (bench/many_drains.py --help).
+# MANY_ARGS="--drains 12 --jobs 6000" (bench/many_drains.py --help).
 .PHONY: bench-many
 MANY_UPDATE ?= bench/results/latest.json
 MANY_ARGS ?=

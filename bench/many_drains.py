@@ -1,7 +1,7 @@
 """Many drains at once against one PostgreSQL that cannot give each the connections it wants.
 
-    .venv/bin/python bench/many_drains.py [--drains 12] [--lanes 2] [--connection-limit 6]
-        [--jobs 6000] [--latency-ms 25] [--modes direct,pgbouncer]
+    .venv/bin/python bench/many_drains.py [--drains 16] [--lanes 2] [--connection-limit 6]
+        [--jobs 12000] [--latency-ms 25] [--modes direct,pgbouncer]
         [--update bench/results/latest.json]                       (``make bench-many``)
 
 ``--drains`` drain processes of ``--lanes`` lanes each, built as DrainFunction builds its drain
@@ -65,6 +65,7 @@ from instruments import (
     machine_cpu_ticks,
     pid_cpu_seconds,
     postmaster_pid,
+    sample_busy_percent,
     server_cpu_seconds,
 )
 from results_file import add_output_options, update_results
@@ -209,7 +210,7 @@ _TABLE_ROWS: tuple[tuple[str, Any], ...] = (
     ("lanes shed", lambda m: m["figures"]["lanes_shed"]),
     ("drains that drained messages", lambda m: m["figures"]["drains_that_consumed"]),
     ("their lanes", lambda m: m["figures"]["lanes_that_ran"]),
-    ("messages consumed", lambda m: m["figures"]["consumed"]),
+    ("messages consumed", lambda m: f"{m['figures']['consumed']:,}"),
     ("messages retried (a delivery spent)", lambda m: m["figures"]["retried"]),
     ("jobs done exactly once", lambda m: _of(m["verified"], "effects_once", "unique_jobs")),
     ("dead-lettered (dlq_count)", lambda m: m["verified"]["dead_lettered"]),
@@ -222,6 +223,10 @@ _TABLE_ROWS: tuple[tuple[str, Any], ...] = (
     ("claim latency max, ms", lambda m: _num(m["claim_latency_ms"]["max"])),
     ("CPU s: drains / emulator / PostgreSQL / PgBouncer", lambda m: _cpu_text(m["cpu"])),
     ("machine busy, % of all CPUs", lambda m: _num(m["cpu"]["machine_busy_pct"])),
+    (
+        "machine busy just before (other work), %",
+        lambda m: _num(m["cpu"].get("background_busy_pct")),
+    ),
     ("verified", lambda m: "yes" if m["verified"]["ok"] else "NO"),
 )
 
@@ -297,19 +302,52 @@ def markdown(result: Mapping[str, Any]) -> list[str]:
         "| --- |" + " ---: |" * (len(rows[0]) - 1),
         *("| " + " | ".join(row) + " |" for row in rows[1:]),
         "",
-        "Claim latency is measured from the moment a drain read the consume answer carrying a "
-        "message to the moment that message's claim row was inserted (`clock_timestamp()` in a "
-        "trigger on `job_claims`), both on this machine's clock; duplicates, which insert no "
-        "claim, are not in it. It includes the batch's own work before the claim statement and "
-        "any wait for a database connection, which through the pooler is a wait for one of its "
-        "server connections. A drain that waited for its first connection is not counted until "
-        "it had one: its messages were not received before then.",
+        *_findings(result),
+        "Claim latency: per distinct job, from the last time a drain read one of its messages "
+        "(the consume answer that carried it) before its claim row was inserted, to that "
+        "insert (`clock_timestamp()` in a trigger on `job_claims`), both on this machine's "
+        "clock. It holds the batch's own work before the claim statement and any wait for the "
+        "database, which through the pooler is a wait for one of its server connections; a "
+        "drain's wait for its first connection is not in it, as it receives nothing before.",
         "",
         "Reproduce with `make bench-many` (the same as `.venv/bin/python bench/many_drains.py "
         "--update bench/results/latest.json`; `--help` for the sizes).",
         "",
     ]
     return lines
+
+
+def _findings(result: Mapping[str, Any]) -> list[str]:
+    """What the table says, in a sentence per mode and one comparing them."""
+    modes = result["modes"]
+    sentences = []
+    if "direct" in modes:
+        f = modes["direct"]["figures"]
+        sentences.append(
+            f"Directly, the limit let {f['drains_that_consumed']} of {f['drains']} drains drain, "
+            f"with {f['lanes_that_ran']} lanes between them ({f['lanes_shed']} shed); "
+            f"{f['drains_that_waited']} waited for a connection, {f['drains_gave_up_full']} gave "
+            f"up as full having received nothing, {f['drains_exited_with_error']} exited with "
+            "an error."
+        )
+    if "pgbouncer" in modes:
+        f = modes["pgbouncer"]["figures"]
+        sentences.append(
+            f"Through PgBouncer all {f['lanes_that_ran']} lanes of {f['drains_that_consumed']} "
+            f"drains ran on at most {result['config']['pool_size']} server connections, "
+            f"{f['drains_exited_with_error']} drains exited with an error."
+        )
+    if "direct" in modes and "pgbouncer" in modes:
+        direct, pooled = modes["direct"], modes["pgbouncer"]
+        rates = (direct["figures"]["messages_per_s"], pooled["figures"]["messages_per_s"])
+        if all(rates):
+            sentences.append(
+                f"On this machine's CPUs the pooled fleet drained {rates[1] / rates[0]:.2f}x "
+                "the direct one's messages per second, its claims waiting longer for a server "
+                f"connection (p99 {pooled['claim_latency_ms']['p99']:,.1f} ms against "
+                f"{direct['claim_latency_ms']['p99']:,.1f} ms)."
+            )
+    return [" ".join(sentences), ""] if sentences else []
 
 
 # --- one drain process (``--drain SPEC``) -------------------------------------------------------
@@ -633,6 +671,7 @@ def measure_mode(
                 file=sys.stderr,
                 flush=True,
             )
+            background = sample_busy_percent(0.5)
             emulator.set_latency(args.latency_ms)
             cpu0, ticks0 = _cpu_snapshot(emulator.pid, postgres, pooler_pid), machine_cpu_ticks()
             outcomes, wall = run_drains(env, args.drains, scratch / mode, args.time_budget_s)
@@ -657,6 +696,7 @@ def measure_mode(
     }
     cpu["drains_s"] = figures["drain_cpu_s"]
     cpu["machine_busy_pct"] = busy_percent(ticks0, ticks1)
+    cpu["background_busy_pct"] = background
     errors = [
         {"drain": i, "exit_code": code, "log_tail": tail}
         for i, (code, _, tail) in enumerate(outcomes)
@@ -702,7 +742,7 @@ def _modes(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="many_drains.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--drains", type=int, default=12, help="drain processes (%(default)s)")
+    parser.add_argument("--drains", type=int, default=16, help="drain processes (%(default)s)")
     parser.add_argument("--lanes", type=int, default=2, help="DRAIN_LANES of each (%(default)s)")
     parser.add_argument(
         "--connection-limit", type=int, default=6, help="the role's CONNECTION LIMIT (%(default)s)"
@@ -710,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pool-size", type=int, default=0, help="PgBouncer's server connections (the limit)"
     )
-    parser.add_argument("--jobs", type=int, default=6000, help="messages (%(default)s)")
+    parser.add_argument("--jobs", type=int, default=12_000, help="messages (%(default)s)")
     parser.add_argument(
         "--duplicates", type=float, default=0.3, help="share of duplicate publishes (%(default)s)"
     )

@@ -1291,7 +1291,7 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         ".venv/bin/python bench/lane_processes.py --lanes 1,2,4 --jobs 9000 --rounds 1 "
         "--update bench/results/latest.json  # lanes on a fixed 9,000 messages, about 5 minutes",
         "make bench-many                              # many drains under a connection limit, "
-        "direct and through PgBouncer, a few minutes",
+        "direct and through PgBouncer, about a minute",
         ".venv/bin/python bench/report.py             # this page and the chart from latest.json",
         "```",
         "",

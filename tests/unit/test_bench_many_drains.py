@@ -78,7 +78,13 @@ def test_the_table_has_a_column_per_mode_and_a_row_per_figure() -> None:
     mode = {
         "figures": many_drains.mode_figures([many_drains.drain_record(0, 0, _output(10))], 2, 1),
         "claim_latency_ms": {"p50": 1.0, "p99": 2.0, "max": 3.0},
-        "cpu": {"drains_s": 0.5, "emulator_s": 0.2, "postgres_s": 0.1, "machine_busy_pct": 40.0},
+        "cpu": {
+            "drains_s": 0.5,
+            "emulator_s": 0.2,
+            "postgres_s": 0.1,
+            "machine_busy_pct": 40.0,
+            "background_busy_pct": 3.0,
+        },
         "verified": {"effects_once": 7, "unique_jobs": 7, "dead_lettered": 0, "queue_left": 0},
     }
     mode["verified"]["ok"] = True

@@ -198,7 +198,9 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def cpu_verdict(rows: list[dict[str, Any]], nproc: int, per_lane_target: float) -> str:
-    """Whether the machine's CPUs could carry the widest threads run at the per-lane target."""
+    """Whether the machine's CPUs could carry the widest threads run at the per-lane target:
+    the whole machine's CPU per message (other work included) and the benchmark's own (the
+    drain, the emulator, PostgreSQL), each against what that target needs."""
     threads = [r for r in rows if r["mode"] == "threads"]
     one = next((r for r in threads if r["lanes"] == 1), None)
     widest = max(threads, key=lambda r: r["lanes"], default=None)
@@ -207,24 +209,35 @@ def cpu_verdict(rows: list[dict[str, Any]], nproc: int, per_lane_target: float) 
     machine_ms = widest["machine_cpu_ms_per_message"]
     if not machine_ms:
         return ""
+    lanes = widest["lanes"]
     ceiling = nproc * 1000 / machine_ms
-    needed = per_lane_target * widest["lanes"] * one["messages_per_s"]
-    return (
-        f"At {widest['lanes']} lanes the machine (the drain, the emulator, PostgreSQL and "
-        f"everything else running) spent {machine_ms:.2f} ms of CPU per message at "
+    needed = per_lane_target * lanes * one["messages_per_s"]
+    own = [widest[f"{name}_ms_per_message"] for name in ("cpu", "emulator_cpu", "postgres_cpu")]
+    own_ms = sum(own) if None not in own else None
+    text = (
+        f"At {lanes} lanes the machine (the drain, the emulator, PostgreSQL and everything else "
+        f"running) spent {machine_ms:.2f} ms of CPU per message at "
         f"{widest['machine_busy_pct']:g}% busy, so its {nproc} CPUs could drain at most about "
-        f"{ceiling:,.0f} msg/s however the lanes were arranged; {widest['lanes']} lanes at "
-        f"{per_lane_target:g} per lane need {needed:,.0f} msg/s ({per_lane_target:g} x "
-        f"{widest['lanes']} x {one['messages_per_s']:,.1f}). "
+        f"{ceiling:,.0f} msg/s however the lanes were arranged"
         + (
-            "**The CPUs are what stops it here.**"
-            if ceiling < needed
-            else "The CPUs had room for it: something else held the lanes back."
+            f"; the benchmark's own processes spent {own_ms:.2f} ms of it (drain "
+            f"{own[0]:.2f}, emulator {own[1]:.2f}, PostgreSQL {own[2]:.2f}), about "
+            f"{nproc * 1000 / own_ms:,.0f} msg/s on CPUs of their own"
+            if own_ms
+            else ""
         )
+        + f". {lanes} lanes at {per_lane_target:g} per lane need {needed:,.0f} msg/s "
+        f"({per_lane_target:g} x {lanes} x {one['messages_per_s']:,.1f}). "
     )
+    if widest["per_lane"] is not None and widest["per_lane"] >= per_lane_target:
+        return text + f"They reached {widest['per_lane']:.2f} per lane: the target is met here."
+    if ceiling < needed:
+        return text + "**The CPUs are what stops it here.**"
+    return text + "The CPUs had room for it: something else held the lanes back."
 
 
 PER_LANE_TARGET = 0.9
+BUSY_BEFORE_PCT = 20.0  # report.BACKGROUND_WARNING_PCT's threshold
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
@@ -270,6 +283,19 @@ def markdown(result: dict[str, Any]) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     verdict = cpu_verdict(result["rows"], nproc, PER_LANE_TARGET)
     lines += ["", *([verdict, ""] if verdict else [])]
+    busy = [
+        f"{r['mode']}, {r['lanes']} lane{'s' if r['lanes'] != 1 else ''} "
+        f"{r['background_busy_pct']:g}%"
+        for r in result["runs"]
+        if (r.get("background_busy_pct") or 0) > BUSY_BEFORE_PCT
+    ]
+    if busy:
+        lines += [
+            f"Other work kept the machine more than {BUSY_BEFORE_PCT:g}% busy just before "
+            f"{len(busy)} of these runs ({', '.join(busy)}); their figures may be skewed, and "
+            "the machine's CPU per message counts that work too.",
+            "",
+        ]
     lines += [
         "Reproduce with `.venv/bin/python bench/lane_processes.py --lanes "
         f"{','.join(str(n) for n in config['lanes'])} --jobs {config['jobs']} --rounds "

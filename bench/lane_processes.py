@@ -284,7 +284,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
     verdict = cpu_verdict(result["rows"], nproc, PER_LANE_TARGET)
     lines += ["", *([verdict, ""] if verdict else [])]
     busy = [
-        f"{r['mode']}, {r['lanes']} lane{'s' if r['lanes'] != 1 else ''} "
+        f"{r['lanes']} lane{'s' if r['lanes'] != 1 else ''} as {r['mode']}: "
         f"{r['background_busy_pct']:g}%"
         for r in result["runs"]
         if (r.get("background_busy_pct") or 0) > BUSY_BEFORE_PCT
@@ -292,7 +292,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
     if busy:
         lines += [
             f"Other work kept the machine more than {BUSY_BEFORE_PCT:g}% busy just before "
-            f"{len(busy)} of these runs ({', '.join(busy)}); their figures may be skewed, and "
+            f"{len(busy)} of these runs ({'; '.join(busy)}); their figures may be skewed, and "
             "the machine's CPU per message counts that work too.",
             "",
         ]

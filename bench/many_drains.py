@@ -394,6 +394,7 @@ class ActionCounter(logging.Handler):
 def drain_process(spec_path: Path) -> int:
     """Build the drain from the environment, say it is ready, wait for the start, drain once and
     write what it did. A drain that raises exits with an error, as its invocation would fail."""
+    import jobs  # noqa: PLC0415
     from infrai_jobs.config.settings import DrainSettings  # noqa: PLC0415
     from infrai_jobs.ledger.job_schema import job_migrations_in  # noqa: PLC0415
     from infrai_jobs.runtime.drain_service import DrainService  # noqa: PLC0415
@@ -408,7 +409,7 @@ def drain_process(spec_path: Path) -> int:
         job_settings=registry.declared_settings(), job_secrets=registry.declared_secrets()
     )
     service = DrainService.from_settings(
-        settings, registry, job_migrations=job_migrations_in(ROOT / "functions" / "jobs")
+        settings, registry, job_migrations=job_migrations_in(Path(str(jobs.__file__)).parent)
     )
     receives = ReceiveTimes(service.queue)
     service.queue = receives

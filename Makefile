@@ -108,6 +108,19 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]' -c $(VENV)/constraints.txt
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
+# Many drains at once (not part of make bench): 16 drain processes of 2 lanes each against
+# one PostgreSQL whose role allows fewer connections than they want, directly and through
+# PgBouncer in transaction mode (installed by the pgbouncer target), about a minute. The result is
+# stored in MANY_UPDATE's results file and docs/performance.md regenerated (MANY_UPDATE= only
+# prints it and writes bench/results/many-drains-*.json); MANY_ARGS passes other options, e.g.
+# MANY_ARGS="--drains 12 --jobs 6000" (bench/many_drains.py --help).
+.PHONY: bench-many
+MANY_UPDATE ?= bench/results/latest.json
+MANY_ARGS ?=
+bench-many: $(STAMP) pgbouncer
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]' -c $(VENV)/constraints.txt
+	$(BIN)/python bench/many_drains.py $(if $(MANY_UPDATE),--update $(MANY_UPDATE)) $(MANY_ARGS)
+
 # Why the queue client has its own HTTP transport: its CPU per request against urllib3's, over
 # the same requests to the emulator on 127.0.0.1 (about 20 s; figures in docs/performance.md).
 .PHONY: bench-transport

@@ -459,6 +459,49 @@ def pid_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def server_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds a server process and its children have used so far, ended children included
+    (the parent has reaped them into its own ``cutime``/``cstime``): PostgreSQL's postmaster and
+    its backends, which come and go with connections. A child that ended and is not reaped yet
+    shows no CPU at all, so this waits (up to a second) until there is none. None off Linux."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        own = _stat_fields(pid)
+        if own is None:
+            return None
+        ticks = sum(int(v) for v in own[11:15])
+        unreaped = False
+        for entry in Path("/proc").iterdir():
+            fields = _stat_fields(entry.name) if entry.name.isdigit() else None
+            if fields is not None and int(fields[1]) == pid:
+                ticks += sum(int(v) for v in fields[11:15])
+                unreaped = unreaped or fields[0] == "Z"
+        if not unreaped or time.monotonic() > deadline:
+            return ticks / os.sysconf("SC_CLK_TCK")
+        time.sleep(0.01)
+
+
+def postmaster_pid(server_url: str) -> int | None:
+    """The process id of the PostgreSQL server at ``server_url`` when it runs on this machine
+    and its data directory is readable here (an embedded server), else None."""
+    try:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        first_line = (Path(row[0]) / "postmaster.pid").read_text().split("\n", 1)[0]
+    except (psycopg.Error, OSError, TypeError):
+        return None
+    pid = int(first_line)
+    return pid if Path(f"/proc/{pid}").exists() else None
+
+
 def machine_cpu_ticks() -> tuple[int, int] | None:
     """(busy, total) jiffies of all CPUs from /proc/stat, or None off Linux."""
     try:

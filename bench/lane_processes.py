@@ -1,31 +1,38 @@
 """Lanes as threads (DrainFunction's ``DRAIN_LANES``) against lanes as separate processes.
 
     .venv/bin/python bench/lane_processes.py [--lanes 8] [--jobs 10000] [--rounds 2]
+        [--modes threads,processes] [--update bench/results/latest.json]
 
 A diagnostic, not a target: it tells whether what caps N lanes on this machine is the drain's
 one GIL or something every lane shares (the emulator, PostgreSQL, the 2 CPUs). Each round
-drains the same workload twice, on a fresh queue and database each time, at ``--latency-ms``
-per Infrai call:
+drains the same workload (``--jobs`` messages, whatever the lane count) once per lane count of
+``--lanes`` (e.g. ``1,2,4``) and mode, on a fresh queue and database each time, at
+``--latency-ms`` per Infrai call:
 
 * ``threads``: one process, N threads each running ``drain()`` with its own ledger and one
   shared client, as DrainFunction does;
 * ``processes``: N processes, each one lane with its own client and ledger, started and
   connected before the clock starts, then released together.
 
-It prints messages per second, the drains' and the emulator's CPU per message and how busy the
-machine was. If the
-processes do no better than the threads while the machine has CPU to spare, the lanes wait on
-what they share, not on each other. Nothing here is written to ``bench/results``.
+It prints messages per second, the CPU per message of the drains, the emulator and PostgreSQL
+(its postmaster and backends, read from /proc) and how busy the machine was. If the processes do
+no better than the threads while the machine has CPU to spare, the lanes wait on what they
+share, not on each other. With ``1`` among the lane counts, each count's speedup over one lane
+and its share per lane (speedup / lanes) follow. ``--update`` stores the result under
+``lane_processes`` in results files and regenerates ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +45,15 @@ from infrai_local.embedded_db import postgres_server_url  # noqa: E402
 from run_bench import PROVIDER_URL  # noqa: E402
 
 import bench_env  # noqa: E402
-from instruments import busy_percent, machine_cpu_ticks, pid_cpu_seconds  # noqa: E402
+from instruments import (  # noqa: E402
+    busy_percent,
+    machine_cpu_ticks,
+    pid_cpu_seconds,
+    postmaster_pid,
+    sample_busy_percent,
+    server_cpu_seconds,
+)
+from results_file import add_output_options, update_results  # noqa: E402
 
 _TIME_LEFT_MS = 600_000
 
@@ -111,55 +126,284 @@ def _figures(consumed: int, elapsed: float, cpu_s: float, busy_pct: float | None
     }
 
 
+def _cpu_ms_per_message(before: float | None, after: float | None, consumed: int) -> float | None:
+    # Includes the connections' set-up and, for processes, their start-up wait (idle).
+    if before is None or after is None:
+        return None
+    return round((after - before) * 1000 / max(consumed, 1), 3)
+
+
+def _measure(
+    spec: dict[str, Any], mode: str, lanes: int, scratch: Path, postgres: int | None
+) -> dict[str, Any]:
+    """One drain of ``spec``'s queue with ``lanes`` lanes in ``mode``, with what the emulator and
+    PostgreSQL spent meanwhile."""
+    emulator_pid = spec["emulator_pid"]
+    emulator_cpu0, postgres_cpu0 = pid_cpu_seconds(emulator_pid), _server_cpu(postgres)
+    figures = _threads(spec, lanes) if mode == "threads" else _processes(spec, lanes, scratch)
+    emulator_cpu1, postgres_cpu1 = pid_cpu_seconds(emulator_pid), _server_cpu(postgres)
+    consumed = figures["consumed"]
+    figures["emulator_cpu_ms_per_message"] = _cpu_ms_per_message(
+        emulator_cpu0, emulator_cpu1, consumed
+    )
+    figures["postgres_cpu_ms_per_message"] = _cpu_ms_per_message(
+        postgres_cpu0, postgres_cpu1, consumed
+    )
+    return figures
+
+
+def _server_cpu(pid: int | None) -> float | None:
+    return server_cpu_seconds(pid) if pid else None
+
+
+# --- what the runs come to (pure) --------------------------------------------------------------
+
+
+def lane_rows(runs: list[dict[str, Any]], nproc: int) -> list[dict[str, Any]]:
+    """Per mode and lane count, the median over rounds: throughput, speedup over one lane of the
+    same mode and its share per lane, and each process's CPU as a share of one core."""
+    rows = []
+    keys = sorted({(r["mode"], r["lanes"]) for r in runs}, key=lambda k: (k[0] != "threads", k))
+    for mode, lanes in keys:
+        same = [r for r in runs if (r["mode"], r["lanes"]) == (mode, lanes)]
+        rate = _median([r["messages_per_s"] for r in same])
+        row: dict[str, Any] = {"mode": mode, "lanes": lanes, "messages_per_s": rate}
+        for name in ("cpu", "emulator_cpu", "postgres_cpu"):
+            per_message = _median([r.get(f"{name}_ms_per_message") for r in same])
+            row[f"{name}_ms_per_message"] = per_message
+            # CPU ms per message x messages per second = ms per second: / 10 is % of one core.
+            row[f"{name}_pct"] = (
+                round(per_message * rate / 10, 1) if per_message is not None and rate else None
+            )
+        busy = _median([r.get("machine_busy_pct") for r in same])
+        row["machine_busy_pct"] = busy
+        row["machine_cpu_ms_per_message"] = (
+            round(busy / 100 * nproc * 1000 / rate, 3) if busy is not None and rate else None
+        )
+        row["verified"] = all(r["verified"] for r in same)
+        rows.append(row)
+    for row in rows:
+        one = next((r for r in rows if (r["mode"], r["lanes"]) == (row["mode"], 1)), None)
+        if one and one["messages_per_s"] and row["messages_per_s"]:
+            row["speedup"] = round(row["messages_per_s"] / one["messages_per_s"], 2)
+            row["per_lane"] = round(row["speedup"] / row["lanes"], 3)
+        else:
+            row["speedup"] = row["per_lane"] = None
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+def cpu_verdict(rows: list[dict[str, Any]], nproc: int, per_lane_target: float) -> str:
+    """Whether the machine's CPUs could carry the widest threads run at the per-lane target:
+    the whole machine's CPU per message (other work included) and the benchmark's own (the
+    drain, the emulator, PostgreSQL), each against what that target needs."""
+    threads = [r for r in rows if r["mode"] == "threads"]
+    one = next((r for r in threads if r["lanes"] == 1), None)
+    widest = max(threads, key=lambda r: r["lanes"], default=None)
+    if one is None or widest is None or widest["lanes"] == 1:
+        return ""
+    machine_ms = widest["machine_cpu_ms_per_message"]
+    if not machine_ms:
+        return ""
+    lanes = widest["lanes"]
+    ceiling = nproc * 1000 / machine_ms
+    needed = per_lane_target * lanes * one["messages_per_s"]
+    own = [widest[f"{name}_ms_per_message"] for name in ("cpu", "emulator_cpu", "postgres_cpu")]
+    own_ms = sum(own) if None not in own else None
+    text = (
+        f"At {lanes} lanes the machine (the drain, the emulator, PostgreSQL and everything else "
+        f"running) spent {machine_ms:.2f} ms of CPU per message at "
+        f"{widest['machine_busy_pct']:g}% busy, so its {nproc} CPUs could drain at most about "
+        f"{ceiling:,.0f} msg/s however the lanes were arranged"
+        + (
+            f"; the benchmark's own processes spent {own_ms:.2f} ms of it (drain "
+            f"{own[0]:.2f}, emulator {own[1]:.2f}, PostgreSQL {own[2]:.2f}), about "
+            f"{nproc * 1000 / own_ms:,.0f} msg/s on CPUs of their own"
+            if own_ms
+            else ""
+        )
+        + f". {lanes} lanes at {per_lane_target:g} per lane need {needed:,.0f} msg/s "
+        f"({per_lane_target:g} x {lanes} x {one['messages_per_s']:,.1f}). "
+    )
+    if widest["per_lane"] is not None and widest["per_lane"] >= per_lane_target:
+        return text + f"They reached {widest['per_lane']:.2f} per lane: the target is met here."
+    if ceiling < needed:
+        return text + "**The CPUs are what stops it here.**"
+    return text + "The CPUs had room for it: something else held the lanes back."
+
+
+PER_LANE_TARGET = 0.9
+BUSY_BEFORE_PCT = 20.0  # report.BACKGROUND_WARNING_PCT's threshold
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    """Its section of ``docs/performance.md`` (``report.py`` renders it when a results file
+    holds one)."""
+    config = result["config"]
+    nproc = config["nproc"]
+    before, after = result["load_average_before"], result["load_average_after"]
+    lines = [
+        "## Lanes on a fixed workload (issue 47)",
+        "",
+        f"Measured by `bench/lane_processes.py` ({result['measured_at']}, "
+        f"{result['duration_s']:.0f} s; load average {before[0]:g}, {before[1]:g}, {before[2]:g}"
+        f" before and {after[0]:g}, {after[1]:g}, {after[2]:g} after, on {nproc} CPUs shared "
+        f"with other work). Every run drains the same {config['jobs']:,} `invoice.finalize` "
+        f"messages ({config['unique_jobs']:,} distinct jobs + {config['duplicate_publishes']:,} "
+        f"duplicate publishes) at {config['latency_ms']:g} ms per Infrai call, whatever its "
+        f"lane count, on a fresh queue and database; {config['rounds']} round(s). **threads** "
+        "is DrainFunction's `DRAIN_LANES` (N threads in one process, one shared client); "
+        "**processes** is N one-lane processes released together. CPU is each part's share of "
+        "one core over the drain: the drain process(es) (their own clock), the emulator and "
+        "PostgreSQL (postmaster and backends) from /proc, the machine from /proc/stat. The "
+        f"issue's target is {PER_LANE_TARGET:g} per lane up to 4 lanes.",
+        "",
+        "| lanes | mode | msg/s | speedup | per lane | drain CPU % | emulator CPU % "
+        "| PostgreSQL CPU % | machine busy % | machine CPU ms/msg | verified |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in sorted(result["rows"], key=lambda r: (r["lanes"], r["mode"] != "threads")):
+        cells = [
+            str(row["lanes"]),
+            row["mode"],
+            _cell(row["messages_per_s"]),
+            "-" if row["speedup"] is None else f"{row['speedup']:.2f}x",
+            "-" if row["per_lane"] is None else f"{row['per_lane']:.2f}",
+            _cell(row["cpu_pct"]),
+            _cell(row["emulator_cpu_pct"]),
+            _cell(row["postgres_cpu_pct"]),
+            _cell(row["machine_busy_pct"]),
+            _cell(row["machine_cpu_ms_per_message"], 2),
+            "yes" if row["verified"] else "NO",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    verdict = cpu_verdict(result["rows"], nproc, PER_LANE_TARGET)
+    lines += ["", *([verdict, ""] if verdict else [])]
+    busy = [
+        f"{r['lanes']} lane{'s' if r['lanes'] != 1 else ''} as {r['mode']}: "
+        f"{r['background_busy_pct']:g}%"
+        for r in result["runs"]
+        if (r.get("background_busy_pct") or 0) > BUSY_BEFORE_PCT
+    ]
+    if busy:
+        lines += [
+            f"Other work kept the machine more than {BUSY_BEFORE_PCT:g}% busy just before "
+            f"{len(busy)} of these runs ({'; '.join(busy)}); their figures may be skewed, and "
+            "the machine's CPU per message counts that work too.",
+            "",
+        ]
+    lines += [
+        "Reproduce with `.venv/bin/python bench/lane_processes.py --lanes "
+        f"{','.join(str(n) for n in config['lanes'])} --jobs {config['jobs']} --rounds "
+        f"{config['rounds']} --update bench/results/latest.json`.",
+        "",
+    ]
+    return lines
+
+
+def _cell(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def _counts(text: str) -> list[int]:
+    values = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError("lane counts are positive integers, e.g. 1,2,4")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    modes = [part.strip() for part in text.split(",") if part.strip()]
+    if not modes or set(modes) - {"threads", "processes"}:
+        raise argparse.ArgumentTypeError("modes are threads and processes")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lanes", type=int, default=8)
-    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--lanes", type=_counts, default=[8], help="lane counts, e.g. 1,2,4")
+    parser.add_argument("--jobs", type=int, default=10_000, help="messages of every run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--latency-ms", type=float, default=25.0)
+    parser.add_argument("--modes", type=_modes, default=["threads", "processes"])
+    add_output_options(
+        parser,
+        update_help="store the result under lane_processes in these results files and "
+        "regenerate the chart and docs/performance.md from the first",
+    )
     parser.add_argument("--lane", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.lane:
         _lane_process(json.loads(args.lane[0]), Path(args.lane[1]))
         return 0
+    started_at, started = datetime.now(UTC), time.monotonic()
+    load_before = [round(v, 2) for v in os.getloadavg()]
     workload = bench_env.Workload(args.jobs, 0.3, 9)
+    runs: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory(prefix="infrai-lanes-") as scratch,
         postgres_server_url() as server_url,
     ):
+        postgres = postmaster_pid(server_url)
         emulator = bench_env.EmulatorProcess()
         try:
             for round_no in range(1, args.rounds + 1):
-                for mode in ("threads", "processes"):
-                    name = f"bench-lanes-{mode}-{round_no}"
-                    with bench_env.prepared_run(server_url, emulator, name, workload) as run:
-                        spec = {
-                            "database_url": run.database_url,
-                            "emulator_url": emulator.url,
-                            "api_key": bench_env.API_KEY,
-                            "queue": run.queue,
-                            "provider_url": PROVIDER_URL,
-                        }
-                        emulator.set_latency(args.latency_ms)
-                        emulator_cpu0 = pid_cpu_seconds(emulator.pid)
-                        if mode == "threads":
-                            figures = _threads(spec, args.lanes)
-                        else:
-                            figures = _processes(spec, args.lanes, Path(scratch))
-                        emulator_cpu1 = pid_cpu_seconds(emulator.pid)
-                        emulator.set_latency(0)
-                        if emulator_cpu0 is not None and emulator_cpu1 is not None:
-                            # Includes the processes' start-up wait, when the emulator idles.
-                            figures["emulator_cpu_ms_per_message"] = round(
-                                (emulator_cpu1 - emulator_cpu0)
-                                * 1000
-                                / max(figures["consumed"], 1),
-                                3,
-                            )
-                        figures["verified"] = bench_env.verify(run, emulator)["ok"]
-                    print(f"round {round_no}, {args.lanes} lanes as {mode}: {json.dumps(figures)}")
+                for lanes in args.lanes:
+                    for mode in args.modes:
+                        name = f"bench-lanes-{mode}-{lanes}-{round_no}"
+                        with bench_env.prepared_run(server_url, emulator, name, workload) as run:
+                            spec = {
+                                "database_url": run.database_url,
+                                "emulator_url": emulator.url,
+                                "emulator_pid": emulator.pid,
+                                "api_key": bench_env.API_KEY,
+                                "queue": run.queue,
+                                "provider_url": PROVIDER_URL,
+                            }
+                            background = sample_busy_percent(0.5)
+                            emulator.set_latency(args.latency_ms)
+                            figures = _measure(spec, mode, lanes, Path(scratch), postgres)
+                            emulator.set_latency(0)
+                            figures["verified"] = bench_env.verify(run, emulator)["ok"]
+                        figures |= {"round": round_no, "mode": mode, "lanes": lanes}
+                        figures["background_busy_pct"] = background
+                        runs.append(figures)
+                        print(
+                            f"round {round_no}, {lanes} lanes as {mode}: {json.dumps(figures)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         finally:
             emulator.stop()
+    nproc = len(os.sched_getaffinity(0))
+    result = {
+        "measured_at": started_at.isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - started, 1),
+        "load_average_before": load_before,
+        "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        "config": {
+            "jobs": workload.messages,
+            "unique_jobs": workload.unique,
+            "duplicate_publishes": workload.duplicates,
+            "latency_ms": args.latency_ms,
+            "rounds": args.rounds,
+            "lanes": args.lanes,
+            "modes": args.modes,
+            "nproc": nproc,
+        },
+        "rows": lane_rows(runs, nproc),
+        "runs": runs,
+    }
+    if args.update:
+        update_results(args.update, lambda _path, document: document.update(lane_processes=result))
+    print(json.dumps(result, indent=2) if args.json else "\n".join(markdown(result)))
     return 0
 
 

@@ -264,9 +264,19 @@ def _flow_target(document: dict[str, Any]) -> dict[str, Any]:
 # --- files -------------------------------------------------------------------------------------
 
 
+# Parts a script of their own measures and stores with ``--update``: a full run keeps them from
+# the results file it replaces, so the page still shows them (each section gives its own date).
+MEASURED_APART = ("lane_processes", "many_drains")
+
+
 def write_all(document: dict[str, Any], out: Path, docs: Path) -> list[Path]:
     document["cost"] = cost.per_million(document, cost.DrainShape.from_template())
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "latest.json").exists():
+        previous = json.loads((out / "latest.json").read_text())
+        for part in MEASURED_APART:
+            if previous.get(part) and not document.get(part):
+                document[part] = previous[part]
     stamp = datetime.fromisoformat(document["started_at"]).strftime("%Y%m%dT%H%M%SZ")
     text = json.dumps(document, indent=2) + "\n"
     written = [out / f"bench-{stamp}.json", out / "latest.json"]
@@ -401,6 +411,7 @@ def render_markdown(document: dict[str, Any], chart: Path) -> str:
         _cold_start_section,
         _second_layer_section,
         _flow_section,
+        _measured_apart_section,
         _method_section,
     ):
         lines.extend(section(document))
@@ -585,10 +596,8 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
         "worker process, each running `drain()` with its own `PostgresLedger`, all sharing one "
         f"`InfraiClient` whose pool keeps {HTTP_CONNECTIONS_PER_LANE} connections per lane, on "
         "the same queue and ledger "
-        f"(N x {document['config']['jobs']:,} messages, one run per N, so that every run "
-        "lasts about as long and the lanes' start and their last, empty consumes weigh the "
-        f"same in each). The emulator, PostgreSQL and the worker share this machine's {nproc} "
-        "CPUs.",
+        + _lane_messages(document["config"])
+        + f" The emulator, PostgreSQL and the worker share this machine's {nproc} CPUs.",
         "",
         "| lanes | msg/s | speedup | target | batch p50 ms | batch p99 ms "
         "| work while the consume travels, p50 ms | then waiting for it, p50 ms | worker CPU % "
@@ -626,6 +635,15 @@ def _lanes_section(document: dict[str, Any]) -> list[str]:
         *_lambda_sizing(scaling, nproc),
     ]
     return [*lines, ""]
+
+
+def _lane_messages(config: dict[str, Any]) -> str:
+    if config.get("lane_messages"):
+        return f"({config['lane_messages']:,} messages whatever N, one run per N)."
+    return (
+        f"(N x {config['jobs']:,} messages, one run per N, so that every run lasts about as "
+        "long and the lanes' start and their last, empty consumes weigh the same in each)."
+    )
 
 
 # Lambda allocates CPU in proportion to memory: 1,769 MB is one full vCPU (AWS documentation).
@@ -1203,6 +1221,20 @@ def _flow_section(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _measured_apart_section(document: dict[str, Any]) -> list[str]:
+    """The parts in ``MEASURED_APART``, each rendered by the script that measures it."""
+    lines: list[str] = []
+    if document.get("lane_processes"):
+        import lane_processes  # noqa: PLC0415 - it imports the drain's modules
+
+        lines += lane_processes.markdown(document["lane_processes"])
+    if document.get("many_drains"):
+        import many_drains  # noqa: PLC0415 - it imports the drain's modules
+
+        lines += many_drains.markdown(document["many_drains"])
+    return lines
+
+
 def _per_drain_header(rounds: int, *columns: str) -> list[str]:
     """The head of a receipt benchmark's table: one column of medians per mode."""
     over = f" of {rounds} rounds" if rounds > 1 else ""
@@ -1256,6 +1288,10 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "  # what a limited job costs alone, about a minute",
         ".venv/bin/python bench/lane_processes.py     # N lanes as threads vs as processes, "
         "about 2 minutes",
+        ".venv/bin/python bench/lane_processes.py --lanes 1,2,4 --jobs 9000 --rounds 1 "
+        "--update bench/results/latest.json  # lanes on a fixed 9,000 messages, about 5 minutes",
+        "make bench-many                              # many drains under a connection limit, "
+        "direct and through PgBouncer, about a minute",
         ".venv/bin/python bench/report.py             # this page and the chart from latest.json",
         "```",
         "",

@@ -10,7 +10,8 @@ process, ``--latency-ms`` injected on every /v1 call while a drain is measured) 
 1. ``--rounds`` rounds of (a) the notes' loop and (b) ``infrai_jobs.drain.loop.drain``, alternating
    (a), (b), (a), (b)..., each on a fresh queue holding ``--jobs`` messages (``--duplicates`` of
    them repeat publishes of another message's job), each in its own process (``worker.py``);
-2. (b) in N concurrent lanes for each N of ``--lanes``, draining N x ``--jobs`` messages;
+2. (b) in N concurrent lanes for each N of ``--lanes``, draining N x ``--jobs`` messages (or
+   ``--lane-messages`` whatever N);
 3. (b) draining ``--rss-jobs`` messages, for peak memory;
 4. latency and scale (``scale_bench.py``): publish -> effect latency of a trickle of
    ``--trickle-jobs`` (one every 250 ms) with ``DRAIN_IDLE_POLL_MS`` ``--idle-poll-ms`` against
@@ -270,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=2, help="rounds of (a) then (b) (%(default)s)"
     )
     parser.add_argument("--lanes", type=_lanes, default=[1, 2, 4, 8], help="(%(default)s)")
+    parser.add_argument(
+        "--lane-messages",
+        type=_positive,
+        default=None,
+        help="messages of every lanes run, whatever its lane count (default: lanes x --jobs)",
+    )
     _add_skippable(
         parser, "--rss-jobs", None, "messages of the memory run (default 4 x --jobs, so 20,000)"
     )
@@ -395,8 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0912, PLR0915 - 
             for lanes in args.lanes:
                 # --jobs per lane: every run lasts about as long, so the start-up and the last
                 # empty consumes weigh the same in each (a fixed count made the 8-lane run 2 s).
-                print(f"lanes: {lanes} ({args.jobs * lanes} messages)", file=sys.stderr)
-                lane_work = Workload(args.jobs * lanes, args.duplicates, args.seed)
+                messages = args.lane_messages or args.jobs * lanes
+                print(f"lanes: {lanes} ({messages} messages)", file=sys.stderr)
+                lane_work = Workload(messages, args.duplicates, args.seed)
                 lane_runs.append(measure(bench, f"lanes{lanes}", "drain", lane_work, lanes))
             if args.trickle_jobs > 0 or args.backlog_jobs > 0:
                 scale = _scale(args, bench)
@@ -579,6 +587,7 @@ def assemble(
             "batch_size": CONSUME_CAP,
             "rounds": args.rounds,
             "lanes": args.lanes,
+            "lane_messages": args.lane_messages,
             "rss_jobs": args.rss_jobs,
             "seed": args.seed,
             "db_trace": not args.no_db_trace,

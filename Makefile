@@ -225,6 +225,33 @@ build: ca-bundle-check connection-budget-check $(SAM_STAMP)
 		exit 1; \
 	fi
 
+# A team's project as `infrai-jobs init` writes it, with the two jobs a first week adds (a
+# database one; an external one with a setting, retries, a rate limit and a concurrency key),
+# built by sam build on this version's wheel through PIP_FIND_LINKS, as an offline team builds
+# a version not yet published: the layer gets infrai_jobs (and its handlers) from pip, the
+# functions only the team's jobs. Then `sam validate --lint`. .ci/run runs it after make build.
+PROJECT_CHECK := build/project-check
+PROJECT_SAM := SAM_CLI_TELEMETRY=0 $(CURDIR)/$(SAM_VENV)/bin/sam
+.PHONY: project-build
+project-build: $(STAMP) $(SAM_STAMP)
+	@[[ -n "$(PYTHON313)" ]] || { echo "make project-build: needs python3.13 (see make build)" >&2; exit 1; }
+	rm -rf $(PROJECT_CHECK) && mkdir -p $(PROJECT_CHECK)
+	$(MAKE) --no-print-directory dist DIST_DIR=$(PROJECT_CHECK)/dist
+	$(BIN)/infrai-jobs init $(PROJECT_CHECK)/payments --name payments-jobs
+	cd $(PROJECT_CHECK)/payments && export INFRAI_JOBS_PATH=$$PWD/functions && \
+		$(CURDIR)/$(BIN)/infrai-jobs new-job ledger.entry --effect database --identity entry_id && \
+		$(CURDIR)/$(BIN)/infrai-jobs new-job payout.send --effect external --identity payout_id \
+			--setting PAYOUT_URL --retry-attempts 5 --rate-per-second 10 --concurrency-key account_id
+	cd $(PROJECT_CHECK)/payments && PIP_FIND_LINKS=$(CURDIR)/$(PROJECT_CHECK)/dist \
+		PATH="$(dir $(PYTHON313)):$$PATH" $(PROJECT_SAM) build && $(PROJECT_SAM) validate --lint
+	@layer=$(PROJECT_CHECK)/payments/.aws-sam/build/Framework/CommonLayer/python; \
+	for f in infrai_jobs/handlers/drain.py psycopg/__init__.py aws_lambda_powertools/__init__.py; do \
+		[[ -f "$$layer/$$f" ]] || { echo "make project-build: the built layer lacks $$f" >&2; exit 1; }; \
+	done; \
+	[[ -f $(PROJECT_CHECK)/payments/.aws-sam/build/Framework/DrainFunction/jobs/payout_send.py ]] || \
+		{ echo "make project-build: the drain's code lacks the team's job" >&2; exit 1; }; \
+	echo "make project-build: a project made by init builds and validates on this version's wheel"
+
 # The layer's lock, layers/common/requirements.txt (the file sam build pip-installs): every
 # package the layer gets, transitive ones included, pinned with the hashes of all its files,
 # resolved by pip-tools under Python 3.13 (the runtime) from the direct requirements in

@@ -556,7 +556,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
         f"wrote the project {args.name} in {directory} ({len(written)} files) on infrai-jobs "
         f"{__version__}:"
     )
-    print(f"  cd {directory} && make test   # then: infrai-jobs new-job NAME ...; make demo")
+    print(f"  cd {directory} && make test   # makes .venv with this version, runs the tests")
+    print("  .venv/bin/infrai-jobs new-job NAME --effect ... --identity ...   # then: make demo")
     return EXIT_OK
 
 

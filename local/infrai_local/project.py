@@ -480,8 +480,8 @@ claimed in a PostgreSQL ledger before it runs and acked only when its outcome is
     make test    # our tests, on the framework's test kit
 
 `make` installs the pinned infrai-jobs with pip from your package index (or from a folder of
-wheels named by PIP_FIND_LINKS). `infrai-jobs new-job NAME --effect ... --identity ...` adds a
-job; `make build` (`sam build`) and `make validate` need the SAM CLI.
+wheels named by PIP_FIND_LINKS) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
+--identity ...` adds a job; `make build` (`sam build`) and `make validate` need the SAM CLI.
 
 ## Whose files are whose
 

@@ -208,8 +208,20 @@ ca-bundle-check: $(STAMP)
 connection-budget-check: $(STAMP)
 	@$(BIN)/python -m infrai_local.connection_budget --config-env "$(CONFIG_ENV)"
 
+# The jobs' settings and secrets (docs/configuration.md, "Jobs' settings and secrets"): the
+# template carries them in one JSON parameter, JobSettings, which CloudFormation cannot look
+# into, so the build stops on a setting a job declares that is missing, still SET-ME or not an
+# https:// URL, and on a secret whose ARN is not in JobSecretArns, one line each.
+# JOB_SETTINGS_CHECK=off for a build that is never deployed (CI's, on the shipped SET-ME).
+JOB_SETTINGS_CHECK ?= on
+.PHONY: job-settings-check
+job-settings-check: $(STAMP)
+	@if [[ "$(JOB_SETTINGS_CHECK)" != "off" ]]; then \
+		$(BIN)/python -m infrai_local.job_settings_check --config-env "$(CONFIG_ENV)"; \
+	fi
+
 # The checks come first, before the SAM CLI is installed or anything is built.
-build: ca-bundle-check connection-budget-check $(SAM_STAMP)
+build: ca-bundle-check connection-budget-check job-settings-check $(SAM_STAMP)
 	@if [[ " $(SAM_BUILD_FLAGS) " == *" --use-container "* ]]; then \
 		echo "sam build $(SAM_BUILD_FLAGS) (in Lambda's build image)"; \
 		$(SAM) build $(SAM_BUILD_FLAGS); \

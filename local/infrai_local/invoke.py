@@ -10,9 +10,12 @@ Architectures (python3.13 on arm64): ``make build`` and ``.ci/check_build.py`` c
 child gets a Lambda context whose remaining time counts down from the function's Timeout, and is
 killed when it runs out.
 
-A job's secret is passed as ``sam local invoke`` passes it, by its ``NAME_SECRET_ARN`` (the
-function fetches it with the shell's AWS credentials); with none named, the shell's plain
-``NAME`` is passed, and in a sandbox a stand-in value (``PARITY_GAPS`` says so).
+The jobs' settings and secrets' ARNs reach the function in one variable, ``JOB_SETTINGS`` (the
+template's JobSettings, or the env-vars file's JSON string): an entry it leaves empty is filled in
+there, from the shell or a stand-in, as any other variable would be. A job's secret is passed as
+``sam local invoke`` passes it, by its ``NAME_SECRET_ARN`` (the function fetches it with the
+shell's AWS credentials); with none named, the shell's plain ``NAME`` is passed, and in a sandbox
+a stand-in value (``PARITY_GAPS`` says so).
 
 Local stand-ins, all or nothing as everywhere in this project (``local_services``): a variable the
 function's environment leaves empty is taken from the shell when set there, and an endpoint only
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from infrai_jobs.config.settings import SECRET_ARN_SUFFIX
+from infrai_jobs.config.settings import JOB_SETTINGS_ENV, SECRET_ARN_SUFFIX
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.postgres import describe
 from infrai_local.sam_template import (
@@ -303,14 +307,14 @@ _ENDPOINTS = (QUEUE_ENDPOINT, LEDGER_ENDPOINT, "DATABASE_SECRET_ARN")
 
 def job_setting_owners(spec: FunctionSpec) -> dict[str, tuple[str, ...]]:
     """The settings the jobs in the function's code declared that its environment carries (the
-    template names them on the functions that run jobs), with the jobs that declared each."""
+    template gives the functions that run jobs ``JOB_SETTINGS``, which carries every one), with
+    the jobs that declared each."""
     return _declared_in_environment(spec, secrets=False)
 
 
 def job_secret_owners(spec: FunctionSpec) -> dict[str, tuple[str, ...]]:
     """The secrets the jobs in the function's code declared whose ``NAME_SECRET_ARN`` its
-    environment carries (the template names them where a job's secret is read), with their
-    jobs."""
+    environment carries (in ``JOB_SETTINGS``), with their jobs."""
     return _declared_in_environment(spec, secrets=True)
 
 
@@ -322,7 +326,66 @@ def _declared_in_environment(spec: FunctionSpec, *, secrets: bool) -> dict[str, 
     registry = load_registry(str(spec.code_uri))
     declared = registry.declared_secrets() if secrets else registry.declared_settings()
     suffix = SECRET_ARN_SUFFIX if secrets else ""
-    return {name: jobs for name, jobs in declared.items() if name + suffix in spec.environment}
+    carried = JOB_SETTINGS_ENV in spec.environment
+    return {
+        name: jobs
+        for name, jobs in declared.items()
+        if carried or name + suffix in spec.environment
+    }
+
+
+def _job_settings_map(spec: FunctionSpec) -> dict[str, str] | None:
+    """The function's ``JOB_SETTINGS`` (the template's JobSettings, or the env-vars file's), or
+    None when its environment has none; refused here, as the function would refuse it, when it
+    is not a JSON object of strings."""
+    if JOB_SETTINGS_ENV not in spec.environment:
+        return None
+    try:
+        mapped = json.loads(spec.environment[JOB_SETTINGS_ENV] or "{}")
+    except ValueError:
+        mapped = None
+    if not isinstance(mapped, dict) or not all(isinstance(v, str) for v in mapped.values()):
+        raise ConfigurationError(
+            f"{spec.logical_id}'s {JOB_SETTINGS_ENV} is not a JSON object of strings "
+            '(e.g. {"NAME": ""}): see the env-vars file, or the JobSettings parameter'
+        )
+    return mapped
+
+
+def _unfolded(
+    spec: FunctionSpec,
+) -> tuple[FunctionSpec, dict[str, tuple[str, ...]], list[str]]:
+    """``spec`` with each of the jobs' settings and secrets' ARNs that ``JOB_SETTINGS`` carries
+    as a variable of its own, so that the shell and the stand-ins fill them in as any other
+    (``_folded`` puts what they filled back into ``JOB_SETTINGS``); the settings' owners; and
+    the names it carries."""
+    owners = job_setting_owners(spec)
+    names = [*owners, *(name + SECRET_ARN_SUFFIX for name in job_secret_owners(spec))]
+    mapped = _job_settings_map(spec)
+    if mapped is None:
+        return spec, owners, names
+    unfolded = {name: mapped.get(name, "") for name in names if not spec.environment.get(name)}
+    template_only = set(spec.template_only)
+    if JOB_SETTINGS_ENV in spec.template_only:
+        template_only |= set(unfolded)
+    unfolded_spec = dataclasses.replace(
+        spec,
+        environment={**spec.environment, **unfolded},
+        template_only=frozenset(template_only),
+    )
+    return unfolded_spec, owners, names
+
+
+def _folded(spec: FunctionSpec, names: Sequence[str], values: dict[str, str]) -> dict[str, str]:
+    """``values`` with those of ``names`` moved into the function's ``JOB_SETTINGS``: SAM passes
+    the function only the variables its template declares, and the template declares the map."""
+    mapped = _job_settings_map(spec)
+    moved = {name: values.pop(name) for name in names if name in values}
+    if mapped is not None and moved:
+        values[JOB_SETTINGS_ENV] = json.dumps({**mapped, **moved})
+    elif moved:
+        values.update(moved)
+    return values
 
 
 def _job_secrets(
@@ -374,7 +437,7 @@ def local_services(
     """
     say = announce if announce is not None else _to_stderr
     from_shell = os.environ if shell is None else shell
-    owners = job_setting_owners(spec)
+    spec, owners, carried = _unfolded(spec)
     secret_values, unset_secrets = _job_secrets(spec, spec.environment, from_shell, say)
     # An endpoint only the template's defaults name (InfraiBaseUrl's hosted service) is not
     # one the user chose: it counts as unset, and is never passed on to the function.
@@ -438,7 +501,7 @@ def local_services(
             sink = provider_sink.start_in_thread()
             stack.callback(sink.stop)
             values.update(dict.fromkeys((name for name in plan if name in owners), sink.url))
-        yield values
+        yield _folded(spec, carried, values)
 
 
 @contextlib.contextmanager
@@ -592,10 +655,12 @@ where it differs from sam local invoke:
     a parameter (QueueName=...) changes every variable that refers to it.
   - A variable the template and --env-vars leave empty is taken from this shell; SAM never
     reads the shell into the function.
-  - A job's secret: NAME_SECRET_ARN is passed as SAM passes it (the function then fetches the
-    secret from Secrets Manager with your AWS credentials); where none is named, the shell's
-    plain NAME is passed too, and in a sandbox a stand-in value. SAM passes only variables
-    the template declares, and the template declares NAME_SECRET_ARN only.
+  - A job's setting or NAME_SECRET_ARN left empty in JOB_SETTINGS is taken from this shell
+    too, and written into JOB_SETTINGS (the one variable the template declares for them).
+  - A job's secret: NAME_SECRET_ARN is passed as SAM passes it, in JOB_SETTINGS (the function
+    then fetches the secret from Secrets Manager with your AWS credentials); where none is
+    named, the shell's plain NAME is passed too, and in a sandbox a stand-in value. SAM passes
+    only variables the template declares, and the template declares JOB_SETTINGS only.
   - The handler runs on this machine's Python with the virtualenv's packages, not python3.13
     on arm64 in Lambda's image.
 """

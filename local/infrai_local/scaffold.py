@@ -15,10 +15,10 @@ the installed jobs package belongs to:
   stand-in provider serves the routes its handler and probe call);
 * ``events/jobs/refund.issue.json``, a sample payload for ``infrai-jobs publish``;
 * for each setting it declares (``--setting NAME``, repeatable; an ``external`` job's default is
-  ``REFUND_ISSUE_URL``) that no job declared before: the template parameter and the entries in
-  the functions' ``Environment``, ``events/env.json``, ``docs/configuration.md`` and a
-  placeholder in ``samconfig.toml`` that a deploy refuses until it is replaced
-  (``scaffold_settings``).
+  ``REFUND_ISSUE_URL``) and each secret (``--secret NAME``) that no job declared before: an entry
+  in the ``JobSettings`` (and for a secret ``JobSecretArns``) of ``samconfig.toml``'s deploy
+  sections, a placeholder that ``make build`` refuses until it is replaced, and one in the
+  ``JOB_SETTINGS`` of ``events/env.json`` (``scaffold_settings``). No template is edited.
 
 Every path is the project's that holds the jobs package: the nearest folder above its code
 root with a ``template.yaml`` (the SAM project whose functions import it), wherever the command
@@ -45,17 +45,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from infrai_jobs.config.settings import SECRET_ARN_SUFFIX, secret_parameter_name
+from infrai_jobs.config.settings import SECRET_ARN_SUFFIX
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
 from infrai_local.public_imports import PUBLIC_API
 from infrai_local.scaffold_settings import (
+    JOB_SECRET_ARNS_PARAMETER,
+    JOB_SETTINGS_PARAMETER,
     PLACEHOLDER,
-    parameter_name,
-    plan_secret_edits,
     plan_setting_edits,
+    secret_arn_placeholder,
 )
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
@@ -359,18 +360,17 @@ def plan(job: NewJob, project: Path, jobs_folder: Path, registry: JobRegistry) -
         files[imports_test] = _IMPORTS_TEST
     registry_file = jobs_folder / "__init__.py"
     declared = list(registry.declared_settings())
-    new_settings = [s for s in job.settings if s not in declared]
-    edits = plan_setting_edits(project, job.name, new_settings, declared)
     declared_secrets = list(registry.declared_secrets())
-    new_secrets = [s for s in job.secrets if s not in declared_secrets]
     if set(job.settings) & set(declared_secrets) or set(job.secrets) & set(declared):
         raise ConfigurationError(
             "a job already declares one of these names as a setting where it is a secret, or "
             "the other way round: nothing was written"
         )
-    beside = [parameter_name(s) for s in (*declared, *new_settings)]
-    beside += [secret_parameter_name(s) for s in declared_secrets]
-    plan_secret_edits(project, job.name, new_secrets, beside, edits)
+    edits = plan_setting_edits(
+        project,
+        [s for s in job.settings if s not in declared],
+        [s for s in job.secrets if s not in declared_secrets],
+    )
     return Scaffold(
         files,
         registry_file,
@@ -402,15 +402,19 @@ def next_steps(
     for setting in job.settings:
         lines += [
             f"  Set {setting} to the URL the job calls. Locally, export it or put it in",
-            "  events/env.json for `infrai-jobs invoke` (the provider sink stands in until then).",
-            f"  In AWS, replace {parameter_name(setting)}={PLACEHOLDER} in samconfig.toml's "
-            "parameter_overrides:",
-            "  a deploy refuses the placeholder, as it refuses one without a value.",
+            "  events/env.json's JOB_SETTINGS for `infrai-jobs invoke` (the provider sink stands",
+            f"  in until then). In AWS, replace its {PLACEHOLDER} in {JOB_SETTINGS_PARAMETER} "
+            "in samconfig.toml's",
+            "  parameter_overrides: `make build` refuses a deploy while it is there.",
         ]
     for secret in job.secrets:
+        arn = f"{secret}{SECRET_ARN_SUFFIX}"
         lines += [
-            f"  Store {secret} in Secrets Manager and give its ARN to the template parameter",
-            f"  {secret_parameter_name(secret)}. Locally, export {secret} (a sandbox stands in).",
+            f"  Store {secret} in Secrets Manager, and in samconfig.toml give its ARN as {arn}",
+            f"  in {JOB_SETTINGS_PARAMETER} and in {JOB_SECRET_ARNS_PARAMETER} (instead of "
+            f"{secret_arn_placeholder(secret)}): the functions",
+            f"  may read only the secrets listed there. Locally, export {secret} (a sandbox "
+            "stands in).",
         ]
     if job.probed:
         lines += [

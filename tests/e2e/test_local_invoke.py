@@ -743,9 +743,10 @@ def test_invoke_forwards_the_shells_aws_credentials_region_and_endpoint(
         poison = {"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1}
         _dead_letter(services, poison)
         env_vars = tmp_path / "env.json"
-        env_vars.write_text(
-            json.dumps({"Parameters": services, "DlqAlertFunction": {"ALERT_TOPIC_ARN": topic}})
-        )
+        # (the jobs' settings in the watcher's JOB_SETTINGS, as events/env.json gives them)
+        settings = fixture_jobs.provider_settings(services["MAIL_PROVIDER_URL"])
+        watcher = {"ALERT_TOPIC_ARN": topic, "JOB_SETTINGS": json.dumps(settings)}
+        env_vars.write_text(json.dumps({"Parameters": services, "DlqAlertFunction": watcher}))
         # When DlqAlertFunction is invoked from that shell
         finished = _invoke_from_shell(
             project,
@@ -789,3 +790,19 @@ def test_a_jobs_setting_exported_in_the_shell_reaches_the_function_as_in_sam(
     assert "sandbox" not in finished.stderr
     state = urllib3.request("GET", f"{services['MAIL_PROVIDER_URL']}/_sink/state").json()
     assert state["mail_effects"] == 1
+
+
+def test_a_job_settings_map_that_is_not_json_stops_the_invocation_before_anything_runs(
+    services: dict[str, str], tmp_path: Path, project: Path
+) -> None:
+    # Given an env-vars file whose DrainFunction JOB_SETTINGS is not a JSON object of strings
+    env_vars = tmp_path / "env.json"
+    env_vars.write_text(json.dumps({"DrainFunction": {"JOB_SETTINGS": '{"MAIL_PROVIDER_URL": 1}'}}))
+    # When DrainFunction is invoked
+    finished = _invoke_from_shell(
+        project, "DrainFunction", "events/drain-schedule.json", env_vars, env=clean_env(**services)
+    )
+    # Then it is a configuration error naming the variable, and no handler ran
+    assert finished.returncode == 2, finished.stdout + finished.stderr
+    assert "DrainFunction's JOB_SETTINGS is not a JSON object of strings" in finished.stderr
+    assert "END DrainFunction" not in finished.stderr

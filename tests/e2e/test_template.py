@@ -858,6 +858,83 @@ def test_job_policies_reach_the_drain_from_a_parameter_empty_by_default() -> Non
     assert drain["JOB_POLICIES"] == {"Ref": "JobPolicies"}
 
 
+def test_the_jobs_settings_reach_the_two_functions_that_run_jobs_in_one_parameter() -> None:
+    # Given the template's JobSettings parameter and its functions' environments
+    template = load_template()
+    parameter = template["Parameters"]["JobSettings"]
+    environments = {
+        name: props["Environment"]["Variables"] for name, props in functions(template).items()
+    }
+    # Then it is a string holding an empty JSON object by default, passed as JOB_SETTINGS to
+    # the drain (which runs the jobs) and the watcher (their probes) and to no other function
+    assert (parameter["Type"], parameter["Default"]) == ("String", "{}")
+    assert json.loads(parameter["Default"]) == {}
+    given = {name for name, env in environments.items() if "JOB_SETTINGS" in env}
+    assert given == {"DrainFunction", "DlqAlertFunction"}
+    for name in given:
+        assert environments[name]["JOB_SETTINGS"] == {"Ref": "JobSettings"}
+
+
+def test_the_template_names_no_setting_or_secret_of_any_job() -> None:
+    # Given the settings and secrets jobs declare (the framework tests' jobs, which declare what
+    # the example jobs do), and the name of a secret's ARN
+    from fixture_jobs import build_registry  # noqa: PLC0415
+
+    registry = build_registry()
+    assert registry.declared_settings()
+    declared = {*registry.declared_settings(), *registry.declared_secrets()}
+    declared |= {f"{name}_SECRET_ARN" for name in [*registry.declared_secrets(), "MAIL_API_TOKEN"]}
+    template = load_template()
+    # Then no function's environment names one (they reach the functions in JOB_SETTINGS), and
+    # no parameter is one's, so a team nests this template unchanged whatever its jobs
+    for name, props in functions(template).items():
+        assert not declared & set(props["Environment"]["Variables"]), name
+    text = TEMPLATE.read_text(encoding="utf-8")
+    assert [name for name in declared if name in text] == []
+    assert not [p for p in template["Parameters"] if p.endswith("ProviderUrl")]
+
+
+def _job_secrets_grant(role: dict[str, Any]) -> Any:
+    (grant,) = [
+        policy
+        for policy in role["Properties"]["Policies"]
+        if "Fn::If" in policy and policy["Fn::If"][0] == "HasJobSecrets"
+    ]
+    return grant
+
+
+def test_the_roles_that_run_jobs_read_exactly_the_secrets_job_secret_arns_lists() -> None:
+    # Given the JobSecretArns parameter and the roles of the drain and the watcher
+    template = load_template()
+    parameter = template["Parameters"]["JobSecretArns"]
+    # Then it is a list, empty by default, of Secrets Manager ARNs each (with their suffix)
+    assert (parameter["Type"], parameter["Default"]) == ("CommaDelimitedList", "")
+    pattern = re.compile(parameter["AllowedPattern"])
+    assert pattern.fullmatch("arn:aws:secretsmanager:eu-west-1:123456789012:secret:mail-AbC123")
+    for refused in ("SET-ME", "*", "arn:aws:secretsmanager:eu-west-1:123456789012:secret:*"):
+        assert not pattern.fullmatch(refused), refused
+    # And the grant exists only when the list is not empty
+    condition = template["Conditions"]["HasJobSecrets"]
+    assert condition == {
+        "Fn::Not": [{"Fn::Equals": [{"Fn::Join": ["", {"Ref": "JobSecretArns"}]}, ""]}]
+    }
+    for role in ("DrainFunctionRole", "DlqAlertFunctionRole"):
+        grant = _job_secrets_grant(template["Resources"][role])
+        assert grant["Fn::If"][2] == {"Ref": "AWS::NoValue"}
+        # And it allows reading exactly those ARNs, and nothing else
+        (statement,) = policy_statements(grant["Fn::If"][1])
+        assert statement["Effect"] == "Allow"
+        assert statement["Action"] == "secretsmanager:GetSecretValue"
+        assert statement["Resource"] == {"Ref": "JobSecretArns"}
+    # And no other role may read them
+    for name, resource in template["Resources"].items():
+        if resource["Type"] == "AWS::IAM::Role" and name not in (
+            "DrainFunctionRole",
+            "DlqAlertFunctionRole",
+        ):
+            assert "JobSecretArns" not in json.dumps(resource), name
+
+
 def test_the_drain_fans_out_within_its_reserved_concurrency_without_async_retries() -> None:
     # Given the drain function as deployed
     template = load_template()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, TEST_JOBS_CODE, Harness, run_cli
 
 from infrai_local.public_imports import refused_imports
-from infrai_local.sam_template import load_template
 
 RUFF = str(Path(sys.executable).parent / "ruff")
 # Names no team would give a job of its own, so the tests hold in any checkout (the issue's
@@ -255,47 +253,55 @@ def test_new_job_dry_run_lists_the_files_and_writes_nothing(kit: Harness, projec
 
 
 SETTING = "NEWJOB_CHECK_PROVIDER_URL"
-SETTING_PARAMETER = "NewjobCheckProviderUrl"
-CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
 
 
-def test_a_new_jobs_setting_reaches_the_template_env_file_docs_and_invoke(
+def _job_settings(env: dict[str, Any], function: str) -> dict[str, str]:
+    """The JOB_SETTINGS map events/env.json gives ``function``."""
+    mapped: dict[str, str] = json.loads(env[function]["JOB_SETTINGS"])
+    return mapped
+
+
+def test_a_new_jobs_setting_reaches_samconfig_the_env_file_and_invoke_and_no_template(
     kit: Harness, project: Path
 ) -> None:
-    # Given a project with its env-vars file and configuration docs (and the layer, read-only)
+    # Given a project with its samconfig.toml and env-vars file (and the layer, read-only)
     (project / "layers").symlink_to(ROOT / "layers")
     copied_from_the_repository(
-        project, "events/env.json", "events/drain-schedule.json", "docs/configuration.md"
+        project, "samconfig.toml", "events/env.json", "events/drain-schedule.json"
     )
+    template = (project / "template.yaml").read_bytes()
     # When an external job with a setting of its own is scaffolded
     scaffold(
         kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
         "--setting", SETTING,
     )  # fmt: skip
-    # Then the template has its parameter, listed with the jobs' settings, and passes it to
-    # each function that loads the jobs' settings; cfn-lint is still clean
-    template = (project / "template.yaml").read_text()
-    assert f"  {SETTING_PARAMETER}:\n    Type: String\n" in template
-    assert template.count(f"{SETTING}: !Ref {SETTING_PARAMETER}") == 2
-    assert f", {SETTING_PARAMETER}]" in template
-    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
-    assert linted.returncode == 0, linted.stdout + linted.stderr
-    # And events/env.json and the configuration docs name it
+    # Then the template is as it was: the framework's, whatever the jobs
+    assert (project / "template.yaml").read_bytes() == template
+    # And every deploying section's JobSettings holds its placeholder, beside the others
+    from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
+
+    samconfig = project / "samconfig.toml"
+    for environment, command in (("default", "deploy"), ("default", "sync"), ("prod", "deploy")):
+        given = json.loads(samconfig_overrides(samconfig, environment, command)["JobSettings"])
+        assert given[SETTING] == "SET-ME"
+    # And events/env.json gives it, empty, in both functions' JOB_SETTINGS
     env = json.loads((project / "events" / "env.json").read_text())
-    assert env["DrainFunction"][SETTING] == env["DlqAlertFunction"][SETTING] == ""
-    assert f"| `{SETTING}` |" in (project / "docs" / "configuration.md").read_text()
+    assert _job_settings(env, "DrainFunction")[SETTING] == ""
+    assert _job_settings(env, "DlqAlertFunction")[SETTING] == ""
     # When the setting is put in events/env.json and DrainFunction is invoked on a job
     from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
     from infrai_local.migrations import apply_migrations, read_migrations  # noqa: PLC0415
 
-    env["DrainFunction"] = dict.fromkeys(env["DrainFunction"], kit.sink.url)
+    mapped = dict.fromkeys(_job_settings(env, "DrainFunction"), kit.sink.url)
+    env["DrainFunction"]["JOB_SETTINGS"] = json.dumps(mapped)
     (project / "events" / "env.json").write_text(json.dumps(env, indent=2))
     with psycopg.connect(kit.database_url, autocommit=True) as conn:
         apply_migrations(conn, read_migrations(project / "functions" / "jobs" / "migrations"))
     kit.publish({"job": WALK_JOB, "refund_id": "r1"})
     spec = resolve("DrainFunction", root=project, env_vars=project / "events" / "env.json")
+    assert SETTING not in spec.environment
     result = invoke(spec, project / "events" / "drain-schedule.json", extra_env=kit.services)
-    # Then the job ran, calling the URL its setting names
+    # Then the job ran, calling the URL its setting names in JOB_SETTINGS
     assert result.ok, result.payload
     assert result.payload["done"] == 1
     effects = kit.sink.state.snapshot()["effects"]
@@ -381,63 +387,39 @@ def test_limits_are_refused_where_the_drain_would_refuse_them(kit: Harness, proj
 
 
 SECRET = "NEWJOB_CHECK_API_TOKEN"
-SECRET_PARAMETER = "NewjobCheckApiTokenSecretArn"
 
 
-def _grants_of(template: dict[str, Any], role: str, parameter: str) -> list[Any]:
-    """Every statement of ``role``'s inline policies that names ``parameter``, with the
-    condition each policy is under (None: unconditioned)."""
-    found = []
-    for entry in template["Resources"][role]["Properties"]["Policies"]:
-        condition, policy = entry["Fn::If"][:2] if "Fn::If" in entry else (None, entry)
-        for statement in policy["PolicyDocument"]["Statement"]:
-            if statement.get("Resource") == {"Ref": parameter}:
-                found.append((condition, statement["Action"]))
-    return found
-
-
-def test_a_new_jobs_secret_is_granted_to_the_drain_alone_and_its_tests_pass(
+def test_a_new_jobs_secret_gets_placeholders_for_its_arn_and_its_tests_pass(
     kit: Harness, project: Path, pg_server_url: str
 ) -> None:
-    # Given a project with its env-vars file and configuration docs
-    copied_from_the_repository(project, "events/env.json", "docs/configuration.md")
+    # Given a project with its samconfig.toml and env-vars file
+    copied_from_the_repository(project, "samconfig.toml", "events/env.json")
+    template = (project / "template.yaml").read_bytes()
     # When an external job with a secret is scaffolded
     printed = scaffold(
         kit, project, LINT_JOB, "--effect", "external", "--identity", "refund_id",
         "--secret", SECRET,
     )  # fmt: skip
-    assert SECRET_PARAMETER in printed
-    # Then the template has a parameter for its ARN: empty, or a Secrets Manager ARN
-    template = load_template(project / "template.yaml")
-    parameter = template["Parameters"][SECRET_PARAMETER]
-    assert parameter["Default"] == ""
-    assert re.fullmatch(parameter["AllowedPattern"], "")
-    arn = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:refund/token-AbC123"
-    assert re.fullmatch(parameter["AllowedPattern"], arn)
-    assert not re.fullmatch(parameter["AllowedPattern"], "plain-token-value")
-    # And DrainFunction, alone, is told the ARN and may read exactly that secret, only when set
-    functions = template["Resources"]
-    drain_env = functions["DrainFunction"]["Properties"]["Environment"]["Variables"]
-    assert drain_env[f"{SECRET}_SECRET_ARN"] == {"Ref": SECRET_PARAMETER}
-    assert SECRET not in drain_env
-    watcher_env = functions["DlqAlertFunction"]["Properties"]["Environment"]["Variables"]
-    assert f"{SECRET}_SECRET_ARN" not in watcher_env
-    condition = f"Has{SECRET_PARAMETER}"
-    assert template["Conditions"][condition] == {
-        "Fn::Not": [{"Fn::Equals": [{"Ref": SECRET_PARAMETER}, ""]}]
-    }
-    assert _grants_of(template, "DrainFunctionRole", SECRET_PARAMETER) == [
-        (condition, "secretsmanager:GetSecretValue")
-    ]
-    roles = [name for name, r in functions.items() if r["Type"] == "AWS::IAM::Role"]
-    for role in set(roles) - {"DrainFunctionRole"}:
-        assert json.dumps(functions[role]).count(SECRET_PARAMETER) == 0, role
-    # And cfn-lint is clean, and events/env.json and the docs name it
-    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
-    assert linted.returncode == 0, linted.stdout + linted.stderr
+    # Then no template changed: the roles read what JobSecretArns lists
+    assert (project / "template.yaml").read_bytes() == template
+    # And each deploy names the secret's ARN in JobSettings and lists it in JobSecretArns,
+    # both placeholders that make build refuses until the team gives the real ARN
+    from infrai_local.job_settings_check import job_settings_problems  # noqa: PLC0415
+    from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
+
+    for environment in ("default", "prod"):
+        overrides = samconfig_overrides(project / "samconfig.toml", environment, "deploy")
+        assert json.loads(overrides["JobSettings"])[f"{SECRET}_SECRET_ARN"] == "SET-ME"
+        assert overrides["JobSecretArns"] == f"SET-ME-{SECRET}_SECRET_ARN"
+        problems = job_settings_problems(overrides, {}, {SECRET: (LINT_JOB,)}, environment)
+        assert len(problems) == 2
+        assert f"{SECRET}_SECRET_ARN (for {LINT_JOB}) still holds SET-ME" in problems[0]
+    assert "JobSecretArns" in printed
+    # And events/env.json gives its ARN, empty, in both functions' JOB_SETTINGS, never the secret
     env = json.loads((project / "events" / "env.json").read_text())
-    assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
-    assert f"| `{SECRET}_SECRET_ARN` |" in (project / "docs" / "configuration.md").read_text()
+    for function in ("DrainFunction", "DlqAlertFunction"):
+        assert _job_settings(env, function)[f"{SECRET}_SECRET_ARN"] == ""
+        assert SECRET not in _job_settings(env, function)
     # And the job's own tests, written with the test kit, pass with the secret stood in
     scaffolded_tests_pass(project, pg_server_url, passed=6)
 
@@ -453,11 +435,13 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
         "--setting", SETTING, "--secret", SECRET,
     )  # fmt: skip
     env = json.loads((project / "events" / "env.json").read_text())
-    assert env["DrainFunction"][f"{SECRET}_SECRET_ARN"] == ""
+    assert _job_settings(env, "DrainFunction")[f"{SECRET}_SECRET_ARN"] == ""
     # (every job's setting points at the provider stand-in)
-    env["DrainFunction"] = {
-        name: "" if name.endswith("_SECRET_ARN") else kit.sink.url for name in env["DrainFunction"]
+    mapped = {
+        name: "" if name.endswith("_SECRET_ARN") else kit.sink.url
+        for name in _job_settings(env, "DrainFunction")
     }
+    env["DrainFunction"]["JOB_SETTINGS"] = json.dumps(mapped)
     (project / "events" / "env.json").write_text(json.dumps(env, indent=2))
     from infrai_local.migrations import apply_migrations, read_migrations  # noqa: PLC0415
 
@@ -465,7 +449,7 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
         apply_migrations(conn, read_migrations(project / "functions" / "jobs" / "migrations"))
     kit.publish({"job": WALK_JOB, "refund_id": "r-secret"})
     # When DrainFunction is invoked with the plain secret exported in the shell (what
-    # `sam local invoke` would not pass: its template declares only NAME_SECRET_ARN)
+    # `sam local invoke` would not pass: its template declares only JOB_SETTINGS)
     token = "tok-only-in-the-shell-7d1f"
     shell = {
         name: value
@@ -509,7 +493,7 @@ def scaffolded_tests_pass(project: Path, pg_server_url: str, *, passed: int) -> 
     assert f"{passed} passed" in tested.stdout
 
 
-HOOK_SETTING, HOOK_PARAMETER = "HOOK_URL", "HookUrl"
+HOOK_SETTING = "HOOK_URL"
 
 
 def test_a_webhook_with_its_own_url_path_and_probe_lookup_passes_its_scaffolded_tests(
@@ -543,7 +527,7 @@ def test_a_webhook_with_its_own_url_path_and_probe_lookup_passes_its_scaffolded_
     scaffolded_tests_pass(project, pg_server_url, passed=7)
 
 
-def test_a_scaffolded_url_parameter_refuses_plain_http_and_credentials_and_a_missing_value(
+def test_a_scaffolded_setting_is_refused_by_make_build_until_it_is_an_https_url(
     kit: Harness, project: Path
 ) -> None:
     # Given a project with its samconfig.toml
@@ -553,36 +537,34 @@ def test_a_scaffolded_url_parameter_refuses_plain_http_and_credentials_and_a_mis
         kit, project, WALK_JOB, "--effect", "external", "--identity", "delivery_id",
         "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
     )  # fmt: skip
-    # Then its parameter takes the shipped URL parameters' pattern and constraint text, with
-    # no default and no description naming a parameter that does not exist
-    template = load_template(project / "template.yaml")
-    parameter = template["Parameters"][HOOK_PARAMETER]
-    shipped = template["Parameters"]["InfraiBaseUrl"]
-    assert parameter["AllowedPattern"] == shipped["AllowedPattern"]
-    assert parameter["ConstraintDescription"] == shipped["ConstraintDescription"]
-    assert "Default" not in parameter
-    assert "AllowPlainHttp" not in (project / "template.yaml").read_text()
-    # And a deploy refuses plain HTTP, credentials and the placeholder (the whole value must
-    # match, as CloudFormation reads AllowedPattern)
-    for refused in ("http://hooks.example.com", "https://u:p@hooks.example.com", "SET-ME", ""):
-        assert not re.fullmatch(parameter["AllowedPattern"], refused), refused
-    assert re.fullmatch(parameter["AllowedPattern"], "https://hooks.example.com/v1")
-    linted = run_captured([CFN_LINT, str(project / "template.yaml")])
-    assert linted.returncode == 0, linted.stdout + linted.stderr
-    # And every environment's deploy carries the placeholder, not the local invocation
+    # Then every environment's deploy carries the placeholder, not the local invocation
+    from infrai_local.job_settings_check import job_settings_problems  # noqa: PLC0415
     from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
 
     samconfig = project / "samconfig.toml"
+    declared = {HOOK_SETTING: (WALK_JOB,)}
     for environment in ("default", "prod"):
-        assert samconfig_overrides(samconfig, environment, "deploy")[HOOK_PARAMETER] == "SET-ME"
-    assert HOOK_PARAMETER not in samconfig_overrides(samconfig, "default")
+        overrides = samconfig_overrides(samconfig, environment, "deploy")
+        assert json.loads(overrides["JobSettings"])[HOOK_SETTING] == "SET-ME"
+        # And make build refuses it there, naming the environment, the setting and the job
+        (problem,) = job_settings_problems(overrides, declared, {}, environment)
+        assert f"[{environment}] JobSettings: {HOOK_SETTING} (for {WALK_JOB}) still holds" in (
+            problem
+        )
+    assert "JobSettings" not in samconfig_overrides(samconfig, "default")
+    # And plain HTTP, credentials and nothing at all are refused too; HTTPS passes
+    for refused in ("http://hooks.example.com", "https://u:p@hooks.example.com", ""):
+        values = {"JobSettings": json.dumps({HOOK_SETTING: refused})}
+        assert job_settings_problems(values, declared, {}, "prod"), refused
+    values = {"JobSettings": json.dumps({HOOK_SETTING: "https://hooks.example.com/v1"})}
+    assert job_settings_problems(values, declared, {}, "prod") == []
     # And the next steps finish their sentences: each paragraph of prose ends with a full stop
     prose = printed.split("next:\n", 1)[1].split("  infrai-jobs migrate", 1)[0]
     lines = prose.rstrip().split("\n")
     for line, following in zip(lines, [*lines[1:], "  (the end)"], strict=True):
         if not following.strip()[0].islower():  # a new sentence, or the end, follows
             assert line.rstrip().endswith("."), prose
-    assert f"{HOOK_PARAMETER}=SET-ME in samconfig.toml" in printed
+    assert "replace its SET-ME in JobSettings in samconfig.toml" in printed
     # And the sample payload names the key's field
     sample = json.loads((project / "events" / "jobs" / f"{WALK_JOB}.json").read_text())
     assert sample["subscriber_id"] == "subscriber_id_1"

@@ -36,10 +36,18 @@ PROXY = {"DatabaseProxy": "create", "DatabaseProxyTarget": "ledger-db"}
 ON_A_CLUSTER = {"DatabaseProxyTargetKind": "cluster"}
 # The other switches, each on in every other set: both values of each are rendered.
 DATA_KEY_ARN = "arn:aws:kms:eu-west-1:123456789012:key/1234abcd-12ab-34cd-56ef-123456789012"
+JOB_SECRET_ARNS = (
+    "arn:aws:secretsmanager:eu-west-1:123456789012:secret:mail-token-AbC123,"
+    "arn:aws:secretsmanager:eu-west-1:123456789012:secret:hook-token-DeF456"
+)
 OTHER_SWITCHES: tuple[dict[str, str], ...] = (
     {"DataKmsKeyArn": DATA_KEY_ARN},
     {"SecretsKmsKeyId": "1234abcd-12ab-34cd-56ef-1234567890ab"},
-    {"PermissionsBoundary": "arn:aws:iam::123456789012:policy/workload-boundary"},
+    # The jobs' secrets (two, so a role's grant lists each) ride with the permissions boundary.
+    {
+        "PermissionsBoundary": "arn:aws:iam::123456789012:policy/workload-boundary",
+        "JobSecretArns": JOB_SECRET_ARNS,
+    },
     {"DrainMaxConcurrency": "1"},
     # Sets 0-23 reach bit 4 at most: the connection budget's output rides with the schedule.
     {"DrainScheduleEnabled": "false", "DatabaseMaxConnections": "400"},

@@ -1,5 +1,7 @@
 """Every URL parameter of the template, however it is named, keeps plain HTTP off loopback and
-credentials out of a deploy: the shipped ones and those ``infrai-jobs new-job`` adds.
+credentials out of a deploy; and so does ``make build`` for the jobs' settings, which travel in
+one JSON parameter (JobSettings) that CloudFormation cannot look into, whatever ``infrai-jobs
+new-job`` added.
 
 A parameter is a URL parameter when its name ends in ``Url``/``URL`` or its default or
 ``AllowedPattern`` is URL-shaped (a scheme, ``https?``, ``rediss?``); CloudFormation refuses a
@@ -9,6 +11,7 @@ enforces, before any function reads the value at its cold start.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from infrai_local.job_settings_check import job_settings_problems
 from infrai_local.sam_template import load_template, samconfig_overrides
 from infrai_local.scaffold_settings import plan_setting_edits
 
@@ -66,58 +70,70 @@ def assert_keeps_plain_http_and_credentials_out(name: str, spec: dict[str, Any])
 def test_every_url_parameter_of_the_template_refuses_plain_http_and_credentials() -> None:
     # Given the shipped template's URL parameters, found by name and by shape
     found = url_parameters(load_template(ROOT / "template.yaml"))
-    assert {"InfraiBaseUrl", "MailProviderUrl", "DigestProviderUrl", "RedisUrl"} <= set(found)
+    assert {"InfraiBaseUrl", "RedisUrl"} <= set(found)
     # Then each refuses plain HTTP off loopback and credentials, and accepts what it is for
     for name, spec in found.items():
         assert_keeps_plain_http_and_credentials_out(name, spec)
 
 
+NEW_SETTINGS = ["HOOK_URL", "WEBHOOK_TARGET"]
+
+
 @pytest.fixture
 def scaffolded(tmp_path: Path) -> Path:
-    """A project whose template and samconfig.toml ``new-job`` gave two settings: HOOK_URL, and
+    """A project whose samconfig.toml ``new-job`` gave two settings: HOOK_URL, and
     WEBHOOK_TARGET, whose name says nothing of a URL."""
     for name in ("template.yaml", "samconfig.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
-    declared = ["MAIL_PROVIDER_URL", "DIGEST_PROVIDER_URL"]
-    edits = plan_setting_edits(tmp_path, "hook.deliver", ["HOOK_URL", "WEBHOOK_TARGET"], declared)
+    edits = plan_setting_edits(tmp_path, NEW_SETTINGS)
     for path, text in edits.texts.items():
         path.write_text(text, encoding="utf-8")
     return tmp_path
 
 
-def test_the_url_parameters_new_job_adds_are_as_strict_as_the_shipped_ones(
+def test_new_settings_add_no_parameter_the_template_would_have_to_check(
     scaffolded: Path,
 ) -> None:
-    template = load_template(scaffolded / "template.yaml")
-    found = url_parameters(template)
-    # Then both new parameters are URL parameters, and keep plain HTTP and credentials out
-    assert {"HookUrl", "WebhookTarget"} <= set(found)
-    for name, spec in found.items():
-        assert_keeps_plain_http_and_credentials_out(name, spec)
-    # With the shipped pattern and constraint text (InfraiBaseUrl's: a value is required), and
-    # a description naming no parameter the template lacks
-    shipped = template["Parameters"]["InfraiBaseUrl"]
-    for name in ("HookUrl", "WebhookTarget"):
-        spec = template["Parameters"][name]
-        assert spec["AllowedPattern"] == shipped["AllowedPattern"]
-        assert spec["ConstraintDescription"] == shipped["ConstraintDescription"]
-        assert "AllowPlainHttp" not in spec["Description"]
+    # Then the template is the shipped one: no parameter per setting, so nothing unchecked
+    assert (scaffolded / "template.yaml").read_bytes() == (ROOT / "template.yaml").read_bytes()
+    assert set(url_parameters(load_template(scaffolded / "template.yaml"))) == set(
+        url_parameters(load_template(ROOT / "template.yaml"))
+    )
 
 
-def test_a_deploy_without_a_value_for_a_new_setting_is_refused_by_cloudformation(
+@pytest.mark.parametrize("refused", [*REFUSED, PLACEHOLDER, ""])
+def test_make_build_refuses_what_a_url_parameter_refuses_for_each_new_setting(
+    scaffolded: Path, refused: str
+) -> None:
+    declared = {name: ("hook.deliver",) for name in NEW_SETTINGS}
+    for name in NEW_SETTINGS:
+        # Given a deploy whose JobSettings gives the new setting that value
+        settings = dict.fromkeys(NEW_SETTINGS, ACCEPTED[0]) | {name: refused}
+        values = {"JobSettings": json.dumps(settings)}
+        # Then make build refuses it, naming the setting, never echoing a credential
+        (problem,) = job_settings_problems(values, declared, {}, "prod")
+        assert f"{name} (for hook.deliver)" in problem
+        assert ":p@" not in problem
+        assert ":tok@" not in problem
+    # And the value it is for passes
+    values = {"JobSettings": json.dumps(dict.fromkeys(NEW_SETTINGS, ACCEPTED[0]))}
+    assert job_settings_problems(values, declared, {}, "prod") == []
+
+
+def test_every_deploy_holds_a_placeholder_make_build_refuses_until_a_value_is_given(
     scaffolded: Path,
 ) -> None:
-    template = load_template(scaffolded / "template.yaml")
-    for name in ("HookUrl", "WebhookTarget"):
-        spec = template["Parameters"][name]
-        # Then the parameter has no default (CloudFormation refuses a stack without its value)
-        assert "Default" not in spec
-        # And each environment's deploy carries the placeholder, which its pattern refuses
-        for environment in ("default", "prod"):
-            overrides = samconfig_overrides(scaffolded / "samconfig.toml", environment, "deploy")
-            assert overrides[name] == PLACEHOLDER
-            assert not re.fullmatch(spec["AllowedPattern"], overrides[name])
-            assert not re.fullmatch(spec["AllowedPattern"], "")
-        # And `sam sync`'s section too, while a local invocation never sees the placeholder
-        assert samconfig_overrides(scaffolded / "samconfig.toml", "default", "sync")[name]
-        assert name not in samconfig_overrides(scaffolded / "samconfig.toml", "default")
+    declared = {name: ("hook.deliver",) for name in NEW_SETTINGS}
+    for environment in ("default", "prod"):
+        overrides = samconfig_overrides(scaffolded / "samconfig.toml", environment, "deploy")
+        given = json.loads(overrides["JobSettings"])
+        assert {name: given[name] for name in NEW_SETTINGS} == dict.fromkeys(
+            NEW_SETTINGS, PLACEHOLDER
+        )
+        problems = job_settings_problems(overrides, declared, {}, environment)
+        assert len(problems) == len(NEW_SETTINGS)
+        assert all(f"[{environment}]" in problem for problem in problems)
+    # And `sam sync`'s section too, while a local invocation never sees the placeholder
+    sync = samconfig_overrides(scaffolded / "samconfig.toml", "default", "sync")
+    assert set(NEW_SETTINGS) <= set(json.loads(sync["JobSettings"]))
+    assert "JobSettings" not in samconfig_overrides(scaffolded / "samconfig.toml", "default")

@@ -20,22 +20,23 @@ def test_the_example_jobs_declare_their_own_settings_and_the_invoice_job_none() 
 
 
 def test_a_deploy_must_give_each_example_setting_a_value() -> None:
-    # Given the template's parameters for the example jobs' settings, and samconfig.toml
-    import re  # noqa: PLC0415
+    # Given the example jobs' settings and samconfig.toml's deploying sections
+    import json  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from infrai_local.sam_template import load_template, samconfig_environments  # noqa: PLC0415
-    from infrai_local.scaffold_settings import parameter_name  # noqa: PLC0415
+    from infrai_local.job_settings_check import job_settings_problems  # noqa: PLC0415
+    from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
 
-    root = Path(__file__).resolve().parents[2]
-    parameters = load_template(root / "template.yaml")["Parameters"]
-    samconfig = (root / "samconfig.toml").read_text(encoding="utf-8")
-    assert samconfig_environments(root / "samconfig.toml")
-    for setting in ("MAIL_PROVIDER_URL", "DIGEST_PROVIDER_URL"):
-        name = parameter_name(setting)
-        # Then none has a default, so CloudFormation refuses a deploy that gives none, before
-        # any function runs (rather than a drain refusing every cold start)
-        assert "Default" not in parameters[name], name
-        # And every deploy section names it, with a placeholder its pattern refuses
-        assert samconfig.count(f"{name}=SET-ME") == 3, name
-        assert re.fullmatch(parameters[name]["AllowedPattern"], "SET-ME") is None
+    registry = JobRegistry()
+    for example in (receipt, digest):
+        example.register(registry)
+    samconfig = Path(__file__).resolve().parents[2] / "samconfig.toml"
+    for environment, command in (("default", "deploy"), ("default", "sync"), ("prod", "deploy")):
+        overrides = samconfig_overrides(samconfig, environment, command)
+        # Then each names every example setting in JobSettings, with the placeholder
+        given = json.loads(overrides["JobSettings"])
+        assert given == dict.fromkeys(registry.declared_settings(), "SET-ME")
+        # And make build refuses it there, one line per setting, before anything deploys
+        problems = job_settings_problems(overrides, registry.declared_settings(), {}, environment)
+        assert len(problems) == 2
+        assert all("still holds SET-ME" in problem for problem in problems)

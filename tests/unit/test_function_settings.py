@@ -16,9 +16,11 @@ from function_apps import load_function_app
 
 from infrai_jobs.aws.secrets import SecretSource
 from infrai_jobs.config.settings import (
+    JOB_SETTINGS_ENV,
     AlertSettings,
     CommonSettings,
     DrainSettings,
+    JobSettings,
     OutboxRelaySettings,
     PruneSettings,
     RedriveSettings,
@@ -109,8 +111,10 @@ def test_each_function_reads_only_its_own_variables() -> None:
     assert alert_only <= read["DlqAlertFunction"]
     assert not alert_only & (read["DrainFunction"] | read["PruneFunction"])
     assert read["PruneFunction"] - read["RedriveFunction"] == {"LEDGER_RETENTION_DAYS"}
-    assert "MAIL_PROVIDER_URL" in read["DrainFunction"] & read["DlqAlertFunction"]
-    assert "MAIL_PROVIDER_URL" not in read["PruneFunction"] | read["RedriveFunction"]
+    # The jobs' settings: in JOB_SETTINGS (the JobSettings parameter), or a variable of their own
+    job_settings = {"JOB_SETTINGS", "MAIL_PROVIDER_URL"}
+    assert job_settings <= read["DrainFunction"] & read["DlqAlertFunction"]
+    assert not job_settings & (read["PruneFunction"] | read["RedriveFunction"])
 
 
 def test_a_bad_value_fails_only_the_function_that_reads_it() -> None:
@@ -156,8 +160,10 @@ def test_a_settings_class_reads_exactly_the_variables_of_its_table(
     }
     variables = [row.variable for row in table]
     assert len(variables) == len(set(variables))
-    # And it read the rows' variables and nothing else (bar where Lambda puts the code)
-    assert environ.read - {"LAMBDA_TASK_ROOT"} == set(variables)
+    # And it read the rows' variables and nothing else (bar where Lambda puts the code, and
+    # for the functions that run jobs the map of the jobs' settings)
+    jobs_map = {"JOB_SETTINGS"} if issubclass(kind, JobSettings) else set()
+    assert environ.read - {"LAMBDA_TASK_ROOT"} == set(variables) | jobs_map
 
 
 def test_every_variable_a_function_reads_is_in_the_configuration_doc() -> None:
@@ -167,6 +173,7 @@ def test_every_variable_a_function_reads_is_in_the_configuration_doc() -> None:
     documented = set(re.findall(r"`([A-Z][A-Z0-9_]*)`", section))
     # When listing every variable the functions' settings tables read
     read = {row.variable for kind in SETTINGS_KINDS for row in settings_table(kind)}
+    read.add(JOB_SETTINGS_ENV)
     # Then each is documented there
     assert read - documented == set()
 

@@ -104,7 +104,7 @@ def test_a_deployed_function_refuses_the_plain_variable_without_echoing_it() -> 
         DrainSettings.from_env(env, job_secrets=SECRETS)
     message = str(raised.value)
     assert "MAIL_API_TOKEN_SECRET_ARN" in message
-    assert "MailApiTokenSecretArn" in message
+    assert "JobSettings" in message
     assert TOKEN not in message
 
 

@@ -2,13 +2,14 @@
 module that reads the package's settings from the environment (Powertools' own aside). Each setting
 is declared once, as its field (``setting(variable, default, parse)``; what each means is
 docs/configuration.md's); checks spanning several fields live apart (``_check_second_layer``). The
-jobs' settings are exactly those they declared (``from_env(job_settings=..., job_secrets=...)``; a
-secret is named by ``NAME_SECRET_ARN``, its plain ``NAME`` is a local stand-in). Every URL called
-over HTTP is HTTPS or plain HTTP to loopback (``check_web_url``); ``DATABASE_URL``'s form is checked
-where the ledger's connector is built, so reading settings never loads the driver."""
+jobs' settings are exactly those they declared (``from_env(job_settings=..., job_secrets=...)``),
+from ``JOB_SETTINGS``'s JSON object; a secret by its ``NAME_SECRET_ARN`` (``NAME``: a stand-in).
+Every URL called over HTTP is HTTPS or plain HTTP to loopback (``check_web_url``); ``DATABASE_URL``
+is checked where the ledger's connector is built, so reading settings never loads the driver."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,7 @@ MAX_DRAIN_CONCURRENCY = 1000
 MIN_IDLE_POLL_MS = 50
 ALLOW_PLAIN_HTTP_ENV = "INFRAI_ALLOW_PLAIN_HTTP"
 SECRET_ARN_SUFFIX = "_SECRET_ARN"  # noqa: S105 - a variable name's suffix, not a secret
+JOB_SETTINGS_ENV = "JOB_SETTINGS"  # The JobSettings parameter: the jobs' settings, as JSON.
 
 # The ledger's TLS in AWS, strongest first: verify-full checks the certificate and the host name,
 # verify-ca the certificate only, require neither (an explicit, logged opt-out each).
@@ -54,6 +56,7 @@ DEFAULT_DATABASE_SSLMODE = "verify-full"
 AnySettings = TypeVar("AnySettings", bound="CommonSettings")
 
 IdempotencyBackend = Literal["off", "dynamodb", "redis"]
+Declared = Mapping[str, Sequence[str]]  # A declared setting's or secret's name: its jobs.
 
 _logger = logging.getLogger(__name__)
 
@@ -263,7 +266,7 @@ class JobSettings(CommonSettings):
                 "; ".join(
                     f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} need "
                     f"it: in AWS, name its Secrets Manager secret with {name}{SECRET_ARN_SUFFIX} "
-                    f"(template parameter {secret_parameter_name(name)}); locally, export {name}"
+                    f"(in the JobSettings parameter); locally, export {name}"
                     for name in missing
                 )
             )
@@ -345,15 +348,20 @@ def load_settings(
 
 
 def _job_fields(
-    env: Mapping[str, str],
-    settings: Mapping[str, Sequence[str]],
-    secrets: Mapping[str, Sequence[str]],
-    allow_plain_http: bool,
+    env: Mapping[str, str], settings: Declared, secrets: Declared, allow_plain_http: bool
 ) -> dict[str, Any]:
-    """The jobs' declared settings (URLs each) and secrets: a plain secret is refused in a
-    deployed function, and beside its ARN (which of the two would be meant?)."""
+    """The jobs' settings (URLs each) and secrets' ARNs from ``JOB_SETTINGS``, a JSON object of
+    strings, or a variable of the name (set in both, they agree); a plain secret only locally."""
+    try:
+        mapped = json.loads(env.get(JOB_SETTINGS_ENV) or "{}")
+        given = {name: value.strip() for name, value in mapped.items() if value.strip()}
+    except (ValueError, AttributeError, RecursionError):  # not JSON, an object, or all strings
+        raise ConfigurationError(f"{JOB_SETTINGS_ENV} must be a JSON object of strings") from None
+    for name in [*settings, *secrets, *(name + SECRET_ARN_SUFFIX for name in secrets)]:
+        if env.get(name) and given.setdefault(name, env[name]) != env[name]:
+            raise ConfigurationError(f"{name} and {JOB_SETTINGS_ENV}'s {name} differ: keep one")
     owners = {name: tuple(jobs) for name, jobs in settings.items()}
-    values = {name: env.get(name, "").strip() for name in owners}
+    values = {name: given.get(name, "").strip() for name in owners}
     for name, value in values.items():
         if value:
             check_web_url(
@@ -364,23 +372,20 @@ def _job_fields(
                 credential_home=JOB_CREDENTIAL_HOME,
             )
     secret_owners = {name: tuple(jobs) for name, jobs in secrets.items()}
-    arns = {name: env.get(name + SECRET_ARN_SUFFIX, "").strip() for name in secret_owners}
-    plain = {name: env.get(name, "") for name in secret_owners}
+    arns = {name: given.get(name + SECRET_ARN_SUFFIX, "").strip() for name in secret_owners}
+    plain = {name: given.get(name, "") for name in secret_owners}
     # Lambda names the function, and no local invocation said AWS_SAM_LOCAL=true.
     deployed = bool(secrets) and bool(env.get("AWS_LAMBDA_FUNCTION_NAME"))
     deployed = deployed and env.get("AWS_SAM_LOCAL", "").strip().lower() not in TRUE_WORDS
     for name, jobs in secret_owners.items():
-        if plain[name] and arns[name]:
+        if plain[name] and (arns[name] or deployed):
             raise ConfigurationError(
                 f"{name} and {name}{SECRET_ARN_SUFFIX} are both set: keep the value in the "
                 f"secret only (unset {name})"
-            )
-        if plain[name] and deployed:
-            raise ConfigurationError(
-                f"{name} (for {', '.join(jobs)}) is set in the function's plain environment, "
+                if arns[name]
+                else f"{name} (for {', '.join(jobs)}) is set in the function's plain environment, "
                 "readable by whoever may read its configuration: store it in Secrets Manager, "
-                f"name it with {name}{SECRET_ARN_SUFFIX} (template parameter "
-                f"{secret_parameter_name(name)}), and remove {name}"
+                f"name it with {name}{SECRET_ARN_SUFFIX} in JobSettings, and unset {name}"
             )
     return {
         "job_settings": MappingProxyType(values),
@@ -389,11 +394,6 @@ def _job_fields(
         "job_secrets": MappingProxyType(plain),
         "job_secret_owners": MappingProxyType(secret_owners),
     }
-
-
-def secret_parameter_name(secret: str) -> str:
-    """``MAIL_API_TOKEN`` -> ``MailApiTokenSecretArn``: the template parameter of its ARN."""
-    return "".join(part.capitalize() for part in (secret + SECRET_ARN_SUFFIX).split("_") if part)
 
 
 _HOW_TO_SET = {

@@ -540,6 +540,39 @@ def _add_project_commands(sub: Any) -> None:
     upgrade.add_argument("--project", default=".", help="the project's folder (default: .)")
     upgrade.add_argument("--json", action="store_true", help="print JSON")
     upgrade.set_defaults(command=_cmd_upgrade)
+    check = sub.add_parser(
+        "build-check",
+        help="what a deploy of the project in this folder would meet, checked before sam build: "
+        "the ledger's CA bundle, the fleet's connection budget, the jobs' settings and secrets",
+    )
+    check.add_argument("--config-env", default="default", help="samconfig.toml's environment")
+    check.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=sorted(BUILD_CHECKS),
+        help="leave one check out, for a build that is never deployed (repeatable)",
+    )
+    check.set_defaults(command=_cmd_build_check)
+
+
+# ``make build``'s checks, each a module whose ``main(argv)`` is ``ca_bundle_check.run_check``'s:
+# 0 passed, 1 refused, 2 the project could not be read.
+BUILD_CHECKS = {
+    "ca-bundle": "infrai_local.ca_bundle_check",
+    "connection-budget": "infrai_local.connection_budget",
+    "job-settings": "infrai_local.job_settings_check",
+}
+
+
+def _cmd_build_check(args: argparse.Namespace) -> int:
+    """Every check runs, so one build says every problem; the worst exit code wins."""
+    codes = [
+        importlib.import_module(module).main(["--config-env", args.config_env])
+        for name, module in BUILD_CHECKS.items()
+        if name not in args.skip
+    ]
+    return max(codes, default=EXIT_OK)
 
 
 def _project_module() -> Any:

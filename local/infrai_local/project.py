@@ -130,7 +130,7 @@ def _team_template(framework: dict[str, Any], stack: str) -> _TeamTemplate:
         for name, spec in parameters.items()
         if name in _TEAM_PARAMETERS or "Default" not in spec
     ]
-    declared = {name: parameters[name] for name in names}
+    declared = {name: _passable(parameters[name]) for name in names}
     # The team's own names for what the framework names after its examples.
     for name, default in (("QueueName", stack), ("DlqName", f"{stack}-dlq")):
         if name in declared:
@@ -157,6 +157,15 @@ def _team_template(framework: dict[str, Any], stack: str) -> _TeamTemplate:
         if "Default" not in spec or name in ("QueueName", "DlqName")
     }
     return _TeamTemplate(text, overrides)
+
+
+def _passable(spec: dict[str, Any]) -> dict[str, Any]:
+    """A nested application's parameters are strings: a list parameter is declared here as the
+    comma-separated text the framework's own parameter splits (and checks item by item)."""
+    if spec.get("Type") != "CommaDelimitedList":
+        return spec
+    kept = {k: v for k, v in spec.items() if k not in ("AllowedPattern", "ConstraintDescription")}
+    return {**kept, "Type": "String"}
 
 
 def _text(value: Any, otherwise: str) -> str:
@@ -461,8 +470,14 @@ demo: $(STAMP)
 	done; \\
 	$(BIN)/infrai-jobs drain
 
-# sam build installs the pinned framework into the layer (python3.13 on PATH for it).
-build:
+# sam build installs the pinned framework into the layer (python3.13 on PATH for it), after
+# the checks a deploy of CONFIG_ENV would need to pass: the ledger's CA bundle, the connection
+# budget, our jobs' settings and secrets. CHECK_SKIP="--skip job-settings" for a build never
+# deployed (infrai-jobs build-check --help).
+CONFIG_ENV ?= default
+CHECK_SKIP ?=
+build: $(STAMP)
+	$(BIN)/infrai-jobs build-check --config-env $(CONFIG_ENV) $(CHECK_SKIP)
 	$(SAM) build
 
 validate: $(STAMP)

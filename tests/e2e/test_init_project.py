@@ -26,9 +26,6 @@ import infrai_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = infrai_jobs.__version__
-# The framework's handlers live in the layer package (Handler infrai_jobs.handlers.NAME...):
-# until then a project's functions/ holds no handler for invoke to run.
-HANDLERS_IN_LAYER = "Handler: infrai_jobs.handlers." in (ROOT / "template.yaml").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +145,6 @@ def test_the_team_template_passes_the_framework_parameters_by_the_same_name(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    not HANDLERS_IN_LAYER,
-    reason="the framework's handlers are still in this repository's functions/, not the layer",
-    strict=True,
-)
 def test_invoke_runs_the_drain_function_of_the_nested_template(
     installed: Path, project: Path
 ) -> None:
@@ -172,3 +164,33 @@ def test_invoke_runs_the_drain_function_of_the_nested_template(
     # Then the handler ran in the sandbox and returned its summary
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "errorType" not in ran.stdout
+
+
+@pytest.mark.slow
+def test_build_check_refuses_the_placeholder_of_a_jobs_setting(
+    installed: Path, project: Path
+) -> None:
+    # When the team runs the checks its `make build` runs, with new-job's placeholders in place
+    checked = run_captured(
+        [str(installed / "infrai-jobs"), "build-check", "--skip", "ca-bundle"],
+        env=clean_env(),
+        cwd=project,
+    )
+    # Then the build would stop, naming the setting and its job, and no traceback is shown
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert "PAYOUT_URL (for payout.send)" in checked.stderr
+    assert "Traceback" not in checked.stderr
+    # And with that check left out too (a build never deployed) the rest pass
+    skipped = run_captured(
+        [
+            str(installed / "infrai-jobs"),
+            "build-check",
+            "--skip",
+            "ca-bundle",
+            "--skip",
+            "job-settings",
+        ],
+        env=clean_env(),
+        cwd=project,
+    )
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr

@@ -112,7 +112,8 @@ def test_drain_function_fans_out_on_a_backlog_through_the_loopback_lambda(
                         "DATABASE_SECRET_ARN": "",
                     },
                     "DrainFunction": {
-                        **fixture_jobs.provider_settings(sink.url),
+                        # The jobs' settings reach a function in one variable, as in AWS
+                        "JOB_SETTINGS": json.dumps(fixture_jobs.provider_settings(sink.url)),
                         "DRAIN_MAX_CONCURRENCY": "3",
                         "DRAIN_FANOUT_AFTER_SECONDS": "1",
                     },

@@ -35,7 +35,7 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/cfn-lint template.yaml
+	$(BIN)/cfn-lint template.yaml framework.yaml
 
 typecheck: $(STAMP)
 	$(BIN)/mypy layers/common/infrai_jobs local/infrai_local functions
@@ -295,9 +295,9 @@ lock: $(LOCK_STAMP)
 # All offline: cfn-lint needs nothing, sam validate --lint needs no credentials or region, and
 # checkov (the cloudformation framework reads SAM templates) downloads nothing.
 validate: $(STAMP) $(SAM_STAMP) $(CHECKOV_STAMP)
-	$(BIN)/cfn-lint template.yaml
+	$(BIN)/cfn-lint template.yaml framework.yaml
 	$(SAM) validate --lint
-	$(CHECKOV) --file template.yaml --framework cloudformation --compact --quiet
+	$(CHECKOV) --file framework.yaml --framework cloudformation --compact --quiet
 
 clean:
 	rm -rf $(VENV) .tools .mypy_cache .pytest_cache .ruff_cache .aws-sam

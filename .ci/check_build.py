@@ -214,7 +214,7 @@ def check_layer(checks: Checks, site: Path) -> None:
 
 
 def check_functions(
-    checks: Checks, template: dict[str, Any], layer_site: Path, python313: str
+    checks: Checks, template: dict[str, Any], base: Path, layer_site: Path, python313: str
 ) -> None:
     functions = {
         name: resource.get("Properties", {})
@@ -228,7 +228,7 @@ def check_functions(
     if not native:
         probe_env["PSYCOPG_IMPL"] = "python"
     for name, props in functions.items():
-        code_dir = BUILD / str(props.get("CodeUri", name))
+        code_dir = base / str(props.get("CodeUri", name))
         handler = str(props.get("Handler", ""))
         module_name = handler.rpartition(".")[0]
         # The entry point is the layer's (infrai_jobs.handlers.*); the code holds only the jobs.
@@ -287,13 +287,23 @@ def main() -> int:
         print("run `make build` first", file=sys.stderr)
         return 1
     template: dict[str, Any] = cfn_yaml.load(str(built_template))
+    # The stack nests the framework (template.yaml's Framework, from framework.yaml): sam build
+    # writes the nested template and its artifacts in a folder of their own.
+    nested = [
+        resource["Properties"]["Location"]
+        for resource in template.get("Resources", {}).values()
+        if resource.get("Type") == "AWS::Serverless::Application"
+    ]
+    checks.check(len(nested) == 1, "the built stack nests the framework once", str(nested))
+    base = (BUILD / nested[0]).parent if nested else BUILD
+    template = cfn_yaml.load(str(BUILD / nested[0])) if nested else template
     layers = [
         (name, resource.get("Properties", {}).get("ContentUri", name))
         for name, resource in template.get("Resources", {}).items()
         if resource.get("Type") == "AWS::Serverless::LayerVersion"
     ]
     checks.check(len(layers) == 1, "the built template declares one layer", str(layers))
-    layer_site = BUILD / str(layers[0][1]) / "python" if layers else BUILD / "CommonLayer/python"
+    layer_site = base / str(layers[0][1]) / "python" if layers else base / "CommonLayer/python"
     if checks.check(layer_site.is_dir(), "layer has a python/ folder", str(layer_site)):
         check_layer(checks, layer_site)
         python313 = find_python313()
@@ -303,7 +313,7 @@ def main() -> int:
             str(python313),
         ):
             assert python313 is not None
-            check_functions(checks, template, layer_site, python313)
+            check_functions(checks, template, base, layer_site, python313)
     if checks.failures:
         print(f"check_build: {len(checks.failures)} check(s) failed", file=sys.stderr)
         return 1

@@ -57,7 +57,7 @@ class DrainShape:
     batch_budget_ms: int
 
     @classmethod
-    def from_template(cls, path: Path = ROOT / "template.yaml") -> DrainShape:
+    def from_template(cls, path: Path = ROOT / "framework.yaml") -> DrainShape:
         text = path.read_text(encoding="utf-8")
 
         def default(parameter: str) -> int:

@@ -270,7 +270,7 @@ class MotoDynamoDB:
         """The table as ``template.yaml`` declares it (``IdempotencyTable``)."""
         from cfnlint.decode import cfn_yaml  # noqa: PLC0415
 
-        template = cfn_yaml.load(str(ROOT / "template.yaml"))
+        template = cfn_yaml.load(str(ROOT / "framework.yaml"))
         props = json.loads(json.dumps(template["Resources"]["IdempotencyTable"]["Properties"]))
         self.client.create_table(
             TableName=name,

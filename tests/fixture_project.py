@@ -38,7 +38,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def build_fixture_project(folder: Path) -> Path:
     """Lay the project out in ``folder`` (an empty or missing one) and return it."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("template.yaml", "samconfig.toml"):
+    for name in ("template.yaml", "framework.yaml", "samconfig.toml"):
         shutil.copyfile(ROOT / name, folder / name)
     shutil.copytree(ROOT / "events", folder / "events")
     (folder / "layers").symlink_to(ROOT / "layers", target_is_directory=True)

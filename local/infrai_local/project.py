@@ -57,6 +57,9 @@ _TEAM_PARAMETERS: Final = (
     "JobSecretArns",
     "AlertEmail",
     "LogLevel",
+    "LogRetentionDays",
+    "EnableTracing",
+    "DrainScheduleRate",
 )
 
 

@@ -190,8 +190,8 @@ def test_the_wheel_holds_the_framework_and_nothing_of_a_team(dist: Path) -> None
 @pytest.mark.slow
 def test_the_shipped_template_and_changelog_are_the_repositorys_files(dist: Path) -> None:
     # Given the package's framework.yaml and CHANGELOG.md: in git, links to the repository's
-    # template.yaml and CHANGELOG.md (one copy of each; `init` and `upgrade` read them)
-    for link, target in (("framework.yaml", "template.yaml"), ("CHANGELOG.md", "CHANGELOG.md")):
+    # framework.yaml and CHANGELOG.md (one copy of each; `init` and `upgrade` read them)
+    for link, target in (("framework.yaml", "framework.yaml"), ("CHANGELOG.md", "CHANGELOG.md")):
         assert (TOOLS_PACKAGE / link).is_symlink()
         assert (TOOLS_PACKAGE / link).resolve() == ROOT / target
         expected = (ROOT / target).read_bytes()

@@ -71,7 +71,7 @@ def test_init_writes_the_layout_and_no_framework_code(project: Path) -> None:
     framework = (project / "framework.yaml").read_text()
     header, _, body = framework.partition("\n# ledger migrations: ")
     assert header.startswith(f"# infrai-jobs {VERSION}: the framework's resources.")
-    assert body.split("\n", 1)[1] == (ROOT / "template.yaml").read_text()
+    assert body.split("\n", 1)[1] == (ROOT / "framework.yaml").read_text()
     pin = (project / "layers/common/requirements.txt").read_text().splitlines()
     assert f"infrai-jobs=={VERSION}" in pin
     # And samconfig.toml names the stack, with the nested application's capability

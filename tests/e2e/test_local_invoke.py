@@ -400,11 +400,11 @@ def _as_json(document: object) -> object:
     return json.loads(json.dumps(document, default=str))
 
 
-@pytest.mark.parametrize("which", ["template.yaml", "every short form"])
+@pytest.mark.parametrize("which", ["framework.yaml", "every short form"])
 def test_the_template_loader_reads_yaml_as_cfn_lint_decodes_it(which: str, tmp_path: Path) -> None:
-    # Given the repository's template, and one using every intrinsic's short form
-    path = ROOT / "template.yaml"
-    if which != "template.yaml":
+    # Given the framework's template, and one using every intrinsic's short form
+    path = ROOT / "framework.yaml"
+    if which != "framework.yaml":
         path = tmp_path / "template.yaml"
         path.write_text(EVERY_SHORT_FORM)
     # When it is read by invoke's loader and by cfn-lint's decoder (what sam validate lints)

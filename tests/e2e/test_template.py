@@ -34,10 +34,13 @@ from infrai_jobs.runtime.observability import (
     record_drain,
     record_outbox_relay,
 )
+from infrai_local import project
 from infrai_local.sam_template import parse_parameter_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "template.yaml"
+# The framework's resources; the stack's own template.yaml nests them (tests at the end).
+TEMPLATE = ROOT / "framework.yaml"
+STACK_TEMPLATE = ROOT / "template.yaml"
 SAMCONFIG = ROOT / "samconfig.toml"
 EVENTS = ROOT / "events"
 LAMBDA_DEFAULT_TIMEOUT = 3
@@ -54,6 +57,12 @@ SECRET_VALUE_VARIABLES = {"INFRAI_API_KEY", "DATABASE_URL"}
 def load_template() -> dict[str, Any]:
     # A plain-dict copy: the decoder's nodes carry line marks the translator doesn't expect.
     template: dict[str, Any] = json.loads(json.dumps(cfn_yaml.load(str(TEMPLATE))))
+    return template
+
+
+def stack_template() -> dict[str, Any]:
+    """template.yaml alone, its nested application not followed."""
+    template: dict[str, Any] = json.loads(json.dumps(cfn_yaml.load(str(STACK_TEMPLATE))))
     return template
 
 
@@ -361,7 +370,8 @@ def test_samconfig_is_version_01_as_a_number_with_a_prod_environment() -> None:
     for environment in ("default", "prod"):
         deploy = config[environment]["deploy"]["parameters"]
         assert deploy["confirm_changeset"] is True, environment
-        assert deploy["capabilities"] == "CAPABILITY_IAM", environment
+        # (AUTO_EXPAND: the stack nests the framework as an application)
+        assert deploy["capabilities"] == "CAPABILITY_IAM CAPABILITY_AUTO_EXPAND", environment
         assert isinstance(deploy["parameter_overrides"], str), environment
         assert config[environment]["validate"]["parameters"]["lint"] is True, environment
     build = config["default"]["build"]["parameters"]
@@ -370,8 +380,9 @@ def test_samconfig_is_version_01_as_a_number_with_a_prod_environment() -> None:
 
 
 def test_samconfig_overrides_name_only_template_parameters() -> None:
-    # Given the template's parameters and every environment's overrides
-    parameters = set(load_template()["Parameters"])
+    # Given the stack template's own parameters (a deploy gives values to those only; the
+    # framework's reach the nested application through them) and every environment's overrides
+    parameters = set(stack_template()["Parameters"])
     config = tomllib.loads(SAMCONFIG.read_text())
     for environment in ("default", "prod"):
         overrides = config[environment]["deploy"]["parameters"]["parameter_overrides"]
@@ -395,8 +406,8 @@ def test_samconfig_syncs_the_default_stack_with_every_required_parameter() -> No
     assert required <= set(overrides), required - set(overrides)
     deploy = parse_parameter_overrides(default["deploy"]["parameters"]["parameter_overrides"])
     assert {name: overrides[name] for name in deploy} == deploy
-    assert set(overrides) <= set(template_parameters)
-    assert "CAPABILITY_IAM" in sync["capabilities"].split()
+    assert set(overrides) <= set(stack_template()["Parameters"])
+    assert {"CAPABILITY_IAM", "CAPABILITY_AUTO_EXPAND"} <= set(sync["capabilities"].split())
     # And the secret's ARN is a placeholder CloudFormation refuses by the parameter's own
     # pattern, so a first sync before it is replaced stops there, naming the parameter
     pattern = template_parameters["DatabaseSecretArn"]["AllowedPattern"]
@@ -1023,3 +1034,27 @@ def test_every_functions_security_opt_outs_are_counted_and_page() -> None:
     assert alarm["DatapointsToAlarm"] == 1
     assert alarm["TreatMissingData"] == "notBreaching"
     assert "without AUTH" in alarm["AlarmDescription"]
+
+
+def test_the_stack_nests_the_framework_as_init_lays_a_project_out() -> None:
+    # Given the stack's own template.yaml
+    stack = stack_template()
+    # Then its one resource is the framework, nested from framework.yaml beside it
+    assert set(stack["Resources"]) == {"Framework"}
+    framework = stack["Resources"]["Framework"]
+    assert framework["Type"] == "AWS::Serverless::Application"
+    assert framework["Properties"]["Location"] == "framework.yaml"
+    # And each framework parameter it passes is its own parameter of the same name, unchanged
+    passed = framework["Properties"]["Parameters"]
+    assert passed == {name: {"Ref": name} for name in stack["Parameters"]}
+    assert set(passed) <= set(load_template()["Parameters"])
+    # And every framework parameter without a default is among them (else no deploy could work)
+    required = {n for n, p in load_template()["Parameters"].items() if "Default" not in p}
+    assert required <= set(passed)
+    # And it is the template `infrai-jobs init` writes, but for this stack's own choices
+    made = project._team_template(load_template(), "infrai-jobs").text
+    ours = STACK_TEMPLATE.read_text()
+    assert (
+        ours.split("AWSTemplateFormatVersion", 1)[1].replace("billing-jobs", "infrai-jobs")
+        == (made.split("AWSTemplateFormatVersion", 1)[1])
+    )

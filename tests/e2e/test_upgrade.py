@@ -61,7 +61,7 @@ def next_version_tree(source: Path) -> Path:
     )
     at = text.index("\n## ") + 1
     changelog.write_text(text[:at] + section + text[at:])
-    template = source / "template.yaml"
+    template = source / "framework.yaml"
     text = template.read_text()
     text = text.replace(
         "\nParameters:\n",
@@ -356,7 +356,7 @@ def test_the_base_version_refuses_a_schema_whose_floor_is_above_it(
 
 def test_the_next_versions_changes_fit_the_trees_template() -> None:
     # The edits next_version_tree makes find their places in this tree's files
-    template = (ROOT / "template.yaml").read_text()
+    template = (ROOT / "framework.yaml").read_text()
     assert "\nParameters:\n" in template
     assert "\nResources:\n" in template
     assert re.search(

@@ -47,7 +47,9 @@ def project(tmp_path: Path) -> Path:
             ignore=shutil.ignore_patterns("__pycache__"),
         )
     (tmp_path / "tests" / "integration").mkdir(parents=True)
-    copied_from_the_repository(tmp_path, "tests/conftest.py", "pyproject.toml", "template.yaml")
+    copied_from_the_repository(
+        tmp_path, "tests/conftest.py", "pyproject.toml", "template.yaml", "framework.yaml"
+    )
     return tmp_path
 
 

@@ -92,7 +92,7 @@ def fake_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def create_table_as_the_template_does(client: Any, name: str) -> None:
-    template = cfn_yaml.load(str(ROOT / "template.yaml"))
+    template = cfn_yaml.load(str(ROOT / "framework.yaml"))
     props = json.loads(json.dumps(template["Resources"]["IdempotencyTable"]["Properties"]))
     client.create_table(
         TableName=name,

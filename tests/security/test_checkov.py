@@ -1,5 +1,5 @@
-"""checkov on template.yaml, over every parameter set it offers: no failed check, and every
-skip says why, offline.
+"""checkov on framework.yaml (the resources template.yaml nests), over every parameter set it
+offers: no failed check, and every skip says why, offline.
 
 A Condition that checkov cannot decide (an ``Fn::If`` on a parameter) would let a check pass on
 the branch the default deployment never takes, so each parameter set (``parameter_sets``) is

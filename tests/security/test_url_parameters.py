@@ -83,7 +83,7 @@ NEW_SETTINGS = ["HOOK_URL", "WEBHOOK_TARGET"]
 def scaffolded(tmp_path: Path) -> Path:
     """A project whose samconfig.toml ``new-job`` gave two settings: HOOK_URL, and
     WEBHOOK_TARGET, whose name says nothing of a URL."""
-    for name in ("template.yaml", "samconfig.toml"):
+    for name in ("template.yaml", "framework.yaml", "samconfig.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     edits = plan_setting_edits(tmp_path, NEW_SETTINGS)
     for path, text in edits.texts.items():
@@ -95,7 +95,8 @@ def test_new_settings_add_no_parameter_the_template_would_have_to_check(
     scaffolded: Path,
 ) -> None:
     # Then the template is the shipped one: no parameter per setting, so nothing unchecked
-    assert (scaffolded / "template.yaml").read_bytes() == (ROOT / "template.yaml").read_bytes()
+    for name in ("template.yaml", "framework.yaml"):
+        assert (scaffolded / name).read_bytes() == (ROOT / name).read_bytes()
     assert set(url_parameters(load_template(scaffolded / "template.yaml"))) == set(
         url_parameters(load_template(ROOT / "template.yaml"))
     )

@@ -25,6 +25,7 @@ BUNDLE = "certs/rds-global-bundle.pem"
 def clone(tmp_path: Path) -> Path:
     """The template and samconfig.toml of this repository, with no CA bundle."""
     shutil.copy(ROOT / "template.yaml", tmp_path / "template.yaml")
+    shutil.copy(ROOT / "framework.yaml", tmp_path / "framework.yaml")
     shutil.copy(ROOT / "samconfig.toml", tmp_path / "samconfig.toml")
     (tmp_path / "functions").mkdir()
     return tmp_path

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def clone(tmp_path: Path) -> Path:
     shutil.copy(ROOT / "template.yaml", tmp_path / "template.yaml")
+    shutil.copy(ROOT / "framework.yaml", tmp_path / "framework.yaml")
     shutil.copy(ROOT / "samconfig.toml", tmp_path / "samconfig.toml")
     return tmp_path
 

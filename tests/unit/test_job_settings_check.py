@@ -129,6 +129,7 @@ def build_registry() -> JobRegistry:
 def project(tmp_path: Path) -> Path:
     """This repository's template and samconfig.toml, with a jobs package of its own."""
     shutil.copy(ROOT / "template.yaml", tmp_path / "template.yaml")
+    shutil.copy(ROOT / "framework.yaml", tmp_path / "framework.yaml")
     samconfig = (ROOT / "samconfig.toml").read_text(encoding="utf-8")
     overrides = (
         'JobSettings=\'{\\"HOOK_URL\\": \\"SET-ME\\", \\"HOOK_TOKEN_SECRET_ARN\\": \\"SET-ME\\"}\''

@@ -140,14 +140,13 @@ def named(names: list[str]) -> str:
 
 
 def drain_function_settings(project: Path) -> list[str]:
-    """The settings DrainFunction's jobs (the fixture jobs) declare and the template passes it,
-    in their order. (Read here, not through ``job_setting_owners``: this process's ``jobs`` is
-    the team's package.)"""
+    """The settings DrainFunction's jobs (the fixture jobs) declare, in their order: the
+    template passes them all in one variable, JOB_SETTINGS, which invoke unpacks. (Read here,
+    not through ``job_setting_owners``: this process's ``jobs`` is the team's package.)"""
     from infrai_local.invoke import resolve  # noqa: PLC0415
 
-    environment = resolve("DrainFunction", root=project).environment
-    declared = fixture_jobs.build_registry().declared_settings()
-    return [name for name in declared if name in environment]
+    assert "JOB_SETTINGS" in resolve("DrainFunction", root=project).environment
+    return list(fixture_jobs.build_registry().declared_settings())
 
 
 def migrated(database_url: str) -> str:

@@ -10,6 +10,7 @@ the project's own migrations, so both variants use the same ``job_claims`` table
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import psycopg
 import urllib3
 
 from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.models import QueueStats
 from infrai_local.embedded_db import scratch_database
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
 from infrai_local.queues import ensure_queue
@@ -34,6 +36,8 @@ sys.path.insert(0, str(ROOT / "functions"))
 
 API_KEY = "bench-key"
 JOB = "invoice.finalize"
+# The example jobs' downstream; invoice.finalize never calls it.
+PROVIDER_URL = "http://127.0.0.1:9"
 
 _INSERT_INVOICES: LiteralString = """
 INSERT INTO invoices (id)
@@ -46,6 +50,18 @@ FROM invoices
 """
 _CHECK_CLAIMS: LiteralString = """
 SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims
+"""
+# The effect's moment and count: one row in bench_effects per committed UPDATE of an invoice, so
+# a double effect shows as two rows for one invoice.
+EFFECTS_DDL: LiteralString = """
+CREATE TABLE bench_effects (id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION bench_record_effect() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO bench_effects (id) VALUES (NEW.id);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER bench_record_effect AFTER UPDATE ON invoices
+    FOR EACH ROW EXECUTE FUNCTION bench_record_effect();
 """
 
 # The ledger's tables come with apply_migrations; the invoices table is the invoice job's own
@@ -72,6 +88,14 @@ class Workload:
     @property
     def unique(self) -> int:
         return self.messages - self.duplicates
+
+    def sizes(self) -> dict[str, int]:
+        """The sizes a result's config records."""
+        return {
+            "jobs": self.messages,
+            "unique_jobs": self.unique,
+            "duplicate_publishes": self.duplicates,
+        }
 
     def payloads(self) -> list[dict[str, Any]]:
         """The same seeded publish order for every run with this workload."""
@@ -167,17 +191,41 @@ def prepared_run(
         yield PreparedRun(database_url, queue, workload)
 
 
+def drain_env(
+    emulator: EmulatorProcess, database_url: str, queue: str, **extra: str
+) -> dict[str, str]:
+    """This process's environment with what a drain of ``queue`` reads: the emulator, the
+    database, every setting the example jobs declare (at ``PROVIDER_URL``), and ``extra``."""
+    from jobs import build_registry  # noqa: PLC0415 - only the scripts that start drains need it
+
+    job_settings = dict.fromkeys(build_registry().declared_settings(), PROVIDER_URL)
+    return {
+        **os.environ,
+        **job_settings,
+        "INFRAI_BASE_URL": emulator.url,
+        "INFRAI_API_KEY": API_KEY,
+        "INFRAI_QUEUE": queue,
+        "INFRAI_DLQ": f"{queue}-dlq",
+        "DATABASE_URL": database_url,
+        **extra,
+    }
+
+
+def queue_stats(emulator: EmulatorProcess, queue: str) -> QueueStats:
+    client = InfraiClient(emulator.url, API_KEY)
+    try:
+        return client.stats(queue)
+    finally:
+        client.close()
+
+
 def verify(run: PreparedRun, emulator: EmulatorProcess) -> dict[str, Any]:
     """After a drain: each invoice finalised with its amount, each claim done, the queue empty."""
     emulator.set_latency(0)
     with psycopg.connect(run.database_url, autocommit=True) as conn:
         final, right_amount = conn.execute(_CHECK_INVOICES).fetchone() or (0, 0)
         claims, done = conn.execute(_CHECK_CLAIMS).fetchone() or (0, 0)
-    client = InfraiClient(emulator.url, API_KEY)
-    try:
-        stats = client.stats(run.queue)
-    finally:
-        client.close()
+    stats = queue_stats(emulator, run.queue)
     unique = run.workload.unique
     checks = {
         "invoices_final": final,

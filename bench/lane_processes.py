@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,6 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT / "functions"))
 
 from infrai_local.embedded_db import postgres_server_url  # noqa: E402
-from run_bench import PROVIDER_URL  # noqa: E402
 
 import bench_env  # noqa: E402
 from instruments import (  # noqa: E402
@@ -53,7 +51,7 @@ from instruments import (  # noqa: E402
     sample_busy_percent,
     server_cpu_seconds,
 )
-from results_file import add_output_options, update_results  # noqa: E402
+from results_file import Span, add_output_options, update_results  # noqa: E402
 
 _TIME_LEFT_MS = 600_000
 
@@ -343,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lane:
         _lane_process(json.loads(args.lane[0]), Path(args.lane[1]))
         return 0
-    started_at, started = datetime.now(UTC), time.monotonic()
-    load_before = [round(v, 2) for v in os.getloadavg()]
+    span = Span()
     workload = bench_env.Workload(args.jobs, 0.3, 9)
     runs: list[dict[str, Any]] = []
     with (
@@ -365,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "emulator_pid": emulator.pid,
                                 "api_key": bench_env.API_KEY,
                                 "queue": run.queue,
-                                "provider_url": PROVIDER_URL,
+                                "provider_url": bench_env.PROVIDER_URL,
                             }
                             background = sample_busy_percent(0.5)
                             emulator.set_latency(args.latency_ms)
@@ -384,14 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             emulator.stop()
     nproc = len(os.sched_getaffinity(0))
     result = {
-        "measured_at": started_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - started, 1),
-        "load_average_before": load_before,
-        "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        **span.times(),
         "config": {
-            "jobs": workload.messages,
-            "unique_jobs": workload.unique,
-            "duplicate_publishes": workload.duplicates,
+            **workload.sizes(),
             "latency_ms": args.latency_ms,
             "rounds": args.rounds,
             "lanes": args.lanes,

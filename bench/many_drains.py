@@ -12,9 +12,10 @@ set up, then released together on one queue of ``--jobs`` ``invoice.finalize`` m
 
 * ``direct``: straight to PostgreSQL, so the database refuses connections beyond the limit and
   each drain waits for its first connection or sheds the lanes it cannot open;
-* ``pgbouncer``: through PgBouncer in ``pool_mode = transaction`` (Debian's package, started
-  here on 127.0.0.1 as the pooler tests start it) holding at most ``--connection-limit`` server
-  connections, so every lane connects and the pooler queues their transactions.
+* ``pgbouncer``: through PgBouncer in ``pool_mode = transaction`` (Debian's package, started on
+  127.0.0.1 by the pooler tests' own ``tests/integration/pgbouncer.py``) holding at most
+  ``--connection-limit`` server connections, so every lane connects and the pooler queues their
+  transactions.
 
 Each mode gets a fresh queue and scratch database and is checked: every invoice's effect exactly
 once (a trigger counts the job's UPDATEs), one ``done`` claim per distinct job, the queue and
@@ -34,31 +35,33 @@ import argparse
 import json
 import logging
 import os
-import pwd
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from datetime import UTC, datetime
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, LiteralString
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_local.embedded_db import postgres_server_url
 
-from bench_env import API_KEY, JOB, EmulatorProcess, PreparedRun, Workload, prepared_run
+from bench_env import (
+    EFFECTS_DDL,
+    JOB,
+    EmulatorProcess,
+    PreparedRun,
+    Workload,
+    drain_env,
+    prepared_run,
+    queue_stats,
+)
 from instruments import (
     busy_percent,
     latency_summary,
@@ -68,25 +71,24 @@ from instruments import (
     sample_busy_percent,
     server_cpu_seconds,
 )
-from results_file import add_output_options, update_results
+from results_file import Span, add_output_options, update_results
+
+# The limited role and the pooler come from the integration tests' own helpers, so that the
+# benchmark and the tests make them one way.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+from connection_limit import limited_role
+from pgbouncer import pgbouncer_binary, running_pgbouncer
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-PROVIDER_URL = "http://127.0.0.1:9"  # the example jobs' downstream; invoice.finalize never calls it
 MODES = ("direct", "pgbouncer")
 STORED_UNDER = "many_drains"
 
-# One row per run of the job's UPDATE (so a double effect shows as two rows for one invoice),
-# and one per claim row inserted, each stamped with the server's clock at that moment.
-_TRACKING_DDL: LiteralString = """
-CREATE TABLE bench_effects (id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION bench_record_effect() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO bench_effects (id) VALUES (NEW.id);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER bench_record_effect AFTER UPDATE ON invoices
-    FOR EACH ROW EXECUTE FUNCTION bench_record_effect();
+# Each effect (EFFECTS_DDL), and each claim row inserted, stamped with the server's clock at
+# that moment.
+_TRACKING_DDL: LiteralString = (
+    EFFECTS_DDL
+    + """
 CREATE TABLE bench_claims (
     idem_key text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE FUNCTION bench_record_claim() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -97,6 +99,7 @@ END $$;
 CREATE TRIGGER bench_record_claim AFTER INSERT ON job_claims
     FOR EACH ROW EXECUTE FUNCTION bench_record_claim();
 """
+)
 _VERIFY: LiteralString = """
 SELECT (SELECT count(*) FROM invoices WHERE status = 'final'
             AND total_cents = 1000 + right(id, 7)::int),
@@ -442,123 +445,12 @@ def drain_process(spec_path: Path) -> int:
 # --- the role, the pooler, the drains -----------------------------------------------------------
 
 
-@contextmanager
-def limited_role(database_url: str, limit: int) -> Iterator[str]:
-    """``database_url`` as a new login role allowed ``limit`` connections, with the rights a
-    drain needs on the database's tables; the role is dropped afterwards."""
-    role = f"infrai_many_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(
-            sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT {}").format(
-                sql.Identifier(role), sql.Literal(limit)
-            )
-        )
-        for objects in ("TABLES", "SEQUENCES"):
-            grant = f"GRANT ALL ON ALL {objects} IN SCHEMA public TO {{}}"
-            admin.execute(sql.SQL(grant).format(sql.Identifier(role)))
-    try:
-        yield make_conninfo(database_url, user=role, password="")
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role]
-            )
-            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
-
-
-def pgbouncer_binary() -> str | None:
-    """Debian's pgbouncer (``make pgbouncer`` installs it), on PATH or in /usr/sbin."""
-    return shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
-
-
 def pgbouncer_version() -> str | None:
     binary = pgbouncer_binary()
     if binary is None:
         return None
     done = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
     return done.stdout.split("\n", 1)[0].strip() or None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@contextmanager
-def running_pgbouncer(
-    url: str, pool_size: int, max_clients: int, folder: Path
-) -> Iterator[tuple[str, int]]:
-    """PgBouncer in transaction mode on 127.0.0.1 before the server of ``url`` (whose user it
-    trusts and logs in as), at most ``pool_size`` server connections; yields ``url`` through it
-    and the pooler's process id, and stops that process afterwards."""
-    binary = pgbouncer_binary()
-    if binary is None:
-        raise SystemExit("pgbouncer is not installed: run `make pgbouncer` (Debian's package)")
-    server = conninfo_to_dict(url)
-    host = str(server.get("host") or "127.0.0.1")
-    port = _free_port()
-    folder.mkdir()
-    userlist = folder / "userlist.txt"
-    userlist.write_text(f'"{server["user"]}" ""\n', encoding="utf-8")
-    lines = [
-        "[databases]",
-        f"* = host={host} port={server.get('port') or 5432}",
-        "[pgbouncer]",
-        "listen_addr = 127.0.0.1",
-        f"listen_port = {port}",
-        "unix_socket_dir =",
-        "auth_type = trust",
-        f"auth_file = {userlist}",
-        "pool_mode = transaction",
-        f"default_pool_size = {pool_size}",
-        f"max_db_connections = {pool_size}",
-        f"max_client_conn = {max_clients}",
-        "log_connections = 0",
-        "log_disconnections = 0",
-    ]
-    if os.getuid() == 0:
-        # PgBouncer refuses to run as root: it runs as the owner of the server's unix socket
-        # folder (an embedded server's), else as nobody.
-        owner = os.stat(host).st_uid if host.startswith("/") else pwd.getpwnam("nobody").pw_uid
-        lines.append(f"user = {pwd.getpwuid(owner).pw_name}")
-        for path in (folder, userlist):
-            os.chown(path, owner, -1)
-    ini = folder / "pgbouncer.ini"
-    ini.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    log = folder / "pgbouncer.log"
-    with log.open("w") as stderr:
-        process = subprocess.Popen([binary, str(ini)], stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
-        deadline = time.monotonic() + 15
-        while "process up" not in log.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pgbouncer did not start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        yield make_conninfo(url, host="127.0.0.1", port=str(port)), process.pid
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
-def _drain_env(
-    emulator: EmulatorProcess, database_url: str, queue: str, lanes: int
-) -> dict[str, str]:
-    from jobs import build_registry  # noqa: PLC0415
-
-    job_settings = dict.fromkeys(build_registry().declared_settings(), PROVIDER_URL)
-    return {
-        **os.environ,
-        **job_settings,
-        "INFRAI_BASE_URL": emulator.url,
-        "INFRAI_API_KEY": API_KEY,
-        "INFRAI_QUEUE": queue,
-        "INFRAI_DLQ": f"{queue}-dlq",
-        "DATABASE_URL": database_url,
-        "DRAIN_LANES": str(lanes),
-    }
 
 
 def run_drains(
@@ -618,13 +510,7 @@ def _verify(run: PreparedRun, emulator: EmulatorProcess) -> dict[str, Any]:
         row = conn.execute(_VERIFY).fetchone()
     assert row is not None
     right, once, effects, claims, done = (int(v) for v in row)
-    from infrai_jobs.queue.client import InfraiClient  # noqa: PLC0415
-
-    client = InfraiClient(emulator.url, API_KEY)
-    try:
-        stats = client.stats(run.queue)
-    finally:
-        client.close()
+    stats = queue_stats(emulator, run.queue)
     unique = run.workload.unique
     checks: dict[str, Any] = {
         "unique_jobs": unique,
@@ -657,15 +543,15 @@ def measure_mode(
             url = stack.enter_context(limited_role(run.database_url, args.connection_limit))
             pooler_pid: int | None = None
             if mode == "pgbouncer":
-                url, pooler_pid = stack.enter_context(
+                pooler = stack.enter_context(
                     running_pgbouncer(
                         url,
-                        args.pool_size or args.connection_limit,
-                        args.drains * (args.lanes + 1) + 10,
-                        scratch / f"{mode}-pooler",
+                        pool_size=args.pool_size or args.connection_limit,
+                        max_clients=args.drains * (args.lanes + 1) + 10,
                     )
                 )
-            env = _drain_env(emulator, url, run.queue, args.lanes)
+                url, pooler_pid = pooler.url_for(url), pooler.pid
+            env = drain_env(emulator, url, run.queue, DRAIN_LANES=str(args.lanes))
             print(
                 f"{mode}: {args.drains} drains of {args.lanes} lanes, connection limit "
                 f"{args.connection_limit}",
@@ -777,8 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return drain_process(args.drain)
     if "pgbouncer" in args.modes and pgbouncer_binary() is None:
         raise SystemExit("pgbouncer is not installed: run `make pgbouncer` (Debian's package)")
-    started_at, started = datetime.now(UTC), time.monotonic()
-    load_before = [round(v, 2) for v in os.getloadavg()]
+    span = Span()
     workload = Workload(args.jobs, args.duplicates, args.seed)
     modes: dict[str, Any] = {}
     with (
@@ -792,19 +677,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             emulator.stop()
     result = {
-        "measured_at": started_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - started, 1),
-        "load_average_before": load_before,
-        "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        **span.times(),
         "config": {
             "drains": args.drains,
             "lanes": args.lanes,
             "connection_limit": args.connection_limit,
             "pool_size": args.pool_size or args.connection_limit,
             "pgbouncer_version": pgbouncer_version() if "pgbouncer" in args.modes else None,
-            "jobs": workload.messages,
-            "unique_jobs": workload.unique,
-            "duplicate_publishes": workload.duplicates,
+            **workload.sizes(),
             "seed": args.seed,
             "job": JOB,
             "latency_ms": args.latency_ms,
@@ -814,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "modes": modes,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"many-drains-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path = args.out / f"many-drains-{span.started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     if args.update:

@@ -32,12 +32,11 @@ from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.migrations import apply_migrations
 from infrai_local.queues import ensure_queue
 
-from bench_env import API_KEY, EmulatorProcess, Workload, worker_result
+from bench_env import API_KEY, EmulatorProcess, Workload, queue_stats, worker_result
 from instruments import sample_busy_percent
 from results_file import add_output_options
 
 if TYPE_CHECKING:
-    from infrai_jobs.queue.models import QueueStats
     from infrai_local import provider_sink
 
 JOB = "receipt.send"
@@ -87,9 +86,7 @@ def run_config(setup: Setup, workload: Workload, rounds: int) -> dict[str, Any]:
     """The start of a result's ``config``: the workload, the rounds, the job and its effect, and
     the latency injected into every Infrai call."""
     return {
-        "jobs": workload.messages,
-        "unique_jobs": workload.unique,
-        "duplicate_publishes": workload.duplicates,
+        **workload.sizes(),
         "duplicate_share": workload.duplicate_share,
         "seed": workload.seed,
         "rounds": rounds,
@@ -183,14 +180,6 @@ def worker_mode(spec_path: Path, run_worker: Callable[[dict[str, Any]], dict[str
         json.dumps(run_worker(spec))
     )
     return 0
-
-
-def queue_stats(emulator: EmulatorProcess, queue: str) -> QueueStats:
-    client = InfraiClient(emulator.url, API_KEY)
-    try:
-        return client.stats(queue)
-    finally:
-        client.close()
 
 
 def drain_checks(

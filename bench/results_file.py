@@ -1,13 +1,40 @@
 """What the scripts that measure one part of a run share: ``--json``, ``--update`` and the
-update itself (that part replaced in stored results files, the chart and page regenerated)."""
+update itself (that part replaced in stored results files, the chart and page regenerated), and
+the times and load averages a result opens with (``Span``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+
+def _load_average() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+@dataclass(frozen=True)
+class Span:
+    """A measuring run, from the moment it is made: when it began and the load average then."""
+
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    started: float = field(default_factory=time.monotonic)
+    load_before: list[float] = field(default_factory=_load_average)
+
+    def times(self) -> dict[str, Any]:
+        """When it was measured, how long it has taken, and the load average before and now."""
+        return {
+            "measured_at": self.started_at.isoformat(timespec="seconds"),
+            "duration_s": round(time.monotonic() - self.started, 1),
+            "load_average_before": self.load_before,
+            "load_average_after": _load_average(),
+        }
 
 
 def add_output_options(parser: argparse.ArgumentParser, *, update_help: str) -> None:

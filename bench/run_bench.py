@@ -59,6 +59,7 @@ import receipt_drain
 import report
 from bench_env import (
     API_KEY,
+    PROVIDER_URL,
     EmulatorProcess,
     Workload,
     prepared_run,
@@ -71,8 +72,6 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 # The job's own statements, told apart from the ledger's in the protocol trace.
 JOB_STATEMENT = r"^\s*UPDATE\s+invoices\b"
-# The example jobs' downstream; invoice.finalize never calls it.
-PROVIDER_URL = "http://127.0.0.1:9"
 
 
 @dataclass(frozen=True)
@@ -577,9 +576,7 @@ def assemble(
         "duration_s": round(duration_s, 1),
         "machine": machine,
         "config": {
-            "jobs": workload.messages,
-            "unique_jobs": workload.unique,
-            "duplicate_publishes": workload.duplicates,
+            **workload.sizes(),
             "duplicate_share": workload.duplicate_share,
             "job": "invoice.finalize",
             "job_effect": "database",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -42,25 +41,28 @@ from infrai_local.fan_out import CLI
 from infrai_local.migrations import apply_migrations
 from infrai_local.queues import ensure_queue
 
-from bench_env import API_KEY, JOB_MIGRATIONS, EmulatorProcess, Workload, invoice_id, prepared_run
+from bench_env import (
+    API_KEY,
+    EFFECTS_DDL,
+    JOB_MIGRATIONS,
+    EmulatorProcess,
+    Workload,
+    drain_env,
+    invoice_id,
+    prepared_run,
+    queue_stats,
+)
 from instruments import latency_summary, sample_busy_percent
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 JOBS_PATH = ROOT / "functions"
-PROVIDER_URL = "http://127.0.0.1:9"
 TRICKLE_EVERY_S = 0.25
 
-# The effect's moment and count: one row per committed UPDATE of an invoice.
-_EFFECTS_DDL: LiteralString = """
-CREATE TABLE bench_effects (id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION bench_record_effect() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO bench_effects (id) VALUES (NEW.id);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER bench_record_effect AFTER UPDATE ON invoices
-    FOR EACH ROW EXECUTE FUNCTION bench_record_effect();
+# Each effect (EFFECTS_DDL), and the drains alive after every change to drain_leases.
+_TRACKING_DDL: LiteralString = (
+    EFFECTS_DDL
+    + """
 CREATE TABLE bench_fleet_sizes (live int NOT NULL);
 CREATE FUNCTION bench_record_fleet_size() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -70,6 +72,7 @@ END $$;
 CREATE TRIGGER bench_record_fleet_size AFTER INSERT OR UPDATE ON drain_leases
     FOR EACH STATEMENT EXECUTE FUNCTION bench_record_fleet_size();
 """
+)
 _INVOICES: LiteralString = """
 INSERT INTO invoices (id)
 SELECT 'inv_' || lpad(g::text, 7, '0') FROM generate_series(0, %(count)s - 1) AS g
@@ -88,22 +91,6 @@ _EFFECT_TIMES: LiteralString = (
 )
 
 
-def _drain_env(
-    emulator: EmulatorProcess, database_url: str, queue: str, **extra: str
-) -> dict[str, str]:
-    return {
-        **os.environ,
-        "INFRAI_BASE_URL": emulator.url,
-        "INFRAI_API_KEY": API_KEY,
-        "INFRAI_QUEUE": queue,
-        "INFRAI_DLQ": f"{queue}-dlq",
-        "DATABASE_URL": database_url,
-        "MAIL_PROVIDER_URL": PROVIDER_URL,
-        "DIGEST_PROVIDER_URL": PROVIDER_URL,
-        **extra,
-    }
-
-
 def _verify(
     database_url: str, emulator: EmulatorProcess, queue: str, jobs: int, cap: int
 ) -> dict[str, Any]:
@@ -112,11 +99,7 @@ def _verify(
         row = conn.execute(_VERIFY).fetchone()
     assert row is not None
     right, once, effects, done, leases, peak = (int(v) for v in row)
-    client = InfraiClient(emulator.url, API_KEY)
-    try:
-        stats = client.stats(queue)
-    finally:
-        client.close()
+    stats = queue_stats(emulator, queue)
     checks: dict[str, Any] = {
         "invoices_final_with_right_amount": right,
         "invoices_with_exactly_one_effect": once,
@@ -187,14 +170,14 @@ def measure_latency(
         with psycopg.connect(database_url, autocommit=True) as conn:
             apply_migrations(conn, JOB_MIGRATIONS)
             conn.execute(_INVOICES, {"count": jobs})
-            conn.execute(_EFFECTS_DDL)
+            conn.execute(_TRACKING_DDL)
         client = InfraiClient(emulator.url, API_KEY)
         ensure_queue(client, queue, dlq=f"{queue}-dlq")
         background = sample_busy_percent(0.5)
         emulator.set_latency(latency_ms)
         trickle_s = jobs * TRICKLE_EVERY_S
         # Polling must outlast the trickle: the budget covers it, a batch and a margin.
-        env = _drain_env(
+        env = drain_env(
             emulator,
             database_url,
             queue,
@@ -279,11 +262,11 @@ def measure_backlog(
         workload = Workload(jobs, 0.0, seed)
         with prepared_run(server_url, emulator, queue, workload) as run:
             with psycopg.connect(run.database_url, autocommit=True) as conn:
-                conn.execute(_EFFECTS_DDL)
+                conn.execute(_TRACKING_DDL)
             background = sample_busy_percent(0.5)
             print(f"  backlog: {jobs} messages, DRAIN_MAX_CONCURRENCY={cap}", file=sys.stderr)
             emulator.set_latency(latency_ms)
-            env = _drain_env(
+            env = drain_env(
                 emulator,
                 run.database_url,
                 queue,

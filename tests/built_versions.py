@@ -4,17 +4,21 @@
 ``framework.yaml`` and ``CHANGELOG.md`` are links to the repository's own files, and a copy
 that followed them would prove nothing about the build). ``build_wheel`` runs ``python -m
 build`` as ``make dist`` does, into a folder of its own. ``fresh_venv`` makes a virtualenv
-without pip and installs one wheel into it with this virtualenv's pip (``--python``), offline and
-without dependencies: a ``.pth`` line names this virtualenv's site-packages for those, as
+without pip and installs one wheel into it (``install_wheel``) with this virtualenv's pip
+(``--python``), offline and without dependencies: a ``.pth`` line names this virtualenv's
+site-packages for those, as
 tests/e2e/test_dist.py explains (a ``.pth`` line adds a folder, whose own ``.pth`` files, the
 editable install's and the one naming this repository's functions/, are not read, so the fresh
-interpreter imports the wheel and no ``jobs`` package). Importable from every test folder.
+interpreter imports the wheel and no ``jobs`` package). ``run_cli`` and ``team_make`` run a
+virtualenv's ``infrai-jobs`` and a project's Makefile as a team would. Importable from every
+test folder.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -51,10 +55,11 @@ def build_wheel(source: Path, out: Path) -> Path:
     return wheel
 
 
-def fresh_venv(folder: Path) -> Path:
-    """A virtualenv at ``folder`` without pip or packages; its ``bin`` folder."""
+def fresh_venv(folder: Path, wheel: Path) -> Path:
+    """A virtualenv at ``folder`` without pip, ``wheel`` installed in it; its ``bin`` folder."""
     made = run_captured([sys.executable, "-m", "venv", "--without-pip", str(folder)])
     assert made.returncode == 0, made.stderr
+    install_wheel(folder / "bin", wheel)
     return folder / "bin"
 
 
@@ -138,3 +143,24 @@ def mark_venv_installed(bin_dir: Path, project: Path) -> None:
     pin = (project / "layers" / "common" / "requirements.txt").read_text()
     version = pin.rsplit("infrai-jobs==", 1)[1].strip()
     (bin_dir.parent / f".installed-{version}").touch()
+
+
+def run_cli(
+    bin_dir: Path, *args: str, cwd: Path, timeout: float = 180, **env: str
+) -> tuple[int, str, str]:
+    """``infrai-jobs args`` of the virtualenv of ``bin_dir``, in ``cwd``, with only ``env``
+    beyond the bare environment: its exit code, stdout and stderr."""
+    ran = run_captured(
+        [str(bin_dir / "infrai-jobs"), *args], env=clean_env(**env), cwd=cwd, timeout=timeout
+    )
+    return ran.returncode, ran.stdout, ran.stderr
+
+
+def team_make(bin_dir: Path, project: Path, target: str) -> subprocess.CompletedProcess[str]:
+    """``make target`` in ``project`` with the virtualenv of ``bin_dir`` as its own, which must
+    pass."""
+    ran = run_captured(
+        ["make", target, f"VENV={bin_dir.parent}"], env=clean_env(), cwd=project, timeout=300
+    )
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    return ran

@@ -13,14 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from built_versions import (
-    build_wheel,
-    fresh_venv,
-    install_wheel,
-    source_copy,
-    team_project,
-)
-from child_process import clean_env, run_captured
+from built_versions import build_wheel, fresh_venv, run_cli, source_copy, team_make, team_project
+from child_process import run_captured
 
 import infrai_jobs
 
@@ -32,10 +26,7 @@ VERSION = infrai_jobs.__version__
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This tree's wheel in a fresh virtualenv: its bin folder."""
     work = tmp_path_factory.mktemp("installed")
-    wheel = build_wheel(source_copy(work / "source"), work / "dist")
-    bin_dir = fresh_venv(work / "venv")
-    install_wheel(bin_dir, wheel)
-    return bin_dir
+    return fresh_venv(work / "venv", build_wheel(source_copy(work / "source"), work / "dist"))
 
 
 @pytest.fixture(scope="module")
@@ -84,26 +75,25 @@ def test_init_writes_the_layout_and_no_framework_code(project: Path) -> None:
 def test_init_refuses_a_folder_in_use_and_a_bad_stack_name(
     installed: Path, project: Path, tmp_path: Path
 ) -> None:
-    cli = str(installed / "infrai-jobs")
     # When init is pointed at a folder that holds files, or given a name CloudFormation refuses
-    used = run_captured([cli, "init", str(project), "--name", "payments-jobs"])
-    bad = run_captured([cli, "init", str(tmp_path / "new"), "--name", "payments_jobs!"])
+    new = str(tmp_path / "new")
+    used, _, used_err = run_cli(
+        installed, "init", str(project), "--name", "payments-jobs", cwd=tmp_path
+    )
+    bad, _, bad_err = run_cli(installed, "init", new, "--name", "payments_jobs!", cwd=tmp_path)
     # Then each is one line on stderr, exit 2, and nothing is written
-    assert (used.returncode, bad.returncode) == (2, 2)
-    assert "is not an empty folder" in used.stderr
-    assert "stack name 'payments_jobs!'" in bad.stderr
-    assert "Traceback" not in used.stderr + bad.stderr
+    assert (used, bad) == (2, 2)
+    assert "is not an empty folder" in used_err
+    assert "stack name 'payments_jobs!'" in bad_err
+    assert "Traceback" not in used_err + bad_err
     assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow
 def test_the_projects_own_tests_pass_through_its_makefile(installed: Path, project: Path) -> None:
     # When the team runs `make test` (its virtualenv already made)
-    ran = run_captured(
-        ["make", "test", f"VENV={installed.parent}"], env=clean_env(), cwd=project, timeout=300
-    )
+    ran = team_make(installed, project, "test")
     # Then the scaffolded jobs' tests and the public-import check pass
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "test_jobs_import_public_api.py ." in ran.stdout
     assert "test_job_payout_send.py" in ran.stdout
     assert " failed" not in ran.stdout
@@ -114,11 +104,8 @@ def test_the_projects_demo_runs_its_jobs_on_the_local_stand_ins(
     installed: Path, project: Path
 ) -> None:
     # When the team runs `make demo`
-    ran = run_captured(
-        ["make", "demo", f"VENV={installed.parent}"], env=clean_env(), cwd=project, timeout=300
-    )
+    ran = team_make(installed, project, "demo")
     # Then each sample payload was published once and drained done
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     summary = json.loads(ran.stdout.strip().splitlines()[-1])
     assert (summary["consumed"], summary["done"], summary["acked"]) == (2, 2, 2)
 
@@ -149,21 +136,12 @@ def test_invoke_runs_the_drain_function_of_the_nested_template(
     installed: Path, project: Path
 ) -> None:
     # When the team invokes DrainFunction with the schedule's event, nothing real configured
-    ran = run_captured(
-        [
-            str(installed / "infrai-jobs"),
-            "invoke",
-            "DrainFunction",
-            "--event",
-            "events/drain-schedule.json",
-        ],
-        env=clean_env(),
-        cwd=project,
-        timeout=180,
+    code, out, err = run_cli(
+        installed, "invoke", "DrainFunction", "--event", "events/drain-schedule.json", cwd=project
     )
     # Then the handler ran in the sandbox and returned its summary
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    assert "errorType" not in ran.stdout
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "errorType" not in out
 
 
 @pytest.mark.slow
@@ -171,26 +149,13 @@ def test_build_check_refuses_the_placeholder_of_a_jobs_setting(
     installed: Path, project: Path
 ) -> None:
     # When the team runs the checks its `make build` runs, with new-job's placeholders in place
-    checked = run_captured(
-        [str(installed / "infrai-jobs"), "build-check", "--skip", "ca-bundle"],
-        env=clean_env(),
-        cwd=project,
-    )
+    code, out, err = run_cli(installed, "build-check", "--skip", "ca-bundle", cwd=project)
     # Then the build would stop, naming the setting and its job, and no traceback is shown
-    assert checked.returncode == 1, checked.stdout + checked.stderr
-    assert "PAYOUT_URL (for payout.send)" in checked.stderr
-    assert "Traceback" not in checked.stderr
+    assert code == 1, out + err
+    assert "PAYOUT_URL (for payout.send)" in err
+    assert "Traceback" not in err
     # And with that check left out too (a build never deployed) the rest pass
-    skipped = run_captured(
-        [
-            str(installed / "infrai-jobs"),
-            "build-check",
-            "--skip",
-            "ca-bundle",
-            "--skip",
-            "job-settings",
-        ],
-        env=clean_env(),
-        cwd=project,
+    code, out, err = run_cli(
+        installed, "build-check", "--skip", "ca-bundle", "--skip", "job-settings", cwd=project
     )
-    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+    assert code == 0, out + err

@@ -27,10 +27,11 @@ from built_versions import (
     fresh_venv,
     install_wheel,
     mark_venv_installed,
+    run_cli,
     source_copy,
+    team_make,
     team_project,
 )
-from child_process import clean_env, run_captured
 
 import infrai_jobs
 from infrai_local import emulator, provider_sink
@@ -102,15 +103,6 @@ def team_files(project: Path) -> dict[str, bytes]:
     }
 
 
-def cli(
-    bin_dir: Path, *args: str, cwd: Path, timeout: float = 180, **env: str
-) -> tuple[int, str, str]:
-    ran = run_captured(
-        [str(bin_dir / "infrai-jobs"), *args], env=clean_env(**env), cwd=cwd, timeout=timeout
-    )
-    return ran.returncode, ran.stdout, ran.stderr
-
-
 @pytest.fixture(scope="module")
 def upgraded(tmp_path_factory: pytest.TempPathFactory, pg_server_url: str) -> Iterator[Upgraded]:
     work = tmp_path_factory.mktemp("upgrade")
@@ -118,10 +110,8 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory, pg_server_url: str) -> It
     base_wheel = build_wheel(source_copy(work / "base"), work / "dist-base")
     next_wheel = build_wheel(next_version_tree(source_copy(work / "next")), work / "dist-next")
     assert next_wheel.name == f"infrai_jobs-{NEXT}-py3-none-any.whl"
-    base_bin = fresh_venv(work / "venv-base")
-    install_wheel(base_bin, base_wheel)
-    team_bin = fresh_venv(work / "venv-team")
-    install_wheel(team_bin, base_wheel)
+    base_bin = fresh_venv(work / "venv-base", base_wheel)
+    team_bin = fresh_venv(work / "venv-team", base_wheel)
     # And a project made at the base version with the two jobs, its stack renamed, its
     # database migrated
     project = team_project(team_bin, work / "payments", "payments-jobs")
@@ -130,12 +120,12 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory, pg_server_url: str) -> It
         samconfig.read_text().replace('stack_name = "payments-jobs"', 'stack_name = "payouts-eu"')
     )
     with scratch_database(pg_server_url) as database_url:
-        code, out, err = cli(team_bin, "migrate", cwd=project, DATABASE_URL=database_url)
+        code, out, err = run_cli(team_bin, "migrate", cwd=project, DATABASE_URL=database_url)
         assert code == 0, err
         before = team_files(project)
         # When the team installs the next version and runs upgrade
         install_wheel(team_bin, next_wheel)
-        code, out, err = cli(team_bin, "upgrade", "--json", cwd=project)
+        code, out, err = run_cli(team_bin, "upgrade", "--json", cwd=project)
         assert code == 0, err
         mark_venv_installed(team_bin, project)
         yield Upgraded(project, team_bin, base_bin, database_url, before, json.loads(out))
@@ -168,7 +158,7 @@ def test_upgrade_says_what_changed(upgraded: Upgraded) -> None:
     assert f"- {NEW_RESOURCE}, for the upgrade test." in changelog
     assert not any(line.startswith(f"## {BASE}") for line in changelog)
     # And a second run has nothing to do
-    code, out, _ = cli(upgraded.team_bin, "upgrade", cwd=upgraded.project)
+    code, out, _ = run_cli(upgraded.team_bin, "upgrade", cwd=upgraded.project)
     assert (code, out) == (0, f"already at infrai-jobs {NEXT}: nothing to do\n")
 
 
@@ -177,13 +167,13 @@ def test_upgrade_refuses_a_downgrade_and_a_folder_that_is_no_project(
     upgraded: Upgraded, tmp_path: Path
 ) -> None:
     before = (upgraded.project / "framework.yaml").read_bytes()
-    code, _, err = cli(
+    code, _, err = run_cli(
         upgraded.base_bin, "upgrade", "--project", str(upgraded.project), cwd=tmp_path
     )
     assert code == 2
     assert f"the installed infrai-jobs {BASE} is older than the project's {NEXT}" in err
     assert (upgraded.project / "framework.yaml").read_bytes() == before
-    code, _, err = cli(upgraded.team_bin, "upgrade", cwd=tmp_path)
+    code, _, err = run_cli(upgraded.team_bin, "upgrade", cwd=tmp_path)
     assert code == 2
     assert "is not an infrai-jobs project" in err
     assert "Traceback" not in err
@@ -193,12 +183,12 @@ def test_upgrade_refuses_a_downgrade_and_a_folder_that_is_no_project(
 def migrated(upgraded: Upgraded) -> dict[str, object]:
     """``migrate --status --json`` after the upgrade, then ``migrate``: the status."""
     env = {"DATABASE_URL": upgraded.database_url}
-    code, out, err = cli(
+    code, out, err = run_cli(
         upgraded.team_bin, "migrate", "--status", "--json", cwd=upgraded.project, **env
     )
     assert code == 0, err
     status: dict[str, object] = json.loads(out)
-    code, out, err = cli(upgraded.team_bin, "migrate", cwd=upgraded.project, **env)
+    code, out, err = run_cli(upgraded.team_bin, "migrate", cwd=upgraded.project, **env)
     assert code == 0, err
     assert out == f"applied ledger {NEW_MIGRATION:04d}: upgrade check\n"
     return status
@@ -215,13 +205,7 @@ def test_migrate_status_shows_the_new_migration_pending(migrated: dict[str, obje
 def test_the_teams_tests_pass_on_the_next_version(
     upgraded: Upgraded, migrated: dict[str, object]
 ) -> None:
-    ran = run_captured(
-        ["make", "test", f"VENV={upgraded.team_bin.parent}"],
-        env=clean_env(),
-        cwd=upgraded.project,
-        timeout=300,
-    )
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    ran = team_make(upgraded.team_bin, upgraded.project, "test")
     assert " passed" in ran.stdout
     assert " failed" not in ran.stdout
 
@@ -255,7 +239,7 @@ def queue_env(upgraded: Upgraded) -> Iterator[dict[str, str]]:
 
 def publish_both(upgraded: Upgraded, env: dict[str, str], suffix: str) -> None:
     for job in ("ledger.entry", "payout.send"):
-        code, _, err = cli(
+        code, _, err = run_cli(
             upgraded.team_bin,
             "publish",
             "--create",
@@ -276,7 +260,7 @@ def test_the_next_version_drains_the_teams_jobs(
     upgraded: Upgraded, migrated: dict[str, object], queue_env: dict[str, str]
 ) -> None:
     publish_both(upgraded, queue_env, "next")
-    code, out, err = cli(upgraded.team_bin, "drain", cwd=upgraded.project, **queue_env)
+    code, out, err = run_cli(upgraded.team_bin, "drain", cwd=upgraded.project, **queue_env)
     assert code == 0, err
     summary = drained(out)
     assert (summary["consumed"], summary["done"], summary["acked"]) == (2, 2, 2)
@@ -287,7 +271,7 @@ def test_the_next_version_invokes_the_drain_function(
     upgraded: Upgraded, migrated: dict[str, object], queue_env: dict[str, str]
 ) -> None:
     publish_both(upgraded, queue_env, "invoke")
-    code, out, err = cli(
+    code, out, err = run_cli(
         upgraded.team_bin,
         "invoke",
         "DrainFunction",
@@ -308,7 +292,7 @@ def test_the_base_version_still_drains_on_the_migrated_schema(
     publish_both(upgraded, queue_env, "base")
     functions = str(upgraded.project / "functions")
     # When the base version drains
-    code, out, err = cli(
+    code, out, err = run_cli(
         upgraded.base_bin, "drain", cwd=upgraded.project, INFRAI_JOBS_PATH=functions, **queue_env
     )
     # Then it runs the team's jobs
@@ -331,7 +315,7 @@ def test_the_base_version_refuses_a_schema_whose_floor_is_above_it(
         publish_both(upgraded, queue_env, "floor")
         functions = str(upgraded.project / "functions")
         # When the base version drains
-        code, out, err = cli(
+        code, out, err = run_cli(
             upgraded.base_bin,
             "drain",
             cwd=upgraded.project,
@@ -343,7 +327,7 @@ def test_the_base_version_refuses_a_schema_whose_floor_is_above_it(
         assert "99.0.0" in err
         assert BASE in err
         # And it consumed nothing: both messages wait, never received
-        code, out, err = cli(
+        code, out, err = run_cli(
             upgraded.team_bin, "stats", "--json", cwd=upgraded.project, **queue_env
         )
         assert code == 0, err

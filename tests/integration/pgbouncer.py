@@ -4,7 +4,9 @@ poolers are, so a statement that relies on its session (a server-side prepared s
 session ``SET``, ``LISTEN``) meets another server connection in the next transaction.
 
 Debian's ``pgbouncer`` package (``make test`` installs it, as its ``pgbouncer`` target says);
-its absence fails the tests that need it, naming that target, never skips them."""
+its absence fails the tests that need it, naming that target, never skips them. The many-drains
+benchmark (bench/many_drains.py) starts its pooler with this module too, with a pool of its own
+size."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 # Fewer server connections than the drains' clients, so the pooler multiplexes them: a client's
 # consecutive transactions meet different server connections, as under load in production.
 POOL_SIZE = 3
+MAX_CLIENTS = 200
 _START_TIMEOUT_S = 15
 MISSING = (
     "pgbouncer is not installed, and the pooler tier needs it: run `make pgbouncer` (as root or "
@@ -35,10 +38,13 @@ MISSING = (
 
 @dataclass
 class RunningPooler:
-    """The pooler's address and what it logged (``log``), for a test's checks."""
+    """The pooler's address, process id and server connections per database, and what it
+    logged (``log``), for a test's checks."""
 
     host: str
     port: int
+    pid: int
+    pool_size: int
     lines: list[str] = field(default_factory=list)
 
     def url_for(self, database_url: str) -> str:
@@ -48,11 +54,11 @@ class RunningPooler:
     def warm(self, database_url: str) -> None:
         """Open the pool's server connections to ``database_url``'s database at once, so that
         from here a client's consecutive transactions each meet another one of them."""
-        clients = [psycopg.connect(self.url_for(database_url)) for _ in range(POOL_SIZE)]
+        clients = [psycopg.connect(self.url_for(database_url)) for _ in range(self.pool_size)]
         try:
             # Each client's open transaction holds a server connection of its own.
             servers = {conn.execute("SELECT pg_backend_pid()").fetchone() for conn in clients}
-            assert len(servers) == POOL_SIZE, servers
+            assert len(servers) == self.pool_size, servers
         finally:
             for conn in clients:
                 conn.commit()  # a client gone mid-transaction would take its server with it
@@ -75,10 +81,11 @@ def _free_port() -> int:
         return port
 
 
-def _config(server_url: str, folder: Path, port: int) -> Path:
+def _config(server_url: str, folder: Path, port: int, pool_size: int, max_clients: int) -> Path:
     """pgbouncer.ini and its userlist in ``folder``: every database of the server at
     ``server_url``, its user trusted by the pooler, which logs in to the server as that user
-    (with the URL's password, when the server asks for one)."""
+    (with the URL's password, when the server asks for one), through at most ``pool_size``
+    server connections per database."""
     server = conninfo_to_dict(server_url)
     host = str(server.get("host") or "127.0.0.1")
     user = str(server.get("user") or pwd.getpwuid(os.getuid()).pw_name)
@@ -95,8 +102,9 @@ def _config(server_url: str, folder: Path, port: int) -> Path:
         "auth_type = trust",
         f"auth_file = {userlist}",
         "pool_mode = transaction",
-        f"default_pool_size = {POOL_SIZE}",
-        "max_client_conn = 200",
+        f"default_pool_size = {pool_size}",
+        f"max_db_connections = {pool_size}",
+        f"max_client_conn = {max_clients}",
         # Round robin: a client's next transaction goes to the server connection idle longest,
         # not to the one it just released (``warm``).
         "server_round_robin = 1",
@@ -116,18 +124,22 @@ def _config(server_url: str, folder: Path, port: int) -> Path:
 
 
 @contextmanager
-def running_pgbouncer(server_url: str) -> Iterator[RunningPooler]:
-    """A pgbouncer in transaction mode before the server at ``server_url``, stopped (by its
+def running_pgbouncer(
+    server_url: str, *, pool_size: int = POOL_SIZE, max_clients: int = MAX_CLIENTS
+) -> Iterator[RunningPooler]:
+    """A pgbouncer in transaction mode before the server at ``server_url``, ``pool_size``
+    server connections per database shared by up to ``max_clients`` clients, stopped (by its
     own process id) when the block ends."""
     binary = pgbouncer_binary()
     if binary is None:
         raise RuntimeError(MISSING)
     with tempfile.TemporaryDirectory(prefix="infrai-pgbouncer-") as scratch:
-        pooler = RunningPooler("127.0.0.1", _free_port())
-        ini = _config(server_url, Path(scratch), pooler.port)
+        port = _free_port()
+        ini = _config(server_url, Path(scratch), port, pool_size, max_clients)
         process = subprocess.Popen(
             [binary, str(ini)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
+        pooler = RunningPooler("127.0.0.1", port, process.pid, pool_size)
         up = threading.Event()
 
         def read_log() -> None:

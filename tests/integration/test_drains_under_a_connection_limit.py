@@ -15,16 +15,15 @@ import json
 import os
 import subprocess
 import threading
-import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import psycopg
 import pytest
+from connection_limit import limited_role
 from drainkit import API_KEY, COUNTING_JOBS, DLQ, QUEUE, Harness
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
 from infrai_local.fan_out import CLI
 
@@ -38,25 +37,8 @@ JOBS = 300
 def limited_url(kit: Harness) -> Iterator[str]:
     """The harness's database as a new role allowed ``CONNECTION_LIMIT`` connections, with the
     rights a drain needs; the role is dropped afterwards."""
-    role = f"infrai_budget_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(kit.database_url, autocommit=True) as admin:
-        admin.execute(
-            sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT {}").format(
-                sql.Identifier(role), sql.Literal(CONNECTION_LIMIT)
-            )
-        )
-        for objects in ("TABLES", "SEQUENCES"):
-            grant = f"GRANT ALL ON ALL {objects} IN SCHEMA public TO {{}}"
-            admin.execute(sql.SQL(grant).format(sql.Identifier(role)))
-    try:
-        yield make_conninfo(kit.database_url, user=role)
-    finally:
-        with psycopg.connect(kit.database_url, autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role]
-            )
-            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    with limited_role(kit.database_url, CONNECTION_LIMIT) as url:
+        yield url
 
 
 class DrainProcess:

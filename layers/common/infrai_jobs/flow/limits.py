@@ -39,54 +39,40 @@ _RATE_LOCK: LiteralString = "SELECT pg_advisory_xact_lock(%(rate_class)s, hashte
 # start more than ``max_wait`` seconds away takes no slot, a full key reserves no start. Taking a
 # slot again with the same token renews it to that lease. Expired slots and old starts go.
 _ADMIT: LiteralString = """
-WITH clock AS (SELECT clock_timestamp() AS now),
-next_start AS (
-    SELECT greatest(
-        clock.now,
-        (SELECT max(started_at) FROM flow_rate_starts WHERE job = %(job)s)
-            + make_interval(secs => %(spacing)s)
-    ) AS at
-    FROM clock
-),
-held AS (
-    SELECT (SELECT lease_until FROM job_claims
-            WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running')
-        AS lease_until
-),
-live AS (
-    SELECT count(*) AS n FROM flow_concurrency_slots, clock
-    WHERE job = %(job)s AND key_value = %(value)s AND lease_until > clock.now
-      AND token <> %(token)s
-),
-judged AS (
-    SELECT coalesce(%(value)s IS NULL OR (live.n < %(max)s AND held.lease_until > clock.now),
+WITH judged AS (
+    SELECT clock.now, next_start.at, held.lease_until,
+           coalesce(%(value)s IS NULL OR (live.n < %(max)s AND held.lease_until > clock.now),
                     false) AS slot_free,
-           next_start.at <= clock.now + make_interval(secs => %(max_wait)s) AS start_fits,
-           next_start.at, held.lease_until
-    FROM live, held, next_start, clock
+           next_start.at <= clock.now + make_interval(secs => %(max_wait)s) AS start_fits
+    FROM (SELECT clock_timestamp() AS now) AS clock,
+    LATERAL (SELECT greatest(clock.now, max(started_at) + make_interval(secs => %(spacing)s))
+             AS at FROM flow_rate_starts WHERE job = %(job)s) AS next_start,
+    LATERAL (SELECT count(*) AS n FROM flow_concurrency_slots
+             WHERE job = %(job)s AND key_value = %(value)s AND lease_until > clock.now
+               AND token <> %(token)s) AS live,
+    LATERAL (SELECT max(lease_until) AS lease_until FROM job_claims
+             WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running') AS held
 ),
 taken AS (
     INSERT INTO flow_concurrency_slots (token, job, key_value, holder, lease_until)
-    SELECT %(token)s, %(job)s, %(value)s, %(holder)s, judged.lease_until FROM judged
+    SELECT %(token)s, %(job)s, %(value)s, %(holder)s, lease_until FROM judged
     WHERE %(value)s IS NOT NULL AND slot_free AND start_fits
     ON CONFLICT (token) DO UPDATE SET lease_until = EXCLUDED.lease_until
 ),
 started AS (
     INSERT INTO flow_rate_starts (job, started_at)
-    SELECT %(job)s, judged.at FROM judged
-    WHERE %(spacing)s IS NOT NULL AND slot_free AND start_fits
+    SELECT %(job)s, at FROM judged WHERE %(spacing)s IS NOT NULL AND slot_free AND start_fits
 ),
 expired AS (
-    DELETE FROM flow_concurrency_slots USING clock
-    WHERE job = %(job)s AND key_value = %(value)s AND lease_until <= clock.now
+    DELETE FROM flow_concurrency_slots AS s USING judged
+    WHERE s.job = %(job)s AND s.key_value = %(value)s AND s.lease_until <= judged.now
 ),
 pruned AS (
-    DELETE FROM flow_rate_starts USING clock
+    DELETE FROM flow_rate_starts USING judged
     WHERE %(spacing)s IS NOT NULL AND job = %(job)s
-      AND started_at < clock.now - make_interval(secs => %(kept)s)
+      AND started_at < judged.now - make_interval(secs => %(kept)s)
 )
-SELECT slot_free, start_fits, extract(epoch FROM judged.at - clock.now)::float8
-FROM judged, clock
+SELECT slot_free, start_fits, extract(epoch FROM at - now)::float8 FROM judged
 """
 
 

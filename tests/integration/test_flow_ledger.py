@@ -23,7 +23,7 @@ from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.statements import STUCK_CLAIM
-from infrai_jobs.work.states import ClaimRow, ClaimStatus
+from infrai_jobs.work.states import ClaimRow, ClaimStatus, JobRun, RunKind
 from infrai_jobs.work.store import DeferOutcome, DeferredWork
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
 from infrai_local.operator import OperatorLedger
@@ -694,6 +694,29 @@ def test_every_way_a_run_ends_frees_its_slot_in_the_same_statement(
     # When its claim is settled, one way or another
     settle(conn, key, token)
     # Then the slot is gone and the next run of that value takes it
+    assert _slot_count(conn) == 0
+    other_key, other = _running_claim(conn, 300)
+    assert all(_take(conn, other_key, other, max_running=1)[:2])
+
+
+@pytest.mark.parametrize(
+    "kind", [RunKind.SUCCEEDED, RunKind.PERMANENT, RunKind.UNCERTAIN, RunKind.TRANSIENT]
+)
+def test_a_delivery_s_settle_frees_the_slot_its_run_held(
+    conn: psycopg.Connection[Any], kind: RunKind
+) -> None:
+    # Given a delivery's claim whose run took the one slot of its key value
+    ledger = PostgresLedger(conn.info.dsn)
+    try:
+        request = claim_request("slot:1", job="report.render", lease_seconds=300)
+        (decision,) = ledger.claim([request])
+        assert decision.status is ClaimStatus.WON
+        assert all(_take(conn, "slot:1", request.claim_token, max_running=1)[:2])
+        # When the drain settles it, however its run ended
+        ledger.settle(request, JobRun(kind, error="e", held_slot=True))
+    finally:
+        ledger.close()
+    # Then the slot went with that same statement: the key value's next run takes it
     assert _slot_count(conn) == 0
     other_key, other = _running_claim(conn, 300)
     assert all(_take(conn, other_key, other, max_running=1)[:2])

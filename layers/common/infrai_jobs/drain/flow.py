@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -118,7 +119,9 @@ class FlowControl(DrainFeature):
             return self._defer(
                 conn, attempt, attempts=ctx.delivery_count - 1, error=reason, delay=wait
             )
-        result = run()  # settling its claim frees its concurrency slot
+        result = run()
+        if policy.concurrency is not None:  # its settle frees the slot it took
+            result = replace(result, held_slot=True)
         retry, attempts = policy.retry, ctx.delivery_count
         # Deferred at the first transient failure: the ledger then owns the work, so a drain dying
         # in a later attempt never spends the message's last delivery. Out of attempts: the DLQ.

@@ -222,29 +222,27 @@ _FENCED: LiteralString = """
     AS u(idem_key, claim_token, value)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
 RETURNING c.idem_key"""
-_DONE: LiteralString = (
+SETTLE_DONE: LiteralString = (
     "UPDATE job_claims AS c\n"
     "SET state = 'done', result = u.value::jsonb, error = NULL, updated_at = now()\nFROM" + _FENCED
 )
-SETTLE_DONE: LiteralString = freeing_slots(_DONE)
-SETTLE_DONE_AND_COMMIT: LiteralString = _DONE + ";\nCOMMIT"  # database jobs: no limits
-SETTLE_FAILED: LiteralString = freeing_slots(
+SETTLE_DONE_AND_COMMIT: LiteralString = SETTLE_DONE + ";\nCOMMIT"
+SETTLE_FAILED: LiteralString = (
     "UPDATE job_claims AS c\nSET state = 'failed', error = u.value, updated_at = now()\nFROM"
     + _FENCED
 )
 # The holder does not know whether its effect happened (a delivery's or a deferred run's):
 # flagged for a human, its lease ended; only a human or a probe settles it.
-MARK_UNCERTAIN: LiteralString = freeing_slots(
+MARK_UNCERTAIN: LiteralString = (
     "UPDATE job_claims AS c\nSET error = 'effect uncertain: ' || u.value, updated_at = now(),\n"
     "    lease_until = " + lease_cut("c") + "\nFROM" + _FENCED
 )
-RELEASE_BATCH: LiteralString = freeing_slots(
-    """
+RELEASE_BATCH: LiteralString = """
 DELETE FROM job_claims AS c
 USING unnest(%(keys)s::text[], %(tokens)s::uuid[]) AS u(idem_key, claim_token)
 WHERE c.idem_key = u.idem_key AND c.claim_token = u.claim_token AND c.state = 'running'
-RETURNING c.idem_key"""
-)
+RETURNING c.idem_key
+"""
 
 # Annotates a claim this delivery does not hold; it changes no state, so it is not fenced.
 FLAG_STUCK: LiteralString = """

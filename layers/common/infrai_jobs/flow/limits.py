@@ -101,7 +101,8 @@ def admit(
     that start is at most ``max_wait`` seconds away: both or neither. Call the provider when
     the wait is over, not before. Run outside any transaction (autocommit): the message is one."""
     value, most = concurrency if concurrency is not None else (None, None)
-    params = {"job": job, "value": value, "max": most, "holder": holder, "key": idem_key}
+    params: dict[str, Any] = {"job": job, "value": value, "max": most, "key": idem_key}
+    params["holder"] = holder
     params |= {"token": token, "spacing": None, "max_wait": 0.0, "kept": None}
     params |= {"key_class": CONCURRENCY_LOCK_CLASS, "rate_class": RATE_LOCK_CLASS}
     if rate is not None:

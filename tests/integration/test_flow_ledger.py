@@ -23,7 +23,7 @@ from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.statements import STUCK_CLAIM
-from infrai_jobs.work.states import ClaimRow, ClaimStatus
+from infrai_jobs.work.states import ClaimRow, ClaimStatus, JobRun, RunKind
 from infrai_jobs.work.store import DeferOutcome, DeferredWork
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
 from infrai_local.operator import OperatorLedger
@@ -514,15 +514,27 @@ def test_the_backlog_and_its_oldest_age(
 # --- Rate limits ------------------------------------------------------------------------------
 
 
+def _reserve(
+    conn: psycopg.Connection[Any], job: str, limit: RateLimit, *, max_wait: float
+) -> tuple[bool, float]:
+    """A rate-limited start alone (a job with no concurrency key): reserved, and the wait."""
+    token = uuid.uuid4()
+    admission = limits.admit(
+        conn, job, token=token, idem_key=f"{job}:{token}", holder="m", rate=limit, max_wait=max_wait
+    )
+    assert admission.slot_free
+    return admission.start_fits, admission.wait
+
+
 def test_a_start_is_reserved_a_spacing_after_the_last_or_refused_past_the_wait_allowed(
     conn: psycopg.Connection[Any],
 ) -> None:
     limit = RateLimit(per_minute=3)  # one start every 20 s
     # Given a first start, reserved for now
-    assert limits.reserve_start(conn, "report.render", limit, max_wait=0) == (True, 0.0)
+    assert _reserve(conn, "report.render", limit, max_wait=0) == (True, 0.0)
     # When a second asks with a minute to spare, and a third with only 10 s
-    second = limits.reserve_start(conn, "report.render", limit, max_wait=60)
-    third = limits.reserve_start(conn, "report.render", limit, max_wait=10)
+    second = _reserve(conn, "report.render", limit, max_wait=60)
+    third = _reserve(conn, "report.render", limit, max_wait=10)
     # Then the second is reserved 20 s after the first; the third, which would wait 40 s, is
     # refused with that wait, and nothing was recorded for it
     assert second[0]
@@ -535,7 +547,7 @@ def test_a_start_is_reserved_a_spacing_after_the_last_or_refused_past_the_wait_a
     assert len(rows) == 2
     assert (rows[1][0] - rows[0][0]).total_seconds() == 20
     # And another job's limit is its own
-    assert limits.reserve_start(conn, "other.job", limit, max_wait=0) == (True, 0.0)
+    assert _reserve(conn, "other.job", limit, max_wait=0) == (True, 0.0)
 
 
 def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_url: str) -> None:
@@ -547,7 +559,7 @@ def test_no_window_ever_holds_more_starts_than_the_limit_across_drains(ledger_ur
         started = refused = 0
         with psycopg.connect(ledger_url, autocommit=True) as conn:
             while started < starts_each:
-                reserved, wait = limits.reserve_start(conn, "report.render", limit, max_wait=0.5)
+                reserved, wait = _reserve(conn, "report.render", limit, max_wait=0.5)
                 if not reserved:
                     refused += 1
                     time.sleep(wait)
@@ -594,7 +606,32 @@ def _running_claim(conn: psycopg.Connection[Any], seconds: float) -> tuple[str, 
     return key, token
 
 
-def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
+def _take(
+    conn: psycopg.Connection[Any],
+    key: str,
+    token: uuid.UUID,
+    value: str = '["t1"]',
+    *,
+    max_running: int = 2,
+    rate: RateLimit | None = None,
+) -> limits.Admission:
+    return limits.admit(
+        conn,
+        "report.render",
+        token=token,
+        idem_key=key,
+        holder=str(token),
+        concurrency=(value, max_running),
+        rate=rate,
+    )
+
+
+def _slot_count(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT count(*) FROM flow_concurrency_slots").fetchone()
+    return int(row[0]) if row else -1
+
+
+def test_slots_per_key_value_expire_with_their_lease_and_free_when_their_claim_settles(
     conn: psycopg.Connection[Any],
 ) -> None:
     runs = {name: _running_claim(conn, 300) for name in ("first", "second", "third", "fourth")}
@@ -602,9 +639,7 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     keys = {token: key for key, token in runs.values()}
 
     def take(token: uuid.UUID, value: str = '["t1"]') -> bool:
-        return limits.acquire_concurrency(
-            conn, "report.render", value, 2, holder=str(token), idem_key=keys[token], token=token
-        )
+        return all(_take(conn, keys[token], token, value)[:2])
 
     # Given a key value whose two slots are taken
     assert take(first)
@@ -612,7 +647,7 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     # Then a third run of that value is refused, another value is not limited by it
     assert not take(third)
     assert take(third, '["t2"]')
-    limits.release_concurrency(conn, third)
+    conn.execute("DELETE FROM flow_concurrency_slots WHERE token = %s", (third,))
     # And the holder taking its slot again only renews it
     assert take(first)
     assert not take(third)
@@ -624,18 +659,87 @@ def test_slots_per_key_value_expire_with_their_lease_and_free_on_release(
     )
     # Then its slot is free again
     assert take(third)
-    assert not limits.release_concurrency(conn, first)
-    # And a released slot is free at once
-    assert limits.release_concurrency(conn, second)
+    # And a run's slot is free as soon as its claim is settled, by the settling statement
+    assert flow.finish(conn, keys[second], second, {"ok": True}) is not None
+    assert conn.execute(
+        "SELECT count(*) FROM flow_concurrency_slots WHERE token = %s", (second,)
+    ).fetchone() == (0,)
     assert take(runs["fourth"][1])
     # And a run whose lease is already over, or whose row holds another token, takes nothing
     late_key, late = _running_claim(conn, -1)
-    assert not limits.acquire_concurrency(
-        conn, "report.render", '["t3"]', 2, holder="late", idem_key=late_key, token=late
-    )
-    assert not limits.acquire_concurrency(
-        conn, "report.render", '["t3"]', 2, holder="x", idem_key=late_key, token=uuid.uuid4()
-    )
+    assert not _take(conn, late_key, late, '["t3"]').slot_free
+    assert not _take(conn, late_key, uuid.uuid4(), '["t3"]').slot_free
+
+
+@pytest.mark.parametrize(
+    "settle",
+    [
+        pytest.param(lambda c, k, t: flow.finish(c, k, t, None), id="done"),
+        pytest.param(lambda c, k, t: flow.fail(c, k, t, "e"), id="failed"),
+        pytest.param(lambda c, k, t: flow.flag_uncertain(c, k, t, "e"), id="uncertain"),
+        pytest.param(
+            lambda c, k, t: flow.defer(
+                c, _work(k), attempts=1, error="e", delay_seconds=60, claim_token=t
+            ),
+            id="deferred",
+        ),
+    ],
+)
+def test_every_way_a_run_ends_frees_its_slot_in_the_same_statement(
+    conn: psycopg.Connection[Any], settle: Callable[[Any, str, uuid.UUID], object]
+) -> None:
+    # Given a run holding the one slot of its key value
+    key, token = _running_claim(conn, 300)
+    assert all(_take(conn, key, token, max_running=1)[:2])
+    # When its claim is settled, one way or another
+    settle(conn, key, token)
+    # Then the slot is gone and the next run of that value takes it
+    assert _slot_count(conn) == 0
+    other_key, other = _running_claim(conn, 300)
+    assert all(_take(conn, other_key, other, max_running=1)[:2])
+
+
+@pytest.mark.parametrize(
+    "kind", [RunKind.SUCCEEDED, RunKind.PERMANENT, RunKind.UNCERTAIN, RunKind.TRANSIENT]
+)
+def test_a_delivery_s_settle_frees_the_slot_its_run_held(
+    conn: psycopg.Connection[Any], kind: RunKind
+) -> None:
+    # Given a delivery's claim whose run took the one slot of its key value
+    ledger = PostgresLedger(conn.info.dsn)
+    try:
+        request = claim_request("slot:1", job="report.render", lease_seconds=300)
+        (decision,) = ledger.claim([request])
+        assert decision.status is ClaimStatus.WON
+        assert all(_take(conn, "slot:1", request.claim_token, max_running=1)[:2])
+        # When the drain settles it, however its run ended
+        ledger.settle(request, JobRun(kind, error="e", held_slot=True))
+    finally:
+        ledger.close()
+    # Then the slot went with that same statement: the key value's next run takes it
+    assert _slot_count(conn) == 0
+    other_key, other = _running_claim(conn, 300)
+    assert all(_take(conn, other_key, other, max_running=1)[:2])
+
+
+def test_a_slot_and_a_start_are_taken_together_or_not_at_all(
+    conn: psycopg.Connection[Any],
+) -> None:
+    limit = RateLimit(per_minute=3)  # one start every 20 s
+    runs = [_running_claim(conn, 300) for _ in range(3)]
+    # Given a run that took its key value's one slot and the rate's next start
+    assert _take(conn, *runs[0], max_running=1, rate=limit) == (True, True, 0.0)
+    # When a second run of that value asks: the key is full, so no start is reserved for it
+    assert not _take(conn, *runs[1], max_running=1, rate=limit).slot_free
+    # And when a run of another value asks but the next start is 20 s away (it may wait none)
+    held_back = _take(conn, *runs[2], '["t2"]', max_running=1, rate=limit)
+    # Then it is refused with that wait, and takes no slot
+    assert held_back.slot_free
+    assert not held_back.start_fits
+    assert 19 < held_back.wait <= 20
+    assert _slot_count(conn) == 1
+    starts = conn.execute("SELECT count(*) FROM flow_rate_starts").fetchone()
+    assert starts == (1,)
 
 
 def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
@@ -652,15 +756,7 @@ def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
         with psycopg.connect(ledger_url, autocommit=True) as conn:
             while ran < rounds:
                 key, token = _running_claim(conn, 300)
-                if not limits.acquire_concurrency(
-                    conn,
-                    "report.render",
-                    '["t1"]',
-                    max_running,
-                    holder=f"drain-{index}",
-                    idem_key=key,
-                    token=token,
-                ):
+                if not _take(conn, key, token, max_running=max_running).slot_free:
                     time.sleep(0.001)
                     continue
                 with guard:
@@ -670,7 +766,7 @@ def test_slots_never_exceed_the_limit_across_drains(ledger_url: str) -> None:
                 held_in_db.append(int(row[0]) if row else -1)
                 with guard:
                     running -= 1
-                limits.release_concurrency(conn, token)
+                flow.finish(conn, key, token, None)
                 ran += 1
         return ran
 

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -106,7 +107,7 @@ class FlowControl(DrainFeature):
             return JobRun(RunKind.TRANSIENT, error=f"prepare: {describe_error(exc)}")
         try:
             conn = attempt.ledger.connection()
-            slot, wait, reason = self._gate(
+            wait, reason = self._gate(
                 conn, ctx, policy, attempt.derived.payload, slot_token=attempt.claim_token
             )
         except LedgerError as exc:
@@ -118,11 +119,9 @@ class FlowControl(DrainFeature):
             return self._defer(
                 conn, attempt, attempts=ctx.delivery_count - 1, error=reason, delay=wait
             )
-        try:
-            result = run()
-        finally:
-            if slot:
-                self._release_slot(conn, attempt.claim_token)
+        result = run()
+        if policy.concurrency is not None:  # its settle frees the slot it took
+            result = replace(result, held_slot=True)
         retry, attempts = policy.retry, ctx.delivery_count
         # Deferred at the first transient failure: the ledger then owns the work, so a drain dying
         # in a later attempt never spends the message's last delivery. Out of attempts: the DLQ.
@@ -171,38 +170,35 @@ class FlowControl(DrainFeature):
         payload: Mapping[str, Any],
         *,
         slot_token: uuid.UUID,
-    ) -> tuple[bool, float | None, str]:
-        """Take the concurrency slot (held by ``slot_token``, the running claim's, until its
-        lease ends: a killed run's slot frees itself) and the rate-limit start: (slot taken,
-        None, "") to run now, or (False, seconds, why) to run that much later."""
-        slot = False
-        if policy.concurrency is not None:
-            value = concurrency_value(policy.concurrency, payload)
-            slot = flow_limits.acquire_concurrency(
-                conn,
-                ctx.job,
-                value,
-                policy.concurrency.max_running,
-                holder=ctx.message_id,
-                idem_key=ctx.idem_key,
-                token=slot_token,
-            )
-            if not slot:
-                why = f"concurrency key {value} has {policy.concurrency.max_running} running"
-                return False, CONCURRENCY_RETRY_SECONDS, why
-        if policy.rate is not None:
-            fits = ctx.deadline - HANDLER_RESERVE_SECONDS - time.time()
-            reserved, wait = flow_limits.reserve_start(conn, ctx.job, policy.rate, max_wait=fits)
-            if not reserved:
-                if slot:
-                    flow_limits.release_concurrency(conn, slot_token)
-                return False, wait, f"rate limit of {policy.rate.limit} starts reached"
-            if wait > 0:
-                # Its start is reserved: the call leaves when it comes, not before.
-                with self._lock:
-                    self._counters["rate_limit_waits"] += 1
-                time.sleep(wait)
-        return slot, None, ""
+    ) -> tuple[float | None, str]:
+        """Take the concurrency slot (held by ``slot_token``, the running claim's, until it is
+        settled or its lease ends) and the rate-limit start, both in one round trip: (None, "")
+        to run now, or (seconds, why) to run that much later."""
+        if policy.rate is None and policy.concurrency is None:
+            return None, ""  # a retry policy alone: no round trip
+        limit = policy.concurrency
+        key = (concurrency_value(limit, payload), limit.max_running) if limit else None
+        fits = ctx.deadline - HANDLER_RESERVE_SECONDS - time.time()
+        admission = flow_limits.admit(
+            conn,
+            ctx.job,
+            token=slot_token,
+            idem_key=ctx.idem_key,
+            holder=ctx.message_id,
+            concurrency=key,
+            rate=policy.rate,
+            max_wait=fits,
+        )
+        if not admission.slot_free and key is not None:
+            return CONCURRENCY_RETRY_SECONDS, f"concurrency key {key[0]} has {key[1]} running"
+        if not admission.start_fits and policy.rate is not None:
+            return admission.wait, f"rate limit of {policy.rate.limit} starts reached"
+        if admission.wait > 0:
+            # Its start is reserved: the call leaves when it comes, not before.
+            with self._lock:
+                self._counters["rate_limit_waits"] += 1
+            time.sleep(admission.wait)
+        return None, ""
 
     def _defer(
         self,
@@ -303,7 +299,7 @@ class FlowControl(DrainFeature):
             )
             return
         try:
-            slot, wait, reason = self._gate(conn, ctx, policy, derived.payload, slot_token=token)
+            wait, reason = self._gate(conn, ctx, policy, derived.payload, slot_token=token)
         except InvalidPayload as exc:
             self._fail(conn, job, describe_error(exc), counters)
             return
@@ -318,17 +314,12 @@ class FlowControl(DrainFeature):
             )
             return
         # An external run is marked begun before its call: were its drain to die after this,
-        # its effect may have happened and it is never taken again; before this, it is.
+        # its effect may have happened and it is never taken again; before this, it is. A run
+        # that lost its claim did so at the end of its lease, which its slot's ends with.
         if job.effect == Effect.EXTERNAL.value and not flow_ledger.begin(conn, job.idem_key, token):
-            if slot:
-                self._release_slot(conn, token)
             return
         counters["deferred_ran"] += 1
-        try:
-            result = run_handler(derived, ctx, run.config.features)
-        finally:
-            if slot:
-                self._release_slot(conn, token)
+        result = run_handler(derived, ctx, run.config.features)
         self._settle(conn, job, result, policy.retry or LIMITED_JOB_RETRY, counters)
 
     def _settle(
@@ -372,13 +363,6 @@ class FlowControl(DrainFeature):
                 "deferred job failed",
                 extra={"action": "deferred_failed", "idem_key": job.idem_key, "detail": reason},
             )
-
-    def _release_slot(self, conn: psycopg.Connection[Any], token: uuid.UUID) -> None:
-        try:
-            flow_limits.release_concurrency(conn, token)
-        except LedgerError as exc:
-            # The slot is freed when its lease ends.
-            self._ledger_failed("could not release a concurrency slot", "slot_release_failed", exc)
 
     def _ledger_failed(self, message: str, action: str, exc: LedgerError, **fields: str) -> None:
         # A broken connection is reopened by the ledger on its next use.

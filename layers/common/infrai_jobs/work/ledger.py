@@ -53,6 +53,7 @@ _SETTLE_STATEMENTS: Final[dict[RunKind, LiteralString]] = {
     RunKind.UNCERTAIN: sql.MARK_UNCERTAIN,
     RunKind.TRANSIENT: sql.RELEASE_BATCH,
 }
+_FREEING_SLOTS: Final = {kind: sql.freeing_slots(s) for kind, s in _SETTLE_STATEMENTS.items()}
 
 _ISOLATION_LEFT: LiteralString = """
 SELECT greatest(extract(epoch FROM single_until - now()), 0)::float8
@@ -271,7 +272,8 @@ class PostgresLedger(LedgerAdapter):
             groups.setdefault(settled_kind(run.kind, uncertain_is_stuck), []).append((request, run))
         settled: dict[str, SettleStatus] = {}  # by key; a key missing from it was LOST
         for kind, items in groups.items():
-            statement = _SETTLE_STATEMENTS.get(kind)
+            slots = any(run.held_slot for _, run in items)
+            statement = (_FREEING_SLOTS if slots else _SETTLE_STATEMENTS).get(kind)
             if statement is None:  # a deferral settled the claim itself, fenced by its token
                 settled.update((request.idem_key, SETTLE_STATUS[kind]) for request, _ in items)
                 continue

@@ -61,6 +61,16 @@ def takeover(row: LiteralString = "") -> LiteralString:
 
 TAKEOVER: LiteralString = takeover()
 
+
+def freeing_slots(statement: LiteralString, tokens: LiteralString = "%(tokens)s") -> LiteralString:
+    """``statement`` (returning rows) ends the runs holding ``tokens``, so the concurrency slots
+    they took (``flow.limits``) go in the same round trip, matched or not: the runs are over."""
+    return (
+        "WITH ended AS (" + statement + "\n),\nfreed AS (DELETE FROM flow_concurrency_slots "
+        "WHERE token = ANY(" + tokens + "::uuid[]))\nSELECT * FROM ended"
+    )
+
+
 # --- Reads -------------------------------------------------------------------------------------
 
 # The columns of a ClaimRow (work.states), for every statement that returns whole claims, and
@@ -245,7 +255,7 @@ WHERE c.idem_key = u.idem_key AND c.state = 'running' AND c.error IS NULL
 # --- Work the ledger owns: a claim that waits -------------------------------------------------
 
 # The run holding the claim defers it: the row waits, with its payload, until run_after.
-DEFER: LiteralString = (
+DEFER: LiteralString = freeing_slots(
     """
 UPDATE job_claims
 SET state = 'deferred', payload = %(payload)s, queue = %(queue)s, message_id = %(message_id)s,
@@ -254,7 +264,8 @@ SET state = 'deferred', payload = %(payload)s, queue = %(queue)s, message_id = %
     deferred_at = coalesce(deferred_at, now()), claim_token = NULL, lease_until = NULL,
     began_at = NULL, updated_at = now()
 WHERE idem_key = %(idem_key)s AND claim_token = %(token)s AND state = 'running'"""
-    + _RETURNING
+    + _RETURNING,
+    "ARRAY[%(token)s]",
 )
 
 # Work no claim holds yet (a dead letter taken back): a new row that waits.
@@ -302,7 +313,8 @@ WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
 """
 
 # A job a limit held back did not run: its attempt is given back and its last error kept.
-POSTPONE: LiteralString = """
+POSTPONE: LiteralString = freeing_slots(
+    """
 UPDATE job_claims
 SET state = 'deferred', last_error = coalesce(%(error)s, last_error),
     attempts = attempts - CASE WHEN %(ran)s THEN 0 ELSE 1 END, claim_token = NULL,
@@ -310,7 +322,9 @@ SET state = 'deferred', last_error = coalesce(%(error)s, last_error),
     run_after = clock_timestamp() + make_interval(secs => %(delay)s), updated_at = now()
 WHERE idem_key = %(key)s AND claim_token = %(token)s AND state = 'running'
   AND run_after IS NOT NULL
-"""
+RETURNING idem_key""",
+    "ARRAY[%(token)s]",
+)
 
 # --- Settling one run: by its holder, or by anyone else once its lease is over ----------------
 
@@ -321,7 +335,9 @@ UPDATE job_claims
 SET state = %(state)s, result = %(result)s, error = %(error)s,
     last_error = coalesce(%(error)s, last_error), updated_at = now()
 WHERE idem_key = %(key)s AND claim_token IS NOT DISTINCT FROM %(token)s AND state = 'running'"""
-SETTLE_AS_HOLDER: LiteralString = _SETTLE + " AND claim_token IS NOT NULL" + _RETURNING
+SETTLE_AS_HOLDER: LiteralString = freeing_slots(
+    _SETTLE + " AND claim_token IS NOT NULL" + _RETURNING, "ARRAY[%(token)s]"
+)
 SETTLE_AS_OTHER: LiteralString = _SETTLE + " AND " + lease_over() + _RETURNING
 
 # A run whose effect did not happen, released by anyone but its holder once its lease is over:

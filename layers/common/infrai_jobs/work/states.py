@@ -78,6 +78,7 @@ class JobRun:
     kind: RunKind
     result: JsonValue = None
     error: str = ""
+    held_slot: bool = False  # a concurrency slot (flow.limits), which its settle frees
 
 
 class SettleStatus(StrEnum):

@@ -151,7 +151,8 @@ def flag_uncertain(conn: psycopg.Connection[Any], key: str, token: uuid.UUID, er
     """The run holding ``token`` does not know whether its effect happened: flagged for a
     human, its lease ended, never taken again."""
     doing = "cannot flag a deferred run"
-    return _fenced(conn, sql.MARK_UNCERTAIN, doing, keys=[key], tokens=[token], values=[error])
+    statement = sql.freeing_slots(sql.MARK_UNCERTAIN)
+    return _fenced(conn, statement, doing, keys=[key], tokens=[token], values=[error])
 
 
 def postpone(

@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lane-messages",
         type=_positive,
-        default=None,
-        help="messages of every lanes run, whatever its lane count (default: lanes x --jobs)",
+        default=9000,
+        help="messages of every lanes run, whatever its lane count (%(default)s: each lane count "
+        "drains the same work, so lanes x one lane's rate is the target)",
     )
     _add_skippable(
         parser, "--rss-jobs", None, "messages of the memory run (default 4 x --jobs, so 20,000)"

@@ -257,11 +257,20 @@ def upgrade(project: Path) -> Upgrade:
     old_text = framework_file.read_text(encoding="utf-8")
     recorded = _HEADER_MIGRATIONS.search(old_text)
     known = {int(v) for v in recorded[1].split()} if recorded else set()
+    # An upgrade stopped between the two files left framework.yaml newer than the pin: what it
+    # records is not the old version's, so every migration is named (migrate skips the applied).
+    header = _HEADER_VERSION.search(old_text)
+    if header is None or header[1] != old:
+        known = set()
     new_text = framework_text()
     old_parameters = set(decode_template(old_text, framework_file).get("Parameters", {}))
     new_parameters = set(decode_template(new_text, FRAMEWORK).get("Parameters", {}))
-    framework_file.write_text(new_text, encoding="utf-8")
-    (project / PIN).write_text(_pin_text(), encoding="utf-8")
+    # Each file replaced whole (never half written), the pin last: a stop in between leaves the
+    # old pin, so the next upgrade runs again.
+    for path, text in ((framework_file, new_text), (project / PIN, _pin_text())):
+        partial = path.with_name(path.name + ".upgrading")
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(path)
     return Upgrade(
         project,
         old,

@@ -198,7 +198,7 @@ CA_BUNDLE_CHECK ?= on
 .PHONY: ca-bundle-check
 ca-bundle-check: $(STAMP)
 	@if [[ "$(CA_BUNDLE_CHECK)" != "off" ]]; then \
-		$(BIN)/python -m infrai_local.ca_bundle_check --config-env "$(CONFIG_ENV)"; \
+		$(BIN)/python -m infrai_local.checks.ca_bundle_check --config-env "$(CONFIG_ENV)"; \
 	fi
 
 # The fleet's worst case of database connections (docs/configuration.md, "The fleet's
@@ -206,7 +206,7 @@ ca-bundle-check: $(STAMP)
 # build stops with one line naming each term. DatabaseMaxConnections 0 (the default) checks nothing.
 .PHONY: connection-budget-check
 connection-budget-check: $(STAMP)
-	@$(BIN)/python -m infrai_local.connection_budget --config-env "$(CONFIG_ENV)"
+	@$(BIN)/python -m infrai_local.checks.connection_budget --config-env "$(CONFIG_ENV)"
 
 # The jobs' settings and secrets (docs/configuration.md, "Jobs' settings and secrets"): the
 # template carries them in one JSON parameter, JobSettings, which CloudFormation cannot look
@@ -217,7 +217,7 @@ JOB_SETTINGS_CHECK ?= on
 .PHONY: job-settings-check
 job-settings-check: $(STAMP)
 	@if [[ "$(JOB_SETTINGS_CHECK)" != "off" ]]; then \
-		$(BIN)/python -m infrai_local.job_settings_check --config-env "$(CONFIG_ENV)"; \
+		$(BIN)/python -m infrai_local.checks.job_settings_check --config-env "$(CONFIG_ENV)"; \
 	fi
 
 # The checks come first, before the SAM CLI is installed or anything is built.

@@ -1,6 +1,6 @@
 """The benchmark's world: the emulator in its own process, a fresh database per run, the jobs.
 
-The emulator runs as a child process (``python -m infrai_local.emulator``) so its request
+The emulator runs as a child process (``python -m infrai_local.sandbox.emulator``) so its request
 handling never competes with the measured drain for a GIL. Latency is injected through its
 fault surface (``POST /_emulator/faults``) only while a drain is measured: publishing and
 checking run without it. Every run gets a fresh queue and a fresh scratch database migrated with
@@ -27,9 +27,9 @@ import urllib3
 
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueStats
-from infrai_local.embedded_db import scratch_database
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.embedded_db import scratch_database
+from infrai_local.sandbox.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "functions"))
@@ -109,13 +109,22 @@ class Workload:
 
 
 class EmulatorProcess:
-    """``python -m infrai_local.emulator`` on 127.0.0.1, a free port, stopped by ``stop()``."""
+    """``python -m infrai_local.sandbox.emulator`` on 127.0.0.1, a free port, stopped by
+    ``stop()``."""
 
     def __init__(self) -> None:
         # Its stderr, for the error message when it fails to start; closed by stop().
         self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "infrai_local.emulator", "--host", "127.0.0.1", "--port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "infrai_local.sandbox.emulator",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from infrai_local.invoke import dependency_path, resolve
+from infrai_local.sandbox.invoke import dependency_path, resolve
 
 from instruments import sample_busy_percent
 from results_file import add_output_options, update_results

@@ -55,7 +55,7 @@ from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.work import store as work_store
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local import provider_sink
+from infrai_local.sandbox import provider_sink
 from jobs import build_registry
 
 import receipt_drain

@@ -40,7 +40,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT / "functions"))
 
-from infrai_local.embedded_db import postgres_server_url  # noqa: E402
+from infrai_local.sandbox.embedded_db import postgres_server_url  # noqa: E402
 
 import bench_env  # noqa: E402
 from instruments import (  # noqa: E402

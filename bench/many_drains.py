@@ -50,7 +50,7 @@ import psycopg
 
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
-from infrai_local.embedded_db import postgres_server_url
+from infrai_local.sandbox.embedded_db import postgres_server_url
 
 from bench_env import (
     EFFECTS_DDL,

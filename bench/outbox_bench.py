@@ -40,9 +40,9 @@ from infrai_jobs.ledger.postgres import LedgerConnector
 from infrai_jobs.outbox import enqueue
 from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
 from infrai_jobs.queue.client import InfraiClient
-from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.migrations import apply_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.embedded_db import postgres_server_url, scratch_database
+from infrai_local.sandbox.queues import ensure_queue
 
 from bench_env import API_KEY, EmulatorProcess
 

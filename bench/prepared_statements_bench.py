@@ -33,8 +33,8 @@ import psycopg
 from infrai_jobs.jobs.registry import Effect
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.states import ClaimRequest, JobRun, RunKind
-from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.migrations import apply_migrations
+from infrai_local.sandbox.embedded_db import postgres_server_url, scratch_database
 
 BATCH = 10
 VARIANTS = {"prepared": True, "unprepared": False}

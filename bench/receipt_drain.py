@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any, LiteralString
 import psycopg
 
 from infrai_jobs.queue.client import InfraiClient
-from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.migrations import apply_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.embedded_db import postgres_server_url, scratch_database
+from infrai_local.sandbox.queues import ensure_queue
 
 from bench_env import API_KEY, EmulatorProcess, Workload, queue_stats, worker_result
 from instruments import sample_busy_percent
 from results_file import add_output_options
 
 if TYPE_CHECKING:
-    from infrai_local import provider_sink
+    from infrai_local.sandbox import provider_sink
 
 JOB = "receipt.send"
 EFFECT = (

@@ -52,7 +52,7 @@ from typing import Any
 import psycopg
 
 from infrai_jobs.queue_contract import CONSUME_CAP
-from infrai_local.embedded_db import configured_database_url, postgres_server_url
+from infrai_local.sandbox.embedded_db import configured_database_url, postgres_server_url
 
 import cold_start
 import receipt_drain
@@ -589,7 +589,7 @@ def assemble(
             "rss_jobs": args.rss_jobs,
             "seed": args.seed,
             "db_trace": not args.no_db_trace,
-            "emulator": "separate process (python -m infrai_local.emulator)",
+            "emulator": "separate process (python -m infrai_local.sandbox.emulator)",
         },
         "counting": report.COUNTING,
         "variants": {

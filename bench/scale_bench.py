@@ -36,10 +36,10 @@ from typing import Any, LiteralString
 import psycopg
 
 from infrai_jobs.queue.client import InfraiClient
-from infrai_local.embedded_db import postgres_server_url, scratch_database
-from infrai_local.fan_out import CLI
 from infrai_local.migrations import apply_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.embedded_db import postgres_server_url, scratch_database
+from infrai_local.sandbox.fan_out import CLI
+from infrai_local.sandbox.queues import ensure_queue
 
 from bench_env import (
     API_KEY,

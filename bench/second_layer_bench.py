@@ -14,9 +14,9 @@ mode of this file) against a fresh queue and a fresh scratch ledger database:
    job is a second-layer hit and its effect is not repeated.
 
 The effect is ``functions/jobs``' ``receipt.send``: one HTTP POST to the local provider sink
-(``infrai_local.provider_sink``, in this process, no injected latency), which counts e-mails per
-invoice, so each run is checked: exactly one e-mail per distinct job after ``off`` and ``on``,
-none more after ``replay``.
+(``infrai_local.sandbox.provider_sink``, in this process, no injected latency), which counts
+e-mails per invoice, so each run is checked: exactly one e-mail per distinct job after ``off``
+and ``on``, none more after ``replay``.
 
 DynamoDB is moto's ``ThreadedMotoServer`` on 127.0.0.1 (a real HTTP server, so boto3 and
 Powertools do real HTTP), the table created as ``template.yaml`` declares it. ``--latency-ms`` is
@@ -60,7 +60,7 @@ from infrai_jobs.jobs.registry import JobContext
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.ports import EffectGuard
-from infrai_local import provider_sink
+from infrai_local.sandbox import provider_sink
 from jobs import build_registry
 
 import receipt_drain

@@ -8,8 +8,8 @@ request, so the client's CPU per request bounds how many messages a lane can fin
 measures that CPU, nothing else.
 
 Both clients send the same requests, with the same headers and bodies, to the emulator
-(``python -m infrai_local.emulator``, its own process on 127.0.0.1, no injected latency) over
-one kept-alive connection each: per cycle a publish, a consume of one and the ack of what it
+(``python -m infrai_local.sandbox.emulator``, its own process on 127.0.0.1, no injected latency)
+over one kept-alive connection each: per cycle a publish, a consume of one and the ack of what it
 returned, on a queue of the client's own. A round runs ``--cycles`` cycles with each client,
 their order alternating from round to round, after a warm-up that opens the connection. The
 figure is this process's CPU time (``time.process_time``: user and system, all threads) over

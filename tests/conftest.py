@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from infrai_local.embedded_db import postgres_server_url, scratch_database
+from infrai_local.sandbox.embedded_db import postgres_server_url, scratch_database
 
 # --- PostgreSQL -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ every method takes a lock, so several lanes (threads) may share one.
 
 Pass the same clock to ``drain(..., clock=clock)``: the drain computes claim leases from it.
 
-The queue is the emulator's own model (``infrai_local.queue_model``). The ledger classifies
+The queue is the emulator's own model (``infrai_local.sandbox.queue_model``). The ledger classifies
 claims with the very function ``PostgresLedger`` uses (``ledger.claims.decide``) and copies in
 Python what the ledger says in SQL (the takeover rule, the lease bound, fencing, release, batch
 atomicity), including what Postgres refuses to store. The ledger contract suite
@@ -71,7 +71,7 @@ from infrai_jobs.work.states import (
     decide,
     settled_kind,
 )
-from infrai_local.queue_model import (
+from infrai_local.sandbox.queue_model import (
     DEFAULT_PUBLISH_PRICE_USD,
     ApiError,
     QueueModel,
@@ -145,9 +145,9 @@ class FakeClock:
 
 
 class InMemoryQueue:
-    """Infrai's queue in memory, no HTTP: the emulator's own model (``infrai_local.queue_model``)
-    behind the ``QueuePort`` the drain uses, so the two cannot drift apart (the contract suite,
-    tests/contract, runs the same scenarios against both).
+    """Infrai's queue in memory, no HTTP: the emulator's own model
+    (``infrai_local.sandbox.queue_model``) behind the ``QueuePort`` the drain uses, so the two
+    cannot drift apart (the contract suite, tests/contract, runs the same scenarios against both).
 
     Differences from the emulator: ids count up (``qmsg_0000...1``) instead of being random, so
     test output is stable; the clock is a ``FakeClock``; ``retry`` on publish is accepted and

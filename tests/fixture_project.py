@@ -22,7 +22,7 @@ from types import ModuleType
 import fixture_jobs
 import pytest
 
-from infrai_local import emulator, provider_sink
+from infrai_local.sandbox import emulator, provider_sink
 
 ROOT = Path(__file__).resolve().parent.parent
 

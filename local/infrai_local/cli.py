@@ -8,7 +8,7 @@ Lambda layer, and only ever all together, when nothing real is configured.
 Exit codes: 0 success, 1 the operation failed (also when stdout was closed early), 2 bad usage
 or configuration, 3 the claim (or dead letter) is missing or changed since it was read, 130
 interrupted (Ctrl-C; a drain also exits 143 on SIGTERM, after reporting what it leaves behind:
-``infrai_local.drain_interrupt``). With
+``infrai_local.operator.drain_interrupt``). With
 ``--json``, an error is also printed to stdout as ``{"error": {"type", "message", "exit_code",
 ...}}``.
 """
@@ -64,23 +64,7 @@ from infrai_jobs.runtime.factory import (
     make_queue_client,
     with_secrets,
 )
-from infrai_local import scaffold
-from infrai_local.cli_ops import (
-    DeadLetterNotFound,
-    OpsContext,
-    add_jobs_path,
-    add_ops_commands,
-    run_ops,
-)
-from infrai_local.drain_interrupt import (
-    DEFAULT_GRACE_SECONDS,
-    Finished,
-    InFlightMessages,
-    Interruption,
-    OutcomeTally,
-    interrupted_lines,
-)
-from infrai_local.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
+from infrai_local.authoring import scaffold
 from infrai_local.jobs_package import code_root, load_registry
 from infrai_local.migrations import (
     LATEST_VERSION,
@@ -93,9 +77,24 @@ from infrai_local.migrations import (
     recorded_migrations,
     schema_status,
 )
-from infrai_local.operator import OperatorLedger, default_actor
-from infrai_local.outbox_cli import add_outbox_commands, run_outbox
-from infrai_local.queues import ensure_queue
+from infrai_local.operator.cli_ops import (
+    DeadLetterNotFound,
+    OpsContext,
+    add_jobs_path,
+    add_ops_commands,
+    run_ops,
+)
+from infrai_local.operator.drain_interrupt import (
+    DEFAULT_GRACE_SECONDS,
+    Finished,
+    InFlightMessages,
+    Interruption,
+    OutcomeTally,
+    interrupted_lines,
+)
+from infrai_local.operator.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
+from infrai_local.operator.outbox_cli import add_outbox_commands, run_outbox
+from infrai_local.operator.verbs import OperatorLedger, default_actor
 from infrai_local.sandbox import (
     LEDGER_ENDPOINT,
     QUEUE_ENDPOINT,
@@ -104,12 +103,13 @@ from infrai_local.sandbox import (
     sandbox_notice,
     stand_ins,
 )
+from infrai_local.sandbox.queues import ensure_queue
 
 if TYPE_CHECKING:
     from infrai_jobs.jobs.policy import RetryPolicy
     from infrai_jobs.jobs.registry import JobRegistry
     from infrai_jobs.operations.dead_letters import RetryOf
-    from infrai_local.fan_out import ProcessDrainStarter
+    from infrai_local.sandbox.fan_out import ProcessDrainStarter
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -120,16 +120,16 @@ EXIT_INTERRUPTED = 130
 Command = Callable[[argparse.Namespace], int]
 
 _LOCAL_COMMANDS = {
-    "emulator": "emulator",
-    "provider-sink": "provider_sink",
-    "postgres": "local_postgres",
-    "example-data": "example_data",
-    "invoke": "invoke",
-    "demo": "demo",
-    "console": "console.server",
+    "emulator": "sandbox.emulator",
+    "provider-sink": "sandbox.provider_sink",
+    "postgres": "sandbox.local_postgres",
+    "example-data": "sandbox.example_data",
+    "invoke": "sandbox.invoke",
+    "demo": "sandbox.demo",
+    "console": "operator.console.server",
 }
 # `infrai-jobs emulator clock ...`, `infrai-jobs provider-sink state`: a running stand-in's
-# control routes, as commands (infrai_local.local_controls).
+# control routes, as commands (infrai_local.sandbox.local_controls).
 _CONTROLLED = {"emulator": "emulator_main", "provider-sink": "sink_main"}
 
 
@@ -198,7 +198,7 @@ _LOCAL_EXTRA_MODULES = {
 
 
 def _is_control(command: str, rest: list[str]) -> bool:
-    from infrai_local.local_controls import EMULATOR_ACTIONS, SINK_ACTIONS  # noqa: PLC0415
+    from infrai_local.sandbox.local_controls import EMULATOR_ACTIONS, SINK_ACTIONS  # noqa: PLC0415
 
     actions = EMULATOR_ACTIONS if command == "emulator" else SINK_ACTIONS
     positional = rest[2:] if rest[:1] == ["--url"] else rest
@@ -206,7 +206,7 @@ def _is_control(command: str, rest: list[str]) -> bool:
 
 
 def _local_module(command: str) -> Any:
-    name = "local_controls" if command == "controls" else _LOCAL_COMMANDS[command]
+    name = "sandbox.local_controls" if command == "controls" else _LOCAL_COMMANDS[command]
     try:
         return importlib.import_module(f"infrai_local.{name}")
     except ModuleNotFoundError as exc:
@@ -559,9 +559,9 @@ def _add_project_commands(sub: Any) -> None:
 # ``make build``'s checks, each a module whose ``main(argv)`` is ``ca_bundle_check.run_check``'s:
 # 0 passed, 1 refused, 2 the project could not be read.
 BUILD_CHECKS = {
-    "ca-bundle": "infrai_local.ca_bundle_check",
-    "connection-budget": "infrai_local.connection_budget",
-    "job-settings": "infrai_local.job_settings_check",
+    "ca-bundle": "infrai_local.checks.ca_bundle_check",
+    "connection-budget": "infrai_local.checks.connection_budget",
+    "job-settings": "infrai_local.checks.job_settings_check",
 }
 
 
@@ -653,7 +653,7 @@ def _with_stand_ins(
         return settings
     print(sandbox_notice(plan, who=who), file=sys.stderr, flush=True)
     try:
-        from infrai_local import embedded_db, emulator, provider_sink  # noqa: PLC0415
+        from infrai_local.sandbox import embedded_db, emulator, provider_sink  # noqa: PLC0415
     except ModuleNotFoundError as exc:
         raise missing_local_tools(exc, who) from None
 
@@ -956,7 +956,7 @@ def _drain_processes(
     """Locally, a fan-out starts `infrai-jobs drain` processes on this queue and ledger."""
     if settings.drain_max_concurrency <= 1:
         return None
-    from infrai_local.fan_out import ProcessDrainStarter  # noqa: PLC0415 - local only
+    from infrai_local.sandbox.fan_out import ProcessDrainStarter  # noqa: PLC0415 - local only
 
     env = dict(os.environ)
     # The children use this run's endpoints, local stand-ins included, never their own.

@@ -28,9 +28,9 @@ import yaml
 
 from infrai_jobs import __version__
 from infrai_jobs.errors import ConfigurationError
+from infrai_local.authoring.scaffold import _IMPORTS_TEST
 from infrai_local.migrations import LEDGER_MIGRATIONS
 from infrai_local.sam_template import decode_template
-from infrai_local.scaffold import _IMPORTS_TEST
 
 FRAMEWORK: Final = "framework.yaml"
 PIN: Final = Path("layers/common/requirements.txt")

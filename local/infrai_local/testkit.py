@@ -77,15 +77,14 @@ from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.statements import END_LEASE
 from infrai_jobs.work.states import ClaimRow
-from infrai_local import emulator, provider_sink
-from infrai_local.embedded_db import postgres_server_url, scratch_database
 from infrai_local.jobs_package import jobs_folder, load_registry
 from infrai_local.migrations import migrate_all
-from infrai_local.operator import OperatorLedger, reconcile_one
-from infrai_local.provider_sink import Route
+from infrai_local.operator.verbs import OperatorLedger, reconcile_one
 from infrai_local.public_imports import refused_imports
-from infrai_local.queues import ensure_queue
-from infrai_local.sandbox import STAND_IN_SECRET
+from infrai_local.sandbox import STAND_IN_SECRET, emulator, provider_sink
+from infrai_local.sandbox.embedded_db import postgres_server_url, scratch_database
+from infrai_local.sandbox.provider_sink import Route
+from infrai_local.sandbox.queues import ensure_queue
 
 QUEUE = "testkit-jobs"
 DLQ = "testkit-jobs-dlq"

@@ -18,7 +18,7 @@ drains' one-at-a-time windows) keeps pace with it.
 * the emulator's clock advanced past the visibility timeout whenever only unacked messages
   remain, so they are redelivered and, after three deliveries, dead-lettered;
 * backlog fan-out on: the drains count themselves in the ledger and start more drains through
-  Lambda's Invoke API, answered on loopback (``infrai_local.fan_out.LocalLambda``), each a
+  Lambda's Invoke API, answered on loopback (``infrai_local.sandbox.fan_out.LocalLambda``), each a
   one-invocation process (``drain_worker.py --once``), up to ``max_concurrency`` alive;
 * poison the drains cannot read: a few bodies larger than their answer limit
   (``INFRAI_MAX_ANSWER_BYTES``), which must walk to the DLQ alone and unread (``plan_oversized``);
@@ -94,10 +94,10 @@ from infrai_jobs.operations.redrive import MAX_REDRIVE_PER_CALL, RedriveRequest,
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.work.admin import WorkStore
-from infrai_local.embedded_db import EmbeddedPostgres
-from infrai_local.fan_out import LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.embedded_db import EmbeddedPostgres
+from infrai_local.sandbox.fan_out import LocalLambda
+from infrai_local.sandbox.queues import ensure_queue
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -1067,7 +1067,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
         api_key = "sk_soak_" + secrets.token_hex(16)
         emulator_process = start_service(
             [
-                "infrai_local.emulator",
+                "infrai_local.sandbox.emulator",
                 "--api-key",
                 api_key,
                 "--visibility-timeout",
@@ -1076,7 +1076,7 @@ def run_soak(config: SoakConfig, *, log_dir: Path | None = None) -> SoakReport:
             work_dir / "emulator.err",
         )
         stack.callback(emulator_process.stop)
-        sink_process = start_service(["infrai_local.provider_sink"], work_dir / "sink.err")
+        sink_process = start_service(["infrai_local.sandbox.provider_sink"], work_dir / "sink.err")
         stack.callback(sink_process.stop)
         emulator = Emulator(emulator_process.url)
         stack.callback(emulator.close)

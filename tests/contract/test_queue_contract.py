@@ -2,7 +2,7 @@
 
 Every scenario runs against ``InMemoryQueue`` (the fake unit tests use) and against
 ``InfraiClient`` talking to the emulator on loopback. Both serve the same model
-(``infrai_local.queue_model``); this suite is what keeps them saying the same thing.
+(``infrai_local.sandbox.queue_model``); this suite is what keeps them saying the same thing.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from fakes import FakeClock, InMemoryQueue
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.queue_contract import CONSUME_CAP, MAX_RECEIVE_COUNT
-from infrai_local.emulator import start_in_thread
-from infrai_local.queue_model import MAX_BODY_DEPTH
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.emulator import start_in_thread
+from infrai_local.sandbox.queue_model import MAX_BODY_DEPTH
+from infrai_local.sandbox.queues import ensure_queue
 
 QUEUE = "contract-jobs"
 DLQ = "contract-jobs-dlq"

@@ -31,7 +31,7 @@ from infrai_jobs.work.states import (
     Transition,
 )
 from infrai_local.migrations import apply_migrations
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator.verbs import OperatorLedger
 
 KEY = "work:1"
 ACTOR = "on-call@example.com"

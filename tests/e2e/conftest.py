@@ -16,7 +16,7 @@ from fixture_project import (
 from infrai_jobs.queue.client import InfraiClient
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.queues import ensure_queue
 
 
 @pytest.fixture

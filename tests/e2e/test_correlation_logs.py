@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from child_process import LineSink, clean_env, run_captured
 
-from infrai_local.invoke import invoke, resolve
+from infrai_local.sandbox.invoke import invoke, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"

@@ -51,7 +51,7 @@ _INSTALLED_FACTS = """
 import importlib.resources, importlib.util, json, sys
 import infrai_jobs, infrai_local.cli
 migrations = importlib.resources.files("infrai_jobs.work") / "migrations"
-templates = importlib.resources.files("infrai_local.console") / "templates"
+templates = importlib.resources.files("infrai_local.operator.console") / "templates"
 print(json.dumps({
     "package": infrai_jobs.__file__,
     "migrations": sorted(p.name for p in migrations.iterdir() if p.name.endswith(".sql")),
@@ -165,9 +165,9 @@ def test_the_wheel_holds_the_framework_and_nothing_of_a_team(dist: Path) -> None
         assert sorted(modules - set(names)) == []
         assert f"{prefix}/py.typed" in names
     # The console's templates and stylesheet
-    console = TOOLS_PACKAGE / "console"
+    console = TOOLS_PACKAGE / "operator" / "console"
     for folder in ("templates", "static"):
-        prefix = f"infrai_local/console/{folder}/"
+        prefix = f"infrai_local/operator/console/{folder}/"
         shipped = {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
         assert shipped
         assert shipped == set(source_files(console / folder, "*"))

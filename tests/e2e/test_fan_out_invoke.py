@@ -19,10 +19,10 @@ from infrai_jobs.aws.lambda_starter import LambdaDrainStarter
 from infrai_jobs.drain.fan_out import fan_out_event
 from infrai_jobs.errors import FanOutError, FanOutThrottled
 from infrai_jobs.queue.client import InfraiClient
-from infrai_local import emulator, provider_sink
-from infrai_local.fan_out import CLI, LocalLambda
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox import emulator, provider_sink
+from infrai_local.sandbox.fan_out import CLI, LocalLambda
+from infrai_local.sandbox.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"

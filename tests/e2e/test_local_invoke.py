@@ -19,15 +19,15 @@ from child_process import LineSink, clean_env, run_captured
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.queue.client import InfraiClient
-from infrai_local.invoke import dependency_path, invoke, resolve
 from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.queues import ensure_queue
 from infrai_local.sam_template import (
     function_names,
     load_template,
     parse_parameter_overrides,
     samconfig_overrides,
 )
+from infrai_local.sandbox.invoke import dependency_path, invoke, resolve
+from infrai_local.sandbox.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from child_process import clean_env, run_captured
 
-from infrai_local.provider_sink import sink_settings
+from infrai_local.sandbox.provider_sink import sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 WALKTHROUGH_DOC = ROOT / "docs" / "development.md"

@@ -14,7 +14,7 @@ import pytest
 from child_process import LineSink
 from test_template import SECURITY_OPT_OUT_PATTERN, load_template
 
-from infrai_local.invoke import invoke, resolve
+from infrai_local.sandbox.invoke import invoke, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "events"

@@ -34,8 +34,8 @@ from built_versions import (
 )
 
 import infrai_jobs
-from infrai_local import emulator, provider_sink
-from infrai_local.embedded_db import scratch_database
+from infrai_local.sandbox import emulator, provider_sink
+from infrai_local.sandbox.embedded_db import scratch_database
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = infrai_jobs.__version__

@@ -37,15 +37,15 @@ from infrai_jobs.work import store as flow
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_jobs.work.states import ClaimRow
 from infrai_jobs.work.store import DeferredWork
-from infrai_local import emulator as emulator_module
-from infrai_local import provider_sink
 from infrai_local.migrations import (
     LEDGER_MIGRATIONS,
     apply_migrations,
     jobs_migrations_folder,
     read_migrations,
 )
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox import emulator as emulator_module
+from infrai_local.sandbox import provider_sink
+from infrai_local.sandbox.queues import ensure_queue
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

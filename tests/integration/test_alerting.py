@@ -26,9 +26,9 @@ from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds, SnsAler
 from infrai_jobs.operations.dead_letters import DeadLetterStore, collect
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.work.admin import WorkStore
-from infrai_local import emulator as emulator_module
 from infrai_local.migrations import apply_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox import emulator as emulator_module
+from infrai_local.sandbox.queues import ensure_queue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

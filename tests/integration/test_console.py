@@ -29,7 +29,7 @@ from consolekit import (
 )
 from drainkit import OPERATOR, QUEUE, Harness, run_cli, start_cli
 
-from infrai_local.console.server import ConsoleServer
+from infrai_local.operator.console.server import ConsoleServer
 
 
 def _cli_json(kit: Harness, *args: str) -> object:

@@ -190,7 +190,7 @@ def test_an_unreadable_dead_letter_whose_id_is_known_can_be_discarded(
 def test_redrive_function_reports_an_unreadable_dead_letter_and_moves_the_rest(
     kit: Harness, proxy: CorruptingProxy, tmp_path: Path
 ) -> None:
-    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+    from infrai_local.sandbox.invoke import invoke, resolve  # noqa: PLC0415
 
     # Given three dead letters, the middle one's consume answer unreadable
     _poisoned_dlq(kit)

@@ -25,7 +25,7 @@ from connection_limit import limited_role
 from drainkit import API_KEY, COUNTING_JOBS, DLQ, QUEUE, Harness
 from psycopg.conninfo import conninfo_to_dict
 
-from infrai_local.fan_out import CLI
+from infrai_local.sandbox.fan_out import CLI
 
 DRAINS = 12
 LANES = 2

@@ -15,7 +15,7 @@ from child_process import run_captured
 from psycopg.conninfo import conninfo_to_dict
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_local.embedded_db import (
+from infrai_local.sandbox.embedded_db import (
     DATABASE_URL_ENV,
     EmbeddedPostgres,
     create_scratch_database,
@@ -80,7 +80,7 @@ def test_an_embedded_server_does_not_outlive_its_process(death: str) -> None:
     script = textwrap.dedent(
         """
         import os, signal
-        from infrai_local.embedded_db import EmbeddedPostgres
+        from infrai_local.sandbox.embedded_db import EmbeddedPostgres
 
         server = EmbeddedPostgres()
         server.start()
@@ -135,7 +135,7 @@ def test_ensure_database_url_announces_the_configured_server(pg_server_url: str)
 def test_ensure_database_url_starts_one_embedded_server_per_process() -> None:
     # Given a fresh process with no DATABASE_URL (this test process may already have one)
     script = (
-        "from infrai_local.embedded_db import ensure_database_url\n"
+        "from infrai_local.sandbox.embedded_db import ensure_database_url\n"
         "from psycopg import connect\n"
         "lines = []\n"
         "first = ensure_database_url({}, announce=lines.append)\n"

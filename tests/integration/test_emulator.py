@@ -30,14 +30,14 @@ from urllib.parse import urlsplit
 import pytest
 from notes_example import NOTES_PAYLOAD
 
-from infrai_local.emulator import (
+from infrai_local.sandbox.emulator import (
     MAX_BODY_BYTES,
     Emulator,
     EmulatorHTTPServer,
     RunningEmulator,
     start_in_thread,
 )
-from infrai_local.emulator import http as emulator_http
+from infrai_local.sandbox.emulator import http as emulator_http
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
@@ -1504,7 +1504,7 @@ def test_bare_lf_line_endings_are_accepted(raw: RawConnection) -> None:
 
 def test_the_command_line_serves_until_terminated() -> None:
     # Given the emulator started as a process on a free port, with an API key
-    command = [sys.executable, "-m", "infrai_local.emulator", "--port", "0"]
+    command = [sys.executable, "-m", "infrai_local.sandbox.emulator", "--port", "0"]
     command += ["--api-key", SECRET_KEY, "--visibility-timeout", "30"]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

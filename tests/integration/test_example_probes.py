@@ -22,7 +22,7 @@ from infrai_jobs.jobs.probes import MAX_PROBE_RESULT_BYTES, Done, ProbeAnswer
 from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.work.admin import WorkStore
-from infrai_local.operator import reconcile_one
+from infrai_local.operator.verbs import reconcile_one
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from drainkit import API_KEY, COUNTING_JOBS, QUEUE, Harness, harness
 
 from infrai_jobs.drain.fleet import PostgresDrainFleet
 from infrai_jobs.errors import SchemaNotMigrated
-from infrai_local.fan_out import CLI
+from infrai_local.sandbox.fan_out import CLI
 
 # Every change to drain_leases records how many drains were alive right after it. Inserts and
 # renewals of a slot happen under the queue's advisory lock, so each count is exact.

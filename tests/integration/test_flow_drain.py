@@ -31,7 +31,7 @@ from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.work import store as flow_ledger
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator.verbs import OperatorLedger
 
 JOB_POLICIES = json.dumps(
     {

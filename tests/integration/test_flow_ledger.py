@@ -26,7 +26,7 @@ from infrai_jobs.work.statements import STUCK_CLAIM
 from infrai_jobs.work.states import ClaimRow, ClaimStatus, JobRun, RunKind
 from infrai_jobs.work.store import DeferOutcome, DeferredWork
 from infrai_local.migrations import LEDGER_MIGRATIONS, apply_migrations
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator.verbs import OperatorLedger
 
 OPERATOR = "on-call@example.com"
 

@@ -40,7 +40,7 @@ from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.ledger.postgres import array_literal
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local.embedded_db import scratch_database
+from infrai_local.sandbox.embedded_db import scratch_database
 
 HOSTILE_SETTINGS = settings(
     max_examples=30,

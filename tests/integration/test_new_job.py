@@ -291,8 +291,8 @@ def test_a_new_jobs_setting_reaches_samconfig_the_env_file_and_invoke_and_no_tem
     assert _job_settings(env, "DrainFunction")[SETTING] == ""
     assert _job_settings(env, "DlqAlertFunction")[SETTING] == ""
     # When the setting is put in events/env.json and DrainFunction is invoked on a job
-    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
     from infrai_local.migrations import apply_migrations, read_migrations  # noqa: PLC0415
+    from infrai_local.sandbox.invoke import invoke, resolve  # noqa: PLC0415
 
     mapped = dict.fromkeys(_job_settings(env, "DrainFunction"), kit.sink.url)
     env["DrainFunction"]["JOB_SETTINGS"] = json.dumps(mapped)
@@ -406,7 +406,7 @@ def test_a_new_jobs_secret_gets_placeholders_for_its_arn_and_its_tests_pass(
     assert (project / "template.yaml").read_bytes() == template
     # And each deploy names the secret's ARN in JobSettings and lists it in JobSecretArns,
     # both placeholders that make build refuses until the team gives the real ARN
-    from infrai_local.job_settings_check import job_settings_problems  # noqa: PLC0415
+    from infrai_local.checks.job_settings_check import job_settings_problems  # noqa: PLC0415
     from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
 
     for environment in ("default", "prod"):
@@ -540,7 +540,7 @@ def test_a_scaffolded_setting_is_refused_by_make_build_until_it_is_an_https_url(
         "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
     )  # fmt: skip
     # Then every environment's deploy carries the placeholder, not the local invocation
-    from infrai_local.job_settings_check import job_settings_problems  # noqa: PLC0415
+    from infrai_local.checks.job_settings_check import job_settings_problems  # noqa: PLC0415
     from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
 
     samconfig = project / "samconfig.toml"

@@ -21,9 +21,9 @@ from infrai_jobs.jobs.registry import Effect, JobContext, JsonValue, Payload
 from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, redrive
 from infrai_jobs.work.admin import WorkStore
-from infrai_local import cli_ops
 from infrai_local.cli import main as cli
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator import cli_ops
+from infrai_local.operator.verbs import OperatorLedger
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -31,7 +31,7 @@ from drainkit import (
 )
 
 from infrai_jobs.jobs.registry import Payload
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator.verbs import OperatorLedger
 
 # A jobs package of its own (``--jobs-path``): one job per way a handler can end.
 JOBS_PACKAGE = textwrap.dedent(
@@ -552,7 +552,7 @@ def test_redrive_moves_only_the_selected_dead_letters(kit: Harness) -> None:
 
 
 def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness, project: Path) -> None:
-    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+    from infrai_local.sandbox.invoke import invoke, resolve  # noqa: PLC0415
 
     # Given dead letters of two jobs
     kit.client.publish(DLQ, {"job": "invoice.finalize", "invoice_id": "inv_7", "amount_cents": 1})
@@ -572,7 +572,7 @@ def test_redrive_function_moves_only_the_job_its_event_selects(kit: Harness, pro
 def test_redrive_function_derives_a_jobs_own_key_with_the_shared_jobs_package(
     kit: Harness, tmp_path: Path, project: Path
 ) -> None:
-    from infrai_local.invoke import invoke, resolve  # noqa: PLC0415
+    from infrai_local.sandbox.invoke import invoke, resolve  # noqa: PLC0415
 
     # Given three receipts dead-lettered (receipt.send keys by invoice_id, a rule of the jobs
     # package): the wanted one failed in the ledger; a later one for the same invoice, to a
@@ -733,7 +733,7 @@ def test_refusals_name_the_commands_operators_type(kit: Harness) -> None:
 
 
 def test_cost_with_a_wrong_api_key_says_so_and_fails(kit: Harness) -> None:
-    from infrai_local.emulator import start_in_thread  # noqa: PLC0415
+    from infrai_local.sandbox.emulator import start_in_thread  # noqa: PLC0415
 
     # Given an Infrai that takes only its own API key
     guarded = start_in_thread(api_key="the-right-key")

@@ -26,10 +26,10 @@ from infrai_jobs.operations.redrive import RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.work.admin import WorkStore
-from infrai_local import emulator
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import apply_migrations
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox import emulator
+from infrai_local.sandbox.queues import ensure_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")
@@ -143,7 +143,7 @@ def drain_function_settings(project: Path) -> list[str]:
     """The settings DrainFunction's jobs (the fixture jobs) declare, in their order: the
     template passes them all in one variable, JOB_SETTINGS, which invoke unpacks. (Read here,
     not through ``job_setting_owners``: this process's ``jobs`` is the team's package.)"""
-    from infrai_local.invoke import resolve  # noqa: PLC0415
+    from infrai_local.sandbox.invoke import resolve  # noqa: PLC0415
 
     assert "JOB_SETTINGS" in resolve("DrainFunction", root=project).environment
     return list(fixture_jobs.build_registry().declared_settings())

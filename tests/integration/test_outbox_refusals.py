@@ -20,7 +20,7 @@ from infrai_jobs.ledger.postgres import LedgerConnector
 from infrai_jobs.outbox import enqueue
 from infrai_jobs.outbox.relay import OutboxRelay, RelayConfig
 from infrai_jobs.queue_contract import CONSUME_CAP
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.queues import ensure_queue
 
 PLENTY = 120_000
 # The documented limit on a body (docs/producers.md), as compact UTF-8 JSON.

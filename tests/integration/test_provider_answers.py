@@ -24,7 +24,7 @@ import jobs
 from infrai_jobs.jobs.http_pool import LazyPool
 from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.work.admin import WorkStore
-from infrai_local.operator import reconcile_one
+from infrai_local.operator.verbs import reconcile_one
 
 # Five megabytes of JSON, as a long search listing or a misbehaving provider might answer; read
 # whole, it would settle a send, a digest and the receipt probe's search alike.

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import urllib3
 
-from infrai_local import provider_sink
+from infrai_local.sandbox import provider_sink
 
 
 @pytest.mark.parametrize("error", [BrokenPipeError, ConnectionResetError])

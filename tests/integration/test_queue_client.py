@@ -23,8 +23,8 @@ from infrai_jobs.errors import (
     QueueMessageNotFound,
 )
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
-from infrai_local.emulator import start_in_thread
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.emulator import start_in_thread
+from infrai_local.sandbox.queues import ensure_queue
 
 API_KEY = "sk_live_do_not_print_4f9a2c"
 

@@ -28,7 +28,7 @@ from infrai_jobs.operations.reconcile import Reconciler
 from infrai_jobs.work import store as flow
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.store import DeferredWork
-from infrai_local.operator import reconcile_one
+from infrai_local.operator.verbs import reconcile_one
 
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "ada@example.com"}
 DIGEST = {"job": "digest.build", "tenant_id": "t_1", "period": "2026-11"}

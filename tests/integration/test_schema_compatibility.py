@@ -37,10 +37,10 @@ from infrai_jobs.errors import SchemaNotMigrated, SchemaTooNew
 from infrai_jobs.ledger.job_schema import release_numbers
 from infrai_jobs.ledger.postgres import SCHEMA_VERSION
 from infrai_jobs.runtime.drain_service import DrainService
-from infrai_local.embedded_db import scratch_database
 from infrai_local.jobs_package import JOBS_PATH_ENV
 from infrai_local.migrations import LEDGER_MIGRATIONS, SCHEMA_FLOOR, jobs_migrations_folder
 from infrai_local.migrations import read_migrations as read_migration_files
+from infrai_local.sandbox.embedded_db import scratch_database
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE_JOBS_MIGRATIONS = read_migration_files(jobs_migrations_folder(TEST_JOBS_CODE))

@@ -48,7 +48,7 @@ from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.runtime.factory import make_alert_check, make_effect_guard
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local.operator import still_stuck
+from infrai_local.operator.verbs import still_stuck
 
 ROOT = Path(__file__).resolve().parents[2]
 RECEIPT = {"job": "receipt.send", "invoice_id": "inv_1", "email": "a@example.com"}

@@ -23,8 +23,8 @@ from infrai_jobs.config.settings import CommonSettings
 from infrai_jobs.errors import InfraiError
 from infrai_jobs.queue.client import InfraiClient
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local import emulator as emulator_module
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox import emulator as emulator_module
+from infrai_local.sandbox.queues import ensure_queue
 
 REGION = "us-east-1"
 PARAMETER = "/infrai-jobs/api-key"

@@ -12,7 +12,7 @@ from infrai_jobs.queue.models import QueueMessage
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.ledger import PostgresLedger
 from infrai_local import cli as cli_module
-from infrai_local.operator import OperatorLedger
+from infrai_local.operator.verbs import OperatorLedger
 
 
 class NoQueue:

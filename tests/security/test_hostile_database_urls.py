@@ -25,8 +25,8 @@ from infrai_jobs.config.settings import DrainSettings, PruneSettings
 from infrai_jobs.errors import ConfigurationError, LedgerError
 from infrai_jobs.ledger.postgres import MASK, describe, malformed_reason, redact, secrets_of
 from infrai_jobs.runtime.factory import make_claims_admin, make_ledger, with_secrets
-from infrai_local.invoke import invoke, resolve
 from infrai_local.jobs_package import JOBS_PATH_ENV
+from infrai_local.sandbox.invoke import invoke, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "infrai-jobs")

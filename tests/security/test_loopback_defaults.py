@@ -18,7 +18,7 @@ import psutil
 import pytest
 from child_process import stop_process
 
-from infrai_local import emulator, provider_sink
+from infrai_local.sandbox import emulator, provider_sink
 
 BIN = Path(sys.executable).parent
 
@@ -58,10 +58,10 @@ def listening_addresses(pid: int) -> set[str]:
     "command",
     [
         [str(BIN / "infrai-jobs"), "emulator", "--port", "0"],
-        [sys.executable, "-m", "infrai_local.emulator", "--port", "0"],
-        [sys.executable, "-m", "infrai_local.provider_sink"],
+        [sys.executable, "-m", "infrai_local.sandbox.emulator", "--port", "0"],
+        [sys.executable, "-m", "infrai_local.sandbox.provider_sink"],
     ],
-    ids=["infrai-jobs emulator", "python -m infrai_local.emulator", "provider sink"],
+    ids=["infrai-jobs emulator", "python -m infrai_local.sandbox.emulator", "provider sink"],
 )
 def test_a_local_server_started_without_a_host_listens_only_on_loopback(
     command: list[str],

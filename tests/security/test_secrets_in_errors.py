@@ -20,7 +20,7 @@ from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_jobs.runtime.drain_service import DrainService
 from infrai_jobs.work.ledger import PostgresLedger
-from infrai_local.emulator import RunningEmulator, start_in_thread
+from infrai_local.sandbox.emulator import RunningEmulator, start_in_thread
 
 PASSWORD = "pw_do_not_print_8c1e77"
 API_KEY = "sk_live_do_not_print_51d0aa"

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from infrai_local.job_settings_check import job_settings_problems
+from infrai_local.authoring.scaffold_settings import plan_setting_edits
+from infrai_local.checks.job_settings_check import job_settings_problems
 from infrai_local.sam_template import load_template, samconfig_overrides
-from infrai_local.scaffold_settings import plan_setting_edits
 
 ROOT = Path(__file__).resolve().parents[2]
 _URL_SHAPED = re.compile(r"[a-z][a-z0-9+.-]*:(//|\\?/\\?/)|\bhttps\?|\brediss\?", re.IGNORECASE)

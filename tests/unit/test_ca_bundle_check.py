@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from child_process import run_captured
 
-from infrai_local.ca_bundle_check import main, missing_bundle
+from infrai_local.checks.ca_bundle_check import main, missing_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = "certs/rds-global-bundle.pem"
@@ -78,13 +78,13 @@ def test_make_build_runs_the_check_first_and_ci_turns_it_off() -> None:
     makefile = (ROOT / "Makefile").read_text()
     # Then build's first prerequisite is the check, and CI's build (never deployed) skips it
     assert re.search(r"^build: ca-bundle-check ", makefile, re.M)
-    assert "-m infrai_local.ca_bundle_check" in makefile
+    assert "-m infrai_local.checks.ca_bundle_check" in makefile
     assert "make build CA_BUNDLE_CHECK=off" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_the_module_runs_as_make_runs_it(clone: Path) -> None:
     completed = run_captured(
-        [sys.executable, "-m", "infrai_local.ca_bundle_check", "--root", str(clone)]
+        [sys.executable, "-m", "infrai_local.checks.ca_bundle_check", "--root", str(clone)]
     )
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr

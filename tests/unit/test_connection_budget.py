@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from child_process import run_captured
 
-from infrai_local.connection_budget import budget_of, connection_budget, main
+from infrai_local.checks.connection_budget import budget_of, connection_budget, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,12 +113,12 @@ def test_behind_rds_proxy_the_limit_is_the_share_the_proxy_may_open(clone: Path)
 def test_make_build_runs_the_budget_check_before_building() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^build: ca-bundle-check connection-budget-check ", makefile, re.M)
-    assert "-m infrai_local.connection_budget" in makefile
+    assert "-m infrai_local.checks.connection_budget" in makefile
 
 
 def test_the_module_runs_as_make_runs_it_without_a_traceback(clone: Path) -> None:
     _deploying(clone, "DrainMaxConcurrency=50 DrainLanes=16 DatabaseMaxConnections=413")
-    module = [sys.executable, "-m", "infrai_local.connection_budget"]
+    module = [sys.executable, "-m", "infrai_local.checks.connection_budget"]
     completed = run_captured([*module, "--root", str(clone), "--config-env", "budget"])
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr

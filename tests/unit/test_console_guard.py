@@ -13,11 +13,11 @@ import pytest
 from flask.testing import FlaskClient
 from werkzeug.datastructures import MultiDict
 
-from infrai_local.console import commands
-from infrai_local.console.commands import CommandResult, ops_parser
-from infrai_local.console.guard import Guard, is_loopback, is_wildcard
-from infrai_local.console.server import page_url, parse_args
-from infrai_local.console.views import create_app
+from infrai_local.operator.console import commands
+from infrai_local.operator.console.commands import CommandResult, ops_parser
+from infrai_local.operator.console.guard import Guard, is_loopback, is_wildcard
+from infrai_local.operator.console.server import page_url, parse_args
+from infrai_local.operator.console.views import create_app
 
 TOKEN = "t" * 43
 PORT = 8780

@@ -13,7 +13,7 @@ from infrai_jobs.drain.model import (
 )
 from infrai_jobs.runtime.observability import DRAIN_METRICS, OUTCOME_METRICS
 from infrai_jobs.work.outcomes import ACKED_OUTCOMES, OUTCOME_RULES, Outcome
-from infrai_local.drain_report import report_line, summary_lines
+from infrai_local.operator.drain_report import report_line, summary_lines
 
 ATTENTION = {
     Outcome.RETRY,

@@ -24,7 +24,7 @@ def test_a_deploy_must_give_each_example_setting_a_value() -> None:
     import json  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from infrai_local.job_settings_check import job_settings_problems  # noqa: PLC0415
+    from infrai_local.checks.job_settings_check import job_settings_problems  # noqa: PLC0415
     from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
 
     registry = JobRegistry()

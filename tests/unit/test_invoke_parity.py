@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infrai_local.invoke import PARITY_GAPS, aws_environment, main
 from infrai_local.sam_template import load_template, resolve_function
+from infrai_local.sandbox.invoke import PARITY_GAPS, aws_environment, main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infrai_local.job_settings_check import job_settings_problems
+from infrai_local.checks.job_settings_check import job_settings_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"HOOK_URL": ("hook.deliver",), "REFUND_API_URL": ("refund.issue", "refund.check")}
@@ -144,7 +144,13 @@ def project(tmp_path: Path) -> Path:
 
 
 def _check(project: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "infrai_local.job_settings_check", "--root", str(project)]
+    command = [
+        sys.executable,
+        "-m",
+        "infrai_local.checks.job_settings_check",
+        "--root",
+        str(project),
+    ]
     return subprocess.run([*command, *argv], capture_output=True, text=True, check=False)
 
 
@@ -181,5 +187,5 @@ def test_make_build_passes_once_the_real_values_are_given(project: Path) -> None
 def test_make_build_runs_the_check_and_ci_turns_it_off() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^build: .*\bjob-settings-check\b", makefile, re.M)
-    assert "-m infrai_local.job_settings_check" in makefile
+    assert "-m infrai_local.checks.job_settings_check" in makefile
     assert "JOB_SETTINGS_CHECK=off" in (ROOT / ".ci" / "run").read_text()

@@ -39,7 +39,7 @@ def _id(path: Path) -> str:
 
 def test_the_sources_read_include_the_writer_and_the_tools() -> None:
     assert STATEMENTS in SOURCES
-    assert ROOT / "local" / "infrai_local" / "operator.py" in SOURCES
+    assert ROOT / "local" / "infrai_local" / "operator" / "verbs.py" in SOURCES
 
 
 def test_the_write_pattern_finds_each_kind_of_write() -> None:

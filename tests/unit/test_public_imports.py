@@ -46,7 +46,11 @@ def test_a_public_name_from_the_wrong_path_names_its_home(tmp_path: Path) -> Non
 
 
 def test_module_imports_and_the_local_tools_are_refused(tmp_path: Path) -> None:
-    source = "import infrai_jobs.drain.loop\nfrom infrai_local.emulator import app\nimport json\n"
+    source = (
+        "import infrai_jobs.drain.loop\n"
+        "from infrai_local.sandbox.emulator import app\n"
+        "import json\n"
+    )
     refused = _refusals_of(tmp_path, source)
     assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in refused] == ["1", "2"]
 

@@ -13,7 +13,7 @@ from infrai_jobs.jobs.keys import identity_from_key, natural_key
 from infrai_jobs.jobs.probes import Done, NotDone, ProbeAnswer, Unknown
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.operations.reconcile import ask, history_note
-from infrai_local.cli_ops import answer_of
+from infrai_local.operator.cli_ops import answer_of
 
 
 def handler(payload: Payload, ctx: JobContext) -> JsonValue:

@@ -9,7 +9,7 @@ import pytest
 
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.operations.redrive import RedriveRequest, Selection
-from infrai_local.cli_ops import describe_selection
+from infrai_local.operator.cli_ops import describe_selection
 
 EVENTS = Path(__file__).resolve().parents[2] / "events"
 

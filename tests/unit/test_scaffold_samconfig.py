@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 from infrai_jobs.errors import ConfigurationError
+from infrai_local.authoring.scaffold_settings import (
+    SettingEdits,
+    plan_setting_edits,
+    with_job_entries,
+)
 from infrai_local.sam_template import parse_parameter_overrides, samconfig_overrides
-from infrai_local.scaffold_settings import SettingEdits, plan_setting_edits, with_job_entries
 
 PROD_OVERRIDES = (
     r"QueueName=billing-prod DrainScheduleRate=\"rate(1 minute)\" "

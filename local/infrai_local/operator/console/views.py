@@ -30,10 +30,10 @@ from infrai_jobs.errors import (
 )
 from infrai_jobs.ledger.postgres import redact
 from infrai_local.cli import raw_database_url
-from infrai_local.cli_ops import DeadLetterNotFound
-from infrai_local.console import chart, commands
-from infrai_local.console.commands import BULK_LIMIT, CommandResult
-from infrai_local.console.guard import TOKEN_FIELD, Guard
+from infrai_local.operator.cli_ops import DeadLetterNotFound
+from infrai_local.operator.console import chart, commands
+from infrai_local.operator.console.commands import BULK_LIMIT, CommandResult
+from infrai_local.operator.console.guard import TOKEN_FIELD, Guard
 
 HERE = Path(__file__).resolve().parent
 _MAX_FIELD = 2000

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_local.ca_bundle_check import run_check
+from infrai_local.checks.ca_bundle_check import run_check
 from infrai_local.sam_template import deploy_values
 
 # The other functions: connections one invocation holds at most, times its reserved concurrency

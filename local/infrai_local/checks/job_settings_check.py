@@ -30,13 +30,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from infrai_jobs.config.settings import SECRET_ARN_SUFFIX
-from infrai_local.ca_bundle_check import CODE_URI, run_check
-from infrai_local.sam_template import deploy_values
-from infrai_local.scaffold_settings import (
+from infrai_local.authoring.scaffold_settings import (
     JOB_SECRET_ARNS_PARAMETER,
     JOB_SETTINGS_PARAMETER,
     PLACEHOLDER,
 )
+from infrai_local.checks.ca_bundle_check import CODE_URI, run_check
+from infrai_local.sam_template import deploy_values
 
 # JobSecretArns' own AllowedPattern, for one ARN.
 _SECRET_ARN = re.compile(

@@ -50,14 +50,14 @@ from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
 from infrai_jobs.jobs.registry import Effect, JobRegistry
 from infrai_jobs.queue_contract import MAX_RECEIVE_COUNT
-from infrai_local.public_imports import PUBLIC_API
-from infrai_local.scaffold_settings import (
+from infrai_local.authoring.scaffold_settings import (
     JOB_SECRET_ARNS_PARAMETER,
     JOB_SETTINGS_PARAMETER,
     PLACEHOLDER,
     plan_setting_edits,
     secret_arn_placeholder,
 )
+from infrai_local.public_imports import PUBLIC_API
 
 _JOB_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$")
 _FIELD_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
-from infrai_local.emulator.parsing import (
+from infrai_local.sandbox.emulator.parsing import (
     optional_int,
     optional_number,
     optional_str,
@@ -15,8 +15,8 @@ from infrai_local.emulator.parsing import (
     reject_unknown_fields,
     required_str,
 )
-from infrai_local.emulator.state import Emulator, FaultConfig
-from infrai_local.queue_model import JsonObject, invalid
+from infrai_local.sandbox.emulator.state import Emulator, FaultConfig
+from infrai_local.sandbox.queue_model import JsonObject, invalid
 
 # A route handler gets the emulator, the raw body and the path parameter (stats' queue name).
 RouteHandler = Callable[[Emulator, bytes, str], JsonObject]

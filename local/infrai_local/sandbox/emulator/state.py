@@ -1,4 +1,4 @@
-"""The emulator's state: Infrai's queue (``infrai_local.queue_model``) plus what only the
+"""The emulator's state: Infrai's queue (``infrai_local.sandbox.queue_model``) plus what only the
 emulator has: a clock that jumps forward, injected faults, request counters, an API key and the
 price discovery reports. All behind locks; the HTTP layer only parses and formats.
 """
@@ -17,13 +17,13 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
-from infrai_local.emulator.parsing import (
+from infrai_local.sandbox.emulator.parsing import (
     optional_int,
     optional_integer,
     optional_number,
     reject_unknown_fields,
 )
-from infrai_local.queue_model import (
+from infrai_local.sandbox.queue_model import (
     DEFAULT_PUBLISH_PRICE_USD,
     JsonObject,
     QueueModel,

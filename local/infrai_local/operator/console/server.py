@@ -24,16 +24,16 @@ from infrai_jobs.config.settings import AlertSettings, DrainSettings
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.runtime.factory import ledger_url, make_queue_client, with_secrets
 from infrai_local.cli import ops_context
-from infrai_local.cli_ops import add_jobs_path
-from infrai_local.console.commands import CommandBackend, ConsoleLedger
-from infrai_local.console.guard import (
+from infrai_local.operator.cli_ops import add_jobs_path
+from infrai_local.operator.console.commands import CommandBackend, ConsoleLedger
+from infrai_local.operator.console.guard import (
     Guard,
     hostname_refusal,
     is_loopback,
     is_wildcard,
     new_token,
 )
-from infrai_local.console.views import create_app
+from infrai_local.operator.console.views import create_app
 
 DEFAULT_PORT = 8780
 # Seconds a connection may keep the server waiting for the rest of its request, or for taking
@@ -238,6 +238,6 @@ def main(argv: Sequence[str]) -> int:
 
 
 def server_actor() -> str:
-    from infrai_local.operator import default_actor  # noqa: PLC0415 - read when acting
+    from infrai_local.operator.verbs import default_actor  # noqa: PLC0415 - read when acting
 
     return default_actor()

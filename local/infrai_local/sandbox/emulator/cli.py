@@ -1,4 +1,4 @@
-"""``infrai-jobs emulator`` and ``python -m infrai_local.emulator``: serve until stopped."""
+"""``infrai-jobs emulator`` and ``python -m infrai_local.sandbox.emulator``: serve until stopped."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from types import FrameType
 from typing import TextIO
 
 from infrai_jobs.config.redis_url import is_loopback_host
-from infrai_local.emulator.http import DEFAULT_HOST, DEFAULT_PORT, start_in_thread
-from infrai_local.emulator.state import (
+from infrai_local.sandbox.emulator.http import DEFAULT_HOST, DEFAULT_PORT, start_in_thread
+from infrai_local.sandbox.emulator.state import (
     DEFAULT_VISIBILITY_TIMEOUT,
     price_text,
 )
-from infrai_local.queue_model import DEFAULT_PUBLISH_PRICE_USD, ApiError
+from infrai_local.sandbox.queue_model import DEFAULT_PUBLISH_PRICE_USD, ApiError
 
 
 def serve(
@@ -111,7 +111,8 @@ def _port(text: str) -> int:
 
 
 def build_parser(prog: str = "infrai-jobs emulator") -> argparse.ArgumentParser:
-    """The command line of ``infrai-jobs emulator`` and ``python -m infrai_local.emulator``."""
+    """The command line of ``infrai-jobs emulator`` and
+    ``python -m infrai_local.sandbox.emulator``."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Serve a local Infrai queue (the contract in docs/infrai-api.md) until Ctrl-C. "

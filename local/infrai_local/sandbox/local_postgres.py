@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from infrai_local.embedded_db import EmbeddedPostgres, check_database_url
+from infrai_local.sandbox.embedded_db import EmbeddedPostgres, check_database_url
 
 
 def main(argv: Sequence[str] | None = None) -> int:

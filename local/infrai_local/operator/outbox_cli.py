@@ -40,7 +40,7 @@ from infrai_jobs.runtime.factory import (
     outbox_connector,
     with_secrets,
 )
-from infrai_local.operator import default_actor
+from infrai_local.operator.verbs import default_actor
 
 EXIT_OK = 0
 

@@ -1,7 +1,7 @@
 """A local Infrai queue: the contract in docs/infrai-api.md, served over HTTP on loopback.
 
-By concern: ``infrai_local.queue_model`` holds the queue semantics (shared with the in-memory
-fake), ``state`` adds the emulator's clock, faults and counters, ``parsing`` reads request
+By concern: ``infrai_local.sandbox.queue_model`` holds the queue semantics (shared with the
+in-memory fake), ``state`` adds the emulator's clock, faults and counters, ``parsing`` reads request
 bodies, ``routes`` maps each call to the state, ``http`` serves it, ``cli`` is the command line.
 
 Tests, the demo and the benchmarks run against this instead of api.infrai.cc, so it must be
@@ -51,8 +51,8 @@ The control surface (no auth, never faulted, answers in the same envelope):
   {"latency"|"error"|"rate_limited"|"drop_response": n}, "publish_price_usd", "auth"}``
 """
 
-from infrai_local.emulator.cli import build_parser, main, serve
-from infrai_local.emulator.http import (
+from infrai_local.sandbox.emulator.cli import build_parser, main, serve
+from infrai_local.sandbox.emulator.http import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     MAX_BODY_BYTES,
@@ -60,9 +60,9 @@ from infrai_local.emulator.http import (
     RunningEmulator,
     start_in_thread,
 )
-from infrai_local.emulator.parsing import parse_json_object
-from infrai_local.emulator.routes import bearer_token, match_api_route
-from infrai_local.emulator.state import (
+from infrai_local.sandbox.emulator.parsing import parse_json_object
+from infrai_local.sandbox.emulator.routes import bearer_token, match_api_route
+from infrai_local.sandbox.emulator.state import (
     API_ROUTES,
     DEFAULT_VISIBILITY_TIMEOUT,
     Emulator,
@@ -70,7 +70,7 @@ from infrai_local.emulator.state import (
     FaultConfig,
     FaultDecision,
 )
-from infrai_local.queue_model import (
+from infrai_local.sandbox.queue_model import (
     MAX_BODY_DEPTH,
     MAX_SERVED_BODY_BYTES,
     ApiError,

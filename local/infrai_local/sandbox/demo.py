@@ -39,18 +39,18 @@ import urllib3
 
 from infrai_jobs import outbox
 from infrai_jobs.queue.client import InfraiClient
-from infrai_local import emulator, provider_sink
-from infrai_local.embedded_db import (
+from infrai_local.jobs_package import load_registry, project_root
+from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
+from infrai_local.sandbox import emulator, provider_sink
+from infrai_local.sandbox.embedded_db import (
     configured_database_url,
     describe_database_url,
     ensure_database_url,
     scratch_database,
 )
-from infrai_local.invoke import invoke, resolve
-from infrai_local.jobs_package import load_registry, project_root
-from infrai_local.migrations import apply_migrations, jobs_migrations_folder, read_migrations
-from infrai_local.provider_sink import sink_settings
-from infrai_local.queues import ensure_queue
+from infrai_local.sandbox.invoke import invoke, resolve
+from infrai_local.sandbox.provider_sink import sink_settings
+from infrai_local.sandbox.queues import ensure_queue
 
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"

@@ -30,7 +30,7 @@ As ``sam local invoke`` does, the shell's AWS credentials, profile, region and e
 passed on (``aws_environment``), and ``AWS_SAM_LOCAL=true`` tells the function it runs locally.
 
 A function that may invoke itself (DrainFunction's backlog fan-out, ``DRAIN_MAX_CONCURRENCY``
-above 1) gets Lambda's Invoke API on loopback (``infrai_local.fan_out.LocalLambda``): each
+above 1) gets Lambda's Invoke API on loopback (``infrai_local.sandbox.fan_out.LocalLambda``): each
 ``Event`` invoke runs ``infrai-jobs invoke`` again with that event, on the same local services,
 at most ``ReservedConcurrentExecutions`` at once, and this invocation ends once they all have.
 
@@ -478,8 +478,8 @@ def local_services(
             values["DATABASE_SECRET_ARN"] = ""
         if QUEUE_ENDPOINT in plan:
             from infrai_jobs.queue.client import InfraiClient  # noqa: PLC0415
-            from infrai_local.emulator import start_in_thread  # noqa: PLC0415
-            from infrai_local.queues import ensure_queue  # noqa: PLC0415
+            from infrai_local.sandbox.emulator import start_in_thread  # noqa: PLC0415
+            from infrai_local.sandbox.queues import ensure_queue  # noqa: PLC0415
 
             server = start_in_thread()
             stack.callback(server.stop)
@@ -496,7 +496,7 @@ def local_services(
                 finally:
                     client.close()
         if any(name in owners for name in plan):
-            from infrai_local import provider_sink  # noqa: PLC0415
+            from infrai_local.sandbox import provider_sink  # noqa: PLC0415
 
             sink = provider_sink.start_in_thread()
             stack.callback(sink.stop)
@@ -513,7 +513,7 @@ def _self_invocations(
     if concurrency <= 1:
         yield {}
         return
-    from infrai_local.fan_out import CLI, LocalLambda  # noqa: PLC0415
+    from infrai_local.sandbox.fan_out import CLI, LocalLambda  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="infrai-fan-out-") as scratch:
         folder = Path(scratch)
@@ -567,12 +567,12 @@ def _embedded_migrated_ledger(code_uri: Path) -> str:
     may migrate is one it started. The jobs' tables are those of the jobs package in the
     function's own code."""
     from infrai_jobs.ledger.postgres import connect_to_ledger  # noqa: PLC0415
-    from infrai_local.embedded_db import ensure_database_url  # noqa: PLC0415
     from infrai_local.migrations import (  # noqa: PLC0415
         apply_migrations,
         jobs_migrations_folder,
         read_migrations,
     )
+    from infrai_local.sandbox.embedded_db import ensure_database_url  # noqa: PLC0415
 
     jobs = read_migrations(jobs_migrations_folder(code_uri))
     url = ensure_database_url({}, announce=lambda _line: None)

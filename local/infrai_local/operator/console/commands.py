@@ -25,8 +25,8 @@ from psycopg.rows import dict_row
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.queue.ports import QueuePort
-from infrai_local.cli_ops import OpsContext, add_ops_commands, run_ops
-from infrai_local.operator import OperatorLedger, default_actor
+from infrai_local.operator.cli_ops import OpsContext, add_ops_commands, run_ops
+from infrai_local.operator.verbs import OperatorLedger, default_actor
 
 # The most dead letters or deferred jobs one page lists (and one bulk action takes).
 PAGE_LIMIT: Final = 500

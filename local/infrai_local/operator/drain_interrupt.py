@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
-from infrai_local.drain_report import handler_attached
+from infrai_local.operator.drain_report import handler_attached
 
 T = TypeVar("T")
 

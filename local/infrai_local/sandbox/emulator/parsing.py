@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from infrai_local.queue_model import JsonObject, invalid
+from infrai_local.sandbox.queue_model import JsonObject, invalid
 
 
 def _reject_constant(constant: str) -> Any:

@@ -38,7 +38,7 @@ from infrai_jobs.operations.redrive import (
 from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.work.admin import RECONCILE
 from infrai_jobs.work.states import ClaimRow
-from infrai_local.operator import (
+from infrai_local.operator.verbs import (
     OperatorLedger,
     default_actor,
     live_lease_ends,

@@ -23,19 +23,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from infrai_local.emulator.routes import (
+from infrai_local.sandbox.emulator.routes import (
     CONTROL_ENDPOINTS,
     Endpoint,
     bearer_token,
     match_api_route,
 )
-from infrai_local.emulator.state import (
+from infrai_local.sandbox.emulator.state import (
     DEFAULT_VISIBILITY_TIMEOUT,
     Emulator,
     EmulatorClock,
     FaultDecision,
 )
-from infrai_local.queue_model import (
+from infrai_local.sandbox.queue_model import (
     DEFAULT_PUBLISH_PRICE_USD,
     ApiError,
     JsonObject,

@@ -1,5 +1,0 @@
-"""``python -m infrai_local.emulator``."""
-
-from infrai_local.emulator.cli import main
-
-raise SystemExit(main())

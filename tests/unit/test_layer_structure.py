@@ -319,26 +319,19 @@ def test_no_layer_module_is_over_600_lines(path: Path) -> None:
     assert lines <= MAX_LINES, f"{_id(path)} has {lines} lines"
 
 
-# The drain's layer as a whole, the producers' package (outbox/) and the functions' entry points
-# (handlers/) aside: one state machine and one settings table took it under this, and a feature
-# that needs more should first find a mechanism to change instead of a second one to add. The
-# entry points moved in unchanged from functions/*/app.py (so functions/ holds only a team's
-# jobs), and have a bound of their own: they stay thin.
-MAX_LAYER_LINES = 10_800
-MAX_HANDLER_LINES = 305
-
-
-def _lines(paths: list[Path]) -> int:
-    return sum(len(path.read_text(encoding="utf-8").splitlines()) for path in paths)
+# The drain's layer as a whole, the producers' package (outbox/) aside: one state machine and one
+# settings table took it under 10,800, and a feature that needs more should first find a
+# mechanism to change instead of a second one to add. It is over that today: the functions' five
+# entry points (handlers/, 305 lines) moved in unchanged from functions/*/app.py so that a team's
+# functions/ holds only its jobs. This bound is where it stands, so it cannot grow further; the
+# 297 lines above 10,800 are still to be taken out.
+MAX_LAYER_LINES = 11_097
 
 
 def test_the_layer_without_the_outbox_stays_within_its_size() -> None:
-    package = {path: _id(path).split("/")[0] for path in MODULES}
-    engine = [path for path, name in package.items() if name not in {"outbox", ENTRY_POINTS}]
-    handlers = [path for path, name in package.items() if name == ENTRY_POINTS]
-    assert handlers
-    assert _lines(engine) <= MAX_LAYER_LINES, f"the layer (outbox/ aside) has {_lines(engine)}"
-    assert _lines(handlers) <= MAX_HANDLER_LINES, f"handlers/ has {_lines(handlers)} lines"
+    counted = [path for path in MODULES if _id(path).split("/")[0] != "outbox"]
+    total = sum(len(path.read_text(encoding="utf-8").splitlines()) for path in counted)
+    assert total <= MAX_LAYER_LINES, f"the layer (outbox/ aside) has {total} lines"
 
 
 def test_the_layer_ships_no_fakes_and_no_command_line() -> None:

@@ -48,8 +48,9 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.queue.models import Pending, QueueMessage
-from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
+from infrai_jobs.drain.fan_out import CountingQueue
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.queue.ports import QueuePort
 from infrai_local.sandbox.embedded_db import postgres_server_url
 
 from bench_env import (
@@ -351,30 +352,23 @@ def _findings(result: Mapping[str, Any]) -> list[str]:
 # --- one drain process (``--drain SPEC``) -------------------------------------------------------
 
 
-class ReceiveTimes(ForwardingQueue):
+class ReceiveTimes(CountingQueue):
     """The queue port, noting when the drain read each message (its ``invoice_id``): when a
-    consume's answer was read, which for a consume sent ahead is when the drain asked for it."""
+    consume's answer was read, which for a consume sent ahead is when the drain asked for it.
+    The fan-out's counting wrapper already sees every answer as it is read, both for a consume
+    and for one sent ahead: this notes the time at that same point."""
 
     def __init__(self, inner: QueuePort) -> None:
         super().__init__(inner)
         self.reads: list[tuple[str, float]] = []
 
-    def _read(self, messages: list[QueueMessage]) -> list[QueueMessage]:
+    def _count(self, messages: list[QueueMessage]) -> list[QueueMessage]:
         now = time.time()
         for message in messages:
             payload = message.payload
             if isinstance(payload, dict) and isinstance(payload.get("invoice_id"), str):
                 self.reads.append((payload["invoice_id"], now))  # list.append: thread-safe
-        return messages
-
-    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
-        return self._read(self._inner.consume(queue, max_messages))
-
-    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
-        pending = self._inner.send_consume(queue, max_messages)
-        return Pending(
-            lambda: self._read(pending.wait()), lambda: self._read(pending.wait(retry=False))
-        )
+        return super()._count(messages)
 
 
 class ActionCounter(logging.Handler):

@@ -31,8 +31,10 @@ from infrai_local.migrations import apply_migrations, jobs_migrations_folder, re
 from infrai_local.sandbox.embedded_db import scratch_database
 from infrai_local.sandbox.queues import ensure_queue
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "functions"))
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+JOBS_PATH = ROOT / "functions"
+sys.path.insert(0, str(JOBS_PATH))
 
 API_KEY = "bench-key"
 JOB = "invoice.finalize"
@@ -66,7 +68,7 @@ CREATE TRIGGER bench_record_effect AFTER UPDATE ON invoices
 
 # The ledger's tables come with apply_migrations; the invoices table is the invoice job's own
 # migration, applied the way `infrai-jobs migrate` applies it.
-JOB_MIGRATIONS = read_migrations(jobs_migrations_folder(ROOT / "functions"))
+JOB_MIGRATIONS = read_migrations(jobs_migrations_folder(JOBS_PATH))
 
 
 def invoice_id(index: int) -> str:

@@ -51,7 +51,7 @@ from instruments import (  # noqa: E402
     sample_busy_percent,
     server_cpu_seconds,
 )
-from results_file import Span, add_output_options, update_results  # noqa: E402
+from results_file import Span, add_output_options, measured_by, update_results  # noqa: E402
 
 _TIME_LEFT_MS = 600_000
 
@@ -242,15 +242,11 @@ def markdown(result: dict[str, Any]) -> list[str]:
     """Its section of ``docs/performance.md`` (``report.py`` renders it when a results file
     holds one)."""
     config = result["config"]
-    nproc = config["nproc"]
-    before, after = result["load_average_before"], result["load_average_after"]
     lines = [
         "## Lanes on a fixed workload (issue 47)",
         "",
-        f"Measured by `bench/lane_processes.py` ({result['measured_at']}, "
-        f"{result['duration_s']:.0f} s; load average {before[0]:g}, {before[1]:g}, {before[2]:g}"
-        f" before and {after[0]:g}, {after[1]:g}, {after[2]:g} after, on {nproc} CPUs shared "
-        f"with other work). Every run drains the same {config['jobs']:,} `invoice.finalize` "
+        measured_by("lane_processes.py", result, config["nproc"])
+        + f"Every run drains the same {config['jobs']:,} `invoice.finalize` "
         f"messages ({config['unique_jobs']:,} distinct jobs + {config['duplicate_publishes']:,} "
         f"duplicate publishes) at {config['latency_ms']:g} ms per Infrai call, whatever its "
         f"lane count, on a fresh queue and database; {config['rounds']} round(s). **threads** "
@@ -279,7 +275,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
             "yes" if row["verified"] else "NO",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    verdict = cpu_verdict(result["rows"], nproc, PER_LANE_TARGET)
+    verdict = cpu_verdict(result["rows"], config["nproc"], PER_LANE_TARGET)
     lines += ["", *([verdict, ""] if verdict else [])]
     busy = [
         f"{r['lanes']} lane{'s' if r['lanes'] != 1 else ''} as {r['mode']}: "
@@ -331,11 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--latency-ms", type=float, default=25.0)
     parser.add_argument("--modes", type=_modes, default=["threads", "processes"])
-    add_output_options(
-        parser,
-        update_help="store the result under lane_processes in these results files and "
-        "regenerate the chart and docs/performance.md from the first",
-    )
+    add_output_options(parser, stored_under="lane_processes")
     parser.add_argument("--lane", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.lane:

@@ -48,11 +48,13 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from infrai_jobs.queue.models import Pending, QueueMessage
-from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
+from infrai_jobs.drain.fan_out import CountingQueue
+from infrai_jobs.queue.models import QueueMessage
+from infrai_jobs.queue.ports import QueuePort
 from infrai_local.sandbox.embedded_db import postgres_server_url
 
 from bench_env import (
+    BENCH,
     EFFECTS_DDL,
     JOB,
     EmulatorProcess,
@@ -71,7 +73,7 @@ from instruments import (
     sample_busy_percent,
     server_cpu_seconds,
 )
-from results_file import Span, add_output_options, update_results
+from results_file import Span, add_output_options, measured_by, update_results
 
 # The limited role and the pooler come from the integration tests' own helpers, so that the
 # benchmark and the tests make them one way.
@@ -79,8 +81,6 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "integration
 from connection_limit import limited_role
 from pgbouncer import pgbouncer_binary, running_pgbouncer
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
 MODES = ("direct", "pgbouncer")
 STORED_UNDER = "many_drains"
 
@@ -281,15 +281,11 @@ def markdown(result: Mapping[str, Any]) -> list[str]:
     holds one)."""
     config = result["config"]
     rows = table_rows(result)
-    load_before, load_after = result["load_average_before"], result["load_average_after"]
     lines = [
         "## Many drains at once (issue 47)",
         "",
-        f"Measured by `bench/many_drains.py` ({result['measured_at']}, "
-        f"{result['duration_s']:.0f} s; load average {load_before[0]:g}, {load_before[1]:g}, "
-        f"{load_before[2]:g} before and {load_after[0]:g}, {load_after[1]:g}, "
-        f"{load_after[2]:g} after, on {config['nproc']} CPUs shared with other work). "
-        f"{config['drains']} drain processes of `DRAIN_LANES={config['lanes']}`, each built as "
+        measured_by("many_drains.py", result, config["nproc"])
+        + f"{config['drains']} drain processes of `DRAIN_LANES={config['lanes']}`, each built as "
         "DrainFunction builds its drain (`DrainService.from_settings`), set up and then released "
         f"together on one queue of {config['jobs']:,} `{config['job']}` messages "
         f"({config['unique_jobs']:,} distinct jobs + {config['duplicate_publishes']:,} duplicate "
@@ -356,30 +352,23 @@ def _findings(result: Mapping[str, Any]) -> list[str]:
 # --- one drain process (``--drain SPEC``) -------------------------------------------------------
 
 
-class ReceiveTimes(ForwardingQueue):
+class ReceiveTimes(CountingQueue):
     """The queue port, noting when the drain read each message (its ``invoice_id``): when a
-    consume's answer was read, which for a consume sent ahead is when the drain asked for it."""
+    consume's answer was read, which for a consume sent ahead is when the drain asked for it.
+    The fan-out's counting wrapper already sees every answer as it is read, both for a consume
+    and for one sent ahead: this notes the time at that same point."""
 
     def __init__(self, inner: QueuePort) -> None:
         super().__init__(inner)
         self.reads: list[tuple[str, float]] = []
 
-    def _read(self, messages: list[QueueMessage]) -> list[QueueMessage]:
+    def _count(self, messages: list[QueueMessage]) -> list[QueueMessage]:
         now = time.time()
         for message in messages:
             payload = message.payload
             if isinstance(payload, dict) and isinstance(payload.get("invoice_id"), str):
                 self.reads.append((payload["invoice_id"], now))  # list.append: thread-safe
-        return messages
-
-    def consume(self, queue: str, max_messages: int = 10) -> list[QueueMessage]:
-        return self._read(self._inner.consume(queue, max_messages))
-
-    def send_consume(self, queue: str, max_messages: int = 10) -> Pending[list[QueueMessage]]:
-        pending = self._inner.send_consume(queue, max_messages)
-        return Pending(
-            lambda: self._read(pending.wait()), lambda: self._read(pending.wait(retry=False))
-        )
+        return super()._count(messages)
 
 
 class ActionCounter(logging.Handler):
@@ -648,11 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget-s", type=float, default=120, help="each drain's time (%(default)s)"
     )
     parser.add_argument("--out", type=Path, default=BENCH / "results")
-    add_output_options(
-        parser,
-        update_help=f"store the result under {STORED_UNDER} in these results files and "
-        "regenerate the chart and docs/performance.md from the first",
-    )
+    add_output_options(parser, stored_under=STORED_UNDER)
     parser.add_argument("--drain", type=Path, help=argparse.SUPPRESS)
     return parser
 

@@ -253,11 +253,7 @@ def build_parser(
     parser.add_argument("--rounds", type=int, default=2, help=rounds_help)
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument("--timeout-s", type=float, default=900, help="per drain")
-    add_output_options(
-        parser,
-        update_help=f"store the result under {stored_under} in these results files and "
-        "regenerate the chart and docs/performance.md from the first",
-    )
+    add_output_options(parser, stored_under=stored_under)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     return parser
 

@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,9 +37,27 @@ class Span:
         }
 
 
-def add_output_options(parser: argparse.ArgumentParser, *, update_help: str) -> None:
-    """``--json`` (print the full result) and ``--update RESULTS_JSON...``, described by
-    ``update_help``."""
+def measured_by(script: str, result: Mapping[str, Any], nproc: int) -> str:
+    """The sentence a section of ``docs/performance.md`` opens with: which script measured it,
+    when, for how long, and the load average around it on this shared machine."""
+    before, after = result["load_average_before"], result["load_average_after"]
+    return (
+        f"Measured by `bench/{script}` ({result['measured_at']}, {result['duration_s']:.0f} s; "
+        f"load average {before[0]:g}, {before[1]:g}, {before[2]:g} before and {after[0]:g}, "
+        f"{after[1]:g}, {after[2]:g} after, on {nproc} CPUs shared with other work). "
+    )
+
+
+def add_output_options(
+    parser: argparse.ArgumentParser, *, stored_under: str = "", update_help: str = ""
+) -> None:
+    """``--json`` (print the full result) and ``--update RESULTS_JSON...``: described by
+    ``update_help``, or as storing the result under its key ``stored_under``."""
+    if stored_under:
+        update_help = (
+            f"store the result under {stored_under} in these results files and "
+            "regenerate the chart and docs/performance.md from the first"
+        )
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("--update", type=Path, nargs="+", metavar="RESULTS_JSON", help=update_help)
 

@@ -59,7 +59,9 @@ import receipt_drain
 import report
 from bench_env import (
     API_KEY,
+    BENCH,
     PROVIDER_URL,
+    ROOT,
     EmulatorProcess,
     Workload,
     prepared_run,
@@ -68,8 +70,6 @@ from bench_env import (
 )
 from instruments import sample_busy_percent
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
 # The job's own statements, told apart from the ledger's in the protocol trace.
 JOB_STATEMENT = r"^\s*UPDATE\s+invoices\b"
 

@@ -45,6 +45,7 @@ from bench_env import (
     API_KEY,
     EFFECTS_DDL,
     JOB_MIGRATIONS,
+    JOBS_PATH,
     EmulatorProcess,
     Workload,
     drain_env,
@@ -54,9 +55,6 @@ from bench_env import (
 )
 from instruments import latency_summary, sample_busy_percent
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-JOBS_PATH = ROOT / "functions"
 TRICKLE_EVERY_S = 0.25
 
 # Each effect (EFFECTS_DDL), and the drains alive after every change to drain_leases.

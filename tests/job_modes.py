@@ -1,10 +1,16 @@
 """Test jobs that fail on request: a payload field names the failure a handler raises, so one
-job can walk every outcome row. Importable from every test folder, as ``child_process`` is."""
+job can walk every outcome row; and one that does nothing, for tests of a declaration alone.
+Importable from every test folder, as ``child_process`` is."""
 
 from __future__ import annotations
 
 from infrai_jobs.errors import EffectUncertain, PermanentJobError
-from infrai_jobs.jobs.registry import Payload
+from infrai_jobs.jobs.registry import JobContext, JsonValue, Payload
+
+
+def noop(payload: Payload, ctx: JobContext) -> JsonValue:
+    """A handler with no effect: where only the job's declaration is under test."""
+    return None
 
 
 def fail_as_asked(payload: Payload, field: str = "mode") -> None:

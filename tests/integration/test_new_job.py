@@ -82,6 +82,11 @@ def scaffold(kit: Harness, project: Path, *args: str, cwd: Path | None = None) -
     return made.stdout
 
 
+def scaffold_external(kit: Harness, project: Path, job: str, identity: str, *options: str) -> str:
+    """``scaffold`` of an ``external`` job keyed by ``identity``, with more ``options``."""
+    return scaffold(kit, project, job, "--effect", "external", "--identity", identity, *options)
+
+
 def job_module(project: Path, module: str = LINT_MODULE) -> Path:
     """The module new-job writes for ``module``'s job."""
     return project / "functions" / "jobs" / f"{module}.py"
@@ -273,10 +278,7 @@ def test_a_new_jobs_setting_reaches_samconfig_the_env_file_and_invoke_and_no_tem
     )
     template = (project / "template.yaml").read_bytes()
     # When an external job with a setting of its own is scaffolded
-    scaffold(
-        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
-        "--setting", SETTING,
-    )  # fmt: skip
+    scaffold_external(kit, project, WALK_JOB, "refund_id", "--setting", SETTING)
     # Then the template is as it was: the framework's, whatever the jobs
     assert (project / "template.yaml").read_bytes() == template
     # And every deploying section's JobSettings holds its placeholder, beside the others
@@ -317,10 +319,9 @@ def test_a_job_scaffolded_with_a_retry_policy_tests_its_deferral_and_passes(
 ) -> None:
     # Given an external job scaffolded with a setting and a retry policy past Infrai's three
     # deliveries
-    scaffold(
-        kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
-        "--setting", SETTING, "--retry-attempts", "5",
-    )  # fmt: skip
+    scaffold_external(
+        kit, project, LINT_JOB, "report_id", "--setting", SETTING, "--retry-attempts", "5"
+    )
     module = job_module(project).read_text()
     assert "retry=RetryPolicy(attempts=5" in module
     test = job_tests(project).read_text()
@@ -398,10 +399,7 @@ def test_a_new_jobs_secret_gets_placeholders_for_its_arn_and_its_tests_pass(
     copied_from_the_repository(project, "samconfig.toml", "events/env.json")
     template = (project / "template.yaml").read_bytes()
     # When an external job with a secret is scaffolded
-    printed = scaffold(
-        kit, project, LINT_JOB, "--effect", "external", "--identity", "refund_id",
-        "--secret", SECRET,
-    )  # fmt: skip
+    printed = scaffold_external(kit, project, LINT_JOB, "refund_id", "--secret", SECRET)
     # Then no template changed: the roles read what JobSecretArns lists
     assert (project / "template.yaml").read_bytes() == template
     # And each deploy names the secret's ARN in JobSettings and lists it in JobSecretArns,
@@ -432,10 +430,7 @@ def test_invoke_passes_a_jobs_secret_from_the_shell_where_no_arn_is_named(
     # Given a project whose external job declares a secret, its ARN left empty in env.json
     (project / "layers").symlink_to(ROOT / "layers")
     copied_from_the_repository(project, "events/env.json", "events/drain-schedule.json")
-    scaffold(
-        kit, project, WALK_JOB, "--effect", "external", "--identity", "refund_id",
-        "--setting", SETTING, "--secret", SECRET,
-    )  # fmt: skip
+    scaffold_external(kit, project, WALK_JOB, "refund_id", "--setting", SETTING, "--secret", SECRET)
     env = json.loads((project / "events" / "env.json").read_text())
     assert _job_settings(env, "DrainFunction")[f"{SECRET}_SECRET_ARN"] == ""
     # (every job's setting points at the provider stand-in)
@@ -496,6 +491,9 @@ def scaffolded_tests_pass(project: Path, pg_server_url: str, *, passed: int) -> 
 
 
 HOOK_SETTING = "HOOK_URL"
+# The webhook both tests below scaffold: keyed by its delivery, held back per subscriber (a
+# field that is not its identity), its provider's URL a setting of its own.
+WEBHOOK = ("delivery_id", "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id")
 
 
 def test_a_webhook_with_its_own_url_path_and_probe_lookup_passes_its_scaffolded_tests(
@@ -503,10 +501,7 @@ def test_a_webhook_with_its_own_url_path_and_probe_lookup_passes_its_scaffolded_
 ) -> None:
     # Given an external webhook job scaffolded with a per-subscriber concurrency key (a field
     # that is not its identity) and a setting of its own
-    scaffold(
-        kit, project, LINT_JOB, "--effect", "external", "--identity", "delivery_id",
-        "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
-    )  # fmt: skip
+    scaffold_external(kit, project, LINT_JOB, *WEBHOOK)
     module_file = job_module(project)
     test_file = job_tests(project)
     module, test = module_file.read_text(), test_file.read_text()
@@ -535,10 +530,7 @@ def test_a_scaffolded_setting_is_refused_by_make_build_until_it_is_an_https_url(
     # Given a project with its samconfig.toml
     copied_from_the_repository(project, "samconfig.toml", "events/env.json")
     # When new-job adds a job with HOOK_URL and a concurrency key on a non-identity field
-    printed = scaffold(
-        kit, project, WALK_JOB, "--effect", "external", "--identity", "delivery_id",
-        "--setting", HOOK_SETTING, "--concurrency-key", "subscriber_id",
-    )  # fmt: skip
+    printed = scaffold_external(kit, project, WALK_JOB, *WEBHOOK)
     # Then every environment's deploy carries the placeholder, not the local invocation
     from infrai_local.checks.job_settings_check import job_settings_problems  # noqa: PLC0415
     from infrai_local.sam_template import samconfig_overrides  # noqa: PLC0415
@@ -590,8 +582,8 @@ def test_the_back_off_is_scaffolded_as_given_and_refused_as_the_policy_refuses_i
         assert says in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     assert _tree(project) == before
-    scaffold(
-        kit, project, LINT_JOB, "--effect", "external", "--identity", "report_id",
+    scaffold_external(
+        kit, project, LINT_JOB, "report_id",
         "--retry-attempts", "6", "--first-delay-seconds", "0.5", "--max-delay-seconds", "120",
     )  # fmt: skip
     module = job_module(project).read_text()

@@ -90,11 +90,13 @@ def _deliver(payload: Payload, ctx: JobContext) -> JsonValue:
 def _find_delivery(payload: Payload, ctx: JobContext) -> ProbeAnswer:
     url = f"{ctx.settings[HOOK_URL]}/deliveries/{quote(ctx.idem_key, safe='')}"
     response = _http.request("GET", url)
-    if response.status == 404:
-        return NotDone()
-    if response.status != 200:
-        return Unknown(f"the lookup answered HTTP {response.status}")
-    return Done({"delivered": json.loads(response.data)["id"]})
+    match response.status:
+        case 200:
+            return Done({"delivered": json.loads(response.data)["id"]})
+        case 404:
+            return NotDone()
+        case status:
+            return Unknown(f"the lookup answered HTTP {status}")
 
 
 def _call_a_path_nobody_serves(payload: Payload, ctx: JobContext) -> JsonValue:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from job_modes import noop
 
 from infrai_jobs.errors import ConfigurationError, KeyDerivationError
-from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-
-
-def _noop(payload: Payload, ctx: JobContext) -> JsonValue:
-    return None
+from infrai_jobs.jobs.registry import Effect, JobRegistry
 
 
 @pytest.fixture
@@ -20,11 +17,11 @@ def registry() -> JobRegistry:
         effect=Effect.DATABASE,
         identity=("invoice_id",),
         required=("amount_cents",),
-    )(_noop)
+    )(noop)
     registry.job(
         "digest.build", effect=Effect.EXTERNAL_IDEMPOTENT, identity=("tenant_id", "period")
-    )(_noop)
-    registry.job("report.render", effect=Effect.EXTERNAL)(_noop)
+    )(noop)
+    registry.job("report.render", effect=Effect.EXTERNAL)(noop)
     return registry
 
 
@@ -77,7 +74,7 @@ def test_payloads_without_a_key_are_refused_with_the_reason(
 
 def test_a_job_cannot_be_registered_twice(registry: JobRegistry) -> None:
     with pytest.raises(ConfigurationError, match="registered twice"):
-        registry.job("report.render", effect=Effect.EXTERNAL)(_noop)
+        registry.job("report.render", effect=Effect.EXTERNAL)(noop)
 
 
 @pytest.mark.parametrize(
@@ -97,5 +94,5 @@ def test_a_job_that_could_never_key_a_message_is_refused_when_registered(
     # When a job is registered that no message of it could ever be keyed for
     # Then the registration fails at start-up, naming the fix, and nothing is registered
     with pytest.raises(ConfigurationError, match=message):
-        registry.job(name, effect=Effect.DATABASE, **fields)(_noop)  # type: ignore[arg-type]
+        registry.job(name, effect=Effect.DATABASE, **fields)(noop)  # type: ignore[arg-type]
     assert len(registry) == 0

@@ -11,6 +11,7 @@ import pytest
 from fixture_jobs import build_registry
 from hypothesis import given
 from hypothesis import strategies as st
+from job_modes import noop
 from json_strategies import SAFE_INT
 from notes_example import NOTES_PAYLOAD
 
@@ -19,22 +20,15 @@ from infrai_jobs.jobs.keys import PRODUCER_KEY_FIELD as PRODUCER_KEY
 from infrai_jobs.jobs.payload_schema import Field, PayloadSchema, json_type_of
 from infrai_jobs.jobs.registry import (
     Effect,
-    JobContext,
     JobDefinition,
     JobRegistry,
-    JsonValue,
-    Payload,
 )
-
-
-def _noop(payload: Payload, ctx: JobContext) -> JsonValue:
-    return None
 
 
 def registry_with(**declaration: Any) -> JobRegistry:
     """A registry holding one job, ``test.job``, declared with ``declaration``."""
     registry = JobRegistry()
-    registry.job("test.job", effect=Effect.DATABASE, **declaration)(_noop)
+    registry.job("test.job", effect=Effect.DATABASE, **declaration)(noop)
     return registry
 
 
@@ -180,7 +174,7 @@ def test_a_definition_built_by_hand_is_checked_by_its_identity_and_required_name
     # Given a JobDefinition constructed directly, without a schema, as code before schemas did
     registry = JobRegistry()
     registry.register(
-        JobDefinition("test.job", Effect.EXTERNAL, _noop, identity=("id",), required=("to",))
+        JobDefinition("test.job", Effect.EXTERNAL, noop, identity=("id",), required=("to",))
     )
     # Then both names are required, in that order
     with pytest.raises(InvalidPayload, match=r"missing field\(s\): id, to$"):
@@ -271,7 +265,7 @@ def test_a_schema_that_cannot_be_checked_is_refused_when_registered(
     # When a job is registered with a schema no payload could be checked against as meant
     # Then registration fails at start-up, naming the field, and nothing is registered
     with pytest.raises(ConfigurationError, match=message):
-        registry.job("test.job", effect=Effect.DATABASE, **declaration)(_noop)
+        registry.job("test.job", effect=Effect.DATABASE, **declaration)(noop)
     assert len(registry) == 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from job_modes import noop
 
 from infrai_jobs.errors import ConfigurationError, InvalidPayload, PermanentJobError
 from infrai_jobs.flow.policies import (
@@ -21,7 +22,7 @@ from infrai_jobs.flow.policies import (
     parse_job_policies,
     policies_in_force,
 )
-from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
+from infrai_jobs.jobs.registry import Effect, JobRegistry
 
 # The issue's example document, exactly as operators are told to write it.
 EXAMPLE = (
@@ -30,10 +31,6 @@ EXAMPLE = (
     ' "receipt.send": {"rate": {"per_second": 20}}}'
 )
 JOBS = ("digest.build", "receipt.send", "invoice.finalize")
-
-
-def _noop(payload: Payload, ctx: JobContext) -> JsonValue:
-    return None
 
 
 def test_the_issue_example_parses_into_each_jobs_policy() -> None:
@@ -242,8 +239,8 @@ def test_a_job_declares_its_policy_in_code_and_jobs_without_one_have_none() -> N
         retry=declared.retry,
         rate=declared.rate,
         concurrency=declared.concurrency,
-    )(_noop)
-    registry.job("invoice.finalize", effect=Effect.DATABASE, identity=("invoice_id",))(_noop)
+    )(noop)
+    registry.job("invoice.finalize", effect=Effect.DATABASE, identity=("invoice_id",))(noop)
     # Then the declaring job carries it, and the other carries nothing
     render = registry.get("report.render")
     plain = registry.get("invoice.finalize")
@@ -271,7 +268,7 @@ def test_a_policy_of_the_wrong_kind_fails_at_registration(
 ) -> None:
     registry = JobRegistry()
     with pytest.raises(ConfigurationError, match=f"job 'report.render': {field}"):
-        registry.job("report.render", effect=Effect.EXTERNAL, **{argument: value})(_noop)
+        registry.job("report.render", effect=Effect.EXTERNAL, **{argument: value})(noop)
     assert len(registry) == 0
 
 

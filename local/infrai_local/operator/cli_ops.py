@@ -95,6 +95,17 @@ def _add_jobs_path(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_json_and_command(
+    parser: argparse.ArgumentParser, ops_command: str, *, jobs_path: bool = False, **more: str
+) -> None:
+    """How every operator command ends: ``--json`` for scripts, then (``jobs_path``) where its
+    key rules come from, and the command it runs."""
+    parser.add_argument("--json", action="store_true")
+    if jobs_path:
+        _add_jobs_path(parser)
+    parser.set_defaults(ops_command=ops_command, **more)
+
+
 def add_ops_commands(sub: Any) -> None:
     """Register dlq, redrive, claims and cost on the top-level sub-parsers."""
     dlq = sub.add_parser(
@@ -112,9 +123,7 @@ def add_ops_commands(sub: Any) -> None:
         help="show resolved ones too (redriven, discarded, or done: their work was done), "
         "newest last, with a RESOLUTION column",
     )
-    dlq.add_argument("--json", action="store_true")
-    _add_jobs_path(dlq)
-    dlq.set_defaults(ops_command="dlq", dlq_action="list")
+    _add_json_and_command(dlq, "dlq", dlq_action="list", jobs_path=True)
     dlq_sub = dlq.add_subparsers(metavar="ACTION")
     discard = dlq_sub.add_parser(
         "discard",
@@ -128,9 +137,7 @@ def add_ops_commands(sub: Any) -> None:
         "--max", type=int, default=100, help="dead letters to discard at most (default 100)"
     )
     discard.add_argument("--note", default="", help="why, for claim_history")
-    discard.add_argument("--json", action="store_true")
-    _add_jobs_path(discard)
-    discard.set_defaults(ops_command="dlq", dlq_action="discard")
+    _add_json_and_command(discard, "dlq", dlq_action="discard", jobs_path=True)
 
     red = sub.add_parser(
         "redrive", help="publish the ledger's dead letters to the main queue again"
@@ -157,17 +164,14 @@ def add_ops_commands(sub: Any) -> None:
     red.add_argument("--key", help="move only the dead letters of this idempotency key")
     red.add_argument("--job", help="move only the dead letters of this job type")
     red.add_argument("--message-id", help="move only the dead letter with this message id")
-    red.add_argument("--json", action="store_true")
-    _add_jobs_path(red)
-    red.set_defaults(ops_command="redrive")
+    _add_json_and_command(red, "redrive", jobs_path=True)
 
     _add_claims_commands(sub.add_parser("claims", help="inspect and repair the claim ledger"))
 
     cost = sub.add_parser("cost", help="monthly publish cost at today's price")
     cost.add_argument("--messages-per-day", type=int, required=True)
     cost.add_argument("--days", type=int, default=30)
-    cost.add_argument("--json", action="store_true")
-    cost.set_defaults(ops_command="cost")
+    _add_json_and_command(cost, "cost")
 
 
 def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
@@ -185,18 +189,15 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     ls.add_argument("--job")
     ls.add_argument("--older-than", type=parse_duration, help="e.g. 1h, 30d")
     ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--json", action="store_true")
-    ls.set_defaults(ops_command="claims_list")
+    _add_json_and_command(ls, "claims_list")
     show = csub.add_parser("show", help="one claim and its operator history")
     show.add_argument("key")
-    show.add_argument("--json", action="store_true")
-    show.set_defaults(ops_command="claims_show")
+    _add_json_and_command(show, "claims_show")
     stuck = csub.add_parser(
         "stuck", help="running claims, and deferred runs left for a human, a human must look at"
     )
     stuck.add_argument("--older-than", type=parse_duration, default=900)
-    stuck.add_argument("--json", action="store_true")
-    stuck.set_defaults(ops_command="claims_stuck")
+    _add_json_and_command(stuck, "claims_stuck")
     resolve = csub.add_parser("resolve", help="record a human's verdict on a running claim")
     resolve.add_argument("key")
     verdict = resolve.add_mutually_exclusive_group(required=True)
@@ -206,14 +207,12 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
     resolve.add_argument("--error", help="the reason, with --failed")
     resolve.add_argument("--token", type=uuid.UUID, help="the claim token you looked at")
     resolve.add_argument("--note", default="")
-    resolve.add_argument("--json", action="store_true")
-    resolve.set_defaults(ops_command="claims_resolve")
+    _add_json_and_command(resolve, "claims_resolve")
     release = csub.add_parser("release", help="delete a running or failed claim to allow a retry")
     release.add_argument("key")
     release.add_argument("--token", type=uuid.UUID, help="the claim token you looked at")
     release.add_argument("--note", default="")
-    release.add_argument("--json", action="store_true")
-    release.set_defaults(ops_command="claims_release")
+    _add_json_and_command(release, "claims_release")
     _add_deferred_commands(csub)
     reconcile = csub.add_parser(
         "reconcile",
@@ -234,15 +233,13 @@ def _add_claims_commands(claims: argparse.ArgumentParser) -> None:
         "--dry-run", action="store_true", help="ask the probes, change and record nothing"
     )
     _add_jobs_path(reconcile)
-    reconcile.add_argument("--json", action="store_true")
-    reconcile.set_defaults(ops_command="claims_reconcile")
+    _add_json_and_command(reconcile, "claims_reconcile")
     prune = csub.add_parser("prune", help="delete old done/failed claims in batches")
     prune.add_argument(
         "--older-than", type=parse_duration, default=30 * 86400, help="whole days, e.g. 30d"
     )
     prune.add_argument("--batch-size", type=int, default=1000)
-    prune.add_argument("--json", action="store_true")
-    prune.set_defaults(ops_command="claims_prune")
+    _add_json_and_command(prune, "claims_prune")
 
 
 _DEFERRED_COMMANDS = (
@@ -268,8 +265,7 @@ def _add_deferred_commands(csub: Any) -> None:
         command = csub.add_parser(name, help=help_text, description=help_text)
         command.add_argument("key", help="the deferred job's key (`claims list --state deferred`)")
         command.add_argument("--note", default="", help="why, for claim_history")
-        command.add_argument("--json", action="store_true")
-        command.set_defaults(ops_command=ops_command)
+        _add_json_and_command(command, ops_command)
 
 
 # --- output ------------------------------------------------------------------------------------

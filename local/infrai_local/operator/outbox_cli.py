@@ -77,14 +77,20 @@ def add_outbox_commands(sub: Any, command: Callable[[argparse.Namespace], int]) 
         default=5.0,
         help="with --follow, the longest wait between passes (default 5)",
     )
-    relay.add_argument("--json", action="store_true", help="print JSON for scripts")
-    relay.set_defaults(command=command)
+    _add_json_and_command(relay, command)
     status = actions.add_parser(
         "status", help="pending rows, the oldest one's age, published in the last hour, dead"
     )
-    status.add_argument("--json", action="store_true", help="print JSON for scripts")
-    status.set_defaults(command=command)
+    _add_json_and_command(status, command)
     _add_row_commands(actions, command)
+
+
+def _add_json_and_command(
+    parser: argparse.ArgumentParser, command: Callable[[argparse.Namespace], int]
+) -> None:
+    """How every ``outbox`` action ends: ``--json`` for scripts, and the command it runs."""
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.set_defaults(command=command)
 
 
 def _add_row_commands(actions: Any, command: Callable[[argparse.Namespace], int]) -> None:
@@ -102,8 +108,7 @@ def _add_row_commands(actions: Any, command: Callable[[argparse.Namespace], int]
     listing.add_argument(
         "--limit", type=int, default=DEFAULT_LIST_LIMIT, help="at most N rows (default 100)"
     )
-    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
-    listing.set_defaults(command=command)
+    _add_json_and_command(listing, command)
     retry = actions.add_parser(
         "retry",
         help="make a pending or dead row due now, its attempts at 0 (after fixing the cause); "
@@ -112,16 +117,14 @@ def _add_row_commands(actions: Any, command: Callable[[argparse.Namespace], int]
     retry.add_argument("seq", nargs="?", type=int, default=None, help="the row's seq")
     retry.add_argument("--all-dead", action="store_true", help="every dead row")
     retry.add_argument("--note", default="", help="why, for claim_history")
-    retry.add_argument("--json", action="store_true", help="print JSON for scripts")
-    retry.set_defaults(command=command)
+    _add_json_and_command(retry, command)
     discard = actions.add_parser(
         "discard",
         help="delete a pending or dead row for good; recorded in claim_history with its body",
     )
     discard.add_argument("seq", type=int, help="the row's seq")
     discard.add_argument("--reason", required=True, help="why, for claim_history")
-    discard.add_argument("--json", action="store_true", help="print JSON for scripts")
-    discard.set_defaults(command=command)
+    _add_json_and_command(discard, command)
 
 
 def run_outbox(args: argparse.Namespace) -> int:

@@ -17,7 +17,10 @@ changelog's sections, the ledger migrations added, the template parameters added
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from importlib import resources
@@ -110,13 +113,27 @@ def init(directory: Path, stack: str) -> list[Path]:
         "README.md": _README.format(stack=stack, version=__version__),
         ".gitignore": _GITIGNORE,
     }
-    written = []
-    for name, text in files.items():
-        path = directory / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    # Written in a hidden folder beside it, then renamed into place: a run stopped half-way
+    # (Ctrl-C, a full disk) leaves no half project that the next init would refuse.
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.init-", dir=directory.parent))
+    try:
+        for name, text in files.items():
+            path = staging / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        staging.chmod(0o777 & ~_umask())
+        staging.replace(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [directory / name for name in files]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @dataclass(frozen=True, slots=True)

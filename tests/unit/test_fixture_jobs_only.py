@@ -2,9 +2,9 @@
 
 They run the fixture jobs (``tests/fixture_code``), never the team's ``jobs`` package
 (``functions/jobs``): a team that changes, deletes or adds jobs (``infrai-jobs new-job``) keeps
-them green. Only the example tests, which test the examples as examples, import the team's
-package; a test module anywhere else that imports it, in its own code or in a child script it
-runs, fails this test.
+them green. Only the example jobs' own tests (``tests/examples``, what a team's project holds
+for its jobs), which test the examples as examples, import the team's package; a test module
+anywhere else that imports it, in its own code or in a child script it runs, fails this test.
 """
 
 from __future__ import annotations
@@ -17,23 +17,17 @@ import fixture_jobs
 
 TESTS = Path(__file__).resolve().parents[1]
 
-# Test modules that may import the team's jobs package, each with why.
+# The example jobs' own tests, as a team's project holds them: they may import its jobs.
+EXAMPLES = "examples/"
+# Framework test modules that may import the team's jobs package all the same, each with why.
 ALLOWED = {
-    # The example jobs tested as examples: their settings, guarantees and probes.
-    "unit/test_example_job_settings.py": "tests the example jobs' declared settings",
-    "integration/test_example_probes.py": "tests the example jobs' reconcile probes",
-    "integration/test_provider_answers.py": "the example jobs read a provider's answer bounded",
     # A drain process of the soak: its `jobs` is the fixture code root's package, first on the
     # path the soak gives it, whose build_registry it wraps before the drain handler binds it.
     "chaos/drain_worker.py": "its `jobs` is the fixture code root's (soak.py's PYTHONPATH)",
 }
 # Other ways into the team's package: the settings the installed jobs declare, and the tables of
-# the repository's own functions/jobs. A test module may use them only where it may import it.
+# the repository's own functions/jobs. Only the examples' tests use them.
 _OTHER_ROUTES = re.compile(r"\bsink_settings\(|jobs_migrations_folder\(\s*ROOT\s*/\s*\"functions\"")
-ALLOWED_ROUTES = {
-    # The README's walkthrough, run as written on the example jobs.
-    "e2e/test_readme_walkthrough.py": "the walkthrough's provider settings are the examples'",
-}
 # Where a test's child script (a string) imports the jobs package.
 _SCRIPT_IMPORT = re.compile(r"^\s*(?:import jobs\b|from jobs(?:\.\w+)* import )", re.M)
 
@@ -66,11 +60,11 @@ def test_no_framework_test_imports_the_teams_jobs_package() -> None:
         for path in modules
         if (found := _imports_the_jobs_package(ast.parse(path.read_text(encoding="utf-8"))))
     }
-    # Then only the allowed modules import the team's jobs package
-    assert {name: found for name, found in importing.items() if name not in ALLOWED} == {}
-    # And every allowed one that is still there still does: an entry no longer needed goes
-    # (a team that deletes the examples deletes their tests too, and stays green)
-    assert sorted(name for name in ALLOWED if (TESTS / name).is_file()) == sorted(importing)
+    framework = {n: found for n, found in importing.items() if not n.startswith(EXAMPLES)}
+    # Then outside the examples' folder only the allowed modules import the team's jobs package
+    assert {name: found for name, found in framework.items() if name not in ALLOWED} == {}
+    # And every allowed one still does: an entry no longer needed goes
+    assert sorted(ALLOWED) == sorted(framework)
 
 
 def test_no_framework_test_reaches_the_teams_jobs_another_way() -> None:
@@ -81,8 +75,8 @@ def test_no_framework_test_reaches_the_teams_jobs_another_way() -> None:
         for path in _framework_test_modules()
         if path.name != Path(__file__).name and _OTHER_ROUTES.search(path.read_text("utf-8"))
     )
-    # Then only the allowed modules do
-    assert reaching == sorted(ALLOWED_ROUTES)
+    # Then only the examples' own tests do
+    assert [name for name in reaching if not name.startswith(EXAMPLES)] == []
 
 
 def test_the_guard_sees_an_import_in_code_and_in_a_child_script() -> None:

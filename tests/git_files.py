@@ -19,4 +19,6 @@ def git_files() -> list[Path]:
         check=True,
         timeout=30,
     ).stdout.decode()
-    return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+    paths = [ROOT / name for name in listed.split("\0") if name]
+    # A link is one entry to git, even a link to a folder (the tools package's docs/).
+    return [path for path in paths if path.is_file() or path.is_symlink()]

@@ -554,6 +554,13 @@ def _add_project_commands(sub: Any) -> None:
         help="leave one check out, for a build that is never deployed (repeatable)",
     )
     check.set_defaults(command=_cmd_build_check)
+    docs = sub.add_parser(
+        "docs",
+        help="the framework's documentation, as this version ships it: the pages, or one page "
+        "(a page a message names in docs/ is `infrai-jobs docs` and its name)",
+    )
+    docs.add_argument("page", nargs="?", help="a page's name, e.g. jobs or configuration")
+    docs.set_defaults(command=_cmd_docs)
 
 
 # ``make build``'s checks, each a module whose ``main(argv)`` is ``ca_bundle_check.run_check``'s:
@@ -566,13 +573,28 @@ BUILD_CHECKS = {
 
 
 def _cmd_build_check(args: argparse.Namespace) -> int:
-    """Every check runs, so one build says every problem; the worst exit code wins."""
+    """Every check runs, so one build says every problem; the worst exit code wins. The project
+    is read once first, so a samconfig.toml that cannot be read, or an environment it lacks, is
+    one line (exit 2) rather than one per check."""
+    _project_module().read_deploy(Path.cwd(), args.config_env)
     codes = [
         importlib.import_module(module).main(["--config-env", args.config_env])
         for name, module in BUILD_CHECKS.items()
         if name not in args.skip
     ]
     return max(codes, default=EXIT_OK)
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    project = _project_module()
+    if args.page:
+        sys.stdout.write(project.docs_page(args.page))
+        return EXIT_OK
+    pages = project.docs_pages()
+    width = max(map(len, pages))
+    print("\n".join(f"{name:<{width}}  {title}" for name, title in pages.items()))
+    print("infrai-jobs docs NAME prints one page")
+    return EXIT_OK
 
 
 def _project_module() -> Any:

@@ -33,7 +33,7 @@ from infrai_jobs import __version__
 from infrai_jobs.errors import ConfigurationError
 from infrai_local.authoring.scaffold import _IMPORTS_TEST
 from infrai_local.migrations import LEDGER_MIGRATIONS
-from infrai_local.sam_template import decode_template
+from infrai_local.sam_template import decode_template, deploy_values, samconfig_environments
 
 FRAMEWORK: Final = "framework.yaml"
 PIN: Final = Path("layers/common/requirements.txt")
@@ -74,6 +74,41 @@ def framework_text() -> str:
     """``framework.yaml`` as this version writes it: the shipped template under its header."""
     migrations = " ".join(str(m.version) for m in LEDGER_MIGRATIONS)
     return _HEADER.format(version=__version__, migrations=migrations) + _shipped(FRAMEWORK)
+
+
+def read_deploy(root: Path, config_env: str) -> None:
+    """Refuse, in one line, a project whose deploy of ``config_env`` cannot be read: a broken
+    template or samconfig.toml, or an environment samconfig.toml lacks (SAM CLI would go on with
+    the template's defaults alone, and a typo would pass every check)."""
+    deploy_values(root, config_env)
+    samconfig = root / "samconfig.toml"
+    if samconfig.is_file() and config_env not in (known := samconfig_environments(samconfig)):
+        raise ConfigurationError(
+            f"samconfig.toml has no [{config_env}] environment (it has {', '.join(known)}): "
+            "its deploy would take only the template's defaults"
+        )
+
+
+def docs_pages() -> dict[str, str]:
+    """The framework's documentation as this version ships it: each page's name (what
+    a page a message names in ``docs/`` is called by) and its title."""
+    folder = resources.files("infrai_local") / "docs"
+    pages = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".md"))
+    return {
+        page.removesuffix(".md"): (folder / page).read_text("utf-8").split("\n", 1)[0].lstrip("# ")
+        for page in pages
+    }
+
+
+def docs_page(name: str) -> str:
+    """One page's Markdown; ``name`` may be written ``configuration``, ``configuration.md`` or
+    ``docs/configuration.md``."""
+    page = name.removeprefix("docs/").removesuffix(".md")
+    if page not in docs_pages():
+        raise ConfigurationError(
+            f"no documentation page {name!r}: the pages are {', '.join(docs_pages())}"
+        )
+    return _shipped(f"docs/{page}.md")
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -526,6 +561,10 @@ claimed in a PostgreSQL ledger before it runs and acked only when its outcome is
 `make` installs the pinned infrai-jobs with pip from your package index (or from a folder of
 wheels named by PIP_FIND_LINKS) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
 --identity ...` adds a job; `make build` (`sam build`) and `make validate` need the SAM CLI.
+
+The framework's documentation ships with it: `.venv/bin/infrai-jobs docs` lists the pages, and
+`.venv/bin/infrai-jobs docs jobs` prints one (writing jobs); a message that names
+`docs/configuration.md` means `infrai-jobs docs configuration`.
 
 ## Whose files are whose
 

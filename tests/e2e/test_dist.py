@@ -205,6 +205,11 @@ def test_the_shipped_template_and_changelog_are_the_repositorys_files(dist: Path
             shipped = sdist.extractfile(member)
             assert shipped is not None
             assert shipped.read() == expected
+    # And the documentation (`infrai-jobs docs`): a link to docs/, every page in the wheel
+    assert (TOOLS_PACKAGE / "docs").resolve() == ROOT / "docs"
+    with zipfile.ZipFile(dist / WHEEL_NAME) as wheel:
+        for page in (ROOT / "docs").glob("*.md"):
+            assert wheel.read(f"infrai_local/docs/{page.name}") == page.read_bytes()
 
 
 @pytest.mark.slow

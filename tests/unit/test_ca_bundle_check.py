@@ -41,7 +41,7 @@ def test_a_clean_clone_stops_with_one_line_that_says_where_to_get_the_bundle(
     assert len(lines) == 1
     assert f"functions/{BUNDLE}" in lines[0]
     assert "DatabaseSslMode=verify-full" in lines[0]
-    assert "docs/configuration.md" in lines[0]
+    assert "`infrai-jobs docs configuration`" in lines[0]
 
 
 def test_the_bundle_in_place_lets_the_build_go_on(clone: Path) -> None:

@@ -79,7 +79,7 @@ def test_a_deploy_over_the_limit_stops_the_build_naming_each_term(
     assert "above the 40 DatabaseMaxConnections=40 allows" in line
     for term in ("DrainMaxConcurrency 12 x (DrainLanes 4 + 1) 60", "the watcher 2", "prune 1"):
         assert term in line
-    assert "docs/configuration.md" in line
+    assert "`infrai-jobs docs configuration`" in line
     # And the default environment's build still goes on
     assert main(["--root", str(clone)]) == 0
 

@@ -43,7 +43,8 @@ def missing_bundle(root: Path, config_env: str = "default") -> str | None:
     return (
         f"make build: DatabaseSslMode={mode} needs the ledger's CA bundle {shown or '(none set)'}, "
         f"which {what}: download AWS's RDS global bundle (or your server's CA) there, as "
-        "docs/configuration.md says under 'The ledger's TLS', or set DatabaseCaBundle to one"
+        "`infrai-jobs docs configuration` says under 'The ledger's TLS', or set "
+        "DatabaseCaBundle to one"
     )
 
 

@@ -64,7 +64,8 @@ class ConnectionBudget:
             f"make build: the fleet's worst case is {self.worst_case} database connections, "
             f"above the {self.limit} {self.limit_source} allows: {self.described()}. Lower "
             "DrainMaxConcurrency or DrainLanes, or raise the database's max_connections (and "
-            "DatabaseMaxConnections): docs/configuration.md, 'The fleet's connection budget'"
+            "DatabaseMaxConnections): `infrai-jobs docs configuration`, 'The fleet's "
+            "connection budget'"
         )
 
 

@@ -43,7 +43,7 @@ _SECRET_ARN = re.compile(
     r"arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+-[A-Za-z0-9]{6}"
 )
 _WHERE = "samconfig.toml's deploy parameter_overrides"
-_DOCS = 'docs/configuration.md, "Jobs\' settings and secrets"'
+_DOCS = '`infrai-jobs docs configuration`, "Jobs\' settings and secrets"'
 
 
 def declared_by_the_jobs(
@@ -121,7 +121,7 @@ def _url_problem(value: str | None) -> str:
     if parts.username is not None or parts.password is not None:
         return (
             "carries credentials in the URL: give it without them, and the credential as a "
-            'secret of the job (docs/jobs.md, "Secrets")'
+            'secret of the job (`infrai-jobs docs jobs`, "Secrets")'
         )
     return ""
 

@@ -1,0 +1,80 @@
+"""`infrai-jobs build-check` reads the project once before its checks, and `infrai-jobs docs`
+serves the pages the messages name (a page docs/ holds is `infrai-jobs docs` and its name)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from infrai_local import cli, project
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "p"
+    project.init(folder, "payments-jobs")
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def test_an_unreadable_samconfig_is_one_line_not_one_per_check(
+    made: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a samconfig.toml broken by an edit
+    with (made / "samconfig.toml").open("a") as samconfig:
+        samconfig.write("garbage [[\n")
+    # When the build's checks run
+    code = cli.main(["build-check"])
+    # Then one line says why, exit 2, and no check ran
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith("error: cannot read ")
+    assert "samconfig.toml" in err[0]
+
+
+def test_an_environment_samconfig_lacks_is_refused_not_judged_on_defaults(
+    made: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # When the checks run for a misspelt environment
+    code = cli.main(["build-check", "--config-env", "prd"])
+    # Then it is refused, naming the environments there are
+    out = capsys.readouterr()
+    assert code == 2
+    assert out.err.strip() == (
+        "error: samconfig.toml has no [prd] environment (it has default): its deploy would "
+        "take only the template's defaults"
+    )
+    assert out.out == ""
+
+
+def test_docs_lists_every_page_and_prints_one_by_any_spelling(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["docs"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]]
+    assert listed == sorted(page.stem for page in (ROOT / "docs").glob("*.md"))
+    expected = (ROOT / "docs" / "jobs.md").read_text()
+    for spelling in ("jobs", "jobs.md", "docs/jobs.md"):
+        assert cli.main(["docs", spelling]) == 0
+        assert capsys.readouterr().out == expected
+
+
+def test_an_unknown_page_is_refused_naming_the_pages(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["docs", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: no documentation page 'nope': the pages are ")
+
+
+def test_every_page_a_check_names_is_served() -> None:
+    # Given the pages the build checks' messages send a team to
+    checks = (ROOT / "local" / "infrai_local" / "checks").glob("*.py")
+    named = {
+        m for path in checks for m in re.findall(r"infrai-jobs docs ([a-z-]+)", path.read_text())
+    }
+    # Then each is a page `infrai-jobs docs` serves
+    assert named
+    assert named <= set(project.docs_pages())

@@ -651,6 +651,8 @@ class DrainProcess:
     err_path: Path
     kill_at_ack: int
     killed_by_soak: bool = False
+    # The one drain sure to kill itself (see DrainFleet._spawn): the soak's own kills spare it.
+    spared: bool = False
 
 
 class DrainFleet:
@@ -675,6 +677,7 @@ class DrainFleet:
         self.self_kill_share = 0.0
         self.self_kill_ack = (1, 1)
         self.spawned = 0
+        self._sure_kill_armed = False
 
     def replenish(self) -> list[str]:
         """Replace dead processes; describe any that died of something other than SIGKILL."""
@@ -696,6 +699,14 @@ class DrainFleet:
         self.spawned += 1
         armed = self.rng.random() < self.self_kill_share
         kill_at_ack = self.rng.randint(*self.self_kill_ack) if armed else 0
+        # The first drain of a fleet that kills itself at all does so at the lowest ack number,
+        # and the soak's random kills spare it: on a loaded machine the random draws alone can
+        # end a run with no drain reaching its N-th ack, and a soak that injected no kill before
+        # an ack proves nothing about one. (The draws above are made all the same, so the rest
+        # of the run's choices stay those of its seed.)
+        spared = self.self_kill_share > 0 and not self._sure_kill_armed
+        if spared:
+            kill_at_ack, self._sure_kill_armed = self.self_kill_ack[0], True
         out_path = self.log_dir / f"{self.name}-{self.spawned:04d}.out"
         err_path = self.log_dir / f"{self.name}-{self.spawned:04d}.err"
         with out_path.open("wb") as out, err_path.open("wb") as err:
@@ -706,10 +717,10 @@ class DrainFleet:
                 stderr=err,
                 stdin=subprocess.DEVNULL,
             )
-        return DrainProcess(process, out_path, err_path, kill_at_ack)
+        return DrainProcess(process, out_path, err_path, kill_at_ack, spared=spared)
 
     def kill_one(self) -> bool:
-        candidates = [d for d in self.live if d.process.poll() is None]
+        candidates = [d for d in self.live if d.process.poll() is None and not d.spared]
         if not candidates:
             return False
         victim = self.rng.choice(candidates)

@@ -230,15 +230,9 @@ class DeadLetterStore:
         if not passing or (claim and not release_for_take_back(conn, claim, visibility=vis)):
             return False
         error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
-        work = DeferredWork(
-            idem_key=key,
-            job=letter["job"],
-            effect=effect,
-            payload=dead.payload,
-            message_id=dead.message_id or "",
-            fingerprint=fingerprint_or_none(dead.payload),
-            queue=letter["queue"],
-        )
+        same = {name: letter[name] for name in ("idem_key", "job", "message_id", "queue")}
+        fingerprint = fingerprint_or_none(dead.payload)
+        work = DeferredWork(**same, effect=effect, payload=dead.payload, fingerprint=fingerprint)
         outcome = defer(
             conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
         )

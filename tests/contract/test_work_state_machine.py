@@ -397,7 +397,7 @@ def test_no_probe_operator_or_drain_changes_work_under_a_live_lease(
             change()
     assert flow.take_due(work.conn, 10, lease_seconds=60) == []
     why = flow.Why("release", ACTOR)
-    assert flow.release(work.conn, KEY, row.claim_token, why, visibility=VISIBILITY) is None
+    assert flow.release(work.conn, row, why, visibility=VISIBILITY) is None
     # Then the row is exactly as its run left it, and nothing was recorded
     assert work.row() == row
     assert work.conn.execute("SELECT count(*) FROM claim_history").fetchone() == (0,)

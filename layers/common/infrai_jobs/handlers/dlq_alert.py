@@ -19,11 +19,9 @@ logger, metrics = function_observability()
 
 @cache
 def check() -> tuple[AlertCheck, tuple[str, ...]]:
-    """Built on the first invocation and reused while the environment stays warm; a rotated
-    API key or database secret is fetched again when the cached one fails
-    (factory.with_secrets, as every function does). The jobs' probes reconcile stuck claims
-    before they are counted, so the settings and secrets they declared are read and bound; a
-    probe whose setting or secret is missing is left out (said once here), never the page."""
+    """The jobs' probes reconcile stuck claims before they are counted, so the settings and
+    secrets they declared are read and bound; a probe whose setting or secret is missing is left
+    out (said once here), never the page."""
     registry = build_registry()
     settings, refresh = with_secrets(
         AlertSettings.from_env(
@@ -41,7 +39,6 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
     return alert_check, settings.watched_queues
 
 
-# The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)
 @metrics.log_metrics
 @tracing

@@ -29,10 +29,9 @@ logger, metrics = function_observability()
 
 @cache
 def service() -> DrainService:
-    """Built on the first invocation and reused while the environment stays warm. Only the
-    settings (and secrets) the registered jobs declared are read, and each must be set; the
-    secrets come from the one source every function uses (``factory.with_secrets``, in
-    ``from_settings``). The jobs' migrations shipped with the code are part of the schema check."""
+    """Only the settings (and secrets) the registered jobs declared are read, and each must be
+    set (``factory.with_secrets``, in ``from_settings``). The jobs' migrations shipped with the
+    code are part of the schema check."""
     registry = build_registry()
     settings = DrainSettings.from_env(
         job_settings=registry.declared_settings(), job_secrets=registry.declared_secrets()

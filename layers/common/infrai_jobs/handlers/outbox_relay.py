@@ -1,11 +1,6 @@
-"""OutboxRelayFunction (every minute): publish what producers committed to the outbox.
-
-One pass publishes due outbox rows oldest first, in batches, until none is due or the time is
-short (infrai_jobs.outbox.relay), then reports the outbox's backlog as metrics: OutboxPending and
-OldestOutboxAgeSeconds, which OldestOutboxAlarm pages on. A row whose own queue Infrai refuses
-backs off without stopping the pass; a row given up counts in OutboxDeadLettered, which
-OutboxDeadLetteredAlarm pages on. Only a refusal of the relay's own setting fails the pass.
-"""
+"""OutboxRelayFunction (every minute): publish what producers committed to the outbox, due rows
+oldest first, until none is due or the time is short (infrai_jobs.outbox.relay), then report the
+backlog as metrics. What each refusal does, and the alarms on these metrics: docs/producers.md."""
 
 from __future__ import annotations
 
@@ -25,14 +20,11 @@ logger, metrics = function_observability()
 
 @cache
 def relay() -> OutboxRelay:
-    """Built once per warm environment; a rotated API key or database secret is fetched again
-    when the cached one fails (factory.with_secrets, as every function does)."""
     settings, refresh = with_secrets(OutboxRelaySettings.from_env())
     queue = make_queue_client(settings, refresh_api_key=refresh.api_key)
     return make_outbox_relay(settings, queue, refresh=refresh)
 
 
-# The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)
 @metrics.log_metrics
 @tracing

@@ -19,14 +19,11 @@ logger, metrics = function_observability()
 
 @cache
 def dependencies() -> tuple[PruneSettings, WorkStore]:
-    """Built once per warm environment; a rotated database secret is fetched again when a
-    connection fails with the cached one (factory.with_secrets, as every function does). It
-    never calls Infrai, so it never fetches the API key."""
+    """It never calls Infrai, so it never fetches the API key."""
     settings, refresh = with_secrets(PruneSettings.from_env(), api_key=False)
     return settings, make_claims_admin(settings, refresh=refresh)
 
 
-# The scheduled event's id (Scheduler's execution id) is the correlation id of every log line.
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)
 @metrics.log_metrics
 @tracing

@@ -1,15 +1,7 @@
-"""RedriveFunction (manual invoke): move dead letters back to the main queue after a fix.
-
-It first moves what is new in the DLQ into the ledger's dead letters, then publishes the
-unresolved ones it selects and marks them redriven (infrai_jobs.operations.redrive). Events:
-events/redrive-dry-run.json looks ({"max_messages": 100, "reopen_failed": false, "dry_run":
-true}); events/redrive.json moves (the same with "dry_run": false); events/redrive-selected.json
-moves only the dead letters of one job ("job"; "key" and "message_id" select too). A redrive
-that runs short of time stops early and says so ("stopped": "time_budget"): invoke it again.
-Dead letters it cannot publish (unreadable) are listed in "skipped" or "unreadable"
-("complete": false); those whose copies would be duplicates or bounce straight back are held
-back, listed in "held_back" with why ("include_bouncing": true publishes them too).
-"""
+"""RedriveFunction (manual invoke): move what is new in the DLQ into the ledger's dead letters,
+then publish the unresolved ones it selects and mark them redriven (infrai_jobs.operations.redrive).
+Its events (events/redrive*.json) and what its answer says ("stopped", "skipped", "held_back",
+"complete"): docs/operations.md, "Dead letters: the steps"."""
 
 from __future__ import annotations
 
@@ -42,14 +34,12 @@ ACTOR = "RedriveFunction"
 
 @cache
 def edge() -> EdgeSettings[RedriveSettings]:
-    """The settings, read once per warm environment, with their secrets (factory.with_secrets,
-    as every function does)."""
+    """The settings, read once per warm environment, with their secrets."""
     return with_secrets(RedriveSettings.from_env())
 
 
 @cache
 def dependencies() -> tuple[RedriveSettings, InfraiClient]:
-    """Built once per warm environment; a rotated API key is fetched again on its first 401."""
     settings, refresh = edge()
     return settings, make_queue_client(settings, refresh_api_key=refresh.api_key)
 
@@ -64,8 +54,7 @@ def registry() -> JobRegistry:
 
 @cache
 def ledger() -> WorkStore:
-    """The ledger (its dead letters, and failed claims for ``reopen_failed``); a rotated
-    database secret is fetched again when a connection fails with the cached one."""
+    """The ledger: its dead letters, and failed claims for ``reopen_failed``."""
     settings, refresh = edge()
     return make_claims_admin(settings, refresh=refresh)
 

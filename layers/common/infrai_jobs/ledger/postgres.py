@@ -59,35 +59,6 @@ def parse_conninfo(conninfo: str) -> dict[str, str] | None:
         return None
 
 
-def _meant_password(conninfo: str) -> str | None:
-    """A URL's password as a person wrote it (percent-encoded as it stands), or None."""
-    userinfo, at, _ = conninfo.strip().split("://", 1)[1].rpartition("@")
-    _, colon, password = userinfo.partition(":")
-    return password if at and colon else None
-
-
-def _keyword_passwords(conninfo: str) -> list[str]:
-    values = []
-    for value in _KEYWORD_PASSWORD.findall(conninfo):
-        values.append(value)
-        if value.startswith("'"):
-            values.append(value.strip("'").replace("\\'", "'").replace("\\\\", "\\"))
-    return values
-
-
-def _as_libpq_splits_it(url: str) -> tuple[str, str]:
-    """The host part and the database name of a URL, cut where libpq cuts them: the user
-    information ends at the first ``@`` met before any ``/``, the host part at ``/`` or
-    ``?``, the database name at ``?``."""
-    rest = url.strip().split("://", 1)[1]
-    credentials_end = re.search(r"[@/]", rest)
-    if credentials_end and credentials_end.group() == "@":
-        rest = rest[credentials_end.end() :]
-    before_query = rest.split("?", 1)[0]
-    host_part, _, dbname = before_query.partition("/")
-    return host_part, dbname
-
-
 _PORT = re.compile(r"(?:\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?")
 
 
@@ -102,7 +73,13 @@ def malformed_reason(conninfo: str) -> str:
         )
     if not _is_url(conninfo):
         return ""
-    host_part, dbname = _as_libpq_splits_it(conninfo)
+    # The host part and the database name, cut where libpq cuts them: the user information ends
+    # at the first ``@`` met before any ``/``, the host part at ``/`` or ``?``, the name at ``?``.
+    rest = conninfo.strip().split("://", 1)[1]
+    credentials_end = re.search(r"[@/]", rest)
+    if credentials_end and credentials_end.group() == "@":
+        rest = rest[credentials_end.end() :]
+    host_part, _, dbname = rest.split("?", 1)[0].partition("/")
     if "@" in host_part or "@" in dbname:
         return (
             "its password would be read only in part (an unescaped '@' or '/' in it): "
@@ -123,11 +100,16 @@ def secrets_of(conninfo: str) -> list[str]:
     if parsed is not None and parsed.get("password"):
         found.add(parsed["password"])
     if _is_url(conninfo):
-        meant = _meant_password(conninfo)
-        if meant:
+        # The password as a person wrote it (percent-encoded as it stands), and decoded.
+        userinfo, at, _ = conninfo.strip().split("://", 1)[1].rpartition("@")
+        _, colon, meant = userinfo.partition(":")
+        if at and colon and meant:
             found.update({meant, unquote(meant)})
     else:
-        found.update(_keyword_passwords(conninfo))
+        for value in _KEYWORD_PASSWORD.findall(conninfo):
+            found.add(value)
+            if value.startswith("'"):
+                found.add(value.strip("'").replace("\\'", "'").replace("\\\\", "\\"))
     if malformed_reason(conninfo):
         # The pieces libpq may have taken for a host, a port or a database name.
         found |= {p for s in found for p in _PIECE_SEPARATORS.split(s) if len(p) >= _MIN_PIECE}
@@ -235,16 +217,10 @@ class LedgerConnector:
     def __init__(
         self, url: str, *, refresh: Callable[[], str] | None = None, **options: Any
     ) -> None:
-        self._url = url
-        self._refresh = refresh
-        self._options = options
+        self.url, self._refresh, self._options = url, refresh, options
 
     def __repr__(self) -> str:
         return f"LedgerConnector(<database url redacted>, {self._options})"
-
-    @property
-    def url(self) -> str:
-        return self._url
 
     def connect(self) -> psycopg.Connection[Any]:
         try:
@@ -252,21 +228,21 @@ class LedgerConnector:
         except DatabaseBusy:
             raise  # a full database: a fresh secret would not make room
         except LedgerUnavailable:
-            fresh = fetch_again(self._refresh, self._url, "database secret")
+            fresh = fetch_again(self._refresh, self.url, "database secret")
             if fresh is None:
                 raise
         logger.warning(
             "database connection failed; retrying once with the secret fetched again",
             extra={"action": "secret_refresh"},
         )
-        self._url = fresh
+        self.url = fresh
         return self.connect_once()
 
     @contextmanager
     def session(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
         """A connection for one piece of work, closed after it, its errors translated."""
         conn = self.connect()
-        with ledger_errors(doing, self._url), conn:
+        with ledger_errors(doing, self.url), conn:
             yield conn
 
     @contextmanager
@@ -277,7 +253,7 @@ class LedgerConnector:
 
     def connect_once(self) -> psycopg.Connection[Any]:
         """A connection with the current URL, never refreshed (a last-chance clean-up)."""
-        return connect_to_ledger(self._url, **self._options)
+        return connect_to_ledger(self.url, **self._options)
 
 
 class LedgerAdapter:
@@ -293,7 +269,6 @@ class LedgerAdapter:
     def __init__(
         self, database_url: str, *, refresh_url: Callable[[], str] | None = None, **options: Any
     ) -> None:
-        """``options``: ``connect_to_ledger``'s (``connect_timeout``, ``prepared_statements``)."""
         self._connector = LedgerConnector(
             database_url, application_name=self.APPLICATION_NAME, refresh=refresh_url, **options
         )

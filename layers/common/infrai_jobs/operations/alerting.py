@@ -160,10 +160,8 @@ class AlertCheck(LedgerAdapter):
         **options: Any,
     ) -> None:
         super().__init__(database_url, **options)
-        self._queue = queue
+        self._queue, self._alerter, self._thresholds = queue, alerter, thresholds
         self._reconciler = reconciler
-        self._alerter = alerter
-        self._thresholds = thresholds
         work = WorkStore(database_url, visibility_timeout=thresholds.visibility, **options)
         # One connector for the check and its letters: a rotated secret is fetched once a run.
         self._letters, self._connector = DeadLetterStore(work), work.connector
@@ -357,8 +355,7 @@ class SnsAlerter:
     """Publishes to an SNS topic through boto3 (imported only when an alert is sent)."""
 
     def __init__(self, topic_arn: str, *, region: str | None = None) -> None:
-        self._topic_arn = topic_arn
-        self._region = region
+        self._topic_arn, self._region = topic_arn, region
         self._client: Any = None
 
     def publish(self, subject: str, message: str) -> None:

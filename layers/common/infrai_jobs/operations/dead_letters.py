@@ -91,6 +91,7 @@ _KEY_DONE: LiteralString = """
 SELECT message_id FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
   AND state IS DISTINCT FROM 'conflict'
   AND idem_key IN (SELECT idem_key FROM job_claims WHERE state = 'done') LIMIT %(limit)s"""
+_NO_CLAIM = "no claim: it failed and was released, or never got that far; a redrive runs it again"
 WORK_DONE_NOTE = "its work is done (its key's claim is done): nothing is left to redrive"
 _HISTORY_ACTIONS = {"discarded": "discard", "redriven": "redrive", "done": "dead_letter_done"}
 
@@ -199,18 +200,6 @@ def other_work(claim: ClaimRow, payload: Any) -> bool:
     return bool(claim.payload_sha256) and claim.payload_sha256 != fingerprint_or_none(payload)
 
 
-def claim_verdict(key: str, claim: ClaimRow | None, payload: Any) -> tuple[str | None, str]:
-    """The claim's state and reason a dead letter with ``key`` shows: a claim for other work is
-    a conflict, never its own state (a "done" there would read as nothing wrong)."""
-    if claim is None:
-        return None, (
-            "no claim: it failed and was released, or never got that far; a redrive runs it again"
-        )
-    if other_work(claim, payload):
-        return "conflict", f"conflict with {key} ({claim.state}, different work)"
-    return claim.state, claim.error or ""
-
-
 class DeadLetterStore:
     """The ``dead_letters`` table; one short connection per call."""
 
@@ -222,20 +211,14 @@ class DeadLetterStore:
         self,
         conn: psycopg.Connection[Any],
         dead: QueueMessage,
+        letter: dict[str, Any],
         *,
-        queue: str,
-        key: str,
+        effect: str,
         claim: ClaimRow | None,
-        state: str | None,
-        retry_of: RetryOf,
     ) -> bool:
-        """Defer ``dead``'s work in the caller's transaction when its job's policy has attempts
-        left and nothing else holds its key; False (record the letter) otherwise."""
-        job = dead.payload.get("job") if isinstance(dead.payload, Mapping) else None
-        found = retry_of(job) if isinstance(job, str) else None
-        deliveries, vis = MAX_RECEIVE_COUNT, self._visibility
-        if found is None or not isinstance(job, str) or found[1].attempts <= deliveries:
-            return False
+        """Defer ``dead``'s work (``letter`` is the row it would record otherwise) in the caller's
+        transaction when nothing else holds its key; False (record the letter) otherwise."""
+        key, state, deliveries = letter["idem_key"], letter["state"], MAX_RECEIVE_COUNT
         if claim is not None and claim.owned:
             # The ledger holds the work already (the letter is a stale copy), or its deferred life
             # ended (done, failed, cancelled): a stale letter never brings it back.
@@ -243,18 +226,13 @@ class DeadLetterStore:
         # Only a key-passing job's own expired claim may be taken over; done, failed, a
         # conflict or an irreversible job's unknown outcome stay letters for a human.
         passing = claim is None or (state == "running" and claim.effect == "external_idempotent")
+        vis = self._visibility
         if not passing or (claim and not release_for_take_back(conn, claim, visibility=vis)):
             return False
         error = f"taken back from the DLQ after {deliveries} deliveries that did not finish"
-        work = DeferredWork(
-            idem_key=key,
-            job=job,
-            effect=found[0],
-            payload=dead.payload,
-            message_id=dead.message_id or "",
-            fingerprint=fingerprint_or_none(dead.payload),
-            queue=queue,
-        )
+        same = {name: letter[name] for name in ("idem_key", "job", "message_id", "queue")}
+        fingerprint = fingerprint_or_none(dead.payload)
+        work = DeferredWork(**same, effect=effect, payload=dead.payload, fingerprint=fingerprint)
         outcome = defer(
             conn, work, attempts=deliveries, error=error, delay_seconds=TAKE_BACK_DELAY_SECONDS
         )
@@ -282,8 +260,9 @@ class DeadLetterStore:
         key_of: KeyOf | None,
         retry_of: RetryOf | None = None,
     ) -> str:
-        """Record ``dead`` (it must have a message id): "recorded", or "already"; "taken_back" when
-        ``_take_back`` defers its work instead (an ``external`` job's claim stays a human's)."""
+        """Record ``dead`` (it must have a message id): "recorded", or "already_recorded";
+        "taken_back" when ``_take_back`` defers its work instead (an ``external`` job's claim
+        stays a human's). Each is the ``Collected`` count it adds to."""
         assert dead.message_id is not None
         values: dict[str, Any] = dict.fromkeys(_NULLABLE)
         values.update(message_id=dead.message_id, queue=queue, dlq=dlq, reason="")
@@ -311,15 +290,26 @@ class DeadLetterStore:
             if key is not None:
                 assert isinstance(dead, QueueMessage)
                 claim = claim_of(conn, key, visibility=self._visibility)
-                state, reason = claim_verdict(key, claim, dead.payload)
-                if retry_of is not None and self._take_back(
-                    conn, dead, queue=queue, key=key, claim=claim, state=state, retry_of=retry_of
+                values.update(idem_key=key, state=None, claim_state=None, reason=_NO_CLAIM)
+                if claim is not None:
+                    # A claim for other work is a conflict, never its own state (a "done" there
+                    # would read as nothing wrong).
+                    values.update(
+                        state=claim.state, claim_state=claim.state, reason=claim.error or ""
+                    )
+                    if other_work(claim, dead.payload):
+                        reason = f"conflict with {key} ({claim.state}, different work)"
+                        values.update(state="conflict", reason=reason)
+                # A job whose policy has attempts left after the DLQ's deliveries.
+                found = retry_of(values["job"]) if retry_of and values["job"] is not None else None
+                if (
+                    found
+                    and found[1].attempts > MAX_RECEIVE_COUNT
+                    and self._take_back(conn, dead, values, effect=found[0], claim=claim)
                 ):
                     return "taken_back"
-                claim_state = claim.state if claim else None
-                values.update(idem_key=key, state=state, claim_state=claim_state, reason=reason)
             added = conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
-            return "recorded" if added else "already"
+            return "recorded" if added else "already_recorded"
 
     def rows(
         self,
@@ -439,15 +429,10 @@ def collect(
             # An unreadable one is acked by its message id (the contract's handle then).
             handle = dead.receipt_handle if isinstance(dead, QueueMessage) else dead.message_id
             assert handle is not None
-            recorded = store.record(
+            counted = store.record(
                 dead, queue=main_queue, dlq=dlq, key_of=key_of, retry_of=retry_of
             )
-            if recorded == "taken_back":
-                summary.taken_back += 1
-            elif recorded == "recorded":
-                summary.recorded += 1
-            else:
-                summary.already_recorded += 1
+            setattr(summary, counted, getattr(summary, counted) + 1)
             try:
                 queue.ack(dlq, handle)
                 summary.acked += 1

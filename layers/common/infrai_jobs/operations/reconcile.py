@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
-from infrai_jobs.errors import ClaimNotFound, ConfigurationError, SecondLayerUnavailable
+from infrai_jobs.errors import ConfigurationError, SecondLayerUnavailable
 from infrai_jobs.jobs.keys import identity_from_key
 from infrai_jobs.jobs.probes import (
     ANSWERS,
@@ -118,11 +118,8 @@ class Reconciler:
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
         forget: Callable[[str], None] | None = None,
     ) -> None:
-        self.admin = admin
-        self._registry = registry
-        self._actor = actor
-        self._probe_timeout = probe_timeout
-        self._forget = forget
+        self.admin, self._registry, self._actor = admin, registry, actor
+        self._probe_timeout, self._forget = probe_timeout, forget
 
     def probed_jobs(self) -> list[str]:
         return [job.name for job in self._registry if job.probe is not None]
@@ -187,14 +184,11 @@ class Reconciler:
                     extra={"action": "reconciled", "write": unchanged, "detail": str(exc), **extra},
                 )
                 return ProbeOutcome(key, job, answer.answer, str(exc), unchanged)
-        try:
-            settled = detail if isinstance(answer, Done) else None
-            note = history_note(answer.answer, detail)
-            write = self.admin.apply_probe_answer(
-                claim, answer.answer, result=settled, actor=self._actor, note=note
-            )
-        except ClaimNotFound:
-            write = ReconcileWrite.CHANGED
+        settled = detail if isinstance(answer, Done) else None
+        note = history_note(answer.answer, detail)
+        write = self.admin.apply_probe_answer(
+            claim, answer.answer, result=settled, actor=self._actor, note=note
+        )
         resolved = write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED)
         logger.log(
             logging.INFO if resolved else logging.WARNING,

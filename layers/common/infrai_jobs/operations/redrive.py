@@ -351,10 +351,9 @@ def redrive(
             # copy would meet that claim and walk to Infrai's DLQ instead of running.
             # Unrepresentable work has no fingerprint: its claim is matched by message id alone.
             assert admin is not None
-            fingerprint = fingerprint_or_none(row.body)
             reopened = admin.reopen_failed(
                 message_id=row.message_id,
-                fingerprint=fingerprint,
+                fingerprint=fingerprint_or_none(row.body),
                 actor=actor,
                 note=given if request.reopen_failed else f"{given}: {_LEDGER_HELD_NOTE}",
             )

@@ -161,13 +161,13 @@ class WorkStore(LedgerAdapter):
             if refused is not None:
                 message = f"{action} refused for {key!r}: {refused.value}"
                 raise ClaimChanged(message, row=before, refusal=refused.value)
-            token, vis = before.claim_token, self.visibility
+            vis = self.visibility
             if action == "release":
-                changed = release(conn, key, token, why, visibility=vis)
+                changed = release(conn, before, why, visibility=vis)
             else:
                 state = "done" if action == "resolve_done" else "failed"
                 changed = settle_as_other(
-                    conn, key, token, state, why, result=result, error=error, visibility=vis
+                    conn, before, state, why, result=result, error=error, visibility=vis
                 )
             if changed is None:  # pragma: no cover - the row lock makes this unreachable
                 raise ClaimChanged(f"claim {key!r} changed while it was being updated")
@@ -205,13 +205,13 @@ class WorkStore(LedgerAdapter):
         ``done`` settles it with ``result``, ``not_done`` releases it (owned work waits again,
         due now), anything else changes nothing (recorded unless the last record says so).
         Under a live lease nothing changes: only the run holding it settles its own work."""
-        key, token, vis = probed.idem_key, probed.claim_token, self.visibility
+        key, vis = probed.idem_key, self.visibility
         why = Why(RECONCILE, actor, note)
         with self._connector.transaction(f"cannot reconcile {key!r}") as conn:
             before = claim_of(conn, key, lock=True, visibility=vis)
             # The token fences the attempt; a row the notes' worker wrote has none, so its claim
             # time and message tell a later claim of the key from the one that was probed.
-            asked = (token, probed.claimed_at, probed.message_id)
+            asked = (probed.claim_token, probed.claimed_at, probed.message_id)
             if before is None or before.state != "running":
                 return ReconcileWrite.CHANGED
             if (before.claim_token, before.claimed_at, before.message_id) != asked:
@@ -221,10 +221,10 @@ class WorkStore(LedgerAdapter):
                 return ReconcileWrite.LEASE_LIVE
             # The row lock holds state and token: a change that matches nothing met a live lease.
             if answer == "done":
-                done = settle_as_other(conn, key, token, "done", why, result=result, visibility=vis)
+                done = settle_as_other(conn, before, "done", why, result=result, visibility=vis)
                 return ReconcileWrite.SETTLED if done else ReconcileWrite.LEASE_LIVE
             if answer == "not_done":
-                released = release(conn, key, token, why, visibility=vis)
+                released = release(conn, before, why, visibility=vis)
                 return ReconcileWrite.RELEASED if released else ReconcileWrite.LEASE_LIVE
             last = conn.execute(_LAST_HISTORY, {"key": key}).fetchone()
             if last is None or tuple(last) != (RECONCILE, note):

@@ -10,7 +10,6 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Final, LiteralString
 
 import psycopg
@@ -114,8 +113,7 @@ class PostgresLedger(LedgerAdapter):
         # The queue's visibility timeout bounds every lease (``work.statements.CLAIM``); the
         # jobs package's migrations are checked with the ledger's schema on the first connection.
         super().__init__(database_url, **options)
-        self._visibility = visibility_timeout
-        self._job_migrations = tuple(job_migrations)
+        self._visibility, self._job_migrations = visibility_timeout, tuple(job_migrations)
         self._schema_checked = False
 
     def _opened(self, conn: psycopg.Connection[Any]) -> None:
@@ -134,9 +132,8 @@ class PostgresLedger(LedgerAdapter):
         server closed while the environment was frozen is only found out by using it. Reconnects
         once if it was dead, so no delivery is spent on messages that could not be claimed."""
         for attempt in range(2):
-            conn = self._connection()
             try:
-                with ledger_errors(url=self._connector.url, on_broken=partial(self._drop, conn)):
+                with self._translated() as conn:
                     conn.execute("SELECT 1")
             except LedgerUnavailable:
                 if attempt:
@@ -225,32 +222,25 @@ class PostgresLedger(LedgerAdapter):
         with _batch_transaction(conn):
             decisions = self._claim_on(conn, requests, begin=True)
             runs: list[tuple[ClaimRequest, JobRun]] = []
-            for decision in decisions:
-                if decision.status is not ClaimStatus.WON:
-                    continue
+            for request in [d.request for d in decisions if d.status is ClaimStatus.WON]:
                 if isolated:
-                    run = self._run_in_savepoint(conn, decision, runner)
+                    job = f"the savepoint of job {request.idem_key!r}"
+                    with savepoint_rollback_checked(job), conn.transaction() as savepoint:
+                        run = runner(request, conn)
+                        if run.kind is RunKind.SUCCEEDED and _aborted(conn):
+                            # The handler swallowed a database error: its work cannot commit.
+                            run = JobRun(
+                                RunKind.TRANSIENT, error="handler left the transaction aborted"
+                            )
+                        if run.kind is not RunKind.SUCCEEDED:
+                            raise psycopg.Rollback(savepoint)
                 else:
-                    run = runner(decision.request, conn)
+                    run = runner(request, conn)
                     if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
                         raise _IsolateJobs
-                runs.append((decision.request, run))
+                runs.append((request, run))
             settlements = self._settle_on(conn, runs, uncertain_is_stuck=False, commit=not isolated)
         return decisions, settlements
-
-    @staticmethod
-    def _run_in_savepoint(
-        conn: psycopg.Connection[Any], decision: ClaimDecision, runner: DatabaseRunner
-    ) -> JobRun:
-        job = f"the savepoint of job {decision.request.idem_key!r}"
-        with savepoint_rollback_checked(job), conn.transaction() as savepoint:
-            run = runner(decision.request, conn)
-            if run.kind is RunKind.SUCCEEDED and _aborted(conn):
-                # The handler swallowed a database error: its work cannot be committed.
-                run = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
-            if run.kind is not RunKind.SUCCEEDED:
-                raise psycopg.Rollback(savepoint)
-        return run
 
     def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
         with self._translated() as conn:

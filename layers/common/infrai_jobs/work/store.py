@@ -28,6 +28,10 @@ from infrai_jobs.work.states import ClaimRow, new_token
 
 # Who a drain's own changes are recorded as in claim_history.
 DRAIN_ACTOR: Final = "drain"
+# What the dead letter of failed work the ledger held cannot tell: it never was in a queue.
+_NOT_KNOWN_OF_HELD: Final = (
+    "raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at"
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,22 +76,6 @@ def claim_of(
     statement = sql.CLAIM_BY_KEY_FOR_UPDATE if lock else sql.CLAIM_BY_KEY
     found = claim_rows(conn, statement, {"key": key}, visibility=visibility)
     return found[0] if found else None
-
-
-def hold_dead_letter(
-    conn: psycopg.Connection[Any], work: ClaimRow, *, queue: str, reason: str, by_human: bool
-) -> bool:
-    """Record an unresolved dead letter for failed ``work`` whose message was acked long ago, in
-    the caller's transaction. A redrive publishes its payload again and reopens its ``failed``
-    claim, unless a human failed it (``by_human``): then only ``--reopen-failed`` does. False
-    when a dead letter with this message id is recorded already."""
-    unknown = ("raw_text", "size_bytes", "main_deliveries", "dlq_deliveries", "published_at")
-    values: dict[str, Any] = dict.fromkeys(unknown)
-    values.update(message_id=work.message_id, queue=queue, unreadable=False, reason=reason)
-    values.update(dlq=RESOLVED_FAILED_DLQ if by_human else LEDGER_HELD_DLQ, job=work.job or "")
-    values.update(payload=Jsonb(work.payload), idem_key=work.idem_key)
-    values.update(state="failed", claim_state="failed")
-    return conn.execute(RECORD_DEAD_LETTER, values).rowcount == 1
 
 
 def defer(
@@ -209,8 +197,7 @@ class Why:
 
 def settle_as_other(
     conn: psycopg.Connection[Any],
-    key: str,
-    token: uuid.UUID | None,
+    read: ClaimRow,
     state: str,
     why: Why,
     *,
@@ -218,10 +205,12 @@ def settle_as_other(
     error: str | None = None,
     visibility: float,
 ) -> ClaimRow | None:
-    """A probe or an operator settles the run ``token`` held when they read it (None on a row
-    the notes' worker wrote), only once its lease is over; None when nothing changed."""
-    values = {"token": token, "state": state, "result": storable_json(result), "error": error}
-    return _settle(conn, key, sql.SETTLE_AS_OTHER, values, why, visibility=visibility)
+    """A probe or an operator settles the run that held ``read`` when they read it (its token
+    None on a row the notes' worker wrote), only once its lease is over; None when nothing
+    changed."""
+    values = {"token": read.claim_token, "state": state, "result": storable_json(result)}
+    values["error"] = error
+    return _settle(conn, read.idem_key, sql.SETTLE_AS_OTHER, values, why, visibility=visibility)
 
 
 def _settle(
@@ -246,38 +235,37 @@ def _settle(
         after = claim_rows(conn, statement, params, visibility=visibility)
         if before is None or not after:
             return None
-        if state == "failed" and after[0].owned:
-            reason = f"deferred job failed after {after[0].attempts} attempt(s): {values['error']}"
-            hold_dead_letter(
-                conn,
-                after[0],
-                queue=after[0].queue or queue or "",
-                reason=reason,
-                by_human=why.actor != DRAIN_ACTOR,
-            )
-        record_change(conn, why, before, after[0])
-    return after[0]
+        work = after[0]
+        if state == "failed" and work.owned:
+            # Its message was acked long ago: the ledger holds its dead letter. A redrive
+            # publishes it again and reopens the claim, unless a human failed it (only
+            # ``--reopen-failed`` does then).
+            letter: dict[str, Any] = dict.fromkeys(_NOT_KNOWN_OF_HELD)
+            letter.update(message_id=work.message_id, queue=work.queue or queue or "")
+            letter.update(dlq=LEDGER_HELD_DLQ if why.actor == DRAIN_ACTOR else RESOLVED_FAILED_DLQ)
+            letter.update(job=work.job or "", payload=Jsonb(work.payload), idem_key=key)
+            reason = f"deferred job failed after {work.attempts} attempt(s): {values['error']}"
+            letter.update(unreadable=False, reason=reason, state="failed", claim_state="failed")
+            conn.execute(RECORD_DEAD_LETTER, letter)
+        record_change(conn, why, before, work)
+    return work
 
 
 def release(
-    conn: psycopg.Connection[Any],
-    key: str,
-    token: uuid.UUID | None,
-    why: Why,
-    *,
-    visibility: float,
+    conn: psycopg.Connection[Any], read: ClaimRow, why: Why, *, visibility: float
 ) -> ClaimRow | None:
     """A run whose effect did not happen (a probe's ``not_done``, ``claims release``), or a
     failed claim to run again: work the ledger owns waits again, due now; any other claim is
-    deleted, so the next delivery (or a redrive) runs it. Only the row ``token`` held when read,
+    deleted, so the next delivery (or a redrive) runs it. Only the row as ``read`` (its token),
     a running one only once its lease is over. Returns the row as it was, or None."""
+    key, params = read.idem_key, {"key": read.idem_key, "token": read.claim_token}
     with ledger_errors(f"cannot release {key!r}"), conn.transaction():
         before = claim_of(conn, key, lock=True, visibility=visibility)
         if before is None:
             return None
         waits_again = before.owned and before.state == "running"
         statement = sql.RELEASE_OWNED if waits_again else sql.RELEASE_CLAIM
-        after = claim_rows(conn, statement, {"key": key, "token": token}, visibility=visibility)
+        after = claim_rows(conn, statement, params, visibility=visibility)
         if not after:
             return None
         record_change(conn, why, before, after[0] if waits_again else None)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
@@ -40,6 +40,7 @@ from infrai_jobs.queue.models import (
     QueueStats,
     parse_publish_price,
 )
+from infrai_jobs.queue.ports import PublishOptions
 from infrai_jobs.queue.transport import MAX_BODY, HttpPool
 from infrai_jobs.queue_contract import CONSUME_CAP
 
@@ -67,17 +68,12 @@ class HttpRetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class Timeouts:
-    connect: float = 3.05
-    read: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
 class PoolOptions:
     """How the client's one HTTP pool connects: its timeouts, its size (concurrent ackers beyond
     it get short-lived connections), the TLS context, and the largest answer it reads."""
 
-    timeouts: Timeouts = field(default_factory=Timeouts)
+    connect_timeout: float = 3.05
+    read_timeout: float = 10.0
     maxsize: int = 16
     ssl_context: ssl.SSLContext | None = None
     max_answer_bytes: int = MAX_BODY
@@ -102,8 +98,6 @@ class InfraiClient:
         check_web_url(
             "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=DEFAULT_BASE_URL
         )
-        if not api_key:
-            raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
         _check_api_key(api_key)
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
@@ -115,12 +109,13 @@ class InfraiClient:
         # Set by retries_within() for the length of one invocation; None: no deadline.
         self._time_left_ms: Callable[[], int] | None = None
         options = pool or PoolOptions()
-        self._timeouts = options.timeouts
+        # The longest one attempt may take, which a retry must still fit (``retries_within``).
+        self._attempt_at_most = options.connect_timeout + options.read_timeout
         try:
             self._pool = HttpPool(
                 base_url,
-                connect_timeout=options.timeouts.connect,
-                read_timeout=options.timeouts.read,
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.read_timeout,
                 maxsize=options.maxsize,
                 ssl_context=options.ssl_context,
                 max_body=options.max_answer_bytes,
@@ -150,17 +145,13 @@ class InfraiClient:
             self._time_left_ms = None
 
     def publish(
-        self,
-        queue: str,
-        body: Mapping[str, Any],
-        *,
-        delay_seconds: int | None = None,
-        retry: bool | None = None,
+        self, queue: str, body: Mapping[str, Any], **options: Unpack[PublishOptions]
     ) -> str:
         """Publish one message, returning its id; retried if ``retry`` (else ``retry_publish``)."""
         request: dict[str, Any] = {"queue": queue, "body": body}
-        if delay_seconds is not None:
+        if (delay_seconds := options.get("delay_seconds")) is not None:
             request["delay_seconds"] = delay_seconds
+        retry = options.get("retry")
         retryable = self._retry_publish if retry is None else retry
         data = self._call("POST", "/v1/queue/publish", request, call="publish", retryable=retryable)
         message_id = data.get("message_id") if isinstance(data, Mapping) else None
@@ -310,8 +301,7 @@ class InfraiClient:
         time_left_ms = self._time_left_ms
         if time_left_ms is None:
             return True
-        attempt_at_most = self._timeouts.connect + self._timeouts.read
-        return (delay + attempt_at_most) * 1000 <= time_left_ms()
+        return (delay + self._attempt_at_most) * 1000 <= time_left_ms()
 
     def _send(
         self,
@@ -387,6 +377,8 @@ def _encode_body(body: Mapping[str, Any]) -> bytes:
 
 
 def _check_api_key(key: str) -> None:
+    if not key:
+        raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
     # It travels in a header: a line break would split the request. Never print the key.
     if any(c in key for c in "\r\n\x00") or not key.isascii():
         raise ConfigurationError(

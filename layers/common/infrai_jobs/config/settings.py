@@ -33,7 +33,7 @@ from infrai_jobs.config.table import (
     setting,
     settings_table,
 )
-from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.errors import ConfigurationError, unset_for_jobs
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 DEFAULT_BASE_URL = "https://api.infrai.cc"
@@ -246,30 +246,19 @@ class JobSettings(CommonSettings):
 
     def require_job_settings(self) -> dict[str, str]:
         """The jobs' declared settings, every one set, else an error naming each unset one."""
-        missing = [name for name, value in self.job_settings.items() if not value]
-        if missing:
-            raise ConfigurationError(
-                "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(self.job_setting_owners[name])} "
-                    "need it"
-                    for name in missing
-                )
-                + ": set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
-            )
+        if unset := unset_for_jobs(self.job_setting_owners, self.job_settings):
+            advice = "set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
+            raise ConfigurationError(f"{unset}: {advice}")
         return dict(self.job_settings)
 
     def require_job_secrets(self) -> dict[str, str]:
         """The jobs' declared secrets (``aws.secrets`` fetched the named ones), every one set."""
-        missing = [name for name, value in self.job_secrets.items() if not value]
-        if missing:
-            raise ConfigurationError(
-                "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} need "
-                    f"it: in AWS, name its Secrets Manager secret with {name}{SECRET_ARN_SUFFIX} "
-                    f"(in the JobSettings parameter); locally, export {name}"
-                    for name in missing
-                )
-            )
+        each = (
+            f": in AWS, name its Secrets Manager secret with {{name}}{SECRET_ARN_SUFFIX} (in the "
+            "JobSettings parameter); locally, export {name}"
+        )
+        if unset := unset_for_jobs(self.job_secret_owners, self.job_secrets, each):
+            raise ConfigurationError(unset)
         return dict(self.job_secrets)
 
 

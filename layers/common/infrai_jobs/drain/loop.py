@@ -188,23 +188,17 @@ def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
     A schema the code may not run on (behind it, or a floor above it) is no outage: raised. A
     database at its connection limit is none either: ``database_full``, a warning and a count."""
+    level, what, action = logging.ERROR, "the ledger is unreachable", "ledger_unavailable"
     if isinstance(exc, DatabaseBusy):
-        logger.warning(
-            "the ledger database is full; nothing was received",
-            extra={"action": "database_full", "detail": str(exc)},
-        )
-        return DrainSummary(counters=Counter(database_full=1), stopped="database_full")
+        level, what, action = logging.WARNING, "the ledger database is full", "database_full"
+    elif isinstance(exc, SchemaNotMigrated):
+        what, action = "the ledger's schema does not fit this code", "schema_not_migrated"
+    extra = {"action": action, "detail": str(exc)}
+    logger.log(level, "%s; nothing was received", what, extra=extra)
     if isinstance(exc, SchemaNotMigrated):
-        logger.error(
-            "the ledger's schema does not fit this code; nothing was received",
-            extra={"action": "schema_not_migrated", "detail": str(exc)},
-        )
         raise exc
-    logger.error(
-        "the ledger is unreachable; nothing was received",
-        extra={"action": "ledger_unavailable", "detail": str(exc)},
-    )
-    return DrainSummary(stopped="ledger_unavailable")
+    full = action == "database_full"
+    return DrainSummary(counters=Counter(database_full=1) if full else Counter(), stopped=action)
 
 
 def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:

@@ -39,6 +39,7 @@ from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 DEFAULT_BASE_URL = "https://api.infrai.cc"
 DEFAULT_QUEUE = "billing-jobs"
 MAX_DRAIN_LANES = 16
+# Infrai's answers are small; this stops a broken or hostile server filling a 512 MB Lambda.
 DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 # Lambda's own ceiling on one function's concurrency in a default account.
 MAX_DRAIN_CONCURRENCY = 1000

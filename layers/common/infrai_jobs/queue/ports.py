@@ -45,10 +45,6 @@ class ForwardingQueue:
     def __init__(self, inner: QueuePort) -> None:
         self._inner = inner
 
-    @property
-    def inner(self) -> QueuePort:
-        return self._inner
-
     def __getattr__(self, name: str) -> Any:
         # Reached only for what the wrapper lacks; never for private names (a half-built copy).
         if name.startswith("_"):

@@ -159,10 +159,30 @@ class CommonSettings:
     )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
-        """These settings, read from ``environ`` (``os.environ`` by default) and checked; a
-        bad value is a ``ConfigurationError`` naming its variable."""
-        return load_settings(cls, environ)
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        job_settings: Declared | None = None,
+        job_secrets: Declared | None = None,
+    ) -> Self:
+        """These settings, read from ``environ`` (``os.environ`` by default): only their table's
+        variables, each checked (a bad value is a ``ConfigurationError`` naming its variable);
+        every secure default they turn off is logged. ``JobSettings`` also read the settings and
+        secrets the registered jobs declared (``JobRegistry.declared_settings()``,
+        ``declared_secrets()``); whether an unset one is an error is for the command or the
+        function to say."""
+        env = os.environ if environ is None else environ
+        values = read_table(settings_table(cls), env)
+        if issubclass(cls, JobSettings):
+            allow_plain_http = bool(values["allow_plain_http"])
+            values.update(_job_fields(env, job_settings or {}, job_secrets or {}, allow_plain_http))
+        settings = cls(**values)
+        if isinstance(settings, JobSettings):
+            _check_second_layer(settings)
+        for warning in settings.security_opt_outs():
+            _logger.warning(warning, extra={"action": "security_opt_out"})
+        return settings
 
     def security_opt_outs(self) -> list[str]:
         """One sentence per secure default these settings turn off, logged as a warning each
@@ -220,19 +240,6 @@ class JobSettings(CommonSettings):
     redis_url: str = setting("REDIS_URL", "", parse_text, secret=True)
     redis_secret_arn: str = setting("REDIS_SECRET_ARN", "", parse_text)
     retention_days: int = _retention_days()
-
-    @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        *,
-        job_settings: Mapping[str, Sequence[str]] | None = None,
-        job_secrets: Mapping[str, Sequence[str]] | None = None,
-    ) -> Self:
-        """As ``CommonSettings.from_env``, plus the settings and secrets the registered jobs
-        declared (``JobRegistry.declared_settings()``, ``declared_secrets()``); whether an unset
-        one is an error is for the command or the function to say."""
-        return load_settings(cls, environ, job_settings=job_settings, job_secrets=job_secrets)
 
     def security_opt_outs(self) -> list[str]:
         opt_outs = CommonSettings.security_opt_outs(self)
@@ -313,28 +320,6 @@ class OutboxRelaySettings(CommonSettings):
 
     outbox_database_url: str = setting("OUTBOX_DATABASE_URL", "", parse_text, secret=True)
     outbox_batch_size: int = setting("OUTBOX_BATCH_SIZE", 25, parse_int(minimum=1))
-
-
-def load_settings(
-    kind: type[AnySettings],
-    environ: Mapping[str, str] | None = None,
-    *,
-    job_settings: Mapping[str, Sequence[str]] | None = None,
-    job_secrets: Mapping[str, Sequence[str]] | None = None,
-) -> AnySettings:
-    """``kind`` read from ``environ``: only the variables of ``kind``'s table (and the jobs'
-    declared ones) are read, each checked; every secure default it turns off is logged."""
-    env = os.environ if environ is None else environ
-    values = read_table(settings_table(kind), env)
-    if issubclass(kind, JobSettings):
-        allow_plain_http = bool(values["allow_plain_http"])
-        values.update(_job_fields(env, job_settings or {}, job_secrets or {}, allow_plain_http))
-    settings = kind(**values)
-    if isinstance(settings, JobSettings):
-        _check_second_layer(settings)
-    for warning in settings.security_opt_outs():
-        _logger.warning(warning, extra={"action": "security_opt_out"})
-    return settings
 
 
 def _job_fields(

@@ -8,6 +8,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -213,26 +214,22 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
     )
 
 
+@dataclass
 class _ConsumeMode:
     """How many messages a lane's next consume asks for: one at a time after a lost answer, and
     while the queue's isolation window, which an unreadable answer opens in the ledger, lasts
     (docs/design.md, "A message nobody can read costs only its own deliveries")."""
 
-    def __init__(
-        self,
-        ledger: LedgerPort,
-        config: DrainConfig,
-        summary: DrainSummary,
-        clock: Callable[[], float],
-    ) -> None:
-        self._ledger = ledger
-        self._config = config
-        self._summary = summary
-        self._clock = clock
-        self._checked_at = clock()
-        self._single_until = self._checked_at + ledger.consume_isolation(config.queue)
-        self._single_next = False
-        self._lost_in_a_row = 0
+    _ledger: LedgerPort
+    _config: DrainConfig
+    _summary: DrainSummary
+    _clock: Callable[[], float]
+    _single_next: bool = False
+    _lost_in_a_row: int = 0
+
+    def __post_init__(self) -> None:
+        self._checked_at = self._clock()
+        self._single_until = self._checked_at + self._ledger.consume_isolation(self._config.queue)
 
     def size(self) -> int:
         now = self._clock()

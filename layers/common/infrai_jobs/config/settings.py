@@ -29,7 +29,6 @@ from infrai_jobs.config.table import (
     parse_int,
     parse_text,
     parse_verbatim,
-    read_table,
     setting,
     settings_table,
 )
@@ -173,7 +172,9 @@ class CommonSettings:
         ``declared_secrets()``); whether an unset one is an error is for the command or the
         function to say."""
         env = os.environ if environ is None else environ
-        values = read_table(settings_table(cls), env)
+        table = settings_table(cls)
+        reading = Reading(env, table)
+        values = {row.field_name: reading.value(row.field_name) for row in table}
         if issubclass(cls, JobSettings):
             allow_plain_http = bool(values["allow_plain_http"])
             values.update(_job_fields(env, job_settings or {}, job_secrets or {}, allow_plain_http))

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar, Unpack
 
 import psycopg
 
@@ -81,7 +81,7 @@ from infrai_local.sandbox.queue_model import (
 
 if TYPE_CHECKING:
     from infrai_jobs.drain.ports import DrainFleetPort, DrainStarterPort
-    from infrai_jobs.queue.ports import QueuePort
+    from infrai_jobs.queue.ports import PublishOptions, QueuePort
     from infrai_jobs.work.ports import LedgerPort
 
 __all__ = [
@@ -195,16 +195,11 @@ class InMemoryQueue:
         return True
 
     def publish(
-        self,
-        queue: str,
-        body: Mapping[str, Any],
-        *,
-        delay_seconds: int | None = None,
-        retry: bool | None = None,
+        self, queue: str, body: Mapping[str, Any], **options: Unpack[PublishOptions]
     ) -> str:
         if not isinstance(body, Mapping):
             raise _client_error(invalid("body must be a JSON object"), "publish")
-        return self.publish_raw(queue, dict(body), delay_seconds=delay_seconds)
+        return self.publish_raw(queue, dict(body), delay_seconds=options.get("delay_seconds"))
 
     def publish_raw(
         self, queue: str, payload: JsonValue, *, delay_seconds: int | None = None

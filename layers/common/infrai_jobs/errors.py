@@ -3,6 +3,7 @@ No message here ever contains the Infrai API key."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -12,6 +13,18 @@ class InfraiJobsError(Exception):
 
 class ConfigurationError(InfraiJobsError):
     """A setting is missing or malformed; the message names the setting and the fix."""
+
+
+def unset_for_jobs(
+    owners: Mapping[str, Sequence[str]], values: Mapping[str, str], each: str = ""
+) -> str:
+    """ "NAME is not set, and job(s) ... need it" for each name of ``owners`` unset in ``values``,
+    followed by ``each`` (``{name}``: that name); "" when every one is set."""
+    return "; ".join(
+        f"{name} is not set, and job(s) {', '.join(jobs)} need it" + each.format(name=name)
+        for name, jobs in owners.items()
+        if not values.get(name)
+    )
 
 
 class TransportError(InfraiJobsError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from infrai_jobs.errors import InfraiError
-from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.client import InfraiClient, QueueCall
 
 
 def ensure_queue(
@@ -18,7 +18,7 @@ def ensure_queue(
         body["dlq"] = dlq
     try:
         # Retried like any idempotent call: a repeat that finds the queue answers 409.
-        client._call("POST", "/v1/queue/create", body, call="create", retryable=True)
+        client._call(QueueCall("create", "POST", "/v1/queue/create", body), retryable=True)
     except InfraiError as exc:
         if exc.code == "QUEUE_ALREADY_EXISTS":
             return False

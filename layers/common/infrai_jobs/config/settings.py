@@ -29,16 +29,16 @@ from infrai_jobs.config.table import (
     parse_int,
     parse_text,
     parse_verbatim,
-    read_table,
     setting,
     settings_table,
 )
-from infrai_jobs.errors import ConfigurationError
+from infrai_jobs.errors import ConfigurationError, unset_for_jobs
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 
 DEFAULT_BASE_URL = "https://api.infrai.cc"
 DEFAULT_QUEUE = "billing-jobs"
 MAX_DRAIN_LANES = 16
+# Infrai's answers are small; this stops a broken or hostile server filling a 512 MB Lambda.
 DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 # Lambda's own ceiling on one function's concurrency in a default account.
 MAX_DRAIN_CONCURRENCY = 1000
@@ -158,10 +158,32 @@ class CommonSettings:
     )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
-        """These settings, read from ``environ`` (``os.environ`` by default) and checked; a
-        bad value is a ``ConfigurationError`` naming its variable."""
-        return load_settings(cls, environ)
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        job_settings: Declared | None = None,
+        job_secrets: Declared | None = None,
+    ) -> Self:
+        """These settings, read from ``environ`` (``os.environ`` by default): only their table's
+        variables, each checked (a bad value is a ``ConfigurationError`` naming its variable);
+        every secure default they turn off is logged. ``JobSettings`` also read the settings and
+        secrets the registered jobs declared (``JobRegistry.declared_settings()``,
+        ``declared_secrets()``); whether an unset one is an error is for the command or the
+        function to say."""
+        env = os.environ if environ is None else environ
+        table = settings_table(cls)
+        reading = Reading(env, table)
+        values = {row.field_name: reading.value(row.field_name) for row in table}
+        if issubclass(cls, JobSettings):
+            allow_plain_http = bool(values["allow_plain_http"])
+            values.update(_job_fields(env, job_settings or {}, job_secrets or {}, allow_plain_http))
+        settings = cls(**values)
+        if isinstance(settings, JobSettings):
+            _check_second_layer(settings)
+        for warning in settings.security_opt_outs():
+            _logger.warning(warning, extra={"action": "security_opt_out"})
+        return settings
 
     def security_opt_outs(self) -> list[str]:
         """One sentence per secure default these settings turn off, logged as a warning each
@@ -220,19 +242,6 @@ class JobSettings(CommonSettings):
     redis_secret_arn: str = setting("REDIS_SECRET_ARN", "", parse_text)
     retention_days: int = _retention_days()
 
-    @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        *,
-        job_settings: Mapping[str, Sequence[str]] | None = None,
-        job_secrets: Mapping[str, Sequence[str]] | None = None,
-    ) -> Self:
-        """As ``CommonSettings.from_env``, plus the settings and secrets the registered jobs
-        declared (``JobRegistry.declared_settings()``, ``declared_secrets()``); whether an unset
-        one is an error is for the command or the function to say."""
-        return load_settings(cls, environ, job_settings=job_settings, job_secrets=job_secrets)
-
     def security_opt_outs(self) -> list[str]:
         opt_outs = CommonSettings.security_opt_outs(self)
         redis_without_secret = self.idempotency_backend == "redis" and not self.redis_secret_arn
@@ -246,30 +255,19 @@ class JobSettings(CommonSettings):
 
     def require_job_settings(self) -> dict[str, str]:
         """The jobs' declared settings, every one set, else an error naming each unset one."""
-        missing = [name for name, value in self.job_settings.items() if not value]
-        if missing:
-            raise ConfigurationError(
-                "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(self.job_setting_owners[name])} "
-                    "need it"
-                    for name in missing
-                )
-                + ": set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
-            )
+        if unset := unset_for_jobs(self.job_setting_owners, self.job_settings):
+            advice = "set each to its downstream's URL (or a running `infrai-jobs provider-sink`)"
+            raise ConfigurationError(f"{unset}: {advice}")
         return dict(self.job_settings)
 
     def require_job_secrets(self) -> dict[str, str]:
         """The jobs' declared secrets (``aws.secrets`` fetched the named ones), every one set."""
-        missing = [name for name, value in self.job_secrets.items() if not value]
-        if missing:
-            raise ConfigurationError(
-                "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(self.job_secret_owners[name])} need "
-                    f"it: in AWS, name its Secrets Manager secret with {name}{SECRET_ARN_SUFFIX} "
-                    f"(in the JobSettings parameter); locally, export {name}"
-                    for name in missing
-                )
-            )
+        each = (
+            f": in AWS, name its Secrets Manager secret with {{name}}{SECRET_ARN_SUFFIX} (in the "
+            "JobSettings parameter); locally, export {name}"
+        )
+        if unset := unset_for_jobs(self.job_secret_owners, self.job_secrets, each):
+            raise ConfigurationError(unset)
         return dict(self.job_secrets)
 
 
@@ -323,28 +321,6 @@ class OutboxRelaySettings(CommonSettings):
 
     outbox_database_url: str = setting("OUTBOX_DATABASE_URL", "", parse_text, secret=True)
     outbox_batch_size: int = setting("OUTBOX_BATCH_SIZE", 25, parse_int(minimum=1))
-
-
-def load_settings(
-    kind: type[AnySettings],
-    environ: Mapping[str, str] | None = None,
-    *,
-    job_settings: Mapping[str, Sequence[str]] | None = None,
-    job_secrets: Mapping[str, Sequence[str]] | None = None,
-) -> AnySettings:
-    """``kind`` read from ``environ``: only the variables of ``kind``'s table (and the jobs'
-    declared ones) are read, each checked; every secure default it turns off is logged."""
-    env = os.environ if environ is None else environ
-    values = read_table(settings_table(kind), env)
-    if issubclass(kind, JobSettings):
-        allow_plain_http = bool(values["allow_plain_http"])
-        values.update(_job_fields(env, job_settings or {}, job_secrets or {}, allow_plain_http))
-    settings = kind(**values)
-    if isinstance(settings, JobSettings):
-        _check_second_layer(settings)
-    for warning in settings.security_opt_outs():
-        _logger.warning(warning, extra={"action": "security_opt_out"})
-    return settings
 
 
 def _job_fields(

@@ -123,9 +123,3 @@ def parse_choice(choices: Sequence[str], *, lower: bool = False, why: str = "") 
         return str(choice)
 
     return parse
-
-
-def read_table(table: Sequence[Setting], env: Mapping[str, str]) -> dict[str, Any]:
-    """Each row's field, read from ``env``: only the rows' variables are asked for."""
-    reading = Reading(env, table)
-    return {row.field_name: reading.value(row.field_name) for row in table}

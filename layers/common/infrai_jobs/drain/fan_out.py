@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from infrai_jobs.drain.loop import stopped_before_receiving
@@ -40,7 +40,7 @@ START_GRACE_SECONDS = 30.0
 class FanOutPolicy:
     queue: str
     max_concurrency: int
-    after_seconds: float = 30.0
+    after_seconds: float  # DRAIN_FANOUT_AFTER_SECONDS
     lease_seconds: float = LEASE_SECONDS
 
 
@@ -82,34 +82,28 @@ class FanOutCheck:  # what one check saw and did
     started: int = 0
 
 
+@dataclass(eq=False)
 class FleetMonitor:
     """One drain's lease and fan-out decisions: ``check()`` is one step, which ``running()``
     takes every few seconds on a thread of its own. ``consumed``: messages received so far."""
 
-    def __init__(
-        self,
-        policy: FanOutPolicy,
-        drain_id: str,
-        fleet: DrainFleetPort,
-        *,
-        queue: QueuePort,
-        consumed: Callable[[], int],
-        starter: DrainStarterPort | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.policy = policy
-        self.drain_id = drain_id
-        self.fleet = fleet
-        self.queue = queue
-        self.consumed = consumed
-        self.starter = starter if policy.max_concurrency > 1 else None
-        self.clock = clock
-        self.fanned_out = 0
-        self.throttled = 0
-        self.failed = 0
-        self._since = clock()
-        self._renewed_at = self._since
-        self._consumed_since = consumed()
+    policy: FanOutPolicy
+    drain_id: str
+    fleet: DrainFleetPort
+    _: KW_ONLY
+    queue: QueuePort
+    consumed: Callable[[], int]
+    starter: DrainStarterPort | None = None
+    clock: Callable[[], float] = time.monotonic
+    fanned_out: int = field(init=False, default=0)
+    throttled: int = field(init=False, default=0)
+    failed: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.policy.max_concurrency <= 1:
+            self.starter = None
+        self._since = self._renewed_at = self.clock()
+        self._consumed_since = self.consumed()
 
     def check(self) -> FanOutCheck:
         """Renew the lease; start the drains the backlog calls for, if any."""

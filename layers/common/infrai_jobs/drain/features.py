@@ -7,7 +7,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from infrai_jobs.drain.model import (
@@ -79,16 +79,16 @@ class ClosableLedger(LedgerPort, Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(eq=False)
 class Lanes(DrainFeature):
     """DRAIN_LANES > 1: several lanes drain one queue at once, the claims keeping them apart,
     each on its own database connection (kept for reuse); the HTTP pool is shared. Every lane's
     connection is opened before any lane consumes: one the database refuses as full is shed for
     this invocation (``lanes_shed``), the drain running with the lanes it could open."""
 
-    def __init__(self, count: int, make_ledger: Callable[[], ClosableLedger]) -> None:
-        self.count = count
-        self._make_ledger = make_ledger
-        self.extra_ledgers: list[ClosableLedger] = []
+    count: int
+    _make_ledger: Callable[[], ClosableLedger]
+    extra_ledgers: list[ClosableLedger] = field(init=False, default_factory=list)
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
         while len(self.extra_ledgers) < self.count - 1:

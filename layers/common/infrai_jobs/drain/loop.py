@@ -8,6 +8,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -188,23 +189,17 @@ def stopped_before_receiving(exc: LedgerError) -> DrainSummary:
     """The ledger failed before anything was received: say so, and stop (``ledger_unavailable``).
     A schema the code may not run on (behind it, or a floor above it) is no outage: raised. A
     database at its connection limit is none either: ``database_full``, a warning and a count."""
+    level, what, action = logging.ERROR, "the ledger is unreachable", "ledger_unavailable"
     if isinstance(exc, DatabaseBusy):
-        logger.warning(
-            "the ledger database is full; nothing was received",
-            extra={"action": "database_full", "detail": str(exc)},
-        )
-        return DrainSummary(counters=Counter(database_full=1), stopped="database_full")
+        level, what, action = logging.WARNING, "the ledger database is full", "database_full"
+    elif isinstance(exc, SchemaNotMigrated):
+        what, action = "the ledger's schema does not fit this code", "schema_not_migrated"
+    extra = {"action": action, "detail": str(exc)}
+    logger.log(level, "%s; nothing was received", what, extra=extra)
     if isinstance(exc, SchemaNotMigrated):
-        logger.error(
-            "the ledger's schema does not fit this code; nothing was received",
-            extra={"action": "schema_not_migrated", "detail": str(exc)},
-        )
         raise exc
-    logger.error(
-        "the ledger is unreachable; nothing was received",
-        extra={"action": "ledger_unavailable", "detail": str(exc)},
-    )
-    return DrainSummary(stopped="ledger_unavailable")
+    full = action == "database_full"
+    return DrainSummary(counters=Counter(database_full=1) if full else Counter(), stopped=action)
 
 
 def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
@@ -219,26 +214,22 @@ def budget_shortfall(batch_budget_ms: int, time_budget_ms: int) -> str:
     )
 
 
+@dataclass
 class _ConsumeMode:
     """How many messages a lane's next consume asks for: one at a time after a lost answer, and
     while the queue's isolation window, which an unreadable answer opens in the ledger, lasts
     (docs/design.md, "A message nobody can read costs only its own deliveries")."""
 
-    def __init__(
-        self,
-        ledger: LedgerPort,
-        config: DrainConfig,
-        summary: DrainSummary,
-        clock: Callable[[], float],
-    ) -> None:
-        self._ledger = ledger
-        self._config = config
-        self._summary = summary
-        self._clock = clock
-        self._checked_at = clock()
-        self._single_until = self._checked_at + ledger.consume_isolation(config.queue)
-        self._single_next = False
-        self._lost_in_a_row = 0
+    _ledger: LedgerPort
+    _config: DrainConfig
+    _summary: DrainSummary
+    _clock: Callable[[], float]
+    _single_next: bool = False
+    _lost_in_a_row: int = 0
+
+    def __post_init__(self) -> None:
+        self._checked_at = self._clock()
+        self._single_until = self._checked_at + self._ledger.consume_isolation(self._config.queue)
 
     def size(self) -> int:
         now = self._clock()

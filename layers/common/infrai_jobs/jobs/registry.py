@@ -12,7 +12,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from infrai_jobs.errors import ConfigurationError, KeyDerivationError, UnknownJob
+from infrai_jobs.errors import ConfigurationError, KeyDerivationError, UnknownJob, unset_for_jobs
 from infrai_jobs.jobs.keys import check_key_rule, derive_key, payload_fingerprint
 from infrai_jobs.jobs.payload_schema import FieldSpec, PayloadSchema, json_type_of
 from infrai_jobs.jobs.policy import ConcurrencyLimit, RateLimit, RetryPolicy
@@ -231,17 +231,10 @@ class JobRegistry:
         """Give every job the values of the settings and secrets it declared, at start-up; a
         missing or empty one is a ``ConfigurationError`` naming it and its jobs, never a value."""
         secret_values = secrets or {}
-        missing = {n: jobs for n, jobs in self.declared_settings().items() if not values.get(n)}
-        missing |= {
-            n: jobs for n, jobs in self.declared_secrets().items() if not secret_values.get(n)
-        }
-        if missing:
-            raise ConfigurationError(
-                "; ".join(
-                    f"{name} is not set, and job(s) {', '.join(jobs)} need it"
-                    for name, jobs in missing.items()
-                )
-            )
+        unset = unset_for_jobs(self.declared_settings(), values)
+        unset_secrets = unset_for_jobs(self.declared_secrets(), secret_values)
+        if unset or unset_secrets:
+            raise ConfigurationError("; ".join(filter(None, (unset, unset_secrets))))
         self._bind(list(self._jobs.values()), values, secret_values)
 
     def bind_probe_settings(

@@ -1,7 +1,7 @@
 """The Infrai queue client: one keep-alive pool, explicit timeouts, careful retries (rules:
 docs/infrai-api.md, "What the client does with it"). Not retried: a consume whose answer is lost
 after it was sent (``ConsumeAnswerLost``: it may have been served, spending a delivery of each
-message unseen), a TLS failure (``UntrustedServer``), and publish unless ``retry_publish`` (Infrai
+message unseen), a TLS failure (``UntrustedServer``), and publish unless its policy says so (Infrai
 does not dedupe producers; only the drain's keys make a duplicate safe). The API key never appears
 in a repr, log line or exception message."""
 
@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Unpack
 from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
-from infrai_jobs.config.settings import DEFAULT_BASE_URL, check_web_url
+from infrai_jobs.config.settings import DEFAULT_BASE_URL, DEFAULT_MAX_ANSWER_BYTES, check_web_url
 from infrai_jobs.errors import (
     AnswerTooLarge,
     ConfigurationError,
@@ -40,7 +40,8 @@ from infrai_jobs.queue.models import (
     QueueStats,
     parse_publish_price,
 )
-from infrai_jobs.queue.transport import MAX_BODY, HttpPool
+from infrai_jobs.queue.ports import PublishOptions
+from infrai_jobs.queue.transport import HttpPool
 from infrai_jobs.queue_contract import CONSUME_CAP
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,10 @@ _MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 @dataclass(frozen=True, slots=True)
 class HttpRetryPolicy:
-    """How the client's retried HTTP calls back off: full jitter, capped, bounded in attempts."""
+    """Which of the client's calls are retried, and how they back off: full jitter, capped,
+    bounded in attempts. A publish only with ``publish`` (INFRAI_PUBLISH_RETRIES), or when asked."""
 
+    publish: bool = False
     max_attempts: int = 4
     base_delay: float = 0.1
     max_delay: float = 5.0
@@ -67,20 +70,15 @@ class HttpRetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class Timeouts:
-    connect: float = 3.05
-    read: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
 class PoolOptions:
     """How the client's one HTTP pool connects: its timeouts, its size (concurrent ackers beyond
     it get short-lived connections), the TLS context, and the largest answer it reads."""
 
-    timeouts: Timeouts = field(default_factory=Timeouts)
+    connect_timeout: float = 3.05
+    read_timeout: float = 10.0
     maxsize: int = 16
     ssl_context: ssl.SSLContext | None = None
-    max_answer_bytes: int = MAX_BODY
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
 
 
 class InfraiClient:
@@ -93,7 +91,6 @@ class InfraiClient:
         *,
         pool: PoolOptions | None = None,
         retry: HttpRetryPolicy | None = None,
-        retry_publish: bool = False,
         sleep: Callable[[float], None] = time.sleep,
         refresh_api_key: Callable[[], str] | None = None,
         allow_plain_http: bool = False,
@@ -102,25 +99,23 @@ class InfraiClient:
         check_web_url(
             "INFRAI_BASE_URL", base_url, allow_plain_http=allow_plain_http, example=DEFAULT_BASE_URL
         )
-        if not api_key:
-            raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
         _check_api_key(api_key)
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
         # Fetches the key again (bypassing the secret cache) after a 401: a rotated key.
         self._refresh_api_key = refresh_api_key
         self._retry = retry or HttpRetryPolicy()
-        self._retry_publish = retry_publish
         self._sleep = sleep
         # Set by retries_within() for the length of one invocation; None: no deadline.
         self._time_left_ms: Callable[[], int] | None = None
         options = pool or PoolOptions()
-        self._timeouts = options.timeouts
+        # The longest one attempt may take, which a retry must still fit (``retries_within``).
+        self._attempt_at_most = options.connect_timeout + options.read_timeout
         try:
             self._pool = HttpPool(
                 base_url,
-                connect_timeout=options.timeouts.connect,
-                read_timeout=options.timeouts.read,
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.read_timeout,
                 maxsize=options.maxsize,
                 ssl_context=options.ssl_context,
                 max_body=options.max_answer_bytes,
@@ -150,19 +145,15 @@ class InfraiClient:
             self._time_left_ms = None
 
     def publish(
-        self,
-        queue: str,
-        body: Mapping[str, Any],
-        *,
-        delay_seconds: int | None = None,
-        retry: bool | None = None,
+        self, queue: str, body: Mapping[str, Any], **options: Unpack[PublishOptions]
     ) -> str:
-        """Publish one message, returning its id; retried if ``retry`` (else ``retry_publish``)."""
+        """Publish one message, returning its id; retried if ``retry`` (else as the policy says)."""
         request: dict[str, Any] = {"queue": queue, "body": body}
-        if delay_seconds is not None:
+        if (delay_seconds := options.get("delay_seconds")) is not None:
             request["delay_seconds"] = delay_seconds
-        retryable = self._retry_publish if retry is None else retry
-        data = self._call("POST", "/v1/queue/publish", request, call="publish", retryable=retryable)
+        retry = options.get("retry")
+        retryable = self._retry.publish if retry is None else retry
+        data = self._call(QueueCall("publish", "POST", "/v1/queue/publish", request), retryable)
         message_id = data.get("message_id") if isinstance(data, Mapping) else None
         if not isinstance(message_id, str) or not message_id:
             raise InfraiInvalidResponse(
@@ -182,16 +173,12 @@ class InfraiClient:
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError(f"max_messages must be an integer >= 1, got {max_messages!r}")
         served = min(max_messages, CONSUME_CAP)
-        request = {"queue": queue, "max_messages": served}
-        path = "/v1/queue/consume"
-        spends = (queue, served)
-        first = self._send("POST", path, request, call="consume", spends=spends)
+        body = {"queue": queue, "max_messages": served}
+        request = QueueCall("consume", "POST", "/v1/queue/consume", body, (queue, served))
+        first = self._send(request)
 
         def finish() -> list[QueueMessage]:
-            data = self._call(
-                "POST", path, request, call="consume", retryable=True, first=first, spends=spends
-            )
-            return _messages(data, queue, served)
+            return _messages(self._call(request, True, first), queue, served)
 
         return Pending(finish, lambda: _messages(first.answer(), queue, served))
 
@@ -201,46 +188,31 @@ class InfraiClient:
 
     def send_ack(self, queue: str, receipt_handle: str) -> Pending[None]:
         """``ack``, sent now and answered by ``Pending.wait()``, each on its own connection."""
-        request = {"queue": queue, "receipt_handle": receipt_handle}
-        path = "/v1/queue/ack"
-        first = self._send("POST", path, request, call="ack")
+        body = {"queue": queue, "receipt_handle": receipt_handle}
+        request = QueueCall("ack", "POST", "/v1/queue/ack", body)
+        first = self._send(request)
 
         def finish() -> None:
-            self._call("POST", path, request, call="ack", retryable=True, first=first)
+            self._call(request, True, first)
 
         return Pending(finish, first.answer)
 
     def stats(self, queue: str) -> QueueStats:
-        path = "/v1/queue/stats/" + quote(queue, safe="")
-        data = self._call("GET", path, None, call="stats", retryable=True)
+        data = self._call(
+            QueueCall("stats", "GET", "/v1/queue/stats/" + quote(queue, safe="")), True
+        )
         return QueueStats.from_api(data, queue=queue)
 
     def publish_price(self) -> PublishPrice:
         """Today's publish price from discovery (only publishing is metered)."""
-        data = self._call("GET", "/v1/discovery", None, call="discovery", retryable=True)
-        return parse_publish_price(data)
+        return parse_publish_price(self._call(QueueCall("discovery", "GET", "/v1/discovery"), True))
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        body: Mapping[str, Any] | None,
-        *,
-        call: str,
-        retryable: bool,
-        first: _Attempt | None = None,
-        spends: tuple[str, int] | None = None,
-    ) -> Any:
+    def _call(self, request: QueueCall, retryable: bool, first: _Attempt | None = None) -> Any:
         """Make a call with its retries. ``first``, when given, is a request already sent: its
-        answer is the first attempt's; the retries send afresh. ``spends``: see ``_send``."""
-
-        def send() -> _Attempt:
-            return self._send(method, path, body, call=call, spends=spends)
-
-        queue = body.get("queue") if body else None
+        answer is the first attempt's; the retries send afresh."""
         sent: list[_Attempt] = []
         try:
-            return self._with_retries(send, first, sent, call=call, queue=queue, retry=retryable)
+            return self._with_retries(request, retryable, first, sent)
         except InfraiError as exc:
             if exc.status != 401:
                 raise
@@ -249,7 +221,7 @@ class InfraiClient:
             if sent[-1].key == self._api_key and not self._take_refreshed_key():
                 raise
         # A 401 is answered before anything is applied, so one more try is safe for every call.
-        return self._with_retries(send, None, [], call=call, queue=queue, retry=retryable)
+        return self._with_retries(request, retryable, None, [])
 
     def _take_refreshed_key(self) -> bool:
         fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
@@ -264,18 +236,11 @@ class InfraiClient:
         return True
 
     def _with_retries(
-        self,
-        send: Callable[[], _Attempt],
-        first: _Attempt | None,
-        sent: list[_Attempt],
-        *,
-        call: str,
-        queue: object,
-        retry: bool,
+        self, request: QueueCall, retry: bool, first: _Attempt | None, sent: list[_Attempt]
     ) -> Any:
         attempts = self._retry.max_attempts if retry else 1
         for attempt in range(attempts):
-            current = first if attempt == 0 and first is not None else send()
+            current = first if attempt == 0 and first is not None else self._send(request)
             sent.append(current)
             try:
                 return current.answer()
@@ -296,8 +261,8 @@ class InfraiClient:
                     "retrying an Infrai call",
                     extra={
                         "action": "http_retry",
-                        "call": call,
-                        "queue": queue,
+                        "call": request.call,
+                        "queue": request.body.get("queue") if request.body else None,
                         "code": exc.code,
                         "attempt": attempt + 1,
                         "delay_seconds": round(delay, 3),
@@ -310,22 +275,14 @@ class InfraiClient:
         time_left_ms = self._time_left_ms
         if time_left_ms is None:
             return True
-        attempt_at_most = self._timeouts.connect + self._timeouts.read
-        return (delay + attempt_at_most) * 1000 <= time_left_ms()
+        return (delay + self._attempt_at_most) * 1000 <= time_left_ms()
 
-    def _send(
-        self,
-        method: str,
-        path: str,
-        body: Mapping[str, Any] | None,
-        *,
-        call: str,
-        spends: tuple[str, int] | None = None,
-    ) -> _Attempt:
+    def _send(self, request: QueueCall) -> _Attempt:
         """Send one attempt; its ``answer()`` returns the call's data or raises (a request that
-        could not be sent, as a retryable connection error). ``spends`` (queue, messages asked
-        for) marks a consume: an answer then cut off, too large, unreadable or a 5xx raises
-        ``ConsumeAnswerLost``, as the queue may have served it (a 429 was not, and retries)."""
+        could not be sent, as a retryable connection error). A consume's answer then cut off,
+        too large, unreadable or a 5xx raises ``ConsumeAnswerLost``, as the queue may have served
+        it (a 429 was not, and retries)."""
+        call, body, spends = request.call, request.body, request.spends
         key = self._api_key
         headers = {
             "Authorization": f"Bearer {key}",
@@ -337,7 +294,7 @@ class InfraiClient:
             headers["Content-Type"] = "application/json"
             encoded = _encode_body(body)
         try:
-            exchange = self._pool.send(method, path, headers, encoded)
+            exchange = self._pool.send(request.method, request.path, headers, encoded)
         except TransportError as exc:
             # A certificate that does not verify is final: a retry meets the same one.
             failure: InfraiError = (
@@ -377,6 +334,17 @@ class InfraiClient:
         return _Attempt(key, answer)
 
 
+class QueueCall(NamedTuple):
+    """One call, as each of its attempts sends it. ``spends`` (queue, messages asked for) marks
+    a consume, whose lost answer may have spent a delivery of each message it served."""
+
+    call: str
+    method: str
+    path: str
+    body: Mapping[str, Any] | None = None
+    spends: tuple[str, int] | None = None
+
+
 def _encode_body(body: Mapping[str, Any]) -> bytes:
     """UTF-8, so non-ASCII text is not tripled by ``\\u`` escapes; escaped only for text UTF-8
     cannot carry (a lone surrogate)."""
@@ -387,6 +355,8 @@ def _encode_body(body: Mapping[str, Any]) -> bytes:
 
 
 def _check_api_key(key: str) -> None:
+    if not key:
+        raise ConfigurationError("INFRAI_API_KEY is empty; set it to your Infrai API key")
     # It travels in a header: a line break would split the request. Never print the key.
     if any(c in key for c in "\r\n\x00") or not key.isascii():
         raise ConfigurationError(

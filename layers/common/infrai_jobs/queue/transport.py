@@ -16,11 +16,10 @@ import weakref
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from infrai_jobs.config.settings import DEFAULT_MAX_ANSWER_BYTES
 from infrai_jobs.errors import AnswerTooLarge, ProtocolError, TlsVerificationFailed, TransportError
 from infrai_jobs.queue.http_wire import Connection, Response, read_response
 
-# Infrai's answers are small; this stops a broken or hostile server filling a 512 MB Lambda.
-MAX_BODY = 16 * 1024 * 1024
 # Under load balancers' idle timeouts (60 s): idle longer (a frozen Lambda), likely dead.
 DEFAULT_MAX_IDLE = 30.0
 # The whole answer must arrive within this many read timeouts (each bounds one wait for bytes).
@@ -61,7 +60,7 @@ class HttpPool:
         maxsize: int = 16,
         ssl_context: ssl.SSLContext | None = None,
         max_idle: float = DEFAULT_MAX_IDLE,
-        max_body: int = MAX_BODY,
+        max_body: int = DEFAULT_MAX_ANSWER_BYTES,
     ) -> None:
         # The client checked scheme, host and credentials (check_web_url); the port is left.
         parts = urlsplit(base_url)

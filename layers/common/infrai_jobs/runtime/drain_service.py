@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from infrai_jobs.config.settings import DrainSettings
@@ -29,8 +29,7 @@ from infrai_jobs.flow.policies import parse_job_policies, policies_in_force
 from infrai_jobs.jobs.policy import JobPolicy
 from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.ledger.job_schema import JobMigrationName
-from infrai_jobs.queue.client import InfraiClient
-from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
+from infrai_jobs.queue.ports import QueuePort
 from infrai_jobs.runtime.factory import (
     make_drain_fleet,
     make_drain_starter,
@@ -133,7 +132,9 @@ class DrainService:
         except LedgerError as exc:
             summary = stopped_before_receiving(exc)
         else:
-            with _retries_within(self.queue, time_left_ms):
+            # The Infrai client (behind any wrapper) retries only while the invocation has time.
+            retries_within = getattr(self.queue, "retries_within", None)
+            with retries_within(time_left_ms) if retries_within else nullcontext():
                 summary = drain_invocation(run, self.registry)
         if summary.stopped == "ledger_unavailable":
             raise LedgerUnavailable(ledger_outage_message(summary))
@@ -234,14 +235,3 @@ def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
             f"{shortfall}; nothing was received. Give the drain more time, or lower "
             "DRAIN_BATCH_BUDGET_MS to what one batch of the slowest job needs"
         )
-
-
-def _retries_within(
-    queue: QueuePort, time_left_ms: Callable[[], int]
-) -> AbstractContextManager[None]:
-    """The Infrai client (behind any wrapper) retries only while the invocation has time."""
-    while isinstance(queue, ForwardingQueue):
-        queue = queue.inner
-    if isinstance(queue, InfraiClient):
-        return queue.retries_within(time_left_ms)
-    return nullcontext()

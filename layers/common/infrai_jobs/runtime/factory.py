@@ -22,7 +22,7 @@ from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.ledger.postgres import LedgerConnector, malformed_reason
-from infrai_jobs.queue.client import InfraiClient, PoolOptions
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
 from infrai_jobs.work.ledger import PostgresLedger
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def make_queue_client(
     return InfraiClient(
         settings.require_base_url(),
         settings.require_api_key(),
-        retry_publish=settings.publish_retries,
+        retry=HttpRetryPolicy(publish=settings.publish_retries),
         refresh_api_key=refresh_api_key,
         pool=PoolOptions(
             maxsize=client_pool_size(lanes), max_answer_bytes=settings.max_answer_bytes

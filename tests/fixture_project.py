@@ -12,6 +12,7 @@ the repository's own.
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -41,12 +42,26 @@ def build_fixture_project(folder: Path) -> Path:
     for name in ("template.yaml", "framework.yaml", "samconfig.toml"):
         shutil.copyfile(ROOT / name, folder / name)
     shutil.copytree(ROOT / "events", folder / "events")
+    write_fixture_env_vars(folder / "events" / "env.json")
     (folder / "layers").symlink_to(ROOT / "layers", target_is_directory=True)
     code = folder / "functions"
     code.mkdir()
     for package in ("jobs", "fixture_jobs"):
         (code / package).symlink_to(fixture_jobs.CODE_ROOT / package, target_is_directory=True)
     return folder
+
+
+def write_fixture_env_vars(path: Path) -> None:
+    """Give ``events/env.json`` at ``path`` (the repository's, copied) the fixture jobs'
+    settings: each function's ``JOB_SETTINGS`` names every setting they declare, empty (taken
+    from the shell), whatever settings the team's own jobs declare there."""
+    env = json.loads(path.read_text())
+    declared = fixture_jobs.build_registry().declared_settings()
+    settings = json.dumps(dict.fromkeys(sorted(declared), ""))
+    for function in env.values():
+        if "JOB_SETTINGS" in function:
+            function["JOB_SETTINGS"] = settings
+    path.write_text(json.dumps(env, indent=2) + "\n")
 
 
 @contextmanager

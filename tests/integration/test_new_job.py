@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from child_process import run_captured
 from drainkit import INFRAI_JOBS, QUEUE, ROOT, TEST_JOBS_CODE, Harness, run_cli
+from fixture_project import write_fixture_env_vars
 
 from infrai_local.public_imports import refused_imports
 
@@ -54,10 +55,13 @@ def project(tmp_path: Path) -> Path:
 
 
 def copied_from_the_repository(project: Path, *paths: str) -> None:
-    """The repository's files at ``paths`` copied into ``project``, each at the same place."""
+    """The repository's files at ``paths`` copied into ``project``, each at the same place;
+    ``events/env.json`` with the fixture jobs' settings in place of the team's jobs'."""
     for path in paths:
         (project / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / path, project / path)
+        if path == "events/env.json":
+            write_fixture_env_vars(project / path)
 
 
 def next_version(project: Path) -> int:

@@ -1,38 +1,14 @@
 """``infrai-jobs migrate`` run from any folder applies the ledger's migrations, then those of the
-installed jobs package: here the examples', whose invoice job's migration makes ``invoices``."""
+installed jobs package: here the examples', whose invoice job's migration makes ``invoices``.
+(``migrate`` and ``rows`` are the jobs' migrations tests' own.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import psycopg
-from child_process import run_captured
+from test_job_migrations import migrate, rows
 
 from infrai_local.migrations import LEDGER_MIGRATIONS, installed_job_migrations
-
-INFRAI_JOBS = str(Path(sys.executable).parent / "infrai-jobs")
-
-
-def migrate(database_url: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith(("INFRAI_", "DATABASE_", "PROVIDER_"))
-    }
-    return run_captured(
-        [INFRAI_JOBS, "migrate"],
-        env={**environment, "DATABASE_URL": database_url},
-        cwd=cwd,
-        timeout=120,
-    )
-
-
-def rows(database_url: str, query: str) -> list[tuple[object, ...]]:
-    with psycopg.connect(database_url) as conn:
-        return conn.execute(query.encode()).fetchall()
 
 
 def test_migrate_creates_the_ledger_then_the_invoice_jobs_table_from_any_folder(

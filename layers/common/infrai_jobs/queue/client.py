@@ -11,7 +11,6 @@ import json
 import logging
 import random
 import re
-import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from typing import Any, NamedTuple, Unpack
 from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
-from infrai_jobs.config.settings import DEFAULT_BASE_URL, DEFAULT_MAX_ANSWER_BYTES, check_web_url
+from infrai_jobs.config.settings import DEFAULT_BASE_URL, check_web_url
 from infrai_jobs.errors import (
     AnswerTooLarge,
     ConfigurationError,
@@ -41,7 +40,7 @@ from infrai_jobs.queue.models import (
     parse_publish_price,
 )
 from infrai_jobs.queue.ports import PublishOptions
-from infrai_jobs.queue.transport import HttpPool
+from infrai_jobs.queue.transport import HttpPool, PoolOptions
 from infrai_jobs.queue_contract import CONSUME_CAP
 
 logger = logging.getLogger(__name__)
@@ -67,18 +66,6 @@ class HttpRetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.base_delay * (2**attempt)))
-
-
-@dataclass(frozen=True, slots=True)
-class PoolOptions:
-    """How the client's one HTTP pool connects: its timeouts, its size (concurrent ackers beyond
-    it get short-lived connections), the TLS context, and the largest answer it reads."""
-
-    connect_timeout: float = 3.05
-    read_timeout: float = 10.0
-    maxsize: int = 16
-    ssl_context: ssl.SSLContext | None = None
-    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
 
 
 class InfraiClient:
@@ -112,14 +99,7 @@ class InfraiClient:
         # The longest one attempt may take, which a retry must still fit (``retries_within``).
         self._attempt_at_most = options.connect_timeout + options.read_timeout
         try:
-            self._pool = HttpPool(
-                base_url,
-                connect_timeout=options.connect_timeout,
-                read_timeout=options.read_timeout,
-                maxsize=options.maxsize,
-                ssl_context=options.ssl_context,
-                max_body=options.max_answer_bytes,
-            )
+            self._pool = HttpPool(base_url, options)
         except ValueError as exc:
             raise ConfigurationError(f"INFRAI_BASE_URL: {exc}") from None
 
@@ -148,6 +128,8 @@ class InfraiClient:
         self, queue: str, body: Mapping[str, Any], **options: Unpack[PublishOptions]
     ) -> str:
         """Publish one message, returning its id; retried if ``retry`` (else as the policy says)."""
+        if unknown := options.keys() - PublishOptions.__optional_keys__:
+            raise TypeError(f"publish() got unknown options: {', '.join(sorted(unknown))}")
         request: dict[str, Any] = {"queue": queue, "body": body}
         if (delay_seconds := options.get("delay_seconds")) is not None:
             request["delay_seconds"] = delay_seconds

@@ -179,8 +179,7 @@ def _connection_string(text: str) -> str:
         raise ConfigurationError("the database secret JSON is not an object")
     if isinstance(document.get("url"), str):
         return str(document["url"])
-    missing = [k for k in ("host", "username", "password") if not document.get(k)]
-    if missing:
+    if missing := [k for k in ("host", "username", "password") if not document.get(k)]:
         raise ConfigurationError(f"the database secret JSON lacks {', '.join(missing)}")
     try:
         port = int(document.get("port") or 5432)
@@ -206,8 +205,7 @@ def _require_tls(url: str, minimum: str, ca_bundle: str) -> str:
     reason = malformed_reason(url)
     if reason and parse_conninfo(url) is not None:
         raise ConfigurationError(f"the database secret's URL is malformed: {reason}")
-    params = parse_conninfo(url)
-    if params is None:
+    if (params := parse_conninfo(url)) is None:
         # libpq's message quotes the whole string, password included: say only what is wrong.
         raise ConfigurationError("the database secret is not a valid connection string")
     mode = params.get("sslmode")

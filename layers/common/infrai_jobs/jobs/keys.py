@@ -98,8 +98,7 @@ def work_fields(payload: object) -> dict[str, object]:
 def canonical_json(value: object) -> bytes:
     """RFC 8785 (JCS) canonical JSON of ``value``; ``KeyDerivationError`` for anything JSON
     cannot carry exactly, so that two payloads never meet in one lossy serialisation."""
-    plain = _plain_canonical_json(value)
-    if plain is not None:
+    if (plain := _plain_canonical_json(value)) is not None:
         return plain
     try:
         return rfc8785.dumps(value)  # type: ignore[arg-type]  # it refuses what JSON cannot carry

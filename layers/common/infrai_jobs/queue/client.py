@@ -206,8 +206,7 @@ class InfraiClient:
         return self._with_retries(request, retryable, None, [])
 
     def _take_refreshed_key(self) -> bool:
-        fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
-        if fresh is None:
+        if (fresh := fetch_again(self._refresh_api_key, self._api_key, "API key")) is None:
             return False
         _check_api_key(fresh)
         logger.warning(
@@ -254,8 +253,7 @@ class InfraiClient:
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
     def _retry_fits(self, delay: float) -> bool:
-        time_left_ms = self._time_left_ms
-        if time_left_ms is None:
+        if (time_left_ms := self._time_left_ms) is None:
             return True
         return (delay + self._attempt_at_most) * 1000 <= time_left_ms()
 

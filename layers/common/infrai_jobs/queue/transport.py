@@ -203,8 +203,7 @@ class HttpPool:
         ]
         # A client sends the same few header sets: each is checked and encoded once.
         key = tuple(headers.items())
-        block = self._header_blocks.get(key)
-        if block is None:
+        if (block := self._header_blocks.get(key)) is None:
             block = _encode_headers(key)
             if len(self._header_blocks) >= _HEADER_BLOCKS_KEPT:
                 self._header_blocks.clear()

@@ -62,8 +62,7 @@ def ledger_url(settings: CommonSettings) -> str:
 
 def _well_formed(url: str, variable: str) -> str:
     # Names the variable, never the value: it may hold a password.
-    reason = malformed_reason(url)
-    if reason:
+    if reason := malformed_reason(url):
         raise ConfigurationError(f"{variable} is malformed: {reason}")
     return url
 

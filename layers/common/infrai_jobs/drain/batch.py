@@ -352,13 +352,13 @@ def run_handler(
         call = partial(feature.around_effect, ctx, derived.fingerprint, call)
     try:
         result = call()
-    except PermanentJobError as exc:
-        return JobRun(RunKind.PERMANENT, error=describe_error(exc))
-    except EffectUncertain as exc:
-        return JobRun(RunKind.UNCERTAIN, error=describe_error(exc))
     except Exception as exc:  # noqa: BLE001 - the one place a handler's failure becomes an outcome
-        return JobRun(RunKind.TRANSIENT, error=describe_error(exc))
+        kind = next((k for t, k in _FAILURE_KINDS if isinstance(exc, t)), RunKind.TRANSIENT)
+        return JobRun(kind, error=describe_error(exc))
     return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
+
+
+_FAILURE_KINDS = ((PermanentJobError, RunKind.PERMANENT), (EffectUncertain, RunKind.UNCERTAIN))
 
 
 def log_message(

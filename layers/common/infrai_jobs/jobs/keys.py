@@ -185,7 +185,6 @@ def _identity_part(job: str, field: str, value: object) -> str:
 
 
 def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
-    """Raise ``ConfigurationError`` unless ``identity_fields`` can key job ``job``."""
     # A bare string is a Sequence[str] too, and would key by its characters.
     if isinstance(identity_fields, str) or not identity_fields:
         raise ConfigurationError(

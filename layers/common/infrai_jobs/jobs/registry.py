@@ -221,7 +221,6 @@ class JobRegistry:
         return self._owners(lambda job: job.settings, probes_only=probes_only)
 
     def declared_secrets(self, *, probes_only: bool = False) -> dict[str, tuple[str, ...]]:
-        """As ``declared_settings``, for the secrets."""
         return self._owners(lambda job: job.secrets, probes_only=probes_only)
 
     def bind_settings(

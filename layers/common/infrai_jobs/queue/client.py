@@ -49,6 +49,7 @@ USER_AGENT = "infrai-jobs/0.1"
 # Built once: json.dumps with any option builds a new encoder per call (1.5 µs, every ack).
 _BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 _ASCII_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_HEADERS = {"Accept": "application/json", "User-Agent": USER_AGENT}
 _MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 
@@ -264,11 +265,7 @@ class InfraiClient:
         it (a 429 was not, and retries)."""
         call, body, spends = request.call, request.body, request.spends
         key = self._api_key
-        headers = {
-            "Authorization": f"Bearer {key}",
-            "Accept": "application/json",
-            "User-Agent": USER_AGENT,
-        }
+        headers = {"Authorization": f"Bearer {key}", **_HEADERS}
         encoded: bytes | None = None
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -354,18 +351,11 @@ class _Attempt:
 
 
 def _lost(
-    spends: tuple[str, int],
-    code: str,
-    message: str,
-    status: int,
-    *,
-    size: int | None = None,
-    message_ids: tuple[str, ...] = (),
+    spends: tuple[str, int], code: str, message: str, status: int, **found: Any
 ) -> ConsumeAnswerLost:
+    """``found``: the answer's ``size`` and the ``message_ids`` it still shows, when known."""
     queue, served = spends
-    return ConsumeAnswerLost(
-        code, message, status, queue=queue, max_messages=served, size=size, message_ids=message_ids
-    )
+    return ConsumeAnswerLost(code, message, status, queue=queue, max_messages=served, **found)
 
 
 def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:

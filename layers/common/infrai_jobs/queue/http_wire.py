@@ -127,7 +127,6 @@ class Connection:
         return self._take(len(self.buffer))
 
     def _take(self, size: int) -> bytes:
-        """The first ``size`` bytes of the buffer, taken out of it."""
         data = bytes(self.buffer[:size])
         del self.buffer[:size]
         return data

@@ -66,8 +66,7 @@ class SecretSource(Generic[AnySettings]):
             return resolved
         redis_url, job_secrets = resolved.redis_url, resolved.job_secrets
         if resolved.idempotency_backend == "redis" and resolved.redis_secret_arn:
-            secret = _fetch(resolved.redis_secret_arn, False)
-            redis_url = redis_url_from_secret(secret, redis_url)
+            redis_url = redis_url_from_secret(_fetch(resolved.redis_secret_arn, False), redis_url)
         if any(resolved.job_secret_arns.values()):
             job_secrets = MappingProxyType(_job_secrets(resolved))
         return replace(resolved, redis_url=redis_url, job_secrets=job_secrets)

@@ -181,10 +181,8 @@ class InfraiClient:
         return Pending(finish, first.answer)
 
     def stats(self, queue: str) -> QueueStats:
-        data = self._call(
-            QueueCall("stats", "GET", "/v1/queue/stats/" + quote(queue, safe="")), True
-        )
-        return QueueStats.from_api(data, queue=queue)
+        path = "/v1/queue/stats/" + quote(queue, safe="")
+        return QueueStats.from_api(self._call(QueueCall("stats", "GET", path), True), queue=queue)
 
     def publish_price(self) -> PublishPrice:
         """Today's publish price from discovery (only publishing is metered)."""

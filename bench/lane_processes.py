@@ -60,7 +60,8 @@ def _lane_process(spec: dict[str, Any], go: Path) -> None:
     """One lane in this process: connect, wait for the start signal, drain, print a summary."""
     from infrai_jobs.drain.loop import drain  # noqa: PLC0415
     from infrai_jobs.drain.model import DrainConfig  # noqa: PLC0415
-    from infrai_jobs.queue.client import InfraiClient, PoolOptions  # noqa: PLC0415
+    from infrai_jobs.queue.client import InfraiClient  # noqa: PLC0415
+    from infrai_jobs.queue.transport import PoolOptions  # noqa: PLC0415
     from infrai_jobs.runtime.factory import client_pool_size  # noqa: PLC0415
     from infrai_jobs.work.ledger import PostgresLedger  # noqa: PLC0415
     from jobs import build_registry  # noqa: PLC0415

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import urllib3
 
-from infrai_jobs.queue.transport import HttpPool
+from infrai_jobs.queue.transport import HttpPool, PoolOptions
 
 from bench_env import API_KEY, EmulatorProcess
 from instruments import pid_cpu_seconds
@@ -56,7 +56,7 @@ Send = Callable[[str, str, bytes | None], tuple[int, bytes]]
 
 
 def ours(url: str) -> tuple[Send, Callable[[], None]]:
-    pool = HttpPool(url, connect_timeout=5.0, read_timeout=10.0, maxsize=1)
+    pool = HttpPool(url, PoolOptions(connect_timeout=5.0, read_timeout=10.0, maxsize=1))
 
     def send(method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         response = pool.request(method, path, HEADERS, body)

@@ -30,7 +30,8 @@ import psycopg
 from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import JobRegistry
-from infrai_jobs.queue.client import InfraiClient, PoolOptions
+from infrai_jobs.queue.client import InfraiClient
+from infrai_jobs.queue.transport import PoolOptions
 from infrai_jobs.runtime.factory import client_pool_size
 from infrai_jobs.work.ledger import PostgresLedger
 from jobs import build_registry

@@ -30,7 +30,8 @@ from infrai_jobs.drain.loop import drain
 from infrai_jobs.drain.model import DrainConfig, DrainSummary
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
 from infrai_jobs.operations.alerting import AlertReport
-from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
+from infrai_jobs.queue.transport import PoolOptions
 from infrai_jobs.runtime.drain_service import DrainService, drain_features
 from infrai_jobs.runtime.observability import record_alert_check
 from infrai_jobs.work import store as flow

@@ -27,8 +27,8 @@ from infrai_jobs.errors import (
     TransportError,
     UntrustedServer,
 )
-from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
-from infrai_jobs.queue.transport import HttpPool
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
+from infrai_jobs.queue.transport import DEFAULT_MAX_IDLE, HttpPool, PoolOptions
 
 API_KEY = "sk_live_transport_secret_77"
 OK_JSON = (
@@ -132,9 +132,11 @@ def serve() -> Iterator[Callable[..., ScriptedServer]]:
         server.stop()
 
 
-def pool_for(server: ScriptedServer, **kwargs: object) -> HttpPool:
+def pool_for(
+    server: ScriptedServer, max_idle: float = DEFAULT_MAX_IDLE, **kwargs: object
+) -> HttpPool:
     options: dict[str, object] = {"connect_timeout": 2.0, "read_timeout": 2.0, **kwargs}
-    return HttpPool(server.url, **options)  # type: ignore[arg-type]
+    return HttpPool(server.url, PoolOptions(**options), max_idle=max_idle)  # type: ignore[arg-type]
 
 
 def assert_get_fails(server: ScriptedServer, message: str, **pool_options: object) -> None:
@@ -154,7 +156,7 @@ def test_requests_carry_host_path_prefix_and_length_on_one_kept_alive_connection
 ) -> None:
     # Given a server that answers everything with a small JSON body
     server = serve(lambda request, conn, index: (answer(b'{"n":1}'), False))
-    pool = HttpPool(f"{server.url}/prefix/", connect_timeout=2.0, read_timeout=2.0)
+    pool = HttpPool(f"{server.url}/prefix/", PoolOptions(connect_timeout=2.0, read_timeout=2.0))
     # When three requests are made in a row
     bodies = [pool.request("POST", "/v1/queue/ack", {"X-Test": "1"}, b'{"a":1}') for _ in range(3)]
     pool.close()
@@ -331,7 +333,7 @@ def test_a_server_dripping_bytes_cannot_hold_a_call_past_its_deadline() -> None:
 
     dripper = threading.Thread(target=serve_drip, daemon=True)
     dripper.start()
-    pool = HttpPool(f"http://127.0.0.1:{port}", connect_timeout=1.0, read_timeout=0.3)
+    pool = HttpPool(f"http://127.0.0.1:{port}", PoolOptions(connect_timeout=1.0, read_timeout=0.3))
     # Then the call fails on its answer's deadline (three read timeouts), not when the drip ends
     # (~30 s): a drip that ended would have been a complete answer, not this error
     with pytest.raises(TransportError, match="did not complete in time"):
@@ -398,7 +400,7 @@ def test_many_one_byte_chunks_make_one_body(serve: Callable[..., ScriptedServer]
 
 @pytest.mark.parametrize("path", ["/a b", "/a\r\nX-Evil: 1", "/a\x00", "/caf\u00e9\u2603"])
 def test_a_path_that_would_bend_the_request_line_is_refused(path: str) -> None:
-    pool = HttpPool("http://127.0.0.1:9", connect_timeout=1.0, read_timeout=1.0)
+    pool = HttpPool("http://127.0.0.1:9", PoolOptions(connect_timeout=1.0, read_timeout=1.0))
     with pytest.raises(ValueError, match="path") as caught:
         pool.request("GET", path, {"Authorization": f"Bearer {API_KEY}"})
     # Nothing in the error or its chain carries the request head, and so the key
@@ -446,7 +448,7 @@ def test_a_server_that_never_answers_times_out(serve: Callable[..., ScriptedServ
 def test_a_refused_connection_is_a_transport_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as placeholder:
         port = placeholder.getsockname()[1]
-    pool = HttpPool(f"http://127.0.0.1:{port}", connect_timeout=1.0, read_timeout=1.0)
+    pool = HttpPool(f"http://127.0.0.1:{port}", PoolOptions(connect_timeout=1.0, read_timeout=1.0))
     with pytest.raises(TransportError, match="ConnectionRefusedError"):
         pool.request("GET", "/", {})
 
@@ -492,11 +494,11 @@ def test_malformed_answers_are_transport_errors_at_once(
     # When a request is made, Then the answer is refused as soon as it shows it is broken: a pool
     # waiting for more on an open connection would end on its 30 s read timeout, with a timeout's
     # message
-    assert_get_fails(server, message, max_body=1024, read_timeout=30.0)
+    assert_get_fails(server, message, max_answer_bytes=1024, read_timeout=30.0)
 
 
 def test_a_header_value_with_a_line_break_is_refused_without_printing_it() -> None:
-    pool = HttpPool("http://127.0.0.1:9", connect_timeout=1.0, read_timeout=1.0)
+    pool = HttpPool("http://127.0.0.1:9", PoolOptions(connect_timeout=1.0, read_timeout=1.0))
     with pytest.raises(ValueError, match="'Authorization'") as caught:
         pool.request("GET", "/", {"Authorization": "Bearer abc\r\nX-Evil: 1"})
     assert "abc" not in str(caught.value)
@@ -695,7 +697,9 @@ def test_tls_refuses_a_certificate_for_another_host(
     # Given a CA the client trusts, and a certificate it signed for another name
     server, ca_path = _tls_server(tmp_path, serve, [x509.DNSName("api.other.test")])
     trusted = ssl.create_default_context(cafile=str(ca_path))
-    pool = HttpPool(server.url, connect_timeout=1.0, read_timeout=1.0, ssl_context=trusted)
+    pool = HttpPool(
+        server.url, PoolOptions(connect_timeout=1.0, read_timeout=1.0, ssl_context=trusted)
+    )
     # Then the handshake fails on the name, as a verification failure, and nothing is sent
     with pytest.raises(TlsVerificationFailed, match=r"IP address mismatch|doesn't match"):
         pool.request("GET", "/", {})

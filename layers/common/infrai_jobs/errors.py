@@ -55,10 +55,7 @@ class InfraiError(InfraiJobsError):
     ``status`` is the HTTP status, 0 when no answer arrived."""
 
     def __init__(self, code: str, message: str, status: int = 0, *, call: str = "") -> None:
-        self.code = code
-        self.message = message
-        self.status = status
-        self.call = call
+        self.code, self.message, self.status, self.call = code, message, status, call
         where = f"{call}: " if call else ""
         super().__init__(f"{where}{code} (HTTP {status}): {message}")
 
@@ -96,10 +93,8 @@ class ConsumeAnswerLost(InfraiUnavailable):
         message_ids: tuple[str, ...] = (),
     ) -> None:
         super().__init__(code, message, status, call="consume")
-        self.queue = queue
-        self.max_messages = max_messages
-        self.size = size
-        self.message_ids = message_ids
+        self.queue, self.max_messages = queue, max_messages
+        self.size, self.message_ids = size, message_ids
 
 
 class QueueMessageNotFound(InfraiError):

@@ -66,8 +66,7 @@ class SecretSource(Generic[AnySettings]):
             return resolved
         redis_url, job_secrets = resolved.redis_url, resolved.job_secrets
         if resolved.idempotency_backend == "redis" and resolved.redis_secret_arn:
-            secret = _fetch_secret(resolved.redis_secret_arn, force_fetch=False)
-            redis_url = redis_url_from_secret(secret, redis_url)
+            redis_url = redis_url_from_secret(_fetch(resolved.redis_secret_arn, False), redis_url)
         if any(resolved.job_secret_arns.values()):
             job_secrets = MappingProxyType(_job_secrets(resolved))
         return replace(resolved, redis_url=redis_url, job_secrets=job_secrets)
@@ -81,7 +80,7 @@ class SecretSource(Generic[AnySettings]):
         settings = self.settings
         api_key = database_url = None
         if self.api_key and not settings.infrai_api_key and settings.api_key_parameter:
-            api_key = partial(_fetch_parameter, settings.api_key_parameter, force_fetch)
+            api_key = partial(_fetch, settings.api_key_parameter, force_fetch, ssm=True)
         if not settings.database_url and settings.database_secret_arn:
             database_url = partial(_database_url, settings, force_fetch)
         return SecretRefresh(api_key=api_key, database_url=database_url)
@@ -89,7 +88,7 @@ class SecretSource(Generic[AnySettings]):
 
 def _database_url(settings: AnySettings, force_fetch: bool) -> str:
     url = database_url_from_secret(
-        _fetch_secret(settings.database_secret_arn, force_fetch=force_fetch),
+        _fetch(settings.database_secret_arn, force_fetch),
         sslmode=settings.database_sslmode,
         ca_bundle=settings.database_ca_bundle,
     )
@@ -107,7 +106,7 @@ def _job_secrets(settings: JobSettings) -> dict[str, str]:
         if not arn:
             continue
         try:
-            values[name] = _fetch_secret(arn, force_fetch=False)
+            values[name] = _fetch(arn, False)
         except (GetParameterError, ConfigurationError) as exc:
             jobs = ", ".join(settings.job_secret_owners.get(name, ()))
             raise ConfigurationError(
@@ -179,8 +178,7 @@ def _connection_string(text: str) -> str:
         raise ConfigurationError("the database secret JSON is not an object")
     if isinstance(document.get("url"), str):
         return str(document["url"])
-    missing = [k for k in ("host", "username", "password") if not document.get(k)]
-    if missing:
+    if missing := [k for k in ("host", "username", "password") if not document.get(k)]:
         raise ConfigurationError(f"the database secret JSON lacks {', '.join(missing)}")
     try:
         port = int(document.get("port") or 5432)
@@ -206,8 +204,7 @@ def _require_tls(url: str, minimum: str, ca_bundle: str) -> str:
     reason = malformed_reason(url)
     if reason and parse_conninfo(url) is not None:
         raise ConfigurationError(f"the database secret's URL is malformed: {reason}")
-    params = parse_conninfo(url)
-    if params is None:
+    if (params := parse_conninfo(url)) is None:
         # libpq's message quotes the whole string, password included: say only what is wrong.
         raise ConfigurationError("the database secret is not a valid connection string")
     mode = params.get("sslmode")
@@ -249,26 +246,19 @@ def _ca_bundle(path: str, mode: str) -> str:
     return path
 
 
-def _fetch_parameter(name: str, force_fetch: bool) -> str:
+def _fetch(name: str, force_fetch: bool, *, ssm: bool = False) -> str:
+    """A Secrets Manager secret by ARN, or with ``ssm`` an SSM parameter by name, decrypted."""
     from aws_lambda_powertools.utilities import parameters  # noqa: PLC0415 - boto3 on demand
 
-    value = parameters.get_parameter(
-        name, decrypt=True, max_age=SECRET_CACHE_SECONDS, force_fetch=force_fetch
-    )
-    if not isinstance(value, str) or not value:
-        raise ConfigurationError(f"SSM parameter {name} is empty")
-    return value
-
-
-def _fetch_secret(arn: str, *, force_fetch: bool) -> str:
-    from aws_lambda_powertools.utilities import parameters  # noqa: PLC0415 - boto3 on demand
-
+    cached: dict[str, Any] = {"max_age": SECRET_CACHE_SECONDS, "force_fetch": force_fetch}
     # A binary secret (SecretBinary) arrives as bytes whatever the stubs say.
-    value: object = parameters.get_secret(
-        arn, max_age=SECRET_CACHE_SECONDS, force_fetch=force_fetch
+    value: object = (
+        parameters.get_parameter(name, decrypt=True, **cached)
+        if ssm
+        else parameters.get_secret(name, **cached)
     )
     if isinstance(value, bytes):
         value = value.decode()
     if not isinstance(value, str) or not value:
-        raise ConfigurationError(f"secret {arn} is empty")
+        raise ConfigurationError(f"{'SSM parameter' if ssm else 'secret'} {name} is empty")
     return value

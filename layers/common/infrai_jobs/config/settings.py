@@ -63,8 +63,7 @@ _logger = logging.getLogger(__name__)
 
 def _web_url(example: str) -> Parse:
     def parse(row: Setting, raw: str | None, reading: Reading) -> str:
-        url = parse_text(row, raw, reading)
-        if url:
+        if url := parse_text(row, raw, reading):
             allow_plain_http = bool(reading.value("allow_plain_http"))
             check_web_url(row.variable, url, allow_plain_http=allow_plain_http, example=example)
         return url
@@ -73,8 +72,7 @@ def _web_url(example: str) -> Parse:
 
 
 def _queue(row: Setting, raw: str | None, reading: Reading) -> str:
-    queue = parse_text(row, raw, reading)
-    if not queue:
+    if not (queue := parse_text(row, raw, reading)):
         raise ConfigurationError(f"{row.variable} is empty; set it to the queue to drain")
     return queue
 

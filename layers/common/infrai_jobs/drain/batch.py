@@ -193,8 +193,7 @@ class _Batch:
         """Commit claims, then run and settle each job. Key-passing jobs are claimed together (a
         later delivery takes a claim over once its lease ends); irreversible ones one by one, so
         a crash leaves for a human only the claim whose call had begun."""
-        idempotent = [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]
-        if idempotent:
+        if idempotent := [r for r in requests if r.effect is Effect.EXTERNAL_IDEMPOTENT]:
             self._claim_and_run(idempotent)
         for request in (r for r in requests if r.effect is Effect.EXTERNAL):
             if self.ledger_failed:
@@ -280,8 +279,7 @@ class _Batch:
         return keys
 
     def _note_early_redelivery(self, decision: ClaimDecision) -> None:
-        seconds = decision.redelivered_early_after
-        if seconds is None:
+        if (seconds := decision.redelivered_early_after) is None:
             return
         message = decision.request.message_id
         self.early[message] = seconds
@@ -335,8 +333,7 @@ class _Batch:
         # The first decision about a message stands (a settle failure is recorded first).
         message_id = result.message.message_id
         if message_id not in self.results:
-            correlation = self.correlations.get(message_id)
-            if correlation is not None:
+            if (correlation := self.correlations.get(message_id)) is not None:
                 result = replace(result, correlation=correlation)
             self.results[message_id] = result
             level, action = OUTCOME_RULES[result.outcome].level, result.outcome.value
@@ -355,13 +352,13 @@ def run_handler(
         call = partial(feature.around_effect, ctx, derived.fingerprint, call)
     try:
         result = call()
-    except PermanentJobError as exc:
-        return JobRun(RunKind.PERMANENT, error=describe_error(exc))
-    except EffectUncertain as exc:
-        return JobRun(RunKind.UNCERTAIN, error=describe_error(exc))
     except Exception as exc:  # noqa: BLE001 - the one place a handler's failure becomes an outcome
-        return JobRun(RunKind.TRANSIENT, error=describe_error(exc))
+        kind = next((k for t, k in _FAILURE_KINDS if isinstance(exc, t)), RunKind.TRANSIENT)
+        return JobRun(kind, error=describe_error(exc))
     return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
+
+
+_FAILURE_KINDS = ((PermanentJobError, RunKind.PERMANENT), (EffectUncertain, RunKind.UNCERTAIN))
 
 
 def log_message(

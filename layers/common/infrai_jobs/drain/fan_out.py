@@ -255,8 +255,7 @@ class FleetMembership(DrainFeature):
         return summary
 
     def close(self) -> None:
-        close_fleet = getattr(self.fleet, "close", None)
-        if close_fleet is not None:
+        if (close_fleet := getattr(self.fleet, "close", None)) is not None:
             close_fleet()
 
 

@@ -36,8 +36,7 @@ class IdlePolling(DrainFeature):
     window_seconds: float = 0.0
 
     def around_drain(self, run: DrainRun, next_drain: NextDrain) -> DrainSummary:
-        shortfall = self.shortfall(run.config.batch_budget_ms, run.time_left_ms())
-        if shortfall:
+        if shortfall := self.shortfall(run.config.batch_budget_ms, run.time_left_ms()):
             logger.warning(
                 "this drain does not poll an idle queue",
                 extra={"action": "idle_polling_off", "detail": shortfall},

@@ -97,8 +97,7 @@ class FlowControl(DrainFeature):
         return summary
 
     def around_handler(self, attempt: HandlerAttempt, run: Callable[[], JobRun]) -> JobRun:
-        policy = self.policies.get(attempt.ctx.job)
-        if policy is None:
+        if (policy := self.policies.get(attempt.ctx.job)) is None:
             return run()
         ctx = attempt.ctx
         try:

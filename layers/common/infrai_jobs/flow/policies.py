@@ -94,8 +94,7 @@ def _known_fields(
     are held to the same two rules, so a misspelt field is refused, never silently ignored."""
     if not isinstance(value, dict):
         raise ConfigurationError(f"{must_be} (got {json_kind(value)})")
-    unknown = sorted(set(value) - set(known))
-    if unknown:
+    if unknown := sorted(set(value) - set(known)):
         raise ConfigurationError(
             f"{where}: unknown field {prefix + unknown[0]!r} (known: {', '.join(sorted(known))})"
         )
@@ -141,8 +140,7 @@ def is_final_error(policy: RetryPolicy, error: BaseException) -> bool:
 def concurrency_value(limit: ConcurrencyLimit, payload: Payload) -> str:
     """The concurrency key's value for ``payload``: its ``key`` fields' values, in order, as
     canonical JSON (so ``"42"`` and ``42`` stay apart). A missing field is ``InvalidPayload``."""
-    missing = [name for name in limit.key if name not in payload]
-    if missing:
+    if missing := [name for name in limit.key if name not in payload]:
         raise InvalidPayload(
             f"payload has no {', '.join(repr(name) for name in missing)} for its concurrency key"
         )

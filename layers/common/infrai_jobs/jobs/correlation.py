@@ -61,7 +61,6 @@ def correlation_of(payload: object) -> Correlation:
 
 
 def valid_correlation_id(value: object) -> str | None:
-    """``value`` when it is a usable correlation id, else None."""
     if isinstance(value, str) and 0 < len(value) <= MAX_CORRELATION_ID_LENGTH:
         return value if value.isprintable() and value.strip() == value else None
     return None

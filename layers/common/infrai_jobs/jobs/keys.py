@@ -98,8 +98,7 @@ def work_fields(payload: object) -> dict[str, object]:
 def canonical_json(value: object) -> bytes:
     """RFC 8785 (JCS) canonical JSON of ``value``; ``KeyDerivationError`` for anything JSON
     cannot carry exactly, so that two payloads never meet in one lossy serialisation."""
-    plain = _plain_canonical_json(value)
-    if plain is not None:
+    if (plain := _plain_canonical_json(value)) is not None:
         return plain
     try:
         return rfc8785.dumps(value)  # type: ignore[arg-type]  # it refuses what JSON cannot carry
@@ -186,7 +185,6 @@ def _identity_part(job: str, field: str, value: object) -> str:
 
 
 def check_key_rule(job: str, identity_fields: Sequence[str]) -> None:
-    """Raise ``ConfigurationError`` unless ``identity_fields`` can key job ``job``."""
     # A bare string is a Sequence[str] too, and would key by its characters.
     if isinstance(identity_fields, str) or not identity_fields:
         raise ConfigurationError(

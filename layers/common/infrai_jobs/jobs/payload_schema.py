@@ -79,8 +79,7 @@ class PayloadSchema:
         declared = {f.name: f for f in self.fields}
         added: list[DeclaredField] = []
         for name in dict.fromkeys((*identity, *required)):
-            found = declared.get(name)
-            if found is None:
+            if (found := declared.get(name)) is None:
                 added.append(DeclaredField(name, required=True, accepted=None, expected="any"))
             elif not found.required:
                 raise ConfigurationError(

@@ -134,8 +134,7 @@ class JobRegistry:
             raise ConfigurationError(f"job {name!r}: prepare must be a function of no arguments")
         if definition.probe is not None and not callable(definition.probe):
             raise ConfigurationError(f"job {name!r}: probe must be a function of (payload, ctx)")
-        both = sorted(set(definition.secrets) & set(definition.settings))
-        if both:
+        if both := sorted(set(definition.secrets) & set(definition.settings)):
             raise ConfigurationError(
                 f"job {name!r}: {', '.join(both)} is declared both as a setting "
                 "and as a secret; a credential is a secret only"
@@ -222,7 +221,6 @@ class JobRegistry:
         return self._owners(lambda job: job.settings, probes_only=probes_only)
 
     def declared_secrets(self, *, probes_only: bool = False) -> dict[str, tuple[str, ...]]:
-        """As ``declared_settings``, for the secrets."""
         return self._owners(lambda job: job.secrets, probes_only=probes_only)
 
     def bind_settings(
@@ -295,8 +293,7 @@ class JobRegistry:
         name = payload.get("job")
         if not isinstance(name, str) or not name:
             raise KeyDerivationError("payload has no 'job' string naming the job type")
-        definition = self._jobs.get(name)
-        if definition is None:
+        if (definition := self._jobs.get(name)) is None:
             raise UnknownJob(self.unknown_job(name))
         definition.schema.check(name, payload)
         idem_key = derive_key(payload, {name: definition.identity} if definition.identity else {})

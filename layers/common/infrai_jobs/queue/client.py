@@ -11,7 +11,6 @@ import json
 import logging
 import random
 import re
-import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from typing import Any, NamedTuple, Unpack
 from urllib.parse import quote
 
 from infrai_jobs.config.rotation import fetch_again
-from infrai_jobs.config.settings import DEFAULT_BASE_URL, DEFAULT_MAX_ANSWER_BYTES, check_web_url
+from infrai_jobs.config.settings import DEFAULT_BASE_URL, check_web_url
 from infrai_jobs.errors import (
     AnswerTooLarge,
     ConfigurationError,
@@ -41,7 +40,7 @@ from infrai_jobs.queue.models import (
     parse_publish_price,
 )
 from infrai_jobs.queue.ports import PublishOptions
-from infrai_jobs.queue.transport import HttpPool
+from infrai_jobs.queue.transport import HttpPool, PoolOptions
 from infrai_jobs.queue_contract import CONSUME_CAP
 
 logger = logging.getLogger(__name__)
@@ -50,6 +49,7 @@ USER_AGENT = "infrai-jobs/0.1"
 # Built once: json.dumps with any option builds a new encoder per call (1.5 µs, every ack).
 _BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 _ASCII_BODY_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_HEADERS = {"Accept": "application/json", "User-Agent": USER_AGENT}
 _MESSAGE_ID = re.compile(rb'"message_id"\s*:\s*"([A-Za-z0-9_-]{1,80})"')
 
 
@@ -67,18 +67,6 @@ class HttpRetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.base_delay * (2**attempt)))
-
-
-@dataclass(frozen=True, slots=True)
-class PoolOptions:
-    """How the client's one HTTP pool connects: its timeouts, its size (concurrent ackers beyond
-    it get short-lived connections), the TLS context, and the largest answer it reads."""
-
-    connect_timeout: float = 3.05
-    read_timeout: float = 10.0
-    maxsize: int = 16
-    ssl_context: ssl.SSLContext | None = None
-    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
 
 
 class InfraiClient:
@@ -112,14 +100,7 @@ class InfraiClient:
         # The longest one attempt may take, which a retry must still fit (``retries_within``).
         self._attempt_at_most = options.connect_timeout + options.read_timeout
         try:
-            self._pool = HttpPool(
-                base_url,
-                connect_timeout=options.connect_timeout,
-                read_timeout=options.read_timeout,
-                maxsize=options.maxsize,
-                ssl_context=options.ssl_context,
-                max_body=options.max_answer_bytes,
-            )
+            self._pool = HttpPool(base_url, options)
         except ValueError as exc:
             raise ConfigurationError(f"INFRAI_BASE_URL: {exc}") from None
 
@@ -148,6 +129,8 @@ class InfraiClient:
         self, queue: str, body: Mapping[str, Any], **options: Unpack[PublishOptions]
     ) -> str:
         """Publish one message, returning its id; retried if ``retry`` (else as the policy says)."""
+        if unknown := options.keys() - PublishOptions.__optional_keys__:
+            raise TypeError(f"publish() got unknown options: {', '.join(sorted(unknown))}")
         request: dict[str, Any] = {"queue": queue, "body": body}
         if (delay_seconds := options.get("delay_seconds")) is not None:
             request["delay_seconds"] = delay_seconds
@@ -198,10 +181,8 @@ class InfraiClient:
         return Pending(finish, first.answer)
 
     def stats(self, queue: str) -> QueueStats:
-        data = self._call(
-            QueueCall("stats", "GET", "/v1/queue/stats/" + quote(queue, safe="")), True
-        )
-        return QueueStats.from_api(data, queue=queue)
+        path = "/v1/queue/stats/" + quote(queue, safe="")
+        return QueueStats.from_api(self._call(QueueCall("stats", "GET", path), True), queue=queue)
 
     def publish_price(self) -> PublishPrice:
         """Today's publish price from discovery (only publishing is metered)."""
@@ -224,8 +205,7 @@ class InfraiClient:
         return self._with_retries(request, retryable, None, [])
 
     def _take_refreshed_key(self) -> bool:
-        fresh = fetch_again(self._refresh_api_key, self._api_key, "API key")
-        if fresh is None:
+        if (fresh := fetch_again(self._refresh_api_key, self._api_key, "API key")) is None:
             return False
         _check_api_key(fresh)
         logger.warning(
@@ -272,8 +252,7 @@ class InfraiClient:
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
     def _retry_fits(self, delay: float) -> bool:
-        time_left_ms = self._time_left_ms
-        if time_left_ms is None:
+        if (time_left_ms := self._time_left_ms) is None:
             return True
         return (delay + self._attempt_at_most) * 1000 <= time_left_ms()
 
@@ -284,11 +263,7 @@ class InfraiClient:
         it (a 429 was not, and retries)."""
         call, body, spends = request.call, request.body, request.spends
         key = self._api_key
-        headers = {
-            "Authorization": f"Bearer {key}",
-            "Accept": "application/json",
-            "User-Agent": USER_AGENT,
-        }
+        headers = {"Authorization": f"Bearer {key}", **_HEADERS}
         encoded: bytes | None = None
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -374,18 +349,11 @@ class _Attempt:
 
 
 def _lost(
-    spends: tuple[str, int],
-    code: str,
-    message: str,
-    status: int,
-    *,
-    size: int | None = None,
-    message_ids: tuple[str, ...] = (),
+    spends: tuple[str, int], code: str, message: str, status: int, **found: Any
 ) -> ConsumeAnswerLost:
+    """``found``: the answer's ``size`` and the ``message_ids`` it still shows, when known."""
     queue, served = spends
-    return ConsumeAnswerLost(
-        code, message, status, queue=queue, max_messages=served, size=size, message_ids=message_ids
-    )
+    return ConsumeAnswerLost(code, message, status, queue=queue, max_messages=served, **found)
 
 
 def _messages(data: Any, queue: str, served: int) -> list[QueueMessage]:

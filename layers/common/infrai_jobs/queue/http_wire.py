@@ -127,7 +127,6 @@ class Connection:
         return self._take(len(self.buffer))
 
     def _take(self, size: int) -> bytes:
-        """The first ``size`` bytes of the buffer, taken out of it."""
         data = bytes(self.buffer[:size])
         del self.buffer[:size]
         return data
@@ -136,10 +135,8 @@ class Connection:
 def read_head(conn: Connection) -> tuple[str, int, dict[str, str]]:
     """The final answer's version, status and headers; 1xx answers before it are skipped."""
     for _ in range(MAX_INTERIM + 1):
-        lines = whole_head(conn)
-        if lines is None:
-            line = conn.readline()
-            if not line:
+        if (lines := whole_head(conn)) is None:
+            if not (line := conn.readline()):
                 raise ProtocolError("the server closed the connection before answering")
             if not line.endswith(b"\n"):
                 raise ProtocolError("the connection closed inside the answer's status line")
@@ -187,8 +184,7 @@ def read_response(conn: Connection, method: str, max_body: int) -> tuple[Respons
     keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
     if method == "HEAD" or status in (204, 304):
         return Response(status, headers, b""), keep_alive
-    transfer = headers.get("transfer-encoding")
-    if transfer is not None:
+    if (transfer := headers.get("transfer-encoding")) is not None:
         codings = [item.strip().lower() for item in transfer.split(",")]
         if codings != ["chunked"]:
             raise ProtocolError(f"an unsupported Transfer-Encoding: {transfer[:40]!r}")
@@ -196,8 +192,7 @@ def read_response(conn: Connection, method: str, max_body: int) -> tuple[Respons
         # and the connection is not trusted with another request.
         keep_alive = keep_alive and "content-length" not in headers
         return Response(status, headers, _read_chunked(conn, max_body)), keep_alive
-    length = headers.get("content-length")
-    if length is None:
+    if (length := headers.get("content-length")) is None:
         # Close-delimited: the body runs to the end of the connection.
         return Response(status, headers, conn.read_to_end(max_body)), False
     size = _parse_length(length)
@@ -251,8 +246,7 @@ def _parse_headers(lines: list[str]) -> dict[str, str]:
     headers: dict[str, str] = {}
     last = ""
     for text in lines:
-        split = _split_header(text, continues=bool(last))
-        if split is None:
+        if (split := _split_header(text, continues=bool(last))) is None:
             headers[last] += " " + text.strip()  # an obsolete folded continuation
             continue
         last, value = split

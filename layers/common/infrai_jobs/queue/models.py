@@ -60,8 +60,7 @@ class QueueMessage:
         if delivery_count < 1:
             raise _invalid(call, f"item {message_id}: delivery_count {delivery_count} is below 1")
         # The notes' worker acks with the message id; a separate handle wins when Infrai sends one.
-        handle = item.get("receipt_handle")
-        if handle is not None:
+        if (handle := item.get("receipt_handle")) is not None:
             handle = _require_id(handle, f"item {message_id}: receipt_handle", call)
         return cls(
             message_id=message_id,

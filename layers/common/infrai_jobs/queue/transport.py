@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from infrai_jobs.config.settings import DEFAULT_MAX_ANSWER_BYTES
@@ -48,19 +49,23 @@ class Exchange:
         return conn
 
 
+@dataclass(frozen=True, slots=True)
+class PoolOptions:
+    """How an HTTP pool connects: its timeouts, its size (concurrent callers beyond it get
+    short-lived connections), the TLS context, and the largest answer it reads."""
+
+    connect_timeout: float = 3.05
+    read_timeout: float = 10.0
+    maxsize: int = 16
+    ssl_context: ssl.SSLContext | None = None
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+
+
 class HttpPool:
     """Keep-alive connections to one origin (scheme, host, port)."""
 
     def __init__(
-        self,
-        base_url: str,
-        *,
-        connect_timeout: float,
-        read_timeout: float,
-        maxsize: int = 16,
-        ssl_context: ssl.SSLContext | None = None,
-        max_idle: float = DEFAULT_MAX_IDLE,
-        max_body: int = DEFAULT_MAX_ANSWER_BYTES,
+        self, base_url: str, options: PoolOptions, *, max_idle: float = DEFAULT_MAX_IDLE
     ) -> None:
         # The client checked scheme, host and credentials (check_web_url); the port is left.
         parts = urlsplit(base_url)
@@ -78,12 +83,10 @@ class HttpPool:
         )
         self._prefix = parts.path.rstrip("/")
         self._where = f"{parts.scheme}://{self._host_header}"
-        self._connect_timeout = connect_timeout
-        self._read_timeout = read_timeout
-        self._maxsize = maxsize
-        self._ssl_context = ssl_context
+        self._options = options
+        self._read_timeout = options.read_timeout
+        self._ssl_context = options.ssl_context  # built on first use when None
         self._max_idle = max_idle
-        self._max_body = max_body
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._header_blocks: dict[tuple[tuple[str, str], ...], bytes] = {}
@@ -127,7 +130,9 @@ class HttpPool:
         """Read an exchange's answer; its connection is pooled again only if framed exactly."""
         conn = exchange.take()
         try:
-            response, keep_alive = read_response(conn, exchange.method, self._max_body)
+            response, keep_alive = read_response(
+                conn, exchange.method, self._options.max_answer_bytes
+            )
         except BaseException as exc:
             conn.close()
             if isinstance(exc, AnswerTooLarge):
@@ -159,14 +164,14 @@ class HttpPool:
             conn.sock.settimeout(self._read_timeout)
             conn.shortened = False
         with self._lock:
-            if len(self._idle) < self._maxsize:
+            if len(self._idle) < self._options.maxsize:
                 self._idle.append(conn)
                 return
         conn.close()
 
     def _connect(self) -> Connection:
         try:
-            sock = socket.create_connection((self._host, self._port), self._connect_timeout)
+            sock = socket.create_connection((self._host, self._port), self._options.connect_timeout)
         except OSError as exc:
             raise TransportError(self._describe(exc)) from exc
         try:
@@ -198,8 +203,7 @@ class HttpPool:
         ]
         # A client sends the same few header sets: each is checked and encoded once.
         key = tuple(headers.items())
-        block = self._header_blocks.get(key)
-        if block is None:
+        if (block := self._header_blocks.get(key)) is None:
             block = _encode_headers(key)
             if len(self._header_blocks) >= _HEADER_BLOCKS_KEPT:
                 self._header_blocks.clear()

@@ -225,8 +225,7 @@ def ledger_outage_message(summary: DrainSummary) -> str:
 
 def check_time_budget(config: DrainConfig, time_budget_ms: int) -> None:
     """Refuse a drain whose time cannot hold one batch (``budget_shortfall``)."""
-    shortfall = budget_shortfall(config.batch_budget_ms, time_budget_ms)
-    if shortfall:
+    if shortfall := budget_shortfall(config.batch_budget_ms, time_budget_ms):
         logger.error(
             "the drain's time cannot hold one batch; nothing was received",
             extra={"action": "time_budget_too_short", "detail": shortfall},

@@ -22,7 +22,8 @@ from infrai_jobs.drain.ack_pipeline import HTTP_CONNECTIONS_PER_LANE
 from infrai_jobs.errors import ConfigurationError
 from infrai_jobs.ledger.job_schema import JobMigrationName
 from infrai_jobs.ledger.postgres import LedgerConnector, malformed_reason
-from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient, PoolOptions
+from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
+from infrai_jobs.queue.transport import PoolOptions
 from infrai_jobs.work.ledger import PostgresLedger
 
 if TYPE_CHECKING:
@@ -61,8 +62,7 @@ def ledger_url(settings: CommonSettings) -> str:
 
 def _well_formed(url: str, variable: str) -> str:
     # Names the variable, never the value: it may hold a password.
-    reason = malformed_reason(url)
-    if reason:
+    if reason := malformed_reason(url):
         raise ConfigurationError(f"{variable} is malformed: {reason}")
     return url
 

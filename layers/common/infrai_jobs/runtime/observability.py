@@ -86,8 +86,7 @@ def message_tracing() -> MessageSpan | None:
     """With tracing on, the span each handler run gets (``MessageTracing``): an X-Ray subsegment
     ``## job NAME`` annotated by ``message_annotations``, so the drain's trace can be found from
     the producer's. With tracing off: None."""
-    tracer = _tracer()
-    if tracer is None:
+    if (tracer := _tracer()) is None:
         return None
 
     @contextmanager
@@ -117,8 +116,7 @@ def message_annotations(ctx: JobContext) -> dict[str, str]:
     annotations = {"job": ctx.job, "message_id": ctx.message_id}
     if ctx.correlation_id is not None:
         annotations["correlation_id"] = ctx.correlation_id
-    trace_id = traceparent_trace_id(ctx.traceparent)
-    if trace_id is not None:
+    if (trace_id := traceparent_trace_id(ctx.traceparent)) is not None:
         annotations["trace_id"] = trace_id
         # X-Ray's form of the same 128 bits: 1-{first 8 hex digits}-{the other 24}.
         annotations["xray_trace_id"] = f"1-{trace_id[:8]}-{trace_id[8:]}"

@@ -117,7 +117,6 @@ def secrets_of(conninfo: str) -> list[str]:
 
 
 def redact(text: str, conninfo: str) -> str:
-    """``text`` with every secret of ``conninfo`` replaced by ``***``."""
     for secret in secrets_of(conninfo):
         text = text.replace(secret, MASK)
     return text
@@ -161,11 +160,7 @@ def _busy_or_down(exc: psycopg.Error) -> type[LedgerUnavailable]:
 
 
 # How libpq words a certificate or host name that does not verify.
-_TLS_VERIFICATION_FAILURES = (
-    "certificate verify failed",
-    "does not match host name",
-    "root certificate file",
-)
+_TLS_FAILURES = ("certificate verify failed", "does not match host name", "root certificate file")
 
 
 def connect_to_ledger(
@@ -191,7 +186,7 @@ def connect_to_ledger(
         raise _malformed_url("libpq cannot parse it") from None
     except psycopg.Error as exc:
         detail = redact(one_line(str(exc)), url)
-        if any(sign in detail for sign in _TLS_VERIFICATION_FAILURES):
+        if any(sign in detail for sign in _TLS_FAILURES):
             detail += (
                 " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE "
                 "in AWS, must hold the CA that signed it, and the host must be a name on it)"

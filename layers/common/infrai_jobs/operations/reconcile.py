@@ -40,8 +40,6 @@ _NOTE_DETAIL_CHARS: Final = 500
 
 @dataclass(frozen=True, slots=True)
 class ProbeOutcome:
-    """One stuck claim, its probe's answer, and what the pass did about it."""
-
     idem_key: str
     job: str
     answer: str

@@ -154,11 +154,8 @@ def postpone(
 ) -> bool:
     """A taken job's attempt failed (``error``), or a limit held it back before it ran
     (``ran=False``: not counted); it runs again in ``delay_seconds``."""
-    delay = max(float(delay_seconds), 0.0)
-    doing = "cannot postpone a deferred job"
-    return _fenced(
-        conn, sql.POSTPONE, doing, key=key, token=token, error=error, delay=delay, ran=ran
-    )
+    params = {"key": key, "token": token, "error": error, "delay": max(float(delay_seconds), 0.0)}
+    return _fenced(conn, sql.POSTPONE, "cannot postpone a deferred job", ran=ran, **params)
 
 
 def finish(
@@ -282,7 +279,6 @@ def release_for_take_back(
 
 
 def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
-    """The deferred backlog (waiting or running) and its oldest entry's age, in seconds."""
     with ledger_errors("cannot read deferred jobs"):
         backlog, oldest = conn.execute(sql.DEFERRED_STATS).fetchone() or (0, 0.0)
     return DeferredStats(int(backlog), float(oldest))
@@ -292,12 +288,5 @@ def record_change(
     conn: psycopg.Connection[Any], why: Why, before: ClaimRow, after: ClaimRow | None
 ) -> None:
     """A change to a unit of work in ``claim_history``: the row before and after (None: gone)."""
-    record_history(
-        conn,
-        before.idem_key,
-        why.action,
-        actor=why.actor,
-        before=before.as_dict(),
-        after=None if after is None else after.as_dict(),
-        note=why.note,
-    )
+    rows = {"before": before.as_dict(), "after": None if after is None else after.as_dict()}
+    record_history(conn, before.idem_key, why.action, actor=why.actor, note=why.note, **rows)

@@ -59,7 +59,6 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)
-    metrics.add_metric(
-        name="DeadLettersUnreadable", unit=MetricUnit.Count, value=len(summary.unreadable)
-    )
+    unreadable = len(summary.unreadable)
+    metrics.add_metric(name="DeadLettersUnreadable", unit=MetricUnit.Count, value=unreadable)
     return summary.as_dict()

@@ -98,9 +98,7 @@ def ask(
     worker = threading.Thread(target=run, name=f"probe {ctx.idem_key}", daemon=True)
     worker.start()
     worker.join(timeout)
-    if not box:
-        return Unknown(f"the probe did not answer within {timeout:g} s")
-    return box[0]
+    return box[0] if box else Unknown(f"the probe did not answer within {timeout:g} s")
 
 
 class Reconciler:

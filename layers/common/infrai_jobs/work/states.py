@@ -238,9 +238,7 @@ SETTLE_STATUS: Final = {
 def settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
     """A database job's effect rolled back with its savepoint: nothing is uncertain, so its
     claim is released for a retry."""
-    if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
-        return RunKind.TRANSIENT
-    return kind
+    return RunKind.TRANSIENT if kind is RunKind.UNCERTAIN and not uncertain_is_stuck else kind
 
 
 def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:

@@ -112,11 +112,9 @@ def take_due(
     """Take up to ``limit`` due deferred jobs (of ``jobs``, when given), due first then oldest,
     each under a new token and lease, its attempt counted. Two drains never take the same job:
     a row another holds is skipped, a taken one runs under a live lease."""
-    params = {
-        "tokens": array_literal(new_token() for _ in range(max(limit, 0))),
-        "lease": float(lease_seconds),
-        "jobs": None if jobs is None else array_literal(jobs),
-    }
+    tokens = array_literal(new_token() for _ in range(max(limit, 0)))
+    of_jobs = None if jobs is None else array_literal(jobs)
+    params = {"tokens": tokens, "lease": float(lease_seconds), "jobs": of_jobs}
     with ledger_errors("cannot take deferred jobs"), conn.transaction():
         rows = claim_rows(conn, sql.TAKE_DUE, params, visibility=None)
     return sorted(rows, key=lambda job: (job.run_after, job.deferred_at, job.idem_key))
@@ -221,12 +219,8 @@ def _settle(
     visibility: float | None,
 ) -> ClaimRow | None:
     state = values["state"]
-    params = {
-        **values,
-        "key": key,
-        "result": Jsonb(values["result"]) if state == "done" else None,
-        "error": values["error"] if state == "failed" else None,
-    }
+    params = {**values, "key": key, "result": Jsonb(values["result"]) if state == "done" else None}
+    params["error"] = values["error"] if state == "failed" else None
     with ledger_errors(f"cannot settle {key!r}"), conn.transaction():
         before = claim_of(conn, key, lock=True, visibility=visibility)
         after = claim_rows(conn, statement, params, visibility=visibility)

@@ -217,6 +217,8 @@ def test_redrive_function_picks_up_a_rotated_api_key_in_a_warm_environment(
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY_PARAMETER": PARAMETER,
             "INFRAI_QUEUE": QUEUE,
+            # Its factory builds the ledger's adapter too (nothing connects to it here)
+            "DATABASE_URL": "postgresql://u@127.0.0.1:9/jobs",
         }.items():
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("INFRAI_API_KEY", raising=False)

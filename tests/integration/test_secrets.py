@@ -217,11 +217,13 @@ def test_redrive_function_picks_up_a_rotated_api_key_in_a_warm_environment(
             "INFRAI_BASE_URL": server.url,
             "INFRAI_API_KEY_PARAMETER": PARAMETER,
             "INFRAI_QUEUE": QUEUE,
+            # Its factory builds the ledger's adapter too (nothing connects to it here)
+            "DATABASE_URL": "postgresql://u@127.0.0.1:9/jobs",
         }.items():
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("INFRAI_API_KEY", raising=False)
         app = load_function_app("redrive")
-        _, queue = app.dependencies()
+        _, queue, _, _ = app.dependencies()
         # When the key is rotated in SSM (Infrai now takes only the new one)
         aws["ssm"].put_parameter(
             Name=PARAMETER, Value="sk_new", Type="SecureString", Overwrite=True
@@ -261,7 +263,7 @@ WARM_FUNCTIONS = {
     "dlq_alert": (lambda app: app.check(), {}, []),
     "prune": (lambda app: app.dependencies(), {}, []),
     "redrive": (
-        lambda app: app.ledger(),
+        lambda app: app.dependencies(),
         {"reopen_failed": True, "dry_run": False},
         [{"job": "invoice.finalize", "invoice_id": "inv_1", "amount_cents": 1}],
     ),

@@ -15,7 +15,7 @@ from fakes import FakeClock, InMemoryLedger, InMemoryQueue
 from infrai_jobs.config.settings import DrainSettings
 from infrai_jobs.errors import DatabaseBusy, LedgerUnavailable
 from infrai_jobs.jobs.registry import Effect, JobContext, JobRegistry, JsonValue, Payload
-from infrai_jobs.ledger.postgres import _connect_failure, ledger_error
+from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error
 from infrai_jobs.runtime.drain_service import (
     CONNECT_WAIT_SECONDS,
     DrainService,
@@ -44,12 +44,26 @@ DOWN = [
 ]
 
 
+def refused(exc: psycopg.Error, monkeypatch: pytest.MonkeyPatch) -> LedgerUnavailable:
+    """What ``connect_to_ledger`` raises when the driver refuses to connect with ``exc``."""
+
+    def refuse(*args: Any, **kwargs: Any) -> psycopg.Connection[Any]:
+        raise exc
+
+    monkeypatch.setattr(psycopg, "connect", refuse)
+    with pytest.raises(LedgerUnavailable) as raised:
+        connect_to_ledger(URL)
+    return raised.value
+
+
 @pytest.mark.parametrize("text", FULL)
-def test_a_refusal_for_being_full_is_database_busy_and_keeps_the_password_out(text: str) -> None:
+def test_a_refusal_for_being_full_is_database_busy_and_keeps_the_password_out(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given the driver's error for a full server, pooler or proxy
     exc = psycopg.OperationalError(f"{text} (password Hunter2secret)")
     # When it is translated, on connecting and on a statement
-    for translated in (_connect_failure(exc, URL), ledger_error(exc, "claiming", URL)):
+    for translated in (refused(exc, monkeypatch), ledger_error(exc, "claiming", URL)):
         # Then it is DatabaseBusy, still a LedgerUnavailable to everything that catches that
         assert isinstance(translated, DatabaseBusy)
         assert isinstance(translated, LedgerUnavailable)
@@ -57,9 +71,11 @@ def test_a_refusal_for_being_full_is_database_busy_and_keeps_the_password_out(te
 
 
 @pytest.mark.parametrize("text", DOWN)
-def test_a_database_down_or_refusing_the_login_is_not_busy(text: str) -> None:
+def test_a_database_down_or_refusing_the_login_is_not_busy(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for translated in (
-        _connect_failure(psycopg.OperationalError(text), URL),
+        refused(psycopg.OperationalError(text), monkeypatch),
         ledger_error(psycopg.OperationalError(text), "claiming", URL),
     ):
         assert isinstance(translated, LedgerUnavailable)

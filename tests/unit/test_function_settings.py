@@ -217,8 +217,7 @@ def test_redrive_reads_its_environment_once(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(RedriveSettings, "from_env", classmethod(counted))
     app = load_function_app("redrive")
     # When it builds its queue client and its ledger (nothing connects yet)
-    settings, queue = app.dependencies()
-    app.ledger()
+    settings, queue, _, _ = app.dependencies()
     queue.close()
     # Then its environment was read once, into RedriveFunction's own settings
     assert len(reads) == 1

@@ -20,7 +20,7 @@ from infrai_jobs.operations.reconcile import ProbeOutcome, Reconciler, Reconcile
 from infrai_jobs.work.admin import ALLOWED, ReconcileWrite, Refusal, WorkStore, refusal
 from infrai_jobs.work.statements import CLAIMS
 from infrai_jobs.work.states import ClaimRow
-from infrai_jobs.work.store import Why
+from infrai_jobs.work.store import Why, claim_rows
 
 
 def default_actor() -> str:
@@ -105,6 +105,10 @@ def change_refused(row: ClaimRow, action: str, *, token: uuid.UUID | None) -> st
 class OperatorLedger(WorkStore):
     """The store's changes with the command line's arguments and words: who acts, and why a
     refused change was refused. Every change itself is the store's."""
+
+    def _read(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
+        with self.connector.session("cannot read claims") as conn:
+            return claim_rows(conn, statement, params, visibility=self.visibility)
 
     def show(self, key: str) -> ClaimRow:
         found = self.find(key)

@@ -35,8 +35,7 @@ def check() -> tuple[AlertCheck, tuple[str, ...]]:
             "a setting or secret of this job is not set: its stuck claims are not probed",
             extra={"action": "probe_off", "job": job, "missing": list(missing)},
         )
-    alert_check = make_alert_check(settings, refresh=refresh, registry=registry)
-    return alert_check, settings.watched_queues
+    return make_alert_check(settings, refresh=refresh, registry=registry), settings.watched_queues
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.EVENT_BRIDGE, clear_state=True)

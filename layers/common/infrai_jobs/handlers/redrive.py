@@ -16,12 +16,7 @@ from infrai_jobs.jobs.registry import JobRegistry
 from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.redrive import JobsKnowledge, RedriveRequest, redrive
 from infrai_jobs.queue.client import InfraiClient
-from infrai_jobs.runtime.factory import (
-    EdgeSettings,
-    make_claims_admin,
-    make_queue_client,
-    with_secrets,
-)
+from infrai_jobs.runtime.factory import make_claims_admin, make_queue_client, with_secrets
 from infrai_jobs.runtime.observability import function_observability, tracing
 from infrai_jobs.work.admin import WorkStore
 from jobs import build_registry
@@ -33,30 +28,15 @@ ACTOR = "RedriveFunction"
 
 
 @cache
-def edge() -> EdgeSettings[RedriveSettings]:
-    """The settings, read once per warm environment, with their secrets."""
-    return with_secrets(RedriveSettings.from_env())
-
-
-@cache
-def dependencies() -> tuple[RedriveSettings, InfraiClient]:
-    settings, refresh = edge()
-    return settings, make_queue_client(settings, refresh_api_key=refresh.api_key)
-
-
-@cache
-def registry() -> JobRegistry:
-    """The drain's own jobs (the shared ``jobs`` package): a dead letter's key is derived here
-    exactly as DrainFunction derived it. Only keys are derived: no job runs, so the jobs'
-    settings are neither read nor needed."""
-    return build_registry()
-
-
-@cache
-def ledger() -> WorkStore:
-    """The ledger: its dead letters, and failed claims for ``reopen_failed``."""
-    settings, refresh = edge()
-    return make_claims_admin(settings, refresh=refresh)
+def dependencies() -> tuple[RedriveSettings, InfraiClient, WorkStore, JobRegistry]:
+    """The settings (read once per warm environment, with their secrets), the queue, the ledger
+    (its dead letters, and failed claims for ``reopen_failed``), and the drain's own jobs (the
+    shared ``jobs`` package): a dead letter's key is derived here exactly as DrainFunction
+    derived it. Only keys are derived: no job runs, so the jobs' settings are neither read nor
+    needed."""
+    settings, refresh = with_secrets(RedriveSettings.from_env())
+    queue = make_queue_client(settings, refresh_api_key=refresh.api_key)
+    return settings, queue, make_claims_admin(settings, refresh=refresh), build_registry()
 
 
 @logger.inject_lambda_context(log_event=True, clear_state=True)
@@ -64,14 +44,13 @@ def ledger() -> WorkStore:
 @tracing
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     request = RedriveRequest.from_event(event)
-    settings, queue = dependencies()
-    jobs = registry()
+    settings, queue, ledger, jobs = dependencies()
     with queue.retries_within(context.get_remaining_time_in_millis):
         summary = redrive(
             queue,
-            DeadLetterStore(ledger()),
+            DeadLetterStore(ledger),
             request.to(source=settings.dlq, target=settings.queue, actor=ACTOR),
-            admin=ledger(),
+            admin=ledger,
             jobs=JobsKnowledge(
                 key_of=lambda payload: jobs.derive(payload).idem_key,
                 known_jobs=lambda name: "" if jobs.get(name) else jobs.unknown_job(name),
@@ -80,7 +59,6 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
         )
     metrics.add_dimension(name="queue", value=settings.queue)
     metrics.add_metric(name="MessagesRedriven", unit=MetricUnit.Count, value=summary.published)
-    metrics.add_metric(
-        name="DeadLettersUnreadable", unit=MetricUnit.Count, value=len(summary.unreadable)
-    )
+    unreadable = len(summary.unreadable)
+    metrics.add_metric(name="DeadLettersUnreadable", unit=MetricUnit.Count, value=unreadable)
     return summary.as_dict()

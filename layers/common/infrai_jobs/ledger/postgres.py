@@ -117,7 +117,6 @@ def secrets_of(conninfo: str) -> list[str]:
 
 
 def redact(text: str, conninfo: str) -> str:
-    """``text`` with every secret of ``conninfo`` replaced by ``***``."""
     for secret in secrets_of(conninfo):
         text = text.replace(secret, MASK)
     return text
@@ -146,20 +145,6 @@ def _malformed_url(reason: str) -> LedgerUnavailable:
     )
 
 
-def _connect_failure(exc: psycopg.Error, url: str) -> LedgerUnavailable:
-    """A connection error worth logging. libpq quotes a string it cannot parse whole, password
-    included, so that case says only what is wrong; any other text goes through ``redact``."""
-    if isinstance(exc, psycopg.ProgrammingError):
-        return _malformed_url(malformed_reason(url) or "libpq cannot parse it")
-    detail = redact(one_line(str(exc)), url)
-    if any(sign in detail for sign in _TLS_VERIFICATION_FAILURES):
-        detail += (
-            " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE in "
-            "AWS, must hold the CA that signed it, and the host must be a name on it)"
-        )
-    return _busy_or_down(exc)(f"cannot connect to the ledger database at {describe(url)}: {detail}")
-
-
 # How PostgreSQL (SQLSTATE 53300, which libpq does not pass on for a refused connection),
 # PgBouncer and RDS Proxy say they are full, or waited too long for a server connection.
 _FULL = re.compile(
@@ -175,11 +160,7 @@ def _busy_or_down(exc: psycopg.Error) -> type[LedgerUnavailable]:
 
 
 # How libpq words a certificate or host name that does not verify.
-_TLS_VERIFICATION_FAILURES = (
-    "certificate verify failed",
-    "does not match host name",
-    "root certificate file",
-)
+_TLS_FAILURES = ("certificate verify failed", "does not match host name", "root certificate file")
 
 
 def connect_to_ledger(
@@ -201,8 +182,17 @@ def connect_to_ledger(
         conn = psycopg.connect(
             url, autocommit=True, connect_timeout=connect_timeout, application_name=application_name
         )
+    except psycopg.ProgrammingError:  # libpq quotes a string it cannot parse whole, password too
+        raise _malformed_url("libpq cannot parse it") from None
     except psycopg.Error as exc:
-        raise _connect_failure(exc, url) from None
+        detail = redact(one_line(str(exc)), url)
+        if any(sign in detail for sign in _TLS_FAILURES):
+            detail += (
+                " (the server's certificate did not verify: sslrootcert, from DATABASE_CA_BUNDLE "
+                "in AWS, must hold the CA that signed it, and the host must be a name on it)"
+            )
+        where = f"cannot connect to the ledger database at {describe(url)}"
+        raise _busy_or_down(exc)(f"{where}: {detail}") from None
     if not prepared_statements:
         conn.prepare_threshold = None  # psycopg's default prepares a statement at its sixth run
     return conn

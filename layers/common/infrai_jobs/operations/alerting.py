@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any, LiteralString, Protocol
+from typing import Any, Final, LiteralString, Protocol
 
 import psycopg
 
+from infrai_jobs.config.settings import AlertSettings
 from infrai_jobs.errors import InfraiError, LedgerError
 from infrai_jobs.ledger.dead_letter_rows import UNRESOLVED_DEAD_LETTERS
 from infrai_jobs.ledger.postgres import LedgerAdapter
@@ -22,7 +23,6 @@ from infrai_jobs.operations.dead_letters import DeadLetterStore
 from infrai_jobs.operations.reconcile import Reconciler, ReconcileReport
 from infrai_jobs.queue.models import QueueStats
 from infrai_jobs.queue.ports import QueuePort
-from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work.admin import WorkStore
 from infrai_jobs.work.statements import STUCK_CLAIM_COUNT as _STUCK
 from infrai_jobs.work.store import DeferredStats, deferred_stats
@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 LEDGER_SCOPE = "ledger"
 WATCHER_ACTOR = "DlqAlertFunction"
 SNS_SUBJECT_LIMIT = 100
+# The thresholds' defaults: DlqAlertFunction's, declared once with the variables that set them.
+_DEFAULT: Final = AlertSettings()
 
 
 class Signal(StrEnum):
@@ -55,12 +57,12 @@ class AlertState:
 
 @dataclass(frozen=True, slots=True)
 class AlertThresholds:
-    stuck_claim_seconds: int = 900
-    backlog_age_seconds: int = 900
-    reminder_seconds: int = 3600
+    stuck_claim_seconds: int = _DEFAULT.stuck_claim_seconds
+    backlog_age_seconds: int = _DEFAULT.backlog_age_seconds
+    reminder_seconds: int = _DEFAULT.alert_reminder_seconds
     # Of the function's 60 s, how long a check may probe stuck claims before counting them.
     reconcile_budget_seconds: float = 30.0
-    visibility: float = DEFAULT_VISIBILITY_TIMEOUT_SECONDS
+    visibility: float = _DEFAULT.visibility_timeout_seconds
 
 
 def decide(previous: AlertState, value: int, now: datetime, reminder_seconds: int) -> Verdict:

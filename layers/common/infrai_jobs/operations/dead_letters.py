@@ -196,7 +196,6 @@ def fingerprint_or_none(payload: Any) -> str | None:
 
 
 def other_work(claim: ClaimRow, payload: Any) -> bool:
-    """Whether ``claim`` holds different work than ``payload`` under the same key."""
     return bool(claim.payload_sha256) and claim.payload_sha256 != fingerprint_or_none(payload)
 
 
@@ -361,10 +360,7 @@ class DeadLetterStore:
         note: str,
         before: Callable[[Any], object] | None = None,
     ) -> bool:
-        with (
-            self._connector.session(f"cannot mark a dead letter {resolution}") as conn,
-            conn.transaction(),
-        ):
+        with self._connector.transaction(f"cannot mark a dead letter {resolution}") as conn:
             with conn.cursor(row_factory=dict_row) as cur:
                 found = cur.execute(_LOCK_UNRESOLVED, {"message_id": message_id}).fetchone()
             if found is None:

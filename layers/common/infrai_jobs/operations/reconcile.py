@@ -40,8 +40,6 @@ _NOTE_DETAIL_CHARS: Final = 500
 
 @dataclass(frozen=True, slots=True)
 class ProbeOutcome:
-    """One stuck claim, its probe's answer, and what the pass did about it."""
-
     idem_key: str
     job: str
     answer: str
@@ -100,9 +98,7 @@ def ask(
     worker = threading.Thread(target=run, name=f"probe {ctx.idem_key}", daemon=True)
     worker.start()
     worker.join(timeout)
-    if not box:
-        return Unknown(f"the probe did not answer within {timeout:g} s")
-    return box[0]
+    return box[0] if box else Unknown(f"the probe did not answer within {timeout:g} s")
 
 
 class Reconciler:

@@ -176,7 +176,6 @@ class RedriveRequest:
         return " ".join(["redrive", *(flag for flag, on in flags.items() if on), *chosen])
 
     def to(self, *, source: str, target: str, actor: str) -> RedriveRequest:
-        """This request, from ``source`` to ``target`` on behalf of ``actor``."""
         return replace(self, source=source, target=target, actor=actor)
 
     @classmethod

@@ -37,8 +37,6 @@ class PruneResult:
 
 
 class ReconcileWrite(StrEnum):
-    """What a reconcile pass's write did to a claim."""
-
     SETTLED = "settled_done"
     RELEASED = "released"
     UNCHANGED = "unchanged"  # an unknown answer: nothing to change
@@ -47,8 +45,6 @@ class ReconcileWrite(StrEnum):
 
 
 class Refusal(StrEnum):
-    """Why a fenced change may not go ahead on a claim as it stands."""
-
     STATE = "state"  # the claim is not in a state the change applies to
     LEASE_LIVE = "lease_live"  # running under a live lease: only the run holding it may act
     MOVED = "moved"  # another claim token holds it: it changed since it was read
@@ -104,21 +100,19 @@ class WorkStore(LedgerAdapter):
         """Its connections, for the stores of the ledger's other tables (dead letters)."""
         return self._connector
 
-    def _read(self, statement: LiteralString, params: dict[str, Any]) -> list[ClaimRow]:
-        with self._connector.session("cannot read claims") as conn:
-            return claim_rows(conn, statement, params, visibility=self.visibility)
-
     def find(self, key: str) -> ClaimRow | None:
         """The claim with this key, or None (released, reopened, pruned, or never claimed)."""
-        rows = self._read(sql.CLAIM_BY_KEY, {"key": key})
-        return rows[0] if rows else None
+        with self._connector.session("cannot read claims") as conn:
+            return claim_of(conn, key, visibility=self.visibility)
 
     def stuck(
         self, jobs: Sequence[str] | None = None, *, threshold_seconds: int = 900, limit: int = 100
     ) -> list[ClaimRow]:
         """Stuck claims (``STUCK_CLAIM``), oldest first; only those of ``jobs`` when given."""
-        params = {"jobs": None if jobs is None else list(jobs), "threshold": threshold_seconds}
-        return self._read(sql.STUCK_CLAIMS, {**params, "limit": limit})
+        of_jobs = None if jobs is None else list(jobs)
+        params = {"jobs": of_jobs, "threshold": threshold_seconds, "limit": limit}
+        with self._connector.session("cannot read claims") as conn:
+            return claim_rows(conn, sql.STUCK_CLAIMS, params, visibility=self.visibility)
 
     def resolve(
         self,

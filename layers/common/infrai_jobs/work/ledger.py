@@ -70,6 +70,8 @@ RETURNING greatest(extract(epoch FROM single_until - now()), 0)::float8
 """
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
+# A handler that swallowed a database error: its work cannot commit.
+_LEFT_ABORTED: Final = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
 
 
 class _IsolateJobs(Exception):
@@ -124,8 +126,7 @@ class PostgresLedger(LedgerAdapter):
             check_schema(conn, self._job_migrations)
         self._schema_checked = True
 
-    def connection(self) -> psycopg.Connection[Any]:
-        return self._connection()
+    connection = LedgerAdapter._connection
 
     def ping(self) -> None:
         """Make sure the ledger answers before a drain receives anything: a connection the
@@ -228,10 +229,7 @@ class PostgresLedger(LedgerAdapter):
                     with savepoint_rollback_checked(job), conn.transaction() as savepoint:
                         run = runner(request, conn)
                         if run.kind is RunKind.SUCCEEDED and _aborted(conn):
-                            # The handler swallowed a database error: its work cannot commit.
-                            run = JobRun(
-                                RunKind.TRANSIENT, error="handler left the transaction aborted"
-                            )
+                            run = _LEFT_ABORTED
                         if run.kind is not RunKind.SUCCEEDED:
                             raise psycopg.Rollback(savepoint)
                 else:

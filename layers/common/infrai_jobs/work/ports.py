@@ -26,8 +26,7 @@ class LedgerPort(Protocol):
     def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
         """Record one external job's outcome, fenced by its claim token."""
 
-    def flag_stuck(self, reasons: dict[str, str]) -> None:
-        """Annotate running claims a human must look at."""
+    def flag_stuck(self, reasons: dict[str, str]) -> None: ...
 
     def connection(self) -> psycopg.Connection[Any]:
         """Its one connection, reopened when the server closed it: flow control runs its

@@ -238,9 +238,7 @@ SETTLE_STATUS: Final = {
 def settled_kind(kind: RunKind, uncertain_is_stuck: bool) -> RunKind:
     """A database job's effect rolled back with its savepoint: nothing is uncertain, so its
     claim is released for a retry."""
-    if kind is RunKind.UNCERTAIN and not uncertain_is_stuck:
-        return RunKind.TRANSIENT
-    return kind
+    return RunKind.TRANSIENT if kind is RunKind.UNCERTAIN and not uncertain_is_stuck else kind
 
 
 def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
@@ -259,15 +257,9 @@ def decide(request: ClaimRequest, row: Mapping[str, Any]) -> ClaimDecision:
         own = holder == request.message_id
         if own and row["state"] == "running" and not row["lease_expired"] and not row.get("owned"):
             early = float(row.get("held_seconds") or 0.0)
-    return ClaimDecision(
-        request,
-        status,
-        detail,
-        result=row["result"] if status is ClaimStatus.DONE else None,
-        takeover=status is ClaimStatus.WON and attempts > 1,
-        holder=holder,
-        redelivered_early_after=early,
-    )
+    result = row["result"] if status is ClaimStatus.DONE else None
+    takeover = status is ClaimStatus.WON and attempts > 1
+    return ClaimDecision(request, status, detail, result, takeover, holder, early)
 
 
 def _not_won(request: ClaimRequest, row: Mapping[str, Any]) -> tuple[ClaimStatus, str]:

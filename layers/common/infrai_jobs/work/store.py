@@ -112,11 +112,9 @@ def take_due(
     """Take up to ``limit`` due deferred jobs (of ``jobs``, when given), due first then oldest,
     each under a new token and lease, its attempt counted. Two drains never take the same job:
     a row another holds is skipped, a taken one runs under a live lease."""
-    params = {
-        "tokens": array_literal(new_token() for _ in range(max(limit, 0))),
-        "lease": float(lease_seconds),
-        "jobs": None if jobs is None else array_literal(jobs),
-    }
+    tokens = array_literal(new_token() for _ in range(max(limit, 0)))
+    of_jobs = None if jobs is None else array_literal(jobs)
+    params = {"tokens": tokens, "lease": float(lease_seconds), "jobs": of_jobs}
     with ledger_errors("cannot take deferred jobs"), conn.transaction():
         rows = claim_rows(conn, sql.TAKE_DUE, params, visibility=None)
     return sorted(rows, key=lambda job: (job.run_after, job.deferred_at, job.idem_key))
@@ -154,11 +152,8 @@ def postpone(
 ) -> bool:
     """A taken job's attempt failed (``error``), or a limit held it back before it ran
     (``ran=False``: not counted); it runs again in ``delay_seconds``."""
-    delay = max(float(delay_seconds), 0.0)
-    doing = "cannot postpone a deferred job"
-    return _fenced(
-        conn, sql.POSTPONE, doing, key=key, token=token, error=error, delay=delay, ran=ran
-    )
+    params = {"key": key, "token": token, "error": error, "delay": max(float(delay_seconds), 0.0)}
+    return _fenced(conn, sql.POSTPONE, "cannot postpone a deferred job", ran=ran, **params)
 
 
 def finish(
@@ -224,12 +219,8 @@ def _settle(
     visibility: float | None,
 ) -> ClaimRow | None:
     state = values["state"]
-    params = {
-        **values,
-        "key": key,
-        "result": Jsonb(values["result"]) if state == "done" else None,
-        "error": values["error"] if state == "failed" else None,
-    }
+    params = {**values, "key": key, "result": Jsonb(values["result"]) if state == "done" else None}
+    params["error"] = values["error"] if state == "failed" else None
     with ledger_errors(f"cannot settle {key!r}"), conn.transaction():
         before = claim_of(conn, key, lock=True, visibility=visibility)
         after = claim_rows(conn, statement, params, visibility=visibility)
@@ -282,7 +273,6 @@ def release_for_take_back(
 
 
 def deferred_stats(conn: psycopg.Connection[Any]) -> DeferredStats:
-    """The deferred backlog (waiting or running) and its oldest entry's age, in seconds."""
     with ledger_errors("cannot read deferred jobs"):
         backlog, oldest = conn.execute(sql.DEFERRED_STATS).fetchone() or (0, 0.0)
     return DeferredStats(int(backlog), float(oldest))
@@ -292,12 +282,5 @@ def record_change(
     conn: psycopg.Connection[Any], why: Why, before: ClaimRow, after: ClaimRow | None
 ) -> None:
     """A change to a unit of work in ``claim_history``: the row before and after (None: gone)."""
-    record_history(
-        conn,
-        before.idem_key,
-        why.action,
-        actor=why.actor,
-        before=before.as_dict(),
-        after=None if after is None else after.as_dict(),
-        note=why.note,
-    )
+    rows = {"before": before.as_dict(), "after": None if after is None else after.as_dict()}
+    record_history(conn, before.idem_key, why.action, actor=why.actor, note=why.note, **rows)

@@ -63,6 +63,7 @@ from bench_env import (
     drain_env,
     prepared_run,
     queue_stats,
+    recording_table,
 )
 from instruments import (
     busy_percent,
@@ -86,19 +87,11 @@ STORED_UNDER = "many_drains"
 
 # Each effect (EFFECTS_DDL), and each claim row inserted, stamped with the server's clock at
 # that moment.
-_TRACKING_DDL: LiteralString = (
-    EFFECTS_DDL
-    + """
-CREATE TABLE bench_claims (
-    idem_key text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION bench_record_claim() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO bench_claims (idem_key) VALUES (NEW.idem_key);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER bench_record_claim AFTER INSERT ON job_claims
-    FOR EACH ROW EXECUTE FUNCTION bench_record_claim();
-"""
+_TRACKING_DDL = EFFECTS_DDL + recording_table(
+    "bench_claims",
+    "idem_key text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()",
+    "INSERT INTO bench_claims (idem_key) VALUES (NEW.idem_key)",
+    "INSERT ON job_claims FOR EACH ROW",
 )
 _VERIFY: LiteralString = """
 SELECT (SELECT count(*) FROM invoices WHERE status = 'final'

@@ -53,18 +53,33 @@ FROM invoices
 _CHECK_CLAIMS: LiteralString = """
 SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM job_claims
 """
-# The effect's moment and count: one row in bench_effects per committed UPDATE of an invoice, so
-# a double effect shows as two rows for one invoice.
-EFFECTS_DDL: LiteralString = """
-CREATE TABLE bench_effects (id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION bench_record_effect() RETURNS trigger LANGUAGE plpgsql AS $$
+
+
+def recording_table(
+    name: LiteralString, columns: LiteralString, insert: LiteralString, after: LiteralString
+) -> LiteralString:
+    """DDL for a table ``name`` (``columns``) that a trigger fills by ``insert`` after each
+    ``after`` (e.g. ``UPDATE ON invoices FOR EACH ROW``): what a bench reads back to time and
+    count what happened in the database, stamped by the server's clock."""
+    return f"""
+CREATE TABLE {name} ({columns});
+CREATE FUNCTION {name}_record() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO bench_effects (id) VALUES (NEW.id);
+    {insert};
     RETURN NULL;
 END $$;
-CREATE TRIGGER bench_record_effect AFTER UPDATE ON invoices
-    FOR EACH ROW EXECUTE FUNCTION bench_record_effect();
+CREATE TRIGGER {name}_record AFTER {after} EXECUTE FUNCTION {name}_record();
 """
+
+
+# The effect's moment and count: one row in bench_effects per committed UPDATE of an invoice, so
+# a double effect shows as two rows for one invoice.
+EFFECTS_DDL = recording_table(
+    "bench_effects",
+    "id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()",
+    "INSERT INTO bench_effects (id) VALUES (NEW.id)",
+    "UPDATE ON invoices FOR EACH ROW",
+)
 
 # The ledger's tables come with apply_migrations; the invoices table is the invoice job's own
 # migration, applied the way `infrai-jobs migrate` applies it.

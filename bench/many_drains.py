@@ -63,6 +63,7 @@ from bench_env import (
     drain_env,
     prepared_run,
     queue_stats,
+    recording_table,
 )
 from instruments import (
     busy_percent,
@@ -86,19 +87,11 @@ STORED_UNDER = "many_drains"
 
 # Each effect (EFFECTS_DDL), and each claim row inserted, stamped with the server's clock at
 # that moment.
-_TRACKING_DDL: LiteralString = (
-    EFFECTS_DDL
-    + """
-CREATE TABLE bench_claims (
-    idem_key text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION bench_record_claim() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO bench_claims (idem_key) VALUES (NEW.idem_key);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER bench_record_claim AFTER INSERT ON job_claims
-    FOR EACH ROW EXECUTE FUNCTION bench_record_claim();
-"""
+_TRACKING_DDL = EFFECTS_DDL + recording_table(
+    "bench_claims",
+    "idem_key text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()",
+    "INSERT INTO bench_claims (idem_key) VALUES (NEW.idem_key)",
+    "INSERT ON job_claims FOR EACH ROW",
 )
 _VERIFY: LiteralString = """
 SELECT (SELECT count(*) FROM invoices WHERE status = 'final'
@@ -316,26 +309,26 @@ def markdown(result: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+# What one mode's figures say, a sentence each (``_findings``).
+_MODE_SENTENCES = {
+    "direct": "Directly, the limit let {drains_that_consumed} of {drains} drains drain, with "
+    "{lanes_that_ran} lanes between them ({lanes_shed} shed); {drains_that_waited} waited for a "
+    "connection, {drains_gave_up_full} gave up as full having received nothing, "
+    "{drains_exited_with_error} exited with an error.",
+    "pgbouncer": "Through PgBouncer all {lanes_that_ran} lanes of {drains_that_consumed} drains "
+    "ran on at most {pool_size} server connections, {drains_exited_with_error} drains exited "
+    "with an error.",
+}
+
+
 def _findings(result: Mapping[str, Any]) -> list[str]:
     """What the table says, in a sentence per mode and one comparing them."""
     modes = result["modes"]
-    sentences = []
-    if "direct" in modes:
-        f = modes["direct"]["figures"]
-        sentences.append(
-            f"Directly, the limit let {f['drains_that_consumed']} of {f['drains']} drains drain, "
-            f"with {f['lanes_that_ran']} lanes between them ({f['lanes_shed']} shed); "
-            f"{f['drains_that_waited']} waited for a connection, {f['drains_gave_up_full']} gave "
-            f"up as full having received nothing, {f['drains_exited_with_error']} exited with "
-            "an error."
-        )
-    if "pgbouncer" in modes:
-        f = modes["pgbouncer"]["figures"]
-        sentences.append(
-            f"Through PgBouncer all {f['lanes_that_ran']} lanes of {f['drains_that_consumed']} "
-            f"drains ran on at most {result['config']['pool_size']} server connections, "
-            f"{f['drains_exited_with_error']} drains exited with an error."
-        )
+    sentences = [
+        template.format(**modes[mode]["figures"], pool_size=result["config"]["pool_size"])
+        for mode, template in _MODE_SENTENCES.items()
+        if mode in modes
+    ]
     if "direct" in modes and "pgbouncer" in modes:
         direct, pooled = modes["direct"], modes["pgbouncer"]
         rates = (direct["figures"]["messages_per_s"], pooled["figures"]["messages_per_s"])

@@ -52,24 +52,18 @@ from bench_env import (
     invoice_id,
     prepared_run,
     queue_stats,
+    recording_table,
 )
 from instruments import latency_summary, sample_busy_percent
 
 TRICKLE_EVERY_S = 0.25
 
 # Each effect (EFFECTS_DDL), and the drains alive after every change to drain_leases.
-_TRACKING_DDL: LiteralString = (
-    EFFECTS_DDL
-    + """
-CREATE TABLE bench_fleet_sizes (live int NOT NULL);
-CREATE FUNCTION bench_record_fleet_size() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO bench_fleet_sizes SELECT count(*) FROM drain_leases WHERE lease_until >= now();
-    RETURN NULL;
-END $$;
-CREATE TRIGGER bench_record_fleet_size AFTER INSERT OR UPDATE ON drain_leases
-    FOR EACH STATEMENT EXECUTE FUNCTION bench_record_fleet_size();
-"""
+_TRACKING_DDL = EFFECTS_DDL + recording_table(
+    "bench_fleet_sizes",
+    "live int NOT NULL",
+    "INSERT INTO bench_fleet_sizes SELECT count(*) FROM drain_leases WHERE lease_until >= now()",
+    "INSERT OR UPDATE ON drain_leases FOR EACH STATEMENT",
 )
 _INVOICES: LiteralString = """
 INSERT INTO invoices (id)

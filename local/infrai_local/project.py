@@ -158,7 +158,12 @@ def init(directory: Path, stack: str) -> list[Path]:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
         staging.chmod(0o777 & ~_umask())
-        staging.replace(directory)
+        try:
+            staging.replace(directory)
+        except OSError:
+            raise ConfigurationError(
+                f"{directory} was filled by something else meanwhile: nothing written there"
+            ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

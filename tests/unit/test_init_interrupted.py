@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from infrai_jobs.errors import ConfigurationError
 from infrai_local import project
 
 
@@ -41,3 +42,24 @@ def test_init_into_an_empty_folder_that_exists_still_works(tmp_path: Path) -> No
     written = project.init(tmp_path / "p", "payments-jobs")
     assert (tmp_path / "p" / "template.yaml") in written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+
+
+def test_a_folder_filled_meanwhile_is_refused_and_left_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given another init (or anything) filling the folder while this one writes its own
+    target = tmp_path / "p"
+    real_chmod = Path.chmod
+
+    def meanwhile(self: Path, mode: int) -> None:
+        real_chmod(self, mode)
+        target.mkdir(exist_ok=True)
+        (target / "theirs.txt").write_text("theirs")
+
+    monkeypatch.setattr(Path, "chmod", meanwhile)
+    # When init puts its project in place, then it refuses, naming the folder
+    with pytest.raises(ConfigurationError, match="filled by something else meanwhile"):
+        project.init(target, "payments-jobs")
+    # And the other's folder is as it left it, with nothing of this init beside it
+    assert [path.name for path in tmp_path.iterdir()] == ["p"]
+    assert [path.name for path in target.iterdir()] == ["theirs.txt"]

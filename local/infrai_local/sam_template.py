@@ -254,7 +254,7 @@ def resolve_function(
         known = ", ".join(function_names(template)) or "none"
         raise ConfigurationError(f"no function {logical_id!r} in the template (functions: {known})")
     parameters = _parameter_values(template, parameter_overrides or {}, env_vars or {})
-    resolver = _Resolver(template, parameters)
+    resolver = TemplateResolver(template, parameters)
     globals_ = template.get("Globals", {}).get("Function", {})
     props = {**globals_, **resource.get("Properties", {})}
 
@@ -332,7 +332,11 @@ def _as_env_value(value: Any) -> str:
     return str(value)
 
 
-class _Resolver:
+class TemplateResolver:
+    """A template's values and Conditions as CloudFormation decides them for ``parameters``
+    (local invoke reads a function's settings with it; the security tests, each parameter
+    set's Conditions)."""
+
     def __init__(self, template: Mapping[str, Any], parameters: Mapping[str, Any]) -> None:
         self.parameters = parameters
         self.conditions = template.get("Conditions", {})
@@ -352,7 +356,7 @@ class _Resolver:
             return self._sub(arg)
         if key == "Fn::If":
             condition, when_true, when_false = arg
-            return self.resolve(when_true if self._condition(condition) else when_false)
+            return self.resolve(when_true if self.condition(condition) else when_false)
         if key == "Fn::Join":
             separator, parts = arg
             return separator.join(str(self.resolve(p)) for p in self.resolve(parts))
@@ -387,7 +391,7 @@ class _Resolver:
 
         return re.sub(r"\$\{([^}]+)\}", render, text)
 
-    def _condition(self, name_or_expr: Any) -> bool:
+    def condition(self, name_or_expr: Any) -> bool:
         expr = self.conditions.get(name_or_expr) if isinstance(name_or_expr, str) else name_or_expr
         return self._evaluate(expr)
 
@@ -405,7 +409,7 @@ class _Resolver:
         if key == "Fn::Or":
             return any(self._evaluate(a) for a in arg)
         if key == "Condition":
-            return self._condition(arg)
+            return self.condition(arg)
         return bool(self.resolve(expr))
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from infrai_local.sam_template import TemplateResolver
+
 # The one parameter without a default.
 REQUIRED = {
     "DatabaseSecretArn": "arn:aws:secretsmanager:eu-west-1:123456789012:secret:ledger-AbC123"
@@ -90,39 +92,13 @@ class Conditions:
     parameter reads as a string, or as a list of strings for a list type)."""
 
     def __init__(self, conditions: dict[str, Any], values: dict[str, Any]) -> None:
-        self._conditions = conditions
-        self._decided: dict[str, bool] = {}
+        # Decided by local invoke's own reading of a template: one evaluator in the tree.
+        self._decide = TemplateResolver({"Conditions": conditions}, values)
         self.values = values
 
     def condition(self, name: str) -> bool:
-        if name not in self._decided:
-            self._decided[name] = self._holds(self._conditions[name])
-        return self._decided[name]
-
-    def _holds(self, expression: Any) -> bool:
-        ((function, argument),) = expression.items()
-        if function == "Fn::Equals":
-            left, right = (self._value(a) for a in argument)
-            return bool(left == right)
-        if function == "Fn::Not":
-            return not self._holds(argument[0])
-        if function == "Fn::And":
-            return all(self._holds(a) for a in argument)
-        if function == "Fn::Or":
-            return any(self._holds(a) for a in argument)
-        if function == "Condition":
-            return self.condition(argument)
-        raise AssertionError(f"a condition function these tests do not know: {function}")
-
-    def _value(self, expression: Any) -> Any:
-        if isinstance(expression, str | int):
-            return str(expression)
-        if set(expression) == {"Ref"}:
-            return self.values[expression["Ref"]]
-        if set(expression) == {"Fn::Join"}:
-            separator, items = expression["Fn::Join"]
-            return separator.join(self._value(items))
-        raise AssertionError(f"a condition value these tests do not know: {expression}")
+        assert name in self._decide.conditions, f"no Condition {name!r} in the template"
+        return self._decide.condition(name)
 
     def _resolve(self, node: Any) -> Any:
         """``node`` with each Fn::If decided, AWS::NoValue dropped and parameter Refs read."""

@@ -14,14 +14,7 @@ import urllib3
 from notes_example import DLQ, NOTES_PAYLOAD, QUEUE
 from stub_servers import QuietJsonHandler, serving
 
-from infrai_jobs.errors import (
-    ConfigurationError,
-    ConsumeAnswerLost,
-    InfraiError,
-    InfraiInvalidResponse,
-    InfraiUnavailable,
-    QueueMessageNotFound,
-)
+from infrai_jobs import errors
 from infrai_jobs.queue.client import HttpRetryPolicy, InfraiClient
 from infrai_local.sandbox.emulator import start_in_thread
 from infrai_local.sandbox.queues import ensure_queue
@@ -108,7 +101,7 @@ def test_ack_of_a_handle_the_queue_no_longer_holds_is_its_own_error(client: Infr
     (message,) = client.consume(QUEUE)
     client.ack(QUEUE, message.receipt_handle)
     # When it is acked again
-    with pytest.raises(QueueMessageNotFound) as caught:
+    with pytest.raises(errors.QueueMessageNotFound) as caught:
         client.ack(QUEUE, message.receipt_handle)
     # Then the drain can tell it apart from real failures
     assert caught.value.code == "QUEUE_MESSAGE_NOT_FOUND"
@@ -140,12 +133,12 @@ def test_publish_price_comes_from_discovery(client: InfraiClient) -> None:
 
 def test_unknown_queue_and_bad_key_map_to_clear_errors(emulator: Any, control: Any) -> None:
     good = InfraiClient(emulator.url, API_KEY)
-    with pytest.raises(InfraiError) as missing:
+    with pytest.raises(errors.InfraiError) as missing:
         good.stats("no-such-queue")
     assert (missing.value.code, missing.value.status) == ("QUEUE_NOT_FOUND", 404)
 
     wrong = InfraiClient(emulator.url, "sk_wrong_key_123")
-    with pytest.raises(InfraiError) as denied:
+    with pytest.raises(errors.InfraiError) as denied:
         wrong.stats(QUEUE)
     assert (denied.value.code, denied.value.status) == ("UNAUTHORIZED", 401)
     assert "sk_wrong_key_123" not in str(denied.value)
@@ -160,10 +153,10 @@ def test_the_api_key_never_appears_in_repr_logs_or_errors(
     ensure_queue(client, QUEUE, dlq=DLQ)
     set_faults(control, emulator.url, error_rate=1.0)
     # When calls fail, are retried and give up
-    with pytest.raises(InfraiUnavailable) as caught:
+    with pytest.raises(errors.InfraiUnavailable) as caught:
         client.stats(QUEUE)
     unreachable = InfraiClient("http://127.0.0.1:9", API_KEY, retry=HttpRetryPolicy(max_attempts=1))
-    with pytest.raises(InfraiUnavailable) as refused:
+    with pytest.raises(errors.InfraiUnavailable) as refused:
         unreachable.consume(QUEUE)
     # Then the key is nowhere a human or a log shipper could see it
     assert caplog.records, "expected retry logging to have been captured"
@@ -185,7 +178,7 @@ def test_retryable_calls_back_off_on_5xx_then_give_up(
     # Given every Infrai call answers 500
     set_faults(control, emulator.url, error_rate=1.0)
     # When stats is asked for
-    with pytest.raises(InfraiUnavailable) as caught:
+    with pytest.raises(errors.InfraiUnavailable) as caught:
         client.stats(QUEUE)
     # Then it was tried max_attempts times with bounded, jittered sleeps in between
     assert caught.value.code == "INTERNAL"
@@ -205,9 +198,9 @@ def test_sent_acks_and_consumes_keep_the_retry_rules_of_the_plain_calls(
     # When an ack and a consume are sent together, then their answers read
     ack = client.send_ack(QUEUE, first.receipt_handle)
     consume = client.send_consume(QUEUE)
-    with pytest.raises(InfraiUnavailable) as ack_error:
+    with pytest.raises(errors.InfraiUnavailable) as ack_error:
         ack.wait()
-    with pytest.raises(ConsumeAnswerLost) as consume_error:
+    with pytest.raises(errors.ConsumeAnswerLost) as consume_error:
         consume.wait()
     # Then the ack was tried max_attempts times in all, the sent request being the first, and
     # the consume once: a 5xx may have come after it served messages, and a repeat would spend
@@ -284,14 +277,14 @@ def test_within_an_invocation_a_retry_that_would_outlast_it_is_not_made(
     # its seconds of it (a retry needs its back-off plus one attempt's timeouts, 13.05 s)
     with (
         client.retries_within(lambda: 17_000 - round(1000 * sum(sleeps.delays))),
-        pytest.raises(InfraiUnavailable) as failure,
+        pytest.raises(errors.InfraiUnavailable) as failure,
     ):
         client.consume(QUEUE)
     # Then it retried once, while a retry still fitted, and then gave up with Infrai's answer
     assert failure.value.code == "RATE_LIMITED"
     assert len(sleeps.delays) == 1
     # And outside the invocation the bound is gone: all four attempts are made
-    with pytest.raises(InfraiUnavailable):
+    with pytest.raises(errors.InfraiUnavailable):
         client.consume(QUEUE)
     assert len(sleeps.delays) == 1 + 3
 
@@ -311,7 +304,7 @@ def test_the_drain_service_bounds_the_client_retries_by_the_time_left(
         # (just enough for the drain to receive a batch)
         kit.faults(rate_limit_rate=1.0, retry_after_seconds=4, routes=["consume"])
         # When DrainFunction's service runs
-        with pytest.raises(InfraiUnavailable):
+        with pytest.raises(errors.InfraiUnavailable):
             service.run(lambda: 20_000 - round(1000 * sum(sleeps.delays)))
         kit.faults()
         service.close()
@@ -329,7 +322,7 @@ def test_dropped_ack_response_is_retried_and_reported_as_not_found(
     (message,) = client.consume(QUEUE)
     set_faults(control, emulator.url, drop_response_rate=1.0, routes=["ack"])
     # When it is acked: the first answer is lost, the retry finds the message gone
-    with pytest.raises(QueueMessageNotFound):
+    with pytest.raises(errors.QueueMessageNotFound):
         client.ack(QUEUE, message.receipt_handle)
     # Then the ack did land
     set_faults(control, emulator.url)
@@ -342,7 +335,7 @@ def test_publish_is_not_retried_by_default(
     # Given the service applies publishes but drops the answers
     set_faults(control, emulator.url, drop_response_rate=1.0, routes=["publish"])
     # When a job is published
-    with pytest.raises(InfraiUnavailable):
+    with pytest.raises(errors.InfraiUnavailable):
         client.publish(QUEUE, NOTES_PAYLOAD)
     # Then exactly one message exists: no retry duplicated it
     set_faults(control, emulator.url)
@@ -355,7 +348,7 @@ def test_opt_in_publish_retries_can_duplicate_which_the_claims_absorb(
 ) -> None:
     # Given publish answers dropped, with retries opted in
     set_faults(control, emulator.url, drop_response_rate=1.0, routes=["publish"])
-    with pytest.raises(InfraiUnavailable):
+    with pytest.raises(errors.InfraiUnavailable):
         client.publish(QUEUE, NOTES_PAYLOAD, retry=True)
     # Then every attempt reached the queue: this is why it is off by default
     set_faults(control, emulator.url)
@@ -363,9 +356,9 @@ def test_opt_in_publish_retries_can_duplicate_which_the_claims_absorb(
 
 
 def test_configuration_errors_name_the_setting() -> None:
-    with pytest.raises(ConfigurationError, match="INFRAI_BASE_URL"):
+    with pytest.raises(errors.ConfigurationError, match="INFRAI_BASE_URL"):
         InfraiClient("api.infrai.cc", API_KEY)
-    with pytest.raises(ConfigurationError, match="INFRAI_API_KEY"):
+    with pytest.raises(errors.ConfigurationError, match="INFRAI_API_KEY"):
         InfraiClient("http://127.0.0.1:1", "")
 
 
@@ -430,18 +423,18 @@ def test_bodies_without_the_envelope_are_accepted(bare_server: str) -> None:
 
 def test_answers_outside_the_contract_raise_invalid_response(bare_server: str) -> None:
     client = InfraiClient(bare_server, API_KEY, retry=HttpRetryPolicy(max_attempts=1))
-    with pytest.raises(InfraiInvalidResponse, match="not JSON"):
+    with pytest.raises(errors.InfraiInvalidResponse, match="not JSON"):
         client.stats("garbage")
-    with pytest.raises(InfraiInvalidResponse, match="message_count"):
+    with pytest.raises(errors.InfraiInvalidResponse, match="message_count"):
         client.stats("wrong-types")
-    with pytest.raises(InfraiError) as teapot:
+    with pytest.raises(errors.InfraiError) as teapot:
         client.stats("teapot")
     assert (teapot.value.code, teapot.value.status) == ("HTTP_418", 418)
     # A 200 whose envelope neither says ok nor names an error is not an "HTTP_200" failure
-    with pytest.raises(InfraiInvalidResponse, match="ok is 'yes'") as yes:
+    with pytest.raises(errors.InfraiInvalidResponse, match="ok is 'yes'") as yes:
         client.stats("ok-yes")
     assert (yes.value.code, yes.value.status) == ("INVALID_RESPONSE", 200)
-    with pytest.raises(InfraiInvalidResponse, match="ok is False"):
+    with pytest.raises(errors.InfraiInvalidResponse, match="ok is False"):
         client.stats("ok-false-bare")
 
 

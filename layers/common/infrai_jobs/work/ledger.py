@@ -25,19 +25,7 @@ from infrai_jobs.ledger.postgres import (
 )
 from infrai_jobs.queue_contract import DEFAULT_VISIBILITY_TIMEOUT_SECONDS
 from infrai_jobs.work import statements as sql
-from infrai_jobs.work.states import (
-    SETTLE_STATUS,
-    ClaimDecision,
-    ClaimRequest,
-    ClaimRow,
-    ClaimStatus,
-    JobRun,
-    RunKind,
-    Settlement,
-    SettleStatus,
-    decide,
-    settled_kind,
-)
+from infrai_jobs.work import states
 from infrai_jobs.work.store import claim_of
 
 logger = logging.getLogger(__name__)
@@ -46,11 +34,11 @@ logger = logging.getLogger(__name__)
 _RESULT_JSON = json.JSONEncoder(allow_nan=False)
 
 # How each kind of run settles its claim, fenced by its token (a deferral settled it already).
-_SETTLE_STATEMENTS: Final[dict[RunKind, LiteralString]] = {
-    RunKind.SUCCEEDED: sql.SETTLE_DONE,
-    RunKind.PERMANENT: sql.SETTLE_FAILED,
-    RunKind.UNCERTAIN: sql.MARK_UNCERTAIN,
-    RunKind.TRANSIENT: sql.RELEASE_BATCH,
+_SETTLE_STATEMENTS: Final[dict[states.RunKind, LiteralString]] = {
+    states.RunKind.SUCCEEDED: sql.SETTLE_DONE,
+    states.RunKind.PERMANENT: sql.SETTLE_FAILED,
+    states.RunKind.UNCERTAIN: sql.MARK_UNCERTAIN,
+    states.RunKind.TRANSIENT: sql.RELEASE_BATCH,
 }
 _FREEING_SLOTS: Final = {kind: sql.freeing_slots(s) for kind, s in _SETTLE_STATEMENTS.items()}
 
@@ -71,7 +59,9 @@ RETURNING greatest(extract(epoch FROM single_until - now()), 0)::float8
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 # A handler that swallowed a database error: its work cannot commit.
-_LEFT_ABORTED: Final = JobRun(RunKind.TRANSIENT, error="handler left the transaction aborted")
+_LEFT_ABORTED: Final = states.JobRun(
+    states.RunKind.TRANSIENT, error="handler left the transaction aborted"
+)
 
 
 class _IsolateJobs(Exception):
@@ -97,8 +87,8 @@ def _batch_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
         conn.execute("COMMIT")
 
 
-_REQUEST_FIELDS: Final = tuple(ClaimRequest.__dataclass_fields__)
-DatabaseRunner = Callable[[ClaimRequest, "psycopg.Connection[Any] | None"], JobRun]
+_REQUEST_FIELDS: Final = tuple(states.ClaimRequest.__dataclass_fields__)
+DatabaseRunner = Callable[[states.ClaimRequest, "psycopg.Connection[Any] | None"], states.JobRun]
 
 
 class PostgresLedger(LedgerAdapter):
@@ -145,14 +135,14 @@ class PostgresLedger(LedgerAdapter):
             else:
                 return
 
-    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+    def claim(self, requests: Sequence[states.ClaimRequest]) -> list[states.ClaimDecision]:
         """Keys must be distinct."""
         if not requests:
             return []
         with self._translated(on_broken=lambda: self._release_after_lost_answer(requests)) as conn:
             return self._claim_on(conn, requests)
 
-    def _release_after_lost_answer(self, requests: Sequence[ClaimRequest]) -> None:
+    def _release_after_lost_answer(self, requests: Sequence[states.ClaimRequest]) -> None:
         # The claim may have committed before the answer was lost. No effect has run yet, so
         # this invocation can still safely give its claims back; otherwise the redelivery would
         # find them running and (rightly, for an irreversible effect) flag them stuck.
@@ -171,10 +161,10 @@ class PostgresLedger(LedgerAdapter):
     def _claim_on(
         self,
         conn: psycopg.Connection[Any],
-        requests: Sequence[ClaimRequest],
+        requests: Sequence[states.ClaimRequest],
         *,
         begin: bool = False,
-    ) -> list[ClaimDecision]:
+    ) -> list[states.ClaimDecision]:
         ordered = sorted(requests, key=lambda r: r.idem_key)  # one lock order: no deadlocks
         params: dict[str, Any] = {"visibility": self._visibility}
         params |= {n: array_literal(getattr(r, n) for r in ordered) for n in _REQUEST_FIELDS}
@@ -194,11 +184,11 @@ class PostgresLedger(LedgerAdapter):
             with conn.cursor(row_factory=dict_row) as cur:
                 rows.update((row["idem_key"], row) for row in cur.execute(sql.REREAD, reread))
         by_key = {r.idem_key: r for r in requests}
-        return [decide(by_key[key], row) for key, row in rows.items()]
+        return [states.decide(by_key[key], row) for key, row in rows.items()]
 
     def run_database_batch(
-        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
-    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        self, requests: Sequence[states.ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[states.ClaimDecision], list[states.Settlement]]:
         """Claim, run and settle database jobs in one transaction (docs/design.md, "Effect
         classes"): every claim decision and the settlements of the jobs that ran, in two round
         trips (``BEGIN`` travels with the claim, ``COMMIT`` with the settle). If a handler fails,
@@ -215,32 +205,32 @@ class PostgresLedger(LedgerAdapter):
     def _database_batch(
         self,
         conn: psycopg.Connection[Any],
-        requests: Sequence[ClaimRequest],
+        requests: Sequence[states.ClaimRequest],
         runner: DatabaseRunner,
         *,
         isolated: bool,
-    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+    ) -> tuple[list[states.ClaimDecision], list[states.Settlement]]:
         with _batch_transaction(conn):
             decisions = self._claim_on(conn, requests, begin=True)
-            runs: list[tuple[ClaimRequest, JobRun]] = []
-            for request in [d.request for d in decisions if d.status is ClaimStatus.WON]:
+            runs: list[tuple[states.ClaimRequest, states.JobRun]] = []
+            for request in [d.request for d in decisions if d.status is states.ClaimStatus.WON]:
                 if isolated:
                     job = f"the savepoint of job {request.idem_key!r}"
                     with savepoint_rollback_checked(job), conn.transaction() as savepoint:
                         run = runner(request, conn)
-                        if run.kind is RunKind.SUCCEEDED and _aborted(conn):
+                        if run.kind is states.RunKind.SUCCEEDED and _aborted(conn):
                             run = _LEFT_ABORTED
-                        if run.kind is not RunKind.SUCCEEDED:
+                        if run.kind is not states.RunKind.SUCCEEDED:
                             raise psycopg.Rollback(savepoint)
                 else:
                     run = runner(request, conn)
-                    if run.kind is not RunKind.SUCCEEDED or _aborted(conn):
+                    if run.kind is not states.RunKind.SUCCEEDED or _aborted(conn):
                         raise _IsolateJobs
                 runs.append((request, run))
             settlements = self._settle_on(conn, runs, uncertain_is_stuck=False, commit=not isolated)
         return decisions, settlements
 
-    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+    def settle(self, request: states.ClaimRequest, run: states.JobRun) -> states.Settlement:
         with self._translated() as conn:
             (settlement,) = self._settle_on(conn, [(request, run)], uncertain_is_stuck=True)
         return settlement
@@ -248,24 +238,28 @@ class PostgresLedger(LedgerAdapter):
     def _settle_on(
         self,
         conn: psycopg.Connection[Any],
-        runs: Sequence[tuple[ClaimRequest, JobRun]],
+        runs: Sequence[tuple[states.ClaimRequest, states.JobRun]],
         *,
         uncertain_is_stuck: bool,
         commit: bool = False,
-    ) -> list[Settlement]:
+    ) -> list[states.Settlement]:
         """Settle ``runs``, one fenced statement per kind. ``commit``: only successes, settled
         by the batch transaction's last statement (bound client-side: one round trip)."""
-        groups: dict[RunKind, list[tuple[ClaimRequest, JobRun]]] = {}
+        groups: dict[states.RunKind, list[tuple[states.ClaimRequest, states.JobRun]]] = {}
         for request, run in runs:
-            groups.setdefault(settled_kind(run.kind, uncertain_is_stuck), []).append((request, run))
-        settled: dict[str, SettleStatus] = {}  # by key; a key missing from it was LOST
+            groups.setdefault(states.settled_kind(run.kind, uncertain_is_stuck), []).append(
+                (request, run)
+            )
+        settled: dict[str, states.SettleStatus] = {}  # by key; a key missing from it was LOST
         for kind, items in groups.items():
             slots = any(run.held_slot for _, run in items)
             statement = (_FREEING_SLOTS if slots else _SETTLE_STATEMENTS).get(kind)
             if statement is None:  # a deferral settled the claim itself, fenced by its token
-                settled.update((request.idem_key, SETTLE_STATUS[kind]) for request, _ in items)
+                settled.update(
+                    (request.idem_key, states.SETTLE_STATUS[kind]) for request, _ in items
+                )
                 continue
-            done = kind is RunKind.SUCCEEDED
+            done = kind is states.RunKind.SUCCEEDED
             params = {
                 "keys": array_literal(r.idem_key for r, _ in items),
                 "tokens": array_literal(r.claim_token for r, _ in items),
@@ -277,9 +271,9 @@ class PostgresLedger(LedgerAdapter):
                 statement = sql.SETTLE_DONE_AND_COMMIT
             with psycopg.ClientCursor(conn) if commit else conn.cursor() as cur:
                 matched = cur.execute(statement, params).fetchall()
-            settled.update((row[0], SETTLE_STATUS[kind]) for row in matched)
+            settled.update((row[0], states.SETTLE_STATUS[kind]) for row in matched)
         return [
-            Settlement(request, settled.get(request.idem_key, SettleStatus.LOST), run)
+            states.Settlement(request, settled.get(request.idem_key, states.SettleStatus.LOST), run)
             for request, run in runs
         ]
 
@@ -303,6 +297,6 @@ class PostgresLedger(LedgerAdapter):
             row = conn.execute(_ISOLATE, params).fetchone()
         return float(row[0]) if row else seconds
 
-    def get(self, idem_key: str) -> ClaimRow | None:
+    def get(self, idem_key: str) -> states.ClaimRow | None:
         with self._translated() as conn:
             return claim_of(conn, idem_key, visibility=self._visibility)

@@ -56,21 +56,8 @@ from infrai_jobs.queue_contract import (
     CONSUME_CAP,
     DEFAULT_VISIBILITY_TIMEOUT_SECONDS,
 )
+from infrai_jobs.work import states
 from infrai_jobs.work.ledger import DatabaseRunner
-from infrai_jobs.work.states import (
-    SETTLE_STATUS,
-    WORK_STATES,
-    ClaimDecision,
-    ClaimRequest,
-    ClaimRow,
-    ClaimStatus,
-    JobRun,
-    RunKind,
-    Settlement,
-    SettleStatus,
-    decide,
-    settled_kind,
-)
 from infrai_local.sandbox.queue_model import (
     DEFAULT_PUBLISH_PRICE_USD,
     ApiError,
@@ -99,7 +86,7 @@ FAKE_EPOCH: Final = 1_785_024_000.0
 
 _QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 _BASE62: Final = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-_CLAIM_STATES: Final = frozenset(WORK_STATES)
+_CLAIM_STATES: Final = frozenset(states.WORK_STATES)
 
 
 class Clock(Protocol):
@@ -380,7 +367,7 @@ class InMemoryLedger:
     ) -> None:
         self.clock: Clock = clock if clock is not None else FakeClock()
         self.visibility_timeout = visibility_timeout
-        self._rows: dict[str, ClaimRow] = {}
+        self._rows: dict[str, states.ClaimRow] = {}
         # Re-entrant: a handler run inside run_database_batch may inspect or change rows.
         self._lock = threading.RLock()
         self._failures: list[_InjectedFailure] = []
@@ -393,7 +380,7 @@ class InMemoryLedger:
 
     # --- LedgerPort ---------------------------------------------------------------------------
 
-    def claim(self, requests: Sequence[ClaimRequest]) -> list[ClaimDecision]:
+    def claim(self, requests: Sequence[states.ClaimRequest]) -> list[states.ClaimDecision]:
         if not requests:
             return []
         with self._lock:
@@ -401,8 +388,8 @@ class InMemoryLedger:
             return self._claim(requests, self._now())
 
     def run_database_batch(
-        self, requests: Sequence[ClaimRequest], runner: DatabaseRunner
-    ) -> tuple[list[ClaimDecision], list[Settlement]]:
+        self, requests: Sequence[states.ClaimRequest], runner: DatabaseRunner
+    ) -> tuple[list[states.ClaimDecision], list[states.Settlement]]:
         if not requests:
             return [], []
         with self._lock:
@@ -414,7 +401,7 @@ class InMemoryLedger:
                 runs = [
                     (decision.request, runner(decision.request, None))
                     for decision in decisions
-                    if decision.status is ClaimStatus.WON
+                    if decision.status is states.ClaimStatus.WON
                 ]
                 settlements = self._settle(runs, now, uncertain_is_stuck=False)
             except BaseException:
@@ -422,7 +409,7 @@ class InMemoryLedger:
                 raise
             return decisions, settlements
 
-    def settle(self, request: ClaimRequest, run: JobRun) -> Settlement:
+    def settle(self, request: states.ClaimRequest, run: states.JobRun) -> states.Settlement:
         with self._lock:
             self._enter("settle")
             (settlement,) = self._settle([(request, run)], self._now(), uncertain_is_stuck=True)
@@ -466,12 +453,12 @@ class InMemoryLedger:
 
     # --- inspection and set-up ----------------------------------------------------------------
 
-    def get(self, idem_key: str) -> ClaimRow | None:
+    def get(self, idem_key: str) -> states.ClaimRow | None:
         with self._lock:
             return self._rows.get(idem_key)
 
     @property
-    def rows(self) -> dict[str, ClaimRow]:
+    def rows(self) -> dict[str, states.ClaimRow]:
         """A copy of every row by key (rows are frozen, so the copy is a snapshot)."""
         with self._lock:
             return dict(self._rows)
@@ -482,7 +469,7 @@ class InMemoryLedger:
         with self._lock:
             return Counter(self._calls)
 
-    def seed(self, idem_key: str, **columns: Any) -> ClaimRow:
+    def seed(self, idem_key: str, **columns: Any) -> states.ClaimRow:
         """Write a row as another worker, an operator or the notes' SQL would have left it.
 
         Replaces any row under the key. ``columns`` are ``ClaimRow``'s fields (``fingerprint``
@@ -502,7 +489,7 @@ class InMemoryLedger:
             defaults |= {"message_id": "qmsg_seeded", "attempts": 1, "claimed_at": self._now()}
             if columns.get("run_after") is not None:
                 defaults["deferred_at"] = self._now()
-            row = ClaimRow(idem_key=idem_key, **(defaults | columns))
+            row = states.ClaimRow(idem_key=idem_key, **(defaults | columns))
             self._rows[idem_key] = row
             return row
 
@@ -534,7 +521,9 @@ class InMemoryLedger:
                     del self._failures[index]
                 raise LedgerUnavailable(f"injected fault: the ledger failed during {call}")
 
-    def _claim(self, requests: Sequence[ClaimRequest], now: datetime) -> list[ClaimDecision]:
+    def _claim(
+        self, requests: Sequence[states.ClaimRequest], now: datetime
+    ) -> list[states.ClaimDecision]:
         keys = [r.idem_key for r in requests]
         if len(set(keys)) != len(keys):
             # Postgres refuses an ON CONFLICT DO UPDATE that touches one row twice.
@@ -542,7 +531,7 @@ class InMemoryLedger:
                 "the ledger rejected a statement: ON CONFLICT DO UPDATE command cannot affect "
                 "row a second time"
             )
-        decisions: list[ClaimDecision] = []
+        decisions: list[states.ClaimDecision] = []
         for request in sorted(requests, key=lambda r: r.idem_key):
             before = self._rows.get(request.idem_key)
             won = before is None or _may_take_over(before, request, now, self.visibility_timeout)
@@ -550,11 +539,11 @@ class InMemoryLedger:
                 self._rows[request.idem_key] = _claimed_row(
                     before, request, now, self.visibility_timeout
                 )
-            decisions.append(decide(request, self._answer(before, request, won, now)))
+            decisions.append(states.decide(request, self._answer(before, request, won, now)))
         return decisions
 
     def _answer(
-        self, row: ClaimRow | None, request: ClaimRequest, won: bool, now: datetime
+        self, row: states.ClaimRow | None, request: states.ClaimRequest, won: bool, now: datetime
     ) -> dict[str, Any]:
         # The claim statement's answer: the row as it was before, as its final SELECT sees it.
         won_token = request.claim_token if won else None
@@ -593,31 +582,35 @@ class InMemoryLedger:
 
     def _settle(
         self,
-        runs: Sequence[tuple[ClaimRequest, JobRun]],
+        runs: Sequence[tuple[states.ClaimRequest, states.JobRun]],
         now: datetime,
         *,
         uncertain_is_stuck: bool,
-    ) -> list[Settlement]:
-        kinds = [settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
+    ) -> list[states.Settlement]:
+        kinds = [states.settled_kind(run.kind, uncertain_is_stuck) for _, run in runs]
         # Every value is checked before any row changes: one refused statement changes nothing.
         stored = [_storable(run, kind) for (_, run), kind in zip(runs, kinds, strict=True)]
-        settlements: list[Settlement] = []
+        settlements: list[states.Settlement] = []
         for (request, run), kind, value in zip(runs, kinds, stored, strict=True):
             row = self._rows.get(request.idem_key)
             if row is None or row.claim_token != request.claim_token or row.state != "running":
                 # A deferred run's claim may have been released by its deferral already.
-                lost = SettleStatus.DEFERRED if kind is RunKind.DEFERRED else SettleStatus.LOST
-                settlements.append(Settlement(request, lost, run))
+                lost = (
+                    states.SettleStatus.DEFERRED
+                    if kind is states.RunKind.DEFERRED
+                    else states.SettleStatus.LOST
+                )
+                settlements.append(states.Settlement(request, lost, run))
                 continue
-            if kind is RunKind.SUCCEEDED:
+            if kind is states.RunKind.SUCCEEDED:
                 self._rows[request.idem_key] = replace(
                     row, state="done", result=value, error=None, updated_at=now
                 )
-            elif kind is RunKind.PERMANENT:
+            elif kind is states.RunKind.PERMANENT:
                 self._rows[request.idem_key] = replace(
                     row, state="failed", error=run.error, updated_at=now
                 )
-            elif kind is RunKind.UNCERTAIN:
+            elif kind is states.RunKind.UNCERTAIN:
                 # _MARK_UNCERTAIN's least(lease_until, now()); least() ignores a NULL.
                 lease = now if row.lease_until is None else min(row.lease_until, now)
                 self._rows[request.idem_key] = replace(
@@ -625,11 +618,13 @@ class InMemoryLedger:
                 )
             else:
                 del self._rows[request.idem_key]
-            settlements.append(Settlement(request, SETTLE_STATUS[kind], run))
+            settlements.append(states.Settlement(request, states.SETTLE_STATUS[kind], run))
         return settlements
 
 
-def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime, visibility: float) -> bool:
+def _may_take_over(
+    row: states.ClaimRow, request: states.ClaimRequest, now: datetime, visibility: float
+) -> bool:
     """The claim statement's ``ON CONFLICT ... DO UPDATE ... WHERE``, row by row: only a
     key-passing effect, only the same work, never a claim flagged for a human, never work the
     ledger owns, and only once the lease is over (a lease-less row's at its claim time plus the
@@ -649,14 +644,16 @@ def _may_take_over(row: ClaimRow, request: ClaimRequest, now: datetime, visibili
     )
 
 
-def _lease_end(row: ClaimRow, visibility: float) -> datetime:
+def _lease_end(row: states.ClaimRow, visibility: float) -> datetime:
     """``work.statements.lease_end``, row by row."""
     if row.lease_until is not None:
         return row.lease_until
     return row.claimed_at + timedelta(seconds=visibility)
 
 
-def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> datetime | None:
+def _bounded_lease(
+    request: states.ClaimRequest, now: datetime, visibility: float
+) -> datetime | None:
     """The lease the claim statement stores: the requested one, but never past the message's
     visibility window (what it has left, never more than the whole timeout)."""
     if request.lease_seconds is None:
@@ -666,8 +663,8 @@ def _bounded_lease(request: ClaimRequest, now: datetime, visibility: float) -> d
 
 
 def _claimed_row(
-    before: ClaimRow | None, request: ClaimRequest, now: datetime, visibility: float
-) -> ClaimRow:
+    before: states.ClaimRow | None, request: states.ClaimRequest, now: datetime, visibility: float
+) -> states.ClaimRow:
     if before is not None and before.state != "cancelled":
         # A takeover keeps the row's history, as the UPDATE does.
         return replace(
@@ -679,7 +676,7 @@ def _claimed_row(
             error=None,
             updated_at=now,
         )
-    return ClaimRow(
+    return states.ClaimRow(
         idem_key=request.idem_key,
         state="running",
         message_id=request.message_id,
@@ -696,14 +693,14 @@ def _claimed_row(
     )
 
 
-def _storable(run: JobRun, kind: RunKind) -> JsonValue:
+def _storable(run: states.JobRun, kind: states.RunKind) -> JsonValue:
     """The value a settle stores, or the error Postgres would raise for it."""
-    if kind is RunKind.SUCCEEDED:
+    if kind is states.RunKind.SUCCEEDED:
         # The same serialisation PostgresLedger sends; jsonb then holds the decoded form.
         value = json.loads(json.dumps(run.result, allow_nan=False))
         _check_jsonb(value)
         return value
-    if kind in (RunKind.PERMANENT, RunKind.UNCERTAIN):
+    if kind in (states.RunKind.PERMANENT, states.RunKind.UNCERTAIN):
         _check_text(run.error)
     return None
 

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
@@ -50,7 +51,7 @@ from infrai_jobs.errors import (
     SchemaNotMigrated,
 )
 from infrai_jobs.jobs.correlation import with_correlation_id
-from infrai_jobs.jobs.registry import Effect
+from infrai_jobs.jobs.registry import Effect, JobContext
 from infrai_jobs.ledger.job_schema import job_migrations_in
 from infrai_jobs.ledger.postgres import connect_to_ledger, ledger_error, redact
 from infrai_jobs.operations.reconcile import Reconciler
@@ -87,10 +88,12 @@ from infrai_local.operator.cli_ops import (
 from infrai_local.operator.drain_interrupt import (
     DEFAULT_GRACE_SECONDS,
     Finished,
+    HandlerDeadlines,
     InFlightMessages,
     Interruption,
     OutcomeTally,
     interrupted_lines,
+    overran_lines,
 )
 from infrai_local.operator.drain_report import PACKAGE_LOGGER, DrainReport, summary_lines
 from infrai_local.operator.outbox_cli import add_outbox_commands, run_outbox
@@ -847,6 +850,9 @@ def _cmd_drain(args: argparse.Namespace) -> int:
             service.queue, visibility_timeout_seconds=settings.visibility_timeout_seconds
         )
         service.queue = held
+        # What Lambda's timeout does for DrainFunction: no handler runs past its deadline.
+        handlers = HandlerDeadlines()
+        service.features.append(handlers)
         deadline = time.monotonic() + args.time_budget_seconds
         # Problem messages and retried calls, one line each on stderr as they happen.
         with (
@@ -860,8 +866,14 @@ def _cmd_drain(args: argparse.Namespace) -> int:
                     max_batches=args.max_batches,
                     fan_out_slot=args.fan_out_slot,
                     stop_requested=interruption.requested,
-                )
+                ),
+                overran=handlers.overran,
             )
+        if interruption.overran:
+            code = _report_overran(interruption.overran, handlers, held, tally)
+            _silence_package_logs()
+            stack.close()
+            _exit_now(code)
         if not interruption.requested():
             assert finished.result is not None
             if starter is not None:
@@ -936,6 +948,48 @@ def _report_interrupted(
     }
     print(json.dumps(result), flush=True)
     return interruption.exit_code
+
+
+def _report_overran(
+    overran: list[JobContext],
+    handlers: HandlerDeadlines,
+    held: InFlightMessages,
+    tally: OutcomeTally,
+) -> int:
+    """The summary so far, the handlers past their deadline, what is in flight and the claims
+    of the external calls still running (left ``running``); the exit code. Nothing here asks
+    the ledger or the queue: the process must end before the lease does."""
+    received, in_flight = len(held.received_ids()), held.held()
+    running = sorted({ctx.idem_key for ctx in handlers.running()})
+    outcomes = dict(sorted(tally.outcomes.items()))
+    print(
+        f"summary so far: {received} message(s) received, {received - len(in_flight)} acked; "
+        f"outcomes so far: {_counts(outcomes)}",
+        file=sys.stderr,
+    )
+    for line in overran_lines(overran, held=in_flight, running_keys=running):
+        print(line, file=sys.stderr)
+    result = {
+        "consumed": received,
+        "outcomes": outcomes,
+        "stopped": "handler_overran",
+        "overran": {
+            "handlers": [
+                {
+                    "idem_key": ctx.idem_key,
+                    "job": ctx.job,
+                    "deadline": datetime.fromtimestamp(ctx.deadline, UTC).isoformat(),
+                }
+                for ctx in overran
+            ],
+            "in_flight": [
+                {"message_id": m.message_id, "back_at": m.back_at.isoformat()} for m in in_flight
+            ],
+            "left_running": running,
+        },
+    }
+    print(json.dumps(result), flush=True)
+    return EXIT_FAILED
 
 
 def _claims_left_running(service: DrainService, message_ids: set[str]) -> list[str] | None:

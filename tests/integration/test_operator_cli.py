@@ -292,6 +292,41 @@ def test_a_drain_interrupted_past_its_grace_names_what_is_in_flight_and_left_run
     assert row.state == "running"
 
 
+def test_a_handler_still_running_at_its_deadline_ends_the_drain_before_its_lease_ends(
+    kit: Harness, jobs_path: str, tmp_path: Path
+) -> None:
+    # Given a slow external job (60 s) and a drain with 3 s to run (batches of 1 s), as an
+    # operator runs one during DrainSilentAlarm
+    kit.publish({"job": "cli.slow", "id": "s", "seconds": 60, "started": str(tmp_path / "go")})
+    # When its handler is still running at its deadline
+    finished = run_cli(
+        kit,
+        "drain",
+        "--jobs-path",
+        jobs_path,
+        "--time-budget-seconds",
+        "3",
+        DRAIN_BATCH_BUDGET_MS="1000",
+    )
+    # Then the drain ends there, as DrainFunction's timeout would: exit 1, no traceback
+    assert finished.returncode == 1, finished.stdout + finished.stderr
+    assert "Traceback" not in finished.stderr
+    (line,) = [x for x in finished.stderr.splitlines() if x.startswith("stopped: a handler")]
+    assert "still running at its deadline" in line
+    assert "cli.slow (cli.slow:s)" in line
+    assert "  infrai-jobs claims show cli.slow:s" in finished.stderr.splitlines()
+    report = json.loads(finished.stdout)
+    assert report["stopped"] == "handler_overran"
+    assert [h["idem_key"] for h in report["overran"]["handlers"]] == ["cli.slow:s"]
+    assert report["overran"]["left_running"] == ["cli.slow:s"]
+    # And it ended before the claim's lease did (LEASE_GRACE_SECONDS, 60, after the
+    # deadline): no operator release or later delivery can meet the handler still running
+    rows = kit.sql(
+        "SELECT state, lease_until > now() FROM job_claims WHERE idem_key = %s", ("cli.slow:s",)
+    )
+    assert rows == [("running", True)]
+
+
 def test_a_drain_with_the_ledger_down_from_the_start_says_nothing_was_received(
     kit: Harness, jobs_path: str
 ) -> None:

@@ -7,11 +7,18 @@ person at the terminal is told the summary so far, the messages this drain recei
 not ack (with when the queue delivers them again), and the claims of those messages left
 ``running``, with the command that shows each. The exit code is 128 + the signal's number: 130
 for SIGINT, 143 for SIGTERM.
+
+A handler still running at its deadline ends the process too (``HandlerDeadlines``), as
+Lambda's timeout ends DrainFunction: the claim's lease ends ``LEASE_GRACE_SECONDS`` after that
+deadline (at it, near the message's visibility window), and a handler that outlived its lease
+could run beside the work's next delivery, or after an operator released the claim. The report
+names the handlers; the exit code is 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import signal
 import threading
@@ -23,7 +30,9 @@ from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
+from infrai_jobs.drain.model import DrainFeature
 from infrai_jobs.errors import InfraiError, QueueMessageNotFound
+from infrai_jobs.jobs.registry import JobContext, JsonValue
 from infrai_jobs.queue.models import Pending, QueueMessage
 from infrai_jobs.queue.ports import ForwardingQueue, QueuePort
 from infrai_local.operator.drain_report import handler_attached
@@ -175,6 +184,41 @@ class OutcomeTally(logging.Handler):
             yield self
 
 
+class HandlerDeadlines(DrainFeature):
+    """The external calls running now, each with its context: those past their deadline are
+    what ``Interruption.run`` ends the process for (see the module's docstring). A database
+    job is not watched: it holds no lease, and a process that ends rolls its work back."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running: dict[int, JobContext] = {}
+        self._ids = itertools.count()
+
+    def around_effect(
+        self, ctx: JobContext, fingerprint: str, call: Callable[[], JsonValue]
+    ) -> JsonValue:
+        number = next(self._ids)
+        with self._lock:
+            self._running[number] = ctx
+        try:
+            return call()
+        finally:
+            with self._lock:
+                del self._running[number]
+
+    def running(self) -> list[JobContext]:
+        """The external calls running now, the earliest deadline first."""
+        with self._lock:
+            running = list(self._running.values())
+        return sorted(running, key=lambda ctx: (ctx.deadline, ctx.idem_key))
+
+    def overran(self) -> list[JobContext]:
+        """The handlers still running at or past their deadline."""
+        now = self._clock()
+        return [ctx for ctx in self.running() if ctx.deadline <= now]
+
+
 @dataclass
 class Finished(Generic[T]):
     """What ``Interruption.run`` ended with: the work's result, or nothing when the grace ran
@@ -194,6 +238,8 @@ class Interruption:
         self._requested = threading.Event()
         self._again = threading.Event()
         self._at = 0.0
+        # The handlers that were still running at their deadline, when that ended the run.
+        self.overran: list[JobContext] = []
 
     def requested(self) -> bool:
         return self._requested.is_set()
@@ -223,9 +269,12 @@ class Interruption:
             for number, handler in previous.items():
                 signal.signal(number, handler)
 
-    def run(self, work: Callable[[], T]) -> Finished[T]:
+    def run(
+        self, work: Callable[[], T], overran: Callable[[], list[JobContext]] = list
+    ) -> Finished[T]:
         """Run ``work`` on a thread of its own (the signals stay with this one) and wait for
-        it, or, once interrupted, for at most ``grace_seconds``. Its error is raised here."""
+        it, or, once interrupted, for at most ``grace_seconds``, or until ``overran`` names a
+        handler past its deadline (kept in ``self.overran``). Its error is raised here."""
         outcome: list[Any] = []
         failure: list[BaseException] = []
         done = threading.Event()
@@ -241,6 +290,9 @@ class Interruption:
         worker = threading.Thread(target=target, name="drain", daemon=True)
         worker.start()
         while not done.wait(0.1):
+            if late := overran():
+                self.overran = late
+                return Finished(None, settled=False)
             if self._requested.is_set() and (
                 self._again.is_set() or time.monotonic() - self._at >= self.grace_seconds
             ):
@@ -271,6 +323,28 @@ def interrupted_lines(
             "left as it was"
         )
     ]
+    return lines + left_behind_lines(held=held, running_keys=running_keys, now=now)
+
+
+def overran_lines(
+    overran: Sequence[JobContext], *, held: Sequence[HeldMessage], running_keys: Sequence[str]
+) -> list[str]:
+    """What a drain ended at a handler's deadline tells the terminal after its summary so far."""
+    at = datetime.fromtimestamp(overran[0].deadline, UTC)
+    jobs = ", ".join(f"{ctx.job} ({ctx.idem_key})" for ctx in overran)
+    return [
+        f"stopped: a handler was still running at its deadline, {at:%H:%M:%S} UTC: {jobs}. "
+        "The drain ends here, as DrainFunction's timeout would, before the claim's lease ends "
+        "(LEASE_GRACE_SECONDS after the deadline); a handler must finish by `ctx.deadline`",
+        *left_behind_lines(held=held, running_keys=running_keys),
+    ]
+
+
+def left_behind_lines(
+    *, held: Sequence[HeldMessage], running_keys: Sequence[str], now: datetime | None = None
+) -> list[str]:
+    """The messages received and not acked, and the claims left ``running``."""
+    lines: list[str] = []
     current = now or datetime.now(UTC)
     if held:
         first, last = held[0].back_at, held[-1].back_at

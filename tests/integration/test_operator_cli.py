@@ -97,6 +97,13 @@ def fields_of_the_line(text: str, word: str) -> dict[str, str]:
 # --- drain --------------------------------------------------------------------------------------
 
 
+def drain_within(
+    kit: Harness, jobs_path: str, seconds: str, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``infrai-jobs drain`` of the test's jobs with ``--time-budget-seconds SECONDS``."""
+    return run_cli(kit, "drain", "--jobs-path", jobs_path, "--time-budget-seconds", seconds, **env)
+
+
 def test_drain_prints_each_problem_message_with_its_reason_and_tells_retries_from_failures(
     kit: Harness, jobs_path: str
 ) -> None:
@@ -158,7 +165,7 @@ def test_a_drain_whose_budget_cannot_hold_one_batch_refuses_and_says_why(
         kit.publish({"job": "cli.ok", "id": f"w{n}"})
     # When the operator drains with 5 s, then with 19 s
     for budget in ("5", "19"):
-        finished = run_cli(kit, "drain", "--jobs-path", jobs_path, "--time-budget-seconds", budget)
+        finished = drain_within(kit, jobs_path, budget)
         # Then the drain fails with a usage error saying why and what to change, never a
         # success that left the messages untouched
         assert finished.returncode == 2, finished.stdout + finished.stderr
@@ -171,15 +178,7 @@ def test_a_drain_whose_budget_cannot_hold_one_batch_refuses_and_says_why(
     stats = kit.client.stats(QUEUE)
     assert (stats.available_count, stats.in_flight_count) == (3, 0)
     # And a batch budget that fits the 5 s drains them
-    fitted = run_cli(
-        kit,
-        "drain",
-        "--jobs-path",
-        jobs_path,
-        "--time-budget-seconds",
-        "5",
-        DRAIN_BATCH_BUDGET_MS="4000",
-    )
+    fitted = drain_within(kit, jobs_path, "5", DRAIN_BATCH_BUDGET_MS="4000")
     assert fitted.returncode == 0, fitted.stderr
     assert json.loads(fitted.stdout)["done"] == 3
 
@@ -187,15 +186,7 @@ def test_a_drain_whose_budget_cannot_hold_one_batch_refuses_and_says_why(
 def test_idle_polling_that_cannot_poll_says_so(kit: Harness, jobs_path: str) -> None:
     # Given idle polling every 200 ms, and a budget that leaves no poll after a batch budget
     # When the operator drains an empty queue
-    finished = run_cli(
-        kit,
-        "drain",
-        "--jobs-path",
-        jobs_path,
-        "--time-budget-seconds",
-        "20.1",
-        DRAIN_IDLE_POLL_MS="200",
-    )
+    finished = drain_within(kit, jobs_path, "20.1", DRAIN_IDLE_POLL_MS="200")
     # Then the drain runs, and a warning says that and why it did not poll
     assert finished.returncode == 0, finished.stderr
     (line,) = lines_with(finished.stderr, "idle_polling_off")
@@ -299,15 +290,7 @@ def test_a_handler_still_running_at_its_deadline_ends_the_drain_before_its_lease
     # operator runs one during DrainSilentAlarm
     kit.publish({"job": "cli.slow", "id": "s", "seconds": 60, "started": str(tmp_path / "go")})
     # When its handler is still running at its deadline
-    finished = run_cli(
-        kit,
-        "drain",
-        "--jobs-path",
-        jobs_path,
-        "--time-budget-seconds",
-        "3",
-        DRAIN_BATCH_BUDGET_MS="1000",
-    )
+    finished = drain_within(kit, jobs_path, "3", DRAIN_BATCH_BUDGET_MS="1000")
     # Then the drain ends there, as DrainFunction's timeout would: exit 1, no traceback
     assert finished.returncode == 1, finished.stdout + finished.stderr
     assert "Traceback" not in finished.stderr

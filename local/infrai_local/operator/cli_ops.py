@@ -2,7 +2,8 @@
 
 Human output by default (aligned tables; colour only on a terminal), ``--json`` for scripts on
 every read command. Exit codes: 0 success, 1 the operation failed, 2 bad usage or
-configuration, 3 the claim is missing or changed since it was read (fenced actions).
+configuration, 3 the claim is missing, changed since it was read, or in no state the command
+acts on (fenced actions).
 """
 
 from __future__ import annotations

@@ -202,10 +202,10 @@ class Reconciler:
         write = self.admin.apply_probe_answer(
             claim, answer.answer, result=settled, actor=self._actor, note=note
         )
-        resolved = write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED)
-        logger.log(
-            logging.INFO if resolved else logging.WARNING,
-            "stuck claim reconciled",
-            extra={"action": "reconciled", "write": write.value, **extra},
-        )
+        # Only a change is a reconcile (under a live lease, or on a claim that moved on, none is).
+        logged = {"action": "reconciled", "write": write.value, **extra}
+        if write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED):
+            logger.info("stuck claim reconciled", extra=logged)
+        elif write is ReconcileWrite.UNCHANGED:
+            logger.warning("stuck claim left stuck: its probe could not say", extra=logged)
         return ProbeOutcome(key, job, answer.answer, detail, write.value)

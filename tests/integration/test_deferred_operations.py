@@ -105,7 +105,13 @@ def test_a_missing_key_or_a_running_job_is_refused_in_one_line_exit_3(
         assert finished.returncode == 3, finished.stderr
         assert len(finished.stderr.strip().splitlines()) == 1, finished.stderr
         assert "Traceback" not in finished.stderr
-    assert "is running" in refused.stderr
+    # And the running one's refusal says until when its lease runs and what to do, as a
+    # release's does
+    ((lease_until,),) = kit.sql(
+        "SELECT lease_until FROM job_claims WHERE idem_key = %s", (running,)
+    )
+    assert f"is running under a live lease until {lease_until.isoformat()}" in refused.stderr
+    assert f"then run `infrai-jobs claims {command} {running}` again" in refused.stderr
     assert "no deferred job with key 'test.db:nope'" in missing.stderr
     assert "claims list --state deferred" in missing.stderr
     assert json.loads(as_json.stdout)["error"]["exit_code"] == 3

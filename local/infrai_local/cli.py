@@ -6,11 +6,10 @@ Local stand-ins (the emulator, embedded PostgreSQL, the provider sink) come from
 Lambda layer, and only ever all together, when nothing real is configured.
 
 Exit codes: 0 success, 1 the operation failed (also when stdout was closed early), 2 bad usage
-or configuration, 3 the claim (or dead letter) is missing or changed since it was read, 130
-interrupted (Ctrl-C; a drain also exits 143 on SIGTERM, after reporting what it leaves behind:
-``infrai_local.operator.drain_interrupt``). With
-``--json``, an error is also printed to stdout as ``{"error": {"type", "message", "exit_code",
-...}}``.
+or configuration, 3 the claim (or dead letter) is missing, changed since it was read, or in no
+state the command acts on, 130 interrupted (Ctrl-C; a drain also exits 143 on SIGTERM, after
+reporting what it leaves behind: ``infrai_local.operator.drain_interrupt``). With ``--json``, an
+error is also printed to stdout as ``{"error": {"type", "message", "exit_code", ...}}``.
 """
 
 from __future__ import annotations

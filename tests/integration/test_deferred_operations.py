@@ -7,6 +7,7 @@ child process."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -105,7 +106,13 @@ def test_a_missing_key_or_a_running_job_is_refused_in_one_line_exit_3(
         assert finished.returncode == 3, finished.stderr
         assert len(finished.stderr.strip().splitlines()) == 1, finished.stderr
         assert "Traceback" not in finished.stderr
-    assert "is running" in refused.stderr
+    # And the running one's refusal says until when its lease runs and what to do, as a
+    # release's does
+    ((lease_until,),) = kit.sql(
+        "SELECT lease_until FROM job_claims WHERE idem_key = %s", (running,)
+    )
+    assert f"is running under a live lease until {lease_until.isoformat()}" in refused.stderr
+    assert f"then run `infrai-jobs claims {command} {running}` again" in refused.stderr
     assert "no deferred job with key 'test.db:nope'" in missing.stderr
     assert "claims list --state deferred" in missing.stderr
     assert json.loads(as_json.stdout)["error"]["exit_code"] == 3
@@ -215,6 +222,45 @@ def test_a_deferred_job_out_of_attempts_pages_until_discarded_or_redriven_and_th
     # And with both resolved, the alert resolves once
     watcher.run([QUEUE])
     assert alerter.sent[-1] == f"[infrai-jobs] RESOLVED: no dead letters left on {QUEUE}"
+
+
+def test_releasing_deferred_work_out_of_attempts_says_its_dead_letter_runs_it_again(
+    kit: Harness,
+) -> None:
+    # Given two pieces of deferred work a drain failed for good: their messages were acked when
+    # the ledger took them over, and the ledger holds their dead letters
+    key, other = kit.defer("released-after-failing"), kit.defer("released-by-a-script")
+    for failed in (key, other):
+        assert kit.take_and_fail(failed, "upstream 503")
+    # When an operator releases each failed claim, one for a person and one for a script
+    released = run_cli(kit, "claims", "release", key)
+    as_json = _json(kit, "claims", "release", other)
+    # Then the claims are gone, recorded, and each answer says that no delivery runs the work
+    # again but its dead letter does, and how
+    assert released.returncode == 0, released.stderr
+    assert kit.row(key) is kit.row(other) is None
+    assert kit.history(key)[-1][:2] == kit.history(other)[-1][:2] == ("release", OPERATOR)
+    said = released.stdout
+    assert f"released {key} (recorded in claim_history)" in said
+    assert "no next delivery" in said
+    assert f"`infrai-jobs redrive --key {key}`" in said
+    assert "no next delivery" in as_json["next"]
+    assert f"`infrai-jobs redrive --key {other}`" in as_json["next"]
+    # And `claims show` says the same of the key, with the claim as it was before the release
+    shown = run_cli(kit, "claims", "show", key)
+    assert shown.returncode == 0, shown.stderr
+    assert f"no claim with key {key!r} now: release by {OPERATOR}" in shown.stdout
+    assert f"`infrai-jobs redrive --key {key}`" in shown.stdout
+    assert "a new delivery claims it afresh" not in shown.stdout
+    assert re.search(r"^state +failed$", shown.stdout, re.MULTILINE), shown.stdout
+    # And `dlq` still lists the letter, with the claim's state as it was recorded then
+    letters = {row["idem_key"]: row for row in _json(kit, "dlq")["messages"]}
+    assert (letters[key]["state"], letters[key]["held_by_ledger"]) == ("failed", True)
+    # When the letter is redriven, the work runs once
+    summary = _json(kit, "redrive", "--key", key, "--jobs-path", str(TEST_JOBS_CODE))
+    assert summary["published"] == 1
+    assert kit.drain().outcomes == {"done": 1}
+    assert kit.effects(key) == 1
 
 
 # --- The watcher's deferred metrics ---------------------------------------------------------------

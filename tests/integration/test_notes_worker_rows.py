@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from claim_requests import claim_request
+from consolekit import Session, console
 from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, VISIBILITY, Harness, run_cli
 
 from infrai_jobs.config.settings import (
@@ -151,6 +152,84 @@ def test_the_drain_and_the_store_read_a_notes_worker_row_as_live(kit: Harness) -
     assert decision.status is ClaimStatus.LIVE
     assert probed.value == "lease_live"
     assert _row(kit)[0] == "running"
+
+
+def test_reconcile_of_a_notes_worker_row_under_its_lease_waits_for_it_as_for_a_drains(
+    kit: Harness,
+) -> None:
+    # Given the notes' worker claimed the invoice a moment ago: the row names no job, so no
+    # probe can be chosen for it, but under its lease no answer would change anything
+    _notes_worker_claims(kit)
+    before = _row(kit)
+    (claimed_at,) = kit.sql("SELECT claimed_at FROM job_claims WHERE idem_key = %s", (KEY,))[0]
+    implied_end = (claimed_at + timedelta(seconds=VISIBILITY)).isoformat()
+    # When an operator reconciles it by its key
+    shown = run_cli(kit, "claims", "reconcile", KEY)
+    as_json = run_cli(kit, "claims", "reconcile", KEY, "--json")
+    # Then it is left to its worker, as a drain's live claim is: exit 0, and when the implied
+    # lease ends, the time to ask again
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert (
+        f"{KEY}: running under a live lease until {implied_end}: its run may still settle it; "
+        f"after then, run `infrai-jobs claims reconcile {KEY}` again"
+    ) in shown.stdout
+    assert as_json.returncode == 0, as_json.stdout + as_json.stderr
+    (outcome,) = json.loads(as_json.stdout)["claims"]
+    assert (outcome["action"], outcome["lease_until"]) == ("lease_live", implied_end)
+    # And nothing changed or was recorded, and nothing claims a reconcile happened
+    assert _row(kit) == before
+    assert kit.history(KEY) == []
+    for finished in (shown, as_json):
+        assert "reconciled" not in finished.stderr
+        assert "Traceback" not in finished.stderr
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["reconcile", "reconcile --dry-run"])
+def test_reconcile_of_a_notes_worker_row_past_its_lease_says_no_probe_can_be_chosen(
+    kit: Harness, dry_run: bool
+) -> None:
+    # Given a row the notes' worker claimed longer ago than the visibility timeout
+    _notes_worker_claims(kit, seconds_ago=VISIBILITY + 5)
+    before = _row(kit)
+    # When an operator reconciles it by its key
+    finished = run_cli(kit, "claims", "reconcile", KEY, *(["--dry-run"] if dry_run else []))
+    # Then it is refused in one line, not as a configuration error: the row records no job, so
+    # no probe can be chosen, and the operator is told what to do instead
+    assert finished.returncode == 3, finished.stdout + finished.stderr
+    said = finished.stderr
+    assert "records no job" in said
+    assert "no probe can be chosen" in said
+    assert "check the provider" in said
+    assert f"infrai-jobs claims resolve {KEY}" in said
+    assert "job None" not in said
+    assert "Traceback" not in said
+    # And the row is as the worker left it, with nothing recorded
+    assert _row(kit) == before
+    assert kit.history(KEY) == []
+
+
+def test_the_consoles_probe_of_notes_worker_rows_answers_as_the_command_does(kit: Harness) -> None:
+    # Given one row the notes' worker claimed a moment ago and one claimed long ago, and a
+    # console that may act
+    live, over = "invoice.finalize:probe_live", "invoice.finalize:probe_over"
+    _notes_worker_claims(kit, live)
+    _notes_worker_claims(kit, over, seconds_ago=VISIBILITY + 5)
+    with console(kit, "--allow-actions") as running:
+        session = Session(running)
+        # When the operator probes each from the page
+        answers = {
+            key: session.post(
+                "/claims/probe", [("key", key), ("csrf_token", running.token)], Origin=running.base
+            )
+            for key in (live, over)
+        }
+    # Then the live one is left to its worker (lease_live), and the other is refused as a
+    # claim no probe can be chosen for, not as a bad request
+    assert answers[live].status == 200, answers[live].data
+    assert "lease_live" in answers[live].data.decode()
+    assert answers[over].status == 409, answers[over].data
+    assert "records no job" in answers[over].data.decode()
+    assert kit.history(live) == kit.history(over) == []
 
 
 # --- A human's "must not run" stands against a plain redrive --------------------------------------

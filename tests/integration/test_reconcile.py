@@ -11,6 +11,7 @@ delivery runs it once, and leave a claim whose probe fails exactly as it was.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -276,6 +277,34 @@ def test_not_done_never_releases_a_claim_under_a_live_lease(kit: Harness) -> Non
         ("not_done", "lease_live")
     ]
     assert kit.row(key) == before
+
+
+def test_only_a_claim_the_answer_changed_is_logged_as_reconciled(
+    kit: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given two flagged receipt claims the provider has no trace of: one under a live lease
+    # (its delivery may be calling now), one whose lease is over
+    live = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_log_live"}, lease_live=True)
+    over = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_log_over"})
+    # When an operator reconciles the live one by its key, and a pass reconciles both
+    by_name = run_cli(kit, "claims", "reconcile", live)
+    reconciler, actions = watcher_pass(kit), []
+    with caplog.at_level(logging.INFO, logger="infrai_jobs"):
+        for key in (live, over):
+            claim = reconciler.admin.find(key)
+            assert claim is not None
+            actions.append(reconciler.reconcile(claim).action)
+    # Then only the released one is logged as reconciled: the live one changed nothing, and
+    # the command's stderr says nothing of a reconcile
+    assert by_name.returncode == 0, by_name.stdout + by_name.stderr
+    assert "stuck claim reconciled" not in by_name.stderr
+    assert actions == ["lease_live", "released"]
+    logged = [
+        (getattr(r, "idem_key", None), r.levelname)
+        for r in caplog.records
+        if r.getMessage() == "stuck claim reconciled"
+    ]
+    assert logged == [(over, "INFO")]
 
 
 def test_done_under_a_live_lease_advises_when_to_ask_again_not_a_refused_resolve(

@@ -2,7 +2,8 @@
 
 Human output by default (aligned tables; colour only on a terminal), ``--json`` for scripts on
 every read command. Exit codes: 0 success, 1 the operation failed, 2 bad usage or
-configuration, 3 the claim is missing or changed since it was read (fenced actions).
+configuration, 3 the claim is missing, changed since it was read, or in no state the command
+acts on (fenced actions).
 """
 
 from __future__ import annotations
@@ -725,7 +726,7 @@ def _claims(
         released = admin.release(
             args.key, expected_token=args.token, actor=default_actor(), note=args.note
         )
-        return _changed_out(released, "released", args.json, out)
+        return _changed_out(released, "released", args.json, out, then=_released_then)
     if command == "claims_prune":
         days, rest = divmod(args.older_than, 86400)
         if rest or days < 1:
@@ -915,12 +916,15 @@ def _show_human(
         print("deferred work, owned by the ledger (claims list --state deferred):", file=out)
     if row is None:
         last = history[-1]
+        before = next((h["before"] for h in reversed(history) if _is_claim(h["before"])), None)
+        then = "a new delivery claims it afresh"
+        if last["action"] == "release" and before is not None:
+            then = _released_then(before)
         print(
             f"no claim with key {key!r} now: {last['action']} by {last['actor']} at "
-            f"{_cell(last['at'])}; a new delivery claims it afresh",
+            f"{_cell(last['at'])}; {then}",
             file=out,
         )
-        before = next((h["before"] for h in reversed(history) if _is_claim(h["before"])), None)
         if before is not None:
             print("\nthe claim as it was before that:", file=out)
             row = before
@@ -947,13 +951,35 @@ def _is_claim(document: Any) -> bool:
     return isinstance(document, Mapping) and "state" in document and "idem_key" in document
 
 
-def _changed_out(row: ClaimRow, verb: str, as_json: bool, out: TextIO) -> int:
-    """A resolve or a release: of a claim, or of a deferred run left for a human."""
-    document = {"action": verb, "claim": row.as_dict()}
-    _emit(
-        document,
-        as_json,
-        lambda: print(f"{verb} {row.idem_key} (recorded in claim_history)", file=out),
-        out,
-    )
+def _changed_out(
+    row: ClaimRow,
+    verb: str,
+    as_json: bool,
+    out: TextIO,
+    *,
+    then: Callable[[Mapping[str, Any]], str] | None = None,
+) -> int:
+    """A resolve or a release: of a claim, or of a deferred run left for a human; ``then``
+    says what comes next for the claim as the change left it (as it was, when deleted)."""
+    document: dict[str, Any] = {"action": verb, "claim": row.as_dict()}
+    line = f"{verb} {row.idem_key} (recorded in claim_history)"
+    if then is not None:
+        document["next"] = then(document["claim"])
+        line += f": {document['next']}"
+    _emit(document, as_json, lambda: print(line, file=out), out)
     return EXIT_OK
+
+
+def _released_then(claim: Mapping[str, Any]) -> str:
+    """What runs a released claim's work again, by the claim as the release left it, or as it
+    was when the release deleted it (docs/operations.md's CLI table says the same)."""
+    if claim.get("run_after") is None:
+        return "the next delivery of its message runs the job (a redrive, if it reached the DLQ)"
+    if claim["state"] == "deferred":
+        return "it waits again, due now: the next drain runs it"
+    return (
+        "deferred work that failed has no next delivery (its message was acked when the ledger "
+        "took it over); its dead letter is what runs it again: `infrai-jobs redrive --key "
+        f"{claim['idem_key']}` (`infrai-jobs dlq` lists it, and it pages until redriven or "
+        "discarded)"
+    )

@@ -65,6 +65,8 @@ COMMANDS: Final = {
     "resolve_done": "claims resolve --done",
     "resolve_failed": "claims resolve --failed",
     "release": "claims release",
+    "run_now": "claims run-now",
+    "cancel": "claims cancel",
 }
 
 
@@ -87,18 +89,23 @@ def change_refused(row: ClaimRow, action: str, *, token: uuid.UUID | None) -> st
             f"{' or '.join(allowed)} {what}"
         )
     if why is Refusal.LEASE_LIVE:
-        until = row.lease_end.isoformat() if row.lease_end is not None else "?"
-        implied = (
-            "" if row.lease_until is not None else " (no lease stored: claim time + visibility)"
-        )
-        return (
-            f"{what} {key!r} is running under a live lease until {until}{implied}: its run may "
-            f"be inside the call right now; wait for the lease to end, then run "
-            f"`infrai-jobs {command} {key}` again"
-        )
+        return live_lease_refused(row, command)
     return (
         f"{what} {key!r} is now held by token {holder}, not {token}: it changed "
         f"since you looked; run `infrai-jobs claims show {key}` again"
+    )
+
+
+def live_lease_refused(row: ClaimRow, command: str) -> str:
+    """Why ``command`` is refused for a claim a run holds under a live lease: until when, and
+    what to do (the same words for every verb)."""
+    what, key = "deferred job" if row.owned else "claim", row.idem_key
+    until = row.lease_end.isoformat() if row.lease_end is not None else "?"
+    implied = "" if row.lease_until is not None else " (no lease stored: claim time + visibility)"
+    return (
+        f"{what} {key!r} is running under a live lease until {until}{implied}: its run may "
+        f"be inside the call right now; wait for the lease to end, then run "
+        f"`infrai-jobs {command} {key}` again"
     )
 
 
@@ -173,20 +180,29 @@ class OperatorLedger(WorkStore):
             )
 
     def run_deferred_now(self, key: str, *, actor: str, note: str = "") -> ClaimRow:
-        return self.run_now(key, Why("run_now", actor, note))
+        with _worded("run_now", None):
+            return self.run_now(key, Why("run_now", actor, note))
 
     def cancel_deferred(self, key: str, *, actor: str, note: str = "") -> ClaimRow:
-        return self.cancel(key, Why("cancel", actor, note))
+        with _worded("cancel", None):
+            return self.cancel(key, Why("cancel", actor, note))
 
 
 @contextmanager
 def _worded(action: str, token: uuid.UUID | None) -> Iterator[None]:
+    """A refusal in the words of ``action``'s command; run-now's and cancel's keep the store's
+    words unless a live lease refused them."""
     try:
         yield
     except ClaimChanged as refused:
-        if not isinstance(refused.row, ClaimRow):
+        row = refused.row
+        if not isinstance(row, ClaimRow):
             raise
-        raise ClaimChanged(change_refused(refused.row, action, token=token)) from None
+        if refused.refusal == Refusal.LEASE_LIVE:
+            raise ClaimChanged(live_lease_refused(row, COMMANDS[action])) from None
+        if action not in ALLOWED:
+            raise
+        raise ClaimChanged(change_refused(row, action, token=token)) from None
 
 
 def reconcile_one(reconciler: Reconciler, key: str, *, dry_run: bool = False) -> ReconcileReport:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
-from infrai_jobs.errors import ConfigurationError, SecondLayerUnavailable
+from infrai_jobs.errors import ClaimChanged, ConfigurationError, SecondLayerUnavailable
 from infrai_jobs.jobs.keys import identity_from_key
 from infrai_jobs.jobs.probes import (
     ANSWERS,
@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # How long one probe may take before its answer counts as unknown.
 PROBE_TIMEOUT_SECONDS: Final = 10.0
+
+# The reason given for a row that records no job, under its lease (``Reconciler.probe``).
+_NO_JOB: Final = "no probe asked: the row records no job, and its worker's lease is live"
 
 # How much of a probe's reason or result a history note keeps.
 _NOTE_DETAIL_CHARS: Final = 500
@@ -139,14 +142,26 @@ class Reconciler:
         return report
 
     def probe(self, claim: ClaimRow) -> tuple[ProbeAnswer, Any]:
-        """Ask ``claim``'s probe, changing nothing: its answer, and the result or reason with it."""
-        definition = self._registry.get(claim.job or "")
+        """Ask ``claim``'s probe, changing nothing: its answer, and the result or reason with it.
+        A row that records no job (the field notes' worker's) has none: unknown under its lease,
+        when no answer could change anything, and refused (``ClaimChanged``) after it."""
+        key = claim.idem_key
+        if claim.job is None and claim.lease_live is not False:
+            return Unknown(_NO_JOB), _NO_JOB
+        if claim.job is None:
+            raise ClaimChanged(
+                f"claim {key!r} was written by a worker that records no job (as the field notes' "
+                "Node worker does), so no probe can be chosen; its lease (claim time + visibility) "
+                f"is over: check the provider, then `infrai-jobs claims resolve {key} --done` or "
+                f"`--failed --error TEXT`, or `infrai-jobs claims release {key}` to run it again"
+            )
+        definition = self._registry.get(claim.job)
         if definition is None or definition.probe is None:
             raise ConfigurationError(
-                f"claim {claim.idem_key!r} is of job {claim.job!r}, which declares no reconcile "
+                f"claim {key!r} is of job {claim.job!r}, which declares no reconcile "
                 "probe: check the provider, then `infrai-jobs claims resolve`"
             )
-        job, key = definition.name, claim.idem_key
+        job = definition.name
         identity = identity_from_key(job, definition.identity, key) or {}
         ctx = JobContext(
             idem_key=key,
@@ -164,6 +179,8 @@ class Reconciler:
     def reconcile(self, claim: ClaimRow) -> ProbeOutcome:
         """Probe one stuck claim (a delivery's, or deferred work's) and act on the answer."""
         (answer, detail), key, job = self.probe(claim), claim.idem_key, claim.job or ""
+        if claim.job is None:  # under its lease: nothing was asked, and nothing may change
+            return ProbeOutcome(key, job, answer.answer, detail, ReconcileWrite.LEASE_LIVE.value)
         extra = {"idem_key": key, "job": job, "answer": answer.answer}
         # The lease as the database judged it when the claim was read; the write is fenced
         # again on its clock.
@@ -185,10 +202,10 @@ class Reconciler:
         write = self.admin.apply_probe_answer(
             claim, answer.answer, result=settled, actor=self._actor, note=note
         )
-        resolved = write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED)
-        logger.log(
-            logging.INFO if resolved else logging.WARNING,
-            "stuck claim reconciled",
-            extra={"action": "reconciled", "write": write.value, **extra},
-        )
+        # Only a change is a reconcile (under a live lease, or on a claim that moved on, none is).
+        logged = {"action": "reconciled", "write": write.value, **extra}
+        if write in (ReconcileWrite.SETTLED, ReconcileWrite.RELEASED):
+            logger.info("stuck claim reconciled", extra=logged)
+        elif write is ReconcileWrite.UNCHANGED:
+            logger.warning("stuck claim left stuck: its probe could not say", extra=logged)
         return ProbeOutcome(key, job, answer.answer, detail, write.value)

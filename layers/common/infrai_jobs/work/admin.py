@@ -183,9 +183,12 @@ class WorkStore(LedgerAdapter):
                 raise ClaimNotFound(f"no deferred job with key {key!r}")
             if before.state != "deferred":
                 verb = "cancelled" if state == "cancelled" else "run now"
+                live = before.state == "running" and before.lease_live is not False
                 raise ClaimChanged(
                     f"deferred job {key!r} is {before.state}; only a waiting ('deferred') job "
-                    f"can be {verb}"
+                    f"can be {verb}",
+                    row=before,
+                    refusal=Refusal.LEASE_LIVE if live else Refusal.STATE,
                 )
             params = {"key": key, "state": state}
             (after,) = claim_rows(conn, sql.STEER_DEFERRED, params, visibility=self.visibility)

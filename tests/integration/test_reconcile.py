@@ -279,6 +279,26 @@ def test_not_done_never_releases_a_claim_under_a_live_lease(kit: Harness) -> Non
     assert kit.row(key) == before
 
 
+def test_a_dry_run_under_a_live_lease_says_nothing_would_change_and_until_when(
+    kit: Harness,
+) -> None:
+    # Given a flagged receipt claim whose lease is still live, and a provider with no trace of it
+    key = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_dry_live"}, lease_live=True)
+    before = kit.row(key)
+    # When the operator asks what a reconcile of it would do
+    dry = run_cli(kit, "claims", "reconcile", key, "--dry-run")
+    dry_json = run_cli(kit, "claims", "reconcile", key, "--dry-run", "--json")
+    # Then it says what the reconcile itself would: nothing changes under the live lease (not
+    # "would release"), and when to ask again
+    assert dry.returncode == dry_json.returncode == 0, dry.stderr + dry_json.stderr
+    assert "would release" not in dry.stdout
+    assert f"{key}: running under a live lease until " in dry.stdout
+    (claim,) = json.loads(dry_json.stdout)["claims"]
+    assert (claim["answer"], claim["action"]) == ("not_done", "lease_live")
+    assert claim["lease_until"]
+    assert kit.row(key) == before
+
+
 def test_only_a_claim_the_answer_changed_is_logged_as_reconciled(
     kit: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:

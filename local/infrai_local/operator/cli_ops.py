@@ -812,8 +812,6 @@ def _reconcile_human(report: ReconcileReport, live: Mapping[str, str], out: Text
     print(f"\n{lead}probed {len(report.outcomes)} stuck claim(s): {counts}", file=out)
     if report.skipped:
         print(f"{report.skipped} more left unprobed (time ran out); run it again", file=out)
-    if report.dry_run:
-        return
     # Under a live lease only the run holding it may act (`claims resolve` is refused too):
     # the advice is when to ask again, the lease's end as the database reads it.
     for key, until in live.items():
@@ -822,6 +820,8 @@ def _reconcile_human(report: ReconcileReport, live: Mapping[str, str], out: Text
             f"after then, run `infrai-jobs claims reconcile {key}` again",
             file=out,
         )
+    if report.dry_run:
+        return
     ended = [outcome for outcome in still_stuck(report) if outcome.idem_key not in live]
     if ended:
         print(

@@ -227,7 +227,8 @@ def probe_only(reconciler: Reconciler, claims: Iterable[ClaimRow]) -> ReconcileR
     report = ReconcileReport(dry_run=True)
     for claim in claims:
         answer, detail = reconciler.probe(claim)
-        would = _WOULD[answer.answer]
+        # As ``Reconciler.reconcile`` would: under a live lease, no answer changes anything.
+        would = ReconcileWrite.LEASE_LIVE.value if claim.lease_live else _WOULD[answer.answer]
         report.outcomes.append(
             ProbeOutcome(claim.idem_key, claim.job or "", answer.answer, detail, would)
         )

@@ -497,7 +497,8 @@ SAM ?= sam
 
 .PHONY: venv test demo build validate
 
-# pip takes the version from the configured index, or from PIP_FIND_LINKS (a folder of wheels).
+# pip takes the version from the configured index, or from PIP_FIND_LINKS (a folder of wheels,
+# named by its absolute path: pip runs here).
 # The .pth line puts functions/ on the path, as Lambda puts the CodeUri: `import jobs` works.
 $(STAMP): layers/common/requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -564,7 +565,8 @@ claimed in a PostgreSQL ledger before it runs and acked only when its outcome is
     make test    # our tests, on the framework's test kit
 
 `make` installs the pinned infrai-jobs with pip from your package index (or from a folder of
-wheels named by PIP_FIND_LINKS) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
+wheels that PIP_FIND_LINKS names by its absolute path, e.g. `export PIP_FIND_LINKS="$PWD/dist"`
+where `make dist` left them) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
 --identity ...` adds a job; `make build` (`sam build`) and `make validate` need the SAM CLI.
 
 The framework's documentation ships with it: `.venv/bin/infrai-jobs docs` lists the pages, and

@@ -565,7 +565,9 @@ def _add_project_commands(sub: Any) -> None:
         help="the framework's documentation, as this version ships it: the pages, or one page "
         "(a page a message names in docs/ is `infrai-jobs docs` and its name)",
     )
-    docs.add_argument("page", nargs="?", help="a page's name, e.g. jobs or configuration")
+    docs.add_argument(
+        "page", nargs="?", help="a page's name, e.g. jobs or configuration, or changelog"
+    )
     docs.set_defaults(command=_cmd_docs)
 
 

@@ -89,26 +89,39 @@ def read_deploy(root: Path, config_env: str) -> None:
         )
 
 
+# The changelog ships one folder above the pages, which link to it: a page of its own too.
+CHANGELOG_PAGE: Final = "changelog"
+
+
+def _shipped_page(page: str) -> str:
+    return "CHANGELOG.md" if page == CHANGELOG_PAGE else f"docs/{page}.md"
+
+
 def docs_pages() -> dict[str, str]:
     """The framework's documentation as this version ships it: each page's name (what
-    a page a message names in ``docs/`` is called by) and its title."""
+    a page a message names in ``docs/`` is called by) and its title; the changelog among them."""
     folder = resources.files("infrai_local") / "docs"
-    pages = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".md"))
-    return {
-        page.removesuffix(".md"): (folder / page).read_text("utf-8").split("\n", 1)[0].lstrip("# ")
-        for page in pages
-    }
+    pages = sorted(
+        {CHANGELOG_PAGE}
+        | {
+            entry.name.removesuffix(".md")
+            for entry in folder.iterdir()
+            if entry.name.endswith(".md")
+        }
+    )
+    return {page: _shipped(_shipped_page(page)).split("\n", 1)[0].lstrip("# ") for page in pages}
 
 
 def docs_page(name: str) -> str:
     """One page's Markdown; ``name`` may be written ``configuration``, ``configuration.md`` or
-    ``docs/configuration.md``."""
+    ``docs/configuration.md``, and the changelog ``changelog`` or ``CHANGELOG.md``."""
     page = name.removeprefix("docs/").removesuffix(".md")
+    page = CHANGELOG_PAGE if page.lower() == CHANGELOG_PAGE else page
     if page not in docs_pages():
         raise ConfigurationError(
             f"no documentation page {name!r}: the pages are {', '.join(docs_pages())}"
         )
-    return _shipped(f"docs/{page}.md")
+    return _shipped(_shipped_page(page))
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -569,9 +582,9 @@ wheels that PIP_FIND_LINKS names by its absolute path, e.g. `export PIP_FIND_LIN
 where `make dist` left them) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
 --identity ...` adds a job; `make build` (`sam build`) and `make validate` need the SAM CLI.
 
-The framework's documentation ships with it: `.venv/bin/infrai-jobs docs` lists the pages, and
-`.venv/bin/infrai-jobs docs jobs` prints one (writing jobs); a message that names
-`docs/configuration.md` means `infrai-jobs docs configuration`.
+The framework's documentation ships with it: `.venv/bin/infrai-jobs docs` lists the pages and
+the changelog, and `.venv/bin/infrai-jobs docs jobs` prints one (writing jobs); a message that
+names `docs/configuration.md` means `infrai-jobs docs configuration`.
 
 ## Whose files are whose
 

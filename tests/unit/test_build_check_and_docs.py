@@ -1,5 +1,6 @@
 """`infrai-jobs build-check` reads the project once before its checks, and `infrai-jobs docs`
-serves the pages the messages name (a page docs/ holds is `infrai-jobs docs` and its name)."""
+serves the pages the messages name (a page docs/ holds is `infrai-jobs docs` and its name) and
+the changelog the package ships."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_docs_lists_every_page_and_prints_one_by_any_spelling(
 ) -> None:
     assert cli.main(["docs"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]]
-    assert listed == sorted(page.stem for page in (ROOT / "docs").glob("*.md"))
+    assert listed == sorted([*(page.stem for page in (ROOT / "docs").glob("*.md")), "changelog"])
     expected = (ROOT / "docs" / "jobs.md").read_text()
     for spelling in ("jobs", "jobs.md", "docs/jobs.md"):
         assert cli.main(["docs", spelling]) == 0
@@ -78,3 +79,18 @@ def test_every_page_a_check_names_is_served() -> None:
     # Then each is a page `infrai-jobs docs` serves
     assert named
     assert named <= set(project.docs_pages())
+
+
+def test_docs_changelog_prints_the_changelog_the_package_ships(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the changelog the package ships (the one `upgrade` quotes from)
+    expected = (ROOT / "local" / "infrai_local" / "CHANGELOG.md").read_text()
+    # When it is asked for by its page name or its file's
+    for spelling in ("changelog", "CHANGELOG.md"):
+        assert cli.main(["docs", spelling]) == 0
+        # Then it is printed whole
+        assert capsys.readouterr().out == expected
+    # And the list of pages names it, with its title
+    assert cli.main(["docs"]) == 0
+    assert re.search(r"^changelog +Changelog$", capsys.readouterr().out, re.M)

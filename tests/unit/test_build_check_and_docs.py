@@ -1,10 +1,13 @@
 """`infrai-jobs build-check` reads the project once before its checks, and `infrai-jobs docs`
 serves the pages the messages name (a page docs/ holds is `infrai-jobs docs` and its name) and
-the changelog the package ships."""
+the changelog the package ships, whose pages link only to what the package holds."""
 
 from __future__ import annotations
 
+import posixpath
 import re
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,34 @@ def test_docs_changelog_prints_the_changelog_the_package_ships(
     # And the list of pages names it, with its title
     assert cli.main(["docs"]) == 0
     assert re.search(r"^changelog +Changelog$", capsys.readouterr().out, re.M)
+
+
+def shipped_links(page: Path) -> list[str]:
+    """The relative links of a page, outside code blocks and code spans."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return [
+        target
+        for target in re.findall(r"\]\(\s*<?([^)\s>]+)", text)
+        if not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) and not target.startswith("#")
+    ]
+
+
+def test_every_link_of_a_shipped_page_reaches_a_file_the_package_ships() -> None:
+    # Given what the package ships beside its pages, and the pages as `infrai-jobs docs` prints
+    # them in a team's project, which has none of this repository's other files
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = setuptools["package-data"]["infrai_local"]
+    package = ROOT / "local" / "infrai_local"
+    leaving = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for target in shipped_links(page):
+            # When a link is followed from the page's place in the package
+            path = posixpath.normpath(posixpath.join("docs", target.split("#", 1)[0]))
+            # Then it reaches a file the package ships, not one only this repository has
+            if (
+                not any(fnmatch(path, pattern) for pattern in shipped)
+                or not (package / path).is_file()
+            ):
+                leaving.append(f"docs/{page.name}: ({target})")
+    assert leaving == [], "links the package cannot follow:\n" + "\n".join(leaving)

@@ -156,6 +156,8 @@ def init(directory: Path, stack: str) -> list[Path]:
         "tests/unit/test_jobs_import_public_api.py": _IMPORTS_TEST,
         "pytest.ini": _PYTEST_INI,
         "events/drain-schedule.json": json.dumps(_SCHEDULE_EVENT, indent=2) + "\n",
+        "events/redrive-dry-run.json": json.dumps(_REDRIVE_DRY_RUN, indent=2) + "\n",
+        "events/redrive.json": json.dumps(_REDRIVE_EVENT, indent=2) + "\n",
         "events/env.json": json.dumps(_ENV_VARS, indent=2) + "\n",
         "Makefile": _MAKEFILE.replace("@PYTEST@", _pytest_pin()),
         "README.md": _README.format(stack=stack, version=__version__),
@@ -482,6 +484,10 @@ _SCHEDULE_EVENT: Final = {
     "resources": ["arn:aws:scheduler:us-east-1:123456789012:schedule/jobs/DrainSchedule"],
     "detail": {},
 }
+
+# RedriveFunction's event, as the runbook's dead-letter steps invoke it: a dry run, then this.
+_REDRIVE_EVENT: Final = {"max_messages": 100, "reopen_failed": False, "dry_run": False}
+_REDRIVE_DRY_RUN: Final = {**_REDRIVE_EVENT, "dry_run": True}
 
 # Empty values: `infrai-jobs invoke` takes them from the shell, else stands in a sandbox.
 _ENV_VARS: Final = {

@@ -48,6 +48,8 @@ def test_init_writes_the_layout_and_no_framework_code(project: Path) -> None:
         "tests/conftest.py",
         "tests/unit/test_jobs_import_public_api.py",
         "events/drain-schedule.json",
+        "events/redrive-dry-run.json",
+        "events/redrive.json",
         "events/env.json",
         "Makefile",
         "README.md",

@@ -341,8 +341,8 @@ def _build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement
     )
     sub.add_parser(
         "example-data",
-        help="add draft invoices for the example jobs to finalize (their invoices table comes "
-        "from `migrate`; see --help)",
+        help="add draft invoices for the framework's example jobs to finalize (their invoices "
+        "table comes from `migrate`; see --help)",
         add_help=False,
     )
     sub.add_parser(
@@ -350,7 +350,12 @@ def _build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement
         help="invoke a template function locally, like `sam local invoke` (see --help)",
         add_help=False,
     )
-    sub.add_parser("demo", help="tell the field notes' story end to end, locally", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="tell the field notes' story end to end, locally, with the framework's example "
+        "jobs (a project `init` made has none: its `make demo` runs its own)",
+        add_help=False,
+    )
     sub.add_parser(
         "console",
         help="serve the operator console on 127.0.0.1: dead letters, stuck claims, deferred "

@@ -16,6 +16,7 @@ import pytest
 from built_versions import (
     build_wheel,
     fresh_venv,
+    mark_venv_installed,
     run_cli,
     source_copy,
     team_make,
@@ -123,6 +124,26 @@ def test_the_projects_demo_runs_its_jobs_on_the_local_stand_ins(
     # Then each sample payload was published once and drained done
     summary = json.loads(ran.stdout.strip().splitlines()[-1])
     assert (summary["consumed"], summary["done"], summary["acked"]) == (2, 2, 2)
+
+
+@pytest.mark.slow
+def test_the_projects_demo_before_any_job_says_there_is_none_yet(
+    wheel: Path, tmp_path: Path
+) -> None:
+    # Given a project just made, with no job yet (in a virtualenv of its own: the module's
+    # names the other project's jobs)
+    bin_dir = fresh_venv(tmp_path / "venv", wheel)
+    folder = tmp_path / "payments"
+    code, _, err = run_cli(bin_dir, "init", str(folder), "--name", "payments-jobs", cwd=tmp_path)
+    assert code == 0, err
+    mark_venv_installed(bin_dir, folder)
+    # When the team runs `make demo`
+    ran = team_make(bin_dir, folder, "demo")
+    # Then it says there is no job to run yet and how to add one, and drains nothing
+    said = ran.stdout + ran.stderr
+    assert "no jobs yet" in said
+    assert "new-job" in said
+    assert "QUEUE_NOT_FOUND" not in said
 
 
 @pytest.mark.slow

@@ -56,6 +56,19 @@ def test_an_environment_samconfig_lacks_is_refused_not_judged_on_defaults(
     assert out.out == ""
 
 
+def test_build_check_run_by_hand_speaks_as_build_check_not_as_make_build(
+    made: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a new project, whose deploy verifies the ledger's server with a CA bundle it lacks
+    # When its checks are run by hand, not by `make build`
+    code = cli.main(["build-check", "--skip", "job-settings"])
+    # Then the refusal is the command's own line, naming no make target that did not run
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("build-check: DatabaseSslMode=verify-full needs the ledger's CA bundle")
+    assert "make build" not in err
+
+
 def test_docs_lists_every_page_and_prints_one_by_any_spelling(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

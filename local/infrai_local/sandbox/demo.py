@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = args.root.resolve() if args.root is not None else project_root()
     # Before anything starts: a team's project has its own jobs, and none of these.
     refuse_without_example_jobs(
-        load_registry(str(root / "functions")),
+        load_registry(None if args.root is None else str(root / "functions")),
         STORY_JOBS,
         "infrai-jobs demo tells the field notes' story with",
     )

@@ -124,20 +124,24 @@ def shipped_links(page: Path) -> list[str]:
 
 
 def test_every_link_of_a_shipped_page_reaches_a_file_the_package_ships() -> None:
-    # Given what the package ships beside its pages, and the pages as `infrai-jobs docs` prints
-    # them in a team's project, which has none of this repository's other files
+    # Given what the package ships beside its pages, and the pages (the changelog one of them)
+    # as `infrai-jobs docs` prints them in a team's project, which has none of this
+    # repository's other files
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     shipped = setuptools["package-data"]["infrai_local"]
     package = ROOT / "local" / "infrai_local"
+    pages = {f"docs/{page.name}": page for page in sorted((ROOT / "docs").glob("*.md"))}
     leaving = []
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for name, page in {**pages, "CHANGELOG.md": ROOT / "CHANGELOG.md"}.items():
         for target in shipped_links(page):
             # When a link is followed from the page's place in the package
-            path = posixpath.normpath(posixpath.join("docs", target.split("#", 1)[0]))
+            path = posixpath.normpath(
+                posixpath.join(posixpath.dirname(name), target.split("#", 1)[0])
+            )
             # Then it reaches a file the package ships, not one only this repository has
             if (
                 not any(fnmatch(path, pattern) for pattern in shipped)
                 or not (package / path).is_file()
             ):
-                leaving.append(f"docs/{page.name}: ({target})")
+                leaving.append(f"{name}: ({target})")
     assert leaving == [], "links the package cannot follow:\n" + "\n".join(leaving)

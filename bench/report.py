@@ -392,11 +392,14 @@ def render_markdown(document: dict[str, Any], chart: Path) -> str:
         "regenerates it from a results file)."
     )
     add("")
+    # The package ships this page without the chart, so a link to it would lead nowhere there.
     try:
-        chart_link = "../" + chart.resolve().relative_to(ROOT).as_posix()
+        add(
+            f"The run's chart is `{chart.resolve().relative_to(ROOT).as_posix()}` in the "
+            "framework's repository."
+        )
     except ValueError:
-        chart_link = chart.resolve().as_uri()
-    add(f"![benchmark chart]({chart_link})")
+        add(f"![benchmark chart]({chart.resolve().as_uri()})")
     add("")
     for section in (
         _targets_section,
@@ -1330,13 +1333,12 @@ def _method_section(document: dict[str, Any]) -> list[str]:
         "- (a) acks duplicates too (its `runOnce` returns true on a skip), so both variants make "
         "one consume per 10 messages and one ack per message.",
         "- Why the queue client keeps its own HTTP transport, and what the emulator's server "
-        "costs: measured by hand in [bench/transport.md](../bench/transport.md) "
+        "costs: measured by hand in the framework repository's `bench/transport.md` "
         "(`make bench-transport`).",
         "- What preparing nothing on the server (the default, safe behind a transaction pooler) "
         "costs the ledger's statements on a direct connection: 0.90-0.95x their throughput with "
-        "`DATABASE_PREPARED_STATEMENTS=true`, measured by hand in "
-        "[bench/prepared_statements.md](../bench/prepared_statements.md) "
-        "(`bench/prepared_statements_bench.py`).",
+        "`DATABASE_PREPARED_STATEMENTS=true`, measured by hand in the framework repository's "
+        "`bench/prepared_statements.md` (`bench/prepared_statements_bench.py`).",
         "",
     ]
 

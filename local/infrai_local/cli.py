@@ -340,8 +340,8 @@ def _build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement
     )
     sub.add_parser(
         "example-data",
-        help="add draft invoices for the example jobs to finalize (their invoices table comes "
-        "from `migrate`; see --help)",
+        help="add draft invoices for the framework's example jobs to finalize (their invoices "
+        "table comes from `migrate`; see --help)",
         add_help=False,
     )
     sub.add_parser(
@@ -349,7 +349,12 @@ def _build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement
         help="invoke a template function locally, like `sam local invoke` (see --help)",
         add_help=False,
     )
-    sub.add_parser("demo", help="tell the field notes' story end to end, locally", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="tell the field notes' story end to end, locally, with the framework's example "
+        "jobs (a project `init` made has none: its `make demo` runs its own)",
+        add_help=False,
+    )
     sub.add_parser(
         "console",
         help="serve the operator console on 127.0.0.1: dead letters, stuck claims, deferred "
@@ -425,19 +430,22 @@ def _build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement
         "--setting",
         action="append",
         metavar="NAME",
-        help="a setting the job declares (an environment variable naming a URL it calls); "
-        "repeatable. An external job's default is NAME_URL (REFUND_ISSUE_URL). Each new one "
-        "gets its template parameter, the Environment entries of the functions that load "
-        "the jobs' settings, an events/env.json entry and a docs/configuration.md row",
+        help="a setting the job declares (a URL it calls, ctx.settings[NAME]); repeatable. An "
+        "external job's default is NAME_URL (REFUND_ISSUE_URL). No template is edited: each "
+        'new one gets "NAME": "SET-ME" in JobSettings in the parameter_overrides of '
+        "samconfig.toml's deploy and sync sections (make build refuses it until it is the real "
+        "URL) and an empty entry in the JOB_SETTINGS of events/env.json",
     )
     new_job.add_argument(
         "--secret",
         action="append",
         metavar="NAME",
         help="a secret the job declares (a credential its handler reads as ctx.secrets[NAME]); "
-        "repeatable. Each new one gets a template parameter for its Secrets Manager ARN, "
-        "NAME_SECRET_ARN in DrainFunction's Environment, a grant to read exactly that secret, "
-        "an events/env.json entry and a docs/configuration.md row",
+        'repeatable. No template is edited: each new one gets "NAME_SECRET_ARN": "SET-ME" '
+        "in JobSettings and SET-ME-NAME_SECRET_ARN in JobSecretArns (the secrets the functions "
+        "may read) in the parameter_overrides of samconfig.toml's deploy and sync sections "
+        "(make build refuses both until they are the secret's ARN), and an empty "
+        "NAME_SECRET_ARN entry in the JOB_SETTINGS of events/env.json",
     )
     new_job.add_argument(
         "--retry-attempts",
@@ -561,7 +569,9 @@ def _add_project_commands(sub: Any) -> None:
         help="the framework's documentation, as this version ships it: the pages, or one page "
         "(a page a message names in docs/ is `infrai-jobs docs` and its name)",
     )
-    docs.add_argument("page", nargs="?", help="a page's name, e.g. jobs or configuration")
+    docs.add_argument(
+        "page", nargs="?", help="a page's name, e.g. jobs or configuration, or changelog"
+    )
     docs.set_defaults(command=_cmd_docs)
 
 

@@ -89,26 +89,39 @@ def read_deploy(root: Path, config_env: str) -> None:
         )
 
 
+# The changelog ships one folder above the pages, which link to it: a page of its own too.
+CHANGELOG_PAGE: Final = "changelog"
+
+
+def _shipped_page(page: str) -> str:
+    return "CHANGELOG.md" if page == CHANGELOG_PAGE else f"docs/{page}.md"
+
+
 def docs_pages() -> dict[str, str]:
     """The framework's documentation as this version ships it: each page's name (what
-    a page a message names in ``docs/`` is called by) and its title."""
+    a page a message names in ``docs/`` is called by) and its title; the changelog among them."""
     folder = resources.files("infrai_local") / "docs"
-    pages = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".md"))
-    return {
-        page.removesuffix(".md"): (folder / page).read_text("utf-8").split("\n", 1)[0].lstrip("# ")
-        for page in pages
-    }
+    pages = sorted(
+        {CHANGELOG_PAGE}
+        | {
+            entry.name.removesuffix(".md")
+            for entry in folder.iterdir()
+            if entry.name.endswith(".md")
+        }
+    )
+    return {page: _shipped(_shipped_page(page)).split("\n", 1)[0].lstrip("# ") for page in pages}
 
 
 def docs_page(name: str) -> str:
     """One page's Markdown; ``name`` may be written ``configuration``, ``configuration.md`` or
-    ``docs/configuration.md``."""
+    ``docs/configuration.md``, and the changelog ``changelog`` or ``CHANGELOG.md``."""
     page = name.removeprefix("docs/").removesuffix(".md")
+    page = CHANGELOG_PAGE if page.lower() == CHANGELOG_PAGE else page
     if page not in docs_pages():
         raise ConfigurationError(
             f"no documentation page {name!r}: the pages are {', '.join(docs_pages())}"
         )
-    return _shipped(f"docs/{page}.md")
+    return _shipped(_shipped_page(page))
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -143,6 +156,8 @@ def init(directory: Path, stack: str) -> list[Path]:
         "tests/unit/test_jobs_import_public_api.py": _IMPORTS_TEST,
         "pytest.ini": _PYTEST_INI,
         "events/drain-schedule.json": json.dumps(_SCHEDULE_EVENT, indent=2) + "\n",
+        "events/redrive-dry-run.json": json.dumps(_REDRIVE_DRY_RUN, indent=2) + "\n",
+        "events/redrive.json": json.dumps(_REDRIVE_EVENT, indent=2) + "\n",
         "events/env.json": json.dumps(_ENV_VARS, indent=2) + "\n",
         "Makefile": _MAKEFILE.replace("@PYTEST@", _pytest_pin()),
         "README.md": _README.format(stack=stack, version=__version__),
@@ -470,6 +485,10 @@ _SCHEDULE_EVENT: Final = {
     "detail": {},
 }
 
+# RedriveFunction's event, as the runbook's dead-letter steps invoke it: a dry run, then this.
+_REDRIVE_EVENT: Final = {"max_messages": 100, "reopen_failed": False, "dry_run": False}
+_REDRIVE_DRY_RUN: Final = {**_REDRIVE_EVENT, "dry_run": True}
+
 # Empty values: `infrai-jobs invoke` takes them from the shell, else stands in a sandbox.
 _ENV_VARS: Final = {
     "Parameters": dict.fromkeys(
@@ -497,7 +516,8 @@ SAM ?= sam
 
 .PHONY: venv test demo build validate
 
-# pip takes the version from the configured index, or from PIP_FIND_LINKS (a folder of wheels).
+# pip takes the version from the configured index, or from PIP_FIND_LINKS (a folder of wheels,
+# named by its absolute path: pip runs here).
 # The .pth line puts functions/ on the path, as Lambda puts the CodeUri: `import jobs` works.
 $(STAMP): layers/common/requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -517,9 +537,17 @@ DECLARED := $(BIN)/python -c '$(NAMES)'
 
 # The stand-ins run as long as the demo: an embedded PostgreSQL, the emulator and the provider
 # sink (every setting a job declares points at it), then migrate, publish each sample payload in
-# events/jobs/ and drain.
+# events/jobs/ and drain. With no sample payload there is nothing to publish: it says so, and
+# starts nothing.
 demo: $(STAMP)
-	@set -euo pipefail; run=$$(mktemp -d); pids=(); \\
+	@set -euo pipefail; \\
+	if ! compgen -G 'events/jobs/*.json' >/dev/null; then \\
+		echo "no jobs yet (events/jobs/ holds no sample payload to publish):" \\
+			"$(BIN)/infrai-jobs new-job NAME --effect ... --identity ... adds one" \\
+			"with its sample, then make demo"; \\
+		exit 0; \\
+	fi; \\
+	run=$$(mktemp -d); pids=(); \\
 	trap 'kill "$${pids[@]}" 2>/dev/null; wait; rm -rf "$$run"' EXIT; \\
 	$(BIN)/infrai-jobs postgres --url-file "$$run/database" >/dev/null & pids+=($$!); \\
 	$(BIN)/infrai-jobs emulator --port 0 >"$$run/queue" 2>/dev/null & pids+=($$!); \\
@@ -534,7 +562,6 @@ demo: $(STAMP)
 	for name in $$($(DECLARED) declared_secrets); do export "$$name=demo-secret"; done; \\
 	$(BIN)/infrai-jobs migrate; \\
 	for event in events/jobs/*.json; do \\
-		[[ -e "$$event" ]] || { echo "no sample payload: add a job with new-job"; break; }; \\
 		$(BIN)/infrai-jobs publish --create --body-file "$$event"; \\
 	done; \\
 	$(BIN)/infrai-jobs drain
@@ -564,12 +591,13 @@ claimed in a PostgreSQL ledger before it runs and acked only when its outcome is
     make test    # our tests, on the framework's test kit
 
 `make` installs the pinned infrai-jobs with pip from your package index (or from a folder of
-wheels named by PIP_FIND_LINKS) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
+wheels that PIP_FIND_LINKS names by its absolute path, e.g. `export PIP_FIND_LINKS="$PWD/dist"`
+where `make dist` left them) into `.venv`. `.venv/bin/infrai-jobs new-job NAME --effect ...
 --identity ...` adds a job; `make build` (`sam build`) and `make validate` need the SAM CLI.
 
-The framework's documentation ships with it: `.venv/bin/infrai-jobs docs` lists the pages, and
-`.venv/bin/infrai-jobs docs jobs` prints one (writing jobs); a message that names
-`docs/configuration.md` means `infrai-jobs docs configuration`.
+The framework's documentation ships with it: `.venv/bin/infrai-jobs docs` lists the pages and
+the changelog, and `.venv/bin/infrai-jobs docs jobs` prints one (writing jobs); a message that
+names `docs/configuration.md` means `infrai-jobs docs configuration`.
 
 ## Whose files are whose
 

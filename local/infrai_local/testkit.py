@@ -209,8 +209,9 @@ class JobKit:
         return stats.message_count, stats.dlq_count
 
     def provider_state(self) -> dict[str, Any]:
-        """What the provider sink received: calls and effects per route and key, what each
-        key's calls were (``received``) and the requests no route served (``unrouted``)."""
+        """What the provider sink received: calls and effects per route and key, each key's
+        list of the calls a route answered with a 2xx, oldest first, as ``{"path", "id"}``
+        (``received``), and the requests no route served (``unrouted``)."""
         response = self._control.request("GET", f"{self.provider_url}/_sink/state")
         state: dict[str, Any] = json.loads(response.data)
         return state

@@ -13,7 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from built_versions import build_wheel, fresh_venv, run_cli, source_copy, team_make, team_project
+from built_versions import (
+    build_wheel,
+    fresh_venv,
+    mark_venv_installed,
+    run_cli,
+    source_copy,
+    team_make,
+    team_project,
+)
 from child_process import run_captured
 
 import infrai_jobs
@@ -23,10 +31,16 @@ VERSION = infrai_jobs.__version__
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This tree's wheel."""
+    work = tmp_path_factory.mktemp("wheel")
+    return build_wheel(source_copy(work / "source"), work / "dist")
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This tree's wheel in a fresh virtualenv: its bin folder."""
-    work = tmp_path_factory.mktemp("installed")
-    return fresh_venv(work / "venv", build_wheel(source_copy(work / "source"), work / "dist"))
+    return fresh_venv(tmp_path_factory.mktemp("installed") / "venv", wheel)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +62,8 @@ def test_init_writes_the_layout_and_no_framework_code(project: Path) -> None:
         "tests/conftest.py",
         "tests/unit/test_jobs_import_public_api.py",
         "events/drain-schedule.json",
+        "events/redrive-dry-run.json",
+        "events/redrive.json",
         "events/env.json",
         "Makefile",
         "README.md",
@@ -108,6 +124,45 @@ def test_the_projects_demo_runs_its_jobs_on_the_local_stand_ins(
     # Then each sample payload was published once and drained done
     summary = json.loads(ran.stdout.strip().splitlines()[-1])
     assert (summary["consumed"], summary["done"], summary["acked"]) == (2, 2, 2)
+
+
+@pytest.mark.slow
+def test_the_projects_demo_before_any_job_says_there_is_none_yet(
+    wheel: Path, tmp_path: Path
+) -> None:
+    # Given a project just made, with no job yet (in a virtualenv of its own: the module's
+    # names the other project's jobs)
+    bin_dir = fresh_venv(tmp_path / "venv", wheel)
+    folder = tmp_path / "payments"
+    code, _, err = run_cli(bin_dir, "init", str(folder), "--name", "payments-jobs", cwd=tmp_path)
+    assert code == 0, err
+    mark_venv_installed(bin_dir, folder)
+    # When the team runs `make demo`
+    ran = team_make(bin_dir, folder, "demo")
+    # Then it says there is no job to run yet and how to add one, and drains nothing
+    said = ran.stdout + ran.stderr
+    assert "no jobs yet" in said
+    assert "new-job" in said
+    assert "QUEUE_NOT_FOUND" not in said
+
+
+@pytest.mark.slow
+def test_the_frameworks_demo_and_example_data_name_the_example_jobs_a_project_lacks(
+    installed: Path, project: Path
+) -> None:
+    # When the team runs the commands that tell the framework's story with its example jobs
+    for command in ("demo", "example-data"):
+        code, out, err = run_cli(installed, command, cwd=project)
+        # Then each says it needs the example jobs, which the project does not have, and points
+        # at the project's own `make demo`, in one line, exit 2; no database was started
+        assert code == 2, out + err
+        assert err.startswith("error: "), err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "example jobs" in err
+        assert "invoice.finalize" in err
+        assert "`make demo`" in err
+        assert "migrate" not in err
+        assert "database:" not in err
 
 
 @pytest.mark.slow

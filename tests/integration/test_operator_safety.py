@@ -478,10 +478,12 @@ def test_local_tools_missing_from_a_plain_install_name_the_extra(
         "from infrai_local.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
+    # (`postgres`, not `demo`, for the embedded server: the demo first asks for the example
+    # jobs, which the fixture jobs are not)
     command = (
         ["invoke", "DrainFunction", "--event", "events/drain-schedule.json"]
         if module in {"cfnlint", "yaml"}
-        else ["demo"]
+        else ["postgres"]
     )
     # When the local command runs
     finished = run_captured([sys.executable, "-c", script, *command], env=base_env(), cwd=ROOT)

@@ -56,6 +56,7 @@ HOSTILE = {
         "postgresql://u:p%40ss%2Fw0rd@127.0.0.1:1/jobs", ("p%40ss%2Fw0rd", "p@ss/w0rd"), False
     ),
     "unclosed IPv6 bracket": Hostile("postgresql://u:brack3t99@[::1/jobs", ("brack3t99",), True),
+    "another scheme": Hostile("mysql://u:my5ql-pw@127.0.0.1:1/jobs", ("my5ql-pw",), True),
     "keyword form, quoted": Hostile(
         "host=127.0.0.1 port=1 user=u password='p@ss w:rd/x?y' dbname=jobs",
         ("p@ss w:rd/x?y",),
@@ -131,6 +132,28 @@ def test_a_well_formed_url_keeps_its_host_and_database_in_messages() -> None:
     )
     assert secrets_of(url) == ["s3cr3t-pw"]
     assert describe(url) == "app@db.internal:5432/jobs"
+
+
+@pytest.mark.parametrize(
+    "conninfo",
+    [
+        "mysql://u:s3cret-pw@127.0.0.1/jobs",
+        "postgresql+psycopg://u:s3cret-pw@127.0.0.1/jobs",
+        "postgresql//u:s3cret-pw@127.0.0.1/jobs",
+    ],
+)
+def test_a_url_that_is_no_postgresql_url_is_told_by_its_scheme(conninfo: str) -> None:
+    # Given a URL of another database, a driver's dialect, or one missing its scheme's colon
+    # When it is checked
+    reason = malformed_reason(conninfo)
+    # Then the reason is the scheme, which must be PostgreSQL's, not a stray character of a
+    # password; and it quotes none of the string
+    assert "postgresql://" in reason, reason
+    assert "postgres://" in reason, reason
+    assert "'%'" not in reason, reason
+    assert "s3cret" not in reason
+    assert "mysql" not in reason
+    assert "psycopg" not in reason
 
 
 def test_an_at_sign_only_in_a_query_value_is_not_taken_for_a_password() -> None:

@@ -88,7 +88,7 @@ def test_the_module_runs_as_make_runs_it(clone: Path) -> None:
     )
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr
-    assert completed.stderr.startswith("make build: DatabaseSslMode=verify-full")
+    assert completed.stderr.startswith("build-check: DatabaseSslMode=verify-full")
 
 
 def test_a_failed_download_that_left_an_empty_file_stops_the_build(clone: Path) -> None:

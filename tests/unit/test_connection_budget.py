@@ -122,4 +122,4 @@ def test_the_module_runs_as_make_runs_it_without_a_traceback(clone: Path) -> Non
     completed = run_captured([*module, "--root", str(clone), "--config-env", "budget"])
     assert completed.returncode == 1
     assert "Traceback" not in completed.stderr
-    assert completed.stderr.startswith("make build: the fleet's worst case is 859 ")
+    assert completed.stderr.startswith("build-check: the fleet's worst case is 859 ")

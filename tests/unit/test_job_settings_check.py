@@ -64,7 +64,7 @@ def test_a_setting_missing_left_as_placeholder_or_not_https_is_refused_naming_it
     given = {name: v for name, v in {**GOOD, "REFUND_API_URL": value}.items() if v is not None}
     # When the check judges it, Then one line says so, naming the env, the setting and its jobs
     (line,) = _problems(given)
-    assert line.startswith("make build: [prod] JobSettings: REFUND_API_URL")
+    assert line.startswith("build-check: [prod] JobSettings: REFUND_API_URL")
     assert "(for refund.issue, refund.check)" in line
     assert refusal in line
     assert "pw" not in line.replace("https", "")
@@ -81,7 +81,7 @@ def test_a_setting_missing_left_as_placeholder_or_not_https_is_refused_naming_it
 )
 def test_a_map_that_is_not_a_json_object_of_strings_is_refused(raw: str, refusal: str) -> None:
     (line,) = _problems(None, raw=raw)
-    assert line.startswith("make build: [prod] JobSettings")
+    assert line.startswith("build-check: [prod] JobSettings")
     assert refusal in line
 
 
@@ -162,7 +162,7 @@ def test_make_build_stops_on_a_project_whose_placeholders_are_still_there(projec
     assert "Traceback" not in completed.stderr
     lines = completed.stderr.splitlines()
     assert (
-        "make build: [prod] JobSettings: HOOK_URL (for hook.deliver) still holds SET-ME"
+        "build-check: [prod] JobSettings: HOOK_URL (for hook.deliver) still holds SET-ME"
         in (lines[0])
     )
     assert any("HOOK_TOKEN_SECRET_ARN (for hook.deliver) still holds SET-ME" in x for x in lines)

@@ -21,6 +21,9 @@ from pathlib import Path
 from infrai_jobs.errors import ConfigurationError
 from infrai_local.sam_template import deploy_values
 
+# What each check's refusal starts with: the checks' command, which `make build` runs (and this
+# repository's `make build` runs as modules): a line read on its own names what refused.
+PREFIX = "build-check:"
 VERIFYING_MODES = ("verify-full", "verify-ca")
 _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 CODE_URI = "functions"
@@ -41,7 +44,7 @@ def missing_bundle(root: Path, config_env: str = "default") -> str | None:
     shown = bundle if Path(bundle).is_absolute() else f"{CODE_URI}/{bundle}"
     what = "is empty or holds no certificate" if bundle and path.is_file() else "is missing"
     return (
-        f"make build: DatabaseSslMode={mode} needs the ledger's CA bundle {shown or '(none set)'}, "
+        f"{PREFIX} DatabaseSslMode={mode} needs the ledger's CA bundle {shown or '(none set)'}, "
         f"which {what}: download AWS's RDS global bundle (or your server's CA) there, as "
         "`infrai-jobs docs configuration` says under 'The ledger's TLS', or set "
         "DatabaseCaBundle to one"
@@ -61,7 +64,7 @@ def run_check(
     try:
         refusal, passed = check(args.root, args.config_env)
     except ConfigurationError as exc:
-        print(f"make build: {exc}", file=sys.stderr)
+        print(f"{PREFIX} {exc}", file=sys.stderr)
         return 2
     if refusal:
         print(refusal, file=sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from infrai_jobs.errors import ConfigurationError
-from infrai_local.checks.ca_bundle_check import run_check
+from infrai_local.checks.ca_bundle_check import PREFIX, run_check
 from infrai_local.sam_template import deploy_values
 
 # The other functions: connections one invocation holds at most, times its reserved concurrency
@@ -61,7 +61,7 @@ class ConnectionBudget:
         if self.limit is None or self.worst_case <= self.limit:
             return None
         return (
-            f"make build: the fleet's worst case is {self.worst_case} database connections, "
+            f"{PREFIX} the fleet's worst case is {self.worst_case} database connections, "
             f"above the {self.limit} {self.limit_source} allows: {self.described()}. Lower "
             "DrainMaxConcurrency or DrainLanes, or raise the database's max_connections (and "
             "DatabaseMaxConnections): `infrai-jobs docs configuration`, 'The fleet's "

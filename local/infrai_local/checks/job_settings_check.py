@@ -35,7 +35,7 @@ from infrai_local.authoring.scaffold_settings import (
     JOB_SETTINGS_PARAMETER,
     PLACEHOLDER,
 )
-from infrai_local.checks.ca_bundle_check import CODE_URI, run_check
+from infrai_local.checks.ca_bundle_check import CODE_URI, PREFIX, run_check
 from infrai_local.sam_template import deploy_values
 
 # JobSecretArns' own AllowedPattern, for one ARN.
@@ -68,7 +68,7 @@ def job_settings_problems(
 ) -> list[str]:
     """One line per thing wrong with the jobs' settings and secrets in a deploy's parameter
     ``values``; none when they are all there."""
-    where = f"make build: [{config_env}] {JOB_SETTINGS_PARAMETER}"
+    where = f"{PREFIX} [{config_env}] {JOB_SETTINGS_PARAMETER}"
     try:
         given = json.loads(values.get(JOB_SETTINGS_PARAMETER) or "{}")
     except ValueError as exc:
@@ -94,13 +94,13 @@ def job_settings_problems(
             problems.append(f"{where}: {name} (for {owners}) {problem} ({_DOCS})")
         elif arn not in listed:
             problems.append(
-                f"make build: [{config_env}] {JOB_SECRET_ARNS_PARAMETER} lacks {name}'s ARN (for "
+                f"{PREFIX} [{config_env}] {JOB_SECRET_ARNS_PARAMETER} lacks {name}'s ARN (for "
                 f"{owners}), so the functions may not read the secret: add {arn} to it in {_WHERE}"
             )
     placeholders = [arn for arn in listed if arn.startswith(PLACEHOLDER)]
     if placeholders:
         problems.append(
-            f"make build: [{config_env}] {JOB_SECRET_ARNS_PARAMETER} still holds "
+            f"{PREFIX} [{config_env}] {JOB_SECRET_ARNS_PARAMETER} still holds "
             f"{', '.join(placeholders)}: replace each with its secret's ARN in {_WHERE}"
         )
     return problems

@@ -48,10 +48,13 @@ from infrai_local.sandbox.embedded_db import (
     ensure_database_url,
     scratch_database,
 )
+from infrai_local.sandbox.example_data import refuse_without_example_jobs
 from infrai_local.sandbox.invoke import invoke, resolve
 from infrai_local.sandbox.provider_sink import sink_settings
 from infrai_local.sandbox.queues import ensure_queue
 
+# The framework repository's example jobs the story runs.
+STORY_JOBS = ("invoice.finalize", "receipt.send")
 QUEUE = "billing-jobs"
 DLQ = "billing-jobs-dlq"
 API_KEY = "demo-key"
@@ -417,6 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
     args = parser.parse_args(argv)
     root = args.root.resolve() if args.root is not None else project_root()
+    # Before anything starts: a team's project has its own jobs, and none of these.
+    refuse_without_example_jobs(
+        load_registry(None if args.root is None else str(root / "functions")),
+        STORY_JOBS,
+        "infrai-jobs demo tells the field notes' story with",
+    )
     report = run_story(root, DemoReport())
     if args.json:
         print(json.dumps(report.facts, default=str))

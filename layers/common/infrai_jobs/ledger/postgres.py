@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 MASK = "***"
 
 _URL_SCHEMES = ("postgresql://", "postgres://")
+# Any URL's scheme (``mysql://``, a driver's ``postgresql+psycopg://``): libpq reads only its two.
+_ANY_SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*://")
+# libpq's keyword form starts with ``keyword=``.
+_KEYWORD_START = re.compile(r"\s*\w+\s*=")
 # Where libpq (or a person reading a URL) may cut a malformed password into pieces.
 _PIECE_SEPARATORS = re.compile(r"[@/:?#&=,;\s'\"\[\]]+")
 # Pieces shorter than this are left alone: masking every "a" or "db" would garble the text
@@ -48,6 +52,12 @@ _KEYWORD_PASSWORD = re.compile(
 
 def _is_url(conninfo: str) -> bool:
     return conninfo.strip().lower().startswith(_URL_SCHEMES)
+
+
+def _has_a_scheme(conninfo: str) -> bool:
+    """A URL, PostgreSQL's or not: its password sits between the user's ``:`` and the last
+    ``@`` either way."""
+    return _ANY_SCHEME.match(conninfo) is not None
 
 
 def parse_conninfo(conninfo: str) -> dict[str, str] | None:
@@ -66,7 +76,17 @@ def malformed_reason(conninfo: str) -> str:
     """Why libpq would not read ``conninfo`` as it was meant (an ``@`` in a host or database
     name, or a non-number port: where the tail of a password with an unescaped ``@`` or ``/``
     lands), or "" when it would. The reason names what to fix, never quoting the string."""
+    if _has_a_scheme(conninfo) and not _is_url(conninfo):
+        return (
+            "its scheme is not PostgreSQL's: the URL must start with postgresql:// or "
+            "postgres:// (or be libpq's keyword=value form)"
+        )
     if parse_conninfo(conninfo) is None:
+        if not _is_url(conninfo) and not _KEYWORD_START.match(conninfo):
+            return (
+                "it is neither a URL starting with postgresql:// or postgres:// nor libpq's "
+                "keyword=value form"
+            )
         return (
             "it cannot be parsed (a stray '%', quote or space, or an unclosed '[' are the usual "
             "causes: percent-encode such characters in a password)"
@@ -99,7 +119,7 @@ def secrets_of(conninfo: str) -> list[str]:
     parsed = parse_conninfo(conninfo)
     if parsed is not None and parsed.get("password"):
         found.add(parsed["password"])
-    if _is_url(conninfo):
+    if _has_a_scheme(conninfo):
         # The password as a person wrote it (percent-encoded as it stands), and decoded.
         userinfo, at, _ = conninfo.strip().split("://", 1)[1].rpartition("@")
         _, colon, meant = userinfo.partition(":")

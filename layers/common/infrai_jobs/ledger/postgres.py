@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 MASK = "***"
 
 _URL_SCHEMES = ("postgresql://", "postgres://")
-# Any URL's scheme (``mysql://``, a driver's ``postgresql+psycopg://``): libpq reads only its two.
+# Any URL's scheme (``mysql://``, a driver's ``postgresql+psycopg://``): libpq reads only its two,
+# but the password of any URL sits between the user's ``:`` and the last ``@``.
 _ANY_SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*://")
 # libpq's keyword form starts with ``keyword=``.
 _KEYWORD_START = re.compile(r"\s*\w+\s*=")
@@ -54,12 +55,6 @@ def _is_url(conninfo: str) -> bool:
     return conninfo.strip().lower().startswith(_URL_SCHEMES)
 
 
-def _has_a_scheme(conninfo: str) -> bool:
-    """A URL, PostgreSQL's or not: its password sits between the user's ``:`` and the last
-    ``@`` either way."""
-    return _ANY_SCHEME.match(conninfo) is not None
-
-
 def parse_conninfo(conninfo: str) -> dict[str, str] | None:
     """A connection string's keywords as libpq reads them; None when libpq cannot read it
     (its own message would quote the whole string, password included)."""
@@ -76,7 +71,7 @@ def malformed_reason(conninfo: str) -> str:
     """Why libpq would not read ``conninfo`` as it was meant (an ``@`` in a host or database
     name, or a non-number port: where the tail of a password with an unescaped ``@`` or ``/``
     lands), or "" when it would. The reason names what to fix, never quoting the string."""
-    if _has_a_scheme(conninfo) and not _is_url(conninfo):
+    if _ANY_SCHEME.match(conninfo) and not _is_url(conninfo):
         return (
             "its scheme is not PostgreSQL's: the URL must start with postgresql:// or "
             "postgres:// (or be libpq's keyword=value form)"
@@ -119,7 +114,7 @@ def secrets_of(conninfo: str) -> list[str]:
     parsed = parse_conninfo(conninfo)
     if parsed is not None and parsed.get("password"):
         found.add(parsed["password"])
-    if _has_a_scheme(conninfo):
+    if _ANY_SCHEME.match(conninfo):
         # The password as a person wrote it (percent-encoded as it stands), and decoded.
         userinfo, at, _ = conninfo.strip().split("://", 1)[1].rpartition("@")
         _, colon, meant = userinfo.partition(":")

@@ -150,6 +150,8 @@ def test_drain_prints_each_problem_message_with_its_reason_and_tells_retries_fro
     # And nothing about the message that simply ran, and no bare "message rejected" line
     assert ids["ok"] not in err
     assert "message rejected" not in err
+    # And the tracebacks the log records carry stay out of the terminal: one line per problem
+    assert "Traceback" not in err
     # And the summary in words says which come back by themselves and which need a human
     (drained,) = [line for line in err.splitlines() if line.startswith("drained ")]
     assert "1 done" in drained

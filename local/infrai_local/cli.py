@@ -253,7 +253,8 @@ def _report(exc: Exception, *, as_json: bool) -> int:
 def _describe_error(exc: Exception) -> tuple[int, str, dict[str, Any]]:
     # A database behind the code is set-up to fix (`infrai-jobs migrate`), as a bad setting is.
     if isinstance(exc, ConfigurationError | SchemaNotMigrated):
-        return EXIT_USAGE, str(exc), {}
+        # Its text may quote the team's own (a jobs module's import error): no password shown.
+        return EXIT_USAGE, redact(str(exc), raw_database_url()), {}
     if isinstance(exc, ClaimNotFound | ClaimChanged | DeadLetterNotFound):
         return EXIT_CONFLICT, str(exc), {}
     if isinstance(exc, InfraiError):

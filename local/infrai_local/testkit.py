@@ -58,6 +58,7 @@ import pytest
 import urllib3
 
 from infrai_jobs.config.settings import DrainSettings
+from infrai_jobs.drain.batch import describe_error
 from infrai_jobs.drain.model import DrainSummary
 from infrai_jobs.errors import EffectUncertain
 from infrai_jobs.flow.policies import concurrency_value
@@ -129,9 +130,11 @@ class JobKit:
         self._emulator_url = emulator_url
         self._control = urllib3.PoolManager()
         self._faults = _Faults()
-        # Per key: handler calls that returned (the effect happened) and calls made at all.
+        # Per key: handler calls that returned (the effect happened) and calls made at all, and
+        # what the handler itself last raised (its type and message, as the drain's log says).
         self.completed: Counter[str] = Counter()
         self.attempted: Counter[str] = Counter()
+        self.raised: dict[str, str] = {}
         self.registry = self._instrumented(registry)
         # Every setting a job declared points at the provider sink, and every secret it declared
         # holds a stand-in value (the sink checks no credential).
@@ -243,16 +246,19 @@ class JobKit:
             self.completed[key] == 1,
             f"{key}: the handler completed {self.completed[key]} times, not once",
             summaries,
+            key,
         )
         self._expect(
             claim is not None and claim.state == "done",
             f"{key}: the claim is {_state(claim)}, not done",
             summaries,
+            key,
         )
         self._expect(
             self.queue_counts() == (0, dead_before),
             f"{key}: (queue, DLQ) = {self.queue_counts()}, not (0, {dead_before})",
             summaries,
+            key,
         )
         assert claim is not None
         return claim
@@ -279,6 +285,7 @@ class JobKit:
             self.ledger.get(key) is None,
             f"{key}: the claim is {_state(self.ledger.get(key))}, not released",
             summaries,
+            key,
         )
         self._expect_dead_lettered(key, dead_before, summaries)
 
@@ -305,12 +312,14 @@ class JobKit:
             sum(s.deferred for s in summaries) == 1,
             f"{key}: it was deferred {sum(s.deferred for s in summaries)} times, not once",
             summaries,
+            key,
         )
         self._expect(
             self.queue_counts() == (0, dead_before),
             f"{key}: (queue, DLQ) = {self.queue_counts()}, not (0, {dead_before}): a deferred "
             "message is acked, never dead-lettered",
             summaries,
+            key,
         )
         # When it is due, and the handler no longer raises: it runs once from the ledger.
         self.run_deferred_now(payload)
@@ -322,11 +331,13 @@ class JobKit:
             f"{key}: its deferred run ended {dict(ran.counters)}, the claim {_state(claim)}, "
             "not done",
             summaries,
+            key,
         )
         self._expect(
             self.completed[key] == 1,
             f"{key}: the handler completed {self.completed[key]} times, not once",
             summaries,
+            key,
         )
         assert claim is not None
         return claim
@@ -353,11 +364,13 @@ class JobKit:
             claim is not None and claim.state == "running" and claim.error is not None,
             f"{key}: the claim is {_state(claim)}, not running and flagged",
             summaries,
+            key,
         )
         self._expect(
             self.attempted[key] == 1,
             f"{key}: the handler was called {self.attempted[key]} times, not once",
             summaries,
+            key,
         )
         self._expect_dead_lettered(key, dead_before, summaries)
         assert claim is not None
@@ -380,7 +393,8 @@ class JobKit:
         for payload in payloads:
             self.publish(payload)
         summaries = self._drain_until_settled()
-        for key in [d.idem_key for d in derived]:
+        keys = [d.idem_key for d in derived]
+        for key in keys:
             for _ in range(len(payloads) + 1):
                 if (claim := self.ledger.get(key)) is not None and claim.state == "done":
                     break
@@ -391,12 +405,14 @@ class JobKit:
             all(c is not None and c.state == "done" for c in claims),
             f"{name}: claims {[_state(c) for c in claims]}, not all done",
             summaries,
+            *keys,
         )
         self._expect(
             all(self.completed[d.idem_key] == 1 for d in derived),
             f"{name}: handler completions {[self.completed[d.idem_key] for d in derived]}, "
             "not once each",
             summaries,
+            *keys,
         )
         starts = [
             row[0]
@@ -413,6 +429,7 @@ class JobKit:
             f"{name}: {len(starts)} starts reserved, closest {min(gaps, default=0):.6f} s "
             f"apart, not {policy.rate.spacing_seconds:.6f} s",
             summaries,
+            *keys,
         )
         return [c for c in claims if c is not None]
 
@@ -436,6 +453,7 @@ class JobKit:
             f"{summaries[0].deferred} times and called {self.attempted[key]} times, not "
             "deferred once and never called",
             summaries,
+            key,
         )
         self.sql(_FREE_HELD_SLOTS, {"job": name, "value": value})
         self.run_deferred_now(payload)
@@ -467,6 +485,7 @@ class JobKit:
             summaries[0].outcomes.get("stuck") == 1,
             f"{key}: the uncertain run was not flagged stuck",
             summaries,
+            key,
         )
         # The drain's lease runs out (the kit moves it into the past): only then may a probe's
         # answer change the claim.
@@ -479,6 +498,7 @@ class JobKit:
             (outcome.answer, outcome.action) == expected,
             f"{key}: the probe answered {outcome.answer} ({outcome.action}), not {expected}",
             summaries,
+            key,
         )
         if not effect_happened:
             self.redeliver()
@@ -517,11 +537,13 @@ class JobKit:
             f"{key}: the different work's (outcomes, acks) per delivery were {outcomes}, not "
             "an unacked conflict each time",
             summaries,
+            key,
         )
         self._expect(
             self.ledger.get(key) == before and self.completed[key] == completed,
             f"{key}: the claim changed or the work ran again",
             summaries,
+            key,
         )
         self._expect_dead_lettered(key, dead_before, summaries)
 
@@ -564,7 +586,11 @@ class JobKit:
             injected = self._faults.raising.get(ctx.job)
             if injected is not None:
                 raise injected
-            result = handler(payload, ctx)
+            try:
+                result = handler(payload, ctx)
+            except Exception as exc:
+                self.raised[ctx.idem_key] = describe_error(exc)
+                raise
             self.completed[ctx.idem_key] += 1
             if ctx.job in self._faults.uncertain_after:
                 raise EffectUncertain("the kit: the call returned, its answer was lost")
@@ -582,6 +608,7 @@ class JobKit:
             outcomes == [{outcome: 1}] * MAX_RECEIVE_COUNT,
             f"{key}: outcomes per delivery were {outcomes}, not {expected}",
             summaries,
+            key,
         )
 
     def _expect_dead_lettered(
@@ -593,6 +620,7 @@ class JobKit:
             f"{key}: (queue, DLQ) = {counts}, not (0, {dead_before + 1}): the message should "
             "rest in the DLQ",
             summaries,
+            key,
         )
 
     def _expect_done_once(self, key: str, summaries: list[DrainSummary], when: str) -> ClaimRow:
@@ -603,14 +631,33 @@ class JobKit:
             f"{key}: {when} its claim is {_state(claim)} and the handler completed "
             f"{self.completed[key]} times, not done once",
             summaries,
+            key,
         )
         assert claim is not None
         return claim
 
-    def _expect(self, condition: bool, message: str, summaries: list[DrainSummary]) -> None:
+    def _expect(
+        self, condition: bool, message: str, summaries: list[DrainSummary], *keys: str
+    ) -> None:
+        """Fail with ``message`` unless ``condition``, adding what the drains did and what the
+        handler of each of ``keys`` (the keys the message is about) last raised."""
         if not condition:
             seen = "; ".join(str(dict(s.outcomes)) for s in summaries)
-            raise JobKitError(f"{message} (drain outcomes: {seen}){self._unrouted()}")
+            raised = self._what_raised(keys)
+            raise JobKitError(f"{message} (drain outcomes: {seen}){raised}{self._unrouted()}")
+
+    def _what_raised(self, keys: Sequence[str]) -> str:
+        """What a failure adds when a handler raised: the last exception of each key's handler
+        (by key when there are several), and where its traceback is."""
+        named = len(keys) > 1
+        raised = [
+            f"; the handler last raised {self.raised[key]}" + (f" ({key})" if named else "")
+            for key in keys
+            if key in self.raised
+        ]
+        if not raised:
+            return ""
+        return "".join(raised) + " (traceback: the drain's log record about it, captured by pytest)"
 
     def _unrouted(self) -> str:
         """What a failure adds when the provider stand-in was called where it serves nothing."""

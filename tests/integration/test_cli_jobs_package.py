@@ -7,6 +7,7 @@ keys with its registry, as DrainFunction does; without one they stop before read
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,89 @@ def test_drain_with_a_wrong_jobs_path_starts_nothing(kit: Harness, tmp_path: Pat
     assert "holds no jobs package" in finished.stderr
     (waiting,) = kit.client.consume(QUEUE)
     assert waiting.payload["id"] == "waits"
+
+
+# What a team's jobs module holds that fails its import, by how it fails.
+BROKEN_MODULES = {
+    "raises": 'import os\n\nraise RuntimeError("config missing:\\n  REFUND_API_URL")\n',
+    "names_the_database": (
+        "import os\n\nraise OSError(f\"no ledger at {os.environ['DATABASE_URL']}\")\n"
+    ),
+    "syntax": "def register(registry):\n    return registry\n\n\ndef broken(:\n    pass\n",
+}
+
+
+def code_root_with_a_broken_module(root: Path, broken: str) -> Path:
+    """A code root whose ``jobs`` imports ``refund_issue``, which fails as ``broken`` says."""
+    (root / "jobs").mkdir(parents=True)
+    (root / "jobs" / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from infrai_jobs.jobs.registry import JobRegistry
+            from . import refund_issue
+
+
+            def build_registry():
+                return refund_issue.register(JobRegistry())
+            """
+        )
+    )
+    (root / "jobs" / "refund_issue.py").write_text(BROKEN_MODULES[broken])
+    return root
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("drain",),
+        ("migrate", "--status"),
+        ("publish", json.dumps(RECEIPT)),
+        ("new-job", "foo.bar", "--effect", "database", "--identity", "foo_id", "--dry-run"),
+    ],
+    ids=lambda argv: " ".join(argv[:2]),
+)
+def test_a_jobs_module_raising_at_import_is_one_line_naming_it(
+    kit: Harness, tmp_path: Path, argv: tuple[str, ...]
+) -> None:
+    # Given a jobs package one of whose modules raises while it is imported
+    root = code_root_with_a_broken_module(tmp_path / "code", "raises")
+    # When a command that imports it runs
+    finished = run_cli(kit, *argv, cwd=tmp_path, INFRAI_JOBS_PATH=str(root))
+    # Then it is a configuration error in one line: the jobs package's import failed, in which
+    # module and line, and what was raised (its message on the same line)
+    assert finished.returncode == 2, finished.stdout + finished.stderr
+    assert finished.stderr.splitlines() == [
+        "error: importing the jobs package failed at jobs/refund_issue.py, line 3: "
+        "RuntimeError: config missing: REFUND_API_URL"
+    ]
+
+
+def test_a_jobs_module_with_a_syntax_error_is_one_line_naming_it(
+    kit: Harness, tmp_path: Path
+) -> None:
+    # Given a jobs package one of whose modules is not valid Python
+    root = code_root_with_a_broken_module(tmp_path / "code", "syntax")
+    # When the drain starts
+    finished = run_cli(kit, "drain", "--jobs-path", str(root), cwd=tmp_path)
+    # Then the error names the module and the line Python could not read
+    assert finished.returncode == 2, finished.stdout + finished.stderr
+    assert finished.stderr.splitlines() == [
+        "error: importing the jobs package failed at jobs/refund_issue.py, line 5: "
+        "SyntaxError: invalid syntax"
+    ]
+
+
+def test_an_import_error_naming_the_database_url_shows_no_password(
+    kit: Harness, tmp_path: Path
+) -> None:
+    # Given a jobs module whose import fails with a message holding DATABASE_URL
+    root = code_root_with_a_broken_module(tmp_path / "code", "names_the_database")
+    url = "postgresql://ops:hunter2-secret@127.0.0.1:1/ledger"
+    # When the drain starts with that URL
+    finished = run_cli(kit, "drain", cwd=tmp_path, INFRAI_JOBS_PATH=str(root), DATABASE_URL=url)
+    # Then the line names the module and the error, the password masked
+    assert finished.returncode == 2, finished.stdout + finished.stderr
+    (line,) = finished.stderr.splitlines()
+    assert line.startswith("error: importing the jobs package failed at jobs/refund_issue.py")
+    assert "OSError: no ledger at postgresql://ops:" in line
+    assert "hunter2" not in line

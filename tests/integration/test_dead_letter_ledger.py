@@ -6,9 +6,11 @@ emulator over HTTP (its clock makes dead-lettering quick), a real PostgreSQL, an
 from __future__ import annotations
 
 import json
+import logging
 import textwrap
 from typing import Any
 
+import pytest
 from drainkit import DLQ, QUEUE, Harness, RecordingAlerter, run_cli, run_until_killed
 
 from infrai_jobs.operations.alerting import AlertCheck, AlertThresholds
@@ -96,6 +98,37 @@ def test_the_ledger_keeps_dead_letters_through_reads_failures_discards_and_a_red
         (keys[2], "redriven"),
     ]
     assert {who for _, _, who in resolutions} == {"on-call@example.com"}
+
+
+def test_a_dead_letter_its_handler_failed_names_the_log_records_that_say_why(
+    kit: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a job whose handler raises on each of its three deliveries: each releases its claim
+    kit.publish({"job": "test.db", "id": "flaky", "mode": "transient"})
+    with caplog.at_level(logging.WARNING, logger="infrai_jobs"):
+        for _ in range(3):
+            assert kit.drain().outcomes == {"retry": 1}
+            kit.advance()
+    # When on-call lists the dead letters
+    (row,) = _listed(kit)
+    # Then, with no claim to show, its reason names where the error is: the drain's log
+    # records, by their action word and the letter's key
+    assert (row["idem_key"], row["state"]) == ("test.db:flaky", None)
+    assert "action retry" in row["reason"]
+    assert "idem_key" in row["reason"]
+    # And those records, one per delivery, hold the handler's exception and its traceback
+    records = [
+        r
+        for r in caplog.records
+        if getattr(r, "action", None) == "retry" and getattr(r, "idem_key", None) == "test.db:flaky"
+    ]
+    assert [getattr(r, "delivery_count", None) for r in records] == [1, 2, 3]
+    for record in records:
+        assert getattr(record, "detail", None) == "RuntimeError: simulated transient failure"
+        assert record.exc_info is not None
+        trace = logging.Formatter().formatException(record.exc_info)
+        assert "in fail_as_asked" in trace
+        assert trace.endswith("RuntimeError: simulated transient failure")
 
 
 def test_a_failed_read_consumes_nothing(kit: Harness) -> None:

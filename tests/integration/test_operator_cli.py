@@ -150,6 +150,8 @@ def test_drain_prints_each_problem_message_with_its_reason_and_tells_retries_fro
     # And nothing about the message that simply ran, and no bare "message rejected" line
     assert ids["ok"] not in err
     assert "message rejected" not in err
+    # And the tracebacks the log records carry stay out of the terminal: one line per problem
+    assert "Traceback" not in err
     # And the summary in words says which come back by themselves and which need a human
     (drained,) = [line for line in err.splitlines() if line.startswith("drained ")]
     assert "1 done" in drained
@@ -795,6 +797,19 @@ def test_a_retried_infrai_call_is_a_warning_naming_the_call_and_queue(
     assert len(retries) == 3
     assert {r.levelno for r in retries} == {logging.WARNING}
     assert {(r.call, r.queue) for r in retries} == {("ack", QUEUE)}  # type: ignore[attr-defined]
+
+
+def test_claims_show_of_a_key_without_a_claim_says_where_a_released_ones_error_is(
+    kit: Harness,
+) -> None:
+    # Given a key with no claim and no history: a job whose handler raised releases its claim
+    # When it is shown
+    shown = run_cli(kit, "claims", "show", "receipt.send:inv_released")
+    # Then it is missing (exit 3), in one line that says where such a job's error is
+    assert shown.returncode == 3, shown.stdout + shown.stderr
+    (line,) = shown.stderr.splitlines()
+    assert line.startswith("error: no claim with key 'receipt.send:inv_released'")
+    assert "the drain's log lines with action retry and this idem_key" in line
 
 
 def test_claims_show_says_in_one_line_when_no_history_is_recorded(kit: Harness) -> None:

@@ -59,6 +59,7 @@ def job_kit_registry() -> JobRegistry:
     registry.job("kit.unrouted", effect=Effect.EXTERNAL, identity=("id",), settings=(HOOK_URL,))(
         _call_a_path_nobody_serves
     )
+    registry.job("kit.customer", effect=Effect.EXTERNAL, identity=("id",))(_look_up_a_customer)
     return registry
 
 
@@ -102,6 +103,11 @@ def _find_delivery(payload: Payload, ctx: JobContext) -> ProbeAnswer:
 def _call_a_path_nobody_serves(payload: Payload, ctx: JobContext) -> JsonValue:
     _http.call("POST", f"{ctx.settings[HOOK_URL]}/webhooks/{payload['id']}", provider="x")
     return None
+
+
+def _look_up_a_customer(payload: Payload, ctx: JobContext) -> JsonValue:
+    customers: dict[str, str] = {}  # nobody created the customer the payload names
+    return {"customer": customers[payload["id"]]}
 
 
 # The fixture mail provider: what it has sent, which its probe asks.
@@ -272,3 +278,14 @@ def test_a_job_calling_a_path_its_stand_in_lacks_fails_saying_which_and_how_to_a
     # Then the failure names the request and the fixture that gives the stand-in a route
     assert "no route for POST /webhooks/u1" in str(failed.value)
     assert "job_kit_provider_routes" in str(failed.value)
+
+
+def test_a_handler_that_raises_fails_the_kit_naming_what_it_raised(job_kit: JobKit) -> None:
+    # Given a job whose handler raises KeyError on every delivery
+    # When the kit asserts it runs once
+    with pytest.raises(JobKitError) as failed:
+        job_kit.assert_runs_once({"job": "kit.customer", "id": "c_404"})
+    # Then the failure says it never completed, and names what the handler last raised
+    assert "completed 0 times, not once" in str(failed.value)
+    assert "the handler last raised KeyError: 'c_404'" in str(failed.value)
+    assert "traceback: the drain's log record" in str(failed.value)

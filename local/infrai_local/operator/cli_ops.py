@@ -889,7 +889,11 @@ def _show(args: argparse.Namespace, admin: OperatorLedger, out: TextIO) -> int:
     found = admin.find(args.key)
     history = admin.history(args.key)
     if found is None and not history:
-        raise ClaimNotFound(f"no claim with key {args.key!r}, and no operator history for it")
+        raise ClaimNotFound(
+            f"no claim with key {args.key!r}, and no operator history for it (a handler that "
+            "raised released its claim: the drain's log lines with action retry and this "
+            "idem_key say why)"
+        )
     row = found.as_dict() if found is not None else None
     probes = [
         {"at": h["at"], "answer": answer_of(h["note"]), "note": h["note"], "actor": h["actor"]}

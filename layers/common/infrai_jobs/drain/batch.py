@@ -59,6 +59,7 @@ class MessageResult:
     visibility_mismatch: bool = False
     # The producer's correlation id and traceparent, from the message's envelope.
     correlation: Correlation = NO_CORRELATION
+    exception: BaseException | None = field(default=None, compare=False)  # as JobRun's
 
     @property
     def ack(self) -> bool:
@@ -220,7 +221,7 @@ class _Batch:
                 # The effect may have happened and its claim stays running: a human decides.
                 outcome = Outcome.STUCK if run.kind is not RunKind.TRANSIENT else Outcome.RETRY
                 detail = f"handler {run.kind}, then settling failed: {exc}"
-                self._set_for(decision.request, outcome, detail)
+                self._set_for(decision.request, outcome, detail, run.exception)
         self._record(decisions, settlements)
 
     def _unavailable(self, requests: list[ClaimRequest], detail: str) -> None:
@@ -243,9 +244,8 @@ class _Batch:
             if outcome is Outcome.STUCK:
                 stuck_reasons[decision.request.idem_key] = decision.detail
             self._set_for(decision.request, outcome, decision.detail)
-        for settlement in settlements:
-            outcome = SETTLE_OUTCOMES[settlement.status]
-            self._set_for(settlement.request, outcome, settlement.run.error)
+        for s in settlements:
+            self._set_for(s.request, SETTLE_OUTCOMES[s.status], s.run.error, s.run.exception)
         if stuck_reasons:
             try:
                 self.ledger.flag_stuck(stuck_reasons)
@@ -316,18 +316,19 @@ class _Batch:
             else:
                 outcome = Outcome.BATCH_DUPLICATE
                 detail = f"copy of {first_message.message_id}, which ended {first.outcome}"
-            self._set(
-                MessageResult(message, outcome, derived.idem_key, derived.definition.name, detail)
-            )
+            job = derived.definition.name
+            self._set(MessageResult(message, outcome, derived.idem_key, job, detail))
 
-    def _set_for(self, request: ClaimRequest, outcome: Outcome, detail: str) -> None:
+    def _set_for(
+        self, request: ClaimRequest, outcome: Outcome, detail: str, exc: BaseException | None = None
+    ) -> None:
         key = request.idem_key
         message, derived = self.primaries[key]
         takeover, early = key in self.takeovers, message.message_id in self.early
         if takeover:
             detail = f"lease takeover; {detail}" if detail else "lease takeover"
         job = derived.definition.name
-        self._set(MessageResult(message, outcome, key, job, detail, takeover, early))
+        self._set(MessageResult(message, outcome, key, job, detail, takeover, early, exception=exc))
 
     def _set(self, result: MessageResult) -> None:
         # The first decision about a message stands (a settle failure is recorded first).
@@ -354,7 +355,7 @@ def run_handler(
         result = call()
     except Exception as exc:  # noqa: BLE001 - the one place a handler's failure becomes an outcome
         kind = next((k for t, k in _FAILURE_KINDS if isinstance(exc, t)), RunKind.TRANSIENT)
-        return JobRun(kind, error=describe_error(exc))
+        return JobRun(kind, error=describe_error(exc), exception=exc)
     return JobRun(RunKind.SUCCEEDED, result=_jsonable(result))
 
 
@@ -371,22 +372,19 @@ def log_message(
     detail: str,
     **fields: object,
 ) -> None:
-    """One line about a message (its outcome, or its ack's), naming its key, job and correlation."""
-    log.log(
-        level,
-        text,
-        action,
-        extra={
-            "action": action,
-            "idem_key": result.idem_key,
-            "message_id": result.message.message_id,
-            "delivery_count": result.message.delivery_count,
-            "job": result.job,
-            **fields,
-            "detail": detail,
-            **log_fields(result.correlation),
-        },
-    )
+    """One line about a message (its outcome, or its ack's), naming its key, job and correlation;
+    an outcome's, with what its handler raised and its traceback (no acked outcome has one)."""
+    extra = {
+        "action": action,
+        "idem_key": result.idem_key,
+        "message_id": result.message.message_id,
+        "delivery_count": result.message.delivery_count,
+        "job": result.job,
+        **fields,
+        "detail": detail,
+        **log_fields(result.correlation),
+    }
+    log.log(level, text, action, exc_info=result.exception, extra=extra)
 
 
 def describe_error(exc: BaseException) -> str:

@@ -91,7 +91,8 @@ _KEY_DONE: LiteralString = """
 SELECT message_id FROM dead_letters WHERE queue = %(queue)s AND resolution IS NULL
   AND state IS DISTINCT FROM 'conflict'
   AND idem_key IN (SELECT idem_key FROM job_claims WHERE state = 'done') LIMIT %(limit)s"""
-_NO_CLAIM = "no claim: it failed and was released, or never got that far; a redrive runs it again"
+_NO_CLAIM = "no claim: it failed and was released (why: the drain's log lines with action retry"
+_NO_CLAIM += " and this idem_key), or never got that far; a redrive runs it again"
 WORK_DONE_NOTE = "its work is done (its key's claim is done): nothing is left to redrive"
 _HISTORY_ACTIONS = {"discarded": "discard", "redriven": "redrive", "done": "dead_letter_done"}
 

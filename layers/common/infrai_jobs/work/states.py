@@ -79,6 +79,7 @@ class JobRun:
     result: JsonValue = None
     error: str = ""
     held_slot: bool = False  # a concurrency slot (flow.limits), which its settle frees
+    exception: BaseException | None = field(default=None, compare=False)  # logged, never stored
 
 
 class SettleStatus(StrEnum):

@@ -15,20 +15,29 @@ from infrai_local.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def printed_help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def entry_help(shown: str, entry: str, *, indent: str, until: str) -> str:
+    """The help of ``entry`` (a command, or an option and its metavar) in ``shown``, up to the
+    next line starting with ``until``, joined into one line."""
+    found = re.search(rf"^{indent}{re.escape(entry)}\s(.*?)(?=^{until})", shown, re.M | re.S)
+    assert found is not None, entry
+    return " ".join(found.group(1).split())
+
+
 def command_help(shown: str, command: str) -> str:
-    """The help line(s) of ``command`` in the top-level help, joined into one line."""
-    block = re.search(rf"^    {re.escape(command)}\s(.*?)(?=^    [a-z])", shown, re.M | re.S)
-    assert block is not None, command
-    return " ".join(block.group(1).split())
+    return entry_help(shown, command, indent="    ", until="    [a-z]")
 
 
 def test_help_and_docs_agree_that_migrate_creates_the_examples_table(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Given the top-level help
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    shown = capsys.readouterr().out
+    shown = printed_help(capsys)
     # Then example-data says it adds draft invoices to a table migrate creates
     example_data = command_help(shown, "example-data")
     assert "create" not in example_data
@@ -42,27 +51,18 @@ def test_help_and_docs_agree_that_migrate_creates_the_examples_table(
     assert "its table comes from `migrate`" in jobs_doc
 
 
-def option_help(shown: str, option: str) -> str:
-    """The help of ``option`` in a command's help, joined into one line."""
-    block = re.search(rf"^  {re.escape(option)} \S+\s(.*?)(?=^  -)", shown, re.M | re.S)
-    assert block is not None, option
-    return " ".join(block.group(1).split())
-
-
 def test_new_jobs_help_says_the_files_setting_and_secret_edit_as_docs_jobs_does(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Given new-job's help, and docs/jobs.md's "Adding a job"
-    with pytest.raises(SystemExit):
-        main(["new-job", "--help"])
-    shown = capsys.readouterr().out
+    shown = printed_help(capsys, "new-job")
     jobs_doc = " ".join((ROOT / "docs" / "jobs.md").read_text().split())
     assert "No template is edited" in jobs_doc
     for option, parameters in (
         ("--setting", ("JobSettings",)),
         ("--secret", ("JobSettings", "JobSecretArns")),
     ):
-        said = option_help(shown, option)
+        said = entry_help(shown, f"{option} NAME", indent="  ", until="  -")
         # Then each says, as the page does, that no template is edited, and names the
         # parameters of samconfig.toml and the events/env.json entry it adds instead
         assert "No template is edited" in said, said

@@ -1,6 +1,8 @@
-"""A job published with ``infrai-jobs publish`` and drained by DrainFunction (``infrai-jobs
-invoke``): every JSON log line about its message carries the correlation id ``publish`` printed,
-and every line still carries the invocation's own ``correlation_id``."""
+"""What DrainFunction (``infrai-jobs invoke``) logs about the jobs it drains: every JSON log line
+about a message published with ``infrai-jobs publish`` carries the correlation id ``publish``
+printed, and every line still carries the invocation's own ``correlation_id``; the line about a
+message whose handler raised carries the exception's traceback in Powertools' ``exception``
+field, so on-call finds the file and line without the team's own logging."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from child_process import LineSink, clean_env, run_captured
 
+from infrai_jobs.queue.client import InfraiClient
 from infrai_local.sandbox.invoke import invoke, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +34,17 @@ def publish(services: dict[str, str], body: dict[str, object], *args: str) -> tu
     return finished.stdout.split(), line.removeprefix("correlation_id ")
 
 
+def drain_function_logs(
+    services: dict[str, str], project: Path
+) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """DrainFunction invoked with the schedule event: its summary and its JSON log records."""
+    spec = resolve("DrainFunction", root=project, env_vars=EVENTS / "env.json")
+    logs = LineSink()
+    result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
+    assert result.ok, result.payload
+    return result.payload, [json.loads(line) for line in logs.lines if line.startswith("{")]
+
+
 @pytest.mark.usefixtures("billing_queue")
 def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
     services: dict[str, str], project: Path
@@ -48,12 +62,8 @@ def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
     (traced,), traced_id = publish(services, traced_body)
     assert traced_id == TRACE_ID
     # When DrainFunction is invoked with the schedule event
-    spec = resolve("DrainFunction", root=project, env_vars=EVENTS / "env.json")
-    logs = LineSink()
-    result = invoke(spec, EVENTS / "drain-schedule.json", log_stream=logs, extra_env=services)
-    assert result.ok, result.payload
-    assert result.payload["done"] == 2
-    records = [json.loads(line) for line in logs.lines if line.startswith("{")]
+    summary, records = drain_function_logs(services, project)
+    assert summary["done"] == 2
     log_lines = [r for r in records if "level" in r and "message" in r]
     # Then every line about the notes' messages carries publish's correlation id
     about = [r for r in log_lines if r.get("message_id") in retried]
@@ -69,3 +79,26 @@ def test_every_drain_log_line_about_a_published_job_carries_its_correlation_id(
     # And every line, these included, still carries the invocation's own correlation id
     event_id = json.loads((EVENTS / "drain-schedule.json").read_text())["id"]
     assert {r.get("correlation_id") for r in log_lines} == {event_id}
+
+
+def test_the_log_line_of_a_message_whose_handler_raised_carries_its_traceback(
+    services: dict[str, str], billing_queue: InfraiClient, project: Path
+) -> None:
+    # Given a job for an invoice nobody created: its handler raises LookupError
+    missing = {"job": "invoice.finalize", "invoice_id": "inv_nowhere", "amount_cents": 100}
+    message_id = billing_queue.publish("billing-jobs", missing)
+    # When DrainFunction is invoked with the schedule event
+    summary, records = drain_function_logs(services, project)
+    assert summary["retried"] == 1
+    # Then the one line about the message is its retry, its detail the exception in a line
+    (line,) = [r for r in records if r.get("message_id") == message_id]
+    assert line["action"] == "retry"
+    assert line["idem_key"] == "invoice.finalize:inv_nowhere"
+    assert line["detail"] == "LookupError: invoice inv_nowhere does not exist"
+    # And it carries the traceback, down to the handler's own line
+    assert line["exception_name"] == "LookupError"
+    trace = str(line["exception"])
+    assert trace.startswith("Traceback (most recent call last):")
+    assert 'billing.py", line' in trace
+    assert "in mark_final" in trace
+    assert trace.rstrip().endswith("LookupError: invoice inv_nowhere does not exist")

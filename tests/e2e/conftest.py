@@ -1,13 +1,15 @@
-"""Fixtures the end-to-end tests share: the project they invoke (``fixture_project``) and the
-stand-ins a local invocation talks to."""
+"""Fixtures the end-to-end tests share: the project they invoke (``fixture_project``), the
+stand-ins a local invocation talks to, and this tree's wheel as a team installs it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import fixture_jobs
 import psycopg
 import pytest
+from built_versions import build_wheel, source_copy
 from fixture_project import (
     project,  # noqa: F401 - the fixture, for this tier's tests
     running_services,
@@ -46,3 +48,10 @@ def billing_queue(services: dict[str, str]) -> Iterator[InfraiClient]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This tree's wheel, built once a run (``init``'s tests, and the upgrade's base version)."""
+    work = tmp_path_factory.mktemp("wheel")
+    return build_wheel(source_copy(work / "source"), work / "dist")

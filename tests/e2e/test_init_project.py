@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 from built_versions import (
-    build_wheel,
     fresh_venv,
     mark_venv_installed,
     run_cli,
-    source_copy,
     team_make,
     team_project,
 )
@@ -28,13 +26,6 @@ import infrai_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = infrai_jobs.__version__
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """This tree's wheel."""
-    work = tmp_path_factory.mktemp("wheel")
-    return build_wheel(source_copy(work / "source"), work / "dist")
 
 
 @pytest.fixture(scope="module")

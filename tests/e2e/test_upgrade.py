@@ -104,10 +104,12 @@ def team_files(project: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def upgraded(tmp_path_factory: pytest.TempPathFactory, pg_server_url: str) -> Iterator[Upgraded]:
+def upgraded(
+    wheel: Path, tmp_path_factory: pytest.TempPathFactory, pg_server_url: str
+) -> Iterator[Upgraded]:
     work = tmp_path_factory.mktemp("upgrade")
-    # Given the base version and the next, built as wheels
-    base_wheel = build_wheel(source_copy(work / "base"), work / "dist-base")
+    # Given the base version (this tree's wheel) and the next, built as wheels
+    base_wheel = wheel
     next_wheel = build_wheel(next_version_tree(source_copy(work / "next")), work / "dist-next")
     assert next_wheel.name == f"infrai_jobs-{NEXT}-py3-none-any.whl"
     base_bin = fresh_venv(work / "venv-base", base_wheel)

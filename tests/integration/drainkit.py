@@ -227,6 +227,14 @@ class Harness:
             failed = flow.fail(conn, key, taken.claim_token or uuid.uuid4(), error, **options)
             return failed is not None
 
+    def failed_for_good(self, *names: str, error: str = "upstream 503") -> list[str]:
+        """Deferred work under each name, failed for good as a drain out of attempts fails it
+        (the ledger holds its dead letter); the keys."""
+        keys = [self.defer(name) for name in names]
+        for key in keys:
+            assert self.take_and_fail(key, error)
+        return keys
+
 
 class RecordingAlerter:
     """An alerter that keeps every alert it is handed, in order: ``alerts`` as (subject,
@@ -363,6 +371,26 @@ def run_cli(
     (the fixture code root's; ``INFRAI_JOBS_PATH`` in ``env`` names another), and for no
     endpoint of the shell running the tests."""
     return run_captured([INFRAI_JOBS, *args], env=cli_environment(kit, **env), cwd=cwd)
+
+
+def reconciled_under_a_live_lease(
+    kit: Harness, key: str, until: str, *flags: str
+) -> tuple[dict[str, Any], list[subprocess.CompletedProcess[str]]]:
+    """``claims reconcile KEY FLAGS``, as text and as ``--json``, on a claim under a live lease
+    ending ``until``: both exit 0 and the text advises asking again after ``until`` (asserted
+    here); the JSON's one outcome, and both runs."""
+    shown = run_cli(kit, "claims", "reconcile", key, *flags)
+    as_json = run_cli(kit, "claims", "reconcile", key, *flags, "--json")
+    for finished in (shown, as_json):
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        assert "Traceback" not in finished.stderr
+    assert (
+        f"{key}: running under a live lease until {until}: its run may still settle it; "
+        f"after then, run `infrai-jobs claims reconcile {key}` again"
+    ) in shown.stdout
+    (outcome,) = json.loads(as_json.stdout)["claims"]
+    assert outcome["lease_until"] == until
+    return outcome, [shown, as_json]
 
 
 def start_cli(kit: Harness, *args: str, **env: str) -> subprocess.Popen[str]:

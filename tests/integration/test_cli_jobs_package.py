@@ -133,45 +133,38 @@ def code_root_with_a_broken_module(root: Path, broken: str) -> Path:
     return root
 
 
+# The one line each broken module makes a command print.
+BROKEN_LINES = {
+    "raises": "error: importing the jobs package failed at jobs/refund_issue.py, line 3: "
+    "RuntimeError: config missing: REFUND_API_URL",
+    "syntax": "error: importing the jobs package failed at jobs/refund_issue.py, line 5: "
+    "SyntaxError: invalid syntax",
+}
+
+
 @pytest.mark.parametrize(
-    "argv",
+    ("broken", "argv"),
     [
-        ("drain",),
-        ("migrate", "--status"),
-        ("publish", json.dumps(RECEIPT)),
-        ("new-job", "foo.bar", "--effect", "database", "--identity", "foo_id", "--dry-run"),
+        ("raises", ("drain",)),
+        ("raises", ("migrate", "--status")),
+        ("raises", ("publish", json.dumps(RECEIPT))),
+        ("raises", ("new-job", "foo.bar", "--effect", "database", "--identity", "x", "--dry-run")),
+        ("syntax", ("drain",)),
     ],
-    ids=lambda argv: " ".join(argv[:2]),
+    ids=lambda value: " ".join(value[:2]) if isinstance(value, tuple) else value,
 )
-def test_a_jobs_module_raising_at_import_is_one_line_naming_it(
-    kit: Harness, tmp_path: Path, argv: tuple[str, ...]
+def test_a_broken_jobs_module_is_one_line_naming_it(
+    kit: Harness, tmp_path: Path, broken: str, argv: tuple[str, ...]
 ) -> None:
-    # Given a jobs package one of whose modules raises while it is imported
-    root = code_root_with_a_broken_module(tmp_path / "code", "raises")
+    # Given a jobs package one of whose modules raises while it is imported, or is not valid
+    # Python
+    root = code_root_with_a_broken_module(tmp_path / "code", broken)
     # When a command that imports it runs
     finished = run_cli(kit, *argv, cwd=tmp_path, INFRAI_JOBS_PATH=str(root))
     # Then it is a configuration error in one line: the jobs package's import failed, in which
     # module and line, and what was raised (its message on the same line)
     assert finished.returncode == 2, finished.stdout + finished.stderr
-    assert finished.stderr.splitlines() == [
-        "error: importing the jobs package failed at jobs/refund_issue.py, line 3: "
-        "RuntimeError: config missing: REFUND_API_URL"
-    ]
-
-
-def test_a_jobs_module_with_a_syntax_error_is_one_line_naming_it(
-    kit: Harness, tmp_path: Path
-) -> None:
-    # Given a jobs package one of whose modules is not valid Python
-    root = code_root_with_a_broken_module(tmp_path / "code", "syntax")
-    # When the drain starts
-    finished = run_cli(kit, "drain", "--jobs-path", str(root), cwd=tmp_path)
-    # Then the error names the module and the line Python could not read
-    assert finished.returncode == 2, finished.stdout + finished.stderr
-    assert finished.stderr.splitlines() == [
-        "error: importing the jobs package failed at jobs/refund_issue.py, line 5: "
-        "SyntaxError: invalid syntax"
-    ]
+    assert finished.stderr.splitlines() == [BROKEN_LINES[broken]]
 
 
 def test_an_import_error_naming_the_database_url_shows_no_password(

@@ -186,9 +186,7 @@ def test_a_deferred_job_out_of_attempts_pages_until_discarded_or_redriven_and_th
     kit: Harness,
 ) -> None:
     # Given two deferred jobs that ran out of attempts, and a watcher
-    redriven, discarded = kit.defer("redriven"), kit.defer("discarded")
-    for key in (redriven, discarded):
-        assert kit.take_and_fail(key, "upstream 503")
+    redriven, discarded = kit.failed_for_good("redriven", "discarded")
     alerter = RecordingAlerter()
     watcher = AlertCheck(kit.client, kit.database_url, alerter, AlertThresholds())
     # When the watcher checks and an operator lists the dead letters
@@ -229,9 +227,7 @@ def test_releasing_deferred_work_out_of_attempts_says_its_dead_letter_runs_it_ag
 ) -> None:
     # Given two pieces of deferred work a drain failed for good: their messages were acked when
     # the ledger took them over, and the ledger holds their dead letters
-    key, other = kit.defer("released-after-failing"), kit.defer("released-by-a-script")
-    for failed in (key, other):
-        assert kit.take_and_fail(failed, "upstream 503")
+    key, other = kit.failed_for_good("released-after-failing", "released-by-a-script")
     # When an operator releases each failed claim, one for a person and one for a script
     released = run_cli(kit, "claims", "release", key)
     as_json = _json(kit, "claims", "release", other)

@@ -19,7 +19,15 @@ import psycopg
 import pytest
 from claim_requests import claim_request
 from consolekit import Session, console
-from drainkit import OPERATOR, QUEUE, TEST_JOBS_CODE, VISIBILITY, Harness, run_cli
+from drainkit import (
+    OPERATOR,
+    QUEUE,
+    TEST_JOBS_CODE,
+    VISIBILITY,
+    Harness,
+    reconciled_under_a_live_lease,
+    run_cli,
+)
 
 from infrai_jobs.config.settings import (
     AlertSettings,
@@ -164,24 +172,14 @@ def test_reconcile_of_a_notes_worker_row_under_its_lease_waits_for_it_as_for_a_d
     (claimed_at,) = kit.sql("SELECT claimed_at FROM job_claims WHERE idem_key = %s", (KEY,))[0]
     implied_end = (claimed_at + timedelta(seconds=VISIBILITY)).isoformat()
     # When an operator reconciles it by its key
-    shown = run_cli(kit, "claims", "reconcile", KEY)
-    as_json = run_cli(kit, "claims", "reconcile", KEY, "--json")
     # Then it is left to its worker, as a drain's live claim is: exit 0, and when the implied
     # lease ends, the time to ask again
-    assert shown.returncode == 0, shown.stdout + shown.stderr
-    assert (
-        f"{KEY}: running under a live lease until {implied_end}: its run may still settle it; "
-        f"after then, run `infrai-jobs claims reconcile {KEY}` again"
-    ) in shown.stdout
-    assert as_json.returncode == 0, as_json.stdout + as_json.stderr
-    (outcome,) = json.loads(as_json.stdout)["claims"]
-    assert (outcome["action"], outcome["lease_until"]) == ("lease_live", implied_end)
+    outcome, runs = reconciled_under_a_live_lease(kit, KEY, implied_end)
+    assert outcome["action"] == "lease_live"
     # And nothing changed or was recorded, and nothing claims a reconcile happened
     assert _row(kit) == before
     assert kit.history(KEY) == []
-    for finished in (shown, as_json):
-        assert "reconciled" not in finished.stderr
-        assert "Traceback" not in finished.stderr
+    assert all("reconciled" not in finished.stderr for finished in runs)
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["reconcile", "reconcile --dry-run"])
@@ -281,8 +279,7 @@ def test_a_plain_redrive_of_work_out_of_attempts_reopens_it_and_says_no_flag(
     kit: Harness,
 ) -> None:
     # Given deferred work a drain failed for good (out of attempts), held by the ledger
-    key = kit.defer("out-of-attempts", delay=0)
-    assert kit.take_and_fail(key, "gave up")
+    (key,) = kit.failed_for_good("out-of-attempts", error="gave up")
     # When a plain redrive runs
     plain = run_cli(kit, "redrive", "--jobs-path", str(TEST_JOBS_CODE), "--json")
     # Then it is reopened and published, and the history does not claim a flag that was not given

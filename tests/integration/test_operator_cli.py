@@ -692,8 +692,7 @@ def test_history_notes_name_exactly_the_redrive_flags_given(kit: Harness) -> Non
     _seed_settled_claim(kit, invoice, "failed", message_id="qmsg_noted", error="no such invoice")
     kit.client.publish(DLQ, invoice)
     # And deferred work a drain failed for good: the ledger holds its dead letter
-    deferred_key = kit.defer("noted", delay=0)
-    assert kit.take_and_fail(deferred_key, "gave up")
+    (deferred_key,) = kit.failed_for_good("noted", error="gave up")
     test_jobs = str(TEST_JOBS_CODE)
     # When the operator redrives the invoice with --reopen-failed, by its key
     key = "invoice.finalize:inv_noted"

@@ -19,7 +19,16 @@ from typing import Any
 import psycopg
 import pytest
 import urllib3
-from drainkit import DLQ, OPERATOR, QUEUE, Harness, RecordingAlerter, run_cli, watcher_metrics
+from drainkit import (
+    DLQ,
+    OPERATOR,
+    QUEUE,
+    Harness,
+    RecordingAlerter,
+    reconciled_under_a_live_lease,
+    run_cli,
+    watcher_metrics,
+)
 
 from infrai_jobs.jobs.keys import payload_fingerprint
 from infrai_jobs.jobs.probes import NotDone, ProbeAnswer
@@ -285,17 +294,13 @@ def test_a_dry_run_under_a_live_lease_says_nothing_would_change_and_until_when(
     # Given a flagged receipt claim whose lease is still live, and a provider with no trace of it
     key = seed_dead_worker_claim(kit, {**RECEIPT, "invoice_id": "inv_dry_live"}, lease_live=True)
     before = kit.row(key)
+    ((lease_until,),) = kit.sql("SELECT lease_until FROM job_claims WHERE idem_key = %s", (key,))
     # When the operator asks what a reconcile of it would do
-    dry = run_cli(kit, "claims", "reconcile", key, "--dry-run")
-    dry_json = run_cli(kit, "claims", "reconcile", key, "--dry-run", "--json")
     # Then it says what the reconcile itself would: nothing changes under the live lease (not
     # "would release"), and when to ask again
-    assert dry.returncode == dry_json.returncode == 0, dry.stderr + dry_json.stderr
+    claim, (dry, _) = reconciled_under_a_live_lease(kit, key, lease_until.isoformat(), "--dry-run")
     assert "would release" not in dry.stdout
-    assert f"{key}: running under a live lease until " in dry.stdout
-    (claim,) = json.loads(dry_json.stdout)["claims"]
     assert (claim["answer"], claim["action"]) == ("not_done", "lease_live")
-    assert claim["lease_until"]
     assert kit.row(key) == before
 
 
@@ -337,20 +342,11 @@ def test_done_under_a_live_lease_advises_when_to_ask_again_not_a_refused_resolve
     ((lease_until,),) = kit.sql("SELECT lease_until FROM job_claims WHERE idem_key = %s", (key,))
 
     # When the operator reconciles it by its key
-    shown = run_cli(kit, "claims", "reconcile", key)
-    as_json = run_cli(kit, "claims", "reconcile", key, "--json")
-
     # Then the provider answered done, nothing changed, and the advice is to ask again after
     # the lease's end as the database stores it, never the `claims resolve` it would refuse
-    assert shown.returncode == 0, shown.stdout + shown.stderr
-    assert (
-        f"{key}: running under a live lease until {lease_until.isoformat()}: its run may still "
-        f"settle it; after then, run `infrai-jobs claims reconcile {key}` again"
-    ) in shown.stdout
+    outcome, (shown, _) = reconciled_under_a_live_lease(kit, key, lease_until.isoformat())
     assert "claims resolve" not in shown.stdout
-    (outcome,) = json.loads(as_json.stdout)["claims"]
     assert (outcome["answer"], outcome["action"]) == ("done", "lease_live")
-    assert outcome["lease_until"] == lease_until.isoformat()
     claim = kit.row(key)
     assert claim is not None
     assert claim.state == "running"

@@ -968,37 +968,40 @@ def _report_overran(
 ) -> int:
     """The summary so far, the handlers past their deadline, what is in flight and the claims
     of the external calls still running (left ``running``); the exit code. Nothing here asks
-    the ledger or the queue: the process must end before the lease does."""
-    received, in_flight = len(held.received_ids()), held.held()
-    running = sorted({ctx.idem_key for ctx in handlers.running()})
-    outcomes = dict(sorted(tally.outcomes.items()))
-    print(
-        f"summary so far: {received} message(s) received, {received - len(in_flight)} acked; "
-        f"outcomes so far: {_counts(outcomes)}",
-        file=sys.stderr,
-    )
-    for line in overran_lines(overran, held=in_flight, running_keys=running):
-        print(line, file=sys.stderr)
-    result = {
-        "consumed": received,
-        "outcomes": outcomes,
-        "stopped": "handler_overran",
-        "overran": {
-            "handlers": [
-                {
-                    "idem_key": ctx.idem_key,
-                    "job": ctx.job,
-                    "deadline": datetime.fromtimestamp(ctx.deadline, UTC).isoformat(),
-                }
-                for ctx in overran
-            ],
-            "in_flight": [
-                {"message_id": m.message_id, "back_at": m.back_at.isoformat()} for m in in_flight
-            ],
-            "left_running": running,
-        },
-    }
-    print(json.dumps(result), flush=True)
+    the ledger or the queue: the process must end before the lease does, and a reader that has
+    gone (a closed pipe) must not keep it alive."""
+    with contextlib.suppress(OSError):
+        received, in_flight = len(held.received_ids()), held.held()
+        running = sorted({ctx.idem_key for ctx in handlers.running()})
+        outcomes = dict(sorted(tally.outcomes.items()))
+        print(
+            f"summary so far: {received} message(s) received, {received - len(in_flight)} acked; "
+            f"outcomes so far: {_counts(outcomes)}",
+            file=sys.stderr,
+        )
+        for line in overran_lines(overran, held=in_flight, running_keys=running):
+            print(line, file=sys.stderr)
+        result = {
+            "consumed": received,
+            "outcomes": outcomes,
+            "stopped": "handler_overran",
+            "overran": {
+                "handlers": [
+                    {
+                        "idem_key": ctx.idem_key,
+                        "job": ctx.job,
+                        "deadline": datetime.fromtimestamp(ctx.deadline, UTC).isoformat(),
+                    }
+                    for ctx in overran
+                ],
+                "in_flight": [
+                    {"message_id": m.message_id, "back_at": m.back_at.isoformat()}
+                    for m in in_flight
+                ],
+                "left_running": running,
+            },
+        }
+        print(json.dumps(result), flush=True)
     return EXIT_FAILED
 
 

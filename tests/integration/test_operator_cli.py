@@ -312,6 +312,40 @@ def test_a_handler_still_running_at_its_deadline_ends_the_drain_before_its_lease
     assert rows == [("running", True)]
 
 
+def test_a_drain_past_a_handlers_deadline_ends_even_when_its_output_was_closed(
+    kit: Harness, jobs_path: str, tmp_path: Path
+) -> None:
+    # Given a slow external job (60 s), a drain of two lanes with 3 s to run, and a reader of its output
+    # that has gone (`... | head -c0`)
+    kit.publish({"job": "cli.slow", "id": "p", "seconds": 60, "started": str(tmp_path / "go")})
+    drain = start_cli(
+        kit,
+        "drain",
+        "--jobs-path",
+        jobs_path,
+        "--time-budget-seconds",
+        "3",
+        DRAIN_BATCH_BUDGET_MS="1000",
+        DRAIN_LANES="2",
+    )
+    assert drain.stdout is not None
+    drain.stdout.close()
+    try:
+        # When its handler is still running at its deadline
+        _, err = drain.communicate(timeout=40)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+            drain.communicate()
+    # Then the process ended all the same, before the handler's 60 s and the claim's lease
+    assert drain.returncode == 1, err
+    assert "Traceback" not in err
+    rows = kit.sql(
+        "SELECT state, lease_until > now() FROM job_claims WHERE idem_key = %s", ("cli.slow:p",)
+    )
+    assert rows == [("running", True)]
+
+
 def test_a_drain_with_the_ledger_down_from_the_start_says_nothing_was_received(
     kit: Harness, jobs_path: str
 ) -> None:

@@ -315,8 +315,8 @@ def test_a_handler_still_running_at_its_deadline_ends_the_drain_before_its_lease
 def test_a_drain_past_a_handlers_deadline_ends_even_when_its_output_was_closed(
     kit: Harness, jobs_path: str, tmp_path: Path
 ) -> None:
-    # Given a slow external job (60 s), a drain of two lanes with 3 s to run, and a reader of its output
-    # that has gone (`... | head -c0`)
+    # Given a slow external job (60 s), a drain of two lanes with 3 s to run, and a reader of
+    # its output that has gone (`... | head -c0`)
     kit.publish({"job": "cli.slow", "id": "p", "seconds": 60, "started": str(tmp_path / "go")})
     drain = start_cli(
         kit,
